@@ -1,0 +1,24 @@
+"""Every environment variable the project reads, typed, in one place. Nothing else reads os.environ.
+
+Add a field here (with its default and a comment saying why it exists) rather than calling
+os.environ elsewhere.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _get(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def cache_dir() -> Path:
+    """Where generated artefacts (the embedded tiny model) live. DEEPSEEK_PD_CACHE overrides."""
+    default = Path(_get("XDG_CACHE_HOME", str(Path.home() / ".cache"))) / "deepseek-pd"
+    return Path(_get("DEEPSEEK_PD_CACHE", str(default)))
+
+
+def log_level() -> str:
+    """DEEPSEEK_PD_LOG_LEVEL: logging level name for workers and the launcher."""
+    return _get("DEEPSEEK_PD_LOG_LEVEL", "INFO").upper()
