@@ -1,0 +1,183 @@
+"""GPU baseline: the plain-torch backends in bf16 on CUDA, against HF transformers on the same weights.
+
+Two parts, each selectable:
+- `smoke`: the tiny checkpoint, greedy 16 steps, CUDA bf16 vs CPU fp32 — the tokens must agree.
+- `v2lite`: DeepSeek-V2-Lite's shape with random bf16 weights shared by both implementations:
+  prefill 8x2048 and decode at batch 1 and 128 (context 512), HF `forward`/`generate` timed in the
+  same process on the same weights. Also reports the prefill logits' relative error ours vs HF.
+
+Usage (on the lent GPU):  python bench/model_gpu.py --out results.json [--parts smoke,v2lite]
+Prints a table last; writes every number to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+V2_LITE = dict(  # ../shared/FACTS.md: 15.71B parameters
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,
+    hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+    num_experts_per_tok=6, topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1,
+    norm_topk_prob=False, routed_scaling_factor=1.0, first_k_dense_replace=1, moe_layer_freq=1,
+    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+    bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16",
+    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32,
+                      beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+)
+
+
+def cuda_time(fn, warmup: int = 1, repeat: int = 3) -> float:
+    """Median seconds of `fn()` measured with a device synchronise around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def greedy(runner, prompt: list[int], steps: int) -> list[int]:
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq
+
+    pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(prompt) + steps))
+    out = [int(runner.extend([ExtendSeq(prompt, 0, pages)]).argmax(-1)[0])]
+    for i in range(steps - 1):
+        logits = runner.decode([DecodeSeq(out[-1], len(prompt) + i, pages)])
+        out.append(int(logits.argmax(-1)[0]))
+    runner.kv_pool.free(pages)
+    return out
+
+
+def smoke() -> dict:
+    from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+    from deepseek_pd.model.tiny import make_tiny_model
+
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("v3", "v2"):
+            path = str(make_tiny_model(f"{tmp}/{arch}", arch=arch, seed=0))
+            prompt = list(range(3, 40))
+            cpu = greedy(ModelRunner(RunnerConfig(model=path, dtype="float32", device="cpu")), prompt, 16)
+            gpu_runner = ModelRunner(RunnerConfig(model=path, dtype="bfloat16", device="cuda"))
+            gpu = greedy(gpu_runner, prompt, 16)
+            result[arch] = dict(cpu=cpu, gpu=gpu, equal=cpu == gpu)
+    return result
+
+
+def build_v2lite():
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from deepseek_pd.model.build_options import BuildOptions
+    from deepseek_pd.model.config import ModelConfig
+    from deepseek_pd.model.deepseek import DeepseekForCausalLM
+
+    hf_kwargs = {k: v for k, v in V2_LITE.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    rope = hf_kwargs.pop("rope_scaling")
+    hf_config = DeepseekV2Config(**hf_kwargs, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
+                                 **{k: v for k, v in rope.items() if k != "type"}))
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = DeepseekV2ForCausalLM(hf_config).eval()
+    torch.set_default_dtype(torch.float32)
+    # HF's default init (std 0.02) makes activations vanish over 27 layers; both models share the weights anyway.
+    ours = DeepseekForCausalLM(ModelConfig.from_hf(V2_LITE), BuildOptions(dtype=torch.bfloat16, device="cuda"))
+    ours.load_weights((k, v) for k, v in hf.state_dict().items())
+    return hf, ours.eval()
+
+
+@torch.inference_mode()
+def v2lite(decode_steps: int = 16, context: int = 512) -> dict:
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+
+    hf, ours = build_v2lite()
+    runner = ModelRunner.from_model(ours, RunnerConfig(model="<v2lite>", page_size=64, num_pages=4096))
+    vocab = V2_LITE["vocab_size"]
+    gen = torch.Generator().manual_seed(1)
+    result: dict = {}
+
+    # Logits agreement on one short prompt (bf16 both sides).
+    ids = torch.randint(0, vocab, (1, 64), generator=gen)
+    pages = runner.kv_pool.alloc(1)
+    ours_logits = runner.extend([ExtendSeq(ids[0].tolist(), 0, pages)])[0]
+    runner.kv_pool.free(pages)
+    hf_logits = hf(ids.cuda()).logits[0, -1].float()
+    result["prefill_logits_rel_err_vs_hf"] = float((ours_logits - hf_logits).norm() / hf_logits.norm())
+
+    # Prefill 8 x 2048.
+    batch, length = 8, 2048
+    prompts = torch.randint(0, vocab, (batch, length), generator=gen)
+    pages = [runner.kv_pool.alloc(length // 64) for _ in range(batch)]
+
+    def ours_prefill():
+        runner.extend([ExtendSeq(prompts[i].tolist(), 0, pages[i]) for i in range(batch)])
+
+    t = cuda_time(ours_prefill)
+    result["ours_prefill_8x2048_tok_s"] = batch * length / t
+    for p in pages:
+        runner.kv_pool.free(p)
+    hf_ids = prompts.cuda()
+    t = cuda_time(lambda: hf(hf_ids, use_cache=False, logits_to_keep=1))
+    result["hf_prefill_8x2048_tok_s"] = batch * length / t
+
+    # Decode at batch 1 and 128 over a 512-token context.
+    for bs in (1, 128):
+        prompts = torch.randint(0, vocab, (bs, context), generator=gen)
+        seq_pages = [runner.kv_pool.alloc((context + decode_steps + 63) // 64) for _ in range(bs)]
+        for start in range(0, bs, 16):
+            runner.extend([ExtendSeq(prompts[i].tolist(), 0, seq_pages[i]) for i in range(start, min(bs, start + 16))])
+        tokens = [1] * bs
+
+        def ours_decode():
+            for step in range(decode_steps):
+                logits = runner.decode([DecodeSeq(tokens[i], context + step, seq_pages[i]) for i in range(bs)])
+                logits.argmax(-1)
+
+        t = cuda_time(ours_decode, warmup=1, repeat=1)
+        result[f"ours_decode_bs{bs}_tok_s"] = bs * decode_steps / t
+        for p in seq_pages:
+            runner.kv_pool.free(p)
+        hf_ids = prompts.cuda()
+
+        def hf_generate():
+            hf.generate(hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=decode_steps,
+                        min_new_tokens=decode_steps, do_sample=False)
+
+        t_total = cuda_time(hf_generate, warmup=1, repeat=1)
+        t_prefill = cuda_time(lambda: hf(hf_ids, use_cache=False, logits_to_keep=1), warmup=0, repeat=1)
+        result[f"hf_generate_bs{bs}_tok_s"] = bs * decode_steps / max(t_total - t_prefill, 1e-9)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="smoke,v2lite")
+    parser.add_argument("--out", default="model_gpu.json")
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for part in args.parts.split(","):
+        start = time.perf_counter()
+        try:
+            results[part] = {"smoke": smoke, "v2lite": v2lite}[part]()
+        except Exception as exc:  # keep the other part's numbers when one part fails
+            import traceback
+            traceback.print_exc()
+            results[part] = {"error": repr(exc)}
+        results[part]["wall_s"] = time.perf_counter() - start
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""`deepseek-pd bench serving`: load the router with streamed requests and report TTFT/TPOT/ITL.
+
+Without --url it starts a local cluster first (the same flags as `deepseek-pd up`) and stops it
+afterwards, so `deepseek-pd bench serving --num-prompts 50` is a complete benchmark by itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from deepseek_pd.commands.up import add_cluster_arguments, cluster_spec_from_args
+from deepseek_pd.errors import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks")
+    kinds = parser.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
+    serving = kinds.add_parser(
+        "serving", help="load generator against the router (TTFT/TPOT/ITL, throughput, goodput)")
+    serving.add_argument("--url", default=None,
+                         help="router URL; without it a local cluster is started (flags as `up`)")
+    serving.add_argument("--model-name", default=None,
+                         help="'model' field of requests (default: the router's first model)")
+    serving.add_argument("--dataset", choices=["random", "fixed"], default="random")
+    serving.add_argument("--num-prompts", type=int, default=100)
+    serving.add_argument("--input-len", type=int, default=256)
+    serving.add_argument("--output-len", type=int, default=64)
+    serving.add_argument("--range-ratio", type=float, default=0.5,
+                         help="random dataset: lengths are drawn from [len*(1-ratio), len]")
+    serving.add_argument("--request-rate", type=float, default=float("inf"),
+                         help="Poisson arrival rate in req/s (default inf: all at once)")
+    serving.add_argument("--max-concurrency", type=int, default=None,
+                         help="at most this many requests in flight")
+    serving.add_argument("--seed", type=int, default=0)
+    serving.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")
+    serving.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
+    serving.add_argument("--output-json", type=Path, default=Path("bench-serving.json"))
+    serving.add_argument("--output-png", type=Path, default=Path("bench-serving.png"))
+    serving.add_argument("--no-progress", action="store_true", help="no progress bar")
+    serving.add_argument("--request-timeout", type=float, default=600.0)
+    add_cluster_arguments(serving)
+    serving.set_defaults(func=run)
+
+
+def kv_bytes_per_token(model_dir: Path) -> int | None:
+    """Latent KV bytes one token occupies on every layer (ARCHITECTURE §3); None if not MLA."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if not all(k in config for k in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim")):
+        return None
+    width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(
+        str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), 2)
+    return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * width
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    if args.request_rate <= 0:
+        raise UserError(f"--request-rate {args.request_rate} must be > 0 (inf: all at once)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise UserError("--max-concurrency must be >= 1")
+    if args.url is not None:
+        return asyncio.run(_bench(args, args.url, None))
+
+    from deepseek_pd.launcher.cluster import LocalCluster
+
+    with LocalCluster(cluster_spec_from_args(args)) as cluster:
+        print(f"local cluster ready at {cluster.router_url}")
+        return asyncio.run(_bench(args, cluster.router_url, cluster.served_model_name))
+
+
+async def _bench(args: argparse.Namespace, url: str, served_name: str | None) -> int:
+    import aiohttp
+
+    from deepseek_pd.client.router_http import RouterClient
+    from deepseek_pd.launcher.cluster import resolve_model_dir
+    from deepseek_pd.loadgen.metrics import SLO, summarize
+    from deepseek_pd.loadgen.report import write_json, write_png
+    from deepseek_pd.loadgen.runner import run_load
+    from deepseek_pd.loadgen.workload import WorkloadSpec, build_requests
+    from deepseek_pd.workers.common.served_model import ServedModelInfo
+
+    model_dir = resolve_model_dir(args.model)
+    info = ServedModelInfo.from_model_dir(model_dir)
+    spec = WorkloadSpec(args.num_prompts, args.dataset, args.input_len, args.output_len,
+                        args.range_ratio, args.seed).validate(info.vocab_size, info.max_context_length)
+    requests = build_requests(spec, info.vocab_size)
+    model_name = args.model_name or served_name or await _first_model(url)
+    async with RouterClient(url, model_name, timeout_s=args.request_timeout) as client:
+        records, duration = await run_load(client, requests, args.request_rate, args.max_concurrency,
+                                           args.seed, show_progress=not args.no_progress)
+    summary = summarize(records, duration, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
+    summary["kv_bytes_per_token"] = kv_bytes_per_token(model_dir)
+    config = {"url": url, "model": model_name, "model_dir": str(model_dir),
+              "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+              "workload": vars(spec), "kv_transport": args.kv_transport if args.url is None else None,
+              "num_prefill": args.prefill, "num_decode": args.decode}
+    write_json(args.output_json, config, summary, records)
+    write_png(args.output_png, summary, records,
+              f"{model_name}: {spec.dataset} {spec.input_len}/{spec.output_len}, "
+              f"rate {args.request_rate}, concurrency {args.max_concurrency}")
+    _print_summary(summary, args.output_json, args.output_png)
+    return 0 if summary["failed"] == 0 else 1
+
+
+async def _first_model(url: str) -> str:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url.rstrip('/')}/v1/models") as reply:
+            if reply.status != 200:
+                raise UserError(f"{url}/v1/models answered {reply.status}; pass --model-name")
+            return (await reply.json())["data"][0]["id"]
+
+
+def _print_summary(summary: dict, json_path: Path, png_path: Path) -> None:
+    print(f"completed {summary['completed']}/{summary['num_requests']} in {summary['duration_s']:.2f}s"
+          f" ({summary['failed']} failed)")
+    print(f"throughput: {summary['request_throughput']:.2f} req/s, "
+          f"{summary['input_throughput']:.1f} input tok/s, {summary['output_throughput']:.1f} output tok/s;"
+          f" goodput {summary['goodput']:.2f} req/s")
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+        stats = summary[name]
+        if stats["p50"] is not None:
+            print(f"{name:>15}: mean {stats['mean']:.1f}  p50 {stats['p50']:.1f}  p90 {stats['p90']:.1f}"
+                  f"  p99 {stats['p99']:.1f}")
+    print(f"KV bytes per token: {summary['kv_bytes_per_token']}")
+    for error in summary["errors"]:
+        print(f"error: {error}")
+    print(f"wrote {json_path} and {png_path}")

@@ -1,0 +1,74 @@
+"""`deepseek-pd generate`: one prompt through the offline engine, in this process (ARCHITECTURE §4)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from deepseek_pd.errors import UserError
+
+ATTENTION_METHODS = ("auto", "mha", "mha_chunked_kv", "mla")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="generate from one prompt in-process (no PD, no server)",
+        description="Run one prompt through the offline engine: chunked prefill, then decode over the "
+                    "paged latent KV cache. Greedy unless --temperature > 0.")
+    parser.add_argument("--model", default="tiny", help="HF checkpoint directory, or 'tiny' (default)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--input-ids", help="comma-separated token ids, e.g. 0,43,72")
+    prompt.add_argument("--prompt", help="text; tokenised with the checkpoint's tokenizer (BOS added)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="default 32")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
+    parser.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 disables")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 disables")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    parser.add_argument("--stop", action="append", default=[], help="stop string, repeatable")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past the eos token")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    parser.add_argument("--chunked-prefill-size", type=int, default=2048,
+                        help="max prompt tokens per prefill forward; later chunks extend the cached prefix")
+    parser.add_argument("--attention-method", choices=ATTENTION_METHODS, default="auto",
+                        help="force an attention method for prefill (decode always uses MLA)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: fp32 on CPU, the checkpoint's dtype on GPU")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (output_ids, text, finish_reason, ...) instead of the text")
+    parser.set_defaults(func=run)
+
+
+def parse_input_ids(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise UserError(f"--input-ids {text!r} must be comma-separated integers, e.g. 0,43,72")
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise UserError(f"--input-ids {text!r} must be comma-separated integers, e.g. 0,43,72") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from deepseek_pd.model.engine import Engine
+    from deepseek_pd.model.sampling_params import SamplingParams
+
+    prompt = parse_input_ids(args.input_ids) if args.input_ids is not None else args.prompt
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, stop=tuple(args.stop), ignore_eos=args.ignore_eos, seed=args.seed)
+    params.validate()  # before loading the model: bad flags fail fast
+    engine = Engine(args.model, dtype=args.dtype, device=args.device, attention_method=args.attention_method,
+                    chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size)
+    result = engine.generate(prompt, params)
+    if args.json:
+        print(json.dumps({"output_ids": result.output_ids, "text": result.text,
+                          "finish_reason": result.finish_reason, "matched_stop": result.matched_stop,
+                          "prompt_tokens": result.prompt_tokens}, ensure_ascii=False))
+    else:
+        print(result.text)
+    return 0

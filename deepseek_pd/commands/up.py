@@ -1,0 +1,82 @@
+"""`deepseek-pd up`: N prefill + M decode workers and the real router on this machine (ARCHITECTURE §4)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="HF checkpoint directory, or 'tiny' (default)")
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers (default 1)")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode workers (default 1)")
+    parser.add_argument("--kv-transport", choices=["mooncake", "grpc"], default="grpc",
+                        help="how KV moves from prefill to decode (default grpc)")
+    parser.add_argument("--host", default="127.0.0.1", help="address everything listens on")
+    parser.add_argument("--port", type=int, default=0, help="router HTTP port (default: a free one)")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="where worker and router logs go (default: a temporary directory)")
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                        help="extra flag passed to every `deepseek-pd serve` (repeatable; "
+                             "use --worker-arg=--page-size=16)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds to wait for everything to become healthy (default 300)")
+
+
+def cluster_spec_from_args(args: argparse.Namespace):
+    from deepseek_pd.launcher.cluster import ClusterSpec
+
+    return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+                       kv_transport=args.kv_transport, host=args.host, router_port=args.port,
+                       log_dir=args.log_dir, worker_args=tuple(args.worker_arg),
+                       startup_timeout_s=args.startup_timeout).validate()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up", help="start prefill/decode workers and the router locally",
+        description="Start N prefill and M decode workers plus the SGLang router in gRPC PD mode; "
+                    "print the router URL once healthy; stop everything on Ctrl-C / SIGTERM.")
+    add_cluster_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+    import threading
+
+    from deepseek_pd.launcher.cluster import LocalCluster
+
+    spec = cluster_spec_from_args(args)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):  # SIGINT and SIGTERM both mean "shut everything down"
+        stop.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster = LocalCluster(spec)
+    try:
+        print(f"starting {spec.num_prefill} prefill + {spec.num_decode} decode worker(s), "
+              f"model {spec.model}, KV transport {spec.kv_transport}; logs in {cluster.log_dir}",
+              file=sys.stderr, flush=True)
+        cluster.start()
+        print(f"router ready at {cluster.router_url} (model name {cluster.served_model_name!r})",
+              flush=True)
+        while not stop.wait(1.0):
+            for proc in cluster.processes():
+                if not proc.is_alive():
+                    print(f"{proc.name} exited with code {proc.returncode}; stopping. "
+                          f"Last lines of {proc.log_path}:\n{proc.log_tail()}", file=sys.stderr)
+                    return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        # Signals during cleanup must not cut it short and leave orphans behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("stopping...", file=sys.stderr, flush=True)
+        cluster.stop()
+        print("stopped", file=sys.stderr, flush=True)
+    return 0

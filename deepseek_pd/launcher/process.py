@@ -1,0 +1,99 @@
+"""One supervised child process, in its own process group, logging to a file.
+
+Why a process group per child: a worker or the router may start helpers (the router's Rust
+runtime threads are in-process, but Mooncake or a shell wrapper may fork). Signalling the group
+reaches all of them. Why PR_SET_PDEATHSIG: if the launcher itself is killed with SIGKILL, it
+cannot clean up, so the kernel sends each direct child SIGTERM instead, which makes it shut down.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux/glibc: the launcher's own signal handling still applies
+
+
+class ManagedProcess:
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = env
+        self._popen: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+        logger.debug("started %s (pid %d): %s", self.name, self.pid, " ".join(self.argv))
+
+    @property
+    def pid(self) -> int:
+        assert self._popen is not None, "not started"
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._popen is None else self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def log_tail(self, max_lines: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(lines[-max_lines:])
+
+    def send_signal(self, sig: int) -> None:
+        """Signals the whole process group; a group that is already gone is fine."""
+        if self._popen is None:
+            return
+        try:
+            os.killpg(self._popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        """True once the leader has exited (and been reaped)."""
+        if self._popen is None:
+            return True
+        try:
+            self._popen.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+def stop_all(processes: Sequence[ManagedProcess], grace_s: float) -> None:
+    """SIGTERM every group, wait up to `grace_s` in total, SIGKILL what is left; leaves no orphan."""
+    started = [p for p in processes if p._popen is not None]
+    for proc in started:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in started:
+        if not proc.wait(max(0.0, deadline - time.monotonic())):
+            logger.warning("%s did not stop within %.0fs of SIGTERM; killing it", proc.name, grace_s)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10.0)
+        # Helpers that left the leader behind (or outlived it) die with the group.
+        proc.send_signal(signal.SIGKILL)

@@ -1,0 +1,64 @@
+"""Prompts for a serving benchmark: random token ids of random or fixed length.
+
+Token ids are sent as `input_ids`, so the prompt length is exact (no tokenizer round trip), and
+requests set `ignore_eos` so every request produces exactly its output length: that makes runs
+comparable across models and seeds, as SGLang's bench_serving does with its random dataset.
+
+Example: `WorkloadSpec(num_prompts=3, input_len=100, output_len=20, range_ratio=0.5)` gives prompt
+lengths drawn uniformly from [50, 100] and output lengths from [10, 20].
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from deepseek_pd.errors import UserError
+
+DATASETS = ("random", "fixed")
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    num_prompts: int = 100
+    dataset: str = "random"  # "random": lengths in [len*(1-range_ratio), len]; "fixed": exactly len
+    input_len: int = 256
+    output_len: int = 64
+    range_ratio: float = 0.5
+    seed: int = 0
+    first_token_id: int = 3  # skip the special tokens at the bottom of the vocabulary
+
+    def validate(self, vocab_size: int, max_context: int) -> "WorkloadSpec":
+        if self.dataset not in DATASETS:
+            raise UserError(f"--dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}")
+        if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
+            raise UserError("--num-prompts, --input-len and --output-len must be >= 1")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise UserError(f"--range-ratio {self.range_ratio} must be in [0, 1)")
+        if self.input_len + self.output_len > max_context:
+            raise UserError(f"--input-len + --output-len = {self.input_len + self.output_len} exceeds "
+                            f"the model's context of {max_context}")
+        if vocab_size <= self.first_token_id:
+            raise UserError(f"vocabulary of {vocab_size} is too small")
+        return self
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    input_ids: tuple[int, ...]
+    output_len: int
+
+
+def build_requests(spec: WorkloadSpec, vocab_size: int) -> list[BenchRequest]:
+    rng = random.Random(spec.seed)
+
+    def length(full: int) -> int:
+        if spec.dataset == "fixed":
+            return full
+        return rng.randint(max(1, int(full * (1 - spec.range_ratio))), full)
+
+    requests = []
+    for _ in range(spec.num_prompts):
+        n_in, n_out = length(spec.input_len), length(spec.output_len)
+        ids = tuple(rng.randrange(spec.first_token_id, vocab_size) for _ in range(n_in))
+        requests.append(BenchRequest(ids, n_out))
+    return requests

@@ -1,0 +1,10 @@
+"""MLA attention: the layer (`mla`), the method policy (`policy`), kernel backends (`backend`, registry).
+
+Importing the package registers the plain-torch reference backend ("torch").
+"""
+from deepseek_pd.model.attention import torch_backend  # noqa: F401  (registers "torch")
+from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend
+from deepseek_pd.model.attention.mla import MLAAttention
+from deepseek_pd.model.attention.policy import ATTENTION_METHOD_CHOICES, AttentionPolicy
+
+__all__ = ["ATTENTION_BACKENDS", "ATTENTION_METHOD_CHOICES", "AttentionBackend", "AttentionPolicy", "MLAAttention"]

@@ -1,0 +1,169 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) with three interchangeable methods.
+
+Weights (HF names in brackets):
+    fused_qkv_a_proj  [q_a_proj ; kv_a_proj_with_mqa] when q_lora_rank is set, else
+    q_proj + kv_a_proj_with_mqa;  q_a_layernorm, q_b_proj, kv_a_layernorm, o_proj;
+    w_kc `[H, nope, R]` and w_vc `[H, v, R]`: kv_b_proj split per head into its K and V halves.
+
+`prepare` projects q, the latent `c_kv` (normalised) and `k_pe`, applies rope, and writes
+`[c_kv | k_pe]` of the new tokens into the paged pool. `core` then runs the batch's method:
+    MHA             k_nope = w_kc·c_kv, v = w_vc·c_kv for new tokens; causal attention.
+    MHA_CHUNKED_KV  MHA on new tokens, plus the cached prefix read from the pool in chunks,
+                    up-projected the same way, attended, and merged by log-sum-exp.
+    MLA (absorbed)  q_latent = q_nope·w_kc; scores = q_latent·c_kv + q_pe·k_pe over the cache;
+                    out = (probs·c_kv)·w_vc.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend
+from deepseek_pd.model.build_options import BuildOptions
+from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
+from deepseek_pd.model.norm import RMSNorm
+from deepseek_pd.model.rope import RotaryEmbedding
+
+
+@dataclass
+class AttnIntermediate:
+    """What `prepare` hands to `core` (the state between attn_prepare and attn_core)."""
+
+    q_nope: torch.Tensor  # [T, H, nope]
+    q_pe: torch.Tensor  # [T, H, rope], roped
+    c_kv: torch.Tensor  # [T, R], normalised latent of the new tokens
+    k_pe: torch.Tensor  # [T, rope], roped
+
+
+@dataclass(frozen=True)
+class PrefixChunk:
+    """One MHA_CHUNKED_KV step: the flat pool slots of a slice of every sequence's prefix."""
+
+    slots: torch.Tensor  # [S] long
+    kv_offsets: tuple[int, ...]  # [B+1] split of `slots` by sequence (empty segments allowed)
+
+
+def prefix_chunks(batch: ForwardBatch, chunk_size: int) -> tuple[PrefixChunk, ...]:
+    """Chunk j covers prefix positions [j*C, (j+1)*C) of each sequence; computed once per batch."""
+    key = ("prefix_chunks", chunk_size)
+    if key not in batch.derived:
+        page_size = batch.kv_pool.page_size
+        chunks = []
+        for start in range(0, max(batch.prefix_lens, default=0), chunk_size):
+            slots: list[int] = []
+            offsets = [0]
+            for pages, prefix in zip(batch.page_lists, batch.prefix_lens):
+                for pos in range(start, min(start + chunk_size, prefix)):
+                    slots.append(pages[pos // page_size] * page_size + pos % page_size)
+                offsets.append(len(slots))
+            device = batch.positions.device
+            chunks.append(PrefixChunk(torch.tensor(slots, dtype=torch.long).to(device), tuple(offsets)))
+        batch.derived[key] = tuple(chunks)
+    return batch.derived[key]
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, options: BuildOptions) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        self.scale = config.softmax_scale
+        self.prefix_chunk_size = options.prefix_chunk_size
+        self.rotary = rotary
+        kw = dict(dtype=options.dtype, device=options.device)
+        hidden, heads, qk = config.hidden_size, self.num_heads, config.qk_head_dim
+        kv_a_dim = config.kv_lora_rank + config.qk_rope_head_dim
+        if self.q_lora_rank is not None:
+            self.fused_qkv_a_proj = nn.Linear(hidden, self.q_lora_rank + kv_a_dim, bias=False, **kw)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, **kw)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, heads * qk, bias=False, **kw)
+            self._project_q_and_latent = self._project_lora
+        else:
+            self.q_proj = nn.Linear(hidden, heads * qk, bias=False, **kw)
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_a_dim, bias=False, **kw)
+            self._project_q_and_latent = self._project_plain
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, **kw)
+        self.w_kc = nn.Parameter(torch.empty(heads, self.nope_dim, self.kv_lora_rank, **kw))
+        self.w_vc = nn.Parameter(torch.empty(heads, self.v_dim, self.kv_lora_rank, **kw))
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False, **kw)
+        self.backend: AttentionBackend = ATTENTION_BACKENDS.build(options.attention_backend)
+        self._methods: dict[AttentionMethod, Callable[[AttnIntermediate, ForwardBatch], torch.Tensor]] = {
+            AttentionMethod.MHA: self._mha,
+            AttentionMethod.MHA_CHUNKED_KV: self._mha_chunked_kv,
+            AttentionMethod.MLA: self._mla,
+        }
+
+    # ---- projections ----------------------------------------------------------------------
+    def _project_lora(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_a, latent = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
+        return self.q_b_proj(self.q_a_layernorm(q_a)), latent
+
+    def _project_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_proj(x), self.kv_a_proj_with_mqa(x)
+
+    def prepare(self, hidden: torch.Tensor, batch: ForwardBatch) -> AttnIntermediate:
+        """Project, rope, and write the new tokens' latent KV into the pool."""
+        q, latent = self._project_q_and_latent(hidden)
+        q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe)
+        cache = batch.kv_pool.flat(self.layer_id)
+        cache[batch.out_slots] = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
+        return AttnIntermediate(q_nope, q_pe, c_kv, k_pe)
+
+    def core(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
+        out = self._methods[batch.attention_method](inter, batch)  # [T, H, v]
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.core(self.prepare(hidden, batch), batch)
+
+    # ---- methods --------------------------------------------------------------------------
+    def _up_project(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent `[S, R]` + `[S, rope]` → per-head K `[S, H, nope+rope]` and V `[S, H, v]`."""
+        heads = self.num_heads
+        k_nope = (c_kv @ self.w_kc.view(heads * self.nope_dim, -1).T).view(-1, heads, self.nope_dim)
+        v = (c_kv @ self.w_vc.view(heads * self.v_dim, -1).T).view(-1, heads, self.v_dim)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
+        return k, v
+
+    def _new_tokens(self, inter: AttnIntermediate, batch: ForwardBatch
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.cat([inter.q_nope, inter.q_pe], dim=-1)
+        k, v = self._up_project(inter.c_kv, inter.k_pe)
+        out, lse = self.backend.mha_causal(q, k, v, batch.qo_offsets, self.scale)
+        return q, out, lse
+
+    def _mha(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
+        if any(batch.prefix_lens):
+            raise RuntimeError("MHA cannot see a cached prefix; the policy should pick MHA_CHUNKED_KV or MLA")
+        return self._new_tokens(inter, batch)[1]
+
+    def _mha_chunked_kv(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
+        q, out, lse = self._new_tokens(inter, batch)
+        cache = batch.kv_pool.flat(self.layer_id)
+        for chunk in prefix_chunks(batch, self.prefix_chunk_size):
+            latent = cache[chunk.slots].to(q.dtype)
+            c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            k, v = self._up_project(c_kv, k_pe)
+            part, part_lse = self.backend.mha_cross(q, k, v, batch.qo_offsets, chunk.kv_offsets, self.scale)
+            out, lse = self.backend.merge_states(out, lse, part, part_lse)
+        return out
+
+    def _mla(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
+        q_latent = torch.bmm(inter.q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, H, R]
+        kernel = self.backend.mla_decode if batch.mode is ForwardMode.DECODE else self.backend.mla_extend
+        latent_out = kernel(q_latent, inter.q_pe, batch.kv_pool.buffers[self.layer_id], batch,
+                            self.kv_lora_rank, self.scale)
+        return torch.bmm(latent_out.transpose(0, 1), self.w_vc.transpose(1, 2)).transpose(0, 1)  # [T, H, v]

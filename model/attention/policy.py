@@ -1,0 +1,45 @@
+"""`AttentionPolicy`: picks the attention method for a whole batch, once, before the layers run.
+
+Rules (ARCHITECTURE §5), as a lookup rather than if-chains spread over the model:
+    decode                                   → MLA (absorbed; the cache is the only K/V)
+    extend, no cached prefix                 → MHA
+    extend, sum(prefix_lens) >= threshold    → MHA_CHUNKED_KV
+    extend, shorter prefix                   → MLA
+A forced method ("mha", "mha_chunked_kv", "mla") applies to extend batches; "mha" on a batch that
+has a prefix becomes MHA_CHUNKED_KV (plain MHA cannot see the cache).
+
+Example: threshold 256; prefixes (0, 0) → MHA; (100, 50) → MLA; (300, 0) → MHA_CHUNKED_KV.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.forward_batch import AttentionMethod, ForwardMode
+
+ATTENTION_METHOD_CHOICES = ("auto", "mha", "mha_chunked_kv", "mla")
+
+
+@dataclass(frozen=True)
+class AttentionPolicy:
+    method: str = "auto"
+    chunked_kv_threshold: int = 256  # total cached-prefix tokens from which MHA_CHUNKED_KV beats MLA
+
+    def __post_init__(self) -> None:
+        if self.method not in ATTENTION_METHOD_CHOICES:
+            raise UserError(f"attention_method {self.method!r} is not one of {ATTENTION_METHOD_CHOICES}")
+        if self.chunked_kv_threshold < 0:
+            raise UserError(f"mha_chunked_kv threshold must be >= 0, got {self.chunked_kv_threshold}")
+
+    def choose(self, mode: ForwardMode, prefix_lens: tuple[int, ...]) -> AttentionMethod:
+        if mode is ForwardMode.DECODE:
+            return AttentionMethod.MLA
+        has_prefix = any(prefix_lens)
+        if self.method != "auto":
+            forced = AttentionMethod(self.method)
+            return AttentionMethod.MHA_CHUNKED_KV if forced is AttentionMethod.MHA and has_prefix else forced
+        if not has_prefix:
+            return AttentionMethod.MHA
+        if sum(prefix_lens) >= self.chunked_kv_threshold:
+            return AttentionMethod.MHA_CHUNKED_KV
+        return AttentionMethod.MLA

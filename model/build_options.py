@@ -1,0 +1,32 @@
+"""`BuildOptions`: how to build the model (not what the model is — that is `ModelConfig`).
+
+Frozen and resolved ("auto" already decided) before the model is constructed; passed down the
+constructors. Backends named here are looked up in their registries once, at build time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepseek_pd.errors import UserError
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    moe_backend: str = "torch"
+    dispatcher: str = "local"
+    # Shared experts appended to the routed experts as always-selected experts of weight 1
+    # (SGLang's fusion): 0 (separate shared MLP) or exactly n_shared_experts.
+    num_fused_shared_experts: int = 0
+    # Cached-prefix tokens up-projected per MHA_CHUNKED_KV step (bounds the K/V working set).
+    prefix_chunk_size: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.prefix_chunk_size < 1:
+            raise UserError(f"prefix_chunk_size must be >= 1, got {self.prefix_chunk_size}")
+        if self.num_fused_shared_experts < 0:
+            raise UserError(f"num_fused_shared_experts must be >= 0, got {self.num_fused_shared_experts}")

@@ -1,0 +1,73 @@
+"""`DeepseekForCausalLM`: embeddings, decoder layers (op lists), final norm and lm_head.
+
+`forward(batch)` runs every layer's op list over one `OpState`, so the plain path and a future
+two-batch-overlap executor execute the same ops. `load_weights` takes HF tensor names (see
+`weight_mapping`). Parameters are allocated uninitialised: a model is always loaded before use.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from deepseek_pd.model.build_options import BuildOptions
+from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.decoder_layer import DeepseekDecoderLayer
+from deepseek_pd.model.forward_batch import ForwardBatch
+from deepseek_pd.model.layer_ops import LAYER_BOUNDARY_KEYS, OpState, run_layer_ops
+from deepseek_pd.model.moe.dispatcher import DISPATCHERS
+from deepseek_pd.model.norm import RMSNorm
+from deepseek_pd.model.rope import RotaryEmbedding
+from deepseek_pd.model.weight_mapping import load_hf_weights
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, options: BuildOptions = BuildOptions()) -> None:
+        super().__init__()
+        self.config = config
+        self.options = options
+        kw = dict(dtype=options.dtype, device=options.device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        self.rotary = RotaryEmbedding(config).to(options.device)
+        self.dispatcher = DISPATCHERS.build(options.dispatcher)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, self.rotary, options, self.dispatcher)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def initial_state(self, batch: ForwardBatch) -> OpState:
+        return OpState(hidden_states=self.embed_tokens(batch.input_ids), residual=None)
+
+    def final_hidden(self, state: OpState, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Consumes the last layer's state: final-normed hidden states of `rows` (default all) `[n, H]`."""
+        state.expect_only(LAYER_BOUNDARY_KEYS)
+        hidden, residual = state.pop("hidden_states"), state.pop("residual")
+        if rows is not None:
+            hidden, residual = hidden[rows], residual[rows]
+        return self.norm.add_and_norm(hidden, residual)[0]
+
+    def run_layers(self, batch: ForwardBatch) -> OpState:
+        """Embeds and runs every layer's op list; returns the {hidden_states, residual} state."""
+        state = self.initial_state(batch)
+        for layer in self.layers:
+            run_layer_ops(layer.ops, state, batch)
+        return state
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits `[B, vocab]` of each sequence's last new token."""
+        hidden = self.final_hidden(self.run_layers(batch), batch.last_token_index)
+        return self.compute_logits(hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors in; raises CheckpointError listing missing/unexpected names."""
+        load_hf_weights(self, weights)

@@ -1,0 +1,228 @@
+"""The offline engine: one process, one `ModelRunner`, prompts in, tokens out. No PD, no server.
+
+It is the reference the serving tests compare against, so it takes the same path a worker does:
+the prompt is validated, then prefilled in chunks of at most `chunked_prefill_size` tokens per
+forward (a later chunk is an extend whose prefix is already in the paged cache, which is how
+MHA_CHUNKED_KV and MLA-over-prefix get exercised), then decoded one token per step over the
+paged latent cache, every request of a batch in the same forward. Pages are freed however the
+call ends.
+
+    engine = Engine("tiny")
+    result = engine.generate("Hello", SamplingParams(temperature=0.0, max_new_tokens=8))
+    result.output_ids, result.text, result.finish_reason   # [...], "...", "length"
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence, Union
+
+import torch
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
+from deepseek_pd.model.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the offline engine runs, resolved before the runner is built."""
+
+    model: str = "tiny"  # checkpoint directory, or "tiny" / "tiny-v2"
+    dtype: str = "auto"  # auto (fp32 on CPU, checkpoint dtype on GPU) | float32 | bfloat16 | float16
+    device: str = "cpu"
+    attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
+    chunked_prefill_size: int = 2048  # max prompt tokens per prefill forward, summed over the batch
+    page_size: int = 16
+    max_total_tokens: int = 32768  # KV pool capacity in tokens, over all requests of a batch
+    mha_chunked_kv_threshold: int = 256
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size < 1:
+            raise UserError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_total_tokens < 1 or self.page_size < 1:
+            raise UserError(f"max_total_tokens and page_size must be >= 1, got {self.max_total_tokens}, "
+                            f"{self.page_size}")
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    matched_stop: Union[int, str, None] = None
+    prompt_tokens: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """One prompt's progress through prefill and decode."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampling: SamplingState
+    stop: StopChecker
+    pages: list[int]
+    prefilled: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.stop.finish is not None
+
+
+class Engine:
+    def __init__(self, model: str | Path = "tiny", *, config: EngineConfig | None = None, **overrides) -> None:
+        """`Engine("tiny", chunked_prefill_size=64)` or `Engine(config=EngineConfig(...))`."""
+        from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+        from deepseek_pd.model.tiny import resolve_model_path
+
+        if config is None:
+            config = EngineConfig(model=str(model), **overrides)
+        elif overrides:
+            raise TypeError("pass either config or keyword overrides, not both")
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.runner = ModelRunner(RunnerConfig(
+            model=str(self.model_path), dtype=config.dtype, device=config.device,
+            page_size=config.page_size, num_pages=-(-config.max_total_tokens // config.page_size),
+            attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold))
+        self.model_config = self.runner.model_config
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.sampler = Sampler()
+
+    # ---- public API --------------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        """Text to ids the way the router does it (special tokens, i.e. BOS, added)."""
+        if self.tokenizer is None:
+            raise UserError(f"{self.model_path} has no tokenizer.json: pass token ids instead of text")
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerateResult:
+        return self.generate_batch([prompt], params)[0]
+
+    def generate_batch(self, prompts: Sequence[Prompt],
+                       params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerateResult]:
+        """Prefills and then decodes all prompts together; results in prompt order."""
+        if not prompts:
+            raise UserError("no prompts given")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise UserError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        prompt_ids = [self._validate_prompt(p, i) for i, p in enumerate(prompts)]
+        for p in params:
+            p.validate(vocab_size=self.vocab_size)
+        requests: list[_Request] = []
+        try:
+            for ids, p in zip(prompt_ids, params):
+                requests.append(self._admit(ids, p))
+            self._prefill(requests)
+            self._decode(requests)
+        finally:
+            for request in requests:
+                self.runner.kv_pool.free(request.pages)
+        return [GenerateResult(output_ids=r.output_ids, text=r.stop.text, finish_reason=r.stop.finish.reason,
+                               matched_stop=r.stop.finish.matched_stop, prompt_tokens=len(r.prompt_ids),
+                               output_logprobs=r.logprobs) for r in requests]
+
+    # ---- steps ------------------------------------------------------------------------------
+    def _validate_prompt(self, prompt: Prompt, index: int) -> list[int]:
+        where = f"prompt {index}: " if index else ""
+        if isinstance(prompt, str) and not prompt:
+            raise UserError(f"{where}prompt is empty")
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        if not ids:
+            raise UserError(f"{where}prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"{where}token ids {bad[:5]}{' ...' if len(bad) > 5 else ''} are outside the "
+                            f"vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_context:
+            raise UserError(f"{where}prompt has {len(ids)} tokens but the model's maximum context is "
+                            f"{self.max_context} tokens (prompt plus at least one new token)")
+        return ids
+
+    def _admit(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
+        # Never run past the context: the last sampled token is not fed back, hence no -1 here.
+        max_new = min(params.max_new_tokens, self.max_context - len(prompt_ids))
+        pool = self.runner.kv_pool
+        pages = pool.alloc(pool.pages_for_tokens(len(prompt_ids) + max_new - 1))
+        device = self.runner.model.options.device
+        return _Request(
+            prompt_ids=prompt_ids, params=params, pages=pages,
+            sampling=SamplingState.create(params, prompt_ids, self.vocab_size, device=device),
+            stop=StopChecker(params, self.model_config.eos_token_ids, self.tokenizer, max_new_tokens=max_new))
+
+    def _prefill(self, requests: list[_Request]) -> None:
+        """Rounds of at most `chunked_prefill_size` tokens; each request contributes its next chunk."""
+        from deepseek_pd.model.runner import ExtendSeq
+
+        pending = list(requests)
+        while pending:
+            budget = self.config.chunked_prefill_size
+            batch: list[tuple[_Request, ExtendSeq]] = []
+            for request in pending:
+                if budget == 0:
+                    break
+                take = min(budget, len(request.prompt_ids) - request.prefilled)
+                chunk = request.prompt_ids[request.prefilled:request.prefilled + take]
+                batch.append((request, ExtendSeq(chunk, prefix_len=request.prefilled, pages=request.pages)))
+                budget -= take
+            logits = self.runner.extend([seq for _, seq in batch])
+            done = []
+            for row, (request, seq) in enumerate(batch):
+                request.prefilled += len(seq.token_ids)
+                if request.prefilled == len(request.prompt_ids):
+                    done.append((row, request))
+            if done:
+                rows = torch.tensor([row for row, _ in done], device=logits.device)
+                self._sample([r for _, r in done], logits[rows])
+            pending = [r for r in pending if r.prefilled < len(r.prompt_ids)]
+
+    def _decode(self, requests: list[_Request]) -> None:
+        from deepseek_pd.model.runner import DecodeSeq
+
+        running = [r for r in requests if not r.finished]
+        while running:
+            seqs = [DecodeSeq(r.output_ids[-1], position=len(r.prompt_ids) + len(r.output_ids) - 1, pages=r.pages)
+                    for r in running]
+            self._sample(running, self.runner.decode(seqs))
+            running = [r for r in running if not r.finished]
+
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
+        out = self.sampler.sample(logits, [r.sampling for r in requests])
+        for request, token, logprob in zip(requests, out.token_ids.tolist(), out.logprobs.tolist()):
+            request.output_ids.append(token)
+            request.logprobs.append(logprob)
+            request.sampling.append(token)
+            request.stop.append(token)
+
+
+def _load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # the tokenizers library raises a bare Exception on bad JSON
+        raise UserError(f"{file}: cannot load tokenizer ({exc})") from None

@@ -1,0 +1,152 @@
+"""`ForwardBatch`: everything one model forward needs besides the weights.
+
+Tokens of all sequences are packed ("ragged") along one axis `T`. Host-side lengths are plain
+tuples (known before launch, so kernels and chunk loops never `.item()` the device); the same
+information lives in device tensors for kernels.
+
+Example: two sequences, the first with a cached prefix of 3 tokens and 2 new ones, the second a
+fresh 4-token prompt, page_size 2:
+    prefix_lens=(3, 0), extend_lens=(2, 4), seq_lens=(5, 4), qo_indptr=[0, 2, 6]
+    positions=[3, 4, 0, 1, 2, 3], token_seq=[0, 0, 1, 1, 1, 1]
+    page_table row 0 = that request's pages, padded with 0 to the longest page list.
+"""
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.kv_pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    """EXTEND: new prompt tokens (possibly after a cached prefix). DECODE: one new token per sequence."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+class AttentionMethod(enum.Enum):
+    """How attention is computed for a batch; all give the same result (a tested property).
+
+    MHA: up-project the new tokens' latent to per-head K/V, causal attention (no prefix).
+    MHA_CHUNKED_KV: MHA for the new tokens plus the cached prefix read from the paged latent cache in
+        chunks, up-projected, attended, and merged by log-sum-exp.
+    MLA: absorbed; queries move into the latent space (`q_nope @ w_kc`), attend over the paged
+        latent cache directly, and the output leaves through `w_vc`.
+    """
+
+    MHA = "mha"
+    MHA_CHUNKED_KV = "mha_chunked_kv"
+    MLA = "mla"
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    out_slots: torch.Tensor  # [T] long: flat KV slot each new token is written to
+    token_seq: torch.Tensor  # [T] long: which sequence each token belongs to
+    qo_indptr: torch.Tensor  # [B+1] long
+    page_table: torch.Tensor  # [B, max_pages] long, padded with 0
+    seq_lens_t: torch.Tensor  # [B] long: prefix + new tokens
+    prefix_lens: tuple[int, ...]
+    extend_lens: tuple[int, ...]
+    kv_pool: KVPool
+    attention_method: AttentionMethod = AttentionMethod.MLA
+    page_lists: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # Per-batch metadata derived lazily by layers and shared by all of them (e.g. prefix chunks).
+    derived: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(p + e for p, e in zip(self.prefix_lens, self.extend_lens))
+
+    @property
+    def qo_offsets(self) -> tuple[int, ...]:
+        """Host copy of qo_indptr."""
+        out = [0]
+        for n in self.extend_lens:
+            out.append(out[-1] + n)
+        return tuple(out)
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """[B] index of each sequence's last new token in the packed axis."""
+        return self.qo_indptr[1:] - 1
+
+    @classmethod
+    def build(cls, mode: ForwardMode, token_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
+              pages: Sequence[Sequence[int]], kv_pool: KVPool, vocab_size: int,
+              device: torch.device | str) -> "ForwardBatch":
+        """Validates and packs a batch. Raises UserError on input a caller could get wrong."""
+        if not token_ids:
+            raise UserError("empty batch")
+        if not (len(token_ids) == len(prefix_lens) == len(pages)):
+            raise UserError("token_ids, prefix_lens and pages must have one entry per sequence")
+        page_size = kv_pool.page_size
+        ids_cpu, pos_cpu, slot_cpu, seq_cpu, page_lists = [], [], [], [], []
+        for i, (ids, prefix, seq_pages) in enumerate(zip(token_ids, prefix_lens, pages)):
+            ids_t = _long_tensor(ids, f"sequence {i}: token ids")
+            if ids_t.numel() == 0:
+                raise UserError(f"sequence {i}: no new tokens")
+            prefix = _long_tensor([prefix], f"sequence {i}: prefix_len").item()
+            if prefix < 0:
+                raise UserError(f"sequence {i}: prefix_len {prefix} < 0")
+            total = prefix + ids_t.numel()
+            if len(seq_pages) * page_size < total:
+                raise UserError(f"sequence {i}: {len(seq_pages)} pages of {page_size} cannot hold {total} tokens")
+            pages_t = _long_tensor(seq_pages, f"sequence {i}: pages")
+            if pages_t.min() < 0 or pages_t.max() >= kv_pool.num_pages:
+                raise UserError(f"sequence {i}: page ids {list(seq_pages)} reach outside the pool "
+                                f"(0..{kv_pool.num_pages - 1})")
+            if ids_t.min() < 0 or ids_t.max() >= vocab_size:
+                raise UserError(f"sequence {i}: token id outside the vocabulary (0..{vocab_size - 1})")
+            pos = torch.arange(prefix, total, dtype=torch.long)
+            page_lists.append(tuple(pages_t.tolist()))
+            ids_cpu.append(ids_t)
+            pos_cpu.append(pos)
+            slot_cpu.append(pages_t[pos // page_size] * page_size + pos % page_size)
+            seq_cpu.append(torch.full((ids_t.numel(),), i, dtype=torch.long))
+        extend_lens = tuple(int(t.numel()) for t in ids_cpu)
+        if mode is ForwardMode.DECODE and any(n != 1 for n in extend_lens):
+            raise UserError("a decode batch has exactly one new token per sequence")
+        qo = [0]
+        for n in extend_lens:
+            qo.append(qo[-1] + n)
+        max_pages = max(1, max(len(p) for p in pages))
+        table = torch.zeros(len(pages), max_pages, dtype=torch.long)
+        for i, p in enumerate(page_lists):
+            table[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+
+        def t(values: list | torch.Tensor) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        return cls(
+            mode=mode, input_ids=t(torch.cat(ids_cpu)), positions=t(torch.cat(pos_cpu)),
+            out_slots=t(torch.cat(slot_cpu)), token_seq=t(torch.cat(seq_cpu)), qo_indptr=t(qo), page_table=t(table),
+            seq_lens_t=t([p + e for p, e in zip(prefix_lens, extend_lens)]),
+            prefix_lens=tuple(int(p) for p in prefix_lens), extend_lens=extend_lens, kv_pool=kv_pool,
+            page_lists=tuple(page_lists),
+        )
+
+
+def _long_tensor(values: Sequence[int], what: str) -> torch.Tensor:
+    """A 1-D long tensor of integers (Python, NumPy or 0-d tensor ints), or a UserError."""
+    try:
+        return torch.tensor([operator.index(v) for v in values], dtype=torch.long)
+    except TypeError:
+        raise UserError(f"{what} must be a sequence of integers") from None

@@ -1,0 +1,96 @@
+"""Decoder layers as op lists (ARCHITECTURE §5; SGLang's `operations_strategy.py`).
+
+A layer is a tuple of op names; op `name` is the layer's method `op_<name>(state, batch)`. Each op
+pops what it consumes from an `OpState` and writes what it produces. `DeepseekForCausalLM.forward`
+runs exactly these lists, so a two-batch-overlap executor that interleaves the same ops (with
+YIELD points between them) cannot drift from the plain path.
+
+Keys between ops of a MoE layer (→ produced, ← consumed):
+    prepare_attn   ← hidden_states, residual              → attn_input, residual
+    attn_prepare   ← attn_input                           → attn_intermediate
+    attn_core      ← attn_intermediate                    → attn_output
+    prepare_mlp    ← attn_output, residual                → mlp_input, residual
+    gate           (reads mlp_input)                      → router_logits
+    select_experts ← router_logits                        → topk_weights, topk_ids
+    dispatch_a     ← topk_weights, topk_ids (reads mlp_input) → dispatch_handle
+    dispatch_b     ← dispatch_handle                      → dispatched
+    experts        ← dispatched                           → expert_output
+    combine_a      ← expert_output                        → combine_handle
+    shared_experts ← mlp_input                            → shared_output
+    combine_b      ← combine_handle                       → routed_output
+    output         ← routed_output, shared_output         → mlp_output
+    postprocess    ← mlp_output                           → hidden_states
+A layer starts and ends with exactly {hidden_states, residual}.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+MOE_LAYER_OPS: tuple[str, ...] = (
+    "prepare_attn", "attn_prepare", "attn_core", "prepare_mlp", "gate", "select_experts",
+    "dispatch_a", "dispatch_b", "experts", "combine_a", "shared_experts", "combine_b", "output",
+    "postprocess",
+)
+DENSE_LAYER_OPS: tuple[str, ...] = (
+    "prepare_attn", "attn_prepare", "attn_core", "prepare_mlp", "mlp", "postprocess",
+)
+LAYER_BOUNDARY_KEYS = frozenset({"hidden_states", "residual"})
+
+
+class OpState:
+    """A dict that refuses silent overwrite: a key must be popped before it is written again.
+
+    `state["x"] = t` raises if "x" is present; `state.pop("x")` consumes it; `state["x"]` reads
+    without consuming. This catches an op that forgets to consume its input, or two ops (or two
+    micro-batches) writing the same key, at the first place it happens.
+    """
+
+    def __init__(self, **initial: Any) -> None:
+        self._data: dict[str, Any] = {}
+        for key, value in initial.items():
+            self[key] = value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in self._data:
+            raise KeyError(f"op state: '{key}' is already set; pop it before writing it again")
+        self._data[key] = value
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self._data[key]
+        except KeyError:
+            raise KeyError(f"op state: '{key}' is not set (have {sorted(self._data)})") from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def pop(self, key: str) -> Any:
+        try:
+            return self._data.pop(key)
+        except KeyError:
+            raise KeyError(f"op state: '{key}' is not set (have {sorted(self._data)})") from None
+
+    def update(self, **values: Any) -> None:
+        for key, value in values.items():
+            self[key] = value
+
+    def keys(self) -> frozenset[str]:
+        return frozenset(self._data)
+
+    def expect_only(self, keys: frozenset[str]) -> None:
+        """Raises if the state holds anything but `keys` (a leaked intermediate)."""
+        if self.keys() != keys:
+            raise RuntimeError(f"op state holds {sorted(self.keys())}, expected exactly {sorted(keys)}")
+
+
+def bound_ops(layer: Any) -> tuple[Callable[..., None], ...]:
+    """The layer's op list resolved to bound methods (done once, at build time)."""
+    return tuple(getattr(layer, f"op_{name}") for name in layer.op_names)
+
+
+def run_layer_ops(ops: tuple[Callable[..., None], ...], state: OpState, batch: Any) -> None:
+    for op in ops:
+        op(state, batch)

@@ -1,0 +1,11 @@
+"""DeepSeek MoE: top-k selection (`topk`), stacked experts + kernel registry (`experts`),
+EP dispatcher registry (`dispatcher`), dense/shared MLP (`mlp`), the per-layer module (`layer`)."""
+from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput, DispatchOutput, LocalDispatcher
+from deepseek_pd.model.moe.experts import MOE_BACKENDS, FusedExperts, TorchMoEKernel
+from deepseek_pd.model.moe.layer import DeepseekMoE
+from deepseek_pd.model.moe.mlp import GatedMLP
+from deepseek_pd.model.moe.topk import SCORING, TOPK_METHODS, TopKSpec, finish_weights
+
+__all__ = ["DISPATCHERS", "MOE_BACKENDS", "SCORING", "TOPK_METHODS", "CombineInput", "DeepseekMoE",
+           "DispatchOutput", "FusedExperts", "GatedMLP", "LocalDispatcher", "TopKSpec", "TorchMoEKernel",
+           "finish_weights"]

@@ -1,0 +1,61 @@
+"""`DeepseekMoE`: router gate, top-k selection, routed experts and shared experts of one layer.
+
+The layer's ops (`gate`, `select_experts`, `experts`, `shared_experts`, ...) call these pieces;
+dispatch/combine between them belong to the dispatcher, so EP slots in without touching this file.
+The gate weight and `e_score_correction_bias` stay fp32 whatever the model dtype (as in HF).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.build_options import BuildOptions
+from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.moe.experts import FusedExperts
+from deepseek_pd.model.moe.mlp import GatedMLP
+from deepseek_pd.model.moe.topk import SCORING, TOPK_METHODS, TopKSpec, finish_weights
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
+        super().__init__()
+        fused = options.num_fused_shared_experts
+        if fused not in (0, config.n_shared_experts):
+            raise UserError(f"num_fused_shared_experts must be 0 or n_shared_experts={config.n_shared_experts}, "
+                            f"got {fused}")
+        self.num_routed = config.n_routed_experts
+        self.num_fused_shared = fused
+        self.gate_weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size,
+                                                    dtype=torch.float32, device=options.device))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32, device=options.device))
+            if config.topk_method == "noaux_tc" else None)
+        self.score = SCORING[config.scoring_func]
+        self.choose = TOPK_METHODS[config.topk_method]
+        self.spec = TopKSpec(config.num_experts_per_tok, config.n_group, config.topk_group,
+                             config.norm_topk_prob, config.routed_scaling_factor)
+        self.experts = FusedExperts(config.n_routed_experts + fused, config.hidden_size,
+                                    config.moe_intermediate_size, options.moe_backend, options.dtype, options.device)
+        self.shared_experts = (
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                     options.dtype, options.device)
+            if config.n_shared_experts and not fused else None)
+
+    def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.gate_weight)
+
+    def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (weights fp32 `[T, k + fused]`, ids long `[T, k + fused]`)."""
+        weights, ids = self.choose(self.score(router_logits), self.e_score_correction_bias, self.spec)
+        weights = finish_weights(weights, self.spec)
+        if self.num_fused_shared:
+            n, device = router_logits.shape[0], router_logits.device
+            shared_ids = torch.arange(self.num_routed, self.num_routed + self.num_fused_shared, device=device)
+            ids = torch.cat([ids, shared_ids.expand(n, -1)], dim=1)
+            weights = torch.cat([weights, weights.new_ones(n, self.num_fused_shared)], dim=1)
+        return weights, ids
+
+    def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts(hidden)

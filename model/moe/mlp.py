@@ -1,0 +1,21 @@
+"""The SwiGLU MLP used by dense layers and by (unfused) shared experts: gate and up fused."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    """`down(silu(gate(x)) * up(x))` with `gate_up_proj` = [gate_proj ; up_proj] `[2I, H]`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,140 @@
+"""`ModelRunner`: the one object workers and the offline engine call to run the model.
+
+It owns the model, the paged latent `KVPool` and the `AttentionPolicy`; callers own page
+allocation (through `runner.kv_pool.alloc/free`) and pass each request's page list in.
+
+    runner = ModelRunner(RunnerConfig(model="/models/DeepSeek-V2-Lite", dtype="bfloat16", device="cuda"))
+    pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(prompt) + max_new))
+    logits = runner.extend([ExtendSeq(prompt, prefix_len=0, pages=pages)])      # [1, vocab] fp32
+    logits = runner.decode([DecodeSeq(next_id, position=len(prompt), pages=pages)])
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.attention.policy import AttentionPolicy
+from deepseek_pd.model.build_options import BuildOptions
+from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.deepseek import DeepseekForCausalLM
+from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.kv_pool import KVPool
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How to run a model. `dtype="auto"` takes the checkpoint's dtype (fp32 on CPU)."""
+
+    model: str = "tiny"
+    dtype: str = "auto"
+    device: str = "cpu"
+    page_size: int = 16
+    num_pages: int = 1024
+    attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
+    mha_chunked_kv_threshold: int = 256
+    prefix_chunk_size: int = 8192
+    num_fused_shared_experts: int = 0
+    attention_backend: str = "torch"
+    moe_backend: str = "torch"
+    dispatcher: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise UserError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if self.page_size < 1 or self.num_pages < 1:
+            raise UserError(f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}")
+        AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
+
+    def resolve_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        return torch.float32 if self.device == "cpu" else _DTYPES[model_config.torch_dtype]
+
+    def build_options(self, model_config: ModelConfig) -> BuildOptions:
+        return BuildOptions(
+            dtype=self.resolve_dtype(model_config), device=self.device, attention_backend=self.attention_backend,
+            moe_backend=self.moe_backend, dispatcher=self.dispatcher,
+            num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size)
+
+
+@dataclass(frozen=True)
+class ExtendSeq:
+    """New tokens at positions prefix_len..prefix_len+len-1; the prefix's KV is already in `pages`."""
+
+    token_ids: Sequence[int]
+    prefix_len: int
+    pages: Sequence[int]
+
+
+@dataclass(frozen=True)
+class DecodeSeq:
+    """One new token at `position` (= number of tokens already cached)."""
+
+    token_id: int
+    position: int
+    pages: Sequence[int]
+
+
+@dataclass
+class ModelRunner:
+    config: RunnerConfig
+    model: DeepseekForCausalLM | None = None
+    kv_pool: KVPool = field(init=False)
+    policy: AttentionPolicy = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = _load_model(self.config)
+        model_config = self.model.config
+        options = self.model.options
+        self.policy = AttentionPolicy(self.config.attention_method, self.config.mha_chunked_kv_threshold)
+        self.kv_pool = KVPool(model_config.num_hidden_layers, self.config.num_pages, self.config.page_size,
+                              model_config.kv_cache_dim, dtype=options.dtype, device=options.device)
+        log.info("KV pool: %d pages x %d tokens, %d bytes/token (%d layers x %d x %d)", self.config.num_pages,
+                 self.config.page_size, self.kv_pool.bytes_per_token, model_config.num_hidden_layers,
+                 model_config.kv_cache_dim, self.kv_pool.buffers[0].element_size())
+
+    @classmethod
+    def from_model(cls, model: DeepseekForCausalLM, config: RunnerConfig | None = None) -> "ModelRunner":
+        """A runner around an in-memory model (tests, tools); `config.model`/`dtype`/`device` are ignored."""
+        return cls(config or RunnerConfig(model="<in-memory>"), model)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    def _run(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
+             pages: list[Sequence[int]]) -> torch.Tensor:
+        batch = ForwardBatch.build(mode, token_ids, prefix_lens, pages, self.kv_pool,
+                                   self.model_config.vocab_size, self.model.options.device)
+        batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
+        return self.model(batch)
+
+    def extend(self, seqs: Sequence[ExtendSeq]) -> torch.Tensor:
+        """fp32 logits `[len(seqs), vocab]` of each sequence's last new token."""
+        return self._run(ForwardMode.EXTEND, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
+                         [s.pages for s in seqs])
+
+    def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        """fp32 logits `[len(seqs), vocab]` for one new token per sequence."""
+        return self._run(ForwardMode.DECODE, [[s.token_id] for s in seqs], [s.position for s in seqs],
+                         [s.pages for s in seqs])
+
+
+def _load_model(config: RunnerConfig) -> DeepseekForCausalLM:
+    from deepseek_pd.model.loader import iter_checkpoint_tensors
+    from deepseek_pd.model.tiny import resolve_model_path
+
+    directory = resolve_model_path(config.model)  # "tiny" → the generated, cached checkpoint
+    model_config = ModelConfig.from_hf(directory)
+    options = config.build_options(model_config)
+    model = DeepseekForCausalLM(model_config, options)
+    model.load_weights(iter_checkpoint_tensors(directory, model_config, fp8_dtype=options.dtype))
+    return model.eval()

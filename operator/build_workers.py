@@ -1,0 +1,232 @@
+"""Pure builders for the worker children of one role: ConfigMap, per-group StatefulSet and Service.
+
+A group is one model replica spread over `size` pods; the StatefulSet's pod index is the rank.
+Pods get the LeaderWorkerSet env names (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX) so
+images written for LWS work unchanged, plus DEEPSEEK_PD_* names for our own worker.
+
+The StatefulSet uses `updateStrategy: OnDelete`: the operator, not the StatefulSet controller,
+decides when a group's pods are replaced, so a group always restarts as a whole.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from deepseek_pd.operator import names
+from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
+
+Manifest = dict[str, Any]
+
+DIST_INIT_PORT = 5757  # torch.distributed rendezvous on rank 0 of a multi-node group
+PROBE_PERIOD_SECONDS = 10
+# Rank 0 serves gRPC; other ranks only run model shards, so they count as ready while alive.
+_PORT_PROBE = ("import os, socket, sys\n"
+               "if os.environ.get('LWS_WORKER_INDEX', '0') == '0':\n"
+               "    socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=2).close()\n")
+
+
+def build_worker_config(spec: DeploymentSpec, role: RoleSpec) -> dict[str, Any]:
+    """The rendered worker configuration, mounted at /etc/deepseek-pd/worker.json."""
+    return {
+        "role": role.role,
+        "model": spec.model.path,
+        "servedName": spec.model.served_name,
+        "port": role.port,
+        "bootstrapPort": role.bootstrap_port if role.role == "prefill" else None,
+        "groupSize": role.size,
+        "gpusPerPod": role.gpus_per_pod,
+        "parallelism": {"tp": role.parallelism.tp, "dp": role.parallelism.dp,
+                        "ep": role.parallelism.ep},
+        "deepepMode": role.deepep_mode,
+        "kvTransfer": {"backend": spec.kv_transfer.backend, "protocol": spec.kv_transfer.protocol,
+                       "devices": list(spec.kv_transfer.devices)},
+        "engineArgs": list(role.engine_args),
+    }
+
+
+def build_worker_configmap(spec: DeploymentSpec, role: RoleSpec) -> Manifest:
+    config = build_worker_config(spec, role)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": names.config_map_name(spec.name, role.role),
+            "namespace": spec.namespace,
+            "labels": {**names.base_labels(spec.name, role.role), names.LABEL_ROLE: role.role},
+        },
+        "data": {names.WORKER_CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)},
+    }
+
+
+def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
+    """`deepseek-pd serve <role>` flags; $(VAR) is expanded by the kubelet from the pod env."""
+    args = ["serve", role.role, "--model", spec.model.path,
+            "--served-model-name", spec.model.served_name, "--host", "0.0.0.0",
+            "--port", str(role.port), "--kv-transport", spec.kv_transfer.backend,
+            "--device", "cuda" if role.gpus_per_pod else "cpu"]
+    if role.role == "prefill":
+        args += ["--bootstrap-port", str(role.bootstrap_port)]
+    par = role.parallelism
+    for flag, value in (("--tp", par.tp), ("--dp", par.dp), ("--ep", par.ep)):
+        if value > 1:
+            args += [flag, str(value)]
+    if par.ep > 1 and role.deepep_mode != "none":
+        args += ["--deepep-mode", role.deepep_mode]
+    if role.size > 1:
+        args += ["--nnodes", str(role.size), "--node-rank", "$(LWS_WORKER_INDEX)",
+                 "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{DIST_INIT_PORT}"]
+    return args + list(role.engine_args)
+
+
+def _env(spec: DeploymentSpec, role: RoleSpec, index: int) -> list[dict[str, Any]]:
+    leader = names.leader_address(spec.name, role.role, index, spec.namespace)
+    pod_index = {"valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{names.LABEL_POD_INDEX}']"}}}
+    env = [
+        {"name": "LWS_LEADER_ADDRESS", "value": leader},
+        {"name": "LWS_GROUP_SIZE", "value": str(role.size)},
+        {"name": "LWS_WORKER_INDEX", **pod_index},
+        {"name": "DEEPSEEK_PD_ROLE", "value": role.role},
+        {"name": "DEEPSEEK_PD_GROUP_INDEX", "value": str(index)},
+        {"name": "DEEPSEEK_PD_WORKER_CONFIG",
+         "value": f"{names.WORKER_CONFIG_DIR}/{names.WORKER_CONFIG_FILE}"},
+        {"name": "DEEPSEEK_PD_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    if spec.kv_transfer.backend == "mooncake":
+        # Mooncake's own knobs; users add MC_GID_INDEX etc. through spec.env.
+        env.append({"name": "MC_FORCE_TCP", "value": "false" if spec.rdma_enabled else "true"})
+        if spec.kv_transfer.devices:
+            env.append({"name": "DEEPSEEK_PD_KV_DEVICES", "value": ",".join(spec.kv_transfer.devices)})
+    if spec.model.hf_token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": spec.model.hf_token_secret, "key": "HF_TOKEN"}}})
+    return env + [dict(e) for e in spec.env] + [dict(e) for e in role.env]
+
+
+def _resources(spec: DeploymentSpec, role: RoleSpec) -> dict[str, Any]:
+    limits = dict(role.resources.get("limits", {}))
+    requests = dict(role.resources.get("requests", {}))
+    if role.gpus_per_pod:
+        limits["nvidia.com/gpu"] = requests["nvidia.com/gpu"] = str(role.gpus_per_pod)
+    if spec.rdma_enabled and spec.rdma.resource_name:
+        rdma_count = str(spec.rdma.resources_per_pod)
+        limits[spec.rdma.resource_name] = requests[spec.rdma.resource_name] = rdma_count
+    out = {}
+    if limits:
+        out["limits"] = limits
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def _probe(role: RoleSpec, failure_threshold: int) -> dict[str, Any]:
+    return {
+        "exec": {"command": ["python3", "-c", _PORT_PROBE, str(role.port)]},
+        "periodSeconds": PROBE_PERIOD_SECONDS,
+        "timeoutSeconds": 5,
+        "failureThreshold": failure_threshold,
+    }
+
+
+def _ports(role: RoleSpec) -> list[dict[str, Any]]:
+    ports = [{"name": "grpc", "containerPort": role.port, "protocol": "TCP"},
+             {"name": "dist-init", "containerPort": DIST_INIT_PORT, "protocol": "TCP"}]
+    if role.role == "prefill":
+        ports.append({"name": "bootstrap", "containerPort": role.bootstrap_port, "protocol": "TCP"})
+    return ports
+
+
+def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revision: str) -> Manifest:
+    """The pod template of group `index`: worker container, probes, volumes, scheduling."""
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["deepseek-pd"],
+        "args": build_worker_args(spec, role),
+        "env": _env(spec, role, index),
+        "ports": _ports(role),
+        "resources": _resources(spec, role),
+        "startupProbe": _probe(role, math.ceil(role.startup_timeout_seconds / PROBE_PERIOD_SECONDS)),
+        "readinessProbe": _probe(role, 3),
+        "livenessProbe": _probe(role, 6),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "worker-config", "mountPath": names.WORKER_CONFIG_DIR, "readOnly": True}],
+    }
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shared_memory_size}},
+        {"name": "worker-config", "configMap": {"name": names.config_map_name(spec.name, role.role)}},
+    ]
+    if spec.model.volume is not None:
+        volumes.append({"name": "model", **spec.model.volume})
+        container["volumeMounts"].append({"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True})
+    if spec.rdma_enabled and spec.rdma.capabilities:
+        container["securityContext"] = {"capabilities": {"add": list(spec.rdma.capabilities)}}
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 60,
+        "enableServiceLinks": False,
+    }
+    scheduling = spec.scheduling
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        if scheduling.get(key):
+            pod_spec[key] = scheduling[key]
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    if spec.rdma_enabled and spec.rdma.host_network:
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    annotations = {names.ANNOTATION_REVISION: revision}
+    if role.role == "prefill":
+        annotations[names.ANNOTATION_BOOTSTRAP_PORT] = str(role.bootstrap_port)
+    labels = {**names.base_labels(spec.name, role.role),
+              **names.group_selector(spec.name, role.role, index), names.LABEL_REVISION: revision}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def build_group_statefulset(spec: DeploymentSpec, role_name: str, index: int) -> Manifest:
+    role = spec.role(role_name)
+    revision = spec.role_revision(role_name)
+    group = names.group_name(spec.name, role_name, index)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": group,
+            "namespace": spec.namespace,
+            "labels": {**names.base_labels(spec.name, role_name),
+                       **names.group_selector(spec.name, role_name, index), names.LABEL_REVISION: revision},
+            "annotations": {names.ANNOTATION_REVISION: revision},
+        },
+        "spec": {
+            "serviceName": group,
+            "replicas": role.size,
+            "podManagementPolicy": "Parallel",  # ranks rendezvous with each other; start them together
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": names.group_selector(spec.name, role_name, index)},
+            "template": build_pod_template(spec, role, index, revision),
+        },
+    }
+
+
+def build_group_service(spec: DeploymentSpec, role_name: str, index: int) -> Manifest:
+    """Headless, publishing not-ready pods: ranks must resolve the leader before it is Ready."""
+    role = spec.role(role_name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": names.group_name(spec.name, role_name, index),
+            "namespace": spec.namespace,
+            "labels": {**names.base_labels(spec.name, role_name),
+                       **names.group_selector(spec.name, role_name, index)},
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": names.group_selector(spec.name, role_name, index),
+            "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"],
+                       "protocol": "TCP"} for p in _ports(role)],
+        },
+    }

@@ -1,0 +1,116 @@
+"""The DeepSeekDeployment CustomResourceDefinition, built as a dict from `crd_spec.spec_schema()`.
+
+`deepseek-pd operator crd` prints it; `charts/crds/deepseekdeployments.yaml` is that output,
+and tests/charts checks the two are identical, so the schema is edited in one place only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from deepseek_pd.operator import names
+from deepseek_pd.operator.crd_spec import spec_schema
+from deepseek_pd.operator.schema_types import Schema, array, integer, obj, rule, string
+
+CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec")
+PHASES = ("Pending", "Progressing", "Available", "Degraded", "Failed")
+
+
+def _role_status(role: str) -> Schema:
+    return obj(f"Observed {role} groups.", {
+        "replicas": integer("Groups that exist (including surge groups during a rollout)."),
+        "readyReplicas": integer("Groups whose every pod is Ready."),
+        "updatedReplicas": integer("Groups running the current revision."),
+        "ready": string("readyReplicas/desired, for `kubectl get`."),
+        "revision": string("Hash of the current pod template of this role."),
+    })
+
+
+def status_schema() -> Schema:
+    condition = obj("A standard metav1.Condition.", {
+        "type": string("Condition type.", enum=list(CONDITION_TYPES)),
+        "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": string("CamelCase reason."),
+        "message": string("Human-readable detail."),
+        "lastTransitionTime": {"type": "string", "format": "date-time",
+                               "description": "When status last changed."},
+        "observedGeneration": integer("Generation the condition was computed from."),
+    }, required=["type", "status"])
+    return obj("Observed state, written by the operator only.", {
+        "phase": string("Summary: " + ", ".join(PHASES) + ".", enum=list(PHASES)),
+        "observedGeneration": {"type": "integer", "format": "int64",
+                               "description": "metadata.generation this status describes."},
+        "conditions": {**array("Available, Progressing, Degraded, InvalidSpec.", condition),
+                       "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        "prefill": _role_status("prefill"),
+        "decode": _role_status("decode"),
+        "routerEndpoint": string("In-cluster URL of the router's OpenAI-compatible API."),
+        "routerReadyReplicas": integer("Ready router pods."),
+    })
+
+
+def _printer_columns() -> list[dict[str, Any]]:
+    return [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.ready",
+         "description": "Ready/desired prefill groups"},
+        {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready",
+         "description": "Ready/desired decode groups"},
+        {"name": "Router", "type": "string", "jsonPath": ".status.routerEndpoint"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def root_schema() -> Schema:
+    """The whole object's openAPIV3Schema, including the root rule on metadata.name."""
+    return {
+        "type": "object",
+        "description": "A DeepSeek-V2/V3 deployment with disaggregated prefill and decode.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+        "required": ["spec"],
+        "x-kubernetes-validations": [rule(
+            f"size(self.metadata.name) <= {names.MAX_NAME_LENGTH}",
+            f"metadata.name must be at most {names.MAX_NAME_LENGTH} characters (child names append "
+            "-<role>-<group>-<rank>)", ".metadata.name")],
+    }
+
+
+def build_crd() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": names.CRD_NAME, "labels": {names.LABEL_NAME: names.APP_NAME}},
+        "spec": {
+            "group": names.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": names.KIND,
+                "listKind": f"{names.KIND}List",
+                "plural": names.PLURAL,
+                "singular": names.SINGULAR,
+                "shortNames": list(names.SHORT_NAMES),
+                "categories": ["all"],
+            },
+            "versions": [{
+                "name": names.VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": root_schema()},
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": _printer_columns(),
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """The CRD as the chart ships it (block style, key order preserved)."""
+    header = "# Generated by `deepseek-pd operator crd` from deepseek_pd/operator/crd_spec.py. Do not edit.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)

@@ -1,0 +1,217 @@
+"""The OpenAPI v3 schema of `DeepSeekDeployment.spec`: the single source of fields and defaults.
+
+The CRD (`crd.py`), the in-operator validation (`validation.py`) and the defaults the operator
+applies when an API server did not (`defaults.py`) all read this one tree.
+
+Parallelism, worked example (DeepSeek-V3 decode on 2 nodes of 8 H200):
+    size=2, gpusPerPod=8  -> world = 16 GPUs per group
+    tp=1, dp=16, ep=16    -> DP attention on 16 ranks, experts spread over 16 ranks (256/16 = 16 each)
+    tp*dp must equal world; ep must divide world and the routed-expert count.
+"""
+from __future__ import annotations
+
+from deepseek_pd.operator.schema_types import (
+    Schema, array, boolean, int_or_percent, integer, obj, opaque_object, quantity,
+    resource_requirements, rule, string, string_map,
+)
+
+# Flags the operator renders itself; engineArgs may not repeat them (two values, one wins silently).
+MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp", "dp", "ep",
+                 "served-model-name", "device", "nnodes", "node-rank", "dist-init-addr", "deepep-mode")
+_MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
+_WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
+
+
+def _is_zero(field: str) -> str:
+    return f"(type({field}) == string ? {field} == '0%' : {field} == 0)"
+
+
+def _rollout_strategy() -> Schema:
+    return obj(
+        "How a spec change rolls through the groups; whole groups are replaced, one budget at a time.",
+        {
+            "maxSurge": int_or_percent(
+                "Extra groups (or % of replicas, rounded up) created with the new revision during a "
+                "rollout, so old groups can be replaced without losing capacity.", default=0),
+            "maxUnavailable": int_or_percent(
+                "Groups (or % of replicas, rounded down) that may be down at once during a rollout.",
+                default=1),
+        },
+        rules=[rule(f"!({_is_zero('self.maxSurge')} && {_is_zero('self.maxUnavailable')})",
+                    "maxSurge and maxUnavailable cannot both be 0: the rollout could never start",
+                    ".maxUnavailable")],
+        default={},
+    )
+
+
+def _parallelism() -> Schema:
+    return obj("How the ranks of one group split the model.", {
+        "tp": integer("Tensor-parallel width of attention. Default: (size * gpusPerPod) / dp.",
+                      minimum=1, maximum=1024),
+        "dp": integer("Data-parallel attention replicas inside the group (DP attention).",
+                      minimum=1, maximum=1024, default=1),
+        "ep": integer("Expert-parallel width of the MoE layers.", minimum=1, maximum=1024, default=1),
+    }, default={})
+
+
+def role_schema(role: str) -> Schema:
+    """Prefill and decode share one shape; names follow LeaderWorkerSet where they overlap."""
+    return obj(
+        f"The {role} workers: `replicas` groups of `size` pods each (a gang; pod index = rank).",
+        {
+            "replicas": integer("Number of groups (model replicas).", minimum=0, maximum=1000, default=1),
+            "size": integer("Pods per group (nodes one model replica spans).", minimum=1, maximum=64,
+                            default=1),
+            "gpusPerPod": integer("GPUs requested per pod (nvidia.com/gpu); 0 runs on CPU.",
+                                  minimum=0, maximum=16, default=8),
+            "parallelism": _parallelism(),
+            "deepepMode": string("DeepEP all-to-all mode for expert parallelism.",
+                                 enum=["none", "auto", "normal", "low_latency"], default="auto"),
+            "engineArgs": array("Extra `deepseek-pd serve` flags, e.g. --chunked-prefill-size=8192.",
+                                string("One argument.", max_length=4096), default=[], max_items=200),
+            "env": array("Extra environment variables (core EnvVar objects).",
+                         opaque_object("An EnvVar."), default=[]),
+            "resources": resource_requirements(
+                "Extra resource requests/limits; GPUs and the RDMA resource are added from the spec."),
+            "port": integer("gRPC port of the SglangScheduler service.", minimum=1, maximum=65535,
+                            default=30000),
+            "bootstrapPort": integer("Prefill bootstrap (KV handshake) port; unused by decode.",
+                                     minimum=1, maximum=65535, default=8998),
+            "startupTimeoutSeconds": integer(
+                "How long a pod may take to load weights before the startup probe fails it.",
+                minimum=60, maximum=86400, default=3600),
+            "rolloutStrategy": _rollout_strategy(),
+            "restartPolicy": string(
+                "RecreateGroupOnPodRestart: a failed or restarted pod recreates its whole group "
+                "(ranks of one model replica live and die together). None: leave the group alone.",
+                enum=["RecreateGroupOnPodRestart", "None"], default="RecreateGroupOnPodRestart"),
+        },
+        rules=[
+            rule(f"has(self.parallelism.tp) ? self.parallelism.tp * self.parallelism.dp == {_WORLD}"
+                 f" : {_WORLD} % self.parallelism.dp == 0",
+                 "parallelism.tp * parallelism.dp must equal size * gpusPerPod (GPUs per group; 1 "
+                 "process per pod when gpusPerPod is 0)", ".parallelism"),
+            rule(f"{_WORLD} % self.parallelism.ep == 0",
+                 "parallelism.ep must divide size * gpusPerPod", ".parallelism.ep"),
+            rule("self.deepepMode in ['none', 'auto'] || self.gpusPerPod > 0",
+                 "deepepMode normal/low_latency needs GPUs (gpusPerPod > 0)", ".deepepMode"),
+            rule(f"self.engineArgs.all(a, !a.matches('{_MANAGED_FLAG_REGEX}'))",
+                 "engineArgs must not set flags the operator manages: --"
+                 + ", --".join(MANAGED_FLAGS), ".engineArgs"),
+        ],
+        default={},
+    )
+
+
+def _model() -> Schema:
+    source = obj("Where the weights come from: exactly one of pvc, hostPath, huggingFace.", {
+        "pvc": obj("A PersistentVolumeClaim holding the checkpoint (mounted read-only).", {
+            "claimName": string("Name of the claim in the deployment's namespace.", min_length=1),
+        }, required=["claimName"]),
+        "hostPath": obj("A directory present on every node.", {
+            "path": string("Absolute path on the node.", pattern="^/"),
+        }, required=["path"]),
+        "huggingFace": obj("A Hugging Face Hub model id, downloaded by each pod at start.", {
+            "id": string("Repository id, e.g. deepseek-ai/DeepSeek-V3.", min_length=1),
+            "revision": string("Branch, tag or commit.", default="main"),
+            "tokenSecret": string("Secret with key HF_TOKEN for gated models."),
+        }, required=["id"]),
+    }, rules=[rule("(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0)"
+                   " + (has(self.huggingFace) ? 1 : 0) == 1",
+                   "model.source needs exactly one of pvc, hostPath, huggingFace")])
+    return obj("The checkpoint to serve.", {
+        "source": source,
+        "path": string("Checkpoint directory inside the pvc/hostPath volume ('' = its root).",
+                       default="", pattern="^[^/]|^$"),
+        "servedName": string("Model name clients put in requests (`model` field).", default="deepseek",
+                             min_length=1, max_length=253),
+        "numRoutedExperts": integer("Routed experts (n_routed_experts) of the checkpoint; when given,"
+                                    " every role's ep must divide it. DeepSeek-V3: 256.", minimum=1),
+    }, required=["source"])
+
+
+def _kv_transfer() -> Schema:
+    return obj("How prefill writes latent KV into decode's pages.", {
+        "backend": string("mooncake (TransferEngine, zero-copy) or grpc (streamed over the bootstrap "
+                          "port, no extra dependency).", enum=["mooncake", "grpc"], default="mooncake"),
+        "protocol": string("Mooncake transport: rdma (GPUDirect, production) or tcp.",
+                           enum=["rdma", "tcp"], default="tcp"),
+        "devices": array("RDMA NICs Mooncake may use, e.g. [mlx5_0, mlx5_1]; empty = all.",
+                         string("A device name.", min_length=1), default=[]),
+    }, rules=[
+        rule("self.protocol == 'tcp' || self.backend == 'mooncake'",
+             "kvTransfer.protocol rdma needs backend mooncake", ".protocol"),
+        rule("size(self.devices) == 0 || self.protocol == 'rdma'",
+             "kvTransfer.devices only applies to protocol rdma", ".devices"),
+    ], default={})
+
+
+def _router() -> Schema:
+    return obj("The sgl-model-gateway in PD mode, finding workers through Kubernetes service discovery.", {
+        "replicas": integer("Router pods.", minimum=0, maximum=100, default=1),
+        "policy": string("Load-balancing policy for both roles.",
+                         enum=["random", "round_robin", "cache_aware", "power_of_two"],
+                         default="cache_aware"),
+        "port": integer("HTTP port of the OpenAI-compatible API.", minimum=1, maximum=65535,
+                        default=8000),
+        "serviceType": string("Type of the router Service.",
+                              enum=["ClusterIP", "NodePort", "LoadBalancer"], default="ClusterIP"),
+        "image": string("Router image; default: spec.image."),
+        "resources": resource_requirements("Router container resources."),
+        "extraArgs": array("Extra launch_router flags.", string("One argument."), default=[]),
+    }, default={})
+
+
+def _scheduling() -> Schema:
+    return obj("Where worker pods may run (applied to both roles).", {
+        "nodeSelector": string_map("Node labels a worker node must have."),
+        "tolerations": array("Tolerations (core Toleration objects).", opaque_object("A toleration.")),
+        "affinity": opaque_object("Core Affinity object."),
+        "priorityClassName": string("PriorityClass of worker pods."),
+    }, default={})
+
+
+def _rdma() -> Schema:
+    return obj("RDMA access for Mooncake (used when kvTransfer.protocol is rdma).", {
+        "resourceName": string("Device-plugin resource that exposes the HCAs, e.g. rdma/ib or "
+                               "nvidia.com/hostdev; unset when the nodes use host networking."),
+        "resourcesPerPod": integer("How many of resourceName each pod requests.", minimum=1,
+                                   default=1),
+        "capabilities": array("Linux capabilities added to worker containers (IPC_LOCK pins "
+                              "registered memory).", string("A capability.", pattern="^[A-Z_]+$"),
+                              default=["IPC_LOCK"]),
+        "hostNetwork": boolean("Run worker pods on the host network (RoCE without a CNI plugin).",
+                               default=False),
+    }, default={})
+
+
+def spec_schema() -> Schema:
+    """`DeepSeekDeployment.spec`, with cross-field CEL rules."""
+    return obj("Desired state of a prefill/decode-disaggregated DeepSeek deployment.", {
+        "model": _model(),
+        "image": string("Worker image (installs deepseek-pd).", min_length=1),
+        "imagePullPolicy": string("Image pull policy of every container.",
+                                  enum=["Always", "IfNotPresent", "Never"], default="IfNotPresent"),
+        "imagePullSecrets": array("Secrets for pulling the images.", obj("A Secret reference.", {
+            "name": string("Secret name.", min_length=1)}, required=["name"]), default=[]),
+        "prefill": role_schema("prefill"),
+        "decode": role_schema("decode"),
+        "kvTransfer": _kv_transfer(),
+        "router": _router(),
+        "scheduling": _scheduling(),
+        "sharedMemorySize": quantity("Size of the memory-backed /dev/shm (NCCL, DeepEP buffers).",
+                                     default="16Gi"),
+        "rdma": _rdma(),
+        "env": array("Environment variables for every worker pod (core EnvVar objects), e.g. "
+                     "MC_GID_INDEX.", opaque_object("An EnvVar."), default=[]),
+    }, required=["model", "image"], rules=[
+        rule("self.prefill.port == self.decode.port",
+             "prefill.port and decode.port must be equal: the router's service discovery uses one "
+             "port for every worker", ".decode.port"),
+        rule("!has(self.model.numRoutedExperts) || "
+             "self.model.numRoutedExperts % self.prefill.parallelism.ep == 0",
+             "prefill.parallelism.ep must divide model.numRoutedExperts", ".prefill.parallelism.ep"),
+        rule("!has(self.model.numRoutedExperts) || "
+             "self.model.numRoutedExperts % self.decode.parallelism.ep == 0",
+             "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
+    ])

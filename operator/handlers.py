@@ -1,0 +1,111 @@
+"""The kopf wiring: thin handlers that call `Reconciler` and write `status` explicitly.
+
+Kubernetes is edge-triggered; pods failing do not touch the DeepSeekDeployment, so besides the
+create/update/resume handlers a timer re-runs the same idempotent pass every `resync_seconds`.
+All of them serialise on a per-object lock, and they return None: kopf's per-handler result
+storage (`status.<handler>`) is never used, so renaming a function cannot change the API.
+kopf's own bookkeeping goes to annotations, leaving `status` to the documented fields.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import kopf
+
+from deepseek_pd.operator import names
+from deepseek_pd.operator.kube import KubeClient
+from deepseek_pd.operator.reconcile import Reconciler
+
+LoginFn = Callable[..., kopf.ConnectionInfo | None]
+
+
+def default_login(*, settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo:
+    """In-cluster service account first, then ~/.kube/config (for running the operator locally)."""
+    info = kopf.login_with_service_account(settings=settings, **kwargs) or \
+        kopf.login_with_kubeconfig(settings=settings, **kwargs)
+    if info is None:
+        raise kopf.LoginError("no service account token and no kubeconfig found")
+    return info
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """How the operator runs; built once by `deepseek-pd operator run` (or a test)."""
+
+    resync_seconds: float = 10.0
+    login: LoginFn = default_login
+
+
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    resource = (names.GROUP, names.VERSION, names.PLURAL)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return config.login(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.persistence.finalizer = f"{names.GROUP}/finalizer"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=names.GROUP, key="last-handled-configuration")
+        settings.posting.level = logging.WARNING
+        memo.client = KubeClient(functools.partial(config.login, settings=settings,
+                                                   logger=logging.getLogger(__name__)))
+        memo.reconciler = Reconciler(memo.client)
+        memo.locks = {}
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        await memo.client.close()
+
+    async def run_pass(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
+                       logger: logging.Logger) -> None:
+        lock = memo.locks.setdefault(body.metadata.uid, asyncio.Lock())
+        async with lock:
+            status = await memo.reconciler.reconcile(dict(body), logger)
+        current = dict(body.get("status") or {})
+        for key, value in status.items():
+            if current.get(key) != value:  # write only what changed: no churn in steady state
+                patch.status[key] = value
+
+    @kopf.on.resume(*resource, registry=registry)
+    @kopf.on.create(*resource, registry=registry)
+    @kopf.on.update(*resource, registry=registry)
+    async def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
+                        logger: logging.Logger, **_: Any) -> None:
+        await run_pass(body, patch, memo, logger)
+
+    @kopf.timer(*resource, interval=config.resync_seconds, registry=registry)
+    async def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
+                     logger: logging.Logger, **_: Any) -> None:
+        if body.metadata.deletion_timestamp is None:
+            await run_pass(body, patch, memo, logger)
+
+    @kopf.on.delete(*resource, registry=registry)
+    async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        lock = memo.locks.setdefault(body.metadata.uid, asyncio.Lock())
+        async with lock:
+            await memo.reconciler.delete_children(body.metadata.namespace, body.metadata.name, logger)
+        memo.locks.pop(body.metadata.uid, None)
+
+    return registry
+
+
+async def run_operator(config: OperatorConfig, *, namespaces: tuple[str, ...] = (),
+                       stop_flag: Any = None, ready_flag: Any = None) -> None:
+    """Runs until stop_flag is set (or forever). No namespaces means cluster-wide."""
+    await kopf.operator(
+        registry=build_registry(config),
+        standalone=True,  # one replica (Recreate strategy); no peering objects needed
+        clusterwide=not namespaces,
+        namespaces=list(namespaces),
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+        memo=kopf.Memo(),
+    )

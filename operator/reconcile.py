@@ -1,0 +1,118 @@
+"""One reconcile pass: parse the spec, observe the children, plan per role, execute, report status.
+
+Everything decided here comes from the pure modules (spec, builders, planner, status); this file
+only sequences them around the I/O. A pass is idempotent, so handlers and the resync timer may
+call it as often as they like.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+from deepseek_pd.operator import names
+from deepseek_pd.operator.build_router import (
+    build_router_deployment, build_router_role, build_router_role_binding, build_router_service,
+    build_router_service_account, router_endpoint,
+)
+from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
+from deepseek_pd.operator.executor import Executor, Key, Manifest
+from deepseek_pd.operator.kube import KubeClient
+from deepseek_pd.operator.observed import groups_of_role
+from deepseek_pd.operator.planner import RolePlan, RoleTarget, plan_role
+from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
+from deepseek_pd.operator.status import RouterState, build_invalid_status, build_status
+
+# Every kind the operator creates, in the order it cleans them up (pods last: owners go first).
+OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "RoleBinding", "Role",
+               "ServiceAccount", "Pod")
+# Kinds whose children are fully described by build_static_children (+ group Services).
+STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment")
+
+
+def build_static_children(spec: DeploymentSpec) -> list[Manifest]:
+    """Children that do not depend on the observed state: worker configs and the router."""
+    return [
+        build_worker_configmap(spec, spec.prefill),
+        build_worker_configmap(spec, spec.decode),
+        build_router_service_account(spec),
+        build_router_role(spec),
+        build_router_role_binding(spec),
+        build_router_deployment(spec),
+        build_router_service(spec),
+    ]
+
+
+def role_target(spec: DeploymentSpec, role: str) -> RoleTarget:
+    role_spec = spec.role(role)
+    surge, unavailable = role_spec.rollout.resolve(role_spec.replicas)
+    return RoleTarget(role=role, replicas=role_spec.replicas, size=role_spec.size,
+                      revision=spec.role_revision(role), max_surge=surge,
+                      max_unavailable=unavailable,
+                      recreate_group_on_restart=role_spec.recreate_group_on_restart)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Reconciler:
+    def __init__(self, client: KubeClient) -> None:
+        self._client = client
+
+    async def observe(self, namespace: str, name: str) -> dict[Key, Manifest]:
+        observed: dict[Key, Manifest] = {}
+        for kind in OWNED_KINDS:
+            for obj in await self._client.list(kind, namespace, {names.LABEL_DEPLOYMENT: name}):
+                observed[(kind, obj["metadata"]["name"])] = obj
+        return observed
+
+    async def reconcile(self, body: dict[str, Any],
+                        logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+        """Brings the children towards the spec; returns the status to write."""
+        meta = body["metadata"]
+        name, namespace = meta["name"], meta["namespace"]
+        generation = meta.get("generation")
+        previous = dict(body.get("status") or {})
+        try:
+            spec = DeploymentSpec.parse(name, namespace, dict(body.get("spec") or {}))
+        except InvalidSpecError as exc:
+            logger.error("invalid spec, children left unchanged: %s", exc)
+            return build_invalid_status(str(exc), generation, previous, _now())
+
+        observed = await self.observe(namespace, name)
+        executor = Executor(self._client, body, spec, observed, logger)
+        statefulsets = [o for (k, _), o in observed.items() if k == "StatefulSet"]
+        pods = [o for (k, _), o in observed.items() if k == "Pod"]
+        plans: dict[str, RolePlan] = {}
+        targets = {role: role_target(spec, role) for role in names.ROLES}
+        for role in names.ROLES:
+            plans[role] = plan_role(targets[role], groups_of_role(role, statefulsets, pods))
+
+        desired = build_static_children(spec)
+        for role, plan in plans.items():
+            desired += [build_group_service(spec, role, i) for i in sorted(plan.group_indices)]
+        for manifest in desired:
+            await executor.apply(manifest)
+        for plan in plans.values():
+            for action in plan.actions:
+                await executor.run(action)
+        wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
+        for kind, child in sorted(observed):
+            if kind in STATIC_KINDS and (kind, child) not in wanted:
+                await executor.delete(kind, child)
+
+        router_obj = observed.get(("Deployment", names.router_name(name)), {})
+        router = RouterState(desired=spec.router.replicas,
+                             ready=int((router_obj.get("status") or {}).get("readyReplicas") or 0),
+                             endpoint=router_endpoint(spec))
+        floors = {r: t.replicas - t.max_unavailable for r, t in targets.items()}
+        revisions = {r: t.revision for r, t in targets.items()}
+        return build_status(plans, revisions, floors, router, generation, previous, _now())
+
+    async def delete_children(self, namespace: str, name: str,
+                              logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """Explicit cleanup on CR deletion; owner references would do it too, but later."""
+        for kind, child in (await self.observe(namespace, name)):
+            if await self._client.delete(kind, namespace, child):
+                logger.info("deleted %s %s", kind, child)

@@ -1,0 +1,217 @@
+"""The DeepSeekDeployment spec as frozen dataclasses: parsed once, after defaulting and validation.
+
+`DeploymentSpec.parse(name, namespace, raw_spec)` raises `InvalidSpecError` naming the first bad
+field; builders and the planner only ever see a spec that is whole and consistent.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.operator import names
+from deepseek_pd.operator.crd_spec import spec_schema
+from deepseek_pd.operator.defaults import apply_defaults
+from deepseek_pd.operator.validation import Violation, validate_spec
+
+
+class InvalidSpecError(UserError):
+    """A spec the operator cannot act on; `violations` name every bad field."""
+
+    def __init__(self, violations: list[Violation]) -> None:
+        self.violations = violations
+        super().__init__("; ".join(str(v) for v in violations))
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp: int
+    dp: int
+    ep: int
+
+
+@dataclass(frozen=True)
+class RolloutStrategy:
+    """Resolved to group counts for a given number of replicas (percentages as in Deployments)."""
+
+    max_surge: int | str
+    max_unavailable: int | str
+
+    def resolve(self, replicas: int) -> tuple[int, int]:
+        """(surge, unavailable); surge rounds up, unavailable down; never both 0."""
+        surge = _resolve(self.max_surge, replicas, math.ceil)
+        unavailable = _resolve(self.max_unavailable, replicas, math.floor)
+        if surge == 0 and unavailable == 0:
+            unavailable = 1  # e.g. 10% of 3 groups: progress beats a rollout that never starts
+        return surge, unavailable
+
+
+def _resolve(value: int | str, replicas: int, rounding) -> int:
+    if isinstance(value, str):
+        return int(rounding(int(value.rstrip("%")) * replicas / 100))
+    return value
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role (prefill or decode). `world_size` ranks per group, one process per GPU."""
+
+    role: str
+    replicas: int
+    size: int
+    gpus_per_pod: int
+    parallelism: Parallelism
+    deepep_mode: str
+    engine_args: tuple[str, ...]
+    env: tuple[dict, ...]
+    resources: dict
+    port: int
+    bootstrap_port: int
+    startup_timeout_seconds: int
+    rollout: RolloutStrategy
+    recreate_group_on_restart: bool
+
+    @property
+    def world_size(self) -> int:
+        return self.size * max(self.gpus_per_pod, 1)
+
+    @classmethod
+    def parse(cls, role: str, raw: dict[str, Any]) -> RoleSpec:
+        par = raw["parallelism"]
+        world = raw["size"] * max(raw["gpusPerPod"], 1)
+        return cls(
+            role=role,
+            replicas=raw["replicas"],
+            size=raw["size"],
+            gpus_per_pod=raw["gpusPerPod"],
+            parallelism=Parallelism(tp=par.get("tp", world // par["dp"]), dp=par["dp"], ep=par["ep"]),
+            deepep_mode=raw["deepepMode"],
+            engine_args=tuple(raw["engineArgs"]),
+            env=tuple(raw["env"]),
+            resources=raw.get("resources", {}),
+            port=raw["port"],
+            bootstrap_port=raw["bootstrapPort"],
+            startup_timeout_seconds=raw["startupTimeoutSeconds"],
+            rollout=RolloutStrategy(raw["rolloutStrategy"]["maxSurge"],
+                                    raw["rolloutStrategy"]["maxUnavailable"]),
+            recreate_group_on_restart=raw["restartPolicy"] == "RecreateGroupOnPodRestart",
+        )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    volume: dict | None          # a core Volume source ({"persistentVolumeClaim": ...}) or None
+    path: str                    # what `--model` receives inside the pod
+    served_name: str
+    hf_token_secret: str | None
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> ModelSpec:
+        source = raw["source"]
+        if "huggingFace" in source:
+            hf = source["huggingFace"]
+            return cls(None, hf["id"], raw["servedName"], hf.get("tokenSecret"))
+        if "pvc" in source:
+            volume = {"persistentVolumeClaim": {"claimName": source["pvc"]["claimName"], "readOnly": True}}
+        else:
+            volume = {"hostPath": {"path": source["hostPath"]["path"], "type": "Directory"}}
+        path = f"{names.MODEL_MOUNT}/{raw['path']}".rstrip("/")
+        return cls(volume, path, raw["servedName"], None)
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    backend: str
+    protocol: str
+    devices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int
+    policy: str
+    port: int
+    service_type: str
+    image: str
+    resources: dict
+    extra_args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RdmaSpec:
+    resource_name: str | None
+    resources_per_pod: int
+    capabilities: tuple[str, ...]
+    host_network: bool
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """Everything the builders need, for one DeepSeekDeployment."""
+
+    name: str
+    namespace: str
+    model: ModelSpec
+    image: str
+    image_pull_policy: str
+    image_pull_secrets: tuple[str, ...]
+    prefill: RoleSpec
+    decode: RoleSpec
+    kv_transfer: KVTransferSpec
+    router: RouterSpec
+    scheduling: dict
+    shared_memory_size: str
+    rdma: RdmaSpec
+    env: tuple[dict, ...]
+
+    @property
+    def rdma_enabled(self) -> bool:
+        return self.kv_transfer.backend == "mooncake" and self.kv_transfer.protocol == "rdma"
+
+    def role(self, role: str) -> RoleSpec:
+        return {"prefill": self.prefill, "decode": self.decode}[role]
+
+    def role_revision(self, role: str) -> str:
+        """Hash of everything that shapes a role's pods; replicas and rollout settings excluded,
+        so scaling or tuning the rollout never restarts running groups."""
+        role_spec = asdict(self.role(role))
+        for key in ("replicas", "rollout", "recreate_group_on_restart"):
+            role_spec.pop(key)
+        shared = asdict(self)
+        for key in ("prefill", "decode", "router"):
+            shared.pop(key)
+        blob = json.dumps({"role": role_spec, "shared": shared}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+    @classmethod
+    def parse(cls, name: str, namespace: str, raw_spec: dict[str, Any]) -> DeploymentSpec:
+        """Defaults, validates (schema + CEL) and freezes; raises InvalidSpecError."""
+        violations = validate_spec(name, raw_spec or {})
+        if violations:
+            raise InvalidSpecError(violations)
+        raw = apply_defaults(spec_schema(), raw_spec)
+        router = raw["router"]
+        rdma = raw["rdma"]
+        return cls(
+            name=name,
+            namespace=namespace,
+            model=ModelSpec.parse(raw["model"]),
+            image=raw["image"],
+            image_pull_policy=raw["imagePullPolicy"],
+            image_pull_secrets=tuple(s["name"] for s in raw["imagePullSecrets"]),
+            prefill=RoleSpec.parse("prefill", raw["prefill"]),
+            decode=RoleSpec.parse("decode", raw["decode"]),
+            kv_transfer=KVTransferSpec(raw["kvTransfer"]["backend"], raw["kvTransfer"]["protocol"],
+                                       tuple(raw["kvTransfer"]["devices"])),
+            router=RouterSpec(router["replicas"], router["policy"], router["port"],
+                              router["serviceType"], router.get("image", raw["image"]),
+                              router.get("resources", {}), tuple(router["extraArgs"])),
+            scheduling=raw["scheduling"],
+            shared_memory_size=str(raw["sharedMemorySize"]),
+            rdma=RdmaSpec(rdma.get("resourceName"), rdma["resourcesPerPod"],
+                          tuple(rdma["capabilities"]), rdma["hostNetwork"]),
+            env=tuple(raw["env"]),
+        )

@@ -1,0 +1,112 @@
+"""Pure computation of `DeepSeekDeployment.status` from the role plans of one reconcile pass.
+
+Phases:
+    Pending      children created, nothing has been ready yet
+    Progressing  a rollout or a scale change is in flight
+    Available    every group of both roles and the router are ready on the current revision
+    Degraded     a group failed (and was restarted), or groups are down outside of a rollout
+    Failed       the spec is invalid (the InvalidSpec condition names the field)
+Conditions keep their lastTransitionTime while their status does not change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deepseek_pd.operator.planner import RolePlan
+
+
+@dataclass(frozen=True)
+class RouterState:
+    desired: int
+    ready: int
+    endpoint: str
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str, generation: int | None,
+               previous: dict[str, dict], now: str) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    before = previous.get(type_)
+    since = before["lastTransitionTime"] if before and before.get("status") == status \
+        and before.get("lastTransitionTime") else now
+    condition = {"type": type_, "status": status, "reason": reason, "message": message,
+                 "lastTransitionTime": since}
+    if generation is not None:
+        condition["observedGeneration"] = generation
+    return condition
+
+
+def _by_type(conditions: list[dict] | None) -> dict[str, dict]:
+    return {c.get("type", ""): c for c in conditions or []}
+
+
+def _role_status(plan: RolePlan, revision: str) -> dict[str, Any]:
+    return {"replicas": plan.replicas, "readyReplicas": plan.ready, "updatedReplicas": plan.updated,
+            "ready": f"{plan.ready}/{plan.replicas}", "revision": revision}
+
+
+def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: dict[str, int],
+                 router: RouterState, generation: int | None, previous: dict[str, Any],
+                 now: str) -> dict[str, Any]:
+    """Status of a valid spec. `floors[role]` is replicas - maxUnavailable (the Available bar)."""
+    before = _by_type(previous.get("conditions"))
+    router_ok = router.ready >= min(router.desired, 1)
+    all_ready = router_ok and all(p.ready == p.replicas == p.updated and not p.rolling
+                                  for p in plans.values())
+    available = router_ok and all(p.ready >= max(floors[r], 0) for r, p in plans.items())
+    rolling = any(p.rolling for p in plans.values())
+    restarted = {r: p.restarted for r, p in plans.items() if p.restarted}
+    was_up = before.get("Available", {}).get("status") == "True" or \
+        previous.get("phase") in ("Available", "Degraded")
+
+    if restarted:
+        phase, degraded_reason = "Degraded", "GroupRestarted"
+        degraded_message = "; ".join(f"{role} group(s) {list(idx)} restarted after a pod failure"
+                                     for role, idx in restarted.items())
+    elif all_ready:
+        phase, degraded_reason, degraded_message = "Available", "AsExpected", ""
+    elif rolling:
+        phase, degraded_reason, degraded_message = "Progressing", "AsExpected", ""
+    elif was_up:
+        phase, degraded_reason = "Degraded", "GroupsNotReady"
+        degraded_message = ", ".join(f"{r} {p.ready}/{p.replicas} groups ready" for r, p in plans.items())
+        if not router_ok:
+            degraded_message += f", router {router.ready}/{router.desired} ready"
+    else:
+        phase, degraded_reason, degraded_message = "Pending", "AsExpected", ""
+
+    summary = ", ".join(f"{r} {p.ready}/{p.replicas} ready, {p.updated} updated" for r, p in plans.items())
+    conditions = [
+        _condition("Available", available, "MinimumGroupsReady" if available else "GroupsUnavailable",
+                   f"{summary}; router {router.ready}/{router.desired} ready", generation, before, now),
+        _condition("Progressing", rolling, "GroupsUpdating" if rolling else "Complete",
+                   summary, generation, before, now),
+        _condition("Degraded", phase == "Degraded", degraded_reason, degraded_message, generation,
+                   before, now),
+        _condition("InvalidSpec", False, "Valid", "", generation, before, now),
+    ]
+    status = {
+        "phase": phase,
+        "conditions": conditions,
+        "routerEndpoint": router.endpoint,
+        "routerReadyReplicas": router.ready,
+        **{role: _role_status(plan, revisions[role]) for role, plan in plans.items()},
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    return status
+
+
+def build_invalid_status(message: str, generation: int | None, previous: dict[str, Any],
+                         now: str) -> dict[str, Any]:
+    """Status of a spec the operator refuses: children are left as they are."""
+    before = _by_type(previous.get("conditions"))
+    kept = [c for t, c in before.items() if t in ("Available", "Progressing")]
+    conditions = kept + [
+        _condition("Degraded", True, "InvalidSpec", message, generation, before, now),
+        _condition("InvalidSpec", True, "InvalidSpec", message, generation, before, now),
+    ]
+    status: dict[str, Any] = {"phase": "Failed", "conditions": conditions}
+    if generation is not None:
+        status["observedGeneration"] = generation
+    return status

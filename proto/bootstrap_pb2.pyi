@@ -1,0 +1,173 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FailureCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_CODE_UNSPECIFIED: _ClassVar[FailureCode]
+    FAILURE_CODE_INVALID_ARGUMENT: _ClassVar[FailureCode]
+    FAILURE_CODE_RESOURCE_EXHAUSTED: _ClassVar[FailureCode]
+    FAILURE_CODE_DEADLINE_EXCEEDED: _ClassVar[FailureCode]
+    FAILURE_CODE_UNAVAILABLE: _ClassVar[FailureCode]
+    FAILURE_CODE_ABORTED: _ClassVar[FailureCode]
+    FAILURE_CODE_INTERNAL: _ClassVar[FailureCode]
+FAILURE_CODE_UNSPECIFIED: FailureCode
+FAILURE_CODE_INVALID_ARGUMENT: FailureCode
+FAILURE_CODE_RESOURCE_EXHAUSTED: FailureCode
+FAILURE_CODE_DEADLINE_EXCEEDED: FailureCode
+FAILURE_CODE_UNAVAILABLE: FailureCode
+FAILURE_CODE_ABORTED: FailureCode
+FAILURE_CODE_INTERNAL: FailureCode
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "page_size", "kv_dim", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    page_size: int
+    kv_dim: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class DecodeMessage(_message.Message):
+    __slots__ = ("handshake", "credit")
+    HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    handshake: Handshake
+    credit: Credit
+    def __init__(self, handshake: _Optional[_Union[Handshake, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ...) -> None: ...
+
+class Credit(_message.Message):
+    __slots__ = ("received_seq",)
+    RECEIVED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    received_seq: int
+    def __init__(self, received_seq: _Optional[int] = ...) -> None: ...
+
+class Handshake(_message.Message):
+    __slots__ = ("protocol_version", "room", "decode_rid", "num_tokens", "page_ids", "layout", "grpc", "mooncake", "fake")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    GRPC_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_FIELD_NUMBER: _ClassVar[int]
+    FAKE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    room: int
+    decode_rid: str
+    num_tokens: int
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    layout: KVLayout
+    grpc: GrpcDestination
+    mooncake: MooncakeDestination
+    fake: FakeDestination
+    def __init__(self, protocol_version: _Optional[int] = ..., room: _Optional[int] = ..., decode_rid: _Optional[str] = ..., num_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., grpc: _Optional[_Union[GrpcDestination, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakeDestination, _Mapping]] = ..., fake: _Optional[_Union[FakeDestination, _Mapping]] = ...) -> None: ...
+
+class GrpcDestination(_message.Message):
+    __slots__ = ("max_chunk_bytes",)
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_chunk_bytes: int
+    def __init__(self, max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class MooncakeDestination(_message.Message):
+    __slots__ = ("session_id", "layer_base_addrs", "page_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    layer_base_addrs: _containers.RepeatedScalarFieldContainer[int]
+    page_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class FakeDestination(_message.Message):
+    __slots__ = ("pool_key",)
+    POOL_KEY_FIELD_NUMBER: _ClassVar[int]
+    pool_key: str
+    def __init__(self, pool_key: _Optional[str] = ...) -> None: ...
+
+class TransferEvent(_message.Message):
+    __slots__ = ("seq", "accepted", "chunk", "done", "failed")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    accepted: HandshakeAck
+    chunk: KVChunk
+    done: TransferDone
+    failed: TransferFailed
+    def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[_Union[HandshakeAck, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., failed: _Optional[_Union[TransferFailed, _Mapping]] = ...) -> None: ...
+
+class HandshakeAck(_message.Message):
+    __slots__ = ("protocol_version", "prefill_rid", "credit_window")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RID_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    prefill_rid: str
+    credit_window: int
+    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("layer_begin", "layer_end", "page_begin", "page_end", "data", "crc32")
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    PAGE_END_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    layer_begin: int
+    layer_end: int
+    page_begin: int
+    page_end: int
+    data: bytes
+    crc32: int
+    def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class TransferDone(_message.Message):
+    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_token_logprob: float
+    num_pages: int
+    cached_tokens: int
+    bytes_sent: int
+    generator_state: bytes
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ...) -> None: ...
+
+class TransferFailed(_message.Message):
+    __slots__ = ("code", "reason")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    code: FailureCode
+    reason: str
+    def __init__(self, code: _Optional[_Union[FailureCode, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortRoom(_message.Message):
+    __slots__ = ("room", "reason")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    reason: str
+    def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortAck(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

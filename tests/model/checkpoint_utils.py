@@ -1,0 +1,74 @@
+"""Helpers that write HF-style checkpoints for loader and engine tests (no model code involved)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from deepseek_pd.model.fp8 import Fp8BlockQuantConfig, quantize_block_fp8
+
+
+def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], config: dict,
+                     num_shards: int = 1, seed: int = 0) -> Path:
+    """Writes config.json and either model.safetensors or `num_shards` shards plus the index,
+    tensors assigned to shards at random (so a layer's weights are spread over files)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if num_shards == 1:
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return directory
+    gen = torch.Generator().manual_seed(seed)
+    names = sorted(tensors)
+    assignment = torch.randint(0, num_shards, (len(names),), generator=gen).tolist()
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n, s in zip(names, assignment) if s == shard}
+        save_file(part, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
+
+
+def is_quantisable(name: str, tensor: torch.Tensor) -> bool:
+    """The tensors DeepSeek-V3's FP8 release quantises: 2-D linear weights except embeddings,
+    lm_head and the router gate."""
+    return (tensor.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name
+            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
+
+
+def fp8_twins(tensors: dict[str, torch.Tensor], block: Fp8BlockQuantConfig
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(fp8 checkpoint tensors with scales, the same weights dequantised in fp32)."""
+    from deepseek_pd.model.fp8 import dequantize_block_fp8
+
+    quantised, twin = {}, {}
+    for name, tensor in tensors.items():
+        if is_quantisable(name, tensor):
+            fp8, scale = quantize_block_fp8(tensor, block)
+            quantised[name], quantised[name + "_scale_inv"] = fp8, scale
+            twin[name] = dequantize_block_fp8(fp8, scale, block, dtype=torch.float32)
+        else:
+            quantised[name] = twin[name] = tensor
+    return quantised, twin
+
+
+def make_fp8_tiny(src: Path, dst: Path, block: tuple[int, int]) -> tuple[Path, Path]:
+    """From a tiny checkpoint, writes an FP8 copy at `dst` and its dequantised fp32 twin at `dst`-twin."""
+    config = json.loads((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    quantised, twin = fp8_twins(tensors, Fp8BlockQuantConfig(*block))
+    fp8_config = {**config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                    "activation_scheme": "dynamic",
+                                                    "weight_block_size": list(block)}}
+    twin_dir = dst.parent / (dst.name + "-twin")
+    for directory, weights, cfg in ((dst, quantised, fp8_config), (twin_dir, twin, config)):
+        write_checkpoint(directory, weights, cfg)
+        for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(src / extra, directory / extra)
+    return dst, twin_dir

@@ -1,0 +1,99 @@
+"""kmock's KubernetesEmulator with the fixes kopf needs (see ../shared/FACTS.md), for tests only.
+
+Added over the base class:
+- metadata.uid, resourceVersion, creationTimestamp and generation on create; resourceVersion on
+  every change, generation bumped when a patch touches spec (as the API server does for CRs);
+- a `/status` patch changes only `status` (the status subresource contract);
+- watches subscribe to the event bus before taking their snapshot, so no event falls between;
+- lists carry kind/apiVersion and honour equality-based `labelSelector`;
+- core discovery answers groupVersion "v1".
+Still missing (and not needed here): controllers, garbage collection, admission validation.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import kmock
+from kmock._internal import enums, rendering
+
+
+def _parse_selector(text: str) -> dict[str, str]:
+    pairs = [p for p in (text or "").split(",") if p]
+    return dict(p.split("=", 1) for p in pairs)
+
+
+@attrs.define(kw_only=True)
+class ClusterEmulator(kmock.KubernetesEmulator):
+    _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
+
+    def _key(self, request: rendering.Request) -> tuple:
+        return (request.resource, request.namespace, request.name)
+
+    def _current(self, request: rendering.Request) -> dict[str, Any] | None:
+        key = self._key(request)
+        if key in self._objects and not self._objects[key].deleted:
+            return self._objects[key].raw
+        return None
+
+    async def _handle(self, request: rendering.Request):
+        data = request.data
+        if request.resource is not None and isinstance(data, dict):
+            meta = data.setdefault("metadata", {})
+            if request.action == enums.action.CREATE:
+                meta.setdefault("namespace", request.namespace)
+                meta["uid"] = str(uuid.uuid4())
+                meta["creationTimestamp"] = datetime.datetime.now(datetime.timezone.utc).strftime(
+                    "%Y-%m-%dT%H:%M:%SZ")
+                meta["generation"] = 1
+                meta["resourceVersion"] = str(next(self._versions))
+            elif request.action == enums.action.UPDATE and request.name is not None:
+                current = self._current(request) or {}
+                if request.subresource == "status":
+                    for key in [k for k in data if k not in ("status", "metadata")]:
+                        del data[key]
+                    data["metadata"] = meta = {}
+                elif "spec" in data and current.get("spec") != {**current.get("spec", {}), **data["spec"]}:
+                    meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+                meta["resourceVersion"] = str(next(self._versions))
+        return await super()._handle(request)
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_list(request)
+        selector = _parse_selector(request.params.get("labelSelector", ""))
+        items = [o for o in payload["items"]
+                 if all((o.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())]
+        resource = request.resource
+        info = self.resources[resource] if resource in self.resources else None
+        kind = (info.kind if info is not None and info.kind else "") + "List"
+        group_version = f"{resource.group}/{resource.version}" if resource.group else resource.version
+        return {"apiVersion": group_version, "kind": kind,
+                "metadata": {"resourceVersion": str(next(self._versions))}, "items": items}
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        yield b""
+        bus = self._buses[request.resource]
+        marker = await bus.mark()  # subscribe first: events during the snapshot are not lost
+        try:
+            async with self._lock:
+                objs = self._KubernetesEmulator__get_objs(request, strict=False)
+                events = [{"type": "ADDED", "object": o.raw} for o in objs if not o.deleted]
+            for event in events:
+                yield event
+            async for event in bus.stream(since=marker):
+                meta = event.get("object", {}).get("metadata", {})
+                if self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"),
+                                                   meta.get("name"), strict=False):
+                    yield event
+        finally:
+            await bus.unmark(marker)
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_version(request)
+        if request.resource is not None and request.resource.group == "":
+            payload["groupVersion"] = request.resource.version
+        return payload

@@ -1,0 +1,114 @@
+"""Moves random KV pages between two KVPools through the real bootstrap service on 127.0.0.1.
+
+Shared by the transport tests (fake, grpc in-process; mooncake inside a network namespace).
+The prefill side uses the production `KVPush`, the decode side `pull_kv`, so these tests cover
+the same code paths the engines run.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.workers.common.api import DisaggParams
+from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
+from deepseek_pd.workers.decode.kv_pull import pull_kv
+from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
+from deepseek_pd.workers.prefill.kv_push import KVPush
+
+
+def random_pool(rng: random.Random, num_pages: int, page_size: int, num_layers: int = 3,
+                kv_dim: int = 24, dtype: torch.dtype = torch.float32) -> KVPool:
+    pool = KVPool(num_layers, num_pages, page_size, kv_dim, dtype=dtype)
+    generator = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    for buffer in pool.buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
+    return pool
+
+
+def scattered_alloc(pool: KVPool, rng: random.Random, count: int) -> list[int]:
+    """Allocates `count` pages that are not one contiguous run: allocate extra, free a random subset."""
+    pages = pool.alloc(min(pool.num_free_pages, count * 2))
+    rng.shuffle(pages)
+    keep, spare = pages[:count], pages[count:]
+    pool.free(spare)
+    # Keep some neighbours adjacent so run merging has something to merge.
+    return sorted(keep[: count // 2]) + keep[count // 2:]
+
+
+@dataclass
+class Side:
+    pool: KVPool
+    pages: list[int]
+
+
+@dataclass
+class Exchange:
+    """Both ends of one transfer; `chunk_tokens` are the prefill chunk boundaries."""
+
+    transport: str
+    src: Side
+    dst: Side
+    num_tokens: int
+    chunk_tokens: list[int]
+    transport_config: TransportConfig = field(default_factory=TransportConfig)
+    bootstrap_config: BootstrapConfig = field(
+        default_factory=lambda: BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5,
+                                                transfer_timeout_s=20))
+
+
+def pages_equal(exchange: Exchange) -> bool:
+    for layer in range(exchange.src.pool.num_layers):
+        src = exchange.src.pool.buffers[layer][exchange.src.pages]
+        dst = exchange.dst.pool.buffers[layer][exchange.dst.pages]
+        # The last page holds only num_tokens % page_size valid slots, but the whole page is sent.
+        if not torch.equal(src, dst):
+            return False
+    return True
+
+
+async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode_hook=None):
+    """Runs both sides concurrently; returns (prefill outcome, decode outcome), each a value or an exception."""
+    registry = RoomRegistry(exchange.bootstrap_config)
+    server = BootstrapServer(registry, exchange.bootstrap_config, exchange.transport_config.max_chunk_bytes)
+    await server.start()
+    sender = build_sender(exchange.transport, exchange.src.pool, exchange.transport_config)
+    receiver = build_receiver(exchange.transport, exchange.dst.pool, exchange.transport_config)
+    client = BootstrapClient(exchange.bootstrap_config)
+    params = DisaggParams("127.0.0.1", server.port, room)
+
+    async def prefill():
+        push = KVPush(registry, sender, room, "p-req", exchange.num_tokens)
+        try:
+            await push.handshake(exchange.bootstrap_config.handshake_timeout_s)
+            if emit_hook is not None:
+                push.channel.emit = emit_hook(push.channel.emit)
+            for computed in exchange.chunk_tokens:
+                push.pages_ready(computed, exchange.src.pages)
+                await asyncio.sleep(0)
+            await push.finish(first_token_id=42, logprob=-0.5, cached_tokens=0)
+            return push.channel.bytes_sent
+        finally:
+            push.close()
+
+    async def decode():
+        coro = pull_kv(client, receiver, params, "d-req", exchange.num_tokens, exchange.dst.pages)
+        if decode_hook is not None:
+            return await decode_hook(coro, server)
+        return await coro
+
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(prefill(), decode(), return_exceptions=True), 30)
+    finally:
+        await client.close()
+        await server.stop(0)
+        sender.close()
+        receiver.close()
+    assert registry.num_active == 0, "a room leaked in the registry"
+    return results

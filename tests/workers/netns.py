@@ -1,0 +1,40 @@
+"""Runs a Python script inside a private network namespace (`unshare -n`), for Mooncake.
+
+Mooncake's TransferEngine binds 0.0.0.0 whatever it is asked, so its tests get a namespace with
+only a loopback interface. Skips (with the reason) where namespaces or libibverbs are missing.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def skip_unless_netns_and_mooncake() -> None:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs unshare and ip (util-linux, iproute2: scripts/system-deps.sh)")
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -n is not permitted here: {probe.stderr.decode().strip()}")
+    if ctypes.util.find_library("ibverbs") is None:
+        pytest.skip("libibverbs.so.1 is missing (Debian libibverbs1; scripts/system-deps.sh installs it)")
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"mooncake is not importable: {exc}")
+
+
+def run_in_netns(script: str, *args: str, timeout_s: float = 240) -> str:
+    """Runs tests/workers/<script> with this interpreter in a fresh namespace; returns its stdout."""
+    skip_unless_netns_and_mooncake()
+    command = " ".join([sys.executable, str(HERE / script), *args])
+    result = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"],
+                            capture_output=True, text=True, timeout=timeout_s, cwd=HERE)
+    assert result.returncode == 0, f"{script} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-4000:]}"
+    return result.stdout

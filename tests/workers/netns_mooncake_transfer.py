@@ -1,0 +1,72 @@
+"""Mooncake KV transfers, run by test_kv_transfer_mooncake.py inside a private network namespace.
+
+Exits non-zero (with the assertion) on any mismatch; prints one line per check on success.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import sys
+
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.kv_transfer import TransferError, TransportConfig, build_sender
+from deepseek_pd.workers.common.kv_transfer.base import layout_of
+from kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+
+
+def exchange_for(seed: int) -> Exchange:
+    rng = random.Random(seed)
+    page_size = rng.choice([1, 2, 4])
+    num_tokens = rng.randrange(2, 50)
+    num_pages = -(-num_tokens // page_size)
+    src_pool, dst_pool = random_pool(rng, num_pages * 3 + 1, page_size), random_pool(rng, num_pages * 3 + 4, page_size)
+    cuts = sorted(rng.sample(range(1, num_tokens), k=min(3, num_tokens - 1)))
+    return Exchange("mooncake", Side(src_pool, scattered_alloc(src_pool, rng, num_pages)),
+                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens])
+
+
+def check_copies(seed: int) -> None:
+    for k in range(3):
+        exchange = exchange_for(seed + k)
+        prefill, decode = asyncio.run(run_exchange(exchange))
+        assert not isinstance(prefill, BaseException), repr(prefill)
+        assert not isinstance(decode, BaseException), repr(decode)
+        assert decode.num_pages == len(exchange.dst.pages)
+        assert pages_equal(exchange), f"seed {seed + k}: pages differ"
+        print(f"copy ok seed={seed + k} pages={len(exchange.dst.pages)} bytes={prefill}")
+
+
+def check_dead_peer() -> None:
+    """A decode engine that is gone: the write fails fast with UNAVAILABLE, not a hang."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    pool = random_pool(random.Random(), 6, 2)
+    sender = build_sender("mooncake", pool, TransportConfig(send_timeout_s=10))
+    handshake = pb.Handshake(num_tokens=4, page_ids=[0, 1], layout=layout_of(pool))
+    handshake.mooncake.session_id = f"127.0.0.1:{dead_port}"
+    handshake.mooncake.layer_base_addrs.extend(b.data_ptr() for b in pool.buffers)
+    handshake.mooncake.page_bytes = pool.bytes_per_page
+
+    async def run() -> None:
+        async def no_emit(chunk):
+            raise AssertionError("mooncake must not use the stream")
+        channel = sender.open(handshake, no_emit)
+        await channel.send([2, 3], 0)
+
+    try:
+        asyncio.run(run())
+    except TransferError as exc:
+        assert exc.code == FailureCode.UNAVAILABLE, exc
+        print("dead peer ok:", exc.message)
+    else:
+        raise AssertionError("write to a dead mooncake peer succeeded")
+    finally:
+        sender.close()
+
+
+if __name__ == "__main__":
+    check_copies(int(sys.argv[1]))
+    check_dead_peer()

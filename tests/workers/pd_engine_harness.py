@@ -1,0 +1,113 @@
+"""Prefill and decode engines (tiny model, fp32, CPU) in one asyncio loop, no router.
+
+Used by test_pd_engines.py (fake and grpc transports) and netns_pd_mooncake.py (mooncake, in a
+network namespace). The offline `Engine` is the oracle.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from deepseek_pd.model.engine import Engine
+from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.workers.common.api import DisaggParams, Failed, Finished, GenerateRequest, TokenChunk
+from deepseek_pd.workers.common.kv_transfer import TransportConfig
+from deepseek_pd.workers.common.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig
+from deepseek_pd.workers.decode.engine import DecodeEngine
+from deepseek_pd.workers.prefill.engine import PrefillEngine
+
+PAGE_SIZE = 4
+CHUNK = 16  # small prefill chunks, so prompts of 20+ tokens are chunked
+
+torch.set_num_threads(1)
+
+
+def runner(num_pages: int = 256) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model="tiny", page_size=PAGE_SIZE, num_pages=num_pages))
+
+
+_ORACLE: Engine | None = None
+
+
+def oracle() -> Engine:
+    global _ORACLE
+    if _ORACLE is None:
+        _ORACLE = Engine("tiny", page_size=PAGE_SIZE, chunked_prefill_size=CHUNK)
+    return _ORACLE
+
+
+def worker_config(transport: str, **bootstrap) -> WorkerConfig:
+    settings = dict(port=0, handshake_timeout_s=10, claim_timeout_s=10, transfer_timeout_s=30)
+    settings.update(bootstrap)
+    return WorkerConfig(kv_transport=transport, transport=TransportConfig(send_timeout_s=10),
+                        bootstrap=BootstrapConfig(**settings),
+                        scheduler=SchedulerConfig(chunked_prefill_size=CHUNK, admission_timeout_s=10))
+
+
+@dataclass
+class Outcome:
+    tokens: list[int]
+    terminal: object  # Finished | Failed
+
+    @property
+    def ok(self) -> bool:
+        return isinstance(self.terminal, Finished)
+
+
+async def collect(engine, request: GenerateRequest, on_event=None) -> Outcome:
+    tokens, terminals = [], []
+    async for event in engine.generate(request):
+        if isinstance(event, TokenChunk):
+            assert not terminals, "a token after the terminal event"
+            tokens += event.token_ids
+        else:
+            assert isinstance(event, (Finished, Failed)), event
+            terminals.append(event)
+        if on_event is not None:
+            await on_event(event)
+    assert len(terminals) == 1, f"{request.rid}: {len(terminals)} terminal events"
+    return Outcome(tokens, terminals[0])
+
+
+class PDPair:
+    """A started prefill + decode engine; `run(prompt, params)` sends one PD request to both."""
+
+    def __init__(self, transport: str, prefill_config: WorkerConfig | None = None,
+                 decode_config: WorkerConfig | None = None) -> None:
+        self.prefill = PrefillEngine(runner(), prefill_config or worker_config(transport))
+        self.decode = DecodeEngine(runner(), decode_config or worker_config(transport), tokenizer=oracle().tokenizer)
+        self._room = 1000
+
+    async def __aenter__(self) -> "PDPair":
+        await self.prefill.start()
+        await self.decode.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.decode.stop()
+        await self.prefill.stop()
+
+    def requests(self, prompt, params: SamplingParams, rid: str) -> tuple[GenerateRequest, GenerateRequest]:
+        self._room += 1
+        disagg = DisaggParams("127.0.0.1", self.prefill.bootstrap_port, self._room)
+        base = GenerateRequest(rid=rid, input_ids=tuple(prompt), sampling=params, disagg=disagg)
+        return dataclasses.replace(base, rid=rid + "-p"), dataclasses.replace(base, rid=rid + "-d")
+
+    async def run(self, prompt, params: SamplingParams, rid: str) -> tuple[Outcome, Outcome]:
+        p_req, d_req = self.requests(prompt, params, rid)
+        return tuple(await asyncio.gather(collect(self.prefill, p_req), collect(self.decode, d_req)))
+
+    def assert_pools_clean(self) -> None:
+        assert self.decode.pool.num_used_pages == 0, f"decode pool leaks {self.decode.pool.num_used_pages} pages"
+        assert self.decode.budget.reserved == 0
+        cache = self.prefill.cache
+        cached = cache.num_pages if cache is not None else 0
+        assert self.prefill.pool.num_used_pages == cached, "prefill pool leaks pages outside the cache"
+        if cache is not None:
+            assert cache.num_pinned_nodes == 0
+        assert self.prefill.registry.num_active == 0, "a bootstrap room leaked"
+

@@ -1,0 +1,152 @@
+"""Failures between real worker processes: a peer killed mid-request must end the request on the
+survivor with exactly one error, within the bootstrap timeouts, with its KV pages freed.
+
+The cluster (2 prefill, 2 decode, the real router) uses a tiny prefill chunk so a long prompt takes
+seconds to prefill: long enough to kill a peer while KV is still moving. Requests are sent with
+our own PD dual-dispatch client so each scenario picks its prefill/decode pair.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+
+import grpc
+import pytest
+
+from deepseek_pd.client.pd_dispatch import PDClient
+from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
+from deepseek_pd.launcher.cluster import LocalCluster
+from e2e_cluster import cluster_spec, used_pages, wait_for_pages
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+SLOW_CHUNK = 8
+LONG_PROMPT = 2400
+# Worker-side limits from e2e_cluster.WORKER_ARGS, plus slack for a loaded 2-core machine.
+FAILURE_DEADLINE_S = 20 + 15
+FAILED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    spec = cluster_spec(tmp_path_factory.mktemp("failures"), num_prefill=2, num_decode=2,
+                        extra_worker_args=(f"--chunked-prefill-size={SLOW_CHUNK}",))
+    with LocalCluster(spec) as running:
+        yield running
+
+
+def pd_client(cluster, prefill_index: int, decode_index: int) -> PDClient:
+    host = cluster.spec.host
+    prefill = cluster.prefill_workers()[prefill_index]
+    decode = cluster.decode_workers()[decode_index]
+    return PDClient(prefill.address(host), host, prefill.bootstrap_port, decode.address(host))
+
+
+async def wait_until(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(interval_s)
+    return False
+
+
+async def running_requests(address: str) -> int:
+    async with SchedulerClient(address) as client:
+        return (await client.loads()).num_running_reqs
+
+
+def long_prompt() -> list[int]:
+    rng = random.Random()
+    return [rng.randrange(3, 400) for _ in range(LONG_PROMPT)]
+
+
+def test_healthy_pair_serves_before_failures(cluster) -> None:
+    async def main():
+        for p, d in ((0, 0), (1, 1)):
+            async with pd_client(cluster, p, d) as client:
+                result = await client.generate([5, 9, 11, 13], sampling_proto(max_new_tokens=4))
+                assert result.ok, (result.prefill_error, result.decode_error)
+                assert len(result.output_ids) == 4 and len(result.prefill_ids) == 1
+
+    asyncio.run(main())
+
+
+def test_bad_request_to_real_worker_is_invalid_argument(cluster) -> None:
+    async def main():
+        address = cluster.decode_workers()[0].address(cluster.spec.host)
+        async with SchedulerClient(address) as client:
+            from smg_grpc_proto import sglang_scheduler_pb2 as pb
+
+            request = pb.GenerateRequest(request_id="bad", tokenized=pb.TokenizedInput(input_ids=[1] * 5000),
+                                         sampling_params=sampling_proto(max_new_tokens=4))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(client.generate(request))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "5000 tokens" in info.value.details()
+
+    asyncio.run(main())
+
+
+def test_decode_killed_mid_transfer_frees_prefill_room(cluster) -> None:
+    host = cluster.spec.host
+    prefill = cluster.prefill_workers()[0]
+    decode = cluster.decode_workers()[0]
+
+    async def main():
+        baseline = await used_pages(prefill.address(host))
+        async with pd_client(cluster, 0, 0) as client:
+            call = asyncio.create_task(client.generate(long_prompt(), sampling_proto(max_new_tokens=4),
+                                                       timeout_s=None))
+            # Decode has its pages (handshake done) and prefill is computing: KV is on the move.
+            started = await wait_until(
+                lambda: _both(running_requests(prefill.address(host)), used_pages(decode.address(host))), 30)
+            assert started, "the request never reached the transfer phase"
+            decode.process.send_signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            result = await asyncio.wait_for(call, FAILURE_DEADLINE_S)
+            elapsed = time.monotonic() - t0
+        assert result.decode_error is not None and result.decode_error.code() in FAILED_CODES
+        assert result.prefill_error is not None, "prefill must not report success to a dead peer"
+        assert result.prefill_error.code() in FAILED_CODES, result.prefill_error
+        assert elapsed < FAILURE_DEADLINE_S
+        pages = await wait_for_pages(prefill.address(host), baseline, timeout_s=FAILURE_DEADLINE_S)
+        assert pages == baseline, f"prefill kept {pages - baseline} pages of the failed request"
+        assert await running_requests(prefill.address(host)) == 0
+
+    asyncio.run(main())
+
+
+def test_prefill_killed_after_handshake_fails_decode_and_frees_pages(cluster) -> None:
+    host = cluster.spec.host
+    prefill = cluster.prefill_workers()[1]
+    decode = cluster.decode_workers()[1]
+
+    async def main():
+        baseline = await used_pages(decode.address(host))
+        async with pd_client(cluster, 1, 1) as client:
+            call = asyncio.create_task(client.generate(long_prompt(), sampling_proto(max_new_tokens=4),
+                                                       timeout_s=None))
+            started = await wait_until(
+                lambda: _both(running_requests(prefill.address(host)), used_pages(decode.address(host))), 30)
+            assert started, "the request never reached the transfer phase"
+            prefill.process.send_signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            result = await asyncio.wait_for(call, FAILURE_DEADLINE_S)
+            elapsed = time.monotonic() - t0
+        assert result.prefill_error is not None
+        assert result.decode_error is not None, "decode must not answer without the prompt's KV"
+        assert result.decode_error.code() in FAILED_CODES, result.decode_error
+        assert elapsed < FAILURE_DEADLINE_S
+        pages = await wait_for_pages(decode.address(host), baseline, timeout_s=FAILURE_DEADLINE_S)
+        assert pages == baseline, f"decode kept {pages - baseline} pages of the failed request"
+
+    asyncio.run(main())
+
+
+async def _both(first, second) -> bool:
+    a, b = await asyncio.gather(first, second)
+    return a > 0 and b > 0

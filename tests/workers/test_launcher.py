@@ -1,0 +1,151 @@
+"""`deepseek-pd up` as a user runs it: a real process tree (workers + the real router), then
+SIGINT / SIGTERM / SIGKILL of the launcher, and a check that no descendant survives.
+
+Workers serve the scripted engine from servicer_fakes.py (`--engine-factory`), so these tests are
+about process supervision, not the model; the router and the gRPC path are the real ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from deepseek_pd.launcher.ports import is_port_free, pick_free_ports
+from servicer_fakes import expected_tokens, make_tokenizer_model_dir
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+FAKE_FACTORY = f"{Path(__file__).with_name('servicer_fakes.py')}:build_fake_engine"
+
+
+def descendants(pid: int) -> set[int]:
+    """All live descendants of pid, from /proc (children of children too)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    still = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            still.add(pid)
+    return still
+
+
+def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(pids)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tokenizer_model_dir(tmp_path_factory.mktemp("m") / "fake-model")
+
+
+def start_up(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    argv = [sys.executable, "-m", "deepseek_pd.cli", "up", "--model", str(model_dir),
+            "--prefill", "1", "--decode", "2", "--log-dir", str(tmp_path / "logs"),
+            f"--worker-arg=--engine-factory={FAKE_FACTORY}", *extra]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 90
+    output = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        output.append(line)
+        match = re.search(r"router ready at (http://\S+)", line)
+        if match:
+            return proc, match.group(1)
+    proc.kill()
+    raise AssertionError("`up` did not become ready:\n" + "".join(output))
+
+
+def generate(url: str, input_ids: list[int], max_new_tokens: int) -> dict:
+    body = json.dumps({"model": "fake-model", "input_ids": input_ids,
+                       "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})
+    request = urllib.request.Request(f"{url}/generate", body.encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        payload = json.loads(reply.read())
+    return payload[0] if isinstance(payload, list) else payload
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_up_serves_then_stops_cleanly_without_orphans(model_dir, tmp_path, sig) -> None:
+    proc, url = start_up(model_dir, tmp_path)
+    try:
+        tree = descendants(proc.pid)
+        assert len(tree) >= 4, f"expected 3 workers + the router, found pids {tree}"
+        prompt = [11, 42, 99, 7 + sig]
+        reply = generate(url, prompt, 6)
+        assert reply["output_ids"] == expected_tokens(tuple(prompt), 6)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "stopped" in out
+        assert wait_gone(tree, 10) == set(), f"orphans left behind: {alive(tree)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_killed_launcher_takes_its_children_down(model_dir, tmp_path) -> None:
+    proc, _ = start_up(model_dir, tmp_path)
+    tree = descendants(proc.pid)
+    try:
+        proc.kill()  # no cleanup possible in the launcher: PR_SET_PDEATHSIG must do it
+        proc.wait(10)
+        assert wait_gone(tree, 30) == set(), f"orphans left behind: {alive(tree)}"
+    finally:
+        for pid in alive(tree):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_worker_that_cannot_start_fails_up_with_its_log(model_dir, tmp_path) -> None:
+    argv = [sys.executable, "-m", "deepseek_pd.cli", "up", "--model", str(model_dir),
+            "--log-dir", str(tmp_path / "logs"), "--worker-arg=--engine-factory=no_such_module:build"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2
+    assert "exited with code" in proc.stderr and "no_such_module" in proc.stderr
+
+
+def test_bad_flags_are_one_line_errors(model_dir) -> None:
+    for flags, words in [(["--prefill", "0"], "at least one prefill"), (["--port", "70000"], "TCP port")]:
+        proc = subprocess.run([sys.executable, "-m", "deepseek_pd.cli", "up", "--model", str(model_dir),
+                               *flags], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_picked_ports_are_distinct_and_free() -> None:
+    ports = pick_free_ports(16)
+    assert len(set(ports)) == 16
+    assert all(is_port_free(p) for p in ports)

@@ -1,0 +1,255 @@
+"""Prefill and decode engines against each other through the real bootstrap service on 127.0.0.1.
+
+Oracle: the offline single-process `Engine` (same tiny model, fp32, CPU). Greedy tokens must
+match token for token, with chunked prompts and prefix-cache hits; failures must end each side
+with exactly one terminal event and give every KV page back.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+
+import pytest
+
+from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, Finished, GenerateRequest
+from deepseek_pd.workers.decode.engine import DecodeEngine
+from deepseek_pd.workers.prefill.engine import PrefillEngine
+from pd_engine_harness import CHUNK, PDPair, collect, oracle, runner, worker_config
+
+pytestmark = [pytest.mark.timeout(120)]
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+
+
+def random_prompt(rng: random.Random, low: int = 3, high: int = 50) -> list[int]:
+    vocab = oracle().vocab_size
+    return [rng.randrange(2, vocab) for _ in range(rng.randrange(low, high))]
+
+
+@pytest.mark.parametrize("transport", ["fake", "grpc"])
+def test_pd_greedy_equals_offline_with_chunking_prefix_hits_and_concurrency(transport):
+    rng = random.Random()
+    shared = random_prompt(rng, 20, 30)  # > CHUNK: chunked; shared prefix: cache hits
+    prompts = [random_prompt(rng) for _ in range(3)] + [shared + random_prompt(rng, 1, 10) for _ in range(3)]
+    prompts.append(random_prompt(rng, CHUNK * 2 + 1, CHUNK * 3))
+    expected = [oracle().generate(p, GREEDY).output_ids for p in prompts]
+
+    async def run():
+        async with PDPair(transport) as pair:
+            # First the shared prefix alone, so the concurrent wave can hit the prefix cache.
+            first_p, first_d = await pair.run(shared, GREEDY, "warm")
+            assert first_d.tokens == oracle().generate(shared, GREEDY).output_ids
+            outcomes = await asyncio.gather(*(pair.run(p, GREEDY, f"r{i}") for i, p in enumerate(prompts)))
+            pair.assert_pools_clean()
+            return first_p, outcomes
+
+    warm_prefill, outcomes = asyncio.run(run())
+    assert warm_prefill.ok and warm_prefill.terminal.completion_tokens == 1
+    for i, (prefill, decode) in enumerate(outcomes):
+        assert prefill.ok, prefill.terminal
+        assert decode.ok, decode.terminal
+        assert prefill.terminal.reason == "length" and prefill.tokens == expected[i][:1]
+        assert decode.tokens == expected[i], f"prompt {i}: PD {decode.tokens} != offline {expected[i]}"
+        assert decode.terminal.completion_tokens == len(expected[i])
+    hits = [outcomes[i][1].terminal.cached_tokens for i in range(3, 6)]
+    assert all(h >= 20 for h in hits), f"shared-prefix prompts missed the prefix cache: {hits}"
+
+
+def test_pd_seeded_sampling_and_stops_equal_offline():
+    rng = random.Random()
+    prompt = random_prompt(rng, 10, 30)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=rng.randrange(1 << 20), max_new_tokens=8,
+                             ignore_eos=True)
+    greedy_ids = oracle().generate(prompt, GREEDY).output_ids
+    stop_at = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=(greedy_ids[2],), ignore_eos=True)
+
+    async def run():
+        async with PDPair("grpc") as pair:
+            results = [await pair.run(prompt, sampled, "seeded"), await pair.run(prompt, stop_at, "stop")]
+            pair.assert_pools_clean()
+            return results
+
+    (_, seeded), (_, stopped) = asyncio.run(run())
+    assert seeded.tokens == oracle().generate(prompt, sampled).output_ids
+    reference = oracle().generate(prompt, stop_at)
+    assert stopped.tokens == reference.output_ids and stopped.terminal.reason == "stop"
+    assert stopped.terminal.matched_stop == greedy_ids[2]
+
+
+def test_colocated_decode_engine_equals_offline():
+    rng = random.Random()
+    prompts = [random_prompt(rng, 3, 45) for _ in range(4)]
+    expected = [oracle().generate(p, GREEDY).output_ids for p in prompts]
+
+    async def run():
+        engine = DecodeEngine(runner(), worker_config("fake"), tokenizer=oracle().tokenizer)
+        await engine.start()
+        try:
+            outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"c{i}", tuple(p), GREEDY))
+                                              for i, p in enumerate(prompts)))
+            assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
+            return outcomes
+        finally:
+            await engine.stop()
+
+    for outcome, want in zip(asyncio.run(run()), expected):
+        assert outcome.ok and outcome.tokens == want
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+@pytest.mark.parametrize("delay_s", [0.0, 0.02, 0.2])
+def test_abort_at_any_point_frees_both_pools(side, delay_s):
+    """Aborts one side after `delay_s` (handshake, prefill, transfer or decode phase)."""
+    rng = random.Random()
+    prompt = random_prompt(rng, CHUNK * 3, CHUNK * 4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+
+    async def run():
+        async with PDPair("grpc") as pair:
+            p_req, d_req = pair.requests(prompt, params, "victim")
+            tasks = [asyncio.ensure_future(collect(pair.prefill, p_req)),
+                     asyncio.ensure_future(collect(pair.decode, d_req))]
+            await asyncio.sleep(delay_s)
+            engine, rid = (pair.prefill, p_req.rid) if side == "prefill" else (pair.decode, d_req.rid)
+            await engine.abort(rid)
+            prefill, decode = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            await asyncio.sleep(0.05)
+            pair.assert_pools_clean()
+            return prefill, decode
+
+    prefill, decode = asyncio.run(run())
+    if side == "decode" and not (decode.ok):
+        assert decode.terminal.code == FailureCode.ABORTED
+    if side == "prefill" and not prefill.ok:
+        assert prefill.terminal.code == FailureCode.ABORTED
+        assert not decode.ok  # the decode side learns through the bootstrap channel
+
+
+def test_handshake_that_never_arrives_fails_prefill_within_timeout():
+    async def run():
+        engine = PrefillEngine(runner(), worker_config("grpc", handshake_timeout_s=0.5))
+        await engine.start()
+        try:
+            request = GenerateRequest("lonely", (5, 6, 7, 8, 9), GREEDY, disagg=DisaggParams("127.0.0.1", 1, 77))
+            start = time.monotonic()
+            outcome = await collect(engine, request)
+            assert time.monotonic() - start < 5
+            assert engine.pool.num_used_pages == 0 and engine.registry.num_active == 0
+            return outcome
+        finally:
+            await engine.stop()
+
+    outcome = asyncio.run(run())
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.DEADLINE_EXCEEDED
+
+
+def test_unreachable_bootstrap_fails_decode_unavailable_within_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def run():
+        engine = DecodeEngine(runner(), worker_config("grpc", handshake_timeout_s=0.8))
+        await engine.start()
+        try:
+            request = GenerateRequest("orphan", (5, 6, 7), GREEDY, disagg=DisaggParams("127.0.0.1", port, 78))
+            start = time.monotonic()
+            outcome = await collect(engine, request)
+            assert time.monotonic() - start < 5
+            assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
+            return outcome
+        finally:
+            await engine.stop()
+
+    outcome = asyncio.run(run())
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.UNAVAILABLE
+
+
+def test_decode_without_prefill_request_fails_with_a_clear_status():
+    """The decode side reaches the bootstrap, but prefill never receives the request (claim timeout)."""
+    async def run():
+        async with PDPair("grpc", prefill_config=worker_config("grpc", claim_timeout_s=0.5)) as pair:
+            _, d_req = pair.requests([5, 6, 7, 8], GREEDY, "half")
+            outcome = await collect(pair.decode, d_req)
+            pair.assert_pools_clean()
+            return outcome
+
+    outcome = asyncio.run(run())
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.DEADLINE_EXCEEDED
+
+
+def test_killing_the_prefill_bootstrap_mid_transfer_fails_decode_and_frees_pages():
+    prompt = random_prompt(random.Random(), CHUNK * 4, CHUNK * 5)
+
+    async def run():
+        config = worker_config("grpc")
+        async with PDPair("grpc", prefill_config=config) as pair:
+            p_req, d_req = pair.requests(prompt, GREEDY, "killed")
+            started = asyncio.Event()
+            original = pair.prefill.sender.open
+
+            def open_and_signal(handshake, emit):
+                async def slow_emit(chunk):  # slow the stream so the kill lands mid-transfer
+                    started.set()
+                    await asyncio.sleep(0.05)
+                    await emit(chunk)
+                return original(handshake, slow_emit)
+
+            pair.prefill.sender.open = open_and_signal
+            tasks = [asyncio.ensure_future(collect(pair.prefill, p_req)),
+                     asyncio.ensure_future(collect(pair.decode, d_req))]
+            await asyncio.wait_for(started.wait(), 10)
+            await pair.prefill.server.stop(0)  # the prefill worker's bootstrap dies
+            prefill, decode = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            await asyncio.sleep(0.05)
+            pair.assert_pools_clean()
+            return prefill, decode
+
+    prefill, decode = asyncio.run(run())
+    assert isinstance(decode.terminal, Failed) and decode.terminal.code == FailureCode.UNAVAILABLE, decode.terminal
+    assert isinstance(prefill.terminal, Failed)
+
+
+def test_decode_going_away_mid_transfer_fails_prefill_and_frees_pages():
+    prompt = random_prompt(random.Random(), CHUNK * 4, CHUNK * 5)
+
+    async def run():
+        async with PDPair("grpc") as pair:
+            p_req, d_req = pair.requests(prompt, GREEDY, "gone")
+            prefill_task = asyncio.ensure_future(collect(pair.prefill, p_req))
+            decode_events = pair.decode.generate(d_req)
+            decode_task = asyncio.ensure_future(decode_events.__anext__())
+            await asyncio.sleep(0.05)
+            decode_task.cancel()  # the decode worker's client disappears mid-request
+            await asyncio.gather(decode_task, return_exceptions=True)
+            await decode_events.aclose()
+            prefill = await asyncio.wait_for(prefill_task, 30)
+            await asyncio.sleep(0.05)
+            pair.assert_pools_clean()
+            return prefill
+
+    prefill = asyncio.run(run())
+    # Either the prefill finished before the decode side left, or it learnt that decode is gone.
+    assert prefill.ok or prefill.terminal.code in (FailureCode.UNAVAILABLE, FailureCode.ABORTED)
+
+
+def test_pool_too_small_is_resource_exhausted():
+    async def run():
+        engine = DecodeEngine(runner(num_pages=4), worker_config("grpc"))
+        await engine.start()
+        try:
+            request = GenerateRequest("huge", tuple(range(2, 40)), GREEDY)
+            return await collect(engine, request)
+        finally:
+            await engine.stop()
+
+    outcome = asyncio.run(run())
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.RESOURCE_EXHAUSTED
+    assert isinstance(outcome.terminal, Failed) and "pages" in outcome.terminal.message
+
+
+def test_finished_counts():
+    assert Finished("length", 3, 1).cached_tokens == 0

@@ -1,0 +1,32 @@
+"""Constants and conversions of the bootstrap protocol (proto/bootstrap.proto) shared by both sides."""
+from __future__ import annotations
+
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.common.api import FailureCode
+
+# Bump when a message change would be misread by an older peer; both sides refuse a mismatch.
+PROTOCOL_VERSION = 1
+
+_TO_PB = {
+    FailureCode.INVALID_ARGUMENT: pb.FAILURE_CODE_INVALID_ARGUMENT,
+    FailureCode.RESOURCE_EXHAUSTED: pb.FAILURE_CODE_RESOURCE_EXHAUSTED,
+    FailureCode.DEADLINE_EXCEEDED: pb.FAILURE_CODE_DEADLINE_EXCEEDED,
+    FailureCode.UNAVAILABLE: pb.FAILURE_CODE_UNAVAILABLE,
+    FailureCode.ABORTED: pb.FAILURE_CODE_ABORTED,
+    FailureCode.INTERNAL: pb.FAILURE_CODE_INTERNAL,
+}
+_FROM_PB = {value: key for key, value in _TO_PB.items()}
+
+
+def code_to_pb(code: FailureCode) -> int:
+    return _TO_PB[code]
+
+
+def code_from_pb(code: int) -> FailureCode:
+    """Unknown (newer) codes map to INTERNAL rather than failing the failure path."""
+    return _FROM_PB.get(code, FailureCode.INTERNAL)
+
+
+def target(host: str, port: int) -> str:
+    """gRPC target of a bootstrap server; IPv6 literals need brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -1,0 +1,189 @@
+"""The KV transport contract: how the prefill side's latent KV pages reach the decode side's pool.
+
+Roles (after vLLM's `KVConnectorBase_V1`, which splits a connector into a scheduler side that
+decides *what* moves and a worker side that moves bytes):
+
+- **Scheduler side** (`SendPlan`, pure bookkeeping, no I/O): the prefill scheduler tells it how
+  many prompt tokens are computed after each chunk; it answers which request-local pages are now
+  complete and may be sent, and, when the prompt is done, the last partial page. The decode
+  scheduler allocates the destination pages before the handshake.
+- **Worker side** (`KVSender` / `SendChannel` on prefill, `KVReceiver` / `KVSink` on decode):
+  moves the bytes of pages `[page_begin, page_end)` of every layer from the prefill pool to the
+  decode pool. How depends on the transport; the caller never branches on it.
+
+A transfer of one request, with page_size=4 and a 10-token prompt in chunks of 8 and 2 tokens:
+
+    decode:  pages = pool.alloc(3)            -> [7, 2, 9]; handshake carries them + destination
+    prefill: channel = sender.open(handshake, emit)
+             chunk 1 computed (8 tokens)       -> plan.ready(8) = range(0, 2); channel.send([p0, p1], 0)
+             chunk 2 computed (10 tokens)      -> plan.ready(10, final=True) = range(2, 3)
+             channel.send([p2], 2); then the TransferDone on the bootstrap stream
+    decode:  sink.on_chunk(...) for each KVChunk (grpc only); sink.check_complete(done)
+
+Page i of the request on one side maps to page i on the other (the same request-local layout,
+docs/architecture.md), so a transfer is "page index range x layer range" and contiguous page-id
+runs on both sides merge into one copy.
+
+Errors are `TransferError` with the `FailureCode` the request must end with.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.common.api import FailureCode
+
+
+class TransferError(Exception):
+    """A transfer failed; `code` is the terminal status the request gets.
+
+    `peer_knows` is True when the other side reported the failure or is gone, so there is no
+    one left to tell.
+    """
+
+    def __init__(self, code: FailureCode, message: str, peer_knows: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.peer_knows = peer_knows
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Settings shared by every transport; each reads only what it needs."""
+
+    max_chunk_bytes: int = 1 << 20  # grpc: one KVChunk's data; gRPC's default message cap is 4 MiB
+    send_timeout_s: float = 30.0  # one send() (a chunk's pages) may take at most this long
+    advertise_host: str = "127.0.0.1"  # mooncake: the address peers reach this worker's engine at
+    mooncake_protocol: str = "tcp"  # "tcp" or "rdma"
+    mooncake_device: str = ""  # RDMA device names, "" = all
+
+    def __post_init__(self) -> None:
+        if self.max_chunk_bytes < 1024:
+            raise ValueError(f"max_chunk_bytes={self.max_chunk_bytes} is too small (>= 1024)")
+        if self.send_timeout_s <= 0:
+            raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
+
+
+EmitChunk = Callable[[pb.KVChunk], Awaitable[None]]
+
+
+class SendChannel(abc.ABC):
+    """Prefill worker side of one request's transfer, opened from the decode side's handshake."""
+
+    def __init__(self, pool: KVPool, dst_pages: Sequence[int]) -> None:
+        self.pool = pool
+        self.dst_pages = list(dst_pages)
+        self.bytes_sent = 0
+
+    @abc.abstractmethod
+    async def send(self, src_pages: Sequence[int], page_begin: int) -> None:
+        """Copies request-local pages `page_begin .. page_begin+len(src_pages)-1`, all layers.
+
+        `src_pages` are this pool's page ids of those pages. Returns when the bytes are in the
+        decode pool (mooncake, fake) or queued on the stream in order (grpc). Raises TransferError.
+        """
+
+    def _check_range(self, src_pages: Sequence[int], page_begin: int) -> None:
+        if page_begin < 0 or page_begin + len(src_pages) > len(self.dst_pages):
+            raise TransferError(FailureCode.INTERNAL,
+                                f"pages [{page_begin}, {page_begin + len(src_pages)}) are outside the "
+                                f"{len(self.dst_pages)} pages the decode side allocated")
+
+    def close(self) -> None:
+        """Releases per-request resources; idempotent."""
+
+
+class KVSender(abc.ABC):
+    """Prefill worker side of a transport: one per worker, bound to its KV pool."""
+
+    name: str
+
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        self.pool = pool
+        self.config = config
+
+    def open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
+        """Checks the handshake against this pool and transport; `emit` queues a KVChunk on the stream."""
+        check_layout(self.pool, handshake.layout)
+        kind = handshake.WhichOneof("destination")
+        if kind != self.name:
+            raise TransferError(FailureCode.INVALID_ARGUMENT,
+                                f"decode side uses KV transport {kind!r}, this prefill worker {self.name!r}")
+        return self._open(handshake, emit)
+
+    @abc.abstractmethod
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel: ...
+
+    def close(self) -> None:
+        """Releases the worker's transport resources; idempotent."""
+
+
+class KVSink(abc.ABC):
+    """Decode worker side of one request's transfer."""
+
+    def __init__(self, pool: KVPool, pages: Sequence[int]) -> None:
+        self.pool = pool
+        self.pages = list(pages)
+
+    def on_chunk(self, chunk: pb.KVChunk) -> None:
+        """Writes a chunk that arrived on the bootstrap stream; only the grpc transport gets any."""
+        raise TransferError(FailureCode.INTERNAL,
+                            f"{type(self).__name__} got a KV chunk on the bootstrap stream; the prefill "
+                            "side uses another transport")
+
+    def check_complete(self, done: pb.TransferDone) -> None:
+        """Raises TransferError if the prefill side's report does not cover every page."""
+        if done.num_pages != len(self.pages):
+            raise TransferError(FailureCode.INTERNAL,
+                                f"prefill reports {done.num_pages} pages written, decode allocated {len(self.pages)}")
+
+
+class KVReceiver(abc.ABC):
+    """Decode worker side of a transport: one per worker, bound to its KV pool."""
+
+    name: str
+
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        self.pool = pool
+        self.config = config
+
+    @abc.abstractmethod
+    def fill_destination(self, handshake: pb.Handshake) -> None:
+        """Sets the handshake's `destination` oneof: where and how the prefill side writes."""
+
+    def open_sink(self, pages: Sequence[int]) -> KVSink:
+        return KVSink(self.pool, pages)
+
+    @property
+    def late_write_grace_s(self) -> float:
+        """After a failed transfer, how long the prefill side may still write into its pages.
+
+        Zero when every write passes through this process's event loop (grpc) or cannot
+        outlive the failure (fake); one-sided writers (mooncake) need the pages kept this long.
+        """
+        return 0.0
+
+    def close(self) -> None:
+        """Releases the worker's transport resources; idempotent."""
+
+
+def layout_of(pool: KVPool) -> pb.KVLayout:
+    return pb.KVLayout(num_layers=pool.num_layers, page_size=pool.page_size, kv_dim=pool.kv_dim,
+                       dtype=str(pool.dtype).removeprefix("torch."))
+
+
+def check_layout(pool: KVPool, remote: pb.KVLayout) -> None:
+    """Both sides must hold the same model's KV in the same dtype and page size."""
+    local = layout_of(pool)
+    if local != remote:
+        def show(layout: pb.KVLayout) -> str:
+            return (f"layers={layout.num_layers} page_size={layout.page_size} "
+                    f"kv_dim={layout.kv_dim} dtype={layout.dtype}")
+        raise TransferError(FailureCode.INVALID_ARGUMENT,
+                            f"KV layout mismatch: decode has {show(remote)}, prefill has {show(local)}")

@@ -1,0 +1,67 @@
+"""In-process transport for unit tests: the prefill side copies straight into the decode pool.
+
+The decode pool is published under a random key in a process-wide table (weakly held), and the
+handshake carries the key. Only meaningful when both sides share one process.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+import weakref
+from typing import Sequence
+
+from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.kv_transfer.base import (
+    EmitChunk, KVReceiver, KVSender, SendChannel, TransferError, TransportConfig)
+from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
+
+_POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDictionary()
+
+
+class FakeReceiver(KVReceiver):
+    name = "fake"
+
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        super().__init__(pool, config)
+        self.key = uuid.uuid4().hex
+        _POOLS[self.key] = pool
+
+    def fill_destination(self, handshake: pb.Handshake) -> None:
+        handshake.fake.pool_key = self.key
+
+    def close(self) -> None:
+        _POOLS.pop(self.key, None)
+
+
+class FakeChannel(SendChannel):
+    def __init__(self, pool: KVPool, dst_pages: Sequence[int], dst_pool: KVPool,
+                 timeout_s: float) -> None:
+        super().__init__(pool, dst_pages)
+        self.dst_pool = dst_pool
+        self.timeout_s = timeout_s
+
+    async def send(self, src_pages: Sequence[int], page_begin: int) -> None:
+        self._check_range(src_pages, page_begin)
+        dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
+        await asyncio.wait_for(asyncio.to_thread(self._copy, list(src_pages), dst), self.timeout_s)
+        self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * self.pool.num_layers
+
+    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        for run in merge_page_runs(src_pages, dst_pages):
+            for layer in range(self.pool.num_layers):
+                src = self.pool.buffers[layer][run.src:run.src + run.length]
+                self.dst_pool.buffers[layer][run.dst:run.dst + run.length].copy_(src)
+
+
+class FakeSender(KVSender):
+    name = "fake"
+
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
+        dst_pool = _POOLS.get(handshake.fake.pool_key)
+        if dst_pool is None:
+            raise TransferError(FailureCode.UNAVAILABLE,
+                                f"fake transport: no decode pool {handshake.fake.pool_key!r} in this process")
+        return FakeChannel(self.pool, handshake.page_ids, dst_pool, self.config.send_timeout_s)
+

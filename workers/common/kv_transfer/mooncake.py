@@ -1,0 +1,148 @@
+"""KV by one-sided writes with Mooncake's TransferEngine (TCP or RDMA).
+
+Both workers start a `TransferEngine` in P2P-handshake mode and register every layer buffer of
+their KV pool once, at start. The decode side's handshake carries its engine's session id
+(`host:rpc_port`), the base address of each layer buffer and the page size in bytes; the prefill
+side then turns each `send` into ONE `batch_transfer_sync_write` covering all layers and all
+contiguous page runs (batching per chunk rather than per layer took SGLang's transfers from
+650 ms to 60 ms, FACTS "KV transfer"). The engine binds 0.0.0.0 whatever it is told: tests run
+it inside a private network namespace.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Sequence
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.kv_transfer.base import (
+    EmitChunk, KVReceiver, KVSender, SendChannel, TransferError, TransportConfig)
+from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
+
+log = logging.getLogger(__name__)
+
+
+class MooncakeEngine:
+    """One TransferEngine with a KV pool's layer buffers registered."""
+
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise UserError(f"KV transport 'mooncake' is not usable here: {exc} "
+                            "(install mooncake-transfer-engine and Debian libibverbs1, or use --kv-transport grpc)"
+                            ) from exc
+        if pool.device.type != "cpu" and config.mooncake_protocol == "tcp":
+            log.warning("mooncake over tcp with a %s pool: needs a CUDA-enabled mooncake build", pool.device)
+        self.engine: Any = TransferEngine()
+        status = self.engine.initialize(config.advertise_host, "P2PHANDSHAKE",
+                                        config.mooncake_protocol, config.mooncake_device)
+        if status != 0:
+            raise UserError(f"mooncake TransferEngine.initialize({config.advertise_host!r}, P2PHANDSHAKE, "
+                            f"{config.mooncake_protocol!r}) failed with status {status}")
+        self.session_id = f"{config.advertise_host}:{self.engine.get_rpc_port()}"
+        self.base_addrs = [buffer.data_ptr() for buffer in pool.buffers]
+        self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
+        self._registered: list[int] = []
+        for addr, length in zip(self.base_addrs, self.layer_bytes):
+            if self.engine.register_memory(addr, length) != 0:
+                self.close()
+                raise UserError(f"mooncake could not register a {length}-byte KV buffer "
+                                "(RDMA needs IPC_LOCK and GPUDirect; see docs)")
+            self._registered.append(addr)
+
+    def close(self) -> None:
+        for addr in self._registered:
+            self.engine.unregister_memory(addr)
+        self._registered.clear()
+
+
+def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_bytes: int,
+                      src_pages: Sequence[int], dst_pages: Sequence[int]
+                      ) -> tuple[list[int], list[int], list[int]]:
+    """(local addrs, remote addrs, lengths) for all layers x contiguous runs, layer-major."""
+    runs = merge_page_runs(src_pages, dst_pages)
+    local: list[int] = []
+    remote: list[int] = []
+    lengths: list[int] = []
+    for src_layer, dst_layer in zip(src_base, dst_base):
+        for run in runs:
+            local.append(src_layer + run.src * page_bytes)
+            remote.append(dst_layer + run.dst * page_bytes)
+            lengths.append(run.length * page_bytes)
+    return local, remote, lengths
+
+
+class MooncakeChannel(SendChannel):
+    def __init__(self, pool: KVPool, engine: MooncakeEngine, destination: pb.MooncakeDestination,
+                 dst_pages: Sequence[int], timeout_s: float) -> None:
+        super().__init__(pool, dst_pages)
+        self.engine = engine
+        self.destination = destination
+        self.timeout_s = timeout_s
+
+    async def send(self, src_pages: Sequence[int], page_begin: int) -> None:
+        self._check_range(src_pages, page_begin)
+        dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
+        batch = build_write_batch(self.engine.base_addrs, self.destination.layer_base_addrs,
+                                  self.pool.bytes_per_page, src_pages, dst)
+        call = asyncio.to_thread(self.engine.engine.batch_transfer_sync_write,
+                                 self.destination.session_id, *batch)
+        try:
+            status = await asyncio.wait_for(call, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(FailureCode.DEADLINE_EXCEEDED,
+                                f"mooncake write to {self.destination.session_id} took more than "
+                                f"{self.timeout_s}s") from None
+        if status != 0:
+            raise TransferError(FailureCode.UNAVAILABLE,
+                                f"mooncake write to {self.destination.session_id} failed (status {status})")
+        self.bytes_sent += sum(batch[2])
+
+
+class MooncakeSender(KVSender):
+    name = "mooncake"
+
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        super().__init__(pool, config)
+        self.engine = MooncakeEngine(pool, config)
+
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
+        destination = handshake.mooncake
+        if destination.page_bytes != self.pool.bytes_per_page:
+            raise TransferError(FailureCode.INVALID_ARGUMENT,
+                                f"decode page is {destination.page_bytes} bytes, prefill page "
+                                f"{self.pool.bytes_per_page}")
+        if len(destination.layer_base_addrs) != self.pool.num_layers:
+            raise TransferError(FailureCode.INVALID_ARGUMENT,
+                                f"decode sent {len(destination.layer_base_addrs)} layer addresses, "
+                                f"the model has {self.pool.num_layers} layers")
+        return MooncakeChannel(self.pool, self.engine, destination, handshake.page_ids,
+                               self.config.send_timeout_s)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class MooncakeReceiver(KVReceiver):
+    name = "mooncake"
+
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        super().__init__(pool, config)
+        self.engine = MooncakeEngine(pool, config)
+
+    def fill_destination(self, handshake: pb.Handshake) -> None:
+        handshake.mooncake.session_id = self.engine.session_id
+        handshake.mooncake.layer_base_addrs.extend(self.engine.base_addrs)
+        handshake.mooncake.page_bytes = self.pool.bytes_per_page
+
+    @property
+    def late_write_grace_s(self) -> float:
+        # A write the prefill side started before it learnt of the failure ends within its timeout.
+        return self.config.send_timeout_s
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,65 @@
+"""Worker-level settings (frozen), built once from flags and passed down constructors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """The prefill<->decode channel: where the prefill side listens, and how long anyone waits."""
+
+    host: str = "127.0.0.1"  # bind address of the prefill bootstrap server (0.0.0.0 in a pod)
+    port: int = 8998  # 0 picks a free port (tests)
+    handshake_timeout_s: float = 30.0  # prefill waits this long for decode's handshake; decode retries this long
+    claim_timeout_s: float = 30.0  # a decode handshake waits this long for prefill to get the request
+    transfer_timeout_s: float = 300.0  # decode: from handshake to TransferDone (prefill queueing included)
+    event_queue_depth: int = 8  # KV chunks in flight per room before the prefill side waits
+    retry_initial_s: float = 0.05  # decode's connect backoff starts here and doubles ...
+    retry_max_s: float = 1.0  # ... up to this
+
+    def __post_init__(self) -> None:
+        for name in ("handshake_timeout_s", "claim_timeout_s", "transfer_timeout_s", "retry_initial_s",
+                     "retry_max_s"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"bootstrap {name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise UserError(f"bootstrap port {self.port} is not a TCP port")
+        if self.event_queue_depth < 1:
+            raise UserError(f"event_queue_depth must be >= 1, got {self.event_queue_depth}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits of one worker's engine."""
+
+    chunked_prefill_size: int = 2048  # prompt tokens per extend batch, summed over requests
+    max_running_requests: int = 64  # decode batch size cap
+    decode_reserve_tokens: int = 4096  # pages reserved per request for decoding: min(max_new_tokens, this)
+    admission_timeout_s: float = 30.0  # a request waits this long for KV pages before RESOURCE_EXHAUSTED
+    prefix_cache: bool = True  # prefill: reuse KV of shared prompt prefixes (radix tree)
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size < 1:
+            raise UserError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_running_requests < 1:
+            raise UserError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.decode_reserve_tokens < 0 or self.admission_timeout_s <= 0:
+            raise UserError("decode_reserve_tokens must be >= 0 and admission_timeout_s > 0")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a prefill or decode engine needs besides the model runner."""
+
+    kv_transport: str = "grpc"  # a name from kv_transfer.TRANSPORT_NAMES
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        from deepseek_pd.workers.common.kv_transfer import TRANSPORT_NAMES
+        if self.kv_transport not in TRANSPORT_NAMES:
+            raise UserError(f"unknown KV transport {self.kv_transport!r}; choose one of {', '.join(TRANSPORT_NAMES)}")

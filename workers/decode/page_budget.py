@@ -1,0 +1,90 @@
+"""Admission control over the decode worker's KV pool.
+
+A request is admitted only when the pool can hold its prompt now AND a reserve for the tokens
+it will decode (`min(max_new_tokens, decode_reserve_tokens)`), counting what earlier requests
+reserved but have not allocated yet. So an admitted request never runs out of pages within its
+reserve; beyond it (only when max_new_tokens exceeds the reserve cap) growth can fail, and the
+request then ends with RESOURCE_EXHAUSTED.
+
+    pool 100 pages, 30 free, 20 reserved by running requests -> 10 admissible
+    a request needing 4 prompt pages + 8 reserved waits (FIFO) until 12 are admissible,
+    or fails with RESOURCE_EXHAUSTED after admission_timeout_s; one needing > 100 fails at once.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.kv_transfer import TransferError
+
+
+@dataclass(eq=False)
+class Reservation:
+    pages: list[int]
+    reserved: int  # pages promised but not allocated yet
+    released: bool = field(default=False)
+
+
+class PageBudget:
+    def __init__(self, pool: KVPool, admission_timeout_s: float) -> None:
+        self.pool = pool
+        self.admission_timeout_s = admission_timeout_s
+        self.reserved = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def admissible(self) -> int:
+        return self.pool.num_free_pages - self.reserved
+
+    async def admit(self, now_pages: int, reserve_pages: int) -> Reservation:
+        total = now_pages + reserve_pages
+        if total > self.pool.num_pages:
+            raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
+                                f"request needs {total} KV pages ({now_pages} for the prompt, {reserve_pages} "
+                                f"reserved for decoding), the pool has {self.pool.num_pages}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.admission_timeout_s
+        while self.admissible < total:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
+                                    f"no room for {total} KV pages within {self.admission_timeout_s}s "
+                                    f"({self.pool.num_free_pages} free, {self.reserved} reserved)")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        self.reserved += reserve_pages
+        return Reservation(self.pool.alloc(now_pages), reserve_pages)
+
+    def grow(self, reservation: Reservation, num_pages: int) -> None:
+        """Appends `num_pages` pages to the request, from its reserve first."""
+        from_reserve = min(num_pages, reservation.reserved)
+        extra = num_pages - from_reserve
+        if extra > self.admissible:
+            raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
+                                f"KV pool full: the request outgrew its {len(reservation.pages)} pages")
+        reservation.pages += self.pool.alloc(num_pages)
+        reservation.reserved -= from_reserve
+        self.reserved -= from_reserve
+
+    def release(self, reservation: Reservation, delay_s: float = 0.0) -> None:
+        """Gives the pages and the unused reserve back (the pages after `delay_s`, if > 0)."""
+        if reservation.released:
+            return
+        reservation.released = True
+        self.reserved -= reservation.reserved
+        reservation.reserved = 0
+        pages, reservation.pages = reservation.pages, []
+        self._changed.set()
+        if delay_s > 0:
+            asyncio.get_running_loop().call_later(delay_s, self._free, pages)
+        else:
+            self._free(pages)
+
+    def _free(self, pages: list[int]) -> None:
+        self.pool.free(pages)
+        self._changed.set()

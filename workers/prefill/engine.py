@@ -1,0 +1,283 @@
+"""The prefill worker's engine: PD requests in, KV out to the decode side, first token back.
+
+A request's way through this engine (ARCHITECTURE §2):
+
+    generate(req)  -> KVPush claims the bootstrap room, waits for decode's handshake
+    admission      -> radix-cache prefix match (pinned) + pages for the rest of the prompt;
+                      the cached pages go to decode at once
+    scheduler loop -> chunked prefill rounds in the model thread; after each round the pages it
+                      completed are pushed; the round that completes the prompt samples token 1
+    finish         -> remaining pages + TransferDone(first token) to decode; this request yields
+                      TokenChunk([first]) and Finished("length", completion_tokens=1)
+    always         -> full pages go to the prefix cache, the rest are freed, the room is released
+
+Any failure (handshake timeout, decode gone, transfer error, abort) ends the request with one
+`Failed` here and a TransferFailed (or a closed stream) there.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.sampling import Sampler, SamplingState
+from deepseek_pd.workers.common.api import (
+    Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
+from deepseek_pd.workers.common.kv_transfer import TransferError, build_sender
+from deepseek_pd.workers.common.scheduler import ModelThread, PromptProgress, plan_extend_batch, run_extend
+from deepseek_pd.workers.common.worker_config import WorkerConfig
+from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
+from deepseek_pd.workers.prefill.kv_push import KVPush
+from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Request:
+    request: GenerateRequest
+    push: KVPush
+    sampling: SamplingState
+    admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    first_token: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    progress: PromptProgress | None = None
+    hit: CacheHit | None = None
+    in_forward: bool = False
+    ended: bool = False  # generate() is done with it; pages go back once no forward uses them
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+
+class PrefillEngine:
+    """`WorkerEngine` of a prefill worker; serves the bootstrap port while started."""
+
+    def __init__(self, runner: ModelRunner, config: WorkerConfig) -> None:
+        self.runner = runner
+        self.config = config
+        self.pool = runner.kv_pool
+        self.cache = RadixCache(self.pool) if config.scheduler.prefix_cache else None
+        self.sampler = Sampler()
+        self.model_thread = ModelThread("prefill-model")
+        self._requests: dict[str, _Request] = {}
+        self._waiting: list[_Request] = []  # handshake done, no pages yet (FIFO)
+        self._running: list[_Request] = []  # pages allocated, prompt not yet computed
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self.registry: RoomRegistry | None = None
+        self.server: BootstrapServer | None = None
+        self.sender = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.registry = RoomRegistry(self.config.bootstrap)
+        self.sender = build_sender(self.config.kv_transport, self.pool, self.config.transport)
+        self.server = BootstrapServer(self.registry, self.config.bootstrap, self.config.transport.max_chunk_bytes)
+        await self.server.start()
+        self._loop_task = asyncio.create_task(self._schedule_loop(), name="prefill-scheduler")
+        log.info("prefill engine: KV transport %s, %d bytes of latent KV per token (%d layers x %d x %d B)",
+                 self.config.kv_transport, self.pool.bytes_per_token, self.pool.num_layers, self.pool.kv_dim,
+                 self.pool.buffers[0].element_size())
+
+    @property
+    def bootstrap_port(self) -> int:
+        assert self.server is not None, "start() first"
+        return self.server.port
+
+    async def stop(self) -> None:
+        for rid in list(self._requests):
+            await self.abort(rid)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self.server is not None:
+            await self.server.stop(0)
+        if self.sender is not None:
+            self.sender.close()
+        self.model_thread.close()
+
+    # ---- WorkerEngine ----------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        if request.disagg is None:
+            yield Failed(FailureCode.INVALID_ARGUMENT,
+                         "this is a prefill worker: requests need disaggregated_params (bootstrap room)")
+            return
+        if request.rid in self._requests:
+            yield Failed(FailureCode.INVALID_ARGUMENT, f"request id {request.rid!r} is already running")
+            return
+        try:
+            push = KVPush(self.registry, self.sender, request.disagg.bootstrap_room, request.rid,
+                          len(request.input_ids))
+        except TransferError as exc:
+            yield Failed(exc.code, exc.message)
+            return
+        state = _Request(request, push, SamplingState.create(
+            request.sampling, request.input_ids, self.runner.model_config.vocab_size,
+            device=self.runner.model.options.device))
+        self._requests[request.rid] = state
+        try:
+            await self._watch(state, push.handshake(self.config.bootstrap.handshake_timeout_s))
+            self._waiting.append(state)
+            self._wakeup.set()
+            await self._watch(state, asyncio.wait_for(asyncio.shield(state.admitted),
+                                                      self.config.scheduler.admission_timeout_s),
+                              timeout_code=FailureCode.RESOURCE_EXHAUSTED)
+            token, logprob = await self._watch(state, asyncio.shield(state.first_token))
+            generator = state.sampling.generator
+            await self._watch(state, push.finish(
+                token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0,
+                generator_state=generator.get_state().numpy().tobytes() if generator is not None else b""))
+            cached = state.hit.num_tokens if state.hit else 0
+            outcome: list[Event] = [TokenChunk((token,), (logprob,) if request.return_logprob else ()),
+                                    Finished("length", len(request.input_ids), 1, cached_tokens=cached)]
+        except TransferError as exc:
+            push.fail(exc.code, exc.message)
+            outcome = [Failed(exc.code, exc.message)]
+        except Exception as exc:  # a bug must still end the request once and free its pages
+            log.exception("prefill request %s failed", request.rid)
+            push.fail(FailureCode.INTERNAL, repr(exc))
+            outcome = [Failed(FailureCode.INTERNAL, f"prefill failed: {exc!r}")]
+        finally:
+            push.close()
+            self._end(state)
+        for event in outcome:
+            yield event
+
+    async def abort(self, rid: str) -> bool:
+        state = self._requests.get(rid)
+        if state is None:
+            return False
+        state.push.fail(FailureCode.ABORTED, f"request {rid} aborted on the prefill worker")
+        state.push.room.mark_peer_gone(FailureCode.ABORTED, f"request {rid} aborted")
+        return True
+
+    def loads(self) -> Loads:
+        cached = self.cache.num_pages if self.cache else 0
+        return Loads(num_running=len(self._running), num_waiting=len(self._waiting),
+                     kv_used_pages=self.pool.num_used_pages - cached, kv_total_pages=self.pool.num_pages,
+                     extra={"cached_pages": cached})
+
+    def is_healthy(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    # ---- internals -------------------------------------------------------------------------
+    async def _watch(self, state: _Request, awaitable, timeout_code: FailureCode = FailureCode.DEADLINE_EXCEEDED):
+        """Awaits `awaitable` unless the room fails first (decode gone, abort): then raises that."""
+        task = asyncio.ensure_future(awaitable)
+        room = state.push.room
+        try:
+            await asyncio.wait({task, room.peer_gone, room.failure}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            if room.peer_gone.done():
+                raise TransferError(*room.peer_gone.result())
+            failure = room.failure.result()
+            raise TransferError(FailureCode.ABORTED, failure.reason)
+        try:
+            return task.result()
+        except asyncio.TimeoutError:
+            raise TransferError(timeout_code, f"request {state.rid}: no KV pages within "
+                                f"{self.config.scheduler.admission_timeout_s}s") from None
+
+    def _end(self, state: _Request) -> None:
+        state.ended = True
+        self._requests.pop(state.rid, None)
+        if state in self._waiting:
+            self._waiting.remove(state)
+        if not state.in_forward:
+            self._release_pages(state)
+
+    def _release_pages(self, state: _Request) -> None:
+        if state in self._running:
+            self._running.remove(state)
+        progress, state.progress = state.progress, None
+        if progress is None:
+            return
+        pages = progress.pages
+        if self.cache is not None and state.hit is not None:
+            done = progress.computed == len(progress.token_ids) and state.first_token.done()
+            own = pages[len(state.hit.pages):]
+            if done:
+                self.pool.free(self.cache.insert(progress.token_ids, pages))
+            else:
+                self.pool.free(own)
+            self.cache.release(state.hit)
+        else:
+            self.pool.free(pages)
+
+    def _admit_waiting(self) -> None:
+        """Gives pages to waiting requests in arrival order while the pool (after eviction) allows."""
+        while self._waiting:
+            state = self._waiting[0]
+            ids = state.request.input_ids
+            need_total = self.pool.pages_for_tokens(len(ids))
+            if need_total > self.pool.num_pages:
+                self._waiting.pop(0)
+                state.admitted.set_exception(TransferError(
+                    FailureCode.RESOURCE_EXHAUSTED,
+                    f"prompt of {len(ids)} tokens needs {need_total} KV pages, the pool has {self.pool.num_pages}"))
+                continue
+            hit = self.cache.match(ids) if self.cache is not None else None
+            cached = hit.pages if hit is not None else []
+            try:
+                own = (self.cache.alloc if self.cache is not None else self.pool.alloc)(need_total - len(cached))
+            except Exception:
+                if hit is not None:
+                    self.cache.release(hit)
+                return  # stays first in line until pages come back
+            self._waiting.pop(0)
+            state.hit = hit
+            state.progress = PromptProgress(ids, cached + own, computed=len(cached) * self.pool.page_size,
+                                            sampling=state.sampling)
+            self._running.append(state)
+            state.push.pages_ready(state.progress.computed, state.progress.pages)
+            state.admitted.set_result(True)
+
+    async def _schedule_loop(self) -> None:
+        budget = self.config.scheduler.chunked_prefill_size
+        while True:
+            self._admit_waiting()
+            plan = plan_extend_batch([s.progress for s in self._running], budget)
+            if not plan.items:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            owners = {id(s.progress): s for s in self._running}
+            batch = [owners[id(item)] for item in plan.items]
+            rows = plan.finishing
+            for state in batch:
+                state.in_forward = True
+            try:
+                sampled = await self.model_thread.run(run_extend, self.runner, self.sampler, plan.seqs, rows,
+                                                      [batch[r].sampling for r in rows])
+                error = None
+            except Exception as exc:
+                log.exception("prefill forward failed")
+                sampled, error = None, exc
+            for state, seq in zip(batch, plan.seqs):
+                state.in_forward = False
+                if state.ended:  # aborted during the forward
+                    self._release_pages(state)
+                    continue
+                if error is not None:
+                    state.push.fail(FailureCode.INTERNAL, f"prefill forward failed: {error!r}")
+                    if not state.first_token.done():
+                        state.first_token.set_exception(TransferError(FailureCode.INTERNAL, repr(error)))
+                    continue
+                state.progress.computed += len(seq.token_ids)
+                state.push.pages_ready(state.progress.computed, state.progress.pages)
+            if sampled is not None:
+                for row, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
+                    state = batch[row]
+                    if not state.ended and not state.first_token.done():
+                        state.sampling.append(token)
+                        state.first_token.set_result((token, logprob))
+            self._running = [s for s in self._running
+                             if s.progress is not None and s.progress.remaining > 0 and not s.first_token.done()]
+            await asyncio.sleep(0)  # let handshakes and the bootstrap stream run between rounds

@@ -1,0 +1,104 @@
+"""One PD request's KV push on the prefill side: handshake, pages as they complete, then status.
+
+The prefill scheduler calls `pages_ready` after every chunk it computes; the pages are sent in
+order by a background task, so a slow decode side never stalls the scheduler loop (it only
+delays this request's `finish`). A send failure fails the room at once and is re-raised by
+`finish`, and `failed` lets the scheduler stop computing a request nobody will read.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.kv_transfer import KVSender, SendChannel, SendPlan, TransferError
+from deepseek_pd.workers.prefill.bootstrap_service import Room, RoomRegistry
+
+log = logging.getLogger(__name__)
+
+
+class KVPush:
+    def __init__(self, registry: RoomRegistry, sender: KVSender, room_id: int, rid: str,
+                 num_tokens: int) -> None:
+        self.registry = registry
+        self.sender = sender
+        self.rid = rid
+        self.num_tokens = num_tokens
+        self.plan = SendPlan(num_tokens, sender.pool.page_size)
+        self.room: Room = registry.claim(room_id, rid)
+        self.channel: SendChannel | None = None
+        self._queue: asyncio.Queue[tuple[list[int], int] | None] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._error: TransferError | None = None
+        self._started = time.monotonic()
+
+    async def handshake(self, timeout_s: float) -> pb.Handshake:
+        """Waits for the decode side's handshake and opens the transport channel."""
+        handshake = await self.room.wait_handshake(timeout_s)
+        if handshake.num_tokens != self.num_tokens or len(handshake.page_ids) != self.plan.num_pages:
+            raise TransferError(FailureCode.INVALID_ARGUMENT,
+                                f"decode prepared {handshake.num_tokens} tokens in {len(handshake.page_ids)} "
+                                f"pages, prefill has a {self.num_tokens}-token prompt ({self.plan.num_pages} pages)")
+        self.channel = self.sender.open(handshake, self.room.emit_chunk)
+        self._task = asyncio.create_task(self._send_loop(), name=f"kv-push-{self.rid}")
+        return handshake
+
+    @property
+    def failed(self) -> TransferError | None:
+        if self._error is None and self.room.peer_gone.done():
+            return TransferError(*self.room.peer_gone.result())
+        return self._error
+
+    def pages_ready(self, computed_tokens: int, pages: Sequence[int]) -> None:
+        """`pages` is the request's page table; sends every page the computed tokens complete."""
+        final = computed_tokens == self.num_tokens
+        ready = self.plan.ready(computed_tokens, final=final)
+        if len(ready):
+            self._queue.put_nowait(([pages[i] for i in ready], ready.start))
+
+    async def _send_loop(self) -> None:
+        assert self.channel is not None
+        while (item := await self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                await self.channel.send(*item)
+            except TransferError as exc:
+                self._error = exc
+                self.room.fail(exc.code, exc.message)
+            except Exception as exc:  # a transport bug must still end both sides cleanly
+                log.exception("KV send of %s failed", self.rid)
+                self._error = TransferError(FailureCode.INTERNAL, f"KV send failed: {exc!r}")
+                self.room.fail(self._error.code, self._error.message)
+
+    async def finish(self, first_token_id: int, logprob: float, cached_tokens: int,
+                     generator_state: bytes = b"") -> None:
+        """Waits for every queued page, then sends TransferDone. Raises the transfer's error."""
+        if not self.plan.done:
+            raise RuntimeError(f"{self.rid}: finish before every page was handed to pages_ready")
+        assert self._task is not None and self.channel is not None
+        self._queue.put_nowait(None)
+        await asyncio.shield(self._task)
+        if self.failed is not None:
+            raise self.failed
+        await self.room.finish(pb.TransferDone(
+            first_token_id=first_token_id, first_token_logprob=logprob, num_pages=self.plan.num_pages,
+            cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent, generator_state=generator_state))
+        seconds = max(time.monotonic() - self._started, 1e-9)
+        log.debug("%s: pushed %d bytes of KV in %.3fs (%.3f GB/s)", self.rid, self.channel.bytes_sent,
+                  seconds, self.channel.bytes_sent / seconds / 1e9)
+
+    def fail(self, code: FailureCode, reason: str) -> None:
+        self.room.fail(code, reason)
+
+    def close(self) -> None:
+        """Always called last: stops the send task, fails the room if it is not finished."""
+        self.room.fail(FailureCode.ABORTED, f"prefill request {self.rid} ended")  # no-op after finish
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self.channel is not None:
+            self.channel.close()
+        self.registry.release(self.room)
