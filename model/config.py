@@ -219,8 +219,8 @@ class _Parser:
             vocab_size=self.positive("vocab_size"),
             hidden_size=self.positive("hidden_size"),
             intermediate_size=self.positive("intermediate_size"),
-            moe_intermediate_size=self.positive("moe_intermediate_size", 1) if n_routed else
-            self.get("moe_intermediate_size", int, 0, nullable=True) or 0,
+            moe_intermediate_size=(self.positive("moe_intermediate_size") if n_routed
+                                   else self.get("moe_intermediate_size", int, 0, nullable=True) or 0),
             num_hidden_layers=self.positive("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=self.get("num_key_value_heads", int, heads, nullable=True) or heads,
@@ -295,7 +295,8 @@ class _Parser:
         theta = self.get("rope_theta", float, self.raw.get("rope_theta", 10000.0), src=params, prefix=pre)
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in ROPE_TYPES:
-            raise UserError(f"model config: field '{pre}rope_type'={rope_type!r} is not supported (one of {ROPE_TYPES})")
+            raise UserError(f"model config: field '{pre}rope_type'={rope_type!r} is not supported "
+                            f"(one of {ROPE_TYPES})")
         if rope_type == "default":
             return RopeConfig(theta=theta)
         max_pos = self.get("max_position_embeddings", int, 4096)

@@ -88,6 +88,7 @@ class Engine:
         elif overrides:
             raise TypeError("pass either config or keyword overrides, not both")
         self.config = config
+        _check_device(config.device)
         self.model_path = resolve_model_path(config.model)
         self.runner = ModelRunner(RunnerConfig(
             model=str(self.model_path), dtype=config.dtype, device=config.device,
@@ -107,7 +108,8 @@ class Engine:
         return self.model_config.vocab_size
 
     def encode(self, text: str) -> list[int]:
-        """Text to ids the way the router does it (special tokens, i.e. BOS, added)."""
+        """Text to ids with special tokens added (the tokenizer's post-processor prepends BOS), as
+        HF `tokenizer(text)` does."""
         if self.tokenizer is None:
             raise UserError(f"{self.model_path} has no tokenizer.json: pass token ids instead of text")
         return self.tokenizer.encode(text, add_special_tokens=True).ids
@@ -214,6 +216,15 @@ class Engine:
             request.logprobs.append(logprob)
             request.sampling.append(token)
             request.stop.append(token)
+
+
+def _check_device(device: str) -> None:
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} requested but CUDA is not available on this machine")
 
 
 def _load_tokenizer(path: Path):

@@ -94,3 +94,28 @@ def quantize_block_fp8(weight: torch.Tensor, block: Fp8BlockQuantConfig) -> tupl
     quantised = (blocks / scale_inv.view(rows, 1, cols, 1)).view_as(padded)
     fp8 = quantised[:out_features, :in_features].to(torch.float8_e4m3fn)
     return fp8.contiguous(), scale_inv
+
+
+def is_block_quantised_weight(name: str, tensor: torch.Tensor) -> bool:
+    """The tensors DeepSeek-V3's FP8 release stores as FP8: 2-D linear weights, except the
+    embeddings, lm_head and the router gate (which stay in bf16/fp32)."""
+    return (tensor.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name
+            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
+
+
+def quantize_checkpoint(tensors: dict[str, torch.Tensor], block: Fp8BlockQuantConfig) -> dict[str, torch.Tensor]:
+    """An FP8 block-scaled copy of HF-named tensors: each quantisable `X.weight` becomes FP8 plus
+    `X.weight_scale_inv`; everything else is kept as is."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if is_block_quantised_weight(name, tensor):
+            out[name], out[name + SCALE_SUFFIX] = quantize_block_fp8(tensor, block)
+        else:
+            out[name] = tensor
+    return out
+
+
+def hf_quantization_config(block: Fp8BlockQuantConfig) -> dict:
+    """The `quantization_config` entry of config.json, as DeepSeek-V3 writes it."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [block.block_out, block.block_in]}

@@ -36,6 +36,24 @@ DENSE_LAYER_OPS: tuple[str, ...] = (
 )
 LAYER_BOUNDARY_KEYS = frozenset({"hidden_states", "residual"})
 
+# Two-batch-overlap schedules (SGLang's DeepSeek strategies): the same ops with YIELD points where
+# one micro-batch hands the device to the other while its communication is in flight. Decode
+# moves shared_experts up to hide dispatch latency; the op state makes that reorder safe to test.
+YIELD = "YIELD"
+TBO_PREFILL_MOE_OPS: tuple[str, ...] = (
+    "prepare_attn", "attn_prepare", "attn_core", "prepare_mlp", "gate", "select_experts", "dispatch_a", YIELD,
+    "dispatch_b", "experts", "combine_a", YIELD, "shared_experts", "combine_b", "output", "postprocess",
+)
+TBO_DECODE_MOE_OPS: tuple[str, ...] = (
+    "prepare_attn", "attn_prepare", YIELD, "attn_core", "prepare_mlp", "gate", "select_experts", YIELD,
+    "dispatch_a", "shared_experts", YIELD, "dispatch_b", "experts", "combine_a", YIELD, "combine_b", YIELD,
+    "output", "postprocess",
+)
+
+
+def without_yields(ops: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(op for op in ops if op != YIELD)
+
 
 class OpState:
     """A dict that refuses silent overwrite: a key must be popped before it is written again.

@@ -6,8 +6,8 @@
 - skips the MTP / nextn layers (`model.layers.{i}` with i >= num_hidden_layers) unless asked,
 - turns every way a checkpoint can be broken into a `UserError` that names the file or tensor.
 
-Example: a 163-shard DeepSeek-V3 directory yields ~91k tensors (bf16 after dequantisation)
-and never the 1.5k tensors of layer 61, the MTP module.
+Example: a 163-shard FP8 DeepSeek-V3 directory yields every weight of layers 0-60 dequantised (its
+`weight_scale_inv` tensors consumed) and never the tensors of layer 61, the MTP module.
 """
 from __future__ import annotations
 
@@ -147,8 +147,8 @@ def iter_checkpoint_tensors(path: str | Path, config: object | None = None, prog
     `config` is anything with `num_hidden_layers` (the frozen ModelConfig); None reads config.json.
     FP8 weights come out in fp32 by default, so the model's copy into its own dtype rounds once.
     Scale tensors are consumed with their weight and never yielded, unless `keep_fp8` (for models
-    with FP8 kernels): then each FP8 weight is yielded as stored, followed by its `..._scale_inv`. The progress bar goes to
-    stderr and only when it is a terminal.
+    with FP8 kernels): then each FP8 weight is yielded as stored, followed by its `..._scale_inv`.
+    The progress bar goes to stderr and only when it is a terminal.
     """
     hf_config = read_hf_config(path)
     num_layers = getattr(config, "num_hidden_layers", None) or hf_config.get("num_hidden_layers")
@@ -170,28 +170,32 @@ def iter_checkpoint_tensors(path: str | Path, config: object | None = None, prog
     try:
         # File order keeps reads sequential within a shard.
         for name in sorted(weights, key=lambda n: (files.tensor_to_file[n], n)):
-            tensor = reader.get(files.tensor_to_file[name], name)
-            scale_name = name + SCALE_SUFFIX
-            if tensor.dtype in FP8_DTYPES:
-                if scale_name not in files.tensor_to_file:
-                    raise CheckpointError([scale_name], [], where=f"FP8 weight {name} has no scale")
-                if quant is None:
-                    raise UserError(f"{name} is FP8 but config.json has no quantization_config")
-                scale = reader.get(files.tensor_to_file[scale_name], scale_name)
-                if keep_fp8:
-                    check_scale_shape(tensor, scale, quant, name)
-                    yield name, tensor
-                    yield scale_name, scale
-                    bar.update(1)
-                    continue
-                tensor = dequantize_block_fp8(tensor, scale, quant, dtype=fp8_dtype, name=name)
-            elif scale_name in scale_names:
-                raise UserError(f"{name} has a {SCALE_SUFFIX} but is {tensor.dtype}, not FP8")
-            yield name, tensor
+            yield from _weight_items(name, reader.get(files.tensor_to_file[name], name), files, reader, quant,
+                                     fp8_dtype, keep_fp8)
             bar.update(1)
     finally:
         bar.close()
         reader.close()
+
+
+def _weight_items(name: str, tensor: torch.Tensor, files: CheckpointFiles, reader: _ShardReader,
+                  quant: Fp8BlockQuantConfig | None, fp8_dtype: torch.dtype,
+                  keep_fp8: bool) -> list[tuple[str, torch.Tensor]]:
+    """What one stored weight becomes: itself, its dequantised value, or (FP8 weight, its scale)."""
+    scale_name = name + SCALE_SUFFIX
+    if tensor.dtype not in FP8_DTYPES:
+        if scale_name in files.tensor_to_file:
+            raise UserError(f"{name} has a {SCALE_SUFFIX} but is {tensor.dtype}, not FP8")
+        return [(name, tensor)]
+    if scale_name not in files.tensor_to_file:
+        raise CheckpointError([scale_name], [], where=f"FP8 weight {name} has no scale")
+    if quant is None:
+        raise UserError(f"{name} is FP8 but config.json has no quantization_config")
+    scale = reader.get(files.tensor_to_file[scale_name], scale_name)
+    if keep_fp8:
+        check_scale_shape(tensor, scale, quant, name)
+        return [(name, tensor), (scale_name, scale)]
+    return [(name, dequantize_block_fp8(tensor, scale, quant, dtype=fp8_dtype, name=name))]
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -24,6 +24,8 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.model.sampling_params import SamplingParams
+# Stop conditions live in their own module; re-exported because callers think of them as sampling.
+from deepseek_pd.model.stop_checker import Finish, IncrementalDetokenizer, StopChecker  # noqa: F401
 
 
 @dataclass
@@ -136,7 +138,8 @@ class Sampler:
             top_p = torch.tensor([p.top_p for p in params], device=device)
             min_p = torch.tensor([p.min_p for p in params], device=device)
             probs = log_probs[rows].exp()
-            probs = probs.masked_fill(~truncation_mask(probs, top_k, top_p, min_p), 0.0)
+            if any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+                probs = probs.masked_fill(~truncation_mask(probs, top_k, top_p, min_p), 0.0)  # sorts: O(V log V)
             # Seeded rows draw from their own generator, one row at a time, so their stream is
             # independent of the batch; the others share one batched draw.
             shared = [j for j, i in enumerate(sampled_rows) if states[i].generator is None]
@@ -148,7 +151,3 @@ class Sampler:
                     token_ids[i] = torch.multinomial(probs[j], 1, generator=states[i].generator)[0]
         chosen = log_probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         return SampleOutput(token_ids=token_ids, logprobs=chosen)
-
-
-# StopChecker lives in its own module; re-exported here because callers think of it as sampling.
-from deepseek_pd.model.stop_checker import Finish, IncrementalDetokenizer, StopChecker  # noqa: E402,F401

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from deepseek_pd import env
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.fp8 import Fp8BlockQuantConfig, hf_quantization_config, quantize_checkpoint
 from deepseek_pd.model.tokenizer_builder import write_tokenizer_files
 
 # Bump when the generated files change, so stale caches are regenerated.
@@ -148,8 +149,13 @@ def _tiny_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return {name: t.to(torch.float32).contiguous() for name, t in tensors.items()}
 
 
-def make_tiny_model(directory: str | Path, arch: str = "v3", seed: int = 0) -> Path:
-    """Writes the tiny checkpoint into `directory` (created if needed); same arch+seed, same bytes."""
+def make_tiny_model(directory: str | Path, arch: str = "v3", seed: int = 0,
+                    fp8_block: tuple[int, int] | None = None) -> Path:
+    """Writes the tiny checkpoint into `directory` (created if needed); same arguments, same bytes.
+
+    `fp8_block=(128, 128)` writes DeepSeek-V3's FP8 block-scaled format instead of fp32: linear
+    weights as float8_e4m3fn plus `weight_scale_inv`, and a `quantization_config`.
+    """
     directory = Path(directory)
     if arch not in _ARCH:
         raise UserError(f"unknown tiny architecture {arch!r}; choose one of {sorted(_ARCH)}")
@@ -161,11 +167,16 @@ def make_tiny_model(directory: str | Path, arch: str = "v3", seed: int = 0) -> P
         raise UserError(f"cannot create {directory}: {exc.strerror}") from None
     vocab_size = write_tokenizer_files(directory, max_length=MAX_POSITIONS)
     config = tiny_config(arch, vocab_size)
+    weights = _tiny_weights(config, seed)
+    if fp8_block is not None:
+        block = Fp8BlockQuantConfig.from_hf({"quant_method": "fp8", "weight_block_size": list(fp8_block)})
+        weights = quantize_checkpoint(weights, block)
+        config["quantization_config"] = hf_quantization_config(block)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
                   "do_sample": True, "temperature": 0.6, "top_p": 0.95}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    save_file(_tiny_weights(config, seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     stamp = {"generator_version": GENERATOR_VERSION, "arch": arch, "seed": seed}
     (directory / STAMP_FILE).write_text(json.dumps(stamp) + "\n")
     return directory

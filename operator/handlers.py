@@ -98,7 +98,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
 
 async def run_operator(config: OperatorConfig, *, namespaces: tuple[str, ...] = (),
-                       stop_flag: Any = None, ready_flag: Any = None) -> None:
+                       stop_flag: Any = None, ready_flag: Any = None,
+                       liveness_endpoint: str | None = None) -> None:
     """Runs until stop_flag is set (or forever). No namespaces means cluster-wide."""
     await kopf.operator(
         registry=build_registry(config),
@@ -107,5 +108,6 @@ async def run_operator(config: OperatorConfig, *, namespaces: tuple[str, ...] = 
         namespaces=list(namespaces),
         stop_flag=stop_flag,
         ready_flag=ready_flag,
+        liveness_endpoint=liveness_endpoint,
         memo=kopf.Memo(),
     )

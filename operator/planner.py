@@ -93,7 +93,13 @@ def plan_role(target: RoleTarget, groups: dict[int, GroupState]) -> RolePlan:
         after.add(index)
 
     # Scale down (and retire surge groups once the rollout is over): the highest indices go.
-    for index in sorted(set(live) - wanted, reverse=True):
+    # Surge groups stay until every regular group runs the new revision *and* is ready.
+    settled = all(i in ready and live[i].revision == revision for i in range(replicas))
+    surge_range = set(range(replicas, replicas + target.max_surge))
+    keep = set(wanted)
+    if not settled:
+        keep |= {i for i in live if i in surge_range and live[i].revision == revision}
+    for index in sorted(set(live) - keep, reverse=True):
         actions.append(DeleteGroup(target.role, index))
         ready.discard(index)
         after.discard(index)
@@ -131,7 +137,7 @@ def plan_role(target: RoleTarget, groups: dict[int, GroupState]) -> RolePlan:
         replicas=replicas,
         ready=sum(1 for i in in_range if i in ready),
         updated=sum(1 for i in in_range if i in live and live[i].revision == revision),
-        rolling=rolling or bool(set(wanted) ^ set(live)) or any(g.terminating for g in groups.values()),
+        rolling=rolling or bool(keep ^ set(live)) or any(g.terminating for g in groups.values()),
         restarted=tuple(restarted),
         group_indices=frozenset(after),
     )

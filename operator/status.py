@@ -57,7 +57,7 @@ def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: 
     rolling = any(p.rolling for p in plans.values())
     restarted = {r: p.restarted for r, p in plans.items() if p.restarted}
     was_up = before.get("Available", {}).get("status") == "True" or \
-        previous.get("phase") in ("Available", "Degraded")
+        previous.get("phase") in ("Available", "Degraded", "Progressing")
 
     if restarted:
         phase, degraded_reason = "Degraded", "GroupRestarted"
@@ -65,15 +65,15 @@ def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: 
                                      for role, idx in restarted.items())
     elif all_ready:
         phase, degraded_reason, degraded_message = "Available", "AsExpected", ""
+    elif not was_up:  # first start: groups are being created or are loading weights
+        phase, degraded_reason, degraded_message = "Pending", "AsExpected", ""
     elif rolling:
         phase, degraded_reason, degraded_message = "Progressing", "AsExpected", ""
-    elif was_up:
+    else:
         phase, degraded_reason = "Degraded", "GroupsNotReady"
         degraded_message = ", ".join(f"{r} {p.ready}/{p.replicas} groups ready" for r, p in plans.items())
         if not router_ok:
             degraded_message += f", router {router.ready}/{router.desired} ready"
-    else:
-        phase, degraded_reason, degraded_message = "Pending", "AsExpected", ""
 
     summary = ", ".join(f"{r} {p.ready}/{p.replicas} ready, {p.updated} updated" for r, p in plans.items())
     conditions = [

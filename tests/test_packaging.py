@@ -40,10 +40,15 @@ def _import_files(python_args: list[str], env: dict, cwd: Path) -> dict[str, str
 
 
 def _copy_sources(dst: Path) -> Path:
-    """Build from a copy, so build/ and *.egg-info never land in the shared working tree."""
-    ignore = shutil.ignore_patterns(".venv", ".git", "__pycache__", "build", "dist", "*.egg-info", "tests",
-                                    ".pytest_cache", "*.pyc")
-    shutil.copytree(REPO, dst, ignore=ignore)
+    """Build from a copy of what the build reads, so build/ and *.egg-info never land in the shared
+    working tree and tool caches in the checkout are not copied."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    dst.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md", "MANIFEST.in", "LICENSE"):
+        if (REPO / name).exists():
+            shutil.copy2(REPO / name, dst / name)
+    for folder in ("deepseek_pd", "model", "workers", "proto", "operator"):
+        shutil.copytree(REPO / folder, dst / folder, ignore=ignore)
     return dst
 
 

@@ -13,12 +13,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("directory", help="where to write it (created if missing)")
     parser.add_argument("--arch", choices=["v3", "v2"], default="v3", help="model family (default v3)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed; same seed, same bytes (default 0)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="store linear weights as FP8 with 128x128 block scales, as DeepSeek-V3 ships")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from deepseek_pd.model.tiny import make_tiny_model
 
-    path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed)
+    path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed,
+                           fp8_block=(128, 128) if args.fp8 else None)
     print(path)
     return 0

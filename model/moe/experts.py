@@ -67,8 +67,9 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device))
+        kw = dict(dtype=dtype, device=device)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
         self.kernel: MoEKernel = MOE_BACKENDS.build(backend)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

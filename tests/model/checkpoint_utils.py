@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepseek_pd.model.fp8 import Fp8BlockQuantConfig, quantize_block_fp8
+from deepseek_pd.model.fp8 import (Fp8BlockQuantConfig, dequantize_block_fp8, hf_quantization_config,
+                                   quantize_checkpoint)
 
 
 def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], config: dict,
@@ -35,26 +36,16 @@ def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], config: 
     return directory
 
 
-def is_quantisable(name: str, tensor: torch.Tensor) -> bool:
-    """The tensors DeepSeek-V3's FP8 release quantises: 2-D linear weights except embeddings,
-    lm_head and the router gate."""
-    return (tensor.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name
-            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
-
-
 def fp8_twins(tensors: dict[str, torch.Tensor], block: Fp8BlockQuantConfig
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(fp8 checkpoint tensors with scales, the same weights dequantised in fp32)."""
-    from deepseek_pd.model.fp8 import dequantize_block_fp8
-
-    quantised, twin = {}, {}
-    for name, tensor in tensors.items():
-        if is_quantisable(name, tensor):
-            fp8, scale = quantize_block_fp8(tensor, block)
-            quantised[name], quantised[name + "_scale_inv"] = fp8, scale
-            twin[name] = dequantize_block_fp8(fp8, scale, block, dtype=torch.float32)
-        else:
-            quantised[name] = twin[name] = tensor
+    quantised = quantize_checkpoint(tensors, block)
+    twin = {}
+    for name, tensor in quantised.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = quantised.get(name + "_scale_inv")
+        twin[name] = tensor if scale is None else dequantize_block_fp8(tensor, scale, block, dtype=torch.float32)
     return quantised, twin
 
 
@@ -63,9 +54,7 @@ def make_fp8_tiny(src: Path, dst: Path, block: tuple[int, int]) -> tuple[Path, P
     config = json.loads((src / "config.json").read_text())
     tensors = load_file(str(src / "model.safetensors"))
     quantised, twin = fp8_twins(tensors, Fp8BlockQuantConfig(*block))
-    fp8_config = {**config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-                                                    "activation_scheme": "dynamic",
-                                                    "weight_block_size": list(block)}}
+    fp8_config = {**config, "quantization_config": hf_quantization_config(Fp8BlockQuantConfig(*block))}
     twin_dir = dst.parent / (dst.name + "-twin")
     for directory, weights, cfg in ((dst, quantised, fp8_config), (twin_dir, twin, config)):
         write_checkpoint(directory, weights, cfg)

@@ -179,7 +179,7 @@ def test_unsupported_values_name_the_field(change, field):
 
 
 @pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "kv_lora_rank", "num_attention_heads",
-                                   "qk_nope_head_dim", "v_head_dim", "num_hidden_layers"])
+                                   "moe_intermediate_size", "qk_nope_head_dim", "v_head_dim", "num_hidden_layers"])
 def test_missing_required_field(field):
     with pytest.raises(UserError, match=f"'{field}' is missing"):
         ModelConfig.from_hf({k: v for k, v in V2_LITE.items() if k != field})

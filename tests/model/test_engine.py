@@ -143,8 +143,9 @@ def test_text_prompt_stop_string_and_stop_token(checkpoints):
     assert cut.output_ids == free_run.output_ids[:free_run.output_ids.index(token) + 1]
 
 
-def test_fp8_checkpoint_matches_dequantised_twin(checkpoints, tmp_path):
-    fp8_dir, twin_dir = make_fp8_tiny(checkpoints["v3"], tmp_path / "fp8", block=(16, 32))
+@pytest.mark.parametrize("block", [(16, 32), (128, 128)])
+def test_fp8_checkpoint_matches_dequantised_twin(checkpoints, tmp_path, block):
+    fp8_dir, twin_dir = make_fp8_tiny(checkpoints["v3"], tmp_path / "fp8", block=block)
     fp8_engine, twin_engine = Engine(str(fp8_dir)), Engine(str(twin_dir))
     prompt = random_prompt(21, fp8_engine.vocab_size)
     assert fp8_engine.generate(prompt, GREEDY).output_ids == twin_engine.generate(prompt, GREEDY).output_ids
@@ -180,6 +181,26 @@ def test_bad_input_is_one_line_user_error(checkpoints):
     assert len(engine.generate([0, 5, 6], GREEDY).output_ids) == NEW_TOKENS
     with pytest.raises(UserError, match="chunked_prefill_size"):
         Engine(str(checkpoints["v3"]), chunked_prefill_size=0)
+
+
+def test_pages_freed_when_the_model_fails_mid_decode(checkpoints, monkeypatch):
+    engine = Engine(str(checkpoints["v3"]), chunked_prefill_size=8)
+    calls = {"n": 0}
+    real_decode = engine.runner.decode
+
+    def failing_decode(seqs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device failure")
+        return real_decode(seqs)
+
+    monkeypatch.setattr(engine.runner, "decode", failing_decode)
+    prompts = [random_prompt(n, engine.vocab_size) for n in (11, 20)]
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.generate_batch(prompts, GREEDY)
+    assert engine.runner.kv_pool.num_used_pages == 0
+    monkeypatch.undo()
+    assert len(engine.generate(prompts[0], GREEDY).output_ids) == NEW_TOKENS
 
 
 def test_prompt_near_context_is_capped(checkpoints, tmp_path):

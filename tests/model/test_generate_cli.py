@@ -136,6 +136,7 @@ def test_cli_bad_input(checkpoints, tmp_path, capsys):
         (("--model", good, "--prompt", "hi", "--max-new-tokens", "0"), "max_new_tokens=0"),
         (("--model", good, "--prompt", "hi", "--chunked-prefill-size", "0"), "chunked_prefill_size"),
         (("--model", str(tmp_path / "nope"), "--prompt", "hi"), "neither 'tiny' nor an existing directory"),
+        (("--model", good, "--prompt", "hi", "--device", "toaster"), "not a torch device"),
         (("--model", str(broken), "--prompt", "hi"), "config.json"),
         (("--model", str(bad_field), "--prompt", "hi"), "kv_lora_rank"),
         (("--model", str(missing), "--input-ids", "0,5"), dropped),

@@ -27,8 +27,9 @@ SHAPES = {
     # V3 without q_lora, YaRN, all-MoE, two shared experts, no renormalisation.
     "v3_noqlora_yarn_shared2": TinyShape(arch="v3", q_lora_rank=None, yarn=True, first_k_dense_replace=0,
                                          n_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.5),
-    # V3 with rotate-half rope and no shared experts.
-    "v3_halfrope_shared0": TinyShape(arch="v3", rope_interleave=False, n_shared_experts=0, yarn=True),
+    # V3 with rotate-half rope, no shared experts, lm_head tied to the embedding.
+    "v3_halfrope_shared0_tied": TinyShape(arch="v3", rope_interleave=False, n_shared_experts=0, yarn=True,
+                                          extra={"tie_word_embeddings": True}),
     # V2-Lite-like: softmax + greedy, no q_lora, YaRN, one dense layer, two shared experts.
     "v2_greedy_noqlora_yarn": TinyShape(arch="v2", topk_method="greedy", q_lora_rank=None, yarn=True,
                                         n_shared_experts=2, routed_scaling_factor=1.0),
@@ -41,7 +42,9 @@ SHAPES = {
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def models(request):
     torch.set_num_threads(1)
-    hf = build_hf_model(SHAPES[request.param], seed=random.randrange(1 << 30))
+    model_seed = random.randrange(1 << 30)
+    hf = build_hf_model(SHAPES[request.param], seed=model_seed)
+    hf.test_seed = model_seed  # shown in failure messages
     return hf, our_model(hf)
 
 
@@ -80,29 +83,31 @@ def test_prefill_all_positions_match_hf(models, seed, method):
     batch.attention_method = AttentionMethod(method)
     got = ours.compute_logits(ours.final_hidden(ours.run_layers(batch)))
     want = torch.cat([hf_logits(hf, s) for s in seqs])
-    assert _rel_err(got, want) <= TOL, f"seed={seed}"
+    assert _rel_err(got, want) <= TOL, f"seed={seed} model_seed={hf.test_seed}"
     last = runner.extend([ExtendSeq(s, 0, p) for s, p in zip(seqs, pages)])
-    assert _rel_err(last, torch.stack([hf_logits(hf, s)[-1] for s in seqs])) <= TOL, f"seed={seed}"
+    want_last = torch.stack([hf_logits(hf, s)[-1] for s in seqs])
+    assert _rel_err(last, want_last) <= TOL, f"seed={seed} model_seed={hf.test_seed}"
 
 
 def test_decode_step_by_step_over_shuffled_pages(models, seed):
     hf, ours = models
     rng = random.Random(seed)
     vocab = ours.config.vocab_size
-    page_size = rng.choice([3, 5])
-    runner = _runner(ours, page_size=page_size, num_pages=40)
+    page_size = rng.choice([1, 3, 5, 16])
+    runner = _runner(ours, page_size=page_size, num_pages=64)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))] for _ in range(3)]
     steps = rng.randint(6, 10)
     full = [p + [rng.randrange(vocab) for _ in range(steps)] for p in prompts]
     pages = [_shuffled_pages(runner, rng, runner.kv_pool.pages_for_tokens(len(f))) for f in full]
     want = [hf_logits(hf, f) for f in full]
     got = runner.extend([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)])
-    assert _rel_err(got, torch.stack([w[len(p) - 1] for w, p in zip(want, prompts)])) <= TOL, f"seed={seed}"
+    want_prefill = torch.stack([w[len(p) - 1] for w, p in zip(want, prompts)])
+    assert _rel_err(got, want_prefill) <= TOL, f"seed={seed} model_seed={hf.test_seed}"
     for step in range(steps):
         positions = [len(p) + step for p in prompts]
         got = runner.decode([DecodeSeq(f[pos], pos, pg) for f, pos, pg in zip(full, positions, pages)])
         expected = torch.stack([w[pos] for w, pos in zip(want, positions)])
-        assert _rel_err(got, expected) <= TOL, f"seed={seed} step={step}"
+        assert _rel_err(got, expected) <= TOL, f"seed={seed} model_seed={hf.test_seed} step={step}"
 
 
 @pytest.mark.parametrize("method", ["mha_chunked_kv", "mla"])
@@ -125,7 +130,7 @@ def test_chunked_prefill_with_cached_prefix(models, seed, method):
             ends.append(end)
         got = runner.extend(seqs)
         expected = torch.stack([want[i][end - 1] for i, end in zip(active, ends)])
-        assert _rel_err(got, expected) <= TOL, f"seed={seed} done={done}"
+        assert _rel_err(got, expected) <= TOL, f"seed={seed} model_seed={hf.test_seed} done={done}"
         for i, end in zip(active, ends):
             done[i] = end
 
@@ -158,8 +163,8 @@ def test_three_methods_agree_on_one_batch(models, seed):
     results["mha"] = mha_all[rows]
     want = torch.cat([hf_logits(hf, t)[p:] for t, p in zip(tokens, prefixes)])
     for method, got in results.items():
-        assert _rel_err(got, want) <= TOL, f"seed={seed} method={method}"
-    assert _rel_err(results["mla"], results["mha_chunked_kv"]) <= TOL, f"seed={seed}"
+        assert _rel_err(got, want) <= TOL, f"seed={seed} model_seed={hf.test_seed} method={method}"
+    assert _rel_err(results["mla"], results["mha_chunked_kv"]) <= TOL, f"seed={seed} model_seed={hf.test_seed}"
 
 
 def test_fused_shared_experts_match_hf(seed):

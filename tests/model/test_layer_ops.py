@@ -12,7 +12,8 @@ from deepseek_pd.model.attention import ATTENTION_BACKENDS, AttentionPolicy
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
 from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.model.layer_ops import DENSE_LAYER_OPS, LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, OpState
+from deepseek_pd.model.layer_ops import (DENSE_LAYER_OPS, LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, TBO_DECODE_MOE_OPS,
+                                         TBO_PREFILL_MOE_OPS, OpState, without_yields)
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
 from hf_oracle import TinyShape, build_hf_model, our_model
 
@@ -97,6 +98,22 @@ def test_decode_forward_equals_the_op_list_by_hand(model):
         assert torch.equal(model.compute_logits(model.final_hidden(state, batch.last_token_index)), logits)
     with pytest.raises(UserError, match="one new token per sequence"):
         ForwardBatch.build(ForwardMode.DECODE, [[1, 2]], [0], [pages[0]], runner.kv_pool, vocab, "cpu")
+
+
+def test_tbo_orders_are_the_same_ops_and_give_the_same_result(model):
+    assert without_yields(TBO_PREFILL_MOE_OPS) == MOE_LAYER_OPS
+    assert sorted(without_yields(TBO_DECODE_MOE_OPS)) == sorted(MOE_LAYER_OPS)
+    rng = random.Random()
+    seqs = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randint(1, 9))] for _ in range(2)]
+    want = model(_batch(model, seqs, AttentionMethod.MHA))
+    batch = _batch(model, seqs, AttentionMethod.MHA)
+    state = model.initial_state(batch)
+    with torch.no_grad():
+        for layer in model.layers:
+            order = without_yields(TBO_DECODE_MOE_OPS) if layer.is_moe else layer.op_names
+            for name in order:
+                getattr(layer, f"op_{name}")(state, batch)
+        assert torch.equal(model.compute_logits(model.final_hidden(state, batch.last_token_index)), want)
 
 
 def test_an_op_run_twice_is_caught(model):

@@ -189,3 +189,36 @@ def test_fp8_inconsistencies(tmp_path, seed):
     wrong_shape = {**quantised, scale: torch.ones(7, 7)}
     with pytest.raises(UserError, match=r"weight_scale_inv has shape \(7, 7\)"):
         _load(write_checkpoint(tmp_path / "d", wrong_shape, quant_cfg))
+
+
+def test_keep_fp8_yields_weight_then_scale(tmp_path, seed):
+    tensors = _random_tensors(seed)
+    quantised, _ = fp8_twins(tensors, Fp8BlockQuantConfig(128, 128))
+    config = {**CONFIG, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    path = write_checkpoint(tmp_path / "fp8", quantised, config, num_shards=2, seed=seed)
+    items = list(iter_checkpoint_tensors(path, progress=False, keep_fp8=True))
+    got = dict(items)
+    _assert_same(got, _without_mtp(quantised))
+    names = [n for n, _ in items]
+    for i, name in enumerate(names):
+        if name.endswith("_scale_inv"):
+            assert names[i - 1] == name[: -len("_scale_inv")]  # the scale follows its weight
+
+
+def test_load_model_matches_hf_logits(tmp_path):
+    """load_model builds the model from a checkpoint and its logits are HF's (guards the wiring)."""
+    transformers = pytest.importorskip("transformers")
+    from deepseek_pd.model.loader import load_model
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+    from deepseek_pd.model.tiny import make_tiny_model
+
+    torch.set_num_threads(1)
+    path = make_tiny_model(tmp_path / "tiny", arch="v3", seed=int(torch.randint(0, 1000, (1,))))
+    runner = ModelRunner.from_model(load_model(path, progress=False))
+    prompt = torch.randint(4, runner.model_config.vocab_size, (13,)).tolist()
+    pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(prompt)))
+    logits = runner.extend([ExtendSeq(prompt, prefix_len=0, pages=pages)])[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)

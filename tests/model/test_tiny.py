@@ -71,6 +71,25 @@ def test_chat_template_renders_deepseek_layout(tiny_dirs):
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
 
 
+def test_chat_template_renders_in_minijinja_like_the_router(tiny_dirs):
+    """The router (sgl-model-gateway) renders chat templates with minijinja, not jinja2."""
+    minijinja = pytest.importorskip("minijinja")
+    transformers = pytest.importorskip("transformers")
+    config = json.loads((tiny_dirs["v3"] / "tokenizer_config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dirs["v3"])
+    rng = random.Random()
+    for _ in range(5):
+        roles = ["system"] * rng.randint(0, 1) + [rng.choice(["user", "assistant"]) for _ in range(rng.randint(1, 4))]
+        messages = [{"role": role, "content": "".join(rng.choice(string.ascii_letters + " ") for _ in range(8))}
+                    for role in roles]
+        for add_generation_prompt in (True, False):
+            rendered = minijinja.Environment().render_str(
+                config["chat_template"], messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=config["bos_token"], eos_token=config["eos_token"])
+            assert rendered == tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                             tokenize=False)
+
+
 def test_tokenizer_round_trips_random_text(tiny_dirs):
     from tokenizers import Tokenizer
 
@@ -127,6 +146,26 @@ def test_resolve_tiny_is_atomic_and_cached(tmp_path, monkeypatch):
     assert resolve_model_path("tiny") == cache / "tiny-v3"
     assert json.loads((cache / "tiny-v3" / tiny.STAMP_FILE).read_text())["generator_version"] == tiny.GENERATOR_VERSION
     assert sorted(p.name for p in cache.iterdir()) == ["tiny-v3"]
+
+
+def test_fp8_variant_is_block_scaled_tiny(tiny_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    from deepseek_pd.cli import main
+    from deepseek_pd.model.fp8 import Fp8BlockQuantConfig, dequantize_block_fp8
+
+    assert main(["make-tiny-model", str(tmp_path / "fp8"), "--fp8"]) == 0
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    fp8 = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    plain = load_file(str(tiny_dirs["v3"] / "model.safetensors"))
+    scales = [n for n in fp8 if n.endswith("_scale_inv")]
+    assert scales and all(fp8[n[: -len("_scale_inv")]].dtype == torch.float8_e4m3fn for n in scales)
+    assert fp8["lm_head.weight"].dtype == torch.float32 and fp8["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    for scale in scales:
+        name = scale[: -len("_scale_inv")]
+        restored = dequantize_block_fp8(fp8[name], fp8[scale], Fp8BlockQuantConfig(), dtype=torch.float32)
+        torch.testing.assert_close(restored, plain[name], rtol=0.07, atol=plain[name].abs().max().item() / 256)
 
 
 def test_resolve_and_make_reject_bad_input(tmp_path):

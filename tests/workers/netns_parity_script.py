@@ -47,6 +47,9 @@ def main(transport: str, out_path: str) -> None:
                 address = worker.address(cluster.spec.host)
                 report["used_pages"][worker.process.name] = await wait_for_pages(address, 0, 20)
         asyncio.run(run())
+        # The engines log the transport they built; prove the run did not fall back to another.
+        report["transport_logged"] = all(f"KV transport {transport}" in w.process.log_path.read_text()
+                                         for w in cluster.workers)
     Path(out_path).write_text(json.dumps(report))
 
 

@@ -153,5 +153,6 @@ def test_mooncake_transport_parity_in_private_netns(tmp_path) -> None:
                           timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["transport_logged"], "workers did not report the mooncake transport"
     assert report["checked"] == 8 and report["mismatches"] == []
     assert set(report["used_pages"].values()) == {0}, report["used_pages"]

@@ -38,6 +38,7 @@ def _split_options(options: WorkerOptions, targets: dict[str, Any]) -> dict[str,
     fields_of = {name: {f.name: f for f in dataclasses.fields(cls) if f.init}
                  for name, cls in targets.items()}
     fields_of["runner"] = {k: v for k, v in fields_of["runner"].items() if k not in _RUNNER_FLAG_FIELDS}
+    fields_of["bootstrap"] = {k: v for k, v in fields_of["bootstrap"].items() if k not in ("host", "port")}
     assigned: dict[str, dict[str, Any]] = {name: {} for name in targets}
     for key, raw in options.engine_options.items():
         owners = [name for name, fields in fields_of.items() if key in fields]

@@ -148,9 +148,11 @@ class BootstrapClient:
                     except grpc.aio.AioRpcError:
                         pass  # the stream is broken; the next read reports it
             elif kind == "done":
+                await _half_close(call)
                 sink.check_complete(event.done)
                 return event.done
             elif kind == "failed":
+                await _half_close(call)
                 raise TransferError(code_from_pb(event.failed.code), f"prefill: {event.failed.reason}",
                                     peer_knows=True)
             else:
@@ -168,6 +170,14 @@ class BootstrapClient:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+
+async def _half_close(call) -> None:
+    """Tells the prefill side we have its last event, so it can end the call cleanly."""
+    try:
+        await call.done_writing()
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+        pass
 
 
 def _code_of(exc: grpc.aio.AioRpcError) -> FailureCode:

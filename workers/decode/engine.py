@@ -62,10 +62,11 @@ class DecodeEngine:
     """`WorkerEngine` of a decode (or colocated) worker."""
 
     def __init__(self, runner: ModelRunner, config: WorkerConfig, tokenizer=None) -> None:
+        """`tokenizer` (a `tokenizers.Tokenizer`, for stop strings) defaults to the model's own."""
         self.runner = runner
         self.config = config
         self.pool = runner.kv_pool
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else _model_tokenizer(runner)
         self.max_context = runner.model_config.max_position_embeddings
         self.sampler = Sampler()
         self.model_thread = ModelThread("decode-model")
@@ -181,7 +182,8 @@ class DecodeEngine:
     def loads(self) -> Loads:
         return Loads(num_running=len(self._running), num_waiting=len(self._prefilling),
                      kv_used_pages=self.pool.num_used_pages, kv_total_pages=self.pool.num_pages,
-                     extra={"reserved_pages": self.budget.reserved if self.budget else 0})
+                     extra={"reserved_pages": self.budget.reserved if self.budget else 0,
+                            "page_size": self.pool.page_size})
 
     def is_healthy(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
@@ -308,3 +310,17 @@ class DecodeEngine:
             self._accept(state, token, logprob)
             if state.finished:
                 self._running.remove(state)
+
+
+def _model_tokenizer(runner: ModelRunner):
+    """The checkpoint's tokenizer.json, or None (then stop strings are refused per request)."""
+    from tokenizers import Tokenizer
+
+    from deepseek_pd.errors import UserError
+    from deepseek_pd.model.tiny import resolve_model_path
+
+    try:
+        path = resolve_model_path(runner.config.model) / "tokenizer.json"
+    except UserError:  # an in-memory model (tests, tools) has no directory
+        return None
+    return Tokenizer.from_file(str(path)) if path.is_file() else None

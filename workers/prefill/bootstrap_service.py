@@ -27,6 +27,7 @@ from deepseek_pd.workers.common.kv_transfer.base import TransferError
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 
 log = logging.getLogger(__name__)
+_HALF_CLOSE_WAIT_S = 2.0
 
 
 class Room:
@@ -189,6 +190,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                 rid = await asyncio.wait_for(asyncio.shield(room.claimed), self.registry.config.claim_timeout_s)
             except asyncio.TimeoutError:
                 delivered_terminal = True
+                self.registry.drop(room)
                 yield pb.TransferEvent(seq=seq + 1, failed=pb.TransferFailed(
                     code=code_to_pb(FailureCode.DEADLINE_EXCEEDED),
                     reason=f"prefill worker never received the request of room {request.room} "
@@ -210,12 +212,17 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                     delivered_terminal = True
                     return
         finally:
-            credit_task.cancel()
             if not delivered_terminal:
                 room.mark_peer_gone(FailureCode.UNAVAILABLE,
                                     f"decode side closed the transfer stream of room {request.room}")
             if room.tombstone or not room.claimed.done():
                 self.registry.drop(room)
+            if delivered_terminal:
+                # Returning (or cancelling the pending read of the request stream) before the
+                # decode side half-closes can make gRPC core fail the call with INTERNAL before
+                # the terminal event is flushed: wait for its half-close, briefly.
+                await asyncio.wait({credit_task}, timeout=_HALF_CLOSE_WAIT_S)
+            credit_task.cancel()
 
     @staticmethod
     async def _next_event(room: Room) -> pb.TransferEvent:
@@ -256,7 +263,7 @@ class _Credits:
                 if message.WhichOneof("message") == "credit":
                     self.received_seq = max(self.received_seq, message.credit.received_seq)
                     self.changed.set()
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+        except (grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.UsageError):
             pass
         finally:
             self.closed = True

