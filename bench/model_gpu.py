@@ -59,6 +59,7 @@ def greedy(runner, prompt: list[int], steps: int) -> list[int]:
 
 
 def smoke() -> dict:
+    """Greedy tokens of the tiny checkpoints: CPU fp32 vs CUDA fp32 and CUDA bf16."""
     from deepseek_pd.model.runner import ModelRunner, RunnerConfig
     from deepseek_pd.model.tiny import make_tiny_model
 
@@ -67,10 +68,12 @@ def smoke() -> dict:
         for arch in ("v3", "v2"):
             path = str(make_tiny_model(f"{tmp}/{arch}", arch=arch, seed=0))
             prompt = list(range(3, 40))
-            cpu = greedy(ModelRunner(RunnerConfig(model=path, dtype="float32", device="cpu")), prompt, 16)
-            gpu_runner = ModelRunner(RunnerConfig(model=path, dtype="bfloat16", device="cuda"))
-            gpu = greedy(gpu_runner, prompt, 16)
-            result[arch] = dict(cpu=cpu, gpu=gpu, equal=cpu == gpu)
+            runs = {name: greedy(ModelRunner(RunnerConfig(model=path, dtype=dtype, device=device)), prompt, 16)
+                    for name, dtype, device in (("cpu_fp32", "float32", "cpu"), ("cuda_fp32", "float32", "cuda"),
+                                                ("cuda_bf16", "bfloat16", "cuda"))}
+            runs["cuda_fp32_equal"] = runs["cuda_fp32"] == runs["cpu_fp32"]
+            runs["cuda_bf16_equal"] = runs["cuda_bf16"] == runs["cpu_fp32"]
+            result[arch] = runs
     return result
 
 

@@ -13,7 +13,7 @@ call ends.
 """
 from __future__ import annotations
 
-import logging
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence, Union
@@ -24,7 +24,6 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
 from deepseek_pd.model.sampling_params import SamplingParams
 
-log = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int]]
 
 
@@ -119,16 +118,46 @@ class Engine:
 
     def generate_batch(self, prompts: Sequence[Prompt],
                        params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerateResult]:
-        """Prefills and then decodes all prompts together; results in prompt order."""
+        """Prefills and then decodes the prompts together; results in prompt order.
+
+        Prompts whose KV does not fit the pool at once run in consecutive waves (no continuous
+        batching: a wave finishes before the next starts)."""
         if not prompts:
             raise UserError("no prompts given")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        prompt_ids = [self._validate_prompt(p, i) for i, p in enumerate(prompts)]
+        prompt_ids = [self._validate_prompt(p, f"prompt {i}: " if len(prompts) > 1 else "")
+                      for i, p in enumerate(prompts)]
         for p in params:
             p.validate(vocab_size=self.vocab_size)
+        results: list[GenerateResult] = []
+        for wave in self._waves(prompt_ids, params):
+            results += self._run_wave([prompt_ids[i] for i in wave], [params[i] for i in wave])
+        return results
+
+    def _waves(self, prompt_ids: list[list[int]], params: Sequence[SamplingParams]) -> list[list[int]]:
+        """Consecutive groups of request indices whose KV fits the pool together (a request that
+        cannot fit even alone is refused before anything runs)."""
+        pool = self.runner.kv_pool
+        waves: list[list[int]] = [[]]
+        free = pool.num_free_pages
+        for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+            need = pool.pages_for_tokens(len(ids) + self._max_new_tokens(ids, p) - 1)
+            if need > pool.num_free_pages:
+                where = f"prompt {i}: " if len(prompt_ids) > 1 else ""
+                raise UserError(f"{where}{len(ids)} prompt tokens + {p.max_new_tokens} new tokens need {need} KV "
+                                f"pages but the pool has {pool.num_free_pages} free of {pool.num_pages} "
+                                f"(raise max_total_tokens)")
+            if need > free:
+                waves.append([])
+                free = pool.num_free_pages
+            waves[-1].append(i)
+            free -= need
+        return waves
+
+    def _run_wave(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[GenerateResult]:
         requests: list[_Request] = []
         try:
             for ids, p in zip(prompt_ids, params):
@@ -143,14 +172,15 @@ class Engine:
                                output_logprobs=r.logprobs) for r in requests]
 
     # ---- steps ------------------------------------------------------------------------------
-    def _validate_prompt(self, prompt: Prompt, index: int) -> list[int]:
-        where = f"prompt {index}: " if index else ""
+    def _validate_prompt(self, prompt: Prompt, where: str) -> list[int]:
         if isinstance(prompt, str) and not prompt:
             raise UserError(f"{where}prompt is empty")
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         else:
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            # numpy and other integer types are fine; bools and floats are not token ids
+            ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
         if not ids:
             raise UserError(f"{where}prompt is empty")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
@@ -162,9 +192,13 @@ class Engine:
                             f"{self.max_context} tokens (prompt plus at least one new token)")
         return ids
 
+    def _max_new_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """prompt + output never exceed the context."""
+        return min(params.max_new_tokens, self.max_context - len(prompt_ids))
+
     def _admit(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
-        # Never run past the context: the last sampled token is not fed back, hence no -1 here.
-        max_new = min(params.max_new_tokens, self.max_context - len(prompt_ids))
+        # The cache holds one token fewer than prompt + output: the last sampled token is never fed back.
+        max_new = self._max_new_tokens(prompt_ids, params)
         pool = self.runner.kv_pool
         pages = pool.alloc(pool.pages_for_tokens(len(prompt_ids) + max_new - 1))
         device = self.runner.model.options.device

@@ -68,7 +68,7 @@ def role_schema(role: str) -> Schema:
             "deepepMode": string("DeepEP all-to-all mode for expert parallelism.",
                                  enum=["none", "auto", "normal", "low_latency"], default="auto"),
             "engineArgs": array("Extra `deepseek-pd serve` flags, e.g. --chunked-prefill-size=8192.",
-                                string("One argument.", max_length=4096), default=[], max_items=200),
+                                string("One argument.", max_length=256), default=[], max_items=64),
             "env": array("Extra environment variables (core EnvVar objects).",
                          opaque_object("An EnvVar."), default=[]),
             "resources": resource_requirements(

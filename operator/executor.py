@@ -59,7 +59,8 @@ class Executor:
                 if exc.status != 409:
                     raise
                 current = {}  # created concurrently (or by a previous pass we did not see): patch it
-        applied = (current.get("metadata", {}).get("annotations", {}) or {}).get(names.ANNOTATION_APPLIED_HASH)
+        annotations = current.get("metadata", {}).get("annotations", {}) or {}
+        applied = annotations.get(names.ANNOTATION_APPLIED_HASH)
         if applied != digest:
             await self._client.patch(key[0], self._spec.namespace, key[1], desired)
             self._logger.info("updated %s %s", *key)

@@ -109,13 +109,18 @@ def plan_role(target: RoleTarget, groups: dict[int, GroupState]) -> RolePlan:
             ready.discard(index)
 
     # Gang semantics: one failed rank takes the whole group down and up again.
+    # An outdated group is replaced rather than restarted: it has to move to the new revision anyway.
     restarted = []
     if target.recreate_group_on_restart:
         for index, group in sorted(live.items()):
-            if index in wanted and group.failed_pods and index not in outdated:
+            if index in keep and group.failed_pods:
                 pod = group.failed_pods[0]
                 why = f"pod {pod.name} {'failed' if pod.phase == 'Failed' else 'restarted'}"
-                actions.append(RestartGroup(target.role, index, why))
+                if index in outdated:
+                    actions.append(ReplaceGroup(target.role, index, why))
+                    outdated.remove(index)
+                else:
+                    actions.append(RestartGroup(target.role, index, why))
                 ready.discard(index)
                 restarted.append(index)
 
@@ -127,16 +132,19 @@ def plan_role(target: RoleTarget, groups: dict[int, GroupState]) -> RolePlan:
             actions.append(ReplaceGroup(target.role, index, "new revision (group not ready)"))
         elif available - 1 >= floor:
             actions.append(ReplaceGroup(target.role, index, "new revision"))
+            ready.discard(index)
             available -= 1
         else:
             break
 
     in_range = range(replicas)
+    renewed = {a.index for a in actions if isinstance(a, (CreateGroup, ReplaceGroup))}
     return RolePlan(
         actions=tuple(actions),
         replicas=replicas,
         ready=sum(1 for i in in_range if i in ready),
-        updated=sum(1 for i in in_range if i in live and live[i].revision == revision),
+        # Groups created or replaced in this pass run the current revision from now on.
+        updated=sum(1 for i in in_range if i in renewed or (i in live and live[i].revision == revision)),
         rolling=rolling or bool(keep ^ set(live)) or any(g.terminating for g in groups.values()),
         restarted=tuple(restarted),
         group_indices=frozenset(after),

@@ -17,11 +17,13 @@ from deepseek_pd.operator.build_router import (
 )
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
 from deepseek_pd.operator.executor import Executor, Key, Manifest
-from deepseek_pd.operator.kube import KubeClient
+from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import RolePlan, RoleTarget, plan_role
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
-from deepseek_pd.operator.status import RouterState, build_invalid_status, build_status
+from deepseek_pd.operator.status import (
+    RouterState, build_apply_error_status, build_invalid_status, build_status,
+)
 
 # Every kind the operator creates, in the order it cleans them up (pods last: owners go first).
 OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "RoleBinding", "Role",
@@ -80,6 +82,18 @@ class Reconciler:
             logger.error("invalid spec, children left unchanged: %s", exc)
             return build_invalid_status(str(exc), generation, previous, _now())
 
+        try:
+            return await self._converge(body, spec, generation, previous, logger)
+        except ApiError as exc:
+            if exc.status in (401, 409, 429) or exc.status >= 500:
+                raise  # transient: kopf retries the handler with backoff
+            logger.error("the API server refused a change: %s", exc)
+            return build_apply_error_status(str(exc), generation, previous, _now())
+
+    async def _converge(self, body: dict[str, Any], spec: DeploymentSpec, generation: int | None,
+                        previous: dict[str, Any],
+                        logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+        name, namespace = spec.name, spec.namespace
         observed = await self.observe(namespace, name)
         executor = Executor(self._client, body, spec, observed, logger)
         statefulsets = [o for (k, _), o in observed.items() if k == "StatefulSet"]

@@ -110,3 +110,17 @@ def build_invalid_status(message: str, generation: int | None, previous: dict[st
     if generation is not None:
         status["observedGeneration"] = generation
     return status
+
+
+def build_apply_error_status(message: str, generation: int | None, previous: dict[str, Any],
+                             now: str) -> dict[str, Any]:
+    """The API server refused a child (quota, admission webhook, RBAC): shown, retried next pass."""
+    before = _by_type(previous.get("conditions"))
+    kept = [c for t, c in before.items() if t in ("Available", "Progressing", "InvalidSpec")]
+    status: dict[str, Any] = {
+        "phase": "Degraded",
+        "conditions": kept + [_condition("Degraded", True, "ApplyFailed", message, generation, before, now)],
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    return status

@@ -71,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _bench(args: argparse.Namespace, url: str, served_name: str | None) -> int:
-    import aiohttp
-
     from deepseek_pd.client.router_http import RouterClient
     from deepseek_pd.launcher.cluster import resolve_model_dir
     from deepseek_pd.loadgen.metrics import SLO, summarize

@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="how KV moves from prefill to decode (default grpc)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", default="auto", help="model dtype: auto|float32|bfloat16")
-    parser.add_argument("--page-size", type=int, default=None, help="KV page size in tokens")
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="KV page size in tokens (default: the model runner's, 16)")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
     parser.add_argument("--chunked-prefill-size", type=int, default=None,
                         help="prefill token budget per batch")
@@ -49,7 +50,7 @@ def parse_engine_opts(items: list[str]) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from deepseek_pd.launcher.cluster import resolve_model_dir
+    from deepseek_pd.launcher.cluster import default_served_name, resolve_model_dir
     from deepseek_pd.workers.common.engine_factory import WorkerOptions
     from deepseek_pd.workers.common.worker_main import configure_logging, serve_worker
 
@@ -58,12 +59,17 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < value < 65536:
             raise UserError(f"--{name.replace('_', '-')} {value} is not a TCP port")
     configure_logging(args.role)
+    page_size = args.page_size
+    if page_size is None:  # GetLoads reports tokens, so the servicer must know the real size
+        from deepseek_pd.model.runner import RunnerConfig
+
+        page_size = RunnerConfig().page_size
     model_dir = resolve_model_dir(args.model)
-    served = args.served_model_name or (args.model if args.model.startswith("tiny") else model_dir.name)
+    served = args.served_model_name or default_served_name(args.model, model_dir)
     options = WorkerOptions(
         role=args.role, model_dir=str(model_dir), served_model_name=served, host=args.host,
         port=args.port, bootstrap_port=args.bootstrap_port, kv_transport=args.kv_transport,
-        device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+        device=args.device, dtype=args.dtype, page_size=page_size, num_pages=args.num_pages,
         chunked_prefill_size=args.chunked_prefill_size, engine_options=parse_engine_opts(args.engine_opt))
     asyncio.run(serve_worker(options, args.engine_factory, args.drain_timeout))
     return 0

@@ -80,6 +80,11 @@ def resolve_model_dir(model: str) -> Path:
     return Path(resolve_model_path(model))
 
 
+def default_served_name(model: str, model_dir: Path) -> str:
+    """What clients put in "model": "tiny" for the embedded model, else the checkpoint's dir name."""
+    return model if model.startswith("tiny") else model_dir.name
+
+
 class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec.validate()
@@ -88,6 +93,7 @@ class LocalCluster:
         self.workers: list[WorkerEndpoint] = []
         self.router: ManagedProcess | None = None
         self.router_port = 0
+        self.metrics_port = 0
         self.log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="deepseek-pd-up-"))
 
     # -- public ------------------------------------------------------------------------------
@@ -108,8 +114,7 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         spec = self.spec
         self.model_dir = resolve_model_dir(spec.model)
-        self.served_model_name = spec.served_model_name or (
-            spec.model if spec.model.startswith("tiny") else self.model_dir.name)
+        self.served_model_name = spec.served_model_name or default_served_name(spec.model, self.model_dir)
         deadline = time.monotonic() + spec.startup_timeout_s
         try:
             self._start_workers()
@@ -137,8 +142,11 @@ class LocalCluster:
     def _start_workers(self) -> None:
         spec = self.spec
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
-        ports = pick_free_ports(2 * len(roles) + (0 if spec.router_port else 1), spec.host)
+        ports = pick_free_ports(2 * len(roles) + 2, spec.host)
         self.router_port = spec.router_port or ports.pop()
+        # The router always starts a Prometheus exporter (default port 29000): two clusters on one
+        # machine would collide, so it gets a free loopback port of its own.
+        self.metrics_port = ports.pop()
         counters = {"prefill": 0, "decode": 0}
         for role in roles:
             index = counters[role]
@@ -174,6 +182,7 @@ class LocalCluster:
             argv += ["--decode", f"grpc://{worker.address(spec.host)}"]
         argv += ["--host", spec.host, "--port", str(self.router_port),
                  "--model-path", str(self.model_dir), "--log-level", spec.router_log_level,
+                 "--prometheus-host", spec.host, "--prometheus-port", str(self.metrics_port),
                  *spec.router_args]
         self.router = ManagedProcess("router", argv, self.log_dir / "router.log")
         self.router.start()

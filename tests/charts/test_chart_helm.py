@@ -67,6 +67,14 @@ def test_rendered_manifests_are_valid_kubernetes(helm, values):
     assert [p["metadata"]["annotations"]["helm.sh/hook"] for p in test_pods] == ["test"]
 
 
+def test_helm_install_as_documented_renders_notes(helm):
+    """`helm install deepseek charts/` (client-side dry run: no cluster here)."""
+    result = _helm(helm, "install", "deepseek", str(CHART), "--dry-run=client", "--namespace", "ops")
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert "installed in namespace ops" in notes and "helm test deepseek -n ops" in notes
+
+
 def test_namespaced_values_bind_rbac_only_in_watched_namespaces(helm):
     values = ROOT / "examples" / "chart-values-namespaced.yaml"
     docs = _render(helm, "-f", str(values))

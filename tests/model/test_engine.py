@@ -105,6 +105,25 @@ def test_batch_equals_single_requests(checkpoints, hf_models):
     assert engine.runner.kv_pool.num_used_pages == 0
 
 
+def test_batch_larger_than_the_pool_runs_in_waves(checkpoints, hf_models, monkeypatch):
+    engine = Engine(str(checkpoints["v3"]), max_total_tokens=96, page_size=16)  # 6 pages
+    # prompt + 19 cached new tokens: 4, 2, 4, 2, 3 pages -> waves {30, 12}, {40, 7}, {25}
+    prompts = [random_prompt(n, engine.vocab_size) for n in (30, 12, 40, 7, 25)]
+    peak = {"used": 0}
+    real_decode = engine.runner.decode
+
+    def watching_decode(seqs):
+        peak["used"] = max(peak["used"], engine.runner.kv_pool.num_used_pages)
+        return real_decode(seqs)
+
+    monkeypatch.setattr(engine.runner, "decode", watching_decode)
+    results = engine.generate_batch(prompts, GREEDY)
+    assert peak["used"] == 6
+    for prompt, result in zip(prompts, results):
+        assert result.output_ids == hf_greedy(hf_models["v3"], prompt)
+    assert engine.runner.kv_pool.num_used_pages == 0
+
+
 def test_seeded_sampling_reproducible_in_any_batch(checkpoints):
     engine = Engine(str(checkpoints["v3"]))
     seed = random.randrange(2**31)
@@ -172,11 +191,17 @@ def test_bad_input_is_one_line_user_error(checkpoints):
         assert "\n" not in str(exc.value)
     with pytest.raises(UserError, match="temperature=-1"):
         engine.generate([0, 5], SamplingParams(temperature=-1))
+    with pytest.raises(UserError, match="prompt 1: prompt is empty"):
+        engine.generate_batch([[0, 5], []], GREEDY)
+    with pytest.raises(UserError, match=r"token ids \[1.5\]"):
+        engine.generate([0, 1.5], GREEDY)
+    import numpy as np
+    assert engine.generate(np.array([0, 5, 6]), GREEDY).output_ids == engine.generate([0, 5, 6], GREEDY).output_ids
     with pytest.raises(UserError, match="no prompts"):
         engine.generate_batch([])
-    # the pool cannot hold this: refused cleanly, nothing leaks, the engine still works
-    with pytest.raises(UserError, match="KV pool exhausted"):
-        engine.generate_batch([[0, 5, 6]] * 3, SamplingParams(max_new_tokens=100, temperature=0.0))
+    # one request larger than the whole pool: refused before anything runs, nothing leaks
+    with pytest.raises(UserError, match="need 18 KV pages but the pool has 16 free of 16"):
+        engine.generate_batch([[0, 5, 6], [0, 7]], SamplingParams(max_new_tokens=280, temperature=0.0))
     assert engine.runner.kv_pool.num_used_pages == 0
     assert len(engine.generate([0, 5, 6], GREEDY).output_ids) == NEW_TOKENS
     with pytest.raises(UserError, match="chunked_prefill_size"):

@@ -222,3 +222,21 @@ def test_load_model_matches_hf_logits(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_progress_bar_shown_on_a_terminal(tmp_path, seed, monkeypatch):
+    """stderr that is a terminal gets the bar; progress=False silences it even there."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    path = write_checkpoint(tmp_path / "ckpt", _random_tensors(seed), CONFIG)
+    for progress in (True, False):
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert len(_load(path, progress=progress)) == len(_without_mtp(_random_tensors(seed)))
+        monkeypatch.undo()
+        assert ("Loading ckpt" in terminal.getvalue()) == progress, terminal.getvalue()

@@ -83,7 +83,7 @@ def test_default_strategy_replaces_exactly_one_ready_group():
     groups = {i: _group(i, "old", 2) for i in range(3)}
     plan = plan_role(_target(3), groups)
     assert plan.actions == (ReplaceGroup("decode", 0, "new revision"),)
-    assert plan.rolling and plan.updated == 0 and plan.ready == 3
+    assert plan.rolling and plan.updated == 1 and plan.ready == 2  # group 0 goes down, comes back new
 
 
 def test_broken_outdated_groups_are_replaced_first_without_budget():
@@ -184,3 +184,14 @@ def test_invalid_status_names_the_field_and_keeps_availability():
     assert conditions["InvalidSpec"]["status"] == "True"
     assert "spec.decode.size" in conditions["InvalidSpec"]["message"]
     assert conditions["Available"]["status"] == "True"
+
+
+def test_a_failed_outdated_group_is_replaced_not_restarted_and_uses_the_budget():
+    groups = {i: _group(i, "old", 2) for i in range(3)}
+    groups[2] = _group(2, "old", 2, restarts=1)  # restarted but still Ready: broken all the same
+    plan = plan_role(_target(3, unavailable=1), groups)
+    assert plan.actions == (ReplaceGroup("decode", 2, "pod g2-0 restarted"),)  # 2 of 3 stay up
+    assert plan.restarted == (2,) and plan.ready == 2
+    wider = plan_role(_target(3, unavailable=2), groups)
+    assert wider.actions == (ReplaceGroup("decode", 2, "pod g2-0 restarted"),
+                             ReplaceGroup("decode", 0, "new revision"))

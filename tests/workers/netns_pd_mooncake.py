@@ -6,10 +6,13 @@ and that an abort mid-request frees both pools. Exits non-zero with the assertio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import sys
 
 from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.kv_transfer import TransportConfig
 from pd_engine_harness import CHUNK, PDPair, collect, oracle, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
@@ -44,6 +47,21 @@ def main(seed: int) -> None:
             pair.assert_pools_clean()
             return outcomes
 
+    async def abort_in_transfer():
+        # A short send timeout, so the decode side's late-write grace (pages held back after a
+        # failed one-sided transfer) is short too.
+        config = dataclasses.replace(worker_config("mooncake"), transport=TransportConfig(send_timeout_s=0.5))
+        async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
+            p_req, d_req = pair.requests(prompts[0] * 3, GREEDY, "early")
+            tasks = [asyncio.ensure_future(collect(pair.prefill, p_req)),
+                     asyncio.ensure_future(collect(pair.decode, d_req))]
+            await asyncio.sleep(0.01)
+            await pair.decode.abort(d_req.rid)
+            prefill, decode = await asyncio.gather(*tasks)
+            await asyncio.sleep(0.8)
+            pair.assert_pools_clean()
+            return prefill, decode
+
     outcomes = asyncio.run(run())
     for i, (prefill, decode) in enumerate(outcomes):
         assert prefill.ok and decode.ok, (prefill.terminal, decode.terminal)
@@ -51,6 +69,9 @@ def main(seed: int) -> None:
         print(f"parity ok prompt={i} tokens={len(prompts[i])} cached={decode.terminal.cached_tokens}")
     assert outcomes[-1][1].terminal.cached_tokens >= CHUNK, "the shared prefix missed the cache"
     print("abort ok")
+    prefill, decode = asyncio.run(abort_in_transfer())
+    assert not decode.ok and decode.terminal.code == FailureCode.ABORTED, decode.terminal
+    print("early abort ok", prefill.terminal)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def worker_config(transport: str, **bootstrap) -> WorkerConfig:
 class Outcome:
     tokens: list[int]
     terminal: object  # Finished | Failed
+    logprobs: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -59,18 +60,19 @@ class Outcome:
 
 
 async def collect(engine, request: GenerateRequest, on_event=None) -> Outcome:
-    tokens, terminals = [], []
+    tokens, terminals, logprobs = [], [], []
     async for event in engine.generate(request):
         if isinstance(event, TokenChunk):
             assert not terminals, "a token after the terminal event"
             tokens += event.token_ids
+            logprobs += event.logprobs
         else:
             assert isinstance(event, (Finished, Failed)), event
             terminals.append(event)
         if on_event is not None:
             await on_event(event)
     assert len(terminals) == 1, f"{request.rid}: {len(terminals)} terminal events"
-    return Outcome(tokens, terminals[0])
+    return Outcome(tokens, terminals[0], logprobs)
 
 
 class PDPair:
@@ -91,14 +93,17 @@ class PDPair:
         await self.decode.stop()
         await self.prefill.stop()
 
-    def requests(self, prompt, params: SamplingParams, rid: str) -> tuple[GenerateRequest, GenerateRequest]:
+    def requests(self, prompt, params: SamplingParams, rid: str,
+                 return_logprob: bool = False) -> tuple[GenerateRequest, GenerateRequest]:
         self._room += 1
         disagg = DisaggParams("127.0.0.1", self.prefill.bootstrap_port, self._room)
-        base = GenerateRequest(rid=rid, input_ids=tuple(prompt), sampling=params, disagg=disagg)
+        base = GenerateRequest(rid=rid, input_ids=tuple(prompt), sampling=params, disagg=disagg,
+                               return_logprob=return_logprob)
         return dataclasses.replace(base, rid=rid + "-p"), dataclasses.replace(base, rid=rid + "-d")
 
-    async def run(self, prompt, params: SamplingParams, rid: str) -> tuple[Outcome, Outcome]:
-        p_req, d_req = self.requests(prompt, params, rid)
+    async def run(self, prompt, params: SamplingParams, rid: str,
+                  return_logprob: bool = False) -> tuple[Outcome, Outcome]:
+        p_req, d_req = self.requests(prompt, params, rid, return_logprob)
         return tuple(await asyncio.gather(collect(self.prefill, p_req), collect(self.decode, d_req)))
 
     def assert_pools_clean(self) -> None:

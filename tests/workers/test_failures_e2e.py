@@ -150,3 +150,47 @@ def test_prefill_killed_after_handshake_fails_decode_and_frees_pages(cluster) ->
 async def _both(first, second) -> bool:
     a, b = await asyncio.gather(first, second)
     return a > 0 and b > 0
+
+
+def test_router_routes_around_dead_workers_and_returns_one_error(cluster) -> None:
+    """Through the real router: dead workers (from the tests above) are skipped, and a decode
+    worker killed mid-transfer gives the HTTP client one error, promptly, not a hang."""
+    from deepseek_pd.client.router_http import RouterClient, RouterError
+    from deepseek_pd.launcher.health import router_ready_workers
+
+    host = cluster.spec.host
+    prefills = [w for w in cluster.prefill_workers() if w.process.is_alive()]
+    decodes = [w for w in cluster.decode_workers() if w.process.is_alive()]
+    assert prefills and decodes
+
+    async def main():
+        ready = await wait_until(
+            lambda: _async(router_ready_workers(cluster.router_url) == len(prefills) + len(decodes)), 60, 0.5)
+        assert ready, "the router did not notice the dead workers"
+        async with RouterClient(cluster.router_url, cluster.served_model_name, timeout_s=120) as client:
+            ok = await client.generate(input_ids=[7, 8, 9, 10], max_new_tokens=4, temperature=0.0)
+            assert len(ok.output_ids) == 4
+            baselines = {w.process.name: await used_pages(w.address(host)) for w in prefills}
+            call = asyncio.create_task(client.generate(input_ids=long_prompt(), stream=True,
+                                                       max_new_tokens=4, temperature=0.0))
+
+            async def transferring() -> bool:
+                running = [await running_requests(w.address(host)) for w in prefills]
+                pages = [await used_pages(w.address(host)) for w in decodes]
+                return sum(running) > 0 and sum(pages) > 0
+            assert await wait_until(transferring, 30), "the request never reached the transfer phase"
+            for worker in decodes:
+                worker.process.send_signal(signal.SIGKILL)
+            with pytest.raises(RouterError) as info:
+                await asyncio.wait_for(call, FAILURE_DEADLINE_S)
+            assert info.value.status >= 500
+        for worker in prefills:
+            pages = await wait_for_pages(worker.address(host), baselines[worker.process.name],
+                                         timeout_s=FAILURE_DEADLINE_S)
+            assert pages == baselines[worker.process.name]
+
+    asyncio.run(main())
+
+
+async def _async(value):
+    return value

@@ -149,3 +149,73 @@ def test_picked_ports_are_distinct_and_free() -> None:
     ports = pick_free_ports(16)
     assert len(set(ports)) == 16
     assert all(is_port_free(p) for p in ports)
+
+
+def test_serve_drains_running_requests_on_sigterm(model_dir, tmp_path) -> None:
+    """SIGTERM: refuse new work, let the running stream finish, exit 0."""
+    import asyncio
+
+    from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
+    from deepseek_pd.launcher.health import worker_is_healthy
+    from servicer_fakes import SLOW_TOKEN
+    from smg_grpc_proto import sglang_scheduler_pb2 as pb
+
+    port = pick_free_ports(1)[0]
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "deepseek_pd.cli", "serve", "decode", "--model",
+                             str(model_dir), "--port", str(port), "--engine-factory", FAKE_FACTORY,
+                             "--drain-timeout", "20"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not worker_is_healthy(f"127.0.0.1:{port}"):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+
+        async def main():
+            async with SchedulerClient(f"127.0.0.1:{port}") as client:
+                prompt = [SLOW_TOKEN, 21, 22]
+                call = client.generate(pb.GenerateRequest(
+                    request_id="draining", tokenized=pb.TokenizedInput(input_ids=prompt),
+                    sampling_params=sampling_proto(max_new_tokens=40), stream=True))
+                first = await call.read()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                assert not (await client.health()).healthy  # draining: the router stops sending
+                ids, complete = await collect(_read_all(first, call))
+                assert ids == expected_tokens(tuple(prompt), 40)
+                assert complete.finish_reason == "length"
+
+        asyncio.run(main())
+        assert proc.wait(30) == 0
+        assert "stopped" in (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+async def _read_all(first, call):
+    """The rest of a stream that was started with read() (grpc forbids mixing in async for)."""
+    import grpc
+
+    yield first
+    while (item := await call.read()) is not grpc.aio.EOF:
+        yield item
+
+
+def test_demo_streams_a_chat_answer_and_cleans_up(tmp_path) -> None:
+    """`make demo`'s command on the embedded tiny model and the real engines."""
+    proc = subprocess.Popen([sys.executable, "-m", "deepseek_pd.cli", "demo", "--max-tokens", "12",
+                             "--log-dir", str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tree: set[int] = set()
+    deadline = time.monotonic() + 100
+    while proc.poll() is None and time.monotonic() < deadline:
+        tree |= descendants(proc.pid)
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out + err
+    answer = out.split("assistant:", 1)[1].strip()
+    assert answer, out
+    assert "12 tokens" in err and "cluster stopped" in err
+    assert wait_gone(tree, 10) == set()

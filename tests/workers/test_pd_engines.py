@@ -14,7 +14,7 @@ import time
 import pytest
 
 from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, Finished, GenerateRequest
+from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, GenerateRequest
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pd_engine_harness import CHUNK, PDPair, collect, oracle, runner, worker_config
@@ -35,6 +35,7 @@ def test_pd_greedy_equals_offline_with_chunking_prefix_hits_and_concurrency(tran
     shared = random_prompt(rng, 20, 30)  # > CHUNK: chunked; shared prefix: cache hits
     prompts = [random_prompt(rng) for _ in range(3)] + [shared + random_prompt(rng, 1, 10) for _ in range(3)]
     prompts.append(random_prompt(rng, CHUNK * 2 + 1, CHUNK * 3))
+    prompts += [random_prompt(rng, 1, 2), random_prompt(rng, 2 * CHUNK, 2 * CHUNK + 1)]  # 1 token; whole pages
     expected = [oracle().generate(p, GREEDY).output_ids for p in prompts]
 
     async def run():
@@ -55,6 +56,7 @@ def test_pd_greedy_equals_offline_with_chunking_prefix_hits_and_concurrency(tran
         assert decode.tokens == expected[i], f"prompt {i}: PD {decode.tokens} != offline {expected[i]}"
         assert decode.terminal.completion_tokens == len(expected[i])
     hits = [outcomes[i][1].terminal.cached_tokens for i in range(3, 6)]
+    assert len(prompts[-2]) == 1 and len(prompts[-1]) % 4 == 0
     assert all(h >= 20 for h in hits), f"shared-prefix prompts missed the prefix cache: {hits}"
 
 
@@ -65,15 +67,21 @@ def test_pd_seeded_sampling_and_stops_equal_offline():
                              ignore_eos=True)
     greedy_ids = oracle().generate(prompt, GREEDY).output_ids
     stop_at = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=(greedy_ids[2],), ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_new_tokens=1)
 
     async def run():
         async with PDPair("grpc") as pair:
-            results = [await pair.run(prompt, sampled, "seeded"), await pair.run(prompt, stop_at, "stop")]
+            results = [await pair.run(prompt, sampled, "seeded", return_logprob=True),
+                       await pair.run(prompt, stop_at, "stop"),
+                       await pair.run(prompt, one, "one")]
             pair.assert_pools_clean()
             return results
 
-    (_, seeded), (_, stopped) = asyncio.run(run())
-    assert seeded.tokens == oracle().generate(prompt, sampled).output_ids
+    (_, seeded), (_, stopped), (_, single) = asyncio.run(run())
+    assert single.tokens == greedy_ids[:1] and single.terminal.reason in ("length", "stop")
+    seeded_reference = oracle().generate(prompt, sampled)
+    assert seeded.tokens == seeded_reference.output_ids
+    assert seeded.logprobs == pytest.approx(seeded_reference.output_logprobs, abs=1e-4)
     reference = oracle().generate(prompt, stop_at)
     assert stopped.tokens == reference.output_ids and stopped.terminal.reason == "stop"
     assert stopped.terminal.matched_stop == greedy_ids[2]
@@ -99,33 +107,83 @@ def test_colocated_decode_engine_equals_offline():
         assert outcome.ok and outcome.tokens == want
 
 
+class Phase:
+    """Hooks that hold a PD request in one phase and say when it is there."""
+
+    def __init__(self, pair: PDPair, phase: str) -> None:
+        self.reached = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if phase == "prefill_forward":  # abort while the model thread runs this request's forward
+            extend = pair.prefill.runner.extend
+
+            def slow_extend(seqs):
+                loop.call_soon_threadsafe(self.reached.set)
+                time.sleep(0.2)
+                return extend(seqs)
+            pair.prefill.runner.extend = slow_extend
+        elif phase == "transfer":  # abort while KV chunks are on the wire
+            open_channel = pair.prefill.sender.open
+
+            def slow_open(handshake, emit):
+                async def slow_emit(chunk):
+                    self.reached.set()
+                    await asyncio.sleep(0.05)
+                    await emit(chunk)
+                return open_channel(handshake, slow_emit)
+            pair.prefill.sender.open = slow_open
+        self.phase = phase
+
+    async def on_decode_event(self, event) -> None:
+        if self.phase == "decode":
+            self.reached.set()
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
-@pytest.mark.parametrize("delay_s", [0.0, 0.02, 0.2])
-def test_abort_at_any_point_frees_both_pools(side, delay_s):
-    """Aborts one side after `delay_s` (handshake, prefill, transfer or decode phase)."""
+@pytest.mark.parametrize("phase", ["before_peer", "prefill_forward", "transfer", "decode"])
+def test_abort_in_every_phase_ends_both_sides_once_and_frees_both_pools(side, phase):
     rng = random.Random()
     prompt = random_prompt(rng, CHUNK * 3, CHUNK * 4)
-    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
 
     async def run():
         async with PDPair("grpc") as pair:
             p_req, d_req = pair.requests(prompt, params, "victim")
-            tasks = [asyncio.ensure_future(collect(pair.prefill, p_req)),
-                     asyncio.ensure_future(collect(pair.decode, d_req))]
-            await asyncio.sleep(delay_s)
+            hooks = Phase(pair, phase)
             engine, rid = (pair.prefill, p_req.rid) if side == "prefill" else (pair.decode, d_req.rid)
-            await engine.abort(rid)
-            prefill, decode = await asyncio.wait_for(asyncio.gather(*tasks), 30)
-            await asyncio.sleep(0.05)
+            start = time.monotonic()
+            if phase == "before_peer":  # the aborted side's peer has not even arrived yet
+                first = asyncio.ensure_future(collect(engine, p_req if side == "prefill" else d_req))
+                await asyncio.sleep(0.05)
+                assert await engine.abort(rid)
+                aborted = await first
+                peer = pair.decode if side == "prefill" else pair.prefill
+                late = await collect(peer, d_req if side == "prefill" else p_req)
+                results = (aborted, late) if side == "prefill" else (late, aborted)
+            else:
+                tasks = [asyncio.ensure_future(collect(pair.prefill, p_req)),
+                         asyncio.ensure_future(collect(pair.decode, d_req, hooks.on_decode_event))]
+                await asyncio.wait_for(hooks.reached.wait(), 30)
+                late_prefill_abort = phase == "decode" and side == "prefill"
+                assert await engine.abort(rid) != late_prefill_abort  # a finished request is unknown
+                if late_prefill_abort:
+                    await pair.decode.abort(d_req.rid)  # end the long decode; its result is not under test
+                results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            assert time.monotonic() - start < 5, "a side waited for a timeout instead of hearing of the abort"
+            # Pages a running forward reads are freed as soon as it returns (0.2 s in "prefill_forward").
+            await asyncio.sleep(0.3 if phase == "prefill_forward" else 0.05)
             pair.assert_pools_clean()
-            return prefill, decode
+            return results
 
     prefill, decode = asyncio.run(run())
-    if side == "decode" and not (decode.ok):
-        assert decode.terminal.code == FailureCode.ABORTED
-    if side == "prefill" and not prefill.ok:
-        assert prefill.terminal.code == FailureCode.ABORTED
-        assert not decode.ok  # the decode side learns through the bootstrap channel
+    if phase == "decode" and side == "prefill":
+        assert prefill.ok and len(decode.tokens) >= 1
+        return
+    aborted = prefill if side == "prefill" else decode
+    assert isinstance(aborted.terminal, Failed) and aborted.terminal.code == FailureCode.ABORTED
+    if phase == "decode":
+        assert prefill.ok  # the prefill side had already finished its part
+    else:
+        assert not decode.ok  # the decode side never got (all) the KV
 
 
 def test_handshake_that_never_arrives_fails_prefill_within_timeout():
@@ -250,6 +308,3 @@ def test_pool_too_small_is_resource_exhausted():
     assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.RESOURCE_EXHAUSTED
     assert isinstance(outcome.terminal, Failed) and "pages" in outcome.terminal.message
 
-
-def test_finished_counts():
-    assert Finished("length", 3, 1).cached_tokens == 0

@@ -12,4 +12,4 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
 def test_pd_over_mooncake_equals_offline_and_frees_pages_on_abort():
     out = run_in_netns("netns_pd_mooncake.py", str(random.randrange(1 << 30)))
-    assert out.count("parity ok") == 4 and "abort ok" in out, out
+    assert out.count("parity ok") == 4 and "abort ok" in out and "early abort ok" in out, out

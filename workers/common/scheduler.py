@@ -88,6 +88,10 @@ def run_extend(runner: ModelRunner, sampler: Sampler, seqs: list[ExtendSeq], row
                states: list[SamplingState]) -> Sampled:
     """Extends all `seqs`; samples one token for each of `rows` (with `states[i]` for rows[i])."""
     logits = runner.extend(seqs)
+    if logits.is_cuda:
+        # The KV written by this forward is read next by the transport (copies or one-sided RDMA
+        # writes) outside this stream's order: make it complete first.
+        torch.cuda.current_stream(logits.device).synchronize()
     if not rows:
         return Sampled([], [])
     index = torch.tensor(rows, device=logits.device)

@@ -35,7 +35,7 @@ async def serve_worker(options: WorkerOptions, engine_factory: str | None = None
         result = start()
         if asyncio.iscoroutine(result):
             await result
-    page_size = engine.loads().extra.get("page_size", options.page_size or 1)
+    page_size = engine.loads().extra.get("page_size", options.page_size or 1)  # engines may report it
     identity = WorkerIdentity(role=options.role, kv_transport=options.kv_transport,
                               bootstrap_port=options.bootstrap_port, page_size=int(page_size),
                               host=options.host, port=options.port)

@@ -183,7 +183,8 @@ async def _half_close(call) -> None:
 def _code_of(exc: grpc.aio.AioRpcError) -> FailureCode:
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return FailureCode.DEADLINE_EXCEEDED
-    if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
-                      grpc.StatusCode.INVALID_ARGUMENT):
-        return FailureCode.INVALID_ARGUMENT
+    if exc.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT):
+        return FailureCode.INVALID_ARGUMENT  # e.g. a bootstrap room used twice
+    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailureCode.INTERNAL  # protocol version mismatch: a deployment error
     return FailureCode.UNAVAILABLE

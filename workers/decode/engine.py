@@ -180,7 +180,8 @@ class DecodeEngine:
         return True
 
     def loads(self) -> Loads:
-        return Loads(num_running=len(self._running), num_waiting=len(self._prefilling),
+        # Waiting: admitted or not, every request that is not in the decode batch yet.
+        return Loads(num_running=len(self._running), num_waiting=len(self._requests) - len(self._running),
                      kv_used_pages=self.pool.num_used_pages, kv_total_pages=self.pool.num_pages,
                      extra={"reserved_pages": self.budget.reserved if self.budget else 0,
                             "page_size": self.pool.page_size})

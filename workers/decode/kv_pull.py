@@ -1,6 +1,8 @@
 """The decode side of one PD request's transfer: build the handshake, follow it to TransferDone."""
 from __future__ import annotations
 
+import logging
+import time
 from typing import Sequence
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
@@ -9,6 +11,8 @@ from deepseek_pd.workers.common.kv_transfer import KVReceiver
 from deepseek_pd.workers.common.kv_transfer.base import layout_of
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 
+log = logging.getLogger(__name__)
+
 
 async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggParams, rid: str,
                   num_tokens: int, pages: Sequence[int]) -> pb.TransferDone:
@@ -16,4 +20,10 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
     handshake = pb.Handshake(decode_rid=rid, num_tokens=num_tokens, page_ids=list(pages),
                              layout=layout_of(receiver.pool))
     receiver.fill_destination(handshake)
-    return await client.transfer(params, handshake, receiver.open_sink(pages))
+    started = time.monotonic()
+    done = await client.transfer(params, handshake, receiver.open_sink(pages))
+    seconds = max(time.monotonic() - started, 1e-9)
+    log.debug("%s: received %d bytes of KV for %d tokens (%d cached on prefill) in %.3fs, %.3f GB/s "
+              "including prefill compute", rid, done.bytes_sent, num_tokens, done.cached_tokens, seconds,
+              done.bytes_sent / seconds / 1e9)
+    return done

@@ -291,7 +291,7 @@ class BootstrapServer:
         self.config = config
         # Chunks are capped at TransportConfig.max_chunk_bytes; leave headroom for the envelope.
         options = [("grpc.max_send_message_length", max_message_bytes + (64 << 10)),
-                   ("grpc.max_receive_message_length", 1 << 20)]
+                   ("grpc.max_receive_message_length", 16 << 20)]  # a handshake lists every page id
         self.server = grpc.aio.server(options=options)
         pb_grpc.add_BootstrapServicer_to_server(BootstrapServicer(registry), self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")

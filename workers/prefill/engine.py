@@ -25,6 +25,7 @@ from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling import Sampler, SamplingState
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
+from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
 from deepseek_pd.workers.common.kv_transfer import TransferError, build_sender
 from deepseek_pd.workers.common.scheduler import ModelThread, PromptProgress, plan_extend_batch, run_extend
 from deepseek_pd.workers.common.worker_config import WorkerConfig
@@ -178,7 +179,7 @@ class PrefillEngine:
             if room.peer_gone.done():
                 raise TransferError(*room.peer_gone.result())
             failure = room.failure.result()
-            raise TransferError(FailureCode.ABORTED, failure.reason)
+            raise TransferError(code_from_pb(failure.code), failure.reason)
         try:
             return task.result()
         except asyncio.TimeoutError:

@@ -1,0 +1,118 @@
+"""One reconcile pass against an in-memory API: idempotence, steady state, refused writes."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import pathlib
+import uuid
+
+import pytest
+import yaml
+
+from deepseek_pd.operator import names
+from deepseek_pd.operator.kube import ApiError
+from deepseek_pd.operator.reconcile import Reconciler
+
+pytestmark = pytest.mark.timeout(60)
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+LOG = logging.getLogger("test")
+
+
+class MemoryApi:
+    """Just enough of KubeClient: objects keyed by (kind, name); counts writes."""
+
+    def __init__(self, refuse_kind: str | None = None) -> None:
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.writes: list[tuple[str, str, str]] = []
+        self.refuse_kind = refuse_kind
+
+    async def list(self, kind, namespace, labels):
+        return [copy.deepcopy(o) for (k, _), o in self.objects.items() if k == kind
+                and all(o["metadata"].get("labels", {}).get(a) == b for a, b in labels.items())]
+
+    async def create(self, manifest):
+        key = (manifest["kind"], manifest["metadata"]["name"])
+        if manifest["kind"] == self.refuse_kind:
+            raise ApiError(422, "Invalid", f"{manifest['kind']} refused by an admission webhook")
+        if key in self.objects:
+            raise ApiError(409, "AlreadyExists", "exists")
+        self.objects[key] = copy.deepcopy(manifest)
+        self.writes.append(("create", *key))
+
+    async def patch(self, kind, namespace, name, patch):
+        self.objects[(kind, name)].update(copy.deepcopy(patch))
+        self.writes.append(("patch", kind, name))
+
+    async def delete(self, kind, namespace, name):
+        self.writes.append(("delete", kind, name))
+        return self.objects.pop((kind, name), None) is not None
+
+
+def _body(example: str = "deepseek-v3-h200.yaml") -> dict:
+    body = yaml.safe_load((EXAMPLES / example).read_text())
+    body["metadata"].update(namespace="llm", uid=str(uuid.uuid4()), generation=2)
+    return body
+
+
+def test_second_pass_writes_nothing_and_children_are_owned():
+    api = MemoryApi()
+    reconciler = Reconciler(api)
+    body = _body()
+    status = asyncio.run(reconciler.reconcile(body, LOG))
+    assert status["phase"] == "Pending" and status["observedGeneration"] == 2
+    created = {(k, n) for op, k, n in api.writes if op == "create"}
+    expected_groups = {("StatefulSet", names.group_name("deepseek-v3", "prefill", i)) for i in range(2)}
+    assert expected_groups <= created
+    for obj in api.objects.values():
+        ref = obj["metadata"]["ownerReferences"][0]
+        assert ref["uid"] == body["metadata"]["uid"] and ref["controller"] is True
+        assert obj["metadata"]["namespace"] == "llm"
+
+    api.writes.clear()
+    body["status"] = status
+    again = asyncio.run(reconciler.reconcile(body, LOG))
+    assert api.writes == []  # level-triggered and idempotent: a steady state issues no writes
+    assert again["prefill"] == status["prefill"] and again["decode"] == status["decode"]
+    body["status"] = again
+    third = asyncio.run(reconciler.reconcile(body, LOG))
+    assert third == again and api.writes == []  # conditions keep their transition times
+
+
+def test_changed_router_policy_patches_only_the_router():
+    api = MemoryApi()
+    reconciler = Reconciler(api)
+    body = _body()
+    asyncio.run(reconciler.reconcile(body, LOG))
+    api.writes.clear()
+    body["spec"]["router"]["policy"] = "round_robin"
+    asyncio.run(reconciler.reconcile(body, LOG))
+    assert api.writes == [("patch", "Deployment", "deepseek-v3-router")]
+    args = api.objects[("Deployment", "deepseek-v3-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--policy") + 1] == "round_robin"
+
+
+def test_refused_child_becomes_a_degraded_condition():
+    api = MemoryApi(refuse_kind="StatefulSet")
+    status = asyncio.run(Reconciler(api).reconcile(_body("cpu-minimal.yaml"), LOG))
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert status["phase"] == "Degraded" and degraded["reason"] == "ApplyFailed"
+    assert "admission webhook" in degraded["message"]
+
+
+def test_invalid_spec_touches_nothing():
+    api = MemoryApi()
+    body = _body("cpu-minimal.yaml")
+    body["spec"]["prefill"]["size"] = 0
+    status = asyncio.run(Reconciler(api).reconcile(body, LOG))
+    assert api.writes == [] and status["phase"] == "Failed"
+    assert "spec.prefill.size" in next(c for c in status["conditions"] if c["type"] == "InvalidSpec")["message"]
+
+
+def test_delete_children_removes_everything_labelled():
+    api = MemoryApi()
+    reconciler = Reconciler(api)
+    asyncio.run(reconciler.reconcile(_body("cpu-minimal.yaml"), LOG))
+    assert api.objects
+    asyncio.run(reconciler.delete_children("llm", "tiny", LOG))
+    assert api.objects == {}
