@@ -67,6 +67,7 @@ def _check(args: argparse.Namespace) -> int:
     import functools
     import logging
 
+    import aiohttp
     import kopf
 
     from deepseek_pd.errors import UserError
@@ -80,7 +81,7 @@ def _check(args: argparse.Namespace) -> int:
         client = KubeClient(login)
         try:
             items = await client.list(names.KIND, args.namespace, {})
-        except ApiError as exc:
+        except (ApiError, aiohttp.ClientError, kopf.LoginError) as exc:
             raise UserError(f"cannot list {names.PLURAL} in {args.namespace}: {exc}") from exc
         finally:
             await client.close()

@@ -256,3 +256,7 @@ def test_check_command_reads_the_crd_through_a_kubeconfig(cluster, tmp_path, mon
     assert out.startswith(f"ok: {names.CRD_NAME} is served;") and " in namespace llm" in out
     count = int(out.split(";")[1].split()[0])
     assert count == len(cluster.list(names.KIND))
+
+    monkeypatch.setenv("KUBECONFIG", kubeconfig("http://127.0.0.1:1"))  # nothing listens there
+    assert main(["operator", "check", "--namespace", "llm"]) == 2
+    assert "cannot list deepseekdeployments in llm" in capsys.readouterr().err

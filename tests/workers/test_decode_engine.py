@@ -139,3 +139,23 @@ def test_prompt_longer_than_the_context_is_invalid():
 
     outcome = asyncio.run(with_engine(run, num_pages=4096 // 4 + 8))
     assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.INVALID_ARGUMENT
+
+
+def test_bad_requests_fail_alone_without_hurting_the_batch():
+    rng = random.Random()
+    good = prompt(rng)
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+
+    async def run(engine):
+        vocab = engine.runner.model_config.vocab_size
+        bad = [GenerateRequest("oov", (3, vocab + 7), params),
+               GenerateRequest("empty", (), params),
+               GenerateRequest("topp", (3, 4), SamplingParams(top_p=0.0))]
+        return await asyncio.gather(collect(engine, GenerateRequest("good", tuple(good), params)),
+                                    *(collect(engine, r) for r in bad))
+
+    good_outcome, *bad_outcomes = asyncio.run(with_engine(run))
+    assert good_outcome.ok and good_outcome.tokens == oracle().generate(good, params).output_ids
+    for outcome, word in zip(bad_outcomes, ("vocabulary", "empty", "top_p")):
+        assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.INVALID_ARGUMENT
+        assert word in outcome.terminal.message

@@ -166,7 +166,10 @@ def test_router_routes_around_dead_workers_and_returns_one_error(cluster) -> Non
     async def main():
         ready = await wait_until(
             lambda: _async(router_ready_workers(cluster.router_url) == len(prefills) + len(decodes)), 60, 0.5)
-        assert ready, "the router did not notice the dead workers"
+        if not ready:
+            import urllib.request
+            workers = urllib.request.urlopen(f"{cluster.router_url}/workers").read().decode()
+            pytest.fail(f"the router did not settle on the live workers: {workers}")
         async with RouterClient(cluster.router_url, cluster.served_model_name, timeout_s=120) as client:
             ok = await client.generate(input_ids=[7, 8, 9, 10], max_new_tokens=4, temperature=0.0)
             assert len(ok.output_ids) == 4

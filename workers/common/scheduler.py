@@ -20,6 +20,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
+from deepseek_pd.errors import UserError
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
 from deepseek_pd.model.sampling import Sampler, SamplingState
 
@@ -35,6 +36,21 @@ class ModelThread:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def check_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int) -> None:
+    """Raises UserError for a prompt no forward may see: one bad request must not fail a batch.
+
+    The servicer validates too; engines check again because they are also driven directly.
+    """
+    if not input_ids:
+        raise UserError("the prompt is empty")
+    if len(input_ids) >= max_context:
+        raise UserError(f"prompt has {len(input_ids)} tokens, the model's context is {max_context} "
+                        "(prompt plus at least one new token)")
+    bad = next((t for t in input_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise UserError(f"input token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(eq=False)

@@ -22,13 +22,14 @@ from typing import AsyncIterator
 
 import torch
 
+from deepseek_pd.errors import UserError
 from deepseek_pd.model.runner import DecodeSeq, ModelRunner
 from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.kv_transfer import TransferError, build_receiver
 from deepseek_pd.workers.common.scheduler import (
-    ModelThread, PromptProgress, Sampled, plan_extend_batch, run_decode, run_extend)
+    ModelThread, PromptProgress, Sampled, check_prompt, plan_extend_batch, run_decode, run_extend)
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
@@ -105,18 +106,16 @@ class DecodeEngine:
     # ---- WorkerEngine ----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         prompt_len = len(request.input_ids)
-        if prompt_len >= self.max_context:
-            yield Failed(FailureCode.INVALID_ARGUMENT, f"prompt has {prompt_len} tokens, the model's context "
-                         f"is {self.max_context} (prompt plus at least one new token)")
-            return
         if request.rid in self._requests:
             yield Failed(FailureCode.INVALID_ARGUMENT, f"request id {request.rid!r} is already running")
             return
-        max_new = min(request.sampling.max_new_tokens, self.max_context - prompt_len)
         model_config = self.runner.model_config
         try:
+            check_prompt(request.input_ids, model_config.vocab_size, self.max_context)
+            request.sampling.validate(model_config.vocab_size)
+            max_new = min(request.sampling.max_new_tokens, self.max_context - prompt_len)
             stop = StopChecker(request.sampling, model_config.eos_token_ids, self.tokenizer, max_new_tokens=max_new)
-        except Exception as exc:  # e.g. stop strings without a tokenizer
+        except UserError as exc:  # bad values; stop strings without a tokenizer
             yield Failed(FailureCode.INVALID_ARGUMENT, str(exc))
             return
         state = _Request(request, SamplingState.create(request.sampling, request.input_ids, model_config.vocab_size,
@@ -152,18 +151,21 @@ class DecodeEngine:
             self._wakeup.set()
             while True:
                 event = await self._watch(state, state.events.get())
-                yield event
                 if isinstance(event, (Finished, Failed)):
+                    terminal = event
                     break
+                yield event
         except TransferError as exc:
-            yield Failed(exc.code, exc.message)
+            terminal = Failed(exc.code, exc.message)
         except Exception as exc:
             log.exception("decode request %s failed", request.rid)
-            yield Failed(FailureCode.INTERNAL, f"decode failed: {exc!r}")
+            terminal = Failed(FailureCode.INTERNAL, f"decode failed: {exc!r}")
         finally:
+            # Pages go back before the terminal event is out, whatever the consumer does next.
             self._end(state, transfer_failed)
             if not transfer_done:
                 self._tell_prefill(request, "decode request ended before its KV arrived")
+        yield terminal
 
     def _tell_prefill(self, request: GenerateRequest, reason: str) -> None:
         """Best effort, in the background: the prefill side drops the room now, not at its timeout."""
@@ -222,6 +224,8 @@ class DecodeEngine:
         state.events.put_nowait(Failed(code, message))
 
     def _end(self, state: _Request, transfer_failed: bool) -> None:
+        if state.ended:
+            return
         state.ended = True
         self._requests.pop(state.request.rid, None)
         if not state.in_forward:

@@ -21,13 +21,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from deepseek_pd.errors import UserError
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling import Sampler, SamplingState
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
 from deepseek_pd.workers.common.kv_transfer import TransferError, build_sender
-from deepseek_pd.workers.common.scheduler import ModelThread, PromptProgress, plan_extend_batch, run_extend
+from deepseek_pd.workers.common.scheduler import (
+    ModelThread, PromptProgress, check_prompt, plan_extend_batch, run_extend)
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
@@ -108,6 +110,13 @@ class PrefillEngine:
             return
         if request.rid in self._requests:
             yield Failed(FailureCode.INVALID_ARGUMENT, f"request id {request.rid!r} is already running")
+            return
+        model_config = self.runner.model_config
+        try:
+            check_prompt(request.input_ids, model_config.vocab_size, model_config.max_position_embeddings)
+            request.sampling.validate(model_config.vocab_size)
+        except UserError as exc:
+            yield Failed(FailureCode.INVALID_ARGUMENT, str(exc))
             return
         try:
             push = KVPush(self.registry, self.sender, request.disagg.bootstrap_room, request.rid,

@@ -1,0 +1,55 @@
+"""The command lines the operator renders, parsed by the real programs that will receive them."""
+from __future__ import annotations
+
+import pathlib
+import random
+
+import pytest
+import yaml
+
+from deepseek_pd.cli import build_parser
+from deepseek_pd.operator import names
+from deepseek_pd.operator.build_router import build_router_args
+from deepseek_pd.operator.build_workers import build_worker_args
+from deepseek_pd.operator.spec import DeploymentSpec
+
+pytestmark = pytest.mark.timeout(60)
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+def _spec(example: str) -> DeploymentSpec:
+    return DeploymentSpec.parse("demo", "llm", yaml.safe_load((EXAMPLES / example).read_text())["spec"])
+
+
+@pytest.mark.parametrize("example", ["cpu-minimal.yaml", "deepseek-v3-h200.yaml"])
+def test_router_args_parse_with_sgl_model_gateway(example):
+    from sglang_router.launch_router import parse_router_args
+
+    spec = _spec(example)
+    args = build_router_args(spec)
+    assert args[:2] == ["-m", "sglang_router.launch_router"]
+    parsed = parse_router_args(args[2:])
+    assert parsed.pd_disaggregation and parsed.service_discovery
+    assert parsed.service_discovery_namespace == "llm"
+    assert parsed.service_discovery_port == spec.decode.port
+    assert parsed.prefill_selector == names.router_pod_selector("demo", "prefill")
+    assert parsed.decode_selector == names.router_pod_selector("demo", "decode")
+    assert parsed.policy == spec.router.policy and parsed.port == spec.router.port
+    assert parsed.host == "0.0.0.0" and parsed.model_path == spec.model.path
+
+
+def test_cpu_worker_args_parse_with_deepseek_pd_serve():
+    raw = yaml.safe_load((EXAMPLES / "cpu-minimal.yaml").read_text())["spec"]
+    raw["prefill"]["bootstrapPort"] = random.randint(9000, 9999)
+    raw["prefill"]["engineArgs"] = ["--chunked-prefill-size=256"]
+    spec = DeploymentSpec.parse("demo", "llm", raw)
+    parser = build_parser()
+    for role in names.ROLES:
+        args = parser.parse_args(build_worker_args(spec, spec.role(role)))
+        assert args.command == "serve" and args.role == role
+        assert args.model == spec.model.path and args.served_model_name == spec.model.served_name
+        assert (args.host, args.port, args.kv_transport) == ("0.0.0.0", spec.role(role).port, "grpc")
+        assert args.device == "cpu"
+    prefill = parser.parse_args(build_worker_args(spec, spec.prefill))
+    assert prefill.bootstrap_port == raw["prefill"]["bootstrapPort"]
+    assert prefill.chunked_prefill_size == 256
