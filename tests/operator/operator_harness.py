@@ -79,6 +79,7 @@ class OperatorHarness:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
         assert not self._thread.is_alive(), "kopf did not stop within 30 s"
+        self._loop.close()
 
     def _run(self) -> None:
         try:
@@ -100,8 +101,8 @@ class OperatorHarness:
             config = OperatorConfig(resync_seconds=self.resync_seconds,
                                     login=lambda **_: kopf.ConnectionInfo(server=self.url))
             ready = asyncio.Event()
-            task = asyncio.create_task(run_operator(config,  # cluster-wide: kmock cannot list namespaces
-                                                    stop_flag=self._stop, ready_flag=ready))
+            # Cluster-wide: kmock cannot serve the namespace list a namespaced kopf asks for.
+            task = asyncio.create_task(run_operator(config, stop_flag=self._stop, ready_flag=ready))
             await asyncio.wait_for(ready.wait(), 60)
             self._started.set()
             await task

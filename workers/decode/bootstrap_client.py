@@ -140,7 +140,8 @@ class BootstrapClient:
             expected_seq += 1
             kind = event.WhichOneof("event")
             if kind == "chunk":
-                sink.on_chunk(event.chunk)
+                # crc32 and the copy into the pool run off the loop: other requests keep streaming.
+                await asyncio.to_thread(sink.on_chunk, event.chunk)
                 if event.seq - credited >= max(1, window // 2):
                     credited = event.seq
                     try:

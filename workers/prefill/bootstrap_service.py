@@ -215,8 +215,8 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             if not delivered_terminal:
                 room.mark_peer_gone(FailureCode.UNAVAILABLE,
                                     f"decode side closed the transfer stream of room {request.room}")
-            if room.tombstone or not room.claimed.done():
-                self.registry.drop(room)
+            if (room.tombstone and delivered_terminal) or not (room.tombstone or room.claimed.done()):
+                self.registry.drop(room)  # else: a tombstone waiting for a late prefill request
             if delivered_terminal:
                 # Returning (or cancelling the pending read of the request stream) before the
                 # decode side half-closes can make gRPC core fail the call with INTERNAL before
