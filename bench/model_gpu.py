@@ -80,10 +80,6 @@ def smoke() -> dict:
 def build_v2lite():
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from deepseek_pd.model.build_options import BuildOptions
-    from deepseek_pd.model.config import ModelConfig
-    from deepseek_pd.model.deepseek import DeepseekForCausalLM
-
     hf_kwargs = {k: v for k, v in V2_LITE.items() if k not in ("architectures", "model_type", "torch_dtype")}
     rope = hf_kwargs.pop("rope_scaling")
     hf_config = DeepseekV2Config(**hf_kwargs, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
@@ -94,14 +90,24 @@ def build_v2lite():
         hf = DeepseekV2ForCausalLM(hf_config).eval()
     torch.set_default_dtype(torch.float32)
     # HF's default init (std 0.02) makes activations vanish over 27 layers; both models share the weights anyway.
-    ours = DeepseekForCausalLM(ModelConfig.from_hf(V2_LITE), BuildOptions(dtype=torch.bfloat16, device="cuda"))
+    return hf, build_ours(hf)
+
+
+def build_ours(hf, **option_overrides):
+    """Our V2-Lite model with HF's weights; `option_overrides` go to BuildOptions (e.g. backends)."""
+    from deepseek_pd.model.build_options import BuildOptions
+    from deepseek_pd.model.config import ModelConfig
+    from deepseek_pd.model.deepseek import DeepseekForCausalLM
+
+    options = BuildOptions(dtype=torch.bfloat16, device="cuda", **option_overrides)
+    ours = DeepseekForCausalLM(ModelConfig.from_hf(V2_LITE), options)
     ours.load_weights((k, v) for k, v in hf.state_dict().items())
-    return hf, ours.eval()
+    return ours.eval()
 
 
 @torch.inference_mode()
 def v2lite(decode_steps: int = 16, context: int = 512) -> dict:
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
 
     hf, ours = build_v2lite()
     runner = ModelRunner.from_model(ours, RunnerConfig(model="<v2lite>", page_size=64, num_pages=4096))
@@ -117,40 +123,15 @@ def v2lite(decode_steps: int = 16, context: int = 512) -> dict:
     hf_logits = hf(ids.cuda()).logits[0, -1].float()
     result["prefill_logits_rel_err_vs_hf"] = float((ours_logits - hf_logits).norm() / hf_logits.norm())
 
-    # Prefill 8 x 2048.
+    result.update(measure_runner(runner, gen, decode_steps, context))
+
+    # HF: prefill 8 x 2048 and decode at batch 1 and 128 over the same context length.
     batch, length = 8, 2048
-    prompts = torch.randint(0, vocab, (batch, length), generator=gen)
-    pages = [runner.kv_pool.alloc(length // 64) for _ in range(batch)]
-
-    def ours_prefill():
-        runner.extend([ExtendSeq(prompts[i].tolist(), 0, pages[i]) for i in range(batch)])
-
-    t = cuda_time(ours_prefill)
-    result["ours_prefill_8x2048_tok_s"] = batch * length / t
-    for p in pages:
-        runner.kv_pool.free(p)
-    hf_ids = prompts.cuda()
+    hf_ids = torch.randint(0, vocab, (batch, length), generator=gen).cuda()
     t = cuda_time(lambda: hf(hf_ids, use_cache=False, logits_to_keep=1))
     result["hf_prefill_8x2048_tok_s"] = batch * length / t
-
-    # Decode at batch 1 and 128 over a 512-token context.
     for bs in (1, 128):
-        prompts = torch.randint(0, vocab, (bs, context), generator=gen)
-        seq_pages = [runner.kv_pool.alloc((context + decode_steps + 63) // 64) for _ in range(bs)]
-        for start in range(0, bs, 16):
-            runner.extend([ExtendSeq(prompts[i].tolist(), 0, seq_pages[i]) for i in range(start, min(bs, start + 16))])
-        tokens = [1] * bs
-
-        def ours_decode():
-            for step in range(decode_steps):
-                logits = runner.decode([DecodeSeq(tokens[i], context + step, seq_pages[i]) for i in range(bs)])
-                logits.argmax(-1)
-
-        t = cuda_time(ours_decode, warmup=1, repeat=1)
-        result[f"ours_decode_bs{bs}_tok_s"] = bs * decode_steps / t
-        for p in seq_pages:
-            runner.kv_pool.free(p)
-        hf_ids = prompts.cuda()
+        hf_ids = torch.randint(0, vocab, (bs, context), generator=gen).cuda()
 
         def hf_generate():
             hf.generate(hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=decode_steps,
@@ -159,6 +140,42 @@ def v2lite(decode_steps: int = 16, context: int = 512) -> dict:
         t_total = cuda_time(hf_generate, warmup=1, repeat=1)
         t_prefill = cuda_time(lambda: hf(hf_ids, use_cache=False, logits_to_keep=1), warmup=0, repeat=1)
         result[f"hf_generate_bs{bs}_tok_s"] = bs * decode_steps / max(t_total - t_prefill, 1e-9)
+    return result
+
+
+@torch.inference_mode()
+def measure_runner(runner, gen: torch.Generator, decode_steps: int = 16, context: int = 512,
+                   batch_sizes: tuple[int, ...] = (1, 128)) -> dict:
+    """Our runner's prefill 8x2048 and decode throughput at `batch_sizes` over a `context`-token prompt."""
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq
+
+    vocab = runner.model_config.vocab_size
+    page = runner.kv_pool.page_size
+    result: dict = {}
+    batch, length = 8, 2048
+    prompts = torch.randint(0, vocab, (batch, length), generator=gen)
+    pages = [runner.kv_pool.alloc(-(-length // page)) for _ in range(batch)]
+
+    def prefill():
+        runner.extend([ExtendSeq(prompts[i].tolist(), 0, pages[i]) for i in range(batch)])
+
+    result["ours_prefill_8x2048_tok_s"] = batch * length / cuda_time(prefill)
+    for p in pages:
+        runner.kv_pool.free(p)
+    for bs in batch_sizes:
+        prompts = torch.randint(0, vocab, (bs, context), generator=gen)
+        seq_pages = [runner.kv_pool.alloc(-(-(context + decode_steps) // page)) for _ in range(bs)]
+        for start in range(0, bs, 16):
+            runner.extend([ExtendSeq(prompts[i].tolist(), 0, seq_pages[i]) for i in range(start, min(bs, start + 16))])
+        tokens = [1] * bs
+
+        def decode():
+            for step in range(decode_steps):
+                runner.decode([DecodeSeq(tokens[i], context + step, seq_pages[i]) for i in range(bs)]).argmax(-1)
+
+        result[f"ours_decode_bs{bs}_tok_s"] = bs * decode_steps / cuda_time(decode, warmup=1, repeat=1)
+        for p in seq_pages:
+            runner.kv_pool.free(p)
     return result
 
 

@@ -22,3 +22,12 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """DEEPSEEK_PD_LOG_LEVEL: logging level name for workers and the launcher."""
     return _get("DEEPSEEK_PD_LOG_LEVEL", "INFO").upper()
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton's own switch to run kernels on CPU tensors through its interpreter.
+
+    Read here so the kernel wrappers can accept CPU tensors only when Triton will interpret them
+    (kernel tests on machines without a GPU); Triton itself reads the same variable.
+    """
+    return _get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.parallel import ParallelInfo
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,12 @@ class BuildOptions:
     num_fused_shared_experts: int = 0
     # Cached-prefix tokens up-projected per MHA_CHUNKED_KV step (bounds the K/V working set).
     prefix_chunk_size: int = 8192
+    # Expert parallelism: this rank's EP size/rank and process group (routed experts are sharded
+    # by it; attention is data parallel). ep_size > 1 needs an EP dispatcher (all_to_all, deepep).
+    parallel: ParallelInfo = ParallelInfo()
+    # Two-batch overlap: split each batch into two micro-batches and interleave their layer ops
+    # (model/tbo.py) so one micro-batch's dispatch/combine hides behind the other's compute.
+    enable_tbo: bool = False
 
     def __post_init__(self) -> None:
         if self.prefix_chunk_size < 1:

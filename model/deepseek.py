@@ -1,7 +1,8 @@
 """`DeepseekForCausalLM`: embeddings, decoder layers (op lists), final norm and lm_head.
 
-`forward(batch)` runs every layer's op list over one `OpState`, so the plain path and a future
-two-batch-overlap executor execute the same ops. `load_weights` takes HF tensor names (see
+`forward(batch)` runs every layer's op list over one `OpState`, or, with `enable_tbo`, hands the
+batch to the two-batch-overlap executor (`tbo.py`), which interleaves the same ops over two
+micro-batches. `load_weights` takes HF tensor names (see
 `weight_mapping`). Parameters are allocated uninitialised: a model is always loaded before use.
 """
 from __future__ import annotations
@@ -18,7 +19,9 @@ from deepseek_pd.model.forward_batch import ForwardBatch
 from deepseek_pd.model.layer_ops import LAYER_BOUNDARY_KEYS, OpState, run_layer_ops
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.norm import RMSNorm
+from deepseek_pd.model.parallel import ExpertPlacement
 from deepseek_pd.model.rope import RotaryEmbedding
+from deepseek_pd.model.tbo import TwoBatchOverlap
 from deepseek_pd.model.weight_mapping import load_hf_weights
 
 
@@ -30,7 +33,9 @@ class DeepseekForCausalLM(nn.Module):
         kw = dict(dtype=options.dtype, device=options.device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
         self.rotary = RotaryEmbedding(config).to(options.device)
-        self.dispatcher = DISPATCHERS.build(options.dispatcher)
+        # Built before the layers so a bad EP size fails here, naming it, before any allocation.
+        placement = ExpertPlacement(config.n_routed_experts, options.num_fused_shared_experts, options.parallel)
+        self.dispatcher = DISPATCHERS.build(options.dispatcher, placement)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, self.rotary, options, self.dispatcher)
             for i in range(config.num_hidden_layers))
@@ -38,6 +43,8 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Chosen once: the two-batch-overlap executor or the plain op-list loop.
+        self._tbo = TwoBatchOverlap(self, options.parallel) if options.enable_tbo else None
 
     def initial_state(self, batch: ForwardBatch) -> OpState:
         return OpState(hidden_states=self.embed_tokens(batch.input_ids), residual=None)
@@ -64,6 +71,8 @@ class DeepseekForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits `[B, vocab]` of each sequence's last new token."""
+        if self._tbo is not None:
+            return self.compute_logits(self._tbo.final_hidden(batch))
         hidden = self.final_hidden(self.run_layers(batch), batch.last_token_index)
         return self.compute_logits(hidden)
 

@@ -7,6 +7,11 @@ allocation (through `runner.kv_pool.alloc/free`) and pass each request's page li
     pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(prompt) + max_new))
     logits = runner.extend([ExtendSeq(prompt, prefix_len=0, pages=pages)])      # [1, vocab] fp32
     logits = runner.decode([DecodeSeq(next_id, position=len(prompt), pages=pages)])
+
+Expert parallelism: each rank builds its runner with the same `RunnerConfig(ep_size=W)` and its
+own `parallel=ParallelInfo.from_group(group)` after `torch.distributed.init_process_group`; each
+rank then runs its own requests (data-parallel attention), and every rank must call
+extend/decode the same number of times (the MoE all-to-alls pair up across ranks).
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.moe.dispatcher import DISPATCHERS
+from deepseek_pd.model.parallel import ParallelInfo
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +50,9 @@ class RunnerConfig:
     num_fused_shared_experts: int = 0
     attention_backend: str = "torch"
     moe_backend: str = "torch"
-    dispatcher: str = "local"
+    dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
+    ep_size: int = 1  # the process group handed to ModelRunner(parallel=...) must have this size
+    enable_tbo: bool = False  # two-batch overlap (model/tbo.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -51,17 +60,34 @@ class RunnerConfig:
         if self.page_size < 1 or self.num_pages < 1:
             raise UserError(f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}")
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
+        if self.ep_size < 1:
+            raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
 
     def resolve_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         return torch.float32 if self.device == "cpu" else _DTYPES[model_config.torch_dtype]
 
-    def build_options(self, model_config: ModelConfig) -> BuildOptions:
+    def resolve_dispatcher(self) -> str:
+        if self.dispatcher != "auto":
+            return self.dispatcher
+        if self.ep_size == 1:
+            return "local"
+        return "deepep" if self.device.startswith("cuda") and "deepep" in DISPATCHERS.names() else "all_to_all"
+
+    def parallel_info(self, parallel: ParallelInfo | None) -> ParallelInfo:
+        """The EP group this runner was handed, checked against `ep_size` (none: single process)."""
+        parallel = parallel or ParallelInfo()
+        if parallel.ep_size != self.ep_size:
+            raise UserError(f"ep_size={self.ep_size} but the process group passed in has {parallel.ep_size} ranks")
+        return parallel
+
+    def build_options(self, model_config: ModelConfig, parallel: ParallelInfo | None = None) -> BuildOptions:
         return BuildOptions(
             dtype=self.resolve_dtype(model_config), device=self.device, attention_backend=self.attention_backend,
-            moe_backend=self.moe_backend, dispatcher=self.dispatcher,
-            num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size)
+            moe_backend=self.moe_backend, dispatcher=self.resolve_dispatcher(),
+            num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size,
+            parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo)
 
 
 @dataclass(frozen=True)
@@ -86,12 +112,14 @@ class DecodeSeq:
 class ModelRunner:
     config: RunnerConfig
     model: DeepseekForCausalLM | None = None
+    # This rank's EP size/rank and process group (see model/parallel.py); None: one process.
+    parallel: ParallelInfo | None = None
     kv_pool: KVPool = field(init=False)
     policy: AttentionPolicy = field(init=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
-            self.model = _load_model(self.config)
+            self.model = _load_model(self.config, self.parallel)
         model_config = self.model.config
         options = self.model.options
         self.policy = AttentionPolicy(self.config.attention_method, self.config.mha_chunked_kv_threshold)
@@ -128,13 +156,13 @@ class ModelRunner:
                          [s.pages for s in seqs])
 
 
-def _load_model(config: RunnerConfig) -> DeepseekForCausalLM:
+def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> DeepseekForCausalLM:
     from deepseek_pd.model.loader import iter_checkpoint_tensors
     from deepseek_pd.model.tiny import resolve_model_path
 
     directory = resolve_model_path(config.model)  # "tiny" → the generated, cached checkpoint
     model_config = ModelConfig.from_hf(directory)
-    options = config.build_options(model_config)
+    options = config.build_options(model_config, parallel)
     model = DeepseekForCausalLM(model_config, options)
     model.load_weights(iter_checkpoint_tensors(directory, model_config, fp8_dtype=options.dtype))
     return model.eval()

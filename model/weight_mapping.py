@@ -6,6 +6,9 @@ Every expected HF tensor is listed up front under its canonical name (per-expert
     kv_b_proj `[H*(nope+v), R]`    → w_kc `[H, nope, R]` and w_vc `[H, v, R]`
     gate_proj / up_proj            → halves of `gate_up_proj` (dense MLP, shared experts) or `w13[j]`
     shared experts, when fused     → experts E..E+n-1, slices of width moe_intermediate_size
+    with EP (ep_size W, rank r)      only routed experts r*E/W..(r+1)*E/W-1 are copied (local rows
+                                   0..E/W-1, fused shared ones after them); the others' names are
+                                   expected and skipped
 HF's in-memory stacked form (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`)
 is accepted too and counts for all its per-expert names. Layers >= num_hidden_layers (MTP) are
 skipped. Anything left over raises `CheckpointError(missing, unexpected)`.
@@ -82,11 +85,18 @@ def expected_targets(model: "DeepseekForCausalLM") -> tuple[dict[str, list[Targe
             targets[m + "gate.e_score_correction_bias"] = [Target(moe.e_score_correction_bias.data)]
         inter = cfg.moe_intermediate_size
         w13, w2 = moe.experts.w13.data, moe.experts.w2.data
+        placement = moe.placement
         for j in range(cfg.n_routed_experts):
             e = f"{m}experts.{j}."
-            targets[e + "gate_proj.weight"] = [Target(w13[j, :inter])]
-            targets[e + "up_proj.weight"] = [Target(w13[j, inter:])]
-            targets[e + "down_proj.weight"] = [Target(w2[j])]
+            if not placement.is_local_routed(j):
+                # Another EP rank's expert: expected in the checkpoint, copied nowhere here.
+                for w in ("gate", "up", "down"):
+                    targets[f"{e}{w}_proj.weight"] = []
+                continue
+            local = j - placement.first_local
+            targets[e + "gate_proj.weight"] = [Target(w13[local, :inter])]
+            targets[e + "up_proj.weight"] = [Target(w13[local, inter:])]
+            targets[e + "down_proj.weight"] = [Target(w2[local])]
         aliases[m + "experts.gate_up_proj"] = [f"{m}experts.{j}.{w}_proj.weight"
                                                for j in range(cfg.n_routed_experts) for w in ("gate", "up")]
         aliases[m + "experts.down_proj"] = [f"{m}experts.{j}.down_proj.weight" for j in range(cfg.n_routed_experts)]
@@ -96,7 +106,7 @@ def expected_targets(model: "DeepseekForCausalLM") -> tuple[dict[str, list[Targe
             s = m + "shared_experts."
             targets[s + "gate_proj.weight"], targets[s + "up_proj.weight"], targets[s + "down_proj.weight"] = [], [], []
             for k in range(moe.num_fused_shared):
-                j = cfg.n_routed_experts + k
+                j = placement.num_local_routed + k
                 targets[s + "gate_proj.weight"].append(Target(w13[j, :inter], _rows(k * inter, (k + 1) * inter)))
                 targets[s + "up_proj.weight"].append(Target(w13[j, inter:], _rows(k * inter, (k + 1) * inter)))
                 targets[s + "down_proj.weight"].append(Target(w2[j], _cols(k * inter, (k + 1) * inter)))
@@ -139,7 +149,7 @@ def load_hf_weights(model: "DeepseekForCausalLM", weights: Iterable[tuple[str, t
                 _copy(name, target, tensor)
             seen.add(name)
         elif name in aliases:
-            _copy(name, Target(_stacked_dest(model, name)), tensor)
+            _copy(name, _stacked_target(model, name), tensor)
             seen.update(aliases[name])
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied to the embedding
@@ -150,8 +160,16 @@ def load_hf_weights(model: "DeepseekForCausalLM", weights: Iterable[tuple[str, t
         raise CheckpointError(missing, unexpected, where="checkpoint does not match the model config")
 
 
-def _stacked_dest(model: "DeepseekForCausalLM", alias: str) -> torch.Tensor:
+def _stacked_target(model: "DeepseekForCausalLM", alias: str) -> Target:
+    """HF's stacked `[E, ...]` expert tensor → this rank's block of routed experts."""
     layer = int(_LAYER.match(alias).group(1))
-    experts = model.layers[layer].mlp.experts
-    n = model.config.n_routed_experts
-    return experts.w13.data[:n] if alias.endswith("gate_up_proj") else experts.w2.data[:n]
+    moe = model.layers[layer].mlp
+    first, n = moe.placement.first_local, moe.placement.num_local_routed
+    dest = moe.experts.w13.data[:n] if alias.endswith("gate_up_proj") else moe.experts.w2.data[:n]
+    total = model.config.n_routed_experts
+
+    def local_block(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] != total:
+            raise UserError(f"checkpoint tensor {alias}: {t.shape[0]} stacked experts, the config has {total}")
+        return t[first:first + n]
+    return Target(dest, local_block)

@@ -1,14 +1,16 @@
-"""Pure builders for the router: sgl-model-gateway in PD mode with Kubernetes service discovery.
+"""Pure builders for the router: sgl-model-gateway in PD mode, in front of the gRPC workers.
 
-The router watches the leader pod (rank 0) of every group through label selectors, reads the
-prefill bootstrap port from the `sglang.ai/bootstrap-port` annotation, and therefore needs a
-ServiceAccount allowed to get/list/watch pods in the deployment's namespace (and nothing else).
+How it finds the workers is `spec.router.workerDiscovery` (see `router_discovery`): Static lists
+every group's leader in its flags and needs no Kubernetes API access; Selector watches the leader
+pods by label and gets a ServiceAccount allowed to get/list/watch pods in the deployment's
+namespace (and nothing else).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups, desired_groups
 from deepseek_pd.operator.spec import DeploymentSpec
 
 Manifest = dict[str, Any]
@@ -47,19 +49,26 @@ def build_router_role_binding(spec: DeploymentSpec) -> Manifest:
     }
 
 
-def build_router_args(spec: DeploymentSpec) -> list[str]:
-    def selector(role: str) -> list[str]:
-        labels = names.router_pod_selector(spec.name, role)
-        return [f"{key}={value}" for key, value in sorted(labels.items())]
+# The gateway gives up on a worker it cannot reach within --worker-startup-timeout-secs of
+# registering it, and never retries; so it waits at least as long as the startup probe lets a
+# worker load weights, plus time to schedule the pod and pull the image.
+SCHEDULE_AND_PULL_SECONDS = 900
 
+
+def router_startup_timeout_seconds(spec: DeploymentSpec) -> int:
+    return max(spec.prefill.startup_timeout_seconds,
+               spec.decode.startup_timeout_seconds) + SCHEDULE_AND_PULL_SECONDS
+
+
+def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) -> list[str]:
+    """`python3` arguments of the router. `groups`: which groups it serves (Static mode lists
+    them); default: every desired group. `router.extraArgs` come last, so they win."""
+    discovery = WORKER_DISCOVERY[spec.router.worker_discovery]
     return [
         "-m", "sglang_router.launch_router",
         "--pd-disaggregation",
-        "--service-discovery",
-        "--service-discovery-namespace", spec.namespace,
-        "--service-discovery-port", str(spec.decode.port),
-        "--prefill-selector", *selector("prefill"),
-        "--decode-selector", *selector("decode"),
+        *discovery.worker_args(spec, desired_groups(spec) if groups is None else groups),
+        "--worker-startup-timeout-secs", str(router_startup_timeout_seconds(spec)),
         "--policy", spec.router.policy,
         "--model-path", spec.model.path,
         "--host", "0.0.0.0",
@@ -68,22 +77,32 @@ def build_router_args(spec: DeploymentSpec) -> list[str]:
     ]
 
 
-def build_router_deployment(spec: DeploymentSpec) -> Manifest:
+def _http_probe(path: str, failure_threshold: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5,
+            "failureThreshold": failure_threshold}
+
+
+def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = None) -> Manifest:
     router = spec.router
-    probe = {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
     container: dict[str, Any] = {
         "name": "router",
         "image": router.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["python3"],
-        "args": build_router_args(spec),
+        "args": build_router_args(spec, groups),
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
-        "readinessProbe": probe,
-        "livenessProbe": {**probe, "failureThreshold": 6},
+        # /readiness answers 503 until the gateway has healthy prefill and decode workers, so a
+        # rolled router pod takes traffic only once it has registered them (the old pod serves
+        # until then); /liveness does not depend on the workers.
+        "readinessProbe": _http_probe("/readiness", 3),
+        "livenessProbe": _http_probe("/liveness", 6),
         "resources": dict(router.resources),
     }
-    pod_spec: dict[str, Any] = {"serviceAccountName": names.router_name(spec.name),
-                                "containers": [container]}
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": names.router_name(spec.name),
+        "automountServiceAccountToken": WORKER_DISCOVERY[router.worker_discovery].needs_pod_access,
+        "containers": [container],
+    }
     if spec.model.volume is not None:  # the gateway tokenizes, so it reads the checkpoint's tokenizer
         pod_spec["volumes"] = [{"name": "model", **spec.model.volume}]
         container["volumeMounts"] = [{"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True}]
@@ -121,3 +140,12 @@ def build_router_service(spec: DeploymentSpec) -> Manifest:
 
 def router_endpoint(spec: DeploymentSpec) -> str:
     return f"http://{names.router_name(spec.name)}.{spec.namespace}.svc:{spec.router.port}"
+
+
+def build_router_children(spec: DeploymentSpec, groups: RouterGroups | None = None) -> list[Manifest]:
+    """The router's objects; the Role and RoleBinding only when it reads pods (Selector)."""
+    access: list[Manifest] = []
+    if WORKER_DISCOVERY[spec.router.worker_discovery].needs_pod_access:
+        access = [build_router_role(spec), build_router_role_binding(spec)]
+    return [build_router_service_account(spec), *access, build_router_deployment(spec, groups),
+            build_router_service(spec)]

@@ -20,6 +20,8 @@ MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp"
                  "served-model-name", "device", "nnodes", "node-rank", "dist-init-addr", "deepep-mode")
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
+# router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).
+WORKER_DISCOVERY_MODES = ("Static", "Selector")
 
 
 def _is_zero(field: str) -> str:
@@ -147,8 +149,17 @@ def _kv_transfer() -> Schema:
 
 
 def _router() -> Schema:
-    return obj("The sgl-model-gateway in PD mode, finding workers through Kubernetes service discovery.", {
+    return obj("The sgl-model-gateway in PD mode, sending SglangScheduler gRPC calls to the leader "
+               "(rank 0) of every group.", {
         "replicas": integer("Router pods.", minimum=0, maximum=100, default=1),
+        "workerDiscovery": string(
+            "How the router finds the workers. Static (default): the operator lists every group's "
+            "leader as grpc://<group>-0.<group>.<namespace>.svc:<port> in the router's arguments, "
+            "so adding or removing groups rolls the router; the router needs no Kubernetes API "
+            "access. Selector: the router watches the leader pods by label "
+            "(--service-discovery) and needs get/list/watch on pods; only for gateway versions "
+            "whose discovery connects over gRPC (sgl-model-gateway 0.3.2 builds http:// URLs).",
+            enum=list(WORKER_DISCOVERY_MODES), default="Static"),
         "policy": string("Load-balancing policy for both roles.",
                          enum=["random", "round_robin", "cache_aware", "power_of_two"],
                          default="cache_aware"),
@@ -205,9 +216,9 @@ def spec_schema() -> Schema:
         "env": array("Environment variables for every worker pod (core EnvVar objects), e.g. "
                      "MC_GID_INDEX.", opaque_object("An EnvVar."), default=[]),
     }, required=["model", "image"], rules=[
-        rule("self.prefill.port == self.decode.port",
-             "prefill.port and decode.port must be equal: the router's service discovery uses one "
-             "port for every worker", ".decode.port"),
+        rule("self.router.workerDiscovery != 'Selector' || self.prefill.port == self.decode.port",
+             "prefill.port and decode.port must be equal with router.workerDiscovery Selector: the "
+             "router's service discovery uses one port for every worker", ".decode.port"),
         rule("!has(self.model.numRoutedExperts) || "
              "self.model.numRoutedExperts % self.prefill.parallelism.ep == 0",
              "prefill.parallelism.ep must divide model.numRoutedExperts", ".prefill.parallelism.ep"),

@@ -73,6 +73,7 @@ class RolePlan:
     rolling: bool          # a rollout or a scale change is in flight
     restarted: tuple[int, ...]  # groups restarted in this pass because a pod failed
     group_indices: frozenset[int]  # groups that exist once the actions are applied (their Services)
+    serving: frozenset[int]  # groups the router should send to: existing and not being retired
 
 
 def plan_role(target: RoleTarget, groups: dict[int, GroupState]) -> RolePlan:
@@ -148,4 +149,8 @@ def plan_role(target: RoleTarget, groups: dict[int, GroupState]) -> RolePlan:
         rolling=rolling or bool(keep ^ set(live)) or any(g.terminating for g in groups.values()),
         restarted=tuple(restarted),
         group_indices=frozenset(after),
+        # A group replaced in place keeps its index (and leader DNS name), so it stays listed;
+        # a retired one (scale-down, surge after the rollout) leaves the list in the same pass
+        # its deletion starts, and a terminating one never comes back on a later pass.
+        serving=frozenset(after & keep),
     )

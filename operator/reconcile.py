@@ -11,15 +11,13 @@ import logging
 from typing import Any
 
 from deepseek_pd.operator import names
-from deepseek_pd.operator.build_router import (
-    build_router_deployment, build_router_role, build_router_role_binding, build_router_service,
-    build_router_service_account, router_endpoint,
-)
+from deepseek_pd.operator.build_router import build_router_children, router_endpoint
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
 from deepseek_pd.operator.executor import Executor, Key, Manifest
 from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import RolePlan, RoleTarget, plan_role
+from deepseek_pd.operator.router_discovery import RouterGroups
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.operator.status import (
     RouterState, build_apply_error_status, build_invalid_status, build_status,
@@ -32,16 +30,13 @@ OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "RoleBinding
 STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment")
 
 
-def build_static_children(spec: DeploymentSpec) -> list[Manifest]:
-    """Children that do not depend on the observed state: worker configs and the router."""
+def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | None = None) -> list[Manifest]:
+    """Worker configs and the router. `router_groups`: the groups the router serves (default:
+    every desired group); a reconcile pass passes the planner's `serving` groups."""
     return [
         build_worker_configmap(spec, spec.prefill),
         build_worker_configmap(spec, spec.decode),
-        build_router_service_account(spec),
-        build_router_role(spec),
-        build_router_role_binding(spec),
-        build_router_deployment(spec),
-        build_router_service(spec),
+        *build_router_children(spec, router_groups),
     ]
 
 
@@ -103,7 +98,9 @@ class Reconciler:
         for role in names.ROLES:
             plans[role] = plan_role(targets[role], groups_of_role(role, statefulsets, pods))
 
-        desired = build_static_children(spec)
+        # The router lists the groups that will serve (Static); a static child no longer built,
+        # such as its Role after a switch from Selector to Static, is deleted below.
+        desired = build_static_children(spec, {role: sorted(p.serving) for role, p in plans.items()})
         for role, plan in plans.items():
             desired += [build_group_service(spec, role, i) for i in sorted(plan.group_indices)]
         for manifest in desired:

@@ -132,6 +132,7 @@ class KVTransferSpec:
 @dataclass(frozen=True)
 class RouterSpec:
     replicas: int
+    worker_discovery: str        # "Static" or "Selector" (crd_spec.WORKER_DISCOVERY_MODES)
     policy: str
     port: int
     service_type: str
@@ -206,8 +207,8 @@ class DeploymentSpec:
             decode=RoleSpec.parse("decode", raw["decode"]),
             kv_transfer=KVTransferSpec(raw["kvTransfer"]["backend"], raw["kvTransfer"]["protocol"],
                                        tuple(raw["kvTransfer"]["devices"])),
-            router=RouterSpec(router["replicas"], router["policy"], router["port"],
-                              router["serviceType"], router.get("image", raw["image"]),
+            router=RouterSpec(router["replicas"], router["workerDiscovery"], router["policy"],
+                              router["port"], router["serviceType"], router.get("image", raw["image"]),
                               router.get("resources", {}), tuple(router["extraArgs"])),
             scheduling=raw["scheduling"],
             shared_memory_size=str(raw["sharedMemorySize"]),

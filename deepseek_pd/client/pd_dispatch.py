@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 from dataclasses import dataclass
 
 import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
+from deepseek_pd.client.router_http import GenerateResult
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect
 
 
@@ -83,4 +85,32 @@ class PDClient:
         else:
             result.output_ids, complete = decode
             result.finish_reason = complete.finish_reason
+        return result
+
+    async def generate_timed(self, input_ids: list[int], sampling: pb.SamplingParams,
+                             timeout_s: float | None = 600.0) -> GenerateResult:
+        """Streams from the decode side with arrival times (for benchmarks); raises on failure."""
+        request = self.build_request(input_ids, sampling, stream=True)
+        result = GenerateResult(start_time=time.perf_counter(), prompt_tokens=len(input_ids))
+        prefill = asyncio.create_task(collect(self.prefill.generate(request, timeout_s)))
+        try:
+            async for response in self.decode.generate(request, timeout_s):
+                kind = response.WhichOneof("response")
+                ids = response.chunk.token_ids if kind == "chunk" else response.complete.output_ids
+                if ids:
+                    now = time.perf_counter()
+                    if result.first_token_time is None:
+                        result.first_token_time = now
+                    result.chunk_times.append(now)
+                    result.chunk_token_counts.append(len(ids))
+                    result.output_ids.extend(ids)
+                if kind == "complete":
+                    result.finish_reason = response.complete.finish_reason
+                    result.completion_tokens = response.complete.completion_tokens
+                    result.cached_tokens = response.complete.cached_tokens
+            result.end_time = time.perf_counter()
+            await prefill  # a prefill-side failure is a failed request too
+        finally:
+            if not prefill.done():
+                prefill.cancel()
         return result

@@ -30,6 +30,7 @@ class RouterError(Exception):
 class GenerateResult:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # with return_logprob=True
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -93,9 +94,10 @@ class RouterClient:
 
     async def generate(self, text: str | None = None, input_ids: Sequence[int] | None = None,
                        stream: bool = False, on_text: Callable[[str], None] | None = None,
-                       **sampling: Any) -> GenerateResult:
+                       return_logprob: bool = False, **sampling: Any) -> GenerateResult:
         """POST /generate. `sampling` goes into sampling_params (max_new_tokens, temperature, ...)."""
-        body: dict[str, Any] = {"model": self.model, "sampling_params": sampling, "stream": stream}
+        body: dict[str, Any] = {"model": self.model, "sampling_params": sampling, "stream": stream,
+                                "return_logprob": return_logprob}
         if text is not None:
             body["text"] = text
         if input_ids is not None:
@@ -122,6 +124,10 @@ class RouterClient:
     def _apply_generate_item(self, result: GenerateResult, item: dict, incremental: bool) -> None:
         ids = list(item.get("output_ids") or [])
         now = time.perf_counter()
+        meta = item.get("meta_info") or {}
+        # [[logprob, token_id], ...] for this item's tokens; the router repeats the last entry on
+        # the final streamed event, which carries no tokens, so only items with ids count.
+        logprobs = [float(entry[0]) for entry in (meta.get("output_token_logprobs") or [])][:len(ids)]
         if incremental:
             if ids:
                 if result.first_token_time is None:
@@ -129,13 +135,14 @@ class RouterClient:
                 result.chunk_times.append(now)
                 result.chunk_token_counts.append(len(ids))
             result.output_ids.extend(ids)
+            result.output_logprobs.extend(logprobs)
         else:
             result.output_ids = ids
+            result.output_logprobs = logprobs
             result.chunk_times.append(now)
             result.chunk_token_counts.append(len(ids))
         # The router's streamed "text" is cumulative; non-streamed it is the whole answer.
         result.text = item.get("text", result.text)
-        meta = item.get("meta_info") or {}
         result.finish_reason = _finish_reason(meta) or result.finish_reason
         result.prompt_tokens = meta.get("prompt_tokens", result.prompt_tokens)
         result.completion_tokens = meta.get("completion_tokens", result.completion_tokens)

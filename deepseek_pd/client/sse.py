@@ -3,17 +3,22 @@ ending with `data: [DONE]`."""
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from typing import AsyncIterable, AsyncIterator
 
 import aiohttp
 
 DONE = "[DONE]"
 
 
-async def iter_sse_json(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+def iter_sse_json(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
     """Yields each event's JSON payload until [DONE] or the end of the body."""
+    return parse_sse_json(response.content.iter_any())
+
+
+async def parse_sse_json(pieces: AsyncIterable[bytes]) -> AsyncIterator[dict]:
+    """The parser itself: network reads may split a line (or a UTF-8 character) anywhere."""
     buffer = b""
-    async for piece in response.content.iter_any():
+    async for piece in pieces:
         buffer += piece
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)

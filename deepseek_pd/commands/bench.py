@@ -1,7 +1,8 @@
 """`deepseek-pd bench serving`: load the router with streamed requests and report TTFT/TPOT/ITL.
 
 Without --url it starts a local cluster first (the same flags as `deepseek-pd up`) and stops it
-afterwards, so `deepseek-pd bench serving --num-prompts 50` is a complete benchmark by itself.
+afterwards, so `deepseek-pd bench serving --num-prompts 50` is a complete benchmark by itself. With --direct
+the requests skip the router and go to prefill/decode pairs over gRPC, which shows the router's cost.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serving.add_argument("--output-png", type=Path, default=Path("bench-serving.png"))
     serving.add_argument("--no-progress", action="store_true", help="no progress bar")
     serving.add_argument("--request-timeout", type=float, default=600.0)
+    serving.add_argument("--direct", action="store_true",
+                         help="skip the router: dispatch each request to a prefill/decode pair of "
+                              "the local cluster over gRPC (shows what the router adds)")
     add_cluster_arguments(serving)
     serving.set_defaults(func=run)
 
@@ -61,21 +65,32 @@ def run(args: argparse.Namespace) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise UserError("--max-concurrency must be >= 1")
     if args.url is not None:
+        if args.direct:
+            raise UserError("--direct needs the local cluster; it cannot be combined with --url")
         return asyncio.run(_bench(args, args.url, None))
 
     from deepseek_pd.launcher.cluster import LocalCluster
 
     with LocalCluster(cluster_spec_from_args(args)) as cluster:
         print(f"local cluster ready at {cluster.router_url}")
-        return asyncio.run(_bench(args, cluster.router_url, cluster.served_model_name))
+        return asyncio.run(_bench(args, cluster.router_url, cluster.served_model_name, cluster))
 
 
-async def _bench(args: argparse.Namespace, url: str, served_name: str | None) -> int:
+def _pd_pairs(cluster):
+    """Every prefill with every decode worker of the local cluster, as direct gRPC clients."""
+    from deepseek_pd.client.pd_dispatch import PDClient
+
+    host = cluster.spec.host
+    return [PDClient(p.address(host), host, p.bootstrap_port, d.address(host))
+            for p in cluster.prefill_workers() for d in cluster.decode_workers()]
+
+
+async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cluster=None) -> int:
     from deepseek_pd.client.router_http import RouterClient
     from deepseek_pd.launcher.cluster import resolve_model_dir
     from deepseek_pd.loadgen.metrics import SLO, summarize
     from deepseek_pd.loadgen.report import write_json, write_png
-    from deepseek_pd.loadgen.runner import run_load
+    from deepseek_pd.loadgen.runner import pd_direct_target, router_target, run_load
     from deepseek_pd.loadgen.workload import WorkloadSpec, build_requests
     from deepseek_pd.workers.common.served_model import ServedModelInfo
 
@@ -85,18 +100,28 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None) ->
                         args.range_ratio, args.seed).validate(info.vocab_size, info.max_context_length)
     requests = build_requests(spec, info.vocab_size)
     model_name = args.model_name or served_name or await _first_model(url)
-    async with RouterClient(url, model_name, timeout_s=args.request_timeout) as client:
-        records, duration = await run_load(client, requests, args.request_rate, args.max_concurrency,
-                                           args.seed, show_progress=not args.no_progress)
+    if args.direct:
+        pairs = _pd_pairs(cluster)
+        try:
+            records, duration = await run_load(pd_direct_target(pairs), requests, args.request_rate,
+                                               args.max_concurrency, args.seed, not args.no_progress)
+        finally:
+            for pair in pairs:
+                await pair.close()
+    else:
+        async with RouterClient(url, model_name, timeout_s=args.request_timeout) as client:
+            records, duration = await run_load(router_target(client), requests, args.request_rate,
+                                               args.max_concurrency, args.seed, not args.no_progress)
     summary = summarize(records, duration, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
     summary["kv_bytes_per_token"] = kv_bytes_per_token(model_dir)
-    config = {"url": url, "model": model_name, "model_dir": str(model_dir),
+    config = {"url": None if args.direct else url, "direct": args.direct, "model": model_name, "model_dir": str(model_dir),
               "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
               "workload": vars(spec), "kv_transport": args.kv_transport if args.url is None else None,
               "num_prefill": args.prefill, "num_decode": args.decode}
     write_json(args.output_json, config, summary, records)
     write_png(args.output_png, summary, records,
-              f"{model_name}: {spec.dataset} {spec.input_len}/{spec.output_len}, "
+              f"{model_name}{' (direct, no router)' if args.direct else ''}: "
+              f"{spec.dataset} {spec.input_len}/{spec.output_len}, "
               f"rate {args.request_rate}, concurrency {args.max_concurrency}")
     _print_summary(summary, args.output_json, args.output_png)
     return 0 if summary["failed"] == 0 else 1

@@ -62,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
               f"model {spec.model}, KV transport {spec.kv_transport}; logs in {cluster.log_dir}",
               file=sys.stderr, flush=True)
         cluster.start()
+        for worker in cluster.workers:
+            boot = f", bootstrap port {worker.bootstrap_port}" if worker.role == "prefill" else ""
+            print(f"  {worker.process.name}: grpc://{worker.address(spec.host)}{boot}, "
+                  f"log {worker.process.log_path}", file=sys.stderr)
         print(f"router ready at {cluster.router_url} (model name {cluster.served_model_name!r})",
               flush=True)
         while not stop.wait(1.0):

@@ -36,6 +36,8 @@ class ManagedProcess:
         self.log_path = log_path
         self.env = env
         self._popen: subprocess.Popen | None = None
+        # Set once stopped: the group id may be reused by an unrelated process later on.
+        self._stopped = False
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,7 @@ class ManagedProcess:
 
     def send_signal(self, sig: int) -> None:
         """Signals the whole process group; a group that is already gone is fine."""
-        if self._popen is None:
+        if self._popen is None or self._stopped:
             return
         try:
             os.killpg(self._popen.pid, sig)
@@ -97,3 +99,4 @@ def stop_all(processes: Sequence[ManagedProcess], grace_s: float) -> None:
             proc.wait(10.0)
         # Helpers that left the leader behind (or outlived it) die with the group.
         proc.send_signal(signal.SIGKILL)
+        proc._stopped = True

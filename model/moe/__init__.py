@@ -2,6 +2,7 @@
 EP dispatcher registry (`dispatcher`), dense/shared MLP (`mlp`), the per-layer module (`layer`)."""
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput, DispatchOutput, LocalDispatcher
 from deepseek_pd.model.moe.experts import MOE_BACKENDS, FusedExperts, TorchMoEKernel
+from deepseek_pd.model.moe import grouped_experts, triton_experts  # noqa: F401,E402  (register "grouped", "triton")
 from deepseek_pd.model.moe.layer import DeepseekMoE
 from deepseek_pd.model.moe.mlp import GatedMLP
 from deepseek_pd.model.moe.topk import SCORING, TOPK_METHODS, TopKSpec, finish_weights

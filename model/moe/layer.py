@@ -16,6 +16,7 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.moe.experts import FusedExperts
 from deepseek_pd.model.moe.mlp import GatedMLP
 from deepseek_pd.model.moe.topk import SCORING, TOPK_METHODS, TopKSpec, finish_weights
+from deepseek_pd.model.parallel import ExpertPlacement
 
 
 class DeepseekMoE(nn.Module):
@@ -27,6 +28,9 @@ class DeepseekMoE(nn.Module):
                             f"got {fused}")
         self.num_routed = config.n_routed_experts
         self.num_fused_shared = fused
+        # With EP this rank stacks only its block of routed experts (plus the replicated fused
+        # shared ones); top-k still picks among all experts, in global ids.
+        self.placement = ExpertPlacement(config.n_routed_experts, fused, options.parallel)
         self.gate_weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size,
                                                     dtype=torch.float32, device=options.device))
         self.e_score_correction_bias = (
@@ -36,7 +40,7 @@ class DeepseekMoE(nn.Module):
         self.choose = TOPK_METHODS[config.topk_method]
         self.spec = TopKSpec(config.num_experts_per_tok, config.n_group, config.topk_group,
                              config.norm_topk_prob, config.routed_scaling_factor)
-        self.experts = FusedExperts(config.n_routed_experts + fused, config.hidden_size,
+        self.experts = FusedExperts(self.placement.num_local_experts, config.hidden_size,
                                     config.moe_intermediate_size, options.moe_backend, options.dtype, options.device)
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,

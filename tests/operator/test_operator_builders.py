@@ -10,22 +10,28 @@ import random
 import kubernetes_validate
 import pytest
 import yaml
+from leader_urls import leader_urls, router_flags
 
-from deepseek_pd.operator import names
+from deepseek_pd.operator import names, router_discovery
 from deepseek_pd.operator.build_router import build_router_args
 from deepseek_pd.operator.build_workers import (
     build_group_service, build_group_statefulset, build_worker_config,
 )
+from deepseek_pd.operator.crd_spec import WORKER_DISCOVERY_MODES
 from deepseek_pd.operator.reconcile import build_static_children
 from deepseek_pd.operator.spec import DeploymentSpec
 
 pytestmark = pytest.mark.timeout(120)
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 K8S_VERSION = "1.37"
+DISCOVERY = ("Static", "Selector")
 
 
-def _raw(example: str) -> dict:
-    return yaml.safe_load((EXAMPLES / example).read_text())["spec"]
+def _raw(example: str, discovery: str | None = None) -> dict:
+    raw = yaml.safe_load((EXAMPLES / example).read_text())["spec"]
+    if discovery is not None:
+        raw.setdefault("router", {})["workerDiscovery"] = discovery
+    return raw
 
 
 def _spec(raw: dict, name: str = "v3") -> DeploymentSpec:
@@ -41,7 +47,7 @@ def _all_children(spec: DeploymentSpec) -> list[dict]:
 
 
 def _random_raw(rng: random.Random) -> dict:
-    raw = _raw(rng.choice(["deepseek-v3-h200.yaml", "cpu-minimal.yaml"]))
+    raw = _raw(rng.choice(["deepseek-v3-h200.yaml", "cpu-minimal.yaml"]), rng.choice(DISCOVERY))
     for role in ("prefill", "decode"):
         gpus = rng.choice([0, 1, 8])
         size = rng.choice([1, 2, 3])
@@ -54,9 +60,10 @@ def _random_raw(rng: random.Random) -> dict:
     return raw
 
 
+@pytest.mark.parametrize("discovery", DISCOVERY)
 @pytest.mark.parametrize("example", ["deepseek-v3-h200.yaml", "cpu-minimal.yaml"])
-def test_every_child_of_the_examples_is_schema_valid(example):
-    for manifest in _all_children(_spec(_raw(example))):
+def test_every_child_of_the_examples_is_schema_valid(example, discovery):
+    for manifest in _all_children(_spec(_raw(example, discovery))):
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
 
@@ -141,11 +148,55 @@ def test_headless_service_publishes_not_ready_leaders():
     assert service["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
 
 
-def test_router_discovers_leaders_with_least_privilege():
-    spec = _spec(_raw("deepseek-v3-h200.yaml"))
-    children = {m["kind"]: m for m in build_static_children(spec) if m["metadata"]["name"] == "v3-router"}
+def _router_children(spec: DeploymentSpec, groups=None) -> dict[str, dict]:
+    return {m["kind"]: m for m in build_static_children(spec, groups)
+            if m["metadata"]["name"] == names.router_name(spec.name)}
+
+
+def test_static_router_lists_every_group_leader_over_grpc():
+    rng = random.Random()
+    raw = _raw("deepseek-v3-h200.yaml", "Static")
+    raw["prefill"].update(replicas=rng.randint(1, 4), port=rng.randint(20000, 29999),
+                          bootstrapPort=rng.randint(9000, 9999))
+    raw["decode"].update(replicas=rng.randint(1, 4), port=rng.randint(30000, 39999))
+    spec = _spec(raw)
+    children = _all_children(spec)
+    router = _router_children(spec)
+    parsed = router_flags(router["Deployment"])
+    assert not parsed.service_discovery and parsed.pd_disaggregation
+    assert parsed.prefill_urls == [(url, raw["prefill"]["bootstrapPort"])
+                                   for url in leader_urls(children, "prefill")]
+    assert parsed.decode_urls == leader_urls(children, "decode")
+    assert len(parsed.decode_urls) == raw["decode"]["replicas"]
+    # A worker still loading when the router starts must not be given up on.
+    assert parsed.worker_startup_timeout_secs > max(spec.prefill.startup_timeout_seconds,
+                                                    spec.decode.startup_timeout_seconds)
+    # No Kubernetes API access at all: no Role, no binding, no token in the pod.
+    assert set(router) == {"ServiceAccount", "Deployment", "Service"}
+    pod = router["Deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["serviceAccountName"] == router["ServiceAccount"]["metadata"]["name"]
+
+
+def test_static_router_lists_the_groups_it_is_given():
+    """During a surge rollout or a scale change the router serves the planner's groups."""
+    from sglang_router.launch_router import parse_router_args
+
+    spec = _spec(_raw("cpu-minimal.yaml", "Static"), name="tiny")
+    groups = {"prefill": [0], "decode": sorted(random.sample(range(6), k=random.randint(1, 4)))}
+    children = [build(spec, role, index) for role, indices in groups.items() for index in indices
+                for build in (build_group_statefulset, build_group_service)]
+    parsed = parse_router_args(build_router_args(spec, {r: i[::-1] for r, i in groups.items()})[2:])
+    assert [url for url, _ in parsed.prefill_urls] == leader_urls(children, "prefill")
+    assert parsed.decode_urls == leader_urls(children, "decode")  # in index order, deterministic
+
+
+def test_selector_router_watches_leaders_with_least_privilege():
+    spec = _spec(_raw("deepseek-v3-h200.yaml", "Selector"))
+    children = _router_children(spec)
     args = build_router_args(spec)
     assert {"--pd-disaggregation", "--service-discovery"} <= set(args)
+    assert "--prefill" not in args and "--decode" not in args
     for role in names.ROLES:
         start = args.index(f"--{role}-selector") + 1
         selectors = set(args[start:start + 3])
@@ -156,8 +207,24 @@ def test_router_discovers_leaders_with_least_privilege():
                                           "verbs": ["get", "list", "watch"]}]
     pod = children["Deployment"]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == children["ServiceAccount"]["metadata"]["name"]
+    assert pod["automountServiceAccountToken"] is True
     assert children["RoleBinding"]["subjects"][0]["name"] == pod["serviceAccountName"]
+    assert children["RoleBinding"]["roleRef"]["name"] == children["Role"]["metadata"]["name"]
     assert children["Deployment"]["spec"]["replicas"] == 2
+
+
+def test_router_is_ready_only_with_workers_and_alive_without():
+    container = _router_children(_spec(_raw("cpu-minimal.yaml")))["Deployment"]["spec"]["template"][
+        "spec"]["containers"][0]
+    port_names = {p["name"] for p in container["ports"]}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    assert {container["readinessProbe"]["httpGet"]["port"],
+            container["livenessProbe"]["httpGet"]["port"]} <= port_names
+
+
+def test_discovery_registry_matches_the_crd_enum():
+    assert set(router_discovery.WORKER_DISCOVERY) == set(WORKER_DISCOVERY_MODES)
 
 
 def test_worker_configmap_holds_the_rendered_config():

@@ -21,21 +21,55 @@ def _spec(example: str) -> DeploymentSpec:
     return DeploymentSpec.parse("demo", "llm", yaml.safe_load((EXAMPLES / example).read_text())["spec"])
 
 
+def _raw(example: str, discovery: str) -> dict:
+    raw = yaml.safe_load((EXAMPLES / example).read_text())["spec"]
+    raw.setdefault("router", {})["workerDiscovery"] = discovery
+    return raw
+
+
+def _common_flags(parsed, spec: DeploymentSpec) -> None:
+    assert parsed.pd_disaggregation
+    assert parsed.policy == spec.router.policy and parsed.port == spec.router.port
+    assert parsed.host == "0.0.0.0" and parsed.model_path == spec.model.path
+
+
 @pytest.mark.parametrize("example", ["cpu-minimal.yaml", "deepseek-v3-h200.yaml"])
-def test_router_args_parse_with_sgl_model_gateway(example):
+def test_selector_router_args_parse_with_sgl_model_gateway(example):
     from sglang_router.launch_router import parse_router_args
 
-    spec = _spec(example)
+    spec = DeploymentSpec.parse("demo", "llm", _raw(example, "Selector"))
     args = build_router_args(spec)
     assert args[:2] == ["-m", "sglang_router.launch_router"]
     parsed = parse_router_args(args[2:])
-    assert parsed.pd_disaggregation and parsed.service_discovery
-    assert parsed.service_discovery_namespace == "llm"
+    _common_flags(parsed, spec)
+    assert parsed.service_discovery and parsed.service_discovery_namespace == "llm"
     assert parsed.service_discovery_port == spec.decode.port
     assert parsed.prefill_selector == names.router_pod_selector("demo", "prefill")
     assert parsed.decode_selector == names.router_pod_selector("demo", "decode")
-    assert parsed.policy == spec.router.policy and parsed.port == spec.router.port
-    assert parsed.host == "0.0.0.0" and parsed.model_path == spec.model.path
+    assert parsed.prefill_urls == [] and parsed.decode_urls == []
+
+
+@pytest.mark.parametrize("example", ["cpu-minimal.yaml", "deepseek-v3-h200.yaml"])
+def test_static_router_args_parse_with_sgl_model_gateway(example):
+    """Several groups per role: every leader once, as gRPC, prefill with its bootstrap port."""
+    from sglang_router.launch_router import parse_router_args
+
+    raw = _raw(example, "Static")
+    raw["prefill"]["replicas"], raw["decode"]["replicas"] = random.randint(2, 5), random.randint(2, 5)
+    raw["router"]["extraArgs"] = ["--worker-startup-timeout-secs", "7200"]
+    spec = DeploymentSpec.parse("demo", "llm", raw)
+    args = build_router_args(spec)
+    assert args[:2] == ["-m", "sglang_router.launch_router"]
+    parsed = parse_router_args(args[2:])
+    _common_flags(parsed, spec)
+    assert not parsed.service_discovery
+    assert len(parsed.prefill_urls) == raw["prefill"]["replicas"]
+    assert len(set(parsed.prefill_urls)) == len(parsed.prefill_urls)
+    assert {port for _, port in parsed.prefill_urls} == {spec.prefill.bootstrap_port}
+    assert len(set(parsed.decode_urls)) == raw["decode"]["replicas"]
+    urls = [url for url, _ in parsed.prefill_urls] + parsed.decode_urls
+    assert all(url.startswith("grpc://") and url.endswith(".llm.svc:30000") for url in urls)
+    assert parsed.worker_startup_timeout_secs == 7200  # router.extraArgs override what we render
 
 
 def test_cpu_worker_args_parse_with_deepseek_pd_serve():

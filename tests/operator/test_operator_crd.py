@@ -67,7 +67,10 @@ BAD_SPECS = [
     ({"spec.decode.engineArgs": ["--tp=4"]}, "spec.decode.engineArgs", "must not set flags"),
     ({"spec.sharedMemorySize": "lots"}, "spec.sharedMemorySize", "does not match"),
     ({"metadata.name": "a-very-long-deployment-name-that-will-not-fit"}, "metadata.name", "at most 40"),
-    ({"spec.decode.port": 31000}, "spec.decode.port", "must be equal"),
+    ({"spec.router.workerDiscovery": "Selector", "spec.decode.port": 31000}, "spec.decode.port",
+     "must be equal with router.workerDiscovery Selector"),
+    ({"spec.router.workerDiscovery": "DNS"}, "spec.router.workerDiscovery", "is not one of"),
+    ({"spec.router.workerDiscovery": "static"}, "spec.router.workerDiscovery", "is not one of"),
     ({"spec.prefill.deepepMode": "fast"}, "spec.prefill.deepepMode", "is not one of"),
 ]
 
@@ -81,6 +84,14 @@ def test_bad_specs_are_rejected_naming_the_field(change, field, words):
     violations = validate_object(obj)
     assert violations, f"{change} was accepted"
     assert any(v.field == field and words in v.message for v in violations), violations
+
+
+def test_static_discovery_allows_a_port_per_role_and_is_the_default():
+    obj = _example("cpu-minimal.yaml")
+    assert "workerDiscovery" not in obj["spec"].get("router", {})
+    assert DeploymentSpec.parse("tiny", "default", obj["spec"]).router.worker_discovery == "Static"
+    obj["spec"]["decode"]["port"] = random.randint(31000, 32000)
+    assert validate_object(obj) == []
 
 
 def test_missing_required_fields_are_rejected():

@@ -1,6 +1,7 @@
 """The pure planner and status: decisions checked against a simulated StatefulSet controller."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -68,6 +69,7 @@ def test_rollouts_keep_the_availability_floor_and_finish(trial):
     for _ in range(200):
         plan = plan_role(target, sim.groups)
         sim.apply(plan.actions, target.revision)
+        assert plan.serving == set(sim.groups)  # the router lists exactly the groups that exist
         assert sim.ready_count() >= min(floor, replicas), (plan.actions, sim.groups)
         assert len(sim.groups) <= replicas + surge
         if not plan.actions and plan.updated == plan.ready == replicas and not plan.rolling:
@@ -110,6 +112,20 @@ def test_scaling_adds_and_removes_whole_groups_from_the_top():
     down = random.randint(0, current - 1)
     assert plan_role(_target(down), groups).actions == \
         tuple(DeleteGroup("decode", i) for i in reversed(range(down, current)))
+
+
+def test_router_stops_listing_retired_groups_but_keeps_replaced_ones():
+    replicas = random.randint(1, 4)
+    groups = {i: _group(i, "new", 2) for i in range(replicas + 2)}
+    scaled_down = plan_role(_target(replicas), groups)
+    assert scaled_down.serving == set(range(replicas))
+    # Next pass: the retired groups are still terminating, a replaced group too (same index).
+    replaced = random.randrange(replicas)
+    for index in (replaced, replicas, replicas + 1):
+        groups[index] = dataclasses.replace(groups[index], terminating=True)
+    later = plan_role(_target(replicas), groups)
+    assert later.serving == set(range(replicas))
+    assert {replicas, replicas + 1} <= later.group_indices  # their Services stay until they are gone
 
 
 @pytest.mark.parametrize("failure", ["phase", "restart"])

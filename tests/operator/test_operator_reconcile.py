@@ -5,10 +5,12 @@ import asyncio
 import copy
 import logging
 import pathlib
+import random
 import uuid
 
 import pytest
 import yaml
+from leader_urls import leader_urls, router_flags, router_worker_urls
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.kube import ApiError
@@ -116,3 +118,34 @@ def test_delete_children_removes_everything_labelled():
     assert api.objects
     asyncio.run(reconciler.delete_children("llm", "tiny", LOG))
     assert api.objects == {}
+
+
+def _router_access(api: MemoryApi) -> set[str]:
+    return {k for (k, n) in api.objects if k in ("Role", "RoleBinding") and n == "tiny-router"}
+
+
+def test_switching_worker_discovery_grants_and_revokes_pod_access():
+    api = MemoryApi()
+    reconciler = Reconciler(api)
+    body = _body("cpu-minimal.yaml")
+    body["spec"]["decode"]["replicas"] = random.randint(2, 4)
+    asyncio.run(reconciler.reconcile(body, LOG))  # Static by default: no Role to begin with
+    assert _router_access(api) == set()
+    router = ("Deployment", names.router_name("tiny"))
+    objects = list(api.objects.values())
+    assert router_worker_urls(api.objects[router]) == {r: leader_urls(objects, r) for r in names.ROLES}
+
+    body["spec"]["router"] = {"workerDiscovery": "Selector"}
+    asyncio.run(reconciler.reconcile(body, LOG))
+    assert _router_access(api) == {"Role", "RoleBinding"}
+    assert router_flags(api.objects[router]).service_discovery
+    assert api.objects[router]["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+
+    api.writes.clear()
+    body["spec"]["router"] = {"workerDiscovery": "Static"}
+    asyncio.run(reconciler.reconcile(body, LOG))
+    assert _router_access(api) == set()  # least privilege again, not just unused
+    assert {("delete", "Role", "tiny-router"), ("delete", "RoleBinding", "tiny-router"),
+            ("patch", "Deployment", "tiny-router")} == set(api.writes)
+    assert not router_flags(api.objects[router]).service_discovery
+    assert ("ServiceAccount", "tiny-router") in api.objects  # the pod still names it

@@ -10,7 +10,6 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -32,7 +31,7 @@ def main(transport: str, out_path: str) -> None:
     expected = [list(engine.generate(p, SamplingParams(max_new_tokens=8, temperature=0.0)).output_ids)
                 for p in prompts]
     report = {"mismatches": [], "checked": 0, "used_pages": {}}
-    with LocalCluster(cluster_spec(Path(tempfile.mkdtemp()), kv_transport=transport)) as cluster:
+    with LocalCluster(cluster_spec(Path(out_path).parent, kv_transport=transport)) as cluster:
         async def run():
             async with RouterClient(cluster.router_url, cluster.served_model_name) as client:
                 for stream in (False, True):

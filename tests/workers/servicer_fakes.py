@@ -3,7 +3,8 @@
 The fake's output is a pure function of the prompt (`expected_tokens`), so a test can compute what
 must come back; it also records aborts and keeps a page count so tests can check the servicer
 frees work when a caller goes away. Scripted failures come from the prompt's first token:
-`FAIL_TOKEN` makes the engine yield `Failed(UNAVAILABLE)` after two tokens.
+`[FAIL_TOKEN, i, ...]` makes the engine yield `Failed(FAILURE_CODES[i])` after two tokens, `CRASH_TOKEN` makes it
+raise after one.
 """
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ VOCAB = 300
 EOS = 1
 FAIL_TOKEN = 7
 SLOW_TOKEN = 8  # each step sleeps, so a test can cancel mid-stream
+CRASH_TOKEN = 6  # the engine raises after one token: an engine bug the servicer must contain
 PAGE_SIZE = 4
+
+
+FAILURE_CODES = list(FailureCode)  # FAIL_TOKEN, i: fails with FAILURE_CODES[i % len]
 
 
 def expected_tokens(input_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
@@ -50,8 +55,11 @@ class FakeEngine:
                 if cancel.is_set():
                     yield Finished("abort", len(request.input_ids), i)
                     return
+                if request.input_ids[0] == CRASH_TOKEN and i == 1:
+                    raise RuntimeError("scripted engine bug")
                 if request.input_ids[0] == FAIL_TOKEN and i == 2:
-                    yield Failed(FailureCode.UNAVAILABLE, "prefill peer died (scripted)")
+                    code = FAILURE_CODES[request.input_ids[1] % len(FAILURE_CODES)]
+                    yield Failed(code, f"scripted failure {code.name}")
                     return
                 yield TokenChunk((token,))
             yield Finished("length", len(request.input_ids), len(tokens))

@@ -69,7 +69,8 @@ def test_workload_lengths_and_determinism() -> None:
 
 
 @pytest.mark.slow
-def test_bench_serving_against_local_cluster(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["router", "direct-pd"])
+def test_bench_serving_against_local_cluster(tmp_path: Path, direct: bool) -> None:
     from e2e_cluster import cluster_cli_flags
 
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -78,7 +79,7 @@ def test_bench_serving_against_local_cluster(tmp_path: Path) -> None:
             "--num-prompts", str(num_prompts), "--dataset", "fixed", "--input-len", str(input_len),
             "--output-len", str(output_len), "--request-rate", "20", "--max-concurrency", "8",
             "--slo-ttft-ms", "60000", "--output-json", str(out_json), "--output-png", str(out_png),
-            "--log-dir", str(tmp_path / "logs")]
+            "--log-dir", str(tmp_path / "logs")] + (["--direct"] if direct else [])
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TTFT" in proc.stdout.upper() and "requests" in proc.stderr  # summary + progress bar
@@ -91,9 +92,33 @@ def test_bench_serving_against_local_cluster(tmp_path: Path) -> None:
         stats = summary[name]
         assert 0 <= stats["p50"] <= stats["p90"] <= stats["p99"]
     assert summary["goodput"] > 0
+    assert result["config"]["direct"] is direct
     assert len(result["requests"]) == num_prompts
     assert all(r["output_len"] == output_len for r in result["requests"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
     assert matplotlib.image.imread(out_png).shape[0] > 100
+
+
+def test_sse_parser_survives_arbitrary_read_boundaries() -> None:
+    import asyncio
+
+    from deepseek_pd.client.sse import parse_sse_json
+
+    rng = random.Random()
+    events = [{"text": "".join(rng.choice("ab\u00e9\u4e2d ") for _ in range(rng.randint(0, 9))),
+               "output_ids": [rng.randrange(500) for _ in range(rng.randint(0, 3))]} for _ in range(30)]
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events)
+    body = (": keep-alive comment\n\n" + body + "data: [DONE]\n\ndata: {\"after\": \"done\"}\n\n").encode()
+    cuts = sorted(rng.sample(range(1, len(body)), 40))
+    pieces = [body[a:b] for a, b in zip([0] + cuts, cuts + [len(body)])]
+
+    async def feed():
+        for piece in pieces:
+            yield piece
+
+    async def collect():
+        return [event async for event in parse_sse_json(feed())]
+
+    assert asyncio.run(collect()) == events

@@ -274,3 +274,24 @@ def test_unreachable_bootstrap_is_unavailable_within_the_timeout():
         asyncio.run(run())
     assert info.value.code == FailureCode.UNAVAILABLE and "unreachable" in info.value.message
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("mismatch", ["layout", "transport"])
+def test_mismatched_sides_fail_both_with_a_clear_reason(mismatch, monkeypatch):
+    """Different KV layouts (another model or dtype) or transports must never copy bytes."""
+    import kv_transfer_harness
+    from deepseek_pd.workers.common.kv_transfer.fake import FakeReceiver
+
+    rng = random.Random()
+    src_pool = random_pool(rng, 8, 4, kv_dim=24)
+    dst_pool = random_pool(rng, 8, 4, kv_dim=32 if mismatch == "layout" else 24)
+    exchange = Exchange("grpc", Side(src_pool, [1, 2]), Side(dst_pool, [3, 4]), 6, [6])
+    before = [b.clone() for b in dst_pool.buffers]
+    if mismatch == "transport":  # the decode side advertises the fake transport, prefill speaks grpc
+        monkeypatch.setattr(kv_transfer_harness, "build_receiver", lambda name, pool, config: FakeReceiver(pool, config))
+
+    prefill, decode = asyncio.run(run_exchange(exchange))
+    assert isinstance(prefill, TransferError) and prefill.code == FailureCode.INVALID_ARGUMENT, prefill
+    assert isinstance(decode, TransferError) and decode.code == FailureCode.INVALID_ARGUMENT, decode
+    assert ("layout mismatch" if mismatch == "layout" else "transport") in decode.message
+    assert all(torch.equal(b, a) for b, a in zip(dst_pool.buffers, before))

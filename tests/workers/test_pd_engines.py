@@ -7,6 +7,7 @@ with exactly one terminal event and give every KV page back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import socket
 import time
@@ -277,21 +278,25 @@ def test_decode_going_away_mid_transfer_fails_prefill_and_frees_pages():
     async def run():
         async with PDPair("grpc") as pair:
             p_req, d_req = pair.requests(prompt, GREEDY, "gone")
+            hooks = Phase(pair, "transfer")
             prefill_task = asyncio.ensure_future(collect(pair.prefill, p_req))
             decode_events = pair.decode.generate(d_req)
             decode_task = asyncio.ensure_future(decode_events.__anext__())
-            await asyncio.sleep(0.05)
-            decode_task.cancel()  # the decode worker's client disappears mid-request
+            await asyncio.wait_for(hooks.reached.wait(), 30)
+            decode_task.cancel()  # the decode worker's caller disappears mid-transfer
             await asyncio.gather(decode_task, return_exceptions=True)
             await decode_events.aclose()
+            start = time.monotonic()
             prefill = await asyncio.wait_for(prefill_task, 30)
+            assert time.monotonic() - start < 5
             await asyncio.sleep(0.05)
             pair.assert_pools_clean()
             return prefill
 
     prefill = asyncio.run(run())
-    # Either the prefill finished before the decode side left, or it learnt that decode is gone.
-    assert prefill.ok or prefill.terminal.code in (FailureCode.UNAVAILABLE, FailureCode.ABORTED)
+    # The closed stream (UNAVAILABLE) or the decode side's Abort (ABORTED), whichever lands first.
+    assert isinstance(prefill.terminal, Failed), prefill.terminal
+    assert prefill.terminal.code in (FailureCode.UNAVAILABLE, FailureCode.ABORTED)
 
 
 def test_pool_too_small_is_resource_exhausted():
@@ -308,3 +313,22 @@ def test_pool_too_small_is_resource_exhausted():
     assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.RESOURCE_EXHAUSTED
     assert isinstance(outcome.terminal, Failed) and "pages" in outcome.terminal.message
 
+
+
+def test_pd_without_prefix_cache_equals_offline_and_returns_every_prefill_page():
+    rng = random.Random()
+    shared = random_prompt(rng, CHUNK + 4, CHUNK + 8)
+    prompts = [shared + random_prompt(rng, 1, 6) for _ in range(3)]
+    config = worker_config("fake")
+    no_cache = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, prefix_cache=False))
+
+    async def run():
+        async with PDPair("fake", prefill_config=no_cache) as pair:
+            outcomes = await asyncio.gather(*(pair.run(p, GREEDY, f"n{i}") for i, p in enumerate(prompts)))
+            assert pair.prefill.cache is None and pair.prefill.pool.num_used_pages == 0
+            pair.assert_pools_clean()
+            return outcomes
+
+    for p, (prefill, decode) in zip(prompts, asyncio.run(run())):
+        assert prefill.ok and decode.ok and decode.terminal.cached_tokens == 0
+        assert decode.tokens == oracle().generate(p, GREEDY).output_ids

@@ -6,7 +6,9 @@ One 1P1D cluster on the tiny model serves the whole module. What must hold:
 - `/v1/chat/completions` works streaming and not, and the two agree;
 - 200 concurrent requests of mixed lengths each complete exactly once with the right length, and
   both KV pools are back to empty afterwards (GetLoads);
-- a request the workers reject comes back from the router as an error carrying our message.
+- a request the workers reject comes back from the router as an error carrying our message;
+- a client that drops its connection mid-stream gets its request aborted and its KV freed;
+- the same parity with the Mooncake transport, inside a private network namespace.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import random
 import pytest
 
 from deepseek_pd.client.router_http import RouterClient, RouterError
+from deepseek_pd.client.scheduler_grpc import SchedulerClient
 from deepseek_pd.launcher.cluster import LocalCluster
 from e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, wait_for_pages
 
@@ -39,7 +42,7 @@ def offline_greedy(engine, input_ids: list[int], max_new_tokens: int) -> list[in
     from deepseek_pd.model.sampling_params import SamplingParams
 
     result = engine.generate(input_ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
-    return list(result.output_ids)
+    return list(result.output_ids), list(result.output_logprobs)
 
 
 def parity_prompts(rng: random.Random, vocab: int) -> list[list[int]]:
@@ -62,13 +65,20 @@ def test_generate_matches_offline_engine(cluster, offline_engine) -> None:
 
     async def main():
         async with RouterClient(cluster.router_url, cluster.served_model_name) as client:
+            shared_len = len(prompts[-1])
             for stream in (False, True):
-                for prompt, want in zip(prompts, expected):
-                    got = await client.generate(input_ids=prompt, stream=stream,
+                for index, (prompt, (want, want_logprobs)) in enumerate(zip(prompts, expected)):
+                    got = await client.generate(input_ids=prompt, stream=stream, return_logprob=True,
                                                 max_new_tokens=max_new, temperature=0.0)
                     assert got.output_ids == want, (stream, len(prompt))
+                    assert got.output_logprobs == pytest.approx(want_logprobs, abs=1e-4)
                     assert got.finish_reason in ("length", "stop")
                     assert got.prompt_tokens == len(prompt)
+                    # The prefix cache really was hit (the count comes back from the prefill side).
+                    if index == 3 and not stream:
+                        assert got.cached_tokens >= shared_len // PAGE_SIZE * PAGE_SIZE
+                    if stream and len(prompt) > PAGE_SIZE:
+                        assert got.cached_tokens > 0
 
     asyncio.run(main())
 
@@ -106,8 +116,12 @@ def test_two_hundred_concurrent_requests(cluster) -> None:
             assert len(result.output_ids) == budget and result.finish_reason == "length"
             assert result.prompt_tokens == len(prompt)
         for worker in cluster.workers:
-            pages = await wait_for_pages(worker.address(cluster.spec.host), 0, timeout_s=20)
+            address = worker.address(cluster.spec.host)
+            pages = await wait_for_pages(address, 0, timeout_s=20)
             assert pages == 0, f"{worker.process.name} still holds {pages} KV pages"
+            async with SchedulerClient(address) as scheduler:
+                load = await scheduler.loads()
+            assert load.num_running_reqs == load.num_waiting_reqs == 0, worker.process.name
 
     asyncio.run(main())
 
@@ -156,3 +170,35 @@ def test_mooncake_transport_parity_in_private_netns(tmp_path) -> None:
     assert report["transport_logged"], "workers did not report the mooncake transport"
     assert report["checked"] == 8 and report["mismatches"] == []
     assert set(report["used_pages"].values()) == {0}, report["used_pages"]
+
+
+def test_client_disconnect_mid_stream_frees_kv_on_both_workers(cluster) -> None:
+    """A user who closes the connection must not leave a decode running to max_new_tokens."""
+    import aiohttp
+
+    worker = cluster.decode_workers()[0]
+    log_offset = len(worker.process.log_path.read_text())
+
+    async def main():
+        body = {"model": cluster.served_model_name, "input_ids": [9, 10, 11, 12, 13],
+                "sampling_params": {"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True},
+                "stream": True}
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(f"{cluster.router_url}/generate", json=body)
+            assert response.status == 200
+            received = 0
+            async for line in response.content:
+                received += line.startswith(b"data:")
+                if received == 3:
+                    break
+            response.close()  # drop the connection mid-stream
+        decode = worker.address(cluster.spec.host)
+        pages = await wait_for_pages(decode, 0, timeout_s=20)
+        # Freed by the abort, not by running out its 3000 tokens.
+        log = worker.process.log_path.read_text()[log_offset:]
+        assert "ended before its engine finished it" in log
+        assert pages == 0, f"decode still holds {pages} pages of an abandoned request"
+        async with SchedulerClient(decode) as scheduler:
+            assert (await scheduler.loads()).num_running_reqs == 0
+
+    asyncio.run(main())

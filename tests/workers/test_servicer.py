@@ -17,7 +17,7 @@ from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
 from deepseek_pd.workers.common.servicer import WorkerIdentity
-from servicer_fakes import EOS, FAIL_TOKEN, PAGE_SIZE, SLOW_TOKEN, FakeEngine, expected_tokens, \
+from servicer_fakes import CRASH_TOKEN, EOS, FAIL_TOKEN, FAILURE_CODES, PAGE_SIZE, SLOW_TOKEN, FakeEngine, expected_tokens, \
     make_tokenizer_model_dir
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,17 +104,22 @@ def test_bad_requests_get_invalid_argument_with_message(model_info, mutate, word
     asyncio.run(main())
 
 
-def test_engine_failure_maps_to_status_once(model_info) -> None:
+@pytest.mark.parametrize("code_index", range(len(FAILURE_CODES)))
+def test_engine_failure_maps_to_status_once(model_info, code_index: int) -> None:
+    failure = FAILURE_CODES[code_index]
+
     async def main():
         async with serving(model_info) as (_, client, engine):
             responses, error = [], None
             try:
-                async for response in client.generate(request([FAIL_TOKEN, 20, 30], True, max_new_tokens=8)):
+                async for response in client.generate(request([FAIL_TOKEN, code_index, 30], True,
+                                                              max_new_tokens=8)):
                     responses.append(response)
             except grpc.aio.AioRpcError as exc:
                 error = exc
-            assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
-            assert "prefill peer died" in error.details()
+            # FailureCode members are named after the gRPC status they stand for.
+            assert error is not None and error.code() == getattr(grpc.StatusCode, failure.name)
+            assert f"scripted failure {failure.name}" in error.details()
             # Two tokens streamed before the failure, and no complete message after it.
             assert [r.WhichOneof("response") for r in responses] == ["chunk", "chunk"]
             for _ in range(100):  # the status can reach us before the server's cleanup has run
@@ -122,6 +127,25 @@ def test_engine_failure_maps_to_status_once(model_info) -> None:
                     break
                 await asyncio.sleep(0.02)
             assert engine.pages_in_use == {}
+
+    asyncio.run(main())
+
+
+def test_engine_exception_becomes_internal_and_aborts_the_request(model_info) -> None:
+    async def main():
+        async with serving(model_info) as (_, client, engine):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(client.generate(request([CRASH_TOKEN, 5], False, rid="crash", max_new_tokens=5)))
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            assert "scripted engine bug" in info.value.details()
+            for _ in range(100):
+                if "crash" in engine.aborted:
+                    break
+                await asyncio.sleep(0.02)
+            assert "crash" in engine.aborted
+            # The worker keeps serving.
+            ids, _ = await collect(client.generate(request([20, 21], False, max_new_tokens=3)))
+            assert ids == expected_tokens((20, 21), 3)
 
     asyncio.run(main())
 
@@ -225,3 +249,25 @@ def test_concurrent_streams_are_independent(model_info) -> None:
             assert engine.pages_in_use == {}
 
     asyncio.run(main())
+
+
+def test_get_tokenizer_streams_a_verified_zip(model_info, tmp_path) -> None:
+    import hashlib
+    import io
+    import zipfile
+    from pathlib import Path
+
+    from smg_grpc_proto.generated import common_pb2
+
+    async def main():
+        async with serving(model_info) as (_, client, _engine):
+            chunks = [c async for c in client.stub.GetTokenizer(common_pb2.GetTokenizerRequest())]
+            return chunks
+
+    chunks = asyncio.run(main())
+    data = b"".join(c.data for c in chunks)
+    assert [bool(c.sha256) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            assert archive.read(name) == (Path(model_info.tokenizer_path) / name).read_bytes()

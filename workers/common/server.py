@@ -85,7 +85,7 @@ class WorkerServer:
         if self._server is not None:
             await self._server.stop(self.config.stop_grace_s)
         close = getattr(self.engine, "stop", None) or getattr(self.engine, "close", None)
-        if close is not None:
+        if close is not None:  # engines stop their bootstrap service, transports and model thread
             result = close()
             if asyncio.iscoroutine(result):
                 await result

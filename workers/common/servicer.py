@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import grpc
 from google.protobuf.struct_pb2 import Struct
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -30,6 +31,7 @@ from deepseek_pd.workers.common.api import Failed, Finished, TokenChunk, WorkerE
 from deepseek_pd.workers.common.proto_convert import (
     chunk_response, complete_response, failure_status, to_generate_request)
 from deepseek_pd.workers.common.served_model import ServedModelInfo
+from deepseek_pd.workers.common.tokenizer_bundle import build_bundle, iter_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self._inflight: set[str] = set()
         self._draining = False
         self._start_time = time.time()
+        self._tokenizer_bundle: bytes | None = None  # built on first GetTokenizer
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start_draining(self) -> None:
@@ -115,6 +118,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             self._inflight.discard(req.rid)
             if not terminal_seen:
                 # The caller left (or the engine broke): free the request's pages now.
+                logger.info("request %s ended before its engine finished it (client cancelled or "
+                            "engine error); aborting it", req.rid)
                 await _shielded(self._engine.abort(req.rid))
             await _shielded(events.aclose())
 
@@ -148,6 +153,13 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             max_req_input_len=info.max_request_input_len,
             architectures=list(info.architectures),
         )
+
+    async def GetTokenizer(self, request, context):
+        """The tokenizer files as a zip, for a router that does not have the checkpoint."""
+        if self._tokenizer_bundle is None:
+            self._tokenizer_bundle = build_bundle(self._info.tokenizer_path)
+        for data, digest in iter_chunks(self._tokenizer_bundle):
+            yield common_pb2.GetTokenizerChunk(data=data, sha256=digest)
 
     async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
         ident = self._identity

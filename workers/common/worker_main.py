@@ -30,11 +30,7 @@ async def serve_worker(options: WorkerOptions, engine_factory: str | None = None
         raise UserError(f"the {options.role} engine is not available in this installation: {exc}") from exc
     if asyncio.iscoroutine(engine):  # builders may need the running loop (e.g. to start tasks)
         engine = await engine
-    start = getattr(engine, "start", None)
-    if start is not None:
-        result = start()
-        if asyncio.iscoroutine(result):
-            await result
+    await _call_maybe_async(getattr(engine, "start", None))
     page_size = engine.loads().extra.get("page_size", options.page_size or 1)  # engines may report it
     identity = WorkerIdentity(role=options.role, kv_transport=options.kv_transport,
                               bootstrap_port=options.bootstrap_port, page_size=int(page_size),
@@ -42,8 +38,21 @@ async def serve_worker(options: WorkerOptions, engine_factory: str | None = None
     server = WorkerServer(engine, info, identity,
                           ServerConfig(options.host, options.port, drain_timeout_s=drain_timeout_s))
     server.install_signal_handlers()
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        # The engine already serves its bootstrap port and runs threads: stop them, or the
+        # process would linger after reporting the error.
+        await _call_maybe_async(getattr(engine, "stop", None) or getattr(engine, "close", None))
+        raise
     logger.info("%s worker ready: model %s (served as %r), gRPC %s:%d, bootstrap port %d, "
                 "KV transport %s", options.role, info.model_path, info.served_model_name,
                 options.host, server.bound_port, options.bootstrap_port, options.kv_transport)
     await server.wait_for_shutdown()
+
+
+async def _call_maybe_async(fn) -> None:
+    if fn is not None:
+        result = fn()
+        if asyncio.iscoroutine(result):
+            await result

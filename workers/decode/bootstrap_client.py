@@ -141,7 +141,12 @@ class BootstrapClient:
             kind = event.WhichOneof("event")
             if kind == "chunk":
                 # crc32 and the copy into the pool run off the loop: other requests keep streaming.
-                await asyncio.to_thread(sink.on_chunk, event.chunk)
+                write = asyncio.ensure_future(asyncio.to_thread(sink.on_chunk, event.chunk))
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    await asyncio.wait({write})  # the copy must end before the pages can be freed
+                    raise
                 if event.seq - credited >= max(1, window // 2):
                     credited = event.seq
                     try:
@@ -149,8 +154,8 @@ class BootstrapClient:
                     except grpc.aio.AioRpcError:
                         pass  # the stream is broken; the next read reports it
             elif kind == "done":
-                await _half_close(call)
-                sink.check_complete(event.done)
+                sink.check_complete(event.done)  # raising here cancels the call: prefill learns it
+                await _half_close(call)  # the confirmation the prefill side waits for
                 return event.done
             elif kind == "failed":
                 await _half_close(call)
@@ -174,7 +179,7 @@ class BootstrapClient:
 
 
 async def _half_close(call) -> None:
-    """Tells the prefill side we have its last event, so it can end the call cleanly."""
+    """Tells the prefill side we hold its last event (and accepted it), so it can end the call."""
     try:
         await call.done_writing()
     except (grpc.aio.AioRpcError, grpc.aio.UsageError):

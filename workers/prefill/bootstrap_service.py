@@ -42,6 +42,8 @@ class Room:
         self.peer_gone: asyncio.Future[tuple[FailureCode, str]] = loop.create_future()
         self.failure: asyncio.Future[pb.TransferFailed] = loop.create_future()
         self.events: asyncio.Queue[pb.TransferEvent] = asyncio.Queue(maxsize=queue_depth)
+        # True once the decode side confirmed (by half-closing) that it holds TransferDone.
+        self.delivered: asyncio.Future[bool] = loop.create_future()
         self.finished = False  # a terminal event has been queued
         # Kept after its request ended so the other side's late arrival fails at once; expires.
         self.tombstone = False
@@ -62,10 +64,19 @@ class Room:
         """Queues a KV chunk, waiting for room (flow control); raises if decode has gone."""
         await self._put(pb.TransferEvent(chunk=chunk))
 
-    async def finish(self, done: pb.TransferDone) -> None:
-        """Queues TransferDone after every chunk already queued."""
+    async def finish(self, done: pb.TransferDone, timeout_s: float) -> None:
+        """Sends TransferDone after every queued chunk; returns once the decode side confirmed it
+        (so success here means decode holds all the KV), raises TransferError otherwise."""
         await self._put(pb.TransferEvent(done=done))
         self.finished = True
+        finished, _ = await asyncio.wait({self.delivered, self.peer_gone}, timeout=timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        if self.delivered in finished and self.delivered.result():
+            return
+        if self.peer_gone.done():
+            raise TransferError(*self.peer_gone.result())
+        raise TransferError(FailureCode.DEADLINE_EXCEEDED,
+                            f"decode side did not confirm the transfer of room {self.room_id} within {timeout_s}s")
 
     def fail(self, code: FailureCode, reason: str) -> None:
         """Tells decode the transfer failed; overtakes queued chunks. Idempotent."""
@@ -217,12 +228,22 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                                     f"decode side closed the transfer stream of room {request.room}")
             if (room.tombstone and delivered_terminal) or not (room.tombstone or room.claimed.done()):
                 self.registry.drop(room)  # else: a tombstone waiting for a late prefill request
-            if delivered_terminal:
-                # Returning (or cancelling the pending read of the request stream) before the
-                # decode side half-closes can make gRPC core fail the call with INTERNAL before
-                # the terminal event is flushed: wait for its half-close, briefly.
-                await asyncio.wait({credit_task}, timeout=_HALF_CLOSE_WAIT_S)
-            credit_task.cancel()
+            confirmed = False
+            try:
+                if delivered_terminal:
+                    # Returning (or cancelling the pending read of the request stream) before the
+                    # decode side half-closes can make gRPC core fail the call with INTERNAL
+                    # before the terminal event is flushed: wait for its half-close, briefly. The
+                    # half-close is also decode's confirmation that it accepted everything.
+                    await asyncio.wait({credit_task}, timeout=_HALF_CLOSE_WAIT_S)
+                    confirmed = credits.half_closed
+            finally:  # also when the call is cancelled during the wait above
+                if delivered_terminal and not confirmed:
+                    room.mark_peer_gone(FailureCode.UNAVAILABLE, f"decode side of room {request.room} did "
+                                        "not confirm the transfer (it rejected the KV or went away)")
+                if not room.delivered.done():
+                    room.delivered.set_result(confirmed)
+                credit_task.cancel()
 
     @staticmethod
     async def _next_event(room: Room) -> pb.TransferEvent:
@@ -256,6 +277,7 @@ class _Credits:
         self.received_seq = 0
         self.changed = asyncio.Event()
         self.closed = False
+        self.half_closed = False  # the decode side ended its stream cleanly: it has every event
 
     async def follow(self, requests: AsyncIterator[pb.DecodeMessage]) -> None:
         try:
@@ -263,6 +285,7 @@ class _Credits:
                 if message.WhichOneof("message") == "credit":
                     self.received_seq = max(self.received_seq, message.credit.received_seq)
                     self.changed.set()
+            self.half_closed = True
         except (grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.UsageError):
             pass
         finally:

@@ -3,7 +3,7 @@
 The prefill scheduler calls `pages_ready` after every chunk it computes; the pages are sent in
 order by a background task, so a slow decode side never stalls the scheduler loop (it only
 delays this request's `finish`). A send failure fails the room at once and is re-raised by
-`finish`, and `failed` lets the scheduler stop computing a request nobody will read.
+`finish`; the engine, watching the room, ends the request, which stops its compute.
 """
 from __future__ import annotations
 
@@ -34,15 +34,21 @@ class KVPush:
         self._task: asyncio.Task | None = None
         self._error: TransferError | None = None
         self._started = time.monotonic()
+        self._send_seconds = 0.0  # time spent inside channel.send: the transfer's own rate
 
     async def handshake(self, timeout_s: float) -> pb.Handshake:
         """Waits for the decode side's handshake and opens the transport channel."""
         handshake = await self.room.wait_handshake(timeout_s)
-        if handshake.num_tokens != self.num_tokens or len(handshake.page_ids) != self.plan.num_pages:
-            raise TransferError(FailureCode.INVALID_ARGUMENT,
-                                f"decode prepared {handshake.num_tokens} tokens in {len(handshake.page_ids)} "
-                                f"pages, prefill has a {self.num_tokens}-token prompt ({self.plan.num_pages} pages)")
-        self.channel = self.sender.open(handshake, self.room.emit_chunk)
+        try:
+            if handshake.num_tokens != self.num_tokens or len(handshake.page_ids) != self.plan.num_pages:
+                raise TransferError(FailureCode.INVALID_ARGUMENT,
+                                    f"decode prepared {handshake.num_tokens} tokens in {len(handshake.page_ids)} "
+                                    f"pages, prefill has a {self.num_tokens}-token prompt "
+                                    f"({self.plan.num_pages} pages)")
+            self.channel = self.sender.open(handshake, self.room.emit_chunk)
+        except TransferError as exc:  # the decode side gets the same reason
+            self.room.fail(exc.code, exc.message)
+            raise
         self._task = asyncio.create_task(self._send_loop(), name=f"kv-push-{self.rid}")
         return handshake
 
@@ -64,8 +70,10 @@ class KVPush:
         while (item := await self._queue.get()) is not None:
             if self._error is not None:
                 continue
+            began = time.monotonic()
             try:
                 await self.channel.send(*item)
+                self._send_seconds += time.monotonic() - began
             except TransferError as exc:
                 self._error = exc
                 self.room.fail(exc.code, exc.message)
@@ -86,10 +94,11 @@ class KVPush:
             raise self.failed
         await self.room.finish(pb.TransferDone(
             first_token_id=first_token_id, first_token_logprob=logprob, num_pages=self.plan.num_pages,
-            cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent, generator_state=generator_state))
-        seconds = max(time.monotonic() - self._started, 1e-9)
-        log.debug("%s: pushed %d bytes of KV in %.3fs (%.3f GB/s)", self.rid, self.channel.bytes_sent,
-                  seconds, self.channel.bytes_sent / seconds / 1e9)
+            cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent, generator_state=generator_state),
+            timeout_s=self.sender.config.send_timeout_s)
+        sent, busy = self.channel.bytes_sent, max(self._send_seconds, 1e-9)
+        log.debug("%s: pushed %d bytes of KV in %.4fs of sending (%.3f GB/s), done %.3fs after arrival",
+                  self.rid, sent, busy, sent / busy / 1e9, time.monotonic() - self._started)
 
     def fail(self, code: FailureCode, reason: str) -> None:
         self.room.fail(code, reason)

@@ -20,7 +20,7 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransferError, TransportConfig)
+    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransferError)
 from deepseek_pd.workers.common.kv_transfer.plan import split_into_chunks
 
 

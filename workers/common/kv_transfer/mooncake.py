@@ -35,6 +35,9 @@ class MooncakeEngine:
             raise UserError(f"KV transport 'mooncake' is not usable here: {exc} "
                             "(install mooncake-transfer-engine and Debian libibverbs1, or use --kv-transport grpc)"
                             ) from exc
+        if config.advertise_host in ("0.0.0.0", "::", ""):
+            raise UserError(f"KV transport 'mooncake' needs the address peers reach this worker at, not "
+                            f"{config.advertise_host!r}: set the transport's advertise_host (e.g. the pod IP)")
         if pool.device.type != "cpu" and config.mooncake_protocol == "tcp":
             log.warning("mooncake over tcp with a %s pool: needs a CUDA-enabled mooncake build", pool.device)
         self.engine: Any = TransferEngine()

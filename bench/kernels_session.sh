@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: install the package without deps (the GPU image has torch/triton/transformers),
+# run the kernel and GPU smoke tests, then bench/kernels_gpu.py; everything lands under $OUT.
+# PARTS=moe,mla,e2e selects bench parts; TEST_TIMEOUT / BENCH_TIMEOUT bound each step (seconds).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+REPO=$PWD
+(cd /tmp && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
+    "$REPO/tests/model/test_kernels.py" "$REPO/tests/model/test_gpu_smoke.py" 2>&1) | tee "$OUT/tests.log"
+timeout "${BENCH_TIMEOUT:-420}" python3 bench/kernels_gpu.py --out "$OUT/kernels_gpu.json" \
+    --parts "${PARTS:-moe,mla,e2e}" 2>&1 | tee "$OUT/bench.log"

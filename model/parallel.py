@@ -1,0 +1,100 @@
+"""Expert-parallel placement: which rank this is, its process group, and which experts it holds.
+
+`ParallelInfo` is frozen and passed down constructors (`BuildOptions.parallel`); nothing reads a
+global. Attention and dense layers are replicated (data-parallel attention: every rank runs its
+own tokens); routed experts are sharded in contiguous blocks; fused shared experts are replicated.
+
+Example: 8 routed experts, 1 fused shared expert, ep_size 4, rank 2:
+    local routed experts are global ids 4, 5 → local ids 0, 1
+    the fused shared expert (global id 8) is local id 2 on every rank
+    global id 7 is owned by rank 3; on rank 2 it is "not here" (-1)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepseek_pd.errors import UserError
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """EP size and rank, and the `torch.distributed` group the dispatcher talks over.
+
+    `group=None` means the default (world) group; it is only touched when `ep_size > 1`.
+    """
+
+    ep_size: int = 1
+    ep_rank: int = 0
+    group: Any = None  # torch.distributed.ProcessGroup | None
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 1:
+            raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise UserError(f"ep_rank must be in [0, ep_size={self.ep_size}), got {self.ep_rank}")
+
+    @classmethod
+    def from_group(cls, group: Any = None) -> "ParallelInfo":
+        """Size and rank of an initialised process group (default: the world)."""
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            raise UserError("expert parallelism needs torch.distributed.init_process_group() first")
+        return cls(dist.get_world_size(group), dist.get_rank(group), group)
+
+    def all_agree(self, flag: bool, device: torch.device | str = "cpu") -> bool:
+        """True only if `flag` is true on every EP rank (one all-reduce; free when ep_size is 1).
+
+        Used for per-forward choices that change the collective sequence (two-batch overlap),
+        which every rank must make the same way or the all-to-alls pair up wrongly and hang.
+        """
+        if self.ep_size == 1:
+            return flag
+        import torch.distributed as dist
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)  # NCCL wants the GPU
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(value.item())
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where each expert of a MoE layer lives, for one rank. Built once per model."""
+
+    num_routed: int  # global routed experts
+    num_fused_shared: int
+    parallel: ParallelInfo
+
+    def __post_init__(self) -> None:
+        if self.num_routed % self.parallel.ep_size:
+            raise UserError(f"ep_size {self.parallel.ep_size} does not divide n_routed_experts "
+                            f"{self.num_routed}: every EP rank must hold the same number of experts")
+
+    @property
+    def num_local_routed(self) -> int:
+        return self.num_routed // self.parallel.ep_size
+
+    @property
+    def first_local(self) -> int:
+        return self.parallel.ep_rank * self.num_local_routed
+
+    @property
+    def num_local_experts(self) -> int:
+        """Rows of this rank's stacked expert weights: its routed block, then the fused shared ones."""
+        return self.num_local_routed + self.num_fused_shared
+
+    def is_local_routed(self, global_id: int) -> bool:
+        return self.first_local <= global_id < self.first_local + self.num_local_routed
+
+    def owner_rank(self, global_ids: torch.Tensor, source_rank: int) -> torch.Tensor:
+        """Rank that computes each (token, expert) pair; fused shared experts stay on the token's rank."""
+        routed = global_ids < self.num_routed
+        return torch.where(routed, global_ids // self.num_local_routed, torch.full_like(global_ids, source_rank))
+
+    def to_local(self, global_ids: torch.Tensor, dest_rank: int | torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+        """Global ids → `dest_rank`'s local ids (dest_rank may broadcast per row); pairs `dest_rank`
+        does not compute become -1, which the expert kernels skip."""
+        local = torch.where(global_ids < self.num_routed, global_ids - dest_rank * self.num_local_routed,
+                            global_ids - self.num_routed + self.num_local_routed)
+        return torch.where(owner == dest_rank, local, torch.full_like(local, -1))

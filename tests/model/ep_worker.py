@@ -1,0 +1,161 @@
+"""The body of one gloo rank in `test_ep.py` (a module of its own so spawned children import only
+torch and deepseek_pd, not pytest or transformers).
+
+Each rank builds, from the same checkpoint, the single-process reference (ep_size 1, `local`) and
+three variants — EP, TBO alone, EP+TBO — and drives all four through the same calls on its own
+tokens (data-parallel attention): extend, extend-with-prefix (MHA_CHUNKED_KV), paged decode, and
+a step where rank 0 has a single sequence (so TBO must fall back on every rank together). Logits
+and weight-shard checks are written to `<dir>/rank<r>.pt`; the parent test compares them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepseek_pd.model.build_options import BuildOptions
+from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.deepseek import DeepseekForCausalLM
+from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput
+from deepseek_pd.model.parallel import ExpertPlacement, ParallelInfo
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.tbo import TwoBatchOverlap
+
+GLOO_TIMEOUT = datetime.timedelta(seconds=60)
+VARIANTS = ("ep", "tbo", "ep_tbo")
+
+
+def per_expert_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's stacked expert tensors rewritten in the per-expert form `save_pretrained` checkpoints use."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, inter = name[:-len("gate_up_proj")], tensor.shape[1] // 2
+            for j in range(tensor.shape[0]):
+                out[f"{prefix}{j}.gate_proj.weight"] = tensor[j, :inter].clone()
+                out[f"{prefix}{j}.up_proj.weight"] = tensor[j, inter:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[:-len("down_proj")]
+            for j in range(tensor.shape[0]):
+                out[f"{prefix}{j}.down_proj.weight"] = tensor[j].clone()
+        else:
+            out[name] = tensor
+    return out
+
+
+def _build(config: ModelConfig, weights: dict[str, torch.Tensor], parallel: ParallelInfo, dispatcher: str,
+           tbo: bool, fused: int) -> DeepseekForCausalLM:
+    options = BuildOptions(dispatcher=dispatcher, parallel=parallel, enable_tbo=tbo, num_fused_shared_experts=fused,
+                           prefix_chunk_size=3)  # several MHA_CHUNKED_KV steps on short prefixes
+    model = DeepseekForCausalLM(config, options)
+    model.load_weights(weights.items())
+    return model.eval()
+
+
+def _scenario(runner: ModelRunner, rank: int, seed: int, vocab: int) -> dict[str, torch.Tensor]:
+    """The same call sequence on every rank (the all-to-alls pair up), different tokens per rank."""
+    rng = random.Random(seed * 1000 + rank)
+    pool = runner.kv_pool
+    num_seqs = 2 + (rank + seed) % 3
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 9))] for _ in range(num_seqs)]
+    more = [[rng.randrange(vocab) for _ in range(rng.randint(1, 6))] for _ in range(num_seqs)]
+    pages = [pool.alloc(pool.pages_for_tokens(len(p) + len(m) + 4)) for p, m in zip(prompts, more)]
+    out = {"extend": runner.extend([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)])}
+    out["extend_prefix"] = runner.extend([ExtendSeq(m, len(p), pg) for p, m, pg in zip(prompts, more, pages)])
+    lengths = [len(p) + len(m) for p, m in zip(prompts, more)]
+    next_ids = out["extend_prefix"].argmax(-1).tolist()
+    for step in range(3):
+        logits = runner.decode([DecodeSeq(t, n + step, pg) for t, n, pg in zip(next_ids, lengths, pages)])
+        out[f"decode{step}"] = logits
+        next_ids = logits.argmax(-1).tolist()
+    # Rank 0 decodes one sequence only: it cannot split, so no rank may use TBO for this step.
+    active = 1 if rank == 0 else num_seqs
+    out["decode_uneven"] = runner.decode(
+        [DecodeSeq(t, n + 3, pg) for t, n, pg in list(zip(next_ids, lengths, pages))[:active]])
+    return out
+
+
+def run_rank(rank: int, world: int, port: int, directory: str, seed: int, fused: int) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=GLOO_TIMEOUT)
+    try:
+        saved: dict[str, Any] = torch.load(Path(directory) / "model.pt")
+        config = ModelConfig.from_hf(saved["config"])
+        stacked, per_expert = saved["state"], per_expert_names(saved["state"])
+        group = ParallelInfo.from_group()
+        models = {
+            "reference": _build(config, stacked, ParallelInfo(), "local", False, fused),
+            "ep": _build(config, per_expert, group, "all_to_all", False, fused),
+            "tbo": _build(config, stacked, ParallelInfo(), "local", True, fused),
+        }
+        runner_config = RunnerConfig(model="<in-memory>", page_size=4, num_pages=128, mha_chunked_kv_threshold=1)
+        runners = {name: ModelRunner.from_model(model, runner_config) for name, model in models.items()}
+        # EP+TBO the way a worker builds it: from the checkpoint directory, through RunnerConfig.
+        runners["ep_tbo"] = ModelRunner(dataclasses.replace(
+            runner_config, model=str(Path(directory) / "checkpoint"), ep_size=world, enable_tbo=True,
+            num_fused_shared_experts=fused, prefix_chunk_size=3), parallel=group)
+        results: dict[str, Any] = {name: _scenario(runner, rank, seed, config.vocab_size)
+                                   for name, runner in runners.items()}
+        results["shards"] = _shard_report(models["reference"], models["ep"], runners["ep_tbo"].model)
+        results["tbo_micro_batches"] = _traced_micro_batches(runners["ep"], group)
+        results["dispatcher_edges"] = _dispatcher_edge_cases(group, seed)
+        torch.save(results, Path(directory) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _shard_report(reference: DeepseekForCausalLM, *sharded: DeepseekForCausalLM) -> dict[str, bool]:
+    """Per MoE layer: does each EP model hold exactly its block of routed experts (+ fused shared)?"""
+    report = {}
+    for index, model in enumerate(sharded):
+        for full, part in zip(reference.layers, model.layers):
+            if not full.is_moe:
+                continue
+            placement = part.mlp.placement
+            first, n = placement.first_local, placement.num_local_routed
+            want13 = torch.cat([full.mlp.experts.w13[first:first + n], full.mlp.experts.w13[full.mlp.num_routed:]])
+            want2 = torch.cat([full.mlp.experts.w2[first:first + n], full.mlp.experts.w2[full.mlp.num_routed:]])
+            report[f"model{index}.layer{full.layer_id}"] = (torch.equal(part.mlp.experts.w13, want13)
+                                               and torch.equal(part.mlp.experts.w2, want2)
+                                               and part.mlp.experts.num_experts == n + placement.num_fused_shared)
+    return report
+
+
+def _traced_micro_batches(runner: ModelRunner, group: ParallelInfo) -> list[int]:
+    """Which micro-batches ran ops when every rank can split (proves the EP ranks agreed on TBO)."""
+    pool, model = runner.kv_pool, runner.model
+    pages = [pool.alloc(2), pool.alloc(2)]
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [[1, 2, 3], [4, 5]], [0, 0], pages, pool,
+                               model.config.vocab_size, "cpu")
+    batch.attention_method = runner.policy.choose(batch.mode, batch.prefix_lens)
+    trace: list = []
+    with torch.no_grad():
+        TwoBatchOverlap(model, group).final_hidden(batch, trace)
+    return sorted({micro for micro, _, _ in trace})
+
+
+def _dispatcher_edge_cases(group: ParallelInfo, seed: int) -> float:
+    """Dispatch/combine alone where every token picks rank 0's experts (the other ranks receive
+    nothing) and the last rank has no tokens at all. With "experts" that return their input times
+    the sum of the weights of the pairs they own, combine must give hidden * sum(all weights)."""
+    gen = torch.Generator().manual_seed(seed + group.ep_rank)
+    placement = ExpertPlacement(num_routed=4 * group.ep_size, num_fused_shared=0, parallel=group)
+    dispatcher = DISPATCHERS.build("all_to_all", placement)
+    num_tokens = 0 if group.ep_rank == group.ep_size - 1 else 5
+    hidden = torch.randn(num_tokens, 6, generator=gen)
+    ids = torch.randint(0, placement.num_local_routed, (num_tokens, 3), generator=gen)  # rank 0's experts only
+    weights = torch.rand(num_tokens, 3, generator=gen)
+    received = dispatcher.dispatch_b(dispatcher.dispatch_a(hidden, ids, weights))
+    owned = (received.topk_weights * (received.topk_ids >= 0)).sum(dim=1, keepdim=True)
+    combined = dispatcher.combine_b(dispatcher.combine_a(CombineInput(received.hidden * owned, received.handle)))
+    want = hidden * weights.sum(dim=1, keepdim=True)
+    if combined.shape != want.shape:
+        return float("inf")
+    return 0.0 if num_tokens == 0 else ((combined - want).abs().max() / want.abs().max()).item()

@@ -1,0 +1,151 @@
+"""The router command line the operator renders (Static discovery), run for real against our gRPC
+workers: sgl-model-gateway 0.3.2 must register both workers through the `grpc://<hostname>:<port>`
+URLs, report ready, and route a request whose answer only the decode worker can produce. Then the
+decode group is restarted in place (same name, as a gang restart or rolling upgrade does): the
+router, unchanged, must notice, and serve again once the leader is back.
+
+Only what a cluster provides is swapped: each leader's DNS name becomes `localhost` (a name, so
+the gateway still resolves it), the listen address becomes 127.0.0.1 and the checkpoint path a
+local tokenizer directory. The workers are our real gRPC servers around the deterministic fake
+engine of the worker tests (its output is a pure function of the prompt).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+import random
+import socket
+import subprocess
+import sys
+import urllib.parse
+
+import aiohttp
+import pytest
+import yaml
+
+from deepseek_pd.operator.build_router import build_router_args
+from deepseek_pd.operator.spec import DeploymentSpec
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "workers"))  # servicer_fakes: the worker tests' fake engine
+
+from servicer_fakes import PAGE_SIZE, FakeEngine, expected_tokens, make_tokenizer_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+READY_TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spec(ports: dict[str, int], bootstrap_port: int) -> DeploymentSpec:
+    raw = yaml.safe_load((ROOT / "examples" / "cpu-minimal.yaml").read_text())["spec"]
+    raw["router"] = {"workerDiscovery": "Static"}
+    raw["prefill"].update(port=ports["prefill"], bootstrapPort=bootstrap_port)
+    raw["decode"].update(port=ports["decode"])  # Static allows a port per role
+    return DeploymentSpec.parse("reach", "llm", raw)
+
+
+def _localise(args: list[str], model_dir: pathlib.Path, router_port: int) -> list[str]:
+    """Cluster DNS names -> localhost; listen on loopback; the local tokenizer directory."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg.startswith("grpc://"):
+            url = urllib.parse.urlsplit(arg)
+            assert url.hostname.endswith(".llm.svc"), arg
+            out[i] = f"grpc://localhost:{url.port}"
+    for flag, value in (("--host", "127.0.0.1"), ("--port", str(router_port)),
+                        ("--model-path", str(model_dir))):
+        out[out.index(flag) + 1] = value
+    # Health checks every second instead of every minute, so the restart is noticed quickly.
+    return out + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+                  "--health-check-interval-secs", "1"]
+
+
+async def _wait_readiness(session: aiohttp.ClientSession, url: str, router: subprocess.Popen,
+                          status: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + READY_TIMEOUT_S
+    while loop.time() < deadline:
+        assert router.poll() is None, f"router exited with {router.returncode}"
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(f"{url}/readiness") as reply:
+                if reply.status == status:
+                    return
+        await asyncio.sleep(0.2)
+    pytest.fail(f"router /readiness not {status} within {READY_TIMEOUT_S:.0f}s")
+
+
+async def _generate(session: aiohttp.ClientSession, url: str, rng: random.Random) -> list[int]:
+    prompt = [rng.randrange(3, 250) for _ in range(rng.randint(3, 12))]
+    budget = rng.randint(2, 6)
+    body = {"model": "tiny", "input_ids": prompt, "stream": False,
+            "sampling_params": {"max_new_tokens": budget, "temperature": 0.0}}
+    async with session.post(f"{url}/generate", json=body) as reply:
+        assert reply.status == 200, await reply.text()
+        payload = await reply.json()
+    item = payload[0] if isinstance(payload, list) else payload
+    assert item["output_ids"] == expected_tokens(tuple(prompt), budget)
+    return prompt
+
+
+def test_rendered_static_router_reaches_our_grpc_workers_and_survives_a_restart(tmp_path):
+    from deepseek_pd.workers.common.served_model import ServedModelInfo
+    from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
+    from deepseek_pd.workers.common.servicer import WorkerIdentity
+
+    rng = random.Random()
+    model_dir = make_tokenizer_model_dir(tmp_path / "model")
+    info = ServedModelInfo.from_model_dir(model_dir, "tiny")
+    bootstrap_port = _free_port()
+    log_path = tmp_path / "router.log"
+
+    async def start(role: str, port: int = 0) -> tuple[WorkerServer, FakeEngine, int]:
+        engine = FakeEngine()
+        identity = WorkerIdentity(role, "grpc", bootstrap_port if role == "prefill" else 0, PAGE_SIZE)
+        server = WorkerServer(engine, info, identity,
+                              ServerConfig("127.0.0.1", port, drain_timeout_s=1.0, stop_grace_s=0.5))
+        return server, engine, await server.start()
+
+    async def main() -> None:
+        workers = {role: await start(role) for role in ("prefill", "decode")}
+        ports = {role: port for role, (_, _, port) in workers.items()}
+        router_port = _free_port()
+        argv = _localise(build_router_args(_spec(ports, bootstrap_port)), model_dir, router_port)
+        url = f"http://127.0.0.1:{router_port}"
+        with open(log_path, "wb") as log:
+            router = subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+                await _wait_readiness(session, url, router, 200)
+                prompt = await _generate(session, url, rng)
+                # Both legs of the PD pair got the request, each through its own gRPC URL.
+                for role in ("prefill", "decode"):
+                    assert [list(r.input_ids) for r in workers[role][1].requests] == [prompt]
+
+                await workers["decode"][0].shutdown()  # the decode group restarts in place
+                await _wait_readiness(session, url, router, 503)
+                workers["decode"] = await start("decode", ports["decode"])
+                await _wait_readiness(session, url, router, 200)
+                prompt = await _generate(session, url, rng)
+                assert [list(r.input_ids) for r in workers["decode"][1].requests] == [prompt]
+        finally:
+            router.terminate()
+            try:
+                router.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait(timeout=10)
+            for server, _, _ in workers.values():
+                await server.shutdown()
+
+    try:
+        asyncio.run(main())
+    except BaseException:
+        if log_path.exists():  # shown by pytest with the failure
+            print(log_path.read_text(errors="replace")[-4000:])
+        raise
