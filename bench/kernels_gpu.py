@@ -6,12 +6,14 @@ Parts (select with --parts):
   top-8 + 1 shared, hidden 7168, inter 2048) shapes, 1 / 128 / 8x2048 tokens; a small tile sweep.
 - `mla`: absorbed-MLA decode at 16 heads (V2-Lite) and 128 heads (V3), rank 512 + rope 64, page 64,
   batch 1 / 32 / 128, each sequence's context drawn from 512..4096; a small tile sweep.
+- `flash`: ragged flash-attention prefill (MHA, qk 192 / v 128): V2-Lite 8x2048 causal, V3 heads
+  2x4096 causal, and 4x1024 new tokens over a 4096-key prefix (the chunked-prefix path); tile sweep.
 - `e2e`: the V2-Lite runner (bench/model_gpu.py helpers) with torch backends vs Triton backends.
 
 Every check draws fresh random inputs and reports ‖out−ref‖/‖ref‖ (NaN fails); times are
 `triton.testing.do_bench` medians. Ceilings (../shared/FACTS.md): 4,136 GB/s copy, 758 TFLOP/s bf16.
 
-Usage (on the GPU):  python bench/kernels_gpu.py --out kernels.json [--parts moe,mla,e2e]
+Usage (on the GPU):  python bench/kernels_gpu.py --out kernels.json [--parts moe,mla,flash,e2e]
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ def moe_part() -> dict:
     from deepseek_pd.model.kernels.fused_moe import MoETile, default_tile, fused_moe
     from deepseek_pd.model.moe import MOE_BACKENDS
 
-    backends = {name: MOE_BACKENDS.build(name) for name in ("torch", "triton", "grouped") if name in MOE_BACKENDS.names()}
+    names = [name for name in ("torch", "triton", "grouped") if name in MOE_BACKENDS.names()]
+    backends = {name: MOE_BACKENDS.build(name) for name in names}
     sweep = [MoETile(16, 64, 128, 4, 4), MoETile(32, 64, 64, 4, 4), MoETile(64, 128, 64, 8, 3),
              MoETile(128, 128, 64, 8, 3), MoETile(64, 64, 64, 4, 4)]
     rows = []
@@ -172,6 +175,65 @@ def mla_part() -> dict:
     return {"rows": rows}
 
 
+# ---- MHA prefill (flash) ---------------------------------------------------------------------------
+
+FLASH_CASES = {  # name: (heads, new tokens per sequence, prefix keys per sequence (0 = causal), sequences)
+    "v2lite_causal_8x2048": (16, 2048, 0, 8),
+    "v3_causal_2x4096": (128, 4096, 0, 2),
+    "v2lite_prefix_4x1024_over_4096": (16, 1024, 4096, 4),
+}
+
+
+def flash_part() -> dict:
+    from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend
+    from deepseek_pd.model.kernels.flash_prefill import FlashTile, flash_attention
+
+    reference = TorchAttentionBackend()
+    sweep = [FlashTile(128, 64, 8, 3), FlashTile(128, 128, 8, 3), FlashTile(64, 64, 4, 3), FlashTile(128, 32, 4, 3)]
+    rows = []
+    for name, (heads, new, prefix, seqs) in FLASH_CASES.items():
+        qk, dv, scale = 192, 128, 192 ** -0.5
+        q = torch.randn(seqs * new, heads, qk, device="cuda", dtype=torch.bfloat16)
+        keys = seqs * (prefix or new)
+        k = torch.randn(keys, heads, qk, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(keys, heads, dv, device="cuda", dtype=torch.bfloat16)
+        qo = tuple(range(0, seqs * new + 1, new))
+        kvo = tuple(range(0, keys + 1, prefix or new))
+        causal = prefix == 0
+        if causal:
+            ref, ref_lse = reference.mha_causal(q, k, v, qo, scale)
+            flops = 2.0 * seqs * heads * (new * (new + 1) / 2) * (qk + dv)
+        else:
+            ref, ref_lse = reference.mha_cross(q, k, v, qo, kvo, scale)
+            flops = 2.0 * seqs * heads * new * prefix * (qk + dv)
+        q_off = torch.tensor(qo, dtype=torch.int32, device="cuda")
+        kv_off = torch.tensor(kvo, dtype=torch.int32, device="cuda")
+        row = {"case": name, "torch_ms": bench_ms(lambda: (reference.mha_causal(q, k, v, qo, scale) if causal
+                                                            else reference.mha_cross(q, k, v, qo, kvo, scale)))}
+        row["torch_TFLOPs"] = flops / row["torch_ms"] / 1e9
+        for tile in sweep:
+            try:
+                out, lse = flash_attention(q, k, v, q_off, q_off if causal else kv_off, new, scale, causal, tile)
+                err, lse_err = rel_err(out, ref), float((lse - ref_lse).abs().max())
+                ms = bench_ms(lambda: flash_attention(q, k, v, q_off, q_off if causal else kv_off, new, scale,
+                                                      causal, tile))
+            except Exception as exc:
+                row.setdefault("sweep_errors", []).append(f"{tile}: {exc!r}"[:200])
+                continue
+            row.setdefault("sweep", []).append({"tile": str(tile), "ms": ms, "rel_err": err, "lse_max_abs_err": lse_err,
+                                                "TFLOPs": flops / ms / 1e9})
+        default = row["sweep"][0] if row.get("sweep") else {}
+        row.update(triton_ms=default.get("ms"), triton_rel_err=default.get("rel_err"),
+                   triton_TFLOPs=default.get("TFLOPs"))
+        good = [s for s in row.get("sweep", []) if s["rel_err"] < TOL_BF16]
+        row["best"] = min(good, key=lambda s: s["ms"]) if good else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
 # ---- end to end ------------------------------------------------------------------------------------
 
 @torch.inference_mode()
@@ -225,6 +287,11 @@ def summary(results: dict) -> str:
                      f"| triton {row.get('triton_ms') or float('nan'):.3f}ms {row.get('triton_GBs') or 0:.0f}GB/s "
                      f"err {row.get('triton_rel_err') or float('nan'):.1e} | best {best.get('tile', '-')[13:80]} "
                      f"{best.get('ms', float('nan')):.3f}ms {best.get('GBs', 0):.0f}GB/s")
+    for row in results.get("flash", {}).get("rows", []):
+        best = row.get("best") or {}
+        lines.append(f"flash {row['case']}: torch {row['torch_ms']:.2f}ms | triton {row.get('triton_ms') or float('nan'):.2f}ms "
+                     f"{row.get('triton_TFLOPs') or 0:.0f}TF err {row.get('triton_rel_err') or float('nan'):.1e} | "
+                     f"best {best.get('tile', '-')[9:60]} {best.get('ms', float('nan')):.2f}ms {best.get('TFLOPs', 0):.0f}TF")
     e2e = results.get("e2e", {})
     for name in ("torch", "triton"):
         if name in e2e:
@@ -236,7 +303,7 @@ def summary(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="moe,mla,e2e")
+    parser.add_argument("--parts", default="moe,mla,flash,e2e")
     parser.add_argument("--out", default="kernels_gpu.json")
     args = parser.parse_args()
     torch.manual_seed(int(time.time()))
@@ -245,7 +312,7 @@ def main() -> None:
         start = time.perf_counter()
         try:
             with torch.inference_mode():
-                results[part] = {"moe": moe_part, "mla": mla_part, "e2e": e2e_part}[part]()
+                results[part] = {"moe": moe_part, "mla": mla_part, "flash": flash_part, "e2e": e2e_part}[part]()
         except Exception as exc:  # keep the other parts' numbers when one fails
             traceback.print_exc()
             results[part] = {"error": repr(exc)}

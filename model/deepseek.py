@@ -7,6 +7,7 @@ micro-batches. `load_weights` takes HF tensor names (see
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -15,14 +16,25 @@ from torch import nn
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.decoder_layer import DeepseekDecoderLayer
-from deepseek_pd.model.forward_batch import ForwardBatch
-from deepseek_pd.model.layer_ops import LAYER_BOUNDARY_KEYS, OpState, run_layer_ops
+from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.layer_ops import LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, OpState, run_layer_ops
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.parallel import ExpertPlacement
 from deepseek_pd.model.rope import RotaryEmbedding
 from deepseek_pd.model.tbo import TwoBatchOverlap
 from deepseek_pd.model.weight_mapping import load_hf_weights
+
+
+# The MoE ops between the attention block and the layer's end (what an idle EP rank runs).
+_MOE_MLP_OPS = MOE_LAYER_OPS[MOE_LAYER_OPS.index("gate"):MOE_LAYER_OPS.index("postprocess")]
+
+
+@dataclass(frozen=True)
+class _IdleBatch:
+    """All an MLP op reads from a batch (the mode, for the dispatcher's per-batch kernel choice)."""
+
+    mode: ForwardMode
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -75,6 +87,26 @@ class DeepseekForCausalLM(nn.Module):
             return self.compute_logits(self._tbo.final_hidden(batch))
         hidden = self.final_hidden(self.run_layers(batch), batch.last_token_index)
         return self.compute_logits(hidden)
+
+    @torch.no_grad()
+    def forward_idle(self, mode: ForwardMode) -> None:
+        """Takes part in one forward's EP collectives with no tokens of its own.
+
+        With data-parallel attention a rank may have no requests in a step while the others run a
+        batch; their all-to-alls still need this rank. Runs each MoE layer's MLP ops (the same op
+        methods, from `gate` to `output`) on zero rows, and, with TBO, votes "cannot split" so
+        every rank takes the plain path for this step.
+        """
+        if self._tbo is not None:
+            self.options.parallel.all_agree(False, self.embed_tokens.weight.device)
+        stand_in = _IdleBatch(mode)
+        for layer in self.layers:
+            if not layer.is_moe:
+                continue
+            state = OpState(mlp_input=self.embed_tokens.weight.new_empty(0, self.config.hidden_size))
+            for name in _MOE_MLP_OPS:
+                getattr(layer, f"op_{name}")(state, stand_in)
+            state.pop("mlp_output")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

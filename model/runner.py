@@ -150,6 +150,11 @@ class ModelRunner:
         return self._run(ForwardMode.EXTEND, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
                          [s.pages for s in seqs])
 
+    def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
+        """With EP: this rank has no requests this step but must join the other ranks' MoE
+        all-to-alls (call it where the others call extend/decode). A no-op work-wise at ep_size 1."""
+        self.model.forward_idle(mode)
+
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         """fp32 logits `[len(seqs), vocab]` for one new token per sequence."""
         return self._run(ForwardMode.DECODE, [[s.token_id] for s in seqs], [s.position for s in seqs],

@@ -11,6 +11,7 @@ from typing import Any
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups, desired_groups
+from deepseek_pd.operator.router_rollout import PROGRESS_DEADLINE_SECONDS
 from deepseek_pd.operator.spec import DeploymentSpec
 
 Manifest = dict[str, Any]
@@ -53,6 +54,10 @@ def build_router_role_binding(spec: DeploymentSpec) -> Manifest:
 # registering it, and never retries; so it waits at least as long as the startup probe lets a
 # worker load weights, plus time to schedule the pod and pull the image.
 SCHEDULE_AND_PULL_SECONDS = 900
+# A router pod being replaced (every scale change rolls a Static router) finishes its in-flight
+# requests for this long after SIGTERM; the pod's grace period must cover it (the default 30 s
+# would cut long generations).
+SHUTDOWN_GRACE_SECONDS = 180
 
 
 def router_startup_timeout_seconds(spec: DeploymentSpec) -> int:
@@ -69,6 +74,7 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
         "--pd-disaggregation",
         *discovery.worker_args(spec, desired_groups(spec) if groups is None else groups),
         "--worker-startup-timeout-secs", str(router_startup_timeout_seconds(spec)),
+        "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_SECONDS),
         "--policy", spec.router.policy,
         "--model-path", spec.model.path,
         "--host", "0.0.0.0",
@@ -101,6 +107,7 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
     pod_spec: dict[str, Any] = {
         "serviceAccountName": names.router_name(spec.name),
         "automountServiceAccountToken": WORKER_DISCOVERY[router.worker_discovery].needs_pod_access,
+        "terminationGracePeriodSeconds": SHUTDOWN_GRACE_SECONDS + 10,
         "containers": [container],
     }
     if spec.model.volume is not None:  # the gateway tokenizes, so it reads the checkpoint's tokenizer
@@ -117,6 +124,7 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
         "metadata": _meta(spec),
         "spec": {
             "replicas": router.replicas,
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
             "selector": {"matchLabels": _selector(spec)},
             "template": {"metadata": {"labels": {**names.base_labels(spec.name, "router"),
                                                  **_selector(spec)}},

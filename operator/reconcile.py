@@ -13,11 +13,12 @@ from typing import Any
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_router import build_router_children, router_endpoint
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
-from deepseek_pd.operator.executor import Executor, Key, Manifest
+from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
 from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.observed import groups_of_role
-from deepseek_pd.operator.planner import RolePlan, RoleTarget, plan_role
-from deepseek_pd.operator.router_discovery import RouterGroups
+from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
+from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
+from deepseek_pd.operator.router_rollout import router_rolled_out
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.operator.status import (
     RouterState, build_apply_error_status, build_invalid_status, build_status,
@@ -101,13 +102,16 @@ class Reconciler:
         # The router lists the groups that will serve (Static); a static child no longer built,
         # such as its Role after a switch from Selector to Static, is deleted below.
         desired = build_static_children(spec, {role: sorted(p.serving) for role, p in plans.items()})
+        held = self._held_deletions(spec, plans, desired, observed)
         for role, plan in plans.items():
-            desired += [build_group_service(spec, role, i) for i in sorted(plan.group_indices)]
+            indices = plan.group_indices | held[role]  # a held group stays reachable by name
+            desired += [build_group_service(spec, role, i) for i in sorted(indices)]
         for manifest in desired:
             await executor.apply(manifest)
-        for plan in plans.values():
+        for role, plan in plans.items():
             for action in plan.actions:
-                await executor.run(action)
+                if not (isinstance(action, DeleteGroup) and action.index in held[role]):
+                    await executor.run(action)
         wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
         for kind, child in sorted(observed):
             if kind in STATIC_KINDS and (kind, child) not in wanted:
@@ -120,6 +124,19 @@ class Reconciler:
         floors = {r: t.replicas - t.max_unavailable for r, t in targets.items()}
         revisions = {r: t.revision for r, t in targets.items()}
         return build_status(plans, revisions, floors, router, generation, previous, _now())
+
+    @staticmethod
+    def _held_deletions(spec: DeploymentSpec, plans: dict[str, RolePlan], desired: list[Manifest],
+                        observed: dict[Key, Manifest]) -> dict[str, frozenset[int]]:
+        """Retired groups a router that lists its groups may still send to: they are deleted
+        only once the router rollout without them is complete (see router_rollout)."""
+        name = names.router_name(spec.name)
+        router = next(m for m in desired if m["kind"] == "Deployment" and m["metadata"]["name"] == name)
+        if not WORKER_DISCOVERY[spec.router.worker_discovery].lists_groups or \
+                router_rolled_out(observed.get(("Deployment", name)), manifest_hash(router)):
+            return {role: frozenset() for role in plans}
+        return {role: frozenset(a.index for a in plan.actions if isinstance(a, DeleteGroup))
+                for role, plan in plans.items()}
 
     async def delete_children(self, namespace: str, name: str,
                               logger: logging.Logger | logging.LoggerAdapter) -> None:

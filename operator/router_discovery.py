@@ -35,6 +35,7 @@ class WorkerDiscovery:
 
     worker_args: Callable[[DeploymentSpec, RouterGroups], list[str]]
     needs_pod_access: bool  # the router lists/watches pods: Role, RoleBinding, mounted token
+    lists_groups: bool  # its arguments name the groups: retiring one waits for the router rollout
 
 
 def desired_groups(spec: DeploymentSpec) -> dict[str, tuple[int, ...]]:
@@ -75,6 +76,6 @@ def _selector_args(spec: DeploymentSpec, groups: RouterGroups) -> list[str]:
 
 
 WORKER_DISCOVERY: dict[str, WorkerDiscovery] = {
-    "Static": WorkerDiscovery(_static_args, needs_pod_access=False),
-    "Selector": WorkerDiscovery(_selector_args, needs_pod_access=True),
+    "Static": WorkerDiscovery(_static_args, needs_pod_access=False, lists_groups=True),
+    "Selector": WorkerDiscovery(_selector_args, needs_pod_access=True, lists_groups=False),
 }

@@ -1,9 +1,11 @@
-"""Attention backend "triton": the Triton absorbed-MLA decode kernel; extend paths from the torch backend.
+"""Attention backend "triton": Triton kernels for MHA prefill and MLA decode.
 
-Decode (`mla_decode`) runs all sequences of the batch in one launch (plus a small combine), over a
-`[batch, max_pages]` int32 page table and int32 lengths derived once per batch and shared by all
-layers through `batch.derived`. Extend (`mha_causal`, `mha_cross`, `merge_states`, `mla_extend`)
-is delegated to `TorchAttentionBackend` for now; a Triton prefill kernel is the next step.
+    mha_causal / mha_cross  `kernels/flash_prefill.py`: one ragged flash-attention launch for the
+                            whole batch, returning the log-sum-exp the chunked-prefix path merges.
+    mla_decode              `kernels/mla_decode.py`: all sequences in one split-K launch over a
+                            `[batch, max_pages]` int32 page table built once per batch (shared by
+                            all layers through `batch.derived`).
+    merge_states, mla_extend  the torch reference (elementwise / rare path: extend over a short prefix).
 """
 from __future__ import annotations
 
@@ -25,18 +27,48 @@ def decode_metadata(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, in
     return batch.derived[_DECODE_META]
 
 
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take any row strides but need a unit stride along the feature axis."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @ATTENTION_BACKENDS.register("triton")
 class TritonAttentionBackend:
     def __init__(self) -> None:
         require_triton("attention backend 'triton'")
+        from deepseek_pd.model.kernels.flash_prefill import flash_attention
         from deepseek_pd.model.kernels.mla_decode import mla_decode
 
+        self._flash = flash_attention
         self._mla_decode = mla_decode
         reference = TorchAttentionBackend()
-        self.mha_causal = reference.mha_causal
-        self.mha_cross = reference.mha_cross
         self.merge_states = reference.merge_states
         self.mla_extend = reference.mla_extend
+        # Every layer of a forward passes the same host offsets: upload them once, not once per layer.
+        self._offsets_key: tuple | None = None
+        self._offsets_dev: torch.Tensor | None = None
+
+    def _device_offsets(self, offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        key = (offsets, device)
+        if key != self._offsets_key:
+            self._offsets_dev = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+            self._offsets_key = key
+        return self._offsets_dev
+
+    def mha_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_offsets: tuple[int, ...],
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = self._device_offsets(qo_offsets, q.device)
+        max_len = max(b - a for a, b in zip(qo_offsets[:-1], qo_offsets[1:]))
+        return self._flash(_unit_stride(q), _unit_stride(k), _unit_stride(v), offsets, offsets, max_len, scale,
+                           causal=True)
+
+    def mha_cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_offsets: tuple[int, ...],
+                  kv_offsets: tuple[int, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        q_dev = self._device_offsets(qo_offsets, q.device)
+        kv_dev = torch.tensor(kv_offsets, dtype=torch.int32).to(q.device, non_blocking=True)
+        max_len = max(b - a for a, b in zip(qo_offsets[:-1], qo_offsets[1:]))
+        return self._flash(_unit_stride(q), _unit_stride(k), _unit_stride(v), q_dev, kv_dev, max_len, scale,
+                           causal=False)
 
     def mla_decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    batch: ForwardBatch, kv_lora_rank: int, scale: float) -> torch.Tensor:
@@ -44,7 +76,5 @@ class TritonAttentionBackend:
             raise ValueError(f"kv_lora_rank {kv_lora_rank} does not fit q_latent {tuple(q_latent.shape)} / "
                              f"kv_cache {tuple(kv_cache.shape)}")
         page_table, seq_lens, max_len = decode_metadata(batch)
-        # The kernel takes any row strides but a unit stride along the feature axis.
-        q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
-        q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
-        return self._mla_decode(q_latent, q_pe, kv_cache, page_table, seq_lens, max_len, scale)
+        return self._mla_decode(_unit_stride(q_latent), _unit_stride(q_pe), kv_cache, page_table, seq_lens,
+                                max_len, scale)

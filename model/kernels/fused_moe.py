@@ -42,7 +42,10 @@ def default_tile(num_pairs: int, num_experts: int) -> MoETile:
         return MoETile(16, 64, 128, num_warps=4, num_stages=4)
     if rows_per_expert <= 128:
         return MoETile(32, 64, 64, num_warps=4, num_stages=4)
-    return MoETile(64, 128, 64, num_warps=8, num_stages=3)
+    if rows_per_expert <= 256:
+        return MoETile(64, 128, 64, num_warps=8, num_stages=3)
+    # H200, 2026-12-02 sweep (docs/performance.md): 128x128 tiles won at 574 and 1985 rows per expert.
+    return MoETile(128, 128, 64, num_warps=8, num_stages=3)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from deepseek_pd.model.parallel import ExpertPlacement
 
 try:
     import deep_ep  # type: ignore[import-not-found]
-except ImportError:  # the CPU build, or DeepEP not installed: the dispatcher is not offered
+except (ImportError, OSError):  # not installed, or its CUDA/NVSHMEM libraries are missing: not offered
     deep_ep = None
 
 # Low-latency mode pre-sizes its RDMA buffers for this many tokens per rank (SGLang's default).

@@ -4,7 +4,8 @@ torch and deepseek_pd, not pytest or transformers).
 Each rank builds, from the same checkpoint, the single-process reference (ep_size 1, `local`) and
 three variants — EP, TBO alone, EP+TBO — and drives all four through the same calls on its own
 tokens (data-parallel attention): extend, extend-with-prefix (MHA_CHUNKED_KV), paged decode, and
-a step where rank 0 has a single sequence (so TBO must fall back on every rank together). Logits
+a step where rank 0 has a single sequence (so TBO must fall back on every rank together) and one
+where the last rank is idle (`runner.idle()`). Logits
 and weight-shard checks are written to `<dir>/rank<r>.pt`; the parent test compares them.
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _build(config: ModelConfig, weights: dict[str, torch.Tensor], parallel: Para
     return model.eval()
 
 
-def _scenario(runner: ModelRunner, rank: int, seed: int, vocab: int) -> dict[str, torch.Tensor]:
+def _scenario(runner: ModelRunner, rank: int, world: int, seed: int, vocab: int) -> dict[str, torch.Tensor]:
     """The same call sequence on every rank (the all-to-alls pair up), different tokens per rank."""
     rng = random.Random(seed * 1000 + rank)
     pool = runner.kv_pool
@@ -77,6 +78,14 @@ def _scenario(runner: ModelRunner, rank: int, seed: int, vocab: int) -> dict[str
     active = 1 if rank == 0 else num_seqs
     out["decode_uneven"] = runner.decode(
         [DecodeSeq(t, n + 3, pg) for t, n, pg in list(zip(next_ids, lengths, pages))[:active]])
+    # The last rank has no requests this step (data-parallel attention) but joins the all-to-alls.
+    # (The others redo position n+3 with the same tokens: the cache rows are rewritten identically.)
+    if rank == world - 1:
+        runner.idle(ForwardMode.DECODE)
+        out["decode_one_rank_idle"] = torch.empty(0)
+    else:
+        out["decode_one_rank_idle"] = runner.decode(
+            [DecodeSeq(t, n + 3, pg) for t, n, pg in zip(next_ids, lengths, pages)])
     return out
 
 
@@ -101,7 +110,7 @@ def run_rank(rank: int, world: int, port: int, directory: str, seed: int, fused:
         runners["ep_tbo"] = ModelRunner(dataclasses.replace(
             runner_config, model=str(Path(directory) / "checkpoint"), ep_size=world, enable_tbo=True,
             num_fused_shared_experts=fused, prefix_chunk_size=3), parallel=group)
-        results: dict[str, Any] = {name: _scenario(runner, rank, seed, config.vocab_size)
+        results: dict[str, Any] = {name: _scenario(runner, rank, world, seed, config.vocab_size)
                                    for name, runner in runners.items()}
         results["shards"] = _shard_report(models["reference"], models["ep"], runners["ep_tbo"].model)
         results["tbo_micro_batches"] = _traced_micro_batches(runners["ep"], group)

@@ -56,6 +56,8 @@ def test_ep_and_tbo_equal_single_process(tmp_path, world, fused):
             for case, want in reference.items():
                 got = results[variant][case]
                 assert got.shape == want.shape, (rank, variant, case)
+                if not want.numel():
+                    continue  # this rank was idle in this step
                 err = _rel_err(got, want)
                 assert err <= REL_TOL, f"seed {seed} rank {rank} {variant} {case}: rel err {err:.2e}"
 

@@ -213,9 +213,11 @@ def test_selector_router_watches_leaders_with_least_privilege():
     assert children["Deployment"]["spec"]["replicas"] == 2
 
 
-def test_router_is_ready_only_with_workers_and_alive_without():
-    container = _router_children(_spec(_raw("cpu-minimal.yaml")))["Deployment"]["spec"]["template"][
-        "spec"]["containers"][0]
+def test_router_is_ready_only_with_workers_alive_without_and_drains_when_replaced():
+    deployment = _router_children(_spec(_raw("cpu-minimal.yaml")))["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["terminationGracePeriodSeconds"] > router_flags(deployment).shutdown_grace_period_secs
     port_names = {p["name"] for p in container["ports"]}
     assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
     assert container["livenessProbe"]["httpGet"]["path"] == "/liveness"

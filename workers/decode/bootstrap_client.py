@@ -155,7 +155,7 @@ class BootstrapClient:
                         pass  # the stream is broken; the next read reports it
             elif kind == "done":
                 sink.check_complete(event.done)  # raising here cancels the call: prefill learns it
-                await _half_close(call)  # the confirmation the prefill side waits for
+                await _confirm_and_close(call, event.seq)
                 return event.done
             elif kind == "failed":
                 await _half_close(call)
@@ -179,11 +179,20 @@ class BootstrapClient:
 
 
 async def _half_close(call) -> None:
-    """Tells the prefill side we hold its last event (and accepted it), so it can end the call."""
+    """Tells the prefill side we hold its last event, so it can end the call cleanly."""
     try:
         await call.done_writing()
     except (grpc.aio.AioRpcError, grpc.aio.UsageError):
         pass
+
+
+async def _confirm_and_close(call, seq: int) -> None:
+    """Credits the TransferDone itself: the prefill side's proof that decode accepted all KV."""
+    try:
+        await call.write(pb.DecodeMessage(credit=pb.Credit(received_seq=seq)))
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+        pass
+    await _half_close(call)
 
 
 def _code_of(exc: grpc.aio.AioRpcError) -> FailureCode:

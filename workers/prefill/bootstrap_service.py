@@ -42,7 +42,7 @@ class Room:
         self.peer_gone: asyncio.Future[tuple[FailureCode, str]] = loop.create_future()
         self.failure: asyncio.Future[pb.TransferFailed] = loop.create_future()
         self.events: asyncio.Queue[pb.TransferEvent] = asyncio.Queue(maxsize=queue_depth)
-        # True once the decode side confirmed (by half-closing) that it holds TransferDone.
+        # True once the decode side confirmed (a Credit for its seq) that it accepted TransferDone.
         self.delivered: asyncio.Future[bool] = loop.create_future()
         self.finished = False  # a terminal event has been queued
         # Kept after its request ended so the other side's late arrival fails at once; expires.
@@ -193,7 +193,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         credits = _Credits()
         credit_task = asyncio.create_task(credits.follow(request_iterator))
         seq = 0
-        delivered_terminal = False
+        delivered_terminal = delivered_done = False
         try:
             yield pb.TransferEvent(seq=seq, accepted=pb.HandshakeAck(
                 protocol_version=PROTOCOL_VERSION, credit_window=window))
@@ -202,7 +202,8 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             except asyncio.TimeoutError:
                 delivered_terminal = True
                 self.registry.drop(room)
-                yield pb.TransferEvent(seq=seq + 1, failed=pb.TransferFailed(
+                seq += 1
+                yield pb.TransferEvent(seq=seq, failed=pb.TransferFailed(
                     code=code_to_pb(FailureCode.DEADLINE_EXCEEDED),
                     reason=f"prefill worker never received the request of room {request.room} "
                            f"within {self.registry.config.claim_timeout_s}s"))
@@ -221,6 +222,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                 yield event
                 if kind in ("done", "failed"):
                     delivered_terminal = True
+                    delivered_done = kind == "done"
                     return
         finally:
             if not delivered_terminal:
@@ -236,9 +238,10 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                     # before the terminal event is flushed: wait for its half-close, briefly. The
                     # half-close is also decode's confirmation that it accepted everything.
                     await asyncio.wait({credit_task}, timeout=_HALF_CLOSE_WAIT_S)
-                    confirmed = credits.half_closed
+                    # Decode credits the terminal event's seq only after accepting it.
+                    confirmed = delivered_done and credits.received_seq >= seq
             finally:  # also when the call is cancelled during the wait above
-                if delivered_terminal and not confirmed:
+                if delivered_done and not confirmed:
                     room.mark_peer_gone(FailureCode.UNAVAILABLE, f"decode side of room {request.room} did "
                                         "not confirm the transfer (it rejected the KV or went away)")
                 if not room.delivered.done():
@@ -277,7 +280,6 @@ class _Credits:
         self.received_seq = 0
         self.changed = asyncio.Event()
         self.closed = False
-        self.half_closed = False  # the decode side ended its stream cleanly: it has every event
 
     async def follow(self, requests: AsyncIterator[pb.DecodeMessage]) -> None:
         try:
@@ -285,7 +287,6 @@ class _Credits:
                 if message.WhichOneof("message") == "credit":
                     self.received_seq = max(self.received_seq, message.credit.received_seq)
                     self.changed.set()
-            self.half_closed = True
         except (grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.UsageError):
             pass
         finally:
