@@ -16,6 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="name clients put in 'model' (default: 'tiny' or the directory name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address peers reach this worker at (KV transfer); default: --host, or "
+                             "this machine's address when --host is 0.0.0.0 (the pod IP in Kubernetes)")
     parser.add_argument("--port", type=int, default=30001, help="gRPC port (default 30001)")
     parser.add_argument("--bootstrap-port", type=int, default=8998,
                         help="prefill: port of the bootstrap (handshake/KV) service (default 8998)")
@@ -28,6 +31,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
     parser.add_argument("--chunked-prefill-size", type=int, default=None,
                         help="prefill token budget per batch")
+    parallel = parser.add_argument_group("parallelism (one worker over several GPUs/nodes)")
+    parallel.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parallel.add_argument("--dp", type=int, default=1, help="data parallel (attention) size")
+    parallel.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    parallel.add_argument("--deepep-mode", default="none", choices=["none", "normal", "low_latency", "auto"])
+    parallel.add_argument("--nnodes", type=int, default=1, help="nodes (pods) in this worker's group")
+    parallel.add_argument("--node-rank", type=int, default=0, help="this pod's rank in the group")
+    parallel.add_argument("--dist-init-addr", default="", help="HOST:PORT of rank 0, for torch.distributed")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="engine-specific setting, repeatable")
     parser.add_argument("--engine-factory", default=None, metavar="MODULE:FUNC",
@@ -47,11 +58,24 @@ def parse_engine_opts(items: list[str]) -> dict[str, str]:
     return opts
 
 
+def advertised_address(bind_host: str) -> str:
+    """A wildcard bind address cannot be handed to peers; use this host's own address instead."""
+    import socket
+
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as exc:
+        raise UserError(f"--host {bind_host!r} needs --advertise-host: cannot resolve this "
+                        f"machine's address ({exc})") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from deepseek_pd.launcher.cluster import default_served_name, resolve_model_dir
-    from deepseek_pd.workers.common.engine_factory import WorkerOptions
+    from deepseek_pd.workers.common.engine_factory import ParallelOptions, WorkerOptions
     from deepseek_pd.workers.common.worker_main import configure_logging, serve_worker
 
     for name in ("port", "bootstrap_port"):
@@ -68,8 +92,11 @@ def run(args: argparse.Namespace) -> int:
     served = args.served_model_name or default_served_name(args.model, model_dir)
     options = WorkerOptions(
         role=args.role, model_dir=str(model_dir), served_model_name=served, host=args.host,
+        advertise_host=args.advertise_host or advertised_address(args.host),
         port=args.port, bootstrap_port=args.bootstrap_port, kv_transport=args.kv_transport,
         device=args.device, dtype=args.dtype, page_size=page_size, num_pages=args.num_pages,
-        chunked_prefill_size=args.chunked_prefill_size, engine_options=parse_engine_opts(args.engine_opt))
+        chunked_prefill_size=args.chunked_prefill_size, engine_options=parse_engine_opts(args.engine_opt),
+        parallel=ParallelOptions(args.tp, args.dp, args.ep, args.deepep_mode, args.nnodes,
+                                 args.node_rank, args.dist_init_addr))
     asyncio.run(serve_worker(options, args.engine_factory, args.drain_timeout))
     return 0

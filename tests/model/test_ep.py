@@ -37,10 +37,13 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("world, fused", [(2, 0), (4, 1)])
-def test_ep_and_tbo_equal_single_process(tmp_path, world, fused):
+@pytest.mark.parametrize("world, fused, shape", [
+    (2, 0, TinyShape(arch="v2", q_lora_rank=None, topk_method="group_limited_greedy", num_layers=3)),  # V2-Lite-like
+    (4, 1, TinyShape(arch="v3", num_layers=3)),
+], ids=["ep2-v2", "ep4-v3-fused-shared"])
+def test_ep_and_tbo_equal_single_process(tmp_path, world, fused, shape):
     seed = random.randrange(1 << 20)
-    hf = build_hf_model(TinyShape(arch="v3", num_layers=3, first_k_dense_replace=1), seed=seed)
+    hf = build_hf_model(shape, seed=seed)
     torch.save({"config": hf.config.to_dict(), "state": dict(hf.state_dict())}, tmp_path / "model.pt")
     hf.save_pretrained(tmp_path / "checkpoint")
     torch.multiprocessing.spawn(run_rank, args=(world, _free_port(), str(tmp_path), seed, fused), nprocs=world,

@@ -61,9 +61,11 @@ def _localise(args: list[str], model_dir: pathlib.Path, router_port: int) -> lis
     for flag, value in (("--host", "127.0.0.1"), ("--port", str(router_port)),
                         ("--model-path", str(model_dir))):
         out[out.index(flag) + 1] = value
-    # Health checks every second instead of every minute, so the restart is noticed quickly.
+    # Health checks every second instead of every minute, and one result is enough, so the
+    # restart is noticed quickly.
     return out + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
-                  "--health-check-interval-secs", "1"]
+                  "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                  "--health-success-threshold", "1"]
 
 
 async def _wait_readiness(session: aiohttp.ClientSession, url: str, router: subprocess.Popen,

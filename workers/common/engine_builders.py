@@ -51,6 +51,15 @@ def _split_options(options: WorkerOptions, targets: dict[str, Any]) -> dict[str,
     return assigned
 
 
+def _check_single_process(options: WorkerOptions) -> None:
+    par = options.parallel
+    if not par.is_single_process:
+        raise UserError(
+            f"--tp {par.tp} --dp {par.dp} --ep {par.ep} --nnodes {par.nnodes}: the {options.role} "
+            "engine of this build runs one process per worker; multi-GPU/multi-node workers are "
+            "not supported yet (use --tp 1 --dp 1 --ep 1 --nnodes 1)")
+
+
 def _configs(options: WorkerOptions):
     from deepseek_pd.model.runner import RunnerConfig
     from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
@@ -72,7 +81,7 @@ def _configs(options: WorkerOptions):
         runner = RunnerConfig(**runner_fields)
         worker = WorkerConfig(
             kv_transport=options.kv_transport,
-            transport=TransportConfig(**{"advertise_host": options.host, **opts["transport"]}),
+            transport=TransportConfig(**{"advertise_host": options.advertise_host, **opts["transport"]}),
             bootstrap=BootstrapConfig(**{"host": options.host, "port": options.bootstrap_port,
                                          **opts["bootstrap"]}),
             scheduler=SchedulerConfig(**scheduler_fields))
@@ -85,6 +94,7 @@ def build_prefill_engine(options: WorkerOptions):
     from deepseek_pd.model.runner import ModelRunner
     from deepseek_pd.workers.prefill.engine import PrefillEngine
 
+    _check_single_process(options)
     runner_config, worker_config = _configs(options)
     return PrefillEngine(ModelRunner(runner_config), worker_config)
 
@@ -93,5 +103,6 @@ def build_decode_engine(options: WorkerOptions):
     from deepseek_pd.model.runner import ModelRunner
     from deepseek_pd.workers.decode.engine import DecodeEngine
 
+    _check_single_process(options)
     runner_config, worker_config = _configs(options)
     return DecodeEngine(ModelRunner(runner_config), worker_config)

@@ -27,13 +27,31 @@ DEFAULT_BUILDERS = {
 
 
 @dataclass(frozen=True)
+class ParallelOptions:
+    """How one worker spans GPUs and nodes (the operator's LWS-style flags)."""
+
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    deepep_mode: str = "none"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
+
+    @property
+    def is_single_process(self) -> bool:
+        return self.tp == self.dp == self.ep == self.nnodes == 1
+
+
+@dataclass(frozen=True)
 class WorkerOptions:
     """Everything `deepseek-pd serve` was told; engines read what concerns them."""
 
     role: str
     model_dir: str
     served_model_name: str
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # bind address of the gRPC and bootstrap servers
+    advertise_host: str = "127.0.0.1"  # the address peers use to reach this worker (pod IP)
     port: int = 30001
     bootstrap_port: int = 8998
     kv_transport: str = "grpc"
@@ -42,6 +60,7 @@ class WorkerOptions:
     page_size: int | None = None  # None: the engine's default
     num_pages: int | None = None  # None: the engine's default
     chunked_prefill_size: int | None = None
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
     engine_options: dict = field(default_factory=dict, hash=False)  # --engine-opt KEY=VALUE
 
 
