@@ -219,3 +219,19 @@ def test_demo_streams_a_chat_answer_and_cleans_up(tmp_path) -> None:
     assert answer, out
     assert "12 tokens" in err and "cluster stopped" in err
     assert wait_gone(tree, 10) == set()
+
+
+def test_serve_accepts_every_flag_the_operator_renders() -> None:
+    """The operator's pods run `deepseek-pd serve` with these flags; none may be unknown here."""
+    from deepseek_pd.cli import build_parser
+    from deepseek_pd.operator.crd_spec import MANAGED_FLAGS
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    known = {option for action in serve._actions for option in action.option_strings}
+    assert {f"--{flag}" for flag in MANAGED_FLAGS} <= known
+    args = build_parser().parse_args(
+        ["serve", "prefill", "--model", "/m", "--host", "0.0.0.0", "--port", "30001",
+         "--bootstrap-port", "8998", "--kv-transport", "mooncake", "--tp", "2", "--dp", "1", "--ep", "2",
+         "--served-model-name", "ds", "--device", "cuda", "--nnodes", "2", "--node-rank", "1",
+         "--dist-init-addr", "leader:5000", "--deepep-mode", "auto"])
+    assert (args.tp, args.ep, args.nnodes, args.node_rank, args.deepep_mode) == (2, 2, 2, 1, "auto")
