@@ -58,6 +58,12 @@ SCHEDULE_AND_PULL_SECONDS = 900
 # requests for this long after SIGTERM; the pod's grace period must cover it (the default 30 s
 # would cut long generations).
 SHUTDOWN_GRACE_SECONDS = 180
+# sglang-router 0.3.2 counts every worker error against its circuit breaker, our INVALID_ARGUMENT
+# answers to bad client requests included (measured with `deepseek-pd up`): a handful of malformed
+# requests would open the breaker on healthy workers. Health checks still remove dead workers, and
+# one retry still moves a request off a worker that died under it.
+ROUTER_RESILIENCE_ARGS = ("--disable-circuit-breaker", "--retry-max-retries", "1",
+                          "--health-check-interval-secs", "5", "--health-failure-threshold", "3")
 
 
 def router_startup_timeout_seconds(spec: DeploymentSpec) -> int:
@@ -75,6 +81,7 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
         *discovery.worker_args(spec, desired_groups(spec) if groups is None else groups),
         "--worker-startup-timeout-secs", str(router_startup_timeout_seconds(spec)),
         "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_SECONDS),
+        *ROUTER_RESILIENCE_ARGS,
         "--policy", spec.router.policy,
         "--model-path", spec.model.path,
         "--host", "0.0.0.0",

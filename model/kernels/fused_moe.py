@@ -8,6 +8,7 @@
 Then `out[t] = sum_j per_pair[t*k + j]` in fp32 (deterministic; no atomics).
 
 No host synchronisation: grids are sized by `moe_align`'s host bound; idle blocks return early.
+Up to `moe_align_small.MAX_PAIRS` pairs the sort is one Triton launch, beyond it device torch ops.
 The oracle is `TorchMoEKernel` (`model/moe/experts.py`).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from deepseek_pd.model.kernels.checks import check_tensor
 from deepseek_pd.model.kernels.moe_align import ExpertBlocks, align_by_expert
+from deepseek_pd.model.kernels.moe_align_small import MAX_PAIRS, align_by_expert_small
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -149,7 +151,9 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         return hidden.new_zeros(num_tokens, hidden_size)
     hidden = hidden.contiguous()
     tile = tile or default_tile(num_pairs, num_experts)
-    blocks: ExpertBlocks = align_by_expert(topk_ids, num_experts, tile.block_m)
+    # Decode-sized batches: one launch instead of ~30 (same blocks either way).
+    align = align_by_expert_small if num_pairs <= MAX_PAIRS else align_by_expert
+    blocks: ExpertBlocks = align(topk_ids, num_experts, tile.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()
     ieee = hidden.dtype == torch.float32
     inter = torch.empty(blocks.capacity, inter_size, dtype=hidden.dtype, device=device)

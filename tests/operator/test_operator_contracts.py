@@ -31,6 +31,8 @@ def _common_flags(parsed, spec: DeploymentSpec) -> None:
     assert parsed.pd_disaggregation
     assert parsed.policy == spec.router.policy and parsed.port == spec.router.port
     assert parsed.host == "0.0.0.0" and parsed.model_path == spec.model.path
+    # Bad client requests must not open the breaker on healthy workers (see ROUTER_RESILIENCE_ARGS).
+    assert parsed.disable_circuit_breaker and parsed.retry_max_retries == 1
 
 
 @pytest.mark.parametrize("example", ["cpu-minimal.yaml", "deepseek-v3-h200.yaml"])
