@@ -33,6 +33,9 @@ class MLADecodeTile:
     target_programs: int = 528  # ~4 per SM on an H200 (132 SMs); best of the 2026-12-02 sweep
     num_warps: int = 4
     num_stages: int = 2
+    # Programs per head block that each accumulate 1/value_splits of the latent output (all compute
+    # the full scores): smaller accumulators, so more heads per program fit in registers.
+    value_splits: int = 1
 
 
 def num_splits(batch_size: int, head_blocks: int, max_seq_len: int, tile: MLADecodeTile) -> int:
@@ -46,9 +49,11 @@ def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, seq_lens_ptr, mid_out_ptr, 
                   stride_qb, stride_qh, stride_pb, stride_ph, stride_kv, stride_tb,
                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, V_SPLITS: tl.constexpr,
+                  IEEE: tl.constexpr):
     b = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(1) // V_SPLITS
+    v_lo = (tl.program_id(1) % V_SPLITS) * BLOCK_V
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -68,7 +73,9 @@ def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, seq_lens_ptr, mid_out_ptr, 
 
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     denom = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    offs_v = v_lo + tl.arange(0, BLOCK_V)
+    v_ok = offs_v < RANK
+    acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
@@ -88,10 +95,14 @@ def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, seq_lens_ptr, mid_out_ptr, 
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
+        if V_SPLITS == 1:
+            values = c_kv
+        else:  # this program's slice of the latent (an L1/L2 hit: the full rows were just read)
+            values = tl.load(row[:, None] + offs_v[None, :], mask=pos_ok[:, None] & v_ok[None, :], other=0.0)
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, c_kv, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv)
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
         m = m_new
 
     has_keys = denom > 0
