@@ -59,7 +59,7 @@ def _routing(tokens: int, experts: int, shared: int, k: int):
     return ids, weights
 
 
-def moe_part() -> dict:
+def moe_part(token_counts: tuple[int, ...] = (1, 128, 8 * 2048)) -> dict:
     from deepseek_pd.model.kernels.fused_moe import MoETile, default_tile, fused_moe
     from deepseek_pd.model.moe import MOE_BACKENDS
 
@@ -72,7 +72,7 @@ def moe_part() -> dict:
         total = experts + shared
         w13 = torch.randn(total, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
         w2 = torch.randn(total, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter ** 0.5
-        for tokens in (1, 128, 8 * 2048):
+        for tokens in token_counts:
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             ids, weights = _routing(tokens, experts, shared, k)
             touched = int(torch.unique(ids).numel())  # host work outside the timed region
@@ -134,9 +134,9 @@ def mla_part() -> dict:
 
     rank, rope, page = 512, 64, 64
     reference = TorchAttentionBackend()
-    sweep = [MLADecodeTile(16, 32, num_warps=4), MLADecodeTile(16, 64, num_warps=4),
-             MLADecodeTile(32, 32, num_warps=8), MLADecodeTile(64, 16, num_warps=8),
-             MLADecodeTile(16, 32, max_splits=64, target_programs=528, num_warps=4)]
+    sweep = [MLADecodeTile(), MLADecodeTile(16, 32, max_splits=32, target_programs=264),
+             MLADecodeTile(64, 16, num_warps=8), MLADecodeTile(128, 16, num_warps=8, value_splits=4),
+             MLADecodeTile(64, 32, num_warps=4, value_splits=4), MLADecodeTile(64, 32, num_warps=4, value_splits=2)]
     rows = []
     for shape, heads in MLA_HEADS.items():
         for bs in (1, 32, 128):
@@ -283,15 +283,17 @@ def summary(results: dict) -> str:
         lines.append("moe " + " | ".join(cells))
     for row in results.get("mla", {}).get("rows", []):
         best = row.get("best") or {}
-        lines.append(f"mla {row['shape']:6} bs={row['batch']:3} ctx={row['sum_context']:6} torch {row['torch_ms']:.3f}ms "
-                     f"| triton {row.get('triton_ms') or float('nan'):.3f}ms {row.get('triton_GBs') or 0:.0f}GB/s "
-                     f"err {row.get('triton_rel_err') or float('nan'):.1e} | best {best.get('tile', '-')[13:80]} "
+        lines.append(f"mla {row['shape']:6} bs={row['batch']:3} ctx={row['sum_context']:6} "
+                     f"torch {row['torch_ms']:.3f}ms | triton {row.get('triton_ms') or float('nan'):.3f}ms "
+                     f"{row.get('triton_GBs') or 0:.0f}GB/s "
+                     f"err {row.get('triton_rel_err') or float('nan'):.1e} | best {best.get('tile', '-')[14:]} "
                      f"{best.get('ms', float('nan')):.3f}ms {best.get('GBs', 0):.0f}GB/s")
     for row in results.get("flash", {}).get("rows", []):
         best = row.get("best") or {}
-        lines.append(f"flash {row['case']}: torch {row['torch_ms']:.2f}ms | triton {row.get('triton_ms') or float('nan'):.2f}ms "
-                     f"{row.get('triton_TFLOPs') or 0:.0f}TF err {row.get('triton_rel_err') or float('nan'):.1e} | "
-                     f"best {best.get('tile', '-')[9:60]} {best.get('ms', float('nan')):.2f}ms {best.get('TFLOPs', 0):.0f}TF")
+        lines.append(f"flash {row['case']}: torch {row['torch_ms']:.2f}ms | "
+                     f"triton {row.get('triton_ms') or float('nan'):.2f}ms {row.get('triton_TFLOPs') or 0:.0f}TF "
+                     f"err {row.get('triton_rel_err') or float('nan'):.1e} | best {best.get('tile', '-')[9:60]} "
+                     f"{best.get('ms', float('nan')):.2f}ms {best.get('TFLOPs', 0):.0f}TF")
     e2e = results.get("e2e", {})
     for name in ("torch", "triton"):
         if name in e2e:
@@ -305,14 +307,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="moe,mla,flash,e2e")
     parser.add_argument("--out", default="kernels_gpu.json")
+    parser.add_argument("--moe-tokens", default="1,128,16384", help="token counts of the moe part")
     args = parser.parse_args()
     torch.manual_seed(int(time.time()))
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for part in args.parts.split(","):
         start = time.perf_counter()
         try:
+            parts = {"moe": lambda: moe_part(tuple(int(n) for n in args.moe_tokens.split(","))),
+                     "mla": mla_part, "flash": flash_part, "e2e": e2e_part}
             with torch.inference_mode():
-                results[part] = {"moe": moe_part, "mla": mla_part, "flash": flash_part, "e2e": e2e_part}[part]()
+                results[part] = parts[part]()
         except Exception as exc:  # keep the other parts' numbers when one fails
             traceback.print_exc()
             results[part] = {"error": repr(exc)}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install the package without deps (the GPU image has torch/triton/transformers),
 # run the kernel and GPU smoke tests, then bench/kernels_gpu.py; everything lands under $OUT.
-# PARTS=moe,mla,e2e selects bench parts; TEST_TIMEOUT / BENCH_TIMEOUT bound each step (seconds).
+# PARTS=moe,mla,flash,e2e selects bench parts, TESTS the test files, BENCH_ARGS extra bench flags;
+# TEST_TIMEOUT / BENCH_TIMEOUT bound each step (seconds).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -11,7 +12,10 @@ export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 REPO=$PWD
+TESTS=${TESTS:-tests/model/test_kernels.py tests/model/test_gpu_smoke.py}
+# shellcheck disable=SC2086  # TESTS is a list of paths
 (cd /tmp && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
-    "$REPO/tests/model/test_kernels.py" "$REPO/tests/model/test_gpu_smoke.py" 2>&1) | tee "$OUT/tests.log"
+    $(for t in $TESTS; do echo "$REPO/$t"; done) 2>&1) | tee "$OUT/tests.log"
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 timeout "${BENCH_TIMEOUT:-420}" python3 bench/kernels_gpu.py --out "$OUT/kernels_gpu.json" \
-    --parts "${PARTS:-moe,mla,e2e}" 2>&1 | tee "$OUT/bench.log"
+    --parts "${PARTS:-moe,mla,flash,e2e}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

@@ -44,7 +44,8 @@ class TritonAttentionBackend:
         reference = TorchAttentionBackend()
         self.merge_states = reference.merge_states
         self.mla_extend = reference.mla_extend
-        # Every layer of a forward passes the same host offsets: upload them once, not once per layer.
+        # The last uploaded offsets, reused while a caller passes the same tuple again (each layer
+        # owns its backend, so this saves the per-chunk uploads of one layer, not cross-layer ones).
         self._offsets_key: tuple | None = None
         self._offsets_dev: torch.Tensor | None = None
 

@@ -1,6 +1,6 @@
 """Absorbed-MLA decode in Triton: one new token per sequence, all sequences in one launch.
 
-Stage 1, grid (batch, head blocks, splits): split s of sequence b covers an equal share of its
+Stage 1, grid (batch, head blocks x value splits, splits): split s of sequence b covers an equal share of its
 `seq_len` cache positions (rounded to BLOCK_N); the program walks them in BLOCK_N steps, looking
 each position's page up in `page_table[b]`, and keeps an online softmax over
     score = (q_latent · c_kv + q_pe · k_pe) * scale
@@ -108,9 +108,9 @@ def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, seq_lens_ptr, mid_out_ptr, 
     has_keys = denom > 0
     out = acc / tl.where(has_keys, denom, 1.0)[:, None]
     lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, denom, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(mid_out_ptr + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_r[None, :],
-             out, mask=h_ok[:, None] & r_ok[None, :])
-    tl.store(mid_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_ok)
+    tl.store(mid_out_ptr + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_v[None, :],
+             out, mask=h_ok[:, None] & v_ok[None, :])
+    tl.store(mid_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_ok & (v_lo == 0))
 
 
 @triton.jit
@@ -162,17 +162,21 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     if batch == 0:
         return out
     head_blocks = triton.cdiv(heads, tile.block_h)
-    splits = num_splits(batch, head_blocks, max_seq_len, tile)
+    splits = num_splits(batch, head_blocks * tile.value_splits, max_seq_len, tile)
     mid_out = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=device)
     mid_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=device)
     block_r, block_p = max(16, next_power_of_2(rank)), max(16, next_power_of_2(rope))
-    _split_kernel[(batch, head_blocks, splits)](
+    block_v = block_r // tile.value_splits
+    if block_v < 16 or block_r % tile.value_splits:
+        raise ValueError(f"value_splits {tile.value_splits} must split the padded rank {block_r} into >= 16 columns")
+    _split_kernel[(batch, head_blocks * tile.value_splits, splits)](
         q_latent, q_pe, kv_cache, page_table, seq_lens, mid_out, mid_lse,
         heads, page_size, splits, scale * _LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_dim, page_table.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
-        IEEE=q_latent.dtype == torch.float32, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        BLOCK_V=block_v, V_SPLITS=tile.value_splits, IEEE=q_latent.dtype == torch.float32,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     _combine_kernel[(batch, heads)](
         mid_out, mid_lse, out, splits,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
