@@ -1,16 +1,9 @@
 #!/usr/bin/env bash
-# One device call: install the package without deps (the GPU image has torch/triton/transformers),
-# run the kernel and GPU smoke tests, then bench/kernels_gpu.py; everything lands under $OUT.
+# One device call (see bench/gpu_setup.sh): the kernel and GPU smoke tests, then
+# bench/kernels_gpu.py; everything lands under $OUT.
 # PARTS=moe,mla,flash,e2e selects bench parts, TESTS the test files, BENCH_ARGS extra bench flags;
 # TEST_TIMEOUT / BENCH_TIMEOUT bound each step (seconds).
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_setup.sh"
 REPO=$PWD
 TESTS=${TESTS:-tests/model/test_kernels.py tests/model/test_gpu_smoke.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
