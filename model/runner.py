@@ -25,8 +25,10 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.attention.policy import AttentionPolicy
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.cuda_graph import DecodeGraphRunner
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.parallel import ParallelInfo
@@ -53,6 +55,12 @@ class RunnerConfig:
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
     ep_size: int = 1  # the process group handed to ModelRunner(parallel=...) must have this size
     enable_tbo: bool = False  # two-batch overlap (model/tbo.py)
+    # Decode by CUDA-graph replay (model/cuda_graph.py) for batches up to cuda_graph_max_batch
+    # sequences and contexts up to cuda_graph_max_context tokens; larger ones run eagerly. Needs
+    # CUDA and capturable backends (attention "triton", MoE "triton"/"grouped"); takes one KV page.
+    cuda_graph: bool = False
+    cuda_graph_max_batch: int = 128
+    cuda_graph_max_context: int = 4096
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -62,6 +70,10 @@ class RunnerConfig:
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:
             raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
+        self.cuda_graph_config()  # validates the limits even when graphs are off
+
+    def cuda_graph_config(self) -> CudaGraphConfig:
+        return CudaGraphConfig(max_batch=self.cuda_graph_max_batch, max_context=self.cuda_graph_max_context)
 
     def resolve_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":
@@ -116,6 +128,8 @@ class ModelRunner:
     parallel: ParallelInfo | None = None
     kv_pool: KVPool = field(init=False)
     policy: AttentionPolicy = field(init=False)
+    # The CUDA-graph decode path, when `config.cuda_graph` (built, and captured, once here).
+    graphs: DecodeGraphRunner | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -128,6 +142,8 @@ class ModelRunner:
         log.info("KV pool: %d pages x %d tokens, %d bytes/token (%d layers x %d x %d)", self.config.num_pages,
                  self.config.page_size, self.kv_pool.bytes_per_token, model_config.num_hidden_layers,
                  model_config.kv_cache_dim, self.kv_pool.buffers[0].element_size())
+        if self.config.cuda_graph:
+            self.graphs = DecodeGraphRunner(self.model, self.kv_pool, self.config.cuda_graph_config())
 
     @classmethod
     def from_model(cls, model: DeepseekForCausalLM, config: RunnerConfig | None = None) -> "ModelRunner":
@@ -156,7 +172,16 @@ class ModelRunner:
         self.model.forward_idle(mode)
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
-        """fp32 logits `[len(seqs), vocab]` for one new token per sequence."""
+        """fp32 logits `[len(seqs), vocab]` for one new token per sequence (graph replay when it fits)."""
+        if self.graphs is not None:
+            logits = self.graphs.decode([s.token_id for s in seqs], [s.position for s in seqs],
+                                        [s.pages for s in seqs])
+            if logits is not None:
+                return logits
+        return self.decode_eager(seqs)
+
+    def decode_eager(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        """`decode` without CUDA graphs (the fallback, and the oracle the graphs are tested against)."""
         return self._run(ForwardMode.DECODE, [[s.token_id] for s in seqs], [s.position for s in seqs],
                          [s.pages for s in seqs])
 

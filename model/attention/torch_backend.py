@@ -29,6 +29,8 @@ def _tiles(start: int, end: int, tile: int):
 class TorchAttentionBackend:
     """Reference kernels, correct on any device; not fast. Queries are processed in tiles."""
 
+    cuda_graph_safe = False  # the reference; decode gathers the whole captured context per step
+
     def __init__(self, query_tile: int = 1024) -> None:
         self.query_tile = query_tile
 

@@ -34,6 +34,9 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 @ATTENTION_BACKENDS.register("triton")
 class TritonAttentionBackend:
+    # Decode has no host sync; the split count follows host lengths, fixed per capture (cuda_graph.py).
+    cuda_graph_safe = True
+
     def __init__(self) -> None:
         require_triton("attention backend 'triton'")
         from deepseek_pd.model.kernels.flash_prefill import flash_attention

@@ -53,7 +53,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, expert, torch.ones_like(expert))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded[num_experts:].zero_()  # a fill kernel; `padded[i] = 0` copies a CPU scalar, which graph capture refuses
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
     count_start = counts.cumsum(0) - counts

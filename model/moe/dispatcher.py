@@ -53,6 +53,8 @@ DISPATCHERS: Registry[Dispatcher] = Registry("EP dispatcher")
 class LocalDispatcher:
     """World size 1: nothing moves; the halves only pass their inputs through (global ids are local)."""
 
+    cuda_graph_safe = True  # nothing moves, nothing syncs
+
     def __init__(self, placement: ExpertPlacement | None = None) -> None:
         if placement is not None and placement.parallel.ep_size > 1:
             raise UserError(f"the local dispatcher cannot serve ep_size {placement.parallel.ep_size}; "

@@ -35,6 +35,8 @@ class TorchMoEKernel:
     One host sync per call (the per-expert counts) — fine for the oracle, not for CUDA graphs.
     """
 
+    cuda_graph_safe = False
+
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         num_experts = w13.shape[0]

@@ -14,6 +14,8 @@ from deepseek_pd.model.moe.experts import MOE_BACKENDS
 
 
 class GroupedMMMoEKernel:
+    cuda_graph_safe = True  # offsets are a device cumsum: no host sync
+
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         num_experts = w13.shape[0]

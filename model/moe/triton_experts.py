@@ -14,6 +14,8 @@ from deepseek_pd.model.moe.experts import MOE_BACKENDS
 
 @MOE_BACKENDS.register("triton")
 class TritonMoEKernel:
+    cuda_graph_safe = True  # no host sync (see the module docstring)
+
     def __init__(self) -> None:
         require_triton("MoE backend 'triton'")
         from deepseek_pd.model.kernels.fused_moe import fused_moe
