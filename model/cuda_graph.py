@@ -35,6 +35,9 @@ _WARMUP_RUNS = 2  # compile Triton kernels and settle cuBLAS/allocator state bef
 def check_capturable(model: DeepseekForCausalLM) -> None:
     """Raises UserError naming the first part of `model` that rules out CUDA graphs."""
     options = model.options
+    if torch.device(options.device).type != "cuda":
+        raise UserError(f"cuda_graph needs a CUDA device, the model is on {options.device!r}; "
+                        f"set cuda_graph=False")
     if options.enable_tbo:
         raise UserError("cuda_graph cannot capture two-batch overlap (enable_tbo); turn one of them off")
     if not getattr(model.dispatcher, "cuda_graph_safe", False):
@@ -46,10 +49,6 @@ def check_capturable(model: DeepseekForCausalLM) -> None:
         if layer.is_moe and not getattr(layer.mlp.experts.kernel, "cuda_graph_safe", False):
             raise UserError(f"cuda_graph: MoE backend {options.moe_backend!r} syncs with the host; "
                             f"use moe_backend='triton' or 'grouped'")
-    if torch.device(options.device).type != "cuda":
-        raise UserError(f"cuda_graph needs a CUDA device, the model is on {options.device!r}; "
-                        f"set cuda_graph=False")
-
 
 class DecodeGraphRunner:
     def __init__(self, model: DeepseekForCausalLM, kv_pool: KVPool, config: CudaGraphConfig) -> None:

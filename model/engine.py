@@ -39,6 +39,9 @@ class EngineConfig:
     page_size: int = 16
     max_total_tokens: int = 32768  # KV pool capacity in tokens, over all requests of a batch
     mha_chunked_kv_threshold: int = 256
+    attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else torch
+    moe_backend: str = "auto"  # auto | torch | triton | grouped
+    cuda_graph: bool = False  # decode by CUDA-graph replay (needs CUDA and the triton/grouped backends)
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:
@@ -92,7 +95,9 @@ class Engine:
         self.runner = ModelRunner(RunnerConfig(
             model=str(self.model_path), dtype=config.dtype, device=config.device,
             page_size=config.page_size, num_pages=-(-config.max_total_tokens // config.page_size),
-            attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold))
+            attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold,
+            attention_backend=config.attention_backend, moe_backend=config.moe_backend,
+            cuda_graph=config.cuda_graph))
         self.model_config = self.runner.model_config
         self.tokenizer = _load_tokenizer(self.model_path)
         self.sampler = Sampler()

@@ -34,6 +34,16 @@ from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.parallel import ParallelInfo
 
 log = logging.getLogger(__name__)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401  (only whether it imports matters)
+    except ImportError:
+        return False
+    return True
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,8 +60,9 @@ class RunnerConfig:
     mha_chunked_kv_threshold: int = 256
     prefix_chunk_size: int = 8192
     num_fused_shared_experts: int = 0
-    attention_backend: str = "torch"
-    moe_backend: str = "torch"
+    # auto: the Triton kernels on CUDA when Triton imports, else the plain-torch reference.
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
     ep_size: int = 1  # the process group handed to ModelRunner(parallel=...) must have this size
     enable_tbo: bool = False  # two-batch overlap (model/tbo.py)
@@ -94,10 +105,16 @@ class RunnerConfig:
             raise UserError(f"ep_size={self.ep_size} but the process group passed in has {parallel.ep_size} ranks")
         return parallel
 
+    def resolve_backend(self, name: str) -> str:
+        if name != "auto":
+            return name
+        return "triton" if self.device.startswith("cuda") and _triton_available() else "torch"
+
     def build_options(self, model_config: ModelConfig, parallel: ParallelInfo | None = None) -> BuildOptions:
         return BuildOptions(
-            dtype=self.resolve_dtype(model_config), device=self.device, attention_backend=self.attention_backend,
-            moe_backend=self.moe_backend, dispatcher=self.resolve_dispatcher(),
+            dtype=self.resolve_dtype(model_config), device=self.device,
+            attention_backend=self.resolve_backend(self.attention_backend),
+            moe_backend=self.resolve_backend(self.moe_backend), dispatcher=self.resolve_dispatcher(),
             num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size,
             parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo)
 

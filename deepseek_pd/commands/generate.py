@@ -36,6 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: fp32 on CPU, the checkpoint's dtype on GPU")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                        help="auto: triton on CUDA when it imports, else the torch reference")
+    parser.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton", "grouped"],
+                        help="auto: triton on CUDA when it imports, else the torch reference")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="decode by CUDA-graph replay (CUDA with the triton/grouped backends)")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (output_ids, text, finish_reason, ...) instead of the text")
@@ -63,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty, stop=tuple(args.stop), ignore_eos=args.ignore_eos, seed=args.seed)
     params.validate()  # before loading the model: bad flags fail fast
     engine = Engine(args.model, dtype=args.dtype, device=args.device, attention_method=args.attention_method,
-                    chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size)
+                    chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size,
+                    attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+                    cuda_graph=args.cuda_graph)
     result = engine.generate(prompt, params)
     if args.json:
         print(json.dumps({"output_ids": result.output_ids, "text": result.text,

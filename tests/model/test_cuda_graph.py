@@ -132,11 +132,17 @@ def test_pack_validates_like_the_eager_batch(tiny_path):
 
 
 def test_refuses_host_syncing_backends_cpu_and_tbo(tiny_path):
-    with pytest.raises(UserError, match="attention backend 'torch'"):
-        ModelRunner(RunnerConfig(model=tiny_path, device="cpu", cuda_graph=True))
+    import dataclasses
+
     from deepseek_pd.model.cuda_graph import check_capturable
 
+    with pytest.raises(UserError, match="CUDA device"):  # the first thing a CPU user must hear
+        ModelRunner(RunnerConfig(model=tiny_path, device="cpu", cuda_graph=True))
     runner = ModelRunner(RunnerConfig(model=tiny_path, device="cpu"))
+    # Pretend the model sits on CUDA so the backend checks are reached in order.
+    runner.model.options = dataclasses.replace(runner.model.options, device="cuda")
+    with pytest.raises(UserError, match="attention backend 'torch'"):
+        check_capturable(runner.model)
     for layer in runner.model.layers:  # pretend the attention is capturable: the MoE kernel is next
         layer.self_attn.backend.cuda_graph_safe = True
     with pytest.raises(UserError, match="MoE backend 'torch'"):
@@ -144,9 +150,9 @@ def test_refuses_host_syncing_backends_cpu_and_tbo(tiny_path):
     for layer in runner.model.layers:
         if layer.is_moe:
             layer.mlp.experts.kernel.cuda_graph_safe = True
-    with pytest.raises(UserError, match="CUDA device"):
-        check_capturable(runner.model)
+    check_capturable(runner.model)  # everything capturable now: no error
     tbo = ModelRunner(RunnerConfig(model=tiny_path, device="cpu", enable_tbo=True))
+    tbo.model.options = dataclasses.replace(tbo.model.options, device="cuda")
     with pytest.raises(UserError, match="two-batch overlap"):
         check_capturable(tbo.model)
 

@@ -195,7 +195,11 @@ def test_load_through_save_pretrained(tmp_path, seed, arch):
 
 
 def test_bfloat16_model_tracks_fp32(seed):
-    """bf16 weights and KV cache (the GPU configuration) stay close to the fp32 result."""
+    """bf16 weights and KV cache (the GPU configuration) stay close to the fp32 result.
+
+    Judged over 8 decode steps by the median error: a near-tie in the router can flip one expert in
+    bf16 at a single step (a relative error near 1 there), which is precision, not a bug.
+    """
     torch.set_num_threads(1)
     hf = build_hf_model(TinyShape(arch="v3"), seed)
     fp32 = our_model(hf)
@@ -204,15 +208,18 @@ def test_bfloat16_model_tracks_fp32(seed):
     assert bf16.layers[1].mlp.e_score_correction_bias.dtype == torch.float32
     rng = random.Random(seed)
     tokens = [rng.randrange(96) for _ in range(12)]
-    out = {}
+    steps = [rng.randrange(96) for _ in range(8)]
+    out: dict[str, list[torch.Tensor]] = {}
     for name, model in (("fp32", fp32), ("bf16", bf16)):
         runner = _runner(model)
-        pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(tokens) + 1))
+        pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(tokens) + len(steps)))
         runner.extend([ExtendSeq(tokens[:8], 0, pages)])
         runner.extend([ExtendSeq(tokens[8:], 8, pages)])
-        out[name] = runner.decode([DecodeSeq(3, len(tokens), pages)])
+        out[name] = [runner.decode([DecodeSeq(t, len(tokens) + i, pages)]) for i, t in enumerate(steps)]
     assert runner.kv_pool.buffers[0].dtype == torch.bfloat16
-    assert _rel_err(out["bf16"], out["fp32"]) <= 0.1, f"seed={seed}"
+    errors = sorted(_rel_err(b, f) for b, f in zip(out["bf16"], out["fp32"]))
+    assert errors[len(errors) // 2] <= 0.05, f"seed={seed} errors={errors}"
+    assert errors[-2] <= 0.1, f"seed={seed} errors={errors}"  # at most one step may flip an expert
 
 
 def test_load_weights_reports_missing_and_unexpected(seed):
