@@ -68,7 +68,9 @@ def smoke() -> dict:
         for arch in ("v3", "v2"):
             path = str(make_tiny_model(f"{tmp}/{arch}", arch=arch, seed=0))
             prompt = list(range(3, 40))
-            runs = {name: greedy(ModelRunner(RunnerConfig(model=path, dtype=dtype, device=device)), prompt, 16)
+            torch_backends = dict(attention_backend="torch", moe_backend="torch")  # the baseline
+            runs = {name: greedy(ModelRunner(RunnerConfig(model=path, dtype=dtype, device=device, **torch_backends)),
+                                 prompt, 16)
                     for name, dtype, device in (("cpu_fp32", "float32", "cpu"), ("cuda_fp32", "float32", "cuda"),
                                                 ("cuda_bf16", "bfloat16", "cuda"))}
             runs["cuda_fp32_equal"] = runs["cuda_fp32"] == runs["cpu_fp32"]
