@@ -6,7 +6,7 @@ Order of operations per row (SGLang's, so a request samples the same way here an
      prompt AND the output so far, as vLLM and HF do;
    - frequency (`-= f * count`) and presence (`-= p * [count > 0]`) over the OUTPUT tokens only,
      as OpenAI, vLLM and SGLang define them;
-2. greedy rows (temperature 0 or top_k 1) take the argmax of the penalised logits;
+2. greedy rows (temperature below 1e-6, as SGLang, or top_k 1) take the argmax of the penalised logits;
 3. the rest: `softmax(logits / temperature)`, then in descending-probability order keep a token if
    - its rank < top_k (top_k -1/0 disables),
    - the mass strictly before it is <= top_p (so the most likely token always survives),
@@ -128,7 +128,10 @@ class Sampler:
         greedy = torch.tensor([s.params.greedy for s in states], device=device)
         temperature = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in states],
                                    device=device).unsqueeze(1)
-        log_probs = torch.log_softmax(logits / temperature, dim=-1)
+        # Clamped: a huge penalty boost (repetition_penalty near 0) must not become inf, whose
+        # inf - inf = nan would make multinomial fail every row of the batch.
+        fp32_max = torch.finfo(torch.float32).max
+        log_probs = torch.log_softmax((logits / temperature).clamp(-fp32_max, fp32_max), dim=-1)
         token_ids = logits.argmax(dim=-1)
         sampled_rows = (~greedy).nonzero().flatten().tolist()
         if sampled_rows:

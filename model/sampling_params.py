@@ -37,7 +37,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # SGLang's rule (_SAMPLING_EPS): below 1e-6 the distribution is argmax in all but name,
+        # and logits / temperature would overflow fp32 into inf - inf = nan.
+        return self.temperature < 1e-6 or self.top_k == 1
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise UserError for nonsense values; returns self so it can be chained."""
@@ -71,4 +73,6 @@ class SamplingParams:
             raise bad("stop", self.stop, "stop strings must be non-empty")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # torch.Generator's range
+            raise bad("seed", self.seed, "must fit in 64 bits")
         return self

@@ -122,6 +122,26 @@ def test_greedy_is_argmax_of_penalised_logits():
         assert out.token_ids[i].item() == max(range(vocab), key=lambda t: ref[t])
 
 
+def test_extreme_but_valid_values_do_not_break_the_batch():
+    """A near-zero temperature or repetition penalty overflows fp32 (inf - inf = nan) and made
+    torch.multinomial raise for the WHOLE batch; now each row still gets a sensible token."""
+    rng = random.Random()
+    vocab = 40
+    logits = torch.randn(3, vocab) * 4
+    seen = [rng.randrange(vocab) for _ in range(6)]
+    tiny_temp = SamplingParams(temperature=10.0 ** -rng.uniform(7, 44), seed=rng.randrange(2**31))
+    tiny_rep = SamplingParams(temperature=1.0, repetition_penalty=1e-40, seed=rng.randrange(2**31))
+    normal = SamplingParams(temperature=0.9, seed=rng.randrange(2**31))
+    out = Sampler().sample(logits, _states([tiny_temp, tiny_rep, normal], vocab, outputs=[[], seen, []]))
+    assert out.token_ids[0].item() == int(logits[0].argmax())  # the temperature -> 0 limit: greedy
+    boosted = [t for t in set(seen) if logits[1, t] > 0]  # what a vanishing penalty makes certain
+    if boosted:
+        assert out.token_ids[1].item() in boosted
+    alone = Sampler().sample(logits[2:], _states([normal], vocab)).token_ids[0].item()
+    assert out.token_ids[2].item() == alone
+    assert not torch.isnan(out.logprobs).any()
+
+
 def test_sampled_distribution_matches_reference():
     """Many rows, each one draw: per-token frequencies within 5 sigma of the reference probabilities."""
     rng = random.Random()

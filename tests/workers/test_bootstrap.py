@@ -204,3 +204,39 @@ def test_abort_before_the_prefill_request_arrives_fails_it_at_once():
     error, rooms_left = asyncio.run(run())
     assert error.code == FailureCode.ABORTED and "client went away" in error.message
     assert rooms_left == 0
+
+
+def test_transfer_done_behind_a_full_queue_times_out_instead_of_hanging():
+    """Decode silently gone (host frozen, no RST) after the last KV chunk filled the room's queue:
+    queuing TransferDone must give up after the send timeout, like every other wait, instead of
+    holding the prefill request (and its pages) until the connection is declared dead."""
+    rng = random.Random()
+    depth = rng.randrange(1, 5)
+    bootstrap = BootstrapConfig(port=0, event_queue_depth=depth)
+
+    async def run():
+        room = RoomRegistry(bootstrap).claim(rng.randrange(2**31), "p")
+        for _ in range(depth):  # nobody reads: the stream is stuck
+            await room.emit_chunk(pb.KVChunk())
+        with pytest.raises(TransferError) as error:
+            await asyncio.wait_for(room.finish(pb.TransferDone(num_pages=1), timeout_s=0.2), 20)
+        return error.value
+
+    error = asyncio.run(run())
+    assert error.code == FailureCode.DEADLINE_EXCEEDED
+
+
+def test_a_busy_bootstrap_port_is_a_clear_user_error():
+    """`serve --bootstrap-port` on a port in use: one line naming the port, not a grpc traceback."""
+    from deepseek_pd.errors import UserError
+
+    async def run():
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            config = BootstrapConfig(host="127.0.0.1", port=port)
+            with pytest.raises(UserError, match=f"127.0.0.1:{port}"):
+                BootstrapServer(RoomRegistry(config), config, 1 << 20)
+
+    asyncio.run(run())

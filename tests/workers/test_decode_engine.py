@@ -115,6 +115,33 @@ def test_abort_mid_decode_frees_pages_and_ends_once():
     assert 1 <= len(outcome.tokens) < 500
 
 
+def test_abort_is_honoured_even_while_the_consumer_lags_behind():
+    """A slow stream consumer leaves tokens queued; an Abort must still end the request at the
+    next event (pages freed now), not only once the consumer has drained a backlog that keeps
+    growing (which could run the request to max_new_tokens)."""
+    rng = random.Random()
+    p = prompt(rng)
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+
+    async def run(engine):
+        events = engine.generate(GenerateRequest("lagging", tuple(p), params))
+        first = await asyncio.wait_for(events.__anext__(), 30)
+        state = engine._requests["lagging"]
+        for _ in range(3000):  # bounded: the consumer "stalls" until a backlog of tokens is queued
+            if state.events.qsize() >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert state.events.qsize() >= 3
+        assert await engine.abort("lagging")
+        after_abort = [event async for event in events]
+        return first, after_abort
+
+    first, after_abort = asyncio.run(with_engine(run))
+    assert len(first.token_ids) == 1
+    assert len(after_abort) == 1, f"{len(after_abort) - 1} events streamed after the abort"
+    assert isinstance(after_abort[0], Failed) and after_abort[0].code == FailureCode.ABORTED
+
+
 def test_admission_waits_for_pages_then_gives_up_with_resource_exhausted():
     params_long = SamplingParams(temperature=0.0, max_new_tokens=2000, ignore_eos=True)
     params_short = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
@@ -130,6 +157,72 @@ def test_admission_waits_for_pages_then_gives_up_with_resource_exhausted():
 
     second = asyncio.run(with_engine(run, num_pages=503, admission_timeout_s=0.3))
     assert isinstance(second.terminal, Failed) and second.terminal.code == FailureCode.RESOURCE_EXHAUSTED
+
+
+def test_request_larger_than_the_usable_pool_fails_at_once_not_after_the_admission_timeout():
+    """With cuda_graph the runner keeps one KV page (its scratch page): a request needing the whole
+    pool can never be admitted and must fail now, not after admission_timeout_s of waiting."""
+    rng = random.Random()
+    num_pages = rng.randrange(12, 30)
+    p = prompt(rng, 3, 9)
+    # Exactly num_pages pages for prompt + reserve: fits pool.num_pages, not what is usable.
+    max_new = num_pages * 4 - len(p) + 1
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+    config = dataclasses.replace(worker_config("fake"), scheduler=SchedulerConfig(
+        chunked_prefill_size=CHUNK, admission_timeout_s=600, decode_reserve_tokens=10**6))
+
+    async def run():
+        engine = DecodeEngine(runner(num_pages), config)
+        scratch = engine.pool.alloc(1)  # what DecodeGraphRunner takes at construction
+        await engine.start()
+        try:
+            assert engine.pool.pages_for_tokens(len(p) + max_new - 1) == num_pages
+            outcome = await asyncio.wait_for(collect(engine, GenerateRequest("big", tuple(p), params)), 30)
+            assert engine.pool.num_used_pages == 1 and engine.budget.reserved == 0, "pages leaked"
+            return outcome
+        finally:
+            await engine.stop()
+            engine.pool.free(scratch)
+
+    outcome = asyncio.run(run())
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.RESOURCE_EXHAUSTED
+
+
+def test_page_budget_admits_in_arrival_order_so_big_requests_are_not_starved():
+    """FIFO, as documented: while a large request waits for pages, later small ones that would
+    fit queue behind it; otherwise a steady stream of small requests starves it into
+    RESOURCE_EXHAUSTED."""
+    from deepseek_pd.model.kv_pool import KVPool
+    from deepseek_pd.workers.decode.page_budget import PageBudget
+
+    rng = random.Random()
+    num_pages = rng.randrange(20, 40)
+    big = num_pages - rng.randrange(2, 5)
+
+    async def run():
+        budget = PageBudget(KVPool(1, num_pages, 4, 8), admission_timeout_s=30)
+        hog = await budget.admit(num_pages - 3, 0)
+        order: list[str] = []
+
+        async def admit(name: str, pages: int):
+            reservation = await budget.admit(pages, 0)
+            order.append(name)
+            return reservation
+
+        waiting_big = asyncio.ensure_future(admit("big", big))
+        await asyncio.sleep(0.01)
+        waiting_small = asyncio.ensure_future(admit("small", 1))  # fits now, but arrived later
+        await asyncio.sleep(0.05)
+        admitted_before_release = list(order)
+        budget.release(hog)
+        reservations = await asyncio.wait_for(asyncio.gather(waiting_big, waiting_small), 20)
+        for reservation in reservations:
+            budget.release(reservation)
+        assert budget.pool.num_used_pages == 0 and budget.reserved == 0
+        return admitted_before_release, order
+
+    before, order = asyncio.run(run())
+    assert before == [] and order == ["big", "small"]
 
 
 def test_prompt_longer_than_the_context_is_invalid():

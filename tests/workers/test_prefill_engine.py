@@ -173,6 +173,41 @@ def test_requests_wait_for_pages_and_evict_the_cache_when_the_pool_is_short():
     assert isinstance(big.terminal, Failed) and big.terminal.code == FailureCode.RESOURCE_EXHAUSTED
 
 
+def test_prompt_larger_than_the_usable_pool_fails_at_once():
+    """`--engine-opt cuda_graph=true` makes the runner keep one KV page: a prompt needing all of
+    pool.num_pages can never be admitted and must fail now, not after admission_timeout_s
+    (holding the head of the admission queue all that time)."""
+    import dataclasses
+
+    rng = random.Random()
+    num_pages = rng.randrange(8, 16)
+    prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(num_pages * PAGE_SIZE - rng.randrange(PAGE_SIZE))]
+    config = dataclasses.replace(worker_config("grpc"), scheduler=SchedulerConfig(
+        chunked_prefill_size=CHUNK, admission_timeout_s=600))
+
+    async def run():
+        model_runner = runner(num_pages)
+        scratch = model_runner.kv_pool.alloc(1)  # what DecodeGraphRunner takes at construction
+        engine = PrefillEngine(model_runner, config)
+        await engine.start()
+        decode = FakeDecode(engine.pool, config)
+        try:
+            request = GenerateRequest("big", tuple(prompt), GREEDY,
+                                      disagg=DisaggParams("127.0.0.1", engine.bootstrap_port, 5))
+            outcome, _ = await asyncio.wait_for(asyncio.gather(
+                collect(engine, request), decode.pull(engine.bootstrap_port, 5, prompt),
+                return_exceptions=True), 30)
+            assert engine.pool.num_used_pages == 1 + engine.cache.num_pages
+            return outcome
+        finally:
+            await decode.client.close()
+            await engine.stop()
+            engine.pool.free(scratch)
+
+    outcome = asyncio.run(run())
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.RESOURCE_EXHAUSTED
+
+
 def test_scheduler_config_rejects_nonsense():
     from deepseek_pd.errors import UserError
     with pytest.raises(UserError, match="chunked_prefill_size"):

@@ -94,6 +94,10 @@ BAD_CASES = {
     "unknown custom param": (lambda r: r.sampling_params.custom_params.CopyFrom(_custom({"beam": 4})),
                              "unknown custom_params"),
     "fractional seed": (lambda r: r.sampling_params.custom_params.CopyFrom(_custom({"seed": 1.5})), "seed"),
+    "text seed": (lambda r: r.sampling_params.custom_params.CopyFrom(_custom({"seed": "abc"})), "seed"),
+    "list seed": (lambda r: r.sampling_params.custom_params.CopyFrom(_custom({"seed": [1, 2]})), "seed"),
+    # A torch generator takes 64-bit seeds; a larger one would fail deep in the engine (INTERNAL).
+    "seed beyond 64 bits": (lambda r: r.sampling_params.custom_params.CopyFrom(_custom({"seed": 1e20})), "seed"),
     "lora": (lambda r: setattr(r, "lora_id", "adapter-1"), "LoRA"),
     "hidden states": (lambda r: setattr(r, "return_hidden_states", True), "return_hidden_states"),
     "top logprobs": (lambda r: setattr(r, "top_logprobs_num", 5), "top_logprobs_num"),

@@ -46,7 +46,7 @@ def to_sampling_params(sp: pb.SamplingParams, input_len: int, info: ServedModelI
     custom = MessageToDict(sp.custom_params) if sp.HasField("custom_params") else {}
     seed = custom.get("seed")
     if seed is not None:
-        if not float(seed).is_integer():
+        if isinstance(seed, bool) or not isinstance(seed, (int, float)) or not float(seed).is_integer():
             raise UserError(f"custom_params.seed={seed!r} must be an integer")
         seed = int(seed)
     params = SamplingParams(

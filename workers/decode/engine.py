@@ -195,6 +195,11 @@ class DecodeEngine:
     async def _watch(self, state: _Request, awaitable):
         """Awaits `awaitable` unless the request is aborted first (then cancels it: the bootstrap
         stream closes, which the prefill side sees)."""
+        if state.aborted.done():
+            # Checked first: a lagging consumer always finds a queued event, and asyncio.wait
+            # would hand it over instead of the abort, which then waited on the whole backlog.
+            awaitable.close()  # never started: nothing to undo
+            raise TransferError(FailureCode.ABORTED, state.aborted.result())
         task = asyncio.ensure_future(awaitable)
         try:
             await asyncio.wait({task, state.aborted}, return_when=asyncio.FIRST_COMPLETED)

@@ -13,6 +13,7 @@ request then ends with RESOURCE_EXHAUSTED.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 
 from deepseek_pd.model.kv_pool import KVPool
@@ -33,6 +34,10 @@ class PageBudget:
         self.admission_timeout_s = admission_timeout_s
         self.reserved = 0
         self._changed = asyncio.Event()
+        # Built before any request: pages already taken (the runner's CUDA-graph scratch page)
+        # never come back, so a request is measured against what is usable, not pool.num_pages.
+        self.capacity = pool.num_free_pages
+        self._waiters: deque[object] = deque()  # admit() calls in arrival order
 
     @property
     def admissible(self) -> int:
@@ -40,25 +45,32 @@ class PageBudget:
 
     async def admit(self, now_pages: int, reserve_pages: int) -> Reservation:
         total = now_pages + reserve_pages
-        if total > self.pool.num_pages:
+        if total > self.capacity:
             raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
                                 f"request needs {total} KV pages ({now_pages} for the prompt, {reserve_pages} "
-                                f"reserved for decoding), the pool has {self.pool.num_pages}")
+                                f"reserved for decoding), the pool has {self.capacity} usable")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.admission_timeout_s
-        while self.admissible < total:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
-                                    f"no room for {total} KV pages within {self.admission_timeout_s}s "
-                                    f"({self.pool.num_free_pages} free, {self.reserved} reserved)")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
-        self.reserved += reserve_pages
-        return Reservation(self.pool.alloc(now_pages), reserve_pages)
+        ticket = object()
+        self._waiters.append(ticket)
+        try:
+            # FIFO: only the oldest waiter may take pages, so small requests cannot starve a big one.
+            while self._waiters[0] is not ticket or self.admissible < total:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
+                                        f"no room for {total} KV pages within {self.admission_timeout_s}s "
+                                        f"({self.pool.num_free_pages} free, {self.reserved} reserved)")
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+            self.reserved += reserve_pages
+            return Reservation(self.pool.alloc(now_pages), reserve_pages)
+        finally:
+            self._waiters.remove(ticket)
+            self._changed.set()  # the next in line looks again
 
     def grow(self, reservation: Reservation, num_pages: int) -> None:
         """Appends `num_pages` pages to the request, from its reserve first."""

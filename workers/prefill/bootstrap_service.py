@@ -19,6 +19,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from deepseek_pd.errors import UserError
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.common.api import FailureCode
@@ -67,9 +68,12 @@ class Room:
     async def finish(self, done: pb.TransferDone, timeout_s: float) -> None:
         """Sends TransferDone after every queued chunk; returns once the decode side confirmed it
         (so success here means decode holds all the KV), raises TransferError otherwise."""
-        await self._put(pb.TransferEvent(done=done))
+        give_up = asyncio.get_running_loop().time() + timeout_s
+        # Bounded too: behind a full queue of a decode side that went silent, this waited forever.
+        await self._put(pb.TransferEvent(done=done), timeout_s)
         self.finished = True
-        finished, _ = await asyncio.wait({self.delivered, self.peer_gone}, timeout=timeout_s,
+        remaining = max(0.0, give_up - asyncio.get_running_loop().time())
+        finished, _ = await asyncio.wait({self.delivered, self.peer_gone}, timeout=remaining,
                                          return_when=asyncio.FIRST_COMPLETED)
         if self.delivered in finished and self.delivered.result():
             return
@@ -84,13 +88,16 @@ class Room:
             self.failure.set_result(pb.TransferFailed(code=code_to_pb(code), reason=reason))
         self.finished = True
 
-    async def _put(self, event: pb.TransferEvent) -> None:
+    async def _put(self, event: pb.TransferEvent, timeout_s: float | None = None) -> None:
         if self.peer_gone.done():
             raise TransferError(*self.peer_gone.result())
         put = asyncio.ensure_future(self.events.put(event))
-        await asyncio.wait({put, self.peer_gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({put, self.peer_gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if not put.done():
             put.cancel()
+            if not self.peer_gone.done():
+                raise TransferError(FailureCode.DEADLINE_EXCEEDED, f"decode side of room {self.room_id} "
+                                    f"accepted no event within {timeout_s}s")
             raise TransferError(*self.peer_gone.result())
 
     # ---- decode side (servicer) -------------------------------------------------------------
@@ -318,9 +325,13 @@ class BootstrapServer:
                    ("grpc.max_receive_message_length", 16 << 20)]  # a handshake lists every page id
         self.server = grpc.aio.server(options=options)
         pb_grpc.add_BootstrapServicer_to_server(BootstrapServicer(registry), self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        try:  # grpc raises RuntimeError on a busy port (older versions returned 0)
+            self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"bootstrap server could not bind {config.host}:{config.port}")
+            raise UserError(f"bootstrap server cannot listen on {config.host}:{config.port} "
+                            f"(in use? choose another --bootstrap-port)")
 
     async def start(self) -> None:
         await self.server.start()

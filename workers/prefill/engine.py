@@ -63,6 +63,8 @@ class PrefillEngine:
         self.config = config
         self.pool = runner.kv_pool
         self.cache = RadixCache(self.pool) if config.scheduler.prefix_cache else None
+        # Pages the runner already holds (its CUDA-graph scratch page) never come back.
+        self.usable_pages = self.pool.num_free_pages
         self.sampler = Sampler()
         self.model_thread = ModelThread("prefill-model")
         self._requests: dict[str, _Request] = {}
@@ -228,11 +230,12 @@ class PrefillEngine:
             state = self._waiting[0]
             ids = state.request.input_ids
             need_total = self.pool.pages_for_tokens(len(ids))
-            if need_total > self.pool.num_pages:
+            if need_total > self.usable_pages:
                 self._waiting.pop(0)
                 state.admitted.set_exception(TransferError(
                     FailureCode.RESOURCE_EXHAUSTED,
-                    f"prompt of {len(ids)} tokens needs {need_total} KV pages, the pool has {self.pool.num_pages}"))
+                    f"prompt of {len(ids)} tokens needs {need_total} KV pages, "
+                    f"the pool has {self.usable_pages} usable"))
                 continue
             hit = self.cache.match(ids) if self.cache is not None else None
             cached = hit.pages if hit is not None else []
