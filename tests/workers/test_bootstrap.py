@@ -240,3 +240,22 @@ def test_a_busy_bootstrap_port_is_a_clear_user_error():
                 BootstrapServer(RoomRegistry(config), config, 1 << 20)
 
     asyncio.run(run())
+
+
+def test_two_bootstrap_servers_cannot_share_a_port():
+    """gRPC enables SO_REUSEPORT by default: two prefill workers given the same --bootstrap-port
+    both bound it and the kernel split decode handshakes between them (rooms never met)."""
+    from deepseek_pd.errors import UserError
+
+    async def run():
+        first_config = BootstrapConfig(host="127.0.0.1", port=0)
+        first = BootstrapServer(RoomRegistry(first_config), first_config, 1 << 20)
+        await first.start()
+        try:
+            config = BootstrapConfig(host="127.0.0.1", port=first.port)
+            with pytest.raises(UserError, match=f"127.0.0.1:{first.port}"):
+                BootstrapServer(RoomRegistry(config), config, 1 << 20)
+        finally:
+            await first.stop(0)
+
+    asyncio.run(run())

@@ -322,7 +322,8 @@ class BootstrapServer:
         self.config = config
         # Chunks are capped at TransportConfig.max_chunk_bytes; leave headroom for the envelope.
         options = [("grpc.max_send_message_length", max_message_bytes + (64 << 10)),
-                   ("grpc.max_receive_message_length", 16 << 20)]  # a handshake lists every page id
+                   ("grpc.max_receive_message_length", 16 << 20),  # a handshake lists every page id
+                   ("grpc.so_reuseport", 0)]  # a second worker on this port must fail, not share it
         self.server = grpc.aio.server(options=options)
         pb_grpc.add_BootstrapServicer_to_server(BootstrapServicer(registry), self.server)
         try:  # grpc raises RuntimeError on a busy port (older versions returned 0)
