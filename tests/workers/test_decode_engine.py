@@ -252,3 +252,29 @@ def test_bad_requests_fail_alone_without_hurting_the_batch():
     for outcome, word in zip(bad_outcomes, ("vocabulary", "empty", "top_p")):
         assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.INVALID_ARGUMENT
         assert word in outcome.terminal.message
+
+
+def test_a_failing_scheduler_round_fails_its_requests_and_the_engine_keeps_serving():
+    """A bug in one round must end the requests it held (INTERNAL, pages freed), not strand them."""
+    rng = random.Random()
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+
+    async def run(engine):
+        real_round = engine._decode_round
+        calls = {"n": 0}
+
+        async def broken_once():
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected scheduler bug")
+            await real_round()
+
+        engine._decode_round = broken_once
+        first = await asyncio.wait_for(collect(engine, GenerateRequest("x", tuple(prompt(rng)), params)), 20)
+        assert isinstance(first.terminal, Failed) and first.terminal.code == FailureCode.INTERNAL
+        assert engine.is_healthy()
+        p = prompt(rng)
+        second = await asyncio.wait_for(collect(engine, GenerateRequest("y", tuple(p), params)), 20)
+        assert second.ok and second.tokens == oracle().generate(p, params).output_ids
+
+    asyncio.run(with_engine(run))

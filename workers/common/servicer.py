@@ -115,13 +115,16 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             terminal_seen = False
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
         finally:
-            self._inflight.discard(req.rid)
-            if not terminal_seen:
-                # The caller left (or the engine broke): free the request's pages now.
-                logger.info("request %s ended before its engine finished it (client cancelled or "
-                            "engine error); aborting it", req.rid)
-                await _shielded(self._engine.abort(req.rid))
-            await _shielded(events.aclose())
+            try:
+                if not terminal_seen:
+                    # The caller left (or the engine broke): free the request's pages now.
+                    logger.info("request %s ended before its engine finished it (client cancelled or "
+                                "engine error); aborting it", req.rid)
+                    await _shielded(self._engine.abort(req.rid))
+                await _shielded(events.aclose())
+            finally:
+                # Only now may the id be reused: a retry with the same id must not meet our abort.
+                self._inflight.discard(req.rid)
 
     # -- management --------------------------------------------------------------------------
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:

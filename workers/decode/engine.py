@@ -250,11 +250,25 @@ class DecodeEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if self._prefilling:
-                await self._prefill_round()
-            if self._running:
-                await self._decode_round()
+            try:
+                if self._prefilling:
+                    await self._prefill_round()
+                if self._running:
+                    await self._decode_round()
+            except Exception:  # a bug in a round must fail the requests it held, never strand them
+                log.exception("decode scheduler round failed; failing the requests in flight")
+                self._fail_in_flight("decode scheduler error (see the worker log)")
             await asyncio.sleep(0)  # let transfers, new requests and aborts in between rounds
+
+    def _fail_in_flight(self, message: str) -> None:
+        """Ends every scheduled request with INTERNAL; their consumers then free the pages (`_end`)."""
+        states = self._running + self._prefilling
+        self._running.clear()
+        self._prefilling.clear()
+        for state in states:
+            state.in_forward = False
+            if not state.finished:
+                self._fail(state, FailureCode.INTERNAL, message)
 
     async def _forward(self, batch: list[_Request], fn, *args) -> Sampled | None:
         for state in batch:
