@@ -140,17 +140,7 @@ def test_decode_killed_mid_transfer_frees_prefill_room(cluster) -> None:
 
     async def main():
         baseline = await used_pages(prefill.address(host))
-        async with pd_client(cluster, prefill, decode) as client:
-            call = asyncio.create_task(client.generate(long_prompt(), sampling_proto(max_new_tokens=4),
-                                                       timeout_s=None))
-            # Decode has its pages (handshake done) and prefill is computing: KV is on the move.
-            started = await wait_until(
-                lambda: _both(running_requests(prefill.address(host)), used_pages(decode.address(host))), 30)
-            assert started, "the request never reached the transfer phase"
-            decode.process.send_signal(signal.SIGKILL)
-            t0 = time.monotonic()
-            result = await asyncio.wait_for(call, FAILURE_DEADLINE_S)
-            elapsed = time.monotonic() - t0
+        result, elapsed = await _kill_during_transfer(cluster, prefill, decode, victim=decode)
         assert result.decode_error is not None and result.decode_error.code() in FAILED_CODES
         assert result.prefill_error is not None, "prefill must not report success to a dead peer"
         assert result.prefill_error.code() in FAILED_CODES, result.prefill_error
@@ -169,16 +159,7 @@ def test_prefill_killed_after_handshake_fails_decode_and_frees_pages(cluster) ->
 
     async def main():
         baseline = await used_pages(decode.address(host))
-        async with pd_client(cluster, prefill, decode) as client:
-            call = asyncio.create_task(client.generate(long_prompt(), sampling_proto(max_new_tokens=4),
-                                                       timeout_s=None))
-            started = await wait_until(
-                lambda: _both(running_requests(prefill.address(host)), used_pages(decode.address(host))), 30)
-            assert started, "the request never reached the transfer phase"
-            prefill.process.send_signal(signal.SIGKILL)
-            t0 = time.monotonic()
-            result = await asyncio.wait_for(call, FAILURE_DEADLINE_S)
-            elapsed = time.monotonic() - t0
+        result, elapsed = await _kill_during_transfer(cluster, prefill, decode, victim=prefill)
         assert result.prefill_error is not None
         assert result.decode_error is not None, "decode must not answer without the prompt's KV"
         assert result.decode_error.code() in FAILED_CODES, result.decode_error
@@ -187,6 +168,22 @@ def test_prefill_killed_after_handshake_fails_decode_and_frees_pages(cluster) ->
         assert pages == baseline, f"decode kept {pages - baseline} pages of the failed request"
 
     asyncio.run(main())
+
+
+async def _kill_during_transfer(cluster, prefill, decode, victim):
+    """Dispatches one long PD request, SIGKILLs `victim` once its KV is on the move, and returns the
+    dual-dispatch result and how long the survivors took to answer after the kill."""
+    host = cluster.spec.host
+    async with pd_client(cluster, prefill, decode) as client:
+        call = asyncio.create_task(client.generate(long_prompt(), sampling_proto(max_new_tokens=4), timeout_s=None))
+        # Decode has its pages (handshake done) and prefill is computing: KV is on the move.
+        started = await wait_until(
+            lambda: _both(running_requests(prefill.address(host)), used_pages(decode.address(host))), 30)
+        assert started, "the request never reached the transfer phase"
+        victim.process.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        result = await asyncio.wait_for(call, FAILURE_DEADLINE_S)
+        return result, time.monotonic() - t0
 
 
 async def _both(first, second) -> bool:
