@@ -17,7 +17,7 @@ from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.decoder_layer import DeepseekDecoderLayer
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-from deepseek_pd.model.layer_ops import LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, OpState, run_layer_ops
+from deepseek_pd.model.layer_ops import LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, OpState, op_method, run_layer_ops
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.parallel import ExpertPlacement
@@ -105,7 +105,7 @@ class DeepseekForCausalLM(nn.Module):
                 continue
             state = OpState(mlp_input=self.embed_tokens.weight.new_empty(0, self.config.hidden_size))
             for name in _MOE_MLP_OPS:
-                getattr(layer, f"op_{name}")(state, stand_in)
+                op_method(layer, name)(state, stand_in)
             state.pop("mlp_output")
 
     @torch.no_grad()

@@ -21,10 +21,17 @@ Keys between ops of a MoE layer (→ produced, ← consumed):
     output         ← routed_output, shared_output         → mlp_output
     postprocess    ← mlp_output                           → hidden_states
 A layer starts and ends with exactly {hidden_states, residual}.
+
+Executors (the plain loop in `DeepseekForCausalLM`, two-batch overlap in `tbo.py`) see a model
+only through `OpLayer` and `LayerStack` below, so they do not depend on the model class.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+
+from deepseek_pd.model.forward_batch import ForwardBatch
 
 MOE_LAYER_OPS: tuple[str, ...] = (
     "prepare_attn", "attn_prepare", "attn_core", "prepare_mlp", "gate", "select_experts",
@@ -104,11 +111,43 @@ class OpState:
             raise RuntimeError(f"op state holds {sorted(self.keys())}, expected exactly {sorted(keys)}")
 
 
-def bound_ops(layer: Any) -> tuple[Callable[..., None], ...]:
+Op = Callable[[OpState, ForwardBatch], None]
+
+
+class OpLayer(Protocol):
+    """A decoder layer as an op-list executor sees it: op `name` is its method `op_<name>`."""
+
+    layer_id: int
+    is_moe: bool  # MoE layers also run the TBO schedules; dense layers only `op_names`
+    op_names: tuple[str, ...]  # the plain op list, `MOE_LAYER_OPS` or `DENSE_LAYER_OPS`
+
+
+class LayerStack(Protocol):
+    """A whole model as an op-list executor sees it (what `DeepseekForCausalLM` provides)."""
+
+    @property
+    def layers(self) -> Sequence[OpLayer]: ...
+
+    def initial_state(self, batch: ForwardBatch) -> OpState:
+        """The first layer's input state, {hidden_states, residual}."""
+
+    def run_layers(self, batch: ForwardBatch) -> OpState:
+        """Every layer's plain op list over one state; returns the last layer's output state."""
+
+    def final_hidden(self, state: OpState, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Consumes the last layer's output state: final-normed hidden states of `rows`."""
+
+
+def op_method(layer: OpLayer, name: str) -> Op:
+    """The layer's op `name` as a bound method (the one place the `op_<name>` rule lives)."""
+    return getattr(layer, f"op_{name}")
+
+
+def bound_ops(layer: OpLayer) -> tuple[Op, ...]:
     """The layer's op list resolved to bound methods (done once, at build time)."""
-    return tuple(getattr(layer, f"op_{name}") for name in layer.op_names)
+    return tuple(op_method(layer, name) for name in layer.op_names)
 
 
-def run_layer_ops(ops: tuple[Callable[..., None], ...], state: OpState, batch: Any) -> None:
+def run_layer_ops(ops: tuple[Op, ...], state: OpState, batch: ForwardBatch) -> None:
     for op in ops:
         op(state, batch)

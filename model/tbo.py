@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-from deepseek_pd.model.layer_ops import TBO_DECODE_MOE_OPS, TBO_PREFILL_MOE_OPS, YIELD, OpState
+from deepseek_pd.model.layer_ops import (TBO_DECODE_MOE_OPS, TBO_PREFILL_MOE_OPS, YIELD, LayerStack, Op, OpState,
+                                         op_method)
 from deepseek_pd.model.parallel import ParallelInfo
-
-if TYPE_CHECKING:
-    from deepseek_pd.model.deepseek import DeepseekForCausalLM
 
 TBO_MOE_OPS: dict[ForwardMode, tuple[str, ...]] = {
     ForwardMode.EXTEND: TBO_PREFILL_MOE_OPS,
@@ -42,14 +39,14 @@ DELTA_STAGES: dict[ForwardMode, int] = {ForwardMode.EXTEND: 0, ForwardMode.DECOD
 class StageOp:
     layer_id: int
     name: str
-    run: Callable[[OpState, ForwardBatch], None]
+    run: Op
 
 
 Stage = tuple[StageOp, ...]
 TraceEntry = tuple[int, int, str]  # (micro-batch 0/1, layer id, op name)
 
 
-def build_stages(model: "DeepseekForCausalLM", mode: ForwardMode) -> tuple[Stage, ...]:
+def build_stages(model: LayerStack, mode: ForwardMode) -> tuple[Stage, ...]:
     """The whole model's ops for `mode`, cut at YIELD points (a stage may span a layer boundary)."""
     stages: list[Stage] = []
     current: list[StageOp] = []
@@ -60,7 +57,7 @@ def build_stages(model: "DeepseekForCausalLM", mode: ForwardMode) -> tuple[Stage
                 stages.append(tuple(current))
                 current = []
             else:
-                current.append(StageOp(layer.layer_id, name, getattr(layer, f"op_{name}")))
+                current.append(StageOp(layer.layer_id, name, op_method(layer, name)))
     stages.append(tuple(current))
     return tuple(stage for stage in stages if stage)
 
@@ -100,9 +97,13 @@ def sub_batch(batch: ForwardBatch, first: int, end: int) -> ForwardBatch:
 
 
 class TwoBatchOverlap:
-    """Runs a model's layers over two interleaved micro-batches; built once per model."""
+    """Runs a model's layers over two interleaved micro-batches; built once per model.
 
-    def __init__(self, model: "DeepseekForCausalLM", parallel: ParallelInfo) -> None:
+    Needs only the `LayerStack` interface of the model (layers, initial/final state, the plain loop
+    for the fallback), not the model class.
+    """
+
+    def __init__(self, model: LayerStack, parallel: ParallelInfo) -> None:
         self.model = model
         self.parallel = parallel
         self.stages = {mode: build_stages(model, mode) for mode in ForwardMode}
