@@ -1,6 +1,8 @@
 """DeepSeek MoE: top-k selection (`topk`), stacked experts + kernel registry (`experts`),
-EP dispatcher registry (`dispatcher`), dense/shared MLP (`mlp`), the per-layer module (`layer`)."""
+EP dispatcher registry (`dispatcher`) and the EP dispatchers that register into it (`ep_dispatcher`,
+`deepep_dispatcher`), dense/shared MLP (`mlp`), the per-layer module (`layer`)."""
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput, DispatchOutput, LocalDispatcher
+from deepseek_pd.model.moe import deepep_dispatcher, ep_dispatcher  # noqa: F401,E402  (register "deepep", "all_to_all")
 from deepseek_pd.model.moe.experts import MOE_BACKENDS, FusedExperts, TorchMoEKernel
 from deepseek_pd.model.moe import grouped_experts, triton_experts  # noqa: F401,E402  (register "grouped", "triton")
 from deepseek_pd.model.moe.layer import DeepseekMoE

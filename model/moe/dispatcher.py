@@ -4,7 +4,9 @@ two-batch-overlap schedule can run other work in between (DeepEP's `return_recv_
 A dispatcher is built once per model from the layer's `ExpertPlacement` (`DISPATCHERS.build(name,
 placement)`). `local` (ep_size 1) hands tokens to the local experts unchanged; `all_to_all`
 (`ep_dispatcher.py`, torch.distributed) and `deepep` (`deepep_dispatcher.py`, only when `deep_ep`
-imports) move them between EP ranks. `dispatch_b` hands the experts topk ids in *local* expert ids,
+imports) move them between EP ranks; they import this module and register themselves, and the
+package `deepseek_pd.model.moe` imports them, so any import of this module sees every dispatcher
+(as with `MOE_BACKENDS`). `dispatch_b` hands the experts topk ids in *local* expert ids,
 -1 for pairs another rank computes; combine returns `[T, H]` in the original token order.
 """
 from __future__ import annotations
@@ -72,11 +74,3 @@ class LocalDispatcher:
 
     def combine_b(self, handle: torch.Tensor) -> torch.Tensor:
         return handle
-
-
-def _register_ep_dispatchers() -> None:
-    """Import the EP dispatcher modules so they register (deepep only registers if deep_ep imports)."""
-    from deepseek_pd.model.moe import deepep_dispatcher, ep_dispatcher  # noqa: F401
-
-
-_register_ep_dispatchers()
