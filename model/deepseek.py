@@ -46,8 +46,8 @@ class DeepseekForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
         self.rotary = RotaryEmbedding(config).to(options.device)
         # Built before the layers so a bad EP size fails here, naming it, before any allocation.
-        placement = ExpertPlacement(config.n_routed_experts, options.num_fused_shared_experts, options.parallel)
-        self.dispatcher = DISPATCHERS.build(options.dispatcher, placement)
+        self.placement = ExpertPlacement(config.n_routed_experts, options.num_fused_shared_experts, options.parallel)
+        self.dispatcher = DISPATCHERS.build(options.dispatcher, self.placement)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, self.rotary, options, self.dispatcher)
             for i in range(config.num_hidden_layers))
@@ -111,4 +111,4 @@ class DeepseekForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors in; raises CheckpointError listing missing/unexpected names."""
-        load_hf_weights(self, weights)
+        load_hf_weights(self.config, self.placement, dict(self.named_parameters()), weights)

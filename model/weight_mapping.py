@@ -12,21 +12,27 @@ Every expected HF tensor is listed up front under its canonical name (per-expert
 HF's in-memory stacked form (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`)
 is accepted too and counts for all its per-expert names. Layers >= num_hidden_layers (MTP) are
 skipped. Anything left over raises `CheckpointError(missing, unexpected)`.
+
+The mapping is a pure function over names and tensors: it sees the model only as its parameters
+by name (`dict(model.named_parameters())`, e.g. `layers.3.mlp.experts.w13`), the `ModelConfig` and
+the rank's `ExpertPlacement`, so it knows nothing of the module classes. The layer structure comes
+from the config (`is_moe_layer`, `q_lora_rank`); what depends on build options comes from the
+parameters present (`e_score_correction_bias`, an unfused `shared_experts` MLP) and the placement.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from deepseek_pd.errors import CheckpointError, UserError
-
-if TYPE_CHECKING:
-    from deepseek_pd.model.deepseek import DeepseekForCausalLM
+from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.parallel import ExpertPlacement
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+Params = Mapping[str, torch.Tensor]  # our parameter name → parameter (`named_parameters()`)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -44,48 +50,55 @@ def _cols(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: t[:, start:stop]
 
 
-def expected_targets(model: "DeepseekForCausalLM") -> tuple[dict[str, list[Target]], dict[str, list[str]]]:
+def _param(params: Params, name: str) -> torch.Tensor:
+    """The parameter's data (copied into without autograd); a name the model lacks is a mapping bug."""
+    try:
+        return params[name].data
+    except KeyError:
+        raise KeyError(f"weight mapping: the model has no parameter {name!r}") from None
+
+
+def expected_targets(config: ModelConfig, placement: ExpertPlacement,
+                     params: Params) -> tuple[dict[str, list[Target]], dict[str, list[str]]]:
     """(canonical HF name → targets, stacked alias → canonical names it stands for)."""
-    cfg = model.config
+    cfg = config
     targets: dict[str, list[Target]] = {
-        "model.embed_tokens.weight": [Target(model.embed_tokens.weight.data)],
-        "model.norm.weight": [Target(model.norm.weight.data)],
+        "model.embed_tokens.weight": [Target(_param(params, "embed_tokens.weight"))],
+        "model.norm.weight": [Target(_param(params, "norm.weight"))],
     }
     if not cfg.tie_word_embeddings:
-        targets["lm_head.weight"] = [Target(model.lm_head.weight.data)]
+        targets["lm_head.weight"] = [Target(_param(params, "lm_head.weight"))]
     aliases: dict[str, list[str]] = {}
     heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        attn = layer.self_attn
-        targets[p + "input_layernorm.weight"] = [Target(layer.input_layernorm.weight.data)]
-        targets[p + "post_attention_layernorm.weight"] = [Target(layer.post_attention_layernorm.weight.data)]
-        a = p + "self_attn."
+    for i in range(cfg.num_hidden_layers):
+        p, ours = f"model.layers.{i}.", f"layers.{i}."
+        targets[p + "input_layernorm.weight"] = [Target(_param(params, ours + "input_layernorm.weight"))]
+        targets[p + "post_attention_layernorm.weight"] = [
+            Target(_param(params, ours + "post_attention_layernorm.weight"))]
+        a, attn = p + "self_attn.", ours + "self_attn."
         if cfg.q_lora_rank is not None:
-            fused = attn.fused_qkv_a_proj.weight.data
+            fused = _param(params, attn + "fused_qkv_a_proj.weight")
             targets[a + "q_a_proj.weight"] = [Target(fused[:cfg.q_lora_rank])]
             targets[a + "kv_a_proj_with_mqa.weight"] = [Target(fused[cfg.q_lora_rank:])]
-            targets[a + "q_a_layernorm.weight"] = [Target(attn.q_a_layernorm.weight.data)]
-            targets[a + "q_b_proj.weight"] = [Target(attn.q_b_proj.weight.data)]
+            targets[a + "q_a_layernorm.weight"] = [Target(_param(params, attn + "q_a_layernorm.weight"))]
+            targets[a + "q_b_proj.weight"] = [Target(_param(params, attn + "q_b_proj.weight"))]
         else:
-            targets[a + "q_proj.weight"] = [Target(attn.q_proj.weight.data)]
-            targets[a + "kv_a_proj_with_mqa.weight"] = [Target(attn.kv_a_proj_with_mqa.weight.data)]
-        targets[a + "kv_a_layernorm.weight"] = [Target(attn.kv_a_layernorm.weight.data)]
+            targets[a + "q_proj.weight"] = [Target(_param(params, attn + "q_proj.weight"))]
+            targets[a + "kv_a_proj_with_mqa.weight"] = [Target(_param(params, attn + "kv_a_proj_with_mqa.weight"))]
+        targets[a + "kv_a_layernorm.weight"] = [Target(_param(params, attn + "kv_a_layernorm.weight"))]
         per_head = lambda t: t.reshape(heads, nope + v, -1)  # noqa: E731
-        targets[a + "kv_b_proj.weight"] = [Target(attn.w_kc.data, lambda t: per_head(t)[:, :nope]),
-                                           Target(attn.w_vc.data, lambda t: per_head(t)[:, nope:])]
-        targets[a + "o_proj.weight"] = [Target(attn.o_proj.weight.data)]
-        m = p + "mlp."
-        if not layer.is_moe:
-            _add_gated_mlp(targets, m, layer.mlp, cfg.intermediate_size)
+        targets[a + "kv_b_proj.weight"] = [Target(_param(params, attn + "w_kc"), lambda t: per_head(t)[:, :nope]),
+                                           Target(_param(params, attn + "w_vc"), lambda t: per_head(t)[:, nope:])]
+        targets[a + "o_proj.weight"] = [Target(_param(params, attn + "o_proj.weight"))]
+        m, mlp = p + "mlp.", ours + "mlp."
+        if not cfg.is_moe_layer(i):
+            _add_gated_mlp(targets, m, params, mlp, cfg.intermediate_size)
             continue
-        moe = layer.mlp
-        targets[m + "gate.weight"] = [Target(moe.gate_weight.data)]
-        if moe.e_score_correction_bias is not None:
-            targets[m + "gate.e_score_correction_bias"] = [Target(moe.e_score_correction_bias.data)]
+        targets[m + "gate.weight"] = [Target(_param(params, mlp + "gate_weight"))]
+        if mlp + "e_score_correction_bias" in params:
+            targets[m + "gate.e_score_correction_bias"] = [Target(_param(params, mlp + "e_score_correction_bias"))]
         inter = cfg.moe_intermediate_size
-        w13, w2 = moe.experts.w13.data, moe.experts.w2.data
-        placement = moe.placement
+        w13, w2 = _param(params, mlp + "experts.w13"), _param(params, mlp + "experts.w2")
         for j in range(cfg.n_routed_experts):
             e = f"{m}experts.{j}."
             if not placement.is_local_routed(j):
@@ -100,12 +113,12 @@ def expected_targets(model: "DeepseekForCausalLM") -> tuple[dict[str, list[Targe
         aliases[m + "experts.gate_up_proj"] = [f"{m}experts.{j}.{w}_proj.weight"
                                                for j in range(cfg.n_routed_experts) for w in ("gate", "up")]
         aliases[m + "experts.down_proj"] = [f"{m}experts.{j}.down_proj.weight" for j in range(cfg.n_routed_experts)]
-        if moe.shared_experts is not None:
-            _add_gated_mlp(targets, m + "shared_experts.", moe.shared_experts, inter * cfg.n_shared_experts)
-        elif moe.num_fused_shared:
+        if mlp + "shared_experts.gate_up_proj.weight" in params:
+            _add_gated_mlp(targets, m + "shared_experts.", params, mlp + "shared_experts.", inter * cfg.n_shared_experts)
+        elif placement.num_fused_shared:
             s = m + "shared_experts."
             targets[s + "gate_proj.weight"], targets[s + "up_proj.weight"], targets[s + "down_proj.weight"] = [], [], []
-            for k in range(moe.num_fused_shared):
+            for k in range(placement.num_fused_shared):
                 j = placement.num_local_routed + k
                 targets[s + "gate_proj.weight"].append(Target(w13[j, :inter], _rows(k * inter, (k + 1) * inter)))
                 targets[s + "up_proj.weight"].append(Target(w13[j, inter:], _rows(k * inter, (k + 1) * inter)))
@@ -113,11 +126,11 @@ def expected_targets(model: "DeepseekForCausalLM") -> tuple[dict[str, list[Targe
     return targets, aliases
 
 
-def _add_gated_mlp(targets: dict[str, list[Target]], prefix: str, mlp: torch.nn.Module, inter: int) -> None:
-    gate_up = mlp.gate_up_proj.weight.data
+def _add_gated_mlp(targets: dict[str, list[Target]], prefix: str, params: Params, ours: str, inter: int) -> None:
+    gate_up = _param(params, ours + "gate_up_proj.weight")
     targets[prefix + "gate_proj.weight"] = [Target(gate_up[:inter])]
     targets[prefix + "up_proj.weight"] = [Target(gate_up[inter:])]
-    targets[prefix + "down_proj.weight"] = [Target(mlp.down_proj.weight.data)]
+    targets[prefix + "down_proj.weight"] = [Target(_param(params, ours + "down_proj.weight"))]
 
 
 def _copy(name: str, target: Target, tensor: torch.Tensor) -> None:
@@ -138,9 +151,12 @@ def _skippable(name: str, tensor: torch.Tensor, num_layers: int, n_shared: int) 
     return n_shared == 0 and ".shared_experts." in name and tensor.numel() == 0
 
 
-def load_hf_weights(model: "DeepseekForCausalLM", weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    cfg = model.config
-    targets, aliases = expected_targets(model)
+def load_hf_weights(config: ModelConfig, placement: ExpertPlacement, params: Params,
+                    weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copies HF-named `weights` into `params` (ours, by name); raises CheckpointError listing
+    missing/unexpected names, UserError on a tensor that does not fit."""
+    cfg = config
+    targets, aliases = expected_targets(config, placement, params)
     seen: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
@@ -149,7 +165,7 @@ def load_hf_weights(model: "DeepseekForCausalLM", weights: Iterable[tuple[str, t
                 _copy(name, target, tensor)
             seen.add(name)
         elif name in aliases:
-            _copy(name, _stacked_target(model, name), tensor)
+            _copy(name, _stacked_target(config, placement, params, name), tensor)
             seen.update(aliases[name])
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied to the embedding
@@ -160,13 +176,12 @@ def load_hf_weights(model: "DeepseekForCausalLM", weights: Iterable[tuple[str, t
         raise CheckpointError(missing, unexpected, where="checkpoint does not match the model config")
 
 
-def _stacked_target(model: "DeepseekForCausalLM", alias: str) -> Target:
+def _stacked_target(config: ModelConfig, placement: ExpertPlacement, params: Params, alias: str) -> Target:
     """HF's stacked `[E, ...]` expert tensor → this rank's block of routed experts."""
-    layer = int(_LAYER.match(alias).group(1))
-    moe = model.layers[layer].mlp
-    first, n = moe.placement.first_local, moe.placement.num_local_routed
-    dest = moe.experts.w13.data[:n] if alias.endswith("gate_up_proj") else moe.experts.w2.data[:n]
-    total = model.config.n_routed_experts
+    experts = f"layers.{int(_LAYER.match(alias).group(1))}.mlp.experts."
+    first, n = placement.first_local, placement.num_local_routed
+    dest = _param(params, experts + ("w13" if alias.endswith("gate_up_proj") else "w2"))[:n]
+    total = config.n_routed_experts
 
     def local_block(t: torch.Tensor) -> torch.Tensor:
         if t.shape[0] != total:
