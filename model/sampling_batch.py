@@ -70,7 +70,7 @@ class _Tables:
     counts: torch.Tensor | None  # [B, V] fp32, when any row is penalised
     prompt: torch.Tensor | None  # [B, V] bool, when any row has a repetition penalty
     truncates: bool  # some row needs the sorted distribution
-    seeded: bool  # some row draws counter-based noise
+    seeded_rows: torch.Tensor | None  # [S] int64, the rows drawing counter-based noise (None: none)
     unseeded: bool  # some row draws from the fallback generator
 
     def column(self, name: FloatColumn) -> torch.Tensor:
@@ -176,7 +176,7 @@ class SamplingBatch:
             keep = truncation_mask(torch.softmax(scaled, dim=-1), t.top_k, col(FloatColumn.TOP_P),
                                    col(FloatColumn.MIN_P))
         noise = None
-        if t.seeded or t.unseeded:
+        if t.seeded_rows is not None or t.unseeded:
             noise = gumbel(self._uniforms(t))
             noise.masked_fill_(t.flag(FloatColumn.GREEDY), 0.0)
         tokens, logprobs = choose(scaled, noise, keep)
@@ -189,20 +189,24 @@ class SamplingBatch:
     # ---- internals ----
 
     def _uniforms(self, t: _Tables) -> torch.Tensor:
+        """`[B, V]` uniforms: counter-based on seeded rows, the fallback generator's elsewhere."""
         shape = (len(self._states), self.vocab_size)
-        drawn = None
-        if t.unseeded:
-            drawn = torch.rand(shape, generator=self.fallback_generator, device=self.device)
-            # torch.rand may return exactly 0, whose noise would be -inf: harmless, but keep it finite.
-            drawn.clamp_(min=2.0 ** -24)
-        if not t.seeded:
-            return drawn
-        if self._offsets is None:
+        if self._offsets is None and t.seeded_rows is not None:
             self._offsets = token_offsets(self.vocab_size, self.device)
-        counted = counter_uniforms(t.keys, t.steps, self._offsets)
-        if drawn is None:
-            return counted
-        return torch.where(t.flag(FloatColumn.SEEDED), counted, drawn)
+        if t.seeded_rows is not None and t.seeded_rows.numel() == shape[0]:
+            return counter_uniforms(t.keys, t.steps, self._offsets)
+        if t.unseeded:
+            uniforms = torch.rand(shape, generator=self.fallback_generator, device=self.device)
+            # torch.rand may return exactly 0, whose noise would be -inf: harmless, but keep it finite.
+            uniforms.clamp_(min=2.0 ** -24)
+        else:  # only greedy rows besides the seeded ones: their noise is zeroed anyway
+            uniforms = torch.full(shape, 0.5, device=self.device)
+        if t.seeded_rows is not None:
+            # Hashing is the costly part (int64 over [rows, V]): only the seeded rows pay for it.
+            rows = t.seeded_rows
+            uniforms.index_copy_(0, rows, counter_uniforms(t.keys.index_select(0, rows),
+                                                           t.steps.index_select(0, rows), self._offsets))
+        return uniforms
 
     def _rebuild(self) -> None:
         """New device tables for the current rows: one packed upload; surviving rows' counts are
@@ -213,23 +217,21 @@ class SamplingBatch:
         n, k = len(states), len(survivors)
         any_penalised = any(s.penalised for s in states)
         gather = any_penalised and k > 0 and old is not None and old.counts is not None
+        seeded = [row for row, s in enumerate(states) if s.seeded]
         ints = torch.tensor([(s.packed_ints[0], s.num_sampled, s.packed_ints[1]) for s in states],
                             dtype=torch.int64)
-        floats = torch.tensor([s.packed_floats for s in states], dtype=torch.float32)
-        index = torch.tensor(survivors if gather else [], dtype=torch.int64)
-        # One copy: int64 parts first so every slice stays aligned for its dtype.
-        packed = _upload(torch.cat([ints.view(-1).view(torch.uint8), index.view(torch.uint8),
-                                    floats.view(-1).view(torch.uint8)]), self.device)
-        ends = (n * _INT_COLUMNS * 8, n * _INT_COLUMNS * 8 + index.numel() * 8)
-        ints_dev = packed[:ends[0]].view(torch.int64).view(n, _INT_COLUMNS)
+        parts = _pack(self.device, ints.view(-1), torch.tensor(survivors if gather else [], dtype=torch.int64),
+                      torch.tensor(seeded, dtype=torch.int64),
+                      torch.tensor([s.packed_floats for s in states], dtype=torch.float32).view(-1))
+        ints_dev, survivor_rows, seeded_rows, floats = parts
+        ints_dev = ints_dev.view(n, _INT_COLUMNS)
         counts = prompt = None
         if any_penalised:
-            counts, prompt = self._penalty_tables(old, packed[ends[0]:ends[1]].view(torch.int64),
-                                                  k if gather else 0, states, fresh)
+            counts, prompt = self._penalty_tables(old, survivor_rows, k if gather else 0, states, fresh)
         self._tables = _Tables(
-            floats=packed[ends[1]:].view(torch.float32).view(n, len(FloatColumn)),
+            floats=floats.view(n, len(FloatColumn)),
             keys=ints_dev[:, 0], steps=ints_dev[:, 1], top_k=ints_dev[:, 2], counts=counts, prompt=prompt,
-            truncates=any(s.truncates for s in states), seeded=any(s.seeded for s in states),
+            truncates=any(s.truncates for s in states), seeded_rows=seeded_rows if seeded else None,
             unseeded=any(not s.greedy and not s.seeded for s in states))
         for row, state in enumerate(states):
             if state._row is None:
@@ -257,6 +259,20 @@ class SamplingBatch:
         no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
         prompt = torch.stack([s.prompt_mask if s.prompt_mask is not None else no_prompt for s in states])
         return counts, prompt
+
+
+def _pack(device: torch.device, *parts: torch.Tensor) -> list[torch.Tensor]:
+    """Flat host tensors to `device` in ONE copy; returns their device views, in order.
+
+    Give the 8-byte dtypes first so each view stays aligned for its dtype.
+    """
+    raw = [p.contiguous().view(torch.uint8) for p in parts]
+    packed = _upload(torch.cat(raw), device)
+    views, offset = [], 0
+    for part, chunk in zip(parts, raw):
+        views.append(packed[offset:offset + chunk.numel()].view(part.dtype))
+        offset += chunk.numel()
+    return views
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

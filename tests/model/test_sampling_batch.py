@@ -157,6 +157,7 @@ def test_pd_handoff_continues_the_sequence():
     rng = random.Random()
     for kind in ("seeded", "greedy"):
         request = _new_request(rng, rng.randrange(1000), kind)
+        request.params = dataclasses.replace(request.params, frequency_penalty=1.0, repetition_penalty=1.3)
         want, _ = _alone(request, 8)
         prefill = SamplingState.create(request.params, request.prompt, VOCAB)
         first = Sampler().sample(_logits(request.tag, 0).unsqueeze(0), [prefill]).token_ids.tolist()[0]
@@ -170,9 +171,38 @@ def test_pd_handoff_continues_the_sequence():
         for _ in range(7):
             _step(batch, {id(decode.state): decode})
         assert decode.tokens == want
-        if prefill.penalised:  # the prefill side counted its token once, not again on append
-            assert prefill.output_counts.tolist() == torch.bincount(torch.tensor([first]),
-                                                                    minlength=VOCAB).float().tolist()
+        # the prefill side counted its token once, not again on append
+        assert prefill.output_counts.tolist() == torch.bincount(torch.tensor([first]), minlength=VOCAB).tolist()
+
+
+def test_record_inside_a_batch_equals_record_outside():
+    """A token counted while the row sits in the device tables (one step, one count on the device)
+    continues exactly like the same token recorded on a state outside any batch."""
+    rng = random.Random()
+    request = _new_request(rng, rng.randrange(1000), "seeded")
+    # diffuse, so that a draw at the wrong step shows in the tokens
+    request.params = dataclasses.replace(request.params, temperature=2.0, top_k=-1, top_p=1.0, min_p=0.0,
+                                         frequency_penalty=1.5, presence_penalty=0.5)
+    extra = rng.randrange(VOCAB)
+    results = []
+    for inside in (True, False):
+        r = _Request(request.tag, request.params, request.prompt,
+                     SamplingState.create(request.params, request.prompt, VOCAB))
+        batch = SamplingBatch(VOCAB, "cpu")
+        batch.add(r.state)
+        _step(batch, {id(r.state): r})
+        if not inside:
+            batch.remove([r.state])
+        r.state.record(extra)
+        if not inside:
+            batch.add(r.state)
+        for _ in range(4):
+            _step(batch, {id(r.state): r})
+        assert r.state.num_sampled == 6
+        results.append((r.tokens, r.logprobs, r.state.output_counts.tolist()))
+    assert results[0] == results[1]
+    assert results[0][2] == torch.bincount(torch.tensor(results[0][0][:1] + [extra] + results[0][0][1:]),
+                                           minlength=VOCAB).float().tolist()
 
 
 def test_one_seed_many_steps_matches_the_distribution():
