@@ -1,8 +1,9 @@
-"""The sampler against plain per-row reference implementations written here from the definitions
-(see deepseek_pd.model.sampling's docstring), on fresh random logits; plus seeds and distributions."""
+"""The sampler against plain per-row reference implementations (sampling_reference, written from
+deepseek_pd.model.sampling's docstring), on fresh random logits; plus seeds and distributions.
+The persistent SamplingBatch has its own tests in test_sampling_batch.py."""
 from __future__ import annotations
 
-import math
+import dataclasses
 import random
 
 import pytest
@@ -12,6 +13,10 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.sampling import (Finish, IncrementalDetokenizer, Sampler, SamplingState, StopChecker,
                                         apply_penalties, truncation_mask)
 from deepseek_pd.model.sampling_params import SamplingParams
+from sampling_reference import assert_frequencies_match
+from sampling_reference import random_params as _random_params
+from sampling_reference import ref_penalised as _ref_penalised
+from sampling_reference import ref_probs as _ref_probs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,52 +29,6 @@ def _states(params_list, vocab, prompts=None, outputs=None):
             state.append(token)
         states.append(state)
     return states
-
-
-# ---- reference implementations: loops over tokens, straight from the definitions ------------
-
-def _ref_penalised(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
-    out = list(logits)
-    for token in range(len(out)):
-        count = output.count(token)
-        if token in prompt or count:
-            out[token] = out[token] / params.repetition_penalty if out[token] > 0 else out[token] * params.repetition_penalty
-        out[token] -= params.frequency_penalty * count
-        if count:
-            out[token] -= params.presence_penalty
-    return out
-
-
-def _ref_probs(logits: list[float], params: SamplingParams) -> list[float]:
-    """The final distribution a non-greedy request samples from."""
-    scaled = [x / params.temperature for x in logits]
-    peak = max(scaled)
-    weights = [math.exp(x - peak) for x in scaled]
-    total = sum(weights)
-    probs = [w / total for w in weights]
-    order = sorted(range(len(probs)), key=lambda t: -probs[t])
-    kept, mass_before = set(), 0.0
-    for rank, token in enumerate(order):
-        within_k = params.top_k <= 0 or rank < params.top_k
-        within_p = params.top_p >= 1.0 or mass_before <= params.top_p
-        above_min = probs[token] >= params.min_p * probs[order[0]]
-        if rank == 0 or (within_k and within_p and above_min):
-            kept.add(token)
-        mass_before += probs[token]
-    total_kept = sum(probs[t] for t in kept)
-    return [probs[t] / total_kept if t in kept else 0.0 for t in range(len(probs))]
-
-
-def _random_params(rng: random.Random) -> SamplingParams:
-    return SamplingParams(
-        temperature=rng.choice([0.3, 0.7, 1.0, 1.5]),
-        top_p=rng.choice([1.0, 0.9, 0.5, 0.2]),
-        top_k=rng.choice([-1, 0, 1, 3, 10]),
-        min_p=rng.choice([0.0, 0.05, 0.3]),
-        repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
-        frequency_penalty=rng.choice([0.0, 0.5, -0.4]),
-        presence_penalty=rng.choice([0.0, 0.7, -1.0]),
-    )
 
 
 # ---- tests --------------------------------------------------------------------------------
@@ -142,8 +101,9 @@ def test_extreme_but_valid_values_do_not_break_the_batch():
     assert not torch.isnan(out.logprobs).any()
 
 
-def test_sampled_distribution_matches_reference():
-    """Many rows, each one draw: per-token frequencies within 5 sigma of the reference probabilities."""
+@pytest.mark.parametrize("seeded", [False, True], ids=["fallback-generator", "counter-seeded"])
+def test_sampled_distribution_matches_reference(seeded):
+    """Many rows, each one draw: the fallback generator's rows, or rows with distinct fresh seeds."""
     rng = random.Random()
     vocab, draws = 12, 6000
     for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_p=0.8),
@@ -153,15 +113,11 @@ def test_sampled_distribution_matches_reference():
         logits = torch.randn(vocab) * 1.5
         output = [rng.randrange(vocab) for _ in range(3)]
         ref = _ref_probs(_ref_penalised(logits.tolist(), params, [], output), params)
-        states = _states([params] * draws, vocab, outputs=[output] * draws)
+        rows = ([dataclasses.replace(params, seed=rng.randrange(-2**63, 2**64)) for _ in range(draws)]
+                if seeded else [params] * draws)
+        states = _states(rows, vocab, outputs=[output] * draws)
         tokens = Sampler().sample(logits.expand(draws, vocab).contiguous(), states).token_ids
-        counts = torch.bincount(tokens, minlength=vocab).tolist()
-        for token in range(vocab):
-            if ref[token] == 0:
-                assert counts[token] == 0, (params, token)
-            else:
-                sigma = math.sqrt(draws * ref[token] * (1 - ref[token])) + 1
-                assert abs(counts[token] - draws * ref[token]) < 5 * sigma, (params, token, counts, ref)
+        assert_frequencies_match(tokens, ref, params)
 
 
 def _run_seeded(rows: list[SamplingParams], steps: int, vocab: int, logits_seed: int) -> list[list[int]]:
