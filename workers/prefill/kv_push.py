@@ -60,7 +60,7 @@ class KVPush:
                                     f"decode prepared {handshake.num_tokens} tokens in {len(handshake.page_ids)} "
                                     f"pages, prefill has a {self.num_tokens}-token prompt "
                                     f"({self.plan.num_pages} pages)")
-            self.channel = self.sender.open(handshake, self.room)
+            self.channel = self.sender.open(handshake, self.room.emit_chunk)
         except TransferError as exc:  # the decode side gets the same reason
             self.room.fail(exc.code, exc.message)
             raise
@@ -99,8 +99,11 @@ class KVPush:
                 continue
             began = time.monotonic()
             try:
-                await self.channel.send(item.src_pages, item.page_begin, item.layers.start, item.layers.stop,
-                                        item.ready)
+                if item.layers == range(self.sender.pool.num_layers) and item.ready is None:
+                    await self.channel.send(item.src_pages, item.page_begin)  # the original two-argument form
+                else:
+                    await self.channel.send(item.src_pages, item.page_begin, item.layers.start,
+                                            item.layers.stop, item.ready)
                 self._send_seconds += time.monotonic() - began
             except TransferError as exc:
                 self._error = exc

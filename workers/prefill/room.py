@@ -66,7 +66,6 @@ class Room:
         self.delivered: asyncio.Future[bool] = loop.create_future()
         # Kept after its request ended so the other side's late arrival fails at once; expires.
         self.tombstone = False
-        self._next_seq = 1  # seq 0 is the HandshakeAck
 
     # ---- phases -------------------------------------------------------------------------------
     def advance(self, to: TransferPhase) -> bool:
@@ -103,11 +102,6 @@ class Room:
     def start_streaming(self) -> None:
         """The prefill side accepted the handshake and opened its transport channel."""
         self.advance(TransferPhase.STREAMING)
-
-    def next_seq(self) -> int:
-        """The seq of the next chunk put on the stream; chunks must be emitted in this order."""
-        seq, self._next_seq = self._next_seq, self._next_seq + 1
-        return seq
 
     async def emit_chunk(self, chunk: EncodedChunk) -> None:
         """Queues an encoded KV chunk, waiting for room (flow control); raises if decode has gone."""

@@ -14,7 +14,7 @@ decides *what* moves and a worker side that moves bytes):
 A transfer of one request, with page_size=4 and a 10-token prompt in chunks of 8 and 2 tokens:
 
     decode:  pages = pool.alloc(3)            -> [7, 2, 9]; handshake carries them + destination
-    prefill: channel = sender.open(handshake, room)
+    prefill: channel = sender.open(handshake, room.emit_chunk)
              chunk 1 computed (8 tokens)       -> plan.ready(8) = range(0, 2); channel.send([p0, p1], 0)
              chunk 2 computed (10 tokens)      -> plan.ready(10, final=True) = range(2, 3)
              channel.send([p2], 2); then the TransferDone on the bootstrap stream
@@ -36,7 +36,7 @@ import abc
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Protocol, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
@@ -88,16 +88,10 @@ class TransportConfig:
             raise ValueError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
 
 
-class ChunkOutlet(Protocol):
-    """Where a stream transport (grpc) puts its chunks: the room's event stream on prefill.
-
-    Each chunk takes the next `next_seq()` and must be emitted in that order; `emit_chunk` waits
-    for room (flow control) and raises TransferError once the decode side is gone.
-    """
-
-    def next_seq(self) -> int: ...
-
-    def emit_chunk(self, chunk: "EncodedChunk") -> Awaitable[None]: ...
+# Queues one encoded KV chunk on the room's stream (grpc only), waiting for room (flow control);
+# raises TransferError once the decode side is gone. A channel numbers its chunks 1, 2, 3, ...
+# (seq 0 is the HandshakeAck) and emits them in that order: the stream checks it.
+EmitChunk = Callable[["EncodedChunk"], Awaitable[None]]
 
 
 class SendChannel(abc.ABC):
@@ -147,17 +141,17 @@ class KVSender(abc.ABC):
         self.pool = pool
         self.config = config
 
-    def open(self, handshake: pb.Handshake, outlet: ChunkOutlet) -> SendChannel:
-        """Checks the handshake against this pool and transport; `outlet` is the room's stream."""
+    def open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
+        """Checks the handshake against this pool and transport; `emit` queues a chunk on the stream."""
         check_layout(self.pool, handshake.layout)
         kind = handshake.WhichOneof("destination")
         if kind != self.name:
             raise TransferError(FailureCode.INVALID_ARGUMENT,
                                 f"decode side uses KV transport {kind!r}, this prefill worker {self.name!r}")
-        return self._open(handshake, outlet)
+        return self._open(handshake, emit)
 
     @abc.abstractmethod
-    def _open(self, handshake: pb.Handshake, outlet: ChunkOutlet) -> SendChannel: ...
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel: ...
 
     def close(self) -> None:
         """Releases the worker's transport resources; idempotent."""

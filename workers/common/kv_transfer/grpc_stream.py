@@ -28,7 +28,7 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    ChunkOutlet, KVReceiver, KVSender, KVSink, SendChannel, TransferError, TransportConfig)
+    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransferError, TransportConfig)
 from deepseek_pd.workers.common.kv_transfer.page_io import PageGather, read_pages, scatter_pages
 from deepseek_pd.workers.common.kv_transfer.plan import ChunkShape, split_into_chunks
 from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, EncodedChunk, encode_chunk_event
@@ -37,11 +37,11 @@ __all__ = ["GrpcReceiver", "GrpcSender", "GrpcSink", "read_pages"]
 
 
 class GrpcChannel(SendChannel):
-    def __init__(self, pool: KVPool, dst_pages: Sequence[int], outlet: ChunkOutlet, max_chunk_bytes: int,
+    def __init__(self, pool: KVPool, dst_pages: Sequence[int], emit: EmitChunk, max_chunk_bytes: int,
                  timeout_s: float, gather: PageGather, executor: ThreadPoolExecutor, depth: int) -> None:
         super().__init__(pool, dst_pages)
-        self.emit = outlet.emit_chunk  # tests wrap it to tamper with the stream
-        self.next_seq = outlet.next_seq
+        self.emit = emit
+        self._seq = 0  # chunk k of this channel is event k of the room's stream (0 is the ack)
         self.max_chunk_bytes = max_chunk_bytes
         self.timeout_s = timeout_s
         self.gather = gather
@@ -58,7 +58,8 @@ class GrpcChannel(SendChannel):
         try:
             for shape in shapes:
                 local = list(src_pages[shape.page_begin - page_begin:shape.page_end - page_begin])
-                making.append(loop.run_in_executor(self.executor, self._encode, self.next_seq(), shape, local, ready))
+                self._seq += 1
+                making.append(loop.run_in_executor(self.executor, self._encode, self._seq, shape, local, ready))
                 if len(making) >= self.depth:
                     await self._emit(await making.popleft())
             while making:
@@ -100,12 +101,12 @@ class GrpcSender(KVSender):
         # encoded, so requests sending at once share them.
         self.gather = PageGather(pool, config.max_chunk_bytes, config.io_threads)
 
-    def _open(self, handshake: pb.Handshake, outlet: ChunkOutlet) -> SendChannel:
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
         limit = min(self.config.max_chunk_bytes, handshake.grpc.max_chunk_bytes or self.config.max_chunk_bytes)
         if self.pool.bytes_per_page > limit:
             raise TransferError(FailureCode.INVALID_ARGUMENT,
                                 f"one KV page is {self.pool.bytes_per_page} bytes, above the chunk limit {limit}")
-        return GrpcChannel(self.pool, handshake.page_ids, outlet, limit, self.config.send_timeout_s,
+        return GrpcChannel(self.pool, handshake.page_ids, emit, limit, self.config.send_timeout_s,
                            self.gather, self.executor, depth=self.config.io_threads)
 
     def close(self) -> None:

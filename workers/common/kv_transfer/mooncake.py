@@ -19,7 +19,7 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    ChunkOutlet, KVReceiver, KVSender, SendChannel, TransferError, TransportConfig)
+    EmitChunk, KVReceiver, KVSender, SendChannel, TransferError, TransportConfig)
 from deepseek_pd.workers.common.kv_transfer.page_io import sync_ready
 from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
 
@@ -123,7 +123,7 @@ class MooncakeSender(KVSender):
         super().__init__(pool, config)
         self.engine = MooncakeEngine(pool, config)
 
-    def _open(self, handshake: pb.Handshake, outlet: ChunkOutlet) -> SendChannel:
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
         destination = handshake.mooncake
         if destination.page_bytes != self.pool.bytes_per_page:
             raise TransferError(FailureCode.INVALID_ARGUMENT,
