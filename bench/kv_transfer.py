@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layerwise", action="store_true", help="send layer by layer (layers_ready)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-ceiling", action="store_true", help="skip the raw gRPC / raw Mooncake ceiling")
+    parser.add_argument("--ceiling-streams", type=int, default=1,
+                        help="grpc: also measure the raw ceiling over this many parallel streams (own connections)")
     parser.add_argument("--profile", metavar="FILE", help="cProfile one extra repeat into FILE")
     parser.add_argument("--netns", action="store_true",
                         help="re-run inside a private network namespace (Mooncake binds 0.0.0.0)")
@@ -148,16 +150,22 @@ async def transfer_once(setup: Setup, registry, server, sender, receiver, client
         finally:
             push.close()
 
-    params = DisaggParams("127.0.0.1", server.port, room)
+    ended: list[float] = []
+
+    async def decode() -> None:
+        await pull_kv(client, receiver, DisaggParams("127.0.0.1", server.port, room), f"d{room}", args.tokens,
+                      setup.dst_pages)
+        _sync(setup.dst.device)
+        ended.append(time.perf_counter())  # decode holds all the KV and the TransferDone: it may decode
+
     try:
-        send_stats, _ = await asyncio.gather(
-            prefill(), pull_kv(client, receiver, params, f"d{room}", args.tokens, setup.dst_pages))
+        send_stats, _ = await asyncio.gather(prefill(), decode())
     finally:
         receiver.open_sink = open_sink
-    return time.perf_counter() - began[0], send_stats, sinks[0].stats
+    return ended[0] - began[0], send_stats, sinks[0].stats
 
 
-async def run_ours(setup: Setup, profile: str | None) -> tuple[list[float], TransferStats, object]:
+async def run_ours(setup: Setup, profile: str | None) -> tuple[list[float], TransferStats, list[float]]:
     args = setup.args
     transport = TransportConfig(max_chunk_bytes=int(args.chunk_mb * 2**20), io_threads=args.io_threads,
                                 send_timeout_s=60)
@@ -169,6 +177,7 @@ async def run_ours(setup: Setup, profile: str | None) -> tuple[list[float], Tran
     receiver = build_receiver(args.transport, setup.dst, transport)
     client = BootstrapClient(bootstrap)
     seconds: list[float] = []
+    ceilings: list[float] = []  # mooncake: measured between our repeats, so both see the same load
     stats = TransferStats()
     try:
         await transfer_once(setup, registry, server, sender, receiver, client, room=1)  # warm-up
@@ -183,7 +192,11 @@ async def run_ours(setup: Setup, profile: str | None) -> tuple[list[float], Tran
             seconds.append(elapsed)
             stats.merge(send_stats)
             stats.merge(receive_stats)
-            print(f"repeat {repeat}: {setup.bytes / elapsed / 1e9:.3f} GB/s ({elapsed * 1e3:.1f} ms), exact")
+            line = f"repeat {repeat}: {setup.bytes / elapsed / 1e9:.3f} GB/s ({elapsed * 1e3:.1f} ms), exact"
+            if not args.no_ceiling and args.transport == "mooncake":
+                ceilings.append(raw_mooncake(setup, sender, receiver))
+                line += f"; raw {setup.bytes / ceilings[-1] / 1e9:.3f} GB/s ({ceilings[-1] * 1e3:.1f} ms)"
+            print(line)
         if profile:
             profiler = cProfile.Profile()
             profiler.enable()
@@ -191,25 +204,27 @@ async def run_ours(setup: Setup, profile: str | None) -> tuple[list[float], Tran
             profiler.disable()
             profiler.dump_stats(profile)
             print(f"cProfile of one repeat written to {profile}")
-        ceiling = None
-        if not args.no_ceiling and args.transport == "mooncake":
-            ceiling = raw_mooncake(setup, sender, receiver)
     finally:
         await client.close()
         await server.stop(0)
         sender.close()
         receiver.close()
     if not args.no_ceiling and args.transport == "grpc":
-        ceiling = await raw_grpc(setup.bytes, transport.max_chunk_bytes, args.repeats)
-    return seconds, stats, ceiling
+        ceilings = await raw_grpc(setup.bytes, transport.max_chunk_bytes, args.repeats)
+        if args.ceiling_streams > 1:
+            parallel = await raw_grpc(setup.bytes, transport.max_chunk_bytes, args.repeats, args.ceiling_streams)
+            print(f"raw gRPC over {args.ceiling_streams} parallel streams: best "
+                  f"{setup.bytes / min(parallel) / 1e9:.3f} GB/s (one stream: {setup.bytes / min(ceilings) / 1e9:.3f})")
+    return seconds, stats, ceilings
 
 
-async def raw_grpc(total_bytes: int, message_bytes: int, repeats: int) -> float:
-    """Best seconds to stream `total_bytes` as bare `bytes` messages over one loopback gRPC stream."""
+async def raw_grpc(total_bytes: int, message_bytes: int, repeats: int, streams: int = 1) -> list[float]:
+    """Seconds to stream `total_bytes` as bare `bytes` messages over `streams` loopback gRPC streams,
+    each on its own connection (what parallel KV streams could reach)."""
     import grpc
 
     payload = os.urandom(message_bytes)
-    count = -(-total_bytes // message_bytes)
+    count = -(-total_bytes // message_bytes // streams)
 
     async def stream(request_iterator, context):
         await request_iterator.__anext__()
@@ -222,36 +237,40 @@ async def raw_grpc(total_bytes: int, message_bytes: int, repeats: int) -> float:
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=limit)
-    best = float("inf")
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=limit + [("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(streams)]
+
+    async def one(channel) -> None:
+        call = channel.stream_stream("/bench.Raw/S")()
+        await call.write(b"go")
+        while await call.read() is not grpc.aio.EOF:
+            pass
+
+    seconds: list[float] = []
     try:
         for _ in range(repeats + 1):
-            call = channel.stream_stream("/bench.Raw/S")()
             began = time.perf_counter()
-            await call.write(b"go")
-            while await call.read() is not grpc.aio.EOF:
-                pass
-            best = min(best, time.perf_counter() - began)
+            await asyncio.gather(*(one(channel) for channel in channels))
+            seconds.append(time.perf_counter() - began)
     finally:
-        await channel.close()
+        for channel in channels:
+            await channel.close()
         await server.stop(0)
-    return best
+    return seconds[1:]  # the first one connects
 
 
 def raw_mooncake(setup: Setup, sender, receiver) -> float:
-    """Best seconds of one raw `batch_transfer_sync_write` of the same batch between the same engines."""
+    """Seconds of one raw `batch_transfer_sync_write` of the same batch between the same two engines."""
     from deepseek_pd.workers.common.kv_transfer.mooncake import build_write_batch
 
     batch = build_write_batch(sender.engine.base_addrs, receiver.engine.base_addrs, setup.src.bytes_per_page,
                               setup.src_pages, setup.dst_pages)
-    best = float("inf")
-    for _ in range(setup.args.repeats + 1):
-        began = time.perf_counter()
-        status = sender.engine.engine.batch_transfer_sync_write(receiver.engine.session_id, *batch)
-        best = min(best, time.perf_counter() - began)
-        if status != 0:
-            raise SystemExit(f"raw mooncake write failed with status {status}")
-    return best
+    began = time.perf_counter()
+    status = sender.engine.engine.batch_transfer_sync_write(receiver.engine.session_id, *batch)
+    elapsed = time.perf_counter() - began
+    if status != 0:
+        raise SystemExit(f"raw mooncake write failed with status {status}")
+    return elapsed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,25 +279,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.netns:
         raise SystemExit(reexec_in_netns(argv))
     setup = Setup(args)
-    seconds, stats, ceiling = asyncio.run(run_ours(setup, args.profile))
-    best = min(seconds)
+    seconds, stats, ceilings = asyncio.run(run_ours(setup, args.profile))
+    best, median = min(seconds), sorted(seconds)[len(seconds) // 2]
     mode = "layer-wise" if args.layerwise else "all layers per send"
     print()
     print(f"KV transfer, transport {args.transport} on {args.device}, {mode}: {args.tokens} tokens x "
           f"{args.layers} layers x {args.kv_dim} x {setup.src.buffers[0].element_size()} B = "
-          f"{setup.src.bytes_per_token / 1024:.1f} KiB/token, {setup.bytes / 1e6:.1f} MB, page {args.page_size}, "
+          f"{setup.src.bytes_per_token} B/token, {setup.bytes / 1e6:.1f} MB, page {args.page_size}, "
           f"chunk {args.chunk_mb:g} MiB, {args.io_threads} io threads, window {args.window}")
-    chunk_ms = ", ".join(f"{phase} {stats.seconds[phase] / len(seconds) * 1e3:.1f}" for phase in PHASES)
-    print(f"per transfer, ms summed over threads: {chunk_ms} ({stats.chunks // max(1, 2 * len(seconds))} chunks)")
-    print(f"| {'what':<34} | {'GB/s':>7} | {'ms':>7} |")
-    print(f"|{'-' * 36}|{'-' * 9}|{'-' * 9}|")
-    print(f"| {'ours, best of ' + str(len(seconds)):<34} | {setup.bytes / best / 1e9:>7.3f} | {best * 1e3:>7.1f} |")
-    print(f"| {'ours, median':<34} | {setup.bytes / sorted(seconds)[len(seconds) // 2] / 1e9:>7.3f} | "
-          f"{sorted(seconds)[len(seconds) // 2] * 1e3:>7.1f} |")
-    if ceiling is not None:
+    if stats.chunks:
+        chunk_ms = ", ".join(f"{phase} {stats.seconds[phase] / len(seconds) * 1e3:.1f}" for phase in PHASES)
+        print(f"per transfer, ms summed over threads: {chunk_ms} ({stats.chunks // (2 * len(seconds))} chunks)")
+    print(f"| {'what':<40} | {'GB/s':>7} | {'ms':>7} |")
+    print(f"|{'-' * 42}|{'-' * 9}|{'-' * 9}|")
+    print(f"| {'ours, best of ' + str(len(seconds)):<40} | {setup.bytes / best / 1e9:>7.3f} | {best * 1e3:>7.1f} |")
+    print(f"| {'ours, median':<40} | {setup.bytes / median / 1e9:>7.3f} | {median * 1e3:>7.1f} |")
+    if ceilings:
         label = "raw gRPC stream, same messages" if args.transport == "grpc" else "raw batch_transfer_sync_write"
-        print(f"| {label:<34} | {setup.bytes / ceiling / 1e9:>7.3f} | {ceiling * 1e3:>7.1f} |")
-        print(f"| {'ours / raw':<34} | {ceiling / best:>7.2f} | {'':>7} |")
+        raw_best, raw_median = min(ceilings), sorted(ceilings)[len(ceilings) // 2]
+        print(f"| {label + ', best':<40} | {setup.bytes / raw_best / 1e9:>7.3f} | {raw_best * 1e3:>7.1f} |")
+        print(f"| {label + ', median':<40} | {setup.bytes / raw_median / 1e9:>7.3f} | {raw_median * 1e3:>7.1f} |")
+        print(f"| {'ours / raw (best, median)':<40} | {raw_best / best:>7.2f} | {raw_median / median:>7.2f} |")
 
 
 if __name__ == "__main__":

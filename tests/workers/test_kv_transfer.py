@@ -78,10 +78,16 @@ def test_chunks_cover_every_cell_once_and_respect_the_limit():
         end = begin + rng.randrange(1, 12)
         limit = rng.randrange(page_bytes, page_bytes * layers * 4 + 1)
         cells = []
-        for c in split_into_chunks(range(layers), range(begin, end), page_bytes, limit):
+        chunks = split_into_chunks(range(layers), range(begin, end), page_bytes, limit)
+        for c in chunks:
             assert (c.layer_end - c.layer_begin) * (c.page_end - c.page_begin) * page_bytes <= limit
             cells += [(lay, p) for lay in range(c.layer_begin, c.layer_end) for p in range(c.page_begin, c.page_end)]
         assert sorted(cells) == [(lay, p) for lay in range(layers) for p in range(begin, end)]
+        fit = limit // (page_bytes * layers)
+        if fit:  # whole-layer chunks: as few as the limit allows, and even (sizes differ by <= 1 page)
+            assert len(chunks) == -(-(end - begin) // fit)
+            sizes = [c.page_end - c.page_begin for c in chunks]
+            assert max(sizes) - min(sizes) <= 1
     with pytest.raises(ValueError, match="chunk limit"):
         split_into_chunks(range(2), range(0, 1), page_bytes=500, max_chunk_bytes=400)
 

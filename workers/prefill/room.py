@@ -12,7 +12,7 @@ import enum
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.bootstrap_protocol import code_to_pb
+from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb, code_to_pb
 from deepseek_pd.workers.common.kv_transfer.base import TransferError
 from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
 
@@ -104,8 +104,9 @@ class Room:
         self.advance(TransferPhase.STREAMING)
 
     async def emit_chunk(self, chunk: EncodedChunk) -> None:
-        """Queues an encoded KV chunk, waiting for room (flow control); raises if decode has gone."""
-        await self._put(chunk)
+        """Queues an encoded KV chunk, waiting for room (flow control); raises if decode has gone
+        or the room failed (its stream forwards nothing more, so waiting for room would hang)."""
+        await self._put(chunk, stop_on_failure=True)
 
     async def finish(self, done: pb.TransferDone, timeout_s: float) -> None:
         """Sends TransferDone after every queued chunk; returns once the decode side confirmed it
@@ -133,17 +134,22 @@ class Room:
             self.failure.set_result(pb.TransferFailed(code=code_to_pb(code), reason=reason))
         self.advance(TransferPhase.FAILED)
 
-    async def _put(self, event: pb.TransferEvent | EncodedChunk, timeout_s: float | None = None) -> None:
+    async def _put(self, event: pb.TransferEvent | EncodedChunk, timeout_s: float | None = None,
+                   stop_on_failure: bool = False) -> None:
+        stops = {self.peer_gone, self.failure} if stop_on_failure else {self.peer_gone}
+        if not any(stop.done() for stop in stops):
+            put = asyncio.ensure_future(self.events.put(event))
+            await asyncio.wait({put, *stops}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if put.done():
+                return
+            put.cancel()
         if self.peer_gone.done():
             raise TransferError(*self.peer_gone.result())
-        put = asyncio.ensure_future(self.events.put(event))
-        await asyncio.wait({put, self.peer_gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        if not put.done():
-            put.cancel()
-            if not self.peer_gone.done():
-                raise TransferError(FailureCode.DEADLINE_EXCEEDED, f"decode side of room {self.room_id} "
-                                    f"accepted no event within {timeout_s}s")
-            raise TransferError(*self.peer_gone.result())
+        if stop_on_failure and self.failure.done():
+            failure = self.failure.result()
+            raise TransferError(code_from_pb(failure.code), failure.reason)
+        raise TransferError(FailureCode.DEADLINE_EXCEEDED, f"decode side of room {self.room_id} "
+                            f"accepted no event within {timeout_s}s")
 
     # ---- decode side (servicer) -------------------------------------------------------------
     def mark_peer_gone(self, code: FailureCode, reason: str) -> None:

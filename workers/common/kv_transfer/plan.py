@@ -48,9 +48,11 @@ class ChunkShape:
 def split_into_chunks(layers: range, pages: range, page_bytes: int, max_chunk_bytes: int) -> list[ChunkShape]:
     """Covers `layers` x `pages` with chunks of at most `max_chunk_bytes` each.
 
-    Prefers whole layer ranges (several pages of all the layers per chunk); when one page of all
-    the layers is already too big, splits the layers instead. Order: page-major. Example, 3
-    layers, pages [0, 4), a page 100 bytes, limit 600: [0,3)x[0,2), [0,3)x[2,4).
+    Prefers whole layer ranges (several pages of all the layers per chunk, as even as the
+    fewest chunks allow); when one page of all the layers is already too big, splits the layers
+    instead. Order: page-major. Example, 3 layers, pages [0, 5), a page 100 bytes, limit 600:
+    two pages fit a chunk, so three chunks, [0,3)x[0,2), [0,3)x[2,4), [0,3)x[4,5); with pages
+    [0, 10) and three pages to a chunk: 3, 3, 2, 2 pages.
     """
     if page_bytes > max_chunk_bytes:
         raise ValueError(f"one page of one layer is {page_bytes} bytes, more than the chunk limit "
@@ -58,8 +60,12 @@ def split_into_chunks(layers: range, pages: range, page_bytes: int, max_chunk_by
     chunks: list[ChunkShape] = []
     pages_per_chunk = max_chunk_bytes // (page_bytes * len(layers))
     if pages_per_chunk >= 1:
-        for begin in range(pages.start, pages.stop, pages_per_chunk):
-            chunks.append(ChunkShape(layers.start, layers.stop, begin, min(begin + pages_per_chunk, pages.stop)))
+        count = -(-len(pages) // pages_per_chunk)  # the fewest chunks; then spread the pages evenly
+        begin = pages.start
+        for index in range(count):
+            size = len(pages) // count + (index < len(pages) % count)
+            chunks.append(ChunkShape(layers.start, layers.stop, begin, begin + size))
+            begin += size
         return chunks
     layers_per_chunk = max_chunk_bytes // page_bytes
     for page in pages:
