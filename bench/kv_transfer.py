@@ -158,11 +158,29 @@ async def transfer_once(setup: Setup, registry, server, sender, receiver, client
         _sync(setup.dst.device)
         ended.append(time.perf_counter())  # decode holds all the KV and the TransferDone: it may decode
 
+    ticker = asyncio.ensure_future(_loop_stalls(STALLS))
     try:
         send_stats, _ = await asyncio.gather(prefill(), decode())
     finally:
+        ticker.cancel()
         receiver.open_sink = open_sink
     return ended[0] - began[0], send_stats, sinks[0].stats
+
+
+STALLS: list[float] = []  # the longest the event loop was late for a 1 ms timer, per transfer
+
+
+async def _loop_stalls(out: list[float]) -> None:
+    """How long the event loop (which runs both sides here, and the decode scheduler in a worker)
+    stays busy between two turns while KV streams through it."""
+    worst = 0.0
+    try:
+        while True:
+            began = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - began - 0.001)
+    finally:
+        out.append(worst)
 
 
 async def run_ours(setup: Setup, profile: str | None) -> tuple[list[float], TransferStats, list[float]]:
@@ -287,6 +305,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.layers} layers x {args.kv_dim} x {setup.src.buffers[0].element_size()} B = "
           f"{setup.src.bytes_per_token} B/token, {setup.bytes / 1e6:.1f} MB, page {args.page_size}, "
           f"chunk {args.chunk_mb:g} MiB, {args.io_threads} io threads, window {args.window}")
+    stalls = sorted(STALLS[1:])  # without the warm-up
+    if stalls:
+        print(f"event loop (both sides): longest stall per transfer, median {stalls[len(stalls) // 2] * 1e3:.1f} ms, "
+              f"worst {stalls[-1] * 1e3:.1f} ms")
     if stats.chunks:
         chunk_ms = ", ".join(f"{phase} {stats.seconds[phase] / len(seconds) * 1e3:.1f}" for phase in PHASES)
         print(f"per transfer, ms summed over threads: {chunk_ms} ({stats.chunks // (2 * len(seconds))} chunks)")
