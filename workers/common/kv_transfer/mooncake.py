@@ -95,11 +95,7 @@ class MooncakeChannel(SendChannel):
                    layer_end: int | None = None, ready=None) -> None:
         layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
         dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
-        # One batch write for every layer and merged page run of this send (FACTS "KV transfer").
-        batch = build_write_batch(self.engine.base_addrs[layers.start:layers.stop],
-                                  self.destination.layer_base_addrs[layers.start:layers.stop],
-                                  self.pool.bytes_per_page, src_pages, dst)
-        call = asyncio.to_thread(self._write, batch, ready)
+        call = asyncio.to_thread(self._write, layers, list(src_pages), dst, ready)
         try:
             status = await asyncio.wait_for(call, self.timeout_s)
         except asyncio.TimeoutError:
@@ -109,9 +105,14 @@ class MooncakeChannel(SendChannel):
         if status != 0:
             raise TransferError(FailureCode.UNAVAILABLE,
                                 f"mooncake write to {self.destination.session_id} failed (status {status})")
-        self.bytes_sent += sum(batch[2])
+        self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
 
-    def _write(self, batch: tuple[list[int], list[int], list[int]], ready) -> int:
+    def _write(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
+        """In a worker thread: ONE batch write for every layer and merged page run of this send
+        (FACTS "KV transfer"); building the batch (1 ms for 64 pages x 27 layers) stays off the loop."""
+        batch = build_write_batch(self.engine.base_addrs[layers.start:layers.stop],
+                                  list(self.destination.layer_base_addrs)[layers.start:layers.stop],
+                                  self.pool.bytes_per_page, src_pages, dst_pages)
         sync_ready(self.pool, ready)  # the NIC reads the pool behind torch's back
         return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
 
