@@ -49,7 +49,11 @@ class Side:
 
 @dataclass
 class Exchange:
-    """Both ends of one transfer; `chunk_tokens` are the prefill chunk boundaries."""
+    """Both ends of one transfer; `chunk_tokens` are the prefill chunk boundaries.
+
+    `layerwise`: after each chunk the prefill side hands over its layers in random contiguous
+    groups, in random order (`KVPush.layers_ready`), instead of all layers at once.
+    """
 
     transport: str
     src: Side
@@ -60,6 +64,17 @@ class Exchange:
     bootstrap_config: BootstrapConfig = field(
         default_factory=lambda: BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5,
                                                 transfer_timeout_s=20))
+    layerwise: bool = False
+    seed: int = 0
+
+
+def layer_groups(rng: random.Random, num_layers: int) -> list[range]:
+    """`range(num_layers)` cut at random points into contiguous groups, shuffled."""
+    cuts = sorted(rng.sample(range(1, num_layers), k=rng.randrange(num_layers))) if num_layers > 1 else []
+    bounds = [0, *cuts, num_layers]
+    groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    rng.shuffle(groups)
+    return groups
 
 
 def pages_equal(exchange: Exchange) -> bool:
@@ -72,8 +87,12 @@ def pages_equal(exchange: Exchange) -> bool:
     return True
 
 
-async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode_hook=None):
-    """Runs both sides concurrently; returns (prefill outcome, decode outcome), each a value or an exception."""
+async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode_hook=None,
+                       sinks: list | None = None):
+    """Runs both sides concurrently; returns (prefill outcome, decode outcome), each a value or an exception.
+
+    `sinks`, if given, receives the decode side's sink (to check it is marked failed).
+    """
     registry = RoomRegistry(exchange.bootstrap_config)
     server = BootstrapServer(registry, exchange.bootstrap_config, exchange.transport_config.max_chunk_bytes)
     await server.start()
@@ -81,6 +100,14 @@ async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode
     receiver = build_receiver(exchange.transport, exchange.dst.pool, exchange.transport_config)
     client = BootstrapClient(exchange.bootstrap_config)
     params = DisaggParams("127.0.0.1", server.port, room)
+    if sinks is not None:
+        open_sink = receiver.open_sink
+
+        def capture(pages):
+            sinks.append(open_sink(pages))
+            return sinks[-1]
+        receiver.open_sink = capture
+    rng = random.Random(exchange.seed)
 
     async def prefill():
         push = KVPush(registry, sender, room, "p-req", exchange.num_tokens)
@@ -89,7 +116,12 @@ async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode
             if emit_hook is not None:
                 push.channel.emit = emit_hook(push.channel.emit)
             for computed in exchange.chunk_tokens:
-                push.pages_ready(computed, exchange.src.pages)
+                if exchange.layerwise:
+                    for layers in layer_groups(rng, exchange.src.pool.num_layers):
+                        push.layers_ready(computed, exchange.src.pages, layers.start, layers.stop)
+                        await asyncio.sleep(0)
+                else:
+                    push.pages_ready(computed, exchange.src.pages)
                 await asyncio.sleep(0)
             await push.finish(first_token_id=42, logprob=-0.5, cached_tokens=0)
             return push.channel.bytes_sent

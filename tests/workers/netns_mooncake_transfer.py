@@ -16,7 +16,7 @@ from deepseek_pd.workers.common.kv_transfer.base import layout_of
 from kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
 
 
-def exchange_for(seed: int) -> Exchange:
+def exchange_for(seed: int, layerwise: bool = False) -> Exchange:
     rng = random.Random(seed)
     page_size = rng.choice([1, 2, 4])
     num_tokens = rng.randrange(2, 50)
@@ -24,12 +24,13 @@ def exchange_for(seed: int) -> Exchange:
     src_pool, dst_pool = random_pool(rng, num_pages * 3 + 1, page_size), random_pool(rng, num_pages * 3 + 4, page_size)
     cuts = sorted(rng.sample(range(1, num_tokens), k=min(3, num_tokens - 1)))
     return Exchange("mooncake", Side(src_pool, scattered_alloc(src_pool, rng, num_pages)),
-                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens])
+                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens],
+                    layerwise=layerwise, seed=seed)
 
 
 def check_copies(seed: int) -> None:
     for k in range(3):
-        exchange = exchange_for(seed + k)
+        exchange = exchange_for(seed + k, layerwise=k == 2)  # the third one layer by layer, in random order
         prefill, decode = asyncio.run(run_exchange(exchange))
         assert not isinstance(prefill, BaseException), repr(prefill)
         assert not isinstance(decode, BaseException), repr(decode)

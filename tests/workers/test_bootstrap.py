@@ -16,6 +16,7 @@ from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
+from deepseek_pd.workers.prefill.room import Room, TransferPhase
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from kv_transfer_harness import pages_equal, random_pool, Exchange, Side
 
@@ -36,9 +37,11 @@ class Prefill:
         self.server = BootstrapServer(self.registry, config, 1 << 20)
         self.sender = build_sender("grpc", pool, TransportConfig())
         self.pool = pool
+        self.rooms: list[Room] = []
 
     async def serve_room(self, room: int, pages: list[int], num_tokens: int) -> int:
         push = KVPush(self.registry, self.sender, room, f"p{room}", num_tokens)
+        self.rooms.append(push.room)
         try:
             await push.handshake(self.registry.config.handshake_timeout_s)
             push.pages_ready(num_tokens, pages)
@@ -82,13 +85,14 @@ def test_either_side_may_arrive_first(decode_first):
             if not decode_first:
                 await asyncio.sleep(0.3)
             done, _ = await asyncio.gather(decode, serve)
-            return done
+            return done, prefill.rooms[0].phase
         finally:
             await client.close()
             await prefill.server.stop(0)
 
-    done = asyncio.run(run())
+    done, phase = asyncio.run(run())
     assert done.first_token_id == 11 and done.num_pages == 3
+    assert phase is TransferPhase.DONE
     assert pages_equal(Exchange("grpc", Side(src, [1, 4, 3]), Side(dst, [7, 2, 5]), 10, [10]))
 
 
@@ -259,3 +263,55 @@ def test_two_bootstrap_servers_cannot_share_a_port():
             await first.stop(0)
 
     asyncio.run(run())
+
+
+def test_transfer_phases_allow_only_the_steps_in_their_table():
+    """HANDSHAKE -> ACCEPTED -> STREAMING -> CONFIRMING -> DONE, FAILED from any non-terminal phase;
+    everything else is refused (a bug), and a terminal phase never changes."""
+    from deepseek_pd.workers.prefill.room import _NEXT
+
+    order = [TransferPhase.HANDSHAKE, TransferPhase.ACCEPTED, TransferPhase.STREAMING,
+             TransferPhase.CONFIRMING, TransferPhase.DONE]
+
+    async def run():
+        for start in TransferPhase:
+            for to in TransferPhase:
+                room = Room(1, 1)
+                room.phase = start
+                allowed = (not start.terminal and (to is TransferPhase.FAILED
+                                                   or order.index(to) == order.index(start) + 1))
+                assert (to in _NEXT[start]) == allowed, (start, to)
+                if start.terminal:
+                    assert room.advance(to) is False and room.phase is start
+                elif allowed:
+                    assert room.advance(to) and room.phase is to
+                else:
+                    with pytest.raises(RuntimeError, match="not allowed"):
+                        room.advance(to)
+
+    asyncio.run(run())
+
+
+def test_a_failed_handshake_check_leaves_the_room_failed():
+    """A decode side with another KV layout: the room goes HANDSHAKE -> ACCEPTED -> FAILED."""
+    bootstrap, src, _ = setup(random.randrange(1 << 20))
+    dst = random_pool(random.Random(), 10, 4, kv_dim=8)
+
+    async def run():
+        prefill = Prefill(bootstrap, src)
+        await prefill.server.start()
+        client = BootstrapClient(bootstrap)
+        receiver = build_receiver("grpc", dst, TransportConfig())
+        try:
+            decode = asyncio.ensure_future(
+                pull_kv(client, receiver, DisaggParams("127.0.0.1", prefill.server.port, 12), "d", 4, [3]))
+            serve = asyncio.ensure_future(prefill.serve_room(12, [1], 4))
+            results = await asyncio.gather(decode, serve, return_exceptions=True)
+            return results, prefill.rooms[0].phase
+        finally:
+            await client.close()
+            await prefill.server.stop(0)
+
+    (decode, serve), phase = asyncio.run(run())
+    assert isinstance(decode, TransferError) and isinstance(serve, TransferError)
+    assert "layout mismatch" in serve.message and phase is TransferPhase.FAILED

@@ -78,12 +78,18 @@ def test_chunks_cover_every_cell_once_and_respect_the_limit():
         end = begin + rng.randrange(1, 12)
         limit = rng.randrange(page_bytes, page_bytes * layers * 4 + 1)
         cells = []
-        for c in split_into_chunks(layers, begin, end, page_bytes, limit):
+        chunks = split_into_chunks(range(layers), range(begin, end), page_bytes, limit)
+        for c in chunks:
             assert (c.layer_end - c.layer_begin) * (c.page_end - c.page_begin) * page_bytes <= limit
             cells += [(lay, p) for lay in range(c.layer_begin, c.layer_end) for p in range(c.page_begin, c.page_end)]
         assert sorted(cells) == [(lay, p) for lay in range(layers) for p in range(begin, end)]
+        fit = limit // (page_bytes * layers)
+        if fit:  # whole-layer chunks: as few as the limit allows, and even (sizes differ by <= 1 page)
+            assert len(chunks) == -(-(end - begin) // fit)
+            sizes = [c.page_end - c.page_begin for c in chunks]
+            assert max(sizes) - min(sizes) <= 1
     with pytest.raises(ValueError, match="chunk limit"):
-        split_into_chunks(2, 0, 1, page_bytes=500, max_chunk_bytes=400)
+        split_into_chunks(range(2), range(0, 1), page_bytes=500, max_chunk_bytes=400)
 
 
 def test_send_plan_sends_full_pages_early_and_the_partial_page_last():
@@ -139,7 +145,7 @@ def test_grpc_transport_splits_big_pages_below_the_chunk_limit():
     prefill, decode = asyncio.run(run_exchange(exchange, emit_hook=spy))
     assert not isinstance(decode, BaseException), decode
     assert pages_equal(exchange)
-    assert len(chunks) > 1 and all(len(c.data) <= 1024 for c in chunks)
+    assert len(chunks) > 1 and all(c.data_len <= 1024 for c in chunks)
 
 
 def test_bf16_pages_survive_the_grpc_stream():
@@ -157,9 +163,9 @@ def test_corrupted_chunk_fails_the_crc_check_on_both_sides():
 
     def corrupt(emit):
         async def wrapped(chunk):
-            data = bytearray(chunk.data)
-            data[len(data) // 2] ^= 0x40
-            chunk.data = bytes(data)
+            payload = bytearray(chunk.payload)
+            payload[chunk.data_offset + chunk.data_len // 2] ^= 0x40
+            chunk.payload = bytes(payload)
             await emit(chunk)
         return wrapped
 
@@ -172,20 +178,32 @@ def test_corrupted_chunk_fails_the_crc_check_on_both_sides():
 def test_sink_rejects_bad_chunks_and_reports_missing_pages():
     rng = random.Random()
     pool = random_pool(rng, 8, 2)
-    sink = GrpcSink(pool, [3, 6])
-    data = read_pages(pool, 0, pool.num_layers, [0])
+    data = read_pages(pool, range(pool.num_layers), [0])
     good = pb.KVChunk(layer_begin=0, layer_end=pool.num_layers, page_begin=0, page_end=1, data=data,
                       crc32=zlib.crc32(data))
+    sink = GrpcSink(pool, [3, 6])
     sink.on_chunk(good)
     assert torch.equal(pool.buffers[1][3], pool.buffers[1][0])
-    with pytest.raises(TransferError, match="repeats"):
-        sink.on_chunk(good)
-    with pytest.raises(TransferError, match="out of range"):
-        sink.on_chunk(pb.KVChunk(layer_begin=0, layer_end=1, page_begin=1, page_end=3))
-    with pytest.raises(TransferError, match="bytes"):
-        sink.on_chunk(pb.KVChunk(layer_begin=0, layer_end=1, page_begin=1, page_end=2, data=b"xx"))
     with pytest.raises(TransferError, match="never arrived"):
         sink.check_complete(pb.TransferDone(num_pages=2))
+    bad = {
+        "repeats": good,
+        "out of range": pb.KVChunk(layer_begin=0, layer_end=1, page_begin=1, page_end=3),
+        "bytes": pb.KVChunk(layer_begin=0, layer_end=1, page_begin=1, page_end=2, data=b"xx"),
+    }
+    for reason, chunk in bad.items():
+        sink = GrpcSink(pool, [3, 6])
+        if reason == "repeats":
+            sink.on_chunk(good)
+        with pytest.raises(TransferError, match=reason):
+            sink.on_chunk(chunk)
+        assert sink.failed is not None and reason in sink.failed.message
+        # Failed for good: a valid chunk after that is refused, and so is the TransferDone.
+        with pytest.raises(TransferError, match="already failed"):
+            sink.on_chunk(pb.KVChunk(layer_begin=0, layer_end=pool.num_layers, page_begin=1, page_end=2,
+                                     data=data, crc32=zlib.crc32(data)))
+        with pytest.raises(TransferError, match=reason):
+            sink.check_complete(pb.TransferDone(num_pages=2))
 
 
 def test_stalled_decode_times_out_the_prefill_send():

@@ -7,6 +7,11 @@ from deepseek_pd.workers.common.api import FailureCode
 # Bump when a message change would be misread by an older peer; both sides refuse a mismatch.
 PROTOCOL_VERSION = 1
 
+# A KVChunk's data is at most this big (TransportConfig.max_chunk_bytes checks it), and a message
+# adds at most MESSAGE_ENVELOPE_BYTES around it; both ends size their gRPC message limits from these.
+MAX_CHUNK_BYTES = 64 << 20
+MESSAGE_ENVELOPE_BYTES = 64 << 10
+
 _TO_PB = {
     FailureCode.INVALID_ARGUMENT: pb.FAILURE_CODE_INVALID_ARGUMENT,
     FailureCode.RESOURCE_EXHAUSTED: pb.FAILURE_CODE_RESOURCE_EXHAUSTED,

@@ -1,11 +1,14 @@
 """The decode worker's side of the bootstrap channel: handshake, then follow the room's events.
 
 `transfer()` opens `Bootstrap.Transfer` on the prefill worker named by the router's
-`DisaggParams`, sends the handshake, retrying with exponential backoff while the server is unreachable (the prefill
-worker may still be starting) until `handshake_timeout_s`; then it reads the room's events in
-order (sequence numbers checked), feeds KV chunks to the transport's sink, grants credit for
-more every half window, and returns the
-`TransferDone` or raises `TransferError`:
+`DisaggParams`, sends the handshake, retrying with exponential backoff while the server is
+unreachable (the prefill worker may still be starting) until `handshake_timeout_s`; then it
+reads the room's events in order (sequence numbers checked) and hands KV chunks to the sink's
+worker threads: the event loop, which also runs the decode scheduler, only parses the chunk
+header (`wire.decode_event`, no copy of the KV) while the checks and the pool writes run beside
+it, several chunks at once. Credit for more is granted every half window, for chunks already
+written (so memory stays bounded by the window). It returns the `TransferDone` (after every
+chunk is written) or raises `TransferError`:
 
     unreachable for handshake_timeout_s          -> UNAVAILABLE
     no TransferDone within transfer_timeout_s    -> DEADLINE_EXCEEDED
@@ -18,22 +21,24 @@ Cancelling the caller's task cancels the call, which the prefill side sees as "d
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 
 import grpc
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.common.api import DisaggParams, FailureCode
-from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION, code_from_pb, target
+from deepseek_pd.workers.common.bootstrap_protocol import (
+    MAX_CHUNK_BYTES, MESSAGE_ENVELOPE_BYTES, PROTOCOL_VERSION, code_from_pb, target)
 from deepseek_pd.workers.common.kv_transfer.base import KVSink, TransferError
+from deepseek_pd.workers.common.kv_transfer.wire import ChunkEvent, decode_event
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 
 log = logging.getLogger(__name__)
 
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + MESSAGE_ENVELOPE_BYTES),
     # Notice a dead prefill host without traffic, not only a closed socket.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -44,6 +49,18 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+class _BootstrapStub:
+    """The generated stub's two calls, with Transfer's events parsed by `wire.decode_event`."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.Transfer = channel.stream_stream(
+            "/deepseek_pd.pd.v1.Bootstrap/Transfer", request_serializer=pb.DecodeMessage.SerializeToString,
+            response_deserializer=decode_event)
+        self.Abort = channel.unary_unary(
+            "/deepseek_pd.pd.v1.Bootstrap/Abort", request_serializer=pb.AbortRoom.SerializeToString,
+            response_deserializer=pb.AbortAck.FromString)
+
+
 class BootstrapClient:
     """One per decode engine; keeps a channel per prefill bootstrap address."""
 
@@ -51,12 +68,12 @@ class BootstrapClient:
         self.config = config
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, params: DisaggParams) -> pb_grpc.BootstrapStub:
+    def _stub(self, params: DisaggParams) -> _BootstrapStub:
         address = target(params.bootstrap_host, params.bootstrap_port)
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        return pb_grpc.BootstrapStub(channel)
+        return _BootstrapStub(channel)
 
     async def transfer(self, params: DisaggParams, handshake: pb.Handshake, sink: KVSink) -> pb.TransferDone:
         handshake.protocol_version = PROTOCOL_VERSION
@@ -113,56 +130,62 @@ class BootstrapClient:
 
     async def _follow(self, call, window: int, sink: KVSink, deadline: float,
                       params: DisaggParams) -> pb.TransferDone:
+        ingest = _Ingest(sink, call, window)
+        read: asyncio.Future | None = None
         expected_seq = 1
-        credited = 0
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferError(FailureCode.DEADLINE_EXCEEDED,
-                                    f"KV transfer for room {params.bootstrap_room} not done within "
-                                    f"{self.config.transfer_timeout_s}s")
-            try:
-                event = await asyncio.wait_for(call.read(), remaining)
-            except asyncio.TimeoutError:
-                continue  # the loop's deadline check reports it
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        succeeded = False
+        try:
+            while True:
+                await ingest.credit_written()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferError(FailureCode.DEADLINE_EXCEEDED,
+                                        f"KV transfer for room {params.bootstrap_room} not done within "
+                                        f"{self.config.transfer_timeout_s}s")
+                if read is None:
+                    read = asyncio.ensure_future(call.read())
+                # Wake for the next event, or for the oldest chunk's write (its credit may be what
+                # the prefill side waits for), or for the deadline.
+                await asyncio.wait({read} | ingest.oldest(), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
                     continue
-                raise TransferError(FailureCode.UNAVAILABLE,
-                                    f"prefill bootstrap stream of room {params.bootstrap_room} broke: "
-                                    f"{exc.code().name} {exc.details()}", peer_knows=True) from None
-            if event is grpc.aio.EOF:
-                raise TransferError(FailureCode.UNAVAILABLE, f"prefill closed the stream of room "
-                                    f"{params.bootstrap_room} without a status", peer_knows=True)
-            if event.seq != expected_seq:
-                raise TransferError(FailureCode.INTERNAL,
-                                    f"bootstrap event {event.seq} arrived, expected {expected_seq} (lost event)")
-            expected_seq += 1
-            kind = event.WhichOneof("event")
-            if kind == "chunk":
-                # crc32 and the copy into the pool run off the loop: other requests keep streaming.
-                write = asyncio.ensure_future(asyncio.to_thread(sink.on_chunk, event.chunk))
+                finished, read = read, None
                 try:
-                    await asyncio.shield(write)
-                except asyncio.CancelledError:
-                    await asyncio.wait({write})  # the copy must end before the pages can be freed
-                    raise
-                if event.seq - credited >= max(1, window // 2):
-                    credited = event.seq
-                    try:
-                        await call.write(pb.DecodeMessage(credit=pb.Credit(received_seq=credited)))
-                    except grpc.aio.AioRpcError:
-                        pass  # the stream is broken; the next read reports it
-            elif kind == "done":
-                sink.check_complete(event.done)  # raising here cancels the call: prefill learns it
-                await _confirm_and_close(call, event.seq)
-                return event.done
-            elif kind == "failed":
-                await _half_close(call)
-                raise TransferError(code_from_pb(event.failed.code), f"prefill: {event.failed.reason}",
-                                    peer_knows=True)
-            else:
-                raise TransferError(FailureCode.INTERNAL, f"unexpected bootstrap event {kind!r}")
+                    event = finished.result()
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        continue  # the loop's deadline check reports it
+                    raise TransferError(FailureCode.UNAVAILABLE,
+                                        f"prefill bootstrap stream of room {params.bootstrap_room} broke: "
+                                        f"{exc.code().name} {exc.details()}", peer_knows=True) from None
+                if event is grpc.aio.EOF:
+                    raise TransferError(FailureCode.UNAVAILABLE, f"prefill closed the stream of room "
+                                        f"{params.bootstrap_room} without a status", peer_knows=True)
+                if event.seq != expected_seq:
+                    raise sink.fail(TransferError(FailureCode.INTERNAL, f"bootstrap event {event.seq} arrived, "
+                                                  f"expected {expected_seq} (lost event)"))
+                expected_seq += 1
+                kind = event.WhichOneof("event")
+                if kind == "chunk":
+                    ingest.start(event.seq, event.chunk)
+                elif kind == "done":
+                    await ingest.drain()  # every chunk written before the completeness check
+                    sink.check_complete(event.done)  # raising here cancels the call: prefill learns it
+                    await _confirm_and_close(call, event.seq)
+                    succeeded = True
+                    return event.done
+                elif kind == "failed":
+                    await _half_close(call)
+                    raise sink.fail(TransferError(code_from_pb(event.failed.code),
+                                                  f"prefill: {event.failed.reason}", peer_knows=True))
+                else:
+                    raise sink.fail(TransferError(FailureCode.INTERNAL, f"unexpected bootstrap event {kind!r}"))
+        finally:
+            if read is not None:
+                read.cancel()
+            if not succeeded:
+                sink.fail(TransferError(FailureCode.ABORTED, f"transfer of room {params.bootstrap_room} ended"))
+            await ingest.settle()  # the pages may be freed only once no write into them is running
 
     async def abort(self, params: DisaggParams, reason: str, timeout_s: float = 1.0) -> None:
         """Best effort: tells the prefill side to drop the room (cancelling the stream also does)."""
@@ -176,6 +199,61 @@ class BootstrapClient:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+
+class _Ingest:
+    """Chunk writes in flight in the sink's threads, in stream order, and the credits they earn."""
+
+    def __init__(self, sink: KVSink, call, window: int) -> None:
+        self.sink = sink
+        self.call = call
+        self.every = max(1, window // 2)
+        self.credited = 0
+        self._pending: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    def start(self, seq: int, chunk: ChunkEvent) -> None:
+        loop = asyncio.get_running_loop()
+        if self.sink.executor is None:
+            self.sink.on_chunk(chunk)  # refused at once (transports that carry no chunks)
+            future: asyncio.Future = loop.create_future()
+            future.set_result(None)
+        else:
+            future = loop.run_in_executor(self.sink.executor, self.sink.on_chunk, chunk)
+        self._pending.append((seq, future))
+
+    def oldest(self) -> set[asyncio.Future]:
+        return {self._pending[0][1]} if self._pending else set()
+
+    async def credit_written(self) -> None:
+        """Credits the written prefix of the stream; raises the first failed write's error."""
+        written = None
+        while self._pending and self._pending[0][1].done():
+            seq, future = self._pending.popleft()
+            future.result()
+            written = seq
+        if written is not None and written - self.credited >= self.every:
+            self.credited = written
+            try:
+                await self.call.write(pb.DecodeMessage(credit=pb.Credit(received_seq=written)))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+                pass  # the stream is broken; the next read reports it
+
+    async def drain(self) -> None:
+        """Waits for every write; raises the first failure in stream order."""
+        while self._pending:
+            seq, future = self._pending.popleft()
+            await asyncio.wait({future})
+            future.result()
+
+    async def settle(self) -> None:
+        """Waits for the writes still running (after a failure they end quickly: the sink is failed)."""
+        futures = {future for _, future in self._pending}
+        self._pending.clear()
+        if futures:
+            await asyncio.wait(futures)
+            for future in futures:  # retrieved, so asyncio does not log them as never retrieved
+                if not future.cancelled():
+                    future.exception()
 
 
 async def _half_close(call) -> None:

@@ -21,9 +21,10 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
                              layout=layout_of(receiver.pool))
     receiver.fill_destination(handshake)
     started = time.monotonic()
-    done = await client.transfer(params, handshake, receiver.open_sink(pages))
+    sink = receiver.open_sink(pages)
+    done = await client.transfer(params, handshake, sink)
     seconds = max(time.monotonic() - started, 1e-9)
     log.debug("%s: received %d bytes of KV for %d tokens (%d cached on prefill) in %.3fs, %.3f GB/s "
-              "including prefill compute", rid, done.bytes_sent, num_tokens, done.cached_tokens, seconds,
-              done.bytes_sent / seconds / 1e9)
+              "including prefill compute; %s", rid, done.bytes_sent, num_tokens, done.cached_tokens, seconds,
+              done.bytes_sent / seconds / 1e9, sink.stats.summary())
     return done

@@ -1,23 +1,38 @@
 """One PD request's KV push on the prefill side: handshake, pages as they complete, then status.
 
-The prefill scheduler calls `pages_ready` after every chunk it computes; the pages are sent in
-order by a background task, so a slow decode side never stalls the scheduler loop (it only
-delays this request's `finish`). A send failure fails the room at once and is re-raised by
-`finish`; the engine, watching the room, ends the request, which stops its compute.
+The prefill scheduler calls `pages_ready` after every chunk it computes (all layers), or
+`layers_ready` as each layer's forward has written its KV (layer-wise streaming: the transfer
+overlaps the remaining layers); the pages are sent in order by a background task, so a slow
+decode side never stalls the scheduler loop (it only delays this request's `finish`). A send
+failure fails the room at once and is re-raised by `finish`; the engine, watching the room, ends
+the request, which stops its compute.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer import KVSender, SendChannel, SendPlan, TransferError
-from deepseek_pd.workers.prefill.bootstrap_service import Room, RoomRegistry
+from deepseek_pd.workers.prefill.room import Room
+from deepseek_pd.workers.prefill.room_registry import RoomRegistry
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Send:
+    src_pages: list[int]
+    page_begin: int
+    layers: range
+    ready: "torch.cuda.Event | None"
 
 
 class KVPush:
@@ -27,10 +42,10 @@ class KVPush:
         self.sender = sender
         self.rid = rid
         self.num_tokens = num_tokens
-        self.plan = SendPlan(num_tokens, sender.pool.page_size)
+        self.plan = SendPlan(num_tokens, sender.pool.page_size, sender.pool.num_layers)
         self.room: Room = registry.claim(room_id, rid)
         self.channel: SendChannel | None = None
-        self._queue: asyncio.Queue[tuple[list[int], int] | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Send | None] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._error: TransferError | None = None
         self._started = time.monotonic()
@@ -49,6 +64,7 @@ class KVPush:
         except TransferError as exc:  # the decode side gets the same reason
             self.room.fail(exc.code, exc.message)
             raise
+        self.room.start_streaming()
         self._task = asyncio.create_task(self._send_loop(), name=f"kv-push-{self.rid}")
         return handshake
 
@@ -59,11 +75,22 @@ class KVPush:
         return self._error
 
     def pages_ready(self, computed_tokens: int, pages: Sequence[int]) -> None:
-        """`pages` is the request's page table; sends every page the computed tokens complete."""
+        """`pages` is the request's page table; sends every page the computed tokens complete,
+        in every layer not yet sent that far."""
+        self.layers_ready(computed_tokens, pages, 0, self.sender.pool.num_layers)
+
+    def layers_ready(self, computed_tokens: int, pages: Sequence[int], layer_begin: int, layer_end: int,
+                     ready: "torch.cuda.Event | None" = None) -> None:
+        """Layers [layer_begin, layer_end) now hold the KV of the first `computed_tokens` tokens:
+        sends the pages that completes in those layers. `ready` (CUDA): an event recorded after
+        those layers' KV writes; the transport's read waits for it, not for the whole forward.
+
+        Example, 27 layers, one 4096-token chunk: the forward calls `layers_ready(4096, pages, l,
+        l + 1, event_l)` after layer l, for l = 0 .. 26; `finish` may follow the last one.
+        """
         final = computed_tokens == self.num_tokens
-        ready = self.plan.ready(computed_tokens, final=final)
-        if len(ready):
-            self._queue.put_nowait(([pages[i] for i in ready], ready.start))
+        for layers, ready_pages in self.plan.ready_layers(computed_tokens, range(layer_begin, layer_end), final):
+            self._queue.put_nowait(_Send([pages[i] for i in ready_pages], ready_pages.start, layers, ready))
 
     async def _send_loop(self) -> None:
         assert self.channel is not None
@@ -72,7 +99,11 @@ class KVPush:
                 continue
             began = time.monotonic()
             try:
-                await self.channel.send(*item)
+                if item.layers == range(self.sender.pool.num_layers) and item.ready is None:
+                    await self.channel.send(item.src_pages, item.page_begin)  # the original two-argument form
+                else:
+                    await self.channel.send(item.src_pages, item.page_begin, item.layers.start,
+                                            item.layers.stop, item.ready)
                 self._send_seconds += time.monotonic() - began
             except TransferError as exc:
                 self._error = exc
@@ -97,8 +128,9 @@ class KVPush:
             cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent, generator_state=generator_state),
             timeout_s=self.sender.config.send_timeout_s)
         sent, busy = self.channel.bytes_sent, max(self._send_seconds, 1e-9)
-        log.debug("%s: pushed %d bytes of KV in %.4fs of sending (%.3f GB/s), done %.3fs after arrival",
-                  self.rid, sent, busy, sent / busy / 1e9, time.monotonic() - self._started)
+        log.debug("%s: pushed %d bytes of KV in %.4fs of sending (%.3f GB/s), done %.3fs after arrival; %s",
+                  self.rid, sent, busy, sent / busy / 1e9, time.monotonic() - self._started,
+                  self.channel.stats.summary())
 
     def fail(self, code: FailureCode, reason: str) -> None:
         self.room.fail(code, reason)

@@ -14,11 +14,15 @@ decides *what* moves and a worker side that moves bytes):
 A transfer of one request, with page_size=4 and a 10-token prompt in chunks of 8 and 2 tokens:
 
     decode:  pages = pool.alloc(3)            -> [7, 2, 9]; handshake carries them + destination
-    prefill: channel = sender.open(handshake, emit)
+    prefill: channel = sender.open(handshake, room.emit_chunk)
              chunk 1 computed (8 tokens)       -> plan.ready(8) = range(0, 2); channel.send([p0, p1], 0)
              chunk 2 computed (10 tokens)      -> plan.ready(10, final=True) = range(2, 3)
              channel.send([p2], 2); then the TransferDone on the bootstrap stream
     decode:  sink.on_chunk(...) for each KVChunk (grpc only); sink.check_complete(done)
+
+Layer-wise: the prefill forward may hand over each layer as soon as it has written it,
+`channel.send([p0, p1], 0, layer_begin=l, layer_end=l + 1, ready=event)`, so the copy overlaps
+the remaining layers; the decode side checks that every (layer, page) cell arrived exactly once.
 
 Page i of the request on one side maps to page i on the other (the same request-local layout,
 docs/architecture.md), so a transfer is "page index range x layer range" and contiguous page-id
@@ -29,12 +33,21 @@ Errors are `TransferError` with the `FailureCode` the request must end with.
 from __future__ import annotations
 
 import abc
+import threading
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.bootstrap_protocol import MAX_CHUNK_BYTES
+from deepseek_pd.workers.common.kv_transfer.stats import TransferStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
 
 
 class TransferError(Exception):
@@ -55,22 +68,30 @@ class TransferError(Exception):
 class TransportConfig:
     """Settings shared by every transport; each reads only what it needs."""
 
-    max_chunk_bytes: int = 1 << 20  # grpc: one KVChunk's data; gRPC's default message cap is 4 MiB
+    # grpc: the most KV data in one KVChunk; both ends raise gRPC's message caps to fit it, and
+    # the smaller of the two ends' values wins (the handshake carries decode's).
+    max_chunk_bytes: int = 4 << 20
+    io_threads: int = 4  # grpc: threads that gather+checksum (prefill) or check+write (decode) chunks
     send_timeout_s: float = 30.0  # one send() (a chunk's pages) may take at most this long
     advertise_host: str = "127.0.0.1"  # mooncake: the address peers reach this worker's engine at
     mooncake_protocol: str = "tcp"  # "tcp" or "rdma"
     mooncake_device: str = ""  # RDMA device names, "" = all
 
     def __post_init__(self) -> None:
-        if self.max_chunk_bytes < 1024:
-            raise ValueError(f"max_chunk_bytes={self.max_chunk_bytes} is too small (>= 1024)")
+        if not 1024 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"max_chunk_bytes={self.max_chunk_bytes} must be in [1024, {MAX_CHUNK_BYTES}]")
+        if self.io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.send_timeout_s <= 0:
             raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
 
 
-EmitChunk = Callable[[pb.KVChunk], Awaitable[None]]
+# Queues one encoded KV chunk on the room's stream (grpc only), waiting for room (flow control);
+# raises TransferError once the decode side is gone. A channel numbers its chunks 1, 2, 3, ...
+# (seq 0 is the HandshakeAck) and emits them in that order: the stream checks it.
+EmitChunk = Callable[["EncodedChunk"], Awaitable[None]]
 
 
 class SendChannel(abc.ABC):
@@ -80,20 +101,32 @@ class SendChannel(abc.ABC):
         self.pool = pool
         self.dst_pages = list(dst_pages)
         self.bytes_sent = 0
+        self.stats = TransferStats()
 
     @abc.abstractmethod
-    async def send(self, src_pages: Sequence[int], page_begin: int) -> None:
-        """Copies request-local pages `page_begin .. page_begin+len(src_pages)-1`, all layers.
+    async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
+                   layer_end: int | None = None, ready: "torch.cuda.Event | None" = None) -> None:
+        """Copies request-local pages `page_begin .. page_begin+len(src_pages)-1` of layers
+        `[layer_begin, layer_end)` (default: all layers).
 
-        `src_pages` are this pool's page ids of those pages. Returns when the bytes are in the
-        decode pool (mooncake, fake) or queued on the stream in order (grpc). Raises TransferError.
+        `src_pages` are this pool's page ids of those pages. `ready` (CUDA pools): an event
+        recorded after those layers' KV was written; the read waits for it (without one, for
+        the default stream). Returns when the bytes are in the decode pool (mooncake, fake) or
+        queued on the stream in order (grpc). Raises TransferError.
         """
 
-    def _check_range(self, src_pages: Sequence[int], page_begin: int) -> None:
+    def _check_range(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
+                     layer_end: int | None = None) -> range:
+        """The layers to send; raises TransferError on pages or layers outside the request."""
         if page_begin < 0 or page_begin + len(src_pages) > len(self.dst_pages):
             raise TransferError(FailureCode.INTERNAL,
                                 f"pages [{page_begin}, {page_begin + len(src_pages)}) are outside the "
                                 f"{len(self.dst_pages)} pages the decode side allocated")
+        end = self.pool.num_layers if layer_end is None else layer_end
+        if not 0 <= layer_begin < end <= self.pool.num_layers:
+            raise TransferError(FailureCode.INTERNAL,
+                                f"layers [{layer_begin}, {end}) are outside the model's {self.pool.num_layers}")
+        return range(layer_begin, end)
 
     def close(self) -> None:
         """Releases per-request resources; idempotent."""
@@ -109,7 +142,7 @@ class KVSender(abc.ABC):
         self.config = config
 
     def open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
-        """Checks the handshake against this pool and transport; `emit` queues a KVChunk on the stream."""
+        """Checks the handshake against this pool and transport; `emit` queues a chunk on the stream."""
         check_layout(self.pool, handshake.layout)
         kind = handshake.WhichOneof("destination")
         if kind != self.name:
@@ -125,23 +158,50 @@ class KVSender(abc.ABC):
 
 
 class KVSink(abc.ABC):
-    """Decode worker side of one request's transfer."""
+    """Decode worker side of one request's transfer.
+
+    Once failed (`fail`, or a chunk refused), it stays failed: later chunks are refused and
+    `check_complete` raises the first error, so a partial KV is never taken as complete.
+    """
+
+    # Where the bootstrap client runs `on_chunk` (a worker pool: off the event loop); None: inline.
+    executor: Executor | None = None
 
     def __init__(self, pool: KVPool, pages: Sequence[int]) -> None:
         self.pool = pool
         self.pages = list(pages)
+        self.stats = TransferStats()
+        self._failed: TransferError | None = None
+        self._fail_lock = threading.Lock()
+
+    @property
+    def failed(self) -> TransferError | None:
+        """The first error of this transfer; its pages hold no usable KV then."""
+        return self._failed
+
+    def fail(self, error: TransferError) -> TransferError:
+        """Marks the transfer failed (the first error wins) and returns the error to raise."""
+        with self._fail_lock:
+            if self._failed is None:
+                self._failed = error
+            return self._failed
 
     def on_chunk(self, chunk: pb.KVChunk) -> None:
-        """Writes a chunk that arrived on the bootstrap stream; only the grpc transport gets any."""
-        raise TransferError(FailureCode.INTERNAL,
-                            f"{type(self).__name__} got a KV chunk on the bootstrap stream; the prefill "
-                            "side uses another transport")
+        """Writes a chunk that arrived on the bootstrap stream; only the grpc transport gets any.
+
+        May run in `executor`'s threads, several chunks at once.
+        """
+        raise self.fail(TransferError(FailureCode.INTERNAL,
+                                      f"{type(self).__name__} got a KV chunk on the bootstrap stream; the "
+                                      "prefill side uses another transport"))
 
     def check_complete(self, done: pb.TransferDone) -> None:
-        """Raises TransferError if the prefill side's report does not cover every page."""
+        """Raises TransferError if the transfer failed or the prefill side's report does not cover every page."""
+        if self._failed is not None:
+            raise self._failed
         if done.num_pages != len(self.pages):
-            raise TransferError(FailureCode.INTERNAL,
-                                f"prefill reports {done.num_pages} pages written, decode allocated {len(self.pages)}")
+            raise self.fail(TransferError(FailureCode.INTERNAL, f"prefill reports {done.num_pages} pages "
+                                          f"written, decode allocated {len(self.pages)}"))
 
 
 class KVReceiver(abc.ABC):

@@ -15,6 +15,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
     EmitChunk, KVReceiver, KVSender, SendChannel, TransferError, TransportConfig)
+from deepseek_pd.workers.common.kv_transfer.page_io import sync_ready
 from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
 
 _POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDictionary()
@@ -42,15 +43,17 @@ class FakeChannel(SendChannel):
         self.dst_pool = dst_pool
         self.timeout_s = timeout_s
 
-    async def send(self, src_pages: Sequence[int], page_begin: int) -> None:
-        self._check_range(src_pages, page_begin)
+    async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
+                   layer_end: int | None = None, ready=None) -> None:
+        layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
         dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
-        await asyncio.wait_for(asyncio.to_thread(self._copy, list(src_pages), dst), self.timeout_s)
-        self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * self.pool.num_layers
+        await asyncio.wait_for(asyncio.to_thread(self._copy, list(src_pages), dst, layers, ready), self.timeout_s)
+        self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
 
-    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
+    def _copy(self, src_pages: list[int], dst_pages: list[int], layers: range, ready) -> None:
+        sync_ready(self.pool, ready)
         for run in merge_page_runs(src_pages, dst_pages):
-            for layer in range(self.pool.num_layers):
+            for layer in layers:
                 src = self.pool.buffers[layer][run.src:run.src + run.length]
                 self.dst_pool.buffers[layer][run.dst:run.dst + run.length].copy_(src)
 

@@ -1,17 +1,25 @@
 """KV over the bootstrap service's own Transfer stream, for clusters without Mooncake.
 
-Prefill: each `send` cuts the pages into `KVChunk`s below `max_chunk_bytes` (gRPC caps a message
-at 4 MiB by default), stamps a crc32 on each and hands them to `emit`, which waits for room on
-the room's bounded queue: a slow decode side slows the prefill side (HTTP/2 flow control on the
-stream plus the bounded queue), it never buffers a whole prompt.
+Prefill: each `send` cuts its pages x layers into chunks of at most the negotiated chunk size
+(several MB: the per-message cost of gRPC dominates small ones). Worker threads gather each
+chunk into a reusable staging buffer (`page_io.PageGather`), crc32 it and encode the message
+(`wire.encode_chunk_event`: one copy); up to `io_threads` chunks are in the making while earlier
+ones are on the wire. `emit` waits for room on the room's bounded queue and the decode side's
+credits, so a slow decode side slows the prefill side; nothing buffers a whole prompt.
 
-Decode: the sink checks each chunk (ranges, size, crc32), writes it into the pool and records
-which (layer, page) cells it has, so a missing chunk is caught at TransferDone.
+Decode: the bootstrap client hands each chunk to the sink in `executor`'s threads, off the event
+loop that runs the decode scheduler: ranges, size, duplicates and crc32 are checked, then the
+bytes are written into the pool straight from the message (`page_io.scatter_pages`). The sink
+records which (layer, page) cells it has, so a missing chunk is caught at TransferDone.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
+import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -20,108 +28,165 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransferError)
-from deepseek_pd.workers.common.kv_transfer.plan import split_into_chunks
+    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransferError, TransportConfig)
+from deepseek_pd.workers.common.kv_transfer.page_io import PageGather, read_pages, scatter_pages
+from deepseek_pd.workers.common.kv_transfer.plan import ChunkShape, split_into_chunks
+from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, EncodedChunk, encode_chunk_event
 
-
-def read_pages(pool: KVPool, layer_begin: int, layer_end: int, pages: Sequence[int]) -> bytes:
-    """Bytes of `pages` in layers [layer_begin, layer_end), laid out [layer][page][slot][dim]."""
-    index = torch.as_tensor(list(pages), dtype=torch.long, device=pool.device)
-    stacked = torch.stack([pool.buffers[layer].index_select(0, index)
-                           for layer in range(layer_begin, layer_end)])
-    return stacked.cpu().contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def write_pages(pool: KVPool, layer_begin: int, layer_end: int, pages: Sequence[int],
-                data: bytes) -> None:
-    """Inverse of `read_pages`: writes `data` into `pages` of layers [layer_begin, layer_end)."""
-    shape = (layer_end - layer_begin, len(pages), pool.page_size, pool.kv_dim)
-    values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(pool.dtype).view(shape)
-    index = torch.as_tensor(list(pages), dtype=torch.long, device=pool.device)
-    for offset, layer in enumerate(range(layer_begin, layer_end)):
-        pool.buffers[layer].index_copy_(0, index, values[offset].to(pool.device))
+__all__ = ["GrpcReceiver", "GrpcSender", "GrpcSink", "read_pages"]
 
 
 class GrpcChannel(SendChannel):
-    def __init__(self, pool: KVPool, dst_pages: Sequence[int], emit: EmitChunk,
-                 max_chunk_bytes: int, timeout_s: float) -> None:
+    def __init__(self, pool: KVPool, dst_pages: Sequence[int], emit: EmitChunk, max_chunk_bytes: int,
+                 timeout_s: float, gather: PageGather, executor: ThreadPoolExecutor, depth: int) -> None:
         super().__init__(pool, dst_pages)
         self.emit = emit
+        self._seq = 0  # chunk k of this channel is event k of the room's stream (0 is the ack)
         self.max_chunk_bytes = max_chunk_bytes
         self.timeout_s = timeout_s
+        self.gather = gather
+        self.executor = executor
+        self.depth = depth  # chunks gathered ahead of the one being emitted
 
-    async def send(self, src_pages: Sequence[int], page_begin: int) -> None:
-        self._check_range(src_pages, page_begin)
-        page_end = page_begin + len(src_pages)
-        shapes = split_into_chunks(self.pool.num_layers, page_begin, page_end,
-                                   self.pool.bytes_per_page, self.max_chunk_bytes)
-        for shape in shapes:
-            local = src_pages[shape.page_begin - page_begin:shape.page_end - page_begin]
-            data = await asyncio.to_thread(read_pages, self.pool, shape.layer_begin, shape.layer_end, local)
-            chunk = pb.KVChunk(layer_begin=shape.layer_begin, layer_end=shape.layer_end,
-                               page_begin=shape.page_begin, page_end=shape.page_end,
-                               data=data, crc32=zlib.crc32(data))
+    async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
+                   layer_end: int | None = None, ready: "torch.cuda.Event | None" = None) -> None:
+        layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
+        pages = range(page_begin, page_begin + len(src_pages))
+        shapes = split_into_chunks(layers, pages, self.pool.bytes_per_page, self.max_chunk_bytes)
+        loop = asyncio.get_running_loop()
+        making: collections.deque[asyncio.Future[EncodedChunk]] = collections.deque()
+        try:
+            for shape in shapes:
+                local = list(src_pages[shape.page_begin - page_begin:shape.page_end - page_begin])
+                self._seq += 1
+                making.append(loop.run_in_executor(self.executor, self._encode, self._seq, shape, local, ready))
+                if len(making) >= self.depth:
+                    await self._emit(await making.popleft())
+            while making:
+                await self._emit(await making.popleft())
+        finally:
+            for future in making:  # a failed emit: the rest is never sent
+                future.cancel()
+
+    def _encode(self, seq: int, shape: ChunkShape, pages: list[int],
+                ready: "torch.cuda.Event | None") -> EncodedChunk:
+        """In a worker thread: pool pages -> staging -> crc32 -> one message's bytes."""
+        header = ChunkHeader(shape.layer_begin, shape.layer_end, shape.page_begin, shape.page_end)
+        began = time.perf_counter()
+        with self.gather.gather(range(shape.layer_begin, shape.layer_end), pages, ready) as data:
+            self.stats.add("stage", time.perf_counter() - began)
+            with self.stats.timed("checksum"):
+                crc = zlib.crc32(data)
+            with self.stats.timed("serialise"):
+                return encode_chunk_event(seq, header, data, crc)
+
+    async def _emit(self, chunk: EncodedChunk) -> None:
+        with self.stats.timed("network"):
             try:
                 await asyncio.wait_for(self.emit(chunk), self.timeout_s)
             except asyncio.TimeoutError:
                 raise TransferError(FailureCode.DEADLINE_EXCEEDED,
                                     f"decode side took more than {self.timeout_s}s to accept a KV chunk") from None
-            self.bytes_sent += len(data)
+        self.bytes_sent += chunk.data_len
+        self.stats.count(chunk.data_len)
 
 
 class GrpcSender(KVSender):
     name = "grpc"
+
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        super().__init__(pool, config)
+        self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-send")
+        # One staging slot per thread: a chunk holds its slot only while it is checksummed and
+        # encoded, so requests sending at once share them.
+        self.gather = PageGather(pool, config.max_chunk_bytes, config.io_threads)
 
     def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
         limit = min(self.config.max_chunk_bytes, handshake.grpc.max_chunk_bytes or self.config.max_chunk_bytes)
         if self.pool.bytes_per_page > limit:
             raise TransferError(FailureCode.INVALID_ARGUMENT,
                                 f"one KV page is {self.pool.bytes_per_page} bytes, above the chunk limit {limit}")
-        return GrpcChannel(self.pool, handshake.page_ids, emit, limit, self.config.send_timeout_s)
+        return GrpcChannel(self.pool, handshake.page_ids, emit, limit, self.config.send_timeout_s,
+                           self.gather, self.executor, depth=self.config.io_threads)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class GrpcSink(KVSink):
-    def __init__(self, pool: KVPool, pages: Sequence[int]) -> None:
+    """Checks and writes chunks; thread-safe, so several chunks may be written at once."""
+
+    def __init__(self, pool: KVPool, pages: Sequence[int], executor: ThreadPoolExecutor | None = None) -> None:
         super().__init__(pool, pages)
-        # received[layer][page]: guards against missing and duplicated chunks.
-        self.received = torch.zeros(pool.num_layers, len(self.pages), dtype=torch.bool)
+        self.executor = executor
+        # claimed[layer][page]: a chunk took the cell (duplicates refused); written: its bytes are in.
+        self.claimed = torch.zeros(pool.num_layers, len(self.pages), dtype=torch.bool)
+        self.written = torch.zeros(pool.num_layers, len(self.pages), dtype=torch.bool)
+        self._lock = threading.Lock()
 
     def on_chunk(self, chunk: pb.KVChunk) -> None:
+        if self.failed is not None:
+            raise TransferError(self.failed.code, f"transfer already failed: {self.failed.message}")
+        try:
+            with self.stats.timed("check"):
+                self._check(chunk)
+            with self.stats.timed("write"):
+                scatter_pages(self.pool, range(chunk.layer_begin, chunk.layer_end),
+                              self.pages[chunk.page_begin:chunk.page_end], chunk.data)
+        except TransferError as exc:
+            raise self.fail(exc) from None
+        except Exception as exc:  # a bug must still fail this transfer, not leave it half-written
+            raise self.fail(TransferError(FailureCode.INTERNAL, f"writing a KV chunk failed: {exc!r}")) from exc
+        with self._lock:
+            self.written[chunk.layer_begin:chunk.layer_end, chunk.page_begin:chunk.page_end] = True
+        self.stats.count(len(chunk.data))
+
+    def _check(self, chunk: pb.KVChunk) -> None:
+        where = (f"layers [{chunk.layer_begin}, {chunk.layer_end}) pages "
+                 f"[{chunk.page_begin}, {chunk.page_end})")
         if not (0 <= chunk.layer_begin < chunk.layer_end <= self.pool.num_layers
                 and 0 <= chunk.page_begin < chunk.page_end <= len(self.pages)):
-            raise TransferError(FailureCode.INTERNAL,
-                                f"KV chunk layers [{chunk.layer_begin}, {chunk.layer_end}) pages "
-                                f"[{chunk.page_begin}, {chunk.page_end}) is out of range "
+            raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} is out of range "
                                 f"({self.pool.num_layers} layers, {len(self.pages)} pages)")
         expected = ((chunk.layer_end - chunk.layer_begin) * (chunk.page_end - chunk.page_begin)
                     * self.pool.bytes_per_page)
         if len(chunk.data) != expected:
             raise TransferError(FailureCode.INTERNAL,
-                                f"KV chunk has {len(chunk.data)} bytes, its ranges need {expected}")
+                                f"KV chunk {where} has {len(chunk.data)} bytes, its ranges need {expected}")
         if zlib.crc32(chunk.data) != chunk.crc32:
-            raise TransferError(FailureCode.INTERNAL,
-                                f"KV chunk layers [{chunk.layer_begin}, {chunk.layer_end}) pages "
-                                f"[{chunk.page_begin}, {chunk.page_end}) failed its crc32 check (corrupted)")
-        cells = self.received[chunk.layer_begin:chunk.layer_end, chunk.page_begin:chunk.page_end]
-        if bool(cells.any()):
-            raise TransferError(FailureCode.INTERNAL, "KV chunk repeats pages already received")
-        write_pages(self.pool, chunk.layer_begin, chunk.layer_end,
-                    self.pages[chunk.page_begin:chunk.page_end], chunk.data)
-        cells.fill_(True)
+            raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} failed its crc32 check (corrupted)")
+        with self._lock:
+            cells = self.claimed[chunk.layer_begin:chunk.layer_end, chunk.page_begin:chunk.page_end]
+            if bool(cells.any()):
+                raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} repeats pages already received")
+            cells.fill_(True)
+
+    @property
+    def received(self) -> torch.Tensor:
+        """[layers, pages]: True where the cell's bytes are in the pool."""
+        return self.written
 
     def check_complete(self, done: pb.TransferDone) -> None:
         super().check_complete(done)
-        if not bool(self.received.all()):
-            missing = int((~self.received).sum())
-            raise TransferError(FailureCode.INTERNAL,
-                                f"transfer reported done but {missing} (layer, page) cells never arrived")
+        with self._lock:
+            missing = int((~self.written).sum())
+        if missing:
+            raise self.fail(TransferError(FailureCode.INTERNAL,
+                                          f"transfer reported done but {missing} (layer, page) cells never arrived"))
 
 
 class GrpcReceiver(KVReceiver):
     name = "grpc"
 
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        super().__init__(pool, config)
+        self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-ingest")
+
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.grpc.max_chunk_bytes = self.config.max_chunk_bytes
 
     def open_sink(self, pages: Sequence[int]) -> KVSink:
-        return GrpcSink(self.pool, pages)
+        return GrpcSink(self.pool, pages, self.executor)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -20,6 +20,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
     EmitChunk, KVReceiver, KVSender, SendChannel, TransferError, TransportConfig)
+from deepseek_pd.workers.common.kv_transfer.page_io import sync_ready
 from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,10 @@ class MooncakeEngine:
 def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_bytes: int,
                       src_pages: Sequence[int], dst_pages: Sequence[int]
                       ) -> tuple[list[int], list[int], list[int]]:
-    """(local addrs, remote addrs, lengths) for all layers x contiguous runs, layer-major."""
+    """(local addrs, remote addrs, lengths) for the given layers x contiguous runs, layer-major.
+
+    `src_base`/`dst_base` are the base addresses of the layers to write (a slice for a layer range).
+    """
     runs = merge_page_runs(src_pages, dst_pages)
     local: list[int] = []
     remote: list[int] = []
@@ -87,13 +91,11 @@ class MooncakeChannel(SendChannel):
         self.destination = destination
         self.timeout_s = timeout_s
 
-    async def send(self, src_pages: Sequence[int], page_begin: int) -> None:
-        self._check_range(src_pages, page_begin)
+    async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
+                   layer_end: int | None = None, ready=None) -> None:
+        layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
         dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
-        batch = build_write_batch(self.engine.base_addrs, self.destination.layer_base_addrs,
-                                  self.pool.bytes_per_page, src_pages, dst)
-        call = asyncio.to_thread(self.engine.engine.batch_transfer_sync_write,
-                                 self.destination.session_id, *batch)
+        call = asyncio.to_thread(self._write, layers, list(src_pages), dst, ready)
         try:
             status = await asyncio.wait_for(call, self.timeout_s)
         except asyncio.TimeoutError:
@@ -103,7 +105,16 @@ class MooncakeChannel(SendChannel):
         if status != 0:
             raise TransferError(FailureCode.UNAVAILABLE,
                                 f"mooncake write to {self.destination.session_id} failed (status {status})")
-        self.bytes_sent += sum(batch[2])
+        self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
+
+    def _write(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
+        """In a worker thread: ONE batch write for every layer and merged page run of this send
+        (FACTS "KV transfer"); building the batch (1 ms for 64 pages x 27 layers) stays off the loop."""
+        batch = build_write_batch(self.engine.base_addrs[layers.start:layers.stop],
+                                  list(self.destination.layer_base_addrs)[layers.start:layers.stop],
+                                  self.pool.bytes_per_page, src_pages, dst_pages)
+        sync_ready(self.pool, ready)  # the NIC reads the pool behind torch's back
+        return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
 
 
 class MooncakeSender(KVSender):

@@ -45,54 +45,90 @@ class ChunkShape:
     page_end: int
 
 
-def split_into_chunks(num_layers: int, page_begin: int, page_end: int, page_bytes: int,
-                      max_chunk_bytes: int) -> list[ChunkShape]:
-    """Covers layers x pages with chunks of at most `max_chunk_bytes` each.
+def split_into_chunks(layers: range, pages: range, page_bytes: int, max_chunk_bytes: int) -> list[ChunkShape]:
+    """Covers `layers` x `pages` with chunks of at most `max_chunk_bytes` each.
 
-    Prefers whole layer ranges (several pages of all layers per chunk); when one page of all
-    layers is already too big, splits the layers instead. Order: page-major, so the receiver gets
-    whole pages early.
+    Prefers whole layer ranges (several pages of all the layers per chunk, as even as the
+    fewest chunks allow); when one page of all the layers is already too big, splits the layers
+    instead. Order: page-major. Example, 3 layers, pages [0, 5), a page 100 bytes, limit 600:
+    two pages fit a chunk, so three chunks, [0,3)x[0,2), [0,3)x[2,4), [0,3)x[4,5); with pages
+    [0, 10) and three pages to a chunk: 3, 3, 2, 2 pages.
     """
     if page_bytes > max_chunk_bytes:
         raise ValueError(f"one page of one layer is {page_bytes} bytes, more than the chunk limit "
                          f"{max_chunk_bytes}; raise max_chunk_bytes or lower page_size")
     chunks: list[ChunkShape] = []
-    pages_per_chunk = max_chunk_bytes // (page_bytes * num_layers)
+    pages_per_chunk = max_chunk_bytes // (page_bytes * len(layers))
     if pages_per_chunk >= 1:
-        for begin in range(page_begin, page_end, pages_per_chunk):
-            chunks.append(ChunkShape(0, num_layers, begin, min(begin + pages_per_chunk, page_end)))
+        count = -(-len(pages) // pages_per_chunk)  # the fewest chunks; then spread the pages evenly
+        begin = pages.start
+        for index in range(count):
+            size = len(pages) // count + (index < len(pages) % count)
+            chunks.append(ChunkShape(layers.start, layers.stop, begin, begin + size))
+            begin += size
         return chunks
     layers_per_chunk = max_chunk_bytes // page_bytes
-    for page in range(page_begin, page_end):
-        for layer in range(0, num_layers, layers_per_chunk):
-            chunks.append(ChunkShape(layer, min(layer + layers_per_chunk, num_layers), page, page + 1))
+    for page in pages:
+        for layer in range(layers.start, layers.stop, layers_per_chunk):
+            chunks.append(ChunkShape(layer, min(layer + layers_per_chunk, layers.stop), page, page + 1))
     return chunks
 
 
 class SendPlan:
-    """Scheduler side of one request's send: which request-local pages may go out now.
+    """Scheduler side of one request's send: which request-local pages may go out now, per layer.
 
-    A page may be sent once every token in it is computed; the last, partial page only when the
-    whole prompt is (`final=True`). Example, page_size=4, 10-token prompt:
-    `ready(3)` -> empty, `ready(8)` -> range(0, 2), `ready(10, final=True)` -> range(2, 3).
-    Pages already held by the prefix cache count as computed from the first call.
+    A page of a layer may be sent once every token in it is computed for that layer; the last,
+    partial page only when the whole prompt is (`final=True`). Example, page_size=4, 10-token
+    prompt: `ready(3)` -> empty, `ready(8)` -> range(0, 2), `ready(10, final=True)` -> range(2, 3).
+    Layer-wise, the same prompt in one chunk: `ready_layers(10, range(0, 1), final=True)` ->
+    [(range(0, 1), range(0, 3))], then layer 1, ... Pages already held by the prefix cache count
+    as computed from the first call.
     """
 
-    def __init__(self, num_tokens: int, page_size: int) -> None:
+    def __init__(self, num_tokens: int, page_size: int, num_layers: int = 1) -> None:
         self.num_tokens = num_tokens
         self.page_size = page_size
+        self.num_layers = num_layers
         self.num_pages = -(-num_tokens // page_size)
-        self.sent_pages = 0
+        self._sent = [0] * num_layers  # per layer: pages [0, sent) handed out
 
-    def ready(self, computed_tokens: int, final: bool = False) -> range:
+    def ready_layers(self, computed_tokens: int, layers: range | None = None,
+                     final: bool = False) -> list[tuple[range, range]]:
+        """(layers, pages) groups newly sendable once `layers` hold `computed_tokens` tokens.
+
+        Layers at the same progress form one group, so the usual case is a single group.
+        """
         if not 0 <= computed_tokens <= self.num_tokens:
             raise ValueError(f"computed_tokens={computed_tokens} outside [0, {self.num_tokens}]")
         if final and computed_tokens != self.num_tokens:
             raise ValueError(f"final with {computed_tokens} of {self.num_tokens} tokens computed")
+        layers = range(self.num_layers) if layers is None else layers
+        if not (0 <= layers.start < layers.stop <= self.num_layers and layers.step == 1):
+            raise ValueError(f"layers {layers} outside [0, {self.num_layers})")
         upto = self.num_pages if final else computed_tokens // self.page_size
-        pages = range(self.sent_pages, max(upto, self.sent_pages))
-        self.sent_pages = max(upto, self.sent_pages)
-        return pages
+        groups: list[tuple[range, range]] = []
+        for layer in layers:
+            pages = range(self._sent[layer], max(upto, self._sent[layer]))
+            self._sent[layer] = pages.stop
+            if not len(pages):
+                continue
+            if groups and groups[-1][1] == pages and groups[-1][0].stop == layer:
+                groups[-1] = (range(groups[-1][0].start, layer + 1), pages)
+            else:
+                groups.append((range(layer, layer + 1), pages))
+        return groups
+
+    def ready(self, computed_tokens: int, final: bool = False) -> range:
+        """Pages newly sendable in every layer (all layers must be at the same progress)."""
+        groups = self.ready_layers(computed_tokens, final=final)
+        if len(groups) > 1 or (groups and groups[0][0] != range(self.num_layers)):
+            raise ValueError("layers were sent to different pages; use ready_layers")
+        return groups[0][1] if groups else range(min(self._sent), min(self._sent))
+
+    @property
+    def sent_pages(self) -> int:
+        """Pages handed out in every layer."""
+        return min(self._sent)
 
     @property
     def done(self) -> bool:

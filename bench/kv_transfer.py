@@ -1,0 +1,430 @@
+"""KV transfer between two KV pools through the real bootstrap server and client, on loopback.
+
+    .venv/bin/python bench/kv_transfer.py                            # grpc, CPU, V2-Lite shape, 4k tokens
+    .venv/bin/python bench/kv_transfer.py --device cuda              # GPU pool -> GPU pool (one GPU)
+    .venv/bin/python bench/kv_transfer.py --layerwise                # one send per layer, as layer-wise prefill
+    .venv/bin/python bench/kv_transfer.py --transport mooncake --netns   # ours vs raw Mooncake TCP
+
+The same classes and code path as the workers: `KVPush` (prefill) and `pull_kv` (decode) meet
+in a `RoomRegistry` behind a `BootstrapServer`: handshake, chunks, TransferDone and its
+confirmation. One request's pages (`--tokens`, scattered and permuted page ids on both sides)
+move per repeat; the destination is compared with the source bit for bit after every repeat.
+For grpc the prefill side runs in a child process (two workers, two event loops and GILs, as in
+production; `--together` for one process); mooncake runs in one process, next to the raw write.
+
+Printed: GB/s of each repeat (from decode's handshake to holding the KV and the TransferDone),
+the longest the decode event loop was kept from running meanwhile, a breakdown of where the
+chunk time went (summed over worker threads, so it can exceed the wall time), and a ceiling
+measured in the same run on the same loopback: a bare gRPC stream of the same message sizes and
+bytes (grpc), or raw `batch_transfer_sync_write` of the same batch between the same two engines
+(mooncake, between our repeats). The ratio to it is the last line of the table.
+
+Profiling: `--profile FILE` writes cProfile stats of one repeat (event-loop thread only); for the
+worker threads run the bench under `py-spy record --threads --idle -f raw`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import multiprocessing
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.workers.common.api import DisaggParams
+from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.common.kv_transfer.stats import PHASES, TransferStats
+from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
+from deepseek_pd.workers.decode.kv_pull import pull_kv
+from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
+from deepseek_pd.workers.prefill.kv_push import KVPush
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transport", default="grpc", choices=["grpc", "mooncake", "fake"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (both pools on it)")
+    parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens of the one request")
+    parser.add_argument("--layers", type=int, default=27, help="default: DeepSeek-V2-Lite")
+    parser.add_argument("--kv-dim", type=int, default=576, help="kv_lora_rank + qk_rope_head_dim")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--chunk-mb", type=float, default=TransportConfig.max_chunk_bytes / 2**20,
+                        help="grpc: max KV bytes per message (MiB)")
+    parser.add_argument("--io-threads", type=int, default=TransportConfig.io_threads)
+    parser.add_argument("--window", type=int, default=BootstrapConfig.event_queue_depth,
+                        help="credit window (events in flight)")
+    parser.add_argument("--layerwise", action="store_true", help="send layer by layer (layers_ready)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-ceiling", action="store_true", help="skip the raw gRPC / raw Mooncake ceiling")
+    parser.add_argument("--ceiling-streams", type=int, default=1,
+                        help="grpc: also measure the raw ceiling over this many parallel streams (own connections)")
+    parser.add_argument("--together", action="store_true",
+                        help="grpc: run both sides in this process (default: prefill in a child process, as "
+                             "two workers; mooncake and fake always run together)")
+    parser.add_argument("--profile", metavar="FILE", help="cProfile one extra repeat into FILE (with --together)")
+    parser.add_argument("--netns", action="store_true",
+                        help="re-run inside a private network namespace (Mooncake binds 0.0.0.0)")
+    return parser.parse_args(argv)
+
+
+def reexec_in_netns(argv: list[str]) -> int:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        raise SystemExit("--netns needs unshare and ip (scripts/system-deps.sh)")
+    inner = [a for a in argv if a != "--netns"]
+    command = " ".join([sys.executable, str(Path(__file__).resolve()), *inner])
+    return subprocess.call(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"])
+
+
+class Setup:
+    """Two pools with the request's pages scattered and permuted on both sides; `seed` makes the
+    source pool and page lists the same in every process that builds them (split mode)."""
+
+    def __init__(self, args: argparse.Namespace, seed: int, with_destination: bool = True) -> None:
+        self.args = args
+        self.seed = seed
+        dtype, device = DTYPES[args.dtype], torch.device(args.device)
+        self.num_pages = -(-args.tokens // args.page_size)
+        total = self.num_pages * 2 + 3
+        self.src = KVPool(args.layers, total, args.page_size, args.kv_dim, dtype=dtype, device=device)
+        self.dst = (KVPool(args.layers, total, args.page_size, args.kv_dim, dtype=dtype, device=device)
+                    if with_destination else None)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for buffer in self.src.buffers:
+            buffer.copy_(torch.randn(buffer.shape, generator=generator, device=device).to(dtype))
+        rng = random.Random(seed)
+        self.src_pages = rng.sample(range(total), self.num_pages)
+        self.dst_pages = rng.sample(range(total), self.num_pages)
+        # A few contiguous runs, as a fresh pool hands out, so run merging has work too.
+        half = self.num_pages // 2
+        self.src_pages[:half] = sorted(self.src_pages[:half])
+        self.bytes = self.num_pages * self.src.bytes_per_page * args.layers
+
+    def clear_destination(self) -> None:
+        for buffer in self.dst.buffers:
+            buffer.zero_()
+        _sync(self.dst.device)
+
+    def exact(self) -> bool:
+        _sync(self.dst.device)
+        return all(torch.equal(self.src.buffers[layer][self.src_pages], self.dst.buffers[layer][self.dst_pages])
+                   for layer in range(self.args.layers))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def configs(args: argparse.Namespace) -> tuple[TransportConfig, BootstrapConfig]:
+    return (TransportConfig(max_chunk_bytes=int(args.chunk_mb * 2**20), io_threads=args.io_threads, send_timeout_s=60),
+            BootstrapConfig(port=0, transfer_timeout_s=300, event_queue_depth=args.window))
+
+
+async def push_request(setup: Setup, registry, sender, room: int) -> TransferStats:
+    """The prefill side of one request, as the prefill engine drives `KVPush`."""
+    args = setup.args
+    push = KVPush(registry, sender, room, f"p{room}", args.tokens)
+    try:
+        await push.handshake(30)
+        if args.layerwise:
+            for layer in range(args.layers):
+                event = None
+                if setup.src.device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                push.layers_ready(args.tokens, setup.src_pages, layer, layer + 1, event)
+                await asyncio.sleep(0)
+        else:
+            push.pages_ready(args.tokens, setup.src_pages)
+        await push.finish(first_token_id=1, logprob=0.0, cached_tokens=0)
+        return push.channel.stats
+    finally:
+        push.close()
+
+
+async def pull_request(setup: Setup, receiver, client, port: int, room: int) -> tuple[float, TransferStats, float]:
+    """The decode side of one request: (seconds from its handshake to holding all KV and the
+    TransferDone, its stats, the longest its event loop stalled meanwhile)."""
+    sinks = []
+    open_sink = receiver.open_sink
+
+    def capture(pages):
+        sinks.append(open_sink(pages))
+        return sinks[-1]
+
+    receiver.open_sink = capture
+    stalls: list[float] = []
+    # The stall probe wakes the loop every millisecond; Mooncake's writes never touch the loop,
+    # and the probe's own load would only blur the comparison with the raw write.
+    ticker = asyncio.ensure_future(_loop_stalls(stalls) if setup.args.transport == "grpc" else _idle(stalls))
+    try:
+        began = time.perf_counter()
+        await pull_kv(client, receiver, DisaggParams("127.0.0.1", port, room), f"d{room}", setup.args.tokens,
+                      setup.dst_pages)
+        _sync(setup.dst.device)
+        elapsed = time.perf_counter() - began
+    finally:
+        ticker.cancel()
+        await asyncio.gather(ticker, return_exceptions=True)
+        receiver.open_sink = open_sink
+    return elapsed, sinks[0].stats, stalls[0]
+
+
+async def _loop_stalls(out: list[float]) -> None:
+    """The longest this event loop (in split mode: only the decode side's) was late for a 1 ms
+    timer: how long KV ingest keeps it from running the decode scheduler."""
+    worst = 0.0
+    try:
+        while True:
+            began = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - began - 0.001)
+    finally:
+        out.append(worst)
+
+
+async def _idle(out: list[float]) -> None:
+    try:
+        await asyncio.Event().wait()
+    finally:
+        out.append(0.0)
+
+
+class Results:
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.stalls: list[float] = []
+        self.ceilings: list[float] = []  # mooncake: measured between our repeats, so both see the same load
+        self.stats = TransferStats()
+
+
+async def run_together(setup: Setup, results: Results, profile: str | None) -> None:
+    """Both sides in this process, on one event loop (needed for the raw Mooncake comparison)."""
+    args = setup.args
+    transport, bootstrap = configs(args)
+    registry = RoomRegistry(bootstrap)
+    server = BootstrapServer(registry, bootstrap, transport.max_chunk_bytes)
+    await server.start()
+    sender = build_sender(args.transport, setup.src, transport)
+    receiver = build_receiver(args.transport, setup.dst, transport)
+    client = BootstrapClient(bootstrap)
+
+    async def once(room: int) -> tuple[float, TransferStats, float]:
+        sent, (elapsed, received, stall) = await asyncio.gather(
+            push_request(setup, registry, sender, room), pull_request(setup, receiver, client, server.port, room))
+        received.merge(sent)
+        return elapsed, received, stall
+
+    try:
+        await once(1)  # warm-up: connections, staging buffers, first-touch of pages
+        for repeat in range(args.repeats):
+            setup.clear_destination()
+            elapsed, stats, stall = await once(repeat + 2)
+            if not setup.exact():
+                raise SystemExit(f"repeat {repeat}: destination pages differ from the source")
+            results.seconds.append(elapsed)
+            results.stalls.append(stall)
+            results.stats.merge(stats)
+            line = f"repeat {repeat}: {setup.bytes / elapsed / 1e9:.3f} GB/s ({elapsed * 1e3:.1f} ms), exact"
+            if not args.no_ceiling and args.transport == "mooncake":
+                results.ceilings.append(raw_mooncake(setup, sender, receiver))
+                line += f"; raw {setup.bytes / results.ceilings[-1] / 1e9:.3f} GB/s ({results.ceilings[-1] * 1e3:.1f} ms)"
+            print(line, flush=True)
+        if profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            await once(10_000)
+            profiler.disable()
+            profiler.dump_stats(profile)
+            print(f"cProfile of one repeat written to {profile}")
+    finally:
+        await client.close()
+        await server.stop(0)
+        sender.close()
+        receiver.close()
+
+
+def _prefill_process(argv: list[str], seed: int, conn) -> None:
+    """Split mode's child: the prefill worker's side, driven over a pipe (run ROOM / stop)."""
+    setup = Setup(parse_args(argv), seed, with_destination=False)
+
+    async def serve() -> None:
+        transport, bootstrap = configs(setup.args)
+        registry = RoomRegistry(bootstrap)
+        server = BootstrapServer(registry, bootstrap, transport.max_chunk_bytes)
+        await server.start()
+        sender = build_sender(setup.args.transport, setup.src, transport)
+        loop = asyncio.get_running_loop()
+        conn.send(server.port)
+        try:
+            while (command := await loop.run_in_executor(None, conn.recv)) != "stop":
+                stats = await push_request(setup, registry, sender, command)
+                conn.send((stats.seconds, stats.chunks, stats.bytes))
+        finally:
+            await server.stop(0)
+            sender.close()
+
+    asyncio.run(serve())
+
+
+async def run_split(setup: Setup, results: Results, argv: list[str]) -> None:
+    """Prefill in a child process, decode here: as two workers, each with its own event loop and GIL."""
+    args = setup.args
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    child = context.Process(target=_prefill_process, args=(argv, setup.seed, child_conn), daemon=True)
+    child.start()
+    loop = asyncio.get_running_loop()
+    transport, bootstrap = configs(args)
+    receiver = build_receiver(args.transport, setup.dst, transport)
+    client = BootstrapClient(bootstrap)
+    try:
+        port = await loop.run_in_executor(None, conn.recv)
+        for repeat in range(-1, args.repeats):  # -1: warm-up
+            setup.clear_destination()
+            conn.send(repeat + 2)
+            elapsed, stats, stall = await pull_request(setup, receiver, client, port, repeat + 2)
+            seconds, chunks, nbytes = await loop.run_in_executor(None, conn.recv)
+            if not setup.exact():
+                raise SystemExit(f"repeat {repeat}: destination pages differ from the source")
+            if repeat < 0:
+                continue
+            sent = TransferStats()
+            sent.seconds.update(seconds)
+            sent.chunks, sent.bytes = chunks, nbytes
+            stats.merge(sent)
+            results.seconds.append(elapsed)
+            results.stalls.append(stall)
+            results.stats.merge(stats)
+            print(f"repeat {repeat}: {setup.bytes / elapsed / 1e9:.3f} GB/s ({elapsed * 1e3:.1f} ms), exact, "
+                  f"decode event loop stalled <= {stall * 1e3:.1f} ms", flush=True)
+        conn.send("stop")
+    finally:
+        await client.close()
+        receiver.close()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+
+
+async def raw_grpc(total_bytes: int, message_bytes: int, repeats: int, streams: int = 1) -> list[float]:
+    """Seconds to stream `total_bytes` as bare `bytes` messages over `streams` loopback gRPC streams,
+    each on its own connection (what parallel KV streams could reach)."""
+    import grpc
+
+    payload = os.urandom(message_bytes)
+    count = -(-total_bytes // message_bytes // streams)
+
+    async def stream(request_iterator, context):
+        await request_iterator.__anext__()
+        for _ in range(count):
+            yield payload
+
+    handler = grpc.method_handlers_generic_handler("bench.Raw", {"S": grpc.stream_stream_rpc_method_handler(stream)})
+    limit = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    server = grpc.aio.server(options=limit)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=limit + [("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(streams)]
+
+    async def one(channel) -> None:
+        call = channel.stream_stream("/bench.Raw/S")()
+        await call.write(b"go")
+        while await call.read() is not grpc.aio.EOF:
+            pass
+
+    seconds: list[float] = []
+    try:
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            await asyncio.gather(*(one(channel) for channel in channels))
+            seconds.append(time.perf_counter() - began)
+    finally:
+        for channel in channels:
+            await channel.close()
+        await server.stop(0)
+    return seconds[1:]  # the first one connects
+
+
+def raw_mooncake(setup: Setup, sender, receiver) -> float:
+    """Seconds of one raw `batch_transfer_sync_write` of the same batch between the same two engines."""
+    from deepseek_pd.workers.common.kv_transfer.mooncake import build_write_batch
+
+    batch = build_write_batch(sender.engine.base_addrs, receiver.engine.base_addrs, setup.src.bytes_per_page,
+                              setup.src_pages, setup.dst_pages)
+    began = time.perf_counter()
+    status = sender.engine.engine.batch_transfer_sync_write(receiver.engine.session_id, *batch)
+    elapsed = time.perf_counter() - began
+    if status != 0:
+        raise SystemExit(f"raw mooncake write failed with status {status}")
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.netns:
+        raise SystemExit(reexec_in_netns(argv))
+    setup = Setup(args, seed=random.randrange(1 << 30))
+    results = Results()
+    split = args.transport == "grpc" and not args.together
+    if split:
+        asyncio.run(run_split(setup, results, argv))
+    else:
+        asyncio.run(run_together(setup, results, args.profile))
+    if not args.no_ceiling and args.transport == "grpc":
+        results.ceilings = asyncio.run(raw_grpc(setup.bytes, int(args.chunk_mb * 2**20), args.repeats))
+        if args.ceiling_streams > 1:
+            parallel = asyncio.run(raw_grpc(setup.bytes, int(args.chunk_mb * 2**20), args.repeats, args.ceiling_streams))
+            print(f"raw gRPC over {args.ceiling_streams} parallel streams: best {setup.bytes / min(parallel) / 1e9:.3f} "
+                  f"GB/s (one stream: {setup.bytes / min(results.ceilings) / 1e9:.3f})")
+    report(setup, results, "prefill and decode in two processes" if split else "both sides in one process")
+
+
+def report(setup: Setup, results: Results, where: str) -> None:
+    args, seconds, stats = setup.args, results.seconds, results.stats
+    best, median = min(seconds), sorted(seconds)[len(seconds) // 2]
+    mode = "layer-wise" if args.layerwise else "all layers per send"
+    print()
+    print(f"KV transfer, transport {args.transport} on {args.device}, {mode}, {where}: {args.tokens} tokens x "
+          f"{args.layers} layers x {args.kv_dim} x {setup.src.buffers[0].element_size()} B = "
+          f"{setup.src.bytes_per_token} B/token, {setup.bytes / 1e6:.1f} MB, page {args.page_size}, "
+          f"chunk {args.chunk_mb:g} MiB, {args.io_threads} io threads, window {args.window}")
+    stalls = sorted(results.stalls)
+    if args.transport == "grpc":
+        print(f"decode event loop, longest stall per transfer: median {stalls[len(stalls) // 2] * 1e3:.1f} ms, "
+              f"worst {stalls[-1] * 1e3:.1f} ms" + ("" if "two" in where else " (shared with prefill here)"))
+    if stats.chunks:
+        chunk_ms = ", ".join(f"{phase} {stats.seconds[phase] / len(seconds) * 1e3:.1f}" for phase in PHASES)
+        print(f"per transfer, ms summed over threads: {chunk_ms} ({stats.chunks // (2 * len(seconds))} chunks)")
+    print(f"| {'what':<40} | {'GB/s':>7} | {'ms':>7} |")
+    print(f"|{'-' * 42}|{'-' * 9}|{'-' * 9}|")
+    print(f"| {'ours, best of ' + str(len(seconds)):<40} | {setup.bytes / best / 1e9:>7.3f} | {best * 1e3:>7.1f} |")
+    print(f"| {'ours, median':<40} | {setup.bytes / median / 1e9:>7.3f} | {median * 1e3:>7.1f} |")
+    if results.ceilings:
+        label = "raw gRPC stream, same messages" if args.transport == "grpc" else "raw batch_transfer_sync_write"
+        raw_best, raw_median = min(results.ceilings), sorted(results.ceilings)[len(results.ceilings) // 2]
+        print(f"| {label + ', best':<40} | {setup.bytes / raw_best / 1e9:>7.3f} | {raw_best * 1e3:>7.1f} |")
+        print(f"| {label + ', median':<40} | {setup.bytes / raw_median / 1e9:>7.3f} | {raw_median * 1e3:>7.1f} |")
+        print(f"| {'ours / raw (best, median)':<40} | {raw_best / best:>7.2f} | {raw_median / median:>7.2f} |")
+        if len(results.ceilings) == len(seconds):  # measured back to back: the load changes less within a pair
+            paired = sorted(raw / ours for raw, ours in zip(results.ceilings, seconds))
+            print(f"| {'ours / raw, per repeat pair, median':<40} | {paired[len(paired) // 2]:>7.2f} | {'':>7} |")
+
+
+if __name__ == "__main__":
+    main()
