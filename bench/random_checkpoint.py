@@ -161,3 +161,40 @@ def write_random_checkpoint(directory: str | Path, config: dict, device: str = "
     index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2) + "\n")
     return directory
+
+
+STAMP = "random-checkpoint.json"  # written last: its presence means the checkpoint is complete
+
+
+def ensure_random_checkpoint(directory: str | Path, config: dict, device: str = "cpu", seed: int = 0) -> bool:
+    """Writes the checkpoint unless `directory` already holds this exact one; True if it wrote."""
+    directory = Path(directory)
+    want = {"config": config, "seed": seed}
+    try:
+        if json.loads((directory / STAMP).read_text()) == want:
+            return False
+    except (OSError, ValueError):
+        pass
+    (directory / STAMP).unlink(missing_ok=True)
+    write_random_checkpoint(directory, config, device=device, seed=seed)
+    (directory / STAMP).write_text(json.dumps(want) + "\n")
+    return True
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory")
+    parser.add_argument("--shape", choices=["v2-lite", "v2-mini"], default="v2-lite")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    config = v2_lite_config() if args.shape == "v2-lite" else dict(V2_MINI)
+    wrote = ensure_random_checkpoint(args.directory, config, args.device, args.seed)
+    written = json.loads((Path(args.directory) / "config.json").read_text())
+    print(json.dumps({"directory": args.directory, "written": wrote, "parameters": num_parameters(written)}))
+
+
+if __name__ == "__main__":
+    main()
