@@ -219,3 +219,45 @@ def test_a_router_without_workers_listing_needs_model(tmp_path: Path) -> None:
     target = asyncio.run(go())
     assert target.name == "served" and target.vocab_size == config["vocab_size"]
     assert os.path.samefile(target.model_path, model_dir)
+
+
+def test_a_worker_reported_kv_size_wins_over_the_config(tmp_path: Path) -> None:
+    """A worker that reports `kv_bytes_per_token` in GetServerInfo (its runtime dtype may differ
+    from config.json's) is believed; the router's /workers names it by its grpc:// URL."""
+    import grpc
+    from google.protobuf.struct_pb2 import Struct
+    from random_checkpoint import write_random_checkpoint
+    from smg_grpc_proto import sglang_scheduler_pb2 as pb
+    from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+
+    from deepseek_pd.loadgen.target_model import discover_target_model
+
+    rng = random.Random()
+    config = random_non_tiny_config(rng)
+    model_dir = write_random_checkpoint(tmp_path / "m", config)
+    reported = rng.randrange(1000, 10**6)
+
+    class Reporting(pb_grpc.SglangSchedulerServicer):
+        async def GetServerInfo(self, request, context):
+            info = Struct()
+            info.update({"kv_bytes_per_token": reported})
+            return pb.GetServerInfoResponse(scheduler_info=info)
+
+    async def go():
+        server = grpc.aio.server()
+        pb_grpc.add_SglangSchedulerServicer_to_server(Reporting(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        body = json.loads(_workers_body(rng, "served", config["vocab_size"], 4096, str(model_dir), "0.3.2"))
+        body["workers"][1]["url"] = f"grpc://127.0.0.1:{port}"
+        models = json.dumps({"object": "list", "data": [{"id": "served"}]})
+        runner, url = await _serve({"/v1/models": ("text/plain", models),
+                                    "/workers": ("application/json", json.dumps(body))})
+        try:
+            return await discover_target_model(url, grpc_timeout_s=2.0)
+        finally:
+            await runner.cleanup()
+            await server.stop(None)
+
+    target = asyncio.run(go())
+    assert target.kv_bytes_per_token == reported and "GetServerInfo" in target.kv_bytes_source
