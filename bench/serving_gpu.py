@@ -63,7 +63,7 @@ GPU = Plan("v2-lite", "cuda", "bfloat16", 64, True, "triton", 2048)
 TINY = Plan("v2-mini", "cpu", "float32", 16, False, "auto", 1024, input_len=64, output_len=8,
             levels=((1, 4), (2, 8), (4, 8), (8, 16)), warmup=(2, 2), runner_steps=4,
             checks=Checks(tpot_level=4, throughput_targets=((4, 4000.0), (8, 6000.0))), budget_s=420.0,
-            startup_timeout_s=180.0, profile_level=4, profile_delay_s=1.0, profile_seconds=3)
+            startup_timeout_s=180.0, profile_level=8, profile_delay_s=0.2, profile_seconds=3)
 RESERVE_S = 45.0  # kept back for stopping the cluster and writing the report
 
 
