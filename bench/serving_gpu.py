@@ -292,6 +292,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="checkpoint directory (written unless it already holds this checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--commit", default=None,
+                        help="commit to record when the copy has no .git (default: git rev-parse HEAD)")
     return parser.parse_args()
 
 
@@ -338,7 +340,8 @@ def main() -> int:
     model_dir = args.model_dir or Path(f"/tmp/deepseek-pd-bench/{plan.shape}-random")
     flags = worker_flags(plan, shlex.split(args.worker_args))
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    result: dict = {"meta": {**git_commit(), "date": now, "mode": "tiny-cpu" if args.tiny else "gpu",
+    commit = {"commit": args.commit, "dirty": None} if args.commit else git_commit()
+    result: dict = {"meta": {**commit, "date": now, "mode": "tiny-cpu" if args.tiny else "gpu",
                              "argv": sys.argv[1:], "versions": versions(), "plan": asdict(plan),
                              "worker_flags": flags, "model_dir": str(model_dir)},
                     "phases": {}, "runner": None, "levels": [], "notes": []}
