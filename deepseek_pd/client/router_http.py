@@ -3,6 +3,8 @@
 Every call returns a result with the text, token ids when the API gives them, the finish reason,
 and client-side timing (time to first token, arrival time of every streamed piece), which is what
 `bench serving` measures. A non-200 answer or an error event inside a stream raises `RouterError`.
+`get_json` reads the router's JSON endpoints (`/v1/models`, `/workers`) by content, whatever
+Content-Type they carry.
 
     async with RouterClient("http://127.0.0.1:30000", model="tiny") as client:
         result = await client.generate(text="Hello", max_new_tokens=16, temperature=0.0)
@@ -10,6 +12,7 @@ and client-side timing (time to first token, arrival time of every streamed piec
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -17,6 +20,7 @@ from typing import Any, Callable, Sequence
 import aiohttp
 
 from deepseek_pd.client.sse import iter_sse_json
+from deepseek_pd.errors import UserError
 
 
 class RouterError(Exception):
@@ -62,8 +66,18 @@ def _finish_reason(meta: dict) -> str | None:
     return reason
 
 
+def parse_json_body(body: bytes, what: str) -> Any:
+    """JSON judged by content, not by its Content-Type: sglang-router 0.3.2 sends JSON labelled
+    `text/plain`. A body that is not JSON is a `UserError` naming `what` and quoting the body."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        snippet = body[:200].decode("utf-8", "replace")
+        raise UserError(f"{what} did not answer JSON (got {snippet!r})") from None
+
+
 class RouterClient:
-    def __init__(self, base_url: str, model: str, timeout_s: float = 600.0,
+    def __init__(self, base_url: str, model: str = "", timeout_s: float = 600.0,
                  session: aiohttp.ClientSession | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -91,6 +105,12 @@ class RouterClient:
         if self._session is None:
             raise RuntimeError("use `async with RouterClient(...)` (or pass a session)")
         return self._session
+
+    async def get_json(self, path: str) -> Any:
+        """GET `path` (e.g. "/v1/models", "/workers"); non-200 raises `RouterError`."""
+        async with self.session.get(f"{self.base_url}{path}") as response:
+            await _raise_for_status(response)
+            return parse_json_body(await response.read(), f"{self.base_url}{path}")
 
     async def generate(self, text: str | None = None, input_ids: Sequence[int] | None = None,
                        stream: bool = False, on_text: Callable[[str], None] | None = None,

@@ -3,11 +3,14 @@
 Without --url it starts a local cluster first (the same flags as `deepseek-pd up`) and stops it
 afterwards, so `deepseek-pd bench serving --num-prompts 50` is a complete benchmark by itself. With --direct
 the requests skip the router and go to prefill/decode pairs over gRPC, which shows the router's cost.
+
+Either way the workload's vocabulary and context and the reported KV bytes per token are the
+served model's, as the router reports its workers (`deepseek_pd.loadgen.target_model`); with --url,
+`--model DIR` only overrides them.
 """
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from deepseek_pd.commands.up import add_cluster_arguments, cluster_spec_from_args
@@ -18,7 +21,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="benchmarks")
     kinds = parser.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
     serving = kinds.add_parser(
-        "serving", help="load generator against the router (TTFT/TPOT/ITL, throughput, goodput)")
+        "serving", help="load generator against the router (TTFT/TPOT/ITL, throughput, goodput)",
+        description="Load the router with streamed requests and report TTFT/TPOT/ITL, throughput and "
+                    "goodput. With --url the vocabulary, context and KV bytes per token are the served "
+                    "model's, read from the router's /v1/models and /workers; --model DIR overrides "
+                    "them. Without --url a local cluster is started (flags as `up`).")
     serving.add_argument("--url", default=None,
                          help="router URL; without it a local cluster is started (flags as `up`)")
     serving.add_argument("--model-name", default=None,
@@ -29,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serving.add_argument("--output-len", type=int, default=64)
     serving.add_argument("--range-ratio", type=float, default=0.5,
                          help="random dataset: lengths are drawn from [len*(1-ratio), len]")
+    serving.add_argument("--output-range-ratio", type=float, default=None,
+                         help="random dataset: the same for output lengths only (default: "
+                              "--range-ratio; 0: every request decodes exactly --output-len)")
     serving.add_argument("--request-rate", type=float, default=float("inf"),
                          help="Poisson arrival rate in req/s (default inf: all at once)")
     serving.add_argument("--max-concurrency", type=int, default=None,
@@ -44,17 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="skip the router: dispatch each request to a prefill/decode pair of "
                               "the local cluster over gRPC (shows what the router adds)")
     add_cluster_arguments(serving)
-    serving.set_defaults(func=run)
-
-
-def kv_bytes_per_token(model_dir: Path) -> int | None:
-    """Latent KV bytes one token occupies on every layer (ARCHITECTURE §3); None if not MLA."""
-    config = json.loads((model_dir / "config.json").read_text())
-    if not all(k in config for k in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim")):
-        return None
-    width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(
-        str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), 2)
-    return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * width
+    # No default: with --url, --model is an override of what the router reports (the local
+    # cluster still starts `tiny` when it is not given).
+    serving.set_defaults(func=run, model=None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     from deepseek_pd.launcher.cluster import LocalCluster
 
+    args.model = args.model or "tiny"
     with LocalCluster(cluster_spec_from_args(args)) as cluster:
         print(f"local cluster ready at {cluster.router_url}")
         return asyncio.run(_bench(args, cluster.router_url, cluster.served_model_name, cluster))
@@ -86,20 +89,24 @@ def _pd_pairs(cluster):
 
 
 async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cluster=None) -> int:
+    from dataclasses import asdict
+
     from deepseek_pd.client.router_http import RouterClient
-    from deepseek_pd.launcher.cluster import resolve_model_dir
     from deepseek_pd.loadgen.metrics import SLO, summarize
     from deepseek_pd.loadgen.report import write_json, write_png
     from deepseek_pd.loadgen.runner import pd_direct_target, router_target, run_load
+    from deepseek_pd.loadgen.target_model import discover_target_model
     from deepseek_pd.loadgen.workload import WorkloadSpec, build_requests
-    from deepseek_pd.workers.common.served_model import ServedModelInfo
 
-    model_dir = resolve_model_dir(args.model)
-    info = ServedModelInfo.from_model_dir(model_dir)
-    spec = WorkloadSpec(args.num_prompts, args.dataset, args.input_len, args.output_len,
-                        args.range_ratio, args.seed).validate(info.vocab_size, info.max_context_length)
-    requests = build_requests(spec, info.vocab_size)
-    model_name = args.model_name or served_name or await _first_model(url)
+    override = args.model if cluster is None else None  # the local cluster serves args.model anyway
+    target = await discover_target_model(url, args.model_name or served_name, override)
+    print(f"model {target.name!r}: vocabulary {target.vocab_size}, context {target.max_context_length} "
+          f"(from {target.source}); KV bytes per token {target.kv_bytes_per_token} "
+          f"(from {target.kv_bytes_source})")
+    spec = WorkloadSpec(args.num_prompts, args.dataset, args.input_len, args.output_len, args.range_ratio,
+                        args.seed, output_range_ratio=args.output_range_ratio
+                        ).validate(target.vocab_size, target.max_context_length)
+    requests = build_requests(spec, target.vocab_size)
     if args.direct:
         pairs = _pd_pairs(cluster)
         try:
@@ -109,32 +116,24 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
             for pair in pairs:
                 await pair.close()
     else:
-        async with RouterClient(url, model_name, timeout_s=args.request_timeout) as client:
+        async with RouterClient(url, target.name, timeout_s=args.request_timeout) as client:
             records, duration = await run_load(router_target(client), requests, args.request_rate,
                                                args.max_concurrency, args.seed, not args.no_progress)
     summary = summarize(records, duration, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
-    summary["kv_bytes_per_token"] = kv_bytes_per_token(model_dir)
-    config = {"url": None if args.direct else url, "direct": args.direct, "model": model_name, "model_dir": str(model_dir),
+    summary["kv_bytes_per_token"] = target.kv_bytes_per_token
+    config = {"url": None if args.direct else url, "direct": args.direct, "model": target.name,
+              "model_dir": target.model_path, "target_model": asdict(target),
               "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
               "workload": vars(spec), "kv_transport": args.kv_transport if args.url is None else None,
-              "num_prefill": args.prefill, "num_decode": args.decode}
+              "num_prefill": args.prefill if args.url is None else None,
+              "num_decode": args.decode if args.url is None else None}
     write_json(args.output_json, config, summary, records)
     write_png(args.output_png, summary, records,
-              f"{model_name}{' (direct, no router)' if args.direct else ''}: "
+              f"{target.name}{' (direct, no router)' if args.direct else ''}: "
               f"{spec.dataset} {spec.input_len}/{spec.output_len}, "
               f"rate {args.request_rate}, concurrency {args.max_concurrency}")
     _print_summary(summary, args.output_json, args.output_png)
     return 0 if summary["failed"] == 0 else 1
-
-
-async def _first_model(url: str) -> str:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"{url.rstrip('/')}/v1/models") as reply:
-            if reply.status != 200:
-                raise UserError(f"{url}/v1/models answered {reply.status}; pass --model-name")
-            return (await reply.json())["data"][0]["id"]
 
 
 def _print_summary(summary: dict, json_path: Path, png_path: Path) -> None:

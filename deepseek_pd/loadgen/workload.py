@@ -5,7 +5,8 @@ requests set `ignore_eos` so every request produces exactly its output length: t
 comparable across models and seeds, as SGLang's bench_serving does with its random dataset.
 
 Example: `WorkloadSpec(num_prompts=3, input_len=100, output_len=20, range_ratio=0.5)` gives prompt
-lengths drawn uniformly from [50, 100] and output lengths from [10, 20].
+lengths drawn uniformly from [50, 100] and output lengths from [10, 20]; with
+`output_range_ratio=0.0` every output is exactly 20 tokens (prompts still in [50, 100]).
 """
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ class WorkloadSpec:
     range_ratio: float = 0.5
     seed: int = 0
     first_token_id: int = 3  # skip the special tokens at the bottom of the vocabulary
+    output_range_ratio: float | None = None  # random dataset, outputs only; None: range_ratio
+
+    @property
+    def output_ratio(self) -> float:
+        return self.range_ratio if self.output_range_ratio is None else self.output_range_ratio
 
     def validate(self, vocab_size: int, max_context: int) -> "WorkloadSpec":
         if self.dataset not in DATASETS:
@@ -34,6 +40,8 @@ class WorkloadSpec:
             raise UserError("--num-prompts, --input-len and --output-len must be >= 1")
         if not 0.0 <= self.range_ratio < 1.0:
             raise UserError(f"--range-ratio {self.range_ratio} must be in [0, 1)")
+        if not 0.0 <= self.output_ratio < 1.0:
+            raise UserError(f"--output-range-ratio {self.output_ratio} must be in [0, 1)")
         if self.input_len + self.output_len > max_context:
             raise UserError(f"--input-len + --output-len = {self.input_len + self.output_len} exceeds "
                             f"the model's context of {max_context}")
@@ -51,14 +59,14 @@ class BenchRequest:
 def build_requests(spec: WorkloadSpec, vocab_size: int) -> list[BenchRequest]:
     rng = random.Random(spec.seed)
 
-    def length(full: int) -> int:
+    def length(full: int, ratio: float) -> int:
         if spec.dataset == "fixed":
             return full
-        return rng.randint(max(1, int(full * (1 - spec.range_ratio))), full)
+        return rng.randint(max(1, int(full * (1 - ratio))), full)
 
     requests = []
     for _ in range(spec.num_prompts):
-        n_in, n_out = length(spec.input_len), length(spec.output_len)
+        n_in, n_out = length(spec.input_len, spec.range_ratio), length(spec.output_len, spec.output_ratio)
         ids = tuple(rng.randrange(spec.first_token_id, vocab_size) for _ in range(n_in))
         requests.append(BenchRequest(ids, n_out))
     return requests

@@ -66,6 +66,12 @@ def test_workload_lengths_and_determinism() -> None:
     assert all(3 <= t < 300 for r in requests for t in r.input_ids)
     fixed = build_requests(WorkloadSpec(num_prompts=5, dataset="fixed", input_len=7, output_len=3), 300)
     assert {(len(r.input_ids), r.output_len) for r in fixed} == {(7, 3)}
+    # Outputs pinned, prompts still random (the GPU serving bench: 512..1024 in, exactly 128 out).
+    out_len = random.randint(2, 50)
+    pinned = build_requests(WorkloadSpec(num_prompts=60, input_len=64, output_len=out_len, range_ratio=0.5,
+                                         output_range_ratio=0.0, seed=random.randrange(1000)), 300)
+    assert {r.output_len for r in pinned} == {out_len}
+    assert len({len(r.input_ids) for r in pinned}) > 1 and all(32 <= len(r.input_ids) <= 64 for r in pinned)
 
 
 @pytest.mark.slow

@@ -1,0 +1,156 @@
+"""The model runner alone, at a serving workload's shapes: one prompt's prefill, one decode step.
+
+What the serving numbers are read against (`bench/serving_gpu.py` runs this in its own process
+first, so its memory is back before the workers start):
+- prefill: `runner.extend` of ONE prompt per call, at each given prompt length (the lengths of
+  the c=1 workload), median of `--repeats` calls each;
+- decode: at each batch size, sequences whose contexts are drawn like the workload's (a prompt
+  length in [--context-min, --context-max] plus --decode-offset generated tokens), prefilled, then
+  `--steps` teacher-forced steps of `runner.decode` (CUDA-graph replay when the runner captures
+  graphs) timed two ways: `step_ms` with one device sync at the end (the step's device time when
+  the host keeps ahead), and `step_sync_ms` reading the argmax tokens back every step (what a
+  scheduler that samples on the host pays at least).
+
+    python bench/runner_steps.py --model DIR --device cuda --dtype bfloat16 --page-size 64 \\
+        --cuda-graph --prefill-lengths 600,800,1000 --batches 1,16,64,128 --out runner.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RunnerStepsSpec:
+    model: str
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    page_size: int = 64
+    cuda_graph: bool = True
+    backend: str = "auto"  # attention and MoE backend ("triton" on the GPU)
+    num_fused_shared_experts: int = 0
+    prefill_lengths: tuple[int, ...] = (512, 768, 1024)
+    batches: tuple[int, ...] = (1, 16, 64, 128)
+    context_min: int = 512
+    context_max: int = 1024
+    decode_offset: int = 64  # decode steps already taken: the middle of a 128-token output
+    steps: int = 32
+    repeats: int = 3
+    seed: int = 0
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def measure(spec: RunnerStepsSpec) -> dict:
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+
+    rng = random.Random(spec.seed)
+    longest = max(spec.context_max + spec.decode_offset + spec.steps + 2, max(spec.prefill_lengths))
+    pages_per_seq = -(-longest // spec.page_size)
+    num_pages = max(spec.batches) * pages_per_seq + pages_per_seq + 8  # + the graphs' scratch page
+    t0 = time.perf_counter()
+    runner = ModelRunner(RunnerConfig(
+        model=spec.model, dtype=spec.dtype, device=spec.device, page_size=spec.page_size,
+        num_pages=num_pages, cuda_graph=spec.cuda_graph, attention_backend=spec.backend,
+        moe_backend=spec.backend, num_fused_shared_experts=spec.num_fused_shared_experts))
+    _sync(spec.device)
+    result: dict = {"spec": asdict(spec), "load_and_capture_s": time.perf_counter() - t0,
+                    "kv_bytes_per_token": runner.kv_pool.bytes_per_token,
+                    "device_name": torch.cuda.get_device_name() if spec.device.startswith("cuda") else "cpu",
+                    "torch": torch.__version__}
+    pool, vocab = runner.kv_pool, runner.model_config.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    # Prefill: one prompt per call; the first call also compiles, so it runs once untimed.
+    pages = pool.alloc(pages_per_seq)
+    runner.extend([ExtendSeq(tokens(spec.prefill_lengths[0]), 0, pages)])
+    per_length = []
+    for length in spec.prefill_lengths:
+        prompt, times = tokens(length), []
+        for _ in range(spec.repeats):
+            _sync(spec.device)
+            start = time.perf_counter()
+            runner.extend([ExtendSeq(prompt, 0, pages)])
+            _sync(spec.device)
+            times.append(time.perf_counter() - start)
+        per_length.append({"length": length, "ms": statistics.median(times) * 1e3})
+    pool.free(pages)
+    result["prefill"] = per_length
+    result["prefill_ms_median"] = statistics.median(row["ms"] for row in per_length)
+
+    decode = []
+    for batch in spec.batches:
+        contexts = [rng.randint(spec.context_min, spec.context_max) + spec.decode_offset for _ in range(batch)]
+        seq_pages = [pool.alloc(pool.pages_for_tokens(c + spec.steps + 2)) for c in contexts]
+        for lo in range(0, batch, 16):  # prefill the contexts, 16 sequences per call
+            runner.extend([ExtendSeq(tokens(contexts[i]), 0, seq_pages[i])
+                           for i in range(lo, min(batch, lo + 16))])
+        ids = tokens(batch)
+
+        def step(offset: int) -> torch.Tensor:
+            return runner.decode([DecodeSeq(ids[i], contexts[i] + offset, seq_pages[i])
+                                  for i in range(batch)]).argmax(-1)
+
+        step(0)  # warm-up (and the first replay of this bucket)
+        _sync(spec.device)
+        start = time.perf_counter()
+        for s in range(spec.steps):
+            step(1 + s % 2)
+        _sync(spec.device)
+        step_ms = (time.perf_counter() - start) / spec.steps * 1e3
+        start = time.perf_counter()
+        for s in range(spec.steps):
+            step(1 + s % 2).tolist()  # host reads the tokens each step
+        step_sync_ms = (time.perf_counter() - start) / spec.steps * 1e3
+        decode.append({"batch": batch, "mean_context": statistics.mean(contexts), "step_ms": step_ms,
+                       "step_sync_ms": step_sync_ms, "tok_s": batch / step_ms * 1e3})
+        for p in seq_pages:
+            pool.free(p)
+        print(json.dumps(decode[-1]), flush=True)
+    result["decode"] = decode
+    return result
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--cuda-graph", action="store_true")
+    parser.add_argument("--backend", default="auto", help="attention and MoE backend (auto|triton|torch)")
+    parser.add_argument("--num-fused-shared-experts", type=int, default=0)
+    parser.add_argument("--prefill-lengths", type=_ints, default=(512, 768, 1024))
+    parser.add_argument("--batches", type=_ints, default=(1, 16, 64, 128))
+    parser.add_argument("--context-min", type=int, default=512)
+    parser.add_argument("--context-max", type=int, default=1024)
+    parser.add_argument("--decode-offset", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", required=True, help="where the JSON goes")
+    args = parser.parse_args()
+    spec = RunnerStepsSpec(args.model, args.device, args.dtype, args.page_size, args.cuda_graph, args.backend,
+                           args.num_fused_shared_experts, args.prefill_lengths, args.batches, args.context_min,
+                           args.context_max, args.decode_offset, args.steps, args.repeats)
+    with open(args.out, "w") as f:
+        json.dump(measure(spec), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The serving benchmark's verdict: one table per run, the issue's ratios with PASS/MISS, a plot.
+
+Rows come from `bench serving` summaries (one per concurrency); the checks set serving against
+the runner alone, measured in the same run (`bench/runner_steps.py`):
+
+| check | target |
+|---|---|
+| TPOT p50 at c=64 / runner decode step at batch 64 | <= 1.3 (the serving loop adds at most 30%) |
+| output tok/s at c=64 | >= 4000 |
+| output tok/s at c=128 | >= 6000 |
+| TTFT p50 at c=1 - runner prefill of one prompt (ms) | <= 15 (router + transfer + scheduling) |
+
+The concurrencies are parameters (`Checks`), so a tiny CPU run exercises the same code at its
+own levels; its PASS/MISS mean nothing, and the table says so.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Checks:
+    tpot_level: int = 64
+    throughput_targets: tuple[tuple[int, float], ...] = ((64, 4000.0), (128, 6000.0))
+    ttft_level: int = 1
+    tpot_ratio_max: float = 1.3
+    ttft_overhead_ms_max: float = 15.0
+
+
+def level_row(concurrency: int, summary: dict) -> dict:
+    return {"concurrency": concurrency, "requests": summary["num_requests"], "failed": summary["failed"],
+            "req_s": summary["request_throughput"], "output_tok_s": summary["output_throughput"],
+            "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
+            "tpot_p50_ms": summary["tpot_ms"]["p50"], "itl_p50_ms": summary["itl_ms"]["p50"],
+            "duration_s": summary["duration_s"]}
+
+
+def _check(name: str, value: float | None, op: str, target: float) -> dict:
+    compare = {"<=": operator.le, ">=": operator.ge}[op]
+    status = "n/a" if value is None else ("PASS" if compare(value, target) else "MISS")
+    return {"check": name, "value": value, "target": f"{op} {target:g}", "result": status}
+
+
+def evaluate(rows: list[dict], runner: dict | None, checks: Checks = Checks()) -> list[dict]:
+    by_level = {row["concurrency"]: row for row in rows}
+    steps = {d["batch"]: d["step_ms"] for d in (runner or {}).get("decode", [])}
+    prefill = (runner or {}).get("prefill_ms_median")
+    c = checks.tpot_level
+    tpot = by_level.get(c, {}).get("tpot_p50_ms")
+    ratio = tpot / steps[c] if tpot is not None and steps.get(c) else None
+    out = [_check(f"TPOT p50 @c={c} / runner step @bs{c}", ratio, "<=", checks.tpot_ratio_max)]
+    for level, target in checks.throughput_targets:
+        throughput = by_level.get(level, {}).get("output_tok_s")
+        out.append(_check(f"output tok/s @c={level}", throughput, ">=", target))
+    ttft = by_level.get(checks.ttft_level, {}).get("ttft_p50_ms")
+    overhead = ttft - prefill if ttft is not None and prefill is not None else None
+    out.append(_check(f"TTFT p50 @c={checks.ttft_level} - runner prefill (ms)", overhead, "<=",
+                      checks.ttft_overhead_ms_max))
+    return out
+
+
+def _fmt(value: float | None, width: int, digits: int = 1) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def format_table(rows: list[dict], verdicts: list[dict], runner: dict | None, note: str = "") -> str:
+    lines = [f"{'conc':>5} {'reqs':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
+             f"{'TTFT p99':>9} {'TPOT p50':>9} {'runner step':>11}   (ms)"]
+    steps = {d["batch"]: d["step_ms"] for d in (runner or {}).get("decode", [])}
+    for row in rows:
+        lines.append(f"{row['concurrency']:>5} {row['requests']:>5} {row['failed']:>4} "
+                     f"{_fmt(row['req_s'], 7, 2)} {_fmt(row['output_tok_s'], 10)} "
+                     f"{_fmt(row['ttft_p50_ms'], 9)} {_fmt(row['ttft_p99_ms'], 9)} {_fmt(row['tpot_p50_ms'], 9, 2)} "
+                     f"{_fmt(steps.get(row['concurrency']), 11, 2)}")
+    if runner:
+        lines.append(f"runner: prefill of one prompt {runner['prefill_ms_median']:.2f} ms (median over "
+                     f"{len(runner['prefill'])} lengths); decode step " +
+                     ", ".join(f"bs{d['batch']} {d['step_ms']:.2f} ms" for d in runner["decode"]))
+    lines.append(f"{'check':<44} {'value':>10} {'target':>9}  result")
+    for v in verdicts:
+        lines.append(f"{v['check']:<44} {_fmt(v['value'], 10, 2)} {v['target']:>9}  {v['result']}")
+    if note:
+        lines.append(note)
+    return "\n".join(lines)
+
+
+def write_plot(path, rows: list[dict], runner: dict | None, title: str) -> str | None:
+    """A PNG of throughput, TTFT and TPOT against concurrency; returns a note when skipped."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not importable: no PNG written"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = [r["concurrency"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    axes[0].plot(conc, [r["output_tok_s"] for r in rows], "o-", label="serving")
+    if runner:
+        points = [(d["batch"], d["tok_s"]) for d in runner["decode"]]
+        axes[0].plot([b for b, _ in points], [t for _, t in points], "s--", label="runner alone")
+    axes[0].set(title="output tok/s", xlabel="concurrency (runner: batch)", xscale="log")
+    axes[0].legend()
+    axes[1].plot(conc, [r["ttft_p50_ms"] for r in rows], "o-", label="p50")
+    axes[1].plot(conc, [r["ttft_p99_ms"] for r in rows], "o--", label="p99")
+    if runner:
+        axes[1].axhline(runner["prefill_ms_median"], color="gray", ls=":", label="runner prefill")
+    axes[1].set(title="TTFT (ms)", xlabel="concurrency", xscale="log", yscale="log")
+    axes[1].legend()
+    axes[2].plot(conc, [r["tpot_p50_ms"] for r in rows], "o-", label="TPOT p50")
+    if runner:
+        axes[2].plot([d["batch"] for d in runner["decode"]], [d["step_ms"] for d in runner["decode"]], "s--",
+                     label="runner step")
+    axes[2].set(title="per-token time (ms)", xlabel="concurrency", xscale="log")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.minorticks_off()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None

@@ -1,0 +1,197 @@
+"""What `bench serving` must know about the model behind a router URL, learned from the router.
+
+The workload's token ids must lie inside the served vocabulary and its lengths inside the served
+context, and the report's KV bytes per token must be the served model's; none of that may come
+from a local default. So:
+
+1. `GET /v1/models` gives the model name (the first entry, unless `--model-name`).
+2. `GET /workers` gives, per worker, what it answered to GetModelInfo, as the router recorded it
+   (sglang-router 0.3.2 under `metadata`, smg 1.13 under `labels`, all values strings):
+   `vocab_size`, `max_context_length`, `model_path`, `architectures`, and its `grpc://` URL.
+3. KV bytes per token, `num_hidden_layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes`
+   (ARCHITECTURE §3): as a worker reports it in GetServerInfo (`kv_bytes_per_token` in
+   `scheduler_info` or `server_args`) when it does, which covers a `--dtype` that differs from the
+   checkpoint's; else from the config.json at the `model_path` the workers report (readable when
+   the benchmark runs where the checkpoint is); else unknown (None, with the reason).
+
+`--model DIR` overrides 2 and 3 with that checkpoint; a gateway that lists no workers needs it.
+
+Example, against `deepseek-pd up --model /models/v2lite` (V2-Lite's shape, bf16):
+`TargetModel(name="v2lite", vocab_size=446, max_context_length=163840, kv_bytes_per_token=31104,
+kv_bytes_source="config.json at /models/v2lite (27 layers x 576 x 2 bytes, bfloat16)", ...)`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deepseek_pd.client.router_http import RouterClient, RouterError
+from deepseek_pd.errors import UserError
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+KV_BYTES_KEY = "kv_bytes_per_token"  # what a worker's GetServerInfo may carry
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    name: str  # the "model" field requests carry
+    vocab_size: int
+    max_context_length: int
+    model_path: str | None  # the checkpoint directory the workers serve (on their machine)
+    architectures: tuple[str, ...]
+    kv_bytes_per_token: int | None
+    kv_bytes_source: str  # where that figure came from, or why it is unknown
+    source: str  # where vocabulary and context came from
+
+
+def kv_bytes_per_token_from_config(config: dict) -> tuple[int | None, str]:
+    """(latent KV bytes of one token over all layers, how it was computed); None if not MLA."""
+    if not all(k in config for k in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim")):
+        return None, "not an MLA config (no kv_lora_rank / qk_rope_head_dim)"
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    width = _DTYPE_BYTES.get(dtype, 2)
+    layers, latent = config["num_hidden_layers"], config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    return layers * latent * width, f"{layers} layers x {latent} x {width} bytes, {dtype}"
+
+
+def _read_config(model_dir: Path) -> dict | None:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def target_from_model_dir(name: str, model_dir: str | Path, source: str) -> TargetModel:
+    """Everything from a local checkpoint (`--model DIR`)."""
+    from deepseek_pd.workers.common.served_model import ServedModelInfo
+
+    info = ServedModelInfo.from_model_dir(model_dir)
+    kv, how = kv_bytes_per_token_from_config(_read_config(Path(info.model_path)) or {})
+    return TargetModel(name, info.vocab_size, info.max_context_length, info.model_path, info.architectures,
+                       kv, f"config.json at {info.model_path} ({how})", source)
+
+
+@dataclass(frozen=True)
+class _WorkerRecord:
+    url: str
+    model_id: str
+    meta: dict[str, Any]
+
+
+def _worker_records(payload: Any) -> list[_WorkerRecord]:
+    workers = payload.get("workers") if isinstance(payload, dict) else payload
+    if not isinstance(workers, list):
+        return []
+    records = []
+    for worker in workers:
+        if not isinstance(worker, dict):
+            continue
+        meta = {**(worker.get("metadata") or {}), **(worker.get("labels") or {})}
+        model_id = worker.get("model_id") or meta.get("served_model_name") or ""
+        records.append(_WorkerRecord(str(worker.get("url", "")), str(model_id), meta))
+    return records
+
+
+def _int_field(records: list[_WorkerRecord], *keys: str) -> list[int]:
+    values = []
+    for record in records:
+        for key in keys:
+            try:
+                values.append(int(record.meta[key]))
+                break
+            except (KeyError, TypeError, ValueError):
+                continue
+    return values
+
+
+def _architectures(record: _WorkerRecord) -> tuple[str, ...]:
+    value = record.meta.get("architectures")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = [value]
+    return tuple(str(v) for v in value or ())
+
+
+async def _worker_reported_kv_bytes(records: list[_WorkerRecord], timeout_s: float) -> tuple[int, str] | None:
+    """A worker's own figure, from GetServerInfo over gRPC (its runtime dtype, not the config's)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from deepseek_pd.client.scheduler_grpc import SchedulerClient
+
+    for record in records:
+        if not record.url.startswith("grpc://"):
+            continue
+        address = record.url[len("grpc://"):]
+        try:
+            async with SchedulerClient(address) as client:
+                reply = await client.server_info(timeout_s=timeout_s)
+        except Exception:  # unreachable from here, or an older worker: fall back to the config
+            continue
+        for part in (reply.scheduler_info, reply.server_args):
+            value = MessageToDict(part).get(KV_BYTES_KEY)
+            if isinstance(value, (int, float)) and value > 0:
+                return int(value), f"GetServerInfo of {record.url}"
+    return None
+
+
+async def _model_names(client: RouterClient) -> list[str]:
+    try:
+        payload = await client.get_json("/v1/models")
+    except RouterError as exc:
+        raise UserError(f"{client.base_url}/v1/models answered {exc.status}: {exc.message[:200]}") from None
+    data = payload.get("data") if isinstance(payload, dict) else None
+    names = [str(m["id"]) for m in data or () if isinstance(m, dict) and m.get("id")]
+    if not names:
+        raise UserError(f"{client.base_url}/v1/models lists no model (got {json.dumps(payload)[:200]})")
+    return names
+
+
+async def discover_target_model(url: str, model_name: str | None = None, model_override: str | None = None,
+                                timeout_s: float = 10.0, grpc_timeout_s: float = 3.0) -> TargetModel:
+    """The served model's name, vocabulary, context and KV bytes per token (see the module doc)."""
+    import aiohttp
+
+    try:
+        async with RouterClient(url, timeout_s=timeout_s) as client:
+            name = model_name or (await _model_names(client))[0]
+            if model_override is not None:
+                return target_from_model_dir(name, model_override, f"--model {model_override}")
+            try:
+                records = _worker_records(await client.get_json("/workers"))
+            except RouterError as exc:
+                raise UserError(f"{url}/workers answered {exc.status}, so the served model's vocabulary "
+                                f"is unknown; pass --model DIR (the checkpoint it serves)") from None
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise UserError(f"cannot reach the router at {url}: {exc or type(exc).__name__}") from None
+    mine = [r for r in records if r.model_id == name]
+    if not mine:
+        listed = sorted({r.model_id for r in records})
+        raise UserError(f"{url}/workers lists no worker serving {name!r} (it lists {listed}); "
+                        f"pass --model-name, or --model DIR")
+    paths = sorted({str(r.meta["model_path"]) for r in mine if r.meta.get("model_path")})
+    model_path = paths[0] if paths else None
+    vocabs = set(_int_field(mine, "vocab_size"))
+    contexts = _int_field(mine, "max_context_length", "context_length")
+    if len(vocabs) > 1:
+        raise UserError(f"the workers serving {name!r} disagree on the vocabulary: {sorted(vocabs)}")
+    if not vocabs or not contexts:
+        if model_path is not None and _read_config(Path(model_path)) is not None:
+            return target_from_model_dir(name, model_path, f"config.json at {model_path}")
+        raise UserError(f"{url}/workers does not report {name!r}'s vocabulary and context; "
+                        f"pass --model DIR (the checkpoint it serves)")
+    reported = await _worker_reported_kv_bytes(mine, grpc_timeout_s)
+    if reported is not None:
+        kv, kv_source = reported
+    elif model_path is not None and (config := _read_config(Path(model_path))) is not None:
+        kv, how = kv_bytes_per_token_from_config(config)
+        kv_source = f"config.json at {model_path} ({how})"
+    else:
+        kv, kv_source = None, (f"unknown: the workers do not report it and {model_path}/config.json "
+                               f"is not readable here (pass --model DIR)")
+    return TargetModel(name, vocabs.pop(), min(contexts), model_path, _architectures(mine[0]), kv, kv_source,
+                       f"{url}/workers ({len(mine)} workers)")

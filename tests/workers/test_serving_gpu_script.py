@@ -1,0 +1,73 @@
+"""`bench/serving_gpu.py --tiny`: the GPU serving benchmark's whole path on CPU, in one run.
+
+Its report is checked against its own sources, not against fixed numbers: each table row equals
+the `bench serving` summary it came from, the runner timed exactly the prompt lengths that the
+c=1 run then sent, every request decoded exactly the planned output length, the ratio checks are
+the quotients of the figures they name, and the KV bytes per token that `bench serving` learned
+from the router equal the runner's own KV pool figure.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+
+
+def test_tiny_run_reports_what_it_measured(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = [sys.executable, str(REPO / "bench" / "serving_gpu.py"), "--tiny", "--out", str(out),
+            "--model-dir", str(tmp_path / "model"), "--profile", "--budget-s", "400"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=450)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "serving_gpu.json").read_text())
+    plan, runner = result["meta"]["plan"], result["runner"]
+    assert runner is not None, result["notes"]
+    assert [row["concurrency"] for row in result["levels"]] == [c for c, _ in plan["levels"]], result["notes"]
+
+    for row in result["levels"]:
+        level = json.loads(Path(row["json"]).read_text())
+        summary = level["summary"]
+        assert row["output_tok_s"] == summary["output_throughput"]
+        assert row["tpot_p50_ms"] == summary["tpot_ms"]["p50"] and row["failed"] == summary["failed"] == 0
+        assert level["config"]["max_concurrency"] == row["concurrency"]
+        low = int(plan["input_len"] * (1 - plan["range_ratio"]))
+        assert all(r["output_len"] == plan["output_len"] for r in level["requests"])
+        assert all(low <= r["prompt_len"] <= plan["input_len"] for r in level["requests"])
+        assert summary["kv_bytes_per_token"] == runner["kv_bytes_per_token"]
+
+    assert result["c1_prompt_lengths_sent"] == result["c1_prompt_lengths_planned"]
+    assert sorted(p["length"] for p in runner["prefill"]) == result["c1_prompt_lengths_planned"]
+
+    checks = {c["check"]: c for c in result["checks"]}
+    by_level = {row["concurrency"]: row for row in result["levels"]}
+    steps = {d["batch"]: d["step_ms"] for d in runner["decode"]}
+    tpot_level = plan["checks"]["tpot_level"]
+    ratio = checks[f"TPOT p50 @c={tpot_level} / runner step @bs{tpot_level}"]
+    assert ratio["value"] == pytest.approx(by_level[tpot_level]["tpot_p50_ms"] / steps[tpot_level])
+    assert ratio["result"] == ("PASS" if ratio["value"] <= plan["checks"]["tpot_ratio_max"] else "MISS")
+    ttft = checks["TTFT p50 @c=1 - runner prefill (ms)"]
+    assert ttft["value"] == pytest.approx(by_level[1]["ttft_p50_ms"] - runner["prefill_ms_median"])
+
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert {k: result["meta"]["shapes"][k] for k in config} == config
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert result["meta"]["commit"] == (head.stdout.strip() if head.returncode == 0 else "unknown")
+    assert (out / "serving_gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = proc.stdout.strip().splitlines()
+    assert table[-1].startswith("tiny CPU run") and any(line.startswith("check") for line in table)
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from pyspy_profile import pyspy_binary
+
+    if pyspy_binary() is None:
+        assert any("py-spy is not installed" in note for note in result["notes"])
+    else:
+        # Both workers were recorded; an idle one has no samples (py-spy skips idle threads).
+        assert set(result["profile"]) == {"decode-0", "prefill-0"}, result["notes"]
+        assert sum(p["sampled_s"] for p in result["profile"].values()) > 0
