@@ -153,6 +153,8 @@ class LocalCluster:
 
     # -- steps -------------------------------------------------------------------------------
     def _start_workers(self) -> None:
+        from deepseek_pd.launcher.gpu_share import worker_memory_args  # imports torch, as resolving did
+
         spec = self.spec
         roles = spec.roles
         ports = pick_free_ports(2 * len(roles) + 2, spec.host)
@@ -161,7 +163,7 @@ class LocalCluster:
         # machine would collide, so it gets a free loopback port of its own.
         self.metrics_port = ports.pop()
         counters = {"prefill": 0, "decode": 0}
-        for role, memory_args in zip(roles, self._memory_args()):
+        for role, memory_args in zip(roles, worker_memory_args(self.device, roles, spec.mem_fraction_static)):
             index = counters[role]
             counters[role] += 1
             port, bootstrap_port = ports.pop(), ports.pop()
@@ -174,18 +176,6 @@ class LocalCluster:
             proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log")
             proc.start()
             self.workers.append(WorkerEndpoint(role, index, port, bootstrap_port, proc))
-
-    def _memory_args(self) -> list[list[str]]:
-        """Per worker, its slice of the GPU they all share; nothing on the CPU (fixed pools)."""
-        from deepseek_pd.launcher.gpu_share import memory_fractions  # imports torch, as resolving the model did
-        from deepseek_pd.model.device import is_cuda
-        from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
-
-        roles = self.spec.roles
-        if not is_cuda(self.device):
-            return [[] for _ in roles]
-        budget = self.spec.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-        return [["--mem-fraction-static", str(fraction)] for fraction in memory_fractions(roles, budget)]
 
     def _wait_workers_healthy(self, deadline: float) -> None:
         pending = list(self.workers)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.device import is_cuda
 from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
 from deepseek_pd.workers.roles import role_defaults
 
@@ -27,3 +28,12 @@ def memory_fractions(roles: Sequence[str], budget: float = DEFAULT_MEM_FRACTION_
     shares = [role_defaults(role).gpu_memory_share for role in roles]
     total = sum(shares)
     return [budget * share / total for share in shares]
+
+
+def worker_memory_args(device: str, roles: Sequence[str], budget: float | None = None) -> list[list[str]]:
+    """The `serve` flags that give each worker its slice: `--mem-fraction-static F` on CUDA; nothing
+    on the CPU, where every worker keeps its fixed default pool."""
+    if not is_cuda(device):
+        return [[] for _ in roles]
+    fractions = memory_fractions(roles, DEFAULT_MEM_FRACTION_STATIC if budget is None else budget)
+    return [["--mem-fraction-static", str(fraction)] for fraction in fractions]
