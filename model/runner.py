@@ -52,8 +52,9 @@ DEFAULT_NUM_PAGES = 1024  # the fixed pool when no memory budget sizes it (the C
 
 
 def auto_dtype(device: str, model_config: ModelConfig) -> str:
-    """What `dtype="auto"` means: float32 on the CPU (any non-CUDA device); on a GPU the checkpoint's `torch_dtype`, except
-    bfloat16 for FP8 block-scaled checkpoints (their weights are dequantised at load time)."""
+    """What `dtype="auto"` means: float32 on the CPU (any non-CUDA device); on a GPU the checkpoint's
+    `torch_dtype`, except bfloat16 for FP8 block-scaled checkpoints (their weights are dequantised
+    at load time)."""
     if not is_cuda(device):
         return "float32"
     return "bfloat16" if model_config.is_fp8 else model_config.torch_dtype

@@ -100,11 +100,11 @@ def test_cpu_defaults(cpu_machine, tmp_path) -> None:
 def test_gpu_defaults_by_role(gpu_machine, tmp_path) -> None:
     stored = random.choice(["bfloat16", "float16", "float32"])
     model = checkpoint(tmp_path, stored)
-    for role in ROLES:
+    for role, graphs in (("prefill", False), ("decode", True)):  # decode captures graphs, prefill none
         runner = resolve(role, "--model", str(model)).runner
         assert (runner.device, runner.dtype) == ("cuda", stored)
         assert (runner.num_pages, runner.mem_fraction_static) == (None, DEFAULT_MEM_FRACTION_STATIC)
-        assert runner.cuda_graph is ROLE_DEFAULTS[role].decodes  # decode captures graphs, prefill none
+        assert runner.cuda_graph is graphs
     assert resolve("decode", "--model", str(model), "--engine-opt", "cuda_graph=false").runner.cuda_graph is False
     assert resolve("decode", "--model", str(model), "--engine-opt",
                    "attention_backend=torch").runner.cuda_graph is False  # not capturable: off, not an error
