@@ -114,6 +114,7 @@ def make_tokenizer_model_dir(path: Path, max_context: int = 64) -> Path:
     return path
 
 
-def build_fake_engine(options) -> FakeEngine:
-    """`deepseek-pd serve --engine-factory tests/workers/servicer_fakes.py:build_fake_engine`."""
+def build_fake_engine(config) -> FakeEngine:
+    """`deepseek-pd serve --engine-factory tests/workers/servicer_fakes.py:build_fake_engine` (the test
+    hook; `config` is the resolved ServeConfig, which a scripted engine does not need)."""
     return FakeEngine()
