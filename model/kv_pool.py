@@ -21,6 +21,11 @@ class KVPoolExhausted(UserError):
     """Not enough free pages: the caller must queue, evict, or reject the request."""
 
 
+def bytes_per_pool_page(num_layers: int, page_size: int, kv_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one page takes over all layers: what a memory budget is divided by (kv_pool_sizing.py)."""
+    return num_layers * page_size * kv_dim * dtype.itemsize
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -89,6 +94,16 @@ class KVPool:
     def bytes_per_page(self) -> int:
         """Bytes of one page of one layer, the unit of PD transfer."""
         return self.page_size * self.kv_dim * self.buffers[0].element_size()
+
+    @property
+    def total_bytes(self) -> int:
+        """The whole pool: every page of every layer."""
+        return self.num_pages * self.num_layers * self.bytes_per_page
+
+    def describe(self) -> str:
+        """The capacity, as logged at start: "N pages x P tokens = T tokens (G GiB)"."""
+        return (f"{self.num_pages} pages x {self.page_size} tokens = {self.num_pages * self.page_size} tokens "
+                f"({self.total_bytes / (1 << 30):.2f} GiB)")
 
     def slots(self, pages: Sequence[int] | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat slot indices (into `buffer.view(-1, kv_dim)`) of `positions` in a request owning `pages`."""

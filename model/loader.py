@@ -209,9 +209,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     from deepseek_pd.model.build_options import BuildOptions
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
-    from deepseek_pd.model.tiny import resolve_model_path
+    from deepseek_pd.model.model_dir import resolve_model_dir
 
-    directory = resolve_model_path(path)
+    directory = resolve_model_dir(path)
     config = ModelConfig.from_hf(directory / "config.json")
     options = replace(options or BuildOptions(), dtype=dtype, device=str(device))
     model = DeepseekForCausalLM(config, options)

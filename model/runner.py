@@ -16,7 +16,7 @@ extend/decode the same number of times (the MoE all-to-alls pair up across ranks
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -27,9 +27,11 @@ from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.cuda_graph import DecodeGraphRunner
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
+from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
+from deepseek_pd.model.kv_pool_sizing import GIB, GpuMemory, pages_for_gpu
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.parallel import ParallelInfo
 
@@ -45,17 +47,37 @@ def _triton_available() -> bool:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+DEFAULT_NUM_PAGES = 1024  # the fixed pool when no memory budget sizes it (the CPU default)
+
+
+def auto_dtype(device: str, model_config: ModelConfig) -> str:
+    """What `dtype="auto"` means: float32 on the CPU (any non-CUDA device); on a GPU the checkpoint's
+    `torch_dtype`, except bfloat16 for FP8 block-scaled checkpoints (their weights are dequantised
+    at load time)."""
+    if not is_cuda(device):
+        return "float32"
+    return "bfloat16" if model_config.is_fp8 else model_config.torch_dtype
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """How to run a model. `dtype="auto"` takes the checkpoint's dtype (fp32 on CPU)."""
+    """How to run a model.
+
+    A library caller may leave `dtype`, the backends and the dispatcher at "auto" (decided when the
+    model is built); commands build theirs with `RunnerConfig.resolve`, which decides every "auto"
+    (device, dtype, backends, CUDA graphs) before the config is frozen.
+    """
 
     model: str = "tiny"
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "cpu"  # a concrete torch device; `model.device.resolve_device` turns "auto" into one
     page_size: int = 16
-    num_pages: int = 1024
+    # The KV pool: a fixed `num_pages`, or (CUDA, num_pages=None) whatever `mem_fraction_static` of the
+    # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv_pool_sizing.py).
+    num_pages: int | None = DEFAULT_NUM_PAGES
+    mem_fraction_static: float | None = None
+    mem_headroom_gib: float = 2.0  # activations and CUDA graphs, inside the budget
     attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
     mha_chunked_kv_threshold: int = 256
     prefix_chunk_size: int = 8192
@@ -69,6 +91,7 @@ class RunnerConfig:
     # Decode by CUDA-graph replay (model/cuda_graph.py) for batches up to cuda_graph_max_batch
     # sequences and contexts up to cuda_graph_max_context tokens; larger ones run eagerly. Needs
     # CUDA and capturable backends (attention "triton", MoE "triton"/"grouped"); takes one KV page.
+    # Always a bool here: `RunnerConfig.resolve` decides the default.
     cuda_graph: bool = False
     cuda_graph_max_batch: int = 128
     cuda_graph_max_context: int = 4096
@@ -76,27 +99,86 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise UserError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
-        if self.page_size < 1 or self.num_pages < 1:
+        if self.device == "auto":
+            raise UserError("device 'auto' must be resolved before the runner config is built "
+                            "(model.device.resolve_device, or RunnerConfig.resolve)")
+        if not isinstance(self.cuda_graph, bool):
+            raise UserError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
+        if self.page_size < 1 or (self.num_pages is not None and self.num_pages < 1):
             raise UserError(f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}")
+        self._check_pool_sizing()
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:
             raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
 
+    def _check_pool_sizing(self) -> None:
+        if (self.num_pages is None) == (self.mem_fraction_static is None):
+            raise UserError("size the KV pool by num_pages or by mem_fraction_static (with num_pages=None), "
+                            f"not {'both' if self.num_pages is not None else 'neither'}")
+        if self.mem_headroom_gib < 0:
+            raise UserError(f"mem_headroom_gib must be >= 0, got {self.mem_headroom_gib}")
+        if self.mem_fraction_static is None:
+            return
+        if not 0 < self.mem_fraction_static <= 1:
+            raise UserError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if not is_cuda(self.device):
+            raise UserError(f"mem_fraction_static sizes the KV pool from GPU memory; on {self.device!r} "
+                            f"give the pool size instead (--num-pages / --max-total-tokens)")
+
+    @classmethod
+    def resolve(cls, model_config: ModelConfig, *, graphs_by_default: bool, **fields) -> "RunnerConfig":
+        """A config with every "auto" decided, for `fields` as a command collected them.
+
+        `device` may be "auto"; `dtype` "auto" becomes `auto_dtype`; the backends and the dispatcher
+        become their names; `cuda_graph`, when absent, is `graphs_by_default` where the device and the
+        backends can capture, else off; an explicit `cuda_graph=True` that cannot work is a UserError.
+        """
+        fields = dict(fields)
+        device = resolve_device(fields.pop("device", "auto"))
+        requested_graphs = fields.pop("cuda_graph", None)
+        draft = cls(device=device, **fields)
+        resolved = replace(draft, dtype=_DTYPE_NAMES[draft.resolve_dtype(model_config)],
+                           attention_backend=draft.resolve_backend(draft.attention_backend),
+                           moe_backend=draft.resolve_backend(draft.moe_backend),
+                           dispatcher=draft.resolve_dispatcher())
+        blocker = resolved.cuda_graph_blocker()
+        if requested_graphs is None:
+            return replace(resolved, cuda_graph=graphs_by_default and blocker is None)
+        if requested_graphs and blocker is not None:
+            raise UserError(f"cuda_graph=true: {blocker}")
+        return replace(resolved, cuda_graph=requested_graphs)  # __post_init__ refuses a non-bool
+
+    def cuda_graph_blocker(self) -> str | None:
+        """Why decode cannot be captured as CUDA graphs with these (resolved) settings; None if it can.
+        Reads each backend's `cuda_graph_safe`, as `cuda_graph.check_capturable` does on the built model."""
+        from deepseek_pd.model.attention import ATTENTION_BACKENDS
+        from deepseek_pd.model.moe import MOE_BACKENDS
+
+        if not is_cuda(self.device):
+            return f"CUDA graphs need a CUDA device, not {self.device!r}"
+        if self.enable_tbo:
+            return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
+        parts = (("attention backend", ATTENTION_BACKENDS, self.resolve_backend(self.attention_backend)),
+                 ("MoE backend", MOE_BACKENDS, self.resolve_backend(self.moe_backend)),
+                 ("EP dispatcher", DISPATCHERS, self.resolve_dispatcher()))
+        for what, registry, name in parts:
+            if not getattr(registry.get(name), "cuda_graph_safe", False):
+                return f"the {what} {name!r} is not capturable"
+        return None
+
     def cuda_graph_config(self) -> CudaGraphConfig:
         return CudaGraphConfig(max_batch=self.cuda_graph_max_batch, max_context=self.cuda_graph_max_context)
 
     def resolve_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        return torch.float32 if self.device == "cpu" else _DTYPES[model_config.torch_dtype]
+        return _DTYPES[self.dtype if self.dtype != "auto" else auto_dtype(self.device, model_config)]
 
     def resolve_dispatcher(self) -> str:
         if self.dispatcher != "auto":
             return self.dispatcher
         if self.ep_size == 1:
             return "local"
-        return "deepep" if self.device.startswith("cuda") and "deepep" in DISPATCHERS.names() else "all_to_all"
+        return "deepep" if is_cuda(self.device) and "deepep" in DISPATCHERS.names() else "all_to_all"
 
     def parallel_info(self, parallel: ParallelInfo | None) -> ParallelInfo:
         """The EP group this runner was handed, checked against `ep_size` (none: single process)."""
@@ -108,7 +190,7 @@ class RunnerConfig:
     def resolve_backend(self, name: str) -> str:
         if name != "auto":
             return name
-        return "triton" if self.device.startswith("cuda") and _triton_available() else "torch"
+        return "triton" if is_cuda(self.device) and _triton_available() else "torch"
 
     def build_options(self, model_config: ModelConfig, parallel: ParallelInfo | None = None) -> BuildOptions:
         return BuildOptions(
@@ -154,11 +236,18 @@ class ModelRunner:
         model_config = self.model.config
         options = self.model.options
         self.policy = AttentionPolicy(self.config.attention_method, self.config.mha_chunked_kv_threshold)
-        self.kv_pool = KVPool(model_config.num_hidden_layers, self.config.num_pages, self.config.page_size,
+        num_pages = self.config.num_pages
+        if num_pages is None:  # sized from the GPU memory budget, now that the weights are resident
+            per_page = bytes_per_pool_page(model_config.num_hidden_layers, self.config.page_size,
+                                           model_config.kv_cache_dim, options.dtype)
+            num_pages = pages_for_gpu(GpuMemory.measure(options.device), self.config.mem_fraction_static,
+                                      int(self.config.mem_headroom_gib * GIB), per_page,
+                                      min_pages=2 if self.config.cuda_graph else 1)  # + the graphs' scratch page
+        self.kv_pool = KVPool(model_config.num_hidden_layers, num_pages, self.config.page_size,
                               model_config.kv_cache_dim, dtype=options.dtype, device=options.device)
-        log.info("KV pool: %d pages x %d tokens, %d bytes/token (%d layers x %d x %d)", self.config.num_pages,
-                 self.config.page_size, self.kv_pool.bytes_per_token, model_config.num_hidden_layers,
-                 model_config.kv_cache_dim, self.kv_pool.buffers[0].element_size())
+        log.info("KV pool: %s, %d bytes/token (%d layers x %d x %d)", self.kv_pool.describe(),
+                 self.kv_pool.bytes_per_token, model_config.num_hidden_layers, model_config.kv_cache_dim,
+                 self.kv_pool.buffers[0].element_size())
         if self.config.cuda_graph:
             self.graphs = DecodeGraphRunner(self.model, self.kv_pool, self.config.cuda_graph_config())
 
@@ -205,9 +294,9 @@ class ModelRunner:
 
 def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> DeepseekForCausalLM:
     from deepseek_pd.model.loader import iter_checkpoint_tensors
-    from deepseek_pd.model.tiny import resolve_model_path
+    from deepseek_pd.model.model_dir import resolve_model_dir
 
-    directory = resolve_model_path(config.model)  # "tiny" → the generated, cached checkpoint
+    directory = resolve_model_dir(config.model)  # "tiny" → the generated, cached checkpoint
     model_config = ModelConfig.from_hf(directory)
     options = config.build_options(model_config, parallel)
     model = DeepseekForCausalLM(model_config, options)

@@ -5,7 +5,7 @@ HF parameter names, tokenizer.json, tokenizer_config.json with a chat template,
 generation_config.json), so everything downstream (our loader, HF transformers, the router) treats
 it as a real model. The shape is V3's in miniature: q_lora, noaux_tc sigmoid routing over 4 groups
 of 2 experts, one shared expert, one dense layer first, YaRN rope; V2's variant has no q_lora
-and softmax group-limited-greedy routing. `resolve_model_path("tiny")` generates it once into the
+and softmax group-limited-greedy routing. `model_dir.resolve_model_dir("tiny")` generates it once into the
 cache directory, atomically, so concurrent workers never see half a model.
 """
 from __future__ import annotations
@@ -217,16 +217,11 @@ def _ensure_cached_tiny(arch: str) -> Path:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """"tiny" (or "tiny-v2"/"tiny-v3") -> the cached generated checkpoint; otherwise a checkpoint dir."""
-    name = str(model)
-    if name in TINY_NAMES:
-        return _ensure_cached_tiny(TINY_NAMES[name])
-    directory = Path(name).expanduser()
-    if not directory.is_dir():
-        raise UserError(f"model {name!r} is neither 'tiny' nor an existing directory")
-    if not (directory / "config.json").is_file():
-        raise UserError(f"model directory {str(directory)!r} has no config.json")
-    return directory
+    """Kept for callers not yet moved to `deepseek_pd.model.model_dir.resolve_model_dir`, where the
+    rule lives ("tiny" names -> the cached generated checkpoint; otherwise a checkpoint dir)."""
+    from deepseek_pd.model.model_dir import resolve_model_dir
+
+    return resolve_model_dir(model)
 
 
 def ensure_tiny_model(arch: str = "v3") -> Path:

@@ -34,14 +34,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--attention-method", choices=ATTENTION_METHODS, default="auto",
                         help="force an attention method for prefill (decode always uses MLA)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto: fp32 on CPU, the checkpoint's dtype on GPU")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+                        help="auto: fp32 on CPU; on GPU the checkpoint's torch_dtype (bfloat16 for FP8 checkpoints)")
+    parser.add_argument("--device", default="auto",
+                        help="torch device: auto (CUDA when available, else cpu; default), cpu, cuda, cuda:N")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="auto: triton on CUDA when it imports, else the torch reference")
     parser.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton", "grouped"],
                         help="auto: triton on CUDA when it imports, else the torch reference")
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="decode by CUDA-graph replay (CUDA with the triton/grouped backends)")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="decode by CUDA-graph replay; default: on where it works (CUDA with the "
+                             "triton/grouped backends), --no-cuda-graph turns it off")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (output_ids, text, finish_reason, ...) instead of the text")
@@ -58,6 +60,20 @@ def parse_input_ids(text: str) -> list[int]:
         raise UserError(f"--input-ids {text!r} must be comma-separated integers, e.g. 0,43,72") from None
 
 
+def resolved_runner_config(args: argparse.Namespace):
+    """Device, dtype, backends and CUDA graphs decided once, by the rules `serve` uses (the offline
+    engine decodes, so graphs default to on where they can be captured)."""
+    from deepseek_pd.model.config import ModelConfig
+    from deepseek_pd.model.model_dir import resolve_model_dir
+    from deepseek_pd.model.runner import RunnerConfig
+
+    model_dir = resolve_model_dir(args.model)
+    graphs = {} if args.cuda_graph is None else {"cuda_graph": args.cuda_graph}
+    return RunnerConfig.resolve(ModelConfig.from_hf(model_dir), graphs_by_default=True, model=str(model_dir),
+                                device=args.device, dtype=args.dtype, page_size=args.page_size,
+                                attention_backend=args.attention_backend, moe_backend=args.moe_backend, **graphs)
+
+
 def run(args: argparse.Namespace) -> int:
     from deepseek_pd.model.engine import Engine
     from deepseek_pd.model.sampling_params import SamplingParams
@@ -68,10 +84,11 @@ def run(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, stop=tuple(args.stop), ignore_eos=args.ignore_eos, seed=args.seed)
     params.validate()  # before loading the model: bad flags fail fast
-    engine = Engine(args.model, dtype=args.dtype, device=args.device, attention_method=args.attention_method,
-                    chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size,
-                    attention_backend=args.attention_backend, moe_backend=args.moe_backend,
-                    cuda_graph=args.cuda_graph)
+    runner = resolved_runner_config(args)
+    engine = Engine(runner.model, dtype=runner.dtype, device=runner.device, attention_method=args.attention_method,
+                    chunked_prefill_size=args.chunked_prefill_size, page_size=runner.page_size,
+                    attention_backend=runner.attention_backend, moe_backend=runner.moe_backend,
+                    cuda_graph=runner.cuda_graph)
     result = engine.generate(prompt, params)
     if args.json:
         print(json.dumps({"output_ids": result.output_ids, "text": result.text,

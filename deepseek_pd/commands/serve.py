@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-from deepseek_pd.errors import UserError
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -24,11 +22,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="prefill: port of the bootstrap (handshake/KV) service (default 8998)")
     parser.add_argument("--kv-transport", choices=["mooncake", "grpc"], default="grpc",
                         help="how KV moves from prefill to decode (default grpc)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--dtype", default="auto", help="model dtype: auto|float32|bfloat16")
+    parser.add_argument("--device", default="auto",
+                        help="torch device: auto (CUDA when available, else cpu; default), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="model dtype; auto: the checkpoint's torch_dtype on CUDA (bfloat16 for FP8 "
+                             "checkpoints), float32 on cpu")
     parser.add_argument("--page-size", type=int, default=None,
                         help="KV page size in tokens (default: the model runner's, 16)")
-    parser.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=int, default=None,
+                      help="KV pool size in pages (overrides --mem-fraction-static)")
+    pool.add_argument("--max-total-tokens", type=int, default=None,
+                      help="KV pool size in tokens, rounded up to whole pages (overrides --mem-fraction-static)")
+    parser.add_argument("--mem-fraction-static", type=float, default=None,
+                        help="CUDA: the fraction of the GPU's total memory for weights + KV pool + activation "
+                             "headroom; the pool gets what is left after the weights load (default 0.88; "
+                             "cpu: a fixed pool of 1024 pages)")
     parser.add_argument("--chunked-prefill-size", type=int, default=None,
                         help="prefill token budget per batch")
     parallel = parser.add_argument_group("parallelism (one worker over several GPUs/nodes)")
@@ -40,63 +49,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parallel.add_argument("--node-rank", type=int, default=0, help="this pod's rank in the group")
     parallel.add_argument("--dist-init-addr", default="", help="HOST:PORT of rank 0, for torch.distributed")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
-                        help="engine-specific setting, repeatable")
+                        help="any field of the worker's configs, repeatable (e.g. cuda_graph=false, "
+                             "max_running_requests=32, mem_headroom_gib=4); unknown keys list the valid ones")
     parser.add_argument("--engine-factory", default=None, metavar="MODULE:FUNC",
-                        help="build the engine with this function instead of the default one")
+                        help="TEST HOOK: build the engine with this function (it gets the resolved "
+                             "ServeConfig) instead of the role's default builder")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running requests finish after SIGTERM (default 30)")
     parser.set_defaults(func=run)
 
 
-def parse_engine_opts(items: list[str]) -> dict[str, str]:
-    opts = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--engine-opt {item!r} must be KEY=VALUE")
-        opts[key] = value
-    return opts
+def flags_from_args(args: argparse.Namespace):
+    """The parsed command line as `ServeFlags` (nothing resolved yet)."""
+    from deepseek_pd.workers.serve_resolution import ParallelFlags, ServeFlags
 
-
-def advertised_address(bind_host: str) -> str:
-    """A wildcard bind address cannot be handed to peers; use this host's own address instead."""
-    import socket
-
-    if bind_host not in ("0.0.0.0", "::", ""):
-        return bind_host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError as exc:
-        raise UserError(f"--host {bind_host!r} needs --advertise-host: cannot resolve this "
-                        f"machine's address ({exc})") from exc
+    return ServeFlags(
+        role=args.role, model=args.model, served_model_name=args.served_model_name, host=args.host,
+        advertise_host=args.advertise_host, port=args.port, bootstrap_port=args.bootstrap_port,
+        kv_transport=args.kv_transport, device=args.device, dtype=args.dtype, page_size=args.page_size,
+        num_pages=args.num_pages, max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static, chunked_prefill_size=args.chunked_prefill_size,
+        parallel=ParallelFlags(args.tp, args.dp, args.ep, args.deepep_mode, args.nnodes, args.node_rank,
+                               args.dist_init_addr),
+        engine_options=tuple(args.engine_opt), drain_timeout_s=args.drain_timeout)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from deepseek_pd.launcher.cluster import default_served_name, resolve_model_dir
-    from deepseek_pd.workers.common.engine_factory import ParallelOptions, WorkerOptions
     from deepseek_pd.workers.common.worker_main import configure_logging, serve_worker
+    from deepseek_pd.workers.serve_resolution import resolve_serve_config
 
-    for name in ("port", "bootstrap_port"):
-        value = getattr(args, name)
-        if not 0 < value < 65536:
-            raise UserError(f"--{name.replace('_', '-')} {value} is not a TCP port")
     configure_logging(args.role)
-    page_size = args.page_size
-    if page_size is None:  # GetLoads reports tokens, so the servicer must know the real size
-        from deepseek_pd.model.runner import RunnerConfig
+    config = resolve_serve_config(flags_from_args(args))  # every default decided once, then frozen
+    if args.engine_factory is not None:
+        from deepseek_pd.workers.common.engine_factory import load_builder
 
-        page_size = RunnerConfig().page_size
-    model_dir = resolve_model_dir(args.model)
-    served = args.served_model_name or default_served_name(args.model, model_dir)
-    options = WorkerOptions(
-        role=args.role, model_dir=str(model_dir), served_model_name=served, host=args.host,
-        advertise_host=args.advertise_host or advertised_address(args.host),
-        port=args.port, bootstrap_port=args.bootstrap_port, kv_transport=args.kv_transport,
-        device=args.device, dtype=args.dtype, page_size=page_size, num_pages=args.num_pages,
-        chunked_prefill_size=args.chunked_prefill_size, engine_options=parse_engine_opts(args.engine_opt),
-        parallel=ParallelOptions(args.tp, args.dp, args.ep, args.deepep_mode, args.nnodes,
-                                 args.node_rank, args.dist_init_addr))
-    asyncio.run(serve_worker(options, args.engine_factory, args.drain_timeout))
+        builder = load_builder(args.engine_factory)
+    else:
+        from deepseek_pd.workers.builders import BUILDERS
+
+        builder = BUILDERS[config.role]
+    asyncio.run(serve_worker(config, builder))
     return 0

@@ -11,6 +11,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers (default 1)")
     parser.add_argument("--kv-transport", choices=["mooncake", "grpc"], default="grpc",
                         help="how KV moves from prefill to decode (default grpc)")
+    parser.add_argument("--device", default="auto",
+                        help="every worker's torch device: auto (CUDA when available, else cpu; default), "
+                             "cpu, cuda, cuda:N")
+    parser.add_argument("--mem-fraction-static", type=float, default=None,
+                        help="CUDA: the fraction of the GPU's total memory all workers together may use "
+                             "(default 0.88), split by role, 2 prefill : 3 decode; --worker-arg=--num-pages=N "
+                             "fixes the pools instead")
     parser.add_argument("--host", default="127.0.0.1", help="address everything listens on")
     parser.add_argument("--port", type=int, default=0, help="router HTTP port (default: a free one)")
     parser.add_argument("--log-dir", type=Path, default=None,
@@ -26,7 +33,8 @@ def cluster_spec_from_args(args: argparse.Namespace):
     from deepseek_pd.launcher.cluster import ClusterSpec
 
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
-                       kv_transport=args.kv_transport, host=args.host, router_port=args.port,
+                       kv_transport=args.kv_transport, device=args.device,
+                       mem_fraction_static=args.mem_fraction_static, host=args.host, router_port=args.port,
                        log_dir=args.log_dir, worker_args=tuple(args.worker_arg),
                        startup_timeout_s=args.startup_timeout).validate()
 
@@ -62,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
               f"model {spec.model}, KV transport {spec.kv_transport}; logs in {cluster.log_dir}",
               file=sys.stderr, flush=True)
         cluster.start()
+        print(f"  workers on {cluster.device}", file=sys.stderr)
         for worker in cluster.workers:
             boot = f", bootstrap port {worker.bootstrap_port}" if worker.role == "prefill" else ""
             print(f"  {worker.process.name}: grpc://{worker.address(spec.host)}{boot}, "

@@ -99,9 +99,12 @@ def make_tokenizer_model_dir(path: Path, max_context: int = 64) -> Path:
     tok.train_from_iterator(corpus, trainer)
     tok.save(str(path / "tokenizer.json"))
     vocab = tok.get_vocab_size()
+    # A whole model config (the tiny model's shape), so that `serve` can resolve its runner config
+    # for this directory even though the scripted engine never loads weights.
+    from deepseek_pd.model.tiny import tiny_config
+
     (path / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "vocab_size": max(vocab, VOCAB), "max_position_embeddings": max_context,
+        **tiny_config("v3", max(vocab, VOCAB)), "max_position_embeddings": max_context,
         "bos_token_id": 0, "eos_token_id": EOS}))
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -111,6 +114,7 @@ def make_tokenizer_model_dir(path: Path, max_context: int = 64) -> Path:
     return path
 
 
-def build_fake_engine(options) -> FakeEngine:
-    """`deepseek-pd serve --engine-factory tests/workers/servicer_fakes.py:build_fake_engine`."""
+def build_fake_engine(config) -> FakeEngine:
+    """`deepseek-pd serve --engine-factory tests/workers/servicer_fakes.py:build_fake_engine` (the test
+    hook; `config` is the resolved ServeConfig, which a scripted engine does not need)."""
     return FakeEngine()

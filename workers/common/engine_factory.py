@@ -1,70 +1,22 @@
-"""Builds the engine a worker process serves, chosen once at start-up by role.
+"""`serve --engine-factory MODULE:FUNC` (or `path/to/file.py:FUNC`): a TEST HOOK, not a plug-in API.
 
-The default builders (engine_builders.py) map the flags onto the engines' frozen configs; they are
-imported lazily so that `deepseek-pd --help` and the servicer tests do not import torch.
-`--engine-factory MODULE:FUNC` (or `path/to/file.py:FUNC`) replaces the default: FUNC receives the
-`WorkerOptions` and returns a `WorkerEngine`. Tests use it to serve a scripted engine through the
-real process, signal and router path.
+It replaces the role's default engine builder (deepseek_pd.workers.builders) with FUNC, which
+receives the resolved `ServeConfig` and returns a `WorkerEngine`. Tests use it to serve a scripted
+engine (tests/workers/servicer_fakes.py:build_fake_engine) through the real process, signal and
+router path without loading a model. Production never sets it.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.common.api import WorkerEngine
+from deepseek_pd.workers.common.serve_config import ServeConfig
 
-ROLES = ("prefill", "decode")
-
-# role -> "module:function" of the engine builder that ships with the package.
-DEFAULT_BUILDERS = {
-    "prefill": "deepseek_pd.workers.common.engine_builders:build_prefill_engine",
-    "decode": "deepseek_pd.workers.common.engine_builders:build_decode_engine",
-}
-
-
-@dataclass(frozen=True)
-class ParallelOptions:
-    """How one worker spans GPUs and nodes (the operator's LWS-style flags)."""
-
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
-    deepep_mode: str = "none"
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str = ""
-
-    @property
-    def is_single_process(self) -> bool:
-        return self.tp == self.dp == self.ep == self.nnodes == 1
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """Everything `deepseek-pd serve` was told; engines read what concerns them."""
-
-    role: str
-    model_dir: str
-    served_model_name: str
-    host: str = "127.0.0.1"  # bind address of the gRPC and bootstrap servers
-    advertise_host: str = "127.0.0.1"  # the address peers use to reach this worker (pod IP)
-    port: int = 30001
-    bootstrap_port: int = 8998
-    kv_transport: str = "grpc"
-    device: str = "cpu"
-    dtype: str = "auto"
-    page_size: int | None = None  # None: the engine's default
-    num_pages: int | None = None  # None: the engine's default
-    chunked_prefill_size: int | None = None
-    parallel: ParallelOptions = field(default_factory=ParallelOptions)
-    engine_options: dict = field(default_factory=dict, hash=False)  # --engine-opt KEY=VALUE
-
-
-EngineBuilder = Callable[[WorkerOptions], WorkerEngine]
+EngineBuilder = Callable[[ServeConfig], WorkerEngine]
 
 
 def load_builder(spec: str) -> EngineBuilder:
@@ -88,9 +40,3 @@ def load_builder(spec: str) -> EngineBuilder:
     if not callable(builder):
         raise UserError(f"engine factory {spec!r}: {target} has no function {func_name!r}")
     return builder
-
-
-def builder_for(role: str, override: str | None = None) -> EngineBuilder:
-    if role not in ROLES:
-        raise UserError(f"unknown worker role {role!r}; choose {' or '.join(ROLES)}")
-    return load_builder(override or DEFAULT_BUILDERS[role])

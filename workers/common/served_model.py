@@ -3,7 +3,8 @@
 The router reads these at start-up: it loads the tokenizer from `tokenizer_path` (or its own
 `--model-path`), stops on `eos_token_ids`, routes `/generate` by `served_model_name`, and refuses
 prompts longer than `max_context_length`. Reading plain JSON keeps this module free of the model
-code, so a worker can answer GetModelInfo before (or without) building its engine.
+code (`model_dir.read_json` does not import torch), so a worker can answer GetModelInfo before
+(or without) building its engine.
 
 Example: the embedded tiny model gives
 `ServedModelInfo(model_path="~/.cache/deepseek-pd/tiny-v3", served_model_name="tiny",
@@ -11,12 +12,11 @@ max_context_length=4096, eos_token_ids=(1,), architectures=("DeepseekV3ForCausal
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.model_dir import read_json
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ class ServedModelInfo:
     def from_model_dir(cls, model_dir: str | Path, served_model_name: str | None = None) -> "ServedModelInfo":
         """Reads config.json (+ generation_config.json when present) of an HF-format checkpoint."""
         path = Path(model_dir).expanduser().resolve()
-        config = _read_json(path / "config.json", required=True)
-        generation = _read_json(path / "generation_config.json", required=False)
+        config = read_json(path, "config.json")
+        generation = read_json(path, "generation_config.json", required=False)
         eos = generation.get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         bos = generation.get("bos_token_id", config.get("bos_token_id"))
@@ -65,14 +65,3 @@ class ServedModelInfo:
             architectures=tuple(config.get("architectures") or ()),
             model_type=str(config.get("model_type", "")),
         )
-
-
-def _read_json(path: Path, required: bool) -> dict[str, Any]:
-    if not path.exists():
-        if required:
-            raise UserError(f"{path} not found: --model must be an HF-format checkpoint directory")
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON: {exc}") from exc

@@ -38,7 +38,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerIdentity:
-    """What GetServerInfo reports about this worker process (SGLang's server_args names)."""
+    """What GetServerInfo reports about this worker process (SGLang's server_args names).
+
+    Built once by `serve` with the rest of the resolved config (`ServeConfig`); `page_size` is the
+    runner's KV page size, which turns the engine's page counts into the tokens GetLoads reports.
+    """
 
     role: str  # "prefill" | "decode" | "colocated"
     kv_transport: str = ""
@@ -46,6 +50,10 @@ class WorkerIdentity:
     page_size: int = 1
     host: str = ""
     port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"WorkerIdentity.page_size must be >= 1, got {self.page_size}")
 
 
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):

@@ -1,4 +1,8 @@
-"""The body of `deepseek-pd serve`: build the engine, serve it over gRPC, stop cleanly on SIGTERM."""
+"""The body of `deepseek-pd serve`: build the engine, serve it over gRPC, stop cleanly on SIGTERM.
+
+Everything comes resolved in the `ServeConfig` (workers/common/serve_config.py); this module only
+runs it. The builder is the role's default (deepseek_pd.workers.builders) or the test hook's.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,10 +10,9 @@ import logging
 
 from deepseek_pd import env
 from deepseek_pd.errors import UserError
-from deepseek_pd.workers.common.engine_factory import WorkerOptions, builder_for
-from deepseek_pd.workers.common.served_model import ServedModelInfo
-from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
-from deepseek_pd.workers.common.servicer import WorkerIdentity
+from deepseek_pd.workers.common.engine_factory import EngineBuilder
+from deepseek_pd.workers.common.serve_config import ServeConfig
+from deepseek_pd.workers.common.server import WorkerServer
 
 logger = logging.getLogger("deepseek_pd.worker")
 
@@ -20,23 +23,15 @@ def configure_logging(role: str) -> None:
         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
 
-async def serve_worker(options: WorkerOptions, engine_factory: str | None = None,
-                       drain_timeout_s: float = 30.0) -> None:
-    info = ServedModelInfo.from_model_dir(options.model_dir, options.served_model_name)
-    builder = builder_for(options.role, engine_factory)
+async def serve_worker(config: ServeConfig, builder: EngineBuilder) -> None:
     try:
-        engine = builder(options)
+        engine = builder(config)
     except ModuleNotFoundError as exc:
-        raise UserError(f"the {options.role} engine is not available in this installation: {exc}") from exc
+        raise UserError(f"the {config.role} engine is not available in this installation: {exc}") from exc
     if asyncio.iscoroutine(engine):  # builders may need the running loop (e.g. to start tasks)
         engine = await engine
     await _call_maybe_async(getattr(engine, "start", None))
-    page_size = engine.loads().extra.get("page_size", options.page_size or 1)  # engines may report it
-    identity = WorkerIdentity(role=options.role, kv_transport=options.kv_transport,
-                              bootstrap_port=options.bootstrap_port, page_size=int(page_size),
-                              host=options.host, port=options.port)
-    server = WorkerServer(engine, info, identity,
-                          ServerConfig(options.host, options.port, drain_timeout_s=drain_timeout_s))
+    server = WorkerServer(engine, config.model, config.identity, config.server)
     server.install_signal_handlers()
     try:
         await server.start()
@@ -45,9 +40,11 @@ async def serve_worker(options: WorkerOptions, engine_factory: str | None = None
         # process would linger after reporting the error.
         await _call_maybe_async(getattr(engine, "stop", None) or getattr(engine, "close", None))
         raise
-    logger.info("%s worker ready: model %s (served as %r), gRPC %s:%d, bootstrap port %d, "
-                "KV transport %s", options.role, info.model_path, info.served_model_name,
-                options.host, server.bound_port, options.bootstrap_port, options.kv_transport)
+    ident, runner = config.identity, config.runner
+    logger.info("%s worker ready: model %s (served as %r), gRPC %s:%d, bootstrap port %d, KV transport %s, "
+                "device %s, dtype %s, page size %d, CUDA graphs %s", config.role, config.model.model_path,
+                config.model.served_model_name, ident.host, server.bound_port, ident.bootstrap_port,
+                ident.kv_transport, runner.device, runner.dtype, ident.page_size, "on" if runner.cuda_graph else "off")
     await server.wait_for_shutdown()
 
 

@@ -1,0 +1,33 @@
+"""The engines `deepseek-pd serve` builds, one builder per role, from the resolved `ServeConfig`.
+
+This is the one module that knows both roles' engine classes (shared code in workers/common knows
+neither). A builder loads the model (`ModelRunner`, which sizes the KV pool), then builds the role's
+engine around it; the engine is started by the caller (worker_main.serve_worker).
+
+    engine = BUILDERS[config.role](config)
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from deepseek_pd.model.model_dir import load_tokenizer
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.workers.common.api import WorkerEngine
+from deepseek_pd.workers.common.serve_config import ServeConfig
+from deepseek_pd.workers.decode.engine import DecodeEngine
+from deepseek_pd.workers.prefill.engine import PrefillEngine
+
+
+def build_prefill_engine(config: ServeConfig) -> PrefillEngine:
+    return PrefillEngine(ModelRunner(config.runner), config.worker)
+
+
+def build_decode_engine(config: ServeConfig) -> DecodeEngine:
+    # The tokenizer (stop strings) comes from the same model directory the runner loaded.
+    return DecodeEngine(ModelRunner(config.runner), config.worker, tokenizer=load_tokenizer(config.model_dir))
+
+
+BUILDERS: dict[str, Callable[[ServeConfig], WorkerEngine]] = {
+    "prefill": build_prefill_engine,
+    "decode": build_decode_engine,
+}

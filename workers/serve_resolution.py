@@ -1,0 +1,171 @@
+"""`deepseek-pd serve` flags -> one frozen `ServeConfig`, every default and "auto" decided here.
+
+The rules, each in one place:
+- device: `--device auto` is CUDA when available, else the CPU (`model.device.resolve_device`).
+- dtype: `--dtype auto` is the checkpoint's torch_dtype on CUDA (bf16 for FP8 checkpoints), fp32
+  on the CPU (`model.runner.auto_dtype`).
+- CUDA graphs: on for a decode worker on CUDA with capturable backends, never for prefill
+  (workers/roles.py); `--engine-opt cuda_graph=false` turns them off.
+- KV pool: `--num-pages` or `--max-total-tokens` fix its size; otherwise on CUDA it is sized from
+  `--mem-fraction-static` (default 0.88) of the GPU's memory after the weights load
+  (model/kv_pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages.
+- identity: what GetServerInfo/GetLoads report, with the runner's page size.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.device import is_cuda, resolve_device
+from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
+from deepseek_pd.model.model_dir import resolve_model_dir, served_name
+from deepseek_pd.model.runner import RunnerConfig
+from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
+from deepseek_pd.workers.common.serve_config import ServeConfig
+from deepseek_pd.workers.common.served_model import ServedModelInfo
+from deepseek_pd.workers.common.server import ServerConfig
+from deepseek_pd.workers.common.servicer import WorkerIdentity
+from deepseek_pd.workers.common.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig
+from deepseek_pd.workers.engine_options import assign_engine_options, parse_key_values
+from deepseek_pd.workers.roles import RoleDefaults, role_defaults
+
+log = logging.getLogger(__name__)
+
+# Config fields that have their own `serve` flags, and so are not engine options.
+_FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static"),
+                "bootstrap": ("host", "port"), "scheduler": ("chunked_prefill_size",),
+                "transport": ("advertise_host",)}
+_TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
+            "transport": TransportConfig}
+
+
+@dataclass(frozen=True)
+class ParallelFlags:
+    """How one worker spans GPUs and nodes (the operator's LWS-style flags)."""
+
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    deepep_mode: str = "none"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
+
+    @property
+    def is_single_process(self) -> bool:
+        return self.tp == self.dp == self.ep == self.nnodes == 1
+
+
+@dataclass(frozen=True)
+class ServeFlags:
+    """What `deepseek-pd serve` was told, as given: None means "the default", "auto" means "decide"."""
+
+    role: str
+    model: str = "tiny"  # a checkpoint directory or a tiny name
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"  # bind address of the gRPC and bootstrap servers
+    advertise_host: str | None = None  # the address peers reach this worker at; None: from host
+    port: int = 30001
+    bootstrap_port: int = 8998
+    kv_transport: str = "grpc"
+    device: str = "auto"
+    dtype: str = "auto"
+    page_size: int | None = None
+    num_pages: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    chunked_prefill_size: int | None = None
+    parallel: ParallelFlags = field(default_factory=ParallelFlags)
+    engine_options: tuple[str, ...] = ()  # raw --engine-opt KEY=VALUE items
+    drain_timeout_s: float = 30.0
+
+
+def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
+    """Validates the flags, reads the checkpoint's config.json, and decides every default."""
+    defaults = role_defaults(flags.role)
+    for name in ("port", "bootstrap_port"):
+        value = getattr(flags, name)
+        if not 0 < value < 65536:
+            raise UserError(f"--{name.replace('_', '-')} {value} is not a TCP port")
+    _check_single_process(flags)
+    model_dir = resolve_model_dir(flags.model)
+    info = ServedModelInfo.from_model_dir(model_dir, flags.served_model_name or served_name(flags.model, model_dir))
+    opts = assign_engine_options(parse_key_values(flags.engine_options), _TARGETS, _FLAG_FIELDS)
+    runner = _runner_config(flags, defaults, model_dir, opts["runner"])
+    scheduler_fields = dict(opts["scheduler"])
+    if flags.chunked_prefill_size is not None:
+        scheduler_fields["chunked_prefill_size"] = flags.chunked_prefill_size
+    try:
+        worker = WorkerConfig(
+            kv_transport=flags.kv_transport,
+            transport=TransportConfig(advertise_host=flags.advertise_host or advertised_address(flags.host),
+                                      **opts["transport"]),
+            bootstrap=BootstrapConfig(host=flags.host, port=flags.bootstrap_port, **opts["bootstrap"]),
+            scheduler=SchedulerConfig(**scheduler_fields))
+    except ValueError as exc:  # some configs raise ValueError rather than UserError
+        raise UserError(str(exc)) from exc
+    identity = WorkerIdentity(role=flags.role, kv_transport=flags.kv_transport, bootstrap_port=flags.bootstrap_port,
+                              page_size=runner.page_size, host=flags.host, port=flags.port)
+    return ServeConfig(runner=runner, worker=worker, identity=identity, model=info,
+                       server=ServerConfig(flags.host, flags.port, drain_timeout_s=flags.drain_timeout_s))
+
+
+def _runner_config(flags: ServeFlags, defaults: RoleDefaults, model_dir: Path,
+                   options: dict[str, Any]) -> RunnerConfig:
+    device = resolve_device(flags.device)
+    fields: dict[str, Any] = {"model": str(model_dir), "device": device, "dtype": flags.dtype, **options}
+    if flags.page_size is not None:
+        fields["page_size"] = flags.page_size
+    fields.update(_pool_size(flags, device, fields.get("page_size", RunnerConfig.page_size)))
+    if options.get("cuda_graph") and not defaults.decodes:
+        raise UserError(f"--engine-opt cuda_graph=true: the {flags.role} worker never decodes, so it has no "
+                        f"CUDA graphs to capture (decode workers replay them by default on CUDA)")
+    return RunnerConfig.resolve(ModelConfig.from_hf(model_dir), graphs_by_default=defaults.decodes, **fields)
+
+
+def _pool_size(flags: ServeFlags, device: str, page_size: int) -> dict[str, Any]:
+    """The KV pool's sizing fields: a fixed page count, or a GPU memory fraction."""
+    if flags.num_pages is not None and flags.max_total_tokens is not None:
+        raise UserError("--num-pages and --max-total-tokens both size the KV pool: pass one")
+    for name in ("num_pages", "max_total_tokens"):
+        if getattr(flags, name) is not None and getattr(flags, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(flags, name)}")
+    fixed = flags.num_pages
+    if flags.max_total_tokens is not None:
+        fixed = -(-flags.max_total_tokens // max(page_size, 1))
+    if fixed is not None:
+        if flags.mem_fraction_static is not None:
+            log.info("the KV pool has a fixed size (%d pages); --mem-fraction-static is not used", fixed)
+        return {"num_pages": fixed, "mem_fraction_static": None}
+    if is_cuda(device):
+        fraction = flags.mem_fraction_static if flags.mem_fraction_static is not None else DEFAULT_MEM_FRACTION_STATIC
+        return {"num_pages": None, "mem_fraction_static": fraction}
+    if flags.mem_fraction_static is not None:
+        raise UserError(f"--mem-fraction-static sizes the KV pool from GPU memory, and the device is {device!r}; "
+                        f"pass --num-pages or --max-total-tokens instead")
+    return {}  # the CPU: RunnerConfig's fixed default pool
+
+
+def _check_single_process(flags: ServeFlags) -> None:
+    par = flags.parallel
+    if not par.is_single_process:
+        raise UserError(
+            f"--tp {par.tp} --dp {par.dp} --ep {par.ep} --nnodes {par.nnodes}: the {flags.role} "
+            "engine of this build runs one process per worker; multi-GPU/multi-node workers are "
+            "not supported yet (use --tp 1 --dp 1 --ep 1 --nnodes 1)")
+
+
+def advertised_address(bind_host: str) -> str:
+    """A wildcard bind address cannot be handed to peers; use this host's own address instead."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as exc:
+        raise UserError(f"--host {bind_host!r} needs --advertise-host: cannot resolve this "
+                        f"machine's address ({exc})") from exc
