@@ -87,9 +87,12 @@ class DecodeGraphRunner:
         log.info("CUDA graphs: captured decode for batch sizes %s, contexts up to %d tokens (%d pages)",
                  list(self.buckets), self.table_width * self.kv_pool.page_size, self.table_width)
 
-    def decode(self, token_ids: Sequence[int], positions: Sequence[int],
-               pages: Sequence[Sequence[int]]) -> torch.Tensor | None:
-        """fp32 logits `[n, vocab]` by graph replay, or None when this batch must run eagerly."""
+    def decode(self, token_ids: Sequence[int], positions: Sequence[int], pages: Sequence[Sequence[int]],
+               input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """fp32 logits `[n, vocab]` by graph replay, or None when this batch must run eagerly.
+
+        `input_ids` (device, [n] long) overrides `token_ids` with a device-to-device copy into the
+        static buffer, queued behind the upload (see `ModelRunner.decode`)."""
         bucket = bucket_for(self.buckets, len(token_ids))
         if bucket is None:
             return None
@@ -97,6 +100,8 @@ class DecodeGraphRunner:
         if not inputs.fits(positions):
             return None
         inputs.load(inputs.pack(token_ids, positions, pages))
+        if input_ids is not None:
+            inputs.input_ids[:len(token_ids)].copy_(input_ids)
         self._graphs[bucket].replay()
         # A copy: the static logits are overwritten by the next replay, and callers keep logits.
         return self._logits[bucket][:len(token_ids)].clone()

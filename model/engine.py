@@ -21,6 +21,8 @@ from typing import Sequence, Union
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
+from deepseek_pd.model.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
 from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
 from deepseek_pd.model.sampling_params import SamplingParams
 
@@ -70,7 +72,6 @@ class _Request:
     sampling: SamplingState
     stop: StopChecker
     pages: list[int]
-    prefilled: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -83,23 +84,24 @@ class Engine:
     def __init__(self, model: str | Path = "tiny", *, config: EngineConfig | None = None, **overrides) -> None:
         """`Engine("tiny", chunked_prefill_size=64)` or `Engine(config=EngineConfig(...))`."""
         from deepseek_pd.model.runner import ModelRunner, RunnerConfig
-        from deepseek_pd.model.tiny import resolve_model_path
+        from deepseek_pd.model.device import resolve_device
+        from deepseek_pd.model.model_dir import load_tokenizer, resolve_model_dir
 
         if config is None:
             config = EngineConfig(model=str(model), **overrides)
         elif overrides:
             raise TypeError("pass either config or keyword overrides, not both")
         self.config = config
-        _check_device(config.device)
-        self.model_path = resolve_model_path(config.model)
+        device = resolve_device(config.device)
+        self.model_path = resolve_model_dir(config.model)
         self.runner = ModelRunner(RunnerConfig(
-            model=str(self.model_path), dtype=config.dtype, device=config.device,
+            model=str(self.model_path), dtype=config.dtype, device=device,
             page_size=config.page_size, num_pages=-(-config.max_total_tokens // config.page_size),
             attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold,
             attention_backend=config.attention_backend, moe_backend=config.moe_backend,
             cuda_graph=config.cuda_graph))
         self.model_config = self.runner.model_config
-        self.tokenizer = _load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.sampler = Sampler()
 
     # ---- public API --------------------------------------------------------------------------
@@ -149,7 +151,7 @@ class Engine:
         waves: list[list[int]] = [[]]
         free = pool.num_free_pages
         for i, (ids, p) in enumerate(zip(prompt_ids, params)):
-            need = pool.pages_for_tokens(len(ids) + self._max_new_tokens(ids, p) - 1)
+            need = pool.pages_for_tokens(kv_tokens_needed(len(ids), self._max_new_tokens(ids, p)))
             if need > pool.num_free_pages:
                 where = f"prompt {i}: " if len(prompt_ids) > 1 else ""
                 raise UserError(f"{where}{len(ids)} prompt tokens + {p.max_new_tokens} new tokens need {need} KV "
@@ -186,26 +188,17 @@ class Engine:
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
             # numpy and other integer types are fine; bools and floats are not token ids
             ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
-        if not ids:
-            raise UserError(f"{where}prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise UserError(f"{where}token ids {bad[:5]}{' ...' if len(bad) > 5 else ''} are outside the "
-                            f"vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_context:
-            raise UserError(f"{where}prompt has {len(ids)} tokens but the model's maximum context is "
-                            f"{self.max_context} tokens (prompt plus at least one new token)")
+        check_prompt(ids, self.vocab_size, self.max_context, where)
         return ids
 
     def _max_new_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """prompt + output never exceed the context."""
-        return min(params.max_new_tokens, self.max_context - len(prompt_ids))
+        return max_new_tokens(params, len(prompt_ids), self.max_context)
 
     def _admit(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
         # The cache holds one token fewer than prompt + output: the last sampled token is never fed back.
         max_new = self._max_new_tokens(prompt_ids, params)
         pool = self.runner.kv_pool
-        pages = pool.alloc(pool.pages_for_tokens(len(prompt_ids) + max_new - 1))
+        pages = pool.alloc(pool.pages_for_tokens(kv_tokens_needed(len(prompt_ids), max_new)))
         device = self.runner.model.options.device
         return _Request(
             prompt_ids=prompt_ids, params=params, pages=pages,
@@ -213,30 +206,17 @@ class Engine:
             stop=StopChecker(params, self.model_config.eos_token_ids, self.tokenizer, max_new_tokens=max_new))
 
     def _prefill(self, requests: list[_Request]) -> None:
-        """Rounds of at most `chunked_prefill_size` tokens; each request contributes its next chunk."""
-        from deepseek_pd.model.runner import ExtendSeq
-
-        pending = list(requests)
+        """Rounds of at most `chunked_prefill_size` tokens, planned as the workers plan them."""
+        pending = [PromptProgress(r.prompt_ids, r.pages, owner=r) for r in requests]
         while pending:
-            budget = self.config.chunked_prefill_size
-            batch: list[tuple[_Request, ExtendSeq]] = []
-            for request in pending:
-                if budget == 0:
-                    break
-                take = min(budget, len(request.prompt_ids) - request.prefilled)
-                chunk = request.prompt_ids[request.prefilled:request.prefilled + take]
-                batch.append((request, ExtendSeq(chunk, prefix_len=request.prefilled, pages=request.pages)))
-                budget -= take
-            logits = self.runner.extend([seq for _, seq in batch])
-            done = []
-            for row, (request, seq) in enumerate(batch):
-                request.prefilled += len(seq.token_ids)
-                if request.prefilled == len(request.prompt_ids):
-                    done.append((row, request))
+            plan = plan_extend_batch(pending, self.config.chunked_prefill_size)
+            logits = self.runner.extend(plan.seqs)
+            plan.advance()
+            done = plan.finishing
             if done:
-                rows = torch.tensor([row for row, _ in done], device=logits.device)
-                self._sample([r for _, r in done], logits[rows])
-            pending = [r for r in pending if r.prefilled < len(r.prompt_ids)]
+                rows = torch.tensor(done, device=logits.device)
+                self._sample([plan.items[row].owner for row in done], logits[rows])
+            pending = [item for item in pending if item.remaining > 0]
 
     def _decode(self, requests: list[_Request]) -> None:
         from deepseek_pd.model.runner import DecodeSeq
@@ -255,24 +235,3 @@ class Engine:
             request.logprobs.append(logprob)
             request.sampling.append(token)
             request.stop.append(token)
-
-
-def _check_device(device: str) -> None:
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {device!r} requested but CUDA is not available on this machine")
-
-
-def _load_tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        return None
-    try:
-        return Tokenizer.from_file(str(file))
-    except Exception as exc:  # the tokenizers library raises a bare Exception on bad JSON
-        raise UserError(f"{file}: cannot load tokenizer ({exc})") from None

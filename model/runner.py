@@ -261,9 +261,11 @@ class ModelRunner:
         return self.model.config
 
     def _run(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
-             pages: list[Sequence[int]]) -> torch.Tensor:
+             pages: list[Sequence[int]], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch = ForwardBatch.build(mode, token_ids, prefix_lens, pages, self.kv_pool,
                                    self.model_config.vocab_size, self.model.options.device)
+        if input_ids is not None:
+            batch.input_ids = _checked_device_ids(input_ids, batch.num_tokens)
         batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
         return self.model(batch)
 
@@ -277,19 +279,30 @@ class ModelRunner:
         all-to-alls (call it where the others call extend/decode). A no-op work-wise at ep_size 1."""
         self.model.forward_idle(mode)
 
-    def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
-        """fp32 logits `[len(seqs), vocab]` for one new token per sequence (graph replay when it fits)."""
+    def decode(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits `[len(seqs), vocab]` for one new token per sequence (graph replay when it fits).
+
+        `input_ids` ([len(seqs)] long, on the model's device), when given, replaces the seqs'
+        `token_id`s: the overlap scheduler feeds the previous step's samples without reading them
+        back to the host. The caller guarantees they are in the vocabulary (the sampler's output is).
+        """
         if self.graphs is not None:
             logits = self.graphs.decode([s.token_id for s in seqs], [s.position for s in seqs],
-                                        [s.pages for s in seqs])
+                                        [s.pages for s in seqs], input_ids=input_ids)
             if logits is not None:
                 return logits
-        return self.decode_eager(seqs)
+        return self.decode_eager(seqs, input_ids)
 
-    def decode_eager(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+    def decode_eager(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`decode` without CUDA graphs (the fallback, and the oracle the graphs are tested against)."""
         return self._run(ForwardMode.DECODE, [[s.token_id] for s in seqs], [s.position for s in seqs],
-                         [s.pages for s in seqs])
+                         [s.pages for s in seqs], input_ids)
+
+
+def _checked_device_ids(input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    if input_ids.shape != (num_tokens,) or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be [{num_tokens}] long, got {tuple(input_ids.shape)} {input_ids.dtype}")
+    return input_ids
 
 
 def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> DeepseekForCausalLM:

@@ -20,15 +20,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from deepseek_pd.model.sampling_noise import seed_key
 from deepseek_pd.model.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from deepseek_pd.model.sampling_batch import SamplingBatch
+
+
+class RowOwner(Protocol):
+    """What a state asks of the batch that holds it (`sampling_batch.SamplingBatch`)."""
+
+    @property
+    def tick(self) -> int: ...
+
+    def counts_row(self, row: int) -> torch.Tensor: ...
+
+    def record(self, state: "SamplingState", token_id: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -41,7 +50,7 @@ class SamplingState:
     _counts: torch.Tensor | None = field(default=None, repr=False)  # [V] fp32 while no batch holds it
     _steps: int = 0  # draws so far, as of joining the batch's tables (or all of them outside one)
     _host_tokens: int = 0  # tokens the host has appended (see `append`)
-    _batch: SamplingBatch | None = field(default=None, repr=False)
+    _batch: RowOwner | None = field(default=None, repr=False)
     _row: int | None = None  # row in the batch's device tables; None: not (yet) in them
     _joined_tick: int = 0  # the batch's tick when this state got its row
 

@@ -216,16 +216,8 @@ def _ensure_cached_tiny(arch: str) -> Path:
     return target
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """Kept for callers not yet moved to `deepseek_pd.model.model_dir.resolve_model_dir`, where the
-    rule lives ("tiny" names -> the cached generated checkpoint; otherwise a checkpoint dir)."""
-    from deepseek_pd.model.model_dir import resolve_model_dir
-
-    return resolve_model_dir(model)
-
-
 def ensure_tiny_model(arch: str = "v3") -> Path:
-    """The cached tiny checkpoint's directory, generated on first use (same as resolve_model_path("tiny"))."""
+    """The cached tiny checkpoint's directory, generated on first use (what `model_dir.resolve_model_dir("tiny")` returns)."""
     if arch not in _ARCH:
         raise UserError(f"unknown tiny architecture {arch!r}; choose one of {sorted(_ARCH)}")
     return _ensure_cached_tiny(arch)

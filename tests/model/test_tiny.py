@@ -12,7 +12,8 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model import tiny
-from deepseek_pd.model.tiny import make_tiny_model, resolve_model_path
+from deepseek_pd.model.model_dir import resolve_model_dir as resolve_model_path
+from deepseek_pd.model.tiny import make_tiny_model
 from deepseek_pd.model.tokenizer_builder import BOS_TOKEN, EOS_TOKEN
 
 pytestmark = pytest.mark.timeout(180)
@@ -117,7 +118,7 @@ def test_config_parses_with_model_config(tiny_dirs):
 def _resolve_in_child(cache: str, queue) -> None:
     import os
     os.environ["DEEPSEEK_PD_CACHE"] = cache
-    from deepseek_pd.model.tiny import resolve_model_path as resolve
+    from deepseek_pd.model.model_dir import resolve_model_dir as resolve
     queue.put(str(resolve("tiny")))
 
 

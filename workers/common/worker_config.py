@@ -36,10 +36,12 @@ class SchedulerConfig:
     """Batching limits of one worker's engine."""
 
     chunked_prefill_size: int = 2048  # prompt tokens per extend batch, summed over requests
-    max_running_requests: int = 64  # decode batch size cap
+    max_running_requests: int = 128  # decode batch size cap (= the largest CUDA-graph bucket by default)
     decode_reserve_tokens: int = 4096  # pages reserved per request for decoding: min(max_new_tokens, this)
     admission_timeout_s: float = 30.0  # a request waits this long for KV pages before RESOURCE_EXHAUSTED
     prefix_cache: bool = True  # prefill: reuse KV of shared prompt prefixes (radix tree)
+    # decode: launch step N+1 before collecting step N's tokens (workers/decode/engine.py); same tokens
+    overlap_schedule: bool = True
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:

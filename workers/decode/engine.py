@@ -3,15 +3,22 @@
 PD request (`disagg` set):
     admit    -> pages for the prompt + a decode reserve (PageBudget), or wait / RESOURCE_EXHAUSTED
     pull     -> handshake with the prefill bootstrap for the room; KV lands in the prompt pages;
-                TransferDone brings the first token (and the seeded generator's state)
-    decode   -> joins the continuous batch: every round runs one `runner.decode` (absorbed MLA)
-                over up to max_running_requests requests; tokens stream as they come
+                TransferDone brings the first token
+    decode   -> joins the continuous batch (absorbed MLA over up to max_running_requests requests)
 Colocated request (`disagg` None): the same, with the prompt prefilled here in chunked rounds
-that alternate with decode rounds; it is the single-worker reference for PD parity.
+that alternate with decode steps; it is the single-worker reference for PD parity.
+
+The decode loop (`_decode_round`, see decode_step.py) overlaps the host with the GPU when
+`scheduler.overlap_schedule` is on: step N+1 is planned and launched (its input tokens gathered
+from step N's samples on the device) before step N's tokens are collected, so the GPU never waits
+for the host's bookkeeping (token streaming, stop checks, page growth). A request that stops at
+step N has already been launched in step N+1; that extra token is dropped. Requests that will
+reach their length limit are known on the host and are not launched past it. Both schedules give
+the same tokens (a tested property).
 
 Every request ends with one Finished or Failed; its pages go back on every path (after the
-transport's late-write grace when a one-sided transfer failed). Abort frees at once, or right
-after the forward that is using the pages.
+transport's late-write grace when a one-sided transfer failed), and never while a launched step
+still uses them.
 """
 from __future__ import annotations
 
@@ -20,18 +27,20 @@ import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-import torch
-
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.runner import DecodeSeq, ModelRunner
+from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
+from deepseek_pd.model.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
+from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
+from deepseek_pd.workers.common.extend_step import run_extend
 from deepseek_pd.workers.common.kv_transfer import TransferError, build_receiver
-from deepseek_pd.workers.common.scheduler import (
-    ModelThread, PromptProgress, Sampled, check_prompt, plan_extend_batch, run_decode, run_extend)
+from deepseek_pd.workers.common.model_thread import ModelThread
+from deepseek_pd.workers.common.request_watch import Interrupted, unless
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
+from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, LaunchedStep
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation
 
@@ -43,37 +52,44 @@ class _Request:
     request: GenerateRequest
     sampling: SamplingState
     stop: StopChecker
+    max_new: int
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     aborted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     reservation: Reservation | None = None
     progress: PromptProgress | None = None  # colocated prefill
     output_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
-    in_forward: bool = False
+    launched: int = 0  # output tokens sampled or being sampled (collected + in flight)
+    in_flight: int = 0  # launched steps (or a prefill round) that still use the pages
     finished: bool = False
     ended: bool = False
+    transfer_failed: bool = False
 
     @property
-    def position(self) -> int:
-        """Tokens already in the KV cache = where the next decode step writes."""
-        return len(self.request.input_ids) + len(self.output_ids) - 1
+    def next_position(self) -> int:
+        """Where the next launched decode step writes: tokens already in (or going into) the cache."""
+        return len(self.request.input_ids) + self.launched - 1
 
 
 class DecodeEngine:
     """`WorkerEngine` of a decode (or colocated) worker."""
 
     def __init__(self, runner: ModelRunner, config: WorkerConfig, tokenizer=None) -> None:
-        """`tokenizer` (a `tokenizers.Tokenizer`, for stop strings) defaults to the model's own."""
+        """`tokenizer` (a `tokenizers.Tokenizer`, for stop strings) defaults to the checkpoint's own;
+        without one, stop strings are refused per request."""
         self.runner = runner
         self.config = config
         self.pool = runner.kv_pool
-        self.tokenizer = tokenizer if tokenizer is not None else _model_tokenizer(runner)
+        self.tokenizer = tokenizer if tokenizer is not None else _checkpoint_tokenizer(runner)
         self.max_context = runner.model_config.max_position_embeddings
         self.sampler = Sampler()
         self.model_thread = ModelThread("decode-model")
+        self.stepper = DecodeStepper(runner)
         self._requests: dict[str, _Request] = {}
         self._prefilling: list[_Request] = []
         self._running: list[_Request] = []
+        self._batch: list[_Request] = []  # rows of the last launched step, in the sampling batch's order
+        self._pending: LaunchedStep | None = None
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -87,8 +103,9 @@ class DecodeEngine:
         self.receiver = build_receiver(self.config.kv_transport, self.pool, self.config.transport)
         self.client = BootstrapClient(self.config.bootstrap)
         self._loop_task = asyncio.create_task(self._schedule_loop(), name="decode-scheduler")
-        log.info("decode engine: KV transport %s, %d bytes of latent KV per token",
-                 self.config.kv_transport, self.pool.bytes_per_token)
+        log.info("decode engine: KV transport %s, %d bytes of latent KV per token, %s schedule",
+                 self.config.kv_transport, self.pool.bytes_per_token,
+                 "overlap" if self.config.scheduler.overlap_schedule else "plain")
 
     async def stop(self) -> None:
         for rid in list(self._requests):
@@ -113,40 +130,39 @@ class DecodeEngine:
         try:
             check_prompt(request.input_ids, model_config.vocab_size, self.max_context)
             request.sampling.validate(model_config.vocab_size)
-            max_new = min(request.sampling.max_new_tokens, self.max_context - prompt_len)
+            max_new = max_new_tokens(request.sampling, prompt_len, self.max_context)
             stop = StopChecker(request.sampling, model_config.eos_token_ids, self.tokenizer, max_new_tokens=max_new)
         except UserError as exc:  # bad values; stop strings without a tokenizer
             yield Failed(FailureCode.INVALID_ARGUMENT, str(exc))
             return
         state = _Request(request, SamplingState.create(request.sampling, request.input_ids, model_config.vocab_size,
-                                                       device=self.runner.model.options.device), stop)
+                                                       device=self.runner.model.options.device), stop, max_new)
         self._requests[request.rid] = state
-        transfer_failed = False
         transfer_done = request.disagg is None
         try:
             pool = self.pool
             prompt_pages = pool.pages_for_tokens(prompt_len)
             reserve_tokens = min(max_new, self.config.scheduler.decode_reserve_tokens)
-            reserve = max(0, pool.pages_for_tokens(prompt_len + reserve_tokens - 1) - prompt_pages)
+            reserve = max(0, pool.pages_for_tokens(kv_tokens_needed(prompt_len, reserve_tokens)) - prompt_pages)
             state.reservation = await self._watch(state, self.budget.admit(prompt_pages, reserve))
             if request.disagg is not None:
                 try:
                     done = await self._watch(state, pull_kv(self.client, self.receiver, request.disagg, request.rid,
                                                             prompt_len, state.reservation.pages[:prompt_pages]))
                 except TransferError as exc:
-                    transfer_failed = True
+                    state.transfer_failed = True
                     transfer_done = exc.peer_knows  # nothing to tell the prefill side then
                     raise
                 transfer_done = True
                 state.cached_tokens = done.cached_tokens
-                if done.generator_state and state.sampling.generator is not None:
-                    state.sampling.generator.set_state(
-                        torch.frombuffer(bytearray(done.generator_state), dtype=torch.uint8))
+                # The prefill side sampled token 1 at step 0 of the same seed; continue at step 1.
+                state.sampling.record(done.first_token_id)
+                state.launched = 1
                 self._accept(state, done.first_token_id, done.first_token_logprob)
                 if not state.finished:
                     self._running.append(state)
             else:
-                state.progress = PromptProgress(request.input_ids, state.reservation.pages, 0, state.sampling)
+                state.progress = PromptProgress(request.input_ids, state.reservation.pages, 0, owner=state)
                 self._prefilling.append(state)
             self._wakeup.set()
             while True:
@@ -162,7 +178,7 @@ class DecodeEngine:
             terminal = Failed(FailureCode.INTERNAL, f"decode failed: {exc!r}")
         finally:
             # Pages go back before the terminal event is out, whatever the consumer does next.
-            self._end(state, transfer_failed)
+            self._end(state)
             if not transfer_done:
                 self._tell_prefill(request, "decode request ended before its KV arrived")
         yield terminal
@@ -185,37 +201,23 @@ class DecodeEngine:
         # Waiting: admitted or not, every request that is not in the decode batch yet.
         return Loads(num_running=len(self._running), num_waiting=len(self._requests) - len(self._running),
                      kv_used_pages=self.pool.num_used_pages, kv_total_pages=self.pool.num_pages,
-                     extra={"reserved_pages": self.budget.reserved if self.budget else 0,
-                            "page_size": self.pool.page_size})
+                     extra={"reserved_pages": self.budget.reserved if self.budget else 0})
 
     def is_healthy(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
 
-    # ---- internals -------------------------------------------------------------------------
+    # ---- request bookkeeping (event loop) --------------------------------------------------
     async def _watch(self, state: _Request, awaitable):
         """Awaits `awaitable` unless the request is aborted first (then cancels it: the bootstrap
         stream closes, which the prefill side sees)."""
-        if state.aborted.done():
-            # Checked first: a lagging consumer always finds a queued event, and asyncio.wait
-            # would hand it over instead of the abort, which then waited on the whole backlog.
-            awaitable.close()  # never started: nothing to undo
-            raise TransferError(FailureCode.ABORTED, state.aborted.result())
-        task = asyncio.ensure_future(awaitable)
         try:
-            await asyncio.wait({task, state.aborted}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise TransferError(FailureCode.ABORTED, state.aborted.result())
-        return task.result()
+            return await unless(awaitable, state.aborted)
+        except Interrupted:
+            raise TransferError(FailureCode.ABORTED, state.aborted.result()) from None
 
     def _accept(self, state: _Request, token: int, logprob: float) -> None:
-        """Records a sampled token, streams it, and ends the request if it stops here."""
+        """Records a collected token, streams it, and ends the request if it stops here."""
         state.output_ids.append(token)
-        state.sampling.append(token)
         finish = state.stop.append(token)
         logprobs = (logprob,) if state.request.return_logprob else ()
         state.events.put_nowait(TokenChunk((token,), logprobs))
@@ -228,32 +230,41 @@ class DecodeEngine:
         state.finished = True
         state.events.put_nowait(Failed(code, message))
 
-    def _end(self, state: _Request, transfer_failed: bool) -> None:
+    def _end(self, state: _Request) -> None:
         if state.ended:
             return
         state.ended = True
         self._requests.pop(state.request.rid, None)
-        if not state.in_forward:
-            self._release(state, transfer_failed)
-
-    def _release(self, state: _Request, transfer_failed: bool = False) -> None:
         for queue in (self._running, self._prefilling):
             if state in queue:
                 queue.remove(state)
+        if state.in_flight == 0:
+            self._release(state)
+
+    def _release(self, state: _Request) -> None:
         if state.reservation is not None:
-            grace = self.receiver.late_write_grace_s if transfer_failed else 0.0
+            grace = self.receiver.late_write_grace_s if state.transfer_failed else 0.0
             self.budget.release(state.reservation, delay_s=grace)
 
+    def _done_with(self, states) -> None:
+        """A launched step (or prefill round) that used `states`' pages has finished."""
+        for state in states:
+            state.in_flight -= 1
+            if state.ended and state.in_flight == 0:
+                self._release(state)
+
+    # ---- scheduling ------------------------------------------------------------------------
     async def _schedule_loop(self) -> None:
         while True:
-            if not self._prefilling and not self._running:
+            if not self._prefilling and not self._running and self._pending is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             try:
                 if self._prefilling:
+                    await self._drain()  # prefill rounds are not overlapped with decode steps
                     await self._prefill_round()
-                if self._running:
+                if self._running or self._pending is not None:
                     await self._decode_round()
             except Exception:  # a bug in a round must fail the requests it held, never strand them
                 log.exception("decode scheduler round failed; failing the requests in flight")
@@ -262,57 +273,103 @@ class DecodeEngine:
 
     def _fail_in_flight(self, message: str) -> None:
         """Ends every scheduled request with INTERNAL; their consumers then free the pages (`_end`)."""
-        states = self._running + self._prefilling
+        pending, self._pending = self._pending, None
+        states = list(dict.fromkeys(self._running + self._prefilling + (pending.owners if pending else [])))
         self._running.clear()
         self._prefilling.clear()
+        self._batch = []
+        self.stepper.reset()
         for state in states:
-            state.in_forward = False
+            state.in_flight = 0
             if not state.finished:
                 self._fail(state, FailureCode.INTERNAL, message)
+            if state.ended:
+                self._release(state)
 
-    async def _forward(self, batch: list[_Request], fn, *args) -> Sampled | None:
-        for state in batch:
-            state.in_forward = True
+    async def _drain(self) -> None:
+        """Collects the pending decode step, if any."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            tokens, logprobs = await self._model_call(pending.owners, pending.collect)
+            self._process(pending, tokens, logprobs)
+
+    async def _model_call(self, owners, fn, *args):
+        """Runs `fn` in the model thread; a failure fails `owners` (one INTERNAL each) and re-raises."""
         try:
             return await self.model_thread.run(fn, *args)
         except Exception as exc:
             log.exception("forward failed")
-            for state in batch:
-                if not state.ended:
+            for state in owners:
+                if not state.ended and not state.finished:
                     self._fail(state, FailureCode.INTERNAL, f"forward failed: {exc!r}")
-            return None
-        finally:
-            for state in batch:
-                state.in_forward = False
-                if state.ended:
-                    self._release(state)
+            raise
 
     async def _prefill_round(self) -> None:
         plan = plan_extend_batch([s.progress for s in self._prefilling], self.config.scheduler.chunked_prefill_size)
-        owners = {id(s.progress): s for s in self._prefilling}
-        batch = [owners[id(item)] for item in plan.items]
+        batch = [item.owner for item in plan.items]
         rows = plan.finishing
-        sampled = await self._forward(batch, run_extend, self.runner, self.sampler, plan.seqs, rows,
-                                      [batch[r].sampling for r in rows])
-        if sampled is None:
+        for state in batch:
+            state.in_flight += 1
+        try:
+            sampled = await self._model_call(batch, run_extend, self.runner, self.sampler, plan.seqs, rows,
+                                             [batch[r].sampling for r in rows])
+        except Exception:
+            self._done_with(batch)
             self._prefilling = [s for s in self._prefilling if not s.finished]
             return
-        for state, seq in zip(batch, plan.seqs):
-            if state.progress is not None:
-                state.progress.computed += len(seq.token_ids)
+        plan.advance()
+        self._done_with(batch)
         for row, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
             state = batch[row]
             if state.ended:
                 continue
             self._prefilling.remove(state)
+            state.launched = 1
             self._accept(state, token, logprob)
             if not state.finished:
                 self._running.append(state)
 
     async def _decode_round(self) -> None:
-        batch: list[_Request] = []
-        for state in self._running[:self.config.scheduler.max_running_requests]:
-            needed = self.pool.pages_for_tokens(state.position + 1) - len(state.reservation.pages)
+        """Plans and launches the next step, then collects the pending one (overlap), or launches and
+        collects the same step (plain)."""
+        owners, rows = self._plan_step()
+        pending, self._pending = self._pending, None
+        overlap = self.config.scheduler.overlap_schedule
+        everyone = list(dict.fromkeys(owners + (pending.owners if pending else [])))
+        try:
+            launched, collected = await self._model_call(everyone, self._step, owners, rows, pending, overlap)
+        except Exception:
+            # The stepper's device state is unknown now: every row it held starts over, failed.
+            self._fail_in_flight("decode step failed (see the worker log)")
+            return
+        if pending is not None:
+            self._process(pending, *collected)
+        if launched is not None and not overlap:
+            tokens, logprobs = launched.collect() if collected is None else collected
+            self._process(launched, tokens, logprobs)
+            launched = None
+        self._pending = launched
+
+    def _step(self, owners, rows, pending, overlap):
+        """Model thread: launch the planned step (if any), then collect the previous one (overlap) or
+        this one (plain)."""
+        launched = self.stepper.launch(owners, rows, pending) if owners else None
+        if pending is not None:
+            return launched, pending.collect()
+        if launched is not None and not overlap:
+            return launched, launched.collect()
+        return launched, None
+
+    def _plan_step(self) -> tuple[list[_Request], list[DecodeRow]]:
+        """The rows of the next step: running requests that still need a token, capped, with pages."""
+        chosen: list[_Request] = []
+        cap = self.config.scheduler.max_running_requests
+        for state in list(self._running):
+            if len(chosen) >= cap:
+                break
+            if state.finished or state.launched >= state.max_new:
+                continue  # its last token is in flight: collecting it ends the request
+            needed = self.pool.pages_for_tokens(state.next_position + 1) - len(state.reservation.pages)
             if needed > 0:
                 try:
                     self.budget.grow(state.reservation, needed)
@@ -320,31 +377,41 @@ class DecodeEngine:
                     self._running.remove(state)
                     self._fail(state, exc.code, exc.message)
                     continue
-            batch.append(state)
-        if not batch:
-            return
-        seqs = [DecodeSeq(s.output_ids[-1], s.position, s.reservation.pages) for s in batch]
-        sampled = await self._forward(batch, run_decode, self.runner, self.sampler, seqs, [s.sampling for s in batch])
-        if sampled is None:
-            self._running = [s for s in self._running if not s.finished]
-            return
-        for state, token, logprob in zip(batch, sampled.token_ids, sampled.logprobs):
-            if state.ended:
+            chosen.append(state)
+        # Row order = the sampling batch's: rows that stay keep theirs, new rows go last.
+        keep = set(chosen)
+        ordered = [s for s in self._batch if s in keep]
+        staying = set(ordered)
+        ordered += [s for s in chosen if s not in staying]
+        self._batch = ordered
+        # A row of the pending (not yet collected) step takes its input from that step's samples on
+        # the device; any other row's last token is already on the host.
+        pending_rows = {id(s): row for row, s in enumerate(self._pending.owners)} if self._pending else {}
+        rows = []
+        for state in ordered:
+            prev_row = pending_rows.get(id(state), -1)
+            token = state.output_ids[-1] if prev_row < 0 else 0
+            rows.append(DecodeRow(token, prev_row, state.next_position, state.reservation.pages, state.sampling))
+            state.launched += 1
+            state.in_flight += 1
+        return ordered, rows
+
+    def _process(self, step: LaunchedStep, tokens: list[int], logprobs: list[float]) -> None:
+        """Host bookkeeping of a collected step: stream the tokens, apply stops, free what ended."""
+        for row, state in enumerate(step.owners):
+            if state.ended or state.finished:
                 continue
-            self._accept(state, token, logprob)
+            self._accept(state, tokens[row], logprobs[row])
             if state.finished:
                 self._running.remove(state)
+        self._done_with(step.owners)
 
 
-def _model_tokenizer(runner: ModelRunner):
-    """The checkpoint's tokenizer.json, or None (then stop strings are refused per request)."""
-    from tokenizers import Tokenizer
-
-    from deepseek_pd.errors import UserError
-    from deepseek_pd.model.tiny import resolve_model_path
+def _checkpoint_tokenizer(runner: ModelRunner):
+    """The runner's checkpoint's tokenizer.json, or None (an in-memory model has no directory)."""
+    from deepseek_pd.model.model_dir import load_tokenizer, resolve_model_dir
 
     try:
-        path = resolve_model_path(runner.config.model) / "tokenizer.json"
-    except UserError:  # an in-memory model (tests, tools) has no directory
+        return load_tokenizer(resolve_model_dir(runner.config.model))
+    except UserError:
         return None
-    return Tokenizer.from_file(str(path)) if path.is_file() else None

@@ -22,14 +22,17 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
+from deepseek_pd.model.request_rules import check_prompt
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling import Sampler, SamplingState
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
 from deepseek_pd.workers.common.kv_transfer import TransferError, build_sender
-from deepseek_pd.workers.common.scheduler import (
-    ModelThread, PromptProgress, check_prompt, plan_extend_batch, run_extend)
+from deepseek_pd.workers.common.extend_step import run_extend
+from deepseek_pd.workers.common.model_thread import ModelThread
+from deepseek_pd.workers.common.request_watch import Interrupted, unless
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
@@ -138,10 +141,8 @@ class PrefillEngine:
                                                       self.config.scheduler.admission_timeout_s),
                               timeout_code=FailureCode.RESOURCE_EXHAUSTED)
             token, logprob = await self._watch(state, asyncio.shield(state.first_token))
-            generator = state.sampling.generator
-            await self._watch(state, push.finish(
-                token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0,
-                generator_state=generator.get_state().numpy().tobytes() if generator is not None else b""))
+            # Seeded draws depend only on (seed, step): decode continues at step 1 with no state from here.
+            await self._watch(state, push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0))
             cached = state.hit.num_tokens if state.hit else 0
             outcome: list[Event] = [TokenChunk((token,), (logprob,) if request.return_logprob else ()),
                                     Finished("length", len(request.input_ids), 1, cached_tokens=cached)]
@@ -170,7 +171,7 @@ class PrefillEngine:
         cached = self.cache.num_pages if self.cache else 0
         return Loads(num_running=len(self._running), num_waiting=len(self._waiting),
                      kv_used_pages=self.pool.num_used_pages - cached, kv_total_pages=self.pool.num_pages,
-                     extra={"cached_pages": cached, "page_size": self.pool.page_size})
+                     extra={"cached_pages": cached})
 
     def is_healthy(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
@@ -178,21 +179,14 @@ class PrefillEngine:
     # ---- internals -------------------------------------------------------------------------
     async def _watch(self, state: _Request, awaitable, timeout_code: FailureCode = FailureCode.DEADLINE_EXCEEDED):
         """Awaits `awaitable` unless the room fails first (decode gone, abort): then raises that."""
-        task = asyncio.ensure_future(awaitable)
         room = state.push.room
         try:
-            await asyncio.wait({task, room.peer_gone, room.failure}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if not task.done():
-            task.cancel()
+            return await unless(awaitable, room.peer_gone, room.failure)
+        except Interrupted:
             if room.peer_gone.done():
-                raise TransferError(*room.peer_gone.result())
+                raise TransferError(*room.peer_gone.result()) from None
             failure = room.failure.result()
-            raise TransferError(code_from_pb(failure.code), failure.reason)
-        try:
-            return task.result()
+            raise TransferError(code_from_pb(failure.code), failure.reason) from None
         except asyncio.TimeoutError:
             raise TransferError(timeout_code, f"request {state.rid}: no KV pages within "
                                 f"{self.config.scheduler.admission_timeout_s}s") from None
@@ -248,7 +242,7 @@ class PrefillEngine:
             self._waiting.pop(0)
             state.hit = hit
             state.progress = PromptProgress(ids, cached + own, computed=len(cached) * self.pool.page_size,
-                                            sampling=state.sampling)
+                                            owner=state)
             self._running.append(state)
             state.push.pages_ready(state.progress.computed, state.progress.pages)
             state.admitted.set_result(True)
@@ -262,8 +256,7 @@ class PrefillEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            owners = {id(s.progress): s for s in self._running}
-            batch = [owners[id(item)] for item in plan.items]
+            batch = [item.owner for item in plan.items]
             rows = plan.finishing
             for state in batch:
                 state.in_forward = True
@@ -290,7 +283,6 @@ class PrefillEngine:
                 for row, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
                     state = batch[row]
                     if not state.ended and not state.first_token.done():
-                        state.sampling.append(token)
                         state.first_token.set_result((token, logprob))
             self._running = [s for s in self._running
                              if s.progress is not None and s.progress.remaining > 0 and not s.first_token.done()]

@@ -113,8 +113,7 @@ class KVPush:
                 self._error = TransferError(FailureCode.INTERNAL, f"KV send failed: {exc!r}")
                 self.room.fail(self._error.code, self._error.message)
 
-    async def finish(self, first_token_id: int, logprob: float, cached_tokens: int,
-                     generator_state: bytes = b"") -> None:
+    async def finish(self, first_token_id: int, logprob: float, cached_tokens: int) -> None:
         """Waits for every queued page, then sends TransferDone. Raises the transfer's error."""
         if not self.plan.done:
             raise RuntimeError(f"{self.rid}: finish before every page was handed to pages_ready")
@@ -125,7 +124,7 @@ class KVPush:
             raise self.failed
         await self.room.finish(pb.TransferDone(
             first_token_id=first_token_id, first_token_logprob=logprob, num_pages=self.plan.num_pages,
-            cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent, generator_state=generator_state),
+            cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent),
             timeout_s=self.sender.config.send_timeout_s)
         sent, busy = self.channel.bytes_sent, max(self._send_seconds, 1e-9)
         log.debug("%s: pushed %d bytes of KV in %.4fs of sending (%.3f GB/s), done %.3fs after arrival; %s",

@@ -1,0 +1,34 @@
+"""`HostCopy`: a device tensor's values on the host, copied without blocking the thread that asked.
+
+A decode step ends with ONE device-to-host copy (the sampled token ids and their logprobs packed in
+one tensor). `start` queues the copy into a pinned buffer behind the work that produces the
+values and records an event; `wait` blocks only until that event, so the thread that launched the
+step can launch the next one first (the overlap scheduler) and read these values later.
+
+On CPU the copy is a plain synchronous one and `wait` returns at once.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class HostCopy:
+    def __init__(self, values: torch.Tensor) -> None:
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event: torch.cuda.Event | None = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(values.device))
+        else:
+            self._host = values.detach().clone()
+            self._event = None
+
+    def ready(self) -> bool:
+        """Whether `wait` would return without blocking."""
+        return self._event is None or self._event.query()
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once the copy has landed."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
