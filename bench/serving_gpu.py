@@ -59,7 +59,7 @@ class Plan:
     profile_seconds: int = 10
 
 
-GPU = Plan("v2-lite", "cuda", "bfloat16", 64, True, "triton", 2048)
+GPU = Plan("v2-lite", "cuda", "bfloat16", 64, True, "triton", 0)  # pools sized by up (--mem-fraction-static)
 TINY = Plan("v2-mini", "cpu", "float32", 16, False, "auto", 1024, input_len=64, output_len=8,
             levels=((1, 4), (2, 8), (4, 8), (8, 16)), warmup=(2, 2), runner_steps=4,
             checks=Checks(tpot_level=4, throughput_targets=((4, 4000.0), (8, 6000.0))), budget_s=420.0,
@@ -71,12 +71,11 @@ def worker_flags(plan: Plan, extra: list[str]) -> list[str]:
     flags = [f"--device={plan.device}", f"--dtype={plan.dtype}", f"--page-size={plan.page_size}",
              f"--engine-opt=attention_backend={plan.backend}", f"--engine-opt=moe_backend={plan.backend}",
              "--engine-opt=num_fused_shared_experts=2",
-             # The scheduler's default cap (64) would keep c=128 from batching 128.
+             # The decode batch cap must reach the highest concurrency.
              f"--engine-opt=max_running_requests={max(c for c, _ in plan.levels)}"]
     if plan.num_pages:
         flags.append(f"--num-pages={plan.num_pages}")
-    if plan.cuda_graph:
-        flags.append("--engine-opt=cuda_graph=true")
+    # CUDA graphs: on by default for the decode worker on CUDA, never captured by the prefill worker.
     return flags + extra  # later flags win, so --worker-args can override any of the above
 
 

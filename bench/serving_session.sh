@@ -4,4 +4,7 @@
 # everything lands under $OUT. Extra arguments go to serving_gpu.py (e.g. --profile,
 # --worker-args "--engine-opt=..."). The router wheel (sglang-router) must already be installed.
 source "$(dirname "$0")/gpu_setup.sh"
-timeout "${SERVING_TIMEOUT:-570}" python3 bench/serving_gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/serving_gpu.log"
+# From /tmp: `python -m deepseek_pd.cli` in the checkout would import its deepseek_pd/ folder, which
+# lacks the mapped subpackages (model/, workers/, ...), instead of the installed package.
+repo=$(pwd)
+cd /tmp && timeout "${SERVING_TIMEOUT:-570}" python3 "$repo/bench/serving_gpu.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/serving_gpu.log"
