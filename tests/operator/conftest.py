@@ -1,14 +1,11 @@
 """Fixtures for the operator tests: one emulated cluster with a running kopf operator per module."""
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))  # kopf_emulator, operator_harness
-
-from operator_harness import OperatorHarness  # noqa: E402
+# pytest puts this (package-less) folder on sys.path when it imports this conftest, so the
+# operator tests' own helpers (operator_harness, kopf_emulator, leader_urls) import by name.
+from operator_harness import OperatorHarness
 
 
 @pytest.fixture(scope="module")

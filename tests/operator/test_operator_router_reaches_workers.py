@@ -27,10 +27,9 @@ import yaml
 from deepseek_pd.operator.build_router import build_router_args
 from deepseek_pd.operator.spec import DeploymentSpec
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "workers"))  # servicer_fakes: the worker tests' fake engine
+from pdtest.servicer_fakes import PAGE_SIZE, FakeEngine, expected_tokens, make_tokenizer_model_dir
 
-from servicer_fakes import PAGE_SIZE, FakeEngine, expected_tokens, make_tokenizer_model_dir  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(120)
 READY_TIMEOUT_S = 60.0

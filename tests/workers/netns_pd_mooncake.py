@@ -13,7 +13,7 @@ import sys
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer import TransportConfig
-from pd_engine_harness import CHUNK, PDPair, collect, oracle, worker_config
+from pdtest.pd_engine_harness import CHUNK, PDPair, collect, oracle, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 

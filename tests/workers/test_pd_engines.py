@@ -18,7 +18,7 @@ from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, GenerateRequest
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
-from pd_engine_harness import CHUNK, PDPair, collect, oracle, runner, worker_config
+from pdtest.pd_engine_harness import CHUNK, PDPair, collect, oracle, runner, worker_config
 
 pytestmark = [pytest.mark.timeout(120)]
 

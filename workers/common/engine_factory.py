@@ -2,7 +2,7 @@
 
 It replaces the role's default engine builder (deepseek_pd.workers.builders) with FUNC, which
 receives the resolved `ServeConfig` and returns a `WorkerEngine`. Tests use it to serve a scripted
-engine (tests/workers/servicer_fakes.py:build_fake_engine) through the real process, signal and
+engine (tests/support/pdtest/servicer_fakes.py:build_fake_engine) through the real process, signal and
 router path without loading a model. Production never sets it.
 """
 from __future__ import annotations

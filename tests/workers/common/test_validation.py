@@ -121,7 +121,7 @@ def test_bad_requests_raise_user_error_naming_the_problem(case: str) -> None:
 
 
 def test_served_model_info_reads_checkpoint(tmp_path) -> None:
-    from servicer_fakes import EOS, make_tokenizer_model_dir
+    from pdtest.servicer_fakes import EOS, make_tokenizer_model_dir
 
     model_dir = make_tokenizer_model_dir(tmp_path / "m", max_context=77)
     info = ServedModelInfo.from_model_dir(model_dir, "served")

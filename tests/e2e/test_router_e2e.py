@@ -20,7 +20,7 @@ import pytest
 from deepseek_pd.client.router_http import RouterClient, RouterError
 from deepseek_pd.client.scheduler_grpc import SchedulerClient
 from deepseek_pd.launcher.cluster import LocalCluster
-from e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, wait_for_pages
+from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, wait_for_pages
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -146,26 +146,12 @@ def test_rejected_request_reaches_the_client_with_our_message(cluster) -> None:
 def test_mooncake_transport_parity_in_private_netns(tmp_path) -> None:
     """Mooncake binds 0.0.0.0 whatever it is told, so the whole cluster runs in its own netns."""
     import json
-    import shutil
-    import subprocess
-    import sys
     from pathlib import Path
 
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        pytest.skip("needs `unshare` and `ip` (scripts/system-deps.sh installs them)")
-    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare -n is not permitted here: {probe.stderr.decode().strip()}")
-    try:
-        import mooncake.engine  # noqa: F401
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"Mooncake transfer engine not importable ({exc}); needs libibverbs1")
+    from pdtest.netns import run_in_netns
+
     out = tmp_path / "report.json"
-    script = Path(__file__).with_name("netns_parity_script.py")
-    command = f"ip link set lo up && exec {sys.executable} {script} mooncake {out}"
-    proc = subprocess.run(["unshare", "-n", "sh", "-c", command], capture_output=True, text=True,
-                          timeout=380)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_in_netns(Path(__file__).with_name("netns_parity_script.py"), "mooncake", str(out), timeout_s=380)
     report = json.loads(out.read_text())
     assert report["transport_logged"], "workers did not report the mooncake transport"
     assert report["checked"] == 8 and report["mismatches"] == []

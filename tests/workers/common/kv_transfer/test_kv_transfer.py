@@ -23,7 +23,7 @@ from deepseek_pd.workers.common.kv_transfer.mooncake import build_write_batch
 from deepseek_pd.workers.common.kv_transfer.plan import (
     PageRun, SendPlan, merge_page_runs, split_into_chunks)
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
-from kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ import pytest
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer import TransferError, TransportConfig
 from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, EncodedChunk, decode_event, encode_chunk_event
-from kv_transfer_harness import Exchange, Side, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, Side, random_pool, run_exchange, scattered_alloc
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import torch
 from deepseek_pd.workers.common.kv_transfer import TransportConfig
 from deepseek_pd.workers.common.kv_transfer.grpc_stream import GrpcSink
 from deepseek_pd.workers.common.kv_transfer.plan import SendPlan
-from kv_transfer_harness import Exchange, Side, layer_groups, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, Side, layer_groups, pages_equal, random_pool, run_exchange, scattered_alloc
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,13 +12,11 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from deepseek_pd.client.router_http import RouterClient  # noqa: E402
-from deepseek_pd.launcher.cluster import LocalCluster  # noqa: E402
-from deepseek_pd.model.engine import Engine  # noqa: E402
-from deepseek_pd.model.sampling_params import SamplingParams  # noqa: E402
-from e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, wait_for_pages  # noqa: E402
+from deepseek_pd.client.router_http import RouterClient
+from deepseek_pd.launcher.cluster import LocalCluster
+from deepseek_pd.model.engine import Engine
+from deepseek_pd.model.sampling_params import SamplingParams
+from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, wait_for_pages
 
 
 def main(transport: str, out_path: str) -> None:

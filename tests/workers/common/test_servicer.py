@@ -17,7 +17,7 @@ from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
 from deepseek_pd.workers.common.servicer import WorkerIdentity
-from servicer_fakes import CRASH_TOKEN, EOS, FAIL_TOKEN, FAILURE_CODES, PAGE_SIZE, SLOW_TOKEN, FakeEngine, expected_tokens, \
+from pdtest.servicer_fakes import CRASH_TOKEN, EOS, FAIL_TOKEN, FAILURE_CODES, PAGE_SIZE, SLOW_TOKEN, FakeEngine, expected_tokens, \
     make_tokenizer_model_dir
 
 pytestmark = pytest.mark.timeout(60)

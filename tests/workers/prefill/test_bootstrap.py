@@ -18,7 +18,7 @@ from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.room import Room, TransferPhase
 from deepseek_pd.workers.prefill.kv_push import KVPush
-from kv_transfer_harness import pages_equal, random_pool, Exchange, Side
+from pdtest.kv_transfer_harness import pages_equal, random_pool, Exchange, Side
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -77,7 +77,7 @@ def test_workload_lengths_and_determinism() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("direct", [False, True], ids=["router", "direct-pd"])
 def test_bench_serving_against_local_cluster(tmp_path: Path, direct: bool) -> None:
-    from e2e_cluster import cluster_cli_flags
+    from pdtest.e2e_cluster import cluster_cli_flags
 
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     num_prompts, input_len, output_len = 12, 24, 6

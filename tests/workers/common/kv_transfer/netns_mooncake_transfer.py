@@ -13,7 +13,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer import TransferError, TransportConfig, build_sender
 from deepseek_pd.workers.common.kv_transfer.base import layout_of
-from kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
 
 
 def exchange_for(seed: int, layerwise: bool = False) -> Exchange:

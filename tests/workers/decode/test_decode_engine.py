@@ -11,7 +11,7 @@ from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.workers.common.api import Failed, FailureCode, GenerateRequest
 from deepseek_pd.workers.common.worker_config import SchedulerConfig
 from deepseek_pd.workers.decode.engine import DecodeEngine
-from pd_engine_harness import CHUNK, collect, oracle, runner, worker_config
+from pdtest.pd_engine_harness import CHUNK, collect, oracle, runner, worker_config
 
 pytestmark = pytest.mark.timeout(120)
 

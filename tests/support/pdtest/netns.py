@@ -6,6 +6,7 @@ only a loopback interface. Skips (with the reason) where namespaces or libibverb
 from __future__ import annotations
 
 import ctypes.util
+import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+SUPPORT_ROOT = Path(__file__).resolve().parents[1]  # the folder that holds `pdtest`
 
 
 def skip_unless_netns_and_mooncake() -> None:
@@ -26,15 +27,21 @@ def skip_unless_netns_and_mooncake() -> None:
         pytest.skip("libibverbs.so.1 is missing (Debian libibverbs1; scripts/system-deps.sh installs it)")
     try:
         import mooncake.engine  # noqa: F401
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:
         pytest.skip(f"mooncake is not importable: {exc}")
 
 
-def run_in_netns(script: str, *args: str, timeout_s: float = 240) -> str:
-    """Runs tests/workers/<script> with this interpreter in a fresh namespace; returns its stdout."""
+def run_in_netns(script: Path, *args: str, timeout_s: float = 240) -> str:
+    """Runs `script` with this interpreter in a fresh namespace; returns its stdout.
+
+    The script is run by path, so `pdtest` reaches it through PYTHONPATH, as pytest's own
+    `pythonpath` setting gives it to the tests.
+    """
     skip_unless_netns_and_mooncake()
-    command = " ".join([sys.executable, str(HERE / script), *args])
+    command = " ".join([sys.executable, str(script), *args])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT_ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"],
-                            capture_output=True, text=True, timeout=timeout_s, cwd=HERE)
-    assert result.returncode == 0, f"{script} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-4000:]}"
+                            capture_output=True, text=True, timeout=timeout_s, cwd=script.parent, env=env)
+    assert result.returncode == 0, f"{script.name} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-4000:]}"
     return result.stdout

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pdtest.bench_scripts import bench_module
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -62,8 +64,7 @@ def test_tiny_run_reports_what_it_measured(tmp_path: Path) -> None:
     table = proc.stdout.strip().splitlines()
     assert table[-1].startswith("tiny CPU run") and any(line.startswith("check") for line in table)
 
-    sys.path.insert(0, str(REPO / "bench"))
-    from pyspy_profile import pyspy_binary
+    pyspy_binary = bench_module("pyspy_profile").pyspy_binary
 
     if pyspy_binary() is None:
         assert any("py-spy is not installed" in note for note in result["notes"])

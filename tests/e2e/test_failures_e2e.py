@@ -21,7 +21,7 @@ import pytest
 from deepseek_pd.client.pd_dispatch import PDClient
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
 from deepseek_pd.launcher.cluster import LocalCluster
-from e2e_cluster import cluster_spec, used_pages, wait_for_pages
+from pdtest.e2e_cluster import cluster_spec, used_pages, wait_for_pages
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 

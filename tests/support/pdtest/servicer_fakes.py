@@ -115,6 +115,6 @@ def make_tokenizer_model_dir(path: Path, max_context: int = 64) -> Path:
 
 
 def build_fake_engine(config) -> FakeEngine:
-    """`deepseek-pd serve --engine-factory tests/workers/servicer_fakes.py:build_fake_engine` (the test
+    """`deepseek-pd serve --engine-factory tests/support/pdtest/servicer_fakes.py:build_fake_engine` (the test
     hook; `config` is the resolved ServeConfig, which a scripted engine does not need)."""
     return FakeEngine()

@@ -1,7 +1,7 @@
 """`deepseek-pd up` as a user runs it: a real process tree (workers + the real router), then
 SIGINT / SIGTERM / SIGKILL of the launcher, and a check that no descendant survives.
 
-Workers serve the scripted engine from servicer_fakes.py (`--engine-factory`), so these tests are
+Workers serve the scripted engine from pdtest/servicer_fakes.py (`--engine-factory`), so these tests are
 about process supervision, not the model; the router and the gRPC path are the real ones.
 """
 from __future__ import annotations
@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 
 from deepseek_pd.launcher.ports import is_port_free, pick_free_ports
-from servicer_fakes import expected_tokens, make_tokenizer_model_dir
+from pdtest import servicer_fakes
+from pdtest.servicer_fakes import expected_tokens, make_tokenizer_model_dir
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
-FAKE_FACTORY = f"{Path(__file__).with_name('servicer_fakes.py')}:build_fake_engine"
+FAKE_FACTORY = f"{servicer_fakes.__file__}:build_fake_engine"  # loaded by path in each worker
 
 
 def descendants(pid: int) -> set[int]:
@@ -157,7 +158,7 @@ def test_serve_drains_running_requests_on_sigterm(model_dir, tmp_path) -> None:
 
     from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
     from deepseek_pd.launcher.health import worker_is_healthy
-    from servicer_fakes import SLOW_TOKEN
+    from pdtest.servicer_fakes import SLOW_TOKEN
     from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
     port = pick_free_ports(1)[0]

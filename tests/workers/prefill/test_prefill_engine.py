@@ -16,7 +16,7 @@ from deepseek_pd.workers.common.worker_config import SchedulerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.engine import PrefillEngine
-from pd_engine_harness import CHUNK, PAGE_SIZE, collect, oracle, runner, worker_config
+from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, collect, oracle, runner, worker_config
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)

@@ -23,15 +23,14 @@ from pathlib import Path
 import pytest
 
 from deepseek_pd.errors import UserError
+from pdtest.bench_scripts import bench_module
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def random_non_tiny_config(rng: random.Random) -> dict:
-    from random_checkpoint import V2_MINI
+    V2_MINI = bench_module("random_checkpoint").V2_MINI
 
     return {**V2_MINI, "vocab_size": rng.randint(120, 400), "num_hidden_layers": rng.choice([2, 3, 5]),
             "kv_lora_rank": rng.choice([16, 24, 48]), "qk_rope_head_dim": rng.choice([8, 16]),
@@ -69,10 +68,10 @@ def start_smg(cluster, log_path: Path) -> tuple[subprocess.Popen, str]:
 def test_bench_url_uses_the_served_models_vocabulary_and_kv_size(tmp_path: Path, router: str) -> None:
     if router == "smg":
         pytest.importorskip("smg")
-    from random_checkpoint import write_random_checkpoint
+    write_random_checkpoint = bench_module("random_checkpoint").write_random_checkpoint
 
     from deepseek_pd.launcher.cluster import LocalCluster
-    from e2e_cluster import cluster_spec
+    from pdtest.e2e_cluster import cluster_spec
 
     rng = random.Random()
     config = random_non_tiny_config(rng)
@@ -151,7 +150,7 @@ def _workers_body(rng: random.Random, name: str, vocab: int, context: int, model
 
 @pytest.mark.parametrize("flavour", ["0.3.2", "smg"])
 def test_discovery_parses_json_by_content_not_label(tmp_path: Path, flavour: str) -> None:
-    from random_checkpoint import write_random_checkpoint
+    write_random_checkpoint = bench_module("random_checkpoint").write_random_checkpoint
 
     from deepseek_pd.loadgen.target_model import discover_target_model
 
@@ -198,7 +197,7 @@ def test_non_json_or_empty_model_list_is_a_clear_error(body: str) -> None:
 
 def test_a_router_without_workers_listing_needs_model(tmp_path: Path) -> None:
     """No /workers (another gateway): the error says to pass --model; with --model it works."""
-    from random_checkpoint import write_random_checkpoint
+    write_random_checkpoint = bench_module("random_checkpoint").write_random_checkpoint
 
     from deepseek_pd.loadgen.target_model import discover_target_model
 
@@ -226,7 +225,7 @@ def test_a_worker_reported_kv_size_wins_over_the_config(tmp_path: Path) -> None:
     from config.json's) is believed; the router's /workers names it by its grpc:// URL."""
     import grpc
     from google.protobuf.struct_pb2 import Struct
-    from random_checkpoint import write_random_checkpoint
+    write_random_checkpoint = bench_module("random_checkpoint").write_random_checkpoint
     from smg_grpc_proto import sglang_scheduler_pb2 as pb
     from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
