@@ -305,7 +305,7 @@ def test_unreachable_bootstrap_is_unavailable_within_the_timeout():
 @pytest.mark.parametrize("mismatch", ["layout", "transport"])
 def test_mismatched_sides_fail_both_with_a_clear_reason(mismatch, monkeypatch):
     """Different KV layouts (another model or dtype) or transports must never copy bytes."""
-    import kv_transfer_harness
+    from pdtest import kv_transfer_harness
     from deepseek_pd.workers.common.kv_transfer.fake import FakeReceiver
 
     rng = random.Random()
