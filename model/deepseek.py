@@ -1,8 +1,8 @@
 """`DeepseekForCausalLM`: embeddings, decoder layers (op lists), final norm and lm_head.
 
-`forward(batch)` runs every layer's op list over one `OpState`, or, with `enable_tbo`, hands the
-batch to the two-batch-overlap executor (`tbo.py`), which interleaves the same ops over two
-micro-batches. `load_weights` takes HF tensor names (see
+`forward(batch, progress=None)` runs every layer's op list over one `OpState`, or, with
+`enable_tbo`, hands the batch to the two-batch-overlap executor (`tbo.py`), which interleaves the
+same ops over two micro-batches; either tells `progress` when each layer's KV is written. `load_weights` takes HF tensor names (see
 `weight_mapping`). Parameters are allocated uninitialised: a model is always loaded before use.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.decoder_layer import DeepseekDecoderLayer
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.layer_ops import LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, OpState, op_method, run_layer_ops
+from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.parallel import ExpertPlacement
@@ -69,11 +70,12 @@ class DeepseekForCausalLM(nn.Module):
             hidden, residual = hidden[rows], residual[rows]
         return self.norm.add_and_norm(hidden, residual)[0]
 
-    def run_layers(self, batch: ForwardBatch) -> OpState:
-        """Embeds and runs every layer's op list; returns the {hidden_states, residual} state."""
+    def run_layers(self, batch: ForwardBatch, progress: LayerProgress | None = None) -> OpState:
+        """Embeds and runs every layer's op list; returns the {hidden_states, residual} state.
+        `progress` hears of each layer's KV write (model/layer_progress.py)."""
         state = self.initial_state(batch)
         for layer in self.layers:
-            run_layer_ops(layer.ops, state, batch)
+            run_layer_ops(layer, state, batch, progress)
         return state
 
     @torch.no_grad()
@@ -81,11 +83,14 @@ class DeepseekForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits `[B, vocab]` of each sequence's last new token."""
+    def forward(self, batch: ForwardBatch, progress: LayerProgress | None = None) -> torch.Tensor:
+        """fp32 logits `[B, vocab]` of each sequence's last new token.
+
+        `progress` (optional; none for decode and CUDA graphs) is told after each layer's KV
+        write, once per layer for the whole batch, on both paths."""
         if self._tbo is not None:
-            return self.compute_logits(self._tbo.final_hidden(batch))
-        hidden = self.final_hidden(self.run_layers(batch), batch.last_token_index)
+            return self.compute_logits(self._tbo.final_hidden(batch, progress=progress))
+        hidden = self.final_hidden(self.run_layers(batch, progress), batch.last_token_index)
         return self.compute_logits(hidden)
 
     @torch.no_grad()

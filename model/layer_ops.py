@@ -27,11 +27,15 @@ only through `OpLayer` and `LayerStack` below, so they do not depend on the mode
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from deepseek_pd.model.forward_batch import ForwardBatch
+from deepseek_pd.model.layer_progress import KV_WRITE_OP
+
+if TYPE_CHECKING:
+    from deepseek_pd.model.layer_progress import LayerProgress
 
 MOE_LAYER_OPS: tuple[str, ...] = (
     "prepare_attn", "attn_prepare", "attn_core", "prepare_mlp", "gate", "select_experts",
@@ -120,6 +124,7 @@ class OpLayer(Protocol):
     layer_id: int
     is_moe: bool  # MoE layers also run the TBO schedules; dense layers only `op_names`
     op_names: tuple[str, ...]  # the plain op list, `MOE_LAYER_OPS` or `DENSE_LAYER_OPS`
+    ops: tuple["Op", ...]  # `op_names` as bound methods (`bound_ops`)
 
 
 class LayerStack(Protocol):
@@ -131,8 +136,9 @@ class LayerStack(Protocol):
     def initial_state(self, batch: ForwardBatch) -> OpState:
         """The first layer's input state, {hidden_states, residual}."""
 
-    def run_layers(self, batch: ForwardBatch) -> OpState:
-        """Every layer's plain op list over one state; returns the last layer's output state."""
+    def run_layers(self, batch: ForwardBatch, progress: "LayerProgress | None" = None) -> OpState:
+        """Every layer's plain op list over one state; returns the last layer's output state.
+        `progress`, if given, hears of each layer's KV write (`run_layer_ops`)."""
 
     def final_hidden(self, state: OpState, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Consumes the last layer's output state: final-normed hidden states of `rows`."""
@@ -148,6 +154,14 @@ def bound_ops(layer: OpLayer) -> tuple[Op, ...]:
     return tuple(op_method(layer, name) for name in layer.op_names)
 
 
-def run_layer_ops(ops: tuple[Op, ...], state: OpState, batch: ForwardBatch) -> None:
-    for op in ops:
+def run_layer_ops(layer: OpLayer, state: OpState, batch: ForwardBatch,
+                  progress: "LayerProgress | None" = None) -> None:
+    """Runs the layer's plain op list; tells `progress` right after `KV_WRITE_OP`."""
+    if progress is None:
+        for op in layer.ops:
+            op(state, batch)
+        return
+    for name, op in zip(layer.op_names, layer.ops):
         op(state, batch)
+        if name == KV_WRITE_OP:
+            progress.kv_written(layer.layer_id)

@@ -32,6 +32,7 @@ from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
 from deepseek_pd.model.kv_pool_sizing import GIB, GpuMemory, pages_for_gpu
+from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.parallel import ParallelInfo
 
@@ -261,18 +262,22 @@ class ModelRunner:
         return self.model.config
 
     def _run(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
-             pages: list[Sequence[int]], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+             pages: list[Sequence[int]], input_ids: torch.Tensor | None = None,
+             progress: LayerProgress | None = None) -> torch.Tensor:
         batch = ForwardBatch.build(mode, token_ids, prefix_lens, pages, self.kv_pool,
                                    self.model_config.vocab_size, self.model.options.device)
         if input_ids is not None:
             batch.input_ids = _checked_device_ids(input_ids, batch.num_tokens)
         batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
-        return self.model(batch)
+        return self.model(batch, progress)
 
-    def extend(self, seqs: Sequence[ExtendSeq]) -> torch.Tensor:
-        """fp32 logits `[len(seqs), vocab]` of each sequence's last new token."""
+    def extend(self, seqs: Sequence[ExtendSeq], progress: LayerProgress | None = None) -> torch.Tensor:
+        """fp32 logits `[len(seqs), vocab]` of each sequence's last new token.
+
+        `progress`, if given, is told as each layer's KV of the whole batch is written
+        (`model/layer_progress.py`), while the forward goes on."""
         return self._run(ForwardMode.EXTEND, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
-                         [s.pages for s in seqs])
+                         [s.pages for s in seqs], progress=progress)
 
     def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
         """With EP: this rank has no requests this step but must join the other ranks' MoE

@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.layer_ops import (TBO_DECODE_MOE_OPS, TBO_PREFILL_MOE_OPS, YIELD, LayerStack, Op, OpState,
                                          op_method)
+from deepseek_pd.model.layer_progress import KV_WRITE_OP
 from deepseek_pd.model.parallel import ParallelInfo
+
+if TYPE_CHECKING:
+    from deepseek_pd.model.layer_progress import LayerProgress
 
 TBO_MOE_OPS: dict[ForwardMode, tuple[str, ...]] = {
     ForwardMode.EXTEND: TBO_PREFILL_MOE_OPS,
@@ -108,19 +113,26 @@ class TwoBatchOverlap:
         self.parallel = parallel
         self.stages = {mode: build_stages(model, mode) for mode in ForwardMode}
 
-    def final_hidden(self, batch: ForwardBatch, trace: list[TraceEntry] | None = None) -> torch.Tensor:
+    def final_hidden(self, batch: ForwardBatch, trace: list[TraceEntry] | None = None,
+                     progress: "LayerProgress | None" = None) -> torch.Tensor:
         """Final-normed hidden states of each sequence's last new token `[B, H]`, as the plain
-        path returns them. `trace`, if given, receives every op run, in order."""
+        path returns them. `trace`, if given, receives every op run, in order. `progress` hears
+        of a layer's KV write once both micro-batches have written it."""
         model = self.model
         cut = split_point(batch)
         if not self.parallel.all_agree(cut is not None, batch.input_ids.device):
-            return model.final_hidden(model.run_layers(batch), batch.last_token_index)
+            return model.final_hidden(model.run_layers(batch, progress), batch.last_token_index)
         halves = (sub_batch(batch, 0, cut), sub_batch(batch, cut, batch.batch_size))
         states = [model.initial_state(half) for half in halves]
         stages = self.stages[batch.mode]
+        written: dict[int, int] = {}  # layer id -> micro-batches whose KV write has run
         for micro, index in interleaved_order(len(stages), DELTA_STAGES[batch.mode]):
             for op in stages[index]:
                 op.run(states[micro], halves[micro])
                 if trace is not None:
                     trace.append((micro, op.layer_id, op.name))
+                if progress is not None and op.name == KV_WRITE_OP:
+                    written[op.layer_id] = written.get(op.layer_id, 0) + 1
+                    if written[op.layer_id] == len(halves):
+                        progress.kv_written(op.layer_id)
         return torch.cat([model.final_hidden(state, half.last_token_index) for state, half in zip(states, halves)])

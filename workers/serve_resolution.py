@@ -10,6 +10,8 @@ The rules, each in one place:
   `--mem-fraction-static` (default 0.88) of the GPU's memory after the weights load
   (model/kv_pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages.
 - identity: what GetServerInfo/GetLoads report, with the runner's page size.
+- layer-wise KV transfer (prefill): `SchedulerConfig.layerwise_transfer`, on by default (correct on every
+  path: plain, TBO, any transport); `--engine-opt layerwise_transfer=false` sends per chunk instead.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
 from deepseek_pd.model.sampling import Sampler, SamplingState
 
@@ -17,12 +18,13 @@ class Sampled:
 
 
 def run_extend(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq], rows: Sequence[int],
-               states: Sequence[SamplingState]) -> Sampled:
+               states: Sequence[SamplingState], progress: LayerProgress | None = None) -> Sampled:
     """Extends all `seqs`; samples one token for each of `rows` (with `states[i]` for rows[i]).
 
-    Runs in the model thread. The sampler advances the states by the sampled token; one host copy at the end.
+    Runs in the model thread. The sampler advances the states by the sampled token; one host copy
+    at the end. `progress` hears of each layer's KV write during the forward (layer-wise transfer).
     """
-    logits = runner.extend(list(seqs))
+    logits = runner.extend(list(seqs), progress=progress)
     if logits.is_cuda:
         # The KV written by this forward is read next by the transport (copies or one-sided RDMA
         # writes) outside this stream's order: make it complete first.

@@ -40,6 +40,9 @@ class SchedulerConfig:
     decode_reserve_tokens: int = 4096  # pages reserved per request for decoding: min(max_new_tokens, this)
     admission_timeout_s: float = 30.0  # a request waits this long for KV pages before RESOURCE_EXHAUSTED
     prefix_cache: bool = True  # prefill: reuse KV of shared prompt prefixes (radix tree)
+    # prefill: hand each layer's KV to the transport as soon as the forward has written it, so
+    # the transfer overlaps the remaining layers (workers/prefill/engine.py); off: after each chunk
+    layerwise_transfer: bool = True
     # decode: launch step N+1 before collecting step N's tokens (workers/decode/engine.py); same tokens
     overlap_schedule: bool = True
 

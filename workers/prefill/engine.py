@@ -5,8 +5,10 @@ A request's way through this engine (ARCHITECTURE §2):
     generate(req)  -> KVPush claims the bootstrap room, waits for decode's handshake
     admission      -> radix-cache prefix match (pinned) + pages for the rest of the prompt;
                       the cached pages go to decode at once
-    scheduler loop -> chunked prefill rounds in the model thread; after each round the pages it
-                      completed are pushed; the round that completes the prompt samples token 1
+    scheduler loop -> chunked prefill rounds in the model thread; as each layer's KV is written
+                      (layer-wise streaming, `layerwise_transfer`), or after the round (all
+                      layers), the pages it completed are pushed; the round that completes the
+                      prompt samples token 1
     finish         -> remaining pages + TransferDone(first token) to decode; this request yields
                       TokenChunk([first]) and Finished("length", completion_tokens=1)
     always         -> full pages go to the prefix cache, the rest are freed, the room is released
@@ -19,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.layer_progress import LayerEvents
 from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
 from deepseek_pd.model.request_rules import check_prompt
-from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
 from deepseek_pd.model.sampling import Sampler, SamplingState
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
@@ -247,6 +250,26 @@ class PrefillEngine:
             state.push.pages_ready(state.progress.computed, state.progress.pages)
             state.admitted.set_result(True)
 
+    def _layer_progress(self, batch: list[_Request], seqs: Sequence[ExtendSeq]) -> LayerEvents:
+        """Layer-wise KV streaming: as the forward (model thread) writes each layer's KV, that
+        layer's newly complete pages of every request in the batch go to the transport (event
+        loop), so the transfer overlaps the remaining layers.
+
+        Chunked prompts stay exact: each chunk hands over the pages its tokens complete, per
+        layer, and `SendPlan` sends every (layer, page) cell once; only the chunk that completes
+        the prompt sends the last, partial page, and `finish` (TransferDone) needs every cell.
+        """
+        loop = asyncio.get_running_loop()
+        targets = [(state, state.progress.computed + len(seq.token_ids)) for state, seq in zip(batch, seqs)]
+
+        def on_loop(layer: int, ready) -> None:
+            for state, computed in targets:
+                if not state.ended and state.progress is not None and state.push.failed is None:
+                    state.push.layers_ready(computed, state.progress.pages, layer, layer + 1, ready)
+
+        return LayerEvents(self.runner.model.options.device,
+                           lambda layer, ready: loop.call_soon_threadsafe(on_loop, layer, ready))
+
     async def _schedule_loop(self) -> None:
         budget = self.config.scheduler.chunked_prefill_size
         while True:
@@ -260,9 +283,10 @@ class PrefillEngine:
             rows = plan.finishing
             for state in batch:
                 state.in_forward = True
+            progress = self._layer_progress(batch, plan.seqs) if self.config.scheduler.layerwise_transfer else None
             try:
                 sampled = await self.model_thread.run(run_extend, self.runner, self.sampler, plan.seqs, rows,
-                                                      [batch[r].sampling for r in rows])
+                                                      [batch[r].sampling for r in rows], progress)
                 error = None
             except Exception as exc:
                 log.exception("prefill forward failed")
@@ -278,6 +302,7 @@ class PrefillEngine:
                         state.first_token.set_exception(TransferError(FailureCode.INTERNAL, repr(error)))
                     continue
                 state.progress.computed += len(seq.token_ids)
+                # Layer-wise, every layer went out during the forward and this finds nothing left.
                 state.push.pages_ready(state.progress.computed, state.progress.pages)
             if sampled is not None:
                 for row, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):

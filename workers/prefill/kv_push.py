@@ -3,13 +3,16 @@
 The prefill scheduler calls `pages_ready` after every chunk it computes (all layers), or
 `layers_ready` as each layer's forward has written its KV (layer-wise streaming: the transfer
 overlaps the remaining layers); the pages are sent in order by a background task, so a slow
-decode side never stalls the scheduler loop (it only delays this request's `finish`). A send
+decode side never stalls the scheduler loop (it only delays this request's `finish`). Sends that
+queued up while an earlier one was on its way (the same pages of consecutive layers) leave as
+one: layer by layer while the transport keeps up, in larger layer ranges when it does not. A send
 failure fails the room at once and is re-raised by `finish`; the engine, watching the room, ends
 the request, which stops its compute.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -34,6 +37,32 @@ class _Send:
     layers: range
     ready: "torch.cuda.Event | None"
 
+    def follows(self, other: "_Send") -> bool:
+        """The same pages in the layers right after `other`'s: both can go as one send."""
+        return (self.page_begin == other.page_begin and self.src_pages == other.src_pages
+                and self.layers.start == other.layers.stop)
+
+
+def _written(ready: "torch.cuda.Event | None") -> bool:
+    """Whether the KV behind `ready` is already in the pool (no event: it was when the send was queued)."""
+    return ready is None or ready.query()
+
+
+def merge_queued(first: _Send, queued: "collections.deque[_Send | None]") -> _Send:
+    """`first` plus the sends at the head of `queued` that continue it and whose KV is already
+    written (popped from `queued`).
+
+    Only written layers join: on CUDA the forward is queued far ahead of the GPU, and a send
+    that waited for the last of many layers would give up the overlap for the others. The merged
+    send waits for the last one's `ready` (events of one forward are recorded on one stream in
+    layer order, so the last implies the others).
+    """
+    merged = first
+    while queued and queued[0] is not None and queued[0].follows(merged) and _written(queued[0].ready):
+        nxt = queued.popleft()
+        merged = _Send(merged.src_pages, merged.page_begin, range(merged.layers.start, nxt.layers.stop), nxt.ready)
+    return merged
+
 
 class KVPush:
     def __init__(self, registry: RoomRegistry, sender: KVSender, room_id: int, rid: str,
@@ -45,11 +74,13 @@ class KVPush:
         self.plan = SendPlan(num_tokens, sender.pool.page_size, sender.pool.num_layers)
         self.room: Room = registry.claim(room_id, rid)
         self.channel: SendChannel | None = None
-        self._queue: asyncio.Queue[_Send | None] = asyncio.Queue()
+        self._queue: collections.deque[_Send | None] = collections.deque()  # None: no more sends
+        self._queued = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._error: TransferError | None = None
         self._started = time.monotonic()
         self._send_seconds = 0.0  # time spent inside channel.send: the transfer's own rate
+        self._num_sends = 0
 
     async def handshake(self, timeout_s: float) -> pb.Handshake:
         """Waits for the decode side's handshake and opens the transport channel."""
@@ -90,13 +121,30 @@ class KVPush:
         """
         final = computed_tokens == self.num_tokens
         for layers, ready_pages in self.plan.ready_layers(computed_tokens, range(layer_begin, layer_end), final):
-            self._queue.put_nowait(_Send([pages[i] for i in ready_pages], ready_pages.start, layers, ready))
+            self._put(_Send([pages[i] for i in ready_pages], ready_pages.start, layers, ready))
+
+    @property
+    def num_sends(self) -> int:
+        """`channel.send` calls so far (after merging queued layer ranges)."""
+        return self._num_sends
+
+    def _put(self, item: _Send | None) -> None:
+        self._queue.append(item)
+        self._queued.set()
+
+    async def _next(self) -> _Send | None:
+        while not self._queue:
+            self._queued.clear()
+            await self._queued.wait()
+        item = self._queue.popleft()
+        return None if item is None else merge_queued(item, self._queue)
 
     async def _send_loop(self) -> None:
         assert self.channel is not None
-        while (item := await self._queue.get()) is not None:
+        while (item := await self._next()) is not None:
             if self._error is not None:
                 continue
+            self._num_sends += 1
             began = time.monotonic()
             try:
                 if item.layers == range(self.sender.pool.num_layers) and item.ready is None:
@@ -118,7 +166,7 @@ class KVPush:
         if not self.plan.done:
             raise RuntimeError(f"{self.rid}: finish before every page was handed to pages_ready")
         assert self._task is not None and self.channel is not None
-        self._queue.put_nowait(None)
+        self._put(None)
         await asyncio.shield(self._task)
         if self.failed is not None:
             raise self.failed
@@ -127,9 +175,9 @@ class KVPush:
             cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent),
             timeout_s=self.sender.config.send_timeout_s)
         sent, busy = self.channel.bytes_sent, max(self._send_seconds, 1e-9)
-        log.debug("%s: pushed %d bytes of KV in %.4fs of sending (%.3f GB/s), done %.3fs after arrival; %s",
-                  self.rid, sent, busy, sent / busy / 1e9, time.monotonic() - self._started,
-                  self.channel.stats.summary())
+        log.debug("%s: pushed %d bytes of KV in %d sends, %.4fs of sending (%.3f GB/s), done %.3fs after "
+                  "arrival; %s", self.rid, sent, self._num_sends, busy, sent / busy / 1e9,
+                  time.monotonic() - self._started, self.channel.stats.summary())
 
     def fail(self, code: FailureCode, reason: str) -> None:
         self.room.fail(code, reason)

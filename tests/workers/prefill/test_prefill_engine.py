@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -47,10 +48,12 @@ def reference_kv(prompt: list[int]) -> list[torch.Tensor]:
     return [buffer[pages].reshape(-1, ref.kv_pool.kv_dim)[:len(prompt)] for buffer in ref.kv_pool.buffers]
 
 
-def test_pushed_kv_equals_a_single_extend_with_chunks_and_with_a_prefix_hit():
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_pushed_kv_equals_a_single_extend_with_chunks_and_with_a_prefix_hit(layerwise):
     rng = random.Random()
     prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(rng.randrange(2 * CHUNK + 1, 4 * CHUNK))]
     config = worker_config("grpc")
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, layerwise_transfer=layerwise))
 
     async def run():
         engine = PrefillEngine(runner(), config)
@@ -63,9 +66,9 @@ def test_pushed_kv_equals_a_single_extend_with_chunks_and_with_a_prefix_hit():
             channel = original_open(handshake, emit)
             send = channel.send
 
-            async def spy(src_pages, page_begin):
+            async def spy(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
                 sends.append((page_begin, len(src_pages)))
-                await send(src_pages, page_begin)
+                await send(src_pages, page_begin, layer_begin, layer_end, ready)
             channel.send = spy
             return channel
 

@@ -196,12 +196,23 @@ class KVSink(abc.ABC):
                                       "prefill side uses another transport"))
 
     def check_complete(self, done: pb.TransferDone) -> None:
-        """Raises TransferError if the transfer failed or the prefill side's report does not cover every page."""
+        """Raises TransferError if the transfer failed or the prefill side's report does not cover
+        every page, or (`bytes_sent`) not every (layer, page) cell exactly once, however the sends
+        were cut (per chunk, per layer range)."""
         if self._failed is not None:
             raise self._failed
         if done.num_pages != len(self.pages):
             raise self.fail(TransferError(FailureCode.INTERNAL, f"prefill reports {done.num_pages} pages "
                                           f"written, decode allocated {len(self.pages)}"))
+        self._check_cells()
+        expected = len(self.pages) * self.pool.num_layers * self.pool.bytes_per_page
+        if done.bytes_sent != expected:
+            raise self.fail(TransferError(FailureCode.INTERNAL, f"prefill reports {done.bytes_sent} bytes of KV "
+                                          f"sent, {len(self.pages)} pages x {self.pool.num_layers} layers are "
+                                          f"{expected}"))
+
+    def _check_cells(self) -> None:
+        """Transports that see every chunk (grpc) check here that each cell arrived."""
 
 
 class KVReceiver(abc.ABC):

@@ -166,8 +166,7 @@ class GrpcSink(KVSink):
         """[layers, pages]: True where the cell's bytes are in the pool."""
         return self.written
 
-    def check_complete(self, done: pb.TransferDone) -> None:
-        super().check_complete(done)
+    def _check_cells(self) -> None:
         with self._lock:
             missing = int((~self.written).sum())
         if missing:
