@@ -11,7 +11,7 @@ import pytest
 
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.workers.common.api import Failed
-from pd_engine_harness import CHUNK, PAGE_SIZE, PDPair, collect, oracle, worker_config
+from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, PDPair, collect, oracle, worker_config
 
 pytestmark = [pytest.mark.timeout(180)]
 
