@@ -22,7 +22,6 @@ from deepseek_pd.workers.common.kv_transfer.base import TransportConfig, layout_
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
-from deepseek_pd.workers.decode.kv_checks import check_kv_finite, scrub_pages
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 
@@ -136,6 +135,8 @@ def test_decode_refuses_an_unregistered_bootstrap_address_before_connecting():
 
 
 def test_nan_kv_is_refused_and_scrubbed_without_touching_other_pages():
+    from deepseek_pd.workers.decode.kv_checks import check_kv_finite, scrub_pages
+
     rng = random.Random()
     pool = _pool(rng, pages=6)
     mine, others = [1, 4], [0, 2, 3, 5]
