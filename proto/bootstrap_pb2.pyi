@@ -51,7 +51,7 @@ class Credit(_message.Message):
     def __init__(self, received_seq: _Optional[int] = ...) -> None: ...
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "room", "decode_rid", "num_tokens", "page_ids", "layout", "grpc", "mooncake", "fake")
+    __slots__ = ("protocol_version", "room", "decode_rid", "num_tokens", "page_ids", "layout", "grpc", "mooncake", "fake", "auth")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     DECODE_RID_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class Handshake(_message.Message):
     GRPC_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_FIELD_NUMBER: _ClassVar[int]
     FAKE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     room: int
     decode_rid: str
@@ -70,7 +71,24 @@ class Handshake(_message.Message):
     grpc: GrpcDestination
     mooncake: MooncakeDestination
     fake: FakeDestination
-    def __init__(self, protocol_version: _Optional[int] = ..., room: _Optional[int] = ..., decode_rid: _Optional[str] = ..., num_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., grpc: _Optional[_Union[GrpcDestination, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakeDestination, _Mapping]] = ..., fake: _Optional[_Union[FakeDestination, _Mapping]] = ...) -> None: ...
+    auth: AuthToken
+    def __init__(self, protocol_version: _Optional[int] = ..., room: _Optional[int] = ..., decode_rid: _Optional[str] = ..., num_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., grpc: _Optional[_Union[GrpcDestination, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakeDestination, _Mapping]] = ..., fake: _Optional[_Union[FakeDestination, _Mapping]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+
+class AuthToken(_message.Message):
+    __slots__ = ("timestamp_ms", "nonce", "sender", "receiver", "challenge", "mac")
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    timestamp_ms: int
+    nonce: bytes
+    sender: str
+    receiver: str
+    challenge: bytes
+    mac: bytes
+    def __init__(self, timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., challenge: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class GrpcDestination(_message.Message):
     __slots__ = ("max_chunk_bytes",)
@@ -79,14 +97,16 @@ class GrpcDestination(_message.Message):
     def __init__(self, max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class MooncakeDestination(_message.Message):
-    __slots__ = ("session_id", "layer_base_addrs", "page_bytes")
+    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layer_base_addrs: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    pool_pages: int
+    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ...) -> None: ...
 
 class FakeDestination(_message.Message):
     __slots__ = ("pool_key",)
@@ -109,14 +129,16 @@ class TransferEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[_Union[HandshakeAck, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., failed: _Optional[_Union[TransferFailed, _Mapping]] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
-    __slots__ = ("protocol_version", "prefill_rid", "credit_window")
+    __slots__ = ("protocol_version", "prefill_rid", "credit_window", "auth")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RID_FIELD_NUMBER: _ClassVar[int]
     CREDIT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     prefill_rid: str
     credit_window: int
-    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ...) -> None: ...
+    auth: AuthToken
+    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "page_begin", "page_end", "data", "crc32")
@@ -135,20 +157,22 @@ class KVChunk(_message.Message):
     def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state")
+    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "auth")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
     num_pages: int
     cached_tokens: int
     bytes_sent: int
     generator_state: bytes
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ...) -> None: ...
+    auth: AuthToken
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class TransferFailed(_message.Message):
     __slots__ = ("code", "reason")
@@ -159,12 +183,14 @@ class TransferFailed(_message.Message):
     def __init__(self, code: _Optional[_Union[FailureCode, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AbortRoom(_message.Message):
-    __slots__ = ("room", "reason")
+    __slots__ = ("room", "reason", "auth")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     room: int
     reason: str
-    def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    auth: AuthToken
+    def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class AbortAck(_message.Message):
     __slots__ = ("found",)

@@ -27,6 +27,7 @@ from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
 from deepseek_pd.model.model_dir import resolve_model_dir, served_name
 from deepseek_pd.model.runner import RunnerConfig
+from deepseek_pd.workers.common.internal_auth import resolve_auth
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
 from deepseek_pd.workers.common.serve_config import ServeConfig
 from deepseek_pd.workers.common.served_model import ServedModelInfo
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # Config fields that have their own `serve` flags, and so are not engine options.
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static"),
-                "bootstrap": ("host", "port"), "scheduler": ("chunked_prefill_size",),
+                "bootstrap": ("host", "port", "auth", "prefill_peers"), "scheduler": ("chunked_prefill_size",),
                 "transport": ("advertise_host",)}
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
             "transport": TransportConfig}
@@ -85,6 +86,9 @@ class ServeFlags:
     parallel: ParallelFlags = field(default_factory=ParallelFlags)
     engine_options: tuple[str, ...] = ()  # raw --engine-opt KEY=VALUE items
     drain_timeout_s: float = 30.0
+    internal_secret_file: str | None = None  # else $DEEPSEEK_PD_INTERNAL_SECRET_FILE
+    insecure_internal: bool = False
+    prefill_peers: tuple[str, ...] = ()  # decode: registered prefill bootstrap addresses
 
 
 def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
@@ -107,7 +111,9 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
             kv_transport=flags.kv_transport,
             transport=TransportConfig(advertise_host=flags.advertise_host or advertised_address(flags.host),
                                       **opts["transport"]),
-            bootstrap=BootstrapConfig(host=flags.host, port=flags.bootstrap_port, **opts["bootstrap"]),
+            bootstrap=BootstrapConfig(host=flags.host, port=flags.bootstrap_port,
+                                      auth=resolve_auth(flags.internal_secret_file, flags.insecure_internal),
+                                      prefill_peers=flags.prefill_peers, **opts["bootstrap"]),
             scheduler=SchedulerConfig(**scheduler_fields))
     except ValueError as exc:  # some configs raise ValueError rather than UserError
         raise UserError(str(exc)) from exc

@@ -48,6 +48,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parallel.add_argument("--nnodes", type=int, default=1, help="nodes (pods) in this worker's group")
     parallel.add_argument("--node-rank", type=int, default=0, help="this pod's rank in the group")
     parallel.add_argument("--dist-init-addr", default="", help="HOST:PORT of rank 0, for torch.distributed")
+    security = parser.add_argument_group("internal authentication (docs/operations.md, Security)")
+    security.add_argument("--internal-secret-file", default=None,
+                          help="file with the deployment secret that signs bootstrap/KV messages (default: "
+                               "$DEEPSEEK_PD_INTERNAL_SECRET_FILE); `up` and the operator provide one")
+    security.add_argument("--insecure-internal", action="store_true",
+                          help="DEBUGGING ONLY: no authentication of bootstrap/KV messages")
+    security.add_argument("--prefill-peers", default="",
+                          help="decode: comma-separated HOST:PORT bootstrap addresses of this deployment's "
+                               "prefill workers; KV is pulled from no other (default: loopback hosts only)")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="any field of the worker's configs, repeatable (e.g. cuda_graph=false, "
                              "max_running_requests=32, mem_headroom_gib=4); unknown keys list the valid ones")
@@ -71,7 +80,9 @@ def flags_from_args(args: argparse.Namespace):
         mem_fraction_static=args.mem_fraction_static, chunked_prefill_size=args.chunked_prefill_size,
         parallel=ParallelFlags(args.tp, args.dp, args.ep, args.deepep_mode, args.nnodes, args.node_rank,
                                args.dist_init_addr),
-        engine_options=tuple(args.engine_opt), drain_timeout_s=args.drain_timeout)
+        engine_options=tuple(args.engine_opt), drain_timeout_s=args.drain_timeout,
+        internal_secret_file=args.internal_secret_file, insecure_internal=args.insecure_internal,
+        prefill_peers=tuple(p for p in args.prefill_peers.split(",") if p.strip()))
 
 
 def run(args: argparse.Namespace) -> int:

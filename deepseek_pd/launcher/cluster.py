@@ -163,16 +163,24 @@ class LocalCluster:
         # machine would collide, so it gets a free loopback port of its own.
         self.metrics_port = ports.pop()
         counters = {"prefill": 0, "decode": 0}
-        for role, memory_args in zip(roles, worker_memory_args(self.device, roles, spec.mem_fraction_static)):
+        # One secret per run (0600, in the run directory) authenticates every bootstrap message;
+        # decode workers pull only from this run's prefill workers (workers/common/internal_auth.py).
+        from deepseek_pd.workers.common.internal_auth import create_secret_file
+
+        secret = create_secret_file(self.log_dir / "internal.secret")
+        assigned = [(ports.pop(), ports.pop()) for _ in roles]
+        peers = ",".join(f"{spec.host}:{b}" for role, (_, b) in zip(roles, assigned) if role == "prefill")
+        for (role, memory_args), (port, bootstrap_port) in zip(
+                zip(roles, worker_memory_args(self.device, roles, spec.mem_fraction_static)), assigned):
             index = counters[role]
             counters[role] += 1
-            port, bootstrap_port = ports.pop(), ports.pop()
+            security = ["--internal-secret-file", str(secret)] + (["--prefill-peers", peers] if role == "decode" else [])
             name = f"{role}-{index}"
             argv = [sys.executable, "-m", "deepseek_pd.cli", "serve", role,
                     "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
                     "--host", spec.host, "--port", str(port),
                     "--bootstrap-port", str(bootstrap_port), "--kv-transport", spec.kv_transport,
-                    "--device", self.device, *memory_args, *spec.worker_args]  # worker_args last: they win
+                    "--device", self.device, *security, *memory_args, *spec.worker_args]  # worker_args last: they win
             proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log")
             proc.start()
             self.workers.append(WorkerEndpoint(role, index, port, bootstrap_port, proc))

@@ -5,7 +5,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 
 # Bump when a message change would be misread by an older peer; both sides refuse a mismatch.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: AuthToken on handshake, ack, done and abort
 
 # A KVChunk's data is at most this big (TransportConfig.max_chunk_bytes checks it), and a message
 # adds at most MESSAGE_ENVELOPE_BYTES around it; both ends size their gRPC message limits from these.

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.workers.common.internal_auth import InternalAuth
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
 
 
@@ -19,6 +20,12 @@ class BootstrapConfig:
     event_queue_depth: int = 8  # KV chunks in flight per room before the prefill side waits
     retry_initial_s: float = 0.05  # decode's connect backoff starts here and doubles ...
     retry_max_s: float = 1.0  # ... up to this
+    # The deployment secret that signs every handshake/ack/done/abort (internal_auth.py); the
+    # default is this process's own random secret, so only engines of one process meet.
+    auth: InternalAuth = field(default_factory=InternalAuth)
+    # decode: the only prefill bootstrap addresses ("host:port", a host may be a DNS name whose
+    # addresses count too) a request may name; () allows loopback hosts only (decode/prefill_peers.py).
+    prefill_peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout_s", "claim_timeout_s", "transfer_timeout_s", "retry_initial_s",

@@ -15,6 +15,11 @@ chunk is written) or raises `TransferError`:
     stream broken (prefill died)                 -> UNAVAILABLE
     TransferFailed from prefill                  -> its code
     corrupted / missing chunk                    -> INTERNAL
+    ack or done without a valid token            -> INTERNAL (not the deployment's prefill worker)
+    address not a registered prefill worker      -> INVALID_ARGUMENT, before any connection
+
+Every handshake and abort is signed with the deployment secret, and the prefill side's ack and
+done must answer this stream's handshake (workers/common/internal_auth.py).
 
 Cancelling the caller's task cancels the call, which the prefill side sees as "decode gone".
 """
@@ -31,9 +36,11 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import DisaggParams, FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import (
     MAX_CHUNK_BYTES, MESSAGE_ENVELOPE_BYTES, PROTOCOL_VERSION, code_from_pb, target)
+from deepseek_pd.workers.common.internal_auth import AuthError
 from deepseek_pd.workers.common.kv_transfer.base import KVSink, TransferError
 from deepseek_pd.workers.common.kv_transfer.wire import ChunkEvent, decode_event
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.decode.prefill_peers import PrefillPeers
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +71,11 @@ class _BootstrapStub:
 class BootstrapClient:
     """One per decode engine; keeps a channel per prefill bootstrap address."""
 
-    def __init__(self, config: BootstrapConfig) -> None:
+    def __init__(self, config: BootstrapConfig, identity: str = "decode") -> None:
+        """`identity`: this worker's name in the tokens it signs (e.g. "decode@10.0.0.7")."""
         self.config = config
+        self.identity = identity
+        self.peers = PrefillPeers(config.prefill_peers)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, params: DisaggParams) -> _BootstrapStub:
@@ -78,11 +88,12 @@ class BootstrapClient:
     async def transfer(self, params: DisaggParams, handshake: pb.Handshake, sink: KVSink) -> pb.TransferDone:
         handshake.protocol_version = PROTOCOL_VERSION
         handshake.room = params.bootstrap_room
+        await self.peers.check(params.bootstrap_host, params.bootstrap_port)  # before any connection
         deadline = time.monotonic() + self.config.transfer_timeout_s
         call, window = await self._connect(params, handshake, deadline)
         finished = False
         try:
-            done = await self._follow(call, window, sink, deadline, params)
+            done = await self._follow(call, window, sink, deadline, params, handshake.auth.nonce)
             finished = True
             return done
         finally:
@@ -102,6 +113,8 @@ class BootstrapClient:
                                     f"prefill bootstrap {address} unreachable for "
                                     f"{self.config.handshake_timeout_s}s: {last_error}")
             call = stub.Transfer(timeout=max(deadline - time.monotonic(), 0.001))
+            # A fresh token per attempt: the prefill side refuses a nonce it has seen.
+            self.config.auth.sign(handshake, "handshake", self.identity, address)
             try:
                 await asyncio.wait_for(call.write(pb.DecodeMessage(handshake=handshake)), remaining)
                 first = await asyncio.wait_for(call.read(), max(give_up - time.monotonic(), 0.001))
@@ -126,10 +139,16 @@ class BootstrapClient:
                 call.cancel()
                 raise TransferError(FailureCode.INTERNAL, f"prefill speaks bootstrap protocol "
                                     f"{first.accepted.protocol_version}, decode {PROTOCOL_VERSION}")
+            try:
+                self.config.auth.verify(first.accepted, "ack", f"room={handshake.room}", handshake.auth.nonce)
+            except AuthError as exc:
+                call.cancel()
+                raise TransferError(FailureCode.INTERNAL, f"bootstrap {address} is not this deployment's "
+                                    f"prefill worker: {exc}") from None
             return call, max(1, first.accepted.credit_window)
 
     async def _follow(self, call, window: int, sink: KVSink, deadline: float,
-                      params: DisaggParams) -> pb.TransferDone:
+                      params: DisaggParams, challenge: bytes) -> pb.TransferDone:
         ingest = _Ingest(sink, call, window)
         read: asyncio.Future | None = None
         expected_seq = 1
@@ -169,6 +188,12 @@ class BootstrapClient:
                 if kind == "chunk":
                     ingest.start(event.seq, event.chunk)
                 elif kind == "done":
+                    try:
+                        self.config.auth.verify(event.done, "done", f"room={params.bootstrap_room};seq={event.seq}",
+                                                challenge)
+                    except AuthError as exc:
+                        raise sink.fail(TransferError(FailureCode.INTERNAL, f"TransferDone of room "
+                                                      f"{params.bootstrap_room} refused: {exc}")) from None
                     await ingest.drain()  # every chunk written before the completeness check
                     sink.check_complete(event.done)  # raising here cancels the call: prefill learns it
                     await _confirm_and_close(call, event.seq)
@@ -190,8 +215,13 @@ class BootstrapClient:
     async def abort(self, params: DisaggParams, reason: str, timeout_s: float = 1.0) -> None:
         """Best effort: tells the prefill side to drop the room (cancelling the stream also does)."""
         try:
-            await self._stub(params).Abort(pb.AbortRoom(room=params.bootstrap_room, reason=reason),
-                                           timeout=timeout_s)
+            await self.peers.check(params.bootstrap_host, params.bootstrap_port)
+        except TransferError:
+            return  # never a connection to an address that is not a registered prefill worker
+        message = pb.AbortRoom(room=params.bootstrap_room, reason=reason)
+        self.config.auth.sign(message, "abort", self.identity, target(params.bootstrap_host, params.bootstrap_port))
+        try:
+            await self._stub(params).Abort(message, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.debug("abort of room %d not delivered: %s", params.bootstrap_room, exc.code().name)
 
@@ -278,6 +308,7 @@ def _code_of(exc: grpc.aio.AioRpcError) -> FailureCode:
         return FailureCode.DEADLINE_EXCEEDED
     if exc.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT):
         return FailureCode.INVALID_ARGUMENT  # e.g. a bootstrap room used twice
-    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-        return FailureCode.INTERNAL  # protocol version mismatch: a deployment error
+    if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+                      grpc.StatusCode.PERMISSION_DENIED):
+        return FailureCode.INTERNAL  # protocol version or secret mismatch: a deployment error
     return FailureCode.UNAVAILABLE

@@ -101,7 +101,7 @@ class DecodeEngine:
     async def start(self) -> None:
         self.budget = PageBudget(self.pool, self.config.scheduler.admission_timeout_s)
         self.receiver = build_receiver(self.config.kv_transport, self.pool, self.config.transport)
-        self.client = BootstrapClient(self.config.bootstrap)
+        self.client = BootstrapClient(self.config.bootstrap, identity=f"decode@{self.config.transport.advertise_host}")
         self._loop_task = asyncio.create_task(self._schedule_loop(), name="decode-scheduler")
         log.info("decode engine: KV transport %s, %d bytes of latent KV per token, %s schedule",
                  self.config.kv_transport, self.pool.bytes_per_token,
@@ -148,7 +148,8 @@ class DecodeEngine:
             if request.disagg is not None:
                 try:
                     done = await self._watch(state, pull_kv(self.client, self.receiver, request.disagg, request.rid,
-                                                            prompt_len, state.reservation.pages[:prompt_pages]))
+                                                            prompt_len, state.reservation.pages[:prompt_pages],
+                                                            model_config.vocab_size))
                 except TransferError as exc:
                     state.transfer_failed = True
                     transfer_done = exc.peer_knows  # nothing to tell the prefill side then

@@ -1,6 +1,8 @@
-"""The decode side of one PD request's transfer: build the handshake, follow it to TransferDone."""
+"""The decode side of one PD request's transfer: build the handshake, follow it to TransferDone,
+check what arrived (kv_checks.py); a refused or failed transfer leaves its pages zeroed."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Sequence
@@ -10,21 +12,41 @@ from deepseek_pd.workers.common.api import DisaggParams
 from deepseek_pd.workers.common.kv_transfer import KVReceiver
 from deepseek_pd.workers.common.kv_transfer.base import layout_of
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
+from deepseek_pd.workers.decode.kv_checks import check_first_token, check_kv_finite, scrub_pages
 
 log = logging.getLogger(__name__)
 
 
 async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggParams, rid: str,
-                  num_tokens: int, pages: Sequence[int]) -> pb.TransferDone:
-    """Gets the prompt's KV into `pages` (already allocated); raises TransferError on failure."""
+                  num_tokens: int, pages: Sequence[int], vocab_size: int | None = None) -> pb.TransferDone:
+    """Gets the prompt's KV into `pages` (already allocated) and checks it; raises TransferError.
+    `vocab_size`: the first token must be below it (the engine always passes it)."""
     handshake = pb.Handshake(decode_rid=rid, num_tokens=num_tokens, page_ids=list(pages),
                              layout=layout_of(receiver.pool))
     receiver.fill_destination(handshake)
     started = time.monotonic()
     sink = receiver.open_sink(pages)
-    done = await client.transfer(params, handshake, sink)
+    checked = False
+    try:
+        done = await client.transfer(params, handshake, sink)
+        if vocab_size is not None:
+            check_first_token(done, vocab_size, rid)
+        await asyncio.to_thread(check_kv_finite, receiver.pool, pages, rid)
+        checked = True
+    finally:
+        if not checked and _maybe_written(receiver, sink):
+            scrub_pages(receiver.pool, pages)  # also on cancellation: nothing received outlives the request
     seconds = max(time.monotonic() - started, 1e-9)
     log.debug("%s: received %d bytes of KV for %d tokens (%d cached on prefill) in %.3fs, %.3f GB/s "
               "including prefill compute; %s", rid, done.bytes_sent, num_tokens, done.cached_tokens, seconds,
               done.bytes_sent / seconds / 1e9, sink.stats.summary())
     return done
+
+
+def _maybe_written(receiver: KVReceiver, sink) -> bool:
+    """Whether the transfer may have put bytes into its pages: any chunk written (grpc), or a
+    one-sided transport, whose writes the decode side does not see."""
+    written = getattr(sink, "written", None)
+    if written is not None:
+        return bool(written.any())
+    return receiver.late_write_grace_s > 0

@@ -50,7 +50,9 @@ def _handlers(servicer: BootstrapServicer) -> grpc.GenericRpcHandler:
 class BootstrapServer:
     """The gRPC server that hosts `BootstrapServicer` on the bootstrap port."""
 
-    def __init__(self, registry: RoomRegistry, config: BootstrapConfig, max_message_bytes: int) -> None:
+    def __init__(self, registry: RoomRegistry, config: BootstrapConfig, max_message_bytes: int,
+                 advertise_host: str = "") -> None:
+        """`advertise_host`: the address decode workers dial (tokens must name it or `config.host`)."""
         self.registry = registry
         self.config = config
         # Chunks are capped at TransportConfig.max_chunk_bytes; leave headroom for the envelope.
@@ -58,7 +60,11 @@ class BootstrapServer:
                    ("grpc.max_receive_message_length", 16 << 20),  # a handshake lists every page id
                    ("grpc.so_reuseport", 0)]  # a second worker on this port must fail, not share it
         self.server = grpc.aio.server(options=options)
-        self.server.add_generic_rpc_handlers((_handlers(BootstrapServicer(registry)),))
+        wildcard = config.host in ("0.0.0.0", "::", "")
+        hosts = tuple(h for h in {config.host, advertise_host} if h) if not wildcard else (
+            (advertise_host,) if advertise_host else ())
+        servicer = BootstrapServicer(registry, hosts)
+        self.server.add_generic_rpc_handlers((_handlers(servicer),))
         try:  # grpc raises RuntimeError on a busy port (older versions returned 0)
             self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         except RuntimeError:
@@ -66,10 +72,13 @@ class BootstrapServer:
         if self.port == 0:
             raise UserError(f"bootstrap server cannot listen on {config.host}:{config.port} "
                             f"(in use? choose another --bootstrap-port)")
+        servicer.port = self.port
 
     async def start(self) -> None:
         await self.server.start()
-        log.info("bootstrap server listening on %s:%d", self.config.host, self.port)
+        log.info("bootstrap server listening on %s:%d (%s)", self.config.host, self.port,
+                 "handshakes authenticated by the deployment secret" if self.config.auth.enabled
+                 else "INSECURE: handshakes not authenticated")
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.server.stop(grace_s)

@@ -6,6 +6,11 @@ after `claim_timeout_s`), and forwards the room's events in order: KV chunks (gr
 each only within the decode side's credit window, then one terminal event. A failure overtakes
 queued chunks. The decode side's Credit for the TransferDone's seq, then its half-close, is its
 confirmation; anything else (cancel, broken connection, no confirmation) fails the room.
+
+Authentication (workers/common/internal_auth.py): a Handshake or AbortRoom without a valid token
+of the deployment secret, addressed to this worker, fresh and never seen before, is refused with
+UNAUTHENTICATED before it touches any room, so a peer without the secret can neither read a room's
+KV nor abort it. The ack and the TransferDone are signed back, bound to the handshake's nonce.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION, code_to_pb
+from deepseek_pd.workers.common.internal_auth import AuthError, ReplayGuard
 from deepseek_pd.workers.common.kv_transfer.base import TransferError
 from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
 from deepseek_pd.workers.prefill.room import Room
@@ -28,8 +34,29 @@ log = logging.getLogger(__name__)
 _HALF_CLOSE_WAIT_S = 2.0
 
 class BootstrapServicer(pb_grpc.BootstrapServicer):
-    def __init__(self, registry: RoomRegistry) -> None:
+    def __init__(self, registry: RoomRegistry, hosts: tuple[str, ...] = ()) -> None:
+        """`hosts`: the addresses peers may dial this worker at (tokens must be addressed to one of
+        them and to `port`, set once the server is bound); empty: any host, the port still counts."""
         self.registry = registry
+        self.auth = registry.config.auth
+        self.hosts = {host.lower() for host in hosts}
+        self.port = 0
+        self.guard = ReplayGuard(self.auth.max_skew_s)
+
+    @property
+    def identity(self) -> str:
+        return f"prefill@{next(iter(sorted(self.hosts)), '*')}:{self.port}"
+
+    def _check(self, message, purpose: str) -> pb.AuthToken:
+        """The message's token is valid and meant for this worker; raises AuthError."""
+        token = self.auth.verify(message, purpose, guard=self.guard)
+        if self.auth.enabled:
+            host, _, port = token.receiver.rpartition(":")
+            host = host.removeprefix("[").removesuffix("]").lower()
+            if port != str(self.port) or (self.hosts and host not in self.hosts):
+                raise AuthError(f"{purpose} is addressed to {token.receiver}, not to this prefill worker "
+                                f"({self.identity}): replayed, or the router and --advertise-host disagree")
+        return token
 
     async def Transfer(self, request_iterator: AsyncIterator[pb.DecodeMessage],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent | EncodedChunk]:
@@ -37,6 +64,11 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         if first is None or first.WhichOneof("message") != "handshake":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Transfer message must be a Handshake")
         request = first.handshake
+        try:
+            token = self._check(request, "handshake")
+        except AuthError as exc:
+            log.warning("refused a bootstrap handshake for room %d from %s: %s", request.room, context.peer(), exc)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         if request.protocol_version != PROTOCOL_VERSION:
             room = self.registry.get(request.room)
             reason = (f"bootstrap protocol version mismatch: decode speaks {request.protocol_version}, "
@@ -54,8 +86,9 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         seq = 0
         delivered_terminal = delivered_done = False
         try:
-            yield pb.TransferEvent(seq=seq, accepted=pb.HandshakeAck(
-                protocol_version=PROTOCOL_VERSION, credit_window=window))
+            ack = pb.HandshakeAck(protocol_version=PROTOCOL_VERSION, credit_window=window)
+            self.auth.sign(ack, "ack", self.identity, token.sender, f"room={request.room}", token.nonce)
+            yield pb.TransferEvent(seq=seq, accepted=ack)
             try:
                 rid = await asyncio.wait_for(asyncio.shield(room.claimed), self.registry.config.claim_timeout_s)
             except asyncio.TimeoutError:
@@ -82,6 +115,9 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                 kind = "chunk" if isinstance(event, EncodedChunk) else event.WhichOneof("event")
                 if kind != "chunk":
                     event.seq = seq
+                if kind == "done":
+                    self.auth.sign(event.done, "done", self.identity, token.sender,
+                                   f"room={request.room};seq={seq}", token.nonce)
                 yield event
                 if kind in ("done", "failed"):
                     delivered_terminal = True
@@ -126,6 +162,11 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         return get.result()
 
     async def Abort(self, request: pb.AbortRoom, context: grpc.aio.ServicerContext) -> pb.AbortAck:
+        try:
+            self._check(request, "abort")
+        except AuthError as exc:
+            log.warning("refused an abort of room %d from %s: %s", request.room, context.peer(), exc)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         return pb.AbortAck(found=self.registry.abort(request.room, request.reason))
 
 

@@ -86,7 +86,8 @@ class PrefillEngine:
     async def start(self) -> None:
         self.registry = RoomRegistry(self.config.bootstrap)
         self.sender = build_sender(self.config.kv_transport, self.pool, self.config.transport)
-        self.server = BootstrapServer(self.registry, self.config.bootstrap, self.config.transport.max_chunk_bytes)
+        self.server = BootstrapServer(self.registry, self.config.bootstrap, self.config.transport.max_chunk_bytes,
+                                      self.config.transport.advertise_host)
         await self.server.start()
         self._loop_task = asyncio.create_task(self._schedule_loop(), name="prefill-scheduler")
         log.info("prefill engine: KV transport %s, %d bytes of latent KV per token (%d layers x %d x %d B)",

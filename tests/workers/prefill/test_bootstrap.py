@@ -138,6 +138,7 @@ def test_protocol_version_mismatch_is_refused_on_both_sides():
             client = BootstrapClient(bootstrap)
             stub_call = client._stub(DisaggParams("127.0.0.1", prefill.server.port, 21)).Transfer()
             handshake.protocol_version = 999  # what a future decode worker might send
+            bootstrap.auth.sign(handshake, "handshake", "decode", f"127.0.0.1:{prefill.server.port}")
             await stub_call.write(pb.DecodeMessage(handshake=handshake))
             with pytest.raises(Exception) as decode_error:
                 await stub_call.read()

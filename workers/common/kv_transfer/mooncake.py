@@ -5,8 +5,15 @@ their KV pool once, at start. The decode side's handshake carries its engine's s
 (`host:rpc_port`), the base address of each layer buffer and the page size in bytes; the prefill
 side then turns each `send` into ONE `batch_transfer_sync_write` covering all layers and all
 contiguous page runs (batching per chunk rather than per layer took SGLang's transfers from
-650 ms to 60 ms, FACTS "KV transfer"). The engine binds 0.0.0.0 whatever it is told: tests run
-it inside a private network namespace.
+650 ms to 60 ms, FACTS "KV transfer"). The engine binds 0.0.0.0 whatever it is told (0.3.13.post1
+ignores MC_TCP_BIND_ADDRESS for its listeners): tests run it inside a private network namespace,
+and in Kubernetes the NetworkPolicy keeps other pods off its ports (docs/operations.md, Security).
+
+Trust: the prefill side writes only where an authenticated handshake (the bootstrap servicer
+checks its token before the room sees it) says, and only to pages that handshake lists, each
+checked below the decode pool's size (`check_destination`); addresses come from the handshake's
+layer bases plus page ids, never from anything else a peer sends. The decode side reveals its
+addresses only in handshakes to registered prefill workers (decode/prefill_peers.py).
 """
 from __future__ import annotations
 
@@ -117,6 +124,27 @@ class MooncakeChannel(SendChannel):
         return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
 
 
+def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[int], page_bytes: int,
+                      num_layers: int) -> None:
+    """Every write of this room lands inside the decode pool's layer buffers: raises TransferError."""
+    if destination.page_bytes != page_bytes:
+        raise TransferError(FailureCode.INVALID_ARGUMENT,
+                            f"decode page is {destination.page_bytes} bytes, prefill page {page_bytes}")
+    if len(destination.layer_base_addrs) != num_layers:
+        raise TransferError(FailureCode.INVALID_ARGUMENT,
+                            f"decode sent {len(destination.layer_base_addrs)} layer addresses, "
+                            f"the model has {num_layers} layers")
+    if not destination.pool_pages:
+        raise TransferError(FailureCode.INVALID_ARGUMENT, "decode handshake does not say how many pages its "
+                            "pool has (an older decode worker?)")
+    bad = [page for page in page_ids if page >= destination.pool_pages]
+    if bad:
+        raise TransferError(FailureCode.INVALID_ARGUMENT, f"decode pages {bad[:4]} are outside its "
+                            f"{destination.pool_pages}-page pool")
+    if len(set(page_ids)) != len(page_ids):
+        raise TransferError(FailureCode.INVALID_ARGUMENT, "decode handshake lists a page twice")
+
+
 class MooncakeSender(KVSender):
     name = "mooncake"
 
@@ -126,14 +154,7 @@ class MooncakeSender(KVSender):
 
     def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
         destination = handshake.mooncake
-        if destination.page_bytes != self.pool.bytes_per_page:
-            raise TransferError(FailureCode.INVALID_ARGUMENT,
-                                f"decode page is {destination.page_bytes} bytes, prefill page "
-                                f"{self.pool.bytes_per_page}")
-        if len(destination.layer_base_addrs) != self.pool.num_layers:
-            raise TransferError(FailureCode.INVALID_ARGUMENT,
-                                f"decode sent {len(destination.layer_base_addrs)} layer addresses, "
-                                f"the model has {self.pool.num_layers} layers")
+        check_destination(destination, handshake.page_ids, self.pool.bytes_per_page, self.pool.num_layers)
         return MooncakeChannel(self.pool, self.engine, destination, handshake.page_ids,
                                self.config.send_timeout_s)
 
@@ -152,6 +173,7 @@ class MooncakeReceiver(KVReceiver):
         handshake.mooncake.session_id = self.engine.session_id
         handshake.mooncake.layer_base_addrs.extend(self.engine.base_addrs)
         handshake.mooncake.page_bytes = self.pool.bytes_per_page
+        handshake.mooncake.pool_pages = self.pool.num_pages
 
     @property
     def late_write_grace_s(self) -> float:

@@ -50,6 +50,7 @@ def check_dead_peer() -> None:
     handshake.mooncake.session_id = f"127.0.0.1:{dead_port}"
     handshake.mooncake.layer_base_addrs.extend(b.data_ptr() for b in pool.buffers)
     handshake.mooncake.page_bytes = pool.bytes_per_page
+    handshake.mooncake.pool_pages = pool.num_pages
 
     async def run() -> None:
         async def no_emit(chunk):

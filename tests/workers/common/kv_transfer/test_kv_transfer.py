@@ -220,6 +220,7 @@ def test_stalled_decode_times_out_the_prefill_send():
         handshake = pb.Handshake(protocol_version=PROTOCOL_VERSION, room=7, num_tokens=6000,
                                  page_ids=list(range(1500)), layout=layout_of(dst_pool))
         handshake.grpc.max_chunk_bytes = 8192
+        exchange.bootstrap_config.auth.sign(handshake, "handshake", "decode", f"127.0.0.1:{server.port}")
         call = pb_grpc.BootstrapStub(channel).Transfer()
         await call.write(pb.DecodeMessage(handshake=handshake))
         first = await call.read()

@@ -1,0 +1,189 @@
+"""The deployment secret and the HMAC tokens that authenticate the prefill <-> decode channel.
+
+Every worker of one deployment reads the same secret (32 random bytes: `deepseek-pd up` writes it
+under its run directory with mode 0600, the operator mounts it from a Kubernetes Secret). Each
+bootstrap message that grants something (a Handshake: "send me room R's KV, into these pages";
+an AbortRoom; the prefill side's HandshakeAck and TransferDone) carries an `AuthToken`:
+
+    mac = HMAC-SHA256(secret, purpose || context || message serialised with auth.mac empty)
+
+`auth` holds the sender's and the receiver's identity, a timestamp and a 16-byte nonce, so the mac
+binds both peers, the room (it is in the message or in `context`), the request id and the time;
+the receiver refuses a stale timestamp or a nonce it has seen (`ReplayGuard`). The ack and the
+done also carry the handshake's nonce as `challenge`: they answer that stream and no other.
+
+Why HMAC and not mutual TLS (docs/operations.md, "Security"): the router speaks plaintext gRPC to
+the workers' SglangScheduler port, so TLS would cover only the bootstrap port; one shared secret
+needs no CA, no certificate rotation and no per-pod identities, works the same for `up` on
+127.0.0.1 and in Kubernetes, and costs one HMAC per request instead of encrypting every KV byte.
+What it does not give: confidentiality of the KV on the wire (an on-path observer reads it) and
+integrity of KV bytes against an on-path attacker who can rewrite an authenticated TCP stream.
+
+`InternalAuth.insecure()` (`serve --insecure-internal`) turns every check off, with a warning.
+Without a secret file, a process gets a random per-process secret: engines in one process (tests,
+benches) authenticate each other, and a peer in another process is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.proto import bootstrap_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SECRET_BYTES = 32
+SECRET_FILE_ENV = "DEEPSEEK_PD_INTERNAL_SECRET_FILE"
+_PROCESS_SECRET = secrets.token_bytes(SECRET_BYTES)
+
+
+class AuthError(Exception):
+    """A message's token is missing, forged, stale, replayed or meant for another peer."""
+
+
+@dataclass(frozen=True)
+class InternalAuth:
+    """The deployment secret (None: insecure, every check passes) and the token rules."""
+
+    secret: bytes | None = field(default=_PROCESS_SECRET, repr=False)
+    max_skew_s: float = 120.0  # clocks of a deployment's hosts agree to well within this
+
+    def __post_init__(self) -> None:
+        if self.secret is not None and len(self.secret) < 16:
+            raise UserError(f"the internal secret has {len(self.secret)} bytes; it needs at least 16 "
+                            f"(deepseek-pd up and the operator make {SECRET_BYTES})")
+
+    @classmethod
+    def insecure(cls) -> "InternalAuth":
+        return cls(secret=None)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "InternalAuth":
+        return cls(secret=read_secret_file(path))
+
+    @property
+    def enabled(self) -> bool:
+        return self.secret is not None
+
+    def sign(self, message, purpose: str, sender: str, receiver: str, context: str = "",
+             challenge: bytes = b"") -> None:
+        """Fills `message.auth` (a fresh nonce, the time, both identities, the mac)."""
+        if self.secret is None:
+            return
+        message.auth.CopyFrom(pb.AuthToken(timestamp_ms=int(time.time() * 1000), nonce=secrets.token_bytes(16),
+                                           sender=sender, receiver=receiver, challenge=challenge))
+        message.auth.mac = self._mac(message, purpose, context)
+
+    def verify(self, message, purpose: str, context: str = "", challenge: bytes | None = None,
+               guard: "ReplayGuard | None" = None) -> pb.AuthToken:
+        """Returns the checked token; raises AuthError. `challenge`: the nonce the token must answer."""
+        token = message.auth
+        if self.secret is None:
+            return token
+        if not message.HasField("auth") or not token.mac:
+            raise AuthError(f"{purpose} carries no authentication token (a peer without the deployment "
+                            f"secret, or an older version)")
+        if not hmac.compare_digest(token.mac, self._mac(message, purpose, context)):
+            raise AuthError(f"{purpose} has a bad authentication token (forged, altered, or signed with "
+                            f"another deployment secret)")
+        skew = abs(time.time() - token.timestamp_ms / 1000)
+        if skew > self.max_skew_s:
+            raise AuthError(f"{purpose} is {skew:.0f}s off this host's clock (replayed, or clocks disagree "
+                            f"by more than {self.max_skew_s:.0f}s)")
+        if challenge is not None and not hmac.compare_digest(token.challenge, challenge):
+            raise AuthError(f"{purpose} answers another handshake (replayed from another stream)")
+        if guard is not None:
+            guard.check(token.nonce)
+        return token
+
+    def _mac(self, message, purpose: str, context: str) -> bytes:
+        mac = message.auth.mac
+        message.auth.mac = b""
+        try:
+            body = message.SerializeToString(deterministic=True)
+        finally:
+            message.auth.mac = mac
+        head = f"deepseek-pd/{purpose}\x00{context}\x00".encode()
+        return hmac.new(self.secret, head + body, hashlib.sha256).digest()
+
+
+class ReplayGuard:
+    """Nonces seen within the skew window; a second use of one is a replay."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._seen: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+
+    def check(self, nonce: bytes) -> None:
+        if len(nonce) < 16:
+            raise AuthError("authentication token has no 16-byte nonce")
+        now = time.monotonic()
+        with self._lock:
+            if len(self._seen) > 4096:  # prune expired nonces now and then, not on every message
+                self._seen = {n: t for n, t in self._seen.items() if t > now}
+            expiry = self._seen.get(nonce)
+            if expiry is not None and expiry > now:
+                raise AuthError("authentication token was already used (replay)")
+            self._seen[nonce] = now + 2 * self.window_s  # 2x: the skew can go either way
+
+
+def read_secret_file(path: str | Path) -> bytes:
+    """The secret's bytes; refuses a file other users can read (it authorises KV reads and writes)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"cannot read the internal secret file {path}: {exc}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO) and not _is_kubernetes_secret_mount(path):
+        raise UserError(f"internal secret file {path} is readable by other users (mode {mode & 0o777:o}); "
+                        f"chmod 600 it")
+    data = data.strip()
+    if len(data) < 16:
+        raise UserError(f"internal secret file {path} holds {len(data)} bytes; it needs at least 16")
+    return data
+
+
+def _is_kubernetes_secret_mount(path: Path) -> bool:
+    """Secret volumes are symlinks into a `..data` directory; their mode is the volume's defaultMode,
+    which the operator sets to 0400, but an admin's own mount may differ: the pod is the boundary."""
+    return any(part.startswith("..") for part in path.resolve().parts)
+
+
+def create_secret_file(path: str | Path) -> Path:
+    """Writes a fresh random secret (hex text) readable by this user only; returns its path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, secrets.token_hex(SECRET_BYTES).encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def resolve_auth(secret_file: str | None, insecure: bool) -> InternalAuth:
+    """`serve`'s rule: a secret file (flag, else $DEEPSEEK_PD_INTERNAL_SECRET_FILE), or --insecure-internal."""
+    secret_file = secret_file or os.environ.get(SECRET_FILE_ENV) or None
+    if insecure:
+        if secret_file:
+            raise UserError("--insecure-internal and an internal secret file contradict each other; pass one")
+        log.warning("!!! --insecure-internal: bootstrap and KV messages are NOT authenticated; any host that "
+                    "reaches this worker can read or overwrite other requests' KV. For debugging only. !!!")
+        return InternalAuth.insecure()
+    if not secret_file:
+        raise UserError(f"workers need the deployment secret: pass --internal-secret-file (or set "
+                        f"{SECRET_FILE_ENV}); `deepseek-pd up` and the operator provide one. "
+                        f"--insecure-internal turns authentication off (debugging only)")
+    return InternalAuth.from_file(secret_file)

@@ -1,0 +1,57 @@
+"""What the decode side checks about a finished transfer before a request may use its pages.
+
+The transport already checked each chunk's ranges, byte count and crc32 and that every (layer,
+page) cell arrived (grpc), or that the prefill side wrote only the room's own pages (mooncake);
+the layouts were compared at the handshake. What remains is the content:
+
+- `first_token_id` must be a token of the vocabulary: an id beyond it would index past the
+  sampler's tables inside the batched decode step and fail every request in the batch;
+- the prompt's KV must be finite: a NaN in a page poisons attention, and once its pages are
+  freed, every later request that reuses them (masked slots still multiply a NaN by zero).
+
+A request whose transfer fails any check fails alone (INTERNAL, with the reason), and its pages
+are zeroed before they go back to the pool, so nothing it received can reach another request.
+The finite check is one pass over the prompt's pages per layer on the pool's device, with a single
+host sync at the end.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.kv_transfer.base import TransferError
+
+
+def check_first_token(done: pb.TransferDone, vocab_size: int, rid: str) -> None:
+    if not 0 <= done.first_token_id < vocab_size:
+        raise TransferError(FailureCode.INTERNAL, f"{rid}: the prefill side's first token {done.first_token_id} "
+                            f"is outside the vocabulary ({vocab_size} tokens); KV transfer refused")
+
+
+@torch.no_grad()
+def check_kv_finite(pool: KVPool, pages: Sequence[int], rid: str) -> None:
+    """Raises TransferError if any value of the received pages is NaN or infinite. Whole pages are
+    checked, the slots past the prompt too: a NaN there would poison whoever reuses the page, and
+    a legitimate prefill pool holds only finite values (zeros or earlier KV) in them."""
+    if not pages:
+        return
+    index = torch.tensor(list(pages), dtype=torch.long, device=pool.device)
+    flags = torch.stack([torch.isfinite(buffer.index_select(0, index)).all() for buffer in pool.buffers])
+    if not bool(flags.all()):  # the one host sync
+        bad = torch.nonzero(~flags).flatten().tolist()
+        raise TransferError(FailureCode.INTERNAL, f"{rid}: the received KV holds NaN or infinite values "
+                            f"(layers {bad[:8]}); KV transfer refused")
+
+
+@torch.no_grad()
+def scrub_pages(pool: KVPool, pages: Sequence[int]) -> None:
+    """Zeroes `pages` in every layer: a refused or partial transfer leaves nothing behind."""
+    if not pages:
+        return
+    index = torch.tensor(list(pages), dtype=torch.long, device=pool.device)
+    for buffer in pool.buffers:
+        buffer.index_fill_(0, index, 0)
