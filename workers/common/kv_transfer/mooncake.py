@@ -47,7 +47,10 @@ class MooncakeEngine:
         if status != 0:
             raise UserError(f"mooncake TransferEngine.initialize({config.advertise_host!r}, P2PHANDSHAKE, "
                             f"{config.mooncake_protocol!r}) failed with status {status}")
+        self.protocol = config.mooncake_protocol
         self.session_id = f"{config.advertise_host}:{self.engine.get_rpc_port()}"
+        log.info("mooncake TransferEngine %s over %s (devices: %s)", self.session_id, self.protocol,
+                 config.mooncake_device or "all")
         self.base_addrs = [buffer.data_ptr() for buffer in pool.buffers]
         self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
         self._registered: list[int] = []
@@ -126,6 +129,13 @@ class MooncakeSender(KVSender):
 
     def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
         destination = handshake.mooncake
+        if destination.protocol and destination.protocol != self.engine.protocol:
+            # One side fell back to TCP (serve --kv-tcp-fallback) and the other did not: every
+            # write would fail, so say why once, per request, instead.
+            raise TransferError(FailureCode.INVALID_ARGUMENT,
+                                f"decode's mooncake engine speaks {destination.protocol}, this prefill "
+                                f"worker's {self.engine.protocol}: one of them fell back to tcp (see its "
+                                f"start log); give both RDMA devices or use kvTransfer.protocol tcp")
         if destination.page_bytes != self.pool.bytes_per_page:
             raise TransferError(FailureCode.INVALID_ARGUMENT,
                                 f"decode page is {destination.page_bytes} bytes, prefill page "
@@ -152,6 +162,7 @@ class MooncakeReceiver(KVReceiver):
         handshake.mooncake.session_id = self.engine.session_id
         handshake.mooncake.layer_base_addrs.extend(self.engine.base_addrs)
         handshake.mooncake.page_bytes = self.pool.bytes_per_page
+        handshake.mooncake.protocol = self.engine.protocol
 
     @property
     def late_write_grace_s(self) -> float:
