@@ -31,3 +31,9 @@ def triton_interpret() -> bool:
     (kernel tests on machines without a GPU); Triton itself reads the same variable.
     """
     return _get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hf_token() -> str | None:
+    """HF_TOKEN: the Hugging Face token `deepseek-pd download` sends (in a pod, from the Secret
+    named by model.source.huggingFace.tokenSecret); None when unset or empty."""
+    return _get("HF_TOKEN", "").strip() or None

@@ -40,7 +40,8 @@ def build_worker_config(spec: DeploymentSpec, role: RoleSpec) -> dict[str, Any]:
                         "ep": role.parallelism.ep},
         "deepepMode": role.deepep_mode,
         "kvTransfer": {"backend": spec.kv_transfer.backend, "protocol": spec.kv_transfer.protocol,
-                       "devices": list(spec.kv_transfer.devices)},
+                       "devices": list(spec.kv_transfer.devices),
+                       "tcpFallback": spec.kv_transfer.tcp_fallback},
         "engineArgs": list(role.engine_args),
     }
 
@@ -67,6 +68,7 @@ def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
             "--device", "cuda" if role.gpus_per_pod else "cpu"]
     if role.role == "prefill":
         args += ["--bootstrap-port", str(role.bootstrap_port)]
+    args += kv_protocol_args(spec)
     par = role.parallelism
     for flag, value in (("--tp", par.tp), ("--dp", par.dp), ("--ep", par.ep)):
         if value > 1:
@@ -77,6 +79,20 @@ def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
         args += ["--nnodes", str(role.size), "--node-rank", "$(LWS_WORKER_INDEX)",
                  "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{DIST_INIT_PORT}"]
     return args + list(role.engine_args)
+
+
+def kv_protocol_args(spec: DeploymentSpec) -> list[str]:
+    """kvTransfer.protocol/devices/tcpFallback as `serve` flags (workers/serve_resolution.py
+    checks them against the pod's RDMA devices); none for the grpc backend."""
+    kv = spec.kv_transfer
+    if kv.backend != "mooncake":
+        return []
+    args = ["--kv-protocol", kv.protocol]
+    if kv.devices:
+        args += ["--kv-devices", ",".join(kv.devices)]
+    if kv.tcp_fallback:
+        args.append("--kv-tcp-fallback")
+    return args
 
 
 def _env(spec: DeploymentSpec, role: RoleSpec, index: int) -> list[dict[str, Any]]:
@@ -93,10 +109,9 @@ def _env(spec: DeploymentSpec, role: RoleSpec, index: int) -> list[dict[str, Any
         {"name": "DEEPSEEK_PD_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     if spec.kv_transfer.backend == "mooncake":
-        # Mooncake's own knobs; users add MC_GID_INDEX etc. through spec.env.
+        # Mooncake reads MC_FORCE_TCP itself; it agrees with --kv-protocol (a TCP fallback needs no
+        # override). Users add MC_GID_INDEX etc. through spec.env.
         env.append({"name": "MC_FORCE_TCP", "value": "false" if spec.rdma_enabled else "true"})
-        if spec.kv_transfer.devices:
-            env.append({"name": "DEEPSEEK_PD_KV_DEVICES", "value": ",".join(spec.kv_transfer.devices)})
     if spec.model.hf_token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": spec.model.hf_token_secret, "key": "HF_TOKEN"}}})

@@ -17,7 +17,8 @@ from deepseek_pd.operator.schema_types import (
 
 # Flags the operator renders itself; engineArgs may not repeat them (two values, one wins silently).
 MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp", "dp", "ep",
-                 "served-model-name", "device", "nnodes", "node-rank", "dist-init-addr", "deepep-mode")
+                 "served-model-name", "device", "nnodes", "node-rank", "dist-init-addr", "deepep-mode",
+                 "kv-protocol", "kv-devices", "kv-tcp-fallback")
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
 # router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).
@@ -138,13 +139,21 @@ def _kv_transfer() -> Schema:
                           "port, no extra dependency).", enum=["mooncake", "grpc"], default="mooncake"),
         "protocol": string("Mooncake transport: rdma (GPUDirect, production) or tcp.",
                            enum=["rdma", "tcp"], default="tcp"),
-        "devices": array("RDMA NICs Mooncake may use, e.g. [mlx5_0, mlx5_1]; empty = all.",
-                         string("A device name.", min_length=1), default=[]),
+        "devices": array("RDMA NICs Mooncake may use, e.g. [mlx5_0, mlx5_1]; empty = all. A named "
+                         "device the pod cannot use stops the worker with an error naming it.",
+                         string("A device name.", min_length=1, pattern="^[A-Za-z0-9_.:-]+$"),
+                         default=[]),
+        "tcpFallback": boolean("protocol rdma: a worker that finds no usable RDMA device starts "
+                               "over tcp with a warning instead of refusing to start. Both ends of a "
+                               "transfer must agree: a prefill/decode pair on different protocols "
+                               "fails its requests with a message naming both.", default=False),
     }, rules=[
         rule("self.protocol == 'tcp' || self.backend == 'mooncake'",
              "kvTransfer.protocol rdma needs backend mooncake", ".protocol"),
         rule("size(self.devices) == 0 || self.protocol == 'rdma'",
              "kvTransfer.devices only applies to protocol rdma", ".devices"),
+        rule("!self.tcpFallback || self.protocol == 'rdma'",
+             "kvTransfer.tcpFallback only applies to protocol rdma", ".tcpFallback"),
     ], default={})
 
 

@@ -127,6 +127,7 @@ class KVTransferSpec:
     backend: str
     protocol: str
     devices: tuple[str, ...]
+    tcp_fallback: bool
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ class DeploymentSpec:
             prefill=RoleSpec.parse("prefill", raw["prefill"]),
             decode=RoleSpec.parse("decode", raw["decode"]),
             kv_transfer=KVTransferSpec(raw["kvTransfer"]["backend"], raw["kvTransfer"]["protocol"],
-                                       tuple(raw["kvTransfer"]["devices"])),
+                                       tuple(raw["kvTransfer"]["devices"]), raw["kvTransfer"]["tcpFallback"]),
             router=RouterSpec(router["replicas"], router["workerDiscovery"], router["policy"],
                               router["port"], router["serviceType"], router.get("image", raw["image"]),
                               router.get("resources", {}), tuple(router["extraArgs"])),

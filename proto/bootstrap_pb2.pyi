@@ -97,16 +97,18 @@ class GrpcDestination(_message.Message):
     def __init__(self, max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class MooncakeDestination(_message.Message):
-    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages")
+    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layer_base_addrs: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
     pool_pages: int
-    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ...) -> None: ...
+    protocol: str
+    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ...) -> None: ...
 
 class FakeDestination(_message.Message):
     __slots__ = ("pool_key",)

@@ -12,6 +12,9 @@ The rules, each in one place:
 - identity: what GetServerInfo/GetLoads report, with the runner's page size.
 - layer-wise KV transfer (prefill): `SchedulerConfig.layerwise_transfer`, on by default (correct on every
   path: plain, TBO, any transport); `--engine-opt layerwise_transfer=false` sends per chunk instead.
+- KV protocol: `--kv-protocol rdma` (with `--kv-devices`, `--kv-tcp-fallback`) is checked against
+  the RDMA devices this container can use (kv_transfer/rdma_devices.py) and lands in
+  `TransportConfig.mooncake_protocol/mooncake_device`; it only applies to `--kv-transport mooncake`.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from deepseek_pd.model.model_dir import resolve_model_dir, served_name
 from deepseek_pd.model.runner import RunnerConfig
 from deepseek_pd.workers.common.internal_auth import resolve_auth
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
+from deepseek_pd.workers.common.kv_transfer.rdma_devices import (
+    KVProtocolChoice, choose_kv_protocol, parse_devices, usable_rdma_devices)
 from deepseek_pd.workers.common.serve_config import ServeConfig
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 from deepseek_pd.workers.common.server import ServerConfig
@@ -42,7 +47,7 @@ log = logging.getLogger(__name__)
 # Config fields that have their own `serve` flags, and so are not engine options.
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static"),
                 "bootstrap": ("host", "port", "auth", "prefill_peers"), "scheduler": ("chunked_prefill_size",),
-                "transport": ("advertise_host",)}
+                "transport": ("advertise_host", "mooncake_protocol", "mooncake_device")}
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
             "transport": TransportConfig}
 
@@ -76,6 +81,9 @@ class ServeFlags:
     port: int = 30001
     bootstrap_port: int = 8998
     kv_transport: str = "grpc"
+    kv_protocol: str = "tcp"  # mooncake: tcp or rdma
+    kv_devices: str = ""  # mooncake rdma: comma-separated HCA names, "" = all usable
+    kv_tcp_fallback: bool = False  # mooncake rdma without a usable device: tcp (warning) or refuse
     device: str = "auto"
     dtype: str = "auto"
     page_size: int | None = None
@@ -106,10 +114,12 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
     scheduler_fields = dict(opts["scheduler"])
     if flags.chunked_prefill_size is not None:
         scheduler_fields["chunked_prefill_size"] = flags.chunked_prefill_size
+    protocol = _kv_protocol(flags)
     try:
         worker = WorkerConfig(
             kv_transport=flags.kv_transport,
             transport=TransportConfig(advertise_host=flags.advertise_host or advertised_address(flags.host),
+                                      mooncake_protocol=protocol.protocol, mooncake_device=protocol.devices,
                                       **opts["transport"]),
             bootstrap=BootstrapConfig(host=flags.host, port=flags.bootstrap_port,
                                       auth=resolve_auth(flags.internal_secret_file, flags.insecure_internal),
@@ -157,6 +167,18 @@ def _pool_size(flags: ServeFlags, device: str, page_size: int) -> dict[str, Any]
         raise UserError(f"--mem-fraction-static sizes the KV pool from GPU memory, and the device is {device!r}; "
                         f"pass --num-pages or --max-total-tokens instead")
     return {}  # the CPU: RunnerConfig's fixed default pool
+
+
+def _kv_protocol(flags: ServeFlags) -> KVProtocolChoice:
+    """Mooncake's protocol and devices (rdma_devices.choose_kv_protocol); other transports take none."""
+    devices = parse_devices(flags.kv_devices)
+    if flags.kv_transport != "mooncake":
+        if flags.kv_protocol != "tcp" or devices or flags.kv_tcp_fallback:
+            raise UserError(f"--kv-protocol/--kv-devices/--kv-tcp-fallback configure Mooncake; "
+                            f"--kv-transport is {flags.kv_transport!r}")
+        return choose_kv_protocol("tcp", (), False, ())
+    usable = usable_rdma_devices() if flags.kv_protocol == "rdma" else ()
+    return choose_kv_protocol(flags.kv_protocol, devices, flags.kv_tcp_fallback, usable)
 
 
 def _check_single_process(flags: ServeFlags) -> None:

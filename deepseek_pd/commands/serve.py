@@ -22,6 +22,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="prefill: port of the bootstrap (handshake/KV) service (default 8998)")
     parser.add_argument("--kv-transport", choices=["mooncake", "grpc"], default="grpc",
                         help="how KV moves from prefill to decode (default grpc)")
+    parser.add_argument("--kv-protocol", choices=["tcp", "rdma"], default="tcp",
+                        help="mooncake: the transfer engine's protocol (default tcp)")
+    parser.add_argument("--kv-devices", default="", metavar="HCA[,HCA...]",
+                        help="mooncake rdma: the RDMA devices to use, e.g. mlx5_0,mlx5_1 (default: all usable)")
+    parser.add_argument("--kv-tcp-fallback", action="store_true",
+                        help="mooncake rdma: use tcp (with a warning) when no RDMA device is usable, "
+                             "instead of refusing to start")
     parser.add_argument("--device", default="auto",
                         help="torch device: auto (CUDA when available, else cpu; default), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -75,7 +82,8 @@ def flags_from_args(args: argparse.Namespace):
     return ServeFlags(
         role=args.role, model=args.model, served_model_name=args.served_model_name, host=args.host,
         advertise_host=args.advertise_host, port=args.port, bootstrap_port=args.bootstrap_port,
-        kv_transport=args.kv_transport, device=args.device, dtype=args.dtype, page_size=args.page_size,
+        kv_transport=args.kv_transport, kv_protocol=args.kv_protocol, kv_devices=args.kv_devices,
+        kv_tcp_fallback=args.kv_tcp_fallback, device=args.device, dtype=args.dtype, page_size=args.page_size,
         num_pages=args.num_pages, max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static, chunked_prefill_size=args.chunked_prefill_size,
         parallel=ParallelFlags(args.tp, args.dp, args.ep, args.deepep_mode, args.nnodes, args.node_rank,

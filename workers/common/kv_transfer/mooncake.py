@@ -54,7 +54,10 @@ class MooncakeEngine:
         if status != 0:
             raise UserError(f"mooncake TransferEngine.initialize({config.advertise_host!r}, P2PHANDSHAKE, "
                             f"{config.mooncake_protocol!r}) failed with status {status}")
+        self.protocol = config.mooncake_protocol
         self.session_id = f"{config.advertise_host}:{self.engine.get_rpc_port()}"
+        log.info("mooncake TransferEngine %s over %s (devices: %s)", self.session_id, self.protocol,
+                 config.mooncake_device or "all")
         self.base_addrs = [buffer.data_ptr() for buffer in pool.buffers]
         self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
         self._registered: list[int] = []
@@ -125,8 +128,16 @@ class MooncakeChannel(SendChannel):
 
 
 def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[int], page_bytes: int,
-                      num_layers: int) -> None:
-    """Every write of this room lands inside the decode pool's layer buffers: raises TransferError."""
+                      num_layers: int, protocol: str) -> None:
+    """Every write of this room lands inside the decode pool's layer buffers, over the protocol this
+    engine speaks: raises TransferError."""
+    if destination.protocol and destination.protocol != protocol:
+        # One side fell back to TCP (serve --kv-tcp-fallback) and the other did not: every write
+        # would fail, so say why once, per request, instead.
+        raise TransferError(FailureCode.INVALID_ARGUMENT,
+                            f"decode's mooncake engine speaks {destination.protocol}, this prefill worker's "
+                            f"{protocol}: one of them fell back to tcp (see its start log); give both RDMA "
+                            f"devices or use kvTransfer.protocol tcp")
     if destination.page_bytes != page_bytes:
         raise TransferError(FailureCode.INVALID_ARGUMENT,
                             f"decode page is {destination.page_bytes} bytes, prefill page {page_bytes}")
@@ -154,7 +165,8 @@ class MooncakeSender(KVSender):
 
     def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
         destination = handshake.mooncake
-        check_destination(destination, handshake.page_ids, self.pool.bytes_per_page, self.pool.num_layers)
+        check_destination(destination, handshake.page_ids, self.pool.bytes_per_page, self.pool.num_layers,
+                          self.engine.protocol)
         return MooncakeChannel(self.pool, self.engine, destination, handshake.page_ids,
                                self.config.send_timeout_s)
 
@@ -174,6 +186,7 @@ class MooncakeReceiver(KVReceiver):
         handshake.mooncake.layer_base_addrs.extend(self.engine.base_addrs)
         handshake.mooncake.page_bytes = self.pool.bytes_per_page
         handshake.mooncake.pool_pages = self.pool.num_pages
+        handshake.mooncake.protocol = self.engine.protocol
 
     @property
     def late_write_grace_s(self) -> float:
