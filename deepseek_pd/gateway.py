@@ -25,8 +25,9 @@ ROUTER_MODULE = "smg.launch_router"
 # 0.3.2 at 8.9 GB resident, and a body over this limit is refused with 413 before it is buffered.
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 
-# Both roles. Chosen from bench/gateway_bursts.py (docs/performance.md, "Gateway bursts"):
-# round_robin survived every burst with the least spread; cache_aware's tree deadlocked 0.3.2.
+# Both roles, for `up`. Under sglang-router 0.3.2, 3 of 7 bursts of 1,000 concurrent streams
+# deadlocked cache_aware's tree while round_robin survived 8 of 8 (FACTS). Not yet re-measured
+# under smg: a burst benchmark should confirm or change this choice.
 DEFAULT_POLICY = "round_robin"
 POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 
