@@ -1,4 +1,4 @@
-# The deepseek-pd image: workers (`deepseek-pd serve`), the router (sglang-router) and the
+# The deepseek-pd image: workers (`deepseek-pd serve`), the router (smg, the Shepherd Model Gateway) and the
 # operator (`deepseek-pd operator run`) all run from it.
 #
 #   CPU (default):  docker build -t deepseek-pd:cpu .

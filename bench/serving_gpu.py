@@ -240,7 +240,7 @@ def versions() -> dict:
     from importlib import metadata
 
     found = {}
-    for name in ("deepseek-pd", "sglang-router", "smg-grpc-proto", "grpcio", "torch", "triton"):
+    for name in ("deepseek-pd", "smg", "smg-grpc-proto", "grpcio", "torch", "triton"):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -1,4 +1,4 @@
-"""Pure builders for the router: sgl-model-gateway in PD mode, in front of the gRPC workers.
+"""Pure builders for the router: smg (Shepherd Model Gateway) in PD mode, in front of the gRPC workers.
 
 How it finds the workers is `spec.router.workerDiscovery` (see `router_discovery`): Static lists
 every group's leader in its flags and needs no Kubernetes API access; Selector watches the leader
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from deepseek_pd import gateway
 from deepseek_pd.operator import names
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups, desired_groups
 from deepseek_pd.operator.router_rollout import PROGRESS_DEADLINE_SECONDS
@@ -58,7 +59,7 @@ SCHEDULE_AND_PULL_SECONDS = 900
 # requests for this long after SIGTERM; the pod's grace period must cover it (the default 30 s
 # would cut long generations).
 SHUTDOWN_GRACE_SECONDS = 180
-# sglang-router 0.3.2 counts every worker error against its circuit breaker, our INVALID_ARGUMENT
+# The gateway (sglang-router 0.3.2; smg kept as is) counts every worker error against its circuit breaker, our INVALID_ARGUMENT
 # answers to bad client requests included (measured with `deepseek-pd up`): a handful of malformed
 # requests would open the breaker on healthy workers. Health checks still remove dead workers, and
 # one retry still moves a request off a worker that died under it.
@@ -76,12 +77,13 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
     them); default: every desired group. `router.extraArgs` come last, so they win."""
     discovery = WORKER_DISCOVERY[spec.router.worker_discovery]
     return [
-        "-m", "sglang_router.launch_router",
+        "-m", "smg.launch_router",
         "--pd-disaggregation",
         *discovery.worker_args(spec, desired_groups(spec) if groups is None else groups),
         "--worker-startup-timeout-secs", str(router_startup_timeout_seconds(spec)),
         "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_SECONDS),
         *ROUTER_RESILIENCE_ARGS,
+        "--max-payload-size", str(gateway.MAX_PAYLOAD_BYTES),
         "--policy", spec.router.policy,
         "--model-path", spec.model.path,
         "--host", "0.0.0.0",

@@ -25,8 +25,25 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                         help="extra flag passed to every `deepseek-pd serve` (repeatable; "
                              "use --worker-arg=--page-size=16)")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help="file holding the key clients must send (Authorization: Bearer KEY) to the "
+                             "router's API; default: open, which is what 127.0.0.1 is for")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait for everything to become healthy (default 300)")
+
+
+def read_api_key(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    from deepseek_pd.errors import UserError
+
+    try:
+        key = path.read_text().strip()
+    except OSError as exc:
+        raise UserError(f"--api-key-file {path}: {exc.strerror}") from exc
+    if not key or any(c.isspace() for c in key):
+        raise UserError(f"--api-key-file {path}: the key must be one non-empty word")
+    return key
 
 
 def cluster_spec_from_args(args: argparse.Namespace):
@@ -36,7 +53,8 @@ def cluster_spec_from_args(args: argparse.Namespace):
                        kv_transport=args.kv_transport, device=args.device,
                        mem_fraction_static=args.mem_fraction_static, host=args.host, router_port=args.port,
                        log_dir=args.log_dir, worker_args=tuple(args.worker_arg),
-                       startup_timeout_s=args.startup_timeout).validate()
+                       startup_timeout_s=args.startup_timeout,
+                       client_api_key=read_api_key(getattr(args, "api_key_file", None))).validate()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import threading
 
+    from deepseek_pd.errors import UserError
     from deepseek_pd.launcher.cluster import LocalCluster
 
     spec = cluster_spec_from_args(args)
@@ -77,12 +96,16 @@ def run(args: argparse.Namespace) -> int:
                   f"log {worker.process.log_path}", file=sys.stderr)
         print(f"router ready at {cluster.router_url} (model name {cluster.served_model_name!r})",
               flush=True)
+        print(f"  control-plane key (add/remove workers): {cluster.log_dir / 'control-plane-key'}",
+              file=sys.stderr, flush=True)
+        # A crashed worker or a crashed/hung router is restarted; one that keeps crashing stops up.
+        supervisor = cluster.supervisor()
         while not stop.wait(1.0):
-            for proc in cluster.processes():
-                if not proc.is_alive():
-                    print(f"{proc.name} exited with code {proc.returncode}; stopping. "
-                          f"Last lines of {proc.log_path}:\n{proc.log_tail()}", file=sys.stderr)
-                    return 1
+            try:
+                supervisor.step()
+            except UserError as exc:
+                print(f"{exc}; stopping.", file=sys.stderr)
+                return 1
     except KeyboardInterrupt:
         pass
     finally:

@@ -1,4 +1,4 @@
-"""A whole PD deployment on one machine: N prefill workers, M decode workers, the real router.
+"""A whole PD deployment on one machine: N prefill workers, M decode workers, the real router (smg).
 
     with LocalCluster(ClusterSpec(model="tiny", num_prefill=1, num_decode=1)) as cluster:
         print(cluster.router_url)        # http://127.0.0.1:PORT, ready for /generate
@@ -9,6 +9,12 @@ with its slice of the memory budget, launcher/gpu_share.py), wait for each one's
 HealthCheck, then start the router and wait until it reports all N+M workers healthy. If any process dies or the deadline passes, everything started
 so far is stopped and a `UserError` carries that process's log tail. Stopping is idempotent:
 router first (no new traffic), then all workers together; SIGKILL after the grace period.
+Once running, `launcher/supervisor.py` restarts what crashes or hangs.
+
+The router's control plane (adding and removing workers) is locked with a key generated per
+cluster (`control_plane_key`, also written to `<log_dir>/control-plane-key`, mode 0600); the
+client API stays open unless `client_api_key` is set (on 127.0.0.1 the demo and OpenAI clients
+work unchanged).
 """
 from __future__ import annotations
 
@@ -19,10 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepseek_pd import gateway
 from deepseek_pd.errors import UserError
 from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy
 from deepseek_pd.launcher.ports import pick_free_ports
 from deepseek_pd.launcher.process import ManagedProcess, stop_all
+from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,7 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()  # extra `deepseek-pd serve` flags for every worker
     router_args: tuple[str, ...] = ROUTER_LOCAL_FLAGS
     router_log_level: str = "warn"
+    client_api_key: str | None = None  # None: the client API is open (fine on 127.0.0.1)
     startup_timeout_s: float = 300.0
     stop_grace_s: float = 15.0
 
@@ -101,6 +110,7 @@ class LocalCluster:
         self.device = ""  # resolved in start()
         self.workers: list[WorkerEndpoint] = []
         self.router: ManagedProcess | None = None
+        self.control_plane_key = gateway.new_key()
         self.router_port = 0
         self.metrics_port = 0
         self.log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="deepseek-pd-up-"))
@@ -119,6 +129,12 @@ class LocalCluster:
     def processes(self) -> list[ManagedProcess]:
         procs = [w.process for w in self.workers]
         return procs + ([self.router] if self.router else [])
+
+    def supervisor(self, config: SupervisorConfig | None = None) -> Supervisor:
+        """What keeps this started cluster serving (launcher/supervisor.py); call its `step()`."""
+        assert self.router is not None, "start() the cluster first"
+        return Supervisor([w.process for w in self.workers], self.router, self.router_url,
+                          config or SupervisorConfig())
 
     def start(self) -> "LocalCluster":
         spec = self.spec
@@ -197,8 +213,16 @@ class LocalCluster:
                 time.sleep(0.2)
 
     def _start_router(self) -> None:
+        key_file = self.log_dir / "control-plane-key"
+        key_file.parent.mkdir(parents=True, exist_ok=True)
+        key_file.touch(mode=0o600)
+        key_file.write_text(self.control_plane_key + "\n")
+        self.router = ManagedProcess("router", self._router_argv(), self.log_dir / "router.log")
+        self.router.start()
+
+    def _router_argv(self) -> list[str]:
         spec = self.spec
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        argv = [sys.executable, "-m", gateway.ROUTER_MODULE, "--pd-disaggregation"]
         for worker in self.prefill_workers():
             argv += ["--prefill", f"grpc://{worker.address(spec.host)}", str(worker.bootstrap_port)]
         for worker in self.decode_workers():
@@ -206,9 +230,10 @@ class LocalCluster:
         argv += ["--host", spec.host, "--port", str(self.router_port),
                  "--model-path", str(self.model_dir), "--log-level", spec.router_log_level,
                  "--prometheus-host", spec.host, "--prometheus-port", str(self.metrics_port),
-                 *spec.router_args]
-        self.router = ManagedProcess("router", argv, self.log_dir / "router.log")
-        self.router.start()
+                 "--policy", gateway.DEFAULT_POLICY,
+                 *gateway.router_security_args(self.control_plane_key, spec.client_api_key),
+                 *spec.router_args]  # router_args last: they win
+        return argv
 
     def _wait_router_ready(self, deadline: float) -> None:
         assert self.router is not None

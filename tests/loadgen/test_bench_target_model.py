@@ -1,7 +1,7 @@
 """`bench serving --url` learns the served model from the router, not from `--model`.
 
-- Against the real router (sglang-router 0.3.2, which labels its JSON `text/plain`, and PyPI
-  `smg` when installed) in front of real workers serving a freshly drawn, NOT-tiny checkpoint: a
+- Against the real router (`up`'s smg, and a second smg started by the test; sglang-router 0.3.2
+  labelled its JSON `text/plain`) in front of real workers serving a freshly drawn, NOT-tiny checkpoint: a
   vocabulary smaller than the tokenizer's (tiny's ids would be rejected by the workers), and a
   random layer count and latent width, so the KV bytes per token differ from tiny's. The run must
   succeed, use that vocabulary and report `layers x (kv_lora_rank + qk_rope_head_dim) x 4` (fp32).
@@ -64,7 +64,7 @@ def start_smg(cluster, log_path: Path) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("router", ["sglang-router", "smg"])
+@pytest.mark.parametrize("router", ["up", "smg"])  # up's own router, a second smg started here
 def test_bench_url_uses_the_served_models_vocabulary_and_kv_size(tmp_path: Path, router: str) -> None:
     if router == "smg":
         pytest.importorskip("smg")

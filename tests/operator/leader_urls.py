@@ -34,10 +34,10 @@ def leader_urls(objects: list[dict[str, Any]], role: str) -> list[str]:
 
 def router_flags(deployment: dict[str, Any]):
     """The router Deployment's arguments, parsed by sgl-model-gateway's own launcher."""
-    from sglang_router.launch_router import parse_router_args
+    from smg.launch_router import parse_router_args
 
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:2] == ["-m", "sglang_router.launch_router"]
+    assert args[:2] == ["-m", "smg.launch_router"]
     return parse_router_args(args[2:])
 
 

@@ -180,7 +180,7 @@ def test_static_router_lists_every_group_leader_over_grpc():
 
 def test_static_router_lists_the_groups_it_is_given():
     """During a surge rollout or a scale change the router serves the planner's groups."""
-    from sglang_router.launch_router import parse_router_args
+    from smg.launch_router import parse_router_args
 
     spec = _spec(_raw("cpu-minimal.yaml", "Static"), name="tiny")
     groups = {"prefill": [0], "decode": sorted(random.sample(range(6), k=random.randint(1, 4)))}

@@ -37,11 +37,11 @@ def _common_flags(parsed, spec: DeploymentSpec) -> None:
 
 @pytest.mark.parametrize("example", ["cpu-minimal.yaml", "deepseek-v3-h200.yaml"])
 def test_selector_router_args_parse_with_sgl_model_gateway(example):
-    from sglang_router.launch_router import parse_router_args
+    from smg.launch_router import parse_router_args
 
     spec = DeploymentSpec.parse("demo", "llm", _raw(example, "Selector"))
     args = build_router_args(spec)
-    assert args[:2] == ["-m", "sglang_router.launch_router"]
+    assert args[:2] == ["-m", "smg.launch_router"]
     parsed = parse_router_args(args[2:])
     _common_flags(parsed, spec)
     assert parsed.service_discovery and parsed.service_discovery_namespace == "llm"
@@ -54,14 +54,14 @@ def test_selector_router_args_parse_with_sgl_model_gateway(example):
 @pytest.mark.parametrize("example", ["cpu-minimal.yaml", "deepseek-v3-h200.yaml"])
 def test_static_router_args_parse_with_sgl_model_gateway(example):
     """Several groups per role: every leader once, as gRPC, prefill with its bootstrap port."""
-    from sglang_router.launch_router import parse_router_args
+    from smg.launch_router import parse_router_args
 
     raw = _raw(example, "Static")
     raw["prefill"]["replicas"], raw["decode"]["replicas"] = random.randint(2, 5), random.randint(2, 5)
     raw["router"]["extraArgs"] = ["--worker-startup-timeout-secs", "7200"]
     spec = DeploymentSpec.parse("demo", "llm", raw)
     args = build_router_args(spec)
-    assert args[:2] == ["-m", "sglang_router.launch_router"]
+    assert args[:2] == ["-m", "smg.launch_router"]
     parsed = parse_router_args(args[2:])
     _common_flags(parsed, spec)
     assert not parsed.service_discovery
