@@ -148,8 +148,9 @@ def _supervise(config: ServeConfig, ranks: range) -> int:
     for proc in procs.values():
         proc.start()
     log.info("%s worker: started ranks %s (pids %s)", config.role, list(ranks), [p.pid for p in procs.values()])
-    multiprocessing.connection.wait([p.sentinel for p in procs.values()])
-    first = next(rank for rank, proc in procs.items() if not proc.is_alive())
+    by_sentinel = {proc.sentinel: rank for rank, proc in procs.items()}
+    first = by_sentinel[multiprocessing.connection.wait(list(by_sentinel))[0]]
+    procs[first].join()  # the sentinel is ready before the exit status is reaped
     status = procs[first].exitcode
     if not stopping:
         log.error("rank %d exited with status %s: stopping the other ranks of the group", first, status)

@@ -35,3 +35,30 @@ def test_group_equals_offline_engine(tmp_path, layout) -> None:
         asyncio.run(worker.wait_healthy())
         got = asyncio.run(generate_all(worker.address, prompts, max_new))
         assert got == want, worker.log_tail()
+
+
+@pytest.mark.timeout(200)
+def test_idle_ranks_and_a_killed_rank_ends_the_group(tmp_path) -> None:
+    """One request on a 4-rank group (three ranks idle, joining every all-to-all with zero
+    tokens) still equals the oracle; then SIGKILL of one follower rank ends the whole group with a
+    non-zero status within a bound, never a hang."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    rng = random.Random()
+    prompts, max_new = _prompts(rng, 1)
+    want = offline_greedy(prompts, max_new)
+    with GroupWorker("decode", ["--dp", "4", "--ep", "4"], tmp_path / "group.log") as worker:
+        asyncio.run(worker.wait_healthy())
+        assert asyncio.run(generate_all(worker.address, prompts, max_new)) == want, worker.log_tail()
+        children = subprocess.run(["pgrep", "-P", str(worker.proc.pid)], capture_output=True, text=True)
+        ranks = [int(pid) for pid in children.stdout.split()]
+        assert len(ranks) >= 4, children.stdout
+        victim = rng.choice(ranks[1:])
+        started = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        status = worker.proc.wait(60)
+        assert status != 0 and time.monotonic() - started < 60
+        assert "stopping the other ranks" in worker.log_path.read_text(), worker.log_tail()
