@@ -62,3 +62,26 @@ def test_idle_ranks_and_a_killed_rank_ends_the_group(tmp_path) -> None:
         status = worker.proc.wait(60)
         assert status != 0 and time.monotonic() - started < 60
         assert "stopping the other ranks" in worker.log_path.read_text(), worker.log_tail()
+
+
+@pytest.mark.timeout(240)
+def test_pd_into_dp_decode_ranks_equals_offline_engine(tmp_path) -> None:
+    """A single prefill worker and a decode group (dp 2, ep 2): each request's KV lands on the
+    decode DP rank of its room (`room % 2`), whose own bootstrap client pulls it rank to rank."""
+    from deepseek_pd.client.pd_dispatch import PDClient
+    from deepseek_pd.client.scheduler_grpc import sampling_proto
+
+    rng = random.Random()
+    prompts, max_new = _prompts(rng, 6)
+    want = offline_greedy(prompts, max_new)
+    with GroupWorker("prefill", [], tmp_path / "prefill.log") as prefill, \
+            GroupWorker("decode", ["--dp", "2", "--ep", "2"], tmp_path / "decode.log") as decode:
+        async def run() -> list:
+            await prefill.wait_healthy()
+            await decode.wait_healthy()
+            async with PDClient(prefill.address, "127.0.0.1", prefill.bootstrap_port, decode.address) as client:
+                return await asyncio.gather(*(client.generate(p, sampling_proto(max_new_tokens=n, temperature=0.0),
+                                                              stream=True) for p, n in zip(prompts, max_new)))
+        results = asyncio.run(run())
+        assert all(r.ok for r in results), [(r.prefill_error, r.decode_error) for r in results]
+        assert [r.output_ids for r in results] == want, decode.log_tail()
