@@ -85,3 +85,21 @@ def test_pd_into_dp_decode_ranks_equals_offline_engine(tmp_path) -> None:
         results = asyncio.run(run())
         assert all(r.ok for r in results), [(r.prefill_error, r.decode_error) for r in results]
         assert [r.output_ids for r in results] == want, decode.log_tail()
+
+
+@pytest.mark.timeout(200)
+def test_two_pod_group_as_the_operator_renders_it(tmp_path) -> None:
+    """`cpu-minimal.yaml` with `size: 2` renders `--tp 2 --nnodes 2 --node-rank I --dist-init-addr
+    LEADER:PORT`: two separate `serve` processes (one rank each) form one group and serve."""
+    from deepseek_pd.launcher.ports import pick_free_ports
+
+    rng = random.Random()
+    prompts, max_new = _prompts(rng, 3)
+    want = offline_greedy(prompts, max_new)
+    init_port = pick_free_ports(1)[0]
+    pods = [GroupWorker("decode", ["--tp", "2", "--nnodes", "2", "--node-rank", str(i),
+                                   "--dist-init-addr", f"127.0.0.1:{init_port}"], tmp_path / f"pod{i}.log")
+            for i in range(2)]
+    with pods[0] as leader, pods[1]:
+        asyncio.run(leader.wait_healthy())
+        assert asyncio.run(generate_all(leader.address, prompts, max_new)) == want, leader.log_tail()
