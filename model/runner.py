@@ -15,6 +15,7 @@ extend/decode the same number of times (the MoE all-to-alls pair up across ranks
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -35,6 +36,7 @@ from deepseek_pd.model.kv_pool_sizing import GIB, GpuMemory, pages_for_gpu
 from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.step_sync import StepSync
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +230,8 @@ class ModelRunner:
     parallel: ParallelInfo | None = None
     kv_pool: KVPool = field(init=False)
     policy: AttentionPolicy = field(init=False)
+    # One rank of a group: every forward is announced to the group first (model/step_sync.py).
+    step_sync: StepSync | None = None
     # The CUDA-graph decode path, when `config.cuda_graph` (built, and captured, once here).
     graphs: DecodeGraphRunner | None = field(init=False, default=None, repr=False)
 
@@ -276,8 +280,12 @@ class ModelRunner:
 
         `progress`, if given, is told as each layer's KV of the whole batch is written
         (`model/layer_progress.py`), while the forward goes on."""
-        return self._run(ForwardMode.EXTEND, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
-                         [s.pages for s in seqs], progress=progress)
+        with self._step(ForwardMode.EXTEND):
+            return self._run(ForwardMode.EXTEND, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
+                             [s.pages for s in seqs], progress=progress)
+
+    def _step(self, mode: ForwardMode):
+        return self.step_sync.forward(mode) if self.step_sync is not None else contextlib.nullcontext()
 
     def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
         """With EP: this rank has no requests this step but must join the other ranks' MoE
@@ -291,12 +299,13 @@ class ModelRunner:
         `token_id`s: the overlap scheduler feeds the previous step's samples without reading them
         back to the host. The caller guarantees they are in the vocabulary (the sampler's output is).
         """
-        if self.graphs is not None:
-            logits = self.graphs.decode([s.token_id for s in seqs], [s.position for s in seqs],
-                                        [s.pages for s in seqs], input_ids=input_ids)
-            if logits is not None:
-                return logits
-        return self.decode_eager(seqs, input_ids)
+        with self._step(ForwardMode.DECODE):
+            if self.graphs is not None:
+                logits = self.graphs.decode([s.token_id for s in seqs], [s.position for s in seqs],
+                                            [s.pages for s in seqs], input_ids=input_ids)
+                if logits is not None:
+                    return logits
+            return self.decode_eager(seqs, input_ids)
 
     def decode_eager(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`decode` without CUDA graphs (the fallback, and the oracle the graphs are tested against)."""

@@ -18,13 +18,15 @@ from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 
 
-def build_prefill_engine(config: ServeConfig) -> PrefillEngine:
-    return PrefillEngine(ModelRunner(config.runner), config.worker)
+def build_prefill_engine(config: ServeConfig, runner: ModelRunner | None = None, model_thread=None) -> PrefillEngine:
+    """`runner` and `model_thread` are given when the engine is one rank of a group (group_main.py)."""
+    return PrefillEngine(runner or ModelRunner(config.runner), config.worker, model_thread=model_thread)
 
 
-def build_decode_engine(config: ServeConfig) -> DecodeEngine:
+def build_decode_engine(config: ServeConfig, runner: ModelRunner | None = None, model_thread=None) -> DecodeEngine:
     # The tokenizer (stop strings) comes from the same model directory the runner loaded.
-    return DecodeEngine(ModelRunner(config.runner), config.worker, tokenizer=load_tokenizer(config.model_dir))
+    return DecodeEngine(runner or ModelRunner(config.runner), config.worker, tokenizer=load_tokenizer(config.model_dir),
+                        model_thread=model_thread)
 
 
 BUILDERS: dict[str, Callable[[ServeConfig], WorkerEngine]] = {

@@ -15,6 +15,10 @@ The rules, each in one place:
 - KV protocol: `--kv-protocol rdma` (with `--kv-devices`, `--kv-tcp-fallback`) is checked against
   the RDMA devices this container can use (kv_transfer/rdma_devices.py) and lands in
   `TransportConfig.mooncake_protocol/mooncake_device`; it only applies to `--kv-transport mooncake`.
+- the group (workers/common/group_layout.py): `--tp/--dp/--ep/--nnodes/--node-rank/--dist-init-addr`
+  become one `GroupLayout`; the runner's `ep_size` and dispatcher follow from it (`all_to_all`,
+  or `deepep` where `deep_ep` imports and `--deepep-mode` is not none); CUDA graphs are off where
+  the dispatcher cannot be captured (RunnerConfig.resolve).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
 from deepseek_pd.model.model_dir import resolve_model_dir, served_name
 from deepseek_pd.model.runner import RunnerConfig
 from deepseek_pd.workers.common.internal_auth import resolve_auth
+from deepseek_pd.workers.common.group_layout import GroupLayout
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
 from deepseek_pd.workers.common.kv_transfer.rdma_devices import (
     KVProtocolChoice, choose_kv_protocol, parse_devices, usable_rdma_devices)
@@ -47,9 +52,11 @@ log = logging.getLogger(__name__)
 # Config fields that have their own `serve` flags, and so are not engine options.
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static"),
                 "bootstrap": ("host", "port", "auth", "prefill_peers"), "scheduler": ("chunked_prefill_size",),
-                "transport": ("advertise_host", "mooncake_protocol", "mooncake_device")}
+                "transport": ("advertise_host", "mooncake_protocol", "mooncake_device"),
+                "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
-            "transport": TransportConfig}
+            "transport": TransportConfig, "group": GroupLayout}
+_GROUP_RUNNER_FIELDS = ("ep_size", "dispatcher")  # decided by the group layout
 
 
 @dataclass(frozen=True)
@@ -106,11 +113,16 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
         value = getattr(flags, name)
         if not 0 < value < 65536:
             raise UserError(f"--{name.replace('_', '-')} {value} is not a TCP port")
-    _check_single_process(flags)
     model_dir = resolve_model_dir(flags.model)
     info = ServedModelInfo.from_model_dir(model_dir, flags.served_model_name or served_name(flags.model, model_dir))
     opts = assign_engine_options(parse_key_values(flags.engine_options), _TARGETS, _FLAG_FIELDS)
-    runner = _runner_config(flags, defaults, model_dir, opts["runner"])
+    group = _group_layout(flags.parallel, opts["group"])
+    for name in _GROUP_RUNNER_FIELDS:
+        if name in opts["runner"]:
+            raise UserError(f"--engine-opt {name}: set by --ep/--deepep-mode (the group layout), not directly")
+    runner_opts = {**opts["runner"], "ep_size": group.ep,
+                   "dispatcher": group.dispatcher(deepep_available=_deepep_available())}
+    runner = _runner_config(flags, defaults, model_dir, runner_opts)
     scheduler_fields = dict(opts["scheduler"])
     if flags.chunked_prefill_size is not None:
         scheduler_fields["chunked_prefill_size"] = flags.chunked_prefill_size
@@ -130,7 +142,8 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
     identity = WorkerIdentity(role=flags.role, kv_transport=flags.kv_transport, bootstrap_port=flags.bootstrap_port,
                               page_size=runner.page_size, host=flags.host, port=flags.port)
     return ServeConfig(runner=runner, worker=worker, identity=identity, model=info,
-                       server=ServerConfig(flags.host, flags.port, drain_timeout_s=flags.drain_timeout_s))
+                       server=ServerConfig(flags.host, flags.port, drain_timeout_s=flags.drain_timeout_s),
+                       group=group)
 
 
 def _runner_config(flags: ServeFlags, defaults: RoleDefaults, model_dir: Path,
@@ -181,13 +194,19 @@ def _kv_protocol(flags: ServeFlags) -> KVProtocolChoice:
     return choose_kv_protocol(flags.kv_protocol, devices, flags.kv_tcp_fallback, usable)
 
 
-def _check_single_process(flags: ServeFlags) -> None:
-    par = flags.parallel
-    if not par.is_single_process:
-        raise UserError(
-            f"--tp {par.tp} --dp {par.dp} --ep {par.ep} --nnodes {par.nnodes}: the {flags.role} "
-            "engine of this build runs one process per worker; multi-GPU/multi-node workers are "
-            "not supported yet (use --tp 1 --dp 1 --ep 1 --nnodes 1)")
+def _group_layout(par: ParallelFlags, options: dict[str, Any]) -> GroupLayout:
+    layout = GroupLayout(tp=par.tp, dp=par.dp, ep=par.ep, nnodes=par.nnodes, node_rank=par.node_rank,
+                         dist_init_addr=par.dist_init_addr, deepep_mode=par.deepep_mode, **options)
+    if layout.tp > 1:
+        log.warning("--tp %d: attention runs data-parallel over all %d ranks (MLA's latent KV is not "
+                    "sharded by heads; see workers/common/group_layout.py)", layout.tp, layout.world)
+    return layout
+
+
+def _deepep_available() -> bool:
+    from deepseek_pd.model.moe.dispatcher import DISPATCHERS
+
+    return "deepep" in DISPATCHERS.names()
 
 
 def advertised_address(bind_host: str) -> str:

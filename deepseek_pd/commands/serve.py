@@ -101,6 +101,15 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(args.role)
     config = resolve_serve_config(flags_from_args(args))  # every default decided once, then frozen
+    if not config.group.is_single_process:
+        if args.engine_factory is not None:
+            from deepseek_pd.errors import UserError
+
+            raise UserError("--engine-factory builds one process's engine; it cannot be combined with a "
+                            "multi-rank group (--tp/--dp > 1)")
+        from deepseek_pd.workers.group_main import run_node
+
+        return run_node(config)  # one process per rank of this node, in lockstep
     if args.engine_factory is not None:
         from deepseek_pd.workers.common.engine_factory import load_builder
 

@@ -18,7 +18,7 @@ import pytest
 
 from deepseek_pd.launcher.cluster import ClusterSpec, LocalCluster
 from deepseek_pd.launcher.supervisor import SupervisorConfig
-from servicer_fakes import expected_tokens, make_tokenizer_model_dir
+from pdtest.servicer_fakes import expected_tokens, make_tokenizer_model_dir
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

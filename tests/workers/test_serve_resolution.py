@@ -133,7 +133,10 @@ def test_bad_flags_are_user_errors(cpu_machine, tmp_path) -> None:
         (["--engine-opt", "page_size=4"], "unknown --engine-opt 'page_size'"),  # a flag, not an option
         (["--engine-opt", "max_running_requests=many"], "expected a int"),
         (["--engine-opt", "novalue"], "KEY=VALUE"),
-        (["--tp", "2"], "one process per worker"),
+        (["--dp", "2", "--ep", "3"], "spread over all 2 ranks"),
+        (["--dp", "4", "--nnodes", "2"], "needs --dist-init-addr"),
+        (["--dp", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "cannot be spread evenly"),
+        (["--dp", "2", "--engine-opt", "ep_size=2"], "set by --ep"),
         (["--port", "0"], "not a TCP port"),
         (["--num-pages", "0"], "must be >= 1"),
         (["--page-size", "0"], "page_size"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from deepseek_pd.workers.common.group_layout import GroupLayout
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 from deepseek_pd.workers.common.server import ServerConfig
 from deepseek_pd.workers.common.servicer import WorkerIdentity
@@ -31,6 +32,7 @@ class ServeConfig:
     identity: WorkerIdentity
     model: ServedModelInfo
     server: ServerConfig
+    group: GroupLayout = GroupLayout()  # the ranks this worker spans (one process by default)
 
     def __post_init__(self) -> None:
         if self.identity.page_size != self.runner.page_size:

@@ -74,16 +74,17 @@ class _Request:
 class DecodeEngine:
     """`WorkerEngine` of a decode (or colocated) worker."""
 
-    def __init__(self, runner: ModelRunner, config: WorkerConfig, tokenizer=None) -> None:
+    def __init__(self, runner: ModelRunner, config: WorkerConfig, tokenizer=None, model_thread=None) -> None:
         """`tokenizer` (a `tokenizers.Tokenizer`, for stop strings) defaults to the checkpoint's own;
-        without one, stop strings are refused per request."""
+        without one, stop strings are refused per request. `model_thread` (default: a `ModelThread`)
+        is a `LockstepModelThread` when this engine is one rank of a group."""
         self.runner = runner
         self.config = config
         self.pool = runner.kv_pool
         self.tokenizer = tokenizer if tokenizer is not None else _checkpoint_tokenizer(runner)
         self.max_context = runner.model_config.max_position_embeddings
         self.sampler = Sampler()
-        self.model_thread = ModelThread("decode-model")
+        self.model_thread = model_thread if model_thread is not None else ModelThread("decode-model")
         self.stepper = DecodeStepper(runner)
         self._requests: dict[str, _Request] = {}
         self._prefilling: list[_Request] = []

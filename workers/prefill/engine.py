@@ -64,7 +64,9 @@ class _Request:
 class PrefillEngine:
     """`WorkerEngine` of a prefill worker; serves the bootstrap port while started."""
 
-    def __init__(self, runner: ModelRunner, config: WorkerConfig) -> None:
+    def __init__(self, runner: ModelRunner, config: WorkerConfig, model_thread=None) -> None:
+        """`model_thread` (default: a `ModelThread`) is a `LockstepModelThread` when this engine is
+        one rank of a group."""
         self.runner = runner
         self.config = config
         self.pool = runner.kv_pool
@@ -72,7 +74,7 @@ class PrefillEngine:
         # Pages the runner already holds (its CUDA-graph scratch page) never come back.
         self.usable_pages = self.pool.num_free_pages
         self.sampler = Sampler()
-        self.model_thread = ModelThread("prefill-model")
+        self.model_thread = model_thread if model_thread is not None else ModelThread("prefill-model")
         self._requests: dict[str, _Request] = {}
         self._waiting: list[_Request] = []  # handshake done, no pages yet (FIFO)
         self._running: list[_Request] = []  # pages allocated, prompt not yet computed

@@ -1,0 +1,24 @@
+"""`StepSync`: the hook a `ModelRunner` calls around every forward when it is one rank of a group.
+
+With expert parallelism every forward of every rank takes part in the same MoE all-to-alls, so
+the ranks must run forwards in lockstep: a rank with no requests in a step still runs an idle
+forward (`ModelRunner.idle`). The runner does not know how the ranks agree; it only announces
+each forward to its `StepSync` (workers/common/lockstep.py implements it) and runs inside it:
+
+    with step_sync.forward(ForwardMode.DECODE):   # tells the group "a forward now" and waits for it
+        logits = model(batch)                     # the other ranks run theirs, or an idle one
+
+An exception inside the block leaves the collectives out of step, so the implementation treats
+it as fatal for the group.
+"""
+from __future__ import annotations
+
+from typing import ContextManager, Protocol
+
+from deepseek_pd.model.forward_batch import ForwardMode
+
+
+class StepSync(Protocol):
+    def forward(self, mode: ForwardMode) -> ContextManager[None]:
+        """Enters one group-wide forward step of `mode` (blocks until every rank joins it)."""
+        ...
