@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv system-deps clean
+.PHONY: demo test venv system-deps control-plane clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ system-deps:
 demo: $(STAMP) system-deps
 	$(BIN)/deepseek-pd demo
 
-test: $(STAMP) system-deps
+# kube-apiserver + kube-controller-manager for tests/k8s, built once per release into
+# ~/.cache/deepseek-pd/kube/<release>/ (about 13 minutes cold on 2 cores; a no-op after).
+control-plane:
+	@bash scripts/build-control-plane.sh >/dev/null
+
+test: $(STAMP) system-deps control-plane
 	$(BIN)/python -m pytest -q -rs --durations=15 tests
 
 clean:
