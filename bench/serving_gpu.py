@@ -130,8 +130,10 @@ def c1_prompt_lengths(plan: Plan, vocab: int, n: int, seed: int) -> list[int]:
     return [len(r.input_ids) for r in build_requests(spec, vocab)]
 
 
-def bench_argv(url: str, plan: Plan, concurrency: int, requests: int, seed: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "deepseek_pd.cli", "bench", "serving", "--url", url, "--dataset", "random",
+def bench_argv(url: str, plan: Plan, concurrency: int, requests: int, seed: int, out: Path,
+               admin_key_file: Path) -> list[str]:
+    return [sys.executable, "-m", "deepseek_pd.cli", "bench", "serving", "--url", url,
+            "--admin-key-file", str(admin_key_file), "--dataset", "random",
             "--input-len", str(plan.input_len), "--range-ratio", str(plan.range_ratio),
             "--output-len", str(plan.output_len), "--output-range-ratio", "0",
             "--num-prompts", str(requests), "--max-concurrency", str(concurrency), "--seed", str(seed),
@@ -197,7 +199,7 @@ def serve_levels(plan: Plan, model_dir: Path, out: Path, flags: list[str], profi
         result["phases"]["startup_s"] = time.monotonic() - t0
         print(f"[up] ready at {url} after {result['phases']['startup_s']:.1f}s", flush=True)
         c, n = plan.warmup
-        ok, secs, _ = run_step("warmup", bench_argv(url, plan, c, n, seed, levels_dir / "warmup"),
+        ok, secs, _ = run_step("warmup", bench_argv(url, plan, c, n, seed, levels_dir / "warmup", up.control_plane_key_file),
                                budget.left(), levels_dir / "warmup.log")
         result["phases"]["warmup_s"] = secs
         for index, (concurrency, wanted) in enumerate(plan.levels):
@@ -208,7 +210,8 @@ def serve_levels(plan: Plan, model_dir: Path, out: Path, flags: list[str], profi
             if n < wanted:
                 notes.append(f"c={concurrency}: {n} requests instead of {wanted} (time budget)")
             stem = levels_dir / f"c{concurrency}"
-            argv = bench_argv(url, plan, concurrency, n, level_seed(seed, index), stem)
+            argv = bench_argv(url, plan, concurrency, n, level_seed(seed, index), stem,
+                              up.control_plane_key_file)
             if profile and concurrency == plan.profile_level:
                 child = subprocess.Popen(argv, stdout=stem.with_suffix(".log").open("w"),
                                          stderr=subprocess.STDOUT)

@@ -52,6 +52,11 @@ class UpProcess:
                 "--startup-timeout", str(int(spec.startup_timeout_s)),
                 *[f"--worker-arg={arg}" for arg in spec.worker_args]]
 
+    @property
+    def control_plane_key_file(self) -> Path:
+        """The gateway's control-plane key, which `up` writes next to its logs."""
+        return self.spec.log_dir / "control-plane-key"
+
     def start(self) -> str:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.spec.log_dir / "up.log").open("w")

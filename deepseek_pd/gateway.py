@@ -17,6 +17,9 @@ health routes (`/liveness`, `/readiness`, `/health`) stay open for probes.
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
+
+from deepseek_pd.errors import UserError
 
 ROUTER_MODULE = "smg.launch_router"
 
@@ -37,6 +40,19 @@ CONTROL_PLANE_KEY_ID = "deepseek-pd"
 def new_key() -> str:
     """A fresh random key (256 bits, URL-safe), for the control plane or a client."""
     return secrets.token_urlsafe(32)
+
+
+def read_key_file(path: Path | None, flag: str) -> str | None:
+    """The one-word key in `path` (a client or control-plane key file), or None without a path."""
+    if path is None:
+        return None
+    try:
+        key = path.read_text().strip()
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: {exc.strerror}") from exc
+    if not key or any(c.isspace() for c in key):
+        raise UserError(f"{flag} {path}: the key must be one non-empty word")
+    return key
 
 
 def control_plane_key_arg(key: str) -> str:

@@ -70,7 +70,9 @@ def root_schema() -> Schema:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # A CRD may declare metadata.name (only name and generateName), which makes it a valid
+            # fieldPath for the root rule below.
+            "metadata": {"type": "object", "properties": {"name": {"type": "string"}}},
             "spec": spec_schema(),
             "status": status_schema(),
         },

@@ -31,7 +31,10 @@ def obj(description: str, properties: dict[str, Schema], *, required: list[str] 
     if rules:
         node["x-kubernetes-validations"] = rules
     if default is not None:
-        node["default"] = default
+        # The API server validates a default as written, against this object's CEL rules, without
+        # first filling in its fields' own defaults: so `default={}` is written out in full.
+        filled = {name: child["default"] for name, child in properties.items() if "default" in child}
+        node["default"] = {**filled, **default}
     return node
 
 

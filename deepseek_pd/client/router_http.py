@@ -78,9 +78,14 @@ def parse_json_body(body: bytes, what: str) -> Any:
 
 class RouterClient:
     def __init__(self, base_url: str, model: str = "", timeout_s: float = 600.0,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None, api_key: str | None = None,
+                 admin_key: str | None = None) -> None:
+        """`api_key` is sent on the serving routes (`up --api-key-file`), `admin_key` on the
+        control plane's (`/workers`: the key `up` writes to `<log dir>/control-plane-key`)."""
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self._api_headers = _bearer(api_key)
+        self._admin_headers = _bearer(admin_key)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session = session
         self._own_session = session is None
@@ -106,9 +111,10 @@ class RouterClient:
             raise RuntimeError("use `async with RouterClient(...)` (or pass a session)")
         return self._session
 
-    async def get_json(self, path: str) -> Any:
-        """GET `path` (e.g. "/v1/models", "/workers"); non-200 raises `RouterError`."""
-        async with self.session.get(f"{self.base_url}{path}") as response:
+    async def get_json(self, path: str, admin: bool = False) -> Any:
+        """GET `path` (e.g. "/v1/models", or "/workers" with `admin`); non-200 raises `RouterError`."""
+        headers = self._admin_headers if admin else self._api_headers
+        async with self.session.get(f"{self.base_url}{path}", headers=headers) as response:
             await _raise_for_status(response)
             return parse_json_body(await response.read(), f"{self.base_url}{path}")
 
@@ -123,7 +129,8 @@ class RouterClient:
         if input_ids is not None:
             body["input_ids"] = list(input_ids)
         result = GenerateResult(start_time=time.perf_counter())
-        async with self.session.post(f"{self.base_url}/generate", json=body) as response:
+        async with self.session.post(f"{self.base_url}/generate", json=body,
+                                     headers=self._api_headers) as response:
             await _raise_for_status(response)
             if not stream:
                 payload = await response.json()
@@ -175,7 +182,8 @@ class RouterClient:
         if stream:
             body.setdefault("stream_options", {"include_usage": True})
         result = ChatResult(start_time=time.perf_counter())
-        async with self.session.post(f"{self.base_url}/v1/chat/completions", json=body) as response:
+        async with self.session.post(f"{self.base_url}/v1/chat/completions", json=body,
+                                     headers=self._api_headers) as response:
             await _raise_for_status(response)
             if not stream:
                 payload = await response.json()
@@ -209,6 +217,10 @@ class RouterClient:
         if usage:
             result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
             result.completion_tokens = usage.get("completion_tokens", result.completion_tokens)
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 async def _raise_for_status(response: aiohttp.ClientResponse) -> None:

@@ -50,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serving.add_argument("--output-png", type=Path, default=Path("bench-serving.png"))
     serving.add_argument("--no-progress", action="store_true", help="no progress bar")
     serving.add_argument("--request-timeout", type=float, default=600.0)
+    serving.add_argument("--admin-key-file", type=Path, default=None,
+                         help="with --url: the gateway's control-plane key (read /workers); `deepseek-pd "
+                              "up` writes it to <log dir>/control-plane-key")
     serving.add_argument("--direct", action="store_true",
                          help="skip the router: dispatch each request to a prefill/decode pair of "
                               "the local cluster over gRPC (shows what the router adds)")
@@ -99,7 +102,13 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
     from deepseek_pd.loadgen.workload import WorkloadSpec, build_requests
 
     override = args.model if cluster is None else None  # the local cluster serves args.model anyway
-    target = await discover_target_model(url, args.model_name or served_name, override)
+    from deepseek_pd.gateway import read_key_file
+
+    api_key = read_key_file(args.api_key_file, "--api-key-file")
+    admin_key = (cluster.control_plane_key if cluster is not None
+                 else read_key_file(args.admin_key_file, "--admin-key-file"))
+    target = await discover_target_model(url, args.model_name or served_name, override,
+                                         api_key=api_key, admin_key=admin_key)
     print(f"model {target.name!r}: vocabulary {target.vocab_size}, context {target.max_context_length} "
           f"(from {target.source}); KV bytes per token {target.kv_bytes_per_token} "
           f"(from {target.kv_bytes_source})")
@@ -116,7 +125,8 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
             for pair in pairs:
                 await pair.close()
     else:
-        async with RouterClient(url, target.name, timeout_s=args.request_timeout) as client:
+        async with RouterClient(url, target.name, timeout_s=args.request_timeout,
+                                api_key=api_key) as client:
             records, duration = await run_load(router_target(client), requests, args.request_rate,
                                                args.max_concurrency, args.seed, not args.no_progress)
     summary = summarize(records, duration, SLO(args.slo_ttft_ms, args.slo_tpot_ms))

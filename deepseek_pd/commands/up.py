@@ -32,21 +32,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for everything to become healthy (default 300)")
 
 
-def read_api_key(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    from deepseek_pd.errors import UserError
-
-    try:
-        key = path.read_text().strip()
-    except OSError as exc:
-        raise UserError(f"--api-key-file {path}: {exc.strerror}") from exc
-    if not key or any(c.isspace() for c in key):
-        raise UserError(f"--api-key-file {path}: the key must be one non-empty word")
-    return key
-
-
 def cluster_spec_from_args(args: argparse.Namespace):
+    from deepseek_pd.gateway import read_key_file
     from deepseek_pd.launcher.cluster import ClusterSpec
 
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
@@ -54,7 +41,7 @@ def cluster_spec_from_args(args: argparse.Namespace):
                        mem_fraction_static=args.mem_fraction_static, host=args.host, router_port=args.port,
                        log_dir=args.log_dir, worker_args=tuple(args.worker_arg),
                        startup_timeout_s=args.startup_timeout,
-                       client_api_key=read_api_key(getattr(args, "api_key_file", None))).validate()
+                       client_api_key=read_key_file(getattr(args, "api_key_file", None), "--api-key-file")).validate()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

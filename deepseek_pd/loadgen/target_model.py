@@ -152,20 +152,26 @@ async def _model_names(client: RouterClient) -> list[str]:
 
 
 async def discover_target_model(url: str, model_name: str | None = None, model_override: str | None = None,
-                                timeout_s: float = 10.0, grpc_timeout_s: float = 3.0) -> TargetModel:
-    """The served model's name, vocabulary, context and KV bytes per token (see the module doc)."""
+                                timeout_s: float = 10.0, grpc_timeout_s: float = 3.0,
+                                api_key: str | None = None, admin_key: str | None = None) -> TargetModel:
+    """The served model's name, vocabulary, context and KV bytes per token (see the module doc).
+
+    `admin_key` unlocks `/workers` on a gateway whose control plane has keys (as `up` sets)."""
     import aiohttp
 
     try:
-        async with RouterClient(url, timeout_s=timeout_s) as client:
+        async with RouterClient(url, timeout_s=timeout_s, api_key=api_key, admin_key=admin_key) as client:
             name = model_name or (await _model_names(client))[0]
             if model_override is not None:
                 return target_from_model_dir(name, model_override, f"--model {model_override}")
             try:
-                records = _worker_records(await client.get_json("/workers"))
+                records = _worker_records(await client.get_json("/workers", admin=True))
             except RouterError as exc:
-                raise UserError(f"{url}/workers answered {exc.status}, so the served model's vocabulary "
-                                f"is unknown; pass --model DIR (the checkpoint it serves)") from None
+                hint = (" (its control plane needs a key: pass --admin-key-file, e.g. the "
+                        "control-plane-key `deepseek-pd up` writes in its log directory)"
+                        if exc.status in (401, 403) else "")
+                raise UserError(f"{url}/workers answered {exc.status}{hint}, so the served model's "
+                                f"vocabulary is unknown; pass --model DIR (the checkpoint it serves)") from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise UserError(f"cannot reach the router at {url}: {exc or type(exc).__name__}") from None
     mine = [r for r in records if r.model_id == name]

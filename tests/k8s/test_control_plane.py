@@ -34,13 +34,9 @@ def test_reports_the_pinned_release(admin_kube):
     assert admin_kube.request("GET", "/version")["gitVersion"] == pinned
 
 
-# Found by this test, first run against a real 1.37 apiserver (kmock never validated the CRD):
-# the CRD is refused with 422. (1) The `default: {}` of prefill/decode/kvTransfer/rolloutStrategy
-# is checked against their CEL rules, which read keys without has() ("no such key: parallelism");
-# (2) the root rule's fieldPath ".metadata.name" is not a path inside the schema. strict: the day
-# operator/crd_spec.py is fixed this xfail fails, and must be removed.
-@pytest.mark.xfail(strict=True, raises=KubeError,
-                   reason="the apiserver refuses charts/crds/deepseekdeployments.yaml (422)")
+# Found by this test, first run against a real 1.37 apiserver (kmock never validated the CRD): the
+# apiserver checks each `default` as written against its object's CEL rules, and a rule's fieldPath
+# against the declared schema; both were wrong (operator/schema_types.obj, crd.root_schema).
 def test_crd_cel_rules_are_enforced(admin_kube):
     from deepseek_pd.operator.crd import crd_yaml
 
