@@ -91,6 +91,8 @@ def test_bench_url_uses_the_served_models_vocabulary_and_kv_size(tmp_path: Path,
                     "--output-len", str(output_len), "--max-concurrency", "3", "--no-progress",
                     "--output-json", str(out_json), "--output-png", str(tmp_path / "bench.png"),
                     "--seed", str(rng.randrange(1000))]
+            if router == "up":  # up locks its gateway's control plane (/workers) with this key
+                argv += ["--admin-key-file", str(cluster.log_dir / "control-plane-key")]
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
         finally:
             if smg is not None:

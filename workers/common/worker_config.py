@@ -17,6 +17,9 @@ class BootstrapConfig:
     handshake_timeout_s: float = 30.0  # prefill waits this long for decode's handshake; decode retries this long
     claim_timeout_s: float = 30.0  # a decode handshake waits this long for prefill to get the request
     transfer_timeout_s: float = 300.0  # decode: from handshake to TransferDone (prefill queueing included)
+    # prefill: after TransferDone, how long decode may take to accept the KV (its checks included)
+    # and half-close; under load this is seconds, and giving up fails a request decode holds.
+    confirm_timeout_s: float = 30.0
     event_queue_depth: int = 8  # KV chunks in flight per room before the prefill side waits
     retry_initial_s: float = 0.05  # decode's connect backoff starts here and doubles ...
     retry_max_s: float = 1.0  # ... up to this
@@ -29,7 +32,7 @@ class BootstrapConfig:
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout_s", "claim_timeout_s", "transfer_timeout_s", "retry_initial_s",
-                     "retry_max_s"):
+                     "retry_max_s", "confirm_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"bootstrap {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:

@@ -31,7 +31,6 @@ from deepseek_pd.workers.prefill.room import Room
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 
 log = logging.getLogger(__name__)
-_HALF_CLOSE_WAIT_S = 2.0
 
 class BootstrapServicer(pb_grpc.BootstrapServicer):
     def __init__(self, registry: RoomRegistry, hosts: tuple[str, ...] = ()) -> None:
@@ -134,9 +133,9 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                 if delivered_terminal:
                     # Returning (or cancelling the pending read of the request stream) before the
                     # decode side half-closes can make gRPC core fail the call with INTERNAL
-                    # before the terminal event is flushed: wait for its half-close, briefly. The
+                    # before the terminal event is flushed: wait for its half-close. The
                     # half-close is also decode's confirmation that it accepted everything.
-                    await asyncio.wait({credit_task}, timeout=_HALF_CLOSE_WAIT_S)
+                    await asyncio.wait({credit_task}, timeout=self.registry.config.confirm_timeout_s)
                     # Decode credits the terminal event's seq only after accepting it.
                     confirmed = delivered_done and credits.received_seq >= seq
             finally:  # also when the call is cancelled during the wait above
