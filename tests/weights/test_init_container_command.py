@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,8 @@ class Kubelet:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        # As in the image (ENV PATH=/opt/deepseek-pd/bin:$PATH): the environment's scripts first.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         for var in self.init["env"]:
             if "value" in var:
                 env[var["name"]] = self.local(var["value"])
@@ -54,10 +57,12 @@ class Kubelet:
 
     def run_init(self) -> subprocess.CompletedProcess:
         argv = [self.local(a) for a in self.init["command"] + self.init["args"]]
-        assert shutil.which(argv[0]), f"{argv[0]} is not on PATH (pip install -e .)"
+        env = self.env()
+        assert shutil.which(argv[0], path=env["PATH"]), f"{argv[0]} is not installed (pip install -e .)"
+        argv[0] = shutil.which(argv[0], path=env["PATH"])
         for mount in self.init["volumeMounts"]:  # an empty volume, as a fresh emptyDir is
             self.mapping[mount["mountPath"]].mkdir(parents=True, exist_ok=True)
-        return subprocess.run(argv, env=self.env(), capture_output=True, text=True, timeout=90)
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=90)
 
     def termination_message(self) -> str:
         log = self.mapping[self.init["terminationMessagePath"]]
