@@ -29,14 +29,19 @@ LOG = logging.getLogger("test")
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
-def _wait(predicate, timeout_s: float, what: str):
+def _wait(predicate, timeout_s: float, what: str, why=lambda: ""):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.25)
-    pytest.fail(f"{what} within {timeout_s:.0f}s")
+    pytest.fail(f"{what} within {timeout_s:.0f}s {why()}")
+
+
+def _events(admin_kube, namespace: str) -> str:
+    return "; ".join(f"{e['involvedObject']['name']}: {e.get('reason')}: {e.get('message')}"
+                     for e in admin_kube.list(f"/api/v1/namespaces/{namespace}/events"))
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +118,9 @@ def test_rendered_children_are_accepted_and_model_ready_round_trips(admin_kube, 
                                f"{names.model_cache_claim_name(name)}")
         assert claim["spec"]["resources"]["requests"]["storage"] == raw["model"]["cache"]["size"]
     pods_path = f"/api/v1/namespaces/{namespace}/pods"
-    selector = f"{names.LABEL_DEPLOYMENT}={name}"
+    selector = f"{names.LABEL_DEPLOYMENT}={name},{names.LABEL_ROLE}"  # workers, not the router
     pods = _wait(lambda: (lambda p: p if len(p) == 2 else None)(admin_kube.list(pods_path, labelSelector=selector)),
-                 60, "the StatefulSet controller made no pod per role")
+                 60, "the StatefulSet controller made no pod per role", lambda: _events(admin_kube, namespace))
     hf = raw["model"]["source"]["huggingFace"]
     for pod in pods:  # as stored by the server, after its defaulting
         [init] = pod["spec"]["initContainers"]
