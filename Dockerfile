@@ -22,7 +22,9 @@ ARG TORCH_VERSION=2.13.0
 # CPU wheels by default: a bare `torch` from PyPI would pull a multi-GB CUDA build.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# libibverbs1: Mooncake's transfer engine (RDMA and TCP); python3 for images without it.
+# libibverbs1: Mooncake's transfer engine (RDMA and TCP); python3 for images without it (the
+# unquoted $(...) is meant to expand to several package names, or to none).
+# hadolint ignore=SC2046
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
        libibverbs1 ibverbs-providers ca-certificates \

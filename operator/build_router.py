@@ -11,6 +11,7 @@ from typing import Any
 
 from deepseek_pd import gateway
 from deepseek_pd.operator import names
+from deepseek_pd.operator.build_model import hub_env
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups, desired_groups
 from deepseek_pd.operator.router_rollout import PROGRESS_DEADLINE_SECONDS
 from deepseek_pd.operator.spec import DeploymentSpec
@@ -85,7 +86,7 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
         *ROUTER_RESILIENCE_ARGS,
         "--max-payload-size", str(gateway.MAX_PAYLOAD_BYTES),
         "--policy", spec.router.policy,
-        "--model-path", spec.model.path,
+        "--model-path", spec.model.tokenizer_path,
         "--host", "0.0.0.0",
         "--port", str(spec.router.port),
         *spec.router.extra_args,
@@ -124,9 +125,8 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
         container["volumeMounts"] = [{"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True}]
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
-    if spec.model.hf_token_secret:
-        container["env"] = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": spec.model.hf_token_secret, "key": "HF_TOKEN"}}}]
+    if spec.model.hub is not None:  # the gateway fetches the tokenizer from the Hub (or its mirror)
+        container["env"] = hub_env(spec.model.hub)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.build_model import model_pod_parts
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 
 Manifest = dict[str, Any]
@@ -112,9 +113,6 @@ def _env(spec: DeploymentSpec, role: RoleSpec, index: int) -> list[dict[str, Any
         # Mooncake reads MC_FORCE_TCP itself; it agrees with --kv-protocol (a TCP fallback needs no
         # override). Users add MC_GID_INDEX etc. through spec.env.
         env.append({"name": "MC_FORCE_TCP", "value": "false" if spec.rdma_enabled else "true"})
-    if spec.model.hf_token_secret:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": spec.model.hf_token_secret, "key": "HF_TOKEN"}}})
     return env + [dict(e) for e in spec.env] + [dict(e) for e in role.env]
 
 
@@ -172,12 +170,13 @@ def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revisio
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shared_memory_size}},
         {"name": "worker-config", "configMap": {"name": names.config_map_name(spec.name, role.role)}},
     ]
-    if spec.model.volume is not None:
-        volumes.append({"name": "model", **spec.model.volume})
-        container["volumeMounts"].append({"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True})
+    model = model_pod_parts(spec, role)  # the model volume and its download/check init container
+    volumes += model.volumes
+    container["volumeMounts"] += model.worker_mounts
     if spec.rdma_enabled and spec.rdma.capabilities:
         container["securityContext"] = {"capabilities": {"add": list(spec.rdma.capabilities)}}
     pod_spec: dict[str, Any] = {
+        "initContainers": model.init_containers,
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 60,

@@ -13,7 +13,7 @@ from deepseek_pd.operator import names
 from deepseek_pd.operator.crd_spec import spec_schema
 from deepseek_pd.operator.schema_types import Schema, array, integer, obj, rule, string
 
-CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec")
+CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec", "ModelReady")
 PHASES = ("Pending", "Progressing", "Available", "Degraded", "Failed")
 
 
@@ -41,7 +41,7 @@ def status_schema() -> Schema:
         "phase": string("Summary: " + ", ".join(PHASES) + ".", enum=list(PHASES)),
         "observedGeneration": {"type": "integer", "format": "int64",
                                "description": "metadata.generation this status describes."},
-        "conditions": {**array("Available, Progressing, Degraded, InvalidSpec.", condition),
+        "conditions": {**array(", ".join(CONDITION_TYPES) + ".", condition),
                        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         "prefill": _role_status("prefill"),
         "decode": _role_status("decode"),
@@ -57,6 +57,9 @@ def _printer_columns() -> list[dict[str, Any]]:
          "description": "Ready/desired prefill groups"},
         {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready",
          "description": "Ready/desired decode groups"},
+        {"name": "Model", "type": "string",
+         "jsonPath": '.status.conditions[?(@.type=="ModelReady")].reason',
+         "description": "ModelReady's reason: Ready, Downloading, or why the download failed"},
         {"name": "Router", "type": "string", "jsonPath": ".status.routerEndpoint"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

@@ -14,6 +14,7 @@ from deepseek_pd.operator.schema_types import (
     Schema, array, boolean, int_or_percent, integer, obj, opaque_object, quantity,
     resource_requirements, rule, string, string_map,
 )
+from deepseek_pd.weights.layout import REPO_PATTERN
 
 # Flags the operator renders itself; engineArgs may not repeat them (two values, one wins silently).
 MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp", "dp", "ep",
@@ -114,23 +115,72 @@ def _model() -> Schema:
         "hostPath": obj("A directory present on every node.", {
             "path": string("Absolute path on the node.", pattern="^/"),
         }, required=["path"]),
-        "huggingFace": obj("A Hugging Face Hub model id, downloaded by each pod at start.", {
-            "id": string("Repository id, e.g. deepseek-ai/DeepSeek-V3.", min_length=1),
-            "revision": string("Branch, tag or commit.", default="main"),
-            "tokenSecret": string("Secret with key HF_TOKEN for gated models."),
+        "huggingFace": obj("A Hugging Face Hub repository, downloaded by an init container of every "
+                           "worker pod (`deepseek-pd download`) into model.cache; resumable, and "
+                           "fetched once per cache volume.", {
+            "id": string("Repository id, e.g. deepseek-ai/DeepSeek-V3.", min_length=1, max_length=200,
+                         pattern=REPO_PATTERN),
+            "revision": string("Branch, tag or commit.", default="main", min_length=1, max_length=200),
+            "tokenSecret": string("Secret (in the deployment's namespace) holding the token for gated "
+                                  "or private models; given to the download init container only.",
+                                  min_length=1),
+            "tokenSecretKey": string("Key of the token in tokenSecret.", default="HF_TOKEN",
+                                     min_length=1),
+            "endpoint": string("Hub URL for a mirror or a self-hosted hub (HF_ENDPOINT of the download "
+                               "and of the router's tokenizer fetch); default https://huggingface.co.",
+                               pattern="^https?://[^\\s]+$"),
         }, required=["id"]),
     }, rules=[rule("(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0)"
                    " + (has(self.huggingFace) ? 1 : 0) == 1",
                    "model.source needs exactly one of pvc, hostPath, huggingFace")])
     return obj("The checkpoint to serve.", {
         "source": source,
+        "cache": _model_cache(),
         "path": string("Checkpoint directory inside the pvc/hostPath volume ('' = its root).",
                        default="", pattern="^[^/]|^$"),
         "servedName": string("Model name clients put in requests (`model` field).", default="deepseek",
                              min_length=1, max_length=253),
         "numRoutedExperts": integer("Routed experts (n_routed_experts) of the checkpoint; when given,"
                                     " every role's ep must divide it. DeepSeek-V3: 256.", minimum=1),
-    }, required=["source"])
+    }, required=["source"], rules=[
+        rule("has(self.source.huggingFace) || (!has(self.cache.claimName) && !has(self.cache.size) "
+             "&& !has(self.cache.hostPath))",
+             "model.cache only applies to a huggingFace source (pvc and hostPath are read in place)",
+             ".cache"),
+    ])
+
+
+def _model_cache() -> Schema:
+    return obj(
+        "Where a huggingFace source is downloaded to, mounted at /model-cache: an existing claim, "
+        "a claim the operator creates, a node directory, or (default) an emptyDir per pod. A "
+        "shared volume downloads once (the other pods wait on per-file locks, then verify); an "
+        "emptyDir downloads in every pod, again after every restart.", {
+            "claimName": string("An existing PersistentVolumeClaim. ReadWriteMany (or every pod on "
+                                "one node) lets all groups share one download.", min_length=1),
+            "size": quantity("Create the claim <name>-model-cache of this size (owned by the "
+                             "deployment: deleted with it), e.g. 1Ti for DeepSeek-V3."),
+            "storageClassName": string("StorageClass of the created claim; default: the cluster's.",
+                                       min_length=1),
+            "accessMode": string("Access mode of the created claim; ReadWriteOnce only works when "
+                                 "every worker pod lands on one node.",
+                                 enum=["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"],
+                                 default="ReadWriteMany"),
+            "hostPath": string("A directory on each node (created if missing): one download per "
+                               "node, kept across pod restarts.", pattern="^/"),
+            "sizeLimit": quantity("sizeLimit of the emptyDir used when none of claimName, size, "
+                                  "hostPath is set.", default="1Ti"),
+        },
+        rules=[
+            rule("(has(self.claimName) ? 1 : 0) + (has(self.size) ? 1 : 0)"
+                 " + (has(self.hostPath) ? 1 : 0) <= 1",
+                 "model.cache takes at most one of claimName, size, hostPath"),
+            rule("!has(self.storageClassName) || has(self.size)",
+                 "model.cache.storageClassName only applies with size (a claim the operator creates)",
+                 ".storageClassName"),
+        ],
+        default={},
+    )
 
 
 def _kv_transfer() -> Schema:

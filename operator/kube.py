@@ -23,6 +23,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Service": ("api/v1", "services"),
     "ConfigMap": ("api/v1", "configmaps"),
     "ServiceAccount": ("api/v1", "serviceaccounts"),
+    "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
     "StatefulSet": ("apis/apps/v1", "statefulsets"),
     "Deployment": ("apis/apps/v1", "deployments"),
     "Role": ("apis/rbac.authorization.k8s.io/v1", "roles"),

@@ -7,6 +7,7 @@ reconcile that crashed half-way finds what it created last time instead of creat
       StatefulSet + headless Service  v3-decode-1        (pods v3-decode-1-0, v3-decode-1-1)
       leader address                  v3-decode-1-0.v3-decode-1.llm.svc
       worker ConfigMap                v3-decode-config
+      model cache (model.cache.size)  v3-model-cache     (PersistentVolumeClaim)
       router                          v3-router (Deployment, Service, ServiceAccount, Role, RoleBinding)
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ APP_NAME = "deepseek-pd"
 WORKER_CONFIG_FILE = "worker.json"
 WORKER_CONFIG_DIR = "/etc/deepseek-pd"
 MODEL_MOUNT = "/models"
+MODEL_CACHE_MOUNT = "/model-cache"  # a huggingFace source's cache volume (weights/layout.snapshot_dir)
 
 
 def group_name(deployment: str, role: str, index: int) -> str:
@@ -70,6 +72,11 @@ def leader_address(deployment: str, role: str, index: int, namespace: str) -> st
 
 def config_map_name(deployment: str, role: str) -> str:
     return f"{deployment}-{role}-config"
+
+
+def model_cache_claim_name(deployment: str) -> str:
+    """The PVC the operator creates for model.cache.size."""
+    return f"{deployment}-model-cache"
 
 
 def router_name(deployment: str) -> str:

@@ -11,10 +11,12 @@ import logging
 from typing import Any
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.build_model import build_model_cache_claim
 from deepseek_pd.operator.build_router import build_router_children, router_endpoint
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
 from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
 from deepseek_pd.operator.kube import ApiError, KubeClient
+from deepseek_pd.operator.model_status import model_state
 from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
@@ -26,15 +28,18 @@ from deepseek_pd.operator.status import (
 
 # Every kind the operator creates, in the order it cleans them up (pods last: owners go first).
 OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "RoleBinding", "Role",
-               "ServiceAccount", "Pod")
+               "ServiceAccount", "Pod", "PersistentVolumeClaim")
 # Kinds whose children are fully described by build_static_children (+ group Services).
-STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment")
+STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment",
+                "PersistentVolumeClaim")
 
 
 def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | None = None) -> list[Manifest]:
     """Worker configs and the router. `router_groups`: the groups the router serves (default:
     every desired group); a reconcile pass passes the planner's `serving` groups."""
+    claim = build_model_cache_claim(spec)
     return [
+        *([claim] if claim else []),
         build_worker_configmap(spec, spec.prefill),
         build_worker_configmap(spec, spec.decode),
         *build_router_children(spec, router_groups),
@@ -123,7 +128,8 @@ class Reconciler:
                              endpoint=router_endpoint(spec))
         floors = {r: t.replicas - t.max_unavailable for r, t in targets.items()}
         revisions = {r: t.revision for r, t in targets.items()}
-        return build_status(plans, revisions, floors, router, generation, previous, _now())
+        model = model_state(pods, revisions)
+        return build_status(plans, revisions, floors, router, generation, previous, _now(), model)
 
     @staticmethod
     def _held_deletions(spec: DeploymentSpec, plans: dict[str, RolePlan], desired: list[Manifest],

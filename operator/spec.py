@@ -16,6 +16,7 @@ from deepseek_pd.operator import names
 from deepseek_pd.operator.crd_spec import spec_schema
 from deepseek_pd.operator.defaults import apply_defaults
 from deepseek_pd.operator.validation import Violation, validate_spec
+from deepseek_pd.weights.layout import snapshot_dir
 
 
 class InvalidSpecError(UserError):
@@ -102,24 +103,68 @@ class RoleSpec:
 
 
 @dataclass(frozen=True)
+class HubModel:
+    """model.source.huggingFace: what the download init container fetches."""
+
+    repo: str
+    revision: str
+    endpoint: str | None         # HF_ENDPOINT (a mirror); None: huggingface_hub's default
+    token_secret: str | None
+    token_key: str
+
+
+@dataclass(frozen=True)
+class ModelCache:
+    """model.cache: the volume a huggingFace source is downloaded into (one of four kinds)."""
+
+    claim_name: str | None       # an existing PVC
+    size: str | None             # a PVC the operator creates (names.model_cache_claim_name)
+    storage_class: str | None
+    access_mode: str
+    host_path: str | None
+    size_limit: str              # the emptyDir's, when none of the above is set
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> ModelCache:
+        size = raw.get("size")
+        return cls(raw.get("claimName"), None if size is None else str(size), raw.get("storageClassName"),
+                   raw["accessMode"], raw.get("hostPath"), str(raw["sizeLimit"]))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    volume: dict | None          # a core Volume source ({"persistentVolumeClaim": ...}) or None
-    path: str                    # what `--model` receives inside the pod
+    volume: dict | None          # pvc/hostPath: a core Volume source ({"persistentVolumeClaim": ...})
+    path: str                    # what the worker's `--model` receives inside the pod
     served_name: str
-    hf_token_secret: str | None
+    hub: HubModel | None         # huggingFace: downloaded into `cache` at path (layout.snapshot_dir)
+    cache: ModelCache
+
+    @property
+    def hf_token_secret(self) -> str | None:
+        return self.hub.token_secret if self.hub else None
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The router's --model-path: the checkpoint on the pvc/hostPath volume it mounts, or the
+        Hub repo id (the gateway fetches the tokenizer itself; the cache may be a pod's emptyDir)."""
+        return self.hub.repo if self.hub else self.path
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> ModelSpec:
         source = raw["source"]
+        cache = ModelCache.parse(raw["cache"])
         if "huggingFace" in source:
             hf = source["huggingFace"]
-            return cls(None, hf["id"], raw["servedName"], hf.get("tokenSecret"))
+            hub = HubModel(hf["id"], hf["revision"], hf.get("endpoint"), hf.get("tokenSecret"),
+                           hf["tokenSecretKey"])
+            path = str(snapshot_dir(names.MODEL_CACHE_MOUNT, hub.repo, hub.revision))
+            return cls(None, path, raw["servedName"], hub, cache)
         if "pvc" in source:
             volume = {"persistentVolumeClaim": {"claimName": source["pvc"]["claimName"], "readOnly": True}}
         else:
             volume = {"hostPath": {"path": source["hostPath"]["path"], "type": "Directory"}}
         path = f"{names.MODEL_MOUNT}/{raw['path']}".rstrip("/")
-        return cls(volume, path, raw["servedName"], None)
+        return cls(volume, path, raw["servedName"], None, cache)
 
 
 @dataclass(frozen=True)

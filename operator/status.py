@@ -6,6 +6,7 @@ Phases:
     Available    every group of both roles and the router are ready on the current revision
     Degraded     a group failed (and was restarted), or groups are down outside of a rollout
     Failed       the spec is invalid (the InvalidSpec condition names the field)
+Degraded also covers a model that cannot be made ready (ModelReady False with a failure reason).
 Conditions keep their lastTransitionTime while their status does not change.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from deepseek_pd.operator.model_status import ModelState
 from deepseek_pd.operator.planner import RolePlan
 
 
@@ -47,8 +49,10 @@ def _role_status(plan: RolePlan, revision: str) -> dict[str, Any]:
 
 def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: dict[str, int],
                  router: RouterState, generation: int | None, previous: dict[str, Any],
-                 now: str) -> dict[str, Any]:
-    """Status of a valid spec. `floors[role]` is replicas - maxUnavailable (the Available bar)."""
+                 now: str, model: ModelState | None = None) -> dict[str, Any]:
+    """Status of a valid spec. `floors[role]` is replicas - maxUnavailable (the Available bar);
+    `model`: the ModelReady condition (model_status.py), default Pending."""
+    model = model or ModelState(False, "Pending", "no worker pod has started yet")
     before = _by_type(previous.get("conditions"))
     router_ok = router.ready >= min(router.desired, 1)
     all_ready = router_ok and all(p.ready == p.replicas == p.updated and not p.rolling
@@ -59,7 +63,9 @@ def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: 
     was_up = before.get("Available", {}).get("status") == "True" or \
         previous.get("phase") in ("Available", "Degraded", "Progressing")
 
-    if restarted:
+    if model.failed:  # the workers cannot start: say why, rather than "Pending" forever
+        phase, degraded_reason, degraded_message = "Degraded", "ModelNotReady", model.message
+    elif restarted:
         phase, degraded_reason = "Degraded", "GroupRestarted"
         degraded_message = "; ".join(f"{role} group(s) {list(idx)} restarted after a pod failure"
                                      for role, idx in restarted.items())
@@ -84,6 +90,7 @@ def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: 
         _condition("Degraded", phase == "Degraded", degraded_reason, degraded_message, generation,
                    before, now),
         _condition("InvalidSpec", False, "Valid", "", generation, before, now),
+        _condition("ModelReady", model.ready, model.reason, model.message, generation, before, now),
     ]
     status = {
         "phase": phase,
@@ -101,7 +108,7 @@ def build_invalid_status(message: str, generation: int | None, previous: dict[st
                          now: str) -> dict[str, Any]:
     """Status of a spec the operator refuses: children are left as they are."""
     before = _by_type(previous.get("conditions"))
-    kept = [c for t, c in before.items() if t in ("Available", "Progressing")]
+    kept = [c for t, c in before.items() if t in ("Available", "Progressing", "ModelReady")]
     conditions = kept + [
         _condition("Degraded", True, "InvalidSpec", message, generation, before, now),
         _condition("InvalidSpec", True, "InvalidSpec", message, generation, before, now),
@@ -116,7 +123,7 @@ def build_apply_error_status(message: str, generation: int | None, previous: dic
                              now: str) -> dict[str, Any]:
     """The API server refused a child (quota, admission webhook, RBAC): shown, retried next pass."""
     before = _by_type(previous.get("conditions"))
-    kept = [c for t, c in before.items() if t in ("Available", "Progressing", "InvalidSpec")]
+    kept = [c for t, c in before.items() if t in ("Available", "Progressing", "InvalidSpec", "ModelReady")]
     status: dict[str, Any] = {
         "phase": "Degraded",
         "conditions": kept + [_condition("Degraded", True, "ApplyFailed", message, generation, before, now)],

@@ -5,7 +5,7 @@
     deepseek-pd download --source pvc --path /models/DeepSeek-V3      # no download: checks the path
 
 Exit codes and the termination message are the failure reasons of deepseek_pd.weights.failures,
-which the operator turns into the ModelDownloadFailed condition.
+which the operator turns into the ModelReady condition (False, reason = the failure).
 """
 from __future__ import annotations
 

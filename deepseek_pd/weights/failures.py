@@ -3,7 +3,7 @@
 The download init container exits with the reason's code and writes `"<Reason>: <message>"` to
 its termination-message file (/dev/termination-log). The kubelet copies that into the pod's
 `initContainerStatuses[].state.terminated.message`, and the operator reads it back
-(`parse_termination`) into the `ModelDownloadFailed` condition, so `kubectl get dsd -o yaml`
+(`parse_termination`, operator/model_status.py) into the `ModelReady` condition, so `kubectl get dsd -o yaml`
 says "TokenRefused: 401 ..." rather than "Init:CrashLoopBackOff".
 
     reason            exit  meaning

@@ -19,7 +19,9 @@ from deepseek_pd.errors import UserError
 
 STATE_DIR = ".deepseek-pd"  # inside a snapshot: partial files, locks, the completion record
 COMPLETE_FILE = "complete.json"
-_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+# `org/name` or `name`; the CRD's model.source.huggingFace.id pattern is this string too.
+REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
+_REPO = re.compile(REPO_PATTERN)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

@@ -22,12 +22,14 @@ from deepseek_pd.operator.handlers import OperatorConfig, run_operator
 from kopf_emulator import ClusterEmulator
 
 CORE = {"pods": "Pod", "services": "Service", "configmaps": "ConfigMap",
-        "serviceaccounts": "ServiceAccount", "events": "Event"}
+        "serviceaccounts": "ServiceAccount", "events": "Event",
+        "persistentvolumeclaims": "PersistentVolumeClaim"}
 APPS = {"statefulsets": "StatefulSet", "deployments": "Deployment"}
 RBAC = {"roles": "Role", "rolebindings": "RoleBinding"}
 PATHS = {"Pod": "api/v1/namespaces/{ns}/pods", "Service": "api/v1/namespaces/{ns}/services",
          "ConfigMap": "api/v1/namespaces/{ns}/configmaps",
          "ServiceAccount": "api/v1/namespaces/{ns}/serviceaccounts",
+         "PersistentVolumeClaim": "api/v1/namespaces/{ns}/persistentvolumeclaims",
          "StatefulSet": "apis/apps/v1/namespaces/{ns}/statefulsets",
          "Deployment": "apis/apps/v1/namespaces/{ns}/deployments",
          "Role": "apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",

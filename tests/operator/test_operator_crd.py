@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import pathlib
 import random
+import re
 
 import pytest
 import yaml
@@ -145,13 +146,17 @@ def test_crd_has_status_subresource_short_name_and_printer_columns():
     assert crd["spec"]["names"]["shortNames"] == ["dsd"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Prefill", "Decode", "Router", "Age"]
+    assert columns == ["Phase", "Prefill", "Decode", "Model", "Router", "Age"]
     paths = [c["jsonPath"] for c in version["additionalPrinterColumns"]]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
     for path in paths[:-1]:  # each column points at a field the status schema declares
         node = status
-        for part in path.split(".")[2:]:
-            node = node["properties"][part]
+        for part in re.sub(r"\[\?\(@\.type==\"(\w+)\"\)\]", r"[\1]", path).split(".")[2:]:
+            field, _, condition = part.partition("[")
+            node = node["properties"][field]
+            if condition:  # conditions[?(@.type=="X")]: a declared condition type
+                node = node["items"]
+                assert condition.rstrip("]") in node["properties"]["type"]["enum"]
 
 
 def _all_nodes(node, path="root"):
