@@ -35,7 +35,8 @@ from deepseek_pd.model.kv_pool import KVPool
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
-def _page_index(pool: KVPool, pages: Sequence[int]) -> torch.Tensor:
+def page_index(pool: KVPool, pages: Sequence[int]) -> torch.Tensor:
+    """`pages` as a long tensor on the pool's device, enqueued on the current stream."""
     return torch.as_tensor(list(pages), dtype=torch.long).to(pool.device, non_blocking=True)
 
 
@@ -128,7 +129,7 @@ class PageGather:
             else:
                 with torch.cuda.stream(slot.stream):
                     wait_ready(self.pool, ready, slot.stream)
-                    index = _page_index(self.pool, pages)
+                    index = page_index(self.pool, pages)
                     out = _shaped(slot.device, self.pool, len(layers), len(pages))
                     for offset, layer in enumerate(layers):
                         torch.index_select(self.pool.buffers[layer], 0, index, out=out[offset])
@@ -142,7 +143,7 @@ class PageGather:
 _streams = threading.local()
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def side_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's own copy stream for `device` (writes of different chunks run side by side)."""
     streams = _streams.__dict__.setdefault("by_device", {})
     stream = streams.get(str(device))
@@ -179,9 +180,9 @@ def scatter_pages(pool: KVPool, layers: range, pages: Sequence[int], data) -> No
                 views[layer][dst:dst + end - begin] = values[offset, begin:end]
         return
     values = _shaped(torch.frombuffer(data, dtype=torch.uint8), pool, len(layers), len(pages))
-    stream = _side_stream(pool.device)
+    stream = side_stream(pool.device)
     with torch.cuda.stream(stream):
-        index = _page_index(pool, pages)
+        index = page_index(pool, pages)
         on_device = values.to(pool.device)  # the one H2D copy
         for offset, layer in enumerate(layers):
             pool.buffers[layer].index_copy_(0, index, on_device[offset])

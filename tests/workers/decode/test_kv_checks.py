@@ -1,0 +1,43 @@
+"""The decode side's content checks (workers/decode/kv_checks.py) against a direct scan, on the CPU
+and, where there is one, on the GPU (whose check runs on a side stream)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.workers.common.kv_transfer.base import TransferError
+from deepseek_pd.workers.decode.kv_checks import check_kv_finite, scrub_pages
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _random_pool(rng: random.Random, device: str) -> KVPool:
+    pool = KVPool(rng.randint(1, 5), rng.randint(8, 40), rng.choice([1, 4, 16]), rng.choice([8, 576]),
+                  torch.bfloat16, torch.device(device))
+    for buffer in pool.buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))))
+    return pool
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_value_in_a_received_page_is_refused_naming_its_layer(device):
+    rng = random.Random()
+    for _ in range(4):
+        pool = _random_pool(rng, device)
+        pages = rng.sample(range(pool.num_pages), rng.randint(1, pool.num_pages // 2))
+        check_kv_finite(pool, pages, "clean")  # finite pages pass
+        layer, page = rng.randrange(pool.num_layers), rng.choice(pages)
+        slot = rng.randrange(pool.buffers[layer].shape[1])
+        pool.buffers[layer][page, slot, rng.randrange(pool.buffers[layer].shape[-1])] = rng.choice(
+            [float("nan"), float("inf"), float("-inf")])
+        with pytest.raises(TransferError) as raised:
+            check_kv_finite(pool, pages, "poisoned")
+        assert f"layers [{layer}]" in raised.value.message
+        others = [p for p in range(pool.num_pages) if p not in pages]
+        check_kv_finite(pool, others, "other pages")  # a page outside the request is not its problem
+        scrub_pages(pool, [page])
+        assert all(float(b[page].abs().sum()) == 0 for b in pool.buffers)
+        check_kv_finite(pool, pages, "scrubbed")
