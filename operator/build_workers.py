@@ -15,6 +15,7 @@ from typing import Any
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
+from deepseek_pd.operator.worker_security import secure_worker_pod, security_args
 
 Manifest = dict[str, Any]
 
@@ -78,7 +79,7 @@ def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
     if role.size > 1:
         args += ["--nnodes", str(role.size), "--node-rank", "$(LWS_WORKER_INDEX)",
                  "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{DIST_INIT_PORT}"]
-    return args + list(role.engine_args)
+    return args + security_args(spec, role) + list(role.engine_args)
 
 
 def kv_protocol_args(spec: DeploymentSpec) -> list[str]:
@@ -175,8 +176,6 @@ def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revisio
     if spec.model.volume is not None:
         volumes.append({"name": "model", **spec.model.volume})
         container["volumeMounts"].append({"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True})
-    if spec.rdma_enabled and spec.rdma.capabilities:
-        container["securityContext"] = {"capabilities": {"add": list(spec.rdma.capabilities)}}
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
@@ -192,6 +191,7 @@ def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revisio
     if spec.rdma_enabled and spec.rdma.host_network:
         pod_spec["hostNetwork"] = True
         pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    secure_worker_pod(spec, pod_spec)  # secret, decode's prefill allowlist, securityContext
     annotations = {names.ANNOTATION_REVISION: revision}
     if role.role == "prefill":
         annotations[names.ANNOTATION_BOOTSTRAP_PORT] = str(role.bootstrap_port)

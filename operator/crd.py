@@ -13,7 +13,7 @@ from deepseek_pd.operator import names
 from deepseek_pd.operator.crd_spec import spec_schema
 from deepseek_pd.operator.schema_types import Schema, array, integer, obj, rule, string
 
-CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec")
+CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec", "SecretsReady")
 PHASES = ("Pending", "Progressing", "Available", "Degraded", "Failed")
 
 
@@ -41,7 +41,7 @@ def status_schema() -> Schema:
         "phase": string("Summary: " + ", ".join(PHASES) + ".", enum=list(PHASES)),
         "observedGeneration": {"type": "integer", "format": "int64",
                                "description": "metadata.generation this status describes."},
-        "conditions": {**array("Available, Progressing, Degraded, InvalidSpec.", condition),
+        "conditions": {**array(", ".join(CONDITION_TYPES) + ".", condition),
                        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         "prefill": _role_status("prefill"),
         "decode": _role_status("decode"),

@@ -8,6 +8,9 @@ reconcile that crashed half-way finds what it created last time instead of creat
       leader address                  v3-decode-1-0.v3-decode-1.llm.svc
       worker ConfigMap                v3-decode-config
       router                          v3-router (Deployment, Service, ServiceAccount, Role, RoleBinding)
+      secrets (created once)          v3-internal (workers' HMAC secret), v3-router-control-plane
+      worker NetworkPolicy            v3-workers
+      every prefill pod (headless)    v3-prefill-peers (decode's allowlist resolves it)
 """
 from __future__ import annotations
 
@@ -74,6 +77,18 @@ def config_map_name(deployment: str, role: str) -> str:
 
 def router_name(deployment: str) -> str:
     return f"{deployment}-router"
+
+
+def control_plane_secret_name(deployment: str) -> str:
+    return f"{deployment}-router-control-plane"
+
+
+def network_policy_name(deployment: str) -> str:
+    return f"{deployment}-workers"
+
+
+def prefill_peers_service_name(deployment: str) -> str:
+    return f"{deployment}-prefill-peers"
 
 
 def base_labels(deployment: str, component: str) -> dict[str, str]:
