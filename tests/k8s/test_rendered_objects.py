@@ -159,6 +159,21 @@ def test_rendered_objects_are_valid_and_pass_pod_security_restricted_as_the_oper
         if names.LABEL_ROLE in pod["metadata"]["labels"]:
             secret = next(v for v in pod_spec["volumes"] if "secret" in v)["secret"]
             assert secret == {"secretName": f"{name}-internal", "defaultMode": 0o400}
+    # The judges are awake: the same worker pod without its security context is refused by
+    # PodSecurity, and a misspelt field by strict validation.
+    worker = next(p for p in pods if names.LABEL_ROLE in p["metadata"]["labels"])
+    bare = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "bare", "namespace": ns},
+            "spec": {k: v for k, v in worker["spec"].items() if k not in ("securityContext", "nodeName")}}
+    bare["spec"]["containers"] = [{k: v for k, v in c.items() if k != "securityContext"}
+                                  for c in worker["spec"]["containers"]]
+    with pytest.raises(KubeError) as info:
+        _create(admin_kube, bare)
+    assert info.value.status == 403 and "restricted" in str(info.value)
+    typo = build_internal_secret("typo", ns)
+    typo["metadata"]["lables"] = typo["metadata"].pop("labels")
+    with pytest.raises(KubeError) as info:
+        _create(admin_kube, typo)
+    assert info.value.status in (400, 422) and "lables" in str(info.value)
     stored = admin_kube.get(f"{PATHS['Secret'].format(ns=ns)}/{name}-internal")
     assert len(base64.b64decode(stored["data"]["internal.secret"])) == 64
     admin_kube.delete(f"/api/v1/namespaces/{ns}")
