@@ -295,7 +295,8 @@ def test_router_keys_come_from_secrets_and_never_appear_in_the_deployment():
     spec = _spec(raw)
     control = build_control_plane_secret(spec)
     key = base64.b64decode(control["data"]["control-plane-key"]).decode()
-    assert len(key) >= 32 and key != base64.b64decode(build_control_plane_secret(spec)["data"]["control-plane-key"]).decode()
+    another = build_control_plane_secret(spec)["data"]["control-plane-key"]
+    assert len(key) >= 32 and key != base64.b64decode(another).decode()
     deployment = build_router_deployment(spec)
     assert key not in json.dumps(deployment)
     env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}

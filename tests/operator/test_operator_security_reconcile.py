@@ -98,7 +98,8 @@ def test_missing_api_key_secret_is_a_condition_until_it_exists(cluster):
     wrong_key = cluster.wait_for("key missing reported", lambda: "no key 'token'" in
                                  _condition(cluster, name, "SecretsReady").get("message", ""))
     assert wrong_key
-    cluster.patch("Secret", user_secret, {"data": {"token": base64.b64encode(b"sk-" + random.randbytes(8).hex().encode()).decode()}})
+    token = b"sk-" + random.randbytes(8).hex().encode()
+    cluster.patch("Secret", user_secret, {"data": {"token": base64.b64encode(token).decode()}})
     cluster.wait_for("SecretsReady True", lambda: _condition(cluster, name, "SecretsReady").get("status") == "True")
     cluster.delete(names.KIND, name)
     cluster.wait_for("the CR to go", lambda: cluster.get(names.KIND, name) is None)
@@ -110,5 +111,6 @@ def test_disabling_the_network_policy_deletes_it(cluster):
     cluster.create(_deployment(name))
     cluster.wait_for("NetworkPolicy", lambda: cluster.get("NetworkPolicy", names.network_policy_name(name)))
     cluster.patch(names.KIND, name, {"spec": {"networkPolicy": {"enabled": False}}})
-    cluster.wait_for("NetworkPolicy gone", lambda: cluster.get("NetworkPolicy", names.network_policy_name(name)) is None)
+    cluster.wait_for("NetworkPolicy gone",
+                     lambda: cluster.get("NetworkPolicy", names.network_policy_name(name)) is None)
     cluster.delete(names.KIND, name)
