@@ -193,12 +193,81 @@ def test_rdma_multinode_example_is_valid_and_its_network_policy_is_stored_as_ren
     assert policy["spec"]["ingress"] == rendered["spec"]["ingress"]
     ranges = [p for rule in policy["spec"]["ingress"] for p in rule["ports"] if "endPort" in p]
     assert ranges and all(p["endPort"] > p["port"] for p in ranges)
-    pods = _wait(lambda: (p := _pods(admin_kube, ns, "v3")) and
-                 len([x for x in p if names.LABEL_ROLE in x["metadata"]["labels"]]) >=
-                 spec.decode.size and p, 60, "worker pods")
-    worker = next(p for p in pods if p["metadata"]["labels"].get(names.LABEL_ROLE) == "decode")
+    def decode_pods() -> list[dict]:
+        return [p for p in _pods(admin_kube, ns, "v3") if p["metadata"]["labels"].get(names.LABEL_ROLE) == "decode"]
+
+    worker = _wait(decode_pods, 60, "decode pods")[0]
     caps = worker["spec"]["containers"][0]["securityContext"]["capabilities"]
     assert caps == {"drop": ["ALL"], "add": list(spec.rdma.capabilities)}
     args = worker["spec"]["containers"][0]["args"]
     assert args[args.index("--prefill-peers") + 1].startswith("v3-prefill-*-0.v3-prefill-*.")
+    admin_kube.delete(f"/api/v1/namespaces/{ns}")
+
+
+def _install_crd(kube: Kube) -> str:
+    from deepseek_pd.operator.crd import crd_yaml
+
+    crd = yaml.safe_load(crd_yaml())
+    path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
+    if kube.get(path) is None:
+        kube.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+
+    def served() -> bool:
+        try:
+            kube.list(f"/apis/{names.API_VERSION}/namespaces/default/{names.PLURAL}")
+            return True
+        except KubeError:
+            return False
+
+    _wait(served, 30, "CRD served")
+    return f"/apis/{names.API_VERSION}/namespaces/{{ns}}/{names.PLURAL}"
+
+
+def test_reconcile_on_the_real_server_creates_secrets_once_and_reports_a_missing_api_key(admin_kube):
+    """The operator's own Reconciler and KubeClient against the apiserver: the Secrets survive a
+    second pass unchanged, and the SecretsReady condition is accepted by the CRD's status schema."""
+    import asyncio
+    import logging
+
+    import kopf
+
+    from deepseek_pd.operator.kube import KubeClient
+    from deepseek_pd.operator.reconcile import Reconciler
+
+    crs = _install_crd(admin_kube)
+    ns = _namespace(admin_kube, "reconciled")
+    body = yaml.safe_load((ROOT / "examples" / "cpu-minimal.yaml").read_text())
+    body["metadata"] = {"name": "tiny", "namespace": ns}
+    body["spec"]["router"] = {"apiKeySecret": {"name": "client-keys"}}
+    cr = admin_kube.create(crs.format(ns=ns), body)
+    creds = admin_kube.creds
+    client = KubeClient(lambda: kopf.ConnectionInfo(server=creds.server, ca_path=str(creds.ca_path),
+                                                    token=creds.token))
+    log = logging.getLogger("test")
+
+    async def secrets() -> dict[str, dict]:
+        return {s: await client.get("Secret", ns, f"tiny-{s}") for s in ("internal", "router-control-plane")}
+
+    async def two_passes() -> tuple[dict, dict, dict, dict]:
+        try:
+            reconciler = Reconciler(client)
+            first = await reconciler.reconcile(cr, log)
+            secrets_after_first = await secrets()
+            second = await reconciler.reconcile({**cr, "status": first}, log)
+            return first, second, secrets_after_first, await secrets()
+        finally:
+            await client.close()
+
+    first, second, before, after = asyncio.run(two_passes())
+    assert all(before.values()) and {k: v["data"] for k, v in before.items()} == \
+        {k: v["data"] for k, v in after.items()}
+    for secret in after.values():
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
+    condition = next(c for c in second["conditions"] if c["type"] == "SecretsReady")
+    assert condition["status"] == "False" and "client-keys" in condition["message"]
+    # The status as the handlers write it: the server's schema accepts the condition type.
+    stored = admin_kube.merge_patch(f"{crs.format(ns=ns)}/tiny/status", {"status": second})
+    assert {c["type"] for c in stored["status"]["conditions"]} >= {"SecretsReady", "Available"}
+    assert admin_kube.get(f"{PATHS['NetworkPolicy'].format(ns=ns)}/{names.network_policy_name('tiny')}")
+    admin_kube.delete(f"{crs.format(ns=ns)}/tiny")
     admin_kube.delete(f"/api/v1/namespaces/{ns}")
