@@ -12,7 +12,9 @@ from typing import Any
 from deepseek_pd import gateway
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import hub_env
+from deepseek_pd.operator.pod_security import secure_container
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups, desired_groups
+from deepseek_pd.operator.router_keys import router_key_args, router_key_env
 from deepseek_pd.operator.router_rollout import PROGRESS_DEADLINE_SECONDS
 from deepseek_pd.operator.spec import DeploymentSpec
 
@@ -85,6 +87,7 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
         "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_SECONDS),
         *ROUTER_RESILIENCE_ARGS,
         "--max-payload-size", str(gateway.MAX_PAYLOAD_BYTES),
+        *router_key_args(spec),
         "--policy", spec.router.policy,
         "--model-path", spec.model.tokenizer_path,
         "--host", "0.0.0.0",
@@ -125,8 +128,10 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
         container["volumeMounts"] = [{"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True}]
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    container["env"] = router_key_env(spec)
     if spec.model.hub is not None:  # the gateway fetches the tokenizer from the Hub (or its mirror)
-        container["env"] = hub_env(spec.model.hub)
+        container["env"] += hub_env(spec.model.hub)
+    secure_container(spec, pod_spec, container)  # no capabilities, read-only root, seccomp
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

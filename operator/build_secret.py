@@ -13,7 +13,9 @@ from typing import Any
 from deepseek_pd.operator import names
 
 SECRET_KEY = "internal.secret"
-MOUNT_DIR = "/etc/deepseek-pd/internal"
+# Not under /etc/deepseek-pd: that is the read-only ConfigMap mount, and the runtime cannot create
+# a mount point inside it.
+MOUNT_DIR = "/var/run/secrets/deepseek-pd"
 SECRET_FILE_ENV = "DEEPSEEK_PD_INTERNAL_SECRET_FILE"  # = internal_auth.SECRET_FILE_ENV
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import model_pod_parts
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
+from deepseek_pd.operator.worker_security import secure_worker_pod, security_args
 
 Manifest = dict[str, Any]
 
@@ -79,7 +80,7 @@ def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
     if role.size > 1:
         args += ["--nnodes", str(role.size), "--node-rank", "$(LWS_WORKER_INDEX)",
                  "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{DIST_INIT_PORT}"]
-    return args + list(role.engine_args)
+    return args + security_args(spec, role) + list(role.engine_args)
 
 
 def kv_protocol_args(spec: DeploymentSpec) -> list[str]:
@@ -173,8 +174,6 @@ def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revisio
     model = model_pod_parts(spec, role)  # the model volume and its download/check init container
     volumes += model.volumes
     container["volumeMounts"] += model.worker_mounts
-    if spec.rdma_enabled and spec.rdma.capabilities:
-        container["securityContext"] = {"capabilities": {"add": list(spec.rdma.capabilities)}}
     pod_spec: dict[str, Any] = {
         "initContainers": model.init_containers,
         "containers": [container],
@@ -191,6 +190,7 @@ def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revisio
     if spec.rdma_enabled and spec.rdma.host_network:
         pod_spec["hostNetwork"] = True
         pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    secure_worker_pod(spec, pod_spec)  # secret, decode's prefill allowlist, securityContext
     annotations = {names.ANNOTATION_REVISION: revision}
     if role.role == "prefill":
         annotations[names.ANNOTATION_BOOTSTRAP_PORT] = str(role.bootstrap_port)

@@ -19,7 +19,10 @@ from deepseek_pd.weights.layout import REPO_PATTERN
 # Flags the operator renders itself; engineArgs may not repeat them (two values, one wins silently).
 MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp", "dp", "ep",
                  "served-model-name", "device", "nnodes", "node-rank", "dist-init-addr", "deepep-mode",
-                 "kv-protocol", "kv-devices", "kv-tcp-fallback")
+                 "kv-protocol", "kv-devices", "kv-tcp-fallback",
+                 # internal authentication (operator/worker_security.py): the secret comes mounted,
+                 # and --insecure-internal would contradict it (serve refuses to start)
+                 "internal-secret-file", "insecure-internal", "prefill-peers")
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
 # router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).
@@ -229,6 +232,15 @@ def _router() -> Schema:
         "image": string("Router image; default: spec.image."),
         "resources": resource_requirements("Router container resources."),
         "extraArgs": array("Extra launch_router flags.", string("One argument."), default=[]),
+        "apiKeySecret": obj(
+            "A Secret (in the deployment's namespace) holding the client API key: every serving "
+            "route of the router then needs `Authorization: Bearer <key>` (health routes stay "
+            "open). Unset: the OpenAI API is open to whoever reaches the router Service. A missing "
+            "Secret or key keeps the router from starting and sets the SecretsReady condition.", {
+                "name": string("Secret name.", min_length=1, max_length=253),
+                "key": string("Key inside the Secret.", default="api-key", min_length=1,
+                              max_length=253),
+            }, required=["name"]),
     }, default={})
 
 
@@ -255,6 +267,28 @@ def _rdma() -> Schema:
     }, default={})
 
 
+def _pod_security() -> Schema:
+    return obj("The security context of worker and router pods (operator/pod_security.py).", {
+        "runAsUser": integer("UID (and GID, fsGroup) the containers run as; 0 runs them as root, "
+                             "e.g. for an image whose files only root can read.", minimum=0,
+                             maximum=2147483647, default=1000),
+        "readOnlyRootFilesystem": boolean(
+            "Mount the image read-only; /tmp (and HOME=/tmp) is a writable emptyDir.",
+            default=True),
+    }, default={})
+
+
+def _network_policy() -> Schema:
+    return obj("A NetworkPolicy on the worker pods (operator/build_network_policy.py): gRPC only "
+               "from the router, the bootstrap port only from decode, other ports only between "
+               "the deployment's workers.", {
+        "enabled": boolean("Create the NetworkPolicy.", default=True),
+        "additionalIngress": array(
+            "Extra ingress rules (core NetworkPolicyIngressRule objects) for the worker pods, e.g. "
+            "a Prometheus scraper.", opaque_object("A NetworkPolicyIngressRule."), default=[]),
+    }, default={})
+
+
 def spec_schema() -> Schema:
     """`DeepSeekDeployment.spec`, with cross-field CEL rules."""
     return obj("Desired state of a prefill/decode-disaggregated DeepSeek deployment.", {
@@ -274,6 +308,8 @@ def spec_schema() -> Schema:
         "rdma": _rdma(),
         "env": array("Environment variables for every worker pod (core EnvVar objects), e.g. "
                      "MC_GID_INDEX.", opaque_object("An EnvVar."), default=[]),
+        "podSecurity": _pod_security(),
+        "networkPolicy": _network_policy(),
     }, required=["model", "image"], rules=[
         rule("self.router.workerDiscovery != 'Selector' || self.prefill.port == self.decode.port",
              "prefill.port and decode.port must be equal with router.workerDiscovery Selector: the "

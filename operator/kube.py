@@ -26,6 +26,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
     "StatefulSet": ("apis/apps/v1", "statefulsets"),
     "Deployment": ("apis/apps/v1", "deployments"),
+    "Secret": ("api/v1", "secrets"),  # get/create/delete by name only (operator/secret_reconcile.py)
+    "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
     "Role": ("apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     names.KIND: (f"apis/{names.API_VERSION}", names.PLURAL),

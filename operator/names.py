@@ -9,6 +9,9 @@ reconcile that crashed half-way finds what it created last time instead of creat
       worker ConfigMap                v3-decode-config
       model cache (model.cache.size)  v3-model-cache     (PersistentVolumeClaim)
       router                          v3-router (Deployment, Service, ServiceAccount, Role, RoleBinding)
+      secrets (created once)          v3-internal (workers' HMAC secret), v3-router-control-plane
+      worker NetworkPolicy            v3-workers
+      every prefill pod (headless)    v3-prefill-peers (decode's allowlist resolves it)
 """
 from __future__ import annotations
 
@@ -81,6 +84,18 @@ def model_cache_claim_name(deployment: str) -> str:
 
 def router_name(deployment: str) -> str:
     return f"{deployment}-router"
+
+
+def control_plane_secret_name(deployment: str) -> str:
+    return f"{deployment}-router-control-plane"
+
+
+def network_policy_name(deployment: str) -> str:
+    return f"{deployment}-workers"
+
+
+def prefill_peers_service_name(deployment: str) -> str:
+    return f"{deployment}-prefill-peers"
 
 
 def base_labels(deployment: str, component: str) -> dict[str, str]:

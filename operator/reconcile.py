@@ -12,6 +12,7 @@ from typing import Any
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import build_model_cache_claim
+from deepseek_pd.operator.build_network_policy import build_network_policy
 from deepseek_pd.operator.build_router import build_router_children, router_endpoint
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
 from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
@@ -21,17 +22,23 @@ from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
 from deepseek_pd.operator.router_rollout import router_rolled_out
+from deepseek_pd.operator.secret_reconcile import (
+    check_user_secrets, delete_generated_secrets, ensure_generated_secrets, secrets_condition,
+)
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.operator.status import (
     RouterState, build_apply_error_status, build_invalid_status, build_status,
 )
+from deepseek_pd.operator.worker_security import build_prefill_peers_service
 
-# Every kind the operator creates, in the order it cleans them up (pods last: owners go first).
-OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "RoleBinding", "Role",
-               "ServiceAccount", "Pod", "PersistentVolumeClaim")
+# Every kind the operator creates and lists, in the order it cleans them up (pods last: owners go
+# first). Secrets are not listed (that would read every Secret of the namespace): secret_reconcile
+# gets and deletes them by name.
+OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "RoleBinding",
+               "Role", "ServiceAccount", "Pod", "PersistentVolumeClaim")
 # Kinds whose children are fully described by build_static_children (+ group Services).
 STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment",
-                "PersistentVolumeClaim")
+                "NetworkPolicy", "PersistentVolumeClaim")
 
 
 def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | None = None) -> list[Manifest]:
@@ -42,6 +49,8 @@ def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | No
         *([claim] if claim else []),
         build_worker_configmap(spec, spec.prefill),
         build_worker_configmap(spec, spec.decode),
+        build_prefill_peers_service(spec),
+        *([build_network_policy(spec)] if spec.network_policy.enabled else []),
         *build_router_children(spec, router_groups),
     ]
 
@@ -96,6 +105,9 @@ class Reconciler:
                         logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
         name, namespace = spec.name, spec.namespace
         observed = await self.observe(namespace, name)
+        # Secrets first: worker and router pods cannot start without them.
+        secret_problems = await ensure_generated_secrets(self._client, body, spec, logger)
+        secret_problems += await check_user_secrets(self._client, spec)
         executor = Executor(self._client, body, spec, observed, logger)
         statefulsets = [o for (k, _), o in observed.items() if k == "StatefulSet"]
         pods = [o for (k, _), o in observed.items() if k == "Pod"]
@@ -129,7 +141,10 @@ class Reconciler:
         floors = {r: t.replicas - t.max_unavailable for r, t in targets.items()}
         revisions = {r: t.revision for r, t in targets.items()}
         model = model_state(pods, revisions)
-        return build_status(plans, revisions, floors, router, generation, previous, _now(), model)
+        now = _now()
+        status = build_status(plans, revisions, floors, router, generation, previous, now, model)
+        status["conditions"].append(secrets_condition(secret_problems, generation, previous, now))
+        return status
 
     @staticmethod
     def _held_deletions(spec: DeploymentSpec, plans: dict[str, RolePlan], desired: list[Manifest],
@@ -150,3 +165,4 @@ class Reconciler:
         for kind, child in (await self.observe(namespace, name)):
             if await self._client.delete(kind, namespace, child):
                 logger.info("deleted %s %s", kind, child)
+        await delete_generated_secrets(self._client, namespace, name, logger)

@@ -176,6 +176,26 @@ class KVTransferSpec:
 
 
 @dataclass(frozen=True)
+class SecretKeyRef:
+    """A key of a user's Secret in the deployment's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class PodSecuritySpec:
+    run_as_user: int             # 0: root (runAsNonRoot off)
+    read_only_root_filesystem: bool
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    enabled: bool
+    additional_ingress: tuple[dict, ...]
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     replicas: int
     worker_discovery: str        # "Static" or "Selector" (crd_spec.WORKER_DISCOVERY_MODES)
@@ -185,6 +205,7 @@ class RouterSpec:
     image: str
     resources: dict
     extra_args: tuple[str, ...]
+    api_key_secret: SecretKeyRef | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +234,8 @@ class DeploymentSpec:
     shared_memory_size: str
     rdma: RdmaSpec
     env: tuple[dict, ...]
+    pod_security: PodSecuritySpec = PodSecuritySpec(1000, True)
+    network_policy: NetworkPolicySpec = NetworkPolicySpec(True, ())
 
     @property
     def rdma_enabled(self) -> bool:
@@ -228,7 +251,7 @@ class DeploymentSpec:
         for key in ("replicas", "rollout", "recreate_group_on_restart"):
             role_spec.pop(key)
         shared = asdict(self)
-        for key in ("prefill", "decode", "router"):
+        for key in ("prefill", "decode", "router", "network_policy"):
             shared.pop(key)
         blob = json.dumps({"role": role_spec, "shared": shared}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
@@ -255,10 +278,16 @@ class DeploymentSpec:
                                        tuple(raw["kvTransfer"]["devices"]), raw["kvTransfer"]["tcpFallback"]),
             router=RouterSpec(router["replicas"], router["workerDiscovery"], router["policy"],
                               router["port"], router["serviceType"], router.get("image", raw["image"]),
-                              router.get("resources", {}), tuple(router["extraArgs"])),
+                              router.get("resources", {}), tuple(router["extraArgs"]),
+                              SecretKeyRef(router["apiKeySecret"]["name"], router["apiKeySecret"]["key"])
+                              if "apiKeySecret" in router else None),
             scheduling=raw["scheduling"],
             shared_memory_size=str(raw["sharedMemorySize"]),
             rdma=RdmaSpec(rdma.get("resourceName"), rdma["resourcesPerPod"],
                           tuple(rdma["capabilities"]), rdma["hostNetwork"]),
             env=tuple(raw["env"]),
+            pod_security=PodSecuritySpec(raw["podSecurity"]["runAsUser"],
+                                         raw["podSecurity"]["readOnlyRootFilesystem"]),
+            network_policy=NetworkPolicySpec(raw["networkPolicy"]["enabled"],
+                                             tuple(raw["networkPolicy"]["additionalIngress"])),
         )

@@ -36,3 +36,50 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "deepseek-pd.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+
+{{/* Namespaces whose children the operator manages, as a JSON list: watchNamespaces, or the
+release namespace when the RBAC is namespaced and no list is given. Empty: every namespace. */}}
+{{- define "deepseek-pd.managedNamespaces" -}}
+{{- if .Values.operator.watchNamespaces -}}
+{{- toJson .Values.operator.watchNamespaces -}}
+{{- else if .Values.rbac.namespaced -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end -}}
+
+{{/* What the operator does to DeepSeekDeployments and their children (operator/kube.py RESOURCES).
+With router.workerDiscovery Selector the router gets a Role (pods get/list/watch); granting it
+requires holding those verbs, which these rules do (no escalate/bind). Secrets: created once and
+deleted by name, never listed or patched (operator/secret_reconcile.py); get also reads the
+user's router.apiKeySecret to report it missing. */}}
+{{- define "deepseek-pd.managerRules" -}}
+- apiGroups: ["deepseek-pd.io"]
+  resources: ["deepseekdeployments"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["deepseek-pd.io"]
+  resources: ["deepseekdeployments/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets", "deployments"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services", "configmaps", "serviceaccounts", "persistentvolumeclaims"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}

@@ -87,9 +87,26 @@ def test_namespaced_values_bind_rbac_only_in_watched_namespaces(helm):
     assert [a for a in args if a.startswith("--namespace=")] == [f"--namespace={n}" for n in watched]
 
 
-def test_rbac_is_least_privilege_and_covers_what_the_operator_does(helm):
-    docs = _render(helm)
-    rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+def test_namespaced_rbac_writes_nothing_cluster_wide(helm):
+    """rbac.namespaced: write access only through Roles, in the watched (or release) namespace."""
+    for extra, expected in ((["--set", "rbac.namespaced=true"], ["ops"]),
+                            (["--set", "rbac.namespaced=true", "--set", "operator.watchNamespaces={a,b}"],
+                             ["a", "b"])):
+        docs = _render(helm, *extra)
+        cluster_rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+        assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in cluster_rules)
+        roles = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role")
+        bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+        assert roles == expected and sorted(b["metadata"]["namespace"] for b in bindings) == expected
+        assert {b["roleRef"]["kind"] for b in bindings} == {"Role"}
+        args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert [a for a in args if a.startswith("--namespace=")] == [f"--namespace={n}" for n in expected]
+
+
+@pytest.mark.parametrize("namespaced", [False, True], ids=["cluster-wide", "namespaced"])
+def test_rbac_is_least_privilege_and_covers_what_the_operator_does(helm, namespaced):
+    docs = _render(helm, *(["--set", "rbac.namespaced=true"] if namespaced else []))
+    rules = [r for d in docs if d["kind"] == ("Role" if namespaced else "ClusterRole") for r in d["rules"]]
     for rule in rules:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
 
@@ -103,6 +120,8 @@ def test_rbac_is_least_privilege_and_covers_what_the_operator_does(helm):
             assert {"patch"} <= allowed(group, f"{plural}/status")
         elif kind == "Pod":  # pods are only observed and deleted (gang restart), never created
             assert allowed(group, plural) == {"get", "list", "watch", "delete"}
+        elif kind == "Secret":  # by name only: listing would read every Secret of the namespace
+            assert allowed(group, plural) == {"get", "create", "delete"}
         else:
             assert allowed(group, plural) == {"get", "list", "create", "patch", "delete"}, kind
     # The router's Role grants pods get/list/watch: the operator must hold them itself.

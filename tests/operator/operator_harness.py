@@ -22,14 +22,17 @@ from deepseek_pd.operator.handlers import OperatorConfig, run_operator
 from kopf_emulator import ClusterEmulator
 
 CORE = {"pods": "Pod", "services": "Service", "configmaps": "ConfigMap",
-        "serviceaccounts": "ServiceAccount", "events": "Event",
+        "serviceaccounts": "ServiceAccount", "events": "Event", "secrets": "Secret",
         "persistentvolumeclaims": "PersistentVolumeClaim"}
 APPS = {"statefulsets": "StatefulSet", "deployments": "Deployment"}
 RBAC = {"roles": "Role", "rolebindings": "RoleBinding"}
+NETWORKING = {"networkpolicies": "NetworkPolicy"}
 PATHS = {"Pod": "api/v1/namespaces/{ns}/pods", "Service": "api/v1/namespaces/{ns}/services",
          "ConfigMap": "api/v1/namespaces/{ns}/configmaps",
          "ServiceAccount": "api/v1/namespaces/{ns}/serviceaccounts",
          "PersistentVolumeClaim": "api/v1/namespaces/{ns}/persistentvolumeclaims",
+         "Secret": "api/v1/namespaces/{ns}/secrets",
+         "NetworkPolicy": "apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
          "StatefulSet": "apis/apps/v1/namespaces/{ns}/statefulsets",
          "Deployment": "apis/apps/v1/namespaces/{ns}/deployments",
          "Role": "apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
@@ -45,6 +48,9 @@ def _declare_resources(emulator: ClusterEmulator) -> None:
         emulator.resources[f"apps/v1/{plural}"] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=verbs)
     for plural, kind in RBAC.items():
         emulator.resources[f"rbac.authorization.k8s.io/v1/{plural}"] = kmock.ResourceInfo(
+            kind=kind, namespaced=True, verbs=verbs)
+    for plural, kind in NETWORKING.items():
+        emulator.resources[f"networking.k8s.io/v1/{plural}"] = kmock.ResourceInfo(
             kind=kind, namespaced=True, verbs=verbs)
     # kopf's namespace and CRD observers wait for these two to be discoverable.
     emulator.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)

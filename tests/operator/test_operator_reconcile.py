@@ -33,6 +33,10 @@ class MemoryApi:
         return [copy.deepcopy(o) for (k, _), o in self.objects.items() if k == kind
                 and all(o["metadata"].get("labels", {}).get(a) == b for a, b in labels.items())]
 
+    async def get(self, kind, namespace, name):
+        obj = self.objects.get((kind, name))
+        return copy.deepcopy(obj) if obj is not None else None
+
     async def create(self, manifest):
         key = (manifest["kind"], manifest["metadata"]["name"])
         if manifest["kind"] == self.refuse_kind:

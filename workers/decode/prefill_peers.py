@@ -10,14 +10,21 @@ operator lists each prefill group's headless Service, whose name resolves to its
 resolution results are cached for `ttl_s`, and a miss re-resolves at most once per `ttl_s`.
 An empty list allows loopback hosts only (a single machine: tests, `generate`).
 
+A `*` in a host stands for one group index (one or more digits, nothing else): the operator lists
+`v3-prefill-*-0.v3-prefill-*.llm.svc:8998`, which matches the leader names the router is given for
+every prefill group, present or added later by scaling, without a restart of the decode pods. Such
+a pattern is matched as text only (it is never resolved).
+
     peers = PrefillPeers(("p-prefill-0.ns.svc:8998",))
     await peers.check("10.1.2.3", 8998)   # passes if the name resolves to 10.1.2.3
     await peers.check("10.9.9.9", 22)     # TransferError(INVALID_ARGUMENT), no connection made
+    PrefillPeers(("p-prefill-*-0.p-prefill-*.ns.svc:8998",))  # p-prefill-12-0.p-prefill-12.ns.svc ok
 """
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 import time
 
@@ -33,6 +40,14 @@ def parse_peer(entry: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"prefill peer {entry!r} must be HOST:PORT")
     return host, int(port)
+
+
+def _pattern(host: str) -> re.Pattern[str] | None:
+    """A host with `*` (a group index) as a full-match regex; None for a plain host."""
+    if "*" not in host:
+        return None
+    return re.compile("".join("[0-9]+" if part == "*" else re.escape(part.lower())
+                              for part in re.split(r"(\*)", host)))
 
 
 def _is_loopback(host: str) -> bool:
@@ -54,6 +69,7 @@ def _normal(host: str) -> str:
 class PrefillPeers:
     def __init__(self, entries: tuple[str, ...], ttl_s: float = 5.0) -> None:
         self.entries = [parse_peer(entry) for entry in entries]
+        self._patterns = [(_pattern(h), p) for h, p in self.entries if "*" in h]
         self.ttl_s = ttl_s
         self._resolved: dict[int, set[str]] = {}  # port -> addresses the named hosts resolve to
         self._resolved_at = -float("inf")
@@ -74,10 +90,12 @@ class PrefillPeers:
     def _allowed_statically(self, host: str, port: int) -> bool:
         if not self.entries:
             return _is_loopback(_normal(host))
+        if any(port == p and pattern.fullmatch(_normal(host)) for pattern, p in self._patterns):
+            return True
         return any(_normal(host) == _normal(h) and port == p for h, p in self.entries)
 
     def _names(self) -> list[tuple[str, int]]:
-        return [(h, p) for h, p in self.entries if not _is_ip(h)]
+        return [(h, p) for h, p in self.entries if not _is_ip(h) and "*" not in h]
 
     async def _resolve(self) -> None:
         """Looks up every named entry (DNS only: the prefill host itself is not contacted)."""

@@ -1,0 +1,75 @@
+"""The NetworkPolicy of one deployment's worker pods: who may open which port.
+
+    worker gRPC (prefill.port, decode.port)    only from the deployment's router pods
+    prefill bootstrap (prefill.bootstrapPort)  only from the deployment's decode pods
+    every other TCP port (Mooncake, NCCL,      only from the deployment's worker pods
+      torch.distributed rendezvous 5757)
+    spec.networkPolicy.additionalIngress       appended as given (e.g. a Prometheus scraper)
+
+NCCL and Mooncake listen on ports picked at run time, so "every other port" is written as the
+ranges between the gRPC and bootstrap ports (`endPort`, Kubernetes >= 1.25); a CNI plugin without
+endPort support would allow only each range's first port. Worked example, ports 30000 and 8998:
+    1-8997, 8999-29999, 30001-65535  from workers;  8998 from decode;  30000 from the router.
+Egress is not restricted. Pods on the host network (spec.rdma.hostNetwork) are not subject to
+NetworkPolicy at all; RDMA traffic bypasses it too (the HMAC tokens still protect the KV channel).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from deepseek_pd.operator import names
+from deepseek_pd.operator.spec import DeploymentSpec
+
+Manifest = dict[str, Any]
+MAX_PORT = 65535
+
+
+def port_ranges_except(excluded: set[int]) -> list[tuple[int, int]]:
+    """Inclusive ranges covering 1..65535 without `excluded`."""
+    ranges, start = [], 1
+    for port in sorted(excluded):
+        if port > start:
+            ranges.append((start, port - 1))
+        start = port + 1
+    if start <= MAX_PORT:
+        ranges.append((start, MAX_PORT))
+    return ranges
+
+
+def _tcp(first: int, last: int | None = None) -> dict[str, Any]:
+    port: dict[str, Any] = {"protocol": "TCP", "port": first}
+    if last is not None and last > first:
+        port["endPort"] = last
+    return port
+
+
+def _pods(spec: DeploymentSpec, **labels: str) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": {names.LABEL_DEPLOYMENT: spec.name, **labels}}}
+
+
+def _workers(spec: DeploymentSpec) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": {names.LABEL_DEPLOYMENT: spec.name},
+                            "matchExpressions": [{"key": names.LABEL_ROLE, "operator": "In",
+                                                  "values": list(names.ROLES)}]}}
+
+
+def build_network_policy(spec: DeploymentSpec) -> Manifest:
+    grpc_ports = sorted({spec.prefill.port, spec.decode.port})
+    bootstrap = spec.prefill.bootstrap_port
+    router = _pods(spec, **{names.LABEL_COMPONENT: "router"})
+    decode = _pods(spec, **{names.LABEL_ROLE: "decode"})
+    ingress = [
+        {"from": [router], "ports": [_tcp(p) for p in grpc_ports]},
+        {"from": [decode], "ports": [_tcp(bootstrap)]},
+        {"from": [_workers(spec)],
+         "ports": [_tcp(a, b) for a, b in port_ranges_except({*grpc_ports, bootstrap})]},
+        *[dict(rule) for rule in spec.network_policy.additional_ingress],
+    ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": names.network_policy_name(spec.name), "namespace": spec.namespace,
+                     "labels": names.base_labels(spec.name, "workers")},
+        "spec": {"podSelector": _workers(spec)["podSelector"], "policyTypes": ["Ingress"],
+                 "ingress": ingress},
+    }
