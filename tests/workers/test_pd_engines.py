@@ -117,10 +117,10 @@ class Phase:
         if phase == "prefill_forward":  # abort while the model thread runs this request's forward
             extend = pair.prefill.runner.extend
 
-            def slow_extend(seqs):
+            def slow_extend(seqs, progress=None):
                 loop.call_soon_threadsafe(self.reached.set)
                 time.sleep(0.2)
-                return extend(seqs)
+                return extend(seqs, progress)
             pair.prefill.runner.extend = slow_extend
         elif phase == "transfer":  # abort while KV chunks are on the wire
             open_channel = pair.prefill.sender.open
