@@ -18,7 +18,7 @@ from deepseek_pd.operator.schema_types import (
 # Flags the operator renders itself; engineArgs may not repeat them (two values, one wins silently).
 MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp", "dp", "ep",
                  "served-model-name", "device", "nnodes", "node-rank", "dist-init-addr", "deepep-mode",
-                 "kv-protocol", "kv-devices", "kv-tcp-fallback")
+                 "kv-protocol", "kv-devices", "kv-tcp-fallback", "metrics-port", "metrics-host")
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
 # router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).
@@ -182,6 +182,22 @@ def _router() -> Schema:
     }, default={})
 
 
+def _metrics() -> Schema:
+    return obj("Prometheus metrics of the workers and the router (docs/operations.md lists them).", {
+        "enabled": boolean("Workers serve /metrics (serve --metrics-port), the router its exporter; pods get "
+                           "prometheus.io/scrape, port and path annotations and named container ports.",
+                           default=True),
+        "port": integer("Workers' metrics port; a pod running several ranks (gpusPerPod > 1) serves rank r "
+                        "of the pod on port + r (container ports metrics, metrics-r1, ...).",
+                        minimum=1024, maximum=65000, default=30090),
+        "routerPort": integer("The router's Prometheus exporter port.", minimum=1, maximum=65535,
+                              default=29000),
+        "serviceMonitor": boolean("Also create a monitoring.coreos.com/v1 ServiceMonitor for the worker "
+                                  "and router Services (needs the Prometheus Operator's CRDs).",
+                                  default=False),
+    }, default={})
+
+
 def _scheduling() -> Schema:
     return obj("Where worker pods may run (applied to both roles).", {
         "nodeSelector": string_map("Node labels a worker node must have."),
@@ -222,6 +238,7 @@ def spec_schema() -> Schema:
         "sharedMemorySize": quantity("Size of the memory-backed /dev/shm (NCCL, DeepEP buffers).",
                                      default="16Gi"),
         "rdma": _rdma(),
+        "metrics": _metrics(),
         "env": array("Environment variables for every worker pod (core EnvVar objects), e.g. "
                      "MC_GID_INDEX.", opaque_object("An EnvVar."), default=[]),
     }, required=["model", "image"], rules=[

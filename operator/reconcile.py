@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.build_metrics import build_service_monitor
 from deepseek_pd.operator.build_router import build_router_children, router_endpoint
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
 from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
@@ -26,9 +27,11 @@ from deepseek_pd.operator.status import (
 
 # Every kind the operator creates, in the order it cleans them up (pods last: owners go first).
 OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "RoleBinding", "Role",
-               "ServiceAccount", "Pod")
+               "ServiceAccount", "ServiceMonitor", "Pod")
 # Kinds whose children are fully described by build_static_children (+ group Services).
-STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment")
+STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment", "ServiceMonitor")
+# Kinds from CRDs a cluster may not have: listing them answers 404 there, which means "none".
+OPTIONAL_KINDS = ("ServiceMonitor",)
 
 
 def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | None = None) -> list[Manifest]:
@@ -38,6 +41,7 @@ def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | No
         build_worker_configmap(spec, spec.prefill),
         build_worker_configmap(spec, spec.decode),
         *build_router_children(spec, router_groups),
+        *filter(None, [build_service_monitor(spec)]),
     ]
 
 
@@ -61,7 +65,13 @@ class Reconciler:
     async def observe(self, namespace: str, name: str) -> dict[Key, Manifest]:
         observed: dict[Key, Manifest] = {}
         for kind in OWNED_KINDS:
-            for obj in await self._client.list(kind, namespace, {names.LABEL_DEPLOYMENT: name}):
+            try:
+                objects = await self._client.list(kind, namespace, {names.LABEL_DEPLOYMENT: name})
+            except ApiError as exc:
+                if exc.status == 404 and kind in OPTIONAL_KINDS:
+                    continue
+                raise
+            for obj in objects:
                 observed[(kind, obj["metadata"]["name"])] = obj
         return observed
 

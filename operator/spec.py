@@ -151,6 +151,18 @@ class RdmaSpec:
 
 
 @dataclass(frozen=True)
+class MetricsSpec:
+    enabled: bool
+    port: int  # workers: rank r of a pod serves port + r
+    router_port: int
+    service_monitor: bool
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> MetricsSpec:
+        return cls(raw["enabled"], raw["port"], raw["routerPort"], raw["serviceMonitor"])
+
+
+@dataclass(frozen=True)
 class DeploymentSpec:
     """Everything the builders need, for one DeepSeekDeployment."""
 
@@ -168,6 +180,7 @@ class DeploymentSpec:
     shared_memory_size: str
     rdma: RdmaSpec
     env: tuple[dict, ...]
+    metrics: MetricsSpec
 
     @property
     def rdma_enabled(self) -> bool:
@@ -216,4 +229,5 @@ class DeploymentSpec:
             rdma=RdmaSpec(rdma.get("resourceName"), rdma["resourcesPerPod"],
                           tuple(rdma["capabilities"]), rdma["hostNetwork"]),
             env=tuple(raw["env"]),
+            metrics=MetricsSpec.parse(raw["metrics"]),
         )
