@@ -8,6 +8,7 @@ rank derives from it, `MetricsConfig.for_local_rank`), and the router argv read 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import pathlib
 import random
@@ -15,13 +16,15 @@ import random
 import kubernetes_validate
 import pytest
 import yaml
+from test_operator_reconcile import LOG, MemoryApi, _body
 
 from deepseek_pd.commands import serve
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_metrics import build_service_monitor
 from deepseek_pd.operator.build_router import build_router_deployment, build_router_service
 from deepseek_pd.operator.build_workers import build_group_service, build_group_statefulset
-from deepseek_pd.operator.reconcile import build_static_children
+from deepseek_pd.operator.kube import ApiError
+from deepseek_pd.operator.reconcile import Reconciler, build_static_children
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.workers.common.metrics_server import MetricsConfig
 
@@ -131,3 +134,32 @@ def test_engine_args_may_not_set_the_metrics_port():
     raw["decode"]["engineArgs"] = ["--metrics-port=1234"]
     with pytest.raises(InvalidSpecError, match="engineArgs"):
         DeploymentSpec.parse("v3", "llm", raw)
+
+
+class _NoPrometheusOperator(MemoryApi):
+    """A cluster without the ServiceMonitor CRD: listing or creating one answers 404."""
+
+    async def list(self, kind, namespace, labels):
+        if kind == "ServiceMonitor":
+            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+        return await super().list(kind, namespace, labels)
+
+
+def test_reconcile_creates_and_removes_the_service_monitor_and_works_without_its_crd():
+    plain = _NoPrometheusOperator()
+    status = asyncio.run(Reconciler(plain).reconcile(_body("cpu-minimal.yaml"), LOG))
+    assert status["phase"] != "Degraded" and not [k for k, _ in plain.objects if k == "ServiceMonitor"]
+
+    api = MemoryApi()
+    reconciler = Reconciler(api)
+    body = _body("cpu-minimal.yaml")
+    body["spec"]["metrics"] = {"serviceMonitor": True}
+    asyncio.run(reconciler.reconcile(body, LOG))
+    monitor = api.objects[("ServiceMonitor", "tiny")]
+    assert monitor["metadata"]["ownerReferences"][0]["uid"] == body["metadata"]["uid"]
+    api.writes.clear()
+    asyncio.run(reconciler.reconcile(body, LOG))
+    assert api.writes == []  # steady state
+    body["spec"]["metrics"] = {"serviceMonitor": False}
+    asyncio.run(reconciler.reconcile(body, LOG))
+    assert ("delete", "ServiceMonitor", "tiny") in api.writes and ("ServiceMonitor", "tiny") not in api.objects
