@@ -107,7 +107,8 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["python3"],
         "args": build_router_args(spec, groups),
-        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}, *router_metrics_ports(spec)],
+        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"},
+                  *router_metrics_ports(spec)],
         # /readiness answers 503 until the gateway has healthy prefill and decode workers, so a
         # rolled router pod takes traffic only once it has registered them (the old pod serves
         # until then); /liveness does not depend on the workers.

@@ -97,11 +97,13 @@ class WorkerMetrics:
                                  "request in its batch", STEP_BUCKETS, ("mode",))
         step_tokens = counter("step_tokens", "Tokens forwarded by steps, by mode", ("mode",))
         step_reqs = counter("step_requests", "Requests (batch rows) forwarded by steps, by mode", ("mode",))
-        self._step = {mode: (step_seconds.labels(**self._const, mode=mode), step_tokens.labels(**self._const, mode=mode),
-                             step_reqs.labels(**self._const, mode=mode)) for mode in STEP_MODES}
+        self._step = {mode: tuple(metric.labels(**self._const, mode=mode) for metric in (step_seconds, step_tokens,
+                                                                                        step_reqs))
+                      for mode in STEP_MODES}
         self._prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
                                        ).labels(**self._const)
-        self._prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**self._const)
+        self._prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache"
+                                    ).labels(**self._const)
         self._kv_bytes = counter("kv_transfer_bytes", "Bytes of latent KV moved between prefill and decode "
                                  "(prefill: sent, decode: received)", ("transport",))
         self._kv_seconds = histogram("kv_transfer_seconds", "Per request: decode, from the handshake to "

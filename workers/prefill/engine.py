@@ -153,7 +153,8 @@ class PrefillEngine:
             token, logprob = await self._watch(state, asyncio.shield(state.first_token))
             # Seeded draws depend only on (seed, step): decode continues at step 1 with no state from here.
             await self._watch(state, push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0))
-            self.metrics.observe_kv_transfer(self.config.kv_transport, push.bytes_sent, push.send_seconds)
+            self.metrics.observe_kv_transfer(self.config.kv_transport, push.bytes_sent,
+                                             push.send_seconds)
             cached = state.hit.num_tokens if state.hit else 0
             outcome: list[Event] = [TokenChunk((token,), (logprob,) if request.return_logprob else ()),
                                     Finished("length", len(request.input_ids), 1, cached_tokens=cached)]
