@@ -182,6 +182,25 @@ def _router() -> Schema:
     }, default={})
 
 
+def _clear_of_metrics(port: str, role: str) -> str:
+    """CEL: `port` is outside the metrics ports of `role`'s pods (metrics.port + 0 .. ranks per pod - 1)."""
+    ranks = f"(self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod)"
+    return f"({port} < self.metrics.port || {port} >= self.metrics.port + {ranks})"
+
+
+def _metrics_rules() -> list[dict[str, str]]:
+    clear = " && ".join([_clear_of_metrics("self.prefill.port", "prefill"),
+                         _clear_of_metrics("self.prefill.bootstrapPort", "prefill"),
+                         _clear_of_metrics("self.decode.port", "decode")])
+    return [
+        rule(f"!self.metrics.enabled || ({clear})",
+             "metrics.port .. metrics.port + gpusPerPod - 1 (one port per rank of a pod) must not contain "
+             "prefill.port, prefill.bootstrapPort or decode.port", ".metrics.port"),
+        rule("!self.metrics.enabled || self.metrics.routerPort != self.router.port",
+             "metrics.routerPort must differ from router.port", ".metrics.routerPort"),
+    ]
+
+
 def _metrics() -> Schema:
     return obj("Prometheus metrics of the workers and the router (docs/operations.md lists them).", {
         "enabled": boolean("Workers serve /metrics (serve --metrics-port), the router its exporter; pods get "
@@ -251,4 +270,5 @@ def spec_schema() -> Schema:
         rule("!has(self.model.numRoutedExperts) || "
              "self.model.numRoutedExperts % self.decode.parallelism.ep == 0",
              "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
+        *_metrics_rules(),
     ])

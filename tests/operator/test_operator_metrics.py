@@ -40,7 +40,7 @@ def _raw(rng: random.Random) -> dict:
                          parallelism={"tp": size * max(gpus, 1), "dp": 1, "ep": 1},
                          deepepMode="none" if not gpus else "auto", engineArgs=[])
     raw.get("model", {}).pop("numRoutedExperts", None)
-    raw["metrics"] = {"port": rng.randrange(20000, 40000), "routerPort": rng.randrange(40000, 50000)}
+    raw["metrics"] = {"port": rng.randrange(10000, 20000), "routerPort": rng.randrange(40000, 50000)}
     return raw
 
 
@@ -163,3 +163,19 @@ def test_reconcile_creates_and_removes_the_service_monitor_and_works_without_its
     body["spec"]["metrics"] = {"serviceMonitor": False}
     asyncio.run(reconciler.reconcile(body, LOG))
     assert ("delete", "ServiceMonitor", "tiny") in api.writes and ("ServiceMonitor", "tiny") not in api.objects
+
+
+@pytest.mark.parametrize("field", ["prefill.port", "prefill.bootstrapPort", "decode.port", "routerPort"])
+def test_a_metrics_port_on_another_port_is_refused(field):
+    rng = random.Random()
+    raw = _raw(rng)
+    role, _, key = field.rpartition(".")
+    ranks = max(raw[role]["gpusPerPod"], 1) if role else 1
+    if role:
+        raw[role][key] = raw["metrics"]["port"] + rng.randrange(ranks)  # inside the pod's metrics ports
+    else:
+        raw["metrics"]["routerPort"] = raw.setdefault("router", {}).get("port", 8000)
+    with pytest.raises(InvalidSpecError, match="metrics"):
+        DeploymentSpec.parse("v3", "llm", raw)
+    raw["metrics"]["enabled"] = False
+    DeploymentSpec.parse("v3", "llm", raw)  # no metrics ports: no clash
