@@ -2,9 +2,10 @@
 
 The real path: `deepseek-pd up`'s launcher (tiny model, CPU, one prefill + one decode worker, each
 with `--metrics-port`, and the router with its own Prometheus port). N random PD requests go
-straight to the workers (PDClient, so every request reaches each worker exactly once; no router
-retries), plus one colocated request and one transfer that must fail. The oracle is the client's
-own record: prompts sent, tokens received, and the KV bytes the pool geometry implies.
+straight to the workers (PDClient), K more through the router's /generate (`up` runs it with
+retries off, so each reaches each worker once), plus one colocated request and one transfer that
+must fail. The oracle is the client's own record: prompts sent, tokens received, and the KV bytes
+the pool geometry implies; the router's own exporter must count the K requests it routed.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepseek_pd.client.pd_dispatch import PDClient
+from deepseek_pd.client.router_http import RouterClient
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
 from deepseek_pd.launcher.cluster import LocalCluster
 from deepseek_pd.model.config import ModelConfig
@@ -61,6 +63,9 @@ def test_metrics_after_pd_traffic_equal_what_was_sent(tmp_path):
         tail = [rng.randrange(2, model.vocab_size) for _ in range(rng.randrange(1, 60))]
         prompts.append((shared if rng.random() < 0.4 else []) + tail)
     max_new = [rng.randrange(1, 9) for _ in prompts]
+    routed = [[rng.randrange(2, model.vocab_size) for _ in range(rng.randrange(1, 50))]
+              for _ in range(rng.randrange(2, 5))]
+    routed_new = [rng.randrange(1, 9) for _ in routed]
     colocated_prompt = [rng.randrange(2, model.vocab_size) for _ in range(rng.randrange(5, 40))]
     spec = cluster_spec(tmp_path, extra_worker_args=("--engine-opt=claim_timeout_s=2",))
 
@@ -80,6 +85,10 @@ def test_metrics_after_pd_traffic_equal_what_was_sent(tmp_path):
                         return await pd.generate(prompts[i], sampling_proto(max_new[i], ignore_eos=True),
                                                  stream=bool(i % 2))
                 results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+                async with RouterClient(cluster.router_url, model=cluster.served_model_name) as router:
+                    via_router = [await router.generate(input_ids=p, max_new_tokens=m, ignore_eos=True,
+                                                        temperature=0.0, stream=bool(m % 2))
+                                  for p, m in zip(routed, routed_new)]
                 # A transfer that must fail: decode is sent a room the prefill worker never gets.
                 orphan = pd.build_request([5, 6, 7, 8, 9], sampling_proto(4, ignore_eos=True))
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
@@ -90,19 +99,26 @@ def test_metrics_after_pd_traffic_equal_what_was_sent(tmp_path):
                 colocated_ids, _ = await collect(pd.decode.generate(colocated, 60))
             for address in (prefill.address(host), decode.address(host)):
                 assert await wait_for_pages(address, 0, 10) == 0
-            return results, colocated_ids
+            return results, [r.output_ids for r in via_router], colocated_ids
 
-        results, colocated_ids = asyncio.run(traffic())
+        results, routed_ids, colocated_ids = asyncio.run(traffic())
         assert all(r.ok for r in results), [(r.prefill_error, r.decode_error) for r in results]
         assert [len(r.output_ids) for r in results] == max_new and len(colocated_ids) == 3
         d = scrape(decode.metrics_url(host))
         p = scrape(prefill.metrics_url(host))
-        with urllib.request.urlopen(f"http://{host}:{cluster.metrics_port}/metrics", timeout=10) as response:
-            assert response.status == 200 and response.read()  # the router's own exporter (smg)
+        r = scrape(f"http://{host}:{cluster.metrics_port}/metrics")  # the router's own exporter (smg)
+        decode_url = f"grpc://{decode.address(host)}"
 
-    n = len(prompts)
+    assert [len(ids) for ids in routed_ids] == routed_new
+    k = len(routed)
+    generate_route = frozenset({"method": "POST", "path": "/generate"}.items())
+    assert r[("smg_http_request_duration_seconds_count", generate_route)] == k
+    assert r[("smg_worker_requests_total", frozenset({"worker": decode_url, "model": "tiny"}.items()))] == k
+    # From here on every PD request counts, whichever way it came.
+    prompts, n = prompts + routed, len(prompts) + k
+    max_new = max_new + routed_new
     sent_prompt_tokens = sum(map(len, prompts))
-    received = sum(len(r.output_ids) for r in results)
+    received = sum(len(r.output_ids) for r in results) + sum(map(len, routed_ids))
     transferred = sum(kv_bytes(len(prompt), model) for prompt in prompts)
 
     # decode: the user-visible stream (PD requests + the colocated one), one failed transfer
