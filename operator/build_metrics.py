@@ -64,6 +64,26 @@ def scrape_annotations(spec: DeploymentSpec, port: int) -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": METRICS_PATH}
 
 
+def worker_metrics_port_numbers(spec: DeploymentSpec) -> set[int]:
+    """Every port a worker pod of either role may serve metrics on."""
+    return {p["containerPort"] for role in (spec.prefill, spec.decode) for p in worker_metrics_ports(spec, role)}
+
+
+def metrics_ingress(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """The NetworkPolicy ingress rule that lets scrapers reach the workers' metrics ports: from
+    `metrics.allowFrom` (NetworkPolicyPeers), or from anywhere when it is empty (the annotations
+    invite any Prometheus). A policy that keeps other ports to the deployment's own pods must
+    leave these ports out of those ranges and append this rule."""
+    ports = sorted(worker_metrics_port_numbers(spec))
+    if not ports:
+        return []
+    rule: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": ports[0], **(
+        {"endPort": ports[-1]} if ports[-1] > ports[0] else {})}]}
+    if spec.metrics.allow_from:
+        rule["from"] = [dict(peer) for peer in spec.metrics.allow_from]
+    return [rule]
+
+
 def build_service_monitor(spec: DeploymentSpec) -> Manifest | None:
     """One ServiceMonitor over the deployment's group Services (every rank's port) and the router
     Service; None unless `metrics.serviceMonitor`."""

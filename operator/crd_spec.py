@@ -214,6 +214,9 @@ def _metrics() -> Schema:
         "serviceMonitor": boolean("Also create a monitoring.coreos.com/v1 ServiceMonitor for the worker "
                                   "and router Services (needs the Prometheus Operator's CRDs).",
                                   default=False),
+        "allowFrom": array("Who may reach the workers' metrics ports through the deployment's NetworkPolicy "
+                           "(core NetworkPolicyPeer objects, e.g. the monitoring namespace); empty = any source.",
+                           opaque_object("A NetworkPolicyPeer."), default=[]),
     }, default={})
 
 

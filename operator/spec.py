@@ -156,10 +156,11 @@ class MetricsSpec:
     port: int  # workers: rank r of a pod serves port + r
     router_port: int
     service_monitor: bool
+    allow_from: tuple[dict, ...]  # NetworkPolicyPeers that may scrape the workers; () = any
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> MetricsSpec:
-        return cls(raw["enabled"], raw["port"], raw["routerPort"], raw["serviceMonitor"])
+        return cls(raw["enabled"], raw["port"], raw["routerPort"], raw["serviceMonitor"], tuple(raw["allowFrom"]))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from test_operator_reconcile import LOG, MemoryApi, _body
 
 from deepseek_pd.commands import serve
 from deepseek_pd.operator import names
-from deepseek_pd.operator.build_metrics import build_service_monitor
+from deepseek_pd.operator.build_metrics import build_service_monitor, metrics_ingress
 from deepseek_pd.operator.build_router import build_router_deployment, build_router_service
 from deepseek_pd.operator.build_workers import build_group_service, build_group_statefulset
 from deepseek_pd.operator.kube import ApiError
@@ -179,3 +179,21 @@ def test_a_metrics_port_on_another_port_is_refused(field):
         DeploymentSpec.parse("v3", "llm", raw)
     raw["metrics"]["enabled"] = False
     DeploymentSpec.parse("v3", "llm", raw)  # no metrics ports: no clash
+
+
+def test_metrics_ingress_opens_exactly_the_metrics_ports():
+    rng = random.Random()
+    raw = _raw(rng)
+    spec = DeploymentSpec.parse("v3", "llm", raw)
+    (rule,) = metrics_ingress(spec)
+    declared = {p["containerPort"] for r in names.ROLES
+                for p in build_group_statefulset(spec, r, 0)["spec"]["template"]["spec"]["containers"][0]["ports"]
+                if p["name"].startswith("metrics")}
+    (port,) = rule["ports"]
+    assert set(range(port["port"], port.get("endPort", port["port"]) + 1)) == declared
+    assert "from" not in rule  # any source by default: the annotations invite any Prometheus
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    raw["metrics"]["allowFrom"] = [peer]
+    assert metrics_ingress(DeploymentSpec.parse("v3", "llm", raw))[0]["from"] == [peer]
+    raw["metrics"]["enabled"] = False
+    assert metrics_ingress(DeploymentSpec.parse("v3", "llm", raw)) == []
