@@ -234,6 +234,9 @@ class ModelRunner:
     step_sync: StepSync | None = None
     # The CUDA-graph decode path, when `config.cuda_graph` (built, and captured, once here).
     graphs: DecodeGraphRunner | None = field(init=False, default=None, repr=False)
+    # Decode steps so far by how they ran (read by the workers' metrics at scrape time).
+    decode_paths: dict[str, int] = field(init=False, repr=False,
+                                         default_factory=lambda: {"cuda_graph": 0, "eager": 0})
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -304,7 +307,9 @@ class ModelRunner:
                 logits = self.graphs.decode([s.token_id for s in seqs], [s.position for s in seqs],
                                             [s.pages for s in seqs], input_ids=input_ids)
                 if logits is not None:
+                    self.decode_paths["cuda_graph"] += 1
                     return logits
+            self.decode_paths["eager"] += 1
             return self.decode_eager(seqs, input_ids)
 
     def decode_eager(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,7 +4,8 @@
     prefill bootstrap (prefill.bootstrapPort)  only from the deployment's decode pods
     every other TCP port (Mooncake, NCCL,      only from the deployment's worker pods
       torch.distributed rendezvous 5757)
-    spec.networkPolicy.additionalIngress       appended as given (e.g. a Prometheus scraper)
+    the metrics ports (spec.metrics)           from spec.metrics.allowFrom, or anyone (build_metrics)
+    spec.networkPolicy.additionalIngress       appended as given
 
 NCCL and Mooncake listen on ports picked at run time, so "every other port" is written as the
 ranges between the gRPC and bootstrap ports (`endPort`, Kubernetes >= 1.25); a CNI plugin without
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.build_metrics import metrics_ingress, worker_metrics_port_numbers
 from deepseek_pd.operator.spec import DeploymentSpec
 
 Manifest = dict[str, Any]
@@ -62,7 +64,9 @@ def build_network_policy(spec: DeploymentSpec) -> Manifest:
         {"from": [router], "ports": [_tcp(p) for p in grpc_ports]},
         {"from": [decode], "ports": [_tcp(bootstrap)]},
         {"from": [_workers(spec)],
-         "ports": [_tcp(a, b) for a, b in port_ranges_except({*grpc_ports, bootstrap})]},
+         "ports": [_tcp(a, b) for a, b in port_ranges_except({*grpc_ports, bootstrap,
+                                                                 *worker_metrics_port_numbers(spec)})]},
+        *metrics_ingress(spec),
         *[dict(rule) for rule in spec.network_policy.additional_ingress],
     ]
     return {

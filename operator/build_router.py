@@ -13,6 +13,7 @@ from deepseek_pd import gateway
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import hub_env
 from deepseek_pd.operator.pod_security import secure_container
+from deepseek_pd.operator.build_metrics import router_metrics_args, router_metrics_ports, scrape_annotations
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups, desired_groups
 from deepseek_pd.operator.router_keys import router_key_args, router_key_env
 from deepseek_pd.operator.router_rollout import PROGRESS_DEADLINE_SECONDS
@@ -92,6 +93,7 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
         "--model-path", spec.model.tokenizer_path,
         "--host", "0.0.0.0",
         "--port", str(spec.router.port),
+        *router_metrics_args(spec),
         *spec.router.extra_args,
     ]
 
@@ -109,7 +111,8 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["python3"],
         "args": build_router_args(spec, groups),
-        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"},
+                  *router_metrics_ports(spec)],
         # /readiness answers 503 until the gateway has healthy prefill and decode workers, so a
         # rolled router pod takes traffic only once it has registered them (the old pod serves
         # until then); /liveness does not depend on the workers.
@@ -140,8 +143,8 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
             "replicas": router.replicas,
             "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
             "selector": {"matchLabels": _selector(spec)},
-            "template": {"metadata": {"labels": {**names.base_labels(spec.name, "router"),
-                                                 **_selector(spec)}},
+            "template": {"metadata": {"labels": {**names.base_labels(spec.name, "router"), **_selector(spec)},
+                                      "annotations": scrape_annotations(spec, spec.metrics.router_port)},
                          "spec": pod_spec},
         },
     }
@@ -155,7 +158,9 @@ def build_router_service(spec: DeploymentSpec) -> Manifest:
         "spec": {
             "type": spec.router.service_type,
             "selector": _selector(spec),
-            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"},
+                      *({"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+                        for p in router_metrics_ports(spec))],
         },
     }
 

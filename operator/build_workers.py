@@ -15,6 +15,7 @@ from typing import Any
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import model_pod_parts
+from deepseek_pd.operator.build_metrics import scrape_annotations, worker_metrics_args, worker_metrics_ports
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.worker_security import secure_worker_pod, security_args
 
@@ -70,7 +71,7 @@ def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
             "--device", "cuda" if role.gpus_per_pod else "cpu"]
     if role.role == "prefill":
         args += ["--bootstrap-port", str(role.bootstrap_port)]
-    args += kv_protocol_args(spec)
+    args += kv_protocol_args(spec) + worker_metrics_args(spec)
     par = role.parallelism
     for flag, value in (("--tp", par.tp), ("--dp", par.dp), ("--ep", par.ep)):
         if value > 1:
@@ -142,12 +143,12 @@ def _probe(role: RoleSpec, failure_threshold: int) -> dict[str, Any]:
     }
 
 
-def _ports(role: RoleSpec) -> list[dict[str, Any]]:
+def _ports(spec: DeploymentSpec, role: RoleSpec) -> list[dict[str, Any]]:
     ports = [{"name": "grpc", "containerPort": role.port, "protocol": "TCP"},
              {"name": "dist-init", "containerPort": DIST_INIT_PORT, "protocol": "TCP"}]
     if role.role == "prefill":
         ports.append({"name": "bootstrap", "containerPort": role.bootstrap_port, "protocol": "TCP"})
-    return ports
+    return ports + worker_metrics_ports(spec, role)
 
 
 def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revision: str) -> Manifest:
@@ -159,7 +160,7 @@ def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revisio
         "command": ["deepseek-pd"],
         "args": build_worker_args(spec, role),
         "env": _env(spec, role, index),
-        "ports": _ports(role),
+        "ports": _ports(spec, role),
         "resources": _resources(spec, role),
         "startupProbe": _probe(role, math.ceil(role.startup_timeout_seconds / PROBE_PERIOD_SECONDS)),
         "readinessProbe": _probe(role, 3),
@@ -191,7 +192,7 @@ def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revisio
         pod_spec["hostNetwork"] = True
         pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
     secure_worker_pod(spec, pod_spec)  # secret, decode's prefill allowlist, securityContext
-    annotations = {names.ANNOTATION_REVISION: revision}
+    annotations = {names.ANNOTATION_REVISION: revision, **scrape_annotations(spec, spec.metrics.port)}
     if role.role == "prefill":
         annotations[names.ANNOTATION_BOOTSTRAP_PORT] = str(role.bootstrap_port)
     labels = {**names.base_labels(spec.name, role.role),
@@ -241,6 +242,6 @@ def build_group_service(spec: DeploymentSpec, role_name: str, index: int) -> Man
             "publishNotReadyAddresses": True,
             "selector": names.group_selector(spec.name, role_name, index),
             "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"],
-                       "protocol": "TCP"} for p in _ports(role)],
+                       "protocol": "TCP"} for p in _ports(spec, role)],
         },
     }

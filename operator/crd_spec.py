@@ -19,7 +19,7 @@ from deepseek_pd.weights.layout import REPO_PATTERN
 # Flags the operator renders itself; engineArgs may not repeat them (two values, one wins silently).
 MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp", "dp", "ep",
                  "served-model-name", "device", "nnodes", "node-rank", "dist-init-addr", "deepep-mode",
-                 "kv-protocol", "kv-devices", "kv-tcp-fallback",
+                 "kv-protocol", "kv-devices", "kv-tcp-fallback", "metrics-port", "metrics-host",
                  # internal authentication (operator/worker_security.py): the secret comes mounted,
                  # and --insecure-internal would contradict it (serve refuses to start)
                  "internal-secret-file", "insecure-internal", "prefill-peers")
@@ -244,6 +244,44 @@ def _router() -> Schema:
     }, default={})
 
 
+def _clear_of_metrics(port: str, role: str) -> str:
+    """CEL: `port` is outside the metrics ports of `role`'s pods (metrics.port + 0 .. ranks per pod - 1)."""
+    ranks = f"(self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod)"
+    return f"({port} < self.metrics.port || {port} >= self.metrics.port + {ranks})"
+
+
+def _metrics_rules() -> list[dict[str, str]]:
+    clear = " && ".join([_clear_of_metrics("self.prefill.port", "prefill"),
+                         _clear_of_metrics("self.prefill.bootstrapPort", "prefill"),
+                         _clear_of_metrics("self.decode.port", "decode")])
+    return [
+        rule(f"!self.metrics.enabled || ({clear})",
+             "metrics.port .. metrics.port + gpusPerPod - 1 (one port per rank of a pod) must not contain "
+             "prefill.port, prefill.bootstrapPort or decode.port", ".metrics.port"),
+        rule("!self.metrics.enabled || self.metrics.routerPort != self.router.port",
+             "metrics.routerPort must differ from router.port", ".metrics.routerPort"),
+    ]
+
+
+def _metrics() -> Schema:
+    return obj("Prometheus metrics of the workers and the router (docs/operations.md lists them).", {
+        "enabled": boolean("Workers serve /metrics (serve --metrics-port), the router its exporter; pods get "
+                           "prometheus.io/scrape, port and path annotations and named container ports.",
+                           default=True),
+        "port": integer("Workers' metrics port; a pod running several ranks (gpusPerPod > 1) serves rank r "
+                        "of the pod on port + r (container ports metrics, metrics-r1, ...).",
+                        minimum=1024, maximum=65000, default=30090),
+        "routerPort": integer("The router's Prometheus exporter port.", minimum=1, maximum=65535,
+                              default=29000),
+        "serviceMonitor": boolean("Also create a monitoring.coreos.com/v1 ServiceMonitor for the worker "
+                                  "and router Services (needs the Prometheus Operator's CRDs).",
+                                  default=False),
+        "allowFrom": array("Who may reach the workers' metrics ports through the deployment's NetworkPolicy "
+                           "(core NetworkPolicyPeer objects, e.g. the monitoring namespace); empty = any source.",
+                           opaque_object("A NetworkPolicyPeer."), default=[]),
+    }, default={})
+
+
 def _scheduling() -> Schema:
     return obj("Where worker pods may run (applied to both roles).", {
         "nodeSelector": string_map("Node labels a worker node must have."),
@@ -306,6 +344,7 @@ def spec_schema() -> Schema:
         "sharedMemorySize": quantity("Size of the memory-backed /dev/shm (NCCL, DeepEP buffers).",
                                      default="16Gi"),
         "rdma": _rdma(),
+        "metrics": _metrics(),
         "env": array("Environment variables for every worker pod (core EnvVar objects), e.g. "
                      "MC_GID_INDEX.", opaque_object("An EnvVar."), default=[]),
         "podSecurity": _pod_security(),
@@ -320,4 +359,5 @@ def spec_schema() -> Schema:
         rule("!has(self.model.numRoutedExperts) || "
              "self.model.numRoutedExperts % self.decode.parallelism.ep == 0",
              "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
+        *_metrics_rules(),
     ])

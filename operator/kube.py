@@ -30,6 +30,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
     "Role": ("apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    # Optional (spec.metrics.serviceMonitor): a cluster without the Prometheus Operator answers 404.
+    "ServiceMonitor": ("apis/monitoring.coreos.com/v1", "servicemonitors"),
     names.KIND: (f"apis/{names.API_VERSION}", names.PLURAL),
 }
 

@@ -13,6 +13,7 @@ from typing import Any
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import build_model_cache_claim
 from deepseek_pd.operator.build_network_policy import build_network_policy
+from deepseek_pd.operator.build_metrics import build_service_monitor
 from deepseek_pd.operator.build_router import build_router_children, router_endpoint
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
 from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
@@ -35,10 +36,12 @@ from deepseek_pd.operator.worker_security import build_prefill_peers_service
 # first). Secrets are not listed (that would read every Secret of the namespace): secret_reconcile
 # gets and deletes them by name.
 OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "RoleBinding",
-               "Role", "ServiceAccount", "Pod", "PersistentVolumeClaim")
+               "Role", "ServiceAccount", "ServiceMonitor", "Pod", "PersistentVolumeClaim")
 # Kinds whose children are fully described by build_static_children (+ group Services).
 STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment",
-                "NetworkPolicy", "PersistentVolumeClaim")
+                "NetworkPolicy", "PersistentVolumeClaim", "ServiceMonitor")
+# Kinds from CRDs a cluster may not have: listing them answers 404 there, which means "none".
+OPTIONAL_KINDS = ("ServiceMonitor",)
 
 
 def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | None = None) -> list[Manifest]:
@@ -52,6 +55,7 @@ def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | No
         build_prefill_peers_service(spec),
         *([build_network_policy(spec)] if spec.network_policy.enabled else []),
         *build_router_children(spec, router_groups),
+        *filter(None, [build_service_monitor(spec)]),
     ]
 
 
@@ -75,7 +79,13 @@ class Reconciler:
     async def observe(self, namespace: str, name: str) -> dict[Key, Manifest]:
         observed: dict[Key, Manifest] = {}
         for kind in OWNED_KINDS:
-            for obj in await self._client.list(kind, namespace, {names.LABEL_DEPLOYMENT: name}):
+            try:
+                objects = await self._client.list(kind, namespace, {names.LABEL_DEPLOYMENT: name})
+            except ApiError as exc:
+                if exc.status == 404 and kind in OPTIONAL_KINDS:
+                    continue
+                raise
+            for obj in objects:
                 observed[(kind, obj["metadata"]["name"])] = obj
         return observed
 

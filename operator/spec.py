@@ -217,6 +217,19 @@ class RdmaSpec:
 
 
 @dataclass(frozen=True)
+class MetricsSpec:
+    enabled: bool
+    port: int  # workers: rank r of a pod serves port + r
+    router_port: int
+    service_monitor: bool
+    allow_from: tuple[dict, ...]  # NetworkPolicyPeers that may scrape the workers; () = any
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> MetricsSpec:
+        return cls(raw["enabled"], raw["port"], raw["routerPort"], raw["serviceMonitor"], tuple(raw["allowFrom"]))
+
+
+@dataclass(frozen=True)
 class DeploymentSpec:
     """Everything the builders need, for one DeepSeekDeployment."""
 
@@ -234,6 +247,7 @@ class DeploymentSpec:
     shared_memory_size: str
     rdma: RdmaSpec
     env: tuple[dict, ...]
+    metrics: MetricsSpec
     pod_security: PodSecuritySpec = PodSecuritySpec(1000, True)
     network_policy: NetworkPolicySpec = NetworkPolicySpec(True, ())
 
@@ -286,6 +300,7 @@ class DeploymentSpec:
             rdma=RdmaSpec(rdma.get("resourceName"), rdma["resourcesPerPod"],
                           tuple(rdma["capabilities"]), rdma["hostNetwork"]),
             env=tuple(raw["env"]),
+            metrics=MetricsSpec.parse(raw["metrics"]),
             pod_security=PodSecuritySpec(raw["podSecurity"]["runAsUser"],
                                          raw["podSecurity"]["readOnlyRootFilesystem"]),
             network_policy=NetworkPolicySpec(raw["networkPolicy"]["enabled"],

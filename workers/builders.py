@@ -2,9 +2,10 @@
 
 This is the one module that knows both roles' engine classes (shared code in workers/common knows
 neither). A builder loads the model (`ModelRunner`, which sizes the KV pool), then builds the role's
-engine around it; the engine is started by the caller (worker_main.serve_worker).
+engine around it; the engine is started by the caller (worker_main.serve_worker), which also passes the process's
+`WorkerMetrics` (workers/common/metrics.py) that the engine feeds.
 
-    engine = BUILDERS[config.role](config)
+    engine = BUILDERS[config.role](config, metrics)
 """
 from __future__ import annotations
 
@@ -13,23 +14,27 @@ from typing import Callable
 from deepseek_pd.model.model_dir import load_tokenizer
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.workers.common.api import WorkerEngine
+from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.serve_config import ServeConfig
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 
 
-def build_prefill_engine(config: ServeConfig, runner: ModelRunner | None = None, model_thread=None) -> PrefillEngine:
+def build_prefill_engine(config: ServeConfig, metrics: WorkerMetrics | None = None, runner: ModelRunner | None = None,
+                         model_thread=None) -> PrefillEngine:
     """`runner` and `model_thread` are given when the engine is one rank of a group (group_main.py)."""
-    return PrefillEngine(runner or ModelRunner(config.runner), config.worker, model_thread=model_thread)
+    return PrefillEngine(runner or ModelRunner(config.runner), config.worker, model_thread=model_thread,
+                         metrics=metrics)
 
 
-def build_decode_engine(config: ServeConfig, runner: ModelRunner | None = None, model_thread=None) -> DecodeEngine:
+def build_decode_engine(config: ServeConfig, metrics: WorkerMetrics | None = None, runner: ModelRunner | None = None,
+                        model_thread=None) -> DecodeEngine:
     # The tokenizer (stop strings) comes from the same model directory the runner loaded.
     return DecodeEngine(runner or ModelRunner(config.runner), config.worker, tokenizer=load_tokenizer(config.model_dir),
-                        model_thread=model_thread)
+                        model_thread=model_thread, metrics=metrics)
 
 
-BUILDERS: dict[str, Callable[[ServeConfig], WorkerEngine]] = {
+BUILDERS: dict[str, Callable[[ServeConfig, WorkerMetrics], WorkerEngine]] = {
     "prefill": build_prefill_engine,
     "decode": build_decode_engine,
 }

@@ -34,6 +34,8 @@ from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.workers.builders import BUILDERS
 from deepseek_pd.workers.common.group_front import GroupFront
 from deepseek_pd.workers.common.lockstep import LockstepModelThread
+from deepseek_pd.workers.common.metrics import WorkerMetrics
+from deepseek_pd.workers.common.metrics_server import MetricsServer
 from deepseek_pd.workers.common.rank_group import join_group
 from deepseek_pd.workers.common.remote_engine import RemoteEngine
 from deepseek_pd.workers.common.serve_config import ServeConfig
@@ -72,7 +74,15 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
                                  idle_forward=lambda mode: holder[0].idle(mode))
     runner = await asyncio.to_thread(ModelRunner, config.runner, parallel=group.parallel(), step_sync=thread)
     holder.append(runner)
-    engine = BUILDERS[config.role](config, runner=runner, model_thread=thread)
+    # Every rank exports its own engine's series (steps, its KV pool, its transfers) on its own
+    # port, labelled with its rank; requests are counted once, by rank 0's servicer (the group's).
+    metrics = WorkerMetrics(config.metric_labels(rank))
+    engine = BUILDERS[config.role](config, metrics, runner=runner, model_thread=thread)
+    metrics.watch_loads(engine.loads)
+    exporter = None
+    if config.metrics.enabled:
+        exporter = MetricsServer(metrics, config.metrics.for_local_rank(rank - layout.node_ranks.start))
+        await exporter.start()
     await engine.start()
     page_size = config.runner.page_size
     if rank == 0:
@@ -84,7 +94,7 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
     else:
         served = engine
         server_config = ServerConfig(config.server.host, 0, config.server.drain_timeout_s, config.server.stop_grace_s)
-    server = WorkerServer(served, config.model, config.identity, server_config)
+    server = WorkerServer(served, config.model, config.identity, server_config, metrics if rank == 0 else None)
     try:
         if rank > 0:
             port = await server.start()
@@ -97,9 +107,15 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
                      server.bound_port)
     except BaseException:
         await served.stop()
+        if exporter is not None:
+            await exporter.stop()
         raise
     server.install_signal_handlers()
-    await server.wait_for_shutdown()
+    try:
+        await server.wait_for_shutdown()
+    finally:
+        if exporter is not None:
+            await exporter.stop()
 
 
 def _rank_process(config: ServeConfig, rank: int) -> None:

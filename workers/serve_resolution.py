@@ -39,6 +39,7 @@ from deepseek_pd.workers.common.group_layout import GroupLayout
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
 from deepseek_pd.workers.common.kv_transfer.rdma_devices import (
     KVProtocolChoice, choose_kv_protocol, parse_devices, usable_rdma_devices)
+from deepseek_pd.workers.common.metrics_server import MetricsConfig
 from deepseek_pd.workers.common.serve_config import ServeConfig
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 from deepseek_pd.workers.common.server import ServerConfig
@@ -104,6 +105,8 @@ class ServeFlags:
     internal_secret_file: str | None = None  # else $DEEPSEEK_PD_INTERNAL_SECRET_FILE
     insecure_internal: bool = False
     prefill_peers: tuple[str, ...] = ()  # decode: registered prefill bootstrap addresses
+    metrics_port: int | None = None  # Prometheus exporter; None: off
+    metrics_host: str | None = None  # None: host
 
 
 def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
@@ -143,7 +146,7 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
                               page_size=runner.page_size, host=flags.host, port=flags.port)
     return ServeConfig(runner=runner, worker=worker, identity=identity, model=info,
                        server=ServerConfig(flags.host, flags.port, drain_timeout_s=flags.drain_timeout_s),
-                       group=group)
+                       group=group, metrics=MetricsConfig(flags.metrics_host or flags.host, flags.metrics_port))
 
 
 def _runner_config(flags: ServeFlags, defaults: RoleDefaults, model_dir: Path,

@@ -79,6 +79,10 @@ user's router.apiKeySecret to report it missing. */}}
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# Only used with spec.metrics.serviceMonitor (the Prometheus Operator's CRD).
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["servicemonitors"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -69,7 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "max_running_requests=32, mem_headroom_gib=4); unknown keys list the valid ones")
     parser.add_argument("--engine-factory", default=None, metavar="MODULE:FUNC",
                         help="TEST HOOK: build the engine with this function (it gets the resolved "
-                             "ServeConfig) instead of the role's default builder")
+                             "ServeConfig and the WorkerMetrics) instead of the role's default builder")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://--metrics-host:PORT/metrics (default: off); "
+                             "a multi-rank group serves rank r of a node on PORT + r")
+    parser.add_argument("--metrics-host", default=None,
+                        help="address of the metrics exporter (default: --host)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running requests finish after SIGTERM (default 30)")
     parser.set_defaults(func=run)
@@ -89,6 +94,7 @@ def flags_from_args(args: argparse.Namespace):
         parallel=ParallelFlags(args.tp, args.dp, args.ep, args.deepep_mode, args.nnodes, args.node_rank,
                                args.dist_init_addr),
         engine_options=tuple(args.engine_opt), drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         internal_secret_file=args.internal_secret_file, insecure_internal=args.insecure_internal,
         prefill_peers=tuple(p for p in args.prefill_peers.split(",") if p.strip()))
 

@@ -80,9 +80,10 @@ def run(args: argparse.Namespace) -> int:
         for worker in cluster.workers:
             boot = f", bootstrap port {worker.bootstrap_port}" if worker.role == "prefill" else ""
             print(f"  {worker.process.name}: grpc://{worker.address(spec.host)}{boot}, "
-                  f"log {worker.process.log_path}", file=sys.stderr)
+                  f"metrics {worker.metrics_url(spec.host)}, log {worker.process.log_path}", file=sys.stderr)
         print(f"router ready at {cluster.router_url} (model name {cluster.served_model_name!r})",
               flush=True)
+        print(f"  router metrics: http://{spec.host}:{cluster.metrics_port}/metrics", file=sys.stderr)
         print(f"  control-plane key (add/remove workers): {cluster.log_dir / 'control-plane-key'}",
               file=sys.stderr, flush=True)
         # A crashed worker or a crashed/hung router is restarted; one that keeps crashing stops up.

@@ -90,9 +90,13 @@ class WorkerEndpoint:
     port: int
     bootstrap_port: int
     process: ManagedProcess = field(repr=False)
+    metrics_port: int = 0  # its Prometheus exporter (`serve --metrics-port`)
 
     def address(self, host: str) -> str:
         return f"{host}:{self.port}"
+
+    def metrics_url(self, host: str) -> str:
+        return f"http://{host}:{self.metrics_port}/metrics"
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -173,10 +177,10 @@ class LocalCluster:
 
         spec = self.spec
         roles = spec.roles
-        ports = pick_free_ports(2 * len(roles) + 2, spec.host)
+        ports = pick_free_ports(3 * len(roles) + 2, spec.host)
         self.router_port = spec.router_port or ports.pop()
         # The router always starts a Prometheus exporter (default port 29000): two clusters on one
-        # machine would collide, so it gets a free loopback port of its own.
+        # machine would collide, so it gets a free loopback port of its own; so does every worker.
         self.metrics_port = ports.pop()
         counters = {"prefill": 0, "decode": 0}
         # One secret per run (0600, in the run directory) authenticates every bootstrap message;
@@ -184,9 +188,9 @@ class LocalCluster:
         from deepseek_pd.workers.common.internal_auth import create_secret_file
 
         secret = create_secret_file(self.log_dir / "internal.secret")
-        assigned = [(ports.pop(), ports.pop()) for _ in roles]
-        peers = ",".join(f"{spec.host}:{b}" for role, (_, b) in zip(roles, assigned) if role == "prefill")
-        for (role, memory_args), (port, bootstrap_port) in zip(
+        assigned = [(ports.pop(), ports.pop(), ports.pop()) for _ in roles]
+        peers = ",".join(f"{spec.host}:{b}" for role, (_, b, _) in zip(roles, assigned) if role == "prefill")
+        for (role, memory_args), (port, bootstrap_port, metrics_port) in zip(
                 zip(roles, worker_memory_args(self.device, roles, spec.mem_fraction_static)), assigned):
             index = counters[role]
             counters[role] += 1
@@ -196,10 +200,11 @@ class LocalCluster:
                     "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
                     "--host", spec.host, "--port", str(port),
                     "--bootstrap-port", str(bootstrap_port), "--kv-transport", spec.kv_transport,
+                    "--metrics-port", str(metrics_port),
                     "--device", self.device, *security, *memory_args, *spec.worker_args]  # worker_args last: they win
             proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log")
             proc.start()
-            self.workers.append(WorkerEndpoint(role, index, port, bootstrap_port, proc))
+            self.workers.append(WorkerEndpoint(role, index, port, bootstrap_port, proc, metrics_port=metrics_port))
 
     def _wait_workers_healthy(self, deadline: float) -> None:
         pending = list(self.workers)

@@ -1,9 +1,9 @@
 """`serve --engine-factory MODULE:FUNC` (or `path/to/file.py:FUNC`): a TEST HOOK, not a plug-in API.
 
 It replaces the role's default engine builder (deepseek_pd.workers.builders) with FUNC, which
-receives the resolved `ServeConfig` and returns a `WorkerEngine`. Tests use it to serve a scripted
-engine (tests/support/pdtest/servicer_fakes.py:build_fake_engine) through the real process, signal and
-router path without loading a model. Production never sets it.
+receives the resolved `ServeConfig` and the process's `WorkerMetrics` and returns a `WorkerEngine`.
+Tests use it to serve a scripted engine (tests/support/pdtest/servicer_fakes.py:build_fake_engine)
+through the real process, signal and router path without loading a model. Production never sets it.
 """
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from typing import Callable
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.common.api import WorkerEngine
+from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.serve_config import ServeConfig
 
-EngineBuilder = Callable[[ServeConfig], WorkerEngine]
+EngineBuilder = Callable[[ServeConfig, WorkerMetrics], WorkerEngine]
 
 
 def load_builder(spec: str) -> EngineBuilder:

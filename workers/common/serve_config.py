@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from deepseek_pd.workers.common.group_layout import GroupLayout
+from deepseek_pd.workers.common.metrics import MetricLabels
+from deepseek_pd.workers.common.metrics_server import MetricsConfig
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 from deepseek_pd.workers.common.server import ServerConfig
 from deepseek_pd.workers.common.servicer import WorkerIdentity
@@ -33,6 +35,7 @@ class ServeConfig:
     model: ServedModelInfo
     server: ServerConfig
     group: GroupLayout = GroupLayout()  # the ranks this worker spans (one process by default)
+    metrics: MetricsConfig = MetricsConfig()  # the Prometheus exporter (`--metrics-port`; off by default)
 
     def __post_init__(self) -> None:
         if self.identity.page_size != self.runner.page_size:
@@ -42,6 +45,9 @@ class ServeConfig:
     @property
     def role(self) -> str:
         return self.identity.role
+
+    def metric_labels(self, rank: int = 0) -> MetricLabels:
+        return MetricLabels(role=self.role, model_name=self.model.served_model_name, rank=rank)
 
     @property
     def model_dir(self) -> str:

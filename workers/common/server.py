@@ -18,6 +18,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.common.api import WorkerEngine
+from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.servicer import SchedulerServicer, WorkerIdentity
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 
@@ -39,10 +40,10 @@ class WorkerServer:
     """A started grpc.aio server around one engine. Use `start()`, then `wait_for_shutdown()`."""
 
     def __init__(self, engine: WorkerEngine, info: ServedModelInfo, identity: WorkerIdentity,
-                 config: ServerConfig) -> None:
+                 config: ServerConfig, metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
         self.config = config
-        self.servicer = SchedulerServicer(engine, info, identity)
+        self.servicer = SchedulerServicer(engine, info, identity, metrics)
         self._server: grpc.aio.Server | None = None
         self._stop = asyncio.Event()
         self.bound_port = 0

@@ -28,6 +28,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from deepseek_pd import __version__ as package_version
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.common.api import Failed, Finished, TokenChunk, WorkerEngine
+from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.proto_convert import (
     chunk_response, complete_response, failure_status, to_generate_request)
 from deepseek_pd.workers.common.served_model import ServedModelInfo
@@ -59,8 +60,11 @@ class WorkerIdentity:
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     """Validates, dispatches to the engine and translates its event stream back to proto."""
 
-    def __init__(self, engine: WorkerEngine, info: ServedModelInfo, identity: WorkerIdentity) -> None:
+    def __init__(self, engine: WorkerEngine, info: ServedModelInfo, identity: WorkerIdentity,
+                 metrics: WorkerMetrics | None = None) -> None:
+        """`metrics` hears of every request's outcome (one call per request, none per token)."""
         self._engine = engine
+        self._metrics = metrics if metrics is not None else WorkerMetrics()
         self._info = info
         self._identity = identity
         self._inflight: set[str] = set()
@@ -83,6 +87,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             req = to_generate_request(request, self._info)
         except UserError as exc:
             logger.info("rejected request %s: %s", request.request_id, exc)
+            self._metrics.count_failed_request("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
@@ -90,30 +95,40 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id {req.rid!r} is already running on this worker")
         self._inflight.add(req.rid)
+        started = time.perf_counter()
+        first_token_at: float | None = None
         events = self._engine.generate(req)
         terminal_seen = False
+        counted = False  # the outcome went to the metrics
         sent_ids: list[int] = []
         sent_logprobs: list[float] = []
         try:
             async for event in events:
                 if isinstance(event, TokenChunk):
+                    if first_token_at is None:
+                        first_token_at = time.perf_counter()
                     sent_ids.extend(event.token_ids)
                     sent_logprobs.extend(event.logprobs)
                     if req.stream:
                         yield chunk_response(req.rid, event.token_ids, event.logprobs,
                                              len(req.input_ids), len(sent_ids))
                 elif isinstance(event, Finished):
-                    terminal_seen = True
+                    terminal_seen = counted = True
+                    self._metrics.observe_request(
+                        event.reason, event.prompt_tokens, event.completion_tokens, event.cached_tokens,
+                        None if first_token_at is None else first_token_at - started, time.perf_counter() - started)
                     if req.stream:
                         yield complete_response(req.rid, [], [], event)
                     else:
                         yield complete_response(req.rid, sent_ids, sent_logprobs, event)
                     return
                 elif isinstance(event, Failed):
-                    terminal_seen = True
+                    terminal_seen = counted = True
+                    self._metrics.count_failed_request(event.code.value)
                     code, message = failure_status(event)
                     await context.abort(code, message)
-            terminal_seen = True
+            terminal_seen = counted = True
+            self._metrics.count_failed_request("internal")
             await context.abort(grpc.StatusCode.INTERNAL,
                                 f"engine ended request {req.rid} without a terminal event")
         except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
@@ -121,9 +136,13 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         except Exception as exc:  # an engine bug: one clear status, never a hang
             logger.exception("request %s failed inside the engine", req.rid)
             terminal_seen = False
+            counted = True
+            self._metrics.count_failed_request("internal")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
         finally:
             try:
+                if not counted:  # the caller left before the engine's terminal event
+                    self._metrics.count_failed_request("cancelled")
                 if not terminal_seen:
                     # The caller left (or the engine broke): free the request's pages now.
                     logger.info("request %s ended before its engine finished it (client cancelled or "

@@ -11,6 +11,8 @@ import logging
 from deepseek_pd import env
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.common.engine_factory import EngineBuilder
+from deepseek_pd.workers.common.metrics import WorkerMetrics
+from deepseek_pd.workers.common.metrics_server import MetricsServer
 from deepseek_pd.workers.common.serve_config import ServeConfig
 from deepseek_pd.workers.common.server import WorkerServer
 
@@ -24,20 +26,27 @@ def configure_logging(role: str) -> None:
 
 
 async def serve_worker(config: ServeConfig, builder: EngineBuilder) -> None:
+    metrics = WorkerMetrics(config.metric_labels())
     try:
-        engine = builder(config)
+        engine = builder(config, metrics)
     except ModuleNotFoundError as exc:
         raise UserError(f"the {config.role} engine is not available in this installation: {exc}") from exc
     if asyncio.iscoroutine(engine):  # builders may need the running loop (e.g. to start tasks)
         engine = await engine
+    metrics.watch_loads(engine.loads)
     await _call_maybe_async(getattr(engine, "start", None))
-    server = WorkerServer(engine, config.model, config.identity, config.server)
+    server = WorkerServer(engine, config.model, config.identity, config.server, metrics)
+    exporter = MetricsServer(metrics, config.metrics) if config.metrics.enabled else None
     server.install_signal_handlers()
     try:
+        if exporter is not None:  # first: a taken metrics port fails before the router sees the worker
+            await exporter.start()
         await server.start()
     except BaseException:
         # The engine already serves its bootstrap port and runs threads: stop them, or the
         # process would linger after reporting the error.
+        if exporter is not None:
+            await exporter.stop()
         await _call_maybe_async(getattr(engine, "stop", None) or getattr(engine, "close", None))
         raise
     ident, runner = config.identity, config.runner
@@ -45,7 +54,11 @@ async def serve_worker(config: ServeConfig, builder: EngineBuilder) -> None:
                 "device %s, dtype %s, page size %d, CUDA graphs %s", config.role, config.model.model_path,
                 config.model.served_model_name, ident.host, server.bound_port, ident.bootstrap_port,
                 ident.kv_transport, runner.device, runner.dtype, ident.page_size, "on" if runner.cuda_graph else "off")
-    await server.wait_for_shutdown()
+    try:
+        await server.wait_for_shutdown()
+    finally:
+        if exporter is not None:
+            await exporter.stop()
 
 
 async def _call_maybe_async(fn) -> None:

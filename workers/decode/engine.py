@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -36,6 +37,7 @@ from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.extend_step import run_extend
 from deepseek_pd.workers.common.kv_transfer import TransferError, build_receiver
+from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.model_thread import ModelThread
 from deepseek_pd.workers.common.request_watch import Interrupted, unless
 from deepseek_pd.workers.common.worker_config import WorkerConfig
@@ -74,12 +76,16 @@ class _Request:
 class DecodeEngine:
     """`WorkerEngine` of a decode (or colocated) worker."""
 
-    def __init__(self, runner: ModelRunner, config: WorkerConfig, tokenizer=None, model_thread=None) -> None:
+    def __init__(self, runner: ModelRunner, config: WorkerConfig, tokenizer=None, model_thread=None,
+                 metrics: WorkerMetrics | None = None) -> None:
         """`tokenizer` (a `tokenizers.Tokenizer`, for stop strings) defaults to the checkpoint's own;
         without one, stop strings are refused per request. `model_thread` (default: a `ModelThread`)
-        is a `LockstepModelThread` when this engine is one rank of a group."""
+        is a `LockstepModelThread` when this engine is one rank of a group. `metrics` hears of every
+        step (one call per batch) and KV pull."""
         self.runner = runner
         self.config = config
+        self.metrics = metrics if metrics is not None else WorkerMetrics()
+        self.metrics.watch_decode_paths(lambda: runner.decode_paths)
         self.pool = runner.kv_pool
         self.tokenizer = tokenizer if tokenizer is not None else _checkpoint_tokenizer(runner)
         self.max_context = runner.model_config.max_position_embeddings
@@ -147,11 +153,15 @@ class DecodeEngine:
             reserve = max(0, pool.pages_for_tokens(kv_tokens_needed(prompt_len, reserve_tokens)) - prompt_pages)
             state.reservation = await self._watch(state, self.budget.admit(prompt_pages, reserve))
             if request.disagg is not None:
+                transport = self.config.kv_transport
                 try:
+                    began = time.perf_counter()
                     done = await self._watch(state, pull_kv(self.client, self.receiver, request.disagg, request.rid,
                                                             prompt_len, state.reservation.pages[:prompt_pages],
                                                             model_config.vocab_size))
+                    self.metrics.observe_kv_transfer(transport, done.bytes_sent, time.perf_counter() - began)
                 except TransferError as exc:
+                    self.metrics.count_kv_transfer_failure(transport, exc.code.value)
                     state.transfer_failed = True
                     transfer_done = exc.peer_knows  # nothing to tell the prefill side then
                     raise
@@ -313,8 +323,11 @@ class DecodeEngine:
         for state in batch:
             state.in_flight += 1
         try:
+            began = time.perf_counter()
             sampled = await self._model_call(batch, run_extend, self.runner, self.sampler, plan.seqs, rows,
                                              [batch[r].sampling for r in rows])
+            self.metrics.observe_step("prefill", time.perf_counter() - began, len(batch),
+                                      sum(len(seq.token_ids) for seq in plan.seqs))
         except Exception:
             self._done_with(batch)
             self._prefilling = [s for s in self._prefilling if not s.finished]
@@ -339,7 +352,10 @@ class DecodeEngine:
         overlap = self.config.scheduler.overlap_schedule
         everyone = list(dict.fromkeys(owners + (pending.owners if pending else [])))
         try:
+            began = time.perf_counter()
             launched, collected = await self._model_call(everyone, self._step, owners, rows, pending, overlap)
+            if owners:  # a round that only collects the last pending step forwards nothing
+                self.metrics.observe_step("decode", time.perf_counter() - began, len(owners), len(owners))
         except Exception:
             # The stepper's device state is unknown now: every row it held starts over, failed.
             self._fail_in_flight("decode step failed (see the worker log)")

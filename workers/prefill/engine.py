@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
@@ -34,6 +35,7 @@ from deepseek_pd.workers.common.api import (
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
 from deepseek_pd.workers.common.kv_transfer import TransferError, build_sender
 from deepseek_pd.workers.common.extend_step import run_extend
+from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.model_thread import ModelThread
 from deepseek_pd.workers.common.request_watch import Interrupted, unless
 from deepseek_pd.workers.common.worker_config import WorkerConfig
@@ -64,11 +66,13 @@ class _Request:
 class PrefillEngine:
     """`WorkerEngine` of a prefill worker; serves the bootstrap port while started."""
 
-    def __init__(self, runner: ModelRunner, config: WorkerConfig, model_thread=None) -> None:
+    def __init__(self, runner: ModelRunner, config: WorkerConfig, model_thread=None,
+                 metrics: WorkerMetrics | None = None) -> None:
         """`model_thread` (default: a `ModelThread`) is a `LockstepModelThread` when this engine is
-        one rank of a group."""
+        one rank of a group. `metrics` hears of every step, prefix-cache lookup and KV push."""
         self.runner = runner
         self.config = config
+        self.metrics = metrics if metrics is not None else WorkerMetrics()
         self.pool = runner.kv_pool
         self.cache = RadixCache(self.pool) if config.scheduler.prefix_cache else None
         # Pages the runner already holds (its CUDA-graph scratch page) never come back.
@@ -149,6 +153,8 @@ class PrefillEngine:
             token, logprob = await self._watch(state, asyncio.shield(state.first_token))
             # Seeded draws depend only on (seed, step): decode continues at step 1 with no state from here.
             await self._watch(state, push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0))
+            self.metrics.observe_kv_transfer(self.config.kv_transport, push.bytes_sent,
+                                             push.send_seconds)
             cached = state.hit.num_tokens if state.hit else 0
             outcome: list[Event] = [TokenChunk((token,), (logprob,) if request.return_logprob else ()),
                                     Finished("length", len(request.input_ids), 1, cached_tokens=cached)]
@@ -245,6 +251,8 @@ class PrefillEngine:
                 if hit is not None:
                     self.cache.release(hit)
                 return  # stays first in line until pages come back
+            if self.cache is not None:
+                self.metrics.observe_prefix_cache(len(ids), len(cached) * self.pool.page_size)
             self._waiting.pop(0)
             state.hit = hit
             state.progress = PromptProgress(ids, cached + own, computed=len(cached) * self.pool.page_size,
@@ -288,8 +296,11 @@ class PrefillEngine:
                 state.in_forward = True
             progress = self._layer_progress(batch, plan.seqs) if self.config.scheduler.layerwise_transfer else None
             try:
+                began = time.perf_counter()
                 sampled = await self.model_thread.run(run_extend, self.runner, self.sampler, plan.seqs, rows,
                                                       [batch[r].sampling for r in rows], progress)
+                self.metrics.observe_step("prefill", time.perf_counter() - began, len(batch),
+                                          sum(len(seq.token_ids) for seq in plan.seqs))
                 error = None
             except Exception as exc:
                 log.exception("prefill forward failed")

@@ -124,6 +124,15 @@ class KVPush:
             self._put(_Send([pages[i] for i in ready_pages], ready_pages.start, layers, ready))
 
     @property
+    def bytes_sent(self) -> int:
+        return self.channel.bytes_sent if self.channel is not None else 0
+
+    @property
+    def send_seconds(self) -> float:
+        """Time spent inside `channel.send`: the transfer's own share of the request's time."""
+        return self._send_seconds
+
+    @property
     def num_sends(self) -> int:
         """`channel.send` calls so far (after merging queued layer ranges)."""
         return self._num_sends

@@ -114,7 +114,8 @@ def make_tokenizer_model_dir(path: Path, max_context: int = 64) -> Path:
     return path
 
 
-def build_fake_engine(config) -> FakeEngine:
+def build_fake_engine(config, metrics=None) -> FakeEngine:
     """`deepseek-pd serve --engine-factory tests/support/pdtest/servicer_fakes.py:build_fake_engine` (the test
-    hook; `config` is the resolved ServeConfig, which a scripted engine does not need)."""
+    hook; `config` is the resolved ServeConfig and `metrics` the WorkerMetrics, which a scripted engine
+    does not need)."""
     return FakeEngine()

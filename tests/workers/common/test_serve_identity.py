@@ -34,8 +34,8 @@ def test_reported_page_size_and_capacity_are_the_pools(role: str) -> None:
     config = resolve_serve_config(flags)
     built = []
 
-    def builder(cfg):
-        built.append(BUILDERS[cfg.role](cfg))
+    def builder(cfg, metrics):
+        built.append(BUILDERS[cfg.role](cfg, metrics))
         return built[-1]
 
     async def main():

@@ -1,0 +1,99 @@
+"""A multi-rank worker's metrics: one port per rank (`--metrics-port P` -> rank r on P + r), each
+labelled with its rank, requests counted once (by rank 0, the group's servicer), the ranks' steps
+adding up to the tokens the group was sent and produced.
+
+Real processes (`serve decode --dp 2 --ep 2`, gloo, the tiny model), colocated requests through
+rank 0's SglangScheduler; the oracle is the client's own record of prompts and output tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
+from pdtest.group_harness import GroupWorker
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+P = "deepseek_pd:"
+
+
+def consecutive_free_ports(count: int) -> int:
+    """A port p with p .. p + count - 1 all free on 127.0.0.1 (bound briefly, then released)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count >= 65536:
+            continue
+        held = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def scrape(port: int) -> tuple[set[str], dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    ranks, samples = set(), {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            ranks.add(sample.labels.get("rank"))
+            labels = frozenset((k, v) for k, v in sample.labels.items() if k not in ("role", "model_name", "rank"))
+            samples[(sample.name, labels)] = sample.value
+    return ranks, samples
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((P + name, frozenset(labels.items())), 0.0)
+
+
+def test_each_rank_serves_its_own_metrics_and_requests_are_counted_once(tmp_path):
+    rng = random.Random()
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 40))] for _ in range(rng.randint(4, 7))]
+    max_new = [rng.randint(1, 6) for _ in prompts]
+    port = consecutive_free_ports(2)
+    with GroupWorker("decode", ["--dp", "2", "--ep", "2", "--metrics-port", str(port)],
+                     tmp_path / "group.log") as worker:
+        asyncio.run(worker.wait_healthy())
+
+        async def traffic():
+            async with SchedulerClient(worker.address) as client:
+                async def one(i):
+                    request = pb.GenerateRequest(request_id=f"m{i}", tokenized=pb.TokenizedInput(input_ids=prompts[i]),
+                                                 sampling_params=sampling_proto(max_new[i], ignore_eos=True),
+                                                 stream=bool(i % 2))
+                    ids, _ = await collect(client.generate(request, 120))
+                    return ids
+                return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+        outputs = asyncio.run(traffic())
+        (ranks0, r0), (ranks1, r1) = scrape(port), scrape(port + 1)
+    assert [len(o) for o in outputs] == max_new
+    assert ranks0 == {"0"} and ranks1 == {"1"}
+    n = len(prompts)
+    assert value(r0, "num_requests_total", finish_reason="length") == n  # rank 0's servicer: the group's
+    # Concurrent requests go to the least-loaded rank, so rank 1 ran some of them: not counted again there.
+    assert value(r1, "step_tokens_total", mode="prefill") > 0
+    assert value(r1, "num_requests_total", finish_reason="length") == 0
+    assert value(r0, "generation_tokens_total") == sum(map(len, outputs))
+    both = (r0, r1)
+    assert sum(value(r, "step_tokens_total", mode="prefill") for r in both) == sum(map(len, prompts))
+    assert sum(value(r, "step_tokens_total", mode="decode") for r in both) == sum(max_new) - n
+    for r in both:
+        assert value(r, "decode_steps_total", path="eager") == value(r, "step_seconds_count", mode="decode")
+        assert value(r, "kv_pool_used_pages") == 0 and value(r, "kv_pool_total_pages") == 512

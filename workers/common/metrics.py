@@ -1,0 +1,212 @@
+"""`WorkerMetrics`: the Prometheus metrics of one worker process, fed by its servicer and engine.
+
+The module knows no role. What feeds it, and how often (never per token):
+
+    servicer (any role)  observe_request(...) once per finished request, count_failed_request(code)
+                         once per failed one: request counts by finish reason, token totals, TTFT,
+                         TPOT and end-to-end latency histograms
+    engine, per step     observe_step(mode, seconds, num_reqs, num_tokens): one call per extend or
+                         decode step for the whole batch (step time, tokens forwarded)
+    engine, per request  observe_prefix_cache(queried, hit), observe_kv_transfer(...),
+                         count_kv_transfer_failure(...)
+    at scrape time       watch_loads(fn) -> running/queued requests and KV pool pages (the same
+                         `Loads` GetLoads reports); watch_decode_paths(fn) -> decode steps by
+                         CUDA-graph replay vs eager
+
+Names follow SGLang's (`sglang:num_running_reqs`, `sglang:time_to_first_token_seconds`, ...) with
+our own prefix, so an SGLang dashboard works after replacing `sglang:` with `deepseek_pd:`. Every
+series carries the constant labels `role`, `model_name` and `rank` (the DP rank inside a
+multi-rank group; "0" for a single process). docs/operations.md lists every metric.
+
+Each instance has its own `CollectorRegistry`, so two engines in one test process never share
+series; `serve` exports it with `MetricsServer` (metrics_server.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from deepseek_pd.workers.common.api import Loads
+
+PREFIX = "deepseek_pd:"
+CONSTANT_LABELS = ("role", "model_name", "rank")
+STEP_MODES = ("prefill", "decode")  # an extend step (prefill or colocated prompt) or a decode step
+
+# Seconds. Request latencies span interactive to long generations; steps and TPOT are milliseconds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 8, 16, 32, 64, 128)
+TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                0.1, 0.2, 0.5, 1, 2, 5)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class MetricLabels:
+    """The constant labels of every series of one worker process."""
+
+    role: str = ""
+    model_name: str = ""
+    rank: int = 0
+
+    def values(self) -> dict[str, str]:
+        return {"role": self.role, "model_name": self.model_name, "rank": str(self.rank)}
+
+
+LoadsSource = Callable[[], Loads]
+# {"cuda_graph": n, "eager": m}: decode steps so far by the path they ran (ModelRunner.decode_paths).
+DecodePathsSource = Callable[[], Mapping[str, int]]
+
+
+class WorkerMetrics:
+    """Counters and histograms of one worker; see the module docstring for who calls what."""
+
+    def __init__(self, labels: MetricLabels = MetricLabels()) -> None:
+        self.labels = labels
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._const = labels.values()
+        const = list(CONSTANT_LABELS)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, const + list(extra), registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(PREFIX + name, doc, const + list(extra), buckets=buckets, registry=self.registry)
+
+        self._requests = counter("num_requests", "Requests finished, by finish reason (stop, length, abort)",
+                                 ("finish_reason",))
+        self._failed = counter("num_failed_requests", "Requests that ended with an error status, by code",
+                               ("code",))
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests").labels(**self._const)
+        self._generation_tokens = counter(
+            "generation_tokens", "Tokens generated for finished requests (prefill workers: the first token)"
+        ).labels(**self._const)
+        self._cached_tokens = counter("cached_tokens", "Prompt tokens of finished requests served from the "
+                                      "prefix cache").labels(**self._const)
+        self._ttft = histogram("time_to_first_token_seconds", "From the worker receiving Generate to its first "
+                               "token", TTFT_BUCKETS).labels(**self._const)
+        self._tpot = histogram("time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1), per request "
+                               "with at least 2 output tokens", TPOT_BUCKETS).labels(**self._const)
+        self._e2e = histogram("e2e_request_latency_seconds", "From the worker receiving Generate to its final "
+                              "response", E2E_BUCKETS).labels(**self._const)
+        step_seconds = histogram("step_seconds", "One scheduler step's model call (the whole batch): extend "
+                                 "(prefill) or decode; a decode step's time is the inter-token latency of every "
+                                 "request in its batch", STEP_BUCKETS, ("mode",))
+        step_tokens = counter("step_tokens", "Tokens forwarded by steps, by mode", ("mode",))
+        step_reqs = counter("step_requests", "Requests (batch rows) forwarded by steps, by mode", ("mode",))
+        self._step = {mode: tuple(metric.labels(**self._const, mode=mode) for metric in (step_seconds, step_tokens,
+                                                                                        step_reqs))
+                      for mode in STEP_MODES}
+        self._prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+                                       ).labels(**self._const)
+        self._prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache"
+                                    ).labels(**self._const)
+        self._kv_bytes = counter("kv_transfer_bytes", "Bytes of latent KV moved between prefill and decode "
+                                 "(prefill: sent, decode: received)", ("transport",))
+        self._kv_seconds = histogram("kv_transfer_seconds", "Per request: decode, from the handshake to "
+                                     "TransferDone; prefill, time spent sending", TRANSFER_BUCKETS, ("transport",))
+        self._kv_failures = counter("kv_transfer_failures", "KV transfers that failed, counted by the decode "
+                                    "side (the one that pulls), by transport and code", ("transport", "code"))
+        self._children: dict[tuple, object] = {}  # labelled children by (metric, values): no labels() per call
+        self._sources = _ScrapeSources(self._const)
+        self.registry.register(self._sources)
+
+    # ---- scrape-time sources -----------------------------------------------------------------
+    def watch_loads(self, loads: LoadsSource) -> None:
+        """Gauges of running/queued requests and KV pool pages, read from `loads()` at scrape time
+        (the engine's own `loads`; called on the thread that serves /metrics)."""
+        self._sources.loads = loads
+
+    def watch_decode_paths(self, paths: DecodePathsSource) -> None:
+        self._sources.decode_paths = paths
+
+    # ---- servicer ----------------------------------------------------------------------------
+    def observe_request(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                        ttft_s: float | None, e2e_s: float) -> None:
+        """One finished request (`Finished`); `ttft_s` is None if it produced no token."""
+        self._child(self._requests, finish_reason).inc()
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(completion_tokens)
+        self._cached_tokens.inc(cached_tokens)
+        self._e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self._ttft.observe(ttft_s)
+            if completion_tokens > 1:
+                self._tpot.observe((e2e_s - ttft_s) / (completion_tokens - 1))
+
+    def count_failed_request(self, code: str) -> None:
+        self._child(self._failed, code).inc()
+
+    # ---- engines -----------------------------------------------------------------------------
+    def observe_step(self, mode: str, seconds: float, num_reqs: int, num_tokens: int) -> None:
+        """One step of `mode` ("prefill" | "decode") for a batch of `num_reqs` rows."""
+        hist, tokens, reqs = self._step[mode]
+        hist.observe(seconds)
+        tokens.inc(num_tokens)
+        reqs.inc(num_reqs)
+
+    def observe_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        self._prefix_queries.inc(queried_tokens)
+        self._prefix_hits.inc(hit_tokens)
+
+    def observe_kv_transfer(self, transport: str, nbytes: int, seconds: float) -> None:
+        self._child(self._kv_bytes, transport).inc(nbytes)
+        self._child(self._kv_seconds, transport).observe(seconds)
+
+    def count_kv_transfer_failure(self, transport: str, code: str) -> None:
+        self._child(self._kv_failures, transport, code).inc()
+
+    def _child(self, metric, *values: str):
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*self._const.values(), *values)
+        return child
+
+
+class _ScrapeSources:
+    """A custom collector: gauges and counters computed from the engine when /metrics is read,
+    so the engine pays nothing for them between scrapes."""
+
+    def __init__(self, const: dict[str, str]) -> None:
+        self._names = list(const)
+        self._values = list(const.values())
+        self.loads: LoadsSource | None = None
+        self.decode_paths: DecodePathsSource | None = None
+
+    def _gauge(self, name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=self._names)
+        if value is not None:
+            family.add_metric(self._values, value)
+        return family
+
+    def describe(self) -> Iterable:
+        return list(self._families(None, None))
+
+    def collect(self) -> Iterable:
+        return list(self._families(self.loads() if self.loads else None,
+                                   dict(self.decode_paths()) if self.decode_paths else None))
+
+    def _families(self, loads: Loads | None, paths: dict[str, int] | None):
+        get = (lambda attr: getattr(loads, attr)) if loads is not None else (lambda attr: None)
+        yield self._gauge("num_running_reqs", "Requests in the running batch (decode) or being prefilled",
+                          get("num_running"))
+        yield self._gauge("num_queue_reqs", "Requests waiting: for KV pages, a handshake or the batch",
+                          get("num_waiting"))
+        yield self._gauge("kv_pool_used_pages", "KV pool pages held by requests (prefix-cache pages excluded)",
+                          get("kv_used_pages"))
+        yield self._gauge("kv_pool_total_pages", "KV pool pages in total", get("kv_total_pages"))
+        usage = None if loads is None else (loads.kv_used_pages / loads.kv_total_pages if loads.kv_total_pages else 0.0)
+        yield self._gauge("token_usage", "kv_pool_used_pages / kv_pool_total_pages", usage)
+        cached = None if loads is None else loads.extra.get("cached_pages", 0)
+        yield self._gauge("kv_pool_cached_pages", "KV pool pages held by the prefix cache (evictable)", cached)
+        family = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by how they ran: CUDA-graph replay "
+                                     "or eager (no graph, or batch/context past the captured ones)",
+                                     labels=self._names + ["path"])
+        for path in ("cuda_graph", "eager"):
+            if paths is not None:
+                family.add_metric(self._values + [path], paths.get(path, 0))
+        yield family
