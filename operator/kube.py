@@ -7,6 +7,8 @@ behaves the same against emulators that ignore `labelSelector`.
 """
 from __future__ import annotations
 
+import json
+
 import ssl
 import tempfile
 from dataclasses import dataclass
@@ -109,11 +111,18 @@ class KubeClient:
                 if resp.status == 401 and attempt == 0:
                     await self.close()  # rotated token: log in again, once
                     continue
-                body = await resp.json(content_type=None) if resp.content_length != 0 else {}
                 if resp.status >= 400:
+                    # A Status object, or plain text ("404 page not found" for an API group the
+                    # server does not serve, e.g. ServiceMonitor without the Prometheus Operator).
+                    text = await resp.text()
+                    try:
+                        body = json.loads(text)
+                    except ValueError:
+                        body = {"message": text.strip()[:200]}
                     body = body if isinstance(body, dict) else {}
                     raise ApiError(resp.status, body.get("reason", resp.reason or ""),
                                    body.get("message", ""))
+                body = await resp.json(content_type=None) if resp.content_length != 0 else {}
                 return body or {}
         raise AssertionError("unreachable")
 
