@@ -26,6 +26,7 @@ class ChunkIngest:
         self.call = call
         self.every = max(1, window // 2)
         self.credited = 0
+        self.writable = True  # False once this side half-closed the stream: no credit is needed then
         self.credit_message = credit_message or (lambda seq: pb.DecodeMessage(credit=pb.Credit(received_seq=seq)))
         self._pending: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
@@ -49,12 +50,12 @@ class ChunkIngest:
             seq, future = self._pending.popleft()
             future.result()
             written = seq
-        if written is not None and written - self.credited >= self.every:
+        if written is not None and written - self.credited >= self.every and self.writable:
             self.credited = written
             try:
                 await self.call.write(self.credit_message(written))
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError):
-                pass  # the stream is broken; the next read reports it
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                pass  # the stream is broken (the next read reports it) or already half-closed
 
     async def drain(self) -> None:
         """Waits for every write; raises the first failure in stream order."""

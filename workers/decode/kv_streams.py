@@ -99,9 +99,10 @@ class KVStreamReader:
         if self.received != expected:
             raise TransferError(FailureCode.INTERNAL, f"{self.where} carried {self.received} chunks, "
                                 f"the TransferDone says {expected}")
+        self.ingest.writable = False
         try:
             await self.call.done_writing()
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             pass
         await asyncio.wait({self.task}, timeout=max(0.001, min(_EOF_WAIT_S, deadline - time.monotonic())))
         if (error := self.failure()) is not None:
