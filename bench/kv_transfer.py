@@ -1,7 +1,7 @@
 """KV transfer between two KV pools through the real bootstrap server and client, on loopback.
 
     .venv/bin/python bench/kv_transfer.py                            # grpc, CPU, V2-Lite shape, 4k tokens
-    .venv/bin/python bench/kv_transfer.py --device cuda              # GPU pool -> GPU pool (one GPU)
+    .venv/bin/python bench/kv_transfer.py --device cuda              # GPU pool -> GPU pool (one GPU), 1 vs 4 streams
     .venv/bin/python bench/kv_transfer.py --layerwise                # one send per layer, as layer-wise prefill
     .venv/bin/python bench/kv_transfer.py --transport mooncake --netns   # ours vs raw Mooncake TCP
 
@@ -11,6 +11,11 @@ confirmation. One request's pages (`--tokens`, scattered and permuted page ids o
 move per repeat; the destination is compared with the source bit for bit after every repeat.
 For grpc the prefill side runs in a child process (two workers, two event loops and GILs, as in
 production; `--together` for one process); mooncake runs in one process, next to the raw write.
+
+`--streams 1,4` (the default) runs the grpc transfer once per value of `TransportConfig.grpc_streams`
+(parallel KV streams per room, each on its own connection) and ends with one table of all of them,
+the raw gRPC ceilings and the 2 GB/s target (issue 7: one 4k-token V2-Lite request, 127 MB, pool
+to pool on loopback). For the GPU: `python bench/kv_transfer.py --device cuda` (no other flag).
 
 Printed: GB/s of each repeat (from decode's handshake to holding the KV and the TransferDone),
 the longest the decode event loop was kept from running meanwhile, a breakdown of where the
@@ -28,8 +33,8 @@ import argparse
 import asyncio
 import cProfile
 import multiprocessing
-import os
 import random
+import secrets
 import shutil
 import subprocess
 import sys
@@ -40,7 +45,9 @@ import torch
 
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.workers.common.api import DisaggParams
+from deepseek_pd.workers.common.internal_auth import InternalAuth
 from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.common.kv_transfer.checksum import IMPLEMENTATION as CRC32_IMPLEMENTATION
 from deepseek_pd.workers.common.kv_transfer.stats import PHASES, TransferStats
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
@@ -48,7 +55,11 @@ from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ceilings beside this script
+from kv_transfer_ceilings import raw_grpc, raw_mooncake  # noqa: E402
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TARGET_GBPS = 2.0  # issue 7: the gRPC KV transport, GPU pool to GPU pool on loopback, one 4k-token request
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,20 +74,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-mb", type=float, default=TransportConfig.max_chunk_bytes / 2**20,
                         help="grpc: max KV bytes per message (MiB)")
     parser.add_argument("--io-threads", type=int, default=TransportConfig.io_threads)
+    parser.add_argument("--streams", default="1,4",
+                        help="grpc: comma-separated grpc_streams values (parallel KV streams per room) to compare")
     parser.add_argument("--window", type=int, default=BootstrapConfig.event_queue_depth,
                         help="credit window (events in flight)")
     parser.add_argument("--layerwise", action="store_true", help="send layer by layer (layers_ready)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-ceiling", action="store_true", help="skip the raw gRPC / raw Mooncake ceiling")
-    parser.add_argument("--ceiling-streams", type=int, default=1,
-                        help="grpc: also measure the raw ceiling over this many parallel streams (own connections)")
     parser.add_argument("--together", action="store_true",
                         help="grpc: run both sides in this process (default: prefill in a child process, as "
                              "two workers; mooncake and fake always run together)")
     parser.add_argument("--profile", metavar="FILE", help="cProfile one extra repeat into FILE (with --together)")
     parser.add_argument("--netns", action="store_true",
                         help="re-run inside a private network namespace (Mooncake binds 0.0.0.0)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.stream_counts = [int(v) for v in args.streams.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"--streams {args.streams!r}: comma-separated integers, e.g. 1,4")
+    if not args.stream_counts or min(args.stream_counts) < 1:
+        parser.error("--streams needs values >= 1")
+    if args.transport != "grpc":
+        args.stream_counts = [1]
+    return args
 
 
 def reexec_in_netns(argv: list[str]) -> int:
@@ -127,9 +147,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def configs(args: argparse.Namespace) -> tuple[TransportConfig, BootstrapConfig]:
-    return (TransportConfig(max_chunk_bytes=int(args.chunk_mb * 2**20), io_threads=args.io_threads, send_timeout_s=60),
-            BootstrapConfig(port=0, transfer_timeout_s=300, event_queue_depth=args.window))
+def configs(args: argparse.Namespace, streams: int, secret: bytes) -> tuple[TransportConfig, BootstrapConfig]:
+    """Both sides' settings; `secret`: the deployment secret both processes share (split mode)."""
+    return (TransportConfig(max_chunk_bytes=int(args.chunk_mb * 2**20), io_threads=args.io_threads, send_timeout_s=60,
+                            grpc_streams=streams),
+            BootstrapConfig(port=0, transfer_timeout_s=300, event_queue_depth=args.window,
+                            auth=InternalAuth(secret=secret)))
 
 
 async def push_request(setup: Setup, registry, sender, room: int) -> TransferStats:
@@ -210,12 +233,12 @@ class Results:
         self.stats = TransferStats()
 
 
-async def run_together(setup: Setup, results: Results, profile: str | None) -> None:
+async def run_together(setup: Setup, results: Results, profile: str | None, streams: int, secret: bytes) -> None:
     """Both sides in this process, on one event loop (needed for the raw Mooncake comparison)."""
     args = setup.args
-    transport, bootstrap = configs(args)
+    transport, bootstrap = configs(args, streams, secret)
     registry = RoomRegistry(bootstrap)
-    server = BootstrapServer(registry, bootstrap, transport.max_chunk_bytes)
+    server = BootstrapServer(registry, bootstrap, transport.max_chunk_bytes, kv_streams=streams)
     await server.start()
     sender = build_sender(args.transport, setup.src, transport)
     receiver = build_receiver(args.transport, setup.dst, transport)
@@ -256,14 +279,14 @@ async def run_together(setup: Setup, results: Results, profile: str | None) -> N
         receiver.close()
 
 
-def _prefill_process(argv: list[str], seed: int, conn) -> None:
+def _prefill_process(argv: list[str], seed: int, conn, streams: int, secret: bytes) -> None:
     """Split mode's child: the prefill worker's side, driven over a pipe (run ROOM / stop)."""
     setup = Setup(parse_args(argv), seed, with_destination=False)
 
     async def serve() -> None:
-        transport, bootstrap = configs(setup.args)
+        transport, bootstrap = configs(setup.args, streams, secret)
         registry = RoomRegistry(bootstrap)
-        server = BootstrapServer(registry, bootstrap, transport.max_chunk_bytes)
+        server = BootstrapServer(registry, bootstrap, transport.max_chunk_bytes, kv_streams=streams)
         await server.start()
         sender = build_sender(setup.args.transport, setup.src, transport)
         loop = asyncio.get_running_loop()
@@ -279,15 +302,16 @@ def _prefill_process(argv: list[str], seed: int, conn) -> None:
     asyncio.run(serve())
 
 
-async def run_split(setup: Setup, results: Results, argv: list[str]) -> None:
+async def run_split(setup: Setup, results: Results, argv: list[str], streams: int, secret: bytes) -> None:
     """Prefill in a child process, decode here: as two workers, each with its own event loop and GIL."""
     args = setup.args
     context = multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe()
-    child = context.Process(target=_prefill_process, args=(argv, setup.seed, child_conn), daemon=True)
+    child = context.Process(target=_prefill_process, args=(argv, setup.seed, child_conn, streams, secret),
+                            daemon=True)
     child.start()
     loop = asyncio.get_running_loop()
-    transport, bootstrap = configs(args)
+    transport, bootstrap = configs(args, streams, secret)
     receiver = build_receiver(args.transport, setup.dst, transport)
     client = BootstrapClient(bootstrap)
     try:
@@ -319,80 +343,52 @@ async def run_split(setup: Setup, results: Results, argv: list[str]) -> None:
             child.kill()
 
 
-async def raw_grpc(total_bytes: int, message_bytes: int, repeats: int, streams: int = 1) -> list[float]:
-    """Seconds to stream `total_bytes` as bare `bytes` messages over `streams` loopback gRPC streams,
-    each on its own connection (what parallel KV streams could reach)."""
-    import grpc
-
-    payload = os.urandom(message_bytes)
-    count = -(-total_bytes // message_bytes // streams)
-
-    async def stream(request_iterator, context):
-        await request_iterator.__anext__()
-        for _ in range(count):
-            yield payload
-
-    handler = grpc.method_handlers_generic_handler("bench.Raw", {"S": grpc.stream_stream_rpc_method_handler(stream)})
-    limit = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-    server = grpc.aio.server(options=limit)
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=limit + [("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(streams)]
-
-    async def one(channel) -> None:
-        call = channel.stream_stream("/bench.Raw/S")()
-        await call.write(b"go")
-        while await call.read() is not grpc.aio.EOF:
-            pass
-
-    seconds: list[float] = []
-    try:
-        for _ in range(repeats + 1):
-            began = time.perf_counter()
-            await asyncio.gather(*(one(channel) for channel in channels))
-            seconds.append(time.perf_counter() - began)
-    finally:
-        for channel in channels:
-            await channel.close()
-        await server.stop(0)
-    return seconds[1:]  # the first one connects
-
-
-def raw_mooncake(setup: Setup, sender, receiver) -> float:
-    """Seconds of one raw `batch_transfer_sync_write` of the same batch between the same two engines."""
-    from deepseek_pd.workers.common.kv_transfer.mooncake import build_write_batch
-
-    batch = build_write_batch(sender.engine.base_addrs, receiver.engine.base_addrs, setup.src.bytes_per_page,
-                              setup.src_pages, setup.dst_pages)
-    began = time.perf_counter()
-    status = sender.engine.engine.batch_transfer_sync_write(receiver.engine.session_id, *batch)
-    elapsed = time.perf_counter() - began
-    if status != 0:
-        raise SystemExit(f"raw mooncake write failed with status {status}")
-    return elapsed
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.netns:
         raise SystemExit(reexec_in_netns(argv))
     setup = Setup(args, seed=random.randrange(1 << 30))
-    results = Results()
+    secret = secrets.token_bytes(32)  # both processes of split mode sign with it, as one deployment
     split = args.transport == "grpc" and not args.together
-    if split:
-        asyncio.run(run_split(setup, results, argv))
-    else:
-        asyncio.run(run_together(setup, results, args.profile))
+    where = "prefill and decode in two processes" if split else "both sides in one process"
+    runs: dict[int, Results] = {}
+    for streams in args.stream_counts:
+        results = runs[streams] = Results()
+        print(f"-- {streams} KV stream(s) per room", flush=True)
+        if split:
+            asyncio.run(run_split(setup, results, argv, streams, secret))
+        else:
+            asyncio.run(run_together(setup, results, args.profile, streams, secret))
+        report(setup, results, where)
+    ceilings: dict[int, list[float]] = {}
     if not args.no_ceiling and args.transport == "grpc":
-        results.ceilings = asyncio.run(raw_grpc(setup.bytes, int(args.chunk_mb * 2**20), args.repeats))
-        if args.ceiling_streams > 1:
-            parallel = asyncio.run(raw_grpc(setup.bytes, int(args.chunk_mb * 2**20), args.repeats, args.ceiling_streams))
-            print(f"raw gRPC over {args.ceiling_streams} parallel streams: best {setup.bytes / min(parallel) / 1e9:.3f} "
-                  f"GB/s (one stream: {setup.bytes / min(results.ceilings) / 1e9:.3f})")
-    report(setup, results, "prefill and decode in two processes" if split else "both sides in one process")
+        for streams in sorted({1, max(args.stream_counts)}):
+            ceilings[streams] = asyncio.run(raw_grpc(setup.bytes, int(args.chunk_mb * 2**20), args.repeats, streams))
+    summary(setup, runs, ceilings, where)
+
+
+def summary(setup: Setup, runs: dict[int, Results], ceilings: dict[int, list[float]], where: str) -> None:
+    """The short table printed last: each stream count, the raw ceilings, the target."""
+    args = setup.args
+    print()
+    print(f"KV transfer summary: {args.transport} on {args.device}, {where}, {args.tokens} tokens, "
+          f"{setup.bytes / 1e6:.1f} MB ({setup.src.bytes_per_token} B/token), chunk {args.chunk_mb:g} MiB, "
+          f"{args.io_threads} io threads, crc32 {CRC32_IMPLEMENTATION}"
+          + (", layer-wise" if args.layerwise else ""))
+    print(f"| {'what':<34} | {'best GB/s':>9} | {'median GB/s':>11} | {'best ms':>8} | {'vs ' + str(TARGET_GBPS) + ' GB/s':>11} |")
+    print(f"|{'-' * 36}|{'-' * 11}|{'-' * 13}|{'-' * 10}|{'-' * 13}|")
+
+    def row(label: str, seconds: list[float], verdict: bool) -> None:
+        best, median = min(seconds), sorted(seconds)[len(seconds) // 2]
+        rate = setup.bytes / best / 1e9
+        mark = ("met" if rate >= TARGET_GBPS else f"{rate / TARGET_GBPS:.2f}x") if verdict else ""
+        print(f"| {label:<34} | {rate:>9.3f} | {setup.bytes / median / 1e9:>11.3f} | {best * 1e3:>8.1f} | {mark:>11} |")
+
+    for streams, results in runs.items():
+        row(f"ours, {streams} stream(s)", results.seconds, args.transport == "grpc")
+    for streams, seconds in ceilings.items():
+        row(f"raw gRPC, {streams} connection(s)", seconds, False)
 
 
 def report(setup: Setup, results: Results, where: str) -> None:

@@ -91,10 +91,30 @@ class AuthToken(_message.Message):
     def __init__(self, timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., challenge: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class GrpcDestination(_message.Message):
-    __slots__ = ("max_chunk_bytes",)
+    __slots__ = ("max_chunk_bytes", "streams")
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     max_chunk_bytes: int
-    def __init__(self, max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    streams: int
+    def __init__(self, max_chunk_bytes: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
+
+class KVStreamMessage(_message.Message):
+    __slots__ = ("open", "credit")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    open: KVStreamOpen
+    credit: Credit
+    def __init__(self, open: _Optional[_Union[KVStreamOpen, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ...) -> None: ...
+
+class KVStreamOpen(_message.Message):
+    __slots__ = ("room", "index", "auth")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    index: int
+    auth: AuthToken
+    def __init__(self, room: _Optional[int] = ..., index: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class MooncakeDestination(_message.Message):
     __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol")
@@ -131,16 +151,18 @@ class TransferEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[_Union[HandshakeAck, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., failed: _Optional[_Union[TransferFailed, _Mapping]] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
-    __slots__ = ("protocol_version", "prefill_rid", "credit_window", "auth")
+    __slots__ = ("protocol_version", "prefill_rid", "credit_window", "kv_streams", "auth")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RID_FIELD_NUMBER: _ClassVar[int]
     CREDIT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAMS_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     prefill_rid: str
     credit_window: int
+    kv_streams: int
     auth: AuthToken
-    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., kv_streams: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "page_begin", "page_end", "data", "crc32")
@@ -159,13 +181,14 @@ class KVChunk(_message.Message):
     def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "auth")
+    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "stream_chunks", "auth")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
@@ -173,8 +196,9 @@ class TransferDone(_message.Message):
     cached_tokens: int
     bytes_sent: int
     generator_state: bytes
+    stream_chunks: _containers.RepeatedScalarFieldContainer[int]
     auth: AuthToken
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., stream_chunks: _Optional[_Iterable[int]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class TransferFailed(_message.Message):
     __slots__ = ("code", "reason")

@@ -44,6 +44,11 @@ class BootstrapStub:
                 request_serializer=bootstrap__pb2.AbortRoom.SerializeToString,
                 response_deserializer=bootstrap__pb2.AbortAck.FromString,
                 _registered_method=True)
+        self.KVStream = channel.stream_stream(
+                '/deepseek_pd.pd.v1.Bootstrap/KVStream',
+                request_serializer=bootstrap__pb2.KVStreamMessage.SerializeToString,
+                response_deserializer=bootstrap__pb2.TransferEvent.FromString,
+                _registered_method=True)
 
 
 class BootstrapServicer:
@@ -63,6 +68,14 @@ class BootstrapServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVStream(self, request_iterator, context):
+        """An extra KV stream of a room (see "Parallel KV streams"): KVStreamOpen first, then credits up;
+        that stream's KV chunks down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BootstrapServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_BootstrapServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=bootstrap__pb2.AbortRoom.FromString,
                     response_serializer=bootstrap__pb2.AbortAck.SerializeToString,
+            ),
+            'KVStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.KVStream,
+                    request_deserializer=bootstrap__pb2.KVStreamMessage.FromString,
+                    response_serializer=bootstrap__pb2.TransferEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class Bootstrap:
             '/deepseek_pd.pd.v1.Bootstrap/Abort',
             bootstrap__pb2.AbortRoom.SerializeToString,
             bootstrap__pb2.AbortAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/deepseek_pd.pd.v1.Bootstrap/KVStream',
+            bootstrap__pb2.KVStreamMessage.SerializeToString,
+            bootstrap__pb2.TransferEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,8 @@ The rules, each in one place:
 - KV pool: `--num-pages` or `--max-total-tokens` fix its size; otherwise on CUDA it is sized from
   `--mem-fraction-static` (default 0.88) of the GPU's memory after the weights load
   (model/kv_pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages.
-- identity: what GetServerInfo/GetLoads report, with the runner's page size.
+- identity: what GetServerInfo/GetLoads report, with the runner's page size and its KV pool's bytes
+  per token in the resolved dtype (`model.kv_pool.bytes_per_pool_page`, the pool's own rule).
 - layer-wise KV transfer (prefill): `SchedulerConfig.layerwise_transfer`, on by default (correct on every
   path: plain, TBO, any transport); `--engine-opt layerwise_transfer=false` sends per chunk instead.
 - KV protocol: `--kv-protocol rdma` (with `--kv-devices`, `--kv-tcp-fallback`) is checked against
@@ -31,6 +32,7 @@ from typing import Any
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.device import is_cuda, resolve_device
+from deepseek_pd.model.kv_pool import bytes_per_pool_page
 from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
 from deepseek_pd.model.model_dir import resolve_model_dir, served_name
 from deepseek_pd.model.runner import RunnerConfig
@@ -125,7 +127,8 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
             raise UserError(f"--engine-opt {name}: set by --ep/--deepep-mode (the group layout), not directly")
     runner_opts = {**opts["runner"], "ep_size": group.ep,
                    "dispatcher": group.dispatcher(deepep_available=_deepep_available())}
-    runner = _runner_config(flags, defaults, model_dir, runner_opts)
+    model_config = ModelConfig.from_hf(model_dir)
+    runner = _runner_config(flags, defaults, model_dir, model_config, runner_opts)
     scheduler_fields = dict(opts["scheduler"])
     if flags.chunked_prefill_size is not None:
         scheduler_fields["chunked_prefill_size"] = flags.chunked_prefill_size
@@ -143,13 +146,16 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
     except ValueError as exc:  # some configs raise ValueError rather than UserError
         raise UserError(str(exc)) from exc
     identity = WorkerIdentity(role=flags.role, kv_transport=flags.kv_transport, bootstrap_port=flags.bootstrap_port,
-                              page_size=runner.page_size, host=flags.host, port=flags.port)
+                              page_size=runner.page_size, host=flags.host, port=flags.port,
+                              kv_bytes_per_token=bytes_per_pool_page(model_config.num_hidden_layers, 1,
+                                                                     model_config.kv_cache_dim,
+                                                                     runner.resolve_dtype(model_config)))
     return ServeConfig(runner=runner, worker=worker, identity=identity, model=info,
                        server=ServerConfig(flags.host, flags.port, drain_timeout_s=flags.drain_timeout_s),
                        group=group, metrics=MetricsConfig(flags.metrics_host or flags.host, flags.metrics_port))
 
 
-def _runner_config(flags: ServeFlags, defaults: RoleDefaults, model_dir: Path,
+def _runner_config(flags: ServeFlags, defaults: RoleDefaults, model_dir: Path, model_config: ModelConfig,
                    options: dict[str, Any]) -> RunnerConfig:
     device = resolve_device(flags.device)
     fields: dict[str, Any] = {"model": str(model_dir), "device": device, "dtype": flags.dtype, **options}
@@ -159,7 +165,7 @@ def _runner_config(flags: ServeFlags, defaults: RoleDefaults, model_dir: Path,
     if options.get("cuda_graph") and not defaults.decodes:
         raise UserError(f"--engine-opt cuda_graph=true: the {flags.role} worker never decodes, so it has no "
                         f"CUDA graphs to capture (decode workers replay them by default on CUDA)")
-    return RunnerConfig.resolve(ModelConfig.from_hf(model_dir), graphs_by_default=defaults.decodes, **fields)
+    return RunnerConfig.resolve(model_config, graphs_by_default=defaults.decodes, **fields)
 
 
 def _pool_size(flags: ServeFlags, device: str, page_size: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from deepseek_pd.operator.pod_security import secure_container
 from deepseek_pd.operator.router_keys import build_control_plane_secret
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.workers.common.internal_auth import SECRET_FILE_ENV
-from deepseek_pd.workers.common.kv_transfer.base import TransferError
+from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.decode.prefill_peers import PrefillPeers
 
 pytestmark = pytest.mark.timeout(120)

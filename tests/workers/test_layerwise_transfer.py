@@ -61,8 +61,8 @@ def _trace_sends_and_last_layer(pair: PDPair, log: list[str]) -> None:
     last.ops = tuple(ops[:-1] + [slow_final])
     open_channel = pair.prefill.sender.open
 
-    def traced_open(handshake, emit):
-        channel = open_channel(handshake, emit)
+    def traced_open(handshake, emit, streams=1):
+        channel = open_channel(handshake, emit, streams)
         send = channel.send
 
         async def traced_send(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
@@ -107,12 +107,12 @@ def test_abort_during_a_layerwise_transfer_frees_both_pools():
             sending = asyncio.Event()
             open_channel = pair.prefill.sender.open
 
-            def slow_open(handshake, emit):
+            def slow_open(handshake, emit, streams=1):
                 async def slow_emit(chunk):
                     sending.set()
                     await asyncio.sleep(0.05)
                     await emit(chunk)
-                return open_channel(handshake, slow_emit)
+                return open_channel(handshake, slow_emit, streams)
             pair.prefill.sender.open = slow_open
             p_req, d_req = pair.requests(prompt, params, "victim")
             tasks = [asyncio.ensure_future(collect(pair.prefill, p_req)),

@@ -117,20 +117,20 @@ class Phase:
         if phase == "prefill_forward":  # abort while the model thread runs this request's forward
             extend = pair.prefill.runner.extend
 
-            def slow_extend(seqs, progress=None):
+            def slow_extend(seqs, **kwargs):  # progress= (layer-wise streaming) passes through
                 loop.call_soon_threadsafe(self.reached.set)
                 time.sleep(0.2)
-                return extend(seqs, progress)
+                return extend(seqs, **kwargs)
             pair.prefill.runner.extend = slow_extend
         elif phase == "transfer":  # abort while KV chunks are on the wire
             open_channel = pair.prefill.sender.open
 
-            def slow_open(handshake, emit):
+            def slow_open(handshake, emit, streams=1):
                 async def slow_emit(chunk):
                     self.reached.set()
                     await asyncio.sleep(0.05)
                     await emit(chunk)
-                return open_channel(handshake, slow_emit)
+                return open_channel(handshake, slow_emit, streams)
             pair.prefill.sender.open = slow_open
         self.phase = phase
 
@@ -254,12 +254,12 @@ def test_killing_the_prefill_bootstrap_mid_transfer_fails_decode_and_frees_pages
             started = asyncio.Event()
             original = pair.prefill.sender.open
 
-            def open_and_signal(handshake, emit):
+            def open_and_signal(handshake, emit, streams=1):
                 async def slow_emit(chunk):  # slow the stream so the kill lands mid-transfer
                     started.set()
                     await asyncio.sleep(0.05)
                     await emit(chunk)
-                return original(handshake, slow_emit)
+                return original(handshake, slow_emit, streams)
 
             pair.prefill.sender.open = open_and_signal
             tasks = [asyncio.ensure_future(collect(pair.prefill, p_req)),

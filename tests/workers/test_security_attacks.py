@@ -17,7 +17,8 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.common.api import DisaggParams, FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION
-from deepseek_pd.workers.common.kv_transfer import TransferError, build_receiver, build_sender
+from deepseek_pd.workers.common.kv_transfer import build_receiver, build_sender
+from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig, layout_of
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.workers.common.worker_config import BootstrapConfig

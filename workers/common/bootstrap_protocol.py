@@ -11,6 +11,7 @@ PROTOCOL_VERSION = 2  # 2: AuthToken on handshake, ack, done and abort
 # adds at most MESSAGE_ENVELOPE_BYTES around it; both ends size their gRPC message limits from these.
 MAX_CHUNK_BYTES = 64 << 20
 MESSAGE_ENVELOPE_BYTES = 64 << 10
+MAX_KV_STREAMS = 16  # parallel KV streams of one room (TransportConfig.grpc_streams)
 
 _TO_PB = {
     FailureCode.INVALID_ARGUMENT: pb.FAILURE_CODE_INVALID_ARGUMENT,
@@ -30,6 +31,12 @@ def code_to_pb(code: FailureCode) -> int:
 def code_from_pb(code: int) -> FailureCode:
     """Unknown (newer) codes map to INTERNAL rather than failing the failure path."""
     return _FROM_PB.get(code, FailureCode.INTERNAL)
+
+
+def kv_stream_count(offered: int, limit: int) -> int:
+    """KV streams of a room: the decode side's offer (0 from an older peer: 1), capped by the
+    prefill side's own `grpc_streams`. The prefill side decides it once, in its HandshakeAck."""
+    return max(1, min(offered or 1, limit, MAX_KV_STREAMS))
 
 
 def target(host: str, port: int) -> str:

@@ -42,7 +42,9 @@ class WorkerIdentity:
     """What GetServerInfo reports about this worker process (SGLang's server_args names).
 
     Built once by `serve` with the rest of the resolved config (`ServeConfig`); `page_size` is the
-    runner's KV page size, which turns the engine's page counts into the tokens GetLoads reports.
+    runner's KV page size, which turns the engine's page counts into the tokens GetLoads reports;
+    `kv_bytes_per_token` is its KV pool's latent bytes per token in the runtime dtype (a `--dtype`
+    that differs from the checkpoint's changes it), reported for `bench serving`; 0: unknown.
     """
 
     role: str  # "prefill" | "decode" | "colocated"
@@ -51,10 +53,13 @@ class WorkerIdentity:
     page_size: int = 1
     host: str = ""
     port: int = 0
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"WorkerIdentity.page_size must be >= 1, got {self.page_size}")
+        if self.kv_bytes_per_token < 0:
+            raise ValueError(f"WorkerIdentity.kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
 
 
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
@@ -209,6 +214,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         loads = self._engine.loads()
         scheduler_info = Struct()
         scheduler_info.update({"identity": asdict(ident), "kv_total_pages": loads.kv_total_pages})
+        if ident.kv_bytes_per_token:  # where deepseek_pd/loadgen/target_model.py looks for it
+            server_args.update({"kv_bytes_per_token": ident.kv_bytes_per_token})
+            scheduler_info.update({"kv_bytes_per_token": ident.kv_bytes_per_token})
         response = pb.GetServerInfoResponse(
             server_args=server_args,
             scheduler_info=scheduler_info,

@@ -7,13 +7,15 @@ reads the room's events in order (sequence numbers checked) and hands KV chunks 
 worker threads: the event loop, which also runs the decode scheduler, only parses the chunk
 header (`wire.decode_event`, no copy of the KV) while the checks and the pool writes run beside
 it, several chunks at once. Credit for more is granted every half window, for chunks already
-written (so memory stays bounded by the window). It returns the `TransferDone` (after every
-chunk is written) or raises `TransferError`:
+written (so memory stays bounded by the window). With parallel KV streams (the ack's
+`kv_streams` > 1) it also opens the room's extra streams, each on its own connection
+(decode/kv_streams.py). It returns the `TransferDone` (after every chunk of every stream is
+written) or raises a `RequestFailure` (workers/common/request_failure.py):
 
     unreachable for handshake_timeout_s          -> UNAVAILABLE
     no TransferDone within transfer_timeout_s    -> DEADLINE_EXCEEDED
     stream broken (prefill died)                 -> UNAVAILABLE
-    TransferFailed from prefill                  -> its code
+    TransferFailed from prefill                  -> its code (ABORTED: a RequestAborted)
     corrupted / missing chunk                    -> INTERNAL
     ack or done without a valid token            -> INTERNAL (not the deployment's prefill worker)
     address not a registered prefill worker      -> INVALID_ARGUMENT, before any connection
@@ -26,7 +28,6 @@ Cancelling the caller's task cancels the call, which the prefill side sees as "d
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 
@@ -37,9 +38,13 @@ from deepseek_pd.workers.common.api import DisaggParams, FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import (
     MAX_CHUNK_BYTES, MESSAGE_ENVELOPE_BYTES, PROTOCOL_VERSION, code_from_pb, target)
 from deepseek_pd.workers.common.internal_auth import AuthError
-from deepseek_pd.workers.common.kv_transfer.base import KVSink, TransferError
-from deepseek_pd.workers.common.kv_transfer.wire import ChunkEvent, decode_event
+from deepseek_pd.workers.common.kv_transfer.base import KVSink
+from deepseek_pd.workers.common.kv_transfer.wire import decode_event
+from deepseek_pd.workers.common.request_failure import (
+    RequestAborted, RequestFailure, TransferError, failure_for)
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.decode.chunk_ingest import ChunkIngest
+from deepseek_pd.workers.decode.kv_streams import KVStreamReader
 from deepseek_pd.workers.decode.prefill_peers import PrefillPeers
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,9 @@ class _BootstrapStub:
         self.Transfer = channel.stream_stream(
             "/deepseek_pd.pd.v1.Bootstrap/Transfer", request_serializer=pb.DecodeMessage.SerializeToString,
             response_deserializer=decode_event)
+        self.KVStream = channel.stream_stream(
+            "/deepseek_pd.pd.v1.Bootstrap/KVStream", request_serializer=pb.KVStreamMessage.SerializeToString,
+            response_deserializer=decode_event)
         self.Abort = channel.unary_unary(
             "/deepseek_pd.pd.v1.Bootstrap/Abort", request_serializer=pb.AbortRoom.SerializeToString,
             response_deserializer=pb.AbortAck.FromString)
@@ -76,13 +84,17 @@ class BootstrapClient:
         self.config = config
         self.identity = identity
         self.peers = PrefillPeers(config.prefill_peers)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
 
-    def _stub(self, params: DisaggParams) -> _BootstrapStub:
+    def _stub(self, params: DisaggParams, stream: int = 0) -> _BootstrapStub:
+        """Stream 0 (Transfer, Abort) shares one connection per prefill worker; extra KV stream i
+        gets a connection of its own, reused by the next room's stream i."""
         address = target(params.bootstrap_host, params.bootstrap_port)
-        channel = self._channels.get(address)
+        channel = self._channels.get((address, stream))
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            # A channel of its own subchannel pool opens its own connection.
+            options = _CHANNEL_OPTIONS + ([("grpc.use_local_subchannel_pool", 1)] if stream else [])
+            channel = self._channels[(address, stream)] = grpc.aio.insecure_channel(address, options=options)
         return _BootstrapStub(channel)
 
     async def transfer(self, params: DisaggParams, handshake: pb.Handshake, sink: KVSink) -> pb.TransferDone:
@@ -90,15 +102,42 @@ class BootstrapClient:
         handshake.room = params.bootstrap_room
         await self.peers.check(params.bootstrap_host, params.bootstrap_port)  # before any connection
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        call, window = await self._connect(params, handshake, deadline)
+        call, ack = await self._connect(params, handshake, deadline)
+        window = max(1, ack.credit_window)
         finished = False
+        readers: list[KVStreamReader] = []
         try:
-            done = await self._follow(call, window, sink, deadline, params, handshake.auth.nonce)
+            await self._open_kv_streams(params, handshake, ack, sink, window, deadline, readers)
+            done = await self._follow(call, window, sink, deadline, params, handshake.auth.nonce, readers)
             finished = True
             return done
         finally:
             if not finished:
                 call.cancel()
+                sink.fail(TransferError(FailureCode.UNAVAILABLE, f"transfer of room {params.bootstrap_room} failed"))
+            for reader in readers:  # the pages may be freed only once no write into them runs
+                await reader.close(cancel=not finished)
+
+    async def _open_kv_streams(self, params: DisaggParams, handshake: pb.Handshake, ack: pb.HandshakeAck,
+                               sink: KVSink, window: int, deadline: float, readers: list[KVStreamReader]) -> None:
+        """Opens the room's extra KV streams 1 .. kv_streams-1 (appended to `readers` as they open)."""
+        count = max(1, ack.kv_streams)
+        offered = max(1, handshake.grpc.streams) if handshake.WhichOneof("destination") == "grpc" else 1
+        if count > offered:
+            raise TransferError(FailureCode.INTERNAL, f"prefill announced {count} KV streams for room "
+                                f"{params.bootstrap_room}, decode offered {offered}")
+        address = target(params.bootstrap_host, params.bootstrap_port)
+        for index in range(1, count):
+            call = self._stub(params, index).KVStream(timeout=max(deadline - time.monotonic(), 0.001))
+            opening = pb.KVStreamOpen(room=params.bootstrap_room, index=index)
+            self.config.auth.sign(opening, "kvstream", self.identity, address,
+                                  f"room={params.bootstrap_room};index={index}", handshake.auth.nonce)
+            readers.append(KVStreamReader(call, index, sink, window, params.bootstrap_room))
+            try:
+                await call.write(pb.KVStreamMessage(open=opening))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+                raise TransferError(FailureCode.UNAVAILABLE, f"KV stream {index} of room "
+                                    f"{params.bootstrap_room} could not be opened: {exc!r}") from None
 
     async def _connect(self, params: DisaggParams, handshake: pb.Handshake, deadline: float):
         stub = self._stub(params)
@@ -145,11 +184,11 @@ class BootstrapClient:
                 call.cancel()
                 raise TransferError(FailureCode.INTERNAL, f"bootstrap {address} is not this deployment's "
                                     f"prefill worker: {exc}") from None
-            return call, max(1, first.accepted.credit_window)
+            return call, first.accepted
 
-    async def _follow(self, call, window: int, sink: KVSink, deadline: float,
-                      params: DisaggParams, challenge: bytes) -> pb.TransferDone:
-        ingest = _Ingest(sink, call, window)
+    async def _follow(self, call, window: int, sink: KVSink, deadline: float, params: DisaggParams,
+                      challenge: bytes, readers: list[KVStreamReader]) -> pb.TransferDone:
+        ingest = ChunkIngest(sink, call, window)
         read: asyncio.Future | None = None
         expected_seq = 1
         succeeded = False
@@ -164,8 +203,13 @@ class BootstrapClient:
                 if read is None:
                     read = asyncio.ensure_future(call.read())
                 # Wake for the next event, or for the oldest chunk's write (its credit may be what
-                # the prefill side waits for), or for the deadline.
-                await asyncio.wait({read} | ingest.oldest(), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                # the prefill side waits for), or for an extra KV stream's end, or for the deadline.
+                streams = {reader.task for reader in readers if not reader.task.done()}
+                await asyncio.wait({read} | ingest.oldest() | streams, timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for reader in readers:
+                    if (error := reader.failure()) is not None:
+                        raise sink.fail(error)
                 if not read.done():
                     continue
                 finished, read = read, None
@@ -194,6 +238,16 @@ class BootstrapClient:
                     except AuthError as exc:
                         raise sink.fail(TransferError(FailureCode.INTERNAL, f"TransferDone of room "
                                                       f"{params.bootstrap_room} refused: {exc}")) from None
+                    expected = list(event.done.stream_chunks)
+                    if len(expected) != len(readers):
+                        raise sink.fail(TransferError(FailureCode.INTERNAL, f"TransferDone of room "
+                                                      f"{params.bootstrap_room} counts {len(expected)} extra KV "
+                                                      f"streams, {len(readers)} are open"))
+                    for reader, count in zip(readers, expected):
+                        try:
+                            await reader.finish(count, deadline)
+                        except RequestFailure as exc:
+                            raise sink.fail(exc) from None
                     await ingest.drain()  # every chunk written before the completeness check
                     sink.check_complete(event.done)  # raising here cancels the call: prefill learns it
                     await _confirm_and_close(call, event.seq)
@@ -201,15 +255,15 @@ class BootstrapClient:
                     return event.done
                 elif kind == "failed":
                     await _half_close(call)
-                    raise sink.fail(TransferError(code_from_pb(event.failed.code),
-                                                  f"prefill: {event.failed.reason}", peer_knows=True))
+                    raise sink.fail(failure_for(code_from_pb(event.failed.code),
+                                                f"prefill: {event.failed.reason}", peer_knows=True))
                 else:
                     raise sink.fail(TransferError(FailureCode.INTERNAL, f"unexpected bootstrap event {kind!r}"))
         finally:
             if read is not None:
                 read.cancel()
             if not succeeded:
-                sink.fail(TransferError(FailureCode.ABORTED, f"transfer of room {params.bootstrap_room} ended"))
+                sink.fail(RequestAborted(f"transfer of room {params.bootstrap_room} ended"))
             await ingest.settle()  # the pages may be freed only once no write into them is running
 
     async def abort(self, params: DisaggParams, reason: str, timeout_s: float = 1.0) -> None:
@@ -229,61 +283,6 @@ class BootstrapClient:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
-
-
-class _Ingest:
-    """Chunk writes in flight in the sink's threads, in stream order, and the credits they earn."""
-
-    def __init__(self, sink: KVSink, call, window: int) -> None:
-        self.sink = sink
-        self.call = call
-        self.every = max(1, window // 2)
-        self.credited = 0
-        self._pending: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
-
-    def start(self, seq: int, chunk: ChunkEvent) -> None:
-        loop = asyncio.get_running_loop()
-        if self.sink.executor is None:
-            self.sink.on_chunk(chunk)  # refused at once (transports that carry no chunks)
-            future: asyncio.Future = loop.create_future()
-            future.set_result(None)
-        else:
-            future = loop.run_in_executor(self.sink.executor, self.sink.on_chunk, chunk)
-        self._pending.append((seq, future))
-
-    def oldest(self) -> set[asyncio.Future]:
-        return {self._pending[0][1]} if self._pending else set()
-
-    async def credit_written(self) -> None:
-        """Credits the written prefix of the stream; raises the first failed write's error."""
-        written = None
-        while self._pending and self._pending[0][1].done():
-            seq, future = self._pending.popleft()
-            future.result()
-            written = seq
-        if written is not None and written - self.credited >= self.every:
-            self.credited = written
-            try:
-                await self.call.write(pb.DecodeMessage(credit=pb.Credit(received_seq=written)))
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError):
-                pass  # the stream is broken; the next read reports it
-
-    async def drain(self) -> None:
-        """Waits for every write; raises the first failure in stream order."""
-        while self._pending:
-            seq, future = self._pending.popleft()
-            await asyncio.wait({future})
-            future.result()
-
-    async def settle(self) -> None:
-        """Waits for the writes still running (after a failure they end quickly: the sink is failed)."""
-        futures = {future for _, future in self._pending}
-        self._pending.clear()
-        if futures:
-            await asyncio.wait(futures)
-            for future in futures:  # retrieved, so asyncio does not log them as never retrieved
-                if not future.cancelled():
-                    future.exception()
 
 
 async def _half_close(call) -> None:

@@ -36,9 +36,10 @@ from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.extend_step import run_extend
-from deepseek_pd.workers.common.kv_transfer import TransferError, build_receiver
+from deepseek_pd.workers.common.kv_transfer import build_receiver
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.model_thread import ModelThread
+from deepseek_pd.workers.common.request_failure import RequestAborted, RequestFailure
 from deepseek_pd.workers.common.request_watch import Interrupted, unless
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
@@ -160,7 +161,7 @@ class DecodeEngine:
                                                             prompt_len, state.reservation.pages[:prompt_pages],
                                                             model_config.vocab_size))
                     self.metrics.observe_kv_transfer(transport, done.bytes_sent, time.perf_counter() - began)
-                except TransferError as exc:
+                except RequestFailure as exc:  # an abort too: a one-sided write may still be landing
                     self.metrics.count_kv_transfer_failure(transport, exc.code.value)
                     state.transfer_failed = True
                     transfer_done = exc.peer_knows  # nothing to tell the prefill side then
@@ -183,7 +184,7 @@ class DecodeEngine:
                     terminal = event
                     break
                 yield event
-        except TransferError as exc:
+        except RequestFailure as exc:
             terminal = Failed(exc.code, exc.message)
         except Exception as exc:
             log.exception("decode request %s failed", request.rid)
@@ -225,7 +226,7 @@ class DecodeEngine:
         try:
             return await unless(awaitable, state.aborted)
         except Interrupted:
-            raise TransferError(FailureCode.ABORTED, state.aborted.result()) from None
+            raise RequestAborted(state.aborted.result()) from None
 
     def _accept(self, state: _Request, token: int, logprob: float) -> None:
         """Records a collected token, streams it, and ends the request if it stops here."""
@@ -391,7 +392,7 @@ class DecodeEngine:
             if needed > 0:
                 try:
                     self.budget.grow(state.reservation, needed)
-                except TransferError as exc:
+                except RequestFailure as exc:  # AdmissionRefused: the pool is full
                     self._running.remove(state)
                     self._fail(state, exc.code, exc.message)
                     continue

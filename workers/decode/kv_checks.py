@@ -27,7 +27,7 @@ import torch
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer.base import TransferError
+from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.common.kv_transfer.page_io import page_index, side_stream
 
 

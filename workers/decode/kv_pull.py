@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggParams, rid: str,
                   num_tokens: int, pages: Sequence[int], vocab_size: int | None = None) -> pb.TransferDone:
-    """Gets the prompt's KV into `pages` (already allocated) and checks it; raises TransferError.
+    """Gets the prompt's KV into `pages` (already allocated) and checks it; raises a RequestFailure.
     `vocab_size`: the first token must be below it (the engine always passes it)."""
     handshake = pb.Handshake(decode_rid=rid, num_tokens=num_tokens, page_ids=list(pages),
                              layout=layout_of(receiver.pool))

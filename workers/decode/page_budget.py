@@ -17,8 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer import TransferError
+from deepseek_pd.workers.common.request_failure import AdmissionRefused
 
 
 @dataclass(eq=False)
@@ -46,9 +45,8 @@ class PageBudget:
     async def admit(self, now_pages: int, reserve_pages: int) -> Reservation:
         total = now_pages + reserve_pages
         if total > self.capacity:
-            raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
-                                f"request needs {total} KV pages ({now_pages} for the prompt, {reserve_pages} "
-                                f"reserved for decoding), the pool has {self.capacity} usable")
+            raise AdmissionRefused(f"request needs {total} KV pages ({now_pages} for the prompt, {reserve_pages} "
+                                   f"reserved for decoding), the pool has {self.capacity} usable")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.admission_timeout_s
         ticket = object()
@@ -58,9 +56,8 @@ class PageBudget:
             while self._waiters[0] is not ticket or self.admissible < total:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
-                                        f"no room for {total} KV pages within {self.admission_timeout_s}s "
-                                        f"({self.pool.num_free_pages} free, {self.reserved} reserved)")
+                    raise AdmissionRefused(f"no room for {total} KV pages within {self.admission_timeout_s}s "
+                                           f"({self.pool.num_free_pages} free, {self.reserved} reserved)")
                 self._changed.clear()
                 try:
                     await asyncio.wait_for(self._changed.wait(), remaining)
@@ -77,8 +74,7 @@ class PageBudget:
         from_reserve = min(num_pages, reservation.reserved)
         extra = num_pages - from_reserve
         if extra > self.admissible:
-            raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
-                                f"KV pool full: the request outgrew its {len(reservation.pages)} pages")
+            raise AdmissionRefused(f"KV pool full: the request outgrew its {len(reservation.pages)} pages")
         reservation.pages += self.pool.alloc(num_pages)
         reservation.reserved -= from_reserve
         self.reserved -= from_reserve

@@ -30,7 +30,7 @@ import time
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer.base import TransferError
+from deepseek_pd.workers.common.request_failure import TransferError
 
 
 def parse_peer(entry: str) -> tuple[str, int]:

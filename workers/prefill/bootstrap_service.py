@@ -12,7 +12,8 @@ overtakes queued chunks. If the decode side goes away (stream cancelled, connect
 `peer_gone` fires and the prefill engine fails its request with UNAVAILABLE or ABORTED.
 
 The pieces: `room.py` (one room and its `TransferPhase`s), `room_registry.py` (claims, handshakes,
-tombstones), `bootstrap_servicer.py` (the `Transfer` stream); this module hosts them on the port.
+tombstones), `bootstrap_servicer.py` (the `Transfer` stream and a room's extra `KVStream`s); this
+module hosts them on the port.
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def _handlers(servicer: BootstrapServicer) -> grpc.GenericRpcHandler:
         "Transfer": grpc.stream_stream_rpc_method_handler(
             servicer.Transfer, request_deserializer=pb.DecodeMessage.FromString,
             response_serializer=serialize_event),
+        "KVStream": grpc.stream_stream_rpc_method_handler(
+            servicer.KVStream, request_deserializer=pb.KVStreamMessage.FromString,
+            response_serializer=serialize_event),
         "Abort": grpc.unary_unary_rpc_method_handler(
             servicer.Abort, request_deserializer=pb.AbortRoom.FromString,
             response_serializer=pb.AbortAck.SerializeToString),
@@ -51,8 +55,9 @@ class BootstrapServer:
     """The gRPC server that hosts `BootstrapServicer` on the bootstrap port."""
 
     def __init__(self, registry: RoomRegistry, config: BootstrapConfig, max_message_bytes: int,
-                 advertise_host: str = "") -> None:
-        """`advertise_host`: the address decode workers dial (tokens must name it or `config.host`)."""
+                 advertise_host: str = "", kv_streams: int = 1) -> None:
+        """`advertise_host`: the address decode workers dial (tokens must name it or `config.host`);
+        `kv_streams`: the most parallel KV streams per room (grpc transport's `grpc_streams`)."""
         self.registry = registry
         self.config = config
         # Chunks are capped at TransportConfig.max_chunk_bytes; leave headroom for the envelope.
@@ -63,7 +68,7 @@ class BootstrapServer:
         wildcard = config.host in ("0.0.0.0", "::", "")
         hosts = tuple(h for h in {config.host, advertise_host} if h) if not wildcard else (
             (advertise_host,) if advertise_host else ())
-        servicer = BootstrapServicer(registry, hosts)
+        servicer = BootstrapServicer(registry, hosts, kv_streams)
         self.server.add_generic_rpc_handlers((_handlers(servicer),))
         try:  # grpc raises RuntimeError on a busy port (older versions returned 0)
             self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")

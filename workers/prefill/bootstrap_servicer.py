@@ -7,6 +7,12 @@ each only within the decode side's credit window, then one terminal event. A fai
 queued chunks. The decode side's Credit for the TransferDone's seq, then its half-close, is its
 confirmation; anything else (cancel, broken connection, no confirmation) fails the room.
 
+Parallel KV streams (grpc): the ack says how many the room uses (`kv_stream_count` of decode's
+offer and this worker's `grpc_streams`); each extra one arrives as a `KVStream` call that names
+the room and its index, signed and bound to the handshake's nonce. It forwards that stream's
+queue (its own seqs and credits) up to the end marker `Room.finish` puts there, then waits for
+decode's half-close; a KV stream that ends any other way fails the room.
+
 Authentication (workers/common/internal_auth.py): a Handshake or AbortRoom without a valid token
 of the deployment secret, addressed to this worker, fresh and never seen before, is refused with
 UNAUTHENTICATED before it touches any room, so a peer without the secret can neither read a room's
@@ -23,20 +29,22 @@ import grpc
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION, code_to_pb
+from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION, code_to_pb, kv_stream_count
 from deepseek_pd.workers.common.internal_auth import AuthError, ReplayGuard
-from deepseek_pd.workers.common.kv_transfer.base import TransferError
 from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
+from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.prefill.room import Room
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 
 log = logging.getLogger(__name__)
 
 class BootstrapServicer(pb_grpc.BootstrapServicer):
-    def __init__(self, registry: RoomRegistry, hosts: tuple[str, ...] = ()) -> None:
+    def __init__(self, registry: RoomRegistry, hosts: tuple[str, ...] = (), kv_streams: int = 1) -> None:
         """`hosts`: the addresses peers may dial this worker at (tokens must be addressed to one of
-        them and to `port`, set once the server is bound); empty: any host, the port still counts."""
+        them and to `port`, set once the server is bound); empty: any host, the port still counts.
+        `kv_streams`: the most parallel KV streams a room may use (TransportConfig.grpc_streams)."""
         self.registry = registry
+        self.kv_streams = kv_streams
         self.auth = registry.config.auth
         self.hosts = {host.lower() for host in hosts}
         self.port = 0
@@ -46,9 +54,9 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
     def identity(self) -> str:
         return f"prefill@{next(iter(sorted(self.hosts)), '*')}:{self.port}"
 
-    def _check(self, message, purpose: str) -> pb.AuthToken:
+    def _check(self, message, purpose: str, context: str = "", challenge: bytes | None = None) -> pb.AuthToken:
         """The message's token is valid and meant for this worker; raises AuthError."""
-        token = self.auth.verify(message, purpose, guard=self.guard)
+        token = self.auth.verify(message, purpose, context, challenge, guard=self.guard)
         if self.auth.enabled:
             host, _, port = token.receiver.rpartition(":")
             host = host.removeprefix("[").removesuffix("]").lower()
@@ -79,13 +87,16 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             room = self.registry.attach(request)
         except TransferError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, exc.message)
+        offered = request.grpc.streams if request.WhichOneof("destination") == "grpc" else 1
+        room.open_kv_streams(kv_stream_count(offered, self.kv_streams))
         window = self.registry.config.event_queue_depth
         credits = _Credits()
         credit_task = asyncio.create_task(credits.follow(request_iterator))
         seq = 0
         delivered_terminal = delivered_done = False
         try:
-            ack = pb.HandshakeAck(protocol_version=PROTOCOL_VERSION, credit_window=window)
+            ack = pb.HandshakeAck(protocol_version=PROTOCOL_VERSION, credit_window=window,
+                                  kv_streams=room.kv_streams)
             self.auth.sign(ack, "ack", self.identity, token.sender, f"room={request.room}", token.nonce)
             yield pb.TransferEvent(seq=seq, accepted=ack)
             try:
@@ -160,6 +171,65 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             return pb.TransferEvent(failed=room.failure.result())
         return get.result()
 
+    async def KVStream(self, request_iterator: AsyncIterator[pb.KVStreamMessage],
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[EncodedChunk]:
+        """One extra KV stream of a room (see the module doc)."""
+        first = await _first_message(request_iterator, self.registry.config.handshake_timeout_s)
+        if first is None or first.WhichOneof("message") != "open":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first KVStream message must be a KVStreamOpen")
+        opening = first.open
+        room = self.registry.get(opening.room)
+        if room is None or not room.handshake.done():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV stream {opening.index} for room {opening.room}, which has no handshake")
+        try:
+            self._check(opening, "kvstream", f"room={opening.room};index={opening.index}",
+                        challenge=room.handshake.result().auth.nonce)
+        except AuthError as exc:
+            log.warning("refused KV stream %d of room %d from %s: %s", opening.index, opening.room,
+                        context.peer(), exc)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        if not 1 <= opening.index < room.kv_streams or room.stream_attached[opening.index - 1]:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"room {opening.room} has KV streams 1..{room.kv_streams - 1}, and "
+                                f"{opening.index} is not one of them or is already open")
+        index = opening.index
+        room.stream_attached[index - 1] = True
+        queue = room.stream_events[index - 1]
+        window = self.registry.config.event_queue_depth
+        credits = _Credits()
+        credit_task = asyncio.create_task(credits.follow(request_iterator))
+        seq, clean = 0, False
+        try:
+            while True:
+                try:
+                    chunk = await _next_chunk(queue, room, credit_task)
+                except _StreamClosed:
+                    break
+                if chunk is None:  # the end marker, or the room failed (its Transfer stream tells)
+                    clean = True
+                    break
+                seq += 1
+                if chunk.seq != seq:
+                    room.fail(FailureCode.INTERNAL, f"KV chunk {chunk.seq} emitted as event {seq} of stream {index}")
+                    clean = True
+                    break
+                if not await credits.wait_for(seq - window, room):
+                    break  # decode went away while we waited for credit
+                if room.failure.done():
+                    clean = True
+                    break
+                yield chunk
+            if clean and not room.failure.done():
+                # As on the Transfer stream: end only after decode's half-close, or gRPC core may
+                # fail the call before the last chunk is flushed.
+                await asyncio.wait({credit_task}, timeout=_HALF_CLOSE_WAIT_S)
+        finally:
+            if not clean:
+                room.mark_peer_gone(FailureCode.UNAVAILABLE,
+                                    f"decode side closed KV stream {index} of room {opening.room}")
+            credit_task.cancel()
+
     async def Abort(self, request: pb.AbortRoom, context: grpc.aio.ServicerContext) -> pb.AbortAck:
         try:
             self._check(request, "abort")
@@ -174,6 +244,28 @@ async def _first_message(requests: AsyncIterator[pb.DecodeMessage], timeout_s: f
         return await asyncio.wait_for(requests.__anext__(), timeout_s)
     except (StopAsyncIteration, asyncio.TimeoutError):
         return None
+
+
+async def _next_chunk(queue: asyncio.Queue, room: Room, credit_task: asyncio.Task) -> EncodedChunk | None:
+    """The next chunk of an extra KV stream; None at its end marker or once the room failed (or
+    decode left it); raises _StreamClosed when decode ended this stream (its credits) first."""
+    if not queue.empty() and not room.failure.done():
+        return queue.get_nowait()
+    get = asyncio.ensure_future(queue.get())
+    try:
+        await asyncio.wait({get, room.failure, room.peer_gone, credit_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not get.done():
+            get.cancel()
+    if get.done() and not get.cancelled() and not room.failure.done():
+        return get.result()
+    if room.failure.done() or room.peer_gone.done():
+        return None
+    raise _StreamClosed
+
+
+class _StreamClosed(Exception):
+    """The decode side ended an extra KV stream before its end marker."""
 
 
 class _Credits:

@@ -33,10 +33,11 @@ from deepseek_pd.model.sampling import Sampler, SamplingState
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
-from deepseek_pd.workers.common.kv_transfer import TransferError, build_sender
+from deepseek_pd.workers.common.kv_transfer import build_sender
 from deepseek_pd.workers.common.extend_step import run_extend
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.model_thread import ModelThread
+from deepseek_pd.workers.common.request_failure import AdmissionRefused, RequestFailure, failure_for
 from deepseek_pd.workers.common.request_watch import Interrupted, unless
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
@@ -92,8 +93,10 @@ class PrefillEngine:
     async def start(self) -> None:
         self.registry = RoomRegistry(self.config.bootstrap)
         self.sender = build_sender(self.config.kv_transport, self.pool, self.config.transport)
-        self.server = BootstrapServer(self.registry, self.config.bootstrap, self.config.transport.max_chunk_bytes,
-                                      self.config.transport.advertise_host)
+        transport = self.config.transport
+        self.server = BootstrapServer(self.registry, self.config.bootstrap, transport.max_chunk_bytes,
+                                      transport.advertise_host,
+                                      kv_streams=transport.grpc_streams if self.config.kv_transport == "grpc" else 1)
         await self.server.start()
         self._loop_task = asyncio.create_task(self._schedule_loop(), name="prefill-scheduler")
         log.info("prefill engine: KV transport %s, %d bytes of latent KV per token (%d layers x %d x %d B)",
@@ -136,7 +139,7 @@ class PrefillEngine:
         try:
             push = KVPush(self.registry, self.sender, request.disagg.bootstrap_room, request.rid,
                           len(request.input_ids))
-        except TransferError as exc:
+        except RequestFailure as exc:
             yield Failed(exc.code, exc.message)
             return
         state = _Request(request, push, SamplingState.create(
@@ -148,8 +151,7 @@ class PrefillEngine:
             self._waiting.append(state)
             self._wakeup.set()
             await self._watch(state, asyncio.wait_for(asyncio.shield(state.admitted),
-                                                      self.config.scheduler.admission_timeout_s),
-                              timeout_code=FailureCode.RESOURCE_EXHAUSTED)
+                                                      self.config.scheduler.admission_timeout_s))
             token, logprob = await self._watch(state, asyncio.shield(state.first_token))
             # Seeded draws depend only on (seed, step): decode continues at step 1 with no state from here.
             await self._watch(state, push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0))
@@ -158,7 +160,7 @@ class PrefillEngine:
             cached = state.hit.num_tokens if state.hit else 0
             outcome: list[Event] = [TokenChunk((token,), (logprob,) if request.return_logprob else ()),
                                     Finished("length", len(request.input_ids), 1, cached_tokens=cached)]
-        except TransferError as exc:
+        except RequestFailure as exc:
             push.fail(exc.code, exc.message)
             outcome = [Failed(exc.code, exc.message)]
         except Exception as exc:  # a bug must still end the request once and free its pages
@@ -189,19 +191,20 @@ class PrefillEngine:
         return self._loop_task is not None and not self._loop_task.done()
 
     # ---- internals -------------------------------------------------------------------------
-    async def _watch(self, state: _Request, awaitable, timeout_code: FailureCode = FailureCode.DEADLINE_EXCEEDED):
-        """Awaits `awaitable` unless the room fails first (decode gone, abort): then raises that."""
+    async def _watch(self, state: _Request, awaitable):
+        """Awaits `awaitable` unless the room fails first (decode gone, abort): then raises that.
+        The one `wait_for` given here is admission's, so its timeout is an `AdmissionRefused`."""
         room = state.push.room
         try:
             return await unless(awaitable, room.peer_gone, room.failure)
         except Interrupted:
             if room.peer_gone.done():
-                raise TransferError(*room.peer_gone.result()) from None
+                raise failure_for(*room.peer_gone.result()) from None
             failure = room.failure.result()
-            raise TransferError(code_from_pb(failure.code), failure.reason) from None
+            raise failure_for(code_from_pb(failure.code), failure.reason) from None
         except asyncio.TimeoutError:
-            raise TransferError(timeout_code, f"request {state.rid}: no KV pages within "
-                                f"{self.config.scheduler.admission_timeout_s}s") from None
+            raise AdmissionRefused(f"request {state.rid}: no KV pages within "
+                                   f"{self.config.scheduler.admission_timeout_s}s") from None
 
     def _end(self, state: _Request) -> None:
         state.ended = True
@@ -238,8 +241,7 @@ class PrefillEngine:
             need_total = self.pool.pages_for_tokens(len(ids))
             if need_total > self.usable_pages:
                 self._waiting.pop(0)
-                state.admitted.set_exception(TransferError(
-                    FailureCode.RESOURCE_EXHAUSTED,
+                state.admitted.set_exception(AdmissionRefused(
                     f"prompt of {len(ids)} tokens needs {need_total} KV pages, "
                     f"the pool has {self.usable_pages} usable"))
                 continue
@@ -313,7 +315,7 @@ class PrefillEngine:
                 if error is not None:
                     state.push.fail(FailureCode.INTERNAL, f"prefill forward failed: {error!r}")
                     if not state.first_token.done():
-                        state.first_token.set_exception(TransferError(FailureCode.INTERNAL, repr(error)))
+                        state.first_token.set_exception(RequestFailure(FailureCode.INTERNAL, repr(error)))
                     continue
                 state.progress.computed += len(seq.token_ids)
                 # Layer-wise, every layer went out during the forward and this finds nothing left.

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer import KVSender, SendChannel, SendPlan, TransferError
+from deepseek_pd.workers.common.kv_transfer import KVSender, SendChannel, SendPlan
+from deepseek_pd.workers.common.request_failure import RequestFailure, TransferError, failure_for
 from deepseek_pd.workers.prefill.room import Room
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 
@@ -77,7 +78,7 @@ class KVPush:
         self._queue: collections.deque[_Send | None] = collections.deque()  # None: no more sends
         self._queued = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._error: TransferError | None = None
+        self._error: RequestFailure | None = None
         self._started = time.monotonic()
         self._send_seconds = 0.0  # time spent inside channel.send: the transfer's own rate
         self._num_sends = 0
@@ -91,8 +92,8 @@ class KVPush:
                                     f"decode prepared {handshake.num_tokens} tokens in {len(handshake.page_ids)} "
                                     f"pages, prefill has a {self.num_tokens}-token prompt "
                                     f"({self.plan.num_pages} pages)")
-            self.channel = self.sender.open(handshake, self.room.emit_chunk)
-        except TransferError as exc:  # the decode side gets the same reason
+            self.channel = self.sender.open(handshake, self.room.emit_chunk, streams=self.room.kv_streams)
+        except RequestFailure as exc:  # the decode side gets the same reason
             self.room.fail(exc.code, exc.message)
             raise
         self.room.start_streaming()
@@ -100,9 +101,9 @@ class KVPush:
         return handshake
 
     @property
-    def failed(self) -> TransferError | None:
+    def failed(self) -> RequestFailure | None:
         if self._error is None and self.room.peer_gone.done():
-            return TransferError(*self.room.peer_gone.result())
+            return failure_for(*self.room.peer_gone.result())
         return self._error
 
     def pages_ready(self, computed_tokens: int, pages: Sequence[int]) -> None:
@@ -162,7 +163,7 @@ class KVPush:
                     await self.channel.send(item.src_pages, item.page_begin, item.layers.start,
                                             item.layers.stop, item.ready)
                 self._send_seconds += time.monotonic() - began
-            except TransferError as exc:
+            except RequestFailure as exc:
                 self._error = exc
                 self.room.fail(exc.code, exc.message)
             except Exception as exc:  # a transport bug must still end both sides cleanly

@@ -3,7 +3,9 @@
 The prefill engine and the decode side's `Transfer` stream each hold the same `Room`: the engine
 waits on it for the handshake and pushes KV chunks and the TransferDone into it; the servicer
 forwards them down the stream and reports the decode side's departure (`peer_gone`) and its
-confirmation (`delivered`).
+confirmation (`delivered`). With parallel KV streams (grpc, `kv_streams` > 1) each extra stream
+has its own queue (`stream_events`); a chunk goes to the queue of its `stream`, and `finish`
+closes them (None) and tells decode how many chunks each carried.
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import enum
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb, code_to_pb
-from deepseek_pd.workers.common.kv_transfer.base import TransferError
 from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
+from deepseek_pd.workers.common.request_failure import TransferError, failure_for
+
 
 class TransferPhase(enum.Enum):
     """Where a room's transfer stands. Every allowed step is in `_NEXT`, nowhere else:
@@ -62,6 +65,10 @@ class Room:
         self.peer_gone: asyncio.Future[tuple[FailureCode, str]] = loop.create_future()
         self.failure: asyncio.Future[pb.TransferFailed] = loop.create_future()
         self.events: asyncio.Queue[pb.TransferEvent | EncodedChunk] = asyncio.Queue(maxsize=queue_depth)
+        self.kv_streams = 1  # decided with the HandshakeAck (open_kv_streams)
+        self.stream_events: list[asyncio.Queue[EncodedChunk | None]] = []  # streams 1 .. kv_streams-1
+        self.stream_attached: list[bool] = []
+        self._stream_chunks: list[int] = [0]  # chunks queued per stream
         # True once the decode side confirmed (a Credit for its seq) that it accepted TransferDone.
         self.delivered: asyncio.Future[bool] = loop.create_future()
         # Kept after its request ended so the other side's late arrival fails at once; expires.
@@ -87,13 +94,19 @@ class Room:
         if self.phase is TransferPhase.HANDSHAKE and self.claimed.done() and self.handshake.done():
             self.advance(TransferPhase.ACCEPTED)
 
+    def open_kv_streams(self, count: int) -> None:
+        """The servicer's choice for this room, before its HandshakeAck: `count` KV streams."""
+        self.kv_streams = count
+        self.stream_events = [asyncio.Queue(maxsize=self.events.maxsize) for _ in range(count - 1)]
+        self.stream_attached = [False] * (count - 1)
+        self._stream_chunks = [0] * count
+
     # ---- prefill engine side ----------------------------------------------------------------
     async def wait_handshake(self, timeout_s: float) -> pb.Handshake:
         done, _ = await asyncio.wait({self.handshake, self.peer_gone}, timeout=timeout_s,
                                      return_when=asyncio.FIRST_COMPLETED)
         if self.peer_gone in done:
-            code, reason = self.peer_gone.result()
-            raise TransferError(code, reason)
+            raise failure_for(*self.peer_gone.result())
         if not done:
             raise TransferError(FailureCode.DEADLINE_EXCEEDED,
                                 f"no decode handshake for bootstrap room {self.room_id} within {timeout_s}s")
@@ -106,12 +119,20 @@ class Room:
     async def emit_chunk(self, chunk: EncodedChunk) -> None:
         """Queues an encoded KV chunk, waiting for room (flow control); raises if decode has gone
         or the room failed (its stream forwards nothing more, so waiting for room would hang)."""
-        await self._put(chunk, stop_on_failure=True)
+        if not 0 <= chunk.stream < self.kv_streams:
+            raise TransferError(FailureCode.INTERNAL, f"KV chunk for stream {chunk.stream} of room {self.room_id}, "
+                                f"which has {self.kv_streams}")
+        queue = self.events if chunk.stream == 0 else self.stream_events[chunk.stream - 1]
+        await self._put(chunk, stop_on_failure=True, queue=queue)
+        self._stream_chunks[chunk.stream] += 1
 
     async def finish(self, done: pb.TransferDone, timeout_s: float) -> None:
         """Sends TransferDone after every queued chunk; returns once the decode side confirmed it
-        (so success here means decode holds all the KV), raises TransferError otherwise."""
+        (so success here means decode holds all the KV), raises a RequestFailure otherwise."""
         give_up = asyncio.get_running_loop().time() + timeout_s
+        for queue in self.stream_events:  # each extra KV stream ends after its last chunk
+            await self._put(None, timeout_s, queue=queue)
+        done.stream_chunks[:] = self._stream_chunks[1:]
         # Bounded too: behind a full queue of a decode side that went silent, this waited forever.
         await self._put(pb.TransferEvent(done=done), timeout_s)
         self.advance(TransferPhase.CONFIRMING)
@@ -123,7 +144,7 @@ class Room:
             return
         self.advance(TransferPhase.FAILED)
         if self.peer_gone.done():
-            raise TransferError(*self.peer_gone.result())
+            raise failure_for(*self.peer_gone.result())
         raise TransferError(FailureCode.DEADLINE_EXCEEDED,
                             f"decode side did not confirm the transfer of room {self.room_id} within {timeout_s}s")
 
@@ -134,20 +155,20 @@ class Room:
             self.failure.set_result(pb.TransferFailed(code=code_to_pb(code), reason=reason))
         self.advance(TransferPhase.FAILED)
 
-    async def _put(self, event: pb.TransferEvent | EncodedChunk, timeout_s: float | None = None,
-                   stop_on_failure: bool = False) -> None:
+    async def _put(self, event: pb.TransferEvent | EncodedChunk | None, timeout_s: float | None = None,
+                   stop_on_failure: bool = False, queue: asyncio.Queue | None = None) -> None:
         stops = {self.peer_gone, self.failure} if stop_on_failure else {self.peer_gone}
         if not any(stop.done() for stop in stops):
-            put = asyncio.ensure_future(self.events.put(event))
+            put = asyncio.ensure_future((self.events if queue is None else queue).put(event))
             await asyncio.wait({put, *stops}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if put.done():
                 return
             put.cancel()
         if self.peer_gone.done():
-            raise TransferError(*self.peer_gone.result())
+            raise failure_for(*self.peer_gone.result())
         if stop_on_failure and self.failure.done():
             failure = self.failure.result()
-            raise TransferError(code_from_pb(failure.code), failure.reason)
+            raise failure_for(code_from_pb(failure.code), failure.reason)
         raise TransferError(FailureCode.DEADLINE_EXCEEDED, f"decode side of room {self.room_id} "
                             f"accepted no event within {timeout_s}s")
 

@@ -11,7 +11,7 @@ import asyncio
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer.base import TransferError
+from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.prefill.room import Room
 

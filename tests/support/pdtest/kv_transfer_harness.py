@@ -66,6 +66,7 @@ class Exchange:
                                                 transfer_timeout_s=20))
     layerwise: bool = False
     seed: int = 0
+    decode_transport_config: TransportConfig | None = None  # None: transport_config
 
 
 def layer_groups(rng: random.Random, num_layers: int) -> list[range]:
@@ -94,10 +95,12 @@ async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode
     `sinks`, if given, receives the decode side's sink (to check it is marked failed).
     """
     registry = RoomRegistry(exchange.bootstrap_config)
-    server = BootstrapServer(registry, exchange.bootstrap_config, exchange.transport_config.max_chunk_bytes)
+    server = BootstrapServer(registry, exchange.bootstrap_config, exchange.transport_config.max_chunk_bytes,
+                             kv_streams=exchange.transport_config.grpc_streams)
     await server.start()
     sender = build_sender(exchange.transport, exchange.src.pool, exchange.transport_config)
-    receiver = build_receiver(exchange.transport, exchange.dst.pool, exchange.transport_config)
+    receiver = build_receiver(exchange.transport, exchange.dst.pool,
+                              exchange.decode_transport_config or exchange.transport_config)
     client = BootstrapClient(exchange.bootstrap_config)
     params = DisaggParams("127.0.0.1", server.port, room)
     if sinks is not None:

@@ -10,8 +10,10 @@ import pytest
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import DisaggParams, FailureCode
-from deepseek_pd.workers.common.kv_transfer import TransferError, TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.common.request_failure import RequestAborted, TransferError
 from deepseek_pd.workers.common.kv_transfer.base import layout_of
+from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, encode_chunk_event
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
@@ -197,7 +199,7 @@ def test_abort_before_the_prefill_request_arrives_fails_it_at_once():
             await client.abort(DisaggParams("127.0.0.1", prefill.server.port, 31), "client went away")
             push = KVPush(prefill.registry, prefill.sender, 31, "late", 4)
             start = time.monotonic()
-            with pytest.raises(TransferError) as error:
+            with pytest.raises(RequestAborted) as error:  # the decode side's abort, by meaning
                 await push.handshake(5)
             push.close()
             assert time.monotonic() - start < 1
@@ -222,7 +224,7 @@ def test_transfer_done_behind_a_full_queue_times_out_instead_of_hanging():
     async def run():
         room = RoomRegistry(bootstrap).claim(rng.randrange(2**31), "p")
         for _ in range(depth):  # nobody reads: the stream is stuck
-            await room.emit_chunk(pb.KVChunk())
+            await room.emit_chunk(encode_chunk_event(1, ChunkHeader(0, 1, 0, 1), b"", 0))
         with pytest.raises(TransferError) as error:
             await asyncio.wait_for(room.finish(pb.TransferDone(num_pages=1), timeout_s=0.2), 20)
         return error.value

@@ -12,7 +12,8 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.model.runner import ExtendSeq
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, GenerateRequest
-from deepseek_pd.workers.common.kv_transfer import TransferError, TransportConfig, build_receiver
+from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver
+from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.common.worker_config import SchedulerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
@@ -62,8 +63,8 @@ def test_pushed_kv_equals_a_single_extend_with_chunks_and_with_a_prefix_hit(laye
         sends: list[tuple[int, int]] = []
         original_open = engine.sender.open
 
-        def spying_open(handshake, emit):
-            channel = original_open(handshake, emit)
+        def spying_open(handshake, emit, streams=1):
+            channel = original_open(handshake, emit, streams)
             send = channel.send
 
             async def spy(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):

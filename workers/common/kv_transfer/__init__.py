@@ -12,7 +12,7 @@ import importlib
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.workers.common.kv_transfer.base import (
-    KVReceiver, KVSender, KVSink, SendChannel, TransferError, TransportConfig)
+    KVReceiver, KVSender, KVSink, SendChannel, TransportConfig)
 from deepseek_pd.workers.common.kv_transfer.plan import SendPlan
 
 # name -> (module, sender class, receiver class)
@@ -43,5 +43,5 @@ def build_receiver(name: str, pool: KVPool, config: TransportConfig) -> KVReceiv
     return _load(name, 2)(pool, config)
 
 
-__all__ = ["KVReceiver", "KVSender", "KVSink", "SendChannel", "SendPlan", "TransferError",
-           "TransportConfig", "TRANSPORT_NAMES", "build_receiver", "build_sender"]
+__all__ = ["KVReceiver", "KVSender", "KVSink", "SendChannel", "SendPlan", "TransportConfig",
+           "TRANSPORT_NAMES", "build_receiver", "build_sender"]

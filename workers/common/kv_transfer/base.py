@@ -28,7 +28,8 @@ Page i of the request on one side maps to page i on the other (the same request-
 docs/architecture.md), so a transfer is "page index range x layer range" and contiguous page-id
 runs on both sides merge into one copy.
 
-Errors are `TransferError` with the `FailureCode` the request must end with.
+Errors are `TransferError` (workers/common/request_failure.py) with the `FailureCode` the request
+must end with; a sink may also hold a `RequestAborted` (the transfer ended because the request did).
 """
 from __future__ import annotations
 
@@ -41,27 +42,14 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.bootstrap_protocol import MAX_CHUNK_BYTES
+from deepseek_pd.workers.common.bootstrap_protocol import MAX_CHUNK_BYTES, MAX_KV_STREAMS
 from deepseek_pd.workers.common.kv_transfer.stats import TransferStats
+from deepseek_pd.workers.common.request_failure import RequestFailure, TransferError
 
 if TYPE_CHECKING:
     import torch
 
     from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
-
-
-class TransferError(Exception):
-    """A transfer failed; `code` is the terminal status the request gets.
-
-    `peer_knows` is True when the other side reported the failure or is gone, so there is no
-    one left to tell.
-    """
-
-    def __init__(self, code: FailureCode, message: str, peer_knows: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.peer_knows = peer_knows
 
 
 @dataclass(frozen=True)
@@ -72,6 +60,9 @@ class TransportConfig:
     # the smaller of the two ends' values wins (the handshake carries decode's).
     max_chunk_bytes: int = 4 << 20
     io_threads: int = 4  # grpc: threads that gather+checksum (prefill) or check+write (decode) chunks
+    # grpc: parallel KV streams per room, each on its own connection (the Transfer stream is one);
+    # the smaller of both ends' values is used. Each send is cut into one block per stream.
+    grpc_streams: int = 1
     send_timeout_s: float = 30.0  # one send() (a chunk's pages) may take at most this long
     advertise_host: str = "127.0.0.1"  # mooncake: the address peers reach this worker's engine at
     mooncake_protocol: str = "tcp"  # "tcp" or "rdma"
@@ -82,15 +73,18 @@ class TransportConfig:
             raise ValueError(f"max_chunk_bytes={self.max_chunk_bytes} must be in [1024, {MAX_CHUNK_BYTES}]")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        if not 1 <= self.grpc_streams <= MAX_KV_STREAMS:
+            raise ValueError(f"grpc_streams must be in [1, {MAX_KV_STREAMS}], got {self.grpc_streams}")
         if self.send_timeout_s <= 0:
             raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
 
 
-# Queues one encoded KV chunk on the room's stream (grpc only), waiting for room (flow control);
-# raises TransferError once the decode side is gone. A channel numbers its chunks 1, 2, 3, ...
-# (seq 0 is the HandshakeAck) and emits them in that order: the stream checks it.
+# Queues one encoded KV chunk on the room's stream `chunk.stream` (grpc only), waiting for room
+# (flow control); raises a RequestFailure once the decode side is gone. A channel numbers the chunks
+# of each stream 1, 2, 3, ... (on the Transfer stream seq 0 is the HandshakeAck) and emits each
+# stream's in that order: the stream checks it.
 EmitChunk = Callable[["EncodedChunk"], Awaitable[None]]
 
 
@@ -141,17 +135,19 @@ class KVSender(abc.ABC):
         self.pool = pool
         self.config = config
 
-    def open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
-        """Checks the handshake against this pool and transport; `emit` queues a chunk on the stream."""
+    def open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int = 1) -> SendChannel:
+        """Checks the handshake against this pool and transport; `emit` queues a chunk on the stream.
+
+        `streams`: the room's KV streams (grpc; as its HandshakeAck announced), which `emit` serves."""
         check_layout(self.pool, handshake.layout)
         kind = handshake.WhichOneof("destination")
         if kind != self.name:
             raise TransferError(FailureCode.INVALID_ARGUMENT,
                                 f"decode side uses KV transport {kind!r}, this prefill worker {self.name!r}")
-        return self._open(handshake, emit)
+        return self._open(handshake, emit, streams)
 
     @abc.abstractmethod
-    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel: ...
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel: ...
 
     def close(self) -> None:
         """Releases the worker's transport resources; idempotent."""
@@ -171,15 +167,15 @@ class KVSink(abc.ABC):
         self.pool = pool
         self.pages = list(pages)
         self.stats = TransferStats()
-        self._failed: TransferError | None = None
+        self._failed: RequestFailure | None = None
         self._fail_lock = threading.Lock()
 
     @property
-    def failed(self) -> TransferError | None:
+    def failed(self) -> RequestFailure | None:
         """The first error of this transfer; its pages hold no usable KV then."""
         return self._failed
 
-    def fail(self, error: TransferError) -> TransferError:
+    def fail(self, error: RequestFailure) -> RequestFailure:
         """Marks the transfer failed (the first error wins) and returns the error to raise."""
         with self._fail_lock:
             if self._failed is None:

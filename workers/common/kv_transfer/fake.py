@@ -14,9 +14,10 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    EmitChunk, KVReceiver, KVSender, SendChannel, TransferError, TransportConfig)
+    EmitChunk, KVReceiver, KVSender, SendChannel, TransportConfig)
 from deepseek_pd.workers.common.kv_transfer.page_io import sync_ready
 from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
+from deepseek_pd.workers.common.request_failure import TransferError
 
 _POOLS: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDictionary()
 
@@ -61,7 +62,7 @@ class FakeChannel(SendChannel):
 class FakeSender(KVSender):
     name = "fake"
 
-    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         dst_pool = _POOLS.get(handshake.fake.pool_key)
         if dst_pool is None:
             raise TransferError(FailureCode.UNAVAILABLE,

@@ -1,11 +1,13 @@
 """KV over the bootstrap service's own Transfer stream, for clusters without Mooncake.
 
-Prefill: each `send` cuts its pages x layers into chunks of at most the negotiated chunk size
-(several MB: the per-message cost of gRPC dominates small ones). Worker threads gather each
-chunk into a reusable staging buffer (`page_io.PageGather`), crc32 it and encode the message
-(`wire.encode_chunk_event`: one copy); up to `io_threads` chunks are in the making while earlier
-ones are on the wire. `emit` waits for room on the room's bounded queue and the decode side's
-credits, so a slow decode side slows the prefill side; nothing buffers a whole prompt.
+Prefill: each `send` cuts its pages x layers into one contiguous block per KV stream of the room
+(`plan.split_for_streams`; one stream unless both ends set `grpc_streams` > 1), and each block
+into chunks of at most the negotiated chunk size (several MB: the per-message cost of gRPC
+dominates small ones). Worker threads gather each chunk into a reusable staging buffer
+(`page_io.PageGather`), crc32 it (`checksum.py`) and encode the message (`wire.encode_chunk_event`:
+one copy); up to `io_threads` chunks are in the making while earlier ones are on the wire, taken
+from the streams in turn. `emit` waits for room on that stream's bounded queue and the decode
+side's credits, so a slow decode side slows the prefill side; nothing buffers a whole prompt.
 
 Decode: the bootstrap client hands each chunk to the sink in `executor`'s threads, off the event
 loop that runs the decode scheduler: ranges, size, duplicates and crc32 are checked, then the
@@ -18,7 +20,6 @@ import asyncio
 import collections
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -28,20 +29,24 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransferError, TransportConfig)
+    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig)
+from deepseek_pd.workers.common.kv_transfer.checksum import crc32
 from deepseek_pd.workers.common.kv_transfer.page_io import PageGather, read_pages, scatter_pages
-from deepseek_pd.workers.common.kv_transfer.plan import ChunkShape, split_into_chunks
+from deepseek_pd.workers.common.kv_transfer.plan import ChunkShape, split_for_streams, split_into_chunks
 from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, EncodedChunk, encode_chunk_event
+from deepseek_pd.workers.common.request_failure import RequestFailure, TransferError, failure_for
 
 __all__ = ["GrpcReceiver", "GrpcSender", "GrpcSink", "read_pages"]
 
 
 class GrpcChannel(SendChannel):
     def __init__(self, pool: KVPool, dst_pages: Sequence[int], emit: EmitChunk, max_chunk_bytes: int,
-                 timeout_s: float, gather: PageGather, executor: ThreadPoolExecutor, depth: int) -> None:
+                 timeout_s: float, gather: PageGather, executor: ThreadPoolExecutor, depth: int,
+                 streams: int = 1) -> None:
         super().__init__(pool, dst_pages)
         self.emit = emit
-        self._seq = 0  # chunk k of this channel is event k of the room's stream (0 is the ack)
+        # Per KV stream: chunk k on it is its event k (on the Transfer stream, 0 is the ack).
+        self._seqs = [0] * streams
         self.max_chunk_bytes = max_chunk_bytes
         self.timeout_s = timeout_s
         self.gather = gather
@@ -52,14 +57,14 @@ class GrpcChannel(SendChannel):
                    layer_end: int | None = None, ready: "torch.cuda.Event | None" = None) -> None:
         layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
         pages = range(page_begin, page_begin + len(src_pages))
-        shapes = split_into_chunks(layers, pages, self.pool.bytes_per_page, self.max_chunk_bytes)
         loop = asyncio.get_running_loop()
         making: collections.deque[asyncio.Future[EncodedChunk]] = collections.deque()
         try:
-            for shape in shapes:
+            for stream, shape in self._shapes(layers, pages):
                 local = list(src_pages[shape.page_begin - page_begin:shape.page_end - page_begin])
-                self._seq += 1
-                making.append(loop.run_in_executor(self.executor, self._encode, self._seq, shape, local, ready))
+                self._seqs[stream] += 1
+                making.append(loop.run_in_executor(self.executor, self._encode, stream, self._seqs[stream],
+                                                   shape, local, ready))
                 if len(making) >= self.depth:
                     await self._emit(await making.popleft())
             while making:
@@ -68,7 +73,15 @@ class GrpcChannel(SendChannel):
             for future in making:  # a failed emit: the rest is never sent
                 future.cancel()
 
-    def _encode(self, seq: int, shape: ChunkShape, pages: list[int],
+    def _shapes(self, layers: range, pages: range) -> list[tuple[int, ChunkShape]]:
+        """(stream, chunk) of one send: block i of the send on stream i, the streams taken in turn
+        so that every stream has a chunk in the making from the start."""
+        per_stream = [split_into_chunks(block_layers, block_pages, self.pool.bytes_per_page, self.max_chunk_bytes)
+                      for block_layers, block_pages in split_for_streams(layers, pages, len(self._seqs))]
+        return [(stream, chunks[turn]) for turn in range(max(map(len, per_stream)))
+                for stream, chunks in enumerate(per_stream) if turn < len(chunks)]
+
+    def _encode(self, stream: int, seq: int, shape: ChunkShape, pages: list[int],
                 ready: "torch.cuda.Event | None") -> EncodedChunk:
         """In a worker thread: pool pages -> staging -> crc32 -> one message's bytes."""
         header = ChunkHeader(shape.layer_begin, shape.layer_end, shape.page_begin, shape.page_end)
@@ -76,9 +89,9 @@ class GrpcChannel(SendChannel):
         with self.gather.gather(range(shape.layer_begin, shape.layer_end), pages, ready) as data:
             self.stats.add("stage", time.perf_counter() - began)
             with self.stats.timed("checksum"):
-                crc = zlib.crc32(data)
+                crc = crc32(data)
             with self.stats.timed("serialise"):
-                return encode_chunk_event(seq, header, data, crc)
+                return encode_chunk_event(seq, header, data, crc, stream)
 
     async def _emit(self, chunk: EncodedChunk) -> None:
         with self.stats.timed("network"):
@@ -101,13 +114,13 @@ class GrpcSender(KVSender):
         # encoded, so requests sending at once share them.
         self.gather = PageGather(pool, config.max_chunk_bytes, config.io_threads)
 
-    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         limit = min(self.config.max_chunk_bytes, handshake.grpc.max_chunk_bytes or self.config.max_chunk_bytes)
         if self.pool.bytes_per_page > limit:
             raise TransferError(FailureCode.INVALID_ARGUMENT,
                                 f"one KV page is {self.pool.bytes_per_page} bytes, above the chunk limit {limit}")
         return GrpcChannel(self.pool, handshake.page_ids, emit, limit, self.config.send_timeout_s,
-                           self.gather, self.executor, depth=self.config.io_threads)
+                           self.gather, self.executor, depth=self.config.io_threads, streams=streams)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -126,14 +139,14 @@ class GrpcSink(KVSink):
 
     def on_chunk(self, chunk: pb.KVChunk) -> None:
         if self.failed is not None:
-            raise TransferError(self.failed.code, f"transfer already failed: {self.failed.message}")
+            raise failure_for(self.failed.code, f"transfer already failed: {self.failed.message}")
         try:
             with self.stats.timed("check"):
                 self._check(chunk)
             with self.stats.timed("write"):
                 scatter_pages(self.pool, range(chunk.layer_begin, chunk.layer_end),
                               self.pages[chunk.page_begin:chunk.page_end], chunk.data)
-        except TransferError as exc:
+        except RequestFailure as exc:
             raise self.fail(exc) from None
         except Exception as exc:  # a bug must still fail this transfer, not leave it half-written
             raise self.fail(TransferError(FailureCode.INTERNAL, f"writing a KV chunk failed: {exc!r}")) from exc
@@ -153,7 +166,7 @@ class GrpcSink(KVSink):
         if len(chunk.data) != expected:
             raise TransferError(FailureCode.INTERNAL,
                                 f"KV chunk {where} has {len(chunk.data)} bytes, its ranges need {expected}")
-        if zlib.crc32(chunk.data) != chunk.crc32:
+        if crc32(chunk.data) != chunk.crc32:
             raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} failed its crc32 check (corrupted)")
         with self._lock:
             cells = self.claimed[chunk.layer_begin:chunk.layer_end, chunk.page_begin:chunk.page_end]
@@ -183,6 +196,7 @@ class GrpcReceiver(KVReceiver):
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.grpc.max_chunk_bytes = self.config.max_chunk_bytes
+        handshake.grpc.streams = self.config.grpc_streams
 
     def open_sink(self, pages: Sequence[int]) -> KVSink:
         return GrpcSink(self.pool, pages, self.executor)

@@ -26,9 +26,10 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    EmitChunk, KVReceiver, KVSender, SendChannel, TransferError, TransportConfig)
+    EmitChunk, KVReceiver, KVSender, SendChannel, TransportConfig)
 from deepseek_pd.workers.common.kv_transfer.page_io import sync_ready
 from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
+from deepseek_pd.workers.common.request_failure import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class MooncakeSender(KVSender):
         super().__init__(pool, config)
         self.engine = MooncakeEngine(pool, config)
 
-    def _open(self, handshake: pb.Handshake, emit: EmitChunk) -> SendChannel:
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         destination = handshake.mooncake
         check_destination(destination, handshake.page_ids, self.pool.bytes_per_page, self.pool.num_layers,
                           self.engine.protocol)

@@ -74,6 +74,28 @@ def split_into_chunks(layers: range, pages: range, page_bytes: int, max_chunk_by
     return chunks
 
 
+def split_for_streams(layers: range, pages: range, streams: int) -> list[tuple[range, range]]:
+    """Cuts one send's `layers` x `pages` into at most `streams` contiguous blocks, block i for KV
+    stream i: along the longer of the two dimensions, as evenly as it goes.
+
+    Example, 4 streams: a layer-wise send of layer 3, pages [0, 10) -> (3..4 x 0..3), (3..4 x 3..6),
+    (3..4 x 6..8), (3..4 x 8..10); 27 layers x pages [4, 6) -> layers 0..7, 7..14, 14..21, 21..27.
+    """
+    if streams < 1:
+        raise ValueError(f"streams must be >= 1, got {streams}")
+    along_pages = len(pages) >= len(layers)
+    whole = pages if along_pages else layers
+    count = min(streams, len(whole))
+    blocks: list[tuple[range, range]] = []
+    begin = whole.start
+    for index in range(count):
+        size = len(whole) // count + (index < len(whole) % count)
+        part = range(begin, begin + size)
+        blocks.append((layers, part) if along_pages else (part, pages))
+        begin += size
+    return blocks
+
+
 class SendPlan:
     """Scheduler side of one request's send: which request-local pages may go out now, per layer.
 

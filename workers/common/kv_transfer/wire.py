@@ -52,7 +52,10 @@ class ChunkHeader:
 
 @dataclass
 class EncodedChunk:
-    """A chunk event ready for the wire; `payload[data_offset:data_offset+data_len]` is the KV."""
+    """A chunk event ready for the wire; `payload[data_offset:data_offset+data_len]` is the KV.
+
+    `stream`: the room's KV stream it goes on (0: the Transfer stream); `seq` counts on that stream.
+    """
 
     seq: int
     header: ChunkHeader
@@ -60,12 +63,13 @@ class EncodedChunk:
     payload: bytes
     data_offset: int
     data_len: int
+    stream: int = 0
 
     def SerializeToString(self) -> bytes:  # noqa: N802 - the name gRPC's serializer calls on protobufs
         return self.payload
 
 
-def encode_chunk_event(seq: int, header: ChunkHeader, data, crc32: int) -> EncodedChunk:
+def encode_chunk_event(seq: int, header: ChunkHeader, data, crc32: int, stream: int = 0) -> EncodedChunk:
     """`data`: any buffer (bytes, memoryview of a staging tensor); copied once, into the payload."""
     size = memoryview(data).nbytes
     fields = bytearray()
@@ -79,7 +83,7 @@ def encode_chunk_event(seq: int, header: ChunkHeader, data, crc32: int) -> Encod
     prefix = ((_tag(1, _VARINT) + _varint(seq) if seq else b"") + _tag(3, _LEN) + _varint(body_len)
               + bytes(fields) + data_prefix)
     payload = b"".join((prefix, memoryview(data).cast("B") if size else b"", suffix))
-    return EncodedChunk(seq, header, crc32, payload, len(prefix), size)
+    return EncodedChunk(seq, header, crc32, payload, len(prefix), size, stream)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import sys
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer import TransferError, TransportConfig, build_sender
+from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_sender
+from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.common.kv_transfer.base import layout_of
 from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
 

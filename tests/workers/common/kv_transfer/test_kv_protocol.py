@@ -124,7 +124,7 @@ def test_prefill_refuses_a_decode_engine_of_the_other_protocol(decode_protocol):
     """One side fell back to TCP and the other did not: the room fails with INVALID_ARGUMENT naming
     both protocols, before any write; an older peer (no protocol) is not checked."""
     from deepseek_pd.workers.common.api import FailureCode
-    from deepseek_pd.workers.common.kv_transfer.base import TransferError
+    from deepseek_pd.workers.common.request_failure import TransferError
     from deepseek_pd.workers.common.kv_transfer.mooncake import check_destination
     rng = random.Random()
     page_bytes, layers, pool = rng.choice([576, 1152]), rng.randint(1, 4), rng.randint(8, 64)
@@ -142,7 +142,7 @@ def test_prefill_refuses_a_decode_engine_of_the_other_protocol(decode_protocol):
 
 def test_prefill_refuses_pages_outside_the_decode_pool():
     from deepseek_pd.workers.common.api import FailureCode
-    from deepseek_pd.workers.common.kv_transfer.base import TransferError
+    from deepseek_pd.workers.common.request_failure import TransferError
     from deepseek_pd.workers.common.kv_transfer.mooncake import check_destination
     pool = random.randint(8, 64)
     for pages in ([pool], [0, pool + random.randint(0, 9)], [1, 1]):

@@ -16,7 +16,8 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION
-from deepseek_pd.workers.common.kv_transfer import TransferError, TransportConfig
+from deepseek_pd.workers.common.kv_transfer import TransportConfig
+from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.common.kv_transfer.base import layout_of
 from deepseek_pd.workers.common.kv_transfer.grpc_stream import GrpcSink, read_pages
 from deepseek_pd.workers.common.kv_transfer.mooncake import build_write_batch

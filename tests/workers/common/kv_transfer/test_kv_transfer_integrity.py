@@ -13,7 +13,8 @@ import zlib
 import pytest
 
 from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer import TransferError, TransportConfig
+from deepseek_pd.workers.common.kv_transfer import TransportConfig
+from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, EncodedChunk, decode_event, encode_chunk_event
 from pdtest.kv_transfer_harness import Exchange, Side, random_pool, run_exchange, scattered_alloc
 

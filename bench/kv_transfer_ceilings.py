@@ -1,0 +1,65 @@
+"""Ceilings for bench/kv_transfer.py, measured in the same run on the same loopback: bare gRPC
+streams of the same message sizes (over 1 or N connections), and one raw Mooncake batch write of
+the same pages between the same two engines."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+
+async def raw_grpc(total_bytes: int, message_bytes: int, repeats: int, streams: int = 1) -> list[float]:
+    """Seconds to stream `total_bytes` as bare `bytes` messages over `streams` loopback gRPC streams,
+    each on its own connection (what parallel KV streams could reach)."""
+    import grpc
+
+    payload = os.urandom(message_bytes)
+    count = -(-total_bytes // message_bytes // streams)
+
+    async def stream(request_iterator, context):
+        await request_iterator.__anext__()
+        for _ in range(count):
+            yield payload
+
+    handler = grpc.method_handlers_generic_handler("bench.Raw", {"S": grpc.stream_stream_rpc_method_handler(stream)})
+    limit = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    server = grpc.aio.server(options=limit)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=limit + [("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(streams)]
+
+    async def one(channel) -> None:
+        call = channel.stream_stream("/bench.Raw/S")()
+        await call.write(b"go")
+        while await call.read() is not grpc.aio.EOF:
+            pass
+
+    seconds: list[float] = []
+    try:
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            await asyncio.gather(*(one(channel) for channel in channels))
+            seconds.append(time.perf_counter() - began)
+    finally:
+        for channel in channels:
+            await channel.close()
+        await server.stop(0)
+    return seconds[1:]  # the first one connects
+
+
+def raw_mooncake(setup, sender, receiver) -> float:
+    """Seconds of one raw `batch_transfer_sync_write` of the same batch between the same two engines."""
+    from deepseek_pd.workers.common.kv_transfer.mooncake import build_write_batch
+
+    batch = build_write_batch(sender.engine.base_addrs, receiver.engine.base_addrs, setup.src.bytes_per_page,
+                              setup.src_pages, setup.dst_pages)
+    began = time.perf_counter()
+    status = sender.engine.engine.batch_transfer_sync_write(receiver.engine.session_id, *batch)
+    elapsed = time.perf_counter() - began
+    if status != 0:
+        raise SystemExit(f"raw mooncake write failed with status {status}")
+    return elapsed
+
+
