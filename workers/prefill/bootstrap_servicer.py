@@ -223,7 +223,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             if clean and not room.failure.done():
                 # As on the Transfer stream: end only after decode's half-close, or gRPC core may
                 # fail the call before the last chunk is flushed.
-                await asyncio.wait({credit_task}, timeout=_HALF_CLOSE_WAIT_S)
+                await asyncio.wait({credit_task}, timeout=self.registry.config.confirm_timeout_s)
         finally:
             if not clean:
                 room.mark_peer_gone(FailureCode.UNAVAILABLE,
