@@ -29,7 +29,12 @@ async def with_engine(fn, num_pages: int = 256, **scheduler):
     await engine.start()
     try:
         result = await fn(engine)
-        await asyncio.sleep(0.02)
+        # An aborted request's pages come back when the model thread collects the step in flight
+        # (the overlap scheduler): bounded wait, not a fixed 20 ms that a loaded machine outran.
+        for _ in range(500):
+            if engine.pool.num_used_pages == 0 and engine.budget.reserved == 0:
+                break
+            await asyncio.sleep(0.01)
         assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0, "pages leaked"
         return result
     finally:
@@ -148,8 +153,14 @@ def test_admission_waits_for_pages_then_gives_up_with_resource_exhausted():
 
     async def run(engine):
         # 8 + 2000 - 1 tokens = 502 pages of 4: the hog takes all but one page of the pool.
-        first = asyncio.ensure_future(collect(engine, GenerateRequest("hog", tuple(range(2, 10)), params_long)))
-        await asyncio.sleep(0.05)
+        admitted = asyncio.Event()
+
+        async def on_event(event):
+            admitted.set()
+
+        first = asyncio.ensure_future(collect(engine, GenerateRequest("hog", tuple(range(2, 10)), params_long),
+                                              on_event))
+        await asyncio.wait_for(admitted.wait(), 30)  # the hog holds its pages (a sleep raced it under load)
         second = await collect(engine, GenerateRequest("late", tuple(range(2, 10)), params_short))
         await engine.abort("hog")
         await first
