@@ -17,6 +17,7 @@ from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
 from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
+from deepseek_pd.operator.pod_scheduling import explain_unavailable
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
 from deepseek_pd.operator.router_rollout import router_rolled_out
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
@@ -123,7 +124,8 @@ class Reconciler:
                              endpoint=router_endpoint(spec))
         floors = {r: t.replicas - t.max_unavailable for r, t in targets.items()}
         revisions = {r: t.revision for r, t in targets.items()}
-        return build_status(plans, revisions, floors, router, generation, previous, _now())
+        status = build_status(plans, revisions, floors, router, generation, previous, _now())
+        return explain_unavailable(status, pods)
 
     @staticmethod
     def _held_deletions(spec: DeploymentSpec, plans: dict[str, RolePlan], desired: list[Manifest],
