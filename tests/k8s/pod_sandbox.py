@@ -10,7 +10,8 @@ What a container runtime gives a pod, minus the image, made with util-linux and 
                    the host's / (writes land in the pod's private tmpfs) with /proc, /sys, /dev,
                    /tmp, /work and /root shared with the host, and each volume bind-mounted at its
                    mountPath; /etc/hosts is a file the kubelet rewrites as pods and Services come
-                   and go (the cluster DNS, see cluster_hosts.py).
+                   and go (cluster_hosts.py); /etc/resolv.conf names the node's DNS
+                   server (cluster_dns.py).
     exec_argv()    the argv that runs a command inside the sandbox (`nsenter` into the pause
                    process's namespaces and root): containers, exec probes.
 
@@ -119,12 +120,15 @@ class Sandbox:
         self.network = network
         self.hostname = hostname[:63]
         self.hosts_file = workdir / "hosts"
+        self.resolv_file = workdir / "resolv.conf"
         self.ip = ""
         self.pause: subprocess.Popen | None = None
 
-    def start(self, mounts: list[Mount], hosts: str) -> str:
+    def start(self, mounts: list[Mount], hosts: str, resolv: str) -> str:
+        """Namespaces, root and mounts, then the network; returns the pod's IP."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.hosts_file.write_text(hosts)
+        self.resolv_file.write_text(resolv)
         root = self.workdir / "root"
         root.mkdir(exist_ok=True)
         script = self.workdir / "sandbox.sh"
@@ -156,7 +160,9 @@ class Sandbox:
         for path in SHARED_PATHS:
             if os.path.isdir(path):
                 lines.append(f"mount --rbind {q(path)} {q(merged + path)}")
-        lines.append(f"mount --bind {q(str(self.hosts_file))} {q(merged + os.path.realpath('/etc/hosts'))}")
+        for source, name in ((self.hosts_file, "/etc/hosts"), (self.resolv_file, "/etc/resolv.conf")):
+            target = q(merged + os.path.realpath(name))
+            lines.append(f"touch {target} && mount --bind {q(str(source))} {target}")
         for mount in mounts:
             # The root mirrors the host's, so its symlinks resolve as the host's do: /var/run/x
             # must become <root>/run/x, never the host's /run/x through an absolute link.

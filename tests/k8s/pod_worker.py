@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cluster_dns import resolv_conf
 from cluster_hosts import hosts_file
 from kube_rest import Kube, KubeError
 from pod_inputs import InputError, container_env, container_mounts, expand, prepare_volumes
@@ -143,7 +144,9 @@ class PodWorker:
                 volumes = prepare_volumes(self.kube, self.pod, self.dir / "volumes",
                                           self.node.config.workdir / "claims")
                 mounts = self._mounts(volumes)
-                self.sandbox.start(mounts, hosts_file(self.node.hosts_entries()))
+                namespace = self.pod["metadata"]["namespace"]
+                self.sandbox.start(mounts, hosts_file(self.node.hosts_entries()),
+                                   resolv_conf(self.node.network.gateway, namespace))
                 self.pod.setdefault("status", {})["podIP"] = self.sandbox.ip
                 self.pod["status"]["hostIP"] = self.node.network.gateway
                 self.config_error = ""
@@ -181,12 +184,14 @@ class PodWorker:
     def _launch(self, run: ContainerRun) -> None:
         spec = run.spec
         try:
-            run.env = container_env(self.kube, self.pod, spec, self._image_env())
+            declared = container_env(self.kube, self.pod, spec, {})
+            run.env = {**self._image_env(), **declared}
         except (InputError, KubeError) as exc:
             run.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}}
             run.next_start = time.monotonic() + 1.0
             return
-        argv = [expand(a, run.env) for a in (spec.get("command") or []) + (spec.get("args") or [])]
+        # $(VAR) sees the variables the pod spec declares, not the image's (as on a kubelet).
+        argv = [expand(a, declared) for a in (spec.get("command") or []) + (spec.get("args") or [])]
         if not spec.get("command"):
             run.state = {"waiting": {"reason": "CreateContainerError",
                                      "message": "no command: the process kubelet has no image entrypoint"}}

@@ -11,7 +11,8 @@ The control plane (control_plane.py) has no scheduler and no kubelet. This is bo
             kube-scheduler's wording ("0/1 nodes are available: 1 Insufficient nvidia.com/gpu.");
           runs: a PodWorker (pod_worker.py) per pod bound to the node, keyed by UID;
           deletes: a pod with a deletionTimestamp (or gone) is stopped, then its object removed;
-          resolves: rewrites every pod's /etc/hosts from the EndpointSlices (cluster_hosts.py).
+          resolves: rewrites every pod's /etc/hosts from the EndpointSlices (cluster_hosts.py) and
+            answers the same names over DNS on the node's address (cluster_dns.py).
     .stop() stops every pod and removes the node and the pod network.
 
 Containers are not images: `command`/`args` run inside the pod's sandbox (pod_sandbox.py: own
@@ -28,6 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster_dns import DnsServer
 from cluster_hosts import cluster_entries
 from kube_rest import Kube, KubeError
 from pod_inputs import quantity
@@ -73,6 +75,8 @@ class ProcessKubelet:
         self._thread = threading.Thread(target=self._loop, name="process-kubelet", daemon=True)
         self._lock = threading.Lock()
         self._forwarder: TcpForwarder | None = None
+        self._dns: DnsServer | None = None
+        self._names: dict[str, list[str]] = {}
 
     # ---------------------------------------------------------------- node
     def _node(self) -> Obj:
@@ -96,6 +100,7 @@ class ProcessKubelet:
             raise RuntimeError(reason)
         (self.config.workdir / "pods").mkdir(parents=True, exist_ok=True)
         self.network.create()
+        self._dns = DnsServer(self.network.gateway, lambda name: self._names.get(name, [])).start()
         if self.config.apiserver:
             self._forwarder = TcpForwarder((self.network.gateway, 443), self.config.apiserver).start()
         node = self._node()
@@ -120,6 +125,8 @@ class ProcessKubelet:
             worker.join(30)
         if self._forwarder is not None:
             self._forwarder.stop()
+        if self._dns is not None:
+            self._dns.stop()
         self.network.delete()
         try:
             self.kube.delete(f"/api/v1/nodes/{self.name}")
@@ -146,7 +153,10 @@ class ProcessKubelet:
         entries = cluster_entries(self.kube)
         if self.config.apiserver:
             entries.insert(0, (self.network.gateway, KUBERNETES_SERVICE))
-        self._entries = entries
+        names: dict[str, list[str]] = {}
+        for ip, name in entries:
+            names.setdefault(name, []).append(ip)
+        self._entries, self._names = entries, names
         mine = {p["metadata"]["uid"]: p for p in pods if p["spec"].get("nodeName") == self.name}
         with self._lock:
             for uid, pod in mine.items():

@@ -145,6 +145,18 @@ def _example(models: pathlib.Path) -> dict:
     cr["spec"]["model"]["source"]["hostPath"]["path"] = str(models)
     for role in ("prefill", "decode"):
         cr["spec"][role]["engineArgs"] = list(WORKER_ARGS)
+    if not _operator_renders(cr, "decode", "--prefill-peers"):
+        # Until the operator renders decode's --prefill-peers, decode refuses every bootstrap
+        # address that is not loopback (workers/decode/prefill_peers.py): list the leader.
+        from deepseek_pd.operator import names
+        leader = names.leader_address(cr["metadata"]["name"], "prefill", 0, NS)
+        cr["spec"]["decode"]["engineArgs"].append(f"--prefill-peers={leader}:8998")
+    if not _operator_renders(cr, "prefill", "--advertise-host"):
+        # ... and prefill's --advertise-host: decode's handshake names the address the router
+        # knows (the leader's DNS name), which a prefill advertising its pod IP refuses.
+        from deepseek_pd.operator import names
+        leader = names.leader_address(cr["metadata"]["name"], "prefill", 0, NS)
+        cr["spec"]["prefill"]["engineArgs"].append(f"--advertise-host={leader}")
     if not _operator_mounts_internal_secret(cr):
         # Until the operator mounts the deployment secret itself, every worker reads one file
         # (pods share the host's /tmp): prefill and decode must hold the same HMAC key.
@@ -153,20 +165,32 @@ def _example(models: pathlib.Path) -> dict:
     return cr
 
 
+def _parsed(cr: dict):
+    from deepseek_pd.operator.spec import DeploymentSpec
+
+    try:
+        return DeploymentSpec.parse(cr["metadata"]["name"], NS, copy.deepcopy(cr["spec"]))
+    except Exception:  # noqa: BLE001 (the raw example lacks defaults the apiserver fills in)
+        return None
+
+
+def _operator_renders(cr: dict, role: str, flag: str) -> bool:
+    """Whether the operator's own `serve` arguments for `role` carry `flag`."""
+    from deepseek_pd.operator.build_workers import build_worker_args
+
+    spec = _parsed(cr)
+    return spec is not None and any(a.split("=")[0] == flag for a in build_worker_args(spec, spec.role(role)))
+
+
 def _operator_mounts_internal_secret(cr: dict) -> bool:
     from deepseek_pd.operator.build_workers import build_pod_template
-    from deepseek_pd.operator.spec import DeploymentSpec
     from deepseek_pd.workers.common.internal_auth import SECRET_FILE_ENV
 
-    body = copy.deepcopy(cr)
-    body["metadata"]["namespace"] = NS
-    try:
-        spec = DeploymentSpec.parse(body)
-    except Exception:  # noqa: BLE001 (the raw example lacks defaults the apiserver fills in)
+    spec = _parsed(cr)
+    if spec is None:
         return False
     template = build_pod_template(spec, spec.decode, 0, spec.role_revision("decode"))
-    env = template["spec"]["containers"][0].get("env") or []
-    return any(e["name"] == SECRET_FILE_ENV for e in env)
+    return any(e["name"] == SECRET_FILE_ENV for e in template["spec"]["containers"][0].get("env") or [])
 
 
 def _apply(dep: Deployment, obj: dict, check: bool = True) -> subprocess.CompletedProcess:
@@ -192,7 +216,12 @@ def _greedy_through_router(dep: Deployment, engine, count: int = 3, max_new: int
                 got = await client.generate(input_ids=prompt, stream=True, max_new_tokens=max_new, temperature=0.0)
                 assert got.output_ids == want, (len(prompt), got.output_ids, want)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except Exception as exc:  # noqa: BLE001 (the failure is reported with the pods' logs)
+        if os.environ.get("K8SE2E_HOLD"):
+            time.sleep(float(os.environ["K8SE2E_HOLD"]))
+        pytest.fail(f"request through the router failed: {exc!r}\n{dep.diagnose()}")
 
 
 def test_helm_install_runs_the_operator_as_the_charts_service_account(deployment):
@@ -268,7 +297,7 @@ def test_v3_example_is_reported_not_crash_looping_without_gpus(deployment):
 
     def pending_pods():
         pods = deployment.kube.list(f"/api/v1/namespaces/{NS}/pods", labelSelector=selector)
-        unschedulable = [p for p in pods if any(c["type"] == "PodScheduled" and c["reason"] == "Unschedulable"
+        unschedulable = [p for p in pods if any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
                                                 for c in p["status"].get("conditions", []))]
         return pods if pods and len(unschedulable) == len(pods) else None
     pods = _wait(pending_pods, 60, "V3 pods are not all Unschedulable", deployment.diagnose)

@@ -127,10 +127,38 @@ def test_pods_get_their_inputs_own_ips_and_cluster_dns(admin_kube, process_kubel
     # The second pod reaches the first by its StatefulSet-style name through the headless Service.
     through_dns = _wait(lambda: _try(f"http://{second['status']['podIP']}:8080/peer"), 30, "peer not resolvable")
     assert through_dns["peer"]["env"]["POD_IP"] == first["status"]["podIP"]
+    # The same names over DNS, from the node's server the pods' resolv.conf names (c-ares asks it).
+    gateway = process_kubelet.network.gateway
+    name = f"first.peers.{namespace}.svc.cluster.local"
+    assert _dns_query(gateway, name) == [first["status"]["podIP"]]
+    assert _dns_query(gateway, f"nothing-{random.randrange(10**6)}.{namespace}.svc") is None
     whoami = _get(f"http://{first['status']['podIP']}:8080/whoami")["whoami"]
     assert whoami["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:default"
     status = first["status"]["containerStatuses"][0]
     assert status["ready"] and status["restartCount"] == 0 and "running" in status["state"]
+
+
+def _dns_query(server: str, name: str) -> list[str] | None:
+    """A records of `name` (None for NXDOMAIN), asked over UDP like a stub resolver."""
+    import socket
+    import struct
+
+    ident = random.randrange(65536)
+    question = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0" + struct.pack("!HH", 1, 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(5)
+        sock.sendto(struct.pack("!HHHHHH", ident, 0x0100, 1, 0, 0, 0) + question, (server, 53))
+        reply = sock.recv(4096)
+    got_id, flags, _, answers = struct.unpack("!HHHH", reply[:8])
+    assert got_id == ident
+    if flags & 0xF == 3:
+        return None
+    records, offset = [], 12 + len(question)
+    for _ in range(answers):  # each: name pointer, type, class, ttl, rdlength, rdata
+        _, _, _, _, length = struct.unpack("!HHHIH", reply[offset:offset + 12])
+        records.append(socket.inet_ntoa(reply[offset + 12:offset + 12 + length]))
+        offset += 12 + length
+    return records
 
 
 def _try(url: str):
