@@ -293,7 +293,8 @@ def test_v3_example_is_reported_not_crash_looping_without_gpus(deployment):
     v3 = yaml.safe_load((ROOT / "examples" / "deepseek-v3-h200.yaml").read_text())
     _apply(deployment, v3)
     name = v3["metadata"]["name"]
-    selector = f"deepseek-pd.io/deployment={name}"
+    # The workers ask for GPUs and H200 nodes; the router (CPU only) may run, and waits for them.
+    selector = f"deepseek-pd.io/deployment={name},deepseek-pd.io/role"
 
     def pending_pods():
         pods = deployment.kube.list(f"/api/v1/namespaces/{NS}/pods", labelSelector=selector)
