@@ -145,6 +145,10 @@ def _example(models: pathlib.Path) -> dict:
     cr["spec"]["model"]["source"]["hostPath"]["path"] = str(models)
     for role in ("prefill", "decode"):
         cr["spec"][role]["engineArgs"] = list(WORKER_ARGS)
+    # The gateway gives a worker without a throughput history 3 s to answer before it calls it
+    # wedged (--worker-wedge-secs); a fresh worker's first forward on this shared 2-core CPU can
+    # take longer (measured: 504 "Prefill worker silent" about one run in three).
+    cr["spec"].setdefault("router", {})["extraArgs"] = ["--worker-wedge-secs", "30"]
     if not _operator_renders(cr, "decode", "--prefill-peers"):
         # Until the operator renders decode's --prefill-peers, decode refuses every bootstrap
         # address that is not loopback (workers/decode/prefill_peers.py): list the leader.
@@ -199,9 +203,12 @@ def _apply(dep: Deployment, obj: dict, check: bool = True) -> subprocess.Complet
     return dep.kubectl_run("apply", "-n", NS, "-f", path, check=check)
 
 
-def _greedy_through_router(dep: Deployment, engine, count: int = 3, max_new: int = 8) -> None:
-    """Streamed /generate requests through the router's Service equal the offline engine."""
-    from deepseek_pd.client.router_http import RouterClient
+def _greedy_through_router(dep: Deployment, engine, count: int = 3, max_new: int = 8,
+                           recover_s: float = 0.0) -> None:
+    """Streamed /generate requests through the router's Service equal the offline engine.
+    `recover_s`: for this long the first request may be refused (503/504) while the gateway's
+    health checks re-admit a replaced worker; every answer it gives must still be right."""
+    from deepseek_pd.client.router_http import RouterClient, RouterError
     from deepseek_pd.model.sampling_params import SamplingParams
 
     rng = random.Random()
@@ -212,6 +219,15 @@ def _greedy_through_router(dep: Deployment, engine, count: int = 3, max_new: int
 
     async def main():
         async with RouterClient(url, "tiny", timeout_s=120) as client:
+            deadline = time.monotonic() + recover_s
+            while True:
+                try:
+                    await client.generate(input_ids=prompts[0], max_new_tokens=1, temperature=0.0)
+                    break
+                except RouterError as exc:
+                    if exc.status not in (503, 504) or time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(1.0)
             for prompt, want in zip(prompts, expected):
                 got = await client.generate(input_ids=prompt, stream=True, max_new_tokens=max_new, temperature=0.0)
                 assert got.output_ids == want, (len(prompt), got.output_ids, want)
@@ -258,7 +274,7 @@ def test_killed_worker_process_recreates_its_group_and_requests_recover(deployme
         return pods if pods and all(p["metadata"]["uid"] != old_uid for p in pods) else None
     _wait(replaced, 120, "the operator did not recreate the decode group", deployment.diagnose)
     deployment.wait_phase("Available", where=lambda cr: cr["status"]["decode"]["readyReplicas"] == 1)
-    _greedy_through_router(deployment, offline_engine, count=2)
+    _greedy_through_router(deployment, offline_engine, count=2, recover_s=60)
 
 
 def test_scale_decode_to_two_groups(deployment, offline_engine):
@@ -272,7 +288,7 @@ def test_scale_decode_to_two_groups(deployment, offline_engine):
     args = [a for p in routers if not p["metadata"].get("deletionTimestamp")
             for a in p["spec"]["containers"][0]["args"]]
     assert sum(a.startswith("grpc://tiny-decode-1-0.") for a in args) >= 1  # the router serves it
-    _greedy_through_router(deployment, offline_engine, count=4)
+    _greedy_through_router(deployment, offline_engine, count=4, recover_s=60)
 
 
 def test_bad_spec_is_refused_with_the_crds_message(deployment, models):
@@ -300,13 +316,14 @@ def test_v3_example_is_reported_not_crash_looping_without_gpus(deployment):
         pods = deployment.kube.list(f"/api/v1/namespaces/{NS}/pods", labelSelector=selector)
         unschedulable = [p for p in pods if any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
                                                 for c in p["status"].get("conditions", []))]
-        return pods if pods and len(unschedulable) == len(pods) else None
-    pods = _wait(pending_pods, 60, "V3 pods are not all Unschedulable", deployment.diagnose)
+        return pods if len(pods) == expected and len(unschedulable) == len(pods) else None
+    expected = sum(v3["spec"][r]["replicas"] * v3["spec"][r]["size"] for r in ("prefill", "decode"))
+    pods = _wait(pending_pods, 120, "V3 pods are not all Unschedulable", deployment.diagnose)
     assert all(not p["spec"].get("nodeName") for p in pods)
     def explained():
         c = deployment.kube.get(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{name}") or {}
         return c if any(x.get("reason") == "PodsUnschedulable" for x in (c.get("status") or {}).get("conditions", [])) else None
-    cr = _wait(explained, 30, "V3 status does not say its pods are unschedulable", deployment.diagnose)
+    cr = _wait(explained, 60, "V3 status does not say its pods are unschedulable", deployment.diagnose)
     conditions = {c["type"]: c for c in cr["status"]["conditions"]}
     assert cr["status"]["phase"] in ("Pending", "Failed"), cr["status"]
     assert conditions["Available"]["status"] == "False"
