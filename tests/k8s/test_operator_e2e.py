@@ -11,6 +11,8 @@ recreates its group, requests recover), decode scaled 1 -> 2, a bad spec refused
 with the CRD's CEL message, the V3/H200 example reported (not crash-looping) on a node without
 GPUs, and the deletion of the resource removing every child. Last, the audit log shows the
 operator was never denied anything. The tests run in file order on one module fixture.
+Debugging: K8SE2E_HOLD=SECONDS keeps the cluster up that long after a failed request (pod logs are
+under <basetemp>/kubelet0/pods/<uid>/logs; pass --basetemp, other runs rotate /tmp/pytest-of-*).
 """
 from __future__ import annotations
 
