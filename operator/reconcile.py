@@ -21,6 +21,7 @@ from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.model_status import model_state
 from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
+from deepseek_pd.operator.pod_scheduling import explain_unavailable
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
 from deepseek_pd.operator.router_rollout import router_rolled_out
 from deepseek_pd.operator.secret_reconcile import (
@@ -154,7 +155,7 @@ class Reconciler:
         now = _now()
         status = build_status(plans, revisions, floors, router, generation, previous, now, model)
         status["conditions"].append(secrets_condition(secret_problems, generation, previous, now))
-        return status
+        return explain_unavailable(status, pods)
 
     @staticmethod
     def _held_deletions(spec: DeploymentSpec, plans: dict[str, RolePlan], desired: list[Manifest],

@@ -33,3 +33,27 @@ def control_plane(tmp_path_factory):
 @pytest.fixture(scope="session")
 def admin_kube(control_plane) -> Kube:
     return Kube(control_plane.admin)
+
+
+@pytest.fixture(scope="session")
+def process_kubelet(control_plane, admin_kube, tmp_path_factory):
+    """One Node whose pods run as local processes (process_kubelet.py); skips without root."""
+    import os
+    import urllib.parse
+
+    from process_kubelet import KubeletConfig, ProcessKubelet, sandbox_support
+
+    reason = sandbox_support()
+    if reason:
+        pytest.skip(f"no process kubelet here: {reason}")
+    server = urllib.parse.urlsplit(control_plane.server)
+    # What an image of this project would give: its Python environment first on PATH.
+    image_env = {"PATH": f"{pathlib.Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+                 "HOME": os.environ.get("HOME", "/root"), "PYTHONUNBUFFERED": "1"}
+    kubelet = ProcessKubelet(admin_kube, KubeletConfig(
+        workdir=tmp_path_factory.mktemp("kubelet"), image_env=image_env,
+        apiserver=(server.hostname, server.port))).start()
+    try:
+        yield kubelet
+    finally:
+        kubelet.stop()

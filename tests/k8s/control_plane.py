@@ -35,7 +35,9 @@ READY_TIMEOUT_S = 90.0
 # heartbeats, and evicting its pods after 5 minutes would only make the tests flaky.
 CONTROLLERS = ("statefulset-controller,deployment-controller,replicaset-controller,"
                "garbage-collector-controller,serviceaccount-controller,namespace-controller,"
-               "serviceaccount-token-controller,endpointslice-controller")
+               "serviceaccount-token-controller,endpointslice-controller,"
+               # kube-root-ca.crt in every namespace: the ca.crt of service-account token volumes.
+               "root-ca-cert-publisher")
 
 
 class ControlPlaneUnavailable(RuntimeError):
