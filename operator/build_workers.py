@@ -20,6 +20,7 @@ from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.worker_security import secure_worker_pod, security_args
 
 Manifest = dict[str, Any]
+POD_DNS_NAME_ENV = "DEEPSEEK_PD_POD_DNS_NAME"
 
 DIST_INIT_PORT = 5757  # torch.distributed rendezvous on rank 0 of a multi-node group
 PROBE_PERIOD_SECONDS = 10
@@ -70,7 +71,9 @@ def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
             "--port", str(role.port), "--kv-transport", spec.kv_transfer.backend,
             "--device", "cuda" if role.gpus_per_pod else "cpu"]
     if role.role == "prefill":
-        args += ["--bootstrap-port", str(role.bootstrap_port)]
+        # The router hands decode this pod's DNS name (names.leader_address), which decode then
+        # names in its signed handshake: the bootstrap service must answer to it too.
+        args += ["--bootstrap-port", str(role.bootstrap_port), "--bootstrap-alias", f"$({POD_DNS_NAME_ENV})"]
     args += kv_protocol_args(spec) + worker_metrics_args(spec)
     par = role.parallelism
     for flag, value in (("--tp", par.tp), ("--dp", par.dp), ("--ep", par.ep)):
@@ -110,6 +113,10 @@ def _env(spec: DeploymentSpec, role: RoleSpec, index: int) -> list[dict[str, Any
         {"name": "DEEPSEEK_PD_WORKER_CONFIG",
          "value": f"{names.WORKER_CONFIG_DIR}/{names.WORKER_CONFIG_FILE}"},
         {"name": "DEEPSEEK_PD_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "DEEPSEEK_PD_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # This pod through its group's headless Service (the StatefulSet's serviceName).
+        {"name": POD_DNS_NAME_ENV, "value": f"$(DEEPSEEK_PD_POD_NAME).{names.group_name(spec.name, role.role, index)}"
+                                           f".{spec.namespace}.svc"},
     ]
     if spec.kv_transfer.backend == "mooncake":
         # Mooncake reads MC_FORCE_TCP itself; it agrees with --kv-protocol (a TCP fallback needs no

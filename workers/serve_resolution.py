@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 # Config fields that have their own `serve` flags, and so are not engine options.
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static"),
-                "bootstrap": ("host", "port", "auth", "prefill_peers"), "scheduler": ("chunked_prefill_size",),
+                "bootstrap": ("host", "port", "auth", "prefill_peers", "aliases"), "scheduler": ("chunked_prefill_size",),
                 "transport": ("advertise_host", "mooncake_protocol", "mooncake_device"),
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
@@ -88,6 +88,7 @@ class ServeFlags:
     served_model_name: str | None = None
     host: str = "127.0.0.1"  # bind address of the gRPC and bootstrap servers
     advertise_host: str | None = None  # the address peers reach this worker at; None: from host
+    bootstrap_aliases: tuple[str, ...] = ()  # prefill: other names decode may dial the bootstrap at
     port: int = 30001
     bootstrap_port: int = 8998
     kv_transport: str = "grpc"
@@ -141,7 +142,8 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
                                       **opts["transport"]),
             bootstrap=BootstrapConfig(host=flags.host, port=flags.bootstrap_port,
                                       auth=resolve_auth(flags.internal_secret_file, flags.insecure_internal),
-                                      prefill_peers=flags.prefill_peers, **opts["bootstrap"]),
+                                      prefill_peers=flags.prefill_peers, aliases=flags.bootstrap_aliases,
+                                      **opts["bootstrap"]),
             scheduler=SchedulerConfig(**scheduler_fields))
     except ValueError as exc:  # some configs raise ValueError rather than UserError
         raise UserError(str(exc)) from exc

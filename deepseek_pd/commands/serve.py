@@ -17,6 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--advertise-host", default=None,
                         help="address peers reach this worker at (KV transfer); default: --host, or "
                              "this machine's address when --host is 0.0.0.0 (the pod IP in Kubernetes)")
+    parser.add_argument("--bootstrap-alias", action="append", default=[], metavar="NAME",
+                        help="prefill: another name decode workers may dial this bootstrap service at "
+                             "(e.g. the pod's DNS name, which the router hands decode); repeatable")
     parser.add_argument("--port", type=int, default=30001, help="gRPC port (default 30001)")
     parser.add_argument("--bootstrap-port", type=int, default=8998,
                         help="prefill: port of the bootstrap (handshake/KV) service (default 8998)")
@@ -86,7 +89,7 @@ def flags_from_args(args: argparse.Namespace):
 
     return ServeFlags(
         role=args.role, model=args.model, served_model_name=args.served_model_name, host=args.host,
-        advertise_host=args.advertise_host, port=args.port, bootstrap_port=args.bootstrap_port,
+        advertise_host=args.advertise_host, bootstrap_aliases=tuple(args.bootstrap_alias), port=args.port, bootstrap_port=args.bootstrap_port,
         kv_transport=args.kv_transport, kv_protocol=args.kv_protocol, kv_devices=args.kv_devices,
         kv_tcp_fallback=args.kv_tcp_fallback, device=args.device, dtype=args.dtype, page_size=args.page_size,
         num_pages=args.num_pages, max_total_tokens=args.max_total_tokens,

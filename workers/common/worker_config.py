@@ -29,6 +29,9 @@ class BootstrapConfig:
     # decode: the only prefill bootstrap addresses ("host:port", a host may be a DNS name whose
     # addresses count too) a request may name; () allows loopback hosts only (decode/prefill_peers.py).
     prefill_peers: tuple[str, ...] = ()
+    # prefill: names besides host/advertise_host that decode may dial the bootstrap at, and so
+    # name in its tokens (a pod's DNS name through its group's headless Service).
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout_s", "claim_timeout_s", "transfer_timeout_s", "retry_initial_s",

@@ -68,6 +68,8 @@ class BootstrapServer:
         wildcard = config.host in ("0.0.0.0", "::", "")
         hosts = tuple(h for h in {config.host, advertise_host} if h) if not wildcard else (
             (advertise_host,) if advertise_host else ())
+        if hosts:  # () means any host; else the aliases count too
+            hosts = tuple(dict.fromkeys((*hosts, *config.aliases)))
         servicer = BootstrapServicer(registry, hosts, kv_streams)
         self.server.add_generic_rpc_handlers((_handlers(servicer),))
         try:  # grpc raises RuntimeError on a busy port (older versions returned 0)

@@ -89,7 +89,7 @@ def pages_equal(exchange: Exchange) -> bool:
 
 
 async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode_hook=None,
-                       sinks: list | None = None):
+                       sinks: list | None = None, dial_host: str = "127.0.0.1"):
     """Runs both sides concurrently; returns (prefill outcome, decode outcome), each a value or an exception.
 
     `sinks`, if given, receives the decode side's sink (to check it is marked failed).
@@ -102,7 +102,7 @@ async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode
     receiver = build_receiver(exchange.transport, exchange.dst.pool,
                               exchange.decode_transport_config or exchange.transport_config)
     client = BootstrapClient(exchange.bootstrap_config)
-    params = DisaggParams("127.0.0.1", server.port, room)
+    params = DisaggParams(dial_host, server.port, room)  # the host decode dials (and signs for)
     if sinks is not None:
         open_sink = receiver.open_sink
 
