@@ -21,6 +21,9 @@ chunk is written) or raises `TransferError`:
 Every handshake and abort is signed with the deployment secret, and the prefill side's ack and
 done must answer this stream's handshake (workers/common/internal_auth.py).
 
+A multi-rank prefill group keeps a room's KV on its DP rank `room % dp`: the handshake goes to that
+rank's own bootstrap endpoint, learnt from the named address's signed route table (prefill_routes.py).
+
 Cancelling the caller's task cancels the call, which the prefill side sees as "decode gone".
 """
 from __future__ import annotations
@@ -41,6 +44,7 @@ from deepseek_pd.workers.common.kv_transfer.base import KVSink, TransferError
 from deepseek_pd.workers.common.kv_transfer.wire import ChunkEvent, decode_event
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.prefill_peers import PrefillPeers
+from deepseek_pd.workers.decode.prefill_routes import PrefillRoutes, RouteUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +80,15 @@ class BootstrapClient:
         self.config = config
         self.identity = identity
         self.peers = PrefillPeers(config.prefill_peers)
+        self.routes = PrefillRoutes(config.auth, identity)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, params: DisaggParams) -> _BootstrapStub:
-        address = target(params.bootstrap_host, params.bootstrap_port)
+    def _channel(self, host: str, port: int) -> grpc.aio.Channel:
+        address = target(host, port)
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        return _BootstrapStub(channel)
+        return channel
 
     async def transfer(self, params: DisaggParams, handshake: pb.Handshake, sink: KVSink) -> pb.TransferDone:
         handshake.protocol_version = PROTOCOL_VERSION
@@ -101,8 +106,8 @@ class BootstrapClient:
                 call.cancel()
 
     async def _connect(self, params: DisaggParams, handshake: pb.Handshake, deadline: float):
-        stub = self._stub(params)
-        address = target(params.bootstrap_host, params.bootstrap_port)
+        origin = (params.bootstrap_host, params.bootstrap_port)
+        address = target(*origin)
         give_up = min(deadline, time.monotonic() + self.config.handshake_timeout_s)
         backoff = self.config.retry_initial_s
         last_error = "no attempt"
@@ -112,7 +117,15 @@ class BootstrapClient:
                 raise TransferError(FailureCode.UNAVAILABLE,
                                     f"prefill bootstrap {address} unreachable for "
                                     f"{self.config.handshake_timeout_s}s: {last_error}")
-            call = stub.Transfer(timeout=max(deadline - time.monotonic(), 0.001))
+            try:  # the prefill rank that holds this room (the named address itself for one rank)
+                endpoint = await self.routes.endpoint(self._channel(*origin), *origin, params.bootstrap_room)
+            except RouteUnavailable as exc:
+                last_error = f"route table: {exc}"
+                await asyncio.sleep(min(backoff, max(give_up - time.monotonic(), 0)))
+                backoff = min(backoff * 2, self.config.retry_max_s)
+                continue
+            address = target(*endpoint)
+            call = _BootstrapStub(self._channel(*endpoint)).Transfer(timeout=max(deadline - time.monotonic(), 0.001))
             # A fresh token per attempt: the prefill side refuses a nonce it has seen.
             self.config.auth.sign(handshake, "handshake", self.identity, address)
             try:
@@ -126,6 +139,8 @@ class BootstrapClient:
                 call.cancel()
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     last_error = exc.details() or "unavailable"
+                    if endpoint != origin:  # the group may have restarted with other rank endpoints
+                        self.routes.invalidate(*origin)
                     await asyncio.sleep(min(backoff, max(give_up - time.monotonic(), 0)))
                     backoff = min(backoff * 2, self.config.retry_max_s)
                     continue
@@ -218,10 +233,12 @@ class BootstrapClient:
             await self.peers.check(params.bootstrap_host, params.bootstrap_port)
         except TransferError:
             return  # never a connection to an address that is not a registered prefill worker
+        origin = (params.bootstrap_host, params.bootstrap_port)
+        endpoint = self.routes.cached(*origin, params.bootstrap_room, any_age=True) or origin  # the room's rank, if known
         message = pb.AbortRoom(room=params.bootstrap_room, reason=reason)
-        self.config.auth.sign(message, "abort", self.identity, target(params.bootstrap_host, params.bootstrap_port))
+        self.config.auth.sign(message, "abort", self.identity, target(*endpoint))
         try:
-            await self._stub(params).Abort(message, timeout=timeout_s)
+            await _BootstrapStub(self._channel(*endpoint)).Abort(message, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.debug("abort of room %d not delivered: %s", params.bootstrap_room, exc.code().name)
 

@@ -44,6 +44,9 @@ def _handlers(servicer: BootstrapServicer) -> grpc.GenericRpcHandler:
         "Abort": grpc.unary_unary_rpc_method_handler(
             servicer.Abort, request_deserializer=pb.AbortRoom.FromString,
             response_serializer=pb.AbortAck.SerializeToString),
+        "Route": grpc.unary_unary_rpc_method_handler(
+            servicer.Route, request_deserializer=pb.RouteRequest.FromString,
+            response_serializer=pb.RouteReply.SerializeToString),
     })
 
 
@@ -63,7 +66,7 @@ class BootstrapServer:
         wildcard = config.host in ("0.0.0.0", "::", "")
         hosts = tuple(h for h in {config.host, advertise_host} if h) if not wildcard else (
             (advertise_host,) if advertise_host else ())
-        servicer = BootstrapServicer(registry, hosts)
+        servicer = self.servicer = BootstrapServicer(registry, hosts)
         self.server.add_generic_rpc_handlers((_handlers(servicer),))
         try:  # grpc raises RuntimeError on a busy port (older versions returned 0)
             self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
