@@ -136,10 +136,11 @@ class LockstepModelThread:
 
     # ---- StepSync (called by the runner, in this thread) ------------------------------------------
     @contextlib.contextmanager
-    def forward(self, mode: ForwardMode) -> Iterator[None]:
-        self._tick(True, mode is ForwardMode.EXTEND)  # the MAX is "forward": everyone joins this one
+    def forward(self, mode: ForwardMode) -> Iterator[ForwardMode]:
+        # The MAX is "forward": everyone joins this one, in EXTEND mode if any rank extends.
+        _, extend = self._tick(True, mode is ForwardMode.EXTEND)
         try:
-            yield
+            yield ForwardMode.EXTEND if extend else ForwardMode.DECODE
         except BaseException as exc:
             self._fail(f"a forward failed on this rank, the group's collectives are out of step: {exc!r}")
             raise
