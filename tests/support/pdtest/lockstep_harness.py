@@ -6,7 +6,9 @@ A "forward" is one SUM all-reduce over the step group of a vector holding this r
 and its result (the sum of every rank's tokens) is checked against what each rank contributed.
 
 `run_script(world, script, options)` runs `script(rank, thread, step_group, report, options)` (a
-module-level async function) in every rank and returns each rank's `report` dict.
+module-level async function) in every rank and returns each rank's `report` dict. With
+`options["start_thread"] = False` the script starts the thread itself (after queueing jobs that
+must meet in the same ticks on every rank).
 """
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ def _rank_main(world: int, rank: int, port: int, script: Callable, results, opti
         thread = LockstepModelThread(f"r{rank}", group.control, idle_forward(group.step, world), leader=rank == 0,
                                      waker=group.waker if options.get("sleep", True) else None,
                                      on_failure=failures.append)
-        thread.start()
+        if options.get("start_thread", True):
+            thread.start()
         asyncio.run(script(rank, thread, group.step, report, options))
         report["failures"] = failures
         report.update(ticks=thread.ticks, sleeps=thread.sleeps, forwards=thread.forwards,
