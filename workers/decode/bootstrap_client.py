@@ -90,6 +90,10 @@ class BootstrapClient:
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         return channel
 
+    def _stub(self, params: DisaggParams) -> _BootstrapStub:
+        """The stub of the address `params` name itself (not routed to a rank)."""
+        return _BootstrapStub(self._channel(params.bootstrap_host, params.bootstrap_port))
+
     async def transfer(self, params: DisaggParams, handshake: pb.Handshake, sink: KVSink) -> pb.TransferDone:
         handshake.protocol_version = PROTOCOL_VERSION
         handshake.room = params.bootstrap_room
