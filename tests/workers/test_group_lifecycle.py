@@ -51,3 +51,25 @@ def test_sigterm_to_rank_zero_drains_and_the_follower_pod_exits_with_the_group(t
         status = follower.proc.wait(60)
         assert status == GROUP_STOPPED_EXIT != GROUP_FAILED_EXIT, follower.log_tail()
         assert "the group stopped" in follower.log_path.read_text(), follower.log_tail()
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_leader_pod_ends_a_sleeping_follower_as_failed(tmp_path) -> None:
+    """The group is idle (asleep: no ticks that would notice a dead peer); SIGKILL of the leader
+    pod must still end the follower pod within seconds, with GROUP_FAILED_EXIT: its wait on rank
+    0's store breaks with the connection."""
+    import time
+
+    from deepseek_pd.launcher.ports import pick_free_ports
+
+    init_port = pick_free_ports(1)[0]
+    pods = [GroupWorker("decode", ["--dp", "2", "--ep", "2", "--nnodes", "2", "--node-rank", str(i),
+                                   "--dist-init-addr", f"127.0.0.1:{init_port}"], tmp_path / f"pod{i}.log")
+            for i in range(2)]
+    with pods[0] as leader, pods[1] as follower:
+        asyncio.run(leader.wait_healthy())
+        time.sleep(random.uniform(1.0, 2.0))  # well past the idle ticks before the group sleeps
+        os.kill(leader.proc.pid, signal.SIGKILL)
+        started = time.monotonic()
+        assert follower.proc.wait(60) == GROUP_FAILED_EXIT, follower.log_tail()
+        assert time.monotonic() - started < 30, follower.log_tail()
