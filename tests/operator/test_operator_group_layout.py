@@ -84,7 +84,6 @@ def test_every_rendered_pod_resolves_to_the_layout_the_cr_meant(example, v3_node
 
     rng = random.Random()
     spec = _spec(example, rng)
-    monkeypatch.setenv("DEEPSEEK_PD_INTERNAL_SECRET_FILE", _secret(v3_node.parent))
     parser = build_parser()
     for role_name in names.ROLES:
         role = spec.role(role_name)
@@ -119,7 +118,6 @@ def test_a_pod_whose_ranks_outnumber_its_gpus_is_refused_at_resolution(v3_node, 
     from deepseek_pd.errors import UserError
     from deepseek_pd.workers.serve_resolution import resolve_serve_config
 
-    monkeypatch.setenv("DEEPSEEK_PD_INTERNAL_SECRET_FILE", _secret(v3_node.parent))
     gpus = random.randint(1, 7)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     argv = ["serve", "decode", "--model", str(v3_node), "--device", "cuda", "--dp", "16", "--ep", "16",
@@ -133,8 +131,3 @@ def _with_model(flags, model_dir: pathlib.Path | str):
 
     return dataclasses.replace(flags, model=str(model_dir))
 
-
-def _secret(directory: pathlib.Path) -> str:
-    from deepseek_pd.workers.common.internal_auth import create_secret_file
-
-    return str(create_secret_file(directory / "secret"))
