@@ -103,6 +103,7 @@ class LockstepModelThread:
         self._asleep_epoch: int | None = None
         self._epoch = 0
         self._stop_seen = False
+        self._ended = False  # the thread is over: nothing may be queued any more
         self._stopping = threading.Event()
         self.group_stopped = threading.Event()  # the group's stop tick was seen; the thread has ended
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -116,9 +117,7 @@ class LockstepModelThread:
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Runs `fn(*args)` in the model thread (as `ModelThread.run`); raises GroupStopped once the
-        group has stopped."""
-        if self.group_stopped.is_set():
-            raise GroupStopped(f"{self._name}: the group has stopped")
+        thread has ended (the group stopped)."""
         future: Future = Future()
         epoch = self._put((future, fn, args))
         if epoch is not None:
@@ -128,7 +127,10 @@ class LockstepModelThread:
     def close(self) -> None:
         """Ends the thread; on the leader, after telling every rank to stop (the stop tick)."""
         self._stopping.set()
-        epoch = self._put(None)
+        try:
+            epoch = self._put(None)
+        except GroupStopped:
+            return  # already over
         if epoch is not None:
             self._wake(epoch)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -212,8 +214,11 @@ class LockstepModelThread:
                 self._asleep_epoch = None
 
     def _put(self, item) -> int | None:
-        """Queues `item`; returns the epoch to wake if the thread sleeps with its group."""
+        """Queues `item`; returns the epoch to wake if the thread sleeps with its group. Raises
+        GroupStopped once the thread has ended (a job queued then would never run)."""
         with self._lock:
+            if self._ended:
+                raise GroupStopped(f"{self._name}: the group has stopped")
             self._jobs.put(item)
             return self._asleep_epoch
 
@@ -240,6 +245,8 @@ class LockstepModelThread:
 
     def _end(self) -> None:
         """The thread is over: jobs still queued fail, and (after a stop tick) `group_stopped` is set."""
+        with self._lock:
+            self._ended = True
         if self._stop_seen or self._leader:
             self.group_stopped.set()
         while True:
