@@ -40,7 +40,7 @@ from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.workers.builders import BUILDERS
 from deepseek_pd.workers.common.bootstrap_routes import RankEndpoint, RouteTable
 from deepseek_pd.workers.common.group_front import GroupFront
-from deepseek_pd.workers.common.lockstep import GROUP_STOPPED_EXIT, LockstepModelThread, _die
+from deepseek_pd.workers.common.lockstep import GROUP_STOPPED_EXIT, LockstepModelThread, exit_group_failed
 from deepseek_pd.workers.common.rank_group import join_group
 from deepseek_pd.workers.common.remote_engine import RemoteEngine
 from deepseek_pd.workers.common.serve_config import ServeConfig
@@ -142,7 +142,7 @@ async def _follow_until_group_stops(thread: LockstepModelThread, bound_s: float)
     stopped = asyncio.ensure_future(asyncio.to_thread(thread.group_stopped.wait))
     await asyncio.wait({stopped, overdue}, return_when=asyncio.FIRST_COMPLETED)
     if not thread.group_stopped.is_set():
-        _die(f"rank 0 did not stop the group within {bound_s:.0f}s of this rank's SIGTERM")
+        exit_group_failed(f"rank 0 did not stop the group within {bound_s:.0f}s of this rank's SIGTERM")
     overdue.cancel()
 
 

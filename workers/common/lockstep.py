@@ -71,7 +71,8 @@ class Waker(Protocol):
         ...
 
 
-def _die(message: str) -> None:
+def exit_group_failed(message: str) -> None:
+    """Ends this process with GROUP_FAILED_EXIT (its group is broken), after logging why."""
     log.critical("rank group failed: %s; exiting so the whole group restarts", message)
     logging.shutdown()
     os._exit(GROUP_FAILED_EXIT)
@@ -88,7 +89,7 @@ class LockstepModelThread:
     """
 
     def __init__(self, name: str, group: Any, idle_forward: Callable[[ForwardMode], None],
-                 idle_max_s: float = 0.02, on_failure: Callable[[str], None] = _die, leader: bool = False,
+                 idle_max_s: float = 0.02, on_failure: Callable[[str], None] = exit_group_failed, leader: bool = False,
                  waker: Waker | None = None, sleep_after_ticks: int = 8) -> None:
         self._name = name
         self._group = group
