@@ -68,7 +68,7 @@ class DeepseekDecoderLayer(nn.Module):
 
     def op_dispatch_a(self, state: OpState, batch: ForwardBatch) -> None:
         state["dispatch_handle"] = self.dispatcher.dispatch_a(
-            state["mlp_input"], state.pop("topk_ids"), state.pop("topk_weights"), batch.mode)
+            state["mlp_input"], state.pop("topk_ids"), state.pop("topk_weights"), batch.ep_mode)
 
     def op_dispatch_b(self, state: OpState, batch: ForwardBatch) -> None:
         state["dispatched"] = self.dispatcher.dispatch_b(state.pop("dispatch_handle"))

@@ -37,6 +37,10 @@ class _IdleBatch:
 
     mode: ForwardMode
 
+    @property
+    def ep_mode(self) -> ForwardMode:
+        return self.mode
+
 
 class DeepseekForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, options: BuildOptions = BuildOptions()) -> None:

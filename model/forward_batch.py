@@ -62,6 +62,14 @@ class ForwardBatch:
     page_lists: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
     # Per-batch metadata derived lazily by layers and shared by all of them (e.g. prefix chunks).
     derived: dict = field(default_factory=dict, repr=False)
+    # One rank of a group: the step's mode over all ranks (EXTEND if any rank extends), which the
+    # EP collectives follow (model/step_sync.py); None: this batch's own mode.
+    group_mode: ForwardMode | None = None
+
+    @property
+    def ep_mode(self) -> ForwardMode:
+        """The mode the MoE dispatcher and the TBO schedule of this step follow on every rank."""
+        return self.group_mode if self.group_mode is not None else self.mode
 
     @property
     def batch_size(self) -> int:

@@ -35,6 +35,7 @@ from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
 from deepseek_pd.model.kv_pool_sizing import GIB, GpuMemory, pages_for_gpu
 from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
+from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
 from deepseek_pd.model.parallel import ParallelInfo
 from deepseek_pd.model.step_sync import StepSync
 
@@ -270,9 +271,10 @@ class ModelRunner:
 
     def _run(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
              pages: list[Sequence[int]], input_ids: torch.Tensor | None = None,
-             progress: LayerProgress | None = None) -> torch.Tensor:
+             progress: LayerProgress | None = None, group_mode: ForwardMode | None = None) -> torch.Tensor:
         batch = ForwardBatch.build(mode, token_ids, prefix_lens, pages, self.kv_pool,
                                    self.model_config.vocab_size, self.model.options.device)
+        batch.group_mode = group_mode
         if input_ids is not None:
             batch.input_ids = _checked_device_ids(input_ids, batch.num_tokens)
         batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
@@ -283,12 +285,25 @@ class ModelRunner:
 
         `progress`, if given, is told as each layer's KV of the whole batch is written
         (`model/layer_progress.py`), while the forward goes on."""
-        with self._step(ForwardMode.EXTEND):
+        with self._step(ForwardMode.EXTEND) as group_mode:
             return self._run(ForwardMode.EXTEND, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
-                             [s.pages for s in seqs], progress=progress)
+                             [s.pages for s in seqs], progress=progress, group_mode=group_mode)
+
+    def record_expert_load(self) -> ExpertLoadRecorder:
+        """Starts counting this rank's tokens per routed expert and MoE layer (model/moe/expert_load.py)."""
+        if self.graphs is not None:
+            raise UserError("expert-load recording must start before CUDA graphs are captured "
+                            "(their replays would not record): run with cuda_graph=false")
+        moe_layers = [layer for layer in self.model.layers if layer.is_moe]
+        recorder = ExpertLoadRecorder(tuple(layer.layer_id for layer in moe_layers),
+                                      self.model_config.n_routed_experts, self.model.options.device)
+        for row, layer in enumerate(moe_layers):
+            layer.mlp.load_recorder = (recorder, row)
+        return recorder
 
     def _step(self, mode: ForwardMode):
-        return self.step_sync.forward(mode) if self.step_sync is not None else contextlib.nullcontext()
+        """The group's forward step (model/step_sync.py); yields the group's mode (alone: `mode`)."""
+        return self.step_sync.forward(mode) if self.step_sync is not None else contextlib.nullcontext(mode)
 
     def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
         """With EP: this rank has no requests this step but must join the other ranks' MoE
@@ -302,20 +317,21 @@ class ModelRunner:
         `token_id`s: the overlap scheduler feeds the previous step's samples without reading them
         back to the host. The caller guarantees they are in the vocabulary (the sampler's output is).
         """
-        with self._step(ForwardMode.DECODE):
-            if self.graphs is not None:
+        with self._step(ForwardMode.DECODE) as group_mode:
+            if self.graphs is not None and group_mode is ForwardMode.DECODE:  # graphs hold decode's collectives
                 logits = self.graphs.decode([s.token_id for s in seqs], [s.position for s in seqs],
                                             [s.pages for s in seqs], input_ids=input_ids)
                 if logits is not None:
                     self.decode_paths["cuda_graph"] += 1
                     return logits
             self.decode_paths["eager"] += 1
-            return self.decode_eager(seqs, input_ids)
+            return self.decode_eager(seqs, input_ids, group_mode)
 
-    def decode_eager(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_eager(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None,
+                     group_mode: ForwardMode | None = None) -> torch.Tensor:
         """`decode` without CUDA graphs (the fallback, and the oracle the graphs are tested against)."""
         return self._run(ForwardMode.DECODE, [[s.token_id] for s in seqs], [s.position for s in seqs],
-                         [s.pages for s in seqs], input_ids)
+                         [s.pages for s in seqs], input_ids, group_mode=group_mode)
 
 
 def _checked_device_ids(input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ one all-reduce and all fall back to the plain path if any rank cannot split.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ TBO_MOE_OPS: dict[ForwardMode, tuple[str, ...]] = {
     ForwardMode.DECODE: TBO_DECODE_MOE_OPS,
 }
 DELTA_STAGES: dict[ForwardMode, int] = {ForwardMode.EXTEND: 0, ForwardMode.DECODE: 2}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class TwoBatchOverlap:
         self.model = model
         self.parallel = parallel
         self.stages = {mode: build_stages(model, mode) for mode in ForwardMode}
+        self._split_logged = False
 
     def final_hidden(self, batch: ForwardBatch, trace: list[TraceEntry] | None = None,
                      progress: "LayerProgress | None" = None) -> torch.Tensor:
@@ -120,8 +123,14 @@ class TwoBatchOverlap:
         of a layer's KV write once both micro-batches have written it."""
         model = self.model
         cut = split_point(batch)
-        if not self.parallel.all_agree(cut is not None, batch.input_ids.device):
+        # Every rank splits, or none: a rank whose own mode is not the group's (it decodes while
+        # another extends) has the other schedule, so it votes no, as SGLang does for mixed modes.
+        if not self.parallel.all_agree(cut is not None and batch.ep_mode is batch.mode, batch.input_ids.device):
             return model.final_hidden(model.run_layers(batch, progress), batch.last_token_index)
+        if not self._split_logged:  # once: that the overlapped path runs here at all (logs, tests)
+            self._split_logged = True
+            log.info("two-batch overlap: split a %s batch of %d sequences at %d", batch.mode.name.lower(),
+                     batch.batch_size, cut)
         halves = (sub_batch(batch, 0, cut), sub_batch(batch, cut, batch.batch_size))
         states = [model.initial_state(half) for half in halves]
         stages = self.stages[batch.mode]

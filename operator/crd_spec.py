@@ -6,7 +6,7 @@ applies when an API server did not (`defaults.py`) all read this one tree.
 Parallelism, worked example (DeepSeek-V3 decode on 2 nodes of 8 H200):
     size=2, gpusPerPod=8  -> world = 16 GPUs per group
     tp=1, dp=16, ep=16    -> DP attention on 16 ranks, experts spread over 16 ranks (256/16 = 16 each)
-    tp*dp must equal world; ep must divide world and the routed-expert count.
+    tp*dp must equal world; ep is 1 or world, and divides the routed-expert count.
 """
 from __future__ import annotations
 
@@ -98,8 +98,11 @@ def role_schema(role: str) -> Schema:
                  f" : {_WORLD} % self.parallelism.dp == 0",
                  "parallelism.tp * parallelism.dp must equal size * gpusPerPod (GPUs per group; 1 "
                  "process per pod when gpusPerPod is 0)", ".parallelism"),
-            rule(f"{_WORLD} % self.parallelism.ep == 0",
-                 "parallelism.ep must divide size * gpusPerPod", ".parallelism.ep"),
+            # The workers spread experts over all ranks of a group or replicate them
+            # (workers/common/group_layout.py); any other ep would pass here and crash-loop there.
+            rule(f"self.parallelism.ep == 1 || self.parallelism.ep == {_WORLD}",
+                 "parallelism.ep must be 1 (experts replicated) or size * gpusPerPod (experts spread "
+                 "over every rank of the group)", ".parallelism.ep"),
             rule("self.deepepMode in ['none', 'auto'] || self.gpusPerPod > 0",
                  "deepepMode normal/low_latency needs GPUs (gpusPerPod > 0)", ".deepepMode"),
             rule(f"self.engineArgs.all(a, !a.matches('{_MANAGED_FLAG_REGEX}'))",

@@ -223,3 +223,27 @@ class AbortAck(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("auth",)
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    auth: AuthToken
+    def __init__(self, auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+
+class RankEndpoint(_message.Message):
+    __slots__ = ("host", "port")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class RouteReply(_message.Message):
+    __slots__ = ("dp_size", "ranks", "auth")
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    dp_size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankEndpoint]
+    auth: AuthToken
+    def __init__(self, dp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class BootstrapStub:
                 request_serializer=bootstrap__pb2.KVStreamMessage.SerializeToString,
                 response_deserializer=bootstrap__pb2.TransferEvent.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/deepseek_pd.pd.v1.Bootstrap/Route',
+                request_serializer=bootstrap__pb2.RouteRequest.SerializeToString,
+                response_deserializer=bootstrap__pb2.RouteReply.FromString,
+                _registered_method=True)
 
 
 class BootstrapServicer:
@@ -76,6 +81,17 @@ class BootstrapServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Route(self, request, context):
+        """Which rank of a multi-rank prefill group holds a room's KV. As in SGLang's PD, every DP rank
+        of a prefill group has its own bootstrap endpoint and the room's KV lives on DP rank
+        `room % dp_size`; the decode side asks the bootstrap port the router named (rank 0) for the
+        table once (cached briefly) and dials that rank. A server without Route (UNIMPLEMENTED) is
+        one rank. The reply is signed, so the decode side dials only endpoints its deployment vouches for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BootstrapServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +109,11 @@ def add_BootstrapServicer_to_server(servicer, server):
                     servicer.KVStream,
                     request_deserializer=bootstrap__pb2.KVStreamMessage.FromString,
                     response_serializer=bootstrap__pb2.TransferEvent.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=bootstrap__pb2.RouteRequest.FromString,
+                    response_serializer=bootstrap__pb2.RouteReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +197,33 @@ class Bootstrap:
             '/deepseek_pd.pd.v1.Bootstrap/KVStream',
             bootstrap__pb2.KVStreamMessage.SerializeToString,
             bootstrap__pb2.TransferEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepseek_pd.pd.v1.Bootstrap/Route',
+            bootstrap__pb2.RouteRequest.SerializeToString,
+            bootstrap__pb2.RouteReply.FromString,
             options,
             channel_credentials,
             insecure,

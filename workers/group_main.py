@@ -2,8 +2,14 @@
 
 On each node `serve` is the supervisor of that node's ranks (`run_node`): it starts one process
 per local rank (on a GPU node: one per GPU, rank = node_rank * local_ranks + local_rank), and when
-any of them exits it stops the others and exits non-zero, so the pod fails and Kubernetes (or
+any of them fails it stops the others and exits non-zero, so the pod fails and Kubernetes (or
 `up`) restarts the gang. A node with a single rank runs it in the supervisor's own process.
+
+Stopping (SIGTERM): rank 0 drains the group's requests (they all come through it), then its
+lockstep thread sends the stop tick, and every rank ends with `GROUP_STOPPED_EXIT` (0), on every
+node. A follower's own SIGTERM only starts a bound (drain timeout + STOP_GRACE_S) within which
+rank 0 must stop the group; a rank that leaves otherwise is a failure (`GROUP_FAILED_EXIT`, 3),
+which takes the whole group down.
 
 Each rank (`serve_rank`):
     1. joins the group (torch.distributed; rank 0's `--dist-init-addr`, or a free loopback port
@@ -32,8 +38,9 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.device import is_cuda
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.workers.builders import BUILDERS
+from deepseek_pd.workers.common.bootstrap_routes import RankEndpoint, RouteTable
 from deepseek_pd.workers.common.group_front import GroupFront
-from deepseek_pd.workers.common.lockstep import LockstepModelThread
+from deepseek_pd.workers.common.lockstep import GROUP_STOPPED_EXIT, LockstepModelThread, exit_group_failed
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.metrics_server import MetricsServer
 from deepseek_pd.workers.common.rank_group import join_group
@@ -69,9 +76,11 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
     layout = config.group
     config = rank_config(config, rank)
     group = await asyncio.to_thread(join_group, layout, rank, config.runner.device)
+    check_agreement(await asyncio.to_thread(group.exchange, agreement_of(config)), rank)
     holder: list[ModelRunner] = []
     thread = LockstepModelThread(f"{config.role}-model-r{rank}", group.control,
-                                 idle_forward=lambda mode: holder[0].idle(mode))
+                                 idle_forward=lambda mode: holder[0].idle(mode), leader=rank == 0,
+                                 waker=group.waker)
     runner = await asyncio.to_thread(ModelRunner, config.runner, parallel=group.parallel(), step_sync=thread)
     holder.append(runner)
     # Every rank exports its own engine's series (steps, its KV pool, its transfers) on its own
@@ -83,12 +92,18 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
     if config.metrics.enabled:
         exporter = MetricsServer(metrics, config.metrics.for_local_rank(rank - layout.node_ranks.start))
         await exporter.start()
+    publish_routes = getattr(engine, "publish_routes", None)  # prefill: the ranks' bootstrap endpoints
+    if rank == 0 and publish_routes is not None:
+        publish_routes(None)  # decode's Route calls wait until every rank's endpoint is known
     await engine.start()
     page_size = config.runner.page_size
     if rank == 0:
         endpoints = await asyncio.to_thread(group.exchange, None)
-        front = GroupFront([engine] + [RemoteEngine(address, r, page_size)
-                                       for r, address in enumerate(endpoints) if r > 0])
+        front = GroupFront([engine] + [RemoteEngine(e["engine"], r, page_size)
+                                       for r, e in enumerate(endpoints) if r > 0])
+        if publish_routes is not None:
+            publish_routes(RouteTable((RankEndpoint("", 0),) + tuple(RankEndpoint(*e["bootstrap"])
+                                                                     for e in endpoints[1:])))
         await front.start()
         served, server_config = front, config.server
     else:
@@ -98,7 +113,10 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
     try:
         if rank > 0:
             port = await server.start()
-            await asyncio.to_thread(group.exchange, f"{config.worker.transport.advertise_host}:{port}")
+            host = config.worker.transport.advertise_host
+            bootstrap_port = getattr(engine, "bootstrap_port", None)  # prefill ranks: their own endpoint
+            await asyncio.to_thread(group.exchange, {"engine": f"{host}:{port}", "bootstrap": (
+                None if bootstrap_port is None else (host, bootstrap_port))})
         thread.start()  # every rank is loaded and reachable: the ticks may begin
         if rank == 0:
             await server.start()
@@ -110,12 +128,60 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
         if exporter is not None:
             await exporter.stop()
         raise
-    server.install_signal_handlers()
     try:
-        await server.wait_for_shutdown()
+        if rank == 0:  # SIGTERM: drain the group's requests, then the stop tick ends every rank
+            server.install_signal_handlers()
+            await server.wait_for_shutdown()
+            return
+        await _follow_until_group_stops(thread, config.server.drain_timeout_s + STOP_GRACE_S)
+        await server.shutdown()
+        log.info("rank %d: the group stopped; exiting with status %d", rank, GROUP_STOPPED_EXIT)
     finally:
         if exporter is not None:
             await exporter.stop()
+
+
+async def _follow_until_group_stops(thread: LockstepModelThread, bound_s: float) -> None:
+    """A follower stops only with its group (its requests come through rank 0, which drains
+    them): SIGTERM starts a bound, within which rank 0 must stop the group, or this rank exits
+    as failed."""
+    loop = asyncio.get_running_loop()
+    overdue = loop.create_future()
+
+    def on_signal() -> None:
+        log.info("signal: this rank stops when rank 0 has drained and stops the group (at most %.0fs)", bound_s)
+        if not overdue.done():
+            loop.call_later(bound_s, lambda: overdue.done() or overdue.set_result(None))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    stopped = asyncio.ensure_future(asyncio.to_thread(thread.group_stopped.wait))
+    await asyncio.wait({stopped, overdue}, return_when=asyncio.FIRST_COMPLETED)
+    if not thread.group_stopped.is_set():
+        exit_group_failed(f"rank 0 did not stop the group within {bound_s:.0f}s of this rank's SIGTERM")
+    overdue.cancel()
+
+
+def agreement_of(config: ServeConfig) -> dict:
+    """What every rank of a group must have resolved alike: a difference changes the sequence or
+    the shape of the collectives (dispatcher, DeepEP mode, TBO, the layout), or the model itself."""
+    runner = config.runner
+    return {"role": config.role, "world": config.group.world, "ep": config.group.ep, "dp": config.group.dp,
+            "deepep_mode": config.group.deepep_mode, "dispatcher": runner.dispatcher,
+            "enable_tbo": runner.enable_tbo, "page_size": runner.page_size, "dtype": str(runner.dtype),
+            "model": config.model.served_model_name}
+
+
+def check_agreement(everyone: list[dict], rank: int) -> None:
+    """Raises UserError naming the first field in which some rank differs from rank 0."""
+    leader = everyone[0]
+    for other, theirs in enumerate(everyone):
+        for key, value in leader.items():
+            if theirs.get(key) != value:
+                hint = (" (DeepEP resolves to `deepep` only where deep_ep imports: install it on every node, "
+                        "or pass --deepep-mode none everywhere)" if key == "dispatcher" else "")
+                raise UserError(f"rank {other} resolved {key}={theirs.get(key)!r} but rank 0 resolved {value!r}: "
+                                f"every rank of a group must agree{hint}")
 
 
 def _rank_process(config: ServeConfig, rank: int) -> None:
@@ -168,10 +234,13 @@ def _supervise(config: ServeConfig, ranks: range) -> int:
     first = by_sentinel[multiprocessing.connection.wait(list(by_sentinel))[0]]
     procs[first].join()  # the sentinel is ready before the exit status is reaped
     status = procs[first].exitcode
-    if not stopping:
+    group_stopped = status == GROUP_STOPPED_EXIT  # rank 0 drained and stopped the group: all ranks end
+    if group_stopped and not stopping:
+        log.info("rank %d left with its group (rank 0 stopped it): waiting for the other ranks", first)
+    elif not stopping:
         log.error("rank %d exited with status %s: stopping the other ranks of the group", first, status)
     for proc in procs.values():
-        if proc.is_alive():
+        if proc.is_alive() and not group_stopped:
             proc.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
     for proc in procs.values():
@@ -179,6 +248,6 @@ def _supervise(config: ServeConfig, ranks: range) -> int:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    if stopping:
-        return 0
-    return status if status and status > 0 else 1  # a rank that ended on its own is a group failure
+    if stopping or group_stopped:
+        return GROUP_STOPPED_EXIT
+    return status if status and status > 0 else 1  # killed by a signal: a group failure

@@ -130,6 +130,7 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
                    "dispatcher": group.dispatcher(deepep_available=_deepep_available())}
     model_config = ModelConfig.from_hf(model_dir)
     runner = _runner_config(flags, defaults, model_dir, model_config, runner_opts)
+    _check_local_gpus(group, runner.device)
     scheduler_fields = dict(opts["scheduler"])
     if flags.chunked_prefill_size is not None:
         scheduler_fields["chunked_prefill_size"] = flags.chunked_prefill_size
@@ -212,6 +213,19 @@ def _group_layout(par: ParallelFlags, options: dict[str, Any]) -> GroupLayout:
         log.warning("--tp %d: attention runs data-parallel over all %d ranks (MLA's latent KV is not "
                     "sharded by heads; see workers/common/group_layout.py)", layout.tp, layout.world)
     return layout
+
+
+def _check_local_gpus(layout: GroupLayout, device: str) -> None:
+    """One process per GPU: this node's ranks need as many GPUs (a pod given fewer than the CR's
+    gpusPerPod would fail later, rank by rank, in torch.cuda.set_device)."""
+    if not is_cuda(device) or layout.is_single_process:
+        return
+    import torch
+
+    available = torch.cuda.device_count()
+    if layout.local_ranks > available:
+        raise UserError(f"this node runs {layout.local_ranks} ranks of the group (--tp x --dp = {layout.world} over "
+                        f"--nnodes {layout.nnodes}), one per GPU, but it has {available} GPU(s)")
 
 
 def _deepep_available() -> bool:

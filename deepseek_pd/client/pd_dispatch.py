@@ -65,8 +65,9 @@ class PDClient:
         )
 
     async def generate(self, input_ids: list[int], sampling: pb.SamplingParams, stream: bool = False,
-                       timeout_s: float | None = 120.0, request_id: str | None = None) -> PDResult:
-        request = self.build_request(input_ids, sampling, stream, request_id)
+                       timeout_s: float | None = 120.0, request_id: str | None = None,
+                       room: int | None = None) -> PDResult:
+        request = self.build_request(input_ids, sampling, stream, request_id, room)
         prefill, decode = await asyncio.gather(
             collect(self.prefill.generate(request, timeout_s)),
             collect(self.decode.generate(request, timeout_s)),

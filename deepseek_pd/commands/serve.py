@@ -58,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parallel.add_argument("--nnodes", type=int, default=1, help="nodes (pods) in this worker's group")
     parallel.add_argument("--node-rank", type=int, default=0, help="this pod's rank in the group")
     parallel.add_argument("--dist-init-addr", default="", help="HOST:PORT of rank 0, for torch.distributed")
+    parallel.add_argument("--enable-tbo", action="store_true",
+                          help="two-batch overlap: each batch as two micro-batches whose EP all-to-alls overlap "
+                               "the other's compute (the same as --engine-opt enable_tbo=true)")
     security = parser.add_argument_group("internal authentication (docs/operations.md, Security)")
     security.add_argument("--internal-secret-file", default=None,
                           help="file with the deployment secret that signs bootstrap/KV messages (default: "
@@ -96,8 +99,8 @@ def flags_from_args(args: argparse.Namespace):
         mem_fraction_static=args.mem_fraction_static, chunked_prefill_size=args.chunked_prefill_size,
         parallel=ParallelFlags(args.tp, args.dp, args.ep, args.deepep_mode, args.nnodes, args.node_rank,
                                args.dist_init_addr),
-        engine_options=tuple(args.engine_opt), drain_timeout_s=args.drain_timeout,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        engine_options=tuple(args.engine_opt) + (("enable_tbo=true",) if args.enable_tbo else ()),
+        drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         internal_secret_file=args.internal_secret_file, insecure_internal=args.insecure_internal,
         prefill_peers=tuple(p for p in args.prefill_peers.split(",") if p.strip()))
 

@@ -46,6 +46,7 @@ class DeepseekMoE(nn.Module):
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                      options.dtype, options.device)
             if config.n_shared_experts and not fused else None)
+        self.load_recorder = None  # (ExpertLoadRecorder, row) once recording is on (moe/expert_load.py)
 
     def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.float(), self.gate_weight)
@@ -53,6 +54,9 @@ class DeepseekMoE(nn.Module):
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (weights fp32 `[T, k + fused]`, ids long `[T, k + fused]`)."""
         weights, ids = self.choose(self.score(router_logits), self.e_score_correction_bias, self.spec)
+        if self.load_recorder is not None:
+            recorder, row = self.load_recorder
+            recorder.record(row, ids)
         weights = finish_weights(weights, self.spec)
         if self.num_fused_shared:
             n, device = router_logits.shape[0], router_logits.device

@@ -17,13 +17,11 @@ import logging
 from typing import AsyncIterator, Sequence
 
 from deepseek_pd.workers.common.api import Event, GenerateRequest, Loads, WorkerEngine
+from deepseek_pd.workers.common.bootstrap_routes import dp_rank_for_room
 
 log = logging.getLogger(__name__)
 
-
-def dp_rank_for_room(room: int, dp: int) -> int:
-    """The DP rank of a PD request's bootstrap room, the same on the prefill and the decode side."""
-    return room % dp
+__all__ = ["GroupFront", "dp_rank_for_room"]
 
 
 class GroupFront:

@@ -5,22 +5,34 @@ one rank of many. Every rank schedules its own requests (DP attention: its own b
 pool); what the ranks agree on is only *when a forward happens*, through one tiny all-reduce,
 the tick, over the group's step process group:
 
-    tick([wants_forward, is_extend])  ->  MAX over the ranks
-      a rank about to run a forward ticks [1, mode]      (`forward()`, the runner's `StepSync` hook)
-      a rank with nothing to run ticks [0, 0]            (the thread's idle loop)
+    tick([wants_forward, is_extend, stop])  ->  MAX over the ranks
+      a rank about to run a forward ticks [1, mode, 0]   (`forward()`, the runner's `StepSync` hook)
+      a rank with nothing to run ticks [0, 0, 0]         (the thread's idle loop)
+      rank 0, closing, ticks [0, 0, 1]                    (the group's stop, after rank 0 drained)
       if the MAX says "forward", every rank runs one: its own, or an idle one (`runner.idle`) that
       joins the MoE all-to-alls with zero tokens (the seed's `is_non_idle_and_non_empty` case)
       if it says "nothing", every rank waits a little (the same backoff on all ranks, up to
-      `idle_max_s`) and ticks again, so a new request starts within that time
+      `idle_max_s`) and ticks again; after `sleep_after_ticks` such ticks in a row the whole group
+      sleeps (below)
+      if it says "stop", every rank finishes that step and its thread ends: `group_stopped` is set
 
 Invariant: every tick that says "forward" is followed by exactly one forward on every rank, so
 the collectives inside the forwards pair up. Jobs that run no forward (collecting a step's tokens)
 run between ticks and need no agreement.
 
+Sleeping (`waker`, e.g. the group's TCPStore: rank_group.StoreWaker): an idle group does not tick
+at all. The decision to sleep follows from tick results, so every rank makes it at the same tick
+and counts the same sleep `epoch`. A sleeping rank blocks in `waker.wait(epoch)` (no CPU, no
+traffic); whoever gets a job during the sleep (`run`, `close`, or this thread finding its queue
+non-empty just as it would sleep) calls `waker.wake(epoch)`, which wakes every rank at once, and
+the ticks resume. A wake for an old epoch is ignored, so two ranks waking the group at once cannot
+leave a rank ticking alone.
+
 Failure: a collective that fails (a peer died: gloo sees its sockets close) or times out
 (`collective_timeout_s`, a hung peer), or any exception inside a forward (the collective sequence is
 then unknown), ends this process with `GROUP_FAILED_EXIT` and a log line naming the cause, so
-the whole group goes down together and its supervisor (or Kubernetes) restarts the gang.
+the whole group goes down together and its supervisor (or Kubernetes) restarts the gang. A rank
+that left through the group's stop exits with `GROUP_STOPPED_EXIT` (group_main.py).
 """
 from __future__ import annotations
 
@@ -31,7 +43,7 @@ import os
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 
@@ -41,10 +53,26 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 GROUP_FAILED_EXIT = 3  # the exit status of a rank whose group broke (a peer died or hung)
+GROUP_STOPPED_EXIT = 0  # the exit status of every rank after rank 0 drained and stopped the group
 _IDLE_MIN_S = 0.001
 
 
-def _die(message: str) -> None:
+class GroupStopped(RuntimeError):
+    """The group has stopped (rank 0 drained and closed it): no more forwards on this rank."""
+
+
+class Waker(Protocol):
+    def wait(self, epoch: int) -> None:
+        """Blocks until some rank calls `wake(epoch)` (or raises: the group is gone)."""
+        ...
+
+    def wake(self, epoch: int) -> None:
+        """Ends every rank's `wait(epoch)`, now or as soon as they call it."""
+        ...
+
+
+def exit_group_failed(message: str) -> None:
+    """Ends this process with GROUP_FAILED_EXIT (its group is broken), after logging why."""
     log.critical("rank group failed: %s; exiting so the whole group restarts", message)
     logging.shutdown()
     os._exit(GROUP_FAILED_EXIT)
@@ -55,44 +83,67 @@ class LockstepModelThread:
 
     `group` is the torch.distributed process group the ticks use (CPU tensors: gloo); `idle_forward`
     is what a rank with no forward of its own runs when another rank forwards (`runner.idle`).
-    Call `start()` once every rank is up (ticks before that would time out on a loading peer).
+    `leader`: this rank's `close()` stops the whole group (rank 0). `waker`: lets an idle group sleep
+    (None: it keeps ticking every `idle_max_s`). Call `start()` once every rank is up (ticks before
+    that would time out on a loading peer).
     """
 
     def __init__(self, name: str, group: Any, idle_forward: Callable[[ForwardMode], None],
-                 idle_max_s: float = 0.02, on_failure: Callable[[str], None] = _die) -> None:
+                 idle_max_s: float = 0.02, on_failure: Callable[[str], None] = exit_group_failed, leader: bool = False,
+                 waker: Waker | None = None, sleep_after_ticks: int = 8) -> None:
         self._name = name
         self._group = group
         self._idle_forward = idle_forward
         self._idle_max_s = idle_max_s
         self._on_failure = on_failure
+        self._leader = leader
+        self._waker = waker
+        self._sleep_after_ticks = sleep_after_ticks
         self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # the queue's puts vs the thread's decision to sleep
+        self._asleep_epoch: int | None = None
+        self._epoch = 0
+        self._stop_seen = False
+        self._ended = False  # the thread is over: nothing may be queued any more
         self._stopping = threading.Event()
+        self.group_stopped = threading.Event()  # the group's stop tick was seen; the thread has ended
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._in_thread = threading.local()
         self.forwards = 0  # this rank's own forwards (tests)
         self.idle_forwards = 0  # idle forwards run for other ranks (tests)
+        self.ticks = 0  # all-reduce ticks of this rank (tests, benches)
+        self.sleeps = 0  # times this rank slept with its group (tests, benches)
 
     def start(self) -> None:
         self._thread.start()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        """Runs `fn(*args)` in the model thread (as `ModelThread.run`)."""
+        """Runs `fn(*args)` in the model thread (as `ModelThread.run`); raises GroupStopped once the
+        thread has ended (the group stopped)."""
         future: Future = Future()
-        self._jobs.put((future, fn, args))
+        epoch = self._put((future, fn, args))
+        if epoch is not None:
+            await asyncio.to_thread(self._wake, epoch)
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
+        """Ends the thread; on the leader, after telling every rank to stop (the stop tick)."""
         self._stopping.set()
-        self._jobs.put(None)
+        try:
+            epoch = self._put(None)
+        except GroupStopped:
+            return  # already over
+        if epoch is not None:
+            self._wake(epoch)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=10)
 
     # ---- StepSync (called by the runner, in this thread) ------------------------------------------
     @contextlib.contextmanager
-    def forward(self, mode: ForwardMode) -> Iterator[None]:
-        self._tick(True, mode is ForwardMode.EXTEND)  # the MAX is "forward": everyone joins this one
+    def forward(self, mode: ForwardMode) -> Iterator[ForwardMode]:
+        # The MAX is "forward": everyone joins this one, in EXTEND mode if any rank extends.
+        _, extend = self._tick(True, mode is ForwardMode.EXTEND)
         try:
-            yield
+            yield ForwardMode.EXTEND if extend else ForwardMode.DECODE
         except BaseException as exc:
             self._fail(f"a forward failed on this rank, the group's collectives are out of step: {exc!r}")
             raise
@@ -100,46 +151,116 @@ class LockstepModelThread:
 
     # ---- the thread ---------------------------------------------------------------------------
     def _main(self) -> None:
-        idle_s = _IDLE_MIN_S
-        while True:
-            try:
-                item = self._jobs.get(timeout=idle_s) if self._jobs.empty() else self._jobs.get_nowait()
-            except queue.Empty:
-                item = ()
-            if item is None:  # close()
-                return
-            if item:
-                future, fn, args = item
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(*args))
-                    except BaseException as exc:  # the engine sees it; a broken group already exited
-                        future.set_exception(exc)
-                idle_s = _IDLE_MIN_S
-                continue
-            wants, extend = self._tick(False, False)
-            if wants:
+        idle_s, idle_ticks = _IDLE_MIN_S, 0
+        try:
+            while not self._stop_seen:
                 try:
-                    self._idle_forward(ForwardMode.EXTEND if extend else ForwardMode.DECODE)
-                except Exception as exc:
-                    self._fail(f"an idle forward failed: {exc!r}")
-                self.idle_forwards += 1
-                idle_s = _IDLE_MIN_S
-            else:  # the whole group is idle: every rank backs off alike
-                idle_s = min(idle_s * 2, self._idle_max_s)
+                    item = self._jobs.get(timeout=idle_s) if self._jobs.empty() else self._jobs.get_nowait()
+                except queue.Empty:
+                    item = ()
+                if item is None:  # close()
+                    if self._leader:  # the other ranks finish this step with us, then end too
+                        self._join_step(*self._tick(False, False, stop=True))
+                    return
+                if item:
+                    self._run_job(*item)
+                    idle_s, idle_ticks = _IDLE_MIN_S, 0
+                    continue
+                if self._join_step(*self._tick(False, False)):
+                    idle_s, idle_ticks = _IDLE_MIN_S, 0
+                    continue
+                idle_ticks += 1  # the whole group is idle: every rank counts alike
+                if self._waker is not None and idle_ticks >= self._sleep_after_ticks and not self._stop_seen:
+                    self._sleep()
+                    idle_s, idle_ticks = _IDLE_MIN_S, 0
+                else:
+                    idle_s = min(idle_s * 2, self._idle_max_s)
+        finally:
+            self._end()
 
-    def _tick(self, wants: bool, extend: bool) -> tuple[bool, bool]:
+    def _run_job(self, future: Future, fn: Callable, args: tuple) -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # the engine sees it; a broken group already exited
+                future.set_exception(exc)
+
+    def _join_step(self, wants: bool, extend: bool) -> bool:
+        """After a tick of this rank's idle loop: the idle forward the group's step asks for, if any."""
+        if not wants:
+            return False
+        try:
+            self._idle_forward(ForwardMode.EXTEND if extend else ForwardMode.DECODE)
+        except Exception as exc:
+            self._fail(f"an idle forward failed: {exc!r}")
+        self.idle_forwards += 1
+        return True
+
+    def _sleep(self) -> None:
+        self._epoch += 1
+        with self._lock:
+            busy = not self._jobs.empty()
+            if not busy:
+                self._asleep_epoch = self._epoch
+        if busy:  # a job came in as the group decided to sleep: the others are asleep now
+            self._wake(self._epoch)
+            return
+        self.sleeps += 1
+        try:
+            self._waker.wait(self._epoch)
+        except Exception as exc:
+            self._fail(f"the group's wake-up channel broke while idle: {exc!r}")
+        finally:
+            with self._lock:
+                self._asleep_epoch = None
+
+    def _put(self, item) -> int | None:
+        """Queues `item`; returns the epoch to wake if the thread sleeps with its group. Raises
+        GroupStopped once the thread has ended (a job queued then would never run)."""
+        with self._lock:
+            if self._ended:
+                raise GroupStopped(f"{self._name}: the group has stopped")
+            self._jobs.put(item)
+            return self._asleep_epoch
+
+    def _wake(self, epoch: int) -> None:
+        try:
+            self._waker.wake(epoch)
+        except Exception as exc:
+            self._fail(f"cannot wake the group: {exc!r}")
+
+    def _tick(self, wants: bool, extend: bool, stop: bool = False) -> tuple[bool, bool]:
         import torch.distributed as dist
 
-        flags = torch.tensor([int(wants), int(extend)], dtype=torch.int32)
+        flags = torch.tensor([int(wants), int(extend), int(stop)], dtype=torch.int32)
         try:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         except Exception as exc:
             self._fail(f"a peer rank left or stopped answering: {exc}")
             raise
+        self.ticks += 1
+        if flags[2] and not self._stop_seen:  # this step's forward still runs everywhere, then the end
+            log.info("%s: rank 0 stopped the group", self._name)
+            self._stop_seen = True
         return bool(flags[0]), bool(flags[1])
 
+    def _end(self) -> None:
+        """The thread is over: jobs still queued fail, and (after a stop tick) `group_stopped` is set."""
+        with self._lock:
+            self._ended = True
+        if self._stop_seen or self._leader:
+            self.group_stopped.set()
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if item:
+                future = item[0]
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(GroupStopped(f"{self._name}: the group has stopped"))
+
     def _fail(self, message: str) -> None:
-        if self._stopping.is_set():
+        if self._stopping.is_set() or self._stop_seen:
             raise SystemExit(0)  # shutting down: peers leaving is expected
         self._on_failure(message)

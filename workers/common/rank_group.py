@@ -6,11 +6,15 @@
     step     the ranks' per-step process group, with `collective_timeout_s`: the MoE all-to-alls
              (through `ParallelInfo`) and, on CPU, the lockstep ticks
     control  on GPU a gloo group for the ticks (CPU tensors, no device sync); on CPU it is `step`
+    waker    the lockstep thread's wake-up channel while the group sleeps (`StoreWaker`: keys in
+             rank 0's TCPStore, which torch.distributed already runs for the rendezvous)
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +26,52 @@ from deepseek_pd.workers.common.group_layout import GroupLayout
 log = logging.getLogger(__name__)
 
 
+class StoreWaker:
+    """`lockstep.Waker` over the group's TCPStore: `wake(e)` sets key e, `wait(e)` blocks on it.
+
+    Two clients of their own (a blocked `wait` holds its connection): one for the model thread's
+    waits, one for the wakes that come from the event loop. TCPStore's `wait` is answered by the
+    server when the key appears (no polling). Old keys are deleted by the next wake: once any rank
+    wakes epoch e, every rank is past its wait for e - 1.
+    """
+
+    _PREFIX = "deepseek_pd/lockstep/wake/"
+
+    def __init__(self, host: str, port: int, poll_s: float = 30.0) -> None:
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=poll_s)
+        self._waits = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        self._wakes = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        self._wake_lock = threading.Lock()
+        self._poll = timeout
+
+    def wait(self, epoch: int) -> None:
+        key = f"{self._PREFIX}{epoch}"
+        while True:
+            started = time.monotonic()
+            try:
+                self._waits.wait([key], self._poll)
+                return
+            except Exception:  # noqa: BLE001 - torch raises its store errors under several names
+                if time.monotonic() - started < 0.9 * self._poll.total_seconds():
+                    raise  # not a timeout: the store (rank 0) is gone
+                # a long idle period: wait again
+
+    def wake(self, epoch: int) -> None:
+        with self._wake_lock:
+            self._wakes.set(f"{self._PREFIX}{epoch}", b"1")
+            if epoch > 1:
+                self._wakes.delete_key(f"{self._PREFIX}{epoch - 1}")
+
+
 @dataclass
 class RankGroup:
     layout: GroupLayout
     rank: int
     step: Any
     control: Any
+    waker: StoreWaker | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -76,4 +120,4 @@ def join_group(layout: GroupLayout, rank: int, device: str) -> RankGroup:
     timeout = datetime.timedelta(seconds=layout.collective_timeout_s)
     step = dist.new_group(backend=backend, timeout=timeout)
     control = step if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return RankGroup(layout, rank, step, control)
+    return RankGroup(layout, rank, step, control, StoreWaker(host, port))

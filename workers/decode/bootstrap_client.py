@@ -23,6 +23,9 @@ written) or raises a `RequestFailure` (workers/common/request_failure.py):
 Every handshake and abort is signed with the deployment secret, and the prefill side's ack and
 done must answer this stream's handshake (workers/common/internal_auth.py).
 
+A multi-rank prefill group keeps a room's KV on its DP rank `room % dp`: the handshake goes to that
+rank's own bootstrap endpoint, learnt from the named address's signed route table (prefill_routes.py).
+
 Cancelling the caller's task cancels the call, which the prefill side sees as "decode gone".
 """
 from __future__ import annotations
@@ -46,6 +49,7 @@ from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.chunk_ingest import ChunkIngest
 from deepseek_pd.workers.decode.kv_streams import KVStreamReader
 from deepseek_pd.workers.decode.prefill_peers import PrefillPeers
+from deepseek_pd.workers.decode.prefill_routes import PrefillRoutes, RouteUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -84,30 +88,35 @@ class BootstrapClient:
         self.config = config
         self.identity = identity
         self.peers = PrefillPeers(config.prefill_peers)
+        self.routes = PrefillRoutes(config.auth, identity)
         self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
 
-    def _stub(self, params: DisaggParams, stream: int = 0) -> _BootstrapStub:
-        """Stream 0 (Transfer, Abort) shares one connection per prefill worker; extra KV stream i
-        gets a connection of its own, reused by the next room's stream i."""
-        address = target(params.bootstrap_host, params.bootstrap_port)
+    def _channel(self, host: str, port: int, stream: int = 0) -> grpc.aio.Channel:
+        """Stream 0 (Transfer, Abort, Route) shares one connection per prefill endpoint; extra KV
+        stream i gets a connection of its own, reused by the next room's stream i."""
+        address = target(host, port)
         channel = self._channels.get((address, stream))
         if channel is None:
             # A channel of its own subchannel pool opens its own connection.
             options = _CHANNEL_OPTIONS + ([("grpc.use_local_subchannel_pool", 1)] if stream else [])
             channel = self._channels[(address, stream)] = grpc.aio.insecure_channel(address, options=options)
-        return _BootstrapStub(channel)
+        return channel
+
+    def _stub(self, params: DisaggParams) -> _BootstrapStub:
+        """The stub of the address `params` name itself (not routed to a rank)."""
+        return _BootstrapStub(self._channel(params.bootstrap_host, params.bootstrap_port))
 
     async def transfer(self, params: DisaggParams, handshake: pb.Handshake, sink: KVSink) -> pb.TransferDone:
         handshake.protocol_version = PROTOCOL_VERSION
         handshake.room = params.bootstrap_room
         await self.peers.check(params.bootstrap_host, params.bootstrap_port)  # before any connection
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        call, ack = await self._connect(params, handshake, deadline)
+        call, ack, endpoint = await self._connect(params, handshake, deadline)
         window = max(1, ack.credit_window)
         finished = False
         readers: list[KVStreamReader] = []
         try:
-            await self._open_kv_streams(params, handshake, ack, sink, window, deadline, readers)
+            await self._open_kv_streams(params, endpoint, handshake, ack, sink, window, deadline, readers)
             done = await self._follow(call, window, sink, deadline, params, handshake.auth.nonce, readers)
             finished = True
             return done
@@ -118,17 +127,19 @@ class BootstrapClient:
             for reader in readers:  # the pages may be freed only once no write into them runs
                 await reader.close(cancel=not finished)
 
-    async def _open_kv_streams(self, params: DisaggParams, handshake: pb.Handshake, ack: pb.HandshakeAck,
-                               sink: KVSink, window: int, deadline: float, readers: list[KVStreamReader]) -> None:
-        """Opens the room's extra KV streams 1 .. kv_streams-1 (appended to `readers` as they open)."""
+    async def _open_kv_streams(self, params: DisaggParams, endpoint: tuple[str, int], handshake: pb.Handshake,
+                               ack: pb.HandshakeAck, sink: KVSink, window: int, deadline: float,
+                               readers: list[KVStreamReader]) -> None:
+        """Opens the room's extra KV streams 1 .. kv_streams-1 to the prefill rank that accepted the
+        handshake (`endpoint`), appended to `readers` as they open."""
         count = max(1, ack.kv_streams)
         offered = max(1, handshake.grpc.streams) if handshake.WhichOneof("destination") == "grpc" else 1
         if count > offered:
             raise TransferError(FailureCode.INTERNAL, f"prefill announced {count} KV streams for room "
                                 f"{params.bootstrap_room}, decode offered {offered}")
-        address = target(params.bootstrap_host, params.bootstrap_port)
+        address = target(*endpoint)
         for index in range(1, count):
-            call = self._stub(params, index).KVStream(timeout=max(deadline - time.monotonic(), 0.001))
+            call = _BootstrapStub(self._channel(*endpoint, stream=index)).KVStream(timeout=max(deadline - time.monotonic(), 0.001))
             opening = pb.KVStreamOpen(room=params.bootstrap_room, index=index)
             self.config.auth.sign(opening, "kvstream", self.identity, address,
                                   f"room={params.bootstrap_room};index={index}", handshake.auth.nonce)
@@ -140,8 +151,8 @@ class BootstrapClient:
                                     f"{params.bootstrap_room} could not be opened: {exc!r}") from None
 
     async def _connect(self, params: DisaggParams, handshake: pb.Handshake, deadline: float):
-        stub = self._stub(params)
-        address = target(params.bootstrap_host, params.bootstrap_port)
+        origin = (params.bootstrap_host, params.bootstrap_port)
+        address = target(*origin)
         give_up = min(deadline, time.monotonic() + self.config.handshake_timeout_s)
         backoff = self.config.retry_initial_s
         last_error = "no attempt"
@@ -151,7 +162,15 @@ class BootstrapClient:
                 raise TransferError(FailureCode.UNAVAILABLE,
                                     f"prefill bootstrap {address} unreachable for "
                                     f"{self.config.handshake_timeout_s}s: {last_error}")
-            call = stub.Transfer(timeout=max(deadline - time.monotonic(), 0.001))
+            try:  # the prefill rank that holds this room (the named address itself for one rank)
+                endpoint = await self.routes.endpoint(self._channel(*origin), *origin, params.bootstrap_room)
+            except RouteUnavailable as exc:
+                last_error = f"route table: {exc}"
+                await asyncio.sleep(min(backoff, max(give_up - time.monotonic(), 0)))
+                backoff = min(backoff * 2, self.config.retry_max_s)
+                continue
+            address = target(*endpoint)
+            call = _BootstrapStub(self._channel(*endpoint)).Transfer(timeout=max(deadline - time.monotonic(), 0.001))
             # A fresh token per attempt: the prefill side refuses a nonce it has seen.
             self.config.auth.sign(handshake, "handshake", self.identity, address)
             try:
@@ -165,6 +184,8 @@ class BootstrapClient:
                 call.cancel()
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     last_error = exc.details() or "unavailable"
+                    if endpoint != origin:  # the group may have restarted with other rank endpoints
+                        self.routes.invalidate(*origin)
                     await asyncio.sleep(min(backoff, max(give_up - time.monotonic(), 0)))
                     backoff = min(backoff * 2, self.config.retry_max_s)
                     continue
@@ -184,7 +205,7 @@ class BootstrapClient:
                 call.cancel()
                 raise TransferError(FailureCode.INTERNAL, f"bootstrap {address} is not this deployment's "
                                     f"prefill worker: {exc}") from None
-            return call, first.accepted
+            return call, first.accepted, endpoint
 
     async def _follow(self, call, window: int, sink: KVSink, deadline: float, params: DisaggParams,
                       challenge: bytes, readers: list[KVStreamReader]) -> pb.TransferDone:
@@ -272,10 +293,12 @@ class BootstrapClient:
             await self.peers.check(params.bootstrap_host, params.bootstrap_port)
         except TransferError:
             return  # never a connection to an address that is not a registered prefill worker
+        origin = (params.bootstrap_host, params.bootstrap_port)
+        endpoint = self.routes.cached(*origin, params.bootstrap_room, any_age=True) or origin  # the room's rank, if known
         message = pb.AbortRoom(room=params.bootstrap_room, reason=reason)
-        self.config.auth.sign(message, "abort", self.identity, target(params.bootstrap_host, params.bootstrap_port))
+        self.config.auth.sign(message, "abort", self.identity, target(*endpoint))
         try:
-            await self._stub(params).Abort(message, timeout=timeout_s)
+            await _BootstrapStub(self._channel(*endpoint)).Abort(message, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.debug("abort of room %d not delivered: %s", params.bootstrap_room, exc.code().name)
 

@@ -48,6 +48,9 @@ def _handlers(servicer: BootstrapServicer) -> grpc.GenericRpcHandler:
         "Abort": grpc.unary_unary_rpc_method_handler(
             servicer.Abort, request_deserializer=pb.AbortRoom.FromString,
             response_serializer=pb.AbortAck.SerializeToString),
+        "Route": grpc.unary_unary_rpc_method_handler(
+            servicer.Route, request_deserializer=pb.RouteRequest.FromString,
+            response_serializer=pb.RouteReply.SerializeToString),
     })
 
 
@@ -70,7 +73,7 @@ class BootstrapServer:
             (advertise_host,) if advertise_host else ())
         if hosts:  # () means any host; else the aliases count too
             hosts = tuple(dict.fromkeys((*hosts, *config.aliases)))
-        servicer = BootstrapServicer(registry, hosts, kv_streams)
+        servicer = self.servicer = BootstrapServicer(registry, hosts, kv_streams)
         self.server.add_generic_rpc_handlers((_handlers(servicer),))
         try:  # grpc raises RuntimeError on a busy port (older versions returned 0)
             self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")

@@ -30,6 +30,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION, code_to_pb, kv_stream_count
+from deepseek_pd.workers.common.bootstrap_routes import RouteTable
 from deepseek_pd.workers.common.internal_auth import AuthError, ReplayGuard
 from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
 from deepseek_pd.workers.common.request_failure import TransferError
@@ -49,6 +50,8 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         self.hosts = {host.lower() for host in hosts}
         self.port = 0
         self.guard = ReplayGuard(self.auth.max_skew_s)
+        # A group's rank 0 publishes its DP ranks' endpoints here (None: the group is still forming).
+        self.routes: RouteTable | None = RouteTable()
 
     @property
     def identity(self) -> str:
@@ -237,6 +240,19 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             log.warning("refused an abort of room %d from %s: %s", request.room, context.peer(), exc)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         return pb.AbortAck(found=self.registry.abort(request.room, request.reason))
+
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteReply:
+        """This group's DP ranks' bootstrap endpoints (one rank: only this one), signed back."""
+        try:
+            token = self._check(request, "route")
+        except AuthError as exc:
+            log.warning("refused a route request from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        if self.routes is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill group is still forming")
+        reply = self.routes.to_proto()
+        self.auth.sign(reply, "route", self.identity, token.sender, challenge=token.nonce)
+        return reply
 
 
 async def _first_message(requests: AsyncIterator[pb.DecodeMessage], timeout_s: float) -> pb.DecodeMessage | None:

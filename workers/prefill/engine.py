@@ -33,6 +33,7 @@ from deepseek_pd.model.sampling import Sampler, SamplingState
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
+from deepseek_pd.workers.common.bootstrap_routes import RouteTable
 from deepseek_pd.workers.common.kv_transfer import build_sender
 from deepseek_pd.workers.common.extend_step import run_extend
 from deepseek_pd.workers.common.metrics import WorkerMetrics
@@ -88,6 +89,7 @@ class PrefillEngine:
         self.registry: RoomRegistry | None = None
         self.server: BootstrapServer | None = None
         self.sender = None
+        self._routes: RouteTable | None = RouteTable()  # one rank until a group publishes its table
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -97,6 +99,7 @@ class PrefillEngine:
         self.server = BootstrapServer(self.registry, self.config.bootstrap, transport.max_chunk_bytes,
                                       transport.advertise_host,
                                       kv_streams=transport.grpc_streams if self.config.kv_transport == "grpc" else 1)
+        self.server.servicer.routes = self._routes
         await self.server.start()
         self._loop_task = asyncio.create_task(self._schedule_loop(), name="prefill-scheduler")
         log.info("prefill engine: KV transport %s, %d bytes of latent KV per token (%d layers x %d x %d B)",
@@ -107,6 +110,13 @@ class PrefillEngine:
     def bootstrap_port(self) -> int:
         assert self.server is not None, "start() first"
         return self.server.port
+
+    def publish_routes(self, routes: RouteTable | None) -> None:
+        """Rank 0 of a prefill group: every DP rank's bootstrap endpoint, for decode's `Route` calls
+        (None before the group has formed: `Route` answers UNAVAILABLE, and decode retries)."""
+        self._routes = routes
+        if self.server is not None:
+            self.server.servicer.routes = routes
 
     async def stop(self) -> None:
         for rid in list(self._requests):

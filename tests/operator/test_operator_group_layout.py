@@ -1,0 +1,133 @@
+"""Every pod the operator renders for a multi-rank group, resolved by `serve` itself.
+
+For each example (the V3 multi-node one, and cpu-minimal with 2-pod groups) and each role, the
+pods of a group are rendered, their `$(VAR)` arguments expanded from the pod's own env as the
+kubelet does (LWS_WORKER_INDEX from the pod-index label, LWS_LEADER_ADDRESS), parsed by the real
+CLI parser and resolved by `resolve_serve_config`. The resulting `GroupLayout` must be the one the
+CR meant: tp x dp ranks over `size` nodes, `gpusPerPod` local ranks each, this pod's node rank,
+rank 0's rendezvous address, the CR's DeepEP mode and expert parallelism.
+
+The V3 pods ask for `--device cuda` and Mooncake over the listed RDMA devices; this machine has
+neither, so the test pretends to be such a node (8 GPUs, those HCAs) and uses V3's real
+config.json (transformers' DeepseekV3Config defaults). Nothing else is faked.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import re
+
+import pytest
+import yaml
+
+from deepseek_pd.cli import build_parser
+from deepseek_pd.commands.serve import flags_from_args
+from deepseek_pd.operator import names
+from deepseek_pd.operator.build_workers import DIST_INIT_PORT, build_group_statefulset
+from deepseek_pd.operator.spec import DeploymentSpec
+
+pytestmark = pytest.mark.timeout(120)
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+_VAR = re.compile(r"\$\(([A-Z_][A-Z0-9_]*)\)")
+
+
+def _pod_env(container: dict, pod_index: int) -> dict[str, str]:
+    """The container's env as the kubelet fills it for the pod with this index."""
+    env = {}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = item["value"]
+            continue
+        field = item["valueFrom"].get("fieldRef", {}).get("fieldPath", "")
+        if field == f"metadata.labels['{names.LABEL_POD_INDEX}']":
+            env[item["name"]] = str(pod_index)
+        elif field == "status.podIP":
+            env[item["name"]] = f"10.0.{pod_index}.7"
+    return env
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def _spec(example: str, rng: random.Random) -> DeploymentSpec:
+    raw = yaml.safe_load((EXAMPLES / example).read_text())["spec"]
+    if example == "cpu-minimal.yaml":  # 2-pod groups of one CPU rank each, as a user scales it up
+        for role in ("prefill", "decode"):
+            raw[role]["size"] = 2
+            raw[role]["parallelism"] = rng.choice([{"dp": 2, "ep": 2}, {"tp": 2, "dp": 1, "ep": 1},
+                                                   {"dp": 2, "ep": 1}])
+    return DeploymentSpec.parse("demo", "llm", raw)
+
+
+@pytest.fixture
+def v3_node(tmp_path, monkeypatch) -> pathlib.Path:
+    """A GPU node with the V3 example's HCAs, and a directory with V3's config.json."""
+    import torch
+    from transformers import DeepseekV3Config
+
+    from deepseek_pd.workers import serve_resolution
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(serve_resolution, "usable_rdma_devices", lambda: tuple(f"mlx5_{i}" for i in range(8)))
+    model = tmp_path / "DeepSeek-V3"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(DeepseekV3Config().to_dict()))
+    return model
+
+
+@pytest.mark.parametrize("example", ["deepseek-v3-h200.yaml", "cpu-minimal.yaml"])
+def test_every_rendered_pod_resolves_to_the_layout_the_cr_meant(example, v3_node, monkeypatch) -> None:
+    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+
+    rng = random.Random()
+    spec = _spec(example, rng)
+    parser = build_parser()
+    for role_name in names.ROLES:
+        role = spec.role(role_name)
+        index = rng.randrange(role.replicas)
+        statefulset = build_group_statefulset(spec, role_name, index)
+        assert statefulset["spec"]["replicas"] == role.size
+        container = statefulset["spec"]["template"]["spec"]["containers"][0]
+        leader = names.leader_address(spec.name, role_name, index, spec.namespace)
+        for pod_index in range(role.size):
+            env = _pod_env(container, pod_index)
+            argv = [_expand(arg, env) for arg in container["args"]]
+            assert not any(_VAR.search(arg) for arg in argv), argv  # the kubelet expands every one
+            flags = flags_from_args(parser.parse_args(argv))
+            # The image's weights are not here: V3's config, or the generated tiny checkpoint.
+            flags = _with_model(flags, v3_node if example == "deepseek-v3-h200.yaml" else "tiny")
+            layout = resolve_serve_config(flags).group
+            par = role.parallelism
+            assert (layout.tp, layout.dp, layout.ep) == (par.tp, par.dp, par.ep), argv
+            assert layout.world == role.world_size and layout.local_ranks == max(role.gpus_per_pod, 1)
+            assert layout.nnodes == role.size and layout.node_rank == pod_index
+            if role.size > 1:
+                assert layout.dist_init_addr == f"{leader}:{DIST_INIT_PORT}"
+            assert layout.deepep_mode == (role.deepep_mode if par.ep > 1 else "none")
+            assert list(layout.node_ranks) == list(range(pod_index * layout.local_ranks,
+                                                         (pod_index + 1) * layout.local_ranks))
+
+
+def test_a_pod_whose_ranks_outnumber_its_gpus_is_refused_at_resolution(v3_node, monkeypatch) -> None:
+    """`--dp 16 --nnodes 2` needs 8 GPUs per pod: on a node with fewer, serve says so at once."""
+    import torch
+
+    from deepseek_pd.errors import UserError
+    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+
+    gpus = random.randint(1, 7)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    argv = ["serve", "decode", "--model", str(v3_node), "--device", "cuda", "--dp", "16", "--ep", "16",
+            "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "leader.svc:5757"]
+    with pytest.raises(UserError, match=f"8 ranks.*{gpus} GPU"):
+        resolve_serve_config(flags_from_args(build_parser().parse_args(argv)))
+
+
+def _with_model(flags, model_dir: pathlib.Path | str):
+    import dataclasses
+
+    return dataclasses.replace(flags, model=str(model_dir))
+

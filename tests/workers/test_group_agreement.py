@@ -1,0 +1,60 @@
+"""Every rank of a group must resolve the same dispatcher, DeepEP mode, TBO and layout: ranks on
+different nodes resolve `serve` on their own (deep_ep may import on one node and not another), and
+a difference would pair the wrong collectives. The check runs right after the group forms."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.workers.group_main import agreement_of, check_agreement
+from deepseek_pd.workers.serve_resolution import ParallelFlags, ServeFlags, resolve_serve_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _resolved(**parallel):
+    return resolve_serve_config(ServeFlags(role="decode", model="tiny", device="cpu",
+                                           parallel=ParallelFlags(**parallel)))
+
+
+def test_ranks_that_resolved_alike_agree_and_any_difference_is_named() -> None:
+    rng = random.Random()
+    world = rng.choice([2, 4])
+    mine = agreement_of(_resolved(dp=world, ep=world, deepep_mode=rng.choice(["none", "auto", "normal"])))
+    check_agreement([dict(mine) for _ in range(world)], 0)
+    other = rng.randrange(1, world)
+    key = rng.choice(sorted(mine))
+    everyone = [dict(mine) for _ in range(world)]
+    everyone[other][key] = "something else"
+    with pytest.raises(UserError, match=f"rank {other} resolved {key}=.*rank 0 resolved"):
+        check_agreement(everyone, rng.randrange(world))
+
+
+def test_a_node_without_deep_ep_is_told_what_to_do() -> None:
+    mine = agreement_of(_resolved(dp=2, ep=2, deepep_mode="normal"))
+    theirs = {**mine, "dispatcher": "deepep" if mine["dispatcher"] != "deepep" else "all_to_all"}
+    with pytest.raises(UserError, match="deep_ep imports"):
+        check_agreement([mine, theirs], 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_pods_with_different_deepep_modes_refuse_to_start(tmp_path) -> None:
+    """Two pods of one group, rendered with different --deepep-mode: both stop at start-up with the
+    reason, instead of serving with mismatched dispatch layouts."""
+    from deepseek_pd.launcher.ports import pick_free_ports
+    from pdtest.group_harness import GroupWorker
+
+    rng = random.Random()
+    modes = rng.sample(["none", "normal", "low_latency", "auto"], 2)
+    init_port = pick_free_ports(1)[0]
+    pods = [GroupWorker("decode", ["--dp", "2", "--ep", "2", "--nnodes", "2", "--node-rank", str(i),
+                                   "--dist-init-addr", f"127.0.0.1:{init_port}", "--deepep-mode", modes[i]],
+                        tmp_path / f"pod{i}.log") for i in range(2)]
+    with pods[0] as leader, pods[1] as follower:
+        for pod in (leader, follower):
+            assert pod.proc.wait(120) == 2, pod.log_tail()
+            text = pod.log_path.read_text()
+            assert "resolved deepep_mode=" in text and "every rank of a group must agree" in text, pod.log_tail()
