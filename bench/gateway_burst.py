@@ -14,8 +14,10 @@ Every stream ends as exactly one of:
 - hung: no end within `--hang-after-s` (the stream is then cancelled).
 After each burst the router must still answer `/liveness`, and every worker's KV pool must be
 back to zero (GetLoads) within `--drain-s`. The last thing printed is one table, a row per policy:
-completed / failed / hung over all its bursts, TTFT p50 / p99 of the completed streams, and whether
-the router stayed live and the pools drained. `--json` also writes every row and the config.
+completed / failed / hung over all its bursts, TTFT p50 / p99 of the completed streams, the prefix
+cache hit rate (the prefill workers' cached / prompt tokens, from each answer's meta_info: what
+`cache_aware` is for, with more than one prefill worker), and whether the router stayed live and
+the pools drained. `--json` also writes every row and the config.
 
 On a 2-core CPU use a small N (`--streams 200`); the tiny model keeps the workers cheap, so what
 is measured is mostly the gateway and the PD handshake under a burst.
@@ -58,6 +60,8 @@ class Outcome:
     status: str  # "completed" | "failed" | "hung"
     ttft_s: float | None = None
     detail: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefill worker found in its radix cache
 
 
 @dataclass
@@ -70,6 +74,7 @@ class PolicyRow:
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     wall_s: float = 0.0
+    cache_hit_pct: float | None = None  # cached / prompt tokens over completed streams
     router_live: bool = True
     pools_drained: bool = True
     errors: dict[str, int] = field(default_factory=dict)  # first words of each failure, counted
@@ -106,6 +111,7 @@ async def one_stream(session, url: str, model: str, prompt: list[int], config: B
     ttft = None
     tokens = 0
     reason = None
+    meta: dict = {}
     async with session.post(f"{url}/generate", json=body) as response:
         if response.status != 200:
             return Outcome("failed", detail=f"HTTP {response.status}: {(await response.text())[:120]}")
@@ -116,11 +122,13 @@ async def one_stream(session, url: str, model: str, prompt: list[int], config: B
             if ids and ttft is None:
                 ttft = time.perf_counter() - start
             tokens += len(ids)
-            reason = ((event.get("meta_info") or {}).get("finish_reason") or {})
+            meta = event.get("meta_info") or meta
+            reason = (meta.get("finish_reason") or {})
             reason = reason.get("type") if isinstance(reason, dict) else reason
     if tokens != config.max_new_tokens or reason != "length":
         return Outcome("failed", ttft, f"{tokens} tokens, finish {reason!r} (want {config.max_new_tokens}, 'length')")
-    return Outcome("completed", ttft)
+    return Outcome("completed", ttft, prompt_tokens=int(meta.get("prompt_tokens") or 0),
+                   cached_tokens=int(meta.get("cached_tokens") or 0))
 
 
 async def guarded(coro, hang_after_s: float) -> Outcome:
@@ -166,6 +174,7 @@ async def run_bursts(url: str, model: str, workers: list[str], vocab: int, confi
 
     rng = random.Random(config.seed)
     ttfts: list[float] = []
+    prompt_tokens = cached_tokens = 0
     started = time.perf_counter()
     connector = aiohttp.TCPConnector(limit=0)  # every stream in flight at once
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -178,6 +187,8 @@ async def run_bursts(url: str, model: str, workers: list[str], vocab: int, confi
                 setattr(row, outcome.status, getattr(row, outcome.status) + 1)
                 if outcome.status == "completed" and outcome.ttft_s is not None:
                     ttfts.append(outcome.ttft_s)
+                    prompt_tokens += outcome.prompt_tokens
+                    cached_tokens += outcome.cached_tokens
                 if outcome.detail:
                     key = outcome.detail[:60]
                     row.errors[key] = row.errors.get(key, 0) + 1
@@ -197,6 +208,7 @@ async def run_bursts(url: str, model: str, workers: list[str], vocab: int, confi
     p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
     row.ttft_p50_ms = None if p50 is None else p50 * 1000
     row.ttft_p99_ms = None if p99 is None else p99 * 1000
+    row.cache_hit_pct = 100 * cached_tokens / prompt_tokens if prompt_tokens else None
 
 
 def worker_addresses(log_dir: Path, url: str) -> list[str]:
@@ -247,11 +259,12 @@ def format_table(rows: list[PolicyRow], config: BurstConfig) -> str:
     lines = [f"{config.bursts} burst(s) x {config.streams} concurrent streams, {config.max_new_tokens} "
              f"tokens each, prompts {config.prompt_len[0]}-{config.prompt_len[1]} tokens",
              "| policy | streams | completed | failed | hung | TTFT p50 ms | TTFT p99 ms | wall s "
-             "| router live | pools drained |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| prefix cache hit | router live | pools drained |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.policy} | {r.streams} | {r.completed} | {r.failed} | {r.hung} | {ms(r.ttft_p50_ms)} "
-                     f"| {ms(r.ttft_p99_ms)} | {r.wall_s:.1f} | {'yes' if r.router_live else 'NO'} "
+                     f"| {ms(r.ttft_p99_ms)} | {r.wall_s:.1f} "
+                     f"| {'-' if r.cache_hit_pct is None else f'{r.cache_hit_pct:.0f}%'} | {'yes' if r.router_live else 'NO'} "
                      f"| {'yes' if r.pools_drained else 'NO'} |")
     for r in rows:
         for detail, count in sorted(r.errors.items(), key=lambda kv: -kv[1])[:3]:

@@ -149,3 +149,58 @@ def test_decode_killed_mid_load_requests_complete_or_fail_cleanly(cluster) -> No
         for worker in cluster.workers:
             assert await wait_for_pages(worker.address(host), 0, timeout_s=30) == 0, worker.process.name
     asyncio.run(after())
+
+
+def test_decode_killed_after_first_tokens_ends_streams_with_one_wellformed_error(cluster) -> None:
+    """Once tokens have reached the client a retry would duplicate them: smg must not retry, and
+    the stream must end with exactly one error event that is valid JSON, after the right tokens."""
+    import json
+
+    rng = random.Random()
+    engine = offline_engine()
+    max_new = 400
+    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(5, 30))] for _ in range(6)]
+    expected = [offline_greedy(engine, p, max_new)[0] for p in prompts]
+    host = cluster.spec.host
+    started = [asyncio.Event() for _ in prompts]
+
+    async def one(session, index: int):
+        body = {"model": cluster.served_model_name, "input_ids": prompts[index], "stream": True,
+                "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}}
+        ids, errors = [], []
+        async with session.post(f"{cluster.router_url}/generate", json=body) as response:
+            assert response.status == 200, await response.text()
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data:"):])  # a malformed event fails here
+                if event.get("error"):
+                    errors.append(event["error"])
+                ids.extend(event.get("output_ids") or [])
+                if len(ids) >= 2:
+                    started[index].set()
+        started[index].set()
+        return ids, errors
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            tasks = [asyncio.create_task(one(session, i)) for i in range(len(prompts))]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            holders = [w for w in cluster.decode_workers() if await used_pages(w.address(host)) > 0]
+            assert holders, "no decode worker holds a running stream"
+            victim = rng.choice(holders)
+            victim.process.send_signal(signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_DEADLINE_S)
+
+    results = asyncio.run(main())
+    cut = 0
+    for (ids, errors), want in zip(results, expected):
+        assert ids == want[:len(ids)], "streamed tokens must be the offline engine's, never repeated"
+        if errors:
+            assert len(errors) == 1 and str(errors[0]), errors
+            assert len(ids) < max_new
+            cut += 1
+        else:
+            assert ids == want
+    assert cut >= 1, "killing a decode worker mid-stream ended no stream"
