@@ -29,8 +29,14 @@ ROUTER_MODULE = "smg.launch_router"
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 
 # Both roles, for `up`. Under sglang-router 0.3.2, 3 of 7 bursts of 1,000 concurrent streams
-# deadlocked cache_aware's tree while round_robin survived 8 of 8 (FACTS). Not yet re-measured
-# under smg: a burst benchmark should confirm or change this choice.
+# deadlocked cache_aware's tree (FACTS). Under smg 1.13, bench/gateway_burst.py (docs/performance.md,
+# 2026-12-03, CPU, tiny model) found every policy safe: 2 x 1,000 streams (1P2D) and 2 x 300
+# (2P2D) per policy, all completed, none failed or hung, router live, pools drained. TTFT p50/p99
+# did not separate the policies beyond the noise of a shared 2-core machine. cache_aware raised the
+# prefill prefix-cache hit rate with two prefill workers (27% vs 15% round_robin, 8-9% others):
+# that is why the operator, which runs many prefill groups, defaults to it. `up` usually runs one
+# prefill worker, where every request meets the same cache whatever the policy, so it keeps the
+# stateless, evenly spreading round_robin.
 DEFAULT_POLICY = "round_robin"
 POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 
