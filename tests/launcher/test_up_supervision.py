@@ -18,11 +18,12 @@ import pytest
 
 from deepseek_pd.launcher.cluster import ClusterSpec, LocalCluster
 from deepseek_pd.launcher.supervisor import SupervisorConfig
+from pdtest import servicer_fakes
 from pdtest.servicer_fakes import expected_tokens, make_tokenizer_model_dir
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
-FAKE_FACTORY = f"{Path(__file__).with_name('servicer_fakes.py')}:build_fake_engine"
+FAKE_FACTORY = f"{Path(servicer_fakes.__file__)}:build_fake_engine"  # tests/support/pdtest/
 FAST = SupervisorConfig(initial_backoff_s=0.2, probe_interval_s=0.5, probe_timeout_s=0.5, probe_failures=2)
 
 
