@@ -34,6 +34,7 @@ class UpSpec:
     kv_transport: str = "grpc"
     startup_timeout_s: float = 300.0
     stop_grace_s: float = 30.0
+    up_args: tuple[str, ...] = ()  # further `up` flags, e.g. ("--policy", "cache_aware")
 
 
 class UpProcess:
@@ -50,7 +51,7 @@ class UpProcess:
                 "--prefill", str(spec.num_prefill), "--decode", str(spec.num_decode),
                 "--kv-transport", spec.kv_transport, "--log-dir", str(spec.log_dir),
                 "--startup-timeout", str(int(spec.startup_timeout_s)),
-                *[f"--worker-arg={arg}" for arg in spec.worker_args]]
+                *[f"--worker-arg={arg}" for arg in spec.worker_args], *spec.up_args]
 
     @property
     def control_plane_key_file(self) -> Path:

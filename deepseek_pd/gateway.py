@@ -29,12 +29,37 @@ ROUTER_MODULE = "smg.launch_router"
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 
 # Both roles, for `up`. Under sglang-router 0.3.2, 3 of 7 bursts of 1,000 concurrent streams
-# deadlocked cache_aware's tree while round_robin survived 8 of 8 (FACTS). Not yet re-measured
-# under smg: a burst benchmark should confirm or change this choice.
+# deadlocked cache_aware's tree (FACTS). Under smg 1.13, bench/gateway_burst.py (docs/performance.md,
+# 2026-12-03, CPU, tiny model) found every policy safe: 2 x 1,000 streams (1P2D) and 2 x 300
+# (2P2D) per policy, all completed, none failed or hung, router live, pools drained. TTFT p50/p99
+# did not separate the policies beyond the noise of a shared 2-core machine. cache_aware raised the
+# prefill prefix-cache hit rate with two prefill workers (27% vs 15% round_robin, 8-9% others):
+# that is why the operator, which runs many prefill groups, defaults to it. `up` usually runs one
+# prefill worker, where every request meets the same cache whatever the policy, so it keeps the
+# stateless, evenly spreading round_robin.
 DEFAULT_POLICY = "round_robin"
 POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 
 CONTROL_PLANE_KEY_ID = "deepseek-pd"
+
+# Retries. smg retries a request whose answer is 408/429/500/502/503/504, by running the whole PD
+# dispatch again: a fresh prefill/decode pick, a fresh request id (uuid suffix) and a fresh
+# bootstrap_room, so the failed attempt's room and KV pages are never touched by the new one
+# (each side frees them on the failure; a late peer meets the prefill's tombstone). What makes
+# that safe for a user is when the status is decided: a streamed answer starts (200) only once
+# both workers' gRPC streams have started, and ours start with their first message, i.e. the
+# first token. So a decode worker that dies before the first token fails the attempt (503, or
+# 504 after the prefill's handshake timeout) and the request runs again elsewhere; once a token
+# has reached the client, a failure is one error event and never a retry (no duplicated tokens).
+# An unstreamed answer is sent only when complete, so retrying it is safe at any point. Worker
+# answers that are the client's fault (INVALID_ARGUMENT -> 400) are never retried.
+# `--retry-max-retries N` is N attempts in all (smg: "max_retries.max(1)" tries; 1 = none).
+# The backoff must outlast the health checks that take a dead worker out of rotation (2 s x 2
+# locally, 5 s x 3 in Kubernetes): a connect to a dead port fails in a millisecond, so short
+# backoffs spend every attempt on the same dead worker (measured: 4 attempts in 1.4 s all met
+# "tcp connect error"). 1.5, 3, 6, 8 s (+-20% jitter) give 5 attempts over ~18.5 s.
+RETRY_ARGS = ("--retry-max-retries", "5", "--retry-initial-backoff-ms", "1500",
+              "--retry-backoff-multiplier", "2", "--retry-max-backoff-ms", "8000")
 
 
 def new_key() -> str:

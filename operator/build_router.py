@@ -63,11 +63,13 @@ SCHEDULE_AND_PULL_SECONDS = 900
 # requests for this long after SIGTERM; the pod's grace period must cover it (the default 30 s
 # would cut long generations).
 SHUTDOWN_GRACE_SECONDS = 180
-# The gateway (sglang-router 0.3.2; smg kept as is) counts every worker error against its circuit breaker, our INVALID_ARGUMENT
-# answers to bad client requests included (measured with `deepseek-pd up`): a handful of malformed
-# requests would open the breaker on healthy workers. Health checks still remove dead workers, and
-# one retry still moves a request off a worker that died under it.
-ROUTER_RESILIENCE_ARGS = ("--disable-circuit-breaker", "--retry-max-retries", "1",
+# The gateway counts every worker error against its circuit breaker, our INVALID_ARGUMENT answers
+# to bad client requests included (measured with `deepseek-pd up`): a handful of malformed requests
+# would open the breaker on healthy workers, so it stays off. Health checks remove dead workers, and
+# retries (gateway.RETRY_ARGS: when they are safe, and why the backoff outlasts these health checks)
+# move a request whose worker died before its first token to another pair. (smg's
+# `--retry-max-retries 1`, used before, means one attempt: no retry at all.)
+ROUTER_RESILIENCE_ARGS = ("--disable-circuit-breaker", *gateway.RETRY_ARGS,
                           "--health-check-interval-secs", "5", "--health-failure-threshold", "3")
 
 

@@ -25,6 +25,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                         help="extra flag passed to every `deepseek-pd serve` (repeatable; "
                              "use --worker-arg=--page-size=16)")
+    parser.add_argument("--policy", default=None,
+                        help="the gateway's load-balancing policy for both roles: random, round_robin, "
+                             "cache_aware or power_of_two (default: deepseek_pd/gateway.py's DEFAULT_POLICY, "
+                             "chosen by bench/gateway_burst.py)")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="file holding the key clients must send (Authorization: Bearer KEY) to the "
                              "router's API; default: open, which is what 127.0.0.1 is for")
@@ -33,7 +37,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cluster_spec_from_args(args: argparse.Namespace):
-    from deepseek_pd.gateway import read_key_file
+    from deepseek_pd.gateway import DEFAULT_POLICY, read_key_file
     from deepseek_pd.launcher.cluster import ClusterSpec
 
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
@@ -41,6 +45,7 @@ def cluster_spec_from_args(args: argparse.Namespace):
                        mem_fraction_static=args.mem_fraction_static, host=args.host, router_port=args.port,
                        log_dir=args.log_dir, worker_args=tuple(args.worker_arg),
                        startup_timeout_s=args.startup_timeout,
+                       policy=getattr(args, "policy", None) or DEFAULT_POLICY,
                        client_api_key=read_key_file(getattr(args, "api_key_file", None), "--api-key-file")).validate()
 
 

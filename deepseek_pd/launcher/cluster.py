@@ -36,11 +36,12 @@ logger = logging.getLogger(__name__)
 
 KV_TRANSPORTS = ("grpc", "mooncake")
 
-# Router flags for a local cluster. The router retries a failed request up to 5 times and counts
-# every failure (even our INVALID_ARGUMENT answers) against a circuit breaker, so a few bad
-# requests would take the only worker pair out of service for a minute. Locally there is no other
-# pair to fail over to; health checks every 2 s remove a dead worker instead.
-ROUTER_LOCAL_FLAGS = ("--disable-retries", "--disable-circuit-breaker",
+# Router flags for a local cluster. smg counts every failure (even our INVALID_ARGUMENT answers)
+# against a circuit breaker, so a few bad requests would take the only worker pair out of service
+# for a minute: it stays off, and health checks every 2 s remove a dead worker instead. Retries
+# are on (gateway.RETRY_ARGS says when they are safe): with two decode workers, a request whose
+# decode worker dies before its first token runs again on the other one.
+ROUTER_LOCAL_FLAGS = (*gateway.RETRY_ARGS, "--disable-circuit-breaker",
                       "--health-check-interval-secs", "2", "--health-failure-threshold", "2")
 
 
@@ -59,6 +60,7 @@ class ClusterSpec:
     served_model_name: str | None = None  # default: "tiny" for the embedded model, else the dir name
     log_dir: Path | None = None  # default: a fresh temporary directory
     worker_args: tuple[str, ...] = ()  # extra `deepseek-pd serve` flags for every worker
+    policy: str = gateway.DEFAULT_POLICY  # smg's --policy for both roles
     router_args: tuple[str, ...] = ROUTER_LOCAL_FLAGS
     router_log_level: str = "warn"
     client_api_key: str | None = None  # None: the client API is open (fine on 127.0.0.1)
@@ -73,6 +75,8 @@ class ClusterSpec:
             raise UserError(f"--kv-transport {self.kv_transport!r}: choose one of {', '.join(KV_TRANSPORTS)}")
         if not 0 <= self.router_port < 65536:
             raise UserError(f"--port {self.router_port} is not a TCP port")
+        if self.policy not in gateway.POLICIES:
+            raise UserError(f"--policy {self.policy!r}: choose one of {', '.join(gateway.POLICIES)}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise UserError(f"--mem-fraction-static {self.mem_fraction_static} must be in (0, 1]")
         return self
@@ -235,7 +239,7 @@ class LocalCluster:
         argv += ["--host", spec.host, "--port", str(self.router_port),
                  "--model-path", str(self.model_dir), "--log-level", spec.router_log_level,
                  "--prometheus-host", spec.host, "--prometheus-port", str(self.metrics_port),
-                 "--policy", gateway.DEFAULT_POLICY,
+                 "--policy", spec.policy,
                  *gateway.router_security_args(self.control_plane_key, spec.client_api_key),
                  *spec.router_args]  # router_args last: they win
         return argv

@@ -13,7 +13,6 @@ One 1P1D cluster on the tiny model serves the whole module. What must hold:
 from __future__ import annotations
 
 import asyncio
-import re
 import random
 
 import pytest
@@ -181,10 +180,11 @@ def test_client_disconnect_mid_stream_frees_kv_on_both_workers(cluster) -> None:
             response.close()  # drop the connection mid-stream
         decode = worker.address(cluster.spec.host)
         pages = await wait_for_pages(decode, 0, timeout_s=20)
-        # Freed by the abort, not by running out its 3000 tokens: smg sends an Abort RPC when its
-        # client goes away (sglang-router 0.3.2 only dropped the stream; both paths end the request).
+        # Freed by the abort, not by running out its 3000 tokens.
         log = worker.process.log_path.read_text()[log_offset:]
-        assert re.search(r"ended before its engine finished it|abort \S+ \(.*\): aborted", log), log
+        # smg 1.13 sends an Abort RPC when the client's stream drops ("Stream dropped"), then
+        # cancels the call; sglang-router 0.3.2 only cancelled it. Either way the engine stops.
+        assert "ended before its engine finished it" in log or "(Stream dropped): aborted" in log, log[-2000:]
         assert pages == 0, f"decode still holds {pages} pages of an abandoned request"
         async with SchedulerClient(decode) as scheduler:
             assert (await scheduler.loads()).num_running_reqs == 0

@@ -23,7 +23,7 @@ from pdtest.servicer_fakes import expected_tokens, make_tokenizer_model_dir
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
-FAKE_FACTORY = f"{servicer_fakes.__file__}:build_fake_engine"  # loaded by path in each worker
+FAKE_FACTORY = f"{Path(servicer_fakes.__file__)}:build_fake_engine"  # tests/support/pdtest/
 FAST = SupervisorConfig(initial_backoff_s=0.2, probe_interval_s=0.5, probe_timeout_s=0.5, probe_failures=2)
 
 

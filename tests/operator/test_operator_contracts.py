@@ -31,8 +31,12 @@ def _common_flags(parsed, spec: DeploymentSpec) -> None:
     assert parsed.pd_disaggregation
     assert parsed.policy == spec.router.policy and parsed.port == spec.router.port
     assert parsed.host == "0.0.0.0" and parsed.model_path == spec.model.path
-    # Bad client requests must not open the breaker on healthy workers (see ROUTER_RESILIENCE_ARGS).
-    assert parsed.disable_circuit_breaker and parsed.retry_max_retries == 1
+    # Bad client requests must not open the breaker on healthy workers (see ROUTER_RESILIENCE_ARGS);
+    # retries are on (more than one attempt) and outlast the health checks' removal of a dead worker.
+    assert parsed.disable_circuit_breaker and not parsed.disable_retries and parsed.retry_max_retries > 1
+    backoff = sum(min(parsed.retry_max_backoff_ms, parsed.retry_initial_backoff_ms * parsed.retry_backoff_multiplier ** i)
+                  for i in range(parsed.retry_max_retries - 1)) / 1000
+    assert backoff > parsed.health_check_interval_secs * parsed.health_failure_threshold
 
 
 @pytest.mark.parametrize("example", ["cpu-minimal.yaml", "deepseek-v3-h200.yaml"])
