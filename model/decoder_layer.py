@@ -12,6 +12,7 @@ from deepseek_pd.model.attention.mla import MLAAttention
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import ForwardBatch
+from deepseek_pd.model.fp8_linear import fp8_spec
 from deepseek_pd.model.layer_ops import DENSE_LAYER_OPS, MOE_LAYER_OPS, OpState, bound_ops
 from deepseek_pd.model.moe.dispatcher import CombineInput, Dispatcher
 from deepseek_pd.model.moe.layer import DeepseekMoE
@@ -34,7 +35,8 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp: nn.Module = DeepseekMoE(config, options)
             self.op_names = MOE_LAYER_OPS
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, **kw)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, **kw,
+                                fp8=fp8_spec(config, options.fp8_backend))
             self.op_names = DENSE_LAYER_OPS
         self.dispatcher = dispatcher
         self.ops = bound_ops(self)
