@@ -21,7 +21,7 @@ from deepseek_pd.model.kernels.checks import check_tensor
 from deepseek_pd.model.kernels.fp8_gemm import check_block_scaled_weight
 from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
 from deepseek_pd.model.kernels.fused_moe import MoETile, default_tile
-from deepseek_pd.model.kernels.moe_align import align_by_expert
+from deepseek_pd.model.kernels.moe_align_large import align_by_expert_large
 from deepseek_pd.model.kernels.moe_align_small import MAX_PAIRS, align_by_expert_small
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -130,7 +130,7 @@ def fused_moe_fp8(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     if num_pairs == 0:
         return hidden.new_zeros(num_tokens, hidden_size)
     tile = tile or default_tile(num_pairs, num_experts)
-    align = align_by_expert_small if num_pairs <= MAX_PAIRS else align_by_expert
+    align = align_by_expert_small if num_pairs <= MAX_PAIRS else align_by_expert_large
     blocks = align(topk_ids, num_experts, tile.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()
     x_fp8, x_scale = per_token_group_quant(hidden.contiguous(), block13.block_in)
