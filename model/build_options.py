@@ -35,6 +35,8 @@ class BuildOptions:
     # (`fp8_linear.FP8_GEMM_BACKENDS` / `moe.fp8_experts.FP8_MOE_BACKENDS`: "torch", "triton");
     # None dequantises them to `dtype` at load.
     fp8_backend: str | None = None
+    # RMSNorm (+ residual) and RoPE + latent-cache write (`norm_rope.NORM_ROPE_BACKENDS`).
+    norm_rope_backend: str = "torch"
 
     def __post_init__(self) -> None:
         if self.prefix_chunk_size < 1:

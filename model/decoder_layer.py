@@ -27,9 +27,10 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
         self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        norm = options.norm_rope_backend
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw, backend=norm)
         self.self_attn = MLAAttention(config, layer_id, rotary, options)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw, backend=norm)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
             self.mlp: nn.Module = DeepseekMoE(config, options)

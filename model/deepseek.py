@@ -53,7 +53,7 @@ class DeepseekForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, self.rotary, options, self.dispatcher)
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw, backend=options.norm_rope_backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

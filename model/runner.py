@@ -104,6 +104,7 @@ class RunnerConfig:
     # in FP8 with that GEMM backend (model/fp8_linear.py); "auto": triton on CUDA for an FP8
     # checkpoint when Triton imports, else dequant. Ignored for checkpoints that are not FP8.
     fp8_backend: str = "auto"
+    norm_rope_backend: str = "auto"  # RMSNorm and RoPE + cache write: auto = triton on CUDA (model/norm_rope.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -152,6 +153,7 @@ class RunnerConfig:
         resolved = replace(draft, dtype=_DTYPE_NAMES[draft.resolve_dtype(model_config)],
                            attention_backend=draft.resolve_backend(draft.attention_backend),
                            moe_backend=draft.resolve_backend(draft.moe_backend),
+                           norm_rope_backend=draft.resolve_backend(draft.norm_rope_backend),
                            dispatcher=draft.resolve_dispatcher(),
                            fp8_backend=draft.resolve_fp8_backend(model_config) or "dequant")
         blocker = resolved.cuda_graph_blocker()
@@ -221,7 +223,8 @@ class RunnerConfig:
             moe_backend=self.resolve_backend(self.moe_backend), dispatcher=self.resolve_dispatcher(),
             num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size,
             parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo,
-            fp8_backend=self.resolve_fp8_backend(model_config))
+            fp8_backend=self.resolve_fp8_backend(model_config),
+            norm_rope_backend=self.resolve_backend(self.norm_rope_backend))
 
 
 @dataclass(frozen=True)

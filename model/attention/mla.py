@@ -28,6 +28,7 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
 from deepseek_pd.model.fp8_linear import fp8_spec, make_linear
 from deepseek_pd.model.norm import RMSNorm
+from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS, NormRopeOps
 from deepseek_pd.model.rope import RotaryEmbedding
 
 
@@ -91,14 +92,17 @@ class MLAAttention(nn.Module):
         if self.q_lora_rank is not None:
             self.fused_qkv_a_proj = make_linear(hidden, self.q_lora_rank + kv_a_dim, fp8, **kw,
                                                 row_splits=(self.q_lora_rank,))
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, **kw)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, **kw,
+                                         backend=options.norm_rope_backend)
             self.q_b_proj = make_linear(self.q_lora_rank, heads * qk, fp8, **kw)
             self._project_q_and_latent = self._project_lora
         else:
             self.q_proj = make_linear(hidden, heads * qk, fp8, **kw)
             self.kv_a_proj_with_mqa = make_linear(hidden, kv_a_dim, fp8, **kw)
             self._project_q_and_latent = self._project_plain
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, **kw)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, **kw,
+                                      backend=options.norm_rope_backend)
+        self.norm_rope: NormRopeOps = NORM_ROPE_BACKENDS.build(options.norm_rope_backend)
         self.w_kc = nn.Parameter(torch.empty(heads, self.nope_dim, self.kv_lora_rank, **kw))
         self.w_vc = nn.Parameter(torch.empty(heads, self.v_dim, self.kv_lora_rank, **kw))
         self.o_proj = make_linear(heads * self.v_dim, hidden, fp8, **kw)
@@ -124,9 +128,8 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe)
-        cache = batch.kv_pool.flat(self.layer_id)
-        cache[batch.out_slots] = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
+        q_pe, k_pe = self.norm_rope.rope_and_write(self.rotary, batch.positions, q_pe, k_pe, c_kv,
+                                                   batch.kv_pool.flat(self.layer_id), batch.out_slots)
         return AttnIntermediate(q_nope, q_pe, c_kv, k_pe)
 
     def core(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
