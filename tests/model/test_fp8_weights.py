@@ -167,3 +167,17 @@ def test_triton_fp8_backend_matches_torch_fp8_backend(tmp_path, arch):
             for name in ("torch", "triton")}
     a, b = (_logits(runs[name], prompt) for name in ("triton", "torch"))
     assert float((a - b).norm() / b.norm()) < 1e-3
+
+
+def test_runner_resolves_fp8_and_norm_rope_backends(tmp_path):
+    directory, config = _fp8_checkpoint(tmp_path, "v3", (128, 128))
+    on_cpu = RunnerConfig.resolve(config, graphs_by_default=False, device="cpu", model=str(directory))
+    assert (on_cpu.fp8_backend, on_cpu.norm_rope_backend, on_cpu.dtype) == ("dequant", "torch", "float32")
+    kept = RunnerConfig.resolve(config, graphs_by_default=False, device="cpu", model=str(directory), fp8_backend="torch")
+    assert kept.build_options(config).fp8_backend == "torch"
+    from deepseek_pd.model.model_dir import resolve_model_dir
+
+    plain = ModelConfig.from_hf(resolve_model_dir("tiny") / "config.json")  # not FP8: nothing to keep
+    assert RunnerConfig(fp8_backend="torch").build_options(plain).fp8_backend is None
+    with pytest.raises(UserError, match="fp8_backend"):
+        RunnerConfig(fp8_backend="fp4")
