@@ -92,11 +92,41 @@ def _attention_rows(ctx: Context, dtype: torch.dtype) -> list[Row]:
                   ref.mla_extend(q_latent, q_pe, cache, batch, rank, scale))
     keys = new * prefix + new * (new + 1) / 2
     flops = 2.0 * heads * keys * (2 * rank + rope)
-    rows.append(Row("prefill attn", f"mla_extend {new} new over {prefix} cached, H={heads}", "triton",
-                    ctx.timer(lambda: fast.mla_extend(q_latent, q_pe, cache, batch, rank, scale)), floor_ms(flops),
-                    err, "torch (was the fallback)", ctx.timer(lambda: ref.mla_extend(q_latent, q_pe, cache, batch,
-                                                                                     rank, scale))))
+    mla_ms = ctx.timer(lambda: fast.mla_extend(q_latent, q_pe, cache, batch, rank, scale))
+    rows.append(Row("prefill attn", f"mla_extend {new} new over {prefix} cached, H={heads}", "triton", mla_ms,
+                    floor_ms(flops), err, "torch (was the fallback)",
+                    ctx.timer(lambda: ref.mla_extend(q_latent, q_pe, cache, batch, rank, scale))))
+    rows.append(_chunked_equivalent(ctx, fast, heads, rank, rope, prefix, new, dtype, mla_ms))
     return rows
+
+
+def _chunked_equivalent(ctx: Context, fast, heads: int, rank: int, rope: int, prefix: int, new: int,
+                        dtype: torch.dtype, mla_ms: float) -> Row:
+    """The same extend as MHA_CHUNKED_KV would run it: causal flash over the new tokens, the prefix
+    up-projected (w_kc/w_vc) and attended, one merge. If it beats `mla_extend`, lower
+    `mha_chunked_kv_threshold` (policy.py) for the Triton backend."""
+    nope, v_dim = (16, 16) if ctx.tiny else (128, 128)
+    dev = ctx.device
+    q = torch.randn(new, heads, nope + rope, device=dev, dtype=dtype)
+    k, v = torch.randn(new, heads, nope + rope, device=dev, dtype=dtype), torch.randn(new, heads, v_dim, device=dev,
+                                                                                      dtype=dtype)
+    latent = torch.randn(prefix, rank + rope, device=dev, dtype=dtype)
+    w_k = torch.randn(heads * nope, rank, device=dev, dtype=dtype) * rank ** -0.5
+    w_v = torch.randn(heads * v_dim, rank, device=dev, dtype=dtype) * rank ** -0.5
+    scale = (nope + rope) ** -0.5
+
+    def chunked():
+        out, lse = fast.mha_causal(q, k, v, (0, new), scale)
+        k_nope = (latent[:, :rank] @ w_k.T).view(prefix, heads, nope)
+        pk = torch.cat([k_nope, latent[:, None, rank:].expand(-1, heads, -1)], dim=-1)
+        pv = (latent[:, :rank] @ w_v.T).view(prefix, heads, v_dim)
+        part, part_lse = fast.mha_cross(q, pk, pv, (0, new), (0, prefix), scale)
+        return fast.merge_states(out, lse, part, part_lse)
+
+    flops = 2.0 * heads * (new * (new + 1) / 2 + new * prefix) * (nope + rope + v_dim)
+    return Row("prefill attn", "same extend as MHA_CHUNKED_KV (flash+up-proj+merge)", "triton", ctx.timer(chunked),
+               floor_ms(flops), None, "mla_extend (row above)", mla_ms,
+               "speed-up > 1: prefer chunked KV for short prefixes")
 
 
 def small_part(ctx: Context) -> list[Row]:

@@ -42,8 +42,8 @@ def _rope_cache_kernel(q_ptr, k_ptr, c_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_o
     freq = pos * tl.load(inv_freq_ptr + j, mask=j_ok, other=0.0)
     cos = tl.cos(freq) * attention_factor
     sin = tl.sin(freq) * attention_factor
-    stride_pair: tl.constexpr = 2 if INTERLEAVED else 1  # element step between pairs
-    second: tl.constexpr = 1 if INTERLEAVED else HALF  # offset of a pair's second element
+    stride_pair = 2 if INTERLEAVED else 1  # element step between pairs (static: INTERLEAVED is constexpr)
+    second = 1 if INTERLEAVED else HALF  # offset of a pair's second element
     h = tl.arange(0, BLOCK_H)
     ok = (h < heads)[:, None] & j_ok[None, :]
     q_rows = q_ptr + t * stride_qt + h[:, None] * stride_qh + j[None, :] * stride_pair
