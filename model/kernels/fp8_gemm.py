@@ -114,6 +114,7 @@ def block_fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor
         raise ValueError(f"x {tuple(x_fp8.shape)} / x_scale {tuple(x_scale.shape)} do not fit w {tuple(w.shape)} "
                          f"with K groups of {block_k}")
     if block_k < 16 or block_k & (block_k - 1):
+        # >= 32 on Hopper (its 8-bit MMA is 32 deep); the tiny test checkpoints' 16 only runs interpreted.
         raise ValueError(f"block_k must be a power of two >= 16 (one tensor-core K step), got {block_k}")
     out = torch.empty(m, n, dtype=out_dtype, device=device)
     if m == 0 or n == 0:

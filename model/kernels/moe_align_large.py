@@ -20,7 +20,7 @@ from deepseek_pd.model.kernels.checks import next_power_of_2
 from deepseek_pd.model.kernels.moe_align import ExpertBlocks, padded_capacity
 
 _PAIRS_PER_PROGRAM = 1024
-_FILL = 128
+_FILL = 32  # blocks per step of the offsets program: a [FILL, BLOCK_E] compare stays in registers
 
 
 @triton.jit

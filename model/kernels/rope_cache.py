@@ -90,6 +90,6 @@ def rope_and_cache_write(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torch.Ten
         q_pe, k_pe, c_kv, positions, inv_freq, out_slots, q_out, k_out, cache, heads, rank, attention_factor,
         q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), c_kv.stride(0), q_out.stride(0), q_out.stride(1),
         k_out.stride(0), cache.stride(0), HALF=half, BLOCK_HALF=max(16, next_power_of_2(half)),
-        BLOCK_H=max(1, next_power_of_2(heads)),
+        BLOCK_H=max(2, next_power_of_2(heads)),
         BLOCK_R=min(1024, max(16, next_power_of_2(rank))), INTERLEAVED=interleaved, num_warps=4)
     return q_out, k_out
