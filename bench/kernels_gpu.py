@@ -1,19 +1,24 @@
-"""Triton kernels vs the torch reference backends on the lent GPU: correctness, speed, ceilings.
+"""Every kernel against its torch reference and its H200 roofline, in one command; one table last.
 
-Parts (select with --parts):
-- `moe`: fused MoE ("triton", and "grouped" = torch._grouped_mm where it exists) vs the torch
-  backend at V2-Lite (64 experts top-6 + 2 fused shared, hidden 2048, inter 1408) and V3 (256
-  top-8 + 1 shared, hidden 7168, inter 2048) shapes, 1 / 128 / 8x2048 tokens; a small tile sweep.
-- `mla`: absorbed-MLA decode at 16 heads (V2-Lite) and 128 heads (V3), rank 512 + rope 64, page 64,
-  batch 1 / 32 / 128, each sequence's context drawn from 512..4096; a small tile sweep.
-- `flash`: ragged flash-attention prefill (MHA, qk 192 / v 128): V2-Lite 8x2048 causal, V3 heads
-  2x4096 causal, and 4x1024 new tokens over a 4096-key prefix (the chunked-prefix path); tile sweep.
-- `e2e`: the V2-Lite runner (bench/model_gpu.py helpers) with torch backends vs Triton backends.
+Parts (select with --parts; the default is everything but `e2e`):
+- `fp8`: block-scaled FP8 GEMM (per-token-group activations) at DeepSeek-V3's linear shapes,
+  M = 1 / 64 / 128 / 4096 / 8192, vs the torch reference and vs bf16 `F.linear` (kernel_parts_fp8.py).
+- `fp8moe`: the FP8 fused MoE at V3's expert shape (256 top-8 + 1 shared), 1 / 64 / 128 / 4096
+  tokens, vs the torch FP8 reference and the bf16 Triton MoE; floor = touched FP8 expert bytes.
+- `small`: add+RMSNorm, RoPE + latent-cache write, the 3-launch MoE sort, merge_states, absorbed
+  MLA extend over a short prefix, each vs the torch ops it replaces (kernel_parts_small.py).
+- `moe`, `mla`, `flash`: the bf16 fused MoE (V2-Lite / V3), MLA decode (16 / 128 heads), flash
+  prefill (causal and chunked-prefix), with small tile sweeps.
+- `runner`: V2-Lite end to end, bf16 and FP8-kept weights holding the same values: prefill
+  1k / 4k / 8k tokens, CUDA-graph decode at batch 1 / 64 / 128, FP8-vs-bf16 logits (kernel_parts_runner.py).
+- `e2e`: the V2-Lite runner with torch vs Triton backends and HF transformers' weights (slow).
 
-Every check draws fresh random inputs and reports ‖out−ref‖/‖ref‖ (NaN fails); times are
-`triton.testing.do_bench` medians. Ceilings (../shared/FACTS.md): 4,136 GB/s copy, 758 TFLOP/s bf16.
+Every check draws fresh random inputs and reports ‖out−ref‖/‖ref‖ (NaN fails; outputs are copied
+over NaN-poisoned buffers); times are `triton.testing.do_bench` medians. Ceilings
+(../shared/FACTS.md): 4,136 GB/s copy, 758 TFLOP/s bf16, 1,325 TFLOP/s FP8.
 
-Usage (on the GPU):  python bench/kernels_gpu.py --out kernels.json [--parts moe,mla,flash,e2e]
+Usage (on the GPU):  python bench/kernels_gpu.py --out kernels.json [--parts fp8,fp8moe,small,runner]
+On a CPU:            python bench/kernels_gpu.py --tiny   (tiny shapes through Triton's interpreter)
 """
 from __future__ import annotations
 
@@ -26,9 +31,9 @@ import traceback
 
 import torch
 
-COPY_GBS = 4136.0
-BF16_TFLOPS = 758.0
-TOL_BF16 = 2e-2
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_table import (BF16_TFLOPS, COPY_GBS, TOL_BF16, Context, Row, Timer,  # noqa: E402
+                          floor_ms, format_table)
 
 MOE_SHAPES = {  # routed experts, fused shared, top-k, hidden, intermediate
     "v2lite": (64, 2, 6, 2048, 1408),
@@ -270,61 +275,104 @@ def e2e_part() -> dict:
     return result
 
 
-def summary(results: dict) -> str:
-    lines = []
-    for row in results.get("moe", {}).get("rows", []):
-        cells = [f"{row['shape']:6} N={row['tokens']:5}"]
-        for name in ("torch", "triton", "grouped"):
-            if f"{name}_ms" in row:
-                cells.append(f"{name} {row[f'{name}_ms']:.3f}ms {row[f'{name}_GBs']:.0f}GB/s "
-                             f"{row[f'{name}_TFLOPs']:.0f}TF err {row[f'{name}_rel_err']:.1e}")
-        if row.get("best_tile"):
-            cells.append(f"best {row['best_tile'][0]} {row['best_tile'][1]:.3f}ms")
-        lines.append("moe " + " | ".join(cells))
-    for row in results.get("mla", {}).get("rows", []):
-        best = row.get("best") or {}
-        lines.append(f"mla {row['shape']:6} bs={row['batch']:3} ctx={row['sum_context']:6} "
-                     f"torch {row['torch_ms']:.3f}ms | triton {row.get('triton_ms') or float('nan'):.3f}ms "
-                     f"{row.get('triton_GBs') or 0:.0f}GB/s "
-                     f"err {row.get('triton_rel_err') or float('nan'):.1e} | best {best.get('tile', '-')[14:]} "
-                     f"{best.get('ms', float('nan')):.3f}ms {best.get('GBs', 0):.0f}GB/s")
-    for row in results.get("flash", {}).get("rows", []):
-        best = row.get("best") or {}
-        lines.append(f"flash {row['case']}: torch {row['torch_ms']:.2f}ms | "
-                     f"triton {row.get('triton_ms') or float('nan'):.2f}ms {row.get('triton_TFLOPs') or 0:.0f}TF "
-                     f"err {row.get('triton_rel_err') or float('nan'):.1e} | best {best.get('tile', '-')[9:60]} "
-                     f"{best.get('ms', float('nan')):.2f}ms {best.get('TFLOPs', 0):.0f}TF")
+def legacy_rows(results: dict) -> list[Row]:
+    """The bf16 MoE / MLA decode / flash parts' JSON rows as table rows."""
+    rows = []
+    for r in results.get("moe", {}).get("rows", []):
+        experts, shared, k, hidden, inter = MOE_SHAPES[r["shape"]]
+        nbytes = r["experts_touched"] * 3 * inter * hidden * 2
+        flops = 6.0 * r["tokens"] * (k + shared) * hidden * inter
+        rows.append(Row("bf16 moe", f"{r['shape']} N={r['tokens']}", "triton", r.get("triton_ms"),
+                        floor_ms(flops, nbytes), r.get("triton_rel_err"), "torch", r.get("torch_ms"),
+                        f"best {r['best_tile'][0]} {r['best_tile'][1]:.3f}ms" if r.get("best_tile") else ""))
+    for r in results.get("mla", {}).get("rows", []):
+        ctx = r["sum_context"]
+        flops = 2.0 * r["heads"] * ctx * (2 * 512 + 64)
+        best = r.get("best") or {}
+        rows.append(Row("mla decode", f"{r['shape']} H={r['heads']} bs={r['batch']} ctx={ctx}", "triton",
+                        r.get("triton_ms"), floor_ms(flops, ctx * 576 * 2), r.get("triton_rel_err"), "torch",
+                        r.get("torch_ms"), f"best {best.get('ms', float('nan')):.3f}ms" if best else ""))
+    for r in results.get("flash", {}).get("rows", []):
+        default = (r.get("sweep") or [{}])[0]
+        flops = default.get("TFLOPs", 0) * default.get("ms", 0) * 1e9
+        best = r.get("best") or {}
+        rows.append(Row("flash prefill", r["case"], "triton", r.get("triton_ms"), floor_ms(flops) if flops else None,
+                        r.get("triton_rel_err"), "torch", r.get("torch_ms"),
+                        f"best {best.get('ms', float('nan')):.2f}ms" if best else ""))
+    return rows
+
+
+def e2e_lines(results: dict) -> list[str]:
     e2e = results.get("e2e", {})
-    for name in ("torch", "triton"):
-        if name in e2e:
-            lines.append(f"e2e {name}: " + ", ".join(f"{k}={v:.1f}" for k, v in e2e[name].items()))
+    lines = [f"e2e {name}: " + ", ".join(f"{k}={v:.1f}" for k, v in e2e[name].items())
+             for name in ("torch", "triton") if name in e2e]
     if "triton_vs_torch_logits_rel_err" in e2e:
         lines.append(f"e2e logits rel err triton vs torch: {e2e['triton_vs_torch_logits_rel_err']}")
-    return "\n".join(lines)
+    return lines
+
+
+DEFAULT_PARTS = "fp8,fp8moe,small,moe,mla,flash,runner"
+TINY_PARTS = ("fp8", "fp8moe", "small", "runner")  # the others are written for CUDA shapes only
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="moe,mla,flash,e2e")
+    parser.add_argument("--parts", default=DEFAULT_PARTS)
     parser.add_argument("--out", default="kernels_gpu.json")
     parser.add_argument("--moe-tokens", default="1,128,16384", help="token counts of the moe part")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="start no new part after this many seconds (a device call is capped at 600 s)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny shapes on the CPU through Triton's interpreter (checks the script, not speed)")
     args = parser.parse_args()
+    if args.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported (triton.jit reads it)
+    device = "cpu" if args.tiny else "cuda"
+    parts = [p for p in args.parts.split(",") if p]
+    if args.tiny:
+        parts = [p for p in parts if p in TINY_PARTS]
+    from kernel_parts_fp8 import fp8_gemm_part, fp8_moe_part
+    from kernel_parts_runner import runner_part
+    from kernel_parts_small import small_part
+
+    ctx = Context(device, args.tiny, Timer(device))
+    table_parts = {"fp8": fp8_gemm_part, "fp8moe": fp8_moe_part, "small": small_part, "runner": runner_part}
+    json_parts = {"moe": lambda: moe_part(tuple(int(n) for n in args.moe_tokens.split(","))),
+                  "mla": mla_part, "flash": flash_part, "e2e": e2e_part}
     torch.manual_seed(int(time.time()))
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for part in args.parts.split(","):
+    results: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (tiny)",
+                     "torch": torch.__version__, "parts": parts}
+    rows: list[Row] = []
+    began = time.perf_counter()
+    for part in parts:
+        if time.perf_counter() - began > args.budget_s:
+            rows.append(Row(part, "SKIPPED", "-", None, None, note=f"--budget-s {args.budget_s:g} spent"))
+            continue
         start = time.perf_counter()
         try:
-            parts = {"moe": lambda: moe_part(tuple(int(n) for n in args.moe_tokens.split(","))),
-                     "mla": mla_part, "flash": flash_part, "e2e": e2e_part}
             with torch.inference_mode():
-                results[part] = parts[part]()
+                if part in table_parts:
+                    part_rows = table_parts[part](ctx)
+                    rows += part_rows
+                    print(format_table(part_rows), flush=True)  # in case a later part is cut off
+                    results[part] = {"rows": [r.to_json() for r in part_rows]}
+                else:
+                    results[part] = json_parts[part]()
         except Exception as exc:  # keep the other parts' numbers when one fails
             traceback.print_exc()
             results[part] = {"error": repr(exc)}
+            rows.append(Row(part, "ERROR", "-", None, None, float("nan"), note=repr(exc)[:120]))
         results[part]["wall_s"] = time.perf_counter() - start
+        print(f"part {part}: {results[part]['wall_s']:.1f}s", flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
-    print(summary(results))
+    rows = rows + legacy_rows(results)
+    failed = [r for r in rows if not r.ok()]
+    for line in e2e_lines(results):
+        print(line)
+    print(f"\n{len(rows)} rows, {len(failed)} failed checks (tolerance {TOL_BF16:g}); ceilings {COPY_GBS:,.0f} GB/s, "
+          f"{BF16_TFLOPS:.0f} TFLOP/s bf16")
+    print(format_table(rows))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,12 @@ class BuildOptions:
     # Two-batch overlap: split each batch into two micro-batches and interleave their layer ops
     # (model/tbo.py) so one micro-batch's dispatch/combine hides behind the other's compute.
     enable_tbo: bool = False
+    # FP8 checkpoints: keep the block-scaled FP8 weights in FP8 and multiply them with this backend
+    # (`fp8_linear.FP8_GEMM_BACKENDS` / `moe.fp8_experts.FP8_MOE_BACKENDS`: "torch", "triton");
+    # None dequantises them to `dtype` at load.
+    fp8_backend: str | None = None
+    # RMSNorm (+ residual) and RoPE + latent-cache write (`norm_rope.NORM_ROPE_BACKENDS`).
+    norm_rope_backend: str = "torch"
 
     def __post_init__(self) -> None:
         if self.prefix_chunk_size < 1:

@@ -12,6 +12,7 @@ from deepseek_pd.model.attention.mla import MLAAttention
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import ForwardBatch
+from deepseek_pd.model.fp8_linear import fp8_spec
 from deepseek_pd.model.layer_ops import DENSE_LAYER_OPS, MOE_LAYER_OPS, OpState, bound_ops
 from deepseek_pd.model.moe.dispatcher import CombineInput, Dispatcher
 from deepseek_pd.model.moe.layer import DeepseekMoE
@@ -26,15 +27,17 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         kw = dict(dtype=options.dtype, device=options.device)
         self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        norm = options.norm_rope_backend
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw, backend=norm)
         self.self_attn = MLAAttention(config, layer_id, rotary, options)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw, backend=norm)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
             self.mlp: nn.Module = DeepseekMoE(config, options)
             self.op_names = MOE_LAYER_OPS
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, **kw)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, **kw,
+                                fp8=fp8_spec(config, options.fp8_backend))
             self.op_names = DENSE_LAYER_OPS
         self.dispatcher = dispatcher
         self.ops = bound_ops(self)

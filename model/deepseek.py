@@ -17,6 +17,7 @@ from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.decoder_layer import DeepseekDecoderLayer
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.fp8_linear import fp8_blocks
 from deepseek_pd.model.layer_ops import LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, OpState, op_method, run_layer_ops
 from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
@@ -56,7 +57,7 @@ class DeepseekForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, self.rotary, options, self.dispatcher)
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw, backend=options.norm_rope_backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -120,4 +121,4 @@ class DeepseekForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors in; raises CheckpointError listing missing/unexpected names."""
-        load_hf_weights(self.config, self.placement, dict(self.named_parameters()), weights)
+        load_hf_weights(self.config, self.placement, dict(self.named_parameters()), weights, fp8_blocks(self))

@@ -215,5 +215,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     config = ModelConfig.from_hf(directory / "config.json")
     options = replace(options or BuildOptions(), dtype=dtype, device=str(device))
     model = DeepseekForCausalLM(config, options)
-    model.load_weights(iter_checkpoint_tensors(directory, config, progress=progress))
+    model.load_weights(iter_checkpoint_tensors(directory, config, progress=progress,
+                                               keep_fp8=options.fp8_backend is not None))
     return model.eval()

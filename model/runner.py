@@ -36,6 +36,7 @@ from deepseek_pd.model.kv_pool_sizing import GIB, GpuMemory, pages_for_gpu
 from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
+from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS
 from deepseek_pd.model.parallel import ParallelInfo
 from deepseek_pd.model.step_sync import StepSync
 
@@ -53,12 +54,13 @@ def _triton_available() -> bool:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 DEFAULT_NUM_PAGES = 1024  # the fixed pool when no memory budget sizes it (the CPU default)
+FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton")
 
 
 def auto_dtype(device: str, model_config: ModelConfig) -> str:
     """What `dtype="auto"` means: float32 on the CPU (any non-CUDA device); on a GPU the checkpoint's
-    `torch_dtype`, except bfloat16 for FP8 block-scaled checkpoints (their weights are dequantised
-    at load time)."""
+    `torch_dtype`, except bfloat16 for FP8 block-scaled checkpoints (activations, and weights that
+    are dequantised at load, are bf16)."""
     if not is_cuda(device):
         return "float32"
     return "bfloat16" if model_config.is_fp8 else model_config.torch_dtype
@@ -99,6 +101,11 @@ class RunnerConfig:
     cuda_graph: bool = False
     cuda_graph_max_batch: int = 128
     cuda_graph_max_context: int = 4096
+    # FP8 checkpoints: "dequant" widens the weights to `dtype` at load; "torch"/"triton" keep them
+    # in FP8 with that GEMM backend (model/fp8_linear.py); "auto": triton on CUDA for an FP8
+    # checkpoint when Triton imports, else dequant. Ignored for checkpoints that are not FP8.
+    fp8_backend: str = "auto"
+    norm_rope_backend: str = "auto"  # RMSNorm and RoPE + cache write: auto = triton on CUDA (model/norm_rope.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -115,6 +122,8 @@ class RunnerConfig:
         if self.ep_size < 1:
             raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
+        if self.fp8_backend not in FP8_BACKEND_CHOICES:
+            raise UserError(f"fp8_backend {self.fp8_backend!r} is not one of {', '.join(FP8_BACKEND_CHOICES)}")
 
     def _check_pool_sizing(self) -> None:
         if (self.num_pages is None) == (self.mem_fraction_static is None):
@@ -145,7 +154,9 @@ class RunnerConfig:
         resolved = replace(draft, dtype=_DTYPE_NAMES[draft.resolve_dtype(model_config)],
                            attention_backend=draft.resolve_backend(draft.attention_backend),
                            moe_backend=draft.resolve_backend(draft.moe_backend),
-                           dispatcher=draft.resolve_dispatcher())
+                           norm_rope_backend=draft.resolve_backend(draft.norm_rope_backend),
+                           dispatcher=draft.resolve_dispatcher(),
+                           fp8_backend=draft.resolve_fp8_backend(model_config) or "dequant")
         blocker = resolved.cuda_graph_blocker()
         if requested_graphs is None:
             return replace(resolved, cuda_graph=graphs_by_default and blocker is None)
@@ -166,6 +177,8 @@ class RunnerConfig:
         parts = (("attention backend", ATTENTION_BACKENDS, self.resolve_backend(self.attention_backend)),
                  ("MoE backend", MOE_BACKENDS, self.resolve_backend(self.moe_backend)),
                  ("EP dispatcher", DISPATCHERS, self.resolve_dispatcher()))
+        if self.fp8_backend not in ("auto", "dequant"):
+            parts += (("FP8 MoE backend", FP8_MOE_BACKENDS, self.fp8_backend),)
         for what, registry, name in parts:
             if not getattr(registry.get(name), "cuda_graph_safe", False):
                 return f"the {what} {name!r} is not capturable"
@@ -196,13 +209,23 @@ class RunnerConfig:
             return name
         return "triton" if is_cuda(self.device) and _triton_available() else "torch"
 
+    def resolve_fp8_backend(self, model_config: ModelConfig) -> str | None:
+        """The FP8 GEMM backend that keeps this checkpoint's weights in FP8, or None (dequantise)."""
+        if not model_config.is_fp8 or self.fp8_backend == "dequant":
+            return None
+        if self.fp8_backend != "auto":
+            return self.fp8_backend
+        return "triton" if is_cuda(self.device) and _triton_available() else None
+
     def build_options(self, model_config: ModelConfig, parallel: ParallelInfo | None = None) -> BuildOptions:
         return BuildOptions(
             dtype=self.resolve_dtype(model_config), device=self.device,
             attention_backend=self.resolve_backend(self.attention_backend),
             moe_backend=self.resolve_backend(self.moe_backend), dispatcher=self.resolve_dispatcher(),
             num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size,
-            parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo)
+            parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo,
+            fp8_backend=self.resolve_fp8_backend(model_config),
+            norm_rope_backend=self.resolve_backend(self.norm_rope_backend))
 
 
 @dataclass(frozen=True)
@@ -348,5 +371,6 @@ def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> Deepseek
     model_config = ModelConfig.from_hf(directory)
     options = config.build_options(model_config, parallel)
     model = DeepseekForCausalLM(model_config, options)
-    model.load_weights(iter_checkpoint_tensors(directory, model_config, fp8_dtype=options.dtype))
+    model.load_weights(iter_checkpoint_tensors(directory, model_config, fp8_dtype=options.dtype,
+                                               keep_fp8=options.fp8_backend is not None))
     return model.eval()

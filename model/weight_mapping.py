@@ -10,7 +10,8 @@ Every expected HF tensor is listed up front under its canonical name (per-expert
                                    0..E/W-1, fused shared ones after them); the others' names are
                                    expected and skipped
 HF's in-memory stacked form (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`)
-is accepted too and counts for all its per-expert names. Layers >= num_hidden_layers (MTP) are
+is accepted too and counts for all its per-expert names (not in FP8). FP8 checkpoint tensors and their
+`_scale_inv` are kept in FP8 or dequantised by `fp8_loading.Fp8Streams`. Layers >= num_hidden_layers (MTP) are
 skipped. Anything left over raises `CheckpointError(missing, unexpected)`.
 
 The mapping is a pure function over names and tensors: it sees the model only as its parameters
@@ -29,6 +30,8 @@ import torch
 
 from deepseek_pd.errors import CheckpointError, UserError
 from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.fp8 import Fp8BlockQuantConfig
+from deepseek_pd.model.fp8_loading import ColSlice, Fp8Streams, RowSlice, is_fp8_tensor
 from deepseek_pd.model.parallel import ExpertPlacement
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -42,12 +45,7 @@ class Target:
     transform: Transform | None = None
 
 
-def _rows(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda t: t[start:stop]
-
-
-def _cols(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda t: t[:, start:stop]
+_rows, _cols = RowSlice, ColSlice  # slices FP8 loading can follow (fp8_loading.py)
 
 
 def _param(params: Params, name: str) -> torch.Tensor:
@@ -135,6 +133,9 @@ def _add_gated_mlp(targets: dict[str, list[Target]], prefix: str, params: Params
 
 def _copy(name: str, target: Target, tensor: torch.Tensor) -> None:
     src = tensor if target.transform is None else target.transform(tensor)
+    if is_fp8_tensor(target.dest) and not is_fp8_tensor(src):
+        raise UserError(f"checkpoint tensor {name} is {src.dtype}, but the model keeps it in FP8 "
+                        "(an FP8 checkpoint read with keep_fp8=True is needed)")
     if tuple(src.shape) != tuple(target.dest.shape):
         raise UserError(f"checkpoint tensor {name}: shape {tuple(tensor.shape)} does not fit "
                         f"the model (expected a slice of shape {tuple(target.dest.shape)})")
@@ -152,15 +153,28 @@ def _skippable(name: str, tensor: torch.Tensor, num_layers: int, n_shared: int) 
 
 
 def load_hf_weights(config: ModelConfig, placement: ExpertPlacement, params: Params,
-                    weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+                    weights: Iterable[tuple[str, torch.Tensor]],
+                    fp8_blocks: Mapping[str, Fp8BlockQuantConfig] | None = None) -> None:
     """Copies HF-named `weights` into `params` (ours, by name); raises CheckpointError listing
-    missing/unexpected names, UserError on a tensor that does not fit."""
+    missing/unexpected names, UserError on a tensor that does not fit.
+
+    FP8 tensors (with their `_scale_inv` right after) go through `fp8_loading.Fp8Streams`: kept
+    in FP8 where `fp8_blocks` (our FP8 parameter names → blocks) has their parameter, else
+    dequantised."""
     cfg = config
     targets, aliases = expected_targets(config, placement, params)
+    block = cfg.quantization and cfg.quantization.get("weight_block_size")
+    fp8 = Fp8Streams(params, fp8_blocks or {}, Fp8BlockQuantConfig(*block) if block else None)
     seen: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
-        if name in targets:
+        if is_fp8_tensor(tensor) and name in targets:
+            fp8.weight(name, tensor, targets[name], _copy)
+        elif fp8.expects(name):
+            seen.add(fp8.scale(name, tensor, _copy))
+        elif is_fp8_tensor(tensor) and name in aliases:
+            raise UserError(f"checkpoint tensor {name}: stacked FP8 experts are not supported (per-expert FP8 is)")
+        elif name in targets:
             for target in targets[name]:
                 _copy(name, target, tensor)
             seen.add(name)
@@ -171,6 +185,7 @@ def load_hf_weights(config: ModelConfig, placement: ExpertPlacement, params: Par
             continue  # tied to the embedding
         elif not _skippable(name, tensor, cfg.num_hidden_layers, cfg.n_shared_experts):
             unexpected.append(name)
+    fp8.check_complete()
     missing = [name for name in targets if name not in seen]
     if missing or unexpected:
         raise CheckpointError(missing, unexpected, where="checkpoint does not match the model config")

@@ -3,7 +3,8 @@
 Weights (HF names in brackets):
     fused_qkv_a_proj  [q_a_proj ; kv_a_proj_with_mqa] when q_lora_rank is set, else
     q_proj + kv_a_proj_with_mqa;  q_a_layernorm, q_b_proj, kv_a_layernorm, o_proj;
-    w_kc `[H, nope, R]` and w_vc `[H, v, R]`: kv_b_proj split per head into its K and V halves.
+    w_kc `[H, nope, R]` and w_vc `[H, v, R]`: kv_b_proj split per head into its K and V halves
+    (always in the model dtype; with FP8 weights kept, the other projections are `Fp8Linear`).
 
 `prepare` projects q, the latent `c_kv` (normalised) and `k_pe`, applies rope, and writes
 `[c_kv | k_pe]` of the new tokens into the paged pool. `core` then runs the batch's method:
@@ -25,7 +26,9 @@ from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBac
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
+from deepseek_pd.model.fp8_linear import fp8_spec, make_linear
 from deepseek_pd.model.norm import RMSNorm
+from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS, NormRopeOps
 from deepseek_pd.model.rope import RotaryEmbedding
 
 
@@ -52,16 +55,19 @@ def prefix_chunks(batch: ForwardBatch, chunk_size: int) -> tuple[PrefixChunk, ..
     key = ("prefix_chunks", chunk_size)
     if key not in batch.derived:
         page_size = batch.kv_pool.page_size
+        # Host tensors, one vectorised gather per sequence and chunk (a Python loop per position
+        # cost milliseconds at 8k-token prefixes), then one upload per chunk.
+        tables = [torch.tensor(pages, dtype=torch.long) for pages in batch.page_lists]
         chunks = []
         for start in range(0, max(batch.prefix_lens, default=0), chunk_size):
-            slots: list[int] = []
+            parts: list[torch.Tensor] = []
             offsets = [0]
-            for pages, prefix in zip(batch.page_lists, batch.prefix_lens):
-                for pos in range(start, min(start + chunk_size, prefix)):
-                    slots.append(pages[pos // page_size] * page_size + pos % page_size)
-                offsets.append(len(slots))
+            for table, prefix in zip(tables, batch.prefix_lens):
+                pos = torch.arange(start, max(start, min(start + chunk_size, prefix)), dtype=torch.long)
+                parts.append(table[pos // page_size] * page_size + pos % page_size)
+                offsets.append(offsets[-1] + int(pos.numel()))
             device = batch.positions.device
-            chunks.append(PrefixChunk(torch.tensor(slots, dtype=torch.long).to(device), tuple(offsets)))
+            chunks.append(PrefixChunk(torch.cat(parts).to(device, non_blocking=True), tuple(offsets)))
         batch.derived[key] = tuple(chunks)
     return batch.derived[key]
 
@@ -82,19 +88,24 @@ class MLAAttention(nn.Module):
         kw = dict(dtype=options.dtype, device=options.device)
         hidden, heads, qk = config.hidden_size, self.num_heads, config.qk_head_dim
         kv_a_dim = config.kv_lora_rank + config.qk_rope_head_dim
+        fp8 = fp8_spec(config, options.fp8_backend)  # None: plain nn.Linear in the model dtype
         if self.q_lora_rank is not None:
-            self.fused_qkv_a_proj = nn.Linear(hidden, self.q_lora_rank + kv_a_dim, bias=False, **kw)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, **kw)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, heads * qk, bias=False, **kw)
+            self.fused_qkv_a_proj = make_linear(hidden, self.q_lora_rank + kv_a_dim, fp8, **kw,
+                                                row_splits=(self.q_lora_rank,))
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, **kw,
+                                         backend=options.norm_rope_backend)
+            self.q_b_proj = make_linear(self.q_lora_rank, heads * qk, fp8, **kw)
             self._project_q_and_latent = self._project_lora
         else:
-            self.q_proj = nn.Linear(hidden, heads * qk, bias=False, **kw)
-            self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_a_dim, bias=False, **kw)
+            self.q_proj = make_linear(hidden, heads * qk, fp8, **kw)
+            self.kv_a_proj_with_mqa = make_linear(hidden, kv_a_dim, fp8, **kw)
             self._project_q_and_latent = self._project_plain
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, **kw)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, **kw,
+                                      backend=options.norm_rope_backend)
+        self.norm_rope: NormRopeOps = NORM_ROPE_BACKENDS.build(options.norm_rope_backend)
         self.w_kc = nn.Parameter(torch.empty(heads, self.nope_dim, self.kv_lora_rank, **kw))
         self.w_vc = nn.Parameter(torch.empty(heads, self.v_dim, self.kv_lora_rank, **kw))
-        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False, **kw)
+        self.o_proj = make_linear(heads * self.v_dim, hidden, fp8, **kw)
         self.backend: AttentionBackend = ATTENTION_BACKENDS.build(options.attention_backend)
         self._methods: dict[AttentionMethod, Callable[[AttnIntermediate, ForwardBatch], torch.Tensor]] = {
             AttentionMethod.MHA: self._mha,
@@ -117,9 +128,8 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe)
-        cache = batch.kv_pool.flat(self.layer_id)
-        cache[batch.out_slots] = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
+        q_pe, k_pe = self.norm_rope.rope_and_write(self.rotary, batch.positions, q_pe, k_pe, c_kv,
+                                                   batch.kv_pool.flat(self.layer_id), batch.out_slots)
         return AttnIntermediate(q_nope, q_pe, c_kv, k_pe)
 
     def core(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:

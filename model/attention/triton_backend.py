@@ -5,18 +5,23 @@
     mla_decode              `kernels/mla_decode.py`: all sequences in one split-K launch over a
                             `[batch, max_pages]` int32 page table built once per batch (shared by
                             all layers through `batch.derived`).
-    merge_states, mla_extend  the torch reference (elementwise / rare path: extend over a short prefix).
+    mla_extend              the same kernel with one row per new token: the token at position p
+                            reads its sequence's pages up to p (a `[tokens, max_pages]` table and
+                            `positions + 1` as lengths, built once per batch). It re-reads the
+                            cache per token, which is cheap for the short prefixes the policy
+                            sends here (long ones go to MHA_CHUNKED_KV).
+    merge_states            `kernels/merge_states.py`: one launch per prefix chunk.
 """
 from __future__ import annotations
 
 import torch
 
 from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS
-from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend
 from deepseek_pd.model.forward_batch import ForwardBatch
 from deepseek_pd.model.kernels.checks import require_triton
 
 _DECODE_META = "triton_decode_meta"
+_EXTEND_META = "triton_extend_meta"
 
 
 def decode_metadata(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -25,6 +30,15 @@ def decode_metadata(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, in
         batch.derived[_DECODE_META] = (batch.page_table.to(torch.int32).contiguous(),
                                        batch.seq_lens_t.to(torch.int32).contiguous(), max(batch.seq_lens))
     return batch.derived[_DECODE_META]
+
+
+def extend_metadata(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per new token: (its sequence's page table row int32, position + 1 int32, host max length)."""
+    if _EXTEND_META not in batch.derived:
+        table, _, max_len = decode_metadata(batch)
+        batch.derived[_EXTEND_META] = (table.index_select(0, batch.token_seq).contiguous(),
+                                       (batch.positions + 1).to(torch.int32).contiguous(), max_len)
+    return batch.derived[_EXTEND_META]
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -40,13 +54,12 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         require_triton("attention backend 'triton'")
         from deepseek_pd.model.kernels.flash_prefill import flash_attention
+        from deepseek_pd.model.kernels.merge_states import merge_states
         from deepseek_pd.model.kernels.mla_decode import mla_decode
 
         self._flash = flash_attention
         self._mla_decode = mla_decode
-        reference = TorchAttentionBackend()
-        self.merge_states = reference.merge_states
-        self.mla_extend = reference.mla_extend
+        self._merge = merge_states
         # The last uploaded offsets, reused while a caller passes the same tuple again (each layer
         # owns its backend, so this saves the per-chunk uploads of one layer, not cross-layer ones).
         self._offsets_key: tuple | None = None
@@ -74,11 +87,26 @@ class TritonAttentionBackend:
         return self._flash(_unit_stride(q), _unit_stride(k), _unit_stride(v), q_dev, kv_dev, max_len, scale,
                            causal=False)
 
+    def merge_states(self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                     lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._merge(_unit_stride(out_a), _unit_stride(lse_a), _unit_stride(out_b), _unit_stride(lse_b))
+
+    def mla_extend(self, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                   batch: ForwardBatch, kv_lora_rank: int, scale: float) -> torch.Tensor:
+        _check_rank(q_latent, q_pe, kv_cache, kv_lora_rank)
+        page_table, lengths, max_len = extend_metadata(batch)
+        return self._mla_decode(_unit_stride(q_latent), _unit_stride(q_pe), kv_cache, page_table, lengths,
+                                max_len, scale)
+
     def mla_decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    batch: ForwardBatch, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        if kv_cache.shape[-1] != kv_lora_rank + q_pe.shape[-1] or q_latent.shape[-1] != kv_lora_rank:
-            raise ValueError(f"kv_lora_rank {kv_lora_rank} does not fit q_latent {tuple(q_latent.shape)} / "
-                             f"kv_cache {tuple(kv_cache.shape)}")
+        _check_rank(q_latent, q_pe, kv_cache, kv_lora_rank)
         page_table, seq_lens, max_len = decode_metadata(batch)
         return self._mla_decode(_unit_stride(q_latent), _unit_stride(q_pe), kv_cache, page_table, seq_lens,
                                 max_len, scale)
+
+
+def _check_rank(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> None:
+    if kv_cache.shape[-1] != kv_lora_rank + q_pe.shape[-1] or q_latent.shape[-1] != kv_lora_rank:
+        raise ValueError(f"kv_lora_rank {kv_lora_rank} does not fit q_latent {tuple(q_latent.shape)} / "
+                         f"kv_cache {tuple(kv_cache.shape)}")

@@ -8,7 +8,8 @@
 Then `out[t] = sum_j per_pair[t*k + j]` in fp32 (deterministic; no atomics).
 
 No host synchronisation: grids are sized by `moe_align`'s host bound; idle blocks return early.
-Up to `moe_align_small.MAX_PAIRS` pairs the sort is one Triton launch, beyond it device torch ops.
+Up to `moe_align_small.MAX_PAIRS` pairs the sort is one Triton launch, beyond it three
+(`moe_align_large`); the torch `moe_align.align_by_expert` is their oracle.
 The oracle is `TorchMoEKernel` (`model/moe/experts.py`).
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ import triton
 import triton.language as tl
 
 from deepseek_pd.model.kernels.checks import check_tensor
-from deepseek_pd.model.kernels.moe_align import ExpertBlocks, align_by_expert
+from deepseek_pd.model.kernels.moe_align import ExpertBlocks
+from deepseek_pd.model.kernels.moe_align_large import align_by_expert_large
 from deepseek_pd.model.kernels.moe_align_small import MAX_PAIRS, align_by_expert_small
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -151,8 +153,8 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         return hidden.new_zeros(num_tokens, hidden_size)
     hidden = hidden.contiguous()
     tile = tile or default_tile(num_pairs, num_experts)
-    # Decode-sized batches: one launch instead of ~30 (same blocks either way).
-    align = align_by_expert_small if num_pairs <= MAX_PAIRS else align_by_expert
+    # One launch for decode-sized batches, three beyond (~30 torch ops in the oracle).
+    align = align_by_expert_small if num_pairs <= MAX_PAIRS else align_by_expert_large
     blocks: ExpertBlocks = align(topk_ids, num_experts, tile.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()
     ieee = hidden.dtype == torch.float32

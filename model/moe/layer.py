@@ -13,7 +13,9 @@ from torch import nn
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.fp8_linear import fp8_spec
 from deepseek_pd.model.moe.experts import FusedExperts
+from deepseek_pd.model.moe.fp8_experts import Fp8FusedExperts
 from deepseek_pd.model.moe.mlp import GatedMLP
 from deepseek_pd.model.moe.topk import SCORING, TOPK_METHODS, TopKSpec, finish_weights
 from deepseek_pd.model.parallel import ExpertPlacement
@@ -40,11 +42,15 @@ class DeepseekMoE(nn.Module):
         self.choose = TOPK_METHODS[config.topk_method]
         self.spec = TopKSpec(config.num_experts_per_tok, config.n_group, config.topk_group,
                              config.norm_topk_prob, config.routed_scaling_factor)
-        self.experts = FusedExperts(self.placement.num_local_experts, config.hidden_size,
-                                    config.moe_intermediate_size, options.moe_backend, options.dtype, options.device)
+        fp8 = fp8_spec(config, options.fp8_backend)
+        self.experts: nn.Module = (
+            FusedExperts(self.placement.num_local_experts, config.hidden_size, config.moe_intermediate_size,
+                         options.moe_backend, options.dtype, options.device) if fp8 is None else
+            Fp8FusedExperts(self.placement.num_local_experts, config.hidden_size, config.moe_intermediate_size,
+                            fp8, options.device))
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-                     options.dtype, options.device)
+                     options.dtype, options.device, fp8)
             if config.n_shared_experts and not fused else None)
         self.load_recorder = None  # (ExpertLoadRecorder, row) once recording is on (moe/expert_load.py)
 

@@ -5,16 +5,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepseek_pd.model.fp8_linear import Fp8Spec, make_linear
+
 
 class GatedMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))` with `gate_up_proj` = [gate_proj ; up_proj] `[2I, H]`."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, fp8: Fp8Spec | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, fp8, dtype, device,
+                                        row_splits=(intermediate_size,))
+        self.down_proj = make_linear(intermediate_size, hidden_size, fp8, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

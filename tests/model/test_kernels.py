@@ -14,7 +14,6 @@ import importlib.util
 import os
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,6 +22,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON and not HAS_CUDA:
     # Must be set before the kernel modules are imported: triton.jit reads it at decoration time.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from triton_probe import interpreter_runs  # noqa: E402
 
 from deepseek_pd.errors import UserError  # noqa: E402
 from deepseek_pd.model.attention import ATTENTION_BACKENDS  # noqa: E402
@@ -33,8 +34,8 @@ from deepseek_pd.model.kv_pool import KVPool  # noqa: E402
 from deepseek_pd.model.moe import MOE_BACKENDS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-# Triton 3.6's interpreter indexes with 1-element arrays, which numpy >= 2.4 refuses.
-INTERPRETER_OK = (not HAS_CUDA and HAS_TRITON and tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4))
+# Triton 3.6's interpreter indexes with 1-element arrays, which numpy >= 2.4 refuses; 3.7's runs.
+INTERPRETER_OK = not HAS_CUDA and HAS_TRITON and interpreter_runs()
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETER_OK,
     reason="needs the triton package and no GPU (the GPU tests cover this); Triton 3.6's interpreter "
