@@ -186,9 +186,9 @@ def check_agreement(everyone: list[dict], rank: int) -> None:
 
 def _rank_process(config: ServeConfig, rank: int) -> None:
     """The body of one spawned rank process."""
-    from deepseek_pd.launcher.process import _die_with_parent
+    from deepseek_pd.launcher.die_with_parent import die_with_parent
 
-    _die_with_parent()  # a SIGKILLed supervisor must not leave ranks behind
+    die_with_parent()  # a SIGKILLed supervisor must not leave ranks behind
     configure_rank_logging(config.role, rank)
     try:
         asyncio.run(serve_rank(config, rank))

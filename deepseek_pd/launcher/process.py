@@ -2,31 +2,21 @@
 
 Why a process group per child: a worker or the router may start helpers (the router's Rust
 runtime threads are in-process, but Mooncake or a shell wrapper may fork). Signalling the group
-reaches all of them. Why PR_SET_PDEATHSIG: if the launcher itself is killed with SIGKILL, it
+reaches all of them. Why PR_SET_PDEATHSIG (set by die_with_parent.py): if the launcher itself is killed with SIGKILL, it
 cannot clean up, so the kernel sends each direct child SIGTERM instead, which makes it shut down.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux/glibc: the launcher's own signal handling still applies
-
 
 class ManagedProcess:
     def __init__(self, name: str, argv: Sequence[str], log_path: Path,
@@ -42,9 +32,11 @@ class ManagedProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            # PR_SET_PDEATHSIG through a wrapper program, not a preexec_fn (die_with_parent.py).
+            argv = [sys.executable, "-m", "deepseek_pd.launcher.die_with_parent", str(os.getpid()), *self.argv]
             self._popen = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=self.env, start_new_session=True)
         logger.debug("started %s (pid %d): %s", self.name, self.pid, " ".join(self.argv))
 
     @property
