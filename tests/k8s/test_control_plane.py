@@ -7,26 +7,18 @@ import copy
 import pathlib
 import random
 import re
-import time
 
 import pytest
 import yaml
 
 from kube_rest import KubeError
+from pdtest.waiting import wait_until as _wait
 
 pytestmark = [pytest.mark.timeout(2400), pytest.mark.slow]  # the first run builds the binaries
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GO_MOD = ROOT / "tests" / "k8s" / "controlplane" / "go.mod"
 
 
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"{what} within {timeout_s:.0f}s")
 
 
 def test_reports_the_pinned_release(admin_kube):

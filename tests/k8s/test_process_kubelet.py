@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 import urllib.request
 
 import pytest
+
+from pdtest.waiting import wait_until as _wait
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -47,14 +48,6 @@ HTTPServer(("0.0.0.0", 8080), H).serve_forever()
 """
 
 
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"{what} within {timeout_s:.0f}s")
 
 
 @pytest.fixture

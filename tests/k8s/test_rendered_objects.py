@@ -9,7 +9,6 @@ import base64
 import pathlib
 import random
 import subprocess
-import time
 
 import pytest
 import yaml
@@ -22,6 +21,7 @@ from deepseek_pd.operator.build_workers import build_group_service, build_group_
 from deepseek_pd.operator.reconcile import build_static_children
 from deepseek_pd.operator.router_keys import build_control_plane_secret
 from deepseek_pd.operator.spec import DeploymentSpec
+from pdtest.waiting import wait_until as _wait
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -39,14 +39,6 @@ PATHS = {
 }
 
 
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"{what} within {timeout_s:.0f}s")
 
 
 def _namespace(kube: Kube, prefix: str, labels: dict[str, str] | None = None) -> str:

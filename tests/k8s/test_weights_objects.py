@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 
 import kopf
 import pytest
@@ -23,20 +22,13 @@ from deepseek_pd.operator.kube import KubeClient
 from deepseek_pd.operator.reconcile import Reconciler
 from deepseek_pd.weights.failures import EXIT_CODES, DownloadError
 from deepseek_pd.weights.layout import snapshot_dir
+from pdtest.waiting import wait_until as _wait
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 LOG = logging.getLogger("test")
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
-def _wait(predicate, timeout_s: float, what: str, why=lambda: ""):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"{what} within {timeout_s:.0f}s {why()}")
 
 
 def _events(admin_kube, namespace: str) -> str:
