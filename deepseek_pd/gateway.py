@@ -58,6 +58,14 @@ CONTROL_PLANE_KEY_ID = "deepseek-pd"
 # locally, 5 s x 3 in Kubernetes): a connect to a dead port fails in a millisecond, so short
 # backoffs spend every attempt on the same dead worker (measured: 4 attempts in 1.4 s all met
 # "tcp connect error"). 1.5, 3, 6, 8 s (+-20% jitter) give 5 attempts over ~18.5 s.
+# smg gives up on a prefill leg that sent nothing for --worker-wedge-secs (default 3 s, stretched by
+# the worker's measured prefill throughput, up to 120 s): our prefill worker's first message is the
+# first token, so one long prompt, or a queue of them on a fresh or loaded worker, met 504
+# "Prefill worker silent" after 3-8.5 s (a 2,400-token prompt on CPU; a 100k-token one on a GPU).
+# 30 s keeps a truly wedged worker out of rotation within half a minute (a dead one is found
+# sooner by the health checks).
+WEDGE_ARGS = ("--worker-wedge-secs", "30")
+
 RETRY_ARGS = ("--retry-max-retries", "5", "--retry-initial-backoff-ms", "1500",
               "--retry-backoff-multiplier", "2", "--retry-max-backoff-ms", "8000")
 

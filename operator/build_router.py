@@ -69,7 +69,7 @@ SHUTDOWN_GRACE_SECONDS = 180
 # retries (gateway.RETRY_ARGS: when they are safe, and why the backoff outlasts these health checks)
 # move a request whose worker died before its first token to another pair. (smg's
 # `--retry-max-retries 1`, used before, means one attempt: no retry at all.)
-ROUTER_RESILIENCE_ARGS = ("--disable-circuit-breaker", *gateway.RETRY_ARGS,
+ROUTER_RESILIENCE_ARGS = ("--disable-circuit-breaker", *gateway.RETRY_ARGS, *gateway.WEDGE_ARGS,
                           "--health-check-interval-secs", "5", "--health-failure-threshold", "3")
 
 

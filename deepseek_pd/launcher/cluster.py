@@ -41,7 +41,7 @@ KV_TRANSPORTS = ("grpc", "mooncake")
 # for a minute: it stays off, and health checks every 2 s remove a dead worker instead. Retries
 # are on (gateway.RETRY_ARGS says when they are safe): with two decode workers, a request whose
 # decode worker dies before its first token runs again on the other one.
-ROUTER_LOCAL_FLAGS = (*gateway.RETRY_ARGS, "--disable-circuit-breaker",
+ROUTER_LOCAL_FLAGS = (*gateway.RETRY_ARGS, *gateway.WEDGE_ARGS, "--disable-circuit-breaker",
                       "--health-check-interval-secs", "2", "--health-failure-threshold", "2")
 
 
