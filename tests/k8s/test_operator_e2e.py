@@ -98,7 +98,8 @@ class Deployment:
             slices = self.kube.list(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices",
                                     labelSelector=f"kubernetes.io/service-name={self.name}-router")
             for slice_ in slices:
-                port = slice_["ports"][0]["port"]
+                # By name: the Service also has the gateway's metrics port, in no promised order.
+                port = next(p["port"] for p in slice_["ports"] if p.get("name") == "http")
                 for ep in slice_.get("endpoints") or []:
                     if ep.get("conditions", {}).get("ready"):
                         return f"http://{ep['addresses'][0]}:{port}"
