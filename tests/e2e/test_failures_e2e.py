@@ -29,6 +29,7 @@ SLOW_CHUNK = 8
 LONG_PROMPT = 2400
 # Worker-side limits from e2e_cluster.WORKER_ARGS, plus slack for a loaded 2-core machine.
 FAILURE_DEADLINE_S = 20 + 15
+RETRY_BUDGET_S = 60  # the gateway's retries (~18.5 s of backoff) plus a slow re-prefill
 FAILED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
 
@@ -99,7 +100,10 @@ def test_bad_request_to_real_worker_is_invalid_argument(cluster) -> None:
     asyncio.run(main())
 
 
-def test_router_client_gets_one_error_when_decode_dies_mid_transfer(cluster) -> None:
+def test_router_client_gets_one_error_or_a_retried_answer_when_decode_dies_mid_transfer(cluster) -> None:
+    """No token has reached the client yet, so smg may retry on a live decode worker
+    (gateway.RETRY_ARGS: the retry re-prefills the long prompt); either way the request ends in
+    bounded time, whole or with one >= 500 error, and the prefill side keeps no pages."""
     from deepseek_pd.client.router_http import RouterClient, RouterError
 
     host = cluster.spec.host
@@ -119,11 +123,12 @@ def test_router_client_gets_one_error_when_decode_dies_mid_transfer(cluster) -> 
                 return bool(running and holding)
             assert await wait_until(transferring, 30), "the request never reached the transfer phase"
             busy[0].process.send_signal(signal.SIGKILL)
-            t0 = time.monotonic()
-            with pytest.raises(RouterError) as info:
-                await asyncio.wait_for(call, FAILURE_DEADLINE_S)
-            assert time.monotonic() - t0 < FAILURE_DEADLINE_S
-            assert info.value.status >= 500
+            try:
+                result = await asyncio.wait_for(call, FAILURE_DEADLINE_S + RETRY_BUDGET_S)
+            except RouterError as exc:
+                assert exc.status >= 500, exc
+            else:
+                assert len(result.output_ids) == 4 and result.finish_reason is not None, result
         for worker in prefills:
             pages = await wait_for_pages(worker.address(host), baselines[worker.process.name],
                                          timeout_s=FAILURE_DEADLINE_S)
