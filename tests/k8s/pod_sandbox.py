@@ -28,12 +28,17 @@ import random
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
 # Host paths the pods see as on the host (writes go through): the tests' temp dirs, the checkout
 # and its venv, the caches under $HOME (the tiny model). Everything else is copy-on-write.
 SHARED_PATHS = ("/proc", "/sys", "/dev", "/tmp", "/work", "/root")
+# The "image": the checkout and its venv, bound again after the pod's volumes, so that a volume
+# over /tmp (the operator's writable /tmp for a read-only root) cannot hide a checkout under /tmp.
+IMAGE_PATHS = tuple(dict.fromkeys((str(pathlib.Path(__file__).resolve().parents[2]),
+                                   os.path.realpath(sys.prefix))))
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -177,6 +182,8 @@ class Sandbox:
             lines.append(f"mount --bind {q(mount.source)} {target}")
             if mount.read_only:
                 lines.append(f"mount -o remount,bind,ro {target}")
+        for path in IMAGE_PATHS:
+            lines.append(f"mkdir -p {q(merged + path)} && mount --rbind {q(path)} {q(merged + path)}")
         lines.append(f"touch {q(str(self.workdir / 'ready'))}")
         lines.append(f"exec chroot {q(merged)} sleep infinity")
         return "\n".join(lines) + "\n"
