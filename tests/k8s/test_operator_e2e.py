@@ -337,7 +337,7 @@ def test_v3_example_is_reported_not_crash_looping_without_gpus(deployment):
     time.sleep(5)  # a few resyncs: nothing restarts, nothing is recreated
     again = deployment.kube.list(f"/api/v1/namespaces/{NS}/pods", labelSelector=selector)
     assert {p["metadata"]["uid"] for p in again} == {p["metadata"]["uid"] for p in pods}
-    deployment.kubectl_run("delete", "-n", NS, "deepseekdeployment", name, "--wait=true", "--timeout=60s")
+    deployment.kubectl_run("delete", "-n", NS, "deepseekdeployment", name, "--wait=true", "--timeout=120s")
 
 
 def test_deleting_the_resource_removes_every_child(deployment):
