@@ -7,7 +7,8 @@ crates/grpc_client/src/sglang_scheduler.rs and model_gateway/src/routers/grpc/):
 
 - `/generate`, `/v1/completions` and `/v1/chat/completions`, streamed and not, give the offline
   engine's greedy tokens; sampled-token logprobs (`return_logprob`, chat `logprobs: true`) equal the
-  offline log-softmax. (`/v1/completions` drops logprobs from its answer in smg 1.13.)
+  offline log-softmax (chat reports them per text piece, so a token split inside a UTF-8 character
+  may have none). (`/v1/completions` drops logprobs from its answer in smg 1.13.)
 - `n > 1`: smg fans the request out as n single-sample requests, one PD pair each; every choice
   is complete and, greedy, equal to the offline tokens.
 - top logprobs (`top_logprobs`, completions `logprobs: k`, `top_logprobs_num`) reach the workers,
@@ -175,13 +176,11 @@ def test_chat_completions_match_offline_tokens_and_logprobs(cluster, engine, hf_
     assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == max_new
     assert same_text(content, want, engine), (content, engine.tokenizer.decode(want))
     want_logprobs = [r.chosen for r in reference]
-    if not stream:
-        assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_TOL)
-        return
-    # smg 1.13 streams chat logprobs per text piece, not per token: a token that ends inside a
-    # UTF-8 character is held back with its text and its entry is dropped or merged. So: every
-    # streamed value is the reference value of a token at or after the previous one (nothing
-    # invented, order kept), and every token whose text stands alone is reported.
+    # smg 1.13 reports chat logprobs per text piece, not per token, streamed or not: a token that
+    # ends inside a UTF-8 character is held back with its text and its entry is dropped or merged
+    # (non-streamed, the trailing held-back tokens have no entry). So: every value is the reference
+    # value of a token at or after the previous one (nothing invented, order kept), and every token
+    # whose text stands alone is reported.
     position = 0
     for value in logprobs:
         matches = [j for j in range(position, len(want_logprobs)) if abs(want_logprobs[j] - value) <= LOGPROB_TOL]

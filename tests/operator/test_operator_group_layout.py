@@ -32,18 +32,23 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 _VAR = re.compile(r"\$\(([A-Z_][A-Z0-9_]*)\)")
 
 
-def _pod_env(container: dict, pod_index: int) -> dict[str, str]:
-    """The container's env as the kubelet fills it for the pod with this index."""
+def _pod_env(container: dict, pod_name: str, pod_index: int) -> dict[str, str]:
+    """The container's env as the kubelet fills it for the pod with this index.
+
+    As the kubelet does, a value's `$(VAR)` is expanded from the variables listed before it.
+    """
     env = {}
     for item in container["env"]:
         if "value" in item:
-            env[item["name"]] = item["value"]
+            env[item["name"]] = _expand(item["value"], env)
             continue
         field = item["valueFrom"].get("fieldRef", {}).get("fieldPath", "")
         if field == f"metadata.labels['{names.LABEL_POD_INDEX}']":
             env[item["name"]] = str(pod_index)
         elif field == "status.podIP":
             env[item["name"]] = f"10.0.{pod_index}.7"
+        elif field == "metadata.name":
+            env[item["name"]] = pod_name
     return env
 
 
@@ -93,7 +98,7 @@ def test_every_rendered_pod_resolves_to_the_layout_the_cr_meant(example, v3_node
         container = statefulset["spec"]["template"]["spec"]["containers"][0]
         leader = names.leader_address(spec.name, role_name, index, spec.namespace)
         for pod_index in range(role.size):
-            env = _pod_env(container, pod_index)
+            env = _pod_env(container, f"{statefulset['metadata']['name']}-{pod_index}", pod_index)
             argv = [_expand(arg, env) for arg in container["args"]]
             assert not any(_VAR.search(arg) for arg in argv), argv  # the kubelet expands every one
             flags = flags_from_args(parser.parse_args(argv))

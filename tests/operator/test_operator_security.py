@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import ipaddress
 import json
 import os
 import pathlib
@@ -58,10 +59,17 @@ def _all_pods(spec: DeploymentSpec) -> list[dict]:
 # ---- decode's allowlist against what the router is told --------------------------------------
 
 def _fake_dns(monkeypatch, table: dict[str, list[str]]) -> list[str]:
-    """Cluster DNS for the test: `table` names resolve, nothing else does. Returns the lookups."""
+    """Cluster DNS for the test: `table` names resolve, nothing else does. Returns the name lookups.
+
+    IP literals are not recorded: they need no DNS, and threads other tests left running in this
+    process (a client dialing 127.0.0.1) go through the same patched function.
+    """
     lookups: list[str] = []
+    real_getaddrinfo = socket.getaddrinfo
 
     def getaddrinfo(host, port, *args, **kwargs):
+        if _is_ip_literal(host):
+            return real_getaddrinfo(host, port, *args, **kwargs)
         lookups.append(host)
         if host not in table:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
@@ -69,6 +77,14 @@ def _fake_dns(monkeypatch, table: dict[str, list[str]]) -> list[str]:
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     return lookups
+
+
+def _is_ip_literal(host) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def _peers_of(pod: dict) -> tuple[str, ...]:
