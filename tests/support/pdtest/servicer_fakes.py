@@ -4,7 +4,8 @@ The fake's output is a pure function of the prompt (`expected_tokens`), so a tes
 must come back; it also records aborts and keeps a page count so tests can check the servicer
 frees work when a caller goes away. Scripted failures come from the prompt's first token:
 `[FAIL_TOKEN, i, ...]` makes the engine yield `Failed(FAILURE_CODES[i])` after two tokens, `CRASH_TOKEN` makes it
-raise after one.
+raise after one, `SLOW_TOKEN` makes each step sleep. `FakeEngine(scripted=False)` has no scripts
+(fuzzing draws those ids as ordinary prompts).
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def expected_tokens(input_ids: tuple[int, ...], max_new_tokens: int) -> list[int
 
 
 class FakeEngine:
-    def __init__(self, total_pages: int = 1000) -> None:
+    def __init__(self, total_pages: int = 1000, scripted: bool = True) -> None:
         self.total_pages = total_pages
+        self.scripted = scripted
         self.pages_in_use: dict[str, int] = {}
         self.aborted: list[str] = []
         self.requests: list[GenerateRequest] = []
@@ -46,18 +48,19 @@ class FakeEngine:
         n_pages = -(-(len(request.input_ids) + len(tokens)) // PAGE_SIZE)
         self.pages_in_use[request.rid] = n_pages
         cancel = self._cancel.setdefault(request.rid, asyncio.Event())
+        script = request.input_ids[0] if self.scripted else None
         try:
             for i, token in enumerate(tokens):
-                if request.input_ids[0] == SLOW_TOKEN:
+                if script == SLOW_TOKEN:
                     await asyncio.sleep(0.05)
                 else:
                     await asyncio.sleep(0)
                 if cancel.is_set():
                     yield Finished("abort", len(request.input_ids), i)
                     return
-                if request.input_ids[0] == CRASH_TOKEN and i == 1:
+                if script == CRASH_TOKEN and i == 1:
                     raise RuntimeError("scripted engine bug")
-                if request.input_ids[0] == FAIL_TOKEN and i == 2:
+                if script == FAIL_TOKEN and i == 2:
                     code = FAILURE_CODES[request.input_ids[1] % len(FAILURE_CODES)]
                     yield Failed(code, f"scripted failure {code.name}")
                     return

@@ -155,7 +155,7 @@ class _Worker:
     def __init__(self, info: ServedModelInfo) -> None:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)  # grpc.aio binds a channel to the current loop when made
-        self.engine = FakeEngine()
+        self.engine = FakeEngine(scripted=False)  # fuzzed ids 6..8 are prompts, not failure scripts
         self.server = WorkerServer(self.engine, info, WorkerIdentity("decode", "grpc", 0, PAGE_SIZE),
                                    ServerConfig("127.0.0.1", 0, drain_timeout_s=1.0, stop_grace_s=0.5))
         port = self.loop.run_until_complete(self.server.start())
