@@ -2,15 +2,45 @@
 
 `control_plane` builds the binaries on first use (scripts/build-control-plane.sh; `make test`
 runs it before pytest) and starts etcd + kube-apiserver + kube-controller-manager once per session.
+They, and the process kubelet, stop as soon as the run leaves this directory (`_leave_directory`):
+a session fixture would otherwise keep them, and the pods the kubelet still runs, busy through
+every later test folder.
 """
 from __future__ import annotations
 
 import pathlib
 import sys
+from typing import Callable
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # kube_rest, pki, control_plane
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # kube_rest, pki, control_plane
+
+_stops: list[Callable[[], None]] = []  # stop functions of the running session fixtures, in start order
+
+
+def _stop_once(stop: Callable[[], None]) -> Callable[[], None]:
+    done = False
+
+    def once() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            stop()
+    _stops.append(once)
+    return once
+
+
+def _leave_directory() -> None:
+    while _stops:
+        _stops.pop()()  # the kubelet before the control plane it talks to
+
+
+@pytest.hookimpl(trylast=True)  # after pytest has finalised the module's fixtures (they still use the API)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    if nextitem is None or HERE not in pathlib.Path(str(nextitem.path)).resolve().parents:
+        _leave_directory()
 
 from control_plane import ControlPlane, ControlPlaneUnavailable, control_plane_binaries  # noqa: E402
 from kube_rest import Kube  # noqa: E402
@@ -23,11 +53,12 @@ def control_plane(tmp_path_factory):
     except ControlPlaneUnavailable as exc:
         pytest.skip(f"no Kubernetes control plane: {exc}")
     plane = ControlPlane(tmp_path_factory.mktemp("control-plane"), bin_dir)
+    stop = _stop_once(plane.stop)
     plane.start()
     try:
         yield plane
     finally:
-        plane.stop()
+        stop()
 
 
 @pytest.fixture(scope="session")
@@ -52,8 +83,10 @@ def process_kubelet(control_plane, admin_kube, tmp_path_factory):
                  "HOME": os.environ.get("HOME", "/root"), "PYTHONUNBUFFERED": "1"}
     kubelet = ProcessKubelet(admin_kube, KubeletConfig(
         workdir=tmp_path_factory.mktemp("kubelet"), image_env=image_env,
-        apiserver=(server.hostname, server.port))).start()
+        apiserver=(server.hostname, server.port)))
+    stop = _stop_once(kubelet.stop)
+    kubelet.start()
     try:
         yield kubelet
     finally:
-        kubelet.stop()
+        stop()

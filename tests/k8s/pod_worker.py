@@ -308,7 +308,9 @@ class PodWorker:
             "containerStatuses": [r.status() for r in self.containers],
         }
         if self.sandbox.ip:
-            status.update(podIP=self.sandbox.ip, podIPs=[{"ip": self.sandbox.ip}])
+            # A strategic merge would append to podIPs (merge key `ip`) when a new sandbox got a
+            # new address; the apiserver then refuses two IPv4 entries. Replace the list.
+            status.update(podIP=self.sandbox.ip, podIPs=[{"ip": self.sandbox.ip}, {"$patch": "replace"}])
         if self.inits:
             status["initContainerStatuses"] = [r.status() for r in self.inits]
         if status == self._last_status:
