@@ -18,30 +18,16 @@ import pytest
 from deepseek_pd.model.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from deepseek_pd.workers.common.api import Failed, FailureCode, GenerateRequest
 from deepseek_pd.workers.decode.engine import DecodeEngine
-from pdtest.gateway_oracle import reference_logprobs
+from pdtest.top_logprobs_check import assert_top_matches
 from pdtest.pd_engine_harness import PDPair, collect, oracle, runner, worker_config
 
 pytestmark = [pytest.mark.timeout(180)]
 
-TOL = 2e-3  # fp32 on CPU: paged decode vs one full forward differ in summation order
+TOL = 2e-3  # fp32 on CPU: paged decode vs one full forward differ in summation order (as LOGPROB_TOL)
 
 
 def random_prompt(rng: random.Random, low: int = 3, high: int = 40) -> list[int]:
     return [rng.randrange(2, oracle().vocab_size) for _ in range(rng.randrange(low, high))]
-
-
-def assert_top_matches(tops, tokens: list[int], prompt: list[int], k: int, temperature: float = 1.0) -> None:
-    """Each position: k entries, descending, each value the reference logprob of its token, and the
-    values the reference's k largest (ids may swap where two values tie within TOL)."""
-    assert len(tops) == len(tokens)
-    wide = reference_logprobs(oracle(), prompt, tokens, min(oracle().vocab_size, k + 8), temperature)
-    for position, (top, ref) in enumerate(zip(tops, wide)):
-        assert len(top.token_ids) == len(top.logprobs) == k, (position, top)
-        assert list(top.logprobs) == sorted(top.logprobs, reverse=True)
-        values = dict(ref.top)
-        for t, v in zip(top.token_ids, top.logprobs):
-            assert t in values and abs(values[t] - v) <= TOL, (position, t, v, ref.top[:k])
-        assert list(top.logprobs) == pytest.approx([v for _, v in ref.top[:k]], abs=TOL)
 
 
 @pytest.mark.parametrize("transport", ["fake", "grpc"])
@@ -74,7 +60,7 @@ def test_pd_top_logprobs_equal_full_forwards_and_the_offline_engine(transport):
             continue
         # The first token's entry travelled in TransferDone: the same values the prefill side reports.
         assert decode.top_logprobs[0] == prefill.top_logprobs[0]
-        assert_top_matches(decode.top_logprobs, decode.tokens, prompt, k, 1.0 if params.greedy else params.temperature)
+        assert_top_matches(oracle(), decode.top_logprobs, decode.tokens, prompt, k, 1.0 if params.greedy else params.temperature)
         offline = oracle().generate(prompt, params)
         assert decode.tokens == offline.output_ids
         assert len(offline.output_top_logprobs) == len(offline.output_ids)
@@ -106,7 +92,7 @@ def test_colocated_decode_worker_reports_top_logprobs():
 
     for prompt, k, outcome in zip(prompts, ks, asyncio.run(run())):
         assert outcome.ok, outcome.terminal
-        assert_top_matches(outcome.top_logprobs, outcome.tokens, prompt, k)
+        assert_top_matches(oracle(), outcome.top_logprobs, outcome.tokens, prompt, k)
 
 
 def test_a_prefill_peer_without_first_token_top_logprobs_fails_the_request_cleanly():
