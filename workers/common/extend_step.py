@@ -16,7 +16,8 @@ def run_extend(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq],
     """Extends all `seqs`; samples one token for each of `rows` (with `states[i]` for rows[i]).
 
     Runs in the model thread. The sampler advances the states by the sampled token; one host copy
-    at the end (tokens, logprobs and any top logprobs together). `progress` hears of each layer's KV write during the forward (layer-wise transfer).
+    at the end (tokens, logprobs and any top logprobs together). `progress` hears of each layer's
+    KV write during the forward (layer-wise transfer).
     """
     logits = runner.extend(list(seqs), progress=progress)
     if logits.is_cuda:

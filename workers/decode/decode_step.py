@@ -5,7 +5,8 @@ A step is launched without waiting for anything on the GPU: the inputs are packe
 previous step is taken from that step's sampled tokens ON THE DEVICE (so step N+1 can be queued
 before step N's tokens reach the host), the forward runs (CUDA-graph replay when it fits), the
 whole batch is sampled on the device, and the token ids with their logprobs (and the top
-logprobs of the rows that ask, `model/sampled_host.py`) start their one device-to-host copy. `collect` waits for that copy only.
+logprobs of the rows that ask, `model/sampled_host.py`) start their one device-to-host copy.
+`collect` waits for that copy only.
 
     step N   : launch ─────────────► GPU runs N ──► copy ──► collect(N) on the host
     step N+1 :          launch (input ids = N's tokens, gathered on the device) ─► GPU runs N+1

@@ -12,8 +12,9 @@ TOL = 2e-3  # fp32 on CPU: paged decode vs one full forward differ in summation 
 def assert_top_matches(engine, tops, tokens: list[int], prompt: list[int], k: int,
                        temperature: float = 1.0) -> None:
     """`tops`: per output token an object with `token_ids` and `logprobs` (TopLogprobs). `engine`:
-    the offline Engine whose runner makes the reference. Each position: k entries, descending, each value the reference logprob of its token, and the
-    values the reference's k largest (ids may swap where two values tie within TOL)."""
+    the offline Engine whose runner makes the reference. Each position: k entries, descending,
+    each value the reference logprob of its token, and the values the reference's k largest (ids
+    may swap where two values tie within TOL)."""
     assert len(tops) == len(tokens)
     wide = reference_logprobs(engine, prompt, tokens, min(engine.vocab_size, k + 8), temperature)
     for position, (top, ref) in enumerate(zip(tops, wide)):
