@@ -178,12 +178,13 @@ def test_cuda_top_logprobs_do_not_synchronise_and_equal_cpu():
         batch = SamplingBatch(VOCAB, device)
         for p in params:
             batch.add(SamplingState.create(p, [], VOCAB, device=device))
-        batch.sample(logits.to(device))  # the rebuild uploads; the next step must not sync
+        rows = logits.to(device)
+        batch.sample(rows)  # the rebuild uploads; the next step must not sync
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
         try:
-            out = batch.sample(logits.to(device) if device == "cpu" else logits.cuda())
+            out = batch.sample(rows)
             packed = pack(out)
         finally:
             if device == "cuda":
