@@ -170,7 +170,9 @@ def test_out_of_range_top_logprobs_num_is_a_user_error(value):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_top_logprobs_do_not_synchronise_and_equal_cpu():
     rng = random.Random()
-    params = [dataclasses.replace(_params(rng), top_logprobs_num=rng.randint(0, MAX_TOP_LOGPROBS))
+    # No penalties: the second step's distribution must not depend on which tokens the first drew.
+    params = [dataclasses.replace(_params(rng), top_logprobs_num=rng.randint(0, MAX_TOP_LOGPROBS),
+                                  repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
               for _ in range(16)]
     logits = torch.randn(len(params), VOCAB) * 2
     results = []
