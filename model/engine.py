@@ -23,6 +23,7 @@ import torch
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
 from deepseek_pd.model.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
+from deepseek_pd.model.sampled_host import TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
 from deepseek_pd.model.sampling_params import SamplingParams
 
@@ -61,6 +62,8 @@ class GenerateResult:
     matched_stop: Union[int, str, None] = None
     prompt_tokens: int = 0
     output_logprobs: list[float] = field(default_factory=list)
+    # Per output token with `SamplingParams.top_logprobs_num` > 0 (else empty), most likely first.
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class _Request:
     pages: list[int]
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -176,7 +180,8 @@ class Engine:
                 self.runner.kv_pool.free(request.pages)
         return [GenerateResult(output_ids=r.output_ids, text=r.stop.text, finish_reason=r.stop.finish.reason,
                                matched_stop=r.stop.finish.matched_stop, prompt_tokens=len(r.prompt_ids),
-                               output_logprobs=r.logprobs) for r in requests]
+                               output_logprobs=r.logprobs, output_top_logprobs=r.top_logprobs)
+                for r in requests]
 
     # ---- steps ------------------------------------------------------------------------------
     def _validate_prompt(self, prompt: Prompt, where: str) -> list[int]:
@@ -230,8 +235,11 @@ class Engine:
 
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
         out = self.sampler.sample(logits, [r.sampling for r in requests])
-        for request, token, logprob in zip(requests, out.token_ids.tolist(), out.logprobs.tolist()):
+        sampled = unpack(pack(out).cpu(), out.top_counts)
+        for request, token, logprob, top in zip(requests, sampled.token_ids, sampled.logprobs, sampled.top):
             request.output_ids.append(token)
             request.logprobs.append(logprob)
+            if top is not None:
+                request.top_logprobs.append(top)
             request.sampling.append(token)
             request.stop.append(token)

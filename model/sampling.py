@@ -13,7 +13,10 @@ Order of operations per row (SGLang's, so a request samples the same way here an
    - its probability >= min_p * the largest probability;
    all three measured on the same (untruncated) distribution, then renormalise and draw.
 The logprob returned is the chosen token's under the penalised, temperature-scaled, untruncated
-distribution (temperature 1 for greedy rows). `logits / temperature` is clamped to finite fp32, so
+distribution (temperature 1 for greedy rows), as SGLang reports it by default; a row with
+`top_logprobs_num` k > 0 also gets the k largest logprobs of that same distribution, from one
+`topk` over the batch at its widest k (`sampling_ops.top_logprobs`; host layout in `sampled_host`).
+`logits / temperature` is clamped to finite fp32, so
 extreme but valid values (a repetition penalty near 0) never give NaN.
 
 The draw is Gumbel-max over the kept tokens. A request with a seed takes its noise from a pure

@@ -31,7 +31,7 @@ from typing import Iterable
 import torch
 
 from deepseek_pd.model.sampling_noise import counter_uniforms, token_offsets
-from deepseek_pd.model.sampling_ops import choose, gumbel, penalise, scale, truncation_mask
+from deepseek_pd.model.sampling_ops import choose, gumbel, penalise, scale, top_logprobs, truncation_mask
 from deepseek_pd.model.sampling_state import SamplingState
 
 
@@ -57,6 +57,9 @@ class SampleOutput:
     token_ids: torch.Tensor  # [B] long
     logprobs: torch.Tensor  # [B] fp32: log-probability of the chosen token under the penalised,
     # temperature-scaled (before truncation) distribution; greedy rows use temperature 1
+    top_logprobs: torch.Tensor  # [B, K] fp32, descending: each row's K best under that distribution
+    top_ids: torch.Tensor  # [B, K] long, their token ids; K = max(top_counts), 0 when no row asks
+    top_counts: tuple[int, ...]  # host: how many of its row's K each request asked for
 
 
 @dataclass
@@ -72,6 +75,8 @@ class _Tables:
     truncates: bool  # some row needs the sorted distribution
     seeded_rows: torch.Tensor | None  # [S] int64, the rows drawing counter-based noise (None: none)
     unseeded: bool  # some row draws from the fallback generator
+    top_counts: tuple[int, ...]  # each row's top_logprobs_num
+    top_width: int  # the one topk's k: the largest count, at most the vocabulary
 
     def column(self, name: FloatColumn) -> torch.Tensor:
         return self.floats[:, name]
@@ -161,7 +166,9 @@ class SamplingBatch:
             raise ValueError(f"logits on {logits.device}, sampling batch on {self.device}")
         if not self._states:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device),
-                                torch.empty(0, dtype=torch.float32, device=self.device))
+                                torch.empty(0, dtype=torch.float32, device=self.device),
+                                torch.empty(0, 0, dtype=torch.float32, device=self.device),
+                                torch.empty(0, 0, dtype=torch.int64, device=self.device), ())
         if self._dirty:
             self._rebuild()
         t = self._tables
@@ -179,12 +186,19 @@ class SamplingBatch:
         if t.seeded_rows is not None or t.unseeded:
             noise = gumbel(self._uniforms(t))
             noise.masked_fill_(t.flag(FloatColumn.GREEDY), 0.0)
-        tokens, logprobs = choose(scaled, noise, keep)
+        lse = torch.logsumexp(scaled, dim=-1)
+        tokens, logprobs = choose(scaled, noise, keep, lse)
+        if t.top_width > 0:  # one topk for the batch; rows that asked for fewer (or none) are cut on the host
+            top_values, top_ids = top_logprobs(scaled, lse, t.top_width)
+        else:
+            top_values = torch.empty(len(self._states), 0, dtype=torch.float32, device=self.device)
+            top_ids = torch.empty(len(self._states), 0, dtype=torch.int64, device=self.device)
         t.steps += 1
         if t.counts is not None:
             t.counts.scatter_add_(1, tokens.unsqueeze(1), col(FloatColumn.PENALISED).unsqueeze(1))
         self._tick += 1
-        return SampleOutput(token_ids=tokens, logprobs=logprobs)
+        return SampleOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top_values, top_ids=top_ids,
+                            top_counts=t.top_counts)
 
     # ---- internals ----
 
@@ -218,6 +232,7 @@ class SamplingBatch:
         any_penalised = any(s.penalised for s in states)
         gather = any_penalised and k > 0 and old is not None and old.counts is not None
         seeded = [row for row, s in enumerate(states) if s.seeded]
+        top_counts = tuple(s.params.top_logprobs_num for s in states)
         ints = torch.tensor([(s.packed_ints[0], s.num_sampled, s.packed_ints[1]) for s in states],
                             dtype=torch.int64)
         parts = _pack(self.device, ints.view(-1), torch.tensor(survivors if gather else [], dtype=torch.int64),
@@ -232,7 +247,8 @@ class SamplingBatch:
             floats=floats.view(n, len(FloatColumn)),
             keys=ints_dev[:, 0], steps=ints_dev[:, 1], top_k=ints_dev[:, 2], counts=counts, prompt=prompt,
             truncates=any(s.truncates for s in states), seeded_rows=seeded_rows if seeded else None,
-            unseeded=any(not s.greedy and not s.seeded for s in states))
+            unseeded=any(not s.greedy and not s.seeded for s in states),
+            top_counts=top_counts, top_width=min(max(top_counts), self.vocab_size))
         for row, state in enumerate(states):
             if state._row is None:
                 state._joined_tick = self._tick

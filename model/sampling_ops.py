@@ -60,14 +60,15 @@ def gumbel(uniforms: torch.Tensor) -> torch.Tensor:
     return uniforms.log_().neg_().log_().neg_()
 
 
-def choose(scaled: torch.Tensor, noise: torch.Tensor | None, keep: torch.Tensor | None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def choose(scaled: torch.Tensor, noise: torch.Tensor | None, keep: torch.Tensor | None,
+           lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens `[B]` int64 and their logprobs `[B]` fp32.
 
     Gumbel-max: `argmax(scaled + noise)` over the kept tokens draws from `softmax(scaled)`
     restricted to them and renormalised, with no normalisation or cumulative sum (so the draw is
     exact and does not depend on the batch). Rows whose `noise` is 0 take the argmax (greedy).
-    The logprob is the chosen token's under the untruncated `log_softmax(scaled)`.
+    The logprob is the chosen token's under the untruncated `log_softmax(scaled)`, i.e.
+    `scaled[token] - lse` with `lse = logsumexp(scaled)` `[B]`.
     """
     if noise is None:
         score = scaled if keep is None else scaled.masked_fill(~keep, float("-inf"))
@@ -77,4 +78,15 @@ def choose(scaled: torch.Tensor, noise: torch.Tensor | None, keep: torch.Tensor 
             score.masked_fill_(~keep, float("-inf"))
     tokens = score.argmax(dim=-1)
     chosen = scaled.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens, chosen - torch.logsumexp(scaled, dim=-1)
+    return tokens, chosen - lse
+
+
+def top_logprobs(scaled: torch.Tensor, lse: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest logprobs of every row `[B, k]` fp32 (descending) and their token ids `[B, k]`.
+
+    The same arithmetic as `choose`'s logprob (`scaled[token] - lse`), so the sampled token's
+    entry in its row's list, when it is there, equals its reported logprob bit for bit. One
+    `topk` over the whole batch: `k` is the batch's largest request, callers cut each row.
+    """
+    values, ids = scaled.topk(k, dim=-1)
+    return values - lse.unsqueeze(1), ids

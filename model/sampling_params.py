@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 
 from deepseek_pd.errors import UserError
 
+# The most top logprobs a request may ask for per position (OpenAI's `top_logprobs` cap).
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token and when to stop.
+    """How to pick each next token, what the sampler reports about it, and when to stop.
 
     Example: greedy with a 16-token budget is `SamplingParams(temperature=0.0, max_new_tokens=16)`;
     `temperature=0.7, top_p=0.9, seed=1` is reproducible token for token across runs and workers.
@@ -33,6 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    # The k most likely tokens and their logprobs at each step, under the same distribution as the
+    # sampled token's logprob (0: none). The gRPC layer sets it only with return_logprob, as SGLang.
+    top_logprobs_num: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -71,6 +77,10 @@ class SamplingParams:
                 raise bad("stop_token_ids", token_id, f"must be in [0, {vocab_size})")
         if any(not s for s in self.stop):
             raise bad("stop", self.stop, "stop strings must be non-empty")
+        if (not isinstance(self.top_logprobs_num, int) or isinstance(self.top_logprobs_num, bool)
+                or not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS):
+            raise UserError(f"top_logprobs_num={self.top_logprobs_num!r} is invalid: at most "
+                            f"{MAX_TOP_LOGPROBS} top logprobs per position are supported (0 for none)")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:  # torch.Generator's range

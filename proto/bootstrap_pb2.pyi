@@ -181,7 +181,7 @@ class KVChunk(_message.Message):
     def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "stream_chunks", "auth")
+    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "stream_chunks", "first_top_token_ids", "first_top_logprobs", "auth")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,8 @@ class TransferDone(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     STREAM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
@@ -197,8 +199,10 @@ class TransferDone(_message.Message):
     bytes_sent: int
     generator_state: bytes
     stream_chunks: _containers.RepeatedScalarFieldContainer[int]
+    first_top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     auth: AuthToken
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., stream_chunks: _Optional[_Iterable[int]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., stream_chunks: _Optional[_Iterable[int]] = ..., first_top_token_ids: _Optional[_Iterable[int]] = ..., first_top_logprobs: _Optional[_Iterable[float]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class TransferFailed(_message.Message):
     __slots__ = ("code", "reason")

@@ -29,6 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string, repeatable")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past the eos token")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    parser.add_argument("--top-logprobs", type=int, default=0, metavar="K",
+                        help="with --json: each output token's logprob and the K most likely tokens' (K <= 20)")
     parser.add_argument("--chunked-prefill-size", type=int, default=2048,
                         help="max prompt tokens per prefill forward; later chunks extend the cached prefix")
     parser.add_argument("--attention-method", choices=ATTENTION_METHODS, default="auto",
@@ -82,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty, stop=tuple(args.stop), ignore_eos=args.ignore_eos, seed=args.seed)
+        presence_penalty=args.presence_penalty, stop=tuple(args.stop), ignore_eos=args.ignore_eos, seed=args.seed,
+        top_logprobs_num=args.top_logprobs)
     params.validate()  # before loading the model: bad flags fail fast
     runner = resolved_runner_config(args)
     engine = Engine(runner.model, dtype=runner.dtype, device=runner.device, attention_method=args.attention_method,
@@ -91,9 +94,13 @@ def run(args: argparse.Namespace) -> int:
                     cuda_graph=runner.cuda_graph)
     result = engine.generate(prompt, params)
     if args.json:
-        print(json.dumps({"output_ids": result.output_ids, "text": result.text,
-                          "finish_reason": result.finish_reason, "matched_stop": result.matched_stop,
-                          "prompt_tokens": result.prompt_tokens}, ensure_ascii=False))
+        answer = {"output_ids": result.output_ids, "text": result.text, "finish_reason": result.finish_reason,
+                  "matched_stop": result.matched_stop, "prompt_tokens": result.prompt_tokens}
+        if args.top_logprobs:  # per token [[id, logprob], ...], most likely first
+            answer["output_logprobs"] = result.output_logprobs
+            answer["output_top_logprobs"] = [[list(pair) for pair in zip(top.token_ids, top.logprobs)]
+                                             for top in result.output_top_logprobs]
+        print(json.dumps(answer, ensure_ascii=False))
     else:
         print(result.text)
     return 0

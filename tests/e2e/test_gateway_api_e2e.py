@@ -11,8 +11,12 @@ crates/grpc_client/src/sglang_scheduler.rs and model_gateway/src/routers/grpc/):
   may have none). (`/v1/completions` drops logprobs from its answer in smg 1.13.)
 - `n > 1`: smg fans the request out as n single-sample requests, one PD pair each; every choice
   is complete and, greedy, equal to the offline tokens.
-- top logprobs (`top_logprobs`, completions `logprobs: k`, `top_logprobs_num`) reach the workers,
-  which do not compute them: a 400 whose message names `top_logprobs_num`.
+- top logprobs (chat `top_logprobs`, completions `logprobs: k`, /generate `top_logprobs_num`, up to
+  20) are computed by the workers (the first token's by prefill, carried in TransferDone) and equal
+  the offline log-softmax's k largest; smg 1.13 shows them only in chat answers, per text piece
+  (`/generate` drops them from meta_info, `/v1/completions` drops all logprobs). Over 20: smg
+  refuses chat itself (400 `top_logprobs`), a worker refuses /generate (400 naming
+  `top_logprobs_num`); prompt logprobs (`logprob_start_len` >= 0) are a 400 naming it.
 - `seed`: smg builds SGLang's SamplingParams without it (that proto has no seed field; our
   workers read `custom_params.seed`, which smg never fills), so through smg 1.13 same-seed requests
   are NOT reproducible. Sent straight to the workers it is honoured, on either decode worker.
@@ -36,6 +40,7 @@ from deepseek_pd.client.pd_dispatch import PDClient
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
 from deepseek_pd.gateway import MAX_PAYLOAD_BYTES
 from deepseek_pd.launcher.cluster import LocalCluster
+from deepseek_pd.model.sampling_params import MAX_TOP_LOGPROBS
 from pdtest.e2e_cluster import cluster_spec, wait_for_pages
 from pdtest.gateway_oracle import (
     offline_engine, offline_greedy, post_json, post_stream, reference_logprobs)
@@ -232,22 +237,112 @@ def test_n_greater_than_one_gives_n_complete_choices(cluster, engine, hf_tokeniz
     assert [item["output_ids"] for item in generate.body] == [want_ids] * n
 
 
-def test_top_logprobs_are_refused_naming_the_field(cluster) -> None:
+def _chat_body(cluster, messages, max_new: int, k: int, stream: bool) -> dict:
+    body = {"model": cluster.served_model_name, "messages": messages, "max_tokens": max_new, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": k, "stream": stream}
+    return {**body, "stream_options": {"include_usage": True}} if stream else body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_equal_the_offline_top_k(cluster, engine, hf_tokenizer, stream: bool) -> None:
+    rng = random.Random()
+    messages = [{"role": "user", "content": random_words(rng, rng.randint(2, 10))}]
+    prompt = list(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False))
+    max_new, k = rng.randint(3, 8), rng.randint(1, MAX_TOP_LOGPROBS)
+    want, _ = offline_greedy(engine, prompt, max_new)
+    reference = reference_logprobs(engine, prompt, want, k=min(engine.vocab_size, k + 8))
+
+    async def main(session):
+        url = f"{cluster.router_url}/v1/chat/completions"
+        body = _chat_body(cluster, messages, max_new, k, stream)
+        return await (post_stream(session, url, body) if stream else post_json(session, url, body))
+
+    reply = run(session_call(main))
+    assert reply.status == 200, reply.text
+    if stream:
+        entries = [e for ev in reply.events for c in ev.get("choices") or []
+                   for e in ((c.get("logprobs") or {}).get("content") or [])]
+    else:
+        entries = reply.body["choices"][0]["logprobs"]["content"]
+    assert entries and all(len(e["top_logprobs"]) == k for e in entries), entries
+
+    def text(token: int) -> str:
+        return engine.tokenizer.decode([token], skip_special_tokens=False)
+    # smg reports per text piece (see the chat logprob test); a token whose text stands alone has its
+    # own entry: its top list is the reference's k largest, each token's value its reference value.
+    standalone = [j for j, token in enumerate(want) if "\ufffd" not in text(token)
+                  and (j == 0 or "\ufffd" not in text(want[j - 1]))]
+    for j in standalone:
+        entry = next((e for e in entries if e["token"] == text(want[j])
+                      and abs(e["logprob"] - reference[j].chosen) <= LOGPROB_TOL), None)
+        assert entry is not None, (j, text(want[j]), reference[j].chosen, entries)
+        values = [t["logprob"] for t in entry["top_logprobs"]]
+        assert values == sorted(values, reverse=True)
+        assert values == pytest.approx([v for _, v in reference[j].top[:k]], abs=LOGPROB_TOL), (j, entry)
+        by_text: dict[str, list[float]] = {}
+        for token, value in reference[j].top:
+            by_text.setdefault(text(token), []).append(value)
+        for top in entry["top_logprobs"]:
+            if "\ufffd" in top["token"]:
+                continue  # a broken UTF-8 piece: smg and the tokenizer replace its bytes their own ways
+            assert any(abs(v - top["logprob"]) <= LOGPROB_TOL for v in by_text.get(top["token"], [])), (j, top)
+
+
+def test_generate_and_completions_with_top_logprobs_answer_whole(cluster, engine) -> None:
+    """smg 1.13 passes top_logprobs_num / `logprobs: k` to the workers but shows no top logprobs in
+    these answers; what it shows must still be right (and top logprobs, should it ever show them)."""
+    rng = random.Random()
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(5, 60))]
+    max_new, k = rng.randint(3, 8), rng.randint(1, MAX_TOP_LOGPROBS)
+    want, _ = offline_greedy(engine, prompt, max_new)
+    reference = reference_logprobs(engine, prompt, want, k=k)
+    text = random_words(rng, rng.randint(3, 8))
+    want_text, _ = offline_greedy(engine, completion_ids(engine, text), max_new)
+    body = {"model": cluster.served_model_name, "input_ids": prompt, "return_logprob": True, "top_logprobs_num": k,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}}
+
+    async def main(session):
+        url = cluster.router_url
+        whole = await post_json(session, f"{url}/generate", {**body, "stream": False})
+        streamed = await post_stream(session, f"{url}/generate", {**body, "stream": True})
+        completion = await post_json(session, f"{url}/v1/completions", {
+            "model": cluster.served_model_name, "prompt": text, "max_tokens": max_new, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": k})
+        return whole, streamed, completion
+
+    whole, streamed, completion = run(session_call(main))
+    assert whole.status == 200, whole.text
+    item = whole.body[0] if isinstance(whole.body, list) else whole.body
+    assert item["output_ids"] == want
+    meta = item["meta_info"]
+    assert [e[0] for e in meta["output_token_logprobs"]] == pytest.approx([r.chosen for r in reference], abs=LOGPROB_TOL)
+    for entry, ref in zip(meta.get("output_top_logprobs") or [], reference):
+        assert [e[0] for e in entry] == pytest.approx([v for _, v in ref.top], abs=LOGPROB_TOL)
+    assert streamed.status == 200 and [t for e in streamed.events for t in e.get("output_ids") or []] == want
+    assert completion.status == 200, completion.text
+    assert same_text(completion.body["choices"][0]["text"], want_text, engine)
+
+
+def test_unsupported_logprob_requests_are_refused_naming_the_field(cluster) -> None:
     model = cluster.served_model_name
+    over = MAX_TOP_LOGPROBS + random.randint(1, 50)
     cases = {
-        "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                                 "logprobs": True, "top_logprobs": 2},
-        "/v1/completions": {"model": model, "prompt": "hi", "max_tokens": 3, "logprobs": 2},
-        "/generate": {"model": model, "input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 2,
-                      "sampling_params": {"max_new_tokens": 3}},
+        ("/v1/chat/completions", "top_logprobs"): {  # smg's own check (OpenAI's cap of 20)
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "logprobs": True, "top_logprobs": over},
+        ("/generate", "top_logprobs_num"): {"model": model, "input_ids": [5, 6, 7], "return_logprob": True,
+                                            "top_logprobs_num": over, "sampling_params": {"max_new_tokens": 3}},
+        ("/generate", "logprob_start_len"): {"model": model, "input_ids": [5, 6, 7], "return_logprob": True,
+                                             "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 3}},
     }
 
     async def main(session):
-        return {path: await post_json(session, f"{cluster.router_url}{path}", body) for path, body in cases.items()}
+        return {key: await post_json(session, f"{cluster.router_url}{key[0]}", body) for key, body in cases.items()}
 
-    for path, reply in run(session_call(main)).items():
+    for (path, field), reply in run(session_call(main)).items():
         assert reply.status == 400, (path, reply.status, reply.text)
-        assert "top_logprobs_num" in reply.error_message(), (path, reply.text)
+        assert field in reply.error_message(), (path, reply.text)
 
 
 def test_seed_is_honoured_by_the_workers_but_dropped_by_smg(cluster, engine) -> None:

@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Union
 
+from deepseek_pd.model.sampled_host import TopLogprobs
 from deepseek_pd.model.sampling_params import SamplingParams
 
 
@@ -38,13 +39,14 @@ class GenerateRequest:
     sampling: SamplingParams
     stream: bool = True
     disagg: DisaggParams | None = None  # None: colocated generation
-    return_logprob: bool = False
+    return_logprob: bool = False  # the sampled tokens' logprobs; top logprobs: sampling.top_logprobs_num
 
 
 @dataclass(frozen=True)
 class TokenChunk:
     token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...] = ()
+    logprobs: tuple[float, ...] = ()  # one per token with return_logprob, else empty
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token with sampling.top_logprobs_num > 0, else empty
 
 
 class FailureCode(enum.Enum):

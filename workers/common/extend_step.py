@@ -1,28 +1,23 @@
 """One extend forward plus the first token of every prompt it completes (prefill and colocated)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.sampled_host import SampledTokens, pack, unpack
 from deepseek_pd.model.sampling import Sampler, SamplingState
 
 
-@dataclass(frozen=True)
-class Sampled:
-    token_ids: list[int]
-    logprobs: list[float]
-
-
 def run_extend(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq], rows: Sequence[int],
-               states: Sequence[SamplingState], progress: LayerProgress | None = None) -> Sampled:
+               states: Sequence[SamplingState], progress: LayerProgress | None = None) -> SampledTokens:
     """Extends all `seqs`; samples one token for each of `rows` (with `states[i]` for rows[i]).
 
     Runs in the model thread. The sampler advances the states by the sampled token; one host copy
-    at the end. `progress` hears of each layer's KV write during the forward (layer-wise transfer).
+    at the end (tokens, logprobs and any top logprobs together). `progress` hears of each layer's
+    KV write during the forward (layer-wise transfer).
     """
     logits = runner.extend(list(seqs), progress=progress)
     if logits.is_cuda:
@@ -30,8 +25,7 @@ def run_extend(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq],
         # writes) outside this stream's order: make it complete first.
         torch.cuda.current_stream(logits.device).synchronize()
     if not rows:
-        return Sampled([], [])
+        return SampledTokens([], [], [])
     index = torch.tensor(list(rows), device=logits.device)
     out = sampler.sample(logits[index], list(states))
-    host = torch.stack([out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)]).cpu()
-    return Sampled([int(t) for t in host[0].tolist()], host[1].tolist())
+    return unpack(pack(out).cpu(), out.top_counts)

@@ -9,11 +9,14 @@ Outbound: chunk and complete messages, and `FailureCode` -> gRPC status code.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import grpc
 from google.protobuf.json_format import MessageToDict
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.sampled_host import TopLogprobs
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, Finished, GenerateRequest
 from deepseek_pd.workers.common.served_model import ServedModelInfo
@@ -32,8 +35,10 @@ STATUS_FOR_FAILURE: dict[FailureCode, grpc.StatusCode] = {
 }
 
 
-def to_sampling_params(sp: pb.SamplingParams, input_len: int, info: ServedModelInfo) -> SamplingParams:
-    """Maps and validates; max_new_tokens is clipped to the context left after the prompt."""
+def to_sampling_params(sp: pb.SamplingParams, input_len: int, info: ServedModelInfo,
+                       top_logprobs_num: int = 0) -> SamplingParams:
+    """Maps and validates; max_new_tokens is clipped to the context left after the prompt.
+    `top_logprobs_num` comes from the GenerateRequest (see `to_generate_request`)."""
     if sp.HasField("max_new_tokens"):
         if sp.max_new_tokens < 1:
             raise UserError(f"sampling parameter max_new_tokens={sp.max_new_tokens} is invalid: "
@@ -63,6 +68,7 @@ def to_sampling_params(sp: pb.SamplingParams, input_len: int, info: ServedModelI
         ignore_eos=sp.ignore_eos,
         seed=seed,
         skip_special_tokens=sp.skip_special_tokens,
+        top_logprobs_num=top_logprobs_num,
     )
     return params.validate(vocab_size=info.vocab_size)
 
@@ -81,26 +87,37 @@ def to_generate_request(request: pb.GenerateRequest, info: ServedModelInfo) -> G
     return GenerateRequest(
         rid=request.request_id,
         input_ids=input_ids,
-        sampling=to_sampling_params(request.sampling_params, len(input_ids), info),
+        # As SGLang: top logprobs come with return_logprob; without it nothing is reported.
+        sampling=to_sampling_params(request.sampling_params, len(input_ids), info,
+                                    request.top_logprobs_num if request.return_logprob else 0),
         stream=request.stream,
         disagg=disagg,
         return_logprob=request.return_logprob,
     )
 
 
+def _fill_logprobs(out: pb.OutputLogProbs, token_ids: Sequence[int], logprobs: Sequence[float],
+                   top: Sequence[TopLogprobs]) -> None:
+    """OutputLogProbs as SGLang's servicer fills it: one entry per token, one TopLogProbs per token."""
+    if logprobs:
+        out.token_logprobs.extend(logprobs)
+        out.token_ids.extend(token_ids)
+    for entry in top:
+        out.top_logprobs.add(values=entry.logprobs, token_ids=entry.token_ids)
+
+
 def chunk_response(rid: str, token_ids: tuple[int, ...], logprobs: tuple[float, ...],
-                   prompt_tokens: int, completion_tokens: int) -> pb.GenerateResponse:
+                   prompt_tokens: int, completion_tokens: int,
+                   top: Sequence[TopLogprobs] = ()) -> pb.GenerateResponse:
     """One streamed increment; the counts are cumulative, as SGLang sends them."""
     chunk = pb.GenerateStreamChunk(token_ids=token_ids, prompt_tokens=prompt_tokens,
                                    completion_tokens=completion_tokens)
-    if logprobs:
-        chunk.output_logprobs.token_logprobs.extend(logprobs)
-        chunk.output_logprobs.token_ids.extend(token_ids)
+    _fill_logprobs(chunk.output_logprobs, token_ids, logprobs, top)
     return pb.GenerateResponse(request_id=rid, chunk=chunk)
 
 
 def complete_response(rid: str, output_ids: list[int], logprobs: list[float],
-                      finished: Finished) -> pb.GenerateResponse:
+                      finished: Finished, top: Sequence[TopLogprobs] = ()) -> pb.GenerateResponse:
     """The terminal message. `output_ids` is everything not yet sent in chunks (see servicer)."""
     complete = pb.GenerateComplete(
         output_ids=output_ids,
@@ -109,9 +126,7 @@ def complete_response(rid: str, output_ids: list[int], logprobs: list[float],
         completion_tokens=finished.completion_tokens,
         cached_tokens=finished.cached_tokens,
     )
-    if logprobs:
-        complete.output_logprobs.token_logprobs.extend(logprobs)
-        complete.output_logprobs.token_ids.extend(output_ids)
+    _fill_logprobs(complete.output_logprobs, output_ids, logprobs, top)
     if isinstance(finished.matched_stop, int):
         complete.matched_token_id = finished.matched_stop
     elif isinstance(finished.matched_stop, str):

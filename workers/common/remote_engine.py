@@ -16,6 +16,7 @@ from google.protobuf.struct_pb2 import Struct
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
+from deepseek_pd.model.sampled_host import TopLogprobs
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.proto_convert import STATUS_FOR_FAILURE
@@ -39,7 +40,8 @@ def to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         custom.update({"seed": sp.seed})
         sampling.custom_params.CopyFrom(custom)
     message = pb.GenerateRequest(request_id=request.rid, sampling_params=sampling, stream=True,
-                                 return_logprob=request.return_logprob)
+                                 return_logprob=request.return_logprob, logprob_start_len=-1,
+                                 top_logprobs_num=sp.top_logprobs_num)
     message.tokenized.input_ids.extend(request.input_ids)
     if request.disagg is not None:
         d = request.disagg
@@ -47,6 +49,11 @@ def to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         message.disaggregated_params.bootstrap_port = d.bootstrap_port
         message.disaggregated_params.bootstrap_room = d.bootstrap_room
     return message
+
+
+def _token_chunk(token_ids, logprobs: pb.OutputLogProbs) -> TokenChunk:
+    top = tuple(TopLogprobs(tuple(entry.token_ids), tuple(entry.values)) for entry in logprobs.top_logprobs)
+    return TokenChunk(tuple(token_ids), tuple(logprobs.token_logprobs), top)
 
 
 class RemoteEngine:
@@ -69,11 +76,11 @@ class RemoteEngine:
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
                     chunk = response.chunk
-                    yield TokenChunk(tuple(chunk.token_ids), tuple(chunk.output_logprobs.token_logprobs))
+                    yield _token_chunk(chunk.token_ids, chunk.output_logprobs)
                 elif kind == "complete":
                     done = response.complete
                     if done.output_ids:  # not sent in chunks (we always ask to stream; be safe)
-                        yield TokenChunk(tuple(done.output_ids), tuple(done.output_logprobs.token_logprobs))
+                        yield _token_chunk(done.output_ids, done.output_logprobs)
                     matched = done.WhichOneof("matched_stop")
                     yield Finished(done.finish_reason, done.prompt_tokens, done.completion_tokens,
                                    cached_tokens=done.cached_tokens,

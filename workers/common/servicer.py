@@ -107,6 +107,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         counted = False  # the outcome went to the metrics
         sent_ids: list[int] = []
         sent_logprobs: list[float] = []
+        sent_top: list = []  # TopLogprobs per token, when asked
         try:
             async for event in events:
                 if isinstance(event, TokenChunk):
@@ -114,9 +115,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                         first_token_at = time.perf_counter()
                     sent_ids.extend(event.token_ids)
                     sent_logprobs.extend(event.logprobs)
+                    sent_top.extend(event.top_logprobs)
                     if req.stream:
                         yield chunk_response(req.rid, event.token_ids, event.logprobs,
-                                             len(req.input_ids), len(sent_ids))
+                                             len(req.input_ids), len(sent_ids), event.top_logprobs)
                 elif isinstance(event, Finished):
                     terminal_seen = counted = True
                     self._metrics.observe_request(
@@ -125,7 +127,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     if req.stream:
                         yield complete_response(req.rid, [], [], event)
                     else:
-                        yield complete_response(req.rid, sent_ids, sent_logprobs, event)
+                        yield complete_response(req.rid, sent_ids, sent_logprobs, event, sent_top)
                     return
                 elif isinstance(event, Failed):
                     terminal_seen = counted = True

@@ -2,7 +2,7 @@
 
 Every check raises `UserError` with a message that names the field; the servicer turns it into
 gRPC INVALID_ARGUMENT. A feature we do not implement (n > 1, grammar constraints, logit bias,
-multimodal input, LoRA, hidden states, top logprobs) is refused rather than silently ignored: a
+multimodal input, LoRA, hidden states, prompt logprobs, token_ids_logprob) is refused rather than silently ignored: a
 client that asked for JSON-constrained output must not get free text back.
 
 The sampling values themselves (top_p in (0, 1], penalties, ...) are checked by
@@ -54,9 +54,13 @@ def check_unsupported(request: pb.GenerateRequest) -> None:
         raise UserError(f"lora_id={request.lora_id!r}: LoRA adapters are not supported")
     if request.custom_logit_processor:
         raise UserError("custom_logit_processor is not supported")
-    if request.top_logprobs_num > 0 or len(request.token_ids_logprob) > 0:
-        raise UserError("top_logprobs_num / token_ids_logprob are not supported; "
-                        "return_logprob gives the sampled tokens' logprobs")
+    if len(request.token_ids_logprob) > 0:
+        raise UserError("token_ids_logprob is not supported; return_logprob gives the sampled tokens' "
+                        "logprobs and top_logprobs_num the most likely tokens' ones")
+    if request.return_logprob and request.logprob_start_len >= 0:
+        # Prompt logprobs need logits at every prompt position; the runner returns the last only.
+        raise UserError(f"logprob_start_len={request.logprob_start_len}: input (prompt) logprobs are not "
+                        "supported; send logprob_start_len=-1 (SGLang's default) for output logprobs only")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise UserError(f"data_parallel_rank={request.data_parallel_rank}: this worker has one DP rank")
     constraint = sp.WhichOneof("constraint")

@@ -4,8 +4,9 @@ A step is launched without waiting for anything on the GPU: the inputs are packe
 (positions and page tables are host knowledge), the input token of a row that decoded in the
 previous step is taken from that step's sampled tokens ON THE DEVICE (so step N+1 can be queued
 before step N's tokens reach the host), the forward runs (CUDA-graph replay when it fits), the
-whole batch is sampled on the device, and the token ids with their logprobs start their one
-device-to-host copy. `collect` waits for that copy only.
+whole batch is sampled on the device, and the token ids with their logprobs (and the top
+logprobs of the rows that ask, `model/sampled_host.py`) start their one device-to-host copy.
+`collect` waits for that copy only.
 
     step N   : launch ─────────────► GPU runs N ──► copy ──► collect(N) on the host
     step N+1 :          launch (input ids = N's tokens, gathered on the device) ─► GPU runs N+1
@@ -22,6 +23,7 @@ import torch
 
 from deepseek_pd.model.host_copy import HostCopy
 from deepseek_pd.model.runner import DecodeSeq, ModelRunner
+from deepseek_pd.model.sampled_host import SampledTokens, pack, unpack
 from deepseek_pd.model.sampling_batch import SamplingBatch
 from deepseek_pd.model.sampling_state import SamplingState
 
@@ -42,11 +44,11 @@ class DecodeRow:
 class LaunchedStep:
     owners: list  # the engine's request objects, in row order
     token_ids: torch.Tensor  # [B] long, on the device: the next step's input ids
-    host: HostCopy  # [2, B] float64: token ids, logprobs
+    host: HostCopy  # [B, 2 + 2K] float64: token ids, logprobs, top logprobs (sampled_host.pack)
+    top_counts: tuple[int, ...]  # each row's top_logprobs_num
 
-    def collect(self) -> tuple[list[int], list[float]]:
-        values = self.host.wait()
-        return [int(t) for t in values[0].tolist()], values[1].tolist()
+    def collect(self) -> SampledTokens:
+        return unpack(self.host.wait(), self.top_counts)
 
 
 class DecodeStepper:
@@ -70,8 +72,7 @@ class DecodeStepper:
             input_ids = torch.where(packed[1].bool(), prev.token_ids[packed[0]], packed[2])
         logits = self.runner.decode(seqs, input_ids=input_ids)
         out = self.sampling.sample(logits)
-        packed_out = torch.stack([out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)])
-        return LaunchedStep(owners, out.token_ids, HostCopy(packed_out))
+        return LaunchedStep(owners, out.token_ids, HostCopy(pack(out)), out.top_counts)
 
     def reset(self) -> None:
         """After a failed step: the device-side sampling state can no longer be trusted."""

@@ -32,10 +32,12 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
 from deepseek_pd.model.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
 from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs
 from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.extend_step import run_extend
+from deepseek_pd.workers.common.first_token_wire import first_top_logprobs
 from deepseek_pd.workers.common.kv_transfer import build_receiver
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.model_thread import ModelThread
@@ -159,7 +161,8 @@ class DecodeEngine:
                     began = time.perf_counter()
                     done = await self._watch(state, pull_kv(self.client, self.receiver, request.disagg, request.rid,
                                                             prompt_len, state.reservation.pages[:prompt_pages],
-                                                            model_config.vocab_size))
+                                                            model_config.vocab_size,
+                                                            request.sampling.top_logprobs_num))
                     self.metrics.observe_kv_transfer(transport, done.bytes_sent, time.perf_counter() - began)
                 except RequestFailure as exc:  # an abort too: a one-sided write may still be landing
                     self.metrics.count_kv_transfer_failure(transport, exc.code.value)
@@ -171,7 +174,7 @@ class DecodeEngine:
                 # The prefill side sampled token 1 at step 0 of the same seed; continue at step 1.
                 state.sampling.record(done.first_token_id)
                 state.launched = 1
-                self._accept(state, done.first_token_id, done.first_token_logprob)
+                self._accept(state, done.first_token_id, done.first_token_logprob, first_top_logprobs(done))
                 if not state.finished:
                     self._running.append(state)
             else:
@@ -228,12 +231,12 @@ class DecodeEngine:
         except Interrupted:
             raise RequestAborted(state.aborted.result()) from None
 
-    def _accept(self, state: _Request, token: int, logprob: float) -> None:
+    def _accept(self, state: _Request, token: int, logprob: float, top: TopLogprobs | None) -> None:
         """Records a collected token, streams it, and ends the request if it stops here."""
         state.output_ids.append(token)
         finish = state.stop.append(token)
         logprobs = (logprob,) if state.request.return_logprob else ()
-        state.events.put_nowait(TokenChunk((token,), logprobs))
+        state.events.put_nowait(TokenChunk((token,), logprobs, (top,) if top is not None else ()))
         if finish is not None:
             state.finished = True
             state.events.put_nowait(Finished(finish.reason, len(state.request.input_ids), len(state.output_ids),
@@ -303,8 +306,7 @@ class DecodeEngine:
         """Collects the pending decode step, if any."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            tokens, logprobs = await self._model_call(pending.owners, pending.collect)
-            self._process(pending, tokens, logprobs)
+            self._process(pending, await self._model_call(pending.owners, pending.collect))
 
     async def _model_call(self, owners, fn, *args):
         """Runs `fn` in the model thread; a failure fails `owners` (one INTERNAL each) and re-raises."""
@@ -335,13 +337,13 @@ class DecodeEngine:
             return
         plan.advance()
         self._done_with(batch)
-        for row, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
+        for i, row in enumerate(rows):
             state = batch[row]
             if state.ended:
                 continue
             self._prefilling.remove(state)
             state.launched = 1
-            self._accept(state, token, logprob)
+            self._accept(state, sampled.token_ids[i], sampled.logprobs[i], sampled.top[i])
             if not state.finished:
                 self._running.append(state)
 
@@ -362,10 +364,9 @@ class DecodeEngine:
             self._fail_in_flight("decode step failed (see the worker log)")
             return
         if pending is not None:
-            self._process(pending, *collected)
+            self._process(pending, collected)
         if launched is not None and not overlap:
-            tokens, logprobs = launched.collect() if collected is None else collected
-            self._process(launched, tokens, logprobs)
+            self._process(launched, launched.collect() if collected is None else collected)
             launched = None
         self._pending = launched
 
@@ -415,12 +416,12 @@ class DecodeEngine:
             state.in_flight += 1
         return ordered, rows
 
-    def _process(self, step: LaunchedStep, tokens: list[int], logprobs: list[float]) -> None:
+    def _process(self, step: LaunchedStep, sampled: SampledTokens) -> None:
         """Host bookkeeping of a collected step: stream the tokens, apply stops, free what ended."""
         for row, state in enumerate(step.owners):
             if state.ended or state.finished:
                 continue
-            self._accept(state, tokens[row], logprobs[row])
+            self._accept(state, sampled.token_ids[row], sampled.logprobs[row], sampled.top[row])
             if state.finished:
                 self._running.remove(state)
         self._done_with(step.owners)

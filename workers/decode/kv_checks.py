@@ -6,6 +6,9 @@ the layouts were compared at the handshake. What remains is the content:
 
 - `first_token_id` must be a token of the vocabulary: an id beyond it would index past the
   sampler's tables inside the batched decode step and fail every request in the batch;
+- the first token's top logprobs (`first_token_wire.py`) must be what the request asked for:
+  `min(k, vocabulary)` ids in the vocabulary with finite logprobs (an older prefill worker sends
+  none: failing is better than streaming positions that do not line up);
 - the prompt's KV must be finite: a NaN in a page poisons attention, and once its pages are
   freed, every later request that reuses them (masked slots still multiply a NaN by zero).
 
@@ -20,6 +23,7 @@ written and synced by the transport before, and decode reads them only after thi
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Sequence
 
 import torch
@@ -35,6 +39,18 @@ def check_first_token(done: pb.TransferDone, vocab_size: int, rid: str) -> None:
     if not 0 <= done.first_token_id < vocab_size:
         raise TransferError(FailureCode.INTERNAL, f"{rid}: the prefill side's first token {done.first_token_id} "
                             f"is outside the vocabulary ({vocab_size} tokens); KV transfer refused")
+
+
+def check_first_top(done: pb.TransferDone, vocab_size: int, top_logprobs_num: int, rid: str) -> None:
+    want = min(top_logprobs_num, vocab_size)
+    ids, values = done.first_top_token_ids, done.first_top_logprobs
+    if len(ids) != want or len(values) != want:
+        raise TransferError(FailureCode.INTERNAL, f"{rid}: the prefill side sent {len(ids)} top logprobs "
+                            f"({len(values)} values) for the first token, the request asked for {want} "
+                            f"(a prefill worker without top logprobs?); KV transfer refused")
+    if any(t >= vocab_size for t in ids) or not all(math.isfinite(v) for v in values):
+        raise TransferError(FailureCode.INTERNAL, f"{rid}: the prefill side's first-token top logprobs hold "
+                            f"a token outside the vocabulary or a non-finite value; KV transfer refused")
 
 
 @torch.no_grad()

@@ -12,15 +12,18 @@ from deepseek_pd.workers.common.api import DisaggParams
 from deepseek_pd.workers.common.kv_transfer import KVReceiver
 from deepseek_pd.workers.common.kv_transfer.base import layout_of
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
-from deepseek_pd.workers.decode.kv_checks import check_first_token, check_kv_finite, scrub_pages
+from deepseek_pd.workers.decode.kv_checks import (
+    check_first_token, check_first_top, check_kv_finite, scrub_pages)
 
 log = logging.getLogger(__name__)
 
 
 async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggParams, rid: str,
-                  num_tokens: int, pages: Sequence[int], vocab_size: int | None = None) -> pb.TransferDone:
+                  num_tokens: int, pages: Sequence[int], vocab_size: int | None = None,
+                  top_logprobs_num: int = 0) -> pb.TransferDone:
     """Gets the prompt's KV into `pages` (already allocated) and checks it; raises a RequestFailure.
-    `vocab_size`: the first token must be below it (the engine always passes it)."""
+    `vocab_size`: the first token must be below it (the engine always passes it), and so must the
+    `top_logprobs_num` top logprobs that come with it."""
     handshake = pb.Handshake(decode_rid=rid, num_tokens=num_tokens, page_ids=list(pages),
                              layout=layout_of(receiver.pool))
     receiver.fill_destination(handshake)
@@ -31,6 +34,7 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
         done = await client.transfer(params, handshake, sink)
         if vocab_size is not None:
             check_first_token(done, vocab_size, rid)
+            check_first_top(done, vocab_size, top_logprobs_num, rid)
         await asyncio.to_thread(check_kv_finite, receiver.pool, pages, rid)
         checked = True
     finally:

@@ -162,13 +162,16 @@ class PrefillEngine:
             self._wakeup.set()
             await self._watch(state, asyncio.wait_for(asyncio.shield(state.admitted),
                                                       self.config.scheduler.admission_timeout_s))
-            token, logprob = await self._watch(state, asyncio.shield(state.first_token))
+            token, logprob, top = await self._watch(state, asyncio.shield(state.first_token))
             # Seeded draws depend only on (seed, step): decode continues at step 1 with no state from here.
-            await self._watch(state, push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0))
+            # The first token's top logprobs travel with it in TransferDone (first_token_wire.py).
+            await self._watch(state, push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0,
+                                                 top=top))
             self.metrics.observe_kv_transfer(self.config.kv_transport, push.bytes_sent,
                                              push.send_seconds)
             cached = state.hit.num_tokens if state.hit else 0
-            outcome: list[Event] = [TokenChunk((token,), (logprob,) if request.return_logprob else ()),
+            outcome: list[Event] = [TokenChunk((token,), (logprob,) if request.return_logprob else (),
+                                               (top,) if top is not None else ()),
                                     Finished("length", len(request.input_ids), 1, cached_tokens=cached)]
         except RequestFailure as exc:
             push.fail(exc.code, exc.message)
@@ -331,10 +334,10 @@ class PrefillEngine:
                 # Layer-wise, every layer went out during the forward and this finds nothing left.
                 state.push.pages_ready(state.progress.computed, state.progress.pages)
             if sampled is not None:
-                for row, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
+                for i, row in enumerate(rows):
                     state = batch[row]
                     if not state.ended and not state.first_token.done():
-                        state.first_token.set_result((token, logprob))
+                        state.first_token.set_result((sampled.token_ids[i], sampled.logprobs[i], sampled.top[i]))
             self._running = [s for s in self._running
                              if s.progress is not None and s.progress.remaining > 0 and not s.first_token.done()]
             await asyncio.sleep(0)  # let handshakes and the bootstrap stream run between rounds

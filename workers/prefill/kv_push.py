@@ -18,8 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from deepseek_pd.model.sampled_host import TopLogprobs
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.first_token_wire import put_first_top
 from deepseek_pd.workers.common.kv_transfer import KVSender, SendChannel, SendPlan
 from deepseek_pd.workers.common.request_failure import RequestFailure, TransferError, failure_for
 from deepseek_pd.workers.prefill.room import Room
@@ -171,8 +173,10 @@ class KVPush:
                 self._error = TransferError(FailureCode.INTERNAL, f"KV send failed: {exc!r}")
                 self.room.fail(self._error.code, self._error.message)
 
-    async def finish(self, first_token_id: int, logprob: float, cached_tokens: int) -> None:
-        """Waits for every queued page, then sends TransferDone. Raises the transfer's error."""
+    async def finish(self, first_token_id: int, logprob: float, cached_tokens: int,
+                     top: TopLogprobs | None = None) -> None:
+        """Waits for every queued page, then sends TransferDone (with the first token's `top`
+        logprobs when the request asked for them). Raises the transfer's error."""
         if not self.plan.done:
             raise RuntimeError(f"{self.rid}: finish before every page was handed to pages_ready")
         assert self._task is not None and self.channel is not None
@@ -180,10 +184,11 @@ class KVPush:
         await asyncio.shield(self._task)
         if self.failed is not None:
             raise self.failed
-        await self.room.finish(pb.TransferDone(
+        done = pb.TransferDone(
             first_token_id=first_token_id, first_token_logprob=logprob, num_pages=self.plan.num_pages,
-            cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent),
-            timeout_s=self.sender.config.send_timeout_s)
+            cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent)
+        put_first_top(done, top)
+        await self.room.finish(done, timeout_s=self.sender.config.send_timeout_s)
         sent, busy = self.channel.bytes_sent, max(self._send_seconds, 1e-9)
         log.debug("%s: pushed %d bytes of KV in %d sends, %.4fs of sending (%.3f GB/s), done %.3fs after "
                   "arrival; %s", self.rid, sent, self._num_sends, busy, sent / busy / 1e9,

@@ -39,8 +39,10 @@ class PositionLogprobs:
     top: list[tuple[int, float]]  # the k most likely (token id, logprob), most likely first
 
 
-def reference_logprobs(engine, prompt: list[int], output: list[int], k: int) -> list[PositionLogprobs]:
-    """log_softmax of the model's next-token logits (temperature 1) before each output token."""
+def reference_logprobs(engine, prompt: list[int], output: list[int], k: int,
+                       temperature: float = 1.0) -> list[PositionLogprobs]:
+    """log_softmax of the model's next-token logits / `temperature` (1: greedy requests) before each
+    output token: the distribution the workers report the sampled and top logprobs under."""
     import torch
 
     from deepseek_pd.model.runner import ExtendSeq
@@ -55,7 +57,7 @@ def reference_logprobs(engine, prompt: list[int], output: list[int], k: int) -> 
             logits = runner.extend([ExtendSeq(context, prefix_len=0, pages=pages)])[0]
         finally:
             pool.free(pages)
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         values, ids = torch.topk(logp, k)
         rows.append(PositionLogprobs(float(logp[token]), list(zip(ids.tolist(), values.tolist()))))
     return rows

@@ -54,6 +54,7 @@ class Outcome:
     tokens: list[int]
     terminal: object  # Finished | Failed
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list = dataclasses.field(default_factory=list)  # TopLogprobs per token, when asked
 
     @property
     def ok(self) -> bool:
@@ -61,19 +62,20 @@ class Outcome:
 
 
 async def collect(engine, request: GenerateRequest, on_event=None) -> Outcome:
-    tokens, terminals, logprobs = [], [], []
+    tokens, terminals, logprobs, tops = [], [], [], []
     async for event in engine.generate(request):
         if isinstance(event, TokenChunk):
             assert not terminals, "a token after the terminal event"
             tokens += event.token_ids
             logprobs += event.logprobs
+            tops += event.top_logprobs
         else:
             assert isinstance(event, (Finished, Failed)), event
             terminals.append(event)
         if on_event is not None:
             await on_event(event)
     assert len(terminals) == 1, f"{request.rid}: {len(terminals)} terminal events"
-    return Outcome(tokens, terminals[0], logprobs)
+    return Outcome(tokens, terminals[0], logprobs, tops)
 
 
 class PDPair:
@@ -94,17 +96,19 @@ class PDPair:
         await self.decode.stop()
         await self.prefill.stop()
 
-    def requests(self, prompt, params: SamplingParams, rid: str,
-                 return_logprob: bool = False) -> tuple[GenerateRequest, GenerateRequest]:
+    def requests(self, prompt, params: SamplingParams, rid: str, return_logprob: bool = False,
+                 prefill_params: SamplingParams | None = None) -> tuple[GenerateRequest, GenerateRequest]:
+        """`prefill_params`: what the prefill side gets instead of `params` (a peer that disagrees)."""
         self._room += 1
         disagg = DisaggParams("127.0.0.1", self.prefill.bootstrap_port, self._room)
         base = GenerateRequest(rid=rid, input_ids=tuple(prompt), sampling=params, disagg=disagg,
                                return_logprob=return_logprob)
-        return dataclasses.replace(base, rid=rid + "-p"), dataclasses.replace(base, rid=rid + "-d")
+        return (dataclasses.replace(base, rid=rid + "-p", sampling=prefill_params or params),
+                dataclasses.replace(base, rid=rid + "-d"))
 
-    async def run(self, prompt, params: SamplingParams, rid: str,
-                  return_logprob: bool = False) -> tuple[Outcome, Outcome]:
-        p_req, d_req = self.requests(prompt, params, rid, return_logprob)
+    async def run(self, prompt, params: SamplingParams, rid: str, return_logprob: bool = False,
+                  prefill_params: SamplingParams | None = None) -> tuple[Outcome, Outcome]:
+        p_req, d_req = self.requests(prompt, params, rid, return_logprob, prefill_params)
         return tuple(await asyncio.gather(collect(self.prefill, p_req), collect(self.decode, d_req)))
 
     async def wait_pools_clean(self, timeout_s: float = 5.0) -> None:

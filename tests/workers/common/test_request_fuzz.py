@@ -22,7 +22,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from deepseek_pd.workers.common.api import GenerateRequest
 from deepseek_pd.workers.common.proto_convert import to_generate_request
 from deepseek_pd.workers.common.served_model import ServedModelInfo
@@ -95,8 +95,8 @@ def sampling_protos(draw) -> pb.SamplingParams:
 def generate_protos(draw) -> pb.GenerateRequest:
     request = pb.GenerateRequest(
         request_id=either(draw, st.text(min_size=1, max_size=10), st.text(max_size=10)),
-        stream=draw(st.booleans()), return_logprob=draw(st.booleans()), logprob_start_len=draw(INT32),
-        top_logprobs_num=either(draw, st.just(0), INT32),
+        stream=draw(st.booleans()), return_logprob=draw(st.booleans()), logprob_start_len=either(draw, st.just(-1), INT32),
+        top_logprobs_num=either(draw, st.integers(0, MAX_TOP_LOGPROBS), INT32),
         token_ids_logprob=either(draw, st.just([]), st.lists(UINT32, max_size=2)),
         return_hidden_states=either(draw, st.just(False), st.booleans()),
         lora_id=either(draw, st.just(""), st.text(max_size=4)))
@@ -133,8 +133,12 @@ def check_servable(request: GenerateRequest, proto: pb.GenerateRequest) -> None:
     assert sampling.seed is None or (isinstance(sampling.seed, int) and -2**63 <= sampling.seed < 2**64)
     if request.disagg is not None:
         assert request.disagg.bootstrap_host and 0 < request.disagg.bootstrap_port < 65536
+    # Top logprobs come with return_logprob (as SGLang), within the cap.
+    assert sampling.top_logprobs_num == (proto.top_logprobs_num if proto.return_logprob else 0)
+    assert 0 <= sampling.top_logprobs_num <= MAX_TOP_LOGPROBS
     # Features we do not implement never get through silently.
-    assert proto.sampling_params.n <= 1 and proto.top_logprobs_num <= 0 and not proto.lora_id
+    assert proto.sampling_params.n <= 1 and not proto.token_ids_logprob and not proto.lora_id
+    assert not (proto.return_logprob and proto.logprob_start_len >= 0)  # prompt logprobs
     assert proto.sampling_params.WhichOneof("constraint") is None and not proto.sampling_params.logit_bias
 
 
