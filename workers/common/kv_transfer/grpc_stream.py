@@ -85,9 +85,16 @@ class GrpcChannel(SendChannel):
                 ready: "torch.cuda.Event | None") -> EncodedChunk:
         """In a worker thread: pool pages -> staging -> crc32 -> one message's bytes."""
         header = ChunkHeader(shape.layer_begin, shape.layer_end, shape.page_begin, shape.page_end)
+        waited = 0.0
+
+        def on_slot_wait(seconds: float) -> None:
+            nonlocal waited
+            waited = seconds
+            self.stats.add("slot_wait", seconds)
+
         began = time.perf_counter()
-        with self.gather.gather(range(shape.layer_begin, shape.layer_end), pages, ready) as data:
-            self.stats.add("stage", time.perf_counter() - began)
+        with self.gather.gather(range(shape.layer_begin, shape.layer_end), pages, ready, on_slot_wait) as data:
+            self.stats.add("stage", time.perf_counter() - began - waited)
             with self.stats.timed("checksum"):
                 crc = crc32(data)
             with self.stats.timed("serialise"):

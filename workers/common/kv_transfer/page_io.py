@@ -21,9 +21,10 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 import warnings
 import weakref
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -112,13 +113,19 @@ class PageGather:
         return self._slots.get()
 
     @contextlib.contextmanager
-    def gather(self, layers: range, pages: Sequence[int],
-               ready: "torch.cuda.Event | None" = None) -> Iterator[memoryview]:
-        """Yields the bytes of `pages` x `layers` as a view of a staging slot, valid inside the block."""
+    def gather(self, layers: range, pages: Sequence[int], ready: "torch.cuda.Event | None" = None,
+               on_slot_wait: Callable[[float], None] | None = None) -> Iterator[memoryview]:
+        """Yields the bytes of `pages` x `layers` as a view of a staging slot, valid inside the block.
+
+        `on_slot_wait` hears the seconds spent waiting for a free slot (apart from the copy itself).
+        """
         size = len(layers) * len(pages) * self.pool.bytes_per_page
         if size > self.max_bytes:
             raise ValueError(f"{size} bytes of pages exceed the staging buffer of {self.max_bytes}")
+        began = time.perf_counter()
         slot = self._acquire()
+        if on_slot_wait is not None:
+            on_slot_wait(time.perf_counter() - began)
         try:
             if slot.stream is None:
                 index = np.asarray(pages, dtype=np.int64)

@@ -7,11 +7,12 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-PHASES = ("stage", "checksum", "serialise", "network", "check", "write")
+PHASES = ("slot_wait", "stage", "checksum", "serialise", "network", "check", "write")
 
 
 class TransferStats:
-    """`stage`: pool -> staging (gather, D2H); `checksum`: crc32 on send; `serialise`: the message
+    """`slot_wait`: a chunk waiting for a free staging slot; `stage`: pool -> staging (gather,
+    D2H, the copy stream's sync); `checksum`: crc32 on send; `serialise`: the message
     bytes; `network`: waiting for the stream (queue, credits, HTTP/2); `check`: ranges and crc32 on
     receive; `write`: received bytes -> pool (H2D, index_copy_)."""
 
