@@ -43,6 +43,7 @@ class RunnerStepsSpec:
     steps: int = 32
     repeats: int = 3
     seed: int = 0
+    enable_tbo: bool = False  # two-batch overlap (eager: CUDA graphs cannot capture it)
 
 
 def _sync(device: str) -> None:
@@ -62,7 +63,8 @@ def measure(spec: RunnerStepsSpec) -> dict:
     runner = ModelRunner(RunnerConfig(
         model=spec.model, dtype=spec.dtype, device=spec.device, page_size=spec.page_size,
         num_pages=num_pages, cuda_graph=spec.cuda_graph, attention_backend=spec.backend,
-        moe_backend=spec.backend, num_fused_shared_experts=spec.num_fused_shared_experts))
+        moe_backend=spec.backend, num_fused_shared_experts=spec.num_fused_shared_experts,
+        enable_tbo=spec.enable_tbo))
     _sync(spec.device)
     result: dict = {"spec": asdict(spec), "load_and_capture_s": time.perf_counter() - t0,
                     "kv_bytes_per_token": runner.kv_pool.bytes_per_token,
@@ -143,11 +145,13 @@ def main() -> None:
     parser.add_argument("--decode-offset", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--enable-tbo", action="store_true", help="two-batch overlap (needs no --cuda-graph)")
     parser.add_argument("--out", required=True, help="where the JSON goes")
     args = parser.parse_args()
     spec = RunnerStepsSpec(args.model, args.device, args.dtype, args.page_size, args.cuda_graph, args.backend,
                            args.num_fused_shared_experts, args.prefill_lengths, args.batches, args.context_min,
-                           args.context_max, args.decode_offset, args.steps, args.repeats)
+                           args.context_max, args.decode_offset, args.steps, args.repeats,
+                           enable_tbo=args.enable_tbo)
     with open(args.out, "w") as f:
         json.dump(measure(spec), f, indent=2)
 

@@ -32,7 +32,7 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.request_failure import TransferError
-from deepseek_pd.workers.common.kv_transfer.page_io import page_index, side_stream
+from deepseek_pd.workers.common.kv_transfer.page_io import consecutive_runs, page_index, side_stream
 
 
 def check_first_token(done: pb.TransferDone, vocab_size: int, rid: str) -> None:
@@ -57,17 +57,34 @@ def check_first_top(done: pb.TransferDone, vocab_size: int, top_logprobs_num: in
 def check_kv_finite(pool: KVPool, pages: Sequence[int], rid: str) -> None:
     """Raises TransferError if any value of the received pages is NaN or infinite. Whole pages are
     checked, the slots past the prompt too: a NaN there would poison whoever reuses the page, and
-    a legitimate prefill pool holds only finite values (zeros or earlier KV) in them."""
+    a legitimate prefill pool holds only finite values (zeros or earlier KV) in them.
+
+    Each layer's pages are reduced to their minimum and maximum (`aminmax`, which propagates NaN,
+    so both are finite exactly when every value is): one read of the KV and no per-element
+    temporary. `isfinite(...).all()` wrote a bool per value first and was 6x slower on the CPU,
+    where it was most of a 4k-token Mooncake transfer's time on the decode side.
+    """
     if not pages:
         return
     with _check_stream(pool):
-        index = page_index(pool, pages)
-        flags = torch.stack([torch.isfinite(buffer.index_select(0, index)).all() for buffer in pool.buffers])
-        flags = flags.to("cpu")  # the one sync, of this stream only
-    if not bool(flags.all()):
-        bad = torch.nonzero(~flags).flatten().tolist()
+        extremes = torch.stack([torch.stack(torch.aminmax(part)).float() for part in _page_parts(pool, pages)])
+        extremes = extremes.to("cpu")  # the one sync, of this stream only
+    per_layer = torch.isfinite(extremes).view(pool.num_layers, -1).all(dim=1)
+    if not bool(per_layer.all()):
+        bad = torch.nonzero(~per_layer).flatten().tolist()
         raise TransferError(FailureCode.INTERNAL, f"{rid}: the received KV holds NaN or infinite values "
                             f"(layers {bad[:8]}); KV transfer refused")
+
+
+def _page_parts(pool: KVPool, pages: Sequence[int]) -> list[torch.Tensor]:
+    """`pages` of every layer, layer-major, as tensors that cover them: on the GPU one gathered
+    tensor per layer; on the CPU views of each run of consecutive pages (no copy), the same runs
+    in every layer, so that the caller can regroup the parts by layer."""
+    if pool.device.type == "cuda":
+        index = page_index(pool, pages)
+        return [buffer.index_select(0, index) for buffer in pool.buffers]
+    runs = consecutive_runs(pages)
+    return [buffer[first:first + end - begin] for buffer in pool.buffers for begin, end, first in runs]
 
 
 def _check_stream(pool: KVPool):

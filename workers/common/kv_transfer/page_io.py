@@ -159,7 +159,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+def consecutive_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
     """(begin, end, first page id): maximal runs of consecutive page ids among `pages`."""
     runs: list[tuple[int, int, int]] = []
     for index, page in enumerate(pages):
@@ -182,7 +182,7 @@ def scatter_pages(pool: KVPool, layers: range, pages: Sequence[int], data) -> No
     if pool.device.type != "cuda":
         values = _host_shaped(data, pool, len(layers), len(pages))
         views = _host_views(pool)
-        for begin, end, dst in _runs(pages):
+        for begin, end, dst in consecutive_runs(pages):
             for offset, layer in enumerate(layers):
                 views[layer][dst:dst + end - begin] = values[offset, begin:end]
         return
