@@ -120,6 +120,21 @@ def test_gpu_defaults_by_role(gpu_machine, tmp_path) -> None:
         ("cpu", "float32", False, DEFAULT_NUM_PAGES)
 
 
+def test_the_largest_cuda_graph_follows_the_decode_batch_cap(gpu_machine, tmp_path, caplog) -> None:
+    model = checkpoint(tmp_path)
+    default = resolve("decode", "--model", str(model))
+    assert default.runner.cuda_graph_max_batch == default.worker.scheduler.max_running_requests
+    cap = random.randint(129, 512)
+    raised = resolve("decode", "--model", str(model), "--engine-opt", f"max_running_requests={cap}")
+    assert (raised.runner.cuda_graph_max_batch, raised.worker.scheduler.max_running_requests) == (cap, cap)
+    below = random.randint(1, cap - 1)
+    with caplog.at_level("WARNING"):
+        pinned = resolve("decode", "--model", str(model), "--engine-opt", f"max_running_requests={cap}",
+                         "--engine-opt", f"cuda_graph_max_batch={below}")
+    assert pinned.runner.cuda_graph_max_batch == below  # an explicit value wins, with a warning
+    assert f"batches above {below} run without CUDA graphs" in caplog.text
+
+
 def test_fp8_checkpoint_runs_in_bf16_on_gpu(gpu_machine, tmp_path) -> None:
     model = checkpoint(tmp_path, random.choice(["bfloat16", "float32"]), fp8=True)
     assert resolve("decode", "--model", str(model)).runner.dtype == "bfloat16"
