@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.eplb.expert_location import ExpertLocation
 from deepseek_pd.model.parallel import ParallelInfo
 
 
@@ -28,6 +29,9 @@ class BuildOptions:
     # Expert parallelism: this rank's EP size/rank and process group (routed experts are sharded
     # by it; attention is data parallel). ep_size > 1 needs an EP dispatcher (all_to_all, deepep).
     parallel: ParallelInfo = ParallelInfo()
+    # Redundant experts / a static placement (model/eplb/expert_location.py): which logical expert
+    # each physical slot of each MoE layer holds. None: slot j is expert j, no replicas.
+    expert_location: ExpertLocation | None = None
     # Two-batch overlap: split each batch into two micro-batches and interleave their layer ops
     # (model/tbo.py) so one micro-batch's dispatch/combine hides behind the other's compute.
     enable_tbo: bool = False

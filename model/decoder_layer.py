@@ -33,7 +33,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw, backend=norm)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
-            self.mlp: nn.Module = DeepseekMoE(config, options)
+            self.mlp: nn.Module = DeepseekMoE(config, options, layer_id)
             self.op_names = MOE_LAYER_OPS
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, **kw,

@@ -52,7 +52,8 @@ class DeepseekForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
         self.rotary = RotaryEmbedding(config).to(options.device)
         # Built before the layers so a bad EP size fails here, naming it, before any allocation.
-        self.placement = ExpertPlacement(config.n_routed_experts, options.num_fused_shared_experts, options.parallel)
+        self.placement = ExpertPlacement(config.n_routed_experts, options.num_fused_shared_experts, options.parallel,
+                                         options.expert_location)
         self.dispatcher = DISPATCHERS.build(options.dispatcher, self.placement)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, self.rotary, options, self.dispatcher)

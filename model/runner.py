@@ -29,6 +29,7 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.cuda_graph import DecodeGraphRunner
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.device import is_cuda, resolve_device
+from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
@@ -94,6 +95,11 @@ class RunnerConfig:
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
     ep_size: int = 1  # the process group handed to ModelRunner(parallel=...) must have this size
     enable_tbo: bool = False  # two-batch overlap (model/tbo.py)
+    # EPLB (model/eplb/): R extra physical expert slots per MoE layer (n_routed + R over the EP
+    # group), and a placement file saying which logical expert each slot holds (else slot p holds
+    # expert p % n_routed).
+    ep_num_redundant_experts: int = 0
+    init_expert_location: str | None = None
     # Decode by CUDA-graph replay (model/cuda_graph.py) for batches up to cuda_graph_max_batch
     # sequences and contexts up to cuda_graph_max_context tokens; larger ones run eagerly. Needs
     # CUDA and capturable backends (attention "triton", MoE "triton"/"grouped"); takes one KV page.
@@ -121,6 +127,8 @@ class RunnerConfig:
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:
             raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.ep_num_redundant_experts < 0:
+            raise UserError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
         if self.fp8_backend not in FP8_BACKEND_CHOICES:
             raise UserError(f"fp8_backend {self.fp8_backend!r} is not one of {', '.join(FP8_BACKEND_CHOICES)}")
@@ -157,6 +165,7 @@ class RunnerConfig:
                            norm_rope_backend=draft.resolve_backend(draft.norm_rope_backend),
                            dispatcher=draft.resolve_dispatcher(),
                            fp8_backend=draft.resolve_fp8_backend(model_config) or "dequant")
+        resolved.expert_location(model_config)  # a bad placement file fails here, before any rank starts
         blocker = resolved.cuda_graph_blocker()
         if requested_graphs is None:
             return replace(resolved, cuda_graph=graphs_by_default and blocker is None)
@@ -217,6 +226,11 @@ class RunnerConfig:
             return self.fp8_backend
         return "triton" if is_cuda(self.device) and _triton_available() else None
 
+    def expert_location(self, model_config: ModelConfig) -> ExpertLocation | None:
+        """Redundant experts / the static placement (model/eplb/expert_location.py); None: identity."""
+        return resolve_expert_location(model_config, self.ep_size, self.ep_num_redundant_experts,
+                                       self.init_expert_location)
+
     def build_options(self, model_config: ModelConfig, parallel: ParallelInfo | None = None) -> BuildOptions:
         return BuildOptions(
             dtype=self.resolve_dtype(model_config), device=self.device,
@@ -224,6 +238,7 @@ class RunnerConfig:
             moe_backend=self.resolve_backend(self.moe_backend), dispatcher=self.resolve_dispatcher(),
             num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size,
             parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo,
+            expert_location=self.expert_location(model_config),
             fp8_backend=self.resolve_fp8_backend(model_config),
             norm_rope_backend=self.resolve_backend(self.norm_rope_backend))
 

@@ -6,9 +6,11 @@ Every expected HF tensor is listed up front under its canonical name (per-expert
     kv_b_proj `[H*(nope+v), R]`    → w_kc `[H, nope, R]` and w_vc `[H, v, R]`
     gate_proj / up_proj            → halves of `gate_up_proj` (dense MLP, shared experts) or `w13[j]`
     shared experts, when fused     → experts E..E+n-1, slices of width moe_intermediate_size
-    with EP (ep_size W, rank r)      only routed experts r*E/W..(r+1)*E/W-1 are copied (local rows
-                                   0..E/W-1, fused shared ones after them); the others' names are
-                                   expected and skipped
+    with EP (ep_size W, rank r)      only routed expert slots r*S..(r+1)*S-1 (S = slots / W) are
+                                   filled (local rows 0..S-1, fused shared ones after them); the
+                                   others' names are expected and skipped
+    redundant experts              slot p gets a copy of logical expert `location.row(l)[p]`, so
+                                   one HF expert may fill several local rows (placement.local_logical)
 HF's in-memory stacked form (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`)
 is accepted too and counts for all its per-expert names (not in FP8). FP8 checkpoint tensors and their
 `_scale_inv` are kept in FP8 or dequantised by `fp8_loading.Fp8Streams`. Layers >= num_hidden_layers (MTP) are
@@ -97,17 +99,16 @@ def expected_targets(config: ModelConfig, placement: ExpertPlacement,
             targets[m + "gate.e_score_correction_bias"] = [Target(_param(params, mlp + "e_score_correction_bias"))]
         inter = cfg.moe_intermediate_size
         w13, w2 = _param(params, mlp + "experts.w13"), _param(params, mlp + "experts.w2")
+        slots_of: dict[int, list[int]] = {}  # logical expert -> this rank's slots holding it
+        for local, logical in enumerate(placement.local_logical(i)):
+            slots_of.setdefault(logical, []).append(local)
         for j in range(cfg.n_routed_experts):
-            e = f"{m}experts.{j}."
-            if not placement.is_local_routed(j):
-                # Another EP rank's expert: expected in the checkpoint, copied nowhere here.
-                for w in ("gate", "up", "down"):
-                    targets[f"{e}{w}_proj.weight"] = []
-                continue
-            local = j - placement.first_local
-            targets[e + "gate_proj.weight"] = [Target(w13[local, :inter])]
-            targets[e + "up_proj.weight"] = [Target(w13[local, inter:])]
-            targets[e + "down_proj.weight"] = [Target(w2[local])]
+            # Each local replica gets a copy; an expert only other ranks hold is expected in the
+            # checkpoint and copied nowhere here (no targets).
+            e, slots = f"{m}experts.{j}.", slots_of.get(j, [])
+            targets[e + "gate_proj.weight"] = [Target(w13[s, :inter]) for s in slots]
+            targets[e + "up_proj.weight"] = [Target(w13[s, inter:]) for s in slots]
+            targets[e + "down_proj.weight"] = [Target(w2[s]) for s in slots]
         aliases[m + "experts.gate_up_proj"] = [f"{m}experts.{j}.{w}_proj.weight"
                                                for j in range(cfg.n_routed_experts) for w in ("gate", "up")]
         aliases[m + "experts.down_proj"] = [f"{m}experts.{j}.down_proj.weight" for j in range(cfg.n_routed_experts)]
@@ -192,14 +193,15 @@ def load_hf_weights(config: ModelConfig, placement: ExpertPlacement, params: Par
 
 
 def _stacked_target(config: ModelConfig, placement: ExpertPlacement, params: Params, alias: str) -> Target:
-    """HF's stacked `[E, ...]` expert tensor → this rank's block of routed experts."""
-    experts = f"layers.{int(_LAYER.match(alias).group(1))}.mlp.experts."
-    first, n = placement.first_local, placement.num_local_routed
-    dest = _param(params, experts + ("w13" if alias.endswith("gate_up_proj") else "w2"))[:n]
+    """HF's stacked `[E, ...]` expert tensor → the logical experts of this rank's routed slots."""
+    layer_id = int(_LAYER.match(alias).group(1))
+    experts = f"layers.{layer_id}.mlp.experts."
+    logical = torch.tensor(placement.local_logical(layer_id), dtype=torch.long)
+    dest = _param(params, experts + ("w13" if alias.endswith("gate_up_proj") else "w2"))[:len(logical)]
     total = config.n_routed_experts
 
-    def local_block(t: torch.Tensor) -> torch.Tensor:
+    def local_slots(t: torch.Tensor) -> torch.Tensor:
         if t.shape[0] != total:
             raise UserError(f"checkpoint tensor {alias}: {t.shape[0]} stacked experts, the config has {total}")
-        return t[first:first + n]
-    return Target(dest, local_block)
+        return t.index_select(0, logical.to(t.device))
+    return Target(dest, local_slots)

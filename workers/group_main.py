@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
 import sys
 import time
+from pathlib import Path
 
 from deepseek_pd import env
 from deepseek_pd.errors import UserError
@@ -169,7 +171,14 @@ def agreement_of(config: ServeConfig) -> dict:
     return {"role": config.role, "world": config.group.world, "ep": config.group.ep, "dp": config.group.dp,
             "deepep_mode": config.group.deepep_mode, "dispatcher": runner.dispatcher,
             "enable_tbo": runner.enable_tbo, "page_size": runner.page_size, "dtype": str(runner.dtype),
-            "model": config.model.served_model_name}
+            "model": config.model.served_model_name,
+            # EPLB: every rank must route to the same slots and load the same experts into them.
+            "ep_num_redundant_experts": runner.ep_num_redundant_experts,
+            "expert_location_sha256": _file_sha256(runner.init_expert_location)}
+
+
+def _file_sha256(path: str | None) -> str | None:
+    return None if path is None else hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def check_agreement(everyone: list[dict], rank: int) -> None:

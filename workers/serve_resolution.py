@@ -23,6 +23,9 @@ The rules, each in one place:
   become one `GroupLayout`; the runner's `ep_size` and dispatcher follow from it (`all_to_all`,
   or `deepep` where `deep_ep` imports and `--deepep-mode` is not none); CUDA graphs are off where
   the dispatcher cannot be captured (RunnerConfig.resolve).
+- EPLB: `--ep-num-redundant-experts` and `--init-expert-location` become the runner's fields; the
+  placement file is read and checked against the model and `--ep` here, before any rank starts
+  (model/eplb/expert_location.py).
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ from deepseek_pd.workers.roles import RoleDefaults, role_defaults
 log = logging.getLogger(__name__)
 
 # Config fields that have their own `serve` flags, and so are not engine options.
-_FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static"),
+_FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static",
+                           "ep_num_redundant_experts", "init_expert_location"),
                 "bootstrap": ("host", "port", "auth", "prefill_peers", "aliases"), "scheduler": ("chunked_prefill_size",),
                 "transport": ("advertise_host", "mooncake_protocol", "mooncake_device"),
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
@@ -76,6 +80,8 @@ class ParallelFlags:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str = ""
+    ep_num_redundant_experts: int = 0  # EPLB (model/eplb/): extra expert slots over the group
+    init_expert_location: str | None = None  # EPLB: a placement file
 
     @property
     def is_single_process(self) -> bool:
@@ -165,7 +171,9 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
 def _runner_config(flags: ServeFlags, defaults: RoleDefaults, model_dir: Path, model_config: ModelConfig,
                    options: dict[str, Any]) -> RunnerConfig:
     device = resolve_device(flags.device)
-    fields: dict[str, Any] = {"model": str(model_dir), "device": device, "dtype": flags.dtype, **options}
+    fields: dict[str, Any] = {"model": str(model_dir), "device": device, "dtype": flags.dtype, **options,
+                              "ep_num_redundant_experts": flags.parallel.ep_num_redundant_experts,
+                              "init_expert_location": _absolute(flags.parallel.init_expert_location)}
     if flags.page_size is not None:
         fields["page_size"] = flags.page_size
     fields.update(_pool_size(flags, device, fields.get("page_size", RunnerConfig.page_size)))
@@ -181,6 +189,11 @@ def _graphs_cover_the_batch_cap(runner_opts: dict[str, Any], scheduler_opts: dic
     if graph_max < cap:
         log.warning("cuda_graph_max_batch=%d is below max_running_requests=%d: decode batches above %d run "
                     "without CUDA graphs (several times slower per step)", graph_max, cap, graph_max)
+
+
+def _absolute(path: str | None) -> str | None:
+    """A placement file's absolute path (each rank process reads it again, maybe from another cwd)."""
+    return None if path is None else str(Path(path).expanduser().resolve())
 
 
 def _pool_size(flags: ServeFlags, device: str, page_size: int) -> dict[str, Any]:

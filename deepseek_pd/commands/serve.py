@@ -61,6 +61,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parallel.add_argument("--enable-tbo", action="store_true",
                           help="two-batch overlap: each batch as two micro-batches whose EP all-to-alls overlap "
                                "the other's compute (the same as --engine-opt enable_tbo=true)")
+    parallel.add_argument("--ep-num-redundant-experts", type=int, default=0, metavar="R",
+                          help="EPLB: R extra physical expert slots per MoE layer over the EP group, holding "
+                               "replicas of hot experts ((n_routed_experts + R) must divide by --ep; default 0)")
+    parallel.add_argument("--init-expert-location", default=None, metavar="FILE",
+                          help="EPLB: placement JSON (physical_to_logical_map per MoE layer, e.g. from "
+                               "`deepseek-pd eplb plan`); default: slot p holds expert p mod n_routed_experts")
     security = parser.add_argument_group("internal authentication (docs/operations.md, Security)")
     security.add_argument("--internal-secret-file", default=None,
                           help="file with the deployment secret that signs bootstrap/KV messages (default: "
@@ -98,7 +104,7 @@ def flags_from_args(args: argparse.Namespace):
         num_pages=args.num_pages, max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static, chunked_prefill_size=args.chunked_prefill_size,
         parallel=ParallelFlags(args.tp, args.dp, args.ep, args.deepep_mode, args.nnodes, args.node_rank,
-                               args.dist_init_addr),
+                               args.dist_init_addr, args.ep_num_redundant_experts, args.init_expert_location),
         engine_options=tuple(args.engine_opt) + (("enable_tbo=true",) if args.enable_tbo else ()),
         drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         internal_secret_file=args.internal_secret_file, insecure_internal=args.insecure_internal,

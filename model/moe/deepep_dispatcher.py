@@ -78,7 +78,7 @@ class DeepEPDispatcher:
                 nvl_bytes = max(nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks))
                 rdma_bytes = max(rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, self.num_ranks))
             rdma_bytes = max(rdma_bytes, deep_ep.Buffer.get_low_latency_rdma_size_hint(
-                LOW_LATENCY_MAX_TOKENS_PER_RANK, hidden.shape[-1], self.num_ranks, self.placement.num_routed))
+                LOW_LATENCY_MAX_TOKENS_PER_RANK, hidden.shape[-1], self.num_ranks, self.placement.num_slots))
             self._buffer = deep_ep.Buffer(self.group, nvl_bytes, rdma_bytes, low_latency_mode=True,
                                           num_qps_per_rank=max(1, self.placement.num_local_routed))
         return self._buffer
@@ -92,10 +92,10 @@ class DeepEPDispatcher:
                 raise UserError(f"decode batch of {hidden.shape[0]} tokens exceeds DeepEP low-latency capacity "
                                 f"{LOW_LATENCY_MAX_TOKENS_PER_RANK} per rank")
             recv_x, recv_count, handle, _event, hook = buffer.low_latency_dispatch(
-                hidden, ids, LOW_LATENCY_MAX_TOKENS_PER_RANK, self.placement.num_routed, use_fp8=False,
+                hidden, ids, LOW_LATENCY_MAX_TOKENS_PER_RANK, self.placement.num_slots, use_fp8=False,
                 async_finish=False, return_recv_hook=True)
             return _LowLatencyHandle(recv_x, recv_count, handle, hook, ids, topk_weights.float())
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, self.placement.num_routed)
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, self.placement.num_slots)
         recv_x, recv_ids, recv_weights, _counts, handle, event = buffer.dispatch(
             hidden, topk_idx=ids, topk_weights=topk_weights.float(), num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,

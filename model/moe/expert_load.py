@@ -12,11 +12,18 @@ graph is captured (`ModelRunner.record_expert_load` refuses otherwise: replays w
     recorder = runner.record_expert_load()
     ... forwards ...
     counts = recorder.snapshot()   # int64 [num_moe_layers, n_routed_experts] on the CPU
+    recorder.dump().write("load.json")   # what `deepseek-pd eplb plan --dump` reads (model/eplb/)
     recorder.reset()
+
+Ids are logical (the router's), counted once per token choice: with redundant experts the
+recorder sees the ids before they are mapped to physical slots (model/moe/layer.py).
 """
 from __future__ import annotations
 
 import torch
+
+from deepseek_pd.model.eplb.load_dump import ExpertLoadDump
+from deepseek_pd.model.parallel import ParallelInfo
 
 
 class ExpertLoadRecorder:
@@ -38,3 +45,13 @@ class ExpertLoadRecorder:
 
     def reset(self) -> None:
         self.counts.zero_()
+
+    def dump(self, group: ParallelInfo | None = None) -> ExpertLoadDump:
+        """This rank's counts as a dump; with `group` (ep_size > 1) the sum over its ranks, which
+        every rank of the group must then call together (one all-reduce)."""
+        counts = self.counts.clone()
+        if group is not None and group.ep_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group.group)
+        rows = tuple(tuple(int(c) for c in row) for row in counts.cpu().tolist())
+        return ExpertLoadDump(self.moe_layer_ids, rows)

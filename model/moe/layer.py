@@ -3,6 +3,9 @@
 The layer's ops (`gate`, `select_experts`, `experts`, `shared_experts`, ...) call these pieces;
 dispatch/combine between them belong to the dispatcher, so EP slots in without touching this file.
 The gate weight and `e_score_correction_bias` stay fp32 whatever the model dtype (as in HF).
+With an expert location (redundant experts, a static placement) the router's logical ids become
+physical slot ids at the end of `select_experts` (model/eplb/replica_dispatch.py); the load
+recorder counts the logical ids before that, once per token choice whatever the replicas.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from torch import nn
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.eplb.replica_dispatch import ReplicaDispatch
 from deepseek_pd.model.fp8_linear import fp8_spec
 from deepseek_pd.model.moe.experts import FusedExperts
 from deepseek_pd.model.moe.fp8_experts import Fp8FusedExperts
@@ -22,7 +26,7 @@ from deepseek_pd.model.parallel import ExpertPlacement
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
+    def __init__(self, config: ModelConfig, options: BuildOptions, layer_id: int | None = None) -> None:
         super().__init__()
         fused = options.num_fused_shared_experts
         if fused not in (0, config.n_shared_experts):
@@ -30,9 +34,14 @@ class DeepseekMoE(nn.Module):
                             f"got {fused}")
         self.num_routed = config.n_routed_experts
         self.num_fused_shared = fused
-        # With EP this rank stacks only its block of routed experts (plus the replicated fused
+        # With EP this rank stacks only its block of routed expert slots (plus the replicated fused
         # shared ones); top-k still picks among all experts, in global ids.
-        self.placement = ExpertPlacement(config.n_routed_experts, fused, options.parallel)
+        location = options.expert_location
+        self.placement = ExpertPlacement(config.n_routed_experts, fused, options.parallel, location)
+        if location is not None and layer_id is None:
+            raise UserError("a MoE layer with an expert location needs its layer_id")
+        self.to_physical = (None if location is None or location.is_identity else
+                            ReplicaDispatch.for_layer(location, layer_id, options.parallel.ep_rank, options.device))
         self.gate_weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size,
                                                     dtype=torch.float32, device=options.device))
         self.e_score_correction_bias = (
@@ -58,15 +67,19 @@ class DeepseekMoE(nn.Module):
         return F.linear(hidden.float(), self.gate_weight)
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ (weights fp32 `[T, k + fused]`, ids long `[T, k + fused]`)."""
+        """→ (weights fp32 `[T, k + fused]`, ids long `[T, k + fused]`: routed slot ids, then the
+        fused shared experts')."""
         weights, ids = self.choose(self.score(router_logits), self.e_score_correction_bias, self.spec)
         if self.load_recorder is not None:
             recorder, row = self.load_recorder
             recorder.record(row, ids)
         weights = finish_weights(weights, self.spec)
+        if self.to_physical is not None:
+            ids = self.to_physical(ids)
         if self.num_fused_shared:
             n, device = router_logits.shape[0], router_logits.device
-            shared_ids = torch.arange(self.num_routed, self.num_routed + self.num_fused_shared, device=device)
+            first = self.placement.num_slots  # fused shared experts come after the routed slots
+            shared_ids = torch.arange(first, first + self.num_fused_shared, device=device)
             ids = torch.cat([ids, shared_ids.expand(n, -1)], dim=1)
             weights = torch.cat([weights, weights.new_ones(n, self.num_fused_shared)], dim=1)
         return weights, ids
