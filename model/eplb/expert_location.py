@@ -24,12 +24,12 @@ then maps nothing. Without a file but with R > 0, slot p holds expert p % n_rout
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.eplb.json_file import read_json
 
 if TYPE_CHECKING:
     from deepseek_pd.model.config import ModelConfig
@@ -141,14 +141,7 @@ class ExpertLocation:
     @classmethod
     def load(cls, path: str | Path, **model: Any) -> "ExpertLocation":
         """Reads and checks a placement file (`from_json`'s keyword arguments describe the model)."""
-        file = Path(path)
-        try:
-            data = json.loads(file.read_text())
-        except OSError as exc:
-            raise UserError(f"--init-expert-location {str(file)!r}: cannot read it ({exc.strerror})") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UserError(f"{file}: not valid JSON ({exc})") from None
-        return cls.from_json(data, source=str(file), **model)
+        return cls.from_json(read_json(path, "--init-expert-location"), source=str(path), **model)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "num_logical_experts": self.num_logical, "ep_size": self.ep_size,

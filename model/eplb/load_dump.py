@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.eplb.json_file import read_json
 
 FORMAT = "deepseek-pd/expert-load/v1"
 
@@ -66,12 +67,7 @@ class ExpertLoadDump:
     @classmethod
     def load(cls, path: str | Path) -> "ExpertLoadDump":
         file = Path(path)
-        try:
-            data = json.loads(file.read_text())
-        except OSError as exc:
-            raise UserError(f"expert-load dump {str(file)!r}: cannot read it ({exc.strerror})") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UserError(f"{file}: not valid JSON ({exc})") from None
+        data = read_json(file, "expert-load dump")
         if not isinstance(data, dict) or not isinstance(data.get("logical_counts"), list) \
                 or not isinstance(data.get("moe_layer_ids"), list):
             raise UserError(f"{file}: expected an expert-load dump (an object with moe_layer_ids and "

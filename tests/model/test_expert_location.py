@@ -180,3 +180,25 @@ def test_replicas_share_a_hot_experts_tokens():
     used = dispatch(torch.full((7 * row.count(hot), 1), hot)).reshape(-1)
     per_replica = torch.bincount(used, minlength=len(row))[torch.tensor(location.replicas(0)[hot])]
     assert per_replica.tolist() == [7] * row.count(hot)  # all replicas, evenly
+
+
+def test_fp8_experts_kept_in_fp8_are_copied_into_every_replica(tmp_path, tiny):
+    """Kept-FP8 experts: each replica gets the expert's FP8 bytes and its block scales."""
+    from deepseek_pd.model.tiny import make_tiny_model
+
+    directory = make_tiny_model(tmp_path / "fp8", seed=random.randrange(10_000), fp8_block=(128, 128))
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"physical_to_logical_map": _valid_rows(tiny, 2)}))
+    common = dict(model=str(directory), fp8_backend="torch", page_size=PAGE, num_pages=64)
+    plain = ModelRunner(RunnerConfig(**common))
+    placed = ModelRunner(RunnerConfig(**common, ep_num_redundant_experts=2, init_expert_location=str(path)))
+    for layer in (placed.model.layers[i] for i in (1, 2, 3)):
+        row = torch.tensor(layer.mlp.placement.local_logical(layer.layer_id))
+        full = dict(plain.model.layers[layer.layer_id].mlp.experts.named_parameters())
+        mine = dict(layer.mlp.experts.named_parameters())
+        assert {p.dtype for p in mine.values()} == {torch.float8_e4m3fn, torch.float32}  # weights and scales
+        for name, param in mine.items():  # bytes compared: torch.equal has no FP8 kernel on every build
+            assert torch.equal(param.view(torch.uint8), full[name][row].view(torch.uint8)), (layer.layer_id, name)
+    prompts = [[random.randrange(3, 256) for _ in range(random.randint(1, 9))] for _ in range(3)]
+    for want, got in zip(_run(plain, prompts), _run(placed, prompts)):
+        assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
