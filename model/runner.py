@@ -100,6 +100,9 @@ class RunnerConfig:
     # expert p % n_routed).
     ep_num_redundant_experts: int = 0
     init_expert_location: str | None = None
+    # Count tokens per expert from the start (`ModelRunner.expert_load`; a worker serves the dump at
+    # /expert_load on its metrics port). Replays would not count, so it keeps CUDA graphs off.
+    record_expert_load: bool = False
     # Decode by CUDA-graph replay (model/cuda_graph.py) for batches up to cuda_graph_max_batch
     # sequences and contexts up to cuda_graph_max_context tokens; larger ones run eagerly. Needs
     # CUDA and capturable backends (attention "triton", MoE "triton"/"grouped"); takes one KV page.
@@ -181,6 +184,8 @@ class RunnerConfig:
 
         if not is_cuda(self.device):
             return f"CUDA graphs need a CUDA device, not {self.device!r}"
+        if self.record_expert_load:
+            return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
         if self.enable_tbo:
             return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
         parts = (("attention backend", ATTENTION_BACKENDS, self.resolve_backend(self.attention_backend)),
@@ -276,6 +281,8 @@ class ModelRunner:
     # Decode steps so far by how they ran (read by the workers' metrics at scrape time).
     decode_paths: dict[str, int] = field(init=False, repr=False,
                                          default_factory=lambda: {"cuda_graph": 0, "eager": 0})
+    # Tokens per expert since start, when `config.record_expert_load` (model/moe/expert_load.py).
+    expert_load: ExpertLoadRecorder | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -295,6 +302,8 @@ class ModelRunner:
         log.info("KV pool: %s, %d bytes/token (%d layers x %d x %d)", self.kv_pool.describe(),
                  self.kv_pool.bytes_per_token, model_config.num_hidden_layers, model_config.kv_cache_dim,
                  self.kv_pool.buffers[0].element_size())
+        if self.config.record_expert_load:
+            self.expert_load = self.record_expert_load()  # before graphs: record_expert_load refuses after
         if self.config.cuda_graph:
             self.graphs = DecodeGraphRunner(self.model, self.kv_pool, self.config.cuda_graph_config())
 

@@ -11,7 +11,8 @@ The module knows no role. What feeds it, and how often (never per token):
                          count_kv_transfer_failure(...)
     at scrape time       watch_loads(fn) -> running/queued requests and KV pool pages (the same
                          `Loads` GetLoads reports); watch_decode_paths(fn) -> decode steps by
-                         CUDA-graph replay vs eager
+                         CUDA-graph replay vs eager; watch_expert_load(fn) -> the expert-load
+                         dump served as JSON at /expert_load (not a Prometheus series)
 
 Names follow SGLang's (`sglang:num_running_reqs`, `sglang:time_to_first_token_seconds`, ...) with
 our own prefix, so an SGLang dashboard works after replacing `sglang:` with `deepseek_pd:`. Every
@@ -113,6 +114,7 @@ class WorkerMetrics:
         self._children: dict[tuple, object] = {}  # labelled children by (metric, values): no labels() per call
         self._sources = _ScrapeSources(self._const)
         self.registry.register(self._sources)
+        self.expert_load: Callable[[], dict] | None = None  # watch_expert_load
 
     # ---- scrape-time sources -----------------------------------------------------------------
     def watch_loads(self, loads: LoadsSource) -> None:
@@ -122,6 +124,10 @@ class WorkerMetrics:
 
     def watch_decode_paths(self, paths: DecodePathsSource) -> None:
         self._sources.decode_paths = paths
+
+    def watch_expert_load(self, dump: Callable[[], dict]) -> None:
+        """This rank's expert-load dump as JSON (model/eplb/load_dump.py), read per GET /expert_load."""
+        self.expert_load = dump
 
     # ---- servicer ----------------------------------------------------------------------------
     def observe_request(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,

@@ -8,6 +8,10 @@ on the thread that owns it, exactly as GetLoads does.
 A multi-rank group (workers/group_main.py) serves one port per rank: rank r of a node listens on
 `port + local_rank` (every series carries `rank`), so ranks never clash and a node's pod exposes
 a contiguous range.
+
+`GET /expert_load` on the same port: this rank's expert-load dump (JSON, model/eplb/load_dump.py)
+when the runner records it (`--engine-opt record_expert_load=true`), else 404. Per rank, no
+collective (the model thread owns those): `deepseek-pd eplb plan` adds the ranks' dumps up.
 """
 from __future__ import annotations
 
@@ -60,10 +64,17 @@ class MetricsServer:
     async def _scrape(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def _expert_load(self, request: web.Request) -> web.Response:
+        if self.metrics.expert_load is None:
+            return web.json_response({"error": "this worker does not record expert load; serve it with "
+                                               "--engine-opt record_expert_load=true"}, status=404)
+        return web.json_response(self.metrics.expert_load())
+
     async def start(self) -> int:
         assert self.config.port is not None, "metrics are off"
         app = web.Application()
         app.router.add_get("/metrics", self._scrape)
+        app.router.add_get("/expert_load", self._expert_load)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_port=False)
