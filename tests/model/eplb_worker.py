@@ -3,7 +3,8 @@ torch and deepseek_pd).
 
 Each rank builds, from the same checkpoint directory, the single-process reference (ep_size 1, no
 placement) and the EP runner with redundant experts and the parent's placement file, the way a
-worker builds it (`RunnerConfig(ep_num_redundant_experts=R, init_expert_location=FILE)`), and
+worker builds it (`RunnerConfig(ep_num_redundant_experts=R, init_expert_location=FILE)`, with
+fused shared experts and two-batch overlap where the test asks for them), and
 drives both through `ep_worker._scenario` (extend, extend with a prefix, decode, an uneven step,
 an idle rank). The EP runner records its expert load while a spy keeps the router's own top-k
 choices. Written to `<dir>/rank<r>.pt`: both runs' logits, the recorder's counts and group dump,
@@ -53,7 +54,8 @@ def slots_hold_their_experts(reference: ModelRunner, ep: ModelRunner) -> dict[st
     return report
 
 
-def run_rank(rank: int, world: int, port: int, directory: str, seed: int, redundant: int) -> None:
+def run_rank(rank: int, world: int, port: int, directory: str, seed: int, redundant: int, fused: int,
+             tbo: bool) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -61,10 +63,10 @@ def run_rank(rank: int, world: int, port: int, directory: str, seed: int, redund
     try:
         root = Path(directory)
         base = RunnerConfig(model=str(root / "checkpoint"), page_size=4, num_pages=128, mha_chunked_kv_threshold=1,
-                            prefix_chunk_size=3)
+                            prefix_chunk_size=3, num_fused_shared_experts=fused)
         group = ParallelInfo.from_group()
         reference = ModelRunner(base)
-        ep = ModelRunner(dataclasses.replace(base, ep_size=world, ep_num_redundant_experts=redundant,
+        ep = ModelRunner(dataclasses.replace(base, ep_size=world, ep_num_redundant_experts=redundant, enable_tbo=tbo,
                                              init_expert_location=str(root / "placement.json")), parallel=group)
         recorder = ep.record_expert_load()
         seen = spy_topk(ep)

@@ -2,7 +2,8 @@
 
 The placement is a fresh random permutation of the experts plus R random replicas per MoE layer;
 every rank runs its own tokens (uneven counts, one idle step) through the EP runner built from the
-placement file and through the single-process model, and the logits must agree in fp32. The
+placement file (world 4 also with fused shared experts and two-batch overlap) and through the
+single-process model, and the logits must agree in fp32. The
 expert-load recorder must count the router's own top-k choices in logical ids (once per token
 choice, whatever the replicas), per rank and summed over the group, and every slot must hold a
 copy of its logical expert's weights.
@@ -40,8 +41,9 @@ def random_placement(rng: random.Random, num_logical: int, redundant: int, num_l
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("world, redundant", [(2, 2), (4, 4)], ids=["ep2-r2", "ep4-r4"])
-def test_redundant_experts_equal_single_process(tmp_path, world, redundant):
+@pytest.mark.parametrize("world, redundant, fused, tbo", [(2, 2, 0, False), (4, 4, 1, True)],
+                         ids=["ep2-r2", "ep4-r4-fused-shared-tbo"])
+def test_redundant_experts_equal_single_process(tmp_path, world, redundant, fused, tbo):
     seed = random.randrange(1 << 20)
     rng = random.Random(seed)
     checkpoint = make_tiny_model(tmp_path / "checkpoint", seed=seed)
@@ -49,7 +51,7 @@ def test_redundant_experts_equal_single_process(tmp_path, world, redundant):
     moe_layers = [i for i in range(config["num_hidden_layers"]) if i >= config["first_k_dense_replace"]]
     rows = random_placement(rng, config["n_routed_experts"], redundant, len(moe_layers))
     (tmp_path / "placement.json").write_text(json.dumps({"physical_to_logical_map": rows}))
-    torch.multiprocessing.spawn(run_rank, args=(world, _free_port(), str(tmp_path), seed, redundant),
+    torch.multiprocessing.spawn(run_rank, args=(world, _free_port(), str(tmp_path), seed, redundant, fused, tbo),
                                 nprocs=world, join=True)
     num_logical = config["n_routed_experts"]
     per_rank_counts = []
