@@ -10,6 +10,8 @@ import random
 import pytest
 import torch
 
+from deepseek_pd.cli import build_parser
+from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, moe_layer_ids, resolve_expert_location
@@ -105,7 +107,9 @@ def test_serve_refuses_a_bad_placement_before_starting(tmp_path):
         resolve_serve_config(flags)
     rows = _valid_rows(ModelConfig.from_hf(resolve_model_dir("tiny")), 2)
     path.write_text(json.dumps({"physical_to_logical_map": rows}))
-    runner = resolve_serve_config(flags).runner
+    args = build_parser().parse_args(["serve", "decode", "--device", "cpu", "--dp", "2", "--ep", "2",
+                                      "--ep-num-redundant-experts", "2", "--init-expert-location", str(path)])
+    runner = resolve_serve_config(flags_from_args(args)).runner
     assert (runner.ep_num_redundant_experts, runner.init_expert_location) == (2, str(path.resolve()))
 
 
@@ -202,3 +206,18 @@ def test_fp8_experts_kept_in_fp8_are_copied_into_every_replica(tmp_path, tiny):
     prompts = [[random.randrange(3, 256) for _ in range(random.randint(1, 9))] for _ in range(3)]
     for want, got in zip(_run(plain, prompts), _run(placed, prompts)):
         assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+def test_ranks_with_different_placement_files_disagree(tmp_path, tiny):
+    from deepseek_pd.workers.group_main import agreement_of, check_agreement
+
+    configs = []
+    for rank in range(2):
+        path = tmp_path / f"node{rank}.json"
+        path.write_text(json.dumps({"physical_to_logical_map": _valid_rows(tiny, 2)}))
+        configs.append(resolve_serve_config(ServeFlags(role="decode", model="tiny", device="cpu", parallel=ParallelFlags(
+            dp=2, ep=2, ep_num_redundant_experts=2, init_expert_location=str(path)))))
+    mine, theirs = (agreement_of(c) for c in configs)
+    check_agreement([mine, dict(mine)], 0)
+    with pytest.raises(UserError, match="rank 1 resolved expert_location_sha256"):
+        check_agreement([mine, theirs], 1)
