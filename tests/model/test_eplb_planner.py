@@ -71,7 +71,8 @@ def test_routed_tokens_are_more_balanced_across_ranks():
     rng = random.Random()
     n, ep_size, redundant, top_k, tokens = 16, 4, 4, 2, 3000
     popularity = torch.tensor(_skewed_loads(rng, n), dtype=torch.float) + 1
-    ids = torch.multinomial(popularity.expand(tokens, -1), top_k, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    ids = torch.multinomial(popularity.expand(tokens, -1), top_k, generator=gen)  # k distinct experts per token
     counts = torch.bincount(ids.reshape(-1), minlength=n).tolist()
     planned = plan_location([counts], (0,), ep_size, redundant)
     trivial = ExpertLocation(n, ep_size, (0,), (tuple(_trivial(n, redundant)),))

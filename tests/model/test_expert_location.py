@@ -52,9 +52,11 @@ def _broken(kind: str, config: ModelConfig) -> tuple[object, int, int, str]:
         return {"physical_to_logical_map": rows}, 2, 2, r"MoE layer 3: logical expert\(s\) \[5\] have no physical slot"
     if kind == "not_divisible":
         rows = _valid_rows(config, 1)
-        return {"physical_to_logical_map": rows}, 2, 1, "9 physical expert slots per layer are not divisible by ep_size 2"
+        return ({"physical_to_logical_map": rows}, 2, 1,
+                "9 physical expert slots per layer are not divisible by ep_size 2")
     if kind == "row_count":
-        return {"physical_to_logical_map": rows[:2]}, 2, 2, "2 rows in physical_to_logical_map; the model has 3 MoE layers"
+        return ({"physical_to_logical_map": rows[:2]}, 2, 2,
+                "2 rows in physical_to_logical_map; the model has 3 MoE layers")
     if kind == "other_ep_size":
         return {"physical_to_logical_map": rows, "ep_size": 4}, 2, 2, "planned for ep_size 4, but this worker has 2"
     if kind == "no_map":
@@ -146,7 +148,8 @@ def _stacked(tensors):
         per_layer.setdefault(prefix, {}).setdefault(int(expert), {})[kind] = tensor
     for prefix, experts in per_layer.items():
         order = [experts[j] for j in sorted(experts)]
-        yield f"{prefix}.mlp.experts.gate_up_proj", torch.stack([torch.cat([e["gate_proj"], e["up_proj"]]) for e in order])
+        gate_up = [torch.cat([e["gate_proj"], e["up_proj"]]) for e in order]
+        yield f"{prefix}.mlp.experts.gate_up_proj", torch.stack(gate_up)
         yield f"{prefix}.mlp.experts.down_proj", torch.stack([e["down_proj"] for e in order])
 
 
@@ -215,8 +218,8 @@ def test_ranks_with_different_placement_files_disagree(tmp_path, tiny):
     for rank in range(2):
         path = tmp_path / f"node{rank}.json"
         path.write_text(json.dumps({"physical_to_logical_map": _valid_rows(tiny, 2)}))
-        configs.append(resolve_serve_config(ServeFlags(role="decode", model="tiny", device="cpu", parallel=ParallelFlags(
-            dp=2, ep=2, ep_num_redundant_experts=2, init_expert_location=str(path)))))
+        parallel = ParallelFlags(dp=2, ep=2, ep_num_redundant_experts=2, init_expert_location=str(path))
+        configs.append(resolve_serve_config(ServeFlags(role="decode", model="tiny", device="cpu", parallel=parallel)))
     mine, theirs = (agreement_of(c) for c in configs)
     check_agreement([mine, dict(mine)], 0)
     with pytest.raises(UserError, match="rank 1 resolved expert_location_sha256"):
