@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,6 +24,7 @@ from deepseek_pd.launcher.worker_plan import (GroupShape, ServeSettings, plan_wo
                                               resolve_group_shape, serve_argv)
 from deepseek_pd.workers.common.group_layout import GroupLayout
 from deepseek_pd.workers.common.metrics_server import MetricsConfig
+from pdtest.process_tree import alive
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -138,14 +138,6 @@ def test_each_serve_command_runs_the_planned_group(tmp_path) -> None:
             assert flags.prefill_peers == ()
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 # A stand-in for a group's `serve`: a "rank" child in its process group, then the leader exits as
 # a failed group does. A real supervisor stops its ranks first; this one leaves its child behind.
 LEADER = """
@@ -171,10 +163,10 @@ def test_supervisor_kills_a_failed_groups_leftovers_and_restarts_it_whole(tmp_pa
             assert time.monotonic() < deadline, group.log_tail()
             time.sleep(0.05)
         first_rank = int(pids_file.read_text().split()[0])
-        assert alive(first_rank), "the stand-in's child should still be running"
+        assert alive({first_rank}), "the stand-in's child should still be running"
         supervisor.step()  # sees the exit: the leftover rank goes at once, a restart is scheduled
         deadline = time.monotonic() + 5
-        while alive(first_rank):
+        while alive({first_rank}):
             assert time.monotonic() < deadline, "a failed group's rank outlived it"
             time.sleep(0.05)
         old_leader = group.pid
@@ -184,7 +176,7 @@ def test_supervisor_kills_a_failed_groups_leftovers_and_restarts_it_whole(tmp_pa
             supervisor.step()
             time.sleep(0.05)
         assert supervisor.restart_counts == {"decode-0": 1, "router": 0}
-        assert alive(int(pids_file.read_text().split()[1]))
+        assert alive({int(pids_file.read_text().split()[1])})
     finally:
         from deepseek_pd.launcher.process import stop_all
 
