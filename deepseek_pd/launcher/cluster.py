@@ -180,12 +180,14 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         spec = self.spec
+        from deepseek_pd.launcher.gpu_share import check_gpus_for_groups  # imports torch, as resolving does
         from deepseek_pd.model.device import resolve_device
         from deepseek_pd.model.model_dir import served_name
 
         self.model_dir = resolve_model_dir(spec.model)
         self.served_model_name = spec.served_model_name or served_name(spec.model, self.model_dir)
         self.device = resolve_device(spec.device)
+        check_gpus_for_groups(self.device, max(spec.prefill_group.ranks, spec.decode_group.ranks))
         deadline = time.monotonic() + spec.startup_timeout_s
         try:
             self._start_workers()

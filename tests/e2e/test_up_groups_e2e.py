@@ -155,10 +155,10 @@ def test_a_killed_rank_restarts_its_whole_group_while_the_others_serve(supervise
     jobs = [(tokens(rng, engine.vocab_size, rng.randint(2, 40)), rng.randint(2, 6), False) for _ in range(24)]
     want = [offline_greedy(engine, p, n)[0] for p, n, _ in jobs]
 
-    async def traffic(killed: asyncio.Event) -> tuple[list, int]:
-        """Requests in waves of 4 from before the kill until the victim is back; how many of them
-        completed while the victim was down (so another group served them)."""
-        results, during_outage = [], 0
+    async def traffic(killed: asyncio.Event) -> tuple[list, int, int]:
+        """Requests in waves of 4 from before the kill; how many of them completed while the victim
+        was down (so another group served them), and the fewest healthy workers the gateway saw."""
+        results, during_outage, fewest = [], 0, len(cluster.workers)
         async with RouterClient(cluster.router_url, cluster.served_model_name, timeout_s=REQUEST_DEADLINE_S) as client:
             for wave in range(0, len(jobs), 4):
                 batch = jobs[wave:wave + 4]
@@ -166,9 +166,10 @@ def test_a_killed_rank_restarts_its_whole_group_while_the_others_serve(supervise
                                                                   ignore_eos=True) for p, n, _ in batch))
                 if killed.is_set() and not await asyncio.to_thread(worker_is_healthy, victim.address(host)):
                     during_outage += len(batch)
+                    fewest = min(fewest, await asyncio.to_thread(router_ready_workers, cluster.router_url))
                 if wave == 0:
                     killed.set()
-        return results, during_outage
+        return results, during_outage, fewest
 
     async def main():
         killed = asyncio.Event()
@@ -179,14 +180,15 @@ def test_a_killed_rank_restarts_its_whole_group_while_the_others_serve(supervise
         started = time.monotonic()
         left = await asyncio.to_thread(wait_gone, tree, GROUP_DOWN_S)
         down_after = time.monotonic() - started
-        results, during_outage = await asyncio.wait_for(load, REQUEST_DEADLINE_S * 2)
-        return left, down_after, results, during_outage
+        results, during_outage, fewest = await asyncio.wait_for(load, REQUEST_DEADLINE_S * 2)
+        return left, down_after, results, during_outage, fewest
 
-    left, down_after, results, during_outage = asyncio.run(main())
+    left, down_after, results, during_outage, fewest = asyncio.run(main())
     assert not left, f"processes of the failed group still alive {GROUP_DOWN_S}s after the kill: {left}"
     print(f"group down {down_after:.1f}s after the kill; {during_outage} requests served during the outage")
     assert [r.output_ids for r in results] == want
     assert during_outage > 0, "no request completed while the victim group was down"
+    assert 0 < fewest < len(cluster.workers), f"the gateway never took the dead group out ({fewest} healthy)"
 
     # The gang comes back as a whole (one restart of its `serve`, new ranks); nothing else restarted.
     deadline = time.monotonic() + 240

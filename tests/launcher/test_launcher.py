@@ -101,7 +101,8 @@ def test_worker_that_cannot_start_fails_up_with_its_log(model_dir, tmp_path) -> 
 
 
 def test_bad_flags_are_one_line_errors(model_dir) -> None:
-    for flags, words in [(["--prefill", "0"], "at least one prefill"), (["--port", "70000"], "TCP port")]:
+    for flags, words in [(["--prefill", "0"], "at least one prefill"), (["--port", "70000"], "TCP port"),
+                         (["--decode-ranks", "2", "--dp", "3"], "--dp 3 must divide --decode-ranks 2")]:
         proc = subprocess.run([sys.executable, "-m", "deepseek_pd.cli", "up", "--model", str(model_dir),
                                *flags], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr

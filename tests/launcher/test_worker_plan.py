@@ -181,3 +181,17 @@ def test_supervisor_kills_a_failed_groups_leftovers_and_restarts_it_whole(tmp_pa
         from deepseek_pd.launcher.process import stop_all
 
         stop_all([group, router], 5)
+
+
+def test_groups_on_cuda_need_a_gpu_per_rank(monkeypatch) -> None:
+    import torch
+
+    from deepseek_pd.launcher.gpu_share import check_gpus_for_groups
+
+    gpus = random.randint(1, 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    check_gpus_for_groups("cuda", gpus)
+    check_gpus_for_groups("cpu", gpus + 1)  # gloo on CPU: any number of ranks
+    with pytest.raises(UserError, match=f"a group of {gpus + 1} ranks runs one rank per GPU, but this machine "
+                                        f"has {gpus} GPU"):
+        check_gpus_for_groups("cuda:0", gpus + 1)
