@@ -8,8 +8,9 @@ overlap), gloo on CPU, `up`'s supervisor running. What must hold:
   concurrent requests; every rank of every group did work (its own metrics port), decode's TBO
   path ran, and every KV pool is back to zero;
 - last: SIGKILL of one follower rank of a decode group takes that whole group down within
-  seconds, leaving no process of it behind; requests keep completing correctly meanwhile (the
-  other decode group serves; the gateway retries what the dead group dropped); the untouched
+  seconds, leaving no process of it behind; the gateway's health checks take it out of rotation;
+  requests keep completing correctly meanwhile (the other decode group serves; the gateway
+  retries what the dead group dropped); the untouched
   groups are never restarted; the gang restarts as one and serves PD on both its DP ranks again.
 
 A second decode group is what lets the failure test show "the others keep serving"; the parity
@@ -155,10 +156,10 @@ def test_a_killed_rank_restarts_its_whole_group_while_the_others_serve(supervise
     jobs = [(tokens(rng, engine.vocab_size, rng.randint(2, 40)), rng.randint(2, 6), False) for _ in range(24)]
     want = [offline_greedy(engine, p, n)[0] for p, n, _ in jobs]
 
-    async def traffic(killed: asyncio.Event) -> tuple[list, int, int]:
+    async def traffic(killed: asyncio.Event) -> tuple[list, int]:
         """Requests in waves of 4 from before the kill; how many of them completed while the victim
-        was down (so another group served them), and the fewest healthy workers the gateway saw."""
-        results, during_outage, fewest = [], 0, len(cluster.workers)
+        was down (so another group served them)."""
+        results, during_outage = [], 0
         async with RouterClient(cluster.router_url, cluster.served_model_name, timeout_s=REQUEST_DEADLINE_S) as client:
             for wave in range(0, len(jobs), 4):
                 batch = jobs[wave:wave + 4]
@@ -166,10 +167,9 @@ def test_a_killed_rank_restarts_its_whole_group_while_the_others_serve(supervise
                                                                   ignore_eos=True) for p, n, _ in batch))
                 if killed.is_set() and not await asyncio.to_thread(worker_is_healthy, victim.address(host)):
                     during_outage += len(batch)
-                    fewest = min(fewest, await asyncio.to_thread(router_ready_workers, cluster.router_url))
                 if wave == 0:
                     killed.set()
-        return results, during_outage, fewest
+        return results, during_outage
 
     async def main():
         killed = asyncio.Event()
@@ -180,15 +180,20 @@ def test_a_killed_rank_restarts_its_whole_group_while_the_others_serve(supervise
         started = time.monotonic()
         left = await asyncio.to_thread(wait_gone, tree, GROUP_DOWN_S)
         down_after = time.monotonic() - started
-        results, during_outage, fewest = await asyncio.wait_for(load, REQUEST_DEADLINE_S * 2)
-        return left, down_after, results, during_outage, fewest
+        taken_out = False  # the gateway's health checks take the dead group out of rotation
+        while not taken_out and time.monotonic() < started + GROUP_DOWN_S:
+            healthy = await asyncio.to_thread(router_ready_workers, cluster.router_url)
+            taken_out = 0 < healthy < len(cluster.workers)
+            await asyncio.sleep(0.25)
+        results, during_outage = await asyncio.wait_for(load, REQUEST_DEADLINE_S * 2)
+        return left, down_after, taken_out, results, during_outage
 
-    left, down_after, results, during_outage, fewest = asyncio.run(main())
+    left, down_after, taken_out, results, during_outage = asyncio.run(main())
     assert not left, f"processes of the failed group still alive {GROUP_DOWN_S}s after the kill: {left}"
     print(f"group down {down_after:.1f}s after the kill; {during_outage} requests served during the outage")
     assert [r.output_ids for r in results] == want
     assert during_outage > 0, "no request completed while the victim group was down"
-    assert 0 < fewest < len(cluster.workers), f"the gateway never took the dead group out ({fewest} healthy)"
+    assert taken_out, f"the gateway did not take the dead group out of rotation within {GROUP_DOWN_S}s"
 
     # The gang comes back as a whole (one restart of its `serve`, new ranks); nothing else restarted.
     deadline = time.monotonic() + 240
