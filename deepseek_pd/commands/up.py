@@ -4,11 +4,30 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from deepseek_pd.errors import UserError
+from deepseek_pd.launcher.worker_plan import TBO_CHOICES, resolve_group_shape
+
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="HF checkpoint directory, or 'tiny' (default)")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers (default 1)")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers (default 1)")
+    groups = parser.add_argument_group(
+        "multi-rank workers (each worker a group of processes on this machine, gloo on CPU, one GPU per rank "
+        "on CUDA; a failed rank restarts its whole group)")
+    groups.add_argument("--prefill-ranks", type=int, default=1,
+                        help="ranks (processes) of each prefill worker (default 1)")
+    groups.add_argument("--decode-ranks", type=int, default=1,
+                        help="ranks (processes) of each decode worker (default 1)")
+    groups.add_argument("--dp", type=int, default=None,
+                        help="attention data-parallel size of each multi-rank worker; must divide its ranks "
+                             "(the rest is --tp, also run as DP attention; default: all its ranks)")
+    groups.add_argument("--ep", type=int, default=None,
+                        help="expert parallel size of each multi-rank worker: its ranks (experts spread, the "
+                             "default) or 1 (replicated)")
+    groups.add_argument("--enable-tbo", nargs="?", const="both", default=None, choices=TBO_CHOICES,
+                        help="two-batch overlap in the workers of both roles, or of one "
+                             "(--enable-tbo=decode)")
     parser.add_argument("--kv-transport", choices=["mooncake", "grpc"], default="grpc",
                         help="how KV moves from prefill to decode (default grpc)")
     parser.add_argument("--device", default="auto",
@@ -41,6 +60,8 @@ def cluster_spec_from_args(args: argparse.Namespace):
     from deepseek_pd.launcher.cluster import ClusterSpec
 
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+                       prefill_group=group_shape_from_args(args, "prefill"),
+                       decode_group=group_shape_from_args(args, "decode"),
                        kv_transport=args.kv_transport, device=args.device,
                        mem_fraction_static=args.mem_fraction_static, host=args.host, router_port=args.port,
                        log_dir=args.log_dir, worker_args=tuple(args.worker_arg),
@@ -49,11 +70,24 @@ def cluster_spec_from_args(args: argparse.Namespace):
                        client_api_key=read_key_file(getattr(args, "api_key_file", None), "--api-key-file")).validate()
 
 
+def group_shape_from_args(args: argparse.Namespace, role: str):
+    """`role`'s GroupShape from the flags; --dp/--ep without any multi-rank role is an error, not a no-op."""
+    if max(args.prefill_ranks, args.decode_ranks) == 1:
+        for name in ("dp", "ep"):
+            if getattr(args, name) not in (None, 1):
+                raise UserError(f"--{name} {getattr(args, name)} shapes multi-rank workers: add "
+                                f"--prefill-ranks N and/or --decode-ranks M (N, M > 1)")
+    return resolve_group_shape(role, getattr(args, f"{role}_ranks"), args.dp, args.ep,
+                               enable_tbo=args.enable_tbo in (role, "both"))
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "up", help="start prefill/decode workers and the router locally",
         description="Start N prefill and M decode workers plus the SGLang router in gRPC PD mode; "
-                    "print the router URL once healthy; stop everything on Ctrl-C / SIGTERM.")
+                    "print the router URL once healthy; stop everything on Ctrl-C / SIGTERM. A worker may be "
+                    "a group of ranks (--prefill-ranks/--decode-ranks): one process per rank, restarted "
+                    "together when one fails.")
     add_cluster_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -63,7 +97,6 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import threading
 
-    from deepseek_pd.errors import UserError
     from deepseek_pd.launcher.cluster import LocalCluster
 
     spec = cluster_spec_from_args(args)
@@ -77,15 +110,16 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     cluster = LocalCluster(spec)
     try:
-        print(f"starting {spec.num_prefill} prefill + {spec.num_decode} decode worker(s), "
-              f"model {spec.model}, KV transport {spec.kv_transport}; logs in {cluster.log_dir}",
-              file=sys.stderr, flush=True)
+        print(f"starting {spec.num_prefill} prefill ({spec.prefill_group.describe()}) + {spec.num_decode} decode "
+              f"({spec.decode_group.describe()}) worker(s), model {spec.model}, KV transport {spec.kv_transport}; "
+              f"logs in {cluster.log_dir}", file=sys.stderr, flush=True)
         cluster.start()
         print(f"  workers on {cluster.device}", file=sys.stderr)
         for worker in cluster.workers:
             boot = f", bootstrap port {worker.bootstrap_port}" if worker.role == "prefill" else ""
+            ranks = f" (rank r: port {worker.metrics_port} + r)" if worker.ranks > 1 else ""
             print(f"  {worker.process.name}: grpc://{worker.address(spec.host)}{boot}, "
-                  f"metrics {worker.metrics_url(spec.host)}, log {worker.process.log_path}", file=sys.stderr)
+                  f"metrics {worker.metrics_url(spec.host)}{ranks}, log {worker.process.log_path}", file=sys.stderr)
         print(f"router ready at {cluster.router_url} (model name {cluster.served_model_name!r})",
               flush=True)
         print(f"  router metrics: http://{spec.host}:{cluster.metrics_port}/metrics", file=sys.stderr)

@@ -37,3 +37,16 @@ def worker_memory_args(device: str, roles: Sequence[str], budget: float | None =
         return [[] for _ in roles]
     fractions = memory_fractions(roles, DEFAULT_MEM_FRACTION_STATIC if budget is None else budget)
     return [["--mem-fraction-static", str(fraction)] for fraction in fractions]
+
+
+def check_gpus_for_groups(device: str, ranks: int) -> None:
+    """On CUDA rank r of every multi-rank worker runs on GPU r (workers/group_main.py), so the
+    largest group (`ranks`) needs that many GPUs; refused before anything starts, not rank by rank."""
+    if not is_cuda(device) or ranks <= 1:
+        return
+    import torch
+
+    available = torch.cuda.device_count()
+    if ranks > available:
+        raise UserError(f"--prefill-ranks/--decode-ranks: a group of {ranks} ranks runs one rank per GPU, "
+                        f"but this machine has {available} GPU(s)")

@@ -3,7 +3,10 @@
 `deepseek-pd up` calls `Supervisor.step()` about once a second. What it does:
 
 - A worker that exited is started again with the same flags and ports (the router lists it by
-  address, and its health checks put it back in rotation once it answers). Restarts back off
+  address, and its health checks put it back in rotation once it answers). A multi-rank worker
+  is a gang: its `serve` process supervises its ranks, stops all of them when one fails and then
+  exits (workers/group_main.py), so it restarts as a whole; whatever is left of its process group
+  when it has exited is killed at once, so no rank outlives its group. Restarts back off
   (1 s, 2 s, 4 s, ... up to `max_backoff_s`); a process that stayed up for `stable_after_s`
   starts again from the shortest delay. After `max_restarts` restarts that did not last, the
   process is given up on: `step()` raises `UserError` with its log tail, and `up` stops.
@@ -11,8 +14,9 @@
   failed `probe_failures` probes in a row (SIGSTOPped, deadlocked: the kernel still accepts the
   connection, nothing answers), is killed (its whole process group) and started again.
 
-While one worker is down the others keep serving; requests routed to it fail until the router's
-health check takes it out (2 s locally).
+While one worker is down the others keep serving; requests routed to it fail (and are retried
+by the router on another pair, gateway.RETRY_ARGS) until the router's health check takes it out
+(2 s locally).
 """
 from __future__ import annotations
 
@@ -92,6 +96,7 @@ class Supervisor:
         if tracked.restart_at is None:
             if proc.is_alive():
                 return
+            proc.send_signal(signal.SIGKILL)  # leftovers, e.g. a group's ranks, must not serve on alone
             self._schedule_restart(tracked, now, f"exited with code {proc.returncode}")
         if now >= tracked.restart_at:
             self._restart(tracked, now)

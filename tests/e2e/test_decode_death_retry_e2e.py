@@ -27,7 +27,7 @@ import pytest
 from deepseek_pd.launcher.cluster import LocalCluster
 from deepseek_pd.launcher.health import router_ready_workers
 from deepseek_pd.launcher.supervisor import SupervisorConfig
-from pdtest.e2e_cluster import cluster_spec, used_pages, wait_for_pages
+from pdtest.e2e_cluster import cluster_spec, supervise, used_pages, wait_for_pages
 from pdtest.gateway_oracle import offline_engine, offline_greedy, post_json, post_stream
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -44,25 +44,12 @@ def cluster(tmp_path_factory):
                         extra_worker_args=(f"--chunked-prefill-size={SLOW_CHUNK}",))
     with LocalCluster(spec) as running:
         stop = threading.Event()
-        thread = supervise(running, stop)
+        thread, _ = supervise(running, stop, SupervisorConfig(initial_backoff_s=0.5))
         try:
             yield running
         finally:
             stop.set()
             thread.join(5)
-
-
-def supervise(cluster, stop: threading.Event) -> threading.Thread:
-    """`up`'s loop: supervisor.step() about every 0.2 s until `stop`. The thread must outlive
-    every process it restarts: PR_SET_PDEATHSIG fires when the forking *thread* exits."""
-    supervisor = cluster.supervisor(SupervisorConfig(initial_backoff_s=0.5))
-
-    def loop():
-        while not stop.wait(0.2):
-            supervisor.step()
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    return thread
 
 
 def retries_counted(cluster) -> float:

@@ -20,51 +20,12 @@ import pytest
 
 from deepseek_pd.launcher.ports import is_port_free, pick_free_ports
 from pdtest import servicer_fakes
+from pdtest.process_tree import alive, descendants, wait_gone
 from pdtest.servicer_fakes import expected_tokens, make_tokenizer_model_dir
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 FAKE_FACTORY = f"{servicer_fakes.__file__}:build_fake_engine"  # loaded by path in each worker
-
-
-def descendants(pid: int) -> set[int]:
-    """All live descendants of pid, from /proc (children of children too)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    still = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            still.add(pid)
-    return still
-
-
-def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive(pids)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +101,8 @@ def test_worker_that_cannot_start_fails_up_with_its_log(model_dir, tmp_path) -> 
 
 
 def test_bad_flags_are_one_line_errors(model_dir) -> None:
-    for flags, words in [(["--prefill", "0"], "at least one prefill"), (["--port", "70000"], "TCP port")]:
+    for flags, words in [(["--prefill", "0"], "at least one prefill"), (["--port", "70000"], "TCP port"),
+                         (["--decode-ranks", "2", "--dp", "3"], "--dp 3 must divide --decode-ranks 2")]:
         proc = subprocess.run([sys.executable, "-m", "deepseek_pd.cli", "up", "--model", str(model_dir),
                                *flags], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr

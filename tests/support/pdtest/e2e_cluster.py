@@ -8,10 +8,13 @@ tests fast; they are still far above what a healthy request needs on this model.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient
-from deepseek_pd.launcher.cluster import ClusterSpec
+from deepseek_pd.launcher.cluster import ClusterSpec, LocalCluster
+from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
+from deepseek_pd.launcher.worker_plan import GroupShape
 
 MODEL = "tiny"
 PAGE_SIZE = 4
@@ -27,11 +30,27 @@ WORKER_ARGS = (
 
 
 def cluster_spec(tmp: Path, num_prefill: int = 1, num_decode: int = 1, kv_transport: str = "grpc",
-                 extra_worker_args: tuple[str, ...] = ()) -> ClusterSpec:
+                 extra_worker_args: tuple[str, ...] = (), prefill_group: GroupShape = GroupShape(),
+                 decode_group: GroupShape = GroupShape(), startup_timeout_s: float = 180) -> ClusterSpec:
     return ClusterSpec(model=MODEL, num_prefill=num_prefill, num_decode=num_decode,
+                       prefill_group=prefill_group, decode_group=decode_group,
                        kv_transport=kv_transport, log_dir=tmp / "logs",
-                       worker_args=WORKER_ARGS + extra_worker_args, startup_timeout_s=180,
+                       worker_args=WORKER_ARGS + extra_worker_args, startup_timeout_s=startup_timeout_s,
                        stop_grace_s=10)
+
+
+def supervise(cluster: LocalCluster, stop: threading.Event,
+              config: SupervisorConfig | None = None) -> tuple[threading.Thread, Supervisor]:
+    """`up`'s loop: supervisor.step() about every 0.2 s until `stop`. The thread must outlive
+    every process it restarts: PR_SET_PDEATHSIG fires when the forking *thread* exits."""
+    supervisor = cluster.supervisor(config)
+
+    def loop():
+        while not stop.wait(0.2):
+            supervisor.step()
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread, supervisor
 
 
 def cluster_cli_flags() -> list[str]:

@@ -1,0 +1,171 @@
+"""What `deepseek-pd up` starts for each worker: its group shape, its ports and its `serve` command.
+
+Pure (no processes, no sockets): `LocalCluster` reserves the ports and runs the commands; the
+unit tests check the plan alone.
+
+Every worker of `up` is one `deepseek-pd serve` process. With `--prefill-ranks N` (or
+`--decode-ranks M`) that process is the node supervisor of a group of N ranks on this machine
+(workers/group_main.py `run_node`, the same code a pod runs): it spawns one process per rank;
+rank 0 serves SglangScheduler and the bootstrap service on the worker's `--port` and
+`--bootstrap-port`, the followers' internal ports and the group's rendezvous port are the OS's,
+and rank r exports its metrics on `metrics_port + r`. When any rank fails, the supervisor stops
+the others and exits non-zero; when it is stopped, it stops every rank. To `up` a group is
+therefore one process group to watch and restart, and a restart is always of the whole gang.
+
+Example: `up --prefill 2 --prefill-ranks 2 --decode 1 --decode-ranks 4 --dp 2` plans
+
+    prefill-0  serve prefill --tp 1 --dp 2 --ep 2   port P0, bootstrap B0, metrics M0, M0+1
+    prefill-1  serve prefill --tp 1 --dp 2 --ep 2   port P1, bootstrap B1, metrics M1, M1+1
+    decode-0   serve decode  --tp 2 --dp 2 --ep 4   port P2, bootstrap B2, metrics M2 .. M2+3
+
+(`--tp` is run as DP attention over all ranks, workers/common/group_layout.py), with every port of
+every worker distinct.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from deepseek_pd.errors import UserError
+
+ROLES = ("prefill", "decode")
+TBO_CHOICES = ("prefill", "decode", "both")
+# `serve` flags that shape a group: `up` derives them from its own flags, so a --worker-arg that
+# set one would leave `up` planning ports for another group than the one that runs.
+GROUP_FLAGS = ("--tp", "--dp", "--ep", "--nnodes", "--node-rank", "--dist-init-addr", "--enable-tbo")
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """One worker's ranks and how the model is spread over them (as `serve` resolves it).
+
+    `ranks` = tp x dp processes; attention is data-parallel over all of them; `ep` is 1 (experts
+    replicated on every rank) or `ranks` (each rank holds 1/ranks of the routed experts)."""
+
+    ranks: int = 1
+    dp: int = 1
+    ep: int = 1
+    enable_tbo: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.dp < 1 or self.ranks % self.dp or self.ep not in (1, self.ranks):
+            raise UserError(f"invalid worker group: {self.ranks} ranks, dp {self.dp}, ep {self.ep} "
+                            f"(dp must divide the ranks; ep is 1 or the ranks)")
+
+    @property
+    def tp(self) -> int:
+        return self.ranks // self.dp
+
+    def serve_flags(self) -> list[str]:
+        """The `serve` flags of this shape: none for a plain single-rank worker."""
+        flags = ["--tp", str(self.tp), "--dp", str(self.dp), "--ep", str(self.ep)] if self.ranks > 1 else []
+        return flags + (["--enable-tbo"] if self.enable_tbo else [])
+
+    def describe(self) -> str:
+        if self.ranks == 1:
+            return "1 rank" + (", TBO" if self.enable_tbo else "")
+        return f"{self.ranks} ranks: tp {self.tp}, dp {self.dp}, ep {self.ep}" + (", TBO" if self.enable_tbo else "")
+
+
+def resolve_group_shape(role: str, ranks: int, dp: int | None = None, ep: int | None = None,
+                        enable_tbo: bool = False) -> GroupShape:
+    """A role's shape from `up`'s flags, with errors that name them. `dp`/`ep` None: all the ranks
+    (pure DP attention, experts spread); they shape multi-rank groups only (one rank: dp = ep = 1)."""
+    flag = f"--{role}-ranks"
+    if ranks < 1:
+        raise UserError(f"{flag} must be >= 1, got {ranks}")
+    if ranks == 1:
+        return GroupShape(1, 1, 1, enable_tbo)
+    dp = ranks if dp is None else dp
+    if dp < 1 or ranks % dp:
+        raise UserError(f"--dp {dp} must divide {flag} {ranks}: a group's ranks are tp x dp "
+                        f"(tp = {flag} / --dp, run as DP attention)")
+    ep = ranks if ep is None else ep
+    if ep not in (1, ranks):
+        raise UserError(f"--ep {ep}: a {role} group spreads its experts over all {flag} {ranks} ranks "
+                        f"(--ep {ranks}, the default) or replicates them (--ep 1)")
+    return GroupShape(ranks, dp, ep, enable_tbo)
+
+
+def check_worker_args(worker_args: Sequence[str]) -> None:
+    """Refuses a --worker-arg that would change a group's shape behind `up`'s back."""
+    for arg in worker_args:
+        name = arg.split("=", 1)[0]
+        if name in GROUP_FLAGS:
+            raise UserError(f"--worker-arg={arg}: `up` sets the workers' group flags itself; use "
+                            f"--prefill-ranks/--decode-ranks/--dp/--ep/--enable-tbo")
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker (a group of `shape.ranks` processes): its name, ports and GPU memory flags."""
+
+    role: str
+    index: int
+    shape: GroupShape
+    port: int  # rank 0's SglangScheduler port: what the router dials
+    bootstrap_port: int  # prefill: rank 0's bootstrap service (the Route table for the other ranks)
+    metrics_port: int  # rank r exports on metrics_port + r
+    memory_args: tuple[str, ...] = ()  # gpu_share.worker_memory_args: each rank's slice of its GPU
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def metrics_ports(self) -> range:
+        return range(self.metrics_port, self.metrics_port + self.shape.ranks)
+
+    def ports(self) -> list[int]:
+        """Every port this worker binds on its own (not the OS-picked ones of its followers)."""
+        return [self.port, self.bootstrap_port, *self.metrics_ports]
+
+
+def port_block_sizes(shapes: Sequence[GroupShape]) -> list[int]:
+    """The runs of consecutive ports the workers need, in `plan_workers`' order: gRPC, bootstrap,
+    and one metrics port per rank, for each worker."""
+    return [size for shape in shapes for size in (1, 1, shape.ranks)]
+
+
+def plan_workers(roles: Sequence[str], shapes: Sequence[GroupShape], block_starts: Sequence[int],
+                 memory_args: Sequence[Sequence[str]] | None = None) -> list[WorkerPlan]:
+    """One plan per worker; `block_starts` are the first ports of `port_block_sizes(shapes)`'s runs."""
+    if len(roles) != len(shapes) or len(block_starts) != 3 * len(shapes):
+        raise ValueError("one shape and three port blocks per worker")
+    memory_args = memory_args or [()] * len(roles)
+    counters = dict.fromkeys(ROLES, 0)
+    plans = []
+    for i, (role, shape, memory) in enumerate(zip(roles, shapes, memory_args)):
+        port, bootstrap_port, metrics_port = block_starts[3 * i:3 * i + 3]
+        plans.append(WorkerPlan(role, counters[role], shape, port, bootstrap_port, metrics_port, tuple(memory)))
+        counters[role] += 1
+    return plans
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What every worker of one cluster is started with, whatever its role."""
+
+    model_dir: str
+    served_model_name: str
+    host: str
+    kv_transport: str
+    device: str
+    secret_file: str  # the run's deployment secret (workers/common/internal_auth.py)
+    worker_args: tuple[str, ...] = ()  # last on the command line: they win
+    python: str = sys.executable
+
+
+def serve_argv(plan: WorkerPlan, plans: Sequence[WorkerPlan], settings: ServeSettings) -> list[str]:
+    """The command line of `plan`'s worker; `plans` (all workers) give decode its prefill peers:
+    every prefill group's rank 0 (the other ranks are learnt from its signed Route table)."""
+    s = settings
+    security = ["--internal-secret-file", s.secret_file]
+    if plan.role == "decode":
+        security += ["--prefill-peers", ",".join(f"{s.host}:{p.bootstrap_port}" for p in plans if p.role == "prefill")]
+    return [s.python, "-m", "deepseek_pd.cli", "serve", plan.role,
+            "--model", s.model_dir, "--served-model-name", s.served_model_name,
+            "--host", s.host, "--port", str(plan.port), "--bootstrap-port", str(plan.bootstrap_port),
+            "--kv-transport", s.kv_transport, "--metrics-port", str(plan.metrics_port), "--device", s.device,
+            *plan.shape.serve_flags(), *security, *plan.memory_args, *s.worker_args]
