@@ -95,6 +95,6 @@ def parse_memory_flags(args: Sequence[str]) -> MemoryFlags:
         raise ValueError("--page-size must be >= 1, --mem-fraction-static in (0, 1] and "
                          "mem_headroom_gib >= 0")
     for name in ("num_pages", "max_total_tokens"):
-        if (getattr(flags, name) or 1) < 1:
+        if getattr(flags, name) is not None and getattr(flags, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     return flags
