@@ -154,4 +154,7 @@ def plan_memory(spec: DeploymentSpec) -> MemoryVerdict:
     fits = all(r.fits for r in ranks)
     message = (f"{name} on {gpu.name} ({_gib(gpu.total_bytes)} per GPU, from {gpu.source}): "
                + "; ".join(r.describe() for r in ranks))
+    if not fits:
+        message += (". It does not fit: spread the experts over more ranks, keep FP8 weights, "
+                    "use GPUs with more memory, or give a smaller fixed KV pool")
     return MemoryVerdict(fits, "Fits" if fits else "DoesNotFit", message, tuple(ranks))
