@@ -47,13 +47,17 @@ class RankMemory:
 
     role: str
     ranks: int  # per group
-    fp8: bool
+    weight_format: str  # "FP8" (kept FP8, with block scales) or the model dtype
     weights_bytes: int
     kv_bytes: int
     kv_what: str
     reserve_bytes: int
     budget_bytes: int
     kv_bytes_per_token: int
+
+    @property
+    def fp8(self) -> bool:
+        return self.weight_format == "FP8"
 
     @property
     def needed_bytes(self) -> int:
@@ -64,8 +68,7 @@ class RankMemory:
         return self.needed_bytes <= self.budget_bytes
 
     def describe(self) -> str:
-        weights = "FP8" if self.fp8 else "bf16/fp32"
-        line = (f"{self.role} ({self.ranks} rank(s), {weights} weights): weights "
+        line = (f"{self.role} ({self.ranks} rank(s), {self.weight_format} weights): weights "
                 f"{_gib(self.weights_bytes)} + KV {_gib(self.kv_bytes)} ({self.kv_what}) + graphs "
                 f"{_gib(self.reserve_bytes)} = {_gib(self.needed_bytes)} of {_gib(self.budget_bytes)} "
                 f"per rank")
@@ -117,7 +120,8 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
         what = f"at least one {config.max_position_embeddings}-token request"
     else:
         what = f"a fixed pool of {tokens} tokens"
-    return RankMemory(role=role.role, ranks=role.world_size, fp8=fp8, weights_bytes=weights.total_bytes,
+    return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
+                      weights_bytes=weights.total_bytes,
                       kv_bytes=tokens * per_token, kv_what=what,
                       reserve_bytes=int(flags.mem_headroom_gib * GIB),
                       budget_bytes=int(flags.mem_fraction_static * gpu.total_bytes),

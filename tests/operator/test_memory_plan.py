@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from deepseek_pd.operator.gpu_types import GIB, gpu_memory, product_memory_bytes
 from deepseek_pd.operator.known_models import model_config, recognise
 from deepseek_pd.operator.memory_flags import parse_memory_flags
 from deepseek_pd.operator.memory_plan import plan_memory
-from deepseek_pd.operator.spec import DeploymentSpec
+from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,6 +125,23 @@ def test_ep_that_does_not_divide_the_experts_and_bad_flags_are_refused():
     verdict = _plan(raw)
     assert (verdict.status, verdict.reason) == (False, "InvalidEngineArgs")
     assert "--num-pages" in verdict.message
+
+
+def test_an_unknown_architecture_is_an_invalid_spec():
+    raw = _example("deepseek-v3-h200.yaml")
+    raw["model"]["architecture"] = "DeepSeek-V9"
+    with pytest.raises(InvalidSpecError, match="spec.model.architecture"):
+        DeploymentSpec.parse("x", "llm", raw)
+
+
+def test_the_operator_plans_without_importing_torch():
+    code = ("import sys, yaml; from deepseek_pd.operator import handlers; "
+            "from deepseek_pd.operator.memory_plan import plan_memory; "
+            "from deepseek_pd.operator.spec import DeploymentSpec; "
+            f"raw = yaml.safe_load(open({str(EXAMPLES / 'deepseek-v3-h200.yaml')!r}))['spec']; "
+            "assert plan_memory(DeploymentSpec.parse('x', 'llm', raw)).status is True; "
+            "assert 'torch' not in sys.modules, 'the operator imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_architecture_does_not_change_the_pods_revision():

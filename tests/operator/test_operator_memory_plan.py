@@ -41,7 +41,7 @@ def test_a_plan_that_does_not_fit_creates_nothing_until_it_fits(cluster):
     cond = cluster.wait_for("MemoryPlanFits False", lambda: _condition(cluster, name, "MemoryPlanFits")
                             .get("status") == "False" and _condition(cluster, name, "MemoryPlanFits"))
     assert cond["reason"] == "DoesNotFit"
-    assert "prefill (8 rank(s), bf16/fp32 weights)" in cond["message"] and "of 123.0 GiB per rank" in cond["message"]
+    assert "prefill (8 rank(s), bfloat16 weights)" in cond["message"] and "of 123.0 GiB per rank" in cond["message"]
     status = cluster.get(names.KIND, name)["status"]
     assert status["phase"] == "Failed"
     assert _condition(cluster, name, "Degraded")["reason"] == "MemoryPlanDoesNotFit"
