@@ -128,12 +128,13 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
                       kv_bytes_per_token=per_token)
 
 
-def plan_memory(spec: DeploymentSpec) -> MemoryVerdict:
-    """The MemoryPlanFits verdict of a valid spec (module docstring)."""
+def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = None) -> MemoryVerdict:
+    """The MemoryPlanFits verdict of a valid spec (module docstring). `model`: (a label, the
+    config) to plan with instead of the known shape the spec names, e.g. a local config.json."""
     roles = [r for r in (spec.prefill, spec.decode) if r.gpus_per_pod > 0 and r.replicas > 0]
     if not roles:
         return MemoryVerdict(True, "NotApplicable", "no role runs on GPUs")
-    name = model_name(spec)
+    name = model[0] if model else model_name(spec)
     if name is None:
         return MemoryVerdict(None, "ModelUnknown", (
             f"the model ({spec.model.tokenizer_path}) is none of {', '.join(known_models.KNOWN_MODELS)}; "
@@ -143,7 +144,7 @@ def plan_memory(spec: DeploymentSpec) -> MemoryVerdict:
         return MemoryVerdict(None, "GpuUnknown", (
             "no GPU type to plan for: pin the workers to one with scheduling.nodeSelector "
             "nvidia.com/gpu.product (e.g. NVIDIA-H200) or nvidia.com/gpu.memory (MiB)"))
-    config = known_models.model_config(name)
+    config = model[1] if model else known_models.model_config(name)
     ranks = []
     for role in roles:
         if config.n_routed_experts % role.parallelism.ep:

@@ -3,6 +3,7 @@ model and its GPU, and the operator's copies of the workers' defaults."""
 from __future__ import annotations
 
 import copy
+import json
 import pathlib
 import random
 import subprocess
@@ -12,13 +13,14 @@ import pytest
 import torch
 import yaml
 
+from deepseek_pd.cli import main
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv_pool import bytes_per_pool_page
 from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC, pages_for_budget
 from deepseek_pd.model.runner import FP8_BACKEND_CHOICES, RunnerConfig
 from deepseek_pd.operator import memory_flags
 from deepseek_pd.operator.gpu_types import GIB, gpu_memory, product_memory_bytes
-from deepseek_pd.operator.known_models import model_config, recognise
+from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config, recognise
 from deepseek_pd.operator.memory_flags import parse_memory_flags
 from deepseek_pd.operator.memory_plan import plan_memory
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
@@ -203,3 +205,22 @@ def test_the_replicated_share_is_what_ep1_holds_beyond_the_experts():
     whole = rank_weights(config, WeightFormat(2), 1)
     spread = rank_weights(config, WeightFormat(2), 64)
     assert whole.total_bytes - spread.total_bytes == 63 * spread.expert_bytes
+
+
+def test_plan_command_reads_a_local_config_json(tmp_path, capsys):
+    """`deepseek-pd operator plan`: the model from --model-dir's config.json; exit 1 when refused."""
+    manifest = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())
+    manifest["spec"] = _one_node(manifest["spec"])
+    manifest["spec"]["model"].update(path="weights", servedName="chat")  # names the operator does not know
+    (tmp_path / "dsd.yaml").write_text(yaml.safe_dump(manifest))
+    assert main(["operator", "plan", str(tmp_path / "dsd.yaml")]) == 0
+    assert "MemoryPlanFits: Unknown (ModelUnknown)" in capsys.readouterr().out
+
+    for quantized, code in ((True, 0), (False, 1)):  # the same shape stored in bf16 does not fit
+        config = dict(KNOWN_MODELS["DeepSeek-V3"])
+        if not quantized:
+            config.pop("quantization_config")
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert main(["operator", "plan", str(tmp_path / "dsd.yaml"), "--model-dir", str(tmp_path)]) == code
+        out = capsys.readouterr().out
+        assert out.startswith(f"MemoryPlanFits: {bool(code == 0)} ") and str(tmp_path) in out
