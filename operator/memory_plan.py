@@ -49,11 +49,15 @@ class RankMemory:
     ranks: int  # per group
     weight_format: str  # "FP8" (kept FP8, with block scales) or the model dtype
     weights_bytes: int
-    kv_bytes: int
-    kv_what: str
+    kv_tokens: int
+    fixed_pool: bool  # the flags fix the pool's size; else kv_tokens is its minimum
+    kv_bytes_per_token: int
     reserve_bytes: int
     budget_bytes: int
-    kv_bytes_per_token: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_tokens * self.kv_bytes_per_token
 
     @property
     def fp8(self) -> bool:
@@ -68,12 +72,14 @@ class RankMemory:
         return self.needed_bytes <= self.budget_bytes
 
     def describe(self) -> str:
+        kv = (f"a fixed pool of {self.kv_tokens} tokens" if self.fixed_pool
+              else f"at least one {self.kv_tokens}-token request")
         line = (f"{self.role} ({self.ranks} rank(s), {self.weight_format} weights): weights "
-                f"{_gib(self.weights_bytes)} + KV {_gib(self.kv_bytes)} ({self.kv_what}) + graphs "
+                f"{_gib(self.weights_bytes)} + KV {_gib(self.kv_bytes)} ({kv}) + graphs "
                 f"{_gib(self.reserve_bytes)} = {_gib(self.needed_bytes)} of {_gib(self.budget_bytes)} "
                 f"per rank")
         spare = self.budget_bytes - self.weights_bytes - self.reserve_bytes
-        if self.fits and self.kv_what.startswith("at least"):
+        if self.fits and not self.fixed_pool:
             line += f", a KV pool of {_gib(spare)} ({spare // self.kv_bytes_per_token:,} tokens)"
         return line
 
@@ -115,17 +121,13 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
                            flags.num_fused_shared_experts)
     per_token = config.num_hidden_layers * config.kv_cache_dim * itemsize
     tokens = flags.fixed_pool_tokens
-    if tokens is None:
+    fixed = tokens is not None
+    if tokens is None:  # one request of the whole context, in whole pages
         tokens = -(-config.max_position_embeddings // flags.page_size) * flags.page_size
-        what = f"at least one {config.max_position_embeddings}-token request"
-    else:
-        what = f"a fixed pool of {tokens} tokens"
     return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
-                      weights_bytes=weights.total_bytes,
-                      kv_bytes=tokens * per_token, kv_what=what,
-                      reserve_bytes=int(flags.mem_headroom_gib * GIB),
-                      budget_bytes=int(flags.mem_fraction_static * gpu.total_bytes),
-                      kv_bytes_per_token=per_token)
+                      weights_bytes=weights.total_bytes, kv_tokens=tokens, fixed_pool=fixed,
+                      kv_bytes_per_token=per_token, reserve_bytes=int(flags.mem_headroom_gib * GIB),
+                      budget_bytes=int(flags.mem_fraction_static * gpu.total_bytes))
 
 
 def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = None) -> MemoryVerdict:
@@ -133,7 +135,7 @@ def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = No
     config) to plan with instead of the known shape the spec names, e.g. a local config.json."""
     roles = [r for r in (spec.prefill, spec.decode) if r.gpus_per_pod > 0 and r.replicas > 0]
     if not roles:
-        return MemoryVerdict(True, "NotApplicable", "no role runs on GPUs")
+        return MemoryVerdict(True, "NotApplicable", "no role with replicas runs on GPUs")
     name = model[0] if model else model_name(spec)
     if name is None:
         return MemoryVerdict(None, "ModelUnknown", (

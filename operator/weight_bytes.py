@@ -20,7 +20,8 @@ its parts' offsets); otherwise, and for norms, router, w_kc/w_vc and embeddings,
 (the router and its bias are always fp32).
 
 Worked example, DeepSeek-V3 in FP8 on EP16: 58 MoE layers x 256 experts x 3 x 7168 x 2048 =
-653.8B routed values, 40.9 GB per rank; the replicated rest is 20.3 GB: 57.0 GiB per rank.
+653.9B routed values, 40.9 GB per rank with their scales; the replicated rest is 20.3 GB:
+57.0 GiB per rank.
 """
 from __future__ import annotations
 
