@@ -7,11 +7,17 @@ import copy
 import logging
 import pathlib
 
+import jsonschema
 import pytest
 import yaml
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.crd import status_schema
+from deepseek_pd.operator.memory_plan import MemoryVerdict
+from deepseek_pd.operator.planner import RolePlan
 from deepseek_pd.operator.reconcile import Reconciler
+from deepseek_pd.operator.status import RouterState, build_status
+from deepseek_pd.operator.validation import _to_json_schema
 
 pytestmark = [pytest.mark.timeout(120)]
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
@@ -94,3 +100,20 @@ def test_the_plan_is_decided_before_the_cluster_is_read_or_written():
     assert status["phase"] == "Failed" and api.reads == []
     memory = next(c for c in status["conditions"] if c["type"] == "MemoryPlanFits")
     assert (memory["status"], memory["observedGeneration"]) == ("False", 1)
+    _valid_status(status)
+
+
+def _valid_status(status: dict) -> None:
+    """What the API server checks on a status write (the emulator does not): the CRD's schema."""
+    jsonschema.validate(status, _to_json_schema(status_schema()))
+
+
+@pytest.mark.parametrize("memory", [MemoryVerdict(True, "Fits", "ok"), MemoryVerdict(None, "GpuUnknown", "?")])
+def test_every_status_with_the_condition_is_one_the_crd_accepts(memory):
+    plan = RolePlan((), 1, 0, 0, False, (), frozenset({0}), frozenset({0}))
+    status = build_status({"prefill": plan, "decode": plan}, {"prefill": "a", "decode": "b"},
+                          {"prefill": 0, "decode": 0}, RouterState(1, 0, "http://r"), 3, {}, "2026-01-01T00:00:00Z",
+                          memory=memory)
+    _valid_status(status)
+    assert {c["type"]: c["status"] for c in status["conditions"]}["MemoryPlanFits"] == \
+        {True: "True", None: "Unknown"}[memory.status]
