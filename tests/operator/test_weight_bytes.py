@@ -122,3 +122,29 @@ def test_known_models_have_the_parameters_of_hf_models_of_the_same_config(name):
     config = model_config(name)
     ours = rank_weights(config, WeightFormat(2)).parameters - config.qk_rope_head_dim // 2  # inv_freq
     assert ours == hf_values
+
+
+@pytest.mark.parametrize("name, billions", [("DeepSeek-V2-Lite", 15.7), ("DeepSeek-V2", 236), ("DeepSeek-V3", 671)])
+def test_known_models_have_their_published_sizes(name, billions):
+    """DeepSeek's published totals (V3: 671B, its 14B MTP module apart), a check on the table's
+    transcription that does not go through it twice as the HF comparison does."""
+    total = rank_weights(model_config(name), WeightFormat(2)).parameters / 1e9
+    assert round(total, 1 if billions < 100 else 0) == billions
+
+
+def test_the_table_matches_the_config_tests_transcription_of_the_published_configs():
+    """tests/model/test_config.py copies the same config.json files, field for field."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "model" / "test_config.py"
+    module_spec = importlib.util.spec_from_file_location("published_configs", path)
+    published = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(published)
+    ignored = {"bos_token_id", "eos_token_ids"}  # not in the table: they shape no memory
+    for name, raw in (("DeepSeek-V3", published.V3), ("DeepSeek-V2", published.V2),
+                      ("DeepSeek-V2-Lite", published.V2_LITE)):
+        ours, theirs = model_config(name), ModelConfig.from_hf(raw)
+        for field in ModelConfig.__dataclass_fields__:
+            if field not in ignored:
+                assert getattr(ours, field) == getattr(theirs, field), (name, field)
