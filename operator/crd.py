@@ -13,7 +13,8 @@ from deepseek_pd.operator import names
 from deepseek_pd.operator.crd_spec import spec_schema
 from deepseek_pd.operator.schema_types import Schema, array, integer, obj, rule, string
 
-CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec", "ModelReady", "SecretsReady")
+CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec", "ModelReady", "SecretsReady",
+                   "MemoryPlanFits")
 PHASES = ("Pending", "Progressing", "Available", "Degraded", "Failed")
 
 
@@ -60,6 +61,9 @@ def _printer_columns() -> list[dict[str, Any]]:
         {"name": "Model", "type": "string",
          "jsonPath": '.status.conditions[?(@.type=="ModelReady")].reason',
          "description": "ModelReady's reason: Ready, Downloading, or why the download failed"},
+        {"name": "Memory", "type": "string",
+         "jsonPath": '.status.conditions[?(@.type=="MemoryPlanFits")].reason',
+         "description": "MemoryPlanFits' reason: Fits, DoesNotFit, NotApplicable, ModelUnknown, ..."},
         {"name": "Router", "type": "string", "jsonPath": ".status.routerEndpoint"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

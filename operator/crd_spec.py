@@ -10,6 +10,7 @@ Parallelism, worked example (DeepSeek-V3 decode on 2 nodes of 8 H200):
 """
 from __future__ import annotations
 
+from deepseek_pd.operator.known_models import KNOWN_MODELS
 from deepseek_pd.operator.schema_types import (
     Schema, array, boolean, int_or_percent, integer, obj, opaque_object, quantity,
     resource_requirements, rule, string, string_map,
@@ -148,6 +149,12 @@ def _model() -> Schema:
                              min_length=1, max_length=253),
         "numRoutedExperts": integer("Routed experts (n_routed_experts) of the checkpoint; when given,"
                                     " every role's ep must divide it. DeepSeek-V3: 256.", minimum=1),
+        "architecture": string(
+            "Which known checkpoint shape this is, for the memory plan (the MemoryPlanFits "
+            "condition: do the weights, the KV pool and the graphs fit each GPU?). Default: "
+            "recognised from huggingFace.id, path or servedName (e.g. DeepSeek-V3-0324, "
+            "DeepSeek-R1 -> DeepSeek-V3); a model recognised by none is not checked.",
+            enum=list(KNOWN_MODELS)),
     }, required=["source"], rules=[
         rule("has(self.source.huggingFace) || (!has(self.cache.claimName) && !has(self.cache.size) "
              "&& !has(self.cache.hostPath))",

@@ -18,6 +18,7 @@ from deepseek_pd.operator.build_router import build_router_children, router_endp
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
 from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
 from deepseek_pd.operator.kube import ApiError, KubeClient
+from deepseek_pd.operator.memory_plan import MemoryVerdict, plan_memory
 from deepseek_pd.operator.model_status import model_state
 from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
@@ -29,7 +30,7 @@ from deepseek_pd.operator.secret_reconcile import (
 )
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.operator.status import (
-    RouterState, build_apply_error_status, build_invalid_status, build_status,
+    RouterState, build_apply_error_status, build_invalid_status, build_memory_refused_status, build_status,
 )
 from deepseek_pd.operator.worker_security import build_prefill_peers_service
 
@@ -102,17 +103,21 @@ class Reconciler:
         except InvalidSpecError as exc:
             logger.error("invalid spec, children left unchanged: %s", exc)
             return build_invalid_status(str(exc), generation, previous, _now())
+        memory = plan_memory(spec)  # before anything is created: a plan that cannot fit creates nothing
+        if memory.refused:
+            logger.error("the memory plan does not fit, children left unchanged: %s", memory.message)
+            return build_memory_refused_status(memory, generation, previous, _now())
 
         try:
-            return await self._converge(body, spec, generation, previous, logger)
+            return await self._converge(body, spec, memory, generation, previous, logger)
         except ApiError as exc:
             if exc.status in (401, 409, 429) or exc.status >= 500:
                 raise  # transient: kopf retries the handler with backoff
             logger.error("the API server refused a change: %s", exc)
             return build_apply_error_status(str(exc), generation, previous, _now())
 
-    async def _converge(self, body: dict[str, Any], spec: DeploymentSpec, generation: int | None,
-                        previous: dict[str, Any],
+    async def _converge(self, body: dict[str, Any], spec: DeploymentSpec, memory: MemoryVerdict,
+                        generation: int | None, previous: dict[str, Any],
                         logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
         name, namespace = spec.name, spec.namespace
         observed = await self.observe(namespace, name)
@@ -153,7 +158,7 @@ class Reconciler:
         revisions = {r: t.revision for r, t in targets.items()}
         model = model_state(pods, revisions)
         now = _now()
-        status = build_status(plans, revisions, floors, router, generation, previous, now, model)
+        status = build_status(plans, revisions, floors, router, generation, previous, now, model, memory)
         status["conditions"].append(secrets_condition(secret_problems, generation, previous, now))
         return explain_unavailable(status, pods)
 

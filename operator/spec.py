@@ -138,6 +138,7 @@ class ModelSpec:
     served_name: str
     hub: HubModel | None         # huggingFace: downloaded into `cache` at path (layout.snapshot_dir)
     cache: ModelCache
+    architecture: str | None = None  # a known_models entry for the memory plan; None: by name
 
     @property
     def hf_token_secret(self) -> str | None:
@@ -153,18 +154,19 @@ class ModelSpec:
     def parse(cls, raw: dict[str, Any]) -> ModelSpec:
         source = raw["source"]
         cache = ModelCache.parse(raw["cache"])
+        architecture = raw.get("architecture")
         if "huggingFace" in source:
             hf = source["huggingFace"]
             hub = HubModel(hf["id"], hf["revision"], hf.get("endpoint"), hf.get("tokenSecret"),
                            hf["tokenSecretKey"])
             path = str(snapshot_dir(names.MODEL_CACHE_MOUNT, hub.repo, hub.revision))
-            return cls(None, path, raw["servedName"], hub, cache)
+            return cls(None, path, raw["servedName"], hub, cache, architecture)
         if "pvc" in source:
             volume = {"persistentVolumeClaim": {"claimName": source["pvc"]["claimName"], "readOnly": True}}
         else:
             volume = {"hostPath": {"path": source["hostPath"]["path"], "type": "Directory"}}
         path = f"{names.MODEL_MOUNT}/{raw['path']}".rstrip("/")
-        return cls(volume, path, raw["servedName"], None, cache)
+        return cls(volume, path, raw["servedName"], None, cache, architecture)
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,7 @@ class DeploymentSpec:
         shared = asdict(self)
         for key in ("prefill", "decode", "router", "network_policy"):
             shared.pop(key)
+        shared["model"].pop("architecture")  # only the operator's memory plan reads it
         blob = json.dumps({"role": role_spec, "shared": shared}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 

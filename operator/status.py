@@ -5,7 +5,8 @@ Phases:
     Progressing  a rollout or a scale change is in flight
     Available    every group of both roles and the router are ready on the current revision
     Degraded     a group failed (and was restarted), or groups are down outside of a rollout
-    Failed       the spec is invalid (the InvalidSpec condition names the field)
+    Failed       the spec is invalid (the InvalidSpec condition names the field), or its memory
+                 plan does not fit the GPUs (MemoryPlanFits False, memory_plan.py)
 Degraded also covers a model that cannot be made ready (ModelReady False with a failure reason).
 Conditions keep their lastTransitionTime while their status does not change.
 """
@@ -14,8 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from deepseek_pd.operator.memory_plan import MemoryVerdict
 from deepseek_pd.operator.model_status import ModelState
 from deepseek_pd.operator.planner import RolePlan
+
+MEMORY_CONDITION = "MemoryPlanFits"
 
 
 @dataclass(frozen=True)
@@ -25,9 +29,9 @@ class RouterState:
     endpoint: str
 
 
-def _condition(type_: str, ok: bool, reason: str, message: str, generation: int | None,
+def _condition(type_: str, ok: bool | None, reason: str, message: str, generation: int | None,
                previous: dict[str, dict], now: str) -> dict[str, Any]:
-    status = "True" if ok else "False"
+    status = "Unknown" if ok is None else "True" if ok else "False"
     before = previous.get(type_)
     since = before["lastTransitionTime"] if before and before.get("status") == status \
         and before.get("lastTransitionTime") else now
@@ -49,10 +53,13 @@ def _role_status(plan: RolePlan, revision: str) -> dict[str, Any]:
 
 def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: dict[str, int],
                  router: RouterState, generation: int | None, previous: dict[str, Any],
-                 now: str, model: ModelState | None = None) -> dict[str, Any]:
+                 now: str, model: ModelState | None = None,
+                 memory: MemoryVerdict | None = None) -> dict[str, Any]:
     """Status of a valid spec. `floors[role]` is replicas - maxUnavailable (the Available bar);
-    `model`: the ModelReady condition (model_status.py), default Pending."""
+    `model`: the ModelReady condition (model_status.py), default Pending; `memory`: the
+    MemoryPlanFits condition of a plan that did not refuse the spec (default: not planned)."""
     model = model or ModelState(False, "Pending", "no worker pod has started yet")
+    memory = memory or MemoryVerdict(None, "NotPlanned", "")
     before = _by_type(previous.get("conditions"))
     router_ok = router.ready >= min(router.desired, 1)
     all_ready = router_ok and all(p.ready == p.replicas == p.updated and not p.rolling
@@ -91,6 +98,7 @@ def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: 
                    before, now),
         _condition("InvalidSpec", False, "Valid", "", generation, before, now),
         _condition("ModelReady", model.ready, model.reason, model.message, generation, before, now),
+        _condition(MEMORY_CONDITION, memory.status, memory.reason, memory.message, generation, before, now),
     ]
     status = {
         "phase": phase,
@@ -108,10 +116,27 @@ def build_invalid_status(message: str, generation: int | None, previous: dict[st
                          now: str) -> dict[str, Any]:
     """Status of a spec the operator refuses: children are left as they are."""
     before = _by_type(previous.get("conditions"))
-    kept = [c for t, c in before.items() if t in ("Available", "Progressing", "ModelReady")]
+    kept = [c for t, c in before.items() if t in ("Available", "Progressing", "ModelReady", MEMORY_CONDITION)]
     conditions = kept + [
         _condition("Degraded", True, "InvalidSpec", message, generation, before, now),
         _condition("InvalidSpec", True, "InvalidSpec", message, generation, before, now),
+    ]
+    status: dict[str, Any] = {"phase": "Failed", "conditions": conditions}
+    if generation is not None:
+        status["observedGeneration"] = generation
+    return status
+
+
+def build_memory_refused_status(memory: MemoryVerdict, generation: int | None, previous: dict[str, Any],
+                                now: str) -> dict[str, Any]:
+    """Status of a valid spec whose memory plan does not fit: nothing is created for it, and
+    children of an earlier spec are left as they are (as for an invalid spec)."""
+    before = _by_type(previous.get("conditions"))
+    kept = [c for t, c in before.items() if t in ("Available", "Progressing", "ModelReady")]
+    conditions = kept + [
+        _condition("Degraded", True, "MemoryPlanDoesNotFit", memory.message, generation, before, now),
+        _condition("InvalidSpec", False, "Valid", "", generation, before, now),
+        _condition(MEMORY_CONDITION, False, memory.reason, memory.message, generation, before, now),
     ]
     status: dict[str, Any] = {"phase": "Failed", "conditions": conditions}
     if generation is not None:
@@ -123,7 +148,8 @@ def build_apply_error_status(message: str, generation: int | None, previous: dic
                              now: str) -> dict[str, Any]:
     """The API server refused a child (quota, admission webhook, RBAC): shown, retried next pass."""
     before = _by_type(previous.get("conditions"))
-    kept = [c for t, c in before.items() if t in ("Available", "Progressing", "InvalidSpec", "ModelReady")]
+    kept = [c for t, c in before.items()
+            if t in ("Available", "Progressing", "InvalidSpec", "ModelReady", MEMORY_CONDITION)]
     status: dict[str, Any] = {
         "phase": "Degraded",
         "conditions": kept + [_condition("Degraded", True, "ApplyFailed", message, generation, before, now)],

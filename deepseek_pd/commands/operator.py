@@ -3,6 +3,7 @@
     deepseek-pd operator run [--namespace NS ...] [--resync-seconds S] [--liveness-port P]
     deepseek-pd operator crd [--output FILE]     the CRD YAML (the chart ships exactly this)
     deepseek-pd operator check --namespace NS    can this service account reach the CRD? (helm test)
+    deepseek-pd operator plan FILE [--model-dir DIR]  would it fit? (the MemoryPlanFits condition)
 """
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check = actions.add_parser("check", help="verify the CRD is served and readable (helm test)")
     check.add_argument("--namespace", required=True)
     check.set_defaults(func=_check)
+
+    plan = actions.add_parser("plan", help="print the memory plan of a DeepSeekDeployment manifest")
+    plan.add_argument("file", help="a DeepSeekDeployment YAML manifest")
+    plan.add_argument("--model-dir", default=None,
+                      help="plan with this checkpoint's config.json instead of the known shape the "
+                           "spec names (model.architecture, or recognised by name)")
+    plan.set_defaults(func=_plan)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -89,3 +97,28 @@ def _check(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(check())
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Prints the MemoryPlanFits condition the operator would set; exit status 1 when it refuses."""
+    import yaml
+
+    from deepseek_pd.errors import UserError
+    from deepseek_pd.model.config import ModelConfig
+    from deepseek_pd.operator.memory_plan import plan_memory
+    from deepseek_pd.operator.spec import DeploymentSpec
+
+    try:
+        with open(args.file, encoding="utf-8") as handle:
+            body = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"cannot read {args.file}: {exc}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("spec"), dict):
+        raise UserError(f"{args.file}: expected a DeepSeekDeployment manifest with a spec")
+    meta = body.get("metadata") or {}
+    spec = DeploymentSpec.parse(meta.get("name", "plan"), meta.get("namespace", "default"), body["spec"])
+    model = (args.model_dir, ModelConfig.from_hf(args.model_dir)) if args.model_dir else None
+    verdict = plan_memory(spec, model)
+    status = "Unknown" if verdict.status is None else str(verdict.status)
+    print(f"MemoryPlanFits: {status} ({verdict.reason})\n{verdict.message}")
+    return 1 if verdict.refused else 0

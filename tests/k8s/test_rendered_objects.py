@@ -263,3 +263,43 @@ def test_reconcile_on_the_real_server_creates_secrets_once_and_reports_a_missing
     assert admin_kube.get(f"{PATHS['NetworkPolicy'].format(ns=ns)}/{names.network_policy_name('tiny')}")
     admin_kube.delete(f"{crs.format(ns=ns)}/tiny")
     admin_kube.delete(f"/api/v1/namespaces/{ns}")
+
+
+def test_a_plan_that_does_not_fit_creates_nothing_on_the_real_server(admin_kube):
+    """The V3 example on one node in bf16: the server takes `model.architecture` and the
+    MemoryPlanFits condition (its schemas are the generated CRD's), and no child appears."""
+    import asyncio
+    import logging
+
+    import kopf
+
+    from deepseek_pd.operator.kube import KubeClient
+    from deepseek_pd.operator.reconcile import Reconciler
+
+    crs = _install_crd(admin_kube)
+    ns = _namespace(admin_kube, "memplan")
+    body = yaml.safe_load((ROOT / "examples" / "deepseek-v3-h200.yaml").read_text())
+    body["metadata"] = {"name": "v3", "namespace": ns}
+    body["spec"]["model"]["architecture"] = "DeepSeek-V3"
+    body["spec"]["prefill"].update(size=1, parallelism={"tp": 1, "dp": 8, "ep": 8},
+                                   engineArgs=["--engine-opt", "fp8_backend=dequant"])
+    cr = admin_kube.request("POST", crs.format(ns=ns), body, params={"fieldValidation": "Strict"})
+    creds = admin_kube.creds
+    client = KubeClient(lambda: kopf.ConnectionInfo(server=creds.server, ca_path=str(creds.ca_path),
+                                                    token=creds.token))
+
+    async def one_pass() -> dict:
+        try:
+            return await Reconciler(client).reconcile(cr, logging.getLogger("test"))
+        finally:
+            await client.close()
+
+    status = asyncio.run(one_pass())
+    stored = admin_kube.merge_patch(f"{crs.format(ns=ns)}/v3/status", {"status": status})["status"]
+    memory = next(c for c in stored["conditions"] if c["type"] == "MemoryPlanFits")
+    assert (stored["phase"], memory["status"], memory["reason"]) == ("Failed", "False", "DoesNotFit")
+    for kind in ("StatefulSet", "Deployment", "Service", "ConfigMap", "Secret"):
+        assert not [o for o in admin_kube.list(PATHS[kind].format(ns=ns))
+                    if o["metadata"]["name"].startswith("v3")], kind
+    admin_kube.delete(f"{crs.format(ns=ns)}/v3")
+    admin_kube.delete(f"/api/v1/namespaces/{ns}")

@@ -146,7 +146,7 @@ def test_crd_has_status_subresource_short_name_and_printer_columns():
     assert crd["spec"]["names"]["shortNames"] == ["dsd"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Prefill", "Decode", "Model", "Router", "Age"]
+    assert columns == ["Phase", "Prefill", "Decode", "Model", "Memory", "Router", "Age"]
     paths = [c["jsonPath"] for c in version["additionalPrinterColumns"]]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
     for path in paths[:-1]:  # each column points at a field the status schema declares

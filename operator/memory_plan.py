@@ -1,0 +1,167 @@
+"""Does a deployment fit its GPUs? The per-rank memory plan behind the `MemoryPlanFits` condition.
+
+Pure: `plan_memory(spec)` reads the parsed spec only. For every role that runs on GPUs it adds up
+what one rank must hold, and compares it with the budget the worker will size itself by
+(model/kv_pool_sizing.py):
+
+    weights   weight_bytes.rank_weights: FP8 checkpoints stay FP8 (1 byte + a fp32 scale per
+              128x128 block) unless engineArgs has `--engine-opt fp8_backend=dequant`; otherwise
+              the model dtype (`--dtype`, auto: bf16). Routed experts / ep, the rest replicated.
+    KV        (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token, for a fixed pool
+              (`--num-pages`, `--max-total-tokens`) its size, else at least one request of the
+              model's whole context (max_position_embeddings), rounded up to pages.
+    graphs    the activation and CUDA-graph headroom the worker keeps inside its budget
+              (`mem_headroom_gib`, 2 GiB by default).
+    budget    mem_fraction_static (0.88 unless `--mem-fraction-static`) x the GPU's memory.
+
+The 12% outside the budget is the CUDA context, NCCL and DeepEP buffers. The split follows
+SGLang's, whose default mem_fraction_static is (GPU memory - reserved) / GPU memory with `reserved`
+at least 10 GiB on GPUs over 60 GB, more for large chunked prefills, CUDA-graph batch sizes and
+DP attention, and 0.88 when the GPU's size is unknown (`ServerArgs._handle_gpu_memory_settings`
+in python/sglang/srt/server_args.py): on an H200 our 0.88 leaves 16.8 GiB outside the budget.
+
+Worked example, examples/deepseek-v3-h200.yaml, prefill (EP16, FP8):
+    weights 57.0 GiB + KV 10.7 GiB + graphs 2.0 GiB = 69.7 GiB of 123.0 GiB per rank -> fits;
+the same on one node (EP8) with `fp8_backend=dequant` needs 184.3 GiB of bf16 weights -> does not.
+
+Verdicts: True/Fits, True/NotApplicable (no role on GPUs), Unknown/ModelUnknown or GpuUnknown
+(nothing to plan with: the workers start, unchecked), False/DoesNotFit, False/InvalidLayout (ep
+does not divide the routed experts), False/InvalidEngineArgs (a memory flag the worker would
+refuse). Only False stops the operator from creating children.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.operator import known_models
+from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
+from deepseek_pd.operator.memory_flags import DTYPE_BYTES, MemoryFlags, parse_memory_flags
+from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
+from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank of a role needs, against the budget its worker sizes itself by."""
+
+    role: str
+    ranks: int  # per group
+    weight_format: str  # "FP8" (kept FP8, with block scales) or the model dtype
+    weights_bytes: int
+    kv_tokens: int
+    fixed_pool: bool  # the flags fix the pool's size; else kv_tokens is its minimum
+    kv_bytes_per_token: int
+    reserve_bytes: int
+    budget_bytes: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_tokens * self.kv_bytes_per_token
+
+    @property
+    def fp8(self) -> bool:
+        return self.weight_format == "FP8"
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.budget_bytes
+
+    def describe(self) -> str:
+        kv = (f"a fixed pool of {self.kv_tokens} tokens" if self.fixed_pool
+              else f"at least one {self.kv_tokens}-token request")
+        line = (f"{self.role} ({self.ranks} rank(s), {self.weight_format} weights): weights "
+                f"{_gib(self.weights_bytes)} + KV {_gib(self.kv_bytes)} ({kv}) + graphs "
+                f"{_gib(self.reserve_bytes)} = {_gib(self.needed_bytes)} of {_gib(self.budget_bytes)} "
+                f"per rank")
+        spare = self.budget_bytes - self.weights_bytes - self.reserve_bytes
+        if self.fits and not self.fixed_pool:
+            line += f", a KV pool of {_gib(spare)} ({spare // self.kv_bytes_per_token:,} tokens)"
+        return line
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """The MemoryPlanFits condition: status True, False or None (Unknown)."""
+
+    status: bool | None
+    reason: str
+    message: str
+    ranks: tuple[RankMemory, ...] = ()
+
+    @property
+    def refused(self) -> bool:
+        return self.status is False
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
+
+
+def model_name(spec: DeploymentSpec) -> str | None:
+    """The `known_models` entry the spec's model is, by model.architecture or by its names."""
+    model = spec.model
+    if model.architecture:
+        return model.architecture
+    names = ([model.hub.repo] if model.hub else [model.path]) + [model.served_name]
+    return next(filter(None, map(known_models.recognise, names)), None)
+
+
+def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: GpuMemory) -> RankMemory:
+    """One rank of `role` (see the module docstring for each term)."""
+    dtype = flags.dtype if flags.dtype != "auto" else ("bfloat16" if config.is_fp8 else config.torch_dtype)
+    itemsize = DTYPE_BYTES[dtype]
+    fp8 = config.is_fp8 and flags.fp8_backend != "dequant"
+    block = tuple(config.quantization["weight_block_size"]) if fp8 else None
+    weights = rank_weights(config, WeightFormat(itemsize, block), role.parallelism.ep,
+                           flags.num_fused_shared_experts)
+    per_token = config.num_hidden_layers * config.kv_cache_dim * itemsize
+    tokens = flags.fixed_pool_tokens
+    fixed = tokens is not None
+    if tokens is None:  # one request of the whole context, in whole pages
+        tokens = -(-config.max_position_embeddings // flags.page_size) * flags.page_size
+    return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
+                      weights_bytes=weights.total_bytes, kv_tokens=tokens, fixed_pool=fixed,
+                      kv_bytes_per_token=per_token, reserve_bytes=int(flags.mem_headroom_gib * GIB),
+                      budget_bytes=int(flags.mem_fraction_static * gpu.total_bytes))
+
+
+def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = None) -> MemoryVerdict:
+    """The MemoryPlanFits verdict of a valid spec (module docstring). `model`: (a label, the
+    config) to plan with instead of the known shape the spec names, e.g. a local config.json."""
+    roles = [r for r in (spec.prefill, spec.decode) if r.gpus_per_pod > 0 and r.replicas > 0]
+    if not roles:
+        return MemoryVerdict(True, "NotApplicable", "no role with replicas runs on GPUs")
+    name = model[0] if model else model_name(spec)
+    if name is None:
+        return MemoryVerdict(None, "ModelUnknown", (
+            f"the model ({spec.model.tokenizer_path}) is none of {', '.join(known_models.KNOWN_MODELS)}; "
+            "set model.architecture to have the memory plan checked"))
+    gpu = gpu_memory(spec.scheduling)
+    if gpu is None:
+        return MemoryVerdict(None, "GpuUnknown", (
+            "no GPU type to plan for: pin the workers to one with scheduling.nodeSelector "
+            "nvidia.com/gpu.product (e.g. NVIDIA-H200) or nvidia.com/gpu.memory (MiB)"))
+    config = model[1] if model else known_models.model_config(name)
+    ranks = []
+    for role in roles:
+        if config.n_routed_experts % role.parallelism.ep:
+            return MemoryVerdict(False, "InvalidLayout", (
+                f"{role.role}.parallelism.ep {role.parallelism.ep} does not divide {name}'s "
+                f"{config.n_routed_experts} routed experts"))
+        try:
+            flags = parse_memory_flags(role.engine_args)
+        except ValueError as exc:
+            return MemoryVerdict(False, "InvalidEngineArgs", f"{role.role}.engineArgs: {exc}")
+        ranks.append(rank_memory(role, config, flags, gpu))
+    fits = all(r.fits for r in ranks)
+    message = (f"{name} on {gpu.name} ({_gib(gpu.total_bytes)} per GPU, from {gpu.source}): "
+               + "; ".join(r.describe() for r in ranks))
+    if not fits:
+        message += (". It does not fit: spread the experts over more ranks, keep FP8 weights, "
+                    "use GPUs with more memory, or give a smaller fixed KV pool")
+    return MemoryVerdict(fits, "Fits" if fits else "DoesNotFit", message, tuple(ranks))

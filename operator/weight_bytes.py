@@ -1,0 +1,132 @@
+"""Bytes of the weights one worker rank holds, counted from the model's config without building it.
+
+This mirrors what `model/deepseek.py` allocates (and so what a rank has resident after loading):
+
+    every rank (data-parallel attention; dense layers replicated, workers/common/group_layout.py):
+        embed_tokens, lm_head                      V x H each (one when tied)
+        per layer: 2 RMSNorms (H), MLA             fused_qkv_a [q_lora + kv_lora + rope, H] (or
+                                                   q_proj + kv_a_proj without q_lora), q_b_proj,
+                                                   w_kc + w_vc (= kv_b_proj, always model dtype),
+                                                   o_proj [H, heads x v], norms
+        dense layers (first_k_dense_replace)       gate_up [2I, H] + down [H, I]
+        MoE layers                                 fp32 router [E, H] (+ fp32 bias for noaux_tc),
+                                                   shared experts [2 x mi x n_shared, H] + down
+    this rank's routed experts (E / ep of them):   w13 [2 mi, H] + w2 [H, mi] each
+
+The MTP layers (`num_nextn_predict_layers`) are not loaded. Linear weights are FP8 when the
+checkpoint is and the workers keep it (`--engine-opt fp8_backend` not `dequant`): 1 byte per value
+plus an fp32 scale per block (`Fp8Spec.block_for`: a fused parameter's blocks shrink to the gcd of
+its parts' offsets); otherwise, and for norms, router, w_kc/w_vc and embeddings, the model dtype
+(the router and its bias are always fp32).
+
+Worked example, DeepSeek-V3 in FP8 on EP16: 58 MoE layers x 256 experts x 3 x 7168 x 2048 =
+653.9B routed values, 40.9 GB per rank with their scales; the replicated rest is 20.3 GB:
+57.0 GiB per rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from deepseek_pd.model.config import ModelConfig
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How weights are stored: the model dtype's bytes, and FP8 blocks when FP8 is kept."""
+
+    dtype_bytes: int
+    fp8_block: tuple[int, int] | None = None  # (block_out, block_in); None: dequantised at load
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """One rank's weights: what every rank holds, and its share of the routed experts."""
+
+    replicated_bytes: int
+    expert_bytes: int
+    parameters: int  # values, scales not counted
+
+    @property
+    def total_bytes(self) -> int:
+        return self.replicated_bytes + self.expert_bytes
+
+
+class _Tally:
+    def __init__(self, fmt: WeightFormat) -> None:
+        self.fmt = fmt
+        self.params = 0
+        self.bytes = 0
+
+    def plain(self, numel: int, itemsize: int | None = None) -> None:
+        self.params += numel
+        self.bytes += numel * (self.fmt.dtype_bytes if itemsize is None else itemsize)
+
+    def linear(self, out: int, inp: int, count: int = 1, row_splits: tuple[int, ...] = (),
+               col_splits: tuple[int, ...] = ()) -> None:
+        """`count` stacked [out, inp] weights, FP8 with per-block scales when FP8 is kept."""
+        self.params += count * out * inp
+        if self.fmt.fp8_block is None:
+            self.bytes += count * out * inp * self.fmt.dtype_bytes
+            return
+        block_out = math.gcd(self.fmt.fp8_block[0], *row_splits)
+        block_in = math.gcd(self.fmt.fp8_block[1], *col_splits)
+        scales = -(-out // block_out) * -(-inp // block_in)
+        self.bytes += count * (out * inp + scales * FP32_BYTES)
+
+
+def _attention(t: _Tally, c: ModelConfig) -> None:
+    heads, hidden = c.num_attention_heads, c.hidden_size
+    kv_a = c.kv_lora_rank + c.qk_rope_head_dim
+    if c.q_lora_rank is not None:
+        t.linear(c.q_lora_rank + kv_a, hidden, row_splits=(c.q_lora_rank,))
+        t.plain(c.q_lora_rank)  # q_a_layernorm
+        t.linear(heads * c.qk_head_dim, c.q_lora_rank)
+    else:
+        t.linear(heads * c.qk_head_dim, hidden)
+        t.linear(kv_a, hidden)
+    t.plain(c.kv_lora_rank)  # kv_a_layernorm
+    t.plain(heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank)  # w_kc, w_vc
+    t.linear(hidden, heads * c.v_head_dim)
+
+
+def _gated_mlp(t: _Tally, hidden: int, inner: int) -> None:
+    t.linear(2 * inner, hidden, row_splits=(inner,))
+    t.linear(hidden, inner)
+
+
+def _experts(t: _Tally, c: ModelConfig, count: int) -> None:
+    mi = c.moe_intermediate_size
+    t.linear(2 * mi, c.hidden_size, count, row_splits=(mi,))
+    t.linear(c.hidden_size, mi, count, col_splits=(mi,))
+
+
+def rank_weights(config: ModelConfig, fmt: WeightFormat, ep_size: int = 1,
+                 fused_shared_experts: int = 0) -> RankWeights:
+    """The weights of one rank whose group spreads the routed experts over `ep_size` ranks
+    (1: every rank holds them all). `fused_shared_experts` (0 or n_shared_experts) stacks the
+    shared experts with the routed ones, as `--engine-opt num_fused_shared_experts` does."""
+    c = config
+    shared, experts = _Tally(fmt), _Tally(fmt)
+    shared.plain(c.vocab_size * c.hidden_size)  # embed_tokens
+    if not c.tie_word_embeddings:
+        shared.plain(c.vocab_size * c.hidden_size)  # lm_head
+    shared.plain(c.hidden_size)  # final norm
+    shared.plain(c.qk_rope_head_dim // 2, FP32_BYTES)  # rope inv_freq buffer
+    for layer in range(c.num_hidden_layers):
+        shared.plain(2 * c.hidden_size)  # input / post-attention norms
+        _attention(shared, c)
+        if not c.is_moe_layer(layer):
+            _gated_mlp(shared, c.hidden_size, c.intermediate_size)
+            continue
+        shared.plain(c.n_routed_experts * c.hidden_size, FP32_BYTES)  # router
+        if c.topk_method == "noaux_tc":
+            shared.plain(c.n_routed_experts, FP32_BYTES)  # e_score_correction_bias
+        if fused_shared_experts:
+            _experts(shared, c, fused_shared_experts)
+        elif c.n_shared_experts:
+            _gated_mlp(shared, c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
+        _experts(experts, c, c.n_routed_experts // ep_size)
+    return RankWeights(shared.bytes, experts.bytes, shared.params + experts.params)

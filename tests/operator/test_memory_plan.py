@@ -1,0 +1,226 @@
+"""The memory plan of whole specs: the V3 example on H200, the flags it reads, how a spec names its
+model and its GPU, and the operator's copies of the workers' defaults."""
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from deepseek_pd.cli import main
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.kv_pool import bytes_per_pool_page
+from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC, pages_for_budget
+from deepseek_pd.model.runner import FP8_BACKEND_CHOICES, RunnerConfig
+from deepseek_pd.operator import memory_flags
+from deepseek_pd.operator.gpu_types import GIB, gpu_memory, product_memory_bytes
+from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config, recognise
+from deepseek_pd.operator.memory_flags import parse_memory_flags
+from deepseek_pd.operator.memory_plan import plan_memory
+from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
+from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
+
+pytestmark = pytest.mark.timeout(60)
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+def _example(name: str) -> dict:
+    return yaml.safe_load((EXAMPLES / name).read_text())["spec"]
+
+
+def _plan(raw: dict):
+    return plan_memory(DeploymentSpec.parse("x", "llm", raw))
+
+
+def _one_node(raw: dict, *engine_args: str) -> dict:
+    """The V3 example with prefill on one 8-GPU node (EP8)."""
+    raw = copy.deepcopy(raw)
+    raw["prefill"].update(size=1, parallelism={"tp": 1, "dp": 8, "ep": 8}, engineArgs=list(engine_args))
+    return raw
+
+
+def test_the_v3_example_fits_on_h200_in_fp8():
+    verdict = _plan(_example("deepseek-v3-h200.yaml"))
+    assert (verdict.status, verdict.reason) == (True, "Fits")
+    assert [r.role for r in verdict.ranks] == ["prefill", "decode"]
+    assert all(r.fp8 for r in verdict.ranks)
+    assert "DeepSeek-V3 on NVIDIA-H200" in verdict.message and "prefill (16 rank(s), FP8" in verdict.message
+
+
+def test_v3_in_bf16_on_one_node_does_not_fit_and_in_fp8_it_does():
+    raw = _example("deepseek-v3-h200.yaml")
+    bf16 = _plan(_one_node(raw, "--engine-opt", "fp8_backend=dequant"))
+    assert (bf16.status, bf16.reason) == (False, "DoesNotFit")
+    prefill = bf16.ranks[0]
+    assert not prefill.fp8 and not prefill.fits
+    # Independently of the plan's formula: 8 ranks share 671.0B bf16 values (HF's count, see
+    # test_weight_bytes) of which the routed experts are split, so each holds more than 671.0B * 2 / 8.
+    assert prefill.weights_bytes > 671.0e9 * 2 / 8 > prefill.budget_bytes
+    fp8 = _plan(_one_node(raw))
+    assert fp8.status is True and fp8.ranks[0].fits
+    assert fp8.ranks[0].weights_bytes < prefill.weights_bytes / 1.9
+
+
+def test_fitting_agrees_with_the_workers_own_pool_sizing():
+    """The plan fits exactly when the worker's pages_for_budget finds room for the minimum pool."""
+    rng = random.Random()
+    raw = _one_node(_example("deepseek-v3-h200.yaml"))
+    for _ in range(8):
+        fraction, headroom = round(rng.uniform(0.5, 0.95), 3), rng.choice([0, 2, 8, 20])
+        raw["prefill"]["engineArgs"] = [f"--mem-fraction-static={fraction}",
+                                        f"--engine-opt=mem_headroom_gib={headroom}"]
+        rank = _plan(raw).ranks[0]
+        page = 16 * rank.kv_bytes_per_token
+        min_pages = model_config("DeepSeek-V3").max_position_embeddings // 16
+        try:
+            pages_for_budget(rank.budget_bytes, page, rank.weights_bytes, headroom * GIB, min_pages)
+            worker_fits = True
+        except UserError:  # the worker's "no room for the KV pool"
+            worker_fits = False
+        assert rank.fits == worker_fits, (fraction, headroom)
+        assert rank.budget_bytes == int(fraction * int(139.8 * GIB))  # as pages_for_gpu multiplies
+
+
+def test_kv_bytes_per_token_is_the_pools():
+    config = model_config("DeepSeek-V3")
+    rank = _plan(_example("deepseek-v3-h200.yaml")).ranks[0]
+    assert rank.kv_bytes_per_token == bytes_per_pool_page(config.num_hidden_layers, 1, config.kv_cache_dim,
+                                                          torch.bfloat16)
+    raw = _example("deepseek-v3-h200.yaml")
+    raw["decode"]["engineArgs"] = ["--page-size", "64", "--max-total-tokens", "1000"]
+    decode = _plan(raw).ranks[1]
+    assert decode.kv_bytes == 1024 * decode.kv_bytes_per_token  # whole 64-token pages
+    assert "fixed pool of 1024 tokens" in decode.describe()
+
+
+def test_cpu_specs_are_not_applicable():
+    verdict = _plan(_example("cpu-minimal.yaml"))
+    assert (verdict.status, verdict.reason) == (True, "NotApplicable")
+
+
+def test_unknown_model_or_gpu_is_unknown_and_not_refused():
+    raw = _example("deepseek-v3-h200.yaml")
+    raw["model"].update(path="my-weights", servedName="chat")
+    verdict = _plan(raw)
+    assert (verdict.status, verdict.reason, verdict.refused) == (None, "ModelUnknown", False)
+    raw["model"]["architecture"] = "DeepSeek-V3"
+    assert _plan(raw).status is True
+    raw["scheduling"] = {}
+    verdict = _plan(raw)
+    assert (verdict.status, verdict.reason) == (None, "GpuUnknown")
+    assert "nvidia.com/gpu.product" in verdict.message
+
+
+def test_ep_that_does_not_divide_the_experts_and_bad_flags_are_refused():
+    raw = _example("deepseek-v3-h200.yaml")
+    raw["model"].pop("numRoutedExperts")  # else the CRD rule catches it first
+    raw["decode"].update(size=3, parallelism={"tp": 1, "dp": 24, "ep": 24})
+    assert _plan(raw).reason == "InvalidLayout"
+    raw = _example("deepseek-v3-h200.yaml")
+    raw["prefill"]["engineArgs"] = ["--num-pages=many"]
+    verdict = _plan(raw)
+    assert (verdict.status, verdict.reason) == (False, "InvalidEngineArgs")
+    assert "--num-pages" in verdict.message
+
+
+def test_an_unknown_architecture_is_an_invalid_spec():
+    raw = _example("deepseek-v3-h200.yaml")
+    raw["model"]["architecture"] = "DeepSeek-V9"
+    with pytest.raises(InvalidSpecError, match="spec.model.architecture"):
+        DeploymentSpec.parse("x", "llm", raw)
+
+
+def test_the_operator_plans_without_importing_torch():
+    code = ("import sys, yaml; from deepseek_pd.operator import handlers; "
+            "from deepseek_pd.operator.memory_plan import plan_memory; "
+            "from deepseek_pd.operator.spec import DeploymentSpec; "
+            f"raw = yaml.safe_load(open({str(EXAMPLES / 'deepseek-v3-h200.yaml')!r}))['spec']; "
+            "assert plan_memory(DeploymentSpec.parse('x', 'llm', raw)).status is True; "
+            "assert 'torch' not in sys.modules, 'the operator imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_architecture_does_not_change_the_pods_revision():
+    raw = _example("deepseek-v3-h200.yaml")
+    before = DeploymentSpec.parse("x", "llm", raw).role_revision("decode")
+    raw["model"]["architecture"] = "DeepSeek-V3"
+    assert DeploymentSpec.parse("x", "llm", raw).role_revision("decode") == before
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("deepseek-ai/DeepSeek-V3", "DeepSeek-V3"), ("DeepSeek-V3-0324", "DeepSeek-V3"),
+    ("deepseek-ai/DeepSeek-R1-0528", "DeepSeek-V3"), ("DeepSeek-V3.1-Terminus", "DeepSeek-V3"),
+    ("deepseek-v2-lite-chat", "DeepSeek-V2-Lite"), ("DeepSeek-V2.5-1210", "DeepSeek-V2"),
+    ("DeepSeek-Coder-V2-Lite-Instruct", "DeepSeek-V2-Lite"), ("deepseek-v2", "DeepSeek-V2"),
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", None), ("DeepSeek-V3.2-Exp", None),
+    ("deepseek-v30", None), ("tiny", None), ("", None),
+])
+def test_model_names_are_recognised(name, expected):
+    assert recognise(name) == expected
+
+
+def test_gpu_memory_from_labels():
+    assert gpu_memory({"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}}).total_bytes == int(139.8 * GIB)
+    # The memory label wins over the product, in MiB.
+    both = gpu_memory({"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200", "nvidia.com/gpu.memory": "81559"}})
+    assert both.total_bytes == 81559 << 20
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In",
+                               "values": ["NVIDIA-H200", "NVIDIA-A100-SXM4-40GB"]}]}]}}}
+    smallest = gpu_memory({"affinity": affinity})
+    assert (smallest.name, smallest.source) == ("NVIDIA-A100-SXM4-40GB", "scheduling.affinity")
+    assert product_memory_bytes("NVIDIA-H100-80GB-HBM3") == product_memory_bytes("NVIDIA-H800")
+    assert product_memory_bytes("NVIDIA-H100-NVL") is None and product_memory_bytes("Tesla-T4") is None
+    assert gpu_memory({"nodeSelector": {"nvidia.com/gpu.product": "Tesla-T4"}}) is None
+    assert gpu_memory({}) is None
+
+
+def test_flags_are_read_in_both_spellings_and_others_ignored():
+    flags = parse_memory_flags(["--chunked-prefill-size=16384", "--dtype", "float16", "--engine-opt",
+                                "fp8_backend=dequant", "--engine-opt=max_running_requests=32",
+                                "--page-size=64", "--num-pages", "10"])
+    assert (flags.dtype, flags.fp8_backend, flags.page_size, flags.fixed_pool_tokens) == ("float16", "dequant", 64, 640)
+    for bad in (["--dtype", "int8"], ["--page-size"], ["--engine-opt", "fp8_backend=magic"],
+                ["--mem-fraction-static=1.5"], ["--max-total-tokens=0"]):
+        with pytest.raises(ValueError):
+            parse_memory_flags(bad)
+
+
+def test_the_operators_defaults_are_the_workers():
+    assert memory_flags.DEFAULT_MEM_FRACTION_STATIC == DEFAULT_MEM_FRACTION_STATIC
+    assert memory_flags.DEFAULT_MEM_HEADROOM_GIB == RunnerConfig.mem_headroom_gib
+    assert memory_flags.DEFAULT_PAGE_SIZE == RunnerConfig.page_size
+    assert set(memory_flags.FP8_BACKENDS) == set(FP8_BACKEND_CHOICES)
+
+
+def test_the_replicated_share_is_what_ep1_holds_beyond_the_experts():
+    """A cross-check of the split the plan relies on, with V2-Lite (bf16, no FP8)."""
+    config = model_config("DeepSeek-V2-Lite")
+    whole = rank_weights(config, WeightFormat(2), 1)
+    spread = rank_weights(config, WeightFormat(2), 64)
+    assert whole.total_bytes - spread.total_bytes == 63 * spread.expert_bytes
+
+
+def test_plan_command_reads_a_local_config_json(tmp_path, capsys):
+    """`deepseek-pd operator plan`: the model from --model-dir's config.json; exit 1 when refused."""
+    manifest = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())
+    manifest["spec"] = _one_node(manifest["spec"])
+    manifest["spec"]["model"].update(path="weights", servedName="chat")  # names the operator does not know
+    (tmp_path / "dsd.yaml").write_text(yaml.safe_dump(manifest))
+    assert main(["operator", "plan", str(tmp_path / "dsd.yaml")]) == 0
+    assert "MemoryPlanFits: Unknown (ModelUnknown)" in capsys.readouterr().out
+
+    for quantized, code in ((True, 0), (False, 1)):  # the same shape stored in bf16 does not fit
+        config = dict(KNOWN_MODELS["DeepSeek-V3"])
+        if not quantized:
+            config.pop("quantization_config")
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert main(["operator", "plan", str(tmp_path / "dsd.yaml"), "--model-dir", str(tmp_path)]) == code
+        out = capsys.readouterr().out
+        assert out.startswith(f"MemoryPlanFits: {bool(code == 0)} ") and str(tmp_path) in out
