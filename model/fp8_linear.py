@@ -49,9 +49,16 @@ class TorchFp8Gemm:
         return fp8_linear_ref(x, weight, scale, block_n, block_k)
 
 
+# From this many rows the cuBLAS blockwise GEMM beats the Triton one (H200, V3 shapes: 1.34-1.74x
+# bf16 at M >= 4096 against Triton's 0.86-1.06x; at M <= 128 Triton was as fast or faster).
+CUBLAS_MIN_ROWS = 257
+
+
 @FP8_GEMM_BACKENDS.register("triton")
 class TritonFp8Gemm:
-    """`kernels/fp8_quant.py` then `kernels/fp8_gemm.py`: two launches per linear layer."""
+    """`kernels/fp8_quant.py`, then `kernels/fp8_gemm.py` for decode-sized M, or torch's cuBLAS
+    blockwise `scaled_mm` (`kernels/fp8_scaled_mm.py`) from `CUBLAS_MIN_ROWS` rows where it exists:
+    two launches per linear layer either way. The choice is by shape, so CUDA graphs capture it."""
 
     cuda_graph_safe = True
 
@@ -61,11 +68,15 @@ class TritonFp8Gemm:
         require_triton("FP8 GEMM backend 'triton'")
         from deepseek_pd.model.kernels.fp8_gemm import block_fp8_matmul
         from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
+        from deepseek_pd.model.kernels import fp8_scaled_mm
 
-        self._quant, self._matmul = per_token_group_quant, block_fp8_matmul
+        self._quant, self._matmul, self._cublas = per_token_group_quant, block_fp8_matmul, fp8_scaled_mm
 
     def __call__(self, x, weight, scale, block_n, block_k):
         x_fp8, x_scale = self._quant(x if x.stride(-1) == 1 else x.contiguous(), block_k)
+        if x.shape[0] >= CUBLAS_MIN_ROWS and x.is_cuda and self._cublas.fits_blockwise(*weight.shape, block_n, block_k) \
+                and self._cublas.blockwise_scaled_mm_available(x.device.index or 0):
+            return self._cublas.scaled_mm_block_fp8(x_fp8, x_scale, weight, scale, x.dtype)
         return self._matmul(x_fp8, x_scale, weight, scale, block_n, block_k, x.dtype)
 
 

@@ -7,8 +7,9 @@ steps one scale group at a time, so each step is one fp8 tensor-core product res
 Rows of the M/N edge tiles wrap around (`% M`, `% N`) instead of being masked in the loop and are
 dropped at the store; K's last group may be partial (masked to zero).
 
-Tiles: decode-sized M streams the weight (16-row tiles, many N programs); prefill-sized M uses
-128×128 tiles (SGLang's defaults for H100/H200 are in the same range; see `bench/kernels_gpu.py`).
+Tiles: decode-sized M streams the weight (16-row tiles, many N programs); larger M uses the tiles
+measured fastest on the H200 (`default_tile`). Prefill-sized M goes to cuBLAS where it can
+(`fp8_linear.TritonFp8Gemm`, `fp8_scaled_mm.py`).
 The oracle is `model.fp8_ops.block_fp8_matmul_ref`.
 """
 from __future__ import annotations
@@ -35,13 +36,14 @@ class Fp8GemmTile:
 
 
 def default_tile(m: int) -> Fp8GemmTile:
+    """The fastest tile per M of `bench/fp8_gemm_tiles_gpu.py` on the H200 at V3's shapes: 64x64
+    up to 256 rows (64x128 was 2x slower on q_a+kv_a at M = 128), 64x128 with 4 warps beyond
+    (128x128 with 8 warps was 10-30% slower at M = 4096-8192 on every shape)."""
     if m <= 16:
         return Fp8GemmTile(16, 64, num_warps=4, num_stages=4)
-    if m <= 64:
-        return Fp8GemmTile(64, 64, num_warps=4, num_stages=4)
     if m <= 256:
-        return Fp8GemmTile(64, 128, num_warps=4, num_stages=3)
-    return Fp8GemmTile(128, 128, num_warps=8, num_stages=3)
+        return Fp8GemmTile(64, 64, num_warps=4, num_stages=4)
+    return Fp8GemmTile(64, 128, num_warps=4, num_stages=4)
 
 
 @triton.jit

@@ -201,6 +201,31 @@ def test_block_fp8_matmul_gpu_v3_shapes(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cublas_blockwise_gemm_matches_reference_at_odd_rows():
+    """The cuBLAS path (M >= CUBLAS_MIN_ROWS) at row counts that need padding, with poisoned output."""
+    from deepseek_pd.model.fp8_linear import CUBLAS_MIN_ROWS, FP8_GEMM_BACKENDS
+    from deepseek_pd.model.kernels.fp8_scaled_mm import blockwise_scaled_mm_available, scaled_mm_block_fp8
+
+    if not blockwise_scaled_mm_available():
+        pytest.skip("this torch/GPU has no blockwise scaled_mm")
+    block = Fp8BlockQuantConfig(128, 128)
+    for n, k in [(2112, 7168), (24576, 1536), (16 * random.randint(8, 320), 128 * random.randint(1, 30))]:
+        w, w_scale = (t.cuda() for t in random_block_weight(n, k, block))
+        m = random.randint(CUBLAS_MIN_ROWS, 3000)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = FP8_GEMM_BACKENDS.build("torch")(x, w, w_scale, 128, 128)
+        out = torch.full_like(ref, float("nan"))
+        out.copy_(FP8_GEMM_BACKENDS.build("triton")(x, w, w_scale, 128, 128))
+        assert rel_err(out, ref) < 1e-2, (m, n, k)
+        from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
+
+        x_fp8, x_scale = per_token_group_quant(x, 128)
+        direct = scaled_mm_block_fp8(x_fp8, x_scale, w, w_scale, torch.bfloat16)
+        assert rel_err(direct, block_fp8_matmul_ref(x_fp8, x_scale, w, w_scale, 128, 128, torch.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens", [1, 64, 1000])
 def test_fused_moe_fp8_gpu_v3_shapes(tokens):
     block = Fp8BlockQuantConfig(128, 128)
