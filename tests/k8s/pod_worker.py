@@ -13,9 +13,9 @@ ContainersReady, Ready), containerStatuses/initContainerStatuses (state, lastSta
 started, restartCount). Restarts follow spec.restartPolicy with an exponential back-off capped at
 `restart_backoff_cap_s`. Before its first start a container's image is looked up in the node's
 registry (image_registry.py): one it lacks leaves the container waiting in ErrImagePull, then
-ImagePullBackOff, retried with the same back-off. Every container of a pod shares one mount namespace, so the union of the
-containers' volumeMounts is mounted (two containers mounting different volumes at the same path
-are refused).
+ImagePullBackOff, retried with the same back-off. Every container of a pod shares one mount
+namespace, so the union of the containers' volumeMounts is mounted (two containers mounting
+different volumes at the same path are refused).
 """
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ network namespace and IP on a bridge, overlay root, volumes at their mountPaths)
 environment an image would give (`image_env`: PATH to the checkout's venv, HOME) plus the pod's
 env. The image name is reported and looked up in the node's registry (image_registry.py,
 `config.images`; None: every name), never pulled: a name the registry lacks leaves the container
-in ErrImagePull / ImagePullBackOff until it is pushed (`kubelet.registry.push`). Probes and restart back-offs run faster than a
-kubelet's (caps in KubeletConfig); everything else follows the pod's spec.
+in ErrImagePull / ImagePullBackOff until it is pushed (`kubelet.registry.push`). Probes and
+restart back-offs run faster than a kubelet's (caps in KubeletConfig); everything else follows
+the pod's spec.
 """
 from __future__ import annotations
 
