@@ -1,5 +1,5 @@
 """The deployment the operator end-to-end test (test_operator_e2e.py) drives: the cluster's tools,
-the admin kubeconfig and the applied DeepSeekDeployment, plus the test's waiting and CLI helpers.
+the admin kubeconfig and the applied DeepSeekDeployment, plus `run_tool` for the CLIs.
 
     Deployment(kube, kubelet, tools, kubeconfig, workdir)
         .cr() / .pods(selector)     the resource and its pods
@@ -12,23 +12,13 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
-import time
 
 import pytest
 
+from pdtest.waiting import wait_until
+
 NS, OPS = "llm", "ops"
 CR_API = "/apis/deepseek-pd.io/v1alpha1"
-
-
-def wait_for(predicate, timeout_s: float, what: str, diagnose=None):
-    """`predicate()`'s first truthy value, polled every 0.5 s; fails naming `what` (and `diagnose()`)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    pytest.fail(f"{what} within {timeout_s:.0f}s" + (f"\n{diagnose()}" if diagnose else ""))
 
 
 def run_tool(*argv, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -76,7 +66,7 @@ class Deployment:
             status = cr.get("status") or {}
             ok = status.get("phase") == phase and status.get("observedGeneration") == cr["metadata"]["generation"]
             return cr if ok and (where is None or where(cr)) else None
-        return wait_for(reached, timeout_s, f"{self.name} not {phase}", self.diagnose)
+        return wait_until(reached, timeout_s, f"{self.name} not {phase}", self.diagnose)
 
     def router_url(self) -> str:
         """The router Service's ready endpoint (what kube-proxy would send to)."""
@@ -90,4 +80,4 @@ class Deployment:
                     if ep.get("conditions", {}).get("ready"):
                         return f"http://{ep['addresses'][0]}:{port}"
             return None
-        return wait_for(endpoint, 60, "router Service has no ready endpoint", self.diagnose)
+        return wait_until(endpoint, 60, "router Service has no ready endpoint", self.diagnose)

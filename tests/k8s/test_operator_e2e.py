@@ -33,7 +33,8 @@ import time
 import aiohttp
 import pytest
 import yaml
-from e2e_deployment import CR_API, NS, OPS, Deployment, run_tool, wait_for
+from e2e_deployment import CR_API, NS, OPS, Deployment, run_tool
+from pdtest.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
     run_tool(dep.helm, "install", "deepseek", ROOT / "charts", "--namespace", OPS, "--create-namespace",
          f"--kubeconfig={kubeconfig}", "--set", "operator.resyncSeconds=2", "--wait", "--timeout", "180s")
     dep.kubectl_run("create", "namespace", NS)
-    wait_for(lambda: admin_kube.get(f"/api/v1/namespaces/{NS}/serviceaccounts/default"), 30, "no default SA")
+    wait_until(lambda: admin_kube.get(f"/api/v1/namespaces/{NS}/serviceaccounts/default"), 30, "no default SA")
     yield dep
     dep.kubectl_run("delete", "namespace", NS, "--wait=false", check=False)
     run_tool(dep.helm, "uninstall", "deepseek", "--namespace", OPS, f"--kubeconfig={kubeconfig}", check=False)
@@ -238,7 +239,7 @@ def test_killed_worker_process_recreates_its_group_and_requests_recover(deployme
     def replaced():
         pods = deployment.pods(selector)
         return pods if pods and all(p["metadata"]["uid"] != old_uid for p in pods) else None
-    wait_for(replaced, 120, "the operator did not recreate the decode group", deployment.diagnose)
+    wait_until(replaced, 120, "the operator did not recreate the decode group", deployment.diagnose)
     deployment.wait_phase("Available", where=lambda cr: cr["status"]["decode"]["readyReplicas"] == 1)
     _greedy_through_router(deployment, offline_engine, count=2, recover_s=60)
 
@@ -281,7 +282,7 @@ def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offlin
         reasons = {(c.get("state") or {}).get("waiting", {}).get("reason") for p in pods
                    for c in (p.get("status") or {}).get("containerStatuses") or []}
         return pods if reasons & {"ErrImagePull", "ImagePullBackOff"} else None
-    stuck = wait_for(pull_failing, 120, "no decode pod of the unpushed tag failed to pull", deployment.diagnose)
+    stuck = wait_until(pull_failing, 120, "no decode pod of the unpushed tag failed to pull", deployment.diagnose)
     assert len({p["metadata"]["labels"][GROUP_INDEX] for p in stuck}) == 1
     for _ in range(12):  # several resyncs (2 s): nothing more is replaced while that group is down
         sample = watch.sample()
@@ -297,7 +298,7 @@ def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offlin
     def rolled():
         sample = watch.sample()
         return set(sample) == {0, 1} and all(ready and images == {new} for ready, images in sample.values())
-    wait_for(rolled, 420, f"the decode groups did not all roll to {new}", deployment.diagnose)
+    wait_until(rolled, 420, f"the decode groups did not all roll to {new}", deployment.diagnose)
     assert watch.min_ready >= 1, watch.samples  # never both decode groups down
     first, second = replacement_order(watch.pods(), new)
     assert second[1] >= first[2], (first, second)  # the second was replaced once the first was Ready
@@ -309,7 +310,7 @@ def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offlin
         statuses = [(p.get("status") or {}).get("containerStatuses") or [{"ready": False}] for p in pods]
         return all(c["image"] == new for p in pods for c in p["spec"]["containers"]) and \
             all(c["ready"] for s in statuses for c in s)
-    wait_for(all_on_the_new_tag, 120, f"pods not all Ready on {new}", deployment.diagnose)
+    wait_until(all_on_the_new_tag, 120, f"pods not all Ready on {new}", deployment.diagnose)
     _greedy_through_router(deployment, offline_engine, count=3, recover_s=60)
 
 
@@ -340,12 +341,12 @@ def test_v3_example_is_reported_not_crash_looping_without_gpus(deployment):
                                                 for c in p["status"].get("conditions", []))]
         return pods if len(pods) == expected and len(unschedulable) == len(pods) else None
     expected = sum(v3["spec"][r]["replicas"] * v3["spec"][r]["size"] for r in ("prefill", "decode"))
-    pods = wait_for(pending_pods, 120, "V3 pods are not all Unschedulable", deployment.diagnose)
+    pods = wait_until(pending_pods, 120, "V3 pods are not all Unschedulable", deployment.diagnose)
     assert all(not p["spec"].get("nodeName") for p in pods)
     def explained():
         c = deployment.kube.get(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{name}") or {}
         return c if any(x.get("reason") == "PodsUnschedulable" for x in (c.get("status") or {}).get("conditions", [])) else None
-    cr = wait_for(explained, 60, "V3 status does not say its pods are unschedulable", deployment.diagnose)
+    cr = wait_until(explained, 60, "V3 status does not say its pods are unschedulable", deployment.diagnose)
     conditions = {c["type"]: c for c in cr["status"]["conditions"]}
     assert cr["status"]["phase"] in ("Pending", "Failed"), cr["status"]
     assert conditions["Available"]["status"] == "False"
@@ -378,7 +379,7 @@ def test_deleting_the_resource_removes_every_child(deployment):
 
     def all_gone():
         return all(not deployment.kube.list(path, labelSelector=selector) for _, path in children)
-    wait_for(all_gone, 120, "children left after the delete", deployment.diagnose)
+    wait_until(all_gone, 120, "children left after the delete", deployment.diagnose)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
