@@ -276,11 +276,12 @@ def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offlin
     old_uids = {p["metadata"]["uid"] for p in watch.pods()}
     deployment.kube.merge_patch(path, {"spec": {"image": new}})
 
-    def pull_failing():
+    def pull_failing():  # the `model` init container is the first to pull
         watch.sample()
         pods = [p for p in watch.pods() if p["spec"]["containers"][0]["image"] == new]
-        reasons = {(c.get("state") or {}).get("waiting", {}).get("reason") for p in pods
-                   for c in (p.get("status") or {}).get("containerStatuses") or []}
+        statuses = [c for p in pods for kind in ("initContainerStatuses", "containerStatuses")
+                    for c in (p.get("status") or {}).get(kind) or []]
+        reasons = {(c.get("state") or {}).get("waiting", {}).get("reason") for c in statuses}
         return pods if reasons & {"ErrImagePull", "ImagePullBackOff"} else None
     stuck = wait_until(pull_failing, 120, "no decode pod of the unpushed tag failed to pull", deployment.diagnose)
     assert len({p["metadata"]["labels"][GROUP_INDEX] for p in stuck}) == 1
@@ -290,8 +291,12 @@ def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offlin
     assert sum(new in images for _, images in sample.values()) == 1, sample
     assert [ready for ready, images in sample.values() if new not in images] == [True], sample
     assert len(old_uids & {p["metadata"]["uid"] for p in watch.pods()}) == 1
-    progressing = {c["type"]: c for c in deployment.cr()["status"]["conditions"]}["Progressing"]
-    assert progressing["status"] == "True", progressing
+    conditions = {c["type"]: c for c in deployment.cr()["status"]["conditions"]}
+    assert conditions["Progressing"]["status"] == "True", conditions
+    # The resource says why: the kubelet's pull error, naming the tag (operator/model_status.py).
+    model = conditions["ModelReady"]
+    assert model["status"] == "False" and model["reason"] in ("ErrImagePull", "ImagePullBackOff"), model
+    assert new in model["message"], model
 
     deployment.kubelet.registry.push(*made_images(f"IMAGE_TAG={tag}"))  # `make image image-push`
 
