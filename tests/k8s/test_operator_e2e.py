@@ -259,9 +259,9 @@ def test_scale_decode_to_two_groups(deployment, offline_engine):
 
 
 def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offline_engine):
-    """The new tag is applied before it is pushed: the first group replaced cannot pull it, and
-    the rollout stops there with the other group serving; once pushed, the groups roll one at a
-    time (maxUnavailable 1 of 2 decode groups) and requests get the same greedy tokens."""
+    """The new tag is applied before it is pushed: the first groups replaced cannot pull it, the
+    rollout stops there (the other decode group kept, the resource saying why); once pushed, the
+    decode groups roll one at a time (maxUnavailable 1 of 2) and requests get the same tokens."""
     from group_rollout import GROUP_INDEX, GroupWatch, replacement_order
     from image_registry import made_images
 
@@ -291,8 +291,10 @@ def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offlin
     assert sum(new in images for _, images in sample.values()) == 1, sample
     assert [ready for ready, images in sample.values() if new not in images] == [True], sample
     assert len(old_uids & {p["metadata"]["uid"] for p in watch.pods()}) == 1
-    conditions = {c["type"]: c for c in deployment.cr()["status"]["conditions"]}
+    status = deployment.cr()["status"]
+    conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Progressing"]["status"] == "True", conditions
+    assert status["phase"] == "Degraded" and conditions["Degraded"]["reason"] == "ModelNotReady", status
     # The resource says why: the kubelet's pull error, naming the tag (operator/model_status.py).
     model = conditions["ModelReady"]
     assert model["status"] == "False" and model["reason"] in ("ErrImagePull", "ImagePullBackOff"), model
