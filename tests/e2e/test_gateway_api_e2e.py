@@ -43,7 +43,7 @@ from deepseek_pd.launcher.cluster import LocalCluster
 from deepseek_pd.model.sampling_params import MAX_TOP_LOGPROBS
 from pdtest.e2e_cluster import cluster_spec, wait_for_pages
 from pdtest.gateway_oracle import (
-    offline_engine, offline_greedy, post_json, post_stream, reference_logprobs)
+    offline_engine, offline_greedy, post_json, post_stream, random_words, reference_logprobs, same_text)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -68,22 +68,9 @@ def hf_tokenizer(cluster):
     return AutoTokenizer.from_pretrained(str(cluster.model_dir))
 
 
-def random_words(rng: random.Random, n: int) -> str:
-    words = ["disaggregated", "prefill", "decode", "latent", "cache", "router", "expert", "page", "token"]
-    return " ".join(rng.choice(words) for _ in range(n)) + f" {rng.randrange(10**6)}"
-
-
 def completion_ids(engine, text: str) -> list[int]:
     """smg 1.13 tokenises a /v1/completions prompt without special tokens (no BOS)."""
     return engine.tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def same_text(got: str, want_ids: list[int], engine) -> bool:
-    """The gateway's text equals the offline tokens' text. Random tokens of a byte-level BPE often
-    split a UTF-8 character; smg's incremental detokeniser holds back a split tail and replaces
-    broken bytes its own way, so U+FFFD is left out on both sides: every valid character must match."""
-    want = engine.tokenizer.decode(want_ids, skip_special_tokens=True)
-    return got.replace("\ufffd", "") == want.replace("\ufffd", "")
 
 
 def run(coro):

@@ -72,18 +72,20 @@ def process_kubelet(control_plane, admin_kube, tmp_path_factory):
     import os
     import urllib.parse
 
+    from image_registry import PLACEHOLDER_IMAGES, made_images
     from process_kubelet import KubeletConfig, ProcessKubelet, sandbox_support
 
     reason = sandbox_support()
     if reason:
         pytest.skip(f"no process kubelet here: {reason}")
     server = urllib.parse.urlsplit(control_plane.server)
-    # What an image of this project would give: its Python environment first on PATH.
+    # What an image of this project would give: its Python environment first on PATH. The node's
+    # registry holds what `make image` tags (the chart's and the example's images).
     image_env = {"PATH": f"{pathlib.Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
                  "HOME": os.environ.get("HOME", "/root"), "PYTHONUNBUFFERED": "1"}
     kubelet = ProcessKubelet(admin_kube, KubeletConfig(
         workdir=tmp_path_factory.mktemp("kubelet"), image_env=image_env,
-        apiserver=(server.hostname, server.port)))
+        apiserver=(server.hostname, server.port), images=made_images() | PLACEHOLDER_IMAGES))
     stop = _stop_once(kubelet.stop)
     kubelet.start()
     try:

@@ -11,9 +11,11 @@ Status goes to the pod's status subresource (strategic merge patch, so PodSchedu
 phase, podIP/hostIP, startTime, conditions (PodReadyToStartContainers, Initialized,
 ContainersReady, Ready), containerStatuses/initContainerStatuses (state, lastState, ready,
 started, restartCount). Restarts follow spec.restartPolicy with an exponential back-off capped at
-`restart_backoff_cap_s`. Every container of a pod shares one mount namespace, so the union of the
-containers' volumeMounts is mounted (two containers mounting different volumes at the same path
-are refused).
+`restart_backoff_cap_s`. Before its first start a container's image is looked up in the node's
+registry (image_registry.py): one it lacks leaves the container waiting in ErrImagePull, then
+ImagePullBackOff, retried with the same back-off. Every container of a pod shares one mount
+namespace, so the union of the containers' volumeMounts is mounted (two containers mounting
+different volumes at the same path are refused).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import Any, Protocol
 
 from cluster_dns import resolv_conf
 from cluster_hosts import hosts_file
+from image_registry import ImageRegistry
 from kube_rest import Kube, KubeError
 from pod_inputs import InputError, container_env, container_mounts, expand, prepare_volumes
 from pod_sandbox import Mount, PodNetwork, Sandbox
@@ -45,6 +48,7 @@ class Node(Protocol):
     name: str
     network: PodNetwork
     config: Any  # KubeletConfig
+    registry: ImageRegistry
 
     def hosts_entries(self) -> list[tuple[str, str]]: ...
 
@@ -68,6 +72,8 @@ class ContainerRun:
     last_state: Obj = field(default_factory=dict)
     probes: dict[str, ProbeState] = field(default_factory=dict)
     succeeded: bool = False  # an init container that exited 0
+    pulled: bool = False  # its image was found; restarts do not look it up again
+    pull_failures: int = 0
 
     @property
     def running(self) -> bool:
@@ -181,8 +187,30 @@ class PodWorker:
             env.update(KUBERNETES_SERVICE_HOST="kubernetes.default.svc", KUBERNETES_SERVICE_PORT="443")
         return env
 
+    def _pull(self, run: ContainerRun) -> bool:
+        """Looks the container's image up once; a miss waits as a kubelet's failed pull does."""
+        if run.pulled:
+            return True
+        image = run.spec.get("image", "")
+        error = self.node.registry.pull_error(image)
+        if not error:
+            run.pulled = True
+            return True
+        config = self.node.config
+        delay = min(config.restart_backoff_s * 2 ** run.pull_failures, config.restart_backoff_cap_s)
+        if run.pull_failures == 0:
+            run.state = {"waiting": {"reason": "ErrImagePull", "message": error}}
+        else:
+            run.state = {"waiting": {"reason": "ImagePullBackOff",
+                                     "message": f'Back-off pulling image "{image}": {error}'}}
+        run.pull_failures += 1
+        run.next_start = time.monotonic() + delay
+        return False
+
     def _launch(self, run: ContainerRun) -> None:
         spec = run.spec
+        if not self._pull(run):
+            return
         try:
             declared = container_env(self.kube, self.pod, spec, {})
             run.env = {**self._image_env(), **declared}

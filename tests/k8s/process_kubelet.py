@@ -18,8 +18,11 @@ The control plane (control_plane.py) has no scheduler and no kubelet. This is bo
 Containers are not images: `command`/`args` run inside the pod's sandbox (pod_sandbox.py: own
 network namespace and IP on a bridge, overlay root, volumes at their mountPaths) with the
 environment an image would give (`image_env`: PATH to the checkout's venv, HOME) plus the pod's
-env. The image name is reported, never pulled. Probes and restart back-offs run faster than a
-kubelet's (caps in KubeletConfig); everything else follows the pod's spec.
+env. The image name is reported and looked up in the node's registry (image_registry.py,
+`config.images`; None: every name), never pulled: a name the registry lacks leaves the container
+in ErrImagePull / ImagePullBackOff until it is pushed (`kubelet.registry.push`). Probes and
+restart back-offs run faster than a kubelet's (caps in KubeletConfig); everything else follows
+the pod's spec.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any
 
 from cluster_dns import DnsServer
 from cluster_hosts import cluster_entries
+from image_registry import ImageRegistry
 from kube_rest import Kube, KubeError
 from pod_inputs import quantity
 from pod_sandbox import PodNetwork, sandbox_support
@@ -57,6 +61,7 @@ class KubeletConfig:
     restart_backoff_cap_s: float = 5.0
     termination_grace_cap_s: float = 10.0
     apiserver: tuple[str, int] | None = None  # served to pods as the `kubernetes` Service
+    images: frozenset[str] | None = None  # what the node's registry holds; None: every name pulls
 
 
 KUBERNETES_SERVICE = "kubernetes.default.svc"  # a name in the apiserver's certificate (pki.py)
@@ -68,6 +73,7 @@ class ProcessKubelet:
         self.config = config
         self.name = config.node_name
         self.network = PodNetwork()
+        self.registry = ImageRegistry(config.images)
         self.workers: dict[str, PodWorker] = {}
         self._entries: list[tuple[str, str]] = []
         self._unschedulable: dict[str, str] = {}

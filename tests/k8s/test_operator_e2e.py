@@ -6,10 +6,13 @@
     -> StatefulSets, Services, the router come up; the router's Service answers a streamed
        request with the offline engine's greedy tokens
 
-then, on the same deployment: a worker's process killed (the kubelet restarts it, the operator
-recreates its group, requests recover), decode scaled 1 -> 2, a bad spec refused by the apiserver
-with the CRD's CEL message, the V3/H200 example reported (not crash-looping) on a node without
-GPUs, and the deletion of the resource removing every child. Last, the audit log shows the
+then, on the same deployment: /v1/chat/completions answered with the offline engine's greedy
+tokens of the chat-templated prompt, a worker's process killed (the kubelet restarts it, the
+operator recreates its group, requests recover), decode scaled 1 -> 2, a new image tag rolled
+(refused by the node's registry until pushed, then one group at a time, requests recover with the
+same tokens), a bad spec refused by the apiserver with the CRD's CEL message, the V3/H200 example
+reported (not crash-looping) on a node without GPUs, and the deletion of the resource removing
+every child. Last, the audit log shows the
 operator was never denied anything. The tests run in file order on one module fixture.
 Debugging: K8SE2E_HOLD=SECONDS keeps the cluster up that long after a failed request (pod logs are
 under <basetemp>/kubelet0/pods/<uid>/logs; pass --basetemp, other runs rotate /tmp/pytest-of-*).
@@ -27,107 +30,37 @@ import subprocess
 import sys
 import time
 
+import aiohttp
 import pytest
 import yaml
+from e2e_deployment import CR_API, NS, OPS, Deployment, run_tool
+from pdtest.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-NS, OPS = "llm", "ops"
-CR_API = "/apis/deepseek-pd.io/v1alpha1"
-
-
-def _wait(predicate, timeout_s: float, what: str, diagnose=None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    pytest.fail(f"{what} within {timeout_s:.0f}s" + (f"\n{diagnose()}" if diagnose else ""))
-
-
-def _run(*argv, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
-    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout)
-    if check and out.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, argv))} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
-    return out
-
-
-class Deployment:
-    """The session's cluster as the tests see it: tools, kubeconfig, the applied CR."""
-
-    def __init__(self, kube, kubelet, tools: pathlib.Path, kubeconfig: pathlib.Path, workdir: pathlib.Path):
-        self.kube, self.kubelet, self.workdir = kube, kubelet, workdir
-        self.helm, self.kubectl = tools / "helm" / "helm", tools / "kubectl" / "kubectl"
-        self.kubeconfig = kubeconfig
-        self.name = "tiny"
-
-    def kubectl_run(self, *args, check: bool = True) -> subprocess.CompletedProcess:
-        return _run(self.kubectl, f"--kubeconfig={self.kubeconfig}", *args, check=check)
-
-    def cr(self) -> dict | None:
-        return self.kube.get(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{self.name}")
-
-    def pods(self, selector: str = "") -> list[dict]:
-        selector = selector or f"deepseek-pd.io/deployment={self.name}"
-        return self.kube.list(f"/api/v1/namespaces/{NS}/pods", labelSelector=selector)
-
-    def diagnose(self) -> str:
-        """Everything a failed wait needs: CR status, pods, the tail of every container log."""
-        lines = [f"CR status: {json.dumps((self.cr() or {}).get('status'), indent=1)[:3000]}"]
-        for pod in self.kube.list("/api/v1/pods"):
-            status = pod.get("status", {})
-            lines.append(f"pod {pod['metadata']['namespace']}/{pod['metadata']['name']} "
-                         f"{status.get('phase')} {[(c['type'], c['status']) for c in status.get('conditions', [])]} "
-                         f"{[(c['name'], c['restartCount'], list(c['state'])) for c in status.get('containerStatuses', [])]}")
-        for log in sorted((self.kubelet.config.workdir / "pods").glob("*/logs/*.log")):
-            lines.append(f"--- {log}\n{log.read_text(errors='replace')[-2500:]}")
-        return "\n".join(lines)
-
-    def wait_phase(self, phase: str, timeout_s: float = 300, where=None) -> dict:
-        def reached():
-            cr = self.cr() or {}
-            status = cr.get("status") or {}
-            ok = status.get("phase") == phase and status.get("observedGeneration") == cr["metadata"]["generation"]
-            return cr if ok and (where is None or where(cr)) else None
-        return _wait(reached, timeout_s, f"{self.name} not {phase}", self.diagnose)
-
-    def router_url(self) -> str:
-        """The router Service's ready endpoint (what kube-proxy would send to)."""
-        def endpoint():
-            slices = self.kube.list(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices",
-                                    labelSelector=f"kubernetes.io/service-name={self.name}-router")
-            for slice_ in slices:
-                # By name: the Service also has the gateway's metrics port, in no promised order.
-                port = next(p["port"] for p in slice_["ports"] if p.get("name") == "http")
-                for ep in slice_.get("endpoints") or []:
-                    if ep.get("conditions", {}).get("ready"):
-                        return f"http://{ep['addresses'][0]}:{port}"
-            return None
-        return _wait(endpoint, 60, "router Service has no ready endpoint", self.diagnose)
 
 
 @pytest.fixture(scope="module")
 def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
-    out = _run("bash", ROOT / "scripts" / "fetch_k8s_tools.sh", timeout=170)
+    out = run_tool("bash", ROOT / "scripts" / "fetch_k8s_tools.sh", timeout=170)
     tools = pathlib.Path(out.stdout.strip().splitlines()[-1])
     workdir = tmp_path_factory.mktemp("operator-e2e")
     kubeconfig = control_plane.admin.kubeconfig(workdir / "admin.kubeconfig", "admin")
     dep = Deployment(admin_kube, process_kubelet, tools, kubeconfig, workdir)
-    _run(dep.helm, "install", "deepseek", ROOT / "charts", "--namespace", OPS, "--create-namespace",
+    run_tool(dep.helm, "install", "deepseek", ROOT / "charts", "--namespace", OPS, "--create-namespace",
          f"--kubeconfig={kubeconfig}", "--set", "operator.resyncSeconds=2", "--wait", "--timeout", "180s")
     dep.kubectl_run("create", "namespace", NS)
-    _wait(lambda: admin_kube.get(f"/api/v1/namespaces/{NS}/serviceaccounts/default"), 30, "no default SA")
+    wait_until(lambda: admin_kube.get(f"/api/v1/namespaces/{NS}/serviceaccounts/default"), 30, "no default SA")
     yield dep
     dep.kubectl_run("delete", "namespace", NS, "--wait=false", check=False)
-    _run(dep.helm, "uninstall", "deepseek", "--namespace", OPS, f"--kubeconfig={kubeconfig}", check=False)
+    run_tool(dep.helm, "uninstall", "deepseek", "--namespace", OPS, f"--kubeconfig={kubeconfig}", check=False)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> pathlib.Path:
     """The hostPath the example mounts at /models: the tiny checkpoint, written by the CLI."""
     directory = tmp_path_factory.mktemp("models")
-    _run(pathlib.Path(sys.executable).parent / "deepseek-pd", "make-tiny-model", directory / "tiny")
+    run_tool(pathlib.Path(sys.executable).parent / "deepseek-pd", "make-tiny-model", directory / "tiny")
     return directory
 
 
@@ -265,6 +198,37 @@ def test_example_serves_the_offline_engines_tokens(deployment, models, offline_e
     _greedy_through_router(deployment, offline_engine)
 
 
+def test_router_answers_chat_completions_with_the_offline_engines_tokens(deployment, models, offline_engine):
+    from transformers import AutoTokenizer
+
+    from pdtest.gateway_oracle import chat_prompt_ids, offline_greedy, post_json, post_stream, random_words, same_text
+
+    tokenizer = AutoTokenizer.from_pretrained(str(models / "tiny"))
+    rng = random.Random()
+    url = f"{deployment.router_url()}/v1/chat/completions"
+    for stream in (False, True):
+        messages = [{"role": "user", "content": random_words(rng, rng.randint(2, 10))}]
+        prompt = chat_prompt_ids(tokenizer, messages)  # what the router renders from the chat template
+        max_new = rng.randint(3, 8)
+        want, _ = offline_greedy(offline_engine, prompt, max_new)
+        body = {"model": "tiny", "messages": messages, "max_tokens": max_new, "temperature": 0.0,
+                "ignore_eos": True, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+
+        async def call():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+                return await (post_stream(session, url, body) if stream else post_json(session, url, body))
+        reply = asyncio.run(call())
+        assert reply.status == 200, f"{reply.text}\n{deployment.diagnose()}"
+        if stream:
+            content = "".join((c.get("delta") or {}).get("content") or "" for e in reply.events
+                              for c in e.get("choices") or [])
+            usage = next(e["usage"] for e in reversed(reply.events) if e.get("usage"))
+        else:
+            content, usage = reply.body["choices"][0]["message"]["content"], reply.body["usage"]
+        assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == max_new, usage
+        assert same_text(content, want, offline_engine), (stream, content, offline_engine.tokenizer.decode(want))
+
+
 def test_killed_worker_process_recreates_its_group_and_requests_recover(deployment, offline_engine):
     selector = f"deepseek-pd.io/deployment={deployment.name},deepseek-pd.io/role=decode"
     (pod,) = deployment.pods(selector)
@@ -275,7 +239,7 @@ def test_killed_worker_process_recreates_its_group_and_requests_recover(deployme
     def replaced():
         pods = deployment.pods(selector)
         return pods if pods and all(p["metadata"]["uid"] != old_uid for p in pods) else None
-    _wait(replaced, 120, "the operator did not recreate the decode group", deployment.diagnose)
+    wait_until(replaced, 120, "the operator did not recreate the decode group", deployment.diagnose)
     deployment.wait_phase("Available", where=lambda cr: cr["status"]["decode"]["readyReplicas"] == 1)
     _greedy_through_router(deployment, offline_engine, count=2, recover_s=60)
 
@@ -292,6 +256,69 @@ def test_scale_decode_to_two_groups(deployment, offline_engine):
             for a in p["spec"]["containers"][0]["args"]]
     assert sum(a.startswith("grpc://tiny-decode-1-0.") for a in args) >= 1  # the router serves it
     _greedy_through_router(deployment, offline_engine, count=4, recover_s=60)
+
+
+def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offline_engine):
+    """The new tag is applied before it is pushed: the first groups replaced cannot pull it, the
+    rollout stops there (the other decode group kept, the resource saying why); once pushed, the
+    decode groups roll one at a time (maxUnavailable 1 of 2) and requests get the same tokens."""
+    from group_rollout import GROUP_INDEX, GroupWatch, replacement_order
+    from image_registry import made_images
+
+    path = f"{CR_API}/namespaces/{NS}/deepseekdeployments/{deployment.name}"
+    old = deployment.cr()["spec"]["image"]
+    repo, flavour = old.rsplit(":", 1)[0], old.rsplit("-", 1)[1]  # ...:0.1.0-cpu -> "cpu"
+    tag = f"0.1.{random.randrange(1, 10**6)}"
+    new = f"{repo}:{tag}-{flavour}"
+    assert old in made_images() and new in made_images(f"IMAGE_TAG={tag}")  # what `make image` tags
+    watch = GroupWatch(deployment.kube, NS, deployment.name, "decode", size=1)
+    assert {g for g, (ready, _) in watch.sample().items() if ready} == {0, 1}
+    old_uids = {p["metadata"]["uid"] for p in watch.pods()}
+    deployment.kube.merge_patch(path, {"spec": {"image": new}})
+
+    def pull_failing():  # the `model` init container is the first to pull
+        watch.sample()
+        pods = [p for p in watch.pods() if p["spec"]["containers"][0]["image"] == new]
+        statuses = [c for p in pods for kind in ("initContainerStatuses", "containerStatuses")
+                    for c in (p.get("status") or {}).get(kind) or []]
+        reasons = {(c.get("state") or {}).get("waiting", {}).get("reason") for c in statuses}
+        return pods if reasons & {"ErrImagePull", "ImagePullBackOff"} else None
+    stuck = wait_until(pull_failing, 120, "no decode pod of the unpushed tag failed to pull", deployment.diagnose)
+    assert len({p["metadata"]["labels"][GROUP_INDEX] for p in stuck}) == 1
+    for _ in range(12):  # several resyncs (2 s): nothing more is replaced while that group is down
+        sample = watch.sample()
+        time.sleep(0.5)
+    assert sum(new in images for _, images in sample.values()) == 1, sample
+    assert [ready for ready, images in sample.values() if new not in images] == [True], sample
+    assert len(old_uids & {p["metadata"]["uid"] for p in watch.pods()}) == 1
+    status = deployment.cr()["status"]
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Progressing"]["status"] == "True", conditions
+    assert status["phase"] == "Degraded" and conditions["Degraded"]["reason"] == "ModelNotReady", status
+    # The resource says why: the kubelet's pull error, naming the tag (operator/model_status.py).
+    model = conditions["ModelReady"]
+    assert model["status"] == "False" and model["reason"] in ("ErrImagePull", "ImagePullBackOff"), model
+    assert new in model["message"], model
+
+    deployment.kubelet.registry.push(*made_images(f"IMAGE_TAG={tag}"))  # `make image image-push`
+
+    def rolled():
+        sample = watch.sample()
+        return set(sample) == {0, 1} and all(ready and images == {new} for ready, images in sample.values())
+    wait_until(rolled, 420, f"the decode groups did not all roll to {new}", deployment.diagnose)
+    assert watch.min_ready >= 1, watch.samples  # never both decode groups down
+    first, second = replacement_order(watch.pods(), new)
+    assert second[1] >= first[2], (first, second)  # the second was replaced once the first was Ready
+    deployment.wait_phase("Available", where=lambda cr: cr["status"]["decode"]["updatedReplicas"] == 2
+                          and cr["status"]["prefill"]["updatedReplicas"] == 1)
+
+    def all_on_the_new_tag():  # prefill and the router too (the router Deployment rolls by itself)
+        pods = [p for p in deployment.pods() if not p["metadata"].get("deletionTimestamp")]
+        statuses = [(p.get("status") or {}).get("containerStatuses") or [{"ready": False}] for p in pods]
+        return all(c["image"] == new for p in pods for c in p["spec"]["containers"]) and \
+            all(c["ready"] for s in statuses for c in s)
+    wait_until(all_on_the_new_tag, 120, f"pods not all Ready on {new}", deployment.diagnose)
+    _greedy_through_router(deployment, offline_engine, count=3, recover_s=60)
 
 
 def test_bad_spec_is_refused_with_the_crds_message(deployment, models):
@@ -321,12 +348,12 @@ def test_v3_example_is_reported_not_crash_looping_without_gpus(deployment):
                                                 for c in p["status"].get("conditions", []))]
         return pods if len(pods) == expected and len(unschedulable) == len(pods) else None
     expected = sum(v3["spec"][r]["replicas"] * v3["spec"][r]["size"] for r in ("prefill", "decode"))
-    pods = _wait(pending_pods, 120, "V3 pods are not all Unschedulable", deployment.diagnose)
+    pods = wait_until(pending_pods, 120, "V3 pods are not all Unschedulable", deployment.diagnose)
     assert all(not p["spec"].get("nodeName") for p in pods)
     def explained():
         c = deployment.kube.get(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{name}") or {}
         return c if any(x.get("reason") == "PodsUnschedulable" for x in (c.get("status") or {}).get("conditions", [])) else None
-    cr = _wait(explained, 60, "V3 status does not say its pods are unschedulable", deployment.diagnose)
+    cr = wait_until(explained, 60, "V3 status does not say its pods are unschedulable", deployment.diagnose)
     conditions = {c["type"]: c for c in cr["status"]["conditions"]}
     assert cr["status"]["phase"] in ("Pending", "Failed"), cr["status"]
     assert conditions["Available"]["status"] == "False"
@@ -359,7 +386,7 @@ def test_deleting_the_resource_removes_every_child(deployment):
 
     def all_gone():
         return all(not deployment.kube.list(path, labelSelector=selector) for _, path in children)
-    _wait(all_gone, 120, "children left after the delete", deployment.diagnose)
+    wait_until(all_gone, 120, "children left after the delete", deployment.diagnose)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -211,3 +211,30 @@ def test_pods_that_do_not_fit_stay_pending_with_the_schedulers_reason(admin_kube
     condition = _wait(unschedulable, 30, "no Unschedulable condition")
     assert condition["reason"] == "Unschedulable" and "Insufficient nvidia.com/gpu" in condition["message"]
     assert not admin_kube.get(f"{api}/gpu")["spec"].get("nodeName")
+
+
+def test_an_image_the_registry_lacks_waits_in_image_pull_backoff_until_pushed(admin_kube, process_kubelet, namespace):
+    api = f"/api/v1/namespaces/{namespace}/pods"
+    image = f"example.invalid/app:unpushed-{random.randrange(10**9)}"  # fresh: no earlier test pushed it
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "puller"},
+           "spec": {"containers": [{"name": "c", "image": image, "command": ["sleep", "3600"],
+                                    "startupProbe": {"exec": {"command": ["true"]}}}]}}
+    admin_kube.create(api, pod)
+    seen: list[str] = []
+
+    def backing_off():
+        status = (admin_kube.get(f"{api}/puller") or {}).get("status", {})
+        waiting = next(iter(status.get("containerStatuses") or []), {}).get("state", {}).get("waiting", {})
+        if waiting.get("reason") and waiting["reason"] not in seen:
+            seen.append(waiting["reason"])
+        return status if waiting.get("reason") == "ImagePullBackOff" else None
+    status = _wait(backing_off, 30, "no ImagePullBackOff for an image the registry lacks")
+    waiting = status["containerStatuses"][0]["state"]["waiting"]
+    # ErrImagePull at the failed pull, ImagePullBackOff while retrying (a slow poll may miss the first).
+    assert set(seen) <= {"ContainerCreating", "ErrImagePull", "ImagePullBackOff"}, seen
+    assert image in waiting["message"] and "not found" in waiting["message"]
+    assert status["phase"] == "Pending" and not status["containerStatuses"][0].get("containerID")  # never started
+    process_kubelet.registry.push(image)  # the next retry (back-off capped at 5 s) pulls it
+    running = _ready_pod(admin_kube, namespace, "puller", timeout_s=30)
+    assert running["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert running["status"]["containerStatuses"][0]["image"] == image

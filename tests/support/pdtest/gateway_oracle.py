@@ -3,6 +3,9 @@
 - `offline_greedy`: the offline single-process `Engine`'s greedy tokens and logprobs for a prompt.
 - `reference_logprobs`: an independent log-softmax, one full forward of prompt + output prefix per
   position on the offline engine's runner (no sampler involved), with each position's top-k.
+- `chat_prompt_ids`: the token ids a chat request's messages become (the tokenizer's chat template,
+  which the router renders the same way); `random_words`: a fresh prompt text per run.
+- `same_text`: whether the gateway's text is the offline tokens' text.
 - `post_json` / `post_stream`: one HTTP call with its status and parsed body or SSE events, so a
   test sees exactly what a client gets (status codes, error bodies, events) without a client
   library smoothing it over.
@@ -10,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +35,25 @@ def offline_greedy(engine, input_ids: list[int], max_new_tokens: int, ignore_eos
     result = engine.generate(input_ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                                        ignore_eos=ignore_eos))
     return list(result.output_ids), list(result.output_logprobs)
+
+
+def chat_prompt_ids(hf_tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt the gateway builds from `messages`: the chat template with the generation prompt."""
+    return list(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+
+
+def random_words(rng: random.Random, n: int) -> str:
+    words = ["disaggregated", "prefill", "decode", "latent", "cache", "router", "expert", "page", "token"]
+    return " ".join(rng.choice(words) for _ in range(n)) + f" {rng.randrange(10**6)}"
+
+
+def same_text(got: str, want_ids: list[int], engine) -> bool:
+    """The gateway's text equals the offline tokens' text. Random tokens of a byte-level BPE often
+    split a UTF-8 character; smg's incremental detokeniser holds back a split tail and replaces
+    broken bytes its own way, so U+FFFD is left out on both sides: every valid character must match."""
+    want = engine.tokenizer.decode(want_ids, skip_special_tokens=True)
+    return got.replace("\ufffd", "") == want.replace("\ufffd", "")
 
 
 @dataclass

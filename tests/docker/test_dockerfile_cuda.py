@@ -1,0 +1,156 @@
+"""Dockerfile.cuda's pins and installs, checked without docker (or a GPU):
+
+- every pin is a global ARG named once; no pinned value is repeated elsewhere in the file; every
+  ${ARG} a stage's RUN uses is declared in that stage (else it expands to "" inside it);
+- DeepEP is a real 40-hex commit, the one docs/operations.md names, built with NVSHMEM_DIR set;
+- torch is the Makefile's and the CPU image's; NVSHMEM is the version that torch itself requires;
+- the serve extra of pyproject.toml is installed with the same pins, Mooncake as its CUDA build;
+- every third-party module the package imports, and the router's module, is installed;
+- the runtime stage is non-root with the CPU image's entrypoint, and holds no build stage's
+  compilers (it copies the environment only).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+import re
+import tomllib
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from pdtest.dockerfile import (
+    global_args, image_extras, installed_closure, instructions, pip_requirements, stage_args,
+    third_party_imports, unprovided_modules, used_args)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CUDA = ROOT / "Dockerfile.cuda"
+PINS = ("CUDA_DEVEL_IMAGE", "CUDA_RUNTIME_IMAGE", "TORCH_VERSION", "TORCH_INDEX_URL", "NVSHMEM_VERSION",
+        "DEEPEP_COMMIT", "MOONCAKE_VERSION", "SMG_VERSION")
+# The CUDA image installs these in place of the distribution named: the same modules, built for CUDA.
+CUDA_BUILDS = {"mooncake-transfer-engine-cuda13": "mooncake-transfer-engine-non-cuda"}
+# Imported by the package, installed other than through a requirement, each with the reason.
+NOT_FROM_A_REQUIREMENT = {
+    "triton": "a dependency of the CUDA torch wheel, not of the CPU one installed here",
+    "matplotlib": "the bench extra (`deepseek-pd bench` plots), left out of the serving image",
+}
+
+
+def _text() -> str:
+    return CUDA.read_text()
+
+
+def _serve_extra() -> list[Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [Requirement(r) for r in project["optional-dependencies"]["serve"]]
+
+
+def _closure(text: str) -> set[str]:
+    """Distributions the build stage's `pip install`s put into the image, CUDA builds named as
+    the distribution they stand in for."""
+    closure = installed_closure("deepseek-pd", image_extras(text))
+    for req in pip_requirements(text, "build"):
+        name = CUDA_BUILDS.get(canonicalize_name(req.name), canonicalize_name(req.name))
+        closure |= installed_closure(name, set(req.extras)) | {name}
+    return closure
+
+
+def test_every_pin_is_named_once_and_declared_where_it_is_used():
+    text = _text()
+    defaults = global_args(text)
+    assert set(PINS) <= set(defaults), set(PINS) - set(defaults)
+    for name in PINS:
+        value = defaults[name]
+        assert value and text.count(value) == 1, f"{name}={value} is repeated (or empty) in Dockerfile.cuda"
+    declared, used = stage_args(text), used_args(text)
+    for stage, names in used.items():
+        assert names <= declared[stage], f"stage {stage} uses {sorted(names - declared[stage])} undeclared"
+        assert names <= set(defaults), f"stage {stage} uses {sorted(names - set(defaults))} with no default"
+    # The check sees a dropped re-declaration, also of an ARG passed as a command's environment.
+    for name in ("DEEPEP_COMMIT", "TORCH_CUDA_ARCH_LIST"):
+        broken = text.replace(f"ARG {name}\n", "", 1)
+        assert name in used_args(broken)["build"] - stage_args(broken)["build"], name
+
+
+def test_deepep_is_a_pinned_commit_built_against_nvshmem():
+    commit = global_args(_text())["DEEPEP_COMMIT"]
+    assert re.fullmatch(r"[0-9a-f]{40}", commit), commit
+    docs = (ROOT / "docs" / "operations.md").read_text()
+    assert set(re.findall(r"\b[0-9a-f]{40}\b", docs)) == {commit}, "docs/operations.md names another DeepEP commit"
+    builds = [args for stage, name, args in instructions(_text())
+              if stage == "build" and name == "RUN" and "pip wheel" in args]
+    assert len(builds) == 1, builds
+    # Without NVSHMEM_DIR DeepEP's setup.py drops its internode and low-latency kernels silently;
+    # the readelf check fails the build if the extension does not link NVSHMEM.
+    assert "NVSHMEM_DIR=" in builds[0] and "readelf -d" in builds[0] and "libnvshmem_host" in builds[0]
+
+
+def test_torch_is_the_makefiles_and_nvshmem_the_one_torch_requires():
+    defaults = global_args(_text())
+    makefile_torch = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
+    assert defaults["TORCH_VERSION"] == makefile_torch
+    assert f"ARG TORCH_VERSION={makefile_torch}" in (ROOT / "Dockerfile").read_text()
+    assert defaults["TORCH_INDEX_URL"].endswith("/cu130") and "13.0" in defaults["CUDA_RUNTIME_IMAGE"]
+    torch = importlib.metadata.distribution("torch")
+    if torch.version.split("+")[0] != defaults["TORCH_VERSION"]:
+        pytest.skip(f"torch {torch.version} here, not the image's {defaults['TORCH_VERSION']}")
+    wanted = [Requirement(r) for r in torch.requires or [] if r.startswith("nvidia-nvshmem-cu13")]
+    if not wanted:
+        pytest.skip(f"torch {torch.version} here is not a CUDA 13 build (no NVSHMEM requirement)")
+    assert defaults["NVSHMEM_VERSION"] in wanted[0].specifier, (wanted[0], defaults["NVSHMEM_VERSION"])
+
+
+def test_the_serve_extra_is_installed_with_its_pins_and_mooncakes_cuda_build():
+    installed = {CUDA_BUILDS.get(canonicalize_name(r.name), canonicalize_name(r.name)): r
+                 for r in pip_requirements(_text(), "build")}
+    for req in _serve_extra():
+        name = canonicalize_name(req.name)
+        assert name in installed, f"the serve extra's {req} is not installed by Dockerfile.cuda"
+        assert str(installed[name].specifier) == str(req.specifier), (installed[name], req)
+    cuda_mooncake = [r for r in pip_requirements(_text(), "build") if canonicalize_name(r.name) in CUDA_BUILDS]
+    assert len(cuda_mooncake) == 1 and "cuda13" in cuda_mooncake[0].name
+    # `serve` itself is not an extra of the install: it would add the non-CUDA Mooncake as well.
+    assert "serve" not in image_extras(_text())
+
+
+def _router_module() -> str:
+    """The module the V3 example's router runs: from the CUDA image (router.image defaults to
+    spec.image)."""
+    from deepseek_pd.operator.build_router import build_router_args
+    from deepseek_pd.operator.spec import DeploymentSpec
+
+    raw = yaml.safe_load((ROOT / "examples" / "deepseek-v3-h200.yaml").read_text())["spec"]
+    return build_router_args(DeploymentSpec.parse("v3", "llm", raw))[1].split(".")[0]
+
+
+def _installs(closure: set[str], module: str) -> bool:
+    dists = {canonicalize_name(d) for d in importlib.metadata.packages_distributions().get(module, [])}
+    return bool(dists & closure)
+
+
+def test_every_imported_package_and_the_router_is_installed():
+    text = _text()
+    closure = _closure(text)
+    assert unprovided_modules(closure, NOT_FROM_A_REQUIREMENT) == {}
+    assert set(NOT_FROM_A_REQUIREMENT) <= set(third_party_imports()), "a stale NOT_FROM_A_REQUIREMENT entry"
+    assert _installs(closure, _router_module()), _router_module()
+    # The check sees a dropped install: without the explicit smg pin there is no router.
+    fewer = text.replace('"smg==${SMG_VERSION}"', "")
+    assert not _installs(_closure(fewer), _router_module())
+
+
+def test_runtime_stage_is_non_root_with_the_cpu_images_entrypoint():
+    steps = instructions(_text())
+    final = steps[-1][0]
+    runtime = [(name, args) for stage, name, args in steps if stage == final]
+    assert runtime[0] == ("FROM", "${CUDA_RUNTIME_IMAGE}")
+    cpu = [(name, args) for stage, name, args in instructions((ROOT / "Dockerfile").read_text())
+           if name in ("USER", "ENTRYPOINT", "CMD", "WORKDIR")][-4:]
+    assert [(n, a) for n, a in runtime if n in ("USER", "ENTRYPOINT", "CMD", "WORKDIR")] == cpu
+    assert ("USER", "1000") in runtime
+    copies = [args for name, args in runtime if name == "COPY"]
+    assert copies == ["--from=build /opt/deepseek-pd /opt/deepseek-pd"], copies
+    packages = " ".join(args for name, args in runtime if name == "RUN" and "apt-get install" in args)
+    assert "build-essential" not in packages and "libibverbs1" in packages
