@@ -34,8 +34,9 @@ def blockwise_scaled_mm_available(device_index: int = 0) -> bool:
 
 def fits_blockwise(n: int, k: int, block_n: int, block_k: int) -> bool:
     """Whether a weight `[n, k]` in `(block_n, block_k)` blocks is one cuBLAS's 128x128 recipe takes
-    (a partial last block of rows is fine, as V3's fused q_a + kv_a with 2112 rows)."""
-    return block_n == BLOCK and block_k == BLOCK and k % BLOCK == 0
+    (a partial last block of rows is fine, as V3's fused q_a + kv_a with 2112 rows; the output's
+    rows must stay 16-byte aligned for cuBLAS)."""
+    return block_n == BLOCK and block_k == BLOCK and k % BLOCK == 0 and n % 16 == 0
 
 
 def scaled_mm_block_fp8(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
