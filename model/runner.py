@@ -12,6 +12,10 @@ Expert parallelism: each rank builds its runner with the same `RunnerConfig(ep_s
 own `parallel=ParallelInfo.from_group(group)` after `torch.distributed.init_process_group`; each
 rank then runs its own requests (data-parallel attention), and every rank must call
 extend/decode the same number of times (the MoE all-to-alls pair up across ranks).
+
+Attention TP: `RunnerConfig(tp_size=T)` and a `ParallelInfo` with that `tp_size` and the TP
+group; the T ranks of a TP group make the same calls with the same sequences and pages (their
+KV pools hold the same latent rows), and each holds 1/T of the heads (attention/tensor_parallel.py).
 """
 from __future__ import annotations
 
@@ -94,6 +98,8 @@ class RunnerConfig:
     moe_backend: str = "auto"
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
     ep_size: int = 1  # the process group handed to ModelRunner(parallel=...) must have this size
+    # Attention TP: MLA heads split over this many ranks running the same batch (ParallelInfo.tp_*).
+    tp_size: int = 1
     enable_tbo: bool = False  # two-batch overlap (model/tbo.py)
     # EPLB (model/eplb/): R extra physical expert slots per MoE layer (n_routed + R over the EP
     # group), and a placement file saying which logical expert each slot holds (else slot p holds
@@ -130,6 +136,10 @@ class RunnerConfig:
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:
             raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.tp_size < 1:
+            raise UserError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.enable_tbo:
+            raise UserError("two-batch overlap (enable_tbo) is not supported with attention TP (tp_size > 1)")
         if self.ep_num_redundant_experts < 0:
             raise UserError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
@@ -188,6 +198,8 @@ class RunnerConfig:
             return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
         if self.enable_tbo:
             return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
+        if self.tp_size > 1:
+            return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
         parts = (("attention backend", ATTENTION_BACKENDS, self.resolve_backend(self.attention_backend)),
                  ("MoE backend", MOE_BACKENDS, self.resolve_backend(self.moe_backend)),
                  ("EP dispatcher", DISPATCHERS, self.resolve_dispatcher()))
@@ -216,6 +228,8 @@ class RunnerConfig:
         parallel = parallel or ParallelInfo()
         if parallel.ep_size != self.ep_size:
             raise UserError(f"ep_size={self.ep_size} but the process group passed in has {parallel.ep_size} ranks")
+        if parallel.tp_size != self.tp_size:
+            raise UserError(f"tp_size={self.tp_size} but the TP group passed in has {parallel.tp_size} ranks")
         return parallel
 
     def resolve_backend(self, name: str) -> str:
