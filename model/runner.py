@@ -16,6 +16,8 @@ extend/decode the same number of times (the MoE all-to-alls pair up across ranks
 Attention TP: `RunnerConfig(tp_size=T)` and a `ParallelInfo` with that `tp_size` and the TP
 group; the T ranks of a TP group make the same calls with the same sequences and pages (their
 KV pools hold the same latent rows), and each holds 1/T of the heads (attention/tensor_parallel.py).
+With a `tp_replay` (model/tp_replay.py) only the TP leader is called: it announces each forward,
+and each follower runs it in `follow_one()`.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
 from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS
 from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.tp_replay import ForwardCall, TpReplay
 from deepseek_pd.model.step_sync import StepSync
 
 log = logging.getLogger(__name__)
@@ -290,6 +293,8 @@ class ModelRunner:
     policy: AttentionPolicy = field(init=False)
     # One rank of a group: every forward is announced to the group first (model/step_sync.py).
     step_sync: StepSync | None = None
+    # Attention TP in a worker: the leader announces its forwards, followers replay them (model/tp_replay.py).
+    tp_replay: TpReplay | None = None
     # The CUDA-graph decode path, when `config.cuda_graph` (built, and captured, once here).
     graphs: DecodeGraphRunner | None = field(init=False, default=None, repr=False)
     # Decode steps so far by how they ran (read by the workers' metrics at scrape time).
@@ -333,6 +338,9 @@ class ModelRunner:
     def _run(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
              pages: list[Sequence[int]], input_ids: torch.Tensor | None = None,
              progress: LayerProgress | None = None, group_mode: ForwardMode | None = None) -> torch.Tensor:
+        if self.tp_replay is not None and self.tp_replay.is_leader:
+            self.tp_replay.lead(ForwardCall(mode, False, tuple(map(tuple, token_ids)), tuple(prefix_lens),
+                                            tuple(map(tuple, pages)), group_mode), input_ids, self.kv_pool)
         batch = ForwardBatch.build(mode, token_ids, prefix_lens, pages, self.kv_pool,
                                    self.model_config.vocab_size, self.model.options.device)
         batch.group_mode = group_mode
@@ -369,7 +377,25 @@ class ModelRunner:
     def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
         """With EP: this rank has no requests this step but must join the other ranks' MoE
         all-to-alls (call it where the others call extend/decode). A no-op work-wise at ep_size 1."""
+        if self.tp_replay is not None and self.tp_replay.is_leader:
+            self.tp_replay.lead(ForwardCall(mode, idle=True), None, self.kv_pool)
         self.model.forward_idle(mode)
+
+    def kv_written_externally(self, pages: Sequence[int]) -> None:
+        """KV landed in these pages outside a forward (a PD transfer): under attention TP the
+        leader sends it to its followers before its next forward (a no-op otherwise)."""
+        if self.tp_replay is not None and self.tp_replay.is_leader:
+            self.tp_replay.note_external_kv(pages)
+
+    def follow_one(self) -> None:
+        """(attention-TP follower) Runs the leader's next forward on this rank (model/tp_replay.py);
+        its logits are dropped (the leader samples)."""
+        call, input_ids = self.tp_replay.receive(self.kv_pool)
+        if call.idle:
+            self.model.forward_idle(call.mode)
+            return
+        self._run(call.mode, [list(t) for t in call.token_ids], list(call.prefix_lens),
+                  [list(p) for p in call.pages], input_ids, group_mode=call.group_mode)
 
     def decode(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits `[len(seqs), vocab]` for one new token per sequence (graph replay when it fits).
