@@ -152,14 +152,25 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
 
 
 async def _serve_tp_follower(group: RankGroup, thread: LockstepModelThread, config: ServeConfig) -> None:
-    """An attention-TP follower (TP rank > 0): no engine, no server; its model thread runs its
-    leader's forwards (model/tp_replay.py) until the group stops."""
-    await asyncio.to_thread(group.exchange, None)  # it has no endpoint to offer
-    thread.start()
-    log.info("rank %d: TP rank %d of DP group %d, replaying rank %d's forwards", group.rank,
-             group.layout.tp_rank_of(group.rank), group.dp_rank, group.layout.tp_leader_of(group.rank))
-    await _follow_until_group_stops(thread, config.server.drain_timeout_s + STOP_GRACE_S)
-    log.info("rank %d: the group stopped; exiting with status %d", group.rank, GROUP_STOPPED_EXIT)
+    """An attention-TP follower (TP rank > 0): no engine, no gRPC server; its model thread runs its
+    leader's forwards (model/tp_replay.py) until the group stops. Its metrics port still answers
+    (the scrape config lists every rank's port), without request or KV-pool series of its own."""
+    rank = group.rank
+    exporter = None
+    if config.metrics.enabled:
+        exporter = MetricsServer(WorkerMetrics(config.metric_labels(rank)),
+                                 config.metrics.for_local_rank(rank - group.layout.node_ranks.start))
+        await exporter.start()
+    try:
+        await asyncio.to_thread(group.exchange, None)  # it has no endpoint to offer
+        thread.start()
+        log.info("rank %d: TP rank %d of DP group %d, replaying rank %d's forwards", rank,
+                 group.layout.tp_rank_of(rank), group.dp_rank, group.layout.tp_leader_of(rank))
+        await _follow_until_group_stops(thread, config.server.drain_timeout_s + STOP_GRACE_S)
+        log.info("rank %d: the group stopped; exiting with status %d", rank, GROUP_STOPPED_EXIT)
+    finally:
+        if exporter is not None:
+            await exporter.stop()
 
 
 async def _follow_until_group_stops(thread: LockstepModelThread, bound_s: float) -> None:
