@@ -25,8 +25,9 @@ from deepseek_pd.model.tiny import make_tiny_model
 TP = 2
 
 
-def _load(directory, config, parallel: ParallelInfo, fp8: bool) -> DeepseekForCausalLM:
-    model = DeepseekForCausalLM(config, BuildOptions(parallel=parallel, fp8_backend="torch" if fp8 else None))
+def _load(directory, config, parallel: ParallelInfo, fp8: bool, dtype: torch.dtype) -> DeepseekForCausalLM:
+    model = DeepseekForCausalLM(config, BuildOptions(dtype=dtype, parallel=parallel,
+                                                     fp8_backend="torch" if fp8 else None))
     model.load_weights(iter_checkpoint_tensors(directory, config, progress=False, keep_fp8=fp8))
     return model.eval()
 
@@ -44,17 +45,19 @@ def _values(model: DeepseekForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("arch, fp8_block", [("v3", None), ("v2", None), ("v3", (128, 128)), ("v2", (32, 16))],
-                         ids=["v3-fp32", "v2-fp32", "v3-fp8-128", "v2-fp8-32x16"])
-def test_tp_rank_weights_are_head_slices_of_the_unsplit_weights(tmp_path, arch, fp8_block):
+@pytest.mark.parametrize("arch, fp8_block, dtype", [
+    ("v3", None, torch.bfloat16), ("v2", None, torch.float32), ("v3", (128, 128), torch.bfloat16),
+    ("v2", (32, 16), torch.float32),
+], ids=["v3-bf16", "v2-fp32", "v3-fp8-128", "v2-fp8-32x16"])
+def test_tp_rank_weights_are_head_slices_of_the_unsplit_weights(tmp_path, arch, fp8_block, dtype):
     directory = make_tiny_model(tmp_path / arch, arch=arch, seed=random.randrange(10_000), fp8_block=fp8_block)
     config = ModelConfig.from_hf(directory / "config.json")
     fp8 = fp8_block is not None
-    full = _values(_load(directory, config, ParallelInfo(), fp8))
+    full = _values(_load(directory, config, ParallelInfo(), fp8, dtype))
     heads, per = config.num_attention_heads, config.num_attention_heads // TP
     qk, v = config.qk_head_dim, config.v_head_dim
     for rank in range(TP):
-        got = _values(_load(directory, config, ParallelInfo(tp_size=TP, tp_rank=rank), fp8))
+        got = _values(_load(directory, config, ParallelInfo(tp_size=TP, tp_rank=rank), fp8, dtype))
         assert got.keys() == full.keys()
         h = slice(rank * per, (rank + 1) * per)
         for name, want in full.items():
