@@ -15,7 +15,7 @@ Weights (HF names in brackets):
                     out = (probs·c_kv)·w_vc.
 
 With attention TP (`options.parallel.tp_size > 1`) the layer holds only its TP rank's heads
-(`num_local_heads`; q_b_proj / q_proj, w_kc, w_vc and o_proj's input are sliced by the loader) and
+(`num_heads` counts those; q_b_proj / q_proj, w_kc, w_vc and o_proj's input are sliced by the loader) and
 sums o_proj's partial outputs over the TP group (attention/tensor_parallel.py).
 """
 from __future__ import annotations
