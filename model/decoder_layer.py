@@ -3,12 +3,17 @@
 MoE layers run `MOE_LAYER_OPS`, dense layers `DENSE_LAYER_OPS`; the list is picked when the layer
 is built. Residual adds are fused into the norms: `prepare_attn` adds the previous layer's output
 to the running residual and normalises (the first layer's residual is its input).
+
+Under attention TP with EP a MoE layer's `prepare_mlp` keeps only this TP rank's slice of the
+rows as `mlp_input` (the residual keeps all of them) and `output` all-gathers the MoE output back
+(`attention/tensor_parallel.py`, `TokenScatter`); otherwise both are the identity.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from deepseek_pd.model.attention.mla import MLAAttention
+from deepseek_pd.model.attention.tensor_parallel import NO_SCATTER, token_scatter
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import ForwardBatch
@@ -40,6 +45,8 @@ class DeepseekDecoderLayer(nn.Module):
                                 fp8=fp8_spec(config, options.fp8_backend))
             self.op_names = DENSE_LAYER_OPS
         self.dispatcher = dispatcher
+        # Which rows of the MoE input this rank dispatches (chosen once; dense layers: all).
+        self.scatter = token_scatter(options.parallel) if self.is_moe else NO_SCATTER
         self.ops = bound_ops(self)
 
     # ---- attention ------------------------------------------------------------------------
@@ -55,7 +62,7 @@ class DeepseekDecoderLayer(nn.Module):
 
     def op_prepare_mlp(self, state: OpState, batch: ForwardBatch) -> None:
         hidden, residual = self.post_attention_layernorm.add_and_norm(state.pop("attn_output"), state.pop("residual"))
-        state.update(mlp_input=hidden, residual=residual)
+        state.update(mlp_input=self.scatter.scatter(hidden), residual=residual)
 
     # ---- dense MLP ------------------------------------------------------------------------
     def op_mlp(self, state: OpState, batch: ForwardBatch) -> None:
@@ -91,7 +98,9 @@ class DeepseekDecoderLayer(nn.Module):
 
     def op_output(self, state: OpState, batch: ForwardBatch) -> None:
         routed, shared = state.pop("routed_output"), state.pop("shared_output")
-        state["mlp_output"] = routed if shared is None else routed + shared
+        # All of the layer's rows (the residual's), back on every TP rank.
+        state["mlp_output"] = self.scatter.gather(routed if shared is None else routed + shared,
+                                                  state["residual"].shape[0])
 
     # ---- end of layer ---------------------------------------------------------------------
     def op_postprocess(self, state: OpState, batch: ForwardBatch) -> None:

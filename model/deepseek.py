@@ -103,8 +103,8 @@ class DeepseekForCausalLM(nn.Module):
     def forward_idle(self, mode: ForwardMode) -> None:
         """Takes part in one forward's EP collectives with no tokens of its own.
 
-        With data-parallel attention a rank may have no requests in a step while the others run a
-        batch; their all-to-alls still need this rank. Runs each MoE layer's MLP ops (the same op
+        With data-parallel attention a rank (under attention TP: every rank of a DP group) may have
+        no requests in a step while the others run a batch; their all-to-alls still need this rank. Runs each MoE layer's MLP ops (the same op
         methods, from `gate` to `output`) on zero rows, and, with TBO, votes "cannot split" so
         every rank takes the plain path for this step.
         """
@@ -114,10 +114,12 @@ class DeepseekForCausalLM(nn.Module):
         for layer in self.layers:
             if not layer.is_moe:
                 continue
-            state = OpState(mlp_input=self.embed_tokens.weight.new_empty(0, self.config.hidden_size))
+            empty = self.embed_tokens.weight.new_empty(0, self.config.hidden_size)
+            state = OpState(mlp_input=empty, residual=empty)  # `output` reads the row count off the residual
             for name in _MOE_MLP_OPS:
                 op_method(layer, name)(state, stand_in)
             state.pop("mlp_output")
+            state.pop("residual")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -146,11 +146,14 @@ class Fp8Linear(nn.Module):
 
 
 def make_linear(in_features: int, out_features: int, spec: Fp8Spec | None, dtype: torch.dtype,
-                device: torch.device | str, row_splits: tuple[int, ...] = ()) -> nn.Module:
-    """An `Fp8Linear` when weights stay FP8, else a bias-free `nn.Linear` in `dtype`."""
+                device: torch.device | str, row_splits: tuple[int, ...] = (),
+                col_splits: tuple[int, ...] = ()) -> nn.Module:
+    """An `Fp8Linear` when weights stay FP8, else a bias-free `nn.Linear` in `dtype`.
+
+    `row_splits`/`col_splits`: offsets at which HF tensors (or a TP rank's slice of one) start."""
     if spec is None:
         return nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
-    return Fp8Linear(in_features, out_features, spec.block_for(row_splits), spec.backend, device)
+    return Fp8Linear(in_features, out_features, spec.block_for(row_splits, col_splits), spec.backend, device)
 
 
 def fp8_blocks(model: nn.Module) -> dict[str, Fp8BlockQuantConfig]:

@@ -18,7 +18,7 @@ Keys between ops of a MoE layer (→ produced, ← consumed):
     combine_a      ← expert_output                        → combine_handle
     shared_experts ← mlp_input                            → shared_output
     combine_b      ← combine_handle                       → routed_output
-    output         ← routed_output, shared_output         → mlp_output
+    output         ← routed_output, shared_output (reads residual: the row count) → mlp_output
     postprocess    ← mlp_output                           → hidden_states
 A layer starts and ends with exactly {hidden_states, residual}.
 

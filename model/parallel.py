@@ -1,9 +1,11 @@
-"""Expert-parallel placement: which rank this is, its process group, and which experts it holds.
+"""Parallel placement: which rank this is, its process groups, and which experts it holds.
 
 `ParallelInfo` is frozen and passed down constructors (`BuildOptions.parallel`); nothing reads a
-global. Attention and dense layers are replicated (data-parallel attention: every rank runs its
-own tokens); routed expert *slots* are sharded in contiguous blocks; fused shared experts are
-replicated. Without redundant experts slot j holds routed expert j; with an `ExpertLocation`
+global. Routed expert *slots* are sharded in contiguous blocks over the EP group; fused shared
+experts and dense layers are replicated. Attention is data-parallel (every rank runs its own
+tokens) unless `tp_size > 1`: then the `tp_size` ranks of `tp_group` run the same tokens with the
+MLA heads split between them (model/attention/tensor_parallel.py; the layout of the ranks is in
+workers/common/group_layout.py). Without redundant experts slot j holds routed expert j; with an `ExpertLocation`
 (model/eplb/expert_location.py) there are n_routed + R slots per MoE layer, slot p holding
 logical expert `location.row(layer)[p]`, and the ids the dispatchers see are slot ids (the router's
 logical ids are mapped to slots first, model/eplb/replica_dispatch.py).
@@ -28,20 +30,29 @@ from deepseek_pd.model.eplb.expert_location import ExpertLocation
 
 @dataclass(frozen=True)
 class ParallelInfo:
-    """EP size and rank, and the `torch.distributed` group the dispatcher talks over.
+    """EP size and rank and the `torch.distributed` group the dispatcher talks over; attention TP
+    size and rank and the group its all-reduce / all-gather talk over.
 
     `group=None` means the default (world) group; it is only touched when `ep_size > 1`.
+    `tp_group` is only touched when `tp_size > 1` (None then means the default group).
     """
 
     ep_size: int = 1
     ep_rank: int = 0
     group: Any = None  # torch.distributed.ProcessGroup | None
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None
 
     def __post_init__(self) -> None:
         if self.ep_size < 1:
             raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
         if not 0 <= self.ep_rank < self.ep_size:
             raise UserError(f"ep_rank must be in [0, ep_size={self.ep_size}), got {self.ep_rank}")
+        if self.tp_size < 1:
+            raise UserError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise UserError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
 
     @classmethod
     def from_group(cls, group: Any = None) -> "ParallelInfo":

@@ -12,6 +12,12 @@ Expert parallelism: each rank builds its runner with the same `RunnerConfig(ep_s
 own `parallel=ParallelInfo.from_group(group)` after `torch.distributed.init_process_group`; each
 rank then runs its own requests (data-parallel attention), and every rank must call
 extend/decode the same number of times (the MoE all-to-alls pair up across ranks).
+
+Attention TP: `RunnerConfig(tp_size=T)` and a `ParallelInfo` with that `tp_size` and the TP
+group; the T ranks of a TP group make the same calls with the same sequences and pages (their
+KV pools hold the same latent rows), and each holds 1/T of the heads (attention/tensor_parallel.py).
+With a `tp_replay` (model/tp_replay.py) only the TP leader is called: it announces each forward,
+and each follower runs it in `follow_one()`.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
 from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS
 from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.tp_replay import ForwardCall, TpReplay
 from deepseek_pd.model.step_sync import StepSync
 
 log = logging.getLogger(__name__)
@@ -94,6 +101,8 @@ class RunnerConfig:
     moe_backend: str = "auto"
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
     ep_size: int = 1  # the process group handed to ModelRunner(parallel=...) must have this size
+    # Attention TP: MLA heads split over this many ranks running the same batch (ParallelInfo.tp_*).
+    tp_size: int = 1
     enable_tbo: bool = False  # two-batch overlap (model/tbo.py)
     # EPLB (model/eplb/): R extra physical expert slots per MoE layer (n_routed + R over the EP
     # group), and a placement file saying which logical expert each slot holds (else slot p holds
@@ -130,6 +139,10 @@ class RunnerConfig:
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:
             raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.tp_size < 1:
+            raise UserError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.enable_tbo:
+            raise UserError("two-batch overlap (enable_tbo) is not supported with attention TP (tp_size > 1)")
         if self.ep_num_redundant_experts < 0:
             raise UserError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
@@ -188,6 +201,8 @@ class RunnerConfig:
             return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
         if self.enable_tbo:
             return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
+        if self.tp_size > 1:
+            return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
         parts = (("attention backend", ATTENTION_BACKENDS, self.resolve_backend(self.attention_backend)),
                  ("MoE backend", MOE_BACKENDS, self.resolve_backend(self.moe_backend)),
                  ("EP dispatcher", DISPATCHERS, self.resolve_dispatcher()))
@@ -216,6 +231,8 @@ class RunnerConfig:
         parallel = parallel or ParallelInfo()
         if parallel.ep_size != self.ep_size:
             raise UserError(f"ep_size={self.ep_size} but the process group passed in has {parallel.ep_size} ranks")
+        if parallel.tp_size != self.tp_size:
+            raise UserError(f"tp_size={self.tp_size} but the TP group passed in has {parallel.tp_size} ranks")
         return parallel
 
     def resolve_backend(self, name: str) -> str:
@@ -276,6 +293,8 @@ class ModelRunner:
     policy: AttentionPolicy = field(init=False)
     # One rank of a group: every forward is announced to the group first (model/step_sync.py).
     step_sync: StepSync | None = None
+    # Attention TP in a worker: the leader announces its forwards, followers replay them (model/tp_replay.py).
+    tp_replay: TpReplay | None = None
     # The CUDA-graph decode path, when `config.cuda_graph` (built, and captured, once here).
     graphs: DecodeGraphRunner | None = field(init=False, default=None, repr=False)
     # Decode steps so far by how they ran (read by the workers' metrics at scrape time).
@@ -319,6 +338,9 @@ class ModelRunner:
     def _run(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
              pages: list[Sequence[int]], input_ids: torch.Tensor | None = None,
              progress: LayerProgress | None = None, group_mode: ForwardMode | None = None) -> torch.Tensor:
+        if self.tp_replay is not None and self.tp_replay.is_leader:
+            self.tp_replay.lead(ForwardCall(mode, False, tuple(map(tuple, token_ids)), tuple(prefix_lens),
+                                            tuple(map(tuple, pages)), group_mode), input_ids, self.kv_pool)
         batch = ForwardBatch.build(mode, token_ids, prefix_lens, pages, self.kv_pool,
                                    self.model_config.vocab_size, self.model.options.device)
         batch.group_mode = group_mode
@@ -355,7 +377,25 @@ class ModelRunner:
     def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
         """With EP: this rank has no requests this step but must join the other ranks' MoE
         all-to-alls (call it where the others call extend/decode). A no-op work-wise at ep_size 1."""
+        if self.tp_replay is not None and self.tp_replay.is_leader:
+            self.tp_replay.lead(ForwardCall(mode, idle=True), None, self.kv_pool)
         self.model.forward_idle(mode)
+
+    def kv_written_externally(self, pages: Sequence[int]) -> None:
+        """KV landed in these pages outside a forward (a PD transfer): under attention TP the
+        leader sends it to its followers before its next forward (a no-op otherwise)."""
+        if self.tp_replay is not None and self.tp_replay.is_leader:
+            self.tp_replay.note_external_kv(pages)
+
+    def follow_one(self) -> None:
+        """(attention-TP follower) Runs the leader's next forward on this rank (model/tp_replay.py);
+        its logits are dropped (the leader samples)."""
+        call, input_ids = self.tp_replay.receive(self.kv_pool)
+        if call.idle:
+            self.model.forward_idle(call.mode)
+            return
+        self._run(call.mode, [list(t) for t in call.token_ids], list(call.prefix_lens),
+                  [list(p) for p in call.pages], input_ids, group_mode=call.group_mode)
 
     def decode(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits `[len(seqs), vocab]` for one new token per sequence (graph replay when it fits).

@@ -4,6 +4,10 @@ Every expected HF tensor is listed up front under its canonical name (per-expert
 `save_pretrained` writes). A name maps to one or more `(destination view, transform)` pairs:
     q_a_proj + kv_a_proj_with_mqa → rows of `fused_qkv_a_proj`        (when q_lora_rank is set)
     kv_b_proj `[H*(nope+v), R]`    → w_kc `[H, nope, R]` and w_vc `[H, v, R]`
+    with attention TP (tp_size T, rank t; heads h = t*H/T .. (t+1)*H/T - 1): q_b_proj (q_proj)
+                                   rows of heads h, kv_b_proj's heads h, o_proj's input columns
+                                   of heads h (RowSlice / ColSlice: FP8 scales follow); the rest
+                                   is replicated
     gate_proj / up_proj            → halves of `gate_up_proj` (dense MLP, shared experts) or `w13[j]`
     shared experts, when fused     → experts E..E+n-1, slices of width moe_intermediate_size
     with EP (ep_size W, rank r)      only routed expert slots r*S..(r+1)*S-1 (S = slots / W) are
@@ -31,6 +35,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from deepseek_pd.errors import CheckpointError, UserError
+from deepseek_pd.model.attention.tensor_parallel import local_heads
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.fp8 import Fp8BlockQuantConfig
 from deepseek_pd.model.fp8_loading import ColSlice, Fp8Streams, RowSlice, is_fp8_tensor
@@ -70,6 +75,10 @@ def expected_targets(config: ModelConfig, placement: ExpertPlacement,
         targets["lm_head.weight"] = [Target(_param(params, "lm_head.weight"))]
     aliases: dict[str, list[str]] = {}
     heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    mine = local_heads(heads, placement.parallel)  # this TP rank's heads (all of them at tp 1)
+    tp = placement.parallel.tp_size > 1
+    q_rows = _rows(mine.start * cfg.qk_head_dim, mine.stop * cfg.qk_head_dim) if tp else None
+    o_cols = _cols(mine.start * v, mine.stop * v) if tp else None
     for i in range(cfg.num_hidden_layers):
         p, ours = f"model.layers.{i}.", f"layers.{i}."
         targets[p + "input_layernorm.weight"] = [Target(_param(params, ours + "input_layernorm.weight"))]
@@ -81,15 +90,15 @@ def expected_targets(config: ModelConfig, placement: ExpertPlacement,
             targets[a + "q_a_proj.weight"] = [Target(fused[:cfg.q_lora_rank])]
             targets[a + "kv_a_proj_with_mqa.weight"] = [Target(fused[cfg.q_lora_rank:])]
             targets[a + "q_a_layernorm.weight"] = [Target(_param(params, attn + "q_a_layernorm.weight"))]
-            targets[a + "q_b_proj.weight"] = [Target(_param(params, attn + "q_b_proj.weight"))]
+            targets[a + "q_b_proj.weight"] = [Target(_param(params, attn + "q_b_proj.weight"), q_rows)]
         else:
-            targets[a + "q_proj.weight"] = [Target(_param(params, attn + "q_proj.weight"))]
+            targets[a + "q_proj.weight"] = [Target(_param(params, attn + "q_proj.weight"), q_rows)]
             targets[a + "kv_a_proj_with_mqa.weight"] = [Target(_param(params, attn + "kv_a_proj_with_mqa.weight"))]
         targets[a + "kv_a_layernorm.weight"] = [Target(_param(params, attn + "kv_a_layernorm.weight"))]
-        per_head = lambda t: t.reshape(heads, nope + v, -1)  # noqa: E731
+        per_head = lambda t: t.reshape(heads, nope + v, -1)[mine.start:mine.stop]  # noqa: E731
         targets[a + "kv_b_proj.weight"] = [Target(_param(params, attn + "w_kc"), lambda t: per_head(t)[:, :nope]),
                                            Target(_param(params, attn + "w_vc"), lambda t: per_head(t)[:, nope:])]
-        targets[a + "o_proj.weight"] = [Target(_param(params, attn + "o_proj.weight"))]
+        targets[a + "o_proj.weight"] = [Target(_param(params, attn + "o_proj.weight"), o_cols)]
         m, mlp = p + "mlp.", ours + "mlp."
         if not cfg.is_moe_layer(i):
             _add_gated_mlp(targets, m, params, mlp, cfg.intermediate_size)

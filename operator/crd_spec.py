@@ -54,10 +54,12 @@ def _rollout_strategy() -> Schema:
 
 def _parallelism() -> Schema:
     return obj("How the ranks of one group split the model.", {
-        "tp": integer("Tensor-parallel width of attention. Default: (size * gpusPerPod) / dp.",
-                      minimum=1, maximum=1024),
-        "dp": integer("Data-parallel attention replicas inside the group (DP attention).",
-                      minimum=1, maximum=1024, default=1),
+        "tp": integer("Attention tensor parallelism: ranks of one DP group that split the MLA heads "
+                      "and run the same batch (each keeps a copy of its group's KV). Default: "
+                      "(size * gpusPerPod) / dp when dp is set, else 1.", minimum=1, maximum=1024),
+        "dp": integer("Data-parallel attention groups inside the group (DP attention: each attends "
+                      "its own requests and holds their KV). Default: (size * gpusPerPod) / tp, "
+                      "every rank its own DP group when tp is not set either.", minimum=1, maximum=1024),
         "ep": integer("Expert-parallel width of the MoE layers.", minimum=1, maximum=1024, default=1),
     }, default={})
 
@@ -95,8 +97,10 @@ def role_schema(role: str) -> Schema:
                 enum=["RecreateGroupOnPodRestart", "None"], default="RecreateGroupOnPodRestart"),
         },
         rules=[
-            rule(f"has(self.parallelism.tp) ? self.parallelism.tp * self.parallelism.dp == {_WORLD}"
-                 f" : {_WORLD} % self.parallelism.dp == 0",
+            rule(f"has(self.parallelism.tp) && has(self.parallelism.dp) ? "
+                 f"self.parallelism.tp * self.parallelism.dp == {_WORLD} : "
+                 f"has(self.parallelism.dp) ? {_WORLD} % self.parallelism.dp == 0 : "
+                 f"!has(self.parallelism.tp) || {_WORLD} % self.parallelism.tp == 0",
                  "parallelism.tp * parallelism.dp must equal size * gpusPerPod (GPUs per group; 1 "
                  "process per pod when gpusPerPod is 0)", ".parallelism"),
             # The workers spread experts over all ranks of a group or replicate them

@@ -29,9 +29,23 @@ class InvalidSpecError(UserError):
 
 @dataclass(frozen=True)
 class Parallelism:
+    """How a group's ranks split the model, rendered as `serve --tp/--dp/--ep` (world = tp * dp).
+
+    `tp` is attention tensor parallelism within each DP group (workers/common/group_layout.py).
+    Neither given: tp 1, dp = world (DP attention, what an unset CR always meant); one given: the
+    other is world divided by it.
+    """
+
     tp: int
     dp: int
     ep: int
+
+    @classmethod
+    def resolve(cls, par: dict[str, Any], world: int) -> "Parallelism":
+        if "dp" in par:
+            return cls(tp=par.get("tp", world // par["dp"]), dp=par["dp"], ep=par["ep"])
+        tp = par.get("tp", 1)
+        return cls(tp=tp, dp=world // tp, ep=par["ep"])
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,7 @@ class RoleSpec:
             replicas=raw["replicas"],
             size=raw["size"],
             gpus_per_pod=raw["gpusPerPod"],
-            parallelism=Parallelism(tp=par.get("tp", world // par["dp"]), dp=par["dp"], ep=par["ep"]),
+            parallelism=Parallelism.resolve(par, world),
             deepep_mode=raw["deepepMode"],
             engine_args=tuple(raw["engineArgs"]),
             env=tuple(raw["env"]),

@@ -14,9 +14,11 @@ which takes the whole group down.
 Each rank (`serve_rank`):
     1. joins the group (torch.distributed; rank 0's `--dist-init-addr`, or a free loopback port
        that the supervisor picks on one node)
-    2. loads its shard (`ModelRunner` with the EP `ParallelInfo` and the lockstep hook) and builds
+    2. loads its shard (`ModelRunner` with the EP/TP `ParallelInfo` and the lockstep hook) and builds
        its role's engine around a `LockstepModelThread`; the engine owns this DP rank's KV pool,
-       its requests, and (prefill) its own bootstrap service
+       its requests, and (prefill) its own bootstrap service. Under attention TP only each DP
+       group's TP rank 0 does; the other TP ranks build no engine and replay its forwards
+       (`_serve_tp_follower`, model/tp_replay.py)
     3. followers serve their engine on an internal SglangScheduler port; every rank's address
        goes to all (`RankGroup.exchange`)
     4. the ticks start; rank 0 serves SglangScheduler for the group on `--port` through a
@@ -45,7 +47,7 @@ from deepseek_pd.workers.common.group_front import GroupFront
 from deepseek_pd.workers.common.lockstep import GROUP_STOPPED_EXIT, LockstepModelThread, exit_group_failed
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.metrics_server import MetricsServer
-from deepseek_pd.workers.common.rank_group import join_group
+from deepseek_pd.workers.common.rank_group import RankGroup, join_group
 from deepseek_pd.workers.common.remote_engine import RemoteEngine
 from deepseek_pd.workers.common.serve_config import ServeConfig
 from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
@@ -80,11 +82,17 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
     group = await asyncio.to_thread(join_group, layout, rank, config.runner.device)
     check_agreement(await asyncio.to_thread(group.exchange, agreement_of(config)), rank)
     holder: list[ModelRunner] = []
-    thread = LockstepModelThread(f"{config.role}-model-r{rank}", group.control,
-                                 idle_forward=lambda mode: holder[0].idle(mode), leader=rank == 0,
-                                 waker=group.waker)
-    runner = await asyncio.to_thread(ModelRunner, config.runner, parallel=group.parallel(), step_sync=thread)
+    follower = group.is_tp_follower
+    # A forward tick without a job of its own: an idle forward, or (TP follower) the leader's forward.
+    idle_forward = (lambda mode: holder[0].follow_one()) if follower else (lambda mode: holder[0].idle(mode))
+    thread = LockstepModelThread(f"{config.role}-model-r{rank}", group.control, idle_forward=idle_forward,
+                                 leader=rank == 0, waker=group.waker)
+    runner = await asyncio.to_thread(ModelRunner, config.runner, parallel=group.parallel(), step_sync=thread,
+                                     tp_replay=group.tp_replay())
     holder.append(runner)
+    if follower:
+        await _serve_tp_follower(group, thread, config)
+        return
     # Every rank exports its own engine's series (steps, its KV pool, its transfers) on its own
     # port, labelled with its rank; requests are counted once, by rank 0's servicer (the group's).
     metrics = WorkerMetrics(config.metric_labels(rank))
@@ -101,11 +109,11 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
     page_size = config.runner.page_size
     if rank == 0:
         endpoints = await asyncio.to_thread(group.exchange, None)
-        front = GroupFront([engine] + [RemoteEngine(e["engine"], r, page_size)
-                                       for r, e in enumerate(endpoints) if r > 0])
+        leaders = layout.dp_leaders[1:]  # the other DP groups' engines (TP followers run none)
+        front = GroupFront([engine] + [RemoteEngine(endpoints[r]["engine"], r, page_size) for r in leaders])
         if publish_routes is not None:
-            publish_routes(RouteTable((RankEndpoint("", 0),) + tuple(RankEndpoint(*e["bootstrap"])
-                                                                     for e in endpoints[1:])))
+            publish_routes(RouteTable((RankEndpoint("", 0),) + tuple(RankEndpoint(*endpoints[r]["bootstrap"])
+                                                                     for r in leaders)))
         await front.start()
         served, server_config = front, config.server
     else:
@@ -122,8 +130,8 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
         thread.start()  # every rank is loaded and reachable: the ticks may begin
         if rank == 0:
             await server.start()
-            log.info("group of %d ranks ready (dp %d, ep %d, dispatcher %s): rank 0 serves gRPC %s:%d",
-                     layout.world, layout.world, layout.ep, config.runner.dispatcher, config.server.host,
+            log.info("group of %d ranks ready (dp %d, tp %d, ep %d, dispatcher %s): rank 0 serves gRPC %s:%d",
+                     layout.world, layout.dp, layout.tp, layout.ep, config.runner.dispatcher, config.server.host,
                      server.bound_port)
     except BaseException:
         await served.stop()
@@ -137,6 +145,28 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
             return
         await _follow_until_group_stops(thread, config.server.drain_timeout_s + STOP_GRACE_S)
         await server.shutdown()
+        log.info("rank %d: the group stopped; exiting with status %d", rank, GROUP_STOPPED_EXIT)
+    finally:
+        if exporter is not None:
+            await exporter.stop()
+
+
+async def _serve_tp_follower(group: RankGroup, thread: LockstepModelThread, config: ServeConfig) -> None:
+    """An attention-TP follower (TP rank > 0): no engine, no gRPC server; its model thread runs its
+    leader's forwards (model/tp_replay.py) until the group stops. Its metrics port still answers
+    (the scrape config lists every rank's port), without request or KV-pool series of its own."""
+    rank = group.rank
+    exporter = None
+    if config.metrics.enabled:
+        exporter = MetricsServer(WorkerMetrics(config.metric_labels(rank)),
+                                 config.metrics.for_local_rank(rank - group.layout.node_ranks.start))
+        await exporter.start()
+    try:
+        await asyncio.to_thread(group.exchange, None)  # it has no endpoint to offer
+        thread.start()
+        log.info("rank %d: TP rank %d of DP group %d, replaying rank %d's forwards", rank,
+                 group.layout.tp_rank_of(rank), group.dp_rank, group.layout.tp_leader_of(rank))
+        await _follow_until_group_stops(thread, config.server.drain_timeout_s + STOP_GRACE_S)
         log.info("rank %d: the group stopped; exiting with status %d", rank, GROUP_STOPPED_EXIT)
     finally:
         if exporter is not None:
@@ -169,6 +199,7 @@ def agreement_of(config: ServeConfig) -> dict:
     the shape of the collectives (dispatcher, DeepEP mode, TBO, the layout), or the model itself."""
     runner = config.runner
     return {"role": config.role, "world": config.group.world, "ep": config.group.ep, "dp": config.group.dp,
+            "tp": config.group.tp,
             "deepep_mode": config.group.deepep_mode, "dispatcher": runner.dispatcher,
             "enable_tbo": runner.enable_tbo, "page_size": runner.page_size, "dtype": str(runner.dtype),
             "model": config.model.served_model_name,

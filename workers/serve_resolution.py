@@ -20,9 +20,11 @@ The rules, each in one place:
   the RDMA devices this container can use (kv_transfer/rdma_devices.py) and lands in
   `TransportConfig.mooncake_protocol/mooncake_device`; it only applies to `--kv-transport mooncake`.
 - the group (workers/common/group_layout.py): `--tp/--dp/--ep/--nnodes/--node-rank/--dist-init-addr`
-  become one `GroupLayout`; the runner's `ep_size` and dispatcher follow from it (`all_to_all`,
-  or `deepep` where `deep_ep` imports and `--deepep-mode` is not none); CUDA graphs are off where
-  the dispatcher cannot be captured (RunnerConfig.resolve).
+  become one `GroupLayout`; the runner's `ep_size`, `tp_size` (attention TP: `--tp`) and dispatcher
+  follow from it (`all_to_all`, or `deepep` where `deep_ep` imports and `--deepep-mode` is not none);
+  CUDA graphs are off where the dispatcher cannot be captured and under attention TP
+  (RunnerConfig.resolve; `cuda_graph=true` with `--tp` > 1 is refused, so is `enable_tbo`), and
+  `--tp` must divide the model's attention heads.
 - EPLB: `--ep-num-redundant-experts` and `--init-expert-location` become the runner's fields; the
   placement file is read and checked against the model and `--ep` here, before any rank starts
   (model/eplb/expert_location.py).
@@ -66,7 +68,7 @@ _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages",
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
             "transport": TransportConfig, "group": GroupLayout}
-_GROUP_RUNNER_FIELDS = ("ep_size", "dispatcher")  # decided by the group layout
+_GROUP_RUNNER_FIELDS = ("ep_size", "tp_size", "dispatcher")  # decided by the group layout
 
 
 @dataclass(frozen=True)
@@ -135,10 +137,13 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
     for name in _GROUP_RUNNER_FIELDS:
         if name in opts["runner"]:
             raise UserError(f"--engine-opt {name}: set by --ep/--deepep-mode (the group layout), not directly")
-    runner_opts = {**opts["runner"], "ep_size": group.ep,
+    runner_opts = {**opts["runner"], "ep_size": group.ep, "tp_size": group.tp,
                    "dispatcher": group.dispatcher(deepep_available=_deepep_available())}
     _graphs_cover_the_batch_cap(runner_opts, opts["scheduler"])
     model_config = ModelConfig.from_hf(model_dir)
+    if model_config.num_attention_heads % group.tp:
+        raise UserError(f"--tp {group.tp} (attention tensor parallelism) must divide the model's "
+                        f"{model_config.num_attention_heads} attention heads")
     runner = _runner_config(flags, defaults, model_dir, model_config, runner_opts)
     _check_local_gpus(group, runner.device)
     scheduler_fields = dict(opts["scheduler"])
@@ -232,12 +237,8 @@ def _kv_protocol(flags: ServeFlags) -> KVProtocolChoice:
 
 
 def _group_layout(par: ParallelFlags, options: dict[str, Any]) -> GroupLayout:
-    layout = GroupLayout(tp=par.tp, dp=par.dp, ep=par.ep, nnodes=par.nnodes, node_rank=par.node_rank,
-                         dist_init_addr=par.dist_init_addr, deepep_mode=par.deepep_mode, **options)
-    if layout.tp > 1:
-        log.warning("--tp %d: attention runs data-parallel over all %d ranks (MLA's latent KV is not "
-                    "sharded by heads; see workers/common/group_layout.py)", layout.tp, layout.world)
-    return layout
+    return GroupLayout(tp=par.tp, dp=par.dp, ep=par.ep, nnodes=par.nnodes, node_rank=par.node_rank,
+                       dist_init_addr=par.dist_init_addr, deepep_mode=par.deepep_mode, **options)
 
 
 def _check_local_gpus(layout: GroupLayout, device: str) -> None:

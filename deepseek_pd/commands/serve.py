@@ -51,8 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chunked-prefill-size", type=int, default=None,
                         help="prefill token budget per batch")
     parallel = parser.add_argument_group("parallelism (one worker over several GPUs/nodes)")
-    parallel.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    parallel.add_argument("--dp", type=int, default=1, help="data parallel (attention) size")
+    parallel.add_argument("--tp", type=int, default=1,
+                          help="attention tensor parallel size: ranks of one DP group that split the MLA heads "
+                               "and run the same batch (world = tp x dp)")
+    parallel.add_argument("--dp", type=int, default=1,
+                          help="data parallel (attention) groups: each attends its own requests and holds their KV")
     parallel.add_argument("--ep", type=int, default=1, help="expert parallel size")
     parallel.add_argument("--deepep-mode", default="none", choices=["none", "normal", "low_latency", "auto"])
     parallel.add_argument("--nnodes", type=int, default=1, help="nodes (pods) in this worker's group")

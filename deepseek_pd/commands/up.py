@@ -21,7 +21,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks (processes) of each decode worker (default 1)")
     groups.add_argument("--dp", type=int, default=None,
                         help="attention data-parallel size of each multi-rank worker; must divide its ranks "
-                             "(the rest is --tp, also run as DP attention; default: all its ranks)")
+                             "(the rest is --tp: attention tensor parallelism within each DP group; default: all its ranks)")
     groups.add_argument("--ep", type=int, default=None,
                         help="expert parallel size of each multi-rank worker: its ranks (experts spread, the "
                              "default) or 1 (replicated)")

@@ -18,8 +18,8 @@ Example: `up --prefill 2 --prefill-ranks 2 --decode 1 --decode-ranks 4 --dp 2` p
     prefill-1  serve prefill --tp 1 --dp 2 --ep 2   port P1, bootstrap B1, metrics M1, M1+1
     decode-0   serve decode  --tp 2 --dp 2 --ep 4   port P2, bootstrap B2, metrics M2 .. M2+3
 
-(`--tp` is run as DP attention over all ranks, workers/common/group_layout.py), with every port of
-every worker distinct.
+(decode-0: two DP groups of two attention-TP ranks each, workers/common/group_layout.py), with
+every port of every worker distinct.
 """
 from __future__ import annotations
 

@@ -13,6 +13,10 @@ Weights (HF names in brackets):
                     up-projected the same way, attended, and merged by log-sum-exp.
     MLA (absorbed)  q_latent = q_nope·w_kc; scores = q_latent·c_kv + q_pe·k_pe over the cache;
                     out = (probs·c_kv)·w_vc.
+
+With attention TP (`options.parallel.tp_size > 1`) the layer holds only its TP rank's heads
+(`num_heads` counts those; q_b_proj / q_proj, w_kc, w_vc and o_proj's input are sliced by the loader) and
+sums o_proj's partial outputs over the TP group (attention/tensor_parallel.py).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend
+from deepseek_pd.model.attention.tensor_parallel import all_reduce, local_heads
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
@@ -76,7 +81,8 @@ class MLAAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, options: BuildOptions) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
+        self.parallel = options.parallel
+        self.num_heads = len(local_heads(config.num_attention_heads, options.parallel))  # this TP rank's
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_dim = config.v_head_dim
@@ -89,15 +95,18 @@ class MLAAttention(nn.Module):
         hidden, heads, qk = config.hidden_size, self.num_heads, config.qk_head_dim
         kv_a_dim = config.kv_lora_rank + config.qk_rope_head_dim
         fp8 = fp8_spec(config, options.fp8_backend)  # None: plain nn.Linear in the model dtype
+        # Under TP a rank's slice of q_b_proj / o_proj starts at a multiple of its width: FP8 scale
+        # blocks must not straddle it (fp8_linear.Fp8Spec.block_for).
+        q_split, o_split = ((heads * qk,), (heads * self.v_dim,)) if options.parallel.tp_size > 1 else ((), ())
         if self.q_lora_rank is not None:
             self.fused_qkv_a_proj = make_linear(hidden, self.q_lora_rank + kv_a_dim, fp8, **kw,
                                                 row_splits=(self.q_lora_rank,))
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, **kw,
                                          backend=options.norm_rope_backend)
-            self.q_b_proj = make_linear(self.q_lora_rank, heads * qk, fp8, **kw)
+            self.q_b_proj = make_linear(self.q_lora_rank, heads * qk, fp8, **kw, row_splits=q_split)
             self._project_q_and_latent = self._project_lora
         else:
-            self.q_proj = make_linear(hidden, heads * qk, fp8, **kw)
+            self.q_proj = make_linear(hidden, heads * qk, fp8, **kw, row_splits=q_split)
             self.kv_a_proj_with_mqa = make_linear(hidden, kv_a_dim, fp8, **kw)
             self._project_q_and_latent = self._project_plain
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, **kw,
@@ -105,7 +114,7 @@ class MLAAttention(nn.Module):
         self.norm_rope: NormRopeOps = NORM_ROPE_BACKENDS.build(options.norm_rope_backend)
         self.w_kc = nn.Parameter(torch.empty(heads, self.nope_dim, self.kv_lora_rank, **kw))
         self.w_vc = nn.Parameter(torch.empty(heads, self.v_dim, self.kv_lora_rank, **kw))
-        self.o_proj = make_linear(heads * self.v_dim, hidden, fp8, **kw)
+        self.o_proj = make_linear(heads * self.v_dim, hidden, fp8, **kw, col_splits=o_split)
         self.backend: AttentionBackend = ATTENTION_BACKENDS.build(options.attention_backend)
         self._methods: dict[AttentionMethod, Callable[[AttnIntermediate, ForwardBatch], torch.Tensor]] = {
             AttentionMethod.MHA: self._mha,
@@ -134,7 +143,7 @@ class MLAAttention(nn.Module):
 
     def core(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
         out = self._methods[batch.attention_method](inter, batch)  # [T, H, v]
-        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
+        return all_reduce(self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim)), self.parallel)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.core(self.prepare(hidden, batch), batch)

@@ -178,3 +178,28 @@ def test_schema_is_structural():
     # Defaults must themselves be valid: the fully defaulted minimal spec validates.
     obj = copy.deepcopy(_example("cpu-minimal.yaml"))
     assert validate_object(obj) == []
+
+
+@pytest.mark.parametrize("parallelism, want", [
+    ({}, (1, None)),  # DP attention over every rank: what an unset CR always meant
+    ({"tp": 2}, (2, 2)),  # attention TP asked for; dp follows
+    ({"tp": 2, "dp": 2}, (2, 2)),
+    ({"dp": 2}, (None, 2)),  # tp follows from dp, as before
+], ids=["unset", "tp-only", "tp-and-dp", "dp-only"])
+def test_parallelism_defaults_render_dp_attention_unless_tp_is_asked_for(parallelism, want):
+    obj = _example("cpu-minimal.yaml")
+    size, gpus = 2, 2
+    obj["spec"]["decode"].update(size=size, gpusPerPod=gpus, parallelism={**parallelism, "ep": 1})
+    obj["spec"]["decode"]["deepepMode"] = "none"
+    assert validate_object(obj) == []
+    par = DeploymentSpec.parse("tiny", "default", obj["spec"]).decode.parallelism
+    tp, dp = want
+    tp = size * gpus // dp if tp is None else tp
+    dp = size * gpus // tp if dp is None else dp
+    assert (par.tp, par.dp) == (tp, dp)
+
+
+def test_tp_that_does_not_divide_the_group_is_rejected():
+    obj = _example("cpu-minimal.yaml")
+    obj["spec"]["decode"].update(size=1, gpusPerPod=2, parallelism={"tp": 4, "ep": 1}, deepepMode="none")
+    assert [v.field for v in validate_object(obj)] == ["spec.decode.parallelism"]

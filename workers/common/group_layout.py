@@ -2,15 +2,27 @@
 
 One process per rank (on a GPU: per GPU). A group of `world = tp * dp` ranks runs on `nnodes`
 nodes (pods) with `world / nnodes` local ranks each; rank = node_rank * local_ranks + local_rank.
-Rank 0 serves SglangScheduler and the bootstrap port and spreads requests over the DP ranks.
+Rank 0 serves SglangScheduler and the bootstrap port and spreads requests over the DP groups.
 
-Layout of the model over the ranks (the seed's): attention is data-parallel (each rank attends its
-own requests and holds their KV), dense layers are replicated, routed experts are spread over all
-ranks when `ep == world` (the all-to-all / DeepEP dispatchers) or replicated when `ep == 1`.
+Layout of the model over the ranks: `dp` DP groups of `tp` consecutive ranks each,
+    rank = dp_rank * tp + tp_rank.
+Each DP group attends its own requests and holds their KV. Within a DP group the `tp` ranks run
+the same batch with the MLA heads split between them (attention TP, SGLang's DP-attention with
+`attn_tp_size = tp`; model/attention/tensor_parallel.py): q_b_proj, w_kc/w_vc and o_proj are
+sliced by heads, o_proj's partial sums are all-reduced over the TP group, and the latent KV
+(shared by all heads) is replicated on every TP rank. Only the group's TP rank 0 (its leader)
+runs an engine: it schedules, allocates pages and talks to peers; the others replay its forwards
+(model/tp_replay.py). Dense layers and shared experts are replicated; routed experts are spread
+over all ranks when `ep == world` (the all-to-all / DeepEP dispatchers: each TP rank dispatches
+1/tp of its group's rows) or replicated when `ep == 1`. `tp == 1` (the default) is plain DP
+attention: every rank is its own DP group.
 
-Attention tensor parallelism (`tp > 1`) is run as DP attention over the same `tp * dp` ranks:
-with MLA the latent KV is not sharded by heads, so TP attention would keep a copy of every
-request's KV on each of its ranks; DP attention gives the same tokens with 1/tp of that KV.
+Worked example: `--tp 2 --dp 4 --ep 8` -> world 8; DP groups {0,1} {2,3} {4,5} {6,7}; rank 5 is
+DP rank 2, TP rank 1: it holds heads 64..127 of V3's 128, runs DP group 2's batch as rank 4 (its
+leader) schedules it, and holds 256 / 8 = 32 routed experts. Rank 0 spreads requests over the
+DP leaders 0, 2, 4, 6. The same 8 GPUs as `--dp 8` (tp 1) hold 8 DP groups with 1/8 of the
+requests' KV each; tp 2 keeps a second copy of each group's KV and halves the attention weights
+and compute per rank.
 
 Example: `serve decode --dp 16 --ep 16 --nnodes 2 --node-rank 1` -> world 16, 8 local ranks,
 this node runs ranks 8..15; every rank holds 256 / 16 = 16 routed experts of V3.
@@ -79,6 +91,21 @@ class GroupLayout:
     @property
     def ep_size(self) -> int:
         return self.ep
+
+    def dp_rank_of(self, rank: int) -> int:
+        return rank // self.tp
+
+    def tp_rank_of(self, rank: int) -> int:
+        return rank % self.tp
+
+    def tp_leader_of(self, rank: int) -> int:
+        """The global rank of `rank`'s TP rank 0 (its DP group's leader; itself at tp 1)."""
+        return rank - rank % self.tp
+
+    @property
+    def dp_leaders(self) -> range:
+        """The ranks that run engines: TP rank 0 of each DP group, in DP rank order."""
+        return range(0, self.world, self.tp)
 
     def init_host_port(self) -> tuple[str, int]:
         host, sep, port = self.dist_init_addr.rpartition(":")

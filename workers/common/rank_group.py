@@ -6,6 +6,8 @@
     step     the ranks' per-step process group, with `collective_timeout_s`: the MoE all-to-alls
              (through `ParallelInfo`) and, on CPU, the lockstep ticks
     control  on GPU a gloo group for the ticks (CPU tensors, no device sync); on CPU it is `step`
+    tp       (attention TP, tp > 1) this rank's DP group's `tp` ranks: o_proj's all-reduce, the MoE
+             rows' all-gather and the leader's replayed calls (`tp_host`: their gloo twin on GPU)
     waker    the lockstep thread's wake-up channel while the group sleeps (`StoreWaker`: keys in
              rank 0's TCPStore, which torch.distributed already runs for the rendezvous)
 """
@@ -21,6 +23,7 @@ from typing import Any
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.device import is_cuda
 from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.tp_replay import TpReplay
 from deepseek_pd.workers.common.group_layout import GroupLayout
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,8 @@ class RankGroup:
     step: Any
     control: Any
     waker: StoreWaker | None = None
+    tp: Any = None
+    tp_host: Any = None
 
     @property
     def is_leader(self) -> bool:
@@ -79,13 +84,23 @@ class RankGroup:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank  # attention is data-parallel over every rank (see group_layout.py)
+        return self.layout.dp_rank_of(self.rank)
+
+    @property
+    def is_tp_follower(self) -> bool:
+        """A TP rank > 0: it runs no engine, only its DP group leader's forwards."""
+        return self.layout.tp_rank_of(self.rank) > 0
 
     def parallel(self) -> ParallelInfo:
-        """The EP group the model's dispatcher uses (a single rank without expert parallelism)."""
-        if self.layout.ep == 1:
-            return ParallelInfo()
-        return ParallelInfo(self.layout.ep, self.rank, self.step)
+        """The EP group the model's dispatcher uses and this rank's TP group (single rank: neither)."""
+        ep = (self.layout.ep, self.rank, self.step) if self.layout.ep > 1 else (1, 0, None)
+        return ParallelInfo(*ep, self.layout.tp, self.layout.tp_rank_of(self.rank), self.tp)
+
+    def tp_replay(self) -> TpReplay | None:
+        """This rank's end of its TP group's replay channel (model/tp_replay.py); None at tp 1."""
+        if self.layout.tp == 1:
+            return None
+        return TpReplay(self.layout.tp_leader_of(self.rank), not self.is_tp_follower, self.tp_host, self.tp)
 
     def exchange(self, mine: Any) -> list[Any]:
         """Every rank's `mine` (small, picklable), in rank order; waits for all (start-up timeout)."""
@@ -120,4 +135,13 @@ def join_group(layout: GroupLayout, rank: int, device: str) -> RankGroup:
     timeout = datetime.timedelta(seconds=layout.collective_timeout_s)
     step = dist.new_group(backend=backend, timeout=timeout)
     control = step if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return RankGroup(layout, rank, step, control, StoreWaker(host, port))
+    tp = tp_host = None
+    if layout.tp > 1:  # every rank creates every DP group's TP group, in the same order
+        for leader in layout.dp_leaders:
+            members = list(range(leader, leader + layout.tp))
+            device_group = dist.new_group(members, backend=backend, timeout=timeout)
+            host_group = device_group if backend == "gloo" else dist.new_group(members, backend="gloo",
+                                                                                timeout=timeout)
+            if leader == layout.tp_leader_of(rank):
+                tp, tp_host = device_group, host_group
+    return RankGroup(layout, rank, step, control, StoreWaker(host, port), tp, tp_host)

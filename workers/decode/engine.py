@@ -170,6 +170,8 @@ class DecodeEngine:
                     transfer_done = exc.peer_knows  # nothing to tell the prefill side then
                     raise
                 transfer_done = True
+                # Attention TP: the other TP ranks get these pages before the next forward (model/tp_replay.py).
+                self.runner.kv_written_externally(state.reservation.pages[:prompt_pages])
                 state.cached_tokens = done.cached_tokens
                 # The prefill side sampled token 1 at step 0 of the same seed; continue at step 1.
                 state.sampling.record(done.first_token_id)
