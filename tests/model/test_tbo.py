@@ -60,10 +60,10 @@ def test_tbo_equals_plain_forward(models):
     for case, (want, got) in outputs.items():
         assert got.shape == want.shape
         assert _rel_err(got, want) <= REL_TOL, case
-    for runner in runners:  # the latent KV both wrote must agree too
+    for runner in runners:  # the latent KV both wrote must agree too, to fp32 rounding of half-batch GEMMs
         for layer in range(plain.config.num_hidden_layers):
-            torch.testing.assert_close(runner.kv_pool.buffers[layer], runners[0].kv_pool.buffers[layer],
-                                       rtol=1e-5, atol=1e-5)
+            got, want = runner.kv_pool.buffers[layer], runners[0].kv_pool.buffers[layer]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def _batch(model, mode: ForwardMode, lengths: list[int], prefix: int = 0) -> ForwardBatch:
