@@ -39,7 +39,7 @@ from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, su
 from pdtest.gateway_oracle import offline_engine, offline_greedy
 from pdtest.process_tree import alive, descendants, group_rank_pids, wait_gone
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.usefixtures("cluster_logs_on_failure")]
 
 PREFILL = GroupShape(ranks=2, dp=2, ep=2)
 DECODE = GroupShape(ranks=2, dp=2, ep=2, enable_tbo=True)
