@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import random
+import time
 
 import pytest
 
@@ -35,10 +36,10 @@ from deepseek_pd.operator.spec import DeploymentSpec
 
 from pdtest.gateway_oracle import offline_greedy
 from pdtest.local_deployment import LocalDeployment
-from pdtest.local_pods import LOCALHOST, LocalPod, localize, tiny_model_host_paths
+from pdtest.local_pods import LOCALHOST, Command, LocalPod, localize, tiny_model_host_paths
 from pdtest.rendered_pods import RenderedDeployment, cpu_minimal_spec
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 
 READY_TIMEOUT_S = 300  # 5 processes importing torch on a shared CI core or two
 
@@ -48,6 +49,7 @@ def _router_url(pods: list[LocalPod], spec: DeploymentSpec) -> str:
     return f"http://{LOCALHOST}:{router.ports[spec.router.port]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pods_per_group", [1, 2], ids=["as-shipped", "2-pods-per-group"])
 def test_rendered_pods_serve_behind_the_rendered_router(tmp_path, pods_per_group) -> None:
     from deepseek_pd.model.engine import Engine
@@ -72,3 +74,22 @@ def test_rendered_pods_serve_behind_the_rendered_router(tmp_path, pods_per_group
         got = asyncio.run(one())
         deployment.check_running()
         assert got == want, "\n".join(deployment.log_tail(name, 15) for name in deployment.running)
+
+
+def _pod_running(tmp_path: pathlib.Path, script: str) -> LocalPod:
+    command = Command("p-0/worker", ["sh", "-c", script], {}, tmp_path / "p-0")
+    return LocalPod({"metadata": {"name": "p-0"}}, {}, main=[command])
+
+
+def test_the_harness_fails_on_an_exited_container_and_on_an_orphan(tmp_path) -> None:
+    """What the test above relies on: a container that exits (as `serve` does, rc 2, on a flag it
+    refuses) fails the wait at once with its log; a process that escaped its pod's process group
+    and outlives the teardown fails the test (and is killed)."""
+    word = f"refused-{random.randrange(10**6)}"
+    with pytest.raises(AssertionError, match=f"(?s)exited with 2.*{word}"):
+        with LocalDeployment([_pod_running(tmp_path, f"echo {word}; exit 2")], tmp_path / "a") as deployment:
+            deployment.wait_router_ready("http://127.0.0.1:9", 1, timeout_s=30)
+    with pytest.raises(AssertionError, match="outlived their pods"):
+        with LocalDeployment([_pod_running(tmp_path, "setsid sleep 60 & sleep 60")], tmp_path / "b") as deployment:
+            time.sleep(0.5)  # let the escaping child start
+            deployment.check_running()
