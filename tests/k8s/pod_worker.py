@@ -34,7 +34,8 @@ from cluster_dns import resolv_conf
 from cluster_hosts import hosts_file
 from image_registry import ImageRegistry
 from kube_rest import Kube, KubeError
-from pod_inputs import InputError, container_env, container_mounts, expand, prepare_volumes
+from pdtest.pod_inputs import InputError, container_env, expand, prepare_volumes
+from pod_mounts import container_mounts
 from pod_sandbox import Mount, PodNetwork, Sandbox
 from probes import ProbeState, attempt
 

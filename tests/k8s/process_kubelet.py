@@ -36,7 +36,7 @@ from cluster_dns import DnsServer
 from cluster_hosts import cluster_entries
 from image_registry import ImageRegistry
 from kube_rest import Kube, KubeError
-from pod_inputs import quantity
+from pdtest.pod_inputs import quantity
 from pod_sandbox import PodNetwork, sandbox_support
 from pod_worker import PodWorker, now_rfc3339
 from service_proxy import TcpForwarder

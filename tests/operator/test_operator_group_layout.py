@@ -2,7 +2,7 @@
 
 For each example (the V3 multi-node one, and cpu-minimal with 2-pod groups) and each role, the
 pods of a group are rendered, their `$(VAR)` arguments expanded from the pod's own env as the
-kubelet does (LWS_WORKER_INDEX from the pod-index label, LWS_LEADER_ADDRESS), parsed by the real
+kubelet does (pdtest.pod_inputs: LWS_WORKER_INDEX from the pod-index label, LWS_LEADER_ADDRESS), parsed by the real
 CLI parser and resolved by `resolve_serve_config`. The resulting `GroupLayout` must be the one the
 CR meant: tp x dp ranks over `size` nodes, `gpusPerPod` local ranks each, this pod's node rank,
 rank 0's rendezvous address, the CR's DeepEP mode and expert parallelism.
@@ -27,33 +27,12 @@ from deepseek_pd.operator import names
 from deepseek_pd.operator.build_workers import DIST_INIT_PORT, build_group_statefulset
 from deepseek_pd.operator.spec import DeploymentSpec
 
+from pdtest.pod_inputs import container_env, expand
+from pdtest.rendered_pods import RenderedDeployment
+
 pytestmark = pytest.mark.timeout(120)
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 _VAR = re.compile(r"\$\(([A-Z_][A-Z0-9_]*)\)")
-
-
-def _pod_env(container: dict, pod_name: str, pod_index: int) -> dict[str, str]:
-    """The container's env as the kubelet fills it for the pod with this index.
-
-    As the kubelet does, a value's `$(VAR)` is expanded from the variables listed before it.
-    """
-    env = {}
-    for item in container["env"]:
-        if "value" in item:
-            env[item["name"]] = _expand(item["value"], env)
-            continue
-        field = item["valueFrom"].get("fieldRef", {}).get("fieldPath", "")
-        if field == f"metadata.labels['{names.LABEL_POD_INDEX}']":
-            env[item["name"]] = str(pod_index)
-        elif field == "status.podIP":
-            env[item["name"]] = f"10.0.{pod_index}.7"
-        elif field == "metadata.name":
-            env[item["name"]] = pod_name
-    return env
-
-
-def _expand(arg: str, env: dict[str, str]) -> str:
-    return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), arg)
 
 
 def _spec(example: str, rng: random.Random) -> DeploymentSpec:
@@ -90,16 +69,19 @@ def test_every_rendered_pod_resolves_to_the_layout_the_cr_meant(example, v3_node
     rng = random.Random()
     spec = _spec(example, rng)
     parser = build_parser()
+    rendered = RenderedDeployment(spec, pod_ip="10.0.3.7")
     for role_name in names.ROLES:
         role = spec.role(role_name)
         index = rng.randrange(role.replicas)
         statefulset = build_group_statefulset(spec, role_name, index)
         assert statefulset["spec"]["replicas"] == role.size
-        container = statefulset["spec"]["template"]["spec"]["containers"][0]
         leader = names.leader_address(spec.name, role_name, index, spec.namespace)
-        for pod_index in range(role.size):
-            env = _pod_env(container, f"{statefulset['metadata']['name']}-{pod_index}", pod_index)
-            argv = [_expand(arg, env) for arg in container["args"]]
+        group = names.group_selector(spec.name, role_name, index)
+        pods = [pod for pod in rendered.pods() if group.items() <= pod["metadata"]["labels"].items()]
+        assert [pod["metadata"]["labels"][names.LABEL_POD_INDEX] for pod in pods] == [str(i) for i in range(role.size)]
+        for pod_index, pod in enumerate(pods):
+            container = pod["spec"]["containers"][0]
+            argv = [expand(arg, container_env(rendered, pod, container, {})) for arg in container["args"]]
             assert not any(_VAR.search(arg) for arg in argv), argv  # the kubelet expands every one
             flags = flags_from_args(parser.parse_args(argv))
             # The image's weights are not here: V3's config, or the generated tiny checkpoint.

@@ -87,19 +87,41 @@ def test_pd_into_dp_decode_ranks_equals_offline_engine(tmp_path) -> None:
         assert [r.output_ids for r in results] == want, decode.log_tail()
 
 
+def _group_flags(argv: list[str]) -> list[str]:
+    """The flags of `argv` that shape a group (launcher.worker_plan.GROUP_FLAGS), with their values."""
+    from deepseek_pd.launcher.worker_plan import GROUP_FLAGS
+
+    out = []
+    for i, arg in enumerate(argv):
+        if arg in GROUP_FLAGS:
+            takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            out += argv[i:i + 1 + takes_value]
+    return out
+
+
 @pytest.mark.timeout(200)
 def test_two_pod_group_as_the_operator_renders_it(tmp_path) -> None:
-    """`cpu-minimal.yaml` with `size: 2` renders `--tp 2 --nnodes 2 --node-rank I --dist-init-addr
-    LEADER:PORT`: two separate `serve` processes (one rank each) form one group and serve."""
-    from deepseek_pd.launcher.ports import pick_free_ports
+    """`cpu-minimal.yaml` with `size: 2` (pdtest.rendered_pods: DP+EP or TP, drawn per run): each
+    decode pod's group flags (`--dp 2 --ep 2` or `--tp 2`, `--nnodes 2 --node-rank I --dist-init-addr
+    LEADER:PORT`) come from the operator's rendered pod, expanded as the kubelet does, the leader's
+    name mapped to 127.0.0.1 (pdtest.local_pods). Two separate `serve` processes (one rank each)
+    form one group and serve. (tests/operator/test_rendered_pods_run.py runs the whole rendered
+    argv behind the rendered router.)"""
+    from deepseek_pd.operator import names
+
+    from pdtest.local_pods import localize, tiny_model_host_paths
+    from pdtest.rendered_pods import RenderedDeployment, cpu_minimal_spec
 
     rng = random.Random()
+    spec = cpu_minimal_spec(rng, pods_per_group=2)
+    pods = sorted((p for p in localize(RenderedDeployment(spec), tmp_path / "pods", tiny_model_host_paths(spec, tmp_path))
+                   if p.pod["metadata"]["labels"].get(names.LABEL_ROLE) == "decode"),
+                  key=lambda p: int(p.pod["metadata"]["labels"][names.LABEL_POD_INDEX]))
+    flags = [_group_flags(pod.main[0].argv) for pod in pods]
+    assert [f[f.index("--node-rank") + 1] for f in flags] == ["0", "1"], flags
     prompts, max_new = _prompts(rng, 3)
     want = offline_greedy(prompts, max_new)
-    init_port = pick_free_ports(1)[0]
-    pods = [GroupWorker("decode", ["--tp", "2", "--nnodes", "2", "--node-rank", str(i),
-                                   "--dist-init-addr", f"127.0.0.1:{init_port}"], tmp_path / f"pod{i}.log")
-            for i in range(2)]
-    with pods[0] as leader, pods[1]:
+    workers = [GroupWorker("decode", f, tmp_path / f"pod{i}.log") for i, f in enumerate(flags)]
+    with workers[0] as leader, workers[1]:
         asyncio.run(leader.wait_healthy())
         assert asyncio.run(generate_all(leader.address, prompts, max_new)) == want, leader.log_tail()

@@ -5,7 +5,6 @@
                                                           resourceFieldRef, secretKeyRef,
                                                           configMapKeyRef, envFrom
     prepare_volumes(kube, pod, dir, ...)      -> {name: VolumeSource}  files written under `dir`
-    container_mounts(container, volumes)      -> [Mount] for the sandbox (subPath included)
 
 Volume sources: configMap, secret, downwardAPI, projected (serviceAccountToken through a real
 TokenRequest, configMap, secret, downwardAPI), emptyDir (Memory: a tmpfs), hostPath, and
@@ -13,6 +12,10 @@ persistentVolumeClaim as a per-claim directory under the kubelet's root (no prov
 claim's data lives as long as the kubelet). Files are written once when the pod starts (a
 kubelet would refresh them; nothing here rotates a Secret under a running pod). Anything else
 raises InputError: the pod reports CreateContainerConfigError instead of running half-configured.
+
+`kube` is anything with the two calls used here (`Objects`): the process kubelet passes its REST
+client (tests/k8s), the rendered-pod tests a store of the operator's built objects (no cluster).
+How the sandbox mounts the volumes is the kubelet's (tests/k8s/pod_mounts.py).
 """
 from __future__ import annotations
 
@@ -22,19 +25,26 @@ import os
 import pathlib
 import re
 from dataclasses import dataclass
-from typing import Any
-
-from kube_rest import Kube
-from pod_sandbox import Mount
+from typing import Any, Protocol
 
 Obj = dict[str, Any]
+
+
+class Objects(Protocol):
+    """Where Secrets, ConfigMaps (and, for projected tokens, TokenRequests) come from."""
+
+    def get(self, path: str) -> Obj | None: ...
+
+    def create(self, path: str, obj: Obj) -> Obj: ...
+
+
 
 
 class InputError(Exception):
     """A referenced Secret/ConfigMap/key is missing or a source is unsupported (the message says)."""
 
 
-def _get(kube: Kube, kind: str, namespace: str, name: str, optional: bool) -> Obj | None:
+def _get(kube: Objects, kind: str, namespace: str, name: str, optional: bool) -> Obj | None:
     obj = kube.get(f"/api/v1/namespaces/{namespace}/{kind}/{name}")
     if obj is None and not optional:
         raise InputError(f"{kind[:-1]} {namespace}/{name} not found")
@@ -105,7 +115,7 @@ def expand(text: str, env: dict[str, str]) -> str:
     return _VAR.sub(one, text)
 
 
-def container_env(kube: Kube, pod: Obj, container: Obj, base: dict[str, str]) -> dict[str, str]:
+def container_env(kube: Objects, pod: Obj, container: Obj, base: dict[str, str]) -> dict[str, str]:
     """`base` (what the image would set: PATH, HOME) overlaid by envFrom, then env in order."""
     namespace = pod["metadata"]["namespace"]
     env = dict(base)
@@ -151,7 +161,7 @@ def _write_files(directory: pathlib.Path, files: dict[str, bytes], mode: int) ->
         target.chmod(mode)
 
 
-def _key_files(kube: Kube, kind: str, namespace: str, source: Obj, name_key: str) -> tuple[dict[str, bytes], int | None]:
+def _key_files(kube: Objects, kind: str, namespace: str, source: Obj, name_key: str) -> tuple[dict[str, bytes], int | None]:
     obj = _get(kube, kind, namespace, source[name_key], source.get("optional", False))
     values = _key_values(kind, obj)
     if not source.get("items"):
@@ -170,7 +180,7 @@ def _downward_files(pod: Obj, source: Obj) -> dict[str, bytes]:
             for item in source.get("items") or [] if "fieldRef" in item}
 
 
-def _token(kube: Kube, pod: Obj, source: Obj) -> bytes:
+def _token(kube: Objects, pod: Obj, source: Obj) -> bytes:
     meta = pod["metadata"]
     account = pod["spec"].get("serviceAccountName") or "default"
     body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
@@ -182,7 +192,7 @@ def _token(kube: Kube, pod: Obj, source: Obj) -> bytes:
     return answer["status"]["token"].encode()
 
 
-def _projected_files(kube: Kube, pod: Obj, source: Obj) -> dict[str, bytes]:
+def _projected_files(kube: Objects, pod: Obj, source: Obj) -> dict[str, bytes]:
     namespace = pod["metadata"]["namespace"]
     files: dict[str, bytes] = {}
     for part in source.get("sources") or []:
@@ -199,7 +209,7 @@ def _projected_files(kube: Kube, pod: Obj, source: Obj) -> dict[str, bytes]:
     return files
 
 
-def prepare_volumes(kube: Kube, pod: Obj, directory: pathlib.Path,
+def prepare_volumes(kube: Objects, pod: Obj, directory: pathlib.Path,
                     claims_dir: pathlib.Path) -> dict[str, VolumeSource]:
     """Writes every volume's files under `directory/<volume>`; returns where each one is."""
     namespace = pod["metadata"]["namespace"]
@@ -242,17 +252,3 @@ def prepare_volumes(kube: Kube, pod: Obj, directory: pathlib.Path,
             raise InputError(f"volume {name!r}: source {sorted(set(volume) - {'name'})} is not supported")
         out[name] = VolumeSource(path=str(path))
     return out
-
-
-def container_mounts(container: Obj, volumes: dict[str, VolumeSource]) -> list[Mount]:
-    mounts = []
-    for mount in container.get("volumeMounts") or []:
-        source = volumes.get(mount["name"])
-        if source is None:
-            raise InputError(f"volumeMount {mount['name']!r} names no volume of the pod")
-        if source.tmpfs_size:
-            mounts.append(Mount(mount["mountPath"], tmpfs_size=source.tmpfs_size))
-            continue
-        path = os.path.join(source.path, mount["subPath"]) if mount.get("subPath") else source.path
-        mounts.append(Mount(mount["mountPath"], path, bool(mount.get("readOnly"))))
-    return mounts

@@ -1,0 +1,126 @@
+"""Runs localized pods (pdtest.local_pods) as processes, as a node would: init containers first,
+each to success, then every pod's containers, each in its own session; then stops them all.
+
+    with LocalDeployment(local_pods, logs_dir) as deployment:
+        deployment.wait_router_ready(router_url, workers=2, timeout_s=240)
+        ...
+    # leaving: SIGTERM to each process group, SIGKILL after a grace; no process may outlive it.
+
+A container that exits while the test waits fails it at once with its log (a refused argv exits
+with rc 2 at start), never after the whole timeout.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import time
+
+from deepseek_pd.launcher.health import router_ready_workers
+
+from pdtest.local_pods import Command, LocalPod
+from pdtest.process_tree import descendants, wait_gone
+
+INIT_TIMEOUT_S = 120
+STOP_GRACE_S = 20  # serve drains and stops its ranks on SIGTERM well within this
+ORPHAN_WAIT_S = 10
+
+
+class LocalDeployment:
+    def __init__(self, pods: list[LocalPod], logs: pathlib.Path) -> None:
+        self.pods = pods
+        self.logs = logs
+        self.running: dict[str, subprocess.Popen] = {}
+
+    def _log(self, command: Command) -> pathlib.Path:
+        return self.logs / (command.name.replace("/", "_") + ".log")
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.logs / (name.replace("/", "_") + ".log")
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return f"--- {name}\n" + "\n".join(text.splitlines()[-lines:])
+
+    def _spawn(self, command: Command) -> subprocess.Popen:
+        command.cwd.mkdir(parents=True, exist_ok=True)
+        with open(self._log(command), "ab") as log:
+            return subprocess.Popen(command.argv, cwd=command.cwd, env={**os.environ, **command.env},
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self) -> "LocalDeployment":
+        self.logs.mkdir(parents=True, exist_ok=True)
+        inits = {c.name: self._spawn(c) for pod in self.pods for c in pod.init}  # pods start in parallel
+        self.running.update(inits)
+        for name, proc in inits.items():
+            try:
+                proc.wait(INIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"init container {name} still running after {INIT_TIMEOUT_S}s") from None
+            del self.running[name]
+            assert proc.returncode == 0, f"init container {name} exited {proc.returncode}\n{self.log_tail(name)}"
+        for pod in self.pods:
+            for command in pod.main:
+                self.running[command.name] = self._spawn(command)
+        return self
+
+    def check_running(self) -> None:
+        """Fails with the container's log if any container has exited."""
+        for name, proc in self.running.items():
+            assert proc.poll() is None, f"{name} exited with {proc.returncode}\n{self.log_tail(name)}"
+
+    def wait_router_ready(self, router_url: str, workers: int, timeout_s: float) -> None:
+        """Until the router's /readiness counts `workers` healthy workers (every group's leader)."""
+        deadline = time.monotonic() + timeout_s
+        seen = -1
+        while time.monotonic() < deadline:
+            self.check_running()
+            seen = router_ready_workers(router_url)
+            if seen >= workers:
+                return
+            time.sleep(0.5)
+        tails = "\n".join(self.log_tail(name, 10) for name in self.running)
+        raise AssertionError(f"router reports {seen} healthy workers, not {workers}, after {timeout_s:.0f}s\n{tails}")
+
+    def stop(self) -> set[int]:
+        """Stops every container (SIGTERM to its process group, SIGKILL after the grace); returns
+        the pids (containers and all their descendants) still alive after that: orphans."""
+        tree: set[int] = set()
+        for proc in self.running.values():
+            tree |= descendants(proc.pid) | {proc.pid}
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.running.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait(10)
+        self.running.clear()
+        return wait_gone(tree, ORPHAN_WAIT_S)
+
+    def __enter__(self) -> "LocalDeployment":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, exc_type, *exc) -> None:
+        left = self.stop()
+        for pid in left:  # never leave them to the next test, even when failing it
+            _kill(pid)
+        assert exc_type is not None or not left, f"processes outlived their pods: {sorted(left)}"
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
