@@ -10,10 +10,8 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.common import internal_auth
@@ -25,6 +23,7 @@ from deepseek_pd.workers.common.kv_transfer.base import layout_of
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
+from pdtest.kv_transfer_harness import random_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,14 +100,7 @@ def test_replay_guard_touches_a_constant_number_of_entries_per_message():
 
 
 # ---- tokens on the bootstrap port ---------------------------------------------------------------
-def _pool(rng: random.Random) -> KVPool:
-    pool = KVPool(2, 8, 4, 16)
-    for buffer in pool.buffers:
-        buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))))
-    return pool
-
-
-def _handshake(room: int, pool: KVPool) -> pb.Handshake:
+def _handshake(room: int, pool) -> pb.Handshake:
     handshake = pb.Handshake(protocol_version=PROTOCOL_VERSION, room=room, num_tokens=8, page_ids=[0, 1],
                              layout=layout_of(pool))
     handshake.grpc.max_chunk_bytes = 1 << 20
@@ -138,7 +130,7 @@ class _Prefills:
         self.servers: list[BootstrapServer] = []
         self.registries: list[RoomRegistry] = []
         self.pushes: list[KVPush] = []
-        self.pool = _pool(rng)
+        self.pool = random_pool(rng, 8, 4)
         self.sender = build_sender("grpc", self.pool, TransportConfig())
 
     async def __aenter__(self) -> "_Prefills":
