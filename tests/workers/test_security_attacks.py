@@ -7,7 +7,6 @@ unauthenticated Abort failed the room, decode dialled the unregistered port; all
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import socket
 
@@ -165,7 +164,7 @@ def test_a_lying_prefill_fails_its_own_requests_alone(lie, monkeypatch):
     `check_first_token` the bad id failed the whole batch; without the finite check and the
     scrub, NaN pages turned later requests' outputs into runs of token 0."""
     from deepseek_pd.model.sampling_params import SamplingParams
-    from deepseek_pd.workers.common.api import DisaggParams, Failed, GenerateRequest
+    from deepseek_pd.workers.common.api import Failed
     from deepseek_pd.workers.decode import engine as decode_engine
     from deepseek_pd.workers.prefill.engine import PrefillEngine
 
@@ -197,9 +196,7 @@ def test_a_lying_prefill_fails_its_own_requests_alone(lie, monkeypatch):
 
                 async def lied_to(i, p):
                     await decoding.wait()  # the honest requests are in the decode batch by now
-                    p_req, d_req = pair.requests(p, greedy, f"evil{i}")
-                    disagg = DisaggParams("127.0.0.1", hostile.bootstrap_port, p_req.disagg.bootstrap_room)
-                    p_req, d_req = (dataclasses.replace(r, disagg=disagg) for r in (p_req, d_req))
+                    p_req, d_req = pair.requests(p, greedy, f"evil{i}", prefill=hostile)
                     return (await asyncio.gather(collect(hostile, p_req), collect(pair.decode, d_req)))[1]
 
                 async def honest_run(i, p):
