@@ -180,6 +180,10 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         spec = self.spec
+        if spec.kv_transport == "mooncake":
+            from deepseek_pd.workers.common.kv_transfer.mooncake import exposure_warning
+
+            logger.warning("up --kv-transport mooncake: %s", exposure_warning(spec.host))
         from deepseek_pd.launcher.gpu_share import check_gpus_for_groups  # imports torch, as resolving does
         from deepseek_pd.model.device import resolve_device
         from deepseek_pd.model.model_dir import served_name

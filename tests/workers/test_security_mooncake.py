@@ -122,3 +122,14 @@ def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_po
             receiver.close()
 
     asyncio.run(run())
+
+
+def test_a_mooncake_engine_warns_that_it_listens_on_every_interface(monkeypatch, caplog):
+    mooncake_stub.install(monkeypatch)
+    host = f"127.0.0.{random.randrange(2, 250)}"
+    with caplog.at_level("WARNING"):
+        receiver = build_receiver("mooncake", random_pool(random.Random(), 2, PAGE_SIZE),
+                                  TransportConfig(advertise_host=host))
+        receiver.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("ALL interfaces (0.0.0.0)" in w and host in w for w in warnings), warnings
