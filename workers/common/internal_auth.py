@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.private_file import write_private_file
 from deepseek_pd.proto import bootstrap_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -184,15 +185,7 @@ def _is_kubernetes_secret_mount(path: Path) -> bool:
 
 def create_secret_file(path: str | Path) -> Path:
     """Writes a fresh random secret (hex text) readable by this user only; returns its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, secrets.token_hex(SECRET_BYTES).encode())
-    finally:
-        os.close(fd)
-    return path
+    return write_private_file(path, secrets.token_hex(SECRET_BYTES).encode())
 
 
 def resolve_auth(secret_file: str | None, insecure: bool) -> InternalAuth:
