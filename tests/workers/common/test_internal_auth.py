@@ -50,12 +50,13 @@ def test_replay_guard_refuses_replays_and_forgets_expired_nonces_in_order():
     clock, window = _Clock(), random.uniform(10, 100)
     guard = ReplayGuard(window, clock=clock)
     lifetime = 2 * window
-    arrivals = []
-    for _ in range(random.randrange(50, 100)):
+    arrivals, count = [], random.randrange(50, 100)
+    for _ in range(count):  # all within one lifetime: none expires yet
         nonce = os.urandom(16)
         guard.check(nonce)
         arrivals.append((clock.now, nonce))
-        clock.now += random.uniform(0, lifetime / 40)
+        clock.now += random.uniform(0, lifetime / (2 * count))
+    assert len(guard) == count
     for _, nonce in random.sample(arrivals, 10):
         with pytest.raises(AuthError, match="replay"):
             guard.check(nonce)
