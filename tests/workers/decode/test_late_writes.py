@@ -19,7 +19,7 @@ from pdtest.pd_engine_harness import PDPair, collect, oracle, runner, worker_con
 
 pytestmark = pytest.mark.timeout(120)
 
-GRACE_S = 0.8
+GRACE_S = 1.5
 
 
 class LateWritingReceiver(KVReceiver):
