@@ -24,7 +24,7 @@ GRACE_S = 1.5
 
 class LateWritingReceiver(KVReceiver):
     """The fake transport's receiver, one-sided like Mooncake: it keeps a failed request's pages
-    for GRACE_S, and `write_late` lands a write (NaN) into the pages of its last transfer."""
+    for GRACE_S, and `write_late(pages)` lands a write (NaN) there, as a late one-sided write would."""
 
     name = "fake"
 
