@@ -2,8 +2,8 @@
 
 sgl-model-gateway decides HTTP or gRPC per worker from the URL scheme, and our workers speak only
 gRPC (`sglang.grpc.scheduler.SglangScheduler`). The gateway's Kubernetes service discovery in
-0.3.2 builds `http://<pod-ip>:<port>` URLs (upstream: sgl-project/sglang#11567 and #12045; later
-gateways have a discovery protocol flag), so discovered workers never become healthy. Two modes:
+0.3.2 builds `http://<pod-ip>:<port>` URLs (upstream: sgl-project/sglang#11567 and #12045; smg
+documents a HTTP-then-gRPC probe, untested here), so discovered workers never become healthy. Two modes:
 
     Static    (default) the operator lists the leader (rank 0) of every group through the
               group's headless Service. DeepSeekDeployment "v3" in namespace "llm", 2 prefill

@@ -37,6 +37,7 @@ from deepseek_pd.launcher.process import ManagedProcess, stop_all
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
 from deepseek_pd.launcher.worker_plan import (GroupShape, ServeSettings, WorkerPlan, check_worker_args,
                                               plan_workers, port_block_sizes, serve_argv)
+from deepseek_pd.private_file import write_private_file
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +181,10 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         spec = self.spec
+        if spec.kv_transport == "mooncake":
+            from deepseek_pd.workers.common.kv_transfer.mooncake import exposure_warning
+
+            logger.warning("up --kv-transport mooncake: %s", exposure_warning(spec.host))
         from deepseek_pd.launcher.gpu_share import check_gpus_for_groups  # imports torch, as resolving does
         from deepseek_pd.model.device import resolve_device
         from deepseek_pd.model.model_dir import served_name
@@ -249,10 +254,8 @@ class LocalCluster:
                 time.sleep(0.2)
 
     def _start_router(self) -> None:
-        key_file = self.log_dir / "control-plane-key"
-        key_file.parent.mkdir(parents=True, exist_ok=True)
-        key_file.touch(mode=0o600)
-        key_file.write_text(self.control_plane_key + "\n")
+        # smg takes the key on its command line too (it reads none from a file or the environment).
+        write_private_file(self.log_dir / "control-plane-key", (self.control_plane_key + "\n").encode())
         self.router = ManagedProcess("router", self._router_argv(), self.log_dir / "router.log")
         self.router.start()
 

@@ -137,6 +137,21 @@ def test_each_serve_command_runs_the_planned_group(tmp_path) -> None:
             assert flags.prefill_peers == ()
 
 
+def test_decode_workers_pull_only_from_this_runs_prefill_workers(tmp_path) -> None:
+    """Plain `up -P N -D M` (one rank each): every decode `serve` gets `--prefill-peers` naming
+    every prefill worker's bootstrap address and nothing else; every worker gets the run's secret."""
+    rng = random.Random()
+    spec = up_spec("--prefill", str(rng.randint(1, 4)), "--decode", str(rng.randint(1, 3)))
+    plans, argvs = planned(spec, tmp_path)
+    prefill_boots = sorted(f"127.0.0.1:{p.bootstrap_port}" for p in plans if p.role == "prefill")
+    assert len(prefill_boots) == spec.num_prefill
+    for plan, argv in zip(plans, argvs):
+        flags = flags_from_args(build_parser().parse_args(argv[3:]))
+        assert flags.internal_secret_file == str(tmp_path / "secret") and not flags.insecure_internal
+        assert argv.count("--prefill-peers") == (plan.role == "decode")
+        assert sorted(flags.prefill_peers) == (prefill_boots if plan.role == "decode" else [])
+
+
 # A stand-in for a group's `serve`: a "rank" child in its process group, then the leader exits as
 # a failed group does. A real supervisor stops its ranks first; this one leaves its child behind.
 LEADER = """

@@ -1,4 +1,5 @@
-"""Attacks on the prefill <-> decode channel by a peer without the deployment secret: each fails.
+"""Attacks on the prefill <-> decode channel by a peer without the deployment secret: each fails;
+and by a prefill peer with it that lies (pdtest/hostile_prefill.py): only its own requests fail.
 
 Checked on main before the fix: the unauthenticated reader got the room's KV chunks, the
 unauthenticated Abort failed the room, decode dialled the unregistered port; all pass now.
@@ -25,8 +26,10 @@ from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
+from pdtest.hostile_prefill import LIES
+from pdtest.pd_engine_harness import PDPair, collect, oracle, runner, worker_config
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 
 def _pool(rng: random.Random, pages: int = 8) -> KVPool:
@@ -151,3 +154,76 @@ def test_nan_kv_is_refused_and_scrubbed_without_touching_other_pages():
     for buffer, kept in zip(pool.buffers, before):
         assert torch.count_nonzero(buffer[mine]) == 0
         assert torch.equal(buffer[others], kept)
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_a_lying_prefill_fails_its_own_requests_alone(lie, monkeypatch):
+    """A prefill peer sends a first token past the vocabulary, or NaN in the KV: its requests fail
+    (INTERNAL, saying why) while the honest requests decoding in the same batch, and a later wave
+    that reuses the refused pages, give exactly the offline engine's greedy tokens. Without
+    `check_first_token` the bad id failed the whole batch; without the finite check and the
+    scrub, NaN pages turned later requests' outputs into runs of token 0."""
+    from deepseek_pd.model.sampling_params import SamplingParams
+    from deepseek_pd.workers.common.api import Failed
+    from deepseek_pd.workers.decode import engine as decode_engine
+    from deepseek_pd.workers.prefill.engine import PrefillEngine
+
+    rng = random.Random()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    vocab = oracle().vocab_size
+    prompt = lambda low, high: [rng.randrange(2, vocab) for _ in range(rng.randrange(low, high))]  # noqa: E731
+    honest, evil = [prompt(3, 40) for _ in range(4)], [prompt(10, 40) for _ in range(2)]
+    extra = [prompt(40, 50) for _ in range(2)]  # wave 2 needs more pages than wave 1 freed
+    expected = {tuple(p): oracle().generate(p, greedy).output_ids for p in honest + evil + extra}
+    pulled: dict[str, list[int]] = {}
+    pull_kv = decode_engine.pull_kv
+
+    def recording_pull(client, receiver, disagg, rid, num_tokens, pages, *rest):
+        pulled[rid] = list(pages)
+        return pull_kv(client, receiver, disagg, rid, num_tokens, pages, *rest)
+    monkeypatch.setattr(decode_engine, "pull_kv", recording_pull)
+
+    async def run():
+        async with PDPair("grpc") as pair:
+            hostile = PrefillEngine(runner(), worker_config("grpc"))
+            await hostile.start()
+            LIES[lie](hostile, rng)
+            try:
+                decoding = asyncio.Event()
+
+                async def on_event(event):
+                    decoding.set()
+
+                async def lied_to(i, p):
+                    await decoding.wait()  # the honest requests are in the decode batch by now
+                    p_req, d_req = pair.requests(p, greedy, f"evil{i}", prefill=hostile)
+                    return (await asyncio.gather(collect(hostile, p_req), collect(pair.decode, d_req)))[1]
+
+                async def honest_run(i, p):
+                    p_req, d_req = pair.requests(p, greedy, f"honest{i}")
+                    return (await asyncio.gather(collect(pair.prefill, p_req),
+                                                 collect(pair.decode, d_req, on_event)))[1]
+
+                wave1 = await asyncio.gather(*(honest_run(i, p) for i, p in enumerate(honest)),
+                                             *(lied_to(i, p) for i, p in enumerate(evil)))
+                await pair.wait_pools_clean()
+                wave2 = await asyncio.gather(*(pair.run(p, greedy, f"later{i}")
+                                               for i, p in enumerate(honest + evil + extra)))
+                await pair.wait_pools_clean()
+                return wave1, [d for _, d in wave2]
+            finally:
+                await hostile.stop()
+
+    wave1, wave2 = asyncio.run(run())
+    reason = "outside the vocabulary" if lie == "first_token" else "NaN"
+    for outcome, p in zip(wave1, honest + evil):
+        if p in evil:
+            assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.INTERNAL
+            assert reason in outcome.terminal.message and not outcome.tokens, outcome.terminal
+        else:
+            assert outcome.ok and outcome.tokens == expected[tuple(p)], outcome
+    for outcome, p in zip(wave2, honest + evil + extra):
+        assert outcome.ok and outcome.tokens == expected[tuple(p)], (outcome, "wave 2")
+    refused = {page for rid, pages in pulled.items() if rid.startswith("evil") for page in pages}
+    reused = {page for rid, pages in pulled.items() if rid.startswith("later") for page in pages}
+    assert refused and refused <= reused, "wave 2 did not reuse the refused pages: the test proves nothing"

@@ -33,10 +33,13 @@ import secrets
 import stat
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.private_file import write_private_file
 from deepseek_pd.proto import bootstrap_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -99,11 +102,17 @@ class InternalAuth:
         if skew > self.max_skew_s:
             raise AuthError(f"{purpose} is {skew:.0f}s off this host's clock (replayed, or clocks disagree "
                             f"by more than {self.max_skew_s:.0f}s)")
-        if challenge is not None and not hmac.compare_digest(token.challenge, challenge):
-            raise AuthError(f"{purpose} answers another handshake (replayed from another stream)")
+        if challenge is not None:
+            self.check_challenge(token, challenge, purpose)
         if guard is not None:
             guard.check(token.nonce)
         return token
+
+    def check_challenge(self, token: pb.AuthToken, challenge: bytes, purpose: str) -> None:
+        """The (already verified) token answers the handshake whose nonce is `challenge`; raises
+        AuthError. Apart from `verify` when the challenge is known only after the token is checked."""
+        if self.secret is not None and not hmac.compare_digest(token.challenge, challenge):
+            raise AuthError(f"{purpose} answers another handshake (replayed from another stream)")
 
     def _mac(self, message, purpose: str, context: str) -> bytes:
         mac = message.auth.mac
@@ -117,24 +126,38 @@ class InternalAuth:
 
 
 class ReplayGuard:
-    """Nonces seen within the skew window; a second use of one is a replay."""
+    """Nonces seen within the skew window; a second use of one is a replay.
 
-    def __init__(self, window_s: float) -> None:
+    A nonce is remembered for `2 * window_s` (the skew can go either way), so memory is bounded
+    by the message rate times that. Nonces expire in the order they arrived (one fixed lifetime,
+    a monotonic clock), so a FIFO of (expiry, nonce) popped from the front keeps expiry at
+    amortised O(1) per message: each nonce is added once and forgotten once. `clock` is for tests.
+    """
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
-        self._seen: dict[bytes, float] = {}
+        self._clock = clock
+        self._seen: set[bytes] = set()
+        self._expiries: deque[tuple[float, bytes]] = deque()
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        """How many nonces are remembered now (unexpired, or expired and not yet forgotten)."""
+        return len(self._seen)
+
     def check(self, nonce: bytes) -> None:
+        """Remembers `nonce`; raises AuthError if it is short or was seen within the window."""
         if len(nonce) < 16:
             raise AuthError("authentication token has no 16-byte nonce")
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
-            if len(self._seen) > 4096:  # prune expired nonces now and then, not on every message
-                self._seen = {n: t for n, t in self._seen.items() if t > now}
-            expiry = self._seen.get(nonce)
-            if expiry is not None and expiry > now:
+            expiries = self._expiries
+            while expiries and expiries[0][0] <= now:
+                self._seen.discard(expiries.popleft()[1])
+            if nonce in self._seen:
                 raise AuthError("authentication token was already used (replay)")
-            self._seen[nonce] = now + 2 * self.window_s  # 2x: the skew can go either way
+            self._seen.add(nonce)
+            expiries.append((now + 2 * self.window_s, nonce))
 
 
 def read_secret_file(path: str | Path) -> bytes:
@@ -162,15 +185,7 @@ def _is_kubernetes_secret_mount(path: Path) -> bool:
 
 def create_secret_file(path: str | Path) -> Path:
     """Writes a fresh random secret (hex text) readable by this user only; returns its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, secrets.token_hex(SECRET_BYTES).encode())
-    finally:
-        os.close(fd)
-    return path
+    return write_private_file(path, secrets.token_hex(SECRET_BYTES).encode())
 
 
 def resolve_auth(secret_file: str | None, insecure: bool) -> InternalAuth:

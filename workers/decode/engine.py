@@ -16,13 +16,15 @@ step N has already been launched in step N+1; that extra token is dropped. Reque
 reach their length limit are known on the host and are not launched past it. Both schedules give
 the same tokens (a tested property).
 
-Every request ends with one Finished or Failed; its pages go back on every path (after the
-transport's late-write grace when a one-sided transfer failed), and never while a launched step
-still uses them.
+Every request ends with one Finished or Failed; its pages go back on every path, and never
+while a launched step still uses them. Pages whose transfer did not pass its checks (failed,
+refused, aborted) go back zeroed, after the transport's late-write grace: the zeroing happens
+then, not when the transfer failed, so a one-sided write that lands late is wiped too.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ from deepseek_pd.workers.common.request_watch import Interrupted, unless
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, LaunchedStep
+from deepseek_pd.workers.decode.kv_checks import scrub_pages
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation
 
@@ -68,7 +71,7 @@ class _Request:
     in_flight: int = 0  # launched steps (or a prefill round) that still use the pages
     finished: bool = False
     ended: bool = False
-    transfer_failed: bool = False
+    kv_untrusted: bool = False  # the prompt pages may hold a transfer's bytes that were not checked
 
     @property
     def next_position(self) -> int:
@@ -157,6 +160,7 @@ class DecodeEngine:
             state.reservation = await self._watch(state, self.budget.admit(prompt_pages, reserve))
             if request.disagg is not None:
                 transport = self.config.kv_transport
+                state.kv_untrusted = True
                 try:
                     began = time.perf_counter()
                     done = await self._watch(state, pull_kv(self.client, self.receiver, request.disagg, request.rid,
@@ -166,10 +170,10 @@ class DecodeEngine:
                     self.metrics.observe_kv_transfer(transport, done.bytes_sent, time.perf_counter() - began)
                 except RequestFailure as exc:  # an abort too: a one-sided write may still be landing
                     self.metrics.count_kv_transfer_failure(transport, exc.code.value)
-                    state.transfer_failed = True
                     transfer_done = exc.peer_knows  # nothing to tell the prefill side then
                     raise
                 transfer_done = True
+                state.kv_untrusted = False
                 # Attention TP: the other TP ranks get these pages before the next forward (model/tp_replay.py).
                 self.runner.kv_written_externally(state.reservation.pages[:prompt_pages])
                 state.cached_tokens = done.cached_tokens
@@ -260,9 +264,13 @@ class DecodeEngine:
             self._release(state)
 
     def _release(self, state: _Request) -> None:
-        if state.reservation is not None:
-            grace = self.receiver.late_write_grace_s if state.transfer_failed else 0.0
-            self.budget.release(state.reservation, delay_s=grace)
+        if state.reservation is None:
+            return
+        if state.kv_untrusted:  # zeroed as they are freed: after any late one-sided write
+            self.budget.release(state.reservation, delay_s=self.receiver.late_write_grace_s,
+                                before_free=functools.partial(scrub_pages, self.pool))
+        else:
+            self.budget.release(state.reservation)
 
     def _done_with(self, states) -> None:
         """A launched step (or prefill round) that used `states`' pages has finished."""

@@ -66,7 +66,7 @@ def check_kv_finite(pool: KVPool, pages: Sequence[int], rid: str) -> None:
     """
     if not pages:
         return
-    with _check_stream(pool):
+    with _on_side_stream(pool):
         extremes = torch.stack([torch.stack(torch.aminmax(part)).float() for part in _page_parts(pool, pages)])
         extremes = extremes.to("cpu")  # the one sync, of this stream only
     per_layer = torch.isfinite(extremes).view(pool.num_layers, -1).all(dim=1)
@@ -87,7 +87,7 @@ def _page_parts(pool: KVPool, pages: Sequence[int]) -> list[torch.Tensor]:
     return [buffer[first:first + end - begin] for buffer in pool.buffers for begin, end, first in runs]
 
 
-def _check_stream(pool: KVPool):
+def _on_side_stream(pool: KVPool):
     if pool.device.type != "cuda":
         return contextlib.nullcontext()
     return torch.cuda.stream(side_stream(pool.device))
@@ -95,9 +95,16 @@ def _check_stream(pool: KVPool):
 
 @torch.no_grad()
 def scrub_pages(pool: KVPool, pages: Sequence[int]) -> None:
-    """Zeroes `pages` in every layer: a refused or partial transfer leaves nothing behind."""
+    """Zeroes `pages` in every layer: a refused or partial transfer leaves nothing behind.
+
+    Returns once the zeros are in memory (on CUDA it syncs its side stream): the caller frees the
+    pages next, and their next owner's KV may arrive by a NIC or on another stream, which a zeroing
+    still queued on the GPU could otherwise overwrite."""
     if not pages:
         return
-    index = torch.tensor(list(pages), dtype=torch.long, device=pool.device)
-    for buffer in pool.buffers:
-        buffer.index_fill_(0, index, 0)
+    with _on_side_stream(pool):
+        index = torch.tensor(list(pages), dtype=torch.long, device=pool.device)
+        for buffer in pool.buffers:
+            buffer.index_fill_(0, index, 0)
+    if pool.device.type == "cuda":
+        side_stream(pool.device).synchronize()

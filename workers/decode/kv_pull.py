@@ -1,5 +1,7 @@
 """The decode side of one PD request's transfer: build the handshake, follow it to TransferDone,
-check what arrived (kv_checks.py); a refused or failed transfer leaves its pages zeroed."""
+check what arrived (kv_checks.py). A refused or failed transfer's pages may hold anything: the
+engine zeroes them when it frees them (DecodeEngine._release), after the transport's late-write
+grace, so that a one-sided write landing after the failure is wiped as well."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +15,7 @@ from deepseek_pd.workers.common.kv_transfer import KVReceiver
 from deepseek_pd.workers.common.kv_transfer.base import layout_of
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_checks import (
-    check_first_token, check_first_top, check_kv_finite, scrub_pages)
+    check_first_token, check_first_top, check_kv_finite)
 
 log = logging.getLogger(__name__)
 
@@ -29,28 +31,14 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
     receiver.fill_destination(handshake)
     started = time.monotonic()
     sink = receiver.open_sink(pages)
-    checked = False
-    try:
-        done = await client.transfer(params, handshake, sink)
-        if vocab_size is not None:
-            check_first_token(done, vocab_size, rid)
-            check_first_top(done, vocab_size, top_logprobs_num, rid)
-        await asyncio.to_thread(check_kv_finite, receiver.pool, pages, rid)
-        checked = True
-    finally:
-        if not checked and _maybe_written(receiver, sink):
-            scrub_pages(receiver.pool, pages)  # also on cancellation: nothing received outlives the request
+    done = await client.transfer(params, handshake, sink)
+    if vocab_size is not None:
+        check_first_token(done, vocab_size, rid)
+        check_first_top(done, vocab_size, top_logprobs_num, rid)
+    await asyncio.to_thread(check_kv_finite, receiver.pool, pages, rid)
     seconds = max(time.monotonic() - started, 1e-9)
     log.debug("%s: received %d bytes of KV for %d tokens (%d cached on prefill) in %.3fs, %.3f GB/s "
               "including prefill compute; %s", rid, done.bytes_sent, num_tokens, done.cached_tokens, seconds,
               done.bytes_sent / seconds / 1e9, sink.stats.summary())
     return done
 
-
-def _maybe_written(receiver: KVReceiver, sink) -> bool:
-    """Whether the transfer may have put bytes into its pages: any chunk written (grpc), or a
-    one-sided transport, whose writes the decode side does not see."""
-    written = getattr(sink, "written", None)
-    if written is not None:
-        return bool(written.any())
-    return receiver.late_write_grace_s > 0

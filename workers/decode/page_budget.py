@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.workers.common.request_failure import AdmissionRefused
@@ -79,8 +80,10 @@ class PageBudget:
         reservation.reserved -= from_reserve
         self.reserved -= from_reserve
 
-    def release(self, reservation: Reservation, delay_s: float = 0.0) -> None:
-        """Gives the pages and the unused reserve back (the pages after `delay_s`, if > 0)."""
+    def release(self, reservation: Reservation, delay_s: float = 0.0,
+                before_free: Callable[[list[int]], None] | None = None) -> None:
+        """Gives the pages and the unused reserve back (the pages after `delay_s`, if > 0);
+        `before_free(pages)` runs just before the pages go back (a scrub of their contents)."""
         if reservation.released:
             return
         reservation.released = True
@@ -89,10 +92,12 @@ class PageBudget:
         pages, reservation.pages = reservation.pages, []
         self._changed.set()
         if delay_s > 0:
-            asyncio.get_running_loop().call_later(delay_s, self._free, pages)
+            asyncio.get_running_loop().call_later(delay_s, self._free, pages, before_free)
         else:
-            self._free(pages)
+            self._free(pages, before_free)
 
-    def _free(self, pages: list[int]) -> None:
+    def _free(self, pages: list[int], before_free: Callable[[list[int]], None] | None = None) -> None:
+        if before_free is not None:
+            before_free(pages)  # if it raises, the pages stay out of the pool: a leak, not a leak of data
         self.pool.free(pages)
         self._changed.set()

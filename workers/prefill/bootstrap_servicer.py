@@ -13,10 +13,10 @@ the room and its index, signed and bound to the handshake's nonce. It forwards t
 queue (its own seqs and credits) up to the end marker `Room.finish` puts there, then waits for
 decode's half-close; a KV stream that ends any other way fails the room.
 
-Authentication (workers/common/internal_auth.py): a Handshake or AbortRoom without a valid token
-of the deployment secret, addressed to this worker, fresh and never seen before, is refused with
-UNAUTHENTICATED before it touches any room, so a peer without the secret can neither read a room's
-KV nor abort it. The ack and the TransferDone are signed back, bound to the handshake's nonce.
+Authentication (workers/common/internal_auth.py): a Handshake, KVStreamOpen, AbortRoom or
+RouteRequest without a valid token of the deployment secret, addressed to this worker, fresh and
+never seen before, is refused with UNAUTHENTICATED before any room is looked up, so a peer without
+the secret can neither read a room's KV nor abort it, nor learn whether a room exists. The ack and the TransferDone are signed back, bound to the handshake's nonce.
 """
 from __future__ import annotations
 
@@ -181,17 +181,19 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         if first is None or first.WhichOneof("message") != "open":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first KVStream message must be a KVStreamOpen")
         opening = first.open
-        room = self.registry.get(opening.room)
-        if room is None or not room.handshake.done():
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV stream {opening.index} for room {opening.room}, which has no handshake")
+        # The token before the room: an unauthenticated caller must not learn whether a room exists.
         try:
-            self._check(opening, "kvstream", f"room={opening.room};index={opening.index}",
-                        challenge=room.handshake.result().auth.nonce)
+            token = self._check(opening, "kvstream", f"room={opening.room};index={opening.index}")
+            room = self.registry.get(opening.room)
+            if room is not None and room.handshake.done():
+                self.auth.check_challenge(token, room.handshake.result().auth.nonce, "kvstream")
         except AuthError as exc:
             log.warning("refused KV stream %d of room %d from %s: %s", opening.index, opening.room,
                         context.peer(), exc)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        if room is None or not room.handshake.done():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV stream {opening.index} for room {opening.room}, which has no handshake")
         if not 1 <= opening.index < room.kv_streams or room.stream_attached[opening.index - 1]:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"room {opening.room} has KV streams 1..{room.kv_streams - 1}, and "

@@ -97,10 +97,12 @@ class PDPair:
         await self.prefill.stop()
 
     def requests(self, prompt, params: SamplingParams, rid: str, return_logprob: bool = False,
-                 prefill_params: SamplingParams | None = None) -> tuple[GenerateRequest, GenerateRequest]:
-        """`prefill_params`: what the prefill side gets instead of `params` (a peer that disagrees)."""
+                 prefill_params: SamplingParams | None = None, prefill: PrefillEngine | None = None
+                 ) -> tuple[GenerateRequest, GenerateRequest]:
+        """`prefill_params`: what the prefill side gets instead of `params` (a peer that disagrees);
+        `prefill`: another prefill engine the request names instead of this pair's."""
         self._room += 1
-        disagg = DisaggParams("127.0.0.1", self.prefill.bootstrap_port, self._room)
+        disagg = DisaggParams("127.0.0.1", (prefill or self.prefill).bootstrap_port, self._room)
         base = GenerateRequest(rid=rid, input_ids=tuple(prompt), sampling=params, disagg=disagg,
                                return_logprob=return_logprob)
         return (dataclasses.replace(base, rid=rid + "-p", sampling=prefill_params or params),

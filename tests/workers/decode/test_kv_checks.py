@@ -41,3 +41,17 @@ def test_a_non_finite_value_in_a_received_page_is_refused_naming_its_layer(devic
         scrub_pages(pool, [page])
         assert all(float(b[page].abs().sum()) == 0 for b in pool.buffers)
         check_kv_finite(pool, pages, "scrubbed")
+
+
+def test_the_first_token_must_be_in_the_vocabulary():
+    from deepseek_pd.proto import bootstrap_pb2 as pb
+    from deepseek_pd.workers.decode.kv_checks import check_first_token
+
+    rng = random.Random()
+    vocab = rng.randrange(2, 200_000)
+    for token in (0, vocab - 1, rng.randrange(vocab)):
+        check_first_token(pb.TransferDone(first_token_id=token), vocab, "ok")
+    for token in (vocab, vocab + rng.randrange(1, 1 << 20), (1 << 32) - 1):  # uint32 on the wire
+        with pytest.raises(TransferError, match="outside the vocabulary") as refused:
+            check_first_token(pb.TransferDone(first_token_id=token), vocab, "r")
+        assert str(token) in refused.value.message and refused.value.code.value == "internal"

@@ -34,6 +34,13 @@ from deepseek_pd.workers.common.request_failure import TransferError
 log = logging.getLogger(__name__)
 
 
+def exposure_warning(host: str) -> str:
+    """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
+    return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
+            f"address it is given (0.3.13.post1). Its port authenticates nothing; keep other hosts off it "
+            f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
+
+
 class MooncakeEngine:
     """One TransferEngine with a KV pool's layer buffers registered."""
 
@@ -59,6 +66,7 @@ class MooncakeEngine:
         self.session_id = f"{config.advertise_host}:{self.engine.get_rpc_port()}"
         log.info("mooncake TransferEngine %s over %s (devices: %s)", self.session_id, self.protocol,
                  config.mooncake_device or "all")
+        log.warning("%s (port %d)", exposure_warning(config.advertise_host), self.engine.get_rpc_port())
         self.base_addrs = [buffer.data_ptr() for buffer in pool.buffers]
         self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
         self._registered: list[int] = []

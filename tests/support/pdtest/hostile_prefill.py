@@ -1,0 +1,52 @@
+"""A prefill engine of the deployment that lies to decode workers (a compromised or buggy peer:
+it holds the secret, so only decode's own checks of what arrives stand between it and the
+requests that share the decode batch or later reuse the pages).
+
+`lie_about_first_token(engine)`: every TransferDone names a first token past the vocabulary.
+`poison_sent_kv(engine)`: every KV send carries a NaN at a random (layer, slot, value) of its
+first page. Both patch one started engine (its registry, its sender), never a class.
+"""
+from __future__ import annotations
+
+import random
+
+from deepseek_pd.workers.prefill.engine import PrefillEngine
+
+
+def lie_about_first_token(engine: PrefillEngine, rng: random.Random) -> None:
+    assert engine.registry is not None, "start() first"
+    vocab = engine.runner.model_config.vocab_size
+    claim = engine.registry.claim
+
+    def claim_lying(room_id: int, rid: str):
+        room = claim(room_id, rid)
+        finish = room.finish
+
+        async def finish_lying(done, timeout_s):
+            done.first_token_id = vocab + rng.randrange(1 << 16)
+            await finish(done, timeout_s=timeout_s)
+        room.finish = finish_lying
+        return room
+    engine.registry.claim = claim_lying
+
+
+def poison_sent_kv(engine: PrefillEngine, rng: random.Random) -> None:
+    assert engine.sender is not None, "start() first"
+    pool = engine.pool
+    open_channel = engine.sender.open
+
+    def open_poisoned(handshake, emit, streams=1):
+        channel = open_channel(handshake, emit, streams)
+        send = channel.send
+
+        async def send_poisoned(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
+            layer = rng.randrange(layer_begin, pool.num_layers if layer_end is None else layer_end)
+            slot, value = rng.randrange(pool.page_size), rng.randrange(pool.kv_dim)
+            pool.buffers[layer][src_pages[0], slot, value] = float("nan")
+            await send(src_pages, page_begin, layer_begin, layer_end, ready)
+        channel.send = send_poisoned
+        return channel
+    engine.sender.open = open_poisoned
+
+
+LIES = {"first_token": lie_about_first_token, "nan_kv": poison_sent_kv}

@@ -1,0 +1,135 @@
+"""Forged Mooncake handshakes (the issue's "3 of 3 legitimate outputs changed"): a handshake that
+names a Mooncake destination makes the prefill worker write one-sided into whatever it lists, so
+an unsigned or forged one must be refused before any write, and a signed one may name only pages
+inside the decode pool. The TransferEngine is a stub (pdtest/mooncake_stub.py): no network, and
+it records every write the prefill worker would have made."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import grpc
+import pytest
+
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
+from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION
+from deepseek_pd.workers.common.internal_auth import InternalAuth
+from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.common.kv_transfer.base import layout_of
+from deepseek_pd.workers.common.request_failure import TransferError
+from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
+from deepseek_pd.workers.prefill.kv_push import KVPush
+from pdtest import mooncake_stub
+from pdtest.kv_transfer_harness import random_pool
+
+pytestmark = pytest.mark.timeout(60)
+
+PAGE_SIZE = 4
+
+
+async def _answer(port: int, handshake: pb.Handshake) -> list:
+    """The prefill worker's events for `handshake` up to its first non-ack, its refusal code, or
+    a note that it kept silent (it took the handshake and is waiting to write)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = pb_grpc.BootstrapStub(channel).Transfer()
+        await call.write(pb.DecodeMessage(handshake=handshake))
+        events = []
+        try:
+            while not events or events[-1].WhichOneof("event") == "accepted":
+                events.append(await asyncio.wait_for(call.read(), 5))
+        except grpc.aio.AioRpcError as exc:
+            events.append(exc.code())
+        except asyncio.TimeoutError:
+            events.append("no answer within 5s")
+        call.cancel()
+        return events
+
+
+def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_pool(monkeypatch):
+    engines = mooncake_stub.install(monkeypatch)
+    rng = random.Random()
+    num_tokens = rng.randrange(9, 30)
+    num_pages = -(-num_tokens // PAGE_SIZE)
+    src = random_pool(rng, num_pages + rng.randrange(8), PAGE_SIZE)
+    dst = random_pool(rng, num_pages + rng.randrange(1, 8), PAGE_SIZE)  # the victim's pool
+    config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
+    transport = TransportConfig(advertise_host="127.0.0.1")
+
+    async def run():
+        registry = RoomRegistry(config)
+        server = BootstrapServer(registry, config, 1 << 20)
+        await server.start()
+        sender = build_sender("mooncake", src, transport)
+        receiver = build_receiver("mooncake", dst, transport)  # the victim decode worker
+        prefill_engine = engines[0]
+        rooms = [rng.randrange(1 << 31) for _ in range(3)]
+        pushes = [KVPush(registry, sender, room, f"victim{room}", num_tokens) for room in rooms]
+        waits = [asyncio.ensure_future(push.handshake(5)) for push in pushes]
+        target = f"127.0.0.1:{server.port}"
+
+        def handshake(room: int, pages: list[int]) -> pb.Handshake:
+            message = pb.Handshake(protocol_version=PROTOCOL_VERSION, room=room, num_tokens=num_tokens,
+                                   page_ids=pages, layout=layout_of(dst))
+            receiver.fill_destination(message)  # what the victim's handshake reveals
+            return message
+
+        try:
+            inside = rng.sample(range(dst.num_pages), num_pages)
+            # 1. Unsigned, then signed with another secret: refused, the room never sees it.
+            unsigned = handshake(rooms[0], inside)
+            forged = handshake(rooms[0], inside)
+            InternalAuth(secret=os.urandom(32)).sign(forged, "handshake", "decode@evil", target)
+            for message in (unsigned, forged):
+                assert await _answer(server.port, message) == [grpc.StatusCode.UNAUTHENTICATED]
+            assert not waits[0].done() and prefill_engine.writes == []
+            # 2. Signed (a deployment member), but a page at or past the decode pool's end: refused.
+            outside = inside[:-1] + [dst.num_pages + rng.randrange(0, 1 << 16)]
+            rng.shuffle(outside)
+            signed = handshake(rooms[1], outside)
+            config.auth.sign(signed, "handshake", "decode@127.0.0.1", target)
+            events = await _answer(server.port, signed)
+            assert [e.WhichOneof("event") for e in events] == ["accepted", "failed"], events
+            assert "outside" in events[-1].failed.reason, events[-1]
+            with pytest.raises(TransferError, match="outside"):
+                await waits[1]
+            assert prefill_engine.writes == []
+            # 3. The control: a signed handshake inside the pool is written, and only there.
+            good = handshake(rooms[2], inside)
+            config.auth.sign(good, "handshake", "decode@127.0.0.1", target)
+            answer = asyncio.ensure_future(_answer(server.port, good))
+            await waits[2]
+            pushes[2].pages_ready(num_tokens, src.alloc(num_pages))
+            while not prefill_engine.writes:
+                await asyncio.sleep(0.01)
+            answer.cancel()
+            page_bytes = dst.bytes_per_page
+            for session, _, remote, lengths in prefill_engine.writes:
+                assert session == good.mooncake.session_id
+                for addr, length in zip(remote, lengths):
+                    base = next(b for b in good.mooncake.layer_base_addrs if b <= addr < b + dst.num_pages * page_bytes)
+                    assert (addr - base) % page_bytes == 0 and addr + length <= base + dst.num_pages * page_bytes
+                    assert {(addr - base) // page_bytes + i for i in range(length // page_bytes)} <= set(inside)
+        finally:
+            for push in pushes:
+                push.close()
+            for wait in waits:
+                wait.cancel()
+            await server.stop(0)
+            sender.close()
+            receiver.close()
+
+    asyncio.run(run())
+
+
+def test_a_mooncake_engine_warns_that_it_listens_on_every_interface(monkeypatch, caplog):
+    mooncake_stub.install(monkeypatch)
+    host = f"127.0.0.{random.randrange(2, 250)}"
+    with caplog.at_level("WARNING"):
+        receiver = build_receiver("mooncake", random_pool(random.Random(), 2, PAGE_SIZE),
+                                  TransportConfig(advertise_host=host))
+        receiver.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("ALL interfaces (0.0.0.0)" in w and host in w for w in warnings), warnings
