@@ -12,6 +12,7 @@ import torch
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.eplb.expert_location import ExpertLocation
 from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.tbo_rules import TboRules
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class BuildOptions:
     # Two-batch overlap: split each batch into two micro-batches and interleave their layer ops
     # (model/tbo.py) so one micro-batch's dispatch/combine hides behind the other's compute.
     enable_tbo: bool = False
+    # When and where TBO splits a batch (model/tbo_rules.py; the `tbo_*` engine options).
+    tbo_rules: TboRules = TboRules()
     # FP8 checkpoints: keep the block-scaled FP8 weights in FP8 and multiply them with this backend
     # (`fp8_linear.FP8_GEMM_BACKENDS` / `moe.fp8_experts.FP8_MOE_BACKENDS`: "torch", "triton");
     # None dequantises them to `dtype` at load.

@@ -7,7 +7,6 @@ same ops over two micro-batches; either tells `progress` when each layer's KV is
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -18,7 +17,8 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.decoder_layer import DeepseekDecoderLayer
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.fp8_linear import fp8_blocks
-from deepseek_pd.model.layer_ops import LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, OpState, op_method, run_layer_ops
+from deepseek_pd.model.layer_ops import (LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, EmptyBatch, Op, OpLayer, OpState,
+                                         op_method, run_layer_ops)
 from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.norm import RMSNorm
@@ -29,18 +29,12 @@ from deepseek_pd.model.weight_mapping import load_hf_weights
 
 
 # The MoE ops between the attention block and the layer's end (what an idle EP rank runs).
-_MOE_MLP_OPS = MOE_LAYER_OPS[MOE_LAYER_OPS.index("gate"):MOE_LAYER_OPS.index("postprocess")]
+_MOE_MLP_OPS = frozenset(MOE_LAYER_OPS[MOE_LAYER_OPS.index("gate"):MOE_LAYER_OPS.index("postprocess")])
 
 
-@dataclass(frozen=True)
-class _IdleBatch:
-    """All an MLP op reads from a batch (the mode, for the dispatcher's per-batch kernel choice)."""
-
-    mode: ForwardMode
-
-    @property
-    def ep_mode(self) -> ForwardMode:
-        return self.mode
+def _end_empty_mlp(state: OpState, batch: EmptyBatch) -> None:
+    state.pop("mlp_output")
+    state.pop("residual")
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -63,7 +57,12 @@ class DeepseekForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Chosen once: the two-batch-overlap executor or the plain op-list loop.
-        self._tbo = TwoBatchOverlap(self, options.parallel) if options.enable_tbo else None
+        self._tbo = TwoBatchOverlap(self, options.parallel, options.tbo_rules) if options.enable_tbo else None
+
+    @property
+    def tbo(self) -> TwoBatchOverlap | None:
+        """The two-batch-overlap executor (its `stats` count the paths taken), or None."""
+        return self._tbo
 
     def initial_state(self, batch: ForwardBatch) -> OpState:
         return OpState(hidden_states=self.embed_tokens(batch.input_ids), residual=None)
@@ -104,22 +103,35 @@ class DeepseekForCausalLM(nn.Module):
         """Takes part in one forward's EP collectives with no tokens of its own.
 
         With data-parallel attention a rank (under attention TP: every rank of a DP group) may have
-        no requests in a step while the others run a batch; their all-to-alls still need this rank. Runs each MoE layer's MLP ops (the same op
-        methods, from `gate` to `output`) on zero rows, and, with TBO, votes "cannot split" so
-        every rank takes the plain path for this step.
+        no requests in a step while the others run a batch; their all-to-alls still need this rank.
+        It runs `empty_op` of every layer: each MoE layer's MLP ops (the same op methods, from
+        `gate` to `output`) on zero rows. With TBO it votes as an idle rank and, if the group
+        splits, runs the overlapped schedule with two empty micro-batches (model/tbo.py).
         """
-        if self._tbo is not None:
-            self.options.parallel.all_agree(False, self.embed_tokens.weight.device)
-        stand_in = _IdleBatch(mode)
+        if self._tbo is not None and self._tbo.idle(mode, self.embed_tokens.weight.device):
+            return
+        stand_in, state = EmptyBatch(mode), OpState()
         for layer in self.layers:
-            if not layer.is_moe:
-                continue
-            empty = self.embed_tokens.weight.new_empty(0, self.config.hidden_size)
-            state = OpState(mlp_input=empty, residual=empty)  # `output` reads the row count off the residual
-            for name in _MOE_MLP_OPS:
-                op_method(layer, name)(state, stand_in)
-            state.pop("mlp_output")
-            state.pop("residual")
+            for name in layer.op_names:
+                op = self.empty_op(layer, name)
+                if op is not None:
+                    op(state, stand_in)
+        state.expect_only(frozenset())
+
+    def empty_op(self, layer: OpLayer, name: str) -> Op | None:
+        """What a rank with no tokens runs for `layer`'s op `name` (LayerStack): a MoE layer's MLP
+        ops on zero rows, between a `prepare_mlp` that makes them and a `postprocess` that drops them."""
+        if not layer.is_moe:
+            return None
+        if name == "prepare_mlp":
+            return self._begin_empty_mlp
+        if name == "postprocess":
+            return _end_empty_mlp
+        return op_method(layer, name) if name in _MOE_MLP_OPS else None
+
+    def _begin_empty_mlp(self, state: OpState, batch: EmptyBatch) -> None:
+        empty = self.embed_tokens.weight.new_empty(0, self.config.hidden_size)
+        state.update(mlp_input=empty, residual=empty)  # `output` reads the row count off the residual
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

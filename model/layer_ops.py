@@ -27,11 +27,12 @@ only through `OpLayer` and `LayerStack` below, so they do not depend on the mode
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from deepseek_pd.model.forward_batch import ForwardBatch
+from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.layer_progress import KV_WRITE_OP
 
 if TYPE_CHECKING:
@@ -118,6 +119,18 @@ class OpState:
 Op = Callable[[OpState, ForwardBatch], None]
 
 
+@dataclass(frozen=True)
+class EmptyBatch:
+    """What an op run for no tokens gets as its batch (an idle rank, an empty TBO micro-batch):
+    all an MLP op reads from a batch, the mode the dispatcher follows."""
+
+    mode: ForwardMode
+
+    @property
+    def ep_mode(self) -> ForwardMode:
+        return self.mode
+
+
 class OpLayer(Protocol):
     """A decoder layer as an op-list executor sees it: op `name` is its method `op_<name>`."""
 
@@ -142,6 +155,10 @@ class LayerStack(Protocol):
 
     def final_hidden(self, state: OpState, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Consumes the last layer's output state: final-normed hidden states of `rows`."""
+
+    def empty_op(self, layer: OpLayer, name: str) -> "Op | None":
+        """What a rank with no tokens runs for `layer`'s op `name` (None: nothing), with an
+        `EmptyBatch`: the MoE ops that hold the EP collectives, on zero rows."""
 
 
 def op_method(layer: OpLayer, name: str) -> Op:

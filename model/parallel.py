@@ -62,18 +62,19 @@ class ParallelInfo:
             raise UserError("expert parallelism needs torch.distributed.init_process_group() first")
         return cls(dist.get_world_size(group), dist.get_rank(group), group)
 
-    def all_agree(self, flag: bool, device: torch.device | str = "cpu") -> bool:
-        """True only if `flag` is true on every EP rank (one all-reduce; free when ep_size is 1).
+    def min_over_ranks(self, values: list[int], device: torch.device | str = "cpu") -> list[int]:
+        """Each of `values`' element-wise minimum over the EP ranks (one all-reduce; free when
+        ep_size is 1). A maximum is the minimum of the negated values.
 
         Used for per-forward choices that change the collective sequence (two-batch overlap),
         which every rank must make the same way or the all-to-alls pair up wrongly and hang.
         """
         if self.ep_size == 1:
-            return flag
+            return list(values)
         import torch.distributed as dist
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)  # NCCL wants the GPU
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(value.item())
+        tensor = torch.tensor(values, dtype=torch.int64, device=device)  # NCCL wants the GPU
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return tensor.tolist()
 
 
 @dataclass(frozen=True)

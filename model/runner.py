@@ -47,6 +47,7 @@ from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS
 from deepseek_pd.model.parallel import ParallelInfo
 from deepseek_pd.model.tp_replay import ForwardCall, TpReplay
 from deepseek_pd.model.step_sync import StepSync
+from deepseek_pd.model.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,12 @@ class RunnerConfig:
     # Attention TP: MLA heads split over this many ranks running the same batch (ParallelInfo.tp_*).
     tp_size: int = 1
     enable_tbo: bool = False  # two-batch overlap (model/tbo.py)
+    # When TBO splits (model/tbo_rules.py): one sequence is cut in two chunks when the best cut between
+    # sequences leaves a side below this share of the tokens (SGLang's default; 0: never), and the
+    # group splits only when its busiest rank has at least this many tokens.
+    tbo_token_distribution_threshold: float = DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD
+    tbo_min_decode_tokens: int = DEFAULT_MIN_TOKENS
+    tbo_min_extend_tokens: int = DEFAULT_MIN_TOKENS
     # EPLB (model/eplb/): R extra physical expert slots per MoE layer (n_routed + R over the EP
     # group), and a placement file saying which logical expert each slot holds (else slot p holds
     # expert p % n_routed).
@@ -143,6 +150,7 @@ class RunnerConfig:
             raise UserError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.tp_size > 1 and self.enable_tbo:
             raise UserError("two-batch overlap (enable_tbo) is not supported with attention TP (tp_size > 1)")
+        self.tbo_rules()  # validates the thresholds even when TBO is off
         if self.ep_num_redundant_experts < 0:
             raise UserError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
@@ -213,6 +221,9 @@ class RunnerConfig:
                 return f"the {what} {name!r} is not capturable"
         return None
 
+    def tbo_rules(self) -> TboRules:
+        return TboRules(self.tbo_token_distribution_threshold, self.tbo_min_decode_tokens, self.tbo_min_extend_tokens)
+
     def cuda_graph_config(self) -> CudaGraphConfig:
         return CudaGraphConfig(max_batch=self.cuda_graph_max_batch, max_context=self.cuda_graph_max_context)
 
@@ -259,7 +270,7 @@ class RunnerConfig:
             attention_backend=self.resolve_backend(self.attention_backend),
             moe_backend=self.resolve_backend(self.moe_backend), dispatcher=self.resolve_dispatcher(),
             num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size,
-            parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo,
+            parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo, tbo_rules=self.tbo_rules(),
             expert_location=self.expert_location(model_config),
             fp8_backend=self.resolve_fp8_backend(model_config),
             norm_rope_backend=self.resolve_backend(self.norm_rope_backend))

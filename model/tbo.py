@@ -11,13 +11,20 @@ the two micro-batches run the stages in this order (A = first micro-batch, B = s
 The ops are the very methods `forward()` runs, and each micro-batch has its own `OpState`, so
 the overlapped and the plain path cannot drift, and cross-talk between micro-batches raises.
 
-Splitting: extend batches are cut between sequences where the two token counts balance best;
-decode batches (one token per sequence) in half. A batch of one sequence is not split. With EP,
-every rank must make the same choice (the all-to-alls pair up in order), so the ranks agree with
-one all-reduce and all fall back to the plain path if any rank cannot split.
+Splitting (model/tbo_rules.py): a batch is cut at one token index, decode in half, extend where
+the token sums balance (between sequences, or inside one sequence that dominates: the two-chunk
+split). With EP every rank must take the same path, since the all-to-alls pair up in order, so
+each forward starts with one all-reduce, the vote (SGLang's `TboDPAttentionPreparer`): every rank
+sends its mode (an idle rank: none) and token count; the group overlaps when all ranks with tokens
+run the same mode and the busiest one has enough tokens (`TboRules.pays`). A rank whose own cut
+leaves a micro-batch empty (one decode sequence, one extend token) or that has no tokens at all
+(`forward_idle`) still takes part: an empty micro-batch runs only the MoE ops that hold the
+collectives (`LayerStack.empty_op`), on zero rows, in the same interleaved order. Otherwise every
+rank runs the plain path.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -25,11 +32,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepseek_pd.model.attention.policy import method_with_prefix
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-from deepseek_pd.model.layer_ops import (TBO_DECODE_MOE_OPS, TBO_PREFILL_MOE_OPS, YIELD, LayerStack, Op, OpState,
-                                         op_method)
+from deepseek_pd.model.layer_ops import (LAYER_BOUNDARY_KEYS, TBO_DECODE_MOE_OPS, TBO_PREFILL_MOE_OPS, YIELD,
+                                         EmptyBatch, LayerStack, Op, OpState, op_method)
 from deepseek_pd.model.layer_progress import KV_WRITE_OP
 from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.tbo_rules import TboRules
 
 if TYPE_CHECKING:
     from deepseek_pd.model.layer_progress import LayerProgress
@@ -39,6 +48,8 @@ TBO_MOE_OPS: dict[ForwardMode, tuple[str, ...]] = {
     ForwardMode.DECODE: TBO_DECODE_MOE_OPS,
 }
 DELTA_STAGES: dict[ForwardMode, int] = {ForwardMode.EXTEND: 0, ForwardMode.DECODE: 2}
+# The vote's mode codes; an idle rank sends (len, -1), which no MIN/MAX of real codes is moved by.
+_MODES: tuple[ForwardMode, ...] = (ForwardMode.EXTEND, ForwardMode.DECODE)
 log = logging.getLogger(__name__)
 
 
@@ -47,6 +58,7 @@ class StageOp:
     layer_id: int
     name: str
     run: Op
+    run_empty: Op | None  # what an empty micro-batch runs instead (LayerStack.empty_op)
 
 
 Stage = tuple[StageOp, ...]
@@ -64,7 +76,7 @@ def build_stages(model: LayerStack, mode: ForwardMode) -> tuple[Stage, ...]:
                 stages.append(tuple(current))
                 current = []
             else:
-                current.append(StageOp(layer.layer_id, name, op_method(layer, name)))
+                current.append(StageOp(layer.layer_id, name, op_method(layer, name), model.empty_op(layer, name)))
     stages.append(tuple(current))
     return tuple(stage for stage in stages if stage)
 
@@ -79,42 +91,73 @@ def interleaved_order(num_stages: int, delta: int) -> list[tuple[int, int]]:
     return order
 
 
-def split_point(batch: ForwardBatch) -> int | None:
-    """Index of the first sequence of the second micro-batch, or None if the batch cannot split."""
-    num_seqs = batch.batch_size
-    if num_seqs < 2:
+@dataclass
+class MicroBatch:
+    """Tokens [t0, t1) of a batch as a batch of its own, and how many of its sequences end inside it
+    (the first `complete`; a last sequence cut at t1 has no output row here)."""
+
+    batch: ForwardBatch
+    complete: int
+
+    @property
+    def output_rows(self) -> torch.Tensor:
+        return self.batch.last_token_index[:self.complete]
+
+
+def micro_batch(batch: ForwardBatch, t0: int, t1: int) -> MicroBatch | None:
+    """Tokens [t0, t1) of `batch` (None if empty). A sequence cut at t0 continues after a prefix
+    that now includes its tokens before t0; one cut at t1 ends there. Same KV pool, pages, mode."""
+    if t1 <= t0:
         return None
-    if batch.mode is ForwardMode.DECODE:
-        return num_seqs // 2
     offsets = batch.qo_offsets
-    total = offsets[-1]
-    return min(range(1, num_seqs), key=lambda cut: abs(2 * offsets[cut] - total))
-
-
-def sub_batch(batch: ForwardBatch, first: int, end: int) -> ForwardBatch:
-    """Sequences [first, end) of `batch` as a batch of their own (same KV pool, same method)."""
-    offsets = batch.qo_offsets
-    t0, t1 = offsets[first], offsets[end]
-    return dataclasses.replace(
+    first = bisect.bisect_right(offsets, t0) - 1  # the sequence holding token t0
+    last = bisect.bisect_left(offsets, t1) - 1  # the sequence holding token t1 - 1
+    head, tail = t0 - offsets[first], offsets[last + 1] - t1  # tokens cut off the first / last sequence
+    prefix_lens = list(batch.prefix_lens[first:last + 1])
+    extend_lens = list(batch.extend_lens[first:last + 1])
+    prefix_lens[0] += head
+    extend_lens[0] -= head
+    extend_lens[-1] -= tail
+    seq_lens = batch.seq_lens_t[first:last + 1]
+    if tail:
+        seq_lens = seq_lens.clone()
+        seq_lens[-1] -= tail
+    method = method_with_prefix(batch.attention_method, any(prefix_lens))
+    part = dataclasses.replace(
         batch, input_ids=batch.input_ids[t0:t1], positions=batch.positions[t0:t1],
         out_slots=batch.out_slots[t0:t1], token_seq=batch.token_seq[t0:t1] - first,
-        qo_indptr=batch.qo_indptr[first:end + 1] - t0, page_table=batch.page_table[first:end],
-        seq_lens_t=batch.seq_lens_t[first:end], prefix_lens=batch.prefix_lens[first:end],
-        extend_lens=batch.extend_lens[first:end], page_lists=batch.page_lists[first:end], derived={})
+        qo_indptr=batch.qo_indptr[first:last + 2].clamp(t0, t1) - t0, page_table=batch.page_table[first:last + 1],
+        seq_lens_t=seq_lens, prefix_lens=tuple(prefix_lens), extend_lens=tuple(extend_lens),
+        page_lists=batch.page_lists[first:last + 1], attention_method=method, derived={})
+    return MicroBatch(part, len(extend_lens) - (1 if tail else 0))
 
 
 class TwoBatchOverlap:
     """Runs a model's layers over two interleaved micro-batches; built once per model.
 
     Needs only the `LayerStack` interface of the model (layers, initial/final state, the plain loop
-    for the fallback), not the model class.
+    for the fallback, the ops of an empty micro-batch), not the model class. `stats` counts this
+    rank's forwards by path ("overlapped", "plain"; idle ones included) and the non-empty
+    micro-batches it ran ("micro_batches").
     """
 
-    def __init__(self, model: LayerStack, parallel: ParallelInfo) -> None:
+    def __init__(self, model: LayerStack, parallel: ParallelInfo, rules: TboRules = TboRules()) -> None:
         self.model = model
         self.parallel = parallel
+        self.rules = rules
         self.stages = {mode: build_stages(model, mode) for mode in ForwardMode}
+        self.stats = {"overlapped": 0, "plain": 0, "micro_batches": 0}
         self._split_logged = False
+
+    def vote(self, mode: ForwardMode | None, num_tokens: int, device: torch.device | str) -> ForwardMode | None:
+        """The group's decision for this forward (every rank calls it once, `mode` None when idle):
+        the mode all ranks overlap in, or None (all run the plain path). One all-reduce."""
+        low, high = (_MODES.index(mode),) * 2 if mode is not None else (len(_MODES), -1)
+        low, neg_high, neg_busiest = self.parallel.min_over_ranks([low, -high, -num_tokens], device)
+        if low != -neg_high:  # ranks with tokens run different modes, or none has tokens
+            return None
+        agreed = _MODES[low]
+        return agreed if self.rules.pays(agreed, -neg_busiest) else None
 
     def final_hidden(self, batch: ForwardBatch, trace: list[TraceEntry] | None = None,
                      progress: "LayerProgress | None" = None) -> torch.Tensor:
@@ -122,26 +165,59 @@ class TwoBatchOverlap:
         path returns them. `trace`, if given, receives every op run, in order. `progress` hears
         of a layer's KV write once both micro-batches have written it."""
         model = self.model
-        cut = split_point(batch)
-        # Every rank splits, or none: a rank whose own mode is not the group's (it decodes while
-        # another extends) has the other schedule, so it votes no, as SGLang does for mixed modes.
-        if not self.parallel.all_agree(cut is not None and batch.ep_mode is batch.mode, batch.input_ids.device):
+        if self.vote(batch.mode, batch.num_tokens, batch.input_ids.device) is None:
+            self.stats["plain"] += 1
             return model.final_hidden(model.run_layers(batch, progress), batch.last_token_index)
+        cut = self.rules.split_token(batch.mode, batch.extend_lens)
         if not self._split_logged:  # once: that the overlapped path runs here at all (logs, tests)
             self._split_logged = True
-            log.info("two-batch overlap: split a %s batch of %d sequences at %d", batch.mode.name.lower(),
-                     batch.batch_size, cut)
-        halves = (sub_batch(batch, 0, cut), sub_batch(batch, cut, batch.batch_size))
-        states = [model.initial_state(half) for half in halves]
-        stages = self.stages[batch.mode]
+            log.info("two-batch overlap: split a %s batch of %d sequences, %d tokens, at token %d",
+                     batch.mode.name.lower(), batch.batch_size, batch.num_tokens, cut)
+        parts = (micro_batch(batch, 0, cut), micro_batch(batch, cut, batch.num_tokens))
+        states = self._run(batch.mode, parts, trace, progress)
+        outputs = []
+        for part, state in zip(parts, states):
+            if part is None:
+                state.expect_only(frozenset())
+            elif part.complete:
+                outputs.append(model.final_hidden(state, part.output_rows))
+            else:  # only the first chunk of a sequence: its last row is no sequence's last token
+                state.expect_only(LAYER_BOUNDARY_KEYS)
+        return torch.cat(outputs)
+
+    def idle(self, mode: ForwardMode, device: torch.device | str) -> bool:
+        """This rank has no tokens this step: votes as idle and, if the group overlaps, runs the
+        schedule with two empty micro-batches. False: the caller runs the plain idle forward in `mode`."""
+        agreed = self.vote(None, 0, device)
+        if agreed is None:
+            self.stats["plain"] += 1
+            return False
+        self._run(agreed, (None, None))
+        return True
+
+    def _run(self, mode: ForwardMode, parts: tuple["MicroBatch | None", ...], trace: list[TraceEntry] | None = None,
+             progress: "LayerProgress | None" = None) -> list[OpState]:
+        """The interleaved schedule of `mode` over `parts` (None: an empty micro-batch)."""
+        self.stats["overlapped"] += 1
+        self.stats["micro_batches"] += sum(part is not None for part in parts)
+        model, stand_in = self.model, EmptyBatch(mode)
+        states = [OpState() if part is None else model.initial_state(part.batch) for part in parts]
+        stages = self.stages[mode]
+        writers = sum(part is not None for part in parts)  # micro-batches that write KV
         written: dict[int, int] = {}  # layer id -> micro-batches whose KV write has run
-        for micro, index in interleaved_order(len(stages), DELTA_STAGES[batch.mode]):
+        for micro, index in interleaved_order(len(stages), DELTA_STAGES[mode]):
+            part = parts[micro]
             for op in stages[index]:
-                op.run(states[micro], halves[micro])
+                if part is not None:
+                    op.run(states[micro], part.batch)
+                elif op.run_empty is not None:
+                    op.run_empty(states[micro], stand_in)
+                else:
+                    continue
                 if trace is not None:
                     trace.append((micro, op.layer_id, op.name))
-                if progress is not None and op.name == KV_WRITE_OP:
+                if progress is not None and part is not None and op.name == KV_WRITE_OP:
                     written[op.layer_id] = written.get(op.layer_id, 0) + 1
-                    if written[op.layer_id] == len(halves):
+                    if written[op.layer_id] == writers:
                         progress.kv_written(op.layer_id)
-        return torch.cat([model.final_hidden(state, half.last_token_index) for state, half in zip(states, halves)])
+        return states

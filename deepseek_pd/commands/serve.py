@@ -63,7 +63,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parallel.add_argument("--dist-init-addr", default="", help="HOST:PORT of rank 0, for torch.distributed")
     parallel.add_argument("--enable-tbo", action="store_true",
                           help="two-batch overlap: each batch as two micro-batches whose EP all-to-alls overlap "
-                               "the other's compute (the same as --engine-opt enable_tbo=true)")
+                               "the other's compute (the same as --engine-opt enable_tbo=true). SGLang's split: "
+                               "decode in half, extend where the tokens balance, one dominating prompt cut in two "
+                               "chunks (--engine-opt tbo_token_distribution_threshold=0.48, 0: never); the group "
+                               "splits when its busiest rank has --engine-opt tbo_min_decode_tokens / "
+                               "tbo_min_extend_tokens (default 2) tokens, idle ranks take part")
     parallel.add_argument("--ep-num-redundant-experts", type=int, default=0, metavar="R",
                           help="EPLB: R extra physical expert slots per MoE layer over the EP group, holding "
                                "replicas of hot experts ((n_routed_experts + R) must divide by --ep; default 0)")

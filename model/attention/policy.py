@@ -36,10 +36,15 @@ class AttentionPolicy:
             return AttentionMethod.MLA
         has_prefix = any(prefix_lens)
         if self.method != "auto":
-            forced = AttentionMethod(self.method)
-            return AttentionMethod.MHA_CHUNKED_KV if forced is AttentionMethod.MHA and has_prefix else forced
+            return method_with_prefix(AttentionMethod(self.method), has_prefix)
         if not has_prefix:
             return AttentionMethod.MHA
         if sum(prefix_lens) >= self.chunked_kv_threshold:
             return AttentionMethod.MHA_CHUNKED_KV
         return AttentionMethod.MLA
+
+
+def method_with_prefix(method: AttentionMethod, has_prefix: bool) -> AttentionMethod:
+    """`method` for a batch (or a two-batch-overlap micro-batch, model/tbo.py) that has a
+    cached prefix: plain MHA cannot see the cache, so it becomes MHA_CHUNKED_KV; the others read it."""
+    return AttentionMethod.MHA_CHUNKED_KV if method is AttentionMethod.MHA and has_prefix else method

@@ -4,9 +4,14 @@ torch and deepseek_pd, not pytest or transformers).
 Each rank builds, from the same checkpoint, the single-process reference (ep_size 1, `local`) and
 three variants — EP, TBO alone, EP+TBO — and drives all four through the same calls on its own
 tokens (data-parallel attention): extend, extend-with-prefix (MHA_CHUNKED_KV), paged decode, and
-a step where rank 0 has a single sequence (so TBO must fall back on every rank together) and one
-where the last rank is idle (`runner.idle()`). Logits
-and weight-shard checks are written to `<dir>/rank<r>.pt`; the parent test compares them.
+a step where rank 0 has a single sequence (with TBO it takes part with an empty micro-batch) and
+one where the last rank is idle (`runner.idle()`: with TBO, two empty micro-batches); then a
+long prompt on rank 0 in two chunked-prefill steps (TBO cuts it in two chunks inside the sequence;
+the second step has a cached prefix) while the last rank extends one token, then is idle; and a
+step where every rank extends one token (below the TBO floor: plain everywhere). Logits, the TBO
+paths each step took (`tbo_paths`: overlapped forwards and non-empty micro-batches of the
+`ep_tbo` runner) and weight-shard checks are written to `<dir>/rank<r>.pt`; the parent test
+compares them.
 """
 from __future__ import annotations
 
@@ -58,35 +63,73 @@ def _build(config: ModelConfig, weights: dict[str, torch.Tensor], parallel: Para
     return model.eval()
 
 
-def _scenario(runner: ModelRunner, rank: int, world: int, seed: int, vocab: int) -> dict[str, torch.Tensor]:
-    """The same call sequence on every rank (the all-to-alls pair up), different tokens per rank."""
+def _scenario(runner: ModelRunner, rank: int, world: int, seed: int, vocab: int,
+              paths: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+    """The same call sequence on every rank (the all-to-alls pair up), different tokens per rank.
+    `paths`, if given, gets each step's (overlapped forwards, micro-batches) of the runner's TBO."""
     rng = random.Random(seed * 1000 + rank)
     pool = runner.kv_pool
+    out: dict[str, torch.Tensor] = {}
+    last = rank == world - 1
+
+    def step(case: str, call) -> None:
+        tbo = runner.model.tbo
+        before = dict(tbo.stats) if tbo is not None else {}
+        out[case] = call()
+        if paths is not None and tbo is not None:
+            paths[case] = (tbo.stats["overlapped"] - before["overlapped"],
+                           tbo.stats["micro_batches"] - before["micro_batches"])
+
+    def idle(mode: ForwardMode) -> torch.Tensor:
+        runner.idle(mode)
+        return torch.empty(0)
     num_seqs = 2 + (rank + seed) % 3
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 9))] for _ in range(num_seqs)]
     more = [[rng.randrange(vocab) for _ in range(rng.randint(1, 6))] for _ in range(num_seqs)]
     pages = [pool.alloc(pool.pages_for_tokens(len(p) + len(m) + 4)) for p, m in zip(prompts, more)]
-    out = {"extend": runner.extend([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)])}
-    out["extend_prefix"] = runner.extend([ExtendSeq(m, len(p), pg) for p, m, pg in zip(prompts, more, pages)])
+    step("extend", lambda: runner.extend([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)]))
+    step("extend_prefix", lambda: runner.extend([ExtendSeq(m, len(p), pg) for p, m, pg in zip(prompts, more, pages)]))
     lengths = [len(p) + len(m) for p, m in zip(prompts, more)]
     next_ids = out["extend_prefix"].argmax(-1).tolist()
-    for step in range(3):
-        logits = runner.decode([DecodeSeq(t, n + step, pg) for t, n, pg in zip(next_ids, lengths, pages)])
-        out[f"decode{step}"] = logits
-        next_ids = logits.argmax(-1).tolist()
-    # Rank 0 decodes one sequence only: it cannot split, so no rank may use TBO for this step.
+    for i in range(3):
+        step(f"decode{i}", lambda: runner.decode([DecodeSeq(t, n + i, pg) for t, n, pg in zip(next_ids, lengths, pages)]))
+        next_ids = out[f"decode{i}"].argmax(-1).tolist()
+    # Rank 0 decodes one sequence only: under TBO its first micro-batch is empty, it does not veto.
     active = 1 if rank == 0 else num_seqs
-    out["decode_uneven"] = runner.decode(
-        [DecodeSeq(t, n + 3, pg) for t, n, pg in list(zip(next_ids, lengths, pages))[:active]])
+    step("decode_uneven", lambda: runner.decode(
+        [DecodeSeq(t, n + 3, pg) for t, n, pg in list(zip(next_ids, lengths, pages))[:active]]))
     # The last rank has no requests this step (data-parallel attention) but joins the all-to-alls.
     # (The others redo position n+3 with the same tokens: the cache rows are rewritten identically.)
-    if rank == world - 1:
-        runner.idle(ForwardMode.DECODE)
-        out["decode_one_rank_idle"] = torch.empty(0)
-    else:
-        out["decode_one_rank_idle"] = runner.decode(
-            [DecodeSeq(t, n + 3, pg) for t, n, pg in zip(next_ids, lengths, pages)])
+    step("decode_one_rank_idle", lambda: idle(ForwardMode.DECODE) if last else runner.decode(
+        [DecodeSeq(t, n + 3, pg) for t, n, pg in zip(next_ids, lengths, pages)]))
+    # One long prompt on rank 0 (the others' one token each, then the last rank idle), prefilled in
+    # two chunks: TBO cuts it inside the sequence; in the second chunk after a cached prefix.
+    long_prompt = [rng.randrange(vocab) for _ in range(rng.randint(14, 24))]
+    chunk = rng.randint(4, 8)
+    long_pages = pool.alloc(pool.pages_for_tokens(len(long_prompt)))
+    one = [[rng.randrange(vocab)]]
+    one_pages = pool.alloc(1)
+    mine = ([ExtendSeq(long_prompt[:chunk], 0, long_pages)] if rank == 0
+            else [ExtendSeq(one[0], 0, one_pages)])
+    step("extend_long_first_chunk", lambda: runner.extend(mine))
+    step("extend_long_second_chunk", lambda: runner.extend([ExtendSeq(long_prompt[chunk:], chunk, long_pages)])
+         if rank == 0 else idle(ForwardMode.EXTEND) if last else runner.extend([ExtendSeq(one[0], 0, one_pages)]))
+    # Every rank extends one token: below the TBO floor (2), so every rank runs plain.
+    step("extend_one_token_each", lambda: runner.extend([ExtendSeq(one[0], 0, one_pages)]))
     return out
+
+
+def expected_tbo_paths(rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """What SGLang's rules make of `_scenario` on `rank`: (overlapped forwards, non-empty micro-batches)."""
+    first, last = rank == 0, rank == world - 1
+    split, one_sided, idle = (1, 2), (1, 1), (1, 0)
+    paths = {case: split for case in ("extend", "extend_prefix", "decode0", "decode1", "decode2")}
+    paths["decode_uneven"] = one_sided if first else split
+    paths["decode_one_rank_idle"] = idle if last else split
+    paths["extend_long_first_chunk"] = split if first else one_sided
+    paths["extend_long_second_chunk"] = split if first else idle if last else one_sided
+    paths["extend_one_token_each"] = (0, 0)
+    return paths
 
 
 def run_rank(rank: int, world: int, port: int, directory: str, seed: int, fused: int) -> None:
@@ -110,8 +153,11 @@ def run_rank(rank: int, world: int, port: int, directory: str, seed: int, fused:
         runners["ep_tbo"] = ModelRunner(dataclasses.replace(
             runner_config, model=str(Path(directory) / "checkpoint"), ep_size=world, enable_tbo=True,
             num_fused_shared_experts=fused, prefix_chunk_size=3), parallel=group)
-        results: dict[str, Any] = {name: _scenario(runner, rank, world, seed, config.vocab_size)
+        paths: dict[str, tuple[int, int]] = {}
+        results: dict[str, Any] = {name: _scenario(runner, rank, world, seed, config.vocab_size,
+                                                   paths if name == "ep_tbo" else None)
                                    for name, runner in runners.items()}
+        results["tbo_paths"] = paths
         results["shards"] = _shard_report(models["reference"], models["ep"], runners["ep_tbo"].model)
         results["tbo_micro_batches"] = _traced_micro_batches(runners["ep"], group)
         results["dispatcher_edges"] = _dispatcher_edge_cases(group, seed)

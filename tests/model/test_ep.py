@@ -1,4 +1,5 @@
-"""Expert parallelism over gloo on CPU: EP, TBO and EP+TBO equal the single-process model.
+"""Expert parallelism over gloo on CPU: EP, TBO and EP+TBO equal the single-process model, and
+EP+TBO takes the path SGLang's rules give each step (idle and one-sequence ranks included).
 
 One `torch.multiprocessing.spawn` per world size (2 and 4) runs every case inside
 (`ep_worker.run_rank`); each rank runs its own tokens and compares against the single-process
@@ -19,7 +20,7 @@ from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.parallel import ExpertPlacement, ParallelInfo
 from deepseek_pd.model.runner import RunnerConfig
-from ep_worker import VARIANTS, run_rank
+from ep_worker import VARIANTS, expected_tbo_paths, run_rank
 from hf_oracle import TinyShape, build_hf_model
 
 REL_TOL = 1e-5
@@ -51,6 +52,8 @@ def test_ep_and_tbo_equal_single_process(tmp_path, world, fused, shape):
     for rank in range(world):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results.pop("tbo_micro_batches") == [0, 1], f"rank {rank}: TBO did not split under EP"
+        # Idle and one-sequence ranks take part (no veto); one long prompt splits; one token does not.
+        assert results.pop("tbo_paths") == expected_tbo_paths(rank, world), f"rank {rank}"
         assert results.pop("dispatcher_edges") <= REL_TOL, f"rank {rank}: empty/one-sided dispatch wrong"
         shards = results.pop("shards")
         assert shards and all(shards.values()), f"rank {rank}: expert shards wrong: {shards}"

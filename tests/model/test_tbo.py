@@ -1,5 +1,6 @@
 """Two-batch overlap in one process: equals the plain forward (prefill, prefill with a cached
-prefix, paged decode), splits where the tokens balance, and really interleaves per the rule."""
+prefix, paged decode, one long prompt cut in two chunks, batches either side of the thresholds),
+splits where SGLang's rules say, and really interleaves per the rule."""
 from __future__ import annotations
 
 import random
@@ -13,7 +14,8 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.model.layer_ops import TBO_DECODE_MOE_OPS, TBO_PREFILL_MOE_OPS, YIELD, OpState
 from deepseek_pd.model.parallel import ParallelInfo
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
-from deepseek_pd.model.tbo import TwoBatchOverlap, interleaved_order, split_point, sub_batch
+from deepseek_pd.model.tbo import TwoBatchOverlap, interleaved_order, micro_batch
+from deepseek_pd.model.tbo_rules import TboRules
 from hf_oracle import TinyShape, build_hf_model, our_model
 
 pytestmark = pytest.mark.timeout(90)
@@ -74,24 +76,36 @@ def _batch(model, mode: ForwardMode, lengths: list[int], prefix: int = 0) -> For
     return ForwardBatch.build(mode, ids, [prefix] * len(lengths), pages, pool, model.config.vocab_size, "cpu")
 
 
-def test_split_balances_tokens_and_sub_batches_are_consistent(models):
+def test_split_balances_tokens_and_micro_batches_are_consistent(models):
     plain, _ = models
     rng = random.Random()
     lengths = [rng.randint(1, 20) for _ in range(rng.randint(2, 7))]
     batch = _batch(plain, ForwardMode.EXTEND, lengths)
-    cut = split_point(batch)
-    imbalance = [abs(sum(lengths[:c]) - sum(lengths[c:])) for c in range(1, len(lengths))]
-    assert abs(sum(lengths[:cut]) - sum(lengths[cut:])) == min(imbalance)
-    first, second = sub_batch(batch, 0, cut), sub_batch(batch, cut, len(lengths))
-    assert first.extend_lens + second.extend_lens == batch.extend_lens
-    assert torch.equal(torch.cat([first.input_ids, second.input_ids]), batch.input_ids)
-    assert torch.equal(torch.cat([first.out_slots, second.out_slots]), batch.out_slots)
-    for half in (first, second):
-        assert half.qo_indptr.tolist() == list(half.qo_offsets)
-        assert half.token_seq.tolist() == [i for i, n in enumerate(half.extend_lens) for _ in range(n)]
+    cut = TboRules(token_distribution_threshold=0).split_token(batch.mode, batch.extend_lens)  # no two-chunk
+    imbalance = {abs(2 * sum(lengths[:c]) - sum(lengths)) for c in range(1, len(lengths))}
+    assert cut in {sum(lengths[:c]) for c in range(1, len(lengths))}
+    assert abs(2 * cut - sum(lengths)) == min(imbalance)
+    # Any token index (inside a sequence too) gives two batches that together are the batch.
+    for t in (cut, rng.randint(1, sum(lengths) - 1)):
+        first, second = micro_batch(batch, 0, t), micro_batch(batch, t, batch.num_tokens)
+        assert torch.equal(torch.cat([first.batch.input_ids, second.batch.input_ids]), batch.input_ids)
+        assert torch.equal(torch.cat([first.batch.out_slots, second.batch.out_slots]), batch.out_slots)
+        assert torch.equal(torch.cat([first.batch.positions, second.batch.positions]), batch.positions)
+        seq = next(i for i in range(len(lengths)) if sum(lengths[:i + 1]) >= t)  # holds token t - 1
+        inside = sum(lengths[:seq + 1]) != t
+        assert first.complete + second.complete == len(lengths)
+        assert first.complete == seq + (not inside)
+        for part in (first, second):
+            half = part.batch
+            assert half.qo_indptr.tolist() == list(half.qo_offsets)
+            assert half.token_seq.tolist() == [i for i, n in enumerate(half.extend_lens) for _ in range(n)]
+            assert half.seq_lens_t.tolist() == list(half.seq_lens)
+            # each token's position is its sequence's prefix plus its index in the chunk
+            assert half.positions.tolist() == [p + j for p, n in zip(half.prefix_lens, half.extend_lens)
+                                               for j in range(n)]
+    assert micro_batch(batch, 0, 0) is None
     decode = _batch(plain, ForwardMode.DECODE, [1] * 7, prefix=5)
-    assert split_point(decode) == 3
-    assert split_point(_batch(plain, ForwardMode.EXTEND, [9])) is None
+    assert TboRules().split_token(decode.mode, decode.extend_lens) == 3
 
 
 def _expected_trace(model, mode: ForwardMode, delta: int) -> list[tuple[int, int, str]]:
@@ -121,7 +135,7 @@ def test_executor_interleaves_by_the_rule(models, mode, delta):
     batch = _batch(tbo, mode, lengths, prefix=0 if mode is ForwardMode.EXTEND else 3)
     trace: list[tuple[int, int, str]] = []
     with torch.no_grad():
-        TwoBatchOverlap(tbo, ParallelInfo()).final_hidden(batch, trace)
+        TwoBatchOverlap(tbo, ParallelInfo(), TboRules(token_distribution_threshold=0)).final_hidden(batch, trace)
     assert trace == _expected_trace(tbo, mode, delta)
     # Overlap really happens: between A's dispatch_a and dispatch_b of every MoE layer B runs ops.
     for layer in tbo.layers:
@@ -136,7 +150,7 @@ def test_shared_state_between_micro_batches_raises(models):
     """Why each micro-batch has its own OpState: sharing one makes the interleaving collide."""
     _, tbo = models
     batch = _batch(tbo, ForwardMode.EXTEND, [3, 4])
-    halves = (sub_batch(batch, 0, 1), sub_batch(batch, 1, 2))
+    halves = (micro_batch(batch, 0, 3).batch, micro_batch(batch, 3, 7).batch)
     executor = TwoBatchOverlap(tbo, ParallelInfo())
     stages = executor.stages[ForwardMode.EXTEND]
     state = OpState(hidden_states=tbo.embed_tokens(batch.input_ids[:3]), residual=None)
@@ -144,3 +158,76 @@ def test_shared_state_between_micro_batches_raises(models):
         for micro, index in interleaved_order(len(stages), 0):
             for op in stages[index]:
                 op.run(state, halves[micro])
+
+
+def _paths(model) -> dict[str, int]:
+    return dict(model.tbo.stats)
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> tuple[int, int, int]:
+    return tuple(after[k] - before[k] for k in ("overlapped", "plain", "micro_batches"))
+
+
+@pytest.mark.parametrize("attention_method", ["auto", "mla"])
+def test_one_long_prompt_splits_in_two_chunks_and_equals_plain(models, attention_method):
+    """SGLang's two-chunk split: one prompt (then its next chunk, after a cached prefix, beside a
+    short one) is cut inside the sequence; the second micro-batch attends to the first's KV. Then
+    decode batches of 2 (split) and 1 (below the floor: plain). Logits and greedy tokens equal."""
+    plain, tbo = models
+    rng = random.Random()
+    vocab = plain.config.vocab_size
+    config = RunnerConfig(model="<in-memory>", page_size=4, num_pages=128, mha_chunked_kv_threshold=1,
+                          attention_method=attention_method)
+    runners = [ModelRunner.from_model(m, config) for m in (plain, tbo)]
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(30, 40))]
+    chunk = rng.randint(3, 12)  # the rest (>= 18 tokens) dominates a short prompt of 1-2 tokens
+    short = [rng.randrange(vocab) for _ in range(rng.randint(1, 2))]
+    pages = [runners[0].kv_pool.alloc(runners[0].kv_pool.pages_for_tokens(len(prompt) + 4)),
+             runners[0].kv_pool.alloc(runners[0].kv_pool.pages_for_tokens(len(short) + 4))]
+    assert [runners[1].kv_pool.alloc(len(p)) for p in pages] == pages
+    before = _paths(tbo)
+    outputs = {"first_chunk": [r.extend([ExtendSeq(prompt[:chunk], 0, pages[0])]) for r in runners],
+               "second_chunk": [r.extend([ExtendSeq(prompt[chunk:], chunk, pages[0]), ExtendSeq(short, 0, pages[1])])
+                                for r in runners]}
+    assert _delta(_paths(tbo), before) == (2, 0, 4)  # both prefills split
+    next_ids = outputs["second_chunk"][0].argmax(-1).tolist()
+    lengths = [len(prompt), len(short)]
+    for step in range(3):
+        seqs = [DecodeSeq(t, n + step, pg) for t, n, pg in zip(next_ids, lengths, pages)]
+        outputs[f"decode2_{step}"] = [r.decode(seqs) for r in runners]
+        next_ids = outputs[f"decode2_{step}"][0].argmax(-1).tolist()
+    assert _delta(_paths(tbo), before) == (5, 0, 10)  # a decode batch of 2 splits 1 | 1
+    outputs["decode1"] = [r.decode([DecodeSeq(next_ids[0], lengths[0] + 3, pages[0])]) for r in runners]
+    assert _delta(_paths(tbo), before) == (5, 1, 10)  # a decode batch of 1 runs plain
+    for case, (want, got) in outputs.items():
+        assert got.shape == want.shape, case
+        assert _rel_err(got, want) <= REL_TOL, case
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), case  # greedy tokens
+    for layer in range(plain.config.num_hidden_layers):  # the KV both wrote, chunks included
+        torch.testing.assert_close(runners[1].kv_pool.buffers[layer], runners[0].kv_pool.buffers[layer],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_batches_just_below_and_above_the_floor(models, mode):
+    """A configured floor: one token fewer runs plain, the floor itself splits; both equal plain."""
+    plain, tbo = models
+    rng = random.Random()
+    floor = rng.randint(3, 9)
+    rules = TboRules(min_decode_tokens=floor, min_extend_tokens=floor)
+    executor = TwoBatchOverlap(tbo, ParallelInfo(), rules)
+    for tokens, overlapped in ((floor - 1, 0), (floor, 1)):
+        if mode is ForwardMode.DECODE:
+            lengths = [1] * tokens
+        else:  # random sequence lengths summing to `tokens`
+            cuts = sorted(rng.sample(range(1, tokens), rng.randint(0, tokens - 1)))
+            lengths = [b - a for a, b in zip([0] + cuts, cuts + [tokens])]
+        batch = _batch(tbo, mode, lengths, prefix=rng.randint(0, 5))
+        with torch.no_grad():
+            want = plain.compute_logits(plain.final_hidden(plain.run_layers(batch), batch.last_token_index))
+            before = dict(executor.stats)
+            got = tbo.compute_logits(executor.final_hidden(batch))
+        assert executor.stats["overlapped"] - before["overlapped"] == overlapped, (tokens, lengths)
+        assert executor.stats["plain"] - before["plain"] == 1 - overlapped, (tokens, lengths)
+        assert _rel_err(got, want) <= REL_TOL, (tokens, lengths)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))

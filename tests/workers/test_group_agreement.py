@@ -32,6 +32,22 @@ def test_ranks_that_resolved_alike_agree_and_any_difference_is_named() -> None:
         check_agreement(everyone, rng.randrange(world))
 
 
+def test_tbo_thresholds_are_engine_options_every_rank_must_share() -> None:
+    """The TBO rules decide each step's collective sequence on every rank: a rank given another
+    floor is named, and the options resolve into the runner's frozen rules."""
+    floor = random.randint(2, 256)
+    tuned = resolve_serve_config(ServeFlags(role="decode", model="tiny", device="cpu",
+                                            parallel=ParallelFlags(dp=2, ep=2),
+                                            engine_options=("enable_tbo=true", f"tbo_min_decode_tokens={floor}",
+                                                            "tbo_token_distribution_threshold=0.3")))
+    assert tuned.runner.tbo_rules().min_decode_tokens == floor
+    assert tuned.runner.tbo_rules().token_distribution_threshold == 0.3
+    plain = resolve_serve_config(ServeFlags(role="decode", model="tiny", device="cpu",
+                                            parallel=ParallelFlags(dp=2, ep=2), engine_options=("enable_tbo=true",)))
+    with pytest.raises(UserError, match="rank 1 resolved tbo_rules="):
+        check_agreement([agreement_of(plain), agreement_of(tuned)], 0)
+
+
 def test_a_node_without_deep_ep_is_told_what_to_do() -> None:
     mine = agreement_of(_resolved(dp=2, ep=2, deepep_mode="normal"))
     theirs = {**mine, "dispatcher": "deepep" if mine["dispatcher"] != "deepep" else "all_to_all"}
