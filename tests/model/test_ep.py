@@ -52,6 +52,9 @@ def test_ep_and_tbo_equal_single_process(tmp_path, world, fused, shape):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results.pop("tbo_micro_batches") == [0, 1], f"rank {rank}: TBO did not split under EP"
         assert results.pop("dispatcher_edges") <= REL_TOL, f"rank {rank}: empty/one-sided dispatch wrong"
+        assert results.pop("dispatcher_edges_after_refusal") <= REL_TOL, f"rank {rank}: group out of step"
+        assert results.pop("masked_layout"), f"seed {seed} rank {rank}: low-latency masked layout wrong"
+        assert results.pop("over_capacity_refused"), f"rank {rank}: an over-capacity step was not refused"
         shards = results.pop("shards")
         assert shards and all(shards.values()), f"rank {rank}: expert shards wrong: {shards}"
         reference = results.pop("reference")
