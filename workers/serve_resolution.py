@@ -231,6 +231,7 @@ def size_low_latency_capacity(runner_opts: dict[str, Any], scheduler_opts: dict[
     given = runner_opts.get("low_latency_max_tokens")
     if given is None:
         runner_opts["low_latency_max_tokens"] = max(per_rank, 1)
+        log.info("low-latency EP capacity: %d tokens per rank per step (from %s=%d)", per_rank, cause, largest)
     elif given < per_rank:
         raise UserError(f"--engine-opt low_latency_max_tokens={given} is below what one step can put on a rank in "
                         f"the low-latency EP layout (--deepep-mode {group.deepep_mode}): {cause}={largest}"

@@ -1,8 +1,11 @@
-"""Expert parallelism over gloo on CPU: EP, TBO and EP+TBO equal the single-process model.
+"""Expert parallelism over gloo on CPU: EP (normal and low-latency layouts), TBO and EP+TBO (dispatch
+mode auto) equal the single-process model.
 
 One `torch.multiprocessing.spawn` per world size (2 and 4) runs every case inside
 (`ep_worker.run_rank`); each rank runs its own tokens and compares against the single-process
-reference of the same tokens. Plus the in-process checks: bad EP sizes, the dispatcher choice.
+reference of the same tokens; the dispatchers' edge cases, the masked layout against an oracle and
+the refusal of an over-capacity step run there too. Plus the in-process checks: bad EP sizes, the
+dispatcher choice.
 """
 from __future__ import annotations
 
