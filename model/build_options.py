@@ -11,6 +11,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.eplb.expert_location import ExpertLocation
+from deepseek_pd.model.dispatch_mode import DispatchConfig
 from deepseek_pd.model.parallel import ParallelInfo
 from deepseek_pd.model.tbo_rules import TboRules
 
@@ -22,6 +23,8 @@ class BuildOptions:
     attention_backend: str = "torch"
     moe_backend: str = "torch"
     dispatcher: str = "local"
+    # The EP dispatcher's layout per step (normal / low_latency / auto) and low-latency capacity.
+    dispatch: DispatchConfig = DispatchConfig()
     # Shared experts appended to the routed experts as always-selected experts of weight 1
     # (SGLang's fusion): 0 (separate shared MLP) or exactly n_shared_experts.
     num_fused_shared_experts: int = 0

@@ -26,7 +26,9 @@ import torch
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.graph_inputs import CudaGraphConfig, StaticDecodeInputs, bucket_for
+from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.dispatch_mode import decode_capturable
 
 log = logging.getLogger(__name__)
 _WARMUP_RUNS = 2  # compile Triton kernels and settle cuBLAS/allocator state before capturing
@@ -40,8 +42,9 @@ def check_capturable(model: DeepseekForCausalLM) -> None:
                         f"set cuda_graph=False")
     if options.enable_tbo:
         raise UserError("cuda_graph cannot capture two-batch overlap (enable_tbo); turn one of them off")
-    if not getattr(model.dispatcher, "cuda_graph_safe", False):
-        raise UserError(f"cuda_graph: EP dispatcher {options.dispatcher!r} is not capturable (ep_size 1 only)")
+    if not decode_capturable(model.dispatcher, options.dispatch):
+        raise UserError(f"cuda_graph: EP dispatcher {options.dispatcher!r} is not capturable in the "
+                        f"{options.dispatch.mode.value!r} dispatch mode (decode must run the low-latency layout)")
     for layer in model.layers:
         if not getattr(layer.self_attn.backend, "cuda_graph_safe", False):
             raise UserError(f"cuda_graph: attention backend {options.attention_backend!r} is not capturable "
@@ -102,6 +105,7 @@ class DecodeGraphRunner:
         inputs.load(inputs.pack(token_ids, positions, pages))
         if input_ids is not None:
             inputs.input_ids[:len(token_ids)].copy_(input_ids)
+        self.model.dispatcher.prepare_step(ForwardMode.DECODE)  # what the replay's dispatches skip (DeepEP)
         self._graphs[bucket].replay()
         # A copy: the static logits are overwritten by the next replay, and callers keep logits.
         return self._logits[bucket][:len(token_ids)].clone()

@@ -48,7 +48,7 @@ class DeepseekForCausalLM(nn.Module):
         # Built before the layers so a bad EP size fails here, naming it, before any allocation.
         self.placement = ExpertPlacement(config.n_routed_experts, options.num_fused_shared_experts, options.parallel,
                                          options.expert_location)
-        self.dispatcher = DISPATCHERS.build(options.dispatcher, self.placement)
+        self.dispatcher = DISPATCHERS.build(options.dispatcher, self.placement, options.dispatch)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, self.rotary, options, self.dispatcher)
             for i in range(config.num_hidden_layers))

@@ -35,6 +35,8 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.cuda_graph import DecodeGraphRunner
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.device import is_cuda, resolve_device
+from deepseek_pd.model.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
+                                             decode_capturable)
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
@@ -101,6 +103,10 @@ class RunnerConfig:
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
+    # The EP layout per step (model/dispatch_mode.py): normal | low_latency | auto (normal for extend
+    # steps, low_latency for decode steps), and the low-latency capacity in tokens per rank per step.
+    dispatch_mode: str = "normal"
+    low_latency_max_tokens: int = DEFAULT_LOW_LATENCY_MAX_TOKENS
     ep_size: int = 1  # the process group handed to ModelRunner(parallel=...) must have this size
     # Attention TP: MLA heads split over this many ranks running the same batch (ParallelInfo.tp_*).
     tp_size: int = 1
@@ -151,6 +157,7 @@ class RunnerConfig:
         if self.tp_size > 1 and self.enable_tbo:
             raise UserError("two-batch overlap (enable_tbo) is not supported with attention TP (tp_size > 1)")
         self.tbo_rules()  # validates the thresholds even when TBO is off
+        self.dispatch_config()  # validates the mode and the capacity
         if self.ep_num_redundant_experts < 0:
             raise UserError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
@@ -211,9 +218,12 @@ class RunnerConfig:
             return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
         if self.tp_size > 1:
             return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
+        dispatcher = self.resolve_dispatcher()
+        if not decode_capturable(DISPATCHERS.get(dispatcher), self.dispatch_config()):
+            return (f"the EP dispatcher {dispatcher!r} is capturable only when decode runs its low-latency layout "
+                    f"(dispatch mode {self.dispatch_mode!r}; --deepep-mode auto or low_latency)")
         parts = (("attention backend", ATTENTION_BACKENDS, self.resolve_backend(self.attention_backend)),
-                 ("MoE backend", MOE_BACKENDS, self.resolve_backend(self.moe_backend)),
-                 ("EP dispatcher", DISPATCHERS, self.resolve_dispatcher()))
+                 ("MoE backend", MOE_BACKENDS, self.resolve_backend(self.moe_backend)))
         if self.fp8_backend not in ("auto", "dequant"):
             parts += (("FP8 MoE backend", FP8_MOE_BACKENDS, self.fp8_backend),)
         for what, registry, name in parts:
@@ -223,6 +233,9 @@ class RunnerConfig:
 
     def tbo_rules(self) -> TboRules:
         return TboRules(self.tbo_token_distribution_threshold, self.tbo_min_decode_tokens, self.tbo_min_extend_tokens)
+
+    def dispatch_config(self) -> DispatchConfig:
+        return DispatchConfig(DispatchMode.parse(self.dispatch_mode), self.low_latency_max_tokens)
 
     def cuda_graph_config(self) -> CudaGraphConfig:
         return CudaGraphConfig(max_batch=self.cuda_graph_max_batch, max_context=self.cuda_graph_max_context)
@@ -269,6 +282,7 @@ class RunnerConfig:
             dtype=self.resolve_dtype(model_config), device=self.device,
             attention_backend=self.resolve_backend(self.attention_backend),
             moe_backend=self.resolve_backend(self.moe_backend), dispatcher=self.resolve_dispatcher(),
+            dispatch=self.dispatch_config(),
             num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size,
             parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo, tbo_rules=self.tbo_rules(),
             expert_location=self.expert_location(model_config),

@@ -201,7 +201,10 @@ def agreement_of(config: ServeConfig) -> dict:
     return {"role": config.role, "world": config.group.world, "ep": config.group.ep, "dp": config.group.dp,
             "tp": config.group.tp,
             "deepep_mode": config.group.deepep_mode, "dispatcher": runner.dispatcher,
-            "enable_tbo": runner.enable_tbo, "tbo_rules": str(runner.tbo_rules()), "page_size": runner.page_size, "dtype": str(runner.dtype),
+            # The layouts' collectives differ in shape, the low-latency ones by the capacity.
+            "dispatch_mode": runner.dispatch_mode, "low_latency_max_tokens": runner.low_latency_max_tokens,
+            "enable_tbo": runner.enable_tbo, "tbo_rules": str(runner.tbo_rules()), "page_size": runner.page_size,
+            "dtype": str(runner.dtype),
             "model": config.model.served_model_name,
             # EPLB: every rank must route to the same slots and load the same experts into them.
             "ep_num_redundant_experts": runner.ep_num_redundant_experts,

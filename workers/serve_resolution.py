@@ -21,7 +21,10 @@ The rules, each in one place:
   `TransportConfig.mooncake_protocol/mooncake_device`; it only applies to `--kv-transport mooncake`.
 - the group (workers/common/group_layout.py): `--tp/--dp/--ep/--nnodes/--node-rank/--dist-init-addr`
   become one `GroupLayout`; the runner's `ep_size`, `tp_size` (attention TP: `--tp`) and dispatcher
-  follow from it (`all_to_all`, or `deepep` where `deep_ep` imports and `--deepep-mode` is not none);
+  follow from it (`all_to_all`, or `deepep` where `deep_ep` imports and `--deepep-mode` is not none),
+  and so does the runner's `dispatch_mode` (`GroupLayout.dispatch_mode`: the layout per step); the
+  low-latency capacity `low_latency_max_tokens` is sized from (or checked against) the largest
+  step that runs in that layout (`size_low_latency_capacity`);
   CUDA graphs are off where the dispatcher cannot be captured and under attention TP
   (RunnerConfig.resolve; `cuda_graph=true` with `--tp` > 1 is refused, so is `enable_tbo`), and
   `--tp` must divide the model's attention heads.
@@ -40,6 +43,8 @@ from typing import Any
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.device import is_cuda, resolve_device
+from deepseek_pd.model.dispatch_mode import DispatchMode
+from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.kv_pool import bytes_per_pool_page
 from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
 from deepseek_pd.model.model_dir import resolve_model_dir, served_name
@@ -68,7 +73,7 @@ _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages",
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
             "transport": TransportConfig, "group": GroupLayout}
-_GROUP_RUNNER_FIELDS = ("ep_size", "tp_size", "dispatcher")  # decided by the group layout
+_GROUP_RUNNER_FIELDS = ("ep_size", "tp_size", "dispatcher", "dispatch_mode")  # decided by the group layout
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,12 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
         if name in opts["runner"]:
             raise UserError(f"--engine-opt {name}: set by --ep/--deepep-mode (the group layout), not directly")
     runner_opts = {**opts["runner"], "ep_size": group.ep, "tp_size": group.tp,
-                   "dispatcher": group.dispatcher(deepep_available=_deepep_available())}
+                   "dispatcher": group.dispatcher(deepep_available=_deepep_available()),
+                   "dispatch_mode": group.dispatch_mode}
     _graphs_cover_the_batch_cap(runner_opts, opts["scheduler"])
+    scheduler_caps = {**opts["scheduler"], **({"chunked_prefill_size": flags.chunked_prefill_size}
+                                              if flags.chunked_prefill_size is not None else {})}
+    size_low_latency_capacity(runner_opts, scheduler_caps, group, defaults.decodes)
     model_config = ModelConfig.from_hf(model_dir)
     if model_config.num_attention_heads % group.tp:
         raise UserError(f"--tp {group.tp} (attention tensor parallelism) must divide the model's "
@@ -194,6 +203,40 @@ def _graphs_cover_the_batch_cap(runner_opts: dict[str, Any], scheduler_opts: dic
     if graph_max < cap:
         log.warning("cuda_graph_max_batch=%d is below max_running_requests=%d: decode batches above %d run "
                     "without CUDA graphs (several times slower per step)", graph_max, cap, graph_max)
+
+
+def size_low_latency_capacity(runner_opts: dict[str, Any], scheduler_opts: dict[str, Any], group: GroupLayout,
+                              decodes: bool) -> None:
+    """The low-latency EP layout has a fixed capacity (tokens per rank per step; every rank the
+    same): it must cover the largest step that runs in it. Decode steps carry up to
+    max_running_requests (and the largest CUDA-graph bucket) sequences, extend steps (only when
+    `--deepep-mode low_latency` forces the layout on them) up to chunked_prefill_size tokens;
+    under attention TP each rank dispatches 1/tp of its DP group's rows. Unset, the capacity is
+    sized to that; set below it (`--engine-opt low_latency_max_tokens=N`), serve refuses to start
+    rather than fail on the first large step."""
+    if group.ep == 1:
+        return
+    steps = DispatchMode.parse(runner_opts["dispatch_mode"]).low_latency_steps()
+    needs = {}
+    if ForwardMode.DECODE in steps and decodes:
+        needs["max_running_requests"] = scheduler_opts.get("max_running_requests",
+                                                           SchedulerConfig.max_running_requests)
+        needs["cuda_graph_max_batch"] = runner_opts.get("cuda_graph_max_batch", 0)
+    if ForwardMode.EXTEND in steps:
+        needs["chunked_prefill_size"] = scheduler_opts.get("chunked_prefill_size", SchedulerConfig.chunked_prefill_size)
+    if not needs:
+        return
+    cause, largest = max(needs.items(), key=lambda item: item[1])
+    per_rank = -(-largest // group.tp)
+    given = runner_opts.get("low_latency_max_tokens")
+    if given is None:
+        runner_opts["low_latency_max_tokens"] = max(per_rank, 1)
+        log.info("low-latency EP capacity: %d tokens per rank per step (from %s=%d)", per_rank, cause, largest)
+    elif given < per_rank:
+        raise UserError(f"--engine-opt low_latency_max_tokens={given} is below what one step can put on a rank in "
+                        f"the low-latency EP layout (--deepep-mode {group.deepep_mode}): {cause}={largest}"
+                        + (f" over --tp {group.tp} = {per_rank}" if group.tp > 1 else "") + " tokens; raise "
+                        f"low_latency_max_tokens or lower {cause}")
 
 
 def _absolute(path: str | None) -> str | None:

@@ -1,8 +1,10 @@
-"""`deepep` EP dispatcher: DeepEP (V1 API) normal mode for extend batches, low-latency for decode.
+"""`deepep` EP dispatcher: DeepEP (V1 API) normal and low-latency layouts, picked per step by the
+`DispatchConfig.mode` (`model/dispatch_mode.py`: `auto` is normal for extend steps, low-latency for decode).
 
-Registered only when `import deep_ep` works (a CUDA build with NVSHMEM). It cannot run on the CPU
-test machine, so no test covers it here; it is written from DeepEP's V1 interface (FACTS.md) and
-follows the same four-call contract as `all_to_all`, which the multi-process tests check:
+Registered only when `import deep_ep` works (a CUDA build with NVSHMEM). Written from DeepEP's V1
+interface (FACTS.md); tests/model/test_deepep_fake.py runs it on the CPU against an in-process
+fake `deep_ep` at world size 1, and the multi-process tests check the same four-call contract on
+`all_to_all`:
 
     normal       get_dispatch_layout + dispatch (async_finish; the CPU waits for the counts inside
                  dispatch, so it is not CUDA-graph safe) → local ids with -1 for other ranks' pairs;
@@ -11,6 +13,11 @@ follows the same four-call contract as `all_to_all`, which the multi-process tes
                  dispatch_b, receives into a masked `[local_experts, max_tokens*ranks, H]` layout,
                  flattened here into rows with one local expert id each (-1 for padding rows) and
                  weight 1; low_latency_combine applies the top-k weights itself.
+
+One `deep_ep.Buffer` serves both layouts. DeepEP requires its low-latency part to be zeroed
+(`clean_low_latency_buffer`) after normal kernels ran and before the next low-latency one: `enter`
+does it on every switch from normal to low-latency, also before a CUDA-graph replay
+(`prepare_step`), as SGLang's `DeepEPBuffer.set_dispatch_mode_as_low_latency` does.
 """
 from __future__ import annotations
 
@@ -20,8 +27,9 @@ from typing import Any
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.forward_batch import ForwardMode
-from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput, DispatchOutput
+from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
+from deepseek_pd.model.moe.dispatcher import (DISPATCHERS, CombineInput, DispatchOutput,
+                                              LayoutSwitchingDispatcher)
 from deepseek_pd.model.parallel import ExpertPlacement
 
 try:
@@ -29,8 +37,39 @@ try:
 except (ImportError, OSError):  # not installed, or its CUDA/NVSHMEM libraries are missing: not offered
     deep_ep = None
 
-# Low-latency mode pre-sizes its RDMA buffers for this many tokens per rank (SGLang's default).
-LOW_LATENCY_MAX_TOKENS_PER_RANK = 128
+
+class _SharedBuffer:
+    """The one `deep_ep.Buffer` of a model, sized on first use (when the hidden width is known)."""
+
+    def __init__(self, placement: ExpertPlacement, config: DispatchConfig) -> None:
+        self.placement = placement
+        self.config = config
+        self.buffer: Any = None
+        self.hidden_size = 0
+
+    def get(self, hidden: torch.Tensor) -> Any:
+        if self.buffer is None:
+            self.buffer = self._create(hidden)
+            self.hidden_size = hidden.shape[-1]
+        return self.buffer
+
+    def _create(self, hidden: torch.Tensor) -> Any:
+        num_ranks, low_latency = self.placement.parallel.ep_size, self.config.mode.uses_low_latency
+        hidden_bytes = hidden.shape[-1] * max(hidden.element_size(), 2)
+        nvl_bytes = rdma_bytes = 0
+        for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)):
+            nvl_bytes = max(nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+            rdma_bytes = max(rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
+        if low_latency:
+            rdma_bytes = max(rdma_bytes, deep_ep.Buffer.get_low_latency_rdma_size_hint(
+                self.config.low_latency_max_tokens, hidden.shape[-1], num_ranks, self.placement.num_slots))
+        return deep_ep.Buffer(self.placement.parallel.group, nvl_bytes, rdma_bytes, low_latency_mode=low_latency,
+                              num_qps_per_rank=max(1, self.placement.num_local_routed) if low_latency else 1)
+
+    def clean_low_latency(self) -> None:
+        if self.buffer is not None:  # a fresh buffer starts clean
+            self.buffer.clean_low_latency_buffer(self.config.low_latency_max_tokens, self.hidden_size,
+                                                 self.placement.num_slots)
 
 
 @dataclass
@@ -51,86 +90,98 @@ class _LowLatencyHandle:
 
 
 @dataclass
-class _Route:
-    low_latency: bool
+class _LowLatencyRoute:
     deep_ep_handle: Any
-    shape: tuple[int, ...] = ()
-    topk_ids: torch.Tensor | None = None
-    topk_weights: torch.Tensor | None = None
+    shape: tuple[int, ...]
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
 
 
-class DeepEPDispatcher:
-    def __init__(self, placement: ExpertPlacement) -> None:
-        if placement.num_fused_shared:
-            raise UserError("the deepep dispatcher does not support fused shared experts; "
-                            "set num_fused_shared_experts=0")
-        self.placement = placement
-        self.group = placement.parallel.group
-        self.num_ranks = placement.parallel.ep_size
-        self._buffer: Any = None
+class _NormalDeepEP:
+    def __init__(self, shared: _SharedBuffer) -> None:
+        self.shared = shared
 
-    def _buffer_for(self, hidden: torch.Tensor) -> Any:
-        if self._buffer is None:  # sized on first use, when the hidden width and dtype are known
-            hidden_bytes = hidden.shape[-1] * max(hidden.element_size(), 2)
-            nvl_bytes = rdma_bytes = 0
-            for config in (deep_ep.Buffer.get_dispatch_config(self.num_ranks),
-                           deep_ep.Buffer.get_combine_config(self.num_ranks)):
-                nvl_bytes = max(nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks))
-                rdma_bytes = max(rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, self.num_ranks))
-            rdma_bytes = max(rdma_bytes, deep_ep.Buffer.get_low_latency_rdma_size_hint(
-                LOW_LATENCY_MAX_TOKENS_PER_RANK, hidden.shape[-1], self.num_ranks, self.placement.num_slots))
-            self._buffer = deep_ep.Buffer(self.group, nvl_bytes, rdma_bytes, low_latency_mode=True,
-                                          num_qps_per_rank=max(1, self.placement.num_local_routed))
-        return self._buffer
-
-    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   mode: ForwardMode | None = None) -> Any:
-        buffer = self._buffer_for(hidden)
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> _NormalHandle:
+        buffer = self.shared.get(hidden)
         ids = topk_ids.to(torch.int64)
-        if mode is ForwardMode.DECODE:
-            if hidden.shape[0] > LOW_LATENCY_MAX_TOKENS_PER_RANK:
-                raise UserError(f"decode batch of {hidden.shape[0]} tokens exceeds DeepEP low-latency capacity "
-                                f"{LOW_LATENCY_MAX_TOKENS_PER_RANK} per rank")
-            recv_x, recv_count, handle, _event, hook = buffer.low_latency_dispatch(
-                hidden, ids, LOW_LATENCY_MAX_TOKENS_PER_RANK, self.placement.num_slots, use_fp8=False,
-                async_finish=False, return_recv_hook=True)
-            return _LowLatencyHandle(recv_x, recv_count, handle, hook, ids, topk_weights.float())
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, self.placement.num_slots)
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+            ids, self.shared.placement.num_slots)
         recv_x, recv_ids, recv_weights, _counts, handle, event = buffer.dispatch(
             hidden, topk_idx=ids, topk_weights=topk_weights.float(), num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             async_finish=True)
         return _NormalHandle((recv_x, recv_ids, recv_weights), handle, event)
 
-    def dispatch_b(self, handle: Any) -> DispatchOutput:
-        if isinstance(handle, _NormalHandle):
-            handle.event.current_stream_wait()
-            recv_x, recv_ids, recv_weights = handle.recv
-            return DispatchOutput(recv_x, recv_ids.long(), recv_weights, _Route(False, handle.handle))
+    def dispatch_b(self, handle: _NormalHandle) -> DispatchOutput:
+        handle.event.current_stream_wait()
+        recv_x, recv_ids, recv_weights = handle.recv
+        return DispatchOutput(recv_x, recv_ids.long(), recv_weights, handle.handle)
+
+    def combine_a(self, combine_input: CombineInput) -> Any:
+        combined, _, event = self.shared.buffer.combine(combine_input.hidden, combine_input.handle, async_finish=True)
+        return combined, event
+
+    def combine_b(self, handle: Any) -> torch.Tensor:
+        combined, event = handle
+        event.current_stream_wait()
+        return combined
+
+
+class _LowLatencyDeepEP:
+    def __init__(self, shared: _SharedBuffer) -> None:
+        self.shared = shared
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> _LowLatencyHandle:
+        config = self.shared.config
+        config.check_capacity(hidden.shape[0])
+        ids = topk_ids.to(torch.int64)
+        recv_x, recv_count, handle, _event, hook = self.shared.get(hidden).low_latency_dispatch(
+            hidden, ids, config.low_latency_max_tokens, self.shared.placement.num_slots, use_fp8=False,
+            async_finish=False, return_recv_hook=True)
+        return _LowLatencyHandle(recv_x, recv_count, handle, hook, ids, topk_weights.float())
+
+    def dispatch_b(self, handle: _LowLatencyHandle) -> DispatchOutput:
         handle.hook()  # receive
         num_local, max_rows, width = handle.recv_x.shape
         rows = torch.arange(max_rows, device=handle.recv_x.device)
         experts = torch.arange(num_local, device=handle.recv_x.device)[:, None].expand(-1, max_rows)
         ids = torch.where(rows[None, :] < handle.recv_count[:, None], experts, torch.full_like(experts, -1))
-        route = _Route(True, handle.handle, (num_local, max_rows, width), handle.topk_ids, handle.topk_weights)
+        route = _LowLatencyRoute(handle.handle, (num_local, max_rows, width), handle.topk_ids, handle.topk_weights)
         return DispatchOutput(handle.recv_x.reshape(-1, width), ids.reshape(-1, 1),
                               torch.ones(num_local * max_rows, 1, device=ids.device), route)
 
     def combine_a(self, combine_input: CombineInput) -> Any:
-        route: _Route = combine_input.handle
-        buffer = self._buffer
-        if route.low_latency:
-            combined, _event, hook = buffer.low_latency_combine(
-                combine_input.hidden.view(route.shape), route.topk_ids, route.topk_weights, route.deep_ep_handle,
-                async_finish=False, return_recv_hook=True)
-            return combined, hook
-        combined, _, event = buffer.combine(combine_input.hidden, route.deep_ep_handle, async_finish=True)
-        return combined, event.current_stream_wait
+        route: _LowLatencyRoute = combine_input.handle
+        combined, _event, hook = self.shared.buffer.low_latency_combine(
+            combine_input.hidden.view(route.shape), route.topk_ids, route.topk_weights, route.deep_ep_handle,
+            async_finish=False, return_recv_hook=True)
+        return combined, hook
 
     def combine_b(self, handle: Any) -> torch.Tensor:
-        combined, finish = handle
-        finish()
+        combined, hook = handle
+        hook()
         return combined
+
+
+class DeepEPDispatcher(LayoutSwitchingDispatcher):
+    # DeepEP's low-latency kernels with return_recv_hook neither allocate by count nor read back to
+    # the host; the flattening in dispatch_b is device-only.
+    low_latency_cuda_graph_safe = True
+
+    def __init__(self, placement: ExpertPlacement, config: DispatchConfig = DispatchConfig()) -> None:
+        if placement.num_fused_shared:
+            raise UserError("the deepep dispatcher does not support fused shared experts; "
+                            "set num_fused_shared_experts=0")
+        self.placement = placement
+        self._shared = _SharedBuffer(placement, config)
+        self._current = DispatchMode.LOW_LATENCY  # a fresh buffer's low-latency part is clean
+        super().__init__(config, _NormalDeepEP(self._shared), _LowLatencyDeepEP(self._shared))
+
+    def enter(self, layout: DispatchMode) -> None:
+        if layout is DispatchMode.LOW_LATENCY and self._current is DispatchMode.NORMAL:
+            self._shared.clean_low_latency()
+        self._current = layout
 
 
 if deep_ep is not None:

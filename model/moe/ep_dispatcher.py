@@ -1,6 +1,8 @@
-"""`all_to_all` EP dispatcher: DeepEP normal mode's contract over `torch.distributed`.
+"""`all_to_all` EP dispatcher: DeepEP's two layouts over `torch.distributed`.
 
-Works on any backend with `all_to_all_single` (gloo on CPU, NCCL on GPU). One MoE layer:
+Works on any backend with `all_to_all_single` (gloo on CPU, NCCL on GPU). Each step runs in the
+layout its `DispatchConfig.mode` picks (`model/dispatch_mode.py`): the low-latency (masked, fixed
+capacity) layout is `a2a_low_latency.py`; the normal layout, for one MoE layer, is:
 
     dispatch_a  each token is sent once to every rank that owns one of its experts (fused shared
                 experts are computed on the token's own rank), with its top-k ids rewritten to the
@@ -23,8 +25,10 @@ from typing import Any
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.forward_batch import ForwardMode
-from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput, DispatchOutput
+from deepseek_pd.model.moe.a2a_low_latency import LowLatencyAllToAll
+from deepseek_pd.model.dispatch_mode import DispatchConfig
+from deepseek_pd.model.moe.dispatcher import (DISPATCHERS, CombineInput, DispatchOutput,
+                                              LayoutSwitchingDispatcher)
 from deepseek_pd.model.parallel import ExpertPlacement
 
 
@@ -58,8 +62,10 @@ class CombineInFlight:
 
 
 @DISPATCHERS.register("all_to_all")
-class AllToAllDispatcher:
-    def __init__(self, placement: ExpertPlacement) -> None:
+class AllToAllDispatcher(LayoutSwitchingDispatcher):
+    low_latency_cuda_graph_safe = True  # a2a_low_latency.py: equal splits, nothing read on the host
+
+    def __init__(self, placement: ExpertPlacement, config: DispatchConfig = DispatchConfig()) -> None:
         import torch.distributed as dist
         parallel = placement.parallel
         if not dist.is_available() or not dist.is_initialized():
@@ -68,14 +74,22 @@ class AllToAllDispatcher:
         if group_size != parallel.ep_size or dist.get_rank(parallel.group) != parallel.ep_rank:
             raise UserError(f"EP group has size {group_size} and rank {dist.get_rank(parallel.group)}, "
                             f"but ep_size={parallel.ep_size}, ep_rank={parallel.ep_rank} were asked for")
+        super().__init__(config, NormalAllToAll(dist, placement), LowLatencyAllToAll(dist, placement, config))
+        self.placement = placement
+
+
+class NormalAllToAll:
+    """The normal layout (the module docstring); the host waits for the per-rank counts."""
+
+    def __init__(self, dist: Any, placement: ExpertPlacement) -> None:
         self._dist = dist
         self.placement = placement
-        self.group = parallel.group
-        self.rank = parallel.ep_rank
-        self.size = parallel.ep_size
+        self.group = placement.parallel.group
+        self.rank = placement.parallel.ep_rank
+        self.size = placement.parallel.ep_size
 
-    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   mode: ForwardMode | None = None) -> DispatchInFlight:
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> DispatchInFlight:
         num_tokens, top_k = topk_ids.shape
         owner = self.placement.owner_rank(topk_ids, self.rank)  # [T, k]
         ranks = torch.arange(self.size, device=topk_ids.device)

@@ -2,16 +2,18 @@
 torch and deepseek_pd, not pytest or transformers).
 
 Each rank builds, from the same checkpoint, the single-process reference (ep_size 1, `local`) and
-three variants — EP, TBO alone, EP+TBO — and drives all four through the same calls on its own
-tokens (data-parallel attention): extend, extend-with-prefix (MHA_CHUNKED_KV), paged decode, and
-a step where rank 0 has a single sequence (with TBO it takes part with an empty micro-batch) and
-one where the last rank is idle (`runner.idle()`: with TBO, two empty micro-batches); then a
-long prompt on rank 0 in two chunked-prefill steps (TBO cuts it in two chunks inside the sequence;
-the second step has a cached prefix) while the last rank extends one token, then is idle; and a
-step where every rank extends one token (below the TBO floor: plain everywhere). Logits, the TBO
-paths each step took (`tbo_paths`: overlapped forwards and non-empty micro-batches of the
-`ep_tbo` runner) and weight-shard checks are written to `<dir>/rank<r>.pt`; the parent test
-compares them.
+four variants — EP (normal layout), EP in the low-latency layout for every step, TBO alone, and
+EP+TBO in the `auto` dispatch mode (normal extend, low-latency decode) — and drives all five through
+the same calls on its own tokens (data-parallel attention): extend, extend-with-prefix
+(MHA_CHUNKED_KV), paged decode, and a step where rank 0 has a single sequence (with TBO it takes
+part with an empty micro-batch) and one where the last rank is idle (`runner.idle()`: with TBO, two
+empty micro-batches); then a long prompt on rank 0 in two chunked-prefill steps (TBO cuts it in two
+chunks inside the sequence; the second step has a cached prefix) while the last rank extends one
+token, then is idle; and a step where every rank extends one token (below the TBO floor: plain
+everywhere). Logits, the TBO paths each step took (`tbo_paths`: overlapped forwards and non-empty
+micro-batches of the `ep_tbo` runner), weight-shard checks, and the dispatchers' edge cases in both
+layouts (plus the masked layout against an all-gathered oracle, and a refused over-capacity step)
+are written to `<dir>/rank<r>.pt`; the parent test compares them.
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ import torch
 
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.errors import UserError
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
+from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput
 from deepseek_pd.model.parallel import ExpertPlacement, ParallelInfo
@@ -33,7 +37,10 @@ from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerCo
 from deepseek_pd.model.tbo import TwoBatchOverlap
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)
-VARIANTS = ("ep", "tbo", "ep_tbo")
+VARIANTS = ("ep", "ep_low_latency", "tbo", "ep_tbo")
+# Tokens per rank per step in the low-latency layout: the scenario's largest step is 4 sequences
+# of up to 9 tokens (36), so the fixed buffers are mostly padding, as in a real decode step.
+LOW_LATENCY_CAPACITY = 40
 
 
 def per_expert_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -55,9 +62,9 @@ def per_expert_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _build(config: ModelConfig, weights: dict[str, torch.Tensor], parallel: ParallelInfo, dispatcher: str,
-           tbo: bool, fused: int) -> DeepseekForCausalLM:
+           tbo: bool, fused: int, dispatch: DispatchConfig = DispatchConfig()) -> DeepseekForCausalLM:
     options = BuildOptions(dispatcher=dispatcher, parallel=parallel, enable_tbo=tbo, num_fused_shared_experts=fused,
-                           prefix_chunk_size=3)  # several MHA_CHUNKED_KV steps on short prefixes
+                           prefix_chunk_size=3, dispatch=dispatch)  # several MHA_CHUNKED_KV steps on short prefixes
     model = DeepseekForCausalLM(config, options)
     model.load_weights(weights.items())
     return model.eval()
@@ -145,14 +152,18 @@ def run_rank(rank: int, world: int, port: int, directory: str, seed: int, fused:
         models = {
             "reference": _build(config, stacked, ParallelInfo(), "local", False, fused),
             "ep": _build(config, per_expert, group, "all_to_all", False, fused),
+            "ep_low_latency": _build(config, per_expert, group, "all_to_all", False, fused,
+                                     DispatchConfig(DispatchMode.LOW_LATENCY, LOW_LATENCY_CAPACITY)),
             "tbo": _build(config, stacked, ParallelInfo(), "local", True, fused),
         }
         runner_config = RunnerConfig(model="<in-memory>", page_size=4, num_pages=128, mha_chunked_kv_threshold=1)
         runners = {name: ModelRunner.from_model(model, runner_config) for name, model in models.items()}
-        # EP+TBO the way a worker builds it: from the checkpoint directory, through RunnerConfig.
+        # EP+TBO the way a worker builds it (from the checkpoint directory, through RunnerConfig),
+        # in `--deepep-mode auto`: normal extend steps, low-latency decode steps.
         runners["ep_tbo"] = ModelRunner(dataclasses.replace(
             runner_config, model=str(Path(directory) / "checkpoint"), ep_size=world, enable_tbo=True,
-            num_fused_shared_experts=fused, prefix_chunk_size=3), parallel=group)
+            num_fused_shared_experts=fused, prefix_chunk_size=3, dispatch_mode="auto",
+            low_latency_max_tokens=LOW_LATENCY_CAPACITY), parallel=group)
         paths: dict[str, tuple[int, int]] = {}
         results: dict[str, Any] = {name: _scenario(runner, rank, world, seed, config.vocab_size,
                                                    paths if name == "ep_tbo" else None)
@@ -160,7 +171,12 @@ def run_rank(rank: int, world: int, port: int, directory: str, seed: int, fused:
         results["tbo_paths"] = paths
         results["shards"] = _shard_report(models["reference"], models["ep"], runners["ep_tbo"].model)
         results["tbo_micro_batches"] = _traced_micro_batches(runners["ep"], group)
-        results["dispatcher_edges"] = _dispatcher_edge_cases(group, seed)
+        results["dispatcher_edges"] = max(_dispatcher_edge_cases(group, seed, DispatchConfig(mode, 6))
+                                          for mode in (DispatchMode.NORMAL, DispatchMode.LOW_LATENCY))
+        results["masked_layout"] = _masked_layout_matches_oracle(group, seed)
+        results["over_capacity_refused"] = _over_capacity_is_refused(group)
+        results["dispatcher_edges_after_refusal"] = _dispatcher_edge_cases(
+            group, seed + 1, DispatchConfig(DispatchMode.LOW_LATENCY, 6))
         torch.save(results, Path(directory) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -196,13 +212,14 @@ def _traced_micro_batches(runner: ModelRunner, group: ParallelInfo) -> list[int]
     return sorted({micro for micro, _, _ in trace})
 
 
-def _dispatcher_edge_cases(group: ParallelInfo, seed: int) -> float:
+def _dispatcher_edge_cases(group: ParallelInfo, seed: int, config: DispatchConfig) -> float:
     """Dispatch/combine alone where every token picks rank 0's experts (the other ranks receive
     nothing) and the last rank has no tokens at all. With "experts" that return their input times
-    the sum of the weights of the pairs they own, combine must give hidden * sum(all weights)."""
+    the sum of the weights of the pairs they own, combine must give hidden * sum(all weights)
+    (the low-latency layout hands the experts weight 1 and applies the weights in combine)."""
     gen = torch.Generator().manual_seed(seed + group.ep_rank)
     placement = ExpertPlacement(num_routed=4 * group.ep_size, num_fused_shared=0, parallel=group)
-    dispatcher = DISPATCHERS.build("all_to_all", placement)
+    dispatcher = DISPATCHERS.build("all_to_all", placement, config)
     num_tokens = 0 if group.ep_rank == group.ep_size - 1 else 5
     hidden = torch.randn(num_tokens, 6, generator=gen)
     ids = torch.randint(0, placement.num_local_routed, (num_tokens, 3), generator=gen)  # rank 0's experts only
@@ -214,3 +231,47 @@ def _dispatcher_edge_cases(group: ParallelInfo, seed: int) -> float:
     if combined.shape != want.shape:
         return float("inf")
     return 0.0 if num_tokens == 0 else ((combined - want).abs().max() / want.abs().max()).item()
+
+
+def _masked_layout_matches_oracle(group: ParallelInfo, seed: int) -> bool:
+    """The low-latency layout against an all-gathered oracle: local expert l's first recv_count[l]
+    rows are the tokens (by source rank, then token order) that chose it, the rest are zero."""
+    import torch.distributed as dist
+    capacity, top_k, width, per_rank = 5, 3, 4, 2
+    gen = torch.Generator().manual_seed(seed * 7 + group.ep_rank)
+    placement = ExpertPlacement(num_routed=per_rank * group.ep_size, num_fused_shared=0, parallel=group)
+    num_tokens = 0 if group.ep_rank == group.ep_size - 1 else 1 + (seed + group.ep_rank) % capacity
+    ids = torch.stack([torch.randperm(placement.num_slots, generator=gen)[:top_k] for _ in range(num_tokens)]
+                      ) if num_tokens else torch.empty(0, top_k, dtype=torch.long)
+    hidden = torch.randn(num_tokens, width, generator=gen)
+    dispatcher = DISPATCHERS.build("all_to_all", placement, DispatchConfig(DispatchMode.LOW_LATENCY, capacity))
+    route = dispatcher.dispatch_b(dispatcher.dispatch_a(hidden, ids, torch.rand(num_tokens, top_k))).handle.inner
+    padded_ids = torch.full((capacity, top_k), -1, dtype=torch.long)
+    padded_ids[:num_tokens] = ids
+    padded_hidden = torch.zeros(capacity, width)
+    padded_hidden[:num_tokens] = hidden
+    all_ids = [torch.empty_like(padded_ids) for _ in range(group.ep_size)]
+    all_hidden = [torch.empty_like(padded_hidden) for _ in range(group.ep_size)]
+    dist.all_gather(all_ids, padded_ids, group=group.group)
+    dist.all_gather(all_hidden, padded_hidden, group=group.group)
+    ok = route.recv_x.shape == (per_rank, group.ep_size * capacity, width)
+    for local in range(per_rank):
+        expert = placement.first_local + local
+        want = [h[t] for h, i in zip(all_hidden, all_ids) for t in range(capacity) if expert in i[t].tolist()]
+        count = int(route.recv_count[local])
+        ok = ok and count == len(want) and bool((route.recv_x[local, count:] == 0).all())
+        ok = ok and (not want or torch.equal(route.recv_x[local, :count], torch.stack(want)))
+    return ok
+
+
+def _over_capacity_is_refused(group: ParallelInfo) -> bool:
+    """Every rank has one token more than the capacity: each refuses before any collective starts
+    (so the group stays in step: the next dispatch works)."""
+    placement = ExpertPlacement(num_routed=2 * group.ep_size, num_fused_shared=0, parallel=group)
+    dispatcher = DISPATCHERS.build("all_to_all", placement, DispatchConfig(DispatchMode.LOW_LATENCY, 3))
+    try:
+        dispatcher.dispatch_a(torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2),
+                              ForwardMode.DECODE)
+    except UserError as exc:
+        return "4 tokens on this rank exceeds the low-latency EP dispatch capacity of 3" in str(exc)
+    return False

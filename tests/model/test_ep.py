@@ -1,9 +1,12 @@
-"""Expert parallelism over gloo on CPU: EP, TBO and EP+TBO equal the single-process model, and
-EP+TBO takes the path SGLang's rules give each step (idle and one-sequence ranks included).
+"""Expert parallelism over gloo on CPU: EP (normal and low-latency layouts), TBO and EP+TBO (dispatch
+mode auto) equal the single-process model, and EP+TBO takes the path SGLang's rules give each step
+(idle and one-sequence ranks included).
 
 One `torch.multiprocessing.spawn` per world size (2 and 4) runs every case inside
 (`ep_worker.run_rank`); each rank runs its own tokens and compares against the single-process
-reference of the same tokens. Plus the in-process checks: bad EP sizes, the dispatcher choice.
+reference of the same tokens; the dispatchers' edge cases, the masked layout against an oracle and
+the refusal of an over-capacity step run there too. Plus the in-process checks: bad EP sizes, the
+dispatcher choice.
 """
 from __future__ import annotations
 
@@ -55,6 +58,9 @@ def test_ep_and_tbo_equal_single_process(tmp_path, world, fused, shape):
         # Idle and one-sequence ranks take part (no veto); one long prompt splits; one token does not.
         assert results.pop("tbo_paths") == expected_tbo_paths(rank, world), f"rank {rank}"
         assert results.pop("dispatcher_edges") <= REL_TOL, f"rank {rank}: empty/one-sided dispatch wrong"
+        assert results.pop("dispatcher_edges_after_refusal") <= REL_TOL, f"rank {rank}: group out of step"
+        assert results.pop("masked_layout"), f"seed {seed} rank {rank}: low-latency masked layout wrong"
+        assert results.pop("over_capacity_refused"), f"rank {rank}: an over-capacity step was not refused"
         shards = results.pop("shards")
         assert shards and all(shards.values()), f"rank {rank}: expert shards wrong: {shards}"
         reference = results.pop("reference")

@@ -114,11 +114,19 @@ class GroupLayout:
         return host.strip("[]"), int(port)
 
     def dispatcher(self, deepep_available: bool) -> str:
-        """The EP dispatcher for this layout: `deepep` where `deep_ep` imports and a mode asks for it
-        (`auto`: normal in prefill, low-latency in decode, chosen per forward by the batch's mode),
-        else `all_to_all` with the same semantics; `local` without EP."""
+        """The EP dispatcher for this layout: `deepep` where `deep_ep` imports and a mode asks for it,
+        else `all_to_all` with the same semantics (both run the layout `dispatch_mode` picks);
+        `local` without EP."""
         if self.ep == 1:
             return "local"
         if self.deepep_mode != "none" and deepep_available:
             return "deepep"
         return "all_to_all"
+
+    @property
+    def dispatch_mode(self) -> str:
+        """The EP layout per step (model/dispatch_mode.py), on either dispatcher: `normal` and
+        `low_latency` force one for every step, `auto` takes normal for extend steps and
+        low-latency for decode steps (so a prefill group runs normal, a decode group low-latency).
+        `none` (no DeepEP) keeps the plain all-to-all in the normal layout."""
+        return "normal" if self.deepep_mode == "none" else self.deepep_mode
