@@ -98,6 +98,11 @@ class EngineCore(Generic[R]):
         self._wakeup = asyncio.Event()  # set when the scheduler may have work
         self._loop_task: asyncio.Task | None = None
 
+    @property
+    def max_context(self) -> int:
+        """Prompt plus output tokens one request may hold (the model's position limit)."""
+        return self.runner.model_config.max_position_embeddings
+
     def open_request(self, request: GenerateRequest) -> SamplingState:
         """The checks every engine applies before it holds anything for `request`; its sampling state.
 
@@ -107,7 +112,7 @@ class EngineCore(Generic[R]):
         if request.rid in self._requests:
             raise UserError(f"request id {request.rid!r} is already running")
         model_config = self.runner.model_config
-        check_prompt(request.input_ids, model_config.vocab_size, model_config.max_position_embeddings)
+        check_prompt(request.input_ids, model_config.vocab_size, self.max_context)
         request.sampling.validate(model_config.vocab_size)
         return SamplingState.create(request.sampling, request.input_ids, model_config.vocab_size,
                                     device=self.runner.model.options.device)

@@ -30,7 +30,7 @@ from typing import AsyncIterator
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
-from deepseek_pd.model.request_rules import kv_tokens_needed, max_new_tokens
+from deepseek_pd.model.request_rules import max_new_tokens
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs
 from deepseek_pd.model.sampling import StopChecker
@@ -46,7 +46,7 @@ from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, LaunchedStep
 from deepseek_pd.workers.decode.kv_pull import pull_kv
-from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation
+from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation, decode_reserve_pages
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +92,13 @@ class DecodeEngine(EngineCore[_Request]):
 
     def __init__(self, runner: ModelRunner, config: WorkerConfig, tokenizer=None, model_thread=None,
                  metrics: WorkerMetrics | None = None) -> None:
-        """`tokenizer` (a `tokenizers.Tokenizer`, for stop strings) defaults to the checkpoint's own;
+        """`tokenizer` (a `tokenizers.Tokenizer`, for stop strings; the builder passes the checkpoint's):
         without one, stop strings are refused per request. `model_thread` (default: a `ModelThread`)
         is a `LockstepModelThread` when this engine is one rank of a group. `metrics` hears of every
         step (one call per batch) and KV pull."""
         super().__init__(runner, config, model_thread, metrics, "decode-model")
         self.metrics.watch_decode_paths(lambda: runner.decode_paths)
-        self.tokenizer = tokenizer if tokenizer is not None else _checkpoint_tokenizer(runner)
-        self.max_context = runner.model_config.max_position_embeddings
+        self.tokenizer = tokenizer
         self.stepper = DecodeStepper(runner)
         self._prefilling: list[_Request] = []
         self._running: list[_Request] = []
@@ -142,19 +141,17 @@ class DecodeEngine(EngineCore[_Request]):
         self._requests[request.rid] = state
         transfer_done = request.disagg is None
         try:
-            pool = self.pool
-            prompt_pages = pool.pages_for_tokens(prompt_len)
-            reserve_tokens = min(max_new, self.config.scheduler.decode_reserve_tokens)
-            reserve = max(0, pool.pages_for_tokens(kv_tokens_needed(prompt_len, reserve_tokens)) - prompt_pages)
+            prompt_pages = self.pool.pages_for_tokens(prompt_len)
+            reserve = decode_reserve_pages(self.pool, prompt_len, max_new, self.config.scheduler.decode_reserve_tokens)
             state.reservation = await state.watch(self.budget.admit(prompt_pages, reserve))
             if request.disagg is not None:
                 transport = self.config.kv_transport
                 try:
                     began = time.perf_counter()
-                    done = await state.watch(pull_kv(self.client, self.receiver, request.disagg, request.rid,
-                                                            prompt_len, state.reservation.pages[:prompt_pages],
-                                                            model_config.vocab_size,
-                                                            request.sampling.top_logprobs_num))
+                    done = await state.watch(pull_kv(
+                        self.client, self.receiver, request.disagg, request.rid, prompt_len,
+                        state.reservation.pages[:prompt_pages], model_config.vocab_size,
+                        request.sampling.top_logprobs_num))
                     self.metrics.observe_kv_transfer(transport, done.bytes_sent, time.perf_counter() - began)
                 except RequestFailure as exc:  # an abort too: a one-sided write may still be landing
                     self.metrics.count_kv_transfer_failure(transport, exc.code.value)
@@ -400,13 +397,3 @@ class DecodeEngine(EngineCore[_Request]):
             if state.finished:
                 self._running.remove(state)
         self._done_with(step.owners)
-
-
-def _checkpoint_tokenizer(runner: ModelRunner):
-    """The runner's checkpoint's tokenizer.json, or None (an in-memory model has no directory)."""
-    from deepseek_pd.model.model_dir import load_tokenizer, resolve_model_dir
-
-    try:
-        return load_tokenizer(resolve_model_dir(runner.config.model))
-    except UserError:
-        return None
