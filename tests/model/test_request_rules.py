@@ -69,3 +69,16 @@ def test_kv_tokens_needed_counts_the_slots_a_generation_fills(trial):
         if step < max_new - 1:
             written += 1
     assert kv_tokens_needed(prompt_len, max_new) == written
+
+
+def test_the_generate_cli_has_the_api_default_budget():
+    """One default output budget: `deepseek-pd generate` without --max-new-tokens asks for what
+    SamplingParams (and the gRPC edge, test_validation.py) use."""
+    import argparse
+
+    from deepseek_pd.commands.generate import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["generate", "--input-ids", "1,2"])
+    assert args.max_new_tokens == SamplingParams().max_new_tokens
