@@ -25,6 +25,20 @@ ROPE_TYPES = ("default", "yarn")
 _MISSING = object()
 
 
+# Bytes per element of each dtype a checkpoint (torch_dtype) or `--dtype` may name. Torch-free, as
+# this whole module: the operator and `bench serving` size KV without importing torch.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def latent_kv_bytes(num_layers: int, kv_dim: int, itemsize: int, tokens: int = 1) -> int:
+    """Bytes of latent KV that `tokens` tokens take over all layers (ARCHITECTURE §3): each layer
+    holds `kv_dim` (= kv_lora_rank + qk_rope_head_dim) values of `itemsize` bytes per token.
+
+    The one rule for it: the KV pool, the worker's reported identity, the operator's memory plan
+    and `bench serving` all call this. V2-Lite in bf16: latent_kv_bytes(27, 576, 2) == 31104.
+    """
+    return num_layers * kv_dim * itemsize * tokens
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature term, exactly as HF `yarn_get_mscale`."""
     if scale <= 1:
@@ -121,6 +135,10 @@ class ModelConfig:
     def kv_cache_dim(self) -> int:
         """Width of one token's latent KV slot: normalised c_kv then roped k_pe."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def kv_bytes_per_token(self, dtype: str | None = None) -> int:
+        """Latent KV bytes of one token over all layers in `dtype` (default: the checkpoint's)."""
+        return latent_kv_bytes(self.num_hidden_layers, self.kv_cache_dim, DTYPE_BYTES[dtype or self.torch_dtype])
 
     @property
     def softmax_scale(self) -> float:
@@ -265,7 +283,7 @@ class _Parser:
     def _dtype(self) -> str:
         value = self.raw.get("torch_dtype", self.raw.get("dtype", "bfloat16")) or "bfloat16"
         value = str(value).removeprefix("torch.")
-        if value not in ("bfloat16", "float16", "float32"):
+        if value not in DTYPE_BYTES:
             raise UserError(f"model config: field 'torch_dtype'={value!r} is not supported")
         return value
 

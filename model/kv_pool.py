@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.config import latent_kv_bytes
 
 
 class KVPoolExhausted(UserError):
@@ -23,7 +24,7 @@ class KVPoolExhausted(UserError):
 
 def bytes_per_pool_page(num_layers: int, page_size: int, kv_dim: int, dtype: torch.dtype) -> int:
     """Bytes one page takes over all layers: what a memory budget is divided by (kv_pool_sizing.py)."""
-    return num_layers * page_size * kv_dim * dtype.itemsize
+    return latent_kv_bytes(num_layers, kv_dim, dtype.itemsize, tokens=page_size)
 
 
 class KVPool:
@@ -87,8 +88,8 @@ class KVPool:
     # ---- addressing ------------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> int:
-        """Latent KV bytes of one token over all layers: num_layers * kv_dim * itemsize."""
-        return self.num_layers * self.kv_dim * self.buffers[0].element_size()
+        """Latent KV bytes of one token over all layers (config.latent_kv_bytes)."""
+        return latent_kv_bytes(self.num_layers, self.kv_dim, self.buffers[0].element_size())
 
     @property
     def bytes_per_page(self) -> int:

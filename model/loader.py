@@ -198,23 +198,23 @@ def _weight_items(name: str, tensor: torch.Tensor, files: CheckpointFiles, reade
     return [(name, dequantize_block_fp8(tensor, scale, quant, dtype=fp8_dtype, name=name))]
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               progress: bool = True, options: "BuildOptions | None" = None) -> "DeepseekForCausalLM":
+def load_model(path: str | Path, options: "BuildOptions | None" = None,
+               progress: bool = True) -> "DeepseekForCausalLM":
     """Builds `DeepseekForCausalLM` from a checkpoint directory (or "tiny") and loads its weights.
 
-    `options` overrides the backends; its dtype/device are replaced by the arguments here.
+    The one model-loading rule: `ModelRunner` loads through it too. `options` (default: fp32 on
+    CPU) picks dtype, device and backends; FP8 weights stay FP8 when `options.fp8_backend` runs
+    them, else they are dequantised to `options.dtype`.
     """
-    from dataclasses import replace
-
     from deepseek_pd.model.build_options import BuildOptions
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
     from deepseek_pd.model.model_dir import resolve_model_dir
 
-    directory = resolve_model_dir(path)
-    config = ModelConfig.from_hf(directory / "config.json")
-    options = replace(options or BuildOptions(), dtype=dtype, device=str(device))
+    directory = resolve_model_dir(path)  # "tiny" -> the generated, cached checkpoint
+    config = ModelConfig.from_hf(directory)
+    options = options or BuildOptions()
     model = DeepseekForCausalLM(config, options)
-    model.load_weights(iter_checkpoint_tensors(directory, config, progress=progress,
+    model.load_weights(iter_checkpoint_tensors(directory, config, progress=progress, fp8_dtype=options.dtype,
                                                keep_fp8=options.fp8_backend is not None))
     return model.eval()

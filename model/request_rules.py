@@ -1,7 +1,7 @@
 """The rules every entry point applies to a request before any forward sees it.
 
-One place for them: the offline `Engine`, the prefill worker and the decode worker all call these,
-so a prompt that one refuses the others refuse with the same message.
+One place for them: the offline `Engine`, the gRPC edge (workers/common/validation.py) and both
+worker engines call these, so a prompt that one refuses the others refuse with the same message.
 """
 from __future__ import annotations
 
@@ -11,20 +11,28 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.sampling_params import SamplingParams
 
 
+def check_prompt_length(num_tokens: int, max_context: int, where: str = "") -> None:
+    """Raises UserError for a prompt that is empty or leaves no room for one new token.
+
+    Needs only the length, so the gRPC edge refuses a huge prompt before copying its ids."""
+    if num_tokens == 0:
+        raise UserError(f"{where}prompt is empty")
+    if num_tokens >= max_context:
+        raise UserError(f"{where}prompt has {num_tokens} tokens but the model's maximum context is "
+                        f"{max_context} tokens (prompt plus at least one new token)")
+
+
 def check_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int, where: str = "") -> None:
     """Raises UserError for a prompt no forward may see: one bad request must not fail a batch.
 
+    Its length first (`check_prompt_length`), then every id: an int (not a bool) in [0, vocab_size).
     `where` prefixes the message (the offline engine says which prompt of a batch it means).
     """
-    if not input_ids:
-        raise UserError(f"{where}prompt is empty")
-    bad = [t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    check_prompt_length(len(input_ids), max_context, where)
+    bad = [t for t in input_ids if type(t) is not int or not 0 <= t < vocab_size]
     if bad:
         raise UserError(f"{where}token ids {bad[:5]}{' ...' if len(bad) > 5 else ''} are outside the "
                         f"vocabulary [0, {vocab_size})")
-    if len(input_ids) >= max_context:
-        raise UserError(f"{where}prompt has {len(input_ids)} tokens but the model's maximum context is "
-                        f"{max_context} tokens (prompt plus at least one new token)")
 
 
 def max_new_tokens(params: SamplingParams, prompt_len: int, max_context: int) -> int:

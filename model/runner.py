@@ -453,13 +453,9 @@ def _checked_device_ids(input_ids: torch.Tensor, num_tokens: int) -> torch.Tenso
 
 
 def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> DeepseekForCausalLM:
-    from deepseek_pd.model.loader import iter_checkpoint_tensors
+    from deepseek_pd.model.loader import load_model
     from deepseek_pd.model.model_dir import resolve_model_dir
 
-    directory = resolve_model_dir(config.model)  # "tiny" → the generated, cached checkpoint
-    model_config = ModelConfig.from_hf(directory)
-    options = config.build_options(model_config, parallel)
-    model = DeepseekForCausalLM(model_config, options)
-    model.load_weights(iter_checkpoint_tensors(directory, model_config, fp8_dtype=options.dtype,
-                                               keep_fp8=options.fp8_backend is not None))
-    return model.eval()
+    directory = resolve_model_dir(config.model)
+    # The options depend on the model's config (dtype "auto", backends, expert placement).
+    return load_model(directory, config.build_options(ModelConfig.from_hf(directory), parallel))

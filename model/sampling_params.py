@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 
 from deepseek_pd.errors import UserError
 
+# A request's output budget when it names none: SGLang's default, so the gRPC path (the router
+# leaves max_new_tokens unset), the offline Engine and `deepseek-pd generate` all stop at the same
+# length. Each path then caps it to the context left after the prompt (request_rules.max_new_tokens).
+DEFAULT_MAX_NEW_TOKENS = 128
+
 # The most top logprobs a request may ask for per position (OpenAI's `top_logprobs` cap).
 MAX_TOP_LOGPROBS = 20
 
@@ -23,7 +28,7 @@ class SamplingParams:
     `temperature=0.7, top_p=0.9, seed=1` is reproducible token for token across runs and workers.
     """
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = -1  # -1 or 0 disables

@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
+
 # The workers' defaults; tests/operator/test_memory_plan.py checks them against the worker code
 # (model/kv_pool_sizing.py, model/runner.py), which the operator does not import (it needs torch).
 DEFAULT_MEM_FRACTION_STATIC = 0.88
 DEFAULT_MEM_HEADROOM_GIB = 2.0
 DEFAULT_PAGE_SIZE = 16
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 FP8_BACKENDS = ("auto", "dequant", "torch", "triton")
 
 

@@ -119,7 +119,7 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
     block = tuple(config.quantization["weight_block_size"]) if fp8 else None
     weights = rank_weights(config, WeightFormat(itemsize, block), role.parallelism.ep,
                            flags.num_fused_shared_experts)
-    per_token = config.num_hidden_layers * config.kv_cache_dim * itemsize
+    per_token = config.kv_bytes_per_token(dtype)
     tokens = flags.fixed_pool_tokens
     fixed = tokens is not None
     if tokens is None:  # one request of the whole context, in whole pages

@@ -194,3 +194,54 @@ def test_no_import_circles():
     report = "\n\n".join(_describe(c, edges, modules) for c in unexpected)
     assert not unexpected, f"{len(unexpected)} import circle(s) in {ROOT_PACKAGE}:\n{report}"
     assert not stale, f"KNOWN_CYCLES lists circles that no longer exist (remove them): {stale}"
+
+
+# Layers: a module under a key may import nothing under any of its values (module or package).
+# workers.common is shared by both roles and by the builders that pick a role, so it knows none of
+# them; model/ is the engine and knows nothing of the workers, the operator or the CLI.
+FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
+    f"{ROOT_PACKAGE}.workers.common": (
+        f"{ROOT_PACKAGE}.workers.prefill", f"{ROOT_PACKAGE}.workers.decode", f"{ROOT_PACKAGE}.workers.builders",
+        f"{ROOT_PACKAGE}.workers.roles", f"{ROOT_PACKAGE}.workers.group_main",
+        f"{ROOT_PACKAGE}.workers.serve_resolution"),
+    f"{ROOT_PACKAGE}.model": (f"{ROOT_PACKAGE}.workers", f"{ROOT_PACKAGE}.operator", f"{ROOT_PACKAGE}.cli",
+                              f"{ROOT_PACKAGE}.commands"),
+}
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layering_violations(modules: dict[str, Path], edges: list[Edge]) -> list[Edge]:
+    """Every import that crosses a line FORBIDDEN_IMPORTS draws."""
+    return [e for e in edges for layer, banned in FORBIDDEN_IMPORTS.items()
+            if _under(e.source, layer) and any(_under(e.target, b) for b in banned)]
+
+
+def test_layering_guard_sees_the_layers():
+    """Guard against a vacuous pass: every layer and every banned name is a real module or package."""
+    modules = package_modules()
+    for layer, banned in FORBIDDEN_IMPORTS.items():
+        assert layer in modules, layer
+        for name in banned:
+            assert name in modules, f"FORBIDDEN_IMPORTS names {name}, which is not a module (renamed?)"
+
+
+def test_layering_finds_a_crossing(tmp_path):
+    """The check itself on a made-up module: workers.common importing a role is reported."""
+    shared = tmp_path / "shared.py"
+    shared.write_text("from deepseek_pd.workers.decode.engine import DecodeEngine\n")
+    modules = {**package_modules(), f"{ROOT_PACKAGE}.workers.common.fake_shared": shared}
+    edges = import_edges(f"{ROOT_PACKAGE}.workers.common.fake_shared", modules)
+    assert [(e.source, e.target) for e in layering_violations(modules, edges)] == [
+        (f"{ROOT_PACKAGE}.workers.common.fake_shared", f"{ROOT_PACKAGE}.workers.decode.engine")]
+
+
+def test_layers_are_kept():
+    modules = package_modules()
+    edges = [e for m in modules for e in import_edges(m, modules)]
+    crossings = layering_violations(modules, edges)
+    report = "\n".join(f"  {e.source} -> {e.target}   ({modules[e.source].relative_to(REPO)}:{e.line}: {e.text})"
+                       for e in crossings)
+    assert not crossings, f"{len(crossings)} import(s) cross a layer line (FORBIDDEN_IMPORTS):\n{report}"

@@ -5,6 +5,7 @@ import argparse
 import json
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.sampling_params import DEFAULT_MAX_NEW_TOKENS
 
 ATTENTION_METHODS = ("auto", "mha", "mha_chunked_kv", "mla")
 
@@ -18,7 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--input-ids", help="comma-separated token ids, e.g. 0,43,72")
     prompt.add_argument("--prompt", help="text; tokenised with the checkpoint's tokenizer (BOS added)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="default 32")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                        help=f"output budget, capped by the context (default {DEFAULT_MAX_NEW_TOKENS}, as the gRPC API)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
     parser.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 disables")

@@ -30,8 +30,8 @@ from typing import Any
 
 from deepseek_pd.client.router_http import RouterClient, RouterError
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.config import DTYPE_BYTES, ModelConfig
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 KV_BYTES_KEY = "kv_bytes_per_token"  # what a worker's GetServerInfo may carry
 
 
@@ -48,13 +48,15 @@ class TargetModel:
 
 
 def kv_bytes_per_token_from_config(config: dict) -> tuple[int | None, str]:
-    """(latent KV bytes of one token over all layers, how it was computed); None if not MLA."""
-    if not all(k in config for k in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim")):
-        return None, "not an MLA config (no kv_lora_rank / qk_rope_head_dim)"
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    width = _DTYPE_BYTES.get(dtype, 2)
-    layers, latent = config["num_hidden_layers"], config["kv_lora_rank"] + config["qk_rope_head_dim"]
-    return layers * latent * width, f"{layers} layers x {latent} x {width} bytes, {dtype}"
+    """(latent KV bytes of one token over all layers, how it was computed); None if the config is
+    not one the workers could serve. The rule is the pool's own (model/config.latent_kv_bytes)."""
+    try:
+        model = ModelConfig.from_hf(config)
+    except UserError as exc:
+        return None, f"not a servable DeepSeek config ({exc})"
+    return (model.kv_bytes_per_token(),
+            f"{model.num_hidden_layers} layers x {model.kv_cache_dim} x {DTYPE_BYTES[model.torch_dtype]} bytes, "
+            f"{model.torch_dtype}")
 
 
 def _read_config(model_dir: Path) -> dict | None:

@@ -446,7 +446,7 @@ def test_prompt_over_the_context_sent_to_a_worker_is_refused_and_others_go_on(cl
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await asyncio.wait_for(collect(client.generate(huge)), 60)
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert f"input has {n} tokens" in info.value.details()
+                assert f"prompt has {n} tokens" in info.value.details()
         return await good
 
     good = run(session_call(main))

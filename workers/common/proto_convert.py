@@ -9,6 +9,7 @@ Outbound: chunk and complete messages, and `FailureCode` -> gRPC status code.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import grpc
@@ -17,13 +18,11 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.sampled_host import TopLogprobs
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.request_rules import max_new_tokens
+from deepseek_pd.model.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, Finished, GenerateRequest
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 from deepseek_pd.workers.common.validation import check_disaggregated, check_input, check_unsupported
-
-# SGLang's default budget when a client gives none (the router leaves max_new_tokens unset).
-DEFAULT_MAX_NEW_TOKENS = 128
 
 STATUS_FOR_FAILURE: dict[FailureCode, grpc.StatusCode] = {
     FailureCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -39,15 +38,9 @@ def to_sampling_params(sp: pb.SamplingParams, input_len: int, info: ServedModelI
                        top_logprobs_num: int = 0) -> SamplingParams:
     """Maps and validates; max_new_tokens is clipped to the context left after the prompt.
     `top_logprobs_num` comes from the GenerateRequest (see `to_generate_request`)."""
-    if sp.HasField("max_new_tokens"):
-        if sp.max_new_tokens < 1:
-            raise UserError(f"sampling parameter max_new_tokens={sp.max_new_tokens} is invalid: "
-                            "must be an integer >= 1")
-        requested = sp.max_new_tokens
-    else:
-        requested = DEFAULT_MAX_NEW_TOKENS
-    # Like SGLang: the budget never runs past the context window.
-    max_new_tokens = min(requested, info.max_context_length - input_len)
+    # The router leaves max_new_tokens unset when the client gave none; 0 or less is refused by
+    # `validate` below, with the same message as from any other entry point.
+    requested = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
     custom = MessageToDict(sp.custom_params) if sp.HasField("custom_params") else {}
     seed = custom.get("seed")
     if seed is not None:
@@ -55,7 +48,7 @@ def to_sampling_params(sp: pb.SamplingParams, input_len: int, info: ServedModelI
             raise UserError(f"custom_params.seed={seed!r} must be an integer")
         seed = int(seed)
     params = SamplingParams(
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=requested,
         temperature=sp.temperature,
         top_p=sp.top_p,
         top_k=sp.top_k,
@@ -70,6 +63,8 @@ def to_sampling_params(sp: pb.SamplingParams, input_len: int, info: ServedModelI
         skip_special_tokens=sp.skip_special_tokens,
         top_logprobs_num=top_logprobs_num,
     )
+    # Like SGLang: the budget never runs past the context window (the engines' own rule).
+    params = replace(params, max_new_tokens=max_new_tokens(params, input_len, info.max_context_length))
     return params.validate(vocab_size=info.vocab_size)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.request_rules import check_prompt, check_prompt_length
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 
 # Keys of `sampling_params.custom_params` that we understand; anything else is refused.
@@ -20,7 +21,8 @@ SUPPORTED_CUSTOM_PARAMS = frozenset({"seed"})
 
 
 def check_input(request: pb.GenerateRequest, info: ServedModelInfo) -> tuple[int, ...]:
-    """Returns the prompt's token ids after checking presence, length and range."""
+    """Returns the prompt's token ids after checking presence, then the shared prompt rules
+    (model/request_rules.py: length, vocabulary range)."""
     if len(request.input_embeds) > 0:
         raise UserError("input_embeds is not supported: send tokenized.input_ids")
     if not request.HasField("tokenized"):
@@ -28,18 +30,9 @@ def check_input(request: pb.GenerateRequest, info: ServedModelInfo) -> tuple[int
     # The length of the parsed repeated field costs nothing; copying it into Python ints costs
     # ~30 bytes and a few ns per token. So the length is checked first: a 64 MiB message (16M ids)
     # is refused without materialising it, and at most `max_request_input_len` ids are ever copied.
-    num_ids = len(request.tokenized.input_ids)
-    if num_ids == 0:
-        raise UserError("input is empty: tokenized.input_ids must hold at least one token")
-    if num_ids > info.max_request_input_len:
-        raise UserError(
-            f"input has {num_ids} tokens, more than this model's limit of "
-            f"{info.max_request_input_len} (max context {info.max_context_length}, "
-            f"one position kept for the first generated token)")
+    check_prompt_length(len(request.tokenized.input_ids), info.max_context_length)
     input_ids = tuple(request.tokenized.input_ids)
-    if max(input_ids) >= info.vocab_size:  # uint32 on the wire: never negative
-        bad = next(t for t in input_ids if t >= info.vocab_size)
-        raise UserError(f"input token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+    check_prompt(input_ids, info.vocab_size, info.max_context_length)
     return input_ids
 
 

@@ -32,33 +32,35 @@ from typing import AsyncIterator
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
-from deepseek_pd.model.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
+from deepseek_pd.model.request_rules import max_new_tokens
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs
-from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
+from deepseek_pd.model.sampling import StopChecker
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.extend_step import run_extend
 from deepseek_pd.workers.common.first_token_wire import first_top_logprobs
 from deepseek_pd.workers.common.kv_transfer import build_receiver
 from deepseek_pd.workers.common.metrics import WorkerMetrics
-from deepseek_pd.workers.common.model_thread import ModelThread
 from deepseek_pd.workers.common.request_failure import RequestAborted, RequestFailure
-from deepseek_pd.workers.common.request_watch import Interrupted, unless
+from deepseek_pd.workers.common.request_lifecycle import EngineCore, RequestRecord
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, LaunchedStep
 from deepseek_pd.workers.decode.kv_checks import scrub_pages
 from deepseek_pd.workers.decode.kv_pull import pull_kv
-from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation
+from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation, decode_reserve_pages
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _Request:
-    request: GenerateRequest
-    sampling: SamplingState
+class _Request(RequestRecord):
+    """A decode (or colocated) request: its stop rule, pages, token queue and step counters.
+
+    Its waits end early on an abort only; the wait it cuts short is cancelled (a bootstrap stream
+    closes, which the prefill side sees)."""
+
     stop: StopChecker
     max_new: int
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -70,7 +72,6 @@ class _Request:
     launched: int = 0  # output tokens sampled or being sampled (collected + in flight)
     in_flight: int = 0  # launched steps (or a prefill round) that still use the pages
     finished: bool = False
-    ended: bool = False
     kv_untrusted: bool = False  # the prompt pages may hold a transfer's bytes that were not checked
 
     @property
@@ -78,33 +79,34 @@ class _Request:
         """Where the next launched decode step writes: tokens already in (or going into) the cache."""
         return len(self.request.input_ids) + self.launched - 1
 
+    def stops(self) -> tuple[asyncio.Future, ...]:
+        return (self.aborted,)
 
-class DecodeEngine:
+    def interruption(self, stop: asyncio.Future) -> RequestFailure:
+        return RequestAborted(stop.result())
+
+    def abort(self, message: str) -> None:
+        if not self.aborted.done():
+            self.aborted.set_result(message)
+
+
+class DecodeEngine(EngineCore[_Request]):
     """`WorkerEngine` of a decode (or colocated) worker."""
 
     def __init__(self, runner: ModelRunner, config: WorkerConfig, tokenizer=None, model_thread=None,
                  metrics: WorkerMetrics | None = None) -> None:
-        """`tokenizer` (a `tokenizers.Tokenizer`, for stop strings) defaults to the checkpoint's own;
+        """`tokenizer` (a `tokenizers.Tokenizer`, for stop strings; the builder passes the checkpoint's):
         without one, stop strings are refused per request. `model_thread` (default: a `ModelThread`)
         is a `LockstepModelThread` when this engine is one rank of a group. `metrics` hears of every
         step (one call per batch) and KV pull."""
-        self.runner = runner
-        self.config = config
-        self.metrics = metrics if metrics is not None else WorkerMetrics()
+        super().__init__(runner, config, model_thread, metrics, "decode-model")
         self.metrics.watch_decode_paths(lambda: runner.decode_paths)
-        self.pool = runner.kv_pool
-        self.tokenizer = tokenizer if tokenizer is not None else _checkpoint_tokenizer(runner)
-        self.max_context = runner.model_config.max_position_embeddings
-        self.sampler = Sampler()
-        self.model_thread = model_thread if model_thread is not None else ModelThread("decode-model")
+        self.tokenizer = tokenizer
         self.stepper = DecodeStepper(runner)
-        self._requests: dict[str, _Request] = {}
         self._prefilling: list[_Request] = []
         self._running: list[_Request] = []
         self._batch: list[_Request] = []  # rows of the last launched step, in the sampling batch's order
         self._pending: LaunchedStep | None = None
-        self._wakeup = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.budget: PageBudget | None = None
         self.receiver = None
@@ -115,58 +117,45 @@ class DecodeEngine:
         self.budget = PageBudget(self.pool, self.config.scheduler.admission_timeout_s)
         self.receiver = build_receiver(self.config.kv_transport, self.pool, self.config.transport)
         self.client = BootstrapClient(self.config.bootstrap, identity=f"decode@{self.config.transport.advertise_host}")
-        self._loop_task = asyncio.create_task(self._schedule_loop(), name="decode-scheduler")
+        self._start_scheduler(self._schedule_loop(), "decode-scheduler")
         log.info("decode engine: KV transport %s, %d bytes of latent KV per token, %s schedule",
                  self.config.kv_transport, self.pool.bytes_per_token,
                  "overlap" if self.config.scheduler.overlap_schedule else "plain")
 
-    async def stop(self) -> None:
-        for rid in list(self._requests):
-            await self.abort(rid)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+    async def _close(self) -> None:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.client is not None:
             await self.client.close()
         if self.receiver is not None:
             self.receiver.close()
-        self.model_thread.close()
 
     # ---- WorkerEngine ----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         prompt_len = len(request.input_ids)
-        if request.rid in self._requests:
-            yield Failed(FailureCode.INVALID_ARGUMENT, f"request id {request.rid!r} is already running")
-            return
         model_config = self.runner.model_config
         try:
-            check_prompt(request.input_ids, model_config.vocab_size, self.max_context)
-            request.sampling.validate(model_config.vocab_size)
+            sampling = self.open_request(request)
             max_new = max_new_tokens(request.sampling, prompt_len, self.max_context)
             stop = StopChecker(request.sampling, model_config.eos_token_ids, self.tokenizer, max_new_tokens=max_new)
         except UserError as exc:  # bad values; stop strings without a tokenizer
             yield Failed(FailureCode.INVALID_ARGUMENT, str(exc))
             return
-        state = _Request(request, SamplingState.create(request.sampling, request.input_ids, model_config.vocab_size,
-                                                       device=self.runner.model.options.device), stop, max_new)
+        state = _Request(request, sampling, stop, max_new)
         self._requests[request.rid] = state
         transfer_done = request.disagg is None
         try:
-            pool = self.pool
-            prompt_pages = pool.pages_for_tokens(prompt_len)
-            reserve_tokens = min(max_new, self.config.scheduler.decode_reserve_tokens)
-            reserve = max(0, pool.pages_for_tokens(kv_tokens_needed(prompt_len, reserve_tokens)) - prompt_pages)
-            state.reservation = await self._watch(state, self.budget.admit(prompt_pages, reserve))
+            prompt_pages = self.pool.pages_for_tokens(prompt_len)
+            reserve = decode_reserve_pages(self.pool, prompt_len, max_new, self.config.scheduler.decode_reserve_tokens)
+            state.reservation = await state.watch(self.budget.admit(prompt_pages, reserve))
             if request.disagg is not None:
                 transport = self.config.kv_transport
                 state.kv_untrusted = True
                 try:
                     began = time.perf_counter()
-                    done = await self._watch(state, pull_kv(self.client, self.receiver, request.disagg, request.rid,
-                                                            prompt_len, state.reservation.pages[:prompt_pages],
-                                                            model_config.vocab_size,
-                                                            request.sampling.top_logprobs_num))
+                    done = await state.watch(pull_kv(
+                        self.client, self.receiver, request.disagg, request.rid, prompt_len,
+                        state.reservation.pages[:prompt_pages], model_config.vocab_size,
+                        request.sampling.top_logprobs_num))
                     self.metrics.observe_kv_transfer(transport, done.bytes_sent, time.perf_counter() - began)
                 except RequestFailure as exc:  # an abort too: a one-sided write may still be landing
                     self.metrics.count_kv_transfer_failure(transport, exc.code.value)
@@ -188,7 +177,7 @@ class DecodeEngine:
                 self._prefilling.append(state)
             self._wakeup.set()
             while True:
-                event = await self._watch(state, state.events.get())
+                event = await state.watch(state.events.get())
                 if isinstance(event, (Finished, Failed)):
                     terminal = event
                     break
@@ -211,32 +200,13 @@ class DecodeEngine:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def abort(self, rid: str) -> bool:
-        state = self._requests.get(rid)
-        if state is None:
-            return False
-        if not state.aborted.done():
-            state.aborted.set_result(f"request {rid} aborted")
-        return True
-
     def loads(self) -> Loads:
         # Waiting: admitted or not, every request that is not in the decode batch yet.
         return Loads(num_running=len(self._running), num_waiting=len(self._requests) - len(self._running),
                      kv_used_pages=self.pool.num_used_pages, kv_total_pages=self.pool.num_pages,
                      extra={"reserved_pages": self.budget.reserved if self.budget else 0})
 
-    def is_healthy(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
-
     # ---- request bookkeeping (event loop) --------------------------------------------------
-    async def _watch(self, state: _Request, awaitable):
-        """Awaits `awaitable` unless the request is aborted first (then cancels it: the bootstrap
-        stream closes, which the prefill side sees)."""
-        try:
-            return await unless(awaitable, state.aborted)
-        except Interrupted:
-            raise RequestAborted(state.aborted.result()) from None
-
     def _accept(self, state: _Request, token: int, logprob: float, top: TopLogprobs | None) -> None:
         """Records a collected token, streams it, and ends the request if it stops here."""
         state.output_ids.append(token)
@@ -435,13 +405,3 @@ class DecodeEngine:
             if state.finished:
                 self._running.remove(state)
         self._done_with(step.owners)
-
-
-def _checkpoint_tokenizer(runner: ModelRunner):
-    """The runner's checkpoint's tokenizer.json, or None (an in-memory model has no directory)."""
-    from deepseek_pd.model.model_dir import load_tokenizer, resolve_model_dir
-
-    try:
-        return load_tokenizer(resolve_model_dir(runner.config.model))
-    except UserError:
-        return None

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.request_rules import kv_tokens_needed
 from deepseek_pd.workers.common.request_failure import AdmissionRefused
+
+
+def decode_reserve_pages(pool: KVPool, prompt_len: int, max_new: int, reserve_tokens: int) -> int:
+    """Pages a request reserves beyond its prompt's: enough KV for min(max_new, reserve_tokens)
+    output tokens (the last sampled token is never written)."""
+    tokens = kv_tokens_needed(prompt_len, min(max_new, reserve_tokens))
+    return max(0, pool.pages_for_tokens(tokens) - pool.pages_for_tokens(prompt_len))
 
 
 @dataclass(eq=False)

@@ -27,9 +27,7 @@ from typing import AsyncIterator, Sequence
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.layer_progress import LayerEvents
 from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
-from deepseek_pd.model.request_rules import check_prompt
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
-from deepseek_pd.model.sampling import Sampler, SamplingState
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
@@ -37,9 +35,8 @@ from deepseek_pd.workers.common.bootstrap_routes import RouteTable
 from deepseek_pd.workers.common.kv_transfer import build_sender
 from deepseek_pd.workers.common.extend_step import run_extend
 from deepseek_pd.workers.common.metrics import WorkerMetrics
-from deepseek_pd.workers.common.model_thread import ModelThread
 from deepseek_pd.workers.common.request_failure import AdmissionRefused, RequestFailure, failure_for
-from deepseek_pd.workers.common.request_watch import Interrupted, unless
+from deepseek_pd.workers.common.request_lifecycle import EngineCore, RequestRecord
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
@@ -49,43 +46,46 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _Request:
-    request: GenerateRequest
+class _Request(RequestRecord):
+    """A prefill request: its room's `push`, and the futures the scheduler completes.
+
+    Its waits end early when the room fails: decode is gone or gave up, or an abort."""
+
     push: KVPush
-    sampling: SamplingState
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     first_token: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     progress: PromptProgress | None = None
     hit: CacheHit | None = None
     in_forward: bool = False
-    ended: bool = False  # generate() is done with it; pages go back once no forward uses them
 
-    @property
-    def rid(self) -> str:
-        return self.request.rid
+    def stops(self) -> tuple[asyncio.Future, ...]:
+        return self.push.room.peer_gone, self.push.room.failure
+
+    def interruption(self, stop: asyncio.Future) -> RequestFailure:
+        room = self.push.room
+        if room.peer_gone.done():
+            return failure_for(*room.peer_gone.result())
+        failure = room.failure.result()
+        return failure_for(code_from_pb(failure.code), failure.reason)
+
+    def abort(self, message: str) -> None:
+        self.push.fail(FailureCode.ABORTED, f"{message} on the prefill worker")
+        self.push.room.mark_peer_gone(FailureCode.ABORTED, message)
 
 
-class PrefillEngine:
+class PrefillEngine(EngineCore[_Request]):
     """`WorkerEngine` of a prefill worker; serves the bootstrap port while started."""
 
     def __init__(self, runner: ModelRunner, config: WorkerConfig, model_thread=None,
                  metrics: WorkerMetrics | None = None) -> None:
         """`model_thread` (default: a `ModelThread`) is a `LockstepModelThread` when this engine is
         one rank of a group. `metrics` hears of every step, prefix-cache lookup and KV push."""
-        self.runner = runner
-        self.config = config
-        self.metrics = metrics if metrics is not None else WorkerMetrics()
-        self.pool = runner.kv_pool
+        super().__init__(runner, config, model_thread, metrics, "prefill-model")
         self.cache = RadixCache(self.pool) if config.scheduler.prefix_cache else None
         # Pages the runner already holds (its CUDA-graph scratch page) never come back.
         self.usable_pages = self.pool.num_free_pages
-        self.sampler = Sampler()
-        self.model_thread = model_thread if model_thread is not None else ModelThread("prefill-model")
-        self._requests: dict[str, _Request] = {}
         self._waiting: list[_Request] = []  # handshake done, no pages yet (FIFO)
         self._running: list[_Request] = []  # pages allocated, prompt not yet computed
-        self._wakeup = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
         self.registry: RoomRegistry | None = None
         self.server: BootstrapServer | None = None
         self.sender = None
@@ -101,7 +101,7 @@ class PrefillEngine:
                                       kv_streams=transport.grpc_streams if self.config.kv_transport == "grpc" else 1)
         self.server.servicer.routes = self._routes
         await self.server.start()
-        self._loop_task = asyncio.create_task(self._schedule_loop(), name="prefill-scheduler")
+        self._start_scheduler(self._schedule_loop(), "prefill-scheduler")
         log.info("prefill engine: KV transport %s, %d bytes of latent KV per token (%d layers x %d x %d B)",
                  self.config.kv_transport, self.pool.bytes_per_token, self.pool.num_layers, self.pool.kv_dim,
                  self.pool.buffers[0].element_size())
@@ -118,17 +118,11 @@ class PrefillEngine:
         if self.server is not None:
             self.server.servicer.routes = routes
 
-    async def stop(self) -> None:
-        for rid in list(self._requests):
-            await self.abort(rid)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+    async def _close(self) -> None:
         if self.server is not None:
             await self.server.stop(0)
         if self.sender is not None:
             self.sender.close()
-        self.model_thread.close()
 
     # ---- WorkerEngine ----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
@@ -136,13 +130,8 @@ class PrefillEngine:
             yield Failed(FailureCode.INVALID_ARGUMENT,
                          "this is a prefill worker: requests need disaggregated_params (bootstrap room)")
             return
-        if request.rid in self._requests:
-            yield Failed(FailureCode.INVALID_ARGUMENT, f"request id {request.rid!r} is already running")
-            return
-        model_config = self.runner.model_config
         try:
-            check_prompt(request.input_ids, model_config.vocab_size, model_config.max_position_embeddings)
-            request.sampling.validate(model_config.vocab_size)
+            sampling = self.open_request(request)
         except UserError as exc:
             yield Failed(FailureCode.INVALID_ARGUMENT, str(exc))
             return
@@ -152,20 +141,17 @@ class PrefillEngine:
         except RequestFailure as exc:
             yield Failed(exc.code, exc.message)
             return
-        state = _Request(request, push, SamplingState.create(
-            request.sampling, request.input_ids, self.runner.model_config.vocab_size,
-            device=self.runner.model.options.device))
+        state = _Request(request, sampling, push)
         self._requests[request.rid] = state
         try:
-            await self._watch(state, push.handshake(self.config.bootstrap.handshake_timeout_s))
+            await state.watch(push.handshake(self.config.bootstrap.handshake_timeout_s))
             self._waiting.append(state)
             self._wakeup.set()
-            await self._watch(state, asyncio.wait_for(asyncio.shield(state.admitted),
-                                                      self.config.scheduler.admission_timeout_s))
-            token, logprob, top = await self._watch(state, asyncio.shield(state.first_token))
+            await state.watch(self._admission(state))
+            token, logprob, top = await state.watch(asyncio.shield(state.first_token))
             # Seeded draws depend only on (seed, step): decode continues at step 1 with no state from here.
             # The first token's top logprobs travel with it in TransferDone (first_token_wire.py).
-            await self._watch(state, push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0,
+            await state.watch(push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0,
                                                  top=top))
             self.metrics.observe_kv_transfer(self.config.kv_transport, push.bytes_sent,
                                              push.send_seconds)
@@ -186,38 +172,20 @@ class PrefillEngine:
         for event in outcome:
             yield event
 
-    async def abort(self, rid: str) -> bool:
-        state = self._requests.get(rid)
-        if state is None:
-            return False
-        state.push.fail(FailureCode.ABORTED, f"request {rid} aborted on the prefill worker")
-        state.push.room.mark_peer_gone(FailureCode.ABORTED, f"request {rid} aborted")
-        return True
-
     def loads(self) -> Loads:
         cached = self.cache.num_pages if self.cache else 0
         return Loads(num_running=len(self._running), num_waiting=len(self._waiting),
                      kv_used_pages=self.pool.num_used_pages - cached, kv_total_pages=self.pool.num_pages,
                      extra={"cached_pages": cached})
 
-    def is_healthy(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
-
     # ---- internals -------------------------------------------------------------------------
-    async def _watch(self, state: _Request, awaitable):
-        """Awaits `awaitable` unless the room fails first (decode gone, abort): then raises that.
-        The one `wait_for` given here is admission's, so its timeout is an `AdmissionRefused`."""
-        room = state.push.room
+    async def _admission(self, state: _Request) -> None:
+        """Waits for the scheduler to give `state` its pages; AdmissionRefused after the timeout."""
+        timeout = self.config.scheduler.admission_timeout_s
         try:
-            return await unless(awaitable, room.peer_gone, room.failure)
-        except Interrupted:
-            if room.peer_gone.done():
-                raise failure_for(*room.peer_gone.result()) from None
-            failure = room.failure.result()
-            raise failure_for(code_from_pb(failure.code), failure.reason) from None
+            await asyncio.wait_for(asyncio.shield(state.admitted), timeout)
         except asyncio.TimeoutError:
-            raise AdmissionRefused(f"request {state.rid}: no KV pages within "
-                                   f"{self.config.scheduler.admission_timeout_s}s") from None
+            raise AdmissionRefused(f"request {state.rid}: no KV pages within {timeout}s") from None
 
     def _end(self, state: _Request) -> None:
         state.ended = True

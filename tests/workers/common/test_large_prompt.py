@@ -54,7 +54,7 @@ def test_prompt_over_the_context_is_refused_without_copying_it() -> None:
     request = wire_request([start + i % 997 for i in range(n)])
     peak, outcome = peak_python_bytes(lambda: check_input(request, limits))
     assert isinstance(outcome, UserError)
-    assert f"input has {n} tokens" in str(outcome) and str(limits.max_request_input_len) in str(outcome)
+    assert f"prompt has {n} tokens" in str(outcome) and str(limits.max_context_length) in str(outcome)
     # A copy would be >= 8 bytes of tuple slot per token; allow 1% of that for the message text.
     assert peak < n * 8 // 100, f"refusing {n} tokens allocated {peak} bytes of Python objects"
 
@@ -67,8 +67,8 @@ def test_prompt_within_the_limit_is_copied_once_and_range_checked() -> None:
     assert check_input(request, limits) == tuple(ids)
     bad_at = rng.randrange(len(ids))
     ids[bad_at] = limits.vocab_size + rng.randrange(1000)
-    with pytest.raises(UserError, match=f"input token id {ids[bad_at]} is outside the vocabulary"):
+    with pytest.raises(UserError, match=rf"token ids \[{ids[bad_at]}\] are outside the vocabulary"):
         check_input(wire_request(ids), limits)
     # One over the limit: refused on its length, naming both numbers.
-    with pytest.raises(UserError, match=f"input has {len(ids) + 1} tokens.*{limits.max_request_input_len}"):
+    with pytest.raises(UserError, match=f"prompt has {len(ids) + 1} tokens.*{limits.max_context_length}"):
         check_input(wire_request(ids + [5]), limits)

@@ -82,8 +82,8 @@ async def _aiter(items):
 
 
 @pytest.mark.parametrize("mutate,words", [
-    (lambda r: r.tokenized.ClearField("input_ids"), "input is empty"),
-    (lambda r: r.tokenized.input_ids.extend([9] * 80), "more than this model's limit"),
+    (lambda r: r.tokenized.ClearField("input_ids"), "prompt is empty"),
+    (lambda r: r.tokenized.input_ids.extend([9] * 80), "maximum context is"),
     (lambda r: setattr(r.sampling_params, "max_new_tokens", 0), "max_new_tokens"),
     (lambda r: setattr(r.sampling_params, "top_p", 0.0), "top_p"),
     (lambda r: setattr(r.sampling_params, "top_p", 1.01), "top_p"),

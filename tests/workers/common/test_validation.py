@@ -8,7 +8,8 @@ from google.protobuf.struct_pb2 import Struct
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.workers.common.proto_convert import DEFAULT_MAX_NEW_TOKENS, to_generate_request
+from deepseek_pd.model.sampling_params import DEFAULT_MAX_NEW_TOKENS
+from deepseek_pd.workers.common.proto_convert import to_generate_request
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,9 +75,9 @@ def _custom(values: dict) -> Struct:
 
 
 BAD_CASES = {
-    "empty input": (lambda r: r.tokenized.ClearField("input_ids"), "input is empty"),
+    "empty input": (lambda r: r.tokenized.ClearField("input_ids"), "prompt is empty"),
     "no tokenized": (lambda r: r.ClearField("tokenized"), "tokenized input is required"),
-    "too long": (lambda r: r.tokenized.input_ids.extend([3] * 64), "more than this model's limit"),
+    "too long": (lambda r: r.tokenized.input_ids.extend([3] * 64), "maximum context is"),
     "token out of vocab": (lambda r: r.tokenized.input_ids.append(300), "outside the vocabulary"),
     "max_new_tokens 0": (lambda r: setattr(r.sampling_params, "max_new_tokens", 0), "max_new_tokens"),
     "top_p 0": (lambda r: setattr(r.sampling_params, "top_p", 0.0), "top_p"),

@@ -25,7 +25,7 @@ async def with_engine(fn, num_pages: int = 256, **scheduler):
     if scheduler:
         config = dataclasses.replace(config, scheduler=SchedulerConfig(**{"chunked_prefill_size": CHUNK,
                                                                            "admission_timeout_s": 10, **scheduler}))
-    engine = DecodeEngine(runner(num_pages), config)  # tokenizer: loaded from the tiny checkpoint
+    engine = DecodeEngine(runner(num_pages), config, tokenizer=oracle().tokenizer)
     await engine.start()
     try:
         result = await fn(engine)
@@ -183,7 +183,7 @@ def test_request_larger_than_the_usable_pool_fails_at_once_not_after_the_admissi
         chunked_prefill_size=CHUNK, admission_timeout_s=600, decode_reserve_tokens=10**6))
 
     async def run():
-        engine = DecodeEngine(runner(num_pages), config)
+        engine = DecodeEngine(runner(num_pages), config, tokenizer=oracle().tokenizer)
         scratch = engine.pool.alloc(1)  # what DecodeGraphRunner takes at construction
         await engine.start()
         try:

@@ -45,7 +45,7 @@ def _cases(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
 async def _serve(cases, overlap: bool, max_running: int, stagger_s: float):
     config = dataclasses.replace(worker_config("fake"), scheduler=SchedulerConfig(
         chunked_prefill_size=CHUNK, max_running_requests=max_running, overlap_schedule=overlap))
-    engine = DecodeEngine(runner(256), config)
+    engine = DecodeEngine(runner(256), config, tokenizer=oracle().tokenizer)
     await engine.start()
     try:
         async def one(i, p, params):
@@ -105,7 +105,7 @@ def test_abort_while_a_step_is_in_flight_frees_pages_once_the_step_is_done():
     async def run():
         config = dataclasses.replace(worker_config("fake"), scheduler=SchedulerConfig(
             chunked_prefill_size=CHUNK, overlap_schedule=True))
-        engine = DecodeEngine(runner(256), config)
+        engine = DecodeEngine(runner(256), config, tokenizer=oracle().tokenizer)
         await engine.start()
         try:
             seen = {"tokens": 0}
