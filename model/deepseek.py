@@ -115,11 +115,10 @@ class DeepseekForCausalLM(nn.Module):
             if not layer.is_moe:
                 continue
             empty = self.embed_tokens.weight.new_empty(0, self.config.hidden_size)
-            state = OpState(mlp_input=empty, residual=empty)  # `output` reads the row count off the residual
+            state = OpState(mlp_input=empty)
             for name in _MOE_MLP_OPS:
                 op_method(layer, name)(state, stand_in)
             state.pop("mlp_output")
-            state.pop("residual")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
