@@ -4,26 +4,29 @@ MoE layers run `MOE_LAYER_OPS`, dense layers `DENSE_LAYER_OPS`; the list is pick
 is built. Residual adds are fused into the norms: `prepare_attn` adds the previous layer's output
 to the running residual and normalises (the first layer's residual is its input).
 
-Under attention TP with EP a MoE layer's `prepare_mlp` keeps only this TP rank's slice of the
-rows as `mlp_input` (the residual keeps all of them) and `output` all-gathers the MoE output back
-(`attention/tensor_parallel.py`, `TokenScatter`); otherwise both are the identity.
+Where the rows live between the ops is the layer's `LayerCommunicator` (model/layer_communicator.py,
+modes from model/scatter_mode.py), chosen when the layer is built: under attention TP the
+attention block sees all of its TP group's rows, the MLP (dense, or MoE under EP) only this TP
+rank's share, and `prepare_attn` / `prepare_mlp` / `postprocess` move hidden states and residual
+between the two. At tp 1 the communicator is the norms alone.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from deepseek_pd.model.attention.mla import MLAAttention
-from deepseek_pd.model.attention.tensor_parallel import NO_SCATTER, token_scatter
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import ForwardBatch
 from deepseek_pd.model.fp8_linear import fp8_spec
+from deepseek_pd.model.layer_communicator import LayerCommunicator
 from deepseek_pd.model.layer_ops import DENSE_LAYER_OPS, MOE_LAYER_OPS, OpState, bound_ops
 from deepseek_pd.model.moe.dispatcher import CombineInput, Dispatcher
 from deepseek_pd.model.moe.layer import DeepseekMoE
 from deepseek_pd.model.moe.mlp import GatedMLP
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.rope import RotaryEmbedding
+from deepseek_pd.model.scatter_mode import LayerScatterModes
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -45,13 +48,13 @@ class DeepseekDecoderLayer(nn.Module):
                                 fp8=fp8_spec(config, options.fp8_backend))
             self.op_names = DENSE_LAYER_OPS
         self.dispatcher = dispatcher
-        # Which rows of the MoE input this rank dispatches (chosen once; dense layers: all).
-        self.scatter = token_scatter(options.parallel) if self.is_moe else NO_SCATTER
+        self.comm = LayerCommunicator(LayerScatterModes.for_layer(config, layer_id, options.parallel),
+                                      self.input_layernorm, self.post_attention_layernorm, options.parallel)
         self.ops = bound_ops(self)
 
     # ---- attention ------------------------------------------------------------------------
     def op_prepare_attn(self, state: OpState, batch: ForwardBatch) -> None:
-        hidden, residual = self.input_layernorm.add_and_norm(state.pop("hidden_states"), state.pop("residual"))
+        hidden, residual = self.comm.prepare_attn(state.pop("hidden_states"), state.pop("residual"), batch.num_tokens)
         state.update(attn_input=hidden, residual=residual)
 
     def op_attn_prepare(self, state: OpState, batch: ForwardBatch) -> None:
@@ -61,8 +64,8 @@ class DeepseekDecoderLayer(nn.Module):
         state["attn_output"] = self.self_attn.core(state.pop("attn_intermediate"), batch)
 
     def op_prepare_mlp(self, state: OpState, batch: ForwardBatch) -> None:
-        hidden, residual = self.post_attention_layernorm.add_and_norm(state.pop("attn_output"), state.pop("residual"))
-        state.update(mlp_input=self.scatter.scatter(hidden), residual=residual)
+        hidden, residual = self.comm.prepare_mlp(state.pop("attn_output"), state.pop("residual"), batch.num_tokens)
+        state.update(mlp_input=hidden, residual=residual)
 
     # ---- dense MLP ------------------------------------------------------------------------
     def op_mlp(self, state: OpState, batch: ForwardBatch) -> None:
@@ -98,10 +101,9 @@ class DeepseekDecoderLayer(nn.Module):
 
     def op_output(self, state: OpState, batch: ForwardBatch) -> None:
         routed, shared = state.pop("routed_output"), state.pop("shared_output")
-        # All of the layer's rows (the residual's), back on every TP rank.
-        state["mlp_output"] = self.scatter.gather(routed if shared is None else routed + shared,
-                                                  state["residual"].shape[0])
+        state["mlp_output"] = routed if shared is None else routed + shared
 
     # ---- end of layer ---------------------------------------------------------------------
     def op_postprocess(self, state: OpState, batch: ForwardBatch) -> None:
-        state["hidden_states"] = state.pop("mlp_output")
+        hidden, residual = self.comm.postprocess(state.pop("mlp_output"), state.pop("residual"), batch.num_tokens)
+        state.update(hidden_states=hidden, residual=residual)

@@ -34,7 +34,6 @@ _MOE_MLP_OPS = frozenset(MOE_LAYER_OPS[MOE_LAYER_OPS.index("gate"):MOE_LAYER_OPS
 
 def _end_empty_mlp(state: OpState, batch: EmptyBatch) -> None:
     state.pop("mlp_output")
-    state.pop("residual")
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -131,7 +130,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def _begin_empty_mlp(self, state: OpState, batch: EmptyBatch) -> None:
         empty = self.embed_tokens.weight.new_empty(0, self.config.hidden_size)
-        state.update(mlp_input=empty, residual=empty)  # `output` reads the row count off the residual
+        state["mlp_input"] = empty
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

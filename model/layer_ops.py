@@ -8,7 +8,7 @@ YIELD points between them) cannot drift from the plain path.
 Keys between ops of a MoE layer (→ produced, ← consumed):
     prepare_attn   ← hidden_states, residual              → attn_input, residual
     attn_prepare   ← attn_input                           → attn_intermediate
-    attn_core      ← attn_intermediate                    → attn_output
+    attn_core      ← attn_intermediate                    → attn_output (a partial sum under TP)
     prepare_mlp    ← attn_output, residual                → mlp_input, residual
     gate           (reads mlp_input)                      → router_logits
     select_experts ← router_logits                        → topk_weights, topk_ids
@@ -18,9 +18,10 @@ Keys between ops of a MoE layer (→ produced, ← consumed):
     combine_a      ← expert_output                        → combine_handle
     shared_experts ← mlp_input                            → shared_output
     combine_b      ← combine_handle                       → routed_output
-    output         ← routed_output, shared_output (reads residual: the row count) → mlp_output
-    postprocess    ← mlp_output                           → hidden_states
-A layer starts and ends with exactly {hidden_states, residual}.
+    output         ← routed_output, shared_output         → mlp_output
+    postprocess    ← mlp_output, residual                 → hidden_states, residual
+A layer starts and ends with exactly {hidden_states, residual}. Under attention TP the rows these
+hold change between prepare_attn, prepare_mlp and postprocess (model/layer_communicator.py).
 
 Executors (the plain loop in `DeepseekForCausalLM`, two-batch overlap in `tbo.py`) see a model
 only through `OpLayer` and `LayerStack` below, so they do not depend on the model class.

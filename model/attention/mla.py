@@ -16,7 +16,8 @@ Weights (HF names in brackets):
 
 With attention TP (`options.parallel.tp_size > 1`) the layer holds only its TP rank's heads
 (`num_heads` counts those; q_b_proj / q_proj, w_kc, w_vc and o_proj's input are sliced by the loader) and
-sums o_proj's partial outputs over the TP group (attention/tensor_parallel.py).
+`core` returns o_proj's partial sum: the decoder layer's communicator reduces it over the TP group,
+all-reduced or reduce-scattered by where the MLP runs (model/layer_communicator.py).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend
-from deepseek_pd.model.attention.tensor_parallel import all_reduce, local_heads
+from deepseek_pd.model.attention.tensor_parallel import local_heads
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
@@ -81,7 +82,6 @@ class MLAAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, options: BuildOptions) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.parallel = options.parallel
         self.num_heads = len(local_heads(config.num_attention_heads, options.parallel))  # this TP rank's
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
@@ -142,10 +142,12 @@ class MLAAttention(nn.Module):
         return AttnIntermediate(q_nope, q_pe, c_kv, k_pe)
 
     def core(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
+        """o_proj of this rank's heads `[T, hidden]`: the output itself at tp 1, else a partial sum."""
         out = self._methods[batch.attention_method](inter, batch)  # [T, H, v]
-        return all_reduce(self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim)), self.parallel)
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """`prepare` then `core` (a partial sum under TP, as `core` says)."""
         return self.core(self.prepare(hidden, batch), batch)
 
     # ---- methods --------------------------------------------------------------------------

@@ -10,8 +10,10 @@ Each rank builds the world-size-1 reference and three TP variants from the same 
 Both ranks of a TP group run their DP group's tokens (seeded by the DP rank); every variant is
 driven through the same calls: extend (MHA), extend with a cached prefix (MHA_CHUNKED_KV),
 an absorbed-MLA extend, decode (MLA), a step where DP group 0 decodes one sequence (rows not
-divisible by tp), and one where DP group 1 is idle (`runner.idle()`). Logits go to
-`<dir>/rank<r>.pt`; the parent compares each variant with the reference.
+divisible by tp), and one where DP group 1 is idle (`runner.idle()`); the first two extends have
+an odd row count. Logits go to `<dir>/rank<r>.pt`, with the rows each dense
+layer's MLP ran on in each forward (`dense_rows`); the parent compares each variant with the
+reference, and the dense rows with this TP rank's share of the reference's.
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ def _scenario(runner: ModelRunner, dp_rank: int, seed: int, vocab: int) -> dict[
     num_seqs = 2 + (dp_rank + seed) % 2
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 9))] for _ in range(num_seqs)]
     more = [[rng.randrange(vocab) for _ in range(rng.randint(1, 5))] for _ in range(num_seqs)]
+    for batch in (prompts, more):  # an odd row count: the TP ranks' shares differ
+        if sum(map(len, batch)) % TP == 0:
+            batch[-1].append(rng.randrange(vocab))
     pages = [pool.alloc(pool.pages_for_tokens(len(p) + 2 * len(m) + 4)) for p, m in zip(prompts, more)]
     out = {"extend_mha": runner.extend([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)])}
     out["extend_chunked_kv"] = runner.extend([ExtendSeq(m, len(p), pg) for p, m, pg in zip(prompts, more, pages)])
@@ -64,6 +69,15 @@ def _scenario(runner: ModelRunner, dp_rank: int, seed: int, vocab: int) -> dict[
         out["decode_dp_group_idle"] = runner.decode(
             [DecodeSeq(t, n + 2, pg) for t, n, pg in zip(next_ids, lengths, pages)])
     return out
+
+
+def _count_dense_rows(runner: ModelRunner) -> list[int]:
+    """Records the rows each dense layer's MLP runs on, forward by forward, into the list returned."""
+    rows: list[int] = []
+    for layer in runner.model.layers:
+        if not layer.is_moe:
+            layer.mlp.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    return rows
 
 
 def _model(config: ModelConfig, weights: dict[str, torch.Tensor], parallel: ParallelInfo,
@@ -94,8 +108,10 @@ def run_rank(rank: int, world: int, port: int, directory: str, seed: int) -> Non
                              mha_chunked_kv_threshold=4, prefix_chunk_size=3, ep_size=world, tp_size=TP),
                 parallel=ParallelInfo(world, rank, None, TP, tp_rank, pair)),
         }
+        dense_rows = {name: _count_dense_rows(runner) for name, runner in runners.items()}
         results: dict[str, Any] = {name: _scenario(runner, dp_rank, seed, config.vocab_size)
                                    for name, runner in runners.items()}
+        results["dense_rows"] = dense_rows
         results["local_heads"] = {name: r.model.layers[0].self_attn.num_heads for name, r in runners.items()}
         torch.save(results, Path(directory) / f"rank{rank}.pt")
     finally:

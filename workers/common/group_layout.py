@@ -9,12 +9,14 @@ Layout of the model over the ranks: `dp` DP groups of `tp` consecutive ranks eac
 Each DP group attends its own requests and holds their KV. Within a DP group the `tp` ranks run
 the same batch with the MLA heads split between them (attention TP, SGLang's DP-attention with
 `attn_tp_size = tp`; model/attention/tensor_parallel.py): q_b_proj, w_kc/w_vc and o_proj are
-sliced by heads, o_proj's partial sums are all-reduced over the TP group, and the latent KV
+sliced by heads, o_proj's partial sums are reduced over the TP group, and the latent KV
 (shared by all heads) is replicated on every TP rank. Only the group's TP rank 0 (its leader)
 runs an engine: it schedules, allocates pages and talks to peers; the others replay its forwards
-(model/tp_replay.py). Dense layers and shared experts are replicated; routed experts are spread
-over all ranks when `ep == world` (the all-to-all / DeepEP dispatchers: each TP rank dispatches
-1/tp of its group's rows) or replicated when `ep == 1`. `tp == 1` (the default) is plain DP
+(model/tp_replay.py). Dense layers and shared experts are replicated, and each TP rank runs them
+on 1/tp of its group's rows (`moe_dense_tp_size=1`); routed experts are spread over all ranks when
+`ep == world` (the all-to-all / DeepEP dispatchers: each TP rank dispatches its 1/tp of the rows)
+or replicated when `ep == 1` (each TP rank runs all rows). Where the rows live between attention
+and the MLPs: model/scatter_mode.py. `tp == 1` (the default) is plain DP
 attention: every rank is its own DP group.
 
 Worked example: `--tp 2 --dp 4 --ep 8` -> world 8; DP groups {0,1} {2,3} {4,5} {6,7}; rank 5 is

@@ -6,8 +6,9 @@
     step     the ranks' per-step process group, with `collective_timeout_s`: the MoE all-to-alls
              (through `ParallelInfo`) and, on CPU, the lockstep ticks
     control  on GPU a gloo group for the ticks (CPU tensors, no device sync); on CPU it is `step`
-    tp       (attention TP, tp > 1) this rank's DP group's `tp` ranks: o_proj's all-reduce, the MoE
-             rows' all-gather and the leader's replayed calls (`tp_host`: their gloo twin on GPU)
+    tp       (attention TP, tp > 1) this rank's DP group's `tp` ranks: o_proj's reduce-scatter (or
+             all-reduce), the rows' all-gathers (model/layer_communicator.py) and the leader's
+             replayed calls (`tp_host`: their gloo twin on GPU)
     waker    the lockstep thread's wake-up channel while the group sleeps (`StoreWaker`: keys in
              rank 0's TCPStore, which torch.distributed already runs for the rendezvous)
 """
