@@ -47,9 +47,11 @@ def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("operator-e2e")
     kubeconfig = control_plane.admin.kubeconfig(workdir / "admin.kubeconfig", "admin")
     dep = Deployment(admin_kube, process_kubelet, tools, kubeconfig, workdir)
-    run_tool(dep.helm, "install", "deepseek", ROOT / "charts", "--namespace", OPS, "--create-namespace",
-         f"--kubeconfig={kubeconfig}", "--set", "operator.resyncSeconds=2", "--wait", "--timeout", "180s")
+    # The operator watches NS only (the chart's default RBAC is a Role there), so NS exists first.
     dep.kubectl_run("create", "namespace", NS)
+    run_tool(dep.helm, "install", "deepseek", ROOT / "charts", "--namespace", OPS, "--create-namespace",
+             f"--kubeconfig={kubeconfig}", "--set", "operator.resyncSeconds=2",
+             "--set", f"operator.watchNamespaces={{{NS}}}", "--wait", "--timeout", "180s")
     wait_until(lambda: admin_kube.get(f"/api/v1/namespaces/{NS}/serviceaccounts/default"), 30, "no default SA")
     yield dep
     dep.kubectl_run("delete", "namespace", NS, "--wait=false", check=False)
@@ -183,10 +185,15 @@ def test_helm_install_runs_the_operator_as_the_charts_service_account(deployment
     assert operator["spec"]["containers"][0]["args"][:2] == ["operator", "run"]
     ready = {c["type"]: c["status"] for c in operator["status"]["conditions"]}
     assert ready["Ready"] == "True", deployment.diagnose()
-    account = operator["spec"]["serviceAccountName"]
-    binding_subjects = [s for b in deployment.kube.list("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings")
-                        for s in b.get("subjects") or [] if b["metadata"]["name"].startswith("deepseek")]
-    assert {"kind": "ServiceAccount", "name": account, "namespace": OPS} in binding_subjects
+    assert f"--namespace={NS}" in operator["spec"]["containers"][0]["args"]
+    account = {"kind": "ServiceAccount", "name": operator["spec"]["serviceAccountName"], "namespace": OPS}
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    cluster_roles = [b["roleRef"]["name"] for b in deployment.kube.list(f"{rbac}/clusterrolebindings")
+                     if account in (b.get("subjects") or [])]
+    assert cluster_roles == ["deepseek-deepseek-pd-discovery"]  # read-only; writes only through NS's Role
+    roles = [b["roleRef"] for b in deployment.kube.list(f"{rbac}/namespaces/{NS}/rolebindings")
+             if account in (b.get("subjects") or [])]
+    assert [(r["kind"], r["name"]) for r in roles] == [("Role", "deepseek-deepseek-pd-manager")]
 
 
 def test_example_serves_the_offline_engines_tokens(deployment, models, offline_engine):
