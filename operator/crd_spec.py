@@ -23,7 +23,8 @@ MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp"
                  "kv-protocol", "kv-devices", "kv-tcp-fallback", "metrics-port", "metrics-host",
                  # internal authentication (operator/worker_security.py): the secret comes mounted,
                  # and --insecure-internal would contradict it (serve refuses to start)
-                 "internal-secret-file", "insecure-internal", "prefill-peers", "bootstrap-alias")
+                 "internal-secret-file", "insecure-internal", "prefill-peers", "bootstrap-alias",
+                 "advertise-host")
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
 # router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).

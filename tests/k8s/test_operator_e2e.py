@@ -83,22 +83,12 @@ def _example(models: pathlib.Path) -> dict:
     cr["spec"]["model"]["source"]["hostPath"]["path"] = str(models)
     for role in ("prefill", "decode"):
         cr["spec"][role]["engineArgs"] = list(WORKER_ARGS)
-    # The gateway gives a worker without a throughput history 3 s to answer before it calls it
-    # wedged (--worker-wedge-secs); a fresh worker's first forward on this shared 2-core CPU can
-    # take longer (measured: 504 "Prefill worker silent" about one run in three).
-    cr["spec"].setdefault("router", {})["extraArgs"] = ["--worker-wedge-secs", "30"]
     if not _operator_renders(cr, "decode", "--prefill-peers"):
         # Until the operator renders decode's --prefill-peers, decode refuses every bootstrap
         # address that is not loopback (workers/decode/prefill_peers.py): list the leader.
         from deepseek_pd.operator import names
         leader = names.leader_address(cr["metadata"]["name"], "prefill", 0, NS)
         cr["spec"]["decode"]["engineArgs"].append(f"--prefill-peers={leader}:8998")
-    if not _operator_renders(cr, "prefill", "--advertise-host"):
-        # ... and prefill's --advertise-host: decode's handshake names the address the router
-        # knows (the leader's DNS name), which a prefill advertising its pod IP refuses.
-        from deepseek_pd.operator import names
-        leader = names.leader_address(cr["metadata"]["name"], "prefill", 0, NS)
-        cr["spec"]["prefill"]["engineArgs"].append(f"--advertise-host={leader}")
     if not _operator_mounts_internal_secret(cr):
         # Until the operator mounts the deployment secret itself, every worker reads one file
         # (pods share the host's /tmp): prefill and decode must hold the same HMAC key.
