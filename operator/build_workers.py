@@ -21,6 +21,7 @@ from deepseek_pd.operator.worker_security import secure_worker_pod, security_arg
 
 Manifest = dict[str, Any]
 POD_DNS_NAME_ENV = "DEEPSEEK_PD_POD_DNS_NAME"
+POD_IP_ENV = "DEEPSEEK_PD_POD_IP"
 
 DIST_INIT_PORT = 5757  # torch.distributed rendezvous on rank 0 of a multi-node group
 PROBE_PERIOD_SECONDS = 10
@@ -66,13 +67,19 @@ def build_worker_configmap(spec: DeploymentSpec, role: RoleSpec) -> Manifest:
 
 def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
     """`deepseek-pd serve <role>` flags; $(VAR) is expanded by the kubelet from the pod env."""
+    # Peers reach this pod at its IP: Mooncake's session id, a follower rank's engine and bootstrap
+    # endpoints, decode's identity. Rendered from the kubelet's status.podIP (the node's IP with
+    # host networking) rather than left to `serve` resolving the hostname, which a pod's
+    # /etc/hosts may not map.
     args = ["serve", role.role, "--model", spec.model.path,
             "--served-model-name", spec.model.served_name, "--host", "0.0.0.0",
+            "--advertise-host", f"$({POD_IP_ENV})",
             "--port", str(role.port), "--kv-transport", spec.kv_transfer.backend,
             "--device", "cuda" if role.gpus_per_pod else "cpu"]
     if role.role == "prefill":
         # The router hands decode this pod's DNS name (names.leader_address), which decode then
-        # names in its signed handshake: the bootstrap service must answer to it too.
+        # names in its signed handshake: the bootstrap service answers to it as well as to the
+        # pod IP it advertises (the address followers' bootstrap endpoints are published at).
         args += ["--bootstrap-port", str(role.bootstrap_port), "--bootstrap-alias", f"$({POD_DNS_NAME_ENV})"]
     args += kv_protocol_args(spec) + worker_metrics_args(spec)
     par = role.parallelism
@@ -112,7 +119,7 @@ def _env(spec: DeploymentSpec, role: RoleSpec, index: int) -> list[dict[str, Any
         {"name": "DEEPSEEK_PD_GROUP_INDEX", "value": str(index)},
         {"name": "DEEPSEEK_PD_WORKER_CONFIG",
          "value": f"{names.WORKER_CONFIG_DIR}/{names.WORKER_CONFIG_FILE}"},
-        {"name": "DEEPSEEK_PD_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "DEEPSEEK_PD_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         # This pod through its group's headless Service (the StatefulSet's serviceName).
         {"name": POD_DNS_NAME_ENV, "value": f"$(DEEPSEEK_PD_POD_NAME).{names.group_name(spec.name, role.role, index)}"

@@ -84,10 +84,16 @@ def root_schema() -> Schema:
             "status": status_schema(),
         },
         "required": ["spec"],
-        "x-kubernetes-validations": [rule(
-            f"size(self.metadata.name) <= {names.MAX_NAME_LENGTH}",
-            f"metadata.name must be at most {names.MAX_NAME_LENGTH} characters (child names append "
-            "-<role>-<group>-<rank>)", ".metadata.name")],
+        "x-kubernetes-validations": [
+            rule(f"size(self.metadata.name) <= {names.MAX_NAME_LENGTH}",
+                 f"metadata.name must be at most {names.MAX_NAME_LENGTH} characters (child names "
+                 "append -<role>-<group>-<rank>)", ".metadata.name"),
+            # The API server admits any DNS-1123 subdomain ("0.v3"), but the name starts Service
+            # names, which must be DNS-1035 labels: refused here rather than by the first create.
+            rule(f"self.metadata.name.matches('{names.DNS_1035_LABEL}')",
+                 "metadata.name must start with a lowercase letter and hold only lowercase letters, "
+                 "digits and '-' (it starts the names of the deployment's Services)", ".metadata.name"),
+        ],
     }
 
 

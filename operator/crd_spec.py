@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from deepseek_pd.operator.known_models import KNOWN_MODELS
 from deepseek_pd.operator.schema_types import (
-    Schema, array, boolean, int_or_percent, integer, obj, opaque_object, quantity,
+    Schema, array, boolean, env_var, int_or_percent, integer, obj, opaque_object, quantity,
     resource_requirements, rule, string, string_map,
 )
 from deepseek_pd.weights.layout import REPO_PATTERN
@@ -23,7 +23,8 @@ MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp"
                  "kv-protocol", "kv-devices", "kv-tcp-fallback", "metrics-port", "metrics-host",
                  # internal authentication (operator/worker_security.py): the secret comes mounted,
                  # and --insecure-internal would contradict it (serve refuses to start)
-                 "internal-secret-file", "insecure-internal", "prefill-peers", "bootstrap-alias")
+                 "internal-secret-file", "insecure-internal", "prefill-peers", "bootstrap-alias",
+                 "advertise-host")
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
 # router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).
@@ -80,7 +81,7 @@ def role_schema(role: str) -> Schema:
             "engineArgs": array("Extra `deepseek-pd serve` flags, e.g. --chunked-prefill-size=8192.",
                                 string("One argument.", max_length=256), default=[], max_items=64),
             "env": array("Extra environment variables (core EnvVar objects).",
-                         opaque_object("An EnvVar."), default=[]),
+                         env_var("An EnvVar."), default=[]),
             "resources": resource_requirements(
                 "Extra resource requests/limits; GPUs and the RDMA resource are added from the spec."),
             "port": integer("gRPC port of the SglangScheduler service.", minimum=1, maximum=65535,
@@ -296,10 +297,23 @@ def _metrics() -> Schema:
     }, default={})
 
 
+def _toleration() -> Schema:
+    # Typed, not passed through: a wrong type would otherwise surface only when the API server
+    # refuses the StatefulSet.
+    return obj("A core Toleration.", {
+        "key": string("Taint key; empty with operator Exists matches every taint."),
+        "operator": string("Exists or Equal (default Equal).", enum=["Exists", "Equal"]),
+        "value": string("Taint value (operator Equal)."),
+        "effect": string("Taint effect; empty matches all.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute", ""]),
+        "tolerationSeconds": {"type": "integer", "format": "int64",
+                              "description": "How long a NoExecute taint is tolerated."},
+    })
+
+
 def _scheduling() -> Schema:
     return obj("Where worker pods may run (applied to both roles).", {
         "nodeSelector": string_map("Node labels a worker node must have."),
-        "tolerations": array("Tolerations (core Toleration objects).", opaque_object("A toleration.")),
+        "tolerations": array("Tolerations (core Toleration objects).", _toleration()),
         "affinity": opaque_object("Core Affinity object."),
         "priorityClassName": string("PriorityClass of worker pods."),
     }, default={})
@@ -360,7 +374,7 @@ def spec_schema() -> Schema:
         "rdma": _rdma(),
         "metrics": _metrics(),
         "env": array("Environment variables for every worker pod (core EnvVar objects), e.g. "
-                     "MC_GID_INDEX.", opaque_object("An EnvVar."), default=[]),
+                     "MC_GID_INDEX.", env_var("An EnvVar."), default=[]),
         "podSecurity": _pod_security(),
         "networkPolicy": _network_policy(),
     }, required=["model", "image"], rules=[

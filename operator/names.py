@@ -32,6 +32,8 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 # A StatefulSet's name ends up in its pods' `controller-revision-hash` label (63 chars max)
 # followed by a hash and the pod index, so the CR name leaves room for "-prefill-NN".
 MAX_NAME_LENGTH = 40
+# What a Service name must match (and so the CR name, which starts every child's name).
+DNS_1035_LABEL = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"

@@ -99,7 +99,9 @@ class Reconciler:
         generation = meta.get("generation")
         previous = dict(body.get("status") or {})
         try:
-            spec = DeploymentSpec.parse(name, namespace, dict(body.get("spec") or {}))
+            # Not dict(): a spec that is not an object (from a server without the CRD's schema)
+            # is the parser's "spec: ... is not of type 'object'", not a TypeError here.
+            spec = DeploymentSpec.parse(name, namespace, body.get("spec"))
         except InvalidSpecError as exc:
             logger.error("invalid spec, children left unchanged: %s", exc)
             return build_invalid_status(str(exc), generation, previous, _now())

@@ -116,6 +116,15 @@ def opaque_object(description: str) -> Schema:
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
 
 
+def env_var(description: str) -> Schema:
+    """A core EnvVar: a name is required, so a `{}` item is refused here, not by the pod's create."""
+    return obj(description, {
+        "name": string("Variable name.", min_length=1),
+        "value": string("Its value ($(VAR) references are expanded by the kubelet)."),
+        "valueFrom": opaque_object("A core EnvVarSource (secretKeyRef, fieldRef, ...)."),
+    }, required=["name"])
+
+
 def resource_requirements(description: str) -> Schema:
     return obj(description, {
         "limits": {"type": "object", "description": "Maximum resources, e.g. nvidia.com/gpu: 8.",

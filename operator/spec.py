@@ -288,9 +288,10 @@ class DeploymentSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
     @classmethod
-    def parse(cls, name: str, namespace: str, raw_spec: dict[str, Any]) -> DeploymentSpec:
-        """Defaults, validates (schema + CEL) and freezes; raises InvalidSpecError."""
-        violations = validate_spec(name, raw_spec or {})
+    def parse(cls, name: str, namespace: str, raw_spec: Any) -> DeploymentSpec:
+        """Defaults, validates (schema + CEL) and freezes; raises InvalidSpecError, also for a
+        raw_spec that is not an object (None counts as an empty spec)."""
+        violations = validate_spec(name, {} if raw_spec is None else raw_spec)
         if violations:
             raise InvalidSpecError(violations)
         raw = apply_defaults(spec_schema(), raw_spec)

@@ -42,7 +42,7 @@ def validate_object(obj: dict[str, Any]) -> list[Violation]:
     return violations
 
 
-def validate_spec(name: str, spec: dict[str, Any]) -> list[Violation]:
+def validate_spec(name: str, spec: Any) -> list[Violation]:
     """Convenience for the operator, which holds the spec and the name separately."""
     return validate_object({"metadata": {"name": name}, "spec": spec})
 

@@ -37,15 +37,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* Namespaces whose children the operator manages, as a JSON list: watchNamespaces, or the
-release namespace when the RBAC is namespaced and no list is given. Empty: every namespace. */}}
-{{- define "deepseek-pd.managedNamespaces" -}}
+{{/* Namespaces the operator watches, as a JSON list: operator.watchNamespaces, else the release
+namespace; [] with operator.watchAllNamespaces (every namespace, cluster-wide RBAC). */}}
+{{- define "deepseek-pd.watchedNamespaces" -}}
+{{- if .Values.operator.watchAllNamespaces -}}
 {{- if .Values.operator.watchNamespaces -}}
-{{- toJson .Values.operator.watchNamespaces -}}
-{{- else if .Values.rbac.namespaced -}}
-{{- toJson (list .Release.Namespace) -}}
-{{- else -}}
+{{- fail "operator.watchAllNamespaces watches every namespace: leave operator.watchNamespaces empty" -}}
+{{- end -}}
 []
+{{- else if .Values.operator.watchNamespaces -}}
+{{- toJson .Values.operator.watchNamespaces -}}
+{{- else -}}
+{{- toJson (list .Release.Namespace) -}}
 {{- end -}}
 {{- end -}}
 

@@ -1,8 +1,8 @@
 """`deepseek-pd operator run|crd|check`: the Kubernetes operator and its helpers.
 
-    deepseek-pd operator run [--namespace NS ...] [--resync-seconds S] [--liveness-port P]
+    deepseek-pd operator run (--namespace NS ... | --all-namespaces) [--resync-seconds S] [--liveness-port P]
     deepseek-pd operator crd [--output FILE]     the CRD YAML (the chart ships exactly this)
-    deepseek-pd operator check --namespace NS    can this service account reach the CRD? (helm test)
+    deepseek-pd operator check --namespace NS ...  can this service account reach the CRD? (helm test)
     deepseek-pd operator plan FILE [--model-dir DIR]  would it fit? (the MemoryPlanFits condition)
 """
 from __future__ import annotations
@@ -16,8 +16,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="operator_command", required=True, metavar="ACTION")
 
     run = actions.add_parser("run", help="run the operator (kopf) against the current cluster")
-    run.add_argument("--namespace", action="append", default=[], metavar="NS",
-                     help="watch only this namespace (repeatable); default: the whole cluster")
+    # No default scope: watching the whole cluster needs cluster-wide RBAC, so it is asked for.
+    scope = run.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable)")
+    scope.add_argument("--all-namespaces", action="store_true",
+                       help="watch every namespace (needs cluster-wide RBAC)")
     run.add_argument("--resync-seconds", type=float, default=10.0,
                      help="how often every DeepSeekDeployment is re-checked (default 10)")
     run.add_argument("--liveness-port", type=int, default=0,
@@ -30,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     crd.set_defaults(func=_crd)
 
     check = actions.add_parser("check", help="verify the CRD is served and readable (helm test)")
-    check.add_argument("--namespace", required=True)
+    check.add_argument("--namespace", action="append", required=True, metavar="NS",
+                       help="a namespace to list in (repeatable)")
     check.set_defaults(func=_check)
 
     plan = actions.add_parser("plan", help="print the memory plan of a DeepSeekDeployment manifest")
@@ -51,6 +56,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.resync_seconds <= 0:
         raise UserError(f"--resync-seconds must be > 0, got {args.resync_seconds}")
+    if not args.namespace and not args.all_namespaces:
+        raise UserError("name the namespaces to watch: --namespace NS (repeatable) or --all-namespaces")
     kopf.configure(verbose=args.verbose)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     config = OperatorConfig(resync_seconds=args.resync_seconds)
@@ -88,12 +95,14 @@ def _check(args: argparse.Namespace) -> int:
                                   logger=logging.getLogger("deepseek-pd"))
         client = KubeClient(login)
         try:
-            items = await client.list(names.KIND, args.namespace, {})
-        except (ApiError, aiohttp.ClientError, kopf.LoginError) as exc:
-            raise UserError(f"cannot list {names.PLURAL} in {args.namespace}: {exc}") from exc
+            for namespace in args.namespace:
+                try:
+                    items = await client.list(names.KIND, namespace, {})
+                except (ApiError, aiohttp.ClientError, kopf.LoginError) as exc:
+                    raise UserError(f"cannot list {names.PLURAL} in {namespace}: {exc}") from exc
+                print(f"ok: {names.CRD_NAME} is served; {len(items)} in namespace {namespace}")
         finally:
             await client.close()
-        print(f"ok: {names.CRD_NAME} is served; {len(items)} in namespace {args.namespace}")
         return 0
 
     return asyncio.run(check())

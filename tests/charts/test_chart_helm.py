@@ -61,8 +61,7 @@ def test_rendered_manifests_are_valid_kubernetes(helm, values):
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
-    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:2] == ["operator", "run"]
+    assert _operator_args(docs)[:2] == ["operator", "run"]
     test_pods = [d for d in docs if d["kind"] == "Pod"]
     assert [p["metadata"]["annotations"]["helm.sh/hook"] for p in test_pods] == ["test"]
 
@@ -72,44 +71,95 @@ def test_helm_install_as_documented_renders_notes(helm):
     result = _helm(helm, "install", "deepseek", str(CHART), "--dry-run=client", "--namespace", "ops")
     assert result.returncode == 0, result.stderr
     notes = result.stdout.split("NOTES:", 1)[1]
-    assert "installed in namespace ops" in notes and "helm test deepseek -n ops" in notes
+    assert "installed in namespace ops and manages DeepSeekDeployments in: ops." in notes
+    assert "helm test deepseek -n ops" in notes
 
 
-def test_namespaced_values_bind_rbac_only_in_watched_namespaces(helm):
-    values = ROOT / "examples" / "chart-values-namespaced.yaml"
-    docs = _render(helm, "-f", str(values))
-    watched = yaml.safe_load(values.read_text())["operator"]["watchNamespaces"]
-    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == sorted(watched)
+def _operator_args(docs: list[dict]) -> list[str]:
+    return next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def _scope_args(docs: list[dict]) -> list[str]:
+    """The operator's watch scope: its --namespace=... flags, or --all-namespaces."""
+    return [a for a in _operator_args(docs) if a.startswith("--namespace=") or a == "--all-namespaces"]
+
+
+def _writable_cluster_wide(docs: list[dict]) -> list[dict]:
+    """ClusterRole rules that allow more than reading."""
+    return [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]
+            if not set(r["verbs"]) <= {"get", "list", "watch"}]
+
+
+def _helm_test_namespaces(docs: list[dict]) -> list[str]:
+    pod = next(d for d in docs if d["kind"] == "Pod")
+    return [a.split("=", 1)[1] for a in pod["spec"]["containers"][0]["command"] if a.startswith("--namespace=")]
+
+
+WATCH_MODES = {  # values -> the namespaces watched (None: all of them)
+    "default": ([], ["ops"]),
+    "list": (["--set", "operator.watchNamespaces={a,b}"], ["a", "b"]),
+    "example": (["-f", str(ROOT / "examples" / "chart-values-namespaced.yaml")], ["llm-prod", "llm-staging"]),
+    "all": (["--set", "operator.watchAllNamespaces=true"], None),
+}
+
+
+@pytest.mark.parametrize("mode", [m for m in WATCH_MODES if WATCH_MODES[m][1] is not None])
+def test_namespaced_rbac_by_default_writes_nothing_cluster_wide(helm, mode):
+    """Without watchAllNamespaces: a Role and RoleBinding in each watched namespace (the release
+    namespace when none is named), the operator watches exactly those, and the only cluster-wide
+    grant is read-only discovery."""
+    extra, watched = WATCH_MODES[mode]
+    docs = _render(helm, *extra)
+    assert _writable_cluster_wide(docs) == []
     cluster_bindings = [d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRoleBinding"]
     assert cluster_bindings == ["deepseek-deepseek-pd-discovery"]
-    args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert [a for a in args if a.startswith("--namespace=")] == [f"--namespace={n}" for n in watched]
+    roles = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role")
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert roles == sorted(watched) and sorted(b["metadata"]["namespace"] for b in bindings) == sorted(watched)
+    assert {(b["roleRef"]["kind"], b["roleRef"]["name"]) for b in bindings} == {("Role", "deepseek-deepseek-pd-manager")}
+    assert all(b["subjects"] == [{"kind": "ServiceAccount", "name": "deepseek-deepseek-pd", "namespace": "ops"}]
+               for b in bindings)
+    assert _scope_args(docs) == [f"--namespace={n}" for n in watched]
+    assert _helm_test_namespaces(docs) == watched
 
 
-def test_namespaced_rbac_writes_nothing_cluster_wide(helm):
-    """rbac.namespaced: write access only through Roles, in the watched (or release) namespace."""
-    for extra, expected in ((["--set", "rbac.namespaced=true"], ["ops"]),
-                            (["--set", "rbac.namespaced=true", "--set", "operator.watchNamespaces={a,b}"],
-                             ["a", "b"])):
-        docs = _render(helm, *extra)
-        cluster_rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
-        assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in cluster_rules)
-        roles = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role")
-        bindings = [d for d in docs if d["kind"] == "RoleBinding"]
-        assert roles == expected and sorted(b["metadata"]["namespace"] for b in bindings) == expected
-        assert {b["roleRef"]["kind"] for b in bindings} == {"Role"}
-        args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert [a for a in args if a.startswith("--namespace=")] == [f"--namespace={n}" for n in expected]
+def test_cluster_wide_rbac_only_when_watching_all_namespaces(helm):
+    docs = _render(helm, *WATCH_MODES["all"][0])
+    assert _scope_args(docs) == ["--all-namespaces"]
+    assert [d for d in docs if d["kind"] in ("Role", "RoleBinding")] == []
+    manager = [d for d in docs if d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"].endswith("-manager")]
+    assert len(manager) == 1 and manager[0]["roleRef"]["kind"] == "ClusterRole"
+    assert _writable_cluster_wide(docs)
+    assert _helm_test_namespaces(docs) == ["ops"]
 
 
-@pytest.mark.parametrize("namespaced", [False, True], ids=["cluster-wide", "namespaced"])
-def test_rbac_is_least_privilege_and_covers_what_the_operator_does(helm, namespaced):
-    docs = _render(helm, *(["--set", "rbac.namespaced=true"] if namespaced else []))
-    rules = [r for d in docs if d["kind"] == ("Role" if namespaced else "ClusterRole") for r in d["rules"]]
-    for rule in rules:
-        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
+def test_watching_all_and_a_list_of_namespaces_is_refused(helm):
+    result = _helm(helm, "template", "deepseek", str(CHART), "--set", "operator.watchAllNamespaces=true",
+                   "--set", "operator.watchNamespaces={a}")
+    assert result.returncode != 0 and "leave operator.watchNamespaces empty" in result.stderr, result.stderr
 
+
+def test_removed_rbac_namespaced_value_fails_the_install(helm):
+    """Namespaced RBAC is the default now; the old switch is an unknown key, not silently ignored."""
+    result = _helm(helm, "template", "deepseek", str(CHART), "--set", "rbac.namespaced=true")
+    assert result.returncode != 0 and "additional properties 'namespaced' not allowed" in result.stderr
+
+
+@pytest.mark.parametrize("mode", list(WATCH_MODES))
+def test_rbac_is_least_privilege_and_covers_what_the_operator_does(helm, mode):
+    docs = _render(helm, *WATCH_MODES[mode][0])
+    kind = "ClusterRole" if WATCH_MODES[mode][1] is None else "Role"
+    grants = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith("-manager")]
+    assert grants
+    for grant in grants:
+        rules = grant["rules"]
+        for rule in rules:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
+        _assert_rules_cover_the_operator(rules)
+
+
+def _assert_rules_cover_the_operator(rules: list[dict]) -> None:
+    """Exactly the verbs the operator's client uses on each kind (operator/kube.py RESOURCES)."""
     def allowed(group: str, resource: str) -> set[str]:
         return {v for r in rules if group in r["apiGroups"] and resource in r["resources"] for v in r["verbs"]}
 

@@ -47,9 +47,11 @@ def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("operator-e2e")
     kubeconfig = control_plane.admin.kubeconfig(workdir / "admin.kubeconfig", "admin")
     dep = Deployment(admin_kube, process_kubelet, tools, kubeconfig, workdir)
-    run_tool(dep.helm, "install", "deepseek", ROOT / "charts", "--namespace", OPS, "--create-namespace",
-         f"--kubeconfig={kubeconfig}", "--set", "operator.resyncSeconds=2", "--wait", "--timeout", "180s")
+    # The operator watches NS only (the chart's default RBAC is a Role there), so NS exists first.
     dep.kubectl_run("create", "namespace", NS)
+    run_tool(dep.helm, "install", "deepseek", ROOT / "charts", "--namespace", OPS, "--create-namespace",
+             f"--kubeconfig={kubeconfig}", "--set", "operator.resyncSeconds=2",
+             "--set", f"operator.watchNamespaces={{{NS}}}", "--wait", "--timeout", "180s")
     wait_until(lambda: admin_kube.get(f"/api/v1/namespaces/{NS}/serviceaccounts/default"), 30, "no default SA")
     yield dep
     dep.kubectl_run("delete", "namespace", NS, "--wait=false", check=False)
@@ -81,22 +83,12 @@ def _example(models: pathlib.Path) -> dict:
     cr["spec"]["model"]["source"]["hostPath"]["path"] = str(models)
     for role in ("prefill", "decode"):
         cr["spec"][role]["engineArgs"] = list(WORKER_ARGS)
-    # The gateway gives a worker without a throughput history 3 s to answer before it calls it
-    # wedged (--worker-wedge-secs); a fresh worker's first forward on this shared 2-core CPU can
-    # take longer (measured: 504 "Prefill worker silent" about one run in three).
-    cr["spec"].setdefault("router", {})["extraArgs"] = ["--worker-wedge-secs", "30"]
     if not _operator_renders(cr, "decode", "--prefill-peers"):
         # Until the operator renders decode's --prefill-peers, decode refuses every bootstrap
         # address that is not loopback (workers/decode/prefill_peers.py): list the leader.
         from deepseek_pd.operator import names
         leader = names.leader_address(cr["metadata"]["name"], "prefill", 0, NS)
         cr["spec"]["decode"]["engineArgs"].append(f"--prefill-peers={leader}:8998")
-    if not _operator_renders(cr, "prefill", "--advertise-host"):
-        # ... and prefill's --advertise-host: decode's handshake names the address the router
-        # knows (the leader's DNS name), which a prefill advertising its pod IP refuses.
-        from deepseek_pd.operator import names
-        leader = names.leader_address(cr["metadata"]["name"], "prefill", 0, NS)
-        cr["spec"]["prefill"]["engineArgs"].append(f"--advertise-host={leader}")
     if not _operator_mounts_internal_secret(cr):
         # Until the operator mounts the deployment secret itself, every worker reads one file
         # (pods share the host's /tmp): prefill and decode must hold the same HMAC key.
@@ -183,10 +175,15 @@ def test_helm_install_runs_the_operator_as_the_charts_service_account(deployment
     assert operator["spec"]["containers"][0]["args"][:2] == ["operator", "run"]
     ready = {c["type"]: c["status"] for c in operator["status"]["conditions"]}
     assert ready["Ready"] == "True", deployment.diagnose()
-    account = operator["spec"]["serviceAccountName"]
-    binding_subjects = [s for b in deployment.kube.list("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings")
-                        for s in b.get("subjects") or [] if b["metadata"]["name"].startswith("deepseek")]
-    assert {"kind": "ServiceAccount", "name": account, "namespace": OPS} in binding_subjects
+    assert f"--namespace={NS}" in operator["spec"]["containers"][0]["args"]
+    account = {"kind": "ServiceAccount", "name": operator["spec"]["serviceAccountName"], "namespace": OPS}
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    cluster_roles = [b["roleRef"]["name"] for b in deployment.kube.list(f"{rbac}/clusterrolebindings")
+                     if account in (b.get("subjects") or [])]
+    assert cluster_roles == ["deepseek-deepseek-pd-discovery"]  # read-only; writes only through NS's Role
+    roles = [b["roleRef"] for b in deployment.kube.list(f"{rbac}/namespaces/{NS}/rolebindings")
+             if account in (b.get("subjects") or [])]
+    assert [(r["kind"], r["name"]) for r in roles] == [("Role", "deepseek-deepseek-pd-manager")]
 
 
 def test_example_serves_the_offline_engines_tokens(deployment, models, offline_engine):

@@ -92,9 +92,9 @@ def helm() -> pathlib.Path:
 
 
 def _chart_rbac(helm: pathlib.Path, namespace: str) -> list[dict]:
-    """The chart's ServiceAccount, namespaced Role and RoleBinding for `namespace`."""
-    out = subprocess.run([str(helm), "template", "deepseek", str(ROOT / "charts"), "--namespace", namespace,
-                          "--set", "rbac.namespaced=true", "--set", f"operator.watchNamespaces={{{namespace}}}"],
+    """The chart's ServiceAccount, Role and RoleBinding installed into `namespace` (by default the
+    operator watches its release namespace, with a Role there)."""
+    out = subprocess.run([str(helm), "template", "deepseek", str(ROOT / "charts"), "--namespace", namespace],
                          check=True, capture_output=True, text=True, timeout=60).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     return [d for d in docs if d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]

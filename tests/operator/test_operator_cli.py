@@ -32,6 +32,18 @@ def test_bad_flags_are_one_line_errors():
     assert result.stderr.strip() == "deepseek-pd operator: error: --resync-seconds must be > 0, got -5.0"
 
 
+def test_run_without_a_watch_scope_is_refused():
+    """Cluster-wide is asked for (--all-namespaces), never the silent default of no --namespace."""
+    result = subprocess.run([sys.executable, "-m", "deepseek_pd.cli", "operator", "run"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("deepseek-pd operator: error: name the namespaces to watch: "
+                                     "--namespace NS (repeatable) or --all-namespaces")
+    both = subprocess.run([sys.executable, "-m", "deepseek_pd.cli", "operator", "run", "--namespace", "a",
+                           "--all-namespaces"], capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
 def test_dockerfile_installs_every_mapped_package_and_the_pinned_torch():
     dockerfile = (ROOT / "Dockerfile").read_text()
     copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, flags=re.M))

@@ -66,6 +66,7 @@ BAD_SPECS = [
     ({"spec.model.source.huggingFace": {"id": "deepseek-ai/DeepSeek-V3"}}, "spec.model.source",
      "exactly one of"),
     ({"spec.decode.engineArgs": ["--tp=4"]}, "spec.decode.engineArgs", "must not set flags"),
+    ({"spec.prefill.engineArgs": ["--advertise-host=10.1.2.3"]}, "spec.prefill.engineArgs", "must not set flags"),
     ({"spec.sharedMemorySize": "lots"}, "spec.sharedMemorySize", "does not match"),
     ({"metadata.name": "a-very-long-deployment-name-that-will-not-fit"}, "metadata.name", "at most 40"),
     ({"spec.router.workerDiscovery": "Selector", "spec.decode.port": 31000}, "spec.decode.port",

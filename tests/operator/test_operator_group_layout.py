@@ -5,7 +5,9 @@ pods of a group are rendered, their `$(VAR)` arguments expanded from the pod's o
 kubelet does (pdtest.pod_inputs: LWS_WORKER_INDEX from the pod-index label, LWS_LEADER_ADDRESS), parsed by the real
 CLI parser and resolved by `resolve_serve_config`. The resulting `GroupLayout` must be the one the
 CR meant: tp x dp ranks over `size` nodes, `gpusPerPod` local ranks each, this pod's node rank,
-rank 0's rendezvous address, the CR's DeepEP mode and expert parallelism.
+rank 0's rendezvous address, the CR's DeepEP mode and expert parallelism; the address peers reach
+the pod at is its IP, and a prefill pod's bootstrap answers to its DNS name (the leader's is the
+one the router lists).
 
 The V3 pods ask for `--device cuda` and Mooncake over the listed RDMA devices; this machine has
 neither, so the test pretends to be such a node (8 GPUs, those HCAs) and uses V3's real
@@ -24,7 +26,7 @@ import yaml
 from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.operator import names
-from deepseek_pd.operator.build_workers import DIST_INIT_PORT, build_group_statefulset
+from deepseek_pd.operator.build_workers import DIST_INIT_PORT, POD_IP_ENV, build_group_statefulset
 from deepseek_pd.operator.spec import DeploymentSpec
 
 from pdtest.pod_inputs import container_env, expand
@@ -86,7 +88,14 @@ def test_every_rendered_pod_resolves_to_the_layout_the_cr_meant(example, v3_node
             flags = flags_from_args(parser.parse_args(argv))
             # The image's weights are not here: V3's config, or the generated tiny checkpoint.
             flags = _with_model(flags, v3_node if example == "deepseek-v3-h200.yaml" else "tiny")
-            layout = resolve_serve_config(flags).group
+            resolved = resolve_serve_config(flags)
+            layout = resolved.group
+            # Peers (a group's ranks, Mooncake, decode's identity) reach this pod at its IP.
+            assert resolved.worker.transport.advertise_host == env[POD_IP_ENV], argv
+            if role_name == "prefill":  # and decode dials the name the router lists: its DNS name
+                pod_dns = f"{statefulset['metadata']['name']}-{pod_index}.{statefulset['spec']['serviceName']}.llm.svc"
+                assert resolved.worker.bootstrap.aliases == (pod_dns,)
+                assert pod_index > 0 or pod_dns == leader
             par = role.parallelism
             assert (layout.tp, layout.dp, layout.ep) == (par.tp, par.dp, par.ep), argv
             assert layout.world == role.world_size and layout.local_ranks == max(role.gpus_per_pod, 1)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import pathlib
 import random
@@ -11,48 +10,14 @@ import uuid
 import pytest
 import yaml
 from leader_urls import leader_urls, router_flags, router_worker_urls
+from memory_api import MemoryApi
 
 from deepseek_pd.operator import names
-from deepseek_pd.operator.kube import ApiError
 from deepseek_pd.operator.reconcile import Reconciler
 
 pytestmark = pytest.mark.timeout(60)
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 LOG = logging.getLogger("test")
-
-
-class MemoryApi:
-    """Just enough of KubeClient: objects keyed by (kind, name); counts writes."""
-
-    def __init__(self, refuse_kind: str | None = None) -> None:
-        self.objects: dict[tuple[str, str], dict] = {}
-        self.writes: list[tuple[str, str, str]] = []
-        self.refuse_kind = refuse_kind
-
-    async def list(self, kind, namespace, labels):
-        return [copy.deepcopy(o) for (k, _), o in self.objects.items() if k == kind
-                and all(o["metadata"].get("labels", {}).get(a) == b for a, b in labels.items())]
-
-    async def get(self, kind, namespace, name):
-        obj = self.objects.get((kind, name))
-        return copy.deepcopy(obj) if obj is not None else None
-
-    async def create(self, manifest):
-        key = (manifest["kind"], manifest["metadata"]["name"])
-        if manifest["kind"] == self.refuse_kind:
-            raise ApiError(422, "Invalid", f"{manifest['kind']} refused by an admission webhook")
-        if key in self.objects:
-            raise ApiError(409, "AlreadyExists", "exists")
-        self.objects[key] = copy.deepcopy(manifest)
-        self.writes.append(("create", *key))
-
-    async def patch(self, kind, namespace, name, patch):
-        self.objects[(kind, name)].update(copy.deepcopy(patch))
-        self.writes.append(("patch", kind, name))
-
-    async def delete(self, kind, namespace, name):
-        self.writes.append(("delete", kind, name))
-        return self.objects.pop((kind, name), None) is not None
 
 
 def _body(example: str = "deepseek-v3-h200.yaml") -> dict:

@@ -1,0 +1,170 @@
+"""Hypothesis drives the DeepSeekDeployment spec (issue 11): whatever a user applies, the operator
+answers with children or a status condition (InvalidSpec, MemoryPlanFits), never an exception.
+
+Each example mutates one of examples/*.yaml (cr_mutations.py) and runs it through what the
+operator runs: the CRD's validation (schema + CEL, as the API server would), then one reconcile
+pass against an in-memory API (DeploymentSpec.parse, the memory plan, every builder, the
+planner), then a second pass over the status it wrote. Oracles:
+- validation never raises, and a spec it rejects gets InvalidSpec=True naming every bad field and
+  creates nothing;
+- a spec it accepts gets no exception, and every child passes the API server's validation (the
+  1.37 schemas, and names it would accept); a refused child (ApplyFailed) is allowed only when a
+  core object the CRD passes through untyped (affinity, NetworkPolicy peers and rules) is what
+  made it bad: without those, the same spec must be admitted whole.
+Inputs are fresh each run (no derandomize); a failure prints hypothesis' falsifying example and
+the blob that reproduces it (`@reproduce_failure`).
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import pathlib
+import re
+import uuid
+
+import kubernetes_validate
+import pytest
+import yaml
+from cr_mutations import mutated_cr
+from hypothesis import HealthCheck, given, settings
+from memory_api import MemoryApi
+
+from deepseek_pd.operator import names
+from deepseek_pd.operator.kube import ApiError
+from deepseek_pd.operator.reconcile import Reconciler
+from deepseek_pd.operator.validation import validate_object
+
+pytestmark = pytest.mark.timeout(600)
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+CR_EXAMPLES = sorted(p.name for p in EXAMPLES.glob("*.yaml")
+                     if yaml.safe_load(p.read_text()).get("kind") == names.KIND)
+K8S_VERSION = "1.37"
+LOG = logging.getLogger("cr-fuzz")
+LOG.disabled = True  # thousands of "invalid spec" lines would drown the falsifying example
+DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # pods' hostnames: 63 max
+DNS_1035_LABEL = re.compile(names.DNS_1035_LABEL)  # Services: 63 max
+FUZZ = settings(max_examples=150, deadline=None, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _example(name: str) -> dict:
+    return yaml.safe_load((EXAMPLES / name).read_text())
+
+
+# Core objects the CRD passes through untyped (x-kubernetes-preserve-unknown-fields): only the
+# API server's validation of the child that carries them can refuse a bad one.
+PASSTHROUGH = (("scheduling", "affinity"), ("metrics", "allowFrom"), ("networkPolicy", "additionalIngress"))
+
+
+def _admit(obj: dict) -> None:
+    """The API server's schema validation of a child: a refusal is its 422."""
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        raise ApiError(422, "Invalid", f"{obj['kind']} {obj['metadata']['name']}: {exc.message}") from None
+    name = obj["metadata"]["name"]
+    assert len(name) <= 253 and DNS_1123_LABEL.match(name.replace(".", "-")), name
+    if obj["kind"] in ("Service", "StatefulSet"):  # StatefulSet names become pod hostnames
+        assert len(name) <= 63 and DNS_1123_LABEL.match(name), (obj["kind"], name)
+    if obj["kind"] == "Service":
+        assert DNS_1035_LABEL.match(name), name
+
+
+def _reconcile(cr: dict, api: MemoryApi, status: dict | None = None) -> dict:
+    body = {**cr, "metadata": {**cr["metadata"], "namespace": "llm", "uid": "u-1", "generation": 3}}
+    if status is not None:
+        body["status"] = status
+    return asyncio.run(Reconciler(api).reconcile(body, LOG))
+
+
+def _without_passthrough(cr: dict) -> dict:
+    out = copy.deepcopy(cr)
+    for parent, key in PASSTHROUGH:
+        if isinstance(out["spec"].get(parent), dict):
+            out["spec"][parent].pop(key, None)
+    return out
+
+
+def check_operator_answers(cr: dict) -> None:
+    """The oracle: a status for every spec, children only for a valid one, children the API
+    server accepts unless a pass-through object is what it refuses."""
+    violations = validate_object(cr)
+    api = MemoryApi(admit=_admit)
+    status = _reconcile(cr, api)
+    conditions = {c["type"]: c for c in status["conditions"]}
+    invalid = conditions.get("InvalidSpec", {})
+    if violations:
+        assert invalid.get("status") == "True" and status["phase"] == "Failed", (violations, status)
+        assert all(v.field in invalid["message"] for v in violations), (violations, invalid)
+        assert api.writes == []
+        return
+    if invalid.get("status") == "True":  # a rule outside the CRD (the operator's own parse)
+        assert invalid["message"] and api.writes == []
+        return
+    if conditions.get("Degraded", {}).get("reason") == "ApplyFailed":
+        assert "Invalid" in conditions["Degraded"]["message"]
+        stripped = _without_passthrough(cr)
+        assert stripped != cr, f"a child of a spec the CRD accepts was refused: {conditions['Degraded']}"
+        check_operator_answers(stripped)
+        return
+    again = _reconcile(cr, api, status)  # the next resync sees its own children and status
+    assert again["phase"] == status["phase"] or again["phase"] in ("Pending", "Progressing")
+
+
+@pytest.mark.parametrize("example", CR_EXAMPLES)
+def test_examples_are_accepted_unchanged(example):
+    """The starting points are valid: mutations, not the examples, make a spec bad."""
+    cr = _example(example)
+    assert validate_object(cr) == []
+    check_operator_answers(cr)
+
+
+# What the fuzzing found, each as the example it failed on: (example, {dotted path: value}, words
+# of the InvalidSpec message the fix gives).
+FOUND = [
+    # A DNS-1123 subdomain the API server admits, but a Service named "0.0-router" it refuses.
+    ("cpu-minimal.yaml", {"metadata.name": "0.0"}, "must start with a lowercase letter"),
+    ("cpu-minimal.yaml", {"metadata.name": "7b"}, "must start with a lowercase letter"),
+    # A spec that is not an object (past a server without the schema): a TypeError in reconcile.
+    ("cpu-minimal.yaml", {"spec": 1}, "spec: 1 is not of type 'object'"),
+    ("cpu-minimal.yaml", {"spec": " "}, "spec: ' ' is not of type 'object'"),
+    # A toleration of the wrong shape (tolerations were passed through untyped): the API server
+    # refused the StatefulSet.
+    ("deepseek-v3-h200.yaml", {"spec.scheduling.tolerations.0.key": []},
+     "spec.scheduling.tolerations.0.key: [] is not of type 'string'"),
+    # An EnvVar without a name (env items were opaque): a KeyError in the pod builder.
+    ("cpu-minimal.yaml", {"spec.prefill.env": [{}]}, "spec.prefill.env.0: 'name' is a required property"),
+    ("cpu-minimal.yaml", {"spec.env": [{"value": "1"}]}, "spec.env.0: 'name' is a required property"),
+    ("cpu-minimal.yaml", {"spec.env": [{"name": "A", "value": 1}]}, "spec.env.0.value: 1 is not of type"),
+]
+
+
+def _set(obj: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        obj = obj[int(part) if isinstance(obj, list) else part]
+    obj[int(last) if isinstance(obj, list) else last] = value
+
+
+@pytest.mark.parametrize("example,change,words", FOUND, ids=[str(c) for _, c, _ in FOUND])
+def test_what_the_fuzzing_found_is_an_invalid_spec(example, change, words):
+    cr = _example(example)
+    for dotted, value in change.items():
+        _set(cr, dotted, value)
+    check_operator_answers(cr)
+    status = _reconcile(cr, MemoryApi())
+    invalid = next(c for c in status["conditions"] if c["type"] == "InvalidSpec")
+    assert invalid["status"] == "True" and words in invalid["message"], invalid
+
+
+@pytest.mark.parametrize("example", CR_EXAMPLES)
+def test_any_mutated_spec_gets_children_or_a_condition(example):
+    base = _example(example)
+
+    @FUZZ
+    @given(mutated_cr(base))
+    def run(cr: dict) -> None:
+        check_operator_answers(cr)
+
+    run()
