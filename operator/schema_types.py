@@ -121,8 +121,21 @@ def env_var(description: str) -> Schema:
     return obj(description, {
         "name": string("Variable name.", min_length=1),
         "value": string("Its value ($(VAR) references are expanded by the kubelet)."),
-        "valueFrom": opaque_object("A core EnvVarSource (secretKeyRef, fieldRef, ...)."),
+        "valueFrom": env_var_source("Where the value comes from (a core EnvVarSource)."),
     }, required=["name"])
+
+
+ENV_VAR_SOURCES = ("fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef")
+
+
+def env_var_source(description: str) -> Schema:
+    """A core EnvVarSource: exactly one of its four references, each passed through as written.
+    The pod's create refuses anything else, which would otherwise surface only as a failed apply
+    of the StatefulSet (an unknown key: the API server prunes it here, leaving none)."""
+    one_of = " || ".join(f"has(self.{name})" for name in ENV_VAR_SOURCES)
+    return obj(description, {name: opaque_object(f"A core {name[0].upper()}{name[1:]}.") for name in ENV_VAR_SOURCES},
+               rules=[{"rule": f"self.size() == 1 && ({one_of})",
+                       "message": f"valueFrom takes exactly one of {', '.join(ENV_VAR_SOURCES)}"}])
 
 
 def resource_requirements(description: str) -> Schema:

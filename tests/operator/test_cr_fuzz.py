@@ -137,6 +137,12 @@ FOUND = [
     ("cpu-minimal.yaml", {"spec.prefill.env": [{}]}, "spec.prefill.env.0: 'name' is a required property"),
     ("cpu-minimal.yaml", {"spec.env": [{"value": "1"}]}, "spec.env.0: 'name' is a required property"),
     ("cpu-minimal.yaml", {"spec.env": [{"name": "A", "value": 1}]}, "spec.env.0.value: 1 is not of type"),
+    # A valueFrom with no known reference (valueFrom was opaque): the API server refused the StatefulSet.
+    ("cpu-minimal.yaml", {"spec.env": [{"name": "A", "valueFrom": {"": None}}]}, "unknown field(s)"),
+    ("cpu-minimal.yaml", {"spec.decode.env": [{"name": "A", "valueFrom": {}}]}, "valueFrom takes exactly one of"),
+    ("cpu-minimal.yaml", {"spec.env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"},
+                                                                   "secretKeyRef": {"name": "s", "key": "k"}}}]},
+     "valueFrom takes exactly one of"),
 ]
 
 

@@ -83,7 +83,8 @@ def test_every_rendered_pod_resolves_to_the_layout_the_cr_meant(example, v3_node
         assert [pod["metadata"]["labels"][names.LABEL_POD_INDEX] for pod in pods] == [str(i) for i in range(role.size)]
         for pod_index, pod in enumerate(pods):
             container = pod["spec"]["containers"][0]
-            argv = [expand(arg, container_env(rendered, pod, container, {})) for arg in container["args"]]
+            env = container_env(rendered, pod, container, {})
+            argv = [expand(arg, env) for arg in container["args"]]
             assert not any(_VAR.search(arg) for arg in argv), argv  # the kubelet expands every one
             flags = flags_from_args(parser.parse_args(argv))
             # The image's weights are not here: V3's config, or the generated tiny checkpoint.
