@@ -1,7 +1,8 @@
 """The `deepseek-pd serve` flags of a role's `engineArgs` that change how much GPU memory a rank
 needs, with the workers' defaults for those not given.
 
-Read: `--dtype`, `--page-size`, `--num-pages`, `--max-total-tokens`, `--mem-fraction-static` and
+Read: `--dtype`, `--page-size`, `--num-pages`, `--max-total-tokens`, `--mem-fraction-static`,
+`--ep-num-redundant-experts` (EPLB's extra expert slots, each rank holding (E + R) / ep) and
 the engine options `fp8_backend`, `mem_headroom_gib`, `num_fused_shared_experts` (as
 `--engine-opt KEY=VALUE`, or `--engine-opt=KEY=VALUE`). Other flags are left to the worker. A
 value that does not parse raises `ValueError` naming the flag (the worker would refuse it too).
@@ -33,6 +34,7 @@ class MemoryFlags:
     fp8_backend: str = "auto"
     mem_headroom_gib: float = DEFAULT_MEM_HEADROOM_GIB
     num_fused_shared_experts: int = 0
+    ep_num_redundant_experts: int = 0
 
     @property
     def fixed_pool_tokens(self) -> int | None:
@@ -48,6 +50,7 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "--dtype": ("dtype", str), "--page-size": ("page_size", int), "--num-pages": ("num_pages", int),
     "--max-total-tokens": ("max_total_tokens", int),
     "--mem-fraction-static": ("mem_fraction_static", float),
+    "--ep-num-redundant-experts": ("ep_num_redundant_experts", int),
 }
 _OPTIONS: dict[str, Callable[[str], object]] = {
     "fp8_backend": str, "mem_headroom_gib": float, "num_fused_shared_experts": int,
@@ -94,6 +97,8 @@ def parse_memory_flags(args: Sequence[str]) -> MemoryFlags:
     if flags.page_size < 1 or not 0 < flags.mem_fraction_static <= 1 or flags.mem_headroom_gib < 0:
         raise ValueError("--page-size must be >= 1, --mem-fraction-static in (0, 1] and "
                          "mem_headroom_gib >= 0")
+    if flags.ep_num_redundant_experts < 0:
+        raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {flags.ep_num_redundant_experts}")
     for name in ("num_pages", "max_total_tokens"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
