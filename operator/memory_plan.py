@@ -12,7 +12,8 @@ what one rank must hold, and compares it with the budget the worker will size it
               (`--num-pages`, `--max-total-tokens`) its size, else at least one request of the
               model's whole context (max_position_embeddings), rounded up to pages.
     graphs    the activation and CUDA-graph headroom the worker keeps inside its budget
-              (`mem_headroom_gib`, 2 GiB by default).
+              (`mem_headroom_gib`; by default model/memory_headroom.py's rule: 2 GiB, in
+              proportion above a largest graph batch of 128 on a decode role).
     budget    mem_fraction_static (0.88 unless `--mem-fraction-static`) x the GPU's memory.
 
 The 12% outside the budget is the CUDA context, NCCL and DeepEP buffers. The split follows
@@ -40,6 +41,7 @@ from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
 from deepseek_pd.operator.memory_flags import DTYPE_BYTES, MemoryFlags, parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
+from deepseek_pd.workers.roles import role_defaults
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,16 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
     weights = rank_weights(config, WeightFormat(itemsize, block), role.parallelism.ep,
                            flags.num_fused_shared_experts, flags.ep_num_redundant_experts)
     per_token = config.num_hidden_layers * config.kv_cache_dim * itemsize
+    # A decode role captures CUDA graphs by default, except under attention TP (RunnerConfig.cuda_graph_blocker).
+    graphs_by_default = role_defaults(role.role).decodes and role.parallelism.tp == 1
     tokens = flags.fixed_pool_tokens
     fixed = tokens is not None
     if tokens is None:  # one request of the whole context, in whole pages
         tokens = -(-config.max_position_embeddings // flags.page_size) * flags.page_size
     return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
                       weights_bytes=weights.total_bytes, kv_tokens=tokens, fixed_pool=fixed,
-                      kv_bytes_per_token=per_token, reserve_bytes=int(flags.mem_headroom_gib * GIB),
+                      kv_bytes_per_token=per_token,
+                      reserve_bytes=int(flags.headroom_gib(graphs_by_default) * GIB),
                       budget_bytes=int(flags.mem_fraction_static * gpu.total_bytes))
 
 

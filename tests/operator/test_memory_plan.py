@@ -18,6 +18,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv_pool import bytes_per_pool_page
 from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC, pages_for_budget
 from deepseek_pd.model.runner import FP8_BACKEND_CHOICES, RunnerConfig
+from deepseek_pd.workers.common.worker_config import SchedulerConfig
 from deepseek_pd.operator import memory_flags
 from deepseek_pd.operator.gpu_types import GIB, gpu_memory, product_memory_bytes
 from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config, recognise
@@ -216,7 +217,8 @@ def test_redundant_experts_in_engine_args_add_their_weights_per_rank():
 
 def test_the_operators_defaults_are_the_workers():
     assert memory_flags.DEFAULT_MEM_FRACTION_STATIC == DEFAULT_MEM_FRACTION_STATIC
-    assert memory_flags.DEFAULT_MEM_HEADROOM_GIB == RunnerConfig.mem_headroom_gib
+    assert RunnerConfig.mem_headroom_gib is None  # both default to model/memory_headroom.py's rule
+    assert memory_flags.DEFAULT_MAX_RUNNING_REQUESTS == SchedulerConfig.max_running_requests
     assert memory_flags.DEFAULT_PAGE_SIZE == RunnerConfig.page_size
     assert set(memory_flags.FP8_BACKENDS) == set(FP8_BACKEND_CHOICES)
 
