@@ -37,3 +37,12 @@ def hf_token() -> str | None:
     """HF_TOKEN: the Hugging Face token `deepseek-pd download` sends (in a pod, from the Secret
     named by model.source.huggingFace.tokenSecret); None when unset or empty."""
     return _get("HF_TOKEN", "").strip() or None
+
+
+INTERNAL_SECRET_FILE = "DEEPSEEK_PD_INTERNAL_SECRET_FILE"
+
+
+def internal_secret_file() -> str | None:
+    """DEEPSEEK_PD_INTERNAL_SECRET_FILE: the deployment secret's file when `serve` has no
+    --internal-secret-file (the operator's pods set it to the mounted Secret); None when unset or empty."""
+    return _get(INTERNAL_SECRET_FILE, "").strip() or None

@@ -38,6 +38,7 @@ from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
                                              decode_capturable)
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
+from deepseek_pd.model.memory_headroom import default_headroom_gib
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
@@ -94,7 +95,8 @@ class RunnerConfig:
     # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv_pool_sizing.py).
     num_pages: int | None = DEFAULT_NUM_PAGES
     mem_fraction_static: float | None = None
-    mem_headroom_gib: float = 2.0  # activations and CUDA graphs, inside the budget
+    # activations and CUDA graphs, inside the budget; None: `headroom_gib`'s default for the graphs
+    mem_headroom_gib: float | None = None
     attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
     mha_chunked_kv_threshold: int = 256
     prefix_chunk_size: int = 8192
@@ -168,7 +170,7 @@ class RunnerConfig:
         if (self.num_pages is None) == (self.mem_fraction_static is None):
             raise UserError("size the KV pool by num_pages or by mem_fraction_static (with num_pages=None), "
                             f"not {'both' if self.num_pages is not None else 'neither'}")
-        if self.mem_headroom_gib < 0:
+        if self.mem_headroom_gib is not None and self.mem_headroom_gib < 0:
             raise UserError(f"mem_headroom_gib must be >= 0, got {self.mem_headroom_gib}")
         if self.mem_fraction_static is None:
             return
@@ -236,6 +238,14 @@ class RunnerConfig:
 
     def dispatch_config(self) -> DispatchConfig:
         return DispatchConfig(DispatchMode.parse(self.dispatch_mode), self.low_latency_max_tokens)
+
+    @property
+    def headroom_gib(self) -> float:
+        """`mem_headroom_gib`, else the default for the largest batch this config captures
+        (model/memory_headroom.py: 2 GiB up to a graph batch of 128, in proportion above)."""
+        if self.mem_headroom_gib is not None:
+            return self.mem_headroom_gib
+        return default_headroom_gib(self.cuda_graph_max_batch if self.cuda_graph else 0)
 
     def cuda_graph_config(self) -> CudaGraphConfig:
         return CudaGraphConfig(max_batch=self.cuda_graph_max_batch, max_context=self.cuda_graph_max_context)
@@ -339,7 +349,7 @@ class ModelRunner:
             per_page = bytes_per_pool_page(model_config.num_hidden_layers, self.config.page_size,
                                            model_config.kv_cache_dim, options.dtype)
             num_pages = pages_for_gpu(GpuMemory.measure(options.device), self.config.mem_fraction_static,
-                                      int(self.config.mem_headroom_gib * GIB), per_page,
+                                      int(self.config.headroom_gib * GIB), per_page,
                                       min_pages=2 if self.config.cuda_graph else 1)  # + the graphs' scratch page
         self.kv_pool = KVPool(model_config.num_hidden_layers, num_pages, self.config.page_size,
                               model_config.kv_cache_dim, dtype=options.dtype, device=options.device)

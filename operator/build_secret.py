@@ -10,13 +10,14 @@ import base64
 import secrets
 from typing import Any
 
+from deepseek_pd import env
 from deepseek_pd.operator import names
 
 SECRET_KEY = "internal.secret"
 # Not under /etc/deepseek-pd: that is the read-only ConfigMap mount, and the runtime cannot create
 # a mount point inside it.
 MOUNT_DIR = "/var/run/secrets/deepseek-pd"
-SECRET_FILE_ENV = "DEEPSEEK_PD_INTERNAL_SECRET_FILE"  # = internal_auth.SECRET_FILE_ENV
+SECRET_FILE_ENV = env.INTERNAL_SECRET_FILE  # what `serve` reads when it has no --internal-secret-file
 
 
 def internal_secret_name(deployment: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import model_pod_parts
+from deepseek_pd.operator.build_eplb import eplb_pod_parts
 from deepseek_pd.operator.build_metrics import scrape_annotations, worker_metrics_args, worker_metrics_ports
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.worker_security import secure_worker_pod, security_args
@@ -91,7 +92,7 @@ def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
     if role.size > 1:
         args += ["--nnodes", str(role.size), "--node-rank", "$(LWS_WORKER_INDEX)",
                  "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{DIST_INIT_PORT}"]
-    return args + security_args(spec, role) + list(role.engine_args)
+    return args + eplb_pod_parts(role).args + security_args(spec, role) + list(role.engine_args)
 
 
 def kv_protocol_args(spec: DeploymentSpec) -> list[str]:
@@ -187,8 +188,9 @@ def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revisio
         {"name": "worker-config", "configMap": {"name": names.config_map_name(spec.name, role.role)}},
     ]
     model = model_pod_parts(spec, role)  # the model volume and its download/check init container
-    volumes += model.volumes
-    container["volumeMounts"] += model.worker_mounts
+    eplb = eplb_pod_parts(role)  # the role's static expert placement, if it names one
+    volumes += model.volumes + eplb.volumes
+    container["volumeMounts"] += model.worker_mounts + eplb.mounts
     pod_spec: dict[str, Any] = {
         "initContainers": model.init_containers,
         "containers": [container],

@@ -65,6 +65,28 @@ def _parallelism() -> Schema:
     }, default={})
 
 
+# The rule Kubernetes applies to ConfigMap names (a DNS subdomain) and keys.
+_DNS_SUBDOMAIN = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_CONFIG_MAP_KEY = "^[-._a-zA-Z0-9]+$"
+
+
+def _eplb() -> Schema:
+    return obj("Expert-parallel load balancing (docs/operations.md, EPLB).", {
+        "initExpertLocation": obj(
+            "A static expert placement (`deepseek-pd eplb plan` output) kept under a key of a "
+            "ConfigMap in the deployment's namespace: mounted read-only into every worker pod of "
+            "the role and passed as --init-expert-location. Workers read it when their group "
+            "starts: an edited ConfigMap takes effect as groups restart (rename the ConfigMap or "
+            "the key to roll every group). Redundant experts: --ep-num-redundant-experts in "
+            "engineArgs, matching the file.", {
+                "configMapName": string("The ConfigMap's name.", min_length=1, max_length=253,
+                                        pattern=_DNS_SUBDOMAIN),
+                "key": string("The key holding the placement JSON.", min_length=1, max_length=253,
+                              pattern=_CONFIG_MAP_KEY),
+            }, required=["configMapName", "key"]),
+    })
+
+
 def role_schema(role: str) -> Schema:
     """Prefill and decode share one shape; names follow LeaderWorkerSet where they overlap."""
     return obj(
@@ -92,6 +114,7 @@ def role_schema(role: str) -> Schema:
                 "How long a pod may take to load weights before the startup probe fails it.",
                 minimum=60, maximum=86400, default=3600),
             "rolloutStrategy": _rollout_strategy(),
+            "eplb": _eplb(),
             "restartPolicy": string(
                 "RecreateGroupOnPodRestart: a failed or restarted pod recreates its whole group "
                 "(ranks of one model replica live and die together). None: leave the group alone.",
@@ -111,6 +134,10 @@ def role_schema(role: str) -> Schema:
                  "over every rank of the group)", ".parallelism.ep"),
             rule("self.deepepMode in ['none', 'auto'] || self.gpusPerPod > 0",
                  "deepepMode normal/low_latency needs GPUs (gpusPerPod > 0)", ".deepepMode"),
+            rule("!has(self.eplb) || !has(self.eplb.initExpertLocation) || "
+                 "self.engineArgs.all(a, !a.matches('^--init-expert-location(=.*)?$'))",
+                 "eplb.initExpertLocation and --init-expert-location in engineArgs name two placements: "
+                 "keep one", ".eplb.initExpertLocation"),
             rule(f"self.engineArgs.all(a, !a.matches('{_MANAGED_FLAG_REGEX}'))",
                  "engineArgs must not set flags the operator manages: --"
                  + ", --".join(MANAGED_FLAGS), ".engineArgs"),

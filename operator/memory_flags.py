@@ -1,8 +1,11 @@
 """The `deepseek-pd serve` flags of a role's `engineArgs` that change how much GPU memory a rank
 needs, with the workers' defaults for those not given.
 
-Read: `--dtype`, `--page-size`, `--num-pages`, `--max-total-tokens`, `--mem-fraction-static` and
-the engine options `fp8_backend`, `mem_headroom_gib`, `num_fused_shared_experts` (as
+Read: `--dtype`, `--page-size`, `--num-pages`, `--max-total-tokens`, `--mem-fraction-static`,
+`--ep-num-redundant-experts` (EPLB's extra expert slots, each rank holding (E + R) / ep) and
+the engine options `fp8_backend`, `mem_headroom_gib`, `num_fused_shared_experts`, and for the
+headroom's default (model/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`,
+`max_running_requests`, `record_expert_load` and the switch `--enable-tbo` (as
 `--engine-opt KEY=VALUE`, or `--engine-opt=KEY=VALUE`). Other flags are left to the worker. A
 value that does not parse raises `ValueError` naming the flag (the worker would refuse it too).
 
@@ -15,11 +18,12 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
+from deepseek_pd.model.memory_headroom import default_headroom_gib
 
 # The workers' defaults; tests/operator/test_memory_plan.py checks them against the worker code
 # (model/kv_pool_sizing.py, model/runner.py), which the operator does not import (it needs torch).
 DEFAULT_MEM_FRACTION_STATIC = 0.88
-DEFAULT_MEM_HEADROOM_GIB = 2.0
+DEFAULT_MAX_RUNNING_REQUESTS = 128  # the decode batch cap, which the largest graph batch follows
 DEFAULT_PAGE_SIZE = 16
 FP8_BACKENDS = ("auto", "dequant", "torch", "triton")
 
@@ -32,8 +36,27 @@ class MemoryFlags:
     max_total_tokens: int | None = None
     mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
     fp8_backend: str = "auto"
-    mem_headroom_gib: float = DEFAULT_MEM_HEADROOM_GIB
+    mem_headroom_gib: float | None = None  # None: the default for the role's graphs (headroom_gib)
     num_fused_shared_experts: int = 0
+    ep_num_redundant_experts: int = 0
+    cuda_graph: bool | None = None  # None: the role's default
+    cuda_graph_max_batch: int | None = None  # None: max_running_requests
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    record_expert_load: bool = False
+    enable_tbo: bool = False
+
+    def headroom_gib(self, graphs_by_default: bool) -> float:
+        """The worker's headroom: `mem_headroom_gib`, else the default for its largest graph batch
+        (`RunnerConfig.headroom_gib`). `graphs_by_default`: the role captures graphs unless told
+        not to (a decode role without attention TP); TBO and expert-load recording keep them off,
+        as `RunnerConfig.cuda_graph_blocker` does. Backends the image decides (DeepEP) are assumed
+        capturable: the plan errs towards the larger headroom."""
+        if self.mem_headroom_gib is not None:
+            return self.mem_headroom_gib
+        capturable = not (self.enable_tbo or self.record_expert_load)
+        graphs = capturable and (graphs_by_default if self.cuda_graph is None else self.cuda_graph)
+        batch = self.cuda_graph_max_batch if self.cuda_graph_max_batch is not None else self.max_running_requests
+        return default_headroom_gib(batch if graphs else 0)
 
     @property
     def fixed_pool_tokens(self) -> int | None:
@@ -49,10 +72,21 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "--dtype": ("dtype", str), "--page-size": ("page_size", int), "--num-pages": ("num_pages", int),
     "--max-total-tokens": ("max_total_tokens", int),
     "--mem-fraction-static": ("mem_fraction_static", float),
+    "--ep-num-redundant-experts": ("ep_num_redundant_experts", int),
 }
+def _bool(raw: str) -> bool:
+    """As `--engine-opt` parses a bool (workers/engine_options.py)."""
+    if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(raw)
+    return raw.lower() in ("true", "1", "yes")
+
+
 _OPTIONS: dict[str, Callable[[str], object]] = {
     "fp8_backend": str, "mem_headroom_gib": float, "num_fused_shared_experts": int,
+    "cuda_graph": _bool, "cuda_graph_max_batch": int, "max_running_requests": int,
+    "record_expert_load": _bool,
 }
+_SWITCHES = {"--enable-tbo": "enable_tbo"}  # flags without a value
 
 
 def _pairs(args: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -71,7 +105,7 @@ def _pairs(args: Sequence[str]) -> list[tuple[str, str | None]]:
 
 def parse_memory_flags(args: Sequence[str]) -> MemoryFlags:
     """The memory-relevant flags of `args` over the worker defaults; ValueError on a bad value."""
-    fields: dict[str, object] = {}
+    fields: dict[str, object] = {name: True for flag, name in _SWITCHES.items() if flag in args}
     for flag, value in _pairs(args):
         if value is None:
             raise ValueError(f"{flag} needs a value")
@@ -92,9 +126,15 @@ def parse_memory_flags(args: Sequence[str]) -> MemoryFlags:
     if flags.fp8_backend not in FP8_BACKENDS:
         raise ValueError(f"--engine-opt fp8_backend={flags.fp8_backend!r} is not one of "
                          f"{', '.join(FP8_BACKENDS)}")
-    if flags.page_size < 1 or not 0 < flags.mem_fraction_static <= 1 or flags.mem_headroom_gib < 0:
+    if (flags.page_size < 1 or not 0 < flags.mem_fraction_static <= 1
+            or (flags.mem_headroom_gib is not None and flags.mem_headroom_gib < 0)):
         raise ValueError("--page-size must be >= 1, --mem-fraction-static in (0, 1] and "
                          "mem_headroom_gib >= 0")
+    for name in ("cuda_graph_max_batch", "max_running_requests"):
+        if getattr(flags, name) is not None and getattr(flags, name) < 1:
+            raise ValueError(f"--engine-opt {name} must be >= 1")
+    if flags.ep_num_redundant_experts < 0:
+        raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {flags.ep_num_redundant_experts}")
     for name in ("num_pages", "max_total_tokens"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -6,12 +6,14 @@ what one rank must hold, and compares it with the budget the worker will size it
 
     weights   weight_bytes.rank_weights: FP8 checkpoints stay FP8 (1 byte + a fp32 scale per
               128x128 block) unless engineArgs has `--engine-opt fp8_backend=dequant`; otherwise
-              the model dtype (`--dtype`, auto: bf16). Routed experts / ep, the rest replicated.
+              the model dtype (`--dtype`, auto: bf16). Routed expert slots (the experts plus
+              `--ep-num-redundant-experts`) / ep, the rest replicated.
     KV        (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token, for a fixed pool
               (`--num-pages`, `--max-total-tokens`) its size, else at least one request of the
               model's whole context (max_position_embeddings), rounded up to pages.
     graphs    the activation and CUDA-graph headroom the worker keeps inside its budget
-              (`mem_headroom_gib`, 2 GiB by default).
+              (`mem_headroom_gib`; by default model/memory_headroom.py's rule: 2 GiB, in
+              proportion above a largest graph batch of 128 on a decode role).
     budget    mem_fraction_static (0.88 unless `--mem-fraction-static`) x the GPU's memory.
 
 The 12% outside the budget is the CUDA context, NCCL and DeepEP buffers. The split follows
@@ -26,7 +28,7 @@ the same on one node (EP8) with `fp8_backend=dequant` needs 184.3 GiB of bf16 we
 
 Verdicts: True/Fits, True/NotApplicable (no role on GPUs), Unknown/ModelUnknown or GpuUnknown
 (nothing to plan with: the workers start, unchecked), False/DoesNotFit, False/InvalidLayout (ep
-does not divide the routed experts), False/InvalidEngineArgs (a memory flag the worker would
+does not divide the routed experts plus the redundant ones), False/InvalidEngineArgs (a memory flag the worker would
 refuse). Only False stops the operator from creating children.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
 from deepseek_pd.operator.memory_flags import DTYPE_BYTES, MemoryFlags, parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
+from deepseek_pd.workers.roles import role_defaults
 
 
 @dataclass(frozen=True)
@@ -118,15 +121,18 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
     fp8 = config.is_fp8 and flags.fp8_backend != "dequant"
     block = tuple(config.quantization["weight_block_size"]) if fp8 else None
     weights = rank_weights(config, WeightFormat(itemsize, block), role.parallelism.ep,
-                           flags.num_fused_shared_experts)
+                           flags.num_fused_shared_experts, flags.ep_num_redundant_experts)
     per_token = config.kv_bytes_per_token(dtype)
+    # A decode role captures CUDA graphs by default, except under attention TP (RunnerConfig.cuda_graph_blocker).
+    graphs_by_default = role_defaults(role.role).decodes and role.parallelism.tp == 1
     tokens = flags.fixed_pool_tokens
     fixed = tokens is not None
     if tokens is None:  # one request of the whole context, in whole pages
         tokens = -(-config.max_position_embeddings // flags.page_size) * flags.page_size
     return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
                       weights_bytes=weights.total_bytes, kv_tokens=tokens, fixed_pool=fixed,
-                      kv_bytes_per_token=per_token, reserve_bytes=int(flags.mem_headroom_gib * GIB),
+                      kv_bytes_per_token=per_token,
+                      reserve_bytes=int(flags.headroom_gib(graphs_by_default) * GIB),
                       budget_bytes=int(flags.mem_fraction_static * gpu.total_bytes))
 
 
@@ -149,15 +155,14 @@ def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = No
     config = model[1] if model else known_models.model_config(name)
     ranks = []
     for role in roles:
-        if config.n_routed_experts % role.parallelism.ep:
-            return MemoryVerdict(False, "InvalidLayout", (
-                f"{role.role}.parallelism.ep {role.parallelism.ep} does not divide {name}'s "
-                f"{config.n_routed_experts} routed experts"))
         try:
             flags = parse_memory_flags(role.engine_args)
         except ValueError as exc:
             return MemoryVerdict(False, "InvalidEngineArgs", f"{role.role}.engineArgs: {exc}")
-        ranks.append(rank_memory(role, config, flags, gpu))
+        try:
+            ranks.append(rank_memory(role, config, flags, gpu))
+        except ValueError as exc:  # the experts (and replicas) do not split evenly over the ranks
+            return MemoryVerdict(False, "InvalidLayout", f"{role.role}.parallelism: {name}: {exc}")
     fits = all(r.fits for r in ranks)
     message = (f"{name} on {gpu.name} ({_gib(gpu.total_bytes)} per GPU, from {gpu.source}): "
                + "; ".join(r.describe() for r in ranks))

@@ -71,6 +71,14 @@ def _resolve(value: int | str, replicas: int, rounding) -> int:
 
 
 @dataclass(frozen=True)
+class ConfigMapKey:
+    """One key of a ConfigMap in the deployment's namespace (e.g. eplb.initExpertLocation)."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class RoleSpec:
     """One role (prefill or decode). `world_size` ranks per group, one process per GPU."""
 
@@ -88,6 +96,7 @@ class RoleSpec:
     startup_timeout_seconds: int
     rollout: RolloutStrategy
     recreate_group_on_restart: bool
+    expert_location: ConfigMapKey | None = None  # eplb.initExpertLocation (operator/build_eplb.py)
 
     @property
     def world_size(self) -> int:
@@ -113,7 +122,12 @@ class RoleSpec:
             rollout=RolloutStrategy(raw["rolloutStrategy"]["maxSurge"],
                                     raw["rolloutStrategy"]["maxUnavailable"]),
             recreate_group_on_restart=raw["restartPolicy"] == "RecreateGroupOnPodRestart",
+            expert_location=_config_map_key(raw.get("eplb", {}).get("initExpertLocation")),
         )
+
+
+def _config_map_key(raw: dict[str, Any] | None) -> ConfigMapKey | None:
+    return None if raw is None else ConfigMapKey(raw["configMapName"], raw["key"])
 
 
 @dataclass(frozen=True)

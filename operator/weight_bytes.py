@@ -11,7 +11,8 @@ This mirrors what `model/deepseek.py` allocates (and so what a rank has resident
         dense layers (first_k_dense_replace)       gate_up [2I, H] + down [H, I]
         MoE layers                                 fp32 router [E, H] (+ fp32 bias for noaux_tc),
                                                    shared experts [2 x mi x n_shared, H] + down
-    this rank's routed experts (E / ep of them):   w13 [2 mi, H] + w2 [H, mi] each
+    this rank's routed expert slots ((E + R) / ep): w13 [2 mi, H] + w2 [H, mi] each, R being
+                                                   EPLB's redundant experts (`--ep-num-redundant-experts`)
 
 The MTP layers (`num_nextn_predict_layers`) are not loaded. Linear weights are FP8 when the
 checkpoint is and the workers keep it (`--engine-opt fp8_backend` not `dequant`): 1 byte per value
@@ -104,10 +105,16 @@ def _experts(t: _Tally, c: ModelConfig, count: int) -> None:
 
 
 def rank_weights(config: ModelConfig, fmt: WeightFormat, ep_size: int = 1,
-                 fused_shared_experts: int = 0) -> RankWeights:
+                 fused_shared_experts: int = 0, redundant_experts: int = 0) -> RankWeights:
     """The weights of one rank whose group spreads the routed experts over `ep_size` ranks
     (1: every rank holds them all). `fused_shared_experts` (0 or n_shared_experts) stacks the
-    shared experts with the routed ones, as `--engine-opt num_fused_shared_experts` does."""
+    shared experts with the routed ones, as `--engine-opt num_fused_shared_experts` does.
+    `redundant_experts` (R) adds EPLB's replica slots: E + R slots per MoE layer, (E + R) / ep
+    per rank (model/parallel.py `ExpertPlacement`); ValueError when ep does not divide E + R."""
+    slots = config.n_routed_experts + redundant_experts
+    if slots % ep_size:
+        raise ValueError(f"ep {ep_size} does not divide the {config.n_routed_experts} routed experts"
+                         + (f" + {redundant_experts} redundant ones" if redundant_experts else ""))
     c = config
     shared, experts = _Tally(fmt), _Tally(fmt)
     shared.plain(c.vocab_size * c.hidden_size)  # embed_tokens
@@ -128,5 +135,5 @@ def rank_weights(config: ModelConfig, fmt: WeightFormat, ep_size: int = 1,
             _experts(shared, c, fused_shared_experts)
         elif c.n_shared_experts:
             _gated_mlp(shared, c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
-        _experts(experts, c, c.n_routed_experts // ep_size)
+        _experts(experts, c, slots // ep_size)
     return RankWeights(shared.bytes, experts.bytes, shared.params + experts.params)

@@ -51,13 +51,16 @@ class Credit(_message.Message):
     def __init__(self, received_seq: _Optional[int] = ...) -> None: ...
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "room", "decode_rid", "num_tokens", "page_ids", "layout", "grpc", "mooncake", "fake", "auth")
+    __slots__ = ("protocol_version", "room", "decode_rid", "num_tokens", "page_ids", "layout", "prefill_dp_rank", "prefill_dp_size", "decode_dp_rank", "grpc", "mooncake", "fake", "auth")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     DECODE_RID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_DP_RANK_FIELD_NUMBER: _ClassVar[int]
     GRPC_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_FIELD_NUMBER: _ClassVar[int]
     FAKE_FIELD_NUMBER: _ClassVar[int]
@@ -68,11 +71,14 @@ class Handshake(_message.Message):
     num_tokens: int
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     layout: KVLayout
+    prefill_dp_rank: int
+    prefill_dp_size: int
+    decode_dp_rank: int
     grpc: GrpcDestination
     mooncake: MooncakeDestination
     fake: FakeDestination
     auth: AuthToken
-    def __init__(self, protocol_version: _Optional[int] = ..., room: _Optional[int] = ..., decode_rid: _Optional[str] = ..., num_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., grpc: _Optional[_Union[GrpcDestination, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakeDestination, _Mapping]] = ..., fake: _Optional[_Union[FakeDestination, _Mapping]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., room: _Optional[int] = ..., decode_rid: _Optional[str] = ..., num_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., prefill_dp_rank: _Optional[int] = ..., prefill_dp_size: _Optional[int] = ..., decode_dp_rank: _Optional[int] = ..., grpc: _Optional[_Union[GrpcDestination, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakeDestination, _Mapping]] = ..., fake: _Optional[_Union[FakeDestination, _Mapping]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class AuthToken(_message.Message):
     __slots__ = ("timestamp_ms", "nonce", "sender", "receiver", "challenge", "mac")

@@ -12,6 +12,7 @@ Example: `--engine-opt handshake_timeout_s=5 --engine-opt max_running_requests=3
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Iterable, Mapping
 
 from deepseek_pd.errors import UserError
@@ -42,20 +43,27 @@ def assign_engine_options(raw: Mapping[str, str], targets: Mapping[str, type],
         if owner is None:
             valid = sorted(k for fields in fields_of.values() for k in fields)
             raise UserError(f"unknown --engine-opt {key!r}; valid keys: {', '.join(valid)}")
-        assigned[owner][key] = _parse(value, getattr(targets[owner](), key), key)
+        default = getattr(targets[owner](), key)
+        kind = type(default) if default is not None else _optional_type(targets[owner], key)
+        assigned[owner][key] = _parse(value, kind, key)
     return assigned
 
 
-def _parse(raw: str, default: Any, key: str) -> Any:
+def _optional_type(cls: type, key: str) -> type:
+    """X of a field annotated `X | None` (its default None says nothing about how to parse it)."""
+    hint = typing.get_type_hints(cls)[key]
+    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return args[0] if len(args) == 1 else str
+
+
+def _parse(raw: str, kind: type, key: str) -> Any:
     try:
-        if isinstance(default, bool):
+        if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(raw)
             return raw.lower() in ("true", "1", "yes")
-        if isinstance(default, int):
-            return int(raw)
-        if isinstance(default, float):
-            return float(raw)
+        if kind in (int, float):
+            return kind(raw)
     except ValueError as exc:
-        raise UserError(f"--engine-opt {key}={raw!r}: expected a {type(default).__name__}") from exc
+        raise UserError(f"--engine-opt {key}={raw!r}: expected a {kind.__name__}") from exc
     return raw

@@ -69,9 +69,11 @@ def rank_config(config: ServeConfig, rank: int) -> ServeConfig:
     runner = config.runner
     if is_cuda(runner.device):
         runner = dataclasses.replace(runner, device=f"cuda:{local_rank}")
-    worker = config.worker
-    if rank > 0:  # rank 0 keeps --port and --bootstrap-port; the others' addresses are exchanged
-        worker = dataclasses.replace(worker, bootstrap=dataclasses.replace(worker.bootstrap, port=0))
+    # Its DP rank: the rooms whose KV it holds (bootstrap_routes.py); rank 0 keeps --port and
+    # --bootstrap-port, the others' addresses are exchanged.
+    bootstrap = dataclasses.replace(config.worker.bootstrap, dp_rank=layout.dp_rank_of(rank), dp_size=layout.dp,
+                                    port=config.worker.bootstrap.port if rank == 0 else 0)
+    worker = dataclasses.replace(config.worker, bootstrap=bootstrap)
     return dataclasses.replace(config, runner=runner, worker=worker)
 
 

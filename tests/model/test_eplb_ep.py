@@ -19,6 +19,7 @@ import torch
 
 from deepseek_pd.model.tiny import make_tiny_model
 from eplb_worker import run_rank
+from pdtest.eplb_placement import random_placement
 
 REL_TOL = 1e-5
 
@@ -27,16 +28,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def random_placement(rng: random.Random, num_logical: int, redundant: int, num_layers: int) -> list[list[int]]:
-    """Per layer: every expert once plus `redundant` random extra replicas, in random slots."""
-    rows = []
-    for _ in range(num_layers):
-        row = list(range(num_logical)) + [rng.randrange(num_logical) for _ in range(redundant)]
-        rng.shuffle(row)
-        rows.append(row)
-    return rows
 
 
 @pytest.mark.slow

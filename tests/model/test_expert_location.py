@@ -20,7 +20,7 @@ from deepseek_pd.model.loader import iter_checkpoint_tensors
 from deepseek_pd.model.model_dir import resolve_model_dir
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
 from deepseek_pd.workers.serve_resolution import ParallelFlags, ServeFlags, resolve_serve_config
-from test_eplb_ep import random_placement
+from pdtest.eplb_placement import random_placement
 
 pytestmark = pytest.mark.timeout(120)
 PAGE = 4

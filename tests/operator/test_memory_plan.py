@@ -18,6 +18,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv_pool import bytes_per_pool_page
 from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC, pages_for_budget
 from deepseek_pd.model.runner import FP8_BACKEND_CHOICES, RunnerConfig
+from deepseek_pd.workers.common.worker_config import SchedulerConfig
 from deepseek_pd.operator import memory_flags
 from deepseek_pd.operator.gpu_types import GIB, gpu_memory, product_memory_bytes
 from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config, recognise
@@ -192,9 +193,32 @@ def test_flags_are_read_in_both_spellings_and_others_ignored():
             parse_memory_flags(bad)
 
 
+def test_redundant_experts_in_engine_args_add_their_weights_per_rank():
+    """`--ep-num-redundant-experts R` (either spelling) adds R / ep expert slots to each rank's
+    weights, against the slots the built model holds (tests/operator/test_weight_bytes.py); an ep
+    that does not divide E + R is an invalid layout, a negative R an invalid flag."""
+    raw = _example("deepseek-v3-h200.yaml")
+    ep = raw["prefill"]["parallelism"]["ep"]
+    redundant = ep * random.randint(1, 4)
+    base = _plan(raw).ranks[0]
+    spelling = random.choice([[f"--ep-num-redundant-experts={redundant}"], ["--ep-num-redundant-experts", str(redundant)]])
+    raw["prefill"]["engineArgs"] = list(raw["prefill"].get("engineArgs") or []) + spelling
+    more = _plan(raw).ranks[0]
+    experts = rank_weights(model_config("DeepSeek-V3"), WeightFormat(2, (128, 128)), ep).expert_bytes
+    assert more.weights_bytes - base.weights_bytes == experts * redundant // 256
+    assert f"{more.weights_bytes / GIB:.1f} GiB" in _plan(raw).message
+    raw["prefill"]["engineArgs"][-1] = spelling[-1].replace(str(redundant), str(redundant + 1))
+    verdict = _plan(raw)
+    assert (verdict.status, verdict.reason) == (False, "InvalidLayout")
+    assert f"{redundant + 1} redundant" in verdict.message
+    raw["prefill"]["engineArgs"] = ["--ep-num-redundant-experts=-1"]
+    assert _plan(raw).reason == "InvalidEngineArgs"
+
+
 def test_the_operators_defaults_are_the_workers():
     assert memory_flags.DEFAULT_MEM_FRACTION_STATIC == DEFAULT_MEM_FRACTION_STATIC
-    assert memory_flags.DEFAULT_MEM_HEADROOM_GIB == RunnerConfig.mem_headroom_gib
+    assert RunnerConfig.mem_headroom_gib is None  # both default to model/memory_headroom.py's rule
+    assert memory_flags.DEFAULT_MAX_RUNNING_REQUESTS == SchedulerConfig.max_running_requests
     assert memory_flags.DEFAULT_PAGE_SIZE == RunnerConfig.page_size
     assert set(memory_flags.FP8_BACKENDS) == set(FP8_BACKEND_CHOICES)
 

@@ -27,6 +27,8 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_workers import DIST_INIT_PORT, POD_IP_ENV, build_group_statefulset
+from deepseek_pd.operator.gpu_types import GIB
+from deepseek_pd.operator.memory_plan import plan_memory
 from deepseek_pd.operator.spec import DeploymentSpec
 
 from pdtest.pod_inputs import container_env, expand
@@ -128,3 +130,35 @@ def _with_model(flags, model_dir: pathlib.Path | str):
 
     return dataclasses.replace(flags, model=str(model_dir))
 
+
+
+@pytest.mark.parametrize("role_name", names.ROLES)
+def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3_node) -> None:
+    """The plan's graph headroom (operator/memory_flags.py) equals `RunnerConfig.headroom_gib` of
+    the rendered pod as `serve` resolves it, for random flags that size or stop the graphs. Experts
+    are replicated (ep 1, the `local` dispatcher) so that nothing the image decides blocks graphs:
+    with ep > 1 this node has no deep_ep, whose low-latency mode the plan assumes capturable."""
+    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+
+    rng = random.Random()
+    raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())["spec"]
+    raw["model"].pop("numRoutedExperts")  # ep 1 divides it anyway; keep the spec minimal
+    role = raw[role_name]
+    role.update(size=1, parallelism={"tp": rng.choice([1, 1, 2]), "ep": 1}, engineArgs=rng.sample(
+        [f"--engine-opt=max_running_requests={rng.choice([64, 128, 256, 512])}",
+         f"--engine-opt=cuda_graph_max_batch={rng.choice([32, 160, 384])}", "--engine-opt=cuda_graph=false",
+         "--enable-tbo", "--engine-opt=record_expert_load=true", "--engine-opt=mem_headroom_gib=3.5"],
+        rng.randint(0, 3)))
+    if role["parallelism"]["tp"] > 1 and "--enable-tbo" in role["engineArgs"]:
+        role["engineArgs"].remove("--enable-tbo")  # serve refuses TBO with attention TP
+    spec = DeploymentSpec.parse("demo", "llm", raw)
+    rendered = RenderedDeployment(spec, pod_ip="10.0.3.7")
+    group = names.group_selector(spec.name, role_name, 0)
+    pod = next(pod for pod in rendered.pods() if group.items() <= pod["metadata"]["labels"].items())
+    container = pod["spec"]["containers"][0]
+    argv = [expand(arg, container_env(rendered, pod, container, {})) for arg in container["args"]]
+    runner = resolve_serve_config(_with_model(flags_from_args(build_parser().parse_args(argv)), v3_node)).runner
+    planned = next(r for r in plan_memory(spec).ranks if r.role == role_name)
+    assert planned.reserve_bytes == int(runner.headroom_gib * GIB), (role["engineArgs"], role["parallelism"], runner)
+    if role_name == "decode" and role["parallelism"]["tp"] == 1 and not role["engineArgs"]:
+        assert runner.cuda_graph  # the case whose headroom grows with the graph batch is exercised

@@ -18,6 +18,7 @@ import transformers
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
+from deepseek_pd.model.eplb.expert_location import resolve_expert_location
 from deepseek_pd.model.parallel import ParallelInfo
 from deepseek_pd.model.tiny import tiny_config
 from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config
@@ -71,36 +72,48 @@ def _held_bytes(module: torch.nn.Module) -> tuple[int, int]:
     return total, values
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(10))
 def test_rank_weights_equal_what_the_built_model_holds(case):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     raw = _random_config(rng)
     config = ModelConfig.from_hf(raw)
-    ep = rng.choice([e for e in (1, 2, 4) if config.n_routed_experts % e == 0])
+    # EPLB's redundant experts (half the cases): E + R slots, which ep must divide (E need not)
+    redundant = rng.choice([0, rng.randint(1, 6)])
+    ep = rng.choice([e for e in (1, 2, 4) if (config.n_routed_experts + redundant) % e == 0])
     fp8 = config.is_fp8 and rng.random() < 0.8
     fused = rng.choice([0, config.n_shared_experts])
     itemsize = rng.choice([2, 4])
+    location = resolve_expert_location(config, ep, redundant, None)
     with _fake_world(ep, rng.randrange(ep)) as parallel:
         model = DeepseekForCausalLM(config, BuildOptions(
             dtype=DTYPES[itemsize], device="meta", dispatcher="local" if ep == 1 else "all_to_all",
-            parallel=parallel, fp8_backend="torch" if fp8 else None, num_fused_shared_experts=fused))
+            parallel=parallel, fp8_backend="torch" if fp8 else None, num_fused_shared_experts=fused,
+            expert_location=location))
     expected_bytes, expected_values = _held_bytes(model)
 
     block = tuple(config.quantization["weight_block_size"]) if fp8 else None
-    plan = rank_weights(config, WeightFormat(itemsize, block), ep, fused)
-    what = f"seed {seed}: ep {ep}, fp8 {fp8}, fused {fused}, dtype bytes {itemsize}, config {raw}"
+    plan = rank_weights(config, WeightFormat(itemsize, block), ep, fused, redundant)
+    what = (f"seed {seed}: ep {ep}, redundant {redundant}, fp8 {fp8}, fused {fused}, dtype bytes {itemsize}, "
+            f"config {raw}")
     assert plan.total_bytes == expected_bytes, what
     assert plan.parameters == expected_values, what
 
 
 def test_experts_split_over_ranks_and_the_rest_is_replicated():
-    """Doubling ep halves the experts' share and leaves the rest alone (V3 in FP8)."""
+    """Doubling ep halves the experts' share and leaves the rest alone (V3 in FP8); R redundant
+    experts add R / ep expert slots per rank, and an ep that does not divide E + R is refused."""
     config = model_config("DeepSeek-V3")
     fmt = WeightFormat(2, (128, 128))
     one, eight, sixteen = (rank_weights(config, fmt, ep) for ep in (1, 8, 16))
     assert one.replicated_bytes == eight.replicated_bytes == sixteen.replicated_bytes
     assert one.expert_bytes == 8 * eight.expert_bytes == 16 * sixteen.expert_bytes
+    redundant = 16 * random.randint(1, 4)
+    more = rank_weights(config, fmt, 16, redundant_experts=redundant)
+    assert more.replicated_bytes == sixteen.replicated_bytes
+    assert more.expert_bytes * 256 == sixteen.expert_bytes * (256 + redundant)
+    with pytest.raises(ValueError, match="redundant"):
+        rank_weights(config, fmt, 16, redundant_experts=redundant + 1)
 
 
 def _hf_model(name: str) -> torch.nn.Module:

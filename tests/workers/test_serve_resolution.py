@@ -133,6 +133,13 @@ def test_the_largest_cuda_graph_follows_the_decode_batch_cap(gpu_machine, tmp_pa
                          "--engine-opt", f"cuda_graph_max_batch={below}")
     assert pinned.runner.cuda_graph_max_batch == below  # an explicit value wins, with a warning
     assert f"batches above {below} run without CUDA graphs" in caplog.text
+    # The headroom grows with the largest graph (model/memory_headroom.py), unless given or no graphs
+    assert default.runner.headroom_gib == 2.0 and raised.runner.headroom_gib == 2.0 * cap / 128
+    given = round(random.uniform(0.5, 9), 2)
+    assert resolve("decode", "--model", str(model), "--engine-opt", f"max_running_requests={cap}",
+                   "--engine-opt", f"mem_headroom_gib={given}").runner.headroom_gib == given
+    assert resolve("decode", "--model", str(model), "--engine-opt", f"max_running_requests={cap}",
+                   "--engine-opt", "cuda_graph=false").runner.headroom_gib == 2.0
 
 
 def test_fp8_checkpoint_runs_in_bf16_on_gpu(gpu_machine, tmp_path) -> None:
@@ -147,6 +154,7 @@ def test_bad_flags_are_user_errors(cpu_machine, tmp_path) -> None:
         (["--engine-opt", "no_such_knob=1"], "valid keys"),
         (["--engine-opt", "page_size=4"], "unknown --engine-opt 'page_size'"),  # a flag, not an option
         (["--engine-opt", "max_running_requests=many"], "expected a int"),
+        (["--engine-opt", "mem_headroom_gib=lots"], "expected a float"),  # an `X | None` field
         (["--engine-opt", "novalue"], "KEY=VALUE"),
         (["--dp", "2", "--ep", "3"], "spread over all 2 ranks"),
         (["--dp", "4", "--nnodes", "2"], "needs --dist-init-addr"),

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from deepseek_pd import env
 from deepseek_pd.errors import UserError
 from deepseek_pd.private_file import write_private_file
 from deepseek_pd.proto import bootstrap_pb2 as pb
@@ -45,7 +46,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 log = logging.getLogger(__name__)
 
 SECRET_BYTES = 32
-SECRET_FILE_ENV = "DEEPSEEK_PD_INTERNAL_SECRET_FILE"
+SECRET_FILE_ENV = env.INTERNAL_SECRET_FILE
 _PROCESS_SECRET = secrets.token_bytes(SECRET_BYTES)
 
 
@@ -190,7 +191,7 @@ def create_secret_file(path: str | Path) -> Path:
 
 def resolve_auth(secret_file: str | None, insecure: bool) -> InternalAuth:
     """`serve`'s rule: a secret file (flag, else $DEEPSEEK_PD_INTERNAL_SECRET_FILE), or --insecure-internal."""
-    secret_file = secret_file or os.environ.get(SECRET_FILE_ENV) or None
+    secret_file = secret_file or env.internal_secret_file()
     if insecure:
         if secret_file:
             raise UserError("--insecure-internal and an internal secret file contradict each other; pass one")

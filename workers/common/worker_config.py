@@ -32,6 +32,10 @@ class BootstrapConfig:
     # prefill: names besides host/advertise_host that decode may dial the bootstrap at, and so
     # name in its tokens (a pod's DNS name through its group's headless Service).
     aliases: tuple[str, ...] = ()
+    # This engine's DP rank in its worker group, of `dp_size` (bootstrap_routes.py): a prefill rank
+    # refuses the handshake of a room that is not its own; a decode rank names itself in its handshakes.
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout_s", "claim_timeout_s", "transfer_timeout_s", "retry_initial_s",
@@ -42,6 +46,8 @@ class BootstrapConfig:
             raise UserError(f"bootstrap port {self.port} is not a TCP port")
         if self.event_queue_depth < 1:
             raise UserError(f"event_queue_depth must be >= 1, got {self.event_queue_depth}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise UserError(f"bootstrap DP rank {self.dp_rank} is not a rank of a group of {self.dp_size}")
 
 
 @dataclass(frozen=True)

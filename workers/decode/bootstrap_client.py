@@ -163,13 +163,17 @@ class BootstrapClient:
                                     f"prefill bootstrap {address} unreachable for "
                                     f"{self.config.handshake_timeout_s}s: {last_error}")
             try:  # the prefill rank that holds this room (the named address itself for one rank)
-                endpoint = await self.routes.endpoint(self._channel(*origin), *origin, params.bootstrap_room)
+                route = await self.routes.route(self._channel(*origin), *origin, params.bootstrap_room)
             except RouteUnavailable as exc:
                 last_error = f"route table: {exc}"
                 await asyncio.sleep(min(backoff, max(give_up - time.monotonic(), 0)))
                 backoff = min(backoff * 2, self.config.retry_max_s)
                 continue
+            endpoint = route.address
             address = target(*endpoint)
+            # The ranks this room goes between: the prefill rank refuses one that is not its own.
+            handshake.prefill_dp_rank, handshake.prefill_dp_size = route.dp_rank, route.dp_size
+            handshake.decode_dp_rank = self.config.dp_rank
             call = _BootstrapStub(self._channel(*endpoint)).Transfer(timeout=max(deadline - time.monotonic(), 0.001))
             # A fresh token per attempt: the prefill side refuses a nonce it has seen.
             self.config.auth.sign(handshake, "handshake", self.identity, address)
@@ -294,7 +298,8 @@ class BootstrapClient:
         except TransferError:
             return  # never a connection to an address that is not a registered prefill worker
         origin = (params.bootstrap_host, params.bootstrap_port)
-        endpoint = self.routes.cached(*origin, params.bootstrap_room, any_age=True) or origin  # the room's rank, if known
+        route = self.routes.cached(*origin, params.bootstrap_room, any_age=True)
+        endpoint = route.address if route is not None else origin  # the room's rank, if known
         message = pb.AbortRoom(room=params.bootstrap_room, reason=reason)
         self.config.auth.sign(message, "abort", self.identity, target(*endpoint))
         try:

@@ -5,7 +5,7 @@ ranks keeps each request's KV on DP rank `room % dp` (workers/common/bootstrap_r
 each rank has its own bootstrap endpoint. As SGLang's decode side does, we ask the named
 address for the group's table (`Bootstrap.Route`), cache it, and dial the room's rank:
 
-    host, port = await routes.endpoint(channel, "10.0.0.5", 8998, room)
+    route = await routes.route(channel, "10.0.0.5", 8998, room)  # route.address, route.dp_rank
 
 - The request is signed with the deployment secret and the reply must be signed back, bound to
   the request's nonce: an endpoint is dialled only if the deployment's prefill worker named it
@@ -24,7 +24,7 @@ import grpc
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import target
-from deepseek_pd.workers.common.bootstrap_routes import RouteTable
+from deepseek_pd.workers.common.bootstrap_routes import RankRoute, RouteTable
 from deepseek_pd.workers.common.internal_auth import AuthError, InternalAuth
 from deepseek_pd.workers.common.kv_transfer.base import TransferError
 
@@ -49,21 +49,21 @@ class PrefillRoutes:
         self.timeout_s = timeout_s
         self._tables: dict[tuple[str, int], _Cached] = {}
 
-    def cached(self, host: str, port: int, room: int, any_age: bool = False) -> tuple[str, int] | None:
+    def cached(self, host: str, port: int, room: int, any_age: bool = False) -> RankRoute | None:
         """The room's rank from the cached table (fresh only, unless `any_age`), or None."""
         entry = self._tables.get((host, port))
         if entry is None or (not any_age and time.monotonic() - entry.fetched_at > self.ttl_s):
             return None
-        return entry.table.endpoint_for(room, (host, port))
+        return entry.table.route_for(room, (host, port))
 
-    async def endpoint(self, channel: grpc.aio.Channel, host: str, port: int, room: int) -> tuple[str, int]:
-        """(host, port) of the prefill rank holding `room`; raises RouteUnavailable or TransferError."""
+    async def route(self, channel: grpc.aio.Channel, host: str, port: int, room: int) -> RankRoute:
+        """The prefill rank holding `room`; raises RouteUnavailable or TransferError."""
         hit = self.cached(host, port, room)
         if hit is not None:
             return hit
         table = await self._fetch(channel, host, port)
         self._tables[(host, port)] = _Cached(table, time.monotonic())
-        return table.endpoint_for(room, (host, port))
+        return table.route_for(room, (host, port))
 
     def invalidate(self, host: str, port: int) -> None:
         self._tables.pop((host, port), None)

@@ -17,6 +17,9 @@ Authentication (workers/common/internal_auth.py): a Handshake, KVStreamOpen, Abo
 RouteRequest without a valid token of the deployment secret, addressed to this worker, fresh and
 never seen before, is refused with UNAUTHENTICATED before any room is looked up, so a peer without
 the secret can neither read a room's KV nor abort it, nor learn whether a room exists. The ack and the TransferDone are signed back, bound to the handshake's nonce.
+
+DP ranks (workers/common/bootstrap_routes.py): the handshake of a room that belongs to another DP
+rank of this group is refused at once with FAILED_PRECONDITION, naming both ranks.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION, code_to_pb, kv_stream_count
-from deepseek_pd.workers.common.bootstrap_routes import RouteTable
+from deepseek_pd.workers.common.bootstrap_routes import RouteTable, misroute_reason
 from deepseek_pd.workers.common.internal_auth import AuthError, ReplayGuard
 from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
 from deepseek_pd.workers.common.request_failure import TransferError
@@ -85,6 +88,10 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                       f"prefill {PROTOCOL_VERSION}")
             if room is not None:
                 room.mark_peer_gone(FailureCode.INTERNAL, reason)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        reason = misroute_reason(request.room, self.registry.config.dp_rank, self.registry.config.dp_size, request)
+        if reason is not None:
+            log.warning("refused the handshake of room %d from %s: %s", request.room, context.peer(), reason)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
         try:
             room = self.registry.attach(request)

@@ -45,10 +45,11 @@ def test_rooms_route_to_their_dp_rank_and_rank_zero_is_the_dialled_address() -> 
         try:
             for _ in range(20):
                 room = rng.randrange(2**31)
-                got = await routes.endpoint(channel, "127.0.0.1", server.port, room)
-                rank = table.ranks[dp_rank_for_room(room, table.dp_size)]
+                got = await routes.route(channel, "127.0.0.1", server.port, room)
+                dp_rank = dp_rank_for_room(room, table.dp_size)
+                rank = table.ranks[dp_rank]
                 want = ("127.0.0.1", server.port) if rank.host == "" else (rank.host, rank.port)
-                assert got == want
+                assert (got.address, got.dp_rank, got.dp_size) == (want, dp_rank, table.dp_size)
         finally:
             await channel.close()
             await server.stop(0)
@@ -64,11 +65,11 @@ def test_a_reply_signed_with_another_secret_is_refused_and_a_forming_group_is_re
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         try:
             with pytest.raises(TransferError, match="route request|not this deployment"):
-                await PrefillRoutes(InternalAuth(secrets.token_bytes(32)), "decode@test").endpoint(
+                await PrefillRoutes(InternalAuth(secrets.token_bytes(32)), "decode@test").route(
                     channel, "127.0.0.1", server.port, 1)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{forming.port}") as other:
                 with pytest.raises(RouteUnavailable):
-                    await PrefillRoutes(insecure, "decode@test").endpoint(other, "127.0.0.1", forming.port, 1)
+                    await PrefillRoutes(insecure, "decode@test").route(other, "127.0.0.1", forming.port, 1)
         finally:
             await channel.close()
             await server.stop(0)
