@@ -93,7 +93,8 @@ class Deployment:
 def installed_release(control_plane, kube, kubelet, workdir: pathlib.Path, release: str, operator_ns: str,
                       namespace: str, *helm_args: str) -> Iterator[Deployment]:
     """`helm install <release> charts/` into `operator_ns` (waiting for the operator), and
-    `namespace` created for the resources; uninstalled, and the namespace deleted, on exit."""
+    `namespace` created for the resources; on exit its resources deleted, the namespace too, and
+    the release uninstalled."""
     root = pathlib.Path(__file__).resolve().parents[2]
     out = run_tool("bash", root / "scripts" / "fetch_k8s_tools.sh", timeout=170)
     tools = pathlib.Path(out.stdout.strip().splitlines()[-1])
@@ -107,5 +108,8 @@ def installed_release(control_plane, kube, kubelet, workdir: pathlib.Path, relea
     try:
         yield dep
     finally:
+        # The resources go while their operator runs: its finalizer would keep them otherwise.
+        dep.kubectl_run("delete", "deepseekdeployments", "--all", "-n", namespace, "--wait=true",
+                        "--timeout=120s", check=False)
         dep.kubectl_run("delete", "namespace", namespace, "--wait=false", check=False)
         run_tool(dep.helm, "uninstall", release, *helm, check=False)
