@@ -92,3 +92,22 @@ def process_kubelet(control_plane, admin_kube, tmp_path_factory):
         yield kubelet
     finally:
         stop()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> pathlib.Path:
+    """The hostPath the examples mount at /models: the tiny checkpoint, written by the CLI."""
+    from e2e_deployment import run_tool
+
+    directory = tmp_path_factory.mktemp("models")
+    run_tool(pathlib.Path(sys.executable).parent / "deepseek-pd", "make-tiny-model", directory / "tiny")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def offline_engine(models):
+    """The single-process engine whose greedy tokens the router must give (e2e page/chunk sizes)."""
+    from deepseek_pd.model.engine import Engine
+    from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE
+
+    return Engine(model=str(models / "tiny"), chunked_prefill_size=CHUNKED_PREFILL_SIZE, page_size=PAGE_SIZE)

@@ -6,12 +6,16 @@ the admin kubeconfig and the applied DeepSeekDeployment, plus `run_tool` for the
         .wait_phase(phase, where)   status.phase reached for the current generation
         .router_url()               the router Service's ready endpoint
         .diagnose()                 CR status, every pod, the tail of every container log
+    installed_release(...)          `helm install` of charts/ as a context manager: the Deployment,
+                                    with its namespace created; uninstalled on exit
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import subprocess
+from collections.abc import Iterator
 
 import pytest
 
@@ -32,21 +36,23 @@ def run_tool(*argv, check: bool = True, timeout: float = 240) -> subprocess.Comp
 class Deployment:
     """The session's cluster as the tests see it: tools, kubeconfig, the applied CR."""
 
-    def __init__(self, kube, kubelet, tools: pathlib.Path, kubeconfig: pathlib.Path, workdir: pathlib.Path):
+    def __init__(self, kube, kubelet, tools: pathlib.Path, kubeconfig: pathlib.Path, workdir: pathlib.Path,
+                 namespace: str = NS):
         self.kube, self.kubelet, self.workdir = kube, kubelet, workdir
         self.helm, self.kubectl = tools / "helm" / "helm", tools / "kubectl" / "kubectl"
         self.kubeconfig = kubeconfig
+        self.namespace = namespace  # where the DeepSeekDeployments go
         self.name = "tiny"
 
     def kubectl_run(self, *args, check: bool = True) -> subprocess.CompletedProcess:
         return run_tool(self.kubectl, f"--kubeconfig={self.kubeconfig}", *args, check=check)
 
     def cr(self) -> dict | None:
-        return self.kube.get(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{self.name}")
+        return self.kube.get(f"{CR_API}/namespaces/{self.namespace}/deepseekdeployments/{self.name}")
 
     def pods(self, selector: str = "") -> list[dict]:
         selector = selector or f"deepseek-pd.io/deployment={self.name}"
-        return self.kube.list(f"/api/v1/namespaces/{NS}/pods", labelSelector=selector)
+        return self.kube.list(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector)
 
     def diagnose(self) -> str:
         """Everything a failed wait needs: CR status, pods, the tail of every container log."""
@@ -71,7 +77,7 @@ class Deployment:
     def router_url(self) -> str:
         """The router Service's ready endpoint (what kube-proxy would send to)."""
         def endpoint():
-            slices = self.kube.list(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices",
+            slices = self.kube.list(f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices",
                                     labelSelector=f"kubernetes.io/service-name={self.name}-router")
             for slice_ in slices:
                 # By name: the Service also has the gateway's metrics port, in no promised order.
@@ -81,3 +87,30 @@ class Deployment:
                         return f"http://{ep['addresses'][0]}:{port}"
             return None
         return wait_until(endpoint, 60, "router Service has no ready endpoint", self.diagnose)
+
+
+@contextlib.contextmanager
+def installed_release(control_plane, kube, kubelet, workdir: pathlib.Path, release: str, operator_ns: str,
+                      namespace: str, *helm_args: str) -> Iterator[Deployment]:
+    """`helm install <release> charts/` into `operator_ns` (waiting for the operator), and
+    `namespace` created for the resources; on exit its resources deleted, the namespace too, and
+    the release uninstalled."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = run_tool("bash", root / "scripts" / "fetch_k8s_tools.sh", timeout=170)
+    tools = pathlib.Path(out.stdout.strip().splitlines()[-1])
+    kubeconfig = control_plane.admin.kubeconfig(workdir / "admin.kubeconfig", "admin")
+    dep = Deployment(kube, kubelet, tools, kubeconfig, workdir, namespace)
+    helm = (f"--kubeconfig={kubeconfig}", "--namespace", operator_ns)
+    # The operator watches `namespace` only (the chart's default RBAC is a Role there), so it exists first.
+    dep.kubectl_run("create", "namespace", namespace)
+    run_tool(dep.helm, "install", release, root / "charts", *helm, "--create-namespace",
+             "--set", f"operator.watchNamespaces={{{namespace}}}", *helm_args, "--wait", "--timeout", "180s")
+    wait_until(lambda: kube.get(f"/api/v1/namespaces/{namespace}/serviceaccounts/default"), 30, "no default SA")
+    try:
+        yield dep
+    finally:
+        # The resources go while their operator runs: its finalizer would keep them otherwise.
+        dep.kubectl_run("delete", "deepseekdeployments", "--all", "-n", namespace, "--wait=true",
+                        "--timeout=120s", check=False)
+        dep.kubectl_run("delete", "namespace", namespace, "--wait=false", check=False)
+        run_tool(dep.helm, "uninstall", release, *helm, check=False)

@@ -20,20 +20,19 @@ under <basetemp>/kubelet0/pods/<uid>/logs; pass --basetemp, other runs rotate /t
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
 import pathlib
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import aiohttp
 import pytest
 import yaml
 from e2e_deployment import CR_API, NS, OPS, Deployment, run_tool
+from e2e_example import apply as _apply, example as _example
+from e2e_example import greedy_through_router as _greedy_through_router
 from pdtest.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -56,116 +55,6 @@ def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
     yield dep
     dep.kubectl_run("delete", "namespace", NS, "--wait=false", check=False)
     run_tool(dep.helm, "uninstall", "deepseek", "--namespace", OPS, f"--kubeconfig={kubeconfig}", check=False)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> pathlib.Path:
-    """The hostPath the example mounts at /models: the tiny checkpoint, written by the CLI."""
-    directory = tmp_path_factory.mktemp("models")
-    run_tool(pathlib.Path(sys.executable).parent / "deepseek-pd", "make-tiny-model", directory / "tiny")
-    return directory
-
-
-@pytest.fixture(scope="module")
-def offline_engine(models):
-    from deepseek_pd.model.engine import Engine
-    from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE
-
-    return Engine(model=str(models / "tiny"), chunked_prefill_size=CHUNKED_PREFILL_SIZE, page_size=PAGE_SIZE)
-
-
-def _example(models: pathlib.Path) -> dict:
-    """examples/cpu-minimal.yaml with its hostPath pointed at `models` and the e2e engine flags
-    (small pages and chunks, as the offline engine uses them)."""
-    from pdtest.e2e_cluster import WORKER_ARGS
-
-    cr = yaml.safe_load((ROOT / "examples" / "cpu-minimal.yaml").read_text())
-    cr["spec"]["model"]["source"]["hostPath"]["path"] = str(models)
-    for role in ("prefill", "decode"):
-        cr["spec"][role]["engineArgs"] = list(WORKER_ARGS)
-    if not _operator_renders(cr, "decode", "--prefill-peers"):
-        # Until the operator renders decode's --prefill-peers, decode refuses every bootstrap
-        # address that is not loopback (workers/decode/prefill_peers.py): list the leader.
-        from deepseek_pd.operator import names
-        leader = names.leader_address(cr["metadata"]["name"], "prefill", 0, NS)
-        cr["spec"]["decode"]["engineArgs"].append(f"--prefill-peers={leader}:8998")
-    if not _operator_mounts_internal_secret(cr):
-        # Until the operator mounts the deployment secret itself, every worker reads one file
-        # (pods share the host's /tmp): prefill and decode must hold the same HMAC key.
-        from deepseek_pd.workers.common.internal_auth import SECRET_FILE_ENV
-        cr["spec"]["env"] = [{"name": SECRET_FILE_ENV, "value": os.environ[SECRET_FILE_ENV]}]
-    return cr
-
-
-def _parsed(cr: dict):
-    from deepseek_pd.operator.spec import DeploymentSpec
-
-    try:
-        return DeploymentSpec.parse(cr["metadata"]["name"], NS, copy.deepcopy(cr["spec"]))
-    except Exception:  # noqa: BLE001 (the raw example lacks defaults the apiserver fills in)
-        return None
-
-
-def _operator_renders(cr: dict, role: str, flag: str) -> bool:
-    """Whether the operator's own `serve` arguments for `role` carry `flag`."""
-    from deepseek_pd.operator.build_workers import build_worker_args
-
-    spec = _parsed(cr)
-    return spec is not None and any(a.split("=")[0] == flag for a in build_worker_args(spec, spec.role(role)))
-
-
-def _operator_mounts_internal_secret(cr: dict) -> bool:
-    from deepseek_pd.operator.build_workers import build_pod_template
-    from deepseek_pd.workers.common.internal_auth import SECRET_FILE_ENV
-
-    spec = _parsed(cr)
-    if spec is None:
-        return False
-    template = build_pod_template(spec, spec.decode, 0, spec.role_revision("decode"))
-    return any(e["name"] == SECRET_FILE_ENV for e in template["spec"]["containers"][0].get("env") or [])
-
-
-def _apply(dep: Deployment, obj: dict, check: bool = True) -> subprocess.CompletedProcess:
-    path = dep.workdir / f"{obj['metadata']['name']}-{random.randrange(10**6)}.yaml"
-    path.write_text(yaml.safe_dump(obj))
-    return dep.kubectl_run("apply", "-n", NS, "-f", path, check=check)
-
-
-def _greedy_through_router(dep: Deployment, engine, count: int = 3, max_new: int = 8,
-                           recover_s: float = 0.0) -> None:
-    """Streamed /generate requests through the router's Service equal the offline engine.
-    `recover_s`: for this long the first request may be refused (503/504) while the gateway's
-    health checks re-admit a replaced worker; every answer it gives must still be right."""
-    from deepseek_pd.client.router_http import RouterClient, RouterError
-    from deepseek_pd.model.sampling_params import SamplingParams
-
-    rng = random.Random()
-    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(3, 70))] for _ in range(count)]
-    expected = [list(engine.generate(p, SamplingParams(max_new_tokens=max_new, temperature=0.0)).output_ids)
-                for p in prompts]
-    url = dep.router_url()
-
-    async def main():
-        async with RouterClient(url, "tiny", timeout_s=120) as client:
-            deadline = time.monotonic() + recover_s
-            while True:
-                try:
-                    await client.generate(input_ids=prompts[0], max_new_tokens=1, temperature=0.0)
-                    break
-                except RouterError as exc:
-                    if exc.status not in (503, 504) or time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(1.0)
-            for prompt, want in zip(prompts, expected):
-                got = await client.generate(input_ids=prompt, stream=True, max_new_tokens=max_new, temperature=0.0)
-                assert got.output_ids == want, (len(prompt), got.output_ids, want)
-
-    try:
-        asyncio.run(main())
-    except Exception as exc:  # noqa: BLE001 (the failure is reported with the pods' logs)
-        if os.environ.get("K8SE2E_HOLD"):
-            time.sleep(float(os.environ["K8SE2E_HOLD"]))
-        pytest.fail(f"request through the router failed: {exc!r}\n{dep.diagnose()}")
 
 
 def test_helm_install_runs_the_operator_as_the_charts_service_account(deployment):
