@@ -132,10 +132,12 @@ def env_var_source(description: str) -> Schema:
     """A core EnvVarSource: exactly one of its four references, each passed through as written.
     The pod's create refuses anything else, which would otherwise surface only as a failed apply
     of the StatefulSet (an unknown key: the API server prunes it here, leaving none)."""
-    one_of = " || ".join(f"has(self.{name})" for name in ENV_VAR_SOURCES)
-    return obj(description, {name: opaque_object(f"A core {name[0].upper()}{name[1:]}.") for name in ENV_VAR_SOURCES},
-               rules=[{"rule": f"self.size() == 1 && ({one_of})",
+    # CEL has no size() of an object with declared properties: maxProperties bounds the count.
+    node = obj(description, {name: opaque_object(f"A core {name[0].upper()}{name[1:]}.") for name in ENV_VAR_SOURCES},
+               rules=[{"rule": " || ".join(f"has(self.{name})" for name in ENV_VAR_SOURCES),
                        "message": f"valueFrom takes exactly one of {', '.join(ENV_VAR_SOURCES)}"}])
+    node["maxProperties"] = 1
+    return node
 
 
 def resource_requirements(description: str) -> Schema:

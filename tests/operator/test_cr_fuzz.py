@@ -142,7 +142,7 @@ FOUND = [
     ("cpu-minimal.yaml", {"spec.decode.env": [{"name": "A", "valueFrom": {}}]}, "valueFrom takes exactly one of"),
     ("cpu-minimal.yaml", {"spec.env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"},
                                                                    "secretKeyRef": {"name": "s", "key": "k"}}}]},
-     "valueFrom takes exactly one of"),
+     "has too many properties"),
 ]
 
 
