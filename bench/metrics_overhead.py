@@ -1,8 +1,9 @@
 """What the workers' Prometheus metrics cost, against one decode step measured in the same run.
 
 The engines call `WorkerMetrics.observe_step` once per step for the whole batch and the servicer
-`observe_request` once per request (workers/common/metrics.py), so the per-token cost is zero by
-construction; this prints the per-call costs and one scrape (`generate_latest`, gauges read from a
+`observe_request` once per request (workers/common/metrics.py); the decode engine's
+`observe_inter_token_latency` takes a step's gaps (one per row) in one call, next to what
+prometheus_client's `Histogram.observe` would cost for the same rows one at a time. This prints the per-call costs and one scrape (`generate_latest`, gauges read from a
 `Loads` source) next to a decode step of the model runner at the given batch, as ratios.
 
     python bench/metrics_overhead.py                          # tiny model, CPU, batch 8
@@ -14,10 +15,10 @@ import argparse
 import statistics
 import time
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from deepseek_pd.workers.common.api import Loads
-from deepseek_pd.workers.common.metrics import MetricLabels, WorkerMetrics
+from deepseek_pd.workers.common.metrics import ITL_BUCKETS, MetricLabels, WorkerMetrics
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -71,9 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     metrics.watch_loads(lambda: Loads(args.batch, 3, 1000, 4096, {"cached_pages": 10}))
     metrics.watch_decode_paths(lambda: {"cuda_graph": 10, "eager": 1})
     step = decode_step_us(args.model, args.device, args.dtype, args.batch, args.context, args.steps)
+    gaps = [0.001 * (1 + i % 40) for i in range(args.batch)]
+    one_by_one = Histogram("itl", "", buckets=ITL_BUCKETS, registry=CollectorRegistry())
+
+    def per_value() -> None:
+        for gap in gaps:
+            one_by_one.observe(gap)
     rows = [
         ("observe_step (once per step)", per_call_us(lambda: metrics.observe_step("decode", 0.01, args.batch,
                                                                                   args.batch), args.calls)),
+        (f"observe_inter_token_latency ({args.batch} gaps/step)", per_call_us(
+            lambda: metrics.observe_inter_token_latency(gaps), args.calls // 10)),
+        (f"  vs Histogram.observe x {args.batch}", per_call_us(per_value, args.calls // 10)),
         ("observe_request (once per request)", per_call_us(lambda: metrics.observe_request(
             "length", 100, 20, 0, 0.1, 0.5), args.calls)),
         ("observe_kv_transfer (once per request)", per_call_us(lambda: metrics.observe_kv_transfer(
@@ -82,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(f"decode step: {args.model} on {args.device} ({args.dtype}), batch {args.batch}, "
           f"context {args.context}: {step:.0f} us (median of {args.steps - 1})")
-    print(f"{'call':<42} {'us/call':>9} {'x decode step':>14}")
+    print(f"{'call':<44} {'us/call':>9} {'x decode step':>14}")
     for name, us in rows:
-        print(f"{name:<42} {us:>9.2f} {us / step:>14.5f}")
+        print(f"{name:<44} {us:>9.2f} {us / step:>14.5f}")
     return 0
 
 

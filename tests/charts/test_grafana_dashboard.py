@@ -35,6 +35,8 @@ def _exported() -> dict[str, set[str]]:
     metrics.observe_prefix_cache(4, 2)
     metrics.observe_kv_transfer("grpc", 10, 0.1)
     metrics.count_kv_transfer_failure("grpc", "unavailable")
+    metrics.observe_inter_token_latency([0.01, 0.02])
+    metrics.count_handshake_failure("unauthenticated")
     names: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
         for sample in family.samples:
@@ -51,6 +53,8 @@ def test_every_query_names_exported_series_and_labels():
     exported = _exported()
     queries = _queries()
     assert len(queries) >= 10
+    for wanted in ("inter_token_latency_seconds_bucket", "bootstrap_handshake_failures_total"):
+        assert any("deepseek_pd:" + wanted in expr for expr in queries), f"no panel charts {wanted}"
     for expr in queries:
         for name, matchers in re.findall(r"(deepseek_pd:[a-z_]+)\{([^}]*)\}", expr):
             assert name in exported, f"{name} is not exported (query {expr!r})"

@@ -94,6 +94,8 @@ def test_each_rank_serves_its_own_metrics_and_requests_are_counted_once(tmp_path
     both = (r0, r1)
     assert sum(value(r, "step_tokens_total", mode="prefill") for r in both) == sum(map(len, prompts))
     assert sum(value(r, "step_tokens_total", mode="decode") for r in both) == sum(max_new) - n
+    # Each rank's engine times the gaps of the requests it ran: together, one per token after the first.
+    assert sum(value(r, "inter_token_latency_seconds_count") for r in both) == sum(len(o) - 1 for o in outputs)
     for r in both:
         assert value(r, "decode_steps_total", path="eager") == value(r, "step_seconds_count", mode="decode")
         assert value(r, "kv_pool_used_pages") == 0 and value(r, "kv_pool_total_pages") == 512

@@ -6,9 +6,12 @@ The module knows no role. What feeds it, and how often (never per token):
                          once per failed one: request counts by finish reason, token totals, TTFT,
                          TPOT and end-to-end latency histograms
     engine, per step     observe_step(mode, seconds, num_reqs, num_tokens): one call per extend or
-                         decode step for the whole batch (step time, tokens forwarded)
+                         decode step for the whole batch (step time, tokens forwarded);
+                         observe_inter_token_latency(gaps): one call per collected decode step
+                         with each streamed token's gap since its request's previous token
     engine, per request  observe_prefix_cache(queried, hit), observe_kv_transfer(...),
                          count_kv_transfer_failure(...)
+    prefill bootstrap    count_handshake_failure(reason): a refused or failed decode handshake
     at scrape time       watch_loads(fn) -> running/queued requests and KV pool pages (the same
                          `Loads` GetLoads reports); watch_decode_paths(fn) -> decode steps by
                          CUDA-graph replay vs eager; watch_expert_load(fn) -> the expert-load
@@ -31,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from deepseek_pd.workers.common.api import Loads
+from deepseek_pd.workers.common.bulk_histogram import BulkHistogram
 
 PREFIX = "deepseek_pd:"
 CONSTANT_LABELS = ("role", "model_name", "rank")
@@ -42,7 +46,21 @@ TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
                 0.1, 0.2, 0.5, 1, 2, 5)
+# SGLang's default `bucket_inter_token_latency` (sglang:inter_token_latency_seconds).
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1,
+               0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# Why the prefill bootstrap refused or failed a decode handshake (a bounded set: never a room id).
+#   unauthenticated  no, bad, stale, replayed or misaddressed token (Transfer, KVStream, Abort, Route)
+#   wrong_dp_rank    the room belongs to another DP rank of this group, or decode's route table is stale
+#   protocol         another bootstrap protocol version, a first message that is not a Handshake /
+#                    KVStreamOpen, a KV stream index the room does not have
+#   unknown_room     a KV stream for a room with no handshake
+#   duplicate        a second handshake for a room that already has one
+#   timeout          no first message within handshake_timeout_s, or the prefill request never
+#                    claimed the room within claim_timeout_s
+HANDSHAKE_FAILURE_REASONS = ("unauthenticated", "wrong_dp_rank", "protocol", "unknown_room", "duplicate", "timeout")
 
 
 @dataclass(frozen=True)
@@ -94,8 +112,7 @@ class WorkerMetrics:
         self._e2e = histogram("e2e_request_latency_seconds", "From the worker receiving Generate to its final "
                               "response", E2E_BUCKETS).labels(**self._const)
         step_seconds = histogram("step_seconds", "One scheduler step's model call (the whole batch): extend "
-                                 "(prefill) or decode; a decode step's time is the inter-token latency of every "
-                                 "request in its batch", STEP_BUCKETS, ("mode",))
+                                 "(prefill) or decode", STEP_BUCKETS, ("mode",))
         step_tokens = counter("step_tokens", "Tokens forwarded by steps, by mode", ("mode",))
         step_reqs = counter("step_requests", "Requests (batch rows) forwarded by steps, by mode", ("mode",))
         self._step = {mode: tuple(metric.labels(**self._const, mode=mode) for metric in (step_seconds, step_tokens,
@@ -111,6 +128,15 @@ class WorkerMetrics:
                                      "TransferDone; prefill, time spent sending", TRANSFER_BUCKETS, ("transport",))
         self._kv_failures = counter("kv_transfer_failures", "KV transfers that failed, counted by the decode "
                                     "side (the one that pulls), by transport and code", ("transport", "code"))
+        self._handshake_failures = counter(
+            "bootstrap_handshake_failures", "Decode handshakes (and KV streams, aborts, route requests) the "
+            "prefill bootstrap refused or failed, by reason", ("reason",))
+        for reason in HANDSHAKE_FAILURE_REASONS:  # zero before the first one, so rate() has a baseline
+            self._handshake_failures.labels(*self._const.values(), reason)
+        self._itl = BulkHistogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens of "
+                                  "one request as the engine streams them (the first decode token's gap starts "
+                                  "at the first token)", ITL_BUCKETS, self._const)
+        self.registry.register(self._itl)
         self._children: dict[tuple, object] = {}  # labelled children by (metric, values): no labels() per call
         self._sources = _ScrapeSources(self._const)
         self.registry.register(self._sources)
@@ -154,6 +180,11 @@ class WorkerMetrics:
         tokens.inc(num_tokens)
         reqs.inc(num_reqs)
 
+    def observe_inter_token_latency(self, gaps: Iterable[float]) -> None:
+        """One collected decode step: each token it streamed, its seconds since the previous token of
+        the same request (a request's first token has no gap). Once per step, not per token."""
+        self._itl.observe_many(gaps)
+
     def observe_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         self._prefix_queries.inc(queried_tokens)
         self._prefix_hits.inc(hit_tokens)
@@ -164,6 +195,12 @@ class WorkerMetrics:
 
     def count_kv_transfer_failure(self, transport: str, code: str) -> None:
         self._child(self._kv_failures, transport, code).inc()
+
+    def count_handshake_failure(self, reason: str) -> None:
+        """A handshake the prefill bootstrap refused or failed; `reason` is one of HANDSHAKE_FAILURE_REASONS."""
+        if reason not in HANDSHAKE_FAILURE_REASONS:
+            raise ValueError(f"unknown handshake failure reason {reason!r}")
+        self._child(self._handshake_failures, reason).inc()
 
     def _child(self, metric, *values: str):
         key = (id(metric), values)

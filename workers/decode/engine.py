@@ -73,6 +73,7 @@ class _Request(RequestRecord):
     in_flight: int = 0  # launched steps (or a prefill round) that still use the pages
     finished: bool = False
     kv_untrusted: bool = False  # the prompt pages may hold a transfer's bytes that were not checked
+    last_token_at: float = 0.0  # perf_counter when its latest token was streamed (inter-token latency)
 
     @property
     def next_position(self) -> int:
@@ -169,6 +170,7 @@ class DecodeEngine(EngineCore[_Request]):
                 # The prefill side sampled token 1 at step 0 of the same seed; continue at step 1.
                 state.sampling.record(done.first_token_id)
                 state.launched = 1
+                state.last_token_at = time.perf_counter()
                 self._accept(state, done.first_token_id, done.first_token_logprob, first_top_logprobs(done))
                 if not state.finished:
                     self._running.append(state)
@@ -323,6 +325,7 @@ class DecodeEngine(EngineCore[_Request]):
                 continue
             self._prefilling.remove(state)
             state.launched = 1
+            state.last_token_at = time.perf_counter()
             self._accept(state, sampled.token_ids[i], sampled.logprobs[i], sampled.top[i])
             if not state.finished:
                 self._running.append(state)
@@ -397,11 +400,18 @@ class DecodeEngine(EngineCore[_Request]):
         return ordered, rows
 
     def _process(self, step: LaunchedStep, sampled: SampledTokens) -> None:
-        """Host bookkeeping of a collected step: stream the tokens, apply stops, free what ended."""
+        """Host bookkeeping of a collected step: stream the tokens, apply stops, free what ended.
+        Every token streamed here has a predecessor: its gap goes to the inter-token latency, one
+        metrics call for the whole step."""
+        now = time.perf_counter()
+        gaps = []
         for row, state in enumerate(step.owners):
             if state.ended or state.finished:
                 continue
+            gaps.append(now - state.last_token_at)
+            state.last_token_at = now
             self._accept(state, sampled.token_ids[row], sampled.logprobs[row], sampled.top[row])
             if state.finished:
                 self._running.remove(state)
+        self.metrics.observe_inter_token_latency(gaps)
         self._done_with(step.owners)

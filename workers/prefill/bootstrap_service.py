@@ -25,6 +25,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.bootstrap_protocol import MESSAGE_ENVELOPE_BYTES
 from deepseek_pd.workers.common.kv_transfer.wire import serialize_event
+from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.prefill.bootstrap_servicer import BootstrapServicer
 from deepseek_pd.workers.prefill.room import Room, TransferPhase
@@ -58,9 +59,10 @@ class BootstrapServer:
     """The gRPC server that hosts `BootstrapServicer` on the bootstrap port."""
 
     def __init__(self, registry: RoomRegistry, config: BootstrapConfig, max_message_bytes: int,
-                 advertise_host: str = "", kv_streams: int = 1) -> None:
+                 advertise_host: str = "", kv_streams: int = 1, metrics: WorkerMetrics | None = None) -> None:
         """`advertise_host`: the address decode workers dial (tokens must name it or `config.host`);
-        `kv_streams`: the most parallel KV streams per room (grpc transport's `grpc_streams`)."""
+        `kv_streams`: the most parallel KV streams per room (grpc transport's `grpc_streams`);
+        `metrics`: where refused handshakes are counted (the engine's)."""
         self.registry = registry
         self.config = config
         # Chunks are capped at TransportConfig.max_chunk_bytes; leave headroom for the envelope.
@@ -73,7 +75,7 @@ class BootstrapServer:
             (advertise_host,) if advertise_host else ())
         if hosts:  # () means any host; else the aliases count too
             hosts = tuple(dict.fromkeys((*hosts, *config.aliases)))
-        servicer = self.servicer = BootstrapServicer(registry, hosts, kv_streams)
+        servicer = self.servicer = BootstrapServicer(registry, hosts, kv_streams, metrics)
         self.server.add_generic_rpc_handlers((_handlers(servicer),))
         try:  # grpc raises RuntimeError on a busy port (older versions returned 0)
             self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")

@@ -20,6 +20,10 @@ the secret can neither read a room's KV nor abort it, nor learn whether a room e
 
 DP ranks (workers/common/bootstrap_routes.py): the handshake of a room that belongs to another DP
 rank of this group is refused at once with FAILED_PRECONDITION, naming both ranks.
+
+Metrics: every refusal above, and a room's claim timeout, counts once in
+`bootstrap_handshake_failures_total{reason}` (metrics.HANDSHAKE_FAILURE_REASONS), so an attack or a
+misconfigured peer shows on the prefill side too, not only in the decode side's transfer failures.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION, code
 from deepseek_pd.workers.common.bootstrap_routes import RouteTable, misroute_reason
 from deepseek_pd.workers.common.internal_auth import AuthError, ReplayGuard
 from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
+from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.request_failure import TransferError
 from deepseek_pd.workers.prefill.room import Room
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
@@ -43,11 +48,14 @@ from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 log = logging.getLogger(__name__)
 
 class BootstrapServicer(pb_grpc.BootstrapServicer):
-    def __init__(self, registry: RoomRegistry, hosts: tuple[str, ...] = (), kv_streams: int = 1) -> None:
+    def __init__(self, registry: RoomRegistry, hosts: tuple[str, ...] = (), kv_streams: int = 1,
+                 metrics: WorkerMetrics | None = None) -> None:
         """`hosts`: the addresses peers may dial this worker at (tokens must be addressed to one of
         them and to `port`, set once the server is bound); empty: any host, the port still counts.
-        `kv_streams`: the most parallel KV streams a room may use (TransportConfig.grpc_streams)."""
+        `kv_streams`: the most parallel KV streams a room may use (TransportConfig.grpc_streams).
+        `metrics` counts the refused and failed handshakes (the engine's own)."""
         self.registry = registry
+        self.metrics = metrics if metrics is not None else WorkerMetrics()
         self.kv_streams = kv_streams
         self.auth = registry.config.auth
         self.hosts = {host.lower() for host in hosts}
@@ -73,30 +81,28 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
 
     async def Transfer(self, request_iterator: AsyncIterator[pb.DecodeMessage],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent | EncodedChunk]:
-        first = await _first_message(request_iterator, self.registry.config.handshake_timeout_s)
-        if first is None or first.WhichOneof("message") != "handshake":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Transfer message must be a Handshake")
+        first = await self._first_message(request_iterator, "handshake", context)
         request = first.handshake
         try:
             token = self._check(request, "handshake")
         except AuthError as exc:
             log.warning("refused a bootstrap handshake for room %d from %s: %s", request.room, context.peer(), exc)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED, str(exc))
         if request.protocol_version != PROTOCOL_VERSION:
             room = self.registry.get(request.room)
             reason = (f"bootstrap protocol version mismatch: decode speaks {request.protocol_version}, "
                       f"prefill {PROTOCOL_VERSION}")
             if room is not None:
                 room.mark_peer_gone(FailureCode.INTERNAL, reason)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+            await self._refuse(context, "protocol", grpc.StatusCode.FAILED_PRECONDITION, reason)
         reason = misroute_reason(request.room, self.registry.config.dp_rank, self.registry.config.dp_size, request)
         if reason is not None:
             log.warning("refused the handshake of room %d from %s: %s", request.room, context.peer(), reason)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+            await self._refuse(context, "wrong_dp_rank", grpc.StatusCode.FAILED_PRECONDITION, reason)
         try:
             room = self.registry.attach(request)
         except TransferError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, exc.message)
+            await self._refuse(context, "duplicate", grpc.StatusCode.ALREADY_EXISTS, exc.message)
         offered = request.grpc.streams if request.WhichOneof("destination") == "grpc" else 1
         room.open_kv_streams(kv_stream_count(offered, self.kv_streams))
         window = self.registry.config.event_queue_depth
@@ -113,6 +119,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                 rid = await asyncio.wait_for(asyncio.shield(room.claimed), self.registry.config.claim_timeout_s)
             except asyncio.TimeoutError:
                 delivered_terminal = True
+                self.metrics.count_handshake_failure("timeout")
                 self.registry.drop(room)
                 seq += 1
                 yield pb.TransferEvent(seq=seq, failed=pb.TransferFailed(
@@ -184,10 +191,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
     async def KVStream(self, request_iterator: AsyncIterator[pb.KVStreamMessage],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[EncodedChunk]:
         """One extra KV stream of a room (see the module doc)."""
-        first = await _first_message(request_iterator, self.registry.config.handshake_timeout_s)
-        if first is None or first.WhichOneof("message") != "open":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first KVStream message must be a KVStreamOpen")
-        opening = first.open
+        opening = (await self._first_message(request_iterator, "open", context)).open
         # The token before the room: an unauthenticated caller must not learn whether a room exists.
         try:
             token = self._check(opening, "kvstream", f"room={opening.room};index={opening.index}")
@@ -197,14 +201,14 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         except AuthError as exc:
             log.warning("refused KV stream %d of room %d from %s: %s", opening.index, opening.room,
                         context.peer(), exc)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED, str(exc))
         if room is None or not room.handshake.done():
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV stream {opening.index} for room {opening.room}, which has no handshake")
+            await self._refuse(context, "unknown_room", grpc.StatusCode.FAILED_PRECONDITION,
+                               f"KV stream {opening.index} for room {opening.room}, which has no handshake")
         if not 1 <= opening.index < room.kv_streams or room.stream_attached[opening.index - 1]:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"room {opening.room} has KV streams 1..{room.kv_streams - 1}, and "
-                                f"{opening.index} is not one of them or is already open")
+            await self._refuse(context, "protocol", grpc.StatusCode.INVALID_ARGUMENT,
+                               f"room {opening.room} has KV streams 1..{room.kv_streams - 1}, and "
+                               f"{opening.index} is not one of them or is already open")
         index = opening.index
         room.stream_attached[index - 1] = True
         queue = room.stream_events[index - 1]
@@ -247,7 +251,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             self._check(request, "abort")
         except AuthError as exc:
             log.warning("refused an abort of room %d from %s: %s", request.room, context.peer(), exc)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED, str(exc))
         return pb.AbortAck(found=self.registry.abort(request.room, request.reason))
 
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteReply:
@@ -256,19 +260,34 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             token = self._check(request, "route")
         except AuthError as exc:
             log.warning("refused a route request from %s: %s", context.peer(), exc)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED, str(exc))
         if self.routes is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill group is still forming")
         reply = self.routes.to_proto()
         self.auth.sign(reply, "route", self.identity, token.sender, challenge=token.nonce)
         return reply
 
+    async def _refuse(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
+                      message: str) -> None:
+        """Counts the refusal under `reason` (metrics.HANDSHAKE_FAILURE_REASONS) and ends the call."""
+        self.metrics.count_handshake_failure(reason)
+        await context.abort(code, message)
 
-async def _first_message(requests: AsyncIterator[pb.DecodeMessage], timeout_s: float) -> pb.DecodeMessage | None:
-    try:
-        return await asyncio.wait_for(requests.__anext__(), timeout_s)
-    except (StopAsyncIteration, asyncio.TimeoutError):
-        return None
+    async def _first_message(self, requests: AsyncIterator, kind: str, context: grpc.aio.ServicerContext):
+        """The call's first message, which must be a `kind` ("handshake" | "open"); else the call is
+        refused: "timeout" if nothing came within handshake_timeout_s, "protocol" otherwise."""
+        what = "Transfer message must be a Handshake" if kind == "handshake" else "KVStream message must be a KVStreamOpen"
+        timeout_s = self.registry.config.handshake_timeout_s
+        try:
+            first = await asyncio.wait_for(requests.__anext__(), timeout_s)
+        except asyncio.TimeoutError:
+            await self._refuse(context, "timeout", grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the first {what}; none came within {timeout_s}s")
+        except StopAsyncIteration:
+            first = None
+        if first is None or first.WhichOneof("message") != kind:
+            await self._refuse(context, "protocol", grpc.StatusCode.INVALID_ARGUMENT, f"the first {what}")
+        return first
 
 
 async def _next_chunk(queue: asyncio.Queue, room: Room, credit_task: asyncio.Task) -> EncodedChunk | None:

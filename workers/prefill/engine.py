@@ -98,7 +98,8 @@ class PrefillEngine(EngineCore[_Request]):
         transport = self.config.transport
         self.server = BootstrapServer(self.registry, self.config.bootstrap, transport.max_chunk_bytes,
                                       transport.advertise_host,
-                                      kv_streams=transport.grpc_streams if self.config.kv_transport == "grpc" else 1)
+                                      kv_streams=transport.grpc_streams if self.config.kv_transport == "grpc" else 1,
+                                      metrics=self.metrics)
         self.server.servicer.routes = self._routes
         await self.server.start()
         self._start_scheduler(self._schedule_loop(), "prefill-scheduler")

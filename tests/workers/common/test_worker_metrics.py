@@ -140,6 +140,10 @@ def test_metrics_after_pd_traffic_equal_what_was_sent(tmp_path):
     assert value(d, "step_tokens_total", mode="prefill") == len(colocated_prompt)
     assert value(d, "decode_steps_total", path="eager") == value(d, "step_seconds_count", mode="decode") > 0
     assert value(d, "decode_steps_total", path="cuda_graph") == 0  # CPU: no graphs
+    # Every streamed token after a request's first has one inter-token gap; the failed transfer streamed none.
+    streamed = [len(r.output_ids) for r in results] + [len(ids) for ids in routed_ids] + [len(colocated_ids)]
+    assert value(d, "inter_token_latency_seconds_count") == sum(t - 1 for t in streamed)
+    assert 0 < value(d, "inter_token_latency_seconds_sum") < value(d, "e2e_request_latency_seconds_sum")
     # prefill: one token per request, every prompt token either computed or served from the cache
     assert value(p, "num_requests_total", finish_reason="length") == n
     assert value(p, "prompt_tokens_total") == sent_prompt_tokens
@@ -152,6 +156,10 @@ def test_metrics_after_pd_traffic_equal_what_was_sent(tmp_path):
     assert value(p, "prefix_cache_hits_total") == value(p, "cached_tokens_total")
     assert value(p, "step_tokens_total", mode="prefill") == sent_prompt_tokens - value(p, "prefix_cache_hits_total")
     assert value(p, "num_failed_requests_total", code="deadline_exceeded") == 0  # the orphan never reached it
+    assert value(p, "inter_token_latency_seconds_count") == 0  # one token per request
+    # ... but its handshake did: a room no prefill request claimed within claim_timeout_s, and nothing else.
+    assert value(p, "bootstrap_handshake_failures_total", reason="timeout") == 1
+    assert sum(v for (name, _), v in p.items() if name == P + "bootstrap_handshake_failures_total") == 1
     # after completion: nothing held, nothing running or queued
     for samples in (d, p):
         assert value(samples, "kv_pool_used_pages") == 0

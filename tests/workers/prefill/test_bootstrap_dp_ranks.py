@@ -19,6 +19,7 @@ from deepseek_pd.workers.common.api import DisaggParams
 from deepseek_pd.workers.common.bootstrap_routes import RankEndpoint, RouteTable
 from deepseek_pd.workers.common.internal_auth import InternalAuth
 from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.common.metrics import HANDSHAKE_FAILURE_REASONS, WorkerMetrics
 from deepseek_pd.workers.common.request_failure import RequestFailure
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
@@ -38,7 +39,8 @@ class _Rank:
 
     def __init__(self, config: BootstrapConfig, rng: random.Random) -> None:
         self.registry = RoomRegistry(config)
-        self.server = BootstrapServer(self.registry, config, 1 << 20)
+        self.metrics = WorkerMetrics()
+        self.server = BootstrapServer(self.registry, config, 1 << 20, metrics=self.metrics)
         self.pool = random_pool(rng, 12, PAGE_SIZE)
         self.sender = build_sender("grpc", self.pool, TransportConfig())
 
@@ -103,7 +105,7 @@ def test_a_handshake_at_the_wrong_dp_rank_fails_at_once_naming_both_ranks(owner)
     auth = InternalAuth(secrets.token_bytes(32))
     decode_rank = rng.randrange(4)
 
-    async def run() -> tuple[RequestFailure, float]:
+    async def run() -> tuple[RequestFailure, float, dict]:
         ranks = await _group(rng, auth)
         client = BootstrapClient(BootstrapConfig(auth=auth, dp_rank=decode_rank, dp_size=4))
         receiver = build_receiver("grpc", random_pool(rng, 12, PAGE_SIZE), TransportConfig())
@@ -113,14 +115,19 @@ def test_a_handshake_at_the_wrong_dp_rank_fails_at_once_naming_both_ranks(owner)
             with pytest.raises(RequestFailure) as caught:
                 await pull_kv(client, receiver, DisaggParams("127.0.0.1", ranks[1].server.port, room), "d", 4, [0])
             assert ranks[1].registry.get(room) is None  # refused before it touched a room
-            return caught.value, time.monotonic() - started
+            refusals = {reason: ranks[1].metrics.registry.get_sample_value(
+                "deepseek_pd:bootstrap_handshake_failures_total",
+                {"role": "", "model_name": "", "rank": "0", "reason": reason}) for reason in HANDSHAKE_FAILURE_REASONS}
+            return caught.value, time.monotonic() - started, refusals
         finally:
             await client.close()
             for rank in ranks:
                 await rank.server.stop(0)
 
-    failure, seconds = asyncio.run(run())
+    failure, seconds, refusals = asyncio.run(run())
     assert seconds < CLAIM_TIMEOUT_S / 4, seconds
+    # The prefill rank counts it too (decode does not retry a refused handshake).
+    assert refusals == {reason: float(reason == "wrong_dp_rank") for reason in HANDSHAKE_FAILURE_REASONS}
     message = str(failure)
     assert "misrouted handshake" in message, message
     assert f"belongs to prefill DP rank {owner} of 2" in message, message
