@@ -49,11 +49,18 @@ def sessions_by_rank(log: str, role: str) -> dict[int, str]:
     return found
 
 
-def writes(log: str) -> dict[int, tuple[int, str, str]]:
-    """{room: (prefill rank, its engine's session, the destination session)}."""
-    lines = re.findall(r"prefill\[rank (\d+)\] DEBUG \S+: room (\d+): mooncake (\S+) writes \d+ pages into (\S+) ",
-                       log)
-    return {int(room): (int(rank), src, dst) for rank, room, src, dst in lines}
+def writes(log: str) -> dict[int, tuple[int, str, str, int]]:
+    """{room: (prefill rank, its engine's session, the destination session, the decode DP rank the
+    handshake names)}."""
+    lines = re.findall(r"prefill\[rank (\d+)\] DEBUG \S+: room (\d+): mooncake (\S+) writes \d+ pages into (\S+) "
+                       r"\(decode DP rank (\d+)\)", log)
+    return {int(room): (int(rank), src, dst, int(stated)) for rank, room, src, dst, stated in lines}
+
+
+def tails(*workers: GroupWorker) -> str:
+    """The workers' last lines without gRPC's own debug chatter (the ranks log at DEBUG here)."""
+    return "\n".join(line for worker in workers for line in worker.log_tail(400).splitlines()
+                     if " grpc." not in line)[-6000:]
 
 
 async def wait_pools_empty(ports: list[int], timeout_s: float = 20.0) -> list[float]:
@@ -88,8 +95,8 @@ def main(seed: int, tmp: Path) -> None:
             return results, await wait_pools_empty(ports)
         results, used = asyncio.run(run())
         assert all(r.ok for r in results), ([(r.prefill_error, r.decode_error) for r in results],
-                                            prefill.log_tail(), decode.log_tail())
-        assert [r.output_ids for r in results] == want, (prefill.log_tail(), decode.log_tail())
+                                            tails(prefill, decode))
+        assert [r.output_ids for r in results] == want, tails(prefill, decode)
         assert used == [0] * (2 * DP), used
         print(f"parity ok: {count} requests, rooms % {DP} = {[room % DP for room in rooms]}")
         sent = [value(scrape(p_metrics + r)[1], "kv_transfer_bytes_total", transport="mooncake") for r in range(DP)]
@@ -105,10 +112,10 @@ def main(seed: int, tmp: Path) -> None:
     decode_rank_of = {session: rank for rank, session in decode_sessions.items()}
     done = writes(prefill_log)
     assert sorted(done) == sorted(rooms), (sorted(done), sorted(rooms))
-    for room, (rank, src, dst) in done.items():
+    for room, (rank, src, dst, stated) in done.items():
         owner = room % DP
-        assert rank == owner and src == prefill_sessions[owner] and decode_rank_of.get(dst) == owner, \
-            (room, rank, src, dst, prefill_sessions, decode_sessions)
+        assert rank == owner and src == prefill_sessions[owner] and decode_rank_of.get(dst) == owner == stated, \
+            (room, rank, src, dst, stated, prefill_sessions, decode_sessions)
     print(f"rank to rank ok: prefill {prefill_sessions} -> decode {decode_sessions}")
     print("group mooncake ok")
 
