@@ -234,7 +234,9 @@ def _kv_transfer() -> Schema:
                           "port, no extra dependency).", enum=["mooncake", "grpc"], default="mooncake"),
         "protocol": string("Mooncake transport: rdma (GPUDirect, production) or tcp.",
                            enum=["rdma", "tcp"], default="tcp"),
-        "devices": array("RDMA NICs Mooncake may use, e.g. [mlx5_0, mlx5_1]; empty = all. A named "
+        "devices": array("RDMA NICs Mooncake may use, e.g. [mlx5_0, mlx5_1]; empty = all. Listed in GPU "
+                         "order: they are split over a pod's ranks, local rank i getting those at positions "
+                         "[i*n/gpusPerPod, (i+1)*n/gpusPerPod), at least one (8 NICs, 8 GPUs: one each). A named "
                          "device the pod cannot use stops the worker with an error naming it.",
                          string("A device name.", min_length=1, pattern="^[A-Za-z0-9_.:-]+$"),
                          default=[]),

@@ -63,7 +63,8 @@ def configure_rank_logging(role: str, rank: int) -> None:
 
 
 def rank_config(config: ServeConfig, rank: int) -> ServeConfig:
-    """This rank's view of the worker's config: its GPU, and (followers) ports picked by the OS."""
+    """This rank's view of the worker's config: its GPU, its RDMA devices, and (followers) ports
+    picked by the OS."""
     layout = config.group
     local_rank = rank - layout.node_ranks.start
     runner = config.runner
@@ -73,7 +74,9 @@ def rank_config(config: ServeConfig, rank: int) -> ServeConfig:
     # --bootstrap-port, the others' addresses are exchanged.
     bootstrap = dataclasses.replace(config.worker.bootstrap, dp_rank=layout.dp_rank_of(rank), dp_size=layout.dp,
                                     port=config.worker.bootstrap.port if rank == 0 else 0)
-    worker = dataclasses.replace(config.worker, bootstrap=bootstrap)
+    # Its own RDMA devices (the node's --kv-devices split over its local ranks, serve_resolution.py).
+    worker = dataclasses.replace(config.worker, bootstrap=bootstrap,
+                                 transport=config.worker.transport.for_local_rank(local_rank))
     return dataclasses.replace(config, runner=runner, worker=worker)
 
 

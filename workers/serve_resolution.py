@@ -19,6 +19,9 @@ The rules, each in one place:
 - KV protocol: `--kv-protocol rdma` (with `--kv-devices`, `--kv-tcp-fallback`) is checked against
   the RDMA devices this container can use (kv_transfer/rdma_devices.py) and lands in
   `TransportConfig.mooncake_protocol/mooncake_device`; it only applies to `--kv-transport mooncake`.
+  The devices are split over the node's local ranks (`devices_per_local_rank`: with 8 ranks and 8
+  HCAs one each) into `TransportConfig.mooncake_rank_devices`; each rank takes its own share
+  (`TransportConfig.for_local_rank`, workers/group_main.py).
 - the group (workers/common/group_layout.py): `--tp/--dp/--ep/--nnodes/--node-rank/--dist-init-addr`
   become one `GroupLayout`; the runner's `ep_size`, `tp_size` (attention TP: `--tp`) and dispatcher
   follow from it (`all_to_all`, or `deepep` where `deep_ep` imports and `--deepep-mode` is not none),
@@ -53,7 +56,7 @@ from deepseek_pd.workers.common.internal_auth import resolve_auth
 from deepseek_pd.workers.common.group_layout import GroupLayout
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
 from deepseek_pd.workers.common.kv_transfer.rdma_devices import (
-    KVProtocolChoice, choose_kv_protocol, parse_devices, usable_rdma_devices)
+    KVProtocolChoice, choose_kv_protocol, devices_per_local_rank, parse_devices, usable_rdma_devices)
 from deepseek_pd.workers.common.metrics_server import MetricsConfig
 from deepseek_pd.workers.common.serve_config import ServeConfig
 from deepseek_pd.workers.common.served_model import ServedModelInfo
@@ -69,7 +72,7 @@ log = logging.getLogger(__name__)
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static",
                            "ep_num_redundant_experts", "init_expert_location"),
                 "bootstrap": ("host", "port", "auth", "prefill_peers", "aliases"), "scheduler": ("chunked_prefill_size",),
-                "transport": ("advertise_host", "mooncake_protocol", "mooncake_device"),
+                "transport": ("advertise_host", "mooncake_protocol", "mooncake_device", "mooncake_rank_devices"),
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
             "transport": TransportConfig, "group": GroupLayout}
@@ -159,11 +162,13 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
     if flags.chunked_prefill_size is not None:
         scheduler_fields["chunked_prefill_size"] = flags.chunked_prefill_size
     protocol = _kv_protocol(flags)
+    rank_devices = devices_per_local_rank(protocol.devices, group.local_ranks)
     try:
         worker = WorkerConfig(
             kv_transport=flags.kv_transport,
             transport=TransportConfig(advertise_host=flags.advertise_host or advertised_address(flags.host),
-                                      mooncake_protocol=protocol.protocol, mooncake_device=protocol.devices,
+                                      mooncake_protocol=protocol.protocol, mooncake_device=rank_devices[0],
+                                      mooncake_rank_devices=rank_devices,
                                       **opts["transport"]),
             bootstrap=BootstrapConfig(host=flags.host, port=flags.bootstrap_port,
                                       auth=resolve_auth(flags.internal_secret_file, flags.insecure_internal),

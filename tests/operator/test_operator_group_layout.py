@@ -162,3 +162,32 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
     assert planned.reserve_bytes == int(runner.headroom_gib * GIB), (role["engineArgs"], role["parallelism"], runner)
     if role_name == "decode" and role["parallelism"]["tp"] == 1 and not role["engineArgs"]:
         assert runner.cuda_graph  # the case whose headroom grows with the graph batch is exercised
+
+
+@pytest.mark.parametrize("protocol", ["rdma", "tcp"])
+def test_each_local_rank_of_a_rendered_v3_pod_gets_its_own_rdma_device(v3_node, protocol) -> None:
+    """The V3 example's pods run 8 ranks each over 8 HCAs: every rank's TransferEngine starts on
+    the HCA at its local rank's position in kvTransfer.devices (drawn in a random order here),
+    the one beside its GPU, not on all eight; over tcp every rank gets none."""
+    from deepseek_pd.workers.group_main import rank_config
+    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+
+    rng = random.Random()
+    raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())["spec"]
+    devices = rng.sample(raw["kvTransfer"]["devices"], len(raw["kvTransfer"]["devices"]))
+    raw["kvTransfer"].update(protocol=protocol, devices=devices if protocol == "rdma" else [])
+    spec = DeploymentSpec.parse("demo", "llm", raw)
+    rendered = RenderedDeployment(spec, pod_ip="10.0.3.7")
+    for role_name in names.ROLES:
+        group = names.group_selector(spec.name, role_name, 0)
+        pods = [pod for pod in rendered.pods() if group.items() <= pod["metadata"]["labels"].items()]
+        pod = rng.choice(pods)
+        container = pod["spec"]["containers"][0]
+        argv = [expand(arg, container_env(rendered, pod, container, {})) for arg in container["args"]]
+        resolved = resolve_serve_config(_with_model(flags_from_args(build_parser().parse_args(argv)), v3_node))
+        layout = resolved.group
+        assert layout.local_ranks == len(devices) == 8 and layout.nnodes > 1, argv
+        got = [rank_config(resolved, rank).worker.transport for rank in layout.node_ranks]
+        assert [t.mooncake_protocol for t in got] == [protocol] * 8
+        want = devices if protocol == "rdma" else [""] * 8
+        assert [t.mooncake_device for t in got] == want, (role_name, argv)

@@ -17,7 +17,7 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.eplb.expert_location import resolve_expert_location
 from deepseek_pd.model.model_dir import resolve_model_dir
 from pdtest.group_harness import GroupWorker, generate_all, offline_greedy
-from test_group_metrics import consecutive_free_ports
+from pdtest.rank_metrics import consecutive_free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 VOCAB = 256  # stay in the tiny tokenizer's byte range

@@ -9,57 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
 from pdtest.group_harness import GroupWorker
+from pdtest.rank_metrics import consecutive_free_ports, scrape, value
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-P = "deepseek_pd:"
-
-
-def consecutive_free_ports(count: int) -> int:
-    """A port p with p .. p + count - 1 all free on 127.0.0.1 (bound briefly, then released)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65536:
-            continue
-        held = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
-def scrape(port: int) -> tuple[set[str], dict]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    ranks, samples = set(), {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            ranks.add(sample.labels.get("rank"))
-            labels = frozenset((k, v) for k, v in sample.labels.items() if k not in ("role", "model_name", "rank"))
-            samples[(sample.name, labels)] = sample.value
-    return ranks, samples
-
-
-def value(samples, name: str, **labels) -> float:
-    return samples.get((P + name, frozenset(labels.items())), 0.0)
 
 
 def test_each_rank_serves_its_own_metrics_and_requests_are_counted_once(tmp_path):

@@ -34,6 +34,7 @@ must end with; a sink may also hold a `RequestAborted` (the transfer ended becau
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -66,7 +67,10 @@ class TransportConfig:
     send_timeout_s: float = 30.0  # one send() (a chunk's pages) may take at most this long
     advertise_host: str = "127.0.0.1"  # mooncake: the address peers reach this worker's engine at
     mooncake_protocol: str = "tcp"  # "tcp" or "rdma"
-    mooncake_device: str = ""  # RDMA device names, "" = all
+    mooncake_device: str = ""  # this process's engine: RDMA device names, "" = all
+    # A group's: what each local rank's engine gets (rdma_devices.devices_per_local_rank); () = the
+    # same `mooncake_device` on every rank. `for_local_rank` picks one.
+    mooncake_rank_devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
@@ -79,6 +83,15 @@ class TransportConfig:
             raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
+        if self.mooncake_rank_devices and self.mooncake_device not in self.mooncake_rank_devices:
+            raise ValueError(f"mooncake_device {self.mooncake_device!r} is none of the local ranks' "
+                             f"{self.mooncake_rank_devices}")
+
+    def for_local_rank(self, local_rank: int) -> "TransportConfig":
+        """This config as local rank `local_rank` of a group runs it: its own RDMA devices."""
+        if not self.mooncake_rank_devices:
+            return self
+        return dataclasses.replace(self, mooncake_device=self.mooncake_rank_devices[local_rank])
 
 
 # Queues one encoded KV chunk on the room's stream `chunk.stream` (grpc only), waiting for room

@@ -176,6 +176,9 @@ class MooncakeSender(KVSender):
         destination = handshake.mooncake
         check_destination(destination, handshake.page_ids, self.pool.bytes_per_page, self.pool.num_layers,
                           self.engine.protocol)
+        # Which engine writes into which: under DP each rank's own engine writes rank to rank.
+        log.debug("room %d: mooncake %s writes %d pages into %s (decode DP rank %d)", handshake.room,
+                  self.engine.session_id, len(handshake.page_ids), destination.session_id, handshake.decode_dp_rank)
         return MooncakeChannel(self.pool, self.engine, destination, handshake.page_ids,
                                self.config.send_timeout_s)
 

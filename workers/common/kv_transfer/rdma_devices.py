@@ -17,6 +17,22 @@ still sees sysfs, but not the device nodes.
 A fallback is per worker, so the two ends of a transfer may disagree; the decode side's
 handshake names its protocol and the prefill side refuses a mismatch with a clear message
 (kv_transfer/mooncake.py) rather than letting every write fail.
+
+Each rank of a group runs its own TransferEngine. The named devices are split over a node's
+local ranks (local rank i drives GPU i), in list order, so list them in GPU order
+(`nvidia-smi topo -m`: the HCA nearest GPU i at position i). `devices_per_local_rank`: with n
+devices and L local ranks, local rank i gets the devices at positions [i*n/L, (i+1)*n/L), at
+least the one at floor(i*n/L):
+
+    devices            local ranks  local rank 0      1            ...  7
+    mlx5_0..mlx5_7     8            mlx5_0            mlx5_1            mlx5_7
+    mlx5_0..mlx5_3     8            mlx5_0            mlx5_0            mlx5_3   (GPUs 2i, 2i+1 share HCA i)
+    mlx5_0..mlx5_15    8            mlx5_0,mlx5_1     mlx5_2,mlx5_3     mlx5_14,mlx5_15
+    (none)             any          ""                ""                ""       (Mooncake picks among all)
+
+SGLang passes a plain `--disaggregation-ib-device` list whole to every rank and needs a JSON
+{gpu: devices} map to pin them; here the list is the map, so eight ranks do not each open every
+HCA of the node. tcp takes no devices: every rank gets "".
 """
 from __future__ import annotations
 
@@ -93,3 +109,19 @@ def choose_kv_protocol(requested: str, devices: tuple[str, ...], tcp_fallback: b
     log.info("KV transfer: mooncake over rdma on %s", ", ".join(devices) if devices else
              f"any of {', '.join(usable)}")
     return KVProtocolChoice("rdma", ",".join(devices))
+
+
+def devices_per_local_rank(devices: str, local_ranks: int) -> tuple[str, ...]:
+    """The device list (comma-separated, "" = all) each local rank's TransferEngine gets: the table
+    in the module docstring."""
+    if local_ranks < 1:
+        raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
+    names = parse_devices(devices)
+    if not names:
+        return ("",) * local_ranks
+    n = len(names)
+    shares = []
+    for i in range(local_ranks):
+        begin = i * n // local_ranks
+        shares.append(",".join(names[begin:max((i + 1) * n // local_ranks, begin + 1)]))
+    return tuple(shares)

@@ -149,3 +149,32 @@ def test_prefill_refuses_pages_outside_the_decode_pool():
         with pytest.raises(TransferError) as raised:
             check_destination(_destination("tcp", 576, 2, pool), pages, 576, 2, "tcp")
         assert raised.value.code == FailureCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_devices_are_split_over_local_ranks_in_list_order(trial):
+    """Local rank i gets the devices at [i*n/L, (i+1)*n/L), at least one: checked as properties
+    (every device used, shares in list order, as even as they can be) on random n and L."""
+    from deepseek_pd.workers.common.kv_transfer.rdma_devices import devices_per_local_rank
+    rng = random.Random()
+    n, ranks = rng.randint(1, 17), rng.choice([1, 2, 4, 8, rng.randint(1, 16)])
+    names = [f"{rng.choice(['mlx5', 'ib', 'bnxt_re'])}_{i}" for i in rng.sample(range(64), n)]
+    shares = [share.split(",") for share in devices_per_local_rank(",".join(names), ranks)]
+    assert len(shares) == ranks and all(shares)
+    if n >= ranks:  # a partition of the list, in order, shares of floor(n/L) or ceil(n/L)
+        assert sum(shares, []) == names
+        assert {len(s) for s in shares} <= {n // ranks, -(-n // ranks)}
+    else:  # one each, consecutive ranks share a device, every device used by floor/ceil(L/n) ranks
+        assert all(len(s) == 1 for s in shares)
+        flat = [s[0] for s in shares]
+        assert sorted(set(flat), key=names.index) == names and flat == sorted(flat, key=names.index)
+        assert {flat.count(d) for d in names} <= {ranks // n, -(-ranks // n)}
+    if n == ranks:
+        assert [s[0] for s in shares] == names
+    assert devices_per_local_rank("", ranks) == ("",) * ranks
+
+
+def test_a_group_on_tcp_gives_every_rank_no_devices():
+    from deepseek_pd.workers.group_main import rank_config
+    config = _serve("--kv-transport", "mooncake", "--kv-protocol", "tcp", "--dp", "2", "--ep", "2")
+    assert [rank_config(config, r).worker.transport.mooncake_device for r in range(2)] == ["", ""]
