@@ -24,6 +24,10 @@ measured in the same run on the same loopback: a bare gRPC stream of the same me
 bytes (grpc), or raw `batch_transfer_sync_write` of the same batch between the same two engines
 (mooncake, between our repeats). The ratio to it is the last line of the table.
 
+`--json FILE` also writes the measured seconds and the target check (`bench/target_check.py`):
+for grpc the best GB/s of any stream count against 2 GB/s, for mooncake ours / raw (best over
+best) against 0.8. `bench/serving_gpu.py` runs this script for its one table of issue 7's targets.
+
 Profiling: `--profile FILE` writes cProfile stats of one repeat (event-loop thread only); for the
 worker threads run the bench under `py-spy record --threads --idle -f raw`.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import json
 import multiprocessing
 import random
 import secrets
@@ -57,9 +62,11 @@ from deepseek_pd.workers.prefill.kv_push import KVPush
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ceilings beside this script
 from kv_transfer_ceilings import raw_grpc, raw_mooncake  # noqa: E402
+from target_check import check  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TARGET_GBPS = 2.0  # issue 7: the gRPC KV transport, GPU pool to GPU pool on loopback, one 4k-token request
+TARGET_MOONCAKE_VS_RAW = 0.8  # issue 7: Mooncake TCP through our transport / raw Mooncake TCP, same hosts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", metavar="FILE", help="cProfile one extra repeat into FILE (with --together)")
     parser.add_argument("--netns", action="store_true",
                         help="re-run inside a private network namespace (Mooncake binds 0.0.0.0)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="also write the seconds of every repeat and the target check to FILE")
     args = parser.parse_args(argv)
     try:
         args.stream_counts = [int(v) for v in args.streams.split(",") if v.strip()]
@@ -366,6 +375,27 @@ def main(argv: list[str] | None = None) -> None:
         for streams in sorted({1, max(args.stream_counts)}):
             ceilings[streams] = asyncio.run(raw_grpc(setup.bytes, int(args.chunk_mb * 2**20), args.repeats, streams))
     summary(setup, runs, ceilings, where)
+    if args.json:
+        args.json.write_text(json.dumps(result_json(setup, runs, ceilings, where), indent=2))
+
+
+def result_json(setup: Setup, runs: dict[int, Results], ceilings: dict[int, list[float]], where: str) -> dict:
+    """Every repeat's seconds and the one check of issue 7 that this transport answers."""
+    args = setup.args
+    if args.transport == "mooncake":
+        ours, raw = runs[1].seconds, runs[1].ceilings
+        value = min(raw) / min(ours) if raw else None
+        verdict = check("Mooncake TCP: ours / raw (best)", value, ">=", TARGET_MOONCAKE_VS_RAW)
+    else:
+        value = max(setup.bytes / min(r.seconds) / 1e9 for r in runs.values())
+        verdict = check(f"{args.transport} KV {args.device} pool -> pool, {args.tokens} tokens (GB/s)",
+                        value, ">=", TARGET_GBPS)
+    return {"transport": args.transport, "device": args.device, "where": where, "tokens": args.tokens,
+            "bytes": setup.bytes, "layerwise": args.layerwise, "crc32": CRC32_IMPLEMENTATION,
+            "runs": [{"streams": s, "seconds": r.seconds, "raw_seconds": r.ceilings, "stalls": r.stalls}
+                     for s, r in runs.items()],
+            "raw_grpc": [{"connections": c, "seconds": sec} for c, sec in ceilings.items()],
+            "check": verdict}
 
 
 def summary(setup: Setup, runs: dict[int, Results], ceilings: dict[int, list[float]], where: str) -> None:

@@ -8,13 +8,15 @@ engine over the real bootstrap service on loopback (grpc or mooncake). Measured 
 `--tokens`: the prefill compute alone (the runner's chunked extends + first-token sample, as the
 engine runs them), then PD TTFT (both Generates sent at once -> decode's first token) with
 layer-wise streaming on and off. Caveat: both engines share one process and GIL (conservative).
-Prints a table with TTFT / compute against the 1.1x target.
+Prints a table with TTFT / compute against the 1.1x target; `--json FILE` also writes the
+seconds and the target check (`bench/target_check.py`) for `bench/serving_gpu.py`'s one table.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import json
 import random
 import statistics
 import sys
@@ -34,6 +36,7 @@ from deepseek_pd.workers.common.kv_transfer import TransportConfig  # noqa: E402
 from deepseek_pd.workers.common.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig  # noqa: E402
 from deepseek_pd.workers.decode.engine import DecodeEngine  # noqa: E402
 from deepseek_pd.workers.prefill.engine import PrefillEngine  # noqa: E402
+from target_check import check  # noqa: E402
 
 TARGET = 1.1
 
@@ -48,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--transport", default="grpc", choices=["grpc", "mooncake"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="also write every repeat's seconds and the target check to FILE")
     return parser.parse_args(argv)
 
 
@@ -138,6 +143,13 @@ def main(argv=None) -> None:
         ratio = statistics.median(values) / compute
         verdict = "" if name == "compute" else ("ok" if ratio <= TARGET else "missed")
         print(f"{name:<12} {ms:>9.1f} {ratio:>10.3f} {verdict:>8}")
+    if args.json:
+        ratio = statistics.median(results["layer-wise"]) / compute
+        args.json.write_text(json.dumps({
+            "tokens": args.tokens, "model": path, "device": args.device, "transport": args.transport,
+            "chunk": args.chunk, "page_size": args.page_size, "seconds": results,
+            "check": check(f"layer-wise PD TTFT / prefill compute, {args.tokens} tokens", ratio, "<=", TARGET)},
+            indent=2))
 
 
 if __name__ == "__main__":

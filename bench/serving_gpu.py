@@ -2,20 +2,28 @@
 
     python bench/serving_gpu.py --out $OUT [--profile] [--worker-args "--flag=value ..."]
     python bench/serving_gpu.py --tiny --out /tmp/x          # the same path on CPU, tiny shapes
+    python bench/serving_gpu.py --tiny --out /tmp/x --parts serving     # only the serving levels
 
+It answers all six targets of issue 7 in one run (`bash bench/serving_session.sh` on the device).
 Steps, each timed, all inside a time budget (default 530 s):
 1. a DeepSeek-V2-Lite-shaped checkpoint with random bf16 weights and the tiny tokenizer's
    vocabulary (`bench/random_checkpoint.py`, drawn on the GPU; reused when already there);
 2. the runner alone at the workload's shapes, in its own process so its memory is back before
    the workers start (`bench/runner_steps.py`): one-prompt prefill at the c=1 workload's exact
    prompt lengths, and the CUDA-graph decode step at each benchmarked concurrency;
+2b. the transfer parts, each in its own process with its own cap (`bench/target_parts.py`): the
+   gRPC KV transfer GPU pool -> GPU pool vs raw gRPC, Mooncake TCP vs raw Mooncake (in a network
+   namespace where `unshare -n` works), and layer-wise PD TTFT for an 8k prompt on this checkpoint;
+   they leave `serving_min_s` of the budget to the serving levels, and say what they skipped;
 3. `deepseek-pd up --prefill 1 --decode 1 --kv-transport grpc` with the GPU worker flags;
 4. `deepseek-pd bench serving --url` random 1024/128 (prompts 512..1024, exactly 128 output
    tokens, ignore_eos) at each concurrency after a warm-up; request counts shrink (whole waves) if
    the remaining budget cannot fit them; with --profile, py-spy records the decode and the
    prefill worker for 10 s during the c=64 run;
-5. ONE table (per concurrency, then the checks of `bench/serving_report.py` with PASS/MISS),
-   serving_gpu.json (commit, date, shapes, flags, every number) and serving_gpu.png under --out.
+5. the serving table (per concurrency, then the checks of `bench/serving_report.py`), then, last,
+   ONE table of the six targets (`bench/targets_table.py`: value, target, ratio, PASS/MISS, the
+   commit), serving_gpu.json (commit, date, shapes, flags, every number, each part's JSON),
+   targets.txt and serving_gpu.png under --out.
 """
 from __future__ import annotations
 
@@ -34,6 +42,10 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from serving_report import Checks, evaluate, format_table, level_row, write_plot  # noqa: E402
+from target_parts import GPU_PARTS, NAMES, TINY_PARTS, Part, run_parts  # noqa: E402
+from targets_table import format_targets, target_rows  # noqa: E402
+
+PARTS = ("serving", *NAMES)
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,8 @@ class Plan:
     checks: Checks = field(default_factory=Checks)
     runner_steps: int = 32
     budget_s: float = 530.0
+    parts: tuple[Part, ...] = GPU_PARTS
+    serving_min_s: float = 200.0  # kept for up and the levels while the transfer parts run
     startup_timeout_s: float = 300.0
     profile_level: int = 64
     profile_delay_s: float = 8.0  # into the profiled run, so the decode batch is full
@@ -63,6 +77,7 @@ GPU = Plan("v2-lite", "cuda", "bfloat16", 64, True, "triton", 0)  # pools sized 
 TINY = Plan("v2-mini", "cpu", "float32", 16, False, "auto", 1024, input_len=64, output_len=8,
             levels=((1, 4), (2, 8), (4, 8), (8, 16)), warmup=(2, 2), runner_steps=4,
             checks=Checks(tpot_level=4, throughput_targets=((4, 4000.0), (8, 6000.0))), budget_s=420.0,
+            parts=TINY_PARTS, serving_min_s=120.0,
             startup_timeout_s=180.0, profile_level=8, profile_delay_s=0.2, profile_seconds=3)
 RESERVE_S = 45.0  # kept back for stopping the cluster and writing the report
 
@@ -293,10 +308,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole run")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="checkpoint directory (written unless it already holds this checkpoint)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {','.join(PARTS)} (default: all, the six targets)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None,
                         help="commit to record when the copy has no .git (default: git rev-parse HEAD)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not args.parts or args.parts - set(PARTS):
+        parser.error(f"--parts {sorted(args.parts)}: a non-empty subset of {','.join(PARTS)}")
+    return args
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -310,22 +331,30 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     return Plan(**fields)
 
 
-def report(plan: Plan, out: Path, result: dict, tiny: bool, budget: Budget) -> str:
+def report(plan: Plan, out: Path, result: dict, tiny: bool, budget: Budget) -> tuple[str, str]:
     sent, planned = result.get("c1_prompt_lengths_sent"), result.get("c1_prompt_lengths_planned")
     if sent is not None and sent != planned:
         result["notes"].append("c=1 sent other prompt lengths than the runner timed: "
                                "the TTFT check is approximate")
-    result["checks"] = evaluate(result["levels"], result["runner"], plan.checks)
+    serving = "serving" in result["meta"]["parts"]
+    result["checks"] = evaluate(result["levels"], result["runner"], plan.checks)  # all n/a without levels
+    missing = {**{p: "not in --parts" for p in PARTS if p not in result["meta"]["parts"]}, **result["skipped"]}
+    result["targets"] = target_rows(result["checks"], result["parts"], missing)
     result["phases"]["total_s"] = budget.elapsed()
     title = f"{plan.shape} random, {plan.device}, 1P1D grpc, random {plan.input_len}/{plan.output_len}"
-    plot_note = write_plot(out / "serving_gpu.png", result["levels"], result["runner"], title)
+    plot_note = (write_plot(out / "serving_gpu.png", result["levels"], result["runner"], title)
+                 if result["levels"] else "no serving level ran: no PNG written")
     if plot_note:
         result["notes"].append(plot_note)
     (out / "serving_gpu.json").write_text(json.dumps(result, indent=2))
     note = "tiny CPU run: the targets are the H200's, PASS/MISS here mean nothing" if tiny else ""
-    table = format_table(result["levels"], result["checks"], result["runner"], note)
+    table = format_table(result["levels"], result["checks"], result["runner"], note) if serving else ""
     (out / "table.txt").write_text(table + "\n")
-    return table
+    meta = result["meta"]
+    commit = meta["commit"] + (" (uncommitted changes)" if meta["dirty"] else "")
+    targets = format_targets(result["targets"], commit, note)
+    (out / "targets.txt").write_text(targets + "\n")
+    return table, targets
 
 
 def main() -> int:
@@ -345,24 +374,33 @@ def main() -> int:
     commit = {"commit": args.commit, "dirty": None} if args.commit else git_commit()
     result: dict = {"meta": {**commit, "date": now, "mode": "tiny-cpu" if args.tiny else "gpu",
                              "argv": sys.argv[1:], "versions": versions(), "plan": asdict(plan),
-                             "worker_flags": flags, "model_dir": str(model_dir)},
-                    "phases": {}, "runner": None, "levels": [], "notes": []}
+                             "worker_flags": flags, "model_dir": str(model_dir), "parts": sorted(args.parts)},
+                    "phases": {}, "runner": None, "levels": [], "parts": {}, "skipped": {}, "notes": []}
     argv = [sys.executable, str(BENCH / "random_checkpoint.py"), str(model_dir), "--shape", plan.shape,
             "--device", plan.device, "--seed", str(args.seed)]
     ok, secs, _ = run_step("checkpoint", argv, budget.left(), out / "checkpoint.log")
     result["phases"]["checkpoint_s"] = secs
+    serving = "serving" in args.parts
     if ok:
-        measure_runner(plan, model_dir, out, args.seed, budget, result)
-        serve_levels(plan, model_dir, out, flags, args.profile, args.seed, budget, result)
+        if serving:
+            measure_runner(plan, model_dir, out, args.seed, budget, result)
+        keep = plan.serving_min_s if serving else 0.0
+        t0 = time.monotonic()
+        result["parts"] = run_parts(plan.parts, args.parts, model_dir, out / "parts", lambda: budget.left() - keep,
+                                    run_step, result["notes"], result["skipped"])
+        result["phases"]["parts_s"] = time.monotonic() - t0
+        if serving:
+            serve_levels(plan, model_dir, out, flags, args.profile, args.seed, budget, result)
     else:
         result["notes"].append("writing the checkpoint failed (see checkpoint.log)")
-    table = report(plan, out, result, args.tiny, budget)
+    table, targets = report(plan, out, result, args.tiny, budget)
     for line in result["notes"]:
         print(f"note: {line}")
     phases = ", ".join(f"{k} {v:.0f}s" for k, v in result["phases"].items() if k != "total_s")
     print(f"commit {result['meta']['commit']}, {now}, total {result['phases']['total_s']:.0f}s ({phases})")
-    print(table, flush=True)
-    return 0 if result["levels"] else 1
+    print(table + "\n" + targets if table else targets, flush=True)
+    measured = (not serving or result["levels"]) and set(result["parts"]) == args.parts - {"serving"}
+    return 0 if measured else 1
 
 
 if __name__ == "__main__":

@@ -15,8 +15,12 @@ own levels; its PASS/MISS mean nothing, and the table says so.
 """
 from __future__ import annotations
 
-import operator
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from target_check import check as _check  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -34,12 +38,6 @@ def level_row(concurrency: int, summary: dict) -> dict:
             "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
             "tpot_p50_ms": summary["tpot_ms"]["p50"], "itl_p50_ms": summary["itl_ms"]["p50"],
             "duration_s": summary["duration_s"]}
-
-
-def _check(name: str, value: float | None, op: str, target: float) -> dict:
-    compare = {"<=": operator.le, ">=": operator.ge}[op]
-    status = "n/a" if value is None else ("PASS" if compare(value, target) else "MISS")
-    return {"check": name, "value": value, "target": f"{op} {target:g}", "result": status}
 
 
 def evaluate(rows: list[dict], runner: dict | None, checks: Checks = Checks()) -> list[dict]:

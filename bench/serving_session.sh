@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# One device call (see bench/gpu_setup.sh): bench/serving_gpu.py end to end on one GPU (random
-# V2-Lite checkpoint, runner alone, `deepseek-pd up` 1P1D, `bench serving` at c=1/16/64/128);
-# everything lands under $OUT. Extra arguments go to serving_gpu.py (e.g. --profile,
-# --worker-args "--engine-opt=..."). The router wheel (smg) must already be installed.
+# One device call (see bench/gpu_setup.sh): all six targets of issue 7 in one run of
+# bench/serving_gpu.py on one GPU (random V2-Lite checkpoint; runner alone; the gRPC KV transfer
+# GPU pool -> GPU pool and Mooncake TCP, each against its raw ceiling; layer-wise TTFT of an 8k
+# prompt; `deepseek-pd up` 1P1D and `bench serving` at c=1/16/64/128). The last table printed is
+# the six targets (value, target, ratio, PASS/MISS, commit); everything lands under $OUT. Extra
+# arguments go to serving_gpu.py (e.g. --profile, --parts serving, --worker-args "--engine-opt=...").
+# Carry .whl/ with the router's wheels (smg, ...) unless the image has them, and bench/wheels/ with
+# the mooncake (and isal) wheels, or the Mooncake row says it was skipped (gpu_setup.sh says how).
 source "$(dirname "$0")/gpu_setup.sh"
 # From /tmp: `python -m deepseek_pd.cli` in the checkout would import its deepseek_pd/ folder, which
 # lacks the mapped subpackages (model/, workers/, ...), instead of the installed package.

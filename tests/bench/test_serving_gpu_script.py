@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 def test_tiny_run_reports_what_it_measured(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = [sys.executable, str(REPO / "bench" / "serving_gpu.py"), "--tiny", "--out", str(out),
-            "--model-dir", str(tmp_path / "model"), "--profile", "--budget-s", "400"]
+            "--model-dir", str(tmp_path / "model"), "--profile", "--budget-s", "400",
+            "--parts", "serving"]  # the transfer parts: tests/bench/test_targets_table.py
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "serving_gpu.json").read_text())
@@ -63,6 +64,11 @@ def test_tiny_run_reports_what_it_measured(tmp_path: Path) -> None:
     assert (out / "serving_gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = proc.stdout.strip().splitlines()
     assert table[-1].startswith("tiny CPU run") and any(line.startswith("check") for line in table)
+    # The six targets' table comes last: the serving checks as measured, the transfer parts not run.
+    targets, checks = result["targets"], result["checks"]
+    assert [{k: t[k] for k in c} for t, c in zip(targets[:4], checks)] == checks and len(targets) == 7
+    assert [t["why"] for t in targets[4:]] == ["not in --parts"] * 3
+    assert table[-10].startswith("issue 7 targets, commit ")
 
     pyspy_binary = bench_module("pyspy_profile").pyspy_binary
 
