@@ -144,3 +144,23 @@ def test_local_sources_are_checked_not_downloaded(checkpoint, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == EXIT_CODES["ModelNotFound"]
     assert log.read_text().startswith("ModelNotFound: hostPath source:") and "config.json" in log.read_text()
+
+
+def test_a_groups_init_containers_at_once_fetch_each_file_once(checkpoint, tmp_path):
+    """Every pod of a group runs the same init container on the group's cache volume at the same
+    time: all of them exit 0 with the same snapshot, and the Hub serves each file exactly once (the
+    per-file lock; the others find it verified)."""
+    pods = random.randint(2, 4)
+    with FakeHub(REPO, checkpoint) as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}
+        env.pop("HF_TOKEN", None)
+        argv = [sys.executable, "-m", "deepseek_pd.cli", "download", "--source", "huggingFace", "--repo", REPO,
+                "--cache-dir", str(tmp_path / "volume")]
+        procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(pods)]
+        outputs = [proc.communicate(timeout=90) for proc in procs]
+        fetched = sorted(r[1] for r in hub.requests if "/resolve/" in r[1])
+    assert [proc.returncode for proc in procs] == [0] * pods, [err[-2000:] for _, err in outputs]
+    assert {out.strip().splitlines()[-1] for out, _ in outputs} == {str(snapshot_dir(tmp_path / "volume", REPO, "main"))}
+    assert fetched == sorted(f"/{REPO}/resolve/{COMMIT}/{name}" for name in hub.files), fetched
+    _assert_same_files(checkpoint, Path(snapshot_dir(tmp_path / "volume", REPO, "main")))
