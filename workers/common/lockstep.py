@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import queue
@@ -72,9 +73,13 @@ class Waker(Protocol):
 
 
 def exit_group_failed(message: str) -> None:
-    """Ends this process with GROUP_FAILED_EXIT (its group is broken), after logging why."""
+    """Ends this process with GROUP_FAILED_EXIT (its group is broken), after logging why and
+    where every thread of this rank stood (stderr): a hung peer's group is otherwise undiagnosable,
+    since the collective that timed out says nothing of what the other ranks were doing."""
     log.critical("rank group failed: %s; exiting so the whole group restarts", message)
     logging.shutdown()
+    with contextlib.suppress(Exception):  # best effort: the exit must happen
+        faulthandler.dump_traceback(all_threads=True)
     os._exit(GROUP_FAILED_EXIT)
 
 
