@@ -113,14 +113,17 @@ def _logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["v3", "v2"])
 def test_fp8_model_is_close_to_the_dequantised_model(tmp_path, arch):
     directory, config = _fp8_checkpoint(tmp_path, arch, (128, 128))
-    prompt = [random.randrange(config.vocab_size) for _ in range(random.randint(3, 24))]
+    prompts = [[random.randrange(config.vocab_size) for _ in range(random.randint(3, 24))] for _ in range(5)]
     kept = ModelRunner(RunnerConfig(model=str(directory), fp8_backend="torch", num_pages=64))
     widened = ModelRunner(RunnerConfig(model=str(directory), fp8_backend="dequant", num_pages=64))
     assert fp8_blocks(kept.model) and not fp8_blocks(widened.model)
-    a, b = _logits(kept, prompt), _logits(widened, prompt)
+    errors = sorted(float((a - b).norm() / b.norm()) for a, b in
+                    ((_logits(kept, p), _logits(widened, p)) for p in prompts))
     # Only the activations' e4m3 rounding differs (<= 2^-4 per element); 4 random layers compound it
-    # (0.06-0.14 seen on these tiny models). Scales in the wrong blocks give errors of order 1.
-    assert float((a - b).norm() / b.norm()) < 0.3
+    # (0.06-0.14 seen on these tiny models). Scales in the wrong blocks give errors of order 1 on
+    # every prompt; a near-tie in V3's router that the rounding flips moves one prompt's logits
+    # further (0.46 seen once in a full run), hence the median of five prompts.
+    assert errors[len(errors) // 2] < 0.3, errors
 
 
 def test_fp8_backend_on_a_checkpoint_that_is_not_fp8_is_a_user_error():
