@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import pathlib
 import random
@@ -17,7 +16,7 @@ import time
 
 import pytest
 import yaml
-from e2e_deployment import NS, Deployment
+from e2e_deployment import Deployment
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -31,46 +30,7 @@ def example(models: pathlib.Path, file: str = "cpu-minimal.yaml") -> dict:
     cr["spec"]["model"]["source"]["hostPath"]["path"] = str(models)
     for role in ("prefill", "decode"):
         cr["spec"][role]["engineArgs"] = list(WORKER_ARGS)
-    if not _operator_renders(cr, "decode", "--prefill-peers"):
-        # Until the operator renders decode's --prefill-peers, decode refuses every bootstrap
-        # address that is not loopback (workers/decode/prefill_peers.py): list the leader.
-        from deepseek_pd.operator import names
-        leader = names.leader_address(cr["metadata"]["name"], "prefill", 0, NS)
-        cr["spec"]["decode"]["engineArgs"].append(f"--prefill-peers={leader}:8998")
-    if not _operator_mounts_internal_secret(cr):
-        # Until the operator mounts the deployment secret itself, every worker reads one file
-        # (pods share the host's /tmp): prefill and decode must hold the same HMAC key.
-        from deepseek_pd.workers.common.internal_auth import SECRET_FILE_ENV
-        cr["spec"]["env"] = [{"name": SECRET_FILE_ENV, "value": os.environ[SECRET_FILE_ENV]}]
     return cr
-
-
-def _parsed(cr: dict):
-    from deepseek_pd.operator.spec import DeploymentSpec
-
-    try:
-        return DeploymentSpec.parse(cr["metadata"]["name"], NS, copy.deepcopy(cr["spec"]))
-    except Exception:  # noqa: BLE001 (the raw example lacks defaults the apiserver fills in)
-        return None
-
-
-def _operator_renders(cr: dict, role: str, flag: str) -> bool:
-    """Whether the operator's own `serve` arguments for `role` carry `flag`."""
-    from deepseek_pd.operator.build_workers import build_worker_args
-
-    spec = _parsed(cr)
-    return spec is not None and any(a.split("=")[0] == flag for a in build_worker_args(spec, spec.role(role)))
-
-
-def _operator_mounts_internal_secret(cr: dict) -> bool:
-    from deepseek_pd.operator.build_workers import build_pod_template
-    from deepseek_pd.workers.common.internal_auth import SECRET_FILE_ENV
-
-    spec = _parsed(cr)
-    if spec is None:
-        return False
-    template = build_pod_template(spec, spec.decode, 0, spec.role_revision("decode"))
-    return any(e["name"] == SECRET_FILE_ENV for e in template["spec"]["containers"][0].get("env") or [])
 
 
 def apply(dep: Deployment, obj: dict, check: bool = True) -> subprocess.CompletedProcess:
