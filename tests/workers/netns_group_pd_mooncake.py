@@ -21,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from deepseek_pd.launcher.ports import pick_free_port_blocks
 from pdtest.group_harness import PAGE_SIZE, GroupWorker, offline_greedy
-from pdtest.rank_metrics import consecutive_free_ports, scrape, value
+from pdtest.rank_metrics import scrape, value
 
 VOCAB = 256
 DP = 2
@@ -82,7 +83,7 @@ def main(seed: int, tmp: Path) -> None:
     max_new = [rng.randint(1, 6) for _ in range(count)]
     rooms = [rng.randrange(2**31 - 1) // DP * DP + i % DP for i in range(count)]  # both ranks, drawn rooms
     want = offline_greedy(prompts, max_new)
-    p_metrics, d_metrics = consecutive_free_ports(DP), consecutive_free_ports(DP)
+    p_metrics, d_metrics = pick_free_port_blocks([DP, DP])  # distinct runs, held together while picked
     with GroupWorker("prefill", GROUP + ["--metrics-port", str(p_metrics)], tmp / "prefill.log", env=ENV) as prefill, \
             GroupWorker("decode", GROUP + ["--metrics-port", str(d_metrics)], tmp / "decode.log", env=ENV) as decode:
         async def run() -> tuple[list, list[float]]:

@@ -16,8 +16,8 @@ from deepseek_pd.cli import main
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.eplb.expert_location import resolve_expert_location
 from deepseek_pd.model.model_dir import resolve_model_dir
+from deepseek_pd.launcher.ports import pick_free_port_blocks
 from pdtest.group_harness import GroupWorker, generate_all, offline_greedy
-from pdtest.rank_metrics import consecutive_free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 VOCAB = 256  # stay in the tiny tokenizer's byte range
@@ -37,7 +37,7 @@ def test_group_with_redundant_experts_equals_offline_and_dumps_its_load(tmp_path
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 30))] for _ in range(rng.randint(4, 6))]
     max_new = [rng.randint(1, 6) for _ in prompts]
     want = offline_greedy(prompts, max_new)
-    metrics_port = consecutive_free_ports(2)
+    metrics_port = pick_free_port_blocks([2])[0]
     args = ["--dp", "2", "--ep", "2", "--ep-num-redundant-experts", str(redundant),
             "--init-expert-location", str(placement), "--engine-opt=record_expert_load=true",
             "--metrics-port", str(metrics_port)]

@@ -13,8 +13,9 @@ import random
 import pytest
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
+from deepseek_pd.launcher.ports import pick_free_port_blocks
 from pdtest.group_harness import GroupWorker
-from pdtest.rank_metrics import consecutive_free_ports, scrape, value
+from pdtest.rank_metrics import scrape, value
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -24,7 +25,7 @@ def test_each_rank_serves_its_own_metrics_and_requests_are_counted_once(tmp_path
     rng = random.Random()
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 40))] for _ in range(rng.randint(4, 7))]
     max_new = [rng.randint(1, 6) for _ in prompts]
-    port = consecutive_free_ports(2)
+    port = pick_free_port_blocks([2])[0]
     with GroupWorker("decode", ["--dp", "2", "--ep", "2", "--metrics-port", str(port)],
                      tmp_path / "group.log") as worker:
         asyncio.run(worker.wait_healthy())

@@ -1,35 +1,11 @@
 """Scraping a multi-rank worker's per-rank Prometheus ports (`--metrics-port P`: rank r on P + r)."""
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "deepseek_pd:"
-
-
-def consecutive_free_ports(count: int) -> int:
-    """A port p with p .. p + count - 1 all free on 127.0.0.1 (bound briefly, then released)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65536:
-            continue
-        held = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def scrape(port: int) -> tuple[set[str], dict]:
