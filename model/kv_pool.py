@@ -94,7 +94,7 @@ class KVPool:
     @property
     def bytes_per_page(self) -> int:
         """Bytes of one page of one layer, the unit of PD transfer."""
-        return self.page_size * self.kv_dim * self.buffers[0].element_size()
+        return latent_kv_bytes(1, self.kv_dim, self.buffers[0].element_size(), tokens=self.page_size)
 
     @property
     def total_bytes(self) -> int:

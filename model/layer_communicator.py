@@ -56,7 +56,6 @@ def row_move(src: ScatterMode, dst: ScatterMode, parallel: ParallelInfo) -> Move
 class LayerCommunicator:
     def __init__(self, modes: LayerScatterModes, input_layernorm: RMSNorm, post_attention_layernorm: RMSNorm,
                  parallel: ParallelInfo) -> None:
-        self.modes = modes
         self._input_norm, self._post_attn_norm = input_layernorm, post_attention_layernorm
         self._attn_input = row_move(modes.layer_input, modes.attn, parallel)
         # o_proj's sum lands where the MLP runs: reduce-scatter rather than all-reduce + slice.

@@ -198,12 +198,12 @@ class TwoBatchOverlap:
     def _run(self, mode: ForwardMode, parts: tuple["MicroBatch | None", ...], trace: list[TraceEntry] | None = None,
              progress: "LayerProgress | None" = None) -> list[OpState]:
         """The interleaved schedule of `mode` over `parts` (None: an empty micro-batch)."""
+        writers = sum(part is not None for part in parts)  # non-empty micro-batches: they write KV
         self.stats["overlapped"] += 1
-        self.stats["micro_batches"] += sum(part is not None for part in parts)
+        self.stats["micro_batches"] += writers
         model, stand_in = self.model, EmptyBatch(mode)
         states = [OpState() if part is None else model.initial_state(part.batch) for part in parts]
         stages = self.stages[mode]
-        writers = sum(part is not None for part in parts)  # micro-batches that write KV
         written: dict[int, int] = {}  # layer id -> micro-batches whose KV write has run
         for micro, index in interleaved_order(len(stages), DELTA_STAGES[mode]):
             part = parts[micro]
