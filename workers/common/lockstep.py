@@ -11,9 +11,8 @@ the tick, over the group's step process group:
       rank 0, closing, ticks [0, 0, 1]                    (the group's stop, after rank 0 drained)
       if the MAX says "forward", every rank runs one: its own, or an idle one (`runner.idle`) that
       joins the MoE all-to-alls with zero tokens (the seed's `is_non_idle_and_non_empty` case)
-      if it says "nothing", every rank waits a little (the same backoff on all ranks, up to
-      `idle_max_s`) and ticks again; after `sleep_after_ticks` such ticks in a row the whole group
-      sleeps (below)
+      if it says "nothing", every rank waits a little (a backoff up to `idle_max_s`) and ticks
+      again; after `sleep_after_ticks` such ticks in a row the whole group sleeps (below)
       if it says "stop", every rank finishes that step and its thread ends: `group_stopped` is set
 
 Invariant: every tick that says "forward" is followed by exactly one forward on every rank, so
@@ -21,12 +20,12 @@ the collectives inside the forwards pair up. Jobs that run no forward (collectin
 run between ticks and need no agreement.
 
 Sleeping (`waker`, e.g. the group's TCPStore: rank_group.StoreWaker): an idle group does not tick
-at all. The decision to sleep follows from tick results, so every rank makes it at the same tick
-and counts the same sleep `epoch`. A sleeping rank blocks in `waker.wait(epoch)` (no CPU, no
-traffic); whoever gets a job during the sleep (`run`, `close`, or this thread finding its queue
-non-empty just as it would sleep) calls `waker.wake(epoch)`, which wakes every rank at once, and
-the ticks resume. A wake for an old epoch is ignored, so two ranks waking the group at once cannot
-leave a rank ticking alone.
+at all. The decision to sleep follows from tick results only (never from a rank's own jobs that
+run no forward), so every rank makes it at the same tick and counts the same sleep `epoch`. A
+sleeping rank blocks in `waker.wait(epoch)` (no CPU, no traffic); whoever gets a job during the
+sleep (`run`, `close`, or this thread finding its queue non-empty just as it would sleep) calls
+`waker.wake(epoch)`, which wakes every rank at once, and the ticks resume. A wake for an old
+epoch is ignored, so two ranks waking the group at once cannot leave a rank ticking alone.
 
 Failure: a collective that fails (a peer died: gloo sees its sockets close) or times out
 (`collective_timeout_s`, a hung peer), or any exception inside a forward (the collective sequence is
@@ -108,6 +107,7 @@ class LockstepModelThread:
         self._lock = threading.Lock()  # the queue's puts vs the thread's decision to sleep
         self._asleep_epoch: int | None = None
         self._epoch = 0
+        self._quiet_ticks = 0  # ticks in a row whose MAX said "nothing": the group's idleness
         self._stop_seen = False
         self._ended = False  # the thread is over: nothing may be queued any more
         self._stopping = threading.Event()
@@ -156,7 +156,7 @@ class LockstepModelThread:
 
     # ---- the thread ---------------------------------------------------------------------------
     def _main(self) -> None:
-        idle_s, idle_ticks = _IDLE_MIN_S, 0
+        idle_s = _IDLE_MIN_S  # this rank's wait between idle ticks: local timing only
         try:
             while not self._stop_seen:
                 try:
@@ -169,15 +169,14 @@ class LockstepModelThread:
                     return
                 if item:
                     self._run_job(*item)
-                    idle_s, idle_ticks = _IDLE_MIN_S, 0
+                    idle_s = _IDLE_MIN_S
                     continue
                 if self._join_step(*self._tick(False, False)):
-                    idle_s, idle_ticks = _IDLE_MIN_S, 0
+                    idle_s = _IDLE_MIN_S
                     continue
-                idle_ticks += 1  # the whole group is idle: every rank counts alike
-                if self._waker is not None and idle_ticks >= self._sleep_after_ticks and not self._stop_seen:
+                if self._waker is not None and self._quiet_ticks >= self._sleep_after_ticks and not self._stop_seen:
                     self._sleep()
-                    idle_s, idle_ticks = _IDLE_MIN_S, 0
+                    idle_s = _IDLE_MIN_S
                 else:
                     idle_s = min(idle_s * 2, self._idle_max_s)
         finally:
@@ -203,6 +202,7 @@ class LockstepModelThread:
 
     def _sleep(self) -> None:
         self._epoch += 1
+        self._quiet_ticks = 0  # every rank passes here at the same tick (or wakes it at once)
         with self._lock:
             busy = not self._jobs.empty()
             if not busy:
@@ -244,6 +244,10 @@ class LockstepModelThread:
             self._fail(f"a peer rank left or stopped answering: {exc}")
             raise
         self.ticks += 1
+        # The sleep decision reads only tick results, which every rank sees alike. (A rank's own
+        # jobs that run no forward, such as admitting a request whose KV is still in flight, must
+        # not count: that rank would sleep ticks after its peers and tick alone into a collective.)
+        self._quiet_ticks = 0 if flags[0] else self._quiet_ticks + 1
         if flags[2] and not self._stop_seen:  # this step's forward still runs everywhere, then the end
             log.info("%s: rank 0 stopped the group", self._name)
             self._stop_seen = True

@@ -61,3 +61,44 @@ def test_idle_group_sleeps_wakes_for_any_rank_and_stops_with_rank_zero() -> None
     assert own == len(single) + len(pair)
     for report in reports:
         assert report["forwards"] + report["idle_forwards"] >= 2
+
+
+async def _local_jobs_then_forward(rank, thread, step, report, options) -> None:
+    """Rank 0 runs jobs of its own that run no forward (what an engine does when a request arrives
+    and waits for its KV) while the group idles; then one forward on rank 0 must meet the others."""
+    rng = random.Random(options["seed"] + rank)
+    if rank == 0:
+        deadline = time.monotonic() + options["local_jobs_s"]
+        while time.monotonic() < deadline:
+            await thread.run(int)  # no forward: the group's sleep decision must not hear of it
+            await asyncio.sleep(rng.uniform(0.0, 0.03))
+    await asyncio.sleep(options["local_jobs_s"] if rank else 0.0)
+    await asyncio.sleep(options["idle_s"])
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            report["result"] = await asyncio.wait_for(
+                thread.run(forward_job, thread, step, options["tokens"], rank, options["world"]), options["deadline_s"])
+        except asyncio.TimeoutError:
+            report["result"] = "hung"
+        report["latency"] = time.monotonic() - started
+    await asyncio.sleep(0.5)
+    if rank == 0:
+        await asyncio.to_thread(thread.close)
+    report["stopped"] = await asyncio.to_thread(thread.group_stopped.wait, 15)
+
+
+def test_jobs_without_a_forward_on_one_rank_do_not_split_the_groups_sleep() -> None:
+    """Every rank must decide to sleep at the same tick. A rank that counted its own no-forward
+    jobs as activity slept later than the others, so it ticked alone into a collective that no
+    peer would join (the multi-rank `up` e2e hung 60 s this way, then restarted the group)."""
+    rng = random.Random()
+    world = rng.choice([2, 3])
+    options = {"world": world, "seed": rng.randrange(1 << 30), "local_jobs_s": 0.6, "idle_s": 1.0,
+               "tokens": rng.randint(1, 99), "deadline_s": 10.0}
+    reports = run_script(world, _local_jobs_then_forward, options)
+    result = reports[0]["result"]
+    assert result != "hung", reports
+    assert result[0] == options["tokens"] and not any(result[1:]), reports
+    for report in reports:
+        assert report["failures"] == [] and report["stopped"], report
