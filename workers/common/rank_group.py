@@ -41,7 +41,9 @@ class StoreWaker:
 
     _PREFIX = "deepseek_pd/lockstep/wake/"
 
-    def __init__(self, host: str, port: int, poll_s: float = 30.0) -> None:
+    # Long: each wait that times out makes c10d log two warnings, and a store that is gone ends a
+    # wait at once (the connection resets), so the poll only bounds how long an idle wait lasts.
+    def __init__(self, host: str, port: int, poll_s: float = 600.0) -> None:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=poll_s)
