@@ -20,6 +20,11 @@ written) or raises a `RequestFailure` (workers/common/request_failure.py):
     ack or done without a valid token            -> INTERNAL (not the deployment's prefill worker)
     address not a registered prefill worker      -> INVALID_ARGUMENT, before any connection
 
+Just before a handshake goes out, the sink's `exposure.handed_out()` records that the peer may know
+the pages (kv_transfer/exposure.py): a one-sided peer may write them from then on, so a transfer
+that fails later has its pages zeroed, while one refused before (an unregistered address, no
+route) frees them untouched.
+
 Every handshake and abort is signed with the deployment secret, and the prefill side's ack and
 done must answer this stream's handshake (workers/common/internal_auth.py).
 
@@ -111,7 +116,7 @@ class BootstrapClient:
         handshake.room = params.bootstrap_room
         await self.peers.check(params.bootstrap_host, params.bootstrap_port)  # before any connection
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        call, ack, endpoint = await self._connect(params, handshake, deadline)
+        call, ack, endpoint = await self._connect(params, handshake, sink, deadline)
         window = max(1, ack.credit_window)
         finished = False
         readers: list[KVStreamReader] = []
@@ -150,7 +155,7 @@ class BootstrapClient:
                 raise TransferError(FailureCode.UNAVAILABLE, f"KV stream {index} of room "
                                     f"{params.bootstrap_room} could not be opened: {exc!r}") from None
 
-    async def _connect(self, params: DisaggParams, handshake: pb.Handshake, deadline: float):
+    async def _connect(self, params: DisaggParams, handshake: pb.Handshake, sink: KVSink, deadline: float):
         origin = (params.bootstrap_host, params.bootstrap_port)
         address = target(*origin)
         give_up = min(deadline, time.monotonic() + self.config.handshake_timeout_s)
@@ -177,6 +182,8 @@ class BootstrapClient:
             call = _BootstrapStub(self._channel(*endpoint)).Transfer(timeout=max(deadline - time.monotonic(), 0.001))
             # A fresh token per attempt: the prefill side refuses a nonce it has seen.
             self.config.auth.sign(handshake, "handshake", self.identity, address)
+            # From here the peer may know the pages (a write that fails may still have gone out).
+            sink.exposure.handed_out()
             try:
                 await asyncio.wait_for(call.write(pb.DecodeMessage(handshake=handshake)), remaining)
                 first = await asyncio.wait_for(call.read(), max(give_up - time.monotonic(), 0.001))

@@ -18,8 +18,11 @@ the same tokens (a tested property).
 
 Every request ends with one Finished or Failed; its pages go back on every path, and never
 while a launched step still uses them. Pages whose transfer did not pass its checks (failed,
-refused, aborted) go back zeroed, after the transport's late-write grace: the zeroing happens
-then, not when the transfer failed, so a one-sided write that lands late is wiped too.
+refused, aborted) go back zeroed if the transfer may have written into them (its sink's
+`exposure`, kv_transfer/exposure.py), else at once as they are. A one-sided transport's pages
+wait out its late-write grace first: the zeroing happens then, not when the transfer failed, so a
+write that lands late is wiped too. The zeroing runs in a worker thread, never on the event loop
+(on CUDA it waits for its stream), and the pages go back to the pool once it has returned.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from deepseek_pd.workers.common.api import (
 from deepseek_pd.workers.common.extend_step import run_extend
 from deepseek_pd.workers.common.first_token_wire import first_top_logprobs
 from deepseek_pd.workers.common.kv_transfer import build_receiver
+from deepseek_pd.workers.common.kv_transfer.exposure import PageExposure
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.request_failure import RequestAborted, RequestFailure
 from deepseek_pd.workers.common.request_lifecycle import EngineCore, RequestRecord
@@ -72,7 +76,8 @@ class _Request(RequestRecord):
     launched: int = 0  # output tokens sampled or being sampled (collected + in flight)
     in_flight: int = 0  # launched steps (or a prefill round) that still use the pages
     finished: bool = False
-    kv_untrusted: bool = False  # the prompt pages may hold a transfer's bytes that were not checked
+    # While the prompt pages may hold a transfer's bytes that did not pass its checks: what it exposed.
+    unchecked_kv: PageExposure | None = None
     last_token_at: float = 0.0  # perf_counter when its latest token was streamed (inter-token latency)
 
     @property
@@ -150,22 +155,23 @@ class DecodeEngine(EngineCore[_Request]):
             state.reservation = await state.watch(self.budget.admit(prompt_pages, reserve))
             if request.disagg is not None:
                 transport = self.config.kv_transport
-                state.kv_untrusted = True
+                pages = state.reservation.pages[:prompt_pages]
+                sink = self.receiver.open_sink(pages)
+                state.unchecked_kv = sink.exposure
                 try:
                     began = time.perf_counter()
                     done = await state.watch(pull_kv(
-                        self.client, self.receiver, request.disagg, request.rid, prompt_len,
-                        state.reservation.pages[:prompt_pages], model_config.vocab_size,
-                        request.sampling.top_logprobs_num))
+                        self.client, self.receiver, request.disagg, request.rid, prompt_len, pages,
+                        model_config.vocab_size, request.sampling.top_logprobs_num, sink))
                     self.metrics.observe_kv_transfer(transport, done.bytes_sent, time.perf_counter() - began)
                 except RequestFailure as exc:  # an abort too: a one-sided write may still be landing
                     self.metrics.count_kv_transfer_failure(transport, exc.code.value)
                     transfer_done = exc.peer_knows  # nothing to tell the prefill side then
                     raise
                 transfer_done = True
-                state.kv_untrusted = False
+                state.unchecked_kv = None
                 # Attention TP: the other TP ranks get these pages before the next forward (model/tp_replay.py).
-                self.runner.kv_written_externally(state.reservation.pages[:prompt_pages])
+                self.runner.kv_written_externally(pages)
                 state.cached_tokens = done.cached_tokens
                 # The prefill side sampled token 1 at step 0 of the same seed; continue at step 1.
                 state.sampling.record(done.first_token_id)
@@ -238,11 +244,14 @@ class DecodeEngine(EngineCore[_Request]):
     def _release(self, state: _Request) -> None:
         if state.reservation is None:
             return
-        if state.kv_untrusted:  # zeroed as they are freed: after any late one-sided write
-            self.budget.release(state.reservation, delay_s=self.receiver.late_write_grace_s,
-                                before_free=functools.partial(scrub_pages, self.pool))
-        else:
+        exposure = state.unchecked_kv
+        if exposure is None or not exposure.may_be_written:
             self.budget.release(state.reservation)
+            return
+        # Zeroed in a worker thread before they go back, and after any late one-sided write.
+        self.budget.release(state.reservation,
+                            delay_s=self.receiver.late_write_grace_s if exposure.late_writes else 0.0,
+                            scrub=functools.partial(asyncio.to_thread, scrub_pages, self.pool))
 
     def _done_with(self, states) -> None:
         """A launched step (or prefill round) that used `states`' pages has finished."""

@@ -13,7 +13,8 @@ the layouts were compared at the handshake. What remains is the content:
   freed, every later request that reuses them (masked slots still multiply a NaN by zero).
 
 A request whose transfer fails any check fails alone (INTERNAL, with the reason), and its pages
-are zeroed before they go back to the pool, so nothing it received can reach another request.
+are zeroed (`scrub_pages`) before they go back to the pool, so nothing it received can reach another
+request.
 The finite check is one pass over the prompt's pages per layer on the pool's device, on this
 thread's side stream (page_io.side_stream) with a single sync of that stream at the end: on the
 default stream its index upload and its sync waited behind the decode step in flight (py-spy:
@@ -99,7 +100,8 @@ def scrub_pages(pool: KVPool, pages: Sequence[int]) -> None:
 
     Returns once the zeros are in memory (on CUDA it syncs its side stream): the caller frees the
     pages next, and their next owner's KV may arrive by a NIC or on another stream, which a zeroing
-    still queued on the GPU could otherwise overwrite."""
+    still queued on the GPU could otherwise overwrite. It blocks, so the engine runs it in a worker
+    thread (DecodeEngine._release, PageBudget.release), never on the event loop."""
     if not pages:
         return
     with _on_side_stream(pool):

@@ -1,7 +1,8 @@
 """The decode side of one PD request's transfer: build the handshake, follow it to TransferDone,
-check what arrived (kv_checks.py). A refused or failed transfer's pages may hold anything: the
-engine zeroes them when it frees them (DecodeEngine._release), after the transport's late-write
-grace, so that a one-sided write landing after the failure is wiped as well."""
+check what arrived (kv_checks.py). A refused or failed transfer's pages may hold anything once its
+sink's `exposure` says so (kv_transfer/exposure.py): the engine then zeroes them when it frees them
+(DecodeEngine._release), for a one-sided transport after its late-write grace, so that a write
+landing after the failure is wiped as well."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,7 @@ from typing import Sequence
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import DisaggParams
-from deepseek_pd.workers.common.kv_transfer import KVReceiver
+from deepseek_pd.workers.common.kv_transfer import KVReceiver, KVSink
 from deepseek_pd.workers.common.kv_transfer.base import layout_of
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_checks import (
@@ -22,15 +23,17 @@ log = logging.getLogger(__name__)
 
 async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggParams, rid: str,
                   num_tokens: int, pages: Sequence[int], vocab_size: int | None = None,
-                  top_logprobs_num: int = 0) -> pb.TransferDone:
+                  top_logprobs_num: int = 0, sink: KVSink | None = None) -> pb.TransferDone:
     """Gets the prompt's KV into `pages` (already allocated) and checks it; raises a RequestFailure.
     `vocab_size`: the first token must be below it (the engine always passes it), and so must the
-    `top_logprobs_num` top logprobs that come with it."""
+    `top_logprobs_num` top logprobs that come with it. `sink`: `receiver.open_sink(pages)` by the
+    caller, who reads its `exposure` after a failure (default: one opened here)."""
     handshake = pb.Handshake(decode_rid=rid, num_tokens=num_tokens, page_ids=list(pages),
                              layout=layout_of(receiver.pool))
     receiver.fill_destination(handshake)
     started = time.monotonic()
-    sink = receiver.open_sink(pages)
+    if sink is None:
+        sink = receiver.open_sink(pages)
     done = await client.transfer(params, handshake, sink)
     if vocab_size is not None:
         check_first_token(done, vocab_size, rid)

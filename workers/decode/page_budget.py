@@ -13,13 +13,16 @@ request then ends with RESOURCE_EXHAUSTED.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.model.request_rules import kv_tokens_needed
 from deepseek_pd.workers.common.request_failure import AdmissionRefused
+
+log = logging.getLogger(__name__)
 
 
 def decode_reserve_pages(pool: KVPool, prompt_len: int, max_new: int, reserve_tokens: int) -> int:
@@ -46,6 +49,7 @@ class PageBudget:
         # never come back, so a request is measured against what is usable, not pool.num_pages.
         self.capacity = pool.num_free_pages
         self._waiters: deque[object] = deque()  # admit() calls in arrival order
+        self._held: set[asyncio.Task] = set()  # released pages on their way back (grace, scrub)
 
     @property
     def admissible(self) -> int:
@@ -89,9 +93,12 @@ class PageBudget:
         self.reserved -= from_reserve
 
     def release(self, reservation: Reservation, delay_s: float = 0.0,
-                before_free: Callable[[list[int]], None] | None = None) -> None:
-        """Gives the pages and the unused reserve back (the pages after `delay_s`, if > 0);
-        `before_free(pages)` runs just before the pages go back (a scrub of their contents)."""
+                scrub: Callable[[list[int]], Awaitable[None]] | None = None) -> None:
+        """Gives the unused reserve back now and the pages after `delay_s` (if > 0) and `scrub`.
+
+        `scrub(pages)` (zeroing their contents, off the event loop) must have returned before the
+        pages go back: their next owner's KV may arrive by a NIC or on another stream. If it
+        raises, the pages stay out of the pool for good, logged: a leak, never a leak of data."""
         if reservation.released:
             return
         reservation.released = True
@@ -99,13 +106,28 @@ class PageBudget:
         reservation.reserved = 0
         pages, reservation.pages = reservation.pages, []
         self._changed.set()
-        if delay_s > 0:
-            asyncio.get_running_loop().call_later(delay_s, self._free, pages, before_free)
-        else:
-            self._free(pages, before_free)
+        if delay_s <= 0 and scrub is None:
+            self._free(pages)
+            return
+        task = asyncio.get_running_loop().create_task(self._free_later(pages, delay_s, scrub))
+        self._held.add(task)
+        task.add_done_callback(self._held.discard)
 
-    def _free(self, pages: list[int], before_free: Callable[[list[int]], None] | None = None) -> None:
-        if before_free is not None:
-            before_free(pages)  # if it raises, the pages stay out of the pool: a leak, not a leak of data
+    async def _free_later(self, pages: list[int], delay_s: float,
+                          scrub: Callable[[list[int]], Awaitable[None]] | None) -> None:
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        if scrub is not None:
+            try:
+                await scrub(pages)
+            except Exception:
+                log.exception("zeroing %d released KV pages %s failed: they stay out of the pool until "
+                              "the worker restarts", len(pages), pages[:8])
+                self.capacity -= len(pages)  # a request measured against them could never be admitted
+                self._changed.set()
+                return
+        self._free(pages)
+
+    def _free(self, pages: list[int]) -> None:
         self.pool.free(pages)
         self._changed.set()

@@ -44,6 +44,7 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.bootstrap_protocol import MAX_CHUNK_BYTES, MAX_KV_STREAMS
+from deepseek_pd.workers.common.kv_transfer.exposure import PageExposure
 from deepseek_pd.workers.common.kv_transfer.stats import TransferStats
 from deepseek_pd.workers.common.request_failure import RequestFailure, TransferError
 
@@ -171,15 +172,19 @@ class KVSink(abc.ABC):
 
     Once failed (`fail`, or a chunk refused), it stays failed: later chunks are refused and
     `check_complete` raises the first error, so a partial KV is never taken as complete.
+    `exposure` says whether the pages may hold bytes of this transfer (exposure.py).
     """
 
     # Where the bootstrap client runs `on_chunk` (a worker pool: off the event loop); None: inline.
     executor: Executor | None = None
+    # The peer writes the pages itself (mooncake, fake); a sink that writes them itself says False.
+    one_sided: bool = True
 
     def __init__(self, pool: KVPool, pages: Sequence[int]) -> None:
         self.pool = pool
         self.pages = list(pages)
         self.stats = TransferStats()
+        self.exposure = PageExposure(self.one_sided)
         self._failed: RequestFailure | None = None
         self._fail_lock = threading.Lock()
 
@@ -242,10 +247,11 @@ class KVReceiver(abc.ABC):
 
     @property
     def late_write_grace_s(self) -> float:
-        """After a failed transfer, how long the prefill side may still write into its pages.
+        """After a failed transfer, how long a one-sided peer may still write into its pages.
 
-        Zero when every write passes through this process's event loop (grpc) or cannot
-        outlive the failure (fake); one-sided writers (mooncake) need the pages kept this long.
+        Read only for a transfer whose sink's `exposure.late_writes` says such a write is possible
+        (a one-sided transport whose peer was told the pages); mooncake needs its send timeout, the
+        in-process fake none (its writes cannot outlive the test's failure).
         """
         return 0.0
 

@@ -136,6 +136,8 @@ class GrpcSender(KVSender):
 class GrpcSink(KVSink):
     """Checks and writes chunks; thread-safe, so several chunks may be written at once."""
 
+    one_sided = False  # every byte in the pages is one this sink wrote (`on_chunk`)
+
     def __init__(self, pool: KVPool, pages: Sequence[int], executor: ThreadPoolExecutor | None = None) -> None:
         super().__init__(pool, pages)
         self.executor = executor
@@ -150,6 +152,7 @@ class GrpcSink(KVSink):
         try:
             with self.stats.timed("check"):
                 self._check(chunk)
+            self.exposure.wrote()  # a write that fails half-way leaves bytes behind too
             with self.stats.timed("write"):
                 scatter_pages(self.pool, range(chunk.layer_begin, chunk.layer_end),
                               self.pages[chunk.page_begin:chunk.page_end], chunk.data)
