@@ -30,6 +30,7 @@ import torch
 
 from deepseek_pd.model.dispatch_mode import DispatchConfig
 from deepseek_pd.model.moe.dispatcher import CombineInput, DispatchOutput
+from deepseek_pd.model.moe.masked_layout import flatten_masked
 from deepseek_pd.model.parallel import ExpertPlacement
 
 
@@ -111,11 +112,9 @@ class LowLatencyAllToAll:
         source.scatter_(1, torch.where(hit, slot, rows), torch.arange(rows, device=experts.device).expand_as(slot))
         padded = torch.cat([handle.recv_rows, handle.recv_rows.new_zeros(1, width)])
         recv_x = padded[source[:, :rows]]  # [L, W*C, H]
-        filled = torch.arange(rows, device=experts.device) < recv_count.unsqueeze(-1)
-        ids = torch.where(filled, experts.unsqueeze(-1), -1).reshape(-1, 1)
         route = MaskedRoute(recv_x, recv_count, hit, slot, handle.gather_index, handle.topk_weights,
                             handle.recv_rows.dtype)
-        return DispatchOutput(recv_x.reshape(-1, width), ids, recv_x.new_ones(ids.shape, dtype=torch.float32), route)
+        return flatten_masked(recv_x, recv_count, route)
 
     def combine_a(self, combine_input: CombineInput) -> _Combining:
         route: MaskedRoute = combine_input.handle

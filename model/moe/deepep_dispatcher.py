@@ -11,8 +11,8 @@ fake `deep_ep` at world size 1, and the multi-process tests check the same four-
                  the experts weight their output by the received weights; combine sums per token.
     low-latency  low_latency_dispatch(return_recv_hook=True) only sends; the hook, called in
                  dispatch_b, receives into a masked `[local_experts, max_tokens*ranks, H]` layout,
-                 flattened here into rows with one local expert id each (-1 for padding rows) and
-                 weight 1; low_latency_combine applies the top-k weights itself.
+                 flattened (`masked_layout.py`) into rows with one local expert id each (-1 for
+                 padding rows) and weight 1; low_latency_combine applies the top-k weights itself.
 
 One `deep_ep.Buffer` serves both layouts. DeepEP requires its low-latency part to be zeroed
 (`clean_low_latency_buffer`) after normal kernels ran and before the next low-latency one: `enter`
@@ -22,7 +22,7 @@ does it on every switch from normal to low-latency, also before a CUDA-graph rep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +30,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
 from deepseek_pd.model.moe.dispatcher import (DISPATCHERS, CombineInput, DispatchOutput,
                                               LayoutSwitchingDispatcher)
+from deepseek_pd.model.moe.masked_layout import flatten_masked
 from deepseek_pd.model.parallel import ExpertPlacement
 
 try:
@@ -97,10 +98,24 @@ class _LowLatencyRoute:
     topk_weights: torch.Tensor
 
 
-class _NormalDeepEP:
+@dataclass
+class _Combining:
+    combined: torch.Tensor
+    wait: Callable[[], None]  # the normal layout's event wait, or the low-latency receive hook
+
+
+class _DeepEPLayout:
+    """What both layouts share: the buffer, and a `combine_b` that waits in the layout's own way."""
+
     def __init__(self, shared: _SharedBuffer) -> None:
         self.shared = shared
 
+    def combine_b(self, handle: _Combining) -> torch.Tensor:
+        handle.wait()
+        return handle.combined
+
+
+class _NormalDeepEP(_DeepEPLayout):
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> _NormalHandle:
         buffer = self.shared.get(hidden)
         ids = topk_ids.to(torch.int64)
@@ -117,20 +132,12 @@ class _NormalDeepEP:
         recv_x, recv_ids, recv_weights = handle.recv
         return DispatchOutput(recv_x, recv_ids.long(), recv_weights, handle.handle)
 
-    def combine_a(self, combine_input: CombineInput) -> Any:
+    def combine_a(self, combine_input: CombineInput) -> _Combining:
         combined, _, event = self.shared.buffer.combine(combine_input.hidden, combine_input.handle, async_finish=True)
-        return combined, event
-
-    def combine_b(self, handle: Any) -> torch.Tensor:
-        combined, event = handle
-        event.current_stream_wait()
-        return combined
+        return _Combining(combined, event.current_stream_wait)
 
 
-class _LowLatencyDeepEP:
-    def __init__(self, shared: _SharedBuffer) -> None:
-        self.shared = shared
-
+class _LowLatencyDeepEP(_DeepEPLayout):
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> _LowLatencyHandle:
         config = self.shared.config
@@ -143,25 +150,15 @@ class _LowLatencyDeepEP:
 
     def dispatch_b(self, handle: _LowLatencyHandle) -> DispatchOutput:
         handle.hook()  # receive
-        num_local, max_rows, width = handle.recv_x.shape
-        rows = torch.arange(max_rows, device=handle.recv_x.device)
-        experts = torch.arange(num_local, device=handle.recv_x.device)[:, None].expand(-1, max_rows)
-        ids = torch.where(rows[None, :] < handle.recv_count[:, None], experts, torch.full_like(experts, -1))
-        route = _LowLatencyRoute(handle.handle, (num_local, max_rows, width), handle.topk_ids, handle.topk_weights)
-        return DispatchOutput(handle.recv_x.reshape(-1, width), ids.reshape(-1, 1),
-                              torch.ones(num_local * max_rows, 1, device=ids.device), route)
+        route = _LowLatencyRoute(handle.handle, tuple(handle.recv_x.shape), handle.topk_ids, handle.topk_weights)
+        return flatten_masked(handle.recv_x, handle.recv_count, route)
 
-    def combine_a(self, combine_input: CombineInput) -> Any:
+    def combine_a(self, combine_input: CombineInput) -> _Combining:
         route: _LowLatencyRoute = combine_input.handle
         combined, _event, hook = self.shared.buffer.low_latency_combine(
             combine_input.hidden.view(route.shape), route.topk_ids, route.topk_weights, route.deep_ep_handle,
             async_finish=False, return_recv_hook=True)
-        return combined, hook
-
-    def combine_b(self, handle: Any) -> torch.Tensor:
-        combined, hook = handle
-        hook()
-        return combined
+        return _Combining(combined, hook)
 
 
 class DeepEPDispatcher(LayoutSwitchingDispatcher):
