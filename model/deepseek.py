@@ -57,6 +57,11 @@ class DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Chosen once: the two-batch-overlap executor or the plain op-list loop.
         self._tbo = TwoBatchOverlap(self, options.parallel, options.tbo_rules) if options.enable_tbo else None
+        # What an idle rank runs (`forward_idle`), resolved once like the layers' own `ops`: it
+        # depends on the layers only, not on the step's mode (the mode travels in the EmptyBatch).
+        self._idle_ops: tuple[Op, ...] = tuple(
+            op for layer in self.layers for name in layer.op_names
+            if (op := self.empty_op(layer, name)) is not None)
 
     @property
     def tbo(self) -> TwoBatchOverlap | None:
@@ -110,11 +115,8 @@ class DeepseekForCausalLM(nn.Module):
         if self._tbo is not None and self._tbo.idle(mode, self.embed_tokens.weight.device):
             return
         stand_in, state = EmptyBatch(mode), OpState()
-        for layer in self.layers:
-            for name in layer.op_names:
-                op = self.empty_op(layer, name)
-                if op is not None:
-                    op(state, stand_in)
+        for op in self._idle_ops:
+            op(state, stand_in)
         state.expect_only(frozenset())
 
     def empty_op(self, layer: OpLayer, name: str) -> Op | None:

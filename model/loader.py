@@ -28,6 +28,7 @@ from deepseek_pd.model.fp8 import (FP8_DTYPES, SCALE_SUFFIX, Fp8BlockQuantConfig
 
 if TYPE_CHECKING:
     from deepseek_pd.model.build_options import BuildOptions
+    from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -199,12 +200,13 @@ def _weight_items(name: str, tensor: torch.Tensor, files: CheckpointFiles, reade
 
 
 def load_model(path: str | Path, options: "BuildOptions | None" = None,
-               progress: bool = True) -> "DeepseekForCausalLM":
+               progress: bool = True, config: "ModelConfig | None" = None) -> "DeepseekForCausalLM":
     """Builds `DeepseekForCausalLM` from a checkpoint directory (or "tiny") and loads its weights.
 
     The one model-loading rule: `ModelRunner` loads through it too. `options` (default: fp32 on
     CPU) picks dtype, device and backends; FP8 weights stay FP8 when `options.fp8_backend` runs
-    them, else they are dequantised to `options.dtype`.
+    them, else they are dequantised to `options.dtype`. `config` is `path`'s config.json already
+    parsed (`ModelConfig.from_hf`) by a caller that needed it first; None parses it here.
     """
     from deepseek_pd.model.build_options import BuildOptions
     from deepseek_pd.model.config import ModelConfig
@@ -212,7 +214,7 @@ def load_model(path: str | Path, options: "BuildOptions | None" = None,
     from deepseek_pd.model.model_dir import resolve_model_dir
 
     directory = resolve_model_dir(path)  # "tiny" -> the generated, cached checkpoint
-    config = ModelConfig.from_hf(directory)
+    config = ModelConfig.from_hf(directory) if config is None else config
     options = options or BuildOptions()
     model = DeepseekForCausalLM(config, options)
     model.load_weights(iter_checkpoint_tensors(directory, config, progress=progress, fp8_dtype=options.dtype,

@@ -468,4 +468,5 @@ def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> Deepseek
 
     directory = resolve_model_dir(config.model)
     # The options depend on the model's config (dtype "auto", backends, expert placement).
-    return load_model(directory, config.build_options(ModelConfig.from_hf(directory), parallel))
+    model_config = ModelConfig.from_hf(directory)
+    return load_model(directory, config.build_options(model_config, parallel), config=model_config)
