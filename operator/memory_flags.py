@@ -15,10 +15,10 @@ Example: `["--engine-opt", "fp8_backend=dequant", "--page-size=64"]` ->
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
-from deepseek_pd.model.memory_headroom import default_headroom_gib
+from deepseek_pd.workers.engine_options import parse_bool
 
 # The workers' defaults; tests/operator/test_memory_plan.py checks them against the worker code
 # (model/kv_pool_sizing.py, model/runner.py), which the operator does not import (it needs torch).
@@ -36,7 +36,7 @@ class MemoryFlags:
     max_total_tokens: int | None = None
     mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
     fp8_backend: str = "auto"
-    mem_headroom_gib: float | None = None  # None: the default for the role's graphs (headroom_gib)
+    mem_headroom_gib: float | None = None  # None: the default for the role's graphs (memory_plan.headroom_gib)
     num_fused_shared_experts: int = 0
     ep_num_redundant_experts: int = 0
     cuda_graph: bool | None = None  # None: the role's default
@@ -44,19 +44,6 @@ class MemoryFlags:
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     record_expert_load: bool = False
     enable_tbo: bool = False
-
-    def headroom_gib(self, graphs_by_default: bool) -> float:
-        """The worker's headroom: `mem_headroom_gib`, else the default for its largest graph batch
-        (`RunnerConfig.headroom_gib`). `graphs_by_default`: the role captures graphs unless told
-        not to (a decode role without attention TP); TBO and expert-load recording keep them off,
-        as `RunnerConfig.cuda_graph_blocker` does. Backends the image decides (DeepEP) are assumed
-        capturable: the plan errs towards the larger headroom."""
-        if self.mem_headroom_gib is not None:
-            return self.mem_headroom_gib
-        capturable = not (self.enable_tbo or self.record_expert_load)
-        graphs = capturable and (graphs_by_default if self.cuda_graph is None else self.cuda_graph)
-        batch = self.cuda_graph_max_batch if self.cuda_graph_max_batch is not None else self.max_running_requests
-        return default_headroom_gib(batch if graphs else 0)
 
     @property
     def fixed_pool_tokens(self) -> int | None:
@@ -68,24 +55,23 @@ class MemoryFlags:
         return None
 
 
-_FLAGS: dict[str, tuple[str, Callable[[str], object]]] = {
+# Each flag's field and type, and each engine option's type; a value is parsed as `_convert` says.
+_FLAGS: dict[str, tuple[str, type]] = {
     "--dtype": ("dtype", str), "--page-size": ("page_size", int), "--num-pages": ("num_pages", int),
     "--max-total-tokens": ("max_total_tokens", int),
     "--mem-fraction-static": ("mem_fraction_static", float),
     "--ep-num-redundant-experts": ("ep_num_redundant_experts", int),
 }
-def _bool(raw: str) -> bool:
-    """As `--engine-opt` parses a bool (workers/engine_options.py)."""
-    if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(raw)
-    return raw.lower() in ("true", "1", "yes")
-
-
-_OPTIONS: dict[str, Callable[[str], object]] = {
+_OPTIONS: dict[str, type] = {
     "fp8_backend": str, "mem_headroom_gib": float, "num_fused_shared_experts": int,
-    "cuda_graph": _bool, "cuda_graph_max_batch": int, "max_running_requests": int,
-    "record_expert_load": _bool,
+    "cuda_graph": bool, "cuda_graph_max_batch": int, "max_running_requests": int,
+    "record_expert_load": bool,
 }
+
+
+def _convert(kind: type, raw: str) -> object:
+    """`raw` as `kind`; a bool as `--engine-opt` parses one (workers/engine_options.py)."""
+    return parse_bool(raw) if kind is bool else kind(raw)
 _SWITCHES = {"--enable-tbo": "enable_tbo"}  # flags without a value
 
 
@@ -113,13 +99,13 @@ def parse_memory_flags(args: Sequence[str]) -> MemoryFlags:
             key, _, raw = value.partition("=")
             if key not in _OPTIONS:
                 continue
-            name, convert, label = key, _OPTIONS[key], f"--engine-opt {key}"
+            name, kind, label = key, _OPTIONS[key], f"--engine-opt {key}"
         else:
-            (name, convert), raw, label = _FLAGS[flag], value, flag
+            (name, kind), raw, label = _FLAGS[flag], value, flag
         try:
-            fields[name] = convert(raw)
+            fields[name] = _convert(kind, raw)
         except ValueError:
-            raise ValueError(f"{label}={raw!r} is not a valid {convert.__name__}") from None
+            raise ValueError(f"{label}={raw!r} is not a valid {kind.__name__}") from None
     flags = MemoryFlags(**fields)
     if flags.dtype not in ("auto", *DTYPE_BYTES):
         raise ValueError(f"--dtype {flags.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")

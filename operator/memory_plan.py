@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.memory_headroom import default_headroom_gib
 from deepseek_pd.operator import known_models
 from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
 from deepseek_pd.operator.memory_flags import DTYPE_BYTES, MemoryFlags, parse_memory_flags
@@ -114,6 +115,25 @@ def model_name(spec: DeploymentSpec) -> str | None:
     return next(filter(None, map(known_models.recognise, names)), None)
 
 
+def headroom_gib(role: RoleSpec, flags: MemoryFlags) -> float:
+    """The headroom a rank of `role` keeps (`RunnerConfig.headroom_gib` of its worker):
+    `mem_headroom_gib`, else model/memory_headroom.py's default for its largest captured batch.
+
+    Whether the rank captures CUDA graphs, as `RunnerConfig.resolve` and `cuda_graph_blocker`
+    decide it: a decode role does by default, except under attention TP; `cuda_graph` overrides
+    the default; TBO and expert-load recording keep graphs off whatever it says. Backends the
+    image decides (DeepEP) are assumed capturable: the plan errs towards the larger headroom. The
+    largest batch is `cuda_graph_max_batch`, else `max_running_requests`.
+    """
+    if flags.mem_headroom_gib is not None:
+        return flags.mem_headroom_gib
+    graphs_by_default = role_defaults(role.role).decodes and role.parallelism.tp == 1
+    capturable = not (flags.enable_tbo or flags.record_expert_load)
+    graphs = capturable and (graphs_by_default if flags.cuda_graph is None else flags.cuda_graph)
+    batch = flags.cuda_graph_max_batch if flags.cuda_graph_max_batch is not None else flags.max_running_requests
+    return default_headroom_gib(batch if graphs else 0)
+
+
 def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: GpuMemory) -> RankMemory:
     """One rank of `role` (see the module docstring for each term)."""
     dtype = flags.dtype if flags.dtype != "auto" else ("bfloat16" if config.is_fp8 else config.torch_dtype)
@@ -123,8 +143,6 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
     weights = rank_weights(config, WeightFormat(itemsize, block), role.parallelism.ep,
                            flags.num_fused_shared_experts, flags.ep_num_redundant_experts)
     per_token = config.kv_bytes_per_token(dtype)
-    # A decode role captures CUDA graphs by default, except under attention TP (RunnerConfig.cuda_graph_blocker).
-    graphs_by_default = role_defaults(role.role).decodes and role.parallelism.tp == 1
     tokens = flags.fixed_pool_tokens
     fixed = tokens is not None
     if tokens is None:  # one request of the whole context, in whole pages
@@ -132,7 +150,7 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
     return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
                       weights_bytes=weights.total_bytes, kv_tokens=tokens, fixed_pool=fixed,
                       kv_bytes_per_token=per_token,
-                      reserve_bytes=int(flags.headroom_gib(graphs_by_default) * GIB),
+                      reserve_bytes=int(headroom_gib(role, flags) * GIB),
                       budget_bytes=int(flags.mem_fraction_static * gpu.total_bytes))
 
 

@@ -56,12 +56,18 @@ def _optional_type(cls: type, key: str) -> type:
     return args[0] if len(args) == 1 else str
 
 
+def parse_bool(raw: str) -> bool:
+    """An engine option's bool: true/false/1/0/yes/no in any case; ValueError otherwise. The
+    operator's memory plan reads `--engine-opt` bools through this too (operator/memory_flags.py)."""
+    if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(raw)
+    return raw.lower() in ("true", "1", "yes")
+
+
 def _parse(raw: str, kind: type, key: str) -> Any:
     try:
         if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("true", "1", "yes")
+            return parse_bool(raw)
         if kind in (int, float):
             return kind(raw)
     except ValueError as exc:

@@ -134,7 +134,7 @@ def _with_model(flags, model_dir: pathlib.Path | str):
 
 @pytest.mark.parametrize("role_name", names.ROLES)
 def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3_node) -> None:
-    """The plan's graph headroom (operator/memory_flags.py) equals `RunnerConfig.headroom_gib` of
+    """The plan's graph headroom (operator/memory_plan.py headroom_gib) equals `RunnerConfig.headroom_gib` of
     the rendered pod as `serve` resolves it, for random flags that size or stop the graphs. Experts
     are replicated (ep 1, the `local` dispatcher) so that nothing the image decides blocks graphs:
     with ep > 1 this node has no deep_ep, whose low-latency mode the plan assumes capturable."""
