@@ -20,11 +20,12 @@ logger = logging.getLogger(__name__)
 
 class ManagedProcess:
     def __init__(self, name: str, argv: Sequence[str], log_path: Path,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
-        self.env = env
+        self.env = env  # None: this process's environment
+        self.cwd = cwd  # None: this process's working directory
         self._popen: subprocess.Popen | None = None
         # Set once stopped: the group id may be reused by an unrelated process later on.
         self._stopped = False
@@ -36,7 +37,7 @@ class ManagedProcess:
             argv = [sys.executable, "-m", "deepseek_pd.launcher.die_with_parent", str(os.getpid()), *self.argv]
             self._popen = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self.env, start_new_session=True)
+                env=self.env, cwd=self.cwd, start_new_session=True)
         logger.debug("started %s (pid %d): %s", self.name, self.pid, " ".join(self.argv))
 
     @property

@@ -6,6 +6,10 @@ each to success, then every pod's containers, each in its own session; then stop
         ...
     # leaving: SIGTERM to each process group, SIGKILL after a grace; no process may outlive it.
 
+Each container is a `deepseek_pd.launcher.process.ManagedProcess` and they stop through the
+launcher's `stop_all`, the code `up` stops its workers with; what this adds is the check that
+nothing of a pod outlives it (a process that left its container's process group).
+
 A container that exits while the test waits fails it at once with its log (a refused argv exits
 with rc 2 at start), never after the whole timeout.
 """
@@ -14,10 +18,10 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import subprocess
 import time
 
 from deepseek_pd.launcher.health import router_ready_workers
+from deepseek_pd.launcher.process import ManagedProcess, stop_all
 
 from pdtest.local_pods import Command, LocalPod
 from pdtest.process_tree import descendants, wait_gone
@@ -31,31 +35,30 @@ class LocalDeployment:
     def __init__(self, pods: list[LocalPod], logs: pathlib.Path) -> None:
         self.pods = pods
         self.logs = logs
-        self.running: dict[str, subprocess.Popen] = {}
+        self.running: dict[str, ManagedProcess] = {}
 
-    def _log(self, command: Command) -> pathlib.Path:
-        return self.logs / (command.name.replace("/", "_") + ".log")
+    def _log(self, name: str) -> pathlib.Path:
+        return self.logs / (name.replace("/", "_") + ".log")
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        path = self.logs / (name.replace("/", "_") + ".log")
+        path = self._log(name)
         text = path.read_text(errors="replace") if path.exists() else ""
         return f"--- {name}\n" + "\n".join(text.splitlines()[-lines:])
 
-    def _spawn(self, command: Command) -> subprocess.Popen:
+    def _spawn(self, command: Command) -> ManagedProcess:
         command.cwd.mkdir(parents=True, exist_ok=True)
-        with open(self._log(command), "ab") as log:
-            return subprocess.Popen(command.argv, cwd=command.cwd, env={**os.environ, **command.env},
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = ManagedProcess(command.name, command.argv, self._log(command.name),
+                              env={**os.environ, **command.env}, cwd=command.cwd)
+        proc.start()
+        return proc
 
     def start(self) -> "LocalDeployment":
         self.logs.mkdir(parents=True, exist_ok=True)
         inits = {c.name: self._spawn(c) for pod in self.pods for c in pod.init}  # pods start in parallel
         self.running.update(inits)
         for name, proc in inits.items():
-            try:
-                proc.wait(INIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"init container {name} still running after {INIT_TIMEOUT_S}s") from None
+            if not proc.wait(INIT_TIMEOUT_S):
+                raise AssertionError(f"init container {name} still running after {INIT_TIMEOUT_S}s")
             del self.running[name]
             assert proc.returncode == 0, f"init container {name} exited {proc.returncode}\n{self.log_tail(name)}"
         for pod in self.pods:
@@ -66,7 +69,7 @@ class LocalDeployment:
     def check_running(self) -> None:
         """Fails with the container's log if any container has exited."""
         for name, proc in self.running.items():
-            assert proc.poll() is None, f"{name} exited with {proc.returncode}\n{self.log_tail(name)}"
+            assert proc.is_alive(), f"{name} exited with {proc.returncode}\n{self.log_tail(name)}"
 
     def wait_router_ready(self, router_url: str, workers: int, timeout_s: float) -> None:
         """Until the router's /readiness counts `workers` healthy workers (every group's leader)."""
@@ -82,19 +85,13 @@ class LocalDeployment:
         raise AssertionError(f"router reports {seen} healthy workers, not {workers}, after {timeout_s:.0f}s\n{tails}")
 
     def stop(self) -> set[int]:
-        """Stops every container (SIGTERM to its process group, SIGKILL after the grace); returns
-        the pids (containers and all their descendants) still alive after that: orphans."""
+        """Stops every container (`stop_all`: SIGTERM to its process group, SIGKILL after the
+        grace); returns the pids (containers and all their descendants) still alive after that:
+        orphans."""
         tree: set[int] = set()
         for proc in self.running.values():
             tree |= descendants(proc.pid) | {proc.pid}
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for proc in self.running.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait(10)
+        stop_all(list(self.running.values()), STOP_GRACE_S)
         self.running.clear()
         return wait_gone(tree, ORPHAN_WAIT_S)
 
@@ -110,13 +107,6 @@ class LocalDeployment:
         for pid in left:  # never leave them to the next test, even when failing it
             _kill(pid)
         assert exc_type is not None or not left, f"processes outlived their pods: {sorted(left)}"
-
-
-def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _kill(pid: int) -> None:
