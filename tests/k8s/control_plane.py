@@ -16,13 +16,14 @@ import importlib.resources
 import os
 import pathlib
 import signal
-import socket
 import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+
+from deepseek_pd.launcher.ports import pick_free_ports
 
 from kube_rest import Credentials, Kube
 from pki import Pki, make_pki
@@ -42,12 +43,6 @@ CONTROLLERS = ("statefulset-controller,deployment-controller,replicaset-controll
 
 class ControlPlaneUnavailable(RuntimeError):
     """The binaries are missing or cannot be built here; the message says what to run."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def etcd_binary() -> pathlib.Path:
@@ -141,7 +136,7 @@ class ControlPlane:
         return self
 
     def _start_etcd(self) -> str:
-        client, peer = free_port(), free_port()
+        client, peer = pick_free_ports(2)
         url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
         etcd = self._spawn("etcd", [
             str(etcd_binary()), "--name=test", f"--data-dir={self.workdir / 'etcd'}",
@@ -152,7 +147,7 @@ class ControlPlane:
         return url
 
     def _start_apiserver(self, pki: Pki, etcd_url: str) -> None:
-        port = free_port()
+        port = pick_free_ports(1)[0]
         self.server = f"https://127.0.0.1:{port}"
         policy = self.workdir / "audit-policy.yaml"
         # Metadata of every request a service account makes: the least-privilege test reads it.
@@ -181,7 +176,7 @@ class ControlPlane:
             str(self.bin_dir / "kube-controller-manager"), f"--kubeconfig={kubeconfig}",
             f"--controllers={CONTROLLERS}", "--leader-elect=false",
             f"--service-account-private-key-file={pki.sa_key}", f"--root-ca-file={pki.ca_cert}",
-            "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+            "--bind-address=127.0.0.1", f"--secure-port={pick_free_ports(1)[0]}",
             "--concurrent-gc-syncs=5", "--v=1"])
         kube = Kube(self.admin)
         # The service-account controller creating "default" shows the controllers are running.

@@ -8,22 +8,17 @@ TP rank's dense MLP runs on its share of the rows only, which the rows counted p
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
+
+from deepseek_pd.launcher.ports import pick_free_ports
 
 from hf_oracle import TinyShape, build_hf_model
 from tp_worker import TP, VARIANTS, run_rank
 
 REL_TOL = 1e-5
 WORLD = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _share(rows: int, tp_rank: int) -> int:
@@ -46,7 +41,7 @@ def test_tp_attention_equals_world_size_one(tmp_path, shape):
     hf = build_hf_model(shape, seed=seed)
     torch.save({"config": hf.config.to_dict(), "state": dict(hf.state_dict())}, tmp_path / "model.pt")
     hf.save_pretrained(tmp_path / "checkpoint")
-    torch.multiprocessing.spawn(run_rank, args=(WORLD, _free_port(), str(tmp_path), seed), nprocs=WORLD, join=True)
+    torch.multiprocessing.spawn(run_rank, args=(WORLD, pick_free_ports(1)[0], str(tmp_path), seed), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         heads = results.pop("local_heads")

@@ -11,12 +11,12 @@ dispatcher choice.
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.launcher.ports import pick_free_ports
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
@@ -27,12 +27,6 @@ from ep_worker import VARIANTS, expected_tbo_paths, run_rank
 from hf_oracle import TinyShape, build_hf_model
 
 REL_TOL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -50,7 +44,7 @@ def test_ep_and_tbo_equal_single_process(tmp_path, world, fused, shape):
     hf = build_hf_model(shape, seed=seed)
     torch.save({"config": hf.config.to_dict(), "state": dict(hf.state_dict())}, tmp_path / "model.pt")
     hf.save_pretrained(tmp_path / "checkpoint")
-    torch.multiprocessing.spawn(run_rank, args=(world, _free_port(), str(tmp_path), seed, fused), nprocs=world,
+    torch.multiprocessing.spawn(run_rank, args=(world, pick_free_ports(1)[0], str(tmp_path), seed, fused), nprocs=world,
                                 join=True)
     for rank in range(world):
         results = torch.load(tmp_path / f"rank{rank}.pt")

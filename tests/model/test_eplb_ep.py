@@ -12,22 +12,16 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 
 import pytest
 import torch
 
+from deepseek_pd.launcher.ports import pick_free_ports
 from deepseek_pd.model.tiny import make_tiny_model
 from eplb_worker import run_rank
 from pdtest.eplb_placement import random_placement
 
 REL_TOL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -42,7 +36,7 @@ def test_redundant_experts_equal_single_process(tmp_path, world, redundant, fuse
     moe_layers = [i for i in range(config["num_hidden_layers"]) if i >= config["first_k_dense_replace"]]
     rows = random_placement(rng, config["n_routed_experts"], redundant, len(moe_layers))
     (tmp_path / "placement.json").write_text(json.dumps({"physical_to_logical_map": rows}))
-    torch.multiprocessing.spawn(run_rank, args=(world, _free_port(), str(tmp_path), seed, redundant, fused, tbo),
+    torch.multiprocessing.spawn(run_rank, args=(world, pick_free_ports(1)[0], str(tmp_path), seed, redundant, fused, tbo),
                                 nprocs=world, join=True)
     num_logical = config["n_routed_experts"]
     per_rank_counts = []

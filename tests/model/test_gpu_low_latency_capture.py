@@ -4,11 +4,11 @@ dispatch/combine. This is what `low_latency_cuda_graph_safe = True` claims."""
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
 
+from deepseek_pd.launcher.ports import pick_free_ports
 from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput
@@ -16,12 +16,6 @@ from deepseek_pd.model.parallel import ExpertPlacement, ParallelInfo
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(180)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _moe_round(dispatcher, hidden, ids, weights, scale):
@@ -34,7 +28,7 @@ def _moe_round(dispatcher, hidden, ids, weights, scale):
 
 def test_low_latency_layout_is_captured_and_replays_like_eager():
     import torch.distributed as dist
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{pick_free_ports(1)[0]}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 0))
     try:
         capacity, num_tokens, top_k, width = 16, 11, 3, 256

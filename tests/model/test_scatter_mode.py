@@ -4,11 +4,11 @@ gloo at tp 3 with row counts tp does not divide, none, or fewer than tp."""
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
 
+from deepseek_pd.launcher.ports import pick_free_ports
 from deepseek_pd.model.attention.tensor_parallel import all_gather_rows, own_rows, reduce_scatter_rows, row_share
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.parallel import ParallelInfo
@@ -49,12 +49,6 @@ TP = 3
 ROWS = (0, 1, 2, 3, 5, 7)  # none, fewer than tp, not divisible by tp, divisible
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rows_rank(rank: int, port: int, seed: int) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -75,4 +69,4 @@ def _rows_rank(rank: int, port: int, seed: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_row_collectives_equal_torch_over_gloo():
-    torch.multiprocessing.spawn(_rows_rank, args=(_free_port(), random.randrange(1 << 20)), nprocs=TP, join=True)
+    torch.multiprocessing.spawn(_rows_rank, args=(pick_free_ports(1)[0], random.randrange(1 << 20)), nprocs=TP, join=True)

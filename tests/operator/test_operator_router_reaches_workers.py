@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import pathlib
 import random
-import socket
 import subprocess
 import sys
 import urllib.parse
@@ -24,6 +23,7 @@ import aiohttp
 import pytest
 import yaml
 
+from deepseek_pd.launcher.ports import pick_free_ports
 from deepseek_pd.operator.build_router import build_router_args
 from deepseek_pd.operator.spec import DeploymentSpec
 
@@ -33,12 +33,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(120)
 READY_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _spec(ports: dict[str, int], bootstrap_port: int) -> DeploymentSpec:
@@ -62,7 +56,7 @@ def _localise(args: list[str], model_dir: pathlib.Path, router_port: int) -> lis
         out[out.index(flag) + 1] = value
     # Health checks every second instead of every minute, and one result is enough, so the
     # restart is noticed quickly.
-    return out + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+    return out + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(pick_free_ports(1)[0]),
                   "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                   "--health-success-threshold", "1"]
 
@@ -102,7 +96,7 @@ def test_rendered_static_router_reaches_our_grpc_workers_and_survives_a_restart(
     rng = random.Random()
     model_dir = make_tokenizer_model_dir(tmp_path / "model")
     info = ServedModelInfo.from_model_dir(model_dir, "tiny")
-    bootstrap_port = _free_port()
+    bootstrap_port = pick_free_ports(1)[0]
     log_path = tmp_path / "router.log"
 
     async def start(role: str, port: int = 0) -> tuple[WorkerServer, FakeEngine, int]:
@@ -115,7 +109,7 @@ def test_rendered_static_router_reaches_our_grpc_workers_and_survives_a_restart(
     async def main() -> None:
         workers = {role: await start(role) for role in ("prefill", "decode")}
         ports = {role: port for role, (_, _, port) in workers.items()}
-        router_port = _free_port()
+        router_port = pick_free_ports(1)[0]
         argv = _localise(build_router_args(_spec(ports, bootstrap_port)), model_dir, router_port)
         url = f"http://127.0.0.1:{router_port}"
         with open(log_path, "wb") as log:

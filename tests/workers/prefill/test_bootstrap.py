@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from deepseek_pd.launcher.ports import pick_free_ports
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import DisaggParams, FailureCode
 from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
@@ -23,12 +24,6 @@ from deepseek_pd.workers.prefill.kv_push import KVPush
 from pdtest.kv_transfer_harness import pages_equal, random_pool, Exchange, Side
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prefill:
@@ -99,7 +94,7 @@ def test_either_side_may_arrive_first(decode_first):
 
 
 def test_decode_retries_until_the_prefill_bootstrap_comes_up():
-    port = free_port()
+    port = pick_free_ports(1)[0]
     bootstrap, src, dst = setup(1, port=port, retry_initial_s=0.05)
 
     async def run():
