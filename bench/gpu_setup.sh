@@ -6,7 +6,9 @@
 #   for w in isal==1.9.1 mooncake-transfer-engine-non-cuda==0.3.13.post1; do
 #       .venv/bin/python -m pip download $w --only-binary=:all: --python-version 3.12 \
 #           --platform manylinux2014_x86_64 --no-deps -d bench/wheels; done
-# then pass carry=["bench/wheels"] to the device call.
+# then pass carry=["bench/wheels"] to the device call. The session scripts install wheels only
+# through here; one that cannot run without the .whl/ wheels sets WHEELS_REQUIRED=1 before
+# sourcing, and a missing or failed .whl/ install then ends the call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -16,7 +18,11 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tm
 for wheels in .whl bench/wheels; do
     if ls "$wheels"/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/site "$wheels"/*.whl \
-            >>"$OUT/install.log" 2>&1 || echo "note: $wheels/*.whl could not be installed (see $OUT/install.log)"
+            >>"$OUT/install.log" 2>&1 && continue
+        echo "note: $wheels/*.whl could not be installed (see $OUT/install.log)"
+    fi
+    if [ "$wheels" = .whl ] && [ -n "${WHEELS_REQUIRED:-}" ]; then
+        echo "error: this session needs the .whl/ wheels installed (carry .whl)"; exit 1
     fi
 done
 export PYTHONPATH=/tmp/site

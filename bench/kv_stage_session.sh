@@ -6,9 +6,6 @@
 #      and then in one (--together), 1 and 4 KV streams, with the slot_wait/stage split;
 #   3. if CUDA MPS starts here, 1 and 2 again under MPS (one GPU context for both processes).
 # Carry .whl (grpcio, protobuf, smg-grpc-proto, isal wheels; DEVELOPERS notes in the device README).
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
 source "$(dirname "$0")/gpu_setup.sh"
 repo=$(pwd)
 cd /tmp

@@ -4,7 +4,7 @@
 # shared by both: their kernels run side by side). Short levels so both fit one call: c=1 and c=64;
 # serving only (--parts serving: the transfer parts do not depend on MPS).
 # Carry .whl (smg, setproctitle, grpcio-health-checking, grpcio, protobuf, smg-grpc-proto, isal).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+WHEELS_REQUIRED=1  # the router (smg) comes only from .whl: stop if it cannot be installed
 source "$(dirname "$0")/gpu_setup.sh"
 export PATH=/tmp/site/bin:$PATH
 repo=$(pwd)

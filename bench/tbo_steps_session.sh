@@ -5,9 +5,6 @@
 # cannot capture TBO). At world size 1 TBO has no all-to-all to hide, so this is its overhead.
 # Then bench/kv_transfer.py's chunk-size sweep (gRPC KV, GPU pool -> GPU pool, two processes).
 # Carry .whl (grpcio, protobuf, smg-grpc-proto, isal).
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
 source "$(dirname "$0")/gpu_setup.sh"
 repo=$(pwd)
 cd /tmp
