@@ -148,19 +148,16 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
     runner_opts = {**opts["runner"], "ep_size": group.ep, "tp_size": group.tp,
                    "dispatcher": group.dispatcher(deepep_available=_deepep_available()),
                    "dispatch_mode": group.dispatch_mode}
-    _graphs_cover_the_batch_cap(runner_opts, opts["scheduler"])
-    scheduler_caps = {**opts["scheduler"], **({"chunked_prefill_size": flags.chunked_prefill_size}
-                                              if flags.chunked_prefill_size is not None else {})}
-    size_low_latency_capacity(runner_opts, scheduler_caps, group, defaults.decodes)
+    scheduler_fields = {**opts["scheduler"], **({"chunked_prefill_size": flags.chunked_prefill_size}
+                                                if flags.chunked_prefill_size is not None else {})}
+    _graphs_cover_the_batch_cap(runner_opts, scheduler_fields)
+    size_low_latency_capacity(runner_opts, scheduler_fields, group, defaults.decodes)
     model_config = ModelConfig.from_hf(model_dir)
     if model_config.num_attention_heads % group.tp:
         raise UserError(f"--tp {group.tp} (attention tensor parallelism) must divide the model's "
                         f"{model_config.num_attention_heads} attention heads")
     runner = _runner_config(flags, defaults, model_dir, model_config, runner_opts)
     _check_local_gpus(group, runner.device)
-    scheduler_fields = dict(opts["scheduler"])
-    if flags.chunked_prefill_size is not None:
-        scheduler_fields["chunked_prefill_size"] = flags.chunked_prefill_size
     protocol = _kv_protocol(flags)
     rank_devices = devices_per_local_rank(protocol.devices, group.local_ranks)
     try:
