@@ -68,11 +68,13 @@ from deepseek_pd.workers.roles import RoleDefaults, role_defaults
 
 log = logging.getLogger(__name__)
 
-# Config fields that have their own `serve` flags, and so are not engine options.
+# Config fields that have their own `serve` flags (or, warn_exposure, that serve sets per rank), and
+# so are not engine options.
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static",
                            "ep_num_redundant_experts", "init_expert_location"),
                 "bootstrap": ("host", "port", "auth", "prefill_peers", "aliases"), "scheduler": ("chunked_prefill_size",),
-                "transport": ("advertise_host", "mooncake_protocol", "mooncake_device", "mooncake_rank_devices"),
+                "transport": ("advertise_host", "mooncake_protocol", "mooncake_device", "mooncake_rank_devices",
+                              "warn_exposure"),
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
             "transport": TransportConfig, "group": GroupLayout}

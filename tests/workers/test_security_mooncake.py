@@ -133,3 +133,21 @@ def test_a_mooncake_engine_warns_that_it_listens_on_every_interface(monkeypatch,
         receiver.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("ALL interfaces (0.0.0.0)" in w and host in w for w in warnings), warnings
+
+
+def test_of_a_groups_ranks_only_each_nodes_first_one_warns(monkeypatch, caplog):
+    """The ranks of a group on one node share its interfaces: its local rank 0 warns once for
+    them (as a one-rank worker does), the others stay quiet."""
+    mooncake_stub.install(monkeypatch)
+    host = f"127.0.0.{random.randrange(2, 250)}"
+    ranks = random.randint(2, 8)
+    config = TransportConfig(advertise_host=host)
+    warned = []
+    for local_rank in random.sample(range(ranks), ranks):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            build_receiver("mooncake", random_pool(random.Random(), 2, PAGE_SIZE),
+                           config.for_local_rank(local_rank)).close()
+        if any("ALL interfaces (0.0.0.0)" in r.getMessage() for r in caplog.records):
+            warned.append(local_rank)
+    assert warned == [0], (ranks, warned)

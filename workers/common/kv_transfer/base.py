@@ -72,6 +72,9 @@ class TransportConfig:
     # A group's: what each local rank's engine gets (rdma_devices.devices_per_local_rank); () = the
     # same `mooncake_device` on every rank. `for_local_rank` picks one.
     mooncake_rank_devices: tuple[str, ...] = ()
+    # mooncake: log `exposure_warning` when the engine starts. A group's ranks on one node share its
+    # interfaces, so only the node's first rank says it (`for_local_rank`); serve sets it, no option does.
+    warn_exposure: bool = True
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
@@ -89,10 +92,10 @@ class TransportConfig:
                              f"{self.mooncake_rank_devices}")
 
     def for_local_rank(self, local_rank: int) -> "TransportConfig":
-        """This config as local rank `local_rank` of a group runs it: its own RDMA devices."""
-        if not self.mooncake_rank_devices:
-            return self
-        return dataclasses.replace(self, mooncake_device=self.mooncake_rank_devices[local_rank])
+        """This config as local rank `local_rank` of a group runs it: its own RDMA devices, and the
+        exposure warning from local rank 0 only."""
+        device = self.mooncake_rank_devices[local_rank] if self.mooncake_rank_devices else self.mooncake_device
+        return dataclasses.replace(self, mooncake_device=device, warn_exposure=local_rank == 0)
 
 
 # Queues one encoded KV chunk on the room's stream `chunk.stream` (grpc only), waiting for room

@@ -66,7 +66,8 @@ class MooncakeEngine:
         self.session_id = f"{config.advertise_host}:{self.engine.get_rpc_port()}"
         log.info("mooncake TransferEngine %s over %s (devices: %s)", self.session_id, self.protocol,
                  config.mooncake_device or "all")
-        log.warning("%s (port %d)", exposure_warning(config.advertise_host), self.engine.get_rpc_port())
+        if config.warn_exposure:  # every rank's engine listens so; the node's first rank says it
+            log.warning("%s (port %d)", exposure_warning(config.advertise_host), self.engine.get_rpc_port())
         self.base_addrs = [buffer.data_ptr() for buffer in pool.buffers]
         self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
         self._registered: list[int] = []
