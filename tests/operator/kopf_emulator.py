@@ -76,9 +76,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             node: Any = current
             for part in op["path"].strip("/").split("/"):
                 node = node.get(part) if isinstance(node, dict) else None
-            if node != op.get("value"):
-                raise kmock.KubernetesError(status=409, reason="Conflict",
-                                            message=f"test failed at {op['path']}")
+            if node != op.get("value"):  # what kube-apiserver answers: 422, which kopf retries on the
+                # next event; a 409 here made kopf throttle and drop that event, so a deletion hung
+                raise kmock.KubernetesError(status=422, reason="Invalid",
+                                            message="the server rejected our request due to an error in our request")
         request.data.append({"op": "replace", "path": "/metadata/resourceVersion",
                              "value": str(next(self._versions))})
 

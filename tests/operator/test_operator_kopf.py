@@ -295,3 +295,24 @@ def test_check_command_reads_the_crd_through_a_kubeconfig(cluster, tmp_path, mon
     monkeypatch.setenv("KUBECONFIG", kubeconfig("http://127.0.0.1:1"))  # nothing listens there
     assert main(["operator", "check", "--namespace", "llm"]) == 2
     assert "cannot list deepseekdeployments in llm" in capsys.readouterr().err
+
+
+def test_a_stale_json_patch_is_refused_as_the_api_server_refuses_it(cluster):
+    """kopf removes its finalizer by a JSON patch that first tests metadata.resourceVersion, and
+    retries on the next event only when the server answers 422 (kube-apiserver's answer to a failed
+    `test`). The emulator answered 409, which kopf throttles instead, dropping the events of the
+    throttle window: under load a deletion raced by a status write then never finished."""
+    import urllib.error
+
+    name = f"stale{random.randint(0, 9999)}"
+    cluster.create(_deployment(name))
+    before = cluster.wait_for("the CR", lambda: cluster.get(names.KIND, name))
+    stale = str(int(before["metadata"]["resourceVersion"]) - random.randint(1, 50))
+    ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": stale},
+           {"op": "add", "path": "/metadata/labels", "value": {"stale": "write"}}]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        cluster._request("PATCH", cluster.path(names.KIND, name), ops, "application/json-patch+json")
+    assert refused.value.code == 422
+    assert "stale" not in (cluster.get(names.KIND, name)["metadata"].get("labels") or {})
+    cluster.delete(names.KIND, name)
+    cluster.wait_for("the CR to go", lambda: cluster.get(names.KIND, name) is None)
