@@ -1,9 +1,12 @@
 """Real groups of `LockstepModelThread`s without a model: one spawned process per rank, gloo on
 loopback, joined exactly as `serve` joins them (`rank_group.join_group`).
 
-A "forward" is one SUM all-reduce over the step group of a vector holding this rank's tokens
-(zero for an idle rank), so the forwards of all ranks pair up only if the lockstep invariant holds,
-and its result (the sum of every rank's tokens) is checked against what each rank contributed.
+A "forward" is one SUM all-reduce over the step group of a vector with three slots per rank:
+its tokens (zero for an idle rank), whether it extends, and how many forwards (own or idle) it has
+run before this one. The forwards of all ranks pair up only if the lockstep invariant holds; the
+result (every rank's tokens) is checked against what each rank contributed, and the step indices
+all match iff no rank ran a forward more or fewer. Every forward of this process, in order, is
+appended to `STEPS` as (group mode name, result), so the ranks' step logs can be compared.
 
 `run_script(world, script, options)` runs `script(rank, thread, step_group, report, options)` (a
 module-level async function) in every rank and returns each rank's `report` dict. With
@@ -21,25 +24,37 @@ from typing import Any, Callable
 import torch
 
 
-def forward_job(thread, group, tokens: int, rank: int, world: int) -> list[int]:
-    """The body of one forward of this rank: ticks as the runner's StepSync hook does, then the
-    collective; returns the group-wide token sums per rank slot."""
+STEPS: list[tuple[str, list[int]]] = []  # this process's forwards, own and idle, in order
+
+
+def _step(group, world: int, rank: int, tokens: int, extend: bool, mode_name: str) -> list[int]:
     import torch.distributed as dist
 
+    vector = torch.zeros(3 * world, dtype=torch.int64)
+    vector[rank], vector[world + rank], vector[2 * world + rank] = tokens, int(extend), len(STEPS)
+    dist.all_reduce(vector, group=group)
+    STEPS.append((mode_name, vector.tolist()))
+    return vector.tolist()
+
+
+def step_job(thread, group, tokens: int, rank: int, world: int, mode_name: str = "DECODE") -> tuple[str, list[int]]:
+    """The body of one forward of this rank in mode `mode_name` ("EXTEND"/"DECODE"): ticks as the
+    runner's StepSync hook does, then the collective; returns the group's mode and the result."""
     from deepseek_pd.model.forward_batch import ForwardMode
 
-    with thread.forward(ForwardMode.DECODE):
-        counts = torch.zeros(world, dtype=torch.int64)
-        counts[rank] = tokens
-        dist.all_reduce(counts, group=group)
-    return counts.tolist()
+    mode = ForwardMode[mode_name]
+    with thread.forward(mode) as group_mode:
+        return group_mode.name, _step(group, world, rank, tokens, mode is ForwardMode.EXTEND, group_mode.name)
 
 
-def idle_forward(group, world: int):
-    import torch.distributed as dist
+def forward_job(thread, group, tokens: int, rank: int, world: int) -> list[int]:
+    """A decode forward of `tokens`; returns the group-wide token sums per rank slot."""
+    return step_job(thread, group, tokens, rank, world)[1][:world]
 
+
+def idle_forward(group, world: int, rank: int):
     def run(mode) -> None:
-        dist.all_reduce(torch.zeros(world, dtype=torch.int64), group=group)
+        _step(group, world, rank, 0, False, mode.name)
     return run
 
 
@@ -57,15 +72,16 @@ def _rank_main(world: int, rank: int, port: int, script: Callable, results, opti
         layout = GroupLayout(dp=world, ep=world, dist_init_addr=f"127.0.0.1:{port}", collective_timeout_s=30)
         group = join_group(layout, rank, "cpu")
         failures: list[str] = []
-        thread = LockstepModelThread(f"r{rank}", group.control, idle_forward(group.step, world), leader=rank == 0,
+        thread = LockstepModelThread(f"r{rank}", group.control, idle_forward(group.step, world, rank), leader=rank == 0,
                                      waker=group.waker if options.get("sleep", True) else None,
-                                     on_failure=failures.append)
+                                     on_failure=failures.append,
+                                     sleep_after_ticks=options.get("sleep_after_ticks", 8))
         if options.get("start_thread", True):
             thread.start()
         asyncio.run(script(rank, thread, group.step, report, options))
         report["failures"] = failures
         report.update(ticks=thread.ticks, sleeps=thread.sleeps, forwards=thread.forwards,
-                      idle_forwards=thread.idle_forwards)
+                      idle_forwards=thread.idle_forwards, steps=STEPS)
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         report["error"] = traceback.format_exc()
     results.put((rank, report))
