@@ -80,7 +80,9 @@ class LowLatencyAllToAll:
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> _Dispatching:
         num_tokens, top_k = topk_ids.shape
-        self.config.check_capacity(num_tokens)  # before any collective: every rank fails alike or none
+        # Before any collective, but on this rank's tokens only: a rank over the capacity fails alone
+        # and the lockstep thread ends the group (serve sizes the capacity so no step gets here).
+        self.config.check_capacity(num_tokens)
         size, cap, device = self.size, self.capacity, hidden.device
         owner = self.placement.owner_rank(topk_ids, self.rank)  # [T, k]
         ranks = torch.arange(size, device=device).view(size, 1, 1)
