@@ -209,6 +209,9 @@ def agreement_of(config: ServeConfig) -> dict:
             # The layouts' collectives differ in shape, the low-latency ones by the capacity.
             "dispatch_mode": runner.dispatch_mode, "low_latency_max_tokens": runner.low_latency_max_tokens,
             "enable_tbo": runner.enable_tbo, "tbo_rules": str(runner.tbo_rules()), "page_size": runner.page_size,
+            # Resolved per node (the device and backends found there); capturing runs warm-up and
+            # capture forwards, all-to-alls included, once per batch size at start-up.
+            "cuda_graph_buckets": runner.cuda_graph_config().buckets() if runner.cuda_graph else None,
             "dtype": str(runner.dtype),
             "model": config.model.served_model_name,
             # EPLB: every rank must route to the same slots and load the same experts into them.

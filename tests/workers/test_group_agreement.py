@@ -1,4 +1,4 @@
-"""Every rank of a group must resolve the same dispatcher, DeepEP mode, TBO and layout: ranks on
+"""Every rank of a group must resolve the same dispatcher, DeepEP mode, TBO, CUDA graphs and layout: ranks on
 different nodes resolve `serve` on their own (deep_ep may import on one node and not another), and
 a difference would pair the wrong collectives. The check runs right after the group forms."""
 from __future__ import annotations
@@ -46,6 +46,25 @@ def test_tbo_thresholds_are_engine_options_every_rank_must_share() -> None:
                                             parallel=ParallelFlags(dp=2, ep=2), engine_options=("enable_tbo=true",)))
     with pytest.raises(UserError, match="rank 1 resolved tbo_rules="):
         check_agreement([agreement_of(plain), agreement_of(tuned)], 0)
+
+
+def test_ranks_capturing_other_cuda_graphs_do_not_agree() -> None:
+    """CUDA graphs are resolved per node (on only where the device and the backends found there
+    can capture), and capturing runs warm-up and capture forwards, EP collectives included, at
+    start-up: a rank capturing other batch sizes, or none, would pair its collectives with the
+    others' first steps. `cuda_graph` as the other node resolved it stands in for that node."""
+    import dataclasses
+
+    mine = _resolved(dp=2, ep=2)
+    max_batch = random.randint(1, 256)
+    graphs = dataclasses.replace(mine, runner=dataclasses.replace(mine.runner, cuda_graph=True,
+                                                                  cuda_graph_max_batch=max_batch))
+    other_sizes = dataclasses.replace(graphs, runner=dataclasses.replace(graphs.runner,
+                                                                      cuda_graph_max_batch=max_batch + 1))
+    check_agreement([agreement_of(graphs), agreement_of(graphs)], 0)
+    for theirs in (mine, other_sizes):
+        with pytest.raises(UserError, match="rank 1 resolved cuda_graph"):
+            check_agreement([agreement_of(graphs), agreement_of(theirs)], 1)
 
 
 def test_a_node_without_deep_ep_is_told_what_to_do() -> None:
