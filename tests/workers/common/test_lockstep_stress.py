@@ -1,7 +1,8 @@
 """A randomized stress test of `LockstepModelThread` in a real group (one process per rank, gloo):
 every rank, from several asyncio tasks at once, runs forwards (EXTEND or DECODE, random tokens),
 jobs that run no forward, idle gaps long enough for the group to sleep or just around the
-threshold, and near-simultaneous wakes from several ranks, then rank 0 closes the group.
+threshold, and near-simultaneous wakes from several ranks; rank 0 closes the group after all that
+or (every other run) in the middle of it, when the jobs that come later must be refused.
 
 The oracle is the ranks themselves: a forward's all-reduce carries every rank's tokens, extend
 flag and step index (pdtest.lockstep_harness), so every rank's log of forwards (own and idle) must
@@ -18,6 +19,7 @@ import time
 
 import pytest
 
+from deepseek_pd.workers.common.lockstep import GroupStopped
 from pdtest.lockstep_harness import run_script, step_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -59,7 +61,14 @@ class _Rank:
         self.rng = random.Random(options["seed"] * 7919 + rank)
         self.threshold_s = _sleep_threshold_s(options["sleep_after_ticks"])
         self.report = report
-        report.update(forwards_sent=[], problems=[])
+        report.update(forwards_sent=[], problems=[], refused=0)
+
+    async def refused(self, what: str) -> None:
+        """A job refused with GroupStopped: right only once rank 0 has stopped the group."""
+        if await asyncio.to_thread(self.thread.group_stopped.wait, 5):
+            self.report["refused"] += 1
+        else:
+            self.report["problems"].append(f"{what} refused, but the group has not stopped")
 
     async def forward(self, mode: str) -> None:
         tokens = self.rng.randint(1, 99)
@@ -70,7 +79,10 @@ class _Rank:
         except asyncio.TimeoutError:
             self.report["problems"].append(f"a {mode} forward of {tokens} tokens hung")
             return
-        except Exception as exc:  # noqa: BLE001 - GroupStopped before the close is a failure too
+        except GroupStopped:
+            await self.refused(f"a {mode} forward")
+            return
+        except Exception as exc:  # noqa: BLE001 - reported
             self.report["problems"].append(f"a {mode} forward raised {exc!r}")
             return
         self.report["forwards_sent"].append(result)
@@ -81,14 +93,18 @@ class _Rank:
             self.report["problems"].append(f"group mode {group_mode} for extend flags {extend_flags}")
 
     async def no_forward(self) -> None:
-        if self.rng.random() < 0.5:
-            await self.thread.run(int)
-        else:
-            await self.thread.run(time.sleep, self.rng.uniform(0.0005, 0.005))
+        job = (int,) if self.rng.random() < 0.5 else (time.sleep, self.rng.uniform(0.0005, 0.005))
+        try:
+            await self.thread.run(*job)
+        except GroupStopped:
+            await self.refused("a job without a forward")
+
+    def going(self, until: float) -> bool:
+        return time.monotonic() < until and not self.thread.group_stopped.is_set()
 
     async def chaos(self, until: float) -> None:
         """Random jobs and gaps from one task until `until` (monotonic)."""
-        while time.monotonic() < until:
+        while self.going(until):
             action = self.rng.random()
             if action < 0.4:
                 await self.forward(self.rng.choice(["EXTEND", "DECODE"]))
@@ -101,7 +117,7 @@ class _Rank:
 
     async def local_jobs(self, until: float) -> None:
         """Jobs that run no forward while the group idles (they must not split its sleep)."""
-        while time.monotonic() < until:
+        while self.going(until):
             await self.no_forward()
             await asyncio.sleep(self.rng.uniform(0.0, 0.03))
 
@@ -114,6 +130,8 @@ async def _stress(rank, thread, step, report, options) -> None:
     base = time.monotonic()
     thread.start()
     tasks = []
+    if rank == 0 and options["close_at"] is not None:  # the group stops in the middle of it all
+        tasks.append(asyncio.create_task(_close_at(thread, base + options["close_at"])))
     for phase in options["phases"]:
         start, end = base + phase["at"], base + phase["at"] + phase["length"]
         await asyncio.sleep(max(0.0, start - time.monotonic()))
@@ -130,6 +148,11 @@ async def _stress(rank, thread, step, report, options) -> None:
     report["stopped"] = await asyncio.to_thread(thread.group_stopped.wait, 15)
 
 
+async def _close_at(thread, when: float) -> None:
+    await asyncio.sleep(max(0.0, when - time.monotonic()))
+    await asyncio.to_thread(thread.close)
+
+
 def _seed() -> int:
     return int(os.environ.get("DEEPSEEK_PD_LOCKSTEP_SEED") or random.SystemRandom().randrange(1 << 30))
 
@@ -141,11 +164,13 @@ def test_random_jobs_gaps_and_wakes_keep_every_ranks_forwards_in_step() -> None:
     # A short sleep threshold makes the group decide to sleep (and race the wakes) far more often.
     sleep_after_ticks = rng.choice([1, 2, 8])
     phases = _phases(rng, world, _sleep_threshold_s(sleep_after_ticks))
+    close_at = rng.choice([None, rng.uniform(0.3, SCHEDULE_S)])  # None: after the schedule and a settle
     options = {"world": world, "seed": seed, "phases": phases, "settle_s": 1.5, "start_thread": False,
-               "sleep_after_ticks": sleep_after_ticks}
-    where = f"seed {seed} (world {world}, sleep after {sleep_after_ticks} ticks)"
+               "sleep_after_ticks": sleep_after_ticks, "close_at": close_at}
+    where = f"seed {seed} (world {world}, sleep after {sleep_after_ticks} ticks, close at {close_at})"
     reports = run_script(world, _stress, options, timeout_s=60)
-    print(where, {key: [report[key] for report in reports] for key in ("forwards", "idle_forwards", "sleeps")})
+    print(where, {key: [report[key] for report in reports]
+                  for key in ("forwards", "idle_forwards", "sleeps", "refused")})
     for rank, report in enumerate(reports):
         assert report["failures"] == [] and report["problems"] == [], (where, rank, report["failures"],
                                                                       report["problems"])
@@ -163,4 +188,6 @@ def test_random_jobs_gaps_and_wakes_keep_every_ranks_forwards_in_step() -> None:
     assert sent == sum(report["forwards"] for report in reports), where
     for report in reports:
         assert report["forwards"] + report["idle_forwards"] == len(logs[0]), where
-    assert sum(report["sleeps"] for report in reports) > 0, where  # the quiet phases did put it to sleep
+    if close_at is None:
+        assert sum(report["refused"] for report in reports) == 0, where
+        assert sum(report["sleeps"] for report in reports) > 0, where  # the quiet phases did put it to sleep
