@@ -99,6 +99,9 @@ def test_rendered_children_are_accepted_and_model_ready_round_trips(admin_kube, 
     rng = random.Random()
     name = f"w{rng.randrange(10**6)}"
     raw = hub_spec(rng, cache_kind, endpoint=f"https://mirror-{rng.randrange(99)}.example.com")
+    # This test plays the kubelet. The session's process kubelet (started by the e2e modules) binds
+    # and runs every pod it can, and overwrote the statuses written here; no node has this label.
+    raw["scheduling"] = {"nodeSelector": {"deepseek-pd.io/test-node": f"none-{rng.randrange(10**6)}"}}
     namespace = dsd_path.split("/")[5]
     admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
                                  "metadata": {"name": name}, "spec": raw})
@@ -134,6 +137,8 @@ def test_rendered_children_are_accepted_and_model_ready_round_trips(admin_kube, 
         _kubelet_writes(admin_kube, pod, {"terminated": {"exitCode": 0, "reason": "Completed"}})
     condition = _model_ready(_pass(admin_kube, dsd_path, name))
     assert (condition["status"], condition["reason"]) == ("True", "Ready")
+    bound = [p["metadata"]["name"] for p in admin_kube.list(pods_path, labelSelector=selector) if p["spec"].get("nodeName")]
+    assert not bound, f"a kubelet other than this test's writes took {bound}"
 
 
 def test_the_server_refuses_bad_cache_settings(admin_kube, dsd_path):
