@@ -1,9 +1,12 @@
 """Free TCP ports for local clusters.
 
 All ports of one cluster are reserved at once (every socket stays bound until all are chosen), so
-they are distinct; the kernel hands out ephemeral ports in a rotating order, which makes an
-immediate reuse by another process unlikely between closing here and the child binding. The
-launcher still treats "cannot bind" in a child as a start-up failure with the child's log.
+they are distinct. They are drawn at random from below the kernel's ephemeral range
+(/proc/sys/net/ipv4/ip_local_port_range): a port in that range can be taken by any outgoing
+connection between closing it here and the child binding it, and a starting group makes many
+(gloo's mesh, gRPC); that race failed a rank's metrics listener at start-up. Where the range
+leaves too little room below it, the kernel picks (port 0), as before. The launcher still treats
+"cannot bind" in a child as a start-up failure with the child's log.
 
 A multi-rank worker needs runs of consecutive ports (`serve --metrics-port P` puts rank r of a
 node on P + r): `pick_free_port_blocks` reserves whole runs, never overlapping each other or
@@ -11,12 +14,29 @@ the single ports picked in the same call.
 """
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 from typing import Sequence
 
 from deepseek_pd.errors import UserError
 
 BLOCK_ATTEMPTS = 200  # tries per run of consecutive ports before giving up
+LOWEST_PORT = 10000  # below: well-known and commonly configured service ports
+MIN_ROOM = 2000  # fewer candidate ports than this below the ephemeral range: let the kernel pick
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def candidate_range() -> range | None:
+    """The ports to draw from: [LOWEST_PORT, start of the ephemeral range); None where that is
+    unknown or too small (the kernel picks then)."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if ephemeral_low - LOWEST_PORT < MIN_ROOM:
+        return None
+    return range(LOWEST_PORT, ephemeral_low)
 
 
 def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -41,8 +61,13 @@ def pick_free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1") -> list
 
 def _reserve_block(size: int, host: str, held: list[socket.socket]) -> int:
     """Binds a run of `size` ports (kept bound in `held`) and returns its first port."""
+    candidates = candidate_range()
     for _ in range(BLOCK_ATTEMPTS):
-        first = _bind(host, 0)
+        try:
+            first = _bind(host, 0 if candidates is None else random.randrange(candidates.start,
+                                                                                candidates.stop - size + 1))
+        except OSError:
+            continue  # taken: draw again
         run = [first]
         port = first.getsockname()[1]
         for offset in range(1, size):

@@ -1,0 +1,32 @@
+"""Ports picked for local clusters lie below the kernel's ephemeral range, where no outgoing
+connection can take them between the pick and the child's bind (a starting group opens many)."""
+from __future__ import annotations
+
+import random
+
+from deepseek_pd.launcher.ports import EPHEMERAL_RANGE, candidate_range, is_port_free, pick_free_port_blocks
+
+
+def test_blocks_are_free_distinct_and_below_the_ephemeral_range() -> None:
+    rng = random.Random()
+    sizes = [rng.randint(1, 4) for _ in range(rng.randint(2, 8))]
+    firsts = pick_free_port_blocks(sizes)
+    ports = [first + offset for first, size in zip(firsts, sizes) for offset in range(size)]
+    assert len(set(ports)) == len(ports)
+    assert all(is_port_free(port) for port in ports)
+    ephemeral_low, ephemeral_high = map(int, EPHEMERAL_RANGE.read_text().split()[:2])
+    if candidate_range() is not None:  # this machine leaves room below its ephemeral range
+        assert all(port < ephemeral_low for port in ports), (ports, ephemeral_low)
+    else:
+        assert all(ephemeral_low <= port <= ephemeral_high for port in ports)
+
+
+def test_without_room_below_the_range_the_kernel_picks(monkeypatch, tmp_path) -> None:
+    import deepseek_pd.launcher.ports as ports
+
+    fake = tmp_path / "ip_local_port_range"
+    fake.write_text(f"{ports.LOWEST_PORT + random.randrange(ports.MIN_ROOM)}\t60999\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", fake)
+    assert candidate_range() is None
+    [first] = pick_free_port_blocks([2])
+    assert is_port_free(first) and is_port_free(first + 1)
