@@ -72,6 +72,8 @@ _OPTIONS: dict[str, type] = {
 def _convert(kind: type, raw: str) -> object:
     """`raw` as `kind`; a bool as `--engine-opt` parses one (workers/engine_options.py)."""
     return parse_bool(raw) if kind is bool else kind(raw)
+
+
 _SWITCHES = {"--enable-tbo": "enable_tbo"}  # flags without a value
 
 

@@ -47,21 +47,22 @@ def pick_free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1") -> list
     """The first port of each run of `sizes[i]` consecutive free ports, in order; every port of every
     run is distinct. Raises UserError if no such run is found (a nearly exhausted port range)."""
     sockets: list[socket.socket] = []
+    candidates = candidate_range()
     try:
         firsts = []
         for size in sizes:
             if size < 1:
                 raise ValueError(f"a port block needs at least one port, got {size}")
-            firsts.append(_reserve_block(size, host, sockets))
+            firsts.append(_reserve_block(size, host, sockets, candidates))
         return firsts
     finally:
         for sock in sockets:
             sock.close()
 
 
-def _reserve_block(size: int, host: str, held: list[socket.socket]) -> int:
-    """Binds a run of `size` ports (kept bound in `held`) and returns its first port."""
-    candidates = candidate_range()
+def _reserve_block(size: int, host: str, held: list[socket.socket], candidates: range | None) -> int:
+    """Binds a run of `size` ports (kept bound in `held`), its first drawn from `candidates` (None:
+    the kernel's pick), and returns its first port."""
     for _ in range(BLOCK_ATTEMPTS):
         try:
             first = _bind(host, 0 if candidates is None else random.randrange(candidates.start,
