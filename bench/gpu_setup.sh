@@ -26,5 +26,6 @@ for wheels in .whl bench/wheels; do
     fi
 done
 export PYTHONPATH=/tmp/site
+export PATH=/tmp/site/bin:$PATH  # console scripts of carried wheels (py-spy)
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"

@@ -52,6 +52,7 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.workers.common.api import DisaggParams
 from deepseek_pd.workers.common.internal_auth import InternalAuth
 from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.common.kv_transfer.base import SAME_HOST_DIRECT_MODES
 from deepseek_pd.workers.common.kv_transfer.checksum import IMPLEMENTATION as CRC32_IMPLEMENTATION
 from deepseek_pd.workers.common.kv_transfer.stats import PHASES, TransferStats
 from deepseek_pd.workers.common.worker_config import BootstrapConfig
@@ -86,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=BootstrapConfig.event_queue_depth,
                         help="credit window (events in flight)")
     parser.add_argument("--layerwise", action="store_true", help="send layer by layer (layers_ready)")
+    parser.add_argument("--same-host-direct", default=TransportConfig.same_host_direct, choices=SAME_HOST_DIRECT_MODES,
+                        help="grpc: device-to-device copies between same-host pools (auto: CUDA pools); "
+                             "off measures the byte stream")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-ceiling", action="store_true", help="skip the raw gRPC / raw Mooncake ceiling")
     parser.add_argument("--together", action="store_true",
@@ -159,7 +163,7 @@ def _sync(device: torch.device) -> None:
 def configs(args: argparse.Namespace, streams: int, secret: bytes) -> tuple[TransportConfig, BootstrapConfig]:
     """Both sides' settings; `secret`: the deployment secret both processes share (split mode)."""
     return (TransportConfig(max_chunk_bytes=int(args.chunk_mb * 2**20), io_threads=args.io_threads, send_timeout_s=60,
-                            grpc_streams=streams),
+                            grpc_streams=streams, same_host_direct=args.same_host_direct),
             BootstrapConfig(port=0, transfer_timeout_s=300, event_queue_depth=args.window,
                             auth=InternalAuth(secret=secret)))
 
@@ -390,7 +394,8 @@ def result_json(setup: Setup, runs: dict[int, Results], ceilings: dict[int, list
         value = max(setup.bytes / min(r.seconds) / 1e9 for r in runs.values())
         verdict = check(f"{args.transport} KV {args.device} pool -> pool, {args.tokens} tokens (GB/s)",
                         value, ">=", TARGET_GBPS)
-    return {"transport": args.transport, "device": args.device, "where": where, "tokens": args.tokens,
+    return {"transport": args.transport, "device": args.device, "same_host_direct": args.same_host_direct,
+            "where": where, "tokens": args.tokens,
             "bytes": setup.bytes, "layerwise": args.layerwise, "crc32": CRC32_IMPLEMENTATION,
             "runs": [{"streams": s, "seconds": r.seconds, "raw_seconds": r.ceilings, "stalls": r.stalls}
                      for s, r in runs.items()],
@@ -404,7 +409,7 @@ def summary(setup: Setup, runs: dict[int, Results], ceilings: dict[int, list[flo
     print()
     print(f"KV transfer summary: {args.transport} on {args.device}, {where}, {args.tokens} tokens, "
           f"{setup.bytes / 1e6:.1f} MB ({setup.src.bytes_per_token} B/token), chunk {args.chunk_mb:g} MiB, "
-          f"{args.io_threads} io threads, crc32 {CRC32_IMPLEMENTATION}"
+          f"{args.io_threads} io threads, crc32 {CRC32_IMPLEMENTATION}, same_host_direct {args.same_host_direct}"
           + (", layer-wise" if args.layerwise else ""))
     print(f"| {'what':<34} | {'best GB/s':>9} | {'median GB/s':>11} | {'best ms':>8} | {'vs ' + str(TARGET_GBPS) + ' GB/s':>11} |")
     print(f"|{'-' * 36}|{'-' * 11}|{'-' * 13}|{'-' * 10}|{'-' * 13}|")

@@ -12,3 +12,5 @@ source "$(dirname "$0")/gpu_setup.sh"
 # lacks the mapped subpackages (model/, workers/, ...), instead of the installed package.
 repo=$(pwd)
 cd /tmp && timeout "${SERVING_TIMEOUT:-570}" python3 "$repo/bench/serving_gpu.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/serving_gpu.log"
+# The device call brings back at most 8 files: the per-level, worker and part files go in one archive.
+(cd "$OUT" && tar czf bundle.tgz --remove-files $(ls -d levels logs parts profile 2>/dev/null) runner_steps.* checkpoint.log install.log 2>/dev/null)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x62ootstrap.proto\x12\x11\x64\x65\x65pseek_pd.pd.v1\"P\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x0e\n\x06kv_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"z\n\rDecodeMessage\x12\x31\n\thandshake\x18\x01 \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.HandshakeH\x00\x12+\n\x06\x63redit\x18\x02 \x01(\x0b\x32\x19.deepseek_pd.pd.v1.CreditH\x00\x42\t\n\x07message\"\x1e\n\x06\x43redit\x12\x14\n\x0creceived_seq\x18\x01 \x01(\x04\"\xc3\x03\n\tHandshake\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0c\n\x04room\x18\x02 \x01(\x03\x12\x12\n\ndecode_rid\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.deepseek_pd.pd.v1.KVLayout\x12\x17\n\x0fprefill_dp_rank\x18\x07 \x01(\r\x12\x17\n\x0fprefill_dp_size\x18\x08 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_dp_rank\x18\t \x01(\r\x12\x32\n\x04grpc\x18\n \x01(\x0b\x32\".deepseek_pd.pd.v1.GrpcDestinationH\x00\x12:\n\x08mooncake\x18\x0b \x01(\x0b\x32&.deepseek_pd.pd.v1.MooncakeDestinationH\x00\x12\x32\n\x04\x66\x61ke\x18\x0c \x01(\x0b\x32\".deepseek_pd.pd.v1.FakeDestinationH\x00\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthTokenB\r\n\x0b\x64\x65stination\"r\n\tAuthToken\x12\x14\n\x0ctimestamp_ms\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x0e\n\x06sender\x18\x03 \x01(\t\x12\x10\n\x08receiver\x18\x04 \x01(\t\x12\x11\n\tchallenge\x18\x05 \x01(\x0c\x12\x0b\n\x03mac\x18\x06 \x01(\x0c\";\n\x0fGrpcDestination\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\r\x12\x0f\n\x07streams\x18\x02 \x01(\r\"z\n\x0fKVStreamMessage\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.deepseek_pd.pd.v1.KVStreamOpenH\x00\x12+\n\x06\x63redit\x18\x02 \x01(\x0b\x32\x19.deepseek_pd.pd.v1.CreditH\x00\x42\t\n\x07message\"W\n\x0cKVStreamOpen\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\r\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"}\n\x13MooncakeDestination\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10layer_base_addrs\x18\x02 \x03(\x04\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x12\n\npool_pages\x18\x04 \x01(\r\x12\x10\n\x08protocol\x18\x05 \x01(\t\"#\n\x0f\x46\x61keDestination\x12\x10\n\x08pool_key\x18\x01 \x01(\t\"\xed\x01\n\rTransferEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x33\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x1f.deepseek_pd.pd.v1.HandshakeAckH\x00\x12+\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1a.deepseek_pd.pd.v1.KVChunkH\x00\x12/\n\x04\x64one\x18\x04 \x01(\x0b\x32\x1f.deepseek_pd.pd.v1.TransferDoneH\x00\x12\x33\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32!.deepseek_pd.pd.v1.TransferFailedH\x00\x42\x07\n\x05\x65vent\"\x94\x01\n\x0cHandshakeAck\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0bprefill_rid\x18\x02 \x01(\t\x12\x15\n\rcredit_window\x18\x03 \x01(\r\x12\x12\n\nkv_streams\x18\x04 \x01(\r\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"t\n\x07KVChunk\x12\x13\n\x0blayer_begin\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x12\n\npage_begin\x18\x03 \x01(\r\x12\x10\n\x08page_end\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"\x96\x02\n\x0cTransferDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x17\n\x0fgenerator_state\x18\x06 \x01(\x0c\x12\x15\n\rstream_chunks\x18\x07 \x03(\x04\x12\x1b\n\x13\x66irst_top_token_ids\x18\x08 \x03(\r\x12\x1a\n\x12\x66irst_top_logprobs\x18\t \x03(\x02\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"N\n\x0eTransferFailed\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.deepseek_pd.pd.v1.FailureCode\x12\x0e\n\x06reason\x18\x02 \x01(\t\"U\n\tAbortRoom\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"\x19\n\x08\x41\x62ortAck\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\":\n\x0cRouteRequest\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"*\n\x0cRankEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"y\n\nRouteReply\x12\x0f\n\x07\x64p_size\x18\x01 \x01(\r\x12.\n\x05ranks\x18\x02 \x03(\x0b\x32\x1f.deepseek_pd.pd.v1.RankEndpoint\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken*\xea\x01\n\x0b\x46\x61ilureCode\x12\x1c\n\x18\x46\x41ILURE_CODE_UNSPECIFIED\x10\x00\x12!\n\x1d\x46\x41ILURE_CODE_INVALID_ARGUMENT\x10\x01\x12#\n\x1f\x46\x41ILURE_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\"\n\x1e\x46\x41ILURE_CODE_DEADLINE_EXCEEDED\x10\x03\x12\x1c\n\x18\x46\x41ILURE_CODE_UNAVAILABLE\x10\x04\x12\x18\n\x14\x46\x41ILURE_CODE_ABORTED\x10\x05\x12\x19\n\x15\x46\x41ILURE_CODE_INTERNAL\x10\x06\x32\xc2\x02\n\tBootstrap\x12R\n\x08Transfer\x12 .deepseek_pd.pd.v1.DecodeMessage\x1a .deepseek_pd.pd.v1.TransferEvent(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1c.deepseek_pd.pd.v1.AbortRoom\x1a\x1b.deepseek_pd.pd.v1.AbortAck\x12T\n\x08KVStream\x12\".deepseek_pd.pd.v1.KVStreamMessage\x1a .deepseek_pd.pd.v1.TransferEvent(\x01\x30\x01\x12G\n\x05Route\x12\x1f.deepseek_pd.pd.v1.RouteRequest\x1a\x1d.deepseek_pd.pd.v1.RouteReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x62ootstrap.proto\x12\x11\x64\x65\x65pseek_pd.pd.v1\"P\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x0e\n\x06kv_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"z\n\rDecodeMessage\x12\x31\n\thandshake\x18\x01 \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.HandshakeH\x00\x12+\n\x06\x63redit\x18\x02 \x01(\x0b\x32\x19.deepseek_pd.pd.v1.CreditH\x00\x42\t\n\x07message\"\x1e\n\x06\x43redit\x12\x14\n\x0creceived_seq\x18\x01 \x01(\x04\"\xc3\x03\n\tHandshake\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0c\n\x04room\x18\x02 \x01(\x03\x12\x12\n\ndecode_rid\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.deepseek_pd.pd.v1.KVLayout\x12\x17\n\x0fprefill_dp_rank\x18\x07 \x01(\r\x12\x17\n\x0fprefill_dp_size\x18\x08 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_dp_rank\x18\t \x01(\r\x12\x32\n\x04grpc\x18\n \x01(\x0b\x32\".deepseek_pd.pd.v1.GrpcDestinationH\x00\x12:\n\x08mooncake\x18\x0b \x01(\x0b\x32&.deepseek_pd.pd.v1.MooncakeDestinationH\x00\x12\x32\n\x04\x66\x61ke\x18\x0c \x01(\x0b\x32\".deepseek_pd.pd.v1.FakeDestinationH\x00\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthTokenB\r\n\x0b\x64\x65stination\"r\n\tAuthToken\x12\x14\n\x0ctimestamp_ms\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x0e\n\x06sender\x18\x03 \x01(\t\x12\x10\n\x08receiver\x18\x04 \x01(\t\x12\x11\n\tchallenge\x18\x05 \x01(\x0c\x12\x0b\n\x03mac\x18\x06 \x01(\x0c\"j\n\x0fGrpcDestination\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\r\x12\x0f\n\x07streams\x18\x02 \x01(\r\x12-\n\x06\x64irect\x18\x03 \x01(\x0b\x32\x1d.deepseek_pd.pd.v1.DirectPool\"\xa7\x01\n\nDirectPool\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\t\x12\x12\n\npool_pages\x18\x05 \x01(\r\x12\x12\n\npage_bytes\x18\x06 \x01(\r\x12\x30\n\x06layers\x18\x07 \x03(\x0b\x32 .deepseek_pd.pd.v1.CudaIpcBuffer\"\xb4\x01\n\rCudaIpcBuffer\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"z\n\x0fKVStreamMessage\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.deepseek_pd.pd.v1.KVStreamOpenH\x00\x12+\n\x06\x63redit\x18\x02 \x01(\x0b\x32\x19.deepseek_pd.pd.v1.CreditH\x00\x42\t\n\x07message\"W\n\x0cKVStreamOpen\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\r\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"}\n\x13MooncakeDestination\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10layer_base_addrs\x18\x02 \x03(\x04\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x12\n\npool_pages\x18\x04 \x01(\r\x12\x10\n\x08protocol\x18\x05 \x01(\t\"#\n\x0f\x46\x61keDestination\x12\x10\n\x08pool_key\x18\x01 \x01(\t\"\xed\x01\n\rTransferEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x33\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x1f.deepseek_pd.pd.v1.HandshakeAckH\x00\x12+\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1a.deepseek_pd.pd.v1.KVChunkH\x00\x12/\n\x04\x64one\x18\x04 \x01(\x0b\x32\x1f.deepseek_pd.pd.v1.TransferDoneH\x00\x12\x33\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32!.deepseek_pd.pd.v1.TransferFailedH\x00\x42\x07\n\x05\x65vent\"\x94\x01\n\x0cHandshakeAck\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0bprefill_rid\x18\x02 \x01(\t\x12\x15\n\rcredit_window\x18\x03 \x01(\r\x12\x12\n\nkv_streams\x18\x04 \x01(\r\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"\x8e\x01\n\x07KVChunk\x12\x13\n\x0blayer_begin\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x12\n\npage_begin\x18\x03 \x01(\r\x12\x10\n\x08page_end\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x18\n\x10written_directly\x18\x07 \x01(\x08\"\x96\x02\n\x0cTransferDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x17\n\x0fgenerator_state\x18\x06 \x01(\x0c\x12\x15\n\rstream_chunks\x18\x07 \x03(\x04\x12\x1b\n\x13\x66irst_top_token_ids\x18\x08 \x03(\r\x12\x1a\n\x12\x66irst_top_logprobs\x18\t \x03(\x02\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"N\n\x0eTransferFailed\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.deepseek_pd.pd.v1.FailureCode\x12\x0e\n\x06reason\x18\x02 \x01(\t\"U\n\tAbortRoom\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"\x19\n\x08\x41\x62ortAck\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\":\n\x0cRouteRequest\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken\"*\n\x0cRankEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"y\n\nRouteReply\x12\x0f\n\x07\x64p_size\x18\x01 \x01(\r\x12.\n\x05ranks\x18\x02 \x03(\x0b\x32\x1f.deepseek_pd.pd.v1.RankEndpoint\x12*\n\x04\x61uth\x18\x0f \x01(\x0b\x32\x1c.deepseek_pd.pd.v1.AuthToken*\xea\x01\n\x0b\x46\x61ilureCode\x12\x1c\n\x18\x46\x41ILURE_CODE_UNSPECIFIED\x10\x00\x12!\n\x1d\x46\x41ILURE_CODE_INVALID_ARGUMENT\x10\x01\x12#\n\x1f\x46\x41ILURE_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\"\n\x1e\x46\x41ILURE_CODE_DEADLINE_EXCEEDED\x10\x03\x12\x1c\n\x18\x46\x41ILURE_CODE_UNAVAILABLE\x10\x04\x12\x18\n\x14\x46\x41ILURE_CODE_ABORTED\x10\x05\x12\x19\n\x15\x46\x41ILURE_CODE_INTERNAL\x10\x06\x32\xc2\x02\n\tBootstrap\x12R\n\x08Transfer\x12 .deepseek_pd.pd.v1.DecodeMessage\x1a .deepseek_pd.pd.v1.TransferEvent(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1c.deepseek_pd.pd.v1.AbortRoom\x1a\x1b.deepseek_pd.pd.v1.AbortAck\x12T\n\x08KVStream\x12\".deepseek_pd.pd.v1.KVStreamMessage\x1a .deepseek_pd.pd.v1.TransferEvent(\x01\x30\x01\x12G\n\x05Route\x12\x1f.deepseek_pd.pd.v1.RouteRequest\x1a\x1d.deepseek_pd.pd.v1.RouteReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bootstrap_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FAILURECODE']._serialized_start=2496
-  _globals['_FAILURECODE']._serialized_end=2730
+  _globals['_FAILURECODE']._serialized_start=2923
+  _globals['_FAILURECODE']._serialized_end=3157
   _globals['_KVLAYOUT']._serialized_start=38
   _globals['_KVLAYOUT']._serialized_end=118
   _globals['_DECODEMESSAGE']._serialized_start=120
@@ -44,35 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AUTHTOKEN']._serialized_start=730
   _globals['_AUTHTOKEN']._serialized_end=844
   _globals['_GRPCDESTINATION']._serialized_start=846
-  _globals['_GRPCDESTINATION']._serialized_end=905
-  _globals['_KVSTREAMMESSAGE']._serialized_start=907
-  _globals['_KVSTREAMMESSAGE']._serialized_end=1029
-  _globals['_KVSTREAMOPEN']._serialized_start=1031
-  _globals['_KVSTREAMOPEN']._serialized_end=1118
-  _globals['_MOONCAKEDESTINATION']._serialized_start=1120
-  _globals['_MOONCAKEDESTINATION']._serialized_end=1245
-  _globals['_FAKEDESTINATION']._serialized_start=1247
-  _globals['_FAKEDESTINATION']._serialized_end=1282
-  _globals['_TRANSFEREVENT']._serialized_start=1285
-  _globals['_TRANSFEREVENT']._serialized_end=1522
-  _globals['_HANDSHAKEACK']._serialized_start=1525
-  _globals['_HANDSHAKEACK']._serialized_end=1673
-  _globals['_KVCHUNK']._serialized_start=1675
-  _globals['_KVCHUNK']._serialized_end=1791
-  _globals['_TRANSFERDONE']._serialized_start=1794
-  _globals['_TRANSFERDONE']._serialized_end=2072
-  _globals['_TRANSFERFAILED']._serialized_start=2074
-  _globals['_TRANSFERFAILED']._serialized_end=2152
-  _globals['_ABORTROOM']._serialized_start=2154
-  _globals['_ABORTROOM']._serialized_end=2239
-  _globals['_ABORTACK']._serialized_start=2241
-  _globals['_ABORTACK']._serialized_end=2266
-  _globals['_ROUTEREQUEST']._serialized_start=2268
-  _globals['_ROUTEREQUEST']._serialized_end=2326
-  _globals['_RANKENDPOINT']._serialized_start=2328
-  _globals['_RANKENDPOINT']._serialized_end=2370
-  _globals['_ROUTEREPLY']._serialized_start=2372
-  _globals['_ROUTEREPLY']._serialized_end=2493
-  _globals['_BOOTSTRAP']._serialized_start=2733
-  _globals['_BOOTSTRAP']._serialized_end=3055
+  _globals['_GRPCDESTINATION']._serialized_end=952
+  _globals['_DIRECTPOOL']._serialized_start=955
+  _globals['_DIRECTPOOL']._serialized_end=1122
+  _globals['_CUDAIPCBUFFER']._serialized_start=1125
+  _globals['_CUDAIPCBUFFER']._serialized_end=1305
+  _globals['_KVSTREAMMESSAGE']._serialized_start=1307
+  _globals['_KVSTREAMMESSAGE']._serialized_end=1429
+  _globals['_KVSTREAMOPEN']._serialized_start=1431
+  _globals['_KVSTREAMOPEN']._serialized_end=1518
+  _globals['_MOONCAKEDESTINATION']._serialized_start=1520
+  _globals['_MOONCAKEDESTINATION']._serialized_end=1645
+  _globals['_FAKEDESTINATION']._serialized_start=1647
+  _globals['_FAKEDESTINATION']._serialized_end=1682
+  _globals['_TRANSFEREVENT']._serialized_start=1685
+  _globals['_TRANSFEREVENT']._serialized_end=1922
+  _globals['_HANDSHAKEACK']._serialized_start=1925
+  _globals['_HANDSHAKEACK']._serialized_end=2073
+  _globals['_KVCHUNK']._serialized_start=2076
+  _globals['_KVCHUNK']._serialized_end=2218
+  _globals['_TRANSFERDONE']._serialized_start=2221
+  _globals['_TRANSFERDONE']._serialized_end=2499
+  _globals['_TRANSFERFAILED']._serialized_start=2501
+  _globals['_TRANSFERFAILED']._serialized_end=2579
+  _globals['_ABORTROOM']._serialized_start=2581
+  _globals['_ABORTROOM']._serialized_end=2666
+  _globals['_ABORTACK']._serialized_start=2668
+  _globals['_ABORTACK']._serialized_end=2693
+  _globals['_ROUTEREQUEST']._serialized_start=2695
+  _globals['_ROUTEREQUEST']._serialized_end=2753
+  _globals['_RANKENDPOINT']._serialized_start=2755
+  _globals['_RANKENDPOINT']._serialized_end=2797
+  _globals['_ROUTEREPLY']._serialized_start=2799
+  _globals['_ROUTEREPLY']._serialized_end=2920
+  _globals['_BOOTSTRAP']._serialized_start=3160
+  _globals['_BOOTSTRAP']._serialized_end=3482
 # @@protoc_insertion_point(module_scope)

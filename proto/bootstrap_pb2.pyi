@@ -97,12 +97,50 @@ class AuthToken(_message.Message):
     def __init__(self, timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., challenge: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class GrpcDestination(_message.Message):
-    __slots__ = ("max_chunk_bytes", "streams")
+    __slots__ = ("max_chunk_bytes", "streams", "direct")
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     max_chunk_bytes: int
     streams: int
-    def __init__(self, max_chunk_bytes: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
+    direct: DirectPool
+    def __init__(self, max_chunk_bytes: _Optional[int] = ..., streams: _Optional[int] = ..., direct: _Optional[_Union[DirectPool, _Mapping]] = ...) -> None: ...
+
+class DirectPool(_message.Message):
+    __slots__ = ("host", "pid", "pool_id", "device_uuid", "pool_pages", "page_bytes", "layers")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    pid: int
+    pool_id: str
+    device_uuid: str
+    pool_pages: int
+    page_bytes: int
+    layers: _containers.RepeatedCompositeFieldContainer[CudaIpcBuffer]
+    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., pool_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ...) -> None: ...
+
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class KVStreamMessage(_message.Message):
     __slots__ = ("open", "credit")
@@ -171,20 +209,22 @@ class HandshakeAck(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., kv_streams: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("layer_begin", "layer_end", "page_begin", "page_end", "data", "crc32")
+    __slots__ = ("layer_begin", "layer_end", "page_begin", "page_end", "data", "crc32", "written_directly")
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     PAGE_BEGIN_FIELD_NUMBER: _ClassVar[int]
     PAGE_END_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_DIRECTLY_FIELD_NUMBER: _ClassVar[int]
     layer_begin: int
     layer_end: int
     page_begin: int
     page_end: int
     data: bytes
     crc32: int
-    def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    written_directly: bool
+    def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., written_directly: _Optional[bool] = ...) -> None: ...
 
 class TransferDone(_message.Message):
     __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "stream_chunks", "first_top_token_ids", "first_top_logprobs", "auth")

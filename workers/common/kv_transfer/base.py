@@ -54,6 +54,9 @@ if TYPE_CHECKING:
     from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
 
 
+SAME_HOST_DIRECT_MODES = ("auto", "on", "off")  # TransportConfig.same_host_direct (direct_pool.py)
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     """Settings shared by every transport; each reads only what it needs."""
@@ -65,6 +68,9 @@ class TransportConfig:
     # grpc: parallel KV streams per room, each on its own connection (the Transfer stream is one);
     # the smaller of both ends' values is used. Each send is cut into one block per stream.
     grpc_streams: int = 1
+    # grpc: same-host peers copy KV device to device instead of streaming its bytes (direct_pool.py):
+    # "auto" offers CUDA pools, "on" any pool (a CPU pool only to its own process), "off" never.
+    same_host_direct: str = "auto"
     send_timeout_s: float = 30.0  # one send() (a chunk's pages) may take at most this long
     advertise_host: str = "127.0.0.1"  # mooncake: the address peers reach this worker's engine at
     mooncake_protocol: str = "tcp"  # "tcp" or "rdma"
@@ -83,6 +89,9 @@ class TransportConfig:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if not 1 <= self.grpc_streams <= MAX_KV_STREAMS:
             raise ValueError(f"grpc_streams must be in [1, {MAX_KV_STREAMS}], got {self.grpc_streams}")
+        if self.same_host_direct not in SAME_HOST_DIRECT_MODES:
+            raise ValueError(f"same_host_direct must be one of {', '.join(SAME_HOST_DIRECT_MODES)}, "
+                             f"got {self.same_host_direct!r}")
         if self.send_timeout_s <= 0:
             raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
@@ -276,3 +285,17 @@ def check_layout(pool: KVPool, remote: pb.KVLayout) -> None:
                     f"kv_dim={layout.kv_dim} dtype={layout.dtype}")
         raise TransferError(FailureCode.INVALID_ARGUMENT,
                             f"KV layout mismatch: decode has {show(remote)}, prefill has {show(local)}")
+
+
+def check_page_ids(page_ids: Sequence[int], pool_pages: int) -> None:
+    """A handshake's destination pages for a writer into the decode pool (one-sided transports):
+    each below the pool's size and none twice; raises TransferError."""
+    if not pool_pages:
+        raise TransferError(FailureCode.INVALID_ARGUMENT, "decode handshake does not say how many pages its "
+                            "pool has (an older decode worker?)")
+    bad = [page for page in page_ids if page >= pool_pages]
+    if bad:
+        raise TransferError(FailureCode.INVALID_ARGUMENT, f"decode pages {bad[:4]} are outside its "
+                            f"{pool_pages}-page pool")
+    if len(set(page_ids)) != len(page_ids):
+        raise TransferError(FailureCode.INVALID_ARGUMENT, "decode handshake lists a page twice")

@@ -13,11 +13,16 @@ Decode: the bootstrap client hands each chunk to the sink in `executor`'s thread
 loop that runs the decode scheduler: ranges, size, duplicates and crc32 are checked, then the
 bytes are written into the pool straight from the message (`page_io.scatter_pages`). The sink
 records which (layer, page) cells it has, so a missing chunk is caught at TransferDone.
+
+Same host: when the decode side offers its pool and this process can open it (direct_pool.py),
+`DirectChannel` copies each chunk's pages device to device and emits the chunk without its bytes,
+marked `written_directly`; the decode side checks and counts it like any other chunk.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,14 +34,16 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig)
+    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig, check_page_ids)
 from deepseek_pd.workers.common.kv_transfer.checksum import crc32
+from deepseek_pd.workers.common.kv_transfer.direct_pool import DirectPools, offer, offers_pool, write_pages
 from deepseek_pd.workers.common.kv_transfer.page_io import PageGather, read_pages, scatter_pages
 from deepseek_pd.workers.common.kv_transfer.plan import ChunkShape, split_for_streams, split_into_chunks
 from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, EncodedChunk, encode_chunk_event
 from deepseek_pd.workers.common.request_failure import RequestFailure, TransferError, failure_for
 
 __all__ = ["GrpcReceiver", "GrpcSender", "GrpcSink", "read_pages"]
+log = logging.getLogger(__name__)
 
 
 class GrpcChannel(SendChannel):
@@ -107,8 +114,31 @@ class GrpcChannel(SendChannel):
             except asyncio.TimeoutError:
                 raise TransferError(FailureCode.DEADLINE_EXCEEDED,
                                     f"decode side took more than {self.timeout_s}s to accept a KV chunk") from None
-        self.bytes_sent += chunk.data_len
-        self.stats.count(chunk.data_len)
+        self.bytes_sent += chunk.kv_bytes
+        self.stats.count(chunk.kv_bytes)
+
+
+class DirectChannel(GrpcChannel):
+    """A GrpcChannel whose chunks are copied straight into the decode pool's `dst_buffers`
+    (direct_pool.py); each chunk then goes out without its bytes, marked `written_directly`."""
+
+    def __init__(self, *args, dst_buffers: Sequence[torch.Tensor], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dst_buffers = dst_buffers
+
+    def _encode(self, stream: int, seq: int, shape: ChunkShape, pages: list[int],
+                ready: "torch.cuda.Event | None") -> EncodedChunk:
+        layers = range(shape.layer_begin, shape.layer_end)
+        with self.stats.timed("write"):
+            write_pages(self.pool, self.dst_buffers, layers, pages,
+                        self.dst_pages[shape.page_begin:shape.page_end], ready)
+        header = ChunkHeader(shape.layer_begin, shape.layer_end, shape.page_begin, shape.page_end)
+        return encode_chunk_event(seq, header, b"", 0, stream,
+                                  direct_bytes=len(layers) * len(pages) * self.pool.bytes_per_page)
+
+
+# A direct chunk carries no bytes: one per KV stream and send is enough (no staging to bound).
+DIRECT_CHUNK_BYTES = 1 << 40
 
 
 class GrpcSender(KVSender):
@@ -120,12 +150,20 @@ class GrpcSender(KVSender):
         # One staging slot per thread: a chunk holds its slot only while it is checksummed and
         # encoded, so requests sending at once share them.
         self.gather = PageGather(pool, config.max_chunk_bytes, config.io_threads)
+        self.direct = DirectPools(pool) if config.same_host_direct != "off" else None
 
     def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         limit = min(self.config.max_chunk_bytes, handshake.grpc.max_chunk_bytes or self.config.max_chunk_bytes)
         if self.pool.bytes_per_page > limit:
             raise TransferError(FailureCode.INVALID_ARGUMENT,
                                 f"one KV page is {self.pool.bytes_per_page} bytes, above the chunk limit {limit}")
+        offered = handshake.grpc.direct if handshake.grpc.HasField("direct") else None
+        dst_buffers = self.direct.open(offered) if offered is not None and self.direct is not None else None
+        if dst_buffers is not None:
+            check_page_ids(handshake.page_ids, offered.pool_pages)
+            return DirectChannel(self.pool, handshake.page_ids, emit, DIRECT_CHUNK_BYTES, self.config.send_timeout_s,
+                                 self.gather, self.executor, depth=self.config.io_threads, streams=streams,
+                                 dst_buffers=dst_buffers)
         return GrpcChannel(self.pool, handshake.page_ids, emit, limit, self.config.send_timeout_s,
                            self.gather, self.executor, depth=self.config.io_threads, streams=streams)
 
@@ -138,7 +176,10 @@ class GrpcSink(KVSink):
 
     one_sided = False  # every byte in the pages is one this sink wrote (`on_chunk`)
 
-    def __init__(self, pool: KVPool, pages: Sequence[int], executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, pool: KVPool, pages: Sequence[int], executor: ThreadPoolExecutor | None = None,
+                 offered_direct: bool = False) -> None:
+        # With the pool offered (direct_pool.py) the peer may write the pages itself: one-sided.
+        self.offered_direct = self.one_sided = offered_direct
         super().__init__(pool, pages)
         self.executor = executor
         # claimed[layer][page]: a chunk took the cell (duplicates refused); written: its bytes are in.
@@ -152,17 +193,21 @@ class GrpcSink(KVSink):
         try:
             with self.stats.timed("check"):
                 self._check(chunk)
-            self.exposure.wrote()  # a write that fails half-way leaves bytes behind too
-            with self.stats.timed("write"):
-                scatter_pages(self.pool, range(chunk.layer_begin, chunk.layer_end),
-                              self.pages[chunk.page_begin:chunk.page_end], chunk.data)
+            if not getattr(chunk, "written_directly", False):
+                self.exposure.wrote()  # a write that fails half-way leaves bytes behind too
+                with self.stats.timed("write"):
+                    scatter_pages(self.pool, range(chunk.layer_begin, chunk.layer_end),
+                                  self.pages[chunk.page_begin:chunk.page_end], chunk.data)
         except RequestFailure as exc:
             raise self.fail(exc) from None
         except Exception as exc:  # a bug must still fail this transfer, not leave it half-written
             raise self.fail(TransferError(FailureCode.INTERNAL, f"writing a KV chunk failed: {exc!r}")) from exc
         with self._lock:
             self.written[chunk.layer_begin:chunk.layer_end, chunk.page_begin:chunk.page_end] = True
-        self.stats.count(len(chunk.data))
+        self.stats.count(self._cells_bytes(chunk))
+
+    def _cells_bytes(self, chunk: pb.KVChunk) -> int:
+        return (chunk.layer_end - chunk.layer_begin) * (chunk.page_end - chunk.page_begin) * self.pool.bytes_per_page
 
     def _check(self, chunk: pb.KVChunk) -> None:
         where = (f"layers [{chunk.layer_begin}, {chunk.layer_end}) pages "
@@ -171,13 +216,20 @@ class GrpcSink(KVSink):
                 and 0 <= chunk.page_begin < chunk.page_end <= len(self.pages)):
             raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} is out of range "
                                 f"({self.pool.num_layers} layers, {len(self.pages)} pages)")
-        expected = ((chunk.layer_end - chunk.layer_begin) * (chunk.page_end - chunk.page_begin)
-                    * self.pool.bytes_per_page)
-        if len(chunk.data) != expected:
-            raise TransferError(FailureCode.INTERNAL,
-                                f"KV chunk {where} has {len(chunk.data)} bytes, its ranges need {expected}")
-        if crc32(chunk.data) != chunk.crc32:
-            raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} failed its crc32 check (corrupted)")
+        if getattr(chunk, "written_directly", False):
+            if not self.offered_direct:
+                raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} claims a direct write, but this "
+                                    "decode worker offered its pool to no writer")
+            if len(chunk.data):
+                raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} is marked written directly "
+                                    f"and carries {len(chunk.data)} bytes")
+        else:
+            expected = self._cells_bytes(chunk)
+            if len(chunk.data) != expected:
+                raise TransferError(FailureCode.INTERNAL,
+                                    f"KV chunk {where} has {len(chunk.data)} bytes, its ranges need {expected}")
+            if crc32(chunk.data) != chunk.crc32:
+                raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} failed its crc32 check (corrupted)")
         with self._lock:
             cells = self.claimed[chunk.layer_begin:chunk.layer_end, chunk.page_begin:chunk.page_end]
             if bool(cells.any()):
@@ -197,19 +249,37 @@ class GrpcSink(KVSink):
                                           f"transfer reported done but {missing} (layer, page) cells never arrived"))
 
 
+def _offer(pool: KVPool) -> pb.DirectPool | None:
+    """The pool's same-host offer, or None where this torch cannot share it (the byte stream stays)."""
+    try:
+        return offer(pool)
+    except Exception as exc:  # e.g. an allocator mode without IPC handles
+        log.warning("the KV pool cannot be offered for same-host direct writes (%r); KV arrives over the "
+                    "gRPC byte stream", exc)
+        return None
+
+
 class GrpcReceiver(KVReceiver):
     name = "grpc"
 
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         super().__init__(pool, config)
         self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-ingest")
+        self.direct = _offer(pool) if offers_pool(pool, config.same_host_direct) else None
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.grpc.max_chunk_bytes = self.config.max_chunk_bytes
         handshake.grpc.streams = self.config.grpc_streams
+        if self.direct is not None:
+            handshake.grpc.direct.CopyFrom(self.direct)
 
     def open_sink(self, pages: Sequence[int]) -> KVSink:
-        return GrpcSink(self.pool, pages, self.executor)
+        return GrpcSink(self.pool, pages, self.executor, offered_direct=self.direct is not None)
+
+    @property
+    def late_write_grace_s(self) -> float:
+        # A direct write the prefill side started before it learnt of the failure ends within its timeout.
+        return self.config.send_timeout_s if self.direct is not None else 0.0
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

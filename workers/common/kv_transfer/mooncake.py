@@ -26,7 +26,7 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    EmitChunk, KVReceiver, KVSender, SendChannel, TransportConfig)
+    EmitChunk, KVReceiver, KVSender, SendChannel, TransportConfig, check_page_ids)
 from deepseek_pd.workers.common.kv_transfer.page_io import sync_ready
 from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
 from deepseek_pd.workers.common.request_failure import TransferError
@@ -155,15 +155,7 @@ def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[in
         raise TransferError(FailureCode.INVALID_ARGUMENT,
                             f"decode sent {len(destination.layer_base_addrs)} layer addresses, "
                             f"the model has {num_layers} layers")
-    if not destination.pool_pages:
-        raise TransferError(FailureCode.INVALID_ARGUMENT, "decode handshake does not say how many pages its "
-                            "pool has (an older decode worker?)")
-    bad = [page for page in page_ids if page >= destination.pool_pages]
-    if bad:
-        raise TransferError(FailureCode.INVALID_ARGUMENT, f"decode pages {bad[:4]} are outside its "
-                            f"{destination.pool_pages}-page pool")
-    if len(set(page_ids)) != len(page_ids):
-        raise TransferError(FailureCode.INVALID_ARGUMENT, "decode handshake lists a page twice")
+    check_page_ids(page_ids, destination.pool_pages)
 
 
 class MooncakeSender(KVSender):

@@ -64,13 +64,20 @@ class EncodedChunk:
     data_offset: int
     data_len: int
     stream: int = 0
+    # The KV bytes this chunk accounts for: `data_len`, or for a chunk written directly into the
+    # decode pool (no data on the wire) the cells' bytes.
+    kv_bytes: int = 0
 
     def SerializeToString(self) -> bytes:  # noqa: N802 - the name gRPC's serializer calls on protobufs
         return self.payload
 
 
-def encode_chunk_event(seq: int, header: ChunkHeader, data, crc32: int, stream: int = 0) -> EncodedChunk:
-    """`data`: any buffer (bytes, memoryview of a staging tensor); copied once, into the payload."""
+def encode_chunk_event(seq: int, header: ChunkHeader, data, crc32: int, stream: int = 0,
+                       direct_bytes: int = 0) -> EncodedChunk:
+    """`data`: any buffer (bytes, memoryview of a staging tensor); copied once, into the payload.
+
+    `direct_bytes` > 0: the cells (that many bytes) were already copied into the decode pool; the
+    chunk carries no `data` and only tells the decode side they are there (`written_directly`)."""
     size = memoryview(data).nbytes
     fields = bytearray()
     for number, name in enumerate(_CHUNK_FIELDS, start=1):
@@ -78,12 +85,13 @@ def encode_chunk_event(seq: int, header: ChunkHeader, data, crc32: int, stream: 
         if value:
             fields += _tag(number, _VARINT) + _varint(value)
     data_prefix = _tag(5, _LEN) + _varint(size) if size else b""
-    suffix = _tag(6, _VARINT) + _varint(crc32) if crc32 else b""
+    suffix = ((_tag(6, _VARINT) + _varint(crc32) if crc32 else b"")
+              + (_tag(7, _VARINT) + b"\x01" if direct_bytes else b""))
     body_len = len(fields) + len(data_prefix) + size + len(suffix)
     prefix = ((_tag(1, _VARINT) + _varint(seq) if seq else b"") + _tag(3, _LEN) + _varint(body_len)
               + bytes(fields) + data_prefix)
     payload = b"".join((prefix, memoryview(data).cast("B") if size else b"", suffix))
-    return EncodedChunk(seq, header, crc32, payload, len(prefix), size, stream)
+    return EncodedChunk(seq, header, crc32, payload, len(prefix), size, stream, direct_bytes or size)
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ class ChunkView:
     page_end: int
     data: memoryview
     crc32: int
+    written_directly: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,7 +155,7 @@ def _skip(buf: memoryview, pos: int, end: int, wire_type: int) -> int:
 
 def _parse_chunk(buf: memoryview, pos: int, end: int) -> ChunkView:
     values = {name: 0 for name in _CHUNK_FIELDS}
-    data, crc = buf[0:0], 0
+    data, crc, direct = buf[0:0], 0, False
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
         field, wire_type = key >> 3, key & 7
@@ -159,9 +168,12 @@ def _parse_chunk(buf: memoryview, pos: int, end: int) -> ChunkView:
             data, pos = buf[pos:pos + length], pos + length
         elif field == 6 and wire_type == _VARINT:
             crc, pos = _read_varint(buf, pos, end)
+        elif field == 7 and wire_type == _VARINT:
+            flag, pos = _read_varint(buf, pos, end)
+            direct = bool(flag)
         else:  # a field a newer peer added: skip it, as protobuf would
             pos = _skip(buf, pos, end, wire_type)
-    return ChunkView(data=data, crc32=crc & 0xFFFFFFFF, **values)
+    return ChunkView(data=data, crc32=crc & 0xFFFFFFFF, written_directly=direct, **values)
 
 
 def decode_event(raw: bytes) -> ReceivedEvent:

@@ -1,0 +1,209 @@
+"""Same-host direct KV writes on the grpc transport (kv_transfer/direct_pool.py), on CPU pools.
+
+A CPU pool is shared only within its own process, so here both sides run in one process with
+`same_host_direct="on"`; the CUDA IPC path between two processes is test_kv_direct_cuda.py. The
+oracle is the source pool itself: every listed page equal, every other page untouched.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.kv_transfer import TransportConfig
+from deepseek_pd.workers.common.kv_transfer.base import layout_of
+from deepseek_pd.workers.common.kv_transfer.direct_pool import DirectPools, offer
+from deepseek_pd.workers.common.kv_transfer.grpc_stream import (
+    DirectChannel, GrpcChannel, GrpcReceiver, GrpcSender, GrpcSink)
+from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, decode_event, encode_chunk_event
+from deepseek_pd.workers.common.request_failure import TransferError
+from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+
+pytestmark = pytest.mark.timeout(60)
+DIRECT = TransportConfig(same_host_direct="on")
+
+
+def _exchange(rng: random.Random, **kwargs) -> Exchange:
+    page_size = rng.choice([1, 3, 4])
+    num_tokens = rng.randrange(2, 40)
+    num_pages = -(-num_tokens // page_size)
+    src_pool = random_pool(rng, num_pages * 3 + 2, page_size, num_layers=rng.randrange(1, 5))
+    dst_pool = random_pool(rng, num_pages * 3 + 5, page_size, num_layers=src_pool.num_layers)
+    cuts = sorted(rng.sample(range(1, num_tokens), k=min(3, num_tokens - 1)))
+    return Exchange("grpc", Side(src_pool, scattered_alloc(src_pool, rng, num_pages)),
+                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens],
+                    seed=rng.randrange(1 << 30), **kwargs)
+
+
+def _spy(chunks: list):
+    def hook(emit):
+        async def wrapped(chunk):
+            chunks.append(chunk)
+            await emit(chunk)
+        return wrapped
+    return hook
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("streams", [1, 3])
+def test_direct_writes_copy_scattered_pages_exactly_with_no_bytes_on_the_wire(layerwise, streams):
+    rng = random.Random()
+    exchange = _exchange(rng, layerwise=layerwise,
+                         transport_config=dataclasses.replace(DIRECT, grpc_streams=streams))
+    before = [b.clone() for b in exchange.dst.pool.buffers]
+    chunks: list = []
+    prefill, decode = asyncio.run(run_exchange(exchange, emit_hook=_spy(chunks)))
+    assert not isinstance(prefill, BaseException), prefill
+    assert not isinstance(decode, BaseException), decode
+    assert pages_equal(exchange)
+    untouched = sorted(set(range(exchange.dst.pool.num_pages)) - set(exchange.dst.pages))
+    for layer, buffer in enumerate(exchange.dst.pool.buffers):
+        assert torch.equal(buffer[untouched], before[layer][untouched])
+    cells = len(exchange.src.pages) * exchange.src.pool.num_layers
+    assert prefill == cells * exchange.src.pool.bytes_per_page  # bytes_sent counts the cells moved
+    assert chunks and all(c.data_len == 0 and decode_event(c.payload).chunk.written_directly for c in chunks)
+
+
+def test_a_prefill_that_cannot_open_the_offer_streams_the_bytes():
+    """Another host, another process's CPU pool, or a prefill with same_host_direct off: the byte
+    stream, with the same result."""
+    rng = random.Random()
+    for case in ("host", "pid", "off"):
+        exchange = _exchange(rng, decode_transport_config=DIRECT,
+                             transport_config=TransportConfig(same_host_direct="off") if case == "off" else DIRECT)
+        chunks: list = []
+        real_offer = offer
+
+        def faked(pool, case=case):
+            made = real_offer(pool)
+            if case == "host":
+                made.host = "another-" + made.host
+            elif case == "pid":
+                made.pid += 1
+            return made
+
+        import deepseek_pd.workers.common.kv_transfer.grpc_stream as grpc_stream
+        grpc_stream.offer, saved = faked, grpc_stream.offer
+        try:
+            prefill, decode = asyncio.run(run_exchange(exchange, emit_hook=_spy(chunks)))
+        finally:
+            grpc_stream.offer = saved
+        assert not isinstance(decode, BaseException), (case, decode)
+        assert pages_equal(exchange), case
+        assert chunks and all(c.data_len > 0 for c in chunks), case
+
+
+def _pools(rng: random.Random):
+    src = random_pool(rng, 8, 2, num_layers=2)
+    dst = random_pool(rng, 8, 2, num_layers=2)
+    return src, dst
+
+
+def _handshake(receiver: GrpcReceiver, pages: list[int]) -> pb.Handshake:
+    handshake = pb.Handshake(room=1, page_ids=pages, layout=layout_of(receiver.pool))
+    receiver.fill_destination(handshake)
+    return handshake
+
+
+async def _no_emit(chunk) -> None:
+    return None
+
+
+def test_the_sender_checks_the_pages_of_an_opened_offer_and_opens_each_pool_once():
+    rng = random.Random()
+    src, dst = _pools(rng)
+    receiver, sender = GrpcReceiver(dst, DIRECT), GrpcSender(src, DIRECT)
+    try:
+        assert isinstance(sender.open(_handshake(receiver, [1, 5]), _no_emit), DirectChannel)
+        opened = dict(sender.direct._opened)
+        assert isinstance(sender.open(_handshake(receiver, [2]), _no_emit), DirectChannel)
+        assert dict(sender.direct._opened).keys() == opened.keys()  # cached, not opened again
+        for bad, match in (([1, 8], "outside"), ([3, 3], "twice")):
+            with pytest.raises(TransferError, match=match) as caught:
+                sender.open(_handshake(receiver, bad), _no_emit)
+            assert caught.value.code == FailureCode.INVALID_ARGUMENT
+    finally:
+        sender.close()
+        receiver.close()
+    # Without an offer (decode's default for a CPU pool) the channel streams bytes.
+    plain = GrpcReceiver(dst, TransportConfig())
+    sender = GrpcSender(src, DIRECT)
+    try:
+        assert plain.direct is None and plain.late_write_grace_s == 0
+        channel = sender.open(_handshake(plain, [1]), _no_emit)
+        assert isinstance(channel, GrpcChannel) and not isinstance(channel, DirectChannel)
+    finally:
+        sender.close()
+        plain.close()
+
+
+def test_an_offered_pool_makes_the_transfer_one_sided_with_the_send_timeout_as_grace():
+    rng = random.Random()
+    _, dst = _pools(rng)
+    config = dataclasses.replace(DIRECT, send_timeout_s=rng.uniform(1, 30))
+    receiver = GrpcReceiver(dst, config)
+    try:
+        sink = receiver.open_sink([0, 1])
+        assert sink.one_sided and receiver.late_write_grace_s == config.send_timeout_s
+        sink.exposure.handed_out()
+        assert sink.exposure.may_be_written and sink.exposure.late_writes
+    finally:
+        receiver.close()
+
+
+def _direct_chunk(pool, layers: range, pages: range, data: bytes = b""):
+    header = ChunkHeader(layers.start, layers.stop, pages.start, pages.stop)
+    encoded = encode_chunk_event(1, header, data, 0, 0, direct_bytes=len(layers) * len(pages) * pool.bytes_per_page)
+    return decode_event(encoded.payload).chunk
+
+
+def test_a_sink_refuses_direct_chunks_it_never_offered_for_or_that_carry_bytes():
+    rng = random.Random()
+    _, dst = _pools(rng)
+    chunk = _direct_chunk(dst, range(0, 2), range(0, 1))
+    with pytest.raises(TransferError, match="offered its pool to no writer"):
+        GrpcSink(dst, [3, 4]).on_chunk(chunk)
+    sink = GrpcSink(dst, [3, 4], offered_direct=True)
+    with pytest.raises(TransferError, match="carries"):
+        sink.on_chunk(_direct_chunk(dst, range(0, 1), range(0, 1), data=b"\x01" * 4))
+    # A refused chunk fails the transfer; an accepted one counts its cells, and only complete
+    # coverage passes TransferDone.
+    sink = GrpcSink(dst, [3, 4], offered_direct=True)
+    sink.on_chunk(_direct_chunk(dst, range(0, 2), range(0, 1)))
+    done = pb.TransferDone(num_pages=2, bytes_sent=2 * 2 * dst.bytes_per_page)
+    with pytest.raises(TransferError, match="never arrived"):
+        sink.check_complete(done)
+    sink = GrpcSink(dst, [3, 4], offered_direct=True)
+    sink.on_chunk(_direct_chunk(dst, range(0, 2), range(0, 2)))
+    sink.check_complete(done)
+    with pytest.raises(TransferError, match="repeats"):
+        sink.on_chunk(_direct_chunk(dst, range(1, 2), range(1, 2)))
+
+
+def test_the_direct_flag_is_protobufs_own_encoding():
+    """Our hand-written wire form parses with protobuf and back (any peer reads the flag)."""
+    rng = random.Random()
+    for _ in range(20):
+        header = ChunkHeader(rng.randrange(3), rng.randrange(3, 9), rng.randrange(5), rng.randrange(5, 20))
+        direct = rng.choice([0, rng.randrange(1, 1 << 20)])
+        data = b"" if direct else rng.randbytes(rng.randrange(1, 64))
+        encoded = encode_chunk_event(rng.randrange(1, 1000), header, data, rng.randrange(1 << 32), 0,
+                                     direct_bytes=direct)
+        parsed = pb.TransferEvent.FromString(encoded.payload)
+        assert parsed.chunk.written_directly == bool(direct) and parsed.chunk.data == data
+        assert decode_event(parsed.SerializeToString()).chunk.written_directly == bool(direct)
+        assert encoded.kv_bytes == (direct or len(data))
+
+
+def test_direct_pools_refuse_a_pool_of_another_page_size_or_device_kind():
+    rng = random.Random()
+    src = random_pool(rng, 8, 2, num_layers=2)
+    other = random_pool(rng, 8, 4, num_layers=2)
+    pools = DirectPools(src)
+    assert pools.open(offer(other)) is None
+    assert pools.open(offer(random_pool(rng, 8, 2, num_layers=2))) is not None

@@ -1,0 +1,177 @@
+"""Same-host KV by direct device copies: the decode pool's buffers, opened by the prefill process.
+
+The grpc transport's byte stream tops out near 1.5 GB/s in Python (docs/performance.md), while a
+prefill and a decode worker on one host (`deepseek-pd up`, or pods that share a node and see the
+same GPUs) need not send the bytes at all. The decode side offers its pool in the handshake
+(`pb.DirectPool`): the host's boot id, its pid, the GPU's UUID and, for a CUDA pool, torch's CUDA
+IPC description of every layer buffer. A prefill worker that can open them (`DirectPools.open`)
+copies each chunk's pages device to device (`write_pages`: per layer one index_select and one
+index_copy_ on a side stream, ordered after the KV write) and sends, in place of the chunk's bytes,
+a KVChunk marked `written_directly` (grpc_stream.DirectChannel). Flow control, per-stream order,
+TransferDone and the decode side's cell accounting stay those of the byte stream.
+
+Whatever cannot be opened keeps the byte stream, with the reason logged once per pool: another
+host, the GPU not visible here, IPC refused (containers without a shared IPC namespace), or a CPU
+pool in another process (a CPU pool is only ever shared within its own process: tests, tools).
+
+    same_host_direct   decode offers           prefill writes directly when
+    "auto" (default)   CUDA pools              it can open the offer
+    "on"               any pool                it can open the offer (a CPU pool: same process)
+    "off"              nothing                 never (a prefill with "off" also declines offers)
+
+Trust: as with Mooncake, only an authenticated handshake reveals a pool, and a writer writes only
+the pages that handshake lists, each checked below the pool's size (`base.check_page_ids`). The
+decode side treats a transfer it offered its pool for as one-sided (exposure.py): a failed one's
+pages are zeroed after the late-write grace.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import secrets
+import weakref
+from typing import Sequence
+
+import torch
+
+from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.common.kv_transfer.page_io import page_index, side_stream, wait_ready
+
+log = logging.getLogger(__name__)
+
+# Pools exported by this process, by pool id: a writer in the same process uses them as they are
+# (CUDA IPC cannot open a handle in the process that made it).
+_EXPORTED: "weakref.WeakValueDictionary[str, KVPool]" = weakref.WeakValueDictionary()
+
+
+def host_id() -> str:
+    """This host's boot id ("" where the kernel has none: then only the same process matches)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            return file.read().strip()
+    except OSError:
+        return ""
+
+
+def _device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def offers_pool(pool: KVPool, mode: str) -> bool:
+    """Whether a decode worker offers `pool` (`mode`: TransportConfig.same_host_direct)."""
+    return mode == "on" or (mode == "auto" and pool.device.type == "cuda")
+
+
+def offer(pool: KVPool) -> pb.DirectPool:
+    """The decode side's offer of `pool`, made once per worker (each CUDA export pins an IPC slot)."""
+    pool_id = secrets.token_hex(8)
+    _EXPORTED[pool_id] = pool
+    made = pb.DirectPool(host=host_id(), pid=os.getpid(), pool_id=pool_id, pool_pages=pool.num_pages,
+                         page_bytes=pool.bytes_per_page)
+    if pool.device.type == "cuda":
+        made.device_uuid = _device_uuid(pool.device)
+        for buffer in pool.buffers:
+            (_, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset, event_handle,
+             event_sync_required) = buffer.untyped_storage()._share_cuda_()
+            made.layers.add(handle=handle, size_bytes=size_bytes, offset_bytes=offset_bytes,
+                            ref_counter_handle=ref_counter_handle, ref_counter_offset=ref_counter_offset,
+                            event_handle=event_handle or b"", event_sync_required=event_sync_required)
+    return made
+
+
+class DirectPools:
+    """The prefill side's opened decode pools, by pool id; None for one it cannot write."""
+
+    def __init__(self, pool: KVPool, max_pools: int = 64) -> None:
+        self.pool = pool
+        self.max_pools = max_pools
+        self._opened: collections.OrderedDict[str, list[torch.Tensor] | None] = collections.OrderedDict()
+
+    def open(self, offered: pb.DirectPool) -> list[torch.Tensor] | None:
+        """The offered pool's layer buffers `[pool_pages, page_size, kv_dim]`, or None (logged once)."""
+        key = f"{offered.host}/{offered.pid}/{offered.pool_id}"
+        if key in self._opened:
+            self._opened.move_to_end(key)
+            return self._opened[key]
+        try:
+            buffers = self._open(offered)
+        except Exception as exc:  # IPC refused, a bad handle: the byte stream still works
+            buffers, reason = None, f"opening it failed: {exc!r}"
+        else:
+            reason = "" if isinstance(buffers, list) else buffers
+            buffers = buffers if isinstance(buffers, list) else None
+        if buffers is None:
+            log.info("decode KV pool %s (pid %d) is not written directly from here (%s); its KV goes over "
+                     "the gRPC byte stream", offered.pool_id, offered.pid, reason)
+        else:
+            log.info("decode KV pool %s (pid %d): KV is copied device to device (same host)",
+                     offered.pool_id, offered.pid)
+        self._opened[key] = buffers
+        while len(self._opened) > self.max_pools:
+            self._opened.popitem(last=False)
+        return buffers
+
+    def _open(self, offered: pb.DirectPool) -> list[torch.Tensor] | str:
+        """The buffers, or why not."""
+        if offered.page_bytes != self.pool.bytes_per_page:
+            return f"its page is {offered.page_bytes} bytes, ours {self.pool.bytes_per_page}"
+        if not offered.host or offered.host != host_id():
+            return "another host"
+        if offered.pid == os.getpid():
+            exported = _EXPORTED.get(offered.pool_id)
+            if exported is None:
+                return "no such pool in this process"
+            if exported.device.type != self.pool.device.type:
+                return f"a {exported.device.type} pool, ours is on {self.pool.device.type}"
+            return list(exported.buffers)
+        if self.pool.device.type != "cuda" or not offered.device_uuid:
+            return "a CPU pool of another process"
+        device = self._local_device(offered.device_uuid)
+        if device is None:
+            return f"its GPU {offered.device_uuid} is not visible here"
+        if len(offered.layers) != self.pool.num_layers:
+            return f"it offers {len(offered.layers)} layer buffers, the model has {self.pool.num_layers}"
+        shape = (offered.pool_pages, self.pool.page_size, self.pool.kv_dim)
+        needed = offered.pool_pages * self.pool.bytes_per_page  # bytes_per_page: one layer's page
+        buffers = []
+        for layer in offered.layers:
+            if layer.size_bytes < needed:
+                return f"a layer buffer of {layer.size_bytes} bytes, {needed} needed"
+            storage = torch.UntypedStorage._new_shared_cuda(
+                device, layer.handle, layer.size_bytes, layer.offset_bytes, layer.ref_counter_handle,
+                layer.ref_counter_offset, layer.event_handle or None, layer.event_sync_required)
+            tensor = torch.empty(0, dtype=self.pool.dtype, device=torch.device("cuda", device))
+            buffers.append(tensor.set_(storage, 0, shape))
+        return buffers
+
+    @staticmethod
+    def _local_device(uuid: str) -> int | None:
+        for index in range(torch.cuda.device_count()):
+            if _device_uuid(torch.device("cuda", index)) == uuid:
+                return index
+        return None
+
+
+def write_pages(src: KVPool, dst: Sequence[torch.Tensor], layers: range, src_pages: Sequence[int],
+                dst_pages: Sequence[int], ready: "torch.cuda.Event | None") -> None:
+    """Copies `src_pages` of `layers` of `src` into `dst_pages` of the `dst` buffers; returns once
+    the bytes are there. On CUDA the copies run on this thread's side stream after `ready` (or
+    everything on the default stream), like the byte stream's gather."""
+    if src.device.type != "cuda":
+        src_index = torch.as_tensor(list(src_pages), dtype=torch.long)
+        dst_index = torch.as_tensor(list(dst_pages), dtype=torch.long)
+        for layer in layers:
+            dst[layer].index_copy_(0, dst_index, src.buffers[layer].index_select(0, src_index))
+        return
+    stream = side_stream(src.device)
+    with torch.cuda.stream(stream):
+        wait_ready(src, ready, stream)
+        src_index = page_index(src, src_pages)
+        dst_index = torch.as_tensor(list(dst_pages), dtype=torch.long).to(dst[layers.start].device,
+                                                                        non_blocking=True)
+        for layer in layers:
+            pages = src.buffers[layer].index_select(0, src_index)
+            dst[layer].index_copy_(0, dst_index, pages.to(dst[layer].device, non_blocking=True))
+    stream.synchronize()
