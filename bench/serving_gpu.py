@@ -42,6 +42,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from serving_report import Checks, evaluate, format_table, level_row, write_plot  # noqa: E402
+import worker_metrics  # noqa: E402
 from target_parts import GPU_PARTS, NAMES, TINY_PARTS, Part, run_parts  # noqa: E402
 from targets_table import format_targets, target_rows  # noqa: E402
 
@@ -227,6 +228,8 @@ def serve_levels(plan: Plan, model_dir: Path, out: Path, flags: list[str], profi
             stem = levels_dir / f"c{concurrency}"
             argv = bench_argv(url, plan, concurrency, n, level_seed(seed, index), stem,
                               up.control_plane_key_file)
+            urls = worker_metrics.metrics_urls(spec.log_dir)
+            before = worker_metrics.scrape(urls)
             if profile and concurrency == plan.profile_level:
                 child = subprocess.Popen(argv, stdout=stem.with_suffix(".log").open("w"),
                                          stderr=subprocess.STDOUT)
@@ -244,7 +247,10 @@ def serve_levels(plan: Plan, model_dir: Path, out: Path, flags: list[str], profi
                 notes.append(f"c={concurrency}: bench serving wrote no result (see {stem}.log)")
                 continue
             level = json.loads(stem.with_suffix(".json").read_text())
-            rows.append({**level_row(concurrency, level["summary"]), "json": str(stem.with_suffix(".json"))})
+            workers = worker_metrics.breakdown(before, worker_metrics.scrape(urls))
+            rows.append({**level_row(concurrency, level["summary"]), "json": str(stem.with_suffix(".json")),
+                         "workers": workers})
+            print(f"[c={concurrency}] the workers' own metrics (means):\n{worker_metrics.describe(workers)}", flush=True)
             if index == 0:
                 result["c1_prompt_lengths_sent"] = sorted(r["prompt_len"] for r in level["requests"])
             print(f"[c={concurrency}] {json.dumps(rows[-1])}", flush=True)

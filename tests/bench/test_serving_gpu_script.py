@@ -43,6 +43,11 @@ def test_tiny_run_reports_what_it_measured(tmp_path: Path) -> None:
         assert all(r["output_len"] == plan["output_len"] for r in level["requests"])
         assert all(low <= r["prompt_len"] <= plan["input_len"] for r in level["requests"])
         assert summary["kv_bytes_per_token"] == runner["kv_bytes_per_token"]
+        # The workers' own view of the level: every request reached both, each as one TTFT.
+        workers = row["workers"]
+        assert sorted(workers) == ["decode-0", "prefill-0"]
+        assert workers["prefill-0"]["ttft_count"] == workers["decode-0"]["ttft_count"] == summary["completed"]
+        assert 0 < workers["prefill-0"]["prefill_step_ms"] <= workers["decode-0"]["ttft_ms"]
 
     assert result["c1_prompt_lengths_sent"] == result["c1_prompt_lengths_planned"]
     assert sorted(p["length"] for p in runner["prefill"]) == result["c1_prompt_lengths_planned"]

@@ -1,0 +1,121 @@
+"""The workers' own /metrics around one serving level: where a request's time went, per worker.
+
+A client's TTFT is router + prefill worker + transfer + decode worker; the workers already keep
+histograms of their side (workers/common/metrics.py). Scraping them before and after a level and
+taking the difference gives, per worker, the mean of what that level added:
+
+    prefill-0: ttft 89.1 ms, prefill step 86.3 ms x 1.0 requests (771 tokens), KV send 3.2 ms
+    decode-0:  ttft 95.2 ms, decode step 10.9 ms x 31.5 requests, KV receive 94.8 ms
+
+(a worker's TTFT runs from its Generate to its first token; decode's "KV receive" from its
+handshake to the checked TransferDone, so it holds the prefill's compute). The metrics URLs come
+from the workers' start logs, as `up` writes them.
+"""
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = "deepseek_pd:"
+_URL = re.compile(r"Prometheus metrics on (http://\S+/metrics)")
+_WORKER_LOG = re.compile(r"(prefill|decode)-\d+")
+# what -> (histogram, label filter): its _sum and _count, summed over the matching samples
+_SAMPLES = {
+    "ttft": ("time_to_first_token_seconds", {}),
+    "kv": ("kv_transfer_seconds", {}),
+    "prefill_step": ("step_seconds", {"mode": "prefill"}),
+    "decode_step": ("step_seconds", {"mode": "decode"}),
+}
+# what -> (counter sample, label filter)
+_COUNTERS = {"prefill_tokens": ("step_tokens_total", {"mode": "prefill"}),
+             "prefill_rows": ("step_requests_total", {"mode": "prefill"}),
+             "decode_rows": ("step_requests_total", {"mode": "decode"})}
+
+
+def metrics_urls(log_dir: Path) -> dict[str, str]:
+    """Worker name (its log's stem, e.g. prefill-0) -> its metrics URL (the latest start's)."""
+    urls = {}
+    for log in sorted(log_dir.glob("*.log")):
+        if not _WORKER_LOG.fullmatch(log.stem):  # up.log and router.log may repeat workers' lines
+            continue
+        found = _URL.findall(log.read_text(errors="replace"))
+        if found:
+            urls[log.stem] = found[-1]
+    return urls
+
+
+def _matches(labels: dict, wanted: dict) -> bool:
+    return all(labels.get(key) == value for key, value in wanted.items())
+
+
+def parse(text: str) -> dict[str, float]:
+    """The totals this module reads: `<what>_sum`/`<what>_count` of the histograms and the counters."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for what, (name, wanted) in _SAMPLES.items():
+                for suffix in ("_sum", "_count"):
+                    if sample.name == PREFIX + name + suffix and _matches(sample.labels, wanted):
+                        totals[what + suffix] = totals.get(what + suffix, 0.0) + sample.value
+            for what, (name, wanted) in _COUNTERS.items():
+                if sample.name == PREFIX + name and _matches(sample.labels, wanted):
+                    totals[what] = totals.get(what, 0.0) + sample.value
+    return totals
+
+
+def scrape(urls: dict[str, str], timeout_s: float = 5.0) -> dict[str, dict[str, float]]:
+    """Each worker's totals now; a worker that does not answer is left out."""
+    out = {}
+    for name, url in urls.items():
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                out[name] = parse(response.read().decode())
+        except OSError:
+            continue
+    return out
+
+
+def breakdown(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict]:
+    """Per worker, the means over what happened between the two scrapes (ms, requests, tokens)."""
+    result = {}
+    for name, now in after.items():
+        then = before.get(name, {})
+
+        def delta(key: str) -> float:
+            return now.get(key, 0.0) - then.get(key, 0.0)
+
+        row: dict[str, float] = {}
+        for what in _SAMPLES:
+            count = delta(what + "_count")
+            if count > 0:
+                row[f"{what}_ms"] = delta(what + "_sum") / count * 1e3
+                row[f"{what}_count"] = count
+        for mode in ("prefill", "decode"):
+            steps = delta(f"{mode}_step_count")
+            if steps > 0:
+                row[f"{mode}_rows_per_step"] = delta(f"{mode}_rows") / steps
+        if delta("prefill_step_count") > 0:
+            row["prefill_tokens_per_step"] = delta("prefill_tokens") / delta("prefill_step_count")
+        result[name] = row
+    return result
+
+
+def describe(rows: dict[str, dict]) -> str:
+    """One line per worker, as in the module doc."""
+    lines = []
+    for name, row in sorted(rows.items()):
+        parts = []
+        if "ttft_ms" in row:
+            parts.append(f"ttft {row['ttft_ms']:.1f} ms")
+        for mode in ("prefill", "decode"):
+            if f"{mode}_step_ms" in row:
+                extra = (f" ({row['prefill_tokens_per_step']:.0f} tokens)" if mode == "prefill" else "")
+                parts.append(f"{mode} step {row[f'{mode}_step_ms']:.1f} ms x "
+                             f"{row.get(f'{mode}_rows_per_step', 0):.1f} requests{extra}")
+        if "kv_ms" in row:
+            parts.append(f"KV {'send' if name.startswith('prefill') else 'receive'} {row['kv_ms']:.1f} ms")
+        lines.append(f"{name}: {', '.join(parts) or 'nothing'}")
+    return "\n".join(lines)

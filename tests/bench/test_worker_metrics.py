@@ -1,0 +1,60 @@
+"""bench/worker_metrics.py reads back what the workers' own metrics recorded between two scrapes.
+
+The oracle is a real `WorkerMetrics` fed random observations: the breakdown's means are those of
+the observations made between the scrapes, whatever was observed before."""
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+from prometheus_client import generate_latest
+
+from deepseek_pd.workers.common.metrics import WorkerMetrics
+from pdtest.bench_scripts import bench_module
+
+worker_metrics = bench_module("worker_metrics")
+
+
+def _observe(metrics: WorkerMetrics, rng: random.Random, n: int) -> dict[str, list[float]]:
+    seen: dict[str, list[float]] = {"prefill": [], "decode": [], "ttft": [], "kv": [], "tokens": [], "rows": []}
+    for _ in range(n):
+        prefill, decode = rng.uniform(0.01, 0.2), rng.uniform(0.001, 0.02)
+        tokens, rows = rng.randrange(1, 9000), rng.randrange(1, 9)
+        metrics.observe_step("prefill", prefill, rows, tokens)
+        metrics.observe_step("decode", decode, rng.randrange(1, 64), rng.randrange(1, 64))
+        ttft, kv = rng.uniform(0.01, 1), rng.uniform(0.001, 0.5)
+        metrics.observe_request("length", 10, 3, 0, ttft, ttft + 0.5)
+        metrics.observe_kv_transfer("grpc", 1000, kv)
+        for key, value in (("prefill", prefill), ("decode", decode), ("ttft", ttft), ("kv", kv),
+                           ("tokens", tokens), ("rows", rows)):
+            seen[key].append(value)
+    return seen
+
+
+def test_breakdown_is_the_mean_of_what_happened_between_the_scrapes():
+    rng = random.Random()
+    metrics = WorkerMetrics()
+    _observe(metrics, rng, rng.randrange(0, 5))
+    before = {"prefill-0": worker_metrics.parse(generate_latest(metrics.registry).decode())}
+    seen = _observe(metrics, rng, rng.randrange(1, 20))
+    after = {"prefill-0": worker_metrics.parse(generate_latest(metrics.registry).decode())}
+    row = worker_metrics.breakdown(before, after)["prefill-0"]
+    assert row["prefill_step_ms"] == pytest.approx(statistics.mean(seen["prefill"]) * 1e3)
+    assert row["decode_step_ms"] == pytest.approx(statistics.mean(seen["decode"]) * 1e3)
+    assert row["ttft_ms"] == pytest.approx(statistics.mean(seen["ttft"]) * 1e3)
+    assert row["kv_ms"] == pytest.approx(statistics.mean(seen["kv"]) * 1e3)
+    assert row["prefill_tokens_per_step"] == pytest.approx(statistics.mean(seen["tokens"]))
+    assert row["prefill_rows_per_step"] == pytest.approx(statistics.mean(seen["rows"]))
+    assert row["prefill_step_count"] == len(seen["prefill"])
+    assert "prefill-0: ttft" in worker_metrics.describe({"prefill-0": row})
+
+
+def test_metrics_urls_are_the_workers_latest_starts(tmp_path):
+    urls = {f"{role}-{rank}": f"http://127.0.0.1:{random.randrange(1024, 65535)}/metrics"
+            for role in ("prefill", "decode") for rank in range(random.randrange(1, 3))}
+    for name, url in urls.items():
+        (tmp_path / f"{name}.log").write_text(f"x Prometheus metrics on http://127.0.0.1:1/metrics\n"
+                                              f"restarted\nx Prometheus metrics on {url}\n")
+    (tmp_path / "up.log").write_text("prefill-0 | Prometheus metrics on http://127.0.0.1:2/metrics\n")
+    assert worker_metrics.metrics_urls(tmp_path) == urls
