@@ -30,7 +30,10 @@ import collections
 import logging
 import os
 import secrets
+import threading
+import time
 import weakref
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -81,20 +84,44 @@ def offer(pool: KVPool) -> pb.DirectPool:
     return made
 
 
-class DirectPools:
-    """The prefill side's opened decode pools, by pool id; None for one it cannot write."""
+# A decode pool that no transfer used for this long is let go. Holding it would keep a dead (or
+# restarted) decode worker's GPU memory mapped here, so the worker that replaces it could not size
+# its own pool; opening it again costs a few milliseconds.
+IDLE_S = 5.0
 
-    def __init__(self, pool: KVPool, max_pools: int = 64) -> None:
+
+@dataclass
+class _Opened:
+    buffers: list[torch.Tensor] | None  # None: this process cannot write that pool
+    used_at: float
+
+
+class DirectPools:
+    """The prefill side's opened decode pools, by pool id; None for one it cannot write.
+
+    A background thread lets go of pools idle for `idle_s` (a channel in use keeps its own
+    reference, so a transfer is never cut off); `close` lets go of all."""
+
+    def __init__(self, pool: KVPool, max_pools: int = 64, idle_s: float = IDLE_S) -> None:
         self.pool = pool
         self.max_pools = max_pools
-        self._opened: collections.OrderedDict[str, list[torch.Tensor] | None] = collections.OrderedDict()
+        self.idle_s = idle_s
+        self._opened: collections.OrderedDict[str, _Opened] = collections.OrderedDict()
+        self._told: collections.OrderedDict[str, bool] = collections.OrderedDict()  # outcome logged
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._sweeper: threading.Thread | None = None
 
     def open(self, offered: pb.DirectPool) -> list[torch.Tensor] | None:
-        """The offered pool's layer buffers `[pool_pages, page_size, kv_dim]`, or None (logged once)."""
+        """The offered pool's layer buffers `[pool_pages, page_size, kv_dim]`, or None (the reason
+        logged once per pool)."""
         key = f"{offered.host}/{offered.pid}/{offered.pool_id}"
-        if key in self._opened:
-            self._opened.move_to_end(key)
-            return self._opened[key]
+        with self._lock:
+            entry = self._opened.get(key)
+            if entry is not None:
+                entry.used_at = time.monotonic()
+                self._opened.move_to_end(key)
+                return entry.buffers
         try:
             buffers = self._open(offered)
         except Exception as exc:  # IPC refused, a bad handle: the byte stream still works
@@ -102,16 +129,43 @@ class DirectPools:
         else:
             reason = "" if isinstance(buffers, list) else buffers
             buffers = buffers if isinstance(buffers, list) else None
-        if buffers is None:
-            log.info("decode KV pool %s (pid %d) is not written directly from here (%s); its KV goes over "
-                     "the gRPC byte stream", offered.pool_id, offered.pid, reason)
-        else:
-            log.info("decode KV pool %s (pid %d): KV is copied device to device (same host)",
-                     offered.pool_id, offered.pid)
-        self._opened[key] = buffers
-        while len(self._opened) > self.max_pools:
-            self._opened.popitem(last=False)
+        with self._lock:
+            if key not in self._told:
+                self._told[key] = True
+                if len(self._told) > 4 * self.max_pools:
+                    self._told.popitem(last=False)
+                if buffers is None:
+                    log.info("decode KV pool %s (pid %d) is not written directly from here (%s); its KV goes "
+                             "over the gRPC byte stream", offered.pool_id, offered.pid, reason)
+                else:
+                    log.info("decode KV pool %s (pid %d): KV is copied device to device (same host)",
+                             offered.pool_id, offered.pid)
+            self._opened[key] = _Opened(buffers, time.monotonic())
+            while len(self._opened) > self.max_pools:
+                self._opened.popitem(last=False)
+            if self._sweeper is None and not self._closed.is_set():
+                self._sweeper = threading.Thread(target=self._sweep_loop, name="direct-pools", daemon=True)
+                self._sweeper.start()
         return buffers
+
+    def sweep(self) -> int:
+        """Lets go of the pools idle for `idle_s`; returns how many."""
+        deadline = time.monotonic() - self.idle_s
+        with self._lock:
+            idle = [key for key, entry in self._opened.items() if entry.used_at <= deadline]
+            for key in idle:
+                del self._opened[key]
+        return len(idle)
+
+    def _sweep_loop(self) -> None:
+        while not self._closed.wait(self.idle_s / 2):
+            self.sweep()
+
+    def close(self) -> None:
+        """Lets go of every pool and stops the sweeper; idempotent."""
+        self._closed.set()
+        with self._lock:
+            self._opened.clear()
 
     def _open(self, offered: pb.DirectPool) -> list[torch.Tensor] | str:
         """The buffers, or why not."""

@@ -169,6 +169,8 @@ class GrpcSender(KVSender):
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.direct is not None:
+            self.direct.close()
 
 
 class GrpcSink(KVSink):

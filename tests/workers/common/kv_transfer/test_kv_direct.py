@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -214,3 +215,31 @@ def test_same_host_direct_takes_only_its_three_modes():
         assert TransportConfig(same_host_direct=mode).same_host_direct == mode
     with pytest.raises(ValueError, match="same_host_direct must be one of auto, on, off"):
         TransportConfig(same_host_direct=random.choice(["yes", "", "AUTO"]))
+
+
+def test_opened_pools_are_let_go_when_idle_and_reopened_on_use(caplog):
+    """A dead decode worker's pool must not stay mapped here (its GPU memory would stay taken):
+    idle pools are dropped by the sweeper; a later transfer opens the pool again, logged once."""
+    rng = random.Random()
+    src, dst = _pools(rng)
+    pools = DirectPools(src, idle_s=rng.uniform(0.1, 0.3))
+    offered, declined = offer(dst), offer(dst)
+    declined.host = "another-host"
+    try:
+        with caplog.at_level("INFO", logger="deepseek_pd.workers.common.kv_transfer.direct_pool"):
+            assert pools.open(offered) is not None and pools.open(declined) is None
+            deadline = time.monotonic() + 10
+            while pools._opened and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not pools._opened, "idle pools were not let go"
+            buffers = pools.open(offered)
+            assert buffers is not None and all(a is b for a, b in zip(buffers, dst.buffers))
+            assert pools.open(declined) is None
+        told = [r.getMessage() for r in caplog.records]
+        assert len(told) == 2 and sum("device to device" in m for m in told) == 1, told
+        assert pools.sweep() == 0  # just used: nothing idle yet
+    finally:
+        pools.close()
+    assert not pools._opened
+    pools._sweeper.join(timeout=5)
+    assert not pools._sweeper.is_alive()

@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -80,3 +81,33 @@ def test_the_same_process_uses_its_own_buffers():
     src = KVPool(2, 8, 16, 576, dtype=torch.bfloat16, device="cuda")
     buffers = DirectPools(src).open(offer(dst))
     assert buffers is not None and all(a.data_ptr() == b.data_ptr() for a, b in zip(buffers, dst.buffers))
+
+
+def test_a_dead_decode_workers_pool_is_given_back_to_the_gpu(tmp_path):
+    """A decode worker that dies while this process has its pool open: until the pool idles out
+    here its GPU memory stays taken (a restarted worker could not size its pool); after, it is free."""
+    layers, pages, page_size, dim = 4, 4096, 64, 576  # 4 x 288 MiB, far above the allocator's noise
+    pool_bytes = layers * pages * page_size * dim * 2
+    script = tmp_path / "decode.py"
+    script.write_text(_DECODE)
+    free_before, _ = torch.cuda.mem_get_info()
+    child = subprocess.Popen([sys.executable, str(script), str(layers), str(pages), str(page_size), str(dim),
+                              str(tmp_path / "offer.bin"), str(tmp_path / "dump.pt")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "offered"
+        pools = DirectPools(KVPool(layers, 8, page_size, dim, dtype=torch.bfloat16, device="cuda"), idle_s=1.0)
+        assert pools.open(pb.DirectPool.FromString((tmp_path / "offer.bin").read_bytes())) is not None
+    finally:
+        child.kill()
+        child.wait()
+    try:
+        time.sleep(0.5)  # the driver tears the dead process down
+        held, _ = torch.cuda.mem_get_info()
+        assert free_before - held >= pool_bytes * 0.9, "the dead worker's pool should still be mapped here"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and free_before - torch.cuda.mem_get_info()[0] >= pool_bytes * 0.5:
+            time.sleep(0.2)
+        assert free_before - torch.cuda.mem_get_info()[0] < pool_bytes * 0.5, "the pool was not given back"
+    finally:
+        pools.close()
