@@ -304,7 +304,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="results directory")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU, tiny shapes, small counts (a check of the script itself)")
-    parser.add_argument("--profile", action="store_true", help="py-spy the workers during the c=64 run")
+    parser.add_argument("--profile", action="store_true", help="py-spy the workers during one level's run")
+    parser.add_argument("--profile-level", type=int, default=None,
+                        help="the concurrency level --profile records (default 64; 8 with --tiny)")
     parser.add_argument("--worker-args", default="",
                         help="extra `deepseek-pd serve` flags as one string; they override the defaults")
     parser.add_argument("--num-pages", type=int, default=None,
@@ -323,6 +325,8 @@ def parse_args() -> argparse.Namespace:
     args.parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not args.parts or args.parts - set(PARTS):
         parser.error(f"--parts {sorted(args.parts)}: a non-empty subset of {','.join(PARTS)}")
+    if args.profile_level is not None and not args.profile:
+        parser.error("--profile-level goes with --profile")
     return args
 
 
@@ -334,6 +338,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         fields["levels"] = tuple(tuple(int(x) for x in item.split(":")) for item in args.levels.split(","))
     if args.budget_s is not None:
         fields["budget_s"] = args.budget_s
+    if args.profile_level is not None:
+        fields["profile_level"] = args.profile_level
     return Plan(**fields)
 
 
