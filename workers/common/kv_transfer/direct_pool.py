@@ -177,14 +177,18 @@ class DirectPools:
             exported = _EXPORTED.get(offered.pool_id)
             if exported is None:
                 return "no such pool in this process"
-            if exported.device.type != self.pool.device.type:
-                return f"a {exported.device.type} pool, ours is on {self.pool.device.type}"
+            if _index(exported.device) != _index(self.pool.device):
+                return f"a pool on {exported.device}, this one is on {self.pool.device}"
             return list(exported.buffers)
         if self.pool.device.type != "cuda" or not offered.device_uuid:
             return "a CPU pool of another process"
         device = self._local_device(offered.device_uuid)
         if device is None:
             return f"its GPU {offered.device_uuid} is not visible here"
+        if ("cuda", device) != _index(self.pool.device):
+            # The copies, their stream order and the sync before TransferDone are written for one
+            # device; between two GPUs they would need the destination's stream too (not done yet).
+            return f"it is on another GPU (cuda:{device}) than this pool ({self.pool.device})"
         if len(offered.layers) != self.pool.num_layers:
             return f"it offers {len(offered.layers)} layer buffers, the model has {self.pool.num_layers}"
         shape = (offered.pool_pages, self.pool.page_size, self.pool.kv_dim)
@@ -208,6 +212,13 @@ class DirectPools:
         return None
 
 
+def _index(device: torch.device) -> tuple[str, int]:
+    """(type, index) with CUDA's "current device" made explicit, so equal devices compare equal."""
+    if device.type == "cuda":
+        return "cuda", device.index if device.index is not None else torch.cuda.current_device()
+    return device.type, 0
+
+
 def write_pages(src: KVPool, dst: Sequence[torch.Tensor], layers: range, src_pages: Sequence[int],
                 dst_pages: Sequence[int], ready: "torch.cuda.Event | None") -> None:
     """Copies `src_pages` of `layers` of `src` into `dst_pages` of the `dst` buffers; returns once
@@ -223,9 +234,7 @@ def write_pages(src: KVPool, dst: Sequence[torch.Tensor], layers: range, src_pag
     with torch.cuda.stream(stream):
         wait_ready(src, ready, stream)
         src_index = page_index(src, src_pages)
-        dst_index = torch.as_tensor(list(dst_pages), dtype=torch.long).to(dst[layers.start].device,
-                                                                        non_blocking=True)
+        dst_index = page_index(src, dst_pages)  # DirectPools opens only pools on this pool's GPU
         for layer in layers:
-            pages = src.buffers[layer].index_select(0, src_index)
-            dst[layer].index_copy_(0, dst_index, pages.to(dst[layer].device, non_blocking=True))
+            dst[layer].index_copy_(0, dst_index, src.buffers[layer].index_select(0, src_index))
     stream.synchronize()

@@ -81,6 +81,9 @@ def test_the_same_process_uses_its_own_buffers():
     src = KVPool(2, 8, 16, 576, dtype=torch.bfloat16, device="cuda")
     buffers = DirectPools(src).open(offer(dst))
     assert buffers is not None and all(a.data_ptr() == b.data_ptr() for a, b in zip(buffers, dst.buffers))
+    # A pool on another device (here the CPU) is not written directly: the byte stream moves it.
+    on_cpu = KVPool(2, 8, 16, 576, dtype=torch.bfloat16, device="cpu")
+    assert DirectPools(src).open(offer(on_cpu)) is None
 
 
 def test_a_dead_decode_workers_pool_is_given_back_to_the_gpu(tmp_path):
