@@ -2,7 +2,7 @@
 
 The grpc transport's byte stream tops out near 1.5 GB/s in Python (docs/performance.md), while a
 prefill and a decode worker on one host (`deepseek-pd up`, or pods that share a node and see the
-same GPUs) need not send the bytes at all. The decode side offers its pool in the handshake
+same GPU) need not send the bytes at all. The decode side offers its pool in the handshake
 (`pb.DirectPool`): the host's boot id, its pid, the GPU's UUID and, for a CUDA pool, torch's CUDA
 IPC description of every layer buffer. A prefill worker that can open them (`DirectPools.open`)
 copies each chunk's pages device to device (`write_pages`: per layer one index_select and one
@@ -11,8 +11,11 @@ a KVChunk marked `written_directly` (grpc_stream.DirectChannel). Flow control, p
 TransferDone and the decode side's cell accounting stay those of the byte stream.
 
 Whatever cannot be opened keeps the byte stream, with the reason logged once per pool: another
-host, the GPU not visible here, IPC refused (containers without a shared IPC namespace), or a CPU
-pool in another process (a CPU pool is only ever shared within its own process: tests, tools).
+host, the GPU not visible here or not this process's own (copies between two GPUs would also need
+the destination's stream order: not done yet), IPC refused (containers without a shared IPC
+namespace), or a CPU pool in another process (a CPU pool is only ever shared within its own
+process: tests, tools). Pools unused for `IDLE_S` are let go, so a dead decode worker's GPU
+memory is not kept mapped here.
 
     same_host_direct   decode offers           prefill writes directly when
     "auto" (default)   CUDA pools              it can open the offer
