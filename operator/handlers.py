@@ -22,6 +22,11 @@ from deepseek_pd.operator.reconcile import Reconciler
 
 LoginFn = Callable[..., kopf.ConnectionInfo | None]
 
+# kopf keeps a deleted CR's finalizer until its resync timer has exited. A pass under way runs to
+# its end, and kopf looks again only on the CR's next watch event or after this many seconds (its
+# default, 60, kept a CR whose last pass wrote no status for a minute after its deletion).
+TIMER_EXIT_POLL_SECONDS = 1.0
+
 
 def default_login(*, settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo:
     """In-cluster service account first, then ~/.kube/config (for running the operator locally)."""
@@ -55,6 +60,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=names.GROUP, key="last-handled-configuration")
         settings.posting.level = logging.WARNING
+        settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS
         memo.client = KubeClient(functools.partial(config.login, settings=settings,
                                                    logger=logging.getLogger(__name__)))
         memo.reconciler = Reconciler(memo.client)

@@ -6,16 +6,18 @@ Added over the base class:
 - a `/status` patch changes only `status` (the status subresource contract);
 - watches subscribe to the event bus before taking their snapshot, so no event falls between;
 - lists carry kind/apiVersion and honour equality-based `labelSelector`;
-- core discovery answers groupVersion "v1".
+- core discovery answers groupVersion "v1";
+- `holds`: a test may stop one chosen request before it is served (to force an interleaving).
 Still missing (and not needed here): controllers, garbage collection, admission validation.
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import itertools
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import kmock
@@ -27,9 +29,19 @@ def _parse_selector(text: str) -> dict[str, str]:
     return dict(p.split("=", 1) for p in pairs)
 
 
+@attrs.define
+class Hold:
+    """The first request that `match` accepts waits, before it is served, until `released` is set."""
+
+    match: Callable[[rendering.Request], bool]
+    arrived: asyncio.Event = attrs.field(factory=asyncio.Event)
+    released: asyncio.Event = attrs.field(factory=asyncio.Event)
+
+
 @attrs.define(kw_only=True)
 class ClusterEmulator(kmock.KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
+    holds: list[Hold] = attrs.field(factory=list, init=False)
 
     def _key(self, request: rendering.Request) -> tuple:
         return (request.resource, request.namespace, request.name)
@@ -41,6 +53,11 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         return None
 
     async def _handle(self, request: rendering.Request):
+        hold = next((h for h in self.holds if h.match(request)), None)
+        if hold is not None:  # before anything is read or written: the request is simply late
+            self.holds.remove(hold)
+            hold.arrived.set()
+            await hold.released.wait()
         # kmock keeps every request for assertions and re-scans that history on each request
         # (quadratic); these tests assert on objects, not requests, so keep only the recent ones.
         if len(self._requests) > 64:

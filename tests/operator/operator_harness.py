@@ -19,7 +19,7 @@ import kopf
 from deepseek_pd.operator import names
 from deepseek_pd.operator.crd import build_crd
 from deepseek_pd.operator.handlers import OperatorConfig, run_operator
-from kopf_emulator import ClusterEmulator
+from kopf_emulator import ClusterEmulator, Hold
 
 CORE = {"pods": "Pod", "services": "Service", "configmaps": "ConfigMap",
         "serviceaccounts": "ServiceAccount", "events": "Event", "secrets": "Secret",
@@ -151,6 +151,17 @@ class OperatorHarness:
 
     def names(self, kind: str) -> set[str]:
         return {o["metadata"]["name"] for o in self.list(kind)}
+
+    # ---- forcing an interleaving ---------------------------------------------------------
+    def hold_next(self, match: Callable[[Any], bool]) -> Hold:
+        """The next request `match` (a kmock Request -> bool) accepts waits until `release`."""
+        assert self.emulator is not None
+        hold = Hold(match)
+        self._loop.call_soon_threadsafe(self.emulator.holds.append, hold)
+        return hold
+
+    def release(self, hold: Hold) -> None:
+        self._loop.call_soon_threadsafe(hold.released.set)
 
     # ---- waiting --------------------------------------------------------------------------
     def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:

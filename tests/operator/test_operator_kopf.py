@@ -8,9 +8,12 @@ from __future__ import annotations
 import copy
 import pathlib
 import random
+import time
 
+import kmock
 import pytest
 import yaml
+from kopf_log import object_log
 from leader_urls import leader_urls, router_worker_urls
 
 from deepseek_pd.operator import names
@@ -267,6 +270,40 @@ def test_delete_runs_the_finalizer_and_removes_children(cluster):
     cluster.wait_for("the CR to go", lambda: cluster.get(names.KIND, name) is None)
     for kind in ("StatefulSet", "Service", "ConfigMap", "Deployment", "Role", "RoleBinding",
                  "ServiceAccount", "Pod"):
+        assert not {n for n in cluster.names(kind) if n.startswith(f"{name}-")}, kind
+
+
+def _settled(cluster, name: str) -> bool:
+    """No write to the CR over three resync intervals: the next pass writes nothing either."""
+    before = cluster.get(names.KIND, name)["metadata"]["resourceVersion"]
+    time.sleep(3 * cluster.resync_seconds)
+    return cluster.get(names.KIND, name)["metadata"]["resourceVersion"] == before
+
+
+def test_a_deletion_during_a_resync_pass_removes_the_cr_once_the_pass_ends(cluster):
+    """kopf stops an object's timers when it is deleted and keeps its finalizer until they have
+    exited. A resync pass under way cannot stop at once; when it then wrote no status (so no watch
+    event woke kopf), kopf looked again only after its default 60 s cancellation polling and the CR
+    stayed a minute (CI: "timed out after 30.0s waiting for the CR to go"). Here a pass is held in
+    its listing of the children until kopf has seen the deletion."""
+    name = f"midpass{random.randint(0, 9999)}"
+    cluster.create(_deployment(name))
+    cluster.wait_for("children", lambda: _statefulset(cluster, name, "decode", 0))
+    cluster.wait_for("a settled status", lambda: _settled(cluster, name))
+    selector = names.selector_string({names.LABEL_DEPLOYMENT: name})
+    hold = cluster.hold_next(lambda r: r.action == kmock.action.LIST and r.resource.plural == "statefulsets"
+                             and r.params.get("labelSelector") == selector)
+    try:
+        cluster.wait_for("a resync pass", hold.arrived.is_set)
+        with object_log(name) as log:
+            cluster.delete(names.KIND, name)
+            # Logged after kopf stopped the timers, before the deletion handler (which waits for the pass).
+            cluster.wait_for("kopf to see the deletion",
+                             lambda: any(m.startswith("Deletion is in progress") for m in log))
+    finally:
+        cluster.release(hold)
+    cluster.wait_for("the CR to go", lambda: cluster.get(names.KIND, name) is None)
+    for kind in ("StatefulSet", "Service", "ConfigMap", "Deployment"):
         assert not {n for n in cluster.names(kind) if n.startswith(f"{name}-")}, kind
 
 
