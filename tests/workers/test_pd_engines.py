@@ -30,7 +30,7 @@ def random_prompt(rng: random.Random, low: int = 3, high: int = 50) -> list[int]
     return [rng.randrange(2, vocab) for _ in range(rng.randrange(low, high))]
 
 
-@pytest.mark.parametrize("transport", ["fake", "grpc"])
+@pytest.mark.parametrize("transport", ["fake", "grpc", "grpc-direct"])
 def test_pd_greedy_equals_offline_with_chunking_prefix_hits_and_concurrency(transport):
     rng = random.Random()
     shared = random_prompt(rng, 20, 30)  # > CHUNK: chunked; shared prefix: cache hits
@@ -39,13 +39,20 @@ def test_pd_greedy_equals_offline_with_chunking_prefix_hits_and_concurrency(tran
     prompts += [random_prompt(rng, 1, 2), random_prompt(rng, 2 * CHUNK, 2 * CHUNK + 1)]  # 1 token; whole pages
     expected = [oracle().generate(p, GREEDY).output_ids for p in prompts]
 
+    direct = transport == "grpc-direct"  # grpc, the pages copied straight into decode's pool
+    configs = dict(prefill_config=worker_config("grpc", "on"), decode_config=worker_config("grpc", "on")) if direct else {}
+
     async def run():
-        async with PDPair(transport) as pair:
+        async with PDPair("grpc" if direct else transport, **configs) as pair:
+            if direct:
+                assert pair.decode.receiver.direct is not None
             # First the shared prefix alone, so the concurrent wave can hit the prefix cache.
             first_p, first_d = await pair.run(shared, GREEDY, "warm")
             assert first_d.tokens == oracle().generate(shared, GREEDY).output_ids
             outcomes = await asyncio.gather(*(pair.run(p, GREEDY, f"r{i}") for i, p in enumerate(prompts)))
             pair.assert_pools_clean()
+            if direct:  # the prefill side did open the decode pool: no KV bytes went over the stream
+                assert [e.buffers is not None for e in pair.prefill.sender.direct._opened.values()] == [True]
             return first_p, outcomes
 
     warm_prefill, outcomes = asyncio.run(run())
@@ -335,3 +342,34 @@ def test_pd_without_prefix_cache_equals_offline_and_returns_every_prefill_page()
     for p, (prefill, decode) in zip(prompts, asyncio.run(run())):
         assert prefill.ok and decode.ok and decode.terminal.cached_tokens == 0
         assert decode.tokens == oracle().generate(p, GREEDY).output_ids
+
+
+def test_a_direct_transfer_aborted_midway_holds_its_pages_for_the_grace_then_zeroes_them():
+    """Same-host direct writes make a transfer one-sided: after an abort the prefill side may still
+    be copying into the decode pages, so decode keeps them for the late-write grace (the send
+    timeout) and zeroes them before they go back; nothing of the request stays in the pool."""
+    rng = random.Random()
+    prompt = random_prompt(rng, CHUNK * 3, CHUNK * 4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
+    grace = rng.uniform(0.8, 1.5)
+    configs = {side: dataclasses.replace(worker_config("grpc", "on"), transport=dataclasses.replace(
+        worker_config("grpc", "on").transport, send_timeout_s=grace)) for side in ("prefill", "decode")}
+
+    async def run():
+        async with PDPair("grpc", prefill_config=configs["prefill"], decode_config=configs["decode"]) as pair:
+            p_req, d_req = pair.requests(prompt, params, "victim")
+            hooks = Phase(pair, "transfer")
+            tasks = [asyncio.ensure_future(collect(pair.prefill, p_req)),
+                     asyncio.ensure_future(collect(pair.decode, d_req))]
+            await asyncio.wait_for(hooks.reached.wait(), 30)  # a chunk was written directly
+            assert await pair.decode.abort(d_req.rid)
+            aborted_at = time.monotonic()
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            assert pair.decode.pool.num_used_pages > 0, "pages a peer may still write went back at once"
+            await pair.wait_pools_clean(timeout_s=grace + 5)
+            assert time.monotonic() - aborted_at >= grace * 0.9
+            assert all(not buffer.any() for buffer in pair.decode.pool.buffers), "written pages were not zeroed"
+            return tasks[1].result()
+
+    decode = asyncio.run(run())
+    assert isinstance(decode.terminal, Failed) and decode.terminal.code == FailureCode.ABORTED

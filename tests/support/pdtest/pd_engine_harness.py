@@ -41,10 +41,12 @@ def oracle() -> Engine:
     return _ORACLE
 
 
-def worker_config(transport: str, **bootstrap) -> WorkerConfig:
+def worker_config(transport: str, same_host_direct: str = "auto", **bootstrap) -> WorkerConfig:
+    """`same_host_direct="on"`: grpc with direct copies between the two pools (one process here)."""
     settings = dict(port=0, handshake_timeout_s=10, claim_timeout_s=10, transfer_timeout_s=30)
     settings.update(bootstrap)
-    return WorkerConfig(kv_transport=transport, transport=TransportConfig(send_timeout_s=10),
+    return WorkerConfig(kv_transport=transport,
+                        transport=TransportConfig(send_timeout_s=10, same_host_direct=same_host_direct),
                         bootstrap=BootstrapConfig(**settings),
                         scheduler=SchedulerConfig(chunked_prefill_size=CHUNK, admission_timeout_s=10))
 
