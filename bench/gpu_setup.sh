@@ -6,7 +6,11 @@
 #   for w in isal==1.9.1 mooncake-transfer-engine-non-cuda==0.3.13.post1; do
 #       .venv/bin/python -m pip download $w --only-binary=:all: --python-version 3.12 \
 #           --platform manylinux2014_x86_64 --no-deps -d bench/wheels; done
-# then pass carry=["bench/wheels"] to the device call. The session scripts install wheels only
+# then pass carry=["bench/wheels"] to the device call. The 64 MiB a call carries do not fit the
+# router's wheels (44 MB) and mooncake (46 MB) together: for the serving runs carry .whl/ alone with
+# smg 1.13.0, smg-grpc-proto 0.4.28, grpcio 1.85.3, protobuf 7.36.2, grpcio-health-checking 1.85.1,
+# setproctitle, isal (the crc32 of the byte stream; zlib's is slower) and py-spy (--profile; its
+# binary lands in /tmp/site/bin, put on PATH here). The session scripts install wheels only
 # through here; one that cannot run without the .whl/ wheels sets WHEELS_REQUIRED=1 before
 # sourcing, and a missing or failed .whl/ install then ends the call.
 set -uo pipefail
