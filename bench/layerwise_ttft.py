@@ -7,7 +7,8 @@ In one process (one set of weights, two runners with their own KV pools): a pref
 engine over the real bootstrap service on loopback (grpc or mooncake). Measured for one prompt of
 `--tokens`: the prefill compute alone (the runner's chunked extends + first-token sample, as the
 engine runs them), then PD TTFT (both Generates sent at once -> decode's first token) with
-layer-wise streaming on and off. Caveat: both engines share one process and GIL (conservative).
+layer-wise streaming on and off, each on one running pair of engines after one untimed warm-up
+request (as a deployment runs; the first request's connections and staging are not the steady state). Caveat: both engines share one process and GIL (conservative).
 Prints a table with TTFT / compute against the 1.1x target; `--json FILE` also writes the
 seconds and the target check (`bench/target_check.py`) for `bench/serving_gpu.py`'s one table.
 """
@@ -90,7 +91,10 @@ def compute_seconds(runner: ModelRunner, prompt: list[int], chunk: int, device: 
         runner.kv_pool.free(pages)
 
 
-async def pd_ttft(prefill_runner, decode_runner, prompt, args, layerwise: bool, room: int) -> float:
+async def pd_ttfts(prefill_runner, decode_runner, prompts, args, layerwise: bool, room: int) -> list[float]:
+    """PD TTFT of each of `prompts` (both Generates sent at once -> decode's first token) on one
+    running prefill + decode pair, after one untimed warm-up request: what a running deployment
+    pays, without the first request's one-time costs (connections, staging, opening the peer)."""
     config = WorkerConfig(kv_transport=args.transport, transport=TransportConfig(send_timeout_s=60),
                           bootstrap=BootstrapConfig(port=0),
                           scheduler=SchedulerConfig(chunked_prefill_size=args.chunk, layerwise_transfer=layerwise,
@@ -100,18 +104,23 @@ async def pd_ttft(prefill_runner, decode_runner, prompt, args, layerwise: bool, 
     await decode.start()
     try:
         params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
-        base = GenerateRequest(rid="r", input_ids=tuple(prompt), sampling=params,
-                               disagg=DisaggParams("127.0.0.1", prefill.bootstrap_port, room))
-        first: list[float] = []
 
-        async def drain(engine, request, note):
-            async for event in engine.generate(request):
-                if note and isinstance(event, TokenChunk) and not first:
-                    first.append(time.perf_counter())
-        began = time.perf_counter()
-        await asyncio.gather(drain(prefill, dataclasses.replace(base, rid="p"), False),
-                             drain(decode, dataclasses.replace(base, rid="d"), True))
-        return first[0] - began
+        async def one(prompt: list[int], room: int) -> float:
+            base = GenerateRequest(rid="r", input_ids=tuple(prompt), sampling=params,
+                                   disagg=DisaggParams("127.0.0.1", prefill.bootstrap_port, room))
+            first: list[float] = []
+
+            async def drain(engine, request, note):
+                async for event in engine.generate(request):
+                    if note and isinstance(event, TokenChunk) and not first:
+                        first.append(time.perf_counter())
+            began = time.perf_counter()
+            await asyncio.gather(drain(prefill, dataclasses.replace(base, rid=f"p{room}"), False),
+                                 drain(decode, dataclasses.replace(base, rid=f"d{room}"), True))
+            return first[0] - began
+
+        await one(prompts[0], room)  # warm-up
+        return [await one(prompt, room + 1 + i) for i, prompt in enumerate(prompts[1:])]
     finally:
         await decode.stop()
         await prefill.stop()
@@ -126,14 +135,16 @@ def main(argv=None) -> None:
     pages = 2 * (-(-args.tokens // args.page_size)) + 8
     prefill_runner = ModelRunner(RunnerConfig(model=path, device=args.device, page_size=args.page_size, num_pages=pages))
     decode_runner = ModelRunner.from_model(prefill_runner.model, dataclasses.replace(prefill_runner.config, num_pages=pages))
-    prompt = [random.randrange(2, prefill_runner.model_config.vocab_size) for _ in range(args.tokens)]
+    vocab = prefill_runner.model_config.vocab_size
+    prompt = [random.randrange(2, vocab) for _ in range(args.tokens)]
     compute_seconds(prefill_runner, prompt, args.chunk, args.device)  # warm-up
-    results = {"compute": [], "layer-wise": [], "per-chunk": []}
-    for repeat in range(args.repeats):
-        results["compute"].append(compute_seconds(prefill_runner, prompt, args.chunk, args.device))
-        for name, layerwise in (("layer-wise", True), ("per-chunk", False)):
-            results[name].append(asyncio.run(pd_ttft(prefill_runner, decode_runner, prompt, args, layerwise,
-                                                     1000 + 2 * repeat + layerwise)))
+    results = {"compute": [compute_seconds(prefill_runner, prompt, args.chunk, args.device)
+                           for _ in range(args.repeats)]}
+    for index, (name, layerwise) in enumerate((("layer-wise", True), ("per-chunk", False))):
+        # Fresh prompts of the same length: the decode side's pages and the prefill's work are new each time.
+        prompts = [[random.randrange(2, vocab) for _ in range(args.tokens)] for _ in range(args.repeats + 1)]
+        results[name] = asyncio.run(pd_ttfts(prefill_runner, decode_runner, prompts, args, layerwise,
+                                             1000 * (index + 1)))
     compute = statistics.median(results["compute"])
     print(f"\nlayer-wise TTFT: {args.tokens} tokens, {path}, {args.device}, {args.transport}, "
           f"chunk {args.chunk}, page {args.page_size}, {args.repeats} repeats (median)")
