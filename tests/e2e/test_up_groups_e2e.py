@@ -158,15 +158,20 @@ def test_a_killed_rank_restarts_its_whole_group_while_the_others_serve(supervise
 
     async def traffic(killed: asyncio.Event) -> tuple[list, int]:
         """Requests in waves of 4 from before the kill; how many of them completed while the victim
-        was down (so another group served them)."""
+        was down (so another group served them), each judged as it completes: a wave also holds
+        requests the gateway retries until the victim is back, so judging whole waves at their end
+        could count none on a slow machine."""
         results, during_outage = [], 0
         async with RouterClient(cluster.router_url, cluster.served_model_name, timeout_s=REQUEST_DEADLINE_S) as client:
-            for wave in range(0, len(jobs), 4):
-                batch = jobs[wave:wave + 4]
-                results += await asyncio.gather(*(client.generate(input_ids=p, max_new_tokens=n, temperature=0.0,
-                                                                  ignore_eos=True) for p, n, _ in batch))
+            async def one(prompt: list[int], n: int):
+                nonlocal during_outage
+                result = await client.generate(input_ids=prompt, max_new_tokens=n, temperature=0.0, ignore_eos=True)
                 if killed.is_set() and not await asyncio.to_thread(worker_is_healthy, victim.address(host)):
-                    during_outage += len(batch)
+                    during_outage += 1
+                return result
+
+            for wave in range(0, len(jobs), 4):
+                results += await asyncio.gather(*(one(p, n) for p, n, _ in jobs[wave:wave + 4]))
                 if wave == 0:
                     killed.set()
         return results, during_outage
