@@ -227,17 +227,17 @@ def write_pages(src: KVPool, dst: Sequence[torch.Tensor], layers: range, src_pag
     """Copies `src_pages` of `layers` of `src` into `dst_pages` of the `dst` buffers; returns once
     the bytes are there. On CUDA the copies run on this thread's side stream after `ready` (or
     everything on the default stream), like the byte stream's gather."""
-    if src.device.type != "cuda":
-        src_index = torch.as_tensor(list(src_pages), dtype=torch.long)
-        dst_index = torch.as_tensor(list(dst_pages), dtype=torch.long)
+    def copy() -> None:
+        src_index = page_index(src, src_pages)
+        dst_index = page_index(src, dst_pages)  # DirectPools opens only pools on this pool's device
         for layer in layers:
             dst[layer].index_copy_(0, dst_index, src.buffers[layer].index_select(0, src_index))
+
+    if src.device.type != "cuda":
+        copy()
         return
     stream = side_stream(src.device)
     with torch.cuda.stream(stream):
         wait_ready(src, ready, stream)
-        src_index = page_index(src, src_pages)
-        dst_index = page_index(src, dst_pages)  # DirectPools opens only pools on this pool's GPU
-        for layer in layers:
-            dst[layer].index_copy_(0, dst_index, src.buffers[layer].index_select(0, src_index))
+        copy()
     stream.synchronize()

@@ -195,7 +195,7 @@ class GrpcSink(KVSink):
         try:
             with self.stats.timed("check"):
                 self._check(chunk)
-            if not getattr(chunk, "written_directly", False):
+            if not chunk.written_directly:
                 self.exposure.wrote()  # a write that fails half-way leaves bytes behind too
                 with self.stats.timed("write"):
                     scatter_pages(self.pool, range(chunk.layer_begin, chunk.layer_end),
@@ -218,7 +218,7 @@ class GrpcSink(KVSink):
                 and 0 <= chunk.page_begin < chunk.page_end <= len(self.pages)):
             raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} is out of range "
                                 f"({self.pool.num_layers} layers, {len(self.pages)} pages)")
-        if getattr(chunk, "written_directly", False):
+        if chunk.written_directly:
             if not self.offered_direct:
                 raise TransferError(FailureCode.INTERNAL, f"KV chunk {where} claims a direct write, but this "
                                     "decode worker offered its pool to no writer")
