@@ -100,7 +100,7 @@ def test_rendered_static_router_reaches_our_grpc_workers_and_survives_a_restart(
     log_path = tmp_path / "router.log"
 
     async def start(role: str, port: int = 0) -> tuple[WorkerServer, FakeEngine, int]:
-        engine = FakeEngine()
+        engine = FakeEngine(scripted=False)  # random prompts may start with a script token (6..8)
         identity = WorkerIdentity(role, "grpc", bootstrap_port if role == "prefill" else 0, PAGE_SIZE)
         server = WorkerServer(engine, info, identity,
                               ServerConfig("127.0.0.1", port, drain_timeout_s=1.0, stop_grace_s=0.5))
