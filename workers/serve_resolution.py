@@ -15,7 +15,8 @@ The rules, each in one place:
 - identity: what GetServerInfo/GetLoads report, with the runner's page size and its KV pool's bytes
   per token in the resolved dtype (`model.kv_pool.bytes_per_pool_page`, the pool's own rule).
 - layer-wise KV transfer (prefill): `SchedulerConfig.layerwise_transfer`, on by default (correct on every
-  path: plain, TBO, any transport); `--engine-opt layerwise_transfer=false` sends per chunk instead.
+  path: plain, TBO, any transport; direct same-host copies send per chunk regardless, see
+  `SendChannel.streams_layers`); `--engine-opt layerwise_transfer=false` sends per chunk instead.
 - KV protocol: `--kv-protocol rdma` (with `--kv-devices`, `--kv-tcp-fallback`) is checked against
   the RDMA devices this container can use (kv_transfer/rdma_devices.py) and lands in
   `TransportConfig.mooncake_protocol/mooncake_device`; it only applies to `--kv-transport mooncake`.

@@ -96,6 +96,52 @@ def test_first_layers_are_sent_before_the_forward_reaches_its_end(layerwise):
         assert done == 0, log
 
 
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_only_channels_that_stream_layers_get_layers(direct):
+    """Direct same-host copies go per chunk even with layer-wise on (no per-layer events or hand-offs
+    in the forward); the byte stream of the same prompt goes layer by layer."""
+    rng = random.Random()
+    prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(2 * CHUNK + rng.randrange(1, CHUNK))]
+    chunks = -(-len(prompt) // CHUNK)
+
+    async def run():
+        base = worker_config("grpc", same_host_direct=direct)
+        cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=True))
+        async with PDPair("grpc", prefill_config=cfg, decode_config=cfg) as pair:
+            sends, progresses = [], []
+            open_channel, extend = pair.prefill.sender.open, pair.prefill.runner.extend
+
+            def traced_open(handshake, emit, streams=1):
+                channel = open_channel(handshake, emit, streams)
+                send = channel.send
+
+                async def traced_send(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
+                    sends.append((type(channel).__name__, layer_begin, layer_end))
+                    await send(src_pages, page_begin, layer_begin, layer_end, ready)
+                channel.send = traced_send
+                return channel
+
+            def traced_extend(seqs, progress=None, **kwargs):
+                progresses.append(progress)
+                return extend(seqs, progress=progress, **kwargs)
+            pair.prefill.sender.open, pair.prefill.runner.extend = traced_open, traced_extend
+            _, decode = await pair.run(prompt, GREEDY, "chunks")
+            await pair.wait_pools_clean()
+            return sends, progresses, decode.tokens
+
+    sends, progresses, tokens = asyncio.run(run())
+    assert tokens == oracle().generate(prompt, GREEDY).output_ids
+    assert len(progresses) == chunks
+    num_layers = oracle().runner.kv_pool.num_layers
+    if direct == "on":
+        assert {name for name, _, _ in sends} == {"DirectChannel"}
+        assert progresses == [None] * chunks and len(sends) == chunks, sends
+    else:
+        assert {name for name, _, _ in sends} == {"GrpcChannel"}
+        assert all(p is not None for p in progresses)
+        assert len(sends) > chunks and any(end is not None and end - begin < num_layers for _, begin, end in sends)
+
+
 def test_abort_during_a_layerwise_transfer_frees_both_pools():
     rng = random.Random()
     prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(3 * CHUNK + 3)]

@@ -6,8 +6,9 @@ A request's way through this engine (ARCHITECTURE §2):
     admission      -> radix-cache prefix match (pinned) + pages for the rest of the prompt;
                       the cached pages go to decode at once
     scheduler loop -> chunked prefill rounds in the model thread; as each layer's KV is written
-                      (layer-wise streaming, `layerwise_transfer`), or after the round (all
-                      layers), the pages it completed are pushed; the round that completes the
+                      (layer-wise streaming, `layerwise_transfer`, on channels that stream
+                      layers), or after the round (all layers), the pages it completed are
+                      pushed; the round that completes the
                       prompt samples token 1
     finish         -> remaining pages + TransferDone(first token) to decode; this request yields
                       TokenChunk([first]) and Finished("length", completion_tokens=1)
@@ -245,17 +246,22 @@ class PrefillEngine(EngineCore[_Request]):
             state.push.pages_ready(state.progress.computed, state.progress.pages)
             state.admitted.set_result(True)
 
-    def _layer_progress(self, batch: list[_Request], seqs: Sequence[ExtendSeq]) -> LayerEvents:
+    def _layer_progress(self, batch: list[_Request], seqs: Sequence[ExtendSeq]) -> LayerEvents | None:
         """Layer-wise KV streaming: as the forward (model thread) writes each layer's KV, that
-        layer's newly complete pages of every request in the batch go to the transport (event
-        loop), so the transfer overlaps the remaining layers.
+        layer's newly complete pages of every request in the batch whose channel streams layers
+        go to the transport (event loop), so the transfer overlaps the remaining layers. None when
+        no request's channel does (direct copies): the forward then records no events and makes
+        no hand-offs, and the pages go after it (`pages_ready`).
 
         Chunked prompts stay exact: each chunk hands over the pages its tokens complete, per
         layer, and `SendPlan` sends every (layer, page) cell once; only the chunk that completes
         the prompt sends the last, partial page, and `finish` (TransferDone) needs every cell.
         """
         loop = asyncio.get_running_loop()
-        targets = [(state, state.progress.computed + len(seq.token_ids)) for state, seq in zip(batch, seqs)]
+        targets = [(state, state.progress.computed + len(seq.token_ids)) for state, seq in zip(batch, seqs)
+                   if state.push.streams_layers]
+        if not targets:
+            return None
 
         def on_loop(layer: int, ready) -> None:
             for state, computed in targets:

@@ -108,6 +108,11 @@ class KVPush:
             return failure_for(*self.room.peer_gone.result())
         return self._error
 
+    @property
+    def streams_layers(self) -> bool:
+        """Whether this request's channel wants each layer as the forward writes it (`layers_ready`)."""
+        return self.channel is not None and self.channel.streams_layers
+
     def pages_ready(self, computed_tokens: int, pages: Sequence[int]) -> None:
         """`pages` is the request's page table; sends every page the computed tokens complete,
         in every layer not yet sent that far."""

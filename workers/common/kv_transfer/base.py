@@ -117,6 +117,12 @@ EmitChunk = Callable[["EncodedChunk"], Awaitable[None]]
 class SendChannel(abc.ABC):
     """Prefill worker side of one request's transfer, opened from the decode side's handshake."""
 
+    # Whether handing each layer over as the forward writes it (layer-wise streaming) pays on this
+    # channel: it does where moving a chunk takes a real share of computing it (bytes over a
+    # network or a socket). A channel that moves a whole chunk in about a millisecond says no: its
+    # per-layer hand-offs between threads would cost the forward more than they hide.
+    streams_layers: bool = True
+
     def __init__(self, pool: KVPool, dst_pages: Sequence[int]) -> None:
         self.pool = pool
         self.dst_pages = list(dst_pages)
