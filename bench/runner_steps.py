@@ -4,6 +4,9 @@ What the serving numbers are read against (`bench/serving_gpu.py` runs this in i
 first, so its memory is back before the workers start):
 - prefill: `runner.extend` of ONE prompt per call, at each given prompt length (the lengths of
   the c=1 workload), median of `--repeats` calls each;
+- a prefill round: one `runner.extend` of as many of those prompts as fit in
+  `--prefill-round-tokens` (the prefill worker's chunked_prefill_size), the rate at which a busy
+  prefill worker computes prompts (what bounds serving throughput on one GPU, serving_report.py);
 - decode: at each batch size, sequences whose contexts are drawn like the workload's (a prompt
   length in [--context-min, --context-max] plus --decode-offset generated tokens), prefilled, then
   `--steps` teacher-forced steps of `runner.decode` (CUDA-graph replay when the runner captures
@@ -44,6 +47,7 @@ class RunnerStepsSpec:
     repeats: int = 3
     seed: int = 0
     enable_tbo: bool = False  # two-batch overlap (eager: CUDA graphs cannot capture it)
+    prefill_round_tokens: int = 2048  # the prefill worker's chunked_prefill_size
 
 
 def _sync(device: str) -> None:
@@ -58,7 +62,9 @@ def measure(spec: RunnerStepsSpec) -> dict:
     rng = random.Random(spec.seed)
     longest = max(spec.context_max + spec.decode_offset + spec.steps + 2, max(spec.prefill_lengths))
     pages_per_seq = -(-longest // spec.page_size)
-    num_pages = max(spec.batches) * pages_per_seq + pages_per_seq + 8  # + the graphs' scratch page
+    round_pages = sum(-(-n // spec.page_size) for n in round_lengths(spec.prefill_lengths, spec.prefill_round_tokens))
+    # The decode batches, one prompt, the prefill round, the graphs' scratch page (each at its own time).
+    num_pages = max(max(spec.batches) * pages_per_seq + pages_per_seq, round_pages) + 8
     t0 = time.perf_counter()
     runner = ModelRunner(RunnerConfig(
         model=spec.model, dtype=spec.dtype, device=spec.device, page_size=spec.page_size,
@@ -91,6 +97,7 @@ def measure(spec: RunnerStepsSpec) -> dict:
     pool.free(pages)
     result["prefill"] = per_length
     result["prefill_ms_median"] = statistics.median(row["ms"] for row in per_length)
+    result["prefill_round"] = _prefill_round(runner, spec, tokens)
 
     decode = []
     for batch in spec.batches:
@@ -125,6 +132,37 @@ def measure(spec: RunnerStepsSpec) -> dict:
     return result
 
 
+def round_lengths(lengths: tuple[int, ...], budget: int) -> list[int]:
+    """Prompt lengths of one prefill round: whole prompts of `lengths` in turn while they fit in
+    `budget` tokens; a first prompt longer than the budget goes as its first `budget` tokens (a chunk)."""
+    out: list[int] = []
+    for length in lengths * (budget // max(1, min(lengths)) + 1):
+        if sum(out) + length > budget:
+            break
+        out.append(length)
+    return out or [budget]
+
+
+def _prefill_round(runner, spec: RunnerStepsSpec, tokens) -> dict:
+    """One extend of `round_lengths` prompts: the median of `--repeats` timed calls (one untimed first)."""
+    from deepseek_pd.model.runner import ExtendSeq
+
+    pool = runner.kv_pool
+    lengths = round_lengths(spec.prefill_lengths, spec.prefill_round_tokens)
+    seqs = [ExtendSeq(tokens(n), 0, pool.alloc(pool.pages_for_tokens(n))) for n in lengths]
+    times = []
+    for _ in range(spec.repeats + 1):
+        _sync(spec.device)
+        start = time.perf_counter()
+        runner.extend(seqs)
+        _sync(spec.device)
+        times.append(time.perf_counter() - start)
+    for seq in seqs:
+        pool.free(seq.pages)
+    ms = statistics.median(times[1:]) * 1e3
+    return {"lengths": lengths, "tokens": sum(lengths), "ms": ms, "tok_s": sum(lengths) / ms * 1e3}
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
@@ -146,12 +184,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enable-tbo", action="store_true", help="two-batch overlap (needs no --cuda-graph)")
+    parser.add_argument("--prefill-round-tokens", type=int, default=2048,
+                        help="tokens of the timed prefill round (the prefill worker's chunked_prefill_size)")
     parser.add_argument("--out", required=True, help="where the JSON goes")
     args = parser.parse_args()
     spec = RunnerStepsSpec(args.model, args.device, args.dtype, args.page_size, args.cuda_graph, args.backend,
                            args.num_fused_shared_experts, args.prefill_lengths, args.batches, args.context_min,
                            args.context_max, args.decode_offset, args.steps, args.repeats,
-                           enable_tbo=args.enable_tbo)
+                           enable_tbo=args.enable_tbo, prefill_round_tokens=args.prefill_round_tokens)
     with open(args.out, "w") as f:
         json.dump(measure(spec), f, indent=2)
 

@@ -41,7 +41,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from serving_report import Checks, evaluate, format_table, level_row, write_plot  # noqa: E402
+from serving_report import Checks, ceilings, evaluate, format_table, level_row, write_plot  # noqa: E402
 import worker_metrics  # noqa: E402
 from target_parts import GPU_PARTS, NAMES, TINY_PARTS, Part, run_parts  # noqa: E402
 from targets_table import format_targets, target_rows  # noqa: E402
@@ -272,7 +272,23 @@ def versions() -> dict:
     return found
 
 
-def measure_runner(plan: Plan, model_dir: Path, out: Path, seed: int, budget: Budget, result: dict) -> None:
+def prefill_round_tokens(flags: list[str], device: str) -> int:
+    """The prefill worker's chunked_prefill_size: `--chunked-prefill-size` in `flags` (the last one),
+    else `serve`'s default on `device` (workers/serve_resolution.py)."""
+    from deepseek_pd.model.device import is_cuda
+    from deepseek_pd.model.nvml import total_memory_bytes
+    from deepseek_pd.workers.common.worker_config import SchedulerConfig, gpu_chunked_prefill_size
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--chunked-prefill-size", type=int, default=None)
+    told = parser.parse_known_args(flags)[0].chunked_prefill_size
+    if told is not None:
+        return told
+    return gpu_chunked_prefill_size(total_memory_bytes(device)) if is_cuda(device) else SchedulerConfig.chunked_prefill_size
+
+
+def measure_runner(plan: Plan, model_dir: Path, out: Path, seed: int, budget: Budget, result: dict,
+                   flags: list[str]) -> None:
     """Step 2, in a child process; the c=1 workload's prompt lengths are computed here, exactly."""
     from random_checkpoint import num_parameters
 
@@ -288,7 +304,8 @@ def measure_runner(plan: Plan, model_dir: Path, out: Path, seed: int, budget: Bu
             "--batches", ",".join(str(c) for c, _ in plan.levels),
             "--context-min", str(int(plan.input_len * (1 - plan.range_ratio))),
             "--context-max", str(plan.input_len), "--decode-offset", str(plan.output_len // 2),
-            "--steps", str(plan.runner_steps), "--out", str(runner_json)]
+            "--steps", str(plan.runner_steps), "--prefill-round-tokens", str(prefill_round_tokens(flags, plan.device)),
+            "--out", str(runner_json)]
     if plan.cuda_graph:
         argv.append("--cuda-graph")
     ok, secs, _ = run_step("runner", argv, min(budget.left(), 300), out / "runner_steps.log")
@@ -350,6 +367,7 @@ def report(plan: Plan, out: Path, result: dict, tiny: bool, budget: Budget) -> t
                                "the TTFT check is approximate")
     serving = "serving" in result["meta"]["parts"]
     result["checks"] = evaluate(result["levels"], result["runner"], plan.checks)  # all n/a without levels
+    result["ceilings"] = ceilings(result["levels"], result["runner"])
     missing = {**{p: "not in --parts" for p in PARTS if p not in result["meta"]["parts"]}, **result["skipped"]}
     result["targets"] = target_rows(result["checks"], result["parts"], missing)
     result["phases"]["total_s"] = budget.elapsed()
@@ -395,7 +413,7 @@ def main() -> int:
     serving = "serving" in args.parts
     if ok:
         if serving:
-            measure_runner(plan, model_dir, out, args.seed, budget, result)
+            measure_runner(plan, model_dir, out, args.seed, budget, result, flags)
         keep = plan.serving_min_s if serving else 0.0
         t0 = time.monotonic()
         result["parts"] = run_parts(plan.parts, args.parts, model_dir, out / "parts", lambda: budget.left() - keep,

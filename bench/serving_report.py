@@ -12,6 +12,13 @@ the runner alone, measured in the same run (`bench/runner_steps.py`):
 
 The concurrencies are parameters (`Checks`), so a tiny CPU run exercises the same code at its
 own levels; its PASS/MISS mean nothing, and the table says so.
+
+Each level also gets its one-GPU ceiling (`ceilings`): with prefill and decode on one GPU, every
+prompt token is computed and every output token decoded there, so at the runner's own rates
+output X tok/s takes X * (in/out) / prefill_round_tok_s + X * step_ms(c) / c / 1000 GPU-seconds a
+second, at most 1. `in/out` is the level's measured input/output token ratio, `prefill_round_tok_s`
+the runner's rate on one prefill worker round, `step_ms(c)` its decode step at batch c. Serving
+above the ceiling is impossible; a target above it needs faster kernels, not a faster serving path.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ class Checks:
 def level_row(concurrency: int, summary: dict) -> dict:
     return {"concurrency": concurrency, "requests": summary["num_requests"], "failed": summary["failed"],
             "req_s": summary["request_throughput"], "output_tok_s": summary["output_throughput"],
+            "input_tok_s": summary["input_throughput"],
             "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
             "tpot_p50_ms": summary["tpot_ms"]["p50"], "itl_p50_ms": summary["itl_ms"]["p50"],
             "duration_s": summary["duration_s"]}
@@ -58,6 +66,24 @@ def evaluate(rows: list[dict], runner: dict | None, checks: Checks = Checks()) -
     return out
 
 
+def ceilings(rows: list[dict], runner: dict | None) -> list[dict]:
+    """Per level with a runner step at its batch: the one-GPU output ceiling (module docstring), the
+    GPU shares of prefill and decode at that ceiling, and the level's throughput as a fraction of it."""
+    steps = {d["batch"]: d["step_ms"] for d in (runner or {}).get("decode", [])}
+    round_tok_s = ((runner or {}).get("prefill_round") or {}).get("tok_s")
+    out = []
+    for row in rows:
+        c, step_ms = row["concurrency"], steps.get(row["concurrency"])
+        if not (round_tok_s and step_ms and row.get("output_tok_s") and row.get("input_tok_s") is not None):
+            continue
+        prefill_s = row["input_tok_s"] / row["output_tok_s"] / round_tok_s  # GPU-seconds per output token
+        decode_s = step_ms / 1e3 / c
+        ceiling = 1.0 / (prefill_s + decode_s)
+        out.append({"concurrency": c, "ceiling_tok_s": ceiling, "prefill_share": prefill_s * ceiling,
+                    "decode_share": decode_s * ceiling, "of_ceiling": row["output_tok_s"] / ceiling})
+    return out
+
+
 def _fmt(value: float | None, width: int, digits: int = 1) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
@@ -75,6 +101,15 @@ def format_table(rows: list[dict], verdicts: list[dict], runner: dict | None, no
         lines.append(f"runner: prefill of one prompt {runner['prefill_ms_median']:.2f} ms (median over "
                      f"{len(runner['prefill'])} lengths); decode step " +
                      ", ".join(f"bs{d['batch']} {d['step_ms']:.2f} ms" for d in runner["decode"]))
+        prefill_round = runner.get("prefill_round")
+        if prefill_round:
+            lines.append(f"runner: a prefill round of {prefill_round['tokens']} tokens "
+                         f"({len(prefill_round['lengths'])} prompts) {prefill_round['ms']:.2f} ms, "
+                         f"{prefill_round['tok_s']:.0f} tok/s")
+    for cap in ceilings(rows, runner):
+        lines.append(f"one-GPU ceiling @c={cap['concurrency']}: {cap['ceiling_tok_s']:.0f} out tok/s "
+                     f"(prefill {cap['prefill_share']:.0%} + decode {cap['decode_share']:.0%} of the GPU); "
+                     f"serving at {cap['of_ceiling']:.2f} of it")
     lines.append(f"{'check':<44} {'value':>10} {'target':>9}  result")
     for v in verdicts:
         lines.append(f"{v['check']:<44} {_fmt(v['value'], 10, 2)} {v['target']:>9}  {v['result']}")

@@ -14,6 +14,9 @@ The rules, each in one place:
   (model/kv_pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages.
 - identity: what GetServerInfo/GetLoads report, with the runner's page size and its KV pool's bytes
   per token in the resolved dtype (`model.kv_pool.bytes_per_pool_page`, the pool's own rule).
+- chunked prefill: `--chunked-prefill-size` (or `--engine-opt chunked_prefill_size=`); unset, 2048 on
+  the CPU and on a GPU by its total memory as SGLang (8192 on an H200; `gpu_chunked_prefill_size`, the
+  memory read through NVML, `model/nvml.py`, so no CUDA context is made here).
 - layer-wise KV transfer (prefill): `SchedulerConfig.layerwise_transfer`, on by default (correct on every
   path: plain, TBO, any transport; direct same-host copies send per chunk regardless, see
   `SendChannel.streams_layers`); `--engine-opt layerwise_transfer=false` sends per chunk instead.
@@ -52,6 +55,7 @@ from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.kv_pool import bytes_per_pool_page
 from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
 from deepseek_pd.model.model_dir import resolve_model_dir, served_name
+from deepseek_pd.model.nvml import total_memory_bytes
 from deepseek_pd.model.runner import RunnerConfig
 from deepseek_pd.workers.common.internal_auth import resolve_auth
 from deepseek_pd.workers.common.group_layout import GroupLayout
@@ -63,7 +67,8 @@ from deepseek_pd.workers.common.serve_config import ServeConfig
 from deepseek_pd.workers.common.served_model import ServedModelInfo
 from deepseek_pd.workers.common.server import ServerConfig
 from deepseek_pd.workers.common.servicer import WorkerIdentity
-from deepseek_pd.workers.common.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig
+from deepseek_pd.workers.common.worker_config import (
+    BootstrapConfig, SchedulerConfig, WorkerConfig, gpu_chunked_prefill_size)
 from deepseek_pd.workers.engine_options import assign_engine_options, parse_key_values
 from deepseek_pd.workers.roles import RoleDefaults, role_defaults
 
@@ -153,13 +158,15 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
                    "dispatch_mode": group.dispatch_mode}
     scheduler_fields = {**opts["scheduler"], **({"chunked_prefill_size": flags.chunked_prefill_size}
                                                 if flags.chunked_prefill_size is not None else {})}
+    device = resolve_device(flags.device)
+    _default_gpu_chunk(scheduler_fields, device)
     _graphs_cover_the_batch_cap(runner_opts, scheduler_fields)
     size_low_latency_capacity(runner_opts, scheduler_fields, group, defaults.decodes)
     model_config = ModelConfig.from_hf(model_dir)
     if model_config.num_attention_heads % group.tp:
         raise UserError(f"--tp {group.tp} (attention tensor parallelism) must divide the model's "
                         f"{model_config.num_attention_heads} attention heads")
-    runner = _runner_config(flags, defaults, model_dir, model_config, runner_opts)
+    runner = _runner_config(flags, defaults, device, model_dir, model_config, runner_opts)
     _check_local_gpus(group, runner.device)
     protocol = _kv_protocol(flags)
     rank_devices = devices_per_local_rank(protocol.devices, group.local_ranks)
@@ -187,9 +194,8 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
                        group=group, metrics=MetricsConfig(flags.metrics_host or flags.host, flags.metrics_port))
 
 
-def _runner_config(flags: ServeFlags, defaults: RoleDefaults, model_dir: Path, model_config: ModelConfig,
-                   options: dict[str, Any]) -> RunnerConfig:
-    device = resolve_device(flags.device)
+def _runner_config(flags: ServeFlags, defaults: RoleDefaults, device: str, model_dir: Path,
+                   model_config: ModelConfig, options: dict[str, Any]) -> RunnerConfig:
     fields: dict[str, Any] = {"model": str(model_dir), "device": device, "dtype": flags.dtype, **options,
                               "ep_num_redundant_experts": flags.parallel.ep_num_redundant_experts,
                               "init_expert_location": _absolute(flags.parallel.init_expert_location)}
@@ -200,6 +206,16 @@ def _runner_config(flags: ServeFlags, defaults: RoleDefaults, model_dir: Path, m
         raise UserError(f"--engine-opt cuda_graph=true: the {flags.role} worker never decodes, so it has no "
                         f"CUDA graphs to capture (decode workers replay them by default on CUDA)")
     return RunnerConfig.resolve(model_config, graphs_by_default=defaults.decodes, **fields)
+
+
+def _default_gpu_chunk(scheduler_opts: dict[str, Any], device: str) -> None:
+    """Unset on a GPU: the chunked_prefill_size for its memory (module docstring)."""
+    if "chunked_prefill_size" in scheduler_opts or not is_cuda(device):
+        return
+    total = total_memory_bytes(device)
+    scheduler_opts["chunked_prefill_size"] = gpu_chunked_prefill_size(total)
+    log.info("chunked prefill: %d tokens per round (%s)", scheduler_opts["chunked_prefill_size"],
+             f"a GPU of {total / (1 << 30):.0f} GiB" if total else "the GPU's memory is unknown")
 
 
 def _graphs_cover_the_batch_cap(runner_opts: dict[str, Any], scheduler_opts: dict[str, Any]) -> None:

@@ -49,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "headroom; the pool gets what is left after the weights load (default 0.88; "
                              "cpu: a fixed pool of 1024 pages)")
     parser.add_argument("--chunked-prefill-size", type=int, default=None,
-                        help="prefill token budget per batch")
+                        help="prompt tokens per prefill round (default: 2048 on the CPU; on a GPU by its "
+                             "memory, as SGLang: 2048 below 35 GiB, 8192 below 160 GiB, else 16384)")
     parallel = parser.add_argument_group("parallelism (one worker over several GPUs/nodes)")
     parallel.add_argument("--tp", type=int, default=1,
                           help="attention tensor parallel size: ranks of one DP group that split the MLA heads "

@@ -62,6 +62,16 @@ def test_tiny_run_reports_what_it_measured(tmp_path: Path) -> None:
     ttft = checks["TTFT p50 @c=1 - runner prefill (ms)"]
     assert ttft["value"] == pytest.approx(by_level[1]["ttft_p50_ms"] - runner["prefill_ms_median"])
 
+    # The runner's prefill round is the worker's default round of the c=1 lengths, and each level's
+    # one-GPU ceiling is computed from it and the runner step at the level's batch.
+    from deepseek_pd.workers.common.worker_config import SchedulerConfig
+    expected_round = bench_module("runner_steps").round_lengths(tuple(p["length"] for p in runner["prefill"]),
+                                                                SchedulerConfig().chunked_prefill_size)
+    assert runner["prefill_round"]["lengths"] == expected_round and runner["prefill_round"]["tok_s"] > 0
+    caps = bench_module("serving_report").ceilings(result["levels"], runner)
+    assert result["ceilings"] == caps and [c["concurrency"] for c in caps] == [c for c, _ in plan["levels"]]
+    assert sum(line.startswith("one-GPU ceiling") for line in proc.stdout.splitlines()) == len(caps)
+
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert {k: result["meta"]["shapes"][k] for k in config} == config
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)

@@ -1,0 +1,76 @@
+"""The one-GPU serving ceiling (`bench/serving_report.ceilings`) and the runner's prefill round it
+is computed from (`bench/runner_steps.round_lengths`, `bench/serving_gpu.prefill_round_tokens`),
+against formulas recomputed here from fresh random figures."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdtest.bench_scripts import bench_module
+
+
+def _random_levels(rng: random.Random) -> tuple[list[dict], dict]:
+    levels = []
+    for c in (1, 16, 64, 128):
+        out = rng.uniform(50, 9000)
+        levels.append({"concurrency": c, "output_tok_s": out, "input_tok_s": out * rng.uniform(1, 20)})
+    runner = {"decode": [{"batch": c, "step_ms": rng.uniform(3, 30)} for c in (1, 64, 128)],
+              "prefill_round": {"tok_s": rng.uniform(5e3, 2e5)}}
+    return levels, runner
+
+
+def test_each_level_gets_the_output_rate_at_which_prefill_and_decode_fill_the_gpu() -> None:
+    report = bench_module("serving_report")
+    rng = random.Random()
+    levels, runner = _random_levels(rng)
+    caps = report.ceilings(levels, runner)
+    steps = {d["batch"]: d["step_ms"] for d in runner["decode"]}
+    assert [cap["concurrency"] for cap in caps] == [1, 64, 128]  # no runner step at batch 16
+    for cap in caps:
+        row = next(r for r in levels if r["concurrency"] == cap["concurrency"])
+        x = cap["ceiling_tok_s"]
+        # At the ceiling, computing the prompts and decoding the tokens of x output tok/s take the
+        # whole GPU: prompt tokens at the prefill round's rate, decode steps of c tokens each.
+        gpu_s = (x * row["input_tok_s"] / row["output_tok_s"] / runner["prefill_round"]["tok_s"]
+                 + x / cap["concurrency"] * steps[cap["concurrency"]] / 1e3)
+        assert gpu_s == pytest.approx(1.0)
+        assert cap["prefill_share"] + cap["decode_share"] == pytest.approx(1.0)
+        assert cap["of_ceiling"] == pytest.approx(row["output_tok_s"] / x)
+    assert report.ceilings(levels, {**runner, "prefill_round": None}) == []
+    assert report.ceilings(levels, None) == []
+    text = report.format_table([{**r, "requests": 1, "failed": 0, "req_s": 1.0, "ttft_p50_ms": 1.0,
+                                 "ttft_p99_ms": 1.0, "tpot_p50_ms": 1.0} for r in levels],
+                               [], {**runner, "prefill_ms_median": 1.0, "prefill": [{}],
+                                    "prefill_round": {**runner["prefill_round"], "tokens": 1, "lengths": [1], "ms": 1.0}})
+    assert sum("one-GPU ceiling" in line for line in text.splitlines()) == len(caps)
+
+
+def test_a_prefill_round_takes_whole_prompts_in_turn_while_they_fit() -> None:
+    round_lengths = bench_module("runner_steps").round_lengths
+    rng = random.Random()
+    for _ in range(200):
+        lengths = tuple(rng.randint(1, 1200) for _ in range(rng.randint(1, 6)))
+        budget = rng.randint(1, 9000)
+        got = round_lengths(lengths, budget)
+        if lengths[0] > budget:
+            assert got == [budget]  # one chunk of the first prompt
+            continue
+        cycled = [lengths[i % len(lengths)] for i in range(len(got) + 1)]
+        assert got == cycled[:len(got)] and sum(got) <= budget < sum(got) + cycled[len(got)]
+
+
+def test_the_round_size_follows_the_worker_flags_as_serve_reads_them(monkeypatch) -> None:
+    serving_gpu = bench_module("serving_gpu")
+    from deepseek_pd.model import nvml
+    from deepseek_pd.workers.common.worker_config import SchedulerConfig, gpu_chunked_prefill_size
+
+    rng = random.Random()
+    a, c = (rng.randint(16, 16384) for _ in range(2))
+    total = rng.randrange(8 << 30, 200 << 30)
+    monkeypatch.setattr(nvml, "total_memory_bytes", lambda device: total)
+    tokens = serving_gpu.prefill_round_tokens
+    assert tokens(["--page-size=64"], "cpu") == SchedulerConfig.chunked_prefill_size
+    assert tokens(["--page-size=64"], "cuda") == gpu_chunked_prefill_size(total)
+    assert tokens([f"--chunked-prefill-size={a}", f"--chunked-prefill-size={c}"], "cuda") == c
+    assert tokens(["--chunked-prefill-size", str(c), "--page-size=64"], "cpu") == c
