@@ -43,6 +43,7 @@ from deepseek_pd.model.device import is_cuda
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.workers.builders import BUILDERS
 from deepseek_pd.workers.common.bootstrap_routes import RankEndpoint, RouteTable
+from deepseek_pd.workers.common.gc_pauses import GcPauses, freeze_startup_heap
 from deepseek_pd.workers.common.group_front import GroupFront
 from deepseek_pd.workers.common.lockstep import GROUP_STOPPED_EXIT, LockstepModelThread, exit_group_failed
 from deepseek_pd.workers.common.metrics import WorkerMetrics
@@ -101,6 +102,7 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
     # Every rank exports its own engine's series (steps, its KV pool, its transfers) on its own
     # port, labelled with its rank; requests are counted once, by rank 0's servicer (the group's).
     metrics = WorkerMetrics(config.metric_labels(rank))
+    GcPauses(metrics.observe_gc_pause).install()  # for the life of this rank's process
     engine = BUILDERS[config.role](config, metrics, runner=runner, model_thread=thread)
     metrics.watch_loads(engine.loads)
     exporter = None
@@ -133,6 +135,7 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
             await asyncio.to_thread(group.exchange, {"engine": f"{host}:{port}", "bootstrap": (
                 None if bootstrap_port is None else (host, bootstrap_port))})
         thread.start()  # every rank is loaded and reachable: the ticks may begin
+        freeze_startup_heap()  # before rank 0 takes requests: its full collection is a long pause
         if rank == 0:
             await server.start()
             log.info("group of %d ranks ready (dp %d, tp %d, ep %d, dispatcher %s): rank 0 serves gRPC %s:%d",
@@ -162,13 +165,15 @@ async def _serve_tp_follower(group: RankGroup, thread: LockstepModelThread, conf
     (the scrape config lists every rank's port), without request or KV-pool series of its own."""
     rank = group.rank
     exporter = None
+    metrics = WorkerMetrics(config.metric_labels(rank))
+    GcPauses(metrics.observe_gc_pause).install()  # for the life of this rank's process
     if config.metrics.enabled:
-        exporter = MetricsServer(WorkerMetrics(config.metric_labels(rank)),
-                                 config.metrics.for_local_rank(rank - group.layout.node_ranks.start))
+        exporter = MetricsServer(metrics, config.metrics.for_local_rank(rank - group.layout.node_ranks.start))
         await exporter.start()
     try:
         await asyncio.to_thread(group.exchange, None)  # it has no endpoint to offer
         thread.start()
+        freeze_startup_heap()
         log.info("rank %d: TP rank %d of DP group %d, replaying rank %d's forwards", rank,
                  group.layout.tp_rank_of(rank), group.dp_rank, group.layout.tp_leader_of(rank))
         await _follow_until_group_stops(thread, config.server.drain_timeout_s + STOP_GRACE_S)

@@ -21,6 +21,16 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString  # how Histogram writes `le`
 
 
+def cumulative_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, int]]:
+    """Prometheus's (le, cumulative count) pairs from per-bucket `counts` (one more than `bounds`:
+    the last counts values above every bound)."""
+    cumulative, running = [], 0
+    for bound, count in zip(list(bounds) + [float("inf")], counts):
+        running += count
+        cumulative.append((floatToGoString(bound), running))
+    return cumulative
+
+
 class BulkHistogram:
     """One histogram series with fixed label values; register it on a `CollectorRegistry`."""
 
@@ -50,11 +60,7 @@ class BulkHistogram:
     def collect(self) -> list[HistogramMetricFamily]:
         with self._lock:
             counts, total = list(self._counts), self._sum
-        cumulative, running = [], 0
-        for bound, count in zip(self._bounds + [float("inf")], counts):
-            running += count
-            cumulative.append((floatToGoString(bound), running))
         family = HistogramMetricFamily(self._name, self._doc, labels=self._label_names)
-        family.add_metric(self._label_values, cumulative, total)
+        family.add_metric(self._label_values, cumulative_buckets(self._bounds, counts), total)
         return [family]
 

@@ -12,6 +12,8 @@ The module knows no role. What feeds it, and how often (never per token):
     engine, per request  observe_prefix_cache(queried, hit), observe_kv_transfer(...),
                          count_kv_transfer_failure(...)
     prefill bootstrap    count_handshake_failure(reason): a refused or failed decode handshake
+    garbage collector    observe_gc_pause(generation, seconds) per collection (gc_pauses.py; lock-free,
+                         folded into the histogram at scrape time), the frozen startup heap's size
     at scrape time       watch_loads(fn) -> running/queued requests and KV pool pages (the same
                          `Loads` GetLoads reports); watch_decode_paths(fn) -> decode steps by
                          CUDA-graph replay vs eager; watch_expert_load(fn) -> the expert-load
@@ -27,14 +29,18 @@ series; `serve` exports it with `MetricsServer` (metrics_server.py).
 """
 from __future__ import annotations
 
+import bisect
+import collections
+import gc
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from deepseek_pd.workers.common.api import Loads
-from deepseek_pd.workers.common.bulk_histogram import BulkHistogram
+from deepseek_pd.workers.common.bulk_histogram import BulkHistogram, cumulative_buckets
 
 PREFIX = "deepseek_pd:"
 CONSTANT_LABELS = ("role", "model_name", "rank")
@@ -50,6 +56,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.
 ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1,
                0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+GC_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+GC_GENERATIONS = (0, 1, 2)
 
 # Why the prefill bootstrap refused or failed a decode handshake (a bounded set: never a room id).
 #   unauthenticated  no, bad, stale, replayed or misaddressed token (Transfer, KVStream, Abort, Route)
@@ -137,6 +145,8 @@ class WorkerMetrics:
                                   "one request as the engine streams them (the first decode token's gap starts "
                                   "at the first token)", ITL_BUCKETS, self._const)
         self.registry.register(self._itl)
+        self._gc = _GcPauseSeries(self._const)
+        self.registry.register(self._gc)
         self._children: dict[tuple, object] = {}  # labelled children by (metric, values): no labels() per call
         self._sources = _ScrapeSources(self._const)
         self.registry.register(self._sources)
@@ -154,6 +164,12 @@ class WorkerMetrics:
     def watch_expert_load(self, dump: Callable[[], dict]) -> None:
         """This rank's expert-load dump as JSON (model/eplb/load_dump.py), read per GET /expert_load."""
         self.expert_load = dump
+
+    # ---- garbage collector -------------------------------------------------------------------
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        """One collection of `generation` (gc_pauses.GcPauses). Called inside the collector, by any
+        thread: it takes no lock (one that thread might already hold), the scrape folds it in."""
+        self._gc.pending.append((generation, seconds))
 
     # ---- servicer ----------------------------------------------------------------------------
     def observe_request(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
@@ -253,3 +269,40 @@ class _ScrapeSources:
             if paths is not None:
                 family.add_metric(self._values + [path], paths.get(path, 0))
         yield family
+
+
+class _GcPauseSeries:
+    """`gc_pause_seconds` by generation and `gc_frozen_objects`, rendered at scrape time.
+
+    Pauses arrive on a deque (an append takes no Python lock, so a collection that a scrape
+    triggers while holding `_lock` cannot deadlock on it) and are folded into plain counts here."""
+
+    def __init__(self, const: dict[str, str]) -> None:
+        self._names, self._values = list(const), list(const.values())
+        self.pending: collections.deque[tuple[int, float]] = collections.deque()
+        self._counts = {g: [0] * (len(GC_PAUSE_BUCKETS) + 1) for g in GC_GENERATIONS}
+        self._sums = dict.fromkeys(GC_GENERATIONS, 0.0)
+        self._lock = threading.Lock()  # scrapes from several threads
+
+    def describe(self) -> Iterable:
+        return [HistogramMetricFamily(PREFIX + "gc_pause_seconds", _GC_PAUSE_DOC, labels=self._names + ["generation"]),
+                GaugeMetricFamily(PREFIX + "gc_frozen_objects", _GC_FROZEN_DOC, labels=self._names)]
+
+    def collect(self) -> Iterable:
+        with self._lock:
+            while self.pending:
+                generation, seconds = self.pending.popleft()
+                self._counts[generation][bisect.bisect_left(GC_PAUSE_BUCKETS, seconds)] += 1
+                self._sums[generation] += seconds
+            snapshot = {g: (list(counts), self._sums[g]) for g, counts in self._counts.items()}
+        pauses = HistogramMetricFamily(PREFIX + "gc_pause_seconds", _GC_PAUSE_DOC, labels=self._names + ["generation"])
+        for generation, (counts, total) in snapshot.items():
+            pauses.add_metric(self._values + [str(generation)], cumulative_buckets(GC_PAUSE_BUCKETS, counts), total)
+        frozen = GaugeMetricFamily(PREFIX + "gc_frozen_objects", _GC_FROZEN_DOC, labels=self._names)
+        frozen.add_metric(self._values, gc.get_freeze_count())
+        return [pauses, frozen]
+
+
+_GC_PAUSE_DOC = ("Garbage-collection pauses of this worker process by generation (every thread stops "
+                 "while one runs)")
+_GC_FROZEN_DOC = "Objects of the startup heap frozen out of garbage collection (gc.freeze at start)"

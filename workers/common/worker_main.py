@@ -11,6 +11,7 @@ import logging
 from deepseek_pd import env
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.common.engine_factory import EngineBuilder
+from deepseek_pd.workers.common.gc_pauses import GcPauses, freeze_startup_heap
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.metrics_server import MetricsServer
 from deepseek_pd.workers.common.serve_config import ServeConfig
@@ -27,6 +28,15 @@ def configure_logging(role: str) -> None:
 
 async def serve_worker(config: ServeConfig, builder: EngineBuilder) -> None:
     metrics = WorkerMetrics(config.metric_labels())
+    pauses = GcPauses(metrics.observe_gc_pause)
+    pauses.install()
+    try:
+        await _serve(config, builder, metrics)
+    finally:
+        pauses.uninstall()
+
+
+async def _serve(config: ServeConfig, builder: EngineBuilder, metrics: WorkerMetrics) -> None:
     try:
         engine = builder(config, metrics)
     except ModuleNotFoundError as exc:
@@ -35,6 +45,7 @@ async def serve_worker(config: ServeConfig, builder: EngineBuilder) -> None:
         engine = await engine
     metrics.watch_loads(engine.loads)
     await _call_maybe_async(getattr(engine, "start", None))
+    freeze_startup_heap()  # before the server takes requests: its full collection is a long pause
     server = WorkerServer(engine, config.model, config.identity, config.server, metrics)
     exporter = MetricsServer(metrics, config.metrics) if config.metrics.enabled else None
     server.install_signal_handlers()

@@ -165,3 +165,7 @@ def test_metrics_after_pd_traffic_equal_what_was_sent(tmp_path):
         assert value(samples, "kv_pool_used_pages") == 0
         assert value(samples, "num_running_reqs") == 0 and value(samples, "num_queue_reqs") == 0
         assert value(samples, "kv_pool_total_pages") == NUM_PAGES
+        # The startup heap (model, libraries) was frozen before serving, and serving's own
+        # allocations were collected (and timed) meanwhile.
+        assert value(samples, "gc_frozen_objects") > 10_000
+        assert sum(value(samples, "gc_pause_seconds_count", generation=str(g)) for g in range(3)) > 0
