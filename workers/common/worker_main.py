@@ -6,6 +6,7 @@ runs it. The builder is the role's default (deepseek_pd.workers.builders) or the
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 from deepseek_pd import env
@@ -34,6 +35,7 @@ async def serve_worker(config: ServeConfig, builder: EngineBuilder) -> None:
         await _serve(config, builder, metrics)
     finally:
         pauses.uninstall()
+        gc.unfreeze()  # a caller that goes on in this process (a test) gets its whole heap collected again
 
 
 async def _serve(config: ServeConfig, builder: EngineBuilder, metrics: WorkerMetrics) -> None:
