@@ -33,6 +33,12 @@ def triton_interpret() -> bool:
     return _get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def cuda_visible_devices() -> str | None:
+    """CUDA_VISIBLE_DEVICES as set (None when unset): which GPUs CUDA numbers, for the NVML reading
+    of a GPU's memory before any CUDA context exists (model/nvml.py)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def hf_token() -> str | None:
     """HF_TOKEN: the Hugging Face token `deepseek-pd download` sends (in a pod, from the Secret
     named by model.source.huggingFace.tokenSecret); None when unset or empty."""

@@ -12,7 +12,8 @@ library, an NVML error) gives None, and the caller keeps its device-independent 
 from __future__ import annotations
 
 import ctypes
-import os
+
+from deepseek_pd import env
 
 
 class _Memory(ctypes.Structure):
@@ -36,7 +37,7 @@ def visible_device(cuda_index: int, visible: str | None) -> int | str | None:
 def total_memory_bytes(device: str) -> int | None:
     """Total memory of the CUDA `device` ("cuda" or "cuda:N"), or None (see the module docstring)."""
     _, _, index = device.partition(":")
-    target = visible_device(int(index or 0), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    target = visible_device(int(index or 0), env.cuda_visible_devices())
     if target is None:
         return None
     try:
