@@ -159,7 +159,9 @@ class KVPush:
     async def _send_loop(self) -> None:
         assert self.channel is not None
         while (item := await self._next()) is not None:
-            if self._error is not None:
+            # Once the room is over (decode gone, the room failed) its pages are no longer this
+            # transfer's: a one-sided channel would write them before learning that at `emit`.
+            if self._error is not None or self.room.finished:
                 continue
             self._num_sends += 1
             began = time.monotonic()

@@ -285,7 +285,8 @@ class GrpcReceiver(KVReceiver):
 
     @property
     def late_write_grace_s(self) -> float:
-        # A direct write the prefill side started before it learnt of the failure ends within its timeout.
+        # A direct write the prefill side started before it learnt of the failure (it starts none
+        # after: KVPush) is one device copy behind at most the forward in flight: well inside this.
         return self.config.send_timeout_s if self.direct is not None else 0.0
 
     def close(self) -> None:
