@@ -55,3 +55,16 @@ class LayerEvents:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         self.listener(layer_id, event)
+
+
+def kv_written_event(device: torch.device | str) -> "torch.cuda.Event | None":
+    """An event recorded now on `device`'s default stream, where the forward writes the KV; None on
+    the CPU. Taken between forwards (the last one returned, the next not yet queued), it marks
+    the KV of every forward so far: a transport read that waits for it, rather than for the
+    stream itself (a `ready` of None), does not also wait for a forward queued after it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.default_stream(device))
+    return event

@@ -23,10 +23,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.layer_progress import LayerEvents
+from deepseek_pd.model.layer_progress import LayerEvents, kv_written_event
 from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
 from deepseek_pd.workers.common.api import (
@@ -42,6 +42,9 @@ from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +246,16 @@ class PrefillEngine(EngineCore[_Request]):
             state.progress = PromptProgress(ids, cached + own, computed=len(cached) * self.pool.page_size,
                                             owner=state)
             self._running.append(state)
-            state.push.pages_ready(state.progress.computed, state.progress.pages)
+            state.push.pages_ready(state.progress.computed, state.progress.pages,
+                                   self._written() if state.progress.computed else None)
             state.admitted.set_result(True)
+
+    def _written(self) -> "torch.cuda.Event | None":
+        """`ready` of the pages sent between forwards: the KV of every forward so far is in the pool
+        (`run_extend` syncs before it returns), but the copy that sends them runs later, in a
+        transport thread, when the next forward may already be queued; without an event it would
+        wait for that one too (a whole prefill round)."""
+        return kv_written_event(self.runner.model.options.device)
 
     def _layer_progress(self, batch: list[_Request], seqs: Sequence[ExtendSeq]) -> LayerEvents | None:
         """Layer-wise KV streaming: as the forward (model thread) writes each layer's KV, that
@@ -295,6 +306,7 @@ class PrefillEngine(EngineCore[_Request]):
             except Exception as exc:
                 log.exception("prefill forward failed")
                 sampled, error = None, exc
+            written = self._written() if error is None else None
             for state, seq in zip(batch, plan.seqs):
                 state.in_forward = False
                 if state.ended:  # aborted during the forward
@@ -307,7 +319,7 @@ class PrefillEngine(EngineCore[_Request]):
                     continue
                 state.progress.computed += len(seq.token_ids)
                 # Layer-wise, every layer went out during the forward and this finds nothing left.
-                state.push.pages_ready(state.progress.computed, state.progress.pages)
+                state.push.pages_ready(state.progress.computed, state.progress.pages, written)
             if sampled is not None:
                 for i, row in enumerate(rows):
                     state = batch[row]

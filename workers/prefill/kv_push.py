@@ -113,10 +113,10 @@ class KVPush:
         """Whether this request's channel wants each layer as the forward writes it (`layers_ready`)."""
         return self.channel is not None and self.channel.streams_layers
 
-    def pages_ready(self, computed_tokens: int, pages: Sequence[int]) -> None:
+    def pages_ready(self, computed_tokens: int, pages: Sequence[int], ready: "torch.cuda.Event | None" = None) -> None:
         """`pages` is the request's page table; sends every page the computed tokens complete,
-        in every layer not yet sent that far."""
-        self.layers_ready(computed_tokens, pages, 0, self.sender.pool.num_layers)
+        in every layer not yet sent that far. `ready` (CUDA): as for `layers_ready`."""
+        self.layers_ready(computed_tokens, pages, 0, self.sender.pool.num_layers, ready)
 
     def layers_ready(self, computed_tokens: int, pages: Sequence[int], layer_begin: int, layer_end: int,
                      ready: "torch.cuda.Event | None" = None) -> None:

@@ -1,4 +1,4 @@
-"""Prefill and decode engines (tiny model, fp32, CPU) in one asyncio loop, no router.
+"""Prefill and decode engines (tiny model, fp32, CPU unless told) in one asyncio loop, no router.
 
 Used by test_pd_engines.py (fake and grpc transports) and netns_pd_mooncake.py (mooncake, in a
 network namespace). The offline `Engine` is the oracle.
@@ -27,8 +27,11 @@ CHUNK = 16  # small prefill chunks, so prompts of 20+ tokens are chunked
 torch.set_num_threads(1)
 
 
-def runner(num_pages: int = 256) -> ModelRunner:
-    return ModelRunner(RunnerConfig(model="tiny", page_size=PAGE_SIZE, num_pages=num_pages))
+def runner(num_pages: int = 256, device: str = "cpu") -> ModelRunner:
+    """The tiny model; on CUDA in fp32 with the plain-torch backends (no kernel compiles)."""
+    on_gpu = {} if device == "cpu" else dict(device=device, dtype="float32", attention_backend="torch",
+                                             moe_backend="torch")
+    return ModelRunner(RunnerConfig(model="tiny", page_size=PAGE_SIZE, num_pages=num_pages, **on_gpu))
 
 
 _ORACLE: Engine | None = None
@@ -84,9 +87,10 @@ class PDPair:
     """A started prefill + decode engine; `run(prompt, params)` sends one PD request to both."""
 
     def __init__(self, transport: str, prefill_config: WorkerConfig | None = None,
-                 decode_config: WorkerConfig | None = None) -> None:
-        self.prefill = PrefillEngine(runner(), prefill_config or worker_config(transport))
-        self.decode = DecodeEngine(runner(), decode_config or worker_config(transport), tokenizer=oracle().tokenizer)
+                 decode_config: WorkerConfig | None = None, device: str = "cpu") -> None:
+        self.prefill = PrefillEngine(runner(device=device), prefill_config or worker_config(transport))
+        self.decode = DecodeEngine(runner(device=device), decode_config or worker_config(transport),
+                                   tokenizer=oracle().tokenizer)
         self._room = 1000
 
     async def __aenter__(self) -> "PDPair":

@@ -1,0 +1,98 @@
+"""On CUDA, the pages a prefill round completes are sent without waiting for the next round.
+
+Per-chunk sends (same-host direct copies always; the byte stream with layer-wise transfer off) run
+in a transport thread after the round's forward has returned, when the scheduler may already have
+queued the next forward on the same stream. Their copies must wait only for the KV they read, which
+is already in the pool, not for that next forward. Here the second forward is made long on the GPU
+(a spin kernel queued before it) and the first send's copy starts late enough that the second
+forward is surely queued: the first chunk must still be on the stream long before the second forward
+ends. The decode side must get the request done either way.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+
+import pytest
+import torch
+
+from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.workers.common.kv_transfer import direct_pool, page_io
+from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, worker_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.timeout(300)]
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+SLOW_FORWARD_S = 2.0
+LATE_COPY_S = 0.3
+
+
+def _spin_cycles(seconds: float) -> int:
+    """GPU clock cycles of `torch.cuda._sleep` that take about `seconds`."""
+    torch.cuda._sleep(1000)  # the kernel's first launch (module load) is not timed
+    torch.cuda.synchronize()
+    cycles = 10 ** 8
+    began = time.monotonic()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    return int(cycles * seconds / max(time.monotonic() - began, 1e-6))
+
+
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
+    rng = random.Random()
+    prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(2 * CHUNK + rng.randrange(1, CHUNK))]
+    spin = _spin_cycles(SLOW_FORWARD_S)
+    late = {"first": True}
+
+    def late_first_copy(real):
+        def wait_ready(*args, **kwargs):
+            if late.pop("first", False):
+                time.sleep(LATE_COPY_S)  # the scheduler has queued the next forward by now
+            return real(*args, **kwargs)
+        return wait_ready
+    monkeypatch.setattr(direct_pool, "wait_ready", late_first_copy(direct_pool.wait_ready))
+    monkeypatch.setattr(page_io, "wait_ready", late_first_copy(page_io.wait_ready))
+
+    async def run():
+        base = worker_config("grpc", same_host_direct=direct)
+        cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=False))
+        async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, device="cuda") as pair:
+            emitted: list[float] = []
+            forward_ends: list[float] = []
+            open_channel, extend = pair.prefill.sender.open, pair.prefill.runner.extend
+
+            def traced_open(handshake, emit, streams=1):
+                channel = open_channel(handshake, emit, streams)
+                real_emit = channel.emit
+
+                async def traced_emit(chunk):
+                    emitted.append(time.monotonic())
+                    await real_emit(chunk)
+                channel.emit = traced_emit
+                return channel
+
+            def traced_extend(seqs, progress=None, **kwargs):
+                if len(forward_ends) == 1:
+                    torch.cuda._sleep(spin)  # the second forward: long on the GPU
+                logits = extend(seqs, progress=progress, **kwargs)
+                torch.cuda.synchronize()
+                forward_ends.append(time.monotonic())
+                return logits
+            pair.prefill.sender.open, pair.prefill.runner.extend = traced_open, traced_extend
+            prefill, decode = await pair.run(prompt, GREEDY, "order")
+            await pair.wait_pools_clean()
+            return prefill, decode, emitted, forward_ends
+
+    prefill, decode, emitted, forward_ends = asyncio.run(run())
+    assert prefill.ok and decode.ok, (prefill.terminal, decode.terminal)
+    assert len(decode.tokens) == GREEDY.max_new_tokens
+    assert len(forward_ends) == 3 and emitted
+    first_chunk_lead = forward_ends[1] - emitted[0]
+    assert first_chunk_lead > SLOW_FORWARD_S / 2, (
+        f"the first chunk went out {-first_chunk_lead:.2f}s after the next forward ended "
+        f"(its copy waited for that forward)" if first_chunk_lead < 0 else
+        f"the first chunk went out only {first_chunk_lead:.2f}s before the next forward ended")
