@@ -273,18 +273,16 @@ def versions() -> dict:
 
 
 def prefill_round_tokens(flags: list[str], device: str) -> int:
-    """The prefill worker's chunked_prefill_size: `--chunked-prefill-size` in `flags` (the last one),
-    else `serve`'s default on `device` (workers/serve_resolution.py)."""
-    from deepseek_pd.model.device import is_cuda
-    from deepseek_pd.model.nvml import total_memory_bytes
-    from deepseek_pd.workers.common.worker_config import SchedulerConfig, gpu_chunked_prefill_size
+    """The prefill worker's chunked_prefill_size: `serve`'s own reading of `flags` on `device`
+    (--chunked-prefill-size, --engine-opt chunked_prefill_size=, else the GPU's default;
+    workers/serve_resolution.py)."""
+    from deepseek_pd.commands import serve
+    from deepseek_pd.workers.serve_resolution import chunked_prefill_size
 
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--chunked-prefill-size", type=int, default=None)
-    told = parser.parse_known_args(flags)[0].chunked_prefill_size
-    if told is not None:
-        return told
-    return gpu_chunked_prefill_size(total_memory_bytes(device)) if is_cuda(device) else SchedulerConfig.chunked_prefill_size
+    serve.register(parser.add_subparsers())
+    args, _ = parser.parse_known_args(["serve", "prefill", *flags])
+    return chunked_prefill_size(serve.flags_from_args(args), device)
 
 
 def measure_runner(plan: Plan, model_dir: Path, out: Path, seed: int, budget: Budget, result: dict,

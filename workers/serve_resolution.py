@@ -14,7 +14,7 @@ The rules, each in one place:
   (model/kv_pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages.
 - identity: what GetServerInfo/GetLoads report, with the runner's page size and its KV pool's bytes
   per token in the resolved dtype (`model.kv_pool.bytes_per_pool_page`, the pool's own rule).
-- chunked prefill: `--chunked-prefill-size` (or `--engine-opt chunked_prefill_size=`); unset, 2048 on
+- chunked prefill: `--chunked-prefill-size` (it has no engine option); unset, 2048 on
   the CPU and on a GPU by its total memory as SGLang (8192 on an H200; `gpu_chunked_prefill_size`, the
   memory read through NVML, `model/nvml.py`, so no CUDA context is made here).
 - layer-wise KV transfer (prefill): `SchedulerConfig.layerwise_transfer`, on by default (correct on every
@@ -156,10 +156,8 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
     runner_opts = {**opts["runner"], "ep_size": group.ep, "tp_size": group.tp,
                    "dispatcher": group.dispatcher(deepep_available=_deepep_available()),
                    "dispatch_mode": group.dispatch_mode}
-    scheduler_fields = {**opts["scheduler"], **({"chunked_prefill_size": flags.chunked_prefill_size}
-                                                if flags.chunked_prefill_size is not None else {})}
     device = resolve_device(flags.device)
-    _default_gpu_chunk(scheduler_fields, device)
+    scheduler_fields = _scheduler_fields(flags, opts, device)
     _graphs_cover_the_batch_cap(runner_opts, scheduler_fields)
     size_low_latency_capacity(runner_opts, scheduler_fields, group, defaults.decodes)
     model_config = ModelConfig.from_hf(model_dir)
@@ -206,6 +204,22 @@ def _runner_config(flags: ServeFlags, defaults: RoleDefaults, device: str, model
         raise UserError(f"--engine-opt cuda_graph=true: the {flags.role} worker never decodes, so it has no "
                         f"CUDA graphs to capture (decode workers replay them by default on CUDA)")
     return RunnerConfig.resolve(model_config, graphs_by_default=defaults.decodes, **fields)
+
+
+def _scheduler_fields(flags: ServeFlags, opts: dict[str, dict[str, Any]], device: str) -> dict[str, Any]:
+    """SchedulerConfig's fields: the engine options, --chunked-prefill-size over them, and unset on a
+    GPU the chunk for its memory."""
+    fields = {**opts["scheduler"], **({"chunked_prefill_size": flags.chunked_prefill_size}
+                                      if flags.chunked_prefill_size is not None else {})}
+    _default_gpu_chunk(fields, device)
+    return fields
+
+
+def chunked_prefill_size(flags: ServeFlags, device: str) -> int:
+    """The prompt tokens per round a worker started with `flags` on `device` runs, decided as
+    `resolve_serve_config` decides them (for tools that time such a round: bench/serving_gpu.py)."""
+    opts = assign_engine_options(parse_key_values(flags.engine_options), _TARGETS, _FLAG_FIELDS)
+    return _scheduler_fields(flags, opts, device).get("chunked_prefill_size", SchedulerConfig.chunked_prefill_size)
 
 
 def _default_gpu_chunk(scheduler_opts: dict[str, Any], device: str) -> None:

@@ -62,15 +62,20 @@ def test_a_prefill_round_takes_whole_prompts_in_turn_while_they_fit() -> None:
 
 def test_the_round_size_follows_the_worker_flags_as_serve_reads_them(monkeypatch) -> None:
     serving_gpu = bench_module("serving_gpu")
-    from deepseek_pd.model import nvml
+    from deepseek_pd.errors import UserError
+    from deepseek_pd.workers import serve_resolution
     from deepseek_pd.workers.common.worker_config import SchedulerConfig, gpu_chunked_prefill_size
 
     rng = random.Random()
-    a, c = (rng.randint(16, 16384) for _ in range(2))
+    a, b, c = (rng.randint(16, 16384) for _ in range(3))
     total = rng.randrange(8 << 30, 200 << 30)
-    monkeypatch.setattr(nvml, "total_memory_bytes", lambda device: total)
+    monkeypatch.setattr(serve_resolution, "total_memory_bytes", lambda device: total)
     tokens = serving_gpu.prefill_round_tokens
     assert tokens(["--page-size=64"], "cpu") == SchedulerConfig.chunked_prefill_size
     assert tokens(["--page-size=64"], "cuda") == gpu_chunked_prefill_size(total)
     assert tokens([f"--chunked-prefill-size={a}", f"--chunked-prefill-size={c}"], "cuda") == c
     assert tokens(["--chunked-prefill-size", str(c), "--page-size=64"], "cpu") == c
+    # serve's own reading: other engine options pass, the flag's field is no engine option there.
+    assert tokens(["--engine-opt", "prefix_cache=false", "--page-size=64"], "cuda") == gpu_chunked_prefill_size(total)
+    with pytest.raises(UserError, match="unknown --engine-opt 'chunked_prefill_size'"):
+        tokens(["--engine-opt", f"chunked_prefill_size={b}"], "cuda")
