@@ -62,11 +62,13 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
         cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=False))
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, device="cuda") as pair:
             emitted: list[float] = []
+            channels: list[str] = []
             forward_ends: list[float] = []
             open_channel, extend = pair.prefill.sender.open, pair.prefill.runner.extend
 
             def traced_open(handshake, emit, streams=1):
                 channel = open_channel(handshake, emit, streams)
+                channels.append(type(channel).__name__)
                 real_emit = channel.emit
 
                 async def traced_emit(chunk):
@@ -85,9 +87,10 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
             pair.prefill.sender.open, pair.prefill.runner.extend = traced_open, traced_extend
             prefill, decode = await pair.run(prompt, GREEDY, "order")
             await pair.wait_pools_clean()
-            return prefill, decode, emitted, forward_ends
+            return prefill, decode, emitted, forward_ends, channels
 
-    prefill, decode, emitted, forward_ends = asyncio.run(run())
+    prefill, decode, emitted, forward_ends, channels = asyncio.run(run())
+    assert channels == ["DirectChannel" if direct == "on" else "GrpcChannel"]
     assert prefill.ok and decode.ok, (prefill.terminal, decode.terminal)
     assert len(decode.tokens) == GREEDY.max_new_tokens
     assert len(forward_ends) == 3 and emitted
