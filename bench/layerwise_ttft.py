@@ -9,6 +9,9 @@ engine over the real bootstrap service on loopback (grpc or mooncake). Measured 
 engine runs them), then PD TTFT (both Generates sent at once -> decode's first token) with
 layer-wise streaming on and off, each on one running pair of engines after one untimed warm-up
 request (as a deployment runs; the first request's connections and staging are not the steady state). Caveat: both engines share one process and GIL (conservative).
+On CUDA the grpc transport copies same-host pools directly, and a direct channel sends per chunk
+whatever `layerwise_transfer` says (`SendChannel.streams_layers`): both rows then time the path a
+deployment on one host takes. `--same-host-direct off` times the byte stream, where layer-wise pays.
 Prints a table with TTFT / compute against the 1.1x target; `--json FILE` also writes the
 seconds and the target check (`bench/target_check.py`) for `bench/serving_gpu.py`'s one table.
 """
@@ -34,6 +37,7 @@ from deepseek_pd.model.sampling_params import SamplingParams  # noqa: E402
 from deepseek_pd.workers.common.api import DisaggParams, GenerateRequest, TokenChunk  # noqa: E402
 from deepseek_pd.workers.common.extend_step import run_extend  # noqa: E402
 from deepseek_pd.workers.common.kv_transfer import TransportConfig  # noqa: E402
+from deepseek_pd.workers.common.kv_transfer.base import SAME_HOST_DIRECT_MODES  # noqa: E402
 from deepseek_pd.workers.common.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig  # noqa: E402
 from deepseek_pd.workers.decode.engine import DecodeEngine  # noqa: E402
 from deepseek_pd.workers.prefill.engine import PrefillEngine  # noqa: E402
@@ -52,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--transport", default="grpc", choices=["grpc", "mooncake"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--same-host-direct", choices=SAME_HOST_DIRECT_MODES, default=TransportConfig.same_host_direct,
+                        help="grpc: copy the decode pool directly when it is this process's (see above)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE",
                         help="also write every repeat's seconds and the target check to FILE")
     return parser.parse_args(argv)
@@ -95,7 +101,8 @@ async def pd_ttfts(prefill_runner, decode_runner, prompts, args, layerwise: bool
     """PD TTFT of each of `prompts` (both Generates sent at once -> decode's first token) on one
     running prefill + decode pair, after one untimed warm-up request: what a running deployment
     pays, without the first request's one-time costs (connections, staging, opening the peer)."""
-    config = WorkerConfig(kv_transport=args.transport, transport=TransportConfig(send_timeout_s=60),
+    config = WorkerConfig(kv_transport=args.transport,
+                          transport=TransportConfig(send_timeout_s=60, same_host_direct=args.same_host_direct),
                           bootstrap=BootstrapConfig(port=0),
                           scheduler=SchedulerConfig(chunked_prefill_size=args.chunk, layerwise_transfer=layerwise,
                                                     prefix_cache=False))  # a cache hit would skip compute
@@ -146,7 +153,8 @@ def main(argv=None) -> None:
         results[name] = asyncio.run(pd_ttfts(prefill_runner, decode_runner, prompts, args, layerwise,
                                              1000 * (index + 1)))
     compute = statistics.median(results["compute"])
-    print(f"\nlayer-wise TTFT: {args.tokens} tokens, {path}, {args.device}, {args.transport}, "
+    print(f"\nlayer-wise TTFT: {args.tokens} tokens, {path}, {args.device}, {args.transport} "
+          f"(same_host_direct {args.same_host_direct}), "
           f"chunk {args.chunk}, page {args.page_size}, {args.repeats} repeats (median)")
     print(f"{'what':<12} {'ms':>9} {'x compute':>10} {'target':>8}")
     for name, values in results.items():
@@ -158,6 +166,7 @@ def main(argv=None) -> None:
         ratio = statistics.median(results["layer-wise"]) / compute
         args.json.write_text(json.dumps({
             "tokens": args.tokens, "model": path, "device": args.device, "transport": args.transport,
+            "same_host_direct": args.same_host_direct,
             "chunk": args.chunk, "page_size": args.page_size, "seconds": results,
             "check": check(f"layer-wise PD TTFT / prefill compute, {args.tokens} tokens", ratio, "<=", TARGET)},
             indent=2))
