@@ -4,8 +4,10 @@ A client's TTFT is router + prefill worker + transfer + decode worker; the worke
 histograms of their side (workers/common/metrics.py). Scraping them before and after a level and
 taking the difference gives, per worker, the mean of what that level added:
 
-    prefill-0: ttft 89.1 ms, prefill step 86.3 ms x 1.0 requests (771 tokens), KV send 3.2 ms
-    decode-0:  ttft 95.2 ms, decode step 10.9 ms x 31.5 requests, KV receive 94.8 ms
+    prefill-0: ttft 89.1 ms, prefill step 86.3 ms x 1.0 requests (771 tokens), KV send 3.2 ms,
+               GC 41 pauses, 3.0 ms in all
+    decode-0:  ttft 95.2 ms, decode step 10.9 ms x 31.5 requests, KV receive 94.8 ms,
+               GC 310 pauses, 20.5 ms in all (1 full, mean 8.2 ms)
 
 (a worker's TTFT runs from its Generate to its first token; decode's "KV receive" from its
 handshake to the checked TransferDone, so it holds the prefill's compute). The metrics URLs come
@@ -28,6 +30,8 @@ _SAMPLES = {
     "kv": ("kv_transfer_seconds", {}),
     "prefill_step": ("step_seconds", {"mode": "prefill"}),
     "decode_step": ("step_seconds", {"mode": "decode"}),
+    "gc": ("gc_pause_seconds", {}),  # every generation: the process stood still this long
+    "gc2": ("gc_pause_seconds", {"generation": "2"}),  # full collections
 }
 # what -> (counter sample, label filter)
 _COUNTERS = {"prefill_tokens": ("step_tokens_total", {"mode": "prefill"}),
@@ -93,6 +97,8 @@ def breakdown(before: dict[str, dict[str, float]], after: dict[str, dict[str, fl
             if count > 0:
                 row[f"{what}_ms"] = delta(what + "_sum") / count * 1e3
                 row[f"{what}_count"] = count
+        if delta("gc_count") > 0:
+            row["gc_total_ms"] = delta("gc_sum") * 1e3
         for mode in ("prefill", "decode"):
             steps = delta(f"{mode}_step_count")
             if steps > 0:
@@ -117,5 +123,8 @@ def describe(rows: dict[str, dict]) -> str:
                              f"{row.get(f'{mode}_rows_per_step', 0):.1f} requests{extra}")
         if "kv_ms" in row:
             parts.append(f"KV {'send' if name.startswith('prefill') else 'receive'} {row['kv_ms']:.1f} ms")
+        if "gc_count" in row:
+            parts.append(f"GC {row['gc_count']:.0f} pauses, {row['gc_total_ms']:.1f} ms in all"
+                         + (f" ({row['gc2_count']:.0f} full, mean {row['gc2_ms']:.1f} ms)" if "gc2_count" in row else ""))
         lines.append(f"{name}: {', '.join(parts) or 'nothing'}")
     return "\n".join(lines)

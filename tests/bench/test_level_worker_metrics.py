@@ -17,8 +17,15 @@ worker_metrics = bench_module("worker_metrics")
 
 
 def _observe(metrics: WorkerMetrics, rng: random.Random, n: int) -> dict[str, list[float]]:
-    seen: dict[str, list[float]] = {"prefill": [], "decode": [], "ttft": [], "kv": [], "tokens": [], "rows": []}
+    seen: dict[str, list[float]] = {"prefill": [], "decode": [], "ttft": [], "kv": [], "tokens": [], "rows": [],
+                                    "gc": [], "gc2": []}
     for _ in range(n):
+        for _ in range(rng.randrange(0, 4)):
+            generation, pause = rng.randrange(3), rng.uniform(0, 0.3)
+            metrics.observe_gc_pause(generation, pause)
+            seen["gc"].append(pause)
+            if generation == 2:
+                seen["gc2"].append(pause)
         prefill, decode = rng.uniform(0.01, 0.2), rng.uniform(0.001, 0.02)
         tokens, rows = rng.randrange(1, 9000), rng.randrange(1, 9)
         metrics.observe_step("prefill", prefill, rows, tokens)
@@ -47,6 +54,12 @@ def test_breakdown_is_the_mean_of_what_happened_between_the_scrapes():
     assert row["prefill_tokens_per_step"] == pytest.approx(statistics.mean(seen["tokens"]))
     assert row["prefill_rows_per_step"] == pytest.approx(statistics.mean(seen["rows"]))
     assert row["prefill_step_count"] == len(seen["prefill"])
+    if seen["gc"]:
+        assert row["gc_count"] == len(seen["gc"]) and row["gc_total_ms"] == pytest.approx(sum(seen["gc"]) * 1e3)
+        assert "GC" in worker_metrics.describe({"prefill-0": row})
+    if seen["gc2"]:
+        assert row["gc2_count"] == len(seen["gc2"])
+        assert row["gc2_ms"] == pytest.approx(statistics.mean(seen["gc2"]) * 1e3)
     assert "prefill-0: ttft" in worker_metrics.describe({"prefill-0": row})
 
 
