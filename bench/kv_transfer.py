@@ -196,8 +196,8 @@ async def pull_request(setup: Setup, receiver, client, port: int, room: int) -> 
     sinks = []
     open_sink = receiver.open_sink
 
-    def capture(pages):
-        sinks.append(open_sink(pages))
+    def capture(pages, peer_host=None):
+        sinks.append(open_sink(pages, peer_host))
         return sinks[-1]
 
     receiver.open_sink = capture

@@ -156,7 +156,7 @@ class DecodeEngine(EngineCore[_Request]):
             if request.disagg is not None:
                 transport = self.config.kv_transport
                 pages = state.reservation.pages[:prompt_pages]
-                sink = self.receiver.open_sink(pages)
+                sink = self.receiver.open_sink(pages, request.disagg.bootstrap_host)
                 state.unchecked_kv = sink.exposure
                 try:
                     began = time.perf_counter()

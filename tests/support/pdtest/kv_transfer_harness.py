@@ -106,8 +106,8 @@ async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode
     if sinks is not None:
         open_sink = receiver.open_sink
 
-        def capture(pages):
-            sinks.append(open_sink(pages))
+        def capture(pages, peer_host=None):
+            sinks.append(open_sink(pages, peer_host))
             return sinks[-1]
         receiver.open_sink = capture
     rng = random.Random(exchange.seed)

@@ -36,9 +36,9 @@ class LateWritingReceiver(KVReceiver):
     def fill_destination(self, handshake) -> None:
         self.inner.fill_destination(handshake)
 
-    def open_sink(self, pages):
+    def open_sink(self, pages, peer_host=None):
         self.last_pages = list(pages)
-        return self.inner.open_sink(pages)
+        return self.inner.open_sink(pages, peer_host)
 
     @property
     def late_write_grace_s(self) -> float:

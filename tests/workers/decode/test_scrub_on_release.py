@@ -54,9 +54,9 @@ def _record_pages(engine: DecodeEngine) -> list[list[int]]:
     opened: list[list[int]] = []
     open_sink = engine.receiver.open_sink
 
-    def recording(pages):
+    def recording(pages, peer_host=None):
         opened.append(list(pages))
-        return open_sink(pages)
+        return open_sink(pages, peer_host)
     engine.receiver.open_sink = recording
     return opened
 

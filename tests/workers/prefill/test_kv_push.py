@@ -45,6 +45,7 @@ def test_no_direct_write_after_the_room_failed(how):
         push = KVPush(registry, sender, room_id, "p-req", num_tokens)
         handshake = pb.Handshake(room=room_id, num_tokens=num_tokens, page_ids=dst_pages, layout=layout_of(dst))
         receiver.fill_destination(handshake)
+        receiver.open_sink(dst_pages, "127.0.0.1").offer_into(handshake)  # a same-host decode's offer
         registry.attach(handshake)
         try:
             await push.handshake(timeout_s=5)

@@ -218,6 +218,10 @@ class KVSink(abc.ABC):
                 self._failed = error
             return self._failed
 
+    def offer_into(self, handshake: pb.Handshake) -> None:
+        """Adds to the handshake what this transfer offers its writer beyond the transport's
+        destination (the grpc sink: its pool for same-host direct writes); nothing by default."""
+
     def on_chunk(self, chunk: pb.KVChunk) -> None:
         """Writes a chunk that arrived on the bootstrap stream; only the grpc transport gets any.
 
@@ -260,7 +264,9 @@ class KVReceiver(abc.ABC):
     def fill_destination(self, handshake: pb.Handshake) -> None:
         """Sets the handshake's `destination` oneof: where and how the prefill side writes."""
 
-    def open_sink(self, pages: Sequence[int]) -> KVSink:
+    def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
+        """The sink of one transfer into `pages`; `peer_host`: the prefill bootstrap host it will dial
+        (None: not known), for transports whose offer depends on where the writer is."""
         return KVSink(self.pool, pages)
 
     @property

@@ -37,6 +37,7 @@ from deepseek_pd.workers.common.kv_transfer.base import (
     EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig, check_page_ids)
 from deepseek_pd.workers.common.kv_transfer.checksum import crc32
 from deepseek_pd.workers.common.kv_transfer.direct_pool import DirectPools, offer, offers_pool, write_pages
+from deepseek_pd.workers.common.kv_transfer.local_peer import shares_host
 from deepseek_pd.workers.common.kv_transfer.page_io import PageGather, read_pages, scatter_pages
 from deepseek_pd.workers.common.kv_transfer.plan import ChunkShape, split_for_streams, split_into_chunks
 from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, EncodedChunk, encode_chunk_event
@@ -184,15 +185,21 @@ class GrpcSink(KVSink):
     one_sided = False  # every byte in the pages is one this sink wrote (`on_chunk`)
 
     def __init__(self, pool: KVPool, pages: Sequence[int], executor: ThreadPoolExecutor | None = None,
-                 offered_direct: bool = False) -> None:
-        # With the pool offered (direct_pool.py) the peer may write the pages itself: one-sided.
-        self.offered_direct = self.one_sided = offered_direct
+                 offer: pb.DirectPool | None = None) -> None:
+        """`offer`: the pool offered to this transfer's writer for direct writes (direct_pool.py);
+        the peer may then write the pages itself: one-sided."""
+        self.offer = offer
+        self.offered_direct = self.one_sided = offer is not None
         super().__init__(pool, pages)
         self.executor = executor
         # claimed[layer][page]: a chunk took the cell (duplicates refused); written: its bytes are in.
         self.claimed = torch.zeros(pool.num_layers, len(self.pages), dtype=torch.bool)
         self.written = torch.zeros(pool.num_layers, len(self.pages), dtype=torch.bool)
         self._lock = threading.Lock()
+
+    def offer_into(self, handshake: pb.Handshake) -> None:
+        if self.offer is not None:
+            handshake.grpc.direct.CopyFrom(self.offer)
 
     def on_chunk(self, chunk: pb.KVChunk) -> None:
         if self.failed is not None:
@@ -277,11 +284,12 @@ class GrpcReceiver(KVReceiver):
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.grpc.max_chunk_bytes = self.config.max_chunk_bytes
         handshake.grpc.streams = self.config.grpc_streams
-        if self.direct is not None:
-            handshake.grpc.direct.CopyFrom(self.direct)
 
-    def open_sink(self, pages: Sequence[int]) -> KVSink:
-        return GrpcSink(self.pool, pages, self.executor, offered_direct=self.direct is not None)
+    def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
+        # The pool goes only to a writer that may be on this host (local_peer.py): offered to one
+        # that cannot open it, a failed transfer's pages would wait out the grace for nothing.
+        offer = self.direct if peer_host is None or shares_host(peer_host) else None
+        return GrpcSink(self.pool, pages, self.executor, offer=offer)
 
     @property
     def late_write_grace_s(self) -> float:

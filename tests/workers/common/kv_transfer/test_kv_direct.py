@@ -108,6 +108,7 @@ def _pools(rng: random.Random):
 def _handshake(receiver: GrpcReceiver, pages: list[int]) -> pb.Handshake:
     handshake = pb.Handshake(room=1, page_ids=pages, layout=layout_of(receiver.pool))
     receiver.fill_destination(handshake)
+    receiver.open_sink(pages, "127.0.0.1").offer_into(handshake)  # a writer on this host gets the offer
     return handshake
 
 
@@ -169,17 +170,17 @@ def test_a_sink_refuses_direct_chunks_it_never_offered_for_or_that_carry_bytes()
     chunk = _direct_chunk(dst, range(0, 2), range(0, 1))
     with pytest.raises(TransferError, match="offered its pool to no writer"):
         GrpcSink(dst, [3, 4]).on_chunk(chunk)
-    sink = GrpcSink(dst, [3, 4], offered_direct=True)
+    sink = GrpcSink(dst, [3, 4], offer=pb.DirectPool())
     with pytest.raises(TransferError, match="carries"):
         sink.on_chunk(_direct_chunk(dst, range(0, 1), range(0, 1), data=b"\x01" * 4))
     # A refused chunk fails the transfer; an accepted one counts its cells, and only complete
     # coverage passes TransferDone.
-    sink = GrpcSink(dst, [3, 4], offered_direct=True)
+    sink = GrpcSink(dst, [3, 4], offer=pb.DirectPool())
     sink.on_chunk(_direct_chunk(dst, range(0, 2), range(0, 1)))
     done = pb.TransferDone(num_pages=2, bytes_sent=2 * 2 * dst.bytes_per_page)
     with pytest.raises(TransferError, match="never arrived"):
         sink.check_complete(done)
-    sink = GrpcSink(dst, [3, 4], offered_direct=True)
+    sink = GrpcSink(dst, [3, 4], offer=pb.DirectPool())
     sink.on_chunk(_direct_chunk(dst, range(0, 2), range(0, 2)))
     sink.check_complete(done)
     with pytest.raises(TransferError, match="repeats"):
