@@ -94,6 +94,7 @@ class KVPush:
                                     f"decode prepared {handshake.num_tokens} tokens in {len(handshake.page_ids)} "
                                     f"pages, prefill has a {self.num_tokens}-token prompt "
                                     f"({self.plan.num_pages} pages)")
+            await self.sender.prepare(handshake)
             self.channel = self.sender.open(handshake, self.room.emit_chunk, streams=self.room.kv_streams)
         except RequestFailure as exc:  # the decode side gets the same reason
             self.room.fail(exc.code, exc.message)

@@ -181,6 +181,10 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel: ...
 
+    async def prepare(self, handshake: pb.Handshake) -> None:
+        """Does the slow part of `open` for this handshake off the event loop, so `open` (called on
+        it) is quick: the grpc sender maps an offered same-host pool here. Nothing by default."""
+
     def close(self) -> None:
         """Releases the worker's transport resources; idempotent."""
 

@@ -115,10 +115,16 @@ class DirectPools:
         self._closed = threading.Event()
         self._sweeper: threading.Thread | None = None
 
+    def is_cached(self, offered: pb.DirectPool) -> bool:
+        """Whether `open(offered)` would answer from the cache (opened, or known unopenable)."""
+        with self._lock:
+            return _key(offered) in self._opened
+
     def open(self, offered: pb.DirectPool) -> list[torch.Tensor] | None:
         """The offered pool's layer buffers `[pool_pages, page_size, kv_dim]`, or None (the reason
-        logged once per pool)."""
-        key = f"{offered.host}/{offered.pid}/{offered.pool_id}"
+        logged once per pool). Thread-safe; two threads opening one pool at once both get it
+        (torch maps one IPC handle once per process)."""
+        key = _key(offered)
         with self._lock:
             entry = self._opened.get(key)
             if entry is not None:
@@ -213,6 +219,10 @@ class DirectPools:
             if _device_uuid(torch.device("cuda", index)) == uuid:
                 return index
         return None
+
+
+def _key(offered: pb.DirectPool) -> str:
+    return f"{offered.host}/{offered.pid}/{offered.pool_id}"
 
 
 def _index(device: torch.device) -> tuple[str, int]:

@@ -158,6 +158,13 @@ class GrpcSender(KVSender):
         self.gather = PageGather(pool, config.max_chunk_bytes, config.io_threads)
         self.direct = DirectPools(pool) if config.same_host_direct != "off" else None
 
+    async def prepare(self, handshake: pb.Handshake) -> None:
+        # Mapping a pool is a CUDA IPC open per layer (again after it idled out): in a thread, so
+        # the event loop keeps serving the other requests meanwhile; `open` then finds it cached.
+        if self.direct is not None and handshake.grpc.HasField("direct") and not self.direct.is_cached(
+                handshake.grpc.direct):
+            await asyncio.to_thread(self.direct.open, handshake.grpc.direct)
+
     def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         limit = min(self.config.max_chunk_bytes, handshake.grpc.max_chunk_bytes or self.config.max_chunk_bytes)
         if self.pool.bytes_per_page > limit:

@@ -144,6 +144,31 @@ def test_the_sender_checks_the_pages_of_an_opened_offer_and_opens_each_pool_once
         plain.close()
 
 
+def test_an_offered_pool_is_mapped_off_the_event_loop_once():
+    """`prepare` (awaited by KVPush before `open`) maps a pool it has not cached in a thread; `open`
+    on the loop then answers from the cache, and a cached pool costs no thread hop."""
+    import threading
+    rng = random.Random()
+    src, dst = _pools(rng)
+    receiver, sender = GrpcReceiver(dst, DIRECT), GrpcSender(src, DIRECT)
+    mapped_in: list[str] = []
+    real_open = sender.direct._open
+    sender.direct._open = lambda offered: mapped_in.append(threading.current_thread().name) or real_open(offered)
+
+    async def handshakes() -> str:
+        for pages in ([1, 5], [2]):
+            handshake = _handshake(receiver, pages)
+            await sender.prepare(handshake)
+            assert isinstance(sender.open(handshake, _no_emit), DirectChannel)
+        return threading.current_thread().name
+    try:
+        loop_thread = asyncio.run(handshakes())
+    finally:
+        sender.close()
+        receiver.close()
+    assert len(mapped_in) == 1 and mapped_in[0] != loop_thread
+
+
 def test_an_offered_pool_makes_the_transfer_one_sided_with_the_send_timeout_as_grace():
     rng = random.Random()
     _, dst = _pools(rng)
