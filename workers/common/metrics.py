@@ -168,8 +168,8 @@ class WorkerMetrics:
     # ---- garbage collector -------------------------------------------------------------------
     def observe_gc_pause(self, generation: int, seconds: float) -> None:
         """One collection of `generation` (gc_pauses.GcPauses). Called inside the collector, by any
-        thread: it takes no lock (one that thread might already hold), the scrape folds it in."""
-        self._gc.pending.append((generation, seconds))
+        thread: it never waits for a lock (that thread might hold it already); see _GcPauseSeries."""
+        self._gc.observe(generation, seconds)
 
     # ---- servicer ----------------------------------------------------------------------------
     def observe_request(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
@@ -275,7 +275,11 @@ class _GcPauseSeries:
     """`gc_pause_seconds` by generation and `gc_frozen_objects`, rendered at scrape time.
 
     Pauses arrive on a deque (an append takes no Python lock, so a collection that a scrape
-    triggers while holding `_lock` cannot deadlock on it) and are folded into plain counts here."""
+    triggers while holding `_lock` cannot deadlock on it) and are folded into plain counts by the
+    scrape, or by `observe` once FOLD_AT are pending and the lock is free at that instant (a worker
+    nobody scrapes must not grow the deque forever)."""
+
+    FOLD_AT = 1024
 
     def __init__(self, const: dict[str, str]) -> None:
         self._names, self._values = list(const), list(const.values())
@@ -288,12 +292,24 @@ class _GcPauseSeries:
         return [HistogramMetricFamily(PREFIX + "gc_pause_seconds", _GC_PAUSE_DOC, labels=self._names + ["generation"]),
                 GaugeMetricFamily(PREFIX + "gc_frozen_objects", _GC_FROZEN_DOC, labels=self._names)]
 
+    def observe(self, generation: int, seconds: float) -> None:
+        self.pending.append((generation, seconds))
+        if len(self.pending) >= self.FOLD_AT and self._lock.acquire(blocking=False):
+            try:
+                self._fold()
+            finally:
+                self._lock.release()
+
+    def _fold(self) -> None:
+        """Moves the pending pauses into the counts; the caller holds `_lock`."""
+        while self.pending:
+            generation, seconds = self.pending.popleft()
+            self._counts[generation][bisect.bisect_left(GC_PAUSE_BUCKETS, seconds)] += 1
+            self._sums[generation] += seconds
+
     def collect(self) -> Iterable:
         with self._lock:
-            while self.pending:
-                generation, seconds = self.pending.popleft()
-                self._counts[generation][bisect.bisect_left(GC_PAUSE_BUCKETS, seconds)] += 1
-                self._sums[generation] += seconds
+            self._fold()
             snapshot = {g: (list(counts), self._sums[g]) for g, counts in self._counts.items()}
         pauses = HistogramMetricFamily(PREFIX + "gc_pause_seconds", _GC_PAUSE_DOC, labels=self._names + ["generation"])
         for generation, (counts, total) in snapshot.items():

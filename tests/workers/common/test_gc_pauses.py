@@ -105,3 +105,18 @@ def test_pauses_reach_the_metrics_page_by_generation(quiet_gc) -> None:
             assert by[("deepseek_pd:gc_pause_seconds_bucket", le)] == sum(s <= bound for s in mine)
     frozen = families["deepseek_pd:gc_frozen_objects"].samples[0].value
     assert frozen == gc.get_freeze_count()
+
+
+def test_an_unscraped_worker_keeps_a_bounded_backlog(quiet_gc) -> None:
+    """Nobody reads /metrics: the pending pauses are folded as they pile up, none is lost."""
+    rng = random.Random()
+    metrics = WorkerMetrics()
+    series = metrics._gc
+    n = rng.randint(3 * series.FOLD_AT, 5 * series.FOLD_AT)
+    for _ in range(n):
+        metrics.observe_gc_pause(0, 0.0001)
+        assert len(series.pending) < series.FOLD_AT
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    count = next(s.value for s in families["deepseek_pd:gc_pause_seconds"].samples
+                 if s.name.endswith("_count") and s.labels["generation"] == "0")
+    assert count == n
