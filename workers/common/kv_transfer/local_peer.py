@@ -6,7 +6,9 @@ pool counts as one-sided (the peer might write the pages itself), so its pages a
 late-write grace (send_timeout_s, 30 s by default) when it fails. A Kubernetes pod dialling
 another pod's IP would pay that on every aborted request and never gain a direct write. The
 address decides: a loopback address, or one bound in this network namespace (`up`, or pods with
-the host's network), may be this host; any other is not.
+the host's network), may be this host; any other is not. Names are never resolved (workers
+advertise their IP, `--advertise-host`): the host comes with each request, and a lookup of a name
+a caller made up would block the decode worker's event loop for every other request.
 
     shares_host("127.0.0.1")   # True
     shares_host("10.4.2.17")   # True only where that address is one of this host's own
@@ -31,14 +33,11 @@ def _bound_here(address: str) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def shares_host(host: str) -> bool:
-    """Whether `host` (an IP address or a name) may be this machine; names are resolved once."""
-    if not host:
-        return False
+    """Whether `host` (an IP address, or "localhost") may be this machine; any other name: no."""
+    if host.lower() == "localhost":
+        return True
     try:
-        addresses = [ipaddress.ip_address(host.strip("[]"))]
-    except ValueError:  # a name (a literal is the common case: workers advertise their IP)
-        try:
-            addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)]
-        except (OSError, ValueError):
-            return False
-    return any(a.is_loopback or (not a.is_unspecified and _bound_here(str(a))) for a in addresses)
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return address.is_loopback or (not address.is_unspecified and _bound_here(str(address)))

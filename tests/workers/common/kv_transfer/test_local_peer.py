@@ -43,6 +43,17 @@ def test_loopback_and_own_addresses_share_the_host_others_do_not() -> None:
         assert shares_host(own)
 
 
+def test_a_name_from_a_request_is_never_looked_up(monkeypatch) -> None:
+    """The host comes with each request: resolving a made-up name would block the decode worker's
+    event loop (a DNS timeout) for every other request."""
+    def no_dns(*args, **kwargs):
+        raise AssertionError("shares_host resolved a name")
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(socket, "gethostbyname", no_dns)
+    name = f"prefill-{random.randrange(1 << 30)}.example.invalid"
+    assert not shares_host(name) and shares_host("LOCALHOST")
+
+
 @pytest.mark.parametrize("peer", ["local", "foreign", "unknown"])
 def test_the_offer_and_the_one_sided_exposure_follow_the_peer(peer) -> None:
     rng = random.Random()
