@@ -274,8 +274,7 @@ def versions() -> dict:
 
 def prefill_round_tokens(flags: list[str], device: str) -> int:
     """The prefill worker's chunked_prefill_size: `serve`'s own reading of `flags` on `device`
-    (--chunked-prefill-size, --engine-opt chunked_prefill_size=, else the GPU's default;
-    workers/serve_resolution.py)."""
+    (--chunked-prefill-size, else the device's default; workers/serve_resolution.py)."""
     from deepseek_pd.commands import serve
     from deepseek_pd.workers.serve_resolution import chunked_prefill_size
 

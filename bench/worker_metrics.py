@@ -124,7 +124,7 @@ def describe(rows: dict[str, dict]) -> str:
         if "kv_ms" in row:
             parts.append(f"KV {'send' if name.startswith('prefill') else 'receive'} {row['kv_ms']:.1f} ms")
         if "gc_count" in row:
-            parts.append(f"GC {row['gc_count']:.0f} pauses, {row['gc_total_ms']:.1f} ms in all"
-                         + (f" ({row['gc2_count']:.0f} full, mean {row['gc2_ms']:.1f} ms)" if "gc2_count" in row else ""))
+            full = f" ({row['gc2_count']:.0f} full, mean {row['gc2_ms']:.1f} ms)" if "gc2_count" in row else ""
+            parts.append(f"GC {row['gc_count']:.0f} pauses, {row['gc_total_ms']:.1f} ms in all{full}")
         lines.append(f"{name}: {', '.join(parts) or 'nothing'}")
     return "\n".join(lines)

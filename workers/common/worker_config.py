@@ -50,11 +50,10 @@ class BootstrapConfig:
             raise UserError(f"bootstrap DP rank {self.dp_rank} is not a rank of a group of {self.dp_size}")
 
 
-GIB = 1 << 30
 # Prefill tokens per extend batch on a GPU, by its total memory, as SGLang chooses them: larger rounds
 # batch more prompts per forward where memory allows. On the H200 (141 GB) 8192 against 2048 gave
 # +12% output tok/s at c=64, with lower TTFT and TPOT (docs/performance.md, 2026-12-04).
-GPU_CHUNK_TIERS: tuple[tuple[int, int], ...] = ((35 * GIB, 2048), (160 * GIB, 8192))  # (below, tokens)
+GPU_CHUNK_TIERS: tuple[tuple[int, int], ...] = ((35 << 30, 2048), (160 << 30, 8192))  # (below bytes, tokens)
 LARGEST_GPU_CHUNK = 16384
 
 

@@ -26,8 +26,9 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
                   top_logprobs_num: int = 0, sink: KVSink | None = None) -> pb.TransferDone:
     """Gets the prompt's KV into `pages` (already allocated) and checks it; raises a RequestFailure.
     `vocab_size`: the first token must be below it (the engine always passes it), and so must the
-    `top_logprobs_num` top logprobs that come with it. `sink`: `receiver.open_sink(pages, params.bootstrap_host)` by the
-    caller, who reads its `exposure` after a failure (default: one opened here)."""
+    `top_logprobs_num` top logprobs that come with it. `sink`: `receiver.open_sink(pages,
+    params.bootstrap_host)` by the caller, who reads its `exposure` after a failure (default: one
+    opened here); it adds its own offer to the handshake (`offer_into`)."""
     handshake = pb.Handshake(decode_rid=rid, num_tokens=num_tokens, page_ids=list(pages),
                              layout=layout_of(receiver.pool))
     receiver.fill_destination(handshake)

@@ -3,8 +3,9 @@
 The grpc transport's byte stream tops out near 1.5 GB/s in Python (docs/performance.md), while a
 prefill and a decode worker on one host (`deepseek-pd up`, or pods that share a node and see the
 same GPU) need not send the bytes at all. The decode side offers its pool in the handshake
-(`pb.DirectPool`) to a prefill whose bootstrap address may be this host (local_peer.py): the host's boot id, its pid, the GPU's UUID and, for a CUDA pool, torch's CUDA
-IPC description of every layer buffer. A prefill worker that can open them (`DirectPools.open`)
+(`pb.DirectPool`) to a prefill whose bootstrap address may be this host (local_peer.py): the
+host's boot id, its pid, the GPU's UUID and, for a CUDA pool, torch's CUDA IPC description of
+every layer buffer. A prefill worker that can open them (`DirectPools.open`)
 copies each chunk's pages device to device (`write_pages`: per layer one index_select and one
 index_copy_ on a side stream, ordered after the KV write) and sends, in place of the chunk's bytes,
 a KVChunk marked `written_directly` (grpc_stream.DirectChannel). Flow control, per-stream order,

@@ -196,13 +196,17 @@ class GrpcSink(KVSink):
         """`offer`: the pool offered to this transfer's writer for direct writes (direct_pool.py);
         the peer may then write the pages itself: one-sided."""
         self.offer = offer
-        self.offered_direct = self.one_sided = offer is not None
+        self.one_sided = offer is not None
         super().__init__(pool, pages)
         self.executor = executor
         # claimed[layer][page]: a chunk took the cell (duplicates refused); written: its bytes are in.
         self.claimed = torch.zeros(pool.num_layers, len(self.pages), dtype=torch.bool)
         self.written = torch.zeros(pool.num_layers, len(self.pages), dtype=torch.bool)
         self._lock = threading.Lock()
+
+    @property
+    def offered_direct(self) -> bool:
+        return self.offer is not None
 
     def offer_into(self, handshake: pb.Handshake) -> None:
         if self.offer is not None:
