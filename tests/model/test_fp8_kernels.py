@@ -178,7 +178,10 @@ def test_torch_fp8_moe_is_close_to_dequantised_experts():
     weights = torch.rand(9, 2)
     got = FP8_MOE_BACKENDS.build("torch")(x, ids, weights, w13, s13, block, w2, s2, block)
     hf = TorchMoEKernel()(x, ids, weights, dequant_weight(w13, s13, 32, 32), dequant_weight(w2, s2, 32, 32))
-    assert rel_err(got, hf) < 6e-2
+    # Two e4m3 activation roundings (the input and the SiLU product): over 300 draws the error had
+    # median 0.039 and max 0.057, and one clean-clone CI draw reached 0.061; a wrong scale or block
+    # layout is off by O(1).
+    assert rel_err(got, hf) < 0.1
 
 
 # ---- GPU: DeepSeek-V3 shapes, bf16 -------------------------------------------------------------
