@@ -11,9 +11,15 @@ leaves too little room below it, the kernel picks (port 0), as before. The launc
 A multi-rank worker needs runs of consecutive ports (`serve --metrics-port P` puts rank r of a
 node on P + r): `pick_free_port_blocks` reserves whole runs, never overlapping each other or
 the single ports picked in the same call.
+
+Mooncake's TransferEngine draws its own listening ports (its handshake RPC and its TCP transport)
+at random from [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT), 15000-17000 unless set. A port picked here and
+handed to a child could be taken by a Mooncake engine starting meanwhile (that failed a decode
+rank's listener in a group test), so that range is never drawn.
 """
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -25,6 +31,24 @@ BLOCK_ATTEMPTS = 200  # tries per run of consecutive ports before giving up
 LOWEST_PORT = 10000  # below: well-known and commonly configured service ports
 MIN_ROOM = 2000  # fewer candidate ports than this below the ephemeral range: let the kernel pick
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+MOONCAKE_RPC_PORTS = (15000, 17000)  # Mooncake's defaults for MC_MIN_RPC_PORT, MC_MAX_RPC_PORT
+
+
+def mooncake_port_range() -> range:
+    """The ports Mooncake engines started under this environment may listen on."""
+    bounds = []
+    for name, default in zip(("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"), MOONCAKE_RPC_PORTS):
+        try:
+            bounds.append(int(os.environ.get(name, default)))
+        except ValueError:  # Mooncake ignores a malformed value too
+            bounds.append(default)
+    return range(*bounds)
+
+
+def _clear_of_others(first: int, size: int) -> bool:
+    """Whether the run [first, first + size) stays out of the ports other programs draw at random."""
+    taken = mooncake_port_range()
+    return first + size <= taken.start or first >= taken.stop
 
 
 def candidate_range() -> range | None:
@@ -64,9 +88,11 @@ def _reserve_block(size: int, host: str, held: list[socket.socket], candidates: 
     """Binds a run of `size` ports (kept bound in `held`), its first drawn from `candidates` (None:
     the kernel's pick), and returns its first port."""
     for _ in range(BLOCK_ATTEMPTS):
+        wanted = 0 if candidates is None else random.randrange(candidates.start, candidates.stop - size + 1)
+        if wanted and not _clear_of_others(wanted, size):
+            continue
         try:
-            first = _bind(host, 0 if candidates is None else random.randrange(candidates.start,
-                                                                                candidates.stop - size + 1))
+            first = _bind(host, wanted)
         except OSError:
             continue  # taken: draw again
         run = [first]

@@ -30,3 +30,32 @@ def test_without_room_below_the_range_the_kernel_picks(monkeypatch, tmp_path) ->
     assert candidate_range() is None
     [first] = pick_free_port_blocks([2])
     assert is_port_free(first) and is_port_free(first + 1)
+
+
+def test_blocks_never_touch_the_ports_mooncake_draws_from(monkeypatch) -> None:
+    """Mooncake engines bind random ports in [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT): a picked port
+    there can be taken before the child binds it. Half the candidates are put in that range here,
+    so a picker that ignored it would land there in about half its draws."""
+    import deepseek_pd.launcher.ports as ports
+
+    candidates = candidate_range()
+    if candidates is None:
+        return  # the kernel picks, above the ephemeral start; Mooncake's default range is below it
+    rng = random.Random()
+    middle = (candidates.start + candidates.stop) // 2 + rng.randrange(-500, 500)
+    low, high = middle - len(candidates) // 4, middle + len(candidates) // 4
+    monkeypatch.setenv("MC_MIN_RPC_PORT", str(low))
+    monkeypatch.setenv("MC_MAX_RPC_PORT", str(high))
+    assert ports.mooncake_port_range() == range(low, high)
+    for _ in range(10):
+        sizes = [rng.randint(1, 4) for _ in range(rng.randint(4, 10))]
+        firsts = pick_free_port_blocks(sizes)
+        assert all(first + size <= low or first >= high for first, size in zip(firsts, sizes)), (firsts, low, high)
+
+
+def test_mooncake_defaults_apply_without_its_variables(monkeypatch) -> None:
+    import deepseek_pd.launcher.ports as ports
+
+    monkeypatch.delenv("MC_MIN_RPC_PORT", raising=False)
+    monkeypatch.setenv("MC_MAX_RPC_PORT", "not a port")
+    assert ports.mooncake_port_range() == range(*ports.MOONCAKE_RPC_PORTS)

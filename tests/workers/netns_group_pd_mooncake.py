@@ -59,9 +59,8 @@ def writes(log: str) -> dict[int, tuple[int, str, str, int]]:
 
 
 def tails(*workers: GroupWorker) -> str:
-    """The workers' last lines without gRPC's own debug chatter (the ranks log at DEBUG here)."""
-    return "\n".join(line for worker in workers for line in worker.log_tail(400).splitlines()
-                     if " grpc." not in line)[-6000:]
+    """The workers' last lines (the ranks log at DEBUG here; `log_tail` drops gRPC's chatter)."""
+    return "\n".join(worker.log_tail(400) for worker in workers)[-6000:]
 
 
 async def wait_pools_empty(ports: list[int], timeout_s: float = 20.0) -> list[float]:

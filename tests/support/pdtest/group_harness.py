@@ -48,7 +48,10 @@ class GroupWorker:
         return self
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        """The log's last lines without gRPC's own debug chatter (some tests log at DEBUG, where
+        one rank's gRPC lines pushed another rank's start-up error out of the tail)."""
+        kept = [line for line in self.log_path.read_text(errors="replace").splitlines() if " grpc." not in line]
+        return "\n".join(kept[-lines:])
 
     async def wait_healthy(self, timeout_s: float = 150.0) -> None:
         deadline = time.monotonic() + timeout_s

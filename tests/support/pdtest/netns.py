@@ -43,5 +43,5 @@ def run_in_netns(script: Path, *args: str, timeout_s: float = 240) -> str:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT_ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"],
                             capture_output=True, text=True, timeout=timeout_s, cwd=script.parent, env=env)
-    assert result.returncode == 0, f"{script.name} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"{script.name} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-12000:]}"
     return result.stdout

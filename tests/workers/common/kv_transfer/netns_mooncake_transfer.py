@@ -9,6 +9,7 @@ import random
 import socket
 import sys
 
+from deepseek_pd.launcher.ports import mooncake_port_range
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_sender
@@ -70,6 +71,33 @@ def check_dead_peer() -> None:
         sender.close()
 
 
+def listening_ports() -> set[int]:
+    """The TCP ports listened on in this namespace (only this script runs in it)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def check_engine_ports() -> None:
+    """Every port a Mooncake engine listens on lies in the range local port picks stay out of
+    (launcher/ports.py): the assumption the pickers rest on, checked against the library."""
+    before = listening_ports()
+    pool = random_pool(random.Random(), 4, 2)
+    senders = [build_sender("mooncake", pool, TransportConfig()) for _ in range(3)]
+    try:
+        opened = listening_ports() - before
+        assert len(opened) >= 3 and opened <= set(mooncake_port_range()), (sorted(opened), mooncake_port_range())
+        print(f"engine ports ok: {sorted(opened)}")
+    finally:
+        for sender in senders:
+            sender.close()
+
+
 if __name__ == "__main__":
+    check_engine_ports()
     check_copies(int(sys.argv[1]))
     check_dead_peer()
