@@ -16,6 +16,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import latent_kv_bytes
+from deepseek_pd.units import gib
 
 
 class KVPoolExhausted(UserError):
@@ -104,7 +105,7 @@ class KVPool:
     def describe(self) -> str:
         """The capacity, as logged at start: "N pages x P tokens = T tokens (G GiB)"."""
         return (f"{self.num_pages} pages x {self.page_size} tokens = {self.num_pages * self.page_size} tokens "
-                f"({self.total_bytes / (1 << 30):.2f} GiB)")
+                f"({gib(self.total_bytes)})")
 
     def slots(self, pages: Sequence[int] | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat slot indices (into `buffer.view(-1, kv_dim)`) of `positions` in a request owning `pages`."""

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.units import gib, mib
 
 log = logging.getLogger(__name__)
 
-GIB = 1 << 30
 # The budget of one worker alone on a GPU (`serve` on CUDA), and what `up` splits between the
 # workers sharing one; the rest of the GPU is the CUDA context, NCCL/transfer buffers, other tenants.
 DEFAULT_MEM_FRACTION_STATIC = 0.88
@@ -43,9 +43,9 @@ def pages_for_budget(budget_bytes: int, bytes_per_page: int, weights_bytes: int,
     pages = left // bytes_per_page if left > 0 else 0
     if pages < min_pages:
         raise UserError(
-            f"no room for the KV pool: the memory budget of {_gib(budget_bytes)} minus the weights "
-            f"({_gib(weights_bytes)}) and the activation headroom ({_gib(headroom_bytes)}) leaves "
-            f"{_gib(max(left, 0))}, less than {min_pages} page(s) of {bytes_per_page / (1 << 20):.2f} MiB; "
+            f"no room for the KV pool: the memory budget of {gib(budget_bytes)} minus the weights "
+            f"({gib(weights_bytes)}) and the activation headroom ({gib(headroom_bytes)}) leaves "
+            f"{gib(max(left, 0))}, less than {min_pages} page(s) of {mib(bytes_per_page)}; "
             f"raise --mem-fraction-static, lower mem_headroom_gib or --page-size, or use a smaller model")
     return pages
 
@@ -74,19 +74,15 @@ def pages_for_gpu(memory: GpuMemory, mem_fraction_static: float, headroom_bytes:
         pages = pages_for_budget(budget, bytes_per_page, memory.resident_bytes, headroom_bytes, min_pages)
     except UserError as exc:
         raise UserError(f"{exc} (budget = mem_fraction_static {mem_fraction_static} x "
-                        f"{_gib(memory.total_bytes)} of GPU memory)") from None
+                        f"{gib(memory.total_bytes)} of GPU memory)") from None
     needed = pages * bytes_per_page + headroom_bytes
     if needed > memory.free_bytes:
         raise UserError(
-            f"the KV pool ({pages} pages, {_gib(pages * bytes_per_page)}) plus the headroom "
-            f"({_gib(headroom_bytes)}) needs {_gib(needed)}, but only {_gib(memory.free_bytes)} of the "
-            f"GPU's {_gib(memory.total_bytes)} is free: another process holds the rest. Lower "
+            f"the KV pool ({pages} pages, {gib(pages * bytes_per_page)}) plus the headroom "
+            f"({gib(headroom_bytes)}) needs {gib(needed)}, but only {gib(memory.free_bytes)} of the "
+            f"GPU's {gib(memory.total_bytes)} is free: another process holds the rest. Lower "
             f"--mem-fraction-static (workers sharing a GPU need fractions that sum below 1) or pass --num-pages")
     log.info("KV pool sized from mem_fraction_static %.3g x %s: weights %s, headroom %s, pool %s",
-             mem_fraction_static, _gib(memory.total_bytes), _gib(memory.resident_bytes), _gib(headroom_bytes),
-             _gib(pages * bytes_per_page))
+             mem_fraction_static, gib(memory.total_bytes), gib(memory.resident_bytes), gib(headroom_bytes),
+             gib(pages * bytes_per_page))
     return pages
-
-
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / GIB:.2f} GiB"

@@ -42,7 +42,7 @@ from deepseek_pd.model.memory_headroom import default_headroom_gib
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
-from deepseek_pd.model.kv_pool_sizing import GIB, GpuMemory, pages_for_gpu
+from deepseek_pd.model.kv_pool_sizing import GpuMemory, pages_for_gpu
 from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
@@ -51,6 +51,7 @@ from deepseek_pd.model.parallel import ParallelInfo
 from deepseek_pd.model.tp_replay import ForwardCall, TpReplay
 from deepseek_pd.model.step_sync import StepSync
 from deepseek_pd.model.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
+from deepseek_pd.units import GIB
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-GIB = 1 << 30
+from deepseek_pd.units import GIB
+
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 MEMORY_LABEL = "nvidia.com/gpu.memory"
 # Total memory CUDA reports per GPU (GiB), by the product label's model token; a little under the

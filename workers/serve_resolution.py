@@ -57,6 +57,7 @@ from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
 from deepseek_pd.model.model_dir import resolve_model_dir, served_name
 from deepseek_pd.model.nvml import total_memory_bytes
 from deepseek_pd.model.runner import RunnerConfig
+from deepseek_pd.units import gib
 from deepseek_pd.workers.common.internal_auth import resolve_auth
 from deepseek_pd.workers.common.group_layout import GroupLayout
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
@@ -229,7 +230,7 @@ def _default_gpu_chunk(scheduler_opts: dict[str, Any], device: str) -> None:
     total = total_memory_bytes(device)
     scheduler_opts["chunked_prefill_size"] = gpu_chunked_prefill_size(total)
     log.info("chunked prefill: %d tokens per round (%s)", scheduler_opts["chunked_prefill_size"],
-             f"a GPU of {total / (1 << 30):.0f} GiB" if total else "the GPU's memory is unknown")
+             f"a GPU of {gib(total, 0)}" if total else "the GPU's memory is unknown")
 
 
 def _graphs_cover_the_batch_cap(runner_opts: dict[str, Any], scheduler_opts: dict[str, Any]) -> None:

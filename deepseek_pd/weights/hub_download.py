@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deepseek_pd.units import GIB, MIB, gib
 from deepseek_pd.weights.failures import DownloadError
 from deepseek_pd.weights.layout import COMPLETE_FILE, STATE_DIR, snapshot_dir
 from deepseek_pd.weights.progress import ProgressLog
@@ -115,7 +116,7 @@ def _download_once(source: HubSource, config: DownloadConfig, dest: Path) -> Pat
     _check_space(dest, sum(f.size for f in files if not _is_verified(dest, f)))
     progress = ProgressLog(sum(f.size for f in files), len(files), config.progress_interval_s)
     log.info("model: downloading %s@%s (commit %s): %d files, %.2f GiB into %s", source.repo,
-             source.revision, commit[:12], len(files), progress.total_bytes / (1 << 30), dest)
+             source.revision, commit[:12], len(files), progress.total_bytes / GIB, dest)
     fetch = _Fetcher(source, config, dest, commit, progress)
     with _hub_errors(source), ThreadPoolExecutor(config.max_workers, thread_name_prefix="download") as pool:
         for future in [pool.submit(fetch, f) for f in files]:
@@ -167,8 +168,8 @@ class _Fetcher:
             part.unlink()
             resume = 0
         if resume:
-            log.info("model: resuming %s at %.1f MiB of %.1f MiB", remote.path, resume / (1 << 20),
-                     remote.size / (1 << 20))
+            log.info("model: resuming %s at %.1f MiB of %.1f MiB", remote.path, resume / MIB,
+                     remote.size / MIB)
             self.progress.add_resumed(resume)
         url = hf_hub_url(self.source.repo, remote.path, revision=self.commit, endpoint=self.source.endpoint)
         headers = build_hf_headers(token=self.config.token or False, library_name="deepseek-pd")
@@ -225,8 +226,8 @@ def _write_complete(dest: Path, source: HubSource, commit: str, files: list[Remo
 def _check_space(dest: Path, needed: int) -> None:
     free = shutil.disk_usage(dest).free
     if needed > free:
-        raise DownloadError("NoSpace", f"{dest}: {needed / (1 << 30):.1f} GiB still to download, "
-                            f"{free / (1 << 30):.1f} GiB free on the cache volume")
+        raise DownloadError("NoSpace", f"{dest}: {gib(needed, 1)} still to download, "
+                            f"{gib(free, 1)} free on the cache volume")
 
 
 class _hub_errors:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from deepseek_pd.units import GIB
 from deepseek_pd.weights.failures import DownloadError
 
 log = logging.getLogger("deepseek_pd.download")
@@ -28,5 +29,5 @@ def check_local_checkpoint(directory: str | Path, source: str = "pvc") -> Path:
         raise DownloadError("ModelNotFound", f"{source} source: {path} has no *.safetensors weights")
     size = sum(p.stat().st_size for p in weights)
     log.info("model: %s source %s is ready (%d weight files, %.1f GiB)", source, path, len(weights),
-             size / (1 << 30))
+             size / GIB)
     return path

@@ -13,15 +13,9 @@ import threading
 import time
 from typing import Any, Callable
 
+from deepseek_pd.units import readable_size as _size
+
 log = logging.getLogger("deepseek_pd.download")
-GIB = 1 << 30
-
-
-def _size(num_bytes: float) -> str:
-    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{int(num_bytes)} B"
 
 
 def _duration(seconds: float) -> str:

@@ -11,9 +11,10 @@ import random
 import pytest
 import torch
 
+from deepseek_pd.units import GIB
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
-from deepseek_pd.model.kv_pool_sizing import GIB, GpuMemory, pages_for_budget, pages_for_gpu
+from deepseek_pd.model.kv_pool_sizing import GpuMemory, pages_for_budget, pages_for_gpu
 
 
 def _fits(pages: int, budget: int, per_page: int, weights: int, headroom: int) -> bool:

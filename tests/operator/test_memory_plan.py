@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from deepseek_pd.units import GIB
 from deepseek_pd.cli import main
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv_pool import bytes_per_pool_page
@@ -20,7 +21,7 @@ from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC, pages_
 from deepseek_pd.model.runner import FP8_BACKEND_CHOICES, RunnerConfig
 from deepseek_pd.workers.common.worker_config import SchedulerConfig
 from deepseek_pd.operator import memory_flags
-from deepseek_pd.operator.gpu_types import GIB, gpu_memory, product_memory_bytes
+from deepseek_pd.operator.gpu_types import gpu_memory, product_memory_bytes
 from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config, recognise
 from deepseek_pd.operator.memory_flags import parse_memory_flags
 from deepseek_pd.operator.memory_plan import plan_memory

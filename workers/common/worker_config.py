@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.units import GIB
 from deepseek_pd.workers.common.internal_auth import InternalAuth
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
 
@@ -53,7 +54,7 @@ class BootstrapConfig:
 # Prefill tokens per extend batch on a GPU, by its total memory, as SGLang chooses them: larger rounds
 # batch more prompts per forward where memory allows. On the H200 (141 GB) 8192 against 2048 gave
 # +12% output tok/s at c=64, with lower TTFT and TPOT (docs/performance.md, 2026-12-04).
-GPU_CHUNK_TIERS: tuple[tuple[int, int], ...] = ((35 << 30, 2048), (160 << 30, 8192))  # (below bytes, tokens)
+GPU_CHUNK_TIERS: tuple[tuple[int, int], ...] = ((35 * GIB, 2048), (160 * GIB, 8192))  # (below bytes, tokens)
 LARGEST_GPU_CHUNK = 16384
 
 
