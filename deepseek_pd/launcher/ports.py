@@ -16,12 +16,18 @@ Mooncake's TransferEngine draws its own listening ports (its handshake RPC and i
 at random from [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT), 15000-17000 unless set. A port picked here and
 handed to a child could be taken by a Mooncake engine starting meanwhile (that failed a decode
 rank's listener in a group test), so that range is never drawn.
+
+Ports are released when a pick returns and bound later by the child, so a second pick in the same
+process (the next group of the same cluster or test) could draw a port the first one handed out.
+Each pick is remembered for `RECENT_S` and not drawn again meanwhile.
 """
 from __future__ import annotations
 
 import os
 import random
 import socket
+import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -32,6 +38,9 @@ LOWEST_PORT = 10000  # below: well-known and commonly configured service ports
 MIN_ROOM = 2000  # fewer candidate ports than this below the ephemeral range: let the kernel pick
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 MOONCAKE_RPC_PORTS = (15000, 17000)  # Mooncake's defaults for MC_MIN_RPC_PORT, MC_MAX_RPC_PORT
+RECENT_S = 300.0  # a picked port is not drawn again for this long (its child may not have bound it yet)
+_recent: dict[int, float] = {}  # port -> when it was handed out
+_recent_lock = threading.Lock()
 
 
 def mooncake_port_range() -> range:
@@ -49,6 +58,20 @@ def _clear_of_others(first: int, size: int) -> bool:
     """Whether the run [first, first + size) stays out of the ports other programs draw at random."""
     taken = mooncake_port_range()
     return first + size <= taken.start or first >= taken.stop
+
+
+def _recently_picked(first: int, size: int) -> bool:
+    """Whether a port of the run was handed out by this process in the last RECENT_S."""
+    cutoff = time.monotonic() - RECENT_S
+    return any(_recent.get(port, cutoff) > cutoff for port in range(first, first + size))
+
+
+def _remember(ports: Sequence[int]) -> None:
+    now = time.monotonic()
+    for port, when in list(_recent.items()):
+        if when <= now - RECENT_S:
+            del _recent[port]
+    _recent.update((port, now) for port in ports)
 
 
 def candidate_range() -> range | None:
@@ -73,11 +96,13 @@ def pick_free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1") -> list
     sockets: list[socket.socket] = []
     candidates = candidate_range()
     try:
-        firsts = []
-        for size in sizes:
-            if size < 1:
-                raise ValueError(f"a port block needs at least one port, got {size}")
-            firsts.append(_reserve_block(size, host, sockets, candidates))
+        with _recent_lock:
+            firsts = []
+            for size in sizes:
+                if size < 1:
+                    raise ValueError(f"a port block needs at least one port, got {size}")
+                firsts.append(_reserve_block(size, host, sockets, candidates))
+            _remember([first + offset for first, size in zip(firsts, sizes) for offset in range(size)])
         return firsts
     finally:
         for sock in sockets:
@@ -97,6 +122,9 @@ def _reserve_block(size: int, host: str, held: list[socket.socket], candidates: 
             continue  # taken: draw again
         run = [first]
         port = first.getsockname()[1]
+        if _recently_picked(port, size):  # the kernel's pick (port 0) may repeat one
+            first.close()
+            continue
         for offset in range(1, size):
             if port + offset >= 65536:
                 break

@@ -59,3 +59,20 @@ def test_mooncake_defaults_apply_without_its_variables(monkeypatch) -> None:
     monkeypatch.delenv("MC_MIN_RPC_PORT", raising=False)
     monkeypatch.setenv("MC_MAX_RPC_PORT", "not a port")
     assert ports.mooncake_port_range() == range(*ports.MOONCAKE_RPC_PORTS)
+
+
+def test_later_picks_never_repeat_a_port_handed_out_before(monkeypatch, tmp_path) -> None:
+    """A picked port is released at once and bound by its child later, so the next pick of the
+    same process must not hand it out again. 2,000 candidates and 400 one-port picks: without the
+    memory of picks a repeat is all but certain (birthday bound, p > 0.99)."""
+    import deepseek_pd.launcher.ports as ports
+
+    fake = tmp_path / "ip_local_port_range"
+    fake.write_text(f"{ports.LOWEST_PORT + ports.MIN_ROOM}\t60999\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", fake)
+    monkeypatch.setattr(ports, "_recent", {})
+    picked = [port for _ in range(200) for port in pick_free_port_blocks([1, 1])]
+    assert len(set(picked)) == len(picked), sorted(p for p in picked if picked.count(p) > 1)
+    monkeypatch.setattr(ports, "RECENT_S", 0.0)  # the memory lapses: ports come back into the draw
+    again = {port for _ in range(400) for port in pick_free_port_blocks([1])}
+    assert again & set(picked)
