@@ -39,6 +39,22 @@ def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+MOONCAKE_RPC_PORTS = (15000, 17000)  # Mooncake's defaults for MC_MIN_RPC_PORT, MC_MAX_RPC_PORT
+
+
+def mooncake_rpc_ports() -> range:
+    """[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT): where Mooncake's TransferEngine draws its listening ports
+    (handshake RPC and TCP transport) at random; local port picks stay out of it (launcher/ports.py).
+    A malformed value falls back to the default, as Mooncake itself ignores it."""
+    bounds = []
+    for name, default in zip(("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"), MOONCAKE_RPC_PORTS):
+        try:
+            bounds.append(int(_get(name, str(default))))
+        except ValueError:
+            bounds.append(default)
+    return range(*bounds)
+
+
 def hf_token() -> str | None:
     """HF_TOKEN: the Hugging Face token `deepseek-pd download` sends (in a pod, from the Secret
     named by model.source.huggingFace.tokenSecret); None when unset or empty."""

@@ -23,7 +23,6 @@ Each pick is remembered for `RECENT_S` and not drawn again meanwhile.
 """
 from __future__ import annotations
 
-import os
 import random
 import socket
 import threading
@@ -31,32 +30,21 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from deepseek_pd import env
 from deepseek_pd.errors import UserError
 
 BLOCK_ATTEMPTS = 200  # tries per run of consecutive ports before giving up
 LOWEST_PORT = 10000  # below: well-known and commonly configured service ports
 MIN_ROOM = 2000  # fewer candidate ports than this below the ephemeral range: let the kernel pick
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-MOONCAKE_RPC_PORTS = (15000, 17000)  # Mooncake's defaults for MC_MIN_RPC_PORT, MC_MAX_RPC_PORT
 RECENT_S = 300.0  # a picked port is not drawn again for this long (its child may not have bound it yet)
 _recent: dict[int, float] = {}  # port -> when it was handed out
 _recent_lock = threading.Lock()
 
 
-def mooncake_port_range() -> range:
-    """The ports Mooncake engines started under this environment may listen on."""
-    bounds = []
-    for name, default in zip(("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"), MOONCAKE_RPC_PORTS):
-        try:
-            bounds.append(int(os.environ.get(name, default)))
-        except ValueError:  # Mooncake ignores a malformed value too
-            bounds.append(default)
-    return range(*bounds)
-
-
 def _clear_of_others(first: int, size: int) -> bool:
     """Whether the run [first, first + size) stays out of the ports other programs draw at random."""
-    taken = mooncake_port_range()
+    taken = env.mooncake_rpc_ports()
     return first + size <= taken.start or first >= taken.stop
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from deepseek_pd import env
 from deepseek_pd.launcher.ports import EPHEMERAL_RANGE, candidate_range, is_port_free, pick_free_port_blocks
 
 
@@ -36,8 +37,6 @@ def test_blocks_never_touch_the_ports_mooncake_draws_from(monkeypatch) -> None:
     """Mooncake engines bind random ports in [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT): a picked port
     there can be taken before the child binds it. Half the candidates are put in that range here,
     so a picker that ignored it would land there in about half its draws."""
-    import deepseek_pd.launcher.ports as ports
-
     candidates = candidate_range()
     if candidates is None:
         return  # the kernel picks, above the ephemeral start; Mooncake's default range is below it
@@ -46,7 +45,7 @@ def test_blocks_never_touch_the_ports_mooncake_draws_from(monkeypatch) -> None:
     low, high = middle - len(candidates) // 4, middle + len(candidates) // 4
     monkeypatch.setenv("MC_MIN_RPC_PORT", str(low))
     monkeypatch.setenv("MC_MAX_RPC_PORT", str(high))
-    assert ports.mooncake_port_range() == range(low, high)
+    assert env.mooncake_rpc_ports() == range(low, high)
     for _ in range(10):
         sizes = [rng.randint(1, 4) for _ in range(rng.randint(4, 10))]
         firsts = pick_free_port_blocks(sizes)
@@ -54,11 +53,9 @@ def test_blocks_never_touch_the_ports_mooncake_draws_from(monkeypatch) -> None:
 
 
 def test_mooncake_defaults_apply_without_its_variables(monkeypatch) -> None:
-    import deepseek_pd.launcher.ports as ports
-
     monkeypatch.delenv("MC_MIN_RPC_PORT", raising=False)
     monkeypatch.setenv("MC_MAX_RPC_PORT", "not a port")
-    assert ports.mooncake_port_range() == range(*ports.MOONCAKE_RPC_PORTS)
+    assert env.mooncake_rpc_ports() == range(*env.MOONCAKE_RPC_PORTS)
 
 
 def test_later_picks_never_repeat_a_port_handed_out_before(monkeypatch, tmp_path) -> None:

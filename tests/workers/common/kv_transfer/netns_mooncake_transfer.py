@@ -9,7 +9,7 @@ import random
 import socket
 import sys
 
-from deepseek_pd.launcher.ports import mooncake_port_range
+from deepseek_pd import env
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_sender
@@ -90,7 +90,7 @@ def check_engine_ports() -> None:
     senders = [build_sender("mooncake", pool, TransportConfig()) for _ in range(3)]
     try:
         opened = listening_ports() - before
-        assert len(opened) >= 3 and opened <= set(mooncake_port_range()), (sorted(opened), mooncake_port_range())
+        assert len(opened) >= 3 and opened <= set(env.mooncake_rpc_ports()), (sorted(opened), env.mooncake_rpc_ports())
         print(f"engine ports ok: {sorted(opened)}")
     finally:
         for sender in senders:
