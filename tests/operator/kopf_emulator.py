@@ -7,6 +7,9 @@ Added over the base class:
 - watches subscribe to the event bus before taking their snapshot, so no event falls between;
 - lists carry kind/apiVersion and honour equality-based `labelSelector`;
 - core discovery answers groupVersion "v1";
+- writes are served one at a time, so a JSON patch's `test` ops are checked with the patch they
+  guard (no other write between), as kube-apiserver does;
+- a DELETE that only marks the object (finalizers left) bumps its resourceVersion, as any change;
 - `holds`: a test may stop one chosen request before it is served (to force an interleaving).
 Still missing (and not needed here): controllers, garbage collection, admission validation.
 """
@@ -22,6 +25,9 @@ from typing import Any, Callable
 import attrs
 import kmock
 from kmock._internal import enums, rendering
+
+
+_WRITES = (enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE)
 
 
 def _parse_selector(text: str) -> dict[str, str]:
@@ -42,6 +48,9 @@ class Hold:
 class ClusterEmulator(kmock.KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
     holds: list[Hold] = attrs.field(factory=list, init=False)
+    # Serialises writes from their checks here through kmock's own apply (which takes kmock's lock
+    # only for the apply itself); reads and watches do not take it.
+    _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
 
     def _key(self, request: rendering.Request) -> tuple:
         return (request.resource, request.namespace, request.name)
@@ -62,6 +71,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         # (quadratic); these tests assert on objects, not requests, so keep only the recent ones.
         if len(self._requests) > 64:
             del self._requests[:-32]
+        if request.resource is None or request.action not in _WRITES:
+            return await super()._handle(request)
+        async with self._write_lock:
+            return await self._handle_write(request)
+
+    async def _handle_write(self, request: rendering.Request):
+        if request.action == enums.action.DELETE and request.name is not None:
+            self._bump_on_marking_delete(request)
         if isinstance(request.data, list):  # JSON patch: honour `test` ops (kopf's finalizer removal)
             self._check_json_patch_tests(request)
         data = request.data
@@ -84,6 +101,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
                 meta["resourceVersion"] = str(next(self._versions))
         return await super()._handle(request)
+
+    def _bump_on_marking_delete(self, request: rendering.Request) -> None:
+        """A DELETE of an object with finalizers only sets deletionTimestamp (kmock, next): give that
+        change a new resourceVersion first, as kube-apiserver does."""
+        current = self._current(request)
+        meta = (current or {}).get("metadata", {})
+        if current is not None and meta.get("finalizers") and not meta.get("deletionTimestamp"):
+            self._objects[self._key(request)].patch({"metadata": {"resourceVersion": str(next(self._versions))}})
 
     def _check_json_patch_tests(self, request: rendering.Request) -> None:
         current = self._current(request)
