@@ -133,14 +133,16 @@ def measure(spec: RunnerStepsSpec) -> dict:
 
 
 def round_lengths(lengths: tuple[int, ...], budget: int) -> list[int]:
-    """Prompt lengths of one prefill round: whole prompts of `lengths` in turn while they fit in
-    `budget` tokens; a first prompt longer than the budget goes as its first `budget` tokens (a chunk)."""
+    """Prompt lengths of one full prefill round, as a busy worker's chunked prefill fills it: whole
+    prompts of `lengths` in turn while they fit in `budget` tokens, then the first chunk of the next
+    prompt (its first tokens, which cost what a prompt of that length does) up to the budget."""
     out: list[int] = []
     for length in lengths * (budget // max(1, min(lengths)) + 1):
         if sum(out) + length > budget:
             break
         out.append(length)
-    return out or [budget]
+    left = budget - sum(out)
+    return out + [left] if left > 0 else out
 
 
 def _prefill_round(runner, spec: RunnerStepsSpec, tokens) -> dict:

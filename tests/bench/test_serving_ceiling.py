@@ -46,18 +46,16 @@ def test_each_level_gets_the_output_rate_at_which_prefill_and_decode_fill_the_gp
     assert sum("one-GPU ceiling" in line for line in text.splitlines()) == len(caps)
 
 
-def test_a_prefill_round_takes_whole_prompts_in_turn_while_they_fit() -> None:
+def test_a_prefill_round_is_whole_prompts_in_turn_then_a_chunk_of_the_next_up_to_the_budget() -> None:
     round_lengths = bench_module("runner_steps").round_lengths
     rng = random.Random()
     for _ in range(200):
         lengths = tuple(rng.randint(1, 1200) for _ in range(rng.randint(1, 6)))
         budget = rng.randint(1, 9000)
         got = round_lengths(lengths, budget)
-        if lengths[0] > budget:
-            assert got == [budget]  # one chunk of the first prompt
-            continue
-        cycled = [lengths[i % len(lengths)] for i in range(len(got) + 1)]
-        assert got == cycled[:len(got)] and sum(got) <= budget < sum(got) + cycled[len(got)]
+        assert sum(got) == budget and all(n > 0 for n in got), (lengths, budget, got)
+        cycled = [lengths[i % len(lengths)] for i in range(len(got))]
+        assert got[:-1] == cycled[:-1] and 0 < got[-1] <= cycled[-1], (lengths, budget, got)
 
 
 def test_the_round_size_follows_the_worker_flags_as_serve_reads_them(monkeypatch) -> None:
