@@ -110,8 +110,8 @@ def _reserve_block(size: int, host: str, held: list[socket.socket], candidates: 
             continue  # taken: draw again
         run = [first]
         port = first.getsockname()[1]
-        if _recently_picked(port, size):  # the kernel's pick (port 0) may repeat one
-            first.close()
+        if _recently_picked(port, size) or not _clear_of_others(port, size):  # the kernel's pick (port 0)
+            first.close()  # may repeat a pick, or fall in Mooncake's range where the ephemeral range is low
             continue
         for offset in range(1, size):
             if port + offset >= 65536:
