@@ -10,6 +10,7 @@ Parallelism, worked example (DeepSeek-V3 decode on 2 nodes of 8 H200):
 """
 from __future__ import annotations
 
+from deepseek_pd.env import MOONCAKE_RPC_PORTS
 from deepseek_pd.operator.known_models import KNOWN_MODELS
 from deepseek_pd.operator.schema_types import (
     Schema, array, boolean, env_var, int_or_percent, integer, obj, opaque_object, quantity,
@@ -307,6 +308,22 @@ def _metrics_rules() -> list[dict[str, str]]:
     ]
 
 
+def _mooncake_port_rules() -> list[dict[str, str]]:
+    """With Mooncake, no port a worker pod listens on may lie where Mooncake's engines bind their
+    own ports at random (env.MOONCAKE_RPC_PORTS): an engine could take it first, and that pod would
+    fail at start now and then."""
+    low, high = MOONCAKE_RPC_PORTS
+    single = " && ".join(f"({port} < {low} || {port} >= {high})"
+                         for port in ("self.prefill.port", "self.prefill.bootstrapPort", "self.decode.port"))
+    ranks = {role: f"(self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod)" for role in ("prefill", "decode")}
+    metrics = " && ".join(f"(self.metrics.port + {ranks[role]} <= {low} || self.metrics.port >= {high})"
+                          for role in ranks)
+    return [rule(f"self.kvTransfer.backend != 'mooncake' || ({single} && (!self.metrics.enabled || ({metrics})))",
+                 f"with kvTransfer.backend mooncake, prefill.port, prefill.bootstrapPort, decode.port and the "
+                 f"worker metrics ports must lie outside {low}-{high - 1}, where Mooncake's engines bind their "
+                 f"own ports at random", ".kvTransfer.backend")]
+
+
 def _metrics() -> Schema:
     return obj("Prometheus metrics of the workers and the router (docs/operations.md lists them).", {
         "enabled": boolean("Workers serve /metrics (serve --metrics-port), the router its exporter; pods get "
@@ -417,4 +434,5 @@ def spec_schema() -> Schema:
              "self.model.numRoutedExperts % self.decode.parallelism.ep == 0",
              "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
         *_metrics_rules(),
+        *_mooncake_port_rules(),
     ])
