@@ -86,15 +86,22 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
     layout = config.group
     config = rank_config(config, rank)
     group = await asyncio.to_thread(join_group, layout, rank, config.runner.device)
-    check_agreement(await asyncio.to_thread(group.exchange, agreement_of(config)), rank)
     holder: list[ModelRunner] = []
     follower = group.is_tp_follower
     # A forward tick without a job of its own: an idle forward, or (TP follower) the leader's forward.
     idle_forward = (lambda mode: holder[0].follow_one()) if follower else (lambda mode: holder[0].idle(mode))
     thread = LockstepModelThread(f"{config.role}-model-r{rank}", group.control, idle_forward=idle_forward,
                                  leader=rank == 0, waker=group.waker)
-    runner = await asyncio.to_thread(ModelRunner, config.runner, parallel=group.parallel(), step_sync=thread,
-                                     tp_replay=group.tp_replay())
+    try:
+        check_agreement(await asyncio.to_thread(group.exchange, agreement_of(config)), rank)
+        runner = await asyncio.to_thread(ModelRunner, config.runner, parallel=group.parallel(), step_sync=thread,
+                                         tp_replay=group.tp_replay())
+    except BaseException:
+        # Nothing runs on the process groups yet: tear them down now. Left to interpreter
+        # shutdown, gloo's teardown at times aborted the process (SIGABRT, "terminate called
+        # without an active exception") instead of the start-up error's exit status.
+        await asyncio.to_thread(group.close)
+        raise
     holder.append(runner)
     if follower:
         await _serve_tp_follower(group, thread, config)

@@ -74,6 +74,51 @@ def test_a_node_without_deep_ep_is_told_what_to_do() -> None:
         check_agreement([mine, theirs], 1)
 
 
+class _JoinedGroup:
+    """What `join_group` returns, for `serve_rank`'s start-up: `exchange` answers every rank's
+    agreement (`theirs` for the others), `close` is counted."""
+
+    def __init__(self, mine: dict, theirs: dict, world: int) -> None:
+        self.answer = [mine] + [theirs] * (world - 1)
+        self.is_tp_follower, self.control, self.waker, self.closed = False, None, None, 0
+
+    def exchange(self, _mine):
+        return self.answer
+
+    def parallel(self):
+        from deepseek_pd.model.parallel import ParallelInfo
+        return ParallelInfo()
+
+    def tp_replay(self):
+        return None
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+@pytest.mark.parametrize("failure", ["agreement", "runner"])
+def test_a_start_up_failure_tears_the_process_groups_down_before_it_propagates(monkeypatch, failure) -> None:
+    """Left to interpreter shutdown, a live gloo group at times aborted the process (SIGABRT) instead
+    of exiting with the start-up error's status; `serve_rank` closes the group first."""
+    import asyncio
+
+    from deepseek_pd.workers import group_main
+
+    config = _resolved(dp=2, ep=2)
+    mine = agreement_of(config)
+    theirs = {**mine, "page_size": mine["page_size"] + 1} if failure == "agreement" else mine
+    group = _JoinedGroup(mine, theirs, 2)
+    monkeypatch.setattr(group_main, "join_group", lambda layout, rank, device: group)
+
+    def broken_runner(*args, **kwargs):
+        raise RuntimeError("the weights did not load")
+
+    monkeypatch.setattr(group_main, "ModelRunner", broken_runner)
+    with pytest.raises(UserError if failure == "agreement" else RuntimeError):
+        asyncio.run(group_main.serve_rank(config, 0))
+    assert group.closed == 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_pods_with_different_deepep_modes_refuse_to_start(tmp_path) -> None:
