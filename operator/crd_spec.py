@@ -289,10 +289,14 @@ def _router() -> Schema:
     }, default={})
 
 
+def _pod_ranks(role: str) -> str:
+    """CEL: the ranks one pod of `role` runs, one per GPU (a CPU pod runs one)."""
+    return f"(self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod)"
+
+
 def _clear_of_metrics(port: str, role: str) -> str:
     """CEL: `port` is outside the metrics ports of `role`'s pods (metrics.port + 0 .. ranks per pod - 1)."""
-    ranks = f"(self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod)"
-    return f"({port} < self.metrics.port || {port} >= self.metrics.port + {ranks})"
+    return f"({port} < self.metrics.port || {port} >= self.metrics.port + {_pod_ranks(role)})"
 
 
 def _metrics_rules() -> list[dict[str, str]]:
@@ -315,9 +319,8 @@ def _mooncake_port_rules() -> list[dict[str, str]]:
     low, high = MOONCAKE_RPC_PORTS
     single = " && ".join(f"({port} < {low} || {port} >= {high})"
                          for port in ("self.prefill.port", "self.prefill.bootstrapPort", "self.decode.port"))
-    ranks = {role: f"(self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod)" for role in ("prefill", "decode")}
-    metrics = " && ".join(f"(self.metrics.port + {ranks[role]} <= {low} || self.metrics.port >= {high})"
-                          for role in ranks)
+    metrics = " && ".join(f"(self.metrics.port + {_pod_ranks(role)} <= {low} || self.metrics.port >= {high})"
+                          for role in ("prefill", "decode"))
     return [rule(f"self.kvTransfer.backend != 'mooncake' || ({single} && (!self.metrics.enabled || ({metrics})))",
                  f"with kvTransfer.backend mooncake, prefill.port, prefill.bootstrapPort, decode.port and the "
                  f"worker metrics ports must lie outside {low}-{high - 1}, where Mooncake's engines bind their "

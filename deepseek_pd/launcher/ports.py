@@ -42,16 +42,13 @@ _recent: dict[int, float] = {}  # port -> when it was handed out
 _recent_lock = threading.Lock()
 
 
-def _clear_of_others(first: int, size: int) -> bool:
-    """Whether the run [first, first + size) stays out of the ports other programs draw at random."""
-    taken = env.mooncake_rpc_ports()
-    return first + size <= taken.start or first >= taken.stop
-
-
-def _recently_picked(first: int, size: int) -> bool:
-    """Whether a port of the run was handed out by this process in the last RECENT_S."""
+def _drawable(first: int, size: int, avoided: range) -> bool:
+    """Whether the run [first, first + size) stays out of `avoided` (the ports Mooncake draws at
+    random) and out of the ports this process handed out in the last RECENT_S."""
+    if first < avoided.stop and first + size > avoided.start:
+        return False
     cutoff = time.monotonic() - RECENT_S
-    return any(_recent.get(port, cutoff) > cutoff for port in range(first, first + size))
+    return all(_recent.get(port, cutoff) <= cutoff for port in range(first, first + size))
 
 
 def _remember(ports: Sequence[int]) -> None:
@@ -83,13 +80,14 @@ def pick_free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1") -> list
     run is distinct. Raises UserError if no such run is found (a nearly exhausted port range)."""
     sockets: list[socket.socket] = []
     candidates = candidate_range()
+    avoided = env.mooncake_rpc_ports()
     try:
         with _recent_lock:
             firsts = []
             for size in sizes:
                 if size < 1:
                     raise ValueError(f"a port block needs at least one port, got {size}")
-                firsts.append(_reserve_block(size, host, sockets, candidates))
+                firsts.append(_reserve_block(size, host, sockets, candidates, avoided))
             _remember([first + offset for first, size in zip(firsts, sizes) for offset in range(size)])
         return firsts
     finally:
@@ -97,21 +95,22 @@ def pick_free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1") -> list
             sock.close()
 
 
-def _reserve_block(size: int, host: str, held: list[socket.socket], candidates: range | None) -> int:
+def _reserve_block(size: int, host: str, held: list[socket.socket], candidates: range | None,
+                   avoided: range) -> int:
     """Binds a run of `size` ports (kept bound in `held`), its first drawn from `candidates` (None:
-    the kernel's pick), and returns its first port."""
+    the kernel's pick), `_drawable` against `avoided`, and returns its first port."""
     for _ in range(BLOCK_ATTEMPTS):
         wanted = 0 if candidates is None else random.randrange(candidates.start, candidates.stop - size + 1)
-        if wanted and not _clear_of_others(wanted, size):
-            continue
+        if wanted and not _drawable(wanted, size, avoided):
+            continue  # checked before binding: a bind here could race a Mooncake engine's own
         try:
             first = _bind(host, wanted)
         except OSError:
             continue  # taken: draw again
         run = [first]
         port = first.getsockname()[1]
-        if _recently_picked(port, size) or not _clear_of_others(port, size):  # the kernel's pick (port 0)
-            first.close()  # may repeat a pick, or fall in Mooncake's range where the ephemeral range is low
+        if not wanted and not _drawable(port, size, avoided):  # the kernel's pick may repeat a pick, or
+            first.close()  # fall in Mooncake's range where the ephemeral range starts low
             continue
         for offset in range(1, size):
             if port + offset >= 65536:
