@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call for issue 21's MLA decode: installs FlashInfer (carried, see below), runs the
+# FlashInfer and Triton MLA GPU tests, then bench/mla_decode_gpu.py; everything lands under $OUT.
+# FlashInfer travels as wheels in .whl/ (apache-tvm-ffi, ninja, einops, tabulate, nvidia-ml-py) plus
+# .whl/flashinfer-*.zip: flashinfer-python 0.7.2.post1's wheel with the csrc of other kernels
+# (Blackwell, sampling, fused MoE, CUTLASS examples) left out, so that it fits a 64 MiB carry;
+# `scripts/fetch-flashinfer.sh` makes it. Its MLA kernel JIT-compiles with the image's nvcc (~20 s).
+source "$(dirname "$0")/gpu_setup.sh"
+REPO=$PWD
+for z in .whl/flashinfer-*.zip; do
+    [ -f "$z" ] && python3 -m zipfile -e "$z" /tmp/site
+done
+python3 -c "import flashinfer, sys; print('flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
+(cd /tmp && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
+    "$REPO/tests/model/test_flashinfer_mla.py" "$REPO/tests/model/test_kernels.py" -k "mla or flashinfer" 2>&1) \
+    | tee "$OUT/tests.log"
+timeout "${BENCH_TIMEOUT:-360}" python3 bench/mla_decode_gpu.py --out "$OUT/mla_decode.json" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench.log"
