@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call for issue 21's MLA decode: installs FlashInfer (carried, see below), runs the
-# FlashInfer and Triton MLA GPU tests, then bench/mla_decode_gpu.py; everything lands under $OUT.
+# One device call for issue 21: installs FlashInfer (carried, see below), runs the FlashInfer and
+# Triton MLA GPU tests, bench/mla_decode_gpu.py, then the V3 slice (bench/v3_slice_gpu.py);
+# everything lands under $OUT. PARTS=tests,mla,v3 picks the steps (default: all three).
 # FlashInfer travels as wheels in .whl/ (apache-tvm-ffi, ninja, einops, tabulate, nvidia-ml-py) plus
 # .whl/flashinfer-*.zip: flashinfer-python 0.7.2.post1's wheel with the csrc of other kernels
 # (Blackwell, sampling, fused MoE, CUTLASS examples) left out, so that it fits a 64 MiB carry;
@@ -11,8 +12,12 @@ for z in .whl/flashinfer-*.zip; do
     [ -f "$z" ] && python3 -m zipfile -e "$z" /tmp/site
 done
 python3 -c "import flashinfer, sys; print('flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
-(cd /tmp && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
+PARTS=${PARTS:-tests,mla,v3}
+[[ $PARTS == *tests* ]] && (cd /tmp && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
     "$REPO/tests/model/test_flashinfer_mla.py" "$REPO/tests/model/test_kernels.py" -k "mla or flashinfer" 2>&1) \
     | tee "$OUT/tests.log"
-timeout "${BENCH_TIMEOUT:-360}" python3 bench/mla_decode_gpu.py --out "$OUT/mla_decode.json" ${BENCH_ARGS:-} 2>&1 \
+[[ $PARTS == *mla* ]] && timeout "${BENCH_TIMEOUT:-300}" python3 bench/mla_decode_gpu.py --out "$OUT/mla_decode.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log"
+[[ $PARTS == *v3* ]] && timeout "${V3_TIMEOUT:-330}" python3 bench/v3_slice_gpu.py --out "$OUT/v3_slice.json" \
+    ${V3_ARGS:-} 2>&1 | tee "$OUT/v3_slice.log"
+exit 0
