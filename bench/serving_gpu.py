@@ -220,7 +220,8 @@ def run_level(name: str, argv: list[str], stem: Path, budget: Budget, urls: list
     if not stem.with_suffix(".json").exists():
         notes.append(f"{name}: bench serving wrote no result (see {stem}.log)")
         return None
-    return json.loads(stem.with_suffix(".json").read_text()), worker_metrics.breakdown(before, worker_metrics.scrape(urls))
+    level = json.loads(stem.with_suffix(".json").read_text())
+    return level, worker_metrics.breakdown(before, worker_metrics.scrape(urls))
 
 
 def solo_levels(url: str, plan: Plan, flags: list[str], seed: int, levels_dir: Path, key_file: Path,

@@ -121,6 +121,8 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
     print(f"model {target.name!r}: vocabulary {vocabulary}, context {target.max_context_length} "
           f"(from {target.source}); KV bytes per token {target.kv_bytes_per_token} "
           f"(from {target.kv_bytes_source})")
+    for worker in target.workers:
+        print(f"worker {worker['kind'] or '?'} {worker['url']}: KV capacity {worker['kv_capacity_tokens']} tokens")
     if target.left_out:
         print(f"left out: {target.left_out}")
     spec = WorkloadSpec(args.num_prompts, args.dataset, args.input_len, args.output_len, args.range_ratio,
@@ -143,6 +145,7 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
     summary = summarize(records, duration, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
     summary["kv_bytes_per_token"] = target.kv_bytes_per_token
     summary["left_out"] = target.left_out
+    summary["workers"] = list(target.workers)
     config = {"url": None if args.direct else url, "direct": args.direct, "model": target.name,
               "model_dir": target.model_path, "target_model": target.report_fields(),
               "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,

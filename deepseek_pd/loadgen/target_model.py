@@ -50,6 +50,8 @@ class TargetModel:
     source: str  # where vocabulary and context came from
     token_ids: tuple[int, ...] = ()  # the gateway tokenizer's ids of random text (vocab_size None)
     left_out: str | None = None  # the workers' figures not reported, and why
+    # Per worker serving it (from /workers and its GetLoads): {"url", "kind", "kv_capacity_tokens"}.
+    workers: tuple[dict, ...] = ()
 
     @property
     def vocabulary(self) -> "int | tuple[int, ...]":
@@ -96,6 +98,7 @@ class _WorkerRecord:
     url: str
     model_id: str
     meta: dict[str, Any]
+    kind: str = ""  # the router's worker_type: prefill, decode, regular
 
 
 def _worker_records(payload: Any) -> list[_WorkerRecord]:
@@ -108,7 +111,8 @@ def _worker_records(payload: Any) -> list[_WorkerRecord]:
             continue
         meta = {**(worker.get("metadata") or {}), **(worker.get("labels") or {})}
         model_id = worker.get("model_id") or meta.get("served_model_name") or ""
-        records.append(_WorkerRecord(str(worker.get("url", "")), str(model_id), meta))
+        records.append(_WorkerRecord(str(worker.get("url", "")), str(model_id), meta,
+                                     str(worker.get("worker_type", ""))))
     return records
 
 
@@ -156,6 +160,23 @@ async def _worker_reported_kv_bytes(records: list[_WorkerRecord], timeout_s: flo
     return None
 
 
+async def _worker_capacities(records: list[_WorkerRecord], timeout_s: float) -> tuple[dict, ...]:
+    """Each gRPC worker's KV capacity in tokens, from its GetLoads (None where it does not answer here)."""
+    from deepseek_pd.client.scheduler_grpc import SchedulerClient
+
+    out = []
+    for record in records:
+        if not record.url.startswith("grpc://"):
+            continue
+        try:
+            async with SchedulerClient(record.url[len("grpc://"):]) as client:
+                capacity = int((await client.loads(timeout_s=timeout_s)).max_total_num_tokens)
+        except Exception:  # unreachable from here, or an older worker
+            capacity = None
+        out.append({"url": record.url, "kind": record.kind, "kv_capacity_tokens": capacity})
+    return tuple(out)
+
+
 async def _model_names(client: RouterClient) -> list[str]:
     try:
         payload = await client.get_json("/v1/models")
@@ -173,7 +194,7 @@ async def _client_api_target(client: RouterClient, name: str, closed: str, token
     """The model as the client API alone tells it (client_api_model.py); `closed`: why /workers was not read."""
     from deepseek_pd.loadgen.client_api_model import gateway_token_ids, local_tokenizer_size
 
-    left_out = (f"KV bytes per token and the workers' checkpoint and count (only the workers know them): "
+    left_out = (f"KV bytes per token and the workers' checkpoint, count and KV capacity (only the workers know them): "
                 f"{closed}; the context is unknown, so prompt lengths are not checked against it")
     if tokenizer is not None:
         vocab, token_ids, source = local_tokenizer_size(tokenizer), (), f"--tokenizer {tokenizer}"
@@ -235,4 +256,4 @@ async def discover_target_model(url: str, model_name: str | None = None, model_o
         kv, kv_source = None, (f"unknown: the workers do not report it and {model_path}/config.json "
                                f"is not readable here (pass --model DIR)")
     return TargetModel(name, vocabs.pop(), min(contexts), model_path, _architectures(mine[0]), kv, kv_source,
-                       f"{url}/workers ({len(mine)} workers)")
+                       f"{url}/workers ({len(mine)} workers)", workers=await _worker_capacities(mine, grpc_timeout_s))

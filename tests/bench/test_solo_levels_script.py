@@ -27,7 +27,8 @@ def test_the_loads_need_the_figures_they_divide() -> None:
     checks = solo.solo_checks({"prefill_only": None, "decode_only": {}}, None, loads)
     assert [c["result"] for c in checks] == ["n/a"] * (1 + len(loads.decode_levels))
     row = {"input_tok_s": 45_000.0, "tpot_p50_ms": None}
-    runner = {"prefill_only_round": {"tok_s": 50_000.0, "tokens": 8192}, "decode_only": [{"batch": 64, "step_ms": 10.0}]}
+    runner = {"prefill_only_round": {"tok_s": 50_000.0, "tokens": 8192},
+              "decode_only": [{"batch": 64, "step_ms": 10.0}]}
     got = solo.solo_checks({"prefill_only": row, "decode_only": {64: {"tpot_p50_ms": 11.5}}}, runner, loads)
     assert got[0]["value"] == pytest.approx(0.9) and got[0]["result"] == "PASS"
     assert got[1]["value"] == pytest.approx(1.15) and got[1]["result"] == "MISS" and got[2]["result"] == "n/a"
@@ -74,7 +75,8 @@ def test_tiny_run_reports_the_loads_apart(tmp_path: Path) -> None:
 
     checks = result["solo_checks"]
     assert len(checks) == 1 + len(loads["decode_levels"])
-    assert checks[0]["measured"] == prefill["input_tok_s"] and checks[0]["reference"] == runner["prefill_only_round"]["tok_s"]
+    assert checks[0]["measured"] == prefill["input_tok_s"]
+    assert checks[0]["reference"] == runner["prefill_only_round"]["tok_s"]
     for check, (c, _) in zip(checks[1:], loads["decode_levels"]):
         assert check["measured"] == decode[str(c)]["tpot_p50_ms"] and check["reference"] == steps[c]["step_ms"]
     for check in checks:
