@@ -293,7 +293,7 @@ class GrpcReceiver(KVReceiver):
         super().__init__(pool, config)
         self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-ingest")
         self.direct = _offer(pool) if offers_pool(pool, config.same_host_direct) else None
-        warm_receiver(pool, self.executor, config.io_threads)
+        warm_receiver(pool, self.executor, config.io_threads, config.max_chunk_bytes)
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.grpc.max_chunk_bytes = self.config.max_chunk_bytes

@@ -37,9 +37,11 @@ from deepseek_pd.workers.common.kv_transfer import direct_pool, page_io
 SMALL_INDEX = 16
 
 
-def warm_page_counts(pool: KVPool) -> list[int]:
-    """The page counts one warm-up pass copies: 1, and past torch's small-index kernels if the pool allows."""
-    return sorted({1, min(pool.num_pages, 2 * SMALL_INDEX)})
+def warm_page_counts(pool: KVPool, largest_bytes: int = 0) -> list[int]:
+    """The page counts one warm-up pass copies: 1, past torch's small-index kernels, and as many as
+    `largest_bytes` of one layer holds (the largest temporary a copy makes), each if the pool allows."""
+    return sorted({1, min(pool.num_pages, 2 * SMALL_INDEX),
+                   max(1, min(pool.num_pages, largest_bytes // pool.bytes_per_page))})
 
 
 def in_every_thread(executor: Executor, threads: int, fn: Callable[[], None], timeout_s: float = 120.0) -> None:
@@ -66,20 +68,20 @@ def warm_sender(pool: KVPool, executor: Executor, threads: int, gather: page_io.
     gather.warm(warm_page_counts(pool))
 
     def copy_in_place() -> None:
-        for count in warm_page_counts(pool):
+        for count in warm_page_counts(pool, direct_pool.COPY_BATCH_BYTES):
             pages = list(range(count))
             direct_pool.write_pages(pool, pool.buffers, range(1), pages, pages, None)
     in_every_thread(executor, threads, copy_in_place)
 
 
-def warm_receiver(pool: KVPool, executor: Executor, threads: int) -> None:
+def warm_receiver(pool: KVPool, executor: Executor, threads: int, chunk_bytes: int) -> None:
     """Decode side: in every ingest thread a scatter of pages read from the pool back into the
-    same pages (no byte changes)."""
+    same pages (no byte changes), up to a chunk of `chunk_bytes` (the largest a chunk brings)."""
     if pool.device.type != "cuda":
         return
 
     def scatter_in_place() -> None:
-        for count in warm_page_counts(pool):
+        for count in warm_page_counts(pool, chunk_bytes):
             pages = list(range(count))
             page_io.scatter_pages(pool, range(1), pages, page_io.read_pages(pool, range(1), pages))
     in_every_thread(executor, threads, scatter_in_place)

@@ -33,9 +33,12 @@ def test_in_every_thread_raises_what_a_call_raised() -> None:
             in_every_thread(executor, 2, lambda: 1 / 0)
 
 
-def test_the_warm_page_counts_cover_both_index_kernels_within_the_pool() -> None:
+def test_the_warm_page_counts_cover_both_index_kernels_and_the_largest_copy_within_the_pool() -> None:
+    rng = random.Random()
     for pages in (1, 5, warm_up.SMALL_INDEX, warm_up.SMALL_INDEX + 1, 1000):
-        pool = KVPool(num_layers=1, num_pages=pages, page_size=1, kv_dim=2, dtype=torch.float32)
-        counts = warm_page_counts(pool)
-        assert counts[0] == 1 and max(counts) <= pages
+        pool = KVPool(num_layers=1, num_pages=pages, page_size=rng.choice([1, 4]), kv_dim=2, dtype=torch.float32)
+        largest = rng.randint(0, 2000) * pool.bytes_per_page
+        counts = warm_page_counts(pool, largest)
+        assert counts[0] == 1 and max(counts) <= pages and counts == sorted(set(counts))
         assert (max(counts) > warm_up.SMALL_INDEX) == (pages > warm_up.SMALL_INDEX)
+        assert min(pages, largest // pool.bytes_per_page) in counts or largest < pool.bytes_per_page
