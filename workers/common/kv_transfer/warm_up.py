@@ -18,7 +18,8 @@ ended, for direct copies and the byte stream alike (tests/workers/prefill/test_c
 sizes torch picks different kernels for (up to 16 indices, and more), before the first forward;
 the staging slots are made when `PageGather` is built, and a direct copy gathers at most
 `direct_pool.COPY_BATCH_BYTES` per layer at a time, so its temporaries fit the allocator block the
-warm-up left on its thread's stream. Later sends find everything loaded and cached. A pool on the CPU has nothing lazy: `warm_*` do nothing there.
+warm-up left on its thread's stream. Later sends find everything loaded and cached. A pool on
+the CPU has nothing lazy: `warm_*` do nothing there.
 
 `tests/workers/common/kv_transfer/test_cuda_first_use_cuda.py` measures, on the GPU, which of
 these calls wait for a kernel running on another stream.
