@@ -53,7 +53,8 @@ class BootstrapConfig:
 
 # Prefill tokens per extend batch on a GPU, by its total memory, as SGLang chooses them: larger rounds
 # batch more prompts per forward where memory allows. On the H200 (141 GB) 8192 against 2048 gave
-# +12% output tok/s at c=64, with lower TTFT and TPOT (docs/performance.md, 2026-12-04).
+# +12% output tok/s at c=64, with lower TTFT and TPOT (docs/performance.md, 2026-12-04). The total is
+# NVML's, as SGLang's is nvidia-smi's: a little above what CUDA can allocate (model/nvml.py says why).
 GPU_CHUNK_TIERS: tuple[tuple[int, int], ...] = ((35 * GIB, 2048), (160 * GIB, 8192))  # (below bytes, tokens)
 LARGEST_GPU_CHUNK = 16384
 
