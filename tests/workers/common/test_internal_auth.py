@@ -172,6 +172,37 @@ def test_a_replayed_signed_handshake_is_refused():
     asyncio.run(run())
 
 
+def test_a_handshake_captured_before_a_restart_is_refused_after_it():
+    """The used nonces live in memory: a restarted prefill (a new server on the same port, the room
+    waiting again) took the captured handshake once more before tokens were bound to its start."""
+    rng = random.Random()
+    auth = InternalAuth(secret=os.urandom(32))
+
+    async def run():
+        async with _Prefills(1, auth, rng) as prefills:
+            port = prefills.servers[0].port
+            room = prefills.open_room(0)
+            handshake = _handshake(room, prefills.pool)
+            auth.sign(handshake, "handshake", "decode@127.0.0.1", f"127.0.0.1:{port}")
+            assert await _send(port, handshake) == grpc.StatusCode.OK
+        config = BootstrapConfig(port=port, handshake_timeout_s=2, auth=auth)
+        async with _Prefills(0, auth, rng) as restarted:
+            registry = RoomRegistry(config)
+            server = BootstrapServer(registry, config, 1 << 20)
+            await server.start()
+            restarted.registries.append(registry)
+            restarted.servers.append(server)
+            restarted.pushes.append(KVPush(registry, restarted.sender, room, f"victim-{room}", 8))
+            replayed = await _send(port, handshake)
+            fresh = _handshake(room, restarted.pool)
+            auth.sign(fresh, "handshake", "decode@127.0.0.1", f"127.0.0.1:{port}")
+            return replayed, await _send(port, fresh), registry.get(room).handshake.done()
+
+    replayed, fresh, taken = asyncio.run(run())
+    assert replayed == grpc.StatusCode.UNAUTHENTICATED
+    assert fresh == grpc.StatusCode.OK and taken  # the deployment's own decode still gets the room
+
+
 def test_a_handshake_with_a_stale_timestamp_is_refused(monkeypatch):
     rng = random.Random()
     auth = InternalAuth(secret=os.urandom(32))
