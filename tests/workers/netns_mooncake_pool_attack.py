@@ -18,8 +18,8 @@ import sys
 import torch
 
 from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.decode import engine as decode_engine
-from pdtest.pd_engine_harness import PDPair, collect, oracle, worker_config
+from pdtest.hostile_prefill import hold_transfer_done
+from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 
@@ -49,15 +49,7 @@ def main(seed: int) -> None:
     vocab = oracle().vocab_size
     prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
     expected = [oracle().generate(p, GREEDY).output_ids for p in prompts]
-    pulled: dict[str, list[int]] = {}
-    pull_kv = decode_engine.pull_kv
-
-    def recording_pull(client, receiver, disagg, rid, num_tokens, pages, *rest, **kw):
-        pulled[rid] = list(pages)
-        return pull_kv(client, receiver, disagg, rid, num_tokens, pages, *rest, **kw)
-    decode_engine.pull_kv = recording_pull
-
-    async def run():
+    async def run(pulled: dict[str, list[int]]):
         config = worker_config("mooncake")
         async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
             attacker = stranger()
@@ -93,19 +85,7 @@ def main(seed: int) -> None:
             # Still open: a transfer in flight has its pages registered. Hold the prefill side's
             # TransferDone so the transfer stays in flight while the stranger writes.
             sent, release = asyncio.Event(), asyncio.Event()
-            claim = pair.prefill.registry.claim
-
-            def claim_holding(room_id: int, rid: str):
-                room = claim(room_id, rid)
-                finish = room.finish
-
-                async def finish_later(done, timeout_s):
-                    sent.set()
-                    await release.wait()
-                    await finish(done, timeout_s=timeout_s)
-                room.finish = finish_later
-                return room
-            pair.prefill.registry.claim = claim_holding
+            undo = hold_transfer_done(pair.prefill, sent, release)
             p_req, d_req = pair.requests(prompts[2], GREEDY, "in-flight")
             held = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
             await asyncio.wait_for(sent.wait(), 60)
@@ -113,16 +93,14 @@ def main(seed: int) -> None:
             landed = try_write(attacker, d_session, d_base + pages[0] * page, page)
             release.set()
             _, outcome = await held
-            pair.prefill.registry.claim = claim
+            undo()
             assert landed and not outcome.ok and "NaN" in outcome.terminal.message, (landed, outcome)
             print("can (still open): write into the pages of a transfer in flight; NaN is refused, "
                   "finite garbage would not be")
             await pair.wait_pools_clean(config.transport.send_timeout_s + 10)
 
-    try:
-        asyncio.run(run())
-    finally:
-        decode_engine.pull_kv = pull_kv
+    with recorded_pulls() as pulled:
+        asyncio.run(run(pulled))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ requests that share the decode batch or later reuse the pages).
 `poison_sent_kv(engine)`: every KV send carries a NaN at a random (layer, slot, value) of its
 first page. `poison_and_hold(engine, sent, release)`: every KV send is all NaN, and TransferDone
 waits for `release` (so the NaN sits in the decode pool, unchecked, while other requests decode);
-`sent` is set when a room's last chunk is out. All patch one started engine (its registry, its
+`sent` is set when a room's last chunk is out (`hold_transfer_done` alone holds without
+poisoning). All patch one started engine (its registry, its
 sender), never a class.
 """
 from __future__ import annotations
@@ -73,6 +74,13 @@ def poison_and_hold(engine: PrefillEngine, sent: asyncio.Event, release: asyncio
         channel.send = send_all_nan
         return channel
     engine.sender.open = open_poisoned
+    hold_transfer_done(engine, sent, release)
+
+
+def hold_transfer_done(engine: PrefillEngine, sent: asyncio.Event, release: asyncio.Event):
+    """Every room's TransferDone waits for `release` (its transfer stays in flight on the decode
+    side); `sent` is set when one is ready. Returns the undo (the registry's own `claim` back)."""
+    assert engine.registry is not None, "start() first"
     claim = engine.registry.claim
 
     def claim_holding(room_id: int, rid: str):
@@ -86,6 +94,7 @@ def poison_and_hold(engine: PrefillEngine, sent: asyncio.Event, release: asyncio
         room.finish = finish_later
         return room
     engine.registry.claim = claim_holding
+    return lambda: setattr(engine.registry, "claim", claim)
 
 
 LIES = {"first_token": lie_about_first_token, "nan_kv": poison_sent_kv}

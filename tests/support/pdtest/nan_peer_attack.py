@@ -17,10 +17,9 @@ import torch
 
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.workers.common.api import Failed, FailureCode
-from deepseek_pd.workers.decode import engine as decode_engine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pdtest.hostile_prefill import poison_and_hold
-from pdtest.pd_engine_harness import PDPair, collect, oracle, runner
+from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, runner
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 
@@ -33,15 +32,7 @@ async def attack(rng: random.Random, transport: str, config_for, honest_count: i
     evil = prompt(30, 50)
     honest = [prompt(3, 12) for _ in range(honest_count - 1)] + [prompt(30, 60)]  # page counts differ
     expected = [oracle().generate(p, GREEDY).output_ids for p in honest]
-    pulled: dict[str, list[int]] = {}
-    pull_kv = decode_engine.pull_kv
-
-    def recording_pull(client, receiver, disagg, rid, num_tokens, pages, *rest, **kw):
-        pulled[rid] = list(pages)
-        return pull_kv(client, receiver, disagg, rid, num_tokens, pages, *rest, **kw)
-
-    decode_engine.pull_kv = recording_pull
-    try:
+    with recorded_pulls() as pulled:
         config = config_for(transport)
         async with PDPair(transport, prefill_config=config, decode_config=config) as pair:
             hostile = PrefillEngine(runner(), config)
@@ -63,8 +54,6 @@ async def attack(rng: random.Random, transport: str, config_for, honest_count: i
             finally:
                 release.set()
                 await hostile.stop()
-    finally:
-        decode_engine.pull_kv = pull_kv
     harmed = [i for i, ((_, d), want) in enumerate(zip(honest_runs, expected)) if not (d.ok and d.tokens == want)]
     print(f"{transport}: attacker pages {evil_pages}; honest pages "
           f"{[pulled[f'honest{i}-d'] for i in range(len(honest))]}; harmed {len(harmed)} of {len(honest)}")
