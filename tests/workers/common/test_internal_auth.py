@@ -125,8 +125,8 @@ async def _send(port: int, handshake: pb.Handshake) -> grpc.StatusCode:
 class _Prefills:
     """Prefill bootstrap servers of one deployment (one secret), each with one waiting room."""
 
-    def __init__(self, count: int, auth: InternalAuth, rng: random.Random) -> None:
-        self.config = BootstrapConfig(port=0, handshake_timeout_s=2, auth=auth)
+    def __init__(self, count: int, auth: InternalAuth, rng: random.Random, port: int = 0) -> None:
+        self.config = BootstrapConfig(port=port, handshake_timeout_s=2, auth=auth)
         self.rng, self.count = rng, count
         self.servers: list[BootstrapServer] = []
         self.registries: list[RoomRegistry] = []
@@ -143,8 +143,8 @@ class _Prefills:
             self.servers.append(server)
         return self
 
-    def open_room(self, index: int) -> int:
-        room = self.rng.randrange(1 << 31)
+    def open_room(self, index: int, room: int | None = None) -> int:
+        room = self.rng.randrange(1 << 31) if room is None else room
         self.pushes.append(KVPush(self.registries[index], self.sender, room, f"victim-{room}", 8))
         return room
 
@@ -185,18 +185,12 @@ def test_a_handshake_captured_before_a_restart_is_refused_after_it():
             handshake = _handshake(room, prefills.pool)
             auth.sign(handshake, "handshake", "decode@127.0.0.1", f"127.0.0.1:{port}")
             assert await _send(port, handshake) == grpc.StatusCode.OK
-        config = BootstrapConfig(port=port, handshake_timeout_s=2, auth=auth)
-        async with _Prefills(0, auth, rng) as restarted:
-            registry = RoomRegistry(config)
-            server = BootstrapServer(registry, config, 1 << 20)
-            await server.start()
-            restarted.registries.append(registry)
-            restarted.servers.append(server)
-            restarted.pushes.append(KVPush(registry, restarted.sender, room, f"victim-{room}", 8))
+        async with _Prefills(1, auth, rng, port=port) as restarted:  # the room waits again
+            restarted.open_room(0, room)
             replayed = await _send(port, handshake)
             fresh = _handshake(room, restarted.pool)
             auth.sign(fresh, "handshake", "decode@127.0.0.1", f"127.0.0.1:{port}")
-            return replayed, await _send(port, fresh), registry.get(room).handshake.done()
+            return replayed, await _send(port, fresh), restarted.registries[0].get(room).handshake.done()
 
     replayed, fresh, taken = asyncio.run(run())
     assert replayed == grpc.StatusCode.UNAUTHENTICATED
