@@ -53,7 +53,7 @@ def exposure_warning(host: str) -> str:
 
 class MooncakeEngine:
     """One TransferEngine over a KV pool; `register_pool`: its layer buffers registered for good
-    (else the caller registers what it exposes, `register_range`)."""
+    (else nothing is, unless a transfer registers its own pages: `MooncakePagesSink`)."""
 
     def __init__(self, pool: KVPool, config: TransportConfig, register_pool: bool = True) -> None:
         try:
