@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 def exposure_warning(host: str) -> str:
     """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
     return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
-            f"address it is given (0.3.13.post1). Its port authenticates nothing; keep other hosts off it "
+            f"address it is given (0.3.13.post1). Its ports authenticate no peer (over tcp a stranger can "
+            f"write the decode pages of transfers in flight, over rdma both KV pools); keep other hosts off them "
             f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
 
 
