@@ -18,7 +18,8 @@ Once running, `launcher/supervisor.py` restarts what crashes or hangs.
 The router's control plane (adding and removing workers) is locked with a key generated per
 cluster (`control_plane_key`, also written to `<log_dir>/control-plane-key`, mode 0600); the
 client API stays open unless `client_api_key` is set (on 127.0.0.1 the demo and OpenAI clients
-work unchanged).
+work unchanged). `stop()` deletes that key file and the run's deployment secret
+(`<log_dir>/internal.secret`) once every process is down: the logs stay, the credentials do not.
 """
 from __future__ import annotations
 
@@ -145,6 +146,10 @@ def resolve_model_dir(model: str) -> Path:
     return resolve(model)
 
 
+SECRET_FILE = "internal.secret"  # the run's deployment secret (workers/common/internal_auth.py)
+CONTROL_PLANE_KEY_FILE = "control-plane-key"  # the router's control-plane key, for the operator of `up`
+
+
 class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec.validate()
@@ -209,6 +214,10 @@ class LocalCluster:
         if self.router is not None:
             stop_all([self.router], self.spec.stop_grace_s)
         stop_all([w.process for w in self.workers], self.spec.stop_grace_s)
+        # Every process that read them is gone (stop_all ends with SIGKILL): a secret left on disk
+        # would only let whoever reads it later pose as this run's workers.
+        for name in (SECRET_FILE, CONTROL_PLANE_KEY_FILE):
+            (self.log_dir / name).unlink(missing_ok=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -235,7 +244,7 @@ class LocalCluster:
         plans = plan_workers(roles, shapes, starts, worker_memory_args(self.device, roles, spec.mem_fraction_static))
         settings = ServeSettings(model_dir=str(self.model_dir), served_model_name=self.served_model_name,
                                  host=spec.host, kv_transport=spec.kv_transport, device=self.device,
-                                 secret_file=str(create_secret_file(self.log_dir / "internal.secret")),
+                                 secret_file=str(create_secret_file(self.log_dir / SECRET_FILE)),
                                  worker_args=spec.worker_args)
         for plan in plans:
             proc = ManagedProcess(plan.name, serve_argv(plan, plans, settings), self.log_dir / f"{plan.name}.log")
@@ -255,7 +264,7 @@ class LocalCluster:
 
     def _start_router(self) -> None:
         # smg takes the key on its command line too (it reads none from a file or the environment).
-        write_private_file(self.log_dir / "control-plane-key", (self.control_plane_key + "\n").encode())
+        write_private_file(self.log_dir / CONTROL_PLANE_KEY_FILE, (self.control_plane_key + "\n").encode())
         self.router = ManagedProcess("router", self._router_argv(), self.log_dir / "router.log")
         self.router.start()
 
