@@ -16,6 +16,12 @@ PARTS=${PARTS:-tests,mla,v3}
 [[ $PARTS == *tests* ]] && (cd /tmp && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
     "$REPO/tests/model/test_flashinfer_mla.py" "$REPO/tests/model/test_kernels.py" -k "mla or flashinfer" 2>&1) \
     | tee "$OUT/tests.log"
+# Other GPU tests to run in the same call (paths; e.g. the serving issue's), printed with -s.
+if [[ $PARTS == *tests* && -n "${EXTRA_TESTS:-}" ]]; then
+    # shellcheck disable=SC2086  # EXTRA_TESTS is a list of paths
+    (cd /tmp && timeout "${EXTRA_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider -rs \
+        $(for t in $EXTRA_TESTS; do echo "$REPO/$t"; done) 2>&1) | tail -c 20000 | tee "$OUT/extra_tests.log"
+fi
 [[ $PARTS == *mla* ]] && timeout "${BENCH_TIMEOUT:-300}" python3 bench/mla_decode_gpu.py --out "$OUT/mla_decode.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log"
 [[ $PARTS == *v3* ]] && timeout "${V3_TIMEOUT:-330}" python3 bench/v3_slice_gpu.py --out "$OUT/v3_slice.json" \
