@@ -218,7 +218,7 @@ class LocalCluster:
 
     # -- steps -------------------------------------------------------------------------------
     def _start_workers(self) -> None:
-        from deepseek_pd.launcher.gpu_share import worker_memory_args  # imports torch, as resolving did
+        from deepseek_pd.launcher.gpu_share import worker_gpu_shares  # imports torch, as resolving did
         # One secret per run (0600, in the run directory) authenticates every bootstrap message;
         # decode workers pull only from this run's prefill workers (workers/common/internal_auth.py).
         from deepseek_pd.workers.common.internal_auth import create_secret_file
@@ -231,12 +231,13 @@ class LocalCluster:
         *starts, router_port, self.metrics_port = pick_free_port_blocks([*port_block_sizes(shapes), 1, 1], spec.host)
         self.router_port = spec.router_port or router_port
         # On CUDA rank r of every group runs on GPU r, so each GPU holds at most one rank of each
-        # worker: the one-GPU split by role holds per GPU.
-        plans = plan_workers(roles, shapes, starts, worker_memory_args(self.device, roles, spec.mem_fraction_static))
+        # worker: GPU 0 holds one of every worker, and the split planned for it holds on the others
+        # (which hold fewer workers, so their pools come out smaller than they could be).
+        plans = plan_workers(roles, shapes, starts, worker_gpu_shares(self.device, roles))
         settings = ServeSettings(model_dir=str(self.model_dir), served_model_name=self.served_model_name,
                                  host=spec.host, kv_transport=spec.kv_transport, device=self.device,
                                  secret_file=str(create_secret_file(self.log_dir / "internal.secret")),
-                                 worker_args=spec.worker_args)
+                                 worker_args=spec.worker_args, mem_fraction_static=spec.mem_fraction_static)
         for plan in plans:
             proc = ManagedProcess(plan.name, serve_argv(plan, plans, settings), self.log_dir / f"{plan.name}.log")
             proc.start()

@@ -126,7 +126,7 @@ def test_each_serve_command_runs_the_planned_group(tmp_path) -> None:
         assert layout.world == shape.ranks and layout.ep == shape.ep and layout.dp == shape.dp
         assert layout.node_ranks == range(shape.ranks), "one `serve` must run every rank of its group"
         assert layout.dist_init_addr == "", "on one node serve picks the rendezvous port itself"
-        assert ("enable_tbo=true" in flags.engine_options) == (plan.role == "decode")
+        assert ("enable_tbo=true" in flags.all_engine_options) == (plan.role == "decode")
         assert (flags.port, flags.bootstrap_port) == (plan.port, plan.bootstrap_port)
         metrics = MetricsConfig(flags.host, flags.metrics_port)
         assert [metrics.for_local_rank(r).port for r in range(shape.ranks)] == list(plan.metrics_ports)
