@@ -106,7 +106,8 @@ def worker_serve_flags(spec: DeploymentSpec, role: RoleSpec) -> ServeFlags:
 def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
     """`deepseek-pd serve <role>` argv: the managed flags, then the role's engineArgs."""
     flags = worker_serve_flags(spec, role)
-    always = _ALWAYS + (("bootstrap_port",) if role.role == "prefill" else ())
+    always = (_ALWAYS + (("bootstrap_port",) if role.role == "prefill" else ())
+              + (("kv_protocol",) if spec.kv_transfer.backend == "mooncake" else ()))
     rank = {"node_rank": "$(LWS_WORKER_INDEX)"} if role.size > 1 else {}
     return ["serve", *flags.to_argv(always=always, text=rank), *role.engine_args]
 
