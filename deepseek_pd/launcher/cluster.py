@@ -32,7 +32,7 @@ from pathlib import Path
 from deepseek_pd import gateway
 from deepseek_pd.errors import UserError
 from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy
-from deepseek_pd.launcher.ports import pick_free_port_blocks
+from deepseek_pd.ports import pick_free_port_blocks
 from deepseek_pd.launcher.process import ManagedProcess, stop_all
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
 from deepseek_pd.launcher.worker_plan import (GroupShape, ServeSettings, WorkerPlan, check_worker_args,

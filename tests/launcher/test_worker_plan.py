@@ -17,7 +17,7 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.commands.up import cluster_spec_from_args
 from deepseek_pd.errors import UserError
-from deepseek_pd.launcher.ports import is_port_free, pick_free_port_blocks
+from deepseek_pd.ports import is_port_free, pick_free_port_blocks
 from deepseek_pd.launcher.process import ManagedProcess
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
 from deepseek_pd.launcher.worker_plan import GroupShape, ServeSettings, plan_workers, port_block_sizes, serve_argv
