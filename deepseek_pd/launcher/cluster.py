@@ -31,7 +31,7 @@ from pathlib import Path
 
 from deepseek_pd import gateway
 from deepseek_pd.errors import UserError
-from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy
+from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy, worker_kv_tokens
 from deepseek_pd.ports import pick_free_port_blocks
 from deepseek_pd.launcher.process import ManagedProcess, stop_all
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
@@ -253,6 +253,10 @@ class LocalCluster:
             if pending:
                 self._check_deadline(deadline, f"workers {[w.process.name for w in pending]} healthy")
                 time.sleep(0.2)
+        # What each worker's memory plan gave it (model/memory_budget.py: its share of one GPU).
+        capacity = {w.process.name: worker_kv_tokens(w.address(self.spec.host)) for w in self.workers}
+        logger.info("workers healthy; KV capacity: %s", ", ".join(
+            f"{name} {'?' if tokens is None else f'{tokens:,}'} tokens" for name, tokens in capacity.items()))
 
     def _start_router(self) -> None:
         # smg takes the key on its command line too (it reads none from a file or the environment).
