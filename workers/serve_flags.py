@@ -267,15 +267,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             if flag.exclusive not in exclusive:
                 exclusive[flag.exclusive] = container.add_mutually_exclusive_group()
             container = exclusive[flag.exclusive]
+        # Shown as the flag's name, not the field's (--drain-timeout DRAIN_TIMEOUT)
+        metavar = flag.metavar or cli_name(spec).upper().replace("-", "_")
         kwargs: dict[str, Any] = {"dest": spec.name, "help": flag.help}
         if isinstance(spec.default, bool):
             kwargs.update(action="store_true", default=spec.default)
         elif isinstance(spec.default, tuple) and not flag.csv:
-            kwargs.update(action="append", default=[], metavar=flag.metavar)
+            kwargs.update(action="append", default=[], metavar=metavar)
         else:
             kind = flag.type or (str if spec.default is None or flag.csv else type(spec.default))
             default = ",".join(spec.default) if flag.csv else spec.default
-            kwargs.update(type=kind, default=default, metavar=flag.metavar)
+            kwargs.update(type=kind, default=default, metavar=None if flag.choices else metavar)
             if flag.choices:
                 kwargs["choices"] = list(flag.choices)
         container.add_argument("--" + cli_name(spec), **kwargs)
