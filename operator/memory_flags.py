@@ -20,7 +20,7 @@ from typing import Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
-from deepseek_pd.model.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS, GpuShare
+from deepseek_pd.model.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.workers.engine_options import parse_bool, parse_key_values
 from deepseek_pd.workers.serve_flags import ServeFlags
 
@@ -43,36 +43,17 @@ class MemoryFlags:
     tbo_option: bool = False  # --engine-opt enable_tbo=true
 
     @property
-    def dtype(self) -> str:
-        return self.serve.dtype
-
-    @property
-    def page_size(self) -> int:
-        return self.serve.page_size
-
-    @property
-    def mem_fraction_static(self) -> float:
-        return self.serve.budget_fraction
-
-    @property
-    def gpu_share(self) -> GpuShare:
-        return self.serve.gpu_share
-
-    @property
-    def ep_num_redundant_experts(self) -> int:
-        return self.serve.parallel.ep_num_redundant_experts
-
-    @property
     def enable_tbo(self) -> bool:
         return self.serve.parallel.enable_tbo or self.tbo_option
 
     @property
     def fixed_pool_tokens(self) -> int | None:
         """The KV pool's size when the flags fix it (whole pages), else None (sized by memory)."""
-        if self.serve.num_pages is not None:
-            return self.serve.num_pages * self.page_size
-        if self.serve.max_total_tokens is not None:
-            return -(-self.serve.max_total_tokens // self.page_size) * self.page_size
+        serve = self.serve
+        if serve.num_pages is not None:
+            return serve.num_pages * serve.page_size
+        if serve.max_total_tokens is not None:
+            return -(-serve.max_total_tokens // serve.page_size) * serve.page_size
         return None
 
 
@@ -108,12 +89,12 @@ def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
 def _check(flags: MemoryFlags) -> None:
     """What the worker would refuse (RunnerConfig, serve_resolution), said as it would."""
     serve = flags.serve
-    if flags.dtype not in ("auto", *DTYPE_BYTES):
-        raise ValueError(f"--dtype {flags.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
+    if serve.dtype not in ("auto", *DTYPE_BYTES):
+        raise ValueError(f"--dtype {serve.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
     if flags.fp8_backend not in FP8_BACKENDS:
         raise ValueError(f"--engine-opt fp8_backend={flags.fp8_backend!r} is not one of "
                          f"{', '.join(FP8_BACKENDS)}")
-    if (flags.page_size < 1 or not 0 < flags.mem_fraction_static <= 1
+    if (serve.page_size < 1 or not 0 < serve.budget_fraction <= 1
             or (flags.mem_headroom_gib is not None and flags.mem_headroom_gib < 0)):
         raise ValueError("--page-size must be >= 1, --mem-fraction-static in (0, 1] and "
                          "mem_headroom_gib >= 0")
@@ -124,8 +105,9 @@ def _check(flags: MemoryFlags) -> None:
     for name in ("cuda_graph_max_batch", "max_running_requests"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             raise ValueError(f"--engine-opt {name} must be >= 1")
-    if flags.ep_num_redundant_experts < 0:
-        raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {flags.ep_num_redundant_experts}")
+    redundant = serve.parallel.ep_num_redundant_experts
+    if redundant < 0:
+        raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {redundant}")
     for name in ("num_pages", "max_total_tokens"):
         if getattr(serve, name) is not None and getattr(serve, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

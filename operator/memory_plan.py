@@ -140,19 +140,20 @@ def headroom_gib(role: RoleSpec, flags: MemoryFlags) -> float:
 
 def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: GpuMemory) -> RankMemory:
     """One rank of `role` (see the module docstring for each term)."""
-    dtype = flags.dtype if flags.dtype != "auto" else ("bfloat16" if config.is_fp8 else config.torch_dtype)
+    serve = flags.serve
+    dtype = serve.dtype if serve.dtype != "auto" else ("bfloat16" if config.is_fp8 else config.torch_dtype)
     itemsize = DTYPE_BYTES[dtype]
     fp8 = config.is_fp8 and flags.fp8_backend != "dequant"
     block = tuple(config.quantization["weight_block_size"]) if fp8 else None
     weights = rank_weights(config, WeightFormat(itemsize, block), role.parallelism.ep,
-                           flags.num_fused_shared_experts, flags.ep_num_redundant_experts)
+                           flags.num_fused_shared_experts, serve.parallel.ep_num_redundant_experts)
     per_token = config.kv_bytes_per_token(dtype)
     tokens = flags.fixed_pool_tokens
     fixed = tokens is not None
     if tokens is None:  # one request of the whole context, in whole pages
-        tokens = -(-config.max_position_embeddings // flags.page_size) * flags.page_size
+        tokens = -(-config.max_position_embeddings // serve.page_size) * serve.page_size
     reserve = int(headroom_gib(role, flags) * GIB)
-    budget = flags.gpu_share.worker_budget(budget_bytes(flags.mem_fraction_static, gpu.total_bytes),
+    budget = serve.gpu_share.worker_budget(budget_bytes(serve.budget_fraction, gpu.total_bytes),
                                            weights.total_bytes + reserve)
     return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
                       weights_bytes=weights.total_bytes, kv_tokens=tokens, fixed_pool=fixed,

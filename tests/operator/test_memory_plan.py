@@ -186,7 +186,8 @@ def test_flags_are_read_in_both_spellings_as_the_worker_reads_them():
     flags = parse_memory_flags("decode", ["--chunked-prefill-size=16384", "--dtype", "float16", "--engine-opt",
                                           "fp8_backend=dequant", "--engine-opt=max_running_requests=32",
                                           "--page-size=64", "--num-pages", "10"])
-    assert (flags.dtype, flags.fp8_backend, flags.page_size, flags.fixed_pool_tokens) == ("float16", "dequant", 64, 640)
+    assert (flags.serve.dtype, flags.fp8_backend, flags.serve.page_size, flags.fixed_pool_tokens) == (
+        "float16", "dequant", 64, 640)
     assert flags.max_running_requests == 32 and flags.serve.chunked_prefill_size == 16384
     for bad in (["--dtype", "int8"], ["--page-size"], ["--engine-opt", "fp8_backend=magic"],
                 ["--mem-fraction-static=1.5"], ["--max-total-tokens=0"], ["--kv-share=0"],
