@@ -155,3 +155,20 @@ def test_the_operators_plan_applies_the_same_rule(card, product) -> None:
         spare = rank.budget_bytes - rank.weights_bytes - rank.reserve_bytes
         assert pages * per_page <= spare < (pages + 1) * per_page
         assert rank.fits == (pages * per_page >= rank.kv_bytes), verdict.message
+
+
+def test_up_shares_the_kv_room_by_role_and_only_on_cuda() -> None:
+    """Each worker's share follows its role's weight (workers/roles.py), the shares sum to 1, every
+    worker counts all of them; on the CPU no worker gets any GPU flag (fixed pools)."""
+    from deepseek_pd.workers.roles import ROLE_DEFAULTS, ROLES
+
+    rng = _seeded()
+    for _ in range(50):
+        roles = [rng.choice(ROLES) for _ in range(rng.randint(1, 9))]
+        shares = worker_gpu_shares("cuda", roles)
+        assert sum(s.share for s in shares) == pytest.approx(1.0) and {s.workers for s in shares} == {len(roles)}
+        for role, share in zip(roles, shares):
+            for other, other_share in zip(roles, shares):
+                ratio = ROLE_DEFAULTS[role].gpu_memory_share / ROLE_DEFAULTS[other].gpu_memory_share
+                assert share.share / other_share.share == pytest.approx(ratio)
+        assert worker_gpu_shares("cpu", roles) == [None] * len(roles)
