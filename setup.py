@@ -25,6 +25,6 @@ packages, package_dir = _packages_and_dirs()
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"deepseek_pd.proto": ["*.proto"], "deepseek_pd.operator": ["crd/*.yaml"]},
+    package_data={"deepseek_pd.proto": ["*.proto"]},
     include_package_data=True,
 )

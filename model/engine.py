@@ -21,6 +21,7 @@ from typing import Sequence, Union
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.memory_budget import DEFAULT_PAGE_SIZE
 from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
 from deepseek_pd.model.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
 from deepseek_pd.model.sampled_host import TopLogprobs, pack, unpack
@@ -39,7 +40,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
     chunked_prefill_size: int = 2048  # max prompt tokens per prefill forward, summed over the batch
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     max_total_tokens: int = 32768  # KV pool capacity in tokens, over all requests of a batch
     mha_chunked_kv_threshold: int = 256
     attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else torch

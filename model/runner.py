@@ -38,6 +38,7 @@ from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
                                              decode_capturable)
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
+from deepseek_pd.model.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
 from deepseek_pd.model.memory_headroom import default_headroom_gib
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
@@ -91,11 +92,14 @@ class RunnerConfig:
     model: str = "tiny"
     dtype: str = "auto"
     device: str = "cpu"  # a concrete torch device; `model.device.resolve_device` turns "auto" into one
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     # The KV pool: a fixed `num_pages`, or (CUDA, num_pages=None) whatever `mem_fraction_static` of the
-    # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv_pool_sizing.py).
+    # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv_pool_sizing.py);
+    # on a GPU `gpu_workers` workers share, `kv_share` of the room their weights leave (memory_budget.py).
     num_pages: int | None = DEFAULT_NUM_PAGES
     mem_fraction_static: float | None = None
+    gpu_workers: int = 1
+    kv_share: float = 1.0
     # activations and CUDA graphs, inside the budget; None: `headroom_gib`'s default for the graphs
     mem_headroom_gib: float | None = None
     attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
@@ -173,6 +177,10 @@ class RunnerConfig:
                             f"not {'both' if self.num_pages is not None else 'neither'}")
         if self.mem_headroom_gib is not None and self.mem_headroom_gib < 0:
             raise UserError(f"mem_headroom_gib must be >= 0, got {self.mem_headroom_gib}")
+        try:
+            self.gpu_share
+        except ValueError as exc:
+            raise UserError(f"--gpu-workers/--kv-share: {exc}") from None
         if self.mem_fraction_static is None:
             return
         if not 0 < self.mem_fraction_static <= 1:
@@ -239,6 +247,11 @@ class RunnerConfig:
 
     def dispatch_config(self) -> DispatchConfig:
         return DispatchConfig(DispatchMode.parse(self.dispatch_mode), self.low_latency_max_tokens)
+
+    @property
+    def gpu_share(self) -> GpuShare:
+        """This worker's place on a GPU other workers may share (model/memory_budget.py)."""
+        return GpuShare(self.gpu_workers, self.kv_share)
 
     @property
     def headroom_gib(self) -> float:
@@ -351,7 +364,8 @@ class ModelRunner:
                                            model_config.kv_cache_dim, options.dtype)
             num_pages = pages_for_gpu(GpuMemory.measure(options.device), self.config.mem_fraction_static,
                                       int(self.config.headroom_gib * GIB), per_page,
-                                      min_pages=2 if self.config.cuda_graph else 1)  # + the graphs' scratch page
+                                      min_pages=2 if self.config.cuda_graph else 1,  # + the graphs' scratch page
+                                      share=self.config.gpu_share)
         self.kv_pool = KVPool(model_config.num_hidden_layers, num_pages, self.config.page_size,
                               model_config.kv_cache_dim, dtype=options.dtype, device=options.device)
         log.info("KV pool: %s, %d bytes/token (%d layers x %d x %d)", self.kv_pool.describe(),

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from deepseek_pd import gateway
 from deepseek_pd.errors import UserError
-from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy
-from deepseek_pd.launcher.ports import pick_free_port_blocks
+from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy, worker_kv_tokens
+from deepseek_pd.ports import pick_free_port_blocks
 from deepseek_pd.launcher.process import ManagedProcess, stop_all
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
 from deepseek_pd.launcher.worker_plan import (GroupShape, ServeSettings, WorkerPlan, check_worker_args,
@@ -227,7 +227,7 @@ class LocalCluster:
 
     # -- steps -------------------------------------------------------------------------------
     def _start_workers(self) -> None:
-        from deepseek_pd.launcher.gpu_share import worker_memory_args  # imports torch, as resolving did
+        from deepseek_pd.launcher.gpu_share import worker_gpu_shares  # imports torch, as resolving did
         # One secret per run (0600, in the run directory) authenticates every bootstrap message;
         # decode workers pull only from this run's prefill workers (workers/common/internal_auth.py).
         from deepseek_pd.workers.common.internal_auth import create_secret_file
@@ -240,12 +240,13 @@ class LocalCluster:
         *starts, router_port, self.metrics_port = pick_free_port_blocks([*port_block_sizes(shapes), 1, 1], spec.host)
         self.router_port = spec.router_port or router_port
         # On CUDA rank r of every group runs on GPU r, so each GPU holds at most one rank of each
-        # worker: the one-GPU split by role holds per GPU.
-        plans = plan_workers(roles, shapes, starts, worker_memory_args(self.device, roles, spec.mem_fraction_static))
+        # worker: GPU 0 holds one of every worker, and the split planned for it holds on the others
+        # (which hold fewer workers, so their pools come out smaller than they could be).
+        plans = plan_workers(roles, shapes, starts, worker_gpu_shares(self.device, roles))
         settings = ServeSettings(model_dir=str(self.model_dir), served_model_name=self.served_model_name,
                                  host=spec.host, kv_transport=spec.kv_transport, device=self.device,
                                  secret_file=str(create_secret_file(self.log_dir / SECRET_FILE)),
-                                 worker_args=spec.worker_args)
+                                 worker_args=spec.worker_args, mem_fraction_static=spec.mem_fraction_static)
         for plan in plans:
             proc = ManagedProcess(plan.name, serve_argv(plan, plans, settings), self.log_dir / f"{plan.name}.log")
             proc.start()
@@ -261,6 +262,10 @@ class LocalCluster:
             if pending:
                 self._check_deadline(deadline, f"workers {[w.process.name for w in pending]} healthy")
                 time.sleep(0.2)
+        # What each worker's memory plan gave it (model/memory_budget.py: its share of one GPU).
+        capacity = {w.process.name: worker_kv_tokens(w.address(self.spec.host)) for w in self.workers}
+        logger.info("workers healthy; KV capacity: %s", ", ".join(
+            f"{name} {'?' if tokens is None else f'{tokens:,}'} tokens" for name, tokens in capacity.items()))
 
     def _start_router(self) -> None:
         # smg takes the key on its command line too (it reads none from a file or the environment).

@@ -34,7 +34,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             # PR_SET_PDEATHSIG through a wrapper program, not a preexec_fn (die_with_parent.py).
-            argv = [sys.executable, "-m", "deepseek_pd.launcher.die_with_parent", str(os.getpid()), *self.argv]
+            argv = [sys.executable, "-m", "deepseek_pd.die_with_parent", str(os.getpid()), *self.argv]
             self._popen = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=self.env, cwd=self.cwd, start_new_session=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from deepseek_pd.launcher.ports import is_port_free, pick_free_ports
+from deepseek_pd.ports import is_port_free, pick_free_ports
 from pdtest import servicer_fakes
 from pdtest.process_tree import alive, descendants, wait_gone
 from pdtest.servicer_fakes import expected_tokens, make_tokenizer_model_dir

@@ -40,7 +40,7 @@ def random_non_tiny_config(rng: random.Random) -> dict:
 def start_smg(cluster, log_path: Path) -> tuple[subprocess.Popen, str]:
     """PyPI smg (the router's successor) in front of the same workers, on free ports."""
     from deepseek_pd.launcher.health import router_ready_workers
-    from deepseek_pd.launcher.ports import pick_free_ports
+    from deepseek_pd.ports import pick_free_ports
 
     host = cluster.spec.host
     port, metrics_port = pick_free_ports(2, host)

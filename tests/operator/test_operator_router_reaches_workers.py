@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 import yaml
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.operator.build_router import build_router_args
 from deepseek_pd.operator.spec import DeploymentSpec
 

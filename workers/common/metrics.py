@@ -260,7 +260,7 @@ class _ScrapeSources:
         yield self._gauge("kv_pool_total_pages", "KV pool pages in total", get("kv_total_pages"))
         usage = None if loads is None else (loads.kv_used_pages / loads.kv_total_pages if loads.kv_total_pages else 0.0)
         yield self._gauge("token_usage", "kv_pool_used_pages / kv_pool_total_pages", usage)
-        cached = None if loads is None else loads.extra.get("cached_pages", 0)
+        cached = None if loads is None else loads.cached_pages
         yield self._gauge("kv_pool_cached_pages", "KV pool pages held by the prefix cache (evictable)", cached)
         family = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by how they ran: CUDA-graph replay "
                                      "or eager (no graph, or batch/context past the captured ones)",

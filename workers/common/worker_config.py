@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.units import GIB
 from deepseek_pd.workers.common.internal_auth import InternalAuth
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
@@ -76,7 +77,7 @@ class SchedulerConfig:
     # Prompt tokens per extend batch, summed over requests (on a GPU, `serve` defaults to
     # gpu_chunked_prefill_size of its memory).
     chunked_prefill_size: int = 2048
-    max_running_requests: int = 128  # decode batch size cap (= the largest CUDA-graph bucket by default)
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS  # decode batch size cap (= the largest CUDA-graph bucket by default)
     decode_reserve_tokens: int = 4096  # pages reserved per request for decoding: min(max_new_tokens, this)
     admission_timeout_s: float = 30.0  # a request waits this long for KV pages before RESOURCE_EXHAUSTED
     prefix_cache: bool = True  # prefill: reuse KV of shared prompt prefixes (radix tree)

@@ -212,7 +212,7 @@ class DecodeEngine(EngineCore[_Request]):
         # Waiting: admitted or not, every request that is not in the decode batch yet.
         return Loads(num_running=len(self._running), num_waiting=len(self._requests) - len(self._running),
                      kv_used_pages=self.pool.num_used_pages, kv_total_pages=self.pool.num_pages,
-                     extra={"reserved_pages": self.budget.reserved if self.budget else 0})
+                     reserved_pages=self.budget.reserved if self.budget else 0)
 
     # ---- request bookkeeping (event loop) --------------------------------------------------
     def _accept(self, state: _Request, token: int, logprob: float, top: TopLogprobs | None) -> None:

@@ -181,7 +181,7 @@ class PrefillEngine(EngineCore[_Request]):
         cached = self.cache.num_pages if self.cache else 0
         return Loads(num_running=len(self._running), num_waiting=len(self._waiting),
                      kv_used_pages=self.pool.num_used_pages - cached, kv_total_pages=self.pool.num_pages,
-                     extra={"cached_pages": cached})
+                     cached_pages=cached)
 
     # ---- internals -------------------------------------------------------------------------
     async def _admission(self, state: _Request) -> None:
