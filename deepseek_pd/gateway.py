@@ -23,10 +23,12 @@ from deepseek_pd.errors import UserError
 
 ROUTER_MODULE = "smg.launch_router"
 
-# A whole 160k-token context is ~1.2 MB as JSON token ids and less as text; 16 MiB leaves room
+# A whole 160k-token context is ~1.2 MB as JSON token ids and less as text; 10 MiB leaves room
 # for long chat histories. smg's own default is 512 MiB: four 50 MB bodies held sglang-router
 # 0.3.2 at 8.9 GB resident, and a body over this limit is refused with 413 before it is buffered.
-MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+# 10 MiB is also the most smg's WASM middleware reads (gateway_guard), so a body it could not scan
+# gets the 413 first.
+MAX_PAYLOAD_BYTES = 10 * 1024 * 1024
 
 # Both roles, for `up`. Under sglang-router 0.3.2, 3 of 7 bursts of 1,000 concurrent streams
 # deadlocked cache_aware's tree (FACTS). Under smg 1.13, bench/gateway_burst.py (docs/performance.md,
