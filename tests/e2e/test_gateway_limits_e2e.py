@@ -5,14 +5,22 @@
   (1e6), while a prompt that merely contains the text "n": 1000000 is served, and the gateway's
   resident memory stays where it was. Without the guard, smg 1.13 expands `/generate` with
   n = 1000000 in its own memory (2.6 GB after 2 s) and keeps answering `/liveness`.
+- Clients that send a request head and then trickle its body never get a request slot: the guard
+  reads a body whole before smg admits the request (without it, smg 1.13 admits first, so 10
+  such connections held all 8 slots of this test's gateway and every legitimate request met
+  429, then 503). Slots are scaled down here (smg's default is 1024 per core, at least 4,096,
+  plus 100 queued); the connections themselves stay open (docs/operations.md: the ingress bounds
+  them).
 - When the gateway swells anyway (here: the guard removed through smg's control plane, then the
   same request), `up`'s supervisor kills it as soon as its RSS passes the bound, starts it again,
   loads the guard into the new process, and serving goes on.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import socket
 import random
 import threading
 import time
@@ -34,9 +42,16 @@ GROWTH_ALLOWED = 64 * MIB
 REFUSAL_SECONDS = 2.0  # a refusal is one scan of the body; the unguarded gateway never answers
 
 
+SLOTS, QUEUED = 8, 2
+SCALED_DOWN_ADMISSION = ("--max-concurrent-requests", str(SLOTS), "--queue-size", str(QUEUED),
+                         "--queue-timeout-secs", "3")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with LocalCluster(cluster_spec(tmp_path_factory.mktemp("gateway-limits"))) as running:
+    spec = cluster_spec(tmp_path_factory.mktemp("gateway-limits"))
+    spec = dataclasses.replace(spec, router_args=spec.router_args + SCALED_DOWN_ADMISSION)
+    with LocalCluster(spec) as running:
         yield running
 
 
@@ -92,6 +107,42 @@ def test_a_huge_n_is_refused_at_once_on_every_route(cluster) -> None:
     status, answer, _ = call(f"{cluster.router_url}/generate", json.dumps(
         {"model": model, "text": f'reply with {{"n": {n}}}', "sampling_params": {"max_new_tokens": 2}}).encode())
     assert status == 200, answer
+
+
+def test_slow_bodies_do_not_take_the_request_slots(cluster) -> None:
+    rng = random.Random()
+    host, port = cluster.spec.host, cluster.router_port
+    slow = []
+    for _ in range(SLOTS + QUEUED + rng.randint(1, 8)):
+        connection = socket.create_connection((host, port), timeout=5)
+        connection.sendall(b"POST /generate HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100000\r\n\r\n{\"model\": ")
+        slow.append(connection)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.5):
+            for connection in slow:
+                try:
+                    connection.sendall(b" ")
+                except OSError:
+                    pass
+    trickler = threading.Thread(target=trickle, daemon=True)
+    trickler.start()
+    body = json.dumps({"model": cluster.served_model_name, "input_ids": [5, 6, 7],
+                       "sampling_params": {"max_new_tokens": 2}}).encode()
+    try:
+        time.sleep(1.0)
+        answers = []
+        for _ in range(rng.randint(6, 10)):
+            answers.append(call(f"{cluster.router_url}/generate", body, timeout_s=15)[0])
+            time.sleep(0.5)
+        assert answers == [200] * len(answers), answers
+    finally:
+        stop.set()
+        trickler.join(5)
+        for connection in slow:
+            connection.close()
 
 
 def test_the_supervisor_restarts_a_swelling_gateway_and_guards_the_new_one(cluster, caplog) -> None:
