@@ -12,6 +12,9 @@ alike) is answered `400` with an empty body, before smg parses it.
     argv += ENABLE_ARGS                               # on the router's command line
     install(router_url, control_plane_key)            # once it answers, after every (re)start
 
+`up` installs it at start and its supervisor after every router restart; in Kubernetes the
+router container's postStart hook runs `post_start_command` (`python -m deepseek_pd.gateway_guard`).
+
 smg's WASM middleware reads each serving request's whole body (at most 10 MiB, its
 `max_body_size`; larger bodies get 400) into a fresh instance of the component; the scan is one
 pass over the bytes. If the module cannot run (a trap), smg lets the request through.
@@ -31,6 +34,12 @@ MAX_SAMPLES = 128
 COMPONENT = Path(__file__).with_name("n_guard.wasm")  # built by build.py from n_guard.wat
 MODULE_NAME = "deepseek-pd-n-guard"
 ENABLE_ARGS = ("--enable-wasm",)
+
+
+def post_start_command(port: int, key_env: str) -> list[str]:
+    """A router container's postStart hook: load the guard once the gateway on `port` answers
+    (__main__.py), with the control-plane key from the environment variable `key_env`."""
+    return ["python3", "-m", "deepseek_pd.gateway_guard", "--port", str(port), "--key-env", key_env]
 
 
 def install_request(component: Path = COMPONENT) -> dict:
