@@ -68,6 +68,13 @@ CONTROL_PLANE_KEY_ID = "deepseek-pd"
 # sooner by the health checks).
 WEDGE_ARGS = ("--worker-wedge-secs", "30")
 
+# Slow clients. smg closes a connection whose request head is not complete within
+# --header-read-timeout-secs (default 30 s); a client sends its head at once, so 10 s frees a slot
+# held by a slowloris head three times sooner. A slow *body* has no timeout in smg 1.13 (the n guard
+# reads it before admission, so it holds a connection but no request slot), nor is there a
+# per-client connection budget: that is the ingress's job (docs/operations.md, "Gateway limits").
+SLOW_CLIENT_ARGS = ("--header-read-timeout-secs", "10")
+
 RETRY_ARGS = ("--retry-max-retries", "5", "--retry-initial-backoff-ms", "1500",
               "--retry-backoff-multiplier", "2", "--retry-max-backoff-ms", "8000")
 

@@ -70,7 +70,8 @@ SHUTDOWN_GRACE_SECONDS = 180
 # move a request whose worker died before its first token to another pair. (smg's
 # `--retry-max-retries 1`, used before, means one attempt: no retry at all.)
 ROUTER_RESILIENCE_ARGS = ("--disable-circuit-breaker", *gateway.RETRY_ARGS, *gateway.WEDGE_ARGS,
-                          "--health-check-interval-secs", "5", "--health-failure-threshold", "3")
+                          *gateway.SLOW_CLIENT_ARGS, "--health-check-interval-secs", "5",
+                          "--health-failure-threshold", "3")
 
 
 def router_startup_timeout_seconds(spec: DeploymentSpec) -> int:

@@ -48,8 +48,9 @@ KV_TRANSPORTS = ("grpc", "mooncake")
 # for a minute: it stays off, and health checks every 2 s remove a dead worker instead. Retries
 # are on (gateway.RETRY_ARGS says when they are safe): with two decode workers, a request whose
 # decode worker dies before its first token runs again on the other one.
-ROUTER_LOCAL_FLAGS = (*gateway.RETRY_ARGS, *gateway.WEDGE_ARGS, "--disable-circuit-breaker",
-                      "--health-check-interval-secs", "2", "--health-failure-threshold", "2")
+ROUTER_LOCAL_FLAGS = (*gateway.RETRY_ARGS, *gateway.WEDGE_ARGS, *gateway.SLOW_CLIENT_ARGS,
+                      "--disable-circuit-breaker", "--health-check-interval-secs", "2",
+                      "--health-failure-threshold", "2")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@
   429, then 503). Slots are scaled down here (smg's default is 1024 per core, at least 4,096,
   plus 100 queued); the connections themselves stay open (docs/operations.md: the ingress bounds
   them).
+- A connection that never completes its request head is closed within the 10 s `up` passes
+  (`--header-read-timeout-secs`; smg's default is 30 s).
 - When the gateway swells anyway (here: the guard removed through smg's control plane, then the
   same request), `up`'s supervisor kills it as soon as its RSS passes the bound, starts it again,
   loads the guard into the new process, and serving goes on.
@@ -29,6 +31,7 @@ import urllib.request
 
 import pytest
 
+from deepseek_pd import gateway
 from deepseek_pd.gateway_guard import MAX_SAMPLES, MODULE_NAME
 from deepseek_pd.launcher.cluster import LocalCluster
 from deepseek_pd.launcher.supervisor import SupervisorConfig
@@ -143,6 +146,25 @@ def test_slow_bodies_do_not_take_the_request_slots(cluster) -> None:
         trickler.join(5)
         for connection in slow:
             connection.close()
+
+
+def test_a_slow_request_head_is_closed_within_the_header_timeout(cluster) -> None:
+    """smg's default gives a request head 30 s; `up` and the operator pass 10 s (gateway.SLOW_CLIENT_ARGS)."""
+    limit_s = float(gateway.SLOW_CLIENT_ARGS[gateway.SLOW_CLIENT_ARGS.index("--header-read-timeout-secs") + 1])
+    connection = socket.create_connection((cluster.spec.host, cluster.router_port), timeout=limit_s + 5)
+    started = time.monotonic()
+    try:
+        connection.sendall(b"POST /generate HTTP/1.1\r\nHost: gateway\r\n")  # and never the rest
+        try:
+            while connection.recv(4096):  # smg may answer 408 before it closes
+                pass
+        except (TimeoutError, socket.timeout):
+            pytest.fail(f"the gateway still held a half-sent request head after {limit_s + 5:.0f}s")
+        except OSError:
+            pass  # reset: closed too
+        assert time.monotonic() - started < limit_s + 3
+    finally:
+        connection.close()
 
 
 def test_the_supervisor_restarts_a_swelling_gateway_and_guards_the_new_one(cluster, caplog) -> None:
