@@ -5,7 +5,7 @@ operator/build_router.py) build its command line from the values here, so a limi
 policy is decided once:
 
     python -m smg.launch_router --pd-disaggregation --prefill grpc://H:P BOOT --decode grpc://H:D
-        --policy round_robin --max-payload-size 16777216
+        --policy round_robin --max-payload-size 10485760 --enable-wasm   # + the n guard (gateway_guard)
         --control-plane-api-keys 'deepseek-pd:deepseek-pd:admin:<key>'     # add/remove workers
         [--api-key <client key>]                                           # the OpenAI/SGLang API
 
