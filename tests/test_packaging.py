@@ -66,6 +66,7 @@ def test_wheel_install_imports_every_subpackage(tmp_path):
     assert install.returncode == 0, install.stderr
     assert not (target / "model").exists() and (target / "deepseek_pd" / "model").is_dir()
     assert list((target / "deepseek_pd" / "proto").glob("*.proto")), "package data (.proto) missing"
+    assert (target / "deepseek_pd" / "gateway_guard" / "n_guard.wasm").is_file(), "the gateway's n guard is missing"
 
     # -S: no site processing, so the editable install's .pth finder is not active; dependencies come
     # from the venv's site-packages on PYTHONPATH, after the wheel's target.

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepseek_pd import gateway
+from deepseek_pd import gateway, gateway_guard
 from deepseek_pd.errors import UserError
 from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy, worker_kv_tokens
 from deepseek_pd.ports import pick_free_port_blocks
@@ -49,8 +49,9 @@ KV_TRANSPORTS = ("grpc", "mooncake")
 # for a minute: it stays off, and health checks every 2 s remove a dead worker instead. Retries
 # are on (gateway.RETRY_ARGS says when they are safe): with two decode workers, a request whose
 # decode worker dies before its first token runs again on the other one.
-ROUTER_LOCAL_FLAGS = (*gateway.RETRY_ARGS, *gateway.WEDGE_ARGS, "--disable-circuit-breaker",
-                      "--health-check-interval-secs", "2", "--health-failure-threshold", "2")
+ROUTER_LOCAL_FLAGS = (*gateway.RETRY_ARGS, *gateway.WEDGE_ARGS, *gateway.SLOW_CLIENT_ARGS,
+                      "--disable-circuit-breaker", "--health-check-interval-secs", "2",
+                      "--health-failure-threshold", "2")
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,12 @@ class LocalCluster:
         """What keeps this started cluster serving (launcher/supervisor.py); call its `step()`."""
         assert self.router is not None, "start() the cluster first"
         return Supervisor([w.process for w in self.workers], self.router, self.router_url,
-                          config or SupervisorConfig())
+                          config or SupervisorConfig(), on_router_live=self.install_router_guards)
+
+    def install_router_guards(self) -> None:
+        """Loads what the router checks requests with (gateway_guard: the bound on `n`); needed
+        after every router start, since smg keeps WASM modules in memory only."""
+        gateway_guard.install(self.router_url, self.control_plane_key)
 
     def start(self) -> "LocalCluster":
         spec = self.spec
@@ -204,6 +210,7 @@ class LocalCluster:
             self._wait_workers_healthy(deadline)
             self._start_router()
             self._wait_router_ready(deadline)
+            self.install_router_guards()
         except BaseException:
             self.stop()
             raise
@@ -285,7 +292,7 @@ class LocalCluster:
                  "--prometheus-host", spec.host, "--prometheus-port", str(self.metrics_port),
                  "--policy", spec.policy,
                  *gateway.router_security_args(self.control_plane_key, spec.client_api_key),
-                 *spec.router_args]  # router_args last: they win
+                 *gateway_guard.ENABLE_ARGS, *spec.router_args]  # router_args last: they win
         return argv
 
     def _wait_router_ready(self, deadline: float) -> None:
