@@ -11,19 +11,12 @@ real on a GPU (`-m gpu`).
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
-
-from triton_probe import interpreter_runs  # noqa: E402
+from pdtest.triton_env import HAS_CUDA, HAS_TRITON, interpreter_runs  # first: before the kernels
 
 from deepseek_pd.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
