@@ -95,14 +95,16 @@ def measure(heads: int, lengths: list[int], flops_peak: float, bw_peak: float, w
 
         if not flashinfer_mla_available():
             raise RuntimeError("flashinfer not available here")
-        plan = plan_decode(batch.page_table, batch.seq_lens, heads, RANK, ROPE, PAGE, scale, torch.bfloat16)
+        plan = plan_decode(batch.page_table, batch.seq_lens, heads, RANK, ROPE, PAGE, scale, torch.bfloat16,
+                                page_lists=batch.page_lists)
         out = torch.full((len(lengths), heads, RANK), float("nan"), dtype=torch.bfloat16, device="cuda")
         plan.run(q_latent, q_pe, cache, out=out)
         plans = []
         for _ in range(5):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            plan_decode(batch.page_table, batch.seq_lens, heads, RANK, ROPE, PAGE, scale, torch.bfloat16)
+            plan_decode(batch.page_table, batch.seq_lens, heads, RANK, ROPE, PAGE, scale, torch.bfloat16,
+                                page_lists=batch.page_lists)
             torch.cuda.synchronize()
             plans.append((time.perf_counter() - t0) * 1e3)
         ms = timed_ms(lambda: plan.run(q_latent, q_pe, cache, out=out))

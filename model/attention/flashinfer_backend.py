@@ -71,6 +71,6 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         plan = batch.derived.get(key)
         if plan is None:
             plan = plan_decode(batch.page_table, batch.seq_lens, heads, kv_lora_rank, q_pe.shape[-1],
-                               kv_cache.shape[1], scale, q_latent.dtype)
+                               kv_cache.shape[1], scale, q_latent.dtype, page_lists=batch.page_lists)
             batch.derived[key] = plan
         return plan.run(q_latent, q_pe, kv_cache)

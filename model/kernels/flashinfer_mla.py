@@ -5,9 +5,10 @@ use with the machine's nvcc. It is never required: `flashinfer_mla_available()` 
 imports and runs here, and the attention backend falls back to our Triton kernel otherwise.
 
 One plan per batch: FlashInfer partitions the work on the host from the sequence lengths, so
-`plan_decode` runs once per `ForwardBatch` and every layer reuses it (`MLAPlan.run`). The page
-table is passed padded, as the batch already holds it (`[B, W]` pages, W per sequence in
-`kv_indptr`); the lengths bound what is read, so the padding is never touched.
+`plan_decode` runs once per `ForwardBatch` and every layer reuses it (`MLAPlan.run`). FlashInfer
+takes the pages as CSR with exactly ceil(length / page_size) pages per sequence; they are built on
+the host from the batch's page lists (no device sync), or compacted from the padded device table
+when a batch has no host lists.
 
 The torch backend (`model/attention/torch_backend.py`) is the oracle: tests/model/test_flashinfer_mla.py.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -74,9 +76,12 @@ class MLAPlan:
         return out
 
 
-def plan_decode(page_table: torch.Tensor, seq_lens: tuple[int, ...], num_heads: int, rank: int, rope: int,
-                page_size: int, scale: float, dtype: torch.dtype, backend: str = "fa3") -> MLAPlan:
-    """Plan one query per sequence over `page_table` `[B, W]` (device) with host `seq_lens`."""
+def plan_decode(page_table: torch.Tensor, seq_lens: Sequence[int], num_heads: int, rank: int, rope: int,
+                page_size: int, scale: float, dtype: torch.dtype, backend: str = "fa3",
+                page_lists: Sequence[Sequence[int]] = ()) -> MLAPlan:
+    """Plan one query per sequence over `page_table` `[B, W]` (device) with host `seq_lens`;
+    `page_lists` (host, per sequence, at least the pages its length needs), when given, spares the
+    device-to-host read of the table."""
     from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
     if (rank, rope) != SUPPORTED_WIDTHS:
@@ -88,13 +93,22 @@ def plan_decode(page_table: torch.Tensor, seq_lens: tuple[int, ...], num_heads: 
         raise ValueError(f"page table has {batch} rows for {len(seq_lens)} sequences")
     if max(seq_lens) > width * page_size or min(seq_lens) < 1:
         raise ValueError(f"lengths {min(seq_lens)}..{max(seq_lens)} do not fit {width} pages of {page_size}")
-    device = page_table.device
-    metadata = MLAPlanMetadata.csr(
-        qo_indptr=torch.arange(batch + 1, dtype=torch.int32),
-        kv_indptr=torch.arange(batch + 1, dtype=torch.int32) * width,
-        kv_indices=page_table.to(torch.int32).reshape(-1),
-        kv_len_arr=torch.tensor(seq_lens, dtype=torch.int32))
-    wrapper = BatchMLAPagedAttentionWrapper(_workspace(device), backend=backend)
+    counts = [-(-n // page_size) for n in seq_lens]
+    kv_indptr = [0]
+    for c in counts:
+        kv_indptr.append(kv_indptr[-1] + c)
+    if page_lists:
+        if len(page_lists) != batch or any(len(p) < c for p, c in zip(page_lists, counts)):
+            raise ValueError("page_lists must hold every page of each sequence's length")
+        kv_indices = torch.tensor([page for pages, c in zip(page_lists, counts) for page in pages[:c]],
+                                  dtype=torch.int32)
+    else:
+        used = torch.arange(width, device=page_table.device) < torch.tensor(counts, device=page_table.device)[:, None]
+        kv_indices = page_table[used].to(torch.int32)  # row-major: each sequence's pages in order
+    metadata = MLAPlanMetadata.csr(qo_indptr=torch.arange(batch + 1, dtype=torch.int32),
+                                   kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),
+                                   kv_indices=kv_indices, kv_len_arr=torch.tensor(list(seq_lens), dtype=torch.int32))
+    wrapper = BatchMLAPagedAttentionWrapper(_workspace(page_table.device), backend=backend)
     wrapper.plan(metadata=metadata, num_heads=num_heads, head_dim_ckv=rank, head_dim_kpe=rope,
                  page_size=page_size, causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype,
                  query_layout="split", kv_cache_layout="packed")

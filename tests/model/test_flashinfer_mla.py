@@ -74,11 +74,14 @@ def test_flashinfer_mla_decode_matches_torch(heads, batch_size, page_size):
     scale = 192 ** -0.5
     want = TorchAttentionBackend().mla_decode(q_latent, q_pe, cache, batch, 512, scale)
 
-    plan = plan_decode(batch.page_table, batch.seq_lens, heads, 512, 64, page_size, scale, torch.bfloat16)
-    out = torch.full((batch_size, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    got = plan.run(q_latent, q_pe, cache, out=out)
-    assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
-    assert rel_err(got, want) < 2e-2, rel_err(got, want)
+    # Pages from the host lists, and compacted from the padded device table: the same plan.
+    for lists in (batch.page_lists, ()):
+        plan = plan_decode(batch.page_table, batch.seq_lens, heads, 512, 64, page_size, scale, torch.bfloat16,
+                           page_lists=lists)
+        out = torch.full((batch_size, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = plan.run(q_latent, q_pe, cache, out=out)
+        assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
+        assert rel_err(got, want) < 2e-2, rel_err(got, want)
     # The plan is reused by every layer of the batch: a second layer's cache, same plan.
     cache2 = torch.randn_like(cache)
     want2 = TorchAttentionBackend().mla_decode(q_latent, q_pe, cache2, batch, 512, scale)
