@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from deepseek_pd.errors import UserError
 
-DEFAULT_SPECULATIVE_NUM_STEPS = 3  # what `--speculative-num-steps` means when given without a value
+DEFAULT_SPECULATIVE_NUM_STEPS = 3  # `--speculative-num-steps auto` on a checkpoint with an MTP layer
 MAX_SPECULATIVE_NUM_STEPS = 8
 
 
@@ -25,3 +25,18 @@ def draft_len(steps: int, remaining_tokens: int) -> int:
     emits up to k + 1, so k stays below what is left (and the KV it writes inside the request's
     pages, which hold prompt + max_new - 1 tokens)."""
     return max(0, min(steps, remaining_tokens - 1))
+
+
+def resolve_speculative_num_steps(value: str | int, num_nextn_predict_layers: int) -> int:
+    """A command's `--speculative-num-steps`: "auto" is `DEFAULT_SPECULATIVE_NUM_STEPS` for a
+    checkpoint that ships an MTP layer and 0 (off) for one that does not; else a checked integer
+    (a positive one on a checkpoint without an MTP layer fails when the model loads, naming it)."""
+    if value == "auto":
+        return DEFAULT_SPECULATIVE_NUM_STEPS if num_nextn_predict_layers > 0 else 0
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise UserError(f"--speculative-num-steps must be 'auto' or an integer in "
+                            f"0..{MAX_SPECULATIVE_NUM_STEPS}, got {value!r}") from None
+    return check_speculative_num_steps(value)

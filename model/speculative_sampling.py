@@ -71,6 +71,13 @@ def accept_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
     return n
 
 
+def continues(request: Drafted, drafts: Sequence[int], position: int) -> bool:
+    """After emitting the target's token of verify position `position`: is the next position's
+    verify row still conditioned on what was emitted (the token confirmed draft `position`)?"""
+    return (not request.finished and position < len(drafts)
+            and request.output_ids[-1] == drafts[position])
+
+
 def accept_drafts(requests: Sequence[Drafted], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
                   starts: Sequence[int], sample: SampleFn, stats: AcceptStats | None = None) -> list[int]:
     """Emits each request's tokens from its verify rows `logits[starts[n] + i]` by the rule above;
@@ -83,8 +90,7 @@ def accept_drafts(requests: Sequence[Drafted], drafts: Sequence[Sequence[int]], 
         sample([requests[n] for n in alive], logits[rows])
         for n in alive:
             emitted[n] += 1
-        alive = [n for n in alive if not requests[n].finished and position < len(drafts[n])
-                 and requests[n].output_ids[-1] == drafts[n][position]]
+        alive = [n for n in alive if continues(requests[n], drafts[n], position)]
         position += 1
     if stats is not None:
         for n, request in enumerate(requests):

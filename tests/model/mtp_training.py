@@ -1,0 +1,73 @@
+"""Trains the tiny model's MTP layer, on CPU, to predict its own model's next-next token.
+
+The data are the target's own greedy sequences; the MTP layer sees (token at p + 1, the target's
+normed hidden state at p) and learns the token at p + 2, exactly the pairs it drafts from
+(model/speculative.py). Only the MTP layer's parameters move; embedding and lm_head are shared and
+frozen. A few seconds on the tiny model memorise the training sequences.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+
+
+def target_hidden(runner: ModelRunner, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """The target's normed hidden state of every token of each sequence."""
+    pool = runner.kv_pool
+    pages = [pool.alloc(pool.pages_for_tokens(len(s))) for s in seqs]
+    try:
+        hidden = runner.extend_hidden([ExtendSeq(s, 0, p) for s, p in zip(seqs, pages)])
+    finally:
+        for p in pages:
+            pool.free(p)
+    return list(hidden.split([len(s) for s in seqs]))
+
+
+def train_mtp(runner: ModelRunner, seqs: list[list[int]], seconds: float, lr: float = 1e-2,
+              target_accuracy: float = 1.0) -> tuple[float, int]:
+    """Adam on the MTP layer until `seconds` pass or the training accuracy reaches `target_accuracy`;
+    returns (the last accuracy, steps). The MTP layer's KV pool layer is left zeroed."""
+    model, pool = runner.model, runner.kv_pool
+    hidden = target_hidden(runner, seqs)
+    tokens = [s[1:] for s in seqs]
+    prev = torch.cat([h[:-1] for h in hidden])
+    labels = torch.cat([torch.tensor(s[2:] + [-100]) for s in seqs])
+    mtp_params = list(model.mtp.parameters())
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    for p in mtp_params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(mtp_params, lr=lr)
+    layer = model.mtp.layer_id
+    pages = [pool.alloc(pool.pages_for_tokens(len(t))) for t in tokens]
+    accuracy, steps, start = 0.0, 0, time.monotonic()
+    try:
+        while time.monotonic() - start < seconds and accuracy < target_accuracy:
+            pool.buffers[layer] = torch.zeros_like(pool.buffers[layer])  # no autograd history across steps
+            batch = ForwardBatch.build(ForwardMode.EXTEND, tokens, [0] * len(tokens), pages, pool,
+                                       model.config.vocab_size, "cpu")
+            batch.attention_method = runner.policy.choose(ForwardMode.EXTEND, batch.prefix_lens)
+            with torch.enable_grad():
+                logits = model.lm_head(model.mtp(batch, model.embed_tokens(batch.input_ids), prev)).float()
+                loss = F.cross_entropy(logits, labels, ignore_index=-100)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            known = labels >= 0
+            accuracy = (logits.argmax(-1)[known] == labels[known]).float().mean().item()
+            steps += 1
+    finally:
+        for p in pages:
+            pool.free(p)
+        pool.buffers[layer] = torch.zeros_like(pool.buffers[layer])
+        for p in mtp_params:
+            p.requires_grad_(False)
+        for p in frozen:
+            p.requires_grad_(True)
+    return accuracy, steps
