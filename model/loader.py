@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from deepseek_pd.errors import CheckpointError, UserError
-from deepseek_pd.model.mtp_names import MTP_MARKER
+from deepseek_pd.model.mtp_names import MTP_MARKER, mtp_hf_prefix
 from deepseek_pd.model.fp8 import (FP8_DTYPES, SCALE_SUFFIX, Fp8BlockQuantConfig, check_scale_shape,
                                    dequantize_block_fp8)
 
@@ -161,10 +161,6 @@ def iter_checkpoint_tensors(path: str | Path, config: object | None = None, prog
     files = CheckpointFiles.discover(path)
     names = [n for n in files.tensor_to_file
              if keep_mtp_layers or (_layer_index(n) is None or _layer_index(n) < num_layers)]
-    marker = f"model.layers.{num_layers}.{MTP_MARKER}"
-    if keep_mtp_layers and marker not in files.tensor_to_file:
-        raise UserError(f"{files.directory}: speculative decoding needs the checkpoint's MTP layer, but it has no "
-                        f"{marker} (a checkpoint without its MTP layer: run without --speculative-num-steps)")
     scale_names = {n for n in names if n.endswith(SCALE_SUFFIX)}
     orphans = sorted(s for s in scale_names if s[: -len(SCALE_SUFFIX)] not in files.tensor_to_file)
     if orphans:
@@ -222,7 +218,11 @@ def load_model(path: str | Path, options: "BuildOptions | None" = None,
     directory = resolve_model_dir(path)  # "tiny" -> the generated, cached checkpoint
     config = ModelConfig.from_hf(directory) if config is None else config
     options = options or BuildOptions()
-    model = DeepseekForCausalLM(config, options)
+    model = DeepseekForCausalLM(config, options)  # refuses an MTP layer the config does not have
+    marker = f"{mtp_hf_prefix(config)}{MTP_MARKER}"
+    if options.mtp and marker not in CheckpointFiles.discover(directory).tensor_to_file:
+        raise UserError(f"{directory}: speculative decoding needs the checkpoint's MTP layer, but it has no "
+                        f"{marker} (a checkpoint without its MTP layer: run without --speculative-num-steps)")
     model.load_weights(iter_checkpoint_tensors(directory, config, progress=progress, fp8_dtype=options.dtype,
                                                keep_fp8=options.fp8_backend is not None,
                                                keep_mtp_layers=options.mtp))

@@ -36,7 +36,7 @@ def train_mtp(runner: ModelRunner, seqs: list[list[int]], seconds: float, lr: fl
     hidden = target_hidden(runner, seqs)
     tokens = [s[1:] for s in seqs]
     prev = torch.cat([h[:-1] for h in hidden])
-    labels = torch.cat([torch.tensor(s[2:] + [-100]) for s in seqs])
+    labels = torch.cat([torch.tensor(s[2:] + [-100]) for s in seqs]).to(prev.device)
     mtp_params = list(model.mtp.parameters())
     frozen = [p for p in model.parameters() if p.requires_grad]
     for p in frozen:
@@ -51,7 +51,7 @@ def train_mtp(runner: ModelRunner, seqs: list[list[int]], seconds: float, lr: fl
         while time.monotonic() - start < seconds and accuracy < target_accuracy:
             pool.buffers[layer] = torch.zeros_like(pool.buffers[layer])  # no autograd history across steps
             batch = ForwardBatch.build(ForwardMode.EXTEND, tokens, [0] * len(tokens), pages, pool,
-                                       model.config.vocab_size, "cpu")
+                                       model.config.vocab_size, model.options.device)
             batch.attention_method = runner.policy.choose(ForwardMode.EXTEND, batch.prefix_lens)
             with torch.enable_grad():
                 logits = model.lm_head(model.mtp(batch, model.embed_tokens(batch.input_ids), prev)).float()
