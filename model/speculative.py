@@ -78,7 +78,10 @@ class SpeculativeDecoder:
         """Draft, verify, accept and catch up once for every unfinished request."""
         requests = [r for r in requests if not r.finished]
         positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests]
-        lens = [draft_len(self.num_steps, r.max_new - len(r.output_ids)) for r in requests]
+        # A request with no draft yet (its prompt's KV came from elsewhere, a PD transfer) verifies
+        # its token alone this step; the catch-up then starts its drafts.
+        lens = [draft_len(self.num_steps, r.max_new - len(r.output_ids)) if id(r) in self._drafts else 0
+                for r in requests]
         drafts = self._chain(requests, positions, lens)
         seqs = [ExtendSeq([r.output_ids[-1], *d], prefix_len=p, pages=r.pages)
                 for r, d, p in zip(requests, drafts, positions)]
@@ -97,10 +100,14 @@ class SpeculativeDecoder:
             if r.finished:
                 self._drafts.pop(id(r), None)
 
+    def forget(self, request: SpecRequest) -> None:
+        """Drops a request's draft state (it ended, by a stop, an abort or a failure)."""
+        self._drafts.pop(id(request), None)
+
     def _chain(self, requests: list[SpecRequest], positions: list[int], lens: list[int]) -> list[list[int]]:
         """Each request's draft tokens: d1 from the last catch-up, then k-1 MTP decode steps."""
         drafts = [[self._drafts[id(r)].token] if k else [] for r, k in zip(requests, lens)]
-        hidden = {i: self._drafts[id(r)].hidden for i, r in enumerate(requests)}
+        hidden = {i: self._drafts[id(r)].hidden for i, (r, k) in enumerate(zip(requests, lens)) if k}
         for j in range(1, max(lens, default=0)):
             rows = [i for i, k in enumerate(lens) if k > j]
             seqs = [ExtendSeq([drafts[i][-1]], prefix_len=positions[i] + j - 1, pages=requests[i].pages)

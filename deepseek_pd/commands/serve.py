@@ -84,6 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     security.add_argument("--prefill-peers", default="",
                           help="decode: comma-separated HOST:PORT bootstrap addresses of this deployment's "
                                "prefill workers; KV is pulled from no other (default: loopback hosts only)")
+    parser.add_argument("--speculative-num-steps", type=int, default=0, metavar="N",
+                        help="decode: tokens the checkpoint's MTP layer drafts per step, verified in one forward "
+                             "(0..8, default 0: off; the same as --engine-opt speculative_num_steps=N); a PD "
+                             "prefill worker takes the same value, so both KV layouts hold the MTP layer")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="any field of the worker's configs, repeatable (e.g. cuda_graph=false, "
                              "max_running_requests=32, mem_headroom_gib=4); unknown keys list the valid ones")
@@ -113,7 +117,8 @@ def flags_from_args(args: argparse.Namespace):
         mem_fraction_static=args.mem_fraction_static, chunked_prefill_size=args.chunked_prefill_size,
         parallel=ParallelFlags(args.tp, args.dp, args.ep, args.deepep_mode, args.nnodes, args.node_rank,
                                args.dist_init_addr, args.ep_num_redundant_experts, args.init_expert_location),
-        engine_options=tuple(args.engine_opt) + (("enable_tbo=true",) if args.enable_tbo else ()),
+        engine_options=tuple(args.engine_opt) + (("enable_tbo=true",) if args.enable_tbo else ())
+        + ((f"speculative_num_steps={args.speculative_num_steps}",) if args.speculative_num_steps else ()),
         drain_timeout_s=args.drain_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         internal_secret_file=args.internal_secret_file, insecure_internal=args.insecure_internal,
         prefill_peers=tuple(p for p in args.prefill_peers.split(",") if p.strip()))

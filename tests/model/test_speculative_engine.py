@@ -13,7 +13,7 @@ import torch
 from deepseek_pd.model.engine import Engine
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.model.tiny import make_tiny_model
-from mtp_training import train_mtp
+from pdtest.mtp_training import train_mtp
 
 pytestmark = pytest.mark.timeout(600)
 CHUNK = 8  # small prefill chunks: the prompt's hidden states are gathered over several rounds

@@ -13,7 +13,7 @@ import torch
 from deepseek_pd.model.engine import Engine
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.model.tiny import make_tiny_model
-from mtp_training import train_mtp
+from pdtest.mtp_training import train_mtp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(600)]

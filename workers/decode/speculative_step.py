@@ -1,0 +1,96 @@
+"""The decode worker's speculative step (model/speculative.py): draft, verify, accept, catch up.
+
+Runs in the model thread; the event loop streams the tokens afterwards. Each request has one
+`SpecRow` for its life: the speculative decoder keeps its draft state by that row, and the row
+holds a host copy of the output (the model thread appends the step's tokens there; the event
+loop's own `output_ids` grow as it streams them, `DecodeEngine._accept`).
+
+Only the output budget ends a row inside a step (`SpecRow.finished`); a stop token or string is
+found on the host when the tokens are streamed, and the tokens after it are dropped there. The
+target's tokens up to a stop are those of a run without speculation, so this changes nothing but
+a little wasted work.
+
+    stepper = SpeculativeStepper(runner, num_steps, sampler)
+    tokens = stepper.prefill(...)                    # colocated: extend + first tokens + MTP pass
+    emitted = stepper.step(rows)                     # per row: [(token, logprob, top), ...]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from deepseek_pd.model.prefill_planner import ExtendPlan
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs, pack, unpack
+from deepseek_pd.model.sampling import Sampler, SamplingState
+from deepseek_pd.model.speculative import SpeculativeDecoder
+
+
+@dataclass(eq=False)
+class SpecRow:
+    """A request as the speculative decoder sees it (`model.speculative.SpecRequest`)."""
+
+    prompt_ids: list[int]
+    pages: list[int]
+    max_new: int
+    sampling: SamplingState
+    output_ids: list[int] = field(default_factory=list)
+    # this step's tokens, for the event loop: (token, logprob, top logprobs or None)
+    new: list[tuple[int, float, TopLogprobs | None]] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # colocated prefill: the prompt's hidden states
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output_ids) >= self.max_new
+
+
+class SpeculativeStepper:
+    def __init__(self, runner: ModelRunner, num_steps: int, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.decoder = SpeculativeDecoder(runner, num_steps, self._sample)
+        self.runner = runner
+
+    @property
+    def stats(self):
+        return self.decoder.stats
+
+    def _sample(self, rows: list[SpecRow], logits: torch.Tensor) -> None:
+        out = self.sampler.sample(logits, [row.sampling for row in rows])
+        sampled = unpack(pack(out).cpu(), out.top_counts)
+        for row, token, logprob, top in zip(rows, sampled.token_ids, sampled.logprobs, sampled.top):
+            row.output_ids.append(token)
+            row.new.append((token, logprob, top))
+
+    def prefill(self, plan: ExtendPlan, rows: Sequence[SpecRow], finishing: Sequence[int]) -> SampledTokens:
+        """A colocated prefill round (`plan.items[i]` is `rows[i]`'s prompt): one extend keeping every
+        token's hidden state; the first token of each `finishing` row; the MTP layer over those prompts."""
+        states = self.runner.extend_hidden(plan.seqs)
+        last, end = [], 0
+        for row, seq in zip(rows, plan.seqs):
+            row.hidden.append(states[end:end + len(seq.token_ids)])
+            end += len(seq.token_ids)
+            last.append(end - 1)
+        if not finishing:
+            return SampledTokens([], [], [])
+        done = [rows[i] for i in finishing]
+        for row in done:
+            row.new.clear()
+        self._sample(done, self.runner.logits(states[torch.tensor([last[i] for i in finishing],
+                                                                  device=states.device)]))
+        self.decoder.start(done, [torch.cat(row.hidden) for row in done])
+        for row in done:
+            row.hidden.clear()
+        news = [row.new[0] for row in done]
+        return SampledTokens([n[0] for n in news], [n[1] for n in news], [n[2] for n in news])
+
+    def step(self, rows: Sequence[SpecRow]) -> list[list[tuple[int, float, TopLogprobs | None]]]:
+        """One speculative step for every row; returns each row's emitted tokens, in order."""
+        for row in rows:
+            row.new.clear()
+        self.decoder.step(list(rows))
+        return [list(row.new) for row in rows]
+
+    def forget(self, row: SpecRow) -> None:
+        self.decoder.forget(row)
