@@ -106,12 +106,12 @@ class DeepseekForCausalLM(nn.Module):
         return self.compute_logits(hidden)
 
     @torch.no_grad()
-    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_hidden(self, batch: ForwardBatch, progress: LayerProgress | None = None) -> torch.Tensor:
         """Final-normed hidden states of every new token `[T, H]` (speculative verify and the
         MTP layer's input; `compute_logits` turns rows of them into logits)."""
         if self._tbo is not None:
             raise RuntimeError("forward_hidden does not run two-batch overlap")
-        return self.final_hidden(self.run_layers(batch))
+        return self.final_hidden(self.run_layers(batch, progress))
 
     @torch.no_grad()
     def forward_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:

@@ -223,34 +223,33 @@ class Engine:
     def _prefill(self, requests: list[_Request]) -> None:
         """Rounds of at most `chunked_prefill_size` tokens, planned as the workers plan them."""
         pending = [PromptProgress(r.prompt_ids, r.pages, owner=r) for r in requests]
-        # With speculation: the target's hidden states of each prompt, for the MTP layer's first pass.
-        hidden: dict[int, list[torch.Tensor]] = {id(r): [] for r in requests}
         while pending:
             plan = plan_extend_batch(pending, self.config.chunked_prefill_size)
+            done = plan.finishing
             if self.speculative is None:
                 logits = self.runner.extend(plan.seqs)
-            else:
-                logits = self._extend_keeping_hidden(plan, hidden)
-            plan.advance()
-            done = plan.finishing
-            if done:
                 rows = torch.tensor(done, device=logits.device)
-                finishing = [plan.items[row].owner for row in done]
-                self._sample(finishing, logits[rows])
-                if self.speculative is not None:
-                    self.speculative.start(finishing, [torch.cat(hidden.pop(id(r))) for r in finishing])
+            else:  # every token's hidden state, for the MTP layer's pass over the round
+                hidden = self.runner.extend_hidden(plan.seqs)
+                logits = self.runner.logits(hidden)
+                ends = torch.tensor([len(seq.token_ids) for seq in plan.seqs]).cumsum(0) - 1
+                rows = ends[torch.tensor(done, dtype=torch.long)].to(logits.device)
+            plan.advance()
+            if done:
+                self._sample([plan.items[row].owner for row in done], logits[rows])
+            if self.speculative is not None:
+                self._draft_over_round(plan, hidden)
             pending = [item for item in pending if item.remaining > 0]
 
-    def _extend_keeping_hidden(self, plan, hidden: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        """`runner.extend`'s logits of each sequence's last token, keeping every token's hidden state."""
-        states = self.runner.extend_hidden(plan.seqs)
-        end = 0
-        last = []
-        for item, seq in zip(plan.items, plan.seqs):
-            hidden[id(item.owner)].append(states[end:end + len(seq.token_ids)])
-            end += len(seq.token_ids)
-            last.append(end - 1)
-        return self.runner.logits(states[torch.tensor(last, device=states.device)])
+    def _draft_over_round(self, plan, hidden: torch.Tensor) -> None:
+        """The MTP layer over the round's tokens; the prompts it completes get their first draft."""
+        from deepseek_pd.model.speculative import mtp_over_extend
+
+        owners = {row: plan.items[row].owner for row in plan.finishing}
+        drafts = mtp_over_extend(self.runner, plan.seqs, hidden, [item.token_ids for item in plan.items],
+                                 {row: owner.output_ids[0] for row, owner in owners.items()})
+        for owner, (token, state) in zip(owners.values(), drafts):
+            self.speculative.seed(owner, token, state)
 
     def _decode(self, requests: list[_Request]) -> None:
         from deepseek_pd.model.runner import DecodeSeq

@@ -457,14 +457,16 @@ class ModelRunner:
             return self.decode_eager(seqs, input_ids, group_mode)
 
     # ---- speculative decoding (model/speculative.py) ------------------------------------------
-    def extend_hidden(self, seqs: Sequence[ExtendSeq], force_mla: bool = False) -> torch.Tensor:
+    def extend_hidden(self, seqs: Sequence[ExtendSeq], force_mla: bool = False,
+                      progress: LayerProgress | None = None) -> torch.Tensor:
         """An extend forward returning the final-normed hidden states of every new token `[T, H]`
         (their logits: `logits`). `force_mla`: absorbed MLA over the paged cache whatever the policy
-        says (speculative verify: several queries per sequence, causal among themselves)."""
+        says (speculative verify: several queries per sequence, causal among themselves).
+        `progress` hears of each decoder layer's KV write, as in `extend`."""
         batch = self._batch(ForwardMode.EXTEND, seqs)
         if force_mla:
             batch.attention_method = AttentionMethod.MLA
-        return self.model.forward_hidden(batch)
+        return self.model.forward_hidden(batch, progress)
 
     def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV

@@ -1,5 +1,7 @@
 """Speculative decoding with the MTP layer as the draft model (EAGLE/MTP chain, one draft per step).
 
+Prefill: after each extend round the MTP layer runs over the same tokens (`mtp_over_extend`), so
+its KV covers the prompt and each completed prompt has its first draft (`SpeculativeDecoder.seed`).
 Positions, for a request whose last emitted token `x` sits at position P (not yet in the cache):
     draft     the MTP layer's last output (at P-1) already gave d1; chain step j (1..k-1) feeds
               (d_j, the previous MTP hidden) at position P+j-1 and drafts d_{j+1} (argmax).
@@ -64,15 +66,6 @@ class SpeculativeDecoder:
         self.stats = AcceptStats()
         self._drafts: dict[int, _Draft] = {}
 
-    # ---- after prefill ------------------------------------------------------------------------
-    def start(self, requests: Sequence[SpecRequest], prompt_hidden: Sequence[torch.Tensor]) -> None:
-        """The MTP layer over each prompt (its first draft): `prompt_hidden[i]` `[n_i, H]` are the
-        target's normed hidden states of request i's prompt, whose first token is already sampled."""
-        rows = [(r, h) for r, h in zip(requests, prompt_hidden) if not r.finished]
-        if rows:
-            self._catch_up([r for r, _ in rows], [r.prompt_ids[1:] + r.output_ids[:1] for r, _ in rows],
-                           [0] * len(rows), torch.cat([h for _, h in rows]))
-
     # ---- one decode step ----------------------------------------------------------------------
     def step(self, requests: Sequence[SpecRequest]) -> None:
         """Draft, verify, accept and catch up once for every unfinished request."""
@@ -99,6 +92,11 @@ class SpeculativeDecoder:
         for r in requests:
             if r.finished:
                 self._drafts.pop(id(r), None)
+
+    def seed(self, request: SpecRequest, token: int, hidden: torch.Tensor) -> None:
+        """Its first draft, from an MTP pass over its prompt that ran elsewhere (`mtp_over_extend`,
+        in a colocated prefill round or on the prefill worker)."""
+        self._drafts[id(request)] = _Draft(token, hidden)
 
     def forget(self, request: SpecRequest) -> None:
         """Drops a request's draft state (it ended, by a stop, an abort or a failure)."""
@@ -137,3 +135,26 @@ def _cumsum(values) -> list[int]:
         total += v
         out.append(total)
     return out
+
+
+def mtp_over_extend(runner: ModelRunner, seqs: Sequence[ExtendSeq], hidden: torch.Tensor,
+                    prompts: Sequence[Sequence[int]], first_tokens: dict[int, int]) -> list[tuple[int, torch.Tensor]]:
+    """The MTP layer over one extend round's tokens, right after it (a chunk of each prompt), so the
+    MTP layer's KV of those positions is in the pages with the rest: at position p it takes the
+    token at p + 1, the prompt's own, or for sequence i that completes its prompt `first_tokens[i]`
+    (its sampled first token). `hidden` `[T, H]` are the round's target hidden states
+    (`extend_hidden`). Returns (first draft, MTP hidden) of each completing sequence, in row order.
+    """
+    draft_seqs = []
+    for i, (seq, prompt) in enumerate(zip(seqs, prompts)):
+        end = seq.prefix_len + len(seq.token_ids)
+        after = prompt[end] if end < len(prompt) else first_tokens[i]
+        draft_seqs.append(ExtendSeq([*prompt[seq.prefix_len + 1:end], after], seq.prefix_len, seq.pages))
+    out = runner.draft(draft_seqs, hidden)
+    rows = sorted(first_tokens)
+    if not rows:
+        return []
+    ends = _cumsum(len(s.token_ids) for s in seqs)
+    last = out[torch.tensor([ends[i] - 1 for i in rows], device=out.device)]
+    tokens = runner.logits(last).argmax(dim=-1).tolist()
+    return list(zip(tokens, last))

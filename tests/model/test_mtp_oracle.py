@@ -3,8 +3,8 @@
 Oracle: the checkpoint's MTP decoder layer saved as the only layer of an HF DeepSeek-V3 (layer 0,
 MoE), its `shared_head.norm` as the final norm; HF runs it on `inputs_embeds` =
 `eh_proj([enorm(emb(x)) ; hnorm(h)])` computed here in plain torch. Ours runs the same tokens and
-hidden states through `ModelRunner.draft` in one extend, and again one decode step at a time over
-the paged MTP cache; both must equal HF. The target's hidden states (`extend_hidden`) are checked
+hidden states through `ModelRunner.draft` in one extend, in two extend rounds, and one decode step
+at a time over the paged MTP cache; all must equal HF. The target's hidden states (`extend_hidden`) are checked
 against HF's last hidden state of the main model."""
 from __future__ import annotations
 
@@ -74,6 +74,10 @@ def test_mtp_layer_matches_hf_decoder_layer(tmp_path):
     stepwise = torch.cat([runner.draft([ExtendSeq([t], p, pages)], prev_hidden[p:p + 1])
                           for p, t in enumerate(tokens)])
     torch.testing.assert_close(stepwise, want, atol=2e-4, rtol=2e-4)
+    cut = random.randint(1, length - 1)  # in two extend rounds, as chunked prefill runs it
+    chunked = torch.cat([runner.draft([ExtendSeq(tokens[:cut], 0, pages)], prev_hidden[:cut]),
+                         runner.draft([ExtendSeq(tokens[cut:], cut, pages)], prev_hidden[cut:])])
+    torch.testing.assert_close(chunked, want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(runner.extend_hidden([ExtendSeq(tokens, 0, pages)]), target_want, atol=2e-4, rtol=2e-4)
     # verify's forced absorbed MLA over a cached prefix gives the same hidden states as the policy's method
     split = length // 2

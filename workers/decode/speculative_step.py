@@ -11,7 +11,7 @@ target's tokens up to a stop are those of a run without speculation, so this cha
 a little wasted work.
 
     stepper = SpeculativeStepper(runner, num_steps, sampler)
-    tokens = stepper.prefill(...)                    # colocated: extend + first tokens + MTP pass
+    tokens = stepper.prefill(plan, rows, finishing)  # colocated: extend + first tokens + MTP pass
     emitted = stepper.step(rows)                     # per row: [(token, logprob, top), ...]
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling import Sampler, SamplingState
 from deepseek_pd.model.speculative import SpeculativeDecoder
+from deepseek_pd.workers.common.extend_step import run_extend_with_mtp
 
 
 @dataclass(eq=False)
@@ -39,7 +40,6 @@ class SpecRow:
     output_ids: list[int] = field(default_factory=list)
     # this step's tokens, for the event loop: (token, logprob, top logprobs or None)
     new: list[tuple[int, float, TopLogprobs | None]] = field(default_factory=list)
-    hidden: list[torch.Tensor] = field(default_factory=list)  # colocated prefill: the prompt's hidden states
 
     @property
     def finished(self) -> bool:
@@ -64,26 +64,16 @@ class SpeculativeStepper:
             row.new.append((token, logprob, top))
 
     def prefill(self, plan: ExtendPlan, rows: Sequence[SpecRow], finishing: Sequence[int]) -> SampledTokens:
-        """A colocated prefill round (`plan.items[i]` is `rows[i]`'s prompt): one extend keeping every
-        token's hidden state; the first token of each `finishing` row; the MTP layer over those prompts."""
-        states = self.runner.extend_hidden(plan.seqs)
-        last, end = [], 0
-        for row, seq in zip(rows, plan.seqs):
-            row.hidden.append(states[end:end + len(seq.token_ids)])
-            end += len(seq.token_ids)
-            last.append(end - 1)
-        if not finishing:
-            return SampledTokens([], [], [])
-        done = [rows[i] for i in finishing]
-        for row in done:
-            row.new.clear()
-        self._sample(done, self.runner.logits(states[torch.tensor([last[i] for i in finishing],
-                                                                  device=states.device)]))
-        self.decoder.start(done, [torch.cat(row.hidden) for row in done])
-        for row in done:
-            row.hidden.clear()
-        news = [row.new[0] for row in done]
-        return SampledTokens([n[0] for n in news], [n[1] for n in news], [n[2] for n in news])
+        """A colocated prefill round (`plan.items[i]` is `rows[i]`'s prompt): the extend, the first
+        token of each `finishing` row and the MTP layer over the round (`run_extend_with_mtp`); the
+        completed prompts' first drafts seed the speculative decoder."""
+        sampled, drafts = run_extend_with_mtp(self.runner, self.sampler, plan.seqs, finishing,
+                                              [rows[i].sampling for i in finishing],
+                                              [item.token_ids for item in plan.items])
+        for i, token, (draft, hidden) in zip(finishing, sampled.token_ids, drafts):
+            rows[i].output_ids = [token]
+            self.decoder.seed(rows[i], draft, hidden)
+        return sampled
 
     def step(self, rows: Sequence[SpecRow]) -> list[list[tuple[int, float, TopLogprobs | None]]]:
         """One speculative step for every row; returns each row's emitted tokens, in order."""

@@ -34,7 +34,7 @@ from deepseek_pd.workers.common.api import (
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
 from deepseek_pd.workers.common.bootstrap_routes import RouteTable
 from deepseek_pd.workers.common.kv_transfer import build_sender
-from deepseek_pd.workers.common.extend_step import run_extend
+from deepseek_pd.workers.common.extend_step import run_extend, run_extend_with_mtp
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.request_failure import AdmissionRefused, RequestFailure, failure_for
 from deepseek_pd.workers.common.request_lifecycle import EngineCore, RequestRecord
@@ -298,8 +298,13 @@ class PrefillEngine(EngineCore[_Request]):
             progress = self._layer_progress(batch, plan.seqs) if self.config.scheduler.layerwise_transfer else None
             try:
                 began = time.perf_counter()
-                sampled = await self.model_thread.run(run_extend, self.runner, self.sampler, plan.seqs, rows,
-                                                      [batch[r].sampling for r in rows], progress)
+                if self.runner.model.mtp is None:
+                    sampled = await self.model_thread.run(run_extend, self.runner, self.sampler, plan.seqs, rows,
+                                                          [batch[r].sampling for r in rows], progress)
+                else:  # speculative decoding: the MTP layer's KV of these pages is sent with the rest
+                    sampled, _ = await self.model_thread.run(
+                        run_extend_with_mtp, self.runner, self.sampler, plan.seqs, rows,
+                        [batch[r].sampling for r in rows], [s.progress.token_ids for s in batch], progress)
                 self.metrics.observe_step("prefill", time.perf_counter() - began, len(batch),
                                           sum(len(seq.token_ids) for seq in plan.seqs))
                 error = None

@@ -10,9 +10,10 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from deepseek_pd.model.engine import Engine
-from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.model.tiny import make_tiny_model
 from deepseek_pd.workers.common.api import DisaggParams, Failed, GenerateRequest
@@ -93,7 +94,7 @@ def _pd(prefill_runner: ModelRunner, decode_runner: ModelRunner, oracle: Engine,
                     break
                 await asyncio.sleep(0.05)
             assert decode.pool.num_used_pages == 0 and decode.budget.reserved == 0
-            return outcomes
+            return outcomes, decode.speculation.stats
         finally:
             await decode.stop()
             await prefill.stop()
@@ -104,17 +105,69 @@ def _pd(prefill_runner: ModelRunner, decode_runner: ModelRunner, oracle: Engine,
 def test_pd_with_mtp_on_both_sides_equals_offline(setup, transport):
     path, oracle, trained, prompts, _ = setup
     expected = oracle.generate_batch(prompts, GREEDY)
-    prefill_runner = ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=256, speculative_num_steps=3))
-    for (p_out, d_out), want in zip(_pd(prefill_runner, _spec_runner(path, trained), oracle, prompts, transport),
-                                    expected):
+    # The prefill worker runs the (trained) MTP layer over each prompt and sends its KV with the rest.
+    decode_runner = _spec_runner(path, trained)
+    outcomes, stats = _pd(_spec_runner(path, trained), decode_runner, oracle, prompts, transport)
+    for (p_out, d_out), want in zip(outcomes, expected):
         assert p_out.ok and d_out.ok, (p_out.terminal, d_out.terminal)
         assert d_out.tokens == want.output_ids
+    print(f"PD accept length {stats.accept_length:.2f} ({dict(sorted(stats.histogram.items()))})")
+    # the first decode step verifies the first token alone (no draft crosses the wire yet), the
+    # rest draft from the transferred MTP KV: the memorised prompts accept most drafts
+    assert stats.accept_length > 1.8
 
 
 def test_prefill_without_the_mtp_layer_is_refused(setup):
     path, oracle, trained, prompts, _ = setup
     plain = ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=256))
-    (p_out, d_out), = _pd(plain, _spec_runner(path, trained), oracle, prompts[:1], "grpc")
+    ((p_out, d_out),), _ = _pd(plain, _spec_runner(path, trained), oracle, prompts[:1], "grpc")
     assert isinstance(d_out.terminal, Failed) and isinstance(p_out.terminal, Failed)
     print(d_out.terminal.message)
     assert "layers=5" in d_out.terminal.message and "--speculative-num-steps" in d_out.terminal.message
+
+
+def test_pd_transfers_the_mtp_layers_prompt_kv(setup):
+    """The decode pool's MTP-layer KV of a PD prompt, at its first speculative step, is what the MTP
+    layer computes over that prompt (the prefill worker ran it and the transfer carried it)."""
+    path, oracle, trained, prompts, _ = setup
+    prompt = max(prompts, key=len)
+    decode_runner = _spec_runner(path, trained)
+    layer = decode_runner.model.mtp.layer_id
+    seen = {}
+    engine_step = None
+
+    def spy(rows):
+        if not seen:
+            row = rows[0]
+            pool = decode_runner.kv_pool
+            slots = pool.slots(row.pages, torch.arange(len(prompt)))
+            seen["kv"] = pool.flat(layer)[slots].clone()
+            seen["first"] = row.output_ids[0]
+        return engine_step(rows)
+
+    async def patch_and_run():
+        nonlocal engine_step
+        prefill = PrefillEngine(_spec_runner(path, trained), worker_config("fake"))
+        decode = DecodeEngine(decode_runner, worker_config("fake"), tokenizer=oracle.tokenizer)
+        engine_step, decode.speculation.step = decode.speculation.step, spy
+        await prefill.start()
+        await decode.start()
+        try:
+            disagg = DisaggParams("127.0.0.1", prefill.bootstrap_port, 7777)
+            base = GenerateRequest(rid="kv", input_ids=tuple(prompt), sampling=GREEDY, disagg=disagg)
+            return await asyncio.gather(collect(prefill, dataclasses.replace(base, rid="kv-p")),
+                                        collect(decode, dataclasses.replace(base, rid="kv-d")))
+        finally:
+            await decode.stop()
+            await prefill.stop()
+
+    p_out, d_out = asyncio.run(patch_and_run())
+    assert p_out.ok and d_out.ok
+    # the oracle: one MTP pass over the whole prompt in a runner of its own
+    oracle_runner = _spec_runner(path, trained)
+    pool = oracle_runner.kv_pool
+    pages = pool.alloc(pool.pages_for_tokens(len(prompt)))
+    hidden = oracle_runner.extend_hidden([ExtendSeq(prompt, 0, pages)])
+    oracle_runner.draft([ExtendSeq(prompt[1:] + [seen["first"]], 0, pages)], hidden)
+    want = pool.flat(layer)[pool.slots(pages, torch.arange(len(prompt)))]
+    torch.testing.assert_close(seen["kv"], want, atol=1e-4, rtol=1e-4)
