@@ -55,7 +55,7 @@ from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, Lau
 from deepseek_pd.workers.decode.kv_checks import scrub_pages
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation, decode_reserve_pages
-from deepseek_pd.workers.decode.speculative_step import SpecRow, SpeculativeStepper
+from deepseek_pd.workers.decode.speculative_step import SpecRow, SpeculativeStepper, wire_draft
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,8 @@ class DecodeEngine(EngineCore[_Request]):
                 state.launched = 1
                 state.last_token_at = time.perf_counter()
                 self._accept(state, done.first_token_id, done.first_token_logprob, first_top_logprobs(done))
+                if state.spec is not None:  # drafts from the first step, when the prefill sent its draft
+                    state.spec.wire_draft = wire_draft(done, model_config.vocab_size, model_config.hidden_size)
                 if not state.finished:
                     self._running.append(state)
             else:

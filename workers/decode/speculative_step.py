@@ -16,6 +16,7 @@ a little wasted work.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -40,6 +41,8 @@ class SpecRow:
     output_ids: list[int] = field(default_factory=list)
     # this step's tokens, for the event loop: (token, logprob, top logprobs or None)
     new: list[tuple[int, float, TopLogprobs | None]] = field(default_factory=list)
+    # A PD request's first draft as the prefill worker sent it (token, hidden), until a step seeds it.
+    wire_draft: tuple[int, list[float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -79,8 +82,25 @@ class SpeculativeStepper:
         """One speculative step for every row; returns each row's emitted tokens, in order."""
         for row in rows:
             row.new.clear()
+            if row.wire_draft is not None:
+                token, hidden = row.wire_draft
+                row.wire_draft = None
+                weight = self.runner.model.embed_tokens.weight
+                self.decoder.seed(row, token, torch.tensor(hidden, dtype=weight.dtype).to(weight.device))
         self.decoder.step(list(rows))
         return [list(row.new) for row in rows]
 
     def forget(self, row: SpecRow) -> None:
         self.decoder.forget(row)
+
+
+def wire_draft(done, vocab_size: int, hidden_size: int) -> tuple[int, list[float]] | None:
+    """The first draft a prefill worker sent in `TransferDone` (`mtp_draft_token_id`, `mtp_hidden`),
+    or None when there is none or it does not fit this model (then the first step verifies the
+    first token alone: output is unaffected, only that step's speedup is lost)."""
+    hidden = list(done.mtp_hidden)
+    if len(hidden) != hidden_size or not 0 <= done.mtp_draft_token_id < vocab_size:
+        return None
+    if not all(math.isfinite(v) for v in hidden):
+        return None
+    return done.mtp_draft_token_id, hidden

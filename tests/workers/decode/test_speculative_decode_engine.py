@@ -128,7 +128,8 @@ def test_prefill_without_the_mtp_layer_is_refused(setup):
 
 def test_pd_transfers_the_mtp_layers_prompt_kv(setup):
     """The decode pool's MTP-layer KV of a PD prompt, at its first speculative step, is what the MTP
-    layer computes over that prompt (the prefill worker ran it and the transfer carried it)."""
+    layer computes over that prompt (the prefill worker ran it and the transfer carried it), and so
+    is the first draft that came in TransferDone."""
     path, oracle, trained, prompts, _ = setup
     prompt = max(prompts, key=len)
     decode_runner = _spec_runner(path, trained)
@@ -143,6 +144,7 @@ def test_pd_transfers_the_mtp_layers_prompt_kv(setup):
             slots = pool.slots(row.pages, torch.arange(len(prompt)))
             seen["kv"] = pool.flat(layer)[slots].clone()
             seen["first"] = row.output_ids[0]
+            seen["wire_draft"] = row.wire_draft
         return engine_step(rows)
 
     async def patch_and_run():
@@ -168,6 +170,22 @@ def test_pd_transfers_the_mtp_layers_prompt_kv(setup):
     pool = oracle_runner.kv_pool
     pages = pool.alloc(pool.pages_for_tokens(len(prompt)))
     hidden = oracle_runner.extend_hidden([ExtendSeq(prompt, 0, pages)])
-    oracle_runner.draft([ExtendSeq(prompt[1:] + [seen["first"]], 0, pages)], hidden)
+    mtp_out = oracle_runner.draft([ExtendSeq(prompt[1:] + [seen["first"]], 0, pages)], hidden)
     want = pool.flat(layer)[pool.slots(pages, torch.arange(len(prompt)))]
     torch.testing.assert_close(seen["kv"], want, atol=1e-4, rtol=1e-4)
+    # and the first draft came over the wire: the MTP layer's token and hidden state at the last position
+    token, wire_hidden = seen["wire_draft"]
+    assert token == int(oracle_runner.logits(mtp_out[-1:]).argmax())
+    torch.testing.assert_close(torch.tensor(wire_hidden), mtp_out[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_malformed_wire_draft_is_ignored():
+    from deepseek_pd.proto import bootstrap_pb2 as pb
+    from deepseek_pd.workers.decode.speculative_step import wire_draft
+
+    good = pb.TransferDone(mtp_draft_token_id=7, mtp_hidden=[0.5] * 4)
+    assert wire_draft(good, vocab_size=10, hidden_size=4) == (7, [0.5] * 4)
+    assert wire_draft(pb.TransferDone(), vocab_size=10, hidden_size=4) is None  # a prefill without MTP
+    assert wire_draft(good, vocab_size=7, hidden_size=4) is None  # token outside the vocabulary
+    assert wire_draft(good, vocab_size=10, hidden_size=5) is None  # another model's hidden size
+    assert wire_draft(pb.TransferDone(mtp_draft_token_id=1, mtp_hidden=[float("nan")] * 4), 10, 4) is None
