@@ -407,10 +407,15 @@ class DecodeEngine(EngineCore[_Request]):
             chosen.append(state)
         if not chosen:
             return
+        stats = self.speculation.stats
+        drafted, accepted = stats.drafted, stats.accepted
         try:
             began = time.perf_counter()
             emitted = await self._model_call(chosen, self.speculation.step, [s.spec for s in chosen])
-            self.metrics.observe_step("decode", time.perf_counter() - began, len(chosen), len(chosen))
+            self.metrics.observe_step("decode", time.perf_counter() - began, len(chosen),
+                                      sum(len(tokens) for tokens in emitted))
+            self.metrics.observe_speculative(stats.drafted - drafted, stats.accepted - accepted,
+                                             [len(tokens) for tokens in emitted])
         except Exception:
             self._fail_in_flight("speculative decode step failed (see the worker log)")
             return

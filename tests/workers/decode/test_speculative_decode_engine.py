@@ -17,6 +17,7 @@ from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.model.tiny import make_tiny_model
 from deepseek_pd.workers.common.api import DisaggParams, Failed, GenerateRequest
+from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pdtest.mtp_training import train_mtp
@@ -58,7 +59,8 @@ def test_colocated_speculative_equals_offline(setup):
     expected = oracle.generate_batch(all_prompts, params)
 
     async def run():
-        engine = DecodeEngine(_spec_runner(path, trained), worker_config("fake"), tokenizer=oracle.tokenizer)
+        engine = DecodeEngine(_spec_runner(path, trained), worker_config("fake"), tokenizer=oracle.tokenizer,
+                              metrics=metrics)
         await engine.start()
         try:
             outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"c{i}", tuple(p), sp, return_logprob=True))
@@ -68,7 +70,13 @@ def test_colocated_speculative_equals_offline(setup):
         finally:
             await engine.stop()
 
+    metrics = WorkerMetrics()
     outcomes, stats = asyncio.run(run())
+    sample = metrics.registry.get_sample_value
+    assert sample("deepseek_pd:spec_draft_tokens_total", metrics.labels.values()) == stats.drafted
+    assert sample("deepseek_pd:spec_accepted_tokens_total", metrics.labels.values()) == stats.accepted
+    assert sample("deepseek_pd:spec_accept_length_count", metrics.labels.values()) == stats.verify_rows
+    assert sample("deepseek_pd:spec_accept_length_sum", metrics.labels.values()) == stats.emitted
     for outcome, want in zip(outcomes, expected):
         assert outcome.ok and outcome.tokens == want.output_ids
         assert all(abs(a - b) < 1e-4 for a, b in zip(outcome.logprobs, want.output_logprobs))
