@@ -22,6 +22,7 @@ from deepseek_pd.model.layer_ops import (LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, Emp
 from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.mtp import MtpLayer
+from deepseek_pd.model.mtp_names import kv_layers
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.parallel import ExpertPlacement
 from deepseek_pd.model.rope import RotaryEmbedding
@@ -123,7 +124,7 @@ class DeepseekForCausalLM(nn.Module):
     @property
     def num_kv_layers(self) -> int:
         """Layers of latent KV the pool holds: the decoder layers, and the MTP layer when built."""
-        return self.config.num_hidden_layers + (self.mtp is not None)
+        return kv_layers(self.config, self.mtp is not None)
 
     @torch.no_grad()
     def forward_idle(self, mode: ForwardMode) -> None:

@@ -26,3 +26,9 @@ def mtp_layer_id(config: _HasLayers) -> int:
 
 def mtp_hf_prefix(config: _HasLayers) -> str:
     return f"model.layers.{mtp_layer_id(config)}."
+
+
+def kv_layers(config: _HasLayers, mtp: bool) -> int:
+    """Layers of latent KV a pool holds: the decoder layers, and the MTP layer when it is loaded
+    (speculative decoding). Its bytes per token, the PD layout and memory plans all follow this."""
+    return config.num_hidden_layers + int(mtp)

@@ -224,6 +224,8 @@ class RunnerConfig:
             return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
         if self.enable_tbo:
             return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
+        if self.speculative_num_steps:
+            return "CUDA graphs do not capture speculative draft and verify steps yet (speculative_num_steps > 0)"
         if self.tp_size > 1:
             return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
         dispatcher = self.resolve_dispatcher()

@@ -3,11 +3,13 @@
 The data are the target's own greedy sequences; the MTP layer sees (token at p + 1, the target's
 normed hidden state at p) and learns the token at p + 2, exactly the pairs it drafts from
 (model/speculative.py). Only the MTP layer's parameters move; embedding and lm_head are shared and
-frozen. A few seconds on the tiny model memorise the training sequences.
+frozen. A few seconds on the tiny model memorise the training sequences. `save_mtp_layer` writes
+the trained layer back into the checkpoint, for workers in other processes.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -71,3 +73,47 @@ def train_mtp(runner: ModelRunner, seqs: list[list[int]], seconds: float, lr: fl
         for p in frozen:
             p.requires_grad_(True)
     return accuracy, steps
+
+
+def save_mtp_layer(runner: ModelRunner, checkpoint: Path) -> None:
+    """Writes the runner's (trained) MTP layer back into `checkpoint`'s model.safetensors under the
+    HF names, so workers that load the checkpoint draft with it (the tiny V3 shape: q_lora, separate
+    shared experts, no FP8)."""
+    from safetensors.torch import load_file, save_file
+
+    from deepseek_pd.model.mtp_names import mtp_hf_prefix
+
+    config, mtp = runner.model.config, runner.model.mtp
+    p = {name: t.detach().cpu().float() for name, t in mtp.named_parameters()}
+    hf = mtp_hf_prefix(config)
+    q_lora, inter = config.q_lora_rank, config.moe_intermediate_size
+    out = {f"{hf}enorm.weight": p["enorm.weight"], f"{hf}hnorm.weight": p["hnorm.weight"],
+           f"{hf}eh_proj.weight": p["eh_proj.weight"], f"{hf}shared_head.norm.weight": p["shared_head_norm.weight"]}
+    layer, a = "layer.", "layer.self_attn."
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[f"{hf}{norm}.weight"] = p[f"{layer}{norm}.weight"]
+    fused = p[a + "fused_qkv_a_proj.weight"]
+    out[f"{hf}self_attn.q_a_proj.weight"] = fused[:q_lora]
+    out[f"{hf}self_attn.kv_a_proj_with_mqa.weight"] = fused[q_lora:]
+    for name in ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "o_proj"):
+        out[f"{hf}self_attn.{name}.weight"] = p[f"{a}{name}.weight"]
+    w_kc, w_vc = p[a + "w_kc"], p[a + "w_vc"]
+    out[f"{hf}self_attn.kv_b_proj.weight"] = torch.cat([w_kc, w_vc], dim=1).reshape(-1, w_kc.shape[-1])
+    m = "layer.mlp."
+    out[f"{hf}mlp.gate.weight"] = p[m + "gate_weight"]
+    out[f"{hf}mlp.gate.e_score_correction_bias"] = p[m + "e_score_correction_bias"]
+    for j in range(config.n_routed_experts):
+        out[f"{hf}mlp.experts.{j}.gate_proj.weight"] = p[m + "experts.w13"][j, :inter]
+        out[f"{hf}mlp.experts.{j}.up_proj.weight"] = p[m + "experts.w13"][j, inter:]
+        out[f"{hf}mlp.experts.{j}.down_proj.weight"] = p[m + "experts.w2"][j]
+    shared = p[m + "shared_experts.gate_up_proj.weight"]
+    half = shared.shape[0] // 2
+    out[f"{hf}mlp.shared_experts.gate_proj.weight"] = shared[:half]
+    out[f"{hf}mlp.shared_experts.up_proj.weight"] = shared[half:]
+    out[f"{hf}mlp.shared_experts.down_proj.weight"] = p[m + "shared_experts.down_proj.weight"]
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    missing = sorted(set(out) - set(tensors))
+    if missing:
+        raise KeyError(f"not in the checkpoint: {missing}")
+    tensors.update({name: t.contiguous() for name, t in out.items()})
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
