@@ -350,6 +350,9 @@ class ModelRunner:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = _load_model(self.config, self.parallel)
+        if self.model.mtp is not None and (self.step_sync is not None or self.tp_replay is not None):
+            raise UserError("speculative decoding (--speculative-num-steps) runs in single-rank workers for now, "
+                            "not in a multi-rank group (--dp/--ep/--tp)")
         model_config = self.model.config
         options = self.model.options
         self.policy = AttentionPolicy(self.config.attention_method, self.config.mha_chunked_kv_threshold)

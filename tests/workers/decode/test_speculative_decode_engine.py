@@ -197,3 +197,43 @@ def test_a_malformed_wire_draft_is_ignored():
     assert wire_draft(good, vocab_size=7, hidden_size=4) is None  # token outside the vocabulary
     assert wire_draft(good, vocab_size=10, hidden_size=5) is None  # another model's hidden size
     assert wire_draft(pb.TransferDone(mtp_draft_token_id=1, mtp_hidden=[float("nan")] * 4), 10, 4) is None
+
+
+def test_abort_mid_speculative_decode_ends_once_and_frees_pages(setup):
+    path, oracle, trained, prompts, _ = setup
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+
+    async def run():
+        engine = DecodeEngine(_spec_runner(path, trained), worker_config("fake"), tokenizer=oracle.tokenizer)
+        await engine.start()
+        try:
+            started = asyncio.Event()
+
+            async def on_event(event):
+                started.set()
+
+            task = asyncio.ensure_future(collect(engine, GenerateRequest("long", tuple(prompts[0]), params), on_event))
+            await asyncio.wait_for(started.wait(), 30)
+            assert await engine.abort("long")
+            outcome = await asyncio.wait_for(task, 30)
+            for _ in range(100):
+                if engine.pool.num_used_pages == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
+            assert not engine.speculation.decoder._drafts  # its draft state went with it
+            return outcome
+        finally:
+            await engine.stop()
+
+    outcome = asyncio.run(run())
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code.value == "aborted"
+    assert 1 <= len(outcome.tokens) < 400
+
+
+def test_a_multi_rank_runner_refuses_speculation(setup):
+    path = setup[0]
+    from deepseek_pd.errors import UserError
+    with pytest.raises(UserError, match="single-rank"):
+        ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=64, speculative_num_steps=1),
+                    step_sync=object())
