@@ -68,7 +68,8 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
             for k in draft_steps:
                 def spec_step() -> None:
                     for j in range(1, k):  # chain: k - 1 MTP decode steps
-                        runner.logits(runner.draft([ExtendSeq([t], context + j - 1, p) for t, p in zip(tokens, pages)], h))
+                        chain = [ExtendSeq([t], context + j - 1, p) for t, p in zip(tokens, pages)]
+                        runner.logits(runner.draft(chain, h))
                     verify = [ExtendSeq([t] * (k + 1), context, p) for t, p in zip(tokens, pages)]
                     states = runner.extend_hidden(verify, force_mla=True)
                     runner.logits(states)
@@ -91,7 +92,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="checkpoint directory with an MTP layer")
-    where.add_argument("--write-v2-lite", metavar="DIR", help="write (once) a random V2-Lite checkpoint with one MTP layer")
+    where.add_argument("--write-v2-lite", metavar="DIR",
+                       help="write (once) a random V2-Lite checkpoint with one MTP layer")
     where.add_argument("--tiny", action="store_true", help="the tiny model with a random MTP layer (CPU smoke run)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")

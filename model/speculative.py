@@ -39,7 +39,7 @@ from deepseek_pd.model.speculative_sampling import AcceptStats, SampleFn, accept
 
 
 class SpecRequest(Protocol):
-    """What the speculative loop reads of a request (the offline engine's `_Request`)."""
+    """What the speculative loop reads of a request (the offline engine's `_Request`, the decode worker's `SpecRow`)."""
 
     prompt_ids: list[int]
     output_ids: list[int]

@@ -20,7 +20,8 @@ is accepted too and counts for all its per-expert names (not in FP8). FP8 checkp
 `_scale_inv` are kept in FP8 or dequantised by `fp8_loading.Fp8Streams`. Layers >= num_hidden_layers (MTP) are
 skipped, unless the model has its MTP module (`mtp.*` parameters): then layer num_hidden_layers fills
 `mtp.layer.*` like a decoder layer, plus its enorm, hnorm, eh_proj and shared_head.norm (its copies of
-the embedding and lm_head are skipped: the main model's are shared). Anything left over raises `CheckpointError(missing, unexpected)`.
+the embedding and lm_head are skipped: the main model's are shared). Anything left over raises
+`CheckpointError(missing, unexpected)`.
 
 The mapping is a pure function over names and tensors: it sees the model only as its parameters
 by name (`dict(model.named_parameters())`, e.g. `layers.3.mlp.experts.w13`), the `ModelConfig` and

@@ -186,9 +186,9 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
         raise UserError(str(exc)) from exc
     identity = WorkerIdentity(role=flags.role, kv_transport=flags.kv_transport, bootstrap_port=flags.bootstrap_port,
                               page_size=runner.page_size, host=flags.host, port=flags.port,
-                              kv_bytes_per_token=bytes_per_pool_page(kv_layers(model_config, runner.speculative_num_steps > 0), 1,
-                                                                     model_config.kv_cache_dim,
-                                                                     runner.resolve_dtype(model_config)))
+                              kv_bytes_per_token=bytes_per_pool_page(
+                                  kv_layers(model_config, runner.speculative_num_steps > 0), 1,
+                                  model_config.kv_cache_dim, runner.resolve_dtype(model_config)))
     return ServeConfig(runner=runner, worker=worker, identity=identity, model=info,
                        server=ServerConfig(flags.host, flags.port, drain_timeout_s=flags.drain_timeout_s),
                        group=group, metrics=MetricsConfig(flags.metrics_host or flags.host, flags.metrics_port))

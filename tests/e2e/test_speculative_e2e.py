@@ -55,6 +55,7 @@ def test_speculative_pd_behind_the_router_equals_offline(tmp_path):
         values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("deepseek_pd:spec_")}
         print({k: v for k, v in values.items() if not k.endswith("_bucket")})
-        accepted, rows = values["deepseek_pd:spec_accepted_tokens_total"], values["deepseek_pd:spec_accept_length_count"]
+        accepted = values["deepseek_pd:spec_accepted_tokens_total"]
+        rows = values["deepseek_pd:spec_accept_length_count"]
         assert rows > 0 and accepted > 0
         print(f"accept length through PD and the router: {values['deepseek_pd:spec_accept_length_sum'] / rows:.2f}")
