@@ -81,7 +81,7 @@ def test_colocated_speculative_equals_offline(setup):
         assert outcome.ok and outcome.tokens == want.output_ids
         assert all(abs(a - b) < 1e-4 for a, b in zip(outcome.logprobs, want.output_logprobs))
     print(f"worker accept length {stats.accept_length:.2f} ({dict(sorted(stats.histogram.items()))})")
-    assert stats.accept_length > 1.3
+    assert stats.accept_length > 1.2  # measured 1.34-1.41: the trained prompts among untrained and sampled ones
 
 
 def _pd(prefill_runner: ModelRunner, decode_runner: ModelRunner, oracle: Engine, prompts, transport: str):
@@ -120,9 +120,23 @@ def test_pd_with_mtp_on_both_sides_equals_offline(setup, transport):
         assert p_out.ok and d_out.ok, (p_out.terminal, d_out.terminal)
         assert d_out.tokens == want.output_ids
     print(f"PD accept length {stats.accept_length:.2f} ({dict(sorted(stats.histogram.items()))})")
-    # the first decode step verifies the first token alone (no draft crosses the wire yet), the
-    # rest draft from the transferred MTP KV: the memorised prompts accept most drafts
+    # the first draft comes over the wire, the rest from the transferred MTP KV: the memorised
+    # prompts accept most drafts
     assert stats.accept_length > 1.8
+
+
+def test_pd_prefix_cache_hits_with_mtp_equal_offline(setup):
+    """Prompts that extend an earlier one hit the prefill's prefix cache, whose pages carry the MTP
+    layer's KV as the first request left it (its last position saw that request's first token):
+    only the drafts can suffer, the output cannot."""
+    path, oracle, trained, prompts, rng = setup
+    longest = max(prompts, key=len)
+    batch = [longest] + [longest + [rng.randrange(2, oracle.vocab_size) for _ in range(n)] for n in (3, 9)]
+    expected = oracle.generate_batch(batch, GREEDY)
+    outcomes, _ = _pd(_spec_runner(path, trained), _spec_runner(path, trained), oracle, batch, "grpc")
+    for (p_out, d_out), want in zip(outcomes, expected):
+        assert p_out.ok and d_out.ok and d_out.tokens == want.output_ids
+    assert all(p_out.terminal.cached_tokens > 0 for p_out, _ in outcomes[1:])
 
 
 def test_prefill_without_the_mtp_layer_is_refused(setup):
