@@ -1,7 +1,9 @@
 """Cost of one speculative decode step (MTP draft chain + one verify forward + MTP catch-up) against
 a plain decode step, at each batch size and number of draft steps, and the speed-up that implies
-at given accept lengths: `speedup(A) = A * t_plain / t_spec(k)` (the catch-up is timed at k + 1
-tokens per sequence, its largest, so the estimate is conservative).
+at given accept lengths: `speedup(A) = A * t_plain / t_spec(k)`. The speculative step is timed by
+`model.speculative.measure_step_costs`, the table the decode worker's per-step policy uses (its
+catch-up at k + 1 tokens per sequence, its largest, so the estimate is conservative); the plain
+step is `runner.decode` (CUDA-graph replay with `--cuda-graph`).
 
 On the GPU (V2-Lite shape with one random MTP layer; random weights accept nothing, so the
 speed-up is the implied one):
@@ -47,43 +49,37 @@ def _timed(fn, device: str, repeats: int) -> float:
 @torch.inference_mode()
 def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: bool, batches: list[int],
             draft_steps: list[int], context: int, repeats: int) -> dict:
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.speculative import measure_step_costs
 
+    max_steps = max(draft_steps)
     runner = ModelRunner(RunnerConfig(model=model, device=device, dtype=dtype, page_size=page_size,
-                                      cuda_graph=cuda_graph, num_pages=-(-max(batches) * (context + 16) // page_size),
-                                      speculative_num_steps=max(draft_steps)))
-    vocab, hidden_size = runner.model_config.vocab_size, runner.model_config.hidden_size
+                                      cuda_graph=cuda_graph,
+                                      num_pages=-(-max(batches) * (context + max_steps + 1) // page_size) + 1,
+                                      speculative_num_steps=max_steps))
+    # The speculative step, as the decode worker's policy measures it (model/speculative.py).
+    costs = measure_step_costs(runner, batches, max_steps, context, repeats)
     rng = random.Random(0)
     rows = []
-    for batch in batches:
+    for col, batch in enumerate(batches):
         pool = runner.kv_pool
-        pages = [pool.alloc(pool.pages_for_tokens(context + 16)) for _ in range(batch)]
+        pages = [pool.alloc(pool.pages_for_tokens(context + 1)) for _ in range(batch)]
         try:
-            # The context's KV (main and MTP layers) is whatever the pool holds: the costs do not depend on it.
-            tokens = [rng.randrange(vocab) for _ in range(batch)]
+            tokens = [rng.randrange(runner.model_config.vocab_size) for _ in range(batch)]
             plain = _timed(lambda: runner.decode([DecodeSeq(t, context, p) for t, p in zip(tokens, pages)]),
                            device, repeats)
-            row = {"batch": batch, "plain_ms": plain}
-            h = torch.zeros(batch, hidden_size, dtype=runner.model.embed_tokens.weight.dtype, device=device)
-            for k in draft_steps:
-                def spec_step() -> None:
-                    for j in range(1, k):  # chain: k - 1 MTP decode steps
-                        chain = [ExtendSeq([t], context + j - 1, p) for t, p in zip(tokens, pages)]
-                        runner.logits(runner.draft(chain, h))
-                    verify = [ExtendSeq([t] * (k + 1), context, p) for t, p in zip(tokens, pages)]
-                    states = runner.extend_hidden(verify, force_mla=True)
-                    runner.logits(states)
-                    runner.logits(runner.draft(verify, states))  # catch-up at its largest, k + 1 tokens
-                cost = _timed(spec_step, device, repeats)
-                row[f"spec{k}_ms"] = cost
-                for a in ACCEPT_LENGTHS:
-                    if a <= k + 1:
-                        row[f"spec{k}_speedup_at_{a}"] = a * plain / cost
-            rows.append(row)
-            print(json.dumps(row), flush=True)
         finally:
             for p in pages:
                 pool.free(p)
+        row = {"batch": batch, "plain_ms": plain}
+        for k in draft_steps:
+            cost = costs.ms[k][col]
+            row[f"spec{k}_ms"] = cost
+            for a in ACCEPT_LENGTHS:
+                if a <= k + 1:
+                    row[f"spec{k}_speedup_at_{a}"] = a * plain / cost
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return {"model": model, "device": device, "dtype": dtype, "cuda_graph": cuda_graph, "context": context,
             "rows": rows}
 

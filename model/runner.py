@@ -144,6 +144,9 @@ class RunnerConfig:
     # Speculative decoding: draft tokens per step from the checkpoint's MTP layer (model/speculative.py);
     # 0: off, the MTP layer is not loaded.
     speculative_num_steps: int = 0
+    # The decode worker chooses 0..speculative_num_steps drafts per step by batch size from step costs
+    # measured at start-up and the accept rate so far (model/speculation_policy.py); off: always all.
+    speculative_adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

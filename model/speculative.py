@@ -29,13 +29,16 @@ token at a time, so they behave as without speculation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
 from deepseek_pd.model.speculative_rules import draft_len
 from deepseek_pd.model.speculative_sampling import AcceptStats, SampleFn, accept_drafts
+
+if TYPE_CHECKING:
+    from deepseek_pd.model.speculation_policy import StepCosts
 
 
 class SpecRequest(Protocol):
@@ -67,13 +70,15 @@ class SpeculativeDecoder:
         self._drafts: dict[int, _Draft] = {}
 
     # ---- one decode step ----------------------------------------------------------------------
-    def step(self, requests: Sequence[SpecRequest]) -> None:
-        """Draft, verify, accept and catch up once for every unfinished request."""
+    def step(self, requests: Sequence[SpecRequest], num_steps: int | None = None) -> None:
+        """Draft, verify, accept and catch up once for every unfinished request; `num_steps`
+        (default: the configured number) drafts per request this step, 0 for none."""
+        steps = self.num_steps if num_steps is None else min(num_steps, self.num_steps)
         requests = [r for r in requests if not r.finished]
         positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests]
-        # A request with no draft yet (its prompt's KV came from elsewhere, a PD transfer) verifies
-        # its token alone this step; the catch-up then starts its drafts.
-        lens = [draft_len(self.num_steps, r.max_new - len(r.output_ids)) if id(r) in self._drafts else 0
+        # A request with no draft yet (its prompt's KV came from elsewhere and no draft came with it)
+        # verifies its token alone this step; the catch-up then starts its drafts.
+        lens = [draft_len(steps, r.max_new - len(r.output_ids)) if id(r) in self._drafts else 0
                 for r in requests]
         drafts = self._chain(requests, positions, lens)
         seqs = [ExtendSeq([r.output_ids[-1], *d], prefix_len=p, pages=r.pages)
@@ -158,3 +163,49 @@ def mtp_over_extend(runner: ModelRunner, seqs: Sequence[ExtendSeq], hidden: torc
     last = out[torch.tensor([ends[i] - 1 for i in rows], device=out.device)]
     tokens = runner.logits(last).argmax(dim=-1).tolist()
     return list(zip(tokens, last))
+
+
+def measure_step_costs(runner: ModelRunner, batches: Sequence[int], max_steps: int, context: int,
+                       repeats: int = 3) -> "StepCosts":
+    """Median milliseconds of one speculative step (k - 1 MTP decode steps, a verify of k + 1 tokens
+    per sequence, an MTP catch-up of k + 1 tokens: its largest) for k = 0..max_steps at each batch
+    size, over `context` cached tokens of scratch pages (whatever they hold: costs do not depend
+    on it). The table `speculation_policy.SpeculationPolicy` chooses from."""
+    import statistics
+    import time
+
+    from deepseek_pd.model.speculation_policy import StepCosts
+
+    pool, device = runner.kv_pool, runner.model.embed_tokens.weight.device
+    hidden_size, dtype = runner.model_config.hidden_size, runner.model.embed_tokens.weight.dtype
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    table = [[0.0] * len(batches) for _ in range(max_steps + 1)]
+    for col, batch in enumerate(batches):
+        pages = [pool.alloc(pool.pages_for_tokens(context + max_steps + 1)) for _ in range(batch)]
+        try:
+            h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
+            for k in range(max_steps + 1):
+                def one_step() -> None:
+                    for j in range(1, k):
+                        runner.logits(runner.draft([ExtendSeq([1], context + j - 1, p) for p in pages], h))
+                    verify = [ExtendSeq([1] * (k + 1), context, p) for p in pages]
+                    states = runner.extend_hidden(verify, force_mla=True)
+                    runner.logits(states)
+                    runner.logits(runner.draft(verify, states))
+                one_step()  # warm-up
+                sync()
+                times = []
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    one_step()
+                    sync()
+                    times.append((time.perf_counter() - began) * 1e3)
+                table[k][col] = max(statistics.median(times), 1e-6)
+        finally:
+            for p in pages:
+                pool.free(p)
+    return StepCosts(tuple(batches), tuple(tuple(row) for row in table))

@@ -44,6 +44,7 @@ class AcceptStats:
     verify_rows: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # drafts the target's token was compared with and differed from (<= 1 per row)
     emitted: int = 0
     # tokens emitted by one verify row -> how many rows emitted that many
     histogram: dict[int, int] = field(default_factory=dict)
@@ -53,10 +54,17 @@ class AcceptStats:
         """Mean tokens a request gets per verify forward (1.0: every draft rejected)."""
         return self.emitted / self.verify_rows if self.verify_rows else 0.0
 
+    @property
+    def accept_rate(self) -> float:
+        """Of the drafts the target looked at, the share it confirmed (a chain's per-draft rate)."""
+        looked = self.accepted + self.rejected
+        return self.accepted / looked if looked else 0.0
+
     def add(self, drafted: int, accepted: int, emitted: int) -> None:
         self.verify_rows += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejected += int(accepted < drafted and emitted > accepted)
         self.emitted += emitted
         self.histogram[emitted] = self.histogram.get(emitted, 0) + 1
 

@@ -131,6 +131,10 @@ class DecodeEngine(EngineCore[_Request]):
         self.budget = PageBudget(self.pool, self.config.scheduler.admission_timeout_s)
         self.receiver = build_receiver(self.config.kv_transport, self.pool, self.config.transport)
         self.client = BootstrapClient(self.config.bootstrap, identity=f"decode@{self.config.transport.advertise_host}")
+        if self.speculation is not None and self.runner.config.speculative_adaptive:
+            costs = await self.model_thread.run(self.speculation.calibrate, self.config.scheduler.max_running_requests)
+            log.info("speculative step costs (ms) at batches %s, rows k = 0..%d: %s", costs.batches,
+                     costs.max_steps, [[round(ms, 2) for ms in row] for row in costs.ms])
         self._start_scheduler(self._schedule_loop(), "decode-scheduler")
         log.info("decode engine: KV transport %s, %d bytes of latent KV per token, %s schedule",
                  self.config.kv_transport, self.pool.bytes_per_token,

@@ -26,7 +26,8 @@ from deepseek_pd.model.prefill_planner import ExtendPlan
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling import Sampler, SamplingState
-from deepseek_pd.model.speculative import SpeculativeDecoder
+from deepseek_pd.model.speculation_policy import SpeculationPolicy, StepCosts
+from deepseek_pd.model.speculative import SpeculativeDecoder, measure_step_costs
 from deepseek_pd.workers.common.extend_step import run_extend_with_mtp
 
 
@@ -54,6 +55,21 @@ class SpeculativeStepper:
         self.sampler = sampler
         self.decoder = SpeculativeDecoder(runner, num_steps, self._sample)
         self.runner = runner
+        # With `speculative_adaptive`: drafts per step by batch size (`calibrate` measures the costs).
+        self.policy: SpeculationPolicy | None = None
+
+    def calibrate(self, max_batch: int, context: int = 256, repeats: int = 3) -> StepCosts:
+        """Measures the step costs at batch 1, 2, 4, .. max_batch (as the pool's free pages allow)
+        and turns the per-step choice on. Model thread, before serving."""
+        pool, steps = self.runner.kv_pool, self.decoder.num_steps
+        per_seq = pool.pages_for_tokens(context + steps + 1)
+        batches, b = [], 1
+        while b <= max_batch and b * per_seq <= pool.num_free_pages:
+            batches.append(b)
+            b *= 2
+        costs = measure_step_costs(self.runner, batches or [1], steps, context, repeats)
+        self.policy = SpeculationPolicy(costs, steps)
+        return costs
 
     @property
     def stats(self):
@@ -87,7 +103,13 @@ class SpeculativeStepper:
                 row.wire_draft = None
                 weight = self.runner.model.embed_tokens.weight
                 self.decoder.seed(row, token, torch.tensor(hidden, dtype=weight.dtype).to(weight.device))
-        self.decoder.step(list(rows))
+        if self.policy is None:
+            self.decoder.step(list(rows))
+        else:
+            stats = self.stats
+            accepted, rejected = stats.accepted, stats.rejected
+            self.decoder.step(list(rows), self.policy.steps_for(len(rows)))
+            self.policy.rate.observe(stats.accepted - accepted, stats.rejected - rejected)
         return [list(row.new) for row in rows]
 
     def forget(self, row: SpecRow) -> None:

@@ -15,6 +15,7 @@ import torch
 from deepseek_pd.model.engine import Engine
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
 from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.speculation_policy import SpeculationPolicy, StepCosts
 from deepseek_pd.model.tiny import make_tiny_model
 from deepseek_pd.workers.common.api import DisaggParams, Failed, GenerateRequest
 from deepseek_pd.workers.common.metrics import WorkerMetrics
@@ -251,3 +252,34 @@ def test_a_multi_rank_runner_refuses_speculation(setup):
     with pytest.raises(UserError, match="single-rank"):
         ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=64, speculative_num_steps=1),
                     step_sync=object())
+
+
+@pytest.mark.parametrize("expensive", [False, True])
+def test_adaptive_draft_count_follows_the_costs(setup, expensive):
+    """`speculative_adaptive`: step costs measured at start-up; then a table where drafting never
+    pays gives no drafts at all, a flat one drafts; the output is the oracle's either way."""
+    path, oracle, trained, prompts, _ = setup
+    expected = oracle.generate_batch(prompts, GREEDY)
+    runner = ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=256, speculative_num_steps=3,
+                                      speculative_adaptive=True))
+    runner.model.mtp.load_state_dict(trained.model.mtp.state_dict())
+
+    async def run():
+        engine = DecodeEngine(runner, worker_config("fake"), tokenizer=oracle.tokenizer)
+        await engine.start()
+        try:
+            measured = engine.speculation.policy.costs
+            assert measured.max_steps == 3 and measured.batches[0] == 1
+            growth = 100.0 if expensive else 1.0
+            engine.speculation.policy = SpeculationPolicy(
+                StepCosts((1, 64), tuple((10.0 * growth ** k, 20.0 * growth ** k) for k in range(4))), 3)
+            outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"a{i}", tuple(p), GREEDY))
+                                              for i, p in enumerate(prompts)))
+            return outcomes, engine.speculation.stats
+        finally:
+            await engine.stop()
+
+    outcomes, stats = asyncio.run(run())
+    for outcome, want in zip(outcomes, expected):
+        assert outcome.ok and outcome.tokens == want.output_ids
+    assert (stats.drafted == 0) == expensive
