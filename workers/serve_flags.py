@@ -154,6 +154,10 @@ class ServeFlags:
         (), "decode: comma-separated HOST:PORT bootstrap addresses of this deployment's prefill workers; KV is "
             "pulled from no other (default: loopback hosts only)", csv=True, managed=True,
         section=SECURITY_SECTION)
+    speculative_num_steps: int = _flag(
+        0, "decode: tokens the checkpoint's MTP layer drafts per step, verified in one forward (0..8, default "
+           "0: off; the same as --engine-opt speculative_num_steps=N); a PD prefill worker takes the same "
+           "value, so both KV layouts hold the MTP layer", metavar="N")
     engine_options: tuple[str, ...] = _flag(
         (), "any field of the worker's configs, repeatable (e.g. cuda_graph=false, max_running_requests=32, "
             "mem_headroom_gib=4); unknown keys list the valid ones", name="engine-opt", metavar="KEY=VALUE")
@@ -169,8 +173,10 @@ class ServeFlags:
 
     @property
     def all_engine_options(self) -> tuple[str, ...]:
-        """The --engine-opt items with the switches that are engine options too (--enable-tbo)."""
-        return self.engine_options + (("enable_tbo=true",) if self.parallel.enable_tbo else ())
+        """The --engine-opt items with the switches that are engine options too (--enable-tbo,
+        --speculative-num-steps)."""
+        return (self.engine_options + (("enable_tbo=true",) if self.parallel.enable_tbo else ())
+                + ((f"speculative_num_steps={self.speculative_num_steps}",) if self.speculative_num_steps else ()))
 
     @property
     def budget_fraction(self) -> float:

@@ -53,6 +53,7 @@ from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.dispatch_mode import DispatchMode
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.kv_pool import bytes_per_pool_page
+from deepseek_pd.model.mtp_names import kv_layers
 from deepseek_pd.model.model_dir import resolve_model_dir, served_name
 from deepseek_pd.model.nvml import total_memory_bytes
 from deepseek_pd.model.runner import RunnerConfig
@@ -133,9 +134,9 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
         raise UserError(str(exc)) from exc
     identity = WorkerIdentity(role=flags.role, kv_transport=flags.kv_transport, bootstrap_port=flags.bootstrap_port,
                               page_size=runner.page_size, host=flags.host, port=flags.port,
-                              kv_bytes_per_token=bytes_per_pool_page(model_config.num_hidden_layers, 1,
-                                                                     model_config.kv_cache_dim,
-                                                                     runner.resolve_dtype(model_config)))
+                              kv_bytes_per_token=bytes_per_pool_page(
+                                  kv_layers(model_config, runner.speculative_num_steps > 0), 1,
+                                  model_config.kv_cache_dim, runner.resolve_dtype(model_config)))
     return ServeConfig(runner=runner, worker=worker, identity=identity, model=info,
                        server=ServerConfig(flags.host, flags.port, drain_timeout_s=flags.drain_timeout_s),
                        group=group, metrics=MetricsConfig(flags.metrics_host or flags.host, flags.metrics_port))

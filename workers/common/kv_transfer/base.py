@@ -308,8 +308,11 @@ def check_layout(pool: KVPool, remote: pb.KVLayout) -> None:
         def show(layout: pb.KVLayout) -> str:
             return (f"layers={layout.num_layers} page_size={layout.page_size} "
                     f"kv_dim={layout.kv_dim} dtype={layout.dtype}")
+        # One layer more on one side only: the MTP layer's KV (speculative decoding on one side).
+        hint = (" (one side holds the MTP layer's KV: give prefill and decode the same --speculative-num-steps, "
+                "both 0 or both > 0)" if abs(local.num_layers - remote.num_layers) == 1 else "")
         raise TransferError(FailureCode.INVALID_ARGUMENT,
-                            f"KV layout mismatch: decode has {show(remote)}, prefill has {show(local)}")
+                            f"KV layout mismatch: decode has {show(remote)}, prefill has {show(local)}{hint}")
 
 
 def check_page_ids(page_ids: Sequence[int], pool_pages: int) -> None:
