@@ -12,6 +12,7 @@ the write lands, and the decode side's checks catch only non-finite values.
 from __future__ import annotations
 
 import asyncio
+import time
 import random
 import sys
 
@@ -90,7 +91,16 @@ def main(seed: int) -> None:
             held = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
             await asyncio.wait_for(sent.wait(), 60)
             pages = pulled["in-flight-d"]
-            landed = try_write(attacker, d_session, d_base + pages[0] * page, page)
+            # An attacker retries: the stranger's engine learns a segment's registered ranges from
+            # its peer's metadata, which it may hold from before this transfer registered its pages
+            # (a loaded CI run saw the first write refused). The transfer stays held meanwhile.
+            # So a fresh engine (which fetches the ranges now) tries, again until it lands.
+            fresh = stranger()
+            deadline = time.monotonic() + 20
+            landed = try_write(fresh, d_session, d_base + pages[0] * page, page)
+            while not landed and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                landed = try_write(fresh, d_session, d_base + pages[0] * page, page)
             release.set()
             _, outcome = await held
             undo()
