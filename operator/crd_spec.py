@@ -28,6 +28,9 @@ MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp"
                  "advertise-host")
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
+# The uid every rendered pod runs as by default, and the images' USER (Dockerfile, Dockerfile.cuda,
+# the chart's podSecurity.runAsUser): >= 10000, so it matches no account of a node (checkov CKV_K8S_40).
+DEFAULT_RUN_AS_USER = 10001
 # router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).
 WORKER_DISCOVERY_MODES = ("Static", "Selector")
 
@@ -386,7 +389,7 @@ def _pod_security() -> Schema:
     return obj("The security context of worker and router pods (operator/pod_security.py).", {
         "runAsUser": integer("UID (and GID, fsGroup) the containers run as; 0 runs them as root, "
                              "e.g. for an image whose files only root can read.", minimum=0,
-                             maximum=2147483647, default=1000),
+                             maximum=2147483647, default=DEFAULT_RUN_AS_USER),
         "readOnlyRootFilesystem": boolean(
             "Mount the image read-only; /tmp (and HOME=/tmp) is a writable emptyDir.",
             default=True),

@@ -13,7 +13,7 @@ from typing import Any
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.operator import names
-from deepseek_pd.operator.crd_spec import spec_schema
+from deepseek_pd.operator.crd_spec import DEFAULT_RUN_AS_USER, spec_schema
 from deepseek_pd.operator.defaults import apply_defaults
 from deepseek_pd.operator.validation import Violation, validate_spec
 from deepseek_pd.weights.layout import snapshot_dir
@@ -278,7 +278,7 @@ class DeploymentSpec:
     rdma: RdmaSpec
     env: tuple[dict, ...]
     metrics: MetricsSpec
-    pod_security: PodSecuritySpec = PodSecuritySpec(1000, True)
+    pod_security: PodSecuritySpec = PodSecuritySpec(DEFAULT_RUN_AS_USER, True)
     network_policy: NetworkPolicySpec = NetworkPolicySpec(True, ())
 
     @property

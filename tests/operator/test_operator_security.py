@@ -29,6 +29,7 @@ from deepseek_pd.operator.build_network_policy import build_network_policy
 from deepseek_pd.operator.build_router import build_router_args, build_router_deployment
 from deepseek_pd.operator.build_secret import build_internal_secret
 from deepseek_pd.operator.build_workers import build_group_statefulset
+from deepseek_pd.operator.crd_spec import DEFAULT_RUN_AS_USER
 from deepseek_pd.operator.pod_security import secure_container
 from deepseek_pd.operator.router_keys import build_control_plane_secret
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
@@ -257,7 +258,7 @@ def test_every_container_is_locked_down(example):
     for pod in _all_pods(spec):
         pod_spec = pod["spec"]
         context = pod_spec["securityContext"]
-        assert context["runAsNonRoot"] is True and context["runAsUser"] == context["fsGroup"] == 1000
+        assert context["runAsNonRoot"] is True and context["runAsUser"] == context["fsGroup"] == DEFAULT_RUN_AS_USER
         assert context["seccompProfile"] == {"type": "RuntimeDefault"}
         is_router = pod_spec["containers"][0]["name"] == "router"
         assert pod_spec["automountServiceAccountToken"] is False  # Static discovery: no API access
