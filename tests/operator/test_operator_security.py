@@ -25,6 +25,8 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.errors import UserError
 from deepseek_pd.operator import names
+from deepseek_pd.env import MOONCAKE_RPC_PORTS
+from deepseek_pd.operator.build_metrics import worker_metrics_port_numbers
 from deepseek_pd.operator.build_network_policy import build_network_policy
 from deepseek_pd.operator.build_router import build_router_args, build_router_deployment
 from deepseek_pd.operator.build_secret import build_internal_secret
@@ -355,8 +357,10 @@ def _admits(policy: dict, source: dict[str, str], target: dict[str, str], port: 
     return False
 
 
-def test_network_policy_admits_exactly_the_documented_flows():
+@pytest.mark.parametrize("backend", ["grpc", "mooncake"])
+def test_network_policy_admits_exactly_the_documented_flows(backend):
     raw = _raw()
+    raw["kvTransfer"] = {"backend": backend}
     raw["prefill"]["port"], raw["decode"]["port"] = random.sample(range(20000, 40000), 2)
     raw["prefill"]["bootstrapPort"] = random.randint(8000, 9999)
     spec = _spec(raw)
@@ -372,9 +376,14 @@ def test_network_policy_admits_exactly_the_documented_flows():
     bootstrap = spec.prefill.bootstrap_port
     ports = grpc | {bootstrap, 5757, 1, 65535} | {p + d for p in grpc | {bootstrap} for d in (-1, 1)}
     ports |= set(random.sample(range(1, 65536), 200))
+    # Mooncake's engine range (its ends and random ports inside): open to the deployment's own
+    # workers only, through one rule of its own with backend mooncake.
+    engines = range(*MOONCAKE_RPC_PORTS)
+    ports |= {engines.start - 1, engines.start, engines.stop - 1, engines.stop, *random.sample(engines, 50)}
+    metrics = set(worker_metrics_port_numbers(spec))
     for target in ("prefill", "decode"):
         for source, labels in pods.items():
-            for port in sorted(ports):
+            for port in sorted(ports - metrics):
                 if port in grpc:
                     expected = source == "router"
                 elif port == bootstrap:
@@ -384,6 +393,12 @@ def test_network_policy_admits_exactly_the_documented_flows():
                 assert _admits(policy, labels, pods[target], port) == expected, (source, target, port)
     assert not _selects(policy["spec"]["podSelector"], pods["router"])  # the router stays reachable
     assert policy["spec"]["policyTypes"] == ["Ingress"]
+    covering = [rule for rule in policy["spec"]["ingress"]
+                if any(p["port"] <= engines.start + 1 <= p.get("endPort", p["port"]) for p in rule["ports"])]
+    if backend == "mooncake":  # exactly one rule, the range itself, from the workers: readable at a glance
+        assert [(r["ports"], r["from"]) for r in covering] == \
+            [([{"protocol": "TCP", "port": engines.start, "endPort": engines.stop - 1}],
+              [{"podSelector": policy["spec"]["podSelector"]}])]
 
 
 def test_network_policy_extra_rules_are_appended():
