@@ -85,7 +85,7 @@ def test_a_burst_shorter_than_the_up_window_adds_nothing_and_idleness_shorter_th
     burst = rng.randint(1, 5)  # fewer passes than the 60 s window holds
     for _ in range(burst):
         now += 10
-        d = decide("decode", spec, current, {"tpotP90Seconds": target * rng.uniform(2, 5)}, history, now)
+        d = decide("decode", spec, current, {"tpotP90Seconds": target * rng.uniform(3, 5)}, history, now)
         assert not d.changed and "scale-up window" in d.reason, d.reason
         history = d.history
     for _ in range(7):  # the burst lasts: after a whole window it scales
