@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+NO_METRICS = "no metric could be read"
+
 
 @dataclass(frozen=True)
 class MetricTarget:
@@ -84,7 +86,8 @@ def recommend(spec: AutoscalingSpec, current: int,
         if value is not None:
             votes.append((_wanted(current, value, metric.target, spec.tolerance), metric, value))
     if not votes:
-        return None, "no metric could be read from the role's pods"
+        return None, (f"{NO_METRICS} from the role's pods (are they Ready, and their metrics port "
+                      f"reachable from the operator?)")
     wanted, metric, value = max(votes, key=lambda v: v[0])
     clamped = min(max(wanted, spec.min_replicas), spec.max_replicas)
     why = f"{metric.name} {value:.4g} vs target {metric.target:.4g}: wants {wanted}"

@@ -11,6 +11,7 @@ Parallelism, worked example (DeepSeek-V3 decode on 2 nodes of 8 H200):
 from __future__ import annotations
 
 from deepseek_pd.env import MOONCAKE_RPC_PORTS
+from deepseek_pd.operator.autoscaling_schema import autoscaling_schema
 from deepseek_pd.operator.known_models import KNOWN_MODELS
 from deepseek_pd.operator.schema_types import (
     Schema, array, boolean, env_var, int_or_percent, integer, obj, opaque_object, quantity,
@@ -119,6 +120,7 @@ def role_schema(role: str) -> Schema:
                 minimum=60, maximum=86400, default=3600),
             "rolloutStrategy": _rollout_strategy(),
             "eplb": _eplb(),
+            "autoscaling": autoscaling_schema(role),
             "restartPolicy": string(
                 "RecreateGroupOnPodRestart: a failed or restarted pod recreates its whole group "
                 "(ranks of one model replica live and die together). None: leave the group alone.",
@@ -441,4 +443,7 @@ def spec_schema() -> Schema:
              "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
         *_metrics_rules(),
         *_mooncake_port_rules(),
+        *[rule(f"!has(self.{role}.autoscaling) || self.metrics.enabled",
+               f"{role}.autoscaling reads the workers' metrics: it needs metrics.enabled",
+               f".{role}.autoscaling") for role in ("prefill", "decode")],
     ])

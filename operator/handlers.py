@@ -17,6 +17,7 @@ from typing import Any, Callable
 import kopf
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.autoscale_reconcile import decision_events
 from deepseek_pd.operator.kube import KubeClient
 from deepseek_pd.operator.readiness import Readiness, serve_readiness
 from deepseek_pd.operator.reconcile import Reconciler
@@ -77,6 +78,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         async with lock:
             status = await memo.reconciler.reconcile(dict(body), logger)
         current = dict(body.get("status") or {})
+        for type_, reason, message in decision_events(current.get("autoscaling") or {},
+                                                      status.get("autoscaling") or {}):
+            kopf.event(body, type=type_, reason=reason, message=message)
         for key, value in status.items():
             if current.get(key) != value:  # write only what changed: no churn in steady state
                 patch.status[key] = value

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.autoscale_reconcile import Autoscaler
 from deepseek_pd.operator.build_model import build_model_cache_claim
 from deepseek_pd.operator.build_network_policy import build_network_policy
 from deepseek_pd.operator.build_metrics import build_service_monitor
@@ -75,8 +76,9 @@ def _now() -> str:
 
 
 class Reconciler:
-    def __init__(self, client: KubeClient) -> None:
+    def __init__(self, client: KubeClient, autoscaler: Autoscaler | None = None) -> None:
         self._client = client
+        self._autoscaler = autoscaler or Autoscaler(client)
 
     async def observe(self, namespace: str, name: str) -> dict[Key, Manifest]:
         observed: dict[Key, Manifest] = {}
@@ -162,6 +164,12 @@ class Reconciler:
         now = _now()
         status = build_status(plans, revisions, floors, router, generation, previous, now, model, memory)
         status["conditions"].append(secrets_condition(secret_problems, generation, previous, now))
+        for role in names.ROLES:  # the scale subresource's labelSelectorPath (an HPA counts these pods)
+            status[role]["selector"] = names.selector_string({names.LABEL_DEPLOYMENT: name,
+                                                              names.LABEL_ROLE: role})
+        autoscaling = await self._autoscaler.run(body, spec, plans, pods, previous)
+        if autoscaling or previous.get("autoscaling"):
+            status["autoscaling"] = autoscaling or None  # None: a merge patch removes it
         return explain_unavailable(status, pods)
 
     @staticmethod

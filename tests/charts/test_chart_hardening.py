@@ -16,6 +16,7 @@ import pytest
 import yaml
 from test_chart_helm import _render, helm  # noqa: F401 - the helm fixture
 
+from deepseek_pd.operator import names
 from deepseek_pd.operator.build_workers import build_group_statefulset
 from deepseek_pd.operator.crd_spec import DEFAULT_RUN_AS_USER
 from deepseek_pd.operator.reconcile import build_static_children
@@ -128,8 +129,13 @@ def test_ckv2_k8s_6_every_pod_has_a_network_policy_and_the_operators_egress_is_a
     chart = next(p for p in policies if p["metadata"]["namespace"] == "ops")
     assert chart["spec"]["policyTypes"] == ["Ingress", "Egress"]
     egress = chart["spec"]["egress"]
-    ports = sorted((p["protocol"], p["port"]) for rule in egress for p in rule["ports"])
-    assert ports == [("TCP", 53), ("TCP", 443), ("TCP", 6443), ("UDP", 53)]
+    ports = sorted((p["protocol"], p["port"], p.get("endPort")) for rule in egress for p in rule["ports"])
+    # the API server, DNS, and the workers' metrics ports (the autoscaler's scrapes)
+    assert ports == [("TCP", 53, None), ("TCP", 443, None), ("TCP", 6443, None), ("TCP", 30090, 30105),
+                     ("UDP", 53, None)]
+    metrics = next(r for r in egress if any(p["port"] == 30090 for p in r["ports"]))
+    assert metrics["to"] == [{"namespaceSelector": {}, "podSelector": {"matchExpressions": [
+        {"key": names.LABEL_ROLE, "operator": "Exists"}]}}]
     dns = next(r for r in egress if any(p["port"] == 53 for p in r["ports"]))
     assert dns["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
 

@@ -145,7 +145,9 @@ def test_crd_has_status_subresource_short_name_and_printer_columns():
     crd = build_crd()
     version = crd["spec"]["versions"][0]
     assert crd["spec"]["names"]["shortNames"] == ["dsd"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {"status": {}, "scale": {  # kubectl scale / HPA drive decode
+        "specReplicasPath": ".spec.decode.replicas", "statusReplicasPath": ".status.decode.replicas",
+        "labelSelectorPath": ".status.decode.selector"}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns == ["Phase", "Prefill", "Decode", "Model", "Memory", "Router", "Age"]
     paths = [c["jsonPath"] for c in version["additionalPrinterColumns"]]
