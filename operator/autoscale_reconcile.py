@@ -106,7 +106,8 @@ class Autoscaler:
                 await self.client.patch(names.KIND, spec.namespace, spec.name,
                                         {"spec": {role: {"replicas": d.replicas}}})
             decision = {"from": d.current, "to": d.replicas, "reason": d.reason,
-                        "readings": {k: (None if v is None else round(v, 6)) for k, v in d.readings.items()}}
+                        # Unread metrics are left out: a null would be a deletion in a merge patch.
+                        "readings": {k: round(v, 6) for k, v in d.readings.items() if v is not None}}
             same = {k: v for k, v in (old.get("lastDecision") or {}).items() if k != "time"} == decision
             status[role] = {
                 "lastDecision": {**decision, "time": old["lastDecision"]["time"] if same else _iso(now)},
