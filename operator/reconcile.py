@@ -18,11 +18,13 @@ from deepseek_pd.operator.build_metrics import build_service_monitor
 from deepseek_pd.operator.build_router import build_router_children, router_endpoint
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
 from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
+from deepseek_pd.operator.gang_status import CONDITION as GANG_CONDITION, gang_state
 from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.memory_plan import MemoryVerdict, plan_memory
 from deepseek_pd.operator.model_status import model_state
 from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
+from deepseek_pd.operator.pod_placement import build_pod_group
 from deepseek_pd.operator.pod_scheduling import explain_unavailable
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
 from deepseek_pd.operator.router_rollout import router_rolled_out
@@ -31,7 +33,7 @@ from deepseek_pd.operator.secret_reconcile import (
 )
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.operator.status import (
-    RouterState, build_apply_error_status, build_invalid_status, build_memory_refused_status, build_status,
+    RouterState, _condition, build_apply_error_status, build_invalid_status, build_memory_refused_status, build_status,
 )
 from deepseek_pd.operator.worker_security import build_prefill_peers_service
 
@@ -39,12 +41,12 @@ from deepseek_pd.operator.worker_security import build_prefill_peers_service
 # first). Secrets are not listed (that would read every Secret of the namespace): secret_reconcile
 # gets and deletes them by name.
 OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "RoleBinding",
-               "Role", "ServiceAccount", "ServiceMonitor", "Pod", "PersistentVolumeClaim")
+               "Role", "ServiceAccount", "ServiceMonitor", "PodGroup", "Pod", "PersistentVolumeClaim")
 # Kinds whose children are fully described by build_static_children (+ group Services).
 STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment",
-                "NetworkPolicy", "PersistentVolumeClaim", "ServiceMonitor")
+                "NetworkPolicy", "PersistentVolumeClaim", "ServiceMonitor", "PodGroup")
 # Kinds from CRDs a cluster may not have: listing them answers 404 there, which means "none".
-OPTIONAL_KINDS = ("ServiceMonitor",)
+OPTIONAL_KINDS = ("ServiceMonitor", "PodGroup")
 
 
 def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | None = None) -> list[Manifest]:
@@ -78,6 +80,7 @@ def _now() -> str:
 class Reconciler:
     def __init__(self, client: KubeClient, autoscaler: Autoscaler | None = None) -> None:
         self._client = client
+        self.unserved: set[str] = set()  # optional kinds the API server answered 404 for, last look
         self._autoscaler = autoscaler or Autoscaler(client)
 
     async def observe(self, namespace: str, name: str) -> dict[Key, Manifest]:
@@ -87,8 +90,10 @@ class Reconciler:
                 objects = await self._client.list(kind, namespace, {names.LABEL_DEPLOYMENT: name})
             except ApiError as exc:
                 if exc.status == 404 and kind in OPTIONAL_KINDS:
+                    self.unserved.add(kind)
                     continue
                 raise
+            self.unserved.discard(kind)
             for obj in objects:
                 observed[(kind, obj["metadata"]["name"])] = obj
         return observed
@@ -140,9 +145,11 @@ class Reconciler:
         # such as its Role after a switch from Selector to Static, is deleted below.
         desired = build_static_children(spec, {role: sorted(p.serving) for role, p in plans.items()})
         held = self._held_deletions(spec, plans, desired, observed)
+        gang = spec.scheduling.get("gang") and "PodGroup" not in self.unserved
         for role, plan in plans.items():
             indices = plan.group_indices | held[role]  # a held group stays reachable by name
             desired += [build_group_service(spec, role, i) for i in sorted(indices)]
+            desired += [build_pod_group(spec, role, i) for i in sorted(indices)] if gang else []
         for manifest in desired:
             await executor.apply(manifest)
         for role, plan in plans.items():
@@ -164,6 +171,10 @@ class Reconciler:
         now = _now()
         status = build_status(plans, revisions, floors, router, generation, previous, now, model, memory)
         status["conditions"].append(secrets_condition(secret_problems, generation, previous, now))
+        state = gang_state(spec, "PodGroup" not in self.unserved, pods, datetime.datetime.now(datetime.timezone.utc))
+        if state is not None:
+            before = {c.get("type", ""): c for c in previous.get("conditions") or []}
+            status["conditions"].append(_condition(GANG_CONDITION, *state, generation, before, now))
         for role in names.ROLES:  # the scale subresource's labelSelectorPath (an HPA counts these pods)
             status[role]["selector"] = names.selector_string({names.LABEL_DEPLOYMENT: name,
                                                               names.LABEL_ROLE: role})

@@ -86,6 +86,10 @@ user's router.apiKeySecret to report it missing. */}}
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# Only used with spec.scheduling.gang (sigs.k8s.io/scheduler-plugins' CRD).
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
