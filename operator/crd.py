@@ -14,7 +14,7 @@ from deepseek_pd.operator.crd_spec import spec_schema
 from deepseek_pd.operator.schema_types import Schema, array, integer, obj, rule, string
 
 CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec", "ModelReady", "SecretsReady",
-                   "MemoryPlanFits", "GangScheduling")
+                   "MemoryPlanFits", "GangScheduling", "RolloutVerified")
 PHASES = ("Pending", "Progressing", "Available", "Degraded", "Failed")
 
 
@@ -69,6 +69,12 @@ def status_schema() -> Schema:
         "prefill": _role_status("prefill"),
         "decode": _role_status("decode"),
         "autoscaling": _autoscaling_status(),
+        "rollout": obj("Verified rollouts (operator/rollout_reconcile.py).", {
+            "decode": obj("The decode rollout being checked.", {
+                "revision": string("The revision whose groups are checked."),
+                "verified": array("Groups of that revision that answered as the old one.", integer("A group.")),
+                "failed": string("Why the rollout stopped: the group, the prompt, the first differing token."),
+            })}),
         "routerEndpoint": string("In-cluster URL of the router's OpenAI-compatible API."),
         "routerReadyReplicas": integer("Ready router pods."),
     })

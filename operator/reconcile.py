@@ -6,6 +6,7 @@ call it as often as they like.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from typing import Any
@@ -26,6 +27,8 @@ from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
 from deepseek_pd.operator.pod_placement import build_pod_group
 from deepseek_pd.operator.pod_scheduling import explain_unavailable
+from deepseek_pd.operator.rollout_reconcile import CONDITION as VERIFY_CONDITION, ROLE as VERIFIED_ROLE
+from deepseek_pd.operator.rollout_reconcile import RolloutVerifier
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
 from deepseek_pd.operator.router_rollout import router_rolled_out
 from deepseek_pd.operator.secret_reconcile import (
@@ -78,10 +81,12 @@ def _now() -> str:
 
 
 class Reconciler:
-    def __init__(self, client: KubeClient, autoscaler: Autoscaler | None = None) -> None:
+    def __init__(self, client: KubeClient, autoscaler: Autoscaler | None = None,
+                 verifier: RolloutVerifier | None = None) -> None:
         self._client = client
         self.unserved: set[str] = set()  # optional kinds the API server answered 404 for, last look
         self._autoscaler = autoscaler or Autoscaler(client)
+        self._verifier = verifier or RolloutVerifier()
 
     async def observe(self, namespace: str, name: str) -> dict[Key, Manifest]:
         observed: dict[Key, Manifest] = {}
@@ -138,6 +143,9 @@ class Reconciler:
         pods = [o for (k, _), o in observed.items() if k == "Pod"]
         plans: dict[str, RolePlan] = {}
         targets = {role: role_target(spec, role) for role in names.ROLES}
+        checked = await self._verifier.run(spec, targets[VERIFIED_ROLE].revision, statefulsets, pods, previous)
+        targets[VERIFIED_ROLE] = dataclasses.replace(targets[VERIFIED_ROLE], unverified=checked.unverified,
+                                                     verification_failed=checked.failed)
         for role in names.ROLES:
             plans[role] = plan_role(targets[role], groups_of_role(role, statefulsets, pods))
 
@@ -171,6 +179,11 @@ class Reconciler:
         now = _now()
         status = build_status(plans, revisions, floors, router, generation, previous, now, model, memory)
         status["conditions"].append(secrets_condition(secret_problems, generation, previous, now))
+        if checked.state is not None or previous.get("rollout"):
+            status["rollout"] = {VERIFIED_ROLE: checked.state} if checked.state else None
+        if checked.condition is not None:
+            before = {c.get("type", ""): c for c in previous.get("conditions") or []}
+            status["conditions"].append(_condition(VERIFY_CONDITION, *checked.condition, generation, before, now))
         state = gang_state(spec, "PodGroup" not in self.unserved, pods, datetime.datetime.now(datetime.timezone.utc))
         if state is not None:
             before = {c.get("type", ""): c for c in previous.get("conditions") or []}

@@ -55,6 +55,7 @@ class RolloutStrategy:
 
     max_surge: int | str
     max_unavailable: int | str
+    verify: bool = True  # rollout_verify.py: decode groups answer as the old revision first
 
     def resolve(self, replicas: int) -> tuple[int, int]:
         """(surge, unavailable); surge rounds up, unavailable down; never both 0."""
@@ -122,7 +123,8 @@ class RoleSpec:
             bootstrap_port=raw["bootstrapPort"],
             startup_timeout_seconds=raw["startupTimeoutSeconds"],
             rollout=RolloutStrategy(raw["rolloutStrategy"]["maxSurge"],
-                                    raw["rolloutStrategy"]["maxUnavailable"]),
+                                    raw["rolloutStrategy"]["maxUnavailable"],
+                                    raw["rolloutStrategy"]["verify"]),
             recreate_group_on_restart=raw["restartPolicy"] == "RecreateGroupOnPodRestart",
             expert_location=_config_map_key(raw.get("eplb", {}).get("initExpertLocation")),
             autoscaling=_autoscaling(raw.get("autoscaling")),

@@ -130,9 +130,10 @@ def test_ckv2_k8s_6_every_pod_has_a_network_policy_and_the_operators_egress_is_a
     assert chart["spec"]["policyTypes"] == ["Ingress", "Egress"]
     egress = chart["spec"]["egress"]
     ports = sorted((p["protocol"], p["port"], p.get("endPort")) for rule in egress for p in rule["ports"])
-    # the API server, DNS, and the workers' metrics ports (the autoscaler's scrapes)
-    assert ports == [("TCP", 53, None), ("TCP", 443, None), ("TCP", 6443, None), ("TCP", 30090, 30105),
-                     ("UDP", 53, None)]
+    # the API server, DNS, the workers' metrics ports (the autoscaler's scrapes) and decode's gRPC
+    # port (a verified rollout's greedy requests)
+    assert ports == [("TCP", 53, None), ("TCP", 443, None), ("TCP", 6443, None), ("TCP", 30000, None),
+                     ("TCP", 30090, 30105), ("UDP", 53, None)]
     metrics = next(r for r in egress if any(p["port"] == 30090 for p in r["ports"]))
     assert metrics["to"] == [{"namespaceSelector": {}, "podSelector": {"matchExpressions": [
         {"key": names.LABEL_ROLE, "operator": "Exists"}]}}]

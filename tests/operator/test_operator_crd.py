@@ -136,7 +136,7 @@ def test_defaults_fill_nested_objects_without_overwriting():
     spec = {"model": {"source": {"pvc": {"claimName": "w"}}}, "image": "i",
             "decode": {"rolloutStrategy": {"maxSurge": 2}}}
     out = apply_defaults(root_schema()["properties"]["spec"], spec)
-    assert out["decode"]["rolloutStrategy"] == {"maxSurge": 2, "maxUnavailable": 1}
+    assert out["decode"]["rolloutStrategy"] == {"maxSurge": 2, "maxUnavailable": 1, "verify": True}
     assert out["prefill"]["replicas"] == 1 and out["kvTransfer"]["backend"] == "mooncake"
     assert spec["decode"]["rolloutStrategy"] == {"maxSurge": 2}  # input untouched
 
