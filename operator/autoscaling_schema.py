@@ -31,7 +31,7 @@ def autoscaling_schema(role: str) -> Schema:
                        enum=list(names)),
         "target": {"type": "number", "minimum": 0,
                    "description": "The value the role is scaled to hold the metric at (> 0)."},
-    }, required=["name", "target"], rules=[rule("self.target > 0.0", "target must be > 0", ".target")])
+    }, required=["name", "target"], rules=[rule("double(self.target) > 0.0", "target must be > 0", ".target")])
     return obj(
         f"Scale the {role} groups from their serving metrics, read from the pods by the operator "
         f"(no Prometheus needed); replicas is then set by the operator. Per metric as the "

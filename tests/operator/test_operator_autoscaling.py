@@ -128,3 +128,17 @@ def test_autoscaling_without_metrics_is_refused(cluster):
     condition = cluster.wait_for("InvalidSpec", lambda: _condition(cluster, name, "InvalidSpec").get("status") == "True"
                                  and _condition(cluster, name, "InvalidSpec"))
     assert "decode.autoscaling reads the workers' metrics: it needs metrics.enabled" in condition["message"]
+
+
+def test_whole_number_targets_are_accepted_as_numbers():
+    """YAML/JSON `target: 4` arrives as an integer; the CEL rule compared it with 0.0 and failed
+    with a type error (seen live: the e2e's target 1000 made the spec invalid)."""
+    import yaml as _yaml
+
+    from deepseek_pd.operator.validation import validate_spec
+    from test_operator_kopf import EXAMPLES
+
+    raw = _yaml.safe_load((EXAMPLES / "cpu-minimal.yaml").read_text())["spec"]
+    raw["prefill"]["autoscaling"] = {"maxReplicas": 3, "metrics": [{"name": "queueDepthPerGroup", "target": 4}]}
+    raw["decode"]["autoscaling"] = {"maxReplicas": 2, "metrics": [{"name": "tpotP90Seconds", "target": random.randint(1, 9)}]}
+    assert validate_spec("whole", raw) == []
