@@ -39,34 +39,59 @@ def _replicas(dep) -> int:
 
 class Load:
     """`concurrency` streams of greedy requests through the router until stopped; every answer is
-    checked against the offline engine (prompts drawn from a fixed pool, answers precomputed)."""
+    checked against the offline engine (prompts drawn from a fixed pool, answers precomputed).
 
-    def __init__(self, url: str, engine, rng: random.Random) -> None:
+    There is no kube-proxy here: the router Service's address is its first ready pod
+    (`Deployment.router_url`). Adding or removing a group rolls the router (Static discovery), and
+    a connection refused by a router pod that has gone is what a Service would have sent to the
+    new pod: the stream looks the endpoint up again and sends the request there. Any other error,
+    and any wrong token, is a failure."""
+
+    def __init__(self, dep, engine, rng: random.Random) -> None:
         from deepseek_pd.model.sampling_params import SamplingParams
-        self.url = url
+        self.dep = dep
         self.prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(4, 40))] for _ in range(8)]
         self.expected = [list(engine.generate(p, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)).output_ids)
                          for p in self.prompts]
         self.done = 0
+        self.rerouted = 0
         self.failures: list[str] = []
 
     async def run(self, concurrency: int, until) -> None:
+        import aiohttp
+
         from deepseek_pd.client.router_http import RouterClient
 
-        async with RouterClient(self.url, "tiny", timeout_s=300) as client:
-            async def stream(k: int) -> None:
-                i = k
-                while not await asyncio.to_thread(until):
+        async def connect() -> RouterClient:
+            return await RouterClient(await asyncio.to_thread(self.dep.router_url), "tiny", timeout_s=300).__aenter__()
+
+        async def stream(k: int) -> None:
+            i = k
+            client = await connect()
+            try:
+                while not self.failures and not await asyncio.to_thread(until):  # the first failure ends it
                     i = (i + 1) % len(self.prompts)
-                    try:
-                        got = await client.generate(input_ids=self.prompts[i], stream=True,
-                                                    max_new_tokens=MAX_NEW, temperature=0.0)
+                    for attempt in range(3):
+                        try:
+                            got = await client.generate(input_ids=self.prompts[i], stream=True,
+                                                        max_new_tokens=MAX_NEW, temperature=0.0)
+                        except aiohttp.ClientConnectorError as exc:  # never reached a router pod
+                            await client.close()
+                            client = await connect()
+                            self.rerouted += 1
+                            if attempt == 2:
+                                self.failures.append(repr(exc))
+                            continue
+                        except Exception as exc:  # noqa: BLE001 - every failed request is a finding
+                            self.failures.append(repr(exc))
+                            break
                         if got.output_ids != self.expected[i]:
                             self.failures.append(f"prompt {i}: {got.output_ids} != {self.expected[i]}")
                         self.done += 1
-                    except Exception as exc:  # noqa: BLE001 - every failed request is a finding
-                        self.failures.append(repr(exc))
-            await asyncio.gather(*(stream(k) for k in range(concurrency)))
+                        break
+            finally:
+                await client.close()
+        await asyncio.gather(*(stream(k) for k in range(concurrency)))
 
 
 def test_load_adds_a_decode_group_and_idleness_removes_it_without_a_failed_request(deployment, models, offline_engine):
@@ -77,7 +102,7 @@ def test_load_adds_a_decode_group_and_idleness_removes_it_without_a_failed_reque
         "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 20}
     apply(dep, obj)
     dep.wait_phase("Available")
-    load = Load(dep.router_url(), offline_engine, rng)
+    load = Load(dep, offline_engine, rng)
 
     # Calibrate at batch 1: the highest p90 the operator reads over ~10 passes.
     seen: list[float] = []
@@ -88,7 +113,8 @@ def test_load_adds_a_decode_group_and_idleness_removes_it_without_a_failed_reque
         if reading:
             seen.append(reading)
         return time.monotonic() > deadline and len(seen) >= 3
-    asyncio.run(load.run(1, calibrated))
+    asyncio.run(asyncio.wait_for(load.run(1, calibrated), 180))
+    assert not load.failures and seen, (load.failures[:5], seen)
     target = 1.5 * max(seen)
     dep.kube.merge_patch(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{dep.name}", {"spec": {"decode": {
         "autoscaling": {**obj["spec"]["decode"]["autoscaling"],
@@ -103,7 +129,7 @@ def test_load_adds_a_decode_group_and_idleness_removes_it_without_a_failed_reque
     asyncio.run(asyncio.wait_for(load.run(16, two_groups_serving), 600))
     up = _decode(dep)["lastDecision"] if _replicas(dep) == 2 else {}
     print(f"calibrated target {target:.4f} s; scaled up after {time.monotonic() - started:.0f} s, "
-          f"{load.done} requests; decision {json.dumps(up)}")
+          f"{load.done} requests ({load.rerouted} re-sent to a new router pod); decision {json.dumps(up)}")
     assert not load.failures, load.failures[:5]
     events = dep.kube.list(f"/api/v1/namespaces/{NS}/events", fieldSelector=f"involvedObject.name={dep.name}")
     scaled = [e["message"] for e in events if e.get("reason") == "Scaled"]
