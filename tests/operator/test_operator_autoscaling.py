@@ -26,7 +26,8 @@ class Exporter:
 
     def __init__(self) -> None:
         self.metrics = WorkerMetrics(MetricLabels(role="decode", model_name="tiny"))
-        self.port = pick_free_ports(1)[0]
+        # Not a worker port of the example (the CRD refuses a metrics port on them): 8998, 30000.
+        self.port = next(p for p in iter(lambda: pick_free_ports(1)[0], None) if p not in (8998, 30000))
         self._loop = asyncio.new_event_loop()
         self._server = MetricsServer(self.metrics, MetricsConfig("127.0.0.1", self.port))
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
