@@ -29,9 +29,10 @@ ENV PATH=/opt/deepseek-pd/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
 RUN pip install "$(ls /wheels/deepseek_pd-*.whl)[serve,operator]" && rm -rf /wheels
-# Non-root: the chart runs the operator as uid 1000 with a read-only root filesystem.
-RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin deepseek
-USER 1000
+# Non-root, uid 10001 (>= 10000: no clash with a host account): the chart and the operator run
+# every pod as this uid (podSecurity.runAsUser) with a read-only root filesystem.
+RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin deepseek
+USER 10001
 WORKDIR /home/deepseek
 ENTRYPOINT ["deepseek-pd"]
 CMD ["--help"]

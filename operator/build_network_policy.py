@@ -1,16 +1,27 @@
 """The NetworkPolicy of one deployment's worker pods: who may open which port.
 
-    worker gRPC (prefill.port, decode.port)    only from the deployment's router pods
+    worker gRPC (prefill.port, decode.port)    only from the deployment's router pods, and
+                                               decode.port from the operator's pod (verified
+                                               rollouts, decode.rolloutStrategy.verify)
     prefill bootstrap (prefill.bootstrapPort)  only from the deployment's decode pods
-    every other TCP port (Mooncake, NCCL,      only from the deployment's worker pods
+    Mooncake's engines (15000-16999, each      only from the deployment's worker pods: a rule
+      rank's RPC and TCP-transport ports,        of its own with kvTransfer.backend mooncake
+      drawn at random: env.MOONCAKE_RPC_PORTS)
+    every other TCP port (NCCL,                only from the deployment's worker pods
       torch.distributed rendezvous 5757)
     the metrics ports (spec.metrics)           from spec.metrics.allowFrom, or anyone (build_metrics)
     spec.networkPolicy.additionalIngress       appended as given
 
+Mooncake's pools answer any peer that reaches an engine port (issue 20: no access control on
+registered memory), so the engine range is its own rule: another deployment's pods, the router
+and anything outside the namespace never reach it.
+
 NCCL and Mooncake listen on ports picked at run time, so "every other port" is written as the
 ranges between the gRPC and bootstrap ports (`endPort`, Kubernetes >= 1.25); a CNI plugin without
-endPort support would allow only each range's first port. Worked example, ports 30000 and 8998:
-    1-8997, 8999-29999, 30001-65535  from workers;  8998 from decode;  30000 from the router.
+endPort support would allow only each range's first port. Worked example, ports 30000 and 8998,
+metrics off, Mooncake:
+    15000-16999 from workers (Mooncake);  1-8997, 8999-14999, 17000-29999, 30001-65535 from
+    workers;  8998 from decode;  30000 from the router.
 Egress is not restricted. Pods on the host network (spec.rdma.hostNetwork) are not subject to
 NetworkPolicy at all; RDMA traffic bypasses it too (the HMAC tokens still protect the KV channel).
 """
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from deepseek_pd.env import MOONCAKE_RPC_PORTS
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_metrics import metrics_ingress, worker_metrics_port_numbers
 from deepseek_pd.operator.spec import DeploymentSpec
@@ -26,13 +38,14 @@ Manifest = dict[str, Any]
 MAX_PORT = 65535
 
 
-def port_ranges_except(excluded: set[int]) -> list[tuple[int, int]]:
-    """Inclusive ranges covering 1..65535 without `excluded`."""
+def port_ranges_except(excluded: set[int], excluded_ranges: tuple[range, ...] = ()) -> list[tuple[int, int]]:
+    """Inclusive ranges covering 1..65535 without `excluded` and the ports of `excluded_ranges`."""
+    skip = sorted([(p, p) for p in excluded] + [(r.start, r.stop - 1) for r in excluded_ranges if r])
     ranges, start = [], 1
-    for port in sorted(excluded):
-        if port > start:
-            ranges.append((start, port - 1))
-        start = port + 1
+    for first, last in skip:
+        if first > start:
+            ranges.append((start, first - 1))
+        start = max(start, last + 1)
     if start <= MAX_PORT:
         ranges.append((start, MAX_PORT))
     return ranges
@@ -60,12 +73,25 @@ def build_network_policy(spec: DeploymentSpec) -> Manifest:
     bootstrap = spec.prefill.bootstrap_port
     router = _pods(spec, **{names.LABEL_COMPONENT: "router"})
     decode = _pods(spec, **{names.LABEL_ROLE: "decode"})
+    # With Mooncake its engine range is one rule of its own, and only that rule covers it. With grpc
+    # nothing of ours listens there, but NCCL may (a node whose ephemeral range starts low), so it
+    # stays inside "every other port".
+    mooncake = (range(*MOONCAKE_RPC_PORTS),) if spec.kv_transfer.backend == "mooncake" else ()
+    engines = [{"from": [_workers(spec)], "ports": [_tcp(r.start, r.stop - 1)]} for r in mooncake]
+    # Verified rollouts: the operator's pod (any namespace) sends the check's greedy requests to
+    # decode leaders (rollout_verify.py).
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        names.LABEL_NAME: names.APP_NAME, names.LABEL_COMPONENT: "operator"}}}
+    checks = [{"from": [operator], "ports": [_tcp(spec.decode.port)]}] if spec.decode.rollout.verify else []
     ingress = [
         {"from": [router], "ports": [_tcp(p) for p in grpc_ports]},
+        *checks,
         {"from": [decode], "ports": [_tcp(bootstrap)]},
+        *engines,
         {"from": [_workers(spec)],
          "ports": [_tcp(a, b) for a, b in port_ranges_except({*grpc_ports, bootstrap,
-                                                                 *worker_metrics_port_numbers(spec)})]},
+                                                                 *worker_metrics_port_numbers(spec)},
+                                                                mooncake)]},
         *metrics_ingress(spec),
         *[dict(rule) for rule in spec.network_policy.additional_ingress],
     ]

@@ -17,6 +17,7 @@ from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import model_pod_parts
 from deepseek_pd.operator.build_eplb import eplb_pod_parts
 from deepseek_pd.operator.build_metrics import scrape_annotations, worker_metrics_port, worker_metrics_ports
+from deepseek_pd.operator.pod_placement import place_group_pods
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.worker_security import prefill_peers, secure_worker_pod
 from deepseek_pd.workers.serve_flags import ParallelFlags, ServeFlags
@@ -239,7 +240,7 @@ def build_group_statefulset(spec: DeploymentSpec, role_name: str, index: int) ->
             "podManagementPolicy": "Parallel",  # ranks rendezvous with each other; start them together
             "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": names.group_selector(spec.name, role_name, index)},
-            "template": build_pod_template(spec, role, index, revision),
+            "template": place_group_pods(spec, role_name, index, build_pod_template(spec, role, index, revision)),
         },
     }
 

@@ -14,7 +14,7 @@ from deepseek_pd.operator.crd_spec import spec_schema
 from deepseek_pd.operator.schema_types import Schema, array, integer, obj, rule, string
 
 CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec", "ModelReady", "SecretsReady",
-                   "MemoryPlanFits")
+                   "MemoryPlanFits", "GangScheduling", "RolloutVerified")
 PHASES = ("Pending", "Progressing", "Available", "Degraded", "Failed")
 
 
@@ -25,7 +25,29 @@ def _role_status(role: str) -> Schema:
         "updatedReplicas": integer("Groups running the current revision."),
         "ready": string("readyReplicas/desired, for `kubectl get`."),
         "revision": string("Hash of the current pod template of this role."),
+        "selector": string("Label selector of the role's pods (the scale subresource's)."),
     })
+
+
+def _autoscaling_status() -> Schema:
+    role = obj("The autoscaler's state for one role (operator/autoscale_reconcile.py).", {
+        "lastDecision": obj("The last pass's decision: what it read, what it chose and why.", {
+            "from": integer("Groups before."),
+            "to": integer("Groups chosen."),
+            "reason": string("Why, naming the metric that decided and the window it waits for."),
+            "readings": {"type": "object", "description": "Metric name -> value read (absent: not read).",
+                         "additionalProperties": {"type": "number"}},
+            "time": {"type": "string", "format": "date-time",
+                     "description": "When this decision was first made."},
+        }),
+        "recommendations": array("Recent recommendations (the stabilisation windows' memory).",
+                                 obj("One pass's recommendation.", {
+                                     "at": {"type": "number", "description": "Unix time, seconds."},
+                                     "replicas": integer("Groups recommended."),
+                                 })),
+        "lastScaleAt": {"type": "number", "description": "Unix time of the last change (0: never)."},
+    })
+    return obj("Per role with spec.<role>.autoscaling.", {"prefill": role, "decode": role})
 
 
 def status_schema() -> Schema:
@@ -46,6 +68,13 @@ def status_schema() -> Schema:
                        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         "prefill": _role_status("prefill"),
         "decode": _role_status("decode"),
+        "autoscaling": _autoscaling_status(),
+        "rollout": obj("Verified rollouts (operator/rollout_reconcile.py).", {
+            "decode": obj("The decode rollout being checked.", {
+                "revision": string("The revision whose groups are checked."),
+                "verified": array("Groups of that revision that answered as the old one.", integer("A group.")),
+                "failed": string("Why the rollout stopped: the group, the prompt, the first differing token."),
+            })}),
         "routerEndpoint": string("In-cluster URL of the router's OpenAI-compatible API."),
         "routerReadyReplicas": integer("Ready router pods."),
     })
@@ -118,7 +147,12 @@ def build_crd() -> dict[str, Any]:
                 "served": True,
                 "storage": True,
                 "schema": {"openAPIV3Schema": root_schema()},
-                "subresources": {"status": {}},
+                # A CRD has one scale subresource: decode's groups, the role that follows load
+                # (kubectl scale, an HPA or KEDA). Prefill: spec.prefill.replicas or its autoscaling.
+                "subresources": {"status": {}, "scale": {
+                    "specReplicasPath": ".spec.decode.replicas",
+                    "statusReplicasPath": ".status.decode.replicas",
+                    "labelSelectorPath": ".status.decode.selector"}},
                 "additionalPrinterColumns": _printer_columns(),
             }],
         },

@@ -11,6 +11,7 @@ Parallelism, worked example (DeepSeek-V3 decode on 2 nodes of 8 H200):
 from __future__ import annotations
 
 from deepseek_pd.env import MOONCAKE_RPC_PORTS
+from deepseek_pd.operator.autoscaling_schema import autoscaling_schema
 from deepseek_pd.operator.known_models import KNOWN_MODELS
 from deepseek_pd.operator.schema_types import (
     Schema, array, boolean, env_var, int_or_percent, integer, obj, opaque_object, quantity,
@@ -23,6 +24,9 @@ from deepseek_pd.workers.serve_flags import MANAGED_FLAGS
 
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
+# The uid every rendered pod runs as by default, and the images' USER (Dockerfile, Dockerfile.cuda,
+# the chart's podSecurity.runAsUser): >= 10000, so it matches no account of a node (checkov CKV_K8S_40).
+DEFAULT_RUN_AS_USER = 10001
 # router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).
 WORKER_DISCOVERY_MODES = ("Static", "Selector")
 
@@ -41,6 +45,12 @@ def _rollout_strategy() -> Schema:
             "maxUnavailable": int_or_percent(
                 "Groups (or % of replicas, rounded down) that may be down at once during a rollout.",
                 default=1),
+            "verify": boolean(
+                "Decode only: before a new-revision group joins the router, it and an old-revision "
+                "group answer fixed greedy prompts at the same time over gRPC; a difference stops the "
+                "rollout (RolloutVerified False names the prompt and token) and the old groups keep "
+                "serving. Skipped when the model itself changed (operator/rollout_verify.py).",
+                default=True),
         },
         rules=[rule(f"!({_is_zero('self.maxSurge')} && {_is_zero('self.maxUnavailable')})",
                     "maxSurge and maxUnavailable cannot both be 0: the rollout could never start",
@@ -111,6 +121,7 @@ def role_schema(role: str) -> Schema:
                 minimum=60, maximum=86400, default=3600),
             "rolloutStrategy": _rollout_strategy(),
             "eplb": _eplb(),
+            "autoscaling": autoscaling_schema(role),
             "restartPolicy": string(
                 "RecreateGroupOnPodRestart: a failed or restarted pod recreates its whole group "
                 "(ranks of one model replica live and die together). None: leave the group alone.",
@@ -360,6 +371,18 @@ def _scheduling() -> Schema:
         "tolerations": array("Tolerations (core Toleration objects).", _toleration()),
         "affinity": opaque_object("Core Affinity object."),
         "priorityClassName": string("PriorityClass of worker pods."),
+        "gang": boolean("Gang-schedule each group (operator/pod_placement.py): a PodGroup "
+                        "(scheduling.x-k8s.io/v1alpha1) per group with minMember = its pods, and the "
+                        "pods go to schedulerName, a scheduler running the coscheduling plugin of "
+                        "sigs.k8s.io/scheduler-plugins, which binds a group's pods all together or "
+                        "none. The GangScheduling condition says when no such scheduler answers.",
+                        default=False),
+        "schedulerName": string("The scheduler of the worker pods; default: the cluster's, or "
+                                "scheduler-plugins-scheduler with gang.", min_length=1, max_length=253),
+        "topologyKey": string("A node label (e.g. a rack or NVLink-domain label): each group's pods "
+                              "share one value of it (required pod affinity), and a role's groups "
+                              "prefer different values (preferred anti-affinity).", min_length=1,
+                              max_length=317, pattern="^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"),
     }, default={})
 
 
@@ -381,7 +404,7 @@ def _pod_security() -> Schema:
     return obj("The security context of worker and router pods (operator/pod_security.py).", {
         "runAsUser": integer("UID (and GID, fsGroup) the containers run as; 0 runs them as root, "
                              "e.g. for an image whose files only root can read.", minimum=0,
-                             maximum=2147483647, default=1000),
+                             maximum=2147483647, default=DEFAULT_RUN_AS_USER),
         "readOnlyRootFilesystem": boolean(
             "Mount the image read-only; /tmp (and HOME=/tmp) is a writable emptyDir.",
             default=True),
@@ -433,4 +456,7 @@ def spec_schema() -> Schema:
              "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
         *_metrics_rules(),
         *_mooncake_port_rules(),
+        *[rule(f"!has(self.{role}.autoscaling) || self.metrics.enabled",
+               f"{role}.autoscaling reads the workers' metrics: it needs metrics.enabled",
+               f".{role}.autoscaling") for role in ("prefill", "decode")],
     ])

@@ -17,7 +17,9 @@ from typing import Any, Callable
 import kopf
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.autoscale_reconcile import decision_events
 from deepseek_pd.operator.kube import KubeClient
+from deepseek_pd.operator.readiness import Readiness, serve_readiness
 from deepseek_pd.operator.reconcile import Reconciler
 
 LoginFn = Callable[..., kopf.ConnectionInfo | None]
@@ -76,6 +78,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         async with lock:
             status = await memo.reconciler.reconcile(dict(body), logger)
         current = dict(body.get("status") or {})
+        for type_, reason, message in decision_events(current.get("autoscaling") or {},
+                                                      status.get("autoscaling") or {}):
+            kopf.event(body, type=type_, reason=reason, message=message)
         for key, value in status.items():
             if current.get(key) != value:  # write only what changed: no churn in steady state
                 patch.status[key] = value
@@ -104,16 +109,27 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
 
 async def run_operator(config: OperatorConfig, *, namespaces: tuple[str, ...] = (),
-                       stop_flag: Any = None, ready_flag: Any = None,
-                       liveness_endpoint: str | None = None) -> None:
-    """Runs until stop_flag is set (or forever). No namespaces means cluster-wide."""
-    await kopf.operator(
-        registry=build_registry(config),
-        standalone=True,  # one replica (Recreate strategy); no peering objects needed
-        clusterwide=not namespaces,
-        namespaces=list(namespaces),
-        stop_flag=stop_flag,
-        ready_flag=ready_flag,
-        liveness_endpoint=liveness_endpoint,
-        memo=kopf.Memo(),
-    )
+                       stop_flag: Any = None, ready_flag: asyncio.Event | None = None,
+                       liveness_endpoint: str | None = None, readiness_port: int = 0) -> None:
+    """Runs until stop_flag is set (or forever). No namespaces means cluster-wide.
+    `readiness_port`: serve /readyz there (operator/readiness.py); 0: off."""
+    ready_flag = ready_flag if ready_flag is not None else asyncio.Event()
+    client = KubeClient(functools.partial(config.login, settings=kopf.OperatorSettings(),
+                                          logger=logging.getLogger(__name__)))
+    runner = await serve_readiness(Readiness(ready_flag, client.served), "0.0.0.0", readiness_port) \
+        if readiness_port else None
+    try:
+        await kopf.operator(
+            registry=build_registry(config),
+            standalone=True,  # one replica (Recreate strategy); no peering objects needed
+            clusterwide=not namespaces,
+            namespaces=list(namespaces),
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+            liveness_endpoint=liveness_endpoint,
+            memo=kopf.Memo(),
+        )
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await client.close()

@@ -34,6 +34,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "RoleBinding": ("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     # Optional (spec.metrics.serviceMonitor): a cluster without the Prometheus Operator answers 404.
     "ServiceMonitor": ("apis/monitoring.coreos.com/v1", "servicemonitors"),
+    # Optional (spec.scheduling.gang): scheduler-plugins' CRD; a cluster without it answers 404.
+    "PodGroup": ("apis/scheduling.x-k8s.io/v1alpha1", "podgroups"),
     names.KIND: (f"apis/{names.API_VERSION}", names.PLURAL),
 }
 
@@ -99,15 +101,24 @@ class KubeClient:
 
     def _url(self, kind: str, namespace: str, name: str | None = None) -> str:
         prefix, plural = RESOURCES[kind]
-        assert self._info is not None
-        url = f"{self._info.server.rstrip('/')}/{prefix}/namespaces/{namespace}/{plural}"
+        url = f"{prefix}/namespaces/{namespace}/{plural}"
         return f"{url}/{name}" if name else url
 
     async def _request(self, method: str, kind: str, namespace: str, name: str | None = None,
                        **kwargs: Any) -> dict[str, Any]:
+        return await self._call(method, self._url(kind, namespace, name), **kwargs)
+
+    async def served(self) -> dict[str, Any]:
+        """The discovery document of the DeepSeekDeployment API group: answers only while the
+        server is reachable, the credentials are accepted and the CRD is served (readiness)."""
+        return await self._call("GET", f"apis/{names.API_VERSION}")
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         for attempt in range(2):
             session = self._connect()
-            async with session.request(method, self._url(kind, namespace, name), **kwargs) as resp:
+            assert self._info is not None
+            url = f"{self._info.server.rstrip('/')}/{path}"
+            async with session.request(method, url, **kwargs) as resp:
                 if resp.status == 401 and attempt == 0:
                     await self.close()  # rotated token: log in again, once
                     continue

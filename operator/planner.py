@@ -29,6 +29,11 @@ class RoleTarget:
     max_surge: int
     max_unavailable: int
     recreate_group_on_restart: bool
+    # Verified rollouts (rollout_verify.py): current-revision groups that are ready but whose
+    # greedy tokens have not been checked yet count as not ready and do not serve; after a failed
+    # check no further group is replaced.
+    unverified: frozenset[int] = frozenset()
+    verification_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class RolePlan:
 def plan_role(target: RoleTarget, groups: dict[int, GroupState]) -> RolePlan:
     replicas, revision = target.replicas, target.revision
     live = {i: g for i, g in groups.items() if not g.terminating}
-    ready = {i for i, g in live.items() if g.is_ready(target.size)}
+    ready = {i for i, g in live.items() if g.is_ready(target.size)} - target.unverified
     outdated = sorted(i for i in range(replicas) if i in live and live[i].revision != revision)
     rolling = bool(outdated)
     actions: list[Action] = []
@@ -129,6 +134,8 @@ def plan_role(target: RoleTarget, groups: dict[int, GroupState]) -> RolePlan:
     available = len(ready)
     floor = replicas - target.max_unavailable
     for index in sorted(outdated, key=lambda i: (i in ready, i)):
+        if target.verification_failed:
+            break  # the new revision answered differently: the old groups keep serving
         if index not in ready:
             actions.append(ReplaceGroup(target.role, index, "new revision (group not ready)"))
         elif available - 1 >= floor:
@@ -152,5 +159,5 @@ def plan_role(target: RoleTarget, groups: dict[int, GroupState]) -> RolePlan:
         # A group replaced in place keeps its index (and leader DNS name), so it stays listed;
         # a retired one (scale-down, surge after the rollout) leaves the list in the same pass
         # its deletion starts, and a terminating one never comes back on a later pass.
-        serving=frozenset(after & keep),
+        serving=frozenset(after & keep) - target.unverified,
     )

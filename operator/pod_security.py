@@ -1,6 +1,6 @@
 """The security context of every container the operator renders (workers and router).
 
-    pod        runAsNonRoot, runAsUser/runAsGroup/fsGroup = podSecurity.runAsUser (1000),
+    pod        runAsNonRoot, runAsUser/runAsGroup/fsGroup = podSecurity.runAsUser (10001, the images' USER),
                seccomp RuntimeDefault; fsGroup makes the 0400 secret volumes readable (the kubelet
                gives them the pod's group: 0440 root:<fsGroup>), OnRootMismatch keeps it from
                walking a checkpoint volume on every start

@@ -6,23 +6,29 @@ call it as often as they like.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from typing import Any
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.autoscale_reconcile import Autoscaler
 from deepseek_pd.operator.build_model import build_model_cache_claim
 from deepseek_pd.operator.build_network_policy import build_network_policy
 from deepseek_pd.operator.build_metrics import build_service_monitor
 from deepseek_pd.operator.build_router import build_router_children, router_endpoint
 from deepseek_pd.operator.build_workers import build_group_service, build_worker_configmap
 from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
+from deepseek_pd.operator.gang_status import CONDITION as GANG_CONDITION, gang_state
 from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.memory_plan import MemoryVerdict, plan_memory
 from deepseek_pd.operator.model_status import model_state
 from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
+from deepseek_pd.operator.pod_placement import build_pod_group
 from deepseek_pd.operator.pod_scheduling import explain_unavailable
+from deepseek_pd.operator.rollout_reconcile import CONDITION as VERIFY_CONDITION, ROLE as VERIFIED_ROLE
+from deepseek_pd.operator.rollout_reconcile import RolloutVerifier
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
 from deepseek_pd.operator.router_rollout import router_rolled_out
 from deepseek_pd.operator.secret_reconcile import (
@@ -30,7 +36,7 @@ from deepseek_pd.operator.secret_reconcile import (
 )
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.operator.status import (
-    RouterState, build_apply_error_status, build_invalid_status, build_memory_refused_status, build_status,
+    RouterState, _condition, build_apply_error_status, build_invalid_status, build_memory_refused_status, build_status,
 )
 from deepseek_pd.operator.worker_security import build_prefill_peers_service
 
@@ -38,12 +44,12 @@ from deepseek_pd.operator.worker_security import build_prefill_peers_service
 # first). Secrets are not listed (that would read every Secret of the namespace): secret_reconcile
 # gets and deletes them by name.
 OWNED_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "RoleBinding",
-               "Role", "ServiceAccount", "ServiceMonitor", "Pod", "PersistentVolumeClaim")
+               "Role", "ServiceAccount", "ServiceMonitor", "PodGroup", "Pod", "PersistentVolumeClaim")
 # Kinds whose children are fully described by build_static_children (+ group Services).
 STATIC_KINDS = ("ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment",
-                "NetworkPolicy", "PersistentVolumeClaim", "ServiceMonitor")
+                "NetworkPolicy", "PersistentVolumeClaim", "ServiceMonitor", "PodGroup")
 # Kinds from CRDs a cluster may not have: listing them answers 404 there, which means "none".
-OPTIONAL_KINDS = ("ServiceMonitor",)
+OPTIONAL_KINDS = ("ServiceMonitor", "PodGroup")
 
 
 def build_static_children(spec: DeploymentSpec, router_groups: RouterGroups | None = None) -> list[Manifest]:
@@ -75,8 +81,12 @@ def _now() -> str:
 
 
 class Reconciler:
-    def __init__(self, client: KubeClient) -> None:
+    def __init__(self, client: KubeClient, autoscaler: Autoscaler | None = None,
+                 verifier: RolloutVerifier | None = None) -> None:
         self._client = client
+        self.unserved: set[str] = set()  # optional kinds the API server answered 404 for, last look
+        self._autoscaler = autoscaler or Autoscaler(client)
+        self._verifier = verifier or RolloutVerifier()
 
     async def observe(self, namespace: str, name: str) -> dict[Key, Manifest]:
         observed: dict[Key, Manifest] = {}
@@ -85,8 +95,10 @@ class Reconciler:
                 objects = await self._client.list(kind, namespace, {names.LABEL_DEPLOYMENT: name})
             except ApiError as exc:
                 if exc.status == 404 and kind in OPTIONAL_KINDS:
+                    self.unserved.add(kind)
                     continue
                 raise
+            self.unserved.discard(kind)
             for obj in objects:
                 observed[(kind, obj["metadata"]["name"])] = obj
         return observed
@@ -131,6 +143,9 @@ class Reconciler:
         pods = [o for (k, _), o in observed.items() if k == "Pod"]
         plans: dict[str, RolePlan] = {}
         targets = {role: role_target(spec, role) for role in names.ROLES}
+        checked = await self._verifier.run(spec, targets[VERIFIED_ROLE].revision, statefulsets, pods, previous)
+        targets[VERIFIED_ROLE] = dataclasses.replace(targets[VERIFIED_ROLE], unverified=checked.unverified,
+                                                     verification_failed=checked.failed)
         for role in names.ROLES:
             plans[role] = plan_role(targets[role], groups_of_role(role, statefulsets, pods))
 
@@ -138,9 +153,11 @@ class Reconciler:
         # such as its Role after a switch from Selector to Static, is deleted below.
         desired = build_static_children(spec, {role: sorted(p.serving) for role, p in plans.items()})
         held = self._held_deletions(spec, plans, desired, observed)
+        gang = spec.scheduling.get("gang") and "PodGroup" not in self.unserved
         for role, plan in plans.items():
             indices = plan.group_indices | held[role]  # a held group stays reachable by name
             desired += [build_group_service(spec, role, i) for i in sorted(indices)]
+            desired += [build_pod_group(spec, role, i) for i in sorted(indices)] if gang else []
         for manifest in desired:
             await executor.apply(manifest)
         for role, plan in plans.items():
@@ -162,6 +179,21 @@ class Reconciler:
         now = _now()
         status = build_status(plans, revisions, floors, router, generation, previous, now, model, memory)
         status["conditions"].append(secrets_condition(secret_problems, generation, previous, now))
+        if checked.state is not None or previous.get("rollout"):
+            status["rollout"] = {VERIFIED_ROLE: checked.state} if checked.state else None
+        if checked.condition is not None:
+            before = {c.get("type", ""): c for c in previous.get("conditions") or []}
+            status["conditions"].append(_condition(VERIFY_CONDITION, *checked.condition, generation, before, now))
+        state = gang_state(spec, "PodGroup" not in self.unserved, pods, datetime.datetime.now(datetime.timezone.utc))
+        if state is not None:
+            before = {c.get("type", ""): c for c in previous.get("conditions") or []}
+            status["conditions"].append(_condition(GANG_CONDITION, *state, generation, before, now))
+        for role in names.ROLES:  # the scale subresource's labelSelectorPath (an HPA counts these pods)
+            status[role]["selector"] = names.selector_string({names.LABEL_DEPLOYMENT: name,
+                                                              names.LABEL_ROLE: role})
+        autoscaling = await self._autoscaler.run(body, spec, plans, pods, previous)
+        if autoscaling or previous.get("autoscaling"):
+            status["autoscaling"] = autoscaling or None  # None: a merge patch removes it
         return explain_unavailable(status, pods)
 
     @staticmethod

@@ -13,7 +13,8 @@ from typing import Any
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.operator import names
-from deepseek_pd.operator.crd_spec import spec_schema
+from deepseek_pd.operator.autoscaler import AutoscalingSpec, MetricTarget
+from deepseek_pd.operator.crd_spec import DEFAULT_RUN_AS_USER, spec_schema
 from deepseek_pd.operator.defaults import apply_defaults
 from deepseek_pd.operator.validation import Violation, validate_spec
 from deepseek_pd.weights.layout import snapshot_dir
@@ -54,6 +55,7 @@ class RolloutStrategy:
 
     max_surge: int | str
     max_unavailable: int | str
+    verify: bool = True  # rollout_verify.py: decode groups answer as the old revision first
 
     def resolve(self, replicas: int) -> tuple[int, int]:
         """(surge, unavailable); surge rounds up, unavailable down; never both 0."""
@@ -97,6 +99,7 @@ class RoleSpec:
     rollout: RolloutStrategy
     recreate_group_on_restart: bool
     expert_location: ConfigMapKey | None = None  # eplb.initExpertLocation (operator/build_eplb.py)
+    autoscaling: AutoscalingSpec | None = None  # None: replicas is the user's (or an HPA's)
 
     @property
     def world_size(self) -> int:
@@ -120,10 +123,20 @@ class RoleSpec:
             bootstrap_port=raw["bootstrapPort"],
             startup_timeout_seconds=raw["startupTimeoutSeconds"],
             rollout=RolloutStrategy(raw["rolloutStrategy"]["maxSurge"],
-                                    raw["rolloutStrategy"]["maxUnavailable"]),
+                                    raw["rolloutStrategy"]["maxUnavailable"],
+                                    raw["rolloutStrategy"]["verify"]),
             recreate_group_on_restart=raw["restartPolicy"] == "RecreateGroupOnPodRestart",
             expert_location=_config_map_key(raw.get("eplb", {}).get("initExpertLocation")),
+            autoscaling=_autoscaling(raw.get("autoscaling")),
         )
+
+
+def _autoscaling(raw: dict[str, Any] | None) -> AutoscalingSpec | None:
+    if raw is None:
+        return None
+    return AutoscalingSpec(raw["minReplicas"], raw["maxReplicas"],
+                           tuple(MetricTarget(m["name"], float(m["target"])) for m in raw["metrics"]),
+                           raw["scaleUpStabilizationSeconds"], raw["scaleDownStabilizationSeconds"])
 
 
 def _config_map_key(raw: dict[str, Any] | None) -> ConfigMapKey | None:
@@ -278,7 +291,7 @@ class DeploymentSpec:
     rdma: RdmaSpec
     env: tuple[dict, ...]
     metrics: MetricsSpec
-    pod_security: PodSecuritySpec = PodSecuritySpec(1000, True)
+    pod_security: PodSecuritySpec = PodSecuritySpec(DEFAULT_RUN_AS_USER, True)
     network_policy: NetworkPolicySpec = NetworkPolicySpec(True, ())
 
     @property
@@ -292,7 +305,7 @@ class DeploymentSpec:
         """Hash of everything that shapes a role's pods; replicas and rollout settings excluded,
         so scaling or tuning the rollout never restarts running groups."""
         role_spec = asdict(self.role(role))
-        for key in ("replicas", "rollout", "recreate_group_on_restart"):
+        for key in ("replicas", "rollout", "recreate_group_on_restart", "autoscaling"):
             role_spec.pop(key)
         shared = asdict(self)
         for key in ("prefill", "decode", "router", "network_policy"):

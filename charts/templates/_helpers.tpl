@@ -86,7 +86,50 @@ user's router.apiKeySecret to report it missing. */}}
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# Only used with spec.scheduling.gang (sigs.k8s.io/scheduler-plugins' CRD).
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- end -}}
+
+{{/* The pod securityContext of the operator and helm-test pods: a uid >= 10000 (podSecurity). */}}
+{{- define "deepseek-pd.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.podSecurity.runAsUser }}
+runAsGroup: {{ .Values.podSecurity.runAsUser }}
+fsGroup: {{ .Values.podSecurity.runAsUser }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* The API credentials of a pod that talks to the API server, mounted explicitly into the one
+container that needs them (automountServiceAccountToken is off, so no other container and no
+init container gets a token): what the kubelet would automount, with a bounded lifetime. */}}
+{{- define "deepseek-pd.apiTokenVolume" -}}
+- name: api-token
+  projected:
+    defaultMode: 0444
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: {{ .Values.operator.tokenExpirationSeconds }}
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - key: ca.crt
+              path: ca.crt
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef:
+                fieldPath: metadata.namespace
+{{- end -}}
+
+{{- define "deepseek-pd.apiTokenMount" -}}
+- name: api-token
+  mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+  readOnly: true
 {{- end -}}

@@ -1,6 +1,7 @@
 """`deepseek-pd operator run|crd|check`: the Kubernetes operator and its helpers.
 
     deepseek-pd operator run (--namespace NS ... | --all-namespaces) [--resync-seconds S] [--liveness-port P]
+                                                  [--readiness-port P]
     deepseek-pd operator crd [--output FILE]     the CRD YAML (the chart ships exactly this)
     deepseek-pd operator check --namespace NS ...  can this service account reach the CRD? (helm test)
     deepseek-pd operator plan FILE [--model-dir DIR]  would it fit? (the MemoryPlanFits condition)
@@ -26,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="how often every DeepSeekDeployment is re-checked (default 10)")
     run.add_argument("--liveness-port", type=int, default=0,
                      help="serve kopf's /healthz on this port (0 = off)")
+    run.add_argument("--readiness-port", type=int, default=0,
+                     help="serve /readyz on this port: 200 once kopf has started and the API server "
+                          "answers with the operator's credentials (0 = off)")
     run.add_argument("--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=_run)
 
@@ -61,7 +65,8 @@ def _run(args: argparse.Namespace) -> int:
     kopf.configure(verbose=args.verbose)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     config = OperatorConfig(resync_seconds=args.resync_seconds)
-    asyncio.run(run_operator(config, namespaces=tuple(args.namespace), liveness_endpoint=liveness))
+    asyncio.run(run_operator(config, namespaces=tuple(args.namespace), liveness_endpoint=liveness,
+                             readiness_port=args.readiness_port))
     return 0
 
 

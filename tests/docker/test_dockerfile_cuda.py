@@ -21,6 +21,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from deepseek_pd.operator.crd_spec import DEFAULT_RUN_AS_USER
+
 from pdtest.dockerfile import (
     global_args, image_extras, installed_closure, instructions, pip_requirements, stage_args,
     third_party_imports, unprovided_modules, used_args)
@@ -149,7 +151,7 @@ def test_runtime_stage_is_non_root_with_the_cpu_images_entrypoint():
     cpu = [(name, args) for stage, name, args in instructions((ROOT / "Dockerfile").read_text())
            if name in ("USER", "ENTRYPOINT", "CMD", "WORKDIR")][-4:]
     assert [(n, a) for n, a in runtime if n in ("USER", "ENTRYPOINT", "CMD", "WORKDIR")] == cpu
-    assert ("USER", "1000") in runtime
+    assert ("USER", str(DEFAULT_RUN_AS_USER)) in runtime
     copies = [args for name, args in runtime if name == "COPY"]
     assert copies == ["--from=build /opt/deepseek-pd /opt/deepseek-pd"], copies
     packages = " ".join(args for name, args in runtime if name == "RUN" and "apt-get install" in args)

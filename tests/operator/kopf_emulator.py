@@ -86,6 +86,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             meta = data.setdefault("metadata", {})
             if request.action == enums.action.CREATE:
                 meta.setdefault("namespace", request.namespace)
+                if "generateName" in meta and not meta.get("name"):  # kopf's Events: as the apiserver names them
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 meta["uid"] = str(uuid.uuid4())
                 meta["creationTimestamp"] = datetime.datetime.now(datetime.timezone.utc).strftime(
                     "%Y-%m-%dT%H:%M:%SZ")

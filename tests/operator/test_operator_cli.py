@@ -11,6 +11,7 @@ import yaml
 
 from deepseek_pd.cli import main
 from deepseek_pd.operator.crd import build_crd, crd_yaml
+from deepseek_pd.operator.crd_spec import DEFAULT_RUN_AS_USER
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -53,4 +54,4 @@ def test_dockerfile_installs_every_mapped_package_and_the_pinned_torch():
     assert mapped | {"deepseek_pd"} <= copied
     makefile_torch = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
     assert f"ARG TORCH_VERSION={makefile_torch}" in dockerfile
-    assert "[serve,operator]" in dockerfile and "USER 1000" in dockerfile
+    assert "[serve,operator]" in dockerfile and f"USER {DEFAULT_RUN_AS_USER}\n" in dockerfile

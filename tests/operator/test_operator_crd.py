@@ -136,7 +136,7 @@ def test_defaults_fill_nested_objects_without_overwriting():
     spec = {"model": {"source": {"pvc": {"claimName": "w"}}}, "image": "i",
             "decode": {"rolloutStrategy": {"maxSurge": 2}}}
     out = apply_defaults(root_schema()["properties"]["spec"], spec)
-    assert out["decode"]["rolloutStrategy"] == {"maxSurge": 2, "maxUnavailable": 1}
+    assert out["decode"]["rolloutStrategy"] == {"maxSurge": 2, "maxUnavailable": 1, "verify": True}
     assert out["prefill"]["replicas"] == 1 and out["kvTransfer"]["backend"] == "mooncake"
     assert spec["decode"]["rolloutStrategy"] == {"maxSurge": 2}  # input untouched
 
@@ -145,7 +145,9 @@ def test_crd_has_status_subresource_short_name_and_printer_columns():
     crd = build_crd()
     version = crd["spec"]["versions"][0]
     assert crd["spec"]["names"]["shortNames"] == ["dsd"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {"status": {}, "scale": {  # kubectl scale / HPA drive decode
+        "specReplicasPath": ".spec.decode.replicas", "statusReplicasPath": ".status.decode.replicas",
+        "labelSelectorPath": ".status.decode.selector"}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns == ["Phase", "Prefill", "Decode", "Model", "Memory", "Router", "Age"]
     paths = [c["jsonPath"] for c in version["additionalPrinterColumns"]]

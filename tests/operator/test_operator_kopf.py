@@ -174,7 +174,8 @@ def test_scaling_adds_and_removes_whole_groups(cluster):
 
 def test_image_change_rolls_one_group_at_a_time(cluster):
     name = "roll"
-    cluster.create(_deployment(name, replicas=2, size=2))
+    # The greedy check of new groups needs real workers (test_rollout_verify.py, test_rollout_gate.py).
+    cluster.create(_deployment(name, replicas=2, size=2, rolloutStrategy={"verify": False}))
     _bring_up(cluster, name, {"prefill": 1, "decode": 2})
     old = _revision(_statefulset(cluster, name, "decode", 0))
     old_prefill = _revision(_statefulset(cluster, name, "prefill", 0))

@@ -211,3 +211,19 @@ def test_a_failed_outdated_group_is_replaced_not_restarted_and_uses_the_budget()
     wider = plan_role(_target(3, unavailable=2), groups)
     assert wider.actions == (ReplaceGroup("decode", 2, "pod g2-0 restarted"),
                              ReplaceGroup("decode", 0, "new revision"))
+
+
+def test_unverified_new_groups_do_not_serve_or_count_and_a_failed_check_stops_the_rollout():
+    """Verified rollouts (rollout_reconcile.py): group 0 runs the new revision and is ready, but
+    its greedy tokens are not checked yet; with maxUnavailable 1 of 3 the next old group may not go."""
+    import dataclasses
+    groups = {0: _group(0, "new", 2), 1: _group(1, "old", 2), 2: _group(2, "old", 2)}
+    checked = dataclasses.replace(_target(3), unverified=frozenset({0}))
+    plan = plan_role(checked, groups)
+    assert 0 not in plan.serving and plan.serving == {1, 2}  # the router does not send to it yet
+    assert not any(isinstance(a, ReplaceGroup) for a in plan.actions) and plan.ready == 2
+    verified = plan_role(_target(3), groups)  # once it answered as the old revision
+    assert 0 in verified.serving and [a.index for a in verified.actions if isinstance(a, ReplaceGroup)] == [1]
+    failed = dataclasses.replace(_target(3, unavailable=2), unverified=frozenset({0}), verification_failed=True)
+    plan = plan_role(failed, groups)  # even with budget to spare: nothing more is replaced
+    assert not any(isinstance(a, ReplaceGroup) for a in plan.actions) and plan.serving == {1, 2}

@@ -25,10 +25,13 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.errors import UserError
 from deepseek_pd.operator import names
+from deepseek_pd.env import MOONCAKE_RPC_PORTS
+from deepseek_pd.operator.build_metrics import worker_metrics_port_numbers
 from deepseek_pd.operator.build_network_policy import build_network_policy
 from deepseek_pd.operator.build_router import build_router_args, build_router_deployment
 from deepseek_pd.operator.build_secret import build_internal_secret
 from deepseek_pd.operator.build_workers import build_group_statefulset
+from deepseek_pd.operator.crd_spec import DEFAULT_RUN_AS_USER
 from deepseek_pd.operator.pod_security import secure_container
 from deepseek_pd.operator.router_keys import build_control_plane_secret
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
@@ -257,7 +260,7 @@ def test_every_container_is_locked_down(example):
     for pod in _all_pods(spec):
         pod_spec = pod["spec"]
         context = pod_spec["securityContext"]
-        assert context["runAsNonRoot"] is True and context["runAsUser"] == context["fsGroup"] == 1000
+        assert context["runAsNonRoot"] is True and context["runAsUser"] == context["fsGroup"] == DEFAULT_RUN_AS_USER
         assert context["seccompProfile"] == {"type": "RuntimeDefault"}
         is_router = pod_spec["containers"][0]["name"] == "router"
         assert pod_spec["automountServiceAccountToken"] is False  # Static discovery: no API access
@@ -354,8 +357,10 @@ def _admits(policy: dict, source: dict[str, str], target: dict[str, str], port: 
     return False
 
 
-def test_network_policy_admits_exactly_the_documented_flows():
+@pytest.mark.parametrize("backend", ["grpc", "mooncake"])
+def test_network_policy_admits_exactly_the_documented_flows(backend):
     raw = _raw()
+    raw["kvTransfer"] = {"backend": backend}
     raw["prefill"]["port"], raw["decode"]["port"] = random.sample(range(20000, 40000), 2)
     raw["prefill"]["bootstrapPort"] = random.randint(8000, 9999)
     spec = _spec(raw)
@@ -366,16 +371,23 @@ def test_network_policy_admits_exactly_the_documented_flows():
         "decode": _pod(spec, "decode", 0)["metadata"]["labels"],
         "other-decode": _pod(_spec(raw, name="other"), "decode")["metadata"]["labels"],
         "stranger": {"app": "web"},
+        # the chart's operator pod (another namespace): decode's gRPC port only, for verified rollouts
+        "operator": {names.LABEL_NAME: names.APP_NAME, names.LABEL_COMPONENT: "operator", "app.kubernetes.io/instance": "x"},
     }
     grpc = {spec.prefill.port, spec.decode.port}
     bootstrap = spec.prefill.bootstrap_port
     ports = grpc | {bootstrap, 5757, 1, 65535} | {p + d for p in grpc | {bootstrap} for d in (-1, 1)}
     ports |= set(random.sample(range(1, 65536), 200))
+    # Mooncake's engine range (its ends and random ports inside): open to the deployment's own
+    # workers only, through one rule of its own with backend mooncake.
+    engines = range(*MOONCAKE_RPC_PORTS)
+    ports |= {engines.start - 1, engines.start, engines.stop - 1, engines.stop, *random.sample(engines, 50)}
+    metrics = set(worker_metrics_port_numbers(spec))
     for target in ("prefill", "decode"):
         for source, labels in pods.items():
-            for port in sorted(ports):
+            for port in sorted(ports - metrics):
                 if port in grpc:
-                    expected = source == "router"
+                    expected = source == "router" or (source == "operator" and port == spec.decode.port)
                 elif port == bootstrap:
                     expected = source == "decode"
                 else:
@@ -383,6 +395,12 @@ def test_network_policy_admits_exactly_the_documented_flows():
                 assert _admits(policy, labels, pods[target], port) == expected, (source, target, port)
     assert not _selects(policy["spec"]["podSelector"], pods["router"])  # the router stays reachable
     assert policy["spec"]["policyTypes"] == ["Ingress"]
+    covering = [rule for rule in policy["spec"]["ingress"]
+                if any(p["port"] <= engines.start + 1 <= p.get("endPort", p["port"]) for p in rule["ports"])]
+    if backend == "mooncake":  # exactly one rule, the range itself, from the workers: readable at a glance
+        assert [(r["ports"], r["from"]) for r in covering] == \
+            [([{"protocol": "TCP", "port": engines.start, "endPort": engines.stop - 1}],
+              [{"podSelector": policy["spec"]["podSelector"]}])]
 
 
 def test_network_policy_extra_rules_are_appended():

@@ -1,0 +1,150 @@
+"""SLO autoscaling against the real control plane, the process kubelet and real workers: the
+chart's operator scrapes the decode pods' /metrics, load through the router's Service raises
+decode to 2 groups, and idleness brings it back to 1; every request during both answers with
+the offline engine's greedy tokens, and the status and Events say why each change happened.
+
+The TPOT target is calibrated first from what the operator itself reads at batch 1 (CPU speed
+here varies with whatever else runs), then set to 1.5x that."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import pytest
+from e2e_deployment import CR_API, installed_release
+from e2e_example import apply, example
+from pdtest.waiting import wait_until
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+RELEASE, OPS, NS = "autoscale", "ops-as", "llm-as"
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
+    with installed_release(control_plane, admin_kube, process_kubelet, tmp_path_factory.mktemp("autoscale-e2e"),
+                           RELEASE, OPS, NS, "--set", "operator.resyncSeconds=2") as dep:
+        yield dep
+
+
+def _decode(dep) -> dict:
+    return ((dep.cr() or {}).get("status") or {}).get("autoscaling", {}).get("decode", {})
+
+
+def _replicas(dep) -> int:
+    return dep.cr()["spec"]["decode"]["replicas"]
+
+
+class Load:
+    """`concurrency` streams of greedy requests through the router until stopped; every answer is
+    checked against the offline engine (prompts drawn from a fixed pool, answers precomputed).
+
+    There is no kube-proxy here: the router Service's address is its first ready pod
+    (`Deployment.router_url`). Adding or removing a group rolls the router (Static discovery), and
+    a connection refused by a router pod that has gone is what a Service would have sent to the
+    new pod: the stream looks the endpoint up again and sends the request there. Any other error,
+    and any wrong token, is a failure."""
+
+    def __init__(self, dep, engine, rng: random.Random) -> None:
+        from deepseek_pd.model.sampling_params import SamplingParams
+        self.dep = dep
+        self.prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(4, 40))] for _ in range(8)]
+        self.expected = [list(engine.generate(p, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)).output_ids)
+                         for p in self.prompts]
+        self.done = 0
+        self.rerouted = 0
+        self.failures: list[str] = []
+
+    async def run(self, concurrency: int, until) -> None:
+        import aiohttp
+
+        from deepseek_pd.client.router_http import RouterClient
+
+        async def connect() -> RouterClient:
+            return await RouterClient(await asyncio.to_thread(self.dep.router_url), "tiny", timeout_s=300).__aenter__()
+
+        async def stream(k: int) -> None:
+            i = k
+            client = await connect()
+            try:
+                while not self.failures and not await asyncio.to_thread(until):  # the first failure ends it
+                    i = (i + 1) % len(self.prompts)
+                    for attempt in range(3):
+                        try:
+                            got = await client.generate(input_ids=self.prompts[i], stream=True,
+                                                        max_new_tokens=MAX_NEW, temperature=0.0)
+                        except aiohttp.ClientConnectorError as exc:  # never reached a router pod
+                            await client.close()
+                            client = await connect()
+                            self.rerouted += 1
+                            if attempt == 2:
+                                self.failures.append(repr(exc))
+                            continue
+                        except Exception as exc:  # noqa: BLE001 - every failed request is a finding
+                            self.failures.append(repr(exc))
+                            break
+                        if got.output_ids != self.expected[i]:
+                            self.failures.append(f"prompt {i}: {got.output_ids} != {self.expected[i]}")
+                        self.done += 1
+                        break
+            finally:
+                await client.close()
+        await asyncio.gather(*(stream(k) for k in range(concurrency)))
+
+
+def test_load_adds_a_decode_group_and_idleness_removes_it_without_a_failed_request(deployment, models, offline_engine):
+    dep, rng = deployment, random.Random()
+    obj = example(models)
+    obj["spec"]["decode"]["autoscaling"] = {
+        "minReplicas": 1, "maxReplicas": 2, "metrics": [{"name": "tpotP90Seconds", "target": 1000.0}],
+        "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 20}
+    apply(dep, obj)
+    dep.wait_phase("Available")
+    load = Load(dep, offline_engine, rng)
+
+    # Calibrate at batch 1: the highest p90 the operator reads over ~10 passes.
+    seen: list[float] = []
+    deadline = time.monotonic() + 25
+
+    def calibrated() -> bool:
+        reading = _decode(dep).get("lastDecision", {}).get("readings", {}).get("tpotP90Seconds", 0.0)
+        if reading:
+            seen.append(reading)
+        return time.monotonic() > deadline and len(seen) >= 3
+    asyncio.run(asyncio.wait_for(load.run(1, calibrated), 180))
+    assert not load.failures and seen, (load.failures[:5], seen)
+    target = 1.5 * max(seen)
+    dep.kube.merge_patch(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{dep.name}", {"spec": {"decode": {
+        "autoscaling": {**obj["spec"]["decode"]["autoscaling"],
+                        "metrics": [{"name": "tpotP90Seconds", "target": target}]}}}})
+
+    # Load: 16 streams until the second decode group serves (its pods Ready, the router rolled).
+    def two_groups_serving() -> bool:
+        cr = dep.cr()
+        return cr["spec"]["decode"]["replicas"] == 2 and cr["status"].get("phase") == "Available" \
+            and cr["status"]["decode"]["readyReplicas"] == 2
+    started = time.monotonic()
+    asyncio.run(asyncio.wait_for(load.run(16, two_groups_serving), 600))
+    up = _decode(dep)["lastDecision"] if _replicas(dep) == 2 else {}
+    print(f"calibrated target {target:.4f} s; scaled up after {time.monotonic() - started:.0f} s, "
+          f"{load.done} requests ({load.rerouted} re-sent to a new router pod); decision {json.dumps(up)}")
+    assert not load.failures, load.failures[:5]
+    events = dep.kube.list(f"/api/v1/namespaces/{NS}/events", fieldSelector=f"involvedObject.name={dep.name}")
+    scaled = [e["message"] for e in events if e.get("reason") == "Scaled"]
+    assert any("decode: scale up 1 -> 2: tpotP90Seconds" in m for m in scaled), scaled
+
+    # Idle: after the 20 s window the operator chooses 1 group (a steady stream at batch 1 would
+    # keep 2: HPA's rule reads 2 groups at 2/3 of the target as "1 group would be over it").
+    wait_until(lambda: _replicas(dep) == 1, 180, "decode not scaled down", dep.diagnose)
+    down = _decode(dep)["lastDecision"]
+    assert down["from"] == 2 and down["to"] == 1 and down["reason"].startswith("scale down 2 -> 1"), down
+    # While group 1 is retired (the router rolls without it first, then its pods go), 4 streams
+    # keep asking: none may fail.
+    before = load.done
+    gone = f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role=decode,deepseek-pd.io/group-index=1"
+    asyncio.run(asyncio.wait_for(load.run(4, lambda: not dep.pods(gone)), 600))
+    assert load.done > before and not load.failures, load.failures[:5]
+    assert any("decode: scale down 2 -> 1" in e.get("message", "") for e in dep.kube.list(
+        f"/api/v1/namespaces/{NS}/events", fieldSelector=f"involvedObject.name={dep.name}"))

@@ -1,0 +1,67 @@
+"""Verified rollouts' check (operator/rollout_verify.py) against real decode workers: two
+`deepseek-pd serve decode` processes answer the fixed greedy prompts at the same time; the same
+checkpoint passes, a different one (another seed: what a broken engine option or image looks
+like from outside) is caught, naming the prompt and the first differing token."""
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deepseek_pd.launcher.health import worker_is_healthy
+from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.operator.rollout_verify import MAX_NEW_TOKENS, PROMPTS, Mismatch, first_mismatch, verify
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def test_first_mismatch_names_the_prompt_and_position(rng=random.Random()):
+    old = [[rng.randrange(1000) for _ in range(MAX_NEW_TOKENS)] for _ in PROMPTS]
+    assert first_mismatch(old, [list(o) for o in old]) is None
+    new = [list(o) for o in old]
+    i, j = rng.randrange(len(PROMPTS)), rng.randrange(MAX_NEW_TOKENS)
+    new[i][j] += 1
+    assert first_mismatch(old, new) == Mismatch(i, j, old[i][j], old[i][j] + 1)
+    assert first_mismatch(old, [*new[:i], old[i][:j], *new[i + 1:]]) == Mismatch(i, j, old[i][j], None)
+    assert f"prompt {i} {list(PROMPTS[i])}: output token {j}" in str(Mismatch(i, j, 5, 6))
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Decode workers: two on checkpoint A, one on checkpoint B (another seed)."""
+    root = tmp_path_factory.mktemp("verify")
+    cli = [sys.executable, "-m", "deepseek_pd.cli"]
+    for name, seed in (("a", 1), ("b", 2)):
+        subprocess.run([*cli, "make-tiny-model", str(root / name), "--seed", str(seed)], check=True,
+                       capture_output=True, timeout=120)
+    procs, addresses = [], {}
+    try:
+        for label, model in (("old", "a"), ("same", "a"), ("other", "b")):
+            port = pick_free_ports(1)[0]
+            log = open(root / f"{label}.log", "w")
+            procs.append(subprocess.Popen([*cli, "serve", "decode", "--model", str(root / model), "--port",
+                                           str(port), "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT))
+            addresses[label] = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        for (label, address), proc in zip(addresses.items(), procs):
+            while not worker_is_healthy(address):
+                assert proc.poll() is None and time.monotonic() < deadline, (root / f"{label}.log").read_text()
+                time.sleep(0.5)
+        yield addresses
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
+def test_the_same_checkpoint_passes_and_another_is_caught_with_its_first_token(workers):
+    assert asyncio.run(verify(workers["same"], workers["old"])) is None
+    mismatch = asyncio.run(verify(workers["other"], workers["old"]))
+    assert mismatch is not None and mismatch.new != mismatch.old, mismatch
+    assert f"prompt {mismatch.prompt} {list(PROMPTS[mismatch.prompt])}" in str(mismatch)
