@@ -58,7 +58,8 @@ for i in $(seq 1 "$runs"); do
     git clone --quiet --no-hardlinks "$repo" "$clone"
     git -C "$clone" checkout --quiet "$commit"
     if [ "$fresh_venv" = 0 ] && [ -x "$repo/.venv/bin/python" ]; then
-        cp -a "$repo/.venv" "$clone/.venv"
+        # Hard links (5+ GB otherwise): pip and Python replace files, never write into them.
+        cp -al "$repo/.venv" "$clone/.venv" 2>/dev/null || { rm -rf "$clone/.venv"; cp -a "$repo/.venv" "$clone/.venv"; }
         # The copy's editable install points at $repo: point it at the clone, then mark it built.
         (cd "$clone" && .venv/bin/python -m pip install -q --no-deps -e . >/dev/null 2>&1)
         touch "$clone/.venv/.installed"
