@@ -41,6 +41,9 @@ def test_b():
 def test_h(x):
     _record("h", x)
 
+def test_profile():
+    _record("derandomize", settings().derandomize)
+
 def test_fails():
     assert False, "on purpose"
 '''
@@ -68,22 +71,20 @@ def _run(tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None,
 
 @pytest.mark.slow
 def test_the_same_seed_replays_the_same_draws(tmp_path):
-    first, output = _run(tmp_path, "--seed", "11")
+    fuzz, output = _run(tmp_path, "--seed", "11", "--hypothesis-profile", "fuzz")
     assert output.splitlines()[0].startswith("random seed: 11 "), output  # first, even under -q
     assert "replay: pytest --seed 11 'test_suite.py::test_fails'" in output, output
     assert output.count("random seed: 11 (") == 2, output  # and again at the end of a failed run
-    a, b = first["a"][0], first["b"][0]
+    a, b = fuzz["a"][0], fuzz["b"][0]
     assert a != b and a[1] != a[2], "tests, and two unseeded Random()s, draw apart"
-    assert len(first["h"]) == 5
-    fuzz, _ = _run(tmp_path, "--seed", "11", "--hypothesis-profile", "fuzz")
-    assert (fuzz["a"], fuzz["b"]) == (first["a"], first["b"])
     assert len(fuzz["h"]) == 5 * FUZZ_FACTOR
     # The same seed through the environment, without test_a before test_b: the same draws, since
     # a test's seed depends on (run seed, node id) only.
-    again, _ = _run(tmp_path, "--hypothesis-profile", "fuzz", "-k", "not test_a", env={SEED_ENV: "11"})
+    again, _ = _run(tmp_path, "--hypothesis-profile", "fuzz", "-k", "test_b or test_h", env={SEED_ENV: "11"})
     assert again == {"b": fuzz["b"], "h": fuzz["h"]}
     other, _ = _run(tmp_path, "--seed", "12", "--hypothesis-profile", "fuzz", "-k", "test_b or test_h")
     assert all(x != y for x, y in zip(other["b"][0], b)), (other["b"], b)
     assert other["h"] != fuzz["h"], "fuzz draws fresh examples from another seed"
-    ci_other, _ = _run(tmp_path, "--seed", "12", "-k", "test_h")
-    assert ci_other["h"] == first["h"], "ci hypothesis is derandomized: its examples are the test's own"
+    ci, _ = _run(tmp_path, "--seed", "11", "-k", "test_a or test_h or test_profile")
+    assert ci["a"] == fuzz["a"], "the profile changes hypothesis only"
+    assert len(ci["h"]) == 5 and ci["derandomize"] == [True], "ci: the test's own examples, not the seed's"
