@@ -1,6 +1,7 @@
 """The seed plugin (tests/support/pdtest/seeding.py) on a small suite of its own, run by pytest in
 a subprocess: the same run seed replays every draw (Python's `random`, an unseeded
-`random.Random()`, numpy, torch and hypothesis under "fuzz"), a test replays alone, another seed
+`random.Random()`, numpy, torch, a parametrization drawn at collection, and hypothesis under
+"fuzz"), a test replays alone, another seed
 draws otherwise, "ci" hypothesis does not depend on the seed, and the seed is printed first under
 `-q` and in a failing test's report with the command that replays it."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pdtest.seeding import FUZZ_FACTOR, SEED_ENV
 SUPPORT = pathlib.Path(__file__).resolve().parent / "support"
 SUITE = '''
 import json, os, random
-import numpy, torch
+import numpy, pytest, torch
 from hypothesis import given, settings, strategies as st
 from pdtest.seeding import examples
 
@@ -40,6 +41,10 @@ def test_b():
 @given(st.integers(0, 2**64))
 def test_h(x):
     _record("h", x)
+
+@pytest.mark.parametrize("x", [random.Random().randrange(10**9)])  # drawn at collection
+def test_p(x):
+    _record("p", x)
 
 def test_profile():
     _record("derandomize", settings().derandomize)
@@ -82,9 +87,10 @@ def test_the_same_seed_replays_the_same_draws(tmp_path):
     # a test's seed depends on (run seed, node id) only.
     again, _ = _run(tmp_path, "--hypothesis-profile", "fuzz", "-k", "test_b or test_h", env={SEED_ENV: "11"})
     assert again == {"b": fuzz["b"], "h": fuzz["h"]}
-    other, _ = _run(tmp_path, "--seed", "12", "--hypothesis-profile", "fuzz", "-k", "test_b or test_h")
+    other, _ = _run(tmp_path, "--seed", "12", "--hypothesis-profile", "fuzz", "-k", "test_b or test_h or test_p")
+    assert other["p"] != fuzz["p"]
     assert all(x != y for x, y in zip(other["b"][0], b)), (other["b"], b)
     assert other["h"] != fuzz["h"], "fuzz draws fresh examples from another seed"
-    ci, _ = _run(tmp_path, "--seed", "11", "-k", "test_a or test_h or test_profile")
-    assert ci["a"] == fuzz["a"], "the profile changes hypothesis only"
+    ci, _ = _run(tmp_path, "--seed", "11", "-k", "test_a or test_h or test_p or test_profile")
+    assert (ci["a"], ci["p"]) == (fuzz["a"], fuzz["p"]), "the profile changes hypothesis only"
     assert len(ci["h"]) == 5 and ci["derandomize"] == [True], "ci: the test's own examples, not the seed's"

@@ -153,6 +153,16 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[None]:
+    """Draws at import time (a parametrization drawn at random) replay too: the node ids do."""
+    _apply(node_seed(session.config.stash[_RUN_SEED], "<collection>"))
+    try:
+        return (yield)
+    finally:
+        _UNSEEDED.stream = None
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     _apply(node_seed(item.config.stash[_RUN_SEED], item.nodeid))
     try:
