@@ -10,7 +10,11 @@ Before each test (setup, call and teardown) the test's seed is applied to Python
 module, numpy's and torch's global generators, and to every `random.Random()` made without a seed
 (the suite's usual `rng = random.Random()`): such an instance takes its seed from a stream of the
 test's seed instead of the OS. Explicit seeds (`random.Random(7)`, `torch.Generator().manual_seed`)
-are left alone. Subprocesses draw their own, so a test passes a seed drawn here to what it spawns.
+are left alone. Collection gets a seed of its own (a parametrization drawn at import replays).
+Patching the unseeded constructor, rather than rewriting ~300 call sites, keeps tests written
+tomorrow seeded too. Subprocesses draw their own, so a test passes a seed drawn here to what it
+spawns. Left to the OS on purpose: credentials of the test control plane (tests/k8s/pki.py) and
+the uids the emulated API server assigns (identities, not inputs).
 
 Hypothesis has two profiles (`--hypothesis-profile`):
 - "ci", the default: derandomized. Each property test's examples are a function of its own code,
