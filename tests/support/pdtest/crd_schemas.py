@@ -78,6 +78,8 @@ def _closed(schema: Obj) -> Obj:
         out["maximum"] = min(schema.get("maximum", 2**bits - 1), 2**bits - 1)
     if schema.get("x-kubernetes-list-type") == "set":
         out["uniqueItems"] = True
+    if schema.get("nullable") and "type" in schema:
+        out["type"] = [schema["type"], "null"]
     return out
 
 
