@@ -84,14 +84,15 @@ def _closed(schema: Obj) -> Obj:
 
 
 def _without_pruned_nulls(value: Any, schema: Obj) -> Any:
-    """`value` less the nulls the server prunes (every field whose schema is not nullable)."""
+    """`value` less the nulls the server prunes (every known field whose schema is not nullable)."""
     if isinstance(value, dict):
         props = schema.get("properties", {})
         extra = schema.get("additionalProperties")
         out = {}
         for key, item in value.items():
+            known = key in props or isinstance(extra, dict)
             sub = props.get(key, extra if isinstance(extra, dict) else {})
-            if item is None and not sub.get("nullable"):
+            if item is None and known and not sub.get("nullable"):  # an unknown one stays refused
                 continue
             out[key] = _without_pruned_nulls(item, sub)
         return out
