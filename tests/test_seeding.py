@@ -78,7 +78,7 @@ def _run(tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None,
 def test_the_same_seed_replays_the_same_draws(tmp_path):
     fuzz, output = _run(tmp_path, "--seed", "11", "--hypothesis-profile", "fuzz")
     assert output.splitlines()[0].startswith("random seed: 11 "), output  # first, even under -q
-    assert "replay: pytest --seed 11 'test_suite.py::test_fails'" in output, output
+    assert "replay: pytest --seed 11 --hypothesis-profile fuzz 'test_suite.py::test_fails'" in output, output
     assert output.count("random seed: 11 (") == 2, output  # and again at the end of a failed run
     a, b = fuzz["a"][0], fuzz["b"][0]
     assert a != b and a[1] != a[2], "tests, and two unseeded Random()s, draw apart"

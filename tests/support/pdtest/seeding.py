@@ -132,12 +132,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 _RUN_SEED = pytest.StashKey[int]()
 
 
+def _replay_args(config: pytest.Config) -> str:
+    """The options that replay this run's draws: its seed, and a profile other than "ci"."""
+    profile = config.option.hypothesis_profile
+    return f"--seed {config.stash[_RUN_SEED]}" + ("" if profile == PROFILE_CI else f" --hypothesis-profile {profile}")
+
+
 def seed_line(config: pytest.Config) -> str:
-    run_seed = config.stash[_RUN_SEED]
     profile = config.option.hypothesis_profile
     hypothesis = ("hypothesis derandomized (profile ci)" if profile == PROFILE_CI
                   else f"hypothesis profile {profile}, seeded by the run seed")
-    return f"random seed: {run_seed} (replay: pytest --seed {run_seed} ...; {hypothesis})"
+    return f"random seed: {config.stash[_RUN_SEED]} (replay: pytest {_replay_args(config)} ...; {hypothesis})"
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -182,5 +187,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         run_seed = item.config.stash[_RUN_SEED]
         report.sections.append(("random seed", f"run seed {run_seed}, this test's seed "
                                 f"{node_seed(run_seed, item.nodeid)}; replay: "
-                                f"pytest --seed {run_seed} '{item.nodeid}'"))
+                                f"pytest {_replay_args(item.config)} '{item.nodeid}'"))
     return report
