@@ -25,6 +25,7 @@ packages, package_dir = _packages_and_dirs()
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"deepseek_pd.proto": ["*.proto"], "deepseek_pd.operator": ["crd/*.yaml"]},
+    package_data={"deepseek_pd.proto": ["*.proto"],
+                  "deepseek_pd.gateway_guard": ["*.wasm", "*.wat", "wit/*.wit"]},
     include_package_data=True,
 )

@@ -78,7 +78,7 @@ def _rank(rank: int, port: int, sleep: bool, args, schedule: list[int], out) -> 
 
 
 def measure(sleep: bool, args) -> dict:
-    from deepseek_pd.launcher.ports import pick_free_ports
+    from deepseek_pd.ports import pick_free_ports
 
     context = multiprocessing.get_context("spawn")
     out = context.Queue()

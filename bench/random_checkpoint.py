@@ -69,8 +69,12 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         shapes[f"{prefix}.up_proj.weight"] = ((inner, hidden), "linear")
         shapes[f"{prefix}.down_proj.weight"] = ((hidden, inner), "linear")
 
-    for layer in range(cfg.num_hidden_layers):
+    for layer in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
         p = f"model.layers.{layer}"
+        if layer >= cfg.num_hidden_layers:  # an MTP layer (model/mtp.py) around its decoder layer
+            for norm in ("enorm", "hnorm", "shared_head.norm"):
+                shapes[f"{p}.{norm}.weight"] = ((hidden,), _NORM)
+            shapes[f"{p}.eh_proj.weight"] = ((hidden, 2 * hidden), "linear")
         shapes[f"{p}.input_layernorm.weight"] = ((hidden,), _NORM)
         shapes[f"{p}.post_attention_layernorm.weight"] = ((hidden,), _NORM)
         attn = f"{p}.self_attn"

@@ -12,7 +12,11 @@ first, so its memory is back before the workers start):
   `--steps` teacher-forced steps of `runner.decode` (CUDA-graph replay when the runner captures
   graphs) timed two ways: `step_ms` with one device sync at the end (the step's device time when
   the host keeps ahead), and `step_sync_ms` reading the argmax tokens back every step (what a
-  scheduler that samples on the host pays at least).
+  scheduler that samples on the host pays at least);
+- the loads apart (`bench/solo_levels.py`), when asked: `prefill_only_round`, a round of
+  `--prefill-only-len` prompts (the prefill-only load's, filled to the round as above), and
+  `decode_only`, the decode step at `--decode-only-batches` with every context at
+  `--decode-only-context` (the decode-only load's prompt plus half its output: its mean context).
 
     python bench/runner_steps.py --model DIR --device cuda --dtype bfloat16 --page-size 64 \\
         --cuda-graph --prefill-lengths 600,800,1000 --batches 1,16,64,128 --out runner.json
@@ -48,6 +52,9 @@ class RunnerStepsSpec:
     seed: int = 0
     enable_tbo: bool = False  # two-batch overlap (eager: CUDA graphs cannot capture it)
     prefill_round_tokens: int = 2048  # the prefill worker's chunked_prefill_size
+    prefill_only_len: int = 0  # > 0: also time a round of prompts of this length (prefill-only load)
+    decode_only_context: int = 0  # > 0: also time decode steps at this context ...
+    decode_only_batches: tuple[int, ...] = ()  # ... at these batches (decode-only load)
 
 
 def _sync(device: str) -> None:
@@ -57,14 +64,19 @@ def _sync(device: str) -> None:
 
 @torch.inference_mode()
 def measure(spec: RunnerStepsSpec) -> dict:
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
 
     rng = random.Random(spec.seed)
     longest = max(spec.context_max + spec.decode_offset + spec.steps + 2, max(spec.prefill_lengths))
     pages_per_seq = -(-longest // spec.page_size)
-    round_pages = sum(-(-n // spec.page_size) for n in round_lengths(spec.prefill_lengths, spec.prefill_round_tokens))
-    # The decode batches, one prompt, the prefill round, the graphs' scratch page (each at its own time).
-    num_pages = max(max(spec.batches) * pages_per_seq + pages_per_seq, round_pages) + 8
+    rounds = [round_lengths(spec.prefill_lengths, spec.prefill_round_tokens)]
+    if spec.prefill_only_len:
+        rounds.append(round_lengths((spec.prefill_only_len,), spec.prefill_round_tokens))
+    round_pages = max(sum(-(-n // spec.page_size) for n in lengths) for lengths in rounds)
+    only_pages = max(spec.decode_only_batches, default=0) * -(-(spec.decode_only_context + spec.steps + 2)
+                                                              // spec.page_size)
+    # The decode batches, one prompt, the prefill rounds, the graphs' scratch page (each at its own time).
+    num_pages = max(max(spec.batches) * pages_per_seq + pages_per_seq, round_pages, only_pages) + 8
     t0 = time.perf_counter()
     runner = ModelRunner(RunnerConfig(
         model=spec.model, dtype=spec.dtype, device=spec.device, page_size=spec.page_size,
@@ -97,11 +109,25 @@ def measure(spec: RunnerStepsSpec) -> dict:
     pool.free(pages)
     result["prefill"] = per_length
     result["prefill_ms_median"] = statistics.median(row["ms"] for row in per_length)
-    result["prefill_round"] = _prefill_round(runner, spec, tokens)
+    result["prefill_round"] = _prefill_round(runner, spec, tokens, spec.prefill_lengths)
+    if spec.prefill_only_len:
+        result["prefill_only_round"] = _prefill_round(runner, spec, tokens, (spec.prefill_only_len,))
+    result["decode"] = _decode_steps(runner, spec, tokens, spec.batches,
+                                     lambda: rng.randint(spec.context_min, spec.context_max) + spec.decode_offset)
+    if spec.decode_only_batches:
+        result["decode_only"] = _decode_steps(runner, spec, tokens, spec.decode_only_batches,
+                                              lambda: spec.decode_only_context)
+    return result
 
+
+def _decode_steps(runner, spec: RunnerStepsSpec, tokens, batches: tuple[int, ...], context) -> list[dict]:
+    """Per batch: sequences of `context()` tokens each, prefilled, then `spec.steps` timed steps."""
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq
+
+    pool = runner.kv_pool
     decode = []
-    for batch in spec.batches:
-        contexts = [rng.randint(spec.context_min, spec.context_max) + spec.decode_offset for _ in range(batch)]
+    for batch in batches:
+        contexts = [context() for _ in range(batch)]
         seq_pages = [pool.alloc(pool.pages_for_tokens(c + spec.steps + 2)) for c in contexts]
         for lo in range(0, batch, 16):  # prefill the contexts, 16 sequences per call
             runner.extend([ExtendSeq(tokens(contexts[i]), 0, seq_pages[i])
@@ -128,8 +154,7 @@ def measure(spec: RunnerStepsSpec) -> dict:
         for p in seq_pages:
             pool.free(p)
         print(json.dumps(decode[-1]), flush=True)
-    result["decode"] = decode
-    return result
+    return decode
 
 
 def round_lengths(lengths: tuple[int, ...], budget: int) -> list[int]:
@@ -145,12 +170,13 @@ def round_lengths(lengths: tuple[int, ...], budget: int) -> list[int]:
     return out + [left] if left > 0 else out
 
 
-def _prefill_round(runner, spec: RunnerStepsSpec, tokens) -> dict:
-    """One extend of `round_lengths` prompts: the median of `--repeats` timed calls (one untimed first)."""
+def _prefill_round(runner, spec: RunnerStepsSpec, tokens, prompt_lengths: tuple[int, ...]) -> dict:
+    """One extend of `round_lengths(prompt_lengths)` prompts: the median of `--repeats` timed calls
+    (one untimed first)."""
     from deepseek_pd.model.runner import ExtendSeq
 
     pool = runner.kv_pool
-    lengths = round_lengths(spec.prefill_lengths, spec.prefill_round_tokens)
+    lengths = round_lengths(prompt_lengths, spec.prefill_round_tokens)
     seqs = [ExtendSeq(tokens(n), 0, pool.alloc(pool.pages_for_tokens(n))) for n in lengths]
     times = []
     for _ in range(spec.repeats + 1):
@@ -188,12 +214,19 @@ def main() -> None:
     parser.add_argument("--enable-tbo", action="store_true", help="two-batch overlap (needs no --cuda-graph)")
     parser.add_argument("--prefill-round-tokens", type=int, default=2048,
                         help="tokens of the timed prefill round (the prefill worker's chunked_prefill_size)")
+    parser.add_argument("--prefill-only-len", type=int, default=0,
+                        help="also time a round of prompts of this length (the prefill-only load)")
+    parser.add_argument("--decode-only-context", type=int, default=0,
+                        help="also time decode steps with every context at this length ...")
+    parser.add_argument("--decode-only-batches", type=_ints, default=(), help="... at these batches")
     parser.add_argument("--out", required=True, help="where the JSON goes")
     args = parser.parse_args()
     spec = RunnerStepsSpec(args.model, args.device, args.dtype, args.page_size, args.cuda_graph, args.backend,
                            args.num_fused_shared_experts, args.prefill_lengths, args.batches, args.context_min,
                            args.context_max, args.decode_offset, args.steps, args.repeats,
-                           enable_tbo=args.enable_tbo, prefill_round_tokens=args.prefill_round_tokens)
+                           enable_tbo=args.enable_tbo, prefill_round_tokens=args.prefill_round_tokens,
+                           prefill_only_len=args.prefill_only_len, decode_only_context=args.decode_only_context,
+                           decode_only_batches=args.decode_only_batches)
     with open(args.out, "w") as f:
         json.dump(measure(spec), f, indent=2)
 

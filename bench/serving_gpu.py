@@ -23,7 +23,12 @@ Steps, each timed, all inside a time budget (default 530 s):
 5. the serving table (per concurrency, then the checks of `bench/serving_report.py`), then, last,
    ONE table of the six targets (`bench/targets_table.py`: value, target, ratio, PASS/MISS, the
    commit), serving_gpu.json (commit, date, shapes, flags, every number, each part's JSON),
-   targets.txt and serving_gpu.png under --out.
+   targets.txt and serving_gpu.png under --out;
+6. with `--parts prefill_only,decode_only` (not in the default run: a device call has room for one
+   of the two sets), issue 25's loads apart on the same cluster (`bench/solo_levels.py`): 1024-token
+   prompts with 1 output token against the runner's round of them, and 32-token prompts with 1,024
+   output tokens at c=64 and c=128 against the runner's graph step there; their table (value,
+   runner, ratio, target, PASS/MISS, card, commit) comes last, and in solo_targets.txt.
 """
 from __future__ import annotations
 
@@ -42,11 +47,13 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from serving_report import Checks, ceilings, evaluate, format_table, level_row, write_plot  # noqa: E402
+from solo_levels import NAMES as SOLO_NAMES, SoloLoads, format_solo_targets, solo_checks  # noqa: E402
 import worker_metrics  # noqa: E402
 from target_parts import GPU_PARTS, NAMES, TINY_PARTS, Part, run_parts  # noqa: E402
 from targets_table import format_targets, target_rows  # noqa: E402
 
-PARTS = ("serving", *NAMES)
+PARTS = ("serving", *SOLO_NAMES, *NAMES)
+LEVEL_PARTS = {"serving", *SOLO_NAMES}  # the parts that need the runner alone and `up`
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class Plan:
     range_ratio: float = 0.5  # prompts in [input_len * (1 - ratio), input_len]
     levels: tuple[tuple[int, int], ...] = ((1, 24), (16, 64), (64, 256), (128, 384))  # (concurrency, requests)
     warmup: tuple[int, int] = (16, 32)
+    solo: SoloLoads = field(default_factory=SoloLoads)  # the prefill-only and decode-only loads
     checks: Checks = field(default_factory=Checks)
     runner_steps: int = 32
     budget_s: float = 530.0
@@ -78,6 +86,8 @@ GPU = Plan("v2-lite", "cuda", "bfloat16", 64, True, "triton", 0)  # pools sized 
 TINY = Plan("v2-mini", "cpu", "float32", 16, False, "auto", 1024, input_len=64, output_len=8,
             levels=((1, 4), (2, 8), (4, 8), (8, 16)), warmup=(2, 2), runner_steps=4,
             checks=Checks(tpot_level=4, throughput_targets=((4, 4000.0), (8, 6000.0))), budget_s=420.0,
+            solo=SoloLoads(prefill_len=64, prefill_rounds=3, decode_input_len=8, decode_output_len=32,
+                           decode_levels=((4, 4), (8, 8))),
             parts=TINY_PARTS, serving_min_s=120.0,
             startup_timeout_s=180.0, profile_level=8, profile_delay_s=0.2, profile_seconds=3)
 RESERVE_S = 45.0  # kept back for stopping the cluster and writing the report
@@ -88,7 +98,7 @@ def worker_flags(plan: Plan, extra: list[str]) -> list[str]:
              f"--engine-opt=attention_backend={plan.backend}", f"--engine-opt=moe_backend={plan.backend}",
              "--engine-opt=num_fused_shared_experts=2",
              # The decode batch cap must reach the highest concurrency.
-             f"--engine-opt=max_running_requests={max(c for c, _ in plan.levels)}"]
+             f"--engine-opt=max_running_requests={max(c for c, _ in (*plan.levels, *plan.solo.decode_levels))}"]
     if plan.num_pages:
         flags.append(f"--num-pages={plan.num_pages}")
     # CUDA graphs: on by default for the decode worker on CUDA, never captured by the prefill worker.
@@ -147,11 +157,13 @@ def c1_prompt_lengths(plan: Plan, vocab: int, n: int, seed: int) -> list[int]:
 
 
 def bench_argv(url: str, plan: Plan, concurrency: int, requests: int, seed: int, out: Path,
-               admin_key_file: Path) -> list[str]:
+               admin_key_file: Path, fixed: tuple[int, int] | None = None) -> list[str]:
+    """The mixed workload's `bench serving`, or with `fixed` (input, output) exactly those lengths."""
+    shape = (["--dataset", "fixed", "--input-len", str(fixed[0]), "--output-len", str(fixed[1])] if fixed else
+             ["--dataset", "random", "--input-len", str(plan.input_len), "--range-ratio", str(plan.range_ratio),
+              "--output-len", str(plan.output_len)])
     return [sys.executable, "-m", "deepseek_pd.cli", "bench", "serving", "--url", url,
-            "--admin-key-file", str(admin_key_file), "--dataset", "random",
-            "--input-len", str(plan.input_len), "--range-ratio", str(plan.range_ratio),
-            "--output-len", str(plan.output_len), "--output-range-ratio", "0",
+            "--admin-key-file", str(admin_key_file), *shape, "--output-range-ratio", "0",
             "--num-prompts", str(requests), "--max-concurrency", str(concurrency), "--seed", str(seed),
             "--no-progress", "--output-json", str(out.with_suffix(".json")),
             "--output-png", str(out.with_suffix(".png"))]
@@ -200,8 +212,53 @@ def finish_profiles(started, notes: list[str]) -> dict:
     return result
 
 
+def run_level(name: str, argv: list[str], stem: Path, budget: Budget, urls: list[str], notes: list[str]
+              ) -> tuple[dict, dict] | None:
+    """One `bench serving` run: (its JSON, the workers' own metrics over it), or None (noted)."""
+    before = worker_metrics.scrape(urls)
+    run_step(name, argv, budget.left(), stem.with_suffix(".log"))
+    if not stem.with_suffix(".json").exists():
+        notes.append(f"{name}: bench serving wrote no result (see {stem}.log)")
+        return None
+    level = json.loads(stem.with_suffix(".json").read_text())
+    return level, worker_metrics.breakdown(before, worker_metrics.scrape(urls))
+
+
+def solo_levels(url: str, plan: Plan, flags: list[str], seed: int, levels_dir: Path, key_file: Path,
+                urls: list[str], budget: Budget, parts: set[str], result: dict) -> None:
+    """The prefill-only and decode-only loads (bench/solo_levels.py) that `parts` names, on the
+    running cluster; each skipped, and noted, when the budget cannot fit it."""
+    loads, notes, solo = plan.solo, result["notes"], result["solo"]
+    shapes = []
+    if "prefill_only" in parts:
+        concurrency, requests = loads.prefill_load(prefill_round_tokens(flags, plan.device))
+        shapes.append(("prefill_only", concurrency, requests, (loads.prefill_len, 1)))
+    if "decode_only" in parts:
+        shapes += [("decode_only", c, n, (loads.decode_input_len, loads.decode_output_len))
+                   for c, n in loads.decode_levels]
+    steps = {d["batch"]: d["step_ms"] for d in (result["runner"] or {}).get("decode_only", [])}
+    for index, (kind, concurrency, requests, fixed) in enumerate(shapes):
+        # A decode-only wave takes its output length in steps of about the runner's (x2 for safety).
+        needs = 2 * fixed[1] * steps.get(concurrency, 0) / 1e3 * -(-requests // concurrency) + 10
+        if budget.left() < needs:
+            notes.append(f"{kind} c={concurrency} skipped: {budget.left():.0f}s left, about {needs:.0f}s needed")
+            continue
+        name, stem = f"{kind} c={concurrency}", levels_dir / f"{kind}-c{concurrency}"
+        argv = bench_argv(url, plan, concurrency, requests, level_seed(seed, 100 + index), stem, key_file, fixed)
+        measured = run_level(name, argv, stem, budget, urls, notes)
+        if measured is None:
+            continue
+        level, workers = measured
+        row = {**level_row(concurrency, level["summary"]), "json": str(stem.with_suffix(".json")), "workers": workers}
+        if kind == "prefill_only":
+            solo["prefill_only"] = row
+        else:
+            solo["decode_only"][concurrency] = row
+        print(f"[{name}] {json.dumps(row)}", flush=True)
+
+
 def serve_levels(plan: Plan, model_dir: Path, out: Path, flags: list[str], profile: bool, seed: int,
-                 budget: Budget, result: dict) -> None:
+                 budget: Budget, result: dict, parts: set[str]) -> None:
     from up_process import UpProcess, UpSpec
 
     notes, rows, levels_dir = result["notes"], result["levels"], out / "levels"
@@ -218,7 +275,7 @@ def serve_levels(plan: Plan, model_dir: Path, out: Path, flags: list[str], profi
         ok, secs, _ = run_step("warmup", bench_argv(url, plan, c, n, seed, levels_dir / "warmup", up.control_plane_key_file),
                                budget.left(), levels_dir / "warmup.log")
         result["phases"]["warmup_s"] = secs
-        for index, (concurrency, wanted) in enumerate(plan.levels):
+        for index, (concurrency, wanted) in enumerate(plan.levels if "serving" in parts else ()):
             n = fit_requests(concurrency, wanted, budget.left(), rows[-1] if rows else None, plan.output_len)
             if n < concurrency:
                 notes.append(f"c={concurrency} skipped: {budget.left():.0f}s left in the budget")
@@ -254,6 +311,8 @@ def serve_levels(plan: Plan, model_dir: Path, out: Path, flags: list[str], profi
             if index == 0:
                 result["c1_prompt_lengths_sent"] = sorted(r["prompt_len"] for r in level["requests"])
             print(f"[c={concurrency}] {json.dumps(rows[-1])}", flush=True)
+        solo_levels(url, plan, flags, seed, levels_dir, up.control_plane_key_file,
+                    worker_metrics.metrics_urls(spec.log_dir), budget, parts, result)
     except RuntimeError as exc:  # up did not start: report what there is
         notes.append(str(exc)[-2000:])
     finally:
@@ -285,7 +344,7 @@ def prefill_round_tokens(flags: list[str], device: str) -> int:
 
 
 def measure_runner(plan: Plan, model_dir: Path, out: Path, seed: int, budget: Budget, result: dict,
-                   flags: list[str]) -> None:
+                   flags: list[str], parts: set[str]) -> None:
     """Step 2, in a child process; the c=1 workload's prompt lengths are computed here, exactly."""
     from random_checkpoint import num_parameters
 
@@ -303,6 +362,11 @@ def measure_runner(plan: Plan, model_dir: Path, out: Path, seed: int, budget: Bu
             "--context-max", str(plan.input_len), "--decode-offset", str(plan.output_len // 2),
             "--steps", str(plan.runner_steps), "--prefill-round-tokens", str(prefill_round_tokens(flags, plan.device)),
             "--out", str(runner_json)]
+    if "prefill_only" in parts:
+        argv += ["--prefill-only-len", str(plan.solo.prefill_len)]
+    if "decode_only" in parts:
+        argv += ["--decode-only-context", str(plan.solo.decode_context),
+                 "--decode-only-batches", ",".join(str(c) for c, _ in plan.solo.decode_levels)]
     if plan.cuda_graph:
         argv.append("--cuda-graph")
     ok, secs, _ = run_step("runner", argv, min(budget.left(), 300), out / "runner_steps.log")
@@ -330,8 +394,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole run")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="checkpoint directory (written unless it already holds this checkpoint)")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated, of {','.join(PARTS)} (default: all, the six targets)")
+    parser.add_argument("--parts", default=",".join(("serving", *NAMES)),
+                        help=f"comma-separated, of {','.join(PARTS)} (default: issue 7's six targets, "
+                             f"serving and {','.join(NAMES)}; {','.join(SOLO_NAMES)}: issue 25's loads apart, "
+                             f"bench/solo_levels.py)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None,
                         help="commit to record when the copy has no .git (default: git rev-parse HEAD)")
@@ -357,7 +423,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     return Plan(**fields)
 
 
-def report(plan: Plan, out: Path, result: dict, tiny: bool, budget: Budget) -> tuple[str, str]:
+def report(plan: Plan, out: Path, result: dict, tiny: bool, budget: Budget) -> tuple[str, str, str]:
+    """(the serving table, issue 7's targets, the loads apart: each "" when not run), also under `out`."""
     sent, planned = result.get("c1_prompt_lengths_sent"), result.get("c1_prompt_lengths_planned")
     if sent is not None and sent != planned:
         result["notes"].append("c=1 sent other prompt lengths than the runner timed: "
@@ -379,9 +446,17 @@ def report(plan: Plan, out: Path, result: dict, tiny: bool, budget: Budget) -> t
     (out / "table.txt").write_text(table + "\n")
     meta = result["meta"]
     commit = meta["commit"] + (" (uncommitted changes)" if meta["dirty"] else "")
-    targets = format_targets(result["targets"], commit, note)
+    card = (result["runner"] or {}).get("device_name")
+    targets = format_targets(result["targets"], commit, note, card)
     (out / "targets.txt").write_text(targets + "\n")
-    return table, targets
+    solo = ""
+    if set(SOLO_NAMES) & set(result["meta"]["parts"]):
+        kinds = [kind for kind in SOLO_NAMES if kind in result["meta"]["parts"]]
+        result["solo_checks"] = solo_checks(result["solo"], result["runner"], plan.solo, kinds)
+        solo = format_solo_targets(result["solo_checks"], card or "unknown", commit, note)
+        (out / "solo_targets.txt").write_text(solo + "\n")
+        (out / "serving_gpu.json").write_text(json.dumps(result, indent=2))
+    return table, targets, solo
 
 
 def main() -> int:
@@ -402,31 +477,34 @@ def main() -> int:
     result: dict = {"meta": {**commit, "date": now, "mode": "tiny-cpu" if args.tiny else "gpu",
                              "argv": sys.argv[1:], "versions": versions(), "plan": asdict(plan),
                              "worker_flags": flags, "model_dir": str(model_dir), "parts": sorted(args.parts)},
-                    "phases": {}, "runner": None, "levels": [], "parts": {}, "skipped": {}, "notes": []}
+                    "phases": {}, "runner": None, "levels": [], "parts": {}, "skipped": {}, "notes": [],
+                    "solo": {"prefill_only": None, "decode_only": {}}}
     argv = [sys.executable, str(BENCH / "random_checkpoint.py"), str(model_dir), "--shape", plan.shape,
             "--device", plan.device, "--seed", str(args.seed)]
     ok, secs, _ = run_step("checkpoint", argv, budget.left(), out / "checkpoint.log")
     result["phases"]["checkpoint_s"] = secs
-    serving = "serving" in args.parts
+    serving = bool(LEVEL_PARTS & args.parts)  # the runner alone and `up`
     if ok:
         if serving:
-            measure_runner(plan, model_dir, out, args.seed, budget, result, flags)
+            measure_runner(plan, model_dir, out, args.seed, budget, result, flags, args.parts)
         keep = plan.serving_min_s if serving else 0.0
         t0 = time.monotonic()
         result["parts"] = run_parts(plan.parts, args.parts, model_dir, out / "parts", lambda: budget.left() - keep,
                                     run_step, result["notes"], result["skipped"])
         result["phases"]["parts_s"] = time.monotonic() - t0
         if serving:
-            serve_levels(plan, model_dir, out, flags, args.profile, args.seed, budget, result)
+            serve_levels(plan, model_dir, out, flags, args.profile, args.seed, budget, result, args.parts)
     else:
         result["notes"].append("writing the checkpoint failed (see checkpoint.log)")
-    table, targets = report(plan, out, result, args.tiny, budget)
+    table, targets, solo = report(plan, out, result, args.tiny, budget)
     for line in result["notes"]:
         print(f"note: {line}")
     phases = ", ".join(f"{k} {v:.0f}s" for k, v in result["phases"].items() if k != "total_s")
     print(f"commit {result['meta']['commit']}, {now}, total {result['phases']['total_s']:.0f}s ({phases})")
-    print(table + "\n" + targets if table else targets, flush=True)
-    measured = (not serving or result["levels"]) and set(result["parts"]) == args.parts - {"serving"}
+    print("\n".join(text for text in (table, targets, solo) if text), flush=True)
+    levels_ran = ("serving" not in args.parts or result["levels"]) and all(
+        c["value"] is not None for c in result.get("solo_checks", []))
+    measured = levels_ran and set(result["parts"]) == args.parts - LEVEL_PARTS
     return 0 if measured else 1
 
 

@@ -4,7 +4,8 @@
 # GPU pool -> GPU pool and Mooncake TCP, each against its raw ceiling; layer-wise TTFT of an 8k
 # prompt; `deepseek-pd up` 1P1D and `bench serving` at c=1/16/64/128). The last table printed is
 # the six targets (value, target, ratio, PASS/MISS, commit); everything lands under $OUT. Extra
-# arguments go to serving_gpu.py (e.g. --profile, --parts serving, --worker-args "--engine-opt=...").
+# arguments go to serving_gpu.py (e.g. --profile, --parts serving, --worker-args "--engine-opt=...";
+# --parts prefill_only,decode_only: issue 25's loads apart, bench/solo_levels.py, in a call of their own).
 # Carry .whl/ with the router's wheels (smg, ...) unless the image has them, and bench/wheels/ with
 # the mooncake (and isal) wheels, or the Mooncake row says it was skipped (gpu_setup.sh says how).
 source "$(dirname "$0")/gpu_setup.sh"

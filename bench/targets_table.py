@@ -48,8 +48,10 @@ def target_rows(serving_checks: list[dict], parts: dict[str, dict], missing: dic
     return rows
 
 
-def format_targets(rows: list[dict], commit: str, note: str = "") -> str:
-    lines = [f"issue 7 targets, commit {commit}; ratio = value / target",
+def format_targets(rows: list[dict], commit: str, note: str = "", card: str | None = None) -> str:
+    """`card`: the GPU's name (the runner's), named in the header when known."""
+    on = f", card {card}" if card else ""
+    lines = [f"issue 7 targets, commit {commit}{on}; ratio = value / target",
              f"{'what':<58} {'value':>10} {'target':>9} {'ratio':>7}  result"]
     for row in rows:
         if row["value"] is None:

@@ -44,7 +44,7 @@ MOONCAKE_RPC_PORTS = (15000, 17000)  # Mooncake's defaults for MC_MIN_RPC_PORT, 
 
 def mooncake_rpc_ports() -> range:
     """[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT): where Mooncake's TransferEngine draws its listening ports
-    (handshake RPC and TCP transport) at random; local port picks stay out of it (launcher/ports.py).
+    (handshake RPC and TCP transport) at random; local port picks stay out of it (deepseek_pd/ports.py).
     A malformed value falls back to the default, as Mooncake itself ignores it."""
     bounds = []
     for name, default in zip(("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"), MOONCAKE_RPC_PORTS):

@@ -5,7 +5,7 @@ operator/build_router.py) build its command line from the values here, so a limi
 policy is decided once:
 
     python -m smg.launch_router --pd-disaggregation --prefill grpc://H:P BOOT --decode grpc://H:D
-        --policy round_robin --max-payload-size 16777216
+        --policy round_robin --max-payload-size 10485760 --enable-wasm   # + the n guard (gateway_guard)
         --control-plane-api-keys 'deepseek-pd:deepseek-pd:admin:<key>'     # add/remove workers
         [--api-key <client key>]                                           # the OpenAI/SGLang API
 
@@ -23,10 +23,12 @@ from deepseek_pd.errors import UserError
 
 ROUTER_MODULE = "smg.launch_router"
 
-# A whole 160k-token context is ~1.2 MB as JSON token ids and less as text; 16 MiB leaves room
+# A whole 160k-token context is ~1.2 MB as JSON token ids and less as text; 10 MiB leaves room
 # for long chat histories. smg's own default is 512 MiB: four 50 MB bodies held sglang-router
 # 0.3.2 at 8.9 GB resident, and a body over this limit is refused with 413 before it is buffered.
-MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+# 10 MiB is also the most smg's WASM middleware reads (gateway_guard), so a body it could not scan
+# gets the 413 first.
+MAX_PAYLOAD_BYTES = 10 * 1024 * 1024
 
 # Both roles, for `up`. Under sglang-router 0.3.2, 3 of 7 bursts of 1,000 concurrent streams
 # deadlocked cache_aware's tree (FACTS). Under smg 1.13, bench/gateway_burst.py (docs/performance.md,
@@ -65,6 +67,13 @@ CONTROL_PLANE_KEY_ID = "deepseek-pd"
 # 30 s keeps a truly wedged worker out of rotation within half a minute (a dead one is found
 # sooner by the health checks).
 WEDGE_ARGS = ("--worker-wedge-secs", "30")
+
+# Slow clients. smg closes a connection whose request head is not complete within
+# --header-read-timeout-secs (default 30 s); a client sends its head at once, so 10 s frees a slot
+# held by a slowloris head three times sooner. A slow *body* has no timeout in smg 1.13 (the n guard
+# reads it before admission, so it holds a connection but no request slot), nor is there a
+# per-client connection budget: that is the ingress's job (docs/operations.md, "Gateway limits").
+SLOW_CLIENT_ARGS = ("--header-read-timeout-secs", "10")
 
 RETRY_ARGS = ("--retry-max-retries", "5", "--retry-initial-backoff-ms", "1500",
               "--retry-backoff-multiplier", "2", "--retry-max-backoff-ms", "8000")

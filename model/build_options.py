@@ -47,6 +47,9 @@ class BuildOptions:
     fp8_backend: str | None = None
     # RMSNorm (+ residual) and RoPE + latent-cache write (`norm_rope.NORM_ROPE_BACKENDS`).
     norm_rope_backend: str = "torch"
+    # Build the checkpoint's MTP layer (model/mtp.py), the speculative draft model; its latent KV
+    # is one more layer of the KV pool.
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.prefix_chunk_size < 1:

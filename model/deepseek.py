@@ -21,6 +21,8 @@ from deepseek_pd.model.layer_ops import (LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, Emp
                                          op_method, run_layer_ops)
 from deepseek_pd.model.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
+from deepseek_pd.model.mtp import MtpLayer
+from deepseek_pd.model.mtp_names import kv_layers
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.parallel import ExpertPlacement
 from deepseek_pd.model.rope import RotaryEmbedding
@@ -55,6 +57,8 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The draft model for speculative decoding (model/mtp.py); shares embed_tokens and lm_head.
+        self.mtp = MtpLayer(config, self.rotary, options, self.dispatcher) if options.mtp else None
         # Chosen once: the two-batch-overlap executor or the plain op-list loop.
         self._tbo = TwoBatchOverlap(self, options.parallel, options.tbo_rules) if options.enable_tbo else None
         # What an idle rank runs (`forward_idle`), resolved once like the layers' own `ops`: it
@@ -101,6 +105,26 @@ class DeepseekForCausalLM(nn.Module):
             return self.compute_logits(self._tbo.final_hidden(batch, progress=progress))
         hidden = self.final_hidden(self.run_layers(batch, progress), batch.last_token_index)
         return self.compute_logits(hidden)
+
+    @torch.no_grad()
+    def forward_hidden(self, batch: ForwardBatch, progress: LayerProgress | None = None) -> torch.Tensor:
+        """Final-normed hidden states of every new token `[T, H]` (speculative verify and the
+        MTP layer's input; `compute_logits` turns rows of them into logits)."""
+        if self._tbo is not None:
+            raise RuntimeError("forward_hidden does not run two-batch overlap")
+        return self.final_hidden(self.run_layers(batch, progress))
+
+    @torch.no_grad()
+    def forward_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over the batch's tokens `[T, H]` (normed; model/mtp.py)."""
+        if self.mtp is None:
+            raise RuntimeError("the model was built without its MTP layer (BuildOptions.mtp)")
+        return self.mtp(batch, self.embed_tokens(batch.input_ids), prev_hidden)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers of latent KV the pool holds: the decoder layers, and the MTP layer when built."""
+        return kv_layers(self.config, self.mtp is not None)
 
     @torch.no_grad()
     def forward_idle(self, mode: ForwardMode) -> None:

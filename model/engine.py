@@ -21,11 +21,13 @@ from typing import Sequence, Union
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.memory_budget import DEFAULT_PAGE_SIZE
 from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
 from deepseek_pd.model.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
 from deepseek_pd.model.sampled_host import TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
 from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.speculative_rules import check_speculative_num_steps
 
 Prompt = Union[str, Sequence[int]]
 
@@ -39,14 +41,17 @@ class EngineConfig:
     device: str = "cpu"
     attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
     chunked_prefill_size: int = 2048  # max prompt tokens per prefill forward, summed over the batch
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     max_total_tokens: int = 32768  # KV pool capacity in tokens, over all requests of a batch
     mha_chunked_kv_threshold: int = 256
     attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else torch
     moe_backend: str = "auto"  # auto | torch | triton | grouped
     cuda_graph: bool = False  # decode by CUDA-graph replay (needs CUDA and the triton/grouped backends)
+    # Draft tokens per decode step from the checkpoint's MTP layer (model/speculative.py); 0: off.
+    speculative_num_steps: int = 0
 
     def __post_init__(self) -> None:
+        check_speculative_num_steps(self.speculative_num_steps)
         if self.chunked_prefill_size < 1:
             raise UserError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_total_tokens < 1 or self.page_size < 1:
@@ -75,6 +80,7 @@ class _Request:
     sampling: SamplingState
     stop: StopChecker
     pages: list[int]
+    max_new: int = 0  # the output budget, capped by the context
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
@@ -103,10 +109,15 @@ class Engine:
             page_size=config.page_size, num_pages=-(-config.max_total_tokens // config.page_size),
             attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold,
             attention_backend=config.attention_backend, moe_backend=config.moe_backend,
-            cuda_graph=config.cuda_graph))
+            cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps))
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(self.model_path)
         self.sampler = Sampler()
+        self.speculative = None
+        if config.speculative_num_steps:
+            from deepseek_pd.model.speculative import SpeculativeDecoder
+
+            self.speculative = SpeculativeDecoder(self.runner, config.speculative_num_steps, self._sample)
 
     # ---- public API --------------------------------------------------------------------------
     @property
@@ -206,7 +217,7 @@ class Engine:
         pages = pool.alloc(pool.pages_for_tokens(kv_tokens_needed(len(prompt_ids), max_new)))
         device = self.runner.model.options.device
         return _Request(
-            prompt_ids=prompt_ids, params=params, pages=pages,
+            prompt_ids=prompt_ids, params=params, pages=pages, max_new=max_new,
             sampling=SamplingState.create(params, prompt_ids, self.vocab_size, device=device),
             stop=StopChecker(params, self.model_config.eos_token_ids, self.tokenizer, max_new_tokens=max_new))
 
@@ -215,18 +226,39 @@ class Engine:
         pending = [PromptProgress(r.prompt_ids, r.pages, owner=r) for r in requests]
         while pending:
             plan = plan_extend_batch(pending, self.config.chunked_prefill_size)
-            logits = self.runner.extend(plan.seqs)
-            plan.advance()
             done = plan.finishing
-            if done:
+            if self.speculative is None:
+                logits = self.runner.extend(plan.seqs)
                 rows = torch.tensor(done, device=logits.device)
+            else:  # every token's hidden state, for the MTP layer's pass over the round
+                hidden = self.runner.extend_hidden(plan.seqs)
+                logits = self.runner.logits(hidden)
+                ends = torch.tensor([len(seq.token_ids) for seq in plan.seqs]).cumsum(0) - 1
+                rows = ends[torch.tensor(done, dtype=torch.long)].to(logits.device)
+            plan.advance()
+            if done:
                 self._sample([plan.items[row].owner for row in done], logits[rows])
+            if self.speculative is not None:
+                self._draft_over_round(plan, hidden)
             pending = [item for item in pending if item.remaining > 0]
+
+    def _draft_over_round(self, plan, hidden: torch.Tensor) -> None:
+        """The MTP layer over the round's tokens; the prompts it completes get their first draft."""
+        from deepseek_pd.model.speculative import mtp_over_extend
+
+        owners = {row: plan.items[row].owner for row in plan.finishing}
+        drafts = mtp_over_extend(self.runner, plan.seqs, hidden, [item.token_ids for item in plan.items],
+                                 {row: owner.output_ids[0] for row, owner in owners.items()})
+        for owner, (token, state) in zip(owners.values(), drafts):
+            self.speculative.seed(owner, token, state)
 
     def _decode(self, requests: list[_Request]) -> None:
         from deepseek_pd.model.runner import DecodeSeq
 
         running = [r for r in requests if not r.finished]
+        while running and self.speculative is not None:
+            self.speculative.step(running)
+            running = [r for r in running if not r.finished]
         while running:
             seqs = [DecodeSeq(r.output_ids[-1], position=len(r.prompt_ids) + len(r.output_ids) - 1, pages=r.pages)
                     for r in running]

@@ -8,7 +8,13 @@ Example: two sequences, the first with a cached prefix of 3 tokens and 2 new one
 fresh 4-token prompt, page_size 2:
     prefix_lens=(3, 0), extend_lens=(2, 4), seq_lens=(5, 4), qo_indptr=[0, 2, 6]
     positions=[3, 4, 0, 1, 2, 3], token_seq=[0, 0, 1, 1, 1, 1]
-    page_table row 0 = that request's pages, padded with 0 to the longest page list.
+    page_table row 0 = that request's pages, padded to the longest page list with its own last page.
+
+Padding repeats the row's own page, never page 0 or any other page: a padded column then reads
+only memory that the row's own request owns, so KV that arrived for another request (perhaps
+NaN from a bad peer, not yet checked) cannot reach this row even through a kernel that reads
+padding. Kernels still mask padded and out-of-range positions by selecting, never by
+multiplying (`model/attention/torch_backend.py`, `kernels/mla_decode.py`).
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [T] long: flat KV slot each new token is written to
     token_seq: torch.Tensor  # [T] long: which sequence each token belongs to
     qo_indptr: torch.Tensor  # [B+1] long
-    page_table: torch.Tensor  # [B, max_pages] long, padded with 0
+    page_table: torch.Tensor  # [B, max_pages] long, each row padded with its own last page
     seq_lens_t: torch.Tensor  # [B] long: prefix + new tokens
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
@@ -139,7 +145,7 @@ class ForwardBatch:
         for n in extend_lens:
             qo.append(qo[-1] + n)
         max_pages = max(1, max(len(p) for p in page_lists))
-        table = torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in page_lists], dtype=torch.long)
+        table = torch.tensor([list(p) + [p[-1]] * (max_pages - len(p)) for p in page_lists], dtype=torch.long)
         lens_t = torch.tensor(extend_lens, dtype=torch.long)
         seq_of_token = torch.repeat_interleave(torch.arange(len(extend_lens)), lens_t)
         # Each token's position: its prefix plus its index among its sequence's new tokens.

@@ -98,9 +98,11 @@ def quantize_block_fp8(weight: torch.Tensor, block: Fp8BlockQuantConfig) -> tupl
 
 def is_block_quantised_weight(name: str, tensor: torch.Tensor) -> bool:
     """The tensors DeepSeek-V3's FP8 release stores as FP8: 2-D linear weights, except the
-    embeddings, lm_head and the router gate (which stay in bf16/fp32)."""
+    embeddings, lm_head and the router gate (which stay in bf16/fp32), and the MTP layer's
+    eh_proj and its copy of the head (bf16 in the release)."""
     return (tensor.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name
-            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
+            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight")
+            and not name.endswith((".eh_proj.weight", ".shared_head.head.weight")))
 
 
 def quantize_checkpoint(tensors: dict[str, torch.Tensor], block: Fp8BlockQuantConfig) -> dict[str, torch.Tensor]:

@@ -7,10 +7,12 @@ and an explicit headroom for activations and CUDA graphs. The pool gets the rest
 
     pages = floor((fraction * total - weights - headroom) / bytes_per_page)
 
+On a GPU shared by several workers (`up`), the pool gets this worker's share of what the budget
+leaves after every worker's weights and headroom (model/memory_budget.py, `GpuShare`).
+
 Worked example, DeepSeek-V2-Lite in bf16 on an H200 (139.8 GiB), fraction 0.88, headroom 2 GiB:
 budget 123.0 GiB - weights 29.3 GiB - 2 GiB = 91.8 GiB; one 64-token page of 27 layers x 576 x 2 B
-is 1.90 MiB, so 49,495 pages = 3.17M tokens. Two workers on one GPU (`up`) get fractions that sum
-to the single-worker one, so their budgets cannot overlap whatever order they start in.
+is 1.90 MiB, so 49,495 pages = 3.17M tokens.
 
 The fraction of *total* memory (not of what is free) makes the size independent of what other
 processes hold at that moment; what is free is only checked, so that a GPU already taken by
@@ -25,28 +27,29 @@ from dataclasses import dataclass
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.memory_budget import DEFAULT_MEM_FRACTION_STATIC, GpuShare, budget_bytes as gpu_budget
 from deepseek_pd.units import gib, mib
 
 log = logging.getLogger(__name__)
-
-# The budget of one worker alone on a GPU (`serve` on CUDA), and what `up` splits between the
-# workers sharing one; the rest of the GPU is the CUDA context, NCCL/transfer buffers, other tenants.
-DEFAULT_MEM_FRACTION_STATIC = 0.88
+__all__ = ["DEFAULT_MEM_FRACTION_STATIC", "GpuMemory", "pages_for_budget", "pages_for_gpu"]
 
 
 def pages_for_budget(budget_bytes: int, bytes_per_page: int, weights_bytes: int, headroom_bytes: int,
-                     min_pages: int = 1) -> int:
-    """Whole pages in `budget - weights - headroom`; a UserError when fewer than `min_pages` fit."""
+                     min_pages: int = 1, share: GpuShare = GpuShare()) -> int:
+    """Whole pages in this worker's KV bytes (`share.kv_bytes`: alone, `budget - weights -
+    headroom`); a UserError when fewer than `min_pages` fit."""
     if bytes_per_page < 1 or min_pages < 1:
         raise ValueError(f"bytes_per_page and min_pages must be >= 1, got {bytes_per_page}, {min_pages}")
-    left = budget_bytes - weights_bytes - headroom_bytes
-    pages = left // bytes_per_page if left > 0 else 0
+    left = share.kv_bytes(budget_bytes, weights_bytes + headroom_bytes)
+    pages = left // bytes_per_page
     if pages < min_pages:
+        each = f" ({share.workers} workers' copies)" if share.workers > 1 else ""
         raise UserError(
             f"no room for the KV pool: the memory budget of {gib(budget_bytes)} minus the weights "
-            f"({gib(weights_bytes)}) and the activation headroom ({gib(headroom_bytes)}) leaves "
-            f"{gib(max(left, 0))}, less than {min_pages} page(s) of {mib(bytes_per_page)}; "
-            f"raise --mem-fraction-static, lower mem_headroom_gib or --page-size, or use a smaller model")
+            f"({gib(weights_bytes)}) and the activation headroom ({gib(headroom_bytes)}){each} leaves "
+            f"{gib(left)} for this worker's KV ({share.describe()}), less than {min_pages} page(s) of "
+            f"{mib(bytes_per_page)}; raise --mem-fraction-static, lower mem_headroom_gib or --page-size, "
+            f"or use a smaller model")
     return pages
 
 
@@ -67,11 +70,12 @@ class GpuMemory:
 
 
 def pages_for_gpu(memory: GpuMemory, mem_fraction_static: float, headroom_bytes: int, bytes_per_page: int,
-                  min_pages: int = 1) -> int:
-    """The pool for a budget of `mem_fraction_static` of the GPU, checked against what is free."""
-    budget = int(mem_fraction_static * memory.total_bytes)
+                  min_pages: int = 1, share: GpuShare = GpuShare()) -> int:
+    """The pool for a budget of `mem_fraction_static` of the GPU (this worker's `share` of it),
+    checked against what is free."""
+    budget = gpu_budget(mem_fraction_static, memory.total_bytes)
     try:
-        pages = pages_for_budget(budget, bytes_per_page, memory.resident_bytes, headroom_bytes, min_pages)
+        pages = pages_for_budget(budget, bytes_per_page, memory.resident_bytes, headroom_bytes, min_pages, share)
     except UserError as exc:
         raise UserError(f"{exc} (budget = mem_fraction_static {mem_fraction_static} x "
                         f"{gib(memory.total_bytes)} of GPU memory)") from None
@@ -81,8 +85,8 @@ def pages_for_gpu(memory: GpuMemory, mem_fraction_static: float, headroom_bytes:
             f"the KV pool ({pages} pages, {gib(pages * bytes_per_page)}) plus the headroom "
             f"({gib(headroom_bytes)}) needs {gib(needed)}, but only {gib(memory.free_bytes)} of the "
             f"GPU's {gib(memory.total_bytes)} is free: another process holds the rest. Lower "
-            f"--mem-fraction-static (workers sharing a GPU need fractions that sum below 1) or pass --num-pages")
-    log.info("KV pool sized from mem_fraction_static %.3g x %s: weights %s, headroom %s, pool %s",
-             mem_fraction_static, gib(memory.total_bytes), gib(memory.resident_bytes), gib(headroom_bytes),
-             gib(pages * bytes_per_page))
+            f"--mem-fraction-static or pass --num-pages")
+    log.info("KV pool sized from mem_fraction_static %.3g x %s (%s): weights %s, headroom %s, pool %s",
+             mem_fraction_static, gib(memory.total_bytes), share.describe(), gib(memory.resident_bytes),
+             gib(headroom_bytes), gib(pages * bytes_per_page))
     return pages

@@ -3,7 +3,8 @@
 `iter_checkpoint_tensors` streams `(hf_name, tensor)` pairs in file order, which is what
 `DeepseekForCausalLM.load_weights` consumes. On the way it
 - dequantises FP8 block-scaled weights (`X.weight` fp8 + `X.weight_scale_inv`) on CPU,
-- skips the MTP / nextn layers (`model.layers.{i}` with i >= num_hidden_layers) unless asked,
+- skips the MTP / nextn layers (`model.layers.{i}` with i >= num_hidden_layers) unless asked
+  (`BuildOptions.mtp`: then a checkpoint without its MTP layer is a UserError at start-up),
 - turns every way a checkpoint can be broken into a `UserError` that names the file or tensor.
 
 Example: a 163-shard FP8 DeepSeek-V3 directory yields every weight of layers 0-60 dequantised (its
@@ -23,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from deepseek_pd.errors import CheckpointError, UserError
+from deepseek_pd.model.mtp_names import MTP_MARKER, mtp_hf_prefix
 from deepseek_pd.model.fp8 import (FP8_DTYPES, SCALE_SUFFIX, Fp8BlockQuantConfig, check_scale_shape,
                                    dequantize_block_fp8)
 
@@ -216,7 +218,12 @@ def load_model(path: str | Path, options: "BuildOptions | None" = None,
     directory = resolve_model_dir(path)  # "tiny" -> the generated, cached checkpoint
     config = ModelConfig.from_hf(directory) if config is None else config
     options = options or BuildOptions()
-    model = DeepseekForCausalLM(config, options)
+    model = DeepseekForCausalLM(config, options)  # refuses an MTP layer the config does not have
+    marker = f"{mtp_hf_prefix(config)}{MTP_MARKER}"
+    if options.mtp and marker not in CheckpointFiles.discover(directory).tensor_to_file:
+        raise UserError(f"{directory}: speculative decoding needs the checkpoint's MTP layer, but it has no "
+                        f"{marker} (a checkpoint without its MTP layer: run without --speculative-num-steps)")
     model.load_weights(iter_checkpoint_tensors(directory, config, progress=progress, fp8_dtype=options.dtype,
-                                               keep_fp8=options.fp8_backend is not None))
+                                               keep_fp8=options.fp8_backend is not None,
+                                               keep_mtp_layers=options.mtp))
     return model.eval()

@@ -8,12 +8,29 @@ NVML-based device count does. `CUDA_VISIBLE_DEVICES` renumbers CUDA devices but 
 library, an NVML error) gives None, and the caller keeps its device-independent default.
 
     total_memory_bytes("cuda:0")   # 150754820096 on an H200; None on a machine without NVML
+
+NVML's total is not what CUDA can allocate. It counts the whole framebuffer; `cudaMemGetInfo`
+(torch's `mem_get_info` and `get_device_properties().total_memory`) leaves out what the driver
+reserves for itself: 85,520,809,984 against 85,017,493,504 bytes on an H100 80GB (0.59%), so NVML
+reads more, by at most `DRIVER_RESERVED_MAX_FRACTION`. Which reading serves which rule:
+
+- the chunk tiers (`worker_config.gpu_chunked_prefill_size`) read NVML: they are SGLang's, which
+  reads `nvidia-smi --query-gpu=memory.total` (NVML's figure), and `serve` picks them before any
+  CUDA context exists; the tiers are tens of GiB apart, so no card sits near a boundary;
+- the KV pool's budget (`mem_fraction_static` x total, `model/kv_pool_sizing.py`) reads CUDA's
+  total after loading, in the worker: a fraction of memory nobody can allocate would oversize the
+  pool by the reservation.
 """
 from __future__ import annotations
 
 import ctypes
 
 from deepseek_pd import env
+
+
+# NVML's total over CUDA's is the driver's reservation: 0.59% on an H100 80GB, about 0.4% on the H200
+# (150,754,820,096 bytes against the ~139.8 GiB CUDA reports, operator/gpu_types.py).
+DRIVER_RESERVED_MAX_FRACTION = 0.02
 
 
 class _Memory(ctypes.Structure):
@@ -35,7 +52,8 @@ def visible_device(cuda_index: int, visible: str | None) -> int | str | None:
 
 
 def total_memory_bytes(device: str) -> int | None:
-    """Total memory of the CUDA `device` ("cuda" or "cuda:N"), or None (see the module docstring)."""
+    """NVML's total memory of the CUDA `device` ("cuda" or "cuda:N"), or None (see the module
+    docstring: this is nvidia-smi's figure, above what CUDA can allocate)."""
     _, _, index = device.partition(":")
     target = visible_device(int(index or 0), env.cuda_visible_devices())
     if target is None:

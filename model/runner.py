@@ -38,8 +38,10 @@ from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
                                              decode_capturable)
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
+from deepseek_pd.model.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
 from deepseek_pd.model.memory_headroom import default_headroom_gib
-from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
+from deepseek_pd.model.speculative_rules import check_speculative_num_steps
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
 from deepseek_pd.model.kv_pool_sizing import GpuMemory, pages_for_gpu
@@ -91,11 +93,14 @@ class RunnerConfig:
     model: str = "tiny"
     dtype: str = "auto"
     device: str = "cpu"  # a concrete torch device; `model.device.resolve_device` turns "auto" into one
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     # The KV pool: a fixed `num_pages`, or (CUDA, num_pages=None) whatever `mem_fraction_static` of the
-    # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv_pool_sizing.py).
+    # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv_pool_sizing.py);
+    # on a GPU `gpu_workers` workers share, `kv_share` of the room their weights leave (memory_budget.py).
     num_pages: int | None = DEFAULT_NUM_PAGES
     mem_fraction_static: float | None = None
+    gpu_workers: int = 1
+    kv_share: float = 1.0
     # activations and CUDA graphs, inside the budget; None: `headroom_gib`'s default for the graphs
     mem_headroom_gib: float | None = None
     attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
@@ -140,6 +145,12 @@ class RunnerConfig:
     # checkpoint when Triton imports, else dequant. Ignored for checkpoints that are not FP8.
     fp8_backend: str = "auto"
     norm_rope_backend: str = "auto"  # RMSNorm and RoPE + cache write: auto = triton on CUDA (model/norm_rope.py)
+    # Speculative decoding: draft tokens per step from the checkpoint's MTP layer (model/speculative.py);
+    # 0: off, the MTP layer is not loaded.
+    speculative_num_steps: int = 0
+    # The decode worker chooses 0..speculative_num_steps drafts per step by batch size from step costs
+    # measured at start-up and the accept rate so far (model/speculation_policy.py); off: always all.
+    speculative_adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -164,6 +175,7 @@ class RunnerConfig:
         if self.ep_num_redundant_experts < 0:
             raise UserError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
+        check_speculative_num_steps(self.speculative_num_steps)
         if self.fp8_backend not in FP8_BACKEND_CHOICES:
             raise UserError(f"fp8_backend {self.fp8_backend!r} is not one of {', '.join(FP8_BACKEND_CHOICES)}")
 
@@ -173,6 +185,10 @@ class RunnerConfig:
                             f"not {'both' if self.num_pages is not None else 'neither'}")
         if self.mem_headroom_gib is not None and self.mem_headroom_gib < 0:
             raise UserError(f"mem_headroom_gib must be >= 0, got {self.mem_headroom_gib}")
+        try:
+            self.gpu_share
+        except ValueError as exc:
+            raise UserError(f"--gpu-workers/--kv-share: {exc}") from None
         if self.mem_fraction_static is None:
             return
         if not 0 < self.mem_fraction_static <= 1:
@@ -219,6 +235,8 @@ class RunnerConfig:
             return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
         if self.enable_tbo:
             return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
+        if self.speculative_num_steps:
+            return "CUDA graphs do not capture speculative draft and verify steps yet (speculative_num_steps > 0)"
         if self.tp_size > 1:
             return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
         dispatcher = self.resolve_dispatcher()
@@ -239,6 +257,11 @@ class RunnerConfig:
 
     def dispatch_config(self) -> DispatchConfig:
         return DispatchConfig(DispatchMode.parse(self.dispatch_mode), self.low_latency_max_tokens)
+
+    @property
+    def gpu_share(self) -> GpuShare:
+        """This worker's place on a GPU other workers may share (model/memory_budget.py)."""
+        return GpuShare(self.gpu_workers, self.kv_share)
 
     @property
     def headroom_gib(self) -> float:
@@ -298,7 +321,8 @@ class RunnerConfig:
             parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo, tbo_rules=self.tbo_rules(),
             expert_location=self.expert_location(model_config),
             fp8_backend=self.resolve_fp8_backend(model_config),
-            norm_rope_backend=self.resolve_backend(self.norm_rope_backend))
+            norm_rope_backend=self.resolve_backend(self.norm_rope_backend),
+            mtp=self.speculative_num_steps > 0)
 
 
 @dataclass(frozen=True)
@@ -342,20 +366,24 @@ class ModelRunner:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = _load_model(self.config, self.parallel)
+        if self.model.mtp is not None and (self.step_sync is not None or self.tp_replay is not None):
+            raise UserError("speculative decoding (--speculative-num-steps) runs in single-rank workers for now, "
+                            "not in a multi-rank group (--dp/--ep/--tp)")
         model_config = self.model.config
         options = self.model.options
         self.policy = AttentionPolicy(self.config.attention_method, self.config.mha_chunked_kv_threshold)
         num_pages = self.config.num_pages
         if num_pages is None:  # sized from the GPU memory budget, now that the weights are resident
-            per_page = bytes_per_pool_page(model_config.num_hidden_layers, self.config.page_size,
+            per_page = bytes_per_pool_page(self.model.num_kv_layers, self.config.page_size,
                                            model_config.kv_cache_dim, options.dtype)
             num_pages = pages_for_gpu(GpuMemory.measure(options.device), self.config.mem_fraction_static,
                                       int(self.config.headroom_gib * GIB), per_page,
-                                      min_pages=2 if self.config.cuda_graph else 1)  # + the graphs' scratch page
-        self.kv_pool = KVPool(model_config.num_hidden_layers, num_pages, self.config.page_size,
+                                      min_pages=2 if self.config.cuda_graph else 1,  # + the graphs' scratch page
+                                      share=self.config.gpu_share)
+        self.kv_pool = KVPool(self.model.num_kv_layers, num_pages, self.config.page_size,
                               model_config.kv_cache_dim, dtype=options.dtype, device=options.device)
         log.info("KV pool: %s, %d bytes/token (%d layers x %d x %d)", self.kv_pool.describe(),
-                 self.kv_pool.bytes_per_token, model_config.num_hidden_layers, model_config.kv_cache_dim,
+                 self.kv_pool.bytes_per_token, self.model.num_kv_layers, model_config.kv_cache_dim,
                  self.kv_pool.buffers[0].element_size())
         if self.config.record_expert_load:
             self.expert_load = self.record_expert_load()  # before graphs: record_expert_load refuses after
@@ -449,6 +477,37 @@ class ModelRunner:
                     return logits
             self.decode_paths["eager"] += 1
             return self.decode_eager(seqs, input_ids, group_mode)
+
+    # ---- speculative decoding (model/speculative.py) ------------------------------------------
+    def extend_hidden(self, seqs: Sequence[ExtendSeq], force_mla: bool = False,
+                      progress: LayerProgress | None = None) -> torch.Tensor:
+        """An extend forward returning the final-normed hidden states of every new token `[T, H]`
+        (their logits: `logits`). `force_mla`: absorbed MLA over the paged cache whatever the policy
+        says (speculative verify: several queries per sequence, causal among themselves).
+        `progress` hears of each decoder layer's KV write, as in `extend`."""
+        batch = self._batch(ForwardMode.EXTEND, seqs)
+        if force_mla:
+            batch.attention_method = AttentionMethod.MLA
+        return self.model.forward_hidden(batch, progress)
+
+    def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV
+        goes into the pool's MTP layer at the same positions and pages."""
+        mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
+        return self.model.forward_mtp(self._batch(mode, seqs), prev_hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of hidden states from `extend_hidden` or `draft`."""
+        return self.model.compute_logits(hidden)
+
+    def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq]) -> ForwardBatch:
+        if self.tp_replay is not None or self.step_sync is not None:
+            raise RuntimeError("speculative forwards run in a single-rank runner")
+        batch = ForwardBatch.build(mode, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
+                                   [s.pages for s in seqs], self.kv_pool, self.model_config.vocab_size,
+                                   self.model.options.device)
+        batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
+        return batch
 
     def decode_eager(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None,
                      group_mode: ForwardMode | None = None) -> torch.Tensor:

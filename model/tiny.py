@@ -120,7 +120,9 @@ def _tiny_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     hidden, vocab, heads = config["hidden_size"], config["vocab_size"], config["num_attention_heads"]
     qk_head = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     tensors["model.embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
-    for layer in range(config["num_hidden_layers"]):
+    num_layers = config["num_hidden_layers"]
+
+    def decoder_layer(layer: int) -> None:
         p = f"model.layers.{layer}"
         norm(f"{p}.input_layernorm.weight", hidden)
         if config["q_lora_rank"] is None:
@@ -137,24 +139,42 @@ def _tiny_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
         norm(f"{p}.post_attention_layernorm.weight", hidden)
         if layer < config["first_k_dense_replace"]:
             mlp(f"{p}.mlp", hidden, config["intermediate_size"])
-            continue
+            return
         linear(f"{p}.mlp.gate.weight", config["n_routed_experts"], hidden, gain=2.0)
         if config["topk_method"] == "noaux_tc":
             tensors[f"{p}.mlp.gate.e_score_correction_bias"] = 0.05 * torch.randn(config["n_routed_experts"], generator=gen)
         for expert in range(config["n_routed_experts"]):
             mlp(f"{p}.mlp.experts.{expert}", hidden, config["moe_intermediate_size"])
         mlp(f"{p}.mlp.shared_experts", hidden, config["moe_intermediate_size"] * config["n_shared_experts"])
+
+    for layer in range(num_layers):
+        decoder_layer(layer)
     norm("model.norm.weight", hidden)
     linear("lm_head.weight", vocab, hidden, gain=2.0)
+    for layer in range(num_layers, num_layers + config.get("num_nextn_predict_layers", 0)):
+        # An MTP layer (model/mtp.py), from its own generator so the main weights keep their bytes.
+        gen = torch.Generator().manual_seed(seed + 7919 * (layer + 1))  # noqa: F841 (read by the helpers)
+        p = f"model.layers.{layer}"
+        norm(f"{p}.enorm.weight", hidden)
+        norm(f"{p}.hnorm.weight", hidden)
+        linear(f"{p}.eh_proj.weight", hidden, 2 * hidden)
+        norm(f"{p}.shared_head.norm.weight", hidden)
+        decoder_layer(layer)
+        # As DeepSeek-V3 ships them: copies of the shared embedding and head inside the MTP layer.
+        tensors[f"{p}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{p}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     return {name: t.to(torch.float32).contiguous() for name, t in tensors.items()}
 
 
 def make_tiny_model(directory: str | Path, arch: str = "v3", seed: int = 0,
-                    fp8_block: tuple[int, int] | None = None) -> Path:
+                    fp8_block: tuple[int, int] | None = None, mtp_layers: int = 0) -> Path:
     """Writes the tiny checkpoint into `directory` (created if needed); same arguments, same bytes.
 
     `fp8_block=(128, 128)` writes DeepSeek-V3's FP8 block-scaled format instead of fp32: linear
     weights as float8_e4m3fn plus `weight_scale_inv`, and a `quantization_config`.
+    `mtp_layers=1` adds V3's multi-token-prediction layer after the decoder layers
+    (`num_nextn_predict_layers`; model/mtp.py), random like the rest; the other weights are the
+    same bytes as without it.
     """
     directory = Path(directory)
     if arch not in _ARCH:
@@ -166,7 +186,11 @@ def make_tiny_model(directory: str | Path, arch: str = "v3", seed: int = 0,
     except OSError as exc:
         raise UserError(f"cannot create {directory}: {exc.strerror}") from None
     vocab_size = write_tokenizer_files(directory, max_length=MAX_POSITIONS)
+    if mtp_layers not in (0, 1):
+        raise UserError(f"mtp_layers must be 0 or 1 (DeepSeek-V3 ships one), got {mtp_layers}")
     config = tiny_config(arch, vocab_size)
+    if mtp_layers:
+        config["num_nextn_predict_layers"] = mtp_layers
     weights = _tiny_weights(config, seed)
     if fp8_block is not None:
         block = Fp8BlockQuantConfig.from_hf({"quant_method": "fp8", "weight_block_size": list(fp8_block)})

@@ -18,7 +18,10 @@ Every expected HF tensor is listed up front under its canonical name (per-expert
 HF's in-memory stacked form (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`)
 is accepted too and counts for all its per-expert names (not in FP8). FP8 checkpoint tensors and their
 `_scale_inv` are kept in FP8 or dequantised by `fp8_loading.Fp8Streams`. Layers >= num_hidden_layers (MTP) are
-skipped. Anything left over raises `CheckpointError(missing, unexpected)`.
+skipped, unless the model has its MTP module (`mtp.*` parameters): then layer num_hidden_layers fills
+`mtp.layer.*` like a decoder layer, plus its enorm, hnorm, eh_proj and shared_head.norm (its copies of
+the embedding and lm_head are skipped: the main model's are shared). Anything left over raises
+`CheckpointError(missing, unexpected)`.
 
 The mapping is a pure function over names and tensors: it sees the model only as its parameters
 by name (`dict(model.named_parameters())`, e.g. `layers.3.mlp.experts.w13`), the `ModelConfig` and
@@ -39,6 +42,7 @@ from deepseek_pd.model.attention.tensor_parallel import local_heads
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.fp8 import Fp8BlockQuantConfig
 from deepseek_pd.model.fp8_loading import ColSlice, Fp8Streams, RowSlice, is_fp8_tensor
+from deepseek_pd.model.mtp_names import MTP_PARAM_PREFIX, mtp_layer_id
 from deepseek_pd.model.parallel import ExpertPlacement
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -79,8 +83,8 @@ def expected_targets(config: ModelConfig, placement: ExpertPlacement,
     tp = placement.parallel.tp_size > 1
     q_rows = _rows(mine.start * cfg.qk_head_dim, mine.stop * cfg.qk_head_dim) if tp else None
     o_cols = _cols(mine.start * v, mine.stop * v) if tp else None
-    for i in range(cfg.num_hidden_layers):
-        p, ours = f"model.layers.{i}.", f"layers.{i}."
+    for i in range(cfg.num_hidden_layers + _has_mtp(params)):
+        p, ours = f"model.layers.{i}.", _our_layer_prefix(cfg, i)
         targets[p + "input_layernorm.weight"] = [Target(_param(params, ours + "input_layernorm.weight"))]
         targets[p + "post_attention_layernorm.weight"] = [
             Target(_param(params, ours + "post_attention_layernorm.weight"))]
@@ -131,7 +135,27 @@ def expected_targets(config: ModelConfig, placement: ExpertPlacement,
                 targets[s + "gate_proj.weight"].append(Target(w13[j, :inter], _rows(k * inter, (k + 1) * inter)))
                 targets[s + "up_proj.weight"].append(Target(w13[j, inter:], _rows(k * inter, (k + 1) * inter)))
                 targets[s + "down_proj.weight"].append(Target(w2[j], _cols(k * inter, (k + 1) * inter)))
+    if _has_mtp(params):
+        _add_mtp_head(targets, cfg, params)
     return targets, aliases
+
+
+def _has_mtp(params: Params) -> bool:
+    """The model was built with its MTP layer (model/mtp.py), whose checkpoint layer is then loaded."""
+    return MTP_PARAM_PREFIX + "eh_proj.weight" in params
+
+
+def _our_layer_prefix(cfg: ModelConfig, layer_id: int) -> str:
+    """Our parameter prefix of checkpoint layer `layer_id`: a decoder layer, or the MTP module's."""
+    return MTP_PARAM_PREFIX + "layer." if layer_id == mtp_layer_id(cfg) else f"layers.{layer_id}."
+
+
+def _add_mtp_head(targets: dict[str, list[Target]], cfg: ModelConfig, params: Params) -> None:
+    """The MTP module's own tensors around its decoder layer (its embedding and head are shared)."""
+    p = f"model.layers.{mtp_layer_id(cfg)}."
+    for hf, ours in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                     ("shared_head.norm", "shared_head_norm")):
+        targets[f"{p}{hf}.weight"] = [Target(_param(params, f"{MTP_PARAM_PREFIX}{ours}.weight"))]
 
 
 def _add_gated_mlp(targets: dict[str, list[Target]], prefix: str, params: Params, ours: str, inter: int) -> None:
@@ -204,7 +228,7 @@ def load_hf_weights(config: ModelConfig, placement: ExpertPlacement, params: Par
 def _stacked_target(config: ModelConfig, placement: ExpertPlacement, params: Params, alias: str) -> Target:
     """HF's stacked `[E, ...]` expert tensor → the logical experts of this rank's routed slots."""
     layer_id = int(_LAYER.match(alias).group(1))
-    experts = f"layers.{layer_id}.mlp.experts."
+    experts = _our_layer_prefix(config, layer_id) + "mlp.experts."
     logical = torch.tensor(placement.local_logical(layer_id), dtype=torch.long)
     dest = _param(params, experts + ("w13" if alias.endswith("gate_up_proj") else "w2"))[:len(logical)]
     total = config.n_routed_experts

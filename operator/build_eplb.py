@@ -27,14 +27,14 @@ class EplbPodParts:
 
     volumes: list[dict[str, Any]]
     mounts: list[dict[str, Any]]
-    args: list[str]
+    location: str | None  # `serve --init-expert-location`
 
 
 def eplb_pod_parts(role: RoleSpec) -> EplbPodParts:
     location = role.expert_location
     if location is None:
-        return EplbPodParts([], [], [])
+        return EplbPodParts([], [], None)
     volume = {"name": VOLUME_NAME, "configMap": {"name": location.name,
                                                  "items": [{"key": location.key, "path": FILE_NAME}]}}
     mount = {"name": VOLUME_NAME, "mountPath": MOUNT_DIR, "readOnly": True}
-    return EplbPodParts([volume], [mount], ["--init-expert-location", f"{MOUNT_DIR}/{FILE_NAME}"])
+    return EplbPodParts([volume], [mount], f"{MOUNT_DIR}/{FILE_NAME}")

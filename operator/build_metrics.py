@@ -40,9 +40,9 @@ def worker_metrics_ports(spec: DeploymentSpec, role: RoleSpec) -> list[dict[str,
             for k, name in enumerate(worker_port_names(role))]
 
 
-def worker_metrics_args(spec: DeploymentSpec) -> list[str]:
-    """`serve` flags; the exporter binds `--host` (0.0.0.0 in a pod)."""
-    return ["--metrics-port", str(spec.metrics.port)] if spec.metrics.enabled else []
+def worker_metrics_port(spec: DeploymentSpec) -> int | None:
+    """`serve --metrics-port` (None: off); the exporter binds `--host` (0.0.0.0 in a pod)."""
+    return spec.metrics.port if spec.metrics.enabled else None
 
 
 def router_metrics_args(spec: DeploymentSpec) -> list[str]:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepseek_pd import gateway
+from deepseek_pd import gateway, gateway_guard
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import hub_env
 from deepseek_pd.operator.pod_security import secure_container
 from deepseek_pd.operator.build_metrics import router_metrics_args, router_metrics_ports, scrape_annotations
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups, desired_groups
-from deepseek_pd.operator.router_keys import router_key_args, router_key_env
+from deepseek_pd.operator.router_keys import CONTROL_PLANE_ENV, router_key_args, router_key_env
 from deepseek_pd.operator.router_rollout import PROGRESS_DEADLINE_SECONDS
 from deepseek_pd.operator.spec import DeploymentSpec
 
@@ -70,7 +70,8 @@ SHUTDOWN_GRACE_SECONDS = 180
 # move a request whose worker died before its first token to another pair. (smg's
 # `--retry-max-retries 1`, used before, means one attempt: no retry at all.)
 ROUTER_RESILIENCE_ARGS = ("--disable-circuit-breaker", *gateway.RETRY_ARGS, *gateway.WEDGE_ARGS,
-                          "--health-check-interval-secs", "5", "--health-failure-threshold", "3")
+                          *gateway.SLOW_CLIENT_ARGS, "--health-check-interval-secs", "5",
+                          "--health-failure-threshold", "3")
 
 
 def router_startup_timeout_seconds(spec: DeploymentSpec) -> int:
@@ -90,6 +91,7 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
         "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_SECONDS),
         *ROUTER_RESILIENCE_ARGS,
         "--max-payload-size", str(gateway.MAX_PAYLOAD_BYTES),
+        *gateway_guard.ENABLE_ARGS,
         *router_key_args(spec),
         "--policy", spec.router.policy,
         "--model-path", spec.model.tokenizer_path,
@@ -121,6 +123,8 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
         "readinessProbe": _http_probe("/readiness", 3),
         "livenessProbe": _http_probe("/liveness", 6),
         "resources": dict(router.resources),
+        # smg keeps WASM modules in memory only: load the n guard into every new gateway process.
+        "lifecycle": {"postStart": {"exec": {"command": gateway_guard.post_start_command(router.port, CONTROL_PLANE_ENV)}}},
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": names.router_name(spec.name),

@@ -16,9 +16,10 @@ from typing import Any
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import model_pod_parts
 from deepseek_pd.operator.build_eplb import eplb_pod_parts
-from deepseek_pd.operator.build_metrics import scrape_annotations, worker_metrics_args, worker_metrics_ports
+from deepseek_pd.operator.build_metrics import scrape_annotations, worker_metrics_port, worker_metrics_ports
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
-from deepseek_pd.operator.worker_security import secure_worker_pod, security_args
+from deepseek_pd.operator.worker_security import prefill_peers, secure_worker_pod
+from deepseek_pd.workers.serve_flags import ParallelFlags, ServeFlags
 
 Manifest = dict[str, Any]
 POD_DNS_NAME_ENV = "DEEPSEEK_PD_POD_DNS_NAME"
@@ -66,47 +67,49 @@ def build_worker_configmap(spec: DeploymentSpec, role: RoleSpec) -> Manifest:
     }
 
 
-def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
-    """`deepseek-pd serve <role>` flags; $(VAR) is expanded by the kubelet from the pod env."""
+# What the operator always spells out, defaults included (the image's defaults may differ from
+# this operator's): what the router, the probes and the other workers are told.
+_ALWAYS = ("model", "served_model_name", "host", "port", "kv_transport", "device")
+
+
+def worker_serve_flags(spec: DeploymentSpec, role: RoleSpec) -> ServeFlags:
+    """The `deepseek-pd serve` flags the operator manages (workers/serve_flags.py `managed`); values
+    of the form $(VAR) are expanded by the kubelet from the pod env."""
     # Peers reach this pod at its IP: Mooncake's session id, a follower rank's engine and bootstrap
     # endpoints, decode's identity. Rendered from the kubelet's status.podIP (the node's IP with
     # host networking) rather than left to `serve` resolving the hostname, which a pod's
     # /etc/hosts may not map.
-    args = ["serve", role.role, "--model", spec.model.path,
-            "--served-model-name", spec.model.served_name, "--host", "0.0.0.0",
-            "--advertise-host", f"$({POD_IP_ENV})",
-            "--port", str(role.port), "--kv-transport", spec.kv_transfer.backend,
-            "--device", "cuda" if role.gpus_per_pod else "cpu"]
-    if role.role == "prefill":
+    prefill = role.role == "prefill"
+    par = role.parallelism
+    kv = spec.kv_transfer
+    mooncake = kv.backend == "mooncake"  # kvTransfer.protocol/devices/tcpFallback configure Mooncake only
+    return ServeFlags(
+        role=role.role, model=spec.model.path, served_model_name=spec.model.served_name, host="0.0.0.0",
+        advertise_host=f"$({POD_IP_ENV})", port=role.port, kv_transport=kv.backend,
+        device="cuda" if role.gpus_per_pod else "cpu",
         # The router hands decode this pod's DNS name (names.leader_address), which decode then
         # names in its signed handshake: the bootstrap service answers to it as well as to the
         # pod IP it advertises (the address followers' bootstrap endpoints are published at).
-        args += ["--bootstrap-port", str(role.bootstrap_port), "--bootstrap-alias", f"$({POD_DNS_NAME_ENV})"]
-    args += kv_protocol_args(spec) + worker_metrics_args(spec)
-    par = role.parallelism
-    for flag, value in (("--tp", par.tp), ("--dp", par.dp), ("--ep", par.ep)):
-        if value > 1:
-            args += [flag, str(value)]
-    if par.ep > 1 and role.deepep_mode != "none":
-        args += ["--deepep-mode", role.deepep_mode]
-    if role.size > 1:
-        args += ["--nnodes", str(role.size), "--node-rank", "$(LWS_WORKER_INDEX)",
-                 "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{DIST_INIT_PORT}"]
-    return args + eplb_pod_parts(role).args + security_args(spec, role) + list(role.engine_args)
+        bootstrap_port=role.bootstrap_port if prefill else ServeFlags.bootstrap_port,
+        bootstrap_aliases=(f"$({POD_DNS_NAME_ENV})",) if prefill else (),
+        kv_protocol=kv.protocol if mooncake else ServeFlags.kv_protocol,
+        kv_devices=",".join(kv.devices) if mooncake else "", kv_tcp_fallback=mooncake and kv.tcp_fallback,
+        metrics_port=worker_metrics_port(spec),
+        parallel=ParallelFlags(
+            tp=par.tp, dp=par.dp, ep=par.ep,
+            deepep_mode=role.deepep_mode if par.ep > 1 else ParallelFlags.deepep_mode, nnodes=role.size,
+            dist_init_addr=f"$(LWS_LEADER_ADDRESS):{DIST_INIT_PORT}" if role.size > 1 else "",
+            init_expert_location=eplb_pod_parts(role).location),
+        prefill_peers=prefill_peers(spec, role))
 
 
-def kv_protocol_args(spec: DeploymentSpec) -> list[str]:
-    """kvTransfer.protocol/devices/tcpFallback as `serve` flags (workers/serve_resolution.py
-    checks them against the pod's RDMA devices); none for the grpc backend."""
-    kv = spec.kv_transfer
-    if kv.backend != "mooncake":
-        return []
-    args = ["--kv-protocol", kv.protocol]
-    if kv.devices:
-        args += ["--kv-devices", ",".join(kv.devices)]
-    if kv.tcp_fallback:
-        args.append("--kv-tcp-fallback")
-    return args
+def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
+    """`deepseek-pd serve <role>` argv: the managed flags, then the role's engineArgs."""
+    flags = worker_serve_flags(spec, role)
+    always = (_ALWAYS + (("bootstrap_port",) if role.role == "prefill" else ())
+              + (("kv_protocol",) if spec.kv_transfer.backend == "mooncake" else ()))
+    rank = {"node_rank": "$(LWS_WORKER_INDEX)"} if role.size > 1 else {}
+    return ["serve", *flags.to_argv(always=always, text=rank), *role.engine_args]
 
 
 def _env(spec: DeploymentSpec, role: RoleSpec, index: int) -> list[dict[str, Any]]:

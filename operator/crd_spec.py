@@ -17,15 +17,10 @@ from deepseek_pd.operator.schema_types import (
     resource_requirements, rule, string, string_map,
 )
 from deepseek_pd.weights.layout import REPO_PATTERN
+# The flags the operator renders itself (the serve contract's `managed` ones); engineArgs may not
+# repeat them (two values, one wins silently).
+from deepseek_pd.workers.serve_flags import MANAGED_FLAGS
 
-# Flags the operator renders itself; engineArgs may not repeat them (two values, one wins silently).
-MANAGED_FLAGS = ("model", "host", "port", "bootstrap-port", "kv-transport", "tp", "dp", "ep",
-                 "served-model-name", "device", "nnodes", "node-rank", "dist-init-addr", "deepep-mode",
-                 "kv-protocol", "kv-devices", "kv-tcp-fallback", "metrics-port", "metrics-host",
-                 # internal authentication (operator/worker_security.py): the secret comes mounted,
-                 # and --insecure-internal would contradict it (serve refuses to start)
-                 "internal-secret-file", "insecure-internal", "prefill-peers", "bootstrap-alias",
-                 "advertise-host")
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
 # router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).

@@ -1,129 +1,113 @@
-"""The `deepseek-pd serve` flags of a role's `engineArgs` that change how much GPU memory a rank
-needs, with the workers' defaults for those not given.
+"""What of a role's `engineArgs` changes how much GPU memory a rank needs.
 
-Read: `--dtype`, `--page-size`, `--num-pages`, `--max-total-tokens`, `--mem-fraction-static`,
-`--ep-num-redundant-experts` (EPLB's extra expert slots, each rank holding (E + R) / ep) and
-the engine options `fp8_backend`, `mem_headroom_gib`, `num_fused_shared_experts`, and for the
-headroom's default (model/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`,
-`max_running_requests`, `record_expert_load` and the switch `--enable-tbo` (as
-`--engine-opt KEY=VALUE`, or `--engine-opt=KEY=VALUE`). Other flags are left to the worker. A
-value that does not parse raises `ValueError` naming the flag (the worker would refuse it too).
+The flags are parsed by the serve contract itself (workers/serve_flags.py), exactly as the worker
+will parse them, with the contract's defaults: `--dtype`, `--page-size`, `--num-pages`,
+`--max-total-tokens`, `--mem-fraction-static`, `--gpu-workers`, `--kv-share`,
+`--ep-num-redundant-experts` (EPLB's extra expert slots, each rank holding (E + R) / ep) and the
+switch `--enable-tbo`. From the engine options (`--engine-opt KEY=VALUE`) it reads `fp8_backend`,
+`mem_headroom_gib`, `num_fused_shared_experts`, and for the headroom's default
+(model/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`, `max_running_requests` and
+`record_expert_load`; the others are the worker's business. Anything the worker would refuse
+raises `ValueError` naming the flag.
 
-Example: `["--engine-opt", "fp8_backend=dequant", "--page-size=64"]` ->
-`MemoryFlags(fp8_backend="dequant", page_size=64, ...)`.
+Example: `parse_memory_flags("decode", ["--engine-opt", "fp8_backend=dequant", "--page-size=64"])`
+-> `MemoryFlags(serve=ServeFlags(role="decode", page_size=64, ...), fp8_backend="dequant", ...)`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
+from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
-from deepseek_pd.workers.engine_options import parse_bool
+from deepseek_pd.model.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
+from deepseek_pd.workers.engine_options import parse_bool, parse_key_values
+from deepseek_pd.workers.serve_flags import ServeFlags
 
-# The workers' defaults; tests/operator/test_memory_plan.py checks them against the worker code
-# (model/kv_pool_sizing.py, model/runner.py), which the operator does not import (it needs torch).
-DEFAULT_MEM_FRACTION_STATIC = 0.88
-DEFAULT_MAX_RUNNING_REQUESTS = 128  # the decode batch cap, which the largest graph batch follows
-DEFAULT_PAGE_SIZE = 16
+# The runner's choices (model/runner.py FP8_BACKEND_CHOICES, which imports torch; a test keeps them equal).
 FP8_BACKENDS = ("auto", "dequant", "torch", "triton")
 
 
 @dataclass(frozen=True)
 class MemoryFlags:
-    dtype: str = "auto"
-    page_size: int = DEFAULT_PAGE_SIZE
-    num_pages: int | None = None
-    max_total_tokens: int | None = None
-    mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
+    """A role's serve flags, and the engine options that size a rank's memory ("unset" as None)."""
+
+    serve: ServeFlags
     fp8_backend: str = "auto"
     mem_headroom_gib: float | None = None  # None: the default for the role's graphs (memory_plan.headroom_gib)
     num_fused_shared_experts: int = 0
-    ep_num_redundant_experts: int = 0
     cuda_graph: bool | None = None  # None: the role's default
     cuda_graph_max_batch: int | None = None  # None: max_running_requests
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     record_expert_load: bool = False
-    enable_tbo: bool = False
+    tbo_option: bool = False  # --engine-opt enable_tbo=true
+
+    @property
+    def enable_tbo(self) -> bool:
+        return self.serve.parallel.enable_tbo or self.tbo_option
 
     @property
     def fixed_pool_tokens(self) -> int | None:
         """The KV pool's size when the flags fix it (whole pages), else None (sized by memory)."""
-        if self.num_pages is not None:
-            return self.num_pages * self.page_size
-        if self.max_total_tokens is not None:
-            return -(-self.max_total_tokens // self.page_size) * self.page_size
+        serve = self.serve
+        if serve.num_pages is not None:
+            return serve.num_pages * serve.page_size
+        if serve.max_total_tokens is not None:
+            return -(-serve.max_total_tokens // serve.page_size) * serve.page_size
         return None
 
 
-# Each flag's field and type, and each engine option's type; a value is parsed as `_convert` says.
-_FLAGS: dict[str, tuple[str, type]] = {
-    "--dtype": ("dtype", str), "--page-size": ("page_size", int), "--num-pages": ("num_pages", int),
-    "--max-total-tokens": ("max_total_tokens", int),
-    "--mem-fraction-static": ("mem_fraction_static", float),
-    "--ep-num-redundant-experts": ("ep_num_redundant_experts", int),
-}
+# Each engine option read, with its type; a value is parsed as `--engine-opt` parses one.
 _OPTIONS: dict[str, type] = {
     "fp8_backend": str, "mem_headroom_gib": float, "num_fused_shared_experts": int,
     "cuda_graph": bool, "cuda_graph_max_batch": int, "max_running_requests": int,
-    "record_expert_load": bool,
+    "record_expert_load": bool, "enable_tbo": bool,
 }
+_FIELD = {"enable_tbo": "tbo_option"}
 
 
-def _convert(kind: type, raw: str) -> object:
-    """`raw` as `kind`; a bool as `--engine-opt` parses one (workers/engine_options.py)."""
-    return parse_bool(raw) if kind is bool else kind(raw)
-
-
-_SWITCHES = {"--enable-tbo": "enable_tbo"}  # flags without a value
-
-
-def _pairs(args: Sequence[str]) -> list[tuple[str, str | None]]:
-    """(flag, value) for every `--flag=value` and `--flag value` of the args we read."""
-    found, index = [], 0
-    while index < len(args):
-        flag, sep, value = args[index].partition("=")
-        if flag in _FLAGS or flag == "--engine-opt":
-            if not sep:
-                index += 1
-                value = args[index] if index < len(args) else None
-            found.append((flag, value))
-        index += 1
-    return found
-
-
-def parse_memory_flags(args: Sequence[str]) -> MemoryFlags:
-    """The memory-relevant flags of `args` over the worker defaults; ValueError on a bad value."""
-    fields: dict[str, object] = {name: True for flag, name in _SWITCHES.items() if flag in args}
-    for flag, value in _pairs(args):
-        if value is None:
-            raise ValueError(f"{flag} needs a value")
-        if flag == "--engine-opt":
-            key, _, raw = value.partition("=")
-            if key not in _OPTIONS:
-                continue
-            name, kind, label = key, _OPTIONS[key], f"--engine-opt {key}"
-        else:
-            (name, kind), raw, label = _FLAGS[flag], value, flag
+def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
+    """`args` (a role's engineArgs) as the worker parses them; ValueError on a bad value."""
+    serve = ServeFlags.from_argv([role, *args])
+    try:
+        raw = parse_key_values(serve.engine_options)
+    except UserError as exc:
+        raise ValueError(str(exc)) from None
+    fields: dict[str, object] = {}
+    for key, kind in _OPTIONS.items():
+        if key not in raw:
+            continue
         try:
-            fields[name] = _convert(kind, raw)
+            fields[_FIELD.get(key, key)] = parse_bool(raw[key]) if kind is bool else kind(raw[key])
         except ValueError:
-            raise ValueError(f"{label}={raw!r} is not a valid {kind.__name__}") from None
-    flags = MemoryFlags(**fields)
-    if flags.dtype not in ("auto", *DTYPE_BYTES):
-        raise ValueError(f"--dtype {flags.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
+            raise ValueError(f"--engine-opt {key}={raw[key]!r} is not a valid {kind.__name__}") from None
+    flags = MemoryFlags(serve, **fields)
+    _check(flags)
+    return flags
+
+
+def _check(flags: MemoryFlags) -> None:
+    """What the worker would refuse (RunnerConfig, serve_resolution), said as it would."""
+    serve = flags.serve
+    if serve.dtype not in ("auto", *DTYPE_BYTES):
+        raise ValueError(f"--dtype {serve.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
     if flags.fp8_backend not in FP8_BACKENDS:
         raise ValueError(f"--engine-opt fp8_backend={flags.fp8_backend!r} is not one of "
                          f"{', '.join(FP8_BACKENDS)}")
-    if (flags.page_size < 1 or not 0 < flags.mem_fraction_static <= 1
+    if (serve.page_size < 1 or not 0 < serve.budget_fraction <= 1
             or (flags.mem_headroom_gib is not None and flags.mem_headroom_gib < 0)):
         raise ValueError("--page-size must be >= 1, --mem-fraction-static in (0, 1] and "
                          "mem_headroom_gib >= 0")
+    try:
+        serve.gpu_share
+    except ValueError as exc:
+        raise ValueError(f"--gpu-workers/--kv-share: {exc}") from None
     for name in ("cuda_graph_max_batch", "max_running_requests"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             raise ValueError(f"--engine-opt {name} must be >= 1")
-    if flags.ep_num_redundant_experts < 0:
-        raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {flags.ep_num_redundant_experts}")
+    redundant = serve.parallel.ep_num_redundant_experts
+    if redundant < 0:
+        raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {redundant}")
     for name in ("num_pages", "max_total_tokens"):
-        if getattr(flags, name) is not None and getattr(flags, name) < 1:
+        if getattr(serve, name) is not None and getattr(serve, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    return flags

@@ -14,7 +14,10 @@ what one rank must hold, and compares it with the budget the worker will size it
     graphs    the activation and CUDA-graph headroom the worker keeps inside its budget
               (`mem_headroom_gib`; by default model/memory_headroom.py's rule: 2 GiB, in
               proportion above a largest graph batch of 128 on a decode role).
-    budget    mem_fraction_static (0.88 unless `--mem-fraction-static`) x the GPU's memory.
+    budget    mem_fraction_static (0.88 unless `--mem-fraction-static`) x the GPU's memory; with
+              `--gpu-workers N --kv-share S` (workers sharing one GPU, as `up` runs them) the
+              rank's weights and headroom plus S of what the budget leaves after N of them
+              (model/memory_budget.py, the rule the worker sizes its pool by).
 
 The 12% outside the budget is the CUDA context, NCCL and DeepEP buffers. The split follows
 SGLang's, whose default mem_fraction_static is (GPU memory - reserved) / GPU memory with `reserved`
@@ -39,6 +42,7 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.memory_headroom import default_headroom_gib
 from deepseek_pd.operator import known_models
 from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
+from deepseek_pd.model.memory_budget import budget_bytes
 from deepseek_pd.operator.memory_flags import DTYPE_BYTES, MemoryFlags, parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
@@ -136,22 +140,24 @@ def headroom_gib(role: RoleSpec, flags: MemoryFlags) -> float:
 
 def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: GpuMemory) -> RankMemory:
     """One rank of `role` (see the module docstring for each term)."""
-    dtype = flags.dtype if flags.dtype != "auto" else ("bfloat16" if config.is_fp8 else config.torch_dtype)
+    serve = flags.serve
+    dtype = serve.dtype if serve.dtype != "auto" else ("bfloat16" if config.is_fp8 else config.torch_dtype)
     itemsize = DTYPE_BYTES[dtype]
     fp8 = config.is_fp8 and flags.fp8_backend != "dequant"
     block = tuple(config.quantization["weight_block_size"]) if fp8 else None
     weights = rank_weights(config, WeightFormat(itemsize, block), role.parallelism.ep,
-                           flags.num_fused_shared_experts, flags.ep_num_redundant_experts)
+                           flags.num_fused_shared_experts, serve.parallel.ep_num_redundant_experts)
     per_token = config.kv_bytes_per_token(dtype)
     tokens = flags.fixed_pool_tokens
     fixed = tokens is not None
     if tokens is None:  # one request of the whole context, in whole pages
-        tokens = -(-config.max_position_embeddings // flags.page_size) * flags.page_size
+        tokens = -(-config.max_position_embeddings // serve.page_size) * serve.page_size
+    reserve = int(headroom_gib(role, flags) * GIB)
+    budget = serve.gpu_share.worker_budget(budget_bytes(serve.budget_fraction, gpu.total_bytes),
+                                           weights.total_bytes + reserve)
     return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
                       weights_bytes=weights.total_bytes, kv_tokens=tokens, fixed_pool=fixed,
-                      kv_bytes_per_token=per_token,
-                      reserve_bytes=int(headroom_gib(role, flags) * GIB),
-                      budget_bytes=int(flags.mem_fraction_static * gpu.total_bytes))
+                      kv_bytes_per_token=per_token, reserve_bytes=reserve, budget_bytes=budget)
 
 
 def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = None) -> MemoryVerdict:
@@ -174,7 +180,7 @@ def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = No
     ranks = []
     for role in roles:
         try:
-            flags = parse_memory_flags(role.engine_args)
+            flags = parse_memory_flags(role.role, role.engine_args)
         except ValueError as exc:
             return MemoryVerdict(False, "InvalidEngineArgs", f"{role.role}.engineArgs: {exc}")
         try:

@@ -24,7 +24,7 @@ from deepseek_pd.operator.build_secret import SECRET_KEY, build_internal_secret,
 from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.router_keys import CONTROL_PLANE_KEY, build_control_plane_secret
 from deepseek_pd.operator.spec import DeploymentSpec
-from deepseek_pd.operator.status import _condition
+from deepseek_pd.operator.status import condition
 
 MIN_SECRET_BYTES = 16  # = workers/common/internal_auth.py's floor
 
@@ -87,9 +87,9 @@ def secrets_condition(problems: list[str], generation: int | None, previous: dic
                       now: str) -> dict[str, Any]:
     before = {c.get("type", ""): c for c in previous.get("conditions") or []}
     if problems:
-        return _condition("SecretsReady", False, "SecretProblem", "; ".join(problems), generation,
+        return condition("SecretsReady", False, "SecretProblem", "; ".join(problems), generation,
                           before, now)
-    return _condition("SecretsReady", True, "AsExpected", "", generation, before, now)
+    return condition("SecretsReady", True, "AsExpected", "", generation, before, now)
 
 
 async def delete_generated_secrets(client: KubeClient, namespace: str, deployment: str,

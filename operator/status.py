@@ -29,17 +29,22 @@ class RouterState:
     endpoint: str
 
 
-def _condition(type_: str, ok: bool | None, reason: str, message: str, generation: int | None,
-               previous: dict[str, dict], now: str) -> dict[str, Any]:
+def condition(type_: str, ok: bool | None, reason: str, message: str, generation: int | None,
+              previous: dict[str, dict], now: str) -> dict[str, Any]:
+    """One status condition (ok None: Unknown). Its lastTransitionTime stays the one in `previous`
+    (conditions by type) while the status does not change, else becomes `now`.
+
+    Example: condition("Available", True, "MinimumGroupsReady", "", 3, {}, "2026-12-06T15:00:00Z")
+    -> {"type": "Available", "status": "True", ..., "lastTransitionTime": "2026-12-06T15:00:00Z",
+        "observedGeneration": 3}"""
     status = "Unknown" if ok is None else "True" if ok else "False"
     before = previous.get(type_)
     since = before["lastTransitionTime"] if before and before.get("status") == status \
         and before.get("lastTransitionTime") else now
-    condition = {"type": type_, "status": status, "reason": reason, "message": message,
-                 "lastTransitionTime": since}
+    entry = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
     if generation is not None:
-        condition["observedGeneration"] = generation
-    return condition
+        entry["observedGeneration"] = generation
+    return entry
 
 
 def _by_type(conditions: list[dict] | None) -> dict[str, dict]:
@@ -90,15 +95,15 @@ def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: 
 
     summary = ", ".join(f"{r} {p.ready}/{p.replicas} ready, {p.updated} updated" for r, p in plans.items())
     conditions = [
-        _condition("Available", available, "MinimumGroupsReady" if available else "GroupsUnavailable",
+        condition("Available", available, "MinimumGroupsReady" if available else "GroupsUnavailable",
                    f"{summary}; router {router.ready}/{router.desired} ready", generation, before, now),
-        _condition("Progressing", rolling, "GroupsUpdating" if rolling else "Complete",
+        condition("Progressing", rolling, "GroupsUpdating" if rolling else "Complete",
                    summary, generation, before, now),
-        _condition("Degraded", phase == "Degraded", degraded_reason, degraded_message, generation,
+        condition("Degraded", phase == "Degraded", degraded_reason, degraded_message, generation,
                    before, now),
-        _condition("InvalidSpec", False, "Valid", "", generation, before, now),
-        _condition("ModelReady", model.ready, model.reason, model.message, generation, before, now),
-        _condition(MEMORY_CONDITION, memory.status, memory.reason, memory.message, generation, before, now),
+        condition("InvalidSpec", False, "Valid", "", generation, before, now),
+        condition("ModelReady", model.ready, model.reason, model.message, generation, before, now),
+        condition(MEMORY_CONDITION, memory.status, memory.reason, memory.message, generation, before, now),
     ]
     status = {
         "phase": phase,
@@ -118,8 +123,8 @@ def build_invalid_status(message: str, generation: int | None, previous: dict[st
     before = _by_type(previous.get("conditions"))
     kept = [c for t, c in before.items() if t in ("Available", "Progressing", "ModelReady", MEMORY_CONDITION)]
     conditions = kept + [
-        _condition("Degraded", True, "InvalidSpec", message, generation, before, now),
-        _condition("InvalidSpec", True, "InvalidSpec", message, generation, before, now),
+        condition("Degraded", True, "InvalidSpec", message, generation, before, now),
+        condition("InvalidSpec", True, "InvalidSpec", message, generation, before, now),
     ]
     status: dict[str, Any] = {"phase": "Failed", "conditions": conditions}
     if generation is not None:
@@ -134,9 +139,9 @@ def build_memory_refused_status(memory: MemoryVerdict, generation: int | None, p
     before = _by_type(previous.get("conditions"))
     kept = [c for t, c in before.items() if t in ("Available", "Progressing", "ModelReady")]
     conditions = kept + [
-        _condition("Degraded", True, "MemoryPlanDoesNotFit", memory.message, generation, before, now),
-        _condition("InvalidSpec", False, "Valid", "", generation, before, now),
-        _condition(MEMORY_CONDITION, False, memory.reason, memory.message, generation, before, now),
+        condition("Degraded", True, "MemoryPlanDoesNotFit", memory.message, generation, before, now),
+        condition("InvalidSpec", False, "Valid", "", generation, before, now),
+        condition(MEMORY_CONDITION, False, memory.reason, memory.message, generation, before, now),
     ]
     status: dict[str, Any] = {"phase": "Failed", "conditions": conditions}
     if generation is not None:
@@ -152,7 +157,7 @@ def build_apply_error_status(message: str, generation: int | None, previous: dic
             if t in ("Available", "Progressing", "InvalidSpec", "ModelReady", MEMORY_CONDITION)]
     status: dict[str, Any] = {
         "phase": "Degraded",
-        "conditions": kept + [_condition("Degraded", True, "ApplyFailed", message, generation, before, now)],
+        "conditions": kept + [condition("Degraded", True, "ApplyFailed", message, generation, before, now)],
     }
     if generation is not None:
         status["observedGeneration"] = generation

@@ -32,16 +32,14 @@ def prefill_peer_entries(spec: DeploymentSpec) -> tuple[str, ...]:
     return (f"{pattern}:{port}", f"{peers}:{port}")
 
 
-def security_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
-    """`serve` flags of the internal channel (the secret itself comes through the environment)."""
-    if role.role != "decode":
-        return []
-    return ["--prefill-peers", ",".join(prefill_peer_entries(spec))]
+def prefill_peers(spec: DeploymentSpec, role: RoleSpec) -> tuple[str, ...]:
+    """`serve --prefill-peers` of the role's pods (the secret itself comes through the environment)."""
+    return prefill_peer_entries(spec) if role.role == "decode" else ()
 
 
 def secure_worker_pod(spec: DeploymentSpec, pod_spec: Manifest) -> None:
     """Mounts the deployment secret into the worker container and locks the pod down (in place,
-    on a pod spec `build_pod_template` has just built). `security_args` go into the worker's
+    on a pod spec `build_pod_template` has just built). `prefill_peers` go into the worker's
     argv (build_worker_args)."""
     container = pod_spec["containers"][0]
     volume, mount, env = internal_secret_mount(spec.name)

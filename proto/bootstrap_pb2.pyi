@@ -227,7 +227,7 @@ class KVChunk(_message.Message):
     def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., written_directly: _Optional[bool] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "stream_chunks", "first_top_token_ids", "first_top_logprobs", "auth")
+    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "stream_chunks", "first_top_token_ids", "first_top_logprobs", "mtp_draft_token_id", "mtp_hidden", "auth")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,8 @@ class TransferDone(_message.Message):
     STREAM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MTP_DRAFT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MTP_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
@@ -247,8 +249,10 @@ class TransferDone(_message.Message):
     stream_chunks: _containers.RepeatedScalarFieldContainer[int]
     first_top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    mtp_draft_token_id: int
+    mtp_hidden: _containers.RepeatedScalarFieldContainer[float]
     auth: AuthToken
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., stream_chunks: _Optional[_Iterable[int]] = ..., first_top_token_ids: _Optional[_Iterable[int]] = ..., first_top_logprobs: _Optional[_Iterable[float]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., stream_chunks: _Optional[_Iterable[int]] = ..., first_top_token_ids: _Optional[_Iterable[int]] = ..., first_top_logprobs: _Optional[_Iterable[float]] = ..., mtp_draft_token_id: _Optional[int] = ..., mtp_hidden: _Optional[_Iterable[float]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class TransferFailed(_message.Message):
     __slots__ = ("code", "reason")

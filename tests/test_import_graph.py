@@ -198,14 +198,18 @@ def test_no_import_circles():
 
 # Layers: a module under a key may import nothing under any of its values (module or package).
 # workers.common is shared by both roles and by the builders that pick a role, so it knows none of
-# them; model/ is the engine and knows nothing of the workers, the operator or the CLI.
+# them; model/ is the engine and knows nothing of the workers, the operator or the CLI; the workers
+# and the operator are started by the launcher (`up`) and the CLI, and know neither (what they
+# share with the launcher, such as deepseek_pd/ports.py, sits below all of them).
+_ENTRY_POINTS = (f"{ROOT_PACKAGE}.launcher", f"{ROOT_PACKAGE}.cli", f"{ROOT_PACKAGE}.commands")
 FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     f"{ROOT_PACKAGE}.workers.common": (
         f"{ROOT_PACKAGE}.workers.prefill", f"{ROOT_PACKAGE}.workers.decode", f"{ROOT_PACKAGE}.workers.builders",
         f"{ROOT_PACKAGE}.workers.roles", f"{ROOT_PACKAGE}.workers.group_main",
         f"{ROOT_PACKAGE}.workers.serve_resolution"),
-    f"{ROOT_PACKAGE}.model": (f"{ROOT_PACKAGE}.workers", f"{ROOT_PACKAGE}.operator", f"{ROOT_PACKAGE}.cli",
-                              f"{ROOT_PACKAGE}.commands"),
+    f"{ROOT_PACKAGE}.model": (f"{ROOT_PACKAGE}.workers", f"{ROOT_PACKAGE}.operator", *_ENTRY_POINTS),
+    f"{ROOT_PACKAGE}.workers": _ENTRY_POINTS,
+    f"{ROOT_PACKAGE}.operator": _ENTRY_POINTS,
 }
 
 
@@ -236,6 +240,18 @@ def test_layering_finds_a_crossing(tmp_path):
     edges = import_edges(f"{ROOT_PACKAGE}.workers.common.fake_shared", modules)
     assert [(e.source, e.target) for e in layering_violations(modules, edges)] == [
         (f"{ROOT_PACKAGE}.workers.common.fake_shared", f"{ROOT_PACKAGE}.workers.decode.engine")]
+
+
+def test_layering_finds_a_worker_reaching_up_into_the_launcher(tmp_path):
+    """A worker module importing the launcher (as group_main did for its ports) or the CLI is reported."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("from deepseek_pd.launcher.cluster import LocalCluster\n"
+                      "def f():\n    from deepseek_pd.commands import serve\n")
+    modules = {**package_modules(), f"{ROOT_PACKAGE}.workers.fake_worker": worker}
+    edges = import_edges(f"{ROOT_PACKAGE}.workers.fake_worker", modules)
+    assert [(e.source, e.target) for e in layering_violations(modules, edges)] == [
+        (f"{ROOT_PACKAGE}.workers.fake_worker", f"{ROOT_PACKAGE}.launcher.cluster"),
+        (f"{ROOT_PACKAGE}.workers.fake_worker", f"{ROOT_PACKAGE}.commands.serve")]
 
 
 def test_layers_are_kept():

@@ -66,6 +66,7 @@ def test_wheel_install_imports_every_subpackage(tmp_path):
     assert install.returncode == 0, install.stderr
     assert not (target / "model").exists() and (target / "deepseek_pd" / "model").is_dir()
     assert list((target / "deepseek_pd" / "proto").glob("*.proto")), "package data (.proto) missing"
+    assert (target / "deepseek_pd" / "gateway_guard" / "n_guard.wasm").is_file(), "the gateway's n guard is missing"
 
     # -S: no site processing, so the editable install's .pth finder is not active; dependencies come
     # from the venv's site-packages on PYTHONPATH, after the wheel's target.
@@ -95,3 +96,41 @@ def test_console_script_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for command in ("generate", "make-tiny-model"):
         assert command in proc.stdout
+
+
+def _setup_value(found) -> object:
+    """A literal of setup.py, read from its source (importing setup.py would run setup())."""
+    import ast
+
+    for node in ast.walk(ast.parse((REPO / "setup.py").read_text())):
+        value = found(node)
+        if value is not None:
+            return ast.literal_eval(value)
+    raise AssertionError("setup.py lacks what the test reads")
+
+
+def _package_folder(package: str) -> Path:
+    """Where a package's files are: a MAPPED_FOLDERS folder (deepseek_pd.proto -> proto/) or deepseek_pd/."""
+    import ast
+
+    mapped = _setup_value(lambda n: n.value if isinstance(n, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == "MAPPED_FOLDERS" for t in n.targets) else None)
+    parts = package.split(".")[1:]
+    if parts and parts[0] in mapped:
+        return REPO.joinpath(*parts)
+    return REPO.joinpath("deepseek_pd", *parts)
+
+
+def _package_data() -> dict[str, list[str]]:
+    import ast
+
+    return _setup_value(lambda n: n.value if isinstance(n, ast.keyword) and n.arg == "package_data" else None)
+
+
+def test_package_data_names_files_that_exist():
+    """Each package_data pattern ships something: a pattern left behind by a moved file (the CRD,
+    now generated into charts/crds/) would silently ship nothing."""
+    for package, patterns in _package_data().items():
+        folder = _package_folder(package)
+        for pattern in patterns:
+            assert list(folder.glob(pattern)), f"setup.py package_data {package}: {pattern!r} matches no file in {folder}"

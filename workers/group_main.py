@@ -249,7 +249,7 @@ def check_agreement(everyone: list[dict], rank: int) -> None:
 
 def _rank_process(config: ServeConfig, rank: int) -> None:
     """The body of one spawned rank process."""
-    from deepseek_pd.launcher.die_with_parent import die_with_parent
+    from deepseek_pd.die_with_parent import die_with_parent
 
     die_with_parent()  # a SIGKILLed supervisor must not leave ranks behind
     configure_rank_logging(config.role, rank)
@@ -264,7 +264,7 @@ def run_node(config: ServeConfig) -> int:
     """Runs this node's ranks of the group; returns the exit status for `serve`."""
     layout = config.group
     if not layout.dist_init_addr:  # one node: rank 0 listens on loopback
-        from deepseek_pd.launcher.ports import pick_free_ports
+        from deepseek_pd.ports import pick_free_ports
 
         layout = dataclasses.replace(layout, dist_init_addr=f"127.0.0.1:{pick_free_ports(1)[0]}")
         config = dataclasses.replace(config, group=layout)

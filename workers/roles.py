@@ -4,9 +4,10 @@
   replays CUDA graphs by default (`--engine-opt cuda_graph=false` turns them off). A prefill worker
   only runs extends, which graphs do not capture: it captures none, and asking it to is an error.
 - `gpu_memory_share`: when several workers share one GPU (`deepseek-pd up` on one machine), the
-  GPU's memory budget is split in these proportions (`launcher/gpu_share.py`). A decode worker holds
-  every running request's KV for its whole generation; a prefill worker only the prompts in flight
-  and its prefix cache, so 1 prefill + 1 decode split the budget 2:3.
+  KV room the GPU's budget leaves after every worker's weights and headroom is split in these
+  proportions (`launcher/gpu_share.py`, `model/memory_budget.py`). A decode worker holds every
+  running request's KV for its whole generation; a prefill worker only the prompts in flight and
+  its prefix cache, so 1 prefill + 1 decode split the room 2:3.
 
 Shared worker code (`workers/common`) never reads this table; `serve` and `up` do.
 """

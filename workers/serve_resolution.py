@@ -10,8 +10,9 @@ The rules, each in one place:
   above the largest graph runs eagerly, 4.9x a graph step at batch 256 on the H200 (60.4 against
   12.4 ms at 128, docs/performance.md), as SGLang sizes `cuda_graph_max_bs` from its running cap.
 - KV pool: `--num-pages` or `--max-total-tokens` fix its size; otherwise on CUDA it is sized from
-  `--mem-fraction-static` (default 0.88) of the GPU's memory after the weights load
-  (model/kv_pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages.
+  `--mem-fraction-static` (default 0.88) of the GPU's memory after the weights load, on a GPU shared
+  by `--gpu-workers` workers `--kv-share` of the room their weights leave (model/memory_budget.py,
+  model/kv_pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages.
 - identity: what GetServerInfo/GetLoads report, with the runner's page size and its KV pool's bytes
   per token in the resolved dtype (`model.kv_pool.bytes_per_pool_page`, the pool's own rule).
 - chunked prefill: `--chunked-prefill-size` (it has no engine option); unset, 2048 on
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import socket
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.dispatch_mode import DispatchMode
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.kv_pool import bytes_per_pool_page
-from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
+from deepseek_pd.model.mtp_names import kv_layers
 from deepseek_pd.model.model_dir import resolve_model_dir, served_name
 from deepseek_pd.model.nvml import total_memory_bytes
 from deepseek_pd.model.runner import RunnerConfig
@@ -72,13 +72,14 @@ from deepseek_pd.workers.common.worker_config import (
     BootstrapConfig, SchedulerConfig, WorkerConfig, gpu_chunked_prefill_size)
 from deepseek_pd.workers.engine_options import assign_engine_options, parse_key_values
 from deepseek_pd.workers.roles import RoleDefaults, role_defaults
+from deepseek_pd.workers.serve_flags import ParallelFlags, ServeFlags
 
 log = logging.getLogger(__name__)
 
 # Config fields that have their own `serve` flags (or, warn_exposure, that serve sets per rank), and
 # so are not engine options.
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static",
-                           "ep_num_redundant_experts", "init_expert_location"),
+                           "gpu_workers", "kv_share", "ep_num_redundant_experts", "init_expert_location"),
                 "bootstrap": ("host", "port", "auth", "prefill_peers", "aliases"), "scheduler": ("chunked_prefill_size",),
                 "transport": ("advertise_host", "mooncake_protocol", "mooncake_device", "mooncake_rank_devices",
                               "warn_exposure"),
@@ -86,58 +87,6 @@ _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages",
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
             "transport": TransportConfig, "group": GroupLayout}
 _GROUP_RUNNER_FIELDS = ("ep_size", "tp_size", "dispatcher", "dispatch_mode")  # decided by the group layout
-
-
-@dataclass(frozen=True)
-class ParallelFlags:
-    """How one worker spans GPUs and nodes (the operator's LWS-style flags)."""
-
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
-    deepep_mode: str = "none"
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str = ""
-    ep_num_redundant_experts: int = 0  # EPLB (model/eplb/): extra expert slots over the group
-    init_expert_location: str | None = None  # EPLB: a placement file
-
-    @property
-    def is_single_process(self) -> bool:
-        return self.tp == self.dp == self.ep == self.nnodes == 1
-
-
-@dataclass(frozen=True)
-class ServeFlags:
-    """What `deepseek-pd serve` was told, as given: None means "the default", "auto" means "decide"."""
-
-    role: str
-    model: str = "tiny"  # a checkpoint directory or a tiny name
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"  # bind address of the gRPC and bootstrap servers
-    advertise_host: str | None = None  # the address peers reach this worker at; None: from host
-    bootstrap_aliases: tuple[str, ...] = ()  # prefill: other names decode may dial the bootstrap at
-    port: int = 30001
-    bootstrap_port: int = 8998
-    kv_transport: str = "grpc"
-    kv_protocol: str = "tcp"  # mooncake: tcp or rdma
-    kv_devices: str = ""  # mooncake rdma: comma-separated HCA names, "" = all usable
-    kv_tcp_fallback: bool = False  # mooncake rdma without a usable device: tcp (warning) or refuse
-    device: str = "auto"
-    dtype: str = "auto"
-    page_size: int | None = None
-    num_pages: int | None = None
-    max_total_tokens: int | None = None
-    mem_fraction_static: float | None = None
-    chunked_prefill_size: int | None = None
-    parallel: ParallelFlags = field(default_factory=ParallelFlags)
-    engine_options: tuple[str, ...] = ()  # raw --engine-opt KEY=VALUE items
-    drain_timeout_s: float = 30.0
-    internal_secret_file: str | None = None  # else $DEEPSEEK_PD_INTERNAL_SECRET_FILE
-    insecure_internal: bool = False
-    prefill_peers: tuple[str, ...] = ()  # decode: registered prefill bootstrap addresses
-    metrics_port: int | None = None  # Prometheus exporter; None: off
-    metrics_host: str | None = None  # None: host
 
 
 def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
@@ -149,7 +98,7 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
             raise UserError(f"--{name.replace('_', '-')} {value} is not a TCP port")
     model_dir = resolve_model_dir(flags.model)
     info = ServedModelInfo.from_model_dir(model_dir, flags.served_model_name or served_name(flags.model, model_dir))
-    opts = assign_engine_options(parse_key_values(flags.engine_options), _TARGETS, _FLAG_FIELDS)
+    opts = assign_engine_options(parse_key_values(flags.all_engine_options), _TARGETS, _FLAG_FIELDS)
     group = _group_layout(flags.parallel, opts["group"])
     for name in _GROUP_RUNNER_FIELDS:
         if name in opts["runner"]:
@@ -185,9 +134,9 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
         raise UserError(str(exc)) from exc
     identity = WorkerIdentity(role=flags.role, kv_transport=flags.kv_transport, bootstrap_port=flags.bootstrap_port,
                               page_size=runner.page_size, host=flags.host, port=flags.port,
-                              kv_bytes_per_token=bytes_per_pool_page(model_config.num_hidden_layers, 1,
-                                                                     model_config.kv_cache_dim,
-                                                                     runner.resolve_dtype(model_config)))
+                              kv_bytes_per_token=bytes_per_pool_page(
+                                  kv_layers(model_config, runner.speculative_num_steps > 0), 1,
+                                  model_config.kv_cache_dim, runner.resolve_dtype(model_config)))
     return ServeConfig(runner=runner, worker=worker, identity=identity, model=info,
                        server=ServerConfig(flags.host, flags.port, drain_timeout_s=flags.drain_timeout_s),
                        group=group, metrics=MetricsConfig(flags.metrics_host or flags.host, flags.metrics_port))
@@ -196,11 +145,10 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
 def _runner_config(flags: ServeFlags, defaults: RoleDefaults, device: str, model_dir: Path,
                    model_config: ModelConfig, options: dict[str, Any]) -> RunnerConfig:
     fields: dict[str, Any] = {"model": str(model_dir), "device": device, "dtype": flags.dtype, **options,
+                              "page_size": flags.page_size,
                               "ep_num_redundant_experts": flags.parallel.ep_num_redundant_experts,
                               "init_expert_location": _absolute(flags.parallel.init_expert_location)}
-    if flags.page_size is not None:
-        fields["page_size"] = flags.page_size
-    fields.update(_pool_size(flags, device, fields.get("page_size", RunnerConfig.page_size)))
+    fields.update(_pool_size(flags, device, flags.page_size))
     if options.get("cuda_graph") and not defaults.decodes:
         raise UserError(f"--engine-opt cuda_graph=true: the {flags.role} worker never decodes, so it has no "
                         f"CUDA graphs to capture (decode workers replay them by default on CUDA)")
@@ -219,7 +167,7 @@ def _scheduler_fields(flags: ServeFlags, opts: dict[str, dict[str, Any]], device
 def chunked_prefill_size(flags: ServeFlags, device: str) -> int:
     """The prompt tokens per round a worker started with `flags` on `device` runs, decided as
     `resolve_serve_config` decides them (for tools that time such a round: bench/serving_gpu.py)."""
-    opts = assign_engine_options(parse_key_values(flags.engine_options), _TARGETS, _FLAG_FIELDS)
+    opts = assign_engine_options(parse_key_values(flags.all_engine_options), _TARGETS, _FLAG_FIELDS)
     return _scheduler_fields(flags, opts, device).get("chunked_prefill_size", SchedulerConfig.chunked_prefill_size)
 
 
@@ -295,10 +243,13 @@ def _pool_size(flags: ServeFlags, device: str, page_size: int) -> dict[str, Any]
             log.info("the KV pool has a fixed size (%d pages); --mem-fraction-static is not used", fixed)
         return {"num_pages": fixed, "mem_fraction_static": None}
     if is_cuda(device):
-        fraction = flags.mem_fraction_static if flags.mem_fraction_static is not None else DEFAULT_MEM_FRACTION_STATIC
-        return {"num_pages": None, "mem_fraction_static": fraction}
-    if flags.mem_fraction_static is not None:
-        raise UserError(f"--mem-fraction-static sizes the KV pool from GPU memory, and the device is {device!r}; "
+        return {"num_pages": None, "mem_fraction_static": flags.budget_fraction,
+                "gpu_workers": flags.gpu_workers, "kv_share": flags.kv_share}
+    given = [flag for flag, value, unset in (("--mem-fraction-static", flags.mem_fraction_static, None),
+                                             ("--gpu-workers", flags.gpu_workers, 1), ("--kv-share", flags.kv_share, 1))
+             if value != unset]
+    if given:
+        raise UserError(f"{'/'.join(given)} sizes the KV pool from GPU memory, and the device is {device!r}; "
                         f"pass --num-pages or --max-total-tokens instead")
     return {}  # the CPU: RunnerConfig's fixed default pool
 

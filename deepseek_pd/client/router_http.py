@@ -118,6 +118,12 @@ class RouterClient:
             await _raise_for_status(response)
             return parse_json_body(await response.read(), f"{self.base_url}{path}")
 
+    async def post_json(self, path: str, body: Any) -> Any:
+        """POST `body` as JSON to a serving route (e.g. "/v1/tokenize"); non-200 raises `RouterError`."""
+        async with self.session.post(f"{self.base_url}{path}", json=body, headers=self._api_headers) as response:
+            await _raise_for_status(response)
+            return parse_json_body(await response.read(), f"{self.base_url}{path}")
+
     async def generate(self, text: str | None = None, input_ids: Sequence[int] | None = None,
                        stream: bool = False, on_text: Callable[[str], None] | None = None,
                        return_logprob: bool = False, **sampling: Any) -> GenerateResult:

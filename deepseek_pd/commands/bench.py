@@ -6,7 +6,9 @@ the requests skip the router and go to prefill/decode pairs over gRPC, which sho
 
 Either way the workload's vocabulary and context and the reported KV bytes per token are the
 served model's, as the router reports its workers (`deepseek_pd.loadgen.target_model`); with --url,
-`--model DIR` only overrides them.
+`--model DIR` only overrides them. A gateway one does not administer (no --admin-key-file) is loaded
+through its client API alone: its tokenizer (or --tokenizer) gives the prompt ids, and the report
+says which worker-only figures it left out (`deepseek_pd.loadgen.client_api_model`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Load the router with streamed requests and report TTFT/TPOT/ITL, throughput and "
                     "goodput. With --url the vocabulary, context and KV bytes per token are the served "
                     "model's, read from the router's /v1/models and /workers; --model DIR overrides "
-                    "them. Without --url a local cluster is started (flags as `up`).")
+                    "them; without --admin-key-file (a gateway you do not administer) its tokenizer "
+                    "(/v1/tokenize, or --tokenizer) gives the prompt ids and the workers' figures are "
+                    "left out. Without --url a local cluster is started (flags as `up`).")
     serving.add_argument("--url", default=None,
                          help="router URL; without it a local cluster is started (flags as `up`)")
     serving.add_argument("--model-name", default=None,
@@ -53,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serving.add_argument("--admin-key-file", type=Path, default=None,
                          help="with --url: the gateway's control-plane key (read /workers); `deepseek-pd "
                               "up` writes it to <log dir>/control-plane-key")
+    serving.add_argument("--tokenizer", default=None,
+                         help="with --url and no --admin-key-file: the served model's tokenizer (a directory "
+                              "with tokenizer.json, the file, or a hub id); default: the gateway's own, "
+                              "through its /v1/tokenize")
     serving.add_argument("--direct", action="store_true",
                          help="skip the router: dispatch each request to a prefill/decode pair of "
                               "the local cluster over gRPC (shows what the router adds)")
@@ -92,8 +100,6 @@ def _pd_pairs(cluster):
 
 
 async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cluster=None) -> int:
-    from dataclasses import asdict
-
     from deepseek_pd.client.router_http import RouterClient
     from deepseek_pd.loadgen.metrics import SLO, summarize
     from deepseek_pd.loadgen.report import write_json, write_png
@@ -108,14 +114,21 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
     admin_key = (cluster.control_plane_key if cluster is not None
                  else read_key_file(args.admin_key_file, "--admin-key-file"))
     target = await discover_target_model(url, args.model_name or served_name, override,
-                                         api_key=api_key, admin_key=admin_key)
-    print(f"model {target.name!r}: vocabulary {target.vocab_size}, context {target.max_context_length} "
+                                         api_key=api_key, admin_key=admin_key, tokenizer=args.tokenizer,
+                                         seed=args.seed)
+    vocabulary = (target.vocab_size if target.vocab_size is not None
+                  else f"the {len(target.token_ids)} ids the gateway's tokenizer gave")
+    print(f"model {target.name!r}: vocabulary {vocabulary}, context {target.max_context_length} "
           f"(from {target.source}); KV bytes per token {target.kv_bytes_per_token} "
           f"(from {target.kv_bytes_source})")
+    for worker in target.workers:
+        print(f"worker {worker['kind'] or '?'} {worker['url']}: KV capacity {worker['kv_capacity_tokens']} tokens")
+    if target.left_out:
+        print(f"left out: {target.left_out}")
     spec = WorkloadSpec(args.num_prompts, args.dataset, args.input_len, args.output_len, args.range_ratio,
                         args.seed, output_range_ratio=args.output_range_ratio
-                        ).validate(target.vocab_size, target.max_context_length)
-    requests = build_requests(spec, target.vocab_size)
+                        ).validate(target.vocabulary, target.max_context_length)
+    requests = build_requests(spec, target.vocabulary)
     if args.direct:
         pairs = _pd_pairs(cluster)
         try:
@@ -131,8 +144,10 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
                                                args.max_concurrency, args.seed, not args.no_progress)
     summary = summarize(records, duration, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
     summary["kv_bytes_per_token"] = target.kv_bytes_per_token
+    summary["left_out"] = target.left_out
+    summary["workers"] = list(target.workers)
     config = {"url": None if args.direct else url, "direct": args.direct, "model": target.name,
-              "model_dir": target.model_path, "target_model": asdict(target),
+              "model_dir": target.model_path, "target_model": target.report_fields(),
               "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
               "workload": vars(spec), "kv_transport": args.kv_transport if args.url is None else None,
               "num_prefill": args.prefill if args.url is None else None,
@@ -157,7 +172,10 @@ def _print_summary(summary: dict, json_path: Path, png_path: Path) -> None:
         if stats["p50"] is not None:
             print(f"{name:>15}: mean {stats['mean']:.1f}  p50 {stats['p50']:.1f}  p90 {stats['p90']:.1f}"
                   f"  p99 {stats['p99']:.1f}")
-    print(f"KV bytes per token: {summary['kv_bytes_per_token']}")
+    if summary.get("left_out"):
+        print("KV bytes per token: left out (only the workers know it; pass --admin-key-file)")
+    else:
+        print(f"KV bytes per token: {summary['kv_bytes_per_token']}")
     for error in summary["errors"]:
         print(f"error: {error}")
     print(f"wrote {json_path} and {png_path}")

@@ -6,6 +6,7 @@ import json
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.sampling_params import DEFAULT_MAX_NEW_TOKENS
+from deepseek_pd.model.speculative_rules import DEFAULT_SPECULATIVE_NUM_STEPS, MAX_SPECULATIVE_NUM_STEPS
 
 ATTENTION_METHODS = ("auto", "mha", "mha_chunked_kv", "mla")
 
@@ -41,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="auto: fp32 on CPU; on GPU the checkpoint's torch_dtype (bfloat16 for FP8 checkpoints)")
     parser.add_argument("--device", default="auto",
                         help="torch device: auto (CUDA when available, else cpu; default), cpu, cuda, cuda:N")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"],
                         help="auto: triton on CUDA when it imports, else the torch reference")
     parser.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton", "grouped"],
                         help="auto: triton on CUDA when it imports, else the torch reference")
@@ -49,6 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="decode by CUDA-graph replay; default: on where it works (CUDA with the "
                              "triton/grouped backends), --no-cuda-graph turns it off")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
+    parser.add_argument("--speculative-num-steps", default="auto", metavar="N",
+                        help="tokens the checkpoint's MTP layer drafts per decode step, verified in one forward "
+                             f"(0: off; at most {MAX_SPECULATIVE_NUM_STEPS}); auto (default): "
+                             f"{DEFAULT_SPECULATIVE_NUM_STEPS} when the checkpoint has an MTP layer, else off")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (output_ids, text, finish_reason, ...) instead of the text")
     parser.set_defaults(func=run)
@@ -79,8 +84,10 @@ def resolved_runner_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.engine import Engine
     from deepseek_pd.model.sampling_params import SamplingParams
+    from deepseek_pd.model.speculative_rules import resolve_speculative_num_steps
 
     prompt = parse_input_ids(args.input_ids) if args.input_ids is not None else args.prompt
     params = SamplingParams(
@@ -90,14 +97,20 @@ def run(args: argparse.Namespace) -> int:
         top_logprobs_num=args.top_logprobs)
     params.validate()  # before loading the model: bad flags fail fast
     runner = resolved_runner_config(args)
+    speculative = resolve_speculative_num_steps(args.speculative_num_steps,
+                                                ModelConfig.from_hf(runner.model).num_nextn_predict_layers)
     engine = Engine(runner.model, dtype=runner.dtype, device=runner.device, attention_method=args.attention_method,
                     chunked_prefill_size=args.chunked_prefill_size, page_size=runner.page_size,
                     attention_backend=runner.attention_backend, moe_backend=runner.moe_backend,
-                    cuda_graph=runner.cuda_graph)
+                    cuda_graph=runner.cuda_graph, speculative_num_steps=speculative)
     result = engine.generate(prompt, params)
     if args.json:
         answer = {"output_ids": result.output_ids, "text": result.text, "finish_reason": result.finish_reason,
                   "matched_stop": result.matched_stop, "prompt_tokens": result.prompt_tokens}
+        if engine.speculative is not None:
+            stats = engine.speculative.stats
+            answer["speculative"] = {"num_steps": speculative, "accept_length": stats.accept_length,
+                                     "drafted": stats.drafted, "accepted": stats.accepted}
         if args.top_logprobs:  # per token [[id, logprob], ...], most likely first
             answer["output_logprobs"] = result.output_logprobs
             answer["output_top_logprobs"] = [[list(pair) for pair in zip(top.token_ids, top.logprobs)]

@@ -15,6 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weight seed; same seed, same bytes (default 0)")
     parser.add_argument("--fp8", action="store_true",
                         help="store linear weights as FP8 with 128x128 block scales, as DeepSeek-V3 ships")
+    parser.add_argument("--mtp-layers", type=int, choices=[0, 1], default=0,
+                        help="1 adds DeepSeek-V3's multi-token-prediction layer (the speculative draft model)")
     parser.set_defaults(func=run)
 
 
@@ -22,6 +24,6 @@ def run(args: argparse.Namespace) -> int:
     from deepseek_pd.model.tiny import make_tiny_model
 
     path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed,
-                           fp8_block=(128, 128) if args.fp8 else None)
+                           fp8_block=(128, 128) if args.fp8 else None, mtp_layers=args.mtp_layers)
     print(path)
     return 0

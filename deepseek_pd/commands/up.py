@@ -35,8 +35,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                              "cpu, cuda, cuda:N")
     parser.add_argument("--mem-fraction-static", type=float, default=None,
                         help="CUDA: the fraction of the GPU's total memory all workers together may use "
-                             "(default 0.88), split by role, 2 prefill : 3 decode; --worker-arg=--num-pages=N "
-                             "fixes the pools instead")
+                             "(default 0.88): each worker's own copy of the weights and its headroom first, "
+                             "the rest for the KV pools, split by role 2 prefill : 3 decode; "
+                             "--worker-arg=--num-pages=N fixes the pools instead")
     parser.add_argument("--host", default="127.0.0.1", help="address everything listens on")
     parser.add_argument("--port", type=int, default=0, help="router HTTP port (default: a free one)")
     parser.add_argument("--log-dir", type=Path, default=None,

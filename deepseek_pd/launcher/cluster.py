@@ -18,7 +18,8 @@ Once running, `launcher/supervisor.py` restarts what crashes or hangs.
 The router's control plane (adding and removing workers) is locked with a key generated per
 cluster (`control_plane_key`, also written to `<log_dir>/control-plane-key`, mode 0600); the
 client API stays open unless `client_api_key` is set (on 127.0.0.1 the demo and OpenAI clients
-work unchanged).
+work unchanged). `stop()` deletes that key file and the run's deployment secret
+(`<log_dir>/internal.secret`) once every process is down: the logs stay, the credentials do not.
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepseek_pd import gateway
+from deepseek_pd import gateway, gateway_guard
 from deepseek_pd.errors import UserError
-from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy
-from deepseek_pd.launcher.ports import pick_free_port_blocks
+from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy, worker_kv_tokens
+from deepseek_pd.ports import pick_free_port_blocks
 from deepseek_pd.launcher.process import ManagedProcess, stop_all
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
 from deepseek_pd.launcher.worker_plan import (GroupShape, ServeSettings, WorkerPlan, check_worker_args,
@@ -48,8 +49,9 @@ KV_TRANSPORTS = ("grpc", "mooncake")
 # for a minute: it stays off, and health checks every 2 s remove a dead worker instead. Retries
 # are on (gateway.RETRY_ARGS says when they are safe): with two decode workers, a request whose
 # decode worker dies before its first token runs again on the other one.
-ROUTER_LOCAL_FLAGS = (*gateway.RETRY_ARGS, *gateway.WEDGE_ARGS, "--disable-circuit-breaker",
-                      "--health-check-interval-secs", "2", "--health-failure-threshold", "2")
+ROUTER_LOCAL_FLAGS = (*gateway.RETRY_ARGS, *gateway.WEDGE_ARGS, *gateway.SLOW_CLIENT_ARGS,
+                      "--disable-circuit-breaker", "--health-check-interval-secs", "2",
+                      "--health-failure-threshold", "2")
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,10 @@ def resolve_model_dir(model: str) -> Path:
     return resolve(model)
 
 
+SECRET_FILE = "internal.secret"  # the run's deployment secret (workers/common/internal_auth.py)
+CONTROL_PLANE_KEY_FILE = "control-plane-key"  # the router's control-plane key, for the operator of `up`
+
+
 class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec.validate()
@@ -177,7 +183,12 @@ class LocalCluster:
         """What keeps this started cluster serving (launcher/supervisor.py); call its `step()`."""
         assert self.router is not None, "start() the cluster first"
         return Supervisor([w.process for w in self.workers], self.router, self.router_url,
-                          config or SupervisorConfig())
+                          config or SupervisorConfig(), on_router_live=self.install_router_guards)
+
+    def install_router_guards(self) -> None:
+        """Loads what the router checks requests with (gateway_guard: the bound on `n`); needed
+        after every router start, since smg keeps WASM modules in memory only."""
+        gateway_guard.install(self.router_url, self.control_plane_key)
 
     def start(self) -> "LocalCluster":
         spec = self.spec
@@ -199,6 +210,7 @@ class LocalCluster:
             self._wait_workers_healthy(deadline)
             self._start_router()
             self._wait_router_ready(deadline)
+            self.install_router_guards()
         except BaseException:
             self.stop()
             raise
@@ -209,6 +221,10 @@ class LocalCluster:
         if self.router is not None:
             stop_all([self.router], self.spec.stop_grace_s)
         stop_all([w.process for w in self.workers], self.spec.stop_grace_s)
+        # Every process that read them is gone (stop_all ends with SIGKILL): a secret left on disk
+        # would only let whoever reads it later pose as this run's workers.
+        for name in (SECRET_FILE, CONTROL_PLANE_KEY_FILE):
+            (self.log_dir / name).unlink(missing_ok=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -218,7 +234,7 @@ class LocalCluster:
 
     # -- steps -------------------------------------------------------------------------------
     def _start_workers(self) -> None:
-        from deepseek_pd.launcher.gpu_share import worker_memory_args  # imports torch, as resolving did
+        from deepseek_pd.launcher.gpu_share import worker_gpu_shares  # imports torch, as resolving did
         # One secret per run (0600, in the run directory) authenticates every bootstrap message;
         # decode workers pull only from this run's prefill workers (workers/common/internal_auth.py).
         from deepseek_pd.workers.common.internal_auth import create_secret_file
@@ -231,12 +247,13 @@ class LocalCluster:
         *starts, router_port, self.metrics_port = pick_free_port_blocks([*port_block_sizes(shapes), 1, 1], spec.host)
         self.router_port = spec.router_port or router_port
         # On CUDA rank r of every group runs on GPU r, so each GPU holds at most one rank of each
-        # worker: the one-GPU split by role holds per GPU.
-        plans = plan_workers(roles, shapes, starts, worker_memory_args(self.device, roles, spec.mem_fraction_static))
+        # worker: GPU 0 holds one of every worker, and the split planned for it holds on the others
+        # (which hold fewer workers, so their pools come out smaller than they could be).
+        plans = plan_workers(roles, shapes, starts, worker_gpu_shares(self.device, roles))
         settings = ServeSettings(model_dir=str(self.model_dir), served_model_name=self.served_model_name,
                                  host=spec.host, kv_transport=spec.kv_transport, device=self.device,
-                                 secret_file=str(create_secret_file(self.log_dir / "internal.secret")),
-                                 worker_args=spec.worker_args)
+                                 secret_file=str(create_secret_file(self.log_dir / SECRET_FILE)),
+                                 worker_args=spec.worker_args, mem_fraction_static=spec.mem_fraction_static)
         for plan in plans:
             proc = ManagedProcess(plan.name, serve_argv(plan, plans, settings), self.log_dir / f"{plan.name}.log")
             proc.start()
@@ -252,10 +269,14 @@ class LocalCluster:
             if pending:
                 self._check_deadline(deadline, f"workers {[w.process.name for w in pending]} healthy")
                 time.sleep(0.2)
+        # What each worker's memory plan gave it (model/memory_budget.py: its share of one GPU).
+        capacity = {w.process.name: worker_kv_tokens(w.address(self.spec.host)) for w in self.workers}
+        logger.info("workers healthy; KV capacity: %s", ", ".join(
+            f"{name} {'?' if tokens is None else f'{tokens:,}'} tokens" for name, tokens in capacity.items()))
 
     def _start_router(self) -> None:
         # smg takes the key on its command line too (it reads none from a file or the environment).
-        write_private_file(self.log_dir / "control-plane-key", (self.control_plane_key + "\n").encode())
+        write_private_file(self.log_dir / CONTROL_PLANE_KEY_FILE, (self.control_plane_key + "\n").encode())
         self.router = ManagedProcess("router", self._router_argv(), self.log_dir / "router.log")
         self.router.start()
 
@@ -271,7 +292,7 @@ class LocalCluster:
                  "--prometheus-host", spec.host, "--prometheus-port", str(self.metrics_port),
                  "--policy", spec.policy,
                  *gateway.router_security_args(self.control_plane_key, spec.client_api_key),
-                 *spec.router_args]  # router_args last: they win
+                 *gateway_guard.ENABLE_ARGS, *spec.router_args]  # router_args last: they win
         return argv
 
     def _wait_router_ready(self, deadline: float) -> None:

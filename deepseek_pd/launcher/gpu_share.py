@@ -1,13 +1,14 @@
 """How `deepseek-pd up` splits one GPU between the workers it starts on it.
 
-Every worker of a local cluster runs on the same device, so each gets a slice of the GPU memory
-budget (`--mem-fraction-static`, the fraction of the GPU's total memory all of them may use) in
-proportion to its role's `gpu_memory_share` (workers/roles.py). Each worker then sizes its KV pool
-from its own slice after loading its own copy of the weights, so the slices must sum to the
-budget, never more, whatever order the workers start in.
+Every worker of a local cluster runs on the same device and loads its own copy of the weights.
+The budget (`--mem-fraction-static`, the fraction of the GPU's total memory all of them may use)
+first holds every worker's weights and headroom; what is left is the KV room, split in proportion
+to each role's `gpu_memory_share` (workers/roles.py). The rule is model/memory_budget.py's: each
+worker is told the budget, how many workers share the GPU, and its share of the room
+(`--mem-fraction-static B --gpu-workers N --kv-share S`), and sizes its pool after loading.
 
-Example: `up --prefill 1 --decode 1` with the default budget 0.88 gives prefill 0.352 and decode
-0.528; `--prefill 1 --decode 2` gives 0.22, 0.33, 0.33.
+Example: `up --prefill 1 --decode 1` gives both the budget 0.88, 2 workers, and shares 0.4 and 0.6;
+`--prefill 1 --decode 2` gives shares 0.25, 0.375, 0.375.
 """
 from __future__ import annotations
 
@@ -15,28 +16,23 @@ from typing import Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.device import is_cuda
-from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
+from deepseek_pd.model.memory_budget import GpuShare
 from deepseek_pd.workers.roles import role_defaults
 
 
-def memory_fractions(roles: Sequence[str], budget: float = DEFAULT_MEM_FRACTION_STATIC) -> list[float]:
-    """Each worker's `--mem-fraction-static`, in the order of `roles`; they sum to `budget`."""
-    if not 0 < budget <= 1:
-        raise UserError(f"--mem-fraction-static {budget} must be in (0, 1]")
-    if not roles:
-        return []
+def kv_shares(roles: Sequence[str]) -> list[GpuShare]:
+    """Each worker's place on the GPU, in the order of `roles`; the shares sum to 1."""
     shares = [role_defaults(role).gpu_memory_share for role in roles]
     total = sum(shares)
-    return [budget * share / total for share in shares]
+    return [GpuShare(len(roles), share / total) for share in shares]
 
 
-def worker_memory_args(device: str, roles: Sequence[str], budget: float | None = None) -> list[list[str]]:
-    """The `serve` flags that give each worker its slice: `--mem-fraction-static F` on CUDA; nothing
-    on the CPU, where every worker keeps its fixed default pool."""
+def worker_gpu_shares(device: str, roles: Sequence[str]) -> list[GpuShare | None]:
+    """Each worker's `GpuShare` on CUDA; None on the CPU, where every worker keeps its fixed default
+    pool. Every worker gets the whole budget (`up --mem-fraction-static`)."""
     if not is_cuda(device):
-        return [[] for _ in roles]
-    fractions = memory_fractions(roles, DEFAULT_MEM_FRACTION_STATIC if budget is None else budget)
-    return [["--mem-fraction-static", str(fraction)] for fraction in fractions]
+        return [None for _ in roles]
+    return list(kv_shares(roles))
 
 
 def check_gpus_for_groups(device: str, ranks: int) -> None:

@@ -21,6 +21,16 @@ def worker_is_healthy(address: str, timeout_s: float = 2.0) -> bool:
         return reply.healthy
 
 
+def worker_kv_tokens(address: str, timeout_s: float = 2.0) -> int | None:
+    """The tokens a worker's KV pool holds (GetServerInfo's max_total_num_tokens); None when it does not answer."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = pb_grpc.SglangSchedulerStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return None
+        return reply.max_total_num_tokens
+
+
 def router_ready_workers(base_url: str, timeout_s: float = 2.0) -> int:
     """How many healthy workers the router has registered; -1 while it is not answering or not ready."""
     try:

@@ -34,7 +34,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             # PR_SET_PDEATHSIG through a wrapper program, not a preexec_fn (die_with_parent.py).
-            argv = [sys.executable, "-m", "deepseek_pd.launcher.die_with_parent", str(os.getpid()), *self.argv]
+            argv = [sys.executable, "-m", "deepseek_pd.die_with_parent", str(os.getpid()), *self.argv]
             self._popen = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=self.env, cwd=self.cwd, start_new_session=True)
@@ -51,6 +51,13 @@ class ManagedProcess:
 
     def is_alive(self) -> bool:
         return self._popen is not None and self._popen.poll() is None
+
+    def group_rss_bytes(self) -> int:
+        """Resident memory of every live process in this child's group (the leader and its
+        helpers), from /proc; 0 when not running."""
+        if not self.is_alive():
+            return 0
+        return process_group_rss_bytes(self._popen.pid)
 
     def log_tail(self, max_lines: int = 30) -> str:
         try:
@@ -77,6 +84,28 @@ class ManagedProcess:
             return True
         except subprocess.TimeoutExpired:
             return False
+
+
+def process_group_rss_bytes(pgid: int) -> int:
+    """The summed VmRSS of the processes whose group id is `pgid` (Linux /proc; a process that
+    exits while it is read is skipped)."""
+    total_kib = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()  # after "(comm)", which may hold spaces
+            if int(fields[2]) != pgid:  # field 5 of stat, the process group
+                continue
+            with open(f"/proc/{entry.name}/status", "rb") as status:
+                for line in status:
+                    if line.startswith(b"VmRSS:"):
+                        total_kib += int(line.split()[1])
+                        break
+        except (OSError, IndexError, ValueError):
+            continue
+    return total_kib * 1024
 
 
 def stop_all(processes: Sequence[ManagedProcess], grace_s: float) -> None:

@@ -13,6 +13,12 @@
 - The router is probed on `/liveness` every `probe_interval_s`. A router that exited, or that
   failed `probe_failures` probes in a row (SIGSTOPped, deadlocked: the kernel still accepts the
   connection, nothing answers), is killed (its whole process group) and started again.
+- The router's resident memory (its process group's RSS) is read at every step: past
+  `router_max_rss_bytes` it is killed at once and started again, with a warning naming both
+  figures. A gateway that swells (smg 1.13 grew by ~1 GB/s on one request with a huge `n`) keeps
+  answering `/liveness`, so the probe alone never catches it.
+- `on_router_live` (the gateway's guards, gateway_guard.py) runs at the first live probe after
+  every router restart, and again at the next probe while it fails.
 
 While one worker is down the others keep serving; requests routed to it fail (and are retried
 by the router on another pair, gateway.RETRY_ARGS) until the router's health check takes it out
@@ -43,6 +49,9 @@ class SupervisorConfig:
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 2.0
     probe_failures: int = 3  # failed /liveness probes in a row that mean "hung"
+    # The router's resident memory that means "swelling": smg idles at ~60 MiB and stayed under
+    # a few hundred MiB through bursts of 1,000 streams; a runaway grows by ~1 GB/s.
+    router_max_rss_bytes: int = 4 << 30
 
 
 @dataclass
@@ -53,6 +62,7 @@ class _Tracked:
     restart_at: float | None = None  # when a pending restart is due
     probe_failures: int = 0
     next_probe_at: float = 0.0
+    needs_setup: bool = False  # the router restarted and on_router_live has not run since
     events: list[str] = field(default_factory=list)
 
 
@@ -70,9 +80,11 @@ class Supervisor:
 
     def __init__(self, workers: list[ManagedProcess], router: ManagedProcess, router_url: str,
                  config: SupervisorConfig = SupervisorConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_router_live: Callable[[], None] | None = None) -> None:
         self.config = config
         self._clock = clock
+        self._on_router_live = on_router_live
         now = clock()
         self._workers = [_Tracked(p, started_at=now) for p in workers]
         self._router = _Tracked(router, started_at=now, next_probe_at=now + config.probe_interval_s)
@@ -88,6 +100,7 @@ class Supervisor:
         for tracked in self._workers:
             self._keep_running(tracked, now)
         self._keep_running(self._router, now)
+        self._watch_router_memory(now)
         self._probe_router(now)
 
     # -- one process -------------------------------------------------------------------------
@@ -125,6 +138,7 @@ class Supervisor:
         tracked.probe_failures = 0
         if tracked is self._router:  # give it time to bind before probing again
             tracked.next_probe_at = now + self.config.probe_interval_s * 2
+            tracked.needs_setup = self._on_router_live is not None
 
     def _probe_router(self, now: float) -> None:
         tracked, cfg = self._router, self.config
@@ -133,8 +147,30 @@ class Supervisor:
         tracked.next_probe_at = now + cfg.probe_interval_s
         if router_is_live(self._router_url, cfg.probe_timeout_s):
             tracked.probe_failures = 0
+            if tracked.needs_setup:
+                self._set_up_router()
             return
         tracked.probe_failures += 1
         if tracked.probe_failures >= cfg.probe_failures and tracked.proc.is_alive():
             self._schedule_restart(tracked, now, f"did not answer /liveness {tracked.probe_failures} "
                                                  "times in a row (hung)")
+
+    def _set_up_router(self) -> None:
+        try:
+            self._on_router_live()
+        except UserError as error:  # tried again at the next probe; the router serves meanwhile
+            logger.warning("router restarted, but setting it up failed (will retry): %s", error)
+            return
+        self._router.needs_setup = False
+        logger.info("router restarted and set up again")
+
+    def _watch_router_memory(self, now: float) -> None:
+        tracked, limit = self._router, self.config.router_max_rss_bytes
+        if tracked.restart_at is not None:
+            return
+        rss = tracked.proc.group_rss_bytes()
+        if rss <= limit:
+            return
+        tracked.proc.send_signal(signal.SIGKILL)  # now: it may grow by a GB a second
+        self._schedule_restart(tracked, now, f"uses {rss >> 20} MiB of memory, over the bound of "
+                                             f"{limit >> 20} MiB (router_max_rss_bytes); killed it")

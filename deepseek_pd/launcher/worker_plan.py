@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.memory_budget import GpuShare
+from deepseek_pd.workers.serve_flags import GROUP_FLAGS, ParallelFlags, ServeFlags
 
 ROLES = ("prefill", "decode")
 TBO_CHOICES = ("prefill", "decode", "both")
-# `serve` flags that shape a group: `up` derives them from its own flags, so a --worker-arg that
+# `serve`'s GROUP_FLAGS shape a group: `up` derives them from its own flags, so a --worker-arg that
 # set one would leave `up` planning ports for another group than the one that runs.
-GROUP_FLAGS = ("--tp", "--dp", "--ep", "--nnodes", "--node-rank", "--dist-init-addr", "--enable-tbo")
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,9 @@ class GroupShape:
     def tp(self) -> int:
         return self.ranks // self.dp
 
-    def serve_flags(self) -> list[str]:
-        """The `serve` flags of this shape: none for a plain single-rank worker."""
-        flags = ["--tp", str(self.tp), "--dp", str(self.dp), "--ep", str(self.ep)] if self.ranks > 1 else []
-        return flags + (["--enable-tbo"] if self.enable_tbo else [])
+    def parallel_flags(self) -> ParallelFlags:
+        """The `serve` flags of this shape."""
+        return ParallelFlags(tp=self.tp, dp=self.dp, ep=self.ep, enable_tbo=self.enable_tbo)
 
     def describe(self) -> str:
         if self.ranks == 1:
@@ -107,7 +107,7 @@ class WorkerPlan:
     port: int  # rank 0's SglangScheduler port: what the router dials
     bootstrap_port: int  # prefill: rank 0's bootstrap service (the Route table for the other ranks)
     metrics_port: int  # rank r exports on metrics_port + r
-    memory_args: tuple[str, ...] = ()  # gpu_share.worker_memory_args: each rank's slice of its GPU
+    gpu_share: GpuShare | None = None  # gpu_share.worker_gpu_shares: each rank's part of its GPU
 
     @property
     def name(self) -> str:
@@ -129,16 +129,16 @@ def port_block_sizes(shapes: Sequence[GroupShape]) -> list[int]:
 
 
 def plan_workers(roles: Sequence[str], shapes: Sequence[GroupShape], block_starts: Sequence[int],
-                 memory_args: Sequence[Sequence[str]] | None = None) -> list[WorkerPlan]:
+                 gpu_shares: Sequence[GpuShare | None] | None = None) -> list[WorkerPlan]:
     """One plan per worker; `block_starts` are the first ports of `port_block_sizes(shapes)`'s runs."""
     if len(roles) != len(shapes) or len(block_starts) != 3 * len(shapes):
         raise ValueError("one shape and three port blocks per worker")
-    memory_args = memory_args or [()] * len(roles)
+    gpu_shares = gpu_shares or [None] * len(roles)
     counters = dict.fromkeys(ROLES, 0)
     plans = []
-    for i, (role, shape, memory) in enumerate(zip(roles, shapes, memory_args)):
+    for i, (role, shape, share) in enumerate(zip(roles, shapes, gpu_shares)):
         port, bootstrap_port, metrics_port = block_starts[3 * i:3 * i + 3]
-        plans.append(WorkerPlan(role, counters[role], shape, port, bootstrap_port, metrics_port, tuple(memory)))
+        plans.append(WorkerPlan(role, counters[role], shape, port, bootstrap_port, metrics_port, share))
         counters[role] += 1
     return plans
 
@@ -154,18 +154,30 @@ class ServeSettings:
     device: str
     secret_file: str  # the run's deployment secret (workers/common/internal_auth.py)
     worker_args: tuple[str, ...] = ()  # last on the command line: they win
+    mem_fraction_static: float | None = None  # the budget of all workers on a GPU; None: serve's default
     python: str = sys.executable
 
 
-def serve_argv(plan: WorkerPlan, plans: Sequence[WorkerPlan], settings: ServeSettings) -> list[str]:
-    """The command line of `plan`'s worker; `plans` (all workers) give decode its prefill peers:
-    every prefill group's rank 0 (the other ranks are learnt from its signed Route table)."""
+# What `up` always spells out, defaults included: what the router and the other workers are told.
+_ALWAYS = ("model", "served_model_name", "host", "port", "bootstrap_port", "kv_transport", "device")
+
+
+def serve_flags(plan: WorkerPlan, plans: Sequence[WorkerPlan], settings: ServeSettings) -> ServeFlags:
+    """The `serve` flags of `plan`'s worker (before `worker_args`); `plans` (all workers) give decode
+    its prefill peers: every prefill group's rank 0 (the other ranks are learnt from its signed Route
+    table)."""
     s = settings
-    security = ["--internal-secret-file", s.secret_file]
-    if plan.role == "decode":
-        security += ["--prefill-peers", ",".join(f"{s.host}:{p.bootstrap_port}" for p in plans if p.role == "prefill")]
-    return [s.python, "-m", "deepseek_pd.cli", "serve", plan.role,
-            "--model", s.model_dir, "--served-model-name", s.served_model_name,
-            "--host", s.host, "--port", str(plan.port), "--bootstrap-port", str(plan.bootstrap_port),
-            "--kv-transport", s.kv_transport, "--metrics-port", str(plan.metrics_port), "--device", s.device,
-            *plan.shape.serve_flags(), *security, *plan.memory_args, *s.worker_args]
+    peers = tuple(f"{s.host}:{p.bootstrap_port}" for p in plans if p.role == "prefill") if plan.role == "decode" else ()
+    share = plan.gpu_share
+    memory = {} if share is None else {"mem_fraction_static": s.mem_fraction_static,
+                                       "gpu_workers": share.workers, "kv_share": share.share}
+    return ServeFlags(role=plan.role, model=s.model_dir, served_model_name=s.served_model_name, host=s.host,
+                      port=plan.port, bootstrap_port=plan.bootstrap_port, kv_transport=s.kv_transport,
+                      metrics_port=plan.metrics_port, device=s.device, parallel=plan.shape.parallel_flags(),
+                      internal_secret_file=s.secret_file, prefill_peers=peers, **memory)
+
+
+def serve_argv(plan: WorkerPlan, plans: Sequence[WorkerPlan], settings: ServeSettings) -> list[str]:
+    """The command line of `plan`'s worker: its contract flags, then `worker_args` (they win)."""
+    flags = serve_flags(plan, plans, settings)
+    return [settings.python, "-m", "deepseek_pd.cli", "serve", *flags.to_argv(always=_ALWAYS), *settings.worker_args]

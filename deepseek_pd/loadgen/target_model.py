@@ -14,7 +14,10 @@ from a local default. So:
    checkpoint's; else from the config.json at the `model_path` the workers report (readable when
    the benchmark runs where the checkpoint is); else unknown (None, with the reason).
 
-`--model DIR` overrides 2 and 3 with that checkpoint; a gateway that lists no workers needs it.
+`--model DIR` overrides 2 and 3 with that checkpoint. A gateway whose `/workers` is closed (no
+`--admin-key-file`: someone else's) or absent is loaded through its client API alone
+(client_api_model.py: its tokenizer, or `--tokenizer`), and the figures only the workers know
+are left out, saying so (`TargetModel.left_out`).
 
 Example, against `deepseek-pd up --model /models/v2lite` (V2-Lite's shape, bf16):
 `TargetModel(name="v2lite", vocab_size=446, max_context_length=163840, kv_bytes_per_token=31104,
@@ -38,13 +41,27 @@ KV_BYTES_KEY = "kv_bytes_per_token"  # what a worker's GetServerInfo may carry
 @dataclass(frozen=True)
 class TargetModel:
     name: str  # the "model" field requests carry
-    vocab_size: int
-    max_context_length: int
+    vocab_size: int | None  # None: not known from the client API; prompts draw from `token_ids`
+    max_context_length: int | None  # None: not known from the client API (lengths go unchecked)
     model_path: str | None  # the checkpoint directory the workers serve (on their machine)
     architectures: tuple[str, ...]
     kv_bytes_per_token: int | None
     kv_bytes_source: str  # where that figure came from, or why it is unknown
     source: str  # where vocabulary and context came from
+    token_ids: tuple[int, ...] = ()  # the gateway tokenizer's ids of random text (vocab_size None)
+    left_out: str | None = None  # the workers' figures not reported, and why
+    # Per worker serving it (from /workers and its GetLoads): {"url", "kind", "kv_capacity_tokens"}.
+    workers: tuple[dict, ...] = ()
+
+    @property
+    def vocabulary(self) -> "int | tuple[int, ...]":
+        """What the workload draws prompt ids from (`WorkloadSpec.token_pool`)."""
+        return self.vocab_size if self.vocab_size is not None else self.token_ids
+
+    def report_fields(self) -> dict[str, Any]:
+        """The fields a report records (the token ids as their count)."""
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "token_ids"}
+        return {**fields, "token_pool_size": len(self.token_ids) or None}
 
 
 def kv_bytes_per_token_from_config(config: dict) -> tuple[int | None, str]:
@@ -81,6 +98,7 @@ class _WorkerRecord:
     url: str
     model_id: str
     meta: dict[str, Any]
+    kind: str = ""  # the router's worker_type: prefill, decode, regular
 
 
 def _worker_records(payload: Any) -> list[_WorkerRecord]:
@@ -93,7 +111,8 @@ def _worker_records(payload: Any) -> list[_WorkerRecord]:
             continue
         meta = {**(worker.get("metadata") or {}), **(worker.get("labels") or {})}
         model_id = worker.get("model_id") or meta.get("served_model_name") or ""
-        records.append(_WorkerRecord(str(worker.get("url", "")), str(model_id), meta))
+        records.append(_WorkerRecord(str(worker.get("url", "")), str(model_id), meta,
+                                     str(worker.get("worker_type", ""))))
     return records
 
 
@@ -141,6 +160,23 @@ async def _worker_reported_kv_bytes(records: list[_WorkerRecord], timeout_s: flo
     return None
 
 
+async def _worker_capacities(records: list[_WorkerRecord], timeout_s: float) -> tuple[dict, ...]:
+    """Each gRPC worker's KV capacity in tokens, from its GetLoads (None where it does not answer here)."""
+    from deepseek_pd.client.scheduler_grpc import SchedulerClient
+
+    out = []
+    for record in records:
+        if not record.url.startswith("grpc://"):
+            continue
+        try:
+            async with SchedulerClient(record.url[len("grpc://"):]) as client:
+                capacity = int((await client.loads(timeout_s=timeout_s)).max_total_num_tokens)
+        except Exception:  # unreachable from here, or an older worker
+            capacity = None
+        out.append({"url": record.url, "kind": record.kind, "kv_capacity_tokens": capacity})
+    return tuple(out)
+
+
 async def _model_names(client: RouterClient) -> list[str]:
     try:
         payload = await client.get_json("/v1/models")
@@ -153,12 +189,31 @@ async def _model_names(client: RouterClient) -> list[str]:
     return names
 
 
+async def _client_api_target(client: RouterClient, name: str, closed: str, tokenizer: str | None,
+                             seed: int) -> TargetModel:
+    """The model as the client API alone tells it (client_api_model.py); `closed`: why /workers was not read."""
+    from deepseek_pd.loadgen.client_api_model import gateway_token_ids, local_tokenizer_size
+
+    left_out = (f"KV bytes per token and the workers' checkpoint, count and KV capacity (only the workers know them): "
+                f"{closed}; the context is unknown, so prompt lengths are not checked against it")
+    if tokenizer is not None:
+        vocab, token_ids, source = local_tokenizer_size(tokenizer), (), f"--tokenizer {tokenizer}"
+    else:
+        vocab, token_ids = None, await gateway_token_ids(client, name, seed)
+        source = f"{client.base_url}/v1/tokenize ({len(token_ids)} distinct ids of random text)"
+    return TargetModel(name, vocab, None, None, (), None, "left out (the workers' figure)", source, token_ids,
+                       left_out)
+
+
 async def discover_target_model(url: str, model_name: str | None = None, model_override: str | None = None,
                                 timeout_s: float = 10.0, grpc_timeout_s: float = 3.0,
-                                api_key: str | None = None, admin_key: str | None = None) -> TargetModel:
+                                api_key: str | None = None, admin_key: str | None = None,
+                                tokenizer: str | None = None, seed: int = 0) -> TargetModel:
     """The served model's name, vocabulary, context and KV bytes per token (see the module doc).
 
-    `admin_key` unlocks `/workers` on a gateway whose control plane has keys (as `up` sets)."""
+    `admin_key` unlocks `/workers` on a gateway whose control plane has keys (as `up` sets);
+    without it (or where there is no /workers) the client API's tokenizer, or `tokenizer`
+    (`--tokenizer`), gives the vocabulary, `seed` the random text it tokenises."""
     import aiohttp
 
     try:
@@ -169,11 +224,10 @@ async def discover_target_model(url: str, model_name: str | None = None, model_o
             try:
                 records = _worker_records(await client.get_json("/workers", admin=True))
             except RouterError as exc:
-                hint = (" (its control plane needs a key: pass --admin-key-file, e.g. the "
-                        "control-plane-key `deepseek-pd up` writes in its log directory)"
-                        if exc.status in (401, 403) else "")
-                raise UserError(f"{url}/workers answered {exc.status}{hint}, so the served model's "
-                                f"vocabulary is unknown; pass --model DIR (the checkpoint it serves)") from None
+                hint = (" (its control plane needs a key: --admin-key-file, e.g. the control-plane-key "
+                        "`deepseek-pd up` writes in its log directory)" if exc.status in (401, 403) else "")
+                return await _client_api_target(client, name, f"{url}/workers answered {exc.status}{hint}",
+                                                tokenizer, seed)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise UserError(f"cannot reach the router at {url}: {exc or type(exc).__name__}") from None
     mine = [r for r in records if r.model_id == name]
@@ -202,4 +256,4 @@ async def discover_target_model(url: str, model_name: str | None = None, model_o
         kv, kv_source = None, (f"unknown: the workers do not report it and {model_path}/config.json "
                                f"is not readable here (pass --model DIR)")
     return TargetModel(name, vocabs.pop(), min(contexts), model_path, _architectures(mine[0]), kv, kv_source,
-                       f"{url}/workers ({len(mine)} workers)")
+                       f"{url}/workers ({len(mine)} workers)", workers=await _worker_capacities(mine, grpc_timeout_s))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 from deepseek_pd.errors import UserError
 
@@ -33,7 +34,15 @@ class WorkloadSpec:
     def output_ratio(self) -> float:
         return self.range_ratio if self.output_range_ratio is None else self.output_range_ratio
 
-    def validate(self, vocab_size: int, max_context: int) -> "WorkloadSpec":
+    def token_pool(self, vocabulary: "int | Sequence[int]") -> Sequence[int]:
+        """The ids prompts are drawn from: `vocabulary` is the vocabulary's size (ids from
+        `first_token_id` up), or the ids a tokenizer produced (those from `first_token_id` up)."""
+        if isinstance(vocabulary, int):
+            return range(self.first_token_id, max(vocabulary, self.first_token_id))
+        return sorted({token for token in vocabulary if token >= self.first_token_id})
+
+    def validate(self, vocabulary: "int | Sequence[int]", max_context: int | None) -> "WorkloadSpec":
+        """`max_context` None: not known (a gateway whose control plane is closed); lengths unchecked."""
         if self.dataset not in DATASETS:
             raise UserError(f"--dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}")
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -42,11 +51,12 @@ class WorkloadSpec:
             raise UserError(f"--range-ratio {self.range_ratio} must be in [0, 1)")
         if not 0.0 <= self.output_ratio < 1.0:
             raise UserError(f"--output-range-ratio {self.output_ratio} must be in [0, 1)")
-        if self.input_len + self.output_len > max_context:
+        if max_context is not None and self.input_len + self.output_len > max_context:
             raise UserError(f"--input-len + --output-len = {self.input_len + self.output_len} exceeds "
                             f"the model's context of {max_context}")
-        if vocab_size <= self.first_token_id:
-            raise UserError(f"vocabulary of {vocab_size} is too small")
+        if not self.token_pool(vocabulary):
+            size = vocabulary if isinstance(vocabulary, int) else f"{len(vocabulary)} tokenizer ids"
+            raise UserError(f"vocabulary of {size} is too small")
         return self
 
 
@@ -56,8 +66,10 @@ class BenchRequest:
     output_len: int
 
 
-def build_requests(spec: WorkloadSpec, vocab_size: int) -> list[BenchRequest]:
+def build_requests(spec: WorkloadSpec, vocab_size: "int | Sequence[int]") -> list[BenchRequest]:
+    """`vocab_size`: the vocabulary's size, or the ids to draw from (`WorkloadSpec.token_pool`)."""
     rng = random.Random(spec.seed)
+    pool = spec.token_pool(vocab_size)
 
     def length(full: int, ratio: float) -> int:
         if spec.dataset == "fixed":
@@ -67,6 +79,6 @@ def build_requests(spec: WorkloadSpec, vocab_size: int) -> list[BenchRequest]:
     requests = []
     for _ in range(spec.num_prompts):
         n_in, n_out = length(spec.input_len, spec.range_ratio), length(spec.output_len, spec.output_ratio)
-        ids = tuple(rng.randrange(spec.first_token_id, vocab_size) for _ in range(n_in))
+        ids = tuple(rng.choice(pool) for _ in range(n_in))  # over a range: the same draws as randrange
         requests.append(BenchRequest(ids, n_out))
     return requests

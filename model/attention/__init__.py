@@ -1,10 +1,11 @@
 """MLA attention: the layer (`mla`), the method policy (`policy`), kernel backends (`backend`, registry).
 
-Importing the package registers the plain-torch reference backend ("torch") and "triton"
-(built only where Triton can run).
+Importing the package registers the plain-torch reference backend ("torch"), "triton"
+(built only where Triton can run) and "flashinfer" (built only where FlashInfer imports on a Hopper GPU).
 """
 from deepseek_pd.model.attention import torch_backend  # noqa: F401  (registers "torch")
 from deepseek_pd.model.attention import triton_backend  # noqa: F401  (registers "triton")
+from deepseek_pd.model.attention import flashinfer_backend  # noqa: F401  (registers "flashinfer")
 from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend
 from deepseek_pd.model.attention.mla import MLAAttention
 from deepseek_pd.model.attention.policy import ATTENTION_METHOD_CHOICES, AttentionPolicy

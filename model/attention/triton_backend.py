@@ -93,20 +93,20 @@ class TritonAttentionBackend:
 
     def mla_extend(self, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    batch: ForwardBatch, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        _check_rank(q_latent, q_pe, kv_cache, kv_lora_rank)
+        check_latent_rank(q_latent, q_pe, kv_cache, kv_lora_rank)
         page_table, lengths, max_len = extend_metadata(batch)
         return self._mla_decode(_unit_stride(q_latent), _unit_stride(q_pe), kv_cache, page_table, lengths,
                                 max_len, scale)
 
     def mla_decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    batch: ForwardBatch, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        _check_rank(q_latent, q_pe, kv_cache, kv_lora_rank)
+        check_latent_rank(q_latent, q_pe, kv_cache, kv_lora_rank)
         page_table, seq_lens, max_len = decode_metadata(batch)
         return self._mla_decode(_unit_stride(q_latent), _unit_stride(q_pe), kv_cache, page_table, seq_lens,
                                 max_len, scale)
 
 
-def _check_rank(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> None:
+def check_latent_rank(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> None:
     if kv_cache.shape[-1] != kv_lora_rank + q_pe.shape[-1] or q_latent.shape[-1] != kv_lora_rank:
         raise ValueError(f"kv_lora_rank {kv_lora_rank} does not fit q_latent {tuple(q_latent.shape)} / "
                          f"kv_cache {tuple(kv_cache.shape)}")

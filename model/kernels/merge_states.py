@@ -34,7 +34,8 @@ def _merge_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, l_ptr, heads, dim,
     ok = d < dim
     oa = tl.load(oa_ptr + tok * s_oat + head * s_oah + d, mask=ok, other=0.0).to(tl.float32)
     ob = tl.load(ob_ptr + tok * s_obt + head * s_obh + d, mask=ok, other=0.0).to(tl.float32)
-    out = (wa * oa + wb * ob) / safe
+    # Select a side that saw no keys (weight 0) away: 0 * a NaN it may hold would still be NaN.
+    out = (tl.where(wa > 0, wa * oa, 0.0) + tl.where(wb > 0, wb * ob, 0.0)) / safe
     tl.store(o_ptr + tok * s_ot + head * s_oh + d, out.to(o_ptr.dtype.element_ty), mask=ok)
     tl.store(l_ptr + tok * s_lt + head, lse)
 

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 
 from kube_rest import Credentials, Kube
 from pki import Pki, make_pki

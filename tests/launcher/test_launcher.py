@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from deepseek_pd.launcher.ports import is_port_free, pick_free_ports
+from deepseek_pd.ports import is_port_free, pick_free_ports
 from pdtest import servicer_fakes
 from pdtest.process_tree import alive, descendants, wait_gone
 from pdtest.servicer_fakes import expected_tokens, make_tokenizer_model_dir
@@ -70,11 +70,17 @@ def test_up_serves_then_stops_cleanly_without_orphans(model_dir, tmp_path, sig) 
         prompt = [11, 42, 99, 7 + sig]
         reply = generate(url, prompt, 6)
         assert reply["output_ids"] == expected_tokens(tuple(prompt), 6)
+        logs = tmp_path / "logs"
+        credentials = [logs / "internal.secret", logs / "control-plane-key"]
+        assert all(path.is_file() for path in credentials)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "stopped" in out
         assert wait_gone(tree, 10) == set(), f"orphans left behind: {alive(tree)}"
+        # A clean stop leaves the logs and takes the run's secret and router key away.
+        assert not any(path.exists() for path in credentials), [p for p in credentials if p.exists()]
+        assert any(logs.glob("*.log"))
     finally:
         if proc.poll() is None:
             proc.kill()

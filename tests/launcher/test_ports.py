@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from deepseek_pd import env
-from deepseek_pd.launcher.ports import EPHEMERAL_RANGE, candidate_range, is_port_free, pick_free_port_blocks
+from deepseek_pd.ports import EPHEMERAL_RANGE, candidate_range, is_port_free, pick_free_port_blocks
 
 
 def test_blocks_are_free_distinct_and_below_the_ephemeral_range() -> None:
@@ -23,7 +23,7 @@ def test_blocks_are_free_distinct_and_below_the_ephemeral_range() -> None:
 
 
 def test_without_room_below_the_range_the_kernel_picks(monkeypatch, tmp_path) -> None:
-    import deepseek_pd.launcher.ports as ports
+    import deepseek_pd.ports as ports
 
     fake = tmp_path / "ip_local_port_range"
     fake.write_text(f"{ports.LOWEST_PORT + random.randrange(ports.MIN_ROOM)}\t60999\n")
@@ -62,7 +62,7 @@ def test_later_picks_never_repeat_a_port_handed_out_before(monkeypatch, tmp_path
     """A picked port is released at once and bound by its child later, so the next pick of the
     same process must not hand it out again. 2,000 candidates and 400 one-port picks: without the
     memory of picks a repeat is all but certain (birthday bound, p > 0.99)."""
-    import deepseek_pd.launcher.ports as ports
+    import deepseek_pd.ports as ports
 
     fake = tmp_path / "ip_local_port_range"
     fake.write_text(f"{ports.LOWEST_PORT + ports.MIN_ROOM}\t60999\n")

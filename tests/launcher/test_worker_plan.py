@@ -17,7 +17,7 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.commands.up import cluster_spec_from_args
 from deepseek_pd.errors import UserError
-from deepseek_pd.launcher.ports import is_port_free, pick_free_port_blocks
+from deepseek_pd.ports import is_port_free, pick_free_port_blocks
 from deepseek_pd.launcher.process import ManagedProcess
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
 from deepseek_pd.launcher.worker_plan import GroupShape, ServeSettings, plan_workers, port_block_sizes, serve_argv
@@ -126,7 +126,7 @@ def test_each_serve_command_runs_the_planned_group(tmp_path) -> None:
         assert layout.world == shape.ranks and layout.ep == shape.ep and layout.dp == shape.dp
         assert layout.node_ranks == range(shape.ranks), "one `serve` must run every rank of its group"
         assert layout.dist_init_addr == "", "on one node serve picks the rendezvous port itself"
-        assert ("enable_tbo=true" in flags.engine_options) == (plan.role == "decode")
+        assert ("enable_tbo=true" in flags.all_engine_options) == (plan.role == "decode")
         assert (flags.port, flags.bootstrap_port) == (plan.port, plan.bootstrap_port)
         metrics = MetricsConfig(flags.host, flags.metrics_port)
         assert [metrics.for_local_rank(r).port for r in range(shape.ranks)] == list(plan.metrics_ports)

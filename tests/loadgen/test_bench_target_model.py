@@ -40,7 +40,7 @@ def random_non_tiny_config(rng: random.Random) -> dict:
 def start_smg(cluster, log_path: Path) -> tuple[subprocess.Popen, str]:
     """PyPI smg (the router's successor) in front of the same workers, on free ports."""
     from deepseek_pd.launcher.health import router_ready_workers
-    from deepseek_pd.launcher.ports import pick_free_ports
+    from deepseek_pd.ports import pick_free_ports
 
     host = cluster.spec.host
     port, metrics_port = pick_free_ports(2, host)
@@ -108,6 +108,12 @@ def test_bench_url_uses_the_served_models_vocabulary_and_kv_size(tmp_path: Path,
     assert target["name"] == model_dir.name == result["config"]["model"]
     assert summary["kv_bytes_per_token"] == expected_kv
     assert f"KV bytes per token: {expected_kv}" in proc.stdout
+    # The workers' own figures, read with the control plane: each one's KV capacity (GetLoads).
+    from pdtest.e2e_cluster import PAGE_SIZE, WORKER_ARGS
+    pages = int(next(arg for arg in WORKER_ARGS if arg.startswith("--num-pages=")).split("=")[1])
+    assert sorted(w["kind"] for w in summary["workers"]) == ["decode", "prefill"], summary["workers"]
+    assert all(w["kv_capacity_tokens"] == pages * PAGE_SIZE for w in summary["workers"]), summary["workers"]
+    assert summary["left_out"] is None
 
 
 # -- the router's answers, parsed by content ------------------------------------------------

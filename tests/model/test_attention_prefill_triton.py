@@ -8,19 +8,12 @@
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from triton_probe import interpreter_runs  # noqa: E402
+from pdtest.triton_env import DEVICE, HAS_CUDA, needs_triton  # noqa: E402 (first: it sets TRITON_INTERPRET)
 
 from deepseek_pd.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from deepseek_pd.model.attention.mla import prefix_chunks  # noqa: E402
@@ -29,9 +22,6 @@ from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E
 from deepseek_pd.model.kv_pool import KVPool  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_triton = pytest.mark.skipif(not (HAS_CUDA or (HAS_TRITON and interpreter_runs())),
-                                  reason="needs a GPU, or Triton whose CPU interpreter runs here")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 
 from hf_oracle import TinyShape, build_hf_model
 from tp_worker import TP, VARIANTS, run_rank

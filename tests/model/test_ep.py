@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.model.tiny import make_tiny_model
 from eplb_worker import run_rank
 from pdtest.eplb_placement import random_placement

@@ -60,7 +60,7 @@ def test_every_field_equals_the_per_token_definition(mode) -> None:
             offsets.append(offsets[-1] + len(new))
         assert batch.qo_indptr.tolist() == offsets and batch.qo_offsets == tuple(offsets)
         width = max(len(p) for p in pages)
-        assert batch.page_table.tolist() == [p + [0] * (width - len(p)) for p in pages]
+        assert batch.page_table.tolist() == [p + [p[-1]] * (width - len(p)) for p in pages]  # own page
         assert batch.seq_lens_t.tolist() == [p + len(n) for p, n in zip(prefixes, ids)]
         assert batch.prefix_lens == tuple(prefixes) and batch.extend_lens == tuple(len(n) for n in ids)
         assert batch.page_lists == tuple(tuple(p) for p in pages)

@@ -7,17 +7,12 @@ bf16. Fresh random shapes and values every run; speed is measured in `bench/kern
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+from pdtest.triton_env import DEVICE, HAS_CUDA, needs_triton  # noqa: E402 (first: it sets TRITON_INTERPRET)
 
 from deepseek_pd.model.fp8 import Fp8BlockQuantConfig, quantize_block_fp8  # noqa: E402
 from deepseek_pd.model.fp8_ops import (FP8_DTYPE, FP8_MAX, block_fp8_matmul_ref, dequant_activation,  # noqa: E402
@@ -25,19 +20,6 @@ from deepseek_pd.model.fp8_ops import (FP8_DTYPE, FP8_MAX, block_fp8_matmul_ref,
 from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-
-
-def _interpreter_runs() -> bool:
-    if HAS_CUDA or not HAS_TRITON:
-        return False
-    from triton_probe import interpreter_runs  # tests/model/triton_probe.py
-
-    return interpreter_runs()
-
-
-needs_triton = pytest.mark.skipif(not (HAS_CUDA or (HAS_TRITON and _interpreter_runs())),
-                                  reason="needs a GPU, or Triton whose CPU interpreter runs here")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

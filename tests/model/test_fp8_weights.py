@@ -8,17 +8,12 @@ per-token-group rounding of activations; and the "torch" FP8 backend for the Tri
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from pdtest.triton_env import DEVICE, HAS_CUDA, needs_triton  # noqa: E402 (first: it sets TRITON_INTERPRET)
 
 from deepseek_pd.errors import CheckpointError, UserError  # noqa: E402
 from deepseek_pd.model.build_options import BuildOptions  # noqa: E402
@@ -152,19 +147,11 @@ def test_a_dequantised_checkpoint_into_fp8_parameters_is_a_user_error(tmp_path):
         model.load_weights(iter_checkpoint_tensors(directory, config, progress=False))
 
 
-def _interpreter_runs() -> bool:
-    from triton_probe import interpreter_runs
-
-    return HAS_CUDA or (HAS_TRITON and interpreter_runs())
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@needs_triton
 @pytest.mark.parametrize("arch", ["v3", "v2"])
 def test_triton_fp8_backend_matches_torch_fp8_backend(tmp_path, arch):
-    if not _interpreter_runs():
-        pytest.skip("Triton's CPU interpreter does not run here")
     directory, config = _fp8_checkpoint(tmp_path, arch, (128, 128))
-    device = "cuda" if HAS_CUDA else "cpu"
+    device = DEVICE
     prompt = [random.randrange(config.vocab_size) for _ in range(random.randint(3, 12))]
     runs = {name: ModelRunner(RunnerConfig(model=str(directory), device=device, dtype="float32", fp8_backend=name,
                                            attention_backend="torch", moe_backend="torch", num_pages=64))

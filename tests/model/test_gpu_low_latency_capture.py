@@ -8,7 +8,7 @@ import datetime
 import pytest
 import torch
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput

@@ -10,20 +10,12 @@ Speed is measured in `bench/kernels_gpu.py`, never asserted here.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not HAS_CUDA:
-    # Must be set before the kernel modules are imported: triton.jit reads it at decoration time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from triton_probe import interpreter_runs  # noqa: E402
+from pdtest.triton_env import DEVICE, HAS_CUDA, HAS_TRITON, interpreter_runs  # noqa: E402 (first: it sets TRITON_INTERPRET)
 
 from deepseek_pd.errors import UserError  # noqa: E402
 from deepseek_pd.model.attention import ATTENTION_BACKENDS  # noqa: E402
@@ -41,7 +33,6 @@ needs_interpreter = pytest.mark.skipif(
     reason="needs the triton package and no GPU (the GPU tests cover this); Triton 3.6's interpreter "
            "indexes with 1-element arrays, which numpy >= 2.4 refuses")
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -6,26 +6,16 @@ ranks own; through Triton's interpreter on CPU, or on the GPU.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from triton_probe import interpreter_runs  # noqa: E402
+from pdtest.triton_env import DEVICE, needs_triton  # noqa: E402 (first: it sets TRITON_INTERPRET)
 
 from deepseek_pd.model.kernels.moe_align import align_by_expert  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not (HAS_CUDA or (HAS_TRITON and interpreter_runs())),
-                                 reason="needs a GPU, or Triton whose CPU interpreter runs here")]
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+pytestmark = [pytest.mark.timeout(300), needs_triton]
 
 
 @pytest.mark.parametrize("block_m", [1, 16, 64])

@@ -5,26 +5,16 @@ poisoned cache rows; through Triton's interpreter on CPU, or on the GPU (bf16 to
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from triton_probe import interpreter_runs  # noqa: E402
+from pdtest.triton_env import DEVICE, HAS_CUDA, needs_triton  # noqa: E402 (first: it sets TRITON_INTERPRET)
 
 from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not (HAS_CUDA or (HAS_TRITON and interpreter_runs())),
-                                 reason="needs a GPU, or Triton whose CPU interpreter runs here")]
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+pytestmark = [pytest.mark.timeout(300), needs_triton]
 DTYPES = [torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 
 

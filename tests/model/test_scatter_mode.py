@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.model.attention.tensor_parallel import all_gather_rows, own_rows, reduce_scatter_rows, row_share
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.parallel import ParallelInfo

@@ -1,5 +1,5 @@
 """The memory plan of whole specs: the V3 example on H200, the flags it reads, how a spec names its
-model and its GPU, and the operator's copies of the workers' defaults."""
+model and its GPU."""
 from __future__ import annotations
 
 import copy
@@ -17,9 +17,8 @@ from deepseek_pd.units import GIB
 from deepseek_pd.cli import main
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv_pool import bytes_per_pool_page
-from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC, pages_for_budget
-from deepseek_pd.model.runner import FP8_BACKEND_CHOICES, RunnerConfig
-from deepseek_pd.workers.common.worker_config import SchedulerConfig
+from deepseek_pd.model.kv_pool_sizing import pages_for_budget
+from deepseek_pd.model.runner import FP8_BACKEND_CHOICES
 from deepseek_pd.operator import memory_flags
 from deepseek_pd.operator.gpu_types import gpu_memory, product_memory_bytes
 from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config, recognise
@@ -183,15 +182,18 @@ def test_gpu_memory_from_labels():
     assert gpu_memory({}) is None
 
 
-def test_flags_are_read_in_both_spellings_and_others_ignored():
-    flags = parse_memory_flags(["--chunked-prefill-size=16384", "--dtype", "float16", "--engine-opt",
-                                "fp8_backend=dequant", "--engine-opt=max_running_requests=32",
-                                "--page-size=64", "--num-pages", "10"])
-    assert (flags.dtype, flags.fp8_backend, flags.page_size, flags.fixed_pool_tokens) == ("float16", "dequant", 64, 640)
+def test_flags_are_read_in_both_spellings_as_the_worker_reads_them():
+    flags = parse_memory_flags("decode", ["--chunked-prefill-size=16384", "--dtype", "float16", "--engine-opt",
+                                          "fp8_backend=dequant", "--engine-opt=max_running_requests=32",
+                                          "--page-size=64", "--num-pages", "10"])
+    assert (flags.serve.dtype, flags.fp8_backend, flags.serve.page_size, flags.fixed_pool_tokens) == (
+        "float16", "dequant", 64, 640)
+    assert flags.max_running_requests == 32 and flags.serve.chunked_prefill_size == 16384
     for bad in (["--dtype", "int8"], ["--page-size"], ["--engine-opt", "fp8_backend=magic"],
-                ["--mem-fraction-static=1.5"], ["--max-total-tokens=0"]):
+                ["--mem-fraction-static=1.5"], ["--max-total-tokens=0"], ["--kv-share=0"],
+                ["--no-such-flag"]):  # the worker would refuse an unknown flag too
         with pytest.raises(ValueError):
-            parse_memory_flags(bad)
+            parse_memory_flags("prefill", bad)
 
 
 def test_redundant_experts_in_engine_args_add_their_weights_per_rank():
@@ -216,11 +218,9 @@ def test_redundant_experts_in_engine_args_add_their_weights_per_rank():
     assert _plan(raw).reason == "InvalidEngineArgs"
 
 
-def test_the_operators_defaults_are_the_workers():
-    assert memory_flags.DEFAULT_MEM_FRACTION_STATIC == DEFAULT_MEM_FRACTION_STATIC
-    assert RunnerConfig.mem_headroom_gib is None  # both default to model/memory_headroom.py's rule
-    assert memory_flags.DEFAULT_MAX_RUNNING_REQUESTS == SchedulerConfig.max_running_requests
-    assert memory_flags.DEFAULT_PAGE_SIZE == RunnerConfig.page_size
+def test_the_fp8_backend_choices_are_the_runners():
+    """The one list the operator keeps beside the runner's (model/runner.py imports torch); the
+    defaults are not copied: the serve contract and model/memory_budget.py hold them."""
     assert set(memory_flags.FP8_BACKENDS) == set(FP8_BACKEND_CHOICES)
 
 

@@ -17,13 +17,14 @@ import pathlib
 import random
 import subprocess
 import sys
+import urllib.error
 import urllib.parse
 
 import aiohttp
 import pytest
 import yaml
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.operator.build_router import build_router_args
 from deepseek_pd.operator.spec import DeploymentSpec
 
@@ -144,3 +145,67 @@ def test_rendered_static_router_reaches_our_grpc_workers_and_survives_a_restart(
         if log_path.exists():  # shown by pytest with the failure
             print(log_path.read_text(errors="replace")[-4000:])
         raise
+
+
+def test_the_rendered_post_start_hook_guards_the_rendered_router(tmp_path):
+    """The router container's postStart hook, run as the kubelet would (the container's env holding
+    the control-plane key, `$(VAR)` in the args expanded), loads the n guard into the gateway the
+    rendered args start: a huge `n` is then refused at once (without it smg 1.13 swells on it)."""
+    import json
+    import os
+    import time
+    import urllib.request
+
+    from deepseek_pd.gateway import new_key
+    from deepseek_pd.operator.build_router import build_router_deployment
+    from deepseek_pd.operator.router_keys import CONTROL_PLANE_ENV
+    from deepseek_pd.workers.common.served_model import ServedModelInfo
+    from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
+    from deepseek_pd.workers.common.servicer import WorkerIdentity
+
+    rng = random.Random()
+    model_dir = make_tokenizer_model_dir(tmp_path / "model")
+    info = ServedModelInfo.from_model_dir(model_dir, "tiny")
+    bootstrap_port, router_port = pick_free_ports(2)
+    key = new_key()
+
+    async def main() -> None:
+        servers = {}
+        for role in ("prefill", "decode"):
+            identity = WorkerIdentity(role, "grpc", bootstrap_port if role == "prefill" else 0, PAGE_SIZE)
+            server = WorkerServer(FakeEngine(scripted=False), info, identity,
+                                  ServerConfig("127.0.0.1", 0, drain_timeout_s=1.0, stop_grace_s=0.5))
+            servers[role] = (server, await server.start())
+        spec = _spec({role: port for role, (_, port) in servers.items()}, bootstrap_port)
+        argv = [arg.replace(f"$({CONTROL_PLANE_ENV})", key)
+                for arg in _localise(build_router_args(spec), model_dir, router_port)]
+        (container,) = build_router_deployment(spec)["spec"]["template"]["spec"]["containers"]
+        hook = container["lifecycle"]["postStart"]["exec"]["command"]
+        assert hook[0] == "python3" and hook[hook.index("--port") + 1] == str(spec.router.port)
+        assert any(e["name"] == hook[hook.index("--key-env") + 1] for e in container["env"])
+        hook = [sys.executable, *hook[1:]]
+        hook[hook.index("--port") + 1] = str(router_port)
+        url = f"http://127.0.0.1:{router_port}"
+        with open(tmp_path / "router.log", "wb") as log:
+            router = subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            ran = subprocess.run(hook, env={**os.environ, CONTROL_PLANE_ENV: key}, capture_output=True,
+                                 text=True, timeout=90)
+            assert ran.returncode == 0, ran.stderr
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+                await _wait_readiness(session, url, router, 200)
+                body = json.dumps({"model": "tiny", "input_ids": [5, 6, 7], "sampling_params": {
+                    "max_new_tokens": 2, "n": rng.randint(10**5, 10**7)}}).encode()
+                started = time.monotonic()
+                request = urllib.request.Request(f"{url}/generate", body, {"Content-Type": "application/json"})
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(request, timeout=10)
+                assert refused.value.code == 400 and time.monotonic() - started < 2.0
+                await _generate(session, url, rng)
+        finally:
+            router.kill()
+            router.wait(timeout=10)
+            for server, _ in servers.values():
+                await server.shutdown()
+
+    asyncio.run(main())

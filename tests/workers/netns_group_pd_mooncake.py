@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from deepseek_pd.launcher.ports import pick_free_port_blocks
+from deepseek_pd.ports import pick_free_port_blocks
 from pdtest.group_harness import PAGE_SIZE, GroupWorker, offline_greedy
 from pdtest.rank_metrics import scrape, value
 

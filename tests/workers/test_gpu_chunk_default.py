@@ -10,7 +10,7 @@ import torch
 
 from deepseek_pd.model import nvml
 from deepseek_pd.workers import serve_resolution
-from deepseek_pd.workers.common.worker_config import SchedulerConfig, gpu_chunked_prefill_size
+from deepseek_pd.workers.common.worker_config import GPU_CHUNK_TIERS, SchedulerConfig, gpu_chunked_prefill_size
 
 from test_serve_resolution import checkpoint, resolve
 
@@ -94,7 +94,40 @@ def test_no_driver_library_means_unknown(monkeypatch) -> None:
     assert nvml.total_memory_bytes("cuda:0") is None
 
 
+# Measured (NVML's total, CUDA's total) of whole cards: the H100 80GB (2648c43, issue 25).
+MEASURED_TOTALS = {"H100 80GB HBM3": (85_520_809_984, 85_017_493_504)}
+
+
+def _within_the_reservation(nvml_total: int, cuda_total: int) -> bool:
+    return cuda_total <= nvml_total <= cuda_total / (1 - nvml.DRIVER_RESERVED_MAX_FRACTION)
+
+
+def test_the_tier_is_the_same_whichever_total_a_card_reports() -> None:
+    """The tiers read NVML's total (SGLang's nvidia-smi figure); CUDA's is smaller by the driver's
+    reservation. No tier boundary lies in that band, for measured cards and for any total."""
+    for name, (nvml_total, cuda_total) in MEASURED_TOTALS.items():
+        assert _within_the_reservation(nvml_total, cuda_total), name
+        assert gpu_chunked_prefill_size(nvml_total) == gpu_chunked_prefill_size(cuda_total), name
+    rng = random.Random()
+    for _ in range(500):
+        nvml_total = rng.randrange(1 * GIB, 300 * GIB)
+        cuda_total = int(nvml_total * (1 - rng.uniform(0, nvml.DRIVER_RESERVED_MAX_FRACTION)))
+        # A reading in the band of a boundary may flip the tier: then the boundary lies in it.
+        if gpu_chunked_prefill_size(nvml_total) != gpu_chunked_prefill_size(cuda_total):
+            assert any(cuda_total < below <= nvml_total for below, _ in GPU_CHUNK_TIERS)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_nvml_reads_the_memory_torch_reports() -> None:
+def test_nvml_reads_the_whole_card_and_cuda_what_it_can_allocate() -> None:
+    """NVML (read with no CUDA context) counts the memory the driver reserves, CUDA does not: NVML's
+    total is at least CUDA's and above it by less than the reservation bound, and both give the
+    same chunk tier."""
     for index in range(torch.cuda.device_count()):
-        assert nvml.total_memory_bytes(f"cuda:{index}") == torch.cuda.get_device_properties(index).total_memory
+        nvml_total = nvml.total_memory_bytes(f"cuda:{index}")
+        cuda_total = torch.cuda.mem_get_info(index)[1]
+        name = torch.cuda.get_device_name(index)
+        print(f"{name}: NVML {nvml_total:,} B, CUDA {cuda_total:,} B "
+              f"({(nvml_total - cuda_total) / nvml_total:.2%} reserved by the driver)")
+        assert cuda_total == torch.cuda.get_device_properties(index).total_memory
+        assert _within_the_reservation(nvml_total, cuda_total), (name, nvml_total, cuda_total)
+        assert gpu_chunked_prefill_size(nvml_total) == gpu_chunked_prefill_size(cuda_total)

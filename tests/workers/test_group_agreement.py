@@ -124,7 +124,7 @@ def test_a_start_up_failure_tears_the_process_groups_down_before_it_propagates(m
 def test_pods_with_different_deepep_modes_refuse_to_start(tmp_path) -> None:
     """Two pods of one group, rendered with different --deepep-mode: both stop at start-up with the
     reason, instead of serving with mismatched dispatch layouts."""
-    from deepseek_pd.launcher.ports import pick_free_ports
+    from deepseek_pd.ports import pick_free_ports
     from pdtest.group_harness import GroupWorker
 
     rng = random.Random()

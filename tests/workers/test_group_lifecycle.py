@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow]
 
 @pytest.mark.timeout(240)
 def test_sigterm_to_rank_zero_drains_and_the_follower_pod_exits_with_the_group(tmp_path) -> None:
-    from deepseek_pd.launcher.ports import pick_free_ports
+    from deepseek_pd.ports import pick_free_ports
 
     rng = random.Random()
     prompt = [rng.randrange(3, 256) for _ in range(rng.randint(2, 30))]
@@ -60,7 +60,7 @@ def test_a_killed_leader_pod_ends_a_sleeping_follower_as_failed(tmp_path) -> Non
     0's store breaks with the connection."""
     import time
 
-    from deepseek_pd.launcher.ports import pick_free_ports
+    from deepseek_pd.ports import pick_free_ports
 
     init_port = pick_free_ports(1)[0]
     pods = [GroupWorker("decode", ["--dp", "2", "--ep", "2", "--nnodes", "2", "--node-rank", str(i),

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
-from deepseek_pd.launcher.ports import pick_free_port_blocks
+from deepseek_pd.ports import pick_free_port_blocks
 from pdtest.group_harness import GroupWorker
 from pdtest.rank_metrics import scrape, value
 from smg_grpc_proto import sglang_scheduler_pb2 as pb

@@ -14,12 +14,11 @@ import torch
 from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.errors import UserError
-from deepseek_pd.launcher.gpu_share import memory_fractions
 from deepseek_pd.model import runner as runner_module
 from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
 from deepseek_pd.model.runner import DEFAULT_NUM_PAGES
 from deepseek_pd.model.tiny import tiny_config
-from deepseek_pd.workers.roles import ROLE_DEFAULTS, ROLES
+from deepseek_pd.workers.roles import ROLES
 from deepseek_pd.workers.serve_resolution import resolve_serve_config
 
 
@@ -170,34 +169,3 @@ def test_bad_flags_are_user_errors(cpu_machine, tmp_path) -> None:
         build_parser().parse_args(["serve", "decode", "--num-pages", "4", "--max-total-tokens", "64"])
 
 
-def test_up_splits_one_gpu_by_role() -> None:
-    rng = random.Random()
-    for _ in range(50):
-        roles = [rng.choice(ROLES) for _ in range(rng.randint(1, 9))]
-        budget = rng.uniform(0.1, 1.0)
-        fractions = memory_fractions(roles, budget)
-        assert sum(fractions) == pytest.approx(budget) and sum(fractions) <= budget + 1e-12
-        for role, fraction in zip(roles, fractions):
-            for other, other_fraction in zip(roles, fractions):
-                ratio = ROLE_DEFAULTS[role].gpu_memory_share / ROLE_DEFAULTS[other].gpu_memory_share
-                assert fraction / other_fraction == pytest.approx(ratio)
-    prefill, decode = memory_fractions(["prefill", "decode"])
-    assert prefill + decode == pytest.approx(DEFAULT_MEM_FRACTION_STATIC) and decode > prefill
-    with pytest.raises(UserError):
-        memory_fractions(["decode"], 1.5)
-
-
-def test_up_gives_each_worker_its_slice_only_on_cuda() -> None:
-    from deepseek_pd.launcher.gpu_share import worker_memory_args
-
-    rng = random.Random()
-    roles = [rng.choice(ROLES) for _ in range(rng.randint(1, 6))]
-    assert worker_memory_args("cpu", roles) == [[] for _ in roles]
-    budget = rng.uniform(0.2, 0.95)
-    args = worker_memory_args("cuda", roles, budget)
-    fractions = [float(a[1]) for a in args]
-    assert all(a[0] == "--mem-fraction-static" for a in args)
-    assert fractions == memory_fractions(roles, budget)  # str(float) round-trips exactly
-    # What `up` hands a worker is what that worker's serve resolves.
-    parsed = build_parser().parse_args(["serve", roles[0], *args[0]])
-    assert flags_from_args(parsed).mem_fraction_static == fractions[0]

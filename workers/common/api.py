@@ -16,7 +16,7 @@ Prefill engines in PD mode yield one `TokenChunk` with the first sampled token a
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Union
 
 from deepseek_pd.model.sampled_host import TopLogprobs
@@ -80,11 +80,15 @@ Event = Union[TokenChunk, Finished, Failed]
 
 @dataclass(frozen=True)
 class Loads:
+    """A worker's load, as GetLoads and the metrics report it."""
+
     num_running: int
     num_waiting: int
-    kv_used_pages: int
+    kv_used_pages: int  # held by requests (prefix-cache pages excluded)
     kv_total_pages: int
-    extra: dict = field(default_factory=dict)
+    cached_pages: int = 0  # prefill: held by the prefix cache (evictable)
+    reserved_pages: int = 0  # decode: promised to requests whose KV is still arriving
+    in_flight_per_dp_rank: tuple[int, ...] = ()  # a multi-rank group's front: requests per DP rank
 
 
 class WorkerEngine(Protocol):

@@ -29,3 +29,25 @@ def run_extend(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq],
     index = torch.tensor(list(rows), device=logits.device)
     out = sampler.sample(logits[index], list(states))
     return unpack(pack(out).cpu(), out.top_counts)
+
+
+def run_extend_with_mtp(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq], rows: Sequence[int],
+                        states: Sequence[SamplingState], prompts: Sequence[Sequence[int]],
+                        progress: LayerProgress | None = None) -> tuple[SampledTokens, list]:
+    """`run_extend` for a runner with its MTP layer (speculative decoding): the same forward and
+    first tokens, then the MTP layer over the round's tokens (`model.speculative.mtp_over_extend`),
+    so the pages sent or decoded from hold the MTP layer's KV too. `prompts[i]` is sequence i's
+    whole prompt. Also returns each of `rows`' first draft and MTP hidden state."""
+    from deepseek_pd.model.speculative import mtp_over_extend
+
+    hidden = runner.extend_hidden(list(seqs), progress=progress)
+    sampled = SampledTokens([], [], [])
+    if rows:
+        ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
+        index = ends[torch.tensor(list(rows))].to(hidden.device)
+        out = sampler.sample(runner.logits(hidden[index]), list(states))
+        sampled = unpack(pack(out).cpu(), out.top_counts)
+    drafts = mtp_over_extend(runner, seqs, hidden, prompts, dict(zip(rows, sampled.token_ids)))
+    if hidden.is_cuda:  # as run_extend: the transport reads these pages outside this stream's order
+        torch.cuda.current_stream(hidden.device).synchronize()
+    return sampled, drafts

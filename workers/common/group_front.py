@@ -85,7 +85,7 @@ class GroupFront:
             total[1] += theirs.num_waiting
             total[2] += theirs.kv_used_pages
             total[3] += theirs.kv_total_pages
-        return Loads(*total, extra={"dp_size": len(self.ranks), "in_flight_per_dp_rank": list(self._in_flight)})
+        return Loads(*total, in_flight_per_dp_rank=tuple(self._in_flight))
 
     def is_healthy(self) -> bool:
         return self.ranks[0].is_healthy()

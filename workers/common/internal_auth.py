@@ -9,7 +9,9 @@ an AbortRoom; the prefill side's HandshakeAck and TransferDone) carries an `Auth
 
 `auth` holds the sender's and the receiver's identity, a timestamp and a 16-byte nonce, so the mac
 binds both peers, the room (it is in the message or in `context`), the request id and the time;
-the receiver refuses a stale timestamp or a nonce it has seen (`ReplayGuard`). The ack and the
+the receiver refuses a stale timestamp, a nonce it has seen, or a token issued before the
+receiver's guard was made (`ReplayGuard.not_before_ms`: the seen nonces live in memory only, so
+without that a restarted prefill would take a handshake captured before its restart). The ack and the
 done also carry the handshake's nonce as `challenge`: they answer that stream and no other.
 
 Why HMAC and not mutual TLS (docs/operations.md, "Security"): the router speaks plaintext gRPC to
@@ -105,7 +107,7 @@ class InternalAuth:
         if challenge is not None:
             self.check_challenge(token, challenge, purpose)
         if guard is not None:
-            guard.check(token.nonce)
+            guard.check(token.nonce, token.timestamp_ms)
         return token
 
     def check_challenge(self, token: pb.AuthToken, challenge: bytes, purpose: str) -> None:
@@ -132,11 +134,20 @@ class ReplayGuard:
     by the message rate times that. Nonces expire in the order they arrived (one fixed lifetime,
     a monotonic clock), so a FIFO of (expiry, nonce) popped from the front keeps expiry at
     amortised O(1) per message: each nonce is added once and forgotten once. `clock` is for tests.
+
+    What it saw is lost when the process (or the server that owns the guard) restarts, so it also
+    refuses every token issued before it was made (`not_before_ms`, the wall clock at creation):
+    a handshake captured before a restart cannot be replayed after it. This is as exact as the
+    hosts' clocks agree: a sender whose clock runs d seconds behind has its tokens refused for the
+    first d seconds of a new receiver, and one d seconds ahead could see a token signed in the last
+    d seconds before the restart replayed once more.
     """
 
-    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic,
+                 not_before_ms: int | None = None) -> None:
         self.window_s = window_s
         self._clock = clock
+        self.not_before_ms = int(time.time() * 1000) if not_before_ms is None else not_before_ms
         self._seen: set[bytes] = set()
         self._expiries: deque[tuple[float, bytes]] = deque()
         self._lock = threading.Lock()
@@ -145,10 +156,15 @@ class ReplayGuard:
         """How many nonces are remembered now (unexpired, or expired and not yet forgotten)."""
         return len(self._seen)
 
-    def check(self, nonce: bytes) -> None:
-        """Remembers `nonce`; raises AuthError if it is short or was seen within the window."""
+    def check(self, nonce: bytes, issued_ms: int | None = None) -> None:
+        """Remembers `nonce`; raises AuthError if it is short, was seen within the window, or (given
+        the token's `issued_ms`) was issued before this guard existed."""
         if len(nonce) < 16:
             raise AuthError("authentication token has no 16-byte nonce")
+        if issued_ms is not None and issued_ms < self.not_before_ms:
+            raise AuthError(f"authentication token was issued {(self.not_before_ms - issued_ms) / 1000:.3f}s "
+                            f"before this worker started (replayed across a restart, or the sender's "
+                            f"clock runs behind)")
         now = self._clock()
         with self._lock:
             expiries = self._expiries

@@ -56,6 +56,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.
 ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1,
                0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Tokens one request gets from one speculative verify forward: 1 (every draft rejected) .. steps + 1.
+ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 GC_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 GC_GENERATIONS = (0, 1, 2)
 
@@ -141,6 +143,13 @@ class WorkerMetrics:
             "prefill bootstrap refused or failed, by reason", ("reason",))
         for reason in HANDSHAKE_FAILURE_REASONS:  # zero before the first one, so rate() has a baseline
             self._handshake_failures.labels(*self._const.values(), reason)
+        self._spec_drafted = counter("spec_draft_tokens", "Speculative decoding: tokens the MTP layer drafted"
+                                     ).labels(**self._const)
+        self._spec_accepted = counter("spec_accepted_tokens", "Speculative decoding: drafted tokens the target "
+                                      "confirmed").labels(**self._const)
+        self._spec_accept_length = histogram(
+            "spec_accept_length", "Speculative decoding: tokens one request got from one verify forward (the "
+            "accepted drafts + the target's own)", ACCEPT_LENGTH_BUCKETS).labels(**self._const)
         self._itl = BulkHistogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens of "
                                   "one request as the engine streams them (the first decode token's gap starts "
                                   "at the first token)", ITL_BUCKETS, self._const)
@@ -201,6 +210,13 @@ class WorkerMetrics:
         the same request (a request's first token has no gap). Once per step, not per token."""
         self._itl.observe_many(gaps)
 
+    def observe_speculative(self, drafted: int, accepted: int, accept_lengths: Iterable[int]) -> None:
+        """One speculative step: tokens drafted and accepted over the batch, and each row's accept length."""
+        self._spec_drafted.inc(drafted)
+        self._spec_accepted.inc(accepted)
+        for length in accept_lengths:
+            self._spec_accept_length.observe(length)
+
     def observe_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         self._prefix_queries.inc(queried_tokens)
         self._prefix_hits.inc(hit_tokens)
@@ -260,7 +276,7 @@ class _ScrapeSources:
         yield self._gauge("kv_pool_total_pages", "KV pool pages in total", get("kv_total_pages"))
         usage = None if loads is None else (loads.kv_used_pages / loads.kv_total_pages if loads.kv_total_pages else 0.0)
         yield self._gauge("token_usage", "kv_pool_used_pages / kv_pool_total_pages", usage)
-        cached = None if loads is None else loads.extra.get("cached_pages", 0)
+        cached = None if loads is None else loads.cached_pages
         yield self._gauge("kv_pool_cached_pages", "KV pool pages held by the prefix cache (evictable)", cached)
         family = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by how they ran: CUDA-graph replay "
                                      "or eager (no graph, or batch/context past the captured ones)",

@@ -5,6 +5,8 @@ GetServerInfo. The wire behaviour follows SGLang's own gRPC server, which the ro
 
 - `stream=true`: one `chunk` per engine `TokenChunk`, then one `complete` carrying the finish
   reason and usage with an empty `output_ids` (every token has already gone out in a chunk).
+  With logprobs asked for, chunks are cut at whole text pieces instead (text_pieces.py), since
+  the router drops the logprobs of a chunk that decodes to no text.
 - `stream=false`: a single `complete` with all `output_ids`.
 - Errors end the call with a gRPC status (INVALID_ARGUMENT for bad input, FailureCode mapping
   for engine failures), never with a half-written message. Exactly one terminal outcome.
@@ -27,14 +29,18 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from deepseek_pd import __version__ as package_version
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.model_dir import load_tokenizer
 from deepseek_pd.workers.common.api import Failed, Finished, TokenChunk, WorkerEngine
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.proto_convert import (
     chunk_response, complete_response, failure_status, to_generate_request)
 from deepseek_pd.workers.common.served_model import ServedModelInfo
+from deepseek_pd.workers.common.text_pieces import TextPieces
 from deepseek_pd.workers.common.tokenizer_bundle import build_bundle, iter_chunks
 
 logger = logging.getLogger(__name__)
+
+_NOT_LOADED = object()  # the servicer's tokenizer before its first use (None: the model has none)
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self._draining = False
         self._start_time = time.time()
         self._tokenizer_bundle: bytes | None = None  # built on first GetTokenizer
+        self._tokenizer = _NOT_LOADED  # loaded for the first streamed request with logprobs
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start_draining(self) -> None:
@@ -108,11 +115,16 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         sent_ids: list[int] = []
         sent_logprobs: list[float] = []
         sent_top: list = []  # TopLogprobs per token, when asked
+        pieces = self._text_pieces(req)
         try:
             async for event in events:
                 if isinstance(event, TokenChunk):
                     if first_token_at is None:
                         first_token_at = time.perf_counter()
+                    if pieces is not None:
+                        event = pieces.push(event)
+                        if event is None:
+                            continue
                     sent_ids.extend(event.token_ids)
                     sent_logprobs.extend(event.logprobs)
                     sent_top.extend(event.top_logprobs)
@@ -120,6 +132,11 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                         yield chunk_response(req.rid, event.token_ids, event.logprobs,
                                              len(req.input_ids), len(sent_ids), event.top_logprobs)
                 elif isinstance(event, Finished):
+                    tail = pieces.finish() if pieces is not None else None
+                    if tail is not None:
+                        sent_ids.extend(tail.token_ids)
+                        yield chunk_response(req.rid, tail.token_ids, tail.logprobs,
+                                             len(req.input_ids), len(sent_ids), tail.top_logprobs)
                     terminal_seen = counted = True
                     self._metrics.observe_request(
                         event.reason, event.prompt_tokens, event.completion_tokens, event.cached_tokens,
@@ -159,6 +176,16 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             finally:
                 # Only now may the id be reused: a retry with the same id must not meet our abort.
                 self._inflight.discard(req.rid)
+
+    def _text_pieces(self, req) -> TextPieces | None:
+        """A streamed request with logprobs is sent in whole text pieces (text_pieces.py says why)."""
+        if not (req.stream and req.return_logprob):
+            return None
+        if self._tokenizer is _NOT_LOADED:
+            self._tokenizer = load_tokenizer(self._info.tokenizer_path)
+        if self._tokenizer is None:
+            return None
+        return TextPieces(self._tokenizer, req.sampling.skip_special_tokens)
 
     # -- management --------------------------------------------------------------------------
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:

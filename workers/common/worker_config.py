@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.units import GIB
 from deepseek_pd.workers.common.internal_auth import InternalAuth
 from deepseek_pd.workers.common.kv_transfer.base import TransportConfig
@@ -53,7 +54,8 @@ class BootstrapConfig:
 
 # Prefill tokens per extend batch on a GPU, by its total memory, as SGLang chooses them: larger rounds
 # batch more prompts per forward where memory allows. On the H200 (141 GB) 8192 against 2048 gave
-# +12% output tok/s at c=64, with lower TTFT and TPOT (docs/performance.md, 2026-12-04).
+# +12% output tok/s at c=64, with lower TTFT and TPOT (docs/performance.md, 2026-12-04). The total is
+# NVML's, as SGLang's is nvidia-smi's: a little above what CUDA can allocate (model/nvml.py says why).
 GPU_CHUNK_TIERS: tuple[tuple[int, int], ...] = ((35 * GIB, 2048), (160 * GIB, 8192))  # (below bytes, tokens)
 LARGEST_GPU_CHUNK = 16384
 
@@ -75,7 +77,7 @@ class SchedulerConfig:
     # Prompt tokens per extend batch, summed over requests (on a GPU, `serve` defaults to
     # gpu_chunked_prefill_size of its memory).
     chunked_prefill_size: int = 2048
-    max_running_requests: int = 128  # decode batch size cap (= the largest CUDA-graph bucket by default)
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS  # decode batch size cap (= the largest CUDA-graph bucket by default)
     decode_reserve_tokens: int = 4096  # pages reserved per request for decoding: min(max_new_tokens, this)
     admission_timeout_s: float = 30.0  # a request waits this long for KV pages before RESOURCE_EXHAUSTED
     prefix_cache: bool = True  # prefill: reuse KV of shared prompt prefixes (radix tree)

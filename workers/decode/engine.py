@@ -39,6 +39,7 @@ from deepseek_pd.model.request_rules import max_new_tokens
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs
 from deepseek_pd.model.sampling import StopChecker
+from deepseek_pd.model.speculative_rules import draft_len
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.extend_step import run_extend
@@ -54,6 +55,7 @@ from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, Lau
 from deepseek_pd.workers.decode.kv_checks import scrub_pages
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation, decode_reserve_pages
+from deepseek_pd.workers.decode.speculative_step import SpecRow, SpeculativeStepper, wire_draft
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class _Request(RequestRecord):
     # While the prompt pages may hold a transfer's bytes that did not pass its checks: what it exposed.
     unchecked_kv: PageExposure | None = None
     last_token_at: float = 0.0  # perf_counter when its latest token was streamed (inter-token latency)
+    spec: SpecRow | None = None  # with speculative decoding: its row in the speculative steps
 
     @property
     def next_position(self) -> int:
@@ -117,12 +120,21 @@ class DecodeEngine(EngineCore[_Request]):
         self.budget: PageBudget | None = None
         self.receiver = None
         self.client: BootstrapClient | None = None
+        # Speculative decoding (workers/decode/speculative_step.py) when the runner has its MTP layer;
+        # its steps replace the plain (and overlapped) decode steps.
+        self.speculation: SpeculativeStepper | None = None
+        if runner.model.mtp is not None:
+            self.speculation = SpeculativeStepper(runner, runner.config.speculative_num_steps, self.sampler)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         self.budget = PageBudget(self.pool, self.config.scheduler.admission_timeout_s)
         self.receiver = build_receiver(self.config.kv_transport, self.pool, self.config.transport)
         self.client = BootstrapClient(self.config.bootstrap, identity=f"decode@{self.config.transport.advertise_host}")
+        if self.speculation is not None and self.runner.config.speculative_adaptive:
+            costs = await self.model_thread.run(self.speculation.calibrate, self.config.scheduler.max_running_requests)
+            log.info("speculative step costs (ms) at batches %s, rows k = 0..%d: %s", costs.batches,
+                     costs.max_steps, [[round(ms, 2) for ms in row] for row in costs.ms])
         self._start_scheduler(self._schedule_loop(), "decode-scheduler")
         log.info("decode engine: KV transport %s, %d bytes of latent KV per token, %s schedule",
                  self.config.kv_transport, self.pool.bytes_per_token,
@@ -147,6 +159,8 @@ class DecodeEngine(EngineCore[_Request]):
             yield Failed(FailureCode.INVALID_ARGUMENT, str(exc))
             return
         state = _Request(request, sampling, stop, max_new)
+        if self.speculation is not None:
+            state.spec = SpecRow(list(request.input_ids), [], max_new, sampling)
         self._requests[request.rid] = state
         transfer_done = request.disagg is None
         try:
@@ -178,6 +192,8 @@ class DecodeEngine(EngineCore[_Request]):
                 state.launched = 1
                 state.last_token_at = time.perf_counter()
                 self._accept(state, done.first_token_id, done.first_token_logprob, first_top_logprobs(done))
+                if state.spec is not None:  # drafts from the first step, when the prefill sent its draft
+                    state.spec.wire_draft = wire_draft(done, model_config.vocab_size, model_config.hidden_size)
                 if not state.finished:
                     self._running.append(state)
             else:
@@ -212,7 +228,7 @@ class DecodeEngine(EngineCore[_Request]):
         # Waiting: admitted or not, every request that is not in the decode batch yet.
         return Loads(num_running=len(self._running), num_waiting=len(self._requests) - len(self._running),
                      kv_used_pages=self.pool.num_used_pages, kv_total_pages=self.pool.num_pages,
-                     extra={"reserved_pages": self.budget.reserved if self.budget else 0})
+                     reserved_pages=self.budget.reserved if self.budget else 0)
 
     # ---- request bookkeeping (event loop) --------------------------------------------------
     def _accept(self, state: _Request, token: int, logprob: float, top: TopLogprobs | None) -> None:
@@ -242,6 +258,8 @@ class DecodeEngine(EngineCore[_Request]):
             self._release(state)
 
     def _release(self, state: _Request) -> None:
+        if state.spec is not None:  # no step uses it any more (in_flight is 0)
+            self.speculation.forget(state.spec)
         if state.reservation is None:
             return
         exposure = state.unchecked_kv
@@ -318,8 +336,13 @@ class DecodeEngine(EngineCore[_Request]):
             state.in_flight += 1
         try:
             began = time.perf_counter()
-            sampled = await self._model_call(batch, run_extend, self.runner, self.sampler, plan.seqs, rows,
-                                             [batch[r].sampling for r in rows])
+            if self.speculation is not None:  # also keeps the prompts' hidden states for the MTP layer
+                for state in batch:
+                    state.spec.pages = state.reservation.pages
+                sampled = await self._model_call(batch, self.speculation.prefill, plan, [s.spec for s in batch], rows)
+            else:
+                sampled = await self._model_call(batch, run_extend, self.runner, self.sampler, plan.seqs, rows,
+                                                 [batch[r].sampling for r in rows])
             self.metrics.observe_step("prefill", time.perf_counter() - began, len(batch),
                                       sum(len(seq.token_ids) for seq in plan.seqs))
         except Exception:
@@ -342,6 +365,9 @@ class DecodeEngine(EngineCore[_Request]):
     async def _decode_round(self) -> None:
         """Plans and launches the next step, then collects the pending one (overlap), or launches and
         collects the same step (plain)."""
+        if self.speculation is not None:
+            await self._speculative_round()
+            return
         owners, rows = self._plan_step()
         pending, self._pending = self._pending, None
         overlap = self.config.scheduler.overlap_schedule
@@ -361,6 +387,56 @@ class DecodeEngine(EngineCore[_Request]):
             self._process(launched, launched.collect() if collected is None else collected)
             launched = None
         self._pending = launched
+
+    async def _speculative_round(self) -> None:
+        """One speculative step (draft, verify, accept, catch up) over the running requests, then
+        their tokens streamed in order; not overlapped with the next step."""
+        chosen: list[_Request] = []
+        for state in list(self._running)[:self.config.scheduler.max_running_requests]:
+            if state.finished:
+                continue
+            # Room for the verify forward's drafts (speculative_rules.draft_len keeps them in the budget).
+            k = draft_len(self.speculation.decoder.num_steps, state.max_new - len(state.output_ids))
+            needed = self.pool.pages_for_tokens(state.next_position + k + 1) - len(state.reservation.pages)
+            if needed > 0:
+                try:
+                    self.budget.grow(state.reservation, needed)
+                except RequestFailure as exc:
+                    self._running.remove(state)
+                    self._fail(state, exc.code, exc.message)
+                    continue
+            state.spec.pages = state.reservation.pages
+            state.spec.output_ids = list(state.output_ids)
+            state.in_flight += 1
+            chosen.append(state)
+        if not chosen:
+            return
+        stats = self.speculation.stats
+        drafted, accepted = stats.drafted, stats.accepted
+        try:
+            began = time.perf_counter()
+            emitted = await self._model_call(chosen, self.speculation.step, [s.spec for s in chosen])
+            self.metrics.observe_step("decode", time.perf_counter() - began, len(chosen),
+                                      sum(len(tokens) for tokens in emitted))
+            self.metrics.observe_speculative(stats.drafted - drafted, stats.accepted - accepted,
+                                             [len(tokens) for tokens in emitted])
+        except Exception:
+            self._fail_in_flight("speculative decode step failed (see the worker log)")
+            return
+        now = time.perf_counter()
+        gaps = []
+        for state, tokens in zip(chosen, emitted):
+            state.launched += len(tokens)
+            for token, logprob, top in tokens:
+                if state.ended or state.finished:
+                    break  # past a stop: the tokens after it are dropped
+                gaps.append(now - state.last_token_at)
+                state.last_token_at = now
+                self._accept(state, token, logprob, top)
+            if state.finished and state in self._running:
+                self._running.remove(state)
+        self.metrics.observe_inter_token_latency(gaps)
+        self._done_with(chosen)
 
     def _step(self, owners, rows, pending, overlap):
         """Model thread: launch the planned step (if any), then collect the previous one (overlap) or

@@ -9,8 +9,12 @@ the layouts were compared at the handshake. What remains is the content:
 - the first token's top logprobs (`first_token_wire.py`) must be what the request asked for:
   `min(k, vocabulary)` ids in the vocabulary with finite logprobs (an older prefill worker sends
   none: failing is better than streaming positions that do not line up);
-- the prompt's KV must be finite: a NaN in a page poisons attention, and once its pages are
-  freed, every later request that reuses them (masked slots still multiply a NaN by zero).
+- the prompt's KV must be finite: a NaN in a page poisons the request's own attention. Received
+  pages are live only for their own request, and only once this check passed: a decode batch
+  reads no page but its rows' own (padding repeats a row's own page, `ForwardBatch.build`), and
+  every attention backend masks by selecting, so unchecked KV and stale values past a row's
+  length cannot reach another request (tests/model/test_attention_isolation.py,
+  tests/workers/test_security_nan_peer*.py).
 
 A request whose transfer fails any check fails alone (INTERNAL, with the reason), and its pages
 are zeroed (`scrub_pages`) before they go back to the pool, so nothing it received can reach another

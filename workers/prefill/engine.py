@@ -34,7 +34,7 @@ from deepseek_pd.workers.common.api import (
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
 from deepseek_pd.workers.common.bootstrap_routes import RouteTable
 from deepseek_pd.workers.common.kv_transfer import build_sender
-from deepseek_pd.workers.common.extend_step import run_extend
+from deepseek_pd.workers.common.extend_step import run_extend, run_extend_with_mtp
 from deepseek_pd.workers.common.metrics import WorkerMetrics
 from deepseek_pd.workers.common.request_failure import AdmissionRefused, RequestFailure, failure_for
 from deepseek_pd.workers.common.request_lifecycle import EngineCore, RequestRecord
@@ -153,11 +153,12 @@ class PrefillEngine(EngineCore[_Request]):
             self._waiting.append(state)
             self._wakeup.set()
             await state.watch(self._admission(state))
-            token, logprob, top = await state.watch(asyncio.shield(state.first_token))
+            token, logprob, top, draft = await state.watch(asyncio.shield(state.first_token))
             # Seeded draws depend only on (seed, step): decode continues at step 1 with no state from here.
-            # The first token's top logprobs travel with it in TransferDone (first_token_wire.py).
+            # The first token's top logprobs travel with it in TransferDone (first_token_wire.py), and
+            # with the MTP layer the first draft.
             await state.watch(push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0,
-                                                 top=top))
+                                          top=top, draft=draft))
             self.metrics.observe_kv_transfer(self.config.kv_transport, push.bytes_sent,
                                              push.send_seconds)
             cached = state.hit.num_tokens if state.hit else 0
@@ -181,7 +182,7 @@ class PrefillEngine(EngineCore[_Request]):
         cached = self.cache.num_pages if self.cache else 0
         return Loads(num_running=len(self._running), num_waiting=len(self._waiting),
                      kv_used_pages=self.pool.num_used_pages - cached, kv_total_pages=self.pool.num_pages,
-                     extra={"cached_pages": cached})
+                     cached_pages=cached)
 
     # ---- internals -------------------------------------------------------------------------
     async def _admission(self, state: _Request) -> None:
@@ -298,8 +299,14 @@ class PrefillEngine(EngineCore[_Request]):
             progress = self._layer_progress(batch, plan.seqs) if self.config.scheduler.layerwise_transfer else None
             try:
                 began = time.perf_counter()
-                sampled = await self.model_thread.run(run_extend, self.runner, self.sampler, plan.seqs, rows,
-                                                      [batch[r].sampling for r in rows], progress)
+                if self.runner.model.mtp is None:
+                    sampled = await self.model_thread.run(run_extend, self.runner, self.sampler, plan.seqs, rows,
+                                                          [batch[r].sampling for r in rows], progress)
+                    drafts = [None] * len(rows)
+                else:  # speculative decoding: the MTP layer's KV of these pages is sent with the rest
+                    sampled, drafts = await self.model_thread.run(
+                        run_extend_with_mtp, self.runner, self.sampler, plan.seqs, rows,
+                        [batch[r].sampling for r in rows], [s.progress.token_ids for s in batch], progress)
                 self.metrics.observe_step("prefill", time.perf_counter() - began, len(batch),
                                           sum(len(seq.token_ids) for seq in plan.seqs))
                 error = None
@@ -324,7 +331,8 @@ class PrefillEngine(EngineCore[_Request]):
                 for i, row in enumerate(rows):
                     state = batch[row]
                     if not state.ended and not state.first_token.done():
-                        state.first_token.set_result((sampled.token_ids[i], sampled.logprobs[i], sampled.top[i]))
+                        draft = drafts[i] and (drafts[i][0], drafts[i][1].float().tolist())
+                        state.first_token.set_result((sampled.token_ids[i], sampled.logprobs[i], sampled.top[i], draft))
             self._running = [s for s in self._running
                              if s.progress is not None and s.progress.remaining > 0 and not s.first_token.done()]
             await asyncio.sleep(0)  # let handshakes and the bootstrap stream run between rounds

@@ -182,9 +182,10 @@ class KVPush:
                 self.room.fail(self._error.code, self._error.message)
 
     async def finish(self, first_token_id: int, logprob: float, cached_tokens: int,
-                     top: TopLogprobs | None = None) -> None:
+                     top: TopLogprobs | None = None, draft: "tuple[int, list[float]] | None" = None) -> None:
         """Waits for every queued page, then sends TransferDone (with the first token's `top`
-        logprobs when the request asked for them). Raises the transfer's error."""
+        logprobs when the request asked for them, and with the MTP layer the first `draft`: its
+        token and MTP hidden state). Raises the transfer's error."""
         if not self.plan.done:
             raise RuntimeError(f"{self.rid}: finish before every page was handed to pages_ready")
         assert self._task is not None and self.channel is not None
@@ -196,6 +197,9 @@ class KVPush:
             first_token_id=first_token_id, first_token_logprob=logprob, num_pages=self.plan.num_pages,
             cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent)
         put_first_top(done, top)
+        if draft is not None:
+            done.mtp_draft_token_id = draft[0]
+            done.mtp_hidden.extend(draft[1])
         await self.room.finish(done, timeout_s=self.sender.config.send_timeout_s)
         sent, busy = self.channel.bytes_sent, max(self._send_seconds, 1e-9)
         log.debug("%s: pushed %d bytes of KV in %d sends, %.4fs of sending (%.3f GB/s), done %.3fs after "

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 PAGE_SIZE = 4

@@ -4,11 +4,19 @@ requests that share the decode batch or later reuse the pages).
 
 `lie_about_first_token(engine)`: every TransferDone names a first token past the vocabulary.
 `poison_sent_kv(engine)`: every KV send carries a NaN at a random (layer, slot, value) of its
-first page. Both patch one started engine (its registry, its sender), never a class.
+first page. `poison_and_hold(engine, sent, release)`: every KV send is all NaN, and TransferDone
+waits for `release` (so the NaN sits in the decode pool, unchecked, while other requests decode);
+`sent` is set when a room's last chunk is out (`hold_transfer_done` alone holds without
+poisoning). All patch one started engine (its registry, its
+sender), never a class.
 """
 from __future__ import annotations
 
 import random
+
+import asyncio
+
+import torch
 
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 
@@ -47,6 +55,46 @@ def poison_sent_kv(engine: PrefillEngine, rng: random.Random) -> None:
         channel.send = send_poisoned
         return channel
     engine.sender.open = open_poisoned
+
+
+def poison_and_hold(engine: PrefillEngine, sent: asyncio.Event, release: asyncio.Event) -> None:
+    assert engine.sender is not None and engine.registry is not None, "start() first"
+    pool = engine.pool
+    open_channel = engine.sender.open
+
+    def open_poisoned(handshake, emit, streams=1):
+        channel = open_channel(handshake, emit, streams)
+        send = channel.send
+
+        async def send_all_nan(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
+            index = torch.tensor(list(src_pages), dtype=torch.long, device=pool.device)
+            for layer in range(layer_begin, pool.num_layers if layer_end is None else layer_end):
+                pool.buffers[layer].index_fill_(0, index, float("nan"))
+            await send(src_pages, page_begin, layer_begin, layer_end, ready)
+        channel.send = send_all_nan
+        return channel
+    engine.sender.open = open_poisoned
+    hold_transfer_done(engine, sent, release)
+
+
+def hold_transfer_done(engine: PrefillEngine, sent: asyncio.Event, release: asyncio.Event):
+    """Every room's TransferDone waits for `release` (its transfer stays in flight on the decode
+    side); `sent` is set when one is ready. Returns the undo (the registry's own `claim` back)."""
+    assert engine.registry is not None, "start() first"
+    claim = engine.registry.claim
+
+    def claim_holding(room_id: int, rid: str):
+        room = claim(room_id, rid)
+        finish = room.finish
+
+        async def finish_later(done, timeout_s):
+            sent.set()
+            await release.wait()
+            await finish(done, timeout_s=timeout_s)
+        room.finish = finish_later
+        return room
+    engine.registry.claim = claim_holding
+    return lambda: setattr(engine.registry, "claim", claim)
 
 
 LIES = {"first_token": lie_about_first_token, "nan_kv": poison_sent_kv}

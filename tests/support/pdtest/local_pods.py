@@ -32,7 +32,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.operator import names
 from deepseek_pd.operator.spec import DeploymentSpec
 

@@ -91,7 +91,7 @@ def _rank_main(world: int, rank: int, port: int, script: Callable, results, opti
 
 
 def run_script(world: int, script: Callable, options: dict, timeout_s: float = 90.0) -> list[dict]:
-    from deepseek_pd.launcher.ports import pick_free_ports
+    from deepseek_pd.ports import pick_free_ports
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

@@ -6,6 +6,7 @@ network namespace). The offline `Engine` is the oracle.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -142,3 +143,20 @@ class PDPair:
             assert cache.num_pinned_nodes == 0
         assert self.prefill.registry.num_active == 0, "a bootstrap room leaked"
 
+
+@contextlib.contextmanager
+def recorded_pulls():
+    """Within it, every decode engine's KV pull records its pages: yields {decode rid: pages}."""
+    from deepseek_pd.workers.decode import engine as decode_engine
+
+    pulled: dict[str, list[int]] = {}
+    pull_kv = decode_engine.pull_kv
+
+    def recording_pull(client, receiver, disagg, rid, num_tokens, pages, *rest, **kw):
+        pulled[rid] = list(pages)
+        return pull_kv(client, receiver, disagg, rid, num_tokens, pages, *rest, **kw)
+    decode_engine.pull_kv = recording_pull
+    try:
+        yield pulled
+    finally:
+        decode_engine.pull_kv = pull_kv

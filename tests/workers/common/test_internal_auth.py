@@ -125,8 +125,8 @@ async def _send(port: int, handshake: pb.Handshake) -> grpc.StatusCode:
 class _Prefills:
     """Prefill bootstrap servers of one deployment (one secret), each with one waiting room."""
 
-    def __init__(self, count: int, auth: InternalAuth, rng: random.Random) -> None:
-        self.config = BootstrapConfig(port=0, handshake_timeout_s=2, auth=auth)
+    def __init__(self, count: int, auth: InternalAuth, rng: random.Random, port: int = 0) -> None:
+        self.config = BootstrapConfig(port=port, handshake_timeout_s=2, auth=auth)
         self.rng, self.count = rng, count
         self.servers: list[BootstrapServer] = []
         self.registries: list[RoomRegistry] = []
@@ -143,8 +143,8 @@ class _Prefills:
             self.servers.append(server)
         return self
 
-    def open_room(self, index: int) -> int:
-        room = self.rng.randrange(1 << 31)
+    def open_room(self, index: int, room: int | None = None) -> int:
+        room = self.rng.randrange(1 << 31) if room is None else room
         self.pushes.append(KVPush(self.registries[index], self.sender, room, f"victim-{room}", 8))
         return room
 
@@ -170,6 +170,31 @@ def test_a_replayed_signed_handshake_is_refused():
             assert await _send(port, handshake) == grpc.StatusCode.UNAUTHENTICATED
 
     asyncio.run(run())
+
+
+def test_a_handshake_captured_before_a_restart_is_refused_after_it():
+    """The used nonces live in memory: a restarted prefill (a new server on the same port, the room
+    waiting again) took the captured handshake once more before tokens were bound to its start."""
+    rng = random.Random()
+    auth = InternalAuth(secret=os.urandom(32))
+
+    async def run():
+        async with _Prefills(1, auth, rng) as prefills:
+            port = prefills.servers[0].port
+            room = prefills.open_room(0)
+            handshake = _handshake(room, prefills.pool)
+            auth.sign(handshake, "handshake", "decode@127.0.0.1", f"127.0.0.1:{port}")
+            assert await _send(port, handshake) == grpc.StatusCode.OK
+        async with _Prefills(1, auth, rng, port=port) as restarted:  # the room waits again
+            restarted.open_room(0, room)
+            replayed = await _send(port, handshake)
+            fresh = _handshake(room, restarted.pool)
+            auth.sign(fresh, "handshake", "decode@127.0.0.1", f"127.0.0.1:{port}")
+            return replayed, await _send(port, fresh), restarted.registries[0].get(room).handshake.done()
+
+    replayed, fresh, taken = asyncio.run(run())
+    assert replayed == grpc.StatusCode.UNAUTHENTICATED
+    assert fresh == grpc.StatusCode.OK and taken  # the deployment's own decode still gets the room
 
 
 def test_a_handshake_with_a_stale_timestamp_is_refused(monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, sampling_proto
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, GenerateRequest
 from deepseek_pd.workers.common.proto_convert import STATUS_FOR_FAILURE

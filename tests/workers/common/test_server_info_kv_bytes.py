@@ -16,7 +16,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.workers.builders import BUILDERS
 from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
 from deepseek_pd.workers.serve_resolution import ServeFlags, resolve_serve_config

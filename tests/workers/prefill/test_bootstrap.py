@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import DisaggParams, FailureCode
 from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender

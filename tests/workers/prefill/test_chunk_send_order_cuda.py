@@ -7,6 +7,10 @@ is already in the pool, not for that next forward. Here the second forward is ma
 (a spin kernel queued before it) and the first send's copy starts late enough that the second
 forward is surely queued: the first chunk must still be on the stream long before the second forward
 ends. The decode side must get the request done either way.
+
+Failed on an H100 at 2648c43 (lead 0.01 s, both cases): the send's first CUDA calls in a fresh
+process (kernel module loads, a page-locked staging allocation) waited for the whole device;
+the transport now makes them before serving (workers/common/kv_transfer/warm_up.py).
 """
 from __future__ import annotations
 
@@ -46,12 +50,14 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
     rng = random.Random()
     prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(2 * CHUNK + rng.randrange(1, CHUNK))]
     spin = _spin_cycles(SLOW_FORWARD_S)
-    late = {"first": True}
+    late: dict[str, bool] = {}  # armed once the engines have started (their warm-up copies too)
+    copy_began: list[float] = []
 
     def late_first_copy(real):
         def wait_ready(*args, **kwargs):
             if late.pop("first", False):
                 time.sleep(LATE_COPY_S)  # the scheduler has queued the next forward by now
+                copy_began.append(time.monotonic())
             return real(*args, **kwargs)
         return wait_ready
     monkeypatch.setattr(direct_pool, "wait_ready", late_first_copy(direct_pool.wait_ready))
@@ -61,6 +67,7 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
         base = worker_config("grpc", same_host_direct=direct)
         cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=False))
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, device="cuda") as pair:
+            late["first"] = True
             emitted: list[float] = []
             channels: list[str] = []
             forward_ends: list[float] = []
@@ -95,7 +102,11 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
     assert len(decode.tokens) == GREEDY.max_new_tokens
     assert len(forward_ends) == 3 and emitted
     first_chunk_lead = forward_ends[1] - emitted[0]
+    # Where the time went when it fails: the copy's host calls (copy_began -> emitted) or before.
+    phases = (f"forward 1 ended at 0, the first copy began at {copy_began[0] - forward_ends[0]:.3f}s, "
+              f"its chunk was emitted at {emitted[0] - forward_ends[0]:.3f}s, forward 2 ended at "
+              f"{forward_ends[1] - forward_ends[0]:.3f}s" if copy_began else "the first copy never began")
     assert first_chunk_lead > SLOW_FORWARD_S / 2, (
         f"the first chunk went out {-first_chunk_lead:.2f}s after the next forward ended "
-        f"(its copy waited for that forward)" if first_chunk_lead < 0 else
-        f"the first chunk went out only {first_chunk_lead:.2f}s before the next forward ended")
+        f"(its copy waited for that forward); {phases}" if first_chunk_lead < 0 else
+        f"the first chunk went out only {first_chunk_lead:.2f}s before the next forward ended; {phases}")

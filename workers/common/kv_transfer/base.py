@@ -201,6 +201,9 @@ class KVSink(abc.ABC):
     executor: Executor | None = None
     # The peer writes the pages itself (mooncake, fake); a sink that writes them itself says False.
     one_sided: bool = True
+    # `expose` makes the pages reachable by the transport for the transfer's duration (mooncake
+    # over TCP registers them) and may block for a while: the caller runs it off the event loop.
+    registers_pages: bool = False
 
     def __init__(self, pool: KVPool, pages: Sequence[int]) -> None:
         self.pool = pool
@@ -221,6 +224,12 @@ class KVSink(abc.ABC):
             if self._failed is None:
                 self._failed = error
             return self._failed
+
+    def expose(self) -> None:
+        """Before the handshake: lets the transport's writer reach these pages (nothing by default)."""
+
+    def withdraw(self) -> None:
+        """Once the transfer is over, whatever its outcome: undoes `expose`; idempotent."""
 
     def offer_into(self, handshake: pb.Handshake) -> None:
         """Adds to the handshake what this transfer offers its writer beyond the transport's
@@ -299,8 +308,11 @@ def check_layout(pool: KVPool, remote: pb.KVLayout) -> None:
         def show(layout: pb.KVLayout) -> str:
             return (f"layers={layout.num_layers} page_size={layout.page_size} "
                     f"kv_dim={layout.kv_dim} dtype={layout.dtype}")
+        # One layer more on one side only: the MTP layer's KV (speculative decoding on one side).
+        hint = (" (one side holds the MTP layer's KV: give prefill and decode the same --speculative-num-steps, "
+                "both 0 or both > 0)" if abs(local.num_layers - remote.num_layers) == 1 else "")
         raise TransferError(FailureCode.INVALID_ARGUMENT,
-                            f"KV layout mismatch: decode has {show(remote)}, prefill has {show(local)}")
+                            f"KV layout mismatch: decode has {show(remote)}, prefill has {show(local)}{hint}")
 
 
 def check_page_ids(page_ids: Sequence[int], pool_pages: int) -> None:

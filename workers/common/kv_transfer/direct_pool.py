@@ -233,16 +233,26 @@ def _index(device: torch.device) -> tuple[str, int]:
     return device.type, 0
 
 
+# The most bytes one layer's gathered pages take at a time. The gather's temporary then always fits
+# the block the caching allocator made for this thread's stream when warm_up.py ran it (a request
+# under 10 MiB is served from a 20 MiB block): a bigger one would be a new cudaMalloc during a send.
+COPY_BATCH_BYTES = 8 << 20
+
+
 def write_pages(src: KVPool, dst: Sequence[torch.Tensor], layers: range, src_pages: Sequence[int],
                 dst_pages: Sequence[int], ready: "torch.cuda.Event | None") -> None:
     """Copies `src_pages` of `layers` of `src` into `dst_pages` of the `dst` buffers; returns once
     the bytes are there. On CUDA the copies run on this thread's side stream after `ready` (or
-    everything on the default stream), like the byte stream's gather."""
+    everything on the default stream), like the byte stream's gather, at most `COPY_BATCH_BYTES`
+    of pages per layer at a time."""
+    step = max(1, COPY_BATCH_BYTES // src.bytes_per_page)
+
     def copy() -> None:
-        src_index = page_index(src, src_pages)
-        dst_index = page_index(src, dst_pages)  # DirectPools opens only pools on this pool's device
-        for layer in layers:
-            dst[layer].index_copy_(0, dst_index, src.buffers[layer].index_select(0, src_index))
+        for begin in range(0, len(src_pages), step):
+            src_index = page_index(src, src_pages[begin:begin + step])
+            dst_index = page_index(src, dst_pages[begin:begin + step])  # DirectPools opens pools on this device only
+            for layer in layers:
+                dst[layer].index_copy_(0, dst_index, src.buffers[layer].index_select(0, src_index))
 
     if src.device.type != "cuda":
         copy()

@@ -40,6 +40,7 @@ from deepseek_pd.workers.common.kv_transfer.direct_pool import DirectPools, offe
 from deepseek_pd.workers.common.kv_transfer.local_peer import shares_host
 from deepseek_pd.workers.common.kv_transfer.page_io import PageGather, read_pages, scatter_pages
 from deepseek_pd.workers.common.kv_transfer.plan import ChunkShape, split_for_streams, split_into_chunks
+from deepseek_pd.workers.common.kv_transfer.warm_up import warm_receiver, warm_sender
 from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, EncodedChunk, encode_chunk_event
 from deepseek_pd.workers.common.request_failure import RequestFailure, TransferError, failure_for
 
@@ -157,6 +158,7 @@ class GrpcSender(KVSender):
         # encoded, so requests sending at once share them.
         self.gather = PageGather(pool, config.max_chunk_bytes, config.io_threads)
         self.direct = DirectPools(pool) if config.same_host_direct != "off" else None
+        warm_sender(pool, self.executor, config.io_threads, self.gather)
 
     async def prepare(self, handshake: pb.Handshake) -> None:
         # Mapping a pool is a CUDA IPC open per layer (again after it idled out): in a thread, so
@@ -291,6 +293,7 @@ class GrpcReceiver(KVReceiver):
         super().__init__(pool, config)
         self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-ingest")
         self.direct = _offer(pool) if offers_pool(pool, config.same_host_direct) else None
+        warm_receiver(pool, self.executor, config.io_threads, config.max_chunk_bytes)
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.grpc.max_chunk_bytes = self.config.max_chunk_bytes

@@ -1,7 +1,16 @@
 """KV by one-sided writes with Mooncake's TransferEngine (TCP or RDMA).
 
-Both workers start a `TransferEngine` in P2P-handshake mode and register every layer buffer of
-their KV pool once, at start. The decode side's handshake carries its engine's session id
+Both workers start a `TransferEngine` in P2P-handshake mode. What they register is what any peer
+that reaches the engine's ports may read and write (Mooncake authenticates nobody, not even in
+0.3.14; its TCP server refuses only addresses outside the registered ranges, checked per write):
+- over RDMA both register every layer buffer of their pool once, at start (the NIC needs the
+  memory regions, and a writer the remote keys of its cached segment description);
+- over TCP the prefill side registers nothing (a TCP write reads its local source directly), and
+  the decode side registers a transfer's own pages (each layer's runs of consecutive pages) only
+  while that transfer runs (`MooncakePagesSink.expose`/`withdraw`, around `pull_kv`'s transfer):
+  a stranger can then reach only the pages of transfers in flight, never the prefill pool, the
+  decode requests already decoding, or free pages (tests/workers/test_security_mooncake_pool.py).
+The decode side's handshake carries its engine's session id
 (`host:rpc_port`), the base address of each layer buffer and the page size in bytes; the prefill
 side then turns each `send` into ONE `batch_transfer_sync_write` covering all layers and all
 contiguous page runs (batching per chunk rather than per layer took SGLang's transfers from
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any, Sequence
 
 from deepseek_pd.errors import UserError
@@ -26,8 +36,8 @@ from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
 from deepseek_pd.workers.common.kv_transfer.base import (
-    EmitChunk, KVReceiver, KVSender, SendChannel, TransportConfig, check_page_ids)
-from deepseek_pd.workers.common.kv_transfer.page_io import sync_ready
+    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig, check_page_ids)
+from deepseek_pd.workers.common.kv_transfer.page_io import consecutive_runs, sync_ready
 from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
 from deepseek_pd.workers.common.request_failure import TransferError
 
@@ -37,14 +47,16 @@ log = logging.getLogger(__name__)
 def exposure_warning(host: str) -> str:
     """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
     return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
-            f"address it is given (0.3.13.post1). Its port authenticates nothing; keep other hosts off it "
+            f"address it is given (0.3.13.post1). Its ports authenticate no peer (over tcp a stranger can "
+            f"write the decode pages of transfers in flight, over rdma both KV pools); keep other hosts off them "
             f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
 
 
 class MooncakeEngine:
-    """One TransferEngine with a KV pool's layer buffers registered."""
+    """One TransferEngine over a KV pool; `register_pool`: its layer buffers registered for good
+    (else nothing is, unless a transfer registers its own pages: `MooncakePagesSink`)."""
 
-    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+    def __init__(self, pool: KVPool, config: TransportConfig, register_pool: bool = True) -> None:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
@@ -71,17 +83,58 @@ class MooncakeEngine:
         self.base_addrs = [buffer.data_ptr() for buffer in pool.buffers]
         self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
         self._registered: list[int] = []
-        for addr, length in zip(self.base_addrs, self.layer_bytes):
-            if self.engine.register_memory(addr, length) != 0:
-                self.close()
-                raise UserError(f"mooncake could not register a {length}-byte KV buffer "
-                                "(RDMA needs IPC_LOCK and GPUDirect; see docs)")
-            self._registered.append(addr)
+        if register_pool:
+            for addr, length in zip(self.base_addrs, self.layer_bytes):
+                if self.engine.register_memory(addr, length) != 0:
+                    self.close()
+                    raise UserError(f"mooncake could not register a {length}-byte KV buffer "
+                                    "(RDMA needs IPC_LOCK and GPUDirect; see docs)")
+                self._registered.append(addr)
 
     def close(self) -> None:
         for addr in self._registered:
             self.engine.unregister_memory(addr)
         self._registered.clear()
+
+
+class MooncakePagesSink(KVSink):
+    """A decode transfer over Mooncake TCP whose pages are registered only while it runs: `expose`
+    registers each layer's runs of consecutive pages, `withdraw` unregisters them (idempotent).
+    A write whose header reached the engine before `withdraw` may still land: the late-write grace
+    and the scrub (decode/engine.py `_release`) cover it, as before."""
+
+    registers_pages = True
+
+    def __init__(self, pool: KVPool, pages: Sequence[int], engine: MooncakeEngine) -> None:
+        super().__init__(pool, pages)
+        self._engine = engine
+        self._exposed: list[int] = []
+        # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for
+        # it and wins: nothing stays registered after it.
+        self._lock = threading.Lock()
+        self._withdrawn = False
+
+    def expose(self) -> None:
+        page_bytes = self.pool.bytes_per_page
+        with self._lock:
+            for base in [] if self._withdrawn else self._engine.base_addrs:
+                for begin, end, first in consecutive_runs(self.pages):
+                    addr = base + first * page_bytes
+                    if self._engine.engine.register_memory(addr, (end - begin) * page_bytes) != 0:
+                        self._unregister()
+                        raise self.fail(TransferError(FailureCode.INTERNAL, "mooncake could not register "
+                                                      "the transfer's decode pages"))
+                    self._exposed.append(addr)
+
+    def withdraw(self) -> None:
+        with self._lock:
+            self._withdrawn = True
+            self._unregister()
+
+    def _unregister(self) -> None:
+        for addr in self._exposed:
+            self._engine.engine.unregister_memory(addr)
+        self._exposed.clear()
 
 
 def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_bytes: int,
@@ -163,7 +216,8 @@ class MooncakeSender(KVSender):
 
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         super().__init__(pool, config)
-        self.engine = MooncakeEngine(pool, config)
+        # Over TCP a write reads its local source without a registration: nothing to expose here.
+        self.engine = MooncakeEngine(pool, config, register_pool=config.mooncake_protocol != "tcp")
 
     def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         destination = handshake.mooncake
@@ -184,7 +238,12 @@ class MooncakeReceiver(KVReceiver):
 
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         super().__init__(pool, config)
-        self.engine = MooncakeEngine(pool, config)
+        self.engine = MooncakeEngine(pool, config, register_pool=config.mooncake_protocol != "tcp")
+
+    def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
+        if self.engine.protocol == "tcp":
+            return MooncakePagesSink(self.pool, pages, self.engine)
+        return KVSink(self.pool, pages)
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.mooncake.session_id = self.engine.session_id

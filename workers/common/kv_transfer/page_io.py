@@ -96,21 +96,36 @@ class _Slot:
 
 
 class PageGather:
-    """Sender side: `slots` reusable staging buffers of `max_bytes`, filled by `gather`."""
+    """Sender side: `slots` reusable staging buffers of `max_bytes`, filled by `gather`.
+
+    The slots are made here, not on first use: a page-locked allocation synchronises the CUDA
+    context, so a slot made during a send would wait for the forward queued meanwhile (warm_up.py).
+    """
 
     def __init__(self, pool: KVPool, max_bytes: int, slots: int) -> None:
         self.pool = pool
         self.max_bytes = max_bytes
+        self.num_slots = slots
         self._slots: "queue.Queue[_Slot]" = queue.Queue()
-        self._lock = threading.Lock()
-        self._free = slots  # slots not yet allocated (allocated on first use: pinned memory is slow to get)
+        for _ in range(slots):
+            self._slots.put(_Slot(pool, max_bytes))
 
     def _acquire(self) -> _Slot:
-        with self._lock:
-            if self._free > 0 and self._slots.empty():
-                self._free -= 1
-                return _Slot(self.pool, self.max_bytes)
         return self._slots.get()
+
+    def warm(self, page_counts: Sequence[int]) -> None:
+        """Gathers `page_counts` pages of layer 0 once through every slot (each has its own stream,
+        so its own allocator cache): the kernels and cached blocks later gathers use (warm_up.py)."""
+        held = [self._slots.get() for _ in range(self.num_slots)]
+        try:
+            for slot in held:
+                for count in page_counts:
+                    count = min(count, self.max_bytes // self.pool.bytes_per_page)
+                    if count:
+                        self._fill(slot, range(1), list(range(count)), None)
+        finally:
+            for slot in held:
+                self._slots.put(slot)
 
     @contextlib.contextmanager
     def gather(self, layers: range, pages: Sequence[int], ready: "torch.cuda.Event | None" = None,
@@ -127,24 +142,29 @@ class PageGather:
         if on_slot_wait is not None:
             on_slot_wait(time.perf_counter() - began)
         try:
-            if slot.stream is None:
-                index = np.asarray(pages, dtype=np.int64)
-                out = _host_shaped(slot.host.numpy(), self.pool, len(layers), len(pages))
-                views = _host_views(self.pool)
-                for offset, layer in enumerate(layers):
-                    np.take(views[layer], index, axis=0, out=out[offset])
-            else:
-                with torch.cuda.stream(slot.stream):
-                    wait_ready(self.pool, ready, slot.stream)
-                    index = page_index(self.pool, pages)
-                    out = _shaped(slot.device, self.pool, len(layers), len(pages))
-                    for offset, layer in enumerate(layers):
-                        torch.index_select(self.pool.buffers[layer], 0, index, out=out[offset])
-                    slot.host[:size].copy_(slot.device[:size], non_blocking=True)
-                slot.stream.synchronize()
+            self._fill(slot, layers, pages, ready)
             yield memoryview(slot.host[:size].numpy())
         finally:
             self._slots.put(slot)
+
+    def _fill(self, slot: _Slot, layers: range, pages: Sequence[int], ready: "torch.cuda.Event | None") -> None:
+        """The bytes of `pages` x `layers` into `slot.host`; returns once they are there."""
+        if slot.stream is None:
+            index = np.asarray(pages, dtype=np.int64)
+            out = _host_shaped(slot.host.numpy(), self.pool, len(layers), len(pages))
+            views = _host_views(self.pool)
+            for offset, layer in enumerate(layers):
+                np.take(views[layer], index, axis=0, out=out[offset])
+            return
+        size = len(layers) * len(pages) * self.pool.bytes_per_page
+        with torch.cuda.stream(slot.stream):
+            wait_ready(self.pool, ready, slot.stream)
+            index = page_index(self.pool, pages)
+            out = _shaped(slot.device, self.pool, len(layers), len(pages))
+            for offset, layer in enumerate(layers):
+                torch.index_select(self.pool.buffers[layer], 0, index, out=out[offset])
+            slot.host[:size].copy_(slot.device[:size], non_blocking=True)
+        slot.stream.synchronize()
 
 
 _streams = threading.local()

@@ -84,7 +84,7 @@ def listening_ports() -> set[int]:
 
 def check_engine_ports() -> None:
     """Every port a Mooncake engine listens on lies in the range local port picks stay out of
-    (launcher/ports.py): the assumption the pickers rest on, checked against the library."""
+    (deepseek_pd/ports.py): the assumption the pickers rest on, checked against the library."""
     before = listening_ports()
     pool = random_pool(random.Random(), 4, 2)
     senders = [build_sender("mooncake", pool, TransportConfig()) for _ in range(3)]

@@ -54,3 +54,21 @@ def test_a_chunk_waiting_for_the_only_slot_reports_that_wait() -> None:
         assert bytes(data) == read_pages(pool, range(pool.num_layers), pages)
     thread.join(5)
     assert waits and waits[0] >= hold_s * 0.5, (waits, hold_s)
+
+
+def test_every_slot_is_made_when_the_gather_is_built() -> None:
+    """A slot made during a send would allocate page-locked memory while the next forward is
+    queued, and that allocation waits for the device (warm_up.py): all are made up front."""
+    rng = random.Random()
+    pool = _pool(rng)
+    slots = rng.randint(1, 4)
+    gather = PageGather(pool, pool.num_layers * pool.num_pages * pool.bytes_per_page, slots=slots)
+    made = [gather._slots.get_nowait() for _ in range(slots)]
+    assert len({id(slot) for slot in made}) == slots
+    for slot in made:
+        gather._slots.put(slot)
+    gather.warm([1, pool.num_pages])  # through every slot, then they are all back
+    pages = rng.sample(range(pool.num_pages), rng.randint(1, pool.num_pages))
+    with gather.gather(range(pool.num_layers), pages) as data:
+        assert bytes(data) == read_pages(pool, range(pool.num_layers), pages)
+    assert gather._slots.qsize() == slots

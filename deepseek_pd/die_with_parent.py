@@ -1,4 +1,4 @@
-"""`python -m deepseek_pd.launcher.die_with_parent PARENT_PID PROGRAM [ARGS...]`: asks the kernel to
+"""`python -m deepseek_pd.die_with_parent PARENT_PID PROGRAM [ARGS...]`: asks the kernel to
 SIGTERM this process when its parent dies (PR_SET_PDEATHSIG, which survives exec), then execs
 PROGRAM in its place.
 
@@ -27,7 +27,7 @@ def die_with_parent() -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or not argv[0].isdigit():
-        sys.exit("usage: python -m deepseek_pd.launcher.die_with_parent PARENT_PID PROGRAM [ARGS...]")
+        sys.exit("usage: python -m deepseek_pd.die_with_parent PARENT_PID PROGRAM [ARGS...]")
     die_with_parent()
     if os.getppid() != int(argv[0]):
         sys.exit(0)  # the launcher is already gone: nobody wants this process any more

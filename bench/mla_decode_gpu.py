@@ -1,0 +1,212 @@
+"""MLA decode on one GPU: our Triton kernel against FlashInfer's sm90 kernel, and issue 21's targets.
+
+For each shape (V3: 128 heads; V2-Lite: 16 heads; latent 512 + rope 64, page 64, bf16) and batch,
+one run times:
+- `triton`: our kernel (`model/kernels/mla_decode.py`, default tile);
+- `flashinfer`: FlashInfer's planned kernel (`model/kernels/flashinfer_mla.py`), run only, and its
+  host plan (once per batch, shared by all layers) apart;
+and checks both against the torch reference (relative error; FlashInfer writes into a NaN-poisoned
+output). FLOP/s and GB/s are read against the card's dense bf16 peak and HBM bandwidth.
+
+It then prints, per head count, the smallest batch from which FlashInfer's plan + one run per
+layer beats Triton's per-layer runs (the `MLADecodeRoute` table), and the targets of issue 21 with
+value, target, ratio and PASS/MISS, the card and the commit. JSON lines go to --out.
+
+Usage (GPU): python bench/mla_decode_gpu.py --out /tmp/mla.json; `--tiny` runs a few small shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RANK, ROPE, PAGE = 512, 64, 64
+# Card name fragment → (dense bf16 FLOP/s, HBM bytes/s): FACTS.md.
+CARDS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12)}
+LAYERS = {128: 61, 16: 27}  # decoder layers per step that reuse one plan (V3, V2-Lite)
+
+
+def card_peaks() -> tuple[str, float, float]:
+    name = torch.cuda.get_device_name()
+    for key, (flops, bw) in CARDS.items():
+        if key in name:
+            return name, flops, bw
+    return name, CARDS["H100"][0], CARDS["H100"][1]
+
+
+def timed_ms(fn, reps: int = 50) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median"))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def decode_case(heads: int, lengths: list[int]):
+    from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+    from deepseek_pd.model.kv_pool import KVPool
+
+    need = [-(-n // PAGE) for n in lengths]
+    pool = KVPool(1, sum(need) + 8, PAGE, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
+    order = torch.randperm(pool.num_pages).tolist()
+    pages, start = [], 0
+    for n in need:
+        pages.append(order[start:start + n])
+        start += n
+    pool.buffers[0].normal_()
+    batch = ForwardBatch.build(ForwardMode.DECODE, [[0]] * len(lengths), [n - 1 for n in lengths], pages, pool,
+                               vocab_size=1, device="cuda")
+    b = len(lengths)
+    q_latent = torch.randn(heads, b, RANK, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    q_pe = torch.randn(b, heads, ROPE, device="cuda", dtype=torch.bfloat16)
+    return batch, pool.buffers[0], q_latent, q_pe
+
+
+def measure(heads: int, lengths: list[int], flops_peak: float, bw_peak: float, with_reference: bool) -> dict:
+    from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend
+    from deepseek_pd.model.attention.triton_backend import decode_metadata
+    from deepseek_pd.model.kernels.mla_decode import mla_decode
+
+    batch, cache, q_latent, q_pe = decode_case(heads, lengths)
+    scale = 192 ** -0.5
+    tokens = sum(lengths)
+    nbytes = tokens * (RANK + ROPE) * 2 + 2 * q_latent.numel() * 2 + q_pe.numel() * 2
+    flops = 2.0 * heads * tokens * (2 * RANK + ROPE)
+    row = {"heads": heads, "batch": len(lengths), "sum_context": tokens, "max_context": max(lengths)}
+    ref = TorchAttentionBackend().mla_decode(q_latent, q_pe, cache, batch, RANK, scale) if with_reference else None
+
+    table, seq_lens, max_len = decode_metadata(batch)
+    ms = timed_ms(lambda: mla_decode(q_latent, q_pe, cache, table, seq_lens, max_len, scale))
+    row["triton"] = {"ms": ms, "TFLOPs": flops / ms / 1e9, "GBs": nbytes / ms / 1e6,
+                     "peak_frac": flops / ms / 1e-3 / flops_peak, "hbm_frac": nbytes / ms / 1e-3 / bw_peak}
+    if ref is not None:
+        row["triton"]["rel_err"] = rel_err(mla_decode(q_latent, q_pe, cache, table, seq_lens, max_len, scale), ref)
+
+    try:
+        from deepseek_pd.model.kernels.flashinfer_mla import flashinfer_mla_available, plan_decode
+
+        if not flashinfer_mla_available():
+            raise RuntimeError("flashinfer not available here")
+        plan = plan_decode(batch.page_table, batch.seq_lens, heads, RANK, ROPE, PAGE, scale, torch.bfloat16,
+                                page_lists=batch.page_lists)
+        out = torch.full((len(lengths), heads, RANK), float("nan"), dtype=torch.bfloat16, device="cuda")
+        plan.run(q_latent, q_pe, cache, out=out)
+        plans = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            plan_decode(batch.page_table, batch.seq_lens, heads, RANK, ROPE, PAGE, scale, torch.bfloat16,
+                                page_lists=batch.page_lists)
+            torch.cuda.synchronize()
+            plans.append((time.perf_counter() - t0) * 1e3)
+        ms = timed_ms(lambda: plan.run(q_latent, q_pe, cache, out=out))
+        row["flashinfer"] = {"ms": ms, "plan_ms": sorted(plans)[2], "TFLOPs": flops / ms / 1e9,
+                             "GBs": nbytes / ms / 1e6, "peak_frac": flops / ms / 1e-3 / flops_peak,
+                             "hbm_frac": nbytes / ms / 1e-3 / bw_peak, "nan_rows": int(torch.isnan(out).any(-1).sum())}
+        if ref is not None:
+            row["flashinfer"]["rel_err"] = rel_err(out, ref)
+    except Exception as exc:  # recorded, not fatal: the Triton figures still stand
+        row["flashinfer_error"] = repr(exc)[:400]
+    del batch, cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def best(row: dict, key: str) -> float:
+    cands = [row[k][key] for k in ("triton", "flashinfer") if k in row and row[k].get("rel_err", 0) < 2e-2]
+    return max(cands) if cands else 0.0
+
+
+def route_table(rows: list[dict]) -> dict:
+    """Per head count: the smallest batch from which plan + LAYERS runs of FlashInfer beat Triton's."""
+    out = {}
+    for heads in sorted({r["heads"] for r in rows if r.get("kind") == "sweep"}):
+        wins = []
+        for r in sorted((r for r in rows if r.get("kind") == "sweep" and r["heads"] == heads),
+                        key=lambda r: r["batch"]):
+            if "flashinfer" not in r:
+                continue
+            layers = LAYERS.get(heads, 61)
+            fi = r["flashinfer"]["plan_ms"] + layers * r["flashinfer"]["ms"]
+            wins.append((r["batch"], fi < layers * r["triton"]["ms"], fi, layers * r["triton"]["ms"]))
+        first = next((b for b, w, _, _ in wins if w and all(w2 for b2, w2, _, _ in wins if b2 >= b)), None)
+        out[heads] = {"min_batch": first, "per_batch": wins}
+    return out
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    def pick(kind, heads, batch=None):
+        return [r for r in rows if r.get("kind") == kind and r["heads"] == heads
+                and (batch is None or r["batch"] == batch)]
+
+    checks = []
+    big = pick("sweep", 128, 128)
+    if big:
+        checks.append(("MLA decode, 128 heads, bs 128, ~2.3k ctx: fraction of dense bf16 peak",
+                       best(big[0], "peak_frac"), 0.55))
+    long = pick("long", 128)
+    if long:
+        checks.append(("MLA decode, 128 heads, bs 1-8, 2k-32k ctx: worst fraction of HBM",
+                       min(best(r, "hbm_frac") for r in long), 0.70))
+    v2 = pick("sweep", 16, 128)
+    if v2:
+        checks.append(("MLA decode, 16 heads, bs 128: fraction of HBM", best(v2[0], "hbm_frac"), 0.85))
+    return [{"check": c, "value": v, "target": t, "ratio": v / t, "result": "PASS" if v >= t else "MISS"}
+            for c, v, t in checks]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="/tmp/mla_decode.json")
+    parser.add_argument("--tiny", action="store_true", help="a few small shapes (a smoke run)")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    print(f"seed {seed}", flush=True)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    name, flops_peak, bw_peak = card_peaks()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    batches = (1, 8, 32) if args.tiny else (1, 2, 4, 8, 16, 32, 64, 128)
+    cases = [("sweep", h, [random.randint(1500, 3100) for _ in range(b)]) for h in (128, 16) for b in batches]
+    long_ctx = (2048,) if args.tiny else (2048, 8192, 32768)
+    cases += [("long", 128, [ctx] * b) for b in ((1, 4) if args.tiny else (1, 2, 4, 8)) for ctx in long_ctx]
+    rows = []
+    with open(args.out, "w") as sink:
+        for kind, heads, lengths in cases:
+            row = {"kind": kind, **measure(heads, lengths, flops_peak, bw_peak, with_reference=sum(lengths) < 400_000)}
+            rows.append(row)
+            sink.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+        routes = route_table(rows)
+        checks = targets(rows)
+        sink.write(json.dumps({"routes": routes, "targets": checks, "card": name, "commit": commit}) + "\n")
+    print(f"\n{name}, commit {commit}")
+    print(f"{'kind':<6} {'H':>4} {'bs':>4} {'ctx':>8} {'triton ms':>10} {'TF/s':>6} {'fi ms':>8} {'TF/s':>6} "
+          f"{'GB/s':>6} {'plan ms':>8} {'err t/fi':>15}")
+    for r in rows:
+        t, f = r["triton"], r.get("flashinfer", {})
+        print(f"{r['kind']:<6} {r['heads']:>4} {r['batch']:>4} {r['sum_context']:>8} {t['ms']:>10.4f} "
+              f"{t['TFLOPs']:>6.0f} {f.get('ms', float('nan')):>8.4f} {f.get('TFLOPs', float('nan')):>6.0f} "
+              f"{f.get('GBs', float('nan')):>6.0f} {f.get('plan_ms', float('nan')):>8.3f} "
+              f"{t.get('rel_err', float('nan')):.1e}/{f.get('rel_err', float('nan')):.1e}")
+    for heads, route in routes.items():
+        print(f"route, {heads} heads: FlashInfer from batch {route['min_batch']} (plan + {LAYERS.get(heads, 61)} "
+              f"layers vs Triton)")
+    print(f"\nissue 21 MLA targets ({name}, commit {commit}); ratio = value / target")
+    for c in checks:
+        print(f"{c['check']:<72} {c['value']:>7.3f} {c['target']:>6} {c['ratio']:>6.2f}  {c['result']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

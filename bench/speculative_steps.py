@@ -1,0 +1,122 @@
+"""Cost of one speculative decode step (MTP draft chain + one verify forward + MTP catch-up) against
+a plain decode step, at each batch size and number of draft steps, and the speed-up that implies
+at given accept lengths: `speedup(A) = A * t_plain / t_spec(k)`. The speculative step is timed by
+`model.speculative.measure_step_costs`, the table the decode worker's per-step policy uses (its
+catch-up at k + 1 tokens per sequence, its largest, so the estimate is conservative); the plain
+step is `runner.decode` (CUDA-graph replay with `--cuda-graph`).
+
+On the GPU (V2-Lite shape with one random MTP layer; random weights accept nothing, so the
+speed-up is the implied one):
+    python bench/speculative_steps.py --write-v2-lite /tmp/v2lite-mtp --device cuda --dtype bfloat16 \\
+        --cuda-graph --batches 1,8,32,128 --steps 1,2,3 --out spec.json
+On the CPU, as a smoke run: `python bench/speculative_steps.py --tiny --device cpu --dtype float32 --out s.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+ACCEPT_LENGTHS = (1.8, 2.4, 3.0)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str, repeats: int) -> float:
+    """Median milliseconds of `fn()` over `repeats` calls after one warm-up."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: bool, batches: list[int],
+            draft_steps: list[int], context: int, repeats: int) -> dict:
+    from deepseek_pd.model.runner import DecodeSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.speculative import measure_step_costs
+
+    max_steps = max(draft_steps)
+    runner = ModelRunner(RunnerConfig(model=model, device=device, dtype=dtype, page_size=page_size,
+                                      cuda_graph=cuda_graph,
+                                      num_pages=-(-max(batches) * (context + max_steps + 1) // page_size) + 1,
+                                      speculative_num_steps=max_steps))
+    # The speculative step, as the decode worker's policy measures it (model/speculative.py).
+    costs = measure_step_costs(runner, batches, max_steps, context, repeats)
+    rng = random.Random(0)
+    rows = []
+    for col, batch in enumerate(batches):
+        pool = runner.kv_pool
+        pages = [pool.alloc(pool.pages_for_tokens(context + 1)) for _ in range(batch)]
+        try:
+            tokens = [rng.randrange(runner.model_config.vocab_size) for _ in range(batch)]
+            plain = _timed(lambda: runner.decode([DecodeSeq(t, context, p) for t, p in zip(tokens, pages)]),
+                           device, repeats)
+        finally:
+            for p in pages:
+                pool.free(p)
+        row = {"batch": batch, "plain_ms": plain}
+        for k in draft_steps:
+            cost = costs.ms[k][col]
+            row[f"spec{k}_ms"] = cost
+            for a in ACCEPT_LENGTHS:
+                if a <= k + 1:
+                    row[f"spec{k}_speedup_at_{a}"] = a * plain / cost
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"model": model, "device": device, "dtype": dtype, "cuda_graph": cuda_graph, "context": context,
+            "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", help="checkpoint directory with an MTP layer")
+    where.add_argument("--write-v2-lite", metavar="DIR",
+                       help="write (once) a random V2-Lite checkpoint with one MTP layer")
+    where.add_argument("--tiny", action="store_true", help="the tiny model with a random MTP layer (CPU smoke run)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--cuda-graph", action="store_true", help="plain decode by CUDA-graph replay")
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--steps", default="1,2,3", help="draft steps to time")
+    parser.add_argument("--context", type=int, default=1024, help="tokens already cached per sequence")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.tiny:
+        import tempfile
+
+        from deepseek_pd.model.tiny import make_tiny_model
+        model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny-mtp", mtp_layers=1))
+    elif args.write_v2_lite:
+        from random_checkpoint import ensure_random_checkpoint, v2_lite_config
+        model = args.write_v2_lite
+        ensure_random_checkpoint(model, v2_lite_config(num_nextn_predict_layers=1), device=args.device)
+    else:
+        model = args.model
+    result = measure(model, args.device, args.dtype, args.page_size, args.cuda_graph,
+                     [int(b) for b in args.batches.split(",")], [int(k) for k in args.steps.split(",")],
+                     args.context, args.repeats)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""FlashInfer's paged absorbed-MLA kernel (optional), behind a thin wrapper that checks its inputs.
+
+FlashInfer (PyPI `flashinfer-python`) JIT-compiles an sm90 MLA kernel ("fa3", wgmma tiles) on first
+use with the machine's nvcc. It is never required: `flashinfer_mla_available()` says whether it
+imports and runs here, and the attention backend falls back to our Triton kernel otherwise.
+
+One plan per batch: FlashInfer partitions the work on the host from the sequence lengths, so
+`plan_decode` runs once per `ForwardBatch` and every layer reuses it (`MLAPlan.run`). FlashInfer
+takes the pages as CSR with exactly ceil(length / page_size) pages per sequence; they are built on
+the host from the batch's page lists (no device sync), or compacted from the padded device table
+when a batch has no host lists.
+
+The torch backend (`model/attention/torch_backend.py`) is the oracle: tests/model/test_flashinfer_mla.py.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# FlashInfer's recommended float workspace (split-K partials); one per device, shared by all plans.
+_WORKSPACE_BYTES = 128 << 20
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+# The latent and rope widths FlashInfer's MLA kernels are compiled for (DeepSeek-V2/V3).
+SUPPORTED_WIDTHS = (512, 64)
+
+
+@functools.lru_cache(maxsize=None)
+def flashinfer_mla_available() -> bool:
+    """Whether FlashInfer's MLA wrapper imports and a Hopper (sm90) GPU is present."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    try:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
+    except Exception:  # an import error, or a broken install (missing nvcc headers, ABI)
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _workspace(device: torch.device) -> torch.Tensor:
+    return torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+@dataclass
+class MLAPlan:
+    """A planned FlashInfer MLA call for one batch shape; `run` may be called once per layer."""
+
+    wrapper: object
+    num_tokens: int
+    num_heads: int
+    rank: int
+    rope: int
+
+    def run(self, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """q_latent `[T,H,R]`, q_pe `[T,H,P]`, kv_cache `[pages, page, R+P]` → latent output `[T,H,R]`
+        (written into `out` when given: contiguous, q_latent's dtype)."""
+        t, h = self.num_tokens, self.num_heads
+        if q_latent.shape != (t, h, self.rank) or q_pe.shape != (t, h, self.rope):
+            raise ValueError(f"planned for q [{t},{h},{self.rank}] + [{t},{h},{self.rope}], got "
+                             f"{tuple(q_latent.shape)} + {tuple(q_pe.shape)}")
+        if kv_cache.shape[-1] != self.rank + self.rope or not kv_cache.is_contiguous():
+            raise ValueError(f"kv_cache must be contiguous [pages, page, {self.rank + self.rope}], "
+                             f"got {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+        # The kernel indexes query rows densely; the MLA layer's q_latent is a transposed bmm output.
+        q_nope = q_latent.contiguous()
+        q_rope = q_pe.contiguous()
+        if out is None:
+            out = torch.empty_like(q_nope)
+        elif out.shape != q_nope.shape or out.dtype != q_nope.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous {tuple(q_nope.shape)} {q_nope.dtype}, got {tuple(out.shape)}")
+        self.wrapper.run(query=(q_nope, q_rope), kv_cache=kv_cache, out=out)
+        return out
+
+
+def plan_decode(page_table: torch.Tensor, seq_lens: Sequence[int], num_heads: int, rank: int, rope: int,
+                page_size: int, scale: float, dtype: torch.dtype, backend: str = "fa3",
+                page_lists: Sequence[Sequence[int]] = ()) -> MLAPlan:
+    """Plan one query per sequence over `page_table` `[B, W]` (device) with host `seq_lens`;
+    `page_lists` (host, per sequence, at least the pages its length needs), when given, spares the
+    device-to-host read of the table."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+    if (rank, rope) != SUPPORTED_WIDTHS:
+        raise ValueError(f"FlashInfer MLA runs latent/rope widths {SUPPORTED_WIDTHS}, not {(rank, rope)}")
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"FlashInfer MLA runs bf16/fp16, not {dtype}")
+    batch, width = page_table.shape
+    if batch != len(seq_lens) or batch == 0:
+        raise ValueError(f"page table has {batch} rows for {len(seq_lens)} sequences")
+    if max(seq_lens) > width * page_size or min(seq_lens) < 1:
+        raise ValueError(f"lengths {min(seq_lens)}..{max(seq_lens)} do not fit {width} pages of {page_size}")
+    counts = [-(-n // page_size) for n in seq_lens]
+    kv_indptr = [0]
+    for c in counts:
+        kv_indptr.append(kv_indptr[-1] + c)
+    if page_lists:
+        if len(page_lists) != batch or any(len(p) < c for p, c in zip(page_lists, counts)):
+            raise ValueError("page_lists must hold every page of each sequence's length")
+        kv_indices = torch.tensor([page for pages, c in zip(page_lists, counts) for page in pages[:c]],
+                                  dtype=torch.int32)
+    else:
+        used = torch.arange(width, device=page_table.device) < torch.tensor(counts, device=page_table.device)[:, None]
+        kv_indices = page_table[used].to(torch.int32)  # row-major: each sequence's pages in order
+    metadata = MLAPlanMetadata.csr(qo_indptr=torch.arange(batch + 1, dtype=torch.int32),
+                                   kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),
+                                   kv_indices=kv_indices, kv_len_arr=torch.tensor(list(seq_lens), dtype=torch.int32))
+    wrapper = BatchMLAPagedAttentionWrapper(_workspace(page_table.device), backend=backend)
+    wrapper.plan(metadata=metadata, num_heads=num_heads, head_dim_ckv=rank, head_dim_kpe=rope,
+                 page_size=page_size, causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype,
+                 query_layout="split", kv_cache_layout="packed")
+    return MLAPlan(wrapper, batch, num_heads, rank, rope)

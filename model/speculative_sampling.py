@@ -1,0 +1,106 @@
+"""Acceptance of a draft chain against the target's verify logits (the math of speculative decoding).
+
+The rule, for one request with drafts d1..dk and verify logits at positions 0..k:
+    for i = 0, 1, ...: the target's token t_i is drawn from position i by the request's own
+    sampler (argmax when greedy; a draw from the temperature / top-p / top-k / penalised
+    distribution otherwise) and emitted; go on to i + 1 only while t_i == d_{i+1} (and the
+    request has not stopped); position k's token is the "bonus" token and always the last.
+So greedy keeps the longest agreeing prefix plus the target's next token, and sampling is
+rejection sampling with a deterministic (one-hot) draft: d_{i+1} is accepted with probability
+p_i(d_{i+1}), and on rejection the token comes from p_i with d_{i+1} removed and renormalised,
+which is what `t_i ~ p_i, t_i != d` is. Each emitted token therefore has the target's conditional
+distribution given the emitted prefix, and the sequence the target's joint distribution: the
+statistical test in tests/model/test_speculative_sampling.py checks it, and that a wrong rule fails.
+
+Worked example: drafts [5, 9, 2]; the target draws 5 at position 0 (accept), 9 at 1 (accept), 7 at
+2 (reject: emitted, then stop): emitted [5, 9, 7], accepted 2, accept length 3.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+
+class Drafted(Protocol):
+    """A request as acceptance sees it: its output so far (the sampler appends) and whether it stopped."""
+
+    output_ids: list[int]
+
+    @property
+    def finished(self) -> bool: ...
+
+
+# Draws one token per request from `logits` rows `[n, V]` and appends it to each request's output
+# (and stop checker): the offline engine's `_sample`.
+SampleFn = Callable[[list, torch.Tensor], None]
+
+
+@dataclass
+class AcceptStats:
+    """Counts since start: verify rows (one per request per step), drafted, accepted, emitted tokens."""
+
+    verify_rows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0  # drafts the target's token was compared with and differed from (<= 1 per row)
+    emitted: int = 0
+    # tokens emitted by one verify row -> how many rows emitted that many
+    histogram: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens a request gets per verify forward (1.0: every draft rejected)."""
+        return self.emitted / self.verify_rows if self.verify_rows else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """Of the drafts the target looked at, the share it confirmed (a chain's per-draft rate)."""
+        looked = self.accepted + self.rejected
+        return self.accepted / looked if looked else 0.0
+
+    def add(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.verify_rows += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rejected += int(accepted < drafted and emitted > accepted)
+        self.emitted += emitted
+        self.histogram[emitted] = self.histogram.get(emitted, 0) + 1
+
+
+def accept_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """How many leading drafts the target's tokens confirm (`targets[i] == drafts[i]`)."""
+    n = 0
+    for d, t in zip(drafts, targets):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+def continues(request: Drafted, drafts: Sequence[int], position: int) -> bool:
+    """After emitting the target's token of verify position `position`: is the next position's
+    verify row still conditioned on what was emitted (the token confirmed draft `position`)?"""
+    return (not request.finished and position < len(drafts)
+            and request.output_ids[-1] == drafts[position])
+
+
+def accept_drafts(requests: Sequence[Drafted], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
+                  starts: Sequence[int], sample: SampleFn, stats: AcceptStats | None = None) -> list[int]:
+    """Emits each request's tokens from its verify rows `logits[starts[n] + i]` by the rule above;
+    returns how many tokens each request got (1 .. len(drafts[n]) + 1, fewer only if it stopped)."""
+    emitted = [0] * len(requests)
+    alive = list(range(len(requests)))
+    position = 0
+    while alive:
+        rows = torch.tensor([starts[n] + position for n in alive], device=logits.device)
+        sample([requests[n] for n in alive], logits[rows])
+        for n in alive:
+            emitted[n] += 1
+        alive = [n for n in alive if continues(requests[n], drafts[n], position)]
+        position += 1
+    if stats is not None:
+        for n, request in enumerate(requests):
+            stats.add(len(drafts[n]), accept_prefix(drafts[n], request.output_ids[-emitted[n]:]), emitted[n])
+    return emitted

@@ -1,0 +1,129 @@
+"""Speculative decoding in the offline engine against the same model without it (HF has no MTP):
+greedy outputs identical token for token over seeded prompts and batch mixes (chunked prefill,
+page sizes, budgets, penalties, stop ids and strings, logprobs), seeded sampling identical too, the
+KV pool back to empty; and, with the tiny MTP layer trained for a few seconds, an accept length
+well above 1 (so the accept path is exercised, not only the reject path)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepseek_pd.model.engine import Engine
+from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.tiny import make_tiny_model
+from pdtest.mtp_training import train_mtp
+
+pytestmark = pytest.mark.timeout(600)
+CHUNK = 8  # small prefill chunks: the prompt's hidden states are gathered over several rounds
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def seed() -> int:
+    value = random.randrange(100_000)
+    print(f"seed={value}")
+    return value
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, seed):
+    """(checkpoint, base engine, speculative engine with a trained MTP layer, training prompts)."""
+    path = make_tiny_model(tmp_path_factory.mktemp("spec") / "v3", seed=seed % 1000, mtp_layers=1)
+    base = Engine(str(path), chunked_prefill_size=CHUNK, page_size=4)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, base.vocab_size) for _ in range(rng.randint(2, 10))] for _ in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    sequences = [p + r.output_ids for p, r in zip(prompts, base.generate_batch(prompts, greedy))]
+    spec = Engine(str(path), chunked_prefill_size=CHUNK, page_size=4, speculative_num_steps=3)
+    accuracy, steps = train_mtp(spec.runner, sequences, seconds=15.0)
+    print(f"MTP training: {steps} steps, next-next-token accuracy {accuracy:.3f}")
+    return path, base, spec, prompts
+
+
+def _same(a, b) -> None:
+    assert a.output_ids == b.output_ids
+    assert (a.finish_reason, a.matched_stop, a.text) == (b.finish_reason, b.matched_stop, b.text)
+    torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0)
+    assert [t.token_ids for t in a.output_top_logprobs] == [t.token_ids for t in b.output_top_logprobs]
+
+
+def test_trained_mtp_accepts_and_output_is_unchanged(setup):
+    _, base, spec, prompts = setup
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    spec.speculative.stats.__init__()
+    got = spec.generate_batch(prompts, greedy)
+    stats = spec.speculative.stats
+    print(f"accept length {stats.accept_length:.2f} (drafted {stats.drafted}, accepted {stats.accepted}, "
+          f"histogram {dict(sorted(stats.histogram.items()))})")
+    for a, b in zip(got, base.generate_batch(prompts, greedy)):
+        _same(a, b)
+    assert stats.accept_length > 1.8
+    assert max(stats.histogram) == 4  # some steps accepted every draft (3 + the bonus token)
+    assert spec.runner.kv_pool.num_used_pages == 0
+    # For the record (no bound): prompts it was not trained on. A few seconds memorise the training
+    # sequences rather than learn the model, so expect little above 1 here.
+    rng = random.Random(len(prompts))
+    held_out = [[rng.randrange(2, base.vocab_size) for _ in range(rng.randint(2, 10))] for _ in range(6)]
+    spec.speculative.stats.__init__()
+    for a, b in zip(spec.generate_batch(held_out, greedy), base.generate_batch(held_out, greedy)):
+        _same(a, b)
+    print(f"held-out accept length {spec.speculative.stats.accept_length:.2f}")
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 8])
+def test_greedy_identical_over_prompts_and_batch_mixes(setup, seed, steps):
+    path, base, trained, train_prompts = setup
+    spec = trained if steps == 3 else Engine(str(path), chunked_prefill_size=CHUNK, page_size=4,
+                                              speculative_num_steps=steps)
+    if spec is not trained and steps != 1:  # k = 1 keeps its random MTP layer: mostly rejections
+        spec.runner.model.mtp.load_state_dict(trained.runner.model.mtp.state_dict())
+    rng = random.Random(seed + steps)
+    for _ in range(3):
+        batch = rng.sample(train_prompts, rng.randint(0, 3))
+        batch += [[rng.randrange(2, base.vocab_size) for _ in range(rng.randint(1, 25))]
+                  for _ in range(rng.randint(1, 4))]
+        rng.shuffle(batch)
+        params = [SamplingParams(temperature=0.0, max_new_tokens=rng.randint(1, 20), ignore_eos=True,
+                                 frequency_penalty=rng.choice([0.0, 0.5]), top_logprobs_num=rng.choice([0, 3]))
+                  for _ in batch]
+        for a, b in zip(spec.generate_batch(batch, params), base.generate_batch(batch, params)):
+            _same(a, b)
+        assert spec.runner.kv_pool.num_used_pages == 0
+
+
+def test_stops_mid_acceptance_as_without_speculation(setup):
+    _, base, spec, prompts = setup
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    reference = base.generate_batch(prompts, greedy)
+    # stop on a token the trained draft will have accepted inside a step, and on a text snippet
+    params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, stop_token_ids=(r.output_ids[5],))
+              for r in reference]
+    for a, b in zip(spec.generate_batch(prompts, params), base.generate_batch(prompts, params)):
+        _same(a, b)
+        assert a.finish_reason == "stop"
+    texts = [r.text for r in reference]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, stop=(t[len(t) // 2:][:2],))
+              if len(t) > 4 else SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True) for t in texts]
+    for a, b in zip(spec.generate_batch(prompts, params), base.generate_batch(prompts, params)):
+        _same(a, b)
+
+
+def test_seeded_sampling_identical(setup, seed):
+    _, base, spec, prompts = setup
+    rng = random.Random(seed)
+    params = [SamplingParams(temperature=rng.choice([0.5, 1.0, 1.5]), top_p=rng.choice([1.0, 0.9]),
+                             top_k=rng.choice([-1, 20]), max_new_tokens=16, ignore_eos=True, seed=rng.randrange(1 << 30))
+              for _ in prompts]
+    spec.speculative.stats.__init__()
+    for a, b in zip(spec.generate_batch(prompts, params), base.generate_batch(prompts, params)):
+        _same(a, b)
+    print(f"sampled accept length {spec.speculative.stats.accept_length:.2f}")

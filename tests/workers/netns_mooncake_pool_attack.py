@@ -1,0 +1,108 @@
+"""What a stranger on the Mooncake ports (no deployment secret, its own TransferEngine, every
+address known) can still do to PD workers over Mooncake TCP; run by test_security_mooncake_pool.py
+inside a private network namespace. Prints one line per probe; exits non-zero on a failed check.
+
+Cannot (each was possible before registrations were narrowed):
+- read or write the prefill pool (its KV and radix cache): the prefill side registers nothing;
+- read or write the decode pool while no transfer runs, or the pages of a request that is
+  decoding (its transfer is over): only a transfer's own pages are registered, while it runs.
+Can (still open, Mooncake authenticates no peer): write into the pages of a transfer in flight;
+the write lands, and the decode side's checks catch only non-finite values.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+
+import torch
+
+from deepseek_pd.model.sampling_params import SamplingParams
+from pdtest.hostile_prefill import hold_transfer_done
+from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, worker_config
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+
+
+def stranger():
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    return engine  # registers nothing: a TCP transfer reads and writes its local memory directly
+
+
+def try_read(engine, session: str, addr: int, length: int) -> bool:
+    """Whether the stranger read `length` bytes at `addr` of the peer."""
+    buf = torch.zeros(length, dtype=torch.uint8)
+    return engine.transfer_sync_read(session, buf.data_ptr(), addr, length) == 0
+
+
+def try_write(engine, session: str, addr: int, length: int) -> bool:
+    """Whether the stranger wrote `length` bytes of NaN (float32) at `addr` of the peer."""
+    nan = torch.full((length // 4,), float("nan"))
+    return engine.transfer_sync_write(session, nan.data_ptr(), addr, length) == 0
+
+
+def main(seed: int) -> None:
+    rng = random.Random(seed)
+    vocab = oracle().vocab_size
+    prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
+    expected = [oracle().generate(p, GREEDY).output_ids for p in prompts]
+    async def run(pulled: dict[str, list[int]]):
+        config = worker_config("mooncake")
+        async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
+            attacker = stranger()
+            p_session = pair.prefill.sender.engine.session_id
+            d_session = pair.decode.receiver.engine.session_id
+            page = pair.decode.pool.bytes_per_page
+            first = await pair.run(prompts[0], GREEDY, "warm")  # the prefill pool now holds cached KV
+            assert first[1].ok and first[1].tokens == expected[0], first
+            p_base = pair.prefill.pool.buffers[0].data_ptr()
+            d_base = pair.decode.pool.buffers[0].data_ptr()
+            before = [buffer.clone() for buffer in pair.prefill.pool.buffers]
+            assert not try_read(attacker, p_session, p_base, page), "read the prefill pool"
+            assert not try_write(attacker, p_session, p_base, page), "wrote the prefill pool"
+            assert all(torch.equal(b, a) for b, a in zip(before, pair.prefill.pool.buffers))
+            print("cannot: read or write the prefill pool")
+            assert not try_read(attacker, d_session, d_base, page), "read the idle decode pool"
+            assert not try_write(attacker, d_session, d_base, page), "wrote the idle decode pool"
+            print("cannot: read or write the decode pool while no transfer runs")
+
+            decoding = asyncio.Event()
+
+            async def on_event(event):
+                decoding.set()
+            p_req, d_req = pair.requests(prompts[1], GREEDY, "victim")
+            victim = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_event))
+            await asyncio.wait_for(decoding.wait(), 60)
+            pages = pulled["victim-d"]
+            hits = [try_write(attacker, d_session, d_base + p * page, page) for p in pages]
+            _, outcome = await victim
+            assert not any(hits) and outcome.ok and outcome.tokens == expected[1], (hits, outcome)
+            print(f"cannot: write the pages of a decoding request ({len(pages)} pages tried)")
+
+            # Still open: a transfer in flight has its pages registered. Hold the prefill side's
+            # TransferDone so the transfer stays in flight while the stranger writes.
+            sent, release = asyncio.Event(), asyncio.Event()
+            undo = hold_transfer_done(pair.prefill, sent, release)
+            p_req, d_req = pair.requests(prompts[2], GREEDY, "in-flight")
+            held = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
+            await asyncio.wait_for(sent.wait(), 60)
+            pages = pulled["in-flight-d"]
+            landed = try_write(attacker, d_session, d_base + pages[0] * page, page)
+            release.set()
+            _, outcome = await held
+            undo()
+            assert landed and not outcome.ok and "NaN" in outcome.terminal.message, (landed, outcome)
+            print("can (still open): write into the pages of a transfer in flight; NaN is refused, "
+                  "finite garbage would not be")
+            await pair.wait_pools_clean(config.transport.send_timeout_s + 10)
+
+    with recorded_pulls() as pulled:
+        asyncio.run(run(pulled))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
+    print("attack probes ok")

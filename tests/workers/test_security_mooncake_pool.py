@@ -1,0 +1,24 @@
+"""A stranger on the Mooncake ports (no secret) against PD workers over Mooncake TCP, in a private
+network namespace (netns_mooncake_pool_attack.py): it can no longer read or write the prefill pool,
+the idle decode pool or a decoding request's pages; it can still write the pages of a transfer in
+flight (Mooncake authenticates no peer; docs/operations.md §8).
+
+Before the per-transfer registration every probe succeeded: the whole of both pools was registered
+for the workers' lifetime."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pdtest.netns import run_in_netns
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
+
+
+def test_a_stranger_reaches_only_the_pages_of_a_transfer_in_flight():
+    seed = random.randrange(1 << 30)
+    out = run_in_netns(Path(__file__).with_name("netns_mooncake_pool_attack.py"), str(seed))
+    print("seed", seed, out)
+    assert out.count("cannot:") == 3 and "can (still open)" in out and "attack probes ok" in out, out

@@ -1,0 +1,49 @@
+"""`serve --speculative-num-steps` (workers/serve_resolution.py): the runner gets it, the identity's
+KV bytes per token count the MTP layer's KV (one layer more: what the pool holds, and `bench
+serving` reads), decode CUDA graphs stay off by default, and a value out of range is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deepseek_pd.cli import build_parser
+from deepseek_pd.commands.serve import flags_from_args
+from deepseek_pd.errors import UserError
+from deepseek_pd.model import runner as runner_module
+from deepseek_pd.model.tiny import tiny_config
+from deepseek_pd.workers.serve_resolution import resolve_serve_config
+
+
+def resolve(*argv: str):
+    return resolve_serve_config(flags_from_args(build_parser().parse_args(["serve", *argv])))
+
+
+@pytest.fixture
+def model(tmp_path):
+    config = {**tiny_config("v3", 512), "torch_dtype": "bfloat16", "num_nextn_predict_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_flag_reaches_the_runner_and_the_identity(model, role):
+    plain = resolve(role, "--model", model, "--device", "cpu")
+    spec = resolve(role, "--model", model, "--device", "cpu", "--speculative-num-steps", "2")
+    assert (plain.runner.speculative_num_steps, spec.runner.speculative_num_steps) == (0, 2)
+    layers = 4  # tiny_config's decoder layers; the MTP layer's KV is one more
+    assert spec.identity.kv_bytes_per_token == plain.identity.kv_bytes_per_token * (layers + 1) // layers
+
+
+def test_graphs_stay_off_with_speculation_on_a_gpu(model, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
+    assert resolve("decode", "--model", model).runner.cuda_graph
+    assert not resolve("decode", "--model", model, "--speculative-num-steps", "3").runner.cuda_graph
+
+
+@pytest.mark.parametrize("steps", ["9", "-1"])
+def test_out_of_range_is_refused(model, steps):
+    with pytest.raises(UserError, match="--speculative-num-steps must be an integer in 0..8"):
+        resolve("decode", "--model", model, "--device", "cpu", "--speculative-num-steps", steps)

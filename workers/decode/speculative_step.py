@@ -1,0 +1,128 @@
+"""The decode worker's speculative step (model/speculative.py): draft, verify, accept, catch up.
+
+Runs in the model thread; the event loop streams the tokens afterwards. Each request has one
+`SpecRow` for its life: the speculative decoder keeps its draft state by that row, and the row
+holds a host copy of the output (the model thread appends the step's tokens there; the event
+loop's own `output_ids` grow as it streams them, `DecodeEngine._accept`).
+
+Only the output budget ends a row inside a step (`SpecRow.finished`); a stop token or string is
+found on the host when the tokens are streamed, and the tokens after it are dropped there. The
+target's tokens up to a stop are those of a run without speculation, so this changes nothing but
+a little wasted work.
+
+    stepper = SpeculativeStepper(runner, num_steps, sampler)
+    tokens = stepper.prefill(plan, rows, finishing)  # colocated: extend + first tokens + MTP pass
+    emitted = stepper.step(rows)                     # per row: [(token, logprob, top), ...]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from deepseek_pd.model.prefill_planner import ExtendPlan
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs, pack, unpack
+from deepseek_pd.model.sampling import Sampler, SamplingState
+from deepseek_pd.model.speculation_policy import SpeculationPolicy, StepCosts
+from deepseek_pd.model.speculative import SpeculativeDecoder, measure_step_costs
+from deepseek_pd.workers.common.extend_step import run_extend_with_mtp
+
+
+@dataclass(eq=False)
+class SpecRow:
+    """A request as the speculative decoder sees it (`model.speculative.SpecRequest`)."""
+
+    prompt_ids: list[int]
+    pages: list[int]
+    max_new: int
+    sampling: SamplingState
+    output_ids: list[int] = field(default_factory=list)
+    # this step's tokens, for the event loop: (token, logprob, top logprobs or None)
+    new: list[tuple[int, float, TopLogprobs | None]] = field(default_factory=list)
+    # A PD request's first draft as the prefill worker sent it (token, hidden), until a step seeds it.
+    wire_draft: tuple[int, list[float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output_ids) >= self.max_new
+
+
+class SpeculativeStepper:
+    def __init__(self, runner: ModelRunner, num_steps: int, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.decoder = SpeculativeDecoder(runner, num_steps, self._sample)
+        self.runner = runner
+        # With `speculative_adaptive`: drafts per step by batch size (`calibrate` measures the costs).
+        self.policy: SpeculationPolicy | None = None
+
+    def calibrate(self, max_batch: int, context: int = 256, repeats: int = 3) -> StepCosts:
+        """Measures the step costs at batch 1, 2, 4, .. max_batch (as the pool's free pages allow)
+        and turns the per-step choice on. Model thread, before serving."""
+        pool, steps = self.runner.kv_pool, self.decoder.num_steps
+        per_seq = pool.pages_for_tokens(context + steps + 1)
+        batches, b = [], 1
+        while b <= max_batch and b * per_seq <= pool.num_free_pages:
+            batches.append(b)
+            b *= 2
+        costs = measure_step_costs(self.runner, batches or [1], steps, context, repeats)
+        self.policy = SpeculationPolicy(costs, steps)
+        return costs
+
+    @property
+    def stats(self):
+        return self.decoder.stats
+
+    def _sample(self, rows: list[SpecRow], logits: torch.Tensor) -> None:
+        out = self.sampler.sample(logits, [row.sampling for row in rows])
+        sampled = unpack(pack(out).cpu(), out.top_counts)
+        for row, token, logprob, top in zip(rows, sampled.token_ids, sampled.logprobs, sampled.top):
+            row.output_ids.append(token)
+            row.new.append((token, logprob, top))
+
+    def prefill(self, plan: ExtendPlan, rows: Sequence[SpecRow], finishing: Sequence[int]) -> SampledTokens:
+        """A colocated prefill round (`plan.items[i]` is `rows[i]`'s prompt): the extend, the first
+        token of each `finishing` row and the MTP layer over the round (`run_extend_with_mtp`); the
+        completed prompts' first drafts seed the speculative decoder."""
+        sampled, drafts = run_extend_with_mtp(self.runner, self.sampler, plan.seqs, finishing,
+                                              [rows[i].sampling for i in finishing],
+                                              [item.token_ids for item in plan.items])
+        for i, token, (draft, hidden) in zip(finishing, sampled.token_ids, drafts):
+            rows[i].output_ids = [token]
+            self.decoder.seed(rows[i], draft, hidden)
+        return sampled
+
+    def step(self, rows: Sequence[SpecRow]) -> list[list[tuple[int, float, TopLogprobs | None]]]:
+        """One speculative step for every row; returns each row's emitted tokens, in order."""
+        for row in rows:
+            row.new.clear()
+            if row.wire_draft is not None:
+                token, hidden = row.wire_draft
+                row.wire_draft = None
+                weight = self.runner.model.embed_tokens.weight
+                self.decoder.seed(row, token, torch.tensor(hidden, dtype=weight.dtype).to(weight.device))
+        if self.policy is None:
+            self.decoder.step(list(rows))
+        else:
+            stats = self.stats
+            accepted, rejected = stats.accepted, stats.rejected
+            self.decoder.step(list(rows), self.policy.steps_for(len(rows)))
+            self.policy.rate.observe(stats.accepted - accepted, stats.rejected - rejected)
+        return [list(row.new) for row in rows]
+
+    def forget(self, row: SpecRow) -> None:
+        self.decoder.forget(row)
+
+
+def wire_draft(done, vocab_size: int, hidden_size: int) -> tuple[int, list[float]] | None:
+    """The first draft a prefill worker sent in `TransferDone` (`mtp_draft_token_id`, `mtp_hidden`),
+    or None when there is none or it does not fit this model (then the first step verifies the
+    first token alone: output is unaffected, only that step's speedup is lost)."""
+    hidden = list(done.mtp_hidden)
+    if len(hidden) != hidden_size or not 0 <= done.mtp_draft_token_id < vocab_size:
+        return None
+    if not all(math.isfinite(v) for v in hidden):
+        return None
+    return done.mtp_draft_token_id, hidden
