@@ -176,7 +176,7 @@ def test_a_handshake_captured_before_a_restart_is_refused_after_it():
     """The used nonces live in memory: a restarted prefill (a new server on the same port, the room
     waiting again) took the captured handshake once more before tokens were bound to its start."""
     rng = random.Random()
-    auth = InternalAuth(secret=os.urandom(32))
+    auth = InternalAuth(secret=random.randbytes(32))
 
     async def run():
         async with _Prefills(1, auth, rng) as prefills:
