@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv system-deps control-plane image image-cpu image-cuda image-push clean
+.PHONY: demo test fuzz venv system-deps control-plane third-party-crds image image-cpu image-cuda image-push clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,22 @@ demo: $(STAMP) system-deps
 control-plane:
 	@bash scripts/build-control-plane.sh >/dev/null
 
-test: $(STAMP) system-deps control-plane
-	$(BIN)/python -m pytest -q -rs --durations=15 tests
+# CRDs of the kinds the operator renders but Kubernetes does not define (ServiceMonitor, PodGroup),
+# from their pinned Go modules into ~/.cache/deepseek-pd/crds/ (a no-op when cached).
+third-party-crds:
+	@bash scripts/fetch-third-party-crds.sh >/dev/null
+
+# One random seed per run, printed first ("random seed: N"); `make test SEED=N` replays a run and
+# `make test TESTS=tests/launcher` runs a part. Hypothesis runs derandomized (profile "ci"): CI
+# cannot pass or fail by the draw. scripts/stress-suite.sh runs it from clean clones, under load.
+TESTS ?= tests
+test: $(STAMP) system-deps control-plane third-party-crds
+	$(BIN)/python -m pytest -q -rfEs --durations=15 --hypothesis-profile=ci $(if $(SEED),--seed $(SEED)) $(TESTS)
+
+# The property tests only, with 20x more examples from a fresh seed (or SEED=N): before a release,
+# not in CI. A failure prints the seed and hypothesis' blob that replay it.
+fuzz: $(STAMP) system-deps control-plane third-party-crds
+	$(BIN)/python -m pytest -q -rfEs --durations=15 -m hypothesis --hypothesis-profile=fuzz $(if $(SEED),--seed $(SEED)) $(TESTS)
 
 # The images: `make image` builds the CPU image (Dockerfile) as <repo>:<appVersion>, which the
 # chart runs as the operator, and <appVersion>-cpu (examples/cpu-minimal.yaml's workers), and the

@@ -9,3 +9,6 @@ from deepseek_pd.workers.common.internal_auth import SECRET_FILE_ENV, create_sec
 
 if not os.environ.get(SECRET_FILE_ENV):
     os.environ[SECRET_FILE_ENV] = str(create_secret_file(Path(tempfile.mkdtemp(prefix="dspd-secret-")) / "secret"))
+
+# The run's random seed, printed first; every test's draws replay from it (pdtest/seeding.py).
+pytest_plugins = ("pdtest.seeding",)

@@ -111,3 +111,12 @@ def offline_engine(models):
     from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE
 
     return Engine(model=str(models / "tiny"), chunked_prefill_size=CHUNKED_PREFILL_SIZE, page_size=PAGE_SIZE)
+
+
+@pytest.fixture(scope="session")
+def third_party_crds(admin_kube):
+    """The pinned third-party CRDs (ServiceMonitor, PodGroup) installed into the control plane:
+    `third_party_crds.admit(obj)` is the server's own verdict on an object of their kinds."""
+    from third_party_crds import ThirdPartyCrds
+
+    return ThirdPartyCrds.install(admin_kube)

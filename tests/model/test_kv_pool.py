@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv_pool import KVPool, KVPoolExhausted
+from pdtest.seeding import examples
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150))
 @given(num_pages=st.integers(1, 24),
        ops=st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 30), st.randoms()), max_size=60))
 def test_random_alloc_free_never_hands_out_a_page_twice(num_pages, ops):

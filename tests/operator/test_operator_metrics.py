@@ -13,7 +13,6 @@ import copy
 import pathlib
 import random
 
-import kubernetes_validate
 import pytest
 import yaml
 from test_operator_reconcile import LOG, MemoryApi, _body
@@ -27,6 +26,7 @@ from deepseek_pd.operator.kube import ApiError
 from deepseek_pd.operator.reconcile import Reconciler, build_static_children
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.workers.common.metrics_server import MetricsConfig
+from pdtest.schema_admission import Refused, validate
 
 pytestmark = pytest.mark.timeout(120)
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
@@ -97,7 +97,7 @@ def test_every_metrics_port_is_declared_annotated_and_served(trial):
     assert "metrics" in {p["targetPort"] for p in build_router_service(spec)["spec"]["ports"]}
     assert build_service_monitor(spec) is None  # off by default
     for manifest in build_static_children(spec) + [build_group_statefulset(spec, "decode", 0)]:
-        kubernetes_validate.validate(manifest, "1.37", strict=True)
+        validate(manifest)
 
 
 def test_service_monitor_reaches_every_rank_and_the_router():
@@ -114,6 +114,19 @@ def test_service_monitor_reaches_every_rank_and_the_router():
     assert endpoints == metrics_ports
     for service in services:  # the monitor's selector picks every one of them
         assert service["metadata"]["labels"][names.LABEL_DEPLOYMENT] == "v3"
+    validate(monitor)  # prometheus-operator's own CRD (pdtest.schema_admission)
+
+
+@pytest.mark.parametrize("field,value", [("interval", "15 seconds"), ("port", 9), ("notAField", "x")])
+def test_the_crd_check_refuses_a_bad_service_monitor(field, value):
+    """The in-process check of pdtest.schema_admission is able to refuse (tests/k8s holds it to the
+    server's verdict): an interval outside the CRD's pattern, a wrong type, an unknown field."""
+    raw = _raw(random.Random())
+    raw["metrics"]["serviceMonitor"] = True
+    monitor = build_service_monitor(DeploymentSpec.parse("v3", "llm", raw))
+    monitor["spec"]["endpoints"][0][field] = value
+    with pytest.raises(Refused, match="spec.endpoints.0"):
+        validate(monitor)
 
 
 def test_metrics_disabled_renders_no_port_flag_or_annotation():

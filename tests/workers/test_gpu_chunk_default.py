@@ -77,12 +77,12 @@ def test_cuda_devices_map_to_nvml_through_cuda_visible_devices() -> None:
     for _ in range(100):
         n = rng.randint(0, 4)
         assert nvml.visible_device(n, None) == n
-        entries = [rng.choice([str(rng.randrange(8)), f"GPU-{uuid.uuid4()}"]) for _ in range(rng.randint(1, 6))]
+        entries = [rng.choice([str(rng.randrange(8)), f"GPU-{uuid.UUID(int=rng.getrandbits(128))}"]) for _ in range(rng.randint(1, 6))]
         visible = ",".join(entries)
         for index in range(len(entries) + 2):
             want = None if index >= len(entries) else int(entries[index]) if entries[index].isdigit() else entries[index]
             assert nvml.visible_device(index, visible) == want
-    assert nvml.visible_device(0, f"MIG-{uuid.uuid4()}") is None
+    assert nvml.visible_device(0, f"MIG-{uuid.UUID(int=random.getrandbits(128))}") is None
     assert nvml.visible_device(0, "") is None
 
 

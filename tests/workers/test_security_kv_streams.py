@@ -4,7 +4,6 @@ decode side, which opened its streams with tokens bound to its handshake, gets e
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 
 import grpc
@@ -42,14 +41,14 @@ def test_a_kv_stream_without_the_secret_is_refused_and_the_transfer_is_untouched
         while (room := server.registry.get(ROOM)) is None or not room.handshake.done():
             await asyncio.sleep(0.005)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            for signer in (None, InternalAuth(secret=os.urandom(32))):
+            for signer in (None, InternalAuth(secret=random.randbytes(32))):
                 call = channel.stream_stream("/deepseek_pd.pd.v1.Bootstrap/KVStream",
                                              request_serializer=pb.KVStreamMessage.SerializeToString,
                                              response_deserializer=pb.TransferEvent.FromString)()
                 opening = pb.KVStreamOpen(room=ROOM, index=rng.randrange(1, 3))
                 if signer is not None:
                     signer.sign(opening, "kvstream", "decode@evil", f"127.0.0.1:{server.port}",
-                                f"room={ROOM};index={opening.index}", os.urandom(16))
+                                f"room={ROOM};index={opening.index}", random.randbytes(16))
                 await call.write(pb.KVStreamMessage(open=opening))
                 try:
                     event = await call.read()

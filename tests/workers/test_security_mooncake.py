@@ -6,7 +6,6 @@ it records every write the prefill worker would have made."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 
 import grpc
@@ -81,7 +80,7 @@ def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_po
             # 1. Unsigned, then signed with another secret: refused, the room never sees it.
             unsigned = handshake(rooms[0], inside)
             forged = handshake(rooms[0], inside)
-            InternalAuth(secret=os.urandom(32)).sign(forged, "handshake", "decode@evil", target)
+            InternalAuth(secret=random.randbytes(32)).sign(forged, "handshake", "decode@evil", target)
             for message in (unsigned, forged):
                 assert await _answer(server.port, message) == [grpc.StatusCode.UNAUTHENTICATED]
             assert not waits[0].done() and prefill_engine.writes == []

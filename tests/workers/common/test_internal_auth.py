@@ -52,7 +52,7 @@ def test_replay_guard_refuses_replays_and_forgets_expired_nonces_in_order():
     lifetime = 2 * window
     arrivals, count = [], random.randrange(50, 100)
     for _ in range(count):  # all within one lifetime: none expires yet
-        nonce = os.urandom(16)
+        nonce = random.randbytes(16)
         guard.check(nonce)
         arrivals.append((clock.now, nonce))
         clock.now += random.uniform(0, lifetime / (2 * count))
@@ -61,12 +61,12 @@ def test_replay_guard_refuses_replays_and_forgets_expired_nonces_in_order():
         with pytest.raises(AuthError, match="replay"):
             guard.check(nonce)
     with pytest.raises(AuthError, match="16-byte"):
-        guard.check(os.urandom(15))
+        guard.check(random.randbytes(15))
     # Move past the first k arrivals' lifetime: exactly those are forgotten (at the next check).
     k = random.randrange(1, len(arrivals) - 1)
     clock.now = arrivals[k - 1][0] + lifetime
     expired = sum(t + lifetime <= clock.now for t, _ in arrivals)  # k, or more on equal times
-    guard.check(os.urandom(16))
+    guard.check(random.randbytes(16))
     assert len(guard) == len(arrivals) - expired + 1
     guard.check(arrivals[0][1])  # expired: a fresh message may reuse it (its timestamp would be stale)
     with pytest.raises(AuthError, match="replay"):
@@ -80,7 +80,7 @@ def test_replay_guard_memory_is_bounded_by_the_rate_times_the_lifetime():
     sizes = []
     for _ in range(int(rate * 2 * window * 3)):
         clock.now += 1 / rate
-        guard.check(os.urandom(16))
+        guard.check(random.randbytes(16))
         sizes.append(len(guard))
     assert max(sizes) <= rate * 2 * window + 1
 
@@ -92,11 +92,11 @@ def test_replay_guard_touches_a_constant_number_of_entries_per_message():
     guard = ReplayGuard(window_s=3600)
     live = 4096 + random.randrange(100, 300)
     for _ in range(live):
-        guard.check(_CountingNonce(os.urandom(16)))
+        guard.check(_CountingNonce(random.randbytes(16)))
     _CountingNonce.hashes = 0
     checks = 50
     for _ in range(checks):
-        guard.check(_CountingNonce(os.urandom(16)))
+        guard.check(_CountingNonce(random.randbytes(16)))
     assert _CountingNonce.hashes <= 3 * checks, f"{_CountingNonce.hashes / checks:.0f} entries per message"
 
 
@@ -158,7 +158,7 @@ class _Prefills:
 
 def test_a_replayed_signed_handshake_is_refused():
     rng = random.Random()
-    auth = InternalAuth(secret=os.urandom(32))
+    auth = InternalAuth(secret=random.randbytes(32))
 
     async def run():
         async with _Prefills(1, auth, rng) as prefills:
@@ -176,7 +176,7 @@ def test_a_handshake_captured_before_a_restart_is_refused_after_it():
     """The used nonces live in memory: a restarted prefill (a new server on the same port, the room
     waiting again) took the captured handshake once more before tokens were bound to its start."""
     rng = random.Random()
-    auth = InternalAuth(secret=os.urandom(32))
+    auth = InternalAuth(secret=random.randbytes(32))
 
     async def run():
         async with _Prefills(1, auth, rng) as prefills:
@@ -199,7 +199,7 @@ def test_a_handshake_captured_before_a_restart_is_refused_after_it():
 
 def test_a_handshake_with_a_stale_timestamp_is_refused(monkeypatch):
     rng = random.Random()
-    auth = InternalAuth(secret=os.urandom(32))
+    auth = InternalAuth(secret=random.randbytes(32))
 
     async def run(handshake_of):
         async with _Prefills(1, auth, rng) as prefills:
@@ -225,7 +225,7 @@ def test_a_handshake_with_a_stale_timestamp_is_refused(monkeypatch):
 
 def test_a_handshake_signed_for_prefill_a_is_refused_at_prefill_b():
     rng = random.Random()
-    auth = InternalAuth(secret=os.urandom(32))
+    auth = InternalAuth(secret=random.randbytes(32))
 
     async def run():
         async with _Prefills(2, auth, rng) as prefills:
@@ -243,7 +243,7 @@ def test_a_handshake_signed_for_prefill_a_is_refused_at_prefill_b():
 def test_an_unauthenticated_kv_stream_learns_nothing_about_rooms():
     """Before: a missing room answered FAILED_PRECONDITION and an existing one UNAUTHENTICATED."""
     rng = random.Random()
-    auth = InternalAuth(secret=os.urandom(32))
+    auth = InternalAuth(secret=random.randbytes(32))
 
     async def open_stream(port: int, room: int) -> grpc.StatusCode:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -272,8 +272,8 @@ def test_an_unauthenticated_kv_stream_learns_nothing_about_rooms():
 
 
 def test_an_ack_or_done_answering_another_streams_nonce_is_refused():
-    auth = InternalAuth(secret=os.urandom(32))
-    mine, other = os.urandom(16), os.urandom(16)
+    auth = InternalAuth(secret=random.randbytes(32))
+    mine, other = random.randbytes(16), random.randbytes(16)
     room = random.randrange(1 << 31)
     ack = pb.HandshakeAck(protocol_version=PROTOCOL_VERSION, credit_window=8, kv_streams=1)
     auth.sign(ack, "ack", "prefill@127.0.0.1:1", "decode@127.0.0.1", f"room={room}", other)
@@ -301,12 +301,12 @@ def test_a_secret_file_other_users_can_read_is_refused(tmp_path):
 def test_a_short_secret_is_refused(tmp_path):
     path = tmp_path / "secret"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    os.write(fd, os.urandom(8).hex()[:random.randrange(1, 16)].encode() + b"\n")
+    os.write(fd, random.randbytes(8).hex()[:random.randrange(1, 16)].encode() + b"\n")
     os.close(fd)
     with pytest.raises(UserError, match="at least 16"):
         read_secret_file(path)
     with pytest.raises(UserError, match="at least 16"):
-        InternalAuth(secret=os.urandom(random.randrange(0, 16)))
+        InternalAuth(secret=random.randbytes(random.randrange(0, 16)))
 
 
 def test_resolve_auth_refuses_contradicting_flags_and_a_missing_secret(tmp_path, monkeypatch):

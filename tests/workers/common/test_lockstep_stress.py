@@ -154,7 +154,7 @@ async def _close_at(thread, when: float) -> None:
 
 
 def _seed() -> int:
-    return int(os.environ.get("DEEPSEEK_PD_LOCKSTEP_SEED") or random.SystemRandom().randrange(1 << 30))
+    return int(os.environ.get("DEEPSEEK_PD_LOCKSTEP_SEED") or random.randrange(1 << 30))
 
 
 def test_random_jobs_gaps_and_wakes_keep_every_ranks_forwards_in_step() -> None:

@@ -29,6 +29,7 @@ from deepseek_pd.workers.common.served_model import ServedModelInfo
 from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
 from deepseek_pd.workers.common.servicer import WorkerIdentity
 from pdtest.servicer_fakes import PAGE_SIZE, FakeEngine, make_tokenizer_model_dir
+from pdtest.seeding import examples
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -142,7 +143,7 @@ def check_servable(request: GenerateRequest, proto: pb.GenerateRequest) -> None:
     assert proto.sampling_params.WhichOneof("constraint") is None and not proto.sampling_params.logit_bias
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(3000), suppress_health_check=[HealthCheck.too_slow])
 @given(generate_protos())
 def test_random_requests_are_servable_or_user_errors(proto: pb.GenerateRequest) -> None:
     try:
@@ -190,11 +191,12 @@ def worker(tmp_path_factory):
     running.close()
 
 
+@pytest.mark.hypothesis  # its @given is inside: `make fuzz` selects it by this mark
 def test_random_requests_over_grpc_are_ok_or_invalid_argument(worker) -> None:
     assert worker.server.servicer._info.vocab_size >= VOCAB  # the fuzzed ids straddle this vocabulary
     seen: dict[grpc.StatusCode, int] = {}
 
-    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+    @settings(max_examples=examples(400), suppress_health_check=[HealthCheck.too_slow,
                                                                       HealthCheck.function_scoped_fixture])
     @given(generate_protos())
     def one(proto: pb.GenerateRequest) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import secrets
 
 import grpc
 import pytest
@@ -35,7 +34,7 @@ def _table(rng: random.Random) -> RouteTable:
 
 def test_rooms_route_to_their_dp_rank_and_rank_zero_is_the_dialled_address() -> None:
     rng = random.Random()
-    auth = InternalAuth(secrets.token_bytes(32))
+    auth = InternalAuth(random.randbytes(32))
     table = _table(rng)
 
     async def run() -> None:
@@ -59,13 +58,13 @@ def test_rooms_route_to_their_dp_rank_and_rank_zero_is_the_dialled_address() -> 
 
 def test_a_reply_signed_with_another_secret_is_refused_and_a_forming_group_is_retried() -> None:
     async def run() -> None:
-        server = await _serve(InternalAuth(secrets.token_bytes(32)), _table(random.Random()))
+        server = await _serve(InternalAuth(random.randbytes(32)), _table(random.Random()))
         insecure = InternalAuth.insecure()
         forming = await _serve(insecure, None)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         try:
             with pytest.raises(TransferError, match="route request|not this deployment"):
-                await PrefillRoutes(InternalAuth(secrets.token_bytes(32)), "decode@test").route(
+                await PrefillRoutes(InternalAuth(random.randbytes(32)), "decode@test").route(
                     channel, "127.0.0.1", server.port, 1)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{forming.port}") as other:
                 with pytest.raises(RouteUnavailable):

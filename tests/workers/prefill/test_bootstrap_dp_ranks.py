@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import secrets
 import time
 
 import pytest
@@ -70,7 +69,7 @@ def _room(rng: random.Random, dp_rank: int) -> int:
 
 def test_each_room_moves_from_its_own_dp_rank_through_rank_zeros_address() -> None:
     rng = random.Random()
-    auth = InternalAuth(secrets.token_bytes(32))
+    auth = InternalAuth(random.randbytes(32))
 
     async def run() -> None:
         ranks = await _group(rng, auth)
@@ -102,7 +101,7 @@ def test_a_handshake_at_the_wrong_dp_rank_fails_at_once_naming_both_ranks(owner)
     table). A room of rank 0 is not rank 1's; a room of rank 1, routed by a table that says one rank,
     means decode's picture of the group is wrong: half its rooms would fail, so all are refused."""
     rng = random.Random()
-    auth = InternalAuth(secrets.token_bytes(32))
+    auth = InternalAuth(random.randbytes(32))
     decode_rank = rng.randrange(4)
 
     async def run() -> tuple[RequestFailure, float, dict]:

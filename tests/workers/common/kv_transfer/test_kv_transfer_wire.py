@@ -1,7 +1,6 @@
 """The chunk wire codec against protobuf itself: same bytes out, same fields in, views not copies."""
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -16,7 +15,7 @@ def random_chunk(rng: random.Random) -> tuple[int, ChunkHeader, bytes, int]:
     def value() -> int:  # zero (omitted on the wire) and multi-byte varints both
         return rng.choice([0, rng.randrange(1, 128), rng.randrange(128, 1 << 31)])
     header = ChunkHeader(value(), value(), value(), value())
-    data = os.urandom(rng.choice([0, 1, rng.randrange(2, 5000)]))
+    data = random.randbytes(rng.choice([0, 1, rng.randrange(2, 5000)]))
     return rng.choice([0, rng.randrange(1, 1 << 40)]), header, data, rng.randrange(1 << 32)
 
 
@@ -58,7 +57,7 @@ def test_other_events_and_unknown_fields_go_through_protobuf():
     for event in events:
         assert decode_event(event.SerializeToString()) == event
     # A field a newer peer might add to KVChunk (number 15, length-delimited) is skipped.
-    data = os.urandom(64)
+    data = random.randbytes(64)
     raw = pb.TransferEvent(seq=3, chunk=pb.KVChunk(layer_end=2, page_end=1, data=data, crc32=7)).SerializeToString()
     extra = bytes([15 << 3 | 2, 3]) + b"abc"
     body_start = raw.index(bytes([3 << 3 | 2])) + 1

@@ -1,0 +1,42 @@
+"""The API server's schema check of any object the operator renders, in-process (no server):
+
+    from pdtest.schema_admission import Refused, validate
+    validate(obj)        raises Refused (with the server-like message) if the server would refuse it
+
+Built-in kinds go to kubernetes-validate (the 1.37 OpenAPI schemas, strict: unknown fields are
+errors). Kinds defined by a third-party CRD (ServiceMonitor, PodGroup) go to that CRD's own schema
+(pdtest.crd_schemas, the files tests/k8s installs into the real kube-apiserver). A kind neither
+knows fails the test loudly (LookupError, never Refused): no object passes unchecked.
+Against a real server, use the `third_party_crds` fixture of tests/k8s instead.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+
+from pdtest.crd_schemas import CrdViolation, third_party_schemas
+
+K8S_VERSION = "1.37"
+
+
+class Refused(ValueError):
+    """What the API server would answer with 422 Invalid; `message` says which field and why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def validate(obj: dict[str, Any]) -> None:
+    schemas = third_party_schemas()
+    try:
+        if schemas.knows(obj):
+            schemas.validate(obj)
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except (CrdViolation, kubernetes_validate.ValidationError) as exc:
+        raise Refused(exc.message) from None
+    except kubernetes_validate.SchemaNotFoundError:
+        raise LookupError(f"no schema for {obj.get('apiVersion')} {obj.get('kind')}: neither Kubernetes "
+                          f"{K8S_VERSION} nor a CRD of scripts/third-party-crds.txt defines it") from None

@@ -1,0 +1,96 @@
+"""The seed plugin (tests/support/pdtest/seeding.py) on a small suite of its own, run by pytest in
+a subprocess: the same run seed replays every draw (Python's `random`, an unseeded
+`random.Random()`, numpy, torch, a parametrization drawn at collection, and hypothesis under
+"fuzz"), a test replays alone, another seed
+draws otherwise, "ci" hypothesis does not depend on the seed, and the seed is printed first under
+`-q` and in a failing test's report with the command that replays it."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from pdtest.seeding import FUZZ_FACTOR, SEED_ENV
+
+SUPPORT = pathlib.Path(__file__).resolve().parent / "support"
+SUITE = '''
+import json, os, random
+import numpy, pytest, torch
+from hypothesis import given, settings, strategies as st
+from pdtest.seeding import examples
+
+def _record(name, value):
+    with open(os.environ["DRAWS_OUT"], "a") as out:
+        out.write(json.dumps([name, value]) + "\\n")
+
+def _draws():
+    return [random.random(), random.Random().random(), random.Random().random(),
+            float(numpy.random.rand()), torch.rand(1).item()]
+
+def test_a():
+    _record("a", _draws())
+
+def test_b():
+    _record("b", _draws())
+
+@settings(max_examples=examples(5))
+@given(st.integers(0, 2**64))
+def test_h(x):
+    _record("h", x)
+
+@pytest.mark.parametrize("x", [random.Random().randrange(10**9)])  # drawn at collection
+def test_p(x):
+    _record("p", x)
+
+def test_profile():
+    _record("derandomize", settings().derandomize)
+
+def test_fails():
+    assert False, "on purpose"
+'''
+
+
+def _run(tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None,
+         select: str = "") -> tuple[dict[str, list], str]:
+    suite = tmp_path / "test_suite.py"
+    suite.write_text(SUITE)
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p no:kmock -p no:cacheprovider\n")
+    out = tmp_path / "draws.jsonl"
+    out.unlink(missing_ok=True)
+    run_env = {k: v for k, v in os.environ.items() if k != SEED_ENV}
+    run_env.update(PYTHONPATH=str(SUPPORT), DRAWS_OUT=str(out), **(env or {}))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pdtest.seeding",
+                           f"{suite}{select}", *args], cwd=tmp_path, env=run_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    draws: dict[str, list] = {}
+    for line in (out.read_text() if out.exists() else "").splitlines():
+        name, value = json.loads(line)
+        draws.setdefault(name, []).append(value)
+    return draws, proc.stdout
+
+
+@pytest.mark.slow
+def test_the_same_seed_replays_the_same_draws(tmp_path):
+    fuzz, output = _run(tmp_path, "--seed", "11", "--hypothesis-profile", "fuzz")
+    assert output.splitlines()[0].startswith("random seed: 11 "), output  # first, even under -q
+    assert "replay: pytest --seed 11 --hypothesis-profile fuzz 'test_suite.py::test_fails'" in output, output
+    assert output.count("random seed: 11 (") == 2, output  # and again at the end of a failed run
+    a, b = fuzz["a"][0], fuzz["b"][0]
+    assert a != b and a[1] != a[2], "tests, and two unseeded Random()s, draw apart"
+    assert len(fuzz["h"]) == 5 * FUZZ_FACTOR
+    # The same seed through the environment, without test_a before test_b: the same draws, since
+    # a test's seed depends on (run seed, node id) only.
+    again, _ = _run(tmp_path, "--hypothesis-profile", "fuzz", "-k", "test_b or test_h", env={SEED_ENV: "11"})
+    assert again == {"b": fuzz["b"], "h": fuzz["h"]}
+    other, _ = _run(tmp_path, "--seed", "12", "--hypothesis-profile", "fuzz", "-k", "test_b or test_h or test_p")
+    assert other["p"] != fuzz["p"]
+    assert all(x != y for x, y in zip(other["b"][0], b)), (other["b"], b)
+    assert other["h"] != fuzz["h"], "fuzz draws fresh examples from another seed"
+    ci, _ = _run(tmp_path, "--seed", "11", "-k", "test_a or test_h or test_p or test_profile")
+    assert (ci["a"], ci["p"]) == (fuzz["a"], fuzz["p"]), "the profile changes hypothesis only"
+    assert len(ci["h"]) == 5 and ci["derandomize"] == [True], "ci: the test's own examples, not the seed's"
