@@ -6,7 +6,7 @@ The chart's readiness probe points at it (tests/charts/test_chart_hardening.py),
 from __future__ import annotations
 
 import asyncio
-import secrets
+import random
 
 import aiohttp
 import kopf
@@ -14,7 +14,7 @@ import pytest
 from kube_rest import Credentials
 from test_rendered_objects import _install_crd
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.operator.kube import KubeClient
 from deepseek_pd.operator.readiness import PATH, Readiness, serve_readiness
 
@@ -35,7 +35,7 @@ async def _probe(port: int) -> tuple[int, str]:
 def test_readyz_answers_200_only_when_kopf_started_and_the_api_accepts_the_token(control_plane, admin_kube):
     _install_crd(admin_kube)
     admin = control_plane.admin
-    stranger = Credentials(admin.server, secrets.token_hex(16), admin.ca_path)
+    stranger = Credentials(admin.server, random.randbytes(16).hex(), admin.ca_path)
 
     async def scenario() -> None:
         good, bad = _client(admin), _client(stranger)

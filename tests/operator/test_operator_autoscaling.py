@@ -13,7 +13,7 @@ from test_operator_kopf import (
     _bring_up, _condition, _deployment, _router_rolled_out, _start_pods, _statefulset, _status,
 )
 
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.operator import names
 from deepseek_pd.workers.common.metrics import MetricLabels, WorkerMetrics
 from deepseek_pd.workers.common.metrics_server import MetricsConfig, MetricsServer

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from deepseek_pd.launcher.health import worker_is_healthy
-from deepseek_pd.launcher.ports import pick_free_ports
+from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.operator.rollout_verify import MAX_NEW_TOKENS, PROMPTS, Mismatch, first_mismatch, verify
 
 pytestmark = [pytest.mark.timeout(300)]
