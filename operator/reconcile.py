@@ -36,7 +36,7 @@ from deepseek_pd.operator.secret_reconcile import (
 )
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.operator.status import (
-    RouterState, _condition, build_apply_error_status, build_invalid_status, build_memory_refused_status, build_status,
+    RouterState, condition, build_apply_error_status, build_invalid_status, build_memory_refused_status, build_status,
 )
 from deepseek_pd.operator.worker_security import build_prefill_peers_service
 
@@ -183,11 +183,11 @@ class Reconciler:
             status["rollout"] = {VERIFIED_ROLE: checked.state} if checked.state else None
         if checked.condition is not None:
             before = {c.get("type", ""): c for c in previous.get("conditions") or []}
-            status["conditions"].append(_condition(VERIFY_CONDITION, *checked.condition, generation, before, now))
+            status["conditions"].append(condition(VERIFY_CONDITION, *checked.condition, generation, before, now))
         state = gang_state(spec, "PodGroup" not in self.unserved, pods, datetime.datetime.now(datetime.timezone.utc))
         if state is not None:
             before = {c.get("type", ""): c for c in previous.get("conditions") or []}
-            status["conditions"].append(_condition(GANG_CONDITION, *state, generation, before, now))
+            status["conditions"].append(condition(GANG_CONDITION, *state, generation, before, now))
         for role in names.ROLES:  # the scale subresource's labelSelectorPath (an HPA counts these pods)
             status[role]["selector"] = names.selector_string({names.LABEL_DEPLOYMENT: name,
                                                               names.LABEL_ROLE: role})
