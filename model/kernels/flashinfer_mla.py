@@ -15,6 +15,8 @@ The torch backend (`model/attention/torch_backend.py`) is the oracle: tests/mode
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,14 +31,23 @@ SUPPORTED_WIDTHS = (512, 64)
 
 @functools.lru_cache(maxsize=None)
 def flashinfer_mla_available() -> bool:
-    """Whether FlashInfer's MLA wrapper imports and a Hopper (sm90) GPU is present."""
+    """Whether FlashInfer's MLA wrapper imports, a Hopper (sm90) GPU is present and nvcc is there
+    to JIT-compile its kernel on first use (without it the first plan would fail mid-serving)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    if not _nvcc_found():
         return False
     try:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
     except Exception:  # an import error, or a broken install (missing nvcc headers, ABI)
         return False
     return True
+
+
+def _nvcc_found() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return shutil.which("nvcc") is not None or bool(CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,6 +37,8 @@ NOT_FROM_THE_WHEEL = {
     "triton": "comes with the CUDA torch wheel of Dockerfile.cuda; only model/kernels import it, "
               "after model/kernels/checks.py found it",
     "matplotlib": "the bench extra (`deepseek-pd bench` plots), left out of the serving image",
+    "flashinfer": "an optional GPU kernel library (model/kernels/flashinfer_mla.py), used only where it "
+                  "imports on a Hopper GPU with nvcc to compile its kernels; no image ships it yet",
 }
 
 

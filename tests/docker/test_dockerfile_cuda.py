@@ -37,6 +37,8 @@ CUDA_BUILDS = {"mooncake-transfer-engine-cuda13": "mooncake-transfer-engine-non-
 NOT_FROM_A_REQUIREMENT = {
     "triton": "a dependency of the CUDA torch wheel, not of the CPU one installed here",
     "matplotlib": "the bench extra (`deepseek-pd bench` plots), left out of the serving image",
+    "flashinfer": "an optional GPU kernel library, used only where it imports and nvcc can JIT-compile "
+                  "its MLA kernel: the runtime image has no nvcc, so it is not installed yet",
 }
 
 
