@@ -68,3 +68,9 @@ def internal_secret_file() -> str | None:
     """DEEPSEEK_PD_INTERNAL_SECRET_FILE: the deployment secret's file when `serve` has no
     --internal-secret-file (the operator's pods set it to the mounted Secret); None when unset or empty."""
     return _get(INTERNAL_SECRET_FILE, "").strip() or None
+
+
+def named_variable(name: str) -> str:
+    """The variable a command line names (the router pod's postStart hook names the one holding the
+    control-plane key, `python -m deepseek_pd.gateway_guard --key-env`); "" when unset."""
+    return _get(name, "")

@@ -7,12 +7,12 @@ restarts the container, so a router never serves long without it).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import urllib.error
 import urllib.request
 
+from deepseek_pd import env
 from deepseek_pd.errors import UserError
 from deepseek_pd.gateway_guard import install
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key-env", required=True, help="environment variable holding the control-plane key")
     parser.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for the gateway to answer")
     args = parser.parse_args(argv)
-    key = os.environ.get(args.key_env, "")
+    key = env.named_variable(args.key_env)
     if not key:
         print(f"gateway_guard: ${args.key_env} is empty: no control-plane key", file=sys.stderr)
         return 1
