@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import threading
 
 import pytest
@@ -64,6 +65,12 @@ def _events(cluster, name: str) -> list[dict]:
             if e.get("involvedObject", {}).get("name") == name]
 
 
+def _scaled(cluster, name: str, start: str) -> str | None:
+    """The message of the first Scaled Event that begins with `start`, else None."""
+    return next((e["message"] for e in _events(cluster, name) if e["reason"] == "Scaled"
+                 and e["message"].startswith(start)), None)
+
+
 def test_slow_tpot_adds_decode_groups_and_idleness_removes_them(cluster):
     rng = random.Random(random.randrange(2**32))
     name = "auto"
@@ -80,23 +87,20 @@ def test_slow_tpot_adds_decode_groups_and_idleness_removes_them(cluster):
 
         exporter.finish_requests(rng, tpot_s=0.2, count=50)  # 4x the target: wants ceil(1 * 4) -> max 3
         spec = cluster.wait_for("decode scaled up", lambda: _replicas(cluster, name) == 3 and cluster.get(names.KIND, name))
-        decision = _status(cluster, name)["autoscaling"]["decode"]["lastDecision"]
-        assert decision["from"] == 1 and decision["to"] == 3, decision
-        assert "tpotP90Seconds" in decision["reason"] and "clamped to [1, 3]" in decision["reason"], decision
-        assert decision["readings"]["tpotP90Seconds"] > 0.1, decision
+        # The operator patches spec.decode.replicas, then the status that explains it (two writes), and a
+        # later pass may record a hold over it: its Scaled Event is what stays (a loaded CI run read the
+        # status between the writes).
+        scaled = cluster.wait_for("the scale-up Event", lambda: _scaled(cluster, name, "decode: scale up 1 -> 3"))
+        assert "tpotP90Seconds" in scaled and "clamped to [1, 3]" in scaled, scaled
+        assert float(re.search(r"tpotP90Seconds=([0-9.e-]+)", scaled).group(1)) > 0.1, scaled
         assert "replicas" not in spec["spec"]["prefill"]  # prefill does not autoscale: untouched
         for index in (1, 2):  # the planner adds whole groups
             sts = cluster.wait_for(f"decode group {index}", lambda: _statefulset(cluster, name, "decode", index))
             _with_ips(cluster, _start_pods(cluster, sts))
-        scaled = cluster.wait_for("a Scaled event", lambda: [e for e in _events(cluster, name)
-                                                            if e["reason"] == "Scaled"])
-        assert "decode: scale up 1 -> 3" in scaled[0]["message"], scaled
-
         # Idle (nothing finishes): after the 2 s scale-down window it goes back to the minimum.
         cluster.wait_for("decode scaled down", lambda: _replicas(cluster, name) == 1, timeout=60)
-        decision = _status(cluster, name)["autoscaling"]["decode"]["lastDecision"]
-        assert decision["from"] == 3 and decision["to"] == 1 and decision["reason"].startswith("scale down"), decision
-        assert decision["readings"]["tpotP90Seconds"] == 0.0
+        scaled = cluster.wait_for("the scale-down Event", lambda: _scaled(cluster, name, "decode: scale down 3 -> 1"))
+        assert "tpotP90Seconds=0.0" in scaled, scaled
         # Whole groups leave, highest first, and the router stops listing them first (Static discovery).
         def retired() -> bool:
             _router_rolled_out(cluster, name)  # the Deployment controller: the router runs without them
