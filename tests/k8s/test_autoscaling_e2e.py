@@ -83,13 +83,20 @@ class Load:
                             if attempt == 2:
                                 self.failures.append(repr(exc))
                             continue
-                        except aiohttp.ServerDisconnectedError as exc:
+                        except aiohttp.ClientConnectionError as exc:  # cut mid-request: disconnected, reset
                             # The router pod this stream talked to was rolled away under it (adding or
                             # removing a group rolls the router): counted apart and re-sent, but only
-                            # when the endpoint really moved; a disconnect from a router still in
-                            # place is a failure. (Router rollouts drop in-flight streams: an open item.)
-                            url = await asyncio.to_thread(self.dep.router_url)
-                            if url.rstrip("/") == client.base_url or attempt == 2:
+                            # when the endpoint really moved; a cut from a router still in place is a
+                            # failure. Loaded runs saw ServerDisconnectedError and "Can not write request
+                            # body" (ClientOSError). (Router rollouts drop in-flight streams: open.)
+                            moved = False
+                            for _ in range(40):  # the endpoint moves once the old pod is no longer ready
+                                url = await asyncio.to_thread(self.dep.router_url)
+                                if url.rstrip("/") != client.base_url:
+                                    moved = True
+                                    break
+                                await asyncio.sleep(0.25)
+                            if not moved or attempt == 2:
                                 self.failures.append(repr(exc))
                                 break
                             await client.close()
