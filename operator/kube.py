@@ -37,6 +37,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     # Optional (spec.scheduling.gang): scheduler-plugins' CRD; a cluster without it answers 404.
     "PodGroup": ("apis/scheduling.x-k8s.io/v1alpha1", "podgroups"),
     names.KIND: (f"apis/{names.API_VERSION}", names.PLURAL),
+    names.SCALE_KIND: (f"apis/{names.API_VERSION}", names.SCALE_PLURAL),
 }
 
 
@@ -164,6 +165,11 @@ class KubeClient:
     async def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return await self._request("PATCH", kind, namespace, name, json=patch,
                                    headers={"Content-Type": "application/merge-patch+json"})
+
+    async def patch_status(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """A merge patch of the status subresource."""
+        return await self._call("PATCH", f"{self._url(kind, namespace, name)}/status", json=patch,
+                                headers={"Content-Type": "application/merge-patch+json"})
 
     async def delete(self, kind: str, namespace: str, name: str) -> bool:
         """Background propagation: owned objects are collected by the garbage collector."""

@@ -129,3 +129,14 @@ def router_pod_selector(deployment: str, role: str) -> dict[str, str]:
 def selector_string(labels: dict[str, str]) -> str:
     """`k=v,k2=v2`, the labelSelector query syntax."""
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+# One DeepSeekRoleScale per role of each deployment (operator/role_scale.py): a CRD version has a
+# single scale subresource (decode's, on the DeepSeekDeployment), so each role's own lives here.
+SCALE_KIND = "DeepSeekRoleScale"
+SCALE_PLURAL = "deepseekrolescales"
+SCALE_CRD_NAME = f"{SCALE_PLURAL}.{GROUP}"
+
+
+def role_scale_name(deployment: str, role: str) -> str:
+    """`v3-prefill`: the DeepSeekRoleScale an HPA or `kubectl scale` targets for one role."""
+    return f"{deployment}-{role}"

@@ -29,6 +29,7 @@ from deepseek_pd.operator.pod_placement import build_pod_group
 from deepseek_pd.operator.pod_scheduling import explain_unavailable
 from deepseek_pd.operator.rollout_reconcile import CONDITION as VERIFY_CONDITION, ROLE as VERIFIED_ROLE
 from deepseek_pd.operator.rollout_reconcile import RolloutVerifier
+from deepseek_pd.operator.role_scale_reconcile import sync_role_scales
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
 from deepseek_pd.operator.router_rollout import router_rolled_out
 from deepseek_pd.operator.secret_reconcile import (
@@ -191,6 +192,9 @@ class Reconciler:
         for role in names.ROLES:  # the scale subresource's labelSelectorPath (an HPA counts these pods)
             status[role]["selector"] = names.selector_string({names.LABEL_DEPLOYMENT: name,
                                                               names.LABEL_ROLE: role})
+        # Each role's DeepSeekRoleScale (its scale subresource) follows spec.<role>.replicas, or,
+        # when an HPA or `kubectl scale` moved it, the deployment follows it (next pass acts).
+        await sync_role_scales(self._client, body, spec, {r: status[r]["replicas"] for r in names.ROLES})
         autoscaling = await self._autoscaler.run(body, spec, plans, pods, previous)
         if autoscaling or previous.get("autoscaling"):
             status["autoscaling"] = autoscaling or None  # None: a merge patch removes it
@@ -215,4 +219,7 @@ class Reconciler:
         for kind, child in (await self.observe(namespace, name)):
             if await self._client.delete(kind, namespace, child):
                 logger.info("deleted %s %s", kind, child)
+        for role in names.ROLES:  # by name, as the secrets: a missing CRD answers 404 (False)
+            if await self._client.delete(names.SCALE_KIND, namespace, names.role_scale_name(name, role)):
+                logger.info("deleted %s %s", names.SCALE_KIND, names.role_scale_name(name, role))
         await delete_generated_secrets(self._client, namespace, name, logger)

@@ -35,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     crd = actions.add_parser("crd", help="print the DeepSeekDeployment CRD as YAML")
     crd.add_argument("--output", default="-", help="file to write (default: stdout)")
+    crd.add_argument("--role-scale", action="store_true",
+                     help="the DeepSeekRoleScale CRD instead (each role's scale subresource)")
     crd.set_defaults(func=_crd)
 
     check = actions.add_parser("check", help="verify the CRD is served and readable (helm test)")
@@ -72,8 +74,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _crd(args: argparse.Namespace) -> int:
     from deepseek_pd.operator.crd import crd_yaml
+    from deepseek_pd.operator.role_scale import role_scale_crd_yaml
 
-    text = crd_yaml()
+    text = role_scale_crd_yaml() if args.role_scale else crd_yaml()
     if args.output == "-":
         sys.stdout.write(text)
     else:

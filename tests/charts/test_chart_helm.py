@@ -10,6 +10,7 @@ import yaml
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.crd import crd_yaml
+from deepseek_pd.operator.role_scale import role_scale_crd_yaml
 from deepseek_pd.operator.kube import RESOURCES
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,6 +42,8 @@ def _render(helm: pathlib.Path, *extra: str) -> list[dict]:
 def test_chart_crd_is_the_generated_one():
     assert (CHART / "crds" / "deepseekdeployments.yaml").read_text() == crd_yaml(), \
         "regenerate with: deepseek-pd operator crd --output charts/crds/deepseekdeployments.yaml"
+    assert (CHART / "crds" / "deepseekrolescales.yaml").read_text() == role_scale_crd_yaml(), \
+        "regenerate with: deepseek-pd operator crd --role-scale --output charts/crds/deepseekrolescales.yaml"
 
 
 def test_helm_lint(helm):

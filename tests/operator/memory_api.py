@@ -36,12 +36,16 @@ class MemoryApi:
         self.admit(manifest)
         self.objects[key] = copy.deepcopy(manifest)
         self.writes.append(("create", *key))
+        return copy.deepcopy(manifest)
 
     async def patch(self, kind, namespace, name, patch):
         merged = {**self.objects[(kind, name)], **copy.deepcopy(patch)}
         self.admit(merged)
         self.objects[(kind, name)] = merged
         self.writes.append(("patch", kind, name))
+
+    async def patch_status(self, kind, namespace, name, patch):
+        await self.patch(kind, namespace, name, patch)
 
     async def delete(self, kind, namespace, name):
         self.writes.append(("delete", kind, name))

@@ -4,18 +4,19 @@
     validate(obj)        raises Refused (with the server-like message) if the server would refuse it
 
 Built-in kinds go to kubernetes-validate (the 1.37 OpenAPI schemas, strict: unknown fields are
-errors). Kinds defined by a third-party CRD (ServiceMonitor, PodGroup) go to that CRD's own schema
+errors). The project's own DeepSeekRoleScale goes to its CRD (operator/role_scale.py); kinds defined by a third-party CRD (ServiceMonitor, PodGroup) go to that CRD's own schema
 (pdtest.crd_schemas, the files tests/k8s installs into the real kube-apiserver). A kind neither
 knows fails the test loudly (LookupError, never Refused): no object passes unchecked.
 Against a real server, use the `third_party_crds` fixture of tests/k8s instead.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import kubernetes_validate
 
-from pdtest.crd_schemas import CrdViolation, third_party_schemas
+from pdtest.crd_schemas import CrdSchemas, CrdViolation, third_party_schemas
 
 K8S_VERSION = "1.37"
 
@@ -28,8 +29,16 @@ class Refused(ValueError):
         self.message = message
 
 
+@functools.cache
+def own_schemas() -> CrdSchemas:
+    """The project's own CRDs that the operator creates objects of (DeepSeekRoleScale)."""
+    from deepseek_pd.operator.role_scale import build_role_scale_crd
+
+    return CrdSchemas([build_role_scale_crd()])
+
+
 def validate(obj: dict[str, Any]) -> None:
-    schemas = third_party_schemas()
+    schemas = own_schemas() if own_schemas().knows(obj) else third_party_schemas()
     try:
         if schemas.knows(obj):
             schemas.validate(obj)
