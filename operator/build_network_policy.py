@@ -1,8 +1,8 @@
 """The NetworkPolicy of one deployment's worker pods: who may open which port.
 
     worker gRPC (prefill.port, decode.port)    only from the deployment's router pods, and
-                                               decode.port from the operator's pod (verified
-                                               rollouts, decode.rolloutStrategy.verify)
+                                               from the operator's pod for a role whose
+                                               rollouts are verified (<role>.rolloutStrategy.verify)
     prefill bootstrap (prefill.bootstrapPort)  only from the deployment's decode pods
     Mooncake's engines (15000-16999, each      only from the deployment's worker pods: a rule
       rank's RPC and TCP-transport ports,        of its own with kvTransfer.backend mooncake
@@ -79,10 +79,11 @@ def build_network_policy(spec: DeploymentSpec) -> Manifest:
     mooncake = (range(*MOONCAKE_RPC_PORTS),) if spec.kv_transfer.backend == "mooncake" else ()
     engines = [{"from": [_workers(spec)], "ports": [_tcp(r.start, r.stop - 1)]} for r in mooncake]
     # Verified rollouts: the operator's pod (any namespace) sends the check's greedy requests to
-    # decode leaders (rollout_verify.py).
+    # the leaders of each role it verifies (rollout_verify.py).
     operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": {
         names.LABEL_NAME: names.APP_NAME, names.LABEL_COMPONENT: "operator"}}}
-    checks = [{"from": [operator], "ports": [_tcp(spec.decode.port)]}] if spec.decode.rollout.verify else []
+    verified = sorted({spec.role(r).port for r in names.ROLES if spec.role(r).rollout.verify})
+    checks = [{"from": [operator], "ports": [_tcp(p) for p in verified]}] if verified else []
     ingress = [
         {"from": [router], "ports": [_tcp(p) for p in grpc_ports]},
         *checks,

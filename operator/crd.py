@@ -70,11 +70,11 @@ def status_schema() -> Schema:
         "decode": _role_status("decode"),
         "autoscaling": _autoscaling_status(),
         "rollout": obj("Verified rollouts (operator/rollout_reconcile.py).", {
-            "decode": obj("The decode rollout being checked.", {
+            role: obj(f"The {role} rollout being checked.", {
                 "revision": string("The revision whose groups are checked."),
                 "verified": array("Groups of that revision that answered as the old one.", integer("A group.")),
                 "failed": string("Why the rollout stopped: the group, the prompt, the first differing token."),
-            })}),
+            }) for role in names.ROLES}),
         "routerEndpoint": string("In-cluster URL of the router's OpenAI-compatible API."),
         "routerReadyReplicas": integer("Ready router pods."),
     })

@@ -46,10 +46,11 @@ def _rollout_strategy() -> Schema:
                 "Groups (or % of replicas, rounded down) that may be down at once during a rollout.",
                 default=1),
             "verify": boolean(
-                "Decode only: before a new-revision group joins the router, it and an old-revision "
-                "group answer fixed greedy prompts at the same time over gRPC; a difference stops the "
-                "rollout (RolloutVerified False names the prompt and token) and the old groups keep "
-                "serving. Skipped when the model itself changed (operator/rollout_verify.py).",
+                "Before a new-revision group joins the router, it and an old-revision group answer "
+                "fixed greedy prompts over gRPC (prefill: as PD requests through one ready decode "
+                "group); a difference stops the rollout (RolloutVerified False names the prompt and "
+                "token) and the old groups keep serving. Skipped when the model itself changed "
+                "(operator/rollout_verify.py).",
                 default=True),
         },
         rules=[rule(f"!({_is_zero('self.maxSurge')} && {_is_zero('self.maxUnavailable')})",

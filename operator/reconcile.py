@@ -27,8 +27,8 @@ from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
 from deepseek_pd.operator.pod_placement import build_pod_group
 from deepseek_pd.operator.pod_scheduling import explain_unavailable
-from deepseek_pd.operator.rollout_reconcile import CONDITION as VERIFY_CONDITION, ROLE as VERIFIED_ROLE
-from deepseek_pd.operator.rollout_reconcile import RolloutVerifier
+from deepseek_pd.operator.rollout_reconcile import CONDITION as VERIFY_CONDITION
+from deepseek_pd.operator.rollout_reconcile import RolloutVerifier, combined_condition
 from deepseek_pd.operator.role_scale_reconcile import sync_role_scales
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
 from deepseek_pd.operator.router_rollout import router_rolled_out
@@ -144,9 +144,11 @@ class Reconciler:
         pods = [o for (k, _), o in observed.items() if k == "Pod"]
         plans: dict[str, RolePlan] = {}
         targets = {role: role_target(spec, role) for role in names.ROLES}
-        checked = await self._verifier.run(spec, targets[VERIFIED_ROLE].revision, statefulsets, pods, previous)
-        targets[VERIFIED_ROLE] = dataclasses.replace(targets[VERIFIED_ROLE], unverified=checked.unverified,
-                                                     verification_failed=checked.failed)
+        checks = {role: await self._verifier.run(spec, role, targets[role].revision, statefulsets, pods, previous)
+                  for role in names.ROLES}
+        for role, checked in checks.items():
+            targets[role] = dataclasses.replace(targets[role], unverified=checked.unverified,
+                                                verification_failed=checked.failed)
         for role in names.ROLES:
             plans[role] = plan_role(targets[role], groups_of_role(role, statefulsets, pods))
 
@@ -180,11 +182,13 @@ class Reconciler:
         now = _now()
         status = build_status(plans, revisions, floors, router, generation, previous, now, model, memory)
         status["conditions"].append(secrets_condition(secret_problems, generation, previous, now))
-        if checked.state is not None or previous.get("rollout"):
-            status["rollout"] = {VERIFIED_ROLE: checked.state} if checked.state else None
-        if checked.condition is not None:
+        rollout = {role: c.state for role, c in checks.items() if c.state is not None}
+        if rollout or previous.get("rollout"):  # None (a role's, or the whole): a merge patch removes it
+            status["rollout"] = {**{r: None for r in previous.get("rollout") or {}}, **rollout} if rollout else None
+        verified = combined_condition(checks)
+        if verified is not None:
             before = {c.get("type", ""): c for c in previous.get("conditions") or []}
-            status["conditions"].append(condition(VERIFY_CONDITION, *checked.condition, generation, before, now))
+            status["conditions"].append(condition(VERIFY_CONDITION, *verified, generation, before, now))
         state = gang_state(spec, "PodGroup" not in self.unserved, pods, datetime.datetime.now(datetime.timezone.utc))
         if state is not None:
             before = {c.get("type", ""): c for c in previous.get("conditions") or []}

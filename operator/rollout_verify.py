@@ -10,15 +10,20 @@ greedy requests with the same tokens as an old-revision group answering them at 
     a difference     `TokensDiffer`: prompt i, position j, old token vs new token; the rollout
                      stops (no further group is replaced) and the old groups keep serving
 
-Only decode groups are checked (a prefill worker cannot answer alone). The check applies only
-when the model is unchanged (image, engine or resource changes); a new checkpoint may change
-tokens legitimately (reconcile decides, from the revisions' model hashes).
+A prefill group cannot answer alone: `verify_prefill` sends PROMPTS as PD requests (the router's
+dual dispatch, client/pd_dispatch.py) through the old prefill group and then through the new one,
+both paired with the same ready decode group, one request at a time (so the decode group runs
+batch 1 both times and its numerics cannot differ between the two).
+
+The check applies only when the model is unchanged (image, engine or resource changes); a new
+checkpoint may change tokens legitimately (rollout_reconcile.py compares the groups' model_path).
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
+from deepseek_pd.client.pd_dispatch import PDClient
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
@@ -70,3 +75,32 @@ async def verify(new_address: str, old_address: str) -> Mismatch | None:
     """Both groups answer PROMPTS at the same time; raises what a call raised (e.g. grpc errors)."""
     new, old = await asyncio.gather(greedy_outputs(new_address), greedy_outputs(old_address))
     return first_mismatch(old, new)
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """Where a prefill group's leader answers: its gRPC address and its bootstrap endpoint."""
+
+    address: str
+    bootstrap_host: str
+    bootstrap_port: int
+
+
+async def pd_greedy_outputs(prefill: PrefillGroup, decode_address: str) -> list[list[int]]:
+    """Every prompt of PROMPTS through `prefill` then `decode_address`, one at a time, greedy."""
+    outputs = []
+    async with PDClient(prefill.address, prefill.bootstrap_host, prefill.bootstrap_port, decode_address) as pd:
+        for i, prompt in enumerate(PROMPTS):
+            result = await pd.generate(list(prompt), sampling_proto(max_new_tokens=MAX_NEW_TOKENS),
+                                       timeout_s=TIMEOUT_S, request_id=f"rollout-verify-prefill-{i}")
+            error = result.prefill_error or result.decode_error
+            if error is not None:
+                raise error
+            outputs.append(result.output_ids)
+    return outputs
+
+
+async def verify_prefill(new: PrefillGroup, old: PrefillGroup, decode_address: str) -> Mismatch | None:
+    """The old prefill group's answers, then the new one's, through the same decode group."""
+    old_outputs = await pd_greedy_outputs(old, decode_address)
+    return first_mismatch(old_outputs, await pd_greedy_outputs(new, decode_address))

@@ -55,7 +55,7 @@ class RolloutStrategy:
 
     max_surge: int | str
     max_unavailable: int | str
-    verify: bool = True  # rollout_verify.py: decode groups answer as the old revision first
+    verify: bool = True  # rollout_verify.py: new groups answer as the old revision first
 
     def resolve(self, replicas: int) -> tuple[int, int]:
         """(surge, unavailable); surge rounds up, unavailable down; never both 0."""

@@ -371,7 +371,7 @@ def test_network_policy_admits_exactly_the_documented_flows(backend):
         "decode": _pod(spec, "decode", 0)["metadata"]["labels"],
         "other-decode": _pod(_spec(raw, name="other"), "decode")["metadata"]["labels"],
         "stranger": {"app": "web"},
-        # the chart's operator pod (another namespace): decode's gRPC port only, for verified rollouts
+        # the chart's operator pod (another namespace): the verified roles' gRPC ports, for verified rollouts
         "operator": {names.LABEL_NAME: names.APP_NAME, names.LABEL_COMPONENT: "operator", "app.kubernetes.io/instance": "x"},
     }
     grpc = {spec.prefill.port, spec.decode.port}
@@ -387,7 +387,8 @@ def test_network_policy_admits_exactly_the_documented_flows(backend):
         for source, labels in pods.items():
             for port in sorted(ports - metrics):
                 if port in grpc:
-                    expected = source == "router" or (source == "operator" and port == spec.decode.port)
+                    verified = {spec.role(r).port for r in names.ROLES if spec.role(r).rollout.verify}
+                    expected = source == "router" or (source == "operator" and port in verified)
                 elif port == bootstrap:
                     expected = source == "decode"
                 else:

@@ -1,7 +1,8 @@
 """Verified rollouts' check (operator/rollout_verify.py) against real decode workers: two
 `deepseek-pd serve decode` processes answer the fixed greedy prompts at the same time; the same
 checkpoint passes, a different one (another seed: what a broken engine option or image looks
-like from outside) is caught, naming the prompt and the first differing token."""
+like from outside) is caught, naming the prompt and the first differing token. Prefill the same way,
+as PD requests: prefill workers on checkpoints A and B, each paired with the decode worker on A."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,9 @@ import pytest
 
 from deepseek_pd.launcher.health import worker_is_healthy
 from deepseek_pd.ports import pick_free_ports
-from deepseek_pd.operator.rollout_verify import MAX_NEW_TOKENS, PROMPTS, Mismatch, first_mismatch, verify
+from deepseek_pd.operator.rollout_verify import (
+    MAX_NEW_TOKENS, PROMPTS, Mismatch, PrefillGroup, first_mismatch, verify, verify_prefill,
+)
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -41,14 +44,18 @@ def workers(tmp_path_factory):
                        capture_output=True, timeout=120)
     procs, addresses = [], {}
     try:
-        for label, model in (("old", "a"), ("same", "a"), ("other", "b")):
-            port = pick_free_ports(1)[0]
+        # Decode "old", "same" (A) and "other" (B); prefill "prefill-a" and "prefill-b".
+        for label, role, model in (("old", "decode", "a"), ("same", "decode", "a"), ("other", "decode", "b"),
+                                   ("prefill-a", "prefill", "a"), ("prefill-b", "prefill", "b")):
+            port, bootstrap = pick_free_ports(2)
             log = open(root / f"{label}.log", "w")
-            procs.append(subprocess.Popen([*cli, "serve", "decode", "--model", str(root / model), "--port",
-                                           str(port), "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([*cli, "serve", role, "--model", str(root / model), "--port",
+                                           str(port), "--bootstrap-port", str(bootstrap), "--host", "127.0.0.1"],
+                                          stdout=log, stderr=subprocess.STDOUT))
             addresses[label] = f"127.0.0.1:{port}"
+            addresses[f"{label}-bootstrap"] = str(bootstrap)
         deadline = time.monotonic() + 240
-        for (label, address), proc in zip(addresses.items(), procs):
+        for (label, address), proc in zip([(k, v) for k, v in addresses.items() if ":" in v], procs):
             while not worker_is_healthy(address):
                 assert proc.poll() is None and time.monotonic() < deadline, (root / f"{label}.log").read_text()
                 time.sleep(0.5)
@@ -63,5 +70,15 @@ def workers(tmp_path_factory):
 def test_the_same_checkpoint_passes_and_another_is_caught_with_its_first_token(workers):
     assert asyncio.run(verify(workers["same"], workers["old"])) is None
     mismatch = asyncio.run(verify(workers["other"], workers["old"]))
+    assert mismatch is not None and mismatch.new != mismatch.old, mismatch
+    assert f"prompt {mismatch.prompt} {list(PROMPTS[mismatch.prompt])}" in str(mismatch)
+
+
+def test_a_prefill_group_is_checked_through_a_decode_group(workers):
+    def group(label: str) -> PrefillGroup:
+        return PrefillGroup(workers[label], "127.0.0.1", int(workers[f"{label}-bootstrap"]))
+    assert asyncio.run(verify_prefill(group("prefill-a"), group("prefill-a"), workers["old"])) is None
+    mismatch = asyncio.run(verify_prefill(group("prefill-b"), group("prefill-a"), workers["old"]))
+    # B's prefill picks the first token and writes the KV the decode group continues from.
     assert mismatch is not None and mismatch.new != mismatch.old, mismatch
     assert f"prompt {mismatch.prompt} {list(PROMPTS[mismatch.prompt])}" in str(mismatch)
