@@ -66,7 +66,7 @@ user's router.apiKeySecret to report it missing. */}}
   verbs: ["get", "patch", "update"]
 - apiGroups: ["deepseek-pd.io"]
   resources: ["deepseekrolescales"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["deepseek-pd.io"]
   resources: ["deepseekrolescales/status"]
   verbs: ["patch"]

@@ -60,7 +60,7 @@ def test_rendered_manifests_are_valid_kubernetes(helm, values):
     for doc in docs:
         kubernetes_validate.validate(doc, "1.37", strict=True)
     kinds = [d["kind"] for d in docs]
-    assert kinds.count("CustomResourceDefinition") == 1 and kinds.count("Deployment") == 1
+    assert kinds.count("CustomResourceDefinition") == 2 and kinds.count("Deployment") == 1  # + DeepSeekRoleScale
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
@@ -175,6 +175,9 @@ def _assert_rules_cover_the_operator(rules: list[dict]) -> None:
             assert allowed(group, plural) == {"get", "list", "watch", "delete"}
         elif kind == "Secret":  # by name only: listing would read every Secret of the namespace
             assert allowed(group, plural) == {"get", "create", "delete"}
+        elif kind == names.SCALE_KIND:  # by name only (operator/role_scale_reconcile.py)
+            assert allowed(group, plural) == {"get", "create", "patch", "delete"}
+            assert allowed(group, f"{plural}/status") == {"patch"}
         else:
             assert allowed(group, plural) == {"get", "list", "create", "patch", "delete"}, kind
     # The router's Role grants pods get/list/watch: the operator must hold them itself.
