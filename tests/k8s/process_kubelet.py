@@ -1,12 +1,14 @@
 """The process kubelet: a Node whose pods run as local processes, for the end-to-end tests.
 
-The control plane (control_plane.py) has no scheduler and no kubelet. This is both, for one node:
+The control plane (control_plane.py) has no kubelet, and a scheduler only when a test starts the
+real one. This is a kubelet and a scheduler, for one node:
 
     ProcessKubelet(kube, KubeletConfig(workdir=..., image_env=...)).start()
         registers Node `config.node_name` (Ready, capacity = config.capacity);
         every `poll_s`:
-          schedules: binds each unscheduled pod whose nodeSelector matches the node and whose
-            resource requests fit the node's capacity (pods' requests are not summed: one
+          schedules: binds each unscheduled pod of the default scheduler name (the real
+            kube-scheduler binds those that name it: control_plane.REAL_SCHEDULER; then this
+            only runs them) whose nodeSelector matches the node and whose resource requests fit the node's capacity (pods' requests are not summed: one
             node, test-sized); one that does not fit gets PodScheduled=False/Unschedulable with
             kube-scheduler's wording ("0/1 nodes are available: 1 Insufficient nvidia.com/gpu.");
           runs: a PodWorker (pod_worker.py) per pod bound to the node, keyed by UID;
@@ -116,6 +118,10 @@ class ProcessKubelet:
             if exc.status != 409:
                 raise
         self.kube.request("PATCH", f"/api/v1/nodes/{self.name}/status", {"status": node["status"]},
+                          content_type="application/merge-patch+json")
+        # The API server taints a new Node not-ready (TaintNodesByCondition); the node lifecycle
+        # controller, off here, would lift it once Ready. kube-scheduler honours the taint.
+        self.kube.request("PATCH", f"/api/v1/nodes/{self.name}", {"spec": {"taints": None}},
                           content_type="application/merge-patch+json")
         self._thread.start()
         return self
