@@ -198,7 +198,14 @@ class Reconciler:
                                                               names.LABEL_ROLE: role})
         # Each role's DeepSeekRoleScale (its scale subresource) follows spec.<role>.replicas, or,
         # when an HPA or `kubectl scale` moved it, the deployment follows it (next pass acts).
-        await sync_role_scales(self._client, body, spec, {r: status[r]["replicas"] for r in names.ROLES})
+        try:
+            await sync_role_scales(self._client, body, spec, {r: status[r]["replicas"] for r in names.ROLES})
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            # An operator image newer than its chart: the rest of the pass stands without them.
+            logger.warning("no DeepSeekRoleScale (the operator may not use them: %s); upgrade the "
+                           "chart for per-role scale subresources", exc)
         autoscaling = await self._autoscaler.run(body, spec, plans, pods, previous)
         if autoscaling or previous.get("autoscaling"):
             status["autoscaling"] = autoscaling or None  # None: a merge patch removes it

@@ -63,3 +63,34 @@ def test_the_crd_serves_the_scale_subresource_at_the_synced_fields():
                      "labelSelectorPath": ".status.selector"}
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert set(status) == set(role_scale_status(sync_step({"spec": {"replicas": 1}}, 1), 1, "a", "prefill"))
+
+
+def test_a_pass_without_the_crd_or_the_rbac_goes_on_without_role_scales():
+    """An older cluster (no DeepSeekRoleScale CRD: 404) or chart (no RBAC for it: 403): the pass
+    still converges the deployment and reports its normal status, not an ApplyFailed."""
+    import asyncio
+    import logging
+
+    from memory_api import MemoryApi
+    from test_operator_reconcile import _body
+
+    from deepseek_pd.operator.kube import ApiError
+    from deepseek_pd.operator.reconcile import Reconciler
+
+    for status in (403, 404):
+        class Refusing(MemoryApi):
+            async def get(self, kind, namespace, name):
+                if kind == names.SCALE_KIND and status == 403:
+                    raise ApiError(403, "Forbidden", "cannot get deepseekrolescales")
+                return await super().get(kind, namespace, name)
+
+            async def create(self, manifest):
+                if manifest["kind"] == names.SCALE_KIND:
+                    raise ApiError(status, "NotFound", "the server could not find the requested resource")
+                return await super().create(manifest)
+
+        api = Refusing()
+        result = asyncio.run(Reconciler(api).reconcile(_body(), logging.getLogger("test")))
+        degraded = next(c for c in result["conditions"] if c["type"] == "Degraded")
+        assert degraded["reason"] != "ApplyFailed", degraded
+        assert any(k == "StatefulSet" for k, _ in api.objects)
