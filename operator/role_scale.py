@@ -33,12 +33,7 @@ from deepseek_pd.operator.schema_types import Schema, integer, obj, string
 class SyncStep:
     push: int | None   # set spec.<role>.replicas of the deployment to this
     pull: int | None   # set the DeepSeekRoleScale's spec.replicas to this
-    synced: int        # status.syncedReplicas afterwards
-
-    @property
-    def replicas(self) -> int:
-        """The role's groups once this step is applied."""
-        return self.synced
+    synced: int        # status.syncedReplicas afterwards: the role's groups once applied
 
 
 def sync_step(scale: dict[str, Any], deployment_replicas: int) -> SyncStep:
