@@ -15,7 +15,7 @@ import random
 import pytest
 import yaml
 from test_autoscaling_objects import _spec
-from test_weights_objects import CRDS, _pass, dsd_path  # noqa: F401 - the CRD, installed or updated
+from test_weights_objects import _pass, apply_crd, dsd_path  # noqa: F401 - the CRD, installed or updated
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.role_scale import role_scale_crd_yaml
@@ -27,13 +27,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 @pytest.fixture(scope="module")
 def scales_path(admin_kube, dsd_path):  # noqa: F811
     """The DeepSeekRoleScale CRD as the chart ships it, installed; the path of dsd_path's namespace."""
-    crd = yaml.safe_load(role_scale_crd_yaml())
-    current = admin_kube.get(f"{CRDS}/{names.SCALE_CRD_NAME}")
-    if current is None:
-        admin_kube.create(CRDS, crd)
-    else:
-        crd["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        admin_kube.request("PUT", f"{CRDS}/{names.SCALE_CRD_NAME}", crd)
+    apply_crd(admin_kube, yaml.safe_load(role_scale_crd_yaml()))
     path = dsd_path.rsplit("/", 1)[0] + f"/{names.SCALE_PLURAL}"
 
     def served() -> bool:

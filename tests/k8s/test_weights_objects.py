@@ -36,16 +36,21 @@ def _events(admin_kube, namespace: str) -> str:
                      for e in admin_kube.list(f"/api/v1/namespaces/{namespace}/events"))
 
 
-@pytest.fixture(scope="module")
-def dsd_path(admin_kube):
-    """The CRD as `deepseek-pd operator crd` renders it, installed (or updated to it)."""
-    crd = yaml.safe_load(crd_yaml())
-    current = admin_kube.get(f"{CRDS}/{names.CRD_NAME}")
+def apply_crd(admin_kube, crd: dict) -> None:
+    """Installs the CRD, or updates the session's copy to it (an earlier module installed it)."""
+    name = crd["metadata"]["name"]
+    current = admin_kube.get(f"{CRDS}/{name}")
     if current is None:
         admin_kube.create(CRDS, crd)
     else:
         crd["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        admin_kube.request("PUT", f"{CRDS}/{names.CRD_NAME}", crd)
+        admin_kube.request("PUT", f"{CRDS}/{name}", crd)
+
+
+@pytest.fixture(scope="module")
+def dsd_path(admin_kube):
+    """The CRD as `deepseek-pd operator crd` renders it, installed (or updated to it)."""
+    apply_crd(admin_kube, yaml.safe_load(crd_yaml()))
     namespace = f"weights-{random.randrange(10**6)}"
     admin_kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                              "metadata": {"name": namespace}})
