@@ -11,6 +11,7 @@
   429, then 503). Slots are scaled down here (smg's default is 1024 per core, at least 4,096,
   plus 100 queued); the connections themselves stay open (docs/operations.md: the ingress bounds
   them).
+- A request with a `seed` is refused with a 400 on every route (smg 1.13 would drop the seed).
 - A connection that never completes its request head is closed within the 10 s `up` passes
   (`--header-read-timeout-secs`; smg's default is 30 s).
 - When the gateway swells anyway (here: the guard removed through smg's control plane, then the
@@ -109,6 +110,25 @@ def test_a_huge_n_is_refused_at_once_on_every_route(cluster) -> None:
     assert status == 200 and len(json.loads(answer)) == small, answer
     status, answer, _ = call(f"{cluster.router_url}/generate", json.dumps(
         {"model": model, "text": f'reply with {{"n": {n}}}', "sampling_params": {"max_new_tokens": 2}}).encode())
+    assert status == 200, answer
+
+
+def test_a_seed_is_refused_rather_than_dropped(cluster) -> None:
+    """smg 1.13 drops `seed` on its way to the workers (docs/operations.md): the guard answers 400
+    instead of serving the request unseeded. Before the guard refused it, every one was served (200)."""
+    rng = random.Random()
+    model, seed = cluster.served_model_name, rng.randrange(-5, 1 << 31)
+    bodies = {"/generate": {"model": model, "input_ids": [5, 6, 7],
+                            "sampling_params": {"max_new_tokens": 2, "temperature": 1.0, "seed": seed}},
+              "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 2, "seed": seed},
+              "/v1/completions": {"model": model, "prompt": "hi", "max_tokens": 2, "seed": seed}}
+    for route, body in bodies.items():
+        status, answer, seconds = call(cluster.router_url + route, json.dumps(body).encode(), timeout_s=10)
+        assert status == 400 and seconds < REFUSAL_SECONDS, (route, status, answer)
+    # Unseeded, or a prompt that only mentions a seed: served.
+    status, answer, _ = call(f"{cluster.router_url}/v1/completions", json.dumps(
+        {"model": model, "prompt": f'say {{"seed": {seed}}}', "max_tokens": 2}).encode())
     assert status == 200, answer
 
 

@@ -19,15 +19,18 @@ Algorithms (`TransferDone.kv_mac_algorithm`): "poly1305" (PyPI `cryptography`, ~
 where it imports, else "blake2b" (hashlib, keyed, ~0.5-1 GB/s). The verifier uses whichever the
 sender named; each algorithm's tag is 16 bytes or more and compared in constant time.
 
-Cost: one read of the prompt's KV on each side (a CUDA pool is copied to the host per layer first:
-the PCIe copy, not the MAC, bounds it there). Measured in tests/workers/common/kv_transfer/
-test_kv_mac.py's bench and docs/operations.md §8. It is off the hot path of decode steps (it runs
-once per transfer, in a worker thread), but on the path of the first token: for a 4k-token
-V2-Lite request (127 MB) about 30-60 ms per side at poly1305's rate.
+Cost: one read of the prompt's KV on each side, once per transfer in a worker thread: off the
+decode steps, on the first token's path. Measured (test_kv_mac.py's bench, CPU pool read in
+place, 2 shared CI cores): poly1305 0.21 ms of CPU per MB (~4.8 GB/s), blake2b 1.1 ms/MB; so
+~27 ms per side for a 4k-token V2-Lite prompt (127 MB). A CUDA pool's pages are gathered on the
+device and copied to the host a layer at a time first (PCIe at ~25 GB/s adds ~5 ms for that
+prompt); a MAC computed on the device (no host copy) is not done here: no keyed MAC kernel is at
+hand, and an unkeyed device checksum would not stop a stranger who can read the pages too.
 
-What it does not cover: a stranger's write whose header Mooncake's TCP server checked before the
-pages were withdrawn may still land after the decode side's MAC (the server checks a write's range
-once, then reads its body). Over RDMA the pools stay registered for the worker's life, so a write
+What it does not cover: Mooncake's TCP server checks a write's range once, when its header
+arrives, then reads the body with no deadline (tcp_transport_session_impl.h, readHeader/readBody).
+A stranger who sends a header while the pages are registered can trickle the body in after the
+withdrawal and the MAC check. Over RDMA the pools stay registered for the worker's life, so a write
 after the check is possible at any time. Both are documented in docs/operations.md §8.
 """
 from __future__ import annotations
