@@ -46,6 +46,7 @@ from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
 from deepseek_pd.workers.common.request_failure import TransferError
 
 log = logging.getLogger(__name__)
+_warned_unsealed = False  # MooncakeSink.check_sealed: said once per process
 
 
 def exposure_warning(host: str) -> str:
@@ -110,9 +111,15 @@ class MooncakeSink(KVSink):
         if key is None:
             return
         if not done.kv_mac:
-            raise self.fail(TransferError(FailureCode.INTERNAL, "the prefill worker sent no MAC of the KV it "
-                                          "wrote (an older version, or one without the deployment secret); "
-                                          "KV transfer refused"))
+            # The done is signed, so no stranger stripped the MAC: this prefill worker predates it
+            # (one that has it always seals when offered). Refusing would fail every request between
+            # old prefill and new decode workers during a rolling upgrade.
+            global _warned_unsealed
+            if not _warned_unsealed:
+                _warned_unsealed = True
+                log.warning("a prefill worker sent KV without a MAC (an older version): its transfers are not "
+                            "checked against writes by strangers on the mooncake ports; upgrade it")
+            return
         try:
             tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self.pages), done.kv_mac_algorithm)
         except ValueError as exc:
