@@ -268,9 +268,6 @@ class _Recorder(RoundHooks[_Request]):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def sampling(self, owner: _Request) -> SamplingState:
-        return owner.sampling
-
     def first_token(self, owner: _Request, first: FirstToken) -> None:
         _record(owner, first.token_id, first.logprob, first.top)
         if first.draft is not None:

@@ -46,11 +46,12 @@ log = logging.getLogger(__name__)
 class RoundOwner(Protocol):
     """What a round needs of the object a role tracks a prompt with (its request record).
 
-    `in_flight` counts the forwards (prefill rounds, and for decode its launched steps) that use
+    `sampling` draws its first token. `in_flight` counts the forwards (prefill rounds, and for decode its launched steps) that use
     the owner's pages; `ended` is set by the role once the request is over. Pages go back when
     both say so: ended and nothing in flight.
     """
 
+    sampling: SamplingState
     ended: bool
     in_flight: int
 
@@ -86,10 +87,6 @@ class RoundHooks(Generic[Owner]):
     Every hook runs on the caller's side (the event loop for the workers), never in the model
     thread, and only for owners that have not `ended`.
     """
-
-    def sampling(self, owner: Owner) -> SamplingState:
-        """The owner's sampling state (its first token is drawn with it)."""
-        raise NotImplementedError
 
     def layer_progress(self, plan: ExtendPlan[Owner]) -> LayerProgress | None:
         """Told of each layer's KV write during the forward (the prefill worker's layer-wise
@@ -221,7 +218,7 @@ class PrefillRounds(Generic[Owner]):
         plan = self.plan(queue)
         if not plan.items:
             return plan, [], None
-        states = [self.hooks.sampling(plan.items[row].owner) for row in plan.finishing]
+        states = [plan.items[row].owner.sampling for row in plan.finishing]
         progress = self.hooks.layer_progress(plan)
         self.hold(plan)
         return plan, states, progress

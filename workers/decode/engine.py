@@ -38,7 +38,7 @@ from deepseek_pd.model.prefill_planner import PromptProgress
 from deepseek_pd.model.request_rules import max_new_tokens
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs
-from deepseek_pd.model.sampling import SamplingState, StopChecker
+from deepseek_pd.model.sampling import StopChecker
 from deepseek_pd.model.speculative_rules import draft_len
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
@@ -482,9 +482,6 @@ class _AdmitHooks(RoundHooks[_Request]):
 
     def __init__(self, engine: DecodeEngine) -> None:
         self.engine = engine
-
-    def sampling(self, owner: _Request) -> SamplingState:
-        return owner.sampling
 
     def first_token(self, owner: _Request, first: FirstToken) -> None:
         engine = self.engine

@@ -29,7 +29,6 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.layer_progress import LayerEvents, kv_written_event
 from deepseek_pd.model.prefill_planner import ExtendPlan, PromptProgress
 from deepseek_pd.model.runner import ModelRunner
-from deepseek_pd.model.sampling import SamplingState
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
@@ -304,9 +303,6 @@ class _PushHooks(RoundHooks[_Request]):
 
     def __init__(self, engine: PrefillEngine) -> None:
         self.engine = engine
-
-    def sampling(self, owner: _Request) -> SamplingState:
-        return owner.sampling
 
     def layer_progress(self, plan: ExtendPlan[_Request]) -> LayerEvents | None:
         return self.engine._layer_progress(plan) if self.engine.config.scheduler.layerwise_transfer else None

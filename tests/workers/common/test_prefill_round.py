@@ -52,9 +52,6 @@ class Recorder(RoundHooks[Prompt]):
         self.failures: list[tuple[list[Prompt], Exception]] = []
         self.chunks: list[list[Prompt]] = []
 
-    def sampling(self, owner: Prompt) -> SamplingState:
-        return owner.sampling
-
     def chunk_done(self, owners) -> None:
         self.chunks.append(list(owners))
 
@@ -232,11 +229,7 @@ def test_the_offline_default_re_raises_a_failed_forward(monkeypatch):
     rng = random.Random()
     runner = build_runner(256)
 
-    class Plain(RoundHooks[Prompt]):
-        def sampling(self, owner):
-            return owner.sampling
-
-    rounds = PrefillRounds(runner, Sampler(), 64, Plain())
+    rounds = PrefillRounds(runner, Sampler(), 64, RoundHooks())
     owners, queue = _queue(rng, runner, rounds, 2)
     error = RuntimeError("the device fell over")
 
