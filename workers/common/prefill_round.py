@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
 
 import torch
@@ -108,23 +108,27 @@ class RoundHooks(Generic[Owner]):
         raise error
 
 
+@dataclass(eq=False)
 class PrefillRounds(Generic[Owner]):
-    """Plans and runs chunked prefill rounds over a role's queue of prompts (module docstring)."""
+    """Plans and runs chunked prefill rounds over a role's queue of prompts (module docstring).
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, chunk_budget: int, hooks: RoundHooks[Owner],
-                 on_step: Callable[[float, int, int], None] | None = None) -> None:
-        """`chunk_budget`: new prompt tokens per round, summed over its prompts. `on_step(seconds,
-        prompts, tokens)` hears of every forward that succeeded (the workers' step metrics)."""
-        if chunk_budget < 1:
-            raise ValueError(f"chunk_budget must be >= 1, got {chunk_budget}")
-        self.runner = runner
-        self.sampler = sampler
-        self.chunk_budget = chunk_budget
-        self.hooks = hooks
-        self.on_step = on_step
-        # With the MTP layer (speculative decoding) every round also runs it, so its KV is in the
-        # pages with the rest and each completed prompt gets its first draft.
-        self.with_mtp = runner.model.mtp is not None
+    `chunk_budget`: new prompt tokens per round, summed over its prompts. `on_step(seconds,
+    prompts, tokens)` hears of every forward that succeeded (the workers' step metrics).
+    """
+
+    runner: ModelRunner
+    sampler: Sampler
+    chunk_budget: int
+    hooks: RoundHooks[Owner]
+    on_step: Callable[[float, int, int], None] | None = None
+    # With the MTP layer (speculative decoding) every round also runs it, so its KV is in the
+    # pages with the rest and each completed prompt gets its first draft.
+    with_mtp: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.chunk_budget < 1:
+            raise ValueError(f"chunk_budget must be >= 1, got {self.chunk_budget}")
+        self.with_mtp = self.runner.model.mtp is not None
 
     # ---- the steps --------------------------------------------------------------------------
     def start(self, owner: Owner, token_ids: Sequence[int], pages: list[int],

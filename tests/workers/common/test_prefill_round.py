@@ -28,13 +28,7 @@ from deepseek_pd.workers.common.prefill_round import FirstToken, PrefillRounds, 
 pytestmark = pytest.mark.timeout(300)
 PAGE = 4
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+torch.set_num_threads(1)  # as the engine harness: a 2-core machine shared by several test runs
 
 
 @dataclass(eq=False)
