@@ -21,8 +21,8 @@ continuous batch (`first_token`), the offline engine records tokens. Pages are n
 an owner that `ended` while a forward used its pages is handed back to the role (`release`) once
 no forward holds it (`in_flight` 0).
 
-Shared by roles that must not know each other, so this module knows none of them, and imports
-only model/ (the offline engine imports it too).
+Shared by roles that must not know each other, so this module knows none of them; it imports
+only model/ and its forward (`extend_step`), so the offline engine can use it too.
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ log = logging.getLogger(__name__)
 class RoundOwner(Protocol):
     """What a round needs of the object a role tracks a prompt with (its request record).
 
-    `sampling` draws its first token. `in_flight` counts the forwards (prefill rounds, and for decode its launched steps) that use
-    the owner's pages; `ended` is set by the role once the request is over. Pages go back when
-    both say so: ended and nothing in flight.
+    `sampling` draws its first token. `in_flight` counts the forwards (prefill rounds, and for
+    decode its launched steps) that use the owner's pages; `ended` is set by the role once the
+    request is over. Pages go back when both say so: ended and nothing in flight.
     """
 
     sampling: SamplingState
@@ -57,6 +57,13 @@ class RoundOwner(Protocol):
 
 
 Owner = TypeVar("Owner", bound=RoundOwner)
+T = TypeVar("T")
+
+
+class ForwardThread(Protocol):
+    """Where a worker runs its forwards: `ModelThread` or, one rank of a group, `LockstepModelThread`."""
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T: ...
 
 
 @dataclass(frozen=True)
@@ -203,9 +210,8 @@ class PrefillRounds(Generic[Owner]):
             self._end(plan, output, time.perf_counter() - began)
         return plan
 
-    async def run_in(self, model_thread: Any, queue: Sequence[PromptProgress[Owner]]) -> ExtendPlan[Owner]:
-        """One round whose forward runs in `model_thread` (`await model_thread.run(fn, *args)`: a
-        worker's `ModelThread` or `LockstepModelThread`); the rest runs here, on the event loop."""
+    async def run_in(self, model_thread: ForwardThread, queue: Sequence[PromptProgress[Owner]]) -> ExtendPlan[Owner]:
+        """One round whose forward runs in `model_thread`; the rest runs here, on the event loop."""
         plan, states, progress = self._begin(queue)
         if plan.items:
             began = time.perf_counter()
