@@ -1,11 +1,11 @@
 """The offline engine: one process, one `ModelRunner`, prompts in, tokens out. No PD, no server.
 
 It is the reference the serving tests compare against, so it takes the same path a worker does:
-the prompt is validated, then prefilled in chunks of at most `chunked_prefill_size` tokens per
-forward (a later chunk is an extend whose prefix is already in the paged cache, which is how
-MHA_CHUNKED_KV and MLA-over-prefix get exercised), then decoded one token per step over the
-paged latent cache, every request of a batch in the same forward. Pages are freed however the
-call ends.
+the prompt is validated, then prefilled by the workers' own rounds (workers/common/prefill_round.py)
+in chunks of at most `chunked_prefill_size` tokens per forward (a later chunk is an extend whose
+prefix is already in the paged cache, which is how MHA_CHUNKED_KV and MLA-over-prefix get
+exercised), then decoded one token per step over the paged latent cache, every request of a batch
+in the same forward. Pages are freed however the call ends.
 
     engine = Engine("tiny")
     result = engine.generate("Hello", SamplingParams(temperature=0.0, max_new_tokens=8))

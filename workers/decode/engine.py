@@ -6,7 +6,8 @@ PD request (`disagg` set):
                 TransferDone brings the first token
     decode   -> joins the continuous batch (absorbed MLA over up to max_running_requests requests)
 Colocated request (`disagg` None): the same, with the prompt prefilled here in chunked rounds
-that alternate with decode steps; it is the single-worker reference for PD parity.
+(`PrefillRounds`, the prefill worker's; `_AdmitHooks` admits a completed prompt into the batch) that
+alternate with decode steps; it is the single-worker reference for PD parity.
 
 The decode loop (`_decode_round`, see decode_step.py) overlaps the host with the GPU when
 `scheduler.overlap_schedule` is on: step N+1 is planned and launched (its input tokens gathered

@@ -5,7 +5,8 @@ A request's way through this engine (ARCHITECTURE §2):
     generate(req)  -> KVPush claims the bootstrap room, waits for decode's handshake
     admission      -> radix-cache prefix match (pinned) + pages for the rest of the prompt;
                       the cached pages go to decode at once
-    scheduler loop -> chunked prefill rounds in the model thread; as each layer's KV is written
+    scheduler loop -> chunked prefill rounds (`PrefillRounds`, workers/common/prefill_round.py; the
+                      forward in the model thread, this role's `_PushHooks`); as each layer's KV is written
                       (layer-wise streaming, `layerwise_transfer`, on channels that stream
                       layers), or after the round (all layers), the pages it completed are
                       pushed; the round that completes the
@@ -259,31 +260,6 @@ class PrefillEngine(EngineCore[_Request]):
         wait for that one too (a whole prefill round)."""
         return kv_written_event(self.runner.model.options.device)
 
-    def _layer_progress(self, plan: ExtendPlan[_Request]) -> LayerEvents | None:
-        """Layer-wise KV streaming: as the forward (model thread) writes each layer's KV, that
-        layer's newly complete pages of every request in the batch whose channel streams layers
-        go to the transport (event loop), so the transfer overlaps the remaining layers. None when
-        no request's channel does (direct copies): the forward then records no events and makes
-        no hand-offs, and the pages go after it (`pages_ready`).
-
-        Chunked prompts stay exact: each chunk hands over the pages its tokens complete, per
-        layer, and `SendPlan` sends every (layer, page) cell once; only the chunk that completes
-        the prompt sends the last, partial page, and `finish` (TransferDone) needs every cell.
-        """
-        loop = asyncio.get_running_loop()
-        targets = [(item.owner, item.computed + len(seq.token_ids)) for item, seq in zip(plan.items, plan.seqs)
-                   if item.owner.push.streams_layers]
-        if not targets:
-            return None
-
-        def on_loop(layer: int, ready) -> None:
-            for state, computed in targets:
-                if not state.ended and state.progress is not None and state.push.failed is None:
-                    state.push.layers_ready(computed, state.progress.pages, layer, layer + 1, ready)
-
-        return LayerEvents(self.runner.model.options.device,
-                           lambda layer, ready: loop.call_soon_threadsafe(on_loop, layer, ready))
-
     async def _schedule_loop(self) -> None:
         while True:
             self._admit_waiting()
@@ -305,7 +281,31 @@ class _PushHooks(RoundHooks[_Request]):
         self.engine = engine
 
     def layer_progress(self, plan: ExtendPlan[_Request]) -> LayerEvents | None:
-        return self.engine._layer_progress(plan) if self.engine.config.scheduler.layerwise_transfer else None
+        """Layer-wise KV streaming: as the forward (model thread) writes each layer's KV, that
+        layer's newly complete pages of every request in the batch whose channel streams layers
+        go to the transport (event loop), so the transfer overlaps the remaining layers. None when
+        no request's channel does (direct copies): the forward then records no events and makes
+        no hand-offs, and the pages go after it (`pages_ready`).
+
+        Chunked prompts stay exact: each chunk hands over the pages its tokens complete, per
+        layer, and `SendPlan` sends every (layer, page) cell once; only the chunk that completes
+        the prompt sends the last, partial page, and `finish` (TransferDone) needs every cell.
+        """
+        if not self.engine.config.scheduler.layerwise_transfer:
+            return None
+        loop = asyncio.get_running_loop()
+        targets = [(item.owner, item.computed + len(seq.token_ids)) for item, seq in zip(plan.items, plan.seqs)
+                   if item.owner.push.streams_layers]
+        if not targets:
+            return None
+
+        def on_loop(layer: int, ready) -> None:
+            for state, computed in targets:
+                if not state.ended and state.progress is not None and state.push.failed is None:
+                    state.push.layers_ready(computed, state.progress.pages, layer, layer + 1, ready)
+
+        return LayerEvents(self.engine.runner.model.options.device,
+                           lambda layer, ready: loop.call_soon_threadsafe(on_loop, layer, ready))
 
     def chunk_done(self, owners: Sequence[_Request]) -> None:
         written = self.engine._written()
