@@ -41,7 +41,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     else:
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         for i in range(rows.shape[0]):
-            out[i:i + 1] = F.linear(rows[i:i + 1], weight)
+            # A fresh copy: a BLAS may take another path for another alignment of the row's address
+            # (MKL's results depend on it without its reproducibility mode), and a row's place in a
+            # batch sets that.
+            out[i:i + 1] = F.linear(rows[i:i + 1].clone(), weight)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -53,7 +56,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return matmul_invariant(a, b)
     out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
     for i in range(a.shape[1]):
-        out[:, i:i + 1] = torch.bmm(a[:, i:i + 1], b)
+        out[:, i:i + 1] = torch.bmm(a[:, i:i + 1].contiguous(), b)  # a fresh copy, as in `linear`
     return out
 
 

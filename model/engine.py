@@ -49,6 +49,8 @@ class EngineConfig:
     cuda_graph: bool = False  # decode by CUDA-graph replay (needs CUDA and the triton/grouped backends)
     # Draft tokens per decode step from the checkpoint's MTP layer (model/speculative.py); 0: off.
     speculative_num_steps: int = 0
+    # Batch-invariant forward and chunk cuts aligned to chunked_prefill_size (docs/deterministic.md).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check_speculative_num_steps(self.speculative_num_steps)
@@ -109,7 +111,8 @@ class Engine:
             page_size=config.page_size, num_pages=-(-config.max_total_tokens // config.page_size),
             attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold,
             attention_backend=config.attention_backend, moe_backend=config.moe_backend,
-            cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps))
+            cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps,
+            deterministic=config.deterministic))
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(self.model_path)
         self.sampler = Sampler()
@@ -225,7 +228,7 @@ class Engine:
         """Rounds of at most `chunked_prefill_size` tokens, planned as the workers plan them."""
         pending = [PromptProgress(r.prompt_ids, r.pages, owner=r) for r in requests]
         while pending:
-            plan = plan_extend_batch(pending, self.config.chunked_prefill_size)
+            plan = plan_extend_batch(pending, self.config.chunked_prefill_size, aligned=self.config.deterministic)
             done = plan.finishing
             if self.speculative is None:
                 logits = self.runner.extend(plan.seqs)

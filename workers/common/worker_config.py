@@ -86,6 +86,10 @@ class SchedulerConfig:
     layerwise_transfer: bool = True
     # decode: launch step N+1 before collecting step N's tokens (workers/decode/engine.py); same tokens
     overlap_schedule: bool = True
+    # `--deterministic`: prompts cut only at multiples of chunked_prefill_size from their own start
+    # (prefill_planner `aligned`), and no prefix cache (a hit would start a prompt's extend at the
+    # cached length, i.e. cut it elsewhere than a cold run does).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:
@@ -94,6 +98,9 @@ class SchedulerConfig:
             raise UserError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.decode_reserve_tokens < 0 or self.admission_timeout_s <= 0:
             raise UserError("decode_reserve_tokens must be >= 0 and admission_timeout_s > 0")
+        if self.deterministic and self.prefix_cache:
+            raise UserError("deterministic mode runs without the prefix cache (a hit cuts a prompt elsewhere "
+                            "than a cold run); set prefix_cache off")
 
 
 @dataclass(frozen=True)

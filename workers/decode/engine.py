@@ -329,7 +329,8 @@ class DecodeEngine(EngineCore[_Request]):
             raise
 
     async def _prefill_round(self) -> None:
-        plan = plan_extend_batch([s.progress for s in self._prefilling], self.config.scheduler.chunked_prefill_size)
+        plan = plan_extend_batch([s.progress for s in self._prefilling], self.config.scheduler.chunked_prefill_size,
+                                 aligned=self.config.scheduler.deterministic)
         batch = [item.owner for item in plan.items]
         rows = plan.finishing
         for state in batch:

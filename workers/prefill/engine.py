@@ -287,7 +287,8 @@ class PrefillEngine(EngineCore[_Request]):
         budget = self.config.scheduler.chunked_prefill_size
         while True:
             self._admit_waiting()
-            plan = plan_extend_batch([s.progress for s in self._running], budget)
+            plan = plan_extend_batch([s.progress for s in self._running], budget,
+                                     aligned=self.config.scheduler.deterministic)
             if not plan.items:
                 self._wakeup.clear()
                 await self._wakeup.wait()
