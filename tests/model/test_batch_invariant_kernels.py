@@ -51,3 +51,53 @@ def test_matmul_invariant_refuses_shapes_that_do_not_fit():
 
     with pytest.raises(ValueError, match="shapes do not fit"):
         matmul_invariant(torch.randn(1, 3, 4, device=DEVICE), torch.randn(1, 5, 2, device=DEVICE))
+
+
+def test_mla_decode_fixed_splits_row_bits_do_not_depend_on_the_batch():
+    """Fixed 256-position splits: a row's output is the same alone and in a batch whose longest
+    context (and so split count) is another; the values match the default split's."""
+    from deepseek_pd.model.kernels.mla_decode import INVARIANT_DECODE_TILE, MLADecodeTile, mla_decode
+
+    rng = random.Random()
+    heads, rank, rope, page = 16, 64, 16, 8
+    lengths = [rng.randrange(1, 700) for _ in range(5)] + [rng.randrange(520, 800)]  # >= 3 splits for one
+    need = [-(-n // page) for n in lengths]
+    cache = torch.randn(sum(need), page, rank + rope, device=DEVICE)
+    table = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=DEVICE)
+    order = torch.randperm(sum(need)).tolist()
+    for row, n in enumerate(need):
+        table[row, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lengths), heads, rank, device=DEVICE)
+    q_pe = torch.randn(len(lengths), heads, rope, device=DEVICE)
+
+    def run(rows: list[int], tile: MLADecodeTile) -> torch.Tensor:
+        idx = torch.tensor(rows, device=DEVICE)
+        return mla_decode(q[idx], q_pe[idx], cache, table[idx], seq_lens[idx], max(lengths[r] for r in rows),
+                          0.125, tile=tile)
+
+    everyone = list(range(len(lengths)))
+    full = run(everyone, INVARIANT_DECODE_TILE)
+    torch.testing.assert_close(full, run(everyone, MLADecodeTile()), atol=1e-4, rtol=1e-4)
+    for row in range(len(lengths) - 1):  # each short row alone, and beside the longest one
+        assert torch.equal(run([row], INVARIANT_DECODE_TILE)[0], full[row])
+        assert torch.equal(run([len(lengths) - 1, row], INVARIANT_DECODE_TILE)[1], full[row])
+
+
+def test_fused_moe_invariant_row_bits_do_not_depend_on_the_batch():
+    from deepseek_pd.model.kernels.fused_moe import fused_moe
+
+    rng = random.Random()
+    experts, top_k, hidden, inter = 6, 3, 64, 32
+    tokens = rng.randrange(20, 90)
+    w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE) / 8
+    w2 = torch.randn(experts, hidden, inter, device=DEVICE) / 8
+    x = torch.randn(tokens, hidden, device=DEVICE)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, top_k, device=DEVICE)
+    full = fused_moe(x, ids, weights, w13, w2, invariant=True)
+    torch.testing.assert_close(full, fused_moe(x, ids, weights, w13, w2), atol=1e-4, rtol=1e-4)
+    for row in rng.sample(range(tokens), 3):
+        alone = fused_moe(x[row:row + 1], ids[row:row + 1], weights[row:row + 1], w13, w2, invariant=True)
+        assert torch.equal(alone[0], full[row])
