@@ -89,8 +89,8 @@ def test_fused_moe_invariant_row_bits_do_not_depend_on_the_batch():
     from deepseek_pd.model.kernels.fused_moe import fused_moe
 
     rng = random.Random()
-    experts, top_k, hidden, inter = 6, 3, 64, 32
-    tokens = rng.randrange(20, 90)
+    experts, top_k, hidden, inter = 6, 3, 256, 160  # K over several BLOCK_K steps of either tile
+    tokens = rng.randrange(40, 90)  # > 16 rows per expert: the default tile table picks another tile than alone
     w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE) / 8
     w2 = torch.randn(experts, hidden, inter, device=DEVICE) / 8
     x = torch.randn(tokens, hidden, device=DEVICE)
@@ -98,6 +98,11 @@ def test_fused_moe_invariant_row_bits_do_not_depend_on_the_batch():
     weights = torch.rand(tokens, top_k, device=DEVICE)
     full = fused_moe(x, ids, weights, w13, w2, invariant=True)
     torch.testing.assert_close(full, fused_moe(x, ids, weights, w13, w2), atol=1e-4, rtol=1e-4)
+    default = fused_moe(x, ids, weights, w13, w2)
+    default_same = []
     for row in rng.sample(range(tokens), 3):
         alone = fused_moe(x[row:row + 1], ids[row:row + 1], weights[row:row + 1], w13, w2, invariant=True)
         assert torch.equal(alone[0], full[row])
+        default_same.append(torch.equal(fused_moe(x[row:row + 1], ids[row:row + 1], weights[row:row + 1], w13, w2)[0],
+                                        default[row]))
+    assert not all(default_same), "the default tile table should vary here; else this test shows nothing"
