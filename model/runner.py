@@ -195,6 +195,12 @@ class RunnerConfig:
                     "run with tp_size = ep_size = 1")
         if self.speculative_num_steps:
             return "speculative verify steps are not batch-invariant yet; run without speculative_num_steps"
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            return (f"the attention backend {self.attention_backend!r} has no batch-invariant version "
+                    "(torch and triton have); run with attention_backend auto, torch or triton")
+        if self.moe_backend not in ("auto", "torch", "triton"):
+            return (f"the MoE backend {self.moe_backend!r} has no batch-invariant version "
+                    "(torch and triton have); run with moe_backend auto, torch or triton")
         if self.fp8_backend in ("torch", "triton"):
             return (f"the FP8 GEMM backend {self.fp8_backend!r} picks its tile by M; "
                     "use fp8_backend dequant (or auto, which deterministic resolves to dequant)")
