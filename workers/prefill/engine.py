@@ -42,6 +42,7 @@ from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache
+from deepseek_pd.workers.prefill.round_budget import RoundBudget, RoundBudgetConfig
 
 if TYPE_CHECKING:
     import torch
@@ -284,10 +285,11 @@ class PrefillEngine(EngineCore[_Request]):
                            lambda layer, ready: loop.call_soon_threadsafe(on_loop, layer, ready))
 
     async def _schedule_loop(self) -> None:
-        budget = self.config.scheduler.chunked_prefill_size
+        scheduler = self.config.scheduler  # round_budget.py: rounds sized for decode sharing the GPU
+        budget = RoundBudget(RoundBudgetConfig(scheduler.chunked_prefill_size, scheduler.prefill_round_target_ms / 1000))
         while True:
             self._admit_waiting()
-            plan = plan_extend_batch([s.progress for s in self._running], budget,
+            plan = plan_extend_batch([s.progress for s in self._running], budget.tokens(),
                                      aligned=self.config.scheduler.deterministic)
             if not plan.items:
                 self._wakeup.clear()
@@ -308,8 +310,9 @@ class PrefillEngine(EngineCore[_Request]):
                     sampled, drafts = await self.model_thread.run(
                         run_extend_with_mtp, self.runner, self.sampler, plan.seqs, rows,
                         [batch[r].sampling for r in rows], [s.progress.token_ids for s in batch], progress)
-                self.metrics.observe_step("prefill", time.perf_counter() - began, len(batch),
-                                          sum(len(seq.token_ids) for seq in plan.seqs))
+                took, tokens = time.perf_counter() - began, sum(len(seq.token_ids) for seq in plan.seqs)
+                self.metrics.observe_step("prefill", took, len(batch), tokens)
+                budget.observe(tokens, took)
                 error = None
             except Exception as exc:
                 log.exception("prefill forward failed")
