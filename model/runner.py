@@ -325,11 +325,18 @@ class RunnerConfig:
             return name
         return "triton" if is_cuda(self.device) and _triton_available() else "torch"
 
+    @property
+    def invariant_kernels(self) -> bool:
+        """`deterministic` on CUDA: the batch-invariant kernels. Off CUDA the runner makes every
+        sequence its own forward instead (`ModelRunner._run_rows_alone`), which is invariant for
+        any op, so the model keeps its plain CPU kernels."""
+        return self.deterministic and is_cuda(self.device)
+
     def kernel_backend(self, name: str) -> str:
-        """An attention or MoE backend name, resolved, and with `deterministic` its batch-invariant
-        version (`"torch"` -> `"torch_invariant"`); the registry refuses one that has none."""
+        """An attention or MoE backend name, resolved, and with `invariant_kernels` its batch-invariant
+        version (`"triton"` -> `"triton_invariant"`)."""
         name = self.resolve_backend(name)
-        return f"{name}_invariant" if self.deterministic and not name.endswith("_invariant") else name
+        return f"{name}_invariant" if self.invariant_kernels and not name.endswith("_invariant") else name
 
     @property
     def resolved_attention_method(self) -> str:
@@ -362,7 +369,7 @@ class RunnerConfig:
             expert_location=self.expert_location(model_config),
             fp8_backend=self.resolve_fp8_backend(model_config),
             norm_rope_backend=self.resolve_backend(self.norm_rope_backend),
-            mtp=self.speculative_num_steps > 0, deterministic=self.deterministic)
+            mtp=self.speculative_num_steps > 0, deterministic=self.invariant_kernels)
 
 
 @dataclass(frozen=True)
@@ -442,7 +449,7 @@ class ModelRunner:
     def _run(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
              pages: list[Sequence[int]], input_ids: torch.Tensor | None = None,
              progress: LayerProgress | None = None, group_mode: ForwardMode | None = None) -> torch.Tensor:
-        if self.config.deterministic and not is_cuda(self.config.device) and len(token_ids) > 1:
+        if self.config.deterministic and not self.config.invariant_kernels and len(token_ids) > 1:
             return self._run_rows_alone(mode, token_ids, prefix_lens, pages, input_ids, progress, group_mode)
         if self.tp_replay is not None and self.tp_replay.is_leader:
             self.tp_replay.lead(ForwardCall(mode, False, tuple(map(tuple, token_ids)), tuple(prefix_lens),

@@ -8,6 +8,7 @@ chunks from position 0. What followed the batch is decode:
 - Triton: `mla_decode` splits each sequence by the batch size; here every split is
   `INVARIANT_DECODE_TILE.split_len` positions of its own sequence (a fixed split size), merged in
   split order, for decode and for MLA extend alike.
+Picked on CUDA (`RunnerConfig.invariant_kernels`); off CUDA the runner runs each sequence alone.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ A token's result is `sum_j w_j * expert_{id_j}(x)`; what may follow the batch is
 reduce each row in an order of its own (`batch_invariant.linear`; the fused kernel's one tile) and
 the k terms are added in a fixed order per token (torch: expert-id order, one `index_add_` per
 expert; Triton: slot order). `RunnerConfig` picks them for the "torch"/"triton" backends when
-`deterministic` is set.
+`deterministic` is set on CUDA (`invariant_kernels`; off CUDA each sequence runs alone instead: the
+CPU's SIMD-tail SiLU would make "torch_invariant" depend on a row's place in its expert's group).
 """
 from __future__ import annotations
 

@@ -41,6 +41,18 @@ def test_deterministic_rows_equal_their_solo_bits(dtype):
     assert all(extend_equal) and all(decode_equal), (extend_equal, decode_equal)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_deterministic_rows_equal_their_solo_bits_on_the_gpu(graphs):
+    """The GPU path: Triton backends with the batch-invariant kernels (no row splitting), bf16,
+    eager and by CUDA-graph replay (a batch padded to its bucket)."""
+    runner = ModelRunner(RunnerConfig(model="tiny", page_size=16, num_pages=512, dtype="bfloat16", device="cuda",
+                                      deterministic=True, cuda_graph=graphs))
+    extend_equal, decode_equal = _rows_vs_alone(runner, random.Random(), 16)
+    assert all(extend_equal) and all(decode_equal), (extend_equal, decode_equal)
+
+
 def test_without_the_flag_fp32_rows_differ_from_alone():
     """The variance --deterministic removes exists here: otherwise the test above proves nothing."""
     runner = ModelRunner(RunnerConfig(model="tiny", page_size=4, num_pages=512, dtype="float32"))
@@ -58,8 +70,11 @@ def test_deterministic_refuses_what_is_not_invariant(fields, match):
 
 def test_deterministic_picks_the_invariant_backends_and_mha():
     config = RunnerConfig(model="tiny", deterministic=True)
-    assert config.kernel_backend("auto") == "torch_invariant" and config.resolved_attention_method == "mha"
-    assert RunnerConfig(model="tiny").kernel_backend("auto") == "torch"
+    # CPU: plain kernels, each sequence its own forward; CUDA: the invariant kernels
+    assert config.kernel_backend("auto") == "torch" and config.resolved_attention_method == "mha"
+    cuda = RunnerConfig(model="tiny", deterministic=True, device="cuda", attention_backend="triton")
+    assert cuda.kernel_backend("triton") == "triton_invariant" and cuda.kernel_backend("torch") == "torch_invariant"
+    assert RunnerConfig(model="tiny", device="cuda").kernel_backend("triton") == "triton"
 
 
 def test_aligned_cuts_do_not_depend_on_the_queue():

@@ -15,8 +15,7 @@ from test_serve_resolution import checkpoint, resolve  # noqa: E402 (the sibling
 def test_deterministic_reaches_the_runner_and_the_scheduler(role, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = resolve(role, "--model", str(checkpoint(tmp_path)), "--deterministic")
-    assert config.runner.deterministic and config.runner.kernel_backend(config.runner.attention_backend) == \
-        "torch_invariant"
+    assert config.runner.deterministic and config.runner.resolved_attention_method == "mha"
     assert config.worker.scheduler.deterministic and not config.worker.scheduler.prefix_cache
     plain = resolve(role, "--model", str(checkpoint(tmp_path, torch_dtype="float32")))
     assert not plain.runner.deterministic and plain.worker.scheduler.prefix_cache
