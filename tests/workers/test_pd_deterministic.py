@@ -10,6 +10,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from deepseek_pd.model.engine import Engine
 from deepseek_pd.model.runner import ModelRunner, RunnerConfig
@@ -27,20 +28,26 @@ def _config(dtype: str):
                                                                     prefix_cache=False))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pd_concurrency_16_equals_offline_one_at_a_time(dtype, monkeypatch):
+ON_GPU = pytest.param("cuda", "bfloat16", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cpu", "bfloat16"), ON_GPU])
+def test_pd_concurrency_16_equals_offline_one_at_a_time(device, dtype, monkeypatch):
+    """On the GPU: the Triton backends with the batch-invariant kernels, bf16 (issue 25's case)."""
     rng = random.Random()
-    offline = Engine("tiny", page_size=PAGE_SIZE, chunked_prefill_size=CHUNK, dtype=dtype, deterministic=True)
+    offline = Engine("tiny", page_size=PAGE_SIZE, chunked_prefill_size=CHUNK, dtype=dtype, device=device,
+                     deterministic=True)
     vocab = offline.vocab_size
     prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(1, 3 * CHUNK))] for _ in range(16)]
     expected = [offline.generate(p, GREEDY).output_ids for p in prompts]
 
     import pdtest.pd_engine_harness as harness
     monkeypatch.setattr(harness, "runner", lambda num_pages=256, device="cpu": ModelRunner(RunnerConfig(
-        model="tiny", page_size=PAGE_SIZE, num_pages=num_pages, dtype=dtype, deterministic=True)))
+        model="tiny", page_size=PAGE_SIZE, num_pages=num_pages, dtype=dtype, device=device, deterministic=True)))
 
     async def run():
-        async with PDPair("grpc", prefill_config=_config(dtype), decode_config=_config(dtype)) as pair:
+        async with PDPair("grpc", prefill_config=_config(dtype), decode_config=_config(dtype), device=device) as pair:
             return await asyncio.gather(*(pair.run(p, GREEDY, f"r{i}") for i, p in enumerate(prompts)))
 
     outcomes = asyncio.run(run())
