@@ -99,3 +99,31 @@ def test_aligned_cuts_do_not_depend_on_the_queue():
         together = cuts(rng.sample(range(len(lengths)), len(lengths)))
         for i, length in enumerate(lengths):
             assert together[i] == cuts([i])[i] == [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def test_the_gpu_build_runs_on_cpu_and_matches_the_plain_model():
+    """The model as `--deterministic` builds it on CUDA (invariant linears, `torch_invariant` attention
+    and MoE), here on CPU: same parameter names and loading, values within fp32 noise of the plain
+    model's, through extend and decode."""
+    from deepseek_pd.model.batch_invariant import InvariantLinear
+    from deepseek_pd.model.build_options import BuildOptions
+    from deepseek_pd.model.loader import load_model
+
+    invariant = load_model("tiny", BuildOptions(deterministic=True, attention_backend="torch_invariant",
+                                                moe_backend="torch_invariant"), progress=False)
+    plain = load_model("tiny", BuildOptions(), progress=False)
+    assert isinstance(invariant.lm_head, InvariantLinear)
+    assert [name for name, _ in invariant.named_parameters()] == [name for name, _ in plain.named_parameters()]
+    rng = random.Random()
+    vocab = plain.config.vocab_size
+    prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    next_ids = [rng.randrange(2, vocab) for _ in prompts]  # the same decode inputs for both models
+    results = []
+    for model in (invariant, plain):
+        runner = ModelRunner.from_model(model, RunnerConfig(model="<in-memory>", page_size=4, num_pages=128))
+        pages = [runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(p) + 1)) for p in prompts]
+        first = runner.extend([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)])
+        second = runner.decode([DecodeSeq(t, len(p), pg) for t, p, pg in zip(next_ids, prompts, pages)])
+        results.append((first, second))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-4)
