@@ -49,6 +49,8 @@ class EngineConfig:
     cuda_graph: bool = False  # decode by CUDA-graph replay (needs CUDA and the triton/grouped backends)
     # Draft tokens per decode step from the checkpoint's MTP layer (model/speculative.py); 0: off.
     speculative_num_steps: int = 0
+    # Batch-invariant forward and chunk cuts aligned to chunked_prefill_size (docs/deterministic.md).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check_speculative_num_steps(self.speculative_num_steps)
@@ -112,7 +114,8 @@ class Engine:
             page_size=config.page_size, num_pages=-(-config.max_total_tokens // config.page_size),
             attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold,
             attention_backend=config.attention_backend, moe_backend=config.moe_backend,
-            cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps))
+            cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps,
+            deterministic=config.deterministic))
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(self.model_path)
         self.sampler = Sampler()
@@ -121,7 +124,8 @@ class Engine:
             from deepseek_pd.model.speculative import SpeculativeDecoder
 
             self.speculative = SpeculativeDecoder(self.runner, config.speculative_num_steps, self._sample)
-        self.rounds = PrefillRounds(self.runner, self.sampler, config.chunked_prefill_size, _Recorder(self))
+        self.rounds = PrefillRounds(self.runner, self.sampler, config.chunked_prefill_size, _Recorder(self),
+                                    aligned=config.deterministic)
 
     # ---- public API --------------------------------------------------------------------------
     @property

@@ -128,6 +128,12 @@ class PrefillRounds(Generic[Owner]):
     chunk_budget: int
     hooks: RoundHooks[Owner]
     on_step: Callable[[float, int, int], None] | None = None
+    # Cut prompts only at multiples of chunk_budget from their own start (--deterministic: a
+    # prompt's chunks, and so its numerics, do not depend on the queue).
+    aligned: bool = False
+    # The tokens the next round may take, when a role sizes rounds itself (the prefill worker's
+    # RoundBudget, for decode sharing the GPU); None: chunk_budget.
+    round_tokens: Callable[[], int] | None = None
     # With the MTP layer (speculative decoding) every round also runs it, so its KV is in the
     # pages with the rest and each completed prompt gets its first draft.
     with_mtp: bool = field(init=False)
@@ -153,7 +159,8 @@ class PrefillRounds(Generic[Owner]):
 
     def plan(self, queue: Sequence[PromptProgress[Owner]]) -> ExtendPlan[Owner]:
         """The next round over `queue`, in order (empty when nothing is left to compute)."""
-        return plan_extend_batch(queue, self.chunk_budget)
+        budget = self.chunk_budget if self.round_tokens is None else self.round_tokens()
+        return plan_extend_batch(queue, budget, aligned=self.aligned)
 
     def hold(self, plan: ExtendPlan[Owner]) -> list[Owner]:
         """Marks the round's owners' pages as in use by a forward; returns the owners, in row order."""

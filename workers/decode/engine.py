@@ -128,7 +128,8 @@ class DecodeEngine(EngineCore[_Request]):
             self.speculation = SpeculativeStepper(runner, runner.config.speculative_num_steps, self.sampler)
         # Colocated prompts are prefilled here, in rounds between decode steps.
         self.rounds = PrefillRounds(runner, self.sampler, config.scheduler.chunked_prefill_size, _AdmitHooks(self),
-                                    on_step=functools.partial(self.metrics.observe_step, "prefill"))
+                                    on_step=functools.partial(self.metrics.observe_step, "prefill"),
+                                    aligned=config.scheduler.deterministic)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:

@@ -21,7 +21,6 @@ Any failure (handshake timeout, decode gone, transfer error, abort) ends the req
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
@@ -43,6 +42,7 @@ from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache
+from deepseek_pd.workers.prefill.round_budget import RoundBudget, RoundBudgetConfig
 
 if TYPE_CHECKING:
     import torch
@@ -95,8 +95,16 @@ class PrefillEngine(EngineCore[_Request]):
         self.server: BootstrapServer | None = None
         self.sender = None
         self._routes: RouteTable | None = RouteTable()  # one rank until a group publishes its table
-        self.rounds = PrefillRounds(runner, self.sampler, config.scheduler.chunked_prefill_size, _PushHooks(self),
-                                    on_step=functools.partial(self.metrics.observe_step, "prefill"))
+        scheduler = config.scheduler  # round_budget.py: rounds sized for decode sharing the GPU
+        self.round_budget = RoundBudget(RoundBudgetConfig(scheduler.chunked_prefill_size,
+                                                          scheduler.prefill_round_target_ms / 1000))
+        self.rounds = PrefillRounds(runner, self.sampler, scheduler.chunked_prefill_size, _PushHooks(self),
+                                    on_step=self._observe_round, aligned=scheduler.deterministic,
+                                    round_tokens=self.round_budget.tokens)
+
+    def _observe_round(self, seconds: float, prompts: int, tokens: int) -> None:
+        self.metrics.observe_step("prefill", seconds, prompts, tokens)
+        self.round_budget.observe(tokens, seconds)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
