@@ -49,6 +49,7 @@ class EngineConfig:
     cuda_graph: bool = False  # decode by CUDA-graph replay (needs CUDA and the triton/grouped backends)
     # Draft tokens per decode step from the checkpoint's MTP layer (model/speculative.py); 0: off.
     speculative_num_steps: int = 0
+    enable_tbo: bool = False  # two-batch overlap (model/tbo.py): each forward as two micro-batches
 
     def __post_init__(self) -> None:
         check_speculative_num_steps(self.speculative_num_steps)
@@ -109,7 +110,8 @@ class Engine:
             page_size=config.page_size, num_pages=-(-config.max_total_tokens // config.page_size),
             attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold,
             attention_backend=config.attention_backend, moe_backend=config.moe_backend,
-            cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps))
+            cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps,
+            enable_tbo=config.enable_tbo))
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(self.model_path)
         self.sampler = Sampler()

@@ -47,8 +47,6 @@ def check_mtp_supported(config: ModelConfig, options: BuildOptions) -> None:
                         "--speculative-num-steps (or with 0)")
     if options.parallel.ep_size > 1 or options.parallel.tp_size > 1:
         raise UserError("speculative decoding with the MTP layer runs at ep_size 1 and tp_size 1 for now")
-    if options.enable_tbo:
-        raise UserError("speculative decoding with the MTP layer does not run with two-batch overlap yet")
     if options.expert_location is not None:
         raise UserError("speculative decoding with the MTP layer does not take an expert location (EPLB) yet")
 
