@@ -442,14 +442,21 @@ def _network_policy() -> Schema:
 
 
 def _speculative_rule() -> dict[str, str]:
-    # The workers refuse the MTP layer in a multi-rank group (model/runner.py: its draft, verify and
-    # catch-up forwards do not run in lockstep over DP attention / EP / TP yet), in either role:
-    # refused here rather than crash-looping there.
-    single = " && ".join(f"self.{role}.size * (self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod) == 1"
-                         for role in ("prefill", "decode"))
-    return rule(f"self.decode.speculative.numSteps == 0 || ({single})",
-                "decode.speculative runs in single-rank groups for now: prefill and decode need "
-                "size * gpusPerPod == 1 (multi-rank groups refuse the MTP layer at start-up)",
+    # The workers refuse the MTP layer with EP or attention TP (model/mtp.py: the group does not yet
+    # step those collectives through the draft and verify forwards), in either role: refused here
+    # rather than crash-looping there. DP attention with replicated experts is fine.
+    def no_ep_no_tp(role: str) -> str:
+        par = f"self.{role}.parallelism"
+        world = f"({role}_world)"
+        tp_one = f"(has({par}.tp) ? {par}.tp == 1 : (!has({par}.dp) || {par}.dp == {world}))"
+        return f"({par}.ep == 1 && {tp_one})"
+    rule_text = " && ".join(no_ep_no_tp(role) for role in ("prefill", "decode"))
+    for role in ("prefill", "decode"):
+        rule_text = rule_text.replace(f"({role}_world)",
+                                      f"(self.{role}.size * (self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod))")
+    return rule(f"self.decode.speculative.numSteps == 0 || ({rule_text})",
+                "decode.speculative needs parallelism.ep 1 and tp 1 in prefill and decode for now (DP "
+                "attention is fine): EP and attention-TP groups refuse the MTP layer at start-up",
                 ".decode.speculative.numSteps")
 
 

@@ -65,16 +65,23 @@ def test_out_of_range_steps_are_refused(steps, field, words):
     assert any(v.field == field and words in v.message for v in violations), violations
 
 
-def test_multi_rank_groups_and_engine_args_are_refused():
-    """The workers refuse the MTP layer in a multi-rank group: the CRD says so instead of pods
-    crash-looping; the flag is the operator's (engineArgs may not repeat it); prefill has no field."""
+def test_ep_and_tp_groups_and_engine_args_are_refused():
+    """The workers refuse the MTP layer in EP and attention-TP groups: the CRD says so instead of
+    pods crash-looping (DP-attention groups are fine); the flag is the operator's (engineArgs may
+    not repeat it); prefill has no field."""
+    refusal = "decode.speculative needs parallelism.ep 1 and tp 1"
     v3 = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())
     v3["spec"]["decode"]["speculative"] = {"numSteps": 2}
-    assert any(v.field == "spec.decode.speculative.numSteps" and "single-rank groups" in v.message
+    assert any(v.field == "spec.decode.speculative.numSteps" and refusal in v.message
                for v in validate_object(v3))
+    for role, parallelism in (("prefill", {"ep": 2}), ("decode", {"tp": 2}), ("decode", {"dp": 1})):
+        raw = _single_rank_gpu(2)
+        raw["spec"][role].update(gpusPerPod=2, parallelism=parallelism)
+        assert any(refusal in v.message for v in validate_object(raw)), (role, parallelism)
     raw = _single_rank_gpu(2)
-    raw["spec"]["prefill"]["gpusPerPod"] = 2  # a two-rank prefill group would refuse it too
-    assert any("single-rank groups" in v.message for v in validate_object(raw))
+    for role in ("prefill", "decode"):  # DP attention over 2 pods x 2 GPUs, experts replicated
+        raw["spec"][role].update(size=2, gpusPerPod=2, parallelism={"dp": 4})
+    assert validate_object(raw) == []
     raw = _single_rank_gpu(None)
     raw["spec"]["decode"]["engineArgs"] = ["--speculative-num-steps=2"]
     assert any(v.field == "spec.decode.engineArgs" and "must not set flags" in v.message
