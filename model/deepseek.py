@@ -143,20 +143,6 @@ class DeepseekForCausalLM(nn.Module):
             op(state, stand_in)
         state.expect_only(frozenset())
 
-    @torch.no_grad()
-    def forward_mtp_idle(self, mode: ForwardMode) -> None:
-        """`forward_idle` for the MTP layer: its MoE collectives on zero rows, joining the ranks
-        that run `forward_mtp` (speculative decoding under EP)."""
-        if self.mtp is None:
-            raise RuntimeError("the model was built without its MTP layer (BuildOptions.mtp)")
-        layer = self.mtp.layer
-        stand_in, state = EmptyBatch(mode), OpState()
-        for name in layer.op_names:
-            op = self.empty_op(layer, name)
-            if op is not None:
-                op(state, stand_in)
-        state.expect_only(frozenset())
-
     def empty_op(self, layer: OpLayer, name: str) -> Op | None:
         """What a rank with no tokens runs for `layer`'s op `name` (LayerStack): a MoE layer's MLP
         ops on zero rows, between a `prepare_mlp` that makes them and a `postprocess` that drops them."""

@@ -366,9 +366,9 @@ class ModelRunner:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = _load_model(self.config, self.parallel)
-        # In a group the speculative forwards step with the others like any forward (`_step`); the
-        # MTP layer's are marked, so under EP idle ranks join its collectives with its idle forward.
-        # Attention TP would need the followers to replay them: refused.
+        # In a DP-attention group with replicated experts (ep 1) a forward holds no collective, so the
+        # speculative forwards step with the group like any other (`_step`); EP and attention TP
+        # would need the group to agree on each draft/verify forward: refused (mtp.check_mtp_supported).
         if self.model.mtp is not None and self.tp_replay is not None:
             raise UserError("speculative decoding (--speculative-num-steps) does not run with attention TP "
                             "(--tp > 1) yet")
@@ -437,20 +437,13 @@ class ModelRunner:
             layer.mlp.load_recorder = (recorder, row)
         return recorder
 
-    def _step(self, mode: ForwardMode, mtp: bool = False):
-        """The group's forward step (model/step_sync.py); yields the group's mode (alone: `mode`).
-        `mtp`: the MTP layer's forward (speculative decoding)."""
-        if self.step_sync is None:
-            return contextlib.nullcontext(mode)
-        return self.step_sync.forward(mode, mtp=True) if mtp else self.step_sync.forward(mode)
+    def _step(self, mode: ForwardMode):
+        """The group's forward step (model/step_sync.py); yields the group's mode (alone: `mode`)."""
+        return self.step_sync.forward(mode) if self.step_sync is not None else contextlib.nullcontext(mode)
 
-    def idle(self, mode: ForwardMode = ForwardMode.DECODE, mtp: bool = False) -> None:
+    def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
         """With EP: this rank has no requests this step but must join the other ranks' MoE
-        all-to-alls (call it where the others call extend/decode; `mtp`: where they run the MTP
-        layer). A no-op work-wise at ep_size 1."""
-        if mtp:
-            self.model.forward_mtp_idle(mode)
-            return
+        all-to-alls (call it where the others call extend/decode). A no-op work-wise at ep_size 1."""
         if self.tp_replay is not None and self.tp_replay.is_leader:
             self.tp_replay.lead(ForwardCall(mode, idle=True), None, self.kv_pool)
         self.model.forward_idle(mode)
@@ -505,7 +498,7 @@ class ModelRunner:
         """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV
         goes into the pool's MTP layer at the same positions and pages."""
         mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
-        with self._step(mode, mtp=True) as group_mode:
+        with self._step(mode) as group_mode:
             return self.model.forward_mtp(self._batch(mode, seqs, group_mode), prev_hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -513,8 +506,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq], group_mode: ForwardMode) -> ForwardBatch:
-        if self.tp_replay is not None:
-            raise RuntimeError("speculative forwards run without attention TP")
+        if self.tp_replay is not None or self.model.options.parallel.ep_size > 1:
+            raise RuntimeError("speculative forwards run without attention TP and EP")
         batch = ForwardBatch.build(mode, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
                                    [s.pages for s in seqs], self.kv_pool, self.model_config.vocab_size,
                                    self.model.options.device)

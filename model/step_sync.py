@@ -25,9 +25,7 @@ from deepseek_pd.model.forward_batch import ForwardMode
 
 
 class StepSync(Protocol):
-    def forward(self, mode: ForwardMode, mtp: bool = False) -> ContextManager[ForwardMode]:
+    def forward(self, mode: ForwardMode) -> ContextManager[ForwardMode]:
         """Enters one group-wide forward step of `mode` (blocks until every rank joins it); yields
-        the step's mode over the group (EXTEND if any rank extends). `mtp`: the forward is the MTP
-        layer's (speculative decoding), whose collectives the other ranks join with the MTP
-        layer's idle forward."""
+        the step's mode over the group (EXTEND if any rank extends)."""
         ...

@@ -442,16 +442,21 @@ def _network_policy() -> Schema:
 
 
 def _speculative_rule() -> dict[str, str]:
-    # The workers refuse the MTP layer under attention TP (model/mtp.py: the TP followers do not
-    # replay the draft and verify forwards yet), in either role: refused here rather than
-    # crash-looping there. DP attention and EP are fine.
-    def tp_one(role: str) -> str:
+    # The workers refuse the MTP layer with EP or attention TP (model/mtp.py: the group does not yet
+    # step those collectives through the draft and verify forwards), in either role: refused here
+    # rather than crash-looping there. DP attention with replicated experts is fine.
+    def no_ep_no_tp(role: str) -> str:
         par = f"self.{role}.parallelism"
-        world = f"(self.{role}.size * (self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod))"
-        return f"(has({par}.tp) ? {par}.tp == 1 : (!has({par}.dp) || {par}.dp == {world}))"
-    return rule(f"self.decode.speculative.numSteps == 0 || ({tp_one('prefill')} && {tp_one('decode')})",
-                "decode.speculative needs parallelism.tp 1 in prefill and decode for now (DP attention and "
-                "EP are fine): attention-TP groups refuse the MTP layer at start-up",
+        world = f"({role}_world)"
+        tp_one = f"(has({par}.tp) ? {par}.tp == 1 : (!has({par}.dp) || {par}.dp == {world}))"
+        return f"({par}.ep == 1 && {tp_one})"
+    rule_text = " && ".join(no_ep_no_tp(role) for role in ("prefill", "decode"))
+    for role in ("prefill", "decode"):
+        rule_text = rule_text.replace(f"({role}_world)",
+                                      f"(self.{role}.size * (self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod))")
+    return rule(f"self.decode.speculative.numSteps == 0 || ({rule_text})",
+                "decode.speculative needs parallelism.ep 1 and tp 1 in prefill and decode for now (DP "
+                "attention is fine): EP and attention-TP groups refuse the MTP layer at start-up",
                 ".decode.speculative.numSteps")
 
 
@@ -490,10 +495,6 @@ def spec_schema() -> Schema:
         *_metrics_rules(),
         *_mooncake_port_rules(),
         _speculative_rule(),
-        rule("self.decode.speculative.numSteps == 0 || (!has(self.prefill.eplb.initExpertLocation) && "
-             "!has(self.decode.eplb.initExpertLocation))",
-             "decode.speculative does not take an EPLB placement (eplb.initExpertLocation) yet: the MTP "
-             "layer refuses it at start-up", ".decode.speculative.numSteps"),
         *[rule(f"!has(self.{role}.autoscaling) || self.metrics.enabled",
                f"{role}.autoscaling reads the workers' metrics: it needs metrics.enabled",
                f".{role}.autoscaling") for role in ("prefill", "decode")],

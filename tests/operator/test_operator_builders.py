@@ -56,7 +56,6 @@ def _random_raw(rng: random.Random) -> dict:
                          engineArgs=[f"--page-size={rng.choice([16, 64])}"])
         raw[role]["parallelism"]["tp"] = world
     raw.get("model", {}).pop("numRoutedExperts", None)
-    raw["decode"].pop("speculative", None)  # the V3 example's: attention TP refuses it
     return raw
 
 

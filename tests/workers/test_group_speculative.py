@@ -1,8 +1,8 @@
-"""Speculative decoding in multi-rank groups: `serve decode --dp 2 [--ep 2] --speculative-num-steps 3`
-(real processes, gloo on loopback, lockstep forwards; data-parallel attention, experts replicated or
-spread), colocated, and PD between two groups. Its greedy tokens must equal the single-process offline engine's without speculation,
+"""Speculative decoding in a multi-rank decode group: `serve decode --dp 2 --speculative-num-steps 3`
+(real processes, gloo on loopback, lockstep forwards; data-parallel attention, experts replicated),
+colocated. Its greedy tokens must equal the single-process offline engine's without speculation,
 with the MTP layer trained so drafts are accepted on both ranks' requests (each rank's /metrics).
-Attention-TP groups refuse speculation at start-up with a message naming the flag."""
+EP and attention TP groups refuse speculation at start-up with a message naming the flags."""
 from __future__ import annotations
 
 import asyncio
@@ -51,10 +51,7 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("parallel", [["--dp", "2"], ["--dp", "2", "--ep", "2"]], ids=["dp2", "dp2-ep2"])
-def test_group_speculation_equals_the_offline_engine(tmp_path, trained, parallel) -> None:
-    """Under EP the MTP layer's forwards hold all-to-alls too: ranks without one join them with the
-    MTP layer's idle forward (workers/common/lockstep.py's tick says which forward runs)."""
+def test_dp_group_speculation_equals_the_offline_engine(tmp_path, trained) -> None:
     path, oracle, train, seed = trained
     rng = random.Random(seed + 1)
     # the trained prompts (accepting) twice over, so both ranks get some, and fresh ones
@@ -63,7 +60,7 @@ def test_group_speculation_equals_the_offline_engine(tmp_path, trained, parallel
     want = [r.output_ids for r in oracle.generate_batch(
         prompts, [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new])]
     (metrics_port,) = pick_free_ports(1)
-    with GroupWorker("decode", ["--model", str(path), *parallel, "--speculative-num-steps", "3",
+    with GroupWorker("decode", ["--model", str(path), "--dp", "2", "--speculative-num-steps", "3",
                                 "--metrics-port", str(metrics_port)], tmp_path / "group.log") as worker:
         asyncio.run(worker.wait_healthy())
         got = asyncio.run(generate_all(worker.address, prompts, max_new))
@@ -116,8 +113,8 @@ def test_pd_between_dp_groups_with_tbo_equals_the_offline_engine(tmp_path, train
     assert accepted > 0, (seed, ranks)
 
 
-def test_attention_tp_is_refused_naming_the_flag() -> None:
+@pytest.mark.parametrize("parallel", [ParallelInfo(ep_size=2, ep_rank=1), ParallelInfo(tp_size=2, tp_rank=1)])
+def test_ep_and_attention_tp_are_refused_naming_the_flags(parallel) -> None:
     config = ModelConfig.from_hf({**tiny_config("v3", 256), "num_nextn_predict_layers": 1})
-    with pytest.raises(UserError, match=r"without attention TP for now \(--tp 1"):
-        check_mtp_supported(config, BuildOptions(parallel=ParallelInfo(tp_size=2, tp_rank=1), mtp=True))
-    check_mtp_supported(config, BuildOptions(parallel=ParallelInfo(ep_size=2, ep_rank=1), mtp=True))
+    with pytest.raises(UserError, match=r"--ep 1, --tp 1; data-parallel attention, --dp N, is fine"):
+        check_mtp_supported(config, BuildOptions(parallel=parallel, mtp=True))

@@ -144,7 +144,7 @@ class LockstepModelThread:
 
     # ---- StepSync (called by the runner, in this thread) ------------------------------------------
     @contextlib.contextmanager
-    def forward(self, mode: ForwardMode, mtp: bool = False) -> Iterator[ForwardMode]:
+    def forward(self, mode: ForwardMode) -> Iterator[ForwardMode]:
         # The MAX is "forward": everyone joins this one, in EXTEND mode if any rank extends.
         _, extend = self._tick(True, mode is ForwardMode.EXTEND)
         try:
