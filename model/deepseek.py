@@ -114,7 +114,7 @@ class DeepseekForCausalLM(nn.Module):
         """Final-normed hidden states of every new token `[T, H]` (speculative verify and the
         MTP layer's input; `compute_logits` turns rows of them into logits)."""
         if self._tbo is not None:
-            raise RuntimeError("forward_hidden does not run two-batch overlap")
+            return self._tbo.final_hidden(batch, progress=progress, every_token=True)
         return self.final_hidden(self.run_layers(batch, progress))
 
     @torch.no_grad()

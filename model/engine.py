@@ -51,6 +51,7 @@ class EngineConfig:
     speculative_num_steps: int = 0
     # Batch-invariant forward and chunk cuts aligned to chunked_prefill_size (docs/deterministic.md).
     deterministic: bool = False
+    enable_tbo: bool = False  # two-batch overlap (model/tbo.py): each forward as two micro-batches
 
     def __post_init__(self) -> None:
         check_speculative_num_steps(self.speculative_num_steps)
@@ -115,7 +116,7 @@ class Engine:
             attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold,
             attention_backend=config.attention_backend, moe_backend=config.moe_backend,
             cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps,
-            deterministic=config.deterministic))
+            deterministic=config.deterministic, enable_tbo=config.enable_tbo))
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(self.model_path)
         self.sampler = Sampler()

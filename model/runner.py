@@ -413,9 +413,12 @@ class ModelRunner:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = _load_model(self.config, self.parallel)
-        if self.model.mtp is not None and (self.step_sync is not None or self.tp_replay is not None):
-            raise UserError("speculative decoding (--speculative-num-steps) runs in single-rank workers for now, "
-                            "not in a multi-rank group (--dp/--ep/--tp)")
+        # In a DP-attention group with replicated experts (ep 1) a forward holds no collective, so the
+        # speculative forwards step with the group like any other (`_step`); EP and attention TP
+        # would need the group to agree on each draft/verify forward: refused (mtp.check_mtp_supported).
+        if self.model.mtp is not None and self.tp_replay is not None:
+            raise UserError("speculative decoding (--speculative-num-steps) does not run with attention TP "
+                            "(--tp > 1) yet")
         model_config = self.model.config
         options = self.model.options
         self.policy = AttentionPolicy(self.config.resolved_attention_method, self.config.mha_chunked_kv_threshold)
@@ -551,27 +554,30 @@ class ModelRunner:
         (their logits: `logits`). `force_mla`: absorbed MLA over the paged cache whatever the policy
         says (speculative verify: several queries per sequence, causal among themselves).
         `progress` hears of each decoder layer's KV write, as in `extend`."""
-        batch = self._batch(ForwardMode.EXTEND, seqs)
-        if force_mla:
-            batch.attention_method = AttentionMethod.MLA
-        return self.model.forward_hidden(batch, progress)
+        with self._step(ForwardMode.EXTEND) as group_mode:
+            batch = self._batch(ForwardMode.EXTEND, seqs, group_mode)
+            if force_mla:
+                batch.attention_method = AttentionMethod.MLA
+            return self.model.forward_hidden(batch, progress)
 
     def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV
         goes into the pool's MTP layer at the same positions and pages."""
         mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
-        return self.model.forward_mtp(self._batch(mode, seqs), prev_hidden)
+        with self._step(mode) as group_mode:
+            return self.model.forward_mtp(self._batch(mode, seqs, group_mode), prev_hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden states from `extend_hidden` or `draft`."""
         return self.model.compute_logits(hidden)
 
-    def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq]) -> ForwardBatch:
-        if self.tp_replay is not None or self.step_sync is not None:
-            raise RuntimeError("speculative forwards run in a single-rank runner")
+    def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq], group_mode: ForwardMode) -> ForwardBatch:
+        if self.tp_replay is not None or self.model.options.parallel.ep_size > 1:
+            raise RuntimeError("speculative forwards run without attention TP and EP")
         batch = ForwardBatch.build(mode, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
                                    [s.pages for s in seqs], self.kv_pool, self.model_config.vocab_size,
                                    self.model.options.device)
+        batch.group_mode = group_mode
         batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
         return batch
 

@@ -157,7 +157,7 @@ class ServeFlags:
     speculative_num_steps: int = _flag(
         0, "decode: tokens the checkpoint's MTP layer drafts per step, verified in one forward (0..8, default "
            "0: off; the same as --engine-opt speculative_num_steps=N); a PD prefill worker takes the same "
-           "value, so both KV layouts hold the MTP layer", metavar="N")
+           "value, so both KV layouts hold the MTP layer", metavar="N", managed=True)
     deterministic: bool = _flag(
         False, "batch-invariant inference (docs/deterministic.md): greedy outputs do not depend on what else "
                "is batched; prompts cut at multiples of --chunked-prefill-size, no prefix cache; refuses TBO, "
