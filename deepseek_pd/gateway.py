@@ -71,9 +71,29 @@ WEDGE_ARGS = ("--worker-wedge-secs", "30")
 # Slow clients. smg closes a connection whose request head is not complete within
 # --header-read-timeout-secs (default 30 s); a client sends its head at once, so 10 s frees a slot
 # held by a slowloris head three times sooner. A slow *body* has no timeout in smg 1.13 (the n guard
-# reads it before admission, so it holds a connection but no request slot), nor is there a
-# per-client connection budget: that is the ingress's job (docs/operations.md, "Gateway limits").
+# reads it before admission, so it holds a connection but no request slot; neither
+# --stream-body-stall-timeout-secs nor --request-timeout-secs closed a stalled body in 30 s), nor is
+# there a per-client connection budget: that is the ingress's job (docs/operations.md, "Gateway limits").
 SLOW_CLIENT_ARGS = ("--header-read-timeout-secs", "10")
+
+# A per-client request budget: smg 1.13's tenant rate limit (--tenant-rate-limit-enabled with a
+# YAML policy). Without --trust-tenant-header a tenant is the client's IP address (or the caller of
+# a tenant API key), and every tenant gets `default_policy`'s own token bucket: past it, 429 with
+# code tenant_rate_limit_exceeded and Retry-After. tokens_per_minute must be > 0: the u32 maximum
+# bounds nothing. Behind an ingress every client has the ingress's address: there the ingress
+# bounds clients (or sets a tenant header smg is told to trust).
+CLIENT_BUDGET_FILE = "client-budget.yaml"
+_NO_TOKEN_BOUND = 2**32 - 1
+
+
+def client_budget_args(path: Path, requests_per_minute: int) -> tuple[str, ...]:
+    """Writes smg's tenant-rate-limit policy (each client address: `requests_per_minute`) to `path`
+    and returns the router flags that load it."""
+    if requests_per_minute < 1:
+        raise UserError(f"a per-client budget of {requests_per_minute} requests per minute admits nothing")
+    path.write_text(f"default_policy:\n  tokens_per_minute: {_NO_TOKEN_BOUND}\n"
+                    f"  requests_per_minute: {requests_per_minute}\n")
+    return ("--tenant-rate-limit-enabled", "--tenant-rate-limit-config", str(path))
 
 RETRY_ARGS = ("--retry-max-retries", "5", "--retry-initial-backoff-ms", "1500",
               "--retry-backoff-multiplier", "2", "--retry-max-backoff-ms", "8000")

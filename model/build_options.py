@@ -50,6 +50,11 @@ class BuildOptions:
     # Build the checkpoint's MTP layer (model/mtp.py), the speculative draft model; its latent KV
     # is one more layer of the KV pool.
     mtp: bool = False
+    # `--deterministic` on CUDA: every reduction a row takes part in has an order that depends on
+    # that row alone (model/batch_invariant.py; the "*_invariant" attention and MoE backends), so
+    # greedy outputs do not depend on what else is in the batch (docs/deterministic.md). Off CUDA
+    # the runner runs each sequence alone instead (`RunnerConfig.invariant_kernels`).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.prefix_chunk_size < 1:

@@ -65,6 +65,9 @@ class DecodeGraphRunner:
         vocab = model.config.vocab_size
         self._inputs = {b: StaticDecodeInputs(b, self.table_width, kv_pool, self.scratch_page, vocab)
                         for b in self.buckets}
+        # Backends that plan on the host per batch (FlashInfer): re-planned before every replay.
+        self._planning = list({id(b): b for b in (layer.self_attn.backend for layer in model.layers)
+                               if hasattr(b, "prepare_replay")}.values())
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._capture_all()
@@ -105,6 +108,10 @@ class DecodeGraphRunner:
         inputs.load(inputs.pack(token_ids, positions, pages))
         if input_ids is not None:
             inputs.input_ids[:len(token_ids)].copy_(input_ids)
+        if self._planning:
+            lengths, page_lists = inputs.replay_layout(positions, pages)
+            for backend in self._planning:
+                backend.prepare_replay(bucket, lengths, page_lists)
         self.model.dispatcher.prepare_step(ForwardMode.DECODE)  # what the replay's dispatches skip (DeepEP)
         self._graphs[bucket].replay()
         # A copy: the static logits are overwritten by the next replay, and callers keep logits.

@@ -12,6 +12,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from deepseek_pd.model.batch_invariant import make_linears_invariant
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.decoder_layer import DeepseekDecoderLayer
@@ -59,6 +60,8 @@ class DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The draft model for speculative decoding (model/mtp.py); shares embed_tokens and lm_head.
         self.mtp = MtpLayer(config, self.rotary, options, self.dispatcher) if options.mtp else None
+        if options.deterministic:  # before the weights load: the swap keeps every parameter's name
+            make_linears_invariant(self)
         # Chosen once: the two-batch-overlap executor or the plain op-list loop.
         self._tbo = TwoBatchOverlap(self, options.parallel, options.tbo_rules) if options.enable_tbo else None
         # What an idle rank runs (`forward_idle`), resolved once like the layers' own `ops`: it
@@ -111,7 +114,7 @@ class DeepseekForCausalLM(nn.Module):
         """Final-normed hidden states of every new token `[T, H]` (speculative verify and the
         MTP layer's input; `compute_logits` turns rows of them into logits)."""
         if self._tbo is not None:
-            raise RuntimeError("forward_hidden does not run two-batch overlap")
+            return self._tbo.final_hidden(batch, progress=progress, every_token=True)
         return self.final_hidden(self.run_layers(batch, progress))
 
     @torch.no_grad()

@@ -1,11 +1,11 @@
 """The offline engine: one process, one `ModelRunner`, prompts in, tokens out. No PD, no server.
 
 It is the reference the serving tests compare against, so it takes the same path a worker does:
-the prompt is validated, then prefilled in chunks of at most `chunked_prefill_size` tokens per
-forward (a later chunk is an extend whose prefix is already in the paged cache, which is how
-MHA_CHUNKED_KV and MLA-over-prefix get exercised), then decoded one token per step over the
-paged latent cache, every request of a batch in the same forward. Pages are freed however the
-call ends.
+the prompt is validated, then prefilled by the workers' own rounds (workers/common/prefill_round.py)
+in chunks of at most `chunked_prefill_size` tokens per forward (a later chunk is an extend whose
+prefix is already in the paged cache, which is how MHA_CHUNKED_KV and MLA-over-prefix get
+exercised), then decoded one token per step over the paged latent cache, every request of a batch
+in the same forward. Pages are freed however the call ends.
 
     engine = Engine("tiny")
     result = engine.generate("Hello", SamplingParams(temperature=0.0, max_new_tokens=8))
@@ -22,12 +22,12 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.memory_budget import DEFAULT_PAGE_SIZE
-from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
 from deepseek_pd.model.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
 from deepseek_pd.model.sampled_host import TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling import Sampler, SamplingState, StopChecker
 from deepseek_pd.model.sampling_params import SamplingParams
 from deepseek_pd.model.speculative_rules import check_speculative_num_steps
+from deepseek_pd.workers.common.prefill_round import FirstToken, PrefillRounds, RoundHooks
 
 Prompt = Union[str, Sequence[int]]
 
@@ -49,6 +49,9 @@ class EngineConfig:
     cuda_graph: bool = False  # decode by CUDA-graph replay (needs CUDA and the triton/grouped backends)
     # Draft tokens per decode step from the checkpoint's MTP layer (model/speculative.py); 0: off.
     speculative_num_steps: int = 0
+    # Batch-invariant forward and chunk cuts aligned to chunked_prefill_size (docs/deterministic.md).
+    deterministic: bool = False
+    enable_tbo: bool = False  # two-batch overlap (model/tbo.py): each forward as two micro-batches
 
     def __post_init__(self) -> None:
         check_speculative_num_steps(self.speculative_num_steps)
@@ -84,6 +87,9 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # What a prefill round asks of its owners (prefill_round.RoundOwner): a wave never ends early.
+    ended: bool = False
+    in_flight: int = 0
 
     @property
     def finished(self) -> bool:
@@ -109,7 +115,8 @@ class Engine:
             page_size=config.page_size, num_pages=-(-config.max_total_tokens // config.page_size),
             attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold,
             attention_backend=config.attention_backend, moe_backend=config.moe_backend,
-            cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps))
+            cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps,
+            deterministic=config.deterministic, enable_tbo=config.enable_tbo))
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(self.model_path)
         self.sampler = Sampler()
@@ -118,6 +125,8 @@ class Engine:
             from deepseek_pd.model.speculative import SpeculativeDecoder
 
             self.speculative = SpeculativeDecoder(self.runner, config.speculative_num_steps, self._sample)
+        self.rounds = PrefillRounds(self.runner, self.sampler, config.chunked_prefill_size, _Recorder(self),
+                                    aligned=config.deterministic)
 
     # ---- public API --------------------------------------------------------------------------
     @property
@@ -222,35 +231,11 @@ class Engine:
             stop=StopChecker(params, self.model_config.eos_token_ids, self.tokenizer, max_new_tokens=max_new))
 
     def _prefill(self, requests: list[_Request]) -> None:
-        """Rounds of at most `chunked_prefill_size` tokens, planned as the workers plan them."""
-        pending = [PromptProgress(r.prompt_ids, r.pages, owner=r) for r in requests]
+        """Rounds of at most `chunked_prefill_size` tokens, planned and run as the workers run them."""
+        pending = [self.rounds.start(r, r.prompt_ids, r.pages) for r in requests]
         while pending:
-            plan = plan_extend_batch(pending, self.config.chunked_prefill_size)
-            done = plan.finishing
-            if self.speculative is None:
-                logits = self.runner.extend(plan.seqs)
-                rows = torch.tensor(done, device=logits.device)
-            else:  # every token's hidden state, for the MTP layer's pass over the round
-                hidden = self.runner.extend_hidden(plan.seqs)
-                logits = self.runner.logits(hidden)
-                ends = torch.tensor([len(seq.token_ids) for seq in plan.seqs]).cumsum(0) - 1
-                rows = ends[torch.tensor(done, dtype=torch.long)].to(logits.device)
-            plan.advance()
-            if done:
-                self._sample([plan.items[row].owner for row in done], logits[rows])
-            if self.speculative is not None:
-                self._draft_over_round(plan, hidden)
+            self.rounds.run(pending)
             pending = [item for item in pending if item.remaining > 0]
-
-    def _draft_over_round(self, plan, hidden: torch.Tensor) -> None:
-        """The MTP layer over the round's tokens; the prompts it completes get their first draft."""
-        from deepseek_pd.model.speculative import mtp_over_extend
-
-        owners = {row: plan.items[row].owner for row in plan.finishing}
-        drafts = mtp_over_extend(self.runner, plan.seqs, hidden, [item.token_ids for item in plan.items],
-                                 {row: owner.output_ids[0] for row, owner in owners.items()})
-        for owner, (token, state) in zip(owners.values(), drafts):
-            self.speculative.seed(owner, token, state)
 
     def _decode(self, requests: list[_Request]) -> None:
         from deepseek_pd.model.runner import DecodeSeq
@@ -269,9 +254,26 @@ class Engine:
         out = self.sampler.sample(logits, [r.sampling for r in requests])
         sampled = unpack(pack(out).cpu(), out.top_counts)
         for request, token, logprob, top in zip(requests, sampled.token_ids, sampled.logprobs, sampled.top):
-            request.output_ids.append(token)
-            request.logprobs.append(logprob)
-            if top is not None:
-                request.top_logprobs.append(top)
-            request.sampling.append(token)
-            request.stop.append(token)
+            _record(request, token, logprob, top)
+
+
+def _record(request: _Request, token: int, logprob: float, top: TopLogprobs | None) -> None:
+    """A sampled output token joins the request (its sampler already advanced its state)."""
+    request.output_ids.append(token)
+    request.logprobs.append(logprob)
+    if top is not None:
+        request.top_logprobs.append(top)
+    request.sampling.append(token)
+    request.stop.append(token)
+
+
+class _Recorder(RoundHooks[_Request]):
+    """The offline engine's side of a prefill round: first tokens (and first drafts) are recorded."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def first_token(self, owner: _Request, first: FirstToken) -> None:
+        _record(owner, first.token_id, first.logprob, first.top)
+        if first.draft is not None:
+            self.engine.speculative.seed(owner, *first.draft)

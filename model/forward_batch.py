@@ -71,6 +71,10 @@ class ForwardBatch:
     # One rank of a group: the step's mode over all ranks (EXTEND if any rank extends), which the
     # EP collectives follow (model/step_sync.py); None: this batch's own mode.
     group_mode: ForwardMode | None = None
+    # The static batch of a captured decode CUDA graph (model/graph_inputs.py): its bucket, else None.
+    # Its host lengths are capture-time bounds; a backend that plans on the host keeps its plan per
+    # bucket and re-plans it before each replay (`prepare_replay`, model/cuda_graph.py).
+    graph_bucket: int | None = None
 
     @property
     def ep_mode(self) -> ForwardMode:

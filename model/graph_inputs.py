@@ -16,6 +16,8 @@ writes a page a request owns. Real rows' unused page-table columns also point at
 The host-side lengths of the static `ForwardBatch` are the capture-time upper bound (every
 sequence "W * page_size long"), so anything a backend derives from them on the host (e.g. the MLA
 decode split count) is fixed per capture; the real lengths live only in `seq_lens` on the device.
+A backend that must plan on the host from the real lengths (FlashInfer) gets them before each
+replay instead (`replay_layout`, `prepare_replay` in cuda_graph.py).
 
 Example, page_size 4, W 2, bucket 2, scratch page 9, one sequence at position 5 with pages [7, 2]:
     input_ids [t, 0]  positions [5, 0]  out_slots [2*4+1, 9*4]  seq_lens [6, 1]
@@ -179,7 +181,16 @@ class StaticDecodeInputs:
             mode=ForwardMode.DECODE, input_ids=self.input_ids, positions=self.positions, out_slots=self.out_slots,
             token_seq=self.token_seq, qo_indptr=self.qo_indptr, page_table=self.page_table,
             seq_lens_t=self.seq_lens, prefix_lens=(self._max_context - 1,) * b, extend_lens=(1,) * b,
-            kv_pool=self.kv_pool, attention_method=AttentionMethod.MLA)
+            kv_pool=self.kv_pool, attention_method=AttentionMethod.MLA,
+            page_lists=(tuple(self._pad_table_row),) * b, graph_bucket=b)
+
+    def replay_layout(self, positions: Sequence[int],
+                      pages: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+        """Host lengths and page lists of every row of a step as `pack` lays it out (padding rows:
+        one token on the scratch page), for backends that re-plan before a replay."""
+        pad = self.bucket - len(positions)
+        lengths = tuple(p + 1 for p in positions) + (1,) * pad
+        return lengths, tuple(tuple(p) for p in pages) + ((self.scratch_page,),) * pad
 
 
 def _as_int(value: object, index: int, what: str) -> int:

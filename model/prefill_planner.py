@@ -5,6 +5,12 @@ takes prompt tokens first-come first-served until `budget` tokens (summed over r
 so one long prompt is split over several rounds and short ones ride along:
 
     budget 8, prompts A (10 tokens) and B (3):  round 1: A[0:8]   round 2: A[8:10] + B[0:3]
+
+`aligned` (`--deterministic`): a prompt is only ever cut at multiples of `budget` from its own
+start, so its chunks, and with them every chunk's prefix and attention, are the ones it gets when
+prefilled alone; a round takes a prompt's next whole chunk or nothing of it:
+
+    budget 8, prompts B (3) then A (10), aligned:  round 1: B[0:3]   round 2: A[0:8]   round 3: A[8:10]
 """
 from __future__ import annotations
 
@@ -52,17 +58,25 @@ class ExtendPlan(Generic[Owner]):
             item.computed = seq.prefix_len + len(seq.token_ids)
 
 
-def plan_extend_batch(queue: Sequence[PromptProgress[Owner]], budget: int) -> ExtendPlan[Owner]:
-    """The next round over `queue` (in order) within `budget` new tokens."""
+def plan_extend_batch(queue: Sequence[PromptProgress[Owner]], budget: int,
+                      aligned: bool = False) -> ExtendPlan[Owner]:
+    """The next round over `queue` (in order) within `budget` new tokens; `aligned`: cuts only at
+    multiples of `budget` from each prompt's start (module docstring)."""
     plan: ExtendPlan[Owner] = ExtendPlan()
+    chunk = budget
     for item in queue:
         if budget <= 0:
             break
-        take = min(budget, item.remaining)
+        if aligned:
+            take = min(chunk - item.computed % chunk, item.remaining)
+            if take > budget:  # its next chunk does not fit whole: it leads the next round
+                break
+        else:
+            take = min(budget, item.remaining)
         if take <= 0:
             continue
-        chunk = item.token_ids[item.computed:item.computed + take]
+        tokens = item.token_ids[item.computed:item.computed + take]
         plan.items.append(item)
-        plan.seqs.append(ExtendSeq(list(chunk), prefix_len=item.computed, pages=item.pages))
+        plan.seqs.append(ExtendSeq(list(tokens), prefix_len=item.computed, pages=item.pages))
         budget -= take
     return plan

@@ -151,6 +151,11 @@ class RunnerConfig:
     # The decode worker chooses 0..speculative_num_steps drafts per step by batch size from step costs
     # measured at start-up and the accept rate so far (model/speculation_policy.py); off: always all.
     speculative_adaptive: bool = False
+    # Batch-invariant forward (docs/deterministic.md): the attention and MoE backends become their
+    # "*_invariant" versions, dense products `model/batch_invariant.py`, attention "auto" becomes
+    # "mha" (the per-batch method choice would follow the batch); what cannot be made invariant
+    # yet is refused (`deterministic_blocker`).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -178,6 +183,28 @@ class RunnerConfig:
         check_speculative_num_steps(self.speculative_num_steps)
         if self.fp8_backend not in FP8_BACKEND_CHOICES:
             raise UserError(f"fp8_backend {self.fp8_backend!r} is not one of {', '.join(FP8_BACKEND_CHOICES)}")
+        if self.deterministic and (blocker := self.deterministic_blocker()) is not None:
+            raise UserError(f"--deterministic: {blocker}")
+
+    def deterministic_blocker(self) -> str | None:
+        """What these settings do that is not batch-invariant yet; None when nothing is."""
+        if self.enable_tbo:
+            return "two-batch overlap (enable_tbo) cuts micro-batches by the batch; run without it"
+        if self.tp_size > 1 or self.ep_size > 1:
+            return ("TP/EP collectives sum over ranks in an order NCCL picks by message size; "
+                    "run with tp_size = ep_size = 1")
+        if self.speculative_num_steps:
+            return "speculative verify steps are not batch-invariant yet; run without speculative_num_steps"
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            return (f"the attention backend {self.attention_backend!r} has no batch-invariant version "
+                    "(torch and triton have); run with attention_backend auto, torch or triton")
+        if self.moe_backend not in ("auto", "torch", "triton"):
+            return (f"the MoE backend {self.moe_backend!r} has no batch-invariant version "
+                    "(torch and triton have); run with moe_backend auto, torch or triton")
+        if self.fp8_backend in ("torch", "triton"):
+            return (f"the FP8 GEMM backend {self.fp8_backend!r} picks its tile by M; "
+                    "use fp8_backend dequant (or auto, which deterministic resolves to dequant)")
+        return None
 
     def _check_pool_sizing(self) -> None:
         if (self.num_pages is None) == (self.mem_fraction_static is None):
@@ -243,8 +270,8 @@ class RunnerConfig:
         if not decode_capturable(DISPATCHERS.get(dispatcher), self.dispatch_config()):
             return (f"the EP dispatcher {dispatcher!r} is capturable only when decode runs its low-latency layout "
                     f"(dispatch mode {self.dispatch_mode!r}; --deepep-mode auto or low_latency)")
-        parts = (("attention backend", ATTENTION_BACKENDS, self.resolve_backend(self.attention_backend)),
-                 ("MoE backend", MOE_BACKENDS, self.resolve_backend(self.moe_backend)))
+        parts = (("attention backend", ATTENTION_BACKENDS, self.kernel_backend(self.attention_backend)),
+                 ("MoE backend", MOE_BACKENDS, self.kernel_backend(self.moe_backend)))
         if self.fp8_backend not in ("auto", "dequant"):
             parts += (("FP8 MoE backend", FP8_MOE_BACKENDS, self.fp8_backend),)
         for what, registry, name in parts:
@@ -298,9 +325,29 @@ class RunnerConfig:
             return name
         return "triton" if is_cuda(self.device) and _triton_available() else "torch"
 
+    @property
+    def invariant_kernels(self) -> bool:
+        """`deterministic` on CUDA: the batch-invariant kernels. Off CUDA the runner makes every
+        sequence its own forward instead (`ModelRunner._run_rows_alone`), which is invariant for
+        any op, so the model keeps its plain CPU kernels."""
+        return self.deterministic and is_cuda(self.device)
+
+    def kernel_backend(self, name: str) -> str:
+        """An attention or MoE backend name, resolved, and with `invariant_kernels` its batch-invariant
+        version (`"triton"` -> `"triton_invariant"`)."""
+        name = self.resolve_backend(name)
+        return f"{name}_invariant" if self.invariant_kernels and not name.endswith("_invariant") else name
+
+    @property
+    def resolved_attention_method(self) -> str:
+        """`attention_method`, with "auto" pinned to "mha" under `deterministic`: MHA, and
+        MHA_CHUNKED_KV for a batch with a prefix (exactly MHA for its rows without one), whatever
+        the other rows' prefixes sum to."""
+        return "mha" if self.deterministic and self.attention_method == "auto" else self.attention_method
+
     def resolve_fp8_backend(self, model_config: ModelConfig) -> str | None:
         """The FP8 GEMM backend that keeps this checkpoint's weights in FP8, or None (dequantise)."""
-        if not model_config.is_fp8 or self.fp8_backend == "dequant":
+        if not model_config.is_fp8 or self.fp8_backend == "dequant" or self.deterministic:
             return None
         if self.fp8_backend != "auto":
             return self.fp8_backend
@@ -314,15 +361,15 @@ class RunnerConfig:
     def build_options(self, model_config: ModelConfig, parallel: ParallelInfo | None = None) -> BuildOptions:
         return BuildOptions(
             dtype=self.resolve_dtype(model_config), device=self.device,
-            attention_backend=self.resolve_backend(self.attention_backend),
-            moe_backend=self.resolve_backend(self.moe_backend), dispatcher=self.resolve_dispatcher(),
+            attention_backend=self.kernel_backend(self.attention_backend),
+            moe_backend=self.kernel_backend(self.moe_backend), dispatcher=self.resolve_dispatcher(),
             dispatch=self.dispatch_config(),
             num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size,
             parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo, tbo_rules=self.tbo_rules(),
             expert_location=self.expert_location(model_config),
             fp8_backend=self.resolve_fp8_backend(model_config),
             norm_rope_backend=self.resolve_backend(self.norm_rope_backend),
-            mtp=self.speculative_num_steps > 0)
+            mtp=self.speculative_num_steps > 0, deterministic=self.invariant_kernels)
 
 
 @dataclass(frozen=True)
@@ -366,12 +413,15 @@ class ModelRunner:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = _load_model(self.config, self.parallel)
-        if self.model.mtp is not None and (self.step_sync is not None or self.tp_replay is not None):
-            raise UserError("speculative decoding (--speculative-num-steps) runs in single-rank workers for now, "
-                            "not in a multi-rank group (--dp/--ep/--tp)")
+        # In a DP-attention group with replicated experts (ep 1) a forward holds no collective, so the
+        # speculative forwards step with the group like any other (`_step`); EP and attention TP
+        # would need the group to agree on each draft/verify forward: refused (mtp.check_mtp_supported).
+        if self.model.mtp is not None and self.tp_replay is not None:
+            raise UserError("speculative decoding (--speculative-num-steps) does not run with attention TP "
+                            "(--tp > 1) yet")
         model_config = self.model.config
         options = self.model.options
-        self.policy = AttentionPolicy(self.config.attention_method, self.config.mha_chunked_kv_threshold)
+        self.policy = AttentionPolicy(self.config.resolved_attention_method, self.config.mha_chunked_kv_threshold)
         num_pages = self.config.num_pages
         if num_pages is None:  # sized from the GPU memory budget, now that the weights are resident
             per_page = bytes_per_pool_page(self.model.num_kv_layers, self.config.page_size,
@@ -402,6 +452,8 @@ class ModelRunner:
     def _run(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
              pages: list[Sequence[int]], input_ids: torch.Tensor | None = None,
              progress: LayerProgress | None = None, group_mode: ForwardMode | None = None) -> torch.Tensor:
+        if self.config.deterministic and not self.config.invariant_kernels and len(token_ids) > 1:
+            return self._run_rows_alone(mode, token_ids, prefix_lens, pages, input_ids, progress, group_mode)
         if self.tp_replay is not None and self.tp_replay.is_leader:
             self.tp_replay.lead(ForwardCall(mode, False, tuple(map(tuple, token_ids)), tuple(prefix_lens),
                                             tuple(map(tuple, pages)), group_mode), input_ids, self.kv_pool)
@@ -412,6 +464,23 @@ class ModelRunner:
             batch.input_ids = _checked_device_ids(input_ids, batch.num_tokens)
         batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
         return self.model(batch, progress)
+
+    def _run_rows_alone(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
+                        pages: list[Sequence[int]], input_ids: torch.Tensor | None,
+                        progress: LayerProgress | None, group_mode: ForwardMode | None) -> torch.Tensor:
+        """`--deterministic` off CUDA: one forward per sequence. The CPU's elementwise kernels take a
+        SIMD body and a scalar tail whose transcendentals (exp, sigmoid, SiLU) differ in the last
+        bit, and a row's place in the flattened batch decides which one it gets (seen: a MoE
+        weight's sigmoid); so the reference makes every row its own batch, whose shapes are the ones
+        the row has alone. The GPU path runs the batch-invariant kernels instead. Layer progress is
+        told once every sequence's forward has written every layer."""
+        logits = [self._run(mode, [ids], [prefix], [row_pages],
+                            None if input_ids is None else input_ids[row:row + 1], None, group_mode)
+                  for row, (ids, prefix, row_pages) in enumerate(zip(token_ids, prefix_lens, pages))]
+        if progress is not None:
+            for layer in range(len(self.model.layers)):
+                progress.kv_written(layer)
+        return torch.cat(logits)
 
     def extend(self, seqs: Sequence[ExtendSeq], progress: LayerProgress | None = None) -> torch.Tensor:
         """fp32 logits `[len(seqs), vocab]` of each sequence's last new token.
@@ -485,27 +554,30 @@ class ModelRunner:
         (their logits: `logits`). `force_mla`: absorbed MLA over the paged cache whatever the policy
         says (speculative verify: several queries per sequence, causal among themselves).
         `progress` hears of each decoder layer's KV write, as in `extend`."""
-        batch = self._batch(ForwardMode.EXTEND, seqs)
-        if force_mla:
-            batch.attention_method = AttentionMethod.MLA
-        return self.model.forward_hidden(batch, progress)
+        with self._step(ForwardMode.EXTEND) as group_mode:
+            batch = self._batch(ForwardMode.EXTEND, seqs, group_mode)
+            if force_mla:
+                batch.attention_method = AttentionMethod.MLA
+            return self.model.forward_hidden(batch, progress)
 
     def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV
         goes into the pool's MTP layer at the same positions and pages."""
         mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
-        return self.model.forward_mtp(self._batch(mode, seqs), prev_hidden)
+        with self._step(mode) as group_mode:
+            return self.model.forward_mtp(self._batch(mode, seqs, group_mode), prev_hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden states from `extend_hidden` or `draft`."""
         return self.model.compute_logits(hidden)
 
-    def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq]) -> ForwardBatch:
-        if self.tp_replay is not None or self.step_sync is not None:
-            raise RuntimeError("speculative forwards run in a single-rank runner")
+    def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq], group_mode: ForwardMode) -> ForwardBatch:
+        if self.tp_replay is not None or self.model.options.parallel.ep_size > 1:
+            raise RuntimeError("speculative forwards run without attention TP and EP")
         batch = ForwardBatch.build(mode, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
                                    [s.pages for s in seqs], self.kv_pool, self.model_config.vocab_size,
                                    self.model.options.device)
+        batch.group_mode = group_mode
         batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
         return batch
 

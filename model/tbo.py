@@ -160,14 +160,16 @@ class TwoBatchOverlap:
         return agreed if self.rules.pays(agreed, -neg_busiest) else None
 
     def final_hidden(self, batch: ForwardBatch, trace: list[TraceEntry] | None = None,
-                     progress: "LayerProgress | None" = None) -> torch.Tensor:
+                     progress: "LayerProgress | None" = None, every_token: bool = False) -> torch.Tensor:
         """Final-normed hidden states of each sequence's last new token `[B, H]`, as the plain
-        path returns them. `trace`, if given, receives every op run, in order. `progress` hears
-        of a layer's KV write once both micro-batches have written it."""
+        path returns them; with `every_token`, of every new token `[T, H]` in order (a speculative
+        verify reads them all). `trace`, if given, receives every op run, in order. `progress`
+        hears of a layer's KV write once both micro-batches have written it."""
         model = self.model
         if self.vote(batch.mode, batch.num_tokens, batch.input_ids.device) is None:
             self.stats["plain"] += 1
-            return model.final_hidden(model.run_layers(batch, progress), batch.last_token_index)
+            rows = None if every_token else batch.last_token_index
+            return model.final_hidden(model.run_layers(batch, progress), rows)
         cut = self.rules.split_token(batch.mode, batch.extend_lens)
         if not self._split_logged:  # once: that the overlapped path runs here at all (logs, tests)
             self._split_logged = True
@@ -179,6 +181,8 @@ class TwoBatchOverlap:
         for part, state in zip(parts, states):
             if part is None:
                 state.expect_only(frozenset())
+            elif every_token:  # the micro-batches hold tokens [0, cut) and [cut, T): in order
+                outputs.append(model.final_hidden(state))
             elif part.complete:
                 outputs.append(model.final_hidden(state, part.output_rows))
             else:  # only the first chunk of a sequence: its last row is no sequence's last token

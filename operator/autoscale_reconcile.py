@@ -12,7 +12,7 @@ Per reconcile pass, for each role with `autoscaling`:
        and the planner's group plan (planner.py) does the rest: the router drops a retired group
        before it is deleted, and its pods get SIGTERM, which drains the running requests
 
-status.autoscaling.<role>: {current, desired, reason, readings, time, recommendations, lastScaleTime}.
+status.autoscaling.<role>: {lastDecision, lastScale (the last change), recommendations, lastScaleAt}.
 The handler posts the Events `decision_events` names (Scaled; MetricsUnavailable).
 """
 from __future__ import annotations
@@ -109,8 +109,11 @@ class Autoscaler:
                         # Unread metrics are left out: a null would be a deletion in a merge patch.
                         "readings": {k: round(v, 6) for k, v in d.readings.items() if v is not None}}
             same = {k: v for k, v in (old.get("lastDecision") or {}).items() if k != "time"} == decision
+            last = {**decision, "time": old["lastDecision"]["time"] if same else _iso(now)}
             status[role] = {
-                "lastDecision": {**decision, "time": old["lastDecision"]["time"] if same else _iso(now)},
+                "lastDecision": last,
+                # A later hold overwrites lastDecision; why the groups last changed stays readable.
+                "lastScale": last if d.changed else old.get("lastScale"),
                 "recommendations": [{"at": r.at, "replicas": r.replicas} for r in d.history],
                 "lastScaleAt": now if d.changed else old.get("lastScaleAt", 0.0),
             }

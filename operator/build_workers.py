@@ -101,7 +101,10 @@ def worker_serve_flags(spec: DeploymentSpec, role: RoleSpec) -> ServeFlags:
             deepep_mode=role.deepep_mode if par.ep > 1 else ParallelFlags.deepep_mode, nnodes=role.size,
             dist_init_addr=f"$(LWS_LEADER_ADDRESS):{DIST_INIT_PORT}" if role.size > 1 else "",
             init_expert_location=eplb_pod_parts(role).location),
-        prefill_peers=prefill_peers(spec, role))
+        prefill_peers=prefill_peers(spec, role),
+        # decode.speculative: prefill runs the MTP layer over prompts and sends its KV, so both roles
+        # take it (workers refuse a peer that disagrees).
+        speculative_num_steps=spec.speculative_num_steps)
 
 
 def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:

@@ -30,8 +30,8 @@ def _role_status(role: str) -> Schema:
 
 
 def _autoscaling_status() -> Schema:
-    role = obj("The autoscaler's state for one role (operator/autoscale_reconcile.py).", {
-        "lastDecision": obj("The last pass's decision: what it read, what it chose and why.", {
+    def decision(what: str) -> Schema:
+        return obj(what, {
             "from": integer("Groups before."),
             "to": integer("Groups chosen."),
             "reason": string("Why, naming the metric that decided and the window it waits for."),
@@ -39,7 +39,11 @@ def _autoscaling_status() -> Schema:
                          "additionalProperties": {"type": "number"}},
             "time": {"type": "string", "format": "date-time",
                      "description": "When this decision was first made."},
-        }),
+        })
+
+    role = obj("The autoscaler's state for one role (operator/autoscale_reconcile.py).", {
+        "lastDecision": decision("The last pass's decision: what it read, what it chose and why."),
+        "lastScale": decision("The last decision that changed the groups (kept while later passes hold)."),
         "recommendations": array("Recent recommendations (the stabilisation windows' memory).",
                                  obj("One pass's recommendation.", {
                                      "at": {"type": "number", "description": "Unix time, seconds."},

@@ -11,6 +11,7 @@ Parallelism, worked example (DeepSeek-V3 decode on 2 nodes of 8 H200):
 from __future__ import annotations
 
 from deepseek_pd.env import MOONCAKE_RPC_PORTS
+from deepseek_pd.model.speculative_rules import MAX_SPECULATIVE_NUM_STEPS
 from deepseek_pd.operator.autoscaling_schema import autoscaling_schema
 from deepseek_pd.operator.known_models import KNOWN_MODELS
 from deepseek_pd.operator.schema_types import (
@@ -94,8 +95,25 @@ def _eplb() -> Schema:
     })
 
 
+def _speculative() -> Schema:
+    return obj(
+        "Speculative decoding with the checkpoint's multi-token-prediction (MTP) layer as the draft "
+        "model (DeepSeek-V3/R1 ship one): each decode step drafts numSteps tokens and verifies them "
+        "in one forward; greedy outputs stay identical, sampled ones keep the model's distribution. "
+        "Rendered as `serve --speculative-num-steps` into the decode pods and the prefill pods (a "
+        "prefill worker runs the MTP layer over the prompt and sends its KV), so changing it rolls "
+        "both roles. The memory plan counts the MTP layer's weights and its latent KV.", {
+            "numSteps": integer(
+                "Draft tokens per decode step (0: off). SGLang's DeepSeek-V3 recipe uses 1-3; "
+                "a checkpoint without an MTP layer fails at start-up with a message.",
+                minimum=0, maximum=MAX_SPECULATIVE_NUM_STEPS, default=0),
+        }, default={})
+
+
 def role_schema(role: str) -> Schema:
-    """Prefill and decode share one shape; names follow LeaderWorkerSet where they overlap."""
+    """Prefill and decode share one shape; names follow LeaderWorkerSet where they overlap (decode
+    adds `speculative`)."""
+    extra = {"speculative": _speculative()} if role == "decode" else {}
     return obj(
         f"The {role} workers: `replicas` groups of `size` pods each (a gang; pod index = rank).",
         {
@@ -127,6 +145,7 @@ def role_schema(role: str) -> Schema:
                 "RecreateGroupOnPodRestart: a failed or restarted pod recreates its whole group "
                 "(ranks of one model replica live and die together). None: leave the group alone.",
                 enum=["RecreateGroupOnPodRestart", "None"], default="RecreateGroupOnPodRestart"),
+            **extra,
         },
         rules=[
             rule(f"has(self.parallelism.tp) && has(self.parallelism.dp) ? "
@@ -423,6 +442,25 @@ def _network_policy() -> Schema:
     }, default={})
 
 
+def _speculative_rule() -> dict[str, str]:
+    # The workers refuse the MTP layer with EP or attention TP (model/mtp.py: the group does not yet
+    # step those collectives through the draft and verify forwards), in either role: refused here
+    # rather than crash-looping there. DP attention with replicated experts is fine.
+    def no_ep_no_tp(role: str) -> str:
+        par = f"self.{role}.parallelism"
+        world = f"({role}_world)"
+        tp_one = f"(has({par}.tp) ? {par}.tp == 1 : (!has({par}.dp) || {par}.dp == {world}))"
+        return f"({par}.ep == 1 && {tp_one})"
+    rule_text = " && ".join(no_ep_no_tp(role) for role in ("prefill", "decode"))
+    for role in ("prefill", "decode"):
+        rule_text = rule_text.replace(f"({role}_world)",
+                                      f"(self.{role}.size * (self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod))")
+    return rule(f"self.decode.speculative.numSteps == 0 || ({rule_text})",
+                "decode.speculative needs parallelism.ep 1 and tp 1 in prefill and decode for now (DP "
+                "attention is fine): EP and attention-TP groups refuse the MTP layer at start-up",
+                ".decode.speculative.numSteps")
+
+
 def spec_schema() -> Schema:
     """`DeepSeekDeployment.spec`, with cross-field CEL rules."""
     return obj("Desired state of a prefill/decode-disaggregated DeepSeek deployment.", {
@@ -457,6 +495,7 @@ def spec_schema() -> Schema:
              "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
         *_metrics_rules(),
         *_mooncake_port_rules(),
+        _speculative_rule(),
         *[rule(f"!has(self.{role}.autoscaling) || self.metrics.enabled",
                f"{role}.autoscaling reads the workers' metrics: it needs metrics.enabled",
                f".{role}.autoscaling") for role in ("prefill", "decode")],

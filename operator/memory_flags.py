@@ -5,7 +5,9 @@ will parse them, with the contract's defaults: `--dtype`, `--page-size`, `--num-
 `--max-total-tokens`, `--mem-fraction-static`, `--gpu-workers`, `--kv-share`,
 `--ep-num-redundant-experts` (EPLB's extra expert slots, each rank holding (E + R) / ep) and the
 switch `--enable-tbo`. From the engine options (`--engine-opt KEY=VALUE`) it reads `fp8_backend`,
-`mem_headroom_gib`, `num_fused_shared_experts`, and for the headroom's default
+`mem_headroom_gib`, `num_fused_shared_experts`, `speculative_num_steps` (as the flag
+`--speculative-num-steps`: > 0 loads the MTP layer, its weights and a pool layer more of KV), and
+for the headroom's default
 (model/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`, `max_running_requests` and
 `record_expert_load`; the others are the worker's business. Anything the worker would refuse
 raises `ValueError` naming the flag.
@@ -21,6 +23,7 @@ from typing import Sequence
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
 from deepseek_pd.model.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
+from deepseek_pd.model.speculative_rules import check_speculative_num_steps
 from deepseek_pd.workers.engine_options import parse_bool, parse_key_values
 from deepseek_pd.workers.serve_flags import ServeFlags
 
@@ -41,6 +44,17 @@ class MemoryFlags:
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     record_expert_load: bool = False
     tbo_option: bool = False  # --engine-opt enable_tbo=true
+    speculative_option: int = 0  # --engine-opt speculative_num_steps=N
+
+    @property
+    def speculative_num_steps(self) -> int:
+        """Draft steps, as `ServeFlags.all_engine_options` hands them on: the flag (the later item) wins."""
+        return self.serve.speculative_num_steps or self.speculative_option
+
+    @property
+    def mtp(self) -> bool:
+        """Whether the worker builds the MTP layer (model/runner.py: speculative_num_steps > 0)."""
+        return self.speculative_num_steps > 0
 
     @property
     def enable_tbo(self) -> bool:
@@ -61,9 +75,9 @@ class MemoryFlags:
 _OPTIONS: dict[str, type] = {
     "fp8_backend": str, "mem_headroom_gib": float, "num_fused_shared_experts": int,
     "cuda_graph": bool, "cuda_graph_max_batch": int, "max_running_requests": int,
-    "record_expert_load": bool, "enable_tbo": bool,
+    "record_expert_load": bool, "enable_tbo": bool, "speculative_num_steps": int,
 }
-_FIELD = {"enable_tbo": "tbo_option"}
+_FIELD = {"enable_tbo": "tbo_option", "speculative_num_steps": "speculative_option"}
 
 
 def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
@@ -98,6 +112,11 @@ def _check(flags: MemoryFlags) -> None:
             or (flags.mem_headroom_gib is not None and flags.mem_headroom_gib < 0)):
         raise ValueError("--page-size must be >= 1, --mem-fraction-static in (0, 1] and "
                          "mem_headroom_gib >= 0")
+    for steps in (serve.speculative_num_steps, flags.speculative_option):
+        try:
+            check_speculative_num_steps(steps)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
     try:
         serve.gpu_share
     except ValueError as exc:

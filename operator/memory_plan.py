@@ -8,6 +8,9 @@ what one rank must hold, and compares it with the budget the worker will size it
               128x128 block) unless engineArgs has `--engine-opt fp8_backend=dequant`; otherwise
               the model dtype (`--dtype`, auto: bf16). Routed expert slots (the experts plus
               `--ep-num-redundant-experts`) / ep, the rest replicated.
+    MTP       with speculative decoding (decode.speculative.numSteps > 0, rendered into both roles,
+              or --speculative-num-steps in engineArgs) the MTP layer's weights are counted with the
+              rest, and its latent KV is one pool layer more (model/mtp_names.py kv_layers).
     KV        (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token, for a fixed pool
               (`--num-pages`, `--max-total-tokens`) its size, else at least one request of the
               model's whole context (max_position_embeddings), rounded up to pages.
@@ -38,8 +41,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.config import ModelConfig, latent_kv_bytes
 from deepseek_pd.model.memory_headroom import default_headroom_gib
+from deepseek_pd.model.mtp_names import kv_layers
 from deepseek_pd.operator import known_models
 from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
 from deepseek_pd.model.memory_budget import budget_bytes
@@ -125,14 +129,15 @@ def headroom_gib(role: RoleSpec, flags: MemoryFlags) -> float:
 
     Whether the rank captures CUDA graphs, as `RunnerConfig.resolve` and `cuda_graph_blocker`
     decide it: a decode role does by default, except under attention TP; `cuda_graph` overrides
-    the default; TBO and expert-load recording keep graphs off whatever it says. Backends the
+    the default; TBO, expert-load recording and speculative decoding keep graphs off whatever it
+    says. Backends the
     image decides (DeepEP) are assumed capturable: the plan errs towards the larger headroom. The
     largest batch is `cuda_graph_max_batch`, else `max_running_requests`.
     """
     if flags.mem_headroom_gib is not None:
         return flags.mem_headroom_gib
     graphs_by_default = role_defaults(role.role).decodes and role.parallelism.tp == 1
-    capturable = not (flags.enable_tbo or flags.record_expert_load)
+    capturable = not (flags.enable_tbo or flags.record_expert_load or flags.mtp)
     graphs = capturable and (graphs_by_default if flags.cuda_graph is None else flags.cuda_graph)
     batch = flags.cuda_graph_max_batch if flags.cuda_graph_max_batch is not None else flags.max_running_requests
     return default_headroom_gib(batch if graphs else 0)
@@ -146,8 +151,9 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
     fp8 = config.is_fp8 and flags.fp8_backend != "dequant"
     block = tuple(config.quantization["weight_block_size"]) if fp8 else None
     weights = rank_weights(config, WeightFormat(itemsize, block), role.parallelism.ep,
-                           flags.num_fused_shared_experts, serve.parallel.ep_num_redundant_experts)
-    per_token = config.kv_bytes_per_token(dtype)
+                           flags.num_fused_shared_experts, serve.parallel.ep_num_redundant_experts,
+                           mtp=flags.mtp)
+    per_token = latent_kv_bytes(kv_layers(config, flags.mtp), config.kv_cache_dim, itemsize)
     tokens = flags.fixed_pool_tokens
     fixed = tokens is not None
     if tokens is None:  # one request of the whole context, in whole pages
@@ -158,6 +164,12 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
     return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
                       weights_bytes=weights.total_bytes, kv_tokens=tokens, fixed_pool=fixed,
                       kv_bytes_per_token=per_token, reserve_bytes=reserve, budget_bytes=budget)
+
+
+def _rendered(spec: DeploymentSpec) -> list[str]:
+    """The memory-relevant flags the operator renders for every role (build_workers.py)."""
+    steps = spec.speculative_num_steps
+    return [f"--speculative-num-steps={steps}"] if steps else []
 
 
 def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = None) -> MemoryVerdict:
@@ -180,7 +192,7 @@ def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = No
     ranks = []
     for role in roles:
         try:
-            flags = parse_memory_flags(role.role, role.engine_args)
+            flags = parse_memory_flags(role.role, [*_rendered(spec), *role.engine_args])
         except ValueError as exc:
             return MemoryVerdict(False, "InvalidEngineArgs", f"{role.role}.engineArgs: {exc}")
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 from typing import Any
 
@@ -30,8 +31,10 @@ from deepseek_pd.operator.pod_scheduling import explain_unavailable
 from deepseek_pd.operator.rollout_reconcile import CONDITION as VERIFY_CONDITION
 from deepseek_pd.operator.rollout_reconcile import RolloutVerifier, combined_condition
 from deepseek_pd.operator.role_scale_reconcile import sync_role_scales
-from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups
-from deepseek_pd.operator.router_rollout import router_rolled_out
+from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups, worker_url
+from deepseek_pd.operator.router_rollout import (
+    groups_still_named, is_router_pod, rollout_gave_up, router_rolled_out,
+)
 from deepseek_pd.operator.secret_reconcile import (
     check_user_secrets, delete_generated_secrets, ensure_generated_secrets, secrets_condition,
 )
@@ -218,11 +221,16 @@ class Reconciler:
         only once the router rollout without them is complete (see router_rollout)."""
         name = names.router_name(spec.name)
         router = next(m for m in desired if m["kind"] == "Deployment" and m["metadata"]["name"] == name)
-        if not WORKER_DISCOVERY[spec.router.worker_discovery].lists_groups or \
-                router_rolled_out(observed.get(("Deployment", name)), manifest_hash(router)):
+        deployment = observed.get(("Deployment", name))
+        retiring = {role: frozenset(a.index for a in plan.actions if isinstance(a, DeleteGroup))
+                    for role, plan in plans.items()}
+        if not WORKER_DISCOVERY[spec.router.worker_discovery].lists_groups or rollout_gave_up(deployment):
             return {role: frozenset() for role in plans}
-        return {role: frozenset(a.index for a in plan.actions if isinstance(a, DeleteGroup))
-                for role, plan in plans.items()}
+        if not router_rolled_out(deployment, manifest_hash(router)):
+            return retiring
+        router_pods = [o for (k, _), o in observed.items() if k == "Pod" and is_router_pod(o)]
+        return {role: groups_still_named(router_pods, indices, functools.partial(worker_url, spec, role))
+                for role, indices in retiring.items()}
 
     async def delete_children(self, namespace: str, name: str,
                               logger: logging.Logger | logging.LoggerAdapter) -> None:

@@ -293,6 +293,9 @@ class DeploymentSpec:
     metrics: MetricsSpec
     pod_security: PodSecuritySpec = PodSecuritySpec(DEFAULT_RUN_AS_USER, True)
     network_policy: NetworkPolicySpec = NetworkPolicySpec(True, ())
+    # decode.speculative.numSteps: rendered into both roles (a PD prefill worker runs the MTP layer
+    # too), so it sits with the shared fields and changing it rolls both.
+    speculative_num_steps: int = 0
 
     @property
     def rdma_enabled(self) -> bool:
@@ -350,4 +353,5 @@ class DeploymentSpec:
                                          raw["podSecurity"]["readOnlyRootFilesystem"]),
             network_policy=NetworkPolicySpec(raw["networkPolicy"]["enabled"],
                                              tuple(raw["networkPolicy"]["additionalIngress"])),
+            speculative_num_steps=raw["decode"]["speculative"]["numSteps"],
         )

@@ -14,7 +14,12 @@ This mirrors what `model/deepseek.py` allocates (and so what a rank has resident
     this rank's routed expert slots ((E + R) / ep): w13 [2 mi, H] + w2 [H, mi] each, R being
                                                    EPLB's redundant experts (`--ep-num-redundant-experts`)
 
-The MTP layers (`num_nextn_predict_layers`) are not loaded. Linear weights are FP8 when the
+    the MTP layer (speculative decoding only,     enorm, hnorm, shared_head.norm (H each), eh_proj
+    model/mtp.py), layer id num_hidden_layers:    [H, 2H] in the model dtype, and one decoder layer
+                                                  as above (its routed experts split as the others');
+                                                  embedding and lm_head are the main model's
+
+Without speculation the MTP layer is not loaded. Linear weights are FP8 when the
 checkpoint is and the workers keep it (`--engine-opt fp8_backend` not `dequant`): 1 byte per value
 plus an fp32 scale per block (`Fp8Spec.block_for`: a fused parameter's blocks shrink to the gcd of
 its parts' offsets); otherwise, and for norms, router, w_kc/w_vc and embeddings, the model dtype
@@ -30,6 +35,7 @@ import math
 from dataclasses import dataclass
 
 from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.mtp_names import mtp_layer_id
 
 FP32_BYTES = 4
 
@@ -104,13 +110,38 @@ def _experts(t: _Tally, c: ModelConfig, count: int) -> None:
     t.linear(c.hidden_size, mi, count, col_splits=(mi,))
 
 
+def _decoder_layer(shared: _Tally, experts: _Tally, c: ModelConfig, layer: int, fused_shared_experts: int,
+                   local_experts: int) -> None:
+    shared.plain(2 * c.hidden_size)  # input / post-attention norms
+    _attention(shared, c)
+    if not c.is_moe_layer(layer):
+        _gated_mlp(shared, c.hidden_size, c.intermediate_size)
+        return
+    shared.plain(c.n_routed_experts * c.hidden_size, FP32_BYTES)  # router
+    if c.topk_method == "noaux_tc":
+        shared.plain(c.n_routed_experts, FP32_BYTES)  # e_score_correction_bias
+    if fused_shared_experts:
+        _experts(shared, c, fused_shared_experts)
+    elif c.n_shared_experts:
+        _gated_mlp(shared, c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
+    _experts(experts, c, local_experts)
+
+
+def _mtp_layer(shared: _Tally, experts: _Tally, c: ModelConfig, fused_shared_experts: int,
+               local_experts: int) -> None:
+    shared.plain(3 * c.hidden_size)  # enorm, hnorm, shared_head.norm
+    shared.plain(2 * c.hidden_size * c.hidden_size)  # eh_proj, never FP8
+    _decoder_layer(shared, experts, c, mtp_layer_id(c), fused_shared_experts, local_experts)
+
+
 def rank_weights(config: ModelConfig, fmt: WeightFormat, ep_size: int = 1,
-                 fused_shared_experts: int = 0, redundant_experts: int = 0) -> RankWeights:
+                 fused_shared_experts: int = 0, redundant_experts: int = 0, mtp: bool = False) -> RankWeights:
     """The weights of one rank whose group spreads the routed experts over `ep_size` ranks
     (1: every rank holds them all). `fused_shared_experts` (0 or n_shared_experts) stacks the
     shared experts with the routed ones, as `--engine-opt num_fused_shared_experts` does.
     `redundant_experts` (R) adds EPLB's replica slots: E + R slots per MoE layer, (E + R) / ep
-    per rank (model/parallel.py `ExpertPlacement`); ValueError when ep does not divide E + R."""
+    per rank (model/parallel.py `ExpertPlacement`); ValueError when ep does not divide E + R.
+    `mtp` adds the MTP layer, as a runner with `speculative_num_steps > 0` builds it."""
     slots = config.n_routed_experts + redundant_experts
     if slots % ep_size:
         raise ValueError(f"ep {ep_size} does not divide the {config.n_routed_experts} routed experts"
@@ -123,17 +154,7 @@ def rank_weights(config: ModelConfig, fmt: WeightFormat, ep_size: int = 1,
     shared.plain(c.hidden_size)  # final norm
     shared.plain(c.qk_rope_head_dim // 2, FP32_BYTES)  # rope inv_freq buffer
     for layer in range(c.num_hidden_layers):
-        shared.plain(2 * c.hidden_size)  # input / post-attention norms
-        _attention(shared, c)
-        if not c.is_moe_layer(layer):
-            _gated_mlp(shared, c.hidden_size, c.intermediate_size)
-            continue
-        shared.plain(c.n_routed_experts * c.hidden_size, FP32_BYTES)  # router
-        if c.topk_method == "noaux_tc":
-            shared.plain(c.n_routed_experts, FP32_BYTES)  # e_score_correction_bias
-        if fused_shared_experts:
-            _experts(shared, c, fused_shared_experts)
-        elif c.n_shared_experts:
-            _gated_mlp(shared, c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
-        _experts(experts, c, slots // ep_size)
+        _decoder_layer(shared, experts, c, layer, fused_shared_experts, slots // ep_size)
+    if mtp:
+        _mtp_layer(shared, experts, c, fused_shared_experts, slots // ep_size)
     return RankWeights(shared.bytes, experts.bytes, shared.params + experts.params)

@@ -161,18 +161,20 @@ class KVStreamOpen(_message.Message):
     def __init__(self, room: _Optional[int] = ..., index: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class MooncakeDestination(_message.Message):
-    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol")
+    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol", "kv_mac_algorithms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    KV_MAC_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layer_base_addrs: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
     pool_pages: int
     protocol: str
-    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ...) -> None: ...
+    kv_mac_algorithms: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ..., kv_mac_algorithms: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FakeDestination(_message.Message):
     __slots__ = ("pool_key",)
@@ -227,7 +229,7 @@ class KVChunk(_message.Message):
     def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., written_directly: _Optional[bool] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "stream_chunks", "first_top_token_ids", "first_top_logprobs", "mtp_draft_token_id", "mtp_hidden", "auth")
+    __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "stream_chunks", "first_top_token_ids", "first_top_logprobs", "mtp_draft_token_id", "mtp_hidden", "kv_mac", "kv_mac_algorithm", "auth")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +241,8 @@ class TransferDone(_message.Message):
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MTP_DRAFT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     MTP_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    KV_MAC_FIELD_NUMBER: _ClassVar[int]
+    KV_MAC_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
@@ -251,8 +255,10 @@ class TransferDone(_message.Message):
     first_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     mtp_draft_token_id: int
     mtp_hidden: _containers.RepeatedScalarFieldContainer[float]
+    kv_mac: bytes
+    kv_mac_algorithm: str
     auth: AuthToken
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., stream_chunks: _Optional[_Iterable[int]] = ..., first_top_token_ids: _Optional[_Iterable[int]] = ..., first_top_logprobs: _Optional[_Iterable[float]] = ..., mtp_draft_token_id: _Optional[int] = ..., mtp_hidden: _Optional[_Iterable[float]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., stream_chunks: _Optional[_Iterable[int]] = ..., first_top_token_ids: _Optional[_Iterable[int]] = ..., first_top_logprobs: _Optional[_Iterable[float]] = ..., mtp_draft_token_id: _Optional[int] = ..., mtp_hidden: _Optional[_Iterable[float]] = ..., kv_mac: _Optional[bytes] = ..., kv_mac_algorithm: _Optional[str] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class TransferFailed(_message.Message):
     __slots__ = ("code", "reason")

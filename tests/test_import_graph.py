@@ -213,6 +213,15 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Crossings allowed for now, {(source, target): why}; each must still be an import, so a fixed one fails
+# the test until it is removed here.
+ALLOWED_CROSSINGS: dict[tuple[str, str], str] = {
+    (f"{ROOT_PACKAGE}.model.engine", f"{ROOT_PACKAGE}.workers.common.prefill_round"):
+        "the offline engine prefills through the workers' one prefill round; it leaves model/ in the "
+        "issue-24 layout codemod (next to the workers' engines)",
+}
+
+
 def _under(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
@@ -220,7 +229,8 @@ def _under(module: str, package: str) -> bool:
 def layering_violations(modules: dict[str, Path], edges: list[Edge]) -> list[Edge]:
     """Every import that crosses a line FORBIDDEN_IMPORTS draws."""
     return [e for e in edges for layer, banned in FORBIDDEN_IMPORTS.items()
-            if _under(e.source, layer) and any(_under(e.target, b) for b in banned)]
+            if _under(e.source, layer) and any(_under(e.target, b) for b in banned)
+            and (e.source, e.target) not in ALLOWED_CROSSINGS]
 
 
 def test_layering_guard_sees_the_layers():
@@ -261,3 +271,5 @@ def test_layers_are_kept():
     report = "\n".join(f"  {e.source} -> {e.target}   ({modules[e.source].relative_to(REPO)}:{e.line}: {e.text})"
                        for e in crossings)
     assert not crossings, f"{len(crossings)} import(s) cross a layer line (FORBIDDEN_IMPORTS):\n{report}"
+    stale = set(ALLOWED_CROSSINGS) - {(e.source, e.target) for e in edges}
+    assert not stale, f"ALLOWED_CROSSINGS lists imports that no longer exist (remove them): {stale}"

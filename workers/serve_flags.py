@@ -157,7 +157,11 @@ class ServeFlags:
     speculative_num_steps: int = _flag(
         0, "decode: tokens the checkpoint's MTP layer drafts per step, verified in one forward (0..8, default "
            "0: off; the same as --engine-opt speculative_num_steps=N); a PD prefill worker takes the same "
-           "value, so both KV layouts hold the MTP layer", metavar="N")
+           "value, so both KV layouts hold the MTP layer", metavar="N", managed=True)
+    deterministic: bool = _flag(
+        False, "batch-invariant inference (docs/deterministic.md): greedy outputs do not depend on what else "
+               "is batched; prompts cut at multiples of --chunked-prefill-size, no prefix cache; refuses TBO, "
+               "TP/EP > 1, speculation and FP8 GEMMs kept in FP8")
     engine_options: tuple[str, ...] = _flag(
         (), "any field of the worker's configs, repeatable (e.g. cuda_graph=false, max_running_requests=32, "
             "mem_headroom_gib=4); unknown keys list the valid ones", name="engine-opt", metavar="KEY=VALUE")

@@ -79,8 +79,10 @@ log = logging.getLogger(__name__)
 # Config fields that have their own `serve` flags (or, warn_exposure, that serve sets per rank), and
 # so are not engine options.
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static",
-                           "gpu_workers", "kv_share", "ep_num_redundant_experts", "init_expert_location"),
-                "bootstrap": ("host", "port", "auth", "prefill_peers", "aliases"), "scheduler": ("chunked_prefill_size",),
+                           "gpu_workers", "kv_share", "ep_num_redundant_experts", "init_expert_location",
+                           "deterministic"),
+                "bootstrap": ("host", "port", "auth", "prefill_peers", "aliases"),
+                "scheduler": ("chunked_prefill_size", "deterministic"),
                 "transport": ("advertise_host", "mooncake_protocol", "mooncake_device", "mooncake_rank_devices",
                               "warn_exposure"),
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
@@ -147,7 +149,8 @@ def _runner_config(flags: ServeFlags, defaults: RoleDefaults, device: str, model
     fields: dict[str, Any] = {"model": str(model_dir), "device": device, "dtype": flags.dtype, **options,
                               "page_size": flags.page_size,
                               "ep_num_redundant_experts": flags.parallel.ep_num_redundant_experts,
-                              "init_expert_location": _absolute(flags.parallel.init_expert_location)}
+                              "init_expert_location": _absolute(flags.parallel.init_expert_location),
+                              "deterministic": flags.deterministic}
     fields.update(_pool_size(flags, device, flags.page_size))
     if options.get("cuda_graph") and not defaults.decodes:
         raise UserError(f"--engine-opt cuda_graph=true: the {flags.role} worker never decodes, so it has no "
@@ -161,6 +164,10 @@ def _scheduler_fields(flags: ServeFlags, opts: dict[str, dict[str, Any]], device
     fields = {**opts["scheduler"], **({"chunked_prefill_size": flags.chunked_prefill_size}
                                       if flags.chunked_prefill_size is not None else {})}
     _default_gpu_chunk(fields, device)
+    if flags.deterministic:  # SchedulerConfig says why the prefix cache goes
+        if fields.get("prefix_cache"):
+            raise UserError("--deterministic runs without the prefix cache: drop --engine-opt prefix_cache=true")
+        fields.update(deterministic=True, prefix_cache=False)
     return fields
 
 

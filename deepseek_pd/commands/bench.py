@@ -61,6 +61,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="with --url and no --admin-key-file: the served model's tokenizer (a directory "
                               "with tokenizer.json, the file, or a hub id); default: the gateway's own, "
                               "through its /v1/tokenize")
+    serving.add_argument("--worker-metrics-url", action="append", default=[], metavar="URL",
+                         help="a decode rank's /metrics (repeatable; with --url): the report then carries "
+                              "speculative decoding's accept length, drafted and accepted tokens when the "
+                              "workers export them (the local cluster's are found by themselves)")
     serving.add_argument("--direct", action="store_true",
                          help="skip the router: dispatch each request to a prefill/decode pair of "
                               "the local cluster over gRPC (shows what the router adds)")
@@ -104,6 +108,7 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
     from deepseek_pd.loadgen.metrics import SLO, summarize
     from deepseek_pd.loadgen.report import write_json, write_png
     from deepseek_pd.loadgen.runner import pd_direct_target, router_target, run_load
+    from deepseek_pd.loadgen.speculation import scrape_totals, speculation_summary
     from deepseek_pd.loadgen.target_model import discover_target_model
     from deepseek_pd.loadgen.workload import WorkloadSpec, build_requests
 
@@ -129,6 +134,10 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
                         args.seed, output_range_ratio=args.output_range_ratio
                         ).validate(target.vocabulary, target.max_context_length)
     requests = build_requests(spec, target.vocabulary)
+    metrics_urls = list(args.worker_metrics_url)
+    if cluster is not None:  # every rank of every decode worker exports its own
+        metrics_urls += [w.metrics_url(cluster.spec.host, r) for w in cluster.decode_workers() for r in range(w.ranks)]
+    spec_before = scrape_totals(metrics_urls)
     if args.direct:
         pairs = _pd_pairs(cluster)
         try:
@@ -146,6 +155,7 @@ async def _bench(args: argparse.Namespace, url: str, served_name: str | None, cl
     summary["kv_bytes_per_token"] = target.kv_bytes_per_token
     summary["left_out"] = target.left_out
     summary["workers"] = list(target.workers)
+    summary["speculative"] = speculation_summary(spec_before, scrape_totals(metrics_urls))
     config = {"url": None if args.direct else url, "direct": args.direct, "model": target.name,
               "model_dir": target.model_path, "target_model": target.report_fields(),
               "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
@@ -176,6 +186,10 @@ def _print_summary(summary: dict, json_path: Path, png_path: Path) -> None:
         print("KV bytes per token: left out (only the workers know it; pass --admin-key-file)")
     else:
         print(f"KV bytes per token: {summary['kv_bytes_per_token']}")
+    if summary.get("speculative"):
+        from deepseek_pd.loadgen.speculation import describe
+
+        print(describe(summary["speculative"]))
     for error in summary["errors"]:
         print(f"error: {error}")
     print(f"wrote {json_path} and {png_path}")

@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="tokens the checkpoint's MTP layer drafts per decode step, verified in one forward "
                              f"(0: off; at most {MAX_SPECULATIVE_NUM_STEPS}); auto (default): "
                              f"{DEFAULT_SPECULATIVE_NUM_STEPS} when the checkpoint has an MTP layer, else off")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant kernels and prompt cuts (docs/deterministic.md): greedy output "
+                             "equals what a serving worker gives this prompt whatever else it batches")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (output_ids, text, finish_reason, ...) instead of the text")
     parser.set_defaults(func=run)
@@ -80,7 +83,8 @@ def resolved_runner_config(args: argparse.Namespace):
     graphs = {} if args.cuda_graph is None else {"cuda_graph": args.cuda_graph}
     return RunnerConfig.resolve(ModelConfig.from_hf(model_dir), graphs_by_default=True, model=str(model_dir),
                                 device=args.device, dtype=args.dtype, page_size=args.page_size,
-                                attention_backend=args.attention_backend, moe_backend=args.moe_backend, **graphs)
+                                attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+                                deterministic=args.deterministic, **graphs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,12 +101,12 @@ def run(args: argparse.Namespace) -> int:
         top_logprobs_num=args.top_logprobs)
     params.validate()  # before loading the model: bad flags fail fast
     runner = resolved_runner_config(args)
-    speculative = resolve_speculative_num_steps(args.speculative_num_steps,
-                                                ModelConfig.from_hf(runner.model).num_nextn_predict_layers)
+    speculative = 0 if args.deterministic and args.speculative_num_steps == "auto" else (
+        resolve_speculative_num_steps(args.speculative_num_steps, ModelConfig.from_hf(runner.model).num_nextn_predict_layers))
     engine = Engine(runner.model, dtype=runner.dtype, device=runner.device, attention_method=args.attention_method,
                     chunked_prefill_size=args.chunked_prefill_size, page_size=runner.page_size,
                     attention_backend=runner.attention_backend, moe_backend=runner.moe_backend,
-                    cuda_graph=runner.cuda_graph, speculative_num_steps=speculative)
+                    cuda_graph=runner.cuda_graph, speculative_num_steps=speculative, deterministic=args.deterministic)
     result = engine.generate(prompt, params)
     if args.json:
         answer = {"output_ids": result.output_ids, "text": result.text, "finish_reason": result.finish_reason,

@@ -52,6 +52,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="file holding the key clients must send (Authorization: Bearer KEY) to the "
                              "router's API; default: open, which is what 127.0.0.1 is for")
+    parser.add_argument("--client-requests-per-minute", type=int, default=0, metavar="N",
+                        help="each client address may send N requests a minute to the router; past it, "
+                             "429 with Retry-After (smg's tenant rate limit; default 0: no budget)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait for everything to become healthy (default 300)")
 
@@ -68,6 +71,7 @@ def cluster_spec_from_args(args: argparse.Namespace):
                        log_dir=args.log_dir, worker_args=tuple(args.worker_arg),
                        startup_timeout_s=args.startup_timeout,
                        policy=getattr(args, "policy", None) or DEFAULT_POLICY,
+                       client_requests_per_minute=getattr(args, "client_requests_per_minute", 0),
                        client_api_key=read_key_file(getattr(args, "api_key_file", None), "--api-key-file")).validate()
 
 

@@ -7,7 +7,10 @@ sees one: `/generate` with `n = 1000000` took the gateway from 60 MiB to 2.6 GB 
 it is never sent. smg does run WASM middleware (`--enable-wasm`, modules added through its
 control plane, `POST /wasm`) on the serving routes' bodies before routing; `n_guard.wat` is ours:
 a body with a key "n" above MAX_SAMPLES (at any depth, so `sampling_params.n` and a top-level `n`
-alike) is answered `400` with an empty body, before smg parses it.
+alike) is answered `400` with an empty body, before smg parses it. So is a body with a key "seed"
+whose value is a number: smg 1.13 drops the seed on its way to the workers (docs/operations.md),
+and a refusal is better than a request served unseeded. (smg's reject carries a status only, so
+the 400 has no body that names the field.)
 
     argv += ENABLE_ARGS                               # on the router's command line
     install(router_url, control_plane_key)            # once it answers, after every (re)start

@@ -4,6 +4,9 @@
 ;; It answers `reject(400)` when the JSON body holds a key "n" whose value is a number above
 ;; @MAX_N@ or written with a fraction or exponent, at any depth; otherwise `continue`. Keys are
 ;; read the way a JSON parser reads them: only outside strings, and "\u006e" is the key "n" too.
+;; It also refuses a key "seed" (spelled plainly) whose value is a number, at any depth: smg 1.13
+;; drops the seed on its way to the workers, so a request that asks for one is refused rather than
+;; silently served unseeded. (A "seed" whose value is an object, as in a tool's JSON schema, passes.)
 ;;
 ;; Canonical ABI (component model), as `wasm-tools component new` lifts it:
 ;;   on-request(req: request) -> action: the record's 13 flat values come as parameters
@@ -95,7 +98,25 @@
     (i32.or (i32.eq (local.get $c) (i32.const 0x2e))                   ;; 1.5, 2.0
             (i32.eq (i32.or (local.get $c) (i32.const 0x20)) (i32.const 0x65))))  ;; 1e6, 1E6
 
-  ;; 1 when the body asks for too many samples (see the top of this file).
+  ;; Whether the string content [a, b) is the key "seed" (plain bytes: the refusal is a courtesy
+  ;; to a client whose seed would be dropped, not a bound someone must not evade).
+  (func $is_seed (param $a i32) (param $b i32) (result i32)
+    (i32.and (i32.eq (i32.sub (local.get $b) (local.get $a)) (i32.const 4))
+             (i32.eq (i32.load (local.get $a)) (i32.const 0x64656573))))       ;; "seed"
+
+  ;; After a string that ended just before `i`: 1 when it is an object key whose value is a number.
+  (func $number_value (param $i i32) (param $end i32) (result i32)
+    (local $c i32)
+    (local.set $i (call $skip_space (local.get $i) (local.get $end)))
+    (if (i32.ge_u (local.get $i) (local.get $end)) (then (return (i32.const 0))))
+    (if (i32.ne (i32.load8_u (local.get $i)) (i32.const 0x3a)) (then (return (i32.const 0))))  ;; not a key
+    (local.set $i (call $skip_space (i32.add (local.get $i) (i32.const 1)) (local.get $end)))
+    (if (i32.ge_u (local.get $i) (local.get $end)) (then (return (i32.const 0))))
+    (local.set $c (i32.load8_u (local.get $i)))
+    (i32.or (i32.eq (local.get $c) (i32.const 0x2d))                                ;; -
+            (i32.le_u (i32.sub (local.get $c) (i32.const 0x30)) (i32.const 9))))    ;; 0-9
+
+  ;; 1 when the body asks for too many samples or for a seed (see the top of this file).
   (func $too_many_samples (param $i i32) (param $len i32) (result i32)
     (local $end i32) (local $c i32) (local $in_string i32) (local $escaped i32) (local $start i32)
     (local.set $end (i32.add (local.get $i) (local.get $len)))
@@ -118,6 +139,9 @@
                   (br $seen)))
           (br_if $seen (i32.ne (local.get $c) (i32.const 0x22)))
           (local.set $in_string (i32.const 0))                            ;; the string closes
+          (if (call $is_seed (i32.add (local.get $start) (i32.const 1)) (local.get $i))
+            (then (if (call $number_value (i32.add (local.get $i) (i32.const 1)) (local.get $end))
+                    (then (return (i32.const 1))))))
           (br_if $seen (i32.eqz (call $is_n (i32.add (local.get $start) (i32.const 1)) (local.get $i))))
           (if (call $value_too_big (i32.add (local.get $i) (i32.const 1)) (local.get $end))
             (then (return (i32.const 1)))))

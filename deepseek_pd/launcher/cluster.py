@@ -75,6 +75,7 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ROUTER_LOCAL_FLAGS
     router_log_level: str = "warn"
     client_api_key: str | None = None  # None: the client API is open (fine on 127.0.0.1)
+    client_requests_per_minute: int = 0  # each client address's request budget (gateway.py); 0: none
     startup_timeout_s: float = 300.0
     stop_grace_s: float = 15.0
 
@@ -88,6 +89,8 @@ class ClusterSpec:
             raise UserError(f"--port {self.router_port} is not a TCP port")
         if self.policy not in gateway.POLICIES:
             raise UserError(f"--policy {self.policy!r}: choose one of {', '.join(gateway.POLICIES)}")
+        if self.client_requests_per_minute < 0:
+            raise UserError(f"--client-requests-per-minute {self.client_requests_per_minute} must be >= 0")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise UserError(f"--mem-fraction-static {self.mem_fraction_static} must be in (0, 1]")
         check_worker_args(self.worker_args)
@@ -292,7 +295,11 @@ class LocalCluster:
                  "--prometheus-host", spec.host, "--prometheus-port", str(self.metrics_port),
                  "--policy", spec.policy,
                  *gateway.router_security_args(self.control_plane_key, spec.client_api_key),
-                 *gateway_guard.ENABLE_ARGS, *spec.router_args]  # router_args last: they win
+                 *gateway_guard.ENABLE_ARGS]
+        if spec.client_requests_per_minute:
+            argv += gateway.client_budget_args(self.log_dir / gateway.CLIENT_BUDGET_FILE,
+                                               spec.client_requests_per_minute)
+        argv += spec.router_args  # last: they win
         return argv
 
     def _wait_router_ready(self, deadline: float) -> None:

@@ -6,6 +6,7 @@ Importing the package registers the plain-torch reference backend ("torch"), "tr
 from deepseek_pd.model.attention import torch_backend  # noqa: F401  (registers "torch")
 from deepseek_pd.model.attention import triton_backend  # noqa: F401  (registers "triton")
 from deepseek_pd.model.attention import flashinfer_backend  # noqa: F401  (registers "flashinfer")
+from deepseek_pd.model.attention import invariant_backends  # noqa: F401  (registers "*_invariant")
 from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend
 from deepseek_pd.model.attention.mla import MLAAttention
 from deepseek_pd.model.attention.policy import ATTENTION_METHOD_CHOICES, AttentionPolicy

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from deepseek_pd.model import batch_invariant
 from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend
 from deepseek_pd.model.attention.tensor_parallel import local_heads
 from deepseek_pd.model.build_options import BuildOptions
@@ -36,6 +37,10 @@ from deepseek_pd.model.fp8_linear import fp8_spec, make_linear
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS, NormRopeOps
 from deepseek_pd.model.rope import RotaryEmbedding
+
+
+def _matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight.T
 
 
 @dataclass
@@ -116,6 +121,9 @@ class MLAAttention(nn.Module):
         self.w_vc = nn.Parameter(torch.empty(heads, self.v_dim, self.kv_lora_rank, **kw))
         self.o_proj = make_linear(heads * self.v_dim, hidden, fp8, **kw, col_splits=o_split)
         self.backend: AttentionBackend = ATTENTION_BACKENDS.build(options.attention_backend)
+        # The products over a batch's rows: batch-invariant ones under --deterministic.
+        self._linear = batch_invariant.linear if options.deterministic else _matmul_t
+        self._bmm = batch_invariant.bmm if options.deterministic else torch.bmm
         self._methods: dict[AttentionMethod, Callable[[AttnIntermediate, ForwardBatch], torch.Tensor]] = {
             AttentionMethod.MHA: self._mha,
             AttentionMethod.MHA_CHUNKED_KV: self._mha_chunked_kv,
@@ -154,8 +162,8 @@ class MLAAttention(nn.Module):
     def _up_project(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent `[S, R]` + `[S, rope]` → per-head K `[S, H, nope+rope]` and V `[S, H, v]`."""
         heads = self.num_heads
-        k_nope = (c_kv @ self.w_kc.view(heads * self.nope_dim, -1).T).view(-1, heads, self.nope_dim)
-        v = (c_kv @ self.w_vc.view(heads * self.v_dim, -1).T).view(-1, heads, self.v_dim)
+        k_nope = self._linear(c_kv, self.w_kc.view(heads * self.nope_dim, -1)).view(-1, heads, self.nope_dim)
+        v = self._linear(c_kv, self.w_vc.view(heads * self.v_dim, -1)).view(-1, heads, self.v_dim)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
         return k, v
 
@@ -183,8 +191,8 @@ class MLAAttention(nn.Module):
         return out
 
     def _mla(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
-        q_latent = torch.bmm(inter.q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, H, R]
+        q_latent = self._bmm(inter.q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, H, R]
         kernel = self.backend.mla_decode if batch.mode is ForwardMode.DECODE else self.backend.mla_extend
         latent_out = kernel(q_latent, inter.q_pe, batch.kv_pool.buffers[self.layer_id], batch,
                             self.kv_lora_rank, self.scale)
-        return torch.bmm(latent_out.transpose(0, 1), self.w_vc.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return self._bmm(latent_out.transpose(0, 1), self.w_vc.transpose(1, 2)).transpose(0, 1)  # [T, H, v]

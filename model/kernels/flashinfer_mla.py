@@ -10,6 +10,12 @@ takes the pages as CSR with exactly ceil(length / page_size) pages per sequence;
 the host from the batch's page lists (no device sync), or compacted from the padded device table
 when a batch has no host lists.
 
+CUDA graphs: a captured graph replays the kernel launches with the addresses they were captured
+with, while the plan is host work on the batch's lengths. `GraphMLAPlan` is the plan of one captured
+batch size: its wrapper is built with `use_cuda_graph=True` over page-index buffers reserved for the
+largest batch the graph can hold, so `replan` (host work, before each replay) rewrites the
+metadata in place and the replayed launches read the new lengths and pages.
+
 The torch backend (`model/attention/torch_backend.py`) is the oracle: tests/model/test_flashinfer_mla.py.
 """
 from __future__ import annotations
@@ -87,40 +93,109 @@ class MLAPlan:
         return out
 
 
+def csr_pages(seq_lens: Sequence[int], page_size: int,
+              page_lists: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """FlashInfer's page CSR from host page lists: `kv_indptr` `[B+1]` and `kv_indices`, exactly
+    ceil(length / page_size) pages per sequence (FlashInfer 0.7 refuses padded rows).
+
+    Example, page_size 4: lengths (5, 1), lists ([7, 2, 9], [3]) -> ([0, 2, 3], [7, 2, 3]).
+    """
+    if len(page_lists) != len(seq_lens):
+        raise ValueError(f"{len(page_lists)} page lists for {len(seq_lens)} sequences")
+    indptr, indices = [0], []
+    for length, pages in zip(seq_lens, page_lists):
+        count = -(-length // page_size)
+        if length < 1 or len(pages) < count:
+            raise ValueError(f"a sequence of {length} tokens needs {count} pages of {page_size}, got {len(pages)}")
+        indices.extend(pages[:count])
+        indptr.append(indptr[-1] + count)
+    return indptr, indices
+
+
+def _check_shape(num_heads: int, rank: int, rope: int, dtype: torch.dtype) -> None:
+    if (rank, rope) != SUPPORTED_WIDTHS:
+        raise ValueError(f"FlashInfer MLA runs latent/rope widths {SUPPORTED_WIDTHS}, not {(rank, rope)}")
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"FlashInfer MLA runs bf16/fp16, not {dtype}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+
+
+def _plan(wrapper, seq_lens: Sequence[int], kv_indptr: list[int], kv_indices: torch.Tensor, num_heads: int,
+          rank: int, rope: int, page_size: int, scale: float, dtype: torch.dtype) -> None:
+    """One `wrapper.plan` over host CSR metadata: one query per sequence, packed latent cache."""
+    from flashinfer.mla import MLAPlanMetadata
+
+    metadata = MLAPlanMetadata.csr(qo_indptr=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+                                   kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),
+                                   kv_indices=kv_indices, kv_len_arr=torch.tensor(list(seq_lens), dtype=torch.int32))
+    wrapper.plan(metadata=metadata, num_heads=num_heads, head_dim_ckv=rank, head_dim_kpe=rope,
+                 page_size=page_size, causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype,
+                 query_layout="split", kv_cache_layout="packed")
+
+
 def plan_decode(page_table: torch.Tensor, seq_lens: Sequence[int], num_heads: int, rank: int, rope: int,
                 page_size: int, scale: float, dtype: torch.dtype, backend: str = "fa3",
                 page_lists: Sequence[Sequence[int]] = ()) -> MLAPlan:
     """Plan one query per sequence over `page_table` `[B, W]` (device) with host `seq_lens`;
     `page_lists` (host, per sequence, at least the pages its length needs), when given, spares the
     device-to-host read of the table."""
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-    if (rank, rope) != SUPPORTED_WIDTHS:
-        raise ValueError(f"FlashInfer MLA runs latent/rope widths {SUPPORTED_WIDTHS}, not {(rank, rope)}")
-    if dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"FlashInfer MLA runs bf16/fp16, not {dtype}")
+    _check_shape(num_heads, rank, rope, dtype)
     batch, width = page_table.shape
     if batch != len(seq_lens) or batch == 0:
         raise ValueError(f"page table has {batch} rows for {len(seq_lens)} sequences")
     if max(seq_lens) > width * page_size or min(seq_lens) < 1:
         raise ValueError(f"lengths {min(seq_lens)}..{max(seq_lens)} do not fit {width} pages of {page_size}")
-    counts = [-(-n // page_size) for n in seq_lens]
-    kv_indptr = [0]
-    for c in counts:
-        kv_indptr.append(kv_indptr[-1] + c)
     if page_lists:
-        if len(page_lists) != batch or any(len(p) < c for p, c in zip(page_lists, counts)):
+        if len(page_lists) != batch:
             raise ValueError("page_lists must hold every page of each sequence's length")
-        kv_indices = torch.tensor([page for pages, c in zip(page_lists, counts) for page in pages[:c]],
-                                  dtype=torch.int32)
+        try:
+            kv_indptr, indices = csr_pages(seq_lens, page_size, page_lists)
+        except ValueError:
+            raise ValueError("page_lists must hold every page of each sequence's length") from None
+        kv_indices = torch.tensor(indices, dtype=torch.int32)
     else:
+        counts = [-(-n // page_size) for n in seq_lens]
+        kv_indptr = [0]
+        for c in counts:
+            kv_indptr.append(kv_indptr[-1] + c)
         used = torch.arange(width, device=page_table.device) < torch.tensor(counts, device=page_table.device)[:, None]
         kv_indices = page_table[used].to(torch.int32)  # row-major: each sequence's pages in order
-    metadata = MLAPlanMetadata.csr(qo_indptr=torch.arange(batch + 1, dtype=torch.int32),
-                                   kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),
-                                   kv_indices=kv_indices, kv_len_arr=torch.tensor(list(seq_lens), dtype=torch.int32))
     wrapper = BatchMLAPagedAttentionWrapper(_workspace(page_table.device), backend=backend)
-    wrapper.plan(metadata=metadata, num_heads=num_heads, head_dim_ckv=rank, head_dim_kpe=rope,
-                 page_size=page_size, causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype,
-                 query_layout="split", kv_cache_layout="packed")
+    _plan(wrapper, seq_lens, kv_indptr, kv_indices, num_heads, rank, rope, page_size, scale, dtype)
     return MLAPlan(wrapper, batch, num_heads, rank, rope)
+
+
+class GraphMLAPlan:
+    """The FlashInfer plan of one captured CUDA graph: `batch` sequences (padding rows included) of
+    at most `max_pages` pages in all. `replan` before each replay, then the graph's `plan.run`
+    launches read the new metadata from the same reserved buffers."""
+
+    def __init__(self, batch: int, max_pages: int, num_heads: int, rank: int, rope: int, page_size: int,
+                 scale: float, dtype: torch.dtype, device: torch.device, backend: str = "fa3") -> None:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        _check_shape(num_heads, rank, rope, dtype)
+        if batch < 1 or max_pages < batch:
+            raise ValueError(f"a graph of {batch} sequences needs at least one page each, got {max_pages}")
+        self.batch, self.max_pages, self.page_size = batch, max_pages, page_size
+        self._shape = (num_heads, rank, rope, page_size, scale, dtype)
+        i32 = dict(dtype=torch.int32, device=device)
+        self._wrapper = BatchMLAPagedAttentionWrapper(
+            _workspace(torch.device(device)), use_cuda_graph=True, qo_indptr=torch.zeros(batch + 1, **i32),
+            kv_indptr=torch.zeros(batch + 1, **i32), kv_indices=torch.zeros(max_pages, **i32),
+            kv_len_arr=torch.zeros(batch, **i32), backend=backend)
+        self.plan = MLAPlan(self._wrapper, batch, num_heads, rank, rope)
+
+    def replan(self, seq_lens: Sequence[int], page_lists: Sequence[Sequence[int]]) -> None:
+        """Host work of one step: the lengths and pages (host) of all `batch` rows."""
+        if len(seq_lens) != self.batch:
+            raise ValueError(f"the graph holds {self.batch} sequences, got {len(seq_lens)} lengths")
+        kv_indptr, indices = csr_pages(seq_lens, self.page_size, page_lists)
+        if len(indices) > self.max_pages:
+            raise ValueError(f"{len(indices)} pages exceed the {self.max_pages} reserved at capture")
+        num_heads, rank, rope, page_size, scale, dtype = self._shape
+        _plan(self._wrapper, seq_lens, kv_indptr, torch.tensor(indices, dtype=torch.int32), num_heads, rank, rope,
+              page_size, scale, dtype)

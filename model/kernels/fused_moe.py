@@ -126,9 +126,17 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_ptr, block_expert_ptr, weight_
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+# `--deterministic`: one tile whatever the batch (`default_tile` is keyed on rows per expert, and the
+# tile sets the MMA shape and the K steps, i.e. the order each output sums its products in).
+INVARIANT_TILE = MoETile(64, 64, 64, num_warps=4, num_stages=3)
+
+
 def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, tile: MoETile | None = None) -> torch.Tensor:
+              w2: torch.Tensor, tile: MoETile | None = None, invariant: bool = False) -> torch.Tensor:
     """`sum_j w_j * expert_{id_j}(x)` per token; ids outside [0, E) contribute nothing.
+
+    `invariant`: `INVARIANT_TILE`, and each token's k expert outputs summed in slot order, one
+    elementwise add after another (a reduction kernel's order may follow the batch's shape).
 
     hidden `[N, H]`, topk_ids `[N, k]` int, topk_weights `[N, k]`, w13 `[E, 2I, H]`, w2 `[E, H, I]`
     → `[N, H]` in hidden's dtype. fp32 inputs use exact fp32 products (no tf32).
@@ -152,7 +160,7 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if num_pairs == 0:
         return hidden.new_zeros(num_tokens, hidden_size)
     hidden = hidden.contiguous()
-    tile = tile or default_tile(num_pairs, num_experts)
+    tile = tile or (INVARIANT_TILE if invariant else default_tile(num_pairs, num_experts))
     # One launch for decode-sized batches, three beyond (~30 torch ops in the oracle).
     align = align_by_expert_small if num_pairs <= MAX_PAIRS else align_by_expert_large
     blocks: ExpertBlocks = align(topk_ids, num_experts, tile.block_m)
@@ -174,4 +182,10 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), per_pair.stride(0),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE=ieee,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
-    return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    per_token = per_pair.view(num_tokens, top_k, hidden_size)
+    if not invariant:
+        return per_token.sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    total = per_token[:, 0].float()
+    for slot in range(1, top_k):
+        total = total + per_token[:, slot].float()
+    return total.to(hidden.dtype)

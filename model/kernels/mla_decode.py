@@ -36,9 +36,24 @@ class MLADecodeTile:
     # Programs per head block that each accumulate 1/value_splits of the latent output (all compute
     # the full scores): smaller accumulators, so more heads per program fit in registers.
     value_splits: int = 1
+    # > 0 (`--deterministic`): every split covers exactly this many positions of its own sequence, so
+    # a sequence's splits, and the order its combine merges them in, follow its length alone (not
+    # the batch size); a multiple of block_n. 0: the split count is chosen to fill the GPU.
+    split_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.split_len < 0 or self.split_len % self.block_n:
+            raise ValueError(f"split_len {self.split_len} must be a non-negative multiple of block_n {self.block_n}")
+
+
+# The batch-invariant decode: FlashInfer's `fixed_split_size` idea, splits of 256 positions (short
+# contexts lose occupancy at batch 1-8; bench/batch_invariant_gpu.py measures it).
+INVARIANT_DECODE_TILE = MLADecodeTile(split_len=256, max_splits=1 << 30)
 
 
 def num_splits(batch_size: int, head_blocks: int, max_seq_len: int, tile: MLADecodeTile) -> int:
+    if tile.split_len:  # the longest sequence's; a shorter one's extra splits are empty (lse -inf, weight 0)
+        return -(-max_seq_len // tile.split_len)
     wanted = -(-tile.target_programs // max(1, batch_size * head_blocks))
     return max(1, min(wanted, tile.max_splits, -(-max_seq_len // tile.block_n)))
 
@@ -50,13 +65,16 @@ def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, seq_lens_ptr, mid_out_ptr, 
                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, V_SPLITS: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, SPLIT_LEN: tl.constexpr):
     b = tl.program_id(0)
     hb = tl.program_id(1) // V_SPLITS
     v_lo = (tl.program_id(1) % V_SPLITS) * BLOCK_V
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if SPLIT_LEN > 0:
+        share = SPLIT_LEN
+    else:
+        share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * share
     end = tl.minimum(start + share, seq_len)
 
@@ -176,7 +194,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
         BLOCK_V=block_v, V_SPLITS=tile.value_splits, IEEE=q_latent.dtype == torch.float32,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SPLIT_LEN=tile.split_len, num_warps=tile.num_warps, num_stages=tile.num_stages)
     _combine_kernel[(batch, heads)](
         mid_out, mid_lse, out, splits,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),

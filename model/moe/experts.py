@@ -36,6 +36,8 @@ class TorchMoEKernel:
     """
 
     cuda_graph_safe = False
+    # The per-expert products (the "torch_invariant" backend swaps in batch_invariant.linear).
+    linear = staticmethod(F.linear)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -56,8 +58,8 @@ class TorchMoEKernel:
             if count:
                 pairs = order[start:start + count]
                 tokens = token_of[pairs]
-                gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, w2[expert])
+                gate, up = self.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
+                y = self.linear(F.silu(gate) * up, w2[expert])
                 out.index_add_(0, tokens, y.float() * flat_weights[pairs, None])
             start += count
         return out.to(hidden.dtype)

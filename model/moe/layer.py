@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model import batch_invariant
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.eplb.replica_dispatch import ReplicaDispatch
@@ -61,10 +62,11 @@ class DeepseekMoE(nn.Module):
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                      options.dtype, options.device, fp8)
             if config.n_shared_experts and not fused else None)
+        self._router_linear = batch_invariant.linear if options.deterministic else F.linear
         self.load_recorder = None  # (ExpertLoadRecorder, row) once recording is on (moe/expert_load.py)
 
     def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.gate_weight)
+        return self._router_linear(hidden.float(), self.gate_weight)
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (weights fp32 `[T, k + fused]`, ids long `[T, k + fused]`: routed slot ids, then the

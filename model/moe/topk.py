@@ -69,7 +69,17 @@ TOPK_METHODS: dict[str, Callable[[torch.Tensor, torch.Tensor | None, TopKSpec],
 }
 
 
+def slot_sum(weights: torch.Tensor) -> torch.Tensor:
+    """`weights.sum(-1, keepdim=True)` for a few columns, added one column after another: a
+    reduction kernel's order over a short row may follow the number of rows (seen on CPU: a row's
+    sum differed in a batch of 16), and `--deterministic` needs it to follow the row alone."""
+    total = weights[:, :1]
+    for slot in range(1, weights.shape[1]):
+        total = total + weights[:, slot:slot + 1]
+    return total
+
+
 def finish_weights(weights: torch.Tensor, spec: TopKSpec) -> torch.Tensor:
     if spec.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (slot_sum(weights) + 1e-20)
     return weights * spec.routed_scaling_factor

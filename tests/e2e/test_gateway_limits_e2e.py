@@ -11,6 +11,9 @@
   429, then 503). Slots are scaled down here (smg's default is 1024 per core, at least 4,096,
   plus 100 queued); the connections themselves stay open (docs/operations.md: the ingress bounds
   them).
+- A request with a `seed` is refused with a 400 on every route (smg 1.13 would drop the seed).
+- `up --client-requests-per-minute N` gives each client address its own budget (smg's tenant
+  rate limit): past it, 429 `tenant_rate_limit_exceeded` with Retry-After; others are served.
 - A connection that never completes its request head is closed within the 10 s `up` passes
   (`--header-read-timeout-secs`; smg's default is 30 s).
 - When the gateway swells anyway (here: the guard removed through smg's control plane, then the
@@ -20,6 +23,7 @@
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import logging
 import socket
@@ -27,6 +31,7 @@ import random
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -110,6 +115,59 @@ def test_a_huge_n_is_refused_at_once_on_every_route(cluster) -> None:
     status, answer, _ = call(f"{cluster.router_url}/generate", json.dumps(
         {"model": model, "text": f'reply with {{"n": {n}}}', "sampling_params": {"max_new_tokens": 2}}).encode())
     assert status == 200, answer
+
+
+def test_a_seed_is_refused_rather_than_dropped(cluster) -> None:
+    """smg 1.13 drops `seed` on its way to the workers (docs/operations.md): the guard answers 400
+    instead of serving the request unseeded. Before the guard refused it, every one was served (200)."""
+    rng = random.Random()
+    model, seed = cluster.served_model_name, rng.randrange(-5, 1 << 31)
+    bodies = {"/generate": {"model": model, "input_ids": [5, 6, 7],
+                            "sampling_params": {"max_new_tokens": 2, "temperature": 1.0, "seed": seed}},
+              "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 2, "seed": seed},
+              "/v1/completions": {"model": model, "prompt": "hi", "max_tokens": 2, "seed": seed}}
+    for route, body in bodies.items():
+        status, answer, seconds = call(cluster.router_url + route, json.dumps(body).encode(), timeout_s=10)
+        assert status == 400 and seconds < REFUSAL_SECONDS, (route, status, answer)
+    # Unseeded, or a prompt that only mentions a seed: served.
+    status, answer, _ = call(f"{cluster.router_url}/v1/completions", json.dumps(
+        {"model": model, "prompt": f'say {{"seed": {seed}}}', "max_tokens": 2}).encode())
+    assert status == 200, answer
+
+
+def call_from(source: str, url: str, body: bytes) -> tuple[int, bytes, dict[str, str]]:
+    """POST `body` to `url` from the local address `source` (any of 127.0.0.0/8 is this host)."""
+    parsed = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=30, source_address=(source, 0))
+    try:
+        connection.request("POST", parsed.path, body, {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        return reply.status, reply.read(), {k.lower(): v for k, v in reply.getheaders()}
+    finally:
+        connection.close()
+
+
+def test_each_client_address_has_its_own_request_budget(tmp_path) -> None:
+    """`up --client-requests-per-minute N` (smg's tenant rate limit, keyed by client address): a
+    client past N requests gets 429 naming the limit, with Retry-After, on every route; another
+    client is still served. Before, `up` had no such setting and every request was served."""
+    rng = random.Random()
+    budget = rng.randint(2, 4)
+    spec = dataclasses.replace(cluster_spec(tmp_path), client_requests_per_minute=budget)
+    with LocalCluster(spec) as running:
+        model = running.served_model_name
+        generate = json.dumps({"model": model, "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
+        chat = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        greedy = [call_from("127.0.0.1", running.router_url + "/generate", generate.encode())[0]
+                  for _ in range(budget)]
+        assert greedy == [200] * budget, greedy
+        for route, body in [("/generate", generate), ("/v1/chat/completions", chat)]:
+            status, answer, headers = call_from("127.0.0.1", running.router_url + route, body.encode())
+            assert status == 429 and b"tenant_rate_limit_exceeded" in answer and int(headers["retry-after"]) > 0, \
+                (route, status, answer, headers)
+        status, answer, _ = call_from("127.0.0.2", running.router_url + "/v1/chat/completions", chat.encode())
+        assert status == 200, answer
 
 
 def test_slow_bodies_do_not_take_the_request_slots(cluster) -> None:

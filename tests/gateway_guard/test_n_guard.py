@@ -4,8 +4,9 @@
 - The guard's core module, run in wasmtime through the same canonical-ABI calls the gateway makes
   (the body copied in through cabi_realloc, on-request called with the request's 13 flat values),
   refuses a body exactly when Python's own JSON parser finds a key "n" at any depth whose value is
-  a number above the bound or not a plain integer: on random JSON documents (printed seed) holding
-  such keys at random depths, spelled "n" or "\\u006e", and strings that only look like them.
+  a number above the bound or not a plain integer, or a key "seed" whose value is a number (smg
+  1.13 drops it): on random JSON documents (printed seed) holding such keys at random depths,
+  spelled "n" or "\\u006e", and strings that only look like them.
 The end-to-end behaviour through the real gateway is tests/e2e/test_gateway_limits_e2e.py.
 """
 from __future__ import annotations
@@ -51,7 +52,9 @@ def oracle_refuses(body: bytes) -> bool:
     def bad(value) -> bool:
         if isinstance(value, dict):
             return any((key == "n" and isinstance(v, (int, float)) and not isinstance(v, bool)
-                        and (isinstance(v, float) and v >= 0 or v > MAX_SAMPLES)) or bad(v) for key, v in value.items())
+                        and (isinstance(v, float) and v >= 0 or v > MAX_SAMPLES))
+                       or (key == "seed" and isinstance(v, (int, float)) and not isinstance(v, bool))
+                       or bad(v) for key, v in value.items())
         if isinstance(value, list):
             return any(bad(v) for v in value)
         return False
@@ -61,10 +64,11 @@ def oracle_refuses(body: bytes) -> bool:
 def random_document(rng: random.Random, depth: int = 0):
     pick = rng.random()
     if depth > 3 or pick < 0.3:
-        return rng.choice([rng.randint(-5, 10**7), rng.random() * 500, "n", '"n": 999999', "\\u006e", True, None])
+        return rng.choice([rng.randint(-5, 10**7), rng.random() * 500, "n", '"n": 999999', "\\u006e", True, None,
+                           '"seed": 7'])
     if pick < 0.45:
         return [random_document(rng, depth + 1) for _ in range(rng.randint(0, 3))]
-    keys = ["n", "m", "nn", "sampling_params", "text", "n ", "N"]
+    keys = ["n", "m", "nn", "sampling_params", "text", "n ", "N", "seed", "seeds", "Seed"]
     return {rng.choice(keys): random_document(rng, depth + 1) for _ in range(rng.randint(0, 4))}
 
 

@@ -36,3 +36,17 @@ def test_default_policy_and_bad_policy(tmp_path) -> None:
     assert ClusterSpec().policy == gateway.DEFAULT_POLICY in gateway.POLICIES
     with pytest.raises(UserError, match="--policy 'fastest'"):
         ClusterSpec(policy="fastest").validate()
+
+
+def test_a_client_budget_reaches_the_gateway_as_a_tenant_policy(tmp_path) -> None:
+    budget = random.randint(1, 10_000)
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    parsed = parsed_router_args(ClusterSpec(client_requests_per_minute=budget, log_dir=log_dir), tmp_path)
+    assert parsed.tenant_rate_limit_enabled and not parsed.trust_tenant_header
+    policy = (log_dir / gateway.CLIENT_BUDGET_FILE).read_text()
+    assert parsed.tenant_rate_limit_config == str(log_dir / gateway.CLIENT_BUDGET_FILE)
+    assert f"requests_per_minute: {budget}\n" in policy and policy.startswith("default_policy:\n")
+    assert not parsed_router_args(ClusterSpec(log_dir=log_dir), tmp_path).tenant_rate_limit_enabled
+    with pytest.raises(UserError, match="--client-requests-per-minute -1"):
+        ClusterSpec(client_requests_per_minute=-1).validate()

@@ -131,6 +131,33 @@ def test_pack_validates_like_the_eager_batch(tiny_path):
     assert host[4 * b:].view(b, w).tolist() == [pages, [pages[0], scratch, scratch], [scratch] * 3, [scratch] * 3]
 
 
+def test_replay_layout_is_the_packed_steps_lengths_and_pages(tiny_path):
+    """What a host-planning backend (FlashInfer) re-plans before a replay must be the step the
+    graph reads: the packed seq_lens, and page lists whose needed pages are the packed table's."""
+    rng = random.Random()
+    runner = ModelRunner(RunnerConfig(model=tiny_path, device="cpu", dtype="float32", page_size=4, num_pages=64))
+    pool, vocab = runner.kv_pool, runner.model_config.vocab_size
+    scratch = pool.alloc(1)[0]
+    bucket, width = rng.choice([4, 8]), 6
+    inputs = StaticDecodeInputs(bucket, table_width=width, kv_pool=pool, scratch_page=scratch, vocab_size=vocab)
+    capture = inputs.forward_batch()
+    assert capture.graph_bucket == bucket and capture.page_lists == ((scratch,) * width,) * bucket
+    assert capture.seq_lens == (width * 4,) * bucket  # the capture-time bound the plan is built for
+    for _ in range(20):
+        n = rng.randint(1, bucket)
+        positions = [rng.randrange(width * 4) for _ in range(n)]
+        pages = [pool.alloc(p // 4 + 1 + rng.randint(0, 1)) for p in positions]
+        host = inputs.pack([rng.randrange(vocab) for _ in range(n)], positions, pages)
+        lengths, page_lists = inputs.replay_layout(positions, pages)
+        assert list(lengths) == host[3 * bucket:4 * bucket].tolist()
+        table = host[4 * bucket:].view(bucket, width).tolist()
+        for row, (length, listed) in enumerate(zip(lengths, page_lists)):
+            need = -(-length // 4)
+            assert list(listed[:need]) == table[row][:need], row
+        for seq_pages in pages:
+            pool.free(seq_pages)
+
+
 def test_refuses_host_syncing_backends_cpu_and_tbo(tiny_path):
     import dataclasses
 

@@ -43,6 +43,24 @@ def test_route_sends_only_large_many_head_batches_to_flashinfer():
         assert route.uses_flashinfer(heads, batch) is want, (heads, batch)
 
 
+def test_csr_pages_takes_exactly_the_pages_each_length_needs():
+    from deepseek_pd.model.kernels.flashinfer_mla import csr_pages
+
+    rng = random.Random()
+    for _ in range(100):
+        page_size = rng.choice([1, 4, 16, 64])
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 9))]
+        lists = [[rng.randrange(1000) for _ in range(-(-n // page_size) + rng.randint(0, 3))] for n in lengths]
+        indptr, indices = csr_pages(lengths, page_size, lists)
+        assert indptr[0] == 0 and len(indptr) == len(lengths) + 1
+        for i, (n, pages) in enumerate(zip(lengths, lists)):
+            assert indices[indptr[i]:indptr[i + 1]] == pages[:-(-n // page_size)]
+    with pytest.raises(ValueError, match="needs 2 pages"):
+        csr_pages([5], 4, [[3]])
+    with pytest.raises(ValueError, match="page lists"):
+        csr_pages([5, 1], 4, [[3, 4]])
+
+
 def decode_batch(lengths: list[int], page_size: int, dtype: torch.dtype) -> tuple[ForwardBatch, torch.Tensor]:
     """A decode batch over pages drawn at random from a pool (scattered, as a busy pool is)."""
     need = [-(-n // page_size) for n in lengths]
@@ -109,3 +127,41 @@ def test_flashinfer_plan_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="planned for"):
         plan.run(torch.zeros(2, 8, 512, dtype=torch.bfloat16, device="cuda"),
                  torch.zeros(2, 8, 64, dtype=torch.bfloat16, device="cuda"), cache)
+
+
+@pytest.mark.gpu
+@requires_flashinfer
+def test_flashinfer_decode_in_cuda_graphs_equals_eager(tmp_path):
+    """A V3-width model (512 + 64 latent, 128 heads, 2 layers, random weights): decode replayed
+    from CUDA graphs with FlashInfer's MLA (re-planned before each replay) against the same
+    runner's eager decode, over batches of mixed lengths at several bucket sizes."""
+    from pdtest.bench_scripts import bench_module
+
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+
+    rng = random.Random()
+    random_checkpoint = bench_module("random_checkpoint")
+    config = random_checkpoint.v2_lite_config(num_hidden_layers=2, num_attention_heads=128, num_key_value_heads=128,
+                                              n_routed_experts=8, torch_dtype="bfloat16")
+    path = random_checkpoint.write_random_checkpoint(tmp_path / "v3w", config, device="cuda", seed=rng.randrange(1 << 30))
+    runner = ModelRunner(RunnerConfig(model=str(path), dtype="bfloat16", device="cuda", attention_backend="flashinfer",
+                                      moe_backend="triton", page_size=64, num_pages=1024, cuda_graph=True,
+                                      cuda_graph_max_batch=32, cuda_graph_max_context=4096))
+    assert runner.graphs is not None
+    vocab, pool = runner.model_config.vocab_size, runner.kv_pool
+    lengths = [rng.randrange(1, 3000) for _ in range(40)]
+    pages = [pool.alloc(pool.pages_for_tokens(n + 8)) for n in lengths]
+    for lo in range(0, len(lengths), 8):
+        runner.extend([ExtendSeq([rng.randrange(vocab) for _ in range(lengths[i])], 0, pages[i])
+                       for i in range(lo, min(len(lengths), lo + 8))])
+    worst = 0.0
+    for batch_size in [9, 16, 32, 13, 31, 24]:  # buckets 16 and 32: FlashInfer at 128 heads (route: >= 8)
+        chosen = rng.sample(range(len(lengths)), batch_size)
+        batch = [DecodeSeq(rng.randrange(vocab), lengths[i], pages[i]) for i in chosen]
+        eager = runner.decode_eager(batch)
+        graph = runner.decode(batch)
+        worst = max(worst, max(rel_err(g, e) for g, e in zip(graph, eager)))
+        for i in chosen:
+            lengths[i] += 1
+    print(f"flashinfer graph vs eager: worst row rel err {worst:.2e}")
+    assert worst < 2e-2, worst

@@ -106,6 +106,13 @@ def test_slow_tpot_adds_decode_groups_and_idleness_removes_them(cluster):
             _router_rolled_out(cluster, name)  # the Deployment controller: the router runs without them
             return _statefulset(cluster, name, "decode", 2) is None and _statefulset(cluster, name, "decode", 1) is None
         cluster.wait_for("groups 1 and 2 retired", retired, timeout=60)
+        # The status keeps why the groups last changed, while later passes record holds over lastDecision.
+        def held_after_the_change() -> dict | None:
+            auto = _status(cluster, name).get("autoscaling", {}).get("decode", {})
+            return auto if auto.get("lastDecision", {}).get("reason", "").startswith("hold") else None
+        auto = cluster.wait_for("a hold after the scale-down", lambda: (
+            (a := held_after_the_change()) and (a.get("lastScale") or {}).get("to") == 1 and a))
+        assert auto["lastScale"]["from"] == 3 and auto["lastScale"]["reason"].startswith("scale down 3 -> 1"), auto
 
 
 @pytest.mark.parametrize("autoscaling, message", [

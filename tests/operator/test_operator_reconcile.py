@@ -172,3 +172,35 @@ def test_router_rollout_judgement():
     stuck = {"observedGeneration": 3, "replicas": 3, "updatedReplicas": 1, "conditions": [
         {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]}
     assert router_rolled_out(deployment("h", 3, **stuck), "h")  # a stuck rollout does not hold forever
+
+
+def test_scale_down_keeps_the_groups_a_draining_router_pod_still_streams_from():
+    """The Deployment controller stops counting a router pod once it is deleted, but the pod
+    drains the streams it accepted for up to its grace period: a retired group goes only when no
+    router pod, terminating ones included, names it any more."""
+    api = MemoryApi()
+    reconciler = Reconciler(api)
+    body = _body("cpu-minimal.yaml")
+    before, after = random.randint(2, 4), 1
+    body["spec"]["decode"]["replicas"] = before
+    asyncio.run(reconciler.reconcile(body, LOG))
+    router_key = ("Deployment", names.router_name("tiny"))
+    old_template = api.objects[router_key]["spec"]["template"]
+    draining = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "tiny-router-old-x1", "namespace": "llm",
+                             "labels": dict(old_template["metadata"]["labels"]),
+                             "deletionTimestamp": "2026-12-06T00:00:00Z"},
+                "spec": old_template["spec"], "status": {"phase": "Running"}}
+    api.objects[("Pod", draining["metadata"]["name"])] = draining
+    retired = {names.group_name("tiny", "decode", i) for i in range(after, before)}
+
+    body["spec"]["decode"]["replicas"] = after
+    asyncio.run(reconciler.reconcile(body, LOG))
+    _roll_out_router(api, "tiny", 2)  # the controller reports the rollout done: the old pod is terminating
+    for _ in range(2):
+        asyncio.run(reconciler.reconcile(body, LOG))
+        assert retired <= {n for k, n in api.objects if k == "StatefulSet"}
+
+    del api.objects[("Pod", draining["metadata"]["name"])]  # drained and gone
+    asyncio.run(reconciler.reconcile(body, LOG))
+    assert not retired & {n for k, n in api.objects if k in ("StatefulSet", "Service")}

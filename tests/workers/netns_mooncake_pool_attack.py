@@ -7,7 +7,9 @@ Cannot (each was possible before registrations were narrowed):
 - read or write the decode pool while no transfer runs, or the pages of a request that is
   decoding (its transfer is over): only a transfer's own pages are registered, while it runs.
 Can (still open, Mooncake authenticates no peer): write into the pages of a transfer in flight;
-the write lands, and the decode side's checks catch only non-finite values.
+the write lands, but it changes no output token: the decode side MACs the pages once the transfer
+is withdrawn, against the tag the prefill side signed (kv_transfer/kv_mac.py), and refuses that
+request with a clear error. Before the MAC, finite garbage went unnoticed into the request's output.
 """
 from __future__ import annotations
 
@@ -39,13 +41,14 @@ def try_read(engine, session: str, addr: int, length: int) -> bool:
     return engine.transfer_sync_read(session, buf.data_ptr(), addr, length) == 0
 
 
-def try_write(engine, session: str, addr: int, length: int) -> bool:
-    """Whether the stranger wrote `length` bytes of NaN (float32) at `addr` of the peer."""
-    nan = torch.full((length // 4,), float("nan"))
-    return engine.transfer_sync_write(session, nan.data_ptr(), addr, length) == 0
+def try_write(engine, session: str, addr: int, length: int, data: torch.Tensor | None = None) -> bool:
+    """Whether the stranger wrote `length` bytes at `addr` of the peer: `data`'s (default NaN)."""
+    data = torch.full((length // 4,), float("nan")) if data is None else data
+    assert data.numel() * data.element_size() >= length
+    return engine.transfer_sync_write(session, data.data_ptr(), addr, length) == 0
 
 
-def main(seed: int) -> None:
+def main(seed: int) -> None:  # noqa: C901 (one probe after another)
     rng = random.Random(seed)
     vocab = oracle().vocab_size
     prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
@@ -95,18 +98,24 @@ def main(seed: int) -> None:
             # its peer's metadata, which it may hold from before this transfer registered its pages
             # (a loaded CI run saw the first write refused). The transfer stays held meanwhile.
             # So a fresh engine (which fetches the ranges now) tries, again until it lands.
+            # Finite garbage (KV-like values of the pool's dtype): the finite check cannot see it.
+            pool = pair.decode.pool
+            garbage = torch.randn(page // pool.buffers[0].element_size(), dtype=torch.float32,
+                                  generator=torch.Generator().manual_seed(seed)).to(pool.dtype)
             fresh = stranger()
             deadline = time.monotonic() + 20
-            landed = try_write(fresh, d_session, d_base + pages[0] * page, page)
+            landed = try_write(fresh, d_session, d_base + pages[0] * page, page, garbage)
             while not landed and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
-                landed = try_write(fresh, d_session, d_base + pages[0] * page, page)
+                landed = try_write(fresh, d_session, d_base + pages[0] * page, page, garbage)
             release.set()
             _, outcome = await held
             undo()
-            assert landed and not outcome.ok and "NaN" in outcome.terminal.message, (landed, outcome)
-            print("can (still open): write into the pages of a transfer in flight; NaN is refused, "
-                  "finite garbage would not be")
+            assert landed, "the stranger's write into the transfer in flight never landed"
+            # No output token changed: the request is refused, with a reason that names the MAC.
+            assert not outcome.ok and "does not match the MAC" in outcome.terminal.message, (outcome, expected[2])
+            print("can (still open): write into the pages of a transfer in flight; it changes no output "
+                  "token: the KV MAC refuses that request")
             await pair.wait_pools_clean(config.transport.send_timeout_s + 10)
 
     with recorded_pulls() as pulled:

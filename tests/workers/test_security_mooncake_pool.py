@@ -1,10 +1,12 @@
 """A stranger on the Mooncake ports (no secret) against PD workers over Mooncake TCP, in a private
 network namespace (netns_mooncake_pool_attack.py): it can no longer read or write the prefill pool,
 the idle decode pool or a decoding request's pages; it can still write the pages of a transfer in
-flight (Mooncake authenticates no peer; docs/operations.md §8).
+flight (Mooncake authenticates no peer; docs/operations.md §8), but that changes no output token:
+the KV MAC (kv_transfer/kv_mac.py) refuses the request it hit.
 
 Before the per-transfer registration every probe succeeded: the whole of both pools was registered
-for the workers' lifetime."""
+for the workers' lifetime. Before the KV MAC, finite garbage written into a transfer in flight was
+decoded from, unnoticed."""
 from __future__ import annotations
 
 import random

@@ -47,3 +47,25 @@ def test_graphs_stay_off_with_speculation_on_a_gpu(model, monkeypatch):
 def test_out_of_range_is_refused(model, steps):
     with pytest.raises(UserError, match="--speculative-num-steps must be an integer in 0..8"):
         resolve("decode", "--model", model, "--device", "cpu", "--speculative-num-steps", steps)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_checkpoint_without_mtp_is_a_clear_start_up_error(tmp_path, role):
+    """`serve` on a checkpoint without an MTP layer, speculation asked for: the process exits non-zero
+    with the message naming the config and the flag (no traceback), before it serves anything."""
+    import subprocess
+    import sys
+
+    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.ports import pick_free_ports
+
+    plain = make_tiny_model(tmp_path / "plain", seed=0)
+    port, bootstrap = pick_free_ports(2)
+    proc = subprocess.run([sys.executable, "-m", "deepseek_pd.cli", "serve", role, "--model", str(plain),
+                           "--device", "cpu", "--port", str(port), "--bootstrap-port", str(bootstrap),
+                           "--speculative-num-steps", "2"],
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode != 0
+    assert "num_nextn_predict_layers=0" in proc.stderr and "--speculative-num-steps" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

@@ -116,6 +116,14 @@ class InternalAuth:
         if self.secret is not None and not hmac.compare_digest(token.challenge, challenge):
             raise AuthError(f"{purpose} answers another handshake (replayed from another stream)")
 
+    def kv_key(self, room: int, handshake_nonce: bytes) -> bytes | None:
+        """The one-time key of the KV MAC of room `room`'s transfer (kv_transfer/kv_mac.py), bound to
+        its handshake; None when insecure (no MAC then)."""
+        if self.secret is None:
+            return None
+        head = f"deepseek-pd/kv-mac\x00room={room}\x00".encode()
+        return hmac.new(self.secret, head + handshake_nonce, hashlib.sha256).digest()
+
     def _mac(self, message, purpose: str, context: str) -> bytes:
         mac = message.auth.mac
         message.auth.mac = b""

@@ -86,6 +86,14 @@ class SchedulerConfig:
     layerwise_transfer: bool = True
     # decode: launch step N+1 before collecting step N's tokens (workers/decode/engine.py); same tokens
     overlap_schedule: bool = True
+    # `--deterministic`: prompts cut only at multiples of chunked_prefill_size from their own start
+    # (prefill_planner `aligned`), and no prefix cache (a hit would start a prompt's extend at the
+    # cached length, i.e. cut it elsewhere than a cold run does).
+    deterministic: bool = False
+    # prefill sharing a GPU with decode: bound each round to about this long by sizing its token
+    # budget from measured rounds (workers/prefill/round_budget.py); 0: off, every round may take
+    # chunked_prefill_size tokens
+    prefill_round_target_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:
@@ -94,6 +102,15 @@ class SchedulerConfig:
             raise UserError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.decode_reserve_tokens < 0 or self.admission_timeout_s <= 0:
             raise UserError("decode_reserve_tokens must be >= 0 and admission_timeout_s > 0")
+        if self.prefill_round_target_ms < 0:
+            raise UserError(f"prefill_round_target_ms must be >= 0, got {self.prefill_round_target_ms}")
+        if self.deterministic and self.prefill_round_target_ms:
+            raise UserError("deterministic mode cuts prompts at multiples of a fixed chunk: it cannot size "
+                            "rounds by time (prefill_round_target_ms); set one of them")
+        if self.deterministic and self.prefix_cache:
+            raise UserError("deterministic mode runs without the prefix cache (a hit cuts a prompt elsewhere "
+                            "than a cold run); set prefix_cache off")
+
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ PD request (`disagg` set):
                 TransferDone brings the first token
     decode   -> joins the continuous batch (absorbed MLA over up to max_running_requests requests)
 Colocated request (`disagg` None): the same, with the prompt prefilled here in chunked rounds
-that alternate with decode steps; it is the single-worker reference for PD parity.
+(`PrefillRounds`, the prefill worker's; `_AdmitHooks` admits a completed prompt into the batch) that
+alternate with decode steps; it is the single-worker reference for PD parity.
 
 The decode loop (`_decode_round`, see decode_step.py) overlaps the host with the GPU when
 `scheduler.overlap_schedule` is on: step N+1 is planned and launched (its input tokens gathered
@@ -31,10 +32,10 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
+from deepseek_pd.model.prefill_planner import PromptProgress
 from deepseek_pd.model.request_rules import max_new_tokens
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs
@@ -42,11 +43,11 @@ from deepseek_pd.model.sampling import StopChecker
 from deepseek_pd.model.speculative_rules import draft_len
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
-from deepseek_pd.workers.common.extend_step import run_extend
 from deepseek_pd.workers.common.first_token_wire import first_top_logprobs
 from deepseek_pd.workers.common.kv_transfer import build_receiver
 from deepseek_pd.workers.common.kv_transfer.exposure import PageExposure
 from deepseek_pd.workers.common.metrics import WorkerMetrics
+from deepseek_pd.workers.common.prefill_round import FirstToken, PrefillRounds, RoundHooks
 from deepseek_pd.workers.common.request_failure import RequestAborted, RequestFailure
 from deepseek_pd.workers.common.request_lifecycle import EngineCore, RequestRecord
 from deepseek_pd.workers.common.worker_config import WorkerConfig
@@ -125,6 +126,10 @@ class DecodeEngine(EngineCore[_Request]):
         self.speculation: SpeculativeStepper | None = None
         if runner.model.mtp is not None:
             self.speculation = SpeculativeStepper(runner, runner.config.speculative_num_steps, self.sampler)
+        # Colocated prompts are prefilled here, in rounds between decode steps.
+        self.rounds = PrefillRounds(runner, self.sampler, config.scheduler.chunked_prefill_size, _AdmitHooks(self),
+                                    on_step=functools.partial(self.metrics.observe_step, "prefill"),
+                                    aligned=config.scheduler.deterministic)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -197,7 +202,7 @@ class DecodeEngine(EngineCore[_Request]):
                 if not state.finished:
                     self._running.append(state)
             else:
-                state.progress = PromptProgress(request.input_ids, state.reservation.pages, 0, owner=state)
+                state.progress = self.rounds.start(state, request.input_ids, state.reservation.pages)
                 self._prefilling.append(state)
             self._wakeup.set()
             while True:
@@ -329,38 +334,9 @@ class DecodeEngine(EngineCore[_Request]):
             raise
 
     async def _prefill_round(self) -> None:
-        plan = plan_extend_batch([s.progress for s in self._prefilling], self.config.scheduler.chunked_prefill_size)
-        batch = [item.owner for item in plan.items]
-        rows = plan.finishing
-        for state in batch:
-            state.in_flight += 1
-        try:
-            began = time.perf_counter()
-            if self.speculation is not None:  # also keeps the prompts' hidden states for the MTP layer
-                for state in batch:
-                    state.spec.pages = state.reservation.pages
-                sampled = await self._model_call(batch, self.speculation.prefill, plan, [s.spec for s in batch], rows)
-            else:
-                sampled = await self._model_call(batch, run_extend, self.runner, self.sampler, plan.seqs, rows,
-                                                 [batch[r].sampling for r in rows])
-            self.metrics.observe_step("prefill", time.perf_counter() - began, len(batch),
-                                      sum(len(seq.token_ids) for seq in plan.seqs))
-        except Exception:
-            self._done_with(batch)
-            self._prefilling = [s for s in self._prefilling if not s.finished]
-            return
-        plan.advance()
-        self._done_with(batch)
-        for i, row in enumerate(rows):
-            state = batch[row]
-            if state.ended:
-                continue
-            self._prefilling.remove(state)
-            state.launched = 1
-            state.last_token_at = time.perf_counter()
-            self._accept(state, sampled.token_ids[i], sampled.logprobs[i], sampled.top[i])
-            if not state.finished:
-                self._running.append(state)
+        await self.rounds.run_in(self.model_thread, [s.progress for s in self._prefilling])
+        # Prompts the round completed moved on to the decode batch (or finished), failed ones ended.
+        self._prefilling = [s for s in self._prefilling if not s.finished and s.progress.remaining > 0]
 
     async def _decode_round(self) -> None:
         """Plans and launches the next step, then collects the pending one (overlap), or launches and
@@ -500,3 +476,29 @@ class DecodeEngine(EngineCore[_Request]):
                 self._running.remove(state)
         self.metrics.observe_inter_token_latency(gaps)
         self._done_with(step.owners)
+
+
+class _AdmitHooks(RoundHooks[_Request]):
+    """Decode's side of a colocated prefill round: a completed prompt streams its first token and
+    joins the continuous batch; a failed forward fails the requests it held."""
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+
+    def first_token(self, owner: _Request, first: FirstToken) -> None:
+        engine = self.engine
+        if first.draft is not None:  # the MTP layer's first draft seeds its speculative steps
+            engine.speculation.seed(owner.spec, *first.draft)
+        owner.launched = 1
+        owner.last_token_at = time.perf_counter()
+        engine._accept(owner, first.token_id, first.logprob, first.top)
+        if not owner.finished:
+            engine._running.append(owner)
+
+    def release(self, owner: _Request) -> None:
+        self.engine._release(owner)
+
+    def failed(self, owners: Sequence[_Request], error: Exception) -> None:
+        for state in owners:
+            if not state.finished:
+                self.engine._fail(state, FailureCode.INTERNAL, f"forward failed: {error!r}")

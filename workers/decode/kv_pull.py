@@ -48,6 +48,10 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
     if vocab_size is not None:
         check_first_token(done, vocab_size, rid)
         check_first_top(done, vocab_size, top_logprobs_num, rid)
+    # Only now that no writer reaches the pages: a stranger's write into the transfer fails it here.
+    await asyncio.to_thread(sink.check_sealed, done, client.config.auth.kv_key(params.bootstrap_room,
+                                                                                handshake.auth.nonce),
+                            params.bootstrap_room)
     await asyncio.to_thread(check_kv_finite, receiver.pool, pages, rid)
     seconds = max(time.monotonic() - started, 1e-9)
     log.debug("%s: received %d bytes of KV for %d tokens (%d cached on prefill) in %.3fs, %.3f GB/s "

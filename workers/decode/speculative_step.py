@@ -11,7 +11,7 @@ target's tokens up to a stop are those of a run without speculation, so this cha
 a little wasted work.
 
     stepper = SpeculativeStepper(runner, num_steps, sampler)
-    tokens = stepper.prefill(plan, rows, finishing)  # colocated: extend + first tokens + MTP pass
+    stepper.seed(row, draft, hidden)                 # colocated: the prefill round's first draft
     emitted = stepper.step(rows)                     # per row: [(token, logprob, top), ...]
 """
 from __future__ import annotations
@@ -22,13 +22,11 @@ from typing import Sequence
 
 import torch
 
-from deepseek_pd.model.prefill_planner import ExtendPlan
 from deepseek_pd.model.runner import ModelRunner
-from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs, pack, unpack
+from deepseek_pd.model.sampled_host import TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling import Sampler, SamplingState
 from deepseek_pd.model.speculation_policy import SpeculationPolicy, StepCosts
 from deepseek_pd.model.speculative import SpeculativeDecoder, measure_step_costs
-from deepseek_pd.workers.common.extend_step import run_extend_with_mtp
 
 
 @dataclass(eq=False)
@@ -82,17 +80,10 @@ class SpeculativeStepper:
             row.output_ids.append(token)
             row.new.append((token, logprob, top))
 
-    def prefill(self, plan: ExtendPlan, rows: Sequence[SpecRow], finishing: Sequence[int]) -> SampledTokens:
-        """A colocated prefill round (`plan.items[i]` is `rows[i]`'s prompt): the extend, the first
-        token of each `finishing` row and the MTP layer over the round (`run_extend_with_mtp`); the
-        completed prompts' first drafts seed the speculative decoder."""
-        sampled, drafts = run_extend_with_mtp(self.runner, self.sampler, plan.seqs, finishing,
-                                              [rows[i].sampling for i in finishing],
-                                              [item.token_ids for item in plan.items])
-        for i, token, (draft, hidden) in zip(finishing, sampled.token_ids, drafts):
-            rows[i].output_ids = [token]
-            self.decoder.seed(rows[i], draft, hidden)
-        return sampled
+    def seed(self, row: SpecRow, token: int, hidden: torch.Tensor) -> None:
+        """A colocated prompt's first draft, from the MTP pass of the prefill round that completed
+        it (workers/common/prefill_round.py)."""
+        self.decoder.seed(row, token, hidden)
 
     def step(self, rows: Sequence[SpecRow]) -> list[list[tuple[int, float, TopLogprobs | None]]]:
         """One speculative step for every row; returns each row's emitted tokens, in order."""

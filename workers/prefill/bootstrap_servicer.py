@@ -103,6 +103,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             room = self.registry.attach(request)
         except TransferError as exc:
             await self._refuse(context, "duplicate", grpc.StatusCode.ALREADY_EXISTS, exc.message)
+        room.kv_key = self.auth.kv_key(request.room, token.nonce)  # before the engine sees the handshake
         offered = request.grpc.streams if request.WhichOneof("destination") == "grpc" else 1
         room.open_kv_streams(kv_stream_count(offered, self.kv_streams))
         window = self.registry.config.event_queue_depth

@@ -5,7 +5,8 @@ A request's way through this engine (ARCHITECTURE §2):
     generate(req)  -> KVPush claims the bootstrap room, waits for decode's handshake
     admission      -> radix-cache prefix match (pinned) + pages for the rest of the prompt;
                       the cached pages go to decode at once
-    scheduler loop -> chunked prefill rounds in the model thread; as each layer's KV is written
+    scheduler loop -> chunked prefill rounds (`PrefillRounds`, workers/common/prefill_round.py; the
+                      forward in the model thread, this role's `_PushHooks`); as each layer's KV is written
                       (layer-wise streaming, `layerwise_transfer`, on channels that stream
                       layers), or after the round (all layers), the pages it completed are
                       pushed; the round that completes the
@@ -21,27 +22,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.layer_progress import LayerEvents, kv_written_event
-from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.prefill_planner import ExtendPlan, PromptProgress
+from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.workers.common.api import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
 from deepseek_pd.workers.common.bootstrap_routes import RouteTable
 from deepseek_pd.workers.common.kv_transfer import build_sender
-from deepseek_pd.workers.common.extend_step import run_extend, run_extend_with_mtp
 from deepseek_pd.workers.common.metrics import WorkerMetrics
+from deepseek_pd.workers.common.prefill_round import FirstToken, PrefillRounds, RoundHooks
 from deepseek_pd.workers.common.request_failure import AdmissionRefused, RequestFailure, failure_for
 from deepseek_pd.workers.common.request_lifecycle import EngineCore, RequestRecord
 from deepseek_pd.workers.common.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache
+from deepseek_pd.workers.prefill.round_budget import RoundBudget, RoundBudgetConfig
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +61,7 @@ class _Request(RequestRecord):
     first_token: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     progress: PromptProgress | None = None
     hit: CacheHit | None = None
-    in_forward: bool = False
+    in_flight: int = 0  # prefill rounds using its pages (0 or 1)
 
     def stops(self) -> tuple[asyncio.Future, ...]:
         return self.push.room.peer_gone, self.push.room.failure
@@ -94,6 +95,16 @@ class PrefillEngine(EngineCore[_Request]):
         self.server: BootstrapServer | None = None
         self.sender = None
         self._routes: RouteTable | None = RouteTable()  # one rank until a group publishes its table
+        scheduler = config.scheduler  # round_budget.py: rounds sized for decode sharing the GPU
+        self.round_budget = RoundBudget(RoundBudgetConfig(scheduler.chunked_prefill_size,
+                                                          scheduler.prefill_round_target_ms / 1000))
+        self.rounds = PrefillRounds(runner, self.sampler, scheduler.chunked_prefill_size, _PushHooks(self),
+                                    on_step=self._observe_round, aligned=scheduler.deterministic,
+                                    round_tokens=self.round_budget.tokens)
+
+    def _observe_round(self, seconds: float, prompts: int, tokens: int) -> None:
+        self.metrics.observe_step("prefill", seconds, prompts, tokens)
+        self.round_budget.observe(tokens, seconds)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -198,7 +209,7 @@ class PrefillEngine(EngineCore[_Request]):
         self._requests.pop(state.rid, None)
         if state in self._waiting:
             self._waiting.remove(state)
-        if not state.in_forward:
+        if state.in_flight == 0:
             self._release_pages(state)
 
     def _release_pages(self, state: _Request) -> None:
@@ -244,8 +255,7 @@ class PrefillEngine(EngineCore[_Request]):
                 self.metrics.observe_prefix_cache(len(ids), len(cached) * self.pool.page_size)
             self._waiting.pop(0)
             state.hit = hit
-            state.progress = PromptProgress(ids, cached + own, computed=len(cached) * self.pool.page_size,
-                                            owner=state)
+            state.progress = self.rounds.start(state, ids, cached + own, len(cached) * self.pool.page_size)
             self._running.append(state)
             state.push.pages_ready(state.progress.computed, state.progress.pages,
                                    self._written() if state.progress.computed else None)
@@ -258,7 +268,27 @@ class PrefillEngine(EngineCore[_Request]):
         wait for that one too (a whole prefill round)."""
         return kv_written_event(self.runner.model.options.device)
 
-    def _layer_progress(self, batch: list[_Request], seqs: Sequence[ExtendSeq]) -> LayerEvents | None:
+    async def _schedule_loop(self) -> None:
+        while True:
+            self._admit_waiting()
+            plan = await self.rounds.run_in(self.model_thread, [s.progress for s in self._running])
+            if not plan.items:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._running = [s for s in self._running
+                             if s.progress is not None and s.progress.remaining > 0 and not s.first_token.done()]
+            await asyncio.sleep(0)  # let handshakes and the bootstrap stream run between rounds
+
+
+class _PushHooks(RoundHooks[_Request]):
+    """The prefill worker's side of a round: each chunk's pages go to decode (layer by layer while
+    the forward writes them, on channels that stream layers), the first token completes the request."""
+
+    def __init__(self, engine: PrefillEngine) -> None:
+        self.engine = engine
+
+    def layer_progress(self, plan: ExtendPlan[_Request]) -> LayerEvents | None:
         """Layer-wise KV streaming: as the forward (model thread) writes each layer's KV, that
         layer's newly complete pages of every request in the batch whose channel streams layers
         go to the transport (event loop), so the transfer overlaps the remaining layers. None when
@@ -269,9 +299,11 @@ class PrefillEngine(EngineCore[_Request]):
         layer, and `SendPlan` sends every (layer, page) cell once; only the chunk that completes
         the prompt sends the last, partial page, and `finish` (TransferDone) needs every cell.
         """
+        if not self.engine.config.scheduler.layerwise_transfer:
+            return None
         loop = asyncio.get_running_loop()
-        targets = [(state, state.progress.computed + len(seq.token_ids)) for state, seq in zip(batch, seqs)
-                   if state.push.streams_layers]
+        targets = [(item.owner, item.computed + len(seq.token_ids)) for item, seq in zip(plan.items, plan.seqs)
+                   if item.owner.push.streams_layers]
         if not targets:
             return None
 
@@ -280,59 +312,25 @@ class PrefillEngine(EngineCore[_Request]):
                 if not state.ended and state.progress is not None and state.push.failed is None:
                     state.push.layers_ready(computed, state.progress.pages, layer, layer + 1, ready)
 
-        return LayerEvents(self.runner.model.options.device,
+        return LayerEvents(self.engine.runner.model.options.device,
                            lambda layer, ready: loop.call_soon_threadsafe(on_loop, layer, ready))
 
-    async def _schedule_loop(self) -> None:
-        budget = self.config.scheduler.chunked_prefill_size
-        while True:
-            self._admit_waiting()
-            plan = plan_extend_batch([s.progress for s in self._running], budget)
-            if not plan.items:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            batch = [item.owner for item in plan.items]
-            rows = plan.finishing
-            for state in batch:
-                state.in_forward = True
-            progress = self._layer_progress(batch, plan.seqs) if self.config.scheduler.layerwise_transfer else None
-            try:
-                began = time.perf_counter()
-                if self.runner.model.mtp is None:
-                    sampled = await self.model_thread.run(run_extend, self.runner, self.sampler, plan.seqs, rows,
-                                                          [batch[r].sampling for r in rows], progress)
-                    drafts = [None] * len(rows)
-                else:  # speculative decoding: the MTP layer's KV of these pages is sent with the rest
-                    sampled, drafts = await self.model_thread.run(
-                        run_extend_with_mtp, self.runner, self.sampler, plan.seqs, rows,
-                        [batch[r].sampling for r in rows], [s.progress.token_ids for s in batch], progress)
-                self.metrics.observe_step("prefill", time.perf_counter() - began, len(batch),
-                                          sum(len(seq.token_ids) for seq in plan.seqs))
-                error = None
-            except Exception as exc:
-                log.exception("prefill forward failed")
-                sampled, error = None, exc
-            written = self._written() if error is None else None
-            for state, seq in zip(batch, plan.seqs):
-                state.in_forward = False
-                if state.ended:  # aborted during the forward
-                    self._release_pages(state)
-                    continue
-                if error is not None:
-                    state.push.fail(FailureCode.INTERNAL, f"prefill forward failed: {error!r}")
-                    if not state.first_token.done():
-                        state.first_token.set_exception(RequestFailure(FailureCode.INTERNAL, repr(error)))
-                    continue
-                state.progress.computed += len(seq.token_ids)
-                # Layer-wise, every layer went out during the forward and this finds nothing left.
-                state.push.pages_ready(state.progress.computed, state.progress.pages, written)
-            if sampled is not None:
-                for i, row in enumerate(rows):
-                    state = batch[row]
-                    if not state.ended and not state.first_token.done():
-                        draft = drafts[i] and (drafts[i][0], drafts[i][1].float().tolist())
-                        state.first_token.set_result((sampled.token_ids[i], sampled.logprobs[i], sampled.top[i], draft))
-            self._running = [s for s in self._running
-                             if s.progress is not None and s.progress.remaining > 0 and not s.first_token.done()]
-            await asyncio.sleep(0)  # let handshakes and the bootstrap stream run between rounds
+    def chunk_done(self, owners: Sequence[_Request]) -> None:
+        written = self.engine._written()
+        for state in owners:
+            # Layer-wise, every layer went out during the forward and this finds nothing left.
+            state.push.pages_ready(state.progress.computed, state.progress.pages, written)
+
+    def first_token(self, owner: _Request, first: FirstToken) -> None:
+        if not owner.first_token.done():
+            draft = first.draft and (first.draft[0], first.draft[1].float().tolist())
+            owner.first_token.set_result((first.token_id, first.logprob, first.top, draft))
+
+    def release(self, owner: _Request) -> None:
+        self.engine._release_pages(owner)
+
+    def failed(self, owners: Sequence[_Request], error: Exception) -> None:
+        for state in owners:
+            state.push.fail(FailureCode.INTERNAL, f"prefill forward failed: {error!r}")
+            if not state.first_token.done():
+                state.first_token.set_exception(RequestFailure(FailureCode.INTERNAL, repr(error)))

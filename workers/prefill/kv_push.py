@@ -196,6 +196,8 @@ class KVPush:
         done = pb.TransferDone(
             first_token_id=first_token_id, first_token_logprob=logprob, num_pages=self.plan.num_pages,
             cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent)
+        if self.room.kv_key is not None:  # one read of the KV: off the loop
+            await asyncio.to_thread(self.channel.seal, done, self.room.kv_key, self.room.room_id)
         put_first_top(done, top)
         if draft is not None:
             done.mtp_draft_token_id = draft[0]

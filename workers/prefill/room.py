@@ -73,6 +73,9 @@ class Room:
         self.delivered: asyncio.Future[bool] = loop.create_future()
         # Kept after its request ended so the other side's late arrival fails at once; expires.
         self.tombstone = False
+        # The one-time key of this transfer's KV MAC (InternalAuth.kv_key of the accepted
+        # handshake), set by the servicer; None: insecure, no MAC.
+        self.kv_key: bytes | None = None
 
     # ---- phases -------------------------------------------------------------------------------
     def advance(self, to: TransferPhase) -> bool:

@@ -43,8 +43,9 @@ def setup(tmp_path_factory):
     return path, oracle, trained, prompts, rng
 
 
-def _spec_runner(path: str, trained: ModelRunner) -> ModelRunner:
-    runner = ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=256, speculative_num_steps=3))
+def _spec_runner(path: str, trained: ModelRunner, enable_tbo: bool = False) -> ModelRunner:
+    runner = ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=256, speculative_num_steps=3,
+                                      enable_tbo=enable_tbo))
     runner.model.mtp.load_state_dict(trained.model.mtp.state_dict())
     return runner
 
@@ -246,12 +247,14 @@ def test_abort_mid_speculative_decode_ends_once_and_frees_pages(setup):
     assert 1 <= len(outcome.tokens) < 400
 
 
-def test_a_multi_rank_runner_refuses_speculation(setup):
+def test_an_attention_tp_runner_refuses_speculation(setup):
+    """Attention TP (the leader's forwards replayed by its followers) refuses the MTP layer; a DP
+    group's rank (a step_sync, ep 1) drafts: tests/workers/test_group_speculative.py."""
     path = setup[0]
     from deepseek_pd.errors import UserError
-    with pytest.raises(UserError, match="single-rank"):
+    with pytest.raises(UserError, match="attention TP"):
         ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=64, speculative_num_steps=1),
-                    step_sync=object())
+                    tp_replay=object())
 
 
 @pytest.mark.parametrize("expensive", [False, True])
@@ -283,3 +286,18 @@ def test_adaptive_draft_count_follows_the_costs(setup, expensive):
     for outcome, want in zip(outcomes, expected):
         assert outcome.ok and outcome.tokens == want.output_ids
     assert (stats.drafted == 0) == expensive
+
+
+def test_pd_with_tbo_on_both_sides_equals_offline(setup):
+    """Two-batch overlap in both single-rank workers: the prefill's extend-with-MTP rounds and
+    decode's verify extends run as two micro-batches; the tokens are the offline engine's."""
+    path, oracle, trained, prompts, _ = setup
+    expected = oracle.generate_batch(prompts, GREEDY)
+    prefill_runner, decode_runner = (_spec_runner(path, trained, enable_tbo=True) for _ in range(2))
+    outcomes, stats = _pd(prefill_runner, decode_runner, oracle, prompts, "grpc")
+    for (p_out, d_out), want in zip(outcomes, expected):
+        assert p_out.ok and d_out.ok, (p_out.terminal, d_out.terminal)
+        assert d_out.tokens == want.output_ids
+    assert decode_runner.model.tbo.stats["overlapped"] > 0 and prefill_runner.model.tbo.stats["overlapped"] > 0
+    print(f"PD + TBO accept length {stats.accept_length:.2f}, decode TBO {decode_runner.model.tbo.stats}")
+    assert stats.accept_length > 1.8

@@ -154,6 +154,11 @@ class SendChannel(abc.ABC):
                                 f"layers [{layer_begin}, {end}) are outside the model's {self.pool.num_layers}")
         return range(layer_begin, end)
 
+    def seal(self, done: pb.TransferDone, key: bytes, room: int) -> None:
+        """After the last send, in a worker thread: adds to `done` (signed after this) the proof of the
+        bytes sent that the decode side checks in `KVSink.check_sealed` (mooncake: a keyed MAC,
+        kv_mac.py). `key`: the transfer's one-time key. Nothing by default."""
+
     def close(self) -> None:
         """Releases per-request resources; idempotent."""
 
@@ -262,6 +267,12 @@ class KVSink(abc.ABC):
 
     def _check_cells(self) -> None:
         """Transports that see every chunk (grpc) check here that each cell arrived."""
+
+    def check_sealed(self, done: pb.TransferDone, key: bytes | None, room: int) -> None:
+        """Once no writer can reach the pages any more (after `withdraw`), in a worker thread: raises
+        TransferError unless the pages hold what the sender's `SendChannel.seal` proved it sent.
+        `key`: the transfer's one-time key (None: insecure, nothing to check). Nothing by default:
+        transports whose receiver writes every byte itself check each chunk instead."""
 
 
 class KVReceiver(abc.ABC):

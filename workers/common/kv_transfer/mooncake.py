@@ -9,7 +9,10 @@ that reaches the engine's ports may read and write (Mooncake authenticates nobod
   the decode side registers a transfer's own pages (each layer's runs of consecutive pages) only
   while that transfer runs (`MooncakePagesSink.expose`/`withdraw`, around `pull_kv`'s transfer):
   a stranger can then reach only the pages of transfers in flight, never the prefill pool, the
-  decode requests already decoding, or free pages (tests/workers/test_security_mooncake_pool.py).
+  decode requests already decoding, or free pages (tests/workers/test_security_mooncake_pool.py);
+- whatever it writes there fails that request: the prefill side seals what it sent with a keyed
+  MAC in the signed TransferDone (`MooncakeChannel.seal`), the decode side checks what landed once
+  the pages are withdrawn (`MooncakeSink.check_sealed`; kv_mac.py).
 The decode side's handshake carries its engine's session id
 (`host:rpc_port`), the base address of each layer buffer and the page size in bytes; the prefill
 side then turns each `send` into ONE `batch_transfer_sync_write` covering all layers and all
@@ -35,6 +38,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv_pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.common.api import FailureCode
+from deepseek_pd.workers.common.kv_transfer import kv_mac
 from deepseek_pd.workers.common.kv_transfer.base import (
     EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig, check_page_ids)
 from deepseek_pd.workers.common.kv_transfer.page_io import consecutive_runs, sync_ready
@@ -42,13 +46,14 @@ from deepseek_pd.workers.common.kv_transfer.plan import merge_page_runs
 from deepseek_pd.workers.common.request_failure import TransferError
 
 log = logging.getLogger(__name__)
+_warned_unsealed = False  # MooncakeSink.check_sealed: said once per process
 
 
 def exposure_warning(host: str) -> str:
     """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
     return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
             f"address it is given (0.3.13.post1). Its ports authenticate no peer (over tcp a stranger can "
-            f"write the decode pages of transfers in flight, over rdma both KV pools); keep other hosts off them "
+            f"write the decode pages of transfers in flight, failing them by their KV MAC; over rdma both KV pools); keep other hosts off them "
             f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
 
 
@@ -97,7 +102,36 @@ class MooncakeEngine:
         self._registered.clear()
 
 
-class MooncakePagesSink(KVSink):
+class MooncakeSink(KVSink):
+    """A decode transfer over Mooncake: the prefill side writes the pages; `check_sealed` then
+    MACs what landed against the tag of what it sent (kv_mac.py), since anyone who reaches the
+    engine's ports may have written them too."""
+
+    def check_sealed(self, done: pb.TransferDone, key: bytes | None, room: int) -> None:
+        if key is None:
+            return
+        if not done.kv_mac:
+            # The done is signed, so no stranger stripped the MAC: this prefill worker predates it
+            # (one that has it always seals when offered). Refusing would fail every request between
+            # old prefill and new decode workers during a rolling upgrade.
+            global _warned_unsealed
+            if not _warned_unsealed:
+                _warned_unsealed = True
+                log.warning("a prefill worker sent KV without a MAC (an older version): its transfers are not "
+                            "checked against writes by strangers on the mooncake ports; upgrade it")
+            return
+        try:
+            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self.pages), done.kv_mac_algorithm)
+        except ValueError as exc:
+            raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot check the KV's MAC: {exc}")) from None
+        if not kv_mac.tags_equal(tag, done.kv_mac):
+            raise self.fail(TransferError(FailureCode.INTERNAL,
+                                          f"the received KV of room {room} does not match the MAC the prefill "
+                                          f"worker signed ({done.kv_mac_algorithm}): something else wrote into "
+                                          f"its decode pages during the transfer; KV transfer refused"))
+
+
+class MooncakePagesSink(MooncakeSink):
     """A decode transfer over Mooncake TCP whose pages are registered only while it runs: `expose`
     registers each layer's runs of consecutive pages, `withdraw` unregisters them (idempotent).
     A write whose header reached the engine before `withdraw` may still land: the late-write grace
@@ -163,11 +197,20 @@ class MooncakeChannel(SendChannel):
         self.engine = engine
         self.destination = destination
         self.timeout_s = timeout_s
+        self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
+        self._mac_algorithm = next((name for name in destination.kv_mac_algorithms
+                                    if name in kv_mac.algorithms()), None)
+        if destination.kv_mac_algorithms and self._mac_algorithm is None:
+            raise TransferError(FailureCode.INVALID_ARGUMENT,
+                                f"decode checks the KV with a MAC of {list(destination.kv_mac_algorithms)}, "
+                                f"this prefill worker computes {list(kv_mac.algorithms())}: install "
+                                f"`cryptography` on both or neither")
 
     async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
                    layer_end: int | None = None, ready=None) -> None:
         layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
         dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
+        self._src_pages[page_begin:page_begin + len(src_pages)] = src_pages
         call = asyncio.to_thread(self._write, layers, list(src_pages), dst, ready)
         try:
             status = await asyncio.wait_for(call, self.timeout_s)
@@ -179,6 +222,15 @@ class MooncakeChannel(SendChannel):
             raise TransferError(FailureCode.UNAVAILABLE,
                                 f"mooncake write to {self.destination.session_id} failed (status {status})")
         self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
+
+    def seal(self, done: pb.TransferDone, key: bytes, room: int) -> None:
+        if self._mac_algorithm is None:  # an older decode worker, which checks no MAC
+            return
+        if None in self._src_pages:
+            raise TransferError(FailureCode.INTERNAL, "KV MAC asked for before every page was sent")
+        done.kv_mac = kv_mac.kv_mac(self.pool, self._src_pages, key, kv_mac.header(room, self.dst_pages),
+                                    self._mac_algorithm)
+        done.kv_mac_algorithm = self._mac_algorithm
 
     def _write(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
         """In a worker thread: ONE batch write for every layer and merged page run of this send
@@ -243,7 +295,7 @@ class MooncakeReceiver(KVReceiver):
     def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
         if self.engine.protocol == "tcp":
             return MooncakePagesSink(self.pool, pages, self.engine)
-        return KVSink(self.pool, pages)
+        return MooncakeSink(self.pool, pages)
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.mooncake.session_id = self.engine.session_id
@@ -251,6 +303,7 @@ class MooncakeReceiver(KVReceiver):
         handshake.mooncake.page_bytes = self.pool.bytes_per_page
         handshake.mooncake.pool_pages = self.pool.num_pages
         handshake.mooncake.protocol = self.engine.protocol
+        handshake.mooncake.kv_mac_algorithms.extend(kv_mac.algorithms())
 
     @property
     def late_write_grace_s(self) -> float:
