@@ -112,11 +112,12 @@ class Autoscaler:
             last = {**decision, "time": old["lastDecision"]["time"] if same else _iso(now)}
             status[role] = {
                 "lastDecision": last,
-                # A later hold overwrites lastDecision; why the groups last changed stays readable.
-                "lastScale": last if d.changed else old.get("lastScale"),
                 "recommendations": [{"at": r.at, "replicas": r.replicas} for r in d.history],
                 "lastScaleAt": now if d.changed else old.get("lastScaleAt", 0.0),
             }
+            # A later hold overwrites lastDecision; why the groups last changed stays readable.
+            if d.changed or old.get("lastScale"):
+                status[role]["lastScale"] = last if d.changed else old["lastScale"]
         return status
 
 

@@ -18,7 +18,7 @@ import kopf
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.autoscale_reconcile import decision_events
-from deepseek_pd.operator.kube import KubeClient
+from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.readiness import Readiness, serve_readiness
 from deepseek_pd.operator.reconcile import Reconciler
 
@@ -72,31 +72,45 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         await memo.client.close()
 
-    async def run_pass(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
-                       logger: logging.Logger) -> None:
-        lock = memo.locks.setdefault(body.metadata.uid, asyncio.Lock())
+    async def run_pass(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger) -> None:
+        """One pass, and its status written before the next pass of the object may start.
+
+        The body kopf hands a handler is the one of the event that woke it: a pass queued behind
+        another (an update event from the autoscaler's own spec patch, the timer) would read the
+        status from before that pass wrote it, and write back stale autoscaling history (its
+        stabilisation windows, lastScale). So each pass reads the object afresh under the lock and
+        writes its status itself, still under the lock; kopf's patch (written after the handler
+        returns, i.e. after the lock is released) is not used for status."""
+        meta = body.metadata
+        lock = memo.locks.setdefault(meta.uid, asyncio.Lock())
         async with lock:
-            status = await memo.reconciler.reconcile(dict(body), logger)
-        current = dict(body.get("status") or {})
+            fresh = await memo.client.get(names.KIND, meta.namespace, meta.name)
+            if fresh is None or fresh.get("metadata", {}).get("uid") != meta.uid:
+                return  # deleted (or deleted and created again: that object's own events follow)
+            status = await memo.reconciler.reconcile(fresh, logger)
+            current = dict(fresh.get("status") or {})
+            changed = {k: v for k, v in status.items() if current.get(k) != v}  # no churn in steady state
+            if changed:
+                try:
+                    await memo.client.patch_status(names.KIND, meta.namespace, meta.name, {"status": changed})
+                except ApiError as exc:
+                    if exc.status != 404:  # deleted during the pass: nothing left to report on
+                        raise
+                    return
         for type_, reason, message in decision_events(current.get("autoscaling") or {},
                                                       status.get("autoscaling") or {}):
             kopf.event(body, type=type_, reason=reason, message=message)
-        for key, value in status.items():
-            if current.get(key) != value:  # write only what changed: no churn in steady state
-                patch.status[key] = value
 
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, registry=registry)
-    async def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
-                        logger: logging.Logger, **_: Any) -> None:
-        await run_pass(body, patch, memo, logger)
+    async def on_change(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        await run_pass(body, memo, logger)
 
     @kopf.timer(*resource, interval=config.resync_seconds, registry=registry)
-    async def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
-                     logger: logging.Logger, **_: Any) -> None:
+    async def resync(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
         if body.metadata.deletion_timestamp is None:
-            await run_pass(body, patch, memo, logger)
+            await run_pass(body, memo, logger)
 
     @kopf.on.delete(*resource, registry=registry)
     async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
