@@ -46,7 +46,7 @@ start=$SECONDS
 # both cores busy to the end (two builds in a row would link the first on one core alone).
 (
     cd "$src"
-    nice -n 10 go list -deps "${programs[@]/#/./}" >/dev/null   # downloads what the build needs
+    CGO_ENABLED=0 nice -n 10 go list -deps "${programs[@]/#/./}" >/dev/null   # downloads what the build needs
     echo "modules downloaded in $((SECONDS - start)) s"
     compile=$SECONDS
     CGO_ENABLED=0 nice -n 10 go build -trimpath -ldflags "$ldflags" -o "$work/" "${programs[@]/#/./}"
