@@ -116,24 +116,81 @@ def opaque_object(description: str) -> Schema:
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
 
 
+# What the API server's pod validation (1.37) admits in an EnvVar, so that every env the CRD takes
+# renders a StatefulSet the server takes (the CR fuzzing found a fieldRef without fieldPath that
+# passed the CRD and was refused as the StatefulSet's create). Each rule is the server's own,
+# written as a schema; where a schema cannot say it exactly it is stricter, never looser.
+# An env name: printable ASCII but '=' (RelaxedEnvironmentVariableValidation, GA in 1.34).
+ENV_NAME_PATTERN = r"^[ -<>-~]+$"
+# Downward API fields an env may read (validEnvDownwardAPIFieldPathExpressions), and one label or
+# annotation by its key: a qualified name, optionally prefixed by a DNS subdomain (annotation keys
+# are checked lowercased, so any case passes there).
+_QUALIFIED = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"
+_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_SUBDOMAIN_ANY_CASE = r"[a-zA-Z0-9]([-a-zA-Z0-9]*[a-zA-Z0-9])?(\.[a-zA-Z0-9]([-a-zA-Z0-9]*[a-zA-Z0-9])?)*"
+ENV_FIELD_PATH_PATTERN = (
+    r"^(metadata\.(name|namespace|uid)|spec\.(nodeName|serviceAccountName)|status\.(hostIPs?|podIPs?)"
+    rf"|metadata\.labels\['({_SUBDOMAIN}/)?{_QUALIFIED}'\]"
+    rf"|metadata\.annotations\['({_SUBDOMAIN_ANY_CASE}/)?{_QUALIFIED}'\])$")
+# A key prefix is at most 253 characters: one bound on the whole path keeps it so for labels (and
+# annotations), stricter than the server only for a long key name under a long prefix.
+ENV_FIELD_PATH_MAX = len("metadata.labels['") + 253 + len("/x']")
+ENV_RESOURCE_PATTERN = r"^(limits|requests)\.(cpu|memory|ephemeral-storage|hugepages-.*)$"
+CPU_DIVISORS = ["1m", "1"]
+BYTE_DIVISORS = ["1", "1k", "1M", "1G", "1T", "1P", "1E", "1Ki", "1Mi", "1Gi", "1Ti", "1Pi", "1Ei"]
+# A Secret or ConfigMap name (a DNS-1123 subdomain) and one of its keys (not '.', '..' or '..x').
+OBJECT_NAME_PATTERN = rf"^{_SUBDOMAIN}$"
+DATA_KEY_PATTERN = r"^\.?[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"
+
+
 def env_var(description: str) -> Schema:
     """A core EnvVar: a name is required, so a `{}` item is refused here, not by the pod's create."""
     return obj(description, {
-        "name": string("Variable name.", min_length=1),
+        "name": string("Variable name: printable ASCII, no '='.", min_length=1, pattern=ENV_NAME_PATTERN),
         "value": string("Its value ($(VAR) references are expanded by the kubelet)."),
         "valueFrom": env_var_source("Where the value comes from (a core EnvVarSource)."),
-    }, required=["name"])
+    }, required=["name"], rules=[rule("!has(self.valueFrom) || !has(self.value) || self.value == ''",
+                                      "valueFrom may not be set when value is not empty")])
 
 
 ENV_VAR_SOURCES = ("fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef")
 
 
+def _key_selector(kind: str) -> Schema:
+    return obj(f"A key of a {kind} in the pod's namespace (a core {kind}KeySelector).", {
+        "name": string(f"The {kind}'s name.", min_length=1, max_length=253, pattern=OBJECT_NAME_PATTERN),
+        "key": string("The key.", min_length=1, max_length=253, pattern=DATA_KEY_PATTERN),
+        "optional": boolean(f"Start the pod even if the {kind} or the key is missing."),
+    }, required=["name", "key"])
+
+
 def env_var_source(description: str) -> Schema:
-    """A core EnvVarSource: exactly one of its four references, each passed through as written.
-    The pod's create refuses anything else, which would otherwise surface only as a failed apply
-    of the StatefulSet (an unknown key: the API server prunes it here, leaving none)."""
+    """A core EnvVarSource: exactly one of its four references, each typed as the pod's create
+    checks it (an unknown key: the API server prunes it here, leaving none)."""
+    sources = {
+        "fieldRef": obj("A field of the pod (a core ObjectFieldSelector).", {
+            "apiVersion": string("The schema version of fieldPath.", enum=["v1"]),
+            "fieldPath": string("metadata.name, metadata.namespace, metadata.uid, spec.nodeName, "
+                                "spec.serviceAccountName, status.hostIP(s), status.podIP(s), "
+                                "metadata.labels['<key>'] or metadata.annotations['<key>'].",
+                                pattern=ENV_FIELD_PATH_PATTERN, max_length=ENV_FIELD_PATH_MAX),
+        }, required=["fieldPath"]),
+        "resourceFieldRef": obj("A resource of a container (a core ResourceFieldSelector).", {
+            "containerName": string("The container (default: this one)."),
+            "resource": string("limits.<r> or requests.<r>, r: cpu, memory, ephemeral-storage or "
+                               "hugepages-<size>.", pattern=ENV_RESOURCE_PATTERN),
+            "divisor": string("The unit of the value: 1m or 1 for cpu, else 1 or a power of 1k/1Ki up to 1E/1Ei.",
+                              enum=sorted(set(CPU_DIVISORS + BYTE_DIVISORS))),
+        }, required=["resource"], rules=[rule(
+            f"!has(self.divisor) || (self.resource.endsWith('.cpu') ? self.divisor in {CPU_DIVISORS} "
+            f": self.divisor in {BYTE_DIVISORS})",
+            "divisor: 1m or 1 for cpu; 1, 1k..1E or 1Ki..1Ei for memory, ephemeral-storage and hugepages",
+            ".divisor")]),
+        "configMapKeyRef": _key_selector("ConfigMap"),
+        "secretKeyRef": _key_selector("Secret"),
+    }
     # CEL has no size() of an object with declared properties: maxProperties bounds the count.
-    node = obj(description, {name: opaque_object(f"A core {name[0].upper()}{name[1:]}.") for name in ENV_VAR_SOURCES},
+    node = obj(description, sources,
                rules=[{"rule": " || ".join(f"has(self.{name})" for name in ENV_VAR_SOURCES),
                        "message": f"valueFrom takes exactly one of {', '.join(ENV_VAR_SOURCES)}"}])
     node["maxProperties"] = 1

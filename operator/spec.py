@@ -58,17 +58,21 @@ class RolloutStrategy:
     verify: bool = True  # rollout_verify.py: new groups answer as the old revision first
 
     def resolve(self, replicas: int) -> tuple[int, int]:
-        """(surge, unavailable); surge rounds up, unavailable down; never both 0."""
-        surge = _resolve(self.max_surge, replicas, math.ceil)
-        unavailable = _resolve(self.max_unavailable, replicas, math.floor)
+        """(surge, unavailable), each at most `replicas` (more surge groups than the groups they
+        replace would hold GPUs for nothing; the CRD bounds neither: `make fuzz` drew maxSurge
+        2**31 - 1 and the planner's set of surge indices took the test host's 24 GB); surge rounds
+        up, unavailable down; never both 0."""
+        surge = min(_resolve(self.max_surge, replicas, up=True), replicas)
+        unavailable = min(_resolve(self.max_unavailable, replicas, up=False), replicas)
         if surge == 0 and unavailable == 0:
             unavailable = 1  # e.g. 10% of 3 groups: progress beats a rollout that never starts
         return surge, unavailable
 
 
-def _resolve(value: int | str, replicas: int, rounding) -> int:
-    if isinstance(value, str):
-        return int(rounding(int(value.rstrip("%")) * replicas / 100))
+def _resolve(value: int | str, replicas: int, *, up: bool) -> int:
+    if isinstance(value, str):  # in integers: a float of "10**400%" would overflow
+        scaled = int(value.rstrip("%")) * replicas
+        return -(-scaled // 100) if up else scaled // 100
     return value
 
 

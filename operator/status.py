@@ -5,6 +5,11 @@ Phases:
     Progressing  a rollout or a scale change is in flight
     Available    every group of both roles and the router are ready on the current revision
     Degraded     a group failed (and was restarted), or groups are down outside of a rollout
+A deployment without a router (router.replicas 0) is judged by its groups alone: its conditions say
+"no router", and it is never Degraded for want of one. The Available condition needs at least
+one ready group of each role that has replicas, whatever maxUnavailable allows: with the default
+maxUnavailable 1, one replica's floor is 0 groups, and a deployment where nothing is ready serves
+no request (it read Available before its first pod started, so the next pass called it Degraded).
     Failed       the spec is invalid (the InvalidSpec condition names the field), or its memory
                  plan does not fit the GPUs (MemoryPlanFits False, memory_plan.py)
 Degraded also covers a model that cannot be made ready (ModelReady False with a failure reason).
@@ -69,7 +74,8 @@ def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: 
     router_ok = router.ready >= min(router.desired, 1)
     all_ready = router_ok and all(p.ready == p.replicas == p.updated and not p.rolling
                                   for p in plans.values())
-    available = router_ok and all(p.ready >= max(floors[r], 0) for r, p in plans.items())
+    available = router_ok and all(p.ready >= max(floors[r], min(p.replicas, 1)) for r, p in plans.items())
+    router_text = f"router {router.ready}/{router.desired} ready" if router.desired else "no router (router.replicas 0)"
     rolling = any(p.rolling for p in plans.values())
     restarted = {r: p.restarted for r, p in plans.items() if p.restarted}
     was_up = before.get("Available", {}).get("status") == "True" or \
@@ -91,12 +97,12 @@ def build_status(plans: dict[str, RolePlan], revisions: dict[str, str], floors: 
         phase, degraded_reason = "Degraded", "GroupsNotReady"
         degraded_message = ", ".join(f"{r} {p.ready}/{p.replicas} groups ready" for r, p in plans.items())
         if not router_ok:
-            degraded_message += f", router {router.ready}/{router.desired} ready"
+            degraded_message += f", {router_text}"
 
     summary = ", ".join(f"{r} {p.ready}/{p.replicas} ready, {p.updated} updated" for r, p in plans.items())
     conditions = [
         condition("Available", available, "MinimumGroupsReady" if available else "GroupsUnavailable",
-                   f"{summary}; router {router.ready}/{router.desired} ready", generation, before, now),
+                   f"{summary}; {router_text}", generation, before, now),
         condition("Progressing", rolling, "GroupsUpdating" if rolling else "Complete",
                    summary, generation, before, now),
         condition("Degraded", phase == "Degraded", degraded_reason, degraded_message, generation,

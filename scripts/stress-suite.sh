@@ -4,12 +4,16 @@
 # fresh `git clone` of HEAD (uncommitted changes are not in it) running `make test`, as CI does;
 # each prints its random seed, so a failure replays with `make test SEED=<seed>`.
 #
-#   scripts/stress-suite.sh [--runs N] [--load] [--fresh-venv] [--workdir DIR] [-- PYTEST ARGS...]
+#   scripts/stress-suite.sh [--runs N] [--load] [--fresh-venv] [--repeat-failed N] [--workdir DIR] [-- PYTEST ARGS...]
 #
 #   --runs N       runs in a row (default 2)
 #   --load         the last run has a busy loop pinned to the last core beside it
 #   --fresh-venv   let each clone's `make test` build its own .venv (as a new user would; slow):
 #                  by default the repo's .venv is copied in and the clone installed into it
+#   --repeat-failed N  after a run, run each test that failed alone N more times with the run's
+#                  seed (a test's draws depend only on the run seed and its node id, so they are
+#                  the same): failing N of N is a bug that replays; passing some is a flake (timing,
+#                  load, order), whose logs stay beside the run's
 #   -- ARGS        what the runs test instead of the whole suite (`make test TESTS="ARGS"`),
 #                  e.g. `-- tests/launcher`
 #
@@ -18,18 +22,20 @@
 # any run failed.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-runs=2 load=0 fresh_venv=0 work="" tests=()
+runs=2 load=0 fresh_venv=0 repeat=0 work="" tests=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --runs) runs="$2"; shift 2 ;;
         --load) load=1; shift ;;
         --fresh-venv) fresh_venv=1; shift ;;
+        --repeat-failed) repeat="$2"; shift 2 ;;
         --workdir) work="$2"; shift 2 ;;
         --) shift; tests=("$@"); break ;;
         *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
     esac
 done
 [[ "$runs" =~ ^[1-9][0-9]*$ ]] || { echo "--runs takes a positive integer, not '$runs'" >&2; exit 2; }
+[[ "$repeat" =~ ^[0-9]+$ ]] || { echo "--repeat-failed takes a count, not '$repeat'" >&2; exit 2; }
 work="${work:-$(mktemp -d /tmp/stress-suite.XXXXXX)}"
 mkdir -p "$work"
 commit="$(git -C "$repo" rev-parse HEAD)"
@@ -46,6 +52,28 @@ start_burner() {  # a busy loop on the last core (pinned where taskset exists)
     command -v taskset >/dev/null && pin=(taskset -c "$(($(nproc) - 1))")
     "${pin[@]}" bash -c 'while :; do :; done' &
     burner=$!
+}
+
+# Each test that failed in a run (its "FAILED <node id> - ..." line), alone, `repeat` more times
+# with the run's seed and the same hypothesis profile ("ci", as `make test`), under the same load.
+repeat_failures() {
+    local clone="$1" log="$2" seed="$3" dir="$4" id k failed
+    mkdir -p "$dir"
+    sed -nE 's/^(FAILED|ERROR) (.+) - .*$/\2/p; s/^(FAILED|ERROR) ([^ ]+)$/\2/p' "$log" | sort -u |
+    while IFS= read -r id; do
+        failed=0
+        for k in $(seq 1 "$repeat"); do
+            if [ "$load" = 1 ] && [ "$i" = "$runs" ]; then start_burner; fi
+            (cd "$clone" && .venv/bin/python -m pytest -q -rfE -p no:cacheprovider --hypothesis-profile=ci \
+                --seed "$seed" "$id") </dev/null >"$dir/$(echo "$id" | tr -c 'A-Za-z0-9_.-' '_')-$k.log" 2>&1 ||
+                failed=$((failed + 1))
+            stop_burner
+        done
+        if [ "$failed" = "$repeat" ]; then verdict="a bug: fails every time with seed $seed"
+        elif [ "$failed" = 0 ]; then verdict="a flake: passed every time alone (order, timing or load)"
+        else verdict="a flake: failed $failed of $repeat alone"; fi
+        echo "    replayed $repeat x: $id: $verdict"
+    done
 }
 
 failed_runs=0
@@ -83,6 +111,7 @@ for i in $(seq 1 "$runs"); do
         echo "run $i$under: exit $rc, ${took}s, seed ${seed:-?}: ${counts:-no pytest summary line}"
         grep -E '^(FAILED|ERROR) ' "$log" | sed 's/^/    /' || true
     } | tee -a "$summary"
+    [ "$repeat" -gt 0 ] && [ -n "$seed" ] && repeat_failures "$clone" "$log" "$seed" "$work/run-$i-repeat" | tee -a "$summary"
 done
 
 echo

@@ -49,6 +49,11 @@ def test_p(x):
 def test_profile():
     _record("derandomize", settings().derandomize)
 
+@pytest.mark.hypothesis
+@pytest.mark.timeout(3)
+def test_timeout(request):
+    _record("timeout", request.node.get_closest_marker("timeout").args[0])
+
 def test_fails():
     assert False, "on purpose"
 '''
@@ -83,6 +88,7 @@ def test_the_same_seed_replays_the_same_draws(tmp_path):
     a, b = fuzz["a"][0], fuzz["b"][0]
     assert a != b and a[1] != a[2], "tests, and two unseeded Random()s, draw apart"
     assert len(fuzz["h"]) == 5 * FUZZ_FACTOR
+    assert fuzz["timeout"] == [3 * FUZZ_FACTOR], "more examples, as much more time"
     # The same seed through the environment, without test_a before test_b: the same draws, since
     # a test's seed depends on (run seed, node id) only.
     again, _ = _run(tmp_path, "--hypothesis-profile", "fuzz", "-k", "test_b or test_h", env={SEED_ENV: "11"})
@@ -91,6 +97,7 @@ def test_the_same_seed_replays_the_same_draws(tmp_path):
     assert other["p"] != fuzz["p"]
     assert all(x != y for x, y in zip(other["b"][0], b)), (other["b"], b)
     assert other["h"] != fuzz["h"], "fuzz draws fresh examples from another seed"
-    ci, _ = _run(tmp_path, "--seed", "11", "-k", "test_a or test_h or test_p or test_profile")
+    ci, _ = _run(tmp_path, "--seed", "11", "-k", "test_a or test_h or test_p or test_profile or test_timeout")
+    assert ci["timeout"] == [3]
     assert (ci["a"], ci["p"]) == (fuzz["a"], fuzz["p"]), "the profile changes hypothesis only"
     assert len(ci["h"]) == 5 and ci["derandomize"] == [True], "ci: the test's own examples, not the seed's"

@@ -1,7 +1,8 @@
 """Session fixtures of the end-to-end tests against a real control plane (control_plane.py).
 
-`control_plane` builds the binaries on first use (scripts/build-control-plane.sh; `make test`
-runs it before pytest) and starts etcd + kube-apiserver + kube-controller-manager once per session.
+`control_plane` builds the binaries on first use (scripts/build-control-plane.sh, started in the
+background once tests of this folder are collected, and these tests run last: background_build.py)
+and starts etcd + kube-apiserver + kube-controller-manager once per session.
 They, and the process kubelet, stop as soon as the run leaves this directory (`_leave_directory`):
 a session fixture would otherwise keep them, and the pods the kubelet still runs, busy through
 every later test folder.
@@ -42,12 +43,35 @@ def pytest_runtest_teardown(item, nextitem) -> None:
     if nextitem is None or HERE not in pathlib.Path(str(nextitem.path)).resolve().parents:
         _leave_directory()
 
+from background_build import BACKGROUND  # noqa: E402
 from control_plane import ControlPlane, ControlPlaneUnavailable, control_plane_binaries  # noqa: E402
 from kube_rest import Kube  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only tests that will run count
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Tests of this folder run last, and the control-plane build starts now, behind the others."""
+    mine = [item for item in items if HERE in pathlib.Path(str(item.path)).resolve().parents]
+    if not mine or config.option.collectonly:
+        return
+    ours = set(map(id, mine))
+    items[:] = [item for item in items if id(item) not in ours] + mine
+    BACKGROUND.start()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    BACKGROUND.stop()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if BACKGROUND.waited is not None:  # where a cold build's time went (issue 19: the 30-minute bar)
+        terminalreporter.write_line(f"control-plane build: started in the background at collection; "
+                                    f"the tests of tests/k8s waited {BACKGROUND.waited:.0f}s for it")
+
+
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory):
+    BACKGROUND.wait()
     try:
         bin_dir = control_plane_binaries()
     except ControlPlaneUnavailable as exc:

@@ -17,7 +17,8 @@ from deepseek_pd.operator.build_workers import (
     build_group_service, build_group_statefulset, build_worker_config,
 )
 from deepseek_pd.operator.crd_spec import WORKER_DISCOVERY_MODES
-from deepseek_pd.operator.reconcile import build_static_children
+from deepseek_pd.operator.planner import plan_role
+from deepseek_pd.operator.reconcile import build_static_children, role_target
 from deepseek_pd.operator.spec import DeploymentSpec
 from pdtest.schema_admission import Refused, validate
 
@@ -266,3 +267,16 @@ def test_percent_rollout_resolves_like_deployments():
     assert (surge, unavailable) == (math.ceil(2.5), math.floor(2.5))
     raw["decode"]["rolloutStrategy"] = {"maxSurge": "0%", "maxUnavailable": "10%"}
     assert _spec(raw).decode.rollout.resolve(3) == (0, 1)  # never stuck at 0/0
+
+
+def test_a_rollout_budget_past_the_group_count_is_the_group_count():
+    """`make fuzz` (seed 12) drew maxSurge 2**31 - 1, which the CRD admits: the planner's set of
+    surge indices filled the host's memory and the kernel killed the test. A percentage as long
+    as the schema admits overflowed a float."""
+    raw = _raw("cpu-minimal.yaml")
+    raw["decode"]["replicas"] = 3
+    raw["decode"]["rolloutStrategy"] = {"maxSurge": 2**31 - 1, "maxUnavailable": 2**40}
+    assert _spec(raw).decode.rollout.resolve(3) == (3, 3)
+    raw["decode"]["rolloutStrategy"] = {"maxSurge": "9" * 400 + "%", "maxUnavailable": "1" + "0" * 400 + "%"}
+    assert _spec(raw).decode.rollout.resolve(3) == (3, 3)
+    assert plan_role(role_target(_spec(raw), "decode"), {}).replicas == 3  # in no time, in no memory

@@ -192,6 +192,32 @@ def test_status_phases_and_conditions():
     assert _status(full, previous=first, router_ready=0)["phase"] == "Degraded"
 
 
+def test_a_deployment_without_a_router_is_judged_by_its_groups_and_says_so():
+    """router.replicas 0 (`make fuzz`, seed 12): the second pass of a start where nothing was ready
+    yet read the first pass's Available=True (one replica, maxUnavailable 1: a floor of 0 groups,
+    and no router to wait for) as "was up", and called the deployment Degraded."""
+    def status(plans, previous=None):
+        return build_status(plans, {r: "rev" for r in plans}, {r: p.replicas - 1 for r, p in plans.items()},
+                            RouterState(0, 0, ""), 3, previous or {}, "T1")
+
+    starting = {r: plan_role(_target(1, 1), {}) for r in ("prefill", "decode")}
+    first = status(starting)
+    second = status(starting, previous=first)
+    assert first["phase"] == second["phase"] == "Pending", (first, second)
+    available = {c["type"]: c for c in second["conditions"]}["Available"]
+    assert available["status"] == "False" and "no router (router.replicas 0)" in available["message"]
+
+    ready = {r: plan_role(_target(1, 1), {0: _group(0, "new", 1)}) for r in ("prefill", "decode")}
+    up = status(ready, previous=second)
+    conditions = {c["type"]: c for c in up["conditions"]}
+    assert up["phase"] == "Available" and conditions["Available"]["status"] == "True"
+    assert conditions["Degraded"]["status"] == "False" and "no router" in conditions["Available"]["message"]
+    unready = {r: plan_role(_target(1, 1), {0: _group(0, "new", 1, ready=False)}) for r in ("prefill", "decode")}
+    down = status(unready, previous=up)  # the groups stopped being ready: Degraded for them, not the router
+    degraded = {c["type"]: c for c in down["conditions"]}["Degraded"]
+    assert down["phase"] == "Degraded" and "router" not in degraded["message"], degraded
+
+
 def test_invalid_status_names_the_field_and_keeps_availability():
     previous = _status({"decode": plan_role(_target(1, 1), {0: _group(0, "new", 1)})})
     status = build_invalid_status("spec.decode.size: 0 is less than the minimum of 1", 4, previous, "T9")
