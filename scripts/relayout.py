@@ -112,6 +112,7 @@ MOVES: dict[str, str | None] = {
     "model/registry.py": "model/registry.py",
     "model/rope.py": "model/rope.py",
     "model/runner.py": "model/runner.py",
+    "model/batch_invariant.py": "model/batch_invariant.py",
     # quant/: FP8 weights, their linear layer, loading and the torch reference
     "model/fp8.py": "model/quant/fp8.py",
     "model/fp8_linear.py": "model/quant/fp8_linear.py",
