@@ -52,8 +52,8 @@ def runner_step_ms(runner, batch: int, context: int, steps: int = 32) -> float:
 
 async def engine_step_ms(engine, batch: int, context: int, new_tokens: int, vocab: int,
                          profile_dir: str | None) -> dict:
-    from deepseek_pd.model.sampling_params import SamplingParams
-    from deepseek_pd.workers.common.api import Finished, GenerateRequest, TokenChunk
+    from deepseek_pd.model.sampling.params import SamplingParams
+    from deepseek_pd.workers.engine.interface import Finished, GenerateRequest, TokenChunk
 
     gen = torch.Generator().manual_seed(1000 + batch)
     arrivals: list[list[float]] = [[] for _ in range(batch)]
@@ -100,7 +100,7 @@ async def engine_step_ms(engine, batch: int, context: int, new_tokens: int, voca
 
 def build_engine(model, batch_max: int, max_context: int):
     from deepseek_pd.model.runner import ModelRunner, RunnerConfig
-    from deepseek_pd.workers.common.worker_config import SchedulerConfig, WorkerConfig
+    from deepseek_pd.workers.engine.worker_config import SchedulerConfig, WorkerConfig
     from deepseek_pd.workers.decode.engine import DecodeEngine
 
     runner = ModelRunner.from_model(model, RunnerConfig(

@@ -7,12 +7,12 @@ source "$(dirname "$0")/gpu_setup.sh"
 repo=$(pwd)
 commit=${COMMIT:-unknown}
 (cd /tmp && timeout 150 python3 -m pytest -q -p no:cacheprovider -rs \
-    "$repo/tests/workers/common/kv_transfer/test_kv_direct_cuda.py" "$repo/tests/workers/common/kv_transfer/test_kv_direct.py" \
-    "$repo/tests/model/test_kv_pool_sizing.py" "$repo/tests/workers/common/kv_transfer/test_kv_transfer.py" \
+    "$repo/tests/workers/transport/test_kv_direct_cuda.py" "$repo/tests/workers/transport/test_kv_direct.py" \
+    "$repo/tests/model/test_kv_pool_sizing.py" "$repo/tests/workers/transport/test_kv_transfer.py" \
     "$repo/tests/workers/prefill/test_chunk_send_order_cuda.py" "$repo/tests/workers/test_gpu_chunk_default.py" 2>&1) | tee "$OUT/tests.log" | tail -15
 # Which first-use CUDA calls wait beside a kernel on the default stream (printed: -s).
 (cd /tmp && timeout 120 python3 -m pytest -q -s -p no:cacheprovider \
-    "$repo/tests/workers/common/kv_transfer/test_cuda_first_use_cuda.py" 2>&1) | tee "$OUT/first_use.log" | tail -15
+    "$repo/tests/workers/transport/test_cuda_first_use_cuda.py" 2>&1) | tee "$OUT/first_use.log" | tail -15
 for mode in off auto; do
     (cd /tmp && timeout 90 python3 "$repo/bench/kv_transfer.py" --device cuda --streams 1 --tokens 4096 \
         --same-host-direct "$mode" --json "$OUT/kv_$mode.json" 2>&1) > "$OUT/kv_$mode.log"

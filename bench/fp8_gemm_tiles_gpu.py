@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from deepseek_pd.model.fp8_ops import block_fp8_matmul_ref, dequant_weight
+from deepseek_pd.model.quant.fp8_ops import block_fp8_matmul_ref, dequant_weight
 from deepseek_pd.model.kernels.fp8_gemm import Fp8GemmTile, block_fp8_matmul, default_tile
 from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
 

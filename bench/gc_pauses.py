@@ -4,7 +4,7 @@ A worker's heap after start is dominated by objects that live as long as it: the
 and parameters, the imported libraries. This builds the model of `--shape` on the meta device (the
 same module tree as a loaded worker, without the weights' memory), imports the worker stack, and
 times a full collection (`gc.collect()`) `--repeats` times before and after
-`workers/common/gc_pauses.freeze_startup_heap()`, in one process:
+`workers/metrics/gc_pauses.freeze_startup_heap()`, in one process:
 
     python bench/gc_pauses.py --shape v2-lite --out gc.json
 """
@@ -34,12 +34,12 @@ def _full_collections(repeats: int) -> dict:
 def measure(shape: str, repeats: int) -> dict:
     import torch
 
-    import deepseek_pd.workers.builders  # noqa: F401  (the worker stack's imports)
-    import deepseek_pd.workers.group_main  # noqa: F401
+    import deepseek_pd.workers.serve.builders  # noqa: F401  (the worker stack's imports)
+    import deepseek_pd.workers.serve.group_main  # noqa: F401
     from deepseek_pd.model.build_options import BuildOptions
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
-    from deepseek_pd.workers.common.gc_pauses import freeze_startup_heap
+    from deepseek_pd.workers.metrics.gc_pauses import freeze_startup_heap
     from random_checkpoint import V2_MINI, v2_lite_config
 
     config = ModelConfig.from_hf({**(v2_lite_config() if shape == "v2-lite" else V2_MINI), "vocab_size": 32000})

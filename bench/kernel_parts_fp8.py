@@ -30,8 +30,8 @@ def random_fp8_weight(n: int, k: int, device: str, lead: tuple[int, ...] = ()):
 
 
 def fp8_gemm_part(ctx: Context) -> list[Row]:
-    from deepseek_pd.model.fp8_linear import FP8_GEMM_BACKENDS
-    from deepseek_pd.model.fp8_ops import dequant_weight
+    from deepseek_pd.model.quant.fp8_linear import FP8_GEMM_BACKENDS
+    from deepseek_pd.model.quant.fp8_ops import dequant_weight
 
     ref, triton_gemm = FP8_GEMM_BACKENDS.build("torch"), FP8_GEMM_BACKENDS.build("triton")
     dtype = torch.float32 if ctx.tiny else torch.bfloat16
@@ -62,8 +62,8 @@ def _routing(tokens: int, experts: int, shared: int, k: int, device: str):
 
 
 def fp8_moe_part(ctx: Context) -> list[Row]:
-    from deepseek_pd.model.fp8 import Fp8BlockQuantConfig
-    from deepseek_pd.model.fp8_ops import dequant_weight
+    from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig
+    from deepseek_pd.model.quant.fp8_ops import dequant_weight
     from deepseek_pd.model.moe.experts import MOE_BACKENDS
     from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS
 

@@ -25,12 +25,12 @@ def _models(ctx: Context, backend: str = "triton"):
     from deepseek_pd.model.build_options import BuildOptions
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
-    from deepseek_pd.model.fp8_linear import fp8_blocks
-    from deepseek_pd.model.fp8_ops import dequant_weight
+    from deepseek_pd.model.quant.fp8_linear import fp8_blocks
+    from deepseek_pd.model.quant.fp8_ops import dequant_weight
 
     if ctx.tiny:
-        from deepseek_pd.model.loader import read_hf_config
-        from deepseek_pd.model.model_dir import resolve_model_dir
+        from deepseek_pd.model.checkpoint.loader import read_hf_config
+        from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
 
         raw = read_hf_config(resolve_model_dir("tiny"))
         dtype, fused = torch.float32, 1

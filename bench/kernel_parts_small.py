@@ -13,7 +13,7 @@ from kernel_table import Context, Row, floor_ms, poisoned_copy, rel_err
 
 def _norm_rope_rows(ctx: Context, dtype: torch.dtype) -> list[Row]:
     from deepseek_pd.model.config import ModelConfig
-    from deepseek_pd.model.model_dir import resolve_model_dir
+    from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
     from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS
     from deepseek_pd.model.rope import RotaryEmbedding
 
@@ -65,7 +65,7 @@ def _attention_rows(ctx: Context, dtype: torch.dtype) -> list[Row]:
     from deepseek_pd.model.attention import ATTENTION_BACKENDS
     from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend
     from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-    from deepseek_pd.model.kv_pool import KVPool
+    from deepseek_pd.model.kv.pool import KVPool
 
     ref, fast = TorchAttentionBackend(), ATTENTION_BACKENDS.build("triton")
     rows = []

@@ -117,7 +117,7 @@ def moe_part(token_counts: tuple[int, ...] = (1, 128, 8 * 2048)) -> dict:
 
 def _decode_batch(lengths: list[int], page_size: int, kv_dim: int):
     from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-    from deepseek_pd.model.kv_pool import KVPool
+    from deepseek_pd.model.kv.pool import KVPool
 
     need = [-(-n // page_size) for n in lengths]
     pool = KVPool(1, sum(need) + 8, page_size, kv_dim, dtype=torch.bfloat16, device="cuda")

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.workers.common.kv_transfer.page_io import PageGather
-from deepseek_pd.workers.common.kv_transfer.plan import split_into_chunks
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.transport.page_io import PageGather
+from deepseek_pd.workers.transport.plan import split_into_chunks
 
 
 def _busy(stop: "multiprocessing.synchronize.Event", device: str) -> None:

@@ -48,14 +48,14 @@ from pathlib import Path
 
 import torch
 
-from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.workers.common.api import DisaggParams
-from deepseek_pd.workers.common.internal_auth import InternalAuth
-from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
-from deepseek_pd.workers.common.kv_transfer.base import SAME_HOST_DIRECT_MODES
-from deepseek_pd.workers.common.kv_transfer.checksum import IMPLEMENTATION as CRC32_IMPLEMENTATION
-from deepseek_pd.workers.common.kv_transfer.stats import PHASES, TransferStats
-from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.engine.interface import DisaggParams
+from deepseek_pd.workers.transport.internal_auth import InternalAuth
+from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.transport.base import SAME_HOST_DIRECT_MODES
+from deepseek_pd.workers.transport.checksum import IMPLEMENTATION as CRC32_IMPLEMENTATION
+from deepseek_pd.workers.transport.stats import PHASES, TransferStats
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry

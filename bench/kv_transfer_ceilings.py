@@ -51,7 +51,7 @@ async def raw_grpc(total_bytes: int, message_bytes: int, repeats: int, streams: 
 
 def raw_mooncake(setup, sender, receiver) -> float:
     """Seconds of one raw `batch_transfer_sync_write` of the same batch between the same two engines."""
-    from deepseek_pd.workers.common.kv_transfer.mooncake import build_write_batch
+    from deepseek_pd.workers.transport.mooncake import build_write_batch
 
     batch = build_write_batch(sender.engine.base_addrs, receiver.engine.base_addrs, setup.src.bytes_per_page,
                               setup.src_pages, setup.dst_pages)

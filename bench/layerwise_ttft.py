@@ -32,13 +32,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig  # noqa: E402
-from deepseek_pd.model.sampling import Sampler, SamplingState  # noqa: E402
-from deepseek_pd.model.sampling_params import SamplingParams  # noqa: E402
-from deepseek_pd.workers.common.api import DisaggParams, GenerateRequest, TokenChunk  # noqa: E402
-from deepseek_pd.workers.common.extend_step import run_extend  # noqa: E402
-from deepseek_pd.workers.common.kv_transfer import TransportConfig  # noqa: E402
-from deepseek_pd.workers.common.kv_transfer.base import SAME_HOST_DIRECT_MODES  # noqa: E402
-from deepseek_pd.workers.common.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig  # noqa: E402
+from deepseek_pd.model.sampling.sampler import Sampler, SamplingState  # noqa: E402
+from deepseek_pd.model.sampling.params import SamplingParams  # noqa: E402
+from deepseek_pd.workers.engine.interface import DisaggParams, GenerateRequest, TokenChunk  # noqa: E402
+from deepseek_pd.workers.engine.extend_step import run_extend  # noqa: E402
+from deepseek_pd.workers.transport import TransportConfig  # noqa: E402
+from deepseek_pd.workers.transport.base import SAME_HOST_DIRECT_MODES  # noqa: E402
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig  # noqa: E402
 from deepseek_pd.workers.decode.engine import DecodeEngine  # noqa: E402
 from deepseek_pd.workers.prefill.engine import PrefillEngine  # noqa: E402
 from target_check import check  # noqa: E402

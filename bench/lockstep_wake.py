@@ -55,9 +55,9 @@ def _rank(rank: int, port: int, sleep: bool, args, schedule: list[int], out) -> 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    from deepseek_pd.workers.common.group_layout import GroupLayout
-    from deepseek_pd.workers.common.lockstep import LockstepModelThread
-    from deepseek_pd.workers.common.rank_group import join_group
+    from deepseek_pd.workers.group.layout import GroupLayout
+    from deepseek_pd.workers.group.lockstep import LockstepModelThread
+    from deepseek_pd.workers.group.rank_group import join_group
 
     world = args.world
     group = join_group(GroupLayout(dp=world, ep=world, dist_init_addr=f"127.0.0.1:{port}"), rank, "cpu")

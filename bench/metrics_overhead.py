@@ -1,7 +1,7 @@
 """What the workers' Prometheus metrics cost, against one decode step measured in the same run.
 
 The engines call `WorkerMetrics.observe_step` once per step for the whole batch and the servicer
-`observe_request` once per request (workers/common/metrics.py); the decode engine's
+`observe_request` once per request (workers/metrics/worker_metrics.py); the decode engine's
 `observe_inter_token_latency` takes a step's gaps (one per row) in one call, next to what
 prometheus_client's `Histogram.observe` would cost for the same rows one at a time. This prints the per-call costs and one scrape (`generate_latest`, gauges read from a
 `Loads` source) next to a decode step of the model runner at the given batch, as ratios.
@@ -17,8 +17,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from deepseek_pd.workers.common.api import Loads
-from deepseek_pd.workers.common.metrics import ITL_BUCKETS, MetricLabels, WorkerMetrics
+from deepseek_pd.workers.engine.interface import Loads
+from deepseek_pd.workers.metrics.worker_metrics import ITL_BUCKETS, MetricLabels, WorkerMetrics
 
 
 def per_call_us(fn, calls: int) -> float:

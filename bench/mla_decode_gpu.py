@@ -52,7 +52,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def decode_case(heads: int, lengths: list[int]):
     from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-    from deepseek_pd.model.kv_pool import KVPool
+    from deepseek_pd.model.kv.pool import KVPool
 
     need = [-(-n // PAGE) for n in lengths]
     pool = KVPool(1, sum(need) + 8, PAGE, RANK + ROPE, dtype=torch.bfloat16, device="cuda")

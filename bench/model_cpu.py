@@ -42,7 +42,7 @@ def _sync(device: str) -> None:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    from deepseek_pd.model.engine import Engine
+    from deepseek_pd.workers.engine.offline import Engine
     from deepseek_pd.model.runner import DecodeSeq, ExtendSeq
 
     engine = Engine(args.model, dtype=args.dtype, device=args.device, attention_method=args.attention_method,

@@ -61,7 +61,7 @@ def greedy(runner, prompt: list[int], steps: int) -> list[int]:
 def smoke() -> dict:
     """Greedy tokens of the tiny checkpoints: CPU fp32 vs CUDA fp32 and CUDA bf16."""
     from deepseek_pd.model.runner import ModelRunner, RunnerConfig
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     result = {}
     with tempfile.TemporaryDirectory() as tmp:

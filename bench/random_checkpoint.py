@@ -71,7 +71,7 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
 
     for layer in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
         p = f"model.layers.{layer}"
-        if layer >= cfg.num_hidden_layers:  # an MTP layer (model/mtp.py) around its decoder layer
+        if layer >= cfg.num_hidden_layers:  # an MTP layer (model/speculative/mtp.py) around its decoder layer
             for norm in ("enorm", "hnorm", "shared_head.norm"):
                 shapes[f"{p}.{norm}.weight"] = ((hidden,), _NORM)
             shapes[f"{p}.eh_proj.weight"] = ((hidden, 2 * hidden), "linear")
@@ -141,7 +141,7 @@ def write_random_checkpoint(directory: str | Path, config: dict, device: str = "
     `config["torch_dtype"]`; a missing `vocab_size` becomes the tokenizer's. Returns the directory."""
     from safetensors.torch import save_file
 
-    from deepseek_pd.model.tokenizer_builder import write_tokenizer_files
+    from deepseek_pd.model.checkpoint.tokenizer_builder import write_tokenizer_files
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from deepseek_pd.model.sampling import SamplingBatch, SamplingState
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.sampling.sampler import SamplingBatch, SamplingState
+from deepseek_pd.model.sampling.params import SamplingParams
 
 MIXES: dict[str, Callable[[int], SamplingParams]] = {
     "plain": lambda i: SamplingParams(temperature=1.0),

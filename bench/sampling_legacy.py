@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from deepseek_pd.model.sampling_ops import truncation_mask
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.sampling.ops import truncation_mask
+from deepseek_pd.model.sampling.params import SamplingParams
 
 
 @dataclass

@@ -333,9 +333,9 @@ def versions() -> dict:
 
 def prefill_round_tokens(flags: list[str], device: str) -> int:
     """The prefill worker's chunked_prefill_size: `serve`'s own reading of `flags` on `device`
-    (--chunked-prefill-size, else the device's default; workers/serve_resolution.py)."""
+    (--chunked-prefill-size, else the device's default; workers/serve/resolution.py)."""
     from deepseek_pd.commands import serve
-    from deepseek_pd.workers.serve_resolution import chunked_prefill_size
+    from deepseek_pd.workers.serve.resolution import chunked_prefill_size
 
     parser = argparse.ArgumentParser(add_help=False)
     serve.register(parser.add_subparsers())

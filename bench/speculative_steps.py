@@ -50,14 +50,14 @@ def _timed(fn, device: str, repeats: int) -> float:
 def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: bool, batches: list[int],
             draft_steps: list[int], context: int, repeats: int) -> dict:
     from deepseek_pd.model.runner import DecodeSeq, ModelRunner, RunnerConfig
-    from deepseek_pd.model.speculative import measure_step_costs
+    from deepseek_pd.model.speculative.decoder import measure_step_costs
 
     max_steps = max(draft_steps)
     runner = ModelRunner(RunnerConfig(model=model, device=device, dtype=dtype, page_size=page_size,
                                       cuda_graph=cuda_graph,
                                       num_pages=-(-max(batches) * (context + max_steps + 1) // page_size) + 1,
                                       speculative_num_steps=max_steps))
-    # The speculative step, as the decode worker's policy measures it (model/speculative.py).
+    # The speculative step, as the decode worker's policy measures it (model/speculative/decoder.py).
     costs = measure_step_costs(runner, batches, max_steps, context, repeats)
     rng = random.Random(0)
     rows = []
@@ -104,7 +104,7 @@ def main() -> None:
     if args.tiny:
         import tempfile
 
-        from deepseek_pd.model.tiny import make_tiny_model
+        from deepseek_pd.model.checkpoint.tiny import make_tiny_model
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny-mtp", mtp_layers=1))
     elif args.write_v2_lite:
         from random_checkpoint import ensure_random_checkpoint, v2_lite_config

@@ -18,9 +18,9 @@ from typing import Callable
 
 import torch
 
-from deepseek_pd.model.sampled_host import pack, unpack
-from deepseek_pd.model.sampling import SamplingBatch, SamplingState
-from deepseek_pd.model.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from deepseek_pd.model.sampling.sampled_host import pack, unpack
+from deepseek_pd.model.sampling.sampler import SamplingBatch, SamplingState
+from deepseek_pd.model.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -54,7 +54,7 @@ def build_model(raw: dict, device: str, dtype: torch.dtype):
     from deepseek_pd.model.build_options import BuildOptions
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
-    from deepseek_pd.model.fp8_linear import fp8_blocks
+    from deepseek_pd.model.quant.fp8_linear import fp8_blocks
 
     backend = "triton" if device == "cuda" else "torch"
     model = DeepseekForCausalLM(ModelConfig.from_hf(raw), BuildOptions(

@@ -1,7 +1,7 @@
 """The workers' own /metrics around one serving level: where a request's time went, per worker.
 
 A client's TTFT is router + prefill worker + transfer + decode worker; the workers already keep
-histograms of their side (workers/common/metrics.py). Scraping them before and after a level and
+histograms of their side (workers/metrics/worker_metrics.py). Scraping them before and after a level and
 taking the difference gives, per worker, the mean of what that level added:
 
     prefill-0: ttft 89.1 ms, prefill step 86.3 ms x 1.0 requests (771 tokens), KV send 3.2 ms,

@@ -11,9 +11,9 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.eplb.expert_location import ExpertLocation
-from deepseek_pd.model.dispatch_mode import DispatchConfig
-from deepseek_pd.model.parallel import ParallelInfo
-from deepseek_pd.model.tbo_rules import TboRules
+from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig
+from deepseek_pd.model.distributed.parallel import ParallelInfo
+from deepseek_pd.model.distributed.tbo_rules import TboRules
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,9 @@ class BuildOptions:
     # each physical slot of each MoE layer holds. None: slot j is expert j, no replicas.
     expert_location: ExpertLocation | None = None
     # Two-batch overlap: split each batch into two micro-batches and interleave their layer ops
-    # (model/tbo.py) so one micro-batch's dispatch/combine hides behind the other's compute.
+    # (model/distributed/tbo.py) so one micro-batch's dispatch/combine hides behind the other's compute.
     enable_tbo: bool = False
-    # When and where TBO splits a batch (model/tbo_rules.py; the `tbo_*` engine options).
+    # When and where TBO splits a batch (model/distributed/tbo_rules.py; the `tbo_*` engine options).
     tbo_rules: TboRules = TboRules()
     # FP8 checkpoints: keep the block-scaled FP8 weights in FP8 and multiply them with this backend
     # (`fp8_linear.FP8_GEMM_BACKENDS` / `moe.fp8_experts.FP8_MOE_BACKENDS`: "torch", "triton");
@@ -47,7 +47,7 @@ class BuildOptions:
     fp8_backend: str | None = None
     # RMSNorm (+ residual) and RoPE + latent-cache write (`norm_rope.NORM_ROPE_BACKENDS`).
     norm_rope_backend: str = "torch"
-    # Build the checkpoint's MTP layer (model/mtp.py), the speculative draft model; its latent KV
+    # Build the checkpoint's MTP layer (model/speculative/mtp.py), the speculative draft model; its latent KV
     # is one more layer of the KV pool.
     mtp: bool = False
     # `--deterministic` on CUDA: every reduction a row takes part in has an order that depends on

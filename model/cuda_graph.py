@@ -27,8 +27,8 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.graph_inputs import CudaGraphConfig, StaticDecodeInputs, bucket_for
 from deepseek_pd.model.forward_batch import ForwardMode
-from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.model.dispatch_mode import decode_capturable
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.distributed.dispatch_mode import decode_capturable
 
 log = logging.getLogger(__name__)
 _WARMUP_RUNS = 2  # compile Triton kernels and settle cuBLAS/allocator state before capturing

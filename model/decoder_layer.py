@@ -4,8 +4,8 @@ MoE layers run `MOE_LAYER_OPS`, dense layers `DENSE_LAYER_OPS`; the list is pick
 is built. Residual adds are fused into the norms: `prepare_attn` adds the previous layer's output
 to the running residual and normalises (the first layer's residual is its input).
 
-Where the rows live between the ops is the layer's `LayerCommunicator` (model/layer_communicator.py,
-modes from model/scatter_mode.py), chosen when the layer is built: under attention TP the
+Where the rows live between the ops is the layer's `LayerCommunicator` (model/distributed/layer_communicator.py,
+modes from model/distributed/scatter_mode.py), chosen when the layer is built: under attention TP the
 attention block sees all of its TP group's rows, the MLP (dense, or MoE under EP) only this TP
 rank's share, and `prepare_attn` / `prepare_mlp` / `postprocess` move hidden states and residual
 between the two. At tp 1 the communicator is the norms alone.
@@ -18,15 +18,15 @@ from deepseek_pd.model.attention.mla import MLAAttention
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import ForwardBatch
-from deepseek_pd.model.fp8_linear import fp8_spec
-from deepseek_pd.model.layer_communicator import LayerCommunicator
+from deepseek_pd.model.quant.fp8_linear import fp8_spec
+from deepseek_pd.model.distributed.layer_communicator import LayerCommunicator
 from deepseek_pd.model.layer_ops import DENSE_LAYER_OPS, MOE_LAYER_OPS, OpState, bound_ops
 from deepseek_pd.model.moe.dispatcher import CombineInput, Dispatcher
 from deepseek_pd.model.moe.layer import DeepseekMoE
 from deepseek_pd.model.moe.mlp import GatedMLP
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.rope import RotaryEmbedding
-from deepseek_pd.model.scatter_mode import LayerScatterModes
+from deepseek_pd.model.distributed.scatter_mode import LayerScatterModes
 
 
 class DeepseekDecoderLayer(nn.Module):

@@ -17,18 +17,18 @@ from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.decoder_layer import DeepseekDecoderLayer
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-from deepseek_pd.model.fp8_linear import fp8_blocks
+from deepseek_pd.model.quant.fp8_linear import fp8_blocks
 from deepseek_pd.model.layer_ops import (LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, EmptyBatch, Op, OpLayer, OpState,
                                          op_method, run_layer_ops)
-from deepseek_pd.model.layer_progress import LayerProgress
+from deepseek_pd.model.kv.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
-from deepseek_pd.model.mtp import MtpLayer
-from deepseek_pd.model.mtp_names import kv_layers
+from deepseek_pd.model.speculative.mtp import MtpLayer
+from deepseek_pd.model.speculative.mtp_names import kv_layers
 from deepseek_pd.model.norm import RMSNorm
-from deepseek_pd.model.parallel import ExpertPlacement
+from deepseek_pd.model.distributed.parallel import ExpertPlacement
 from deepseek_pd.model.rope import RotaryEmbedding
-from deepseek_pd.model.tbo import TwoBatchOverlap
-from deepseek_pd.model.weight_mapping import load_hf_weights
+from deepseek_pd.model.distributed.tbo import TwoBatchOverlap
+from deepseek_pd.model.checkpoint.weight_mapping import load_hf_weights
 
 
 # The MoE ops between the attention block and the layer's end (what an idle EP rank runs).
@@ -58,7 +58,7 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # The draft model for speculative decoding (model/mtp.py); shares embed_tokens and lm_head.
+        # The draft model for speculative decoding (model/speculative/mtp.py); shares embed_tokens and lm_head.
         self.mtp = MtpLayer(config, self.rotary, options, self.dispatcher) if options.mtp else None
         if options.deterministic:  # before the weights load: the swap keeps every parameter's name
             make_linears_invariant(self)
@@ -88,7 +88,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def run_layers(self, batch: ForwardBatch, progress: LayerProgress | None = None) -> OpState:
         """Embeds and runs every layer's op list; returns the {hidden_states, residual} state.
-        `progress` hears of each layer's KV write (model/layer_progress.py)."""
+        `progress` hears of each layer's KV write (model/kv/layer_progress.py)."""
         state = self.initial_state(batch)
         for layer in self.layers:
             run_layer_ops(layer, state, batch, progress)
@@ -119,7 +119,7 @@ class DeepseekForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over the batch's tokens `[T, H]` (normed; model/mtp.py)."""
+        """The MTP layer over the batch's tokens `[T, H]` (normed; model/speculative/mtp.py)."""
         if self.mtp is None:
             raise RuntimeError("the model was built without its MTP layer (BuildOptions.mtp)")
         return self.mtp(batch, self.embed_tokens(batch.input_ids), prev_hidden)
@@ -137,7 +137,7 @@ class DeepseekForCausalLM(nn.Module):
         no requests in a step while the others run a batch; their all-to-alls still need this rank.
         It runs `empty_op` of every layer: each MoE layer's MLP ops (the same op methods, from
         `gate` to `output`) on zero rows. With TBO it votes as an idle rank and, if the group
-        splits, runs the overlapped schedule with two empty micro-batches (model/tbo.py).
+        splits, runs the overlapped schedule with two empty micro-batches (model/distributed/tbo.py).
         """
         if self._tbo is not None and self._tbo.idle(mode, self.embed_tokens.weight.device):
             return

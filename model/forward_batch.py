@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 
 
 class ForwardMode(enum.Enum):
@@ -69,7 +69,7 @@ class ForwardBatch:
     # Per-batch metadata derived lazily by layers and shared by all of them (e.g. prefix chunks).
     derived: dict = field(default_factory=dict, repr=False)
     # One rank of a group: the step's mode over all ranks (EXTEND if any rank extends), which the
-    # EP collectives follow (model/step_sync.py); None: this batch's own mode.
+    # EP collectives follow (model/distributed/step_sync.py); None: this batch's own mode.
     group_mode: ForwardMode | None = None
     # The static batch of a captured decode CUDA graph (model/graph_inputs.py): its bucket, else None.
     # Its host lengths are capture-time bounds; a backend that plans on the host keeps its plan per

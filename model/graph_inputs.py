@@ -33,7 +33,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 
 
 @dataclass(frozen=True)

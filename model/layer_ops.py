@@ -21,7 +21,7 @@ Keys between ops of a MoE layer (→ produced, ← consumed):
     output         ← routed_output, shared_output         → mlp_output
     postprocess    ← mlp_output, residual                 → hidden_states, residual
 A layer starts and ends with exactly {hidden_states, residual}. Under attention TP the rows these
-hold change between prepare_attn, prepare_mlp and postprocess (model/layer_communicator.py).
+hold change between prepare_attn, prepare_mlp and postprocess (model/distributed/layer_communicator.py).
 
 Executors (the plain loop in `DeepseekForCausalLM`, two-batch overlap in `tbo.py`) see a model
 only through `OpLayer` and `LayerStack` below, so they do not depend on the model class.
@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-from deepseek_pd.model.layer_progress import KV_WRITE_OP
+from deepseek_pd.model.kv.layer_progress import KV_WRITE_OP
 
 if TYPE_CHECKING:
-    from deepseek_pd.model.layer_progress import LayerProgress
+    from deepseek_pd.model.kv.layer_progress import LayerProgress
 
 MOE_LAYER_OPS: tuple[str, ...] = (
     "prepare_attn", "attn_prepare", "attn_core", "prepare_mlp", "gate", "select_experts",

@@ -17,7 +17,7 @@ reads more, by at most `DRIVER_RESERVED_MAX_FRACTION`. Which reading serves whic
 - the chunk tiers (`worker_config.gpu_chunked_prefill_size`) read NVML: they are SGLang's, which
   reads `nvidia-smi --query-gpu=memory.total` (NVML's figure), and `serve` picks them before any
   CUDA context exists; the tiers are tens of GiB apart, so no card sits near a boundary;
-- the KV pool's budget (`mem_fraction_static` x total, `model/kv_pool_sizing.py`) reads CUDA's
+- the KV pool's budget (`mem_fraction_static` x total, `model/kv/pool_sizing.py`) reads CUDA's
   total after loading, in the worker: a fraction of memory nobody can allocate would oversize the
   pool by the reservation.
 """

@@ -16,7 +16,7 @@ extend/decode the same number of times (the MoE all-to-alls pair up across ranks
 Attention TP: `RunnerConfig(tp_size=T)` and a `ParallelInfo` with that `tp_size` and the TP
 group; the T ranks of a TP group make the same calls with the same sequences and pages (their
 KV pools hold the same latent rows), and each holds 1/T of the heads (attention/tensor_parallel.py).
-With a `tp_replay` (model/tp_replay.py) only the TP leader is called: it announces each forward,
+With a `tp_replay` (model/distributed/tp_replay.py) only the TP leader is called: it announces each forward,
 and each follower runs it in `follow_one()`.
 """
 from __future__ import annotations
@@ -35,24 +35,24 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.cuda_graph import DecodeGraphRunner
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.device import is_cuda, resolve_device
-from deepseek_pd.model.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
+from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
                                              decode_capturable)
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
-from deepseek_pd.model.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
-from deepseek_pd.model.memory_headroom import default_headroom_gib
+from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
+from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
-from deepseek_pd.model.speculative_rules import check_speculative_num_steps
+from deepseek_pd.model.speculative.rules import check_speculative_num_steps
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
-from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
-from deepseek_pd.model.kv_pool_sizing import GpuMemory, pages_for_gpu
-from deepseek_pd.model.layer_progress import LayerProgress
+from deepseek_pd.model.kv.pool import KVPool, bytes_per_pool_page
+from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_gpu
+from deepseek_pd.model.kv.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
 from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS
-from deepseek_pd.model.parallel import ParallelInfo
-from deepseek_pd.model.tp_replay import ForwardCall, TpReplay
-from deepseek_pd.model.step_sync import StepSync
-from deepseek_pd.model.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
+from deepseek_pd.model.distributed.parallel import ParallelInfo
+from deepseek_pd.model.distributed.tp_replay import ForwardCall, TpReplay
+from deepseek_pd.model.distributed.step_sync import StepSync
+from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
 from deepseek_pd.units import GIB
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class RunnerConfig:
     device: str = "cpu"  # a concrete torch device; `model.device.resolve_device` turns "auto" into one
     page_size: int = DEFAULT_PAGE_SIZE
     # The KV pool: a fixed `num_pages`, or (CUDA, num_pages=None) whatever `mem_fraction_static` of the
-    # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv_pool_sizing.py);
+    # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv/pool_sizing.py);
     # on a GPU `gpu_workers` workers share, `kv_share` of the room their weights leave (memory_budget.py).
     num_pages: int | None = DEFAULT_NUM_PAGES
     mem_fraction_static: float | None = None
@@ -111,15 +111,15 @@ class RunnerConfig:
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
-    # The EP layout per step (model/dispatch_mode.py): normal | low_latency | auto (normal for extend
+    # The EP layout per step (model/distributed/dispatch_mode.py): normal | low_latency | auto (normal for extend
     # steps, low_latency for decode steps), and the low-latency capacity in tokens per rank per step.
     dispatch_mode: str = "normal"
     low_latency_max_tokens: int = DEFAULT_LOW_LATENCY_MAX_TOKENS
     ep_size: int = 1  # the process group handed to ModelRunner(parallel=...) must have this size
     # Attention TP: MLA heads split over this many ranks running the same batch (ParallelInfo.tp_*).
     tp_size: int = 1
-    enable_tbo: bool = False  # two-batch overlap (model/tbo.py)
-    # When TBO splits (model/tbo_rules.py): one sequence is cut in two chunks when the best cut between
+    enable_tbo: bool = False  # two-batch overlap (model/distributed/tbo.py)
+    # When TBO splits (model/distributed/tbo_rules.py): one sequence is cut in two chunks when the best cut between
     # sequences leaves a side below this share of the tokens (SGLang's default; 0: never), and the
     # group splits only when its busiest rank has at least this many tokens.
     tbo_token_distribution_threshold: float = DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD
@@ -141,15 +141,15 @@ class RunnerConfig:
     cuda_graph_max_batch: int = 128
     cuda_graph_max_context: int = 4096
     # FP8 checkpoints: "dequant" widens the weights to `dtype` at load; "torch"/"triton" keep them
-    # in FP8 with that GEMM backend (model/fp8_linear.py); "auto": triton on CUDA for an FP8
+    # in FP8 with that GEMM backend (model/quant/fp8_linear.py); "auto": triton on CUDA for an FP8
     # checkpoint when Triton imports, else dequant. Ignored for checkpoints that are not FP8.
     fp8_backend: str = "auto"
     norm_rope_backend: str = "auto"  # RMSNorm and RoPE + cache write: auto = triton on CUDA (model/norm_rope.py)
-    # Speculative decoding: draft tokens per step from the checkpoint's MTP layer (model/speculative.py);
+    # Speculative decoding: draft tokens per step from the checkpoint's MTP layer (model/speculative/decoder.py);
     # 0: off, the MTP layer is not loaded.
     speculative_num_steps: int = 0
     # The decode worker chooses 0..speculative_num_steps drafts per step by batch size from step costs
-    # measured at start-up and the accept rate so far (model/speculation_policy.py); off: always all.
+    # measured at start-up and the accept rate so far (model/speculative/policy.py); off: always all.
     speculative_adaptive: bool = False
     # Batch-invariant forward (docs/deterministic.md): the attention and MoE backends become their
     # "*_invariant" versions, dense products `model/batch_invariant.py`, attention "auto" becomes
@@ -287,13 +287,13 @@ class RunnerConfig:
 
     @property
     def gpu_share(self) -> GpuShare:
-        """This worker's place on a GPU other workers may share (model/memory_budget.py)."""
+        """This worker's place on a GPU other workers may share (model/kv/memory_budget.py)."""
         return GpuShare(self.gpu_workers, self.kv_share)
 
     @property
     def headroom_gib(self) -> float:
         """`mem_headroom_gib`, else the default for the largest batch this config captures
-        (model/memory_headroom.py: 2 GiB up to a graph batch of 128, in proportion above)."""
+        (model/kv/memory_headroom.py: 2 GiB up to a graph batch of 128, in proportion above)."""
         if self.mem_headroom_gib is not None:
             return self.mem_headroom_gib
         return default_headroom_gib(self.cuda_graph_max_batch if self.cuda_graph else 0)
@@ -394,13 +394,13 @@ class DecodeSeq:
 class ModelRunner:
     config: RunnerConfig
     model: DeepseekForCausalLM | None = None
-    # This rank's EP size/rank and process group (see model/parallel.py); None: one process.
+    # This rank's EP size/rank and process group (see model/distributed/parallel.py); None: one process.
     parallel: ParallelInfo | None = None
     kv_pool: KVPool = field(init=False)
     policy: AttentionPolicy = field(init=False)
-    # One rank of a group: every forward is announced to the group first (model/step_sync.py).
+    # One rank of a group: every forward is announced to the group first (model/distributed/step_sync.py).
     step_sync: StepSync | None = None
-    # Attention TP in a worker: the leader announces its forwards, followers replay them (model/tp_replay.py).
+    # Attention TP in a worker: the leader announces its forwards, followers replay them (model/distributed/tp_replay.py).
     tp_replay: TpReplay | None = None
     # The CUDA-graph decode path, when `config.cuda_graph` (built, and captured, once here).
     graphs: DecodeGraphRunner | None = field(init=False, default=None, repr=False)
@@ -486,7 +486,7 @@ class ModelRunner:
         """fp32 logits `[len(seqs), vocab]` of each sequence's last new token.
 
         `progress`, if given, is told as each layer's KV of the whole batch is written
-        (`model/layer_progress.py`), while the forward goes on."""
+        (`model/kv/layer_progress.py`), while the forward goes on."""
         with self._step(ForwardMode.EXTEND) as group_mode:
             return self._run(ForwardMode.EXTEND, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
                              [s.pages for s in seqs], progress=progress, group_mode=group_mode)
@@ -504,7 +504,7 @@ class ModelRunner:
         return recorder
 
     def _step(self, mode: ForwardMode):
-        """The group's forward step (model/step_sync.py); yields the group's mode (alone: `mode`)."""
+        """The group's forward step (model/distributed/step_sync.py); yields the group's mode (alone: `mode`)."""
         return self.step_sync.forward(mode) if self.step_sync is not None else contextlib.nullcontext(mode)
 
     def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
@@ -521,7 +521,7 @@ class ModelRunner:
             self.tp_replay.note_external_kv(pages)
 
     def follow_one(self) -> None:
-        """(attention-TP follower) Runs the leader's next forward on this rank (model/tp_replay.py);
+        """(attention-TP follower) Runs the leader's next forward on this rank (model/distributed/tp_replay.py);
         its logits are dropped (the leader samples)."""
         call, input_ids = self.tp_replay.receive(self.kv_pool)
         if call.idle:
@@ -547,7 +547,7 @@ class ModelRunner:
             self.decode_paths["eager"] += 1
             return self.decode_eager(seqs, input_ids, group_mode)
 
-    # ---- speculative decoding (model/speculative.py) ------------------------------------------
+    # ---- speculative decoding (model/speculative/decoder.py) ------------------------------------------
     def extend_hidden(self, seqs: Sequence[ExtendSeq], force_mla: bool = False,
                       progress: LayerProgress | None = None) -> torch.Tensor:
         """An extend forward returning the final-normed hidden states of every new token `[T, H]`
@@ -595,8 +595,8 @@ def _checked_device_ids(input_ids: torch.Tensor, num_tokens: int) -> torch.Tenso
 
 
 def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> DeepseekForCausalLM:
-    from deepseek_pd.model.loader import load_model
-    from deepseek_pd.model.model_dir import resolve_model_dir
+    from deepseek_pd.model.checkpoint.loader import load_model
+    from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
 
     directory = resolve_model_dir(config.model)
     # The options depend on the model's config (dtype "auto", backends, expert placement).

@@ -5,7 +5,7 @@ Example: `decode.eplb.initExpertLocation: {configMapName: v3-placement, key: dec
 every decode pod the volume `expert-location` (ConfigMap v3-placement, item decode.json ->
 expert-location.json), mounted at /etc/deepseek-pd-eplb, and the flags
 `--init-expert-location /etc/deepseek-pd-eplb/expert-location.json`. Every rank of a group reads
-the same file and checks that all agree (workers/group_main.py `agreement_of`).
+the same file and checks that all agree (workers/serve/group_main.py `agreement_of`).
 """
 from __future__ import annotations
 

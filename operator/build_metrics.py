@@ -2,7 +2,7 @@
 and the optional ServiceMonitor (`spec.metrics`).
 
 One worker pod runs one process per GPU (`gpusPerPod`; one on CPU), and each rank serves its own
-/metrics on `metrics.port + local rank` (workers/common/metrics_server.py), so a pod exposes
+/metrics on `metrics.port + local rank` (workers/metrics/server.py), so a pod exposes
 
     gpusPerPod 8, metrics.port 30090  ->  container ports metrics:30090, metrics-r1:30091 ... metrics-r7:30097
     annotations prometheus.io/scrape=true, prometheus.io/port=30090, prometheus.io/path=/metrics

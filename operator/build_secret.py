@@ -1,4 +1,4 @@
-"""The deployment secret's Secret and how worker pods mount it (workers/common/internal_auth.py).
+"""The deployment secret's Secret and how worker pods mount it (workers/transport/internal_auth.py).
 
 The operator creates the Secret once per DeepSeekDeployment (random bytes, never overwritten by a
 reconcile: a new value is a rotation, docs/operations.md) and mounts it read-only into every

@@ -20,7 +20,7 @@ from deepseek_pd.operator.build_metrics import scrape_annotations, worker_metric
 from deepseek_pd.operator.pod_placement import place_group_pods
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.worker_security import prefill_peers, secure_worker_pod
-from deepseek_pd.workers.serve_flags import ParallelFlags, ServeFlags
+from deepseek_pd.workers.serve.flags import ParallelFlags, ServeFlags
 
 Manifest = dict[str, Any]
 POD_DNS_NAME_ENV = "DEEPSEEK_PD_POD_DNS_NAME"
@@ -74,7 +74,7 @@ _ALWAYS = ("model", "served_model_name", "host", "port", "kv_transport", "device
 
 
 def worker_serve_flags(spec: DeploymentSpec, role: RoleSpec) -> ServeFlags:
-    """The `deepseek-pd serve` flags the operator manages (workers/serve_flags.py `managed`); values
+    """The `deepseek-pd serve` flags the operator manages (workers/serve/flags.py `managed`); values
     of the form $(VAR) are expanded by the kubelet from the pod env."""
     # Peers reach this pod at its IP: Mooncake's session id, a follower rank's engine and bootstrap
     # endpoints, decode's identity. Rendered from the kubelet's status.podIP (the node's IP with

@@ -11,7 +11,7 @@ Parallelism, worked example (DeepSeek-V3 decode on 2 nodes of 8 H200):
 from __future__ import annotations
 
 from deepseek_pd.env import MOONCAKE_RPC_PORTS
-from deepseek_pd.model.speculative_rules import MAX_SPECULATIVE_NUM_STEPS
+from deepseek_pd.model.speculative.rules import MAX_SPECULATIVE_NUM_STEPS
 from deepseek_pd.operator.autoscaling_schema import autoscaling_schema
 from deepseek_pd.operator.known_models import KNOWN_MODELS
 from deepseek_pd.operator.schema_types import (
@@ -21,7 +21,7 @@ from deepseek_pd.operator.schema_types import (
 from deepseek_pd.weights.layout import REPO_PATTERN
 # The flags the operator renders itself (the serve contract's `managed` ones); engineArgs may not
 # repeat them (two values, one wins silently).
-from deepseek_pd.workers.serve_flags import MANAGED_FLAGS
+from deepseek_pd.workers.serve.flags import MANAGED_FLAGS
 
 _MANAGED_FLAG_REGEX = "^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$"
 _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
@@ -155,7 +155,7 @@ def role_schema(role: str) -> Schema:
                  "parallelism.tp * parallelism.dp must equal size * gpusPerPod (GPUs per group; 1 "
                  "process per pod when gpusPerPod is 0)", ".parallelism"),
             # The workers spread experts over all ranks of a group or replicate them
-            # (workers/common/group_layout.py); any other ep would pass here and crash-loop there.
+            # (workers/group/layout.py); any other ep would pass here and crash-loop there.
             rule(f"self.parallelism.ep == 1 || self.parallelism.ep == {_WORLD}",
                  "parallelism.ep must be 1 (experts replicated) or size * gpusPerPod (experts spread "
                  "over every rank of the group)", ".parallelism.ep"),
@@ -443,7 +443,7 @@ def _network_policy() -> Schema:
 
 
 def _speculative_rule() -> dict[str, str]:
-    # The workers refuse the MTP layer with EP or attention TP (model/mtp.py: the group does not yet
+    # The workers refuse the MTP layer with EP or attention TP (model/speculative/mtp.py: the group does not yet
     # step those collectives through the draft and verify forwards), in either role: refused here
     # rather than crash-looping there. DP attention with replicated experts is fine.
     def no_ep_no_tp(role: str) -> str:

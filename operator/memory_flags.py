@@ -1,6 +1,6 @@
 """What of a role's `engineArgs` changes how much GPU memory a rank needs.
 
-The flags are parsed by the serve contract itself (workers/serve_flags.py), exactly as the worker
+The flags are parsed by the serve contract itself (workers/serve/flags.py), exactly as the worker
 will parse them, with the contract's defaults: `--dtype`, `--page-size`, `--num-pages`,
 `--max-total-tokens`, `--mem-fraction-static`, `--gpu-workers`, `--kv-share`,
 `--ep-num-redundant-experts` (EPLB's extra expert slots, each rank holding (E + R) / ep) and the
@@ -8,7 +8,7 @@ switch `--enable-tbo`. From the engine options (`--engine-opt KEY=VALUE`) it rea
 `mem_headroom_gib`, `num_fused_shared_experts`, `speculative_num_steps` (as the flag
 `--speculative-num-steps`: > 0 loads the MTP layer, its weights and a pool layer more of KV), and
 for the headroom's default
-(model/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`, `max_running_requests` and
+(model/kv/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`, `max_running_requests` and
 `record_expert_load`; the others are the worker's business. Anything the worker would refuse
 raises `ValueError` naming the flag.
 
@@ -22,10 +22,10 @@ from typing import Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
-from deepseek_pd.model.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
-from deepseek_pd.model.speculative_rules import check_speculative_num_steps
-from deepseek_pd.workers.engine_options import parse_bool, parse_key_values
-from deepseek_pd.workers.serve_flags import ServeFlags
+from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
+from deepseek_pd.model.speculative.rules import check_speculative_num_steps
+from deepseek_pd.workers.serve.engine_options import parse_bool, parse_key_values
+from deepseek_pd.workers.serve.flags import ServeFlags
 
 # The runner's choices (model/runner.py FP8_BACKEND_CHOICES, which imports torch; a test keeps them equal).
 FP8_BACKENDS = ("auto", "dequant", "torch", "triton")

@@ -2,7 +2,7 @@
 
 Pure: `plan_memory(spec)` reads the parsed spec only. For every role that runs on GPUs it adds up
 what one rank must hold, and compares it with the budget the worker will size itself by
-(model/kv_pool_sizing.py):
+(model/kv/pool_sizing.py):
 
     weights   weight_bytes.rank_weights: FP8 checkpoints stay FP8 (1 byte + a fp32 scale per
               128x128 block) unless engineArgs has `--engine-opt fp8_backend=dequant`; otherwise
@@ -10,17 +10,17 @@ what one rank must hold, and compares it with the budget the worker will size it
               `--ep-num-redundant-experts`) / ep, the rest replicated.
     MTP       with speculative decoding (decode.speculative.numSteps > 0, rendered into both roles,
               or --speculative-num-steps in engineArgs) the MTP layer's weights are counted with the
-              rest, and its latent KV is one pool layer more (model/mtp_names.py kv_layers).
+              rest, and its latent KV is one pool layer more (model/speculative/mtp_names.py kv_layers).
     KV        (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token, for a fixed pool
               (`--num-pages`, `--max-total-tokens`) its size, else at least one request of the
               model's whole context (max_position_embeddings), rounded up to pages.
     graphs    the activation and CUDA-graph headroom the worker keeps inside its budget
-              (`mem_headroom_gib`; by default model/memory_headroom.py's rule: 2 GiB, in
+              (`mem_headroom_gib`; by default model/kv/memory_headroom.py's rule: 2 GiB, in
               proportion above a largest graph batch of 128 on a decode role).
     budget    mem_fraction_static (0.88 unless `--mem-fraction-static`) x the GPU's memory; with
               `--gpu-workers N --kv-share S` (workers sharing one GPU, as `up` runs them) the
               rank's weights and headroom plus S of what the budget leaves after N of them
-              (model/memory_budget.py, the rule the worker sizes its pool by).
+              (model/kv/memory_budget.py, the rule the worker sizes its pool by).
 
 The 12% outside the budget is the CUDA context, NCCL and DeepEP buffers. The split follows
 SGLang's, whose default mem_fraction_static is (GPU memory - reserved) / GPU memory with `reserved`
@@ -42,15 +42,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepseek_pd.model.config import ModelConfig, latent_kv_bytes
-from deepseek_pd.model.memory_headroom import default_headroom_gib
-from deepseek_pd.model.mtp_names import kv_layers
+from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
+from deepseek_pd.model.speculative.mtp_names import kv_layers
 from deepseek_pd.operator import known_models
 from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
-from deepseek_pd.model.memory_budget import budget_bytes
+from deepseek_pd.model.kv.memory_budget import budget_bytes
 from deepseek_pd.operator.memory_flags import DTYPE_BYTES, MemoryFlags, parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
-from deepseek_pd.workers.roles import role_defaults
+from deepseek_pd.workers.serve.roles import role_defaults
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def model_name(spec: DeploymentSpec) -> str | None:
 
 def headroom_gib(role: RoleSpec, flags: MemoryFlags) -> float:
     """The headroom a rank of `role` keeps (`RunnerConfig.headroom_gib` of its worker):
-    `mem_headroom_gib`, else model/memory_headroom.py's default for its largest captured batch.
+    `mem_headroom_gib`, else model/kv/memory_headroom.py's default for its largest captured batch.
 
     Whether the rank captures CUDA graphs, as `RunnerConfig.resolve` and `cuda_graph_blocker`
     decide it: a decode role does by default, except under attention TP; `cuda_graph` overrides

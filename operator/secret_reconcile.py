@@ -26,7 +26,7 @@ from deepseek_pd.operator.router_keys import CONTROL_PLANE_KEY, build_control_pl
 from deepseek_pd.operator.spec import DeploymentSpec
 from deepseek_pd.operator.status import condition
 
-MIN_SECRET_BYTES = 16  # = workers/common/internal_auth.py's floor
+MIN_SECRET_BYTES = 16  # = workers/transport/internal_auth.py's floor
 
 
 def generated_secret_names(deployment: str) -> tuple[str, ...]:

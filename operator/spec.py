@@ -32,7 +32,7 @@ class InvalidSpecError(UserError):
 class Parallelism:
     """How a group's ranks split the model, rendered as `serve --tp/--dp/--ep` (world = tp * dp).
 
-    `tp` is attention tensor parallelism within each DP group (workers/common/group_layout.py).
+    `tp` is attention tensor parallelism within each DP group (workers/group/layout.py).
     Neither given: tp 1, dp = world (DP attention, what an unset CR always meant); one given: the
     other is world divided by it.
     """

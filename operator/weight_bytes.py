@@ -2,7 +2,7 @@
 
 This mirrors what `model/deepseek.py` allocates (and so what a rank has resident after loading):
 
-    every rank (data-parallel attention; dense layers replicated, workers/common/group_layout.py):
+    every rank (data-parallel attention; dense layers replicated, workers/group/layout.py):
         embed_tokens, lm_head                      V x H each (one when tied)
         per layer: 2 RMSNorms (H), MLA             fused_qkv_a [q_lora + kv_lora + rope, H] (or
                                                    q_proj + kv_a_proj without q_lora), q_b_proj,
@@ -15,7 +15,7 @@ This mirrors what `model/deepseek.py` allocates (and so what a rank has resident
                                                    EPLB's redundant experts (`--ep-num-redundant-experts`)
 
     the MTP layer (speculative decoding only,     enorm, hnorm, shared_head.norm (H each), eh_proj
-    model/mtp.py), layer id num_hidden_layers:    [H, 2H] in the model dtype, and one decoder layer
+    model/speculative/mtp.py), layer id num_hidden_layers:    [H, 2H] in the model dtype, and one decoder layer
                                                   as above (its routed experts split as the others');
                                                   embedding and lm_head are the main model's
 
@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from deepseek_pd.model.config import ModelConfig
-from deepseek_pd.model.mtp_names import mtp_layer_id
+from deepseek_pd.model.speculative.mtp_names import mtp_layer_id
 
 FP32_BYTES = 4
 
@@ -140,7 +140,7 @@ def rank_weights(config: ModelConfig, fmt: WeightFormat, ep_size: int = 1,
     (1: every rank holds them all). `fused_shared_experts` (0 or n_shared_experts) stacks the
     shared experts with the routed ones, as `--engine-opt num_fused_shared_experts` does.
     `redundant_experts` (R) adds EPLB's replica slots: E + R slots per MoE layer, (E + R) / ep
-    per rank (model/parallel.py `ExpertPlacement`); ValueError when ep does not divide E + R.
+    per rank (model/distributed/parallel.py `ExpertPlacement`); ValueError when ep does not divide E + R.
     `mtp` adds the MTP layer, as a runner with `speculative_num_steps > 0` builds it."""
     slots = config.n_routed_experts + redundant_experts
     if slots % ep_size:

@@ -1,6 +1,6 @@
 """What a worker pod needs to start with internal authentication on, and to be locked down.
 
-`serve` refuses to start without the deployment secret (workers/common/internal_auth.py), and a
+`serve` refuses to start without the deployment secret (workers/transport/internal_auth.py), and a
 decode worker pulls KV only from the prefill addresses in `--prefill-peers`
 (workers/decode/prefill_peers.py). For DeepSeekDeployment "v3" in namespace "llm", bootstrap port
 8998, a decode pod gets

@@ -5,7 +5,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from deepseek_pd.workers.common.internal_auth import SECRET_FILE_ENV, create_secret_file
+from deepseek_pd.workers.transport.internal_auth import SECRET_FILE_ENV, create_secret_file
 
 if not os.environ.get(SECRET_FILE_ENV):
     os.environ[SECRET_FILE_ENV] = str(create_secret_file(Path(tempfile.mkdtemp(prefix="dspd-secret-")) / "secret"))

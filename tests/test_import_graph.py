@@ -164,7 +164,7 @@ def test_the_graph_sees_the_package():
     """Guard against a vacuous pass: the walker finds the modules and resolves their imports."""
     modules = package_modules()
     assert {"deepseek_pd.cli", "deepseek_pd.model.deepseek", "deepseek_pd.model.moe.dispatcher",
-            "deepseek_pd.workers.common.servicer", "deepseek_pd.operator.handlers"} <= set(modules)
+            "deepseek_pd.workers.api.servicer", "deepseek_pd.operator.handlers"} <= set(modules)
     edges = {(e.source, e.target) for m in modules for e in import_edges(m, modules)}
     # An absolute import, a `from package import submodule`, and the package __init__ re-export.
     assert ("deepseek_pd.model.runner", "deepseek_pd.model.deepseek") in edges

@@ -5,8 +5,8 @@ import argparse
 import json
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.sampling_params import DEFAULT_MAX_NEW_TOKENS
-from deepseek_pd.model.speculative_rules import DEFAULT_SPECULATIVE_NUM_STEPS, MAX_SPECULATIVE_NUM_STEPS
+from deepseek_pd.model.sampling.params import DEFAULT_MAX_NEW_TOKENS
+from deepseek_pd.model.speculative.rules import DEFAULT_SPECULATIVE_NUM_STEPS, MAX_SPECULATIVE_NUM_STEPS
 
 ATTENTION_METHODS = ("auto", "mha", "mha_chunked_kv", "mla")
 
@@ -76,7 +76,7 @@ def resolved_runner_config(args: argparse.Namespace):
     """Device, dtype, backends and CUDA graphs decided once, by the rules `serve` uses (the offline
     engine decodes, so graphs default to on where they can be captured)."""
     from deepseek_pd.model.config import ModelConfig
-    from deepseek_pd.model.model_dir import resolve_model_dir
+    from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
     from deepseek_pd.model.runner import RunnerConfig
 
     model_dir = resolve_model_dir(args.model)
@@ -89,9 +89,9 @@ def resolved_runner_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from deepseek_pd.model.config import ModelConfig
-    from deepseek_pd.model.engine import Engine
-    from deepseek_pd.model.sampling_params import SamplingParams
-    from deepseek_pd.model.speculative_rules import resolve_speculative_num_steps
+    from deepseek_pd.workers.engine.offline import Engine
+    from deepseek_pd.model.sampling.params import SamplingParams
+    from deepseek_pd.model.speculative.rules import resolve_speculative_num_steps
 
     prompt = parse_input_ids(args.input_ids) if args.input_ids is not None else args.prompt
     params = SamplingParams(

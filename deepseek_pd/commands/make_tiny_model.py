@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed,
                            fp8_block=(128, 128) if args.fp8 else None, mtp_layers=args.mtp_layers)

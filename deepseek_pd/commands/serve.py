@@ -1,13 +1,13 @@
 """`deepseek-pd serve prefill|decode`: one SglangScheduler worker, as a pod runs it (ARCHITECTURE §4).
 
-Its flags are the serve contract's (workers/serve_flags.py), which `up` and the operator render."""
+Its flags are the serve contract's (workers/serve/flags.py), which `up` and the operator render."""
 from __future__ import annotations
 
 import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from deepseek_pd.workers.serve_flags import add_cli_args
+    from deepseek_pd.workers.serve.flags import add_cli_args
 
     parser = subparsers.add_parser(
         "serve", help="run one prefill or decode worker (gRPC SglangScheduler)",
@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def flags_from_args(args: argparse.Namespace):
     """The parsed command line as `ServeFlags` (nothing resolved yet)."""
-    from deepseek_pd.workers.serve_flags import ServeFlags
+    from deepseek_pd.workers.serve.flags import ServeFlags
 
     return ServeFlags.from_cli_args(args)
 
@@ -27,8 +27,8 @@ def flags_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from deepseek_pd.workers.common.worker_main import configure_logging, serve_worker
-    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+    from deepseek_pd.workers.serve.worker_main import configure_logging, serve_worker
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
     configure_logging(args.role)
     flags = flags_from_args(args)
@@ -39,15 +39,15 @@ def run(args: argparse.Namespace) -> int:
 
             raise UserError("--engine-factory builds one process's engine; it cannot be combined with a "
                             "multi-rank group (--tp/--dp > 1)")
-        from deepseek_pd.workers.group_main import run_node
+        from deepseek_pd.workers.serve.group_main import run_node
 
         return run_node(config)  # one process per rank of this node, in lockstep
     if flags.engine_factory is not None:
-        from deepseek_pd.workers.common.engine_factory import load_builder
+        from deepseek_pd.workers.serve.engine_factory import load_builder
 
         builder = load_builder(flags.engine_factory)
     else:
-        from deepseek_pd.workers.builders import BUILDERS
+        from deepseek_pd.workers.serve.builders import BUILDERS
 
         builder = BUILDERS[config.role]
     asyncio.run(serve_worker(config, builder))

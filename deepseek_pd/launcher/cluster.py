@@ -145,12 +145,12 @@ class WorkerEndpoint:
 
 def resolve_model_dir(model: str) -> Path:
     """`model_dir.resolve_model_dir`, imported late: it imports torch, which `--help` must not."""
-    from deepseek_pd.model.model_dir import resolve_model_dir as resolve
+    from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir as resolve
 
     return resolve(model)
 
 
-SECRET_FILE = "internal.secret"  # the run's deployment secret (workers/common/internal_auth.py)
+SECRET_FILE = "internal.secret"  # the run's deployment secret (workers/transport/internal_auth.py)
 CONTROL_PLANE_KEY_FILE = "control-plane-key"  # the router's control-plane key, for the operator of `up`
 
 
@@ -196,12 +196,12 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         spec = self.spec
         if spec.kv_transport == "mooncake":
-            from deepseek_pd.workers.common.kv_transfer.mooncake import exposure_warning
+            from deepseek_pd.workers.transport.mooncake import exposure_warning
 
             logger.warning("up --kv-transport mooncake: %s", exposure_warning(spec.host))
         from deepseek_pd.launcher.gpu_share import check_gpus_for_groups  # imports torch, as resolving does
         from deepseek_pd.model.device import resolve_device
-        from deepseek_pd.model.model_dir import served_name
+        from deepseek_pd.model.checkpoint.model_dir import served_name
 
         self.model_dir = resolve_model_dir(spec.model)
         self.served_model_name = spec.served_model_name or served_name(spec.model, self.model_dir)
@@ -239,8 +239,8 @@ class LocalCluster:
     def _start_workers(self) -> None:
         from deepseek_pd.launcher.gpu_share import worker_gpu_shares  # imports torch, as resolving did
         # One secret per run (0600, in the run directory) authenticates every bootstrap message;
-        # decode workers pull only from this run's prefill workers (workers/common/internal_auth.py).
-        from deepseek_pd.workers.common.internal_auth import create_secret_file
+        # decode workers pull only from this run's prefill workers (workers/transport/internal_auth.py).
+        from deepseek_pd.workers.transport.internal_auth import create_secret_file
 
         spec = self.spec
         roles = spec.roles
@@ -272,7 +272,7 @@ class LocalCluster:
             if pending:
                 self._check_deadline(deadline, f"workers {[w.process.name for w in pending]} healthy")
                 time.sleep(0.2)
-        # What each worker's memory plan gave it (model/memory_budget.py: its share of one GPU).
+        # What each worker's memory plan gave it (model/kv/memory_budget.py: its share of one GPU).
         capacity = {w.process.name: worker_kv_tokens(w.address(self.spec.host)) for w in self.workers}
         logger.info("workers healthy; KV capacity: %s", ", ".join(
             f"{name} {'?' if tokens is None else f'{tokens:,}'} tokens" for name, tokens in capacity.items()))

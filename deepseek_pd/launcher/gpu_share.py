@@ -3,7 +3,7 @@
 Every worker of a local cluster runs on the same device and loads its own copy of the weights.
 The budget (`--mem-fraction-static`, the fraction of the GPU's total memory all of them may use)
 first holds every worker's weights and headroom; what is left is the KV room, split in proportion
-to each role's `gpu_memory_share` (workers/roles.py). The rule is model/memory_budget.py's: each
+to each role's `gpu_memory_share` (workers/serve/roles.py). The rule is model/kv/memory_budget.py's: each
 worker is told the budget, how many workers share the GPU, and its share of the room
 (`--mem-fraction-static B --gpu-workers N --kv-share S`), and sizes its pool after loading.
 
@@ -16,8 +16,8 @@ from typing import Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.device import is_cuda
-from deepseek_pd.model.memory_budget import GpuShare
-from deepseek_pd.workers.roles import role_defaults
+from deepseek_pd.model.kv.memory_budget import GpuShare
+from deepseek_pd.workers.serve.roles import role_defaults
 
 
 def kv_shares(roles: Sequence[str]) -> list[GpuShare]:
@@ -36,7 +36,7 @@ def worker_gpu_shares(device: str, roles: Sequence[str]) -> list[GpuShare | None
 
 
 def check_gpus_for_groups(device: str, ranks: int) -> None:
-    """On CUDA rank r of every multi-rank worker runs on GPU r (workers/group_main.py), so the
+    """On CUDA rank r of every multi-rank worker runs on GPU r (workers/serve/group_main.py), so the
     largest group (`ranks`) needs that many GPUs; refused before anything starts, not rank by rank."""
     if not is_cuda(device) or ranks <= 1:
         return

@@ -5,7 +5,7 @@
 - A worker that exited is started again with the same flags and ports (the router lists it by
   address, and its health checks put it back in rotation once it answers). A multi-rank worker
   is a gang: its `serve` process supervises its ranks, stops all of them when one fails and then
-  exits (workers/group_main.py), so it restarts as a whole; whatever is left of its process group
+  exits (workers/serve/group_main.py), so it restarts as a whole; whatever is left of its process group
   when it has exited is killed at once, so no rank outlives its group. Restarts back off
   (1 s, 2 s, 4 s, ... up to `max_backoff_s`); a process that stayed up for `stable_after_s`
   starts again from the shortest delay. After `max_restarts` restarts that did not last, the

@@ -5,7 +5,7 @@ unit tests check the plan alone.
 
 Every worker of `up` is one `deepseek-pd serve` process. With `--prefill-ranks N` (or
 `--decode-ranks M`) that process is the node supervisor of a group of N ranks on this machine
-(workers/group_main.py `run_node`, the same code a pod runs): it spawns one process per rank;
+(workers/serve/group_main.py `run_node`, the same code a pod runs): it spawns one process per rank;
 rank 0 serves SglangScheduler and the bootstrap service on the worker's `--port` and
 `--bootstrap-port`, the followers' internal ports and the group's rendezvous port are the OS's,
 and rank r exports its metrics on `metrics_port + r`. When any rank fails, the supervisor stops
@@ -18,7 +18,7 @@ Example: `up --prefill 2 --prefill-ranks 2 --decode 1 --decode-ranks 4 --dp 2` p
     prefill-1  serve prefill --tp 1 --dp 2 --ep 2   port P1, bootstrap B1, metrics M1, M1+1
     decode-0   serve decode  --tp 2 --dp 2 --ep 4   port P2, bootstrap B2, metrics M2 .. M2+3
 
-(decode-0: two DP groups of two attention-TP ranks each, workers/common/group_layout.py), with
+(decode-0: two DP groups of two attention-TP ranks each, workers/group/layout.py), with
 every port of every worker distinct.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.memory_budget import GpuShare
-from deepseek_pd.workers.serve_flags import GROUP_FLAGS, ParallelFlags, ServeFlags
+from deepseek_pd.model.kv.memory_budget import GpuShare
+from deepseek_pd.workers.serve.flags import GROUP_FLAGS, ParallelFlags, ServeFlags
 
 ROLES = ("prefill", "decode")
 TBO_CHOICES = ("prefill", "decode", "both")
@@ -152,7 +152,7 @@ class ServeSettings:
     host: str
     kv_transport: str
     device: str
-    secret_file: str  # the run's deployment secret (workers/common/internal_auth.py)
+    secret_file: str  # the run's deployment secret (workers/transport/internal_auth.py)
     worker_args: tuple[str, ...] = ()  # last on the command line: they win
     mem_fraction_static: float | None = None  # the budget of all workers on a GPU; None: serve's default
     python: str = sys.executable

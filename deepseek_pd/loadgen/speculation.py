@@ -1,7 +1,7 @@
 """Speculative decoding in `bench serving`'s report, from the decode workers' own /metrics.
 
 A decode worker with `--speculative-num-steps` counts the tokens its MTP layer drafted and those the
-target accepted, and observes each verify row's accept length (workers/common/metrics.py:
+target accepted, and observes each verify row's accept length (workers/metrics/worker_metrics.py:
 `deepseek_pd:spec_draft_tokens_total`, `spec_accepted_tokens_total`, `spec_accept_length`). Scraped
 before and after the load, their differences summed over the workers (every rank of a group exports
 its own) give the run's figures:

@@ -85,7 +85,7 @@ def _read_config(model_dir: Path) -> dict | None:
 
 def target_from_model_dir(name: str, model_dir: str | Path, source: str) -> TargetModel:
     """Everything from a local checkpoint (`--model DIR`)."""
-    from deepseek_pd.workers.common.served_model import ServedModelInfo
+    from deepseek_pd.workers.api.served_model import ServedModelInfo
 
     info = ServedModelInfo.from_model_dir(model_dir)
     kv, how = kv_bytes_per_token_from_config(_read_config(Path(info.model_path)) or {})

@@ -17,7 +17,7 @@ Weights (HF names in brackets):
 With attention TP (`options.parallel.tp_size > 1`) the layer holds only its TP rank's heads
 (`num_heads` counts those; q_b_proj / q_proj, w_kc, w_vc and o_proj's input are sliced by the loader) and
 `core` returns o_proj's partial sum: the decoder layer's communicator reduces it over the TP group,
-all-reduced or reduce-scattered by where the MLP runs (model/layer_communicator.py).
+all-reduced or reduce-scattered by where the MLP runs (model/distributed/layer_communicator.py).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from deepseek_pd.model.attention.tensor_parallel import local_heads
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
-from deepseek_pd.model.fp8_linear import fp8_spec, make_linear
+from deepseek_pd.model.quant.fp8_linear import fp8_spec, make_linear
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS, NormRopeOps
 from deepseek_pd.model.rope import RotaryEmbedding

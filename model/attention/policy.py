@@ -45,6 +45,6 @@ class AttentionPolicy:
 
 
 def method_with_prefix(method: AttentionMethod, has_prefix: bool) -> AttentionMethod:
-    """`method` for a batch (or a two-batch-overlap micro-batch, model/tbo.py) that has a
+    """`method` for a batch (or a two-batch-overlap micro-batch, model/distributed/tbo.py) that has a
     cached prefix: plain MHA cannot see the cache, so it becomes MHA_CHUNKED_KV; the others read it."""
     return AttentionMethod.MHA_CHUNKED_KV if method is AttentionMethod.MHA and has_prefix else method

@@ -7,13 +7,13 @@ group's batch). Each holds H / T of the attention heads:
     o_proj                            row-parallel: the input columns of its heads; its output is a
                                       partial sum, reduced over the TP group by the layer's
                                       communicator (`all_reduce`, or `reduce_scatter_rows` when the
-                                      MLP runs on scattered rows; model/layer_communicator.py)
+                                      MLP runs on scattered rows; model/distributed/layer_communicator.py)
     q_a / kv_a projections, norms     replicated (every rank computes the same latent)
     latent KV cache                   replicated: `[c_kv | k_pe]` is shared by all heads, so every
                                       TP rank writes the same values into its own pool
 Example: V3 (128 heads) at tp 8: rank 3 holds heads 48..63, q_b_proj rows 48*192..64*192.
 
-Rows of a TP group (what `ScatterMode.SCATTERED` means, model/scatter_mode.py): of the group's n
+Rows of a TP group (what `ScatterMode.SCATTERED` means, model/distributed/scatter_mode.py): of the group's n
 rows, TP rank t holds rows [t*c, min(n, (t+1)*c)), c = ceil(n / T) (`row_share`; the last ranks
 may hold fewer or none). `all_gather_rows` and `reduce_scatter_rows` pad every share to c rows
 so the collectives see equal sizes (NCCL and gloo both need them), and drop the padding after.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.distributed.parallel import ParallelInfo
 
 
 def local_heads(num_heads: int, parallel: ParallelInfo) -> range:

@@ -2,7 +2,7 @@
 
 With `ep_num_redundant_experts = R` the EP group holds `n_routed_experts + R` physical slots per MoE
 layer, `(n_routed + R) / ep_size` per rank in contiguous blocks (rank r holds slots r*S..r*S+S-1,
-model/parallel.py). `physical_to_logical[l][p]` names the logical expert slot p computes in MoE
+model/distributed/parallel.py). `physical_to_logical[l][p]` names the logical expert slot p computes in MoE
 layer l; a logical expert held by several slots is replicated (its weights copied into each), and
 the router's logical top-k ids are mapped to one of its slots per token (replica_dispatch.py).
 

@@ -16,7 +16,7 @@
     checks           shared input checks (rank, dtype, device, unit last stride) and availability.
 
 The oracles are the torch backends (`model/attention/torch_backend.py`, `model/moe/experts.py`,
-`model/moe/fp8_experts.py`) and `model/fp8_ops.py`;
+`model/moe/fp8_experts.py`) and `model/quant/fp8_ops.py`;
 measured figures are in docs/performance.md. Importing this package does not import Triton; the
 kernel modules do (the backends import them when built).
 """

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepseek_pd.model.fp8_ops import FP8_DTYPE, num_groups
+from deepseek_pd.model.quant.fp8_ops import FP8_DTYPE, num_groups
 from deepseek_pd.model.kernels.checks import check_tensor
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

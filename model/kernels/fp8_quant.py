@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepseek_pd.model.fp8_ops import EPS, FP8_DTYPE, FP8_MAX, num_groups
+from deepseek_pd.model.quant.fp8_ops import EPS, FP8_DTYPE, FP8_MAX, num_groups
 from deepseek_pd.model.kernels.checks import check_tensor, next_power_of_2
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from deepseek_pd.model.fp8_ops import FP8_DTYPE
+from deepseek_pd.model.quant.fp8_ops import FP8_DTYPE
 
 BLOCK = 128  # the only block size cuBLAS's blockwise recipes have
 

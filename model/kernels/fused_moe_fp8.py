@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepseek_pd.model.fp8 import Fp8BlockQuantConfig
+from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig
 from deepseek_pd.model.kernels.checks import check_tensor
 from deepseek_pd.model.kernels.fp8_gemm import check_block_scaled_weight
 from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from deepseek_pd.model.dispatch_mode import DispatchConfig
+from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig
 from deepseek_pd.model.moe.dispatcher import CombineInput, DispatchOutput
 from deepseek_pd.model.moe.masked_layout import flatten_masked
-from deepseek_pd.model.parallel import ExpertPlacement
+from deepseek_pd.model.distributed.parallel import ExpertPlacement
 
 
 @dataclass

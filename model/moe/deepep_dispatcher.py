@@ -1,5 +1,5 @@
 """`deepep` EP dispatcher: DeepEP (V1 API) normal and low-latency layouts, picked per step by the
-`DispatchConfig.mode` (`model/dispatch_mode.py`: `auto` is normal for extend steps, low-latency for decode).
+`DispatchConfig.mode` (`model/distributed/dispatch_mode.py`: `auto` is normal for extend steps, low-latency for decode).
 
 Registered only when `import deep_ep` works (a CUDA build with NVSHMEM). Written from DeepEP's V1
 interface (FACTS.md); tests/model/test_deepep_fake.py runs it on the CPU against an in-process
@@ -27,11 +27,11 @@ from typing import Any, Callable
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
+from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, DispatchMode
 from deepseek_pd.model.moe.dispatcher import (DISPATCHERS, CombineInput, DispatchOutput,
                                               LayoutSwitchingDispatcher)
 from deepseek_pd.model.moe.masked_layout import flatten_masked
-from deepseek_pd.model.parallel import ExpertPlacement
+from deepseek_pd.model.distributed.parallel import ExpertPlacement
 
 try:
     import deep_ep  # type: ignore[import-not-found]

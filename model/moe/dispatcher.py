@@ -5,7 +5,7 @@ A dispatcher is built once per model from the layer's `ExpertPlacement` and a `D
 (`DISPATCHERS.build(name, placement, config)`). `local` (ep_size 1) hands tokens to the local
 experts unchanged; `all_to_all` (`ep_dispatcher.py`, torch.distributed) and `deepep`
 (`deepep_dispatcher.py`, only when `deep_ep` imports) move them between EP ranks, each in a normal
-and a low-latency layout picked per step (`LayoutSwitchingDispatcher`, `model/dispatch_mode.py`); they
+and a low-latency layout picked per step (`LayoutSwitchingDispatcher`, `model/distributed/dispatch_mode.py`); they
 import this module and register themselves, and the package `deepseek_pd.model.moe` imports them,
 so any import of this module sees every dispatcher (as with `MOE_BACKENDS`). `dispatch_b` hands
 the experts topk ids in *local* expert ids, -1 for pairs another rank computes; combine returns
@@ -20,8 +20,8 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import ForwardMode
-from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
-from deepseek_pd.model.parallel import ExpertPlacement
+from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, DispatchMode
+from deepseek_pd.model.distributed.parallel import ExpertPlacement
 from deepseek_pd.model.registry import Registry
 
 

@@ -1,7 +1,7 @@
 """`all_to_all` EP dispatcher: DeepEP's two layouts over `torch.distributed`.
 
 Works on any backend with `all_to_all_single` (gloo on CPU, NCCL on GPU). Each step runs in the
-layout its `DispatchConfig.mode` picks (`model/dispatch_mode.py`): the low-latency (masked, fixed
+layout its `DispatchConfig.mode` picks (`model/distributed/dispatch_mode.py`): the low-latency (masked, fixed
 capacity) layout is `a2a_low_latency.py`; the normal layout, for one MoE layer, is:
 
     dispatch_a  each token is sent once to every rank that owns one of its experts (fused shared
@@ -26,10 +26,10 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.moe.a2a_low_latency import LowLatencyAllToAll
-from deepseek_pd.model.dispatch_mode import DispatchConfig
+from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig
 from deepseek_pd.model.moe.dispatcher import (DISPATCHERS, CombineInput, DispatchOutput,
                                               LayoutSwitchingDispatcher)
-from deepseek_pd.model.parallel import ExpertPlacement
+from deepseek_pd.model.distributed.parallel import ExpertPlacement
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The statistics an expert-placement rebalancer (EPLB) plans from: with expert parallelism each rank
 counts the top-k choices of its own tokens, in global expert ids, so the group's load of expert e
 in MoE layer l is the sum of every rank's `counts[l, e]`, and the tokens a rank's experts compute
-are the sum over its block of experts (model/parallel.py, ExpertPlacement).
+are the sum over its block of experts (model/distributed/parallel.py, ExpertPlacement).
 
 Recording is one `index_add_` per MoE layer on the device (no host sync, so it does not stall the
 forward); fused shared experts are not counted (every token uses them). Attach it before any CUDA
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from deepseek_pd.model.eplb.load_dump import ExpertLoadDump
-from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.distributed.parallel import ParallelInfo
 
 
 class ExpertLoadRecorder:

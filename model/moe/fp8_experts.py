@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepseek_pd.model.fp8 import Fp8BlockQuantConfig
-from deepseek_pd.model.fp8_linear import Fp8Spec, fp8_parameter, scale_parameter
-from deepseek_pd.model.fp8_ops import block_fp8_matmul_ref, per_token_group_quant_ref
+from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig
+from deepseek_pd.model.quant.fp8_linear import Fp8Spec, fp8_parameter, scale_parameter
+from deepseek_pd.model.quant.fp8_ops import block_fp8_matmul_ref, per_token_group_quant_ref
 from deepseek_pd.model.registry import Registry
 
 

@@ -18,12 +18,12 @@ from deepseek_pd.model import batch_invariant
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.eplb.replica_dispatch import ReplicaDispatch
-from deepseek_pd.model.fp8_linear import fp8_spec
+from deepseek_pd.model.quant.fp8_linear import fp8_spec
 from deepseek_pd.model.moe.experts import FusedExperts
 from deepseek_pd.model.moe.fp8_experts import Fp8FusedExperts
 from deepseek_pd.model.moe.mlp import GatedMLP
 from deepseek_pd.model.moe.topk import SCORING, TOPK_METHODS, TopKSpec, finish_weights
-from deepseek_pd.model.parallel import ExpertPlacement
+from deepseek_pd.model.distributed.parallel import ExpertPlacement
 
 
 class DeepseekMoE(nn.Module):

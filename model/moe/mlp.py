@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepseek_pd.model.fp8_linear import Fp8Spec, make_linear
+from deepseek_pd.model.quant.fp8_linear import Fp8Spec, make_linear
 
 
 class GatedMLP(nn.Module):

@@ -10,7 +10,7 @@ import statistics
 import pytest
 from prometheus_client import generate_latest
 
-from deepseek_pd.workers.common.metrics import WorkerMetrics
+from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from pdtest.bench_scripts import bench_module
 
 worker_metrics = bench_module("worker_metrics")

@@ -61,8 +61,8 @@ def test_a_prefill_round_is_whole_prompts_in_turn_then_a_chunk_of_the_next_up_to
 def test_the_round_size_follows_the_worker_flags_as_serve_reads_them(monkeypatch) -> None:
     serving_gpu = bench_module("serving_gpu")
     from deepseek_pd.errors import UserError
-    from deepseek_pd.workers import serve_resolution
-    from deepseek_pd.workers.common.worker_config import SchedulerConfig, gpu_chunked_prefill_size
+    from deepseek_pd.workers.serve import resolution as serve_resolution
+    from deepseek_pd.workers.engine.worker_config import SchedulerConfig, gpu_chunked_prefill_size
 
     rng = random.Random()
     a, b, c = (rng.randint(16, 16384) for _ in range(3))

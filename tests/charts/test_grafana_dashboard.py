@@ -16,8 +16,8 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepseek_pd.workers.common.api import Loads
-from deepseek_pd.workers.common.metrics import MetricLabels, WorkerMetrics
+from deepseek_pd.workers.engine.interface import Loads
+from deepseek_pd.workers.metrics.worker_metrics import MetricLabels, WorkerMetrics
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from deepseek_pd.client.router_http import RouterClient
 from deepseek_pd.launcher.cluster import LocalCluster
-from deepseek_pd.model.engine import Engine
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.workers.engine.offline import Engine
+from deepseek_pd.model.sampling.params import SamplingParams
 from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, wait_for_pages
 
 

@@ -40,7 +40,7 @@ from deepseek_pd.client.pd_dispatch import PDClient
 from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect, sampling_proto
 from deepseek_pd.gateway import MAX_PAYLOAD_BYTES
 from deepseek_pd.launcher.cluster import LocalCluster
-from deepseek_pd.model.sampling_params import MAX_TOP_LOGPROBS
+from deepseek_pd.model.sampling.params import MAX_TOP_LOGPROBS
 from pdtest.e2e_cluster import cluster_spec, wait_for_pages
 from pdtest.gateway_oracle import (
     chat_prompt_ids, offline_engine, offline_greedy, post_json, post_stream, random_words, reference_logprobs, same_text)
@@ -232,7 +232,7 @@ def _chat_body(cluster, messages, max_new: int, k: int, stream: bool) -> dict:
 
 def test_streamed_chat_logprobs_equal_the_unstreamed_entry_for_entry(cluster, engine, hf_tokenizer) -> None:
     """A streamed chunk that decodes to no text loses its logprobs in smg 1.13; the workers cut
-    streams at whole text pieces (workers/common/text_pieces.py), so a streamed answer carries
+    streams at whole text pieces (workers/api/text_pieces.py), so a streamed answer carries
     the same entries as the unstreamed one (before: 6-7 of 8 whenever a token split a character)."""
     rng = random.Random()
     for _ in range(4):

@@ -33,13 +33,13 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline_engine():
-    from deepseek_pd.model.engine import Engine
+    from deepseek_pd.workers.engine.offline import Engine
 
     return Engine(model="tiny", chunked_prefill_size=CHUNKED_PREFILL_SIZE, page_size=PAGE_SIZE)
 
 
 def offline_greedy(engine, input_ids: list[int], max_new_tokens: int) -> list[int]:
-    from deepseek_pd.model.sampling_params import SamplingParams
+    from deepseek_pd.model.sampling.params import SamplingParams
 
     result = engine.generate(input_ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
     return list(result.output_ids), list(result.output_logprobs)

@@ -140,7 +140,7 @@ def models(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def offline_engine(models):
     """The single-process engine whose greedy tokens the router must give (e2e page/chunk sizes)."""
-    from deepseek_pd.model.engine import Engine
+    from deepseek_pd.workers.engine.offline import Engine
     from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE
 
     return Engine(model=str(models / "tiny"), chunked_prefill_size=CHUNKED_PREFILL_SIZE, page_size=PAGE_SIZE)

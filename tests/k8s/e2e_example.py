@@ -46,7 +46,7 @@ def greedy_through_router(dep: Deployment, engine, count: int = 3, max_new: int 
     health checks re-admit a replaced worker; every answer it gives must still be right.
     Returns (prompt, tokens) of every request answered, the first (1 token) included."""
     from deepseek_pd.client.router_http import RouterClient, RouterError
-    from deepseek_pd.model.sampling_params import SamplingParams
+    from deepseek_pd.model.sampling.params import SamplingParams
 
     rng = random.Random()
     prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(3, 70))] for _ in range(count)]

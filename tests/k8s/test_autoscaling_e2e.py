@@ -48,7 +48,7 @@ class Load:
     and any wrong token, is a failure."""
 
     def __init__(self, dep, engine, rng: random.Random) -> None:
-        from deepseek_pd.model.sampling_params import SamplingParams
+        from deepseek_pd.model.sampling.params import SamplingParams
         self.dep = dep
         self.prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(4, 40))] for _ in range(8)]
         self.expected = [list(engine.generate(p, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)).output_ids)

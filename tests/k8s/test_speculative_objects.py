@@ -12,9 +12,9 @@ import yaml
 from kube_rest import KubeError
 from test_weights_objects import _pass, dsd_path  # noqa: F401 - the CRD, installed or updated
 
-from deepseek_pd.model.speculative_rules import MAX_SPECULATIVE_NUM_STEPS
+from deepseek_pd.model.speculative.rules import MAX_SPECULATIVE_NUM_STEPS
 from deepseek_pd.operator import names
-from deepseek_pd.workers.serve_flags import ServeFlags
+from deepseek_pd.workers.serve.flags import ServeFlags
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """GPU: `up` with no memory flags starts the V2-Lite shape (random bf16 weights, the tiny tokenizer's
 vocabulary) on one card, 1 prefill + 1 decode, each worker holding its own copy of the weights, and
-reports each worker's KV capacity in tokens. On an 80 GB card this failed before model/memory_budget.py
+reports each worker's KV capacity in tokens. On an 80 GB card this failed before model/kv/memory_budget.py
 (prefill's budget 0.352 x 79.2 GiB = 27.9 GiB was below its 28.5 GiB of weights).
 
 Run on the GPU machine: `python -m pytest -q -s tests/launcher/test_up_gpu_memory.py` (about 2 min:

@@ -1,5 +1,5 @@
 """`up` reports each worker's KV capacity in tokens once the workers are healthy: what each worker's
-memory plan gave it (model/memory_budget.py on a GPU; here, on the CPU, a fixed pool of random size
+memory plan gave it (model/kv/memory_budget.py on a GPU; here, on the CPU, a fixed pool of random size
 per run), read back from the worker itself (GetServerInfo) rather than computed by `up`."""
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def test_the_control_plane_key_file_is_private_even_if_it_existed(tmp_path, monk
 
 
 def test_a_secret_file_that_existed_readable_by_others_is_rewritten_private(tmp_path):
-    from deepseek_pd.workers.common.internal_auth import create_secret_file, read_secret_file
+    from deepseek_pd.workers.transport.internal_auth import create_secret_file, read_secret_file
 
     path = tmp_path / "internal.secret"
     path.write_text("x" * 64)

@@ -21,8 +21,8 @@ from deepseek_pd.ports import is_port_free, pick_free_port_blocks
 from deepseek_pd.launcher.process import ManagedProcess
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
 from deepseek_pd.launcher.worker_plan import GroupShape, ServeSettings, plan_workers, port_block_sizes, serve_argv
-from deepseek_pd.workers.common.group_layout import GroupLayout
-from deepseek_pd.workers.common.metrics_server import MetricsConfig
+from deepseek_pd.workers.group.layout import GroupLayout
+from deepseek_pd.workers.metrics.server import MetricsConfig
 from pdtest.process_tree import alive
 
 pytestmark = [pytest.mark.timeout(60)]

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from deepseek_pd.loadgen.speculation import parse_totals, speculation_summary
-from deepseek_pd.workers.common.metrics import WorkerMetrics
+from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,7 +55,7 @@ def test_figures_are_the_differences_over_the_ranks():
 
 @pytest.mark.slow
 def test_bench_serving_reports_the_workers_speculation(tmp_path: Path) -> None:
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
     from pdtest.e2e_cluster import cluster_cli_flags
 
     path = make_tiny_model(tmp_path / "v3", seed=random.randrange(1000), mtp_layers=1)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepseek_pd.model.fp8 import (Fp8BlockQuantConfig, dequantize_block_fp8, hf_quantization_config,
+from deepseek_pd.model.quant.fp8 import (Fp8BlockQuantConfig, dequantize_block_fp8, hf_quantization_config,
                                    quantize_checkpoint)
 
 

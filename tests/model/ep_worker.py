@@ -29,12 +29,12 @@ from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
-from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
+from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, DispatchMode
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput
-from deepseek_pd.model.parallel import ExpertPlacement, ParallelInfo
+from deepseek_pd.model.distributed.parallel import ExpertPlacement, ParallelInfo
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
-from deepseek_pd.model.tbo import TwoBatchOverlap
+from deepseek_pd.model.distributed.tbo import TwoBatchOverlap
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)
 VARIANTS = ("ep", "ep_low_latency", "tbo", "ep_tbo")

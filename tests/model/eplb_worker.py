@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.runner import ModelRunner, RunnerConfig
 from ep_worker import _scenario
 

@@ -1,4 +1,4 @@
-"""Plain per-token reference implementations of deepseek_pd.model.sampling's rules, written from
+"""Plain per-token reference implementations of deepseek_pd.model.sampling.sampler's rules, written from
 the definitions in its docstring (loops over tokens, Python floats): the oracles of the sampler tests."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.sampling.params import SamplingParams
 
 
 def ref_penalised(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:

@@ -10,7 +10,7 @@ import torch
 
 from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,7 +20,7 @@ from pdtest.triton_env import HAS_CUDA, HAS_TRITON, interpreter_runs  # first: b
 
 from deepseek_pd.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from deepseek_pd.model.kv_pool import KVPool  # noqa: E402
+from deepseek_pd.model.kv.pool import KVPool  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

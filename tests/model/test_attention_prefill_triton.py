@@ -19,7 +19,7 @@ from deepseek_pd.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from deepseek_pd.model.attention.mla import prefix_chunks  # noqa: E402
 from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from deepseek_pd.model.kv_pool import KVPool  # noqa: E402
+from deepseek_pd.model.kv.pool import KVPool  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,7 +104,7 @@ def test_prefix_chunks_match_the_per_position_definition():
 def test_tiny_model_extend_over_a_prefix_triton_vs_torch(tmp_path, method):
     """Prompt, then its continuation over the cached prefix through `method`, Triton vs torch attention."""
     from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / "v3", arch="v3", seed=random.randrange(1000)))
     prompts = [[random.randrange(200) for _ in range(random.randint(6, 40))] for _ in range(2)]

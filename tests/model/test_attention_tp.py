@@ -2,7 +2,7 @@
 give the world-size-1 logits (fp32) for MHA and chunked-KV prefill, absorbed-MLA extend and decode,
 row counts that tp does not divide and an idle DP group. One `torch.multiprocessing.spawn` of 4
 ranks runs every case (`tp_worker.run_rank`); each rank compares against the reference of its own
-DP group's tokens. Dense layers are data-parallel over the TP ranks (model/scatter_mode.py): each
+DP group's tokens. Dense layers are data-parallel over the TP ranks (model/distributed/scatter_mode.py): each
 TP rank's dense MLP runs on its share of the rows only, which the rows counted per forward show.
 """
 from __future__ import annotations

@@ -15,12 +15,12 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
-from deepseek_pd.model.fp8_linear import fp8_blocks
-from deepseek_pd.model.fp8_ops import dequant_weight
-from deepseek_pd.model.loader import iter_checkpoint_tensors
-from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.quant.fp8_linear import fp8_blocks
+from deepseek_pd.model.quant.fp8_ops import dequant_weight
+from deepseek_pd.model.checkpoint.loader import iter_checkpoint_tensors
+from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.runner import RunnerConfig
-from deepseek_pd.model.tiny import make_tiny_model
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
 TP = 2
 

@@ -17,7 +17,7 @@ import torch
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.graph_inputs import CudaGraphConfig, StaticDecodeInputs, bucket_for, graph_buckets
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
-from deepseek_pd.model.tiny import make_tiny_model
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

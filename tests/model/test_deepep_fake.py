@@ -13,7 +13,7 @@ import torch
 import fake_deep_ep
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.build_options import BuildOptions
-from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
+from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, DispatchMode
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.moe import deepep_dispatcher
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
@@ -95,7 +95,7 @@ def test_auto_cleans_before_a_graph_replay_after_normal_steps(fake_deepep, hf_mo
 
 
 def test_a_step_above_the_capacity_is_refused_before_deepep_runs(fake_deepep):
-    from deepseek_pd.model.parallel import ExpertPlacement, ParallelInfo
+    from deepseek_pd.model.distributed.parallel import ExpertPlacement, ParallelInfo
 
     placement = ExpertPlacement(num_routed=4, num_fused_shared=0, parallel=ParallelInfo())
     dispatcher = deepep_dispatcher.DeepEPDispatcher(placement, DispatchConfig(DispatchMode.LOW_LATENCY, 3))

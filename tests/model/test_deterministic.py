@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
+from deepseek_pd.workers.engine.prefill_planner import PromptProgress, plan_extend_batch
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -107,7 +107,7 @@ def test_the_gpu_build_runs_on_cpu_and_matches_the_plain_model():
     model's, through extend and decode."""
     from deepseek_pd.model.batch_invariant import InvariantLinear
     from deepseek_pd.model.build_options import BuildOptions
-    from deepseek_pd.model.loader import load_model
+    from deepseek_pd.model.checkpoint.loader import load_model
 
     invariant = load_model("tiny", BuildOptions(deterministic=True, attention_backend="torch_invariant",
                                                 moe_backend="torch_invariant"), progress=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode, decode_capturable
+from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, DispatchMode, decode_capturable
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.runner import RunnerConfig

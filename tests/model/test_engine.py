@@ -11,10 +11,10 @@ import torch
 from checkpoint_utils import make_fp8_tiny
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.attention.policy import AttentionPolicy
-from deepseek_pd.model.engine import Engine
+from deepseek_pd.workers.engine.offline import Engine
 from deepseek_pd.model.forward_batch import AttentionMethod
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.model.tiny import make_tiny_model
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 transformers = pytest.importorskip("transformers")

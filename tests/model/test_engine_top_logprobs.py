@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from deepseek_pd.model.engine import Engine
-from deepseek_pd.model.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from deepseek_pd.workers.engine.offline import Engine
+from deepseek_pd.model.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from pdtest.top_logprobs_check import assert_top_matches
 
 pytestmark = pytest.mark.timeout(180)

@@ -21,7 +21,7 @@ from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
-from deepseek_pd.model.parallel import ExpertPlacement, ParallelInfo
+from deepseek_pd.model.distributed.parallel import ExpertPlacement, ParallelInfo
 from deepseek_pd.model.runner import RunnerConfig
 from ep_worker import VARIANTS, expected_tbo_paths, run_rank
 from hf_oracle import TinyShape, build_hf_model

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from deepseek_pd.ports import pick_free_ports
-from deepseek_pd.model.tiny import make_tiny_model
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from eplb_worker import run_rank
 from pdtest.eplb_placement import random_placement
 

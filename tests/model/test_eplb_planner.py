@@ -18,7 +18,7 @@ from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_exper
 from deepseek_pd.model.eplb.load_dump import ExpertLoadDump
 from deepseek_pd.model.eplb.planner import imbalance, plan_layer, plan_location
 from deepseek_pd.model.eplb.replica_dispatch import ReplicaDispatch
-from deepseek_pd.model.model_dir import resolve_model_dir
+from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
 from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,10 +16,10 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, moe_layer_ids, resolve_expert_location
 from deepseek_pd.model.eplb.replica_dispatch import ReplicaDispatch
-from deepseek_pd.model.loader import iter_checkpoint_tensors
-from deepseek_pd.model.model_dir import resolve_model_dir
+from deepseek_pd.model.checkpoint.loader import iter_checkpoint_tensors
+from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
-from deepseek_pd.workers.serve_resolution import ParallelFlags, ServeFlags, resolve_serve_config
+from deepseek_pd.workers.serve.resolution import ParallelFlags, ServeFlags, resolve_serve_config
 from pdtest.eplb_placement import random_placement
 
 pytestmark = pytest.mark.timeout(120)
@@ -191,7 +191,7 @@ def test_replicas_share_a_hot_experts_tokens():
 
 def test_fp8_experts_kept_in_fp8_are_copied_into_every_replica(tmp_path, tiny):
     """Kept-FP8 experts: each replica gets the expert's FP8 bytes and its block scales."""
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     directory = make_tiny_model(tmp_path / "fp8", seed=random.randrange(10_000), fp8_block=(128, 128))
     path = tmp_path / "placement.json"
@@ -212,7 +212,7 @@ def test_fp8_experts_kept_in_fp8_are_copied_into_every_replica(tmp_path, tiny):
 
 
 def test_ranks_with_different_placement_files_disagree(tmp_path, tiny):
-    from deepseek_pd.workers.group_main import agreement_of, check_agreement
+    from deepseek_pd.workers.serve.group_main import agreement_of, check_agreement
 
     configs = []
     for rank in range(2):

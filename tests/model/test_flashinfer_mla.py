@@ -19,7 +19,7 @@ from deepseek_pd.model.attention.flashinfer_backend import MLADecodeRoute
 from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.kernels.flashinfer_mla import flashinfer_mla_available
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 
 requires_flashinfer = pytest.mark.skipif(not flashinfer_mla_available(),
                                          reason="needs FlashInfer and a Hopper (sm90) GPU")

@@ -11,7 +11,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 
 
 def _pool(rng: random.Random) -> KVPool:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.fp8 import (Fp8BlockQuantConfig, dequantize_block_fp8, expected_scale_shape,
+from deepseek_pd.model.quant.fp8 import (Fp8BlockQuantConfig, dequantize_block_fp8, expected_scale_shape,
                                    quantize_block_fp8)
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,8 +14,8 @@ import torch
 
 from pdtest.triton_env import DEVICE, HAS_CUDA, needs_triton  # noqa: E402 (first: it sets TRITON_INTERPRET)
 
-from deepseek_pd.model.fp8 import Fp8BlockQuantConfig, quantize_block_fp8  # noqa: E402
-from deepseek_pd.model.fp8_ops import (FP8_DTYPE, FP8_MAX, block_fp8_matmul_ref, dequant_activation,  # noqa: E402
+from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig, quantize_block_fp8  # noqa: E402
+from deepseek_pd.model.quant.fp8_ops import (FP8_DTYPE, FP8_MAX, block_fp8_matmul_ref, dequant_activation,  # noqa: E402
                                        dequant_weight, per_token_group_quant_ref)
 from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS  # noqa: E402
 
@@ -69,7 +69,7 @@ def test_block_matmul_reference_equals_a_per_block_sum_in_float64():
 
 def test_fp8_linear_reference_is_close_to_the_dequantised_weight_in_fp32():
     """The HF-style oracle: dequantised weight, unquantised activations. Only activation rounding differs."""
-    from deepseek_pd.model.fp8_linear import FP8_GEMM_BACKENDS
+    from deepseek_pd.model.quant.fp8_linear import FP8_GEMM_BACKENDS
 
     block = Fp8BlockQuantConfig(128, 128)
     w, w_scale = random_block_weight(300, 260, block)
@@ -173,7 +173,7 @@ def test_torch_fp8_moe_is_close_to_dequantised_experts():
 @pytest.mark.parametrize("m", [1, 64, 2048])
 @pytest.mark.parametrize("n,k", [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168)])
 def test_block_fp8_matmul_gpu_v3_shapes(m, n, k):
-    from deepseek_pd.model.fp8_linear import FP8_GEMM_BACKENDS
+    from deepseek_pd.model.quant.fp8_linear import FP8_GEMM_BACKENDS
 
     block = Fp8BlockQuantConfig(128, 128)
     w, w_scale = (t.cuda() for t in random_block_weight(n, k, block))
@@ -188,7 +188,7 @@ def test_block_fp8_matmul_gpu_v3_shapes(m, n, k):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cublas_blockwise_gemm_matches_reference_at_odd_rows():
     """The cuBLAS path (M >= CUBLAS_MIN_ROWS) at row counts that need padding, with poisoned output."""
-    from deepseek_pd.model.fp8_linear import CUBLAS_MIN_ROWS, FP8_GEMM_BACKENDS
+    from deepseek_pd.model.quant.fp8_linear import CUBLAS_MIN_ROWS, FP8_GEMM_BACKENDS
     from deepseek_pd.model.kernels.fp8_scaled_mm import blockwise_scaled_mm_available, scaled_mm_block_fp8
 
     if not blockwise_scaled_mm_available():

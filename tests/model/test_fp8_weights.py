@@ -19,11 +19,11 @@ from deepseek_pd.errors import CheckpointError, UserError  # noqa: E402
 from deepseek_pd.model.build_options import BuildOptions  # noqa: E402
 from deepseek_pd.model.config import ModelConfig  # noqa: E402
 from deepseek_pd.model.deepseek import DeepseekForCausalLM  # noqa: E402
-from deepseek_pd.model.fp8_linear import fp8_blocks  # noqa: E402
-from deepseek_pd.model.fp8_ops import FP8_DTYPE, dequant_weight  # noqa: E402
-from deepseek_pd.model.loader import iter_checkpoint_tensors  # noqa: E402
+from deepseek_pd.model.quant.fp8_linear import fp8_blocks  # noqa: E402
+from deepseek_pd.model.quant.fp8_ops import FP8_DTYPE, dequant_weight  # noqa: E402
+from deepseek_pd.model.checkpoint.loader import iter_checkpoint_tensors  # noqa: E402
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig  # noqa: E402
-from deepseek_pd.model.tiny import make_tiny_model  # noqa: E402
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -123,7 +123,7 @@ def test_fp8_model_is_close_to_the_dequantised_model(tmp_path, arch):
 
 
 def test_fp8_backend_on_a_checkpoint_that_is_not_fp8_is_a_user_error():
-    from deepseek_pd.model.model_dir import resolve_model_dir
+    from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
 
     config = ModelConfig.from_hf(resolve_model_dir("tiny") / "config.json")
     with pytest.raises(UserError, match="not FP8"):
@@ -166,7 +166,7 @@ def test_runner_resolves_fp8_and_norm_rope_backends(tmp_path):
     assert (on_cpu.fp8_backend, on_cpu.norm_rope_backend, on_cpu.dtype) == ("dequant", "torch", "float32")
     kept = RunnerConfig.resolve(config, graphs_by_default=False, device="cpu", model=str(directory), fp8_backend="torch")
     assert kept.build_options(config).fp8_backend == "torch"
-    from deepseek_pd.model.model_dir import resolve_model_dir
+    from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
 
     plain = ModelConfig.from_hf(resolve_model_dir("tiny") / "config.json")  # not FP8: nothing to keep
     assert RunnerConfig(fp8_backend="torch").build_options(plain).fp8_backend is None

@@ -8,8 +8,8 @@ import json
 import random
 
 from deepseek_pd.cli import main
-from deepseek_pd.model.engine import Engine
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.workers.engine.offline import Engine
+from deepseek_pd.model.sampling.params import SamplingParams
 
 
 def test_generate_deterministic_equals_the_engine_with_the_flag(capsys):

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from deepseek_pd.cli import main
-from deepseek_pd.model.sampled_host import TopLogprobs
-from deepseek_pd.model.sampling_params import MAX_TOP_LOGPROBS
+from deepseek_pd.model.sampling.sampled_host import TopLogprobs
+from deepseek_pd.model.sampling.params import MAX_TOP_LOGPROBS
 from pdtest.gateway_oracle import offline_engine
 from pdtest.top_logprobs_check import assert_top_matches
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from deepseek_pd.ports import pick_free_ports
-from deepseek_pd.model.dispatch_mode import DispatchConfig, DispatchMode
+from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, DispatchMode
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput
-from deepseek_pd.model.parallel import ExpertPlacement, ParallelInfo
+from deepseek_pd.model.distributed.parallel import ExpertPlacement, ParallelInfo
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(180)]

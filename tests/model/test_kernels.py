@@ -22,7 +22,7 @@ from deepseek_pd.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from deepseek_pd.model.kernels.moe_align import align_by_expert, padded_capacity  # noqa: E402
-from deepseek_pd.model.kv_pool import KVPool  # noqa: E402
+from deepseek_pd.model.kv.pool import KVPool  # noqa: E402
 from deepseek_pd.model.moe import MOE_BACKENDS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -196,7 +196,7 @@ def compare_tiny_model(tmp_path, arch: str, dtype: str, device: str, steps: int)
     fused into the MoE kernel). Returns (tokens, logits) of both; the Triton run is fed the torch tokens."""
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / arch, arch=arch, seed=random.randrange(1000)))
     n_shared = ModelConfig.from_hf(path).n_shared_experts

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.kv_pool import KVPool, KVPoolExhausted
+from deepseek_pd.model.kv.pool import KVPool, KVPoolExhausted
 from pdtest.seeding import examples
 
 pytestmark = pytest.mark.timeout(120)

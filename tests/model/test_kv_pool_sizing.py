@@ -1,4 +1,4 @@
-"""KV pool sizing from a GPU memory budget (model/kv_pool_sizing.py), and the runner that uses it.
+"""KV pool sizing from a GPU memory budget (model/kv/pool_sizing.py), and the runner that uses it.
 
 The oracle is the definition rather than the formula: the answer n is the largest page count with
 n * bytes_per_page + weights + headroom <= budget, checked from both sides on fresh random inputs.
@@ -13,8 +13,8 @@ import torch
 
 from deepseek_pd.units import GIB
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.kv_pool import KVPool, bytes_per_pool_page
-from deepseek_pd.model.kv_pool_sizing import GpuMemory, pages_for_budget, pages_for_gpu
+from deepseek_pd.model.kv.pool import KVPool, bytes_per_pool_page
+from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_budget, pages_for_gpu
 
 
 def _fits(pages: int, budget: int, per_page: int, weights: int, headroom: int) -> bool:
@@ -92,7 +92,7 @@ def test_runner_sizes_its_pool_from_the_measured_budget(monkeypatch, caplog) -> 
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
     from deepseek_pd.model.runner import ModelRunner, RunnerConfig
-    from deepseek_pd.model.tiny import ensure_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import ensure_tiny_model
 
     rng = random.Random()
     model = DeepseekForCausalLM(ModelConfig.from_hf(ensure_tiny_model()))
@@ -139,7 +139,7 @@ def test_runner_pool_on_a_real_gpu_fills_its_budget(monkeypatch) -> None:
     one more page would not have fit (the headroom is the slack). What is resident is the reading
     the runner sized from: allocations after it (other tests' leftovers in this process, the
     runner's own small buffers) belong to the headroom, so they are bounded by it, not zero."""
-    from deepseek_pd.model import kv_pool_sizing
+    from deepseek_pd.model.kv import pool_sizing as kv_pool_sizing
     from deepseek_pd.model.runner import ModelRunner, RunnerConfig
 
     readings: list[kv_pool_sizing.GpuMemory] = []

@@ -11,7 +11,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.attention import ATTENTION_BACKENDS, AttentionPolicy
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.layer_ops import (DENSE_LAYER_OPS, LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, TBO_DECODE_MOE_OPS,
                                          TBO_PREFILL_MOE_OPS, OpState, without_yields)
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig

@@ -9,8 +9,8 @@ import torch
 
 from checkpoint_utils import fp8_twins, write_checkpoint
 from deepseek_pd.errors import CheckpointError, UserError
-from deepseek_pd.model.fp8 import Fp8BlockQuantConfig
-from deepseek_pd.model.loader import iter_checkpoint_tensors, read_hf_config
+from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig
+from deepseek_pd.model.checkpoint.loader import iter_checkpoint_tensors, read_hf_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -208,9 +208,9 @@ def test_keep_fp8_yields_weight_then_scale(tmp_path, seed):
 def test_load_model_matches_hf_logits(tmp_path):
     """load_model builds the model from a checkpoint and its logits are HF's (guards the wiring)."""
     transformers = pytest.importorskip("transformers")
-    from deepseek_pd.model.loader import load_model
+    from deepseek_pd.model.checkpoint.loader import load_model
     from deepseek_pd.model.runner import ExtendSeq, ModelRunner
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     torch.set_num_threads(1)
     path = make_tiny_model(tmp_path / "tiny", arch="v3", seed=int(torch.randint(0, 1000, (1,))))

@@ -1,4 +1,4 @@
-"""Memory planning counts the weights once per worker (model/memory_budget.py, issue 25).
+"""Memory planning counts the weights once per worker (model/kv/memory_budget.py, issue 25).
 
 `up` on one GPU starts a prefill and a decode worker, each loading its own copy of the weights.
 The chain is followed as it runs: `up`'s plan -> each worker's `serve` command line -> the
@@ -23,17 +23,17 @@ from deepseek_pd.launcher.gpu_share import worker_gpu_shares
 from deepseek_pd.launcher.worker_plan import GroupShape, ServeSettings, plan_workers, serve_argv
 from deepseek_pd.model import runner as runner_module
 from deepseek_pd.model.config import ModelConfig
-from deepseek_pd.model.kv_pool import bytes_per_pool_page
-from deepseek_pd.model.kv_pool_sizing import GpuMemory, pages_for_budget, pages_for_gpu
-from deepseek_pd.model.memory_budget import DEFAULT_MEM_FRACTION_STATIC, GpuShare, budget_bytes
+from deepseek_pd.model.kv.pool import bytes_per_pool_page
+from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_budget, pages_for_gpu
+from deepseek_pd.model.kv.memory_budget import DEFAULT_MEM_FRACTION_STATIC, GpuShare, budget_bytes
 from deepseek_pd.operator.gpu_types import product_memory_bytes
 from deepseek_pd.operator.known_models import KNOWN_MODELS
 from deepseek_pd.operator.memory_plan import plan_memory
 from deepseek_pd.operator.spec import DeploymentSpec
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
 from deepseek_pd.units import GIB
-from deepseek_pd.workers.common.internal_auth import create_secret_file
-from deepseek_pd.workers.serve_resolution import resolve_serve_config
+from deepseek_pd.workers.transport.internal_auth import create_secret_file
+from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
 H100_TOTAL = 85_017_493_504  # torch.cuda.mem_get_info on the lent H100 80GB (issue 25)
 CARDS = {"H100-80GB": H100_TOTAL, "H200": product_memory_bytes("NVIDIA-H200")}
@@ -81,7 +81,7 @@ def test_up_starts_v2_lite_on_one_card_with_kv_for_both_workers(card, v2_lite, c
     assert int(DEFAULT_MEM_FRACTION_STATIC * 2 / 5 * total) < weights or card == "H200"
     used = 2 * (weights + CUDA_CONTEXT)  # both copies of the weights are loaded before either pool
     kv_bytes = []
-    with caplog.at_level(logging.INFO, logger="deepseek_pd.model.kv_pool_sizing"):
+    with caplog.at_level(logging.INFO, logger="deepseek_pd.model.kv.pool_sizing"):
         for runner in runners:
             per_page = bytes_per_pool_page(config.num_hidden_layers, runner.page_size, config.kv_cache_dim,
                                            torch.bfloat16)
@@ -158,9 +158,9 @@ def test_the_operators_plan_applies_the_same_rule(card, product) -> None:
 
 
 def test_up_shares_the_kv_room_by_role_and_only_on_cuda() -> None:
-    """Each worker's share follows its role's weight (workers/roles.py), the shares sum to 1, every
+    """Each worker's share follows its role's weight (workers/serve/roles.py), the shares sum to 1, every
     worker counts all of them; on the CPU no worker gets any GPU flag (fixed pools)."""
-    from deepseek_pd.workers.roles import ROLE_DEFAULTS, ROLES
+    from deepseek_pd.workers.serve.roles import ROLE_DEFAULTS, ROLES
 
     rng = _seeded()
     for _ in range(50):

@@ -1,4 +1,4 @@
-"""model/model_dir.py: which directory `--model` names, and the tokenizer and JSON files in it."""
+"""model/checkpoint/model_dir.py: which directory `--model` names, and the tokenizer and JSON files in it."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.model_dir import load_tokenizer, read_json, resolve_model_dir, served_name
-from deepseek_pd.model.tiny import ensure_tiny_model
+from deepseek_pd.model.checkpoint.model_dir import load_tokenizer, read_json, resolve_model_dir, served_name
+from deepseek_pd.model.checkpoint.tiny import ensure_tiny_model
 
 
 def test_tiny_names_and_directories_resolve(tmp_path) -> None:

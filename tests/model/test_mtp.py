@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.build_options import BuildOptions
-from deepseek_pd.model.engine import Engine, EngineConfig
-from deepseek_pd.model.fp8_linear import Fp8Linear
-from deepseek_pd.model.loader import load_model
-from deepseek_pd.model.speculative_rules import MAX_SPECULATIVE_NUM_STEPS, resolve_speculative_num_steps
-from deepseek_pd.model.tiny import make_tiny_model
+from deepseek_pd.workers.engine.offline import Engine, EngineConfig
+from deepseek_pd.model.quant.fp8_linear import Fp8Linear
+from deepseek_pd.model.checkpoint.loader import load_model
+from deepseek_pd.model.speculative.rules import MAX_SPECULATIVE_NUM_STEPS, resolve_speculative_num_steps
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 

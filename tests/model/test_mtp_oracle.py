@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
-from deepseek_pd.model.tiny import make_tiny_model
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 transformers = pytest.importorskip("transformers")

@@ -41,7 +41,7 @@ def test_rms_norm_matches_reference(dtype, with_residual):
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_rope_and_cache_write_matches_reference(dtype, interleaved):
     from deepseek_pd.model.config import ModelConfig
-    from deepseek_pd.model.model_dir import resolve_model_dir
+    from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
     from deepseek_pd.model.rope import RotaryEmbedding
     from dataclasses import replace
 
@@ -66,7 +66,7 @@ def test_rope_and_cache_write_matches_reference(dtype, interleaved):
 
 def test_tiny_model_with_triton_norm_rope_matches_torch(tmp_path):
     from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / "v2", arch=random.choice(["v2", "v3"]), seed=random.randrange(1000)))
     prompt = [random.randrange(200) for _ in range(random.randint(4, 30))]

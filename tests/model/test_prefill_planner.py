@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from deepseek_pd.model.prefill_planner import PromptProgress, plan_extend_batch
+from deepseek_pd.workers.engine.prefill_planner import PromptProgress, plan_extend_batch
 
 pytestmark = pytest.mark.timeout(60)
 

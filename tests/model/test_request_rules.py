@@ -1,4 +1,4 @@
-"""The request rules every entry point applies (model/request_rules.py), on fresh random inputs.
+"""The request rules every entry point applies (workers/engine/request_rules.py), on fresh random inputs.
 
 Oracles: a prompt passes exactly when it is non-empty, every id is an int in [0, vocab) and it
 leaves room for one new token; the output budget is the largest that is <= the request's own and
@@ -11,8 +11,8 @@ import random
 import pytest
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.workers.engine.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
+from deepseek_pd.model.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ from deepseek_pd.model import runner as runner_module
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.runner import RunnerConfig, auto_dtype
-from deepseek_pd.model.tiny import tiny_config
+from deepseek_pd.model.checkpoint.tiny import tiny_config
 
 DTYPES = ("float32", "bfloat16", "float16")
 

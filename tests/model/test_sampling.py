@@ -1,5 +1,5 @@
 """The sampler against plain per-row reference implementations (sampling_reference, written from
-deepseek_pd.model.sampling's docstring), on fresh random logits; plus seeds and distributions.
+deepseek_pd.model.sampling.sampler's docstring), on fresh random logits; plus seeds and distributions.
 The persistent SamplingBatch has its own tests in test_sampling_batch.py."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.sampling import (Finish, IncrementalDetokenizer, Sampler, SamplingState, StopChecker,
+from deepseek_pd.model.sampling.sampler import (Finish, IncrementalDetokenizer, Sampler, SamplingState, StopChecker,
                                         apply_penalties, truncation_mask)
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.sampling.params import SamplingParams
 from sampling_reference import assert_frequencies_match
 from sampling_reference import random_params as _random_params
 from sampling_reference import ref_penalised as _ref_penalised
@@ -174,7 +174,7 @@ def test_logits_shape_mismatch_is_rejected():
 def tokenizer(tmp_path_factory):
     from tokenizers import Tokenizer
 
-    from deepseek_pd.model.tokenizer_builder import build_tokenizer
+    from deepseek_pd.model.checkpoint.tokenizer_builder import build_tokenizer
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     build_tokenizer().save(str(path))
     return Tokenizer.from_file(str(path))

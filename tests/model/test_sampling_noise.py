@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.sampling_noise import (GAMMA, counter_uniforms, mix64_, mix64_int, reference_uniform,
+from deepseek_pd.model.sampling.noise import (GAMMA, counter_uniforms, mix64_, mix64_int, reference_uniform,
                                               seed_key, token_offsets)
 
 pytestmark = pytest.mark.timeout(120)

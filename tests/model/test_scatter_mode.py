@@ -1,4 +1,4 @@
-"""`LayerScatterModes` per layer for each layout (model/scatter_mode.py), the row-share rule, and
+"""`LayerScatterModes` per layer for each layout (model/distributed/scatter_mode.py), the row-share rule, and
 the TP collectives over rows (`all_gather_rows`, `reduce_scatter_rows`) against plain torch over
 gloo at tp 3 with row counts tp does not divide, none, or fewer than tp."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.model.attention.tensor_parallel import all_gather_rows, own_rows, reduce_scatter_rows, row_share
 from deepseek_pd.model.config import ModelConfig
-from deepseek_pd.model.parallel import ParallelInfo
-from deepseek_pd.model.scatter_mode import LayerScatterModes, ScatterMode
+from deepseek_pd.model.distributed.parallel import ParallelInfo
+from deepseek_pd.model.distributed.scatter_mode import LayerScatterModes, ScatterMode
 from hf_oracle import TinyShape
 
 F, S = ScatterMode.TP_ATTN_FULL, ScatterMode.SCATTERED

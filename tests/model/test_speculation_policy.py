@@ -1,4 +1,4 @@
-"""The per-step draft count (model/speculation_policy.py): expected tokens over measured cost."""
+"""The per-step draft count (model/speculative/policy.py): expected tokens over measured cost."""
 from __future__ import annotations
 
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.speculation_policy import AcceptRate, SpeculationPolicy, StepCosts, expected_tokens
-from deepseek_pd.model.speculative_sampling import AcceptStats
+from deepseek_pd.model.speculative.policy import AcceptRate, SpeculationPolicy, StepCosts, expected_tokens
+from deepseek_pd.model.speculative.acceptance import AcceptStats
 
 
 def test_the_docstring_example():

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.engine import Engine
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.model.tiny import make_tiny_model
+from deepseek_pd.workers.engine.offline import Engine
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from pdtest.mtp_training import train_mtp
 
 pytestmark = pytest.mark.timeout(600)

@@ -1,4 +1,4 @@
-"""The acceptance rule's output distribution equals the target's (model/speculative_sampling.py).
+"""The acceptance rule's output distribution equals the target's (model/speculative/acceptance.py).
 
 A small-vocabulary target (logits a fixed random function of the prefix) and a deterministic
 draft chain; each trial runs one verify step through `accept_drafts` with the target's own
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from deepseek_pd.model import speculative_sampling
-from deepseek_pd.model.speculative_sampling import AcceptStats, accept_drafts, accept_prefix
+from deepseek_pd.model.speculative import acceptance as speculative_sampling
+from deepseek_pd.model.speculative.acceptance import AcceptStats, accept_drafts, accept_prefix
 
 VOCAB, LENGTH, STEPS, TRIALS = 5, 3, 2, 24_000
 Z_1E4 = 3.719  # the standard normal's upper 1e-4 quantile

@@ -1,4 +1,4 @@
-"""Speculative decoding with two-batch overlap (model/tbo.py) in one rank: the verify extend runs as
+"""Speculative decoding with two-batch overlap (model/distributed/tbo.py) in one rank: the verify extend runs as
 two micro-batches (cut between sequences, or inside one sequence's drafts) and the greedy outputs are
 the TBO engine's without speculation, token for token, over seeded prompts and batch mixes, with
 the accept path exercised (an MTP layer trained for a few seconds)."""
@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.engine import Engine
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.model.tiny import make_tiny_model
+from deepseek_pd.workers.engine.offline import Engine
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from pdtest.mtp_training import train_mtp
 
 pytestmark = pytest.mark.timeout(600)

@@ -10,12 +10,12 @@ import torch
 
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.layer_ops import TBO_DECODE_MOE_OPS, TBO_PREFILL_MOE_OPS, YIELD, OpState
-from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
-from deepseek_pd.model.tbo import TwoBatchOverlap, interleaved_order, micro_batch
-from deepseek_pd.model.tbo_rules import TboRules
+from deepseek_pd.model.distributed.tbo import TwoBatchOverlap, interleaved_order, micro_batch
+from deepseek_pd.model.distributed.tbo_rules import TboRules
 from hf_oracle import TinyShape, build_hf_model, our_model
 
 pytestmark = pytest.mark.timeout(90)

@@ -1,4 +1,4 @@
-"""SGLang's TBO split rules (model/tbo_rules.py) against the rule written out by brute force, the
+"""SGLang's TBO split rules (model/distributed/tbo_rules.py) against the rule written out by brute force, the
 docstring's examples, and the engine-option checks."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.runner import RunnerConfig
-from deepseek_pd.model.tbo_rules import TboRules, balanced_cut
+from deepseek_pd.model.distributed.tbo_rules import TboRules, balanced_cut
 
 
 def _oracle(lens: list[int], share: float) -> int:

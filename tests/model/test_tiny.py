@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model import tiny
-from deepseek_pd.model.model_dir import resolve_model_dir as resolve_model_path
-from deepseek_pd.model.tiny import make_tiny_model
-from deepseek_pd.model.tokenizer_builder import BOS_TOKEN, EOS_TOKEN
+from deepseek_pd.model.checkpoint import tiny
+from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir as resolve_model_path
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
+from deepseek_pd.model.checkpoint.tokenizer_builder import BOS_TOKEN, EOS_TOKEN
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,7 +118,7 @@ def test_config_parses_with_model_config(tiny_dirs):
 def _resolve_in_child(cache: str, queue) -> None:
     import os
     os.environ["DEEPSEEK_PD_CACHE"] = cache
-    from deepseek_pd.model.model_dir import resolve_model_dir as resolve
+    from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir as resolve
     queue.put(str(resolve("tiny")))
 
 
@@ -153,7 +153,7 @@ def test_fp8_variant_is_block_scaled_tiny(tiny_dirs, tmp_path):
     from safetensors.torch import load_file
 
     from deepseek_pd.cli import main
-    from deepseek_pd.model.fp8 import Fp8BlockQuantConfig, dequantize_block_fp8
+    from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig, dequantize_block_fp8
 
     assert main(["make-tiny-model", str(tmp_path / "fp8"), "--fp8"]) == 0
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())

@@ -28,7 +28,7 @@ from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import ForwardMode
-from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)

@@ -21,7 +21,7 @@ from deepseek_pd.operator.autoscale_metrics import (
 from deepseek_pd.operator.autoscaler import (
     AutoscalingSpec, Decision, MetricTarget, decide, one_role_at_a_time,
 )
-from deepseek_pd.workers.common.metrics import TTFT_BUCKETS
+from deepseek_pd.workers.metrics.worker_metrics import TTFT_BUCKETS
 
 SEED = int(os.environ.get("AUTOSCALER_SEED", random.randrange(2**32)))
 

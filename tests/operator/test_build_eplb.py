@@ -90,8 +90,8 @@ def test_serve_resolves_the_rendered_flags_against_the_mounted_file(tmp_path) ->
     resolution loads the placement the ConfigMap holds; a placement the model cannot take stops it."""
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.eplb.expert_location import moe_layer_ids
-    from deepseek_pd.model.tiny import ensure_tiny_model
-    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+    from deepseek_pd.model.checkpoint.tiny import ensure_tiny_model
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
     rng = random.Random()
     role = rng.choice(names.ROLES)

@@ -5,7 +5,7 @@ import base64
 import os
 
 from deepseek_pd.operator.build_secret import build_internal_secret, internal_secret_mount
-from deepseek_pd.workers.common.internal_auth import InternalAuth, SECRET_FILE_ENV
+from deepseek_pd.workers.transport.internal_auth import InternalAuth, SECRET_FILE_ENV
 
 
 def test_secret_is_random_and_mounts_where_serve_reads_it(tmp_path):

@@ -16,8 +16,8 @@ import yaml
 from deepseek_pd.units import GIB
 from deepseek_pd.cli import main
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.kv_pool import bytes_per_pool_page
-from deepseek_pd.model.kv_pool_sizing import pages_for_budget
+from deepseek_pd.model.kv.pool import bytes_per_pool_page
+from deepseek_pd.model.kv.pool_sizing import pages_for_budget
 from deepseek_pd.model.runner import FP8_BACKEND_CHOICES
 from deepseek_pd.operator import memory_flags
 from deepseek_pd.operator.gpu_types import gpu_memory, product_memory_bytes
@@ -220,7 +220,7 @@ def test_redundant_experts_in_engine_args_add_their_weights_per_rank():
 
 def test_the_fp8_backend_choices_are_the_runners():
     """The one list the operator keeps beside the runner's (model/runner.py imports torch); the
-    defaults are not copied: the serve contract and model/memory_budget.py hold them."""
+    defaults are not copied: the serve contract and model/kv/memory_budget.py hold them."""
     assert set(memory_flags.FP8_BACKENDS) == set(FP8_BACKEND_CHOICES)
 
 

@@ -1,5 +1,5 @@
 """SLO autoscaling end to end against the emulated API server: the real kopf operator scrapes a
-real worker metrics exporter (workers/common/metrics_server.py, fed the way the servicer feeds
+real worker metrics exporter (workers/metrics/server.py, fed the way the servicer feeds
 it), scales decode up under slow TPOT and back to the minimum when idle, records each decision
 in status.autoscaling, posts an Event per change; bad autoscaling specs become InvalidSpec."""
 from __future__ import annotations
@@ -16,8 +16,8 @@ from test_operator_kopf import (
 
 from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.operator import names
-from deepseek_pd.workers.common.metrics import MetricLabels, WorkerMetrics
-from deepseek_pd.workers.common.metrics_server import MetricsConfig, MetricsServer
+from deepseek_pd.workers.metrics.worker_metrics import MetricLabels, WorkerMetrics
+from deepseek_pd.workers.metrics.server import MetricsConfig, MetricsServer
 
 pytestmark = [pytest.mark.timeout(120)]
 

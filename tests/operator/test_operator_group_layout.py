@@ -55,7 +55,7 @@ def v3_node(tmp_path, monkeypatch) -> pathlib.Path:
     import torch
     from transformers import DeepseekV3Config
 
-    from deepseek_pd.workers import serve_resolution
+    from deepseek_pd.workers.serve import resolution as serve_resolution
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
@@ -68,7 +68,7 @@ def v3_node(tmp_path, monkeypatch) -> pathlib.Path:
 
 @pytest.mark.parametrize("example", ["deepseek-v3-h200.yaml", "cpu-minimal.yaml"])
 def test_every_rendered_pod_resolves_to_the_layout_the_cr_meant(example, v3_node, monkeypatch) -> None:
-    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
     rng = random.Random()
     spec = _spec(example, rng)
@@ -115,7 +115,7 @@ def test_a_pod_whose_ranks_outnumber_its_gpus_is_refused_at_resolution(v3_node, 
     import torch
 
     from deepseek_pd.errors import UserError
-    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
     gpus = random.randint(1, 7)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
@@ -138,7 +138,7 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
     the rendered pod as `serve` resolves it, for random flags that size or stop the graphs. Experts
     are replicated (ep 1, the `local` dispatcher) so that nothing the image decides blocks graphs:
     with ep > 1 this node has no deep_ep, whose low-latency mode the plan assumes capturable."""
-    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
     rng = random.Random()
     raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())["spec"]
@@ -169,8 +169,8 @@ def test_each_local_rank_of_a_rendered_v3_pod_gets_its_own_rdma_device(v3_node, 
     """The V3 example's pods run 8 ranks each over 8 HCAs: every rank's TransferEngine starts on
     the HCA at its local rank's position in kvTransfer.devices (drawn in a random order here),
     the one beside its GPU, not on all eight; over tcp every rank gets none."""
-    from deepseek_pd.workers.group_main import rank_config
-    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+    from deepseek_pd.workers.serve.group_main import rank_config
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
     rng = random.Random()
     raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())["spec"]

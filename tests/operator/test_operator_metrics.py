@@ -25,7 +25,7 @@ from deepseek_pd.operator.build_workers import build_group_service, build_group_
 from deepseek_pd.operator.kube import ApiError
 from deepseek_pd.operator.reconcile import Reconciler, build_static_children
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
-from deepseek_pd.workers.common.metrics_server import MetricsConfig
+from deepseek_pd.workers.metrics.server import MetricsConfig
 from pdtest.schema_admission import Refused, validate
 
 pytestmark = pytest.mark.timeout(120)

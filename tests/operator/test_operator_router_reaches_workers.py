@@ -90,9 +90,9 @@ async def _generate(session: aiohttp.ClientSession, url: str, rng: random.Random
 
 
 def test_rendered_static_router_reaches_our_grpc_workers_and_survives_a_restart(tmp_path):
-    from deepseek_pd.workers.common.served_model import ServedModelInfo
-    from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
-    from deepseek_pd.workers.common.servicer import WorkerIdentity
+    from deepseek_pd.workers.api.served_model import ServedModelInfo
+    from deepseek_pd.workers.api.server import ServerConfig, WorkerServer
+    from deepseek_pd.workers.api.servicer import WorkerIdentity
 
     rng = random.Random()
     model_dir = make_tokenizer_model_dir(tmp_path / "model")
@@ -159,9 +159,9 @@ def test_the_rendered_post_start_hook_guards_the_rendered_router(tmp_path):
     from deepseek_pd.gateway import new_key
     from deepseek_pd.operator.build_router import build_router_deployment
     from deepseek_pd.operator.router_keys import CONTROL_PLANE_ENV
-    from deepseek_pd.workers.common.served_model import ServedModelInfo
-    from deepseek_pd.workers.common.server import ServerConfig, WorkerServer
-    from deepseek_pd.workers.common.servicer import WorkerIdentity
+    from deepseek_pd.workers.api.served_model import ServedModelInfo
+    from deepseek_pd.workers.api.server import ServerConfig, WorkerServer
+    from deepseek_pd.workers.api.servicer import WorkerIdentity
 
     rng = random.Random()
     model_dir = make_tokenizer_model_dir(tmp_path / "model")

@@ -35,8 +35,8 @@ from deepseek_pd.operator.crd_spec import DEFAULT_RUN_AS_USER
 from deepseek_pd.operator.pod_security import secure_container
 from deepseek_pd.operator.router_keys import build_control_plane_secret
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
-from deepseek_pd.workers.common.internal_auth import SECRET_FILE_ENV
-from deepseek_pd.workers.common.request_failure import TransferError
+from deepseek_pd.workers.transport.internal_auth import SECRET_FILE_ENV
+from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.decode.prefill_peers import PrefillPeers
 
 pytestmark = pytest.mark.timeout(120)
@@ -192,7 +192,7 @@ def _argv(pod: dict, env: dict[str, str], root: pathlib.Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     return pathlib.Path(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 
@@ -200,7 +200,7 @@ def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_serve_starts_from_the_rendered_pod_and_refuses_it_without_the_secret(
         role, tmp_path, monkeypatch, tiny_checkpoint):
-    from deepseek_pd.workers.serve_resolution import resolve_serve_config
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
     spec = _spec(_raw())
     pod = _pod(spec, role)

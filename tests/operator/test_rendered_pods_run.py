@@ -52,7 +52,7 @@ def _router_url(pods: list[LocalPod], spec: DeploymentSpec) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("pods_per_group", [1, 2], ids=["as-shipped", "2-pods-per-group"])
 def test_rendered_pods_serve_behind_the_rendered_router(tmp_path, pods_per_group) -> None:
-    from deepseek_pd.model.engine import Engine
+    from deepseek_pd.workers.engine.offline import Engine
 
     rng = random.Random()
     spec = cpu_minimal_spec(rng, pods_per_group)

@@ -13,13 +13,13 @@ import yaml
 
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.runner import ModelRunner, RunnerConfig
-from deepseek_pd.model.speculative_rules import MAX_SPECULATIVE_NUM_STEPS
-from deepseek_pd.model.tiny import make_tiny_model
+from deepseek_pd.model.speculative.rules import MAX_SPECULATIVE_NUM_STEPS
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from deepseek_pd.operator.build_workers import build_worker_args
 from deepseek_pd.operator.memory_plan import plan_memory
 from deepseek_pd.operator.spec import DeploymentSpec
 from deepseek_pd.operator.validation import validate_object
-from deepseek_pd.workers.serve_flags import ServeFlags
+from deepseek_pd.workers.serve.flags import ServeFlags
 
 pytestmark = pytest.mark.timeout(120)
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"

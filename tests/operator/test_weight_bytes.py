@@ -19,8 +19,8 @@ from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.eplb.expert_location import resolve_expert_location
-from deepseek_pd.model.parallel import ParallelInfo
-from deepseek_pd.model.tiny import tiny_config
+from deepseek_pd.model.distributed.parallel import ParallelInfo
+from deepseek_pd.model.checkpoint.tiny import tiny_config
 from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
 

@@ -34,7 +34,7 @@ def _chunk() -> int:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """The tiny checkpoint (random arch and seed) plus a random shard of 2.5 read chunks."""
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     directory = tmp_path_factory.mktemp("ckpt") / "tiny"
     make_tiny_model(directory, arch=random.choice(["v2", "v3"]), seed=random.randrange(1 << 30))

@@ -35,8 +35,8 @@ def page_bytes_all_layers() -> int:
     import torch
 
     from deepseek_pd.model.config import ModelConfig
-    from deepseek_pd.model.kv_pool import bytes_per_pool_page
-    from deepseek_pd.model.model_dir import resolve_model_dir
+    from deepseek_pd.model.kv.pool import bytes_per_pool_page
+    from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
 
     config = ModelConfig.from_hf(resolve_model_dir("tiny"))
     return bytes_per_pool_page(config.num_hidden_layers, PAGE_SIZE, config.kv_cache_dim, torch.float32)

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.sampling.params import SamplingParams
 from pdtest.hostile_prefill import hold_transfer_done
 from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, worker_config
 

@@ -10,9 +10,9 @@ import dataclasses
 import random
 import sys
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer import TransportConfig
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.transport import TransportConfig
 from pdtest.pd_engine_harness import CHUNK, PDPair, collect, oracle, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)

@@ -15,7 +15,7 @@ import random
 import sys
 import time
 
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.sampling.params import SamplingParams
 from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, PDPair, oracle, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from deepseek_pd.model import nvml
-from deepseek_pd.workers import serve_resolution
-from deepseek_pd.workers.common.worker_config import GPU_CHUNK_TIERS, SchedulerConfig, gpu_chunked_prefill_size
+from deepseek_pd.workers.serve import resolution as serve_resolution
+from deepseek_pd.workers.engine.worker_config import GPU_CHUNK_TIERS, SchedulerConfig, gpu_chunked_prefill_size
 
 from test_serve_resolution import checkpoint, resolve
 

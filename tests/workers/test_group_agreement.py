@@ -8,8 +8,8 @@ import random
 import pytest
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.workers.group_main import agreement_of, check_agreement
-from deepseek_pd.workers.serve_resolution import ParallelFlags, ServeFlags, resolve_serve_config
+from deepseek_pd.workers.serve.group_main import agreement_of, check_agreement
+from deepseek_pd.workers.serve.resolution import ParallelFlags, ServeFlags, resolve_serve_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,7 +86,7 @@ class _JoinedGroup:
         return self.answer
 
     def parallel(self):
-        from deepseek_pd.model.parallel import ParallelInfo
+        from deepseek_pd.model.distributed.parallel import ParallelInfo
         return ParallelInfo()
 
     def tp_replay(self):
@@ -102,7 +102,7 @@ def test_a_start_up_failure_tears_the_process_groups_down_before_it_propagates(m
     of exiting with the start-up error's status; `serve_rank` closes the group first."""
     import asyncio
 
-    from deepseek_pd.workers import group_main
+    from deepseek_pd.workers.serve import group_main
 
     config = _resolved(dp=2, ep=2)
     mine = agreement_of(config)

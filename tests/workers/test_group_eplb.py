@@ -15,7 +15,7 @@ import pytest
 from deepseek_pd.cli import main
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.eplb.expert_location import resolve_expert_location
-from deepseek_pd.model.model_dir import resolve_model_dir
+from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
 from deepseek_pd.ports import pick_free_port_blocks
 from pdtest.group_harness import GroupWorker, generate_all, offline_greedy
 

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient
-from deepseek_pd.workers.common.lockstep import GROUP_FAILED_EXIT, GROUP_STOPPED_EXIT
+from deepseek_pd.workers.group.lockstep import GROUP_FAILED_EXIT, GROUP_STOPPED_EXIT
 from pdtest.group_harness import GroupWorker, greedy_request, offline_greedy
 
 pytestmark = [pytest.mark.slow]

@@ -70,7 +70,7 @@ async def _misrouted_request_fails_at_once(prefill: GroupWorker, decode: GroupWo
     import grpc
 
     from deepseek_pd.client.scheduler_grpc import SchedulerClient, collect
-    from deepseek_pd.workers.common.internal_auth import resolve_auth
+    from deepseek_pd.workers.transport.internal_auth import resolve_auth
     from deepseek_pd.workers.decode.prefill_routes import PrefillRoutes
     from pdtest.group_harness import greedy_request
 

@@ -14,12 +14,12 @@ import pytest
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
-from deepseek_pd.model.engine import Engine
-from deepseek_pd.model.mtp import check_mtp_supported
-from deepseek_pd.model.parallel import ParallelInfo
+from deepseek_pd.workers.engine.offline import Engine
+from deepseek_pd.model.speculative.mtp import check_mtp_supported
+from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.runner import ModelRunner, RunnerConfig
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.model.tiny import make_tiny_model, tiny_config
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model, tiny_config
 from deepseek_pd.ports import pick_free_ports
 from pdtest.group_harness import CHUNKED_PREFILL_SIZE, PAGE_SIZE, GroupWorker, generate_all
 from pdtest.mtp_training import save_mtp_layer, train_mtp

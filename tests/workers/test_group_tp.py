@@ -1,7 +1,7 @@
 """PD into an attention-TP decode group: `serve decode --tp 2 --ep 2` (one DP group of two TP
 ranks, the heads split, the experts spread) behind a 1-rank prefill worker.
 
-Rank 0 runs the engine; rank 1 replays its forwards (model/tp_replay.py), including the pages
+Rank 0 runs the engine; rank 1 replays its forwards (model/distributed/tp_replay.py), including the pages
 each PD transfer wrote into rank 0's pool. The oracle is the single-process offline engine: the
 greedy tokens must be the same. One prefill process and one decode group for the whole file.
 """

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import Failed
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import Failed
 from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, PDPair, collect, oracle, worker_config
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -175,7 +175,7 @@ def test_abort_during_a_layerwise_transfer_frees_both_pools():
 
 
 def test_layerwise_transfer_is_on_by_default_and_an_engine_option():
-    from deepseek_pd.workers.serve_resolution import ServeFlags, resolve_serve_config
+    from deepseek_pd.workers.serve.resolution import ServeFlags, resolve_serve_config
     assert resolve_serve_config(ServeFlags(role="prefill", device="cpu")).worker.scheduler.layerwise_transfer
     off = resolve_serve_config(ServeFlags(role="prefill", device="cpu", engine_options=("layerwise_transfer=false",)))
     assert off.worker.scheduler.layerwise_transfer is False

@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.engine import Engine
+from deepseek_pd.workers.engine.offline import Engine
 from deepseek_pd.model.runner import ModelRunner, RunnerConfig
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.sampling.params import SamplingParams
 from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, PDPair, worker_config
 
 pytestmark = [pytest.mark.timeout(600)]

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, GenerateRequest
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import DisaggParams, Failed, FailureCode, GenerateRequest
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pdtest.pd_engine_harness import CHUNK, PDPair, collect, oracle, runner, worker_config

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import Failed, FailureCode
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import Failed, FailureCode
 from deepseek_pd.workers.prefill import bootstrap_servicer
 from pdtest.pd_engine_harness import CHUNK, PDPair, collect, oracle, worker_config
 

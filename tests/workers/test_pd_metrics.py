@@ -21,14 +21,14 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepseek_pd.model.sampling_params import SamplingParams
+from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
-from deepseek_pd.workers.common.api import GenerateRequest
-from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION, target
-from deepseek_pd.workers.common.kv_transfer.base import layout_of
-from deepseek_pd.workers.common.metrics import HANDSHAKE_FAILURE_REASONS
-from deepseek_pd.workers.common.metrics_server import MetricsConfig, MetricsServer
+from deepseek_pd.workers.engine.interface import GenerateRequest
+from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION, target
+from deepseek_pd.workers.transport.base import layout_of
+from deepseek_pd.workers.metrics.worker_metrics import HANDSHAKE_FAILURE_REASONS
+from deepseek_pd.workers.metrics.server import MetricsConfig, MetricsServer
 from pdtest.pd_engine_harness import PDPair, collect, worker_config
 
 pytestmark = pytest.mark.timeout(180)

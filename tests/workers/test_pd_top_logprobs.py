@@ -15,8 +15,8 @@ import random
 
 import pytest
 
-from deepseek_pd.model.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from deepseek_pd.workers.common.api import Failed, FailureCode, GenerateRequest
+from deepseek_pd.model.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
+from deepseek_pd.workers.engine.interface import Failed, FailureCode, GenerateRequest
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from pdtest.top_logprobs_check import assert_top_matches
 from pdtest.pd_engine_harness import PDPair, collect, oracle, runner, worker_config

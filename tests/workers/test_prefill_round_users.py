@@ -1,4 +1,4 @@
-"""The three engines prefill through the one prefill round (workers/common/prefill_round.py), and no
+"""The three engines prefill through the one prefill round (workers/engine/prefill_round.py), and no
 fourth copy of it creeps back.
 
 Statically (from the source, as tests/test_import_graph.py reads it): the prefill worker's, the
@@ -16,10 +16,10 @@ import random
 
 import pytest
 
-from deepseek_pd.model.engine import Engine
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import GenerateRequest
-from deepseek_pd.workers.common.prefill_round import PrefillRounds
+from deepseek_pd.workers.engine.offline import Engine
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import GenerateRequest
+from deepseek_pd.workers.engine.prefill_round import PrefillRounds
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, PDPair, collect, oracle, runner, worker_config
 from test_import_graph import ROOT_PACKAGE, import_edges, package_modules
@@ -80,12 +80,12 @@ def test_the_engines_import_the_round_and_nothing_else_builds_one():
         if module not in EXTEND_CALLERS and not module.startswith(f"{ROOT_PACKAGE}.model.") \
                 or module == f"{ROOT_PACKAGE}.model.engine":
             strays += [f"{module}:{line} calls the runner's extend" for line in _runner_extend_calls(tree)]
-    assert not strays, "a prefill round outside workers/common/prefill_round.py:\n  " + "\n  ".join(strays)
+    assert not strays, "a prefill round outside workers/engine/prefill_round.py:\n  " + "\n  ".join(strays)
 
 
 def test_the_static_check_sees_a_copy(tmp_path):
     """Guard against a vacuous pass: a module planning and running a round of its own is caught."""
-    copy = ast.parse("from deepseek_pd.model.prefill_planner import plan_extend_batch\n"
+    copy = ast.parse("from deepseek_pd.workers.engine.prefill_planner import plan_extend_batch\n"
                      "def round(self, queue):\n"
                      "    plan = plan_extend_batch(queue, 8)\n"
                      "    return self.runner.extend(plan.seqs)\n")

@@ -1,4 +1,4 @@
-"""The request lifecycle both engines share (workers/common/request_lifecycle.py), on each role.
+"""The request lifecycle both engines share (workers/engine/request_lifecycle.py), on each role.
 
 Oracles: check_prompt's own message for a bad prompt; the offline `Engine` for the tokens of a
 request that a duplicate id must leave untouched; the pool and the request table for cleanup.
@@ -11,9 +11,9 @@ import random
 import pytest
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.request_rules import check_prompt
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, GenerateRequest, TokenChunk
+from deepseek_pd.workers.engine.request_rules import check_prompt
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import DisaggParams, Failed, FailureCode, GenerateRequest, TokenChunk
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pdtest.pd_engine_harness import collect, oracle, runner, worker_config

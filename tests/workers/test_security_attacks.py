@@ -16,13 +16,13 @@ import torch
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
-from deepseek_pd.workers.common.api import DisaggParams, FailureCode
-from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION
-from deepseek_pd.workers.common.kv_transfer import build_receiver, build_sender
-from deepseek_pd.workers.common.request_failure import TransferError
-from deepseek_pd.workers.common.kv_transfer.base import TransportConfig, layout_of
-from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.engine.interface import DisaggParams, FailureCode
+from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION
+from deepseek_pd.workers.transport import build_receiver, build_sender
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.transport.base import TransportConfig, layout_of
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
@@ -163,8 +163,8 @@ def test_a_lying_prefill_fails_its_own_requests_alone(lie, monkeypatch):
     that reuses the refused pages, give exactly the offline engine's greedy tokens. Without
     `check_first_token` the bad id failed the whole batch; without the finite check and the
     scrub, NaN pages turned later requests' outputs into runs of token 0."""
-    from deepseek_pd.model.sampling_params import SamplingParams
-    from deepseek_pd.workers.common.api import Failed
+    from deepseek_pd.model.sampling.params import SamplingParams
+    from deepseek_pd.workers.engine.interface import Failed
     from deepseek_pd.workers.decode import engine as decode_engine
     from deepseek_pd.workers.prefill.engine import PrefillEngine
 

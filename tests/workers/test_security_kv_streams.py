@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.internal_auth import InternalAuth
-from deepseek_pd.workers.common.kv_transfer import TransportConfig
+from deepseek_pd.workers.transport.internal_auth import InternalAuth
+from deepseek_pd.workers.transport import TransportConfig
 from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
 
 pytestmark = pytest.mark.timeout(90)

@@ -13,12 +13,12 @@ import pytest
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
-from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION
-from deepseek_pd.workers.common.internal_auth import InternalAuth
-from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
-from deepseek_pd.workers.common.kv_transfer.base import layout_of
-from deepseek_pd.workers.common.request_failure import TransferError
-from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION
+from deepseek_pd.workers.transport.internal_auth import InternalAuth
+from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.transport.base import layout_of
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from pdtest import mooncake_stub

@@ -6,7 +6,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model import runner as runner_module
-from deepseek_pd.workers.roles import ROLES
+from deepseek_pd.workers.serve.roles import ROLES
 
 from test_serve_resolution import checkpoint, resolve  # noqa: E402 (the sibling test module's helpers)
 

@@ -1,4 +1,4 @@
-"""The serve contract (workers/serve_flags.py) is the one definition of `deepseek-pd serve`'s
+"""The serve contract (workers/serve/flags.py) is the one definition of `deepseek-pd serve`'s
 command line: every flag, set to a random value other than its default, renders and parses back
 unchanged through the contract, the CLI's own parser, what `up` renders for its workers, what the
 operator renders for its pods, and what the operator's memory plan reads. Any of them drifting
@@ -19,13 +19,13 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.launcher.worker_plan import (
     GroupShape, ServeSettings, plan_workers, port_block_sizes, serve_argv, serve_flags)
-from deepseek_pd.model.memory_budget import GpuShare
+from deepseek_pd.model.kv.memory_budget import GpuShare
 from deepseek_pd.operator.build_workers import build_worker_args, worker_serve_flags
 from deepseek_pd.operator.crd_spec import MANAGED_FLAGS
 from deepseek_pd.operator.memory_flags import parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec
-from deepseek_pd.workers import serve_flags as contract
-from deepseek_pd.workers.serve_flags import ParallelFlags, ServeFlags
+from deepseek_pd.workers.serve import flags as contract
+from deepseek_pd.workers.serve.flags import ParallelFlags, ServeFlags
 
 from pdtest.pod_inputs import expand
 

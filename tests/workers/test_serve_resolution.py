@@ -1,4 +1,4 @@
-"""`deepseek-pd serve` flags -> one resolved `ServeConfig` (workers/serve_resolution.py), parsed by
+"""`deepseek-pd serve` flags -> one resolved `ServeConfig` (workers/serve/resolution.py), parsed by
 the real command-line parser. `torch.cuda.is_available` is patched to play a GPU machine: nothing is
 loaded, the checkpoint's config.json is all that is read.
 """
@@ -15,11 +15,11 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.errors import UserError
 from deepseek_pd.model import runner as runner_module
-from deepseek_pd.model.kv_pool_sizing import DEFAULT_MEM_FRACTION_STATIC
+from deepseek_pd.model.kv.pool_sizing import DEFAULT_MEM_FRACTION_STATIC
 from deepseek_pd.model.runner import DEFAULT_NUM_PAGES
-from deepseek_pd.model.tiny import tiny_config
-from deepseek_pd.workers.roles import ROLES
-from deepseek_pd.workers.serve_resolution import resolve_serve_config
+from deepseek_pd.model.checkpoint.tiny import tiny_config
+from deepseek_pd.workers.serve.roles import ROLES
+from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_the_largest_cuda_graph_follows_the_decode_batch_cap(gpu_machine, tmp_pa
                          "--engine-opt", f"cuda_graph_max_batch={below}")
     assert pinned.runner.cuda_graph_max_batch == below  # an explicit value wins, with a warning
     assert f"batches above {below} run without CUDA graphs" in caplog.text
-    # The headroom grows with the largest graph (model/memory_headroom.py), unless given or no graphs
+    # The headroom grows with the largest graph (model/kv/memory_headroom.py), unless given or no graphs
     assert default.runner.headroom_gib == 2.0 and raised.runner.headroom_gib == 2.0 * cap / 128
     given = round(random.uniform(0.5, 9), 2)
     assert resolve("decode", "--model", str(model), "--engine-opt", f"max_running_requests={cap}",

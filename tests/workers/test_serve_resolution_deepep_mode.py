@@ -8,7 +8,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model import runner as runner_module
-from deepseek_pd.model.dispatch_mode import DEFAULT_LOW_LATENCY_MAX_TOKENS
+from deepseek_pd.model.distributed.dispatch_mode import DEFAULT_LOW_LATENCY_MAX_TOKENS
 from test_serve_resolution import checkpoint, resolve
 
 

@@ -7,7 +7,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model import runner as runner_module
-from deepseek_pd.workers.common.group_layout import GroupLayout
+from deepseek_pd.workers.group.layout import GroupLayout
 from test_serve_resolution import checkpoint, resolve
 
 

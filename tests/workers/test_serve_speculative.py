@@ -1,4 +1,4 @@
-"""`serve --speculative-num-steps` (workers/serve_resolution.py): the runner gets it, the identity's
+"""`serve --speculative-num-steps` (workers/serve/resolution.py): the runner gets it, the identity's
 KV bytes per token count the MTP layer's KV (one layer more: what the pool holds, and `bench
 serving` reads), decode CUDA graphs stay off by default, and a value out of range is refused."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.errors import UserError
 from deepseek_pd.model import runner as runner_module
-from deepseek_pd.model.tiny import tiny_config
-from deepseek_pd.workers.serve_resolution import resolve_serve_config
+from deepseek_pd.model.checkpoint.tiny import tiny_config
+from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
 
 def resolve(*argv: str):
@@ -57,7 +57,7 @@ def test_a_checkpoint_without_mtp_is_a_clear_start_up_error(tmp_path, role):
     import subprocess
     import sys
 
-    from deepseek_pd.model.tiny import make_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
     from deepseek_pd.ports import pick_free_ports
 
     plain = make_tiny_model(tmp_path / "plain", seed=0)

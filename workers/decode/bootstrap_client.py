@@ -10,7 +10,7 @@ it, several chunks at once. Credit for more is granted every half window, for ch
 written (so memory stays bounded by the window). With parallel KV streams (the ack's
 `kv_streams` > 1) it also opens the room's extra streams, each on its own connection
 (decode/kv_streams.py). It returns the `TransferDone` (after every chunk of every stream is
-written) or raises a `RequestFailure` (workers/common/request_failure.py):
+written) or raises a `RequestFailure` (workers/engine/request_failure.py):
 
     unreachable for handshake_timeout_s          -> UNAVAILABLE
     no TransferDone within transfer_timeout_s    -> DEADLINE_EXCEEDED
@@ -26,7 +26,7 @@ that fails later has its pages zeroed, while one refused before (an unregistered
 route) frees them untouched.
 
 Every handshake and abort is signed with the deployment secret, and the prefill side's ack and
-done must answer this stream's handshake (workers/common/internal_auth.py).
+done must answer this stream's handshake (workers/transport/internal_auth.py).
 
 A multi-rank prefill group keeps a room's KV on its DP rank `room % dp`: the handshake goes to that
 rank's own bootstrap endpoint, learnt from the named address's signed route table (prefill_routes.py).
@@ -42,15 +42,15 @@ import time
 import grpc
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import DisaggParams, FailureCode
-from deepseek_pd.workers.common.bootstrap_protocol import (
+from deepseek_pd.workers.engine.interface import DisaggParams, FailureCode
+from deepseek_pd.workers.transport.bootstrap_protocol import (
     MAX_CHUNK_BYTES, MESSAGE_ENVELOPE_BYTES, PROTOCOL_VERSION, code_from_pb, target)
-from deepseek_pd.workers.common.internal_auth import AuthError
-from deepseek_pd.workers.common.kv_transfer.base import KVSink
-from deepseek_pd.workers.common.kv_transfer.wire import decode_event
-from deepseek_pd.workers.common.request_failure import (
+from deepseek_pd.workers.transport.internal_auth import AuthError
+from deepseek_pd.workers.transport.base import KVSink
+from deepseek_pd.workers.transport.wire import decode_event
+from deepseek_pd.workers.engine.request_failure import (
     RequestAborted, RequestFailure, TransferError, failure_for)
-from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.chunk_ingest import ChunkIngest
 from deepseek_pd.workers.decode.kv_streams import KVStreamReader
 from deepseek_pd.workers.decode.prefill_peers import PrefillPeers

@@ -13,8 +13,8 @@ import collections
 import grpc
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.kv_transfer.base import KVSink
-from deepseek_pd.workers.common.kv_transfer.wire import ChunkEvent
+from deepseek_pd.workers.transport.base import KVSink
+from deepseek_pd.workers.transport.wire import ChunkEvent
 
 
 class ChunkIngest:

@@ -5,7 +5,7 @@ A step is launched without waiting for anything on the GPU: the inputs are packe
 previous step is taken from that step's sampled tokens ON THE DEVICE (so step N+1 can be queued
 before step N's tokens reach the host), the forward runs (CUDA-graph replay when it fits), the
 whole batch is sampled on the device, and the token ids with their logprobs (and the top
-logprobs of the rows that ask, `model/sampled_host.py`) start their one device-to-host copy.
+logprobs of the rows that ask, `model/sampling/sampled_host.py`) start their one device-to-host copy.
 `collect` waits for that copy only.
 
     step N   : launch ─────────────► GPU runs N ──► copy ──► collect(N) on the host
@@ -23,9 +23,9 @@ import torch
 
 from deepseek_pd.model.host_copy import HostCopy
 from deepseek_pd.model.runner import DecodeSeq, ModelRunner
-from deepseek_pd.model.sampled_host import SampledTokens, pack, unpack
-from deepseek_pd.model.sampling_batch import SamplingBatch
-from deepseek_pd.model.sampling_state import SamplingState
+from deepseek_pd.model.sampling.sampled_host import SampledTokens, pack, unpack
+from deepseek_pd.model.sampling.batch import SamplingBatch
+from deepseek_pd.model.sampling.state import SamplingState
 
 
 @dataclass(frozen=True)

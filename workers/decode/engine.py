@@ -35,22 +35,22 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.prefill_planner import PromptProgress
-from deepseek_pd.model.request_rules import max_new_tokens
+from deepseek_pd.workers.engine.prefill_planner import PromptProgress
+from deepseek_pd.workers.engine.request_rules import max_new_tokens
 from deepseek_pd.model.runner import ModelRunner
-from deepseek_pd.model.sampled_host import SampledTokens, TopLogprobs
-from deepseek_pd.model.sampling import StopChecker
-from deepseek_pd.model.speculative_rules import draft_len
-from deepseek_pd.workers.common.api import (
+from deepseek_pd.model.sampling.sampled_host import SampledTokens, TopLogprobs
+from deepseek_pd.model.sampling.sampler import StopChecker
+from deepseek_pd.model.speculative.rules import draft_len
+from deepseek_pd.workers.engine.interface import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
-from deepseek_pd.workers.common.first_token_wire import first_top_logprobs
-from deepseek_pd.workers.common.kv_transfer import build_receiver
-from deepseek_pd.workers.common.kv_transfer.exposure import PageExposure
-from deepseek_pd.workers.common.metrics import WorkerMetrics
-from deepseek_pd.workers.common.prefill_round import FirstToken, PrefillRounds, RoundHooks
-from deepseek_pd.workers.common.request_failure import RequestAborted, RequestFailure
-from deepseek_pd.workers.common.request_lifecycle import EngineCore, RequestRecord
-from deepseek_pd.workers.common.worker_config import WorkerConfig
+from deepseek_pd.workers.transport.first_token_wire import first_top_logprobs
+from deepseek_pd.workers.transport import build_receiver
+from deepseek_pd.workers.transport.exposure import PageExposure
+from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
+from deepseek_pd.workers.engine.prefill_round import FirstToken, PrefillRounds, RoundHooks
+from deepseek_pd.workers.engine.request_failure import RequestAborted, RequestFailure
+from deepseek_pd.workers.engine.request_lifecycle import EngineCore, RequestRecord
+from deepseek_pd.workers.engine.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, LaunchedStep
 from deepseek_pd.workers.decode.kv_checks import scrub_pages
@@ -189,7 +189,7 @@ class DecodeEngine(EngineCore[_Request]):
                     raise
                 transfer_done = True
                 state.unchecked_kv = None
-                # Attention TP: the other TP ranks get these pages before the next forward (model/tp_replay.py).
+                # Attention TP: the other TP ranks get these pages before the next forward (model/distributed/tp_replay.py).
                 self.runner.kv_written_externally(pages)
                 state.cached_tokens = done.cached_tokens
                 # The prefill side sampled token 1 at step 0 of the same seed; continue at step 1.

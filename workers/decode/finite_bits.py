@@ -24,8 +24,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.workers.common.kv_transfer.page_io import consecutive_runs
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.transport.page_io import consecutive_runs
 
 # The formats where every pattern above finfo.max's (below the sign bit) is inf or NaN; the
 # "fnuz" float8 formats keep their only NaN at the negative-zero pattern and are not among them.

@@ -33,11 +33,11 @@ from typing import Sequence
 
 import torch
 
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.request_failure import TransferError
-from deepseek_pd.workers.common.kv_transfer.page_io import consecutive_runs, page_index, side_stream
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.transport.page_io import consecutive_runs, page_index, side_stream
 from deepseek_pd.workers.decode import finite_bits
 
 

@@ -11,9 +11,9 @@ import time
 from typing import Sequence
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import DisaggParams
-from deepseek_pd.workers.common.kv_transfer import KVReceiver, KVSink
-from deepseek_pd.workers.common.kv_transfer.base import layout_of
+from deepseek_pd.workers.engine.interface import DisaggParams
+from deepseek_pd.workers.transport import KVReceiver, KVSink
+from deepseek_pd.workers.transport.base import layout_of
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_checks import (
     check_first_token, check_first_top, check_kv_finite)

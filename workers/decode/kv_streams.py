@@ -20,9 +20,9 @@ import time
 import grpc
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer.base import KVSink
-from deepseek_pd.workers.common.request_failure import TransferError
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.transport.base import KVSink
+from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.decode.chunk_ingest import ChunkIngest
 
 _EOF_WAIT_S = 2.0  # after our half-close: how long the prefill side may take to end the stream

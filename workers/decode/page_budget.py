@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.model.request_rules import kv_tokens_needed
-from deepseek_pd.workers.common.request_failure import AdmissionRefused
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.engine.request_rules import kv_tokens_needed
+from deepseek_pd.workers.engine.request_failure import AdmissionRefused
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import socket
 import time
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.request_failure import TransferError
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.engine.request_failure import TransferError
 
 
 def parse_peer(entry: str) -> tuple[str, int]:

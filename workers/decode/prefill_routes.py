@@ -1,7 +1,7 @@
 """Which prefill rank a decode worker pulls a room's KV from (multi-rank prefill groups).
 
 The router names one bootstrap address per prefill worker: its rank 0. A prefill group with DP
-ranks keeps each request's KV on DP rank `room % dp` (workers/common/bootstrap_routes.py), and
+ranks keeps each request's KV on DP rank `room % dp` (workers/transport/bootstrap_routes.py), and
 each rank has its own bootstrap endpoint. As SGLang's decode side does, we ask the named
 address for the group's table (`Bootstrap.Route`), cache it, and dial the room's rank:
 
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import grpc
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.bootstrap_protocol import target
-from deepseek_pd.workers.common.bootstrap_routes import RankRoute, RouteTable
-from deepseek_pd.workers.common.internal_auth import AuthError, InternalAuth
-from deepseek_pd.workers.common.kv_transfer.base import TransferError
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.transport.bootstrap_protocol import target
+from deepseek_pd.workers.transport.bootstrap_routes import RankRoute, RouteTable
+from deepseek_pd.workers.transport.internal_auth import AuthError, InternalAuth
+from deepseek_pd.workers.transport.base import TransferError
 
 ROUTE_METHOD = "/deepseek_pd.pd.v1.Bootstrap/Route"
 

@@ -1,4 +1,4 @@
-"""The decode worker's speculative step (model/speculative.py): draft, verify, accept, catch up.
+"""The decode worker's speculative step (model/speculative/decoder.py): draft, verify, accept, catch up.
 
 Runs in the model thread; the event loop streams the tokens afterwards. Each request has one
 `SpecRow` for its life: the speculative decoder keeps its draft state by that row, and the row
@@ -23,10 +23,10 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.model.runner import ModelRunner
-from deepseek_pd.model.sampled_host import TopLogprobs, pack, unpack
-from deepseek_pd.model.sampling import Sampler, SamplingState
-from deepseek_pd.model.speculation_policy import SpeculationPolicy, StepCosts
-from deepseek_pd.model.speculative import SpeculativeDecoder, measure_step_costs
+from deepseek_pd.model.sampling.sampled_host import TopLogprobs, pack, unpack
+from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
+from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
+from deepseek_pd.model.speculative.decoder import SpeculativeDecoder, measure_step_costs
 
 
 @dataclass(eq=False)
@@ -82,7 +82,7 @@ class SpeculativeStepper:
 
     def seed(self, row: SpecRow, token: int, hidden: torch.Tensor) -> None:
         """A colocated prompt's first draft, from the MTP pass of the prefill round that completed
-        it (workers/common/prefill_round.py)."""
+        it (workers/engine/prefill_round.py)."""
         self.decoder.seed(row, token, hidden)
 
     def step(self, rows: Sequence[SpecRow]) -> list[list[tuple[int, float, TopLogprobs | None]]]:

@@ -13,12 +13,12 @@ the room and its index, signed and bound to the handshake's nonce. It forwards t
 queue (its own seqs and credits) up to the end marker `Room.finish` puts there, then waits for
 decode's half-close; a KV stream that ends any other way fails the room.
 
-Authentication (workers/common/internal_auth.py): a Handshake, KVStreamOpen, AbortRoom or
+Authentication (workers/transport/internal_auth.py): a Handshake, KVStreamOpen, AbortRoom or
 RouteRequest without a valid token of the deployment secret, addressed to this worker, fresh and
 never seen before, is refused with UNAUTHENTICATED before any room is looked up, so a peer without
 the secret can neither read a room's KV nor abort it, nor learn whether a room exists. The ack and the TransferDone are signed back, bound to the handshake's nonce.
 
-DP ranks (workers/common/bootstrap_routes.py): the handshake of a room that belongs to another DP
+DP ranks (workers/transport/bootstrap_routes.py): the handshake of a room that belongs to another DP
 rank of this group is refused at once with FAILED_PRECONDITION, naming both ranks.
 
 Metrics: every refusal above, and a room's claim timeout, counts once in
@@ -35,13 +35,13 @@ import grpc
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.bootstrap_protocol import PROTOCOL_VERSION, code_to_pb, kv_stream_count
-from deepseek_pd.workers.common.bootstrap_routes import RouteTable, misroute_reason
-from deepseek_pd.workers.common.internal_auth import AuthError, ReplayGuard
-from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
-from deepseek_pd.workers.common.metrics import WorkerMetrics
-from deepseek_pd.workers.common.request_failure import TransferError
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION, code_to_pb, kv_stream_count
+from deepseek_pd.workers.transport.bootstrap_routes import RouteTable, misroute_reason
+from deepseek_pd.workers.transport.internal_auth import AuthError, ReplayGuard
+from deepseek_pd.workers.transport.wire import EncodedChunk
+from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
+from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.prefill.room import Room
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 

@@ -5,7 +5,7 @@ A request's way through this engine (ARCHITECTURE §2):
     generate(req)  -> KVPush claims the bootstrap room, waits for decode's handshake
     admission      -> radix-cache prefix match (pinned) + pages for the rest of the prompt;
                       the cached pages go to decode at once
-    scheduler loop -> chunked prefill rounds (`PrefillRounds`, workers/common/prefill_round.py; the
+    scheduler loop -> chunked prefill rounds (`PrefillRounds`, workers/engine/prefill_round.py; the
                       forward in the model thread, this role's `_PushHooks`); as each layer's KV is written
                       (layer-wise streaming, `layerwise_transfer`, on channels that stream
                       layers), or after the round (all layers), the pages it completed are
@@ -26,19 +26,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.layer_progress import LayerEvents, kv_written_event
-from deepseek_pd.model.prefill_planner import ExtendPlan, PromptProgress
+from deepseek_pd.model.kv.layer_progress import LayerEvents, kv_written_event
+from deepseek_pd.workers.engine.prefill_planner import ExtendPlan, PromptProgress
 from deepseek_pd.model.runner import ModelRunner
-from deepseek_pd.workers.common.api import (
+from deepseek_pd.workers.engine.interface import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
-from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb
-from deepseek_pd.workers.common.bootstrap_routes import RouteTable
-from deepseek_pd.workers.common.kv_transfer import build_sender
-from deepseek_pd.workers.common.metrics import WorkerMetrics
-from deepseek_pd.workers.common.prefill_round import FirstToken, PrefillRounds, RoundHooks
-from deepseek_pd.workers.common.request_failure import AdmissionRefused, RequestFailure, failure_for
-from deepseek_pd.workers.common.request_lifecycle import EngineCore, RequestRecord
-from deepseek_pd.workers.common.worker_config import WorkerConfig
+from deepseek_pd.workers.transport.bootstrap_protocol import code_from_pb
+from deepseek_pd.workers.transport.bootstrap_routes import RouteTable
+from deepseek_pd.workers.transport import build_sender
+from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
+from deepseek_pd.workers.engine.prefill_round import FirstToken, PrefillRounds, RoundHooks
+from deepseek_pd.workers.engine.request_failure import AdmissionRefused, RequestFailure, failure_for
+from deepseek_pd.workers.engine.request_lifecycle import EngineCore, RequestRecord
+from deepseek_pd.workers.engine.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache

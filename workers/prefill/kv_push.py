@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from deepseek_pd.model.sampled_host import TopLogprobs
+from deepseek_pd.model.sampling.sampled_host import TopLogprobs
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.first_token_wire import put_first_top
-from deepseek_pd.workers.common.kv_transfer import KVSender, SendChannel, SendPlan
-from deepseek_pd.workers.common.request_failure import RequestFailure, TransferError, failure_for
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.transport.first_token_wire import put_first_top
+from deepseek_pd.workers.transport import KVSender, SendChannel, SendPlan
+from deepseek_pd.workers.engine.request_failure import RequestFailure, TransferError, failure_for
 from deepseek_pd.workers.prefill.room import Room
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 

@@ -22,7 +22,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from deepseek_pd.model.kv_pool import KVPool, KVPoolExhausted
+from deepseek_pd.model.kv.pool import KVPool, KVPoolExhausted
 
 
 class _Node:

@@ -13,10 +13,10 @@ import asyncio
 import enum
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.bootstrap_protocol import code_from_pb, code_to_pb
-from deepseek_pd.workers.common.kv_transfer.wire import EncodedChunk
-from deepseek_pd.workers.common.request_failure import TransferError, failure_for
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.transport.bootstrap_protocol import code_from_pb, code_to_pb
+from deepseek_pd.workers.transport.wire import EncodedChunk
+from deepseek_pd.workers.engine.request_failure import TransferError, failure_for
 
 
 class TransferPhase(enum.Enum):

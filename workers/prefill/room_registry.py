@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.request_failure import TransferError
-from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from deepseek_pd.workers.prefill.room import Room
 
 

@@ -23,14 +23,14 @@ from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE
 
 
 def offline_engine():
-    from deepseek_pd.model.engine import Engine
+    from deepseek_pd.workers.engine.offline import Engine
 
     return Engine(model="tiny", chunked_prefill_size=CHUNKED_PREFILL_SIZE, page_size=PAGE_SIZE)
 
 
 def offline_greedy(engine, input_ids: list[int], max_new_tokens: int, ignore_eos: bool = True):
     """(output ids, their logprobs) of greedy decoding on the offline engine."""
-    from deepseek_pd.model.sampling_params import SamplingParams
+    from deepseek_pd.model.sampling.params import SamplingParams
 
     result = engine.generate(input_ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                                        ignore_eos=ignore_eos))

@@ -107,8 +107,8 @@ async def generate_all(address: str, prompts: Sequence[list[int]], max_new: Sequ
 
 
 def offline_greedy(prompts: Sequence[list[int]], max_new: Sequence[int]) -> list[list[int]]:
-    from deepseek_pd.model.engine import Engine
-    from deepseek_pd.model.sampling_params import SamplingParams
+    from deepseek_pd.workers.engine.offline import Engine
+    from deepseek_pd.model.sampling.params import SamplingParams
 
     engine = Engine(model="tiny", chunked_prefill_size=CHUNKED_PREFILL_SIZE, page_size=PAGE_SIZE)
     results = engine.generate_batch(prompts, [SamplingParams(max_new_tokens=n, temperature=0.0) for n in max_new])

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.workers.common.api import DisaggParams
-from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
-from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.engine.interface import DisaggParams
+from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry

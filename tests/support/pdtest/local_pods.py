@@ -163,7 +163,7 @@ def localize(rendered: RenderedDeployment, workdir: pathlib.Path, host_paths: di
 def tiny_model_host_paths(spec: DeploymentSpec, root: pathlib.Path) -> dict[str, str]:
     """`host_paths` for a spec whose model is a hostPath: its node path -> a directory under `root`
     holding the tiny checkpoint where the pods look for it (model.path, under the model mount)."""
-    from deepseek_pd.model.tiny import ensure_tiny_model
+    from deepseek_pd.model.checkpoint.tiny import ensure_tiny_model
 
     models = root / "models"
     models.mkdir()

@@ -65,9 +65,9 @@ def _rank_main(world: int, rank: int, port: int, script: Callable, results, opti
     faulthandler.dump_traceback_later(options.get("dump_stacks_after_s", 60))  # a hang shows where
     report: dict[str, Any] = {}
     try:
-        from deepseek_pd.workers.common.group_layout import GroupLayout
-        from deepseek_pd.workers.common.lockstep import LockstepModelThread
-        from deepseek_pd.workers.common.rank_group import join_group
+        from deepseek_pd.workers.group.layout import GroupLayout
+        from deepseek_pd.workers.group.lockstep import LockstepModelThread
+        from deepseek_pd.workers.group.rank_group import join_group
 
         layout = GroupLayout(dp=world, ep=world, dist_init_addr=f"127.0.0.1:{port}", collective_timeout_s=30)
         group = join_group(layout, rank, "cpu")

@@ -2,7 +2,7 @@
 
 The data are the target's own greedy sequences; the MTP layer sees (token at p + 1, the target's
 normed hidden state at p) and learns the token at p + 2, exactly the pairs it drafts from
-(model/speculative.py). Only the MTP layer's parameters move; embedding and lm_head are shared and
+(model/speculative/decoder.py). Only the MTP layer's parameters move; embedding and lm_head are shared and
 frozen. A few seconds on the tiny model memorise the training sequences. `save_mtp_layer` writes
 the trained layer back into the checkpoint, for workers in other processes.
 """
@@ -81,7 +81,7 @@ def save_mtp_layer(runner: ModelRunner, checkpoint: Path) -> None:
     shared experts, no FP8)."""
     from safetensors.torch import load_file, save_file
 
-    from deepseek_pd.model.mtp_names import mtp_hf_prefix
+    from deepseek_pd.model.speculative.mtp_names import mtp_hf_prefix
 
     config, mtp = runner.model.config, runner.model.mtp
     p = {name: t.detach().cpu().float() for name, t in mtp.named_parameters()}

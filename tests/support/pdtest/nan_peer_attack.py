@@ -15,8 +15,8 @@ import random
 
 import torch
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import Failed, FailureCode
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import Failed, FailureCode
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pdtest.hostile_prefill import poison_and_hold
 from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, runner

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from deepseek_pd.model.engine import Engine
+from deepseek_pd.workers.engine.offline import Engine
 from deepseek_pd.model.runner import ModelRunner, RunnerConfig
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import DisaggParams, Failed, Finished, GenerateRequest, TokenChunk
-from deepseek_pd.workers.common.kv_transfer import TransportConfig
-from deepseek_pd.workers.common.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import DisaggParams, Failed, Finished, GenerateRequest, TokenChunk
+from deepseek_pd.workers.transport import TransportConfig
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 

@@ -53,7 +53,7 @@ _RANKS_LINE = re.compile(r"started ranks \[([\d, ]+)\] \(pids \[([\d, ]+)\]\)")
 
 
 def group_rank_pids(log_path: Path) -> dict[int, int]:
-    """rank -> pid of a multi-rank `serve`'s latest start, from its log (workers/group_main.py)."""
+    """rank -> pid of a multi-rank `serve`'s latest start, from its log (workers/serve/group_main.py)."""
     found = _RANKS_LINE.findall(log_path.read_text(errors="replace"))
     assert found, f"no 'started ranks' line in {log_path}"
     ranks, pids = found[-1]

@@ -13,7 +13,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from deepseek_pd.workers.common.api import (
+from deepseek_pd.workers.engine.interface import (
     Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 
 VOCAB = 300
@@ -104,7 +104,7 @@ def make_tokenizer_model_dir(path: Path, max_context: int = 64) -> Path:
     vocab = tok.get_vocab_size()
     # A whole model config (the tiny model's shape), so that `serve` can resolve its runner config
     # for this directory even though the scripted engine never loads weights.
-    from deepseek_pd.model.tiny import tiny_config
+    from deepseek_pd.model.checkpoint.tiny import tiny_config
 
     (path / "config.json").write_text(json.dumps({
         **tiny_config("v3", max(vocab, VOCAB)), "max_position_embeddings": max_context,

@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.request_failure import TransferError
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.engine.request_failure import TransferError
 from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
 
 BF16_NON_FINITE = [0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0xFFFF]  # +-inf, +-NaN, NaN payloads

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import Failed, FailureCode, GenerateRequest
-from deepseek_pd.workers.common.worker_config import SchedulerConfig
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import Failed, FailureCode, GenerateRequest
+from deepseek_pd.workers.engine.worker_config import SchedulerConfig
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from pdtest.pd_engine_harness import CHUNK, collect, oracle, runner, worker_config
 
@@ -203,7 +203,7 @@ def test_page_budget_admits_in_arrival_order_so_big_requests_are_not_starved():
     """FIFO, as documented: while a large request waits for pages, later small ones that would
     fit queue behind it; otherwise a steady stream of small requests starves it into
     RESOURCE_EXHAUSTED."""
-    from deepseek_pd.model.kv_pool import KVPool
+    from deepseek_pd.model.kv.pool import KVPool
     from deepseek_pd.workers.decode.page_budget import PageBudget
 
     rng = random.Random()

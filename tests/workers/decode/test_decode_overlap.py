@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import Failed, FailureCode, GenerateRequest, TokenChunk
-from deepseek_pd.workers.common.worker_config import SchedulerConfig
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import Failed, FailureCode, GenerateRequest, TokenChunk
+from deepseek_pd.workers.engine.worker_config import SchedulerConfig
 from deepseek_pd.workers.decode import decode_step
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from pdtest.pd_engine_harness import CHUNK, collect, oracle, runner, worker_config

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.decode import finite_bits
 
 INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from deepseek_pd.model.sampled_host import TopLogprobs
+from deepseek_pd.model.sampling.sampled_host import TopLogprobs
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.first_token_wire import first_top_logprobs, put_first_top
-from deepseek_pd.workers.common.request_failure import TransferError
+from deepseek_pd.workers.transport.first_token_wire import first_top_logprobs, put_first_top
+from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.decode.kv_checks import check_first_top
 
 

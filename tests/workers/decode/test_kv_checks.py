@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.workers.common.request_failure import TransferError
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.decode.kv_checks import check_kv_finite, scrub_pages
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

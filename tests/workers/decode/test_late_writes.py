@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import Failed
-from deepseek_pd.workers.common.kv_transfer import KVReceiver
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import Failed
+from deepseek_pd.workers.transport import KVReceiver
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pdtest.hostile_prefill import poison_sent_kv
 from pdtest.pd_engine_harness import PDPair, collect, oracle, runner, worker_config

@@ -9,7 +9,7 @@ import pytest
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.decode.prefill_peers import PrefillPeers, parse_peer
-from deepseek_pd.workers.common.request_failure import TransferError
+from deepseek_pd.workers.engine.request_failure import TransferError
 
 
 def _allowed(peers: PrefillPeers, host: str, port: int) -> bool:

@@ -1,6 +1,6 @@
 """A failed transfer's pages are zeroed before reuse only if the transfer may have written them, and
 kept for the late-write grace only if a write can still land (a one-sided transport whose peer was
-told the pages): workers/common/kv_transfer/exposure.py. The zeroing runs off the event loop, and the
+told the pages): workers/transport/exposure.py. The zeroing runs off the event loop, and the
 pages go back to the pool only after it returned; if it fails they never go back.
 
 Before: every failed PD transfer was zeroed after the receiver's grace, also one refused before the
@@ -18,11 +18,11 @@ import time
 import pytest
 import torch
 
-from deepseek_pd.model.kv_pool import KVPool
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, GenerateRequest
-from deepseek_pd.workers.common.kv_transfer import TransportConfig
-from deepseek_pd.workers.common.kv_transfer.grpc_stream import GrpcReceiver
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import DisaggParams, Failed, FailureCode, GenerateRequest
+from deepseek_pd.workers.transport import TransportConfig
+from deepseek_pd.workers.transport.grpc_stream import GrpcReceiver
 from deepseek_pd.workers.decode import engine as decode_engine
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.decode.page_budget import PageBudget

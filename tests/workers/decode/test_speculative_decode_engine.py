@@ -12,13 +12,13 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.engine import Engine
+from deepseek_pd.workers.engine.offline import Engine
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.model.speculation_policy import SpeculationPolicy, StepCosts
-from deepseek_pd.model.tiny import make_tiny_model
-from deepseek_pd.workers.common.api import DisaggParams, Failed, GenerateRequest
-from deepseek_pd.workers.common.metrics import WorkerMetrics
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
+from deepseek_pd.workers.engine.interface import DisaggParams, Failed, GenerateRequest
+from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pdtest.mtp_training import train_mtp

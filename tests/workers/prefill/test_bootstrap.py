@@ -10,12 +10,12 @@ import pytest
 
 from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import DisaggParams, FailureCode
-from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver, build_sender
-from deepseek_pd.workers.common.request_failure import RequestAborted, TransferError
-from deepseek_pd.workers.common.kv_transfer.base import layout_of
-from deepseek_pd.workers.common.kv_transfer.wire import ChunkHeader, encode_chunk_event
-from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.engine.interface import DisaggParams, FailureCode
+from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.engine.request_failure import RequestAborted, TransferError
+from deepseek_pd.workers.transport.base import layout_of
+from deepseek_pd.workers.transport.wire import ChunkHeader, encode_chunk_event
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry

@@ -7,9 +7,9 @@ import asyncio
 import dataclasses
 import random
 
-from deepseek_pd.workers.common.kv_transfer import TransportConfig
-from deepseek_pd.workers.common.request_failure import RequestFailure
-from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport import TransportConfig
+from deepseek_pd.workers.engine.request_failure import RequestFailure
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
 
 

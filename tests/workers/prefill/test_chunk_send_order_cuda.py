@@ -10,7 +10,7 @@ ends. The decode side must get the request done either way.
 
 Failed on an H100 at 2648c43 (lead 0.01 s, both cases): the send's first CUDA calls in a fresh
 process (kernel module loads, a page-locked staging allocation) waited for the whole device;
-the transport now makes them before serving (workers/common/kv_transfer/warm_up.py).
+the transport now makes them before serving (workers/transport/warm_up.py).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import time
 import pytest
 import torch
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.kv_transfer import direct_pool, page_io
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.transport import direct_pool, page_io
 from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, worker_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.kv_transfer import grpc_stream, page_io
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.transport import grpc_stream, page_io
 from deepseek_pd.workers.prefill import engine as prefill_engine
 from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, worker_config
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.common.api import FailureCode
-from deepseek_pd.workers.common.kv_transfer import TransportConfig
-from deepseek_pd.workers.common.kv_transfer.base import layout_of
-from deepseek_pd.workers.common.kv_transfer.grpc_stream import DirectChannel, GrpcReceiver, GrpcSender
-from deepseek_pd.workers.common.request_failure import RequestFailure
-from deepseek_pd.workers.common.worker_config import BootstrapConfig
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.transport import TransportConfig
+from deepseek_pd.workers.transport.base import layout_of
+from deepseek_pd.workers.transport.grpc_stream import DirectChannel, GrpcReceiver, GrpcSender
+from deepseek_pd.workers.engine.request_failure import RequestFailure
+from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 from pdtest.kv_transfer_harness import random_pool, scattered_alloc

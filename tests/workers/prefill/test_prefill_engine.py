@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.kv_pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.runner import ExtendSeq
-from deepseek_pd.model.sampling_params import SamplingParams
-from deepseek_pd.workers.common.api import DisaggParams, Failed, FailureCode, GenerateRequest
-from deepseek_pd.workers.common.kv_transfer import TransportConfig, build_receiver
-from deepseek_pd.workers.common.request_failure import TransferError
-from deepseek_pd.workers.common.worker_config import SchedulerConfig
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.interface import DisaggParams, Failed, FailureCode, GenerateRequest
+from deepseek_pd.workers.transport import TransportConfig, build_receiver
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.engine.worker_config import SchedulerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.engine import PrefillEngine

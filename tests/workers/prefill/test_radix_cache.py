@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from deepseek_pd.model.kv_pool import KVPool, KVPoolExhausted
+from deepseek_pd.model.kv.pool import KVPool, KVPoolExhausted
 from deepseek_pd.workers.prefill.radix_cache import RadixCache
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,0 +1,305 @@
+"""`SamplingBatch`: the device-side sampling state of a batch whose rows change between steps.
+
+`sample(logits)` draws one token per row with a fixed number of kernels whatever the batch size,
+never reads a value back to the host, and advances every row on the device (its step and, with
+penalties, its output-token counts): with an overlap scheduler the host does not know the tokens
+yet. The per-row parameters sit in device tables rebuilt lazily, at the first `sample` after an
+`add` or `remove`, from one packed host-to-device copy; what the rows need (penalties, sorting for
+truncation, seeded or generator noise) is host knowledge taken at that rebuild, so the kernels no
+row needs are skipped with no sync.
+
+Worked example, three requests over three steps:
+
+    batch = SamplingBatch(vocab_size, "cuda")
+    batch.add(a); batch.add(b)           # rows [a, b]
+    out = batch.sample(logits_ab)        # rebuild (one upload), draw; a, b at step 1
+    batch.add(c)                         # rows [a, b, c]; c continues at its own num_sampled
+    out = batch.sample(logits_abc)       # a, b at step 2
+    batch.remove([a])                    # a's step and counts written back into a
+    out = batch.sample(logits_bc)        # rows [b, c]
+    out.token_ids.tolist()               # the caller's one device-to-host copy, when it wants it
+
+A request that leaves one batch and joins another continues exactly (seeded draws depend only on
+its seed and step, see sampling_noise); unseeded rows share `fallback_generator`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Iterable
+
+import torch
+
+from deepseek_pd.model.sampling.noise import counter_uniforms, token_offsets
+from deepseek_pd.model.sampling.ops import choose, gumbel, penalise, scale, top_logprobs, truncation_mask
+from deepseek_pd.model.sampling.state import SamplingState
+
+
+class FloatColumn(IntEnum):
+    """Columns of the fp32 parameter table, one row per request (`SamplingState.packed_floats`)."""
+
+    TEMPERATURE = 0  # 1 for greedy rows, whose logprobs use temperature 1
+    TOP_P = 1
+    MIN_P = 2
+    REPETITION = 3
+    FREQUENCY = 4
+    PRESENCE = 5
+    GREEDY = 6  # 1.0 / 0.0
+    SEEDED = 7
+    PENALISED = 8  # also the weight of a sampled token in the output counts
+
+
+_INT_COLUMNS = 3  # seed key, step (advanced on the device), effective top_k
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [B] long
+    logprobs: torch.Tensor  # [B] fp32: log-probability of the chosen token under the penalised,
+    # temperature-scaled (before truncation) distribution; greedy rows use temperature 1
+    top_logprobs: torch.Tensor  # [B, K] fp32, descending: each row's K best under that distribution
+    top_ids: torch.Tensor  # [B, K] long, their token ids; K = max(top_counts), 0 when no row asks
+    top_counts: tuple[int, ...]  # host: how many of its row's K each request asked for
+
+
+@dataclass
+class _Tables:
+    """The device tables of one row set, plus what the host knows about them."""
+
+    floats: torch.Tensor  # [B, len(FloatColumn)] fp32
+    keys: torch.Tensor  # [B] int64 seed keys
+    steps: torch.Tensor  # [B] int64, += 1 per sample
+    top_k: torch.Tensor  # [B] int64
+    counts: torch.Tensor | None  # [B, V] fp32, when any row is penalised
+    prompt: torch.Tensor | None  # [B, V] bool, when any row has a repetition penalty
+    truncates: bool  # some row needs the sorted distribution
+    seeded_rows: torch.Tensor | None  # [S] int64, the rows drawing counter-based noise (None: none)
+    unseeded: bool  # some row draws from the fallback generator
+    top_counts: tuple[int, ...]  # each row's top_logprobs_num
+    top_width: int  # the one topk's k: the largest count, at most the vocabulary
+
+    def column(self, name: FloatColumn) -> torch.Tensor:
+        return self.floats[:, name]
+
+    def flag(self, name: FloatColumn) -> torch.Tensor:
+        """`[B, 1]` bool of a 0/1 column, to broadcast over the vocabulary."""
+        return self.floats[:, name].unsqueeze(1) > 0
+
+
+class SamplingBatch:
+    """Persistent sampling state of a decode batch; rows in `add` order, see the module docstring."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str,
+                 fallback_generator: torch.Generator | None = None):
+        self.vocab_size = vocab_size
+        self.device = _normalise(torch.device(device))
+        self.fallback_generator = fallback_generator
+        self._states: list[SamplingState] = []  # row order
+        self._tables: _Tables | None = None  # as of the last rebuild; rows are states with _row set
+        self._dirty = False
+        self._tick = 0
+        self._offsets: torch.Tensor | None = None  # token_offsets, made on first seeded draw
+
+    @property
+    def states(self) -> list[SamplingState]:
+        """The rows, in order: row i of `sample`'s logits belongs to `states[i]`."""
+        return list(self._states)
+
+    @property
+    def tick(self) -> int:
+        """Number of `sample` calls so far (how each row's step advances without host work)."""
+        return self._tick
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add(self, state: SamplingState) -> None:
+        """Appends a row for `state`, which continues from its own `num_sampled` and counts."""
+        if state._batch is not None:
+            raise ValueError("this sampling state is already in a batch; remove it there first")
+        if state.vocab_size != self.vocab_size:
+            raise ValueError(f"state for vocabulary {state.vocab_size} added to a batch of {self.vocab_size}")
+        state._batch, state._row = self, None
+        self._states.append(state)
+        self._dirty = True
+
+    def remove(self, states: Iterable[SamplingState]) -> None:
+        """Drops rows (the others keep their order) and writes their step and counts back."""
+        states = list(states)
+        for state in states:
+            if state._batch is not self:
+                raise ValueError("this sampling state is not in this batch")
+        placed = [s for s in states if s._row is not None]
+        penalised = [s for s in placed if s.penalised]
+        if penalised:
+            rows = _upload(torch.tensor([s._row for s in penalised], dtype=torch.int64), self.device)
+            block = self._tables.counts.index_select(0, rows)  # one copy for all of them
+            for i, state in enumerate(penalised):
+                state._counts = block[i]
+        for state in placed:
+            state._steps = state.num_sampled
+        for state in states:
+            state._batch, state._row = None, None
+        gone = {id(s) for s in states}
+        self._states = [s for s in self._states if id(s) not in gone]
+        self._dirty = True
+
+    def counts_row(self, row: int) -> torch.Tensor:
+        return self._tables.counts[row]
+
+    def record(self, state: SamplingState, token_id: int) -> None:
+        """`state.record` for a row in the device tables: one step and one count, on the device."""
+        self._tables.steps[state._row] += 1
+        if state.penalised:
+            self._tables.counts[state._row, token_id] += 1
+        state._steps += 1
+
+    def sample(self, logits: torch.Tensor) -> SampleOutput:
+        """One token per row of `logits` `[len(states), V]`; advances every row by one step.
+
+        The result stays on the device; nothing here waits for it.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(self._states) or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(self._states)} requests "
+                             f"over a vocabulary of {self.vocab_size}")
+        if logits.device != self.device:
+            raise ValueError(f"logits on {logits.device}, sampling batch on {self.device}")
+        if not self._states:
+            return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device),
+                                torch.empty(0, dtype=torch.float32, device=self.device),
+                                torch.empty(0, 0, dtype=torch.float32, device=self.device),
+                                torch.empty(0, 0, dtype=torch.int64, device=self.device), ())
+        if self._dirty:
+            self._rebuild()
+        t = self._tables
+        col = t.column
+        logits = logits.float()
+        if t.counts is not None:
+            logits = penalise(logits, t.counts, t.prompt, col(FloatColumn.REPETITION).unsqueeze(1),
+                              col(FloatColumn.FREQUENCY).unsqueeze(1), col(FloatColumn.PRESENCE).unsqueeze(1))
+        scaled = scale(logits, col(FloatColumn.TEMPERATURE).unsqueeze(1))
+        keep = None
+        if t.truncates:  # greedy and untruncated rows have top_k = V, top_p = 1, min_p = 0: keep all
+            keep = truncation_mask(torch.softmax(scaled, dim=-1), t.top_k, col(FloatColumn.TOP_P),
+                                   col(FloatColumn.MIN_P))
+        noise = None
+        if t.seeded_rows is not None or t.unseeded:
+            noise = gumbel(self._uniforms(t))
+            noise.masked_fill_(t.flag(FloatColumn.GREEDY), 0.0)
+        lse = torch.logsumexp(scaled, dim=-1)
+        tokens, logprobs = choose(scaled, noise, keep, lse)
+        if t.top_width > 0:  # one topk for the batch; rows that asked for fewer (or none) are cut on the host
+            top_values, top_ids = top_logprobs(scaled, lse, t.top_width)
+        else:
+            top_values = torch.empty(len(self._states), 0, dtype=torch.float32, device=self.device)
+            top_ids = torch.empty(len(self._states), 0, dtype=torch.int64, device=self.device)
+        t.steps += 1
+        if t.counts is not None:
+            t.counts.scatter_add_(1, tokens.unsqueeze(1), col(FloatColumn.PENALISED).unsqueeze(1))
+        self._tick += 1
+        return SampleOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top_values, top_ids=top_ids,
+                            top_counts=t.top_counts)
+
+    # ---- internals ----
+
+    def _uniforms(self, t: _Tables) -> torch.Tensor:
+        """`[B, V]` uniforms: counter-based on seeded rows, the fallback generator's elsewhere."""
+        shape = (len(self._states), self.vocab_size)
+        if self._offsets is None and t.seeded_rows is not None:
+            self._offsets = token_offsets(self.vocab_size, self.device)
+        if t.seeded_rows is not None and t.seeded_rows.numel() == shape[0]:
+            return counter_uniforms(t.keys, t.steps, self._offsets)
+        if t.unseeded:
+            uniforms = torch.rand(shape, generator=self.fallback_generator, device=self.device)
+            # torch.rand may return exactly 0, whose noise would be -inf: harmless, but keep it finite.
+            uniforms.clamp_(min=2.0 ** -24)
+        else:  # only greedy rows besides the seeded ones: their noise is zeroed anyway
+            uniforms = torch.full(shape, 0.5, device=self.device)
+        if t.seeded_rows is not None:
+            # Hashing is the costly part (int64 over [rows, V]): only the seeded rows pay for it.
+            rows = t.seeded_rows
+            uniforms.index_copy_(0, rows, counter_uniforms(t.keys.index_select(0, rows),
+                                                           t.steps.index_select(0, rows), self._offsets))
+        return uniforms
+
+    def _rebuild(self) -> None:
+        """New device tables for the current rows: one packed upload; surviving rows' counts are
+        gathered from the old tables, new rows' from their states."""
+        states, old = self._states, self._tables
+        survivors = [s._row for s in states if s._row is not None]  # ascending: removal keeps order
+        fresh = states[len(survivors):]  # add appends, so every new row comes after them
+        n, k = len(states), len(survivors)
+        any_penalised = any(s.penalised for s in states)
+        gather = any_penalised and k > 0 and old is not None and old.counts is not None
+        seeded = [row for row, s in enumerate(states) if s.seeded]
+        top_counts = tuple(s.params.top_logprobs_num for s in states)
+        ints = torch.tensor([(s.packed_ints[0], s.num_sampled, s.packed_ints[1]) for s in states],
+                            dtype=torch.int64)
+        parts = _pack(self.device, ints.view(-1), torch.tensor(survivors if gather else [], dtype=torch.int64),
+                      torch.tensor(seeded, dtype=torch.int64),
+                      torch.tensor([s.packed_floats for s in states], dtype=torch.float32).view(-1))
+        ints_dev, survivor_rows, seeded_rows, floats = parts
+        ints_dev = ints_dev.view(n, _INT_COLUMNS)
+        counts = prompt = None
+        if any_penalised:
+            counts, prompt = self._penalty_tables(old, survivor_rows, k if gather else 0, states, fresh)
+        self._tables = _Tables(
+            floats=floats.view(n, len(FloatColumn)),
+            keys=ints_dev[:, 0], steps=ints_dev[:, 1], top_k=ints_dev[:, 2], counts=counts, prompt=prompt,
+            truncates=any(s.truncates for s in states), seeded_rows=seeded_rows if seeded else None,
+            unseeded=any(not s.greedy and not s.seeded for s in states),
+            top_counts=top_counts, top_width=min(max(top_counts), self.vocab_size))
+        for row, state in enumerate(states):
+            if state._row is None:
+                state._joined_tick = self._tick
+            state._row = row
+            state._counts = None  # the table holds them now
+        self._dirty = False
+
+    def _penalty_tables(self, old: _Tables | None, survivor_rows: torch.Tensor, gathered: int,
+                        states: list[SamplingState], fresh: list[SamplingState]
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        vocab, device = self.vocab_size, self.device
+        zeros = torch.zeros(vocab, dtype=torch.float32, device=device)
+        parts = []
+        kept = len(states) - len(fresh)
+        if gathered:
+            parts.append(old.counts.index_select(0, survivor_rows))
+        elif kept:  # no survivor was penalised, so their counts are all zero
+            parts.append(torch.zeros(kept, vocab, dtype=torch.float32, device=device))
+        if fresh:
+            parts.append(torch.stack([s._counts if s._counts is not None else zeros for s in fresh]))
+        counts = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if not any(s.prompt_mask is not None for s in states):
+            return counts, None
+        no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        prompt = torch.stack([s.prompt_mask if s.prompt_mask is not None else no_prompt for s in states])
+        return counts, prompt
+
+
+def _pack(device: torch.device, *parts: torch.Tensor) -> list[torch.Tensor]:
+    """Flat host tensors to `device` in ONE copy; returns their device views, in order.
+
+    Give the 8-byte dtypes first so each view stays aligned for its dtype.
+    """
+    raw = [p.contiguous().view(torch.uint8) for p in parts]
+    packed = _upload(torch.cat(raw), device)
+    views, offset = [], 0
+    for part, chunk in zip(parts, raw):
+        views.append(packed[offset:offset + chunk.numel()].view(part.dtype))
+        offset += chunk.numel()
+    return views
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to `device` without waiting: pinned, so the copy is asynchronous and the caching
+    host allocator keeps the buffer until the copy has run."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _normalise(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,103 @@
+"""Mooncake KV transfers, run by test_kv_transfer_mooncake.py inside a private network namespace.
+
+Exits non-zero (with the assertion) on any mismatch; prints one line per check on success.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import sys
+
+from deepseek_pd import env
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.transport import TransportConfig, build_sender
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.transport.base import layout_of
+from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+
+
+def exchange_for(seed: int, layerwise: bool = False) -> Exchange:
+    rng = random.Random(seed)
+    page_size = rng.choice([1, 2, 4])
+    num_tokens = rng.randrange(2, 50)
+    num_pages = -(-num_tokens // page_size)
+    src_pool, dst_pool = random_pool(rng, num_pages * 3 + 1, page_size), random_pool(rng, num_pages * 3 + 4, page_size)
+    cuts = sorted(rng.sample(range(1, num_tokens), k=min(3, num_tokens - 1)))
+    return Exchange("mooncake", Side(src_pool, scattered_alloc(src_pool, rng, num_pages)),
+                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens],
+                    layerwise=layerwise, seed=seed)
+
+
+def check_copies(seed: int) -> None:
+    for k in range(3):
+        exchange = exchange_for(seed + k, layerwise=k == 2)  # the third one layer by layer, in random order
+        prefill, decode = asyncio.run(run_exchange(exchange))
+        assert not isinstance(prefill, BaseException), repr(prefill)
+        assert not isinstance(decode, BaseException), repr(decode)
+        assert decode.num_pages == len(exchange.dst.pages)
+        assert pages_equal(exchange), f"seed {seed + k}: pages differ"
+        print(f"copy ok seed={seed + k} pages={len(exchange.dst.pages)} bytes={prefill}")
+
+
+def check_dead_peer() -> None:
+    """A decode engine that is gone: the write fails fast with UNAVAILABLE, not a hang."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    pool = random_pool(random.Random(), 6, 2)
+    sender = build_sender("mooncake", pool, TransportConfig(send_timeout_s=10))
+    handshake = pb.Handshake(num_tokens=4, page_ids=[0, 1], layout=layout_of(pool))
+    handshake.mooncake.session_id = f"127.0.0.1:{dead_port}"
+    handshake.mooncake.layer_base_addrs.extend(b.data_ptr() for b in pool.buffers)
+    handshake.mooncake.page_bytes = pool.bytes_per_page
+    handshake.mooncake.pool_pages = pool.num_pages
+
+    async def run() -> None:
+        async def no_emit(chunk):
+            raise AssertionError("mooncake must not use the stream")
+        channel = sender.open(handshake, no_emit)
+        await channel.send([2, 3], 0)
+
+    try:
+        asyncio.run(run())
+    except TransferError as exc:
+        assert exc.code == FailureCode.UNAVAILABLE, exc
+        print("dead peer ok:", exc.message)
+    else:
+        raise AssertionError("write to a dead mooncake peer succeeded")
+    finally:
+        sender.close()
+
+
+def listening_ports() -> set[int]:
+    """The TCP ports listened on in this namespace (only this script runs in it)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def check_engine_ports() -> None:
+    """Every port a Mooncake engine listens on lies in the range local port picks stay out of
+    (deepseek_pd/ports.py): the assumption the pickers rest on, checked against the library."""
+    before = listening_ports()
+    pool = random_pool(random.Random(), 4, 2)
+    senders = [build_sender("mooncake", pool, TransportConfig()) for _ in range(3)]
+    try:
+        opened = listening_ports() - before
+        assert len(opened) >= 3 and opened <= set(env.mooncake_rpc_ports()), (sorted(opened), env.mooncake_rpc_ports())
+        print(f"engine ports ok: {sorted(opened)}")
+    finally:
+        for sender in senders:
+            sender.close()
+
+
+if __name__ == "__main__":
+    check_engine_ports()
+    check_copies(int(sys.argv[1]))
+    check_dead_peer()

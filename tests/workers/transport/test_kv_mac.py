@@ -1,0 +1,154 @@
+"""The KV MAC of one-sided transfers (kv_transfer/kv_mac.py) against a reference that concatenates
+the pages' bytes; the mooncake channel's seal and sink's check over the stub engine; its cost."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import time
+
+import pytest
+import torch
+
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.transport.internal_auth import InternalAuth
+from deepseek_pd.workers.transport import kv_mac, mooncake
+from deepseek_pd.workers.transport.base import TransportConfig, layout_of
+from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
+from deepseek_pd.workers.engine.request_failure import TransferError
+from pdtest import mooncake_stub
+
+
+def _filled_pool(rng: random.Random, num_pages: int, dtype: torch.dtype = torch.bfloat16) -> KVPool:
+    pool = KVPool(rng.randrange(1, 4), num_pages, rng.choice([1, 4, 16]), rng.choice([8, 24]), dtype=dtype)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    for buffer in pool.buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    return pool
+
+
+def _reference(pool: KVPool, pages: list[int], key: bytes, head: bytes) -> bytes:
+    """The documented construction, sequentially, from each page's bytes."""
+    layers = [hashlib.blake2b(head + b"\x00" + layer.to_bytes(4, "little") + b"".join(
+                  buffer[page].contiguous().view(torch.uint8).numpy().tobytes() for page in pages),
+              key=key, digest_size=32, person=b"kv-layer").digest() for layer, buffer in enumerate(pool.buffers)]
+    return hashlib.blake2b(head + b"".join(layers), key=key, digest_size=32, person=b"kv-root").digest()
+
+
+def test_the_tag_covers_exactly_the_pages_bytes_in_request_order():
+    algorithm = kv_mac.ALGORITHM
+    rng = random.Random()
+    src = _filled_pool(rng, 32)
+    pages = rng.sample(range(32), rng.randrange(1, 12))
+    if len(pages) > 2:  # a run of consecutive pages too
+        pages[1] = pages[0] + 1 if pages[0] + 1 not in pages else pages[1]
+    key = bytes(rng.randrange(256) for _ in range(kv_mac.KEY_BYTES))
+    head = kv_mac.header(rng.randrange(1 << 40), pages)
+    tag = kv_mac.kv_mac(src, pages, key, head, algorithm)
+    assert tag == _reference(src, pages, key, head)
+    # The same bytes at other page ids of another pool (the decode side's): the same tag.
+    dst = KVPool(src.num_layers, 40, src.page_size, src.kv_dim, dtype=src.dtype)
+    dst_pages = rng.sample(range(40), len(pages))
+    for s, d in zip(src.buffers, dst.buffers):
+        d[dst_pages] = s[pages]
+    assert kv_mac.kv_mac(dst, dst_pages, key, head, algorithm) == tag
+    # One flipped byte anywhere in the covered cells changes it; a byte outside does not.
+    layer = rng.randrange(dst.num_layers)
+    raw = dst.buffers[layer].view(dst.num_pages, -1).view(torch.uint8)
+    page, offset = rng.choice(dst_pages), rng.randrange(dst.bytes_per_page)
+    original = int(raw[page, offset])
+    raw[page, offset] = original ^ (1 << rng.randrange(8))
+    assert kv_mac.kv_mac(dst, dst_pages, key, head, algorithm) != tag
+    raw[page, offset] = original
+    outside = next(p for p in range(40) if p not in dst_pages)
+    raw[outside, rng.randrange(dst.bytes_per_page)] ^= 0xFF
+    assert kv_mac.kv_mac(dst, dst_pages, key, head, algorithm) == tag
+    # Another key, room or page list: another tag.
+    assert kv_mac.kv_mac(dst, dst_pages, bytes(32), head, algorithm) != tag
+    assert kv_mac.kv_mac(dst, dst_pages, key, kv_mac.header(1, pages), algorithm) != tag
+
+
+def test_the_key_is_bound_to_the_secret_the_room_and_the_handshake():
+    auth, other = InternalAuth(secret=b"a" * 32), InternalAuth(secret=b"b" * 32)
+    nonce = bytes(range(16))
+    key = auth.kv_key(7, nonce)
+    assert len(key) == kv_mac.KEY_BYTES
+    assert key not in (other.kv_key(7, nonce), auth.kv_key(8, nonce), auth.kv_key(7, bytes(16)))
+    assert InternalAuth.insecure().kv_key(7, nonce) is None
+
+
+def _transfer(monkeypatch, rng: random.Random, offer: bool = True):
+    """A mooncake transfer over the stub engine, its bytes copied as the engine would write them:
+    (the decode sink, the sealed TransferDone, the key, the room)."""
+    engines = mooncake_stub.install(monkeypatch)
+    src = _filled_pool(rng, 24)
+    dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype)
+    config = TransportConfig(advertise_host="127.0.0.1")
+    sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
+    count = rng.randrange(1, 8)
+    src_pages, dst_pages = rng.sample(range(24), count), rng.sample(range(24), count)
+    handshake = pb.Handshake(page_ids=dst_pages, layout=layout_of(dst), num_tokens=count * src.page_size)
+    receiver.fill_destination(handshake)
+    assert list(handshake.mooncake.kv_mac_algorithms) == list(kv_mac.algorithms())
+    if not offer:
+        handshake.mooncake.ClearField("kv_mac_algorithms")
+    channel = sender.open(handshake, emit=None)
+    sink = receiver.open_sink(dst_pages)
+    asyncio.run(channel.send(src_pages, 0))
+    assert engines[0].writes  # the engine was asked; the stub wrote nothing, so copy as it would
+    for s, d in zip(src.buffers, dst.buffers):
+        d[dst_pages] = s[src_pages]
+    room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
+    done = pb.TransferDone(num_pages=count)
+    channel.seal(done, key, room)
+    assert bool(done.kv_mac) == offer and done.kv_mac_algorithm == (kv_mac.ALGORITHM if offer else "")
+    return sink, done, key, room, dst, dst_pages
+
+
+def test_decode_admits_the_bytes_the_prefill_side_sealed(monkeypatch):
+    sink, done, key, room, _, _ = _transfer(monkeypatch, random.Random())
+    sink.check_sealed(done, key, room)
+    assert sink.failed is None
+
+
+def test_a_strangers_write_into_the_pages_fails_only_that_transfer(monkeypatch):
+    rng = random.Random()
+    sink, done, key, room, dst, dst_pages = _transfer(monkeypatch, rng)
+    dst.buffers[rng.randrange(dst.num_layers)][rng.choice(dst_pages)] += 1.0  # finite, plausible KV
+    with pytest.raises(TransferError, match="does not match the MAC the prefill worker signed"):
+        sink.check_sealed(done, key, room)
+    assert sink.failed is not None  # the engine scrubs and frees its pages like any failed transfer's
+
+
+def test_a_done_without_a_mac_from_an_older_prefill_is_admitted_with_a_warning(monkeypatch, caplog):
+    """The done is signed, so only a prefill worker that predates the MAC sends none: refusing it
+    would fail every mooncake request of a rolling upgrade that reaches decode first."""
+    monkeypatch.setattr(mooncake, "_warned_unsealed", False)  # said once per process
+    sink, done, key, room, _, _ = _transfer(monkeypatch, random.Random())
+    done.ClearField("kv_mac")
+    sink.check_sealed(done, None, room)  # --insecure-internal: nothing to check
+    sink.check_sealed(done, key, room)
+    assert sink.failed is None and "without a MAC" in caplog.text
+    # An older decode worker offers no algorithm: the prefill side seals nothing for it.
+    sender_side = _transfer(monkeypatch, random.Random(), offer=False)
+    assert not sender_side[1].kv_mac
+
+
+def test_mac_cost_per_megabyte():
+    """Not a bound (2 shared CI cores): prints the CPU cost per MB of KV, as read in place from a
+    CPU pool, and the wall time over the MAC's threads (docs/operations.md §8 quotes it)."""
+    rng = random.Random()
+    pool = KVPool(4, 256, 16, 576, dtype=torch.bfloat16)  # V2-Lite's kv_dim: 18 KiB a page a layer
+    pages = list(range(256))
+    mb = len(pages) * pool.num_layers * pool.bytes_per_page / 1e6
+    for algorithm in kv_mac.algorithms():
+        key = bytes(rng.randrange(256) for _ in range(32))
+        started, wall = time.process_time(), time.perf_counter()
+        for _ in range(3):
+            kv_mac.kv_mac(pool, pages, key, b"", algorithm)
+        per_mb = (time.process_time() - started) / 3 / mb
+        wall_per_mb = (time.perf_counter() - wall) / 3 / mb
+        print(f"{algorithm}: {per_mb * 1e3:.3f} ms CPU per MB ({1 / per_mb / 1e3:.2f} GB/s a core), "
+              f"{wall_per_mb * 1e3:.3f} ms wall per MB, {mb:.1f} MB")
+

@@ -1,0 +1,53 @@
+"""One extend forward plus the first token of every prompt it completes (prefill and colocated)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from deepseek_pd.model.kv.layer_progress import LayerProgress
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.sampling.sampled_host import SampledTokens, pack, unpack
+from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
+
+
+def run_extend(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq], rows: Sequence[int],
+               states: Sequence[SamplingState], progress: LayerProgress | None = None) -> SampledTokens:
+    """Extends all `seqs`; samples one token for each of `rows` (with `states[i]` for rows[i]).
+
+    Runs in the model thread. The sampler advances the states by the sampled token; one host copy
+    at the end (tokens, logprobs and any top logprobs together). `progress` hears of each layer's
+    KV write during the forward (layer-wise transfer).
+    """
+    logits = runner.extend(list(seqs), progress=progress)
+    if logits.is_cuda:
+        # The KV written by this forward is read next by the transport (copies or one-sided RDMA
+        # writes) outside this stream's order: make it complete first.
+        torch.cuda.current_stream(logits.device).synchronize()
+    if not rows:
+        return SampledTokens([], [], [])
+    index = torch.tensor(list(rows), device=logits.device)
+    out = sampler.sample(logits[index], list(states))
+    return unpack(pack(out).cpu(), out.top_counts)
+
+
+def run_extend_with_mtp(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq], rows: Sequence[int],
+                        states: Sequence[SamplingState], prompts: Sequence[Sequence[int]],
+                        progress: LayerProgress | None = None) -> tuple[SampledTokens, list]:
+    """`run_extend` for a runner with its MTP layer (speculative decoding): the same forward and
+    first tokens, then the MTP layer over the round's tokens (`model.speculative.mtp_over_extend`),
+    so the pages sent or decoded from hold the MTP layer's KV too. `prompts[i]` is sequence i's
+    whole prompt. Also returns each of `rows`' first draft and MTP hidden state."""
+    from deepseek_pd.model.speculative.decoder import mtp_over_extend
+
+    hidden = runner.extend_hidden(list(seqs), progress=progress)
+    sampled = SampledTokens([], [], [])
+    if rows:
+        ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
+        index = ends[torch.tensor(list(rows))].to(hidden.device)
+        out = sampler.sample(runner.logits(hidden[index]), list(states))
+        sampled = unpack(pack(out).cpu(), out.top_counts)
+    drafts = mtp_over_extend(runner, seqs, hidden, prompts, dict(zip(rows, sampled.token_ids)))
+    if hidden.is_cuda:  # as run_extend: the transport reads these pages outside this stream's order
+        torch.cuda.current_stream(hidden.device).synchronize()
+    return sampled, drafts

@@ -1,0 +1,44 @@
+"""Constants and conversions of the bootstrap protocol (proto/bootstrap.proto) shared by both sides."""
+from __future__ import annotations
+
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.engine.interface import FailureCode
+
+# Bump when a message change would be misread by an older peer; both sides refuse a mismatch.
+PROTOCOL_VERSION = 2  # 2: AuthToken on handshake, ack, done and abort
+
+# A KVChunk's data is at most this big (TransportConfig.max_chunk_bytes checks it), and a message
+# adds at most MESSAGE_ENVELOPE_BYTES around it; both ends size their gRPC message limits from these.
+MAX_CHUNK_BYTES = 64 << 20
+MESSAGE_ENVELOPE_BYTES = 64 << 10
+MAX_KV_STREAMS = 16  # parallel KV streams of one room (TransportConfig.grpc_streams)
+
+_TO_PB = {
+    FailureCode.INVALID_ARGUMENT: pb.FAILURE_CODE_INVALID_ARGUMENT,
+    FailureCode.RESOURCE_EXHAUSTED: pb.FAILURE_CODE_RESOURCE_EXHAUSTED,
+    FailureCode.DEADLINE_EXCEEDED: pb.FAILURE_CODE_DEADLINE_EXCEEDED,
+    FailureCode.UNAVAILABLE: pb.FAILURE_CODE_UNAVAILABLE,
+    FailureCode.ABORTED: pb.FAILURE_CODE_ABORTED,
+    FailureCode.INTERNAL: pb.FAILURE_CODE_INTERNAL,
+}
+_FROM_PB = {value: key for key, value in _TO_PB.items()}
+
+
+def code_to_pb(code: FailureCode) -> int:
+    return _TO_PB[code]
+
+
+def code_from_pb(code: int) -> FailureCode:
+    """Unknown (newer) codes map to INTERNAL rather than failing the failure path."""
+    return _FROM_PB.get(code, FailureCode.INTERNAL)
+
+
+def kv_stream_count(offered: int, limit: int) -> int:
+    """KV streams of a room: the decode side's offer (0 from an older peer: 1), capped by the
+    prefill side's own `grpc_streams`. The prefill side decides it once, in its HandshakeAck."""
+    return max(1, min(offered or 1, limit, MAX_KV_STREAMS))
+
+
+def target(host: str, port: int) -> str:
+    """gRPC target of a bootstrap server; IPv6 literals need brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -1,0 +1,314 @@
+"""KV by one-sided writes with Mooncake's TransferEngine (TCP or RDMA).
+
+Both workers start a `TransferEngine` in P2P-handshake mode. What they register is what any peer
+that reaches the engine's ports may read and write (Mooncake authenticates nobody, not even in
+0.3.14; its TCP server refuses only addresses outside the registered ranges, checked per write):
+- over RDMA both register every layer buffer of their pool once, at start (the NIC needs the
+  memory regions, and a writer the remote keys of its cached segment description);
+- over TCP the prefill side registers nothing (a TCP write reads its local source directly), and
+  the decode side registers a transfer's own pages (each layer's runs of consecutive pages) only
+  while that transfer runs (`MooncakePagesSink.expose`/`withdraw`, around `pull_kv`'s transfer):
+  a stranger can then reach only the pages of transfers in flight, never the prefill pool, the
+  decode requests already decoding, or free pages (tests/workers/test_security_mooncake_pool.py);
+- whatever it writes there fails that request: the prefill side seals what it sent with a keyed
+  MAC in the signed TransferDone (`MooncakeChannel.seal`), the decode side checks what landed once
+  the pages are withdrawn (`MooncakeSink.check_sealed`; kv_mac.py).
+The decode side's handshake carries its engine's session id
+(`host:rpc_port`), the base address of each layer buffer and the page size in bytes; the prefill
+side then turns each `send` into ONE `batch_transfer_sync_write` covering all layers and all
+contiguous page runs (batching per chunk rather than per layer took SGLang's transfers from
+650 ms to 60 ms, FACTS "KV transfer"). The engine binds 0.0.0.0 whatever it is told (0.3.13.post1
+ignores MC_TCP_BIND_ADDRESS for its listeners): tests run it inside a private network namespace,
+and in Kubernetes the NetworkPolicy keeps other pods off its ports (docs/operations.md, Security).
+
+Trust: the prefill side writes only where an authenticated handshake (the bootstrap servicer
+checks its token before the room sees it) says, and only to pages that handshake lists, each
+checked below the decode pool's size (`check_destination`); addresses come from the handshake's
+layer bases plus page ids, never from anything else a peer sends. The decode side reveals its
+addresses only in handshakes to registered prefill workers (decode/prefill_peers.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Sequence
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.transport import kv_mac
+from deepseek_pd.workers.transport.base import (
+    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig, check_page_ids)
+from deepseek_pd.workers.transport.page_io import consecutive_runs, sync_ready
+from deepseek_pd.workers.transport.plan import merge_page_runs
+from deepseek_pd.workers.engine.request_failure import TransferError
+
+log = logging.getLogger(__name__)
+_warned_unsealed = False  # MooncakeSink.check_sealed: said once per process
+
+
+def exposure_warning(host: str) -> str:
+    """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
+    return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
+            f"address it is given (0.3.13.post1). Its ports authenticate no peer (over tcp a stranger can "
+            f"write the decode pages of transfers in flight, failing them by their KV MAC; over rdma both KV pools); keep other hosts off them "
+            f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
+
+
+class MooncakeEngine:
+    """One TransferEngine over a KV pool; `register_pool`: its layer buffers registered for good
+    (else nothing is, unless a transfer registers its own pages: `MooncakePagesSink`)."""
+
+    def __init__(self, pool: KVPool, config: TransportConfig, register_pool: bool = True) -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise UserError(f"KV transport 'mooncake' is not usable here: {exc} "
+                            "(install mooncake-transfer-engine and Debian libibverbs1, or use --kv-transport grpc)"
+                            ) from exc
+        if config.advertise_host in ("0.0.0.0", "::", ""):
+            raise UserError(f"KV transport 'mooncake' needs the address peers reach this worker at, not "
+                            f"{config.advertise_host!r}: set the transport's advertise_host (e.g. the pod IP)")
+        if pool.device.type != "cpu" and config.mooncake_protocol == "tcp":
+            log.warning("mooncake over tcp with a %s pool: needs a CUDA-enabled mooncake build", pool.device)
+        self.engine: Any = TransferEngine()
+        status = self.engine.initialize(config.advertise_host, "P2PHANDSHAKE",
+                                        config.mooncake_protocol, config.mooncake_device)
+        if status != 0:
+            raise UserError(f"mooncake TransferEngine.initialize({config.advertise_host!r}, P2PHANDSHAKE, "
+                            f"{config.mooncake_protocol!r}) failed with status {status}")
+        self.protocol = config.mooncake_protocol
+        self.session_id = f"{config.advertise_host}:{self.engine.get_rpc_port()}"
+        log.info("mooncake TransferEngine %s over %s (devices: %s)", self.session_id, self.protocol,
+                 config.mooncake_device or "all")
+        if config.warn_exposure:  # every rank's engine listens so; the node's first rank says it
+            log.warning("%s (port %d)", exposure_warning(config.advertise_host), self.engine.get_rpc_port())
+        self.base_addrs = [buffer.data_ptr() for buffer in pool.buffers]
+        self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
+        self._registered: list[int] = []
+        if register_pool:
+            for addr, length in zip(self.base_addrs, self.layer_bytes):
+                if self.engine.register_memory(addr, length) != 0:
+                    self.close()
+                    raise UserError(f"mooncake could not register a {length}-byte KV buffer "
+                                    "(RDMA needs IPC_LOCK and GPUDirect; see docs)")
+                self._registered.append(addr)
+
+    def close(self) -> None:
+        for addr in self._registered:
+            self.engine.unregister_memory(addr)
+        self._registered.clear()
+
+
+class MooncakeSink(KVSink):
+    """A decode transfer over Mooncake: the prefill side writes the pages; `check_sealed` then
+    MACs what landed against the tag of what it sent (kv_mac.py), since anyone who reaches the
+    engine's ports may have written them too."""
+
+    def check_sealed(self, done: pb.TransferDone, key: bytes | None, room: int) -> None:
+        if key is None:
+            return
+        if not done.kv_mac:
+            # The done is signed, so no stranger stripped the MAC: this prefill worker predates it
+            # (one that has it always seals when offered). Refusing would fail every request between
+            # old prefill and new decode workers during a rolling upgrade.
+            global _warned_unsealed
+            if not _warned_unsealed:
+                _warned_unsealed = True
+                log.warning("a prefill worker sent KV without a MAC (an older version): its transfers are not "
+                            "checked against writes by strangers on the mooncake ports; upgrade it")
+            return
+        try:
+            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self.pages), done.kv_mac_algorithm)
+        except ValueError as exc:
+            raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot check the KV's MAC: {exc}")) from None
+        if not kv_mac.tags_equal(tag, done.kv_mac):
+            raise self.fail(TransferError(FailureCode.INTERNAL,
+                                          f"the received KV of room {room} does not match the MAC the prefill "
+                                          f"worker signed ({done.kv_mac_algorithm}): something else wrote into "
+                                          f"its decode pages during the transfer; KV transfer refused"))
+
+
+class MooncakePagesSink(MooncakeSink):
+    """A decode transfer over Mooncake TCP whose pages are registered only while it runs: `expose`
+    registers each layer's runs of consecutive pages, `withdraw` unregisters them (idempotent).
+    A write whose header reached the engine before `withdraw` may still land: the late-write grace
+    and the scrub (decode/engine.py `_release`) cover it, as before."""
+
+    registers_pages = True
+
+    def __init__(self, pool: KVPool, pages: Sequence[int], engine: MooncakeEngine) -> None:
+        super().__init__(pool, pages)
+        self._engine = engine
+        self._exposed: list[int] = []
+        # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for
+        # it and wins: nothing stays registered after it.
+        self._lock = threading.Lock()
+        self._withdrawn = False
+
+    def expose(self) -> None:
+        page_bytes = self.pool.bytes_per_page
+        with self._lock:
+            for base in [] if self._withdrawn else self._engine.base_addrs:
+                for begin, end, first in consecutive_runs(self.pages):
+                    addr = base + first * page_bytes
+                    if self._engine.engine.register_memory(addr, (end - begin) * page_bytes) != 0:
+                        self._unregister()
+                        raise self.fail(TransferError(FailureCode.INTERNAL, "mooncake could not register "
+                                                      "the transfer's decode pages"))
+                    self._exposed.append(addr)
+
+    def withdraw(self) -> None:
+        with self._lock:
+            self._withdrawn = True
+            self._unregister()
+
+    def _unregister(self) -> None:
+        for addr in self._exposed:
+            self._engine.engine.unregister_memory(addr)
+        self._exposed.clear()
+
+
+def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_bytes: int,
+                      src_pages: Sequence[int], dst_pages: Sequence[int]
+                      ) -> tuple[list[int], list[int], list[int]]:
+    """(local addrs, remote addrs, lengths) for the given layers x contiguous runs, layer-major.
+
+    `src_base`/`dst_base` are the base addresses of the layers to write (a slice for a layer range).
+    """
+    runs = merge_page_runs(src_pages, dst_pages)
+    local: list[int] = []
+    remote: list[int] = []
+    lengths: list[int] = []
+    for src_layer, dst_layer in zip(src_base, dst_base):
+        for run in runs:
+            local.append(src_layer + run.src * page_bytes)
+            remote.append(dst_layer + run.dst * page_bytes)
+            lengths.append(run.length * page_bytes)
+    return local, remote, lengths
+
+
+class MooncakeChannel(SendChannel):
+    def __init__(self, pool: KVPool, engine: MooncakeEngine, destination: pb.MooncakeDestination,
+                 dst_pages: Sequence[int], timeout_s: float) -> None:
+        super().__init__(pool, dst_pages)
+        self.engine = engine
+        self.destination = destination
+        self.timeout_s = timeout_s
+        self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
+        self._mac_algorithm = next((name for name in destination.kv_mac_algorithms
+                                    if name in kv_mac.algorithms()), None)
+        if destination.kv_mac_algorithms and self._mac_algorithm is None:
+            raise TransferError(FailureCode.INVALID_ARGUMENT,
+                                f"decode checks the KV with a MAC of {list(destination.kv_mac_algorithms)}, "
+                                f"this prefill worker computes {list(kv_mac.algorithms())}: install "
+                                f"`cryptography` on both or neither")
+
+    async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
+                   layer_end: int | None = None, ready=None) -> None:
+        layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
+        dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
+        self._src_pages[page_begin:page_begin + len(src_pages)] = src_pages
+        call = asyncio.to_thread(self._write, layers, list(src_pages), dst, ready)
+        try:
+            status = await asyncio.wait_for(call, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(FailureCode.DEADLINE_EXCEEDED,
+                                f"mooncake write to {self.destination.session_id} took more than "
+                                f"{self.timeout_s}s") from None
+        if status != 0:
+            raise TransferError(FailureCode.UNAVAILABLE,
+                                f"mooncake write to {self.destination.session_id} failed (status {status})")
+        self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
+
+    def seal(self, done: pb.TransferDone, key: bytes, room: int) -> None:
+        if self._mac_algorithm is None:  # an older decode worker, which checks no MAC
+            return
+        if None in self._src_pages:
+            raise TransferError(FailureCode.INTERNAL, "KV MAC asked for before every page was sent")
+        done.kv_mac = kv_mac.kv_mac(self.pool, self._src_pages, key, kv_mac.header(room, self.dst_pages),
+                                    self._mac_algorithm)
+        done.kv_mac_algorithm = self._mac_algorithm
+
+    def _write(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
+        """In a worker thread: ONE batch write for every layer and merged page run of this send
+        (FACTS "KV transfer"); building the batch (1 ms for 64 pages x 27 layers) stays off the loop."""
+        batch = build_write_batch(self.engine.base_addrs[layers.start:layers.stop],
+                                  list(self.destination.layer_base_addrs)[layers.start:layers.stop],
+                                  self.pool.bytes_per_page, src_pages, dst_pages)
+        sync_ready(self.pool, ready)  # the NIC reads the pool behind torch's back
+        return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
+
+
+def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[int], page_bytes: int,
+                      num_layers: int, protocol: str) -> None:
+    """Every write of this room lands inside the decode pool's layer buffers, over the protocol this
+    engine speaks: raises TransferError."""
+    if destination.protocol and destination.protocol != protocol:
+        # One side fell back to TCP (serve --kv-tcp-fallback) and the other did not: every write
+        # would fail, so say why once, per request, instead.
+        raise TransferError(FailureCode.INVALID_ARGUMENT,
+                            f"decode's mooncake engine speaks {destination.protocol}, this prefill worker's "
+                            f"{protocol}: one of them fell back to tcp (see its start log); give both RDMA "
+                            f"devices or use kvTransfer.protocol tcp")
+    if destination.page_bytes != page_bytes:
+        raise TransferError(FailureCode.INVALID_ARGUMENT,
+                            f"decode page is {destination.page_bytes} bytes, prefill page {page_bytes}")
+    if len(destination.layer_base_addrs) != num_layers:
+        raise TransferError(FailureCode.INVALID_ARGUMENT,
+                            f"decode sent {len(destination.layer_base_addrs)} layer addresses, "
+                            f"the model has {num_layers} layers")
+    check_page_ids(page_ids, destination.pool_pages)
+
+
+class MooncakeSender(KVSender):
+    name = "mooncake"
+
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        super().__init__(pool, config)
+        # Over TCP a write reads its local source without a registration: nothing to expose here.
+        self.engine = MooncakeEngine(pool, config, register_pool=config.mooncake_protocol != "tcp")
+
+    def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
+        destination = handshake.mooncake
+        check_destination(destination, handshake.page_ids, self.pool.bytes_per_page, self.pool.num_layers,
+                          self.engine.protocol)
+        # Which engine writes into which: under DP each rank's own engine writes rank to rank.
+        log.debug("room %d: mooncake %s writes %d pages into %s (decode DP rank %d)", handshake.room,
+                  self.engine.session_id, len(handshake.page_ids), destination.session_id, handshake.decode_dp_rank)
+        return MooncakeChannel(self.pool, self.engine, destination, handshake.page_ids,
+                               self.config.send_timeout_s)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class MooncakeReceiver(KVReceiver):
+    name = "mooncake"
+
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
+        super().__init__(pool, config)
+        self.engine = MooncakeEngine(pool, config, register_pool=config.mooncake_protocol != "tcp")
+
+    def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
+        if self.engine.protocol == "tcp":
+            return MooncakePagesSink(self.pool, pages, self.engine)
+        return MooncakeSink(self.pool, pages)
+
+    def fill_destination(self, handshake: pb.Handshake) -> None:
+        handshake.mooncake.session_id = self.engine.session_id
+        handshake.mooncake.layer_base_addrs.extend(self.engine.base_addrs)
+        handshake.mooncake.page_bytes = self.pool.bytes_per_page
+        handshake.mooncake.pool_pages = self.pool.num_pages
+        handshake.mooncake.protocol = self.engine.protocol
+        handshake.mooncake.kv_mac_algorithms.extend(kv_mac.algorithms())
+
+    @property
+    def late_write_grace_s(self) -> float:
+        # A write the prefill side started before it learnt of the failure ends within its timeout.
+        return self.config.send_timeout_s
+
+    def close(self) -> None:
+        self.engine.close()
