@@ -1,5 +1,5 @@
-"""What the autoscaler reads: the serving metrics the workers already export (workers/common/
-metrics.py), scraped from the pods the operator owns, turned into one number per SLO metric.
+"""What the autoscaler reads: the serving metrics the workers already export (workers/metrics/
+worker_metrics.py), scraped from the pods the operator owns, turned into one number per SLO metric.
 
     role     CRD name (autoscaling.metrics[].name)   from the workers' /metrics
     prefill  ttftP90Seconds                          p90 of deepseek_pd:time_to_first_token_seconds

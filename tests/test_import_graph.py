@@ -17,6 +17,8 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 ROOT_PACKAGE = "deepseek_pd"
 
@@ -197,18 +199,26 @@ def test_no_import_circles():
 
 
 # Layers: a module under a key may import nothing under any of its values (module or package).
-# workers.common is shared by both roles and by the builders that pick a role, so it knows none of
-# them; model/ is the engine and knows nothing of the workers, the operator or the CLI; the workers
-# and the operator are started by the launcher (`up`) and the CLI, and know neither (what they
-# share with the launcher, such as deepseek_pd/ports.py, sits below all of them).
+# The worker folders are the PD diagram: serve/ builds a worker and knows everything; the two roles
+# (prefill/, decode/) know the shared folders but not each other (they meet only through
+# transport/); the shared folders (engine/, transport/, group/, api/, metrics/) know no role and
+# not serve/; the engine core knows neither the gRPC front nor rank groups. model/ is the model
+# and knows nothing of the workers, the operator or the CLI; the workers and the operator are
+# started by the launcher (`up`) and the CLI, and know neither (what they share with the launcher,
+# such as deepseek_pd/ports.py, sits below all of them).
 _ENTRY_POINTS = (f"{ROOT_PACKAGE}.launcher", f"{ROOT_PACKAGE}.cli", f"{ROOT_PACKAGE}.commands")
+_W = f"{ROOT_PACKAGE}.workers"
+_ROLES_AND_SERVE = (f"{_W}.prefill", f"{_W}.decode", f"{_W}.serve")
 FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
-    f"{ROOT_PACKAGE}.workers.common": (
-        f"{ROOT_PACKAGE}.workers.prefill", f"{ROOT_PACKAGE}.workers.decode", f"{ROOT_PACKAGE}.workers.builders",
-        f"{ROOT_PACKAGE}.workers.roles", f"{ROOT_PACKAGE}.workers.group_main",
-        f"{ROOT_PACKAGE}.workers.serve_resolution"),
-    f"{ROOT_PACKAGE}.model": (f"{ROOT_PACKAGE}.workers", f"{ROOT_PACKAGE}.operator", *_ENTRY_POINTS),
-    f"{ROOT_PACKAGE}.workers": _ENTRY_POINTS,
+    f"{_W}.engine": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group"),
+    f"{_W}.transport": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group"),
+    f"{_W}.metrics": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group", f"{_W}.transport"),
+    f"{_W}.api": (*_ROLES_AND_SERVE, f"{_W}.group"),
+    f"{_W}.group": _ROLES_AND_SERVE,
+    f"{_W}.prefill": (f"{_W}.decode", f"{_W}.serve"),
+    f"{_W}.decode": (f"{_W}.prefill", f"{_W}.serve"),
+    f"{ROOT_PACKAGE}.model": (_W, f"{ROOT_PACKAGE}.operator", *_ENTRY_POINTS),
+    _W: _ENTRY_POINTS,
     f"{ROOT_PACKAGE}.operator": _ENTRY_POINTS,
 }
 
@@ -242,14 +252,22 @@ def test_layering_guard_sees_the_layers():
             assert name in modules, f"FORBIDDEN_IMPORTS names {name}, which is not a module (renamed?)"
 
 
-def test_layering_finds_a_crossing(tmp_path):
-    """The check itself on a made-up module: workers.common importing a role is reported."""
-    shared = tmp_path / "shared.py"
-    shared.write_text("from deepseek_pd.workers.decode.engine import DecodeEngine\n")
-    modules = {**package_modules(), f"{ROOT_PACKAGE}.workers.common.fake_shared": shared}
-    edges = import_edges(f"{ROOT_PACKAGE}.workers.common.fake_shared", modules)
-    assert [(e.source, e.target) for e in layering_violations(modules, edges)] == [
-        (f"{ROOT_PACKAGE}.workers.common.fake_shared", f"{ROOT_PACKAGE}.workers.decode.engine")]
+@pytest.mark.parametrize("source, line, target", [
+    # the shared engine core importing a role
+    ("workers.engine.fake", "from deepseek_pd.workers.decode.engine import DecodeEngine", "workers.decode.engine"),
+    # one role importing the other (they meet only through workers/transport)
+    ("workers.decode.fake", "from deepseek_pd.workers.prefill import engine", "workers.prefill.engine"),
+    # the gRPC front importing the serve entry point
+    ("workers.api.fake", "import deepseek_pd.workers.serve.builders", "workers.serve.builders"),
+])
+def test_layering_finds_a_crossing(tmp_path, source, line, target):
+    """The check itself on a made-up module placed in a layer: its one forbidden import is reported."""
+    path = tmp_path / "fake.py"
+    path.write_text(line + "\n")
+    name = f"{ROOT_PACKAGE}.{source}"
+    modules = {**package_modules(), name: path}
+    edges = import_edges(name, modules)
+    assert [(e.source, e.target) for e in layering_violations(modules, edges)] == [(name, f"{ROOT_PACKAGE}.{target}")]
 
 
 def test_layering_finds_a_worker_reaching_up_into_the_launcher(tmp_path):

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("deepseek_pd", "deepseek_pd.cli", "deepseek_pd.model", "deepseek_pd.workers",
-               "deepseek_pd.workers.prefill", "deepseek_pd.workers.decode", "deepseek_pd.workers.common",
-               "deepseek_pd.proto", "deepseek_pd.operator")
+               "deepseek_pd.workers.prefill", "deepseek_pd.workers.decode", "deepseek_pd.workers.engine",
+               "deepseek_pd.workers.transport", "deepseek_pd.workers.group", "deepseek_pd.workers.api",
+               "deepseek_pd.workers.metrics", "deepseek_pd.workers.serve", "deepseek_pd.model.sampling",
+               "deepseek_pd.model.kv", "deepseek_pd.proto", "deepseek_pd.operator")
 # Where each import must come from, relative to the installation root.
 EXPECTED_DIR = {"deepseek_pd.model": "model", "deepseek_pd.workers.prefill": "workers/prefill",
                 "deepseek_pd.proto": "proto", "deepseek_pd.operator": "operator", "deepseek_pd.cli": ""}

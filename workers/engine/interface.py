@@ -1,6 +1,6 @@
 """The boundary between the gRPC surface and a worker's engine.
 
-The SglangScheduler servicer (workers/common) translates proto messages into these types and
+The SglangScheduler servicer (workers/api) translates proto messages into these types and
 back; the prefill, decode and colocated engines implement `WorkerEngine` and know nothing of
 SGLang's proto. That keeps the wire format in one place and lets tests drive an engine directly.
 

@@ -1,7 +1,7 @@
 """The engines `deepseek-pd serve` builds, one builder per role, from the resolved `ServeConfig`.
 
-This is the one module that knows both roles' engine classes (shared code in workers/common knows
-neither). A builder loads the model (`ModelRunner`, which sizes the KV pool), then builds the role's
+This is the one module that knows both roles' engine classes (the shared folders, workers/engine,
+transport, group, api and metrics, know neither). A builder loads the model (`ModelRunner`, which sizes the KV pool), then builds the role's
 engine around it; the engine is started by the caller (worker_main.serve_worker), which also passes the process's
 `WorkerMetrics` (workers/metrics/worker_metrics.py) that the engine feeds.
 

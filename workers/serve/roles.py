@@ -9,7 +9,7 @@
   running request's KV for its whole generation; a prefill worker only the prompts in flight and
   its prefix cache, so 1 prefill + 1 decode split the room 2:3.
 
-Shared worker code (`workers/common`) never reads this table; `serve` and `up` do.
+Shared worker code (workers/engine, transport, group, api, metrics) never reads this table; `serve` and `up` do.
 """
 from __future__ import annotations
 
