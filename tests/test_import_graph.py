@@ -225,11 +225,7 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
 
 # Crossings allowed for now, {(source, target): why}; each must still be an import, so a fixed one fails
 # the test until it is removed here.
-ALLOWED_CROSSINGS: dict[tuple[str, str], str] = {
-    (f"{ROOT_PACKAGE}.model.engine", f"{ROOT_PACKAGE}.workers.common.prefill_round"):
-        "the offline engine prefills through the workers' one prefill round; it leaves model/ in the "
-        "issue-24 layout codemod (next to the workers' engines)",
-}
+ALLOWED_CROSSINGS: dict[tuple[str, str], str] = {}
 
 
 def _under(module: str, package: str) -> bool:

@@ -26,19 +26,19 @@ from test_import_graph import ROOT_PACKAGE, import_edges, package_modules
 
 pytestmark = pytest.mark.timeout(120)
 
-CORE = f"{ROOT_PACKAGE}.workers.common.prefill_round"
+CORE = f"{ROOT_PACKAGE}.workers.engine.prefill_round"
 # The core's forward (one extend + first tokens, + the MTP pass), which it imports; benches time it alone.
-FORWARD = f"{ROOT_PACKAGE}.workers.common.extend_step"
+FORWARD = f"{ROOT_PACKAGE}.workers.engine.extend_step"
 ENGINES = {f"{ROOT_PACKAGE}.workers.prefill.engine", f"{ROOT_PACKAGE}.workers.decode.engine",
-           f"{ROOT_PACKAGE}.model.engine"}
+           f"{ROOT_PACKAGE}.workers.engine.offline"}
 # The pieces of a round, and the modules that may use them: where each is defined, and the core.
-ROUND_PIECES = {"plan_extend_batch": f"{ROOT_PACKAGE}.model.prefill_planner",
+ROUND_PIECES = {"plan_extend_batch": f"{ROOT_PACKAGE}.workers.engine.prefill_planner",
                 "run_extend": FORWARD,
                 "run_extend_with_mtp": FORWARD,
-                "mtp_over_extend": f"{ROOT_PACKAGE}.model.speculative"}
+                "mtp_over_extend": f"{ROOT_PACKAGE}.model.speculative.decoder"}
 # Modules below the engines that call the runner's extend forwards themselves: the runner's own
 # layers, and the speculative decoder's verify forward (several draft tokens per sequence).
-EXTEND_CALLERS = {FORWARD, f"{ROOT_PACKAGE}.model.speculative"}
+EXTEND_CALLERS = {FORWARD, f"{ROOT_PACKAGE}.model.speculative.decoder"}
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
 
 
@@ -78,7 +78,7 @@ def test_the_engines_import_the_round_and_nothing_else_builds_one():
             if module not in (CORE, FORWARD, ROUND_PIECES[piece]):
                 strays.append(f"{module} uses {piece}")
         if module not in EXTEND_CALLERS and not module.startswith(f"{ROOT_PACKAGE}.model.") \
-                or module == f"{ROOT_PACKAGE}.model.engine":
+                or module == f"{ROOT_PACKAGE}.workers.engine.offline":
             strays += [f"{module}:{line} calls the runner's extend" for line in _runner_extend_calls(tree)]
     assert not strays, "a prefill round outside workers/engine/prefill_round.py:\n  " + "\n  ".join(strays)
 
@@ -142,7 +142,7 @@ def test_each_engine_prefills_through_the_round(spy):
     for kind, tokens in spy:
         assert tokens <= CHUNK
         rounds.setdefault(kind, []).append(tokens)
-    assert list(rounds) == [f"{ROOT_PACKAGE}.model.engine", f"{ROOT_PACKAGE}.workers.decode.engine",
+    assert list(rounds) == [f"{ROOT_PACKAGE}.workers.engine.offline", f"{ROOT_PACKAGE}.workers.decode.engine",
                             f"{ROOT_PACKAGE}.workers.prefill.engine"]
     # Each prompt went through the round whole, chunked by the budget (the prefill side may hit nothing cached).
     assert [sum(r) for r in rounds.values()] == [len(p) for p in prompts]
