@@ -86,14 +86,29 @@ CLIENT_BUDGET_FILE = "client-budget.yaml"
 _NO_TOKEN_BOUND = 2**32 - 1
 
 
-def client_budget_args(path: Path, requests_per_minute: int) -> tuple[str, ...]:
-    """Writes smg's tenant-rate-limit policy (each client address: `requests_per_minute`) to `path`
-    and returns the router flags that load it."""
+def client_budget_policy(requests_per_minute: int) -> str:
+    """smg's tenant-rate-limit policy YAML: each client (tenant) `requests_per_minute`, tokens unbounded."""
     if requests_per_minute < 1:
         raise UserError(f"a per-client budget of {requests_per_minute} requests per minute admits nothing")
-    path.write_text(f"default_policy:\n  tokens_per_minute: {_NO_TOKEN_BOUND}\n"
-                    f"  requests_per_minute: {requests_per_minute}\n")
-    return ("--tenant-rate-limit-enabled", "--tenant-rate-limit-config", str(path))
+    return (f"default_policy:\n  tokens_per_minute: {_NO_TOKEN_BOUND}\n"
+            f"  requests_per_minute: {requests_per_minute}\n")
+
+
+def client_budget_flags(policy_path: str, client_header: str | None = None) -> tuple[str, ...]:
+    """The router flags that load the policy at `policy_path`. `client_header`: the request header
+    naming the client, set by an ingress in front (smg then trusts it; without it a client is its
+    address, which behind an ingress is the ingress's)."""
+    flags = ("--tenant-rate-limit-enabled", "--tenant-rate-limit-config", policy_path)
+    if client_header:
+        flags += ("--trust-tenant-header", "--tenant-header-name", client_header)
+    return flags
+
+
+def client_budget_args(path: Path, requests_per_minute: int) -> tuple[str, ...]:
+    """Writes smg's tenant-rate-limit policy (each client address: `requests_per_minute`) to `path`
+    and returns the router flags that load it (`up`)."""
+    path.write_text(client_budget_policy(requests_per_minute))
+    return client_budget_flags(str(path))
 
 RETRY_ARGS = ("--retry-max-retries", "5", "--retry-initial-backoff-ms", "1500",
               "--retry-backoff-multiplier", "2", "--retry-max-backoff-ms", "8000")

@@ -14,6 +14,7 @@ from deepseek_pd.operator import names
 from deepseek_pd.operator.build_model import hub_env
 from deepseek_pd.operator.pod_security import secure_container
 from deepseek_pd.operator.build_metrics import router_metrics_args, router_metrics_ports, scrape_annotations
+from deepseek_pd.operator.router_client_budget import budget_args, budget_config_map, mount_budget
 from deepseek_pd.operator.router_discovery import WORKER_DISCOVERY, RouterGroups, desired_groups
 from deepseek_pd.operator.router_keys import CONTROL_PLANE_ENV, router_key_args, router_key_env
 from deepseek_pd.operator.router_rollout import PROGRESS_DEADLINE_SECONDS
@@ -98,6 +99,7 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
         "--host", "0.0.0.0",
         "--port", str(spec.router.port),
         *router_metrics_args(spec),
+        *budget_args(spec),
         *spec.router.extra_args,
     ]
 
@@ -140,6 +142,8 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
     container["env"] = router_key_env(spec)
     if spec.model.hub is not None:  # the gateway fetches the tokenizer from the Hub (or its mirror)
         container["env"] += hub_env(spec.model.hub)
+    annotations = scrape_annotations(spec, spec.metrics.router_port)
+    mount_budget(spec, pod_spec, container, annotations)
     secure_container(spec, pod_spec, container)  # no capabilities, read-only root, seccomp
     return {
         "apiVersion": "apps/v1",
@@ -150,7 +154,7 @@ def build_router_deployment(spec: DeploymentSpec, groups: RouterGroups | None = 
             "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
             "selector": {"matchLabels": _selector(spec)},
             "template": {"metadata": {"labels": {**names.base_labels(spec.name, "router"), **_selector(spec)},
-                                      "annotations": scrape_annotations(spec, spec.metrics.router_port)},
+                                      "annotations": annotations},
                          "spec": pod_spec},
         },
     }
@@ -180,5 +184,5 @@ def build_router_children(spec: DeploymentSpec, groups: RouterGroups | None = No
     access: list[Manifest] = []
     if WORKER_DISCOVERY[spec.router.worker_discovery].needs_pod_access:
         access = [build_router_role(spec), build_router_role_binding(spec)]
-    return [build_router_service_account(spec), *access, build_router_deployment(spec, groups),
-            build_router_service(spec)]
+    return [build_router_service_account(spec), *access, *filter(None, [budget_config_map(spec)]),
+            build_router_deployment(spec, groups), build_router_service(spec)]

@@ -312,6 +312,17 @@ def _router() -> Schema:
                 "key": string("Key inside the Secret.", default="api-key", min_length=1,
                               max_length=253),
             }, required=["name"]),
+        "clientBudget": obj(
+            "A per-client request budget (smg's tenant rate limit): past it a client gets 429 with "
+            "Retry-After while others are served. A client is its address, which behind an ingress is "
+            "the ingress's: there set clientHeader to a header the ingress sets (and overwrites) with "
+            "the real client, e.g. X-Real-IP.", {
+                "requestsPerMinute": integer("Requests each client may send per minute.", minimum=1,
+                                             maximum=1_000_000),
+                "clientHeader": string("Request header naming the client, trusted by the router "
+                                       "(only safe behind an ingress that overwrites it).",
+                                       pattern=r"^[A-Za-z0-9-]+$", max_length=128),
+            }, required=["requestsPerMinute"]),
     }, default={})
 
 

@@ -253,6 +253,15 @@ class RouterSpec:
     resources: dict
     extra_args: tuple[str, ...]
     api_key_secret: SecretKeyRef | None = None
+    client_budget: ClientBudget | None = None
+
+
+@dataclass(frozen=True)
+class ClientBudget:
+    """router.clientBudget: each client's requests per minute; `client_header` names the client."""
+
+    requests_per_minute: int
+    client_header: str | None = None
 
 
 @dataclass(frozen=True)
@@ -346,7 +355,10 @@ class DeploymentSpec:
                               router["port"], router["serviceType"], router.get("image", raw["image"]),
                               router.get("resources", {}), tuple(router["extraArgs"]),
                               SecretKeyRef(router["apiKeySecret"]["name"], router["apiKeySecret"]["key"])
-                              if "apiKeySecret" in router else None),
+                              if "apiKeySecret" in router else None,
+                              ClientBudget(router["clientBudget"]["requestsPerMinute"],
+                                           router["clientBudget"].get("clientHeader"))
+                              if "clientBudget" in router else None),
             scheduling=raw["scheduling"],
             shared_memory_size=str(raw["sharedMemorySize"]),
             rdma=RdmaSpec(rdma.get("resourceName"), rdma["resourcesPerPod"],
