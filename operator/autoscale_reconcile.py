@@ -127,9 +127,12 @@ def decision_events(before: dict[str, Any], after: dict[str, Any]) -> list[tuple
     (MetricsUnavailable, once); a steady hold posts nothing."""
     events = []
     for role, state in after.items():
-        new, old = state["lastDecision"], ((before or {}).get(role) or {}).get("lastDecision") or {}
+        previous = (before or {}).get(role) or {}
+        new, old = state["lastDecision"], previous.get("lastDecision") or {}
         readings = ", ".join(f"{k}={v}" for k, v in new["readings"].items())
-        if new["from"] != new["to"] and new.get("time") != old.get("time"):
+        # This pass changed the groups: lastScaleAt moved (a float). Not the decision's time, which
+        # has whole seconds: a change in the same second as the decision before it went unposted.
+        if new["from"] != new["to"] and state.get("lastScaleAt") != previous.get("lastScaleAt"):
             events.append(("Normal", "Scaled", f"{role}: {new['reason']} (read: {readings})"))
         elif NO_METRICS in new["reason"] and NO_METRICS not in old.get("reason", ""):
             events.append(("Warning", "MetricsUnavailable", f"{role}: {new['reason']}"))

@@ -156,3 +156,21 @@ def test_histogram_quantile_interpolates_like_prometheus():
     assert histogram_quantile(0.3, buckets) == pytest.approx(0.1 + 0.1 * (30 - 10) / 40)
     assert histogram_quantile(0.9, buckets) == 0.2  # in +Inf: the highest finite bound
     assert histogram_quantile(0.9, [(0.1, 0.0), (math.inf, 0.0)]) is None
+
+
+def test_a_change_in_the_same_second_as_the_decision_before_it_is_posted():
+    """Scaled follows lastScaleAt, not the decision's whole-second time: the hold written by the
+    pass that read a new target and the scale-up one pass later can share their second (an e2e run
+    then found no Scaled Event for a scale-up that happened)."""
+    from deepseek_pd.operator.autoscale_reconcile import decision_events
+
+    second = "2026-12-06T19:56:48Z"
+    hold = {"from": 1, "to": 1, "reason": "hold: tpotP90Seconds 0.01 vs target 0.02: wants 1",
+            "readings": {"tpotP90Seconds": 0.01}, "time": second}
+    up = {"from": 1, "to": 2, "reason": "scale up 1 -> 2: tpotP90Seconds 0.03 vs target 0.02",
+          "readings": {"tpotP90Seconds": 0.03}, "time": second}
+    before = {"decode": {"lastDecision": hold, "lastScaleAt": 0.0}}
+    after = {"decode": {"lastDecision": up, "lastScaleAt": 1796586000.25, "lastScale": up}}
+    assert [(t, r) for t, r, _ in decision_events(before, after)] == [("Normal", "Scaled")]
+    steady = {"decode": {"lastDecision": {**up, "from": 2}, "lastScaleAt": 1796586000.25}}
+    assert decision_events(after, steady) == []  # a later hold posts nothing
