@@ -22,6 +22,7 @@ forever: once the Deployment reports ProgressDeadlineExceeded they are deleted a
 """
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -63,12 +64,25 @@ def is_router_pod(pod: dict[str, Any]) -> bool:
     return ((pod.get("metadata") or {}).get("labels") or {}).get(names.LABEL_COMPONENT) == "router"
 
 
+def _past_its_grace(pod: dict[str, Any], now: datetime.datetime) -> bool:
+    """A deleted pod whose grace period has run out (deletionTimestamp is the deletion time plus the
+    grace): its kubelet has killed it, or is gone with its node, so it streams nothing any more."""
+    stamp = (pod.get("metadata") or {}).get("deletionTimestamp")
+    if not stamp:
+        return False
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")) < now
+
+
 def groups_still_named(router_pods: Iterable[dict[str, Any]], indices: Iterable[int],
-                       url_of: Callable[[int], str]) -> frozenset[int]:
+                       url_of: Callable[[int], str], now: datetime.datetime | None = None) -> frozenset[int]:
     """The groups among `indices` whose worker URL (`url_of(index)`) some router pod, a
-    terminating one included, still has in its arguments: it may still stream from them."""
+    terminating one included, still has in its arguments: it may still stream from them. A pod
+    past its grace period does not count (a lost node would otherwise hold the groups forever)."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
     named: set[str] = set()
     for pod in router_pods:
+        if _past_its_grace(pod, now):
+            continue
         for container in ((pod.get("spec") or {}).get("containers") or []):
             named.update(container.get("command") or [])
             named.update(container.get("args") or [])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import pathlib
 import random
@@ -189,7 +190,9 @@ def test_scale_down_keeps_the_groups_a_draining_router_pod_still_streams_from():
     draining = {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": "tiny-router-old-x1", "namespace": "llm",
                              "labels": dict(old_template["metadata"]["labels"]),
-                             "deletionTimestamp": "2026-12-06T00:00:00Z"},
+                             # deleted now, grace running: deletionTimestamp = deletion + grace
+                             "deletionTimestamp": (datetime.datetime.now(datetime.timezone.utc)
+                                                   + datetime.timedelta(seconds=190)).isoformat()},
                 "spec": old_template["spec"], "status": {"phase": "Running"}}
     api.objects[("Pod", draining["metadata"]["name"])] = draining
     retired = {names.group_name("tiny", "decode", i) for i in range(after, before)}
@@ -204,3 +207,21 @@ def test_scale_down_keeps_the_groups_a_draining_router_pod_still_streams_from():
     del api.objects[("Pod", draining["metadata"]["name"])]  # drained and gone
     asyncio.run(reconciler.reconcile(body, LOG))
     assert not retired & {n for k, n in api.objects if k in ("StatefulSet", "Service")}
+
+
+def test_a_router_pod_past_its_grace_period_holds_no_group():
+    """A terminating router pod whose grace has run out (its node lost, say) streams nothing: it
+    must not hold a retired group forever."""
+    from deepseek_pd.operator.router_rollout import groups_still_named
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    url = {i: f"grpc://g{i}:30000" for i in range(3)}
+
+    def pod(deleted_at: datetime.datetime | None, indices: list[int]) -> dict:
+        meta = {"name": "r"} | ({"deletionTimestamp": deleted_at.isoformat()} if deleted_at else {})
+        return {"metadata": meta, "spec": {"containers": [{"args": [url[i] for i in indices]}]}}
+
+    grace = datetime.timedelta(seconds=random.randint(1, 300))
+    assert groups_still_named([pod(now + grace, [1, 2])], [1, 2], url.get, now) == {1, 2}  # draining
+    assert groups_still_named([pod(now - grace, [1, 2])], [1, 2], url.get, now) == frozenset()  # past it
+    assert groups_still_named([pod(None, [2]), pod(now - grace, [1])], [1, 2], url.get, now) == {2}
