@@ -24,7 +24,7 @@ system-deps:
 demo: $(STAMP) system-deps
 	$(BIN)/deepseek-pd demo
 
-# kube-apiserver + kube-controller-manager for tests/k8s, built once per release into
+# kube-apiserver, kube-controller-manager and kube-scheduler for tests/k8s, built once per release into
 # ~/.cache/deepseek-pd/kube/<release>/ (about 9 minutes cold on 2 cores; a no-op after). `make test`
 # needs no step for it: pytest starts it in the background and runs tests/k8s last.
 control-plane:
