@@ -63,7 +63,8 @@ def test_dp_group_speculation_equals_the_offline_engine(tmp_path, trained) -> No
     with GroupWorker("decode", ["--model", str(path), "--dp", "2", "--speculative-num-steps", "3",
                                 "--metrics-port", str(metrics_port)], tmp_path / "group.log") as worker:
         asyncio.run(worker.wait_healthy())
-        got = asyncio.run(generate_all(worker.address, prompts, max_new))
+        # ignore_eos on both sides, as the oracle: a greedy EOS (seed 917) must not end one side only
+        got = asyncio.run(generate_all(worker.address, prompts, max_new, ignore_eos=True))
         assert got == want, f"seed {seed}\n" + worker.log_tail()
         ranks = [_spec_counters(f"http://127.0.0.1:{metrics_port + r}/metrics") for r in range(2)]
     for rank, counters in enumerate(ranks):
@@ -95,9 +96,14 @@ def test_pd_between_dp_groups_with_tbo_equals_the_offline_engine(tmp_path, train
             GroupWorker("decode", [*group, "--metrics-port", str(metrics_port)], tmp_path / "decode.log") as decode:
         async def run() -> list:
             await asyncio.gather(prefill.wait_healthy(), decode.wait_healthy())
+            def greedy(n: int):
+                params = sampling_proto(max_new_tokens=n, temperature=0.0)
+                params.ignore_eos = True  # as the oracle's
+                return params
+
             async with PDClient(prefill.address, "127.0.0.1", prefill.bootstrap_port, decode.address) as client:
                 return list(await asyncio.gather(*(
-                    client.generate(p, sampling_proto(max_new_tokens=n, temperature=0.0), stream=bool(i % 2), room=r)
+                    client.generate(p, greedy(n), stream=bool(i % 2), room=r)
                     for i, (p, n, r) in enumerate(zip(prompts, max_new, rooms)))))
         results = asyncio.run(run())
         assert all(r.ok for r in results), ([(r.prefill_error, r.decode_error) for r in results],

@@ -90,18 +90,21 @@ class GroupWorker:
         self.stop()
 
 
-def greedy_request(rid: str, input_ids: list[int], max_new_tokens: int, stream: bool = True) -> pb.GenerateRequest:
+def greedy_request(rid: str, input_ids: list[int], max_new_tokens: int, stream: bool = True,
+                   ignore_eos: bool = False) -> pb.GenerateRequest:
+    params = sampling_proto(max_new_tokens=max_new_tokens, temperature=0.0)
+    params.ignore_eos = ignore_eos
     return pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=input_ids),
-                              sampling_params=sampling_proto(max_new_tokens=max_new_tokens, temperature=0.0),
-                              stream=stream)
+                              sampling_params=params, stream=stream)
 
 
-async def generate_all(address: str, prompts: Sequence[list[int]], max_new: Sequence[int]) -> list[list[int]]:
+async def generate_all(address: str, prompts: Sequence[list[int]], max_new: Sequence[int],
+                       ignore_eos: bool = False) -> list[list[int]]:
     """Every prompt at once (concurrent Generate calls), greedy; output ids in prompt order."""
     async with SchedulerClient(address) as client:
         async def one(i: int) -> list[int]:
             ids, _ = await collect(client.generate(greedy_request(f"g{i}-{os.getpid()}", prompts[i], max_new[i],
-                                                                  stream=bool(i % 2))))
+                                                                  stream=bool(i % 2), ignore_eos=ignore_eos)))
             return ids
         return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
