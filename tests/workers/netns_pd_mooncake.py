@@ -43,8 +43,7 @@ def main(seed: int) -> None:
             await asyncio.wait_for(decoding.wait(), 30)  # abort in the decode phase
             await pair.decode.abort(d_req.rid)
             await asyncio.gather(*tasks)
-            await asyncio.sleep(0.1)
-            pair.assert_pools_clean()
+            await pair.wait_pools_clean()  # a forward in flight frees its pages when it returns
             return outcomes
 
     async def abort_in_transfer():
@@ -58,8 +57,7 @@ def main(seed: int) -> None:
             await asyncio.sleep(0.01)
             await pair.decode.abort(d_req.rid)
             prefill, decode = await asyncio.gather(*tasks)
-            await asyncio.sleep(0.8)
-            pair.assert_pools_clean()
+            await pair.wait_pools_clean()  # a forward in flight frees its pages when it returns
             return prefill, decode
 
     outcomes = asyncio.run(run())
