@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import threading
 import time
 
 import pytest
@@ -62,6 +63,16 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
         return wait_ready
     monkeypatch.setattr(direct_pool, "wait_ready", late_first_copy(direct_pool.wait_ready))
     monkeypatch.setattr(page_io, "wait_ready", late_first_copy(page_io.wait_ready))
+    # When the first copy's host calls had all returned (its thread then waits for the copy on the
+    # GPU): splits a copy that waited in the driver (host calls late) from one the GPU ran late.
+    launched: list[float] = []
+    stream_sync = torch.cuda.Stream.synchronize
+
+    def traced_sync(stream):
+        if copy_began and not launched and threading.current_thread().name.startswith("kv-send"):
+            launched.append(time.monotonic())
+        return stream_sync(stream)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", traced_sync)
 
     async def run():
         base = worker_config("grpc", same_host_direct=direct)
@@ -104,7 +115,9 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
     first_chunk_lead = forward_ends[1] - emitted[0]
     # Where the time went when it fails: the copy's host calls (copy_began -> emitted) or before.
     phases = (f"forward 1 ended at 0, the first copy began at {copy_began[0] - forward_ends[0]:.3f}s, "
-              f"its chunk was emitted at {emitted[0] - forward_ends[0]:.3f}s, forward 2 ended at "
+              f"its host calls returned at "
+              f"{(launched[0] - forward_ends[0]) if launched else float('nan'):.3f}s (late: they waited in the "
+              f"driver; early: the GPU ran the copy late), its chunk was emitted at {emitted[0] - forward_ends[0]:.3f}s, forward 2 ended at "
               f"{forward_ends[1] - forward_ends[0]:.3f}s" if copy_began else "the first copy never began")
     assert first_chunk_lead > SLOW_FORWARD_S / 2, (
         f"the first chunk went out {-first_chunk_lead:.2f}s after the next forward ended "
