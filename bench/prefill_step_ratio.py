@@ -281,12 +281,17 @@ def main(argv=None) -> dict:
           f"{args.repeats} requests at concurrency 1 (medians)")
     print(f"{'runner extend + sync':<26} {runner_ms:>9.2f} ms")
     print(f"{'worker step (metrics)':<26} {step_ms:>9.2f} ms   ratio {ratio:.3f} (target <= {TARGET})")
+    # The workers' /metrics (bench/worker_metrics.py) give means, runner_steps.py medians: a few slow
+    # steps (a first-seen kernel specialisation, a full GC) move the one and not the other.
+    step_mean, step_max = statistics.mean(worker.step) * 1e3, max(worker.step) * 1e3
+    print(f"{'  mean / max':<26} {step_mean:>9.2f} / {step_max:.2f} ms (runner alone: "
+          f"{statistics.mean(worker.alone) * 1e3:.2f} / {max(worker.alone) * 1e3:.2f})")
     for part, value in split.items():
         print(f"{'  ' + part:<26} {value:>9.2f} ms")
     print(f"{'event loop busy in a step':<26} {ms(busy):>9.2f} ms   (callbacks run beside the forward)")
     result = {"tokens": args.tokens, "model": path, "device": args.device, "device_name": name,
               "dtype": args.dtype, "page_size": args.page_size, "inference_mode": not args.no_inference_mode,
-              "layerwise": args.layerwise, "same_host_direct": args.same_host_direct, "runner_ms": runner_ms, "step_ms": step_ms,
+              "layerwise": args.layerwise, "same_host_direct": args.same_host_direct, "runner_ms": runner_ms, "step_ms": step_ms, "step_mean_ms": step_mean,
               "split_ms": split, "loop_busy_ms": ms(busy), "ratio": ratio, "seconds": dataclasses.asdict(worker),
               "check": check(f"prefill worker step / runner extend, {args.tokens} tokens, c=1", ratio, "<=", TARGET)}
     if args.profile:
