@@ -18,7 +18,8 @@ One process, one set of weights (a prefill and a decode runner with their own KV
    and the event loop's own busy time during each step (out of its poll: callbacks that take the
    GIL from the model thread).
 Prints step / runner (the median of the pairs' ratios) as the ratio (target <= `TARGET`) and the split; `--json` writes it all.
-`--profile FILE` also writes cProfile's top functions of the model thread's rounds (its own calls
+`--trace DIR` writes a torch.profiler Chrome trace of the last pairs (the GPU's idle time in a
+step shows there). `--profile FILE` also writes cProfile's top functions of the model thread's rounds (its own calls
 only: cProfile sees one thread) and of the event loop during the worker's requests.
 
 Caveat: both engines share this process (and its GIL) where `up` runs two, so the worker's
@@ -29,11 +30,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import contextlib
 import dataclasses
+import gzip
 import io
 import json
 import pstats
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -73,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-inference-mode", action="store_true",
                         help="run the worker's model thread as before 2026-12-06 (the model's no_grad only), "
                              "to see what inference mode gives (the runner alone keeps it)")
+    parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="torch.profiler over the last 3 pairs: a Chrome trace and the ops' table in DIR")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="write cProfile's top functions of the worker's model thread and event loop")
@@ -220,7 +226,10 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args,
         await prefill.model_thread.run(runner_alone, prefill_runner, prompts[0], args.device)
         await one(prompts[0], 1)
         instrument(prefill, times, thread_profiler)
+        traced = torch_trace(args) if args.trace else contextlib.nullcontext()
         for index, prompt in enumerate(prompts[1:]):
+            if index == len(prompts) - 1 - TRACED_PAIRS:
+                traced.__enter__()
             # The runner alone right before each request, in the worker's model thread and idle
             # engines: each pair sees the same machine (a shared CPU's load drifts within a run).
             times.alone.append(await prefill.model_thread.run(runner_alone, prefill_runner, prompt, args.device))
@@ -229,10 +238,38 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args,
             await one(prompt, 2 + index)
             if loop_profiler is not None:
                 loop_profiler.disable()
+        if args.trace:
+            traced.__exit__(None, None, None)
     finally:
         await decode.stop()
         await prefill.stop()
     return times
+
+
+TRACED_PAIRS = 3  # --trace: the last pairs (runner alone, then the request) go into the trace
+
+
+@contextlib.contextmanager
+def torch_trace(args):
+    """torch.profiler over the last `TRACED_PAIRS` pairs, every thread of the process: a Chrome
+    trace (the GPU's idle gaps inside a worker's step against the runner's) and the ops' table."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    # The forwards run in the model thread, not this one: record the ops of every thread.
+    with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        yield prof
+    args.trace.mkdir(parents=True, exist_ok=True)
+    trace = args.trace / "prefill_step_trace.json"
+    prof.export_chrome_trace(str(trace))
+    with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:  # Perfetto reads .json.gz
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+    sort = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=25)
+    (args.trace / "prefill_step_ops.txt").write_text(table)
+    print(f"torch profiler: {trace}.gz (ui.perfetto.dev), ops in {args.trace}/prefill_step_ops.txt")
 
 
 def top_functions(profiler: cProfile.Profile, limit: int = 25) -> str:

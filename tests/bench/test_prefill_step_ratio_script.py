@@ -19,7 +19,7 @@ def test_one_run_reports_the_ratio_of_paired_steps(tmp_path) -> None:
     repeats, tokens = rng.randint(2, 3), rng.randint(8, 40)
     out = tmp_path / "step.json"
     result = bench.main(["--tiny", "--repeats", str(repeats), "--tokens", str(tokens), "--layerwise",
-                         rng.choice(["on", "off"]), "--json", str(out)])
+                         rng.choice(["on", "off"]), "--json", str(out), "--trace", str(tmp_path / "trace")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     seconds = result["seconds"]
     assert {len(values) for values in seconds.values()} == {repeats}, seconds
@@ -28,3 +28,6 @@ def test_one_run_reports_the_ratio_of_paired_steps(tmp_path) -> None:
     assert result["ratio"] == pytest.approx(statistics.median(s / a for s, a in zip(seconds["step"], seconds["alone"])))
     assert result["check"]["value"] == result["ratio"] and result["check"]["result"] in ("PASS", "MISS")
     assert result["tokens"] == tokens and result["inference_mode"]
+    # The trace holds the model thread's forward ops, not only the event loop's.
+    assert (tmp_path / "trace" / "prefill_step_trace.json.gz").stat().st_size > 0
+    assert "aten::mm" in (tmp_path / "trace" / "prefill_step_ops.txt").read_text()
