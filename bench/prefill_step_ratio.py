@@ -228,7 +228,7 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args,
         instrument(prefill, times, thread_profiler)
         traced = torch_trace(args) if args.trace else contextlib.nullcontext()
         for index, prompt in enumerate(prompts[1:]):
-            if index == len(prompts) - 1 - TRACED_PAIRS:
+            if index == max(0, len(prompts) - 1 - TRACED_PAIRS):
                 traced.__enter__()
             # The runner alone right before each request, in the worker's model thread and idle
             # engines: each pair sees the same machine (a shared CPU's load drifts within a run).
