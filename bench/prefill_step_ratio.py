@@ -18,7 +18,8 @@ One process, one set of weights (a prefill and a decode runner with their own KV
    and the event loop's own busy time during each step (out of its poll: callbacks that take the
    GIL from the model thread).
 Prints step / runner (the median of the pairs' ratios) as the ratio (target <= `TARGET`) and the split; `--json` writes it all.
-`--trace DIR` writes a torch.profiler Chrome trace of the last pairs (the GPU's idle time in a
+`--also-without-inference-mode` measures the model thread as before too (the model's no_grad only),
+its pairs taking turns with the others on each prompt. `--trace DIR` writes a torch.profiler Chrome trace of the last pairs (the GPU's idle time in a
 step shows there). `--profile FILE` also writes cProfile's top functions of the model thread's rounds (its own calls
 only: cProfile sees one thread) and of the event loop during the worker's requests.
 
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig  # noqa: E402
 from deepseek_pd.model.sampling.params import SamplingParams  # noqa: E402
 from deepseek_pd.workers.decode.engine import DecodeEngine  # noqa: E402
+from deepseek_pd.workers.engine import model_thread as model_thread_module  # noqa: E402
 from deepseek_pd.workers.engine.interface import DisaggParams, Finished, GenerateRequest  # noqa: E402
 from deepseek_pd.workers.engine.worker_config import BootstrapConfig, SchedulerConfig, WorkerConfig  # noqa: E402
 from deepseek_pd.workers.prefill.engine import PrefillEngine  # noqa: E402
@@ -77,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-inference-mode", action="store_true",
                         help="run the worker's model thread as before 2026-12-06 (the model's no_grad only), "
                              "to see what inference mode gives (the runner alone keeps it)")
+    parser.add_argument("--also-without-inference-mode", action="store_true",
+                        help="then the same pairs again with the model thread as before, on the same weights")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
                         help="torch.profiler over the last 3 pairs: a Chrome trace and the ops' table in DIR")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE")
@@ -155,9 +159,9 @@ class LoopBusy:
         return time.perf_counter() - self._since - self._polled
 
 
-def instrument(engine: PrefillEngine, times: WorkerTimes, profiler: cProfile.Profile | None) -> None:
-    """Times the engine's rounds at the levels of the module docstring (and profiles the model
-    thread's part)."""
+def instrument(engine: PrefillEngine, holder: list[WorkerTimes], profiler: cProfile.Profile | None) -> None:
+    """Times the engine's rounds at the levels of the module docstring into `holder[0]` (the mode
+    being measured) and profiles the model thread's part."""
     rounds, runner = engine.rounds, engine.runner
     on_step, forward, extend = rounds.on_step, rounds.forward, runner.extend
     busy = LoopBusy(asyncio.get_running_loop())
@@ -167,11 +171,11 @@ def instrument(engine: PrefillEngine, times: WorkerTimes, profiler: cProfile.Pro
         before = busy.total()
         plan = await run_in(*args, **kwargs)
         if plan.items:  # a round ran (an empty plan returns at once and is no step)
-            times.loop_busy.append(busy.total() - before)
+            holder[0].loop_busy.append(busy.total() - before)
         return plan
 
     def timed_step(seconds, prompts, tokens):
-        times.step.append(seconds)
+        holder[0].step.append(seconds)
         on_step(seconds, prompts, tokens)
 
     def timed_forward(*args, **kwargs):
@@ -181,7 +185,7 @@ def instrument(engine: PrefillEngine, times: WorkerTimes, profiler: cProfile.Pro
         try:
             return forward(*args, **kwargs)
         finally:
-            times.model_thread.append(time.perf_counter() - began)
+            holder[0].model_thread.append(time.perf_counter() - began)
             if profiler is not None:
                 profiler.disable()
 
@@ -189,14 +193,20 @@ def instrument(engine: PrefillEngine, times: WorkerTimes, profiler: cProfile.Pro
         began = time.perf_counter()
         out = extend(*args, **kwargs)
         sync(str(out.device))  # run_extend syncs right after: the same wait, counted here
-        times.forward.append(time.perf_counter() - began)
+        holder[0].forward.append(time.perf_counter() - began)
         return out
     rounds.on_step, rounds.forward, runner.extend, rounds.run_in = timed_step, timed_forward, timed_extend, timed_run_in
 
 
-async def worker_steps(prefill_runner, decode_runner, prompts, args,
+# The model thread's call, in inference mode (as now) and as before (the model's no_grad alone).
+MODES = {"inference": model_thread_module.model_call, "as_before": lambda fn, *args: fn(*args)}
+
+
+async def worker_steps(prefill_runner, decode_runner, prompts, args, modes: list[str],
                        thread_profiler: cProfile.Profile | None, loop_profiler: cProfile.Profile | None
-                       ) -> WorkerTimes:
+                       ) -> dict[str, WorkerTimes]:
+    """Per mode of `modes`, the pairs of module docstring's 1 and 2; the modes take turns on each
+    prompt, so they see the same machine too."""
     config = WorkerConfig(kv_transport="grpc",
                           transport=TransportConfig(send_timeout_s=60, same_host_direct=args.same_host_direct),
                           bootstrap=BootstrapConfig(port=0),
@@ -205,11 +215,14 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args,
     prefill, decode = PrefillEngine(prefill_runner, config), DecodeEngine(decode_runner, config)
     await prefill.start()
     await decode.start()
-    times = WorkerTimes()
+    results = {mode: WorkerTimes() for mode in modes}
+    holder = [results[modes[0]]]
+    rooms = iter(range(1, 1 << 30))
     try:
         params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
 
-        async def one(prompt: list[int], room: int) -> None:
+        async def one(prompt: list[int]) -> None:
+            room = next(rooms)
             base = GenerateRequest(rid="r", input_ids=tuple(prompt), sampling=params,
                                    disagg=DisaggParams("127.0.0.1", prefill.bootstrap_port, room))
 
@@ -224,26 +237,31 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args,
 
         # Warm-up: connections, the peer's pool, first kernels (the runner's too).
         await prefill.model_thread.run(runner_alone, prefill_runner, prompts[0], args.device)
-        await one(prompts[0], 1)
-        instrument(prefill, times, thread_profiler)
+        await one(prompts[0])
+        instrument(prefill, holder, thread_profiler)
         traced = torch_trace(args) if args.trace else contextlib.nullcontext()
         for index, prompt in enumerate(prompts[1:]):
             if index == max(0, len(prompts) - 1 - TRACED_PAIRS):
                 traced.__enter__()
-            # The runner alone right before each request, in the worker's model thread and idle
-            # engines: each pair sees the same machine (a shared CPU's load drifts within a run).
-            times.alone.append(await prefill.model_thread.run(runner_alone, prefill_runner, prompt, args.device))
-            if loop_profiler is not None:
-                loop_profiler.enable()
-            await one(prompt, 2 + index)
-            if loop_profiler is not None:
-                loop_profiler.disable()
+            for mode in modes:
+                model_thread_module.model_call = MODES[mode]
+                holder[0] = results[mode]
+                # The runner alone right before each request, in the worker's model thread and idle
+                # engines: each pair sees the same machine (a shared CPU's load drifts within a run).
+                holder[0].alone.append(await prefill.model_thread.run(runner_alone, prefill_runner, prompt,
+                                                                      args.device))
+                if loop_profiler is not None:
+                    loop_profiler.enable()
+                await one(prompt)
+                if loop_profiler is not None:
+                    loop_profiler.disable()
         if args.trace:
             traced.__exit__(None, None, None)
     finally:
+        model_thread_module.model_call = MODES["inference"]
         await decode.stop()
         await prefill.stop()
-    return times
+    return results
 
 
 TRACED_PAIRS = 3  # --trace: the last pairs (runner alone, then the request) go into the trace
@@ -278,15 +296,37 @@ def top_functions(profiler: cProfile.Profile, limit: int = 25) -> str:
     return out.getvalue()
 
 
+def summary(worker: WorkerTimes, label: str) -> dict:
+    """Prints and returns one run of pairs: medians, the pairwise ratio, the split."""
+    def ms(values: list[float]) -> float:
+        return statistics.median(values) * 1e3
+
+    split = {"hop": ms([s - m for s, m in zip(worker.step, worker.model_thread)]),
+             "forward": ms(worker.forward),
+             "first_token": ms([m - f for m, f in zip(worker.model_thread, worker.forward)])}
+    ratio = statistics.median(s / a for s, a in zip(worker.step, worker.alone))  # pairwise, then the median
+    runner_ms, step_ms = ms(worker.alone), ms(worker.step)
+    step_mean, step_max = statistics.mean(worker.step) * 1e3, max(worker.step) * 1e3
+    print(f"-- {label}")
+    print(f"{'runner extend + sync':<26} {runner_ms:>9.2f} ms")
+    print(f"{'worker step (metrics)':<26} {step_ms:>9.2f} ms   ratio {ratio:.3f} (target <= {TARGET})")
+    # The workers' /metrics (bench/worker_metrics.py) give means, runner_steps.py medians: a few slow
+    # steps (a first-seen kernel specialisation, a full GC) move the one and not the other.
+    print(f"{'  mean / max':<26} {step_mean:>9.2f} / {step_max:.2f} ms (runner alone: "
+          f"{statistics.mean(worker.alone) * 1e3:.2f} / {max(worker.alone) * 1e3:.2f})")
+    for part, value in split.items():
+        print(f"{'  ' + part:<26} {value:>9.2f} ms")
+    print(f"{'event loop busy in a step':<26} {ms(worker.loop_busy):>9.2f} ms   (callbacks run beside the forward)")
+    return {"runner_ms": runner_ms, "step_ms": step_ms, "step_mean_ms": step_mean, "split_ms": split,
+            "loop_busy_ms": ms(worker.loop_busy), "ratio": ratio, "seconds": dataclasses.asdict(worker)}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     rng = random.Random(0)
     torch.manual_seed(0)
     if args.device == "cpu":
         torch.set_num_threads(1)  # OpenMP teams thrash on a shared CPU (and in the engines' threads)
-    if args.no_inference_mode:
-        from deepseek_pd.workers.engine import model_thread
-        model_thread.model_call = lambda fn, *call_args: fn(*call_args)
     path = model_path(args)
     pages = 2 * (-(-args.tokens // args.page_size)) + 8
     prefill_runner = ModelRunner(RunnerConfig(model=path, device=args.device, dtype=args.dtype,
@@ -300,37 +340,23 @@ def main(argv=None) -> dict:
 
     thread_profiler = cProfile.Profile() if args.profile else None
     loop_profiler = cProfile.Profile() if args.profile else None
-    worker = asyncio.run(worker_steps(prefill_runner, decode_runner, prompts(), args, thread_profiler, loop_profiler))
-
-    def ms(values: list[float]) -> float:
-        return statistics.median(values) * 1e3
-
-    runner_ms, step_ms = ms(worker.alone), ms(worker.step)
-    busy = worker.loop_busy
-    split = {"hop": ms([s - m for s, m in zip(worker.step, worker.model_thread)]),
-             "forward": ms(worker.forward),
-             "first_token": ms([m - f for m, f in zip(worker.model_thread, worker.forward)])}
-    ratio = statistics.median(s / a for s, a in zip(worker.step, worker.alone))  # pairwise, then the median
+    modes = ["as_before"] if args.no_inference_mode else ["inference"] + (
+        ["as_before"] if args.also_without_inference_mode else [])
+    runs = asyncio.run(worker_steps(prefill_runner, decode_runner, prompts(), args, modes, thread_profiler,
+                                    loop_profiler))
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"\nprefill worker step vs runner: {args.tokens}-token prompts, {path}, {args.device} ({name}), "
           f"{args.dtype}, page {args.page_size}, layer-wise {args.layerwise}, same_host_direct {args.same_host_direct}, "
-          f"model thread {'without' if args.no_inference_mode else 'in'} inference mode, "
-          f"{args.repeats} requests at concurrency 1 (medians)")
-    print(f"{'runner extend + sync':<26} {runner_ms:>9.2f} ms")
-    print(f"{'worker step (metrics)':<26} {step_ms:>9.2f} ms   ratio {ratio:.3f} (target <= {TARGET})")
-    # The workers' /metrics (bench/worker_metrics.py) give means, runner_steps.py medians: a few slow
-    # steps (a first-seen kernel specialisation, a full GC) move the one and not the other.
-    step_mean, step_max = statistics.mean(worker.step) * 1e3, max(worker.step) * 1e3
-    print(f"{'  mean / max':<26} {step_mean:>9.2f} / {step_max:.2f} ms (runner alone: "
-          f"{statistics.mean(worker.alone) * 1e3:.2f} / {max(worker.alone) * 1e3:.2f})")
-    for part, value in split.items():
-        print(f"{'  ' + part:<26} {value:>9.2f} ms")
-    print(f"{'event loop busy in a step':<26} {ms(busy):>9.2f} ms   (callbacks run beside the forward)")
+          f"{args.repeats} requests at concurrency 1 per mode, the modes in turn (medians)")
+    labels = {"inference": "model thread in inference mode", "as_before": "model thread without inference mode (as before)"}
     result = {"tokens": args.tokens, "model": path, "device": args.device, "device_name": name,
               "dtype": args.dtype, "page_size": args.page_size, "inference_mode": not args.no_inference_mode,
-              "layerwise": args.layerwise, "same_host_direct": args.same_host_direct, "runner_ms": runner_ms, "step_ms": step_ms, "step_mean_ms": step_mean,
-              "split_ms": split, "loop_busy_ms": ms(busy), "ratio": ratio, "seconds": dataclasses.asdict(worker),
-              "check": check(f"prefill worker step / runner extend, {args.tokens} tokens, c=1", ratio, "<=", TARGET)}
+              "layerwise": args.layerwise, "same_host_direct": args.same_host_direct,
+              **summary(runs[modes[0]], labels[modes[0]])}
+    result["check"] = check(f"prefill worker step / runner extend, {args.tokens} tokens, c=1", result["ratio"],
+                            "<=", TARGET)
+    if len(modes) > 1:
+        result["without_inference_mode"] = summary(runs["as_before"], labels["as_before"])
     if args.profile:
         args.profile.write_text("model thread (rounds.forward)\n" + top_functions(thread_profiler)
                                 + "\nevent loop\n" + top_functions(loop_profiler))

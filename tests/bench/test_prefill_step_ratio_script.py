@@ -18,8 +18,13 @@ def test_one_run_reports_the_ratio_of_paired_steps(tmp_path) -> None:
     rng = random.Random()
     repeats, tokens = rng.randint(2, 3), rng.randint(8, 40)
     out = tmp_path / "step.json"
+    both = rng.random() < 0.5
     result = bench.main(["--tiny", "--repeats", str(repeats), "--tokens", str(tokens), "--layerwise",
-                         rng.choice(["on", "off"]), "--json", str(out), "--trace", str(tmp_path / "trace")])
+                         rng.choice(["on", "off"]), "--json", str(out), "--trace", str(tmp_path / "trace"),
+                         *(["--also-without-inference-mode"] if both else [])])
+    assert ("without_inference_mode" in result) == both
+    if both:
+        assert {len(values) for values in result["without_inference_mode"]["seconds"].values()} == {repeats}
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     seconds = result["seconds"]
     assert {len(values) for values in seconds.values()} == {repeats}, seconds
