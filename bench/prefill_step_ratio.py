@@ -17,11 +17,12 @@ One process, one set of weights (a prefill and a decode runner with their own KV
      first tok the rest of the model thread's part: the first-token sample and its host copy;
    and the event loop's own busy time during each step (out of its poll: callbacks that take the
    GIL from the model thread).
-Prints step / runner (the median of the pairs' ratios) as the ratio (target <= `TARGET`) and the split; `--json` writes it all.
-`--also-without-inference-mode` measures the model thread as before too (the model's no_grad only),
-its pairs taking turns with the others on each prompt. `--trace DIR` writes a torch.profiler Chrome trace of the last pairs (the GPU's idle time in a
-step shows there). `--profile FILE` also writes cProfile's top functions of the model thread's rounds (its own calls
-only: cProfile sees one thread) and of the event loop during the worker's requests.
+Prints step / runner (the median of the pairs' ratios; target <= `TARGET`) and the split;
+`--json` writes it all. `--also-without-inference-mode` measures the model thread as before too
+(the model's no_grad only), its pairs taking turns with the others on each prompt. `--trace DIR`
+writes a torch.profiler trace of the last pairs, every thread (the GPU's idle time inside a step
+shows there). `--profile FILE` writes cProfile's top functions of the model thread's rounds and of
+the event loop during the worker's requests.
 
 Caveat: both engines share this process (and its GIL) where `up` runs two, so the worker's
 figure here is conservative; the split says which part grew.
@@ -80,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run the worker's model thread as before 2026-12-06 (the model's no_grad only), "
                              "to see what inference mode gives (the runner alone keeps it)")
     parser.add_argument("--also-without-inference-mode", action="store_true",
-                        help="then the same pairs again with the model thread as before, on the same weights")
+                        help="also pairs with the model thread as before, in turn with the others on each prompt")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
                         help="torch.profiler over the last 3 pairs: a Chrome trace and the ops' table in DIR")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE")
