@@ -25,7 +25,7 @@ import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.transport import direct_pool, page_io
-from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, worker_config
+from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, timed_emits, worker_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(300)]
@@ -79,21 +79,9 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
         cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=False))
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, device="cuda") as pair:
             late["first"] = True
-            emitted: list[float] = []
-            channels: list[str] = []
+            emitted, channels = timed_emits(pair.prefill)
             forward_ends: list[float] = []
-            open_channel, extend = pair.prefill.sender.open, pair.prefill.runner.extend
-
-            def traced_open(handshake, emit, streams=1):
-                channel = open_channel(handshake, emit, streams)
-                channels.append(type(channel).__name__)
-                real_emit = channel.emit
-
-                async def traced_emit(chunk):
-                    emitted.append(time.monotonic())
-                    await real_emit(chunk)
-                channel.emit = traced_emit
-                return channel
+            extend = pair.prefill.runner.extend
 
             def traced_extend(seqs, progress=None, **kwargs):
                 if len(forward_ends) == 1:
@@ -102,7 +90,7 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
                 torch.cuda.synchronize()
                 forward_ends.append(time.monotonic())
                 return logits
-            pair.prefill.sender.open, pair.prefill.runner.extend = traced_open, traced_extend
+            pair.prefill.runner.extend = traced_extend
             prefill, decode = await pair.run(prompt, GREEDY, "order")
             await pair.wait_pools_clean()
             return prefill, decode, emitted, forward_ends, channels
@@ -117,7 +105,8 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
     phases = (f"forward 1 ended at 0, the first copy began at {copy_began[0] - forward_ends[0]:.3f}s, "
               f"its host calls returned at "
               f"{(launched[0] - forward_ends[0]) if launched else float('nan'):.3f}s (late: they waited in the "
-              f"driver; early: the GPU ran the copy late), its chunk was emitted at {emitted[0] - forward_ends[0]:.3f}s, forward 2 ended at "
+              f"driver; early: the GPU ran the copy late), its chunk was emitted at "
+              f"{emitted[0] - forward_ends[0]:.3f}s, forward 2 ended at "
               f"{forward_ends[1] - forward_ends[0]:.3f}s" if copy_began else "the first copy never began")
     assert first_chunk_lead > SLOW_FORWARD_S / 2, (
         f"the first chunk went out {-first_chunk_lead:.2f}s after the next forward ended "

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, worker_config
+from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, timed_emits, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
 SLOW_FORWARD_S = 0.6
@@ -33,19 +33,9 @@ def test_each_chunk_is_emitted_while_the_next_forward_runs(direct, layerwise) ->
         base = worker_config("grpc", same_host_direct=direct)
         cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=layerwise))
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg) as pair:
-            emitted: list[float] = []
+            emitted, _ = timed_emits(pair.prefill)
             forwards: list[tuple[float, float]] = []  # (began, ended) of each prefill forward
-            open_channel, extend = pair.prefill.sender.open, pair.prefill.runner.extend
-
-            def traced_open(handshake, emit, streams=1):
-                channel = open_channel(handshake, emit, streams)
-                real_emit = channel.emit
-
-                async def traced_emit(chunk):
-                    emitted.append(time.monotonic())
-                    await real_emit(chunk)
-                channel.emit = traced_emit
-                return channel
+            extend = pair.prefill.runner.extend
 
             def slowed_extend(seqs, progress=None, **kwargs):
                 began = time.monotonic()
@@ -54,7 +44,7 @@ def test_each_chunk_is_emitted_while_the_next_forward_runs(direct, layerwise) ->
                     time.sleep(SLOW_FORWARD_S)  # the host waiting for a long forward on the GPU
                 forwards.append((began, time.monotonic()))
                 return logits
-            pair.prefill.sender.open, pair.prefill.runner.extend = traced_open, slowed_extend
+            pair.prefill.runner.extend = slowed_extend
             outcome = await pair.run(prompt, GREEDY, "overlap")
             await pair.wait_pools_clean()
             return outcome, emitted, forwards
