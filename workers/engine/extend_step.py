@@ -20,14 +20,18 @@ def run_extend(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq],
     KV write during the forward (layer-wise transfer).
     """
     logits = runner.extend(list(seqs), progress=progress)
-    if logits.is_cuda:
-        # The KV written by this forward is read next by the transport (copies or one-sided RDMA
-        # writes) outside this stream's order: make it complete first.
-        torch.cuda.current_stream(logits.device).synchronize()
     if not rows:
+        if logits.is_cuda:
+            # The KV written by this forward is read next by the transport (copies or one-sided RDMA
+            # writes) outside this stream's order: make it complete first.
+            torch.cuda.current_stream(logits.device).synchronize()
         return SampledTokens([], [], [])
     index = torch.tensor(list(rows), device=logits.device)
     out = sampler.sample(logits[index], list(states))
+    # The one wait: the copy to the host waits for everything queued on this stream before it, the
+    # KV writes included, so the pages are complete on return as after the sync above; and the
+    # sampling kernels are queued while the forward still runs (a sync before them left the GPU
+    # idle while the host launched them).
     return unpack(pack(out).cpu(), out.top_counts)
 
 

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterator, Protocol, TypeVar
 import torch
 
 from deepseek_pd.model.forward_batch import ForwardMode
+from deepseek_pd.workers.engine.model_thread import model_call
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class LockstepModelThread:
     def _run_job(self, future: Future, fn: Callable, args: tuple) -> None:
         if future.set_running_or_notify_cancel():
             try:
-                future.set_result(fn(*args))
+                future.set_result(model_call(fn, *args))
             except BaseException as exc:  # the engine sees it; a broken group already exited
                 future.set_exception(exc)
 
@@ -194,7 +195,7 @@ class LockstepModelThread:
         if not wants:
             return False
         try:
-            self._idle_forward(ForwardMode.EXTEND if extend else ForwardMode.DECODE)
+            model_call(self._idle_forward, ForwardMode.EXTEND if extend else ForwardMode.DECODE)
         except Exception as exc:
             self._fail(f"an idle forward failed: {exc!r}")
         self.idle_forwards += 1

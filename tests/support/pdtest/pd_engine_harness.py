@@ -144,6 +144,27 @@ class PDPair:
         assert self.prefill.registry.num_active == 0, "a bootstrap room leaked"
 
 
+def timed_emits(prefill: PrefillEngine) -> tuple[list[float], list[str]]:
+    """From now on, each KV chunk `prefill`'s channels emit appends its time (time.monotonic) to the
+    first list, and each channel it opens its class name to the second."""
+    emitted: list[float] = []
+    channels: list[str] = []
+    open_channel = prefill.sender.open
+
+    def traced_open(handshake, emit, streams=1):
+        channel = open_channel(handshake, emit, streams)
+        channels.append(type(channel).__name__)
+        real_emit = channel.emit
+
+        async def traced_emit(chunk):
+            emitted.append(time.monotonic())
+            await real_emit(chunk)
+        channel.emit = traced_emit
+        return channel
+    prefill.sender.open = traced_open
+    return emitted, channels
+
+
 @contextlib.contextmanager
 def recorded_pulls():
     """Within it, every decode engine's KV pull records its pages: yields {decode rid: pages}."""

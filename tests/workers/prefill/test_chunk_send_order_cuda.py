@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import threading
 import time
 
 import pytest
@@ -24,7 +25,7 @@ import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.transport import direct_pool, page_io
-from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, worker_config
+from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, timed_emits, worker_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(300)]
@@ -62,27 +63,25 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
         return wait_ready
     monkeypatch.setattr(direct_pool, "wait_ready", late_first_copy(direct_pool.wait_ready))
     monkeypatch.setattr(page_io, "wait_ready", late_first_copy(page_io.wait_ready))
+    # When the first copy's host calls had all returned (its thread then waits for the copy on the
+    # GPU): splits a copy that waited in the driver (host calls late) from one the GPU ran late.
+    launched: list[float] = []
+    stream_sync = torch.cuda.Stream.synchronize
+
+    def traced_sync(stream):
+        if copy_began and not launched and threading.current_thread().name.startswith("kv-send"):
+            launched.append(time.monotonic())
+        return stream_sync(stream)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", traced_sync)
 
     async def run():
         base = worker_config("grpc", same_host_direct=direct)
         cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=False))
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, device="cuda") as pair:
             late["first"] = True
-            emitted: list[float] = []
-            channels: list[str] = []
+            emitted, channels = timed_emits(pair.prefill)
             forward_ends: list[float] = []
-            open_channel, extend = pair.prefill.sender.open, pair.prefill.runner.extend
-
-            def traced_open(handshake, emit, streams=1):
-                channel = open_channel(handshake, emit, streams)
-                channels.append(type(channel).__name__)
-                real_emit = channel.emit
-
-                async def traced_emit(chunk):
-                    emitted.append(time.monotonic())
-                    await real_emit(chunk)
-                channel.emit = traced_emit
-                return channel
+            extend = pair.prefill.runner.extend
 
             def traced_extend(seqs, progress=None, **kwargs):
                 if len(forward_ends) == 1:
@@ -91,7 +90,7 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
                 torch.cuda.synchronize()
                 forward_ends.append(time.monotonic())
                 return logits
-            pair.prefill.sender.open, pair.prefill.runner.extend = traced_open, traced_extend
+            pair.prefill.runner.extend = traced_extend
             prefill, decode = await pair.run(prompt, GREEDY, "order")
             await pair.wait_pools_clean()
             return prefill, decode, emitted, forward_ends, channels
@@ -104,7 +103,10 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
     first_chunk_lead = forward_ends[1] - emitted[0]
     # Where the time went when it fails: the copy's host calls (copy_began -> emitted) or before.
     phases = (f"forward 1 ended at 0, the first copy began at {copy_began[0] - forward_ends[0]:.3f}s, "
-              f"its chunk was emitted at {emitted[0] - forward_ends[0]:.3f}s, forward 2 ended at "
+              f"its host calls returned at "
+              f"{(launched[0] - forward_ends[0]) if launched else float('nan'):.3f}s (late: they waited in the "
+              f"driver; early: the GPU ran the copy late), its chunk was emitted at "
+              f"{emitted[0] - forward_ends[0]:.3f}s, forward 2 ended at "
               f"{forward_ends[1] - forward_ends[0]:.3f}s" if copy_began else "the first copy never began")
     assert first_chunk_lead > SLOW_FORWARD_S / 2, (
         f"the first chunk went out {-first_chunk_lead:.2f}s after the next forward ended "

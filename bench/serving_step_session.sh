@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call (see bench/gpu_setup.sh): issue 25's prefill-worker checks, everything under $OUT.
+# PART=tests (about 4 min): the per-chunk send order with its phases (when the first copy's host
+# calls returned), which first-use CUDA calls wait beside a kernel on another stream, the extend
+# step's one wait per round, NVML's total against CUDA's. PART=bench (about 5 min, the V2-Lite
+# checkpoint reused from bench/serving_session.sh's /tmp/deepseek-pd-bench/v2-lite-random, else
+# written first): bench/prefill_step_ratio.py, the prefill worker's step against its runner's in one
+# process at 789 tokens, with the model thread in inference mode and as before (in turn on each
+# prompt), and a torch trace of the last pairs.
+# PART=all (default) runs both. No wheels needed (the byte stream's crc32 falls back to zlib).
+source "$(dirname "$0")/gpu_setup.sh"
+REPO=$PWD
+PART=${PART:-all}
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
+    (cd /tmp && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider -rs --durations=8 \
+        "$REPO/tests/workers/prefill/test_chunk_send_order_cuda.py" \
+        "$REPO/tests/workers/transport/test_cuda_first_use_cuda.py" \
+        "$REPO/tests/workers/engine/test_extend_step_cuda.py" \
+        "$REPO/tests/workers/test_gpu_chunk_default.py" 2>&1) | tee "$OUT/tests.log"
+fi
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
+    cd /tmp || exit 1
+    timeout "${BENCH_TIMEOUT:-420}" python3 "$REPO/bench/prefill_step_ratio.py" --device cuda --shape v2-lite \
+        --tokens "${TOKENS:-789}" --repeats "${REPEATS:-16}" --also-without-inference-mode --trace "$OUT/trace" \
+        --json "$OUT/step.json" 2>&1 | grep -v "^USDT" | tee "$OUT/step.log"
+fi

@@ -1,0 +1,38 @@
+"""bench/prefill_step_ratio.py on the CPU: one run gives the worker's step, the runner alone beside
+each request, their ratio and the split, consistently (the GPU run uses the same code)."""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from pdtest.bench_scripts import bench_module
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_one_run_reports_the_ratio_of_paired_steps(tmp_path) -> None:
+    bench = bench_module("prefill_step_ratio")
+    rng = random.Random()
+    repeats, tokens = rng.randint(2, 3), rng.randint(8, 40)
+    out = tmp_path / "step.json"
+    both = rng.random() < 0.5
+    result = bench.main(["--tiny", "--repeats", str(repeats), "--tokens", str(tokens), "--layerwise",
+                         rng.choice(["on", "off"]), "--json", str(out), "--trace", str(tmp_path / "trace"),
+                         *(["--also-without-inference-mode"] if both else [])])
+    assert ("without_inference_mode" in result) == both
+    if both:
+        assert {len(values) for values in result["without_inference_mode"]["seconds"].values()} == {repeats}
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    seconds = result["seconds"]
+    assert {len(values) for values in seconds.values()} == {repeats}, seconds
+    for step, thread, forward in zip(seconds["step"], seconds["model_thread"], seconds["forward"]):
+        assert 0 < forward <= thread <= step
+    assert result["ratio"] == pytest.approx(statistics.median(s / a for s, a in zip(seconds["step"], seconds["alone"])))
+    assert result["check"]["value"] == result["ratio"] and result["check"]["result"] in ("PASS", "MISS")
+    assert result["tokens"] == tokens and result["inference_mode"]
+    # The trace holds the model thread's forward ops, not only the event loop's.
+    assert (tmp_path / "trace" / "prefill_step_trace.json.gz").stat().st_size > 0
+    assert "aten::mm" in (tmp_path / "trace" / "prefill_step_ops.txt").read_text()
