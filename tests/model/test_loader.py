@@ -117,7 +117,7 @@ def test_missing_directory_and_config(tmp_path):
         _load(tmp_path / "nope")
     _one_line(exc)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="config.json: missing"):
+    with pytest.raises(UserError, match="config.json not found"):
         _load(tmp_path / "empty")
     (tmp_path / "empty" / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
