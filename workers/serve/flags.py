@@ -3,7 +3,7 @@ operator reads it too.
 
 Each field of `ServeFlags` (and of `ParallelFlags`, whose flags sit flat on the command line)
 carries its flag in its metadata: the CLI name, the help, the choices, whether the operator
-renders it, whether it shapes a group. Everything else is derived from that one definition:
+renders it, whether it shapes a group, whether it spells an engine option. Everything else is derived from that one definition:
 - `add_cli_args(parser)` builds the options of the CLI's `serve` sub-command;
 - `ServeFlags.from_cli_args(namespace)` reads them back, nothing resolved yet
   (workers/serve/resolution.py decides every default and "auto");
