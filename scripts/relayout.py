@@ -48,7 +48,9 @@ def load_moves(text: str, source: str = "relayout_moves.txt") -> dict[str, str |
         old, new = fields
         if old in moves:
             raise RelayoutError(f"{source}:{number}: {old} has a row already")
-        moves[old] = None if new == "-" else old if new == "=" else new
+        if new == "=":  # stays: a pattern's files stay in their folder
+            new = str(PurePosixPath(old).parent) + "/" if "*" in old else old
+        moves[old] = None if new == "-" else new
     return moves
 
 
@@ -183,9 +185,17 @@ def recut_folders(rows) -> set[str]:
     return {str(PurePosixPath(old).parent) + "/" for old, _, kind in rows if kind in ("file", "glob")}
 
 
+def settled_folders(rows) -> set[str]:
+    """The new folders rows fill that are not re-cut themselves (model/quant/, tests/model/moe/):
+    a file added there since is already in the new layout, and needs no row."""
+    folders = {new if kind != "file" else str(PurePosixPath(new).parent) + "/"
+               for _, new, kind in rows if new is not None}
+    return folders - recut_folders(rows)
+
+
 def unmapped(files: list[str], rows) -> list[str]:
-    cut = recut_folders(rows)
-    return [f for f in files if any(f.startswith(c) for c in cut)
+    cut, settled = recut_folders(rows), settled_folders(rows)
+    return [f for f in files if any(f.startswith(c) for c in cut) and not any(f.startswith(s) for s in settled)
             and _destination(f, rows) is None and not _is_new_side(f, rows)]
 
 
@@ -311,7 +321,8 @@ def _path_regex(plan: Plan) -> re.Pattern | None:
     for old in sorted(plan.paths, key=len, reverse=True):
         tail = r"(?![\w-])" if old in plan.folder_paths else r"(?![\w/-])"
         alts.append(re.escape(old) + tail)
-    return re.compile(r"(?<![\w.-])(?:" + "|".join(alts) + ")")
+    # Not inside a longer name (x.tests/..., my-tests/...), but after a shell default's ":-".
+    return re.compile(r"(?<![\w.])(?<![\w.]-)(?:" + "|".join(alts) + ")")
 
 
 def rewrite_paths(text: str, plan: Plan, regex: re.Pattern | None) -> str:

@@ -154,12 +154,15 @@ def test_a_second_run_changes_nothing(tmp_path, table):
 
 def test_a_file_no_row_covers_stops_the_run(tmp_path, table):
     root = _repo(tmp_path, {**FILES, "workers/common/added_elsewhere.py": "Y = 2\n",
-                            "model/also_new.py": "Z = 3\n"})
+                            "model/also_new.py": "Z = 3\n",
+                            # in a folder the table fills (the new layout already): no row needed
+                            "model/sampling/added_there.py": "W = 4\n"})
     before = _snapshot(root)
     with pytest.raises(relayout.RelayoutError) as error:
         relayout.apply(root)
     assert "workers/common/added_elsewhere.py" in str(error.value)
     assert "model/also_new.py" in str(error.value)
+    assert "added_there" not in str(error.value)
     assert _snapshot(root) == before
     assert _git(root, "status", "--porcelain") == ""
     assert relayout.main(["--root", str(root), "--check"]) == 1
@@ -187,10 +190,11 @@ def test_the_table_covers_this_repository():
 
 def test_the_table_file_reads_as_rows_and_refuses_a_bad_one():
     text = ("# a comment\n\nmodel/a.py    model/b/a.py  # why\nmodel/c.py =\nmodel/x/__init__.py -\n"
-            "tests/model/test_k*.py tests/model/kernels/\n")
+            "tests/model/test_k*.py tests/model/kernels/\ntests/model/test_c*.py =\n")
     assert relayout.load_moves(text) == {"model/a.py": "model/b/a.py", "model/c.py": "model/c.py",
                                          "model/x/__init__.py": None,
-                                         "tests/model/test_k*.py": "tests/model/kernels/"}
+                                         "tests/model/test_k*.py": "tests/model/kernels/",
+                                         "tests/model/test_c*.py": "tests/model/"}
     for bad, words in (("model/a.py\n", ":1: expected 'OLD NEW'"), ("a b c\n", ":1: expected"),
                        ("model/a.py =\nmodel/a.py -\n", ":2: model/a.py has a row already")):
         with pytest.raises(relayout.RelayoutError, match=words):
@@ -205,8 +209,6 @@ HELPER_TABLE = {
     "tests/model/test_moe*.py": "tests/model/moe/",
     "tests/model/test_engine*.py": "tests/workers/engine/",
     "tests/model/test_config*.py": "tests/model/",
-    "tests/model/kernels/": "tests/model/kernels/",
-    "tests/model/moe/": "tests/model/moe/",
 }
 
 HELPER_FILES = {
@@ -221,6 +223,7 @@ HELPER_FILES = {
     "tests/model/test_config.py": "from fake_lib import LIB\n",
     "tests/other/test_elsewhere.py": "from hf_oracle import oracle\n",  # another folder's own helper
     "docs/tests.md": "tests/model/test_moe_align.py, tests/model/test_moe.py and tests/model/hf_oracle.py\n",
+    "bench/run.sh": "TESTS=${TESTS:-tests/model/test_moe.py tests/model/test_config.py} my-tests/model/test_moe.py\n",
 }
 
 HELPER_EXPECTED = {
@@ -234,6 +237,8 @@ HELPER_EXPECTED = {
     "tests/other/test_elsewhere.py": "from hf_oracle import oracle\n",
     "docs/tests.md": ("tests/model/kernels/test_moe_align.py, tests/model/moe/test_moe.py and "
                       "tests/support/pdtest/hf_oracle.py\n"),
+    "bench/run.sh": ("TESTS=${TESTS:-tests/model/moe/test_moe.py tests/model/test_config.py} "
+                     "my-tests/model/test_moe.py\n"),
 }
 
 
@@ -251,7 +256,8 @@ def test_test_files_split_by_name_and_their_helpers_move_into_pdtest(tmp_path, m
     assert not {"tests/model/hf_oracle.py", "tests/model/test_moe.py"} & set(after)
     once = _snapshot(root)
     assert relayout.apply(root)[0].moves == {} and _snapshot(root) == once
-    # Added on another branch meanwhile: one a pattern maps (and its bare import follows), one no row covers.
+    # Added on other branches meanwhile: one a pattern maps (and its bare import follows), one in a
+    # new folder (no row needed), one in the old folder that no row covers.
     for rel, text in {"tests/model/test_moe_new.py": "from hf_oracle import oracle\n",
                       "tests/model/moe/test_grouped.py": "import fake_lib\n",
                       "tests/model/test_unknown.py": "X = 1\n"}.items():
