@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from checkpoint_utils import fp8_twins, write_checkpoint
+from pdtest.checkpoint_utils import fp8_twins, write_checkpoint
 from deepseek_pd.errors import CheckpointError, UserError
 from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig
 from deepseek_pd.model.checkpoint.loader import iter_checkpoint_tensors, read_hf_config
