@@ -9,7 +9,7 @@
 source "$(dirname "$0")/gpu_setup.sh"
 REPO=$PWD
 (cd /tmp && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
-    "$REPO/tests/model/test_batch_invariant_kernels.py" "$REPO/tests/model/test_deterministic.py" \
+    "$REPO/tests/model/kernels/test_batch_invariant_kernels.py" "$REPO/tests/model/test_deterministic.py" \
     "$REPO/tests/workers/test_pd_deterministic.py" 2>&1) | tee "$OUT/tests.log"
 timeout "${BENCH_TIMEOUT:-240}" python3 bench/batch_invariant_gpu.py --out "$OUT/batch_invariant.jsonl" \
     --parts "${PARTS:-gemm,moe,mla}" 2>&1 | tee "$OUT/bench.log"

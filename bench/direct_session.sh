@@ -8,7 +8,7 @@ repo=$(pwd)
 commit=${COMMIT:-unknown}
 (cd /tmp && timeout 150 python3 -m pytest -q -p no:cacheprovider -rs \
     "$repo/tests/workers/transport/test_kv_direct_cuda.py" "$repo/tests/workers/transport/test_kv_direct.py" \
-    "$repo/tests/model/test_kv_pool_sizing.py" "$repo/tests/workers/transport/test_kv_transfer.py" \
+    "$repo/tests/model/kv/test_kv_pool_sizing.py" "$repo/tests/workers/transport/test_kv_transfer.py" \
     "$repo/tests/workers/prefill/test_chunk_send_order_cuda.py" "$repo/tests/workers/test_gpu_chunk_default.py" 2>&1) | tee "$OUT/tests.log" | tail -15
 # Which first-use CUDA calls wait beside a kernel on the default stream (printed: -s).
 (cd /tmp && timeout 120 python3 -m pytest -q -s -p no:cacheprovider \

@@ -5,7 +5,7 @@
 # TEST_TIMEOUT / BENCH_TIMEOUT bound each step (seconds).
 source "$(dirname "$0")/gpu_setup.sh"
 REPO=$PWD
-TESTS=${TESTS:-tests/model/test_kernels.py tests/model/test_fp8_kernels.py tests/model/test_fp8_weights.py tests/model/test_attention_prefill_triton.py tests/model/test_norm_rope_triton.py tests/model/test_moe_align_large.py tests/model/test_gpu_smoke.py}
+TESTS=${TESTS:-tests/model/kernels/test_kernels.py tests/model/kernels/test_fp8_kernels.py tests/model/quant/test_fp8_weights.py tests/model/attention/test_attention_prefill_triton.py tests/model/test_norm_rope_triton.py tests/model/kernels/test_moe_align_large.py tests/model/test_gpu_smoke.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
 (cd /tmp && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
     $(for t in $TESTS; do echo "$REPO/$t"; done) 2>&1) | tee "$OUT/tests.log"

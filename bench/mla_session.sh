@@ -14,7 +14,7 @@ done
 python3 -c "import flashinfer, sys; print('flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
 PARTS=${PARTS:-tests,mla,v3}
 [[ $PARTS == *tests* ]] && (cd /tmp && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
-    "$REPO/tests/model/test_flashinfer_mla.py" "$REPO/tests/model/test_kernels.py" -k "mla or flashinfer" 2>&1) \
+    "$REPO/tests/model/kernels/test_flashinfer_mla.py" "$REPO/tests/model/kernels/test_kernels.py" -k "mla or flashinfer" 2>&1) \
     | tee "$OUT/tests.log"
 # Other GPU tests to run in the same call (paths; e.g. the serving issue's), printed with -s.
 if [[ $PARTS == *tests* && -n "${EXTRA_TESTS:-}" ]]; then

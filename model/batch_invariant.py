@@ -8,7 +8,9 @@ the batch at a near-tie (issue 25). Here every row is reduced in one order that 
 - CUDA: `kernels/matmul_invariant.py`, one fixed tile and no split-K for every M (Thinking
   Machines' "Defeating Nondeterminism in LLM Inference", SGLang/vLLM's batch-invariant mode);
 - elsewhere (the CPU reference): each row on its own, a `[1, K] x [K, N]` product, which is the
-  same call whatever the batch. Slow, and only meant to be exact.
+  same call whatever the batch. Slow, and only meant to be exact. The CPU's elementwise kernels
+  vary with a row's place too, so there the runner also makes each sequence its own forward
+  (`each_row_alone`).
 
 Chosen once, when the model is built (`BuildOptions.deterministic`): `make_linears_invariant`
 swaps the model's `nn.Linear`s for `InvariantLinear`, and the layers that multiply directly take
@@ -19,9 +21,14 @@ swaps the model's `nn.Linear`s for `InvariantLinear`, and the layers that multip
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from deepseek_pd.model.kv.layer_progress import LayerProgress
 
 
 def _triton_runs(x: torch.Tensor) -> bool:
@@ -81,3 +88,19 @@ def make_linears_invariant(model: nn.Module) -> None:
             swapped = InvariantLinear(child.in_features, child.out_features, bias=False, device="meta")
             swapped.weight = child.weight
             setattr(module, name, swapped)
+
+
+def each_row_alone(forward: Callable[[slice], torch.Tensor], rows: int, progress: "LayerProgress | None",
+                   num_layers: int) -> torch.Tensor:
+    """`--deterministic` off CUDA: `forward(slice(i, i + 1))` for each of the batch's `rows`
+    sequences, their logits concatenated. The CPU's elementwise kernels take a SIMD body and a
+    scalar tail whose transcendentals (exp, sigmoid, SiLU) differ in the last bit, and a row's place
+    in the flattened batch decides which one it gets (seen: a MoE weight's sigmoid); so the
+    reference makes every sequence its own batch, whose shapes are the ones it has alone. The GPU
+    path runs the batch-invariant kernels instead. `progress` hears of each of the `num_layers`
+    layers once every sequence's forward has written it."""
+    logits = torch.cat([forward(slice(row, row + 1)) for row in range(rows)])
+    if progress is not None:
+        for layer in range(num_layers):
+            progress.kv_written(layer)
+    return logits

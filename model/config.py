@@ -11,13 +11,13 @@ Example: DeepSeek-V2-Lite has `q_lora_rank: null`, `topk_method: "greedy"`, soft
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.checkpoint.model_dir import read_json
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -169,17 +169,7 @@ def _read(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(source, Mapping):
         return source
     path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise UserError(f"model config not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return data
+    return read_json(path) if path.is_dir() else read_json(path.parent, path.name)
 
 
 class _Parser:

@@ -30,6 +30,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.attention.policy import AttentionPolicy
+from deepseek_pd.model.batch_invariant import each_row_alone
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.cuda_graph import DecodeGraphRunner
@@ -328,7 +329,7 @@ class RunnerConfig:
     @property
     def invariant_kernels(self) -> bool:
         """`deterministic` on CUDA: the batch-invariant kernels. Off CUDA the runner makes every
-        sequence its own forward instead (`ModelRunner._run_rows_alone`), which is invariant for
+        sequence its own forward instead (`batch_invariant.each_row_alone`), which is invariant for
         any op, so the model keeps its plain CPU kernels."""
         return self.deterministic and is_cuda(self.device)
 
@@ -453,7 +454,10 @@ class ModelRunner:
              pages: list[Sequence[int]], input_ids: torch.Tensor | None = None,
              progress: LayerProgress | None = None, group_mode: ForwardMode | None = None) -> torch.Tensor:
         if self.config.deterministic and not self.config.invariant_kernels and len(token_ids) > 1:
-            return self._run_rows_alone(mode, token_ids, prefix_lens, pages, input_ids, progress, group_mode)
+            return each_row_alone(
+                lambda rows: self._run(mode, token_ids[rows], prefix_lens[rows], pages[rows],
+                                       None if input_ids is None else input_ids[rows], None, group_mode),
+                len(token_ids), progress, len(self.model.layers))
         if self.tp_replay is not None and self.tp_replay.is_leader:
             self.tp_replay.lead(ForwardCall(mode, False, tuple(map(tuple, token_ids)), tuple(prefix_lens),
                                             tuple(map(tuple, pages)), group_mode), input_ids, self.kv_pool)
@@ -464,23 +468,6 @@ class ModelRunner:
             batch.input_ids = _checked_device_ids(input_ids, batch.num_tokens)
         batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
         return self.model(batch, progress)
-
-    def _run_rows_alone(self, mode: ForwardMode, token_ids: list[Sequence[int]], prefix_lens: list[int],
-                        pages: list[Sequence[int]], input_ids: torch.Tensor | None,
-                        progress: LayerProgress | None, group_mode: ForwardMode | None) -> torch.Tensor:
-        """`--deterministic` off CUDA: one forward per sequence. The CPU's elementwise kernels take a
-        SIMD body and a scalar tail whose transcendentals (exp, sigmoid, SiLU) differ in the last
-        bit, and a row's place in the flattened batch decides which one it gets (seen: a MoE
-        weight's sigmoid); so the reference makes every row its own batch, whose shapes are the ones
-        the row has alone. The GPU path runs the batch-invariant kernels instead. Layer progress is
-        told once every sequence's forward has written every layer."""
-        logits = [self._run(mode, [ids], [prefix], [row_pages],
-                            None if input_ids is None else input_ids[row:row + 1], None, group_mode)
-                  for row, (ids, prefix, row_pages) in enumerate(zip(token_ids, prefix_lens, pages))]
-        if progress is not None:
-            for layer in range(len(self.model.layers)):
-                progress.kv_written(layer)
-        return torch.cat(logits)
 
     def extend(self, seqs: Sequence[ExtendSeq], progress: LayerProgress | None = None) -> torch.Tensor:
         """fp32 logits `[len(seqs), vocab]` of each sequence's last new token.

@@ -3,11 +3,11 @@
 The flags are parsed by the serve contract itself (workers/serve/flags.py), exactly as the worker
 will parse them, with the contract's defaults: `--dtype`, `--page-size`, `--num-pages`,
 `--max-total-tokens`, `--mem-fraction-static`, `--gpu-workers`, `--kv-share`,
-`--ep-num-redundant-experts` (EPLB's extra expert slots, each rank holding (E + R) / ep) and the
-switch `--enable-tbo`. From the engine options (`--engine-opt KEY=VALUE`) it reads `fp8_backend`,
-`mem_headroom_gib`, `num_fused_shared_experts`, `speculative_num_steps` (as the flag
-`--speculative-num-steps`: > 0 loads the MTP layer, its weights and a pool layer more of KV), and
-for the headroom's default
+and `--ep-num-redundant-experts` (EPLB's extra expert slots, each rank holding (E + R) / ep). From
+the engine options, as the worker reads them (`ServeFlags.all_engine_options`: the `--engine-opt
+KEY=VALUE` items and the flags that spell one, such as `--enable-tbo`), it reads `fp8_backend`,
+`mem_headroom_gib`, `num_fused_shared_experts`, `enable_tbo`, `speculative_num_steps` (> 0 loads
+the MTP layer, its weights and a pool layer more of KV), and for the headroom's default
 (model/kv/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`, `max_running_requests` and
 `record_expert_load`; the others are the worker's business. Anything the worker would refuse
 raises `ValueError` naming the flag.
@@ -43,22 +43,13 @@ class MemoryFlags:
     cuda_graph_max_batch: int | None = None  # None: max_running_requests
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     record_expert_load: bool = False
-    tbo_option: bool = False  # --engine-opt enable_tbo=true
-    speculative_option: int = 0  # --engine-opt speculative_num_steps=N
-
-    @property
-    def speculative_num_steps(self) -> int:
-        """Draft steps, as `ServeFlags.all_engine_options` hands them on: the flag (the later item) wins."""
-        return self.serve.speculative_num_steps or self.speculative_option
+    enable_tbo: bool = False
+    speculative_num_steps: int = 0
 
     @property
     def mtp(self) -> bool:
         """Whether the worker builds the MTP layer (model/runner.py: speculative_num_steps > 0)."""
         return self.speculative_num_steps > 0
-
-    @property
-    def enable_tbo(self) -> bool:
-        return self.serve.parallel.enable_tbo or self.tbo_option
 
     @property
     def fixed_pool_tokens(self) -> int | None:
@@ -77,14 +68,13 @@ _OPTIONS: dict[str, type] = {
     "cuda_graph": bool, "cuda_graph_max_batch": int, "max_running_requests": int,
     "record_expert_load": bool, "enable_tbo": bool, "speculative_num_steps": int,
 }
-_FIELD = {"enable_tbo": "tbo_option", "speculative_num_steps": "speculative_option"}
 
 
 def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
     """`args` (a role's engineArgs) as the worker parses them; ValueError on a bad value."""
     serve = ServeFlags.from_argv([role, *args])
     try:
-        raw = parse_key_values(serve.engine_options)
+        raw = parse_key_values(serve.all_engine_options)
     except UserError as exc:
         raise ValueError(str(exc)) from None
     fields: dict[str, object] = {}
@@ -92,7 +82,7 @@ def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
         if key not in raw:
             continue
         try:
-            fields[_FIELD.get(key, key)] = parse_bool(raw[key]) if kind is bool else kind(raw[key])
+            fields[key] = parse_bool(raw[key]) if kind is bool else kind(raw[key])
         except ValueError:
             raise ValueError(f"--engine-opt {key}={raw[key]!r} is not a valid {kind.__name__}") from None
     flags = MemoryFlags(serve, **fields)
@@ -112,11 +102,10 @@ def _check(flags: MemoryFlags) -> None:
             or (flags.mem_headroom_gib is not None and flags.mem_headroom_gib < 0)):
         raise ValueError("--page-size must be >= 1, --mem-fraction-static in (0, 1] and "
                          "mem_headroom_gib >= 0")
-    for steps in (serve.speculative_num_steps, flags.speculative_option):
-        try:
-            check_speculative_num_steps(steps)
-        except UserError as exc:
-            raise ValueError(str(exc)) from None
+    try:
+        check_speculative_num_steps(flags.speculative_num_steps)
+    except UserError as exc:
+        raise ValueError(str(exc)) from None
     try:
         serve.gpu_share
     except ValueError as exc:

@@ -4,7 +4,8 @@
     python scripts/relayout.py            # apply: git mv, then rewrite every reference
     python scripts/relayout.py --check    # only say what would move, and refuse unmapped files
 
-One table, `MOVES`, says where each file or folder goes. Applying it:
+One table, `MOVES` (scripts/relayout_moves.txt, whose header gives its format), says where each
+file or folder goes. Applying it:
 1. refuses to start, listing them, when a folder being re-cut holds a file that no row covers
    (a file someone added since the table was written): add one row for it and run again;
 2. `git mv`s each file that is still at its old place (a file already at its new place is skipped,
@@ -31,166 +32,44 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-# old -> new. A folder ends with "/" and moves whole (its files keep their names and subfolders);
-# a pattern with "*" maps each file it matches into the folder it names; None deletes the file
-# (the package marker of a folder that is split up). A row whose new equals its old keeps a file or
-# folder in place inside a folder being re-cut (so that it counts as covered).
-MOVES: dict[str, str | None] = {
-    # --- workers/: the two roles stay; the shared code is cut by concern ---------------------
-    "workers/__init__.py": "workers/__init__.py",
-    "workers/prefill/": "workers/prefill/",
-    "workers/decode/": "workers/decode/",
-    "workers/common/__init__.py": None,
-    # engine/: the shared engine core (knows no role): the request's life, the model thread, the
-    # prefill round and its planner, the offline engine
-    "workers/common/api.py": "workers/engine/interface.py",
-    "workers/common/extend_step.py": "workers/engine/extend_step.py",
-    "workers/common/model_thread.py": "workers/engine/model_thread.py",
-    "workers/common/request_failure.py": "workers/engine/request_failure.py",
-    "workers/common/request_lifecycle.py": "workers/engine/request_lifecycle.py",
-    "workers/common/request_watch.py": "workers/engine/request_watch.py",
-    "workers/common/worker_config.py": "workers/engine/worker_config.py",
-    "workers/common/prefill_round*.py": "workers/engine/",
-    "model/engine.py": "workers/engine/offline.py",
-    "model/prefill_planner.py": "workers/engine/prefill_planner.py",
-    "model/request_rules.py": "workers/engine/request_rules.py",
-    # transport/: the PD handoff both roles share: the bootstrap protocol, its auth, KV transports
-    "workers/common/kv_transfer/": "workers/transport/",
-    "workers/common/bootstrap_protocol.py": "workers/transport/bootstrap_protocol.py",
-    "workers/common/bootstrap_routes.py": "workers/transport/bootstrap_routes.py",
-    "workers/common/first_token_wire.py": "workers/transport/first_token_wire.py",
-    "workers/common/internal_auth.py": "workers/transport/internal_auth.py",
-    # group/: a worker that is a group of ranks
-    "workers/common/group_front.py": "workers/group/front.py",
-    "workers/common/group_layout.py": "workers/group/layout.py",
-    "workers/common/rank_group.py": "workers/group/rank_group.py",
-    "workers/common/lockstep.py": "workers/group/lockstep.py",
-    "workers/common/remote_engine.py": "workers/group/remote_engine.py",
-    # api/: the gRPC front the router talks to
-    "workers/common/servicer.py": "workers/api/servicer.py",
-    "workers/common/server.py": "workers/api/server.py",
-    "workers/common/proto_convert.py": "workers/api/proto_convert.py",
-    "workers/common/validation.py": "workers/api/validation.py",
-    "workers/common/served_model.py": "workers/api/served_model.py",
-    "workers/common/tokenizer_bundle.py": "workers/api/tokenizer_bundle.py",
-    "workers/common/text_pieces.py": "workers/api/text_pieces.py",
-    # metrics/: what a worker process measures and serves on /metrics
-    "workers/common/metrics.py": "workers/metrics/worker_metrics.py",
-    "workers/common/metrics_server.py": "workers/metrics/server.py",
-    "workers/common/bulk_histogram.py": "workers/metrics/bulk_histogram.py",
-    "workers/common/gc_pauses.py": "workers/metrics/gc_pauses.py",
-    # serve/: `deepseek-pd serve`: the flag contract, its resolution, the per-role builders, mains
-    "workers/serve_flags.py": "workers/serve/flags.py",
-    "workers/serve_resolution.py": "workers/serve/resolution.py",
-    "workers/common/serve_config.py": "workers/serve/config.py",
-    "workers/roles.py": "workers/serve/roles.py",
-    "workers/builders.py": "workers/serve/builders.py",
-    "workers/engine_options.py": "workers/serve/engine_options.py",
-    "workers/common/engine_factory.py": "workers/serve/engine_factory.py",
-    "workers/common/worker_main.py": "workers/serve/worker_main.py",
-    "workers/group_main.py": "workers/serve/group_main.py",
-    # --- model/: the model and what runs it, by concern --------------------------------------
-    "model/__init__.py": "model/__init__.py",
-    "model/attention/": "model/attention/",
-    "model/kernels/": "model/kernels/",
-    "model/eplb/": "model/eplb/",
-    "model/moe/": "model/moe/",
-    # the model itself and the runner stay at the top
-    "model/build_options.py": "model/build_options.py",
-    "model/config.py": "model/config.py",
-    "model/cuda_graph.py": "model/cuda_graph.py",
-    "model/decoder_layer.py": "model/decoder_layer.py",
-    "model/deepseek.py": "model/deepseek.py",
-    "model/device.py": "model/device.py",
-    "model/forward_batch.py": "model/forward_batch.py",
-    "model/graph_inputs.py": "model/graph_inputs.py",
-    "model/host_copy.py": "model/host_copy.py",
-    "model/layer_ops.py": "model/layer_ops.py",
-    "model/norm.py": "model/norm.py",
-    "model/norm_rope.py": "model/norm_rope.py",
-    "model/nvml.py": "model/nvml.py",
-    "model/registry.py": "model/registry.py",
-    "model/rope.py": "model/rope.py",
-    "model/runner.py": "model/runner.py",
-    "model/batch_invariant.py": "model/batch_invariant.py",
-    # quant/: FP8 weights, their linear layer, loading and the torch reference
-    "model/fp8.py": "model/quant/fp8.py",
-    "model/fp8_linear.py": "model/quant/fp8_linear.py",
-    "model/fp8_loading.py": "model/quant/fp8_loading.py",
-    "model/fp8_ops.py": "model/quant/fp8_ops.py",
-    # sampling/: per-request parameters, the batched sampler, its state and host results, stops
-    "model/sampling.py": "model/sampling/sampler.py",
-    "model/sampling_batch.py": "model/sampling/batch.py",
-    "model/sampling_noise.py": "model/sampling/noise.py",
-    "model/sampling_ops.py": "model/sampling/ops.py",
-    "model/sampling_params.py": "model/sampling/params.py",
-    "model/sampling_state.py": "model/sampling/state.py",
-    "model/sampled_host.py": "model/sampling/sampled_host.py",
-    "model/stop_checker.py": "model/sampling/stop_checker.py",
-    # speculative/: MTP drafting and its acceptance
-    "model/speculative.py": "model/speculative/decoder.py",
-    "model/speculative_rules.py": "model/speculative/rules.py",
-    "model/speculative_sampling.py": "model/speculative/acceptance.py",
-    "model/speculation_policy.py": "model/speculative/policy.py",
-    "model/mtp.py": "model/speculative/mtp.py",
-    "model/mtp_names.py": "model/speculative/mtp_names.py",
-    # kv/: the paged KV pool, its sizing and the memory budget it is cut from
-    "model/kv_pool.py": "model/kv/pool.py",
-    "model/kv_pool_sizing.py": "model/kv/pool_sizing.py",
-    "model/layer_progress.py": "model/kv/layer_progress.py",
-    "model/memory_budget.py": "model/kv/memory_budget.py",
-    "model/memory_headroom.py": "model/kv/memory_headroom.py",
-    # distributed/: ranks and their groups, how rows and tokens move between them, two-batch overlap
-    "model/parallel.py": "model/distributed/parallel.py",
-    "model/dispatch_mode.py": "model/distributed/dispatch_mode.py",
-    "model/scatter_mode.py": "model/distributed/scatter_mode.py",
-    "model/layer_communicator.py": "model/distributed/layer_communicator.py",
-    "model/step_sync.py": "model/distributed/step_sync.py",
-    "model/tp_replay.py": "model/distributed/tp_replay.py",
-    "model/tbo.py": "model/distributed/tbo.py",
-    "model/tbo_rules.py": "model/distributed/tbo_rules.py",
-    # checkpoint/: reading HF checkpoints into our parameters, and the embedded tiny one
-    "model/loader.py": "model/checkpoint/loader.py",
-    "model/weight_mapping.py": "model/checkpoint/weight_mapping.py",
-    "model/model_dir.py": "model/checkpoint/model_dir.py",
-    "model/tiny.py": "model/checkpoint/tiny.py",
-    "model/tokenizer_builder.py": "model/checkpoint/tokenizer_builder.py",
-    # --- tests/workers/common/ follows its sources -------------------------------------------
-    "tests/workers/common/kv_transfer/": "tests/workers/transport/",
-    "tests/workers/common/test_bulk_histogram.py": "tests/workers/metrics/",
-    "tests/workers/common/test_gc_pauses.py": "tests/workers/metrics/",
-    "tests/workers/common/test_metrics.py": "tests/workers/metrics/",
-    "tests/workers/common/test_worker_metrics.py": "tests/workers/metrics/",
-    "tests/workers/common/test_internal_auth.py": "tests/workers/transport/",
-    "tests/workers/common/test_lockstep_group.py": "tests/workers/group/",
-    "tests/workers/common/test_lockstep_modes.py": "tests/workers/group/",
-    "tests/workers/common/test_lockstep_runner_stress.py": "tests/workers/group/",
-    "tests/workers/common/test_lockstep_stress.py": "tests/workers/group/",
-    "tests/workers/common/test_remote_engine_proto.py": "tests/workers/group/",
-    "tests/workers/common/test_loads.py": "tests/workers/engine/",
-    "tests/workers/common/test_request_failure.py": "tests/workers/engine/",
-    "tests/workers/common/test_expert_load_endpoint.py": "tests/workers/api/",
-    "tests/workers/common/test_large_prompt.py": "tests/workers/api/",
-    "tests/workers/common/test_request_fuzz.py": "tests/workers/api/",
-    "tests/workers/common/test_serve_identity.py": "tests/workers/api/",
-    "tests/workers/common/test_server_info_kv_bytes.py": "tests/workers/api/",
-    "tests/workers/common/test_servicer.py": "tests/workers/api/",
-    "tests/workers/common/test_servicer_top_logprobs.py": "tests/workers/api/",
-    "tests/workers/common/test_text_pieces.py": "tests/workers/api/",
-    "tests/workers/common/test_validation.py": "tests/workers/api/",
-    "tests/workers/common/test_prefill_round*.py": "tests/workers/engine/",
-}
+MOVES_FILE = Path(__file__).with_name("relayout_moves.txt")
 
-# Files that hold old paths on purpose (this table, and its test's fixtures) are never rewritten.
-NOT_REWRITTEN = ("scripts/relayout.py", "tests/scripts/test_relayout.py")
+
+def load_moves(text: str, source: str = "relayout_moves.txt") -> dict[str, str | None]:
+    """The table's rows, old -> new (None: delete), in the file's order; its header says the format.
+    A malformed or repeated row is a RelayoutError naming its line."""
+    moves: dict[str, str | None] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            raise RelayoutError(f"{source}:{number}: expected 'OLD NEW', got {line.strip()!r}")
+        old, new = fields
+        if old in moves:
+            raise RelayoutError(f"{source}:{number}: {old} has a row already")
+        if new == "=":  # stays: a pattern's files stay in their folder
+            new = str(PurePosixPath(old).parent) + "/" if "*" in old else old
+        moves[old] = None if new == "-" else new
+    return moves
+
+
+
+# Files that hold old paths on purpose (the table, and its test's fixtures) are never rewritten.
+NOT_REWRITTEN = ("scripts/relayout.py", "scripts/relayout_moves.txt", "tests/scripts/test_relayout.py")
 # Text files whose references are rewritten, besides every .py file.
 TEXT_NAMES = ("Makefile", "Dockerfile*", "*.md", "*.toml", "*.cfg", "*.ini", "*.txt", "*.sh", "*.yaml", "*.yml",
               "*.json", "*.tpl", "*.proto", "*.pyi", "*.j2")
 PACKAGE = "deepseek_pd"
+SUPPORT = "tests/support/"  # pyproject's pytest pythonpath: the tests' shared helpers import from here
 
 
 class RelayoutError(Exception):
     """The table and the tree disagree; nothing was changed."""
+
+
+# old -> new, from MOVES_FILE (tests swap in their own table).
+MOVES: dict[str, str | None] = load_moves(MOVES_FILE.read_text())
 
 
 @dataclass
@@ -205,6 +84,13 @@ class Plan:
     ambiguous: set[str] = field(default_factory=set)  # old dotted names that are new packages too
     ambiguous_paths: set[str] = field(default_factory=set)  # old path stems that are new folders too
     depth_change: dict[str, tuple[int, int]] = field(default_factory=dict)  # new file -> (old, new depth)
+    bare: dict[str, str] = field(default_factory=dict)  # a test helper's bare module name -> its name in SUPPORT
+    bare_scope: set[str] = field(default_factory=set)  # folders whose files import those helpers bare
+    bare_files: set[str] = field(default_factory=set)  # the new places of files moved out of those folders
+
+    def imports_bare(self, path: str) -> bool:
+        """Whether `path` may import a moved test helper by its bare name."""
+        return path in self.bare_files or any(path.startswith(folder) for folder in self.bare_scope)
 
 
 def tree_files(root: Path) -> list[str]:
@@ -299,10 +185,29 @@ def recut_folders(rows) -> set[str]:
     return {str(PurePosixPath(old).parent) + "/" for old, _, kind in rows if kind in ("file", "glob")}
 
 
+def settled_folders(rows) -> set[str]:
+    """The new folders rows fill that are not re-cut themselves (model/quant/, tests/model/moe/):
+    a file added there since is already in the new layout, and needs no row."""
+    folders = {new if kind != "file" else str(PurePosixPath(new).parent) + "/"
+               for _, new, kind in rows if new is not None}
+    return folders - recut_folders(rows)
+
+
 def unmapped(files: list[str], rows) -> list[str]:
-    cut = recut_folders(rows)
-    return [f for f in files if any(f.startswith(c) for c in cut)
+    cut, settled = recut_folders(rows), settled_folders(rows)
+    return [f for f in files if any(f.startswith(c) for c in cut) and not any(f.startswith(s) for s in settled)
             and _destination(f, rows) is None and not _is_new_side(f, rows)]
+
+
+def _support_names(old: str, new: str) -> tuple[str, str] | None:
+    """(bare name, new dotted name) of a test helper that moves into SUPPORT, else None. A test
+    folder without `__init__.py` is on sys.path for the tests in it (pytest's prepend import mode),
+    so they import `tests/model/hf_oracle.py` as `hf_oracle`; in SUPPORT (pyproject's pythonpath)
+    it is `pdtest.hf_oracle`."""
+    if (old.startswith("tests/") and not old.startswith(SUPPORT) and new.startswith(SUPPORT)
+            and old.endswith(".py") and new.endswith(".py")):
+        return PurePosixPath(old).stem, new[len(SUPPORT):-3].replace("/", ".")
+    return None
 
 
 def _depth(path: str) -> int:
@@ -313,8 +218,9 @@ def make_plan(root: Path, files: list[str]) -> Plan:
     rows = _rows()
     missing = unmapped(files, rows)
     if missing:
-        raise RelayoutError("these files sit in a folder that is being re-cut, and no row of MOVES in "
-                            "scripts/relayout.py says where they go (add one row each, then run again):\n  "
+        raise RelayoutError("these files sit in a folder that is being re-cut, and no row of "
+                            "scripts/relayout_moves.txt says where they go (add one row each, or a pattern "
+                            "that covers them, then run again):\n  "
                             + "\n  ".join(missing))
     folders = mapped_folders(root)
     present = set(files)
@@ -339,11 +245,12 @@ def make_plan(root: Path, files: list[str]) -> Plan:
             covered_old[old] = new
         elif kind == "glob":
             for path in files:
+                # setdefault: the first pattern that matches wins, as in `_destination`
                 if fnmatch.fnmatch(path, old) and PurePosixPath(path).parent == PurePosixPath(old).parent:
-                    covered_old[path] = new + PurePosixPath(path).name
+                    covered_old.setdefault(path, new + PurePosixPath(path).name)
                 elif PurePosixPath(path).parent == PurePosixPath(new) \
                         and fnmatch.fnmatch(PurePosixPath(path).name, PurePosixPath(old).name):
-                    covered_old[str(PurePosixPath(old).parent / PurePosixPath(path).name)] = path
+                    covered_old.setdefault(str(PurePosixPath(old).parent / PurePosixPath(path).name), path)
         elif old != new:
             src, dst = dotted(old, folders), dotted(new, folders)
             if src and dst:
@@ -365,6 +272,12 @@ def make_plan(root: Path, files: list[str]) -> Plan:
                 plan.modules[src] = dst
         stem_old, stem_new = (old[:-3], new[:-3]) if old.endswith(".py") and new.endswith(".py") else (old, new)
         plan.paths[stem_old] = stem_new
+    for old, new in covered_old.items():
+        if new is not None and (names := _support_names(old, new)) is not None:
+            plan.bare[names[0]] = names[1]
+            plan.bare_scope.add(str(PurePosixPath(old).parent) + "/")
+    plan.bare_files = {new for old, new in covered_old.items()
+                       if new is not None and any(old.startswith(folder) for folder in plan.bare_scope)}
     new_names = set(plan.modules.values())
     for src in plan.modules:
         if any(n.startswith(src + ".") for n in new_names):
@@ -408,7 +321,8 @@ def _path_regex(plan: Plan) -> re.Pattern | None:
     for old in sorted(plan.paths, key=len, reverse=True):
         tail = r"(?![\w-])" if old in plan.folder_paths else r"(?![\w/-])"
         alts.append(re.escape(old) + tail)
-    return re.compile(r"(?<![\w.-])(?:" + "|".join(alts) + ")")
+    # Not inside a longer name (x.tests/..., my-tests/...), but after a shell default's ":-".
+    return re.compile(r"(?<![\w.])(?<![\w.]-)(?:" + "|".join(alts) + ")")
 
 
 def rewrite_paths(text: str, plan: Plan, regex: re.Pattern | None) -> str:
@@ -477,8 +391,39 @@ def _rewrite_import_from(node: ast.ImportFrom, text: str, start: int, end: int, 
 _PARENTS = re.compile(r"(Path\(__file__\)(?:\.resolve\(\))?\.parents\[)(\d+)(\])")
 
 
-def rewrite_python(text: str, plan: Plan, regex: re.Pattern | None, depth: tuple[int, int] | None) -> str:
-    """Import statements through the syntax tree; every other dotted name and path as text."""
+def _rewrite_bare_import(node: ast.Import | ast.ImportFrom, text: str, start: int, end: int,
+                         bare: dict[str, str]) -> str | None:
+    """A statement that imports a moved test helper by its bare name, importing it by its new one:
+    `from hf_oracle import X` -> `from pdtest.hf_oracle import X`, `import fake_deep_ep` ->
+    `from pdtest import fake_deep_ep` (the same local name); None when it names none."""
+    original = text[start:end]
+    if isinstance(node, ast.ImportFrom):
+        head, dot, rest = (node.module or "").partition(".")
+        if node.level or head not in bare:
+            return None
+        return re.sub(r"\bfrom\s+" + re.escape(node.module), "from " + bare[head] + dot + rest, original, count=1)
+    if not any(alias.name in bare for alias in node.names):
+        return None
+    statements = []
+    for alias in node.names:
+        local = f" as {alias.asname}" if alias.asname else ""
+        if alias.name in bare:
+            package, _, leaf = bare[alias.name].rpartition(".")
+            statements.append(f"from {package} import {leaf}{local if alias.asname != leaf else ''}" if package
+                              else f"import {leaf}{local}")
+        else:
+            statements.append(f"import {alias.name}{local}")
+    line_start = text.rfind("\n", 0, start) + 1
+    indent = text[line_start:start]
+    comments = re.findall(r"#[^\n]*", original)
+    statements[0] += ("  " + "  ".join(c.strip() for c in comments)) if comments else ""
+    return ("\n" + indent if indent.strip() == "" else "; ").join(statements)
+
+
+def rewrite_python(text: str, plan: Plan, regex: re.Pattern | None, depth: tuple[int, int] | None,
+                   bare: dict[str, str] | None = None) -> str:
+    """Import statements through the syntax tree; every other dotted name and path as text.
+    `bare`: the moved test helpers this file may import by their bare names."""
     try:
         tree = ast.parse(text)
     except SyntaxError:
@@ -487,20 +432,22 @@ def rewrite_python(text: str, plan: Plan, regex: re.Pattern | None, depth: tuple
     lines = _lines(text)
     edits = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == PACKAGE:
-            s = starts[node.lineno - 1] + _chars(lines[node.lineno - 1], node.col_offset)
-            e = starts[node.end_lineno - 1] + _chars(lines[node.end_lineno - 1], node.end_col_offset)
-            # A trailing comment on the statement's last line goes with it.
-            line_end = text.find("\n", e)
-            line_end = len(text) if line_end < 0 else line_end
-            rest = text[e:line_end]
-            if rest.strip().startswith("#"):
-                e = line_end
-            edits.append((s, e, node))
+        ours = isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == PACKAGE
+        if not ours and not (bare and isinstance(node, (ast.Import, ast.ImportFrom))):
+            continue
+        s = starts[node.lineno - 1] + _chars(lines[node.lineno - 1], node.col_offset)
+        e = starts[node.end_lineno - 1] + _chars(lines[node.end_lineno - 1], node.end_col_offset)
+        # A trailing comment on the statement's last line goes with it.
+        line_end = text.find("\n", e)
+        line_end = len(text) if line_end < 0 else line_end
+        rest = text[e:line_end]
+        if rest.strip().startswith("#"):
+            e = line_end
+        edits.append((s, e, node, ours))
     out, pos = [], 0
-    for s, e, node in sorted(edits, key=lambda x: x[0]):
+    for s, e, node, ours in sorted(edits, key=lambda x: x[0]):
         out.append(rewrite_paths(rewrite_dotted(text[pos:s], plan), plan, regex))
-        new = _rewrite_import_from(node, text, s, e, plan)
+        new = _rewrite_import_from(node, text, s, e, plan) if ours else _rewrite_bare_import(node, text, s, e, bare)
         out.append(text[s:e] if new is None else new)
         pos = e
     out.append(rewrite_paths(rewrite_dotted(text[pos:], plan), plan, regex))
@@ -590,7 +537,8 @@ def apply(root: Path, check_only: bool = False) -> tuple[Plan, list[str]]:
         except (UnicodeDecodeError, OSError):
             continue
         if path.endswith(".py"):
-            new_text = rewrite_python(text, plan, regex, plan.depth_change.get(path))
+            new_text = rewrite_python(text, plan, regex, plan.depth_change.get(path),
+                                      plan.bare if plan.imports_bare(path) else None)
         else:
             new_text = rewrite_paths(rewrite_dotted(text, plan), plan, regex)
         if new_text != text:

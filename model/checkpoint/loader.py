@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from deepseek_pd.errors import CheckpointError, UserError
+from deepseek_pd.model.checkpoint.model_dir import read_json
 from deepseek_pd.model.speculative.mtp_names import MTP_MARKER, mtp_hf_prefix
 from deepseek_pd.model.quant.fp8 import (FP8_DTYPES, SCALE_SUFFIX, Fp8BlockQuantConfig, check_scale_shape,
                                    dequantize_block_fp8)
@@ -39,20 +40,12 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def read_hf_config(path: str | Path) -> dict:
-    """The checkpoint's config.json as a dict, or a UserError saying what is wrong with it."""
+    """The checkpoint's config.json as a dict (read as every checkpoint file is, `model_dir.read_json`),
+    or a UserError saying what is wrong with it."""
     directory = Path(path)
     if not directory.is_dir():
         raise UserError(f"model directory {str(directory)!r} does not exist")
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"{config_file}: missing (not an HF checkpoint directory?)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{config_file}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
-    return config
+    return read_json(directory, "config.json")
 
 
 @dataclass(frozen=True)

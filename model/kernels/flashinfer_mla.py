@@ -16,7 +16,7 @@ batch size: its wrapper is built with `use_cuda_graph=True` over page-index buff
 largest batch the graph can hold, so `replan` (host work, before each replay) rewrites the
 metadata in place and the replayed launches read the new lengths and pages.
 
-The torch backend (`model/attention/torch_backend.py`) is the oracle: tests/model/test_flashinfer_mla.py.
+The torch backend (`model/attention/torch_backend.py`) is the oracle: tests/model/kernels/test_flashinfer_mla.py.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 `DispatchConfig.mode` (`model/distributed/dispatch_mode.py`: `auto` is normal for extend steps, low-latency for decode).
 
 Registered only when `import deep_ep` works (a CUDA build with NVSHMEM). Written from DeepEP's V1
-interface (FACTS.md); tests/model/test_deepep_fake.py runs it on the CPU against an in-process
+interface (FACTS.md); tests/model/moe/test_deepep_fake.py runs it on the CPU against an in-process
 fake `deep_ep` at world size 1, and the multi-process tests check the same four-call contract on
 `all_to_all`:
 

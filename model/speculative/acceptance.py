@@ -10,7 +10,7 @@ rejection sampling with a deterministic (one-hot) draft: d_{i+1} is accepted wit
 p_i(d_{i+1}), and on rejection the token comes from p_i with d_{i+1} removed and renormalised,
 which is what `t_i ~ p_i, t_i != d` is. Each emitted token therefore has the target's conditional
 distribution given the emitted prefix, and the sequence the target's joint distribution: the
-statistical test in tests/model/test_speculative_sampling.py checks it, and that a wrong rule fails.
+statistical test in tests/model/speculative/test_speculative_sampling.py checks it, and that a wrong rule fails.
 
 Worked example: drafts [5, 9, 2]; the target draws 5 at position 0 (accept), 9 at 1 (accept), 7 at
 2 (reject: emitted, then stop): emitted [5, 9, 7], accepted 2, accept length 3.

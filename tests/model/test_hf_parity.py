@@ -16,7 +16,7 @@ import torch
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
-from hf_oracle import TinyShape, build_hf_model, hf_logits, our_model
+from pdtest.hf_oracle import TinyShape, build_hf_model, hf_logits, our_model
 
 pytestmark = pytest.mark.timeout(120)
 TOL = 1e-4
@@ -225,7 +225,7 @@ def test_bfloat16_model_tracks_fp32(seed):
 def test_load_weights_reports_missing_and_unexpected(seed):
     from deepseek_pd.errors import CheckpointError, UserError
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
-    from hf_oracle import our_config
+    from pdtest.hf_oracle import our_config
     torch.set_num_threads(1)
     hf = build_hf_model(TinyShape(arch="v3", num_layers=2), seed)
     weights = dict(hf.state_dict())

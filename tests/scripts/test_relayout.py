@@ -154,12 +154,15 @@ def test_a_second_run_changes_nothing(tmp_path, table):
 
 def test_a_file_no_row_covers_stops_the_run(tmp_path, table):
     root = _repo(tmp_path, {**FILES, "workers/common/added_elsewhere.py": "Y = 2\n",
-                            "model/also_new.py": "Z = 3\n"})
+                            "model/also_new.py": "Z = 3\n",
+                            # in a folder the table fills (the new layout already): no row needed
+                            "model/sampling/added_there.py": "W = 4\n"})
     before = _snapshot(root)
     with pytest.raises(relayout.RelayoutError) as error:
         relayout.apply(root)
     assert "workers/common/added_elsewhere.py" in str(error.value)
     assert "model/also_new.py" in str(error.value)
+    assert "added_there" not in str(error.value)
     assert _snapshot(root) == before
     assert _git(root, "status", "--porcelain") == ""
     assert relayout.main(["--root", str(root), "--check"]) == 1
@@ -183,3 +186,86 @@ def test_old_and_new_both_present_is_refused(tmp_path, table):
 def test_the_table_covers_this_repository():
     """At merge time: a file someone added in a folder being re-cut fails here, naming the file."""
     relayout.make_plan(REPO, relayout.tree_files(REPO))
+
+
+def test_the_table_file_reads_as_rows_and_refuses_a_bad_one():
+    text = ("# a comment\n\nmodel/a.py    model/b/a.py  # why\nmodel/c.py =\nmodel/x/__init__.py -\n"
+            "tests/model/test_k*.py tests/model/kernels/\ntests/model/test_c*.py =\n")
+    assert relayout.load_moves(text) == {"model/a.py": "model/b/a.py", "model/c.py": "model/c.py",
+                                         "model/x/__init__.py": None,
+                                         "tests/model/test_k*.py": "tests/model/kernels/",
+                                         "tests/model/test_c*.py": "tests/model/"}
+    for bad, words in (("model/a.py\n", ":1: expected 'OLD NEW'"), ("a b c\n", ":1: expected"),
+                       ("model/a.py =\nmodel/a.py -\n", ":2: model/a.py has a row already")):
+        with pytest.raises(relayout.RelayoutError, match=words):
+            relayout.load_moves(bad)
+    assert relayout.MOVES == relayout.load_moves(relayout.MOVES_FILE.read_text())
+
+
+HELPER_TABLE = {
+    "tests/model/hf_oracle.py": "tests/support/pdtest/hf_oracle.py",
+    "tests/model/fake_lib.py": "tests/support/pdtest/fake_lib.py",
+    "tests/model/test_moe_align*.py": "tests/model/kernels/",  # narrower first: it wins
+    "tests/model/test_moe*.py": "tests/model/moe/",
+    "tests/model/test_engine*.py": "tests/workers/engine/",
+    "tests/model/test_config*.py": "tests/model/",
+}
+
+HELPER_FILES = {
+    "setup.py": 'MAPPED_FOLDERS = ("model",)\n',
+    "tests/support/pdtest/__init__.py": "",
+    "tests/model/hf_oracle.py": "from fake_lib import LIB\n\n\ndef oracle():\n    return LIB\n",
+    "tests/model/fake_lib.py": "LIB = 1\n",
+    "tests/model/test_moe_align.py": "from hf_oracle import oracle  # the reference\n",
+    "tests/model/test_moe.py": ("import os, fake_lib\nimport hf_oracle as h\n\n\ndef test():\n"
+                                "    from hf_oracle import oracle\n    return oracle, os, fake_lib, h\n"),
+    "tests/model/test_engine.py": 'import fake_lib\nREPO = Path(__file__).resolve().parents[2]\n',
+    "tests/model/test_config.py": "from fake_lib import LIB\n",
+    "tests/other/test_elsewhere.py": "from hf_oracle import oracle\n",  # another folder's own helper
+    "docs/tests.md": "tests/model/test_moe_align.py, tests/model/test_moe.py and tests/model/hf_oracle.py\n",
+    "bench/run.sh": "TESTS=${TESTS:-tests/model/test_moe.py tests/model/test_config.py} my-tests/model/test_moe.py\n",
+}
+
+HELPER_EXPECTED = {
+    "tests/support/pdtest/hf_oracle.py": "from pdtest.fake_lib import LIB\n\n\ndef oracle():\n    return LIB\n",
+    "tests/model/kernels/test_moe_align.py": "from pdtest.hf_oracle import oracle  # the reference\n",
+    "tests/model/moe/test_moe.py": ("import os\nfrom pdtest import fake_lib\nfrom pdtest import hf_oracle as h\n\n\n"
+                                    "def test():\n    from pdtest.hf_oracle import oracle\n"
+                                    "    return oracle, os, fake_lib, h\n"),
+    "tests/workers/engine/test_engine.py": 'from pdtest import fake_lib\nREPO = Path(__file__).resolve().parents[3]\n',
+    "tests/model/test_config.py": "from pdtest.fake_lib import LIB\n",
+    "tests/other/test_elsewhere.py": "from hf_oracle import oracle\n",
+    "docs/tests.md": ("tests/model/kernels/test_moe_align.py, tests/model/moe/test_moe.py and "
+                      "tests/support/pdtest/hf_oracle.py\n"),
+    "bench/run.sh": ("TESTS=${TESTS:-tests/model/moe/test_moe.py tests/model/test_config.py} "
+                     "my-tests/model/test_moe.py\n"),
+}
+
+
+def test_test_files_split_by_name_and_their_helpers_move_into_pdtest(tmp_path, monkeypatch):
+    """Patterns map test files by name (the first that matches wins), helpers move into
+    tests/support/pdtest and every import of them by bare name under the old folder follows (the
+    moved tests', the helpers' own, the ones that stay); a second run changes nothing, and a run on a
+    tree that has new files since maps those that a pattern covers and refuses the rest, by name."""
+    monkeypatch.setattr(relayout, "MOVES", dict(HELPER_TABLE))
+    root = _repo(tmp_path, HELPER_FILES)
+    relayout.apply(root)
+    after = _snapshot(root)
+    for rel, text in HELPER_EXPECTED.items():
+        assert after.get(rel) == text, rel
+    assert not {"tests/model/hf_oracle.py", "tests/model/test_moe.py"} & set(after)
+    once = _snapshot(root)
+    assert relayout.apply(root)[0].moves == {} and _snapshot(root) == once
+    # Added on other branches meanwhile: one a pattern maps (and its bare import follows), one in a
+    # new folder (no row needed), one in the old folder that no row covers.
+    for rel, text in {"tests/model/test_moe_new.py": "from hf_oracle import oracle\n",
+                      "tests/model/moe/test_grouped.py": "import fake_lib\n",
+                      "tests/model/test_unknown.py": "X = 1\n"}.items():
+        (root / rel).write_text(text)
+    with pytest.raises(relayout.RelayoutError) as error:
+        relayout.apply(root)
+    assert "tests/model/test_unknown.py" in str(error.value) and "test_moe_new" not in str(error.value)
+    (root / "tests/model/test_unknown.py").unlink()
+    relayout.apply(root)
+    assert (root / "tests/model/moe/test_moe_new.py").read_text() == "from pdtest.hf_oracle import oracle\n"
+    assert (root / "tests/model/moe/test_grouped.py").read_text() == "from pdtest import fake_lib\n"

@@ -11,8 +11,8 @@ import pytest
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine.interface import Failed, FailureCode
-from deepseek_pd.workers.prefill import bootstrap_servicer
 from pdtest.pd_engine_harness import CHUNK, PDPair, collect, oracle, worker_config
+from pdtest.kv_transfer_harness import kv_streams_die_after
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -49,16 +49,7 @@ def test_several_streams_give_the_offline_tokens(layerwise):
 
 
 def test_a_kv_stream_dying_mid_transfer_fails_both_requests_and_frees_both_pools(monkeypatch):
-    real = bootstrap_servicer._next_chunk
-    served: list[int] = []
-
-    async def dying(queue, room, credit_task):
-        chunk = await real(queue, room, credit_task)
-        served.append(1)
-        if len(served) > 1:
-            raise RuntimeError("connection lost")  # the KVStream call ends with an error status
-        return chunk
-    monkeypatch.setattr(bootstrap_servicer, "_next_chunk", dying)
+    kv_streams_die_after(monkeypatch, chunks=1)
     rng = random.Random()
     prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(3 * CHUNK + 3)]
 

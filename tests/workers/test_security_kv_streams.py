@@ -12,7 +12,7 @@ import pytest
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport import TransportConfig
-from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import pages_equal, random_exchange, run_exchange
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -21,13 +21,8 @@ ROOM = 7  # run_exchange's room
 
 def test_a_kv_stream_without_the_secret_is_refused_and_the_transfer_is_untouched():
     rng = random.Random()
-    page_size, num_tokens = 4, rng.randrange(60, 90)
-    num_pages = -(-num_tokens // page_size)
-    src, dst = random_pool(rng, num_pages * 2, page_size), random_pool(rng, num_pages * 2, page_size)
-    config = TransportConfig(max_chunk_bytes=1024, grpc_streams=3)
-    exchange = Exchange("grpc", Side(src, scattered_alloc(src, rng, num_pages)),
-                        Side(dst, scattered_alloc(dst, rng, num_pages)), num_tokens, [num_tokens],
-                        transport_config=config)
+    exchange = random_exchange(rng, num_tokens=rng.randrange(60, 90), page_size=4, chunks=1,
+                               transport_config=TransportConfig(max_chunk_bytes=1024, grpc_streams=3))
     refused: list[grpc.StatusCode] = []
 
     def slow(emit):  # keeps the room streaming while the attacker tries

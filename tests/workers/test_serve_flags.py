@@ -191,3 +191,76 @@ def test_the_operator_renders_its_pods_through_the_contract(example: str) -> Non
             assert (parsed.port, parsed.kv_transport, parsed.model) == (role.port, spec.kv_transfer.backend,
                                                                         spec.model.path)
             assert parse_memory_flags(role.role, list(role.engine_args)).serve == engine
+
+
+def _config_fields() -> dict[str, set[str]]:
+    """The fields of each worker config that `--engine-opt` or a flag may set, by target."""
+    from deepseek_pd.workers.serve.resolution import _TARGETS
+
+    return {target: {f.name for f in dataclasses.fields(cls) if f.init} for target, cls in _TARGETS.items()}
+
+
+def test_a_flag_that_names_a_config_field_is_that_engine_option_or_set_by_serve() -> None:
+    """A flag named as a field of a worker config is either of kind `engine_option` (handed on by
+    `all_engine_options`, and no engine option is withheld for it) or one serve resolves itself
+    (its field withheld from the engine options). A flag passed on by hand beside the contract, as
+    --enable-tbo, --speculative-num-steps and --deterministic once were, fails here."""
+    from deepseek_pd.workers.serve.resolution import _FLAG_FIELDS
+
+    fields = _config_fields()
+    for _, spec in contract._flag_fields():
+        targets = [target for target, names in fields.items() if spec.name in names]
+        if spec.metadata["flag"].engine_option:
+            assert targets, f"--{contract.cli_name(spec)} spells no engine option"
+            assert not any(spec.name in _FLAG_FIELDS.get(target, ()) for target in targets), spec.name
+        else:
+            for target in targets:
+                assert spec.name in _FLAG_FIELDS[target], (f"--{contract.cli_name(spec)} names {target}.{spec.name}: "
+                                                           f"mark it engine_option or resolve it in serve")
+
+
+def _checkpoint(tmp_path: pathlib.Path) -> str:
+    """A config.json-only checkpoint with an MTP layer (resolution reads nothing else)."""
+    import json
+
+    from deepseek_pd.model.checkpoint.tiny import tiny_config
+
+    config = {**tiny_config("v3", 512), "torch_dtype": "bfloat16", "num_nextn_predict_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_a_flag_of_kind_engine_option_means_its_engine_option_everywhere(tmp_path) -> None:
+    """`--flag V` and `--engine-opt name=V` resolve to the same worker configs and give the operator's
+    memory plan the same value; with both given the flag wins, for the worker and the memory plan."""
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
+
+    rng = _seeded()
+    model = _checkpoint(tmp_path)
+    kinds = [(owner, spec) for owner, spec in contract._flag_fields() if spec.metadata["flag"].engine_option]
+    assert {spec.name for _, spec in kinds} >= {"enable_tbo", "speculative_num_steps", "deterministic"}
+    for owner, spec in kinds:
+        value = _other_value(spec, rng)
+        if spec.name == "speculative_num_steps":
+            value = rng.randint(1, 8)
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        role = rng.choice(["prefill", "decode"])
+        base = ServeFlags(role=role, model=model, device="cpu")
+        as_flag = (dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **{spec.name: value}))
+                   if owner else dataclasses.replace(base, **{spec.name: value}))
+        as_option = dataclasses.replace(base, engine_options=(f"{spec.name}={text}",))
+        for flags in (as_flag, as_option):  # what `up` and the operator render, parsed as the worker does
+            assert ServeFlags.from_argv(flags.to_argv()) == flags
+            assert flags_from_args(build_parser().parse_args(["serve", *flags.to_argv()])) == flags
+        resolved = resolve_serve_config(as_flag)
+        assert resolved == resolve_serve_config(as_option), spec.name
+        assert getattr(resolved.runner, spec.name) == value
+        memory = [parse_memory_flags(role, flags.to_argv()[1:]) for flags in (as_flag, as_option)]
+        if hasattr(memory[0], spec.name):
+            assert getattr(memory[0], spec.name) == getattr(memory[1], spec.name) == value, spec.name
+        # The default spelt as an option is overridden by the flag, as --engine-opt items come first.
+        default_text = str(spec.default).lower() if isinstance(spec.default, bool) else str(spec.default)
+        both = dataclasses.replace(as_flag, engine_options=(f"{spec.name}={default_text}",))
+        assert getattr(resolve_serve_config(both).runner, spec.name) == value
+        if hasattr(memory[0], spec.name):
+            assert getattr(parse_memory_flags(role, both.to_argv()[1:]), spec.name) == value

@@ -13,7 +13,7 @@ the layouts were compared at the handshake. What remains is the content:
   pages are live only for their own request, and only once this check passed: a decode batch
   reads no page but its rows' own (padding repeats a row's own page, `ForwardBatch.build`), and
   every attention backend masks by selecting, so unchecked KV and stale values past a row's
-  length cannot reach another request (tests/model/test_attention_isolation.py,
+  length cannot reach another request (tests/model/attention/test_attention_isolation.py,
   tests/workers/test_security_nan_peer*.py).
 
 A request whose transfer fails any check fails alone (INTERNAL, with the reason), and its pages

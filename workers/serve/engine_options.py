@@ -1,7 +1,8 @@
 """`--engine-opt KEY=VALUE`: any field of a worker's frozen configs, set by name from the command line.
 
-Each key belongs to exactly one config class (runner, bootstrap, scheduler, transport); the value
-is parsed as that field's type (bool: true/false/1/0/yes/no). Unknown keys are an error that lists
+A key sets the field of that name in each config class that has one (runner, bootstrap, scheduler,
+transport, group; only `deterministic` is in two: the runner's kernels and the scheduler's cuts);
+the value is parsed as that field's type (bool: true/false/1/0/yes/no). Unknown keys are an error that lists
 the valid ones, never ignored; fields that have a `serve` flag of their own are not engine options.
 
 Example: `--engine-opt handshake_timeout_s=5 --engine-opt max_running_requests=32
@@ -31,7 +32,7 @@ def parse_key_values(items: Iterable[str]) -> dict[str, str]:
 
 def assign_engine_options(raw: Mapping[str, str], targets: Mapping[str, type],
                           excluded: Mapping[str, Iterable[str]]) -> dict[str, dict[str, Any]]:
-    """Assigns each option to the config class (by target name) that has a field of that name,
+    """Assigns each option to every config class (by target name) that has a field of that name,
     skipping `excluded[target]` fields (those set by flags), and parses its value."""
     fields_of = {}
     for name, cls in targets.items():
@@ -39,13 +40,14 @@ def assign_engine_options(raw: Mapping[str, str], targets: Mapping[str, type],
         fields_of[name] = {f.name for f in dataclasses.fields(cls) if f.init and f.name not in skip}
     assigned: dict[str, dict[str, Any]] = {name: {} for name in targets}
     for key, value in raw.items():
-        owner = next((name for name, fields in fields_of.items() if key in fields), None)
-        if owner is None:
-            valid = sorted(k for fields in fields_of.values() for k in fields)
+        owners = [name for name, fields in fields_of.items() if key in fields]
+        if not owners:
+            valid = sorted({k for fields in fields_of.values() for k in fields})
             raise UserError(f"unknown --engine-opt {key!r}; valid keys: {', '.join(valid)}")
-        default = getattr(targets[owner](), key)
-        kind = type(default) if default is not None else _optional_type(targets[owner], key)
-        assigned[owner][key] = _parse(value, kind, key)
+        for owner in owners:
+            default = getattr(targets[owner](), key)
+            kind = type(default) if default is not None else _optional_type(targets[owner], key)
+            assigned[owner][key] = _parse(value, kind, key)
     return assigned
 
 

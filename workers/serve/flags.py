@@ -3,13 +3,15 @@ operator reads it too.
 
 Each field of `ServeFlags` (and of `ParallelFlags`, whose flags sit flat on the command line)
 carries its flag in its metadata: the CLI name, the help, the choices, whether the operator
-renders it, whether it shapes a group. Everything else is derived from that one definition:
+renders it, whether it shapes a group, whether it spells an engine option. Everything else is derived from that one definition:
 - `add_cli_args(parser)` builds the options of the CLI's `serve` sub-command;
 - `ServeFlags.from_cli_args(namespace)` reads them back, nothing resolved yet
   (workers/serve/resolution.py decides every default and "auto");
 - `flags.to_argv()` renders a worker's command line (`up`'s workers, the operator's pods);
 - `ServeFlags.from_argv(argv)` parses one, a bad one as a ValueError (the operator's memory plan
   reads a role's engineArgs so);
+- `flags.all_engine_options`: the `--engine-opt` items, with the flags that spell an engine option
+  (kind `engine_option`: --enable-tbo, --speculative-num-steps, --deterministic) after them;
 - `MANAGED_FLAGS`: the flags the operator renders, which a role's engineArgs may not repeat (the
   CRD's rule, operator/crd_spec.py); `GROUP_FLAGS`: the flags `up` derives from its own.
 
@@ -47,6 +49,10 @@ class Flag:
     section: str = ""  # the argparse group it is listed under
     exclusive: str = ""  # flags with the same key exclude each other
     csv: bool = False  # a tuple given as one comma-separated value, not a repeated flag
+    # The flag spells `--engine-opt <field>=<value>`: a field of a worker config of the same name
+    # (workers/serve/engine_options.py). `ServeFlags.all_engine_options` hands it on after the
+    # --engine-opt items, so the flag wins; serve resolution has no code of its own for it.
+    engine_option: bool = False
 
 
 def _flag(default: Any, help: str, **options: Any) -> Any:
@@ -77,7 +83,7 @@ class ParallelFlags:
                "where the tokens balance, one dominating prompt cut in two chunks (--engine-opt "
                "tbo_token_distribution_threshold=0.48, 0: never); the group splits when its busiest rank has "
                "--engine-opt tbo_min_decode_tokens / tbo_min_extend_tokens (default 2) tokens, idle ranks "
-               "take part", shapes_group=True, section=PARALLEL_SECTION)
+               "take part", shapes_group=True, engine_option=True, section=PARALLEL_SECTION)
     # EPLB (model/eplb/): extra expert slots over the group, and a placement file
     ep_num_redundant_experts: int = _flag(
         0, "EPLB: R extra physical expert slots per MoE layer over the EP group, holding replicas of hot "
@@ -157,11 +163,12 @@ class ServeFlags:
     speculative_num_steps: int = _flag(
         0, "decode: tokens the checkpoint's MTP layer drafts per step, verified in one forward (0..8, default "
            "0: off; the same as --engine-opt speculative_num_steps=N); a PD prefill worker takes the same "
-           "value, so both KV layouts hold the MTP layer", metavar="N", managed=True)
+           "value, so both KV layouts hold the MTP layer", metavar="N", managed=True, engine_option=True)
     deterministic: bool = _flag(
         False, "batch-invariant inference (docs/deterministic.md): greedy outputs do not depend on what else "
                "is batched; prompts cut at multiples of --chunked-prefill-size, no prefix cache; refuses TBO, "
-               "TP/EP > 1, speculation and FP8 GEMMs kept in FP8")
+               "TP/EP > 1, speculation and FP8 GEMMs kept in FP8 (the same as --engine-opt deterministic=true)",
+        engine_option=True)
     engine_options: tuple[str, ...] = _flag(
         (), "any field of the worker's configs, repeatable (e.g. cuda_graph=false, max_running_requests=32, "
             "mem_headroom_gib=4); unknown keys list the valid ones", name="engine-opt", metavar="KEY=VALUE")
@@ -177,10 +184,12 @@ class ServeFlags:
 
     @property
     def all_engine_options(self) -> tuple[str, ...]:
-        """The --engine-opt items with the switches that are engine options too (--enable-tbo,
-        --speculative-num-steps)."""
-        return (self.engine_options + (("enable_tbo=true",) if self.parallel.enable_tbo else ())
-                + ((f"speculative_num_steps={self.speculative_num_steps}",) if self.speculative_num_steps else ()))
+        """The --engine-opt items, then `name=value` for each flag of kind `engine_option` that is
+        not at its default (--enable-tbo, --speculative-num-steps, --deterministic)."""
+        return self.engine_options + tuple(
+            f"{spec.name}={_option_value(value)}" for owner, spec in _flag_fields()
+            if spec.metadata["flag"].engine_option
+            and (value := getattr(self.parallel if owner else self, spec.name)) != spec.default)
 
     @property
     def budget_fraction(self) -> float:
@@ -244,6 +253,11 @@ def _flag_fields() -> Iterator[tuple[str, dataclasses.Field]]:
 
 def cli_name(spec: dataclasses.Field) -> str:
     return spec.metadata["flag"].name or spec.name.replace("_", "-")
+
+
+def _option_value(value: Any) -> str:
+    """A value as `--engine-opt` spells it (engine_options.parse_bool reads "true")."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _option(option: str, text: str) -> list[str]:

@@ -36,6 +36,10 @@ The rules, each in one place:
   CUDA graphs are off where the dispatcher cannot be captured and under attention TP
   (RunnerConfig.resolve; `cuda_graph=true` with `--tp` > 1 is refused, so is `enable_tbo`), and
   `--tp` must divide the model's attention heads.
+- engine options: the `--engine-opt` items and the flags that spell one (the contract's kind
+  `engine_option`, `ServeFlags.all_engine_options`) set config fields by name
+  (workers/serve/engine_options.py); `deterministic` sets the runner's and the scheduler's, and with
+  it the prefix cache is off.
 - EPLB: `--ep-num-redundant-experts` and `--init-expert-location` become the runner's fields; the
   placement file is read and checked against the model and `--ep` here, before any rank starts
   (model/eplb/expert_location.py).
@@ -79,10 +83,9 @@ log = logging.getLogger(__name__)
 # Config fields that have their own `serve` flags (or, warn_exposure, that serve sets per rank), and
 # so are not engine options.
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static",
-                           "gpu_workers", "kv_share", "ep_num_redundant_experts", "init_expert_location",
-                           "deterministic"),
+                           "gpu_workers", "kv_share", "ep_num_redundant_experts", "init_expert_location"),
                 "bootstrap": ("host", "port", "auth", "prefill_peers", "aliases"),
-                "scheduler": ("chunked_prefill_size", "deterministic"),
+                "scheduler": ("chunked_prefill_size",),
                 "transport": ("advertise_host", "mooncake_protocol", "mooncake_device", "mooncake_rank_devices",
                               "warn_exposure"),
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
@@ -149,8 +152,7 @@ def _runner_config(flags: ServeFlags, defaults: RoleDefaults, device: str, model
     fields: dict[str, Any] = {"model": str(model_dir), "device": device, "dtype": flags.dtype, **options,
                               "page_size": flags.page_size,
                               "ep_num_redundant_experts": flags.parallel.ep_num_redundant_experts,
-                              "init_expert_location": _absolute(flags.parallel.init_expert_location),
-                              "deterministic": flags.deterministic}
+                              "init_expert_location": _absolute(flags.parallel.init_expert_location)}
     fields.update(_pool_size(flags, device, flags.page_size))
     if options.get("cuda_graph") and not defaults.decodes:
         raise UserError(f"--engine-opt cuda_graph=true: the {flags.role} worker never decodes, so it has no "
@@ -164,10 +166,10 @@ def _scheduler_fields(flags: ServeFlags, opts: dict[str, dict[str, Any]], device
     fields = {**opts["scheduler"], **({"chunked_prefill_size": flags.chunked_prefill_size}
                                       if flags.chunked_prefill_size is not None else {})}
     _default_gpu_chunk(fields, device)
-    if flags.deterministic:  # SchedulerConfig says why the prefix cache goes
+    if fields.get("deterministic"):  # SchedulerConfig says why the prefix cache goes
         if fields.get("prefix_cache"):
             raise UserError("--deterministic runs without the prefix cache: drop --engine-opt prefix_cache=true")
-        fields.update(deterministic=True, prefix_cache=False)
+        fields["prefix_cache"] = False
     return fields
 
 

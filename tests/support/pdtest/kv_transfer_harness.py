@@ -18,6 +18,7 @@ from deepseek_pd.workers.transport import TransportConfig, build_receiver, build
 from deepseek_pd.workers.engine.worker_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
+from deepseek_pd.workers.prefill import bootstrap_servicer
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 
@@ -67,6 +68,58 @@ class Exchange:
     layerwise: bool = False
     seed: int = 0
     decode_transport_config: TransportConfig | None = None  # None: transport_config
+
+
+def random_exchange(rng: random.Random, transport: str = "grpc", *, num_tokens: int, page_size: int,
+                    num_layers: int = 3, kv_dim: int = 24, dtype: torch.dtype = torch.float32, chunks: int = 4,
+                    **fields) -> Exchange:
+    """A transfer of `num_tokens` tokens of random KV between two pools of a few spare pages, each
+    side's pages scattered (not one run, not the same numbers on both sides), cut into up to
+    `chunks` prefill chunks at random points; `fields` are the Exchange's other fields."""
+    num_pages = -(-num_tokens // page_size)
+    src = random_pool(rng, num_pages * 3 + 2, page_size, num_layers, kv_dim, dtype)
+    dst = random_pool(rng, num_pages * 3 + 5, page_size, num_layers, kv_dim, dtype)
+    cuts = sorted(rng.sample(range(1, num_tokens), k=min(chunks - 1, num_tokens - 1)))
+    return Exchange(transport, Side(src, scattered_alloc(src, rng, num_pages)),
+                    Side(dst, scattered_alloc(dst, rng, num_pages)), num_tokens, cuts + [num_tokens], **fields)
+
+
+def slowed(delay_s: float):
+    """An `emit_hook`: the stream waits `delay_s` after each chunk it sends, so that the transfer is
+    still on the wire when the test acts."""
+    def hook(emit):
+        async def wrapped(chunk):
+            await emit(chunk)
+            await asyncio.sleep(delay_s)
+        return wrapped
+    return hook
+
+
+def server_stopped_after(delay_s: float):
+    """A `decode_hook`: the prefill side's bootstrap server stops `delay_s` into the pull (a prefill
+    worker killed mid-transfer)."""
+    async def hook(pull, server):
+        task = asyncio.ensure_future(pull)
+        await asyncio.sleep(delay_s)
+        await server.stop(0)
+        return await task
+    return hook
+
+
+def kv_streams_die_after(monkeypatch, chunks: int = 1) -> None:
+    """The prefill side's extra KV streams serve `chunks` chunks in all, then the next one raises
+    (a connection lost mid-transfer): its KVStream call ends with an error status."""
+    real = bootstrap_servicer._next_chunk
+    served = 0
+
+    async def dying(queue, room, credit_task):
+        nonlocal served
+        chunk = await real(queue, room, credit_task)
+        served += 1
+        if served > chunks:
+            raise RuntimeError("connection lost")
+        return chunk
+    monkeypatch.setattr(bootstrap_servicer, "_next_chunk", dying)
 
 
 def layer_groups(rng: random.Random, num_layers: int) -> list[range]:

@@ -18,7 +18,7 @@ import torch
 
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
-from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, pages_equal, random_exchange, run_exchange
 
 BF16_NON_FINITE = [0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0xFFFF]  # +-inf, +-NaN, NaN payloads
 
@@ -26,14 +26,9 @@ BF16_NON_FINITE = [0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0xFFFF]  # +-inf, +-N
 def exchange_for(rng: random.Random, layerwise: bool) -> Exchange:
     page_size = rng.choice([1, 4, 16])
     num_tokens = rng.randrange(2, 80)
-    num_pages = -(-num_tokens // page_size)
-    layers, kv_dim = rng.randrange(2, 6), rng.choice([8, 64])
-    src_pool, dst_pool = (random_pool(rng, num_pages * 2 + extra, page_size, num_layers=layers, kv_dim=kv_dim,
-                                      dtype=torch.bfloat16) for extra in (1, 3))
-    cuts = sorted(rng.sample(range(1, num_tokens), k=min(2, num_tokens - 1)))
-    return Exchange("mooncake", Side(src_pool, scattered_alloc(src_pool, rng, num_pages)),
-                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens],
-                    layerwise=layerwise, seed=rng.randrange(1 << 30))
+    return random_exchange(rng, "mooncake", num_tokens=num_tokens, page_size=page_size, num_layers=rng.randrange(2, 6),
+                           kv_dim=rng.choice([8, 64]), dtype=torch.bfloat16, chunks=3, layerwise=layerwise,
+                           seed=rng.randrange(1 << 30))
 
 
 def put_bits(exchange: Exchange, layer: int, page: int, rng: random.Random, bits: int) -> None:

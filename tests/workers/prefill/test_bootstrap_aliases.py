@@ -10,15 +10,13 @@ import random
 from deepseek_pd.workers.transport import TransportConfig
 from deepseek_pd.workers.engine.request_failure import RequestFailure
 from deepseek_pd.workers.engine.worker_config import BootstrapConfig
-from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, pages_equal, random_exchange, run_exchange
 
 
 def _exchange(rng: random.Random, aliases: tuple[str, ...]) -> Exchange:
     num_tokens, page_size = rng.randrange(4, 40), rng.choice([1, 4])
-    pages = -(-num_tokens // page_size)
-    src, dst = random_pool(rng, pages + 3, page_size), random_pool(rng, pages + 5, page_size)
-    ex = Exchange("grpc", Side(src, scattered_alloc(src, rng, pages)), Side(dst, scattered_alloc(dst, rng, pages)),
-                  num_tokens, [num_tokens], transport_config=TransportConfig(), seed=rng.randrange(1 << 30))
+    ex = random_exchange(rng, num_tokens=num_tokens, page_size=page_size, chunks=1, transport_config=TransportConfig(),
+                         seed=rng.randrange(1 << 30))
     return dataclasses.replace(ex, bootstrap_config=dataclasses.replace(
         ex.bootstrap_config, host="127.0.0.1", aliases=aliases, handshake_timeout_s=5))
 

@@ -15,19 +15,14 @@ from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport import TransportConfig, build_sender
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.base import layout_of
-from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, pages_equal, random_exchange, random_pool, run_exchange
 
 
 def exchange_for(seed: int, layerwise: bool = False) -> Exchange:
     rng = random.Random(seed)
     page_size = rng.choice([1, 2, 4])
-    num_tokens = rng.randrange(2, 50)
-    num_pages = -(-num_tokens // page_size)
-    src_pool, dst_pool = random_pool(rng, num_pages * 3 + 1, page_size), random_pool(rng, num_pages * 3 + 4, page_size)
-    cuts = sorted(rng.sample(range(1, num_tokens), k=min(3, num_tokens - 1)))
-    return Exchange("mooncake", Side(src_pool, scattered_alloc(src_pool, rng, num_pages)),
-                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens],
-                    layerwise=layerwise, seed=seed)
+    return random_exchange(rng, "mooncake", num_tokens=rng.randrange(2, 50), page_size=page_size, layerwise=layerwise,
+                           seed=seed)
 
 
 def check_copies(seed: int) -> None:

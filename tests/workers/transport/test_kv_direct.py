@@ -24,7 +24,7 @@ from deepseek_pd.workers.transport.grpc_stream import (
     DirectChannel, GrpcChannel, GrpcReceiver, GrpcSender, GrpcSink)
 from deepseek_pd.workers.transport.wire import ChunkHeader, decode_event, encode_chunk_event
 from deepseek_pd.workers.engine.request_failure import TransferError
-from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, pages_equal, random_exchange, random_pool, run_exchange
 
 pytestmark = pytest.mark.timeout(60)
 DIRECT = TransportConfig(same_host_direct="on")
@@ -32,14 +32,8 @@ DIRECT = TransportConfig(same_host_direct="on")
 
 def _exchange(rng: random.Random, **kwargs) -> Exchange:
     page_size = rng.choice([1, 3, 4])
-    num_tokens = rng.randrange(2, 40)
-    num_pages = -(-num_tokens // page_size)
-    src_pool = random_pool(rng, num_pages * 3 + 2, page_size, num_layers=rng.randrange(1, 5))
-    dst_pool = random_pool(rng, num_pages * 3 + 5, page_size, num_layers=src_pool.num_layers)
-    cuts = sorted(rng.sample(range(1, num_tokens), k=min(3, num_tokens - 1)))
-    return Exchange("grpc", Side(src_pool, scattered_alloc(src_pool, rng, num_pages)),
-                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens],
-                    seed=rng.randrange(1 << 30), **kwargs)
+    return random_exchange(rng, num_tokens=rng.randrange(2, 40), page_size=page_size, num_layers=rng.randrange(1, 5),
+                           seed=rng.randrange(1 << 30), **kwargs)
 
 
 def _spy(chunks: list):

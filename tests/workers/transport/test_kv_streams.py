@@ -16,8 +16,7 @@ from deepseek_pd.workers.transport import TransportConfig
 from deepseek_pd.workers.transport.checksum import crc32
 from deepseek_pd.workers.transport.plan import split_for_streams
 from deepseek_pd.workers.engine.request_failure import RequestFailure
-from deepseek_pd.workers.prefill import bootstrap_servicer
-from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, kv_streams_die_after, pages_equal, random_exchange, run_exchange
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,19 +47,12 @@ def test_isal_or_zlib_crc32_is_zlibs():
 def exchange(rng: random.Random, streams: int, decode_streams: int | None = None, layerwise: bool = False,
              dtype: torch.dtype = torch.float32) -> Exchange:
     page_size = rng.choice([1, 2, 4])
-    num_tokens = rng.randrange(8, 80)
-    num_pages = -(-num_tokens // page_size)
-    layers = rng.randrange(2, 7)
-    src_pool = random_pool(rng, num_pages * 2 + 3, page_size, num_layers=layers, dtype=dtype)
-    dst_pool = random_pool(rng, num_pages * 2 + 5, page_size, num_layers=layers, dtype=dtype)
-    cuts = sorted(rng.sample(range(1, num_tokens), k=min(3, num_tokens - 1)))
     # A small chunk limit: many chunks per send, so every stream carries several.
-    prefill_config = TransportConfig(max_chunk_bytes=1024, grpc_streams=streams)
-    return Exchange("grpc", Side(src_pool, scattered_alloc(src_pool, rng, num_pages)),
-                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens],
-                    transport_config=prefill_config, layerwise=layerwise, seed=rng.randrange(1 << 30),
-                    decode_transport_config=TransportConfig(max_chunk_bytes=1024,
-                                                            grpc_streams=decode_streams or streams))
+    return random_exchange(rng, num_tokens=rng.randrange(8, 80), page_size=page_size, num_layers=rng.randrange(2, 7),
+                           dtype=dtype, transport_config=TransportConfig(max_chunk_bytes=1024, grpc_streams=streams),
+                           layerwise=layerwise, seed=rng.randrange(1 << 30),
+                           decode_transport_config=TransportConfig(max_chunk_bytes=1024,
+                                                                   grpc_streams=decode_streams or streams))
 
 
 def run(ex: Exchange, **hooks):
@@ -112,16 +104,7 @@ def test_a_stream_that_dies_mid_transfer_fails_the_room_on_both_sides(monkeypatc
     the decode side fails with UNAVAILABLE naming the stream, the prefill side fails too, its
     sink is marked failed, and no room is left in the registry (checked by run_exchange)."""
     rng = random.Random()
-    real = bootstrap_servicer._next_chunk
-    served: list[int] = []
-
-    async def dying(queue, room, credit_task):
-        chunk = await real(queue, room, credit_task)
-        served.append(1)
-        if len(served) > 1:
-            raise RuntimeError("connection lost")  # ends the KVStream call with an error status
-        return chunk
-    monkeypatch.setattr(bootstrap_servicer, "_next_chunk", dying)
+    kv_streams_die_after(monkeypatch, chunks=1)
     while True:  # a transfer big enough that stream 1 carries at least two chunks
         ex = exchange(rng, rng.randrange(2, 5))
         pool = ex.src.pool

@@ -24,26 +24,16 @@ from deepseek_pd.workers.transport.mooncake import build_write_batch
 from deepseek_pd.workers.transport.plan import (
     PageRun, SendPlan, merge_page_runs, split_into_chunks)
 from deepseek_pd.workers.engine.worker_config import BootstrapConfig
-from pdtest.kv_transfer_harness import Exchange, Side, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import (
+    Exchange, Side, pages_equal, random_exchange, random_pool, run_exchange, server_stopped_after, slowed)
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def random_chunks(rng: random.Random, num_tokens: int) -> list[int]:
-    cuts = sorted(rng.sample(range(1, num_tokens), k=min(3, num_tokens - 1))) if num_tokens > 1 else []
-    return cuts + [num_tokens]
 
 
 def make_exchange(transport: str, seed: int, **kwargs) -> Exchange:
     rng = random.Random(seed)
     page_size = rng.choice([1, 3, 4])
-    num_tokens = rng.randrange(2, 40)
-    num_pages = -(-num_tokens // page_size)
-    src_pool = random_pool(rng, num_pages * 3 + 2, page_size)
-    dst_pool = random_pool(rng, num_pages * 3 + 5, page_size)
-    src = Side(src_pool, scattered_alloc(src_pool, rng, num_pages))
-    dst = Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages))
-    return Exchange(transport, src, dst, num_tokens, random_chunks(rng, num_tokens), **kwargs)
+    return random_exchange(rng, transport, num_tokens=rng.randrange(2, 40), page_size=page_size, **kwargs)
 
 
 # ---- pure planning ----------------------------------------------------------------------------
@@ -258,19 +248,7 @@ def test_prefill_server_killed_mid_transfer_fails_decode_unavailable():
         pool = exchange.src.pool
         if len(exchange.src.pages) * pool.num_layers * pool.bytes_per_page > 8 * 1024:
             break
-    def slow(emit):
-        async def wrapped(chunk):
-            await emit(chunk)
-            await asyncio.sleep(0.05)
-        return wrapped
-
-    async def kill_prefill(coro, server):
-        task = asyncio.ensure_future(coro)
-        await asyncio.sleep(0.2)
-        await server.stop(0)
-        return await task
-
-    prefill, decode = asyncio.run(run_exchange(exchange, emit_hook=slow, decode_hook=kill_prefill))
+    prefill, decode = asyncio.run(run_exchange(exchange, emit_hook=slowed(0.05), decode_hook=server_stopped_after(0.2)))
     assert isinstance(decode, TransferError) and decode.code == FailureCode.UNAVAILABLE, decode
     assert isinstance(prefill, TransferError), prefill
 

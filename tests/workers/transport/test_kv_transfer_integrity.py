@@ -16,7 +16,7 @@ from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport import TransportConfig
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.wire import ChunkHeader, EncodedChunk, decode_event, encode_chunk_event
-from pdtest.kv_transfer_harness import Exchange, Side, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, random_exchange, run_exchange, server_stopped_after, slowed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,13 +24,10 @@ pytestmark = pytest.mark.timeout(60)
 def many_chunk_exchange() -> Exchange:
     """A transfer of >= 6 chunks: one page of one layer (4 x 64 fp32 = 1 KiB) per chunk."""
     rng = random.Random()
-    page_size, num_layers, kv_dim = 4, rng.randrange(2, 5), 64
-    num_pages = rng.randrange(3, 7)
-    num_tokens = num_pages * page_size - rng.randrange(page_size)
-    src = random_pool(rng, num_pages * 3, page_size, num_layers, kv_dim)
-    dst = random_pool(rng, num_pages * 3, page_size, num_layers, kv_dim)
-    return Exchange("grpc", Side(src, scattered_alloc(src, rng, num_pages)), Side(dst, scattered_alloc(dst, rng, num_pages)),
-                    num_tokens, [num_tokens], transport_config=TransportConfig(max_chunk_bytes=1024))
+    page_size = 4
+    num_tokens = rng.randrange(3, 7) * page_size - rng.randrange(page_size)
+    return random_exchange(rng, num_tokens=num_tokens, page_size=page_size, num_layers=rng.randrange(2, 5), kv_dim=64,
+                           chunks=1, transport_config=TransportConfig(max_chunk_bytes=1024))
 
 
 def reencoded(chunk: EncodedChunk, seq: int, header: ChunkHeader | None = None, data=None,
@@ -95,19 +92,8 @@ def test_stream_cut_mid_transfer_fails_decode_and_marks_the_destination_failed()
     exchange = many_chunk_exchange()
     sinks: list = []
 
-    def slow(emit):
-        async def wrapped(chunk):
-            await emit(chunk)
-            await asyncio.sleep(0.05)
-        return wrapped
-
-    async def cut(coro, server):
-        task = asyncio.ensure_future(coro)
-        await asyncio.sleep(0.15)
-        await server.stop(0)
-        return await task
-
-    prefill, decode = asyncio.run(run_exchange(exchange, emit_hook=slow, decode_hook=cut, sinks=sinks))
+    prefill, decode = asyncio.run(run_exchange(exchange, emit_hook=slowed(0.05), decode_hook=server_stopped_after(0.15),
+                                               sinks=sinks))
     assert isinstance(decode, TransferError) and decode.code == FailureCode.UNAVAILABLE, decode
     assert isinstance(prefill, TransferError), prefill
     assert sinks[0].failed is not None

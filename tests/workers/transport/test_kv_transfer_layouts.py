@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 
@@ -11,7 +12,7 @@ import torch
 from deepseek_pd.workers.transport import TransportConfig
 from deepseek_pd.workers.transport.grpc_stream import GrpcSink
 from deepseek_pd.workers.transport.plan import SendPlan
-from pdtest.kv_transfer_harness import Exchange, Side, layer_groups, pages_equal, random_pool, run_exchange, scattered_alloc
+from pdtest.kv_transfer_harness import Exchange, layer_groups, pages_equal, random_exchange, run_exchange
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,15 +24,12 @@ def layout_exchange(transport: str, page_size: int, dtype: torch.dtype, layerwis
     num_pages = rng.randrange(2, 7)
     # A partial last page whenever a page holds more than one token.
     num_tokens = (num_pages - 1) * page_size + (rng.randrange(1, page_size) if page_size > 1 else 1)
-    src_pool = random_pool(rng, num_pages * 3 + 2, page_size, num_layers, kv_dim, dtype)
-    dst_pool = random_pool(rng, num_pages * 3 + 5, page_size, num_layers, kv_dim, dtype)
-    page_bytes = src_pool.bytes_per_page
+    exchange = random_exchange(rng, transport, num_tokens=num_tokens, page_size=page_size, num_layers=num_layers,
+                               kv_dim=kv_dim, dtype=dtype, layerwise=layerwise, seed=seed)
+    page_bytes = exchange.src.pool.bytes_per_page
     # From one page of one layer per chunk (layers split) to everything in one chunk.
     limit = max(1024, rng.choice([page_bytes, page_bytes * rng.randrange(2, 2 * num_layers + 2), 4 << 20]))
-    cuts = sorted(rng.sample(range(1, num_tokens), k=min(3, num_tokens - 1))) if num_tokens > 1 else []
-    return Exchange(transport, Side(src_pool, scattered_alloc(src_pool, rng, num_pages)),
-                    Side(dst_pool, scattered_alloc(dst_pool, rng, num_pages)), num_tokens, cuts + [num_tokens],
-                    transport_config=TransportConfig(max_chunk_bytes=limit), layerwise=layerwise, seed=seed)
+    return dataclasses.replace(exchange, transport_config=TransportConfig(max_chunk_bytes=limit))
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["all-layers", "layerwise"])

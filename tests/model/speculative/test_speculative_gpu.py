@@ -2,7 +2,7 @@
 per sequence over the paged cache): fp32 greedy outputs identical to the same engine without
 speculation, with the tiny MTP layer trained (on the CPU) so drafts are accepted; bf16 runs end to end.
 
-Run on the GPU machine: `pytest -q tests/model/test_speculative_gpu.py -s`."""
+Run on the GPU machine: `pytest -q tests/model/speculative/test_speculative_gpu.py -s`."""
 from __future__ import annotations
 
 import random

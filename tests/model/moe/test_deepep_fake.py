@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-import fake_deep_ep
+from pdtest import fake_deep_ep
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, DispatchMode
@@ -18,7 +18,7 @@ from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.moe import deepep_dispatcher
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
-from hf_oracle import TinyShape, build_hf_model, our_model
+from pdtest.hf_oracle import TinyShape, build_hf_model, our_model
 
 pytestmark = pytest.mark.timeout(120)
 REL_TOL = 1e-5

@@ -13,7 +13,7 @@ from deepseek_pd.model.attention.tensor_parallel import all_gather_rows, own_row
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.scatter_mode import LayerScatterModes, ScatterMode
-from hf_oracle import TinyShape
+from pdtest.hf_oracle import TinyShape
 
 F, S = ScatterMode.TP_ATTN_FULL, ScatterMode.SCATTERED
 # Two dense layers, then two MoE layers.

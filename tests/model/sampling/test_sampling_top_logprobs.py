@@ -18,7 +18,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.sampling.sampled_host import pack, unpack
 from deepseek_pd.model.sampling.sampler import SamplingBatch, SamplingState
 from deepseek_pd.model.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
-from sampling_reference import random_params, ref_logprob
+from pdtest.sampling_reference import random_params, ref_logprob
 
 pytestmark = pytest.mark.timeout(180)
 VOCAB = 61

@@ -16,7 +16,7 @@ from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
 from deepseek_pd.model.distributed.tbo import TwoBatchOverlap, interleaved_order, micro_batch
 from deepseek_pd.model.distributed.tbo_rules import TboRules
-from hf_oracle import TinyShape, build_hf_model, our_model
+from pdtest.hf_oracle import TinyShape, build_hf_model, our_model
 
 pytestmark = pytest.mark.timeout(90)
 REL_TOL = 1e-5

@@ -23,8 +23,8 @@ from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.distributed.parallel import ExpertPlacement, ParallelInfo
 from deepseek_pd.model.runner import RunnerConfig
-from ep_worker import VARIANTS, expected_tbo_paths, run_rank
-from hf_oracle import TinyShape, build_hf_model
+from pdtest.ep_worker import VARIANTS, expected_tbo_paths, run_rank
+from pdtest.hf_oracle import TinyShape, build_hf_model
 
 REL_TOL = 1e-5
 

@@ -61,5 +61,5 @@ def test_bad_thresholds_are_user_errors():
 
 def _model_config():
     from deepseek_pd.model.config import ModelConfig
-    from hf_oracle import TinyShape
+    from pdtest.hf_oracle import TinyShape
     return ModelConfig.from_hf(TinyShape(arch="v3", num_layers=2).hf_config().to_dict())

@@ -16,8 +16,8 @@ import torch
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.distributed.parallel import ExpertPlacement, ParallelInfo
 from deepseek_pd.model.checkpoint.weight_mapping import load_hf_weights
-from ep_worker import per_expert_names
-from hf_oracle import TinyShape, build_hf_model, our_config, our_model
+from pdtest.ep_worker import per_expert_names
+from pdtest.hf_oracle import TinyShape, build_hf_model, our_config, our_model
 
 pytestmark = pytest.mark.timeout(120)
 

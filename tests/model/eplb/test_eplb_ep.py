@@ -18,7 +18,7 @@ import torch
 
 from deepseek_pd.ports import pick_free_ports
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
-from eplb_worker import run_rank
+from pdtest.eplb_worker import run_rank
 from pdtest.eplb_placement import random_placement
 
 REL_TOL = 1e-5

@@ -21,7 +21,7 @@ import torch
 
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.runner import ModelRunner, RunnerConfig
-from ep_worker import _scenario
+from pdtest.ep_worker import _scenario
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)
 

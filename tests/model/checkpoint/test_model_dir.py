@@ -55,3 +55,29 @@ def test_read_json(tmp_path) -> None:
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(UserError, match="expected a JSON object"):
         read_json(tmp_path, "list.json")
+
+
+def test_every_reader_of_config_json_says_the_same(tmp_path) -> None:
+    """The loader, ModelConfig and the served model's info read config.json through `read_json`:
+    for each way it can be broken (missing, not JSON, not UTF-8, not an object) each refuses it with
+    the same UserError (before, ModelConfig crashed with a UnicodeDecodeError on a binary file)."""
+    from deepseek_pd.model.checkpoint.loader import read_hf_config
+    from deepseek_pd.model.config import ModelConfig
+
+    rng = random.Random()
+    broken = {"missing": None, "not json": "{" + "x" * rng.randint(0, 9), "not utf-8": b"{\xff\xfe}",
+              "not an object": json.dumps([rng.randint(0, 9)])}
+    for name, content in broken.items():
+        directory = tmp_path / name.replace(" ", "-")
+        directory.mkdir()
+        if isinstance(content, bytes):
+            (directory / "config.json").write_bytes(content)
+        elif content is not None:
+            (directory / "config.json").write_text(content)
+        messages = set()
+        for read in (read_json, read_hf_config, ModelConfig.from_hf,
+                     lambda d: ModelConfig.from_hf(d / "config.json")):
+            with pytest.raises(UserError) as exc:
+                read(directory)
+            messages.add(str(exc.value))
+        assert len(messages) == 1, (name, messages)

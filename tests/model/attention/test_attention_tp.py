@@ -14,8 +14,8 @@ import torch
 
 from deepseek_pd.ports import pick_free_ports
 
-from hf_oracle import TinyShape, build_hf_model
-from tp_worker import TP, VARIANTS, run_rank
+from pdtest.hf_oracle import TinyShape, build_hf_model
+from pdtest.tp_worker import TP, VARIANTS, run_rank
 
 REL_TOL = 1e-5
 WORLD = 4

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from checkpoint_utils import make_fp8_tiny
+from pdtest.checkpoint_utils import make_fp8_tiny
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.attention.policy import AttentionPolicy
 from deepseek_pd.workers.engine.offline import Engine
@@ -254,7 +254,7 @@ def test_bench_model_cpu_runs(checkpoints):
     import sys
     from pathlib import Path
 
-    bench = Path(__file__).resolve().parents[2] / "bench" / "model_cpu.py"
+    bench = Path(__file__).resolve().parents[3] / "bench" / "model_cpu.py"
     proc = subprocess.run([sys.executable, str(bench), "--model", str(checkpoints["v2"]), "--batch", "2",
                            "--prompt-len", "8", "--decode-steps", "2", "--repeats", "1", "--json"],
                           capture_output=True, text=True, timeout=120)

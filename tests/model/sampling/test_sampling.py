@@ -13,10 +13,10 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.sampling.sampler import (Finish, IncrementalDetokenizer, Sampler, SamplingState, StopChecker,
                                         apply_penalties, truncation_mask)
 from deepseek_pd.model.sampling.params import SamplingParams
-from sampling_reference import assert_frequencies_match
-from sampling_reference import random_params as _random_params
-from sampling_reference import ref_penalised as _ref_penalised
-from sampling_reference import ref_probs as _ref_probs
+from pdtest.sampling_reference import assert_frequencies_match
+from pdtest.sampling_reference import random_params as _random_params
+from pdtest.sampling_reference import ref_penalised as _ref_penalised
+from pdtest.sampling_reference import ref_probs as _ref_probs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingBatch, SamplingState
 from deepseek_pd.model.sampling.params import SamplingParams
-from sampling_reference import assert_frequencies_match, random_params, ref_logprob, ref_penalised, ref_probs
+from pdtest.sampling_reference import assert_frequencies_match, random_params, ref_logprob, ref_penalised, ref_probs
 
 pytestmark = pytest.mark.timeout(180)
 VOCAB = 97

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from checkpoint_utils import fp8_twins, write_checkpoint
+from pdtest.checkpoint_utils import fp8_twins, write_checkpoint
 from deepseek_pd.errors import CheckpointError, UserError
 from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig
 from deepseek_pd.model.checkpoint.loader import iter_checkpoint_tensors, read_hf_config
@@ -117,7 +117,7 @@ def test_missing_directory_and_config(tmp_path):
         _load(tmp_path / "nope")
     _one_line(exc)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="config.json: missing"):
+    with pytest.raises(UserError, match="config.json not found"):
         _load(tmp_path / "empty")
     (tmp_path / "empty" / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
