@@ -100,6 +100,21 @@ def test_token_group_quant_kernel_matches_reference(dtype):
 
 
 @needs_triton
+def test_token_group_quant_kernel_bytes_do_not_depend_on_groups_per_program():
+    """Several groups per program (the launch shape) against one: the same bytes and scales,
+    with a partial last group and a partial last program."""
+    from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
+
+    group = random.choice([16, 32, 128])
+    m, k = random.randint(1, 6), group * random.randint(9, 20) + random.randint(1, group - 1)
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 30).to(DEVICE)
+    one_q, one_s = per_token_group_quant(x, group, groups_per_program=1)
+    for per_program in (2, 8, 32):
+        q, s = per_token_group_quant(x, group, groups_per_program=per_program)
+        assert torch.equal(q.view(torch.uint8), one_q.view(torch.uint8)) and torch.equal(s, one_s)
+
+
+@needs_triton
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_block_fp8_matmul_kernel_matches_reference(out_dtype):
     from deepseek_pd.model.kernels.fp8_gemm import Fp8GemmTile, block_fp8_matmul
