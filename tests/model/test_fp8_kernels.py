@@ -203,6 +203,23 @@ def test_block_fp8_matmul_gpu_v3_shapes(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("m,k", [(1, 7168), (4099, 7168), (8192, 16384), (333, 1408)])
+def test_token_group_quant_gpu_prefill_shapes(m, k):
+    """Several groups per program at prefill shapes: the same bytes as one group per program, and
+    the reference's scales, with a poisoned output."""
+    from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 10
+    q, s = per_token_group_quant(x, 128)
+    one_q, one_s = per_token_group_quant(x, 128, groups_per_program=1)
+    assert torch.equal(q.view(torch.uint8), one_q.view(torch.uint8)) and torch.equal(s, one_s)
+    ref_q, ref_s = per_token_group_quant_ref(x, 128)
+    torch.testing.assert_close(s, ref_s, rtol=1e-6, atol=0)
+    assert (q.float() - ref_q.float()).abs().le(ref_q.float().abs() / 8 + 2 ** -9).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cublas_blockwise_gemm_matches_reference_at_odd_rows():
     """The cuBLAS path (M >= CUBLAS_MIN_ROWS) at row counts that need padding, with poisoned output."""
     from deepseek_pd.model.quant.fp8_linear import CUBLAS_MIN_ROWS, FP8_GEMM_BACKENDS
