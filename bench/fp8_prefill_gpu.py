@@ -9,11 +9,11 @@ Parts (`--parts`, each written to `<out>/fp8_prefill.json` as soon as it ends):
 - `linear`: the FP8 linear layers of V2-Lite and V3 for M = 128..8192: bf16 `F.linear` on the
   dequantised weight; the shipped FP8 backend (`FP8_GEMM_BACKENDS["triton"]`: Triton below
   `CUBLAS_MIN_ROWS`, torch's cuBLAS blockwise above); Triton quant + GEMM at its default tile and the
-  best of `LINEAR_TILES` (GEMM alone); torch's blockwise `scaled_mm` (quant + GEMM); DeepGEMM where
+  best of `linear_tiles()` (GEMM alone); torch's blockwise `scaled_mm` (quant + GEMM); DeepGEMM where
   `import deep_gemm` works.
 - `moe`: the routed experts (top-k plus the fused shared experts) for 128..8192 tokens: bf16 Triton
   and `torch._grouped_mm` on the dequantised twin; FP8 Triton at the default tile and at
-  `MOE_TILES`; a per-expert loop of torch's blockwise `scaled_mm` (a probe: one host sync, 2E GEMM
+  `moe_tiles()`; DeepGEMM's grouped GEMM where it imports; a per-expert loop of torch's blockwise `scaled_mm` (a probe: one host sync, 2E GEMM
   launches; torch's grouped scaled GEMM has only row-wise scales on sm90).
 
 Errors, per variant (relative Frobenius, and the largest |out - ref| over max |ref|): `err` against the
@@ -123,18 +123,11 @@ def linear_tiles():
             Fp8GemmTile(128, 64, 4, 4), Fp8GemmTile(128, 256, 8, 3)]
 
 
-def deep_gemm_linear():
-    """DeepGEMM's dense FP8 GEMM where it imports (issue 21's optional backend), else None."""
-    if importlib.util.find_spec("deep_gemm") is None:
-        return None
-    import deep_gemm
+def deep_gemm_module():
+    """`kernels/fp8_deep_gemm.py` where DeepGEMM imports on this GPU, else None."""
+    from deepseek_pd.model.kernels import fp8_deep_gemm
 
-    def run(x_fp8, x_scale, w, w_scale):
-        out = torch.empty(x_fp8.shape[0], w.shape[0], dtype=torch.bfloat16, device=x_fp8.device)
-        fn = getattr(deep_gemm, "fp8_gemm_nt", None) or deep_gemm.gemm_fp8_fp8_bf16_nt
-        fn((x_fp8, x_scale), (w, w_scale), out)
-        return out
-    return run
+    return fp8_deep_gemm if fp8_deep_gemm.deep_gemm_available() else None
 
 
 def linear_part(bench: Bench) -> list[dict]:
@@ -148,7 +141,7 @@ def linear_part(bench: Bench) -> list[dict]:
     dtype = torch.float32 if bench.tiny else torch.bfloat16
     models = {"tiny": TINY_LINEARS} if bench.tiny else {"V2-Lite": V2_LITE_LINEARS, "V3": V3_LINEARS}
     m_values = (5, 40) if bench.tiny else (128, 512, 2048, 4096, 8192)
-    deep_gemm = deep_gemm_linear()
+    deep_gemm = None if bench.tiny else deep_gemm_module()
     cublas = not bench.tiny and fp8_scaled_mm.blockwise_scaled_mm_available()
     rows = []
     for model, shapes in models.items():
@@ -178,8 +171,9 @@ def linear_part(bench: Bench) -> list[dict]:
                 if cublas and fp8_scaled_mm.fits_blockwise(n, k, 128, 128):
                     row["torch_blockwise"] = measure(bench, lambda: fp8_scaled_mm.scaled_mm_block_fp8(
                         *per_token_group_quant(x, 128), w, scale, dtype), refs)
-                if deep_gemm is not None:
-                    row["deep_gemm"] = measure(bench, lambda: deep_gemm(*per_token_group_quant(x, 128), w, scale), refs)
+                if deep_gemm is not None and deep_gemm.fits(n, k, 128, 128):
+                    row["deep_gemm"] = measure(bench, lambda: deep_gemm.dense(*per_token_group_quant(x, 128), w, scale,
+                                                                              dtype), refs)
                 rows.append(row)
                 print(linear_line(row), flush=True)
             del w, scale, w_twin, w_bf16
@@ -277,6 +271,7 @@ def moe_part(bench: Bench) -> list[dict]:
     reference = MOE_BACKENDS.build("torch")
     grouped = MOE_BACKENDS.build("grouped") if "grouped" in MOE_BACKENDS.names() and not bench.tiny else None
     cublas = not bench.tiny and fp8_scaled_mm.blockwise_scaled_mm_available()
+    deep_gemm = None if bench.tiny else deep_gemm_module()
     token_counts = (3, 20) if bench.tiny else (128, 512, 2048, 4096, 8192)
     rows = []
     for model, (experts, shared, k, hidden, inter) in (TINY_MOES if bench.tiny else MOES).items():
@@ -306,6 +301,9 @@ def moe_part(bench: Bench) -> list[dict]:
                 row["fp8_tiles"] = {str(t): measure(bench, lambda t=t: fused_moe(x, ids, weights, w13, w2, t, scales=scales),
                                                     {"err": refs["err"]})
                                     for t in moe_tiles()[: 1 if bench.tiny else None]}
+            if deep_gemm is not None:
+                row["fp8_deep_gemm"] = measure(bench, lambda: deep_gemm.grouped_moe(x, ids, weights, w13, w2, scales),
+                                               refs)
             if cublas and tokens >= 512:
                 row["fp8_cublas_loop"] = measure(bench, lambda: moe_cublas_loop(x, ids, weights, w13, w2, scales), refs)
             rows.append(row)
@@ -319,7 +317,7 @@ def moe_part(bench: Bench) -> list[dict]:
 def moe_line(row: dict) -> str:
     base = row["bf16_triton"].get("ms")
     parts = [f"moe {row['model']} N={row['tokens']}: bf16 triton {base:.3f} ms" if base else "bf16 failed"]
-    for key in ("bf16_grouped", "fp8_triton", "fp8_cublas_loop"):
+    for key in ("bf16_grouped", "fp8_triton", "fp8_deep_gemm", "fp8_cublas_loop"):
         v = row.get(key)
         if v is None:
             continue

@@ -92,6 +92,8 @@ class FusedExperts(nn.Module):
         self.quant = quant
         quant.create_weights(self, num_experts, hidden_size, intermediate_size)
         self.kernel: MoEKernel = MOE_BACKENDS.build(backend)
+        if not quant.is_fp8 and getattr(self.kernel, "fp8_only", False):
+            raise UserError(f"MoE backend {backend!r} multiplies FP8 experts only; these are in {self.w13.dtype}")
         if quant.is_fp8 and not getattr(self.kernel, "supports_fp8", False):
             fp8_names = [n for n in MOE_BACKENDS.names() if getattr(MOE_BACKENDS.get(n), "supports_fp8", False)]
             raise UserError(f"MoE backend {backend!r} does not multiply FP8 experts; use one of {', '.join(fp8_names)}")
