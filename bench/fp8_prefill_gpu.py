@@ -46,8 +46,10 @@ TINY_MOES = {"tiny": (4, 1, 2, 128, 128)}
 
 
 class Bench:
-    def __init__(self, tiny: bool, budget_s: float) -> None:
+    def __init__(self, tiny: bool, budget_s: float, models: tuple[str, ...], rows: tuple[int, ...]) -> None:
         self.tiny = tiny
+        self.models = models  # which of V2-Lite, V3 (the tiny run has its own)
+        self.rows = rows  # M of the linears, tokens of the MoE
         self.device = "cpu" if tiny else "cuda"
         self.began = time.perf_counter()
         self.budget_s = budget_s
@@ -139,8 +141,9 @@ def linear_part(bench: Bench) -> list[dict]:
 
     shipped = FP8_GEMM_BACKENDS.build("triton")
     dtype = torch.float32 if bench.tiny else torch.bfloat16
-    models = {"tiny": TINY_LINEARS} if bench.tiny else {"V2-Lite": V2_LITE_LINEARS, "V3": V3_LINEARS}
-    m_values = (5, 40) if bench.tiny else (128, 512, 2048, 4096, 8192)
+    models = {"tiny": TINY_LINEARS} if bench.tiny else \
+        {name: shapes for name, shapes in (("V2-Lite", V2_LITE_LINEARS), ("V3", V3_LINEARS)) if name in bench.models}
+    m_values = (5, 40) if bench.tiny else bench.rows
     deep_gemm = None if bench.tiny else deep_gemm_module()
     cublas = not bench.tiny and fp8_scaled_mm.blockwise_scaled_mm_available()
     rows = []
@@ -272,9 +275,10 @@ def moe_part(bench: Bench) -> list[dict]:
     grouped = MOE_BACKENDS.build("grouped") if "grouped" in MOE_BACKENDS.names() and not bench.tiny else None
     cublas = not bench.tiny and fp8_scaled_mm.blockwise_scaled_mm_available()
     deep_gemm = None if bench.tiny else deep_gemm_module()
-    token_counts = (3, 20) if bench.tiny else (128, 512, 2048, 4096, 8192)
+    token_counts = (3, 20) if bench.tiny else bench.rows
     rows = []
-    for model, (experts, shared, k, hidden, inter) in (TINY_MOES if bench.tiny else MOES).items():
+    moes = TINY_MOES if bench.tiny else {name: shape for name, shape in MOES.items() if name in bench.models}
+    for model, (experts, shared, k, hidden, inter) in moes.items():
         total = experts + shared
         w13, s13 = random_fp8_weight(2 * inter, hidden, bench.device, (total,))
         w2, s2 = random_fp8_weight(hidden, inter, bench.device, (total,))
@@ -346,11 +350,13 @@ def main() -> None:
     parser.add_argument("--parts", default="quant,linear,moe")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="time no new shape after this many seconds (the GPU call is capped)")
+    parser.add_argument("--models", default="V2-Lite,V3", help="shapes of these models")
+    parser.add_argument("--rows", default="128,512,2048,4096,8192", help="M of the linears, tokens of the MoE")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
     args = parser.parse_args()
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported (triton.jit reads it)
-    bench = Bench(args.tiny, args.budget_s)
+    bench = Bench(args.tiny, args.budget_s, tuple(args.models.split(",")), tuple(int(v) for v in args.rows.split(",")))
     torch.manual_seed(int(time.time()))
     results: dict = {"device": torch.cuda.get_device_name() if not args.tiny else "cpu (tiny)",
                      "torch": torch.__version__, "commit": commit(),
