@@ -209,9 +209,11 @@ def linear_line(row: dict) -> str:
 def moe_tiles():
     from deepseek_pd.model.kernels.fused_moe import MoETile
 
-    # block_k is the FP8 scale group (128) whatever is written here.
-    return [MoETile(64, 128, 128, 4, 3), MoETile(64, 128, 128, 4, 4), MoETile(128, 128, 128, 8, 3),
-            MoETile(128, 128, 128, 4, 3), MoETile(128, 64, 128, 4, 3), MoETile(64, 64, 128, 4, 4)]
+    # block_k is the FP8 scale group (128) whatever is written here. The gate_up kernel keeps two
+    # accumulators (gate, up) plus each step's rescaled product: 128x128 tiles may spill at 4 warps.
+    return [MoETile(64, 128, 128, 4, 3), MoETile(64, 128, 128, 8, 3), MoETile(64, 128, 128, 4, 4),
+            MoETile(128, 128, 128, 8, 3), MoETile(128, 64, 128, 4, 3), MoETile(64, 64, 128, 4, 3),
+            MoETile(64, 64, 128, 4, 4)]
 
 
 def moe_cublas_loop(hidden, topk_ids, topk_weights, w13, w2, scales):
