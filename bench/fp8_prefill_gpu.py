@@ -16,6 +16,9 @@ Parts (`--parts`, each written to `<out>/fp8_prefill.json` as soon as it ends):
   `moe_tiles()`; DeepGEMM's grouped GEMM where it imports; a per-expert loop of torch's blockwise `scaled_mm` (a probe: one host sync, 2E GEMM
   launches; torch's grouped scaled GEMM has only row-wise scales on sm90).
 
+The sweeps become `<out>/tile_tables.py` (the fastest tile per shape and row count), which replaces
+`model/kernels/tile_tables.py` to make them the kernels' launch tiles on that GPU.
+
 Errors, per variant (relative Frobenius, and the largest |out - ref| over max |ref|): `err` against the
 exact FP8 arithmetic (`fp8_ops` / the torch MoE reference with `Fp8ExpertScales`), `twin` against the
 dequantised bf16 twin (what issue 21's accuracy target names). Outputs are copied over NaN-filled
@@ -27,9 +30,11 @@ import argparse
 import importlib.util
 import json
 import os
+import pprint
 import subprocess
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -168,8 +173,8 @@ def linear_part(bench: Bench) -> list[dict]:
                            *per_token_group_quant(x, 128), w, scale, 128, 128, dtype), refs),
                        "default_tile": str(default_tile(m))}
                 if m >= 2048 or bench.tiny:  # the GEMM alone, per tile (add quant_ms for the layer)
-                    row["tiles"] = {str(t): measure(bench, lambda t=t: block_fp8_matmul(
-                        x_fp8, x_scale, w, scale, 128, 128, dtype, t), {"err": refs["err"]})
+                    row["tiles"] = {str(t): {**measure(bench, lambda t=t: block_fp8_matmul(
+                        x_fp8, x_scale, w, scale, 128, 128, dtype, t), {"err": refs["err"]}), "fields": asdict(t)}
                         for t in linear_tiles()[: 1 if bench.tiny else None]}
                 if cublas and fp8_scaled_mm.fits_blockwise(n, k, 128, 128):
                     row["torch_blockwise"] = measure(bench, lambda: fp8_scaled_mm.scaled_mm_block_fp8(
@@ -297,15 +302,17 @@ def moe_part(bench: Bench) -> list[dict]:
             x = torch.randn(tokens, hidden, device=bench.device, dtype=dtype)
             ids, weights = routing(tokens, experts, shared, k, bench.device)
             refs = {"err": reference(x, ids, weights, w13, w2, scales), "twin": reference(x, ids, weights, twin13, twin2)}
-            row = {"model": model, "tokens": tokens, "pairs": ids.numel(),
+            row = {"model": model, "tokens": tokens, "pairs": ids.numel(), "shape": f"E{total}xN{inter}xK{hidden}-fp8",
                    "default_tile": str(default_tile(ids.numel(), total)),
+                   "default_fields": asdict(default_tile(ids.numel(), total)),
                    "bf16_triton": measure(bench, lambda: fused_moe(x, ids, weights, twin13, twin2), refs),
                    "fp8_triton": measure(bench, lambda: fused_moe(x, ids, weights, w13, w2, scales=scales), refs)}
             if grouped is not None:
                 row["bf16_grouped"] = measure(bench, lambda: grouped(x, ids, weights, twin13, twin2), refs)
             if tokens >= 2048 or bench.tiny:
-                row["fp8_tiles"] = {str(t): measure(bench, lambda t=t: fused_moe(x, ids, weights, w13, w2, t, scales=scales),
-                                                    {"err": refs["err"]})
+                row["fp8_tiles"] = {str(t): {**measure(bench, lambda t=t: fused_moe(x, ids, weights, w13, w2, t,
+                                                                           scales=scales), {"err": refs["err"]}),
+                                             "fields": asdict(t)}
                                     for t in moe_tiles()[: 1 if bench.tiny else None]}
             if deep_gemm is not None:
                 row["fp8_deep_gemm"] = measure(bench, lambda: deep_gemm.grouped_moe(x, ids, weights, w13, w2, scales),
@@ -334,6 +341,48 @@ def moe_line(row: dict) -> str:
         best = min(tiles, key=tiles.get)
         parts.append(f"best fp8 tile {best} {tiles[best]:.3f}")
     return "; ".join(parts)
+
+
+# ---- tile tables ---------------------------------------------------------------------------------
+
+def tile_tables(results: dict) -> dict:
+    """`model/kernels/tile_tables.py`'s TABLES from this run's sweeps: per shape, the fastest tile at
+    each swept row count (the FP8 MoE's default tile competes too)."""
+    from deepseek_pd.model.kernels.tile_table import check, ranges
+
+    best: dict[tuple[str, str], dict[int, tuple[float, dict]]] = {}
+
+    def offer(kernel: str, shape: str, rows: int, ms: float, fields: dict) -> None:
+        current = best.setdefault((kernel, shape), {}).get(rows)
+        if current is None or ms < current[0]:
+            best[(kernel, shape)][rows] = (ms, fields)
+
+    for row in results.get("linear", {}).get("rows", []):
+        for tile in row.get("tiles", {}).values():
+            if "ms" in tile:
+                offer("fp8_gemm", f"{row['n']}x{row['k']}", row["m"], tile["ms"], tile["fields"])
+    for row in results.get("moe", {}).get("rows", []):
+        if "fp8_tiles" not in row:
+            continue
+        if "ms" in row["fp8_triton"]:
+            offer("fused_moe", row["shape"], row["pairs"], row["fp8_triton"]["ms"], row["default_fields"])
+        for tile in row["fp8_tiles"].values():
+            if "ms" in tile:
+                offer("fused_moe", row["shape"], row["pairs"], tile["ms"], tile["fields"])
+    tables: dict = {}
+    for (kernel, shape), by_rows in best.items():
+        tables.setdefault(kernel, {}).setdefault(results["device"], {})[shape] = \
+            ranges({rows: fields for rows, (_, fields) in by_rows.items()})
+    check(tables)
+    return tables
+
+
+def write_tile_tables(tables: dict, path: Path, results: dict) -> None:
+    path.write_text(f'''"""Measured launch tiles (data only; `tile_table.py` reads it), written by
+bench/fp8_prefill_gpu.py on {results["device"]} at commit {results["commit"]}, torch {results["torch"]}.
+"""
+TABLES: dict[str, dict[str, dict[str, list]]] = {pprint.pformat(tables, width=110, sort_dicts=True)}
+''')
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -376,6 +425,10 @@ def main() -> None:
         results[name]["wall_s"] = time.perf_counter() - start
         print(f"part {name}: {results[name]['wall_s']:.1f} s", flush=True)
         out.write_text(json.dumps(results, indent=1))
+    tables = tile_tables(results)
+    write_tile_tables(tables, Path(args.out) / "tile_tables.py", results)
+    print(f"tile tables for {', '.join(tables) or 'no kernel'}: {Path(args.out) / 'tile_tables.py'} "
+          "(copy over model/kernels/tile_tables.py to use them)")
     failed = [name for name in parts if "error" in results.get(name, {})]
     print(f"wrote {out}; parts failed: {failed or 'none'}")
     raise SystemExit(1 if failed else 0)

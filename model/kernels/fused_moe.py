@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepseek_pd.model.kernels import tile_table
 from deepseek_pd.model.kernels.checks import check_tensor
 from deepseek_pd.model.kernels.fp8_gemm import check_block_scaled_weight
 from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
@@ -59,6 +60,14 @@ def default_tile(num_pairs: int, num_experts: int) -> MoETile:
         return MoETile(64, 128, 64, num_warps=8, num_stages=3)
     # H200, 2026-12-02 sweep (docs/performance.md): 128x128 tiles won at 574 and 1985 rows per expert.
     return MoETile(128, 128, 64, num_warps=8, num_stages=3)
+
+
+def measured_tile(device: torch.device, num_pairs: int, num_experts: int, inter_size: int, hidden_size: int,
+                  fp8: bool) -> MoETile | None:
+    """The tile measured fastest for this GPU, expert shape and pair count (`tiles/fused_moe.json`)."""
+    shape = f"E{num_experts}xN{inter_size}xK{hidden_size}-{'fp8' if fp8 else 'bf16'}"
+    fields = tile_table.lookup("fused_moe", device, shape, num_pairs)
+    return None if fields is None else MoETile(**fields)
 
 
 @triton.jit
@@ -219,8 +228,10 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return hidden.new_zeros(num_tokens, hidden_size)
-    tile = tile or (INVARIANT_TILE if invariant else default_tile(num_pairs, num_experts))
     fp8 = scales is not None
+    tile = tile or (INVARIANT_TILE if invariant else measured_tile(device, num_pairs, num_experts, inter_size,
+                                                                   hidden_size, fp8)
+                    or default_tile(num_pairs, num_experts))
     # A stand-in for the scale operands the bf16 kernels never read.
     w13_scale, w2_scale = (scales.w13_scale, scales.w2_scale) if fp8 else (w13, w2)
     group13, group2 = (scales.block13, scales.block2) if fp8 else (None, None)

@@ -34,3 +34,17 @@ def test_tiny_run_checks_and_times_every_variant(tmp_path: Path) -> None:
             assert v["ms"] > 0 and v["err"]["rel"] < 1e-4, (variant, v)
         # The twin differs by the activations' e4m3 rounding only: a few percent, not O(1).
         assert row["fp8_triton"]["twin"]["rel"] < 0.1
+    # The sweeps as launch tiles: a tile_tables.py the kernels accept, every tile one they can build.
+    from deepseek_pd.model.kernels.fp8_gemm import Fp8GemmTile
+    from deepseek_pd.model.kernels.fused_moe import MoETile
+    from deepseek_pd.model.kernels.tile_table import check
+
+    namespace: dict = {}
+    exec((tmp_path / "tile_tables.py").read_text(), namespace)
+    tables = namespace["TABLES"]
+    check(tables)
+    assert set(tables) == {"fp8_gemm", "fused_moe"}
+    for kernel, make in (("fp8_gemm", Fp8GemmTile), ("fused_moe", MoETile)):
+        for shapes in tables[kernel].values():
+            for entries in shapes.values():
+                assert entries[-1][1] is None and all(make(**tile) for _, _, tile in entries)
