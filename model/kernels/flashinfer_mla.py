@@ -204,10 +204,12 @@ def plan_decode(page_table: torch.Tensor, seq_lens: Sequence[int], num_heads: in
         kv_indices = page_table[used].to(torch.int32)  # row-major: each sequence's pages in order
     wrapper = pool.take() if pool is not None else \
         BatchMLAPagedAttentionWrapper(_workspace(page_table.device), backend=backend)
-    _plan(wrapper, seq_lens, kv_indptr, kv_indices, num_heads, rank, rope, page_size, scale, dtype)
     plan = MLAPlan(wrapper, batch, num_heads, rank, rope)
-    if pool is not None:
-        pool.lend(plan, wrapper)
+    try:
+        _plan(wrapper, seq_lens, kv_indptr, kv_indices, num_heads, rank, rope, page_size, scale, dtype)
+    finally:  # a failed plan gives its wrapper back too
+        if pool is not None:
+            pool.lend(plan, wrapper)
     return plan
 
 
