@@ -54,7 +54,8 @@ class Bench:
     def __init__(self, tiny: bool, budget_s: float, models: tuple[str, ...], rows: tuple[int, ...]) -> None:
         self.tiny = tiny
         self.models = models  # which of V2-Lite, V3 (the tiny run has its own)
-        self.rows = rows  # M of the linears, tokens of the MoE
+        self.counts = rows  # M of the linears, tokens of the MoE
+        self.save = lambda: None  # main's: writes the JSON so far (a call cut off keeps its rows)
         self.device = "cpu" if tiny else "cuda"
         self.began = time.perf_counter()
         self.budget_s = budget_s
@@ -100,11 +101,10 @@ def random_fp8_weight(n: int, k: int, device: str, lead: tuple[int, ...] = ()):
 
 # ---- quant ---------------------------------------------------------------------------------------
 
-def quant_part(bench: Bench) -> list[dict]:
+def quant_part(bench: Bench, rows: list[dict]) -> None:
     from deepseek_pd.model.kernels.fp8_quant import GROUPS_PER_PROGRAM, per_token_group_quant
 
     shapes = [(3, 1000)] if bench.tiny else [(4096, 7168), (8192, 7168), (8192, 16384), (8192, 2048)]
-    rows = []
     for m, k in shapes:
         x = torch.randn(m, k, device=bench.device, dtype=torch.float32 if bench.tiny else torch.bfloat16)
         one = per_token_group_quant(x, 128, groups_per_program=1)
@@ -116,9 +116,9 @@ def quant_part(bench: Bench) -> list[dict]:
             nbytes = x.numel() * x.element_size() + q.numel() + s.numel() * 4
             row[f"groups_{per_program}"] = {"ms": ms, "GB/s": nbytes / ms / 1e6, "bytes_equal": same}
         rows.append(row)
+        bench.save()
         print(f"quant {m}x{k}: " + ", ".join(f"{key} {v['ms']:.3f} ms ({v['GB/s']:.0f} GB/s, equal {v['bytes_equal']})"
                                             for key, v in row.items() if key.startswith("groups")), flush=True)
-    return rows
 
 
 # ---- linear --------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def deep_gemm_module():
     return fp8_deep_gemm if fp8_deep_gemm.deep_gemm_available() else None
 
 
-def linear_part(bench: Bench) -> list[dict]:
+def linear_part(bench: Bench, rows: list[dict]) -> None:
     from deepseek_pd.model.kernels import fp8_scaled_mm
     from deepseek_pd.model.kernels.fp8_gemm import block_fp8_matmul, default_tile
     from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
@@ -148,10 +148,9 @@ def linear_part(bench: Bench) -> list[dict]:
     dtype = torch.float32 if bench.tiny else torch.bfloat16
     models = {"tiny": TINY_LINEARS} if bench.tiny else \
         {name: shapes for name, shapes in (("V2-Lite", V2_LITE_LINEARS), ("V3", V3_LINEARS)) if name in bench.models}
-    m_values = (5, 40) if bench.tiny else bench.rows
+    m_values = (5, 40) if bench.tiny else bench.counts
     deep_gemm = None if bench.tiny else deep_gemm_module()
     cublas = not bench.tiny and fp8_scaled_mm.blockwise_scaled_mm_available()
-    rows = []
     for model, shapes in models.items():
         for name, (n, k) in shapes.items():
             w, scale = random_fp8_weight(n, k, bench.device)
@@ -183,11 +182,11 @@ def linear_part(bench: Bench) -> list[dict]:
                     row["deep_gemm"] = measure(bench, lambda: deep_gemm.dense(*per_token_group_quant(x, 128), w, scale,
                                                                               dtype), refs)
                 rows.append(row)
+                bench.save()
                 print(linear_line(row), flush=True)
             del w, scale, w_twin, w_bf16
             if not bench.tiny:
                 torch.cuda.empty_cache()
-    return rows
 
 
 def linear_line(row: dict) -> str:
@@ -268,7 +267,7 @@ def routing(tokens: int, experts: int, shared: int, k: int, device: str):
     return ids, weights
 
 
-def moe_part(bench: Bench) -> list[dict]:
+def moe_part(bench: Bench, rows: list[dict]) -> None:
     from deepseek_pd.model.kernels import fp8_scaled_mm
     from deepseek_pd.model.kernels.fused_moe import default_tile, fused_moe
     from deepseek_pd.model.moe import MOE_BACKENDS
@@ -282,8 +281,7 @@ def moe_part(bench: Bench) -> list[dict]:
     grouped = MOE_BACKENDS.build("grouped") if "grouped" in MOE_BACKENDS.names() and not bench.tiny else None
     cublas = not bench.tiny and fp8_scaled_mm.blockwise_scaled_mm_available()
     deep_gemm = None if bench.tiny else deep_gemm_module()
-    token_counts = (3, 20) if bench.tiny else bench.rows
-    rows = []
+    token_counts = (3, 20) if bench.tiny else bench.counts
     moes = TINY_MOES if bench.tiny else {name: shape for name, shape in MOES.items() if name in bench.models}
     for model, (experts, shared, k, hidden, inter) in moes.items():
         total = experts + shared
@@ -320,11 +318,11 @@ def moe_part(bench: Bench) -> list[dict]:
             if cublas and tokens >= 512:
                 row["fp8_cublas_loop"] = measure(bench, lambda: moe_cublas_loop(x, ids, weights, w13, w2, scales), refs)
             rows.append(row)
+            bench.save()
             print(moe_line(row), flush=True)
         del w13, s13, w2, s2, twin13, twin2, scales
         if not bench.tiny:
             torch.cuda.empty_cache()
-    return rows
 
 
 def moe_line(row: dict) -> str:
@@ -414,20 +412,27 @@ def main() -> None:
                      "deep_gemm": importlib.util.find_spec("deep_gemm") is not None}
     parts = {"quant": quant_part, "linear": linear_part, "moe": moe_part}
     out = Path(args.out) / "fp8_prefill.json"
+    tables_path = Path(args.out) / "tile_tables.py"
+
+    def save() -> None:
+        out.write_text(json.dumps(results, indent=1))
+        write_tile_tables(tile_tables(results), tables_path, results)
+    bench.save = save
     for name in [p for p in args.parts.split(",") if p]:
         start = time.perf_counter()
+        results[name] = {"rows": []}
         try:
             with torch.inference_mode():
-                results[name] = {"rows": parts[name](bench)}
+                parts[name](bench, results[name]["rows"])
         except Exception as exc:  # keep the other parts' numbers when one fails
             traceback.print_exc()
-            results[name] = {"error": repr(exc)}
+            results[name]["error"] = repr(exc)
         results[name]["wall_s"] = time.perf_counter() - start
         print(f"part {name}: {results[name]['wall_s']:.1f} s", flush=True)
-        out.write_text(json.dumps(results, indent=1))
+        save()
+    save()
     tables = tile_tables(results)
-    write_tile_tables(tables, Path(args.out) / "tile_tables.py", results)
-    print(f"tile tables for {', '.join(tables) or 'no kernel'}: {Path(args.out) / 'tile_tables.py'} "
+    print(f"tile tables for {', '.join(tables) or 'no kernel'}: {tables_path} "
           "(copy over model/kernels/tile_tables.py to use them)")
     failed = [name for name in parts if "error" in results.get(name, {})]
     print(f"wrote {out}; parts failed: {failed or 'none'}")

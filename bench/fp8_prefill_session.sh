@@ -15,13 +15,13 @@ fi
 for z in .whl/flashinfer-*.zip; do
     [ -f "$z" ] && python3 -m zipfile -e "$z" /tmp/site
 done
-(cd /tmp && timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
+(cd /tmp && timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
     "$REPO/tests/model/test_fp8_kernels.py" "$REPO/tests/model/test_moe_quant_method.py" \
     "$REPO/tests/model/test_fp8_deep_gemm.py" "$REPO/tests/model/test_moe_align_large.py" \
     "$REPO/tests/model/test_kernels.py" "$REPO/tests/model/test_batch_invariant_kernels.py" \
     "$REPO/tests/model/test_flashinfer_mla.py" -k "moe or fp8 or quant or deep_gemm or flashinfer_mla_decode or tiny_model or align" 2>&1) \
     | tee "$OUT/tests.log"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-timeout "${BENCH_TIMEOUT:-330}" python3 bench/fp8_prefill_gpu.py --out "$OUT" --budget-s "${BENCH_BUDGET:-270}" \
+timeout "${BENCH_TIMEOUT:-290}" python3 bench/fp8_prefill_gpu.py --out "$OUT" --budget-s "${BENCH_BUDGET:-230}" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 exit 0
