@@ -9,8 +9,8 @@
 #   there: bash bench/deep_gemm_build.sh build      (carry bench/deep_gemm_src)
 #            → /tmp/site/deep_gemm, importable with PYTHONPATH=/tmp/site; exits non-zero if it does not import
 #
-# The build compiles one translation unit (csrc/python_api.cpp, the host API) with torch's
-# cpp_extension, without DeepGEMM's setup.py (which wants `wheel` and a clean git tree); DeepGEMM
+# The build compiles one translation unit (csrc/python_api.cpp, the host API) into deep_gemm/_C*.so
+# (bench/deep_gemm_setup.py, without DeepGEMM's setup.py, which wants `wheel` and a git tree); DeepGEMM
 # JIT-compiles each kernel shape with nvcc on first use (cache: DG_JIT_CACHE_DIR, /tmp/deep_gemm_cache).
 # While the machine is held, /tmp/site stays for the next call: build once, then test and bench.
 set -euo pipefail
@@ -35,27 +35,14 @@ pack() {
 
 build() {
     local tarball
+    local REPO=$PWD
     tarball=$(ls "$SRC_DIR"/deepgemm-"${DEEPGEMM_COMMIT:0:7}".tar.gz)
     rm -rf /tmp/DeepGEMM && tar -xzf "$tarball" -C /tmp
     (
         cd /tmp/DeepGEMM
         # The JIT reads the CuTe/CUTLASS headers from the package's own include/ at run time.
         cp -r third-party/cutlass/include/cute third-party/cutlass/include/cutlass deep_gemm/include/
-        MAX_JOBS=16 python3 - <<'EOF'
-import glob
-import shutil
-
-import torch
-from torch.utils.cpp_extension import CUDA_HOME, load
-
-load(name="_C", sources=["csrc/python_api.cpp"], build_directory="/tmp/DeepGEMM/build", verbose=False,
-     extra_include_paths=[f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl", "deep_gemm/include",
-                          "third-party/cutlass/include", "third-party/fmt/include"],
-     extra_cflags=["-std=c++17", "-O3", "-fPIC", "-Wno-psabi", "-Wno-deprecated-declarations",
-                   f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"],
-     extra_ldflags=[f"-L{CUDA_HOME}/lib64", "-lcudart", "-lnvrtc"])
-shutil.copy(glob.glob("/tmp/DeepGEMM/build/_C*.so")[0], "deep_gemm/_C.so")
-EOF
+        MAX_JOBS=16 python3 "$REPO/bench/deep_gemm_setup.py"
     )
     mkdir -p /tmp/site && rm -rf /tmp/site/deep_gemm && cp -r /tmp/DeepGEMM/deep_gemm /tmp/site/
     export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deep_gemm_cache}
