@@ -65,7 +65,7 @@ def fp8_moe_part(ctx: Context) -> list[Row]:
     from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig
     from deepseek_pd.model.quant.fp8_ops import dequant_weight
     from deepseek_pd.model.moe.experts import MOE_BACKENDS
-    from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS
+    from deepseek_pd.model.quant.moe_scales import Fp8ExpertScales
 
     experts, shared, k, hidden, inter = (8, 1, 2, 128, 128) if ctx.tiny else (256, 1, 8, 7168, 2048)
     total = experts + shared
@@ -78,14 +78,14 @@ def fp8_moe_part(ctx: Context) -> list[Row]:
     for e in range(total):  # one expert at a time: the fp32 intermediates of all of V3's would be ~60 GB
         bf13[e] = dequant_weight(w13[e], s13[e], 128, 128)
         bf2[e] = dequant_weight(w2[e], s2[e], 128, 128)
-    ref, fp8 = FP8_MOE_BACKENDS.build("torch"), FP8_MOE_BACKENDS.build("triton")
+    ref, fp8 = MOE_BACKENDS.build("torch"), MOE_BACKENDS.build("triton")
     bf16 = MOE_BACKENDS.build("triton")
     rows = []
     for tokens in ((1, 20) if ctx.tiny else (1, 64, 128, 4096)):
         x = torch.randn(tokens, hidden, device=ctx.device, dtype=dtype)
         ids, weights = _routing(tokens, experts, shared, k, ctx.device)
         touched = int(torch.unique(ids).numel())
-        args = (x, ids, weights, w13, s13, block, w2, s2, block)
+        args = (x, ids, weights, w13, w2, Fp8ExpertScales(s13, block, s2, block))
         err = rel_err(poisoned_copy(fp8(*args)), ref(*args))
         ms = ctx.timer(lambda: fp8(*args))
         base_ms = ctx.timer(lambda: bf16(x, ids, weights, bf13, bf2))

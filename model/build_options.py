@@ -42,7 +42,7 @@ class BuildOptions:
     # When and where TBO splits a batch (model/distributed/tbo_rules.py; the `tbo_*` engine options).
     tbo_rules: TboRules = TboRules()
     # FP8 checkpoints: keep the block-scaled FP8 weights in FP8 and multiply them with this backend
-    # (`fp8_linear.FP8_GEMM_BACKENDS` / `moe.fp8_experts.FP8_MOE_BACKENDS`: "torch", "triton");
+    # (`fp8_linear.FP8_GEMM_BACKENDS`, and `moe.experts.MOE_BACKENDS` of the same name: "torch", "triton");
     # None dequantises them to `dtype` at load.
     fp8_backend: str | None = None
     # RMSNorm (+ residual) and RoPE + latent-cache write (`norm_rope.NORM_ROPE_BACKENDS`).

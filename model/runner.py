@@ -49,7 +49,6 @@ from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_gpu
 from deepseek_pd.model.kv.layer_progress import LayerProgress
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
-from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tp_replay import ForwardCall, TpReplay
 from deepseek_pd.model.distributed.step_sync import StepSync
@@ -274,7 +273,7 @@ class RunnerConfig:
         parts = (("attention backend", ATTENTION_BACKENDS, self.kernel_backend(self.attention_backend)),
                  ("MoE backend", MOE_BACKENDS, self.kernel_backend(self.moe_backend)))
         if self.fp8_backend not in ("auto", "dequant"):
-            parts += (("FP8 MoE backend", FP8_MOE_BACKENDS, self.fp8_backend),)
+            parts += (("FP8 MoE backend", MOE_BACKENDS, self.fp8_backend),)
         for what, registry, name in parts:
             if not getattr(registry.get(name), "cuda_graph_safe", False):
                 return f"the {what} {name!r} is not capturable"

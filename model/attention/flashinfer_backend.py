@@ -14,6 +14,7 @@ CUDA graphs: the plan is host work on each batch's lengths, which a replayed gra
 A graph's static batch (`batch.graph_bucket`) therefore uses one `GraphMLAPlan` per bucket and
 shape, built at capture over buffers reserved for the bucket's whole page table, and the graph
 runner calls `prepare_replay` with the step's real lengths and pages before each replay.
+Eager batches plan wrappers lent by a `WrapperPool` (one per device), built once and reused.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS
 from deepseek_pd.model.attention.triton_backend import TritonAttentionBackend, check_latent_rank
 from deepseek_pd.model.forward_batch import ForwardBatch
 from deepseek_pd.model.kernels.flashinfer_mla import (
-    SUPPORTED_WIDTHS, GraphMLAPlan, MLAPlan, flashinfer_mla_available, plan_decode,
+    SUPPORTED_WIDTHS, GraphMLAPlan, MLAPlan, WrapperPool, eager_wrapper_pool, flashinfer_mla_available, plan_decode,
 )
 
 _PLAN = "flashinfer_mla_plan"
@@ -64,6 +65,7 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
         super().__init__()
         self.route = route or MLADecodeRoute()
         self._graph_plans: dict[tuple, GraphMLAPlan] = {}  # (bucket, heads, scale, dtype) -> plan
+        self._eager_wrappers: dict[torch.device, WrapperPool] = {}  # eager batches' wrappers, reused
 
     def mla_decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    batch: ForwardBatch, kv_lora_rank: int, scale: float) -> torch.Tensor:
@@ -78,9 +80,16 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
             plan = self._graph_plan(batch, heads, kv_lora_rank, q_pe.shape[-1], kv_cache.shape[1], scale,
                                     q_latent.dtype) if batch.graph_bucket is not None else \
                 plan_decode(batch.page_table, batch.seq_lens, heads, kv_lora_rank, q_pe.shape[-1],
-                            kv_cache.shape[1], scale, q_latent.dtype, page_lists=batch.page_lists)
+                            kv_cache.shape[1], scale, q_latent.dtype, page_lists=batch.page_lists,
+                            pool=self._eager_pool(q_latent.device))
             batch.derived[key] = plan
         return plan.run(q_latent, q_pe, kv_cache)
+
+    def _eager_pool(self, device: torch.device) -> WrapperPool:
+        pool = self._eager_wrappers.get(device)
+        if pool is None:
+            pool = self._eager_wrappers[device] = eager_wrapper_pool(device)
+        return pool
 
     def _graph_plan(self, batch: ForwardBatch, heads: int, rank: int, rope: int, page_size: int, scale: float,
                     dtype: torch.dtype) -> MLAPlan:

@@ -6,17 +6,17 @@
     moe_align_large  the same sort in three Triton launches for any size (count, offsets, scatter).
     fused_moe        Triton grouped GEMMs over those blocks: gate+up with SiLU-and-mul, then down
                      with the routing weight; the k results of a token are summed in fp32.
+                     Experts in the model dtype or block-scaled FP8 (the quantisation method).
     mla_decode       absorbed-MLA decode over the paged latent cache: one launch for the whole
                      batch, split-K over the sequence, then a log-sum-exp combine.
     flash_prefill    ragged flash attention (causal or over a prefix chunk) returning the lse.
     merge_states     the log-sum-exp merge of two partial attentions (chunked-prefix MHA).
     fp8_quant        per-token-group FP8 quantisation of activations (1 x 128, e4m3).
     fp8_gemm         block-scaled FP8 GEMM (W8A8, DeepSeek-V3's 128 x 128 weight blocks).
-    fused_moe_fp8    the fused MoE with FP8 experts (both GEMMs block-scaled FP8).
     checks           shared input checks (rank, dtype, device, unit last stride) and availability.
 
 The oracles are the torch backends (`model/attention/torch_backend.py`, `model/moe/experts.py`,
-`model/moe/fp8_experts.py`) and `model/quant/fp8_ops.py`;
+`model/quant/moe_scales.py`) and `model/quant/fp8_ops.py`;
 measured figures are in docs/performance.md. Importing this package does not import Triton; the
 kernel modules do (the backends import them when built).
 """

@@ -5,7 +5,10 @@ use with the machine's nvcc. It is never required: `flashinfer_mla_available()` 
 imports and runs here, and the attention backend falls back to our Triton kernel otherwise.
 
 One plan per batch: FlashInfer partitions the work on the host from the sequence lengths, so
-`plan_decode` runs once per `ForwardBatch` and every layer reuses it (`MLAPlan.run`). FlashInfer
+`plan_decode` runs once per `ForwardBatch` and every layer reuses it (`MLAPlan.run`). The wrapper it
+plans is lent by a `WrapperPool` where the caller keeps one: building one allocates an 8 MB device
+buffer and an 8 MB pinned host buffer (`cudaHostAlloc`), host work that has no place in each eager
+step; a wrapper goes back to the pool when the plan that holds it is dropped with its batch. FlashInfer
 takes the pages as CSR with exactly ceil(length / page_size) pages per sequence; they are built on
 the host from the batch's page lists (no device sync), or compacted from the padded device table
 when a batch has no host lists.
@@ -23,8 +26,9 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -93,6 +97,40 @@ class MLAPlan:
         return out
 
 
+class WrapperPool:
+    """Wrappers lent to plans and taken back when a plan is garbage: each live plan holds its own
+    (two-batch overlap keeps two batches' plans alive at once), and a batch's plan is never re-planned
+    under it. Planning writes FlashInfer's pinned host buffer, then copies it to the device
+    asynchronously: a returned wrapper waits for that copy (an event recorded after its plan) before
+    it is planned again, so the host never overwrites bytes still in flight.
+
+        pool = WrapperPool(lambda: BatchMLAPagedAttentionWrapper(workspace, backend="fa3"))
+        wrapper = pool.take(); plan(wrapper); mla_plan = MLAPlan(wrapper, ...); pool.lend(mla_plan, wrapper)
+    """
+
+    def __init__(self, make: Callable[[], object]) -> None:
+        self._make = make
+        self._free: list[tuple[object, object]] = []  # (wrapper, the event after its last plan, or None)
+        self.built = 0
+
+    def take(self) -> object:
+        if self._free:
+            wrapper, planned = self._free.pop()
+            if planned is not None:
+                planned.synchronize()
+            return wrapper
+        self.built += 1
+        return self._make()
+
+    def lend(self, holder: object, wrapper: object) -> None:
+        """`wrapper` (from `take`, just planned) comes back once `holder` is garbage."""
+        planned = None
+        if torch.cuda.is_available():
+            planned = torch.cuda.Event()
+            planned.record()
+        weakref.finalize(holder, self._free.append, (wrapper, planned))
+
+
 def csr_pages(seq_lens: Sequence[int], page_size: int,
               page_lists: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
     """FlashInfer's page CSR from host page lists: `kv_indptr` `[B+1]` and `kv_indices`, exactly
@@ -136,10 +174,11 @@ def _plan(wrapper, seq_lens: Sequence[int], kv_indptr: list[int], kv_indices: to
 
 def plan_decode(page_table: torch.Tensor, seq_lens: Sequence[int], num_heads: int, rank: int, rope: int,
                 page_size: int, scale: float, dtype: torch.dtype, backend: str = "fa3",
-                page_lists: Sequence[Sequence[int]] = ()) -> MLAPlan:
+                page_lists: Sequence[Sequence[int]] = (), pool: WrapperPool | None = None) -> MLAPlan:
     """Plan one query per sequence over `page_table` `[B, W]` (device) with host `seq_lens`;
     `page_lists` (host, per sequence, at least the pages its length needs), when given, spares the
-    device-to-host read of the table."""
+    device-to-host read of the table. `pool` (its wrappers made with `backend`) lends the wrapper;
+    without one a new wrapper is built."""
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
     _check_shape(num_heads, rank, rope, dtype)
@@ -163,9 +202,22 @@ def plan_decode(page_table: torch.Tensor, seq_lens: Sequence[int], num_heads: in
             kv_indptr.append(kv_indptr[-1] + c)
         used = torch.arange(width, device=page_table.device) < torch.tensor(counts, device=page_table.device)[:, None]
         kv_indices = page_table[used].to(torch.int32)  # row-major: each sequence's pages in order
-    wrapper = BatchMLAPagedAttentionWrapper(_workspace(page_table.device), backend=backend)
-    _plan(wrapper, seq_lens, kv_indptr, kv_indices, num_heads, rank, rope, page_size, scale, dtype)
-    return MLAPlan(wrapper, batch, num_heads, rank, rope)
+    wrapper = pool.take() if pool is not None else \
+        BatchMLAPagedAttentionWrapper(_workspace(page_table.device), backend=backend)
+    plan = MLAPlan(wrapper, batch, num_heads, rank, rope)
+    try:
+        _plan(wrapper, seq_lens, kv_indptr, kv_indices, num_heads, rank, rope, page_size, scale, dtype)
+    finally:  # a failed plan gives its wrapper back too
+        if pool is not None:
+            pool.lend(plan, wrapper)
+    return plan
+
+
+def eager_wrapper_pool(device: torch.device, backend: str = "fa3") -> WrapperPool:
+    """A pool of `backend` wrappers over the device's shared workspace, for `plan_decode`."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    return WrapperPool(lambda: BatchMLAPagedAttentionWrapper(_workspace(torch.device(device)), backend=backend))
 
 
 class GraphMLAPlan:

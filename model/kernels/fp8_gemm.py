@@ -7,8 +7,9 @@ steps one scale group at a time, so each step is one fp8 tensor-core product res
 Rows of the M/N edge tiles wrap around (`% M`, `% N`) instead of being masked in the loop and are
 dropped at the store; K's last group may be partial (masked to zero).
 
-Tiles: decode-sized M streams the weight (16-row tiles, many N programs); larger M uses the tiles
-measured fastest on the H200 (`default_tile`). Prefill-sized M goes to cuBLAS where it can
+Tiles: a measured table first (`tile_table.py`, `tiles/fp8_gemm.json`: per GPU, shape and M), else
+`default_tile`: decode-sized M streams the weight (16-row tiles, many N programs); larger M uses
+the tiles measured fastest on the H200. Prefill-sized M goes to cuBLAS where it can
 (`fp8_linear.TritonFp8Gemm`, `fp8_scaled_mm.py`).
 The oracle is `model.fp8_ops.block_fp8_matmul_ref`.
 """
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from deepseek_pd.model.quant.fp8_ops import FP8_DTYPE, num_groups
+from deepseek_pd.model.kernels import tile_table
 from deepseek_pd.model.kernels.checks import check_tensor
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -44,6 +46,12 @@ def default_tile(m: int) -> Fp8GemmTile:
     if m <= 256:
         return Fp8GemmTile(64, 64, num_warps=4, num_stages=4)
     return Fp8GemmTile(64, 128, num_warps=4, num_stages=4)
+
+
+def measured_tile(device: torch.device, m: int, n: int, k: int) -> Fp8GemmTile | None:
+    """The tile measured fastest for this GPU, shape and M (`tiles/fp8_gemm.json`), if any."""
+    fields = tile_table.lookup("fp8_gemm", device, f"{n}x{k}", m)
+    return None if fields is None else Fp8GemmTile(**fields)
 
 
 @triton.jit
@@ -123,7 +131,7 @@ def block_fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor
         return out
     if k == 0:
         return out.zero_()
-    tile = tile or default_tile(m)
+    tile = tile or measured_tile(device, m, n, k) or default_tile(m)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
     _fp8_gemm_kernel[grid](x_fp8, w, out, x_scale, w_scale, m, n, k, block_n,
                            x_fp8.stride(0), w.stride(0), out.stride(0), x_scale.stride(0), w_scale.stride(0),

@@ -6,6 +6,7 @@ from deepseek_pd.model.moe import deepep_dispatcher, ep_dispatcher  # noqa: F401
 from deepseek_pd.model.moe.experts import MOE_BACKENDS, FusedExperts, TorchMoEKernel
 from deepseek_pd.model.moe import grouped_experts, triton_experts  # noqa: F401,E402  (register "grouped", "triton")
 from deepseek_pd.model.moe import invariant_experts  # noqa: F401,E402  (registers "*_invariant")
+from deepseek_pd.model.moe import deep_gemm_experts  # noqa: F401,E402  (registers "deep_gemm" where installed)
 from deepseek_pd.model.moe.layer import DeepseekMoE
 from deepseek_pd.model.moe.mlp import GatedMLP
 from deepseek_pd.model.moe.topk import SCORING, TOPK_METHODS, TopKSpec, finish_weights

@@ -6,7 +6,9 @@ E..E+n-1 (the shared MLP of width n*I split into n slices of width I: an MLP is 
 intermediate neurons, so the split is exact) and every token selects them with weight 1.
 
 A kernel computes, per token, `sum_j w_j * expert_{id_j}(x)`; ids outside [0, E) (experts another
-EP rank owns) contribute nothing.
+EP rank owns) contribute nothing. How the experts are stored is the quantisation method
+(`quant_method.py`): in the model dtype, or in block-scaled FP8, when the kernel gets their
+`Fp8ExpertScales`; kernels with `supports_fp8` take both.
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.moe.quant_method import MoEQuantMethod
+from deepseek_pd.model.quant.moe_scales import Fp8ExpertScales
 from deepseek_pd.model.registry import Registry
 
 
 class MoEKernel(Protocol):
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """hidden `[N, H]`, topk_ids/weights `[N, k]` → `[N, H]` in hidden's dtype."""
+                 w13: torch.Tensor, w2: torch.Tensor, scales: Fp8ExpertScales | None = None) -> torch.Tensor:
+        """hidden `[N, H]`, topk_ids/weights `[N, k]` → `[N, H]` in hidden's dtype; `scales` for FP8 experts."""
 
 
 MOE_BACKENDS: Registry[MoEKernel] = Registry("MoE backend")
@@ -32,15 +37,19 @@ MOE_BACKENDS: Registry[MoEKernel] = Registry("MoE backend")
 class TorchMoEKernel:
     """Reference: group the (token, expert) pairs by expert, one GEMM pair per expert hit.
 
+    FP8 experts: each product quantises its rows per token group and multiplies dequantised
+    operands in fp32 (`Fp8ExpertScales.reference_product`); the SiLU-mul output is rounded to the
+    model dtype before the down projection, as the fused kernel stores it.
     One host sync per call (the per-expert counts) — fine for the oracle, not for CUDA graphs.
     """
 
     cuda_graph_safe = False
+    supports_fp8 = True
     # The per-expert products (the "torch_invariant" backend swaps in batch_invariant.linear).
     linear = staticmethod(F.linear)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                 w13: torch.Tensor, w2: torch.Tensor, scales: Fp8ExpertScales | None = None) -> torch.Tensor:
         num_experts = w13.shape[0]
         num_tokens, top_k = topk_ids.shape
         out = torch.zeros(num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
@@ -58,23 +67,40 @@ class TorchMoEKernel:
             if count:
                 pairs = order[start:start + count]
                 tokens = token_of[pairs]
-                gate, up = self.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
-                y = self.linear(F.silu(gate) * up, w2[expert])
+                gate, up = self._product(hidden[tokens], w13[expert], 13, expert, scales).chunk(2, dim=-1)
+                y = self._product((F.silu(gate) * up).to(hidden.dtype), w2[expert], 2, expert, scales)
                 out.index_add_(0, tokens, y.float() * flat_weights[pairs, None])
             start += count
         return out.to(hidden.dtype)
 
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, gemm: int, expert: int,
+                 scales: Fp8ExpertScales | None) -> torch.Tensor:
+        if scales is None:
+            return self.linear(x, weight)
+        return scales.reference_product(x, weight, gemm, expert)
+
 
 class FusedExperts(nn.Module):
+    """The routed experts of one layer: parameters made by the quantisation method (`w13`, `w2`,
+    and FP8's `w13_scale_inv`, `w2_scale_inv`), multiplied by the kernel named `backend`."""
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: str,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 quant: MoEQuantMethod) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        kw = dict(dtype=dtype, device=device)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
+        self.quant = quant
+        quant.create_weights(self, num_experts, hidden_size, intermediate_size)
         self.kernel: MoEKernel = MOE_BACKENDS.build(backend)
+        if not quant.is_fp8 and getattr(self.kernel, "fp8_only", False):
+            raise UserError(f"MoE backend {backend!r} multiplies FP8 experts only; these are in {self.w13.dtype}")
+        if quant.is_fp8 and not getattr(self.kernel, "supports_fp8", False):
+            fp8_names = [n for n in MOE_BACKENDS.names() if getattr(MOE_BACKENDS.get(n), "supports_fp8", False)]
+            raise UserError(f"MoE backend {backend!r} does not multiply FP8 experts; use one of {', '.join(fp8_names)}")
+
+    def fp8_param_blocks(self) -> dict:
+        """FP8 parameters by name and their scale blocks (`fp8_linear.fp8_blocks`); none in the model dtype."""
+        return self.quant.param_blocks()
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return self.kernel(hidden, topk_ids, topk_weights, self.w13, self.w2)
+        return self.kernel(hidden, topk_ids, topk_weights, self.w13, self.w2, self.quant.scales(self))

@@ -17,7 +17,7 @@ class GroupedMMMoEKernel:
     cuda_graph_safe = True  # offsets are a device cumsum: no host sync
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                 w13: torch.Tensor, w2: torch.Tensor, scales: None = None) -> torch.Tensor:
         num_experts = w13.shape[0]
         num_tokens, top_k = topk_ids.shape
         if num_tokens == 0:

@@ -20,6 +20,7 @@ from deepseek_pd.model.moe.experts import MOE_BACKENDS, TorchMoEKernel
 @MOE_BACKENDS.register("torch_invariant")
 class InvariantTorchMoEKernel(TorchMoEKernel):
     linear = staticmethod(batch_invariant.linear)
+    supports_fp8 = False  # its FP8 products would not be the batch-invariant ones
 
 
 @MOE_BACKENDS.register("triton_invariant")
@@ -33,5 +34,5 @@ class InvariantTritonMoEKernel:
         self._fused_moe = fused_moe
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                 w13: torch.Tensor, w2: torch.Tensor, scales: None = None) -> torch.Tensor:
         return self._fused_moe(hidden, topk_ids, topk_weights, w13, w2, invariant=True)

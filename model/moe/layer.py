@@ -20,7 +20,7 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.eplb.replica_dispatch import ReplicaDispatch
 from deepseek_pd.model.quant.fp8_linear import fp8_spec
 from deepseek_pd.model.moe.experts import FusedExperts
-from deepseek_pd.model.moe.fp8_experts import Fp8FusedExperts
+from deepseek_pd.model.moe.quant_method import moe_quant_method
 from deepseek_pd.model.moe.mlp import GatedMLP
 from deepseek_pd.model.moe.topk import SCORING, TOPK_METHODS, TopKSpec, finish_weights
 from deepseek_pd.model.distributed.parallel import ExpertPlacement
@@ -53,11 +53,10 @@ class DeepseekMoE(nn.Module):
         self.spec = TopKSpec(config.num_experts_per_tok, config.n_group, config.topk_group,
                              config.norm_topk_prob, config.routed_scaling_factor)
         fp8 = fp8_spec(config, options.fp8_backend)
-        self.experts: nn.Module = (
-            FusedExperts(self.placement.num_local_experts, config.hidden_size, config.moe_intermediate_size,
-                         options.moe_backend, options.dtype, options.device) if fp8 is None else
-            Fp8FusedExperts(self.placement.num_local_experts, config.hidden_size, config.moe_intermediate_size,
-                            fp8, options.device))
+        # FP8 experts are multiplied by the FP8 backend's kernel of the same name ("torch", "triton").
+        self.experts = FusedExperts(self.placement.num_local_experts, config.hidden_size,
+                                    config.moe_intermediate_size, options.moe_backend if fp8 is None else fp8.backend,
+                                    moe_quant_method(fp8, config.moe_intermediate_size, options.dtype, options.device))
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                      options.dtype, options.device, fp8)

@@ -1,4 +1,5 @@
-"""MoE backend "triton": the fused Triton grouped GEMMs of `model/kernels/fused_moe.py`.
+"""MoE backend "triton": the fused Triton grouped GEMMs of `model/kernels/fused_moe.py`, for
+experts in the model dtype or in block-scaled FP8 (`scales`).
 
 No host synchronisation per layer (the torch reference syncs once to count tokens per expert), so
 decode steps are not bound by host round trips. Same contract as `TorchMoEKernel`: fused shared
@@ -10,11 +11,13 @@ import torch
 
 from deepseek_pd.model.kernels.checks import require_triton
 from deepseek_pd.model.moe.experts import MOE_BACKENDS
+from deepseek_pd.model.quant.moe_scales import Fp8ExpertScales
 
 
 @MOE_BACKENDS.register("triton")
 class TritonMoEKernel:
     cuda_graph_safe = True  # no host sync (see the module docstring)
+    supports_fp8 = True
 
     def __init__(self) -> None:
         require_triton("MoE backend 'triton'")
@@ -23,5 +26,5 @@ class TritonMoEKernel:
         self._fused_moe = fused_moe
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        return self._fused_moe(hidden, topk_ids, topk_weights, w13, w2)
+                 w13: torch.Tensor, w2: torch.Tensor, scales: Fp8ExpertScales | None = None) -> torch.Tensor:
+        return self._fused_moe(hidden, topk_ids, topk_weights, w13, w2, scales=scales)

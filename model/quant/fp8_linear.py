@@ -16,6 +16,7 @@ Columns are never fused except for fused shared experts' `w2` slices: `gcd(block
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -78,6 +79,33 @@ class TritonFp8Gemm:
                 and self._cublas.blockwise_scaled_mm_available(x.device.index or 0):
             return self._cublas.scaled_mm_block_fp8(x_fp8, x_scale, weight, scale, x.dtype)
         return self._matmul(x_fp8, x_scale, weight, scale, block_n, block_k, x.dtype)
+
+
+class DeepGemmFp8Gemm(TritonFp8Gemm):
+    """`kernels/fp8_quant.py`, then DeepGEMM's `fp8_gemm_nt` (`kernels/fp8_deep_gemm.py`) for the
+    weights its recipe takes, the "triton" backend's path for the rest. Registered only where
+    `deep_gemm` is installed; a UserError where it does not import on a Hopper GPU."""
+
+    cuda_graph_safe = False  # DeepGEMM compiles each new shape on first use; not yet run in graphs
+
+    def __init__(self) -> None:
+        from deepseek_pd.model.kernels import fp8_deep_gemm
+
+        if not fp8_deep_gemm.deep_gemm_available():
+            raise UserError("FP8 GEMM backend 'deep_gemm' needs the deep_gemm package built for this torch and a "
+                            "Hopper (sm90) GPU; use 'triton'")
+        super().__init__()
+        self._deep_gemm = fp8_deep_gemm
+
+    def __call__(self, x, weight, scale, block_n, block_k):
+        if not self._deep_gemm.fits(*weight.shape, block_n, block_k):
+            return super().__call__(x, weight, scale, block_n, block_k)
+        x_fp8, x_scale = self._quant(x if x.stride(-1) == 1 else x.contiguous(), block_k)
+        return self._deep_gemm.dense(x_fp8, x_scale, weight, scale, x.dtype)
+
+
+if importlib.util.find_spec("deep_gemm") is not None:
+    FP8_GEMM_BACKENDS.register("deep_gemm")(DeepGemmFp8Gemm)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ NOT_FROM_THE_WHEEL = {
     "matplotlib": "the bench extra (`deepseek-pd bench` plots), left out of the serving image",
     "flashinfer": "an optional GPU kernel library (model/kernels/flashinfer_mla.py), used only where it "
                   "imports on a Hopper GPU with nvcc to compile its kernels; no image ships it yet",
+    "deep_gemm": "an optional FP8 GEMM library (model/kernels/fp8_deep_gemm.py), built from source "
+                 "(bench/deep_gemm_build.sh) and used only where it imports on a Hopper GPU; no image ships it yet",
 }
 
 

@@ -39,6 +39,8 @@ NOT_FROM_A_REQUIREMENT = {
     "matplotlib": "the bench extra (`deepseek-pd bench` plots), left out of the serving image",
     "flashinfer": "an optional GPU kernel library, used only where it imports and nvcc can JIT-compile "
                   "its MLA kernel: the runtime image has no nvcc, so it is not installed yet",
+    "deep_gemm": "an optional FP8 GEMM library built from source, used only where it imports; it JIT-compiles "
+                 "each kernel with nvcc, which the runtime image lacks, so it is not installed yet",
 }
 
 

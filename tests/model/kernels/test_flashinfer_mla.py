@@ -61,6 +61,33 @@ def test_csr_pages_takes_exactly_the_pages_each_length_needs():
         csr_pages([5, 1], 4, [[3, 4]])
 
 
+def test_wrapper_pool_lends_a_wrapper_only_while_no_live_plan_holds_it():
+    """Eager batches reuse wrappers: a wrapper comes back when its plan is dropped, never while the
+    plan lives (two-batch overlap keeps two plans alive at once); as many are built as plans were
+    alive at the busiest moment."""
+    import gc
+
+    from deepseek_pd.model.kernels.flashinfer_mla import WrapperPool
+
+    class Plan:  # what holds a wrapper: any object that can be garbage
+        pass
+
+    pool = WrapperPool(object)
+    live: dict[int, tuple[Plan, object]] = {}
+    peak = 0
+    for step in range(300):
+        while live and random.random() < 0.5:
+            live.pop(random.choice(list(live)))
+        gc.collect()
+        wrapper = pool.take()
+        assert all(wrapper is not held for _, held in live.values()), "a live plan's wrapper was lent again"
+        plan = Plan()
+        pool.lend(plan, wrapper)
+        live[step] = (plan, wrapper)
+        peak = max(peak, len(live))
+    assert pool.built == peak
+
+
 def decode_batch(lengths: list[int], page_size: int, dtype: torch.dtype) -> tuple[ForwardBatch, torch.Tensor]:
     """A decode batch over pages drawn at random from a pool (scattered, as a busy pool is)."""
     need = [-(-n // page_size) for n in lengths]
@@ -109,6 +136,15 @@ def test_flashinfer_mla_decode_matches_torch(heads, batch_size, page_size):
     backend = ATTENTION_BACKENDS.build("flashinfer", MLADecodeRoute(min_batch_many_heads=1, min_batch_few_heads=1))
     assert rel_err(backend.mla_decode(q_latent, q_pe, cache, batch, 512, scale), want) < 2e-2
     assert any(k[0] == "flashinfer_mla_plan" for k in batch.derived if isinstance(k, tuple))
+    # Later eager batches (other lengths) plan the same pooled wrapper once the last batch is dropped.
+    del batch
+    for _ in range(3):
+        lengths = [random.randint(1, 3000) for _ in range(batch_size)]
+        batch, cache = decode_batch(lengths, page_size, torch.bfloat16)
+        want = TorchAttentionBackend().mla_decode(q_latent, q_pe, cache, batch, 512, scale)
+        assert rel_err(backend.mla_decode(q_latent, q_pe, cache, batch, 512, scale), want) < 2e-2
+        del batch
+    assert backend._eager_wrappers[cache.device].built == 1
 
 
 @pytest.mark.gpu

@@ -17,7 +17,8 @@ from pdtest.triton_env import DEVICE, HAS_CUDA, needs_triton  # noqa: E402 (firs
 from deepseek_pd.model.quant.fp8 import Fp8BlockQuantConfig, quantize_block_fp8  # noqa: E402
 from deepseek_pd.model.quant.fp8_ops import (FP8_DTYPE, FP8_MAX, block_fp8_matmul_ref, dequant_activation,  # noqa: E402
                                        dequant_weight, per_token_group_quant_ref)
-from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS  # noqa: E402
+from deepseek_pd.model.moe.experts import MOE_BACKENDS  # noqa: E402
+from deepseek_pd.model.quant.moe_scales import Fp8ExpertScales  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -99,6 +100,21 @@ def test_token_group_quant_kernel_matches_reference(dtype):
 
 
 @needs_triton
+def test_token_group_quant_kernel_bytes_do_not_depend_on_groups_per_program():
+    """Several groups per program (the launch shape) against one: the same bytes and scales,
+    with a partial last group and a partial last program."""
+    from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
+
+    group = random.choice([16, 32, 128])
+    m, k = random.randint(1, 6), group * random.randint(9, 20) + random.randint(1, group - 1)
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 30).to(DEVICE)
+    one_q, one_s = per_token_group_quant(x, group, groups_per_program=1)
+    for per_program in (2, 8, 32):
+        q, s = per_token_group_quant(x, group, groups_per_program=per_program)
+        assert torch.equal(q.view(torch.uint8), one_q.view(torch.uint8)) and torch.equal(s, one_s)
+
+
+@needs_triton
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_block_fp8_matmul_kernel_matches_reference(out_dtype):
     from deepseek_pd.model.kernels.fp8_gemm import Fp8GemmTile, block_fp8_matmul
@@ -144,8 +160,9 @@ def test_fused_moe_fp8_kernel_matches_torch_fp8_reference(tokens):
     ids = torch.rand(tokens, experts, device=DEVICE).topk(k, dim=1).indices
     ids[0, 0] = -1  # an expert another EP rank owns
     weights = torch.rand(tokens, k, device=DEVICE)
-    ref = FP8_MOE_BACKENDS.build("torch")(x, ids, weights, w13, s13, block13, w2, s2, block2)
-    out = FP8_MOE_BACKENDS.build("triton")(x, ids, weights, w13, s13, block13, w2, s2, block2)
+    scales = Fp8ExpertScales(s13, block13, s2, block2)
+    ref = MOE_BACKENDS.build("torch")(x, ids, weights, w13, w2, scales)
+    out = MOE_BACKENDS.build("triton")(x, ids, weights, w13, w2, scales)
     assert rel_err(out, ref) < 1e-4
 
 
@@ -158,7 +175,7 @@ def test_torch_fp8_moe_is_close_to_dequantised_experts():
     x = torch.randn(9, 64)
     ids = torch.rand(9, 4).topk(2, dim=1).indices
     weights = torch.rand(9, 2)
-    got = FP8_MOE_BACKENDS.build("torch")(x, ids, weights, w13, s13, block, w2, s2, block)
+    got = MOE_BACKENDS.build("torch")(x, ids, weights, w13, w2, Fp8ExpertScales(s13, block, s2, block))
     hf = TorchMoEKernel()(x, ids, weights, dequant_weight(w13, s13, 32, 32), dequant_weight(w2, s2, 32, 32))
     # Two e4m3 activation roundings (the input and the SiLU product): over 300 draws the error had
     # median 0.039 and max 0.057, and one clean-clone CI draw reached 0.061; a wrong scale or block
@@ -182,6 +199,23 @@ def test_block_fp8_matmul_gpu_v3_shapes(m, n, k):
     out = torch.full_like(ref, float("nan"))
     out.copy_(FP8_GEMM_BACKENDS.build("triton")(x, w, w_scale, 128, 128))
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("m,k", [(1, 7168), (4099, 7168), (8192, 16384), (333, 1408)])
+def test_token_group_quant_gpu_prefill_shapes(m, k):
+    """Several groups per program at prefill shapes: the same bytes as one group per program, and
+    the reference's scales, with a poisoned output."""
+    from deepseek_pd.model.kernels.fp8_quant import per_token_group_quant
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 10
+    q, s = per_token_group_quant(x, 128)
+    one_q, one_s = per_token_group_quant(x, 128, groups_per_program=1)
+    assert torch.equal(q.view(torch.uint8), one_q.view(torch.uint8)) and torch.equal(s, one_s)
+    ref_q, ref_s = per_token_group_quant_ref(x, 128)
+    torch.testing.assert_close(s, ref_s, rtol=1e-6, atol=0)
+    assert (q.float() - ref_q.float()).abs().le(ref_q.float().abs() / 8 + 2 ** -9).all()
 
 
 @pytest.mark.gpu
@@ -219,8 +253,10 @@ def test_fused_moe_fp8_gpu_v3_shapes(tokens):
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(tokens, experts, device="cuda").topk(k, dim=1).indices
     weights = torch.rand(tokens, k, device="cuda")
-    ref = FP8_MOE_BACKENDS.build("torch")(x, ids, weights, w13, s13, block, w2, s2, block)
-    out = FP8_MOE_BACKENDS.build("triton")(x, ids, weights, w13, s13, block, w2, s2, block)
+    scales = Fp8ExpertScales(s13, block, s2, block)
+    ref = MOE_BACKENDS.build("torch")(x, ids, weights, w13, w2, scales)
+    out = torch.full_like(ref, float("nan"))
+    out.copy_(MOE_BACKENDS.build("triton")(x, ids, weights, w13, w2, scales))
     # Both re-quantize the SiLU(gate)*up intermediate to FP8 per 128-group; an intermediate that
     # differs in its last bf16 bit can land in the next e4m3 bin (1.6-1.7% seen at V3's widths).
     assert rel_err(out, ref) < 3e-2
