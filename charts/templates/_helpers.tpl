@@ -66,7 +66,7 @@ user's router.apiKeySecret to report it missing. */}}
   verbs: ["get", "patch", "update"]
 - apiGroups: ["deepseek-pd.io"]
   resources: ["deepseekrolescales"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]  # watched: an HPA's /scale write runs a pass
 - apiGroups: ["deepseek-pd.io"]
   resources: ["deepseekrolescales/status"]
   verbs: ["patch"]
