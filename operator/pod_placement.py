@@ -14,6 +14,9 @@
                                     groups of a role apart (preferred anti-affinity to the role's
                                     other groups, so more groups than domains still schedule)
 
+No `Workload` object: it holds PodGroup templates for a controller to stamp out, and the
+operator is that controller (it creates each group's PodGroup itself, so `workloadRef` stays unset).
+
 Worked example: topologyKey example.com/nvlink-domain, decode groups 0 and 1 of 2 pods each on
 nodes of domains A and B: group 0's second pod must join its first pod's domain; group 1
 prefers the domain without group 0. With gang, decode group 0 (2 pods of 1 GPU) on a node with

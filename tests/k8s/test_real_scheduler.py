@@ -46,16 +46,16 @@ def test_the_process_kubelet_runs_what_the_real_scheduler_binds(admin_kube, proc
     admin_kube.delete(f"/api/v1/namespaces/{namespace}")
 
 
-def _node(name: str, cpu: str, gpus: int = 0) -> dict:
+def _node(name: str, cpu: str, gpus: int = 0, labels: dict | None = None) -> dict:
     capacity = {"cpu": cpu, "memory": "64Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {
-        "kubernetes.io/hostname": name, "deepseek-pd.io/test-node": name}}, "status": {
+        "kubernetes.io/hostname": name, "deepseek-pd.io/test-node": name, **(labels or {})}}, "status": {
         "capacity": capacity, "allocatable": capacity,
         "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "test node"}]}}
 
 
-def _set_node(admin_kube, name: str, cpu: str, gpus: int = 0) -> None:
-    node = _node(name, cpu, gpus)
+def _set_node(admin_kube, name: str, cpu: str, gpus: int = 0, labels: dict | None = None) -> None:
+    node = _node(name, cpu, gpus, labels)
     if admin_kube.get(f"/api/v1/nodes/{name}") is None:
         admin_kube.create("/api/v1/nodes", {k: v for k, v in node.items() if k != "status"})
     admin_kube.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": node["status"]},
@@ -118,6 +118,41 @@ def test_a_gang_that_cannot_be_placed_whole_binds_no_pod_then_binds_whole(admin_
     gang = _gang(_pass(admin_kube, dsd_path, name))
     assert (gang["status"], gang["reason"]) == ("True", "PodGroupsPlaced"), gang
     admin_kube.delete(f"/api/v1/nodes/{node}")
+
+
+def test_a_gang_with_a_topology_key_waits_for_one_domain_to_hold_it_whole(admin_kube, dsd_path, real_scheduler):  # noqa: F811
+    """Gang and topologyKey together: a decode group of 2 ranks of 1 GPU, and two nodes of 1 GPU
+    in different domains. Both ranks fit in the cluster (one per node), and without the topology
+    rule the gang would bind them there; with it the group must share a domain, which no node
+    can give it, so no rank binds. One node gaining a GPU: both ranks bind there together."""
+    pool, key = f"pool-{random.randrange(10**6)}", "example.com/nvlink-domain"
+    nodes = [f"topo-{pool}-{d}" for d in "ab"]
+    for node, domain in zip(nodes, "ab"):
+        _set_node(admin_kube, node, "64", gpus=1, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
+    name = f"t{random.randrange(10**6)}"
+    spec = _spec({"gpusPerPod": 3}, size=2, gpusPerPod=1)  # prefill never fits here: out of the way
+    spec["scheduling"] = {"gang": True, "schedulerName": real_scheduler, "topologyKey": key,
+                          "nodeSelector": {"deepseek-pd.io/test-pool": pool}}
+    admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
+                                 "metadata": {"name": name}, "spec": spec})
+    _pass(admin_kube, dsd_path, name)
+
+    def decode() -> list[dict]:
+        return [p for p in _workers(admin_kube, dsd_path, name) if p["metadata"]["labels"][names.LABEL_ROLE] == "decode"]
+    wait_until(lambda: len(decode()) == 2 and all(_scheduled(p).get("reason") == "Unschedulable" for p in decode()),
+               90, "the real scheduler's Unschedulable verdict on both decode ranks",
+               lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in decode()]))
+    time.sleep(2)
+    assert [p["metadata"]["name"] for p in decode() if p["spec"].get("nodeName")] == []
+    gang = _gang(_pass(admin_kube, dsd_path, name))
+    assert (gang["status"], gang["reason"]) == ("False", "GangWaitingForRoom"), gang
+
+    roomy = random.choice(nodes)
+    _set_node(admin_kube, roomy, "64", gpus=2)
+    wait_until(lambda: [p["spec"].get("nodeName") for p in decode()] == [roomy, roomy], 90,
+               f"both decode ranks bound on {roomy}", lambda: str([_scheduled(p) for p in decode()]))
+    for node in nodes:
+        admin_kube.delete(f"/api/v1/nodes/{node}")
 
 
 def test_gang_with_no_scheduler_serving_it_gets_a_clear_condition(admin_kube, dsd_path, monkeypatch):  # noqa: F811
