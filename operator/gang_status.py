@@ -47,11 +47,11 @@ def _scheduled(pod: Pod) -> dict[str, Any] | None:
                 None)
 
 
-def _group(pod: Pod) -> tuple[str, str] | None:
+def _group(pod: Pod) -> tuple[str, int] | None:
     """(role, group index) of a worker pod; None for the router's and others'."""
     labels = pod["metadata"].get("labels") or {}
     role, index = labels.get(names.LABEL_ROLE), labels.get(names.LABEL_GROUP_INDEX)
-    return (role, index) if role and index is not None else None
+    return (role, int(index)) if role and index is not None and index.isdigit() else None
 
 
 def _shown(items: list[str]) -> str:
@@ -60,9 +60,11 @@ def _shown(items: list[str]) -> str:
 
 def _waiting_for_room(spec: DeploymentSpec, workers: list[Pod]) -> str | None:
     """The message naming groups whose pods are all unbound and some Unschedulable; None if none."""
-    groups: dict[tuple[str, str], list[Pod]] = {}
+    groups: dict[tuple[str, int], list[Pod]] = {}
     for pod in workers:
-        groups.setdefault(_group(pod), []).append(pod)  # type: ignore[arg-type]
+        key = _group(pod)
+        if key is not None:
+            groups.setdefault(key, []).append(pod)
     stuck = []
     for (role, index), pods in sorted(groups.items()):
         refused = sorted((p for p in pods if (_scheduled(p) or {}).get("reason") == "Unschedulable"),
@@ -71,7 +73,7 @@ def _waiting_for_room(spec: DeploymentSpec, workers: list[Pod]) -> str | None:
             # The ranks that would fit carry the gang's verdict ("minCount (4) cannot be satisfied:
             # 2 scheduled"), the others the nodes' reason ("Insufficient nvidia.com/gpu"): both shown.
             said = dict.fromkeys((_scheduled(p) or {}).get("message", "") for p in refused)
-            stuck.append((names.group_name(spec.name, role, int(index)), len(pods), " | ".join(filter(None, said))))
+            stuck.append((names.group_name(spec.name, role, index), len(pods), " | ".join(filter(None, said))))
     if not stuck:
         return None
     group, count, message = stuck[0]
