@@ -26,6 +26,7 @@ from test_weights_objects import _pass, apply_crd, dsd_path  # noqa: F401 - the 
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.handlers import OperatorConfig, run_operator
+from deepseek_pd.operator.reconcile import Reconciler
 from deepseek_pd.operator.role_scale import role_scale_crd_yaml
 from pdtest.waiting import wait_until
 
@@ -149,11 +150,20 @@ def _live_operator(admin_kube, namespace: str, resync_seconds: float):
         assert not errors, errors
 
 
-def test_the_live_operator_follows_an_hpa_on_a_role_scale_at_once(admin_kube, dsd_path, scales_path):  # noqa: F811
+def test_the_live_operator_follows_an_hpa_on_a_role_scale_at_once(admin_kube, dsd_path, scales_path,  # noqa: F811
+                                                                   monkeypatch):
     """The real HPA controller moves the prefill DeepSeekRoleScale up (its minReplicas) and then
     down (its maxReplicas); the live operator, whose resync timer is far beyond the test, carries
     each write into spec.prefill.replicas and makes the groups within seconds: its watch on
-    DeepSeekRoleScale, not the timer, picked the write up (before the watch: not for 10 minutes)."""
+    DeepSeekRoleScale, not the timer, picked the write up (before the watch: not for 10 minutes).
+    Afterwards the operator is quiet: its own writes to the DeepSeekRoleScales run no more passes."""
+    passes: list[float] = []
+    reconcile = Reconciler.reconcile
+
+    async def counted(self, body, logger):
+        passes.append(time.monotonic())
+        return await reconcile(self, body, logger)
+    monkeypatch.setattr(Reconciler, "reconcile", counted)
     namespace = dsd_path.split("/namespaces/")[1].split("/")[0]
     hpas = f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers"
     with _live_operator(admin_kube, namespace, resync_seconds=600):
@@ -183,4 +193,8 @@ def test_the_live_operator_follows_an_hpa_on_a_role_scale_at_once(admin_kube, ds
         wait_until(lambda: follows(1), 15, "spec.prefill.replicas and its groups back at 1",
                    lambda: str(admin_kube.get(f"{dsd_path}/{name}")))
         print(f"from the HPA's write to the operator's groups: up {up_s:.1f} s, down {time.monotonic() - started:.1f} s")
+        time.sleep(1)  # a pass that the last writes queued may still run
+        quiet = time.monotonic()
+        time.sleep(3)  # the HPA controller syncs every 3 s meanwhile, writing nothing new
+        assert len([t for t in passes if t >= quiet]) <= 1, f"{len(passes)} passes in all; a loop of passes"
         admin_kube.delete(f"{hpas}/{name}-prefill")
