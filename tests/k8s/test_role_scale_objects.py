@@ -141,8 +141,8 @@ def _live_operator(admin_kube, namespace: str, resync_seconds: float):
             ready.set()
     thread = threading.Thread(target=run, name="live-operator", daemon=True)
     thread.start()
-    assert ready.wait(60) and not errors, errors
     try:
+        assert ready.wait(60) and not errors, errors
         yield
     finally:
         stop.set()
