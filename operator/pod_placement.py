@@ -18,7 +18,8 @@ No `Workload` object: it holds PodGroup templates for a controller to stamp out,
 operator is that controller (it creates each group's PodGroup itself, so `workloadRef` stays unset).
 Topology stays pod affinity, also with gang: the PodGroup's own `schedulingConstraints.topology`
 (which makes the scheduler search the domains instead of following the first rank's) needs the
-alpha gate TopologyAwareWorkloadScheduling, and a server without it refuses the field.
+alpha gate TopologyAwareWorkloadScheduling (a server without it drops the field silently; with
+it the field is immutable, so a topologyKey change would need the PodGroup recreated).
 
 Worked example: topologyKey example.com/nvlink-domain, decode groups 0 and 1 of 2 pods each on
 nodes of domains A and B: group 0's second pod must join its first pod's domain; group 1
