@@ -403,13 +403,13 @@ def _scheduling() -> Schema:
         "affinity": opaque_object("Core Affinity object."),
         "priorityClassName": string("PriorityClass of worker pods."),
         "gang": boolean("Gang-schedule each group (operator/pod_placement.py): a PodGroup "
-                        "(scheduling.x-k8s.io/v1alpha1) per group with minMember = its pods, and the "
-                        "pods go to schedulerName, a scheduler running the coscheduling plugin of "
-                        "sigs.k8s.io/scheduler-plugins, which binds a group's pods all together or "
-                        "none. The GangScheduling condition says when no such scheduler answers.",
-                        default=False),
-        "schedulerName": string("The scheduler of the worker pods; default: the cluster's, or "
-                                "scheduler-plugins-scheduler with gang.", min_length=1, max_length=253),
+                        "(scheduling.k8s.io/v1beta1, Kubernetes' in-tree gang scheduling, feature "
+                        "gate GenericWorkload) per group with gang minCount = its pods, named in each "
+                        "pod's spec.schedulingGroup; the scheduler binds a group's pods all together "
+                        "or none. The GangScheduling condition says when the cluster does not serve "
+                        "it, no scheduler answers, or a group waits for room.", default=False),
+        "schedulerName": string("The scheduler of the worker pods; default: the cluster's.",
+                                min_length=1, max_length=253),
         "topologyKey": string("A node label (e.g. a rack or NVLink-domain label): each group's pods "
                               "share one value of it (required pod affinity), and a role's groups "
                               "prefer different values (preferred anti-affinity).", min_length=1,

@@ -1,7 +1,8 @@
 """The kopf wiring: thin handlers that call `Reconciler` and write `status` explicitly.
 
 Kubernetes is edge-triggered; pods failing do not touch the DeepSeekDeployment, so besides the
-create/update/resume handlers a timer re-runs the same idempotent pass every `resync_seconds`.
+create/update/resume handlers a timer re-runs the same idempotent pass every `resync_seconds`,
+and a watch on DeepSeekRoleScale runs it when an HPA moves a role's /scale.
 All of them serialise on a per-object lock, and they return None: kopf's per-handler result
 storage (`status.<handler>`) is never used, so renaming a function cannot change the API.
 kopf's own bookkeeping goes to annotations, leaving `status` to the documented fields.
@@ -47,6 +48,13 @@ class OperatorConfig:
     login: LoginFn = default_login
 
 
+def scale_moved(body: kopf.Body, type: str | None = None, **_: Any) -> bool:
+    """A DeepSeekRoleScale whose spec.replicas someone set since the operator's last pass."""
+    if type == "DELETED":
+        return False
+    return body.get("spec", {}).get("replicas") != body.get("status", {}).get("syncedReplicas")
+
+
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     resource = (names.GROUP, names.VERSION, names.PLURAL)
@@ -72,8 +80,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         await memo.client.close()
 
-    async def run_pass(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger) -> None:
-        """One pass, and its status written before the next pass of the object may start.
+    async def run_pass(namespace: str, name: str, uid: str | None, memo: kopf.Memo,
+                       logger: logging.Logger) -> None:
+        """One pass over the DeepSeekDeployment `namespace/name` (of `uid`; None: whichever
+        holds the name), and its status written before the next pass of the object may start.
 
         The body kopf hands a handler is the one of the event that woke it: a pass queued behind
         another (an update event from the autoscaler's own spec patch, the timer) would read the
@@ -81,36 +91,54 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         stabilisation windows, lastScale). So each pass reads the object afresh under the lock and
         writes its status itself, still under the lock; kopf's patch (written after the handler
         returns, i.e. after the lock is released) is not used for status."""
-        meta = body.metadata
-        lock = memo.locks.setdefault(meta.uid, asyncio.Lock())
+        if uid is None:
+            found = await memo.client.get(names.KIND, namespace, name)
+            if found is None:
+                return
+            uid = found["metadata"]["uid"]
+        lock = memo.locks.setdefault(uid, asyncio.Lock())
         async with lock:
-            fresh = await memo.client.get(names.KIND, meta.namespace, meta.name)
-            if fresh is None or fresh.get("metadata", {}).get("uid") != meta.uid:
+            fresh = await memo.client.get(names.KIND, namespace, name)
+            if fresh is None or fresh.get("metadata", {}).get("uid") != uid:
                 return  # deleted (or deleted and created again: that object's own events follow)
+            if fresh["metadata"].get("deletionTimestamp"):
+                return  # on_delete owns it now
             status = await memo.reconciler.reconcile(fresh, logger)
             current = dict(fresh.get("status") or {})
             changed = {k: v for k, v in status.items() if current.get(k) != v}  # no churn in steady state
             if changed:
                 try:
-                    await memo.client.patch_status(names.KIND, meta.namespace, meta.name, {"status": changed})
+                    await memo.client.patch_status(names.KIND, namespace, name, {"status": changed})
                 except ApiError as exc:
                     if exc.status != 404:  # deleted during the pass: nothing left to report on
                         raise
                     return
         for type_, reason, message in decision_events(current.get("autoscaling") or {},
                                                       status.get("autoscaling") or {}):
-            kopf.event(body, type=type_, reason=reason, message=message)
+            kopf.event(fresh, type=type_, reason=reason, message=message)
 
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, registry=registry)
     async def on_change(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-        await run_pass(body, memo, logger)
+        await run_pass(body.metadata.namespace, body.metadata.name, body.metadata.uid, memo, logger)
 
     @kopf.timer(*resource, interval=config.resync_seconds, registry=registry)
     async def resync(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
         if body.metadata.deletion_timestamp is None:
-            await run_pass(body, memo, logger)
+            await run_pass(body.metadata.namespace, body.metadata.name, body.metadata.uid, memo, logger)
+
+    # An HPA, KEDA or `kubectl scale` writing a role's DeepSeekRoleScale (its /scale) is acted on
+    # at once, not at the next resync: a watch event (kopf.on.event stores nothing on the object)
+    # whose spec.replicas differs from what the operator last carried over runs a pass of the
+    # owning deployment (which pushes the value into spec.<role>.replicas: role_scale.py). The
+    # operator's own writes (a pull: spec, then status) can show that difference for one event
+    # between the two patches; the pass they run finds nothing to do.
+    @kopf.on.event(names.GROUP, names.VERSION, names.SCALE_PLURAL, registry=registry, when=scale_moved)
+    async def on_role_scale(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        owner = next((o for o in body.metadata.get("ownerReferences") or [] if o.get("kind") == names.KIND), None)
+        if owner is not None:
+            await run_pass(body.metadata.namespace, owner["name"], owner.get("uid"), memo, logger)
 
     @kopf.on.delete(*resource, registry=registry)
     async def on_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:

@@ -34,8 +34,9 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "RoleBinding": ("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     # Optional (spec.metrics.serviceMonitor): a cluster without the Prometheus Operator answers 404.
     "ServiceMonitor": ("apis/monitoring.coreos.com/v1", "servicemonitors"),
-    # Optional (spec.scheduling.gang): scheduler-plugins' CRD; a cluster without it answers 404.
-    "PodGroup": ("apis/scheduling.x-k8s.io/v1alpha1", "podgroups"),
+    # Optional (spec.scheduling.gang): in-tree but beta and off by default; a cluster that does
+    # not serve it answers 404.
+    "PodGroup": ("apis/scheduling.k8s.io/v1beta1", "podgroups"),
     names.KIND: (f"apis/{names.API_VERSION}", names.PLURAL),
     names.SCALE_KIND: (f"apis/{names.API_VERSION}", names.SCALE_PLURAL),
 }

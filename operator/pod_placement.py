@@ -1,20 +1,31 @@
 """Where a group's pods may go: gang scheduling (a PodGroup per group) and topology.
 
-    spec.scheduling.gang: true      a PodGroup (scheduling.x-k8s.io/v1alpha1, the coscheduling
-                                    plugin of sigs.k8s.io/scheduler-plugins) named after the group,
-                                    minMember = the group's pods; the pods carry its label and
-                                    go to `schedulerName` (default scheduler-plugins-scheduler),
-                                    which binds all of them or none: a group that cannot be
-                                    placed whole stays Pending instead of holding GPUs with half
-                                    its ranks
+    spec.scheduling.gang: true      a PodGroup (scheduling.k8s.io/v1beta1, Kubernetes' in-tree
+                                    gang scheduling, feature gate GenericWorkload) named after
+                                    the group, gang policy minCount = the group's pods; each pod
+                                    names it in spec.schedulingGroup.podGroupName, and the
+                                    scheduler's GangScheduling plugin binds all of them or none:
+                                    a group that cannot be placed whole stays Pending instead of
+                                    holding GPUs with half its ranks
+    spec.scheduling.schedulerName   the worker pods' scheduler (default: the cluster's, which
+                                    serves gangs once its GenericWorkload gate is on)
     spec.scheduling.topologyKey     one group in one domain (required pod affinity to the
                                     group's own pods on that key; the first pod places the group),
                                     groups of a role apart (preferred anti-affinity to the role's
                                     other groups, so more groups than domains still schedule)
 
+No `Workload` object: it holds PodGroup templates for a controller to stamp out, and the
+operator is that controller (it creates each group's PodGroup itself, so `workloadRef` stays unset).
+Topology stays pod affinity, also with gang: the PodGroup's own `schedulingConstraints.topology`
+(which makes the scheduler search the domains instead of following the first rank's) needs the
+alpha gate TopologyAwareWorkloadScheduling (a server without it drops the field silently; with
+it the field is immutable, so a topologyKey change would need the PodGroup recreated).
+
 Worked example: topologyKey example.com/nvlink-domain, decode groups 0 and 1 of 2 pods each on
 nodes of domains A and B: group 0's second pod must join its first pod's domain; group 1
-prefers the domain without group 0.
+prefers the domain without group 0. With gang, decode group 0 (2 pods of 1 GPU) on a node with
+1 free GPU: neither pod binds (the default plugins alone would bind rank 0 and leave rank 1
+Pending); at 2 free GPUs both bind in one go.
 """
 from __future__ import annotations
 
@@ -25,18 +36,19 @@ from deepseek_pd.operator import names
 from deepseek_pd.operator.spec import DeploymentSpec
 
 Manifest = dict[str, Any]
-POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"
-POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
-GANG_SCHEDULER = "scheduler-plugins-scheduler"  # the name scheduler-plugins' install gives it
-GANG_TIMEOUT_SECONDS = 600  # how long placed ranks wait for the rest before all are released
+POD_GROUP_API = "scheduling.k8s.io/v1beta1"
+DEFAULT_SCHEDULER = "default-scheduler"  # what the API server fills in for a pod that names none
 
 
 def scheduler_name(spec: DeploymentSpec) -> str | None:
     """The worker pods' schedulerName; None: the cluster's default scheduler."""
-    return spec.scheduling.get("schedulerName") or (GANG_SCHEDULER if spec.scheduling.get("gang") else None)
+    return spec.scheduling.get("schedulerName") or None
 
 
 def build_pod_group(spec: DeploymentSpec, role_name: str, index: int) -> Manifest:
+    """The group's gang: the scheduler admits its pods only when all `size` of them fit (the
+    plugin's own Permit timeout, 5 min, releases ranks that were placed while the rest never
+    were)."""
     group = names.group_name(spec.name, role_name, index)
     return {
         "apiVersion": POD_GROUP_API,
@@ -44,12 +56,12 @@ def build_pod_group(spec: DeploymentSpec, role_name: str, index: int) -> Manifes
         "metadata": {"name": group, "namespace": spec.namespace,
                      "labels": {**names.base_labels(spec.name, role_name),
                                 **names.group_selector(spec.name, role_name, index)}},
-        "spec": {"minMember": spec.role(role_name).size, "scheduleTimeoutSeconds": GANG_TIMEOUT_SECONDS},
+        "spec": {"schedulingPolicy": {"gang": {"minCount": spec.role(role_name).size}}},
     }
 
 
 def place_group_pods(spec: DeploymentSpec, role_name: str, index: int, template: Manifest) -> Manifest:
-    """The group's pod template with its gang label, scheduler and topology rules added; the
+    """The group's pod template with its PodGroup, scheduler and topology rules added; the
     user's scheduling.affinity is kept (copied, never changed: it is shared by every group)."""
     template = copy.deepcopy(template)
     pod = template["spec"]
@@ -57,7 +69,7 @@ def place_group_pods(spec: DeploymentSpec, role_name: str, index: int, template:
     if name:
         pod["schedulerName"] = name
     if spec.scheduling.get("gang"):
-        template["metadata"]["labels"][POD_GROUP_LABEL] = names.group_name(spec.name, role_name, index)
+        pod["schedulingGroup"] = {"podGroupName": names.group_name(spec.name, role_name, index)}
     key = spec.scheduling.get("topologyKey")
     if key:
         affinity = pod.setdefault("affinity", {})

@@ -192,7 +192,8 @@ class Reconciler:
         if verified is not None:
             before = {c.get("type", ""): c for c in previous.get("conditions") or []}
             status["conditions"].append(condition(VERIFY_CONDITION, *verified, generation, before, now))
-        state = gang_state(spec, "PodGroup" not in self.unserved, pods, datetime.datetime.now(datetime.timezone.utc))
+        state = gang_state(spec, "PodGroup" not in self.unserved, pods, revisions,
+                           datetime.datetime.now(datetime.timezone.utc))
         if state is not None:
             before = {c.get("type", ""): c for c in previous.get("conditions") or []}
             status["conditions"].append(condition(GANG_CONDITION, *state, generation, before, now))

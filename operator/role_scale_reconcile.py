@@ -18,9 +18,11 @@ from deepseek_pd.operator.spec import DeploymentSpec
 
 
 async def sync_role_scales(client: KubeClient, body: dict[str, Any], spec: DeploymentSpec,
-                           existing: dict[str, int]) -> dict[str, int]:
-    """One pass over both roles; `existing`: groups per role that exist now. Returns the replicas
-    patched into the deployment's spec (role -> groups; empty when no DeepSeekRoleScale moved)."""
+                           existing: dict[str, int]) -> None:
+    """One pass over both roles; `existing`: groups per role that exist now. Returns nothing: a
+    value pushed into the deployment's spec.<role>.replicas is acted on by the pass its own update
+    event runs (this pass's spec predates it, and nothing later in it reads the replicas: the
+    autoscaler would, but an HPA and `<role>.autoscaling` on one role are unsupported, role_scale.py)."""
     pushed: dict[str, int] = {}
     for role in names.ROLES:
         name = names.role_scale_name(spec.name, role)
@@ -32,7 +34,7 @@ async def sync_role_scales(client: KubeClient, body: dict[str, Any], spec: Deplo
                 scale = await client.create(manifest)
             except ApiError as exc:
                 if exc.status == 404:  # the CRD is not installed
-                    return pushed
+                    return
                 raise
         step = sync_step(scale, spec.role(role).replicas)
         if step.pull is not None:
@@ -45,4 +47,3 @@ async def sync_role_scales(client: KubeClient, body: dict[str, Any], spec: Deplo
     if pushed:
         await client.patch(names.KIND, spec.namespace, spec.name,
                            {"spec": {role: {"replicas": n} for role, n in pushed.items()}})
-    return pushed

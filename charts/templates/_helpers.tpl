@@ -66,7 +66,7 @@ user's router.apiKeySecret to report it missing. */}}
   verbs: ["get", "patch", "update"]
 - apiGroups: ["deepseek-pd.io"]
   resources: ["deepseekrolescales"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]  # watched: an HPA's /scale write runs a pass
 - apiGroups: ["deepseek-pd.io"]
   resources: ["deepseekrolescales/status"]
   verbs: ["patch"]
@@ -92,8 +92,8 @@ user's router.apiKeySecret to report it missing. */}}
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "create", "patch", "delete"]
-# Only used with spec.scheduling.gang (sigs.k8s.io/scheduler-plugins' CRD).
-- apiGroups: ["scheduling.x-k8s.io"]
+# Only used with spec.scheduling.gang (Kubernetes' in-tree PodGroup, scheduling.k8s.io/v1beta1).
+- apiGroups: ["scheduling.k8s.io"]
   resources: ["podgroups"]
   verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]

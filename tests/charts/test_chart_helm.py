@@ -175,8 +175,8 @@ def _assert_rules_cover_the_operator(rules: list[dict]) -> None:
             assert allowed(group, plural) == {"get", "list", "watch", "delete"}
         elif kind == "Secret":  # by name only: listing would read every Secret of the namespace
             assert allowed(group, plural) == {"get", "create", "delete"}
-        elif kind == names.SCALE_KIND:  # by name only (operator/role_scale_reconcile.py)
-            assert allowed(group, plural) == {"get", "create", "patch", "delete"}
+        elif kind == names.SCALE_KIND:  # by name (role_scale_reconcile.py), and watched (handlers.py)
+            assert allowed(group, plural) == {"get", "list", "watch", "create", "patch", "delete"}
             assert allowed(group, f"{plural}/status") == {"patch"}
         else:
             assert allowed(group, plural) == {"get", "list", "create", "patch", "delete"}, kind

@@ -10,6 +10,7 @@ runs the controllers the operator relies on (StatefulSet, Deployment/ReplicaSet,
 collector, service accounts, namespaces, HPA); no kubelet: the process kubelet (process_kubelet.py)
 runs pods, and binds those of the default scheduler name itself; pods naming REAL_SCHEDULER are
 bound by the real kube-scheduler (`start_scheduler`), and the process kubelet only runs them.
+The API server and the scheduler run with the GenericWorkload gate (in-tree gang scheduling).
 """
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ HPA_SYNC_PERIOD = "3s"  # upstream's 15 s, shortened: the HPA test waits for its
 
 # The real kube-scheduler's profile name: pods that name it are scheduled by it alone.
 REAL_SCHEDULER = "kube-scheduler-real"
+# Kubernetes' in-tree gang scheduling (beta in 1.37, off by default): the API server serves
+# scheduling.k8s.io/v1beta1 PodGroup and keeps a pod's spec.schedulingGroup only with the gate on,
+# and the scheduler adds its GangScheduling plugin to the default profile under the same gate.
+GANG_GATES = "--feature-gates=GenericWorkload=true"
+GANG_API = "--runtime-config=scheduling.k8s.io/v1beta1=true"
 
 
 class ControlPlaneUnavailable(RuntimeError):
@@ -175,7 +181,7 @@ class ControlPlane:
             f"--service-account-issuer={ISSUER}", f"--api-audiences={ISSUER}",
             "--service-cluster-ip-range=10.0.0.0/24", "--endpoint-reconciler-type=none",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
-            "--audit-log-format=json", "--profiling=false", "--v=1"])
+            "--audit-log-format=json", "--profiling=false", GANG_GATES, GANG_API, "--v=1"])
         self._wait(apiserver, lambda: self._http_ok(f"{self.server}/readyz", pki.admin_token),
                    "kube-apiserver /readyz")
 
@@ -194,8 +200,8 @@ class ControlPlane:
                    "kube-controller-manager (default ServiceAccount)")
 
     def start_scheduler(self) -> None:
-        """The real kube-scheduler, upstream's default plugins, one profile named REAL_SCHEDULER
-        (pods of other scheduler names are not its business)."""
+        """The real kube-scheduler, upstream's default plugins (GangScheduling among them), one
+        profile named REAL_SCHEDULER (pods of other scheduler names are not its business)."""
         kubeconfig = self.admin.kubeconfig(self.workdir / "scheduler.kubeconfig", "admin")
         config = self.workdir / "scheduler-config.yaml"
         config.write_text("apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n"
@@ -205,7 +211,7 @@ class ControlPlane:
         port = pick_free_ports(1)[0]
         scheduler = self._spawn("kube-scheduler", [
             str(self.bin_dir / "kube-scheduler"), f"--config={config}", "--bind-address=127.0.0.1",
-            f"--secure-port={port}", "--v=1"])
+            f"--secure-port={port}", GANG_GATES, "--v=1"])
         # /healthz is open to anyone (its --authorization-always-allow-paths); a self-signed cert.
         self._wait(scheduler, lambda: self._http_ok(f"https://127.0.0.1:{port}/healthz", verify=False),
                    "kube-scheduler /healthz")

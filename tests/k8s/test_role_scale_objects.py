@@ -7,17 +7,26 @@ DeepSeekDeployment, an edit of the deployment moves it back. An HPA (autoscaling
 the prefill DeepSeekRoleScale, or the DeepSeekDeployment itself (decode), reads their /scale
 (AbleToScale=True, SucceededGetScale) and, with the role below its minReplicas, writes /scale up
 to it without any metric (the controller's own rule), which the operator carries into the spec.
+Last, the live operator (kopf, in a thread) follows an HPA up and down through its watch on
+DeepSeekRoleScale.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
+import threading
+import time
 
+import kopf
 import pytest
 import yaml
 from test_autoscaling_objects import _spec
 from test_weights_objects import _pass, apply_crd, dsd_path  # noqa: F401 - the CRD, installed or updated
 
 from deepseek_pd.operator import names
+from deepseek_pd.operator.handlers import OperatorConfig, run_operator
+from deepseek_pd.operator.reconcile import Reconciler
 from deepseek_pd.operator.role_scale import role_scale_crd_yaml
 from pdtest.waiting import wait_until
 
@@ -107,3 +116,85 @@ def test_the_real_hpa_reads_and_writes_the_role_scale(admin_kube, dsd_path, scal
     assert admin_kube.get(f"{dsd_path}/{name}")["spec"][role]["replicas"] == minimum
     assert _pass(admin_kube, dsd_path, name)[role]["replicas"] == minimum  # the operator made the groups
     admin_kube.delete(f"{hpas}/{name}-{role}")
+
+
+@contextlib.contextmanager
+def _live_operator(admin_kube, namespace: str, resync_seconds: float):
+    """The operator's kopf process (handlers.run_operator) in a thread, watching `namespace` of the
+    real API server as the admin; stopped (and waited for) on exit."""
+    creds = admin_kube.creds
+    info = kopf.ConnectionInfo(server=creds.server, token=creds.token, ca_path=str(creds.ca_path))
+    stop, ready = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        async def main() -> None:
+            started = asyncio.Event()
+            waiter = asyncio.create_task(started.wait())
+            waiter.add_done_callback(lambda _: ready.set())
+            await run_operator(OperatorConfig(resync_seconds=resync_seconds, login=lambda **_: info),
+                               namespaces=(namespace,), stop_flag=stop, ready_flag=started)
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported by the test, not lost in the thread
+            errors.append(exc)
+            ready.set()
+    thread = threading.Thread(target=run, name="live-operator", daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(60) and not errors, errors
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+        assert not errors, errors
+
+
+def test_the_live_operator_follows_an_hpa_on_a_role_scale_at_once(admin_kube, dsd_path, scales_path,  # noqa: F811
+                                                                   monkeypatch):
+    """The real HPA controller moves the prefill DeepSeekRoleScale up (its minReplicas) and then
+    down (its maxReplicas); the live operator, whose resync timer is far beyond the test, carries
+    each write into spec.prefill.replicas and makes the groups within seconds: its watch on
+    DeepSeekRoleScale, not the timer, picked the write up (before the watch: not for 10 minutes).
+    Afterwards the operator is quiet: its own writes to the DeepSeekRoleScales run no more passes."""
+    passes: list[float] = []
+    reconcile = Reconciler.reconcile
+
+    async def counted(self, body, logger):
+        passes.append(time.monotonic())
+        return await reconcile(self, body, logger)
+    monkeypatch.setattr(Reconciler, "reconcile", counted)
+    namespace = dsd_path.split("/namespaces/")[1].split("/")[0]
+    hpas = f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers"
+    with _live_operator(admin_kube, namespace, resync_seconds=600):
+        name = _create(admin_kube, dsd_path)
+        scale = f"{scales_path}/{name}-prefill"
+        wait_until(lambda: ((admin_kube.get(scale) or {}).get("status") or {}).get("syncedReplicas") == 1, 30,
+                   "the live operator's DeepSeekRoleScale")
+        high = random.randint(2, 3)
+        hpa = _hpa(f"{name}-prefill", names.SCALE_KIND, f"{name}-prefill", high)
+        admin_kube.create(hpas, hpa)
+
+        def follows(groups: int) -> bool:
+            body = admin_kube.get(f"{dsd_path}/{name}")
+            return body["spec"]["prefill"]["replicas"] == groups and \
+                (body.get("status") or {}).get("prefill", {}).get("replicas") == groups
+        wait_until(lambda: admin_kube.get(f"{scale}/scale")["spec"]["replicas"] == high, 60,
+                   f"the HPA's write of {high} to /scale", lambda: str(admin_kube.get(f"{hpas}/{name}-prefill")))
+        started = time.monotonic()  # from the HPA's write on: the operator's part
+        wait_until(lambda: follows(high), 15, f"spec.prefill.replicas and its groups at the HPA's {high}",
+                   lambda: str((admin_kube.get(f"{dsd_path}/{name}"), admin_kube.get(f"{hpas}/{name}-prefill"))))
+        up_s = time.monotonic() - started
+        # Down: an HPA above its maxReplicas scales down to it, metrics or not.
+        admin_kube.merge_patch(f"{hpas}/{name}-prefill", {"spec": {"minReplicas": 1, "maxReplicas": 1}})
+        wait_until(lambda: admin_kube.get(f"{scale}/scale")["spec"]["replicas"] == 1, 60,
+                   "the HPA's write of 1 to /scale", lambda: str(admin_kube.get(f"{hpas}/{name}-prefill")))
+        started = time.monotonic()
+        wait_until(lambda: follows(1), 15, "spec.prefill.replicas and its groups back at 1",
+                   lambda: str(admin_kube.get(f"{dsd_path}/{name}")))
+        print(f"from the HPA's write to the operator's groups: up {up_s:.1f} s, down {time.monotonic() - started:.1f} s")
+        time.sleep(1)  # a pass that the last writes queued may still run
+        quiet = time.monotonic()
+        time.sleep(3)  # the HPA controller syncs every 3 s meanwhile, writing nothing new
+        assert len([t for t in passes if t >= quiet]) <= 1, f"{len(passes)} passes in all; a loop of passes"
+        admin_kube.delete(f"{hpas}/{name}-prefill")

@@ -1,5 +1,5 @@
-"""Objects whose kinds come from third-party CRDs (ServiceMonitor now, the gang-scheduling PodGroup
-next), judged by the real kube-apiserver with those CRDs installed (the pinned files of
+"""Objects whose kinds come from third-party CRDs (ServiceMonitor; scheduler-plugins' PodGroup, which
+the operator does not render: it uses Kubernetes' in-tree PodGroup, and it stays as a second CRD), judged by the real kube-apiserver with those CRDs installed (the pinned files of
 scripts/third-party-crds.txt): what the operator renders is admitted, and the in-process check the
 fast tests use (pdtest.schema_admission, on the same CRD files) gives the server's verdict on
 random mutations of each kind, accepted and refused alike.
@@ -38,7 +38,7 @@ def _service_monitor(example: str) -> dict:
 
 
 def _pod_group() -> dict:
-    """A PodGroup as the coscheduling plugin documents it (the operator renders none yet)."""
+    """A PodGroup as scheduler-plugins' coscheduling plugin documents it (not the operator's kind)."""
     return {"apiVersion": "scheduling.x-k8s.io/v1alpha1", "kind": "PodGroup",
             "metadata": {"name": "v3-decode-0", "namespace": "crds", "labels": {"app": "v3"}},
             "spec": {"minMember": 2, "scheduleTimeoutSeconds": 60, "minResources": {"cpu": "2", "memory": "1Gi"}}}

@@ -1,8 +1,9 @@
 """Gang scheduling and topology of the rendered groups (operator/pod_placement.py, gang_status.py):
-the PodGroup each group gets (checked against the spec schema scheduler-plugins publishes for
-scheduling.x-k8s.io/v1alpha1 PodGroup, restated below), the pod-group label and scheduler on its
-pods, the affinity terms read with the label-selector semantics against the pods' own labels,
-and the GangScheduling condition; the live operator reports a cluster without the PodGroup CRD."""
+the PodGroup each group gets (Kubernetes' in-tree scheduling.k8s.io/v1beta1, checked against the
+1.37 OpenAPI schema by pdtest.schema_admission; tests/k8s/test_real_scheduler.py creates it on the
+real server and has the real scheduler honour it), the schedulingGroup and scheduler on its pods,
+the affinity terms read with the label-selector semantics against the pods' own labels, and the
+GangScheduling condition; the live operator reports a cluster that serves no PodGroup."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +11,6 @@ import datetime
 import pathlib
 import random
 
-import jsonschema
 import pytest
 import yaml
 from test_operator_kopf import _condition, _deployment
@@ -18,17 +18,11 @@ from test_operator_kopf import _condition, _deployment
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_workers import build_group_statefulset
 from deepseek_pd.operator.gang_status import WAIT_SECONDS, gang_state
-from deepseek_pd.operator.pod_placement import GANG_SCHEDULER, POD_GROUP_LABEL, build_pod_group
+from deepseek_pd.operator.pod_placement import POD_GROUP_API, build_pod_group
 from deepseek_pd.operator.spec import DeploymentSpec
+from pdtest.schema_admission import validate
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
-# The spec of podgroups.scheduling.x-k8s.io v1alpha1 (sigs.k8s.io/scheduler-plugins,
-# config/crd/bases/scheduling.x-k8s.io_podgroups.yaml), as a plain JSON schema.
-INT32 = {"type": "integer", "minimum": -2**31, "maximum": 2**31 - 1}
-POD_GROUP_SPEC = {"type": "object", "additionalProperties": False, "properties": {
-    "minMember": {**INT32, "minimum": 1},
-    "minResources": {"type": "object", "additionalProperties": {"type": ["integer", "string"]}},
-    "scheduleTimeoutSeconds": INT32}}
 LAYOUTS = [(1, 0), (2, 0), (4, 0), (2, 8)]  # (size, gpusPerPod) with a valid parallelism
 
 
@@ -52,18 +46,20 @@ def _matches(selector: dict, labels: dict) -> bool:
 
 
 @pytest.mark.parametrize("size, gpus", LAYOUTS)
-def test_gang_renders_a_pod_group_per_group_with_min_member_the_groups_pods(size, gpus):
+def test_gang_renders_a_pod_group_per_group_with_min_count_the_groups_pods(size, gpus):
     spec = _spec({"gang": True}, size, gpus)
     for role in names.ROLES:
         for index in range(3):
             group = build_pod_group(spec, role, index)
-            jsonschema.validate(group["spec"], POD_GROUP_SPEC)
-            assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1" and group["kind"] == "PodGroup"
+            validate(group)
+            assert group["apiVersion"] == POD_GROUP_API == "scheduling.k8s.io/v1beta1" and group["kind"] == "PodGroup"
             sts = build_group_statefulset(spec, role, index)
-            assert group["spec"]["minMember"] == sts["spec"]["replicas"] == size  # pods, not ranks
+            validate(sts)
+            assert group["spec"]["schedulingPolicy"]["gang"]["minCount"] == sts["spec"]["replicas"] == size  # pods
             pod = sts["spec"]["template"]
-            assert pod["metadata"]["labels"][POD_GROUP_LABEL] == group["metadata"]["name"] == sts["metadata"]["name"]
-            assert pod["spec"]["schedulerName"] == GANG_SCHEDULER
+            assert pod["spec"]["schedulingGroup"] == {"podGroupName": group["metadata"]["name"]}
+            assert group["metadata"]["name"] == sts["metadata"]["name"]
+            assert "schedulerName" not in pod["spec"]  # the cluster's default scheduler serves gangs
     named = _spec({"gang": True, "schedulerName": "volcano-ish"})
     assert build_group_statefulset(named, "decode", 0)["spec"]["template"]["spec"]["schedulerName"] == "volcano-ish"
 
@@ -91,38 +87,68 @@ def test_topology_keeps_a_group_in_one_domain_and_spreads_groups_of_a_role():
 def test_without_gang_or_topology_the_pods_are_as_before():
     pod = build_group_statefulset(_spec({}), "decode", 1)["spec"]["template"]
     assert "schedulerName" not in pod["spec"] and "affinity" not in pod["spec"]
-    assert POD_GROUP_LABEL not in pod["metadata"]["labels"]
+    assert "schedulingGroup" not in pod["spec"]
 
 
-def _pod(name: str, age_s: float, now: datetime.datetime, conditions: list[dict]) -> dict:
+def _pod(name: str, age_s: float, now: datetime.datetime, conditions: list[dict], index: int = 0,
+         node: str | None = None, grouped: bool = True) -> dict:
     created = (now - datetime.timedelta(seconds=age_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"metadata": {"name": name, "creationTimestamp": created, "labels": {names.LABEL_ROLE: "decode"}},
-            "spec": {}, "status": {"phase": "Pending", "conditions": conditions}}
+    spec = {**({"schedulingGroup": {"podGroupName": f"gangs-decode-{index}"}} if grouped else {}),
+            **({"nodeName": node} if node else {})}
+    return {"metadata": {"name": name, "creationTimestamp": created,
+                         "labels": {names.LABEL_ROLE: "decode", names.LABEL_GROUP_INDEX: str(index),
+                                    names.LABEL_REVISION: "r1"}},
+            "spec": spec, "status": {"phase": "Pending", "conditions": conditions}}
 
 
-def test_gang_condition_names_a_missing_crd_and_a_scheduler_that_never_answers():
+REVISIONS = {"prefill": "r1", "decode": "r1"}
+
+
+def test_gang_condition_names_a_missing_api_a_dropped_group_and_a_scheduler_that_never_answers():
     now = datetime.datetime.now(datetime.timezone.utc)
     spec = _spec({"gang": True})
-    assert gang_state(_spec({}), False, [], now) is None
-    ok, reason, message = gang_state(spec, False, [], now)
-    assert (ok, reason) == (False, "PodGroupCRDMissing") and "podgroups.scheduling.x-k8s.io" in message
+    assert gang_state(_spec({}), False, [], REVISIONS, now) is None
+    ok, reason, message = gang_state(spec, False, [], REVISIONS, now)
+    assert (ok, reason) == (False, "PodGroupAPIMissing") and "GenericWorkload" in message, message
     young = _pod("gangs-decode-0-0", WAIT_SECONDS / 2, now, [])
-    assert gang_state(spec, True, [young], now)[:2] == (True, "PodGroupsCreated")
+    assert gang_state(spec, True, [young], REVISIONS, now)[:2] == (True, "PodGroupsPlaced")
     old = _pod("gangs-decode-0-1", WAIT_SECONDS + 5, now, [])
-    ok, reason, message = gang_state(spec, True, [young, old], now)
-    assert (ok, reason) == (False, "NoSchedulerAnswers") and "gangs-decode-0-1" in message and GANG_SCHEDULER in message
-    # A scheduler that found no room for the whole gang says so on the pods: the gang works.
-    waiting = _pod("gangs-decode-0-1", WAIT_SECONDS * 3, now, [
-        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}])
-    assert gang_state(spec, True, [waiting], now)[:2] == (True, "PodGroupsCreated")
+    ok, reason, message = gang_state(spec, True, [young, old], REVISIONS, now)
+    assert (ok, reason) == (False, "NoSchedulerAnswers") and "gangs-decode-0-1" in message and \
+        "default-scheduler" in message, message
+    # An API server with the API on but its gate off drops the field: the pods are no gang.
+    ungrouped = _pod("gangs-decode-0-0", 1, now, [], grouped=False)
+    ok, reason, message = gang_state(spec, True, [ungrouped], REVISIONS, now)
+    assert (ok, reason) == (False, "SchedulingGroupDropped") and "gangs-decode-0-0" in message, message
+    # ... but a pod of an older revision (from before `gang: true`) never had it.
+    assert gang_state(spec, True, [ungrouped], {"prefill": "r1", "decode": "r2"}, now)[:2] == (True, "PodGroupsPlaced")
 
 
-def test_live_operator_reports_gang_scheduling_without_the_pod_group_crd(cluster):
-    """The emulated API server serves no PodGroup kind, as a cluster without scheduler-plugins."""
+def test_gang_condition_names_the_group_that_waits_for_room_with_the_schedulers_words():
+    """A group none of whose pods holds a node while some are Unschedulable waits for room
+    (the messages are kube-scheduler's, as tests/k8s/test_real_scheduler.py reads them)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    spec = _spec({"gang": True})
+    gang = "pod group is unschedulable, minCount (2) cannot be satisfied: 1 scheduled, 0 remaining"
+    nodes = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+    refused = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": m} for m in (gang, nodes)]
+    waiting = [_pod(f"gangs-decode-1-{r}", WAIT_SECONDS * 3, now, [refused[r]], index=1) for r in range(2)]
+    placed = [_pod(f"gangs-decode-0-{r}", WAIT_SECONDS * 3, now, [], node="n1") for r in range(2)]
+    ok, reason, message = gang_state(spec, True, placed + waiting, REVISIONS, now)
+    assert (ok, reason) == (False, "GangWaitingForRoom"), message
+    assert "gangs-decode-1 (2 pods)" in message and gang in message and nodes in message, message
+    assert "gangs-decode-0" not in message
+    # One rank bound: not a waiting gang (a placed group's restarted rank waits like any pod).
+    waiting[0]["spec"]["nodeName"] = "n1"
+    assert gang_state(spec, True, placed + waiting, REVISIONS, now)[:2] == (True, "PodGroupsPlaced")
+
+
+def test_live_operator_reports_gang_scheduling_without_the_pod_group_api(cluster):
+    """The emulated API server serves no PodGroup kind, as a cluster with GenericWorkload off."""
     body = _deployment("gang")
     body["spec"]["scheduling"] = {"gang": True}
     cluster.create(body)
     condition = cluster.wait_for("GangScheduling", lambda: _condition(cluster, "gang", "GangScheduling"))
-    assert (condition["status"], condition["reason"]) == ("False", "PodGroupCRDMissing"), condition
+    assert (condition["status"], condition["reason"]) == ("False", "PodGroupAPIMissing"), condition
     sts = cluster.wait_for("a decode group", lambda: cluster.get("StatefulSet", names.group_name("gang", "decode", 0)))
-    assert sts["spec"]["template"]["spec"]["schedulerName"] == GANG_SCHEDULER  # its pods wait for it
+    assert sts["spec"]["template"]["spec"]["schedulingGroup"]["podGroupName"] == sts["metadata"]["name"]
