@@ -43,6 +43,7 @@ from deepseek_pd.workers.transport.base import (
     EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig, check_page_ids)
 from deepseek_pd.workers.transport.page_io import consecutive_runs, sync_ready
 from deepseek_pd.workers.transport.plan import merge_page_runs
+from deepseek_pd.workers.transport.staging import StagingArea
 from deepseek_pd.workers.engine.request_failure import TransferError
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def exposure_warning(host: str) -> str:
 
 class MooncakeEngine:
     """One TransferEngine over a KV pool; `register_pool`: its layer buffers registered for good
-    (else nothing is, unless a transfer registers its own pages: `MooncakePagesSink`)."""
+    (else nothing is, unless `register_buffers` or a transfer registers its staging: `MooncakeSink`)."""
 
     def __init__(self, pool: KVPool, config: TransportConfig, register_pool: bool = True) -> None:
         try:
@@ -89,12 +90,16 @@ class MooncakeEngine:
         self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
         self._registered: list[int] = []
         if register_pool:
-            for addr, length in zip(self.base_addrs, self.layer_bytes):
-                if self.engine.register_memory(addr, length) != 0:
-                    self.close()
-                    raise UserError(f"mooncake could not register a {length}-byte KV buffer "
-                                    "(RDMA needs IPC_LOCK and GPUDirect; see docs)")
-                self._registered.append(addr)
+            self.register_buffers(self.base_addrs, self.layer_bytes)
+
+    def register_buffers(self, addrs: Sequence[int], lengths: Sequence[int]) -> None:
+        """Registers buffers until `close`; raises UserError (after undoing all) if one is refused."""
+        for addr, length in zip(addrs, lengths):
+            if self.engine.register_memory(addr, length) != 0:
+                self.close()
+                raise UserError(f"mooncake could not register a {length}-byte KV buffer "
+                                "(RDMA needs IPC_LOCK and GPUDirect; see docs)")
+            self._registered.append(addr)
 
     def close(self) -> None:
         for addr in self._registered:
@@ -103,9 +108,84 @@ class MooncakeEngine:
 
 
 class MooncakeSink(KVSink):
-    """A decode transfer over Mooncake: the prefill side writes the pages; `check_sealed` then
-    MACs what landed against the tag of what it sent (kv_mac.py), since anyone who reaches the
-    engine's ports may have written them too."""
+    """A decode transfer over Mooncake into staging slots (staging.py), never into the pages the model
+    reads: `expose` takes the slots (waiting while the staging is full) and over TCP registers each
+    layer's runs of them; the handshake lists the slots as the pages to write (`offer_into`); `land`
+    unregisters them, copies them into the request's pages and gives them back; `check_sealed` then
+    MACs that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
+    who reaches the engine's ports may have written the slots too. A transfer that ends otherwise
+    (`withdraw`) lets its slots cool for the late-write grace before they are reused."""
+
+    registers_pages = True
+    one_sided = False  # a writer reaches only the staging: the pages are written by `land` alone
+
+    def __init__(self, pool: KVPool, pages: Sequence[int], engine: MooncakeEngine, staging: StagingArea,
+                 timeout_s: float) -> None:
+        super().__init__(pool, pages)
+        self._engine = engine
+        self._staging = staging
+        self._timeout_s = timeout_s  # the longest wait for staging room, and the slots' late-write grace
+        self._register = engine.protocol == "tcp"  # over RDMA the staging is registered for good
+        self.slots: list[int] = []  # staging slot of each request page, while the transfer runs
+        self._told: list[int] = []  # the slots the handshake named, for the MAC's header
+        self._exposed: list[int] = []
+        # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) wakes its wait
+        # for room, waits for it and wins: nothing stays registered or held after it.
+        self._lock = threading.Lock()
+        self._over = threading.Event()
+
+    def expose(self) -> None:
+        try:
+            slots = self._staging.acquire(len(self.pages), self._timeout_s, self._over)
+        except TransferError as exc:
+            raise self.fail(exc) from None
+        with self._lock:
+            if self._over.is_set():
+                self._staging.release(slots)
+                raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended while it took staging room"))
+            self.slots = slots
+            page_bytes = self._staging.page_bytes
+            for base in self._staging.base_addrs if self._register else []:
+                for begin, end, first in consecutive_runs(slots):
+                    addr = base + first * page_bytes
+                    if self._engine.engine.register_memory(addr, (end - begin) * page_bytes) != 0:
+                        self._unregister()
+                        raise self.fail(TransferError(FailureCode.INTERNAL, "mooncake could not register "
+                                                      "the transfer's staging pages"))
+                    self._exposed.append(addr)
+
+    def offer_into(self, handshake: pb.Handshake) -> None:
+        # The writer writes the staging slots (the destination's layer bases are the staging's).
+        self._told = list(self.slots)
+        del handshake.page_ids[:]
+        handshake.page_ids.extend(self._told)
+
+    def withdraw(self) -> None:
+        slots = self._end()
+        # Its prefill side may still be writing them (it learns of the failure late): let them cool.
+        self._staging.release(slots, self._timeout_s if self._told else 0.0)
+
+    def land(self) -> None:
+        slots = self._end()
+        try:
+            self.exposure.wrote()
+            self._staging.copy_into(self.pool, slots, self.pages)
+        finally:
+            self._staging.release(slots)  # every write of the prefill side completed before its done
+
+    def _end(self) -> list[int]:
+        """Stops the writer's reach and hands back the slots still held (once)."""
+        self._over.set()
+        self._staging.wake()
+        with self._lock:
+            self._unregister()
+            slots, self.slots = self.slots, []
+        return slots
+
+    def _unregister(self) -> None:
+        for addr in self._exposed:
+            self._engine.engine.unregister_memory(addr)
+        self._exposed.clear()
 
     def check_sealed(self, done: pb.TransferDone, key: bytes | None, room: int) -> None:
         if key is None:
@@ -121,54 +201,14 @@ class MooncakeSink(KVSink):
                             "checked against writes by strangers on the mooncake ports; upgrade it")
             return
         try:
-            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self.pages), done.kv_mac_algorithm)
+            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm)
         except ValueError as exc:
             raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot check the KV's MAC: {exc}")) from None
         if not kv_mac.tags_equal(tag, done.kv_mac):
             raise self.fail(TransferError(FailureCode.INTERNAL,
                                           f"the received KV of room {room} does not match the MAC the prefill "
                                           f"worker signed ({done.kv_mac_algorithm}): something else wrote into "
-                                          f"its decode pages during the transfer; KV transfer refused"))
-
-
-class MooncakePagesSink(MooncakeSink):
-    """A decode transfer over Mooncake TCP whose pages are registered only while it runs: `expose`
-    registers each layer's runs of consecutive pages, `withdraw` unregisters them (idempotent).
-    A write whose header reached the engine before `withdraw` may still land: the late-write grace
-    and the scrub (decode/engine.py `_release`) cover it, as before."""
-
-    registers_pages = True
-
-    def __init__(self, pool: KVPool, pages: Sequence[int], engine: MooncakeEngine) -> None:
-        super().__init__(pool, pages)
-        self._engine = engine
-        self._exposed: list[int] = []
-        # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for
-        # it and wins: nothing stays registered after it.
-        self._lock = threading.Lock()
-        self._withdrawn = False
-
-    def expose(self) -> None:
-        page_bytes = self.pool.bytes_per_page
-        with self._lock:
-            for base in [] if self._withdrawn else self._engine.base_addrs:
-                for begin, end, first in consecutive_runs(self.pages):
-                    addr = base + first * page_bytes
-                    if self._engine.engine.register_memory(addr, (end - begin) * page_bytes) != 0:
-                        self._unregister()
-                        raise self.fail(TransferError(FailureCode.INTERNAL, "mooncake could not register "
-                                                      "the transfer's decode pages"))
-                    self._exposed.append(addr)
-
-    def withdraw(self) -> None:
-        with self._lock:
-            self._withdrawn = True
-            self._unregister()
-
-    def _unregister(self) -> None:
-        for addr in self._exposed:
-            self._engine.engine.unregister_memory(addr)
-        self._exposed.clear()
+                                          f"its staging pages during the transfer; KV transfer refused"))
 
 
 def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_bytes: int,
@@ -290,25 +330,25 @@ class MooncakeReceiver(KVReceiver):
 
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         super().__init__(pool, config)
-        self.engine = MooncakeEngine(pool, config, register_pool=config.mooncake_protocol != "tcp")
+        # The pool is never registered: writers reach only the staging (staging.py).
+        self.engine = MooncakeEngine(pool, config, register_pool=False)
+        pages = min(pool.num_pages, -(-config.mooncake_staging_tokens // pool.page_size))
+        self.staging = StagingArea(pool, pages)
+        if self.engine.protocol != "tcp":  # the NIC needs its memory regions, and writers cache their keys
+            self.engine.register_buffers(self.staging.base_addrs, [pages * pool.bytes_per_page] * pool.num_layers)
+        log.info("mooncake staging: %d pages (%d tokens, %.1f MiB) on %s", pages, pages * pool.page_size,
+                 pages * pool.bytes_per_page * pool.num_layers / 2**20, pool.device)
 
     def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
-        if self.engine.protocol == "tcp":
-            return MooncakePagesSink(self.pool, pages, self.engine)
-        return MooncakeSink(self.pool, pages)
+        return MooncakeSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s)
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.mooncake.session_id = self.engine.session_id
-        handshake.mooncake.layer_base_addrs.extend(self.engine.base_addrs)
+        handshake.mooncake.layer_base_addrs.extend(self.staging.base_addrs)
         handshake.mooncake.page_bytes = self.pool.bytes_per_page
-        handshake.mooncake.pool_pages = self.pool.num_pages
+        handshake.mooncake.pool_pages = self.staging.num_pages
         handshake.mooncake.protocol = self.engine.protocol
         handshake.mooncake.kv_mac_algorithms.extend(kv_mac.algorithms())
-
-    @property
-    def late_write_grace_s(self) -> float:
-        # A write the prefill side started before it learnt of the failure ends within its timeout.
-        return self.config.send_timeout_s
 
     def close(self) -> None:
         self.engine.close()

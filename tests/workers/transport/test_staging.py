@@ -1,0 +1,137 @@
+"""The Mooncake staging area (workers/transport/staging.py) and the decode sink over it, on the stub
+engine: slots lowest first, bounded (a transfer waits for room, a prompt bigger than all of it is
+refused with the setting), recycled at once after a copy and only after the late-write grace after a
+failure; the copy against plain indexing; what the decode side registers (never its pool)."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.transport.base import TransportConfig, layout_of
+from deepseek_pd.workers.transport.mooncake import MooncakeReceiver
+from deepseek_pd.workers.transport.staging import StagingArea
+from pdtest import mooncake_stub
+
+
+def _pool(rng: random.Random, num_pages: int = 32) -> KVPool:
+    return KVPool(rng.randrange(1, 4), num_pages, rng.choice([1, 4]), rng.choice([8, 16]), dtype=torch.float32)
+
+
+def test_slots_are_taken_lowest_first_and_a_full_staging_makes_a_transfer_wait():
+    rng = random.Random()
+    area = StagingArea(_pool(rng), 8)
+    never = threading.Event()
+    first = area.acquire(5, 1.0, never)
+    assert first == [0, 1, 2, 3, 4] and area.num_used == 5
+    got: list[list[int]] = []
+    waiter = threading.Thread(target=lambda: got.append(area.acquire(4, 10.0, never)))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got  # 3 free, 4 asked: it waits
+    area.release(first[:2])
+    waiter.join(5)
+    assert got == [[0, 1, 5, 6]]
+
+
+def test_a_prompt_bigger_than_the_staging_or_no_room_in_time_is_refused_and_a_cancel_ends_the_wait():
+    rng = random.Random()
+    area = StagingArea(_pool(rng), 4)
+    never = threading.Event()
+    with pytest.raises(TransferError, match="mooncake_staging_tokens") as big:
+        area.acquire(5, 1.0, never)
+    assert big.value.code is FailureCode.RESOURCE_EXHAUSTED
+    area.acquire(3, 1.0, never)
+    with pytest.raises(TransferError, match="no room") as late:
+        area.acquire(2, 0.05, never)
+    assert late.value.code is FailureCode.RESOURCE_EXHAUSTED
+    cancel, errors = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            area.acquire(2, 60.0, cancel)
+        except TransferError as exc:
+            errors.append(exc)
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.05)
+    started = time.monotonic()
+    cancel.set()
+    area.wake()
+    waiter.join(5)
+    assert errors and errors[0].code is FailureCode.ABORTED and time.monotonic() - started < 2
+
+
+def test_slots_of_a_failed_transfer_cool_for_the_grace_before_reuse():
+    rng = random.Random()
+    area = StagingArea(_pool(rng), 4)
+    never = threading.Event()
+    slots = area.acquire(4, 1.0, never)
+    area.release(slots, delay_s=0.3)
+    with pytest.raises(TransferError):
+        area.acquire(1, 0.05, never)  # cooling: a late write of the failed transfer may still land
+    started = time.monotonic()
+    assert area.acquire(4, 5.0, never) == [0, 1, 2, 3]
+    assert time.monotonic() - started > 0.15
+
+
+def test_the_copy_puts_each_slot_into_its_page_and_later_staging_writes_reach_no_page():
+    rng = random.Random()
+    pool = _pool(rng)
+    area = StagingArea(pool, 12)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    for buffer in area.buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    count = rng.randrange(1, 8)
+    slots, pages = rng.sample(range(12), count), rng.sample(range(pool.num_pages), count)
+    area.copy_into(pool, slots, pages)
+    for staged, buffer in zip(area.buffers, pool.buffers):
+        assert torch.equal(buffer[pages], staged[slots])
+    before = [buffer.clone() for buffer in pool.buffers]
+    for staged in area.buffers:
+        staged.fill_(float("nan"))
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.buffers))
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "rdma"])
+def test_the_decode_pool_is_never_registered_only_the_staging(monkeypatch, protocol):
+    """What a stranger on the engine's ports can reach: over TCP a transfer's slots while it runs,
+    over RDMA the (small) staging for good; the pool the model reads, never."""
+    rng = random.Random()
+    engines = mooncake_stub.install(monkeypatch)
+    pool = _pool(rng, 64)
+    tokens = rng.randrange(1, 40)
+    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1", mooncake_protocol=protocol,
+                                                      mooncake_staging_tokens=tokens))
+    staging = receiver.staging
+    assert staging.num_pages == min(pool.num_pages, -(-tokens // pool.page_size))
+    engine = engines[0]
+    pool_ranges = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in pool.buffers]
+
+    def registered_in_pool() -> bool:
+        return any(lo <= addr < hi for addr in engine.registered for lo, hi in pool_ranges)
+    assert set(engine.registered) == (set(staging.base_addrs) if protocol == "rdma" else set())
+    count = rng.randrange(1, staging.num_pages + 1)
+    sink = receiver.open_sink(rng.sample(range(pool.num_pages), count))
+    sink.expose()
+    handshake = pb.Handshake(page_ids=sink.pages, layout=layout_of(pool))
+    receiver.fill_destination(handshake)
+    sink.offer_into(handshake)
+    assert list(handshake.page_ids) == sink.slots and list(handshake.mooncake.layer_base_addrs) == staging.base_addrs
+    assert handshake.mooncake.pool_pages == staging.num_pages
+    assert not registered_in_pool()
+    if protocol == "tcp":
+        assert engine.registered and all(any(lo <= addr < lo + staging.num_pages * staging.page_bytes
+                                             for lo in staging.base_addrs) for addr in engine.registered)
+    sink.withdraw()  # failed after the handshake went out: the slots cool, nothing stays registered
+    assert set(engine.registered) == (set(staging.base_addrs) if protocol == "rdma" else set())
+    assert staging.num_used == count and not sink.exposure.may_be_written
+    receiver.close()
+    assert not engine.registered

@@ -1,0 +1,129 @@
+"""`StagingArea`: where a one-sided writer (Mooncake) puts a transfer's KV, never the pages the model reads.
+
+Mooncake authenticates no peer, and its TCP server checks a write's range only when the write's
+header arrives; the body may follow at any pace, after the transfer is over (issue 20). So the decode
+side never registers its KV pool: each transfer gets slots of a small staging area, the only memory a
+writer (honest or not) can reach; once the prefill side's TransferDone arrived, decode copies the
+slots into the request's own pages (`copy_into`) and checks the KV MAC on that private copy
+(kv_mac.py). A byte that reaches the staging after the copy changes nothing the model reads; one
+that lands before it fails that request's MAC check. Either way no other request's pages change.
+
+    decode pool (never registered)        staging (registered: per transfer over TCP, for good over RDMA)
+    request A pages [7, 2, 9]   <- copy -- slots [0, 1, 2]   <- prefill of A writes, then its done
+    request B pages [4, 5]      <- copy -- slots [3, 4]      <- prefill of B (a late stranger's body
+                                                                lands here after B's copy: B unharmed)
+
+Slots are taken lowest first (so a transfer's slots tend to form one run: fewer registrations and
+fewer Mooncake write requests) and go back at once after the copy: every write of the prefill side
+completed before its TransferDone. A transfer that failed or was cancelled after its handshake went
+out may still be written by its prefill side for up to `send_timeout_s`, so its slots cool that long
+before they are reused; a write that lands in a reused slot then fails the new owner's MAC check,
+never its output. A transfer waits (off the event loop) while the staging is full, up to its
+timeout; one bigger than the whole staging is refused with the setting to raise.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.transport.page_io import page_index, side_stream
+
+
+class StagingArea:
+    """`num_pages` pages of every layer of `pool`'s KV, on its device, in buffers of their own."""
+
+    def __init__(self, pool: KVPool, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a staging area needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_bytes = pool.bytes_per_page
+        self.buffers = [torch.zeros((num_pages, pool.page_size, pool.kv_dim), dtype=pool.dtype, device=pool.device)
+                        for _ in range(pool.num_layers)]
+        self.base_addrs = [buffer.data_ptr() for buffer in self.buffers]
+        self._free = list(range(num_pages))
+        self._cooling: list[tuple[float, list[int]]] = []  # (usable at, slots) of failed transfers
+        self._cond = threading.Condition()
+
+    @property
+    def num_used(self) -> int:
+        """Slots held by transfers or cooling after a failed one."""
+        with self._cond:
+            return self.num_pages - len(self._free)
+
+    def acquire(self, count: int, timeout_s: float, cancelled: threading.Event) -> list[int]:
+        """`count` slots, lowest first; blocks while the staging is full. Raises TransferError when
+        `count` exceeds the staging, after `timeout_s` without room, or once `cancelled` is set
+        (call `wake` after setting it)."""
+        if count > self.num_pages:
+            raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
+                                f"the prompt's KV takes {count} pages, the mooncake staging area holds "
+                                f"{self.num_pages}: raise the decode worker's --engine-opt mooncake_staging_tokens")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if cancelled.is_set():
+                    raise TransferError(FailureCode.ABORTED, "the transfer ended while it waited for staging room")
+                now = time.monotonic()
+                self._thaw(now)
+                if len(self._free) >= count:
+                    self._free.sort()
+                    taken, self._free = self._free[:count], self._free[count:]
+                    return taken
+                wait = deadline - now
+                if wait <= 0:
+                    raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
+                                        f"no room for {count} pages in the mooncake staging area "
+                                        f"({self.num_pages} pages) within {timeout_s}s")
+                if self._cooling:
+                    wait = min(wait, max(0.0, min(at for at, _ in self._cooling) - now) + 1e-3)
+                self._cond.wait(wait)
+
+    def release(self, slots: Sequence[int], delay_s: float = 0.0) -> None:
+        """Gives `slots` back, usable after `delay_s` (a late write of a failed transfer)."""
+        if not slots:
+            return
+        with self._cond:
+            if delay_s > 0:
+                self._cooling.append((time.monotonic() + delay_s, list(slots)))
+            else:
+                self._free.extend(slots)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Lets waiting `acquire`s look at their `cancelled` again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _thaw(self, now: float) -> None:
+        ready = [entry for entry in self._cooling if entry[0] <= now]
+        if ready:
+            self._cooling = [entry for entry in self._cooling if entry[0] > now]
+            for _, slots in ready:
+                self._free.extend(slots)
+
+    def copy_into(self, pool: KVPool, slots: Sequence[int], pages: Sequence[int]) -> None:
+        """Copies staging `slots` into `pool`'s `pages` (same order), every layer; returns once the
+        bytes are there (on CUDA: on a side stream, then synchronised, as the scrub does), so what
+        a writer puts into the slots afterwards can never reach the pages."""
+        if not pages:
+            return
+
+        def copy() -> None:
+            src = page_index(pool, slots)
+            dst = page_index(pool, pages)
+            for staged, buffer in zip(self.buffers, pool.buffers):
+                buffer.index_copy_(0, dst, staged.index_select(0, src))
+
+        if pool.device.type != "cuda":
+            copy()
+            return
+        stream = side_stream(pool.device)
+        with torch.cuda.stream(stream):
+            copy()
+        stream.synchronize()
