@@ -2,19 +2,22 @@
 
 Both workers start a `TransferEngine` in P2P-handshake mode. What they register is what any peer
 that reaches the engine's ports may read and write (Mooncake authenticates nobody, not even in
-0.3.14; its TCP server refuses only addresses outside the registered ranges, checked per write):
-- over RDMA both register every layer buffer of their pool once, at start (the NIC needs the
-  memory regions, and a writer the remote keys of its cached segment description);
-- over TCP the prefill side registers nothing (a TCP write reads its local source directly), and
-  the decode side registers a transfer's own pages (each layer's runs of consecutive pages) only
-  while that transfer runs (`MooncakePagesSink.expose`/`withdraw`, around `pull_kv`'s transfer):
-  a stranger can then reach only the pages of transfers in flight, never the prefill pool, the
-  decode requests already decoding, or free pages (tests/workers/test_security_mooncake_pool.py);
-- whatever it writes there fails that request: the prefill side seals what it sent with a keyed
-  MAC in the signed TransferDone (`MooncakeChannel.seal`), the decode side checks what landed once
-  the pages are withdrawn (`MooncakeSink.check_sealed`; kv_mac.py).
+0.3.14; its TCP server checks a write's range once, when its header arrives, and then takes the
+body at the peer's pace):
+- the decode side never registers its KV pool: writers reach only the slots of a small staging
+  area (staging.py), registered per transfer while it runs over TCP (`MooncakeSink.expose`/`land`,
+  around `pull_kv`'s transfer) and for good over RDMA (the NIC needs its memory regions); after
+  the TransferDone decode copies the slots into the request's own pages (`MooncakeSink.land`) and
+  checks the copy, so a write that lands later (a slow body) reaches no page the model reads;
+- over TCP the prefill side registers nothing (a TCP write reads its local source directly); over
+  RDMA it registers its whole pool once, at start (the NIC reads it);
+- whatever a stranger writes into the slots before the copy fails that request: the prefill side
+  seals what it sent with a keyed MAC in the signed TransferDone (`MooncakeChannel.seal`), the
+  decode side checks the private copy (`MooncakeSink.check_sealed`; kv_mac.py)
+  (tests/workers/test_security_mooncake_pool.py, test_security_mooncake_slow_body.py).
 The decode side's handshake carries its engine's session id
-(`host:rpc_port`), the base address of each layer buffer and the page size in bytes; the prefill
+(`host:rpc_port`), the base address of each staging layer buffer, the slots as `page_ids` and the
+page size in bytes; the prefill
 side then turns each `send` into ONE `batch_transfer_sync_write` covering all layers and all
 contiguous page runs (batching per chunk rather than per layer took SGLang's transfers from
 650 ms to 60 ms, FACTS "KV transfer"). The engine binds 0.0.0.0 whatever it is told (0.3.13.post1
@@ -23,7 +26,7 @@ and in Kubernetes the NetworkPolicy keeps other pods off its ports (docs/operati
 
 Trust: the prefill side writes only where an authenticated handshake (the bootstrap servicer
 checks its token before the room sees it) says, and only to pages that handshake lists, each
-checked below the decode pool's size (`check_destination`); addresses come from the handshake's
+checked below the destination's size (`check_destination`); addresses come from the handshake's
 layer bases plus page ids, never from anything else a peer sends. The decode side reveals its
 addresses only in handshakes to registered prefill workers (decode/prefill_peers.py).
 """
@@ -53,8 +56,9 @@ _warned_unsealed = False  # MooncakeSink.check_sealed: said once per process
 def exposure_warning(host: str) -> str:
     """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
     return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
-            f"address it is given (0.3.13.post1). Its ports authenticate no peer (over tcp a stranger can "
-            f"write the decode pages of transfers in flight, failing them by their KV MAC; over rdma both KV pools); keep other hosts off them "
+            f"address it is given (0.3.13.post1). Its ports authenticate no peer (a stranger can write the "
+            f"staging of transfers in flight, failing them by their KV MAC; over rdma it can also read the "
+            f"staging and the prefill pool); keep other hosts off them "
             f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
 
 

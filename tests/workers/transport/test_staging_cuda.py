@@ -1,0 +1,65 @@
+"""The Mooncake staging on a CUDA pool (workers/transport/staging.py): the slots are device memory
+beside the pool (what a CUDA Mooncake build registers and writes over RDMA or TCP), the copy into
+the request's pages runs on a side stream and is complete when `land` returns, and the KV MAC of
+the private copy equals the prefill side's tag; a write into the slots after `land` reaches no
+page. On the stub engine (no NIC needed); the CPU twins are test_staging.py and test_kv_mac.py."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.transport import kv_mac
+from deepseek_pd.workers.transport.base import TransportConfig, layout_of
+from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
+from pdtest import mooncake_stub
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "rdma"])
+def test_a_cuda_transfer_lands_through_device_staging_and_passes_its_mac(monkeypatch, protocol):
+    rng = random.Random()
+    engines = mooncake_stub.install(monkeypatch)
+    layers, page_size, kv_dim = rng.randrange(2, 6), 16, 576
+    src = KVPool(layers, 64, page_size, kv_dim, dtype=torch.bfloat16, device="cuda")
+    dst = KVPool(layers, 64, page_size, kv_dim, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(1 << 30))
+    for buffer in src.buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen, device="cuda"))
+    config = TransportConfig(advertise_host="127.0.0.1", mooncake_protocol=protocol, mooncake_staging_tokens=512)
+    sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
+    staging = receiver.staging
+    assert all(buffer.device.type == "cuda" for buffer in staging.buffers)
+    count = rng.randrange(1, staging.num_pages + 1)
+    src_pages, dst_pages = rng.sample(range(64), count), rng.sample(range(64), count)
+    sink = receiver.open_sink(dst_pages)
+    sink.expose()
+    handshake = pb.Handshake(page_ids=dst_pages, layout=layout_of(dst), num_tokens=count * page_size)
+    receiver.fill_destination(handshake)
+    sink.offer_into(handshake)
+    slots = list(handshake.page_ids)
+    registered = engines[1].registered
+    pool_lo = [b.data_ptr() for b in dst.buffers]
+    assert not any(lo <= addr < lo + dst.num_pages * dst.bytes_per_page for addr in registered for lo in pool_lo)
+    channel = sender.open(handshake, emit=None)
+    asyncio.run(channel.send(src_pages, 0))
+    for s, d in zip(src.buffers, staging.buffers):  # what the NIC (or CUDA TCP server) would write
+        d[slots] = s[src_pages]
+    torch.cuda.synchronize()
+    sink.land()
+    for staged in staging.buffers:  # a body that lands after the copy
+        staged[slots] = float("nan")
+    torch.cuda.synchronize()
+    room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
+    done = pb.TransferDone(num_pages=count)
+    channel.seal(done, key, room)
+    sink.check_sealed(done, key, room)
+    assert sink.failed is None and done.kv_mac_algorithm == kv_mac.ALGORITHM
+    for s, d in zip(src.buffers, dst.buffers):
+        assert torch.equal(d[dst_pages], s[src_pages])
+    assert staging.num_used == 0
