@@ -173,9 +173,11 @@ class MooncakeSink(KVSink):
         slots = self._end()
         try:
             self.exposure.wrote()
-            self._staging.copy_into(self.pool, slots, self.pages)
-        finally:
-            self._staging.release(slots)  # every write of the prefill side completed before its done
+            self._staging.copy_into(self.pool, slots, self.pages)  # (and zeroes the slots)
+        except BaseException:
+            self._staging.release(slots)
+            raise
+        self._staging.release(slots, scrubbed=True)  # every write of the prefill side completed before its done
 
     def _end(self) -> list[int]:
         """Stops the writer's reach and hands back the slots still held (once)."""

@@ -14,11 +14,13 @@ that lands before it fails that request's MAC check. Either way no other request
                                                                 lands here after B's copy: B unharmed)
 
 Slots are taken lowest first (so a transfer's slots tend to form one run: fewer registrations and
-fewer Mooncake write requests) and go back at once after the copy: every write of the prefill side
-completed before its TransferDone. A transfer that failed or was cancelled after its handshake went
+fewer Mooncake write requests) and go back at once after the copy, zeroed: every write of the
+prefill side completed before its TransferDone, and a registered slot (over RDMA all of them, for
+good; over TCP the next transfer's, from before its prefill writes them) never shows a reader an
+earlier request's KV. A transfer that failed or was cancelled after its handshake went
 out may still be written by its prefill side for up to `send_timeout_s`, so its slots cool that long
-before they are reused; a write that lands in a reused slot then fails the new owner's MAC check,
-never its output. A transfer waits (off the event loop) while the staging is full, up to its
+before they are reused and are zeroed when they are next taken; a write that lands in a reused
+slot then fails the new owner's MAC check, never its output. A transfer waits (off the event loop) while the staging is full, up to its
 timeout; one bigger than the whole staging is refused with the setting to raise.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ class StagingArea:
         self.base_addrs = [buffer.data_ptr() for buffer in self.buffers]
         self._free = list(range(num_pages))
         self._cooling: list[tuple[float, list[int]]] = []  # (usable at, slots) of failed transfers
+        self._dirty: set[int] = set()  # free slots that may hold a failed transfer's bytes
         self._cond = threading.Condition()
 
     @property
@@ -74,7 +77,9 @@ class StagingArea:
                 if len(self._free) >= count:
                     self._free.sort()
                     taken, self._free = self._free[:count], self._free[count:]
-                    return taken
+                    dirty = [slot for slot in taken if slot in self._dirty]
+                    self._dirty.difference_update(dirty)
+                    break
                 wait = deadline - now
                 if wait <= 0:
                     raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
@@ -83,12 +88,17 @@ class StagingArea:
                 if self._cooling:
                     wait = min(wait, max(0.0, min(at for at, _ in self._cooling) - now) + 1e-3)
                 self._cond.wait(wait)
+        self.scrub(dirty)  # ours now: zeroed before anything registers or names them
+        return taken
 
-    def release(self, slots: Sequence[int], delay_s: float = 0.0) -> None:
-        """Gives `slots` back, usable after `delay_s` (a late write of a failed transfer)."""
+    def release(self, slots: Sequence[int], delay_s: float = 0.0, scrubbed: bool = False) -> None:
+        """Gives `slots` back, usable after `delay_s` (a late write of a failed transfer); unless
+        `scrubbed` (zeroed by the caller), they are zeroed when next taken."""
         if not slots:
             return
         with self._cond:
+            if not scrubbed:
+                self._dirty.update(slots)
             if delay_s > 0:
                 self._cooling.append((time.monotonic() + delay_s, list(slots)))
             else:
@@ -108,22 +118,37 @@ class StagingArea:
                 self._free.extend(slots)
 
     def copy_into(self, pool: KVPool, slots: Sequence[int], pages: Sequence[int]) -> None:
-        """Copies staging `slots` into `pool`'s `pages` (same order), every layer; returns once the
-        bytes are there (on CUDA: on a side stream, then synchronised, as the scrub does), so what
-        a writer puts into the slots afterwards can never reach the pages."""
+        """Copies staging `slots` into `pool`'s `pages` (same order), every layer, then zeroes the
+        slots; returns once both are in memory (on CUDA: on a side stream, then synchronised, as the
+        pool's scrub does), so what a writer puts into the slots afterwards can never reach the pages."""
         if not pages:
             return
 
         def copy() -> None:
-            src = page_index(pool, slots)
+            src = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
             dst = page_index(pool, pages)
             for staged, buffer in zip(self.buffers, pool.buffers):
                 buffer.index_copy_(0, dst, staged.index_select(0, src))
+                staged.index_fill_(0, src, 0)
+        self._on_device(copy)
 
-        if pool.device.type != "cuda":
-            copy()
+    def scrub(self, slots: Sequence[int]) -> None:
+        """Zeroes `slots` in every layer; returns once the zeros are in memory."""
+        if not slots:
             return
-        stream = side_stream(pool.device)
+
+        def zero() -> None:
+            index = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+            for staged in self.buffers:
+                staged.index_fill_(0, index, 0)
+        self._on_device(zero)
+
+    def _on_device(self, work) -> None:
+        device = self.buffers[0].device
+        if device.type != "cuda":
+            work()
+            return
+        stream = side_stream(device)
         with torch.cuda.stream(stream):
-            copy()
+            work()
         stream.synchronize()

@@ -91,13 +91,30 @@ def test_the_copy_puts_each_slot_into_its_page_and_later_staging_writes_reach_no
         buffer.copy_(torch.randn(buffer.shape, generator=gen))
     count = rng.randrange(1, 8)
     slots, pages = rng.sample(range(12), count), rng.sample(range(pool.num_pages), count)
+    expected = [staged[slots].clone() for staged in area.buffers]
     area.copy_into(pool, slots, pages)
-    for staged, buffer in zip(area.buffers, pool.buffers):
-        assert torch.equal(buffer[pages], staged[slots])
+    for staged, buffer, want in zip(area.buffers, pool.buffers, expected):
+        assert torch.equal(buffer[pages], want)
+        assert not staged[slots].any()  # zeroed: a registered slot never shows a later reader this KV
     before = [buffer.clone() for buffer in pool.buffers]
     for staged in area.buffers:
         staged.fill_(float("nan"))
     assert all(torch.equal(a, b) for a, b in zip(before, pool.buffers))
+
+
+def test_a_failed_transfers_bytes_are_zeroed_before_its_slots_serve_again():
+    """Its slots go back unscrubbed (the failure path runs on the event loop); whoever takes them
+    next gets them zeroed before it registers or names them, so a reader of the new transfer's
+    registered slots never sees the failed one's KV."""
+    rng = random.Random()
+    area = StagingArea(_pool(rng), 6)
+    never = threading.Event()
+    slots = area.acquire(4, 1.0, never)
+    for staged in area.buffers:
+        staged[slots] = torch.randn(staged[slots].shape, generator=torch.Generator().manual_seed(rng.randrange(99)))
+    area.release(slots)
+    again = area.acquire(6, 1.0, never)
+    assert set(slots) <= set(again) and not any(staged.any() for staged in area.buffers)
 
 
 @pytest.mark.parametrize("protocol", ["tcp", "rdma"])
