@@ -35,6 +35,12 @@ from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.page_io import page_index, side_stream
+from deepseek_pd.workers.transport.plan import merge_page_runs
+
+# Up to this many runs (contiguous in the slots and in the pages) a copy goes run by run, as plain
+# memory copies (on a CPU pool ~10x faster than indexed copies of bf16 pages); past it, one indexed
+# copy per layer (one kernel each, however fragmented).
+SLICE_RUNS = 8
 
 
 class StagingArea:
@@ -124,7 +130,15 @@ class StagingArea:
         if not pages:
             return
 
+        runs = merge_page_runs(slots, pages)
+
         def copy() -> None:
+            if len(runs) <= SLICE_RUNS:  # contiguous blocks: plain memory copies
+                for staged, buffer in zip(self.buffers, pool.buffers):
+                    for run in runs:
+                        buffer[run.dst:run.dst + run.length].copy_(staged[run.src:run.src + run.length])
+                        staged[run.src:run.src + run.length].zero_()
+                return
             src = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
             dst = page_index(pool, pages)
             for staged, buffer in zip(self.buffers, pool.buffers):

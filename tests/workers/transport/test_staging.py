@@ -152,3 +152,22 @@ def test_the_decode_pool_is_never_registered_only_the_staging(monkeypatch, proto
     assert staging.num_used == count and not sink.exposure.may_be_written
     receiver.close()
     assert not engine.registered
+
+
+def test_staging_copy_cost_per_megabyte():
+    """Not a bound (2 shared CI cores): prints what `copy_into` (copy plus zeroing) adds to a
+    transfer's first-token path on a CPU pool, per MB of KV (docs/operations.md §8 quotes it)."""
+    rng = random.Random()
+    pool = KVPool(4, 512, 16, 576, dtype=torch.bfloat16)  # V2-Lite's kv_dim: 18 KiB a page a layer
+    area = StagingArea(pool, 256)
+    first = rng.randrange(256)
+    for name, pages in (("consecutive pages", list(range(first, first + 256))),
+                        ("scattered pages", rng.sample(range(512), 256))):
+        slots = list(range(256))
+        mb = len(pages) * pool.num_layers * pool.bytes_per_page / 1e6
+        area.copy_into(pool, slots, pages)  # warm
+        started = time.perf_counter()
+        for _ in range(3):
+            area.copy_into(pool, slots, pages)
+        per_mb = (time.perf_counter() - started) / 3 / mb
+        print(f"staging copy, {name}: {per_mb * 1e3:.3f} ms per MB ({1 / per_mb / 1e3:.2f} GB/s), {mb:.1f} MB")
