@@ -210,7 +210,8 @@ class KVSink(abc.ABC):
 
     # Where the bootstrap client runs `on_chunk` (a worker pool: off the event loop); None: inline.
     executor: Executor | None = None
-    # The peer writes the pages itself (mooncake, fake); a sink that writes them itself says False.
+    # The peer writes the pages itself (fake, same-host direct); a sink that writes them itself (grpc's
+    # byte stream, mooncake's copy out of its staging) says False.
     one_sided: bool = True
     # `expose` makes the transfer's destination reachable by the transport for its duration (mooncake:
     # takes staging slots, waiting while the staging is full, and over TCP registers them) and may
@@ -311,8 +312,9 @@ class KVReceiver(abc.ABC):
         """After a failed transfer, how long a one-sided peer may still write into its pages.
 
         Read only for a transfer whose sink's `exposure.late_writes` says such a write is possible
-        (a one-sided transport whose peer was told the pages); mooncake needs its send timeout, the
-        in-process fake none (its writes cannot outlive the test's failure).
+        (a one-sided transport whose peer was told the pages): the grpc transport's same-host direct
+        copies need the send timeout, the in-process fake none (its writes cannot outlive the test's
+        failure). Mooncake's writers reach only its staging, which cools its own slots (staging.py).
         """
         return 0.0
 
