@@ -213,9 +213,9 @@ class KVSink(abc.ABC):
     # The peer writes the pages itself (fake, same-host direct); a sink that writes them itself (grpc's
     # byte stream, mooncake's copy out of its staging) says False.
     one_sided: bool = True
-    # `expose` makes the transfer's destination reachable by the transport for its duration (mooncake:
-    # takes staging slots, waiting while the staging is full, and over TCP registers them) and may
-    # block for a while: the caller runs it off the event loop.
+    # `reserve` (on the loop: mooncake waits for staging slots) then `expose` make the transfer's
+    # destination reachable by the transport for its duration (mooncake over TCP registers the
+    # slots); `expose` may block for a while: the caller runs it off the event loop.
     registers_pages: bool = False
 
     def __init__(self, pool: KVPool, pages: Sequence[int]) -> None:
@@ -237,6 +237,10 @@ class KVSink(abc.ABC):
             if self._failed is None:
                 self._failed = error
             return self._failed
+
+    async def reserve(self) -> None:
+        """Before `expose`, on the event loop: waits for what the transfer's writer needs (mooncake: its
+        staging slots); cancellable. Nothing by default."""
 
     def expose(self) -> None:
         """Before the handshake: lets the transport's writer reach these pages (nothing by default)."""

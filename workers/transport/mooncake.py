@@ -113,8 +113,8 @@ class MooncakeEngine:
 
 class MooncakeSink(KVSink):
     """A decode transfer over Mooncake into staging slots (staging.py), never into the pages the model
-    reads: `expose` takes the slots (waiting while the staging is full) and over TCP registers each
-    layer's runs of them; the handshake lists the slots as the pages to write (`offer_into`); `land`
+    reads: `reserve` takes the slots (waiting on the event loop while the staging is full), `expose`
+    over TCP registers each layer's runs of them; the handshake lists the slots as the pages to write (`offer_into`); `land`
     unregisters them, copies them into the request's pages and gives them back; `check_sealed` then
     MACs that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
     who reaches the engine's ports may have written the slots too. A transfer that ends otherwise
@@ -132,25 +132,32 @@ class MooncakeSink(KVSink):
         self._register = engine.protocol == "tcp"  # over RDMA the staging is registered for good
         self.slots: list[int] = []  # staging slot of each request page, while the transfer runs
         self._told: list[int] = []  # the slots the handshake named, for the MAC's header
+        self._dirty: list[int] = []  # slots to zero before they are exposed
         self._exposed: list[int] = []
-        # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) wakes its wait
-        # for room, waits for it and wins: nothing stays registered or held after it.
+        # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for it
+        # and wins: nothing stays registered or held after it.
         self._lock = threading.Lock()
         self._over = threading.Event()
 
-    def expose(self) -> None:
+    async def reserve(self) -> None:
         try:
-            slots = self._staging.acquire(len(self.pages), self._timeout_s, self._over)
+            slots, dirty = await self._staging.acquire(len(self.pages), self._timeout_s)
         except TransferError as exc:
             raise self.fail(exc) from None
+        if self._over.is_set():  # withdrawn meanwhile (not by cancelling this task)
+            self._staging.release(slots, scrubbed=not dirty)
+            raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended while it took staging room"))
+        self.slots, self._dirty = slots, dirty
+
+    def expose(self) -> None:
         with self._lock:
             if self._over.is_set():
-                self._staging.release(slots)
-                raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended while it took staging room"))
-            self.slots = slots
+                raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended before its staging was exposed"))
+            self._staging.scrub(self._dirty)  # a failed transfer's bytes, before anyone may read them
+            self._dirty = []
             page_bytes = self._staging.page_bytes
             for base in self._staging.base_addrs if self._register else []:
-                for begin, end, first in consecutive_runs(slots):
+                for begin, end, first in consecutive_runs(self.slots):
                     addr = base + first * page_bytes
                     if self._engine.engine.register_memory(addr, (end - begin) * page_bytes) != 0:
                         self._unregister()
@@ -182,7 +189,6 @@ class MooncakeSink(KVSink):
     def _end(self) -> list[int]:
         """Stops the writer's reach and hands back the slots still held (once)."""
         self._over.set()
-        self._staging.wake()
         with self._lock:
             self._unregister()
             slots, self.slots = self.slots, []

@@ -21,10 +21,12 @@ earlier request's KV. A transfer that failed or was cancelled after its handshak
 out may still be written by its prefill side for up to `send_timeout_s`, so its slots cool that long
 before they are reused and are zeroed when they are next taken; a write that lands in a reused
 slot then fails the new owner's MAC check, never its output. A transfer waits (off the event loop) while the staging is full, up to its
-timeout; one bigger than the whole staging is refused with the setting to raise.
+timeout, on the event loop; one bigger than the whole staging is refused with the setting to raise.
 """
 from __future__ import annotations
 
+import asyncio
+import collections
 import threading
 import time
 from typing import Sequence
@@ -57,64 +59,87 @@ class StagingArea:
         self._free = list(range(num_pages))
         self._cooling: list[tuple[float, list[int]]] = []  # (usable at, slots) of failed transfers
         self._dirty: set[int] = set()  # free slots that may hold a failed transfer's bytes
-        self._cond = threading.Condition()
+        self._tickets = 0  # acquire's order of arrival
+        self._queue: collections.deque[int] = collections.deque()  # waiting tickets, oldest first
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []  # acquires waiting for room
 
     @property
     def num_used(self) -> int:
         """Slots held by transfers or cooling after a failed one."""
-        with self._cond:
+        with self._lock:
             return self.num_pages - len(self._free)
 
-    def acquire(self, count: int, timeout_s: float, cancelled: threading.Event) -> list[int]:
-        """`count` slots, lowest first; blocks while the staging is full. Raises TransferError when
-        `count` exceeds the staging, after `timeout_s` without room, or once `cancelled` is set
-        (call `wake` after setting it)."""
+    async def acquire(self, count: int, timeout_s: float) -> tuple[list[int], list[int]]:
+        """`count` slots, lowest first, and which of them must be zeroed (`scrub`) before anything
+        registers or names them. Waits on the event loop while the staging is full (never in a
+        worker thread: the copies that free slots run there), first come first served (a big prompt
+        is not passed over forever by small ones, and slots go out in about the order the prefill
+        side gets the requests: it computes only those whose handshake came). Raises TransferError
+        when `count` exceeds the staging or after `timeout_s` without room; cancelling the task
+        gives up its place."""
         if count > self.num_pages:
             raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
                                 f"the prompt's KV takes {count} pages, the mooncake staging area holds "
                                 f"{self.num_pages}: raise the decode worker's --engine-opt mooncake_staging_tokens")
+        loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout_s
-        with self._cond:
+        with self._lock:
+            ticket = self._tickets
+            self._tickets += 1
+            self._queue.append(ticket)
+        try:
             while True:
-                if cancelled.is_set():
-                    raise TransferError(FailureCode.ABORTED, "the transfer ended while it waited for staging room")
-                now = time.monotonic()
-                self._thaw(now)
-                if len(self._free) >= count:
-                    self._free.sort()
-                    taken, self._free = self._free[:count], self._free[count:]
-                    dirty = [slot for slot in taken if slot in self._dirty]
-                    self._dirty.difference_update(dirty)
-                    break
-                wait = deadline - now
-                if wait <= 0:
-                    raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
-                                        f"no room for {count} pages in the mooncake staging area "
-                                        f"({self.num_pages} pages) within {timeout_s}s")
-                if self._cooling:
-                    wait = min(wait, max(0.0, min(at for at, _ in self._cooling) - now) + 1e-3)
-                self._cond.wait(wait)
-        self.scrub(dirty)  # ours now: zeroed before anything registers or names them
-        return taken
+                changed = asyncio.Event()
+                with self._lock:
+                    now = time.monotonic()
+                    self._thaw(now)
+                    if self._queue[0] == ticket and len(self._free) >= count:
+                        self._free.sort()
+                        taken, self._free = self._free[:count], self._free[count:]
+                        dirty = [slot for slot in taken if slot in self._dirty]
+                        self._dirty.difference_update(dirty)
+                        return taken, dirty
+                    wait = deadline - now
+                    if wait <= 0:
+                        raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
+                                            f"no room for {count} pages in the mooncake staging area "
+                                            f"({self.num_pages} pages) within {timeout_s}s; raise the decode "
+                                            f"worker's --engine-opt mooncake_staging_tokens")
+                    if self._cooling:
+                        wait = min(wait, max(0.0, min(at for at, _ in self._cooling) - now) + 1e-3)
+                    self._waiters.append((loop, changed))
+                try:
+                    await asyncio.wait_for(changed.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            with self._lock:
+                self._queue.remove(ticket)
+                self._notify()  # the next in line may fit now
 
     def release(self, slots: Sequence[int], delay_s: float = 0.0, scrubbed: bool = False) -> None:
         """Gives `slots` back, usable after `delay_s` (a late write of a failed transfer); unless
         `scrubbed` (zeroed by the caller), they are zeroed when next taken."""
         if not slots:
             return
-        with self._cond:
+        with self._lock:
             if not scrubbed:
                 self._dirty.update(slots)
             if delay_s > 0:
                 self._cooling.append((time.monotonic() + delay_s, list(slots)))
             else:
                 self._free.extend(slots)
-            self._cond.notify_all()
+            self._notify()
 
-    def wake(self) -> None:
-        """Lets waiting `acquire`s look at their `cancelled` again."""
-        with self._cond:
-            self._cond.notify_all()
+    def _notify(self) -> None:
+        """Wakes every waiting `acquire` (from any thread); under `_lock`."""
+        for loop, changed in self._waiters:
+            try:
+                loop.call_soon_threadsafe(changed.set)
+            except RuntimeError:  # that waiter's loop is gone (it gave up)
+                pass
+        self._waiters.clear()
 
     def _thaw(self, now: float) -> None:
         ready = [entry for entry in self._cooling if entry[0] <= now]

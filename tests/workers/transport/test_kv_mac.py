@@ -95,6 +95,7 @@ def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=N
     if not offer:
         handshake.mooncake.ClearField("kv_mac_algorithms")
     sink = receiver.open_sink(dst_pages)
+    asyncio.run(sink.reserve())
     sink.expose()
     sink.offer_into(handshake)
     slots = list(handshake.page_ids)

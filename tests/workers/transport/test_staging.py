@@ -4,8 +4,8 @@ refused with the setting), recycled at once after a copy and only after the late
 failure; the copy against plain indexing; what the decode side registers (never its pool)."""
 from __future__ import annotations
 
+import asyncio
 import random
-import threading
 import time
 
 import pytest
@@ -28,58 +28,56 @@ def _pool(rng: random.Random, num_pages: int = 32) -> KVPool:
 def test_slots_are_taken_lowest_first_and_a_full_staging_makes_a_transfer_wait():
     rng = random.Random()
     area = StagingArea(_pool(rng), 8)
-    never = threading.Event()
-    first = area.acquire(5, 1.0, never)
-    assert first == [0, 1, 2, 3, 4] and area.num_used == 5
-    got: list[list[int]] = []
-    waiter = threading.Thread(target=lambda: got.append(area.acquire(4, 10.0, never)))
-    waiter.start()
-    time.sleep(0.1)
-    assert not got  # 3 free, 4 asked: it waits
-    area.release(first[:2])
-    waiter.join(5)
-    assert got == [[0, 1, 5, 6]]
+
+    async def run():
+        first, _ = await area.acquire(5, 1.0)
+        assert first == [0, 1, 2, 3, 4] and area.num_used == 5
+        waiter = asyncio.ensure_future(area.acquire(4, 10.0))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()  # 3 free, 4 asked: it waits
+        # Released from a worker thread, as `land` does: the waiter on the loop wakes.
+        await asyncio.to_thread(area.release, first[:2], 0.0, True)
+        slots, _ = await asyncio.wait_for(waiter, 5)
+        assert slots == [0, 1, 5, 6]
+    asyncio.run(run())
 
 
 def test_a_prompt_bigger_than_the_staging_or_no_room_in_time_is_refused_and_a_cancel_ends_the_wait():
     rng = random.Random()
     area = StagingArea(_pool(rng), 4)
-    never = threading.Event()
-    with pytest.raises(TransferError, match="mooncake_staging_tokens") as big:
-        area.acquire(5, 1.0, never)
-    assert big.value.code is FailureCode.RESOURCE_EXHAUSTED
-    area.acquire(3, 1.0, never)
-    with pytest.raises(TransferError, match="no room") as late:
-        area.acquire(2, 0.05, never)
-    assert late.value.code is FailureCode.RESOURCE_EXHAUSTED
-    cancel, errors = threading.Event(), []
 
-    def wait() -> None:
-        try:
-            area.acquire(2, 60.0, cancel)
-        except TransferError as exc:
-            errors.append(exc)
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    time.sleep(0.05)
-    started = time.monotonic()
-    cancel.set()
-    area.wake()
-    waiter.join(5)
-    assert errors and errors[0].code is FailureCode.ABORTED and time.monotonic() - started < 2
+    async def run():
+        with pytest.raises(TransferError, match="mooncake_staging_tokens") as big:
+            await area.acquire(5, 1.0)
+        assert big.value.code is FailureCode.RESOURCE_EXHAUSTED
+        await area.acquire(3, 1.0)
+        with pytest.raises(TransferError, match="no room") as late:
+            await area.acquire(2, 0.05)
+        assert late.value.code is FailureCode.RESOURCE_EXHAUSTED
+        waiter = asyncio.ensure_future(area.acquire(2, 60.0))
+        behind = asyncio.ensure_future(area.acquire(1, 60.0))  # fits, but waits behind the first
+        await asyncio.sleep(0.05)
+        assert not behind.done()
+        waiter.cancel()  # the transfer ended: it gives up its place, the next one gets its slot
+        slots, _ = await asyncio.wait_for(behind, 5)
+        assert slots == [3]
+    asyncio.run(run())
 
 
 def test_slots_of_a_failed_transfer_cool_for_the_grace_before_reuse():
     rng = random.Random()
     area = StagingArea(_pool(rng), 4)
-    never = threading.Event()
-    slots = area.acquire(4, 1.0, never)
-    area.release(slots, delay_s=0.3)
-    with pytest.raises(TransferError):
-        area.acquire(1, 0.05, never)  # cooling: a late write of the failed transfer may still land
-    started = time.monotonic()
-    assert area.acquire(4, 5.0, never) == [0, 1, 2, 3]
-    assert time.monotonic() - started > 0.15
+
+    async def run():
+        slots, _ = await area.acquire(4, 1.0)
+        area.release(slots, delay_s=0.3)
+        with pytest.raises(TransferError):
+            await area.acquire(1, 0.05)  # cooling: a late write of the failed transfer may still land
+        started = time.monotonic()
+        again, dirty = await area.acquire(4, 5.0)
+        assert again == [0, 1, 2, 3] and sorted(dirty) == again  # and zeroed before they serve again
+        assert time.monotonic() - started > 0.15
+    asyncio.run(run())
 
 
 def test_the_copy_puts_each_slot_into_its_page_and_later_staging_writes_reach_no_page():
@@ -102,19 +100,28 @@ def test_the_copy_puts_each_slot_into_its_page_and_later_staging_writes_reach_no
     assert all(torch.equal(a, b) for a, b in zip(before, pool.buffers))
 
 
-def test_a_failed_transfers_bytes_are_zeroed_before_its_slots_serve_again():
+def test_a_failed_transfers_bytes_are_zeroed_before_its_slots_serve_again(monkeypatch):
     """Its slots go back unscrubbed (the failure path runs on the event loop); whoever takes them
-    next gets them zeroed before it registers or names them, so a reader of the new transfer's
-    registered slots never sees the failed one's KV."""
+    next zeroes them in `expose`, before it registers or names them, so a reader of the new
+    transfer's registered slots never sees the failed one's KV."""
     rng = random.Random()
-    area = StagingArea(_pool(rng), 6)
-    never = threading.Event()
-    slots = area.acquire(4, 1.0, never)
-    for staged in area.buffers:
-        staged[slots] = torch.randn(staged[slots].shape, generator=torch.Generator().manual_seed(rng.randrange(99)))
-    area.release(slots)
-    again = area.acquire(6, 1.0, never)
-    assert set(slots) <= set(again) and not any(staged.any() for staged in area.buffers)
+    mooncake_stub.install(monkeypatch)
+    pool = _pool(rng, 16)
+    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1",
+                                                      mooncake_staging_tokens=6 * pool.page_size))
+    staging = receiver.staging
+    failed = receiver.open_sink(list(range(4)))
+    asyncio.run(failed.reserve())
+    failed.expose()
+    for staged in staging.buffers:
+        staged[failed.slots] = 1.0 + torch.rand(staged[failed.slots].shape,
+                                                generator=torch.Generator().manual_seed(rng.randrange(99)))
+    failed.withdraw()  # before the handshake went out: no cooling
+    nxt = receiver.open_sink(list(range(4, 10)))
+    asyncio.run(nxt.reserve())
+    assert any(staged.any() for staged in staging.buffers)  # not yet: zeroing blocks, so expose does it
+    nxt.expose()
+    assert not any(staged.any() for staged in staging.buffers)
 
 
 @pytest.mark.parametrize("protocol", ["tcp", "rdma"])
@@ -137,6 +144,7 @@ def test_the_decode_pool_is_never_registered_only_the_staging(monkeypatch, proto
     assert set(engine.registered) == (set(staging.base_addrs) if protocol == "rdma" else set())
     count = rng.randrange(1, staging.num_pages + 1)
     sink = receiver.open_sink(rng.sample(range(pool.num_pages), count))
+    asyncio.run(sink.reserve())
     sink.expose()
     handshake = pb.Handshake(page_ids=sink.pages, layout=layout_of(pool))
     receiver.fill_destination(handshake)
@@ -171,3 +179,22 @@ def test_staging_copy_cost_per_megabyte():
             area.copy_into(pool, slots, pages)
         per_mb = (time.perf_counter() - started) / 3 / mb
         print(f"staging copy, {name}: {per_mb * 1e3:.3f} ms per MB ({1 / per_mb / 1e3:.2f} GB/s), {mb:.1f} MB")
+
+
+def test_a_big_prompt_is_not_passed_over_by_small_ones_that_came_later():
+    rng = random.Random()
+    area = StagingArea(_pool(rng), 8)
+
+    async def run():
+        held, _ = await area.acquire(6, 1.0)
+        big = asyncio.ensure_future(area.acquire(8, 10.0))
+        await asyncio.sleep(0.05)
+        small = asyncio.ensure_future(area.acquire(2, 10.0))  # 2 are free: it would fit, but comes second
+        await asyncio.sleep(0.05)
+        assert not big.done() and not small.done()
+        area.release(held)
+        slots, _ = await asyncio.wait_for(big, 5)
+        assert len(slots) == 8 and not small.done()
+        area.release(slots)
+        assert len((await asyncio.wait_for(small, 5))[0]) == 2
+    asyncio.run(run())

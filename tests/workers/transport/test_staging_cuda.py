@@ -40,6 +40,7 @@ def test_a_cuda_transfer_lands_through_device_staging_and_passes_its_mac(monkeyp
     count = rng.randrange(1, staging.num_pages + 1)
     src_pages, dst_pages = rng.sample(range(64), count), rng.sample(range(64), count)
     sink = receiver.open_sink(dst_pages)
+    asyncio.run(sink.reserve())
     sink.expose()
     handshake = pb.Handshake(page_ids=dst_pages, layout=layout_of(dst), num_tokens=count * page_size)
     receiver.fill_destination(handshake)
