@@ -114,9 +114,9 @@ class MooncakeEngine:
 class MooncakeSink(KVSink):
     """A decode transfer over Mooncake into staging slots (staging.py), never into the pages the model
     reads: `reserve` takes the slots (waiting on the event loop while the staging is full), `expose`
-    over TCP registers each layer's runs of them; the handshake lists the slots as the pages to write (`offer_into`); `land`
-    unregisters them, copies them into the request's pages and gives them back; `check_sealed` then
-    MACs that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
+    over TCP registers each layer's runs of them, the handshake lists them as the pages to write
+    (`offer_into`); `land` unregisters them, copies them into the request's pages and gives them
+    back; `check_sealed` then MACs that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
     who reaches the engine's ports may have written the slots too. A transfer that ends otherwise
     (`withdraw`) lets its slots cool for the late-write grace before they are reused."""
 

@@ -17,11 +17,12 @@ Slots are taken lowest first (so a transfer's slots tend to form one run: fewer 
 fewer Mooncake write requests) and go back at once after the copy, zeroed: every write of the
 prefill side completed before its TransferDone, and a registered slot (over RDMA all of them, for
 good; over TCP the next transfer's, from before its prefill writes them) never shows a reader an
-earlier request's KV. A transfer that failed or was cancelled after its handshake went
-out may still be written by its prefill side for up to `send_timeout_s`, so its slots cool that long
-before they are reused and are zeroed when they are next taken; a write that lands in a reused
-slot then fails the new owner's MAC check, never its output. A transfer waits (off the event loop) while the staging is full, up to its
-timeout, on the event loop; one bigger than the whole staging is refused with the setting to raise.
+earlier request's KV. A transfer that failed or was cancelled after its handshake went out may
+still be written by its prefill side for up to `send_timeout_s`, so its slots cool that long before
+they are reused, and are zeroed when next taken; a write that lands in a reused slot then fails
+the new owner's MAC check, never its output. A transfer waits for slots on the event loop while
+the staging is full (first come first served, up to its timeout); one bigger than the whole
+staging is refused with the setting to raise.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from deepseek_pd.workers.transport.page_io import page_index, side_stream
 from deepseek_pd.workers.transport.plan import merge_page_runs
 
 # Up to this many runs (contiguous in the slots and in the pages) a copy goes run by run, as plain
-# memory copies (on a CPU pool ~10x faster than indexed copies of bf16 pages); past it, one indexed
+# memory copies (on a CPU pool several times faster than indexed copies of bf16 pages); past it, one indexed
 # copy per layer (one kernel each, however fragmented).
 SLICE_RUNS = 8
 
