@@ -198,3 +198,8 @@ def test_a_big_prompt_is_not_passed_over_by_small_ones_that_came_later():
         area.release(slots)
         assert len((await asyncio.wait_for(small, 5))[0]) == 2
     asyncio.run(run())
+
+
+def test_a_staging_of_no_tokens_is_refused_with_the_setting():
+    with pytest.raises(ValueError, match="mooncake_staging_tokens"):
+        TransportConfig(mooncake_staging_tokens=0)
