@@ -19,4 +19,5 @@ def test_a_bad_peers_late_writes_into_its_own_destination_reach_no_other_request
     seed = random.randrange(1 << 30)
     out = run_in_netns(Path(__file__).with_name("netns_mooncake_bad_peer.py"), str(seed))
     print("seed", seed, out)
-    assert "B served" in out and "bodies landed while D decoded" in out and "bad-peer probe ok" in out, out
+    assert "B served" in out and "bodies landed while D decoded" in out and "failed that request by its MAC" in out \
+        and "bad-peer probe ok" in out, out

@@ -94,15 +94,17 @@ def nan_bytes(length: int) -> bytes:
     return struct.pack("<f", float("nan")) * (length // 4) + b"\xff" * (length % 4)
 
 
-async def send_bodies(writes: list[tuple[socket.socket, int, int]], timeout_s: float = 5.0) -> None:
-    """Sends NaN bodies on the started writes `(sock, addr, length)` and returns once the server
-    said each one is in memory (its v2 status frame; read in a thread, off the event loop)."""
+async def send_bodies(writes: list[tuple[socket.socket, int, int]], timeout_s: float = 5.0,
+                      body=nan_bytes) -> None:
+    """Sends bodies (`body(length)`: NaNs by default) on the started writes `(sock, addr, length)`
+    and returns once the server said each one is in memory (its v2 status frame; read in a thread,
+    off the event loop)."""
     import asyncio
 
     def finish() -> None:
         for sock, addr, length in writes:
             sock.settimeout(timeout_s)
-            sock.sendall(nan_bytes(length))
+            sock.sendall(body(length))
             frame = _recv_exactly(sock, 8)
             assert len(frame) == 8 and struct.unpack("<Q", frame)[0] == STATUS_OK, \
                 f"the late body at {addr:#x} was not applied: {frame!r}"
