@@ -46,7 +46,10 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
         raise
     # Withdraws, and (mooncake) copies the staging into the pages: what is checked below is a private
     # copy no writer reaches (a registration costs ~14 us; thousands of page runs take ms).
-    await asyncio.to_thread(sink.land)
+    if sink.registers_pages:
+        await asyncio.to_thread(sink.land)
+    else:
+        sink.land()  # (nothing to undo or copy: no thread hop on the first token's path)
     if vocab_size is not None:
         check_first_token(done, vocab_size, rid)
         check_first_top(done, vocab_size, top_logprobs_num, rid)
