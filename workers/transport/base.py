@@ -81,9 +81,10 @@ class TransportConfig:
     # mooncake: log `exposure_warning` when the engine starts. A group's ranks on one node share its
     # interfaces, so only the node's first rank says it (`for_local_rank`); serve sets it, no option does.
     warn_exposure: bool = True
-    # mooncake, decode side: the staging area one-sided writers write into (staging.py), in tokens of
-    # KV (rounded up to pages, at most the pool's); every transfer in flight holds its prompt's pages
-    # of it, and a prompt longer than all of it is refused. On the pool's device, beside the pool.
+    # mooncake: the staging area one-sided writers write into on decode (staging.py), in tokens of KV
+    # (rounded up to pages, at most the pool's); every transfer in flight holds its prompt's pages of
+    # it, and a prompt longer than all of it is refused. On the pool's device, beside the pool. Over
+    # RDMA the prefill side sends through one of the same size (its NIC reads only registered memory).
     mooncake_staging_tokens: int = 16384
 
     def __post_init__(self) -> None:

@@ -34,8 +34,8 @@ hand, and an unkeyed device checksum would not stop a stranger who can read the 
 
 What it relies on: the MAC is computed on the copy the model will read, which no writer reaches.
 Mooncake's TCP server checks a write's range once, when its header arrives, then reads the body
-with no deadline (tcp_transport_session_impl.h, readHeader/readBody), and over RDMA the staging
-stays registered: a body that lands after the copy changes only the staging
+with no deadline (tcp_transport_session_impl.h, readHeader/readBody), and over RDMA both stagings
+stay registered: a body that lands after the copy changes only the staging
 (tests/workers/test_security_mooncake_slow_body.py); one that lands in slots a later transfer uses
 fails that transfer's check. docs/operations.md §8.
 """

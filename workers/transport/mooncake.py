@@ -9,8 +9,9 @@ body at the peer's pace):
   around `pull_kv`'s transfer) and for good over RDMA (the NIC needs its memory regions); after
   the TransferDone decode copies the slots into the request's own pages (`MooncakeSink.land`) and
   checks the copy, so a write that lands later (a slow body) reaches no page the model reads;
-- over TCP the prefill side registers nothing (a TCP write reads its local source directly); over
-  RDMA it registers its whole pool once, at start (the NIC reads it);
+- the prefill side never registers its pool either: over TCP a write reads its local source
+  directly; over RDMA (the NIC reads only registered memory) each send's pages are gathered into a
+  registered send staging, written from there and zeroed (`MooncakeChannel._write_staged`);
 - whatever a stranger writes into the slots before the copy fails that request: the prefill side
   seals what it sent with a keyed MAC in the signed TransferDone (`MooncakeChannel.seal`), the
   decode side checks the private copy (`MooncakeSink.check_sealed`; kv_mac.py)
@@ -57,8 +58,8 @@ def exposure_warning(host: str) -> str:
     """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
     return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
             f"address it is given (0.3.13.post1). Its ports authenticate no peer (a stranger can write the "
-            f"staging of transfers in flight, failing them by their KV MAC; over rdma it can also read the "
-            f"staging and the prefill pool); keep other hosts off them "
+            f"staging of transfers in flight, failing them by their KV MAC, and over rdma read the KV in "
+            f"flight); keep other hosts off them "
             f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
 
 
@@ -223,6 +224,14 @@ class MooncakeSink(KVSink):
                                           f"its staging pages during the transfer; KV transfer refused"))
 
 
+def staging_for(pool: KVPool, config: TransportConfig) -> StagingArea:
+    """The staging area `config.mooncake_staging_tokens` asks for (at most the pool's size), logged."""
+    pages = min(pool.num_pages, -(-config.mooncake_staging_tokens // pool.page_size))
+    log.info("mooncake staging: %d pages (%d tokens, %.1f MiB) on %s", pages, pages * pool.page_size,
+             pages * pool.bytes_per_page * pool.num_layers / 2**20, pool.device)
+    return StagingArea(pool, pages)
+
+
 def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_bytes: int,
                       src_pages: Sequence[int], dst_pages: Sequence[int]
                       ) -> tuple[list[int], list[int], list[int]]:
@@ -243,10 +252,14 @@ def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_byt
 
 
 class MooncakeChannel(SendChannel):
+    """`staging` (over RDMA): where each send's pages are gathered for the NIC, which reads only
+    registered memory; None (TCP): writes read the pool itself, unregistered."""
+
     def __init__(self, pool: KVPool, engine: MooncakeEngine, destination: pb.MooncakeDestination,
-                 dst_pages: Sequence[int], timeout_s: float) -> None:
+                 dst_pages: Sequence[int], timeout_s: float, staging: StagingArea | None = None) -> None:
         super().__init__(pool, dst_pages)
         self.engine = engine
+        self.staging = staging
         self.destination = destination
         self.timeout_s = timeout_s
         self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
@@ -263,13 +276,14 @@ class MooncakeChannel(SendChannel):
         layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
         dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
         self._src_pages[page_begin:page_begin + len(src_pages)] = src_pages
-        call = asyncio.to_thread(self._write, layers, list(src_pages), dst, ready)
-        try:
-            status = await asyncio.wait_for(call, self.timeout_s)
-        except asyncio.TimeoutError:
-            raise TransferError(FailureCode.DEADLINE_EXCEEDED,
-                                f"mooncake write to {self.destination.session_id} took more than "
-                                f"{self.timeout_s}s") from None
+        if self.staging is None:
+            status = await self._timed(asyncio.to_thread(self._write, layers, list(src_pages), dst, ready))
+        else:  # in pieces the staging holds, each through slots held only while it is written
+            status, step = 0, self.staging.num_pages
+            for begin in range(0, len(src_pages), step):
+                if status == 0:
+                    status = await self._write_staged(layers, list(src_pages[begin:begin + step]),
+                                                      dst[begin:begin + step], ready)
         if status != 0:
             raise TransferError(FailureCode.UNAVAILABLE,
                                 f"mooncake write to {self.destination.session_id} failed (status {status})")
@@ -283,6 +297,42 @@ class MooncakeChannel(SendChannel):
         done.kv_mac = kv_mac.kv_mac(self.pool, self._src_pages, key, kv_mac.header(room, self.dst_pages),
                                     self._mac_algorithm)
         done.kv_mac_algorithm = self._mac_algorithm
+
+    async def _timed(self, call) -> int:
+        try:
+            return await asyncio.wait_for(call, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(FailureCode.DEADLINE_EXCEEDED,
+                                f"mooncake write to {self.destination.session_id} took more than "
+                                f"{self.timeout_s}s") from None
+
+    async def _write_staged(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
+        """One piece through staging slots; they go back zeroed (what the NIC may still read after a
+        timeout cools first: that write fails its request by the KV MAC, nothing else)."""
+        slots, dirty = await self.staging.acquire(len(src_pages), self.timeout_s)
+        try:
+            status = await self._timed(asyncio.to_thread(self._write_from_slots, layers, src_pages, slots, dirty,
+                                                         dst_pages, ready))
+        except BaseException:
+            self.staging.release(slots, delay_s=self.timeout_s)
+            raise
+        self.staging.release(slots, scrubbed=True)
+        return status
+
+    def _write_from_slots(self, layers: range, src_pages: list[int], slots: list[int], dirty: list[int],
+                          dst_pages: list[int], ready) -> int:
+        """In a worker thread: gathers the pages into the slots once their KV is written, one batch
+        write from there, then zeroes what it used (a reader of the registered staging sees no KV
+        that is not in flight)."""
+        self.staging.scrub(dirty)
+        sync_ready(self.pool, ready)
+        self.staging.fill_from(self.pool, layers, src_pages, slots)
+        batch = build_write_batch(self.staging.base_addrs[layers.start:layers.stop],
+                                  list(self.destination.layer_base_addrs)[layers.start:layers.stop],
+                                  self.pool.bytes_per_page, slots, dst_pages)
+        status = self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
+        self.staging.scrub(slots, layers)
+        return status
 
     def _write(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
         """In a worker thread: ONE batch write for every layer and merged page run of this send
@@ -320,8 +370,14 @@ class MooncakeSender(KVSender):
 
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         super().__init__(pool, config)
-        # Over TCP a write reads its local source without a registration: nothing to expose here.
-        self.engine = MooncakeEngine(pool, config, register_pool=config.mooncake_protocol != "tcp")
+        # The pool is never registered: over TCP a write reads its local source without a
+        # registration; over RDMA the NIC reads a send staging the pages are gathered into.
+        self.engine = MooncakeEngine(pool, config, register_pool=False)
+        self.staging = None
+        if self.engine.protocol != "tcp":
+            self.staging = staging_for(pool, config)
+            self.engine.register_buffers(self.staging.base_addrs,
+                                         [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
     def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         destination = handshake.mooncake
@@ -331,7 +387,7 @@ class MooncakeSender(KVSender):
         log.debug("room %d: mooncake %s writes %d pages into %s (decode DP rank %d)", handshake.room,
                   self.engine.session_id, len(handshake.page_ids), destination.session_id, handshake.decode_dp_rank)
         return MooncakeChannel(self.pool, self.engine, destination, handshake.page_ids,
-                               self.config.send_timeout_s)
+                               self.config.send_timeout_s, self.staging)
 
     def close(self) -> None:
         self.engine.close()
@@ -344,12 +400,10 @@ class MooncakeReceiver(KVReceiver):
         super().__init__(pool, config)
         # The pool is never registered: writers reach only the staging (staging.py).
         self.engine = MooncakeEngine(pool, config, register_pool=False)
-        pages = min(pool.num_pages, -(-config.mooncake_staging_tokens // pool.page_size))
-        self.staging = StagingArea(pool, pages)
+        self.staging = staging_for(pool, config)
         if self.engine.protocol != "tcp":  # the NIC needs its memory regions, and writers cache their keys
-            self.engine.register_buffers(self.staging.base_addrs, [pages * pool.bytes_per_page] * pool.num_layers)
-        log.info("mooncake staging: %d pages (%d tokens, %.1f MiB) on %s", pages, pages * pool.page_size,
-                 pages * pool.bytes_per_page * pool.num_layers / 2**20, pool.device)
+            self.engine.register_buffers(self.staging.base_addrs,
+                                         [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
     def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
         return MooncakeSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s)

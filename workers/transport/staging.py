@@ -172,15 +172,34 @@ class StagingArea:
                 staged.index_fill_(0, src, 0)
         self._on_device(copy)
 
-    def scrub(self, slots: Sequence[int]) -> None:
-        """Zeroes `slots` in every layer; returns once the zeros are in memory."""
+    def fill_from(self, pool: KVPool, layers: range, pages: Sequence[int], slots: Sequence[int]) -> None:
+        """The other direction, for a sender (prefill over RDMA, whose NIC reads only registered
+        memory): copies `pool`'s `pages` of `layers` into `slots`; returns once they are there."""
+        runs = merge_page_runs(pages, slots)
+
+        def copy() -> None:
+            if len(runs) <= SLICE_RUNS:
+                for layer in layers:
+                    for run in runs:
+                        self.buffers[layer][run.dst:run.dst + run.length].copy_(
+                            pool.buffers[layer][run.src:run.src + run.length])
+                return
+            src = page_index(pool, pages)
+            dst = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+            for layer in layers:
+                self.buffers[layer].index_copy_(0, dst, pool.buffers[layer].index_select(0, src))
+        self._on_device(copy)
+
+    def scrub(self, slots: Sequence[int], layers: range | None = None) -> None:
+        """Zeroes `slots` in `layers` (default every layer); returns once the zeros are in memory."""
         if not slots:
             return
+        chosen = range(len(self.buffers)) if layers is None else layers
 
         def zero() -> None:
             index = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
-            for staged in self.buffers:
-                staged.index_fill_(0, index, 0)
+            for layer in chosen:
+                self.buffers[layer].index_fill_(0, index, 0)
         self._on_device(zero)
 
     def _on_device(self, work) -> None:
