@@ -87,3 +87,25 @@ def test_staging_copy_time_for_a_4k_token_v2_lite_prompt():
         wall_ms = (time.perf_counter() - began) / 5 * 1e3
         print(f"staging copy ({name}): {wall_ms:.2f} ms for {mb:.0f} MB "
               f"({mb / wall_ms:.1f} GB/s including launches)")
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_send_staging_on_cuda_gathers_the_pages_of_the_layers_asked(scattered):
+    """The prefill side over RDMA gathers each send into its send staging (MooncakeChannel._write_staged):
+    on the device, one run of slices or one indexed copy per layer, complete when `fill_from` returns."""
+    rng = random.Random()
+    pool = KVPool(4, 64, 16, 576, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(1 << 30))
+    for buffer in pool.buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen, device="cuda"))
+    area = StagingArea(pool, 32)
+    count = rng.randrange(1, 32)
+    pages = rng.sample(range(64), count) if scattered else list(range(5, 5 + count))
+    slots = rng.sample(range(32), count) if scattered else list(range(count))
+    layers = range(1, 3)
+    area.fill_from(pool, layers, pages, slots)
+    for layer in range(pool.num_layers):
+        staged = area.buffers[layer][slots]
+        assert torch.equal(staged, pool.buffers[layer][pages]) if layer in layers else not staged.any()
+    area.scrub(slots, layers)
+    assert not any(buffer.any() for buffer in area.buffers)
