@@ -4,12 +4,14 @@ inside a private network namespace. Prints one line per probe; exits non-zero on
 
 Cannot (each was possible before registrations were narrowed):
 - read or write the prefill pool (its KV and radix cache): the prefill side registers nothing;
-- read or write the decode pool while no transfer runs, or the pages of a request that is
-  decoding (its transfer is over): only a transfer's own pages are registered, while it runs.
-Can (still open, Mooncake authenticates no peer): write into the pages of a transfer in flight;
-the write lands, but it changes no output token: the decode side MACs the pages once the transfer
-is withdrawn, against the tag the prefill side signed (kv_transfer/kv_mac.py), and refuses that
-request with a clear error. Before the MAC, finite garbage went unnoticed into the request's output.
+- read or write the decode pool at any time: it is never registered; writers reach only staging
+  slots (workers/transport/staging.py), each registered only while its transfer runs; so neither
+  the pages of a decoding request nor the staging its transfer used.
+Can (still open, Mooncake authenticates no peer): write into the staging slots of a transfer in
+flight; the write lands, but it changes no output token: the decode side copies the slots into the
+request's private pages and MACs that copy against the tag the prefill side signed
+(transport/kv_mac.py), refusing that request with a clear error. Before the MAC, finite garbage went
+unnoticed into the request's output. (A body sent after the copy: netns_mooncake_slow_body.py.)
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from pdtest.hostile_prefill import hold_transfer_done
+from pdtest.mooncake_wire import first_page_addr, record_handshakes
 from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -57,6 +60,7 @@ def main(seed: int) -> None:  # noqa: C901 (one probe after another)
         config = worker_config("mooncake")
         async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
             attacker = stranger()
+            handshakes = record_handshakes(pair.prefill.sender)
             p_session = pair.prefill.sender.engine.session_id
             d_session = pair.decode.receiver.engine.session_id
             page = pair.decode.pool.bytes_per_page
@@ -82,9 +86,12 @@ def main(seed: int) -> None:  # noqa: C901 (one probe after another)
             await asyncio.wait_for(decoding.wait(), 60)
             pages = pulled["victim-d"]
             hits = [try_write(attacker, d_session, d_base + p * page, page) for p in pages]
+            staged, _ = first_page_addr(handshakes["victim-d"])  # where its prefill wrote: a staging slot
+            hits.append(try_write(attacker, d_session, staged, page))
             _, outcome = await victim
             assert not any(hits) and outcome.ok and outcome.tokens == expected[1], (hits, outcome)
-            print(f"cannot: write the pages of a decoding request ({len(pages)} pages tried)")
+            print(f"cannot: write the pages of a decoding request ({len(pages)} pages tried), nor the "
+                  f"staging its transfer used")
 
             # Still open: a transfer in flight has its pages registered. Hold the prefill side's
             # TransferDone so the transfer stays in flight while the stranger writes.
@@ -93,7 +100,7 @@ def main(seed: int) -> None:  # noqa: C901 (one probe after another)
             p_req, d_req = pair.requests(prompts[2], GREEDY, "in-flight")
             held = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
             await asyncio.wait_for(sent.wait(), 60)
-            pages = pulled["in-flight-d"]
+            target, _ = first_page_addr(handshakes["in-flight-d"])  # a staging slot (staging.py)
             # An attacker retries: the stranger's engine learns a segment's registered ranges from
             # its peer's metadata, which it may hold from before this transfer registered its pages
             # (a loaded CI run saw the first write refused). The transfer stays held meanwhile.
@@ -104,18 +111,18 @@ def main(seed: int) -> None:  # noqa: C901 (one probe after another)
                                   generator=torch.Generator().manual_seed(seed)).to(pool.dtype)
             fresh = stranger()
             deadline = time.monotonic() + 20
-            landed = try_write(fresh, d_session, d_base + pages[0] * page, page, garbage)
+            landed = try_write(fresh, d_session, target, page, garbage)
             while not landed and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
-                landed = try_write(fresh, d_session, d_base + pages[0] * page, page, garbage)
+                landed = try_write(fresh, d_session, target, page, garbage)
             release.set()
             _, outcome = await held
             undo()
             assert landed, "the stranger's write into the transfer in flight never landed"
             # No output token changed: the request is refused, with a reason that names the MAC.
             assert not outcome.ok and "does not match the MAC" in outcome.terminal.message, (outcome, expected[2])
-            print("can (still open): write into the pages of a transfer in flight; it changes no output "
-                  "token: the KV MAC refuses that request")
+            print("can (still open): write into the staging of a transfer in flight; it changes no output "
+                  "token: the KV MAC of the private copy refuses that request")
             await pair.wait_pools_clean(config.transport.send_timeout_s + 10)
 
     with recorded_pulls() as pulled:

@@ -35,16 +35,21 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
     started = time.monotonic()
     if sink is None:
         sink = receiver.open_sink(pages, params.bootstrap_host)
-    sink.offer_into(handshake)
     try:
-        if sink.registers_pages:  # mooncake over TCP: the pages are reachable only from here...
+        await sink.reserve()  # mooncake: staging slots (waits here, on the loop, while they are all taken)
+        if sink.registers_pages:  # mooncake: its staging slots are reachable only from here...
             await asyncio.to_thread(sink.expose)
+        sink.offer_into(handshake)  # (after expose: the slots it took are the pages to write)
         done = await client.transfer(params, handshake, sink)
     except BaseException:
         sink.withdraw()  # ...to here, whatever the outcome (on the loop: a cancelled task may not wait)
         raise
-    if sink.registers_pages:  # (a registration costs ~14 us; thousands of page runs take ms)
-        await asyncio.to_thread(sink.withdraw)
+    # Withdraws, and (mooncake) copies the staging into the pages: what is checked below is a private
+    # copy no writer reaches (a registration costs ~14 us; thousands of page runs take ms).
+    if sink.registers_pages:
+        await asyncio.to_thread(sink.land)
+    else:
+        sink.land()  # (nothing to undo or copy: no thread hop on the first token's path)
     if vocab_size is not None:
         check_first_token(done, vocab_size, rid)
         check_first_top(done, vocab_size, top_logprobs_num, rid)

@@ -81,6 +81,11 @@ class TransportConfig:
     # mooncake: log `exposure_warning` when the engine starts. A group's ranks on one node share its
     # interfaces, so only the node's first rank says it (`for_local_rank`); serve sets it, no option does.
     warn_exposure: bool = True
+    # mooncake: the staging area one-sided writers write into on decode (staging.py), in tokens of KV
+    # (rounded up to pages, at most the pool's); every transfer in flight holds its prompt's pages of
+    # it, and a prompt longer than all of it is refused. On the pool's device, beside the pool. Over
+    # RDMA the prefill side sends through one of the same size (its NIC reads only registered memory).
+    mooncake_staging_tokens: int = 16384
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
@@ -92,6 +97,8 @@ class TransportConfig:
         if self.same_host_direct not in SAME_HOST_DIRECT_MODES:
             raise ValueError(f"same_host_direct must be one of {', '.join(SAME_HOST_DIRECT_MODES)}, "
                              f"got {self.same_host_direct!r}")
+        if self.mooncake_staging_tokens < 1:
+            raise ValueError(f"mooncake_staging_tokens must be >= 1, got {self.mooncake_staging_tokens}")
         if self.send_timeout_s <= 0:
             raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
@@ -204,10 +211,12 @@ class KVSink(abc.ABC):
 
     # Where the bootstrap client runs `on_chunk` (a worker pool: off the event loop); None: inline.
     executor: Executor | None = None
-    # The peer writes the pages itself (mooncake, fake); a sink that writes them itself says False.
+    # The peer writes the pages itself (fake, same-host direct); a sink that writes them itself (grpc's
+    # byte stream, mooncake's copy out of its staging) says False.
     one_sided: bool = True
-    # `expose` makes the pages reachable by the transport for the transfer's duration (mooncake
-    # over TCP registers them) and may block for a while: the caller runs it off the event loop.
+    # `reserve` (on the loop: mooncake waits for staging slots) then `expose` make the transfer's
+    # destination reachable by the transport for its duration (mooncake over TCP registers the
+    # slots); `expose` may block for a while: the caller runs it off the event loop.
     registers_pages: bool = False
 
     def __init__(self, pool: KVPool, pages: Sequence[int]) -> None:
@@ -230,11 +239,21 @@ class KVSink(abc.ABC):
                 self._failed = error
             return self._failed
 
+    async def reserve(self) -> None:
+        """Before `expose`, on the event loop: waits for what the transfer's writer needs (mooncake: its
+        staging slots); cancellable. Nothing by default."""
+
     def expose(self) -> None:
         """Before the handshake: lets the transport's writer reach these pages (nothing by default)."""
 
     def withdraw(self) -> None:
         """Once the transfer is over, whatever its outcome: undoes `expose`; idempotent."""
+
+    def land(self) -> None:
+        """After the sender's TransferDone, in a worker thread, before any check of the KV: ends the
+        writer's reach (`withdraw`) and makes what it delivered the pages' content (mooncake: copies the
+        staging slots into the pages, staging.py), so nothing written later reaches what is checked."""
+        self.withdraw()
 
     def offer_into(self, handshake: pb.Handshake) -> None:
         """Adds to the handshake what this transfer offers its writer beyond the transport's
@@ -298,8 +317,9 @@ class KVReceiver(abc.ABC):
         """After a failed transfer, how long a one-sided peer may still write into its pages.
 
         Read only for a transfer whose sink's `exposure.late_writes` says such a write is possible
-        (a one-sided transport whose peer was told the pages); mooncake needs its send timeout, the
-        in-process fake none (its writes cannot outlive the test's failure).
+        (a one-sided transport whose peer was told the pages): the grpc transport's same-host direct
+        copies need the send timeout, the in-process fake none (its writes cannot outlive the test's
+        failure). Mooncake's writers reach only its staging, which cools its own slots (staging.py).
         """
         return 0.0
 

@@ -5,16 +5,21 @@ another request gets them, but only if something can have been written there; an
 for the transport's late-write grace only if a write can still land after the transfer ended. Which
 of the two holds depends on who writes the pages:
 
-- one-sided transports (mooncake, fake): the peer writes into our memory itself. The pages are
+- one-sided transports (fake; the grpc transport's same-host direct copies): the peer writes into
+  our memory itself. The pages are
   exposed once it has been told them (`handed_out`: the handshake that lists them goes out), and a
   write it started before it learnt of the failure may land later, within the grace.
-- the grpc stream transport: every byte is written by our own receiver (`wrote`, before it writes
+- the grpc stream transport and mooncake (whose writers reach only staging slots: the pages are
+  written by our own copy, `KVSink.land`; staging.py cools the slots of a failed transfer itself):
+  every byte of the pages is written by our own receiver (`wrote`, before it writes
   a chunk into the pages), and nothing writes once it has stopped (the bootstrap client waits for
   its writes before it returns), so there is never a late write.
 
     transfer                                             may_be_written  late_writes
     refused before the handshake went out (any)          no              no   -> freed at once
-    mooncake: handshake sent, then failed or aborted     yes             yes  -> zeroed after the grace
+    fake: handshake sent, then failed or aborted         yes             yes  -> zeroed after the grace
+    mooncake: handshake sent, failed before its copy     no              no   -> freed at once
+    mooncake: copied, then its MAC refused               yes             no   -> zeroed, no grace
     grpc: handshake sent, refused before any chunk       no              no   -> freed at once
     grpc: 3 chunks written, then a crc32 mismatch        yes             no   -> zeroed, no grace
 

@@ -1,16 +1,16 @@
 """A keyed MAC over the KV bytes of one transfer, for one-sided transports (mooncake).
 
-Mooncake authenticates no peer: while a transfer runs, its decode pages are registered with the
-engine and anyone who reaches its ports can write them (mooncake.py). So the prefill side MACs the
-bytes it sent and carries the tag in the signed TransferDone; the decode side, once the pages are
-withdrawn, MACs what landed and refuses the request on a mismatch (its pages are then scrubbed and
-freed like any failed transfer's). A stranger's write can then spoil only a request that fails
-with a clear error; it cannot change one output token.
+Mooncake authenticates no peer: while a transfer runs, its staging slots (staging.py) are
+registered with the engine and anyone who reaches its ports can write them (mooncake.py). So the
+prefill side MACs the bytes it sent and carries the tag in the signed TransferDone; the decode side
+copies the slots into the request's private pages, MACs that copy and refuses the request on a
+mismatch (its pages are then scrubbed and freed like any failed transfer's). A stranger's write can
+then spoil only a request that fails with a clear error; it cannot change one output token.
 
     key = HMAC-SHA256(secret, "deepseek-pd/kv-mac" || room || handshake nonce)  (InternalAuth.kv_key)
     layer_l = BLAKE2b(key, person "kv-layer", header || 0 || l || page 0, page 1, ... of layer l)
     tag     = BLAKE2b(key, person "kv-root",  header || layer_0 || layer_1 || ...)
-    header  = "room=R;pages=<decode page ids>"                   (pages in request-local order)
+    header  = "room=R;pages=<the handshake's page ids>"   (request-local order: decode's staging slots)
 
 The handshake nonce is used once (the prefill side's replay guard), so each key MACs one transfer;
 the key comes from the deployment secret, so an on-path observer who sees the tag (the bootstrap
@@ -32,11 +32,12 @@ device and copied to the host a layer at a time first (PCIe at ~25 GB/s adds ~5 
 prompt); a MAC computed on the device (no host copy) is not done here: no keyed MAC kernel is at
 hand, and an unkeyed device checksum would not stop a stranger who can read the pages too.
 
-What it does not cover: Mooncake's TCP server checks a write's range once, when its header
-arrives, then reads the body with no deadline (tcp_transport_session_impl.h, readHeader/readBody).
-A stranger who sends a header while the pages are registered can trickle the body in after the
-withdrawal and the MAC check. Over RDMA the pools stay registered for the worker's life, so a write
-after the check is possible at any time. Both are documented in docs/operations.md §8.
+What it relies on: the MAC is computed on the copy the model will read, which no writer reaches.
+Mooncake's TCP server checks a write's range once, when its header arrives, then reads the body
+with no deadline (tcp_transport_session_impl.h, readHeader/readBody), and over RDMA both stagings
+stay registered: a body that lands after the copy changes only the staging
+(tests/workers/test_security_mooncake_slow_body.py); one that lands in slots a later transfer uses
+fails that transfer's check. docs/operations.md §8.
 """
 from __future__ import annotations
 

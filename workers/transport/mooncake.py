@@ -2,19 +2,23 @@
 
 Both workers start a `TransferEngine` in P2P-handshake mode. What they register is what any peer
 that reaches the engine's ports may read and write (Mooncake authenticates nobody, not even in
-0.3.14; its TCP server refuses only addresses outside the registered ranges, checked per write):
-- over RDMA both register every layer buffer of their pool once, at start (the NIC needs the
-  memory regions, and a writer the remote keys of its cached segment description);
-- over TCP the prefill side registers nothing (a TCP write reads its local source directly), and
-  the decode side registers a transfer's own pages (each layer's runs of consecutive pages) only
-  while that transfer runs (`MooncakePagesSink.expose`/`withdraw`, around `pull_kv`'s transfer):
-  a stranger can then reach only the pages of transfers in flight, never the prefill pool, the
-  decode requests already decoding, or free pages (tests/workers/test_security_mooncake_pool.py);
-- whatever it writes there fails that request: the prefill side seals what it sent with a keyed
-  MAC in the signed TransferDone (`MooncakeChannel.seal`), the decode side checks what landed once
-  the pages are withdrawn (`MooncakeSink.check_sealed`; kv_mac.py).
+0.3.14; its TCP server checks a write's range once, when its header arrives, and then takes the
+body at the peer's pace):
+- the decode side never registers its KV pool: writers reach only the slots of a small staging
+  area (staging.py), registered per transfer while it runs over TCP (`MooncakeSink.expose`/`land`,
+  around `pull_kv`'s transfer) and for good over RDMA (the NIC needs its memory regions); after
+  the TransferDone decode copies the slots into the request's own pages (`MooncakeSink.land`) and
+  checks the copy, so a write that lands later (a slow body) reaches no page the model reads;
+- the prefill side never registers its pool either: over TCP a write reads its local source
+  directly; over RDMA (the NIC reads only registered memory) each send's pages are gathered into a
+  registered send staging, written from there and zeroed (`MooncakeChannel._write_staged`);
+- whatever a stranger writes into the slots before the copy fails that request: the prefill side
+  seals what it sent with a keyed MAC in the signed TransferDone (`MooncakeChannel.seal`), the
+  decode side checks the private copy (`MooncakeSink.check_sealed`; kv_mac.py)
+  (tests/workers/test_security_mooncake_pool.py, test_security_mooncake_slow_body.py).
 The decode side's handshake carries its engine's session id
-(`host:rpc_port`), the base address of each layer buffer and the page size in bytes; the prefill
+(`host:rpc_port`), the base address of each staging layer buffer, the slots as `page_ids` and the
+page size in bytes; the prefill
 side then turns each `send` into ONE `batch_transfer_sync_write` covering all layers and all
 contiguous page runs (batching per chunk rather than per layer took SGLang's transfers from
 650 ms to 60 ms, FACTS "KV transfer"). The engine binds 0.0.0.0 whatever it is told (0.3.13.post1
@@ -23,7 +27,7 @@ and in Kubernetes the NetworkPolicy keeps other pods off its ports (docs/operati
 
 Trust: the prefill side writes only where an authenticated handshake (the bootstrap servicer
 checks its token before the room sees it) says, and only to pages that handshake lists, each
-checked below the decode pool's size (`check_destination`); addresses come from the handshake's
+checked below the destination's size (`check_destination`); addresses come from the handshake's
 layer bases plus page ids, never from anything else a peer sends. The decode side reveals its
 addresses only in handshakes to registered prefill workers (decode/prefill_peers.py).
 """
@@ -43,6 +47,7 @@ from deepseek_pd.workers.transport.base import (
     EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig, check_page_ids)
 from deepseek_pd.workers.transport.page_io import consecutive_runs, sync_ready
 from deepseek_pd.workers.transport.plan import merge_page_runs
+from deepseek_pd.workers.transport.staging import StagingArea
 from deepseek_pd.workers.engine.request_failure import TransferError
 
 log = logging.getLogger(__name__)
@@ -52,14 +57,15 @@ _warned_unsealed = False  # MooncakeSink.check_sealed: said once per process
 def exposure_warning(host: str) -> str:
     """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
     return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
-            f"address it is given (0.3.13.post1). Its ports authenticate no peer (over tcp a stranger can "
-            f"write the decode pages of transfers in flight, failing them by their KV MAC; over rdma both KV pools); keep other hosts off them "
+            f"address it is given (0.3.13.post1). Its ports authenticate no peer (a stranger can write the "
+            f"staging of transfers in flight, failing them by their KV MAC, and over rdma read the KV in "
+            f"flight); keep other hosts off them "
             f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
 
 
 class MooncakeEngine:
     """One TransferEngine over a KV pool; `register_pool`: its layer buffers registered for good
-    (else nothing is, unless a transfer registers its own pages: `MooncakePagesSink`)."""
+    (else nothing is, unless `register_buffers` or a transfer registers its staging: `MooncakeSink`)."""
 
     def __init__(self, pool: KVPool, config: TransportConfig, register_pool: bool = True) -> None:
         try:
@@ -89,12 +95,16 @@ class MooncakeEngine:
         self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
         self._registered: list[int] = []
         if register_pool:
-            for addr, length in zip(self.base_addrs, self.layer_bytes):
-                if self.engine.register_memory(addr, length) != 0:
-                    self.close()
-                    raise UserError(f"mooncake could not register a {length}-byte KV buffer "
-                                    "(RDMA needs IPC_LOCK and GPUDirect; see docs)")
-                self._registered.append(addr)
+            self.register_buffers(self.base_addrs, self.layer_bytes)
+
+    def register_buffers(self, addrs: Sequence[int], lengths: Sequence[int]) -> None:
+        """Registers buffers until `close`; raises UserError (after undoing all) if one is refused."""
+        for addr, length in zip(addrs, lengths):
+            if self.engine.register_memory(addr, length) != 0:
+                self.close()
+                raise UserError(f"mooncake could not register a {length}-byte KV buffer "
+                                "(RDMA needs IPC_LOCK and GPUDirect; see docs)")
+            self._registered.append(addr)
 
     def close(self) -> None:
         for addr in self._registered:
@@ -103,9 +113,92 @@ class MooncakeEngine:
 
 
 class MooncakeSink(KVSink):
-    """A decode transfer over Mooncake: the prefill side writes the pages; `check_sealed` then
-    MACs what landed against the tag of what it sent (kv_mac.py), since anyone who reaches the
-    engine's ports may have written them too."""
+    """A decode transfer over Mooncake into staging slots (staging.py), never into the pages the model
+    reads: `reserve` takes the slots (waiting on the event loop while the staging is full), `expose`
+    over TCP registers each layer's runs of them, the handshake lists them as the pages to write
+    (`offer_into`); `land` unregisters them, copies them into the request's pages and gives them
+    back; `check_sealed` then MACs that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
+    who reaches the engine's ports may have written the slots too. A transfer that ends otherwise
+    (`withdraw`) lets its slots cool for the late-write grace before they are reused."""
+
+    registers_pages = True
+    one_sided = False  # a writer reaches only the staging: the pages are written by `land` alone
+
+    def __init__(self, pool: KVPool, pages: Sequence[int], engine: MooncakeEngine, staging: StagingArea,
+                 timeout_s: float) -> None:
+        super().__init__(pool, pages)
+        self._engine = engine
+        self._staging = staging
+        self._timeout_s = timeout_s  # the longest wait for staging room, and the slots' late-write grace
+        self._register = engine.protocol == "tcp"  # over RDMA the staging is registered for good
+        self.slots: list[int] = []  # staging slot of each request page, while the transfer runs
+        self._told: list[int] = []  # the slots the handshake named, for the MAC's header
+        self._dirty: list[int] = []  # slots to zero before they are exposed
+        self._exposed: list[int] = []
+        # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for it
+        # and wins: nothing stays registered or held after it.
+        self._lock = threading.Lock()
+        self._over = threading.Event()
+
+    async def reserve(self) -> None:
+        try:
+            slots, dirty = await self._staging.acquire(len(self.pages), self._timeout_s)
+        except TransferError as exc:
+            raise self.fail(exc) from None
+        if self._over.is_set():  # withdrawn meanwhile (not by cancelling this task)
+            self._staging.release(slots, scrubbed=not dirty)
+            raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended while it took staging room"))
+        self.slots, self._dirty = slots, dirty
+
+    def expose(self) -> None:
+        with self._lock:
+            if self._over.is_set():
+                raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended before its staging was exposed"))
+            self._staging.scrub(self._dirty)  # a failed transfer's bytes, before anyone may read them
+            self._dirty = []
+            page_bytes = self._staging.page_bytes
+            for base in self._staging.base_addrs if self._register else []:
+                for begin, end, first in consecutive_runs(self.slots):
+                    addr = base + first * page_bytes
+                    if self._engine.engine.register_memory(addr, (end - begin) * page_bytes) != 0:
+                        self._unregister()
+                        raise self.fail(TransferError(FailureCode.INTERNAL, "mooncake could not register "
+                                                      "the transfer's staging pages"))
+                    self._exposed.append(addr)
+
+    def offer_into(self, handshake: pb.Handshake) -> None:
+        # The writer writes the staging slots (the destination's layer bases are the staging's).
+        self._told = list(self.slots)
+        del handshake.page_ids[:]
+        handshake.page_ids.extend(self._told)
+
+    def withdraw(self) -> None:
+        slots = self._end()
+        # Its prefill side may still be writing them (it learns of the failure late): let them cool.
+        self._staging.release(slots, self._timeout_s if self._told else 0.0)
+
+    def land(self) -> None:
+        slots = self._end()
+        try:
+            self.exposure.wrote()
+            self._staging.copy_into(self.pool, slots, self.pages)  # (and zeroes the slots)
+        except BaseException:
+            self._staging.release(slots)
+            raise
+        self._staging.release(slots, scrubbed=True)  # every write of the prefill side completed before its done
+
+    def _end(self) -> list[int]:
+        """Stops the writer's reach and hands back the slots still held (once)."""
+        self._over.set()
+        with self._lock:
+            self._unregister()
+            slots, self.slots = self.slots, []
+        return slots
+
+    def _unregister(self) -> None:
+        for addr in self._exposed:
+            self._engine.engine.unregister_memory(addr)
+        self._exposed.clear()
 
     def check_sealed(self, done: pb.TransferDone, key: bytes | None, room: int) -> None:
         if key is None:
@@ -121,54 +214,22 @@ class MooncakeSink(KVSink):
                             "checked against writes by strangers on the mooncake ports; upgrade it")
             return
         try:
-            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self.pages), done.kv_mac_algorithm)
+            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm)
         except ValueError as exc:
             raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot check the KV's MAC: {exc}")) from None
         if not kv_mac.tags_equal(tag, done.kv_mac):
             raise self.fail(TransferError(FailureCode.INTERNAL,
                                           f"the received KV of room {room} does not match the MAC the prefill "
                                           f"worker signed ({done.kv_mac_algorithm}): something else wrote into "
-                                          f"its decode pages during the transfer; KV transfer refused"))
+                                          f"its staging pages during the transfer; KV transfer refused"))
 
 
-class MooncakePagesSink(MooncakeSink):
-    """A decode transfer over Mooncake TCP whose pages are registered only while it runs: `expose`
-    registers each layer's runs of consecutive pages, `withdraw` unregisters them (idempotent).
-    A write whose header reached the engine before `withdraw` may still land: the late-write grace
-    and the scrub (decode/engine.py `_release`) cover it, as before."""
-
-    registers_pages = True
-
-    def __init__(self, pool: KVPool, pages: Sequence[int], engine: MooncakeEngine) -> None:
-        super().__init__(pool, pages)
-        self._engine = engine
-        self._exposed: list[int] = []
-        # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for
-        # it and wins: nothing stays registered after it.
-        self._lock = threading.Lock()
-        self._withdrawn = False
-
-    def expose(self) -> None:
-        page_bytes = self.pool.bytes_per_page
-        with self._lock:
-            for base in [] if self._withdrawn else self._engine.base_addrs:
-                for begin, end, first in consecutive_runs(self.pages):
-                    addr = base + first * page_bytes
-                    if self._engine.engine.register_memory(addr, (end - begin) * page_bytes) != 0:
-                        self._unregister()
-                        raise self.fail(TransferError(FailureCode.INTERNAL, "mooncake could not register "
-                                                      "the transfer's decode pages"))
-                    self._exposed.append(addr)
-
-    def withdraw(self) -> None:
-        with self._lock:
-            self._withdrawn = True
-            self._unregister()
-
-    def _unregister(self) -> None:
-        for addr in self._exposed:
-            self._engine.engine.unregister_memory(addr)
-        self._exposed.clear()
+def staging_for(pool: KVPool, config: TransportConfig) -> StagingArea:
+    """The staging area `config.mooncake_staging_tokens` asks for (at most the pool's size), logged."""
+    pages = min(pool.num_pages, -(-config.mooncake_staging_tokens // pool.page_size))
+    log.info("mooncake staging: %d pages (%d tokens, %.1f MiB) on %s", pages, pages * pool.page_size,
+             pages * pool.bytes_per_page * pool.num_layers / 2**20, pool.device)
+    return StagingArea(pool, pages)
 
 
 def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_bytes: int,
@@ -191,10 +252,14 @@ def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_byt
 
 
 class MooncakeChannel(SendChannel):
+    """`staging` (over RDMA): where each send's pages are gathered for the NIC, which reads only
+    registered memory; None (TCP): writes read the pool itself, unregistered."""
+
     def __init__(self, pool: KVPool, engine: MooncakeEngine, destination: pb.MooncakeDestination,
-                 dst_pages: Sequence[int], timeout_s: float) -> None:
+                 dst_pages: Sequence[int], timeout_s: float, staging: StagingArea | None = None) -> None:
         super().__init__(pool, dst_pages)
         self.engine = engine
+        self.staging = staging
         self.destination = destination
         self.timeout_s = timeout_s
         self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
@@ -211,13 +276,14 @@ class MooncakeChannel(SendChannel):
         layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
         dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
         self._src_pages[page_begin:page_begin + len(src_pages)] = src_pages
-        call = asyncio.to_thread(self._write, layers, list(src_pages), dst, ready)
-        try:
-            status = await asyncio.wait_for(call, self.timeout_s)
-        except asyncio.TimeoutError:
-            raise TransferError(FailureCode.DEADLINE_EXCEEDED,
-                                f"mooncake write to {self.destination.session_id} took more than "
-                                f"{self.timeout_s}s") from None
+        if self.staging is None:
+            status = await self._timed(asyncio.to_thread(self._write, layers, list(src_pages), dst, ready))
+        else:  # in pieces the staging holds, each through slots held only while it is written
+            status, step = 0, self.staging.num_pages
+            for begin in range(0, len(src_pages), step):
+                if status == 0:
+                    status = await self._write_staged(layers, list(src_pages[begin:begin + step]),
+                                                      dst[begin:begin + step], ready)
         if status != 0:
             raise TransferError(FailureCode.UNAVAILABLE,
                                 f"mooncake write to {self.destination.session_id} failed (status {status})")
@@ -231,6 +297,42 @@ class MooncakeChannel(SendChannel):
         done.kv_mac = kv_mac.kv_mac(self.pool, self._src_pages, key, kv_mac.header(room, self.dst_pages),
                                     self._mac_algorithm)
         done.kv_mac_algorithm = self._mac_algorithm
+
+    async def _timed(self, call) -> int:
+        try:
+            return await asyncio.wait_for(call, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(FailureCode.DEADLINE_EXCEEDED,
+                                f"mooncake write to {self.destination.session_id} took more than "
+                                f"{self.timeout_s}s") from None
+
+    async def _write_staged(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
+        """One piece through staging slots; they go back zeroed (what the NIC may still read after a
+        timeout cools first: that write fails its request by the KV MAC, nothing else)."""
+        slots, dirty = await self.staging.acquire(len(src_pages), self.timeout_s)
+        try:
+            status = await self._timed(asyncio.to_thread(self._write_from_slots, layers, src_pages, slots, dirty,
+                                                         dst_pages, ready))
+        except BaseException:
+            self.staging.release(slots, delay_s=self.timeout_s)
+            raise
+        self.staging.release(slots, scrubbed=True)
+        return status
+
+    def _write_from_slots(self, layers: range, src_pages: list[int], slots: list[int], dirty: list[int],
+                          dst_pages: list[int], ready) -> int:
+        """In a worker thread: gathers the pages into the slots once their KV is written, one batch
+        write from there, then zeroes what it used (a reader of the registered staging sees no KV
+        that is not in flight)."""
+        self.staging.scrub(dirty)
+        sync_ready(self.pool, ready)
+        self.staging.fill_from(self.pool, layers, src_pages, slots)
+        batch = build_write_batch(self.staging.base_addrs[layers.start:layers.stop],
+                                  list(self.destination.layer_base_addrs)[layers.start:layers.stop],
+                                  self.pool.bytes_per_page, slots, dst_pages)
+        status = self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
+        self.staging.scrub(slots, layers)
+        return status
 
     def _write(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
         """In a worker thread: ONE batch write for every layer and merged page run of this send
@@ -268,8 +370,14 @@ class MooncakeSender(KVSender):
 
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         super().__init__(pool, config)
-        # Over TCP a write reads its local source without a registration: nothing to expose here.
-        self.engine = MooncakeEngine(pool, config, register_pool=config.mooncake_protocol != "tcp")
+        # The pool is never registered: over TCP a write reads its local source without a
+        # registration; over RDMA the NIC reads a send staging the pages are gathered into.
+        self.engine = MooncakeEngine(pool, config, register_pool=False)
+        self.staging = None
+        if self.engine.protocol != "tcp":
+            self.staging = staging_for(pool, config)
+            self.engine.register_buffers(self.staging.base_addrs,
+                                         [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
     def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         destination = handshake.mooncake
@@ -279,7 +387,7 @@ class MooncakeSender(KVSender):
         log.debug("room %d: mooncake %s writes %d pages into %s (decode DP rank %d)", handshake.room,
                   self.engine.session_id, len(handshake.page_ids), destination.session_id, handshake.decode_dp_rank)
         return MooncakeChannel(self.pool, self.engine, destination, handshake.page_ids,
-                               self.config.send_timeout_s)
+                               self.config.send_timeout_s, self.staging)
 
     def close(self) -> None:
         self.engine.close()
@@ -290,25 +398,23 @@ class MooncakeReceiver(KVReceiver):
 
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         super().__init__(pool, config)
-        self.engine = MooncakeEngine(pool, config, register_pool=config.mooncake_protocol != "tcp")
+        # The pool is never registered: writers reach only the staging (staging.py).
+        self.engine = MooncakeEngine(pool, config, register_pool=False)
+        self.staging = staging_for(pool, config)
+        if self.engine.protocol != "tcp":  # the NIC needs its memory regions, and writers cache their keys
+            self.engine.register_buffers(self.staging.base_addrs,
+                                         [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
     def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
-        if self.engine.protocol == "tcp":
-            return MooncakePagesSink(self.pool, pages, self.engine)
-        return MooncakeSink(self.pool, pages)
+        return MooncakeSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s)
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.mooncake.session_id = self.engine.session_id
-        handshake.mooncake.layer_base_addrs.extend(self.engine.base_addrs)
+        handshake.mooncake.layer_base_addrs.extend(self.staging.base_addrs)
         handshake.mooncake.page_bytes = self.pool.bytes_per_page
-        handshake.mooncake.pool_pages = self.pool.num_pages
+        handshake.mooncake.pool_pages = self.staging.num_pages
         handshake.mooncake.protocol = self.engine.protocol
         handshake.mooncake.kv_mac_algorithms.extend(kv_mac.algorithms())
-
-    @property
-    def late_write_grace_s(self) -> float:
-        # A write the prefill side started before it learnt of the failure ends within its timeout.
-        return self.config.send_timeout_s
 
     def close(self) -> None:
         self.engine.close()

@@ -118,7 +118,7 @@ def test_a_transfer_refused_before_the_handshake_frees_its_pages_at_once_unscrub
         engine = DecodeEngine(runner(), config, tokenizer=oracle().tokenizer)
         await engine.start()
         try:
-            assert engine.receiver.late_write_grace_s == 30
+            assert engine.receiver.late_write_grace_s == (30 if transport == "grpc" else 0)
             request = GenerateRequest("refused", tuple(_prompt(rng)), GREEDY,
                                       disagg=DisaggParams("127.0.0.1", dialled, rng.randrange(1 << 31)))
             return await _fail_untouched(engine, request, rng)
@@ -179,17 +179,18 @@ def test_a_grpc_transfer_that_wrote_chunks_is_zeroed_off_the_loop_without_the_gr
 
 
 def test_a_one_sided_transfer_told_its_pages_waits_the_grace_then_is_zeroed_off_the_loop(monkeypatch):
-    """Mooncake (stub engine: the prefill side's writes are recorded, not made) with a prefill that
-    lies about the first token: the handshake gave it the pages, so they stay out for the grace (the
-    send timeout) and are zeroed after it, in a worker thread, before they go back."""
-    engines = mooncake_stub.install(monkeypatch)
+    """gRPC with same-host direct copies (the prefill side copies into the decode pool itself) and a
+    prefill that lies about the first token: the handshake gave it the pages, so they stay out for
+    the grace (the send timeout) and are zeroed after it, in a worker thread, before they go back.
+    (Mooncake was this case until its writers reached only a staging area: the next test.)"""
     spy = _ScrubSpy(monkeypatch)
     rng = random.Random()
-    config = dataclasses.replace(worker_config("mooncake"), transport=TransportConfig(send_timeout_s=GRACE_S))
+    config = dataclasses.replace(worker_config("grpc", same_host_direct="on"),
+                                 transport=TransportConfig(send_timeout_s=GRACE_S, same_host_direct="on"))
 
     async def run():
         loop_thread = threading.current_thread()
-        async with PDPair("mooncake", config, config) as pair:
+        async with PDPair("grpc", config, config) as pair:
             _fill_random(pair.decode.pool, rng)
             opened = _record_pages(pair.decode)
             lie_about_first_token(pair.prefill, rng)
@@ -205,12 +206,48 @@ def test_a_one_sided_transfer_told_its_pages_waits_the_grace_then_is_zeroed_off_
 
     failed, opened, ended, zeroed, loop_thread = asyncio.run(run())
     assert isinstance(failed.terminal, Failed) and "vocabulary" in failed.terminal.message, failed.terminal
-    assert any(engine.writes for engine in engines), "the prefill side made no write: the test proves nothing"
     (failed_at, used), = ended
     assert used == len(opened[0]), "the pages went back before the grace was over"
     (pages, thread, scrubbed_at, _), = spy.calls
     assert pages == opened[0] and zeroed
     assert scrubbed_at - failed_at >= GRACE_S * 0.9, f"zeroed {scrubbed_at - failed_at:.2f}s after the failure"
+    assert thread is not loop_thread, "the scrub ran on the event loop thread"
+
+
+def test_a_mooncake_transfer_refused_after_its_copy_is_zeroed_off_the_loop_without_the_grace(monkeypatch):
+    """Mooncake (stub engine: the prefill side's writes are recorded, not made) with a prefill that
+    lies about the first token: its writer reached only the staging (workers/transport/staging.py),
+    the pages hold decode's own copy of it, so they are zeroed in a worker thread and go back
+    without waiting the late-write grace; the staging slots are free again too (every write of
+    the prefill side completed before its TransferDone)."""
+    engines = mooncake_stub.install(monkeypatch)
+    spy = _ScrubSpy(monkeypatch)
+    rng = random.Random()
+    config = dataclasses.replace(worker_config("mooncake"), transport=TransportConfig(send_timeout_s=30))
+
+    async def run():
+        loop_thread = threading.current_thread()
+        async with PDPair("mooncake", config, config) as pair:
+            _fill_random(pair.decode.pool, rng)
+            opened = _record_pages(pair.decode)
+            lie_about_first_token(pair.prefill, rng)
+            ended = []
+
+            async def on_event(event):
+                if isinstance(event, Failed):
+                    ended.append(time.monotonic())
+            p_req, d_req = pair.requests(_prompt(rng), GREEDY, "lied")
+            _, failed = await asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_event))
+            await pair.wait_pools_clean(5)  # well inside the 30 s grace
+            return (failed, opened, ended, _zero_pages(pair.decode.pool, opened[0]), loop_thread,
+                    pair.decode.receiver.staging.num_used)
+
+    failed, opened, ended, zeroed, loop_thread, staged = asyncio.run(run())
+    assert isinstance(failed.terminal, Failed) and "vocabulary" in failed.terminal.message, failed.terminal
+    assert any(engine.writes for engine in engines), "the prefill side made no write: the test proves nothing"
+    (pages, thread, scrubbed_at, _), = spy.calls
+    assert pages == opened[0] and zeroed and staged == 0
+    assert scrubbed_at - ended[0] < 5, f"zeroed {scrubbed_at - ended[0]:.2f}s after the failure"
     assert thread is not loop_thread, "the scrub ran on the event loop thread"
 
 

@@ -78,9 +78,10 @@ def test_the_key_is_bound_to_the_secret_the_room_and_the_handshake():
     assert InternalAuth.insecure().kv_key(7, nonce) is None
 
 
-def _transfer(monkeypatch, rng: random.Random, offer: bool = True):
-    """A mooncake transfer over the stub engine, its bytes copied as the engine would write them:
-    (the decode sink, the sealed TransferDone, the key, the room)."""
+def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=None):
+    """A mooncake transfer over the stub engine, its bytes copied into the staging slots as the engine
+    would write them, then landed (`before_land(receiver, sink)` runs first): (the decode sink, the
+    sealed TransferDone, the key, the room, the decode pool, its pages, the receiver)."""
     engines = mooncake_stub.install(monkeypatch)
     src = _filled_pool(rng, 24)
     dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype)
@@ -93,39 +94,66 @@ def _transfer(monkeypatch, rng: random.Random, offer: bool = True):
     assert list(handshake.mooncake.kv_mac_algorithms) == list(kv_mac.algorithms())
     if not offer:
         handshake.mooncake.ClearField("kv_mac_algorithms")
-    channel = sender.open(handshake, emit=None)
     sink = receiver.open_sink(dst_pages)
+    asyncio.run(sink.reserve())
+    sink.expose()
+    sink.offer_into(handshake)
+    slots = list(handshake.page_ids)
+    assert len(slots) == count and set(slots).isdisjoint(range(receiver.staging.num_pages, 1 << 20))
+    channel = sender.open(handshake, emit=None)
     asyncio.run(channel.send(src_pages, 0))
     assert engines[0].writes  # the engine was asked; the stub wrote nothing, so copy as it would
-    for s, d in zip(src.buffers, dst.buffers):
-        d[dst_pages] = s[src_pages]
+    for s, d in zip(src.buffers, receiver.staging.buffers):
+        d[slots] = s[src_pages]
+    if before_land is not None:
+        before_land(receiver, sink)
+    sink.land()
     room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
     done = pb.TransferDone(num_pages=count)
     channel.seal(done, key, room)
     assert bool(done.kv_mac) == offer and done.kv_mac_algorithm == (kv_mac.ALGORITHM if offer else "")
-    return sink, done, key, room, dst, dst_pages
+    return sink, done, key, room, dst, dst_pages, receiver
 
 
 def test_decode_admits_the_bytes_the_prefill_side_sealed(monkeypatch):
-    sink, done, key, room, _, _ = _transfer(monkeypatch, random.Random())
+    sink, done, key, room, *_ = _transfer(monkeypatch, random.Random())
     sink.check_sealed(done, key, room)
     assert sink.failed is None
 
 
-def test_a_strangers_write_into_the_pages_fails_only_that_transfer(monkeypatch):
+def test_a_strangers_write_into_the_staging_before_the_copy_fails_only_that_transfer(monkeypatch):
     rng = random.Random()
-    sink, done, key, room, dst, dst_pages = _transfer(monkeypatch, rng)
-    dst.buffers[rng.randrange(dst.num_layers)][rng.choice(dst_pages)] += 1.0  # finite, plausible KV
+
+    def strike(receiver, sink):  # finite, plausible KV, while the slots are still registered
+        receiver.staging.buffers[rng.randrange(receiver.pool.num_layers)][rng.choice(sink.slots)] += 1.0
+    sink, done, key, room, *_ = _transfer(monkeypatch, rng, before_land=strike)
     with pytest.raises(TransferError, match="does not match the MAC the prefill worker signed"):
         sink.check_sealed(done, key, room)
     assert sink.failed is not None  # the engine scrubs and frees its pages like any failed transfer's
+
+
+def test_a_write_into_the_staging_after_the_copy_reaches_no_page_the_model_reads(monkeypatch):
+    """The slow-body write (a Mooncake header accepted while the slots were registered, its body
+    landing later): it lands in the staging, the request's private pages keep what was sealed."""
+    rng = random.Random()
+    seen: dict[str, list[int]] = {}
+    sink, done, key, room, dst, dst_pages, receiver = _transfer(
+        monkeypatch, rng, before_land=lambda receiver, sink: seen.setdefault("slots", list(sink.slots)))
+    landed = [buffer[dst_pages].clone() for buffer in dst.buffers]
+    for staged in receiver.staging.buffers:  # the late body, after the copy
+        staged[seen["slots"]] = float("nan")
+    sink.check_sealed(done, key, room)
+    assert sink.failed is None
+    assert all(torch.equal(buffer[dst_pages], before) for buffer, before in zip(dst.buffers, landed))
+    assert not receiver.engine.engine.registered  # over TCP the slots were registered only while it ran
+    assert receiver.staging.num_used == 0  # and went back at once after the copy
 
 
 def test_a_done_without_a_mac_from_an_older_prefill_is_admitted_with_a_warning(monkeypatch, caplog):
     """The done is signed, so only a prefill worker that predates the MAC sends none: refusing it
     would fail every mooncake request of a rolling upgrade that reaches decode first."""
     monkeypatch.setattr(mooncake, "_warned_unsealed", False)  # said once per process
-    sink, done, key, room, _, _ = _transfer(monkeypatch, random.Random())
+    sink, done, key, room, *_ = _transfer(monkeypatch, random.Random())
     done.ClearField("kv_mac")
     sink.check_sealed(done, None, room)  # --insecure-internal: nothing to check
     sink.check_sealed(done, key, room)

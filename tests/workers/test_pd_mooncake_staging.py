@@ -1,0 +1,19 @@
+"""The Mooncake staging as a window (netns_mooncake_staging_window.py, in a private network
+namespace): more concurrent requests than the staging holds all complete with the oracle's tokens."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pdtest.netns import run_in_netns
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
+
+
+def test_more_concurrent_transfers_than_the_staging_holds_all_complete():
+    seed = random.randrange(1 << 30)
+    out = run_in_netns(Path(__file__).with_name("netns_mooncake_staging_window.py"), str(seed))
+    print("seed", seed, out)
+    assert "all equal the oracle's" in out and "staging window ok" in out, out

@@ -1,0 +1,213 @@
+"""`StagingArea`: where a one-sided writer (Mooncake) puts a transfer's KV, never the pages the model reads.
+
+Mooncake authenticates no peer, and its TCP server checks a write's range only when the write's
+header arrives; the body may follow at any pace, after the transfer is over (issue 20). So the decode
+side never registers its KV pool: each transfer gets slots of a small staging area, the only memory a
+writer (honest or not) can reach; once the prefill side's TransferDone arrived, decode copies the
+slots into the request's own pages (`copy_into`) and checks the KV MAC on that private copy
+(kv_mac.py). A byte that reaches the staging after the copy changes nothing the model reads; one
+that lands before it fails that request's MAC check. Either way no other request's pages change.
+
+    decode pool (never registered)        staging (registered: per transfer over TCP, for good over RDMA)
+    request A pages [7, 2, 9]   <- copy -- slots [0, 1, 2]   <- prefill of A writes, then its done
+    request B pages [4, 5]      <- copy -- slots [3, 4]      <- prefill of B (a late stranger's body
+                                                                lands here after B's copy: B unharmed)
+
+Slots are taken lowest first (so a transfer's slots tend to form one run: fewer registrations and
+fewer Mooncake write requests) and go back at once after the copy, zeroed: every write of the
+prefill side completed before its TransferDone, and a registered slot (over RDMA all of them, for
+good; over TCP the next transfer's, from before its prefill writes them) never shows a reader an
+earlier request's KV. A transfer that failed or was cancelled after its handshake went out may
+still be written by its prefill side for up to `send_timeout_s`, so its slots cool that long before
+they are reused, and are zeroed when next taken; a write that lands in a reused slot then fails
+the new owner's MAC check, never its output. A transfer waits for slots on the event loop while
+the staging is full (first come first served, up to its timeout); one bigger than the whole
+staging is refused with the setting to raise.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.engine.interface import FailureCode
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.transport.page_io import page_index, side_stream
+from deepseek_pd.workers.transport.plan import merge_page_runs
+
+# Up to this many runs (contiguous in the slots and in the pages) a copy goes run by run, as plain
+# memory copies (on a CPU pool several times faster than indexed copies of bf16 pages); past it, one indexed
+# copy per layer (one kernel each, however fragmented).
+SLICE_RUNS = 8
+
+
+class StagingArea:
+    """`num_pages` pages of every layer of `pool`'s KV, on its device, in buffers of their own."""
+
+    def __init__(self, pool: KVPool, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a staging area needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_bytes = pool.bytes_per_page
+        self.buffers = [torch.zeros((num_pages, pool.page_size, pool.kv_dim), dtype=pool.dtype, device=pool.device)
+                        for _ in range(pool.num_layers)]
+        self.base_addrs = [buffer.data_ptr() for buffer in self.buffers]
+        self._free = list(range(num_pages))
+        self._cooling: list[tuple[float, list[int]]] = []  # (usable at, slots) of failed transfers
+        self._dirty: set[int] = set()  # free slots that may hold a failed transfer's bytes
+        self._tickets = 0  # acquire's order of arrival
+        self._queue: collections.deque[int] = collections.deque()  # waiting tickets, oldest first
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []  # acquires waiting for room
+
+    @property
+    def num_used(self) -> int:
+        """Slots held by transfers or cooling after a failed one."""
+        with self._lock:
+            return self.num_pages - len(self._free)
+
+    async def acquire(self, count: int, timeout_s: float) -> tuple[list[int], list[int]]:
+        """`count` slots, lowest first, and which of them must be zeroed (`scrub`) before anything
+        registers or names them. Waits on the event loop while the staging is full (never in a
+        worker thread: the copies that free slots run there), first come first served (a big prompt
+        is not passed over forever by small ones, and slots go out in about the order the prefill
+        side gets the requests: it computes only those whose handshake came). Raises TransferError
+        when `count` exceeds the staging or after `timeout_s` without room; cancelling the task
+        gives up its place."""
+        if count > self.num_pages:
+            raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
+                                f"the prompt's KV takes {count} pages, the mooncake staging area holds "
+                                f"{self.num_pages}: raise the decode worker's --engine-opt mooncake_staging_tokens")
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            ticket = self._tickets
+            self._tickets += 1
+            self._queue.append(ticket)
+        try:
+            while True:
+                changed = asyncio.Event()
+                with self._lock:
+                    now = time.monotonic()
+                    self._thaw(now)
+                    if self._queue[0] == ticket and len(self._free) >= count:
+                        self._free.sort()
+                        taken, self._free = self._free[:count], self._free[count:]
+                        dirty = [slot for slot in taken if slot in self._dirty]
+                        self._dirty.difference_update(dirty)
+                        return taken, dirty
+                    wait = deadline - now
+                    if wait <= 0:
+                        raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
+                                            f"no room for {count} pages in the mooncake staging area "
+                                            f"({self.num_pages} pages) within {timeout_s}s; raise the decode "
+                                            f"worker's --engine-opt mooncake_staging_tokens")
+                    if self._cooling:
+                        wait = min(wait, max(0.0, min(at for at, _ in self._cooling) - now) + 1e-3)
+                    self._waiters.append((loop, changed))
+                try:
+                    await asyncio.wait_for(changed.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            with self._lock:
+                self._queue.remove(ticket)
+                self._notify()  # the next in line may fit now
+
+    def release(self, slots: Sequence[int], delay_s: float = 0.0, scrubbed: bool = False) -> None:
+        """Gives `slots` back, usable after `delay_s` (a late write of a failed transfer); unless
+        `scrubbed` (zeroed by the caller), they are zeroed when next taken."""
+        if not slots:
+            return
+        with self._lock:
+            if not scrubbed:
+                self._dirty.update(slots)
+            if delay_s > 0:
+                self._cooling.append((time.monotonic() + delay_s, list(slots)))
+            else:
+                self._free.extend(slots)
+            self._notify()
+
+    def _notify(self) -> None:
+        """Wakes every waiting `acquire` (from any thread); under `_lock`."""
+        for loop, changed in self._waiters:
+            try:
+                loop.call_soon_threadsafe(changed.set)
+            except RuntimeError:  # that waiter's loop is gone (it gave up)
+                pass
+        self._waiters.clear()
+
+    def _thaw(self, now: float) -> None:
+        ready = [entry for entry in self._cooling if entry[0] <= now]
+        if ready:
+            self._cooling = [entry for entry in self._cooling if entry[0] > now]
+            for _, slots in ready:
+                self._free.extend(slots)
+
+    def copy_into(self, pool: KVPool, slots: Sequence[int], pages: Sequence[int]) -> None:
+        """Copies staging `slots` into `pool`'s `pages` (same order), every layer, then zeroes the
+        slots; returns once both are in memory (on CUDA: on a side stream, then synchronised, as the
+        pool's scrub does), so what a writer puts into the slots afterwards can never reach the pages."""
+        if not pages:
+            return
+
+        runs = merge_page_runs(slots, pages)
+
+        def copy() -> None:
+            if len(runs) <= SLICE_RUNS:  # contiguous blocks: plain memory copies
+                for staged, buffer in zip(self.buffers, pool.buffers):
+                    for run in runs:
+                        buffer[run.dst:run.dst + run.length].copy_(staged[run.src:run.src + run.length])
+                        staged[run.src:run.src + run.length].zero_()
+                return
+            src = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+            dst = page_index(pool, pages)
+            for staged, buffer in zip(self.buffers, pool.buffers):
+                buffer.index_copy_(0, dst, staged.index_select(0, src))
+                staged.index_fill_(0, src, 0)
+        self._on_device(copy)
+
+    def fill_from(self, pool: KVPool, layers: range, pages: Sequence[int], slots: Sequence[int]) -> None:
+        """The other direction, for a sender (prefill over RDMA, whose NIC reads only registered
+        memory): copies `pool`'s `pages` of `layers` into `slots`; returns once they are there."""
+        runs = merge_page_runs(pages, slots)
+
+        def copy() -> None:
+            if len(runs) <= SLICE_RUNS:
+                for layer in layers:
+                    for run in runs:
+                        self.buffers[layer][run.dst:run.dst + run.length].copy_(
+                            pool.buffers[layer][run.src:run.src + run.length])
+                return
+            src = page_index(pool, pages)
+            dst = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+            for layer in layers:
+                self.buffers[layer].index_copy_(0, dst, pool.buffers[layer].index_select(0, src))
+        self._on_device(copy)
+
+    def scrub(self, slots: Sequence[int], layers: range | None = None) -> None:
+        """Zeroes `slots` in `layers` (default every layer); returns once the zeros are in memory."""
+        if not slots:
+            return
+        chosen = range(len(self.buffers)) if layers is None else layers
+
+        def zero() -> None:
+            index = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+            for layer in chosen:
+                self.buffers[layer].index_fill_(0, index, 0)
+        self._on_device(zero)
+
+    def _on_device(self, work) -> None:
+        device = self.buffers[0].device
+        if device.type != "cuda":
+            work()
+            return
+        stream = side_stream(device)
+        with torch.cuda.stream(stream):
+            work()
+        stream.synchronize()
