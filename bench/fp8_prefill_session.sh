@@ -4,7 +4,7 @@
 # eager wrapper pool where FlashInfer is carried, DeepGEMM where built), then bench/fp8_prefill_gpu.py.
 # Everything lands under $OUT. About 5 minutes without DeepGEMM.
 #   DEEPGEMM=1 (with bench/deep_gemm_src carried, see bench/deep_gemm_build.sh): build DeepGEMM first
-#   (~3-4 min, then each new GEMM shape JIT-compiles once); pair it with TESTS=tests/model/test_fp8_deep_gemm.py
+#   (~3-4 min, then each new GEMM shape JIT-compiles once); pair it with TESTS=tests/model/kernels/test_fp8_deep_gemm.py
 #   and BENCH_ARGS="--parts moe,linear --models V3 --rows 2048,8192".
 #   FlashInfer: carry .whl as for bench/mla_session.sh.
 source "$(dirname "$0")/gpu_setup.sh"
@@ -16,9 +16,9 @@ fi
 for z in .whl/flashinfer-*.zip; do
     [ -f "$z" ] && python3 -m zipfile -e "$z" /tmp/site
 done
-TESTS=${TESTS:-tests/model/test_fp8_kernels.py tests/model/test_moe_quant_method.py tests/model/test_fp8_deep_gemm.py \
-tests/model/test_moe_align_large.py tests/model/test_kernels.py tests/model/test_batch_invariant_kernels.py \
-tests/model/test_flashinfer_mla.py}
+TESTS=${TESTS:-tests/model/kernels/test_fp8_kernels.py tests/model/moe/test_moe_quant_method.py tests/model/kernels/test_fp8_deep_gemm.py \
+tests/model/kernels/test_moe_align_large.py tests/model/kernels/test_kernels.py tests/model/kernels/test_batch_invariant_kernels.py \
+tests/model/kernels/test_flashinfer_mla.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
 (cd /tmp && timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
     $(for t in $TESTS; do echo "$REPO/$t"; done) \
