@@ -51,7 +51,7 @@ from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
 from deepseek_pd.model.moe.fp8_experts import FP8_MOE_BACKENDS
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tp_replay import ForwardCall, TpReplay
-from deepseek_pd.model.distributed.step_sync import StepSync
+from deepseek_pd.model.distributed.step_sync import ForwardKind, StepSync
 from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
 from deepseek_pd.units import GIB
 
@@ -413,12 +413,9 @@ class ModelRunner:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = _load_model(self.config, self.parallel)
-        # In a DP-attention group with replicated experts (ep 1) a forward holds no collective, so the
-        # speculative forwards step with the group like any other (`_step`); EP and attention TP
-        # would need the group to agree on each draft/verify forward: refused (mtp.check_mtp_supported).
-        if self.model.mtp is not None and self.tp_replay is not None:
-            raise UserError("speculative decoding (--speculative-num-steps) does not run with attention TP "
-                            "(--tp > 1) yet")
+        # In a group the speculative forwards step with the others like any forward (`_step`), the
+        # MTP layer's as their own kind (ForwardKind.MTP: idle ranks join its collectives with its
+        # idle forward); under attention TP the followers replay them (`follow_one`).
         model_config = self.model.config
         options = self.model.options
         self.policy = AttentionPolicy(self.config.resolved_attention_method, self.config.mha_chunked_kv_threshold)
@@ -503,16 +500,24 @@ class ModelRunner:
             layer.mlp.load_recorder = (recorder, row)
         return recorder
 
-    def _step(self, mode: ForwardMode):
-        """The group's forward step (model/distributed/step_sync.py); yields the group's mode (alone: `mode`)."""
-        return self.step_sync.forward(mode) if self.step_sync is not None else contextlib.nullcontext(mode)
+    def _step(self, mode: ForwardMode, kind: ForwardKind = ForwardKind.MODEL):
+        """The group's forward step of `kind` (model/distributed/step_sync.py); yields the group's
+        mode (alone: `mode`)."""
+        if self.step_sync is None:
+            return contextlib.nullcontext(mode)
+        return self.step_sync.forward(mode, kind)
 
-    def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
+    def idle(self, mode: ForwardMode = ForwardMode.DECODE, kind: ForwardKind = ForwardKind.MODEL) -> None:
         """With EP: this rank has no requests this step but must join the other ranks' MoE
-        all-to-alls (call it where the others call extend/decode). A no-op work-wise at ep_size 1."""
+        all-to-alls (call it where the others call extend/decode; `kind` MTP: where they run the
+        MTP layer, `draft`). A no-op work-wise at ep_size 1."""
+        mtp = kind is ForwardKind.MTP
         if self.tp_replay is not None and self.tp_replay.is_leader:
-            self.tp_replay.lead(ForwardCall(mode, idle=True), None, self.kv_pool)
-        self.model.forward_idle(mode)
+            self.tp_replay.lead(ForwardCall(mode, idle=True, output="mtp" if mtp else "logits"), None, self.kv_pool)
+        if mtp:
+            self.model.forward_mtp_idle(mode)
+        else:
+            self.model.forward_idle(mode)
 
     def kv_written_externally(self, pages: Sequence[int]) -> None:
         """KV landed in these pages outside a forward (a PD transfer): under attention TP the
@@ -523,9 +528,14 @@ class ModelRunner:
     def follow_one(self) -> None:
         """(attention-TP follower) Runs the leader's next forward on this rank (model/distributed/tp_replay.py);
         its logits are dropped (the leader samples)."""
-        call, input_ids = self.tp_replay.receive(self.kv_pool)
+        call, input_ids, hidden = self.tp_replay.receive(self.kv_pool)
         if call.idle:
-            self.model.forward_idle(call.mode)
+            self.model.forward_mtp_idle(call.mode) if call.output == "mtp" else self.model.forward_idle(call.mode)
+            return
+        if call.output != "logits":  # speculative decoding's forwards
+            seqs = [ExtendSeq(list(t), p, list(pg)) for t, p, pg in zip(call.token_ids, call.prefix_lens, call.pages)]
+            batch = self._batch(call.mode, seqs, call.group_mode, call.force_mla)
+            self.model.forward_mtp(batch, hidden) if call.output == "mtp" else self.model.forward_hidden(batch)
             return
         self._run(call.mode, [list(t) for t in call.token_ids], list(call.prefix_lens),
                   [list(p) for p in call.pages], input_ids, group_mode=call.group_mode)
@@ -555,30 +565,37 @@ class ModelRunner:
         says (speculative verify: several queries per sequence, causal among themselves).
         `progress` hears of each decoder layer's KV write, as in `extend`."""
         with self._step(ForwardMode.EXTEND) as group_mode:
-            batch = self._batch(ForwardMode.EXTEND, seqs, group_mode)
-            if force_mla:
-                batch.attention_method = AttentionMethod.MLA
-            return self.model.forward_hidden(batch, progress)
+            self._lead(ForwardCall(ForwardMode.EXTEND, output="hidden", force_mla=force_mla), seqs, group_mode)
+            return self.model.forward_hidden(self._batch(ForwardMode.EXTEND, seqs, group_mode, force_mla), progress)
 
     def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV
         goes into the pool's MTP layer at the same positions and pages."""
         mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
-        with self._step(mode) as group_mode:
+        with self._step(mode, ForwardKind.MTP) as group_mode:
+            self._lead(ForwardCall(mode, output="mtp"), seqs, group_mode, prev_hidden)
             return self.model.forward_mtp(self._batch(mode, seqs, group_mode), prev_hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden states from `extend_hidden` or `draft`."""
         return self.model.compute_logits(hidden)
 
-    def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq], group_mode: ForwardMode) -> ForwardBatch:
-        if self.tp_replay is not None or self.model.options.parallel.ep_size > 1:
-            raise RuntimeError("speculative forwards run without attention TP and EP")
+    def _lead(self, call: ForwardCall, seqs: Sequence[ExtendSeq], group_mode: ForwardMode,
+              hidden: torch.Tensor | None = None) -> None:
+        """(attention-TP leader) Announces a speculative forward to the followers (`follow_one`)."""
+        if self.tp_replay is not None and self.tp_replay.is_leader:
+            call = replace(call, token_ids=tuple(tuple(s.token_ids) for s in seqs),
+                           prefix_lens=tuple(s.prefix_len for s in seqs), pages=tuple(tuple(s.pages) for s in seqs),
+                           group_mode=group_mode)
+            self.tp_replay.lead(call, None, self.kv_pool, hidden)
+
+    def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq], group_mode: ForwardMode | None,
+               force_mla: bool = False) -> ForwardBatch:
         batch = ForwardBatch.build(mode, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
                                    [s.pages for s in seqs], self.kv_pool, self.model_config.vocab_size,
                                    self.model.options.device)
         batch.group_mode = group_mode
-        batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
+        batch.attention_method = AttentionMethod.MLA if force_mla else self.policy.choose(mode, batch.prefix_lens)
         return batch
 
     def decode_eager(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None,
