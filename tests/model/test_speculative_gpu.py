@@ -42,3 +42,35 @@ def test_triton_speculative_greedy_matches_plain(tmp_path):
     assert spec.speculative.stats.accept_length > 1.5
     bf16 = Engine(path, speculative_num_steps=3, **{**kw, "dtype": "bfloat16"})
     assert all(len(r.output_ids) == 32 for r in bf16.generate_batch(prompts, greedy))
+
+
+def test_draft_step_graphs_equal_eager_at_every_bucket(tmp_path):
+    """The MTP layer's draft step by CUDA-graph replay (model/speculative/draft_graph.py) against the
+    eager `runner.draft`, at every captured batch size and sizes between them (padding rows): the
+    same hidden states and the same draft tokens."""
+    from deepseek_pd.model.graph_inputs import CudaGraphConfig
+    from deepseek_pd.model.runner import ExtendSeq
+    from deepseek_pd.model.speculative.draft_graph import DraftGraphRunner
+
+    seed = random.randrange(1000)
+    rng = random.Random(seed)
+    path = str(make_tiny_model(tmp_path / "v3", seed=seed, mtp_layers=1))
+    engine = Engine(path, device="cuda", dtype="float32", attention_backend="triton", moe_backend="triton",
+                    page_size=16, speculative_num_steps=3)
+    runner = engine.runner
+    config = CudaGraphConfig(max_batch=12, max_context=256)
+    graphs = DraftGraphRunner(runner.model, runner.kv_pool, config, runner.kv_pool.alloc(1)[0])
+    hidden_size = runner.model_config.hidden_size
+    for n in sorted({*config.buckets(), 3, 5, 7, 11}):
+        positions = [rng.randrange(0, 200) for _ in range(n)]
+        pages = [runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(p + 1)) for p in positions]
+        tokens = [rng.randrange(2, engine.vocab_size) for _ in range(n)]
+        hidden = torch.randn(n, hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + n))
+        eager = runner.draft([ExtendSeq([t], p, pg) for t, p, pg in zip(tokens, positions, pages)], hidden)
+        replayed = graphs.draft(tokens, positions, pages, hidden)
+        assert replayed is not None, (seed, n)
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4, msg=f"seed {seed}, batch {n}")
+        assert (runner.logits(replayed).argmax(-1) == runner.logits(eager).argmax(-1)).all(), (seed, n)
+        for pg in pages:
+            runner.kv_pool.free(pg)
+    assert graphs.draft([1] * 13, [0] * 13, [[0]] * 13, torch.zeros(13, hidden_size, device="cuda")) is None
