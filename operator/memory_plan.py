@@ -28,9 +28,9 @@ at least 10 GiB on GPUs over 60 GB, more for large chunked prefills, CUDA-graph 
 DP attention, and 0.88 when the GPU's size is unknown (`ServerArgs._handle_gpu_memory_settings`
 in python/sglang/srt/server_args.py): on an H200 our 0.88 leaves 16.8 GiB outside the budget.
 
-Worked example, examples/deepseek-v3-h200.yaml, prefill (EP16, FP8):
-    weights 57.0 GiB + KV 10.7 GiB + graphs 2.0 GiB = 69.7 GiB of 123.0 GiB per rank -> fits;
-the same on one node (EP8) with `fp8_backend=dequant` needs 184.3 GiB of bf16 weights -> does not.
+Worked example, examples/deepseek-v3-h200.yaml, prefill (EP16, FP8, with the MTP layer):
+    weights 58.1 GiB + KV 10.9 GiB + graphs 2.0 GiB = 71.0 GiB of 123.0 GiB per rank -> fits;
+the same on one node (EP8) with `fp8_backend=dequant` needs 187.6 GiB of bf16 weights -> does not.
 
 Verdicts: True/Fits, True/NotApplicable (no role on GPUs), Unknown/ModelUnknown or GpuUnknown
 (nothing to plan with: the workers start, unchecked), False/DoesNotFit, False/InvalidLayout (ep
