@@ -48,7 +48,8 @@ def trained(tmp_path_factory):
 
 
 # (flags, engine ranks: the ranks that schedule and export speculation metrics; a TP follower does neither)
-GROUPS = {"dp2": (["--dp", "2"], 2), "dp2-ep2": (["--dp", "2", "--ep", "2"], 2), "tp2-ep2": (["--tp", "2", "--ep", "2"], 1)}
+GROUPS = {"dp2": (["--dp", "2"], 2), "dp2-ep2": (["--dp", "2", "--ep", "2"], 2),
+          "tp2-ep2": (["--tp", "2", "--ep", "2"], 1)}
 
 
 @pytest.mark.timeout(420)

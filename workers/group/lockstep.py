@@ -22,8 +22,8 @@ the tick, over the group's step process group:
 Invariant: every tick that says "forward" is followed by exactly one forward of the tick's kind on
 every rank, so the collectives inside the forwards pair up. A waiting MTP forward runs at the
 latest when every rank's next forward is the MTP layer's or none: each speculative step and
-prefill round runs an MTP forward after its model forward, so none waits without bound. Jobs that run no forward (collecting a step's tokens)
-run between ticks and need no agreement.
+prefill round runs an MTP forward after its model forward, so none waits without bound.
+Jobs that run no forward (collecting a step's tokens) run between ticks and need no agreement.
 
 Sleeping (`waker`, e.g. the group's TCPStore: rank_group.StoreWaker): an idle group does not tick
 at all. The decision to sleep follows from tick results only (never from a rank's own jobs that
