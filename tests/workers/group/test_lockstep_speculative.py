@@ -73,7 +73,7 @@ async def _speculate(rank, thread, step, report, options) -> None:
     rng = random.Random(options["seed"] * 31 + rank)
     count = 0 if rank in options["idle_ranks"] else rng.randint(1, 3)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 14))] for _ in range(count)]
-    max_new = [rng.randint(1, 12) for _ in range(count)]
+    max_new = [rng.randint(4, 12) for _ in range(count)]  # room for drafts (draft_len caps them by it)
     rows = [_Row(p, n, runner.kv_pool.alloc(-(-(len(p) + n) // PAGE))) for p, n in zip(prompts, max_new)]
     decoder = SpeculativeDecoder(runner, options["steps"], _greedy)
     sampler = Sampler()
