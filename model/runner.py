@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_exper
 from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
-from deepseek_pd.model.speculative.rules import check_speculative_num_steps
+from deepseek_pd.model.speculative.rules import check_speculative_num_steps, graph_tokens_per_sequence
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv.pool import KVPool, bytes_per_pool_page
 from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_gpu
@@ -54,6 +54,9 @@ from deepseek_pd.model.distributed.tp_replay import ForwardCall, TpReplay
 from deepseek_pd.model.distributed.step_sync import ForwardKind, StepSync
 from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
 from deepseek_pd.units import GIB
+
+if TYPE_CHECKING:
+    from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +265,6 @@ class RunnerConfig:
             return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
         if self.enable_tbo:
             return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
-        if self.speculative_num_steps:
-            return "CUDA graphs do not capture speculative draft and verify steps yet (speculative_num_steps > 0)"
         if self.tp_size > 1:
             return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
         dispatcher = self.resolve_dispatcher()
@@ -293,10 +294,12 @@ class RunnerConfig:
     @property
     def headroom_gib(self) -> float:
         """`mem_headroom_gib`, else the default for the largest batch this config captures
-        (model/kv/memory_headroom.py: 2 GiB up to a graph batch of 128, in proportion above)."""
+        (model/kv/memory_headroom.py: 2 GiB up to a graph batch of 128, in proportion above; in
+        tokens: a speculative verify graph holds k + 1 per sequence)."""
         if self.mem_headroom_gib is not None:
             return self.mem_headroom_gib
-        return default_headroom_gib(self.cuda_graph_max_batch if self.cuda_graph else 0)
+        tokens = self.cuda_graph_max_batch * graph_tokens_per_sequence(self.speculative_num_steps)
+        return default_headroom_gib(tokens if self.cuda_graph else 0)
 
     def cuda_graph_config(self) -> CudaGraphConfig:
         return CudaGraphConfig(max_batch=self.cuda_graph_max_batch, max_context=self.cuda_graph_max_context)
@@ -407,6 +410,8 @@ class ModelRunner:
     # Decode steps so far by how they ran (read by the workers' metrics at scrape time).
     decode_paths: dict[str, int] = field(init=False, repr=False,
                                          default_factory=lambda: {"cuda_graph": 0, "eager": 0})
+    # With the MTP layer and `config.cuda_graph`: the draft and verify graphs (model/speculative/graphs.py).
+    spec_graphs: "SpeculativeGraphs | None" = field(init=False, default=None, repr=False)
     # Tokens per expert since start, when `config.record_expert_load` (model/moe/expert_load.py).
     expert_load: ExpertLoadRecorder | None = field(init=False, default=None, repr=False)
 
@@ -436,6 +441,10 @@ class ModelRunner:
             self.expert_load = self.record_expert_load()  # before graphs: record_expert_load refuses after
         if self.config.cuda_graph:
             self.graphs = DecodeGraphRunner(self.model, self.kv_pool, self.config.cuda_graph_config())
+            if self.model.mtp is not None:
+                from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
+                self.spec_graphs = SpeculativeGraphs(self.model, self.kv_pool, self.config.cuda_graph_config(),
+                                                     self.config.speculative_num_steps, self.graphs.scratch_page)
 
     @classmethod
     def from_model(cls, model: DeepseekForCausalLM, config: RunnerConfig | None = None) -> "ModelRunner":
@@ -565,6 +574,11 @@ class ModelRunner:
         says (speculative verify: several queries per sequence, causal among themselves).
         `progress` hears of each decoder layer's KV write, as in `extend`."""
         with self._step(ForwardMode.EXTEND) as group_mode:
+            if force_mla and progress is None and self.spec_graphs is not None:  # graphs: no TP, no TBO
+                hidden = self.spec_graphs.verify([s.token_ids for s in seqs], [s.prefix_len for s in seqs],
+                                                 [s.pages for s in seqs])
+                if hidden is not None:
+                    return hidden
             self._lead(ForwardCall(ForwardMode.EXTEND, output="hidden", force_mla=force_mla), seqs, group_mode)
             return self.model.forward_hidden(self._batch(ForwardMode.EXTEND, seqs, group_mode, force_mla), progress)
 
@@ -573,6 +587,11 @@ class ModelRunner:
         goes into the pool's MTP layer at the same positions and pages."""
         mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
         with self._step(mode, ForwardKind.MTP) as group_mode:
+            if self.spec_graphs is not None and mode is group_mode is ForwardMode.DECODE:
+                out = self.spec_graphs.draft([s.token_ids[0] for s in seqs], [s.prefix_len for s in seqs],
+                                             [s.pages for s in seqs], prev_hidden)
+                if out is not None:
+                    return out
             self._lead(ForwardCall(mode, output="mtp"), seqs, group_mode, prev_hidden)
             return self.model.forward_mtp(self._batch(mode, seqs, group_mode), prev_hidden)
 

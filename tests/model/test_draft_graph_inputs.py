@@ -34,3 +34,35 @@ def test_a_step_fills_its_rows_and_zeros_the_padding():
         assert inputs.decode.seq_lens.tolist() == [p + 1 for p in positions] + [1] * (BUCKET - n)
     with pytest.raises(ValueError, match="hidden states"):
         inputs.load([1], [0], [[0]], torch.zeros(2, HIDDEN))
+
+
+def test_verify_inputs_lay_out_real_rows_as_forward_batch_build_does():
+    """The verify graph's static batch (model/speculative/verify_graph.py) against the eager
+    `ForwardBatch.build` of the same sequences: the same ids, positions, KV slots, lengths and page
+    rows for the real rows; padding rows stay on the scratch page."""
+    from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+    from deepseek_pd.model.speculative.verify_graph import StaticVerifyInputs
+
+    rng = random.Random()
+    q, width, scratch, bucket = rng.randint(2, 5), 6, 63, 4
+    pool = KVPool(2, 64, PAGE, 6, dtype=torch.float32, device="cpu")
+    inputs = StaticVerifyInputs(bucket, q, width, pool, scratch, vocab_size=100)
+    n = rng.randint(1, bucket)
+    prefixes = [rng.randrange(0, width * PAGE - q + 1) for _ in range(n)]
+    pages = [rng.sample(range(scratch), -(-(p + q) // PAGE)) for p in prefixes]
+    tokens = [[rng.randrange(100) for _ in range(q)] for _ in range(n)]
+    assert inputs.fits(prefixes) and not inputs.fits([width * PAGE - q + 1])
+    inputs.load(inputs.pack(tokens, prefixes, pages))
+    eager = ForwardBatch.build(ForwardMode.EXTEND, tokens, prefixes, pages, pool, 100, "cpu")
+    static = inputs.forward_batch()
+    t = n * q
+    for name in ("input_ids", "positions", "out_slots", "token_seq"):
+        assert torch.equal(getattr(static, name)[:t], getattr(eager, name)), name
+    assert torch.equal(static.qo_indptr[:n + 1], eager.qo_indptr)
+    assert torch.equal(static.seq_lens_t[:n], eager.seq_lens_t)
+    for i, row in enumerate(pages):
+        assert static.page_table[i, :len(row)].tolist() == row
+    assert set(static.out_slots[t:].div(PAGE, rounding_mode="floor").tolist()) <= {scratch}
+    assert set(static.page_table[n:].flatten().tolist()) <= {scratch}
+    with pytest.raises(ValueError, match="the graph verifies"):
+        inputs.pack([[1] * (q + 1)], [0], [pages[0]])

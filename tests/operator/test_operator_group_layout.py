@@ -143,7 +143,6 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
     rng = random.Random()
     raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())["spec"]
     raw["model"].pop("numRoutedExperts")  # ep 1 divides it anyway; keep the spec minimal
-    raw["decode"]["speculative"] = {"numSteps": 0}  # speculation keeps CUDA graphs off for now
     role = raw[role_name]
     role.update(size=1, parallelism={"tp": rng.choice([1, 1, 2]), "ep": 1}, engineArgs=rng.sample(
         [f"--engine-opt=max_running_requests={rng.choice([64, 128, 256, 512])}",
