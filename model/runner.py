@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
@@ -40,7 +40,9 @@ from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
 from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
-from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
+from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.speculative.forwards import SpeculativeForwards
+from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps, graph_tokens_per_sequence
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv.pool import KVPool, bytes_per_pool_page
@@ -54,9 +56,6 @@ from deepseek_pd.model.distributed.tp_replay import ForwardCall, TpReplay
 from deepseek_pd.model.distributed.step_sync import ForwardKind, StepSync
 from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
 from deepseek_pd.units import GIB
-
-if TYPE_CHECKING:
-    from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -410,17 +409,15 @@ class ModelRunner:
     # Decode steps so far by how they ran (read by the workers' metrics at scrape time).
     decode_paths: dict[str, int] = field(init=False, repr=False,
                                          default_factory=lambda: {"cuda_graph": 0, "eager": 0})
-    # With the MTP layer and `config.cuda_graph`: the draft and verify graphs (model/speculative/graphs.py).
-    spec_graphs: "SpeculativeGraphs | None" = field(init=False, default=None, repr=False)
+    # Speculative decoding's forwards (model/speculative/forwards.py), with their CUDA graphs when
+    # the MTP layer is built and `config.cuda_graph` (`spec_forwards.graphs`).
+    spec_forwards: SpeculativeForwards = field(init=False, repr=False)
     # Tokens per expert since start, when `config.record_expert_load` (model/moe/expert_load.py).
     expert_load: ExpertLoadRecorder | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = _load_model(self.config, self.parallel)
-        # In a group the speculative forwards step with the others like any forward (`_step`), the
-        # MTP layer's as their own kind (ForwardKind.MTP: idle ranks join its collectives with its
-        # idle forward); under attention TP the followers replay them (`follow_one`).
         model_config = self.model.config
         options = self.model.options
         self.policy = AttentionPolicy(self.config.resolved_attention_method, self.config.mha_chunked_kv_threshold)
@@ -439,12 +436,14 @@ class ModelRunner:
                  self.kv_pool.buffers[0].element_size())
         if self.config.record_expert_load:
             self.expert_load = self.record_expert_load()  # before graphs: record_expert_load refuses after
+        spec_graphs = None
         if self.config.cuda_graph:
             self.graphs = DecodeGraphRunner(self.model, self.kv_pool, self.config.cuda_graph_config())
             if self.model.mtp is not None:
-                from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
-                self.spec_graphs = SpeculativeGraphs(self.model, self.kv_pool, self.config.cuda_graph_config(),
-                                                     self.config.speculative_num_steps, self.graphs.scratch_page)
+                spec_graphs = SpeculativeGraphs(self.model, self.kv_pool, self.config.cuda_graph_config(),
+                                                self.config.speculative_num_steps, self.graphs.scratch_page)
+        self.spec_forwards = SpeculativeForwards(self.model, self.kv_pool, self.policy, self._step, self.tp_replay,
+                                                 spec_graphs)
 
     @classmethod
     def from_model(cls, model: DeepseekForCausalLM, config: RunnerConfig | None = None) -> "ModelRunner":
@@ -539,12 +538,10 @@ class ModelRunner:
         its logits are dropped (the leader samples)."""
         call, input_ids, hidden = self.tp_replay.receive(self.kv_pool)
         if call.idle:
-            self.model.forward_mtp_idle(call.mode) if call.output == "mtp" else self.model.forward_idle(call.mode)
+            self.idle(call.mode, ForwardKind.MTP if call.output == "mtp" else ForwardKind.MODEL)
             return
         if call.output != "logits":  # speculative decoding's forwards
-            seqs = [ExtendSeq(list(t), p, list(pg)) for t, p, pg in zip(call.token_ids, call.prefix_lens, call.pages)]
-            batch = self._batch(call.mode, seqs, call.group_mode, call.force_mla)
-            self.model.forward_mtp(batch, hidden) if call.output == "mtp" else self.model.forward_hidden(batch)
+            self.spec_forwards.follow(call, hidden)
             return
         self._run(call.mode, [list(t) for t in call.token_ids], list(call.prefix_lens),
                   [list(p) for p in call.pages], input_ids, group_mode=call.group_mode)
@@ -566,56 +563,23 @@ class ModelRunner:
             self.decode_paths["eager"] += 1
             return self.decode_eager(seqs, input_ids, group_mode)
 
-    # ---- speculative decoding (model/speculative/decoder.py) ------------------------------------------
+    # ---- speculative decoding: model/speculative/forwards.py ------------------------------------------
     def extend_hidden(self, seqs: Sequence[ExtendSeq], force_mla: bool = False,
                       progress: LayerProgress | None = None) -> torch.Tensor:
         """An extend forward returning the final-normed hidden states of every new token `[T, H]`
         (their logits: `logits`). `force_mla`: absorbed MLA over the paged cache whatever the policy
         says (speculative verify: several queries per sequence, causal among themselves).
         `progress` hears of each decoder layer's KV write, as in `extend`."""
-        with self._step(ForwardMode.EXTEND) as group_mode:
-            if force_mla and progress is None and self.spec_graphs is not None:  # graphs: no TP, no TBO
-                hidden = self.spec_graphs.verify([s.token_ids for s in seqs], [s.prefix_len for s in seqs],
-                                                 [s.pages for s in seqs])
-                if hidden is not None:
-                    return hidden
-            self._lead(ForwardCall(ForwardMode.EXTEND, output="hidden", force_mla=force_mla), seqs, group_mode)
-            return self.model.forward_hidden(self._batch(ForwardMode.EXTEND, seqs, group_mode, force_mla), progress)
+        return self.spec_forwards.extend_hidden(seqs, force_mla, progress)
 
     def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV
         goes into the pool's MTP layer at the same positions and pages."""
-        mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
-        with self._step(mode, ForwardKind.MTP) as group_mode:
-            if self.spec_graphs is not None and mode is group_mode is ForwardMode.DECODE:
-                out = self.spec_graphs.draft([s.token_ids[0] for s in seqs], [s.prefix_len for s in seqs],
-                                             [s.pages for s in seqs], prev_hidden)
-                if out is not None:
-                    return out
-            self._lead(ForwardCall(mode, output="mtp"), seqs, group_mode, prev_hidden)
-            return self.model.forward_mtp(self._batch(mode, seqs, group_mode), prev_hidden)
+        return self.spec_forwards.draft(seqs, prev_hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden states from `extend_hidden` or `draft`."""
         return self.model.compute_logits(hidden)
-
-    def _lead(self, call: ForwardCall, seqs: Sequence[ExtendSeq], group_mode: ForwardMode,
-              hidden: torch.Tensor | None = None) -> None:
-        """(attention-TP leader) Announces a speculative forward to the followers (`follow_one`)."""
-        if self.tp_replay is not None and self.tp_replay.is_leader:
-            call = replace(call, token_ids=tuple(tuple(s.token_ids) for s in seqs),
-                           prefix_lens=tuple(s.prefix_len for s in seqs), pages=tuple(tuple(s.pages) for s in seqs),
-                           group_mode=group_mode)
-            self.tp_replay.lead(call, None, self.kv_pool, hidden)
-
-    def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq], group_mode: ForwardMode | None,
-               force_mla: bool = False) -> ForwardBatch:
-        batch = ForwardBatch.build(mode, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
-                                   [s.pages for s in seqs], self.kv_pool, self.model_config.vocab_size,
-                                   self.model.options.device)
-        batch.group_mode = group_mode
-        batch.attention_method = AttentionMethod.MLA if force_mla else self.policy.choose(mode, batch.prefix_lens)
-        return batch
 
     def decode_eager(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None,
                      group_mode: ForwardMode | None = None) -> torch.Tensor:

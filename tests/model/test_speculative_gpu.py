@@ -88,7 +88,7 @@ def test_speculative_engine_with_graphs_equals_eager(tmp_path):
     rng = random.Random(seed)
     eager = Engine(path, **kw)
     graphs = Engine(path, cuda_graph=True, **kw)
-    assert graphs.runner.spec_graphs is not None
+    assert graphs.runner.spec_forwards.graphs is not None
     plain = Engine(path, **{**kw, "speculative_num_steps": 0})
     for batch in (1, 2, 3, 8, 13):  # buckets and sizes between them (padding rows)
         prompts = [[rng.randrange(2, eager.vocab_size) for _ in range(rng.randint(2, 60))] for _ in range(batch)]
@@ -96,6 +96,6 @@ def test_speculative_engine_with_graphs_equals_eager(tmp_path):
         want = [r.output_ids for r in plain.generate_batch(prompts, greedy)]
         assert [r.output_ids for r in eager.generate_batch(prompts, greedy)] == want, (seed, batch)
         assert [r.output_ids for r in graphs.generate_batch(prompts, greedy)] == want, (seed, batch)
-    replays = graphs.runner.spec_graphs.replays
+    replays = graphs.runner.spec_forwards.graphs.replays
     print(f"replays {replays}")
     assert replays["draft"] > 0 and replays["verify"] > 0, replays
