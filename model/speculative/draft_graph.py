@@ -20,14 +20,13 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.cuda_graph import check_capturable
+from deepseek_pd.model.cuda_graph import capture_per_bucket, check_capturable
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig, StaticDecodeInputs, bucket_for
 from deepseek_pd.model.kv.pool import KVPool
 
 log = logging.getLogger(__name__)
-_WARMUP_RUNS = 2
 
 
 class StaticDraftInputs:
@@ -68,27 +67,9 @@ class DraftGraphRunner:
                                                                 model.config.vocab_size), hidden, dtype)
                         for b in self.buckets}
         self._planning = [mtp_layer.self_attn.backend] if hasattr(mtp_layer.self_attn.backend, "prepare_replay") else []
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._out: dict[int, torch.Tensor] = {}
-        self._capture_all()
-
-    @torch.no_grad()
-    def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for bucket in sorted(self.buckets, reverse=True):  # largest first, as decode's
-            inputs = self._inputs[bucket]
-            inputs.decode.load(inputs.decode.pack_padding_only())
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(_WARMUP_RUNS):
-                    self.model.forward_mtp(inputs.decode.forward_batch(), inputs.hidden)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._out[bucket] = self.model.forward_mtp(inputs.decode.forward_batch(), inputs.hidden)
-            self._graphs[bucket] = graph
-        torch.cuda.synchronize()
+        self._graphs, self._out = capture_per_bucket(
+            self.buckets, lambda b: self._inputs[b].decode.load(self._inputs[b].decode.pack_padding_only()),
+            lambda b: model.forward_mtp(self._inputs[b].decode.forward_batch(), self._inputs[b].hidden))
         log.info("CUDA graphs: captured the MTP draft step for batch sizes %s", list(self.buckets))
 
     def draft(self, token_ids: Sequence[int], positions: Sequence[int], pages: Sequence[Sequence[int]],

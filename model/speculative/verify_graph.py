@@ -25,14 +25,13 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.cuda_graph import check_capturable
+from deepseek_pd.model.cuda_graph import capture_per_bucket, check_capturable
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig, bucket_for
 from deepseek_pd.model.kv.pool import KVPool
 
 log = logging.getLogger(__name__)
-_WARMUP_RUNS = 2
 
 
 class StaticVerifyInputs:
@@ -137,29 +136,11 @@ class VerifyGraphRunner:
         width = config.table_width(kv_pool.page_size)
         self._inputs = {b: StaticVerifyInputs(b, q, width, kv_pool, scratch_page, model.config.vocab_size)
                         for b in self.buckets}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._hidden: dict[int, torch.Tensor] = {}
-        self._capture_all()
-
-    @torch.no_grad()
-    def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for bucket in sorted(self.buckets, reverse=True):
-            inputs = self._inputs[bucket]
-            inputs.load(inputs.pack_padding_only())
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(_WARMUP_RUNS):
-                    self.model.forward_hidden(inputs.forward_batch())
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._hidden[bucket] = self.model.forward_hidden(inputs.forward_batch())
-            self._graphs[bucket] = graph
-        torch.cuda.synchronize()
+        self._graphs, self._hidden = capture_per_bucket(
+            self.buckets, lambda b: self._inputs[b].load(self._inputs[b].pack_padding_only()),
+            lambda b: model.forward_hidden(self._inputs[b].forward_batch()))
         log.info("CUDA graphs: captured the speculative verify (%d tokens per sequence) for batch sizes %s",
-                 self.q, list(self.buckets))
+                 q, list(self.buckets))
 
     def verify(self, token_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                pages: Sequence[Sequence[int]]) -> torch.Tensor | None:
