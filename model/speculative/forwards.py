@@ -63,9 +63,10 @@ class SpeculativeForwards:
     def draft(self, seqs: Sequence[Seq], prev_hidden: torch.Tensor) -> torch.Tensor:
         mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
         with self.step(mode, ForwardKind.MTP) as group_mode:
-            if self.graphs is not None and mode is group_mode is ForwardMode.DECODE:
-                out = self.graphs.draft([s.token_ids[0] for s in seqs], [s.prefix_len for s in seqs],
-                                        [s.pages for s in seqs], prev_hidden)
+            if self.graphs is not None and mode is group_mode:
+                lists = [s.token_ids for s in seqs], [s.prefix_len for s in seqs], [s.pages for s in seqs]
+                out = (self.graphs.draft([t[0] for t in lists[0]], *lists[1:], prev_hidden)
+                       if mode is ForwardMode.DECODE else self.graphs.catch_up(*lists, prev_hidden))
                 if out is not None:
                     return out
             self._lead(ForwardCall(mode, output="mtp"), seqs, group_mode, prev_hidden)

@@ -14,6 +14,10 @@ first n*q rows of the output are the eager forward's. Padding rows extend q toke
 `mla_extend` reads per-token page-table rows and lengths from the device; the host lengths are
 capture-time bounds, as in decode.
 
+The catch-up (the MTP layer over the emitted tokens) is captured the same way with `mtp`: the
+decoder pads it to all q positions when the verify had q per sequence (decoder.py says why that
+leaves the outputs unchanged).
+
 Steps whose sequences draft fewer tokens (near max_new, or a request without a draft yet), and EP
 groups (a verify is an extend: DeepEP's normal mode, which does not capture), run eagerly.
 """
@@ -121,10 +125,12 @@ class StaticVerifyInputs:
 
 
 class VerifyGraphRunner:
-    """The captured verify forwards (q tokens per sequence) of every bucket."""
+    """The captured forwards of q tokens per sequence of every bucket: the verify (the model), or
+    with `mtp` the catch-up (the MTP layer over the same layout, its input hidden states from a
+    static `[bucket * q, hidden]` buffer; decoder.py pads it to q tokens per sequence)."""
 
     def __init__(self, model: DeepseekForCausalLM, kv_pool: KVPool, config: CudaGraphConfig, q: int,
-                 scratch_page: int) -> None:
+                 scratch_page: int, mtp: bool = False) -> None:
         check_capturable(model)
         if model.options.parallel.ep_size > 1:
             raise UserError("verify CUDA graphs run without EP (a verify is an extend: DeepEP's normal mode)")
@@ -136,17 +142,25 @@ class VerifyGraphRunner:
         width = config.table_width(kv_pool.page_size)
         self._inputs = {b: StaticVerifyInputs(b, q, width, kv_pool, scratch_page, model.config.vocab_size)
                         for b in self.buckets}
-        self._graphs, self._hidden = capture_per_bucket(
-            self.buckets, lambda b: self._inputs[b].load(self._inputs[b].pack_padding_only()),
-            lambda b: model.forward_hidden(self._inputs[b].forward_batch()))
-        log.info("CUDA graphs: captured the speculative verify (%d tokens per sequence) for batch sizes %s",
-                 q, list(self.buckets))
+        self.mtp = mtp
+        dtype = model.embed_tokens.weight.dtype
+        self._in_hidden = {b: torch.zeros(b * q, model.config.hidden_size, dtype=dtype, device=kv_pool.device)
+                           for b in self.buckets} if mtp else {}
 
-    def verify(self, token_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
-               pages: Sequence[Sequence[int]]) -> torch.Tensor | None:
-        """Every token's hidden state `[n*q, hidden]` by replay, or None (run eagerly): a batch
-        larger than the largest bucket, a context past the captured width, or a sequence that
-        does not verify exactly q tokens."""
+        def forward(b: int) -> torch.Tensor:
+            batch = self._inputs[b].forward_batch()
+            return model.forward_mtp(batch, self._in_hidden[b]) if mtp else model.forward_hidden(batch)
+
+        self._graphs, self._hidden = capture_per_bucket(
+            self.buckets, lambda b: self._inputs[b].load(self._inputs[b].pack_padding_only()), forward)
+        log.info("CUDA graphs: captured the speculative %s (%d tokens per sequence) for batch sizes %s",
+                 "catch-up" if mtp else "verify", q, list(self.buckets))
+
+    def run(self, token_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int], pages: Sequence[Sequence[int]],
+            hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every token's hidden state `[n*q, hidden]` by replay (`hidden`: the catch-up's input
+        hidden states, `[n*q, hidden]`), or None (run eagerly): a batch larger than the largest
+        bucket, a context past the captured width, or a sequence without exactly q tokens."""
         bucket = bucket_for(self.buckets, len(token_ids))
         if bucket is None or any(len(t) != self.q for t in token_ids):
             return None
@@ -154,6 +168,10 @@ class VerifyGraphRunner:
         if not inputs.fits(prefix_lens):
             return None
         inputs.load(inputs.pack(token_ids, prefix_lens, pages))
+        if self.mtp:
+            rows = len(token_ids) * self.q
+            self._in_hidden[bucket][:rows].copy_(hidden)
+            self._in_hidden[bucket][rows:].zero_()
         self.model.dispatcher.prepare_step(ForwardMode.EXTEND)
         self._graphs[bucket].replay()
         return self._hidden[bucket][:len(token_ids) * self.q].clone()

@@ -79,7 +79,7 @@ def test_draft_step_graphs_equal_eager_at_every_bucket(tmp_path):
 def test_speculative_engine_with_graphs_equals_eager(tmp_path):
     """The whole speculative decode through the runner with CUDA graphs (draft and verify replayed
     at every bucket the batches hit; model/speculative/graphs.py) against the same engine eager and
-    against plain decode: identical greedy tokens, and the replays did happen."""
+    against plain decode: identical greedy tokens, and the replays (draft, verify, padded catch-up) did happen."""
     seed = random.randrange(1000)
     print(f"seed={seed}")
     path = str(make_tiny_model(tmp_path / "v3", seed=seed, mtp_layers=1))
@@ -98,4 +98,4 @@ def test_speculative_engine_with_graphs_equals_eager(tmp_path):
         assert [r.output_ids for r in graphs.generate_batch(prompts, greedy)] == want, (seed, batch)
     replays = graphs.runner.spec_forwards.graphs.replays
     print(f"replays {replays}")
-    assert replays["draft"] > 0 and replays["verify"] > 0, replays
+    assert replays["draft"] > 0 and replays["verify"] > 0 and replays["catch_up"] > 0, replays
