@@ -36,13 +36,17 @@ T = TypeVar("T")
 
 
 @torch.no_grad()
-def capture_per_bucket(buckets: Sequence[int], load_padding: Callable[[int], None],
-                       forward: Callable[[int], T]) -> tuple[dict[int, "torch.cuda.CUDAGraph"], dict[int, T]]:
+def capture_per_bucket(buckets: Sequence[int], load_padding: Callable[[int], None], forward: Callable[[int], T],
+                       pool: object | None = None) -> tuple[dict[int, "torch.cuda.CUDAGraph"], dict[int, T]]:
     """Captures `forward(bucket)` once per bucket (its static inputs filled by `load_padding(bucket)`
     first): a few warm-up runs on a side stream, then the capture. Largest bucket first: its
     intermediates size the memory pool the smaller graphs share. Returns the graphs and their
-    static outputs, by bucket (decode here; the speculative draft and verify, model/speculative/)."""
-    pool = torch.cuda.graph_pool_handle()
+    static outputs, by bucket (decode here; the speculative draft and verify, model/speculative/).
+
+    `pool`: a memory pool other graphs were captured in (`DecodeGraphRunner.pool`). Graphs that
+    never replay at once may share one (a runner replays one at a time); their static outputs stay
+    allocated, so a replay of one never overwrites another's."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, T] = {}
     for bucket in sorted(buckets, reverse=True):
@@ -95,9 +99,11 @@ class DecodeGraphRunner:
         # Backends that plan on the host per batch (FlashInfer): re-planned before every replay.
         self._planning = list({id(b): b for b in (layer.self_attn.backend for layer in model.layers)
                                if hasattr(b, "prepare_replay")}.values())
+        # The memory pool of its graphs, which the speculative graphs share (model/speculative/graphs.py).
+        self.pool = torch.cuda.graph_pool_handle()
         self._graphs, self._logits = capture_per_bucket(
             self.buckets, lambda b: self._inputs[b].load(self._inputs[b].pack_padding_only()),
-            lambda b: self.model(self._inputs[b].forward_batch()))
+            lambda b: self.model(self._inputs[b].forward_batch()), self.pool)
         log.info("CUDA graphs: captured decode for batch sizes %s, contexts up to %d tokens (%d pages)",
                  list(self.buckets), self.table_width * self.kv_pool.page_size, self.table_width)
 

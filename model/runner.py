@@ -440,8 +440,10 @@ class ModelRunner:
         if self.config.cuda_graph:
             self.graphs = DecodeGraphRunner(self.model, self.kv_pool, self.config.cuda_graph_config())
             if self.model.mtp is not None:
-                spec_graphs = SpeculativeGraphs(self.model, self.kv_pool, self.config.cuda_graph_config(),
-                                                self.config.speculative_num_steps, self.graphs.scratch_page)
+                steps = self.config.speculative_num_steps
+                counts = range(1, steps + 1) if self.config.speculative_adaptive else (steps,)
+                spec_graphs = SpeculativeGraphs(self.model, self.kv_pool, self.config.cuda_graph_config(), counts,
+                                                self.graphs.scratch_page, self.graphs.pool)
         self.spec_forwards = SpeculativeForwards(self.model, self.kv_pool, self.policy, self._step, self.tp_replay,
                                                  spec_graphs)
 

@@ -73,7 +73,7 @@ class SpeculativeDecoder:
         self.num_steps = num_steps
         # Default: when the runner's catch-up runs as a CUDA graph of k + 1 tokens per sequence.
         graphs = runner.spec_forwards.graphs
-        self.pad_catch_up = (graphs is not None and graphs.catch_up_graphs is not None) if pad_catch_up is None \
+        self.pad_catch_up = (graphs is not None and bool(graphs.catch_up_graphs)) if pad_catch_up is None \
             else pad_catch_up
         self.sample = sample
         self.stats = AcceptStats()

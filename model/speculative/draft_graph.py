@@ -52,7 +52,7 @@ class DraftGraphRunner:
     """The captured draft steps of every bucket; `draft` replays one or returns None (run eagerly)."""
 
     def __init__(self, model: DeepseekForCausalLM, kv_pool: KVPool, config: CudaGraphConfig,
-                 scratch_page: int) -> None:
+                 scratch_page: int, pool: object | None = None) -> None:
         if model.mtp is None:
             raise UserError("draft CUDA graphs need the model's MTP layer (speculative_num_steps > 0)")
         check_capturable(model)
@@ -69,7 +69,7 @@ class DraftGraphRunner:
         self._planning = [mtp_layer.self_attn.backend] if hasattr(mtp_layer.self_attn.backend, "prepare_replay") else []
         self._graphs, self._out = capture_per_bucket(
             self.buckets, lambda b: self._inputs[b].decode.load(self._inputs[b].decode.pack_padding_only()),
-            lambda b: model.forward_mtp(self._inputs[b].decode.forward_batch(), self._inputs[b].hidden))
+            lambda b: model.forward_mtp(self._inputs[b].decode.forward_batch(), self._inputs[b].hidden), pool)
         log.info("CUDA graphs: captured the MTP draft step for batch sizes %s", list(self.buckets))
 
     def draft(self, token_ids: Sequence[int], positions: Sequence[int], pages: Sequence[Sequence[int]],

@@ -130,7 +130,7 @@ class VerifyGraphRunner:
     static `[bucket * q, hidden]` buffer; decoder.py pads it to q tokens per sequence)."""
 
     def __init__(self, model: DeepseekForCausalLM, kv_pool: KVPool, config: CudaGraphConfig, q: int,
-                 scratch_page: int, mtp: bool = False) -> None:
+                 scratch_page: int, mtp: bool = False, pool: object | None = None) -> None:
         check_capturable(model)
         if model.options.parallel.ep_size > 1:
             raise UserError("verify CUDA graphs run without EP (a verify is an extend: DeepEP's normal mode)")
@@ -152,7 +152,7 @@ class VerifyGraphRunner:
             return model.forward_mtp(batch, self._in_hidden[b]) if mtp else model.forward_hidden(batch)
 
         self._graphs, self._hidden = capture_per_bucket(
-            self.buckets, lambda b: self._inputs[b].load(self._inputs[b].pack_padding_only()), forward)
+            self.buckets, lambda b: self._inputs[b].load(self._inputs[b].pack_padding_only()), forward, pool)
         log.info("CUDA graphs: captured the speculative %s (%d tokens per sequence) for batch sizes %s",
                  "catch-up" if mtp else "verify", q, list(self.buckets))
 

@@ -99,3 +99,55 @@ def test_speculative_engine_with_graphs_equals_eager(tmp_path):
     replays = graphs.runner.spec_forwards.graphs.replays
     print(f"replays {replays}")
     assert replays["draft"] > 0 and replays["verify"] > 0 and replays["catch_up"] > 0, replays
+
+
+def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
+    """With `speculative_adaptive` the verify and catch-up are captured for every k in 1..N
+    (model/speculative/graphs.py); steps drafting a random k each, through graphs, give the plain
+    greedy tokens, and every k's verify replays."""
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.sampling.params import SamplingParams as Params
+    from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
+    from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
+    from deepseek_pd.workers.engine.extend_step import run_extend_with_mtp
+
+    seed = random.randrange(1000)
+    rng = random.Random(seed)
+    path = str(make_tiny_model(tmp_path / "v3", seed=seed, mtp_layers=1))
+    plain = Engine(path, device="cuda", dtype="float32", attention_backend="triton", moe_backend="triton", page_size=16)
+    runner = ModelRunner(RunnerConfig(model=path, device="cuda", dtype="float32", attention_backend="triton",
+                                      moe_backend="triton", page_size=16, num_pages=512, cuda_graph=True,
+                                      cuda_graph_max_batch=8, speculative_num_steps=3, speculative_adaptive=True))
+    graphs = runner.spec_forwards.graphs
+    assert sorted(graphs.verify_graphs) == sorted(graphs.catch_up_graphs) == [2, 3, 4]
+    prompts = [[rng.randrange(2, plain.vocab_size) for _ in range(rng.randint(2, 40))] for _ in range(6)]
+    max_new = [rng.randint(6, 20) for _ in prompts]
+    want = [r.output_ids for r in plain.generate_batch(
+        prompts, [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new])]
+
+    class Row:
+        def __init__(self, prompt, n):
+            self.prompt_ids, self.max_new, self.output_ids = prompt, n, []
+            self.pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(prompt) + n))
+
+        @property
+        def finished(self):
+            return len(self.output_ids) >= self.max_new
+
+    def greedy(rows, logits):
+        for row, token in zip(rows, logits.argmax(-1).tolist()):
+            row.output_ids.append(token)
+
+    rows = [Row(p, n) for p, n in zip(prompts, max_new)]
+    decoder = SpeculativeDecoder(runner, 3, greedy)
+    states = [SamplingState.create(Params(temperature=0.0), r.prompt_ids, plain.vocab_size, device="cuda")
+              for r in rows]
+    sampled, drafts = run_extend_with_mtp(runner, Sampler(), [ExtendSeq(r.prompt_ids, 0, r.pages) for r in rows],
+                                          range(len(rows)), states, [r.prompt_ids for r in rows])
+    for row, token, draft in zip(rows, sampled.token_ids, drafts):
+        row.output_ids.append(token)
+        decoder.seed(row, *draft)
+    while not all(r.finished for r in rows):
+        decoder.step(rows, rng.randint(0, 3))
+    assert [r.output_ids for r in rows] == want, seed
+    assert graphs.replays["verify"] > 0 and graphs.replays["catch_up"] > 0, graphs.replays
