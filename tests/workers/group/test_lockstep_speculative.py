@@ -12,7 +12,9 @@ The greedy tokens must equal a single-process runner's plain decode (no speculat
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import random
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -103,8 +105,14 @@ async def _speculate(rank, thread, step, report, options) -> None:
     report["got"] = [r.output_ids for r in rows]
     report["want"] = _oracle(path, prompts, max_new)
     report["drafted"] = decoder.stats.drafted
-    await asyncio.sleep(1.0)  # the other ranks may still step: this rank joins them idle
+    # The other ranks may still step (this rank joins them idle): rank 0 stops the group only once
+    # every rank is done.
+    done = pathlib.Path(options["done_dir"])
+    (done / f"rank{rank}").touch()
     if rank == 0:
+        deadline = time.monotonic() + 120
+        while len(list(done.iterdir())) < world and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(thread.close)
     await asyncio.to_thread(thread.group_stopped.wait, 60)
 
@@ -117,9 +125,10 @@ def mtp_checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("idle_ranks", [(), (1,), (0,)], ids=["both-busy", "rank1-idle", "rank0-idle"])
-def test_speculation_in_an_ep_group_never_hangs_and_equals_plain_greedy(mtp_checkpoint, idle_ranks) -> None:
+def test_speculation_in_an_ep_group_never_hangs_and_equals_plain_greedy(mtp_checkpoint, idle_ranks,
+                                                                       tmp_path) -> None:
     options = {"world": 2, "seed": random.randrange(1 << 20), "start_thread": False, "path": mtp_checkpoint,
-               "steps": 3, "idle_ranks": idle_ranks}
+               "steps": 3, "idle_ranks": idle_ranks, "done_dir": str(tmp_path)}
     reports = run_script(2, _speculate, options, timeout_s=200)
     for rank, report in enumerate(reports):
         assert "hung" not in report and report["failures"] == [], (options["seed"], rank, report)
