@@ -3,7 +3,8 @@ a plain decode step, at each batch size and number of draft steps, and the speed
 at given accept lengths: `speedup(A) = A * t_plain / t_spec(k)`. The speculative step is timed by
 `model.speculative.measure_step_costs`, the table the decode worker's per-step policy uses (its
 catch-up at k + 1 tokens per sequence, its largest, so the estimate is conservative); the plain
-step is `runner.decode` (CUDA-graph replay with `--cuda-graph`).
+step is `runner.decode` (CUDA-graph replay with `--cuda-graph`, which also replays the draft steps,
+the verify and the catch-up: model/speculative/graphs.py).
 
 On the GPU (V2-Lite shape with one random MTP layer; random weights accept nothing, so the
 speed-up is the implied one):
@@ -53,12 +54,27 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
     from deepseek_pd.model.speculative.decoder import measure_step_costs
 
     max_steps = max(draft_steps)
-    runner = ModelRunner(RunnerConfig(model=model, device=device, dtype=dtype, page_size=page_size,
-                                      cuda_graph=cuda_graph,
-                                      num_pages=-(-max(batches) * (context + max_steps + 1) // page_size) + 1,
-                                      speculative_num_steps=max_steps))
+
+    def build(steps: int) -> ModelRunner:
+        return ModelRunner(RunnerConfig(model=model, device=device, dtype=dtype, page_size=page_size,
+                                        cuda_graph=cuda_graph,
+                                        num_pages=-(-max(batches) * (context + max_steps + 1) // page_size) + 2,
+                                        speculative_num_steps=steps))
+
     # The speculative step, as the decode worker's policy measures it (model/speculative/decoder.py).
-    costs = measure_step_costs(runner, batches, max_steps, context, repeats)
+    # With graphs the verify and catch-up are captured for the configured k + 1 tokens per sequence
+    # only, so each k gets a runner configured with it; eager, one runner times every k.
+    runner = build(max_steps)
+    if not cuda_graph:
+        spec_ms = dict(enumerate(measure_step_costs(runner, batches, max_steps, context, repeats).ms))
+    else:
+        spec_ms = {}
+        for k in draft_steps:
+            spec_runner = runner if k == max_steps else build(k)
+            spec_ms[k] = measure_step_costs(spec_runner, batches, k, context, repeats).ms[k]
+            if spec_runner is not runner:
+                del spec_runner
+                torch.cuda.empty_cache()
     rng = random.Random(0)
     rows = []
     for col, batch in enumerate(batches):
@@ -73,7 +89,7 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
                 pool.free(p)
         row = {"batch": batch, "plain_ms": plain}
         for k in draft_steps:
-            cost = costs.ms[k][col]
+            cost = spec_ms[k][col]
             row[f"spec{k}_ms"] = cost
             for a in ACCEPT_LENGTHS:
                 if a <= k + 1:
@@ -94,7 +110,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--cuda-graph", action="store_true", help="plain decode by CUDA-graph replay")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="CUDA-graph replay: plain decode, and the speculative draft, verify and catch-up")
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--steps", default="1,2,3", help="draft steps to time")
     parser.add_argument("--context", type=int, default=1024, help="tokens already cached per sequence")

@@ -19,7 +19,7 @@ lifetime.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -32,6 +32,37 @@ from deepseek_pd.model.distributed.dispatch_mode import decode_capturable
 
 log = logging.getLogger(__name__)
 _WARMUP_RUNS = 2  # compile Triton kernels and settle cuBLAS/allocator state before capturing
+T = TypeVar("T")
+
+
+@torch.no_grad()
+def capture_per_bucket(buckets: Sequence[int], load_padding: Callable[[int], None], forward: Callable[[int], T],
+                       pool: object | None = None) -> tuple[dict[int, "torch.cuda.CUDAGraph"], dict[int, T]]:
+    """Captures `forward(bucket)` once per bucket (its static inputs filled by `load_padding(bucket)`
+    first): a few warm-up runs on a side stream, then the capture. Largest bucket first: its
+    intermediates size the memory pool the smaller graphs share. Returns the graphs and their
+    static outputs, by bucket (decode here; the speculative draft and verify, model/speculative/).
+
+    `pool`: a memory pool other graphs were captured in (`DecodeGraphRunner.pool`). Graphs that
+    never replay at once may share one (a runner replays one at a time); their static outputs stay
+    allocated, so a replay of one never overwrites another's."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, T] = {}
+    for bucket in sorted(buckets, reverse=True):
+        load_padding(bucket)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP_RUNS):
+                forward(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[bucket] = forward(bucket)
+        graphs[bucket] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs
 
 
 def check_capturable(model: DeepseekForCausalLM) -> None:
@@ -68,28 +99,11 @@ class DecodeGraphRunner:
         # Backends that plan on the host per batch (FlashInfer): re-planned before every replay.
         self._planning = list({id(b): b for b in (layer.self_attn.backend for layer in model.layers)
                                if hasattr(b, "prepare_replay")}.values())
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
-        self._capture_all()
-
-    @torch.no_grad()
-    def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        # Largest first: its intermediates size the shared memory pool the smaller graphs reuse.
-        for bucket in sorted(self.buckets, reverse=True):
-            inputs = self._inputs[bucket]
-            inputs.load(inputs.pack_padding_only())
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(_WARMUP_RUNS):
-                    self.model(inputs.forward_batch())
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[bucket] = self.model(inputs.forward_batch())
-            self._graphs[bucket] = graph
-        torch.cuda.synchronize()
+        # The memory pool of its graphs, which the speculative graphs share (model/speculative/graphs.py).
+        self.pool = torch.cuda.graph_pool_handle()
+        self._graphs, self._logits = capture_per_bucket(
+            self.buckets, lambda b: self._inputs[b].load(self._inputs[b].pack_padding_only()),
+            lambda b: self.model(self._inputs[b].forward_batch()), self.pool)
         log.info("CUDA graphs: captured decode for batch sizes %s, contexts up to %d tokens (%d pages)",
                  list(self.buckets), self.table_width * self.kv_pool.page_size, self.table_width)
 

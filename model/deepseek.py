@@ -146,6 +146,18 @@ class DeepseekForCausalLM(nn.Module):
             op(state, stand_in)
         state.expect_only(frozenset())
 
+    @torch.no_grad()
+    def forward_mtp_idle(self, mode: ForwardMode) -> None:
+        """`forward_idle` for the MTP layer: its MoE collectives on zero rows, where the other ranks
+        run `forward_mtp` (speculative decoding under EP; no TBO: the MTP layer runs whole)."""
+        if self.mtp is None:
+            raise RuntimeError("the model was built without its MTP layer (BuildOptions.mtp)")
+        stand_in, state = EmptyBatch(mode), OpState()
+        for name in self.mtp.layer.op_names:
+            if (op := self.empty_op(self.mtp.layer, name)) is not None:
+                op(state, stand_in)
+        state.expect_only(frozenset())
+
     def empty_op(self, layer: OpLayer, name: str) -> Op | None:
         """What a rank with no tokens runs for `layer`'s op `name` (LayerStack): a MoE layer's MLP
         ops on zero rows, between a `prepare_mlp` that makes them and a `postprocess` that drops them."""

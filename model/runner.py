@@ -41,8 +41,10 @@ from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
 from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
-from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
-from deepseek_pd.model.speculative.rules import check_speculative_num_steps
+from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.speculative.forwards import SpeculativeForwards
+from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
+from deepseek_pd.model.speculative.rules import check_speculative_num_steps, graph_tokens_per_sequence
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv.pool import KVPool, bytes_per_pool_page
 from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_gpu
@@ -51,7 +53,7 @@ from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tp_replay import ForwardCall, TpReplay
-from deepseek_pd.model.distributed.step_sync import StepSync
+from deepseek_pd.model.distributed.step_sync import ForwardKind, StepSync
 from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
 from deepseek_pd.units import GIB
 
@@ -262,8 +264,6 @@ class RunnerConfig:
             return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
         if self.enable_tbo:
             return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
-        if self.speculative_num_steps:
-            return "CUDA graphs do not capture speculative draft and verify steps yet (speculative_num_steps > 0)"
         if self.tp_size > 1:
             return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
         dispatcher = self.resolve_dispatcher()
@@ -293,10 +293,12 @@ class RunnerConfig:
     @property
     def headroom_gib(self) -> float:
         """`mem_headroom_gib`, else the default for the largest batch this config captures
-        (model/kv/memory_headroom.py: 2 GiB up to a graph batch of 128, in proportion above)."""
+        (model/kv/memory_headroom.py: 2 GiB up to a graph batch of 128, in proportion above; in
+        tokens: a speculative verify graph holds k + 1 per sequence)."""
         if self.mem_headroom_gib is not None:
             return self.mem_headroom_gib
-        return default_headroom_gib(self.cuda_graph_max_batch if self.cuda_graph else 0)
+        tokens = self.cuda_graph_max_batch * graph_tokens_per_sequence(self.speculative_num_steps)
+        return default_headroom_gib(tokens if self.cuda_graph else 0)
 
     def cuda_graph_config(self) -> CudaGraphConfig:
         return CudaGraphConfig(max_batch=self.cuda_graph_max_batch, max_context=self.cuda_graph_max_context)
@@ -407,18 +409,15 @@ class ModelRunner:
     # Decode steps so far by how they ran (read by the workers' metrics at scrape time).
     decode_paths: dict[str, int] = field(init=False, repr=False,
                                          default_factory=lambda: {"cuda_graph": 0, "eager": 0})
+    # Speculative decoding's forwards (model/speculative/forwards.py), with their CUDA graphs when
+    # the MTP layer is built and `config.cuda_graph` (`spec_forwards.graphs`).
+    spec_forwards: SpeculativeForwards = field(init=False, repr=False)
     # Tokens per expert since start, when `config.record_expert_load` (model/moe/expert_load.py).
     expert_load: ExpertLoadRecorder | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = _load_model(self.config, self.parallel)
-        # In a DP-attention group with replicated experts (ep 1) a forward holds no collective, so the
-        # speculative forwards step with the group like any other (`_step`); EP and attention TP
-        # would need the group to agree on each draft/verify forward: refused (mtp.check_mtp_supported).
-        if self.model.mtp is not None and self.tp_replay is not None:
-            raise UserError("speculative decoding (--speculative-num-steps) does not run with attention TP "
-                            "(--tp > 1) yet")
         model_config = self.model.config
         options = self.model.options
         self.policy = AttentionPolicy(self.config.resolved_attention_method, self.config.mha_chunked_kv_threshold)
@@ -437,8 +436,16 @@ class ModelRunner:
                  self.kv_pool.buffers[0].element_size())
         if self.config.record_expert_load:
             self.expert_load = self.record_expert_load()  # before graphs: record_expert_load refuses after
+        spec_graphs = None
         if self.config.cuda_graph:
             self.graphs = DecodeGraphRunner(self.model, self.kv_pool, self.config.cuda_graph_config())
+            if self.model.mtp is not None:
+                steps = self.config.speculative_num_steps
+                counts = range(1, steps + 1) if self.config.speculative_adaptive else (steps,)
+                spec_graphs = SpeculativeGraphs(self.model, self.kv_pool, self.config.cuda_graph_config(), counts,
+                                                self.graphs.scratch_page, self.graphs.pool)
+        self.spec_forwards = SpeculativeForwards(self.model, self.kv_pool, self.policy, self._step, self.tp_replay,
+                                                 spec_graphs)
 
     @classmethod
     def from_model(cls, model: DeepseekForCausalLM, config: RunnerConfig | None = None) -> "ModelRunner":
@@ -489,16 +496,24 @@ class ModelRunner:
             layer.mlp.load_recorder = (recorder, row)
         return recorder
 
-    def _step(self, mode: ForwardMode):
-        """The group's forward step (model/distributed/step_sync.py); yields the group's mode (alone: `mode`)."""
-        return self.step_sync.forward(mode) if self.step_sync is not None else contextlib.nullcontext(mode)
+    def _step(self, mode: ForwardMode, kind: ForwardKind = ForwardKind.MODEL):
+        """The group's forward step of `kind` (model/distributed/step_sync.py); yields the group's
+        mode (alone: `mode`)."""
+        if self.step_sync is None:
+            return contextlib.nullcontext(mode)
+        return self.step_sync.forward(mode, kind)
 
-    def idle(self, mode: ForwardMode = ForwardMode.DECODE) -> None:
+    def idle(self, mode: ForwardMode = ForwardMode.DECODE, kind: ForwardKind = ForwardKind.MODEL) -> None:
         """With EP: this rank has no requests this step but must join the other ranks' MoE
-        all-to-alls (call it where the others call extend/decode). A no-op work-wise at ep_size 1."""
+        all-to-alls (call it where the others call extend/decode; `kind` MTP: where they run the
+        MTP layer, `draft`). A no-op work-wise at ep_size 1."""
+        mtp = kind is ForwardKind.MTP
         if self.tp_replay is not None and self.tp_replay.is_leader:
-            self.tp_replay.lead(ForwardCall(mode, idle=True), None, self.kv_pool)
-        self.model.forward_idle(mode)
+            self.tp_replay.lead(ForwardCall(mode, idle=True, output="mtp" if mtp else "logits"), None, self.kv_pool)
+        if mtp:
+            self.model.forward_mtp_idle(mode)
+        else:
+            self.model.forward_idle(mode)
 
     def kv_written_externally(self, pages: Sequence[int]) -> None:
         """KV landed in these pages outside a forward (a PD transfer): under attention TP the
@@ -509,9 +524,12 @@ class ModelRunner:
     def follow_one(self) -> None:
         """(attention-TP follower) Runs the leader's next forward on this rank (model/distributed/tp_replay.py);
         its logits are dropped (the leader samples)."""
-        call, input_ids = self.tp_replay.receive(self.kv_pool)
+        call, input_ids, hidden = self.tp_replay.receive(self.kv_pool)
         if call.idle:
-            self.model.forward_idle(call.mode)
+            self.idle(call.mode, ForwardKind.MTP if call.output == "mtp" else ForwardKind.MODEL)
+            return
+        if call.output != "logits":  # speculative decoding's forwards
+            self.spec_forwards.follow(call, hidden)
             return
         self._run(call.mode, [list(t) for t in call.token_ids], list(call.prefix_lens),
                   [list(p) for p in call.pages], input_ids, group_mode=call.group_mode)
@@ -533,39 +551,23 @@ class ModelRunner:
             self.decode_paths["eager"] += 1
             return self.decode_eager(seqs, input_ids, group_mode)
 
-    # ---- speculative decoding (model/speculative/decoder.py) ------------------------------------------
+    # ---- speculative decoding: model/speculative/forwards.py ------------------------------------------
     def extend_hidden(self, seqs: Sequence[ExtendSeq], force_mla: bool = False,
                       progress: LayerProgress | None = None) -> torch.Tensor:
         """An extend forward returning the final-normed hidden states of every new token `[T, H]`
         (their logits: `logits`). `force_mla`: absorbed MLA over the paged cache whatever the policy
         says (speculative verify: several queries per sequence, causal among themselves).
         `progress` hears of each decoder layer's KV write, as in `extend`."""
-        with self._step(ForwardMode.EXTEND) as group_mode:
-            batch = self._batch(ForwardMode.EXTEND, seqs, group_mode)
-            if force_mla:
-                batch.attention_method = AttentionMethod.MLA
-            return self.model.forward_hidden(batch, progress)
+        return self.spec_forwards.extend_hidden(seqs, force_mla, progress)
 
     def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV
         goes into the pool's MTP layer at the same positions and pages."""
-        mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
-        with self._step(mode) as group_mode:
-            return self.model.forward_mtp(self._batch(mode, seqs, group_mode), prev_hidden)
+        return self.spec_forwards.draft(seqs, prev_hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden states from `extend_hidden` or `draft`."""
         return self.model.compute_logits(hidden)
-
-    def _batch(self, mode: ForwardMode, seqs: Sequence[ExtendSeq], group_mode: ForwardMode) -> ForwardBatch:
-        if self.tp_replay is not None or self.model.options.parallel.ep_size > 1:
-            raise RuntimeError("speculative forwards run without attention TP and EP")
-        batch = ForwardBatch.build(mode, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
-                                   [s.pages for s in seqs], self.kv_pool, self.model_config.vocab_size,
-                                   self.model.options.device)
-        batch.group_mode = group_mode
-        batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
-        return batch
 
     def decode_eager(self, seqs: Sequence[DecodeSeq], input_ids: torch.Tensor | None = None,
                      group_mode: ForwardMode | None = None) -> torch.Tensor:

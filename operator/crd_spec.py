@@ -453,25 +453,6 @@ def _network_policy() -> Schema:
     }, default={})
 
 
-def _speculative_rule() -> dict[str, str]:
-    # The workers refuse the MTP layer with EP or attention TP (model/speculative/mtp.py: the group does not yet
-    # step those collectives through the draft and verify forwards), in either role: refused here
-    # rather than crash-looping there. DP attention with replicated experts is fine.
-    def no_ep_no_tp(role: str) -> str:
-        par = f"self.{role}.parallelism"
-        world = f"({role}_world)"
-        tp_one = f"(has({par}.tp) ? {par}.tp == 1 : (!has({par}.dp) || {par}.dp == {world}))"
-        return f"({par}.ep == 1 && {tp_one})"
-    rule_text = " && ".join(no_ep_no_tp(role) for role in ("prefill", "decode"))
-    for role in ("prefill", "decode"):
-        rule_text = rule_text.replace(f"({role}_world)",
-                                      f"(self.{role}.size * (self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod))")
-    return rule(f"self.decode.speculative.numSteps == 0 || ({rule_text})",
-                "decode.speculative needs parallelism.ep 1 and tp 1 in prefill and decode for now (DP "
-                "attention is fine): EP and attention-TP groups refuse the MTP layer at start-up",
-                ".decode.speculative.numSteps")
-
-
 def spec_schema() -> Schema:
     """`DeepSeekDeployment.spec`, with cross-field CEL rules."""
     return obj("Desired state of a prefill/decode-disaggregated DeepSeek deployment.", {
@@ -506,7 +487,13 @@ def spec_schema() -> Schema:
              "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
         *_metrics_rules(),
         *_mooncake_port_rules(),
-        _speculative_rule(),
+        # The workers refuse an EPLB placement with the MTP layer (model/speculative/mtp.py: its experts
+        # are not in the placement): refused here rather than crash-looping there.
+        rule("self.decode.speculative.numSteps == 0 || ("
+             + " && ".join(f"(!has(self.{role}.eplb) || !has(self.{role}.eplb.initExpertLocation))"
+                           for role in ("prefill", "decode")) + ")",
+             "decode.speculative does not take an EPLB placement (eplb.initExpertLocation) yet: the MTP "
+             "layer refuses it at start-up", ".decode.speculative.numSteps"),
         *[rule(f"!has(self.{role}.autoscaling) || self.metrics.enabled",
                f"{role}.autoscaling reads the workers' metrics: it needs metrics.enabled",
                f".{role}.autoscaling") for role in ("prefill", "decode")],

@@ -28,9 +28,9 @@ at least 10 GiB on GPUs over 60 GB, more for large chunked prefills, CUDA-graph 
 DP attention, and 0.88 when the GPU's size is unknown (`ServerArgs._handle_gpu_memory_settings`
 in python/sglang/srt/server_args.py): on an H200 our 0.88 leaves 16.8 GiB outside the budget.
 
-Worked example, examples/deepseek-v3-h200.yaml, prefill (EP16, FP8):
-    weights 57.0 GiB + KV 10.7 GiB + graphs 2.0 GiB = 69.7 GiB of 123.0 GiB per rank -> fits;
-the same on one node (EP8) with `fp8_backend=dequant` needs 184.3 GiB of bf16 weights -> does not.
+Worked example, examples/deepseek-v3-h200.yaml, prefill (EP16, FP8, with the MTP layer):
+    weights 58.1 GiB + KV 10.9 GiB + graphs 2.0 GiB = 71.0 GiB of 123.0 GiB per rank -> fits;
+the same on one node (EP8) with `fp8_backend=dequant` needs 187.6 GiB of bf16 weights -> does not.
 
 Verdicts: True/Fits, True/NotApplicable (no role on GPUs), Unknown/ModelUnknown or GpuUnknown
 (nothing to plan with: the workers start, unchecked), False/DoesNotFit, False/InvalidLayout (ep
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from deepseek_pd.model.config import ModelConfig, latent_kv_bytes
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.mtp_names import kv_layers
+from deepseek_pd.model.speculative.rules import graph_tokens_per_sequence
 from deepseek_pd.operator import known_models
 from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
 from deepseek_pd.model.kv.memory_budget import budget_bytes
@@ -129,18 +130,18 @@ def headroom_gib(role: RoleSpec, flags: MemoryFlags) -> float:
 
     Whether the rank captures CUDA graphs, as `RunnerConfig.resolve` and `cuda_graph_blocker`
     decide it: a decode role does by default, except under attention TP; `cuda_graph` overrides
-    the default; TBO, expert-load recording and speculative decoding keep graphs off whatever it
-    says. Backends the
+    the default; TBO and expert-load recording keep graphs off whatever it says; with speculative
+    decoding the largest graph (the verify) holds k + 1 tokens per sequence. Backends the
     image decides (DeepEP) are assumed capturable: the plan errs towards the larger headroom. The
     largest batch is `cuda_graph_max_batch`, else `max_running_requests`.
     """
     if flags.mem_headroom_gib is not None:
         return flags.mem_headroom_gib
     graphs_by_default = role_defaults(role.role).decodes and role.parallelism.tp == 1
-    capturable = not (flags.enable_tbo or flags.record_expert_load or flags.mtp)
+    capturable = not (flags.enable_tbo or flags.record_expert_load)
     graphs = capturable and (graphs_by_default if flags.cuda_graph is None else flags.cuda_graph)
     batch = flags.cuda_graph_max_batch if flags.cuda_graph_max_batch is not None else flags.max_running_requests
-    return default_headroom_gib(batch if graphs else 0)
+    return default_headroom_gib(batch * graph_tokens_per_sequence(flags.speculative_num_steps) if graphs else 0)
 
 
 def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: GpuMemory) -> RankMemory:

@@ -58,8 +58,9 @@ class LayerScatterModes:
                    the model's input, the embeddings, is TP_ATTN_FULL)
     attn           the attention block's input and its o_proj partial sums: TP_ATTN_FULL
     mlp            the MLP's input and output, and the residual from `prepare_mlp` on
-    layer_output   what the layer hands on: its MLP's mode, except the last layer's, which is
-                   TP_ATTN_FULL (the final norm and the logits take each sequence's last row)
+    layer_output   what the layer hands on: its MLP's mode, except the last layer's and the MTP
+                   layer's, which are TP_ATTN_FULL (the final norm and the logits take each
+                   sequence's last row)
     """
 
     layer_input: ScatterMode
@@ -76,6 +77,8 @@ class LayerScatterModes:
 
 
 def _layer_output(config: ModelConfig, layer_id: int, parallel: ParallelInfo) -> ScatterMode:
-    if layer_id == config.num_hidden_layers - 1:
+    # The last decoder layer's, and the MTP layer's (layer num_hidden_layers, a network of its own
+    # whose output becomes logits and the next draft step's input: model/speculative/mtp.py).
+    if layer_id >= config.num_hidden_layers - 1:
         return ScatterMode.TP_ATTN_FULL
     return mlp_mode(config.is_moe_layer(layer_id), parallel)

@@ -14,11 +14,14 @@ pages, so every rank's pool holds the same latent rows.
 What else the leader sends with a call:
     input_ids   decode's device-resident token ids (the overlap schedule's samples), broadcast as
                 a tensor over the TP group
+    hidden      the MTP layer's input hidden states (speculative decoding: `output` "mtp"), a
+                tensor over the TP group as well; a speculative verify's call says "hidden"
+                (every token's hidden state, absorbed MLA), a plain forward's "logits"
     KV pages    pages whose KV arrived from outside the forwards (a PD transfer into the leader's
                 pool, `note_external_kv`): their rows in every layer, before the call that may
                 read them, so the followers' pools match the leader's
-An idle forward (`ForwardCall(idle=True)`) is announced too: the followers join the other DP
-groups' MoE collectives with their leader.
+An idle forward (`ForwardCall(idle=True)`, `output` "mtp" for the MTP layer's) is announced too: the
+followers join the other DP groups' MoE collectives with their leader.
 """
 from __future__ import annotations
 
@@ -44,6 +47,12 @@ class ForwardCall:
     group_mode: ForwardMode | None = None
     num_input_ids: int = 0  # device input ids follow (decode, overlap schedule); 0: none
     synced_pages: tuple[int, ...] = ()  # KV rows of these pages follow, every layer
+    # What the forward computes: "logits" (the model's, of each sequence's last token), "hidden"
+    # (the model's hidden states of every token, speculative verify) or "mtp" (the MTP layer's).
+    output: str = "logits"
+    force_mla: bool = False  # absorbed MLA whatever the policy says (speculative verify)
+    hidden_shape: tuple[int, ...] = ()  # "mtp": the input hidden states that follow
+    hidden_dtype: torch.dtype | None = None
 
 
 class TpReplay:
@@ -64,21 +73,28 @@ class TpReplay:
         with self._lock:
             self._external.extend(int(p) for p in pages)
 
-    def lead(self, call: ForwardCall, input_ids: torch.Tensor | None, pool: KVPool) -> None:
-        """(leader) Announces `call` and sends what comes with it; returns once it is sent."""
+    def lead(self, call: ForwardCall, input_ids: torch.Tensor | None, pool: KVPool,
+             hidden: torch.Tensor | None = None) -> None:
+        """(leader) Announces `call` and sends what comes with it (`hidden`: the MTP layer's
+        input hidden states); returns once it is sent."""
         import torch.distributed as dist
 
         with self._lock:
             synced, self._external = tuple(dict.fromkeys(self._external)), []
-        call = replace(call, synced_pages=synced, num_input_ids=0 if input_ids is None else int(input_ids.numel()))
+        call = replace(call, synced_pages=synced, num_input_ids=0 if input_ids is None else int(input_ids.numel()),
+                       hidden_shape=() if hidden is None else tuple(hidden.shape),
+                       hidden_dtype=None if hidden is None else hidden.dtype)
         dist.broadcast_object_list([call], src=self.leader, group=self.host_group)
         if call.num_input_ids:
             dist.broadcast(input_ids.contiguous(), src=self.leader, group=self.device_group)
+        if hidden is not None:
+            dist.broadcast(hidden.contiguous(), src=self.leader, group=self.device_group)
         if synced:
             dist.broadcast(_page_rows(pool, synced), src=self.leader, group=self.device_group)
 
-    def receive(self, pool: KVPool) -> tuple[ForwardCall, torch.Tensor | None]:
-        """(follower) The leader's next call, its device input ids, and its KV pages written here."""
+    def receive(self, pool: KVPool) -> tuple[ForwardCall, torch.Tensor | None, torch.Tensor | None]:
+        """(follower) The leader's next call, its device input ids and input hidden states, and its
+        KV pages written here."""
         import torch.distributed as dist
 
         box: list[Any] = [None]
@@ -89,13 +105,17 @@ class TpReplay:
         if call.num_input_ids:
             input_ids = torch.empty(call.num_input_ids, dtype=torch.long, device=device)
             dist.broadcast(input_ids, src=self.leader, group=self.device_group)
+        hidden = None
+        if call.hidden_shape:
+            hidden = torch.empty(call.hidden_shape, dtype=call.hidden_dtype, device=device)
+            dist.broadcast(hidden, src=self.leader, group=self.device_group)
         if call.synced_pages:
             rows = torch.empty_like(_page_rows(pool, call.synced_pages))
             dist.broadcast(rows, src=self.leader, group=self.device_group)
             index = torch.tensor(call.synced_pages, dtype=torch.long, device=device)
             for layer, buffer in enumerate(pool.buffers):
                 buffer.index_copy_(0, index, rows[layer])
-        return call, input_ids
+        return call, input_ids, hidden
 
 
 def _page_rows(pool: KVPool, pages: Sequence[int]) -> torch.Tensor:

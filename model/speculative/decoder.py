@@ -14,6 +14,12 @@ Positions, for a request whose last emitted token `x` sits at position P (not ye
               are the longest agreeing prefix plus the target's next token.
     catch up  the MTP layer re-runs over the emitted tokens (positions P..P+a) with the target's
               hidden states, overwriting what the chain wrote there; its last row drafts the next d1.
+              With `pad_catch_up` (the runner has a catch-up CUDA graph) and every sequence having
+              verified k + 1 tokens, it runs over all k + 1 verify positions instead, the emitted
+              tokens padded with the last one: rows past the last emitted token write the MTP
+              layer's KV at positions >= the next step's first, which the next step's chain and
+              catch-up write again before any MTP row reads them (a row reads positions <= its
+              own), and the next d1 is read from the last emitted row: the same drafts.
 Rejected positions' KV (main cache and the MTP layer's pool layer) is dropped by rolling the
 sequence back: the request's pages hold prompt + max_new - 1 tokens and drafts never reach past
 them (`speculative_rules.draft_len`), so later steps overwrite those slots and nothing leaks.
@@ -60,11 +66,15 @@ class _Draft:
 
 
 class SpeculativeDecoder:
-    def __init__(self, runner: ModelRunner, num_steps: int, sample: SampleFn) -> None:
+    def __init__(self, runner: ModelRunner, num_steps: int, sample: SampleFn, pad_catch_up: bool | None = None) -> None:
         if runner.model.mtp is None:
             raise RuntimeError("speculative decoding needs a runner built with its MTP layer")
         self.runner = runner
         self.num_steps = num_steps
+        # Default: when the runner's catch-up runs as a CUDA graph of k + 1 tokens per sequence.
+        graphs = runner.spec_forwards.graphs
+        self.pad_catch_up = (graphs is not None and bool(graphs.catch_up_graphs)) if pad_catch_up is None \
+            else pad_catch_up
         self.sample = sample
         self.stats = AcceptStats()
         self._drafts: dict[int, _Draft] = {}
@@ -91,9 +101,14 @@ class SpeculativeDecoder:
         emitted = accept_drafts(requests, drafts, logits, starts, self.sample, self.stats)
         live = [i for i, r in enumerate(requests) if not r.finished]
         if live:
-            rows = torch.cat([torch.arange(starts[i], starts[i] + emitted[i]) for i in live]).to(hidden.device)
-            self._catch_up([requests[i] for i in live], [requests[i].output_ids[-emitted[i]:] for i in live],
-                           [positions[i] for i in live], hidden[rows])
+            q = steps + 1
+            padded = self.pad_catch_up and steps > 0 and all(len(seqs[i].token_ids) == q for i in live)
+            spans = [q if padded else emitted[i] for i in live]
+            rows = torch.cat([torch.arange(starts[i], starts[i] + n) for i, n in zip(live, spans)]).to(hidden.device)
+            tokens = [requests[i].output_ids[-emitted[i]:] + [requests[i].output_ids[-1]] * (n - emitted[i])
+                      for i, n in zip(live, spans)]
+            self._catch_up([requests[i] for i in live], tokens, [positions[i] for i in live], hidden[rows],
+                           [emitted[i] for i in live])
         for r in requests:
             if r.finished:
                 self._drafts.pop(id(r), None)
@@ -123,11 +138,13 @@ class SpeculativeDecoder:
         return drafts
 
     def _catch_up(self, requests: list[SpecRequest], tokens: list[list[int]], prefix_lens: list[int],
-                  target_hidden: torch.Tensor) -> None:
-        """MTP over (emitted token, target hidden) pairs from `prefix_lens`; stores each next d1."""
+                  target_hidden: torch.Tensor, emitted: list[int]) -> None:
+        """MTP over (emitted token, target hidden) pairs from `prefix_lens` (`tokens[i]`: the
+        `emitted[i]` emitted, then any padding); stores each next d1, from its last emitted row."""
         seqs = [ExtendSeq(t, prefix_len=p, pages=r.pages) for r, t, p in zip(requests, tokens, prefix_lens)]
         out = self.runner.draft(seqs, target_hidden)
-        last = torch.tensor(list(_cumsum(len(t) for t in tokens)), device=out.device) - 1
+        starts = [0, *_cumsum(len(t) for t in tokens)][:-1]
+        last = torch.tensor([start + n - 1 for start, n in zip(starts, emitted)], device=out.device)
         out = out[last]
         next_tokens = self.runner.logits(out).argmax(dim=-1).tolist()
         for r, token, h in zip(requests, next_tokens, out):

@@ -45,10 +45,6 @@ def check_mtp_supported(config: ModelConfig, options: BuildOptions) -> None:
         raise UserError(f"speculative decoding needs the checkpoint's MTP layer, but its config.json has "
                         f"num_nextn_predict_layers={config.num_nextn_predict_layers}: run without "
                         "--speculative-num-steps (or with 0)")
-    if options.parallel.ep_size > 1 or options.parallel.tp_size > 1:
-        raise UserError("speculative decoding with the MTP layer runs without expert parallelism and attention "
-                        "TP for now (--ep 1, --tp 1; data-parallel attention, --dp N, is fine): the group does "
-                        "not yet step its EP/TP collectives through the draft and verify forwards")
     if options.expert_location is not None:
         raise UserError("speculative decoding with the MTP layer does not take an expert location (EPLB) yet")
 

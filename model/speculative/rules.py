@@ -27,6 +27,13 @@ def draft_len(steps: int, remaining_tokens: int) -> int:
     return max(0, min(steps, remaining_tokens - 1))
 
 
+def graph_tokens_per_sequence(steps: int) -> int:
+    """Tokens per sequence in a worker's largest captured CUDA graph: the speculative verify's
+    k + 1 with speculation (model/speculative/verify_graph.py), else decode's one. Its activation
+    headroom scales with it (`RunnerConfig.headroom_gib`, the operator's memory plan)."""
+    return steps + 1
+
+
 def resolve_speculative_num_steps(value: str | int, num_nextn_predict_layers: int) -> int:
     """A command's `--speculative-num-steps`: "auto" is `DEFAULT_SPECULATIVE_NUM_STEPS` for a
     checkpoint that ships an MTP layer and 0 (off) for one that does not; else a checked integer

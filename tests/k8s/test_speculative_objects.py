@@ -1,7 +1,7 @@
 """`decode.speculative` on a REAL kube-apiserver: the CRD's schema and CEL refuse bad settings with
 their messages, an unset one is defaulted to 0 (off), and one operator pass renders
-`--speculative-num-steps` into both roles' StatefulSets (a DP-attention decode group of two pods),
-which the server stores."""
+`--speculative-num-steps` into both roles' StatefulSets (a decode group of two pods, DP attention and
+EP), which the server stores."""
 from __future__ import annotations
 
 import pathlib
@@ -33,9 +33,9 @@ def _body(name: str, speculative: dict | None, **decode: object) -> dict:
 @pytest.mark.parametrize("speculative, decode, message", [
     ({"numSteps": MAX_SPECULATIVE_NUM_STEPS + 1}, {}, "should be less than or equal to 8"),
     ({"numSteps": -1}, {}, "should be greater than or equal to 0"),
-    ({"numSteps": 2}, {"size": 2, "parallelism": {"ep": 2}}, "decode.speculative needs parallelism.ep 1 and tp 1"),
-    ({"numSteps": 2}, {"size": 2, "parallelism": {"tp": 2}}, "decode.speculative needs parallelism.ep 1 and tp 1"),
     ({"numSteps": 2, "draft": "mtp"}, {}, 'unknown field "spec.decode.speculative.draft"'),
+    ({"numSteps": 2}, {"eplb": {"initExpertLocation": {"configMapName": "placement", "key": "p.json"}}},
+     "decode.speculative does not take an EPLB placement"),
     (None, {"engineArgs": ["--speculative-num-steps=2"]}, "engineArgs must not set flags the operator manages"),
 ])
 def test_the_server_refuses_bad_speculation_with_its_message(admin_kube, dsd_path, speculative, decode, message):  # noqa: F811
@@ -58,7 +58,7 @@ def test_defaults_and_both_roles_rendered_on_the_server(admin_kube, dsd_path):  
     assert admin_kube.get(f"{dsd_path}/{off}")["spec"]["decode"]["speculative"] == {"numSteps": 0}
     steps = random.randint(1, MAX_SPECULATIVE_NUM_STEPS)
     on = f"on{random.randrange(10**6)}"
-    admin_kube.request("POST", dsd_path, _body(on, {"numSteps": steps}, size=2),
+    admin_kube.request("POST", dsd_path, _body(on, {"numSteps": steps}, size=2, parallelism={"ep": 2}),
                        params={"fieldValidation": "Strict"})
     _pass(admin_kube, dsd_path, on)
     namespace = dsd_path.split("/")[-2]

@@ -18,6 +18,7 @@ from deepseek_pd.cli import main
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import bytes_per_pool_page
 from deepseek_pd.model.kv.pool_sizing import pages_for_budget
+from deepseek_pd.model.speculative.mtp_names import kv_layers
 from deepseek_pd.model.runner import FP8_BACKEND_CHOICES
 from deepseek_pd.operator import memory_flags
 from deepseek_pd.operator.gpu_types import gpu_memory, product_memory_bytes
@@ -91,7 +92,8 @@ def test_fitting_agrees_with_the_workers_own_pool_sizing():
 def test_kv_bytes_per_token_is_the_pools():
     config = model_config("DeepSeek-V3")
     rank = _plan(_example("deepseek-v3-h200.yaml")).ranks[0]
-    assert rank.kv_bytes_per_token == bytes_per_pool_page(config.num_hidden_layers, 1, config.kv_cache_dim,
+    # the example speculates: the pool holds the MTP layer's KV too (model/mtp_names.py)
+    assert rank.kv_bytes_per_token == bytes_per_pool_page(kv_layers(config, True), 1, config.kv_cache_dim,
                                                           torch.bfloat16)
     raw = _example("deepseek-v3-h200.yaml")
     raw["decode"]["engineArgs"] = ["--page-size", "64", "--max-total-tokens", "1000"]
@@ -201,6 +203,7 @@ def test_redundant_experts_in_engine_args_add_their_weights_per_rank():
     weights, against the slots the built model holds (tests/operator/test_weight_bytes.py); an ep
     that does not divide E + R is an invalid layout, a negative R an invalid flag."""
     raw = _example("deepseek-v3-h200.yaml")
+    raw["decode"]["speculative"] = {"numSteps": 0}  # the MTP layer takes no EPLB placement yet
     ep = raw["prefill"]["parallelism"]["ep"]
     redundant = ep * random.randint(1, 4)
     base = _plan(raw).ranks[0]

@@ -65,22 +65,20 @@ def test_out_of_range_steps_are_refused(steps, field, words):
     assert any(v.field == field and words in v.message for v in violations), violations
 
 
-def test_ep_and_tp_groups_and_engine_args_are_refused():
-    """The workers refuse the MTP layer in EP and attention-TP groups: the CRD says so instead of
-    pods crash-looping (DP-attention groups are fine); the flag is the operator's (engineArgs may
-    not repeat it); prefill has no field."""
-    refusal = "decode.speculative needs parallelism.ep 1 and tp 1"
+def test_ep_and_attention_tp_groups_are_taken_and_engine_args_are_refused():
+    """Speculation runs in every group layout (DP attention, EP, attention TP: the lockstep tick
+    says which network each step runs, TP followers replay the draft and verify forwards): the V3
+    example turns it on; the flag is the operator's (engineArgs may not repeat it); prefill has no
+    field."""
     v3 = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())
-    v3["spec"]["decode"]["speculative"] = {"numSteps": 2}
-    assert any(v.field == "spec.decode.speculative.numSteps" and refusal in v.message
-               for v in validate_object(v3))
-    for role, parallelism in (("prefill", {"ep": 2}), ("decode", {"tp": 2}), ("decode", {"dp": 1})):
+    assert v3["spec"]["decode"]["speculative"]["numSteps"] > 0 and validate_object(v3) == []
+    for role, parallelism in (("prefill", {"tp": 2}), ("decode", {"tp": 2, "ep": 2}), ("decode", {"dp": 1})):
         raw = _single_rank_gpu(2)
         raw["spec"][role].update(gpusPerPod=2, parallelism=parallelism)
-        assert any(refusal in v.message for v in validate_object(raw)), (role, parallelism)
+        assert validate_object(raw) == [], (role, parallelism)
     raw = _single_rank_gpu(2)
-    for role in ("prefill", "decode"):  # DP attention over 2 pods x 2 GPUs, experts replicated
-        raw["spec"][role].update(size=2, gpusPerPod=2, parallelism={"dp": 4})
+    for role in ("prefill", "decode"):  # DP attention and EP over 2 pods x 2 GPUs
+        raw["spec"][role].update(size=2, gpusPerPod=2, parallelism={"dp": 4, "ep": 4})
     assert validate_object(raw) == []
     raw = _single_rank_gpu(None)
     raw["spec"]["decode"]["engineArgs"] = ["--speculative-num-steps=2"]
@@ -132,3 +130,18 @@ def test_the_engine_opt_spelling_counts_too():
     refused = plan_memory(DeploymentSpec.parse("demo", "llm", raw))
     assert (refused.status, refused.reason) == (False, "InvalidEngineArgs")
     assert "--speculative-num-steps must be an integer" in refused.message
+
+
+def test_eplb_placements_are_refused_with_speculation():
+    """The MTP layer takes no EPLB placement yet (model/mtp.py): redundant experts in engineArgs are
+    an invalid flag for the plan, a mounted placement a CRD refusal."""
+    raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())
+    raw["spec"]["decode"]["engineArgs"] = ["--ep-num-redundant-experts=32"]
+    verdict = plan_memory(DeploymentSpec.parse("demo", "llm", raw["spec"]))
+    assert (verdict.status, verdict.reason) == (False, "InvalidEngineArgs") and "EPLB" in verdict.message
+    raw["spec"]["decode"]["speculative"] = {"numSteps": 0}
+    assert plan_memory(DeploymentSpec.parse("demo", "llm", raw["spec"])).status is True
+    raw["spec"]["decode"]["speculative"] = {"numSteps": 1}
+    raw["spec"]["decode"]["engineArgs"] = []
+    raw["spec"]["prefill"]["eplb"] = {"initExpertLocation": {"configMapName": "placement", "key": "p.json"}}
+    assert any("EPLB placement" in v.message for v in validate_object(raw))

@@ -1,8 +1,10 @@
-"""Speculative decoding in a multi-rank decode group: `serve decode --dp 2 --speculative-num-steps 3`
-(real processes, gloo on loopback, lockstep forwards; data-parallel attention, experts replicated),
-colocated. Its greedy tokens must equal the single-process offline engine's without speculation,
-with the MTP layer trained so drafts are accepted on both ranks' requests (each rank's /metrics).
-EP and attention TP groups refuse speculation at start-up with a message naming the flags."""
+"""Speculative decoding in multi-rank groups: `serve decode --dp 2 [--ep 2] --speculative-num-steps 3`
+and `--tp 2 --ep 2` (real processes, gloo on loopback, lockstep forwards: data-parallel attention
+with experts replicated or spread, attention TP whose follower replays the draft and verify
+forwards), colocated, and PD between groups. Their greedy tokens must equal the single-process
+offline engine's without speculation, with the MTP layer trained so drafts are accepted (each
+engine rank's /metrics). Under EP the ranks' draft (MTP layer) and verify (model) forwards differ
+in kind and count: the lockstep tick says which network each step runs (step_sync.ForwardKind)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,15 +13,10 @@ import urllib.request
 
 import pytest
 
-from deepseek_pd.errors import UserError
-from deepseek_pd.model.build_options import BuildOptions
-from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.workers.engine.offline import Engine
-from deepseek_pd.model.speculative.mtp import check_mtp_supported
-from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.runner import ModelRunner, RunnerConfig
 from deepseek_pd.model.sampling.params import SamplingParams
-from deepseek_pd.model.checkpoint.tiny import make_tiny_model, tiny_config
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from deepseek_pd.ports import pick_free_ports
 from pdtest.group_harness import CHUNKED_PREFILL_SIZE, PAGE_SIZE, GroupWorker, generate_all
 from pdtest.mtp_training import save_mtp_layer, train_mtp
@@ -50,8 +47,14 @@ def trained(tmp_path_factory):
     return path, oracle, train, seed
 
 
+# (flags, engine ranks: the ranks that schedule and export speculation metrics; a TP follower does neither)
+GROUPS = {"dp2": (["--dp", "2"], 2), "dp2-ep2": (["--dp", "2", "--ep", "2"], 2),
+          "tp2-ep2": (["--tp", "2", "--ep", "2"], 1)}
+
+
 @pytest.mark.timeout(420)
-def test_dp_group_speculation_equals_the_offline_engine(tmp_path, trained) -> None:
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_group_speculation_equals_the_offline_engine(tmp_path, trained, group) -> None:
     path, oracle, train, seed = trained
     rng = random.Random(seed + 1)
     # the trained prompts (accepting) twice over, so both ranks get some, and fresh ones
@@ -60,24 +63,36 @@ def test_dp_group_speculation_equals_the_offline_engine(tmp_path, trained) -> No
     want = [r.output_ids for r in oracle.generate_batch(
         prompts, [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new])]
     (metrics_port,) = pick_free_ports(1)
-    with GroupWorker("decode", ["--model", str(path), "--dp", "2", "--speculative-num-steps", "3",
+    parallel, engines = GROUPS[group]
+    with GroupWorker("decode", ["--model", str(path), *parallel, "--speculative-num-steps", "3",
                                 "--metrics-port", str(metrics_port)], tmp_path / "group.log") as worker:
         asyncio.run(worker.wait_healthy())
         # ignore_eos on both sides, as the oracle: a greedy EOS (seed 917) must not end one side only
         got = asyncio.run(generate_all(worker.address, prompts, max_new, ignore_eos=True))
         assert got == want, f"seed {seed}\n" + worker.log_tail()
-        ranks = [_spec_counters(f"http://127.0.0.1:{metrics_port + r}/metrics") for r in range(2)]
+        ranks = [_spec_counters(f"http://127.0.0.1:{metrics_port + r}/metrics") for r in range(engines)]
     for rank, counters in enumerate(ranks):
         rows = counters["deepseek_pd:spec_accept_length_count"]
         print(f"rank {rank}: accept length {counters['deepseek_pd:spec_accept_length_sum'] / rows:.2f}")
         assert counters["deepseek_pd:spec_accepted_tokens_total"] > 0, (seed, rank, counters)
 
 
+# (prefill group, decode group, whether both overlap two batches)
+PD_GROUPS = {
+    "dp2-tbo": (["--dp", "2", "--enable-tbo"], ["--dp", "2", "--enable-tbo"], True),
+    # the case the first EP attempt hung in: an idle prefill rank against the other's MTP pass
+    "dp2-ep2-tbo": (["--dp", "2", "--ep", "2", "--enable-tbo"], ["--dp", "2", "--ep", "2", "--enable-tbo"], True),
+    "dp2-ep2-into-tp2-ep2": (["--dp", "2", "--ep", "2"], ["--tp", "2", "--ep", "2"], False),
+}
+
+
 @pytest.mark.timeout(420)
-def test_pd_between_dp_groups_with_tbo_equals_the_offline_engine(tmp_path, trained) -> None:
-    """PD between a prefill group and a decode group (dp 2, ep 1, two-batch overlap, speculation):
-    each prefill rank runs the MTP layer over its prompts and sends its KV and first draft to the
-    decode rank the room picks; rooms cover both prefill ranks."""
+@pytest.mark.parametrize("groups", list(PD_GROUPS))
+def test_pd_between_groups_equals_the_offline_engine(tmp_path, trained, groups) -> None:
+    """PD between a prefill group and a decode group (speculation; DP attention with replicated or
+    spread experts and two-batch overlap, or into an attention-TP decode group): each prefill rank
+    runs the MTP layer over its prompts and sends its KV and first draft to the decode rank the
+    room picks; rooms cover both prefill ranks."""
     from deepseek_pd.client.pd_dispatch import PDClient
     from deepseek_pd.client.scheduler_grpc import sampling_proto
 
@@ -91,9 +106,12 @@ def test_pd_between_dp_groups_with_tbo_equals_the_offline_engine(tmp_path, train
     want = [r.output_ids for r in oracle.generate_batch(
         prompts, [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new])]
     (metrics_port,) = pick_free_ports(1)
-    group = ["--model", str(path), "--dp", "2", "--enable-tbo", "--speculative-num-steps", "3"]
-    with GroupWorker("prefill", group, tmp_path / "prefill.log") as prefill, \
-            GroupWorker("decode", [*group, "--metrics-port", str(metrics_port)], tmp_path / "decode.log") as decode:
+    prefill_flags, decode_flags, tbo = PD_GROUPS[groups]
+    common = ["--model", str(path), "--speculative-num-steps", "3"]
+    engines = 1 if "--tp" in decode_flags else 2
+    with GroupWorker("prefill", [*common, *prefill_flags], tmp_path / "prefill.log") as prefill, \
+            GroupWorker("decode", [*common, *decode_flags, "--metrics-port", str(metrics_port)],
+                        tmp_path / "decode.log") as decode:
         async def run() -> list:
             await asyncio.gather(prefill.wait_healthy(), decode.wait_healthy())
             def greedy(n: int):
@@ -109,18 +127,11 @@ def test_pd_between_dp_groups_with_tbo_equals_the_offline_engine(tmp_path, train
         assert all(r.ok for r in results), ([(r.prefill_error, r.decode_error) for r in results],
                                             prefill.log_tail(), decode.log_tail())
         assert [r.output_ids for r in results] == want, (seed, prefill.log_tail(), decode.log_tail())
-        ranks = [_spec_counters(f"http://127.0.0.1:{metrics_port + r}/metrics") for r in range(2)]
+        ranks = [_spec_counters(f"http://127.0.0.1:{metrics_port + r}/metrics") for r in range(engines)]
         # the overlapped path ran in decode's extends (verify forwards), not only its fallback
-        assert "two-batch overlap: split a extend batch" in decode.log_path.read_text(), decode.log_tail()
+        assert not tbo or "two-batch overlap: split a extend batch" in decode.log_path.read_text(), decode.log_tail()
     accepted = sum(c["deepseek_pd:spec_accepted_tokens_total"] for c in ranks)
     rows = sum(c["deepseek_pd:spec_accept_length_count"] for c in ranks)
     emitted = sum(c["deepseek_pd:spec_accept_length_sum"] for c in ranks)
-    print(f"PD dp-group accept length {emitted / rows:.2f}")
+    print(f"PD {groups} accept length {emitted / rows:.2f}")
     assert accepted > 0, (seed, ranks)
-
-
-@pytest.mark.parametrize("parallel", [ParallelInfo(ep_size=2, ep_rank=1), ParallelInfo(tp_size=2, tp_rank=1)])
-def test_ep_and_attention_tp_are_refused_naming_the_flags(parallel) -> None:
-    config = ModelConfig.from_hf({**tiny_config("v3", 256), "num_nextn_predict_layers": 1})
-    with pytest.raises(UserError, match=r"--ep 1, --tp 1; data-parallel attention, --dp N, is fine"):
-        check_mtp_supported(config, BuildOptions(parallel=parallel, mtp=True))

@@ -1,6 +1,6 @@
 """`serve --speculative-num-steps` (workers/serve/resolution.py): the runner gets it, the identity's
 KV bytes per token count the MTP layer's KV (one layer more: what the pool holds, and `bench
-serving` reads), decode CUDA graphs stay off by default, and a value out of range is refused."""
+serving` reads), CUDA graphs stay on by default on a GPU (draft and verify captured too), and a value out of range is refused."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.errors import UserError
 from deepseek_pd.model import runner as runner_module
 from deepseek_pd.model.checkpoint.tiny import tiny_config
+from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
 
@@ -36,11 +37,15 @@ def test_the_flag_reaches_the_runner_and_the_identity(model, role):
     assert spec.identity.kv_bytes_per_token == plain.identity.kv_bytes_per_token * (layers + 1) // layers
 
 
-def test_graphs_stay_off_with_speculation_on_a_gpu(model, monkeypatch):
+def test_graphs_stay_on_with_speculation_on_a_gpu(model, monkeypatch):
+    """Draft and verify are captured too (model/speculative/graphs.py); the headroom follows the
+    verify graph's k + 1 tokens per sequence."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
-    assert resolve("decode", "--model", model).runner.cuda_graph
-    assert not resolve("decode", "--model", model, "--speculative-num-steps", "3").runner.cuda_graph
+    plain = resolve("decode", "--model", model).runner
+    spec = resolve("decode", "--model", model, "--speculative-num-steps", "3").runner
+    assert plain.cuda_graph and spec.cuda_graph
+    assert spec.headroom_gib == default_headroom_gib(plain.cuda_graph_max_batch * 4) >= plain.headroom_gib
 
 
 @pytest.mark.parametrize("steps", ["9", "-1"])

@@ -5,19 +5,25 @@ one rank of many. Every rank schedules its own requests (DP attention: its own b
 pool); what the ranks agree on is only *when a forward happens*, through one tiny all-reduce,
 the tick, over the group's step process group:
 
-    tick([wants_forward, is_extend, stop])  ->  MAX over the ranks
-      a rank about to run a forward ticks [1, mode, 0]   (`forward()`, the runner's `StepSync` hook)
-      a rank with nothing to run ticks [0, 0, 0]         (the thread's idle loop)
-      rank 0, closing, ticks [0, 0, 1]                    (the group's stop, after rank 0 drained)
-      if the MAX says "forward", every rank runs one: its own, or an idle one (`runner.idle`) that
-      joins the MoE all-to-alls with zero tokens (the seed's `is_non_idle_and_non_empty` case)
+    tick([wants_model, model_extends, wants_mtp, mtp_extends, stop])  ->  MAX over the ranks
+      a rank about to run a forward of kind K ticks wants_K = 1 and K_extends = its mode
+                                                         (`forward()`, the runner's `StepSync` hook)
+      a rank with nothing to run ticks all zeros          (the thread's idle loop)
+      rank 0, closing, ticks stop = 1                     (the group's stop, after rank 0 drained)
+      if the MAX says "forward", the step's kind is the model's if any rank wants one, else the
+      MTP layer's (step_sync.ForwardKind: speculative decoding); every rank runs one forward of
+      that kind: its own, or an idle one (`runner.idle(mode, kind)`) that joins that network's MoE
+      all-to-alls with zero tokens (the seed's `is_non_idle_and_non_empty` case); a rank whose own
+      forward is of the other kind runs the idle one and ticks again for its own
       if it says "nothing", every rank waits a little (a backoff up to `idle_max_s`) and ticks
       again; after `sleep_after_ticks` such ticks in a row the whole group sleeps (below)
       if it says "stop", every rank finishes that step and its thread ends: `group_stopped` is set
 
-Invariant: every tick that says "forward" is followed by exactly one forward on every rank, so
-the collectives inside the forwards pair up. Jobs that run no forward (collecting a step's tokens)
-run between ticks and need no agreement.
+Invariant: every tick that says "forward" is followed by exactly one forward of the tick's kind on
+every rank, so the collectives inside the forwards pair up. A waiting MTP forward runs at the
+latest when every rank's next forward is the MTP layer's or none: each speculative step and
+prefill round runs an MTP forward after its model forward, so none waits without bound.
+Jobs that run no forward (collecting a step's tokens) run between ticks and need no agreement.
 
 Sleeping (`waker`, e.g. the group's TCPStore: rank_group.StoreWaker): an idle group does not tick
 at all. The decision to sleep follows from tick results only (never from a rank's own jobs that
@@ -47,6 +53,7 @@ from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 
+from deepseek_pd.model.distributed.step_sync import ForwardKind
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.workers.engine.model_thread import model_call
 
@@ -87,13 +94,14 @@ class LockstepModelThread:
     """Runs model jobs in one thread and keeps this rank's forwards in step with the group's.
 
     `group` is the torch.distributed process group the ticks use (CPU tensors: gloo); `idle_forward`
-    is what a rank with no forward of its own runs when another rank forwards (`runner.idle`).
+    is what a rank with no forward of its own (or of the step's kind) runs when another rank
+    forwards, given the step's mode and kind (`runner.idle`).
     `leader`: this rank's `close()` stops the whole group (rank 0). `waker`: lets an idle group sleep
     (None: it keeps ticking every `idle_max_s`). Call `start()` once every rank is up (ticks before
     that would time out on a loading peer).
     """
 
-    def __init__(self, name: str, group: Any, idle_forward: Callable[[ForwardMode], None],
+    def __init__(self, name: str, group: Any, idle_forward: Callable[[ForwardMode, ForwardKind], None],
                  idle_max_s: float = 0.02, on_failure: Callable[[str], None] = exit_group_failed, leader: bool = False,
                  waker: Waker | None = None, sleep_after_ticks: int = 8) -> None:
         self._name = name
@@ -145,9 +153,17 @@ class LockstepModelThread:
 
     # ---- StepSync (called by the runner, in this thread) ------------------------------------------
     @contextlib.contextmanager
-    def forward(self, mode: ForwardMode) -> Iterator[ForwardMode]:
-        # The MAX is "forward": everyone joins this one, in EXTEND mode if any rank extends.
-        _, extend = self._tick(True, mode is ForwardMode.EXTEND)
+    def forward(self, mode: ForwardMode, kind: ForwardKind = ForwardKind.MODEL) -> Iterator[ForwardMode]:
+        # The MAX is "forward": everyone joins one, in EXTEND mode if any rank of it extends; a step
+        # of the other kind comes first when some rank asks for one (the model's win), and this
+        # rank joins it idle before asking again.
+        while True:
+            step_kind, extend = self._tick(True, mode is ForwardMode.EXTEND, kind=kind)
+            if step_kind is kind:
+                break
+            self._join_step(step_kind, extend)
+            if self._stop_seen:  # the others end after this step: this forward would tick alone
+                raise GroupStopped(f"{self._name}: the group stopped before this rank's forward")
         try:
             yield ForwardMode.EXTEND if extend else ForwardMode.DECODE
         except BaseException as exc:
@@ -190,12 +206,13 @@ class LockstepModelThread:
             except BaseException as exc:  # the engine sees it; a broken group already exited
                 future.set_exception(exc)
 
-    def _join_step(self, wants: bool, extend: bool) -> bool:
-        """After a tick of this rank's idle loop: the idle forward the group's step asks for, if any."""
-        if not wants:
+    def _join_step(self, kind: ForwardKind | None, extend: bool) -> bool:
+        """After a tick this rank runs no forward of its own in: the idle forward of the step's
+        kind, if the tick says "forward" (`kind` not None)."""
+        if kind is None:
             return False
         try:
-            model_call(self._idle_forward, ForwardMode.EXTEND if extend else ForwardMode.DECODE)
+            model_call(self._idle_forward, ForwardMode.EXTEND if extend else ForwardMode.DECODE, kind)
         except Exception as exc:
             self._fail(f"an idle forward failed: {exc!r}")
         self.idle_forwards += 1
@@ -235,10 +252,13 @@ class LockstepModelThread:
         except Exception as exc:
             self._fail(f"cannot wake the group: {exc!r}")
 
-    def _tick(self, wants: bool, extend: bool, stop: bool = False) -> tuple[bool, bool]:
+    def _tick(self, wants: bool, extend: bool, stop: bool = False,
+              kind: ForwardKind = ForwardKind.MODEL) -> tuple[ForwardKind | None, bool]:
+        """One tick; returns the step's kind (None: no forward this step) and whether it extends."""
         import torch.distributed as dist
 
-        flags = torch.tensor([int(wants), int(extend), int(stop)], dtype=torch.int32)
+        flags = torch.zeros(5, dtype=torch.int32)  # [wants_model, model_extends, wants_mtp, mtp_extends, stop]
+        flags[2 * kind], flags[2 * kind + 1], flags[4] = int(wants), int(wants and extend), int(stop)
         try:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         except Exception as exc:
@@ -248,11 +268,12 @@ class LockstepModelThread:
         # The sleep decision reads only tick results, which every rank sees alike. (A rank's own
         # jobs that run no forward, such as admitting a request whose KV is still in flight, must
         # not count: that rank would sleep ticks after its peers and tick alone into a collective.)
-        self._quiet_ticks = 0 if flags[0] else self._quiet_ticks + 1
-        if flags[2] and not self._stop_seen:  # this step's forward still runs everywhere, then the end
+        step_kind = ForwardKind.MODEL if flags[0] else ForwardKind.MTP if flags[2] else None
+        self._quiet_ticks = 0 if step_kind is not None else self._quiet_ticks + 1
+        if flags[4] and not self._stop_seen:  # this step's forward still runs everywhere, then the end
             log.info("%s: rank 0 stopped the group", self._name)
             self._stop_seen = True
-        return bool(flags[0]), bool(flags[1])
+        return step_kind, step_kind is not None and bool(flags[2 * step_kind + 1])
 
     def _end(self) -> None:
         """The thread is over: jobs still queued fail, and (after a stop tick) `group_stopped` is set."""

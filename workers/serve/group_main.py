@@ -89,7 +89,9 @@ async def serve_rank(config: ServeConfig, rank: int) -> None:
     holder: list[ModelRunner] = []
     follower = group.is_tp_follower
     # A forward tick without a job of its own: an idle forward, or (TP follower) the leader's forward.
-    idle_forward = (lambda mode: holder[0].follow_one()) if follower else (lambda mode: holder[0].idle(mode))
+    # (A follower's call says which network it runs; a leader's idle forward is of the step's kind.)
+    idle_forward = ((lambda mode, kind: holder[0].follow_one()) if follower
+                    else (lambda mode, kind: holder[0].idle(mode, kind)))
     thread = LockstepModelThread(f"{config.role}-model-r{rank}", group.control, idle_forward=idle_forward,
                                  leader=rank == 0, waker=group.waker)
     try:

@@ -127,3 +127,32 @@ def test_seeded_sampling_identical(setup, seed):
     for a, b in zip(spec.generate_batch(prompts, params), base.generate_batch(prompts, params)):
         _same(a, b)
     print(f"sampled accept length {spec.speculative.stats.accept_length:.2f}")
+
+
+def test_padded_catch_up_drafts_what_the_exact_one_does(setup, seed):
+    """With a catch-up CUDA graph the decoder runs the catch-up over all k + 1 verify positions, the
+    emitted tokens padded (model/speculative/decoder.py says why that is safe): the MTP KV it writes
+    past the last emitted token must never be read before it is written again. Checked on the CPU
+    without graphs: every step's drafts (not only the outputs, which are the target's whatever the
+    drafts) are the same padded and exact, with the trained layer accepting."""
+    _, _, spec, prompts = setup
+    rng = random.Random(seed + 7)
+    batch = rng.sample(prompts, 4) + [[rng.randrange(2, spec.vocab_size) for _ in range(rng.randint(2, 12))]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(10, 24), ignore_eos=True)
+    decoder = spec.speculative
+    chain = decoder._chain
+
+    def run(padded: bool) -> tuple[list, list]:
+        drafts: list = []
+        decoder.pad_catch_up = padded
+        decoder._chain = lambda *a: drafts.append(chain(*a)) or drafts[-1]
+        try:
+            return [r.output_ids for r in spec.generate_batch(batch, greedy)], drafts
+        finally:
+            decoder._chain = chain
+            decoder.pad_catch_up = False
+
+    before = decoder.stats.accepted
+    exact, padded = run(False), run(True)
+    assert padded == exact, seed
+    assert decoder.stats.accepted > before, seed  # drafts were accepted: the padded rows had real neighbours

@@ -42,3 +42,112 @@ def test_triton_speculative_greedy_matches_plain(tmp_path):
     assert spec.speculative.stats.accept_length > 1.5
     bf16 = Engine(path, speculative_num_steps=3, **{**kw, "dtype": "bfloat16"})
     assert all(len(r.output_ids) == 32 for r in bf16.generate_batch(prompts, greedy))
+
+
+def test_draft_step_graphs_equal_eager_at_every_bucket(tmp_path):
+    """The MTP layer's draft step by CUDA-graph replay (model/speculative/draft_graph.py) against the
+    eager `runner.draft`, at every captured batch size and sizes between them (padding rows): the
+    same hidden states and the same draft tokens."""
+    from deepseek_pd.model.graph_inputs import CudaGraphConfig
+    from deepseek_pd.model.runner import ExtendSeq
+    from deepseek_pd.model.speculative.draft_graph import DraftGraphRunner
+
+    seed = random.randrange(1000)
+    rng = random.Random(seed)
+    path = str(make_tiny_model(tmp_path / "v3", seed=seed, mtp_layers=1))
+    engine = Engine(path, device="cuda", dtype="float32", attention_backend="triton", moe_backend="triton",
+                    page_size=16, speculative_num_steps=3)
+    runner = engine.runner
+    config = CudaGraphConfig(max_batch=12, max_context=256)
+    graphs = DraftGraphRunner(runner.model, runner.kv_pool, config, runner.kv_pool.alloc(1)[0])
+    hidden_size = runner.model_config.hidden_size
+    for n in sorted({*config.buckets(), 3, 5, 7, 11}):
+        positions = [rng.randrange(0, 200) for _ in range(n)]
+        pages = [runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(p + 1)) for p in positions]
+        tokens = [rng.randrange(2, engine.vocab_size) for _ in range(n)]
+        hidden = torch.randn(n, hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + n))
+        eager = runner.draft([ExtendSeq([t], p, pg) for t, p, pg in zip(tokens, positions, pages)], hidden)
+        replayed = graphs.draft(tokens, positions, pages, hidden)
+        assert replayed is not None, (seed, n)
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4, msg=f"seed {seed}, batch {n}")
+        assert (runner.logits(replayed).argmax(-1) == runner.logits(eager).argmax(-1)).all(), (seed, n)
+        for pg in pages:
+            runner.kv_pool.free(pg)
+    assert graphs.draft([1] * 13, [0] * 13, [[0]] * 13, torch.zeros(13, hidden_size, device="cuda")) is None
+
+
+def test_speculative_engine_with_graphs_equals_eager(tmp_path):
+    """The whole speculative decode through the runner with CUDA graphs (draft and verify replayed
+    at every bucket the batches hit; model/speculative/graphs.py) against the same engine eager and
+    against plain decode: identical greedy tokens, and the replays (draft, verify, padded catch-up) did happen."""
+    seed = random.randrange(1000)
+    print(f"seed={seed}")
+    path = str(make_tiny_model(tmp_path / "v3", seed=seed, mtp_layers=1))
+    kw = dict(device="cuda", dtype="float32", attention_backend="triton", moe_backend="triton", page_size=16,
+              speculative_num_steps=3)
+    rng = random.Random(seed)
+    eager = Engine(path, **kw)
+    graphs = Engine(path, cuda_graph=True, **kw)
+    assert graphs.runner.spec_forwards.graphs is not None
+    plain = Engine(path, **{**kw, "speculative_num_steps": 0})
+    for batch in (1, 2, 3, 8, 13):  # buckets and sizes between them (padding rows)
+        prompts = [[rng.randrange(2, eager.vocab_size) for _ in range(rng.randint(2, 60))] for _ in range(batch)]
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(8, 24), ignore_eos=True)
+        want = [r.output_ids for r in plain.generate_batch(prompts, greedy)]
+        assert [r.output_ids for r in eager.generate_batch(prompts, greedy)] == want, (seed, batch)
+        assert [r.output_ids for r in graphs.generate_batch(prompts, greedy)] == want, (seed, batch)
+    replays = graphs.runner.spec_forwards.graphs.replays
+    print(f"replays {replays}")
+    assert replays["draft"] > 0 and replays["verify"] > 0 and replays["catch_up"] > 0, replays
+
+
+def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
+    """With `speculative_adaptive` the verify and catch-up are captured for every k in 1..N
+    (model/speculative/graphs.py); steps drafting a random k each, through graphs, give the plain
+    greedy tokens, and every k's verify replays."""
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.sampling.params import SamplingParams as Params
+    from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
+    from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
+    from deepseek_pd.workers.engine.extend_step import run_extend_with_mtp
+
+    seed = random.randrange(1000)
+    rng = random.Random(seed)
+    path = str(make_tiny_model(tmp_path / "v3", seed=seed, mtp_layers=1))
+    plain = Engine(path, device="cuda", dtype="float32", attention_backend="triton", moe_backend="triton", page_size=16)
+    runner = ModelRunner(RunnerConfig(model=path, device="cuda", dtype="float32", attention_backend="triton",
+                                      moe_backend="triton", page_size=16, num_pages=512, cuda_graph=True,
+                                      cuda_graph_max_batch=8, speculative_num_steps=3, speculative_adaptive=True))
+    graphs = runner.spec_forwards.graphs
+    assert sorted(graphs.verify_graphs) == sorted(graphs.catch_up_graphs) == [2, 3, 4]
+    prompts = [[rng.randrange(2, plain.vocab_size) for _ in range(rng.randint(2, 40))] for _ in range(6)]
+    max_new = [rng.randint(6, 20) for _ in prompts]
+    want = [r.output_ids for r in plain.generate_batch(
+        prompts, [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new])]
+
+    class Row:
+        def __init__(self, prompt, n):
+            self.prompt_ids, self.max_new, self.output_ids = prompt, n, []
+            self.pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(prompt) + n))
+
+        @property
+        def finished(self):
+            return len(self.output_ids) >= self.max_new
+
+    def greedy(rows, logits):
+        for row, token in zip(rows, logits.argmax(-1).tolist()):
+            row.output_ids.append(token)
+
+    rows = [Row(p, n) for p, n in zip(prompts, max_new)]
+    decoder = SpeculativeDecoder(runner, 3, greedy)
+    states = [SamplingState.create(Params(temperature=0.0), r.prompt_ids, plain.vocab_size, device="cuda")
+              for r in rows]
+    sampled, drafts = run_extend_with_mtp(runner, Sampler(), [ExtendSeq(r.prompt_ids, 0, r.pages) for r in rows],
+                                          range(len(rows)), states, [r.prompt_ids for r in rows])
+    for row, token, draft in zip(rows, sampled.token_ids, drafts):
+        row.output_ids.append(token)
+        decoder.seed(row, *draft)
+    while not all(r.finished for r in rows):
+        decoder.step(rows, rng.randint(0, 3))
+    assert [r.output_ids for r in rows] == want, seed
+    assert graphs.replays["verify"] > 0 and graphs.replays["catch_up"] > 0, graphs.replays

@@ -247,16 +247,6 @@ def test_abort_mid_speculative_decode_ends_once_and_frees_pages(setup):
     assert 1 <= len(outcome.tokens) < 400
 
 
-def test_an_attention_tp_runner_refuses_speculation(setup):
-    """Attention TP (the leader's forwards replayed by its followers) refuses the MTP layer; a DP
-    group's rank (a step_sync, ep 1) drafts: tests/workers/test_group_speculative.py."""
-    path = setup[0]
-    from deepseek_pd.errors import UserError
-    with pytest.raises(UserError, match="attention TP"):
-        ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=64, speculative_num_steps=1),
-                    tp_replay=object())
-
-
 @pytest.mark.parametrize("expensive", [False, True])
 def test_adaptive_draft_count_follows_the_costs(setup, expensive):
     """`speculative_adaptive`: step costs measured at start-up; then a table where drafting never
