@@ -92,7 +92,7 @@ def test_fitting_agrees_with_the_workers_own_pool_sizing():
 def test_kv_bytes_per_token_is_the_pools():
     config = model_config("DeepSeek-V3")
     rank = _plan(_example("deepseek-v3-h200.yaml")).ranks[0]
-    # the example speculates: the pool holds the MTP layer's KV too (model/mtp_names.py)
+    # the example speculates: the pool holds the MTP layer's KV too (model/speculative/mtp_names.py)
     assert rank.kv_bytes_per_token == bytes_per_pool_page(kv_layers(config, True), 1, config.kv_cache_dim,
                                                           torch.bfloat16)
     raw = _example("deepseek-v3-h200.yaml")

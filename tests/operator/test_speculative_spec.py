@@ -133,7 +133,7 @@ def test_the_engine_opt_spelling_counts_too():
 
 
 def test_eplb_placements_are_refused_with_speculation():
-    """The MTP layer takes no EPLB placement yet (model/mtp.py): redundant experts in engineArgs are
+    """The MTP layer takes no EPLB placement yet (model/speculative/mtp.py): redundant experts in engineArgs are
     an invalid flag for the plan, a mounted placement a CRD refusal."""
     raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())
     raw["spec"]["decode"]["engineArgs"] = ["--ep-num-redundant-experts=32"]

@@ -1,7 +1,7 @@
 """The draft step's static inputs (model/speculative/draft_graph.py) on the CPU, where no graph is
 captured: one step's rows land in the bucket's buffers as decode's packing lays them out, the
 hidden states in their rows, zeros in the padding rows (even after a larger step), and hidden
-states of the wrong shape are refused. The replay itself: tests/model/test_speculative_gpu.py."""
+states of the wrong shape are refused. The replay itself: tests/model/speculative/test_speculative_gpu.py."""
 from __future__ import annotations
 
 import random
