@@ -247,6 +247,12 @@ class RunnerConfig:
         resolved.expert_location(model_config)  # a bad placement file fails here, before any rank starts
         blocker = resolved.cuda_graph_blocker()
         if requested_graphs is None:
+            if graphs_by_default and blocker is None and resolved.speculative_num_steps:
+                # Draft/verify graphs (model/speculative/graphs.py) are opt-in until their GPU test
+                # (tests/model/speculative/test_speculative_gpu.py) has passed on a GPU: a speculative
+                # worker decodes eagerly unless cuda_graph=true asks for them.
+                log.info("speculative decoding: CUDA graphs are opt-in (--engine-opt cuda_graph=true)")
+                return replace(resolved, cuda_graph=False)
             return replace(resolved, cuda_graph=graphs_by_default and blocker is None)
         if requested_graphs and blocker is not None:
             raise UserError(f"cuda_graph=true: {blocker}")

@@ -84,6 +84,14 @@ def test_graph_default_needs_capturable_backends(gpu_machine) -> None:
     assert off.cuda_graph is False
 
 
+def test_speculative_graphs_are_opt_in_until_verified_on_a_gpu(gpu_machine) -> None:
+    cfg = model_config("bfloat16")
+    steps = random.randint(1, 3)
+    assert RunnerConfig.resolve(cfg, graphs_by_default=True, model="m", speculative_num_steps=steps).cuda_graph is False
+    asked = RunnerConfig.resolve(cfg, graphs_by_default=True, model="m", speculative_num_steps=steps, cuda_graph=True)
+    assert asked.cuda_graph is True
+
+
 def test_resolve_on_a_cpu_machine(cpu_machine) -> None:
     resolved = RunnerConfig.resolve(model_config("bfloat16"), graphs_by_default=True, model="m")
     assert (resolved.device, resolved.dtype, resolved.attention_backend, resolved.moe_backend) == \
