@@ -53,18 +53,26 @@ def raw_mooncake(setup, sender, receiver) -> float:
     """Seconds of one raw `batch_transfer_sync_write` of the same batch between the same two engines."""
     from deepseek_pd.workers.transport.mooncake import build_write_batch
 
-    batch = build_write_batch(sender.engine.base_addrs, receiver.engine.base_addrs, setup.src.bytes_per_page,
-                              setup.src_pages, setup.dst_pages)
-    # The decode pool is registered only while a transfer runs (security: a stranger reaches no
-    # idle page), so the raw write registers the same pages around itself, outside its timing.
-    sink = receiver.open_sink(setup.dst_pages)
-    sink.expose()
+    # Decode's pool is never registered: writers reach only its staging (workers/transport/staging.py),
+    # so the raw write goes to the staging's first pages, registered around it (outside its timing)
+    # as a transfer's slots are over TCP. No transfer runs meanwhile (the ceiling is taken between repeats).
+    staging, engine = receiver.staging, receiver.engine
+    slots = list(range(len(setup.dst_pages)))
+    if len(slots) > staging.num_pages:
+        raise SystemExit(f"the raw mooncake write needs {len(slots)} staging pages, the staging holds "
+                         f"{staging.num_pages}: raise --engine-opt mooncake_staging_tokens")
+    batch = build_write_batch(sender.engine.base_addrs, staging.base_addrs, setup.src.bytes_per_page,
+                              setup.src_pages, slots)
+    length = len(slots) * staging.page_bytes
+    registered = [base for base in staging.base_addrs
+                  if engine.protocol == "tcp" and engine.engine.register_memory(base, length) == 0]
     try:
         began = time.perf_counter()
-        status = sender.engine.engine.batch_transfer_sync_write(receiver.engine.session_id, *batch)
+        status = sender.engine.engine.batch_transfer_sync_write(engine.session_id, *batch)
         elapsed = time.perf_counter() - began
     finally:
-        sink.withdraw()
+        for base in registered:
+            engine.engine.unregister_memory(base)
     if status != 0:
         raise SystemExit(f"raw mooncake write failed with status {status}")
     return elapsed
