@@ -37,13 +37,15 @@ def test_the_flag_reaches_the_runner_and_the_identity(model, role):
     assert spec.identity.kv_bytes_per_token == plain.identity.kv_bytes_per_token * (layers + 1) // layers
 
 
-def test_graphs_stay_on_with_speculation_on_a_gpu(model, monkeypatch):
-    """Draft and verify are captured too (model/speculative/graphs.py); the headroom follows the
-    verify graph's k + 1 tokens per sequence."""
+def test_speculative_graphs_are_opt_in_on_a_gpu(model, monkeypatch):
+    """Draft and verify can be captured too (model/speculative/graphs.py), when asked for until their
+    GPU test has run (RunnerConfig.resolve); the headroom follows the verify graph's k + 1 tokens
+    per sequence."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
     plain = resolve("decode", "--model", model).runner
-    spec = resolve("decode", "--model", model, "--speculative-num-steps", "3").runner
+    assert not resolve("decode", "--model", model, "--speculative-num-steps", "3").runner.cuda_graph
+    spec = resolve("decode", "--model", model, "--speculative-num-steps", "3", "--engine-opt", "cuda_graph=true").runner
     assert plain.cuda_graph and spec.cuda_graph
     assert spec.headroom_gib == default_headroom_gib(plain.cuda_graph_max_batch * 4) >= plain.headroom_gib
 

@@ -65,8 +65,6 @@ def test_wrapper_pool_lends_a_wrapper_only_while_no_live_plan_holds_it():
     """Eager batches reuse wrappers: a wrapper comes back when its plan is dropped, never while the
     plan lives (two-batch overlap keeps two plans alive at once); as many are built as plans were
     alive at the busiest moment."""
-    import gc
-
     from deepseek_pd.model.kernels.flashinfer_mla import WrapperPool
 
     class Plan:  # what holds a wrapper: any object that can be garbage
@@ -77,8 +75,7 @@ def test_wrapper_pool_lends_a_wrapper_only_while_no_live_plan_holds_it():
     peak = 0
     for step in range(300):
         while live and random.random() < 0.5:
-            live.pop(random.choice(list(live)))
-        gc.collect()
+            live.pop(random.choice(list(live)))  # the last reference: CPython runs its finalizer now
         wrapper = pool.take()
         assert all(wrapper is not held for _, held in live.values()), "a live plan's wrapper was lent again"
         plan = Plan()
