@@ -123,12 +123,14 @@ def test_router_client_gets_one_error_or_a_retried_answer_when_decode_dies_mid_t
                 return bool(running and holding)
             assert await wait_until(transferring, 30), "the request never reached the transfer phase"
             busy[0].process.send_signal(signal.SIGKILL)
+            killed = busy[0]
             try:
                 result = await asyncio.wait_for(call, FAILURE_DEADLINE_S + RETRY_BUDGET_S)
             except RouterError as exc:
                 assert exc.status >= 500, exc
             else:
                 assert len(result.output_ids) == 4 and result.finish_reason is not None, result
+        await asyncio.to_thread(killed.process.wait, 30)  # reaped before the next scenario (see _kill_during_transfer)
         for worker in prefills:
             pages = await wait_for_pages(worker.address(host), baselines[worker.process.name],
                                          timeout_s=FAILURE_DEADLINE_S)
@@ -188,7 +190,11 @@ async def _kill_during_transfer(cluster, prefill, decode, victim):
         victim.process.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         result = await asyncio.wait_for(call, FAILURE_DEADLINE_S)
-        return result, time.monotonic() - t0
+        elapsed = time.monotonic() - t0
+    # Reaped before the next scenario picks its workers: a SIGKILLed worker stops accepting before
+    # its exit completes, and `live` (is_alive) once handed a loaded run's next scenario that worker.
+    await asyncio.to_thread(victim.process.wait, 30)
+    return result, elapsed
 
 
 async def _both(first, second) -> bool:
