@@ -44,7 +44,8 @@ from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.speculative.forwards import SpeculativeForwards
 from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
-from deepseek_pd.model.speculative.rules import check_speculative_num_steps, graph_tokens_per_sequence
+from deepseek_pd.model.speculative.rules import (check_speculative_num_steps, graph_tokens_per_sequence,
+                                                 graphs_default_blocker)
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.kv.pool import KVPool, bytes_per_pool_page
 from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_gpu
@@ -247,13 +248,10 @@ class RunnerConfig:
         resolved.expert_location(model_config)  # a bad placement file fails here, before any rank starts
         blocker = resolved.cuda_graph_blocker()
         if requested_graphs is None:
-            if graphs_by_default and blocker is None and resolved.speculative_num_steps:
-                # Draft/verify graphs (model/speculative/graphs.py) are opt-in until their GPU test
-                # (tests/model/speculative/test_speculative_gpu.py) has passed on a GPU: a speculative
-                # worker decodes eagerly unless cuda_graph=true asks for them.
-                log.info("speculative decoding: CUDA graphs are opt-in (--engine-opt cuda_graph=true)")
-                return replace(resolved, cuda_graph=False)
-            return replace(resolved, cuda_graph=graphs_by_default and blocker is None)
+            default_blocker = graphs_default_blocker(resolved.speculative_num_steps)
+            if graphs_by_default and blocker is None and default_blocker is not None:
+                log.info("CUDA graphs off: %s", default_blocker)
+            return replace(resolved, cuda_graph=graphs_by_default and blocker is None and default_blocker is None)
         if requested_graphs and blocker is not None:
             raise UserError(f"cuda_graph=true: {blocker}")
         return replace(resolved, cuda_graph=requested_graphs)  # __post_init__ refuses a non-bool

@@ -27,6 +27,7 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_workers import DIST_INIT_PORT, POD_IP_ENV, build_group_statefulset
+from deepseek_pd.model.speculative.rules import graphs_default_blocker
 from deepseek_pd.units import GIB
 from deepseek_pd.operator.memory_plan import plan_memory
 from deepseek_pd.operator.spec import DeploymentSpec
@@ -146,11 +147,16 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
     role = raw[role_name]
     role.update(size=1, parallelism={"tp": rng.choice([1, 1, 2]), "ep": 1}, engineArgs=rng.sample(
         [f"--engine-opt=max_running_requests={rng.choice([64, 128, 256, 512])}",
-         f"--engine-opt=cuda_graph_max_batch={rng.choice([32, 160, 384])}", "--engine-opt=cuda_graph=false",
+         f"--engine-opt=cuda_graph_max_batch={rng.choice([32, 160, 384])}",
+         f"--engine-opt=cuda_graph={rng.choice(['true', 'false'])}",
          "--enable-tbo", "--engine-opt=record_expert_load=true", "--engine-opt=mem_headroom_gib=3.5"],
         rng.randint(0, 3)))
     if role["parallelism"]["tp"] > 1 and "--enable-tbo" in role["engineArgs"]:
         role["engineArgs"].remove("--enable-tbo")  # serve refuses TBO with attention TP
+    uncapturable = {"--enable-tbo", "--engine-opt=record_expert_load=true"} & set(role["engineArgs"])
+    if "--engine-opt=cuda_graph=true" in role["engineArgs"] and (role_name == "prefill" or role["parallelism"]["tp"] > 1
+                                                            or uncapturable):
+        role["engineArgs"].remove("--engine-opt=cuda_graph=true")  # serve refuses graphs it cannot capture
     spec = DeploymentSpec.parse("demo", "llm", raw)
     rendered = RenderedDeployment(spec, pod_ip="10.0.3.7")
     group = names.group_selector(spec.name, role_name, 0)
@@ -160,8 +166,11 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
     runner = resolve_serve_config(_with_model(flags_from_args(build_parser().parse_args(argv)), v3_node)).runner
     planned = next(r for r in plan_memory(spec).ranks if r.role == role_name)
     assert planned.reserve_bytes == int(runner.headroom_gib * GIB), (role["engineArgs"], role["parallelism"], runner)
-    if role_name == "decode" and role["parallelism"]["tp"] == 1 and not role["engineArgs"]:
+    if role_name == "decode" and "--engine-opt=cuda_graph=true" in role["engineArgs"]:
         assert runner.cuda_graph  # the case whose headroom grows with the graph batch is exercised
+    if role_name == "decode" and role["parallelism"]["tp"] == 1 and not role["engineArgs"]:
+        # the example speculates: its graphs follow the opt-in rule, in the plan as in the worker
+        assert runner.cuda_graph == (graphs_default_blocker(runner.speculative_num_steps) is None)
 
 
 @pytest.mark.parametrize("protocol", ["rdma", "tcp"])
