@@ -48,7 +48,8 @@ def run(batches: tuple[int, ...], context: int, steps: int, max_context: int) ->
     from model_gpu import cuda_time
 
     from deepseek_pd.model.graph_inputs import bucket_for
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     start = time.perf_counter()
     model = build_random_v2lite()

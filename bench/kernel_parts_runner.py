@@ -100,7 +100,8 @@ def _prefill_floor_ms(model, tokens: int, tflops: float) -> float:
 
 
 def runner_part(ctx: Context) -> list[Row]:
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     models = _models(ctx)
     prefill_lens = (8,) if ctx.tiny else (1024, 4096, 8192)

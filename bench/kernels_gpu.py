@@ -246,7 +246,8 @@ def e2e_part() -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from model_gpu import V2_LITE, build_ours, build_v2lite, measure_runner
 
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     hf, ours_torch = build_v2lite()
     variants = {"torch": ours_torch}

@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig  # noqa: E402
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig  # noqa: E402
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState  # noqa: E402
 from deepseek_pd.model.sampling.params import SamplingParams  # noqa: E402
 from deepseek_pd.workers.engine.interface import DisaggParams, GenerateRequest, TokenChunk  # noqa: E402

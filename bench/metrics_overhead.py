@@ -35,7 +35,8 @@ def decode_step_us(model: str, device: str, dtype: str, batch: int, context: int
     """Median wall time of `runner.decode` for `batch` sequences of `context` cached tokens."""
     import torch
 
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     page = 16
     pages_per_seq = (context + steps) // page + 1

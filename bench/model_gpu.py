@@ -60,7 +60,8 @@ def greedy(runner, prompt: list[int], steps: int) -> list[int]:
 
 def smoke() -> dict:
     """Greedy tokens of the tiny checkpoints: CPU fp32 vs CUDA fp32 and CUDA bf16."""
-    from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
     from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     result = {}
@@ -109,7 +110,8 @@ def build_ours(hf, **option_overrides):
 
 @torch.inference_mode()
 def v2lite(decode_steps: int = 16, context: int = 512) -> dict:
-    from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     hf, ours = build_v2lite()
     runner = ModelRunner.from_model(ours, RunnerConfig(model="<v2lite>", page_size=64, num_pages=4096))

@@ -49,7 +49,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig  # noqa: E402
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig  # noqa: E402
 from deepseek_pd.model.sampling.params import SamplingParams  # noqa: E402
 from deepseek_pd.workers.decode.engine import DecodeEngine  # noqa: E402
 from deepseek_pd.workers.engine import model_thread as model_thread_module  # noqa: E402

@@ -64,7 +64,8 @@ def _sync(device: str) -> None:
 
 @torch.inference_mode()
 def measure(spec: RunnerStepsSpec) -> dict:
-    from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     rng = random.Random(spec.seed)
     longest = max(spec.context_max + spec.decode_offset + spec.steps + 2, max(spec.prefill_lengths))

@@ -50,7 +50,8 @@ def _timed(fn, device: str, repeats: int) -> float:
 @torch.inference_mode()
 def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: bool, batches: list[int],
             draft_steps: list[int], context: int, repeats: int) -> dict:
-    from deepseek_pd.model.runner import DecodeSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
     from deepseek_pd.model.speculative.decoder import measure_step_costs
 
     max_steps = max(draft_steps)

@@ -150,7 +150,8 @@ def main() -> int:
     random.seed(seed)
     torch.manual_seed(seed)
     from deepseek_pd.model.attention import ATTENTION_BACKENDS
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     raw = dict(TINY if args.tiny else V3_SLICE, num_hidden_layers=1 + args.moe_layers)

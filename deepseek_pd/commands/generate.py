@@ -77,7 +77,7 @@ def resolved_runner_config(args: argparse.Namespace):
     engine decodes, so graphs default to on where they can be captured)."""
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
-    from deepseek_pd.model.runner import RunnerConfig
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     model_dir = resolve_model_dir(args.model)
     graphs = {} if args.cuda_graph is None else {"cuda_graph": args.cuda_graph}

@@ -14,7 +14,8 @@ import pytest
 from deepseek_pd.client.router_http import RouterClient
 from deepseek_pd.launcher.cluster import LocalCluster
 from deepseek_pd.workers.engine.offline import Engine
-from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, wait_for_pages

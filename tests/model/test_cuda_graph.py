@@ -16,7 +16,8 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.graph_inputs import CudaGraphConfig, StaticDecodeInputs, bucket_for, graph_buckets
-from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,7 +14,8 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.engine.prefill_planner import PromptProgress, plan_extend_batch
-from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 
 pytestmark = [pytest.mark.timeout(300)]
 

@@ -15,7 +15,8 @@ import torch
 
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
-from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from pdtest.hf_oracle import TinyShape, build_hf_model, hf_logits, our_model
 
 pytestmark = pytest.mark.timeout(120)

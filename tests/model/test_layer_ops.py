@@ -14,7 +14,8 @@ from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, Forwa
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.layer_ops import (DENSE_LAYER_OPS, LAYER_BOUNDARY_KEYS, MOE_LAYER_OPS, TBO_DECODE_MOE_OPS,
                                          TBO_PREFILL_MOE_OPS, OpState, without_yields)
-from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from pdtest.hf_oracle import TinyShape, build_hf_model, our_model
 
 pytestmark = pytest.mark.timeout(60)

@@ -65,7 +65,8 @@ def test_rope_and_cache_write_matches_reference(dtype, interleaved):
 
 
 def test_tiny_model_with_triton_norm_rope_matches_torch(tmp_path):
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
     from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / "v2", arch=random.choice(["v2", "v3"]), seed=random.randrange(1000)))

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model import runner as runner_module
+from deepseek_pd.model import runner_config as runner_config_module
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.device import is_cuda, resolve_device
-from deepseek_pd.model.runner import RunnerConfig, auto_dtype
+from deepseek_pd.model.runner_config import RunnerConfig, auto_dtype
 from deepseek_pd.model.checkpoint.tiny import tiny_config
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -22,7 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 @pytest.fixture
 def gpu_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
+    monkeypatch.setattr(runner_config_module, "_triton_available", lambda: True)
 
 
 @pytest.fixture

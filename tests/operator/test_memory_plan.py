@@ -19,7 +19,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import bytes_per_pool_page
 from deepseek_pd.model.kv.pool_sizing import pages_for_budget
 from deepseek_pd.model.speculative.mtp_names import kv_layers
-from deepseek_pd.model.runner import FP8_BACKEND_CHOICES
+from deepseek_pd.model.runner_config import FP8_BACKEND_CHOICES
 from deepseek_pd.operator import memory_flags
 from deepseek_pd.operator.gpu_types import gpu_memory, product_memory_bytes
 from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config, recognise

@@ -12,7 +12,8 @@ import torch
 import yaml
 
 from deepseek_pd.model.config import ModelConfig
-from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.speculative.rules import MAX_SPECULATIVE_NUM_STEPS
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from deepseek_pd.operator.build_workers import build_worker_args

@@ -37,8 +37,8 @@ def test_tiers_follow_sglang_and_unknown_memory_keeps_the_default() -> None:
 def gpu_of(monkeypatch):
     """A GPU machine whose GPU has the given total memory (None: NVML cannot tell)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    from deepseek_pd.model import runner as runner_module
-    monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
+    from deepseek_pd.model import runner_config as runner_config_module
+    monkeypatch.setattr(runner_config_module, "_triton_available", lambda: True)
     asked: list[str] = []
 
     def set_memory(total: int | None) -> list[str]:

@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 
 from deepseek_pd.workers.engine.offline import Engine
-from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from deepseek_pd.ports import pick_free_ports

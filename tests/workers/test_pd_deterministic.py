@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deepseek_pd.workers.engine.offline import Engine
-from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.params import SamplingParams
 from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, PDPair, worker_config
 

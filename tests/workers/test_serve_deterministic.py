@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model import runner as runner_module
+from deepseek_pd.model import runner_config as runner_config_module
 from deepseek_pd.workers.serve.roles import ROLES
 
 from test_serve_resolution import checkpoint, resolve  # noqa: E402 (the sibling test module's helpers)
@@ -26,6 +26,6 @@ def test_deterministic_reaches_the_runner_and_the_scheduler(role, monkeypatch, t
                                           (("--engine-opt", "moe_backend=grouped"), "no batch-invariant")])
 def test_deterministic_refuses_what_it_cannot_keep_invariant(extra, match, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
+    monkeypatch.setattr(runner_config_module, "_triton_available", lambda: True)
     with pytest.raises(UserError, match=match):
         resolve("decode", "--model", str(checkpoint(tmp_path)), "--device", "cuda", "--deterministic", *extra)

@@ -14,9 +14,9 @@ import torch
 from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.errors import UserError
-from deepseek_pd.model import runner as runner_module
+from deepseek_pd.model import runner_config as runner_config_module
 from deepseek_pd.model.kv.pool_sizing import DEFAULT_MEM_FRACTION_STATIC
-from deepseek_pd.model.runner import DEFAULT_NUM_PAGES
+from deepseek_pd.model.runner_config import DEFAULT_NUM_PAGES
 from deepseek_pd.model.checkpoint.tiny import tiny_config
 from deepseek_pd.workers.serve.roles import ROLES
 from deepseek_pd.workers.serve.resolution import resolve_serve_config
@@ -25,7 +25,7 @@ from deepseek_pd.workers.serve.resolution import resolve_serve_config
 @pytest.fixture
 def gpu_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
+    monkeypatch.setattr(runner_config_module, "_triton_available", lambda: True)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model import runner as runner_module
+from deepseek_pd.model import runner_config as runner_config_module
 from deepseek_pd.model.distributed.dispatch_mode import DEFAULT_LOW_LATENCY_MAX_TOKENS
 from test_serve_resolution import checkpoint, resolve
 
@@ -16,7 +16,7 @@ from test_serve_resolution import checkpoint, resolve
 def gpu_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
+    monkeypatch.setattr(runner_config_module, "_triton_available", lambda: True)
 
 
 @pytest.mark.parametrize("flag, mode", [("none", "normal"), ("normal", "normal"), ("low_latency", "low_latency"),

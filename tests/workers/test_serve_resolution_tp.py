@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model import runner as runner_module
+from deepseek_pd.model import runner_config as runner_config_module
 from deepseek_pd.workers.group.layout import GroupLayout
 from test_serve_resolution import checkpoint, resolve
 
@@ -15,7 +15,7 @@ from test_serve_resolution import checkpoint, resolve
 def gpu_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
+    monkeypatch.setattr(runner_config_module, "_triton_available", lambda: True)
 
 
 def test_tp_and_dp_reach_the_layout_and_the_runner(tmp_path):

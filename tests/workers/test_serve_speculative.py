@@ -11,7 +11,7 @@ import torch
 from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.errors import UserError
-from deepseek_pd.model import runner as runner_module
+from deepseek_pd.model import runner_config as runner_config_module
 from deepseek_pd.model.checkpoint.tiny import tiny_config
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.workers.serve.resolution import resolve_serve_config
@@ -42,7 +42,7 @@ def test_speculative_graphs_are_opt_in_on_a_gpu(model, monkeypatch):
     GPU test has run (RunnerConfig.resolve); the headroom follows the verify graph's k + 1 tokens
     per sequence."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
+    monkeypatch.setattr(runner_config_module, "_triton_available", lambda: True)
     plain = resolve("decode", "--model", model).runner
     assert not resolve("decode", "--model", model, "--speculative-num-steps", "3").runner.cuda_graph
     spec = resolve("decode", "--model", model, "--speculative-num-steps", "3", "--engine-opt", "cuda_graph=true").runner

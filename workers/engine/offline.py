@@ -99,7 +99,8 @@ class _Request:
 class Engine:
     def __init__(self, model: str | Path = "tiny", *, config: EngineConfig | None = None, **overrides) -> None:
         """`Engine("tiny", chunked_prefill_size=64)` or `Engine(config=EngineConfig(...))`."""
-        from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+        from deepseek_pd.model.runner import ModelRunner
+        from deepseek_pd.model.runner_config import RunnerConfig
         from deepseek_pd.model.device import resolve_device
         from deepseek_pd.model.checkpoint.model_dir import load_tokenizer, resolve_model_dir
 

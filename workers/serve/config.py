@@ -24,7 +24,7 @@ from deepseek_pd.workers.api.servicer import WorkerIdentity
 from deepseek_pd.workers.engine.worker_config import WorkerConfig
 
 if TYPE_CHECKING:  # the model code imports torch; this module stays importable without it
-    from deepseek_pd.model.runner import RunnerConfig
+    from deepseek_pd.model.runner_config import RunnerConfig
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 The rules, each in one place:
 - device: `--device auto` is CUDA when available, else the CPU (`model.device.resolve_device`).
 - dtype: `--dtype auto` is the checkpoint's torch_dtype on CUDA (bf16 for FP8 checkpoints), fp32
-  on the CPU (`model.runner.auto_dtype`).
+  on the CPU (`model.runner_config.auto_dtype`).
 - CUDA graphs: on for a decode worker on CUDA with capturable backends, never for prefill
   (workers/serve/roles.py); `--engine-opt cuda_graph=false` turns them off. The largest captured batch
   (`cuda_graph_max_batch`) follows the decode batch cap (`max_running_requests`) unless set: a batch
@@ -60,7 +60,7 @@ from deepseek_pd.model.kv.pool import bytes_per_pool_page
 from deepseek_pd.model.speculative.mtp_names import kv_layers
 from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir, served_name
 from deepseek_pd.model.nvml import total_memory_bytes
-from deepseek_pd.model.runner import RunnerConfig
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.units import gib
 from deepseek_pd.workers.transport.internal_auth import resolve_auth
 from deepseek_pd.workers.group.layout import GroupLayout

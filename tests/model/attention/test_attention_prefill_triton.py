@@ -103,7 +103,8 @@ def test_prefix_chunks_match_the_per_position_definition():
 @pytest.mark.parametrize("method", ["mla", "mha_chunked_kv"])
 def test_tiny_model_extend_over_a_prefix_triton_vs_torch(tmp_path, method):
     """Prompt, then its continuation over the cached prefix through `method`, Triton vs torch attention."""
-    from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
     from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / "v3", arch="v3", seed=random.randrange(1000)))

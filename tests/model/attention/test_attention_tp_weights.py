@@ -19,7 +19,7 @@ from deepseek_pd.model.quant.fp8_linear import fp8_blocks
 from deepseek_pd.model.quant.fp8_ops import dequant_weight
 from deepseek_pd.model.checkpoint.loader import iter_checkpoint_tensors
 from deepseek_pd.model.distributed.parallel import ParallelInfo
-from deepseek_pd.model.runner import RunnerConfig
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
 TP = 2

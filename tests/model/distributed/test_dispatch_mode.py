@@ -8,7 +8,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, DispatchMode, decode_capturable
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
-from deepseek_pd.model.runner import RunnerConfig
+from deepseek_pd.model.runner_config import RunnerConfig
 
 N, LL = DispatchMode.NORMAL, DispatchMode.LOW_LATENCY
 

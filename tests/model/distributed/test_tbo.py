@@ -13,7 +13,8 @@ from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.layer_ops import TBO_DECODE_MOE_OPS, TBO_PREFILL_MOE_OPS, YIELD, OpState
 from deepseek_pd.model.distributed.parallel import ParallelInfo
-from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.distributed.tbo import TwoBatchOverlap, interleaved_order, micro_batch
 from deepseek_pd.model.distributed.tbo_rules import TboRules
 from pdtest.hf_oracle import TinyShape, build_hf_model, our_model

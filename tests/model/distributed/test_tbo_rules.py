@@ -8,7 +8,7 @@ import pytest
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import ForwardMode
-from deepseek_pd.model.runner import RunnerConfig
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.distributed.tbo_rules import TboRules, balanced_cut
 
 

@@ -18,7 +18,8 @@ from deepseek_pd.model.eplb.expert_location import ExpertLocation, moe_layer_ids
 from deepseek_pd.model.eplb.replica_dispatch import ReplicaDispatch
 from deepseek_pd.model.checkpoint.loader import iter_checkpoint_tensors
 from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
-from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.workers.serve.resolution import ParallelFlags, ServeFlags, resolve_serve_config
 from pdtest.eplb_placement import random_placement
 

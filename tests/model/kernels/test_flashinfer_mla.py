@@ -170,7 +170,8 @@ def test_flashinfer_decode_in_cuda_graphs_equals_eager(tmp_path):
     runner's eager decode, over batches of mixed lengths at several bucket sizes."""
     from pdtest.bench_scripts import bench_module
 
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     rng = random.Random()
     random_checkpoint = bench_module("random_checkpoint")

@@ -195,7 +195,8 @@ def compare_tiny_model(tmp_path, arch: str, dtype: str, device: str, steps: int)
     through MHA_CHUNKED_KV), then greedy decode steps; torch backends vs Triton backends (shared experts
     fused into the MoE kernel). Returns (tokens, logits) of both; the Triton run is fed the torch tokens."""
     from deepseek_pd.model.config import ModelConfig
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
     from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / arch, arch=arch, seed=random.randrange(1000)))

@@ -96,7 +96,8 @@ def test_runner_sizes_its_pool_from_the_measured_budget(monkeypatch, caplog) -> 
     The GPU reading is replaced (this runs on the CPU); everything else is the real runner."""
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
-    from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
     from deepseek_pd.model.checkpoint.tiny import ensure_tiny_model
 
     rng = random.Random()
@@ -121,7 +122,7 @@ def test_runner_sizes_its_pool_from_the_measured_budget(monkeypatch, caplog) -> 
 
 
 def test_pool_sizing_fields_are_checked() -> None:
-    from deepseek_pd.model.runner import DEFAULT_NUM_PAGES, RunnerConfig
+    from deepseek_pd.model.runner_config import DEFAULT_NUM_PAGES, RunnerConfig
 
     assert RunnerConfig().num_pages == DEFAULT_NUM_PAGES  # the CPU keeps a fixed pool
     with pytest.raises(UserError, match="not both"):
@@ -145,7 +146,8 @@ def test_runner_pool_on_a_real_gpu_fills_its_budget(monkeypatch) -> None:
     the runner sized from: allocations after it (other tests' leftovers in this process, the
     runner's own small buffers) belong to the headroom, so they are bounded by it, not zero."""
     from deepseek_pd.model.kv import pool_sizing as kv_pool_sizing
-    from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     readings: list[kv_pool_sizing.GpuMemory] = []
     measure = kv_pool_sizing.GpuMemory.measure

@@ -10,7 +10,8 @@ import torch
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.layer_ops import DENSE_LAYER_OPS, MOE_LAYER_OPS
 from deepseek_pd.model.kv.layer_progress import KV_WRITE_OP, LayerEvents
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from pdtest.hf_oracle import TinyShape, build_hf_model, our_model
 
 pytestmark = pytest.mark.timeout(90)

@@ -21,7 +21,7 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.launcher.gpu_share import worker_gpu_shares
 from deepseek_pd.launcher.worker_plan import GroupShape, ServeSettings, plan_workers, serve_argv
-from deepseek_pd.model import runner as runner_module
+from deepseek_pd.model import runner_config as runner_config_module
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.kv.pool import bytes_per_pool_page
 from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_budget, pages_for_gpu
@@ -50,7 +50,7 @@ def _seeded() -> random.Random:
 def v2_lite(tmp_path, monkeypatch):
     """A GPU machine (nothing is loaded: resolution reads config.json only) and V2-Lite's config."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runner_module, "_triton_available", lambda: True)
+    monkeypatch.setattr(runner_config_module, "_triton_available", lambda: True)
     (tmp_path / "config.json").write_text(json.dumps({**KNOWN_MODELS["DeepSeek-V2-Lite"], "torch_dtype": "bfloat16"}))
     return tmp_path
 

@@ -17,7 +17,8 @@ from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, Dispatch
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.moe import deepep_dispatcher
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
-from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from pdtest.hf_oracle import TinyShape, build_hf_model, our_model
 
 pytestmark = pytest.mark.timeout(120)

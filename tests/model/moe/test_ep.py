@@ -22,7 +22,7 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.distributed.parallel import ExpertPlacement, ParallelInfo
-from deepseek_pd.model.runner import RunnerConfig
+from deepseek_pd.model.runner_config import RunnerConfig
 from pdtest.ep_worker import VARIANTS, expected_tbo_paths, run_rank
 from pdtest.hf_oracle import TinyShape, build_hf_model
 

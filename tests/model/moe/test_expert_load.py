@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 
 pytestmark = pytest.mark.timeout(120)
 PAGE = 4

@@ -22,7 +22,8 @@ from deepseek_pd.model.deepseek import DeepseekForCausalLM  # noqa: E402
 from deepseek_pd.model.quant.fp8_linear import fp8_blocks  # noqa: E402
 from deepseek_pd.model.quant.fp8_ops import FP8_DTYPE, dequant_weight  # noqa: E402
 from deepseek_pd.model.checkpoint.loader import iter_checkpoint_tensors  # noqa: E402
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig  # noqa: E402
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig  # noqa: E402
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

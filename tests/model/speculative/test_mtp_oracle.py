@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)

@@ -105,7 +105,8 @@ def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
     """With `speculative_adaptive` the verify and catch-up are captured for every k in 1..N
     (model/speculative/graphs.py); steps drafting a random k each, through graphs, give the plain
     greedy tokens, and every k's verify replays."""
-    from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
     from deepseek_pd.model.sampling.params import SamplingParams as Params
     from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
     from deepseek_pd.model.speculative.decoder import SpeculativeDecoder

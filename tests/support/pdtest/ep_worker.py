@@ -33,7 +33,8 @@ from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig, Dispatch
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS, CombineInput
 from deepseek_pd.model.distributed.parallel import ExpertPlacement, ParallelInfo
-from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.distributed.tbo import TwoBatchOverlap
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from deepseek_pd.model.distributed.parallel import ParallelInfo
-from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from pdtest.ep_worker import _scenario
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from deepseek_pd.workers.engine.offline import Engine
-from deepseek_pd.model.runner import ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine.interface import DisaggParams, Failed, Finished, GenerateRequest, TokenChunk
 from deepseek_pd.workers.transport import TransportConfig

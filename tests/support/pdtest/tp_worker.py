@@ -29,7 +29,8 @@ from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.distributed.parallel import ParallelInfo
-from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)
 TP = 2

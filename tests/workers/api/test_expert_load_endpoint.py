@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deepseek_pd.model.eplb.load_dump import ExpertLoadDump
-from deepseek_pd.model.runner import ExtendSeq, RunnerConfig
+from deepseek_pd.model.runner import ExtendSeq
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.workers.serve.builders import build_prefill_engine
 from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.metrics.server import MetricsConfig, MetricsServer

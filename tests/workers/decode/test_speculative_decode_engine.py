@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deepseek_pd.workers.engine.offline import Engine
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model

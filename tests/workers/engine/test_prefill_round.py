@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.sampled_host import pack, unpack
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
 from deepseek_pd.model.sampling.params import SamplingParams

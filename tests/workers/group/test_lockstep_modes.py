@@ -28,7 +28,8 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 async def _mixed_modes(rank, thread, step, report, options) -> None:
     from deepseek_pd.model.distributed.parallel import ParallelInfo
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     world = options["world"]
     config = dict(model="tiny", device="cpu", page_size=PAGE, num_pages=256)

@@ -27,7 +27,8 @@ RUN_S = 3.0
 
 async def _random_steps(rank, thread, step, report, options) -> None:
     from deepseek_pd.model.distributed.parallel import ParallelInfo
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     world = options["world"]
     runner = ModelRunner(RunnerConfig(model="tiny", device="cpu", page_size=PAGE, num_pages=512, ep_size=world,

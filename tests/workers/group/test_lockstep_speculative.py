@@ -45,7 +45,8 @@ def _greedy(rows: list, logits) -> None:
 
 def _oracle(path: str, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
     """Plain greedy decode, one process, no speculation."""
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
 
     runner = ModelRunner(RunnerConfig(model=path, page_size=PAGE, num_pages=256))
     out = []
@@ -60,7 +61,8 @@ def _oracle(path: str, prompts: list[list[int]], max_new: list[int]) -> list[lis
 
 async def _speculate(rank, thread, step, report, options) -> None:
     from deepseek_pd.model.distributed.parallel import ParallelInfo
-    from deepseek_pd.model.runner import ExtendSeq, ModelRunner, RunnerConfig
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
     from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
     from deepseek_pd.model.sampling.params import SamplingParams
     from deepseek_pd.model.speculative.decoder import SpeculativeDecoder

@@ -1,0 +1,347 @@
+"""`RunnerConfig`: how to run a model, every "auto" resolved before any rank starts.
+
+The workers' `serve` resolution (workers/serve/resolution.py), the offline engine and the benches
+build one; `ModelRunner` (model/runner.py) runs it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.attention.policy import AttentionPolicy
+from deepseek_pd.model.build_options import BuildOptions
+from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.model.device import is_cuda, resolve_device
+from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
+                                             decode_capturable)
+from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
+from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
+from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
+from deepseek_pd.model.speculative.rules import (check_speculative_num_steps, graph_tokens_per_sequence,
+                                                 graphs_default_blocker)
+from deepseek_pd.model.graph_inputs import CudaGraphConfig
+from deepseek_pd.model.moe.dispatcher import DISPATCHERS
+from deepseek_pd.model.distributed.parallel import ParallelInfo
+from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
+
+log = logging.getLogger(__name__)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401  (only whether it imports matters)
+    except ImportError:
+        return False
+    return True
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+DEFAULT_NUM_PAGES = 1024  # the fixed pool when no memory budget sizes it (the CPU default)
+FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton")
+
+
+def auto_dtype(device: str, model_config: ModelConfig) -> str:
+    """What `dtype="auto"` means: float32 on the CPU (any non-CUDA device); on a GPU the checkpoint's
+    `torch_dtype`, except bfloat16 for FP8 block-scaled checkpoints (activations, and weights that
+    are dequantised at load, are bf16)."""
+    if not is_cuda(device):
+        return "float32"
+    return "bfloat16" if model_config.is_fp8 else model_config.torch_dtype
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How to run a model.
+
+    A library caller may leave `dtype`, the backends and the dispatcher at "auto" (decided when the
+    model is built); commands build theirs with `RunnerConfig.resolve`, which decides every "auto"
+    (device, dtype, backends, CUDA graphs) before the config is frozen.
+    """
+
+    model: str = "tiny"
+    dtype: str = "auto"
+    device: str = "cpu"  # a concrete torch device; `model.device.resolve_device` turns "auto" into one
+    page_size: int = DEFAULT_PAGE_SIZE
+    # The KV pool: a fixed `num_pages`, or (CUDA, num_pages=None) whatever `mem_fraction_static` of the
+    # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv/pool_sizing.py);
+    # on a GPU `gpu_workers` workers share, `kv_share` of the room their weights leave (memory_budget.py).
+    num_pages: int | None = DEFAULT_NUM_PAGES
+    mem_fraction_static: float | None = None
+    gpu_workers: int = 1
+    kv_share: float = 1.0
+    # activations and CUDA graphs, inside the budget; None: `headroom_gib`'s default for the graphs
+    mem_headroom_gib: float | None = None
+    attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
+    mha_chunked_kv_threshold: int = 256
+    prefix_chunk_size: int = 8192
+    num_fused_shared_experts: int = 0
+    # auto: the Triton kernels on CUDA when Triton imports, else the plain-torch reference.
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
+    dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
+    # The EP layout per step (model/distributed/dispatch_mode.py): normal | low_latency | auto (normal for extend
+    # steps, low_latency for decode steps), and the low-latency capacity in tokens per rank per step.
+    dispatch_mode: str = "normal"
+    low_latency_max_tokens: int = DEFAULT_LOW_LATENCY_MAX_TOKENS
+    ep_size: int = 1  # the process group handed to ModelRunner(parallel=...) must have this size
+    # Attention TP: MLA heads split over this many ranks running the same batch (ParallelInfo.tp_*).
+    tp_size: int = 1
+    enable_tbo: bool = False  # two-batch overlap (model/distributed/tbo.py)
+    # When TBO splits (model/distributed/tbo_rules.py): one sequence is cut in two chunks when the best cut between
+    # sequences leaves a side below this share of the tokens (SGLang's default; 0: never), and the
+    # group splits only when its busiest rank has at least this many tokens.
+    tbo_token_distribution_threshold: float = DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD
+    tbo_min_decode_tokens: int = DEFAULT_MIN_TOKENS
+    tbo_min_extend_tokens: int = DEFAULT_MIN_TOKENS
+    # EPLB (model/eplb/): R extra physical expert slots per MoE layer (n_routed + R over the EP
+    # group), and a placement file saying which logical expert each slot holds (else slot p holds
+    # expert p % n_routed).
+    ep_num_redundant_experts: int = 0
+    init_expert_location: str | None = None
+    # Count tokens per expert from the start (`ModelRunner.expert_load`; a worker serves the dump at
+    # /expert_load on its metrics port). Replays would not count, so it keeps CUDA graphs off.
+    record_expert_load: bool = False
+    # Decode by CUDA-graph replay (model/cuda_graph.py) for batches up to cuda_graph_max_batch
+    # sequences and contexts up to cuda_graph_max_context tokens; larger ones run eagerly. Needs
+    # CUDA and capturable backends (attention "triton", MoE "triton"/"grouped"); takes one KV page.
+    # Always a bool here: `RunnerConfig.resolve` decides the default.
+    cuda_graph: bool = False
+    cuda_graph_max_batch: int = 128
+    cuda_graph_max_context: int = 4096
+    # FP8 checkpoints: "dequant" widens the weights to `dtype` at load; "torch"/"triton" keep them
+    # in FP8 with that GEMM backend (model/quant/fp8_linear.py); "auto": triton on CUDA for an FP8
+    # checkpoint when Triton imports, else dequant. Ignored for checkpoints that are not FP8.
+    fp8_backend: str = "auto"
+    norm_rope_backend: str = "auto"  # RMSNorm and RoPE + cache write: auto = triton on CUDA (model/norm_rope.py)
+    # Speculative decoding: draft tokens per step from the checkpoint's MTP layer (model/speculative/decoder.py);
+    # 0: off, the MTP layer is not loaded.
+    speculative_num_steps: int = 0
+    # The decode worker chooses 0..speculative_num_steps drafts per step by batch size from step costs
+    # measured at start-up and the accept rate so far (model/speculative/policy.py); off: always all.
+    speculative_adaptive: bool = False
+    # Batch-invariant forward (docs/deterministic.md): the attention and MoE backends become their
+    # "*_invariant" versions, dense products `model/batch_invariant.py`, attention "auto" becomes
+    # "mha" (the per-batch method choice would follow the batch); what cannot be made invariant
+    # yet is refused (`deterministic_blocker`).
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise UserError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if self.device == "auto":
+            raise UserError("device 'auto' must be resolved before the runner config is built "
+                            "(model.device.resolve_device, or RunnerConfig.resolve)")
+        if not isinstance(self.cuda_graph, bool):
+            raise UserError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
+        if self.page_size < 1 or (self.num_pages is not None and self.num_pages < 1):
+            raise UserError(f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}")
+        self._check_pool_sizing()
+        AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
+        if self.ep_size < 1:
+            raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.tp_size < 1:
+            raise UserError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.enable_tbo:
+            raise UserError("two-batch overlap (enable_tbo) is not supported with attention TP (tp_size > 1)")
+        self.tbo_rules()  # validates the thresholds even when TBO is off
+        self.dispatch_config()  # validates the mode and the capacity
+        if self.ep_num_redundant_experts < 0:
+            raise UserError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
+        self.cuda_graph_config()  # validates the limits even when graphs are off
+        check_speculative_num_steps(self.speculative_num_steps)
+        if self.fp8_backend not in FP8_BACKEND_CHOICES:
+            raise UserError(f"fp8_backend {self.fp8_backend!r} is not one of {', '.join(FP8_BACKEND_CHOICES)}")
+        if self.deterministic and (blocker := self.deterministic_blocker()) is not None:
+            raise UserError(f"--deterministic: {blocker}")
+
+    def deterministic_blocker(self) -> str | None:
+        """What these settings do that is not batch-invariant yet; None when nothing is."""
+        if self.enable_tbo:
+            return "two-batch overlap (enable_tbo) cuts micro-batches by the batch; run without it"
+        if self.tp_size > 1 or self.ep_size > 1:
+            return ("TP/EP collectives sum over ranks in an order NCCL picks by message size; "
+                    "run with tp_size = ep_size = 1")
+        if self.speculative_num_steps:
+            return "speculative verify steps are not batch-invariant yet; run without speculative_num_steps"
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            return (f"the attention backend {self.attention_backend!r} has no batch-invariant version "
+                    "(torch and triton have); run with attention_backend auto, torch or triton")
+        if self.moe_backend not in ("auto", "torch", "triton"):
+            return (f"the MoE backend {self.moe_backend!r} has no batch-invariant version "
+                    "(torch and triton have); run with moe_backend auto, torch or triton")
+        if self.fp8_backend in ("torch", "triton"):
+            return (f"the FP8 GEMM backend {self.fp8_backend!r} picks its tile by M; "
+                    "use fp8_backend dequant (or auto, which deterministic resolves to dequant)")
+        return None
+
+    def _check_pool_sizing(self) -> None:
+        if (self.num_pages is None) == (self.mem_fraction_static is None):
+            raise UserError("size the KV pool by num_pages or by mem_fraction_static (with num_pages=None), "
+                            f"not {'both' if self.num_pages is not None else 'neither'}")
+        if self.mem_headroom_gib is not None and self.mem_headroom_gib < 0:
+            raise UserError(f"mem_headroom_gib must be >= 0, got {self.mem_headroom_gib}")
+        try:
+            self.gpu_share
+        except ValueError as exc:
+            raise UserError(f"--gpu-workers/--kv-share: {exc}") from None
+        if self.mem_fraction_static is None:
+            return
+        if not 0 < self.mem_fraction_static <= 1:
+            raise UserError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if not is_cuda(self.device):
+            raise UserError(f"mem_fraction_static sizes the KV pool from GPU memory; on {self.device!r} "
+                            f"give the pool size instead (--num-pages / --max-total-tokens)")
+
+    @classmethod
+    def resolve(cls, model_config: ModelConfig, *, graphs_by_default: bool, **fields) -> "RunnerConfig":
+        """A config with every "auto" decided, for `fields` as a command collected them.
+
+        `device` may be "auto"; `dtype` "auto" becomes `auto_dtype`; the backends and the dispatcher
+        become their names; `cuda_graph`, when absent, is `graphs_by_default` where the device and the
+        backends can capture, else off; an explicit `cuda_graph=True` that cannot work is a UserError.
+        """
+        fields = dict(fields)
+        device = resolve_device(fields.pop("device", "auto"))
+        requested_graphs = fields.pop("cuda_graph", None)
+        draft = cls(device=device, **fields)
+        resolved = replace(draft, dtype=_DTYPE_NAMES[draft.resolve_dtype(model_config)],
+                           attention_backend=draft.resolve_backend(draft.attention_backend),
+                           moe_backend=draft.resolve_backend(draft.moe_backend),
+                           norm_rope_backend=draft.resolve_backend(draft.norm_rope_backend),
+                           dispatcher=draft.resolve_dispatcher(),
+                           fp8_backend=draft.resolve_fp8_backend(model_config) or "dequant")
+        resolved.expert_location(model_config)  # a bad placement file fails here, before any rank starts
+        blocker = resolved.cuda_graph_blocker()
+        if requested_graphs is None:
+            default_blocker = graphs_default_blocker(resolved.speculative_num_steps)
+            if graphs_by_default and blocker is None and default_blocker is not None:
+                log.info("CUDA graphs off: %s", default_blocker)
+            return replace(resolved, cuda_graph=graphs_by_default and blocker is None and default_blocker is None)
+        if requested_graphs and blocker is not None:
+            raise UserError(f"cuda_graph=true: {blocker}")
+        return replace(resolved, cuda_graph=requested_graphs)  # __post_init__ refuses a non-bool
+
+    def cuda_graph_blocker(self) -> str | None:
+        """Why decode cannot be captured as CUDA graphs with these (resolved) settings; None if it can.
+        Reads each backend's `cuda_graph_safe`, as `cuda_graph.check_capturable` does on the built model."""
+        from deepseek_pd.model.attention import ATTENTION_BACKENDS
+        from deepseek_pd.model.moe import MOE_BACKENDS
+
+        if not is_cuda(self.device):
+            return f"CUDA graphs need a CUDA device, not {self.device!r}"
+        if self.record_expert_load:
+            return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
+        if self.enable_tbo:
+            return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
+        if self.tp_size > 1:
+            return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
+        dispatcher = self.resolve_dispatcher()
+        if not decode_capturable(DISPATCHERS.get(dispatcher), self.dispatch_config()):
+            return (f"the EP dispatcher {dispatcher!r} is capturable only when decode runs its low-latency layout "
+                    f"(dispatch mode {self.dispatch_mode!r}; --deepep-mode auto or low_latency)")
+        parts = (("attention backend", ATTENTION_BACKENDS, self.kernel_backend(self.attention_backend)),
+                 ("MoE backend", MOE_BACKENDS, self.kernel_backend(self.moe_backend)))
+        if self.fp8_backend not in ("auto", "dequant"):
+            parts += (("FP8 MoE backend", MOE_BACKENDS, self.fp8_backend),)
+        for what, registry, name in parts:
+            if not getattr(registry.get(name), "cuda_graph_safe", False):
+                return f"the {what} {name!r} is not capturable"
+        return None
+
+    def tbo_rules(self) -> TboRules:
+        return TboRules(self.tbo_token_distribution_threshold, self.tbo_min_decode_tokens, self.tbo_min_extend_tokens)
+
+    def dispatch_config(self) -> DispatchConfig:
+        return DispatchConfig(DispatchMode.parse(self.dispatch_mode), self.low_latency_max_tokens)
+
+    @property
+    def gpu_share(self) -> GpuShare:
+        """This worker's place on a GPU other workers may share (model/kv/memory_budget.py)."""
+        return GpuShare(self.gpu_workers, self.kv_share)
+
+    @property
+    def headroom_gib(self) -> float:
+        """`mem_headroom_gib`, else the default for the largest batch this config captures
+        (model/kv/memory_headroom.py: 2 GiB up to a graph batch of 128, in proportion above; in
+        tokens: a speculative verify graph holds k + 1 per sequence)."""
+        if self.mem_headroom_gib is not None:
+            return self.mem_headroom_gib
+        tokens = self.cuda_graph_max_batch * graph_tokens_per_sequence(self.speculative_num_steps)
+        return default_headroom_gib(tokens if self.cuda_graph else 0)
+
+    def cuda_graph_config(self) -> CudaGraphConfig:
+        return CudaGraphConfig(max_batch=self.cuda_graph_max_batch, max_context=self.cuda_graph_max_context)
+
+    def resolve_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        return _DTYPES[self.dtype if self.dtype != "auto" else auto_dtype(self.device, model_config)]
+
+    def resolve_dispatcher(self) -> str:
+        if self.dispatcher != "auto":
+            return self.dispatcher
+        if self.ep_size == 1:
+            return "local"
+        return "deepep" if is_cuda(self.device) and "deepep" in DISPATCHERS.names() else "all_to_all"
+
+    def parallel_info(self, parallel: ParallelInfo | None) -> ParallelInfo:
+        """The EP group this runner was handed, checked against `ep_size` (none: single process)."""
+        parallel = parallel or ParallelInfo()
+        if parallel.ep_size != self.ep_size:
+            raise UserError(f"ep_size={self.ep_size} but the process group passed in has {parallel.ep_size} ranks")
+        if parallel.tp_size != self.tp_size:
+            raise UserError(f"tp_size={self.tp_size} but the TP group passed in has {parallel.tp_size} ranks")
+        return parallel
+
+    def resolve_backend(self, name: str) -> str:
+        if name != "auto":
+            return name
+        return "triton" if is_cuda(self.device) and _triton_available() else "torch"
+
+    @property
+    def invariant_kernels(self) -> bool:
+        """`deterministic` on CUDA: the batch-invariant kernels. Off CUDA the runner makes every
+        sequence its own forward instead (`batch_invariant.each_row_alone`), which is invariant for
+        any op, so the model keeps its plain CPU kernels."""
+        return self.deterministic and is_cuda(self.device)
+
+    def kernel_backend(self, name: str) -> str:
+        """An attention or MoE backend name, resolved, and with `invariant_kernels` its batch-invariant
+        version (`"triton"` -> `"triton_invariant"`)."""
+        name = self.resolve_backend(name)
+        return f"{name}_invariant" if self.invariant_kernels and not name.endswith("_invariant") else name
+
+    @property
+    def resolved_attention_method(self) -> str:
+        """`attention_method`, with "auto" pinned to "mha" under `deterministic`: MHA, and
+        MHA_CHUNKED_KV for a batch with a prefix (exactly MHA for its rows without one), whatever
+        the other rows' prefixes sum to."""
+        return "mha" if self.deterministic and self.attention_method == "auto" else self.attention_method
+
+    def resolve_fp8_backend(self, model_config: ModelConfig) -> str | None:
+        """The FP8 GEMM backend that keeps this checkpoint's weights in FP8, or None (dequantise)."""
+        if not model_config.is_fp8 or self.fp8_backend == "dequant" or self.deterministic:
+            return None
+        if self.fp8_backend != "auto":
+            return self.fp8_backend
+        return "triton" if is_cuda(self.device) and _triton_available() else None
+
+    def expert_location(self, model_config: ModelConfig) -> ExpertLocation | None:
+        """Redundant experts / the static placement (model/eplb/expert_location.py); None: identity."""
+        return resolve_expert_location(model_config, self.ep_size, self.ep_num_redundant_experts,
+                                       self.init_expert_location)
+
+    def build_options(self, model_config: ModelConfig, parallel: ParallelInfo | None = None) -> BuildOptions:
+        return BuildOptions(
+            dtype=self.resolve_dtype(model_config), device=self.device,
+            attention_backend=self.kernel_backend(self.attention_backend),
+            moe_backend=self.kernel_backend(self.moe_backend), dispatcher=self.resolve_dispatcher(),
+            dispatch=self.dispatch_config(),
+            num_fused_shared_experts=self.num_fused_shared_experts, prefix_chunk_size=self.prefix_chunk_size,
+            parallel=self.parallel_info(parallel), enable_tbo=self.enable_tbo, tbo_rules=self.tbo_rules(),
+            expert_location=self.expert_location(model_config),
+            fp8_backend=self.resolve_fp8_backend(model_config),
+            norm_rope_backend=self.resolve_backend(self.norm_rope_backend),
+            mtp=self.speculative_num_steps > 0, deterministic=self.invariant_kernels)
