@@ -72,6 +72,7 @@ from deepseek_pd.workers.transport.rdma_devices import (
     KVProtocolChoice, choose_kv_protocol, devices_per_local_rank, parse_devices, usable_rdma_devices)
 from deepseek_pd.workers.metrics.server import MetricsConfig
 from deepseek_pd.workers.serve.config import ServeConfig
+from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.api.served_model import ServedModelInfo
 from deepseek_pd.workers.api.server import ServerConfig
 from deepseek_pd.workers.api.servicer import WorkerIdentity
@@ -79,7 +80,6 @@ from deepseek_pd.workers.engine.worker_config import (
     BootstrapConfig, SchedulerConfig, WorkerConfig, gpu_chunked_prefill_size)
 from deepseek_pd.workers.serve.engine_options import assign_engine_options, parse_key_values
 from deepseek_pd.workers.serve.roles import RoleDefaults, role_defaults
-from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.serve.flags import ParallelFlags, ServeFlags
 
 log = logging.getLogger(__name__)
