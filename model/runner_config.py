@@ -23,7 +23,8 @@ from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import (check_speculative_num_steps, graph_tokens_per_sequence,
                                                  graphs_default_blocker)
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
-from deepseek_pd.model.runner_rules import deterministic_blocker, graph_settings_blocker, tbo_blocker
+from deepseek_pd.model.runner_rules import (FP8_BACKEND_CHOICES, deterministic_blocker, graph_settings_blocker,
+                                            tbo_blocker)
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
@@ -42,7 +43,6 @@ def _triton_available() -> bool:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 DEFAULT_NUM_PAGES = 1024  # the fixed pool when no memory budget sizes it (the CPU default)
-FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton")
 
 
 def auto_dtype(device: str, model_config: ModelConfig) -> str:

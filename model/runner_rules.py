@@ -10,6 +10,8 @@ attention TP (tp_size > 1)"; `tbo_blocker(tp_size=1)` -> None.
 """
 from __future__ import annotations
 
+# `fp8_backend`'s choices (model/quant/fp8_linear.py); the operator's memory plan reads them too.
+FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton")
 # The backends with a batch-invariant version (model/attention/invariant_backends.py, model/moe/invariant_experts.py).
 INVARIANT_BACKENDS = ("auto", "torch", "triton")
 
