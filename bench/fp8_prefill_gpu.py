@@ -190,21 +190,27 @@ def linear_part(bench: Bench, rows: list[dict]) -> None:
 
 
 def linear_line(row: dict) -> str:
-    base = row["bf16"].get("ms")
-    parts = [f"{row['model']} {row['shape']} M={row['m']}: bf16 {base:.3f} ms" if base else "bf16 failed"]
-    for key in ("shipped", "triton_default", "torch_blockwise", "deep_gemm"):
+    return _line(f"{row['model']} {row['shape']} M={row['m']}: bf16", row, "bf16",
+                 ("shipped", "triton_default", "torch_blockwise", "deep_gemm"), row.get("tiles", {}),
+                 lambda best, ms: f"best tile {best} {ms:.3f} + quant {row['quant_ms']:.3f}")
+
+
+def _line(head: str, row: dict, base_key: str, keys: tuple[str, ...], tiles: dict, best_tile) -> str:
+    """One printed row: the baseline's time, each variant's time, speed-up and errors (or its error
+    message), then the fastest tile as `best_tile(tile, ms)` words it."""
+    base = row[base_key].get("ms")
+    parts = [f"{head} {base:.3f} ms" if base else f"{base_key} failed"]
+    for key in keys:
         v = row.get(key)
         if v is None:
             continue
-        if "ms" in v:
-            parts.append(f"{key} {v['ms']:.3f} ({base / v['ms']:.2f}x, err {v['err']['rel']:.1e}, twin "
-                         f"{v['twin']['rel']:.1e})")
-        else:
-            parts.append(f"{key} {v['error'][:80]}")
-    tiles = {t: v["ms"] for t, v in row.get("tiles", {}).items() if "ms" in v}
-    if tiles:
-        best = min(tiles, key=tiles.get)
-        parts.append(f"best tile {best} {tiles[best]:.3f} + quant {row['quant_ms']:.3f}")
+        speed_up = f"{base / v['ms']:.2f}x, " if base and "ms" in v else ""
+        parts.append(f"{key} {v['ms']:.3f} ({speed_up}err {v['err']['rel']:.1e}, twin {v['twin']['rel']:.1e})"
+                     if "ms" in v else f"{key} {v['error'][:80]}")
+    timed = {t: v["ms"] for t, v in tiles.items() if "ms" in v}
+    if timed:
+        best = min(timed, key=timed.get)
+        parts.append(best_tile(best, timed[best]))
     return "; ".join(parts)
 
 
@@ -235,24 +241,22 @@ def moe_cublas_loop(hidden, topk_ids, topk_weights, w13, w2, scales):
     tokens = order[:used] // top_k
     x_fp8, x_scale = per_token_group_quant(hidden, 128)
     x_fp8, x_scale = x_fp8[tokens], x_scale[tokens]
-    gate_up = torch.empty(used, two_inter, dtype=hidden.dtype, device=hidden.device)
-    start = 0
-    for expert, count in enumerate(counts[:num_experts]):
-        if count:
-            gate_up[start:start + count] = scaled_mm_block_fp8(
-                x_fp8[start:start + count], x_scale[start:start + count], w13[expert], scales.w13_scale[expert],
-                hidden.dtype)
-        start += count
-    gate, up = gate_up.chunk(2, dim=-1)
+
+    def per_expert(rows_fp8, rows_scale, weight, weight_scale, columns: int) -> torch.Tensor:
+        """One blockwise GEMM per expert over its run of the expert-sorted rows."""
+        out = torch.empty(used, columns, dtype=hidden.dtype, device=hidden.device)
+        start = 0
+        for expert, count in enumerate(counts[:num_experts]):
+            if count:
+                out[start:start + count] = scaled_mm_block_fp8(
+                    rows_fp8[start:start + count], rows_scale[start:start + count], weight[expert],
+                    weight_scale[expert], hidden.dtype)
+            start += count
+        return out
+
+    gate, up = per_expert(x_fp8, x_scale, w13, scales.w13_scale, two_inter).chunk(2, dim=-1)
     a_fp8, a_scale = per_token_group_quant((F.silu(gate) * up).contiguous(), 128)
-    down = torch.empty(used, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    start = 0
-    for expert, count in enumerate(counts[:num_experts]):
-        if count:
-            down[start:start + count] = scaled_mm_block_fp8(
-                a_fp8[start:start + count], a_scale[start:start + count], w2[expert], scales.w2_scale[expert],
-                hidden.dtype)
-        start += count
+    down = per_expert(a_fp8, a_scale, w2, scales.w2_scale, hidden.shape[1])
     weight = topk_weights.reshape(-1).float()[order[:used]]
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     out.index_add_(0, tokens, down.float() * weight[:, None])
@@ -326,19 +330,9 @@ def moe_part(bench: Bench, rows: list[dict]) -> None:
 
 
 def moe_line(row: dict) -> str:
-    base = row["bf16_triton"].get("ms")
-    parts = [f"moe {row['model']} N={row['tokens']}: bf16 triton {base:.3f} ms" if base else "bf16 failed"]
-    for key in ("bf16_grouped", "fp8_triton", "fp8_deep_gemm", "fp8_cublas_loop"):
-        v = row.get(key)
-        if v is None:
-            continue
-        parts.append(f"{key} {v['ms']:.3f} ({base / v['ms']:.2f}x, err {v['err']['rel']:.1e}, twin {v['twin']['rel']:.1e})"
-                     if "ms" in v else f"{key} {v['error'][:80]}")
-    tiles = {t: v["ms"] for t, v in row.get("fp8_tiles", {}).items() if "ms" in v}
-    if tiles:
-        best = min(tiles, key=tiles.get)
-        parts.append(f"best fp8 tile {best} {tiles[best]:.3f}")
-    return "; ".join(parts)
+    return _line(f"moe {row['model']} N={row['tokens']}: bf16 triton", row, "bf16_triton",
+                 ("bf16_grouped", "fp8_triton", "fp8_deep_gemm", "fp8_cublas_loop"), row.get("fp8_tiles", {}),
+                 lambda best, ms: f"best fp8 tile {best} {ms:.3f}")
 
 
 # ---- tile tables ---------------------------------------------------------------------------------

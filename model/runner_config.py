@@ -23,6 +23,8 @@ from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import (check_speculative_num_steps, graph_tokens_per_sequence,
                                                  graphs_default_blocker)
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
+from deepseek_pd.model.runner_rules import (FP8_BACKEND_CHOICES, deterministic_blocker, graph_settings_blocker,
+                                            tbo_blocker)
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
@@ -41,7 +43,6 @@ def _triton_available() -> bool:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 DEFAULT_NUM_PAGES = 1024  # the fixed pool when no memory budget sizes it (the CPU default)
-FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton")
 
 
 def auto_dtype(device: str, model_config: ModelConfig) -> str:
@@ -145,8 +146,8 @@ class RunnerConfig:
             raise UserError(f"ep_size must be >= 1, got {self.ep_size}")
         if self.tp_size < 1:
             raise UserError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.tp_size > 1 and self.enable_tbo:
-            raise UserError("two-batch overlap (enable_tbo) is not supported with attention TP (tp_size > 1)")
+        if self.enable_tbo and (blocker := tbo_blocker(self.tp_size)) is not None:
+            raise UserError(blocker)
         self.tbo_rules()  # validates the thresholds even when TBO is off
         self.dispatch_config()  # validates the mode and the capacity
         if self.ep_num_redundant_experts < 0:
@@ -159,24 +160,11 @@ class RunnerConfig:
             raise UserError(f"--deterministic: {blocker}")
 
     def deterministic_blocker(self) -> str | None:
-        """What these settings do that is not batch-invariant yet; None when nothing is."""
-        if self.enable_tbo:
-            return "two-batch overlap (enable_tbo) cuts micro-batches by the batch; run without it"
-        if self.tp_size > 1 or self.ep_size > 1:
-            return ("TP/EP collectives sum over ranks in an order NCCL picks by message size; "
-                    "run with tp_size = ep_size = 1")
-        if self.speculative_num_steps:
-            return "speculative verify steps are not batch-invariant yet; run without speculative_num_steps"
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            return (f"the attention backend {self.attention_backend!r} has no batch-invariant version "
-                    "(torch and triton have); run with attention_backend auto, torch or triton")
-        if self.moe_backend not in ("auto", "torch", "triton"):
-            return (f"the MoE backend {self.moe_backend!r} has no batch-invariant version "
-                    "(torch and triton have); run with moe_backend auto, torch or triton")
-        if self.fp8_backend in ("torch", "triton"):
-            return (f"the FP8 GEMM backend {self.fp8_backend!r} picks its tile by M; "
-                    "use fp8_backend dequant (or auto, which deterministic resolves to dequant)")
-        return None
+        """What these settings do that is not batch-invariant yet; None when nothing is (model/runner_rules.py)."""
+        return deterministic_blocker(enable_tbo=self.enable_tbo, tp_size=self.tp_size, ep_size=self.ep_size,
+                                     speculative_num_steps=self.speculative_num_steps,
+                                     attention_backend=self.attention_backend, moe_backend=self.moe_backend,
+                                     fp8_backend=self.fp8_backend)
 
     def _check_pool_sizing(self) -> None:
         if (self.num_pages is None) == (self.mem_fraction_static is None):
@@ -233,12 +221,10 @@ class RunnerConfig:
 
         if not is_cuda(self.device):
             return f"CUDA graphs need a CUDA device, not {self.device!r}"
-        if self.record_expert_load:
-            return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
-        if self.enable_tbo:
-            return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
-        if self.tp_size > 1:
-            return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
+        settings = graph_settings_blocker(record_expert_load=self.record_expert_load, enable_tbo=self.enable_tbo,
+                                          tp_size=self.tp_size)
+        if settings is not None:
+            return settings
         dispatcher = self.resolve_dispatcher()
         if not decode_capturable(DISPATCHERS.get(dispatcher), self.dispatch_config()):
             return (f"the EP dispatcher {dispatcher!r} is capturable only when decode runs its low-latency layout "

@@ -22,13 +22,11 @@ from typing import Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
+from deepseek_pd.model.runner_rules import FP8_BACKEND_CHOICES as FP8_BACKENDS  # the runner's own list
 from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps
 from deepseek_pd.workers.serve.engine_options import parse_bool, parse_key_values
 from deepseek_pd.workers.serve.flags import ServeFlags
-
-# The runner's choices (model/runner.py FP8_BACKEND_CHOICES, which imports torch; a test keeps them equal).
-FP8_BACKENDS = ("auto", "dequant", "torch", "triton")
 
 
 @dataclass(frozen=True)

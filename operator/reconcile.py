@@ -22,6 +22,7 @@ from deepseek_pd.operator.build_workers import build_group_service, build_worker
 from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
 from deepseek_pd.operator.gang_status import CONDITION as GANG_CONDITION, gang_state
 from deepseek_pd.operator.kube import ApiError, KubeClient
+from deepseek_pd.operator.engine_args import engine_args_violations
 from deepseek_pd.operator.memory_plan import MemoryVerdict, plan_memory
 from deepseek_pd.operator.model_status import model_state
 from deepseek_pd.operator.observed import groups_of_role
@@ -118,6 +119,8 @@ class Reconciler:
             # Not dict(): a spec that is not an object (from a server without the CRD's schema)
             # is the parser's "spec: ... is not of type 'object'", not a TypeError here.
             spec = DeploymentSpec.parse(name, namespace, body.get("spec"))
+            if problems := engine_args_violations(spec):  # what its workers would refuse at start-up
+                raise InvalidSpecError(problems)
         except InvalidSpecError as exc:
             logger.error("invalid spec, children left unchanged: %s", exc)
             return build_invalid_status(str(exc), generation, previous, _now())

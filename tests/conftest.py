@@ -11,4 +11,4 @@ if not os.environ.get(SECRET_FILE_ENV):
     os.environ[SECRET_FILE_ENV] = str(create_secret_file(Path(tempfile.mkdtemp(prefix="dspd-secret-")) / "secret"))
 
 # The run's random seed, printed first; every test's draws replay from it (pdtest/seeding.py).
-pytest_plugins = ("pdtest.seeding", "pdtest.folder_durations")  # and where the run's time went, by folder
+pytest_plugins = ("pdtest.seeding", "pdtest.folder_durations", "pdtest.model_fixtures")  # the time by folder, the model tests' fixtures

@@ -213,7 +213,7 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     f"{_W}.engine": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group"),
     f"{_W}.transport": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group"),
     f"{_W}.metrics": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group", f"{_W}.transport"),
-    f"{_W}.api": (*_ROLES_AND_SERVE, f"{_W}.group"),
+    f"{_W}.api": (*_ROLES_AND_SERVE, f"{_W}.group", f"{_W}.transport"),
     f"{_W}.group": _ROLES_AND_SERVE,
     f"{_W}.prefill": (f"{_W}.decode", f"{_W}.serve"),
     f"{_W}.decode": (f"{_W}.prefill", f"{_W}.serve"),

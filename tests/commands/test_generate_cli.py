@@ -15,17 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from deepseek_pd.cli import main
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 transformers = pytest.importorskip("transformers")
 NEW_TOKENS = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

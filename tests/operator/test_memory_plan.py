@@ -19,8 +19,6 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import bytes_per_pool_page
 from deepseek_pd.model.kv.pool_sizing import pages_for_budget
 from deepseek_pd.model.speculative.mtp_names import kv_layers
-from deepseek_pd.model.runner_config import FP8_BACKEND_CHOICES
-from deepseek_pd.operator import memory_flags
 from deepseek_pd.operator.gpu_types import gpu_memory, product_memory_bytes
 from deepseek_pd.operator.known_models import KNOWN_MODELS, model_config, recognise
 from deepseek_pd.operator.memory_flags import parse_memory_flags
@@ -219,12 +217,6 @@ def test_redundant_experts_in_engine_args_add_their_weights_per_rank():
     assert f"{redundant + 1} redundant" in verdict.message
     raw["prefill"]["engineArgs"] = ["--ep-num-redundant-experts=-1"]
     assert _plan(raw).reason == "InvalidEngineArgs"
-
-
-def test_the_fp8_backend_choices_are_the_runners():
-    """The one list the operator keeps beside the runner's (model/runner.py imports torch); the
-    defaults are not copied: the serve contract and model/kv/memory_budget.py hold them."""
-    assert set(memory_flags.FP8_BACKENDS) == set(FP8_BACKEND_CHOICES)
 
 
 def test_the_replicated_share_is_what_ep1_holds_beyond_the_experts():

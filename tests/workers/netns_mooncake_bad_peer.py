@@ -26,8 +26,8 @@ import sys
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine.interface import TokenChunk
-from pdtest.hostile_prefill import hold_transfer_done
-from pdtest.mooncake_wire import find_data_port, record_handshakes, send_bodies, start_write
+from pdtest.mooncake_wire import (assert_refused_by_mac, find_data_port, record_handshakes, send_bodies,
+                                  start_held_transfer, start_write)
 from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, worker_config
 
 MAX_NEW = 64
@@ -47,11 +47,7 @@ def main(seed: int) -> None:
         config = worker_config("mooncake")
         async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
             handshakes = record_handshakes(pair.prefill.sender)
-            sent, release = asyncio.Event(), asyncio.Event()
-            undo = hold_transfer_done(pair.prefill, sent, release)
-            p_req, d_req = pair.requests(prompt_b, ONE, "b")
-            served_b = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
-            await asyncio.wait_for(sent.wait(), 60)
+            served_b, release = await start_held_transfer(pair, prompt_b, ONE, "b")
             handshake = handshakes["b-d"]
             destination, page = handshake.mooncake, handshake.mooncake.page_bytes
             targets = [destination.layer_base_addrs[0] + slot * page for slot in handshake.page_ids]
@@ -59,7 +55,6 @@ def main(seed: int) -> None:
             writes = [(start_write(port, addr, page), addr, page) for addr in targets]
             release.set()
             _, outcome_b = await served_b
-            undo()
             assert outcome_b.ok and outcome_b.tokens == expected_b, outcome_b
             print(f"B served; {len(writes)} writes into its destination started, bodies held back")
             await pair.wait_pools_clean(5)
@@ -87,7 +82,6 @@ def main(seed: int) -> None:
             # would): finite KV-like garbage fails that request by its MAC, and only it; E, decoding
             # meanwhile, is untouched.
             garbage = random.Random(seed + 1)
-            sent, release = asyncio.Event(), asyncio.Event()
             decoding = asyncio.Event()
 
             async def on_decode(event):
@@ -95,18 +89,14 @@ def main(seed: int) -> None:
             p_req, d_req = pair.requests(prompt_e, GREEDY, "e")
             served_e = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_decode))
             await asyncio.wait_for(decoding.wait(), 60)
-            undo = hold_transfer_done(pair.prefill, sent, release)
-            p_req, d_req = pair.requests(prompt_a, GREEDY, "a")
-            served_a = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
-            await asyncio.wait_for(sent.wait(), 60)
-            undo()
+            served_a, release = await start_held_transfer(pair, prompt_a, GREEDY, "a")
             handshake = handshakes["a-d"]
             targets = [handshake.mooncake.layer_base_addrs[0] + slot * page for slot in handshake.page_ids]
             await send_bodies([(start_write(port, addr, page), addr, page) for addr in targets],
                               body=lambda n: struct.pack(f"<{n // 4}f", *(garbage.gauss(0, 1) for _ in range(n // 4))))
             release.set()
             (_, outcome_a), (_, outcome_e) = await served_a, await served_e
-            assert not outcome_a.ok and "does not match the MAC" in outcome_a.terminal.message, outcome_a
+            assert_refused_by_mac(outcome_a)
             assert outcome_e.ok and outcome_e.tokens == expected_e, outcome_e
             print("a write into another request's slots in flight failed that request by its MAC; "
                   "the one decoding meanwhile is untouched")

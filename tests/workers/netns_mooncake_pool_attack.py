@@ -23,8 +23,7 @@ import sys
 import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.hostile_prefill import hold_transfer_done
-from pdtest.mooncake_wire import first_page_addr, record_handshakes
+from pdtest.mooncake_wire import assert_refused_by_mac, first_page_addr, record_handshakes, start_held_transfer
 from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -95,11 +94,7 @@ def main(seed: int) -> None:  # noqa: C901 (one probe after another)
 
             # Still open: a transfer in flight has its pages registered. Hold the prefill side's
             # TransferDone so the transfer stays in flight while the stranger writes.
-            sent, release = asyncio.Event(), asyncio.Event()
-            undo = hold_transfer_done(pair.prefill, sent, release)
-            p_req, d_req = pair.requests(prompts[2], GREEDY, "in-flight")
-            held = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
-            await asyncio.wait_for(sent.wait(), 60)
+            held, release = await start_held_transfer(pair, prompts[2], GREEDY, "in-flight")
             target, _ = first_page_addr(handshakes["in-flight-d"])  # a staging slot (staging.py)
             # An attacker retries: the stranger's engine learns a segment's registered ranges from
             # its peer's metadata, which it may hold from before this transfer registered its pages
@@ -117,10 +112,9 @@ def main(seed: int) -> None:  # noqa: C901 (one probe after another)
                 landed = try_write(fresh, d_session, target, page, garbage)
             release.set()
             _, outcome = await held
-            undo()
             assert landed, "the stranger's write into the transfer in flight never landed"
             # No output token changed: the request is refused, with a reason that names the MAC.
-            assert not outcome.ok and "does not match the MAC" in outcome.terminal.message, (outcome, expected[2])
+            assert_refused_by_mac(outcome)
             print("can (still open): write into the staging of a transfer in flight; it changes no output "
                   "token: the KV MAC of the private copy refuses that request")
             await pair.wait_pools_clean(config.transport.send_timeout_s + 10)

@@ -18,9 +18,9 @@ import sys
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine.interface import TokenChunk
-from pdtest.hostile_prefill import hold_transfer_done
-from pdtest.mooncake_wire import find_data_port, first_page_addr, record_handshakes, send_bodies, start_write
-from pdtest.pd_engine_harness import PDPair, collect, oracle, worker_config
+from pdtest.mooncake_wire import (find_data_port, first_page_addr, record_handshakes, send_bodies,
+                                  start_held_transfer, start_write)
+from pdtest.pd_engine_harness import PDPair, oracle, worker_config
 
 MAX_NEW = 64
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
@@ -36,9 +36,6 @@ def main(seed: int) -> None:
         config = worker_config("mooncake")
         async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
             handshakes = record_handshakes(pair.prefill.sender)
-            sent, release = asyncio.Event(), asyncio.Event()
-            undo = hold_transfer_done(pair.prefill, sent, release)
-            p_req, d_req = pair.requests(prompt, GREEDY, "victim")
             tokens_when_landed: list[int] = []
             emitted = 0
             late: dict[str, object] = {}
@@ -51,15 +48,14 @@ def main(seed: int) -> None:
                 if "sock" in late and not tokens_when_landed:  # checked and decoding: now the body
                     await send_bodies([(late["sock"], *late["target"])])
                     tokens_when_landed.append(emitted)
-            victim = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_event))
-            await asyncio.wait_for(sent.wait(), 60)  # every byte is sent, the transfer still in flight
+            # every byte is sent, the transfer still in flight:
+            victim, release = await start_held_transfer(pair, prompt, GREEDY, "victim", on_event)
             addr, length = first_page_addr(handshakes["victim-d"])
             port = find_data_port(addr, length)
             late["target"], late["sock"] = (addr, length), start_write(port, addr, length)
             print(f"header accepted: a {length}-byte WRITE at {addr:#x} on port {port}, body held back")
             release.set()
             _, outcome = await victim
-            undo()
             late["sock"].close()
             assert tokens_when_landed and tokens_when_landed[0] <= MAX_NEW // 2, \
                 f"the late body landed after {tokens_when_landed} of {MAX_NEW} tokens: too late to tell"

@@ -1,6 +1,9 @@
 """`deepseek-pd serve` flags -> one frozen `ServeConfig`, every default and "auto" decided here.
 
 The rules, each in one place:
+- what the flags alone break (a prefill worker asked for CUDA graphs, `--enable-tbo` with `--tp` > 1,
+  both pool sizes, ...): workers/serve/flag_rules.py, checked first; the operator checks a CR's
+  engineArgs by the same function.
 - device: `--device auto` is CUDA when available, else the CPU (`model.device.resolve_device`).
 - dtype: `--dtype auto` is the checkpoint's torch_dtype on CUDA (bf16 for FP8 checkpoints), fp32
   on the CPU (`model.runner_config.auto_dtype`).
@@ -69,6 +72,7 @@ from deepseek_pd.workers.transport.rdma_devices import (
     KVProtocolChoice, choose_kv_protocol, devices_per_local_rank, parse_devices, usable_rdma_devices)
 from deepseek_pd.workers.metrics.server import MetricsConfig
 from deepseek_pd.workers.serve.config import ServeConfig
+from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.api.served_model import ServedModelInfo
 from deepseek_pd.workers.api.server import ServerConfig
 from deepseek_pd.workers.api.servicer import WorkerIdentity
@@ -91,12 +95,12 @@ _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages",
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
             "transport": TransportConfig, "group": GroupLayout}
-_GROUP_RUNNER_FIELDS = ("ep_size", "tp_size", "dispatcher", "dispatch_mode")  # decided by the group layout
 
 
 def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
     """Validates the flags, reads the checkpoint's config.json, and decides every default."""
     defaults = role_defaults(flags.role)
+    check_flags(flags)  # what the flags alone break (workers/serve/flag_rules.py; the operator checks it too)
     for name in ("port", "bootstrap_port"):
         value = getattr(flags, name)
         if not 0 < value < 65536:
@@ -105,9 +109,6 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
     info = ServedModelInfo.from_model_dir(model_dir, flags.served_model_name or served_name(flags.model, model_dir))
     opts = assign_engine_options(parse_key_values(flags.all_engine_options), _TARGETS, _FLAG_FIELDS)
     group = _group_layout(flags.parallel, opts["group"])
-    for name in _GROUP_RUNNER_FIELDS:
-        if name in opts["runner"]:
-            raise UserError(f"--engine-opt {name}: set by --ep/--deepep-mode (the group layout), not directly")
     runner_opts = {**opts["runner"], "ep_size": group.ep, "tp_size": group.tp,
                    "dispatcher": group.dispatcher(deepep_available=_deepep_available()),
                    "dispatch_mode": group.dispatch_mode}
@@ -154,9 +155,6 @@ def _runner_config(flags: ServeFlags, defaults: RoleDefaults, device: str, model
                               "ep_num_redundant_experts": flags.parallel.ep_num_redundant_experts,
                               "init_expert_location": _absolute(flags.parallel.init_expert_location)}
     fields.update(_pool_size(flags, device, flags.page_size))
-    if options.get("cuda_graph") and not defaults.decodes:
-        raise UserError(f"--engine-opt cuda_graph=true: the {flags.role} worker never decodes, so it has no "
-                        f"CUDA graphs to capture (decode workers replay them by default on CUDA)")
     return RunnerConfig.resolve(model_config, graphs_by_default=defaults.decodes, **fields)
 
 
@@ -166,9 +164,7 @@ def _scheduler_fields(flags: ServeFlags, opts: dict[str, dict[str, Any]], device
     fields = {**opts["scheduler"], **({"chunked_prefill_size": flags.chunked_prefill_size}
                                       if flags.chunked_prefill_size is not None else {})}
     _default_gpu_chunk(fields, device)
-    if fields.get("deterministic"):  # SchedulerConfig says why the prefix cache goes
-        if fields.get("prefix_cache"):
-            raise UserError("--deterministic runs without the prefix cache: drop --engine-opt prefix_cache=true")
+    if fields.get("deterministic"):  # SchedulerConfig says why the prefix cache goes (flag_rules refuses it on)
         fields["prefix_cache"] = False
     return fields
 
@@ -238,12 +234,7 @@ def _absolute(path: str | None) -> str | None:
 
 
 def _pool_size(flags: ServeFlags, device: str, page_size: int) -> dict[str, Any]:
-    """The KV pool's sizing fields: a fixed page count, or a GPU memory fraction."""
-    if flags.num_pages is not None and flags.max_total_tokens is not None:
-        raise UserError("--num-pages and --max-total-tokens both size the KV pool: pass one")
-    for name in ("num_pages", "max_total_tokens"):
-        if getattr(flags, name) is not None and getattr(flags, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(flags, name)}")
+    """The KV pool's sizing fields: a fixed page count, or a GPU memory fraction (flags checked by flag_rules)."""
     fixed = flags.num_pages
     if flags.max_total_tokens is not None:
         fixed = -(-flags.max_total_tokens // max(page_size, 1))

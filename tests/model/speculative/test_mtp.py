@@ -4,7 +4,6 @@ a checkpoint without an MTP layer, `--speculative-num-steps` out of range."""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 
@@ -23,56 +22,44 @@ from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def seed() -> int:
-    value = random.randrange(10_000)
-    print(f"seed={value}")
-    return value
-
-
-@pytest.fixture(scope="module")
-def with_mtp(tmp_path_factory, seed):
-    return make_tiny_model(tmp_path_factory.mktemp("mtp") / "v3", seed=seed, mtp_layers=1)
-
-
-def test_tiny_mtp_layer_leaves_the_other_weights_alone(tmp_path, with_mtp, seed):
-    plain = make_tiny_model(tmp_path / "plain", seed=seed)
-    a, b = load_file(str(with_mtp / "model.safetensors")), load_file(str(plain / "model.safetensors"))
+def test_tiny_mtp_layer_leaves_the_other_weights_alone(tmp_path, tiny_mtp_checkpoint, module_seed):
+    plain = make_tiny_model(tmp_path / "plain", seed=module_seed)
+    a, b = load_file(str(tiny_mtp_checkpoint / "model.safetensors")), load_file(str(plain / "model.safetensors"))
     assert all(torch.equal(a[name], b[name]) for name in b)
     extra = sorted(set(a) - set(b))
     assert all(name.startswith("model.layers.4.") for name in extra)
     for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                  "self_attn.kv_b_proj.weight", "mlp.experts.0.gate_proj.weight", "shared_head.head.weight"):
         assert f"model.layers.4.{part}" in extra
-    assert json.loads((with_mtp / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert json.loads((tiny_mtp_checkpoint / "config.json").read_text())["num_nextn_predict_layers"] == 1
     assert "num_nextn_predict_layers" not in json.loads((plain / "config.json").read_text()) or \
         json.loads((plain / "config.json").read_text())["num_nextn_predict_layers"] == 0
 
 
-def test_mtp_layer_loads_only_when_asked(with_mtp):
-    stored = load_file(str(with_mtp / "model.safetensors"))
-    model = load_model(with_mtp, BuildOptions(mtp=True), progress=False)
+def test_mtp_layer_loads_only_when_asked(tiny_mtp_checkpoint):
+    stored = load_file(str(tiny_mtp_checkpoint / "model.safetensors"))
+    model = load_model(tiny_mtp_checkpoint, BuildOptions(mtp=True), progress=False)
     assert torch.equal(model.mtp.eh_proj.weight, stored["model.layers.4.eh_proj.weight"])
     assert torch.equal(model.mtp.shared_head_norm.weight, stored["model.layers.4.shared_head.norm.weight"])
     assert torch.equal(model.mtp.layer.mlp.experts.w2[3], stored["model.layers.4.mlp.experts.3.down_proj.weight"])
     assert model.num_kv_layers == 5
-    assert load_model(with_mtp, BuildOptions(), progress=False).mtp is None
+    assert load_model(tiny_mtp_checkpoint, BuildOptions(), progress=False).mtp is None
 
 
-def test_fp8_mtp_layer_stays_fp8(tmp_path, seed):
-    path = make_tiny_model(tmp_path / "fp8", seed=seed, mtp_layers=1, fp8_block=(128, 128))
+def test_fp8_mtp_layer_stays_fp8(tmp_path, module_seed):
+    path = make_tiny_model(tmp_path / "fp8", seed=module_seed, mtp_layers=1, fp8_block=(128, 128))
     model = load_model(path, BuildOptions(mtp=True, fp8_backend="torch"), progress=False)
     assert isinstance(model.mtp.layer.self_attn.o_proj, Fp8Linear)
     assert model.mtp.layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
     assert model.mtp.eh_proj.weight.dtype == torch.float32  # bf16/fp32 in the release, as SGLang keeps it
 
 
-def test_speculation_without_an_mtp_layer_is_a_startup_error(tmp_path, seed):
-    plain = make_tiny_model(tmp_path / "plain", seed=seed)
+def test_speculation_without_an_mtp_layer_is_a_startup_error(tmp_path, module_seed):
+    plain = make_tiny_model(tmp_path / "plain", seed=module_seed)
     with pytest.raises(UserError, match="num_nextn_predict_layers=0"):
         Engine(str(plain), speculative_num_steps=3)
     # config.json says it has one, but the tensors are not there (a trimmed checkpoint)
-    broken = make_tiny_model(tmp_path / "broken", seed=seed, mtp_layers=1)
+    broken = make_tiny_model(tmp_path / "broken", seed=module_seed, mtp_layers=1)
     tensors = {n: t for n, t in load_file(str(broken / "model.safetensors")).items()
                if not n.startswith("model.layers.4.")}
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
@@ -96,9 +83,9 @@ def test_resolve_auto_and_strings():
             resolve_speculative_num_steps(bad, 1)
 
 
-def test_generate_cli_refuses_bad_steps_and_reports_acceptance(with_mtp):
+def test_generate_cli_refuses_bad_steps_and_reports_acceptance(tiny_mtp_checkpoint):
     def generate(*extra):
-        return subprocess.run([sys.executable, "-m", "deepseek_pd.cli", "generate", "--model", str(with_mtp),
+        return subprocess.run([sys.executable, "-m", "deepseek_pd.cli", "generate", "--model", str(tiny_mtp_checkpoint),
                                "--input-ids", "0,5,9", "--max-new-tokens", "6", "--device", "cpu", "--json", *extra],
                               capture_output=True, text=True, timeout=240)
     bad = generate("--speculative-num-steps", "12")

@@ -12,34 +12,18 @@ import torch
 
 from deepseek_pd.workers.engine.offline import Engine
 from deepseek_pd.model.sampling.params import SamplingParams
-from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from pdtest.mtp_training import train_mtp
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 CHUNK = 8  # small prefill chunks: the prompt's hidden states are gathered over several rounds
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def seed() -> int:
-    value = random.randrange(100_000)
-    print(f"seed={value}")
-    return value
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, seed):
+def setup(tiny_mtp_checkpoint, module_seed):
     """(checkpoint, base engine, speculative engine with a trained MTP layer, training prompts)."""
-    path = make_tiny_model(tmp_path_factory.mktemp("spec") / "v3", seed=seed % 1000, mtp_layers=1)
+    path = tiny_mtp_checkpoint
     base = Engine(str(path), chunked_prefill_size=CHUNK, page_size=4)
-    rng = random.Random(seed)
+    rng = random.Random(module_seed)
     prompts = [[rng.randrange(2, base.vocab_size) for _ in range(rng.randint(2, 10))] for _ in range(6)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     sequences = [p + r.output_ids for p, r in zip(prompts, base.generate_batch(prompts, greedy))]
@@ -80,13 +64,13 @@ def test_trained_mtp_accepts_and_output_is_unchanged(setup):
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3, 8])
-def test_greedy_identical_over_prompts_and_batch_mixes(setup, seed, steps):
+def test_greedy_identical_over_prompts_and_batch_mixes(setup, module_seed, steps):
     path, base, trained, train_prompts = setup
     spec = trained if steps == 3 else Engine(str(path), chunked_prefill_size=CHUNK, page_size=4,
                                               speculative_num_steps=steps)
     if spec is not trained and steps != 1:  # k = 1 keeps its random MTP layer: mostly rejections
         spec.runner.model.mtp.load_state_dict(trained.runner.model.mtp.state_dict())
-    rng = random.Random(seed + steps)
+    rng = random.Random(module_seed + steps)
     for _ in range(3):
         batch = rng.sample(train_prompts, rng.randint(0, 3))
         batch += [[rng.randrange(2, base.vocab_size) for _ in range(rng.randint(1, 25))]
@@ -117,9 +101,9 @@ def test_stops_mid_acceptance_as_without_speculation(setup):
         _same(a, b)
 
 
-def test_seeded_sampling_identical(setup, seed):
+def test_seeded_sampling_identical(setup, module_seed):
     _, base, spec, prompts = setup
-    rng = random.Random(seed)
+    rng = random.Random(module_seed)
     params = [SamplingParams(temperature=rng.choice([0.5, 1.0, 1.5]), top_p=rng.choice([1.0, 0.9]),
                              top_k=rng.choice([-1, 20]), max_new_tokens=16, ignore_eos=True, seed=rng.randrange(1 << 30))
               for _ in prompts]
@@ -129,14 +113,14 @@ def test_seeded_sampling_identical(setup, seed):
     print(f"sampled accept length {spec.speculative.stats.accept_length:.2f}")
 
 
-def test_padded_catch_up_drafts_what_the_exact_one_does(setup, seed):
+def test_padded_catch_up_drafts_what_the_exact_one_does(setup, module_seed):
     """With a catch-up CUDA graph the decoder runs the catch-up over all k + 1 verify positions, the
     emitted tokens padded (model/speculative/decoder.py says why that is safe): the MTP KV it writes
     past the last emitted token must never be read before it is written again. Checked on the CPU
     without graphs: every step's drafts (not only the outputs, which are the target's whatever the
     drafts) are the same padded and exact, with the trained layer accepting."""
     _, _, spec, prompts = setup
-    rng = random.Random(seed + 7)
+    rng = random.Random(module_seed + 7)
     batch = rng.sample(prompts, 4) + [[rng.randrange(2, spec.vocab_size) for _ in range(rng.randint(2, 12))]]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(10, 24), ignore_eos=True)
     decoder = spec.speculative
@@ -154,5 +138,5 @@ def test_padded_catch_up_drafts_what_the_exact_one_does(setup, seed):
 
     before = decoder.stats.accepted
     exact, padded = run(False), run(True)
-    assert padded == exact, seed
-    assert decoder.stats.accepted > before, seed  # drafts were accepted: the padded rows had real neighbours
+    assert padded == exact, module_seed
+    assert decoder.stats.accepted > before, module_seed  # drafts were accepted: the padded rows had real neighbours

@@ -11,25 +11,15 @@ import torch
 
 from deepseek_pd.workers.engine.offline import Engine
 from deepseek_pd.model.sampling.params import SamplingParams
-from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from pdtest.mtp_training import train_mtp
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 CHUNK = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_tbo_speculation_equals_tbo_without_it(tmp_path):
-    seed = random.randrange(100_000)
-    rng = random.Random(seed)
-    path = make_tiny_model(tmp_path / "v3", seed=seed % 1000, mtp_layers=1)
+def test_tbo_speculation_equals_tbo_without_it(tiny_mtp_checkpoint, module_seed):
+    rng = random.Random(module_seed)
+    path = tiny_mtp_checkpoint
     base = Engine(str(path), chunked_prefill_size=CHUNK, page_size=4, enable_tbo=True)
     spec = Engine(str(path), chunked_prefill_size=CHUNK, page_size=4, enable_tbo=True, speculative_num_steps=3)
     prompts = [[rng.randrange(2, base.vocab_size) for _ in range(rng.randint(2, 10))] for _ in range(4)]
@@ -56,7 +46,7 @@ def test_tbo_speculation_equals_tbo_without_it(tmp_path):
         params = [SamplingParams(temperature=0.0, max_new_tokens=rng.randint(1, 16), ignore_eos=True,
                                  top_logprobs_num=rng.choice([0, 2])) for _ in batch]
         for a, b in zip(spec.generate_batch(batch, params), base.generate_batch(batch, params)):
-            what = f"seed {seed}, round {round_}"
+            what = f"seed {module_seed}, round {round_}"
             assert a.output_ids == b.output_ids, what
             assert a.finish_reason == b.finish_reason, what
             torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs),
@@ -66,6 +56,6 @@ def test_tbo_speculation_equals_tbo_without_it(tmp_path):
     alone = spec.generate_batch([prompts[0]], greedy)[0]
     assert alone.output_ids == base.generate_batch([prompts[0]], greedy)[0].output_ids
     stats = spec.speculative.stats
-    print(f"seed {seed}: accept length {stats.accept_length:.2f} with TBO, {tbo.stats}")
+    print(f"seed {module_seed}: accept length {stats.accept_length:.2f} with TBO, {tbo.stats}")
     assert any(verifies) and len(verifies) > 10  # the verify extends did run as two micro-batches
     assert stats.accepted > 0  # not only the reject path

@@ -6,14 +6,23 @@ bytes of padding; tcp_transport_session_impl.h `SessionHeader`), checks `[addr, 
 against its registered memory once, then reads (WRITE) or sends (READ) the body, at the peer's
 pace. Opcode bit 0x80 asks for protocol v2, whose 8-byte status frame ("MCTV" << 32 | code)
 answers whether the range was accepted.
+
+The attacks' common set-up is here too: a PD request whose transfer is held in flight
+(`start_held_transfer`: its destination slots stay registered while the attacker writes), and
+the verdict a write into them must end in (`assert_refused_by_mac`).
 """
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
+from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.proto import bootstrap_pb2 as pb
+from pdtest.hostile_prefill import hold_transfer_done
+from pdtest.pd_engine_harness import PDPair, collect
 
 HEADER = struct.Struct("<QQB7x")
 READ, WRITE, V2 = 0, 1, 0x80
@@ -99,8 +108,6 @@ async def send_bodies(writes: list[tuple[socket.socket, int, int]], timeout_s: f
     """Sends bodies (`body(length)`: NaNs by default) on the started writes `(sock, addr, length)`
     and returns once the server said each one is in memory (its v2 status frame; read in a thread,
     off the event loop)."""
-    import asyncio
-
     def finish() -> None:
         for sock, addr, length in writes:
             sock.settimeout(timeout_s)
@@ -109,3 +116,26 @@ async def send_bodies(writes: list[tuple[socket.socket, int, int]], timeout_s: f
             assert len(frame) == 8 and struct.unpack("<Q", frame)[0] == STATUS_OK, \
                 f"the late body at {addr:#x} was not applied: {frame!r}"
     await asyncio.to_thread(finish)
+
+
+async def start_held_transfer(pair: PDPair, prompt: list[int], params: SamplingParams, rid: str,
+                              on_decode_event: Callable[[Any], Awaitable[None]] | None = None):
+    """Starts PD request `rid` on `pair` and returns once its prefill side has sent every byte but
+    holds back its TransferDone, so the transfer stays in flight on the decode side (its slots
+    registered) until the returned event is set. Returns (the request's gathered (prefill, decode)
+    outcomes, to await after setting it; that event)."""
+    sent, release = asyncio.Event(), asyncio.Event()
+    undo = hold_transfer_done(pair.prefill, sent, release)
+    p_req, d_req = pair.requests(prompt, params, rid)
+    served = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_decode_event))
+    try:
+        await asyncio.wait_for(sent.wait(), 60)
+    finally:
+        undo()  # only this request's room holds its TransferDone
+    return served, release
+
+
+def assert_refused_by_mac(outcome: Any) -> None:
+    """A request whose slots a stranger wrote in flight is refused by its KV MAC (transport/kv_mac.py),
+    with no output token changed."""
+    assert not outcome.ok and "does not match the MAC" in outcome.terminal.message, outcome

@@ -95,6 +95,23 @@ async def _fail_untouched(engine: DecodeEngine, request: GenerateRequest, rng: r
     return outcome, used_at_end, opened, kept
 
 
+async def _lied_transfer(pair: PDPair, rng: random.Random):
+    """One PD request whose prefill side lies about the first token (so decode refuses it after the
+    transfer), over random pool contents: (decode's outcome, the pages of its transfers, and when
+    it failed with the pool's used pages then, as [(time, used)])."""
+    _fill_random(pair.decode.pool, rng)
+    opened = _record_pages(pair.decode)
+    lie_about_first_token(pair.prefill, rng)
+    ended: list[tuple[float, int]] = []
+
+    async def on_event(event):
+        if isinstance(event, Failed):
+            ended.append((time.monotonic(), pair.decode.pool.num_used_pages))
+    p_req, d_req = pair.requests(_prompt(rng), GREEDY, "lied")
+    _, failed = await asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_event))
+    return failed, opened, ended
+
+
 def _assert_freed_at_once_untouched(used_at_end, opened, kept, spy: "_ScrubSpy") -> None:
     assert len(opened) == 1 and opened[0], "the request never got pages: the test proves nothing"
     assert used_at_end == [0], f"pages still held when the request ended: {used_at_end}"
@@ -191,16 +208,7 @@ def test_a_one_sided_transfer_told_its_pages_waits_the_grace_then_is_zeroed_off_
     async def run():
         loop_thread = threading.current_thread()
         async with PDPair("grpc", config, config) as pair:
-            _fill_random(pair.decode.pool, rng)
-            opened = _record_pages(pair.decode)
-            lie_about_first_token(pair.prefill, rng)
-            ended = []
-
-            async def on_event(event):
-                if isinstance(event, Failed):
-                    ended.append((time.monotonic(), pair.decode.pool.num_used_pages))
-            p_req, d_req = pair.requests(_prompt(rng), GREEDY, "lied")
-            _, failed = await asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_event))
+            failed, opened, ended = await _lied_transfer(pair, rng)
             await pair.wait_pools_clean(GRACE_S + 5)
             return failed, opened, ended, _zero_pages(pair.decode.pool, opened[0]), loop_thread
 
@@ -228,16 +236,7 @@ def test_a_mooncake_transfer_refused_after_its_copy_is_zeroed_off_the_loop_witho
     async def run():
         loop_thread = threading.current_thread()
         async with PDPair("mooncake", config, config) as pair:
-            _fill_random(pair.decode.pool, rng)
-            opened = _record_pages(pair.decode)
-            lie_about_first_token(pair.prefill, rng)
-            ended = []
-
-            async def on_event(event):
-                if isinstance(event, Failed):
-                    ended.append(time.monotonic())
-            p_req, d_req = pair.requests(_prompt(rng), GREEDY, "lied")
-            _, failed = await asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_event))
+            failed, opened, ended = await _lied_transfer(pair, rng)
             await pair.wait_pools_clean(5)  # well inside the 30 s grace
             return (failed, opened, ended, _zero_pages(pair.decode.pool, opened[0]), loop_thread,
                     pair.decode.receiver.staging.num_used)
@@ -247,7 +246,8 @@ def test_a_mooncake_transfer_refused_after_its_copy_is_zeroed_off_the_loop_witho
     assert any(engine.writes for engine in engines), "the prefill side made no write: the test proves nothing"
     (pages, thread, scrubbed_at, _), = spy.calls
     assert pages == opened[0] and zeroed and staged == 0
-    assert scrubbed_at - ended[0] < 5, f"zeroed {scrubbed_at - ended[0]:.2f}s after the failure"
+    (failed_at, _), = ended
+    assert scrubbed_at - failed_at < 5, f"zeroed {scrubbed_at - failed_at:.2f}s after the failure"
     assert thread is not loop_thread, "the scrub ran on the event loop thread"
 
 

@@ -21,14 +21,6 @@ transformers = pytest.importorskip("transformers")
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI box has 2 cores shared by everything
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")

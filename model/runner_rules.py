@@ -1,0 +1,58 @@
+"""The runner's rules on combinations of settings that hold whatever the checkpoint and the device.
+
+Torch-free, so that `serve` (workers/serve/flag_rules.py), through it the operator (a CR's
+engineArgs, refused as an InvalidSpec condition instead of a pod that crash-loops), and
+`RunnerConfig` (model/runner_config.py) apply the same words. Each function returns why the settings
+cannot run together, or None when they can.
+
+Example: `tbo_blocker(tp_size=2)` -> "two-batch overlap (enable_tbo) is not supported with
+attention TP (tp_size > 1)"; `tbo_blocker(tp_size=1)` -> None.
+"""
+from __future__ import annotations
+
+# `fp8_backend`'s choices (model/quant/fp8_linear.py); the operator's memory plan reads them too.
+FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton")
+# The backends with a batch-invariant version (model/attention/invariant_backends.py, model/moe/invariant_experts.py).
+INVARIANT_BACKENDS = ("auto", "torch", "triton")
+
+
+def tbo_blocker(tp_size: int) -> str | None:
+    """Why two-batch overlap cannot run with this attention TP; None when it can."""
+    if tp_size > 1:
+        return "two-batch overlap (enable_tbo) is not supported with attention TP (tp_size > 1)"
+    return None
+
+
+def graph_settings_blocker(*, record_expert_load: bool, enable_tbo: bool, tp_size: int) -> str | None:
+    """Why decode cannot be captured as CUDA graphs with these settings, whatever the backends; None
+    when nothing here stops it (`RunnerConfig.cuda_graph_blocker` then asks the device and backends)."""
+    if record_expert_load:
+        return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
+    if enable_tbo:
+        return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
+    if tp_size > 1:
+        return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
+    return None
+
+
+def deterministic_blocker(*, enable_tbo: bool, tp_size: int, ep_size: int, speculative_num_steps: int,
+                          attention_backend: str = "auto", moe_backend: str = "auto",
+                          fp8_backend: str = "auto") -> str | None:
+    """What these settings do that is not batch-invariant yet (`--deterministic`); None when nothing is."""
+    if enable_tbo:
+        return "two-batch overlap (enable_tbo) cuts micro-batches by the batch; run without it"
+    if tp_size > 1 or ep_size > 1:
+        return ("TP/EP collectives sum over ranks in an order NCCL picks by message size; "
+                "run with tp_size = ep_size = 1")
+    if speculative_num_steps:
+        return "speculative verify steps are not batch-invariant yet; run without speculative_num_steps"
+    if attention_backend not in INVARIANT_BACKENDS:
+        return (f"the attention backend {attention_backend!r} has no batch-invariant version "
+                "(torch and triton have); run with attention_backend auto, torch or triton")
+    if moe_backend not in INVARIANT_BACKENDS:
+        return (f"the MoE backend {moe_backend!r} has no batch-invariant version "
+                "(torch and triton have); run with moe_backend auto, torch or triton")
+    if fp8_backend in ("torch", "triton"):
+        return (f"the FP8 GEMM backend {fp8_backend!r} picks its tile by M; "
+                "use fp8_backend dequant (or auto, which deterministic resolves to dequant)")
+    return None

@@ -1,0 +1,85 @@
+"""What `serve` refuses from its flags alone, before it reads a checkpoint or looks at a device.
+
+Torch-free: `resolve_serve_config` (workers/serve/resolution.py) applies it first, and the operator
+applies it to each role's command line (operator/engine_args.py), so a DeepSeekDeployment whose
+engineArgs a worker would refuse gets an InvalidSpec condition naming the rule, in the worker's
+own words, instead of pods that crash-loop. The runner's rules come from model/runner_rules.py,
+which `RunnerConfig` applies again when it is built.
+
+The rules:
+- `--engine-opt cuda_graph=true` on a role that never decodes (prefill): it has no graphs to capture;
+- `cuda_graph=true` with settings no graph can capture (model/runner_rules.py `graph_settings_blocker`:
+  `record_expert_load`, `--enable-tbo`, `--tp` > 1);
+- `--enable-tbo` with `--tp` > 1 (`tbo_blocker`);
+- `--deterministic` with what is not batch-invariant yet (`deterministic_blocker`), or with
+  `--engine-opt prefix_cache=true`;
+- `--num-pages` and `--max-total-tokens` both (each sizes the KV pool), or either below 1;
+- the runner fields the group layout decides (`ep_size`, `tp_size`, `dispatcher`, `dispatch_mode`)
+  set as engine options.
+
+Example: `check_flags(ServeFlags.from_argv(["prefill", "--engine-opt", "cuda_graph=true"]))` raises
+`UserError("--engine-opt cuda_graph=true: the prefill worker never decodes, ...")`.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.runner_rules import deterministic_blocker, graph_settings_blocker, tbo_blocker
+from deepseek_pd.workers.serve.engine_options import parse_bool, parse_key_values
+from deepseek_pd.workers.serve.flags import ServeFlags
+from deepseek_pd.workers.serve.roles import role_defaults
+
+# Runner fields the group layout decides (workers/group/layout.py), never set directly.
+GROUP_RUNNER_FIELDS = ("ep_size", "tp_size", "dispatcher", "dispatch_mode")
+
+
+def check_flags(flags: ServeFlags) -> None:
+    """Raises a UserError naming the first rule (module docstring) that `flags` break."""
+    options = parse_key_values(flags.all_engine_options)
+    for name in GROUP_RUNNER_FIELDS:
+        if name in options:
+            raise UserError(f"--engine-opt {name}: set by --ep/--deepep-mode (the group layout), not directly")
+    tp, ep = flags.parallel.tp, flags.parallel.ep
+    graphs = _bool(options, "cuda_graph")
+    enable_tbo = bool(_bool(options, "enable_tbo"))
+    if graphs and not role_defaults(flags.role).decodes:
+        raise UserError(f"--engine-opt cuda_graph=true: the {flags.role} worker never decodes, so it has no "
+                        f"CUDA graphs to capture (decode workers replay them by default on CUDA)")
+    if graphs and (blocker := graph_settings_blocker(record_expert_load=bool(_bool(options, "record_expert_load")),
+                                                     enable_tbo=enable_tbo, tp_size=tp)) is not None:
+        raise UserError(f"cuda_graph=true: {blocker}")
+    if enable_tbo and (blocker := tbo_blocker(tp)) is not None:
+        raise UserError(blocker)
+    if _bool(options, "deterministic"):
+        blocker = deterministic_blocker(
+            enable_tbo=enable_tbo, tp_size=tp, ep_size=ep,
+            speculative_num_steps=_int(options, "speculative_num_steps"),
+            attention_backend=options.get("attention_backend", "auto"),
+            moe_backend=options.get("moe_backend", "auto"), fp8_backend=options.get("fp8_backend", "auto"))
+        if blocker is not None:
+            raise UserError(f"--deterministic: {blocker}")
+        if _bool(options, "prefix_cache"):
+            raise UserError("--deterministic runs without the prefix cache: drop --engine-opt prefix_cache=true")
+    if flags.num_pages is not None and flags.max_total_tokens is not None:
+        raise UserError("--num-pages and --max-total-tokens both size the KV pool: pass one")
+    for name in ("num_pages", "max_total_tokens"):
+        if getattr(flags, name) is not None and getattr(flags, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(flags, name)}")
+
+
+def _bool(options: Mapping[str, str], key: str) -> bool | None:
+    """An engine option's bool, None when absent; a bad value is the worker's error for it."""
+    if key not in options:
+        return None
+    try:
+        return parse_bool(options[key])
+    except ValueError:
+        raise UserError(f"--engine-opt {key}={options[key]!r}: expected a bool") from None
+
+
+def _int(options: Mapping[str, str], key: str) -> int:
+    try:
+        return int(options.get(key, "0"))
+    except ValueError:
+        raise UserError(f"--engine-opt {key}={options[key]!r}: expected a int") from None
