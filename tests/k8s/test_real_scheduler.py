@@ -159,9 +159,7 @@ def test_a_gang_with_a_topology_key_waits_for_one_domain_to_hold_it_whole(admin_
     gang = _gang(_pass(admin_kube, dsd_path, name))
     assert (gang["status"], gang["reason"]) == ("False", "GangWaitingForRoom"), gang
 
-    # A node of 1 GPU joins each domain: either now holds the group, over its two nodes. (Both:
-    # kube-scheduler places a gang's first rank by score and its pod-affinity terms then bind the
-    # rest to that rank's domain; it does not search the domains, docs/operations.md.)
+    # A node of 1 GPU joins each domain: either now holds the group, over its two nodes.
     joined = [f"topo-{pool}-{d}2" for d in "ab"]
     for node, domain in zip(joined, "ab"):
         _set_node(admin_kube, node, "64", gpus=1, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
