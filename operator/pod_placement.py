@@ -26,7 +26,10 @@ TopologyAwareWorkloadScheduling on the API server and the scheduler): kube-sched
 the group in each domain and binds it in one that holds it whole. The pod affinity stays too (it
 agrees with the constraint, and it is all a server without the gate keeps: such a server drops
 the field silently, and gang_status.py says so): by itself it only makes the scheduler follow
-the first rank's domain, retrying with backoff, never searching the others.
+the first rank's domain, retrying with backoff, never searching the others. The search chooses
+among the domains that hold a group by kube-scheduler's placement scorers (NodeResourcesFit
+MostAllocated, PodGroupPodsCount): it packs groups into the fullest domain that fits, so with
+gang the groups' anti-affinity no longer spreads them (tests/k8s/test_real_scheduler.py).
 
 Worked example: topologyKey example.com/nvlink-domain, decode groups 0 and 1 of 2 pods each on
 nodes of domains A and B: group 0's second pod must join its first pod's domain; group 1
