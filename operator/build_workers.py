@@ -28,6 +28,13 @@ POD_IP_ENV = "DEEPSEEK_PD_POD_IP"
 
 DIST_INIT_PORT = 5757  # torch.distributed rendezvous on rank 0 of a multi-node group
 PROBE_PERIOD_SECONDS = 10
+# A worker pod's termination grace: at least MIN_GRACE_SECONDS, and always the worker's own
+# shutdown bound, so the kubelet's SIGKILL never cuts a drain short (a scale-down's running
+# streams finish): --drain-timeout (engineArgs, default 30 s), then the gRPC server's stop grace
+# (workers/api/server.py, 2 s) and the group's (workers/serve/group_main.py STOP_GRACE_S, 10 s),
+# and time to exit; SHUTDOWN_MARGIN_SECONDS covers all but the drain.
+MIN_GRACE_SECONDS = 60
+SHUTDOWN_MARGIN_SECONDS = 20
 # Rank 0 serves gRPC; other ranks only run model shards, so they count as ready while alive.
 _PORT_PROBE = ("import os, socket, sys\n"
                "if os.environ.get('LWS_WORKER_INDEX', '0') == '0':\n"
@@ -116,6 +123,16 @@ def build_worker_args(spec: DeploymentSpec, role: RoleSpec) -> list[str]:
     return ["serve", *flags.to_argv(always=always, text=rank), *role.engine_args]
 
 
+def termination_grace_seconds(role: RoleSpec) -> int:
+    """The pod's terminationGracePeriodSeconds: the worker's drain (its --drain-timeout, as the
+    worker parses engineArgs) plus its stop margins, never under MIN_GRACE_SECONDS."""
+    try:
+        drain = ServeFlags.from_argv([role.role, *role.engine_args]).drain_timeout_s
+    except ValueError:  # engineArgs the worker refuses: the memory plan reports them
+        drain = ServeFlags.drain_timeout_s
+    return max(MIN_GRACE_SECONDS, math.ceil(drain) + SHUTDOWN_MARGIN_SECONDS)
+
+
 def _env(spec: DeploymentSpec, role: RoleSpec, index: int) -> list[dict[str, Any]]:
     leader = names.leader_address(spec.name, role.role, index, spec.namespace)
     pod_index = {"valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{names.LABEL_POD_INDEX}']"}}}
@@ -202,7 +219,7 @@ def build_pod_template(spec: DeploymentSpec, role: RoleSpec, index: int, revisio
         "initContainers": model.init_containers,
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": termination_grace_seconds(role),
         "enableServiceLinks": False,
     }
     scheduling = spec.scheduling

@@ -411,7 +411,8 @@ def _scheduling() -> Schema:
         "schedulerName": string("The scheduler of the worker pods; default: the cluster's.",
                                 min_length=1, max_length=253),
         "topologyKey": string("A node label (e.g. a rack or NVLink-domain label): each group's pods "
-                              "share one value of it (required pod affinity), and a role's groups "
+                              "share one value of it (required pod affinity; with gang, also the "
+                              "PodGroup's schedulingConstraints.topology), and a role's groups "
                               "prefer different values (preferred anti-affinity).", min_length=1,
                               max_length=317, pattern="^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"),
     }, default={})

@@ -15,6 +15,11 @@
                                 the gang did its job (no rank holds GPUs while others cannot
                                 start); the message names the group and the scheduler's reason
 
+With topologyKey, a PodGroup read back without its `schedulingConstraints` (an API server
+whose TopologyAwareWorkloadScheduling gate is off drops it) adds TOPOLOGY_BY_AFFINITY to the
+message: the groups still share a domain, by pod affinity, but the scheduler does not search
+the domains for one that holds a group whole.
+
 Worked example: decode group 0 of 2 pods of 1 GPU each, on a cluster with 1 free GPU:
     GangScheduling=False GangWaitingForRoom "group llm-decode-0 (2 pods) cannot be placed whole,
     so none of its pods holds a node: pod group is unschedulable, minCount (2) cannot be
@@ -31,6 +36,11 @@ from deepseek_pd.operator.pod_placement import DEFAULT_SCHEDULER, scheduler_name
 from deepseek_pd.operator.spec import DeploymentSpec
 
 CONDITION = "GangScheduling"
+TOPOLOGY_BY_AFFINITY = (
+    "; topologyKey is kept by pod affinity only: this API server dropped the PodGroups' "
+    "schedulingConstraints.topology (turn on the alpha gate TopologyAwareWorkloadScheduling on "
+    "kube-apiserver and kube-scheduler), so kube-scheduler follows the first rank's domain "
+    "instead of searching the domains for one that holds the group whole")
 WAIT_SECONDS = 60.0
 Pod = dict[str, Any]
 
@@ -82,9 +92,10 @@ def _waiting_for_room(spec: DeploymentSpec, workers: list[Pod]) -> str | None:
 
 
 def gang_state(spec: DeploymentSpec, pod_groups_served: bool, pods: list[Pod], revisions: dict[str, str],
-               now: datetime.datetime) -> tuple[bool, str, str] | None:
+               now: datetime.datetime, topology_dropped: bool = False) -> tuple[bool, str, str] | None:
     """(ok, reason, message) of the condition; None when gang scheduling is off. `revisions`:
-    each role's current pod-template revision (older pods may predate `gang: true`)."""
+    each role's current pod-template revision (older pods may predate `gang: true`);
+    `topology_dropped`: the server dropped the PodGroups' topology (pod_placement.topology_dropped)."""
     if not spec.scheduling.get("gang"):
         return None
     scheduler = scheduler_name(spec) or DEFAULT_SCHEDULER
@@ -113,7 +124,8 @@ def gang_state(spec: DeploymentSpec, pod_groups_served: bool, pods: list[Pod], r
         return (False, "NoSchedulerAnswers",
                 f"{_shown(waiting)} waited over {WAIT_SECONDS:.0f} s for scheduler {scheduler}, which never "
                 f"looked at them: is a scheduler of that name (with the GenericWorkload gate) running?")
+    note = TOPOLOGY_BY_AFFINITY if topology_dropped else ""
     room = _waiting_for_room(spec, workers)
     if room:
-        return False, "GangWaitingForRoom", room
-    return True, "PodGroupsPlaced", f"one PodGroup per group, scheduled by {scheduler}; no group waits for room"
+        return False, "GangWaitingForRoom", room + note
+    return True, "PodGroupsPlaced", f"one PodGroup per group, scheduled by {scheduler}; no group waits for room{note}"

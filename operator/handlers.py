@@ -22,6 +22,7 @@ from deepseek_pd.operator.autoscale_reconcile import decision_events
 from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.readiness import Readiness, serve_readiness
 from deepseek_pd.operator.reconcile import Reconciler
+from deepseek_pd.operator.rollout_reconcile import rollout_events
 
 LoginFn = Callable[..., kopf.ConnectionInfo | None]
 
@@ -114,7 +115,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                         raise
                     return
         for type_, reason, message in decision_events(current.get("autoscaling") or {},
-                                                      status.get("autoscaling") or {}):
+                                                      status.get("autoscaling") or {}) + \
+                rollout_events(current.get("rollout") or {}, status.get("rollout") or {}):
             kopf.event(fresh, type=type_, reason=reason, message=message)
 
     @kopf.on.resume(*resource, registry=registry)

@@ -1,25 +1,35 @@
 """Where a group's pods may go: gang scheduling (a PodGroup per group) and topology.
 
     spec.scheduling.gang: true      a PodGroup (scheduling.k8s.io/v1beta1, Kubernetes' in-tree
-                                    gang scheduling, feature gate GenericWorkload) named after
-                                    the group, gang policy minCount = the group's pods; each pod
+                                    gang scheduling, feature gate GenericWorkload) per group
+                                    and revision, gang policy minCount = the group's pods; each pod
                                     names it in spec.schedulingGroup.podGroupName, and the
                                     scheduler's GangScheduling plugin binds all of them or none:
                                     a group that cannot be placed whole stays Pending instead of
                                     holding GPUs with half its ranks
     spec.scheduling.schedulerName   the worker pods' scheduler (default: the cluster's, which
                                     serves gangs once its GenericWorkload gate is on)
-    spec.scheduling.topologyKey     one group in one domain (required pod affinity to the
-                                    group's own pods on that key; the first pod places the group),
+    spec.scheduling.topologyKey     one group in one domain (with gang, the PodGroup's topology
+                                    constraint, below; and required pod affinity to the group's
+                                    own pods on that key: the first pod places the group),
                                     groups of a role apart (preferred anti-affinity to the role's
                                     other groups, so more groups than domains still schedule)
 
 No `Workload` object: it holds PodGroup templates for a controller to stamp out, and the
 operator is that controller (it creates each group's PodGroup itself, so `workloadRef` stays unset).
-Topology stays pod affinity, also with gang: the PodGroup's own `schedulingConstraints.topology`
-(which makes the scheduler search the domains instead of following the first rank's) needs the
-alpha gate TopologyAwareWorkloadScheduling (a server without it drops the field silently; with
-it the field is immutable, so a topologyKey change would need the PodGroup recreated).
+A PodGroup's spec is immutable (and guarded by a finalizer while pods name it), so it is named
+after the group AND the role's revision: a new revision (a size or topologyKey change) gets a new
+PodGroup, and the old one goes once no StatefulSet names it (reconcile.py).
+
+With gang and topologyKey, the PodGroup also carries `schedulingConstraints.topology` (alpha gate
+TopologyAwareWorkloadScheduling on the API server and the scheduler): kube-scheduler then tries
+the group in each domain and binds it in one that holds it whole. The pod affinity stays too (it
+agrees with the constraint, and it is all a server without the gate keeps: such a server drops
+the field silently, and gang_status.py says so): by itself it only makes the scheduler follow
+the first rank's domain, retrying with backoff, never searching the others. The search chooses
+among the domains that hold a group by kube-scheduler's placement scorers (NodeResourcesFit
+MostAllocated, PodGroupPodsCount): it packs groups into the fullest domain that fits, so with
+gang the groups' anti-affinity no longer spreads them (tests/k8s/test_real_scheduler.py).
 
 Worked example: topologyKey example.com/nvlink-domain, decode groups 0 and 1 of 2 pods each on
 nodes of domains A and B: group 0's second pod must join its first pod's domain; group 1
@@ -45,19 +55,46 @@ def scheduler_name(spec: DeploymentSpec) -> str | None:
     return spec.scheduling.get("schedulerName") or None
 
 
+def pod_group_name(spec: DeploymentSpec, role_name: str, index: int) -> str:
+    """`<group>-<role revision>`: the PodGroup of the group's current revision."""
+    return f"{names.group_name(spec.name, role_name, index)}-{spec.role_revision(role_name)}"
+
+
 def build_pod_group(spec: DeploymentSpec, role_name: str, index: int) -> Manifest:
     """The group's gang: the scheduler admits its pods only when all `size` of them fit (the
     plugin's own Permit timeout, 5 min, releases ranks that were placed while the rest never
-    were)."""
-    group = names.group_name(spec.name, role_name, index)
+    were), within one domain of `topologyKey` if set."""
+    key = spec.scheduling.get("topologyKey")
+    constraints = {"schedulingConstraints": {"topology": [{"key": key}]}} if key else {}
     return {
         "apiVersion": POD_GROUP_API,
         "kind": "PodGroup",
-        "metadata": {"name": group, "namespace": spec.namespace,
+        "metadata": {"name": pod_group_name(spec, role_name, index), "namespace": spec.namespace,
                      "labels": {**names.base_labels(spec.name, role_name),
                                 **names.group_selector(spec.name, role_name, index)}},
-        "spec": {"schedulingPolicy": {"gang": {"minCount": spec.role(role_name).size}}},
+        "spec": {"schedulingPolicy": {"gang": {"minCount": spec.role(role_name).size}}, **constraints},
     }
+
+
+def pod_groups_named(statefulsets: list[Manifest]) -> set[str]:
+    """The PodGroups the StatefulSets' pod templates name (kept while a group of an older
+    revision still runs: its pods, and any that it recreates, wait for theirs)."""
+    return {name for sts in statefulsets
+            if (name := ((((sts.get("spec") or {}).get("template") or {}).get("spec") or {})
+                         .get("schedulingGroup") or {}).get("podGroupName"))}
+
+
+def topology_dropped(spec: DeploymentSpec, pod_groups: list[Manifest]) -> bool:
+    """Did the API server drop the topology constraint of this revision's PodGroups (its
+    TopologyAwareWorkloadScheduling gate is off)? False before any of them was read back."""
+    key = spec.scheduling.get("topologyKey")
+    if not (key and spec.scheduling.get("gang")):
+        return False
+    revisions = {role: spec.role_revision(role) for role in names.ROLES}
+    current = [g for g in pod_groups
+               if (role := (g["metadata"].get("labels") or {}).get(names.LABEL_ROLE)) in revisions
+               and g["metadata"]["name"].endswith(f"-{revisions[role]}")]
+    return any(not (g.get("spec") or {}).get("schedulingConstraints") for g in current)
 
 
 def place_group_pods(spec: DeploymentSpec, role_name: str, index: int, template: Manifest) -> Manifest:
@@ -69,7 +106,7 @@ def place_group_pods(spec: DeploymentSpec, role_name: str, index: int, template:
     if name:
         pod["schedulerName"] = name
     if spec.scheduling.get("gang"):
-        pod["schedulingGroup"] = {"podGroupName": names.group_name(spec.name, role_name, index)}
+        pod["schedulingGroup"] = {"podGroupName": pod_group_name(spec, role_name, index)}
     key = spec.scheduling.get("topologyKey")
     if key:
         affinity = pod.setdefault("affinity", {})

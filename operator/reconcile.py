@@ -27,7 +27,7 @@ from deepseek_pd.operator.memory_plan import MemoryVerdict, plan_memory
 from deepseek_pd.operator.model_status import model_state
 from deepseek_pd.operator.observed import groups_of_role
 from deepseek_pd.operator.planner import DeleteGroup, RolePlan, RoleTarget, plan_role
-from deepseek_pd.operator.pod_placement import build_pod_group
+from deepseek_pd.operator.pod_placement import build_pod_group, pod_groups_named, topology_dropped
 from deepseek_pd.operator.pod_scheduling import explain_unavailable
 from deepseek_pd.operator.rollout_reconcile import CONDITION as VERIFY_CONDITION
 from deepseek_pd.operator.rollout_reconcile import RolloutVerifier, combined_condition
@@ -174,6 +174,7 @@ class Reconciler:
                 if not (isinstance(action, DeleteGroup) and action.index in held[role]):
                     await executor.run(action)
         wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
+        wanted |= {("PodGroup", n) for n in pod_groups_named(statefulsets)}  # an older revision's, until replaced
         for kind, child in sorted(observed):
             if kind in STATIC_KINDS and (kind, child) not in wanted:
                 await executor.delete(kind, child)
@@ -195,8 +196,9 @@ class Reconciler:
         if verified is not None:
             before = {c.get("type", ""): c for c in previous.get("conditions") or []}
             status["conditions"].append(condition(VERIFY_CONDITION, *verified, generation, before, now))
+        pod_groups = [o for (k, _), o in observed.items() if k == "PodGroup"]
         state = gang_state(spec, "PodGroup" not in self.unserved, pods, revisions,
-                           datetime.datetime.now(datetime.timezone.utc))
+                           datetime.datetime.now(datetime.timezone.utc), topology_dropped(spec, pod_groups))
         if state is not None:
             before = {c.get("type", ""): c for c in previous.get("conditions") or []}
             status["conditions"].append(condition(GANG_CONDITION, *state, generation, before, now))

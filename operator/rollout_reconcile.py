@@ -12,7 +12,9 @@ ready: CheckFailed, retried). One check per role per pass.
 
 A different model on the two sides (GetModelInfo's model_path: another checkpoint or revision)
 skips the check: new weights may change tokens legitimately. The RolloutVerified condition is the
-worst of the two roles' (`combined_condition`). `rolloutStrategy.verify: false`
+worst of the two roles' (`combined_condition`); each outcome is also an Event
+(`rollout_events`: Normal GroupVerified per group, Warning TokensDiffer once), so a rollout that
+has completed, and whose status.rollout is gone, still says which groups were checked. `rolloutStrategy.verify: false`
 turns it off. The planner (planner.RoleTarget.unverified / verification_failed) keeps unchecked
 groups out of the router and out of the availability count, and stops replacing groups after a
 difference, so the old groups keep serving.
@@ -53,6 +55,24 @@ def combined_condition(checks: dict[str, Verification]) -> tuple[bool, str, str]
     """RolloutVerified over both roles: the worst role's (ok, reason, message); None: verify is off."""
     conditions = [c.condition for c in checks.values() if c.condition is not None]
     return min(conditions, key=lambda c: _SEVERITY.index(c[1])) if conditions else None
+
+
+def rollout_events(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events to post, from status.rollout of the previous and this
+    pass: one per group newly verified, one per check newly failed."""
+    events = []
+    for role, state in sorted((after or {}).items()):
+        if not state:
+            continue
+        old = (before or {}).get(role) or {}
+        same = old.get("revision") == state.get("revision")
+        for index in sorted(set(state.get("verified") or []) - set((old.get("verified") or []) if same else [])):
+            events.append(("Normal", "GroupVerified",
+                           f"{role} group {index} (revision {state['revision']}) answered the check's greedy "
+                           "requests with the old revision's tokens; it joins the router"))
+        if state.get("failed") and not (same and old.get("failed")):
+            events.append(("Warning", "TokensDiffer", f"rollout stopped: {state['failed']}"))
+    return events
 
 
 @dataclass

@@ -148,7 +148,7 @@ def offline_engine(models):
 
 @pytest.fixture(scope="session")
 def third_party_crds(admin_kube):
-    """The pinned third-party CRDs (ServiceMonitor, PodGroup) installed into the control plane:
+    """The pinned third-party CRDs (ServiceMonitor) installed into the control plane:
     `third_party_crds.admit(obj)` is the server's own verdict on an object of their kinds."""
     from third_party_crds import ThirdPartyCrds
 

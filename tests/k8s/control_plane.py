@@ -52,7 +52,9 @@ REAL_SCHEDULER = "kube-scheduler-real"
 # Kubernetes' in-tree gang scheduling (beta in 1.37, off by default): the API server serves
 # scheduling.k8s.io/v1beta1 PodGroup and keeps a pod's spec.schedulingGroup only with the gate on,
 # and the scheduler adds its GangScheduling plugin to the default profile under the same gate.
-GANG_GATES = "--feature-gates=GenericWorkload=true"
+# TopologyAwareWorkloadScheduling (alpha): the API server keeps a PodGroup's
+# schedulingConstraints.topology, and the scheduler tries a gang in each domain of that key.
+GANG_GATES = "--feature-gates=GenericWorkload=true,TopologyAwareWorkloadScheduling=true"
 GANG_API = "--runtime-config=scheduling.k8s.io/v1beta1=true"
 
 

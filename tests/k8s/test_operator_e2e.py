@@ -195,6 +195,14 @@ def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offlin
     assert watch.min_ready >= 1, watch.samples  # never both decode groups down
     first, second = replacement_order(watch.pods(), new)
     assert second[1] >= first[2], (first, second)  # the second was replaced once the first was Ready
+    # The first new group answered the verification's greedy requests as the old group did
+    # (same model: the check is on by default), which let the rollout go on; the second had no
+    # old group left to compare with.
+    events = deployment.kube.list(f"/api/v1/namespaces/{NS}/events",
+                                  fieldSelector=f"involvedObject.name={deployment.name}")
+    verified = [e["message"] for e in events if e.get("reason") == "GroupVerified"]
+    assert any(m.startswith(f"decode group {first[0]} ") for m in verified), (first, verified)
+    assert not [e for e in events if e.get("reason") == "TokensDiffer"], events
     deployment.wait_phase("Available", where=lambda cr: cr["status"]["decode"]["updatedReplicas"] == 2
                           and cr["status"]["prefill"]["updatedReplicas"] == 1)
 

@@ -7,6 +7,7 @@ scheduler nobody runs gets a clear condition.
 """
 from __future__ import annotations
 
+import copy
 import random
 import time
 
@@ -15,6 +16,8 @@ from test_autoscaling_objects import _spec
 from test_weights_objects import _pass, dsd_path  # noqa: F401 - the CRD, installed or updated
 
 from deepseek_pd.operator import gang_status, names
+from deepseek_pd.operator.pod_placement import pod_group_name
+from deepseek_pd.operator.spec import DeploymentSpec
 from pdtest.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -71,6 +74,14 @@ def _workers(admin_kube, dsd_path: str, name: str) -> list[dict]:
             and (p["metadata"].get("labels") or {}).get(names.LABEL_ROLE)]  # not the router's pod
 
 
+def _pod_groups(dsd_path: str) -> str:
+    return "/apis/scheduling.k8s.io/v1beta1/namespaces/" + dsd_path.split("/namespaces/")[1].split("/")[0] + "/podgroups"
+
+
+def _pod_group(name: str, namespace: str, spec: dict, role: str = "decode", index: int = 0) -> str:
+    return pod_group_name(DeploymentSpec.parse(name, namespace, spec), role, index)
+
+
 def _gang(status: dict) -> dict:
     return next(c for c in status["conditions"] if c["type"] == gang_status.CONDITION)
 
@@ -95,7 +106,7 @@ def test_a_gang_that_cannot_be_placed_whole_binds_no_pod_then_binds_whole(admin_
     assert _gang(status)["reason"] != "PodGroupAPIMissing", status
     namespace = dsd_path.split("/namespaces/")[1].split("/")[0]
     group = names.group_name(name, "decode", 0)
-    pod_group = admin_kube.get(f"/apis/scheduling.k8s.io/v1beta1/namespaces/{namespace}/podgroups/{group}")
+    pod_group = admin_kube.get(f"{_pod_groups(dsd_path)}/{_pod_group(name, namespace, spec)}")
     assert pod_group["spec"]["schedulingPolicy"]["gang"]["minCount"] == size, pod_group
 
     def refused() -> bool:
@@ -148,9 +159,7 @@ def test_a_gang_with_a_topology_key_waits_for_one_domain_to_hold_it_whole(admin_
     gang = _gang(_pass(admin_kube, dsd_path, name))
     assert (gang["status"], gang["reason"]) == ("False", "GangWaitingForRoom"), gang
 
-    # A node of 1 GPU joins each domain: either now holds the group, over its two nodes. (Both:
-    # kube-scheduler places a gang's first rank by score and its pod-affinity terms then bind the
-    # rest to that rank's domain; it does not search the domains, docs/operations.md.)
+    # A node of 1 GPU joins each domain: either now holds the group, over its two nodes.
     joined = [f"topo-{pool}-{d}2" for d in "ab"]
     for node, domain in zip(joined, "ab"):
         _set_node(admin_kube, node, "64", gpus=1, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
@@ -162,6 +171,110 @@ def test_a_gang_with_a_topology_key_waits_for_one_domain_to_hold_it_whole(admin_
                "both decode ranks bound in one domain, one per node", lambda: str([_scheduled(p) for p in decode()]))
     for node in nodes + joined:
         admin_kube.delete(f"/api/v1/nodes/{node}")
+
+
+def test_a_gang_with_a_topology_key_is_searched_for_a_domain_that_holds_it_whole(admin_kube, dsd_path, real_scheduler):  # noqa: F811
+    """The PodGroup's schedulingConstraints.topology (gate TopologyAwareWorkloadScheduling): the
+    user prefers domain A (node affinity), which has room for one rank of the 2-rank decode
+    group; domain B has two nodes of 1 GPU. Pod affinity alone binds the first rank where the
+    scores say (A) and the second then fits nowhere, every retry alike, so the group never
+    starts (what the operator rendered before); the scheduler that searches the domains binds
+    it whole in B. The condition names no fallback (this server keeps the field)."""
+    pool, key = f"pool-{random.randrange(10**6)}", "example.com/nvlink-domain"
+    layout = {f"search-{pool}-a": "a", f"search-{pool}-b1": "b", f"search-{pool}-b2": "b"}
+    for node, domain in layout.items():
+        _set_node(admin_kube, node, "64", gpus=1, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
+    name = f"s{random.randrange(10**6)}"
+    spec = _spec({"gpusPerPod": 3}, size=2, gpusPerPod=1)  # prefill never fits here: out of the way
+    prefer_a = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "preference": {
+        "matchExpressions": [{"key": key, "operator": "In", "values": [f"{pool}-a"]}]}}]}}
+    spec["scheduling"] = {"gang": True, "schedulerName": real_scheduler, "topologyKey": key,
+                          "affinity": prefer_a, "nodeSelector": {"deepseek-pd.io/test-pool": pool}}
+    admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
+                                 "metadata": {"name": name}, "spec": spec})
+    _pass(admin_kube, dsd_path, name)
+    namespace = dsd_path.split("/namespaces/")[1].split("/")[0]
+    pod_group = admin_kube.get(f"{_pod_groups(dsd_path)}/{_pod_group(name, namespace, spec)}")
+    assert pod_group["spec"].get("schedulingConstraints") == {"topology": [{"key": key}]}, pod_group
+
+    def decode() -> list[dict]:
+        return [p for p in _workers(admin_kube, dsd_path, name) if p["metadata"]["labels"][names.LABEL_ROLE] == "decode"]
+
+    def placed() -> list[str]:
+        return [p["spec"].get("nodeName") or "" for p in decode()]
+    wait_until(lambda: len(placed()) == 2 and all(placed()), 20, "both decode ranks bound",
+               lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in decode()]))
+    assert sorted(placed()) == sorted(n for n, d in layout.items() if d == "b"), placed()
+    gang = _gang(_pass(admin_kube, dsd_path, name))
+    assert "pod affinity only" not in gang["message"], gang  # prefill still waits for room: only that
+    for node in layout:
+        admin_kube.delete(f"/api/v1/nodes/{node}")
+
+
+@pytest.mark.parametrize("gang", [True, False])
+def test_groups_of_a_role_spread_without_gang_and_pack_with_it(admin_kube, dsd_path, real_scheduler, gang):  # noqa: F811
+    """Two decode groups, two domains with room for both groups each. Without gang, one group per
+    domain (the preferred anti-affinity between a role's groups; by chance they would share one
+    half the time). With gang, the PodGroups' topology constraint makes kube-scheduler choose
+    among whole-domain placements by its placement scorers (NodeResourcesFit MostAllocated,
+    PodGroupPodsCount), which pack: the second group joins the first's domain, keeping the other
+    domain whole for a group that needs all of it (docs/operations.md)."""
+    pool, key = f"pool-{random.randrange(10**6)}", "example.com/nvlink-domain"
+    size = random.randint(1, 2)
+    nodes = {f"spread-{pool}-{d}": d for d in "ab"}
+    for node, domain in nodes.items():
+        _set_node(admin_kube, node, "64", gpus=2 * size, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
+    name = f"p{random.randrange(10**6)}"
+    spec = _spec({"gpusPerPod": 2 * size + 1}, size=size, gpusPerPod=1, replicas=2)  # prefill out of the way
+    spec["scheduling"] = {"gang": gang, "schedulerName": real_scheduler, "topologyKey": key,
+                          "nodeSelector": {"deepseek-pd.io/test-pool": pool}}
+    admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
+                                 "metadata": {"name": name}, "spec": spec})
+    _pass(admin_kube, dsd_path, name)
+
+    def decode() -> list[dict]:
+        return [p for p in _workers(admin_kube, dsd_path, name) if p["metadata"]["labels"][names.LABEL_ROLE] == "decode"]
+    pods = wait_until(lambda: (d := decode()) and len(d) == 2 * size and all(p["spec"].get("nodeName") for p in d) and d,
+                      20, "every decode rank bound", lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in decode()]))
+    domains: dict[str, set[str]] = {}
+    for pod in pods:
+        domains.setdefault(pod["metadata"]["labels"][names.LABEL_GROUP_INDEX], set()).add(nodes[pod["spec"]["nodeName"]])
+    assert sorted(len(d) for d in domains.values()) == [1, 1], domains  # each group in one domain
+    assert len(set.union(*domains.values())) == (1 if gang else 2), domains  # packed with gang, else apart
+    for node in nodes:
+        admin_kube.delete(f"/api/v1/nodes/{node}")
+
+
+def test_a_gang_survives_a_new_revision_its_pod_group_being_immutable(admin_kube, dsd_path):  # noqa: F811
+    """A PodGroup's spec is immutable: a size or topologyKey change patched in place answers 422
+    and the pass ends ApplyFailed (what it did before). Each revision gets its own PodGroup; the
+    old one goes once no StatefulSet names it."""
+    name = f"r{random.randrange(10**6)}"
+    size = random.randint(1, 3)
+    spec = _spec(size=size)
+    spec["scheduling"] = {**spec["scheduling"], "gang": True}
+    admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
+                                 "metadata": {"name": name}, "spec": spec})
+    _pass(admin_kube, dsd_path, name)
+    namespace = dsd_path.split("/namespaces/")[1].split("/")[0]
+    old = _pod_group(name, namespace, spec)
+    changed = copy.deepcopy(spec)
+    if random.random() < 0.5:
+        changed["decode"]["size"] = size + 1
+    else:
+        changed["scheduling"]["topologyKey"] = "example.com/nvlink-domain"
+    admin_kube.merge_patch(f"{dsd_path}/{name}", {"spec": changed})
+    status = _pass(admin_kube, dsd_path, name)
+    assert not [c for c in status["conditions"] if c["type"] == "Degraded" and c["status"] == "True"], status
+    new = admin_kube.get(f"{_pod_groups(dsd_path)}/{_pod_group(name, namespace, changed)}")
+    assert new["spec"]["schedulingPolicy"]["gang"]["minCount"] == changed["decode"]["size"], new
+    assert new["spec"].get("schedulingConstraints", {}).get("topology") == (
+        [{"key": changed["scheduling"]["topologyKey"]}] if "topologyKey" in changed["scheduling"] else None), new
+    sts = admin_kube.get(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{names.group_name(name, 'decode', 0)}")
+    assert sts["spec"]["template"]["spec"]["schedulingGroup"]["podGroupName"] == new["metadata"]["name"]
+    _pass(admin_kube, dsd_path, name)  # no StatefulSet names the old one now
+    gone = admin_kube.get(f"{_pod_groups(dsd_path)}/{old}")
+    assert gone is None or gone["metadata"].get("deletionTimestamp"), gone
 
 
 def test_gang_with_no_scheduler_serving_it_gets_a_clear_condition(admin_kube, dsd_path, monkeypatch):  # noqa: F811

@@ -1,4 +1,4 @@
-"""Third-party CRDs (ServiceMonitor, PodGroup: scripts/third-party-crds.txt) installed into the
+"""Third-party CRDs (ServiceMonitor: scripts/third-party-crds.txt) installed into the
 tests' kube-apiserver, and the server's own verdict on an object of their kinds.
 
     crds = ThirdPartyCrds.install(admin_kube)  creates the CRDs, waits until they are Established
@@ -64,11 +64,12 @@ class ThirdPartyCrds:
             raise KeyError(f"no installed CRD defines {key[0]} {key[1]} (scripts/third-party-crds.txt)")
         meta = obj.get("metadata")
         namespace = (meta.get("namespace") if isinstance(meta, dict) else None) or "default"
-        self._ensure_namespace(namespace)
+        self.ensure_namespace(namespace)
         return self.kube.request("POST", self.paths[key].format(ns=namespace), obj,
                                  params={"dryRun": "All", "fieldValidation": "Strict"})
 
-    def _ensure_namespace(self, name: str) -> None:
+    def ensure_namespace(self, name: str) -> None:
+        """Creates the namespace objects are admitted in, if missing."""
         if self.kube.get(f"/api/v1/namespaces/{name}") is None:
             try:
                 self.kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",

@@ -280,3 +280,24 @@ def test_a_rollout_budget_past_the_group_count_is_the_group_count():
     raw["decode"]["rolloutStrategy"] = {"maxSurge": "9" * 400 + "%", "maxUnavailable": "1" + "0" * 400 + "%"}
     assert _spec(raw).decode.rollout.resolve(3) == (3, 3)
     assert plan_role(role_target(_spec(raw), "decode"), {}).replicas == 3  # in no time, in no memory
+
+
+@pytest.mark.parametrize("example", ["cpu-minimal.yaml", "deepseek-v3-h200.yaml"])
+def test_the_pods_grace_period_outlasts_the_workers_own_shutdown(example):
+    """The kubelet SIGKILLs a pod at its terminationGracePeriodSeconds: it must outlast the
+    worker's whole shutdown (the drain a scale-down counts on, then the worker's own stop graces,
+    read from the worker), or a raised --drain-timeout cuts the running streams at 60 s."""
+    from deepseek_pd.workers.api.server import ServerConfig
+    from deepseek_pd.workers.serve.group_main import STOP_GRACE_S
+
+    for drain in (None, random.uniform(1, 40), random.uniform(50, 900)):
+        raw = _raw(example)
+        args = [] if drain is None else random.choice([[f"--drain-timeout={drain}"], ["--drain-timeout", str(drain)]])
+        for role in names.ROLES:
+            raw[role]["engineArgs"] = [*raw[role].get("engineArgs", []), *args]
+        spec = _spec(raw)
+        worker_bound = (30.0 if drain is None else drain) + ServerConfig.stop_grace_s + STOP_GRACE_S
+        for role in names.ROLES:
+            pod = build_group_statefulset(spec, role, 0)["spec"]["template"]["spec"]
+            assert pod["terminationGracePeriodSeconds"] >= max(60, worker_bound + 5), (drain, pod["terminationGracePeriodSeconds"])
+            assert pod["terminationGracePeriodSeconds"] <= max(60, worker_bound + 30)  # not unbounded

@@ -18,7 +18,7 @@ from test_operator_kopf import _condition, _deployment
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_workers import build_group_statefulset
 from deepseek_pd.operator.gang_status import WAIT_SECONDS, gang_state
-from deepseek_pd.operator.pod_placement import POD_GROUP_API, build_pod_group
+from deepseek_pd.operator.pod_placement import POD_GROUP_API, build_pod_group, pod_groups_named, topology_dropped
 from deepseek_pd.operator.spec import DeploymentSpec
 from pdtest.schema_admission import validate
 
@@ -58,7 +58,8 @@ def test_gang_renders_a_pod_group_per_group_with_min_count_the_groups_pods(size,
             assert group["spec"]["schedulingPolicy"]["gang"]["minCount"] == sts["spec"]["replicas"] == size  # pods
             pod = sts["spec"]["template"]
             assert pod["spec"]["schedulingGroup"] == {"podGroupName": group["metadata"]["name"]}
-            assert group["metadata"]["name"] == sts["metadata"]["name"]
+            assert group["metadata"]["name"] == f"{sts['metadata']['name']}-{spec.role_revision(role)}"
+            assert "schedulingConstraints" not in group["spec"]  # no topologyKey
             assert "schedulerName" not in pod["spec"]  # the cluster's default scheduler serves gangs
     named = _spec({"gang": True, "schedulerName": "volcano-ish"})
     assert build_group_statefulset(named, "decode", 0)["spec"]["template"]["spec"]["schedulerName"] == "volcano-ish"
@@ -82,6 +83,49 @@ def test_topology_keeps_a_group_in_one_domain_and_spreads_groups_of_a_role():
             assert _matches(apart["podAffinityTerm"]["labelSelector"], labels) == \
                 (other[0] == role and other[1] != index), other
     assert spec.scheduling["affinity"] == user  # the shared spec was not changed
+
+
+def test_gang_with_topology_constrains_the_pod_group_and_a_new_revision_gets_a_new_one():
+    """A PodGroup's spec is immutable: a size or topologyKey change (a new revision) names a new
+    PodGroup rather than patching the old, and the pods of each revision name their own."""
+    key = random.choice(["example.com/nvlink-domain", "topology.kubernetes.io/rack"])
+    spec = _spec({"gang": True, "topologyKey": key})
+    index = random.randrange(4)
+    group = build_pod_group(spec, "decode", index)
+    validate(group)
+    assert group["spec"]["schedulingConstraints"] == {"topology": [{"key": key}]}
+    pod = build_group_statefulset(spec, "decode", index)["spec"]["template"]["spec"]
+    assert pod["schedulingGroup"]["podGroupName"] == group["metadata"]["name"]
+    assert pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]  # kept: the fallback
+    for changed in (_spec({"gang": True, "topologyKey": key}, size=4), _spec({"gang": True, "topologyKey": key + "x"})):
+        assert build_pod_group(changed, "decode", index)["metadata"]["name"] != group["metadata"]["name"]
+    assert build_pod_group(spec, "prefill", index)["metadata"]["name"] != group["metadata"]["name"]
+
+
+def test_topology_dropped_reads_the_current_revisions_pod_groups_back():
+    key = "example.com/nvlink-domain"
+    spec = _spec({"gang": True, "topologyKey": key})
+    kept = [build_pod_group(spec, role, i) for role in names.ROLES for i in range(2)]
+    assert not topology_dropped(spec, []) and not topology_dropped(spec, kept)
+    dropped = copy.deepcopy(kept)
+    del dropped[random.randrange(len(dropped))]["spec"]["schedulingConstraints"]
+    assert topology_dropped(spec, dropped)
+    # An older revision's PodGroup (from before topologyKey) says nothing about this server.
+    older = build_pod_group(_spec({"gang": True}), "decode", 0)
+    assert not topology_dropped(spec, kept + [older])
+    assert not topology_dropped(_spec({"gang": True}), dropped)  # no topologyKey: nothing to drop
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ok, reason, message = gang_state(spec, True, [], REVISIONS, now, topology_dropped=True)
+    assert (ok, reason) == (True, "PodGroupsPlaced") and "TopologyAwareWorkloadScheduling" in message, message
+    assert "pod affinity only" not in gang_state(spec, True, [], REVISIONS, now)[2]
+
+
+def test_pod_groups_named_by_statefulsets_are_kept():
+    spec = _spec({"gang": True})
+    sets = [build_group_statefulset(spec, role, i) for role in names.ROLES for i in range(2)]
+    assert pod_groups_named(sets) == {build_pod_group(spec, r, i)["metadata"]["name"] for r in names.ROLES
+                                      for i in range(2)}
+    assert pod_groups_named([build_group_statefulset(_spec({}), "decode", 0)]) == set()
 
 
 def test_without_gang_or_topology_the_pods_are_as_before():
@@ -151,4 +195,4 @@ def test_live_operator_reports_gang_scheduling_without_the_pod_group_api(cluster
     condition = cluster.wait_for("GangScheduling", lambda: _condition(cluster, "gang", "GangScheduling"))
     assert (condition["status"], condition["reason"]) == ("False", "PodGroupAPIMissing"), condition
     sts = cluster.wait_for("a decode group", lambda: cluster.get("StatefulSet", names.group_name("gang", "decode", 0)))
-    assert sts["spec"]["template"]["spec"]["schedulingGroup"]["podGroupName"] == sts["metadata"]["name"]
+    assert sts["spec"]["template"]["spec"]["schedulingGroup"]["podGroupName"].startswith(sts["metadata"]["name"] + "-")

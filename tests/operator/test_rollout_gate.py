@@ -43,3 +43,40 @@ def test_an_unchecked_new_group_neither_serves_nor_lets_the_rollout_continue(clu
 
     cluster.patch(names.KIND, name, {"spec": {role: {"rolloutStrategy": {"verify": False}}}})
     cluster.wait_for("the second group replaced", lambda: len(replaced()) == 2)
+
+
+def test_each_verified_group_and_each_stopped_rollout_is_one_event():
+    """Over a random sequence of passes' status.rollout (groups verified one by one, a revision
+    that fails, a new revision, the state removed when the rollout ends), every group verified
+    under a revision gives exactly one GroupVerified Event and every failure one TokensDiffer,
+    however often a pass repeats the same state."""
+    import random
+
+    from deepseek_pd.operator.rollout_reconcile import rollout_events
+
+    rng = random.Random()
+    passes: list[dict] = []
+    expected: list[tuple[str, str, str]] = []  # (reason, role, revision/group) in order
+    for revision in (f"r{k}" for k in range(rng.randint(2, 4))):
+        role = rng.choice(names.ROLES)
+        verified: list[int] = []
+        for index in rng.sample(range(6), rng.randint(1, 4)):
+            verified = sorted({*verified, index})
+            passes += [{role: {"revision": revision, "verified": verified}}] * rng.randint(1, 3)
+            expected.append(("GroupVerified", role, f"group {index} (revision {revision})"))
+        if rng.random() < 0.5:
+            failed = {"revision": revision, "verified": verified, "failed": f"{role} group 9 differs"}
+            passes += [{role: failed}] * rng.randint(1, 3)
+            expected.append(("TokensDiffer", role, f"{role} group 9 differs"))
+        passes.append({role: None})  # the rollout ended: a merge patch removes it
+    got = []
+    before: dict = {}
+    for after in passes:
+        for type_, reason, message in rollout_events(before, after):
+            assert type_ == ("Normal" if reason == "GroupVerified" else "Warning")
+            got.append((reason, message))
+        before = after
+    assert len(got) == len(expected), (got, expected)
+    for (reason, message), (want, role, part) in zip(got, expected):
+        assert reason == want and message.startswith(f"rollout stopped: {role}" if want == "TokensDiffer" else role) \
+            and part in message, (message, part)

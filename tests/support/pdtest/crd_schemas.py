@@ -1,4 +1,4 @@
-"""The schemas of third-party CRDs (ServiceMonitor, PodGroup), checked in-process as the API server
+"""The schemas of third-party CRDs (ServiceMonitor), checked in-process as the API server
 checks a custom resource: the fast path for unit tests that cannot hold a real kube-apiserver.
 
     schemas = third_party_schemas()        the CRDs scripts/fetch-third-party-crds.sh pins

@@ -4,7 +4,7 @@
     validate(obj)        raises Refused (with the server-like message) if the server would refuse it
 
 Built-in kinds go to kubernetes-validate (the 1.37 OpenAPI schemas, strict: unknown fields are
-errors). The project's own DeepSeekRoleScale goes to its CRD (operator/role_scale.py); kinds defined by a third-party CRD (ServiceMonitor, PodGroup) go to that CRD's own schema
+errors). The project's own DeepSeekRoleScale goes to its CRD (operator/role_scale.py); kinds defined by a third-party CRD (ServiceMonitor) go to that CRD's own schema
 (pdtest.crd_schemas, the files tests/k8s installs into the real kube-apiserver). A kind neither
 knows fails the test loudly (LookupError, never Refused): no object passes unchecked.
 Against a real server, use the `third_party_crds` fixture of tests/k8s instead.
