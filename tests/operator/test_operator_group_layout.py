@@ -173,6 +173,39 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
         assert runner.cuda_graph == (graphs_default_blocker(runner.speculative_num_steps) is None)
 
 
+@pytest.mark.parametrize("role_name", names.ROLES)
+def test_the_memory_plan_reserves_the_staging_the_worker_resolves(role_name, v3_node) -> None:
+    """The plan's Mooncake staging bytes (operator/memory_plan.py) equal `RunnerConfig.mem_reserve_bytes`
+    of the rendered pod as `serve` resolves it (workers/serve/kv_staging.py, the one rule), for a
+    random KV transport, protocol, staging size, page size and speculation: a decode rank over
+    Mooncake and a prefill rank over RDMA keep it out of their pool, the others none."""
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
+
+    rng = random.Random()
+    raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())["spec"]
+    raw["model"].pop("numRoutedExperts")
+    backend, protocol = rng.choice([("mooncake", "rdma"), ("mooncake", "tcp"), ("grpc", "tcp")])
+    raw["kvTransfer"].update(backend=backend, protocol=protocol,
+                             devices=raw["kvTransfer"]["devices"] if protocol == "rdma" else [])
+    if rng.random() < 0.5:
+        raw["decode"].pop("speculative", None)  # no MTP layer: one KV layer fewer
+    role = raw[role_name]
+    role.update(size=1, parallelism={"tp": 1, "ep": 1}, engineArgs=rng.sample(
+        [f"--engine-opt=mooncake_staging_tokens={rng.randint(1, 1 << 16)}", f"--page-size={rng.choice([16, 32, 64])}",
+         "--dtype=float16"], rng.randint(0, 3)))
+    spec = DeploymentSpec.parse("demo", "llm", raw)
+    rendered = RenderedDeployment(spec, pod_ip="10.0.3.7")
+    group = names.group_selector(spec.name, role_name, 0)
+    pod = next(pod for pod in rendered.pods() if group.items() <= pod["metadata"]["labels"].items())
+    container = pod["spec"]["containers"][0]
+    argv = [expand(arg, container_env(rendered, pod, container, {})) for arg in container["args"]]
+    runner = resolve_serve_config(_with_model(flags_from_args(build_parser().parse_args(argv)), v3_node)).runner
+    planned = next(r for r in plan_memory(spec).ranks if r.role == role_name)
+    assert planned.staging_bytes == runner.mem_reserve_bytes, (backend, protocol, role["engineArgs"])
+    stages = backend == "mooncake" and (role_name == "decode" or protocol == "rdma")
+    assert (runner.mem_reserve_bytes > 0) == stages
+
+
 @pytest.mark.parametrize("protocol", ["rdma", "tcp"])
 def test_each_local_rank_of_a_rendered_v3_pod_gets_its_own_rdma_device(v3_node, protocol) -> None:
     """The V3 example's pods run 8 ranks each over 8 HCAs: every rank's TransferEngine starts on

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport.bootstrap_protocol import MAX_CHUNK_BYTES, MAX_KV_STREAMS
@@ -85,7 +86,7 @@ class TransportConfig:
     # (rounded up to pages, at most the pool's); every transfer in flight holds its prompt's pages of
     # it, and a prompt longer than all of it is refused. On the pool's device, beside the pool. Over
     # RDMA the prefill side sends through one of the same size (its NIC reads only registered memory).
-    mooncake_staging_tokens: int = 16384
+    mooncake_staging_tokens: int = DEFAULT_STAGING_TOKENS
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:

@@ -40,6 +40,7 @@ from typing import Any, Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.staging_size import staging_pages
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport import kv_mac
@@ -225,8 +226,9 @@ class MooncakeSink(KVSink):
 
 
 def staging_for(pool: KVPool, config: TransportConfig) -> StagingArea:
-    """The staging area `config.mooncake_staging_tokens` asks for (at most the pool's size), logged."""
-    pages = min(pool.num_pages, -(-config.mooncake_staging_tokens // pool.page_size))
+    """The staging area `config.mooncake_staging_tokens` asks for (at most the pool's size), logged.
+    Its memory is kept out of the pool's budget (model/kv/staging_size.py, workers/serve/kv_staging.py)."""
+    pages = min(pool.num_pages, staging_pages(config.mooncake_staging_tokens, pool.page_size))
     log.info("mooncake staging: %d pages (%d tokens, %.1f MiB) on %s", pages, pages * pool.page_size,
              pages * pool.bytes_per_page * pool.num_layers / 2**20, pool.device)
     return StagingArea(pool, pages)
