@@ -186,7 +186,9 @@ def _rendered(spec: DeploymentSpec) -> list[str]:
     speculative steps, and the KV transport (a Mooncake staging area)."""
     steps = spec.speculative_num_steps
     kv = spec.kv_transfer
-    transport = [f"--kv-transport={kv.backend}"] + ([f"--kv-protocol={kv.protocol}"] if kv.backend == "mooncake" else [])
+    transport = [f"--kv-transport={kv.backend}"]
+    if kv.backend == "mooncake":
+        transport.append(f"--kv-protocol={kv.protocol}")
     return transport + ([f"--speculative-num-steps={steps}"] if steps else [])
 
 

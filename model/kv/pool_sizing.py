@@ -88,7 +88,8 @@ def pages_for_gpu(memory: GpuMemory, mem_fraction_static: float, headroom_bytes:
     if needed > memory.free_bytes:
         raise UserError(
             f"the KV pool ({pages} pages, {gib(pages * bytes_per_page)}) plus the headroom "
-            f"({gib(headroom_bytes)}) and the reserve ({gib(reserve_bytes)}) needs {gib(needed)}, but only {gib(memory.free_bytes)} of the "
+            f"({gib(headroom_bytes)}) and the reserve ({gib(reserve_bytes)}) needs {gib(needed)}, but only "
+            f"{gib(memory.free_bytes)} of the "
             f"GPU's {gib(memory.total_bytes)} is free: another process holds the rest. Lower "
             f"--mem-fraction-static or pass --num-pages")
     log.info("KV pool sized from mem_fraction_static %.3g x %s (%s): weights %s, headroom %s, reserve %s, pool %s",

@@ -84,7 +84,8 @@ class TransportConfig:
     warn_exposure: bool = True
     # mooncake: the staging area one-sided writers write into on decode (staging.py), in tokens of KV
     # (rounded up to pages, at most the pool's); every transfer in flight holds its prompt's pages of
-    # it, and a prompt longer than all of it is refused. On the pool's device, beside the pool. Over
+    # it, and a prompt longer than all of it moves through half of it in windows. On the pool's
+    # device, beside the pool, and kept out of the pool's memory budget (model/kv/staging_size.py). Over
     # RDMA the prefill side sends through one of the same size (its NIC reads only registered memory).
     mooncake_staging_tokens: int = DEFAULT_STAGING_TOKENS
 
@@ -120,6 +121,9 @@ class TransportConfig:
 # of each stream 1, 2, 3, ... (on the Transfer stream seq 0 is the HandshakeAck) and emits each
 # stream's in that order: the stream checks it.
 EmitChunk = Callable[["EncodedChunk"], Awaitable[None]]
+# Waits until the decode side reports request pages 0 .. n-1 landed (copied out of its staging),
+# at most `timeout_s`; raises a RequestFailure (prefill/room.py Room.wait_landed). Mooncake windows.
+WaitLanded = Callable[[int, float], Awaitable[None]]
 
 
 class SendChannel(abc.ABC):
@@ -130,6 +134,9 @@ class SendChannel(abc.ABC):
     # network or a socket). A channel that moves a whole chunk in about a millisecond says no: its
     # per-layer hand-offs between threads would cost the forward more than they hide.
     streams_layers: bool = True
+    # How to wait for decode's landed pages, which a channel writing through decode's staging in
+    # windows needs (mooncake): the prefill side's KV push gives it its room's after `open`.
+    wait_landed: WaitLanded | None = None
 
     def __init__(self, pool: KVPool, dst_pages: Sequence[int]) -> None:
         self.pool = pool
@@ -260,8 +267,15 @@ class KVSink(abc.ABC):
         """Adds to the handshake what this transfer offers its writer beyond the transport's
         destination (the grpc sink: its pool for same-host direct writes); nothing by default."""
 
+    @property
+    def landed_pages(self) -> int:
+        """Request pages whose KV is in their own pages already, mid-transfer (mooncake windows: the
+        bootstrap client reports it in its credits, and the writer then reuses their slots); 0 by default."""
+        return 0
+
     def on_chunk(self, chunk: pb.KVChunk) -> None:
-        """Writes a chunk that arrived on the bootstrap stream; only the grpc transport gets any.
+        """Writes a chunk that arrived on the bootstrap stream; only the grpc transport gets any (and
+        mooncake's windows, their reports without data).
 
         May run in `executor`'s threads, several chunks at once.
         """
