@@ -247,9 +247,10 @@ class KVSink(abc.ABC):
                 self._failed = error
             return self._failed
 
-    async def reserve(self) -> None:
+    async def reserve(self, timeout_s: float | None = None) -> None:
         """Before `expose`, on the event loop: waits for what the transfer's writer needs (mooncake: its
-        staging slots); cancellable. Nothing by default."""
+        staging slots), at most `timeout_s` (None: the transport's own bound); cancellable. Nothing
+        by default."""
 
     def expose(self) -> None:
         """Before the handshake: lets the transport's writer reach these pages (nothing by default)."""

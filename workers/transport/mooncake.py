@@ -139,7 +139,7 @@ class MooncakeSink(KVSink):
         super().__init__(pool, pages)
         self._engine = engine
         self._staging = staging
-        self._timeout_s = timeout_s  # the longest wait for staging room, and the slots' late-write grace
+        self._timeout_s = timeout_s  # the slots' late-write grace, and the default wait for staging room
         self._register = engine.protocol == "tcp"  # over RDMA the staging is registered for good
         self.executor = executor  # where a window's copy runs (`on_chunk`)
         self.slots: list[int] = []  # the transfer's staging slots, while it runs
@@ -156,13 +156,13 @@ class MooncakeSink(KVSink):
         self._lock = threading.Lock()
         self._over = threading.Event()
 
-    async def reserve(self) -> None:
+    async def reserve(self, timeout_s: float | None = None) -> None:
         # A prompt longer than the whole staging moves through half of it in windows (the other half
         # stays for the prompts that fit, which take a slot per page).
         fits = len(self.pages) <= self._staging.num_pages
         count = len(self.pages) if fits else max(1, self._staging.num_pages // 2)
         try:
-            slots, dirty = await self._staging.acquire(count, self._timeout_s)
+            slots, dirty = await self._staging.acquire(count, self._timeout_s if timeout_s is None else timeout_s)
         except TransferError as exc:
             raise self.fail(exc) from None
         if self._over.is_set():  # withdrawn meanwhile (not by cancelling this task)
