@@ -211,14 +211,21 @@ def _report(pool: KVPool, begin: int, end: int) -> ChunkView:
     return ChunkView(0, pool.num_layers, begin, end, memoryview(b""), 0, written_directly=True)
 
 
-def test_a_prompt_longer_than_the_staging_lands_window_by_window(monkeypatch):
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_a_prompt_longer_than_the_staging_lands_window_by_window(monkeypatch, device):
     """Page i goes through slot page_ids[i % W] (W: half the staging); each reported run is copied
     into the request's pages at once and its slots zeroed, so the writer may reuse them; after the
     last, the pages hold exactly what was sent and the staging is empty. A report past the window
-    (a writer that would overwrite pages not copied out yet) fails that transfer alone."""
+    (a writer that would overwrite pages not copied out yet) fails that transfer alone. On CUDA the
+    copies run on the side stream and are complete when `on_chunk` returns."""
     rng = random.Random()
     mooncake_stub.install(monkeypatch)
-    pool = _pool(rng, 64)
+    pool = KVPool(rng.randrange(1, 4), 64, rng.choice([1, 4, 16]), rng.choice([8, 16, 576]),
+                  dtype=torch.float32 if device == "cpu" else torch.bfloat16, device=device)
     staging_pages = rng.randint(2, 7)
     receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1",
                                                       mooncake_staging_tokens=staging_pages * pool.page_size))
@@ -226,7 +233,8 @@ def test_a_prompt_longer_than_the_staging_lands_window_by_window(monkeypatch):
     count = rng.randint(staging_pages + 1, 4 * staging_pages)
     pages = rng.sample(range(pool.num_pages), count)
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    sent = [torch.randn((count, pool.page_size, pool.kv_dim), generator=gen) for _ in range(pool.num_layers)]
+    sent = [torch.randn((count, pool.page_size, pool.kv_dim), generator=gen).to(device=device, dtype=pool.dtype)
+            for _ in range(pool.num_layers)]
     sink = receiver.open_sink(pages)
     asyncio.run(sink.reserve())
     sink.expose()
