@@ -104,7 +104,7 @@ class ModelRunner:
             num_pages = pages_for_gpu(GpuMemory.measure(options.device), self.config.mem_fraction_static,
                                       int(self.config.headroom_gib * GIB), per_page,
                                       min_pages=2 if self.config.cuda_graph else 1,  # + the graphs' scratch page
-                                      share=self.config.gpu_share)
+                                      share=self.config.gpu_share, reserve_bytes=self.config.mem_reserve_bytes)
         self.kv_pool = KVPool(self.model.num_kv_layers, num_pages, self.config.page_size,
                               model_config.kv_cache_dim, dtype=options.dtype, device=options.device)
         log.info("KV pool: %s, %d bytes/token (%d layers x %d x %d)", self.kv_pool.describe(),

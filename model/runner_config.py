@@ -76,6 +76,9 @@ class RunnerConfig:
     kv_share: float = 1.0
     # activations and CUDA graphs, inside the budget; None: `headroom_gib`'s default for the graphs
     mem_headroom_gib: float | None = None
+    # Bytes the caller allocates beside the pool, inside the budget, kept out of a pool sized by
+    # `mem_fraction_static` (serve: a Mooncake staging area, workers/serve/kv_staging.py).
+    mem_reserve_bytes: int = 0
     attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
     mha_chunked_kv_threshold: int = 256
     prefix_chunk_size: int = 8192
@@ -172,6 +175,8 @@ class RunnerConfig:
                             f"not {'both' if self.num_pages is not None else 'neither'}")
         if self.mem_headroom_gib is not None and self.mem_headroom_gib < 0:
             raise UserError(f"mem_headroom_gib must be >= 0, got {self.mem_headroom_gib}")
+        if self.mem_reserve_bytes < 0:
+            raise UserError(f"mem_reserve_bytes must be >= 0, got {self.mem_reserve_bytes}")
         try:
             self.gpu_share
         except ValueError as exc:

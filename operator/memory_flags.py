@@ -9,7 +9,8 @@ KEY=VALUE` items and the flags that spell one, such as `--enable-tbo`), it reads
 `mem_headroom_gib`, `num_fused_shared_experts`, `enable_tbo`, `speculative_num_steps` (> 0 loads
 the MTP layer, its weights and a pool layer more of KV), and for the headroom's default
 (model/kv/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`, `max_running_requests` and
-`record_expert_load`; the others are the worker's business. Anything the worker would refuse
+`record_expert_load`, and `mooncake_staging_tokens` (the staging area a decode worker over
+Mooncake allocates, workers/serve/kv_staging.py); the others are the worker's business. Anything the worker would refuse
 raises `ValueError` naming the flag.
 
 Example: `parse_memory_flags("decode", ["--engine-opt", "fp8_backend=dequant", "--page-size=64"])`
@@ -24,6 +25,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
 from deepseek_pd.model.runner_rules import FP8_BACKEND_CHOICES as FP8_BACKENDS  # the runner's own list
 from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
+from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps
 from deepseek_pd.workers.serve.engine_options import parse_bool, parse_key_values
 from deepseek_pd.workers.serve.flags import ServeFlags
@@ -43,6 +45,7 @@ class MemoryFlags:
     record_expert_load: bool = False
     enable_tbo: bool = False
     speculative_num_steps: int = 0
+    mooncake_staging_tokens: int = DEFAULT_STAGING_TOKENS
 
     @property
     def mtp(self) -> bool:
@@ -65,6 +68,7 @@ _OPTIONS: dict[str, type] = {
     "fp8_backend": str, "mem_headroom_gib": float, "num_fused_shared_experts": int,
     "cuda_graph": bool, "cuda_graph_max_batch": int, "max_running_requests": int,
     "record_expert_load": bool, "enable_tbo": bool, "speculative_num_steps": int,
+    "mooncake_staging_tokens": int,
 }
 
 
@@ -112,7 +116,7 @@ def _check(flags: MemoryFlags) -> None:
         serve.gpu_share
     except ValueError as exc:
         raise ValueError(f"--gpu-workers/--kv-share: {exc}") from None
-    for name in ("cuda_graph_max_batch", "max_running_requests"):
+    for name in ("cuda_graph_max_batch", "max_running_requests", "mooncake_staging_tokens"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             raise ValueError(f"--engine-opt {name} must be >= 1")
     redundant = serve.parallel.ep_num_redundant_experts

@@ -14,6 +14,10 @@ what one rank must hold, and compares it with the budget the worker will size it
     KV        (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token, for a fixed pool
               (`--num-pages`, `--max-total-tokens`) its size, else at least one request of the
               model's whole context (max_position_embeddings), rounded up to pages.
+    staging   a decode rank over Mooncake (and a prefill rank over Mooncake RDMA) allocates a staging
+              area of `mooncake_staging_tokens` (16,384 by default) beside its pool: the same latent KV
+              per token, in whole pages (workers/serve/kv_staging.py, the rule the worker keeps out of
+              its pool by). V3 with its MTP layer: 1.1 GiB; V2-Lite 0.5 GiB.
     graphs    the activation and CUDA-graph headroom the worker keeps inside its budget
               (`mem_headroom_gib`; by default model/kv/memory_headroom.py's rule: 2 GiB, in
               proportion above a largest graph batch of 128 on a decode role).
@@ -28,8 +32,9 @@ at least 10 GiB on GPUs over 60 GB, more for large chunked prefills, CUDA-graph 
 DP attention, and 0.88 when the GPU's size is unknown (`ServerArgs._handle_gpu_memory_settings`
 in python/sglang/srt/server_args.py): on an H200 our 0.88 leaves 16.8 GiB outside the budget.
 
-Worked example, examples/deepseek-v3-h200.yaml, prefill (EP16, FP8, with the MTP layer):
-    weights 58.1 GiB + KV 10.9 GiB + graphs 2.0 GiB = 71.0 GiB of 123.0 GiB per rank -> fits;
+Worked example, examples/deepseek-v3-h200.yaml, prefill (EP16, FP8, with the MTP layer, Mooncake RDMA):
+    weights 58.1 GiB + KV 10.9 GiB + graphs 2.0 GiB + KV staging 1.1 GiB = 72.1 GiB of 123.0 GiB
+    per rank -> fits;
 the same on one node (EP8) with `fp8_backend=dequant` needs 187.6 GiB of bf16 weights -> does not.
 
 Verdicts: True/Fits, True/NotApplicable (no role on GPUs), Unknown/ModelUnknown or GpuUnknown
@@ -51,6 +56,7 @@ from deepseek_pd.model.kv.memory_budget import budget_bytes
 from deepseek_pd.operator.memory_flags import DTYPE_BYTES, MemoryFlags, parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
+from deepseek_pd.workers.serve.kv_staging import staging_reserve_bytes
 from deepseek_pd.workers.serve.roles import role_defaults
 
 
@@ -67,6 +73,7 @@ class RankMemory:
     kv_bytes_per_token: int
     reserve_bytes: int
     budget_bytes: int
+    staging_bytes: int = 0  # a Mooncake staging area beside the pool (workers/serve/kv_staging.py)
 
     @property
     def kv_bytes(self) -> int:
@@ -78,7 +85,7 @@ class RankMemory:
 
     @property
     def needed_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.reserve_bytes
+        return self.weights_bytes + self.kv_bytes + self.reserve_bytes + self.staging_bytes
 
     @property
     def fits(self) -> bool:
@@ -89,9 +96,10 @@ class RankMemory:
               else f"at least one {self.kv_tokens}-token request")
         line = (f"{self.role} ({self.ranks} rank(s), {self.weight_format} weights): weights "
                 f"{_gib(self.weights_bytes)} + KV {_gib(self.kv_bytes)} ({kv}) + graphs "
-                f"{_gib(self.reserve_bytes)} = {_gib(self.needed_bytes)} of {_gib(self.budget_bytes)} "
-                f"per rank")
-        spare = self.budget_bytes - self.weights_bytes - self.reserve_bytes
+                f"{_gib(self.reserve_bytes)}"
+                + (f" + KV staging {_gib(self.staging_bytes)}" if self.staging_bytes else "")
+                + f" = {_gib(self.needed_bytes)} of {_gib(self.budget_bytes)} per rank")
+        spare = self.budget_bytes - self.weights_bytes - self.reserve_bytes - self.staging_bytes
         if self.fits and not self.fixed_pool:
             line += f", a KV pool of {_gib(spare)} ({spare // self.kv_bytes_per_token:,} tokens)"
         return line
@@ -162,17 +170,26 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
     if tokens is None:  # one request of the whole context, in whole pages
         tokens = -(-config.max_position_embeddings // serve.page_size) * serve.page_size
     reserve = int(headroom_gib(role, flags) * GIB)
+    staging = staging_reserve_bytes(role_defaults(role.role).decodes, serve.kv_transport, serve.kv_protocol,
+                                    flags.mooncake_staging_tokens, serve.page_size, kv_layers(config, flags.mtp),
+                                    config.kv_cache_dim, itemsize)
     budget = serve.gpu_share.worker_budget(budget_bytes(serve.budget_fraction, gpu.total_bytes),
-                                           weights.total_bytes + reserve)
+                                           weights.total_bytes + reserve + staging)
     return RankMemory(role=role.role, ranks=role.world_size, weight_format="FP8" if fp8 else dtype,
                       weights_bytes=weights.total_bytes, kv_tokens=tokens, fixed_pool=fixed,
-                      kv_bytes_per_token=per_token, reserve_bytes=reserve, budget_bytes=budget)
+                      kv_bytes_per_token=per_token, reserve_bytes=reserve, budget_bytes=budget,
+                      staging_bytes=staging)
 
 
 def _rendered(spec: DeploymentSpec) -> list[str]:
-    """The memory-relevant flags the operator renders for every role (build_workers.py)."""
+    """The memory-relevant flags the operator renders for every role (build_workers.py): the
+    speculative steps, and the KV transport (a Mooncake staging area)."""
     steps = spec.speculative_num_steps
-    return [f"--speculative-num-steps={steps}"] if steps else []
+    kv = spec.kv_transfer
+    transport = [f"--kv-transport={kv.backend}"]
+    if kv.backend == "mooncake":
+        transport.append(f"--kv-protocol={kv.protocol}")
+    return transport + ([f"--speculative-num-steps={steps}"] if steps else [])
 
 
 def plan_memory(spec: DeploymentSpec, model: tuple[str, ModelConfig] | None = None) -> MemoryVerdict:

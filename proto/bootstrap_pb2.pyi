@@ -45,10 +45,12 @@ class DecodeMessage(_message.Message):
     def __init__(self, handshake: _Optional[_Union[Handshake, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ...) -> None: ...
 
 class Credit(_message.Message):
-    __slots__ = ("received_seq",)
+    __slots__ = ("received_seq", "landed_pages")
     RECEIVED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LANDED_PAGES_FIELD_NUMBER: _ClassVar[int]
     received_seq: int
-    def __init__(self, received_seq: _Optional[int] = ...) -> None: ...
+    landed_pages: int
+    def __init__(self, received_seq: _Optional[int] = ..., landed_pages: _Optional[int] = ...) -> None: ...
 
 class Handshake(_message.Message):
     __slots__ = ("protocol_version", "room", "decode_rid", "num_tokens", "page_ids", "layout", "prefill_dp_rank", "prefill_dp_size", "decode_dp_rank", "grpc", "mooncake", "fake", "auth")
@@ -161,20 +163,22 @@ class KVStreamOpen(_message.Message):
     def __init__(self, room: _Optional[int] = ..., index: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class MooncakeDestination(_message.Message):
-    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol", "kv_mac_algorithms")
+    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol", "kv_mac_algorithms", "window_pages")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     KV_MAC_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layer_base_addrs: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
     pool_pages: int
     protocol: str
     kv_mac_algorithms: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ..., kv_mac_algorithms: _Optional[_Iterable[str]] = ...) -> None: ...
+    window_pages: int
+    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ..., kv_mac_algorithms: _Optional[_Iterable[str]] = ..., window_pages: _Optional[int] = ...) -> None: ...
 
 class FakeDestination(_message.Message):
     __slots__ = ("pool_key",)

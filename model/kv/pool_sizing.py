@@ -3,9 +3,11 @@
 
 The budget is `mem_fraction_static x the GPU's TOTAL memory`; it must hold everything this process
 keeps resident: the weights (measured after loading, `torch.cuda.memory_allocated`), the KV pool,
-and an explicit headroom for activations and CUDA graphs. The pool gets the rest, in whole pages:
+an explicit headroom for activations and CUDA graphs, and what the caller reserves beside the pool
+(`reserve`: a decode worker's Mooncake staging area, model/kv/staging_size.py, allocated after the
+pool). The pool gets the rest, in whole pages:
 
-    pages = floor((fraction * total - weights - headroom) / bytes_per_page)
+    pages = floor((fraction * total - weights - headroom - reserve) / bytes_per_page)
 
 On a GPU shared by several workers (`up`), the pool gets this worker's share of what the budget
 leaves after every worker's weights and headroom (model/kv/memory_budget.py, `GpuShare`).
@@ -35,18 +37,20 @@ __all__ = ["DEFAULT_MEM_FRACTION_STATIC", "GpuMemory", "pages_for_budget", "page
 
 
 def pages_for_budget(budget_bytes: int, bytes_per_page: int, weights_bytes: int, headroom_bytes: int,
-                     min_pages: int = 1, share: GpuShare = GpuShare()) -> int:
+                     min_pages: int = 1, share: GpuShare = GpuShare(), reserve_bytes: int = 0) -> int:
     """Whole pages in this worker's KV bytes (`share.kv_bytes`: alone, `budget - weights -
-    headroom`); a UserError when fewer than `min_pages` fit."""
-    if bytes_per_page < 1 or min_pages < 1:
-        raise ValueError(f"bytes_per_page and min_pages must be >= 1, got {bytes_per_page}, {min_pages}")
-    left = share.kv_bytes(budget_bytes, weights_bytes + headroom_bytes)
+    headroom - reserve`); a UserError when fewer than `min_pages` fit."""
+    if bytes_per_page < 1 or min_pages < 1 or reserve_bytes < 0:
+        raise ValueError(f"bytes_per_page and min_pages must be >= 1 and reserve_bytes >= 0, got "
+                         f"{bytes_per_page}, {min_pages}, {reserve_bytes}")
+    left = share.kv_bytes(budget_bytes, weights_bytes + headroom_bytes + reserve_bytes)
     pages = left // bytes_per_page
     if pages < min_pages:
         each = f" ({share.workers} workers' copies)" if share.workers > 1 else ""
         raise UserError(
             f"no room for the KV pool: the memory budget of {gib(budget_bytes)} minus the weights "
-            f"({gib(weights_bytes)}) and the activation headroom ({gib(headroom_bytes)}){each} leaves "
+            f"({gib(weights_bytes)}), the activation headroom ({gib(headroom_bytes)}) and the reserve beside "
+            f"the pool ({gib(reserve_bytes)}, a KV staging area){each} leaves "
             f"{gib(left)} for this worker's KV ({share.describe()}), less than {min_pages} page(s) of "
             f"{mib(bytes_per_page)}; raise --mem-fraction-static, lower mem_headroom_gib or --page-size, "
             f"or use a smaller model")
@@ -70,23 +74,25 @@ class GpuMemory:
 
 
 def pages_for_gpu(memory: GpuMemory, mem_fraction_static: float, headroom_bytes: int, bytes_per_page: int,
-                  min_pages: int = 1, share: GpuShare = GpuShare()) -> int:
+                  min_pages: int = 1, share: GpuShare = GpuShare(), reserve_bytes: int = 0) -> int:
     """The pool for a budget of `mem_fraction_static` of the GPU (this worker's `share` of it),
-    checked against what is free."""
+    checked against what is free; `reserve_bytes` (allocated after the pool) is kept out of it."""
     budget = gpu_budget(mem_fraction_static, memory.total_bytes)
     try:
-        pages = pages_for_budget(budget, bytes_per_page, memory.resident_bytes, headroom_bytes, min_pages, share)
+        pages = pages_for_budget(budget, bytes_per_page, memory.resident_bytes, headroom_bytes, min_pages, share,
+                                 reserve_bytes)
     except UserError as exc:
         raise UserError(f"{exc} (budget = mem_fraction_static {mem_fraction_static} x "
                         f"{gib(memory.total_bytes)} of GPU memory)") from None
-    needed = pages * bytes_per_page + headroom_bytes
+    needed = pages * bytes_per_page + headroom_bytes + reserve_bytes
     if needed > memory.free_bytes:
         raise UserError(
             f"the KV pool ({pages} pages, {gib(pages * bytes_per_page)}) plus the headroom "
-            f"({gib(headroom_bytes)}) needs {gib(needed)}, but only {gib(memory.free_bytes)} of the "
+            f"({gib(headroom_bytes)}) and the reserve ({gib(reserve_bytes)}) needs {gib(needed)}, but only "
+            f"{gib(memory.free_bytes)} of the "
             f"GPU's {gib(memory.total_bytes)} is free: another process holds the rest. Lower "
             f"--mem-fraction-static or pass --num-pages")
-    log.info("KV pool sized from mem_fraction_static %.3g x %s (%s): weights %s, headroom %s, pool %s",
+    log.info("KV pool sized from mem_fraction_static %.3g x %s (%s): weights %s, headroom %s, reserve %s, pool %s",
              mem_fraction_static, gib(memory.total_bytes), share.describe(), gib(memory.resident_bytes),
-             gib(headroom_bytes), gib(pages * bytes_per_page))
+             gib(headroom_bytes), gib(reserve_bytes), gib(pages * bytes_per_page))
     return pages

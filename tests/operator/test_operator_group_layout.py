@@ -133,14 +133,24 @@ def _with_model(flags, model_dir: pathlib.Path | str):
 
 
 
+def _resolved_runner(spec: DeploymentSpec, role_name: str, model_dir: pathlib.Path):
+    """The RunnerConfig `serve` resolves from the first rendered pod of `role_name`'s group 0."""
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
+
+    rendered = RenderedDeployment(spec, pod_ip="10.0.3.7")
+    group = names.group_selector(spec.name, role_name, 0)
+    pod = next(pod for pod in rendered.pods() if group.items() <= pod["metadata"]["labels"].items())
+    container = pod["spec"]["containers"][0]
+    argv = [expand(arg, container_env(rendered, pod, container, {})) for arg in container["args"]]
+    return resolve_serve_config(_with_model(flags_from_args(build_parser().parse_args(argv)), model_dir)).runner
+
+
 @pytest.mark.parametrize("role_name", names.ROLES)
 def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3_node) -> None:
     """The plan's graph headroom (operator/memory_plan.py headroom_gib) equals `RunnerConfig.headroom_gib` of
     the rendered pod as `serve` resolves it, for random flags that size or stop the graphs. Experts
     are replicated (ep 1, the `local` dispatcher) so that nothing the image decides blocks graphs:
     with ep > 1 this node has no deep_ep, whose low-latency mode the plan assumes capturable."""
-    from deepseek_pd.workers.serve.resolution import resolve_serve_config
-
     rng = random.Random()
     raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())["spec"]
     raw["model"].pop("numRoutedExperts")  # ep 1 divides it anyway; keep the spec minimal
@@ -158,12 +168,7 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
                                                             or uncapturable):
         role["engineArgs"].remove("--engine-opt=cuda_graph=true")  # serve refuses graphs it cannot capture
     spec = DeploymentSpec.parse("demo", "llm", raw)
-    rendered = RenderedDeployment(spec, pod_ip="10.0.3.7")
-    group = names.group_selector(spec.name, role_name, 0)
-    pod = next(pod for pod in rendered.pods() if group.items() <= pod["metadata"]["labels"].items())
-    container = pod["spec"]["containers"][0]
-    argv = [expand(arg, container_env(rendered, pod, container, {})) for arg in container["args"]]
-    runner = resolve_serve_config(_with_model(flags_from_args(build_parser().parse_args(argv)), v3_node)).runner
+    runner = _resolved_runner(spec, role_name, v3_node)
     planned = next(r for r in plan_memory(spec).ranks if r.role == role_name)
     assert planned.reserve_bytes == int(runner.headroom_gib * GIB), (role["engineArgs"], role["parallelism"], runner)
     if role_name == "decode" and "--engine-opt=cuda_graph=true" in role["engineArgs"]:
@@ -171,6 +176,32 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
     if role_name == "decode" and role["parallelism"]["tp"] == 1 and not role["engineArgs"]:
         # the example speculates: its graphs follow the opt-in rule, in the plan as in the worker
         assert runner.cuda_graph == (graphs_default_blocker(runner.speculative_num_steps) is None)
+
+
+@pytest.mark.parametrize("role_name", names.ROLES)
+def test_the_memory_plan_reserves_the_staging_the_worker_resolves(role_name, v3_node) -> None:
+    """The plan's Mooncake staging bytes (operator/memory_plan.py) equal `RunnerConfig.mem_reserve_bytes`
+    of the rendered pod as `serve` resolves it (workers/serve/kv_staging.py, the one rule), for a
+    random KV transport, protocol, staging size, page size and speculation: a decode rank over
+    Mooncake and a prefill rank over RDMA keep it out of their pool, the others none."""
+    rng = random.Random()
+    raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())["spec"]
+    raw["model"].pop("numRoutedExperts")
+    backend, protocol = rng.choice([("mooncake", "rdma"), ("mooncake", "tcp"), ("grpc", "tcp")])
+    raw["kvTransfer"].update(backend=backend, protocol=protocol,
+                             devices=raw["kvTransfer"]["devices"] if protocol == "rdma" else [])
+    if rng.random() < 0.5:
+        raw["decode"].pop("speculative", None)  # no MTP layer: one KV layer fewer
+    role = raw[role_name]
+    role.update(size=1, parallelism={"tp": 1, "ep": 1}, engineArgs=rng.sample(
+        [f"--engine-opt=mooncake_staging_tokens={rng.randint(1, 1 << 16)}", f"--page-size={rng.choice([16, 32, 64])}",
+         "--dtype=float16"], rng.randint(0, 3)))
+    spec = DeploymentSpec.parse("demo", "llm", raw)
+    runner = _resolved_runner(spec, role_name, v3_node)
+    planned = next(r for r in plan_memory(spec).ranks if r.role == role_name)
+    assert planned.staging_bytes == runner.mem_reserve_bytes, (backend, protocol, role["engineArgs"])
+    stages = backend == "mooncake" and (role_name == "decode" or protocol == "rdma")
+    assert (runner.mem_reserve_bytes > 0) == stages
 
 
 @pytest.mark.parametrize("protocol", ["rdma", "tcp"])

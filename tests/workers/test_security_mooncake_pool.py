@@ -24,3 +24,13 @@ def test_a_stranger_reaches_only_the_pages_of_a_transfer_in_flight():
     out = run_in_netns(Path(__file__).with_name("netns_mooncake_pool_attack.py"), str(seed))
     print("seed", seed, out)
     assert out.count("cannot:") == 3 and "can (still open)" in out and "attack probes ok" in out, out
+
+
+def test_a_stranger_writing_into_a_staging_window_fails_only_that_request_by_its_mac():
+    """netns_mooncake_window_attack.py: a prompt longer than the staging moves in windows; garbage a
+    stranger writes into a window before decode copies it out fails that request by its KV MAC, and a
+    request beside it is unharmed."""
+    seed = random.randrange(1 << 30)
+    out = run_in_netns(Path(__file__).with_name("netns_mooncake_window_attack.py"), str(seed))
+    print("seed", seed, out)
+    assert "refused by the KV MAC" in out and "window attack ok" in out, out

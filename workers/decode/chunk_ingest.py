@@ -3,7 +3,9 @@
 The bootstrap client's event loop only parses a chunk's header; `start` hands the chunk to the
 sink's worker threads (check + pool write), several at once. Credit for more goes back on the
 stream every half window, for the written prefix of the stream, so memory stays bounded by the
-window however slow the writes are. One per stream: the Transfer stream and each extra KV stream.
+window however slow the writes are; a Mooncake window that landed (`KVSink.landed_pages`) is
+credited at once, with the pages landed, since its writer waits for those slots. One per
+stream: the Transfer stream and each extra KV stream.
 """
 from __future__ import annotations
 
@@ -18,16 +20,18 @@ from deepseek_pd.workers.transport.wire import ChunkEvent
 
 
 class ChunkIngest:
-    """`call.write(credit_message(seq))` grants credit; the Transfer and KVStream calls take
-    different request messages, hence `credit_message`."""
+    """`call.write(credit_message(seq, landed_pages))` grants credit; the Transfer and KVStream calls
+    take different request messages, hence `credit_message`."""
 
     def __init__(self, sink: KVSink, call, window: int, credit_message=None) -> None:
         self.sink = sink
         self.call = call
         self.every = max(1, window // 2)
         self.credited = 0
+        self.landed = 0  # the sink's landed pages last reported
         self.writable = True  # False once this side half-closed the stream: no credit is needed then
-        self.credit_message = credit_message or (lambda seq: pb.DecodeMessage(credit=pb.Credit(received_seq=seq)))
+        self.credit_message = credit_message or (
+            lambda seq, landed: pb.DecodeMessage(credit=pb.Credit(received_seq=seq, landed_pages=landed)))
         self._pending: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
     def start(self, seq: int, chunk: ChunkEvent) -> None:
@@ -50,10 +54,12 @@ class ChunkIngest:
             seq, future = self._pending.popleft()
             future.result()
             written = seq
-        if written is not None and written - self.credited >= self.every and self.writable:
-            self.credited = written
+        landed = self.sink.landed_pages
+        # A window that landed is credited at once: its writer waits for the slots.
+        if written is not None and (written - self.credited >= self.every or landed > self.landed) and self.writable:
+            self.credited, self.landed = written, landed
             try:
-                await self.call.write(self.credit_message(written))
+                await self.call.write(self.credit_message(written, landed))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 pass  # the stream is broken (the next read reports it) or already half-closed
 

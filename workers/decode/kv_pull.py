@@ -36,7 +36,9 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
     if sink is None:
         sink = receiver.open_sink(pages, params.bootstrap_host)
     try:
-        await sink.reserve()  # mooncake: staging slots (waits here, on the loop, while they are all taken)
+        # mooncake: staging slots (waits here, on the loop, while they are all taken): queueing for
+        # them is bounded as queueing at the prefill side is, by the transfer's deadline.
+        await sink.reserve(client.config.transfer_timeout_s)
         if sink.registers_pages:  # mooncake: its staging slots are reachable only from here...
             await asyncio.to_thread(sink.expose)
         sink.offer_into(handshake)  # (after expose: the slots it took are the pages to write)

@@ -28,8 +28,8 @@ from deepseek_pd.workers.decode.chunk_ingest import ChunkIngest
 _EOF_WAIT_S = 2.0  # after our half-close: how long the prefill side may take to end the stream
 
 
-def _credit(seq: int) -> pb.KVStreamMessage:
-    return pb.KVStreamMessage(credit=pb.Credit(received_seq=seq))
+def _credit(seq: int, landed: int) -> pb.KVStreamMessage:
+    return pb.KVStreamMessage(credit=pb.Credit(received_seq=seq, landed_pages=landed))
 
 
 class KVStreamReader:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -107,7 +107,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         offered = request.grpc.streams if request.WhichOneof("destination") == "grpc" else 1
         room.open_kv_streams(kv_stream_count(offered, self.kv_streams))
         window = self.registry.config.event_queue_depth
-        credits = _Credits()
+        credits = _Credits(room.note_landed)
         credit_task = asyncio.create_task(credits.follow(request_iterator))
         seq = 0
         delivered_terminal = delivered_done = False
@@ -316,7 +316,8 @@ class _StreamClosed(Exception):
 class _Credits:
     """The highest event seq the decode side has confirmed, fed by its Credit messages."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_landed: Callable[[int], None] | None = None) -> None:
+        self.on_landed = on_landed  # the Transfer stream: Mooncake windows' landed pages go to the room
         self.received_seq = 0
         self.changed = asyncio.Event()
         self.closed = False
@@ -326,6 +327,8 @@ class _Credits:
             async for message in requests:
                 if message.WhichOneof("message") == "credit":
                     self.received_seq = max(self.received_seq, message.credit.received_seq)
+                    if self.on_landed is not None:
+                        self.on_landed(message.credit.landed_pages)
                     self.changed.set()
         except (grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.UsageError):
             pass

@@ -96,6 +96,7 @@ class KVPush:
                                     f"({self.plan.num_pages} pages)")
             await self.sender.prepare(handshake)
             self.channel = self.sender.open(handshake, self.room.emit_chunk, streams=self.room.kv_streams)
+            self.channel.wait_landed = self.room.wait_landed  # (mooncake windows wait for decode's copies)
         except RequestFailure as exc:  # the decode side gets the same reason
             self.room.fail(exc.code, exc.message)
             raise

@@ -76,6 +76,9 @@ class Room:
         # The one-time key of this transfer's KV MAC (InternalAuth.kv_key of the accepted
         # handshake), set by the servicer; None: insecure, no MAC.
         self.kv_key: bytes | None = None
+        # Mooncake windows: request pages decode has copied out of its staging (Credit.landed_pages).
+        self.landed_pages = 0
+        self._landed = asyncio.Event()
 
     # ---- phases -------------------------------------------------------------------------------
     def advance(self, to: TransferPhase) -> bool:
@@ -129,6 +132,30 @@ class Room:
         await self._put(chunk, stop_on_failure=True, queue=queue)
         self._stream_chunks[chunk.stream] += 1
 
+    async def wait_landed(self, pages: int, timeout_s: float) -> None:
+        """Waits until decode reports request pages 0 .. pages-1 landed (their staging slots free for
+        the next window); raises if decode has gone, the room failed, or after `timeout_s`."""
+        give_up = asyncio.get_running_loop().time() + timeout_s
+        while self.landed_pages < pages:
+            stops = {self.peer_gone, self.failure}
+            if not any(stop.done() for stop in stops):
+                self._landed.clear()
+                waiter = asyncio.ensure_future(self._landed.wait())
+                remaining = give_up - asyncio.get_running_loop().time()
+                await asyncio.wait({waiter, *stops}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            if self.landed_pages >= pages:
+                return
+            if self.peer_gone.done():
+                raise failure_for(*self.peer_gone.result())
+            if self.failure.done():
+                failure = self.failure.result()
+                raise failure_for(code_from_pb(failure.code), failure.reason)
+            if asyncio.get_running_loop().time() >= give_up:
+                raise TransferError(FailureCode.DEADLINE_EXCEEDED,
+                                    f"decode did not land pages below {pages} of room {self.room_id} within "
+                                    f"{timeout_s}s (its staging window)")
+
     async def finish(self, done: pb.TransferDone, timeout_s: float) -> None:
         """Sends TransferDone after every queued chunk; returns once the decode side confirmed it
         (so success here means decode holds all the KV), raises a RequestFailure otherwise."""
@@ -176,6 +203,12 @@ class Room:
                             f"accepted no event within {timeout_s}s")
 
     # ---- decode side (servicer) -------------------------------------------------------------
+    def note_landed(self, pages: int) -> None:
+        """Decode's Credit said request pages 0 .. pages-1 landed."""
+        if pages > self.landed_pages:
+            self.landed_pages = pages
+            self._landed.set()
+
     def mark_peer_gone(self, code: FailureCode, reason: str) -> None:
         if not self.peer_gone.done():
             self.peer_gone.set_result((code, reason))

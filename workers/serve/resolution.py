@@ -15,7 +15,9 @@ The rules, each in one place:
 - KV pool: `--num-pages` or `--max-total-tokens` fix its size; otherwise on CUDA it is sized from
   `--mem-fraction-static` (default 0.88) of the GPU's memory after the weights load, on a GPU shared
   by `--gpu-workers` workers `--kv-share` of the room their weights leave (model/kv/memory_budget.py,
-  model/kv/pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages.
+  model/kv/pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages. A worker that
+  allocates a Mooncake staging area (decode; prefill over RDMA) keeps its bytes out of a pool sized
+  so (`RunnerConfig.mem_reserve_bytes`, workers/serve/kv_staging.py, the operator's rule too).
 - identity: what GetServerInfo/GetLoads report, with the runner's page size and its KV pool's bytes
   per token in the resolved dtype (`model.kv_pool.bytes_per_pool_page`, the pool's own rule).
 - chunked prefill: `--chunked-prefill-size` (it has no engine option); unset, 2048 on
@@ -49,6 +51,7 @@ The rules, each in one place:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from pathlib import Path
@@ -79,15 +82,17 @@ from deepseek_pd.workers.api.servicer import WorkerIdentity
 from deepseek_pd.workers.engine.worker_config import (
     BootstrapConfig, SchedulerConfig, WorkerConfig, gpu_chunked_prefill_size)
 from deepseek_pd.workers.serve.engine_options import assign_engine_options, parse_key_values
+from deepseek_pd.workers.serve.kv_staging import staging_reserve_bytes
 from deepseek_pd.workers.serve.roles import RoleDefaults, role_defaults
 from deepseek_pd.workers.serve.flags import ParallelFlags, ServeFlags
 
 log = logging.getLogger(__name__)
 
-# Config fields that have their own `serve` flags (or, warn_exposure, that serve sets per rank), and
-# so are not engine options.
+# Config fields that have their own `serve` flags (or, warn_exposure and mem_reserve_bytes, that serve
+# sets itself), and so are not engine options.
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static",
-                           "gpu_workers", "kv_share", "ep_num_redundant_experts", "init_expert_location"),
+                           "gpu_workers", "kv_share", "ep_num_redundant_experts", "init_expert_location",
+                           "mem_reserve_bytes"),
                 "bootstrap": ("host", "port", "auth", "prefill_peers", "aliases"),
                 "scheduler": ("chunked_prefill_size",),
                 "transport": ("advertise_host", "mooncake_protocol", "mooncake_device", "mooncake_rank_devices",
@@ -138,6 +143,7 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
             scheduler=SchedulerConfig(**scheduler_fields))
     except ValueError as exc:  # some configs raise ValueError rather than UserError
         raise UserError(str(exc)) from exc
+    runner = _with_staging_reserve(runner, defaults, flags.kv_transport, worker.transport, model_config)
     identity = WorkerIdentity(role=flags.role, kv_transport=flags.kv_transport, bootstrap_port=flags.bootstrap_port,
                               page_size=runner.page_size, host=flags.host, port=flags.port,
                               kv_bytes_per_token=bytes_per_pool_page(
@@ -156,6 +162,16 @@ def _runner_config(flags: ServeFlags, defaults: RoleDefaults, device: str, model
                               "init_expert_location": _absolute(flags.parallel.init_expert_location)}
     fields.update(_pool_size(flags, device, flags.page_size))
     return RunnerConfig.resolve(model_config, graphs_by_default=defaults.decodes, **fields)
+
+
+def _with_staging_reserve(runner: RunnerConfig, defaults: RoleDefaults, kv_transport: str,
+                          transport: TransportConfig, model_config: ModelConfig) -> RunnerConfig:
+    """`runner` with its Mooncake staging area's memory kept out of the pool (kv_staging.py)."""
+    reserve = staging_reserve_bytes(defaults.decodes, kv_transport, transport.mooncake_protocol,
+                                    transport.mooncake_staging_tokens, runner.page_size,
+                                    kv_layers(model_config, runner.speculative_num_steps > 0),
+                                    model_config.kv_cache_dim, runner.resolve_dtype(model_config).itemsize)
+    return dataclasses.replace(runner, mem_reserve_bytes=reserve)
 
 
 def _scheduler_fields(flags: ServeFlags, opts: dict[str, dict[str, Any]], device: str) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport.bootstrap_protocol import MAX_CHUNK_BYTES, MAX_KV_STREAMS
@@ -83,9 +84,10 @@ class TransportConfig:
     warn_exposure: bool = True
     # mooncake: the staging area one-sided writers write into on decode (staging.py), in tokens of KV
     # (rounded up to pages, at most the pool's); every transfer in flight holds its prompt's pages of
-    # it, and a prompt longer than all of it is refused. On the pool's device, beside the pool. Over
+    # it, and a prompt longer than all of it moves through half of it in windows. On the pool's
+    # device, beside the pool, and kept out of the pool's memory budget (model/kv/staging_size.py). Over
     # RDMA the prefill side sends through one of the same size (its NIC reads only registered memory).
-    mooncake_staging_tokens: int = 16384
+    mooncake_staging_tokens: int = DEFAULT_STAGING_TOKENS
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
@@ -119,6 +121,9 @@ class TransportConfig:
 # of each stream 1, 2, 3, ... (on the Transfer stream seq 0 is the HandshakeAck) and emits each
 # stream's in that order: the stream checks it.
 EmitChunk = Callable[["EncodedChunk"], Awaitable[None]]
+# Waits until the decode side reports request pages 0 .. n-1 landed (copied out of its staging),
+# at most `timeout_s`; raises a RequestFailure (prefill/room.py Room.wait_landed). Mooncake windows.
+WaitLanded = Callable[[int, float], Awaitable[None]]
 
 
 class SendChannel(abc.ABC):
@@ -129,6 +134,9 @@ class SendChannel(abc.ABC):
     # network or a socket). A channel that moves a whole chunk in about a millisecond says no: its
     # per-layer hand-offs between threads would cost the forward more than they hide.
     streams_layers: bool = True
+    # How to wait for decode's landed pages, which a channel writing through decode's staging in
+    # windows needs (mooncake): the prefill side's KV push gives it its room's after `open`.
+    wait_landed: WaitLanded | None = None
 
     def __init__(self, pool: KVPool, dst_pages: Sequence[int]) -> None:
         self.pool = pool
@@ -239,9 +247,10 @@ class KVSink(abc.ABC):
                 self._failed = error
             return self._failed
 
-    async def reserve(self) -> None:
+    async def reserve(self, timeout_s: float | None = None) -> None:
         """Before `expose`, on the event loop: waits for what the transfer's writer needs (mooncake: its
-        staging slots); cancellable. Nothing by default."""
+        staging slots), at most `timeout_s` (None: the transport's own bound); cancellable. Nothing
+        by default."""
 
     def expose(self) -> None:
         """Before the handshake: lets the transport's writer reach these pages (nothing by default)."""
@@ -259,8 +268,15 @@ class KVSink(abc.ABC):
         """Adds to the handshake what this transfer offers its writer beyond the transport's
         destination (the grpc sink: its pool for same-host direct writes); nothing by default."""
 
+    @property
+    def landed_pages(self) -> int:
+        """Request pages whose KV is in their own pages already, mid-transfer (mooncake windows: the
+        bootstrap client reports it in its credits, and the writer then reuses their slots); 0 by default."""
+        return 0
+
     def on_chunk(self, chunk: pb.KVChunk) -> None:
-        """Writes a chunk that arrived on the bootstrap stream; only the grpc transport gets any.
+        """Writes a chunk that arrived on the bootstrap stream; only the grpc transport gets any (and
+        mooncake's windows, their reports without data).
 
         May run in `executor`'s threads, several chunks at once.
         """

@@ -9,6 +9,12 @@ body at the peer's pace):
   around `pull_kv`'s transfer) and for good over RDMA (the NIC needs its memory regions); after
   the TransferDone decode copies the slots into the request's own pages (`MooncakeSink.land`) and
   checks the copy, so a write that lands later (a slow body) reaches no page the model reads;
+- a prompt longer than the whole staging moves through a window of half of it
+  (`MooncakeDestination.window_pages`): the prefill side writes whole pages a half window at a
+  time, each once decode landed the pages whose slots it reuses (`Credit.landed_pages`, the room's
+  `wait_landed`), and reports each on the stream as a KVChunk without data; decode copies each
+  reported run into the request's pages as it comes (`MooncakeSink.on_chunk`) and checks the MAC
+  over the whole private copy after the TransferDone, as for any transfer;
 - the prefill side never registers its pool either: over TCP a write reads its local source
   directly; over RDMA (the NIC reads only registered memory) each send's pages are gathered into a
   registered send staging, written from there and zeroed (`MooncakeChannel._write_staged`);
@@ -36,10 +42,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.staging_size import staging_pages
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport import kv_mac
@@ -48,6 +56,7 @@ from deepseek_pd.workers.transport.base import (
 from deepseek_pd.workers.transport.page_io import consecutive_runs, sync_ready
 from deepseek_pd.workers.transport.plan import merge_page_runs
 from deepseek_pd.workers.transport.staging import StagingArea
+from deepseek_pd.workers.transport.wire import ChunkHeader, encode_chunk_event
 from deepseek_pd.workers.engine.request_failure import TransferError
 
 log = logging.getLogger(__name__)
@@ -114,7 +123,8 @@ class MooncakeEngine:
 
 class MooncakeSink(KVSink):
     """A decode transfer over Mooncake into staging slots (staging.py), never into the pages the model
-    reads: `reserve` takes the slots (waiting on the event loop while the staging is full), `expose`
+    reads: `reserve` takes the slots (waiting on the event loop while the staging is full; a prompt
+    longer than the staging takes half of it as a window, landed run by run in `on_chunk`), `expose`
     over TCP registers each layer's runs of them, the handshake lists them as the pages to write
     (`offer_into`); `land` unregisters them, copies them into the request's pages and gives them
     back; `check_sealed` then MACs that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
@@ -125,14 +135,20 @@ class MooncakeSink(KVSink):
     one_sided = False  # a writer reaches only the staging: the pages are written by `land` alone
 
     def __init__(self, pool: KVPool, pages: Sequence[int], engine: MooncakeEngine, staging: StagingArea,
-                 timeout_s: float) -> None:
+                 timeout_s: float, executor: Executor | None = None) -> None:
         super().__init__(pool, pages)
         self._engine = engine
         self._staging = staging
-        self._timeout_s = timeout_s  # the longest wait for staging room, and the slots' late-write grace
+        self._timeout_s = timeout_s  # the slots' late-write grace, and the default wait for staging room
         self._register = engine.protocol == "tcp"  # over RDMA the staging is registered for good
-        self.slots: list[int] = []  # staging slot of each request page, while the transfer runs
-        self._told: list[int] = []  # the slots the handshake named, for the MAC's header
+        self.executor = executor  # where a window's copy runs (`on_chunk`)
+        self.slots: list[int] = []  # the transfer's staging slots, while it runs
+        # A prompt longer than the staging moves in windows of `window` pages (0: it has a slot per
+        # page): page i goes through slot `slots[i % window]`; pages below `landed` are copied out.
+        self.window = 0
+        self.landed = 0
+        self._written: set[int] = set()  # request pages reported written and not landed yet (windows)
+        self._told: list[int] = []  # each request page's slot as the handshake named it, for the MAC's header
         self._dirty: list[int] = []  # slots to zero before they are exposed
         self._exposed: list[int] = []
         # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for it
@@ -140,15 +156,24 @@ class MooncakeSink(KVSink):
         self._lock = threading.Lock()
         self._over = threading.Event()
 
-    async def reserve(self) -> None:
+    async def reserve(self, timeout_s: float | None = None) -> None:
+        # A prompt longer than the whole staging moves through half of it in windows (the other half
+        # stays for the prompts that fit, which take a slot per page).
+        fits = len(self.pages) <= self._staging.num_pages
+        count = len(self.pages) if fits else max(1, self._staging.num_pages // 2)
         try:
-            slots, dirty = await self._staging.acquire(len(self.pages), self._timeout_s)
+            slots, dirty = await self._staging.acquire(count, self._timeout_s if timeout_s is None else timeout_s)
         except TransferError as exc:
             raise self.fail(exc) from None
         if self._over.is_set():  # withdrawn meanwhile (not by cancelling this task)
             self._staging.release(slots, scrubbed=not dirty)
             raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended while it took staging room"))
         self.slots, self._dirty = slots, dirty
+        self.window = 0 if fits else count
+
+    @property
+    def landed_pages(self) -> int:
+        return self.landed
 
     def expose(self) -> None:
         with self._lock:
@@ -168,9 +193,50 @@ class MooncakeSink(KVSink):
 
     def offer_into(self, handshake: pb.Handshake) -> None:
         # The writer writes the staging slots (the destination's layer bases are the staging's).
-        self._told = list(self.slots)
+        self._told = self._slots_of(range(len(self.pages)))
         del handshake.page_ids[:]
         handshake.page_ids.extend(self._told)
+        handshake.mooncake.window_pages = self.window
+
+    def _slots_of(self, pages: range) -> list[int]:
+        """The staging slot of each request page in `pages`."""
+        return [self.slots[i % self.window] for i in pages] if self.window else self.slots[pages.start:pages.stop]
+
+    def on_chunk(self, chunk) -> None:
+        """A window's report (no data): the prefill side wrote request pages [page_begin, page_end),
+        every layer, into their slots. Copies the written prefix out (and zeroes the slots), so the
+        credit that follows lets the writer reuse them (`landed_pages`)."""
+        if not self.window:
+            super().on_chunk(chunk)  # refused: this transfer is not windowed
+        if self.failed is not None:
+            raise self.failed
+        begin, end = chunk.page_begin, chunk.page_end
+        with self._lock:  # (chunks may come in several threads at once)
+            if self._over.is_set():
+                raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended before its window landed"))
+            if (not chunk.written_directly or len(chunk.data)
+                    or (chunk.layer_begin, chunk.layer_end) != (0, self.pool.num_layers)
+                    or not self.landed <= begin < end <= min(self.landed + self.window, len(self.pages))
+                    or self._written & set(range(begin, end))):
+                raise self.fail(TransferError(FailureCode.INTERNAL,
+                                              f"prefill reported pages [{begin}, {end}) of layers "
+                                              f"[{chunk.layer_begin}, {chunk.layer_end}) written; the window holds "
+                                              f"pages [{self.landed}, {self.landed + self.window}) of every layer"))
+            self._written.update(range(begin, end))
+            upto = self.landed
+            while upto in self._written:
+                upto += 1
+            if upto > self.landed:
+                self.exposure.wrote()
+                self._staging.copy_into(self.pool, self._slots_of(range(self.landed, upto)),
+                                        self.pages[self.landed:upto])  # (and zeroes the slots)
+                self._written.difference_update(range(self.landed, upto))
+                self.landed = upto
+
+    def _check_cells(self) -> None:
+        if self.window and self.landed != len(self.pages):
+            raise self.fail(TransferError(FailureCode.INTERNAL, f"prefill reported {self.landed} of "
+                                          f"{len(self.pages)} pages written through the staging window"))
 
     def withdraw(self) -> None:
         slots = self._end()
@@ -178,13 +244,15 @@ class MooncakeSink(KVSink):
         self._staging.release(slots, self._timeout_s if self._told else 0.0)
 
     def land(self) -> None:
+        rest = self._slots_of(range(self.landed, len(self.pages)))  # (windowed: all landed already)
         slots = self._end()
         try:
             self.exposure.wrote()
-            self._staging.copy_into(self.pool, slots, self.pages)  # (and zeroes the slots)
+            self._staging.copy_into(self.pool, rest, self.pages[self.landed:])  # (and zeroes the slots)
         except BaseException:
             self._staging.release(slots)
             raise
+        self.landed = len(self.pages)
         self._staging.release(slots, scrubbed=True)  # every write of the prefill side completed before its done
 
     def _end(self) -> list[int]:
@@ -225,8 +293,9 @@ class MooncakeSink(KVSink):
 
 
 def staging_for(pool: KVPool, config: TransportConfig) -> StagingArea:
-    """The staging area `config.mooncake_staging_tokens` asks for (at most the pool's size), logged."""
-    pages = min(pool.num_pages, -(-config.mooncake_staging_tokens // pool.page_size))
+    """The staging area `config.mooncake_staging_tokens` asks for (at most the pool's size), logged.
+    Its memory is kept out of the pool's budget (model/kv/staging_size.py, workers/serve/kv_staging.py)."""
+    pages = min(pool.num_pages, staging_pages(config.mooncake_staging_tokens, pool.page_size))
     log.info("mooncake staging: %d pages (%d tokens, %.1f MiB) on %s", pages, pages * pool.page_size,
              pages * pool.bytes_per_page * pool.num_layers / 2**20, pool.device)
     return StagingArea(pool, pages)
@@ -256,12 +325,19 @@ class MooncakeChannel(SendChannel):
     registered memory; None (TCP): writes read the pool itself, unregistered."""
 
     def __init__(self, pool: KVPool, engine: MooncakeEngine, destination: pb.MooncakeDestination,
-                 dst_pages: Sequence[int], timeout_s: float, staging: StagingArea | None = None) -> None:
+                 dst_pages: Sequence[int], timeout_s: float, staging: StagingArea | None = None,
+                 emit: EmitChunk | None = None) -> None:
         super().__init__(pool, dst_pages)
         self.engine = engine
         self.staging = staging
         self.destination = destination
         self.timeout_s = timeout_s
+        # Through decode's staging in windows of `window` pages (0: a slot per page): whole pages
+        # only, each window reported on the stream (`emit`) and its slots reused once decode landed it.
+        self.window = destination.window_pages
+        self.streams_layers = not self.window
+        self._emit = emit
+        self._seq = 0  # the stream's chunk numbers: window reports
         self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
         self._mac_algorithm = next((name for name in destination.kv_mac_algorithms
                                     if name in kv_mac.algorithms()), None)
@@ -274,20 +350,45 @@ class MooncakeChannel(SendChannel):
     async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
                    layer_end: int | None = None, ready=None) -> None:
         layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
-        dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
         self._src_pages[page_begin:page_begin + len(src_pages)] = src_pages
+        if self.window:
+            await self._send_windows(list(src_pages), page_begin, layers, ready)
+        else:
+            await self._write_pages(layers, list(src_pages), self.dst_pages[page_begin:page_begin + len(src_pages)],
+                                    ready)
+        self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
+
+    async def _send_windows(self, src_pages: list[int], page_begin: int, layers: range, ready) -> None:
+        """Pages through decode's staging window: in pieces of half a window (one is written while
+        decode copies the other out), each once decode landed the pages that held its slots before
+        it, then reported on the stream (a KVChunk without data) so that decode lands it."""
+        if layers != range(self.pool.num_layers) or self.wait_landed is None or self._emit is None:
+            raise TransferError(FailureCode.INTERNAL, "a windowed mooncake transfer sends whole pages (every "
+                                "layer), waiting for decode's landed pages")
+        step = max(1, self.window // 2)
+        for begin in range(0, len(src_pages), step):
+            first, end = page_begin + begin, page_begin + min(begin + step, len(src_pages))
+            if end - self.window > 0:  # page i's slot held page i - window until decode copied it out
+                await self.wait_landed(end - self.window, self.timeout_s)
+            await self._write_pages(layers, src_pages[begin:begin + step], self.dst_pages[first:end], ready)
+            self._seq += 1
+            header = ChunkHeader(layer_begin=0, layer_end=self.pool.num_layers, page_begin=first, page_end=end)
+            await self._emit(encode_chunk_event(self._seq, header, b"", 0,
+                                                direct_bytes=(end - first) * self.pool.bytes_per_page * len(layers)))
+
+    async def _write_pages(self, layers: range, src_pages: list[int], dst: list[int], ready) -> None:
+        """Writes `src_pages` of `layers` into decode's slots `dst`; raises TransferError."""
         if self.staging is None:
-            status = await self._timed(asyncio.to_thread(self._write, layers, list(src_pages), dst, ready))
+            status = await self._timed(asyncio.to_thread(self._write, layers, src_pages, dst, ready))
         else:  # in pieces the staging holds, each through slots held only while it is written
             status, step = 0, self.staging.num_pages
             for begin in range(0, len(src_pages), step):
                 if status == 0:
-                    status = await self._write_staged(layers, list(src_pages[begin:begin + step]),
+                    status = await self._write_staged(layers, src_pages[begin:begin + step],
                                                       dst[begin:begin + step], ready)
         if status != 0:
             raise TransferError(FailureCode.UNAVAILABLE,
                                 f"mooncake write to {self.destination.session_id} failed (status {status})")
-        self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
 
     def seal(self, done: pb.TransferDone, key: bytes, room: int) -> None:
         if self._mac_algorithm is None:  # an older decode worker, which checks no MAC
@@ -346,8 +447,8 @@ class MooncakeChannel(SendChannel):
 
 def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[int], page_bytes: int,
                       num_layers: int, protocol: str) -> None:
-    """Every write of this room lands inside the decode pool's layer buffers, over the protocol this
-    engine speaks: raises TransferError."""
+    """Every write of this room lands inside the decode staging's layer buffers, over the protocol
+    this engine speaks, and windowed page ids repeat one window's slots: raises TransferError."""
     if destination.protocol and destination.protocol != protocol:
         # One side fell back to TCP (serve --kv-tcp-fallback) and the other did not: every write
         # would fail, so say why once, per request, instead.
@@ -362,6 +463,13 @@ def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[in
         raise TransferError(FailureCode.INVALID_ARGUMENT,
                             f"decode sent {len(destination.layer_base_addrs)} layer addresses, "
                             f"the model has {num_layers} layers")
+    window = destination.window_pages
+    if window:
+        if window >= len(page_ids) or any(page != page_ids[i % window] for i, page in enumerate(page_ids)):
+            raise TransferError(FailureCode.INVALID_ARGUMENT,
+                                f"decode's staging window of {window} pages does not repeat its slots over the "
+                                f"request's {len(page_ids)} pages")
+        page_ids = page_ids[:window]
     check_page_ids(page_ids, destination.pool_pages)
 
 
@@ -387,7 +495,7 @@ class MooncakeSender(KVSender):
         log.debug("room %d: mooncake %s writes %d pages into %s (decode DP rank %d)", handshake.room,
                   self.engine.session_id, len(handshake.page_ids), destination.session_id, handshake.decode_dp_rank)
         return MooncakeChannel(self.pool, self.engine, destination, handshake.page_ids,
-                               self.config.send_timeout_s, self.staging)
+                               self.config.send_timeout_s, self.staging, emit)
 
     def close(self) -> None:
         self.engine.close()
@@ -401,12 +509,14 @@ class MooncakeReceiver(KVReceiver):
         # The pool is never registered: writers reach only the staging (staging.py).
         self.engine = MooncakeEngine(pool, config, register_pool=False)
         self.staging = staging_for(pool, config)
+        # Windows' copies out of the staging (`MooncakeSink.on_chunk`), off the event loop.
+        self._copies = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-land")
         if self.engine.protocol != "tcp":  # the NIC needs its memory regions, and writers cache their keys
             self.engine.register_buffers(self.staging.base_addrs,
                                          [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
     def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
-        return MooncakeSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s)
+        return MooncakeSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s, self._copies)
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.mooncake.session_id = self.engine.session_id
@@ -417,4 +527,5 @@ class MooncakeReceiver(KVReceiver):
         handshake.mooncake.kv_mac_algorithms.extend(kv_mac.algorithms())
 
     def close(self) -> None:
+        self._copies.shutdown(wait=False)
         self.engine.close()

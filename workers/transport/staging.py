@@ -21,8 +21,16 @@ earlier request's KV. A transfer that failed or was cancelled after its handshak
 still be written by its prefill side for up to `send_timeout_s`, so its slots cool that long before
 they are reused, and are zeroed when next taken; a write that lands in a reused slot then fails
 the new owner's MAC check, never its output. A transfer waits for slots on the event loop while
-the staging is full (first come first served, up to its timeout); one bigger than the whole
-staging is refused with the setting to raise.
+the staging is full (first come first served, up to its timeout, then RESOURCE_EXHAUSTED naming the
+setting). A prompt longer than the whole staging takes half of it as a window and moves through it
+(`MooncakeSink` in mooncake.py): page i goes into slot i mod W, the prefill side writes it only
+after decode copied page i - W out (`copy_into`, which zeroes the slots), as the credits of the
+window reports on the transfer's stream say:
+
+    staging of 4 slots, a 10-page prompt: window W = 2, slots [0, 1]
+    prefill writes pages 0     -> slot 0, reports [0, 1)   decode copies slot 0 -> page of 0, credits landed 1
+    prefill writes page 1      -> slot 1, reports [1, 2)   decode copies, credits landed 2
+    prefill waits for landed >= 1, writes page 2 -> slot 0 ... (the MAC covers all 10 pages at the end)
 """
 from __future__ import annotations
 
@@ -77,8 +85,8 @@ class StagingArea:
         worker thread: the copies that free slots run there), first come first served (a big prompt
         is not passed over forever by small ones, and slots go out in about the order the prefill
         side gets the requests: it computes only those whose handshake came). Raises TransferError
-        when `count` exceeds the staging or after `timeout_s` without room; cancelling the task
-        gives up its place."""
+        when `count` exceeds the staging (a caller asks for at most all of it: longer prompts go in
+        windows) or after `timeout_s` without room; cancelling the task gives up its place."""
         if count > self.num_pages:
             raise TransferError(FailureCode.RESOURCE_EXHAUSTED,
                                 f"the prompt's KV takes {count} pages, the mooncake staging area holds "

@@ -152,8 +152,9 @@ def test_the_operators_plan_applies_the_same_rule(card, product) -> None:
     for rank in verdict.ranks:
         budget = budget_bytes(DEFAULT_MEM_FRACTION_STATIC, product_memory_bytes(product))
         per_page = 16 * rank.kv_bytes_per_token
-        pages = pages_for_budget(budget, per_page, rank.weights_bytes, rank.reserve_bytes, share=GpuShare(2, share))
-        spare = rank.budget_bytes - rank.weights_bytes - rank.reserve_bytes
+        pages = pages_for_budget(budget, per_page, rank.weights_bytes, rank.reserve_bytes, share=GpuShare(2, share),
+                                 reserve_bytes=rank.staging_bytes)  # the example's Mooncake staging
+        spare = rank.budget_bytes - rank.weights_bytes - rank.reserve_bytes - rank.staging_bytes
         assert pages * per_page <= spare < (pages + 1) * per_page
         assert rank.fits == (pages * per_page >= rank.kv_bytes), verdict.message
 

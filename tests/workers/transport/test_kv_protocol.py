@@ -151,6 +151,30 @@ def test_prefill_refuses_pages_outside_the_decode_pool():
         assert raised.value.code == FailureCode.INVALID_ARGUMENT
 
 
+def test_a_windowed_destination_must_repeat_one_windows_slots_inside_the_staging():
+    """A staging window of W slots: page i's slot is page_ids[i % W], all inside the staging, no slot
+    twice within the window; anything else (a decode that would have two pages in flight in one
+    slot) is refused before any write."""
+    from deepseek_pd.workers.engine.interface import FailureCode
+    from deepseek_pd.workers.engine.request_failure import TransferError
+    from deepseek_pd.workers.transport.mooncake import check_destination
+    rng = random.Random()
+    pool = rng.randint(8, 64)
+    window = rng.randint(1, pool // 2)
+    slots = rng.sample(range(pool), window)
+    pages = [slots[i % window] for i in range(rng.randint(window + 1, 4 * window + 2))]
+    destination = _destination("tcp", 576, 2, pool)
+    destination.window_pages = window
+    check_destination(destination, pages, 576, 2, "tcp")
+    broken = list(pages)
+    broken[rng.randrange(window, len(pages))] = rng.choice([s for s in range(pool) if s not in slots])
+    for bad_window, bad_pages in ((window, broken), (len(pages), pages), (window, [pool] * len(pages))):
+        destination.window_pages = bad_window
+        with pytest.raises(TransferError) as raised:
+            check_destination(destination, bad_pages, 576, 2, "tcp")
+        assert raised.value.code == FailureCode.INVALID_ARGUMENT
+
+
 @pytest.mark.parametrize("trial", range(20))
 def test_devices_are_split_over_local_ranks_in_list_order(trial):
     """Local rank i gets the devices at [i*n/L, (i+1)*n/L), at least one: checked as properties

@@ -1,6 +1,6 @@
 """The Mooncake staging area (workers/transport/staging.py) and the decode sink over it, on the stub
-engine: slots lowest first, bounded (a transfer waits for room, a prompt bigger than all of it is
-refused with the setting), recycled at once after a copy and only after the late-write grace after a
+engine: slots lowest first, bounded (a transfer waits for room; a prompt bigger than all of it moves
+through half of it in windows, each reported run copied out as it comes), recycled at once after a copy and only after the late-write grace after a
 failure; the copy against plain indexing; what the decode side registers (never its pool)."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver
 from deepseek_pd.workers.transport.staging import StagingArea
+from deepseek_pd.workers.transport.wire import ChunkView
 from pdtest import mooncake_stub
 
 
@@ -203,3 +204,64 @@ def test_a_big_prompt_is_not_passed_over_by_small_ones_that_came_later():
 def test_a_staging_of_no_tokens_is_refused_with_the_setting():
     with pytest.raises(ValueError, match="mooncake_staging_tokens"):
         TransportConfig(mooncake_staging_tokens=0)
+
+
+def _report(pool: KVPool, begin: int, end: int) -> ChunkView:
+    """The prefill side's report that request pages [begin, end) of every layer are in their slots."""
+    return ChunkView(0, pool.num_layers, begin, end, memoryview(b""), 0, written_directly=True)
+
+
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_a_prompt_longer_than_the_staging_lands_window_by_window(monkeypatch, device):
+    """Page i goes through slot page_ids[i % W] (W: half the staging); each reported run is copied
+    into the request's pages at once and its slots zeroed, so the writer may reuse them; after the
+    last, the pages hold exactly what was sent and the staging is empty. A report past the window
+    (a writer that would overwrite pages not copied out yet) fails that transfer alone. On CUDA the
+    copies run on the side stream and are complete when `on_chunk` returns."""
+    rng = random.Random()
+    mooncake_stub.install(monkeypatch)
+    pool = KVPool(rng.randrange(1, 4), 64, rng.choice([1, 4, 16]), rng.choice([8, 16, 576]),
+                  dtype=torch.float32 if device == "cpu" else torch.bfloat16, device=device)
+    staging_pages = rng.randint(2, 7)
+    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1",
+                                                      mooncake_staging_tokens=staging_pages * pool.page_size))
+    staging = receiver.staging
+    count = rng.randint(staging_pages + 1, 4 * staging_pages)
+    pages = rng.sample(range(pool.num_pages), count)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    sent = [torch.randn((count, pool.page_size, pool.kv_dim), generator=gen).to(device=device, dtype=pool.dtype)
+            for _ in range(pool.num_layers)]
+    sink = receiver.open_sink(pages)
+    asyncio.run(sink.reserve())
+    sink.expose()
+    handshake = pb.Handshake(page_ids=pages, layout=layout_of(pool))
+    receiver.fill_destination(handshake)
+    sink.offer_into(handshake)
+    window = handshake.mooncake.window_pages
+    assert window == staging_pages // 2 and list(handshake.page_ids) == [sink.slots[i % window] for i in range(count)]
+    begin = 0
+    while begin < count:  # as the prefill side writes: a run only once the slots it reuses are copied out
+        end = min(count, begin + rng.randint(1, window))
+        assert sink.landed_pages >= end - window
+        for staged, layer in zip(staging.buffers, sent):
+            staged[list(handshake.page_ids)[begin:end]] = layer[begin:end]
+        sink.on_chunk(_report(pool, begin, end))
+        assert sink.landed_pages == end and not any(staged.any() for staged in staging.buffers)
+        begin = end
+    sink.check_complete(pb.TransferDone(num_pages=count, bytes_sent=count * pool.num_layers * pool.bytes_per_page))
+    sink.land()
+    assert all(torch.equal(buffer[pages], layer) for buffer, layer in zip(pool.buffers, sent))
+    assert sink.failed is None and staging.num_used == 0
+
+    greedy = receiver.open_sink(rng.sample(range(pool.num_pages), count))
+    asyncio.run(greedy.reserve())
+    greedy.expose()
+    greedy.offer_into(pb.Handshake())
+    with pytest.raises(TransferError) as refused:
+        greedy.on_chunk(_report(pool, 0, window + 1))
+    assert refused.value.code == FailureCode.INTERNAL and greedy.failed is refused.value
+    greedy.withdraw()

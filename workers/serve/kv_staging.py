@@ -1,0 +1,28 @@
+"""Which workers allocate a Mooncake staging area, and the memory it keeps out of their KV pool:
+the one rule `serve` (resolution.py -> `RunnerConfig.mem_reserve_bytes`) and the operator's memory
+plan (operator/memory_plan.py) both apply. Torch-free.
+
+Where one is allocated (workers/transport/mooncake.py):
+- a decode worker over Mooncake, any protocol: writers reach only its staging (`MooncakeReceiver`);
+- a prefill worker over Mooncake RDMA: its NIC reads only registered memory, so each send is
+  gathered into a send staging of the same size (`MooncakeSender`); over TCP it has none;
+- nowhere over gRPC.
+Its size is model/kv/staging_size.py's rule, for `--engine-opt mooncake_staging_tokens`.
+"""
+from __future__ import annotations
+
+from deepseek_pd.model.kv.staging_size import staging_bytes
+
+
+def allocates_staging(decodes: bool, kv_transport: str, protocol: str) -> bool:
+    """Whether a worker (`decodes`: the decode role) with this KV transport and Mooncake protocol
+    allocates a staging area."""
+    return kv_transport == "mooncake" and (decodes or protocol != "tcp")
+
+
+def staging_reserve_bytes(decodes: bool, kv_transport: str, protocol: str, staging_tokens: int, page_size: int,
+                          num_layers: int, kv_dim: int, itemsize: int) -> int:
+    """The bytes a worker keeps out of its KV pool for its staging area (0 where it has none)."""
+    if not allocates_staging(decodes, kv_transport, protocol):
+        return 0
+    return staging_bytes(staging_tokens, page_size, num_layers, kv_dim, itemsize)
