@@ -96,6 +96,8 @@ class KVPush:
                                     f"({self.plan.num_pages} pages)")
             await self.sender.prepare(handshake)
             self.channel = self.sender.open(handshake, self.room.emit_chunk, streams=self.room.kv_streams)
+            if self.room.kv_key is not None:  # (mooncake: MACs each send as it goes, off `finish`)
+                self.channel.begin_seal(self.room.kv_key, self.room.room_id)
         except RequestFailure as exc:  # the decode side gets the same reason
             self.room.fail(exc.code, exc.message)
             raise
@@ -196,7 +198,7 @@ class KVPush:
         done = pb.TransferDone(
             first_token_id=first_token_id, first_token_logprob=logprob, num_pages=self.plan.num_pages,
             cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent)
-        if self.room.kv_key is not None:  # one read of the KV: off the loop
+        if self.room.kv_key is not None:  # what `begin_seal` left unread (usually nothing): off the loop
             await asyncio.to_thread(self.channel.seal, done, self.room.kv_key, self.room.room_id)
         put_first_top(done, top)
         if draft is not None:

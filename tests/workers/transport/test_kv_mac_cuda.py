@@ -44,3 +44,31 @@ def test_mac_cost_of_a_v2_lite_prompt_on_the_gpu():
         kv_mac.kv_mac(pool, pages, bytes(32), b"")
     seconds = (time.perf_counter() - started) / 3
     print(f"kv_mac of {mb:.0f} MB from a CUDA pool: {seconds * 1e3:.1f} ms ({mb / seconds / 1e3:.2f} GB/s)")
+
+
+def test_a_send_hashes_its_layer_without_waiting_for_the_forward_queued_after_it():
+    """`LayerMacs.update` with a layer's `ready` event (as a layer-wise send passes it) reads that
+    layer on a side stream: it neither waits for the kernels queued after the event on the default
+    stream (the rest of the forward) nor changes the tag."""
+    rng = random.Random()
+    pool = KVPool(4, 64, 16, 576, dtype=torch.bfloat16, device="cuda")
+    pages = rng.sample(range(64), 24)
+    key, head = bytes(rng.randrange(256) for _ in range(32)), kv_mac.header(rng.randrange(1 << 40), pages)
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):  # each MAC thread's stream and allocations made once (first uses may sync the device)
+        kv_mac.LayerMacs(pool.num_layers, key, head).update(pool, range(pool.num_layers), 0, pages).wait()
+    torch.cuda.synchronize()
+    macs = kv_mac.LayerMacs(pool.num_layers, key, head)
+    for layer, buffer in enumerate(pool.buffers):
+        buffer.normal_()
+        ready = torch.cuda.Event()
+        ready.record()
+        for _ in range(40):  # the rest of the forward: ~0.2 s of matmuls after the layer's KV
+            big = (big @ big).tanh_()
+        after = torch.cuda.Event()
+        after.record()
+        macs.update(pool, range(layer, layer + 1), 0, pages, ready).wait()
+        assert not after.query(), "the hash waited for kernels queued after its layer's event"
+        torch.cuda.synchronize()
+    assert macs.pages_read == pool.num_layers * len(pages)
+    assert macs.digest(pool, pages) == kv_mac.kv_mac(pool, pages, key, head)
