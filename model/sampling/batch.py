@@ -300,6 +300,8 @@ def _cells(fresh: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
     (repetition penalty) and the tokens recorded into it before it had counts (taken from it)."""
     prompt, recorded = [np.empty((2, 0), dtype=np.int64)], [np.empty((2, 0), dtype=np.int64)]
     for row, state in enumerate(fresh):
+        if not state.penalised:
+            continue
         ids = state.prompt_token_ids()
         if ids.size:
             prompt.append(np.stack([np.full_like(ids, row), ids]))

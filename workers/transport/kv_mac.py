@@ -80,8 +80,9 @@ def _check(key: bytes, algorithm: str) -> None:
 
 
 def _feed(mac: "hashlib._Hash", pool: KVPool, layer: int, pages: Sequence[int],
-          runs: list[tuple[int, int, int]], ready: "torch.cuda.Event | None") -> None:
-    """Hashes `pages` of one layer, in order, into `mac`."""
+          runs: list[tuple[int, int, int]], ready: "torch.cuda.Event | None", synced: bool = False) -> None:
+    """Hashes `pages` of one layer, in order, into `mac`. `synced`: their last write is complete
+    (host-synchronised), so no stream needs waiting for."""
     buffer = pool.buffers[layer]
     flat = buffer.view(pool.num_pages, -1)
     if buffer.device.type == "cpu":
@@ -90,10 +91,12 @@ def _feed(mac: "hashlib._Hash", pool: KVPool, layer: int, pages: Sequence[int],
             mac.update(memoryview(as_bytes[first:first + end - begin]).cast("B"))
         return
     # Gathered on the device and copied to the host on this thread's side stream, which waits for
-    # `ready` (else for the default stream): not for the forwards queued after the KV was written.
+    # `ready` (else for the default stream, unless `synced`): not for the forwards queued after the
+    # KV was written.
     stream = side_stream(buffer.device)
     with torch.cuda.stream(stream):
-        wait_ready(pool, ready, stream)
+        if not synced:
+            wait_ready(pool, ready, stream)
         index = torch.tensor(list(pages), dtype=torch.long, device=buffer.device)
         host = flat.index_select(0, index).view(torch.uint8).to("cpu")  # (synchronises the side stream)
     mac.update(memoryview(host.numpy()).cast("B"))
@@ -137,14 +140,16 @@ class LayerMacs:
             self.hashed[layer] = page_begin + len(pages)
         return self._hash(pool, todo, list(pages), ready)
 
-    def digest(self, pool: KVPool, pages: Sequence[int]) -> bytes:
+    def digest(self, pool: KVPool, pages: Sequence[int], synced: bool = False) -> bytes:
         """The tag over all of `pages` (this pool's ids, in request-local order): hashes what each
-        layer lacks, then the keyed root over the layer tags. Ends this object's use."""
+        layer lacks, then the keyed root over the layer tags. Ends this object's use. `synced`: the
+        pages' writes are complete (a host-synchronised copy, as decode's landing): on CUDA the
+        reads then wait for no stream (else for the default stream, where the model writes KV)."""
         pages = list(pages)
         tails = []
         for begin in sorted(set(self.hashed)):  # layers that stopped at the same page, together
             todo = [layer for layer, hashed in enumerate(self.hashed) if hashed == begin]
-            tails.append(self._hash(pool, todo, pages[begin:], None))
+            tails.append(self._hash(pool, todo, pages[begin:], None, synced))
         for tail in tails:
             tail.wait()
         root = hashlib.blake2b(key=self.key, digest_size=32, person=b"kv-root")
@@ -153,12 +158,14 @@ class LayerMacs:
             root.update(mac.digest())
         return root.digest()
 
-    def _hash(self, pool: KVPool, layers: list[int], pages: list[int], ready: "torch.cuda.Event | None") -> "Hashing":
+    def _hash(self, pool: KVPool, layers: list[int], pages: list[int], ready: "torch.cuda.Event | None",
+              synced: bool = False) -> "Hashing":
         if not layers or not pages:
             return Hashing([])
         runs = consecutive_runs(pages)
         self.pages_read += len(layers) * len(pages)
-        return Hashing([_pool.submit(_feed, self._macs[layer], pool, layer, pages, runs, ready) for layer in layers])
+        return Hashing([_pool.submit(_feed, self._macs[layer], pool, layer, pages, runs, ready, synced)
+                        for layer in layers])
 
 
 class Hashing:
@@ -173,11 +180,13 @@ class Hashing:
             future.result()
 
 
-def kv_mac(pool: KVPool, pages: Sequence[int], key: bytes, head: bytes, algorithm: str = ALGORITHM) -> bytes:
+def kv_mac(pool: KVPool, pages: Sequence[int], key: bytes, head: bytes, algorithm: str = ALGORITHM,
+           synced: bool = False) -> bytes:
     """The tag of `pages` (this pool's ids, in request-local order) over every layer, after `head`:
     a keyed BLAKE2b per layer (in parallel), then a keyed BLAKE2b over those. Raises ValueError for
-    an algorithm this process does not compute or a key of the wrong size."""
-    return LayerMacs(pool.num_layers, key, head, algorithm).digest(pool, pages)
+    an algorithm this process does not compute or a key of the wrong size. `synced`: as for
+    `LayerMacs.digest`."""
+    return LayerMacs(pool.num_layers, key, head, algorithm).digest(pool, pages, synced)
 
 
 def tags_equal(a: bytes, b: bytes) -> bool:

@@ -214,7 +214,9 @@ class MooncakeSink(KVSink):
                             "checked against writes by strangers on the mooncake ports; upgrade it")
             return
         try:
-            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm)
+            # `land`'s copy was synchronised: the reads wait for no decode step queued meanwhile.
+            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm,
+                                synced=True)
         except ValueError as exc:
             raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot check the KV's MAC: {exc}")) from None
         if not kv_mac.tags_equal(tag, done.kv_mac):

@@ -20,8 +20,9 @@ from deepseek_pd.workers.engine.request_failure import TransferError
 from pdtest import mooncake_stub
 
 
-def _filled_pool(rng: random.Random, num_pages: int, dtype: torch.dtype = torch.bfloat16) -> KVPool:
-    pool = KVPool(rng.randrange(1, 4), num_pages, rng.choice([1, 4, 16]), rng.choice([8, 24]), dtype=dtype)
+def _filled_pool(rng: random.Random, num_pages: int, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> KVPool:
+    pool = KVPool(rng.randrange(1, 4), num_pages, rng.choice([1, 4, 16]), rng.choice([8, 24]), dtype=dtype,
+                  device=device)
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     for buffer in pool.buffers:
         buffer.copy_(torch.randn(buffer.shape, generator=gen))
@@ -78,13 +79,14 @@ def test_the_key_is_bound_to_the_secret_the_room_and_the_handshake():
     assert InternalAuth.insecure().kv_key(7, nonce) is None
 
 
-def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=None, begin: bool | None = None):
+def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=None, begin: bool | None = None,
+              device: str = "cpu"):
     """A mooncake transfer over the stub engine, its bytes copied into the staging slots as the engine
     would write them, then landed (`before_land(receiver, sink)` runs first): (the decode sink, the
     sealed TransferDone, the key, the room, the decode pool, its pages, the receiver)."""
     engines = mooncake_stub.install(monkeypatch)
-    src = _filled_pool(rng, 24)
-    dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype)
+    src = _filled_pool(rng, 24, device=device)
+    dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype, device=device)
     config = TransportConfig(advertise_host="127.0.0.1")
     sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
     count = rng.randrange(1, 8)
@@ -168,9 +170,9 @@ def test_sealing_after_the_sends_reads_no_page(monkeypatch):
     reads: list[tuple[str, int]] = []
     feed = kv_mac._feed
 
-    def traced(mac, pool, layer, pages, runs, ready):
+    def traced(mac, pool, layer, pages, runs, ready, synced=False):
         reads.append((phase[0], len(pages)))
-        feed(mac, pool, layer, pages, runs, ready)
+        feed(mac, pool, layer, pages, runs, ready, synced)
     monkeypatch.setattr(kv_mac, "_feed", traced)
     phase = ["send"]
 

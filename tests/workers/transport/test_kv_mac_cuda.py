@@ -10,6 +10,7 @@ import torch
 
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.transport import kv_mac
+from test_kv_mac import _transfer  # the stub-engine transfer, here between CUDA pools
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(180)]
@@ -72,3 +73,22 @@ def test_a_send_hashes_its_layer_without_waiting_for_the_forward_queued_after_it
         torch.cuda.synchronize()
     assert macs.pages_read == pool.num_layers * len(pages)
     assert macs.digest(pool, pages) == kv_mac.kv_mac(pool, pages, key, head)
+
+
+def test_decodes_check_of_its_landed_copy_waits_for_no_decode_step(monkeypatch):
+    """The decode side MACs the copy `land` made (synchronised on its side stream) while decode steps
+    keep running on the default stream: the check must not wait for the step queued meanwhile (it is
+    on the first token's path), and must MAC the landed bytes."""
+    sink, done, key, room, dst, *_ = _transfer(monkeypatch, random.Random(), begin=True, device="cuda")
+    assert dst.device.type == "cuda"
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):  # warm the MAC threads' streams
+        kv_mac.kv_mac(dst, sink.pages, key, b"", synced=True)
+    torch.cuda.synchronize()
+    for _ in range(40):  # a decode step still queued when the check runs
+        big = (big @ big).tanh_()
+    after = torch.cuda.Event()
+    after.record()
+    sink.check_sealed(done, key, room)
+    assert not after.query(), "the check waited for the decode step queued after the landing"
+    assert sink.failed is None
