@@ -31,6 +31,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.sampling.noise import counter_uniforms, token_offsets
 from deepseek_pd.model.sampling.ops import choose, gumbel, penalise, scale, top_logprobs, truncation_mask
 from deepseek_pd.model.sampling.state import SamplingState
@@ -133,7 +134,7 @@ class SamplingBatch:
         placed = [s for s in states if s._row is not None]
         penalised = [s for s in placed if s.penalised]
         if penalised:
-            rows = _upload(torch.tensor([s._row for s in penalised], dtype=torch.int64), self.device)
+            rows = upload(torch.tensor([s._row for s in penalised], dtype=torch.int64), self.device)
             block = self._tables.counts.index_select(0, rows)  # one copy for all of them
             for i, state in enumerate(penalised):
                 state._counts = block[i]
@@ -317,20 +318,12 @@ def _pack(device: torch.device, *parts: torch.Tensor) -> list[torch.Tensor]:
     Give the 8-byte dtypes first so each view stays aligned for its dtype.
     """
     raw = [p.contiguous().view(torch.uint8) for p in parts]
-    packed = _upload(torch.cat(raw), device)
+    packed = upload(torch.cat(raw), device)
     views, offset = [], 0
     for part, chunk in zip(parts, raw):
         views.append(packed[offset:offset + chunk.numel()].view(part.dtype))
         offset += chunk.numel()
     return views
-
-
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor to `device` without waiting: pinned, so the copy is asynchronous and the caching
-    host allocator keeps the buffer until the copy has run."""
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _normalise(device: torch.device) -> torch.device:

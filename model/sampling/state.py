@@ -27,6 +27,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.sampling.noise import seed_key
 from deepseek_pd.model.sampling.params import SamplingParams
 
@@ -75,7 +76,7 @@ class SamplingState:
         a `SamplingBatch` builds its rows' from `prompt_token_ids` instead, all in one go)."""
         if self._prompt_mask is None and self.params.repetition_penalty != 1.0:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self._device)
-            mask[torch.from_numpy(self.prompt_token_ids()).to(self._device)] = True
+            mask[upload(torch.from_numpy(self.prompt_token_ids()), self._device)] = True
             self._prompt_mask = mask
         return self._prompt_mask
 
@@ -95,8 +96,8 @@ class SamplingState:
         if self._counts is None and self.penalised:
             counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=self._device)
             if self._recorded:
-                counts.index_put_((torch.tensor(self._recorded, device=self._device),),
-                                  torch.ones(len(self._recorded), device=self._device), accumulate=True)
+                counts.index_put_((upload(torch.tensor(self._recorded, dtype=torch.int64), self._device),),
+                                  torch.ones((), device=self._device), accumulate=True)
             self._counts, self._recorded = counts, []
         return self._counts
 
