@@ -198,8 +198,10 @@ class KVPush:
         done = pb.TransferDone(
             first_token_id=first_token_id, first_token_logprob=logprob, num_pages=self.plan.num_pages,
             cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent)
-        if self.room.kv_key is not None:  # what `begin_seal` left unread (usually nothing): off the loop
+        if self.room.kv_key is not None and self.channel.seal_reads():  # KV to read (a MAC): off the loop
             await asyncio.to_thread(self.channel.seal, done, self.room.kv_key, self.room.room_id)
+        elif self.room.kv_key is not None:  # only a digest of what the sends hashed: no thread hop, nor
+            self.channel.seal(done, self.room.kv_key, self.room.room_id)  # a queue behind other transfers'
         put_first_top(done, top)
         if draft is not None:
             done.mtp_draft_token_id = draft[0]

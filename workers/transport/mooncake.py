@@ -302,6 +302,10 @@ class MooncakeChannel(SendChannel):
                                           self._mac_algorithm)
             self._mac_room = room
 
+    def seal_reads(self) -> bool:
+        return self._mac_algorithm is not None and (
+            self._macs is None or min(self._macs.hashed, default=0) < len(self.dst_pages))
+
     def seal(self, done: pb.TransferDone, key: bytes, room: int) -> None:
         if self._mac_algorithm is None:  # an older decode worker, which checks no MAC
             return
