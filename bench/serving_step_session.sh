@@ -24,12 +24,6 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
         "$REPO/tests/workers/engine/test_extend_step_cuda.py" \
         "$REPO/tests/workers/test_gpu_chunk_default.py" 2>&1) | tee "$OUT/tests.log"
 fi
-if [ "$PART" = all ] || [ "$PART" = bench ]; then
-    cd /tmp || exit 1
-    timeout "${BENCH_TIMEOUT:-420}" python3 "$REPO/bench/prefill_step_ratio.py" --device cuda --shape v2-lite \
-        --tokens "${TOKENS:-789}" --repeats "${REPEATS:-16}" --also-without-inference-mode --trace "$OUT/trace" \
-        --json "$OUT/step.json" 2>&1 | grep -v "^USDT" | tee "$OUT/step.log"
-fi
 if [ "$PART" = all ] || [ "$PART" = mac ]; then
     (cd /tmp && timeout "${MAC_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider -rs --durations=5 \
         "$REPO/tests/workers/transport/test_kv_mac_cuda.py" \
@@ -37,6 +31,12 @@ if [ "$PART" = all ] || [ "$PART" = mac ]; then
     (cd /tmp && timeout 60 python3 "$REPO/bench/kv_mac_finish.py" --device cuda --tokens 4096 --layerwise \
         --json "$OUT/kv_mac_finish.json" 2>&1; timeout 60 python3 "$REPO/bench/kv_mac_finish.py" --device cuda \
         --tokens 4096 2>&1) | tee "$OUT/kv_mac_finish.log"
+fi
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
+    cd /tmp || exit 1
+    timeout "${BENCH_TIMEOUT:-420}" python3 "$REPO/bench/prefill_step_ratio.py" --device cuda --shape v2-lite \
+        --tokens "${TOKENS:-789}" --repeats "${REPEATS:-16}" --also-without-inference-mode --trace "$OUT/trace" \
+        --json "$OUT/step.json" 2>&1 | grep -v "^USDT" | tee "$OUT/step.log"
 fi
 if [ "$PART" = penalty ]; then
     cd /tmp || exit 1
