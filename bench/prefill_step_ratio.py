@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also pairs with the model thread as before, in turn with the others on each prompt")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
                         help="torch.profiler over the last 3 pairs: a Chrome trace and the ops' table in DIR")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="every request's (1: none); with one, both workers open penalised requests "
+                             "(their sampling tables built on the model thread, not the event loop)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="write cProfile's top functions of the worker's model thread and event loop")
@@ -221,7 +224,8 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args, modes: list
     holder = [results[modes[0]]]
     rooms = iter(range(1, 1 << 30))
     try:
-        params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True,
+                                repetition_penalty=args.repetition_penalty)
 
         async def one(prompt: list[int]) -> None:
             room = next(rooms)
@@ -349,12 +353,13 @@ def main(argv=None) -> dict:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"\nprefill worker step vs runner: {args.tokens}-token prompts, {path}, {args.device} ({name}), "
           f"{args.dtype}, page {args.page_size}, layer-wise {args.layerwise}, same_host_direct {args.same_host_direct}, "
+          f"repetition penalty {args.repetition_penalty}, "
           f"{args.repeats} requests at concurrency 1 per mode, the modes in turn (medians)")
     labels = {"inference": "model thread in inference mode", "as_before": "model thread without inference mode (as before)"}
     result = {"tokens": args.tokens, "model": path, "device": args.device, "device_name": name,
               "dtype": args.dtype, "page_size": args.page_size, "inference_mode": not args.no_inference_mode,
               "layerwise": args.layerwise, "same_host_direct": args.same_host_direct,
-              **summary(runs[modes[0]], labels[modes[0]])}
+              "repetition_penalty": args.repetition_penalty, **summary(runs[modes[0]], labels[modes[0]])}
     result["check"] = check(f"prefill worker step / runner extend, {args.tokens} tokens, c=1", result["ratio"],
                             "<=", TARGET)
     if len(modes) > 1:

@@ -7,7 +7,13 @@
 # written first): bench/prefill_step_ratio.py, the prefill worker's step against its runner's in one
 # process at 789 tokens, with the model thread in inference mode and as before (in turn on each
 # prompt), and a torch trace of the last pairs.
-# PART=all (default) runs both. No wheels needed (the byte stream's crc32 falls back to zlib).
+# PART=mac (about 1 min): the mooncake KV MAC's GPU tests (each send hashes its layer on a side stream
+# after its event; decode's check waits for no decode step) and bench/kv_mac_finish.py, what is left
+# of the MAC at `finish` against the one-shot MAC of a 4k-token V2-Lite prompt; the sampling batch's
+# GPU tests (no sync in `sample`, penalty tables built on the sampling thread).
+# PART=penalty (about 3 min, not in all): prefill_step_ratio.py with a repetition penalty on every
+# request (sampling tables built on the model thread, not the event loop), 8 requests.
+# PART=all (default) runs tests, bench and mac. No wheels needed (the byte stream's crc32 falls back to zlib).
 source "$(dirname "$0")/gpu_setup.sh"
 REPO=$PWD
 PART=${PART:-all}
@@ -18,9 +24,23 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
         "$REPO/tests/workers/engine/test_extend_step_cuda.py" \
         "$REPO/tests/workers/test_gpu_chunk_default.py" 2>&1) | tee "$OUT/tests.log"
 fi
+if [ "$PART" = all ] || [ "$PART" = mac ]; then
+    (cd /tmp && timeout "${MAC_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider -rs --durations=5 \
+        "$REPO/tests/workers/transport/test_kv_mac_cuda.py" \
+        "$REPO/tests/model/sampling/test_sampling_batch.py" 2>&1) | tee "$OUT/mac_tests.log"
+    (cd /tmp && timeout 60 python3 "$REPO/bench/kv_mac_finish.py" --device cuda --tokens 4096 --layerwise \
+        --json "$OUT/kv_mac_finish.json" 2>&1; timeout 60 python3 "$REPO/bench/kv_mac_finish.py" --device cuda \
+        --tokens 4096 2>&1) | tee "$OUT/kv_mac_finish.log"
+fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
     cd /tmp || exit 1
     timeout "${BENCH_TIMEOUT:-420}" python3 "$REPO/bench/prefill_step_ratio.py" --device cuda --shape v2-lite \
         --tokens "${TOKENS:-789}" --repeats "${REPEATS:-16}" --also-without-inference-mode --trace "$OUT/trace" \
         --json "$OUT/step.json" 2>&1 | grep -v "^USDT" | tee "$OUT/step.log"
+fi
+if [ "$PART" = penalty ]; then
+    cd /tmp || exit 1
+    timeout "${BENCH_TIMEOUT:-300}" python3 "$REPO/bench/prefill_step_ratio.py" --device cuda --shape v2-lite \
+        --tokens "${TOKENS:-789}" --repeats "${REPEATS:-8}" --repetition-penalty 1.1 \
+        --json "$OUT/step_penalty.json" 2>&1 | grep -v "^USDT" | tee "$OUT/step_penalty.log"
 fi

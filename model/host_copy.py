@@ -1,4 +1,5 @@
-"""`HostCopy`: a device tensor's values on the host, copied without blocking the thread that asked.
+"""`HostCopy`: a device tensor's values on the host, copied without blocking the thread that asked;
+`upload`: the other way.
 
 A decode step ends with ONE device-to-host copy (the sampled token ids and their logprobs packed in
 one tensor). `start` queues the copy into a pinned buffer behind the work that produces the
@@ -32,3 +33,13 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self._host
+
+
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without waiting: pinned, so the copy is asynchronous (queued on the
+    current stream, behind nothing the thread waits for) and the caching host allocator keeps the
+    buffer until it has run. On the CPU, `host` itself."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable
 
+import numpy as np
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.sampling.noise import counter_uniforms, token_offsets
 from deepseek_pd.model.sampling.ops import choose, gumbel, penalise, scale, top_logprobs, truncation_mask
 from deepseek_pd.model.sampling.state import SamplingState
@@ -132,7 +134,7 @@ class SamplingBatch:
         placed = [s for s in states if s._row is not None]
         penalised = [s for s in placed if s.penalised]
         if penalised:
-            rows = _upload(torch.tensor([s._row for s in penalised], dtype=torch.int64), self.device)
+            rows = upload(torch.tensor([s._row for s in penalised], dtype=torch.int64), self.device)
             block = self._tables.counts.index_select(0, rows)  # one copy for all of them
             for i, state in enumerate(penalised):
                 state._counts = block[i]
@@ -235,14 +237,18 @@ class SamplingBatch:
         top_counts = tuple(s.params.top_logprobs_num for s in states)
         ints = torch.tensor([(s.packed_ints[0], s.num_sampled, s.packed_ints[1]) for s in states],
                             dtype=torch.int64)
+        # New rows' penalty tables are built here, on the thread that samples, from host ids: a state
+        # holds no device tensor until then (it is made on the event loop, SamplingState.create).
+        prompt_cells, recorded_cells = _cells(fresh)
         parts = _pack(self.device, ints.view(-1), torch.tensor(survivors if gather else [], dtype=torch.int64),
-                      torch.tensor(seeded, dtype=torch.int64),
+                      torch.tensor(seeded, dtype=torch.int64), prompt_cells.view(-1), recorded_cells.view(-1),
                       torch.tensor([s.packed_floats for s in states], dtype=torch.float32).view(-1))
-        ints_dev, survivor_rows, seeded_rows, floats = parts
+        ints_dev, survivor_rows, seeded_rows, prompt_cells, recorded_cells, floats = parts
         ints_dev = ints_dev.view(n, _INT_COLUMNS)
         counts = prompt = None
         if any_penalised:
-            counts, prompt = self._penalty_tables(old, survivor_rows, k if gather else 0, states, fresh)
+            counts, prompt = self._penalty_tables(old, survivor_rows, k if gather else 0, states, fresh,
+                                                  prompt_cells.view(2, -1), recorded_cells.view(2, -1))
         self._tables = _Tables(
             floats=floats.view(n, len(FloatColumn)),
             keys=ints_dev[:, 0], steps=ints_dev[:, 1], top_k=ints_dev[:, 2], counts=counts, prompt=prompt,
@@ -257,8 +263,10 @@ class SamplingBatch:
         self._dirty = False
 
     def _penalty_tables(self, old: _Tables | None, survivor_rows: torch.Tensor, gathered: int,
-                        states: list[SamplingState], fresh: list[SamplingState]
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        states: list[SamplingState], fresh: list[SamplingState], prompt_cells: torch.Tensor,
+                        recorded_cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`[B, V]` counts and prompt tables: survivors' rows gathered from `old`, new rows' from their
+        states and the `(new row, token)` cells of their prompts and recorded tokens (`_cells`)."""
         vocab, device = self.vocab_size, self.device
         zeros = torch.zeros(vocab, dtype=torch.float32, device=device)
         parts = []
@@ -268,13 +276,40 @@ class SamplingBatch:
         elif kept:  # no survivor was penalised, so their counts are all zero
             parts.append(torch.zeros(kept, vocab, dtype=torch.float32, device=device))
         if fresh:
-            parts.append(torch.stack([s._counts if s._counts is not None else zeros for s in fresh]))
+            block = torch.stack([s._counts if s._counts is not None else zeros for s in fresh])
+            if recorded_cells.shape[1]:
+                block.index_put_((recorded_cells[0], recorded_cells[1]),
+                                 torch.ones((), dtype=torch.float32, device=device), accumulate=True)
+            parts.append(block)
         counts = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if not any(s.prompt_mask is not None for s in states):
+        if not any(s.params.repetition_penalty != 1.0 for s in states):
             return counts, None
-        no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-        prompt = torch.stack([s.prompt_mask if s.prompt_mask is not None else no_prompt for s in states])
-        return counts, prompt
+        parts = []
+        if gathered and old.prompt is not None:
+            parts.append(old.prompt.index_select(0, survivor_rows))
+        elif kept:  # no survivor has a repetition penalty
+            parts.append(torch.zeros(kept, vocab, dtype=torch.bool, device=device))
+        if fresh:
+            block = torch.zeros(len(fresh), vocab, dtype=torch.bool, device=device)
+            block.index_put_((prompt_cells[0], prompt_cells[1]), torch.ones((), dtype=torch.bool, device=device))
+            parts.append(block)
+        return (counts, torch.cat(parts) if len(parts) > 1 else parts[0])
+
+
+def _cells(fresh: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[2, N]` int64 host tables of (row among `fresh`, token) cells: each new row's prompt tokens
+    (repetition penalty) and the tokens recorded into it before it had counts (taken from it)."""
+    prompt, recorded = [np.empty((2, 0), dtype=np.int64)], [np.empty((2, 0), dtype=np.int64)]
+    for row, state in enumerate(fresh):
+        if not state.penalised:
+            continue
+        ids = state.prompt_token_ids()
+        if ids.size:
+            prompt.append(np.stack([np.full_like(ids, row), ids]))
+        tokens = state.take_recorded() if state._counts is None else []
+        if tokens:
+            recorded.append(np.array([[row] * len(tokens), tokens], dtype=np.int64))
+    return torch.from_numpy(np.concatenate(prompt, axis=1)), torch.from_numpy(np.concatenate(recorded, axis=1))
 
 
 def _pack(device: torch.device, *parts: torch.Tensor) -> list[torch.Tensor]:
@@ -283,20 +318,12 @@ def _pack(device: torch.device, *parts: torch.Tensor) -> list[torch.Tensor]:
     Give the 8-byte dtypes first so each view stays aligned for its dtype.
     """
     raw = [p.contiguous().view(torch.uint8) for p in parts]
-    packed = _upload(torch.cat(raw), device)
+    packed = upload(torch.cat(raw), device)
     views, offset = [], 0
     for part, chunk in zip(parts, raw):
         views.append(packed[offset:offset + chunk.numel()].view(part.dtype))
         offset += chunk.numel()
     return views
-
-
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor to `device` without waiting: pinned, so the copy is asynchronous and the caching
-    host allocator keeps the buffer until the copy has run."""
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _normalise(device: torch.device) -> torch.device:

@@ -6,7 +6,9 @@ sits in a `SamplingBatch` the batch owns both on the device and advances them in
 the state's properties read them through the batch, so they are right at any time with no
 per-step host work. Removing it from the batch writes them back, so it can join another batch
 (e.g. the prefill worker samples step 0, the decode batch continues at step 1) and go on exactly
-as if it had stayed.
+as if it had stayed. `create` and `record` outside a batch do no device work (they run on the
+worker's event loop): the prompt mask and counts are built by whoever first reads them, in practice
+the model thread (a batch builds all its new rows' at once from `prompt_token_ids`).
 
 Example, a request in the decode worker whose first token came from the prefill worker:
 
@@ -22,8 +24,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.sampling.noise import seed_key
 from deepseek_pd.model.sampling.params import SamplingParams
 
@@ -46,8 +50,12 @@ class SamplingState:
 
     params: SamplingParams
     vocab_size: int
-    prompt_mask: torch.Tensor | None = None  # [V] bool, only when repetition_penalty != 1
-    _counts: torch.Tensor | None = field(default=None, repr=False)  # [V] fp32 while no batch holds it
+    _prompt_ids: Sequence[int] = field(default=(), repr=False)  # for `prompt_mask`, built on first use
+    _device: torch.device | str = "cpu"
+    _prompt_mask: torch.Tensor | None = field(default=None, repr=False)
+    # [V] fp32 while no batch holds it; None outside a batch: zeros plus `_recorded`, not yet built
+    _counts: torch.Tensor | None = field(default=None, repr=False)
+    _recorded: list[int] = field(default_factory=list, repr=False)  # tokens `record`ed before `_counts` exists
     _steps: int = 0  # draws so far, as of joining the batch's tables (or all of them outside one)
     _host_tokens: int = 0  # tokens the host has appended (see `append`)
     _batch: RowOwner | None = field(default=None, repr=False)
@@ -57,15 +65,41 @@ class SamplingState:
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
                device: torch.device | str = "cpu") -> "SamplingState":
-        state = cls(params, vocab_size)
-        if params.repetition_penalty != 1.0:
-            mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)
-            mask[ids[(ids >= 0) & (ids < vocab_size)]] = True
-            state.prompt_mask = mask
-        if state.penalised:
-            state._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        return state
+        """Builds no tensor: a penalised request's `[V]` tables on `device` are made where they are
+        first read (`prompt_mask`, `output_counts`: the model thread, as its batch takes the row), not
+        on the event loop that opens the request. `prompt_ids` is kept, not copied: leave it unchanged."""
+        return cls(params, vocab_size, prompt_ids if params.repetition_penalty != 1.0 else (), device)
+
+    @property
+    def prompt_mask(self) -> torch.Tensor | None:
+        """`[V]` bool, the prompt's tokens, only when repetition_penalty != 1 (built on first read;
+        a `SamplingBatch` builds its rows' from `prompt_token_ids` instead, all in one go)."""
+        if self._prompt_mask is None and self.params.repetition_penalty != 1.0:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self._device)
+            mask[upload(torch.from_numpy(self.prompt_token_ids()), self._device)] = True
+            self._prompt_mask = mask
+        return self._prompt_mask
+
+    def prompt_token_ids(self) -> np.ndarray:
+        """The prompt's token ids inside the vocabulary, as int64 (empty without a repetition penalty)."""
+        ids = np.asarray(self._prompt_ids, dtype=np.int64).reshape(-1)
+        return ids[(ids >= 0) & (ids < self.vocab_size)]
+
+    def take_recorded(self) -> list[int]:
+        """The tokens `record`ed since the counts were last built (for a batch that builds them)."""
+        recorded, self._recorded = self._recorded, []
+        return recorded
+
+    def own_counts(self) -> torch.Tensor | None:
+        """`[V]` fp32 output-token counts held outside any batch (built on first read; None without
+        penalties)."""
+        if self._counts is None and self.penalised:
+            counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=self._device)
+            if self._recorded:
+                counts.index_put_((upload(torch.tensor(self._recorded, dtype=torch.int64), self._device),),
+                                  torch.ones((), device=self._device), accumulate=True)
+            self._counts, self._recorded = counts, []
+        return self._counts
 
     # ---- what the request asks for (host knowledge, fixed for its life) ----
 
@@ -124,7 +158,7 @@ class SamplingState:
         `.clone()` it to keep it.
         """
         if self._row is None:
-            return self._counts
+            return self.own_counts()
         return self._batch.counts_row(self._row) if self.penalised else None
 
     @property
@@ -144,6 +178,8 @@ class SamplingState:
             self._steps += 1
             if self._counts is not None:
                 self._counts[token_id] += 1
+            elif self.penalised:  # host only (the decode worker records its first token on the event loop)
+                self._recorded.append(token_id)
         self._host_tokens += 1
 
     def append(self, token_id: int) -> None:

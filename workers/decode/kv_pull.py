@@ -56,10 +56,15 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
         check_first_token(done, vocab_size, rid)
         check_first_top(done, vocab_size, top_logprobs_num, rid)
     # Only now that no writer reaches the pages: a stranger's write into the transfer fails it here.
-    await asyncio.to_thread(sink.check_sealed, done, client.config.auth.kv_key(params.bootstrap_room,
-                                                                                handshake.auth.nonce),
-                            params.bootstrap_room)
-    await asyncio.to_thread(check_kv_finite, receiver.pool, pages, rid)
+    # Both checks only read the pages, so they run side by side (both on the first token's path);
+    # the MAC's verdict wins when both refuse (a stranger's NaN is a stranger's write).
+    key = client.config.auth.kv_key(params.bootstrap_room, handshake.auth.nonce)
+    outcomes = await asyncio.gather(
+        asyncio.to_thread(sink.check_sealed, done, key, params.bootstrap_room),
+        asyncio.to_thread(check_kv_finite, receiver.pool, pages, rid), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
     seconds = max(time.monotonic() - started, 1e-9)
     log.debug("%s: received %d bytes of KV for %d tokens (%d cached on prefill) in %.3fs, %.3f GB/s "
               "including prefill compute; %s", rid, done.bytes_sent, num_tokens, done.cached_tokens, seconds,

@@ -97,6 +97,8 @@ class KVPush:
             await self.sender.prepare(handshake)
             self.channel = self.sender.open(handshake, self.room.emit_chunk, streams=self.room.kv_streams)
             self.channel.wait_landed = self.room.wait_landed  # (mooncake windows wait for decode's copies)
+            if self.room.kv_key is not None:  # (mooncake: MACs each send as it goes, off `finish`)
+                self.channel.begin_seal(self.room.kv_key, self.room.room_id)
         except RequestFailure as exc:  # the decode side gets the same reason
             self.room.fail(exc.code, exc.message)
             raise
@@ -197,8 +199,10 @@ class KVPush:
         done = pb.TransferDone(
             first_token_id=first_token_id, first_token_logprob=logprob, num_pages=self.plan.num_pages,
             cached_tokens=cached_tokens, bytes_sent=self.channel.bytes_sent)
-        if self.room.kv_key is not None:  # one read of the KV: off the loop
+        if self.room.kv_key is not None and self.channel.seal_reads():  # KV to read (a MAC): off the loop
             await asyncio.to_thread(self.channel.seal, done, self.room.kv_key, self.room.room_id)
+        elif self.room.kv_key is not None:  # only a digest of what the sends hashed: no thread hop, nor
+            self.channel.seal(done, self.room.kv_key, self.room.room_id)  # a queue behind other transfers'
         put_first_top(done, top)
         if draft is not None:
             done.mtp_draft_token_id = draft[0]

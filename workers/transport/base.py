@@ -169,8 +169,17 @@ class SendChannel(abc.ABC):
                                 f"layers [{layer_begin}, {end}) are outside the model's {self.pool.num_layers}")
         return range(layer_begin, end)
 
+    def begin_seal(self, key: bytes, room: int) -> None:
+        """Before the first send: the transfer will be sealed with `key` (`seal`), so the channel may
+        build its proof as the pages go out rather than all at once at the end. Nothing by default."""
+
+    def seal_reads(self) -> bool:
+        """Whether `seal` still has KV to read (then it runs in a worker thread); False: it is quick
+        enough for the event loop (nothing to prove, or only a digest of what the sends hashed)."""
+        return False
+
     def seal(self, done: pb.TransferDone, key: bytes, room: int) -> None:
-        """After the last send, in a worker thread: adds to `done` (signed after this) the proof of the
+        """After the last send (in a worker thread when `seal_reads`): adds to `done` (signed after this) the proof of the
         bytes sent that the decode side checks in `KVSink.check_sealed` (mooncake: a keyed MAC,
         kv_mac.py). `key`: the transfer's one-time key. Nothing by default."""
 

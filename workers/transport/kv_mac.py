@@ -24,7 +24,9 @@ thread is the scheduler; hashlib's BLAKE2b releases it (the same thread ticked e
 the layers hash in parallel on spare cores without touching the decode steps.
 
 Cost: one read of the prompt's KV on each side, once per transfer, in worker threads off the GIL:
-off the decode steps, on the first token's path. Measured (test_kv_mac.py's bench, CPU pool read
+off the decode steps. The prefill side reads each send's pages beside its write (`LayerMacs`, from
+`MooncakeChannel.begin_seal`), so its seal at `finish`, on the first token's path, only digests
+(bench/kv_mac_finish.py); the decode side reads its private copy after the TransferDone. Measured (test_kv_mac.py's bench, CPU pool read
 in place, 2 shared CI cores): ~1.1 ms of CPU per MB (~0.9 GB/s a core), divided by the threads
 (up to 8, half the cores); a 4k-token V2-Lite prompt (127 MB) is ~140 ms of CPU per side, ~20 ms
 of wall time on 8 free cores. A CUDA pool's pages are gathered on the
@@ -44,13 +46,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
 
 from deepseek_pd.model.kv.pool import KVPool
-from deepseek_pd.workers.transport.page_io import consecutive_runs
+from deepseek_pd.workers.transport.page_io import consecutive_runs, side_stream, wait_ready
 
 KEY_BYTES = 32
 ALGORITHM = "blake2b-layers"
@@ -70,37 +72,121 @@ def header(room: int, dst_pages: Sequence[int]) -> bytes:
     return f"room={room};pages={','.join(map(str, dst_pages))}".encode()
 
 
-def _layer_tag(buffer: torch.Tensor, num_pages: int, layer: int, pages: Sequence[int],
-               runs: list[tuple[int, int, int]], key: bytes, head: bytes) -> bytes:
-    mac = hashlib.blake2b(key=key, digest_size=32, person=b"kv-layer")
-    mac.update(head + b"\x00" + layer.to_bytes(4, "little"))
-    flat = buffer.view(num_pages, -1)
-    if buffer.device.type == "cpu":
-        as_bytes = flat.view(torch.uint8).numpy()
-        for begin, end, first in runs:
-            mac.update(memoryview(as_bytes[first:first + end - begin]).cast("B"))
-    else:  # gathered on the device, copied to the host (the copy also releases the GIL)
-        index = torch.tensor(list(pages), dtype=torch.long, device=buffer.device)
-        mac.update(memoryview(flat.index_select(0, index).view(torch.uint8).cpu().numpy()).cast("B"))
-    return mac.digest()
-
-
-def kv_mac(pool: KVPool, pages: Sequence[int], key: bytes, head: bytes, algorithm: str = ALGORITHM) -> bytes:
-    """The tag of `pages` (this pool's ids, in request-local order) over every layer, after `head`:
-    a keyed BLAKE2b per layer (in parallel), then a keyed BLAKE2b over those. Raises ValueError for
-    an algorithm this process does not compute or a key of the wrong size."""
+def _check(key: bytes, algorithm: str) -> None:
     if algorithm != ALGORITHM:
         raise ValueError(f"KV MAC algorithm {algorithm!r} is not available here (have: {', '.join(algorithms())})")
     if len(key) != KEY_BYTES:
         raise ValueError(f"a KV MAC key has {KEY_BYTES} bytes, got {len(key)}")
-    runs = consecutive_runs(pages)
-    layer_tags = _pool.map(lambda item: _layer_tag(item[1], pool.num_pages, item[0], pages, runs, key, head),
-                           enumerate(pool.buffers))
-    root = hashlib.blake2b(key=key, digest_size=32, person=b"kv-root")
-    root.update(head)
-    for tag in layer_tags:
-        root.update(tag)
-    return root.digest()
+
+
+def _feed(mac: "hashlib._Hash", pool: KVPool, layer: int, pages: Sequence[int],
+          runs: list[tuple[int, int, int]], ready: "torch.cuda.Event | None", synced: bool = False) -> None:
+    """Hashes `pages` of one layer, in order, into `mac`. `synced`: their last write is complete
+    (host-synchronised), so no stream needs waiting for."""
+    buffer = pool.buffers[layer]
+    flat = buffer.view(pool.num_pages, -1)
+    if buffer.device.type == "cpu":
+        as_bytes = flat.view(torch.uint8).numpy()
+        for begin, end, first in runs:
+            mac.update(memoryview(as_bytes[first:first + end - begin]).cast("B"))
+        return
+    # Gathered on the device and copied to the host on this thread's side stream, which waits for
+    # `ready` (else for the default stream, unless `synced`): not for the forwards queued after the
+    # KV was written.
+    stream = side_stream(buffer.device)
+    with torch.cuda.stream(stream):
+        if not synced:
+            wait_ready(pool, ready, stream)
+        index = torch.tensor(list(pages), dtype=torch.long, device=buffer.device)
+        host = flat.index_select(0, index).view(torch.uint8).to("cpu")  # (synchronises the side stream)
+    mac.update(memoryview(host.numpy()).cast("B"))
+
+
+class LayerMacs:
+    """The tag of one transfer, built as its pages go out, so that `digest` (on the first token's
+    path) has only what was not yet hashed left to read.
+
+    `update` hashes request-local pages `[page_begin, page_begin + len(pages))` of some layers; a layer
+    takes them only if they continue what it has hashed (a page range sent out of order is read
+    again by `digest`, as is every page no `update` saw). The tag is the same whatever the cut:
+
+        macs = LayerMacs(pool.num_layers, key, head)
+        macs.update(pool, range(0, 1), 0, [7, 8])         # layer 0 of pages 0-1, as it went out
+        macs.update(pool, range(1, 27), 0, [7, 8])        # the other layers of them
+        macs.digest(pool, [7, 8, 3]) == kv_mac(pool, [7, 8, 3], key, head)   # reads page 2 only
+
+    Calls must not overlap (a channel's sends are sequential); each reads what the pool holds then,
+    so a page is hashed as it was sent (a sent page is complete: SendPlan).
+    """
+
+    def __init__(self, num_layers: int, key: bytes, head: bytes, algorithm: str = ALGORITHM) -> None:
+        _check(key, algorithm)
+        self.key, self.head = key, head
+        self._macs = []
+        for layer in range(num_layers):
+            mac = hashlib.blake2b(key=key, digest_size=32, person=b"kv-layer")
+            mac.update(head + b"\x00" + layer.to_bytes(4, "little"))
+            self._macs.append(mac)
+        self.hashed = [0] * num_layers  # request-local pages each layer has hashed, from page 0
+        self.pages_read = 0  # (layer, page) cells read so far, by `update` and `digest`
+
+    def update(self, pool: KVPool, layers: range, page_begin: int, pages: Sequence[int],
+               ready: "torch.cuda.Event | None" = None) -> "Hashing":
+        """Starts hashing `pages` (this pool's ids of request-local pages from `page_begin`) of
+        `layers`, the layers in parallel in the MAC's threads, and returns at once: the caller does its
+        write meanwhile, then `wait`s. `ready` (CUDA): an event recorded after their KV was written."""
+        todo = [layer for layer in layers if self.hashed[layer] == page_begin]
+        for layer in todo:
+            self.hashed[layer] = page_begin + len(pages)
+        return self._hash(pool, todo, list(pages), ready)
+
+    def digest(self, pool: KVPool, pages: Sequence[int], synced: bool = False) -> bytes:
+        """The tag over all of `pages` (this pool's ids, in request-local order): hashes what each
+        layer lacks, then the keyed root over the layer tags. Ends this object's use. `synced`: the
+        pages' writes are complete (a host-synchronised copy, as decode's landing): on CUDA the
+        reads then wait for no stream (else for the default stream, where the model writes KV)."""
+        pages = list(pages)
+        tails = []
+        for begin in sorted(set(self.hashed)):  # layers that stopped at the same page, together
+            todo = [layer for layer, hashed in enumerate(self.hashed) if hashed == begin]
+            tails.append(self._hash(pool, todo, pages[begin:], None, synced))
+        for tail in tails:
+            tail.wait()
+        root = hashlib.blake2b(key=self.key, digest_size=32, person=b"kv-root")
+        root.update(self.head)
+        for mac in self._macs:
+            root.update(mac.digest())
+        return root.digest()
+
+    def _hash(self, pool: KVPool, layers: list[int], pages: list[int], ready: "torch.cuda.Event | None",
+              synced: bool = False) -> "Hashing":
+        if not layers or not pages:
+            return Hashing([])
+        runs = consecutive_runs(pages)
+        self.pages_read += len(layers) * len(pages)
+        return Hashing([_pool.submit(_feed, self._macs[layer], pool, layer, pages, runs, ready, synced)
+                        for layer in layers])
+
+
+class Hashing:
+    """Layers being hashed in the MAC's threads (`LayerMacs.update`)."""
+
+    def __init__(self, futures: list[Future]) -> None:
+        self._futures = futures
+
+    def wait(self) -> None:
+        """Returns once every layer is hashed; raises the first error."""
+        for future in self._futures:
+            future.result()
+
+
+def kv_mac(pool: KVPool, pages: Sequence[int], key: bytes, head: bytes, algorithm: str = ALGORITHM,
+           synced: bool = False) -> bytes:
+    """The tag of `pages` (this pool's ids, in request-local order) over every layer, after `head`:
+    a keyed BLAKE2b per layer (in parallel), then a keyed BLAKE2b over those. Raises ValueError for
+    an algorithm this process does not compute or a key of the wrong size. `synced`: as for
+    `LayerMacs.digest`."""
+    return LayerMacs(pool.num_layers, key, head, algorithm).digest(pool, pages, synced)
 
 
 def tags_equal(a: bytes, b: bytes) -> bool:

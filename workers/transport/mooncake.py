@@ -282,7 +282,9 @@ class MooncakeSink(KVSink):
                             "checked against writes by strangers on the mooncake ports; upgrade it")
             return
         try:
-            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm)
+            # `land`'s copy was synchronised: the reads wait for no decode step queued meanwhile.
+            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm,
+                                synced=True)
         except ValueError as exc:
             raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot check the KV's MAC: {exc}")) from None
         if not kv_mac.tags_equal(tag, done.kv_mac):
@@ -339,6 +341,8 @@ class MooncakeChannel(SendChannel):
         self._emit = emit
         self._seq = 0  # the stream's chunk numbers: window reports
         self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
+        self._macs: kv_mac.LayerMacs | None = None  # `begin_seal`: the MAC, as the sends go out
+        self._mac_room: int | None = None
         self._mac_algorithm = next((name for name in destination.kv_mac_algorithms
                                     if name in kv_mac.algorithms()), None)
         if destination.kv_mac_algorithms and self._mac_algorithm is None:
@@ -354,8 +358,8 @@ class MooncakeChannel(SendChannel):
         if self.window:
             await self._send_windows(list(src_pages), page_begin, layers, ready)
         else:
-            await self._write_pages(layers, list(src_pages), self.dst_pages[page_begin:page_begin + len(src_pages)],
-                                    ready)
+            await self._write_pages(layers, page_begin, list(src_pages),
+                                    self.dst_pages[page_begin:page_begin + len(src_pages)], ready)
         self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
 
     async def _send_windows(self, src_pages: list[int], page_begin: int, layers: range, ready) -> None:
@@ -370,34 +374,59 @@ class MooncakeChannel(SendChannel):
             first, end = page_begin + begin, page_begin + min(begin + step, len(src_pages))
             if end - self.window > 0:  # page i's slot held page i - window until decode copied it out
                 await self.wait_landed(end - self.window, self.timeout_s)
-            await self._write_pages(layers, src_pages[begin:begin + step], self.dst_pages[first:end], ready)
+            await self._write_pages(layers, first, src_pages[begin:begin + step], self.dst_pages[first:end], ready)
             self._seq += 1
             header = ChunkHeader(layer_begin=0, layer_end=self.pool.num_layers, page_begin=first, page_end=end)
             await self._emit(encode_chunk_event(self._seq, header, b"", 0,
                                                 direct_bytes=(end - first) * self.pool.bytes_per_page * len(layers)))
 
-    async def _write_pages(self, layers: range, src_pages: list[int], dst: list[int], ready) -> None:
-        """Writes `src_pages` of `layers` into decode's slots `dst`; raises TransferError."""
+    async def _write_pages(self, layers: range, page_begin: int, src_pages: list[int], dst: list[int],
+                           ready) -> None:
+        """Writes `src_pages` (the request's pages from `page_begin` on) of `layers` into decode's slots
+        `dst`, hashing them for the MAC beside the write; raises TransferError."""
         if self.staging is None:
-            status = await self._timed(asyncio.to_thread(self._write, layers, src_pages, dst, ready))
+            status = await self._timed(asyncio.to_thread(self._write, layers, page_begin, src_pages, dst, ready))
         else:  # in pieces the staging holds, each through slots held only while it is written
             status, step = 0, self.staging.num_pages
             for begin in range(0, len(src_pages), step):
                 if status == 0:
-                    status = await self._write_staged(layers, src_pages[begin:begin + step],
+                    status = await self._write_staged(layers, page_begin + begin, src_pages[begin:begin + step],
                                                       dst[begin:begin + step], ready)
         if status != 0:
             raise TransferError(FailureCode.UNAVAILABLE,
                                 f"mooncake write to {self.destination.session_id} failed (status {status})")
+
+    def begin_seal(self, key: bytes, room: int) -> None:
+        # Each send hashes what it wrote (in `_write`, beside the write), so `seal` on the first
+        # token's path reads only what no send hashed in order; the tag is the same either way.
+        if self._mac_algorithm is not None:
+            self._macs = kv_mac.LayerMacs(self.pool.num_layers, key, kv_mac.header(room, self.dst_pages),
+                                          self._mac_algorithm)
+            self._mac_room = room
+
+    def seal_reads(self) -> bool:
+        return self._mac_algorithm is not None and (
+            self._macs is None or min(self._macs.hashed, default=0) < len(self.dst_pages))
 
     def seal(self, done: pb.TransferDone, key: bytes, room: int) -> None:
         if self._mac_algorithm is None:  # an older decode worker, which checks no MAC
             return
         if None in self._src_pages:
             raise TransferError(FailureCode.INTERNAL, "KV MAC asked for before every page was sent")
-        done.kv_mac = kv_mac.kv_mac(self.pool, self._src_pages, key, kv_mac.header(room, self.dst_pages),
+        macs = self._macs
+        if macs is None or macs.key != key or self._mac_room != room:  # not begun (or for another transfer)
+            macs = kv_mac.LayerMacs(self.pool.num_layers, key, kv_mac.header(room, self.dst_pages),
                                     self._mac_algorithm)
+        self._macs = None
+        done.kv_mac = macs.digest(self.pool, self._src_pages)
         done.kv_mac_algorithm = self._mac_algorithm
+
+    def _hash_sent(self, layers: range, page_begin: int, src_pages: list[int], ready) -> kv_mac.Hashing | None:
+        """In the send's worker thread, before its write: starts hashing its pages in the MAC's threads
+        (`begin_seal`), so the hash runs beside the write; None when not sealing."""
+        if self._macs is None:
+            return None
+        return self._macs.update(self.pool, layers, page_begin, src_pages, ready)
 
     async def _timed(self, call) -> int:
         try:
@@ -407,12 +436,13 @@ class MooncakeChannel(SendChannel):
                                 f"mooncake write to {self.destination.session_id} took more than "
                                 f"{self.timeout_s}s") from None
 
-    async def _write_staged(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
+    async def _write_staged(self, layers: range, page_begin: int, src_pages: list[int], dst_pages: list[int],
+                            ready) -> int:
         """One piece through staging slots; they go back zeroed (what the NIC may still read after a
         timeout cools first: that write fails its request by the KV MAC, nothing else)."""
         slots, dirty = await self.staging.acquire(len(src_pages), self.timeout_s)
         try:
-            status = await self._timed(asyncio.to_thread(self._write_from_slots, layers, src_pages, slots, dirty,
+            status = await self._timed(asyncio.to_thread(self._write_from_slots, layers, page_begin, src_pages, slots, dirty,
                                                          dst_pages, ready))
         except BaseException:
             self.staging.release(slots, delay_s=self.timeout_s)
@@ -420,29 +450,39 @@ class MooncakeChannel(SendChannel):
         self.staging.release(slots, scrubbed=True)
         return status
 
-    def _write_from_slots(self, layers: range, src_pages: list[int], slots: list[int], dirty: list[int],
+    def _write_from_slots(self, layers: range, page_begin: int, src_pages: list[int], slots: list[int], dirty: list[int],
                           dst_pages: list[int], ready) -> int:
         """In a worker thread: gathers the pages into the slots once their KV is written, one batch
         write from there, then zeroes what it used (a reader of the registered staging sees no KV
         that is not in flight)."""
         self.staging.scrub(dirty)
         sync_ready(self.pool, ready)
-        self.staging.fill_from(self.pool, layers, src_pages, slots)
-        batch = build_write_batch(self.staging.base_addrs[layers.start:layers.stop],
-                                  list(self.destination.layer_base_addrs)[layers.start:layers.stop],
-                                  self.pool.bytes_per_page, slots, dst_pages)
-        status = self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
-        self.staging.scrub(slots, layers)
+        hashing = self._hash_sent(layers, page_begin, src_pages, ready)
+        try:
+            self.staging.fill_from(self.pool, layers, src_pages, slots)
+            batch = build_write_batch(self.staging.base_addrs[layers.start:layers.stop],
+                                      list(self.destination.layer_base_addrs)[layers.start:layers.stop],
+                                      self.pool.bytes_per_page, slots, dst_pages)
+            status = self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
+            self.staging.scrub(slots, layers)
+        finally:
+            if hashing is not None:
+                hashing.wait()
         return status
 
-    def _write(self, layers: range, src_pages: list[int], dst_pages: list[int], ready) -> int:
+    def _write(self, layers: range, page_begin: int, src_pages: list[int], dst_pages: list[int], ready) -> int:
         """In a worker thread: ONE batch write for every layer and merged page run of this send
         (FACTS "KV transfer"); building the batch (1 ms for 64 pages x 27 layers) stays off the loop."""
         batch = build_write_batch(self.engine.base_addrs[layers.start:layers.stop],
                                   list(self.destination.layer_base_addrs)[layers.start:layers.stop],
                                   self.pool.bytes_per_page, src_pages, dst_pages)
         sync_ready(self.pool, ready)  # the NIC reads the pool behind torch's back
-        return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
+        hashing = self._hash_sent(layers, page_begin, src_pages, ready)
+        try:
+            return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
+        finally:
+            if hashing is not None:
+                hashing.wait()
 
 
 def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[int], page_bytes: int,

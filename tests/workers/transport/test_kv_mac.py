@@ -20,8 +20,9 @@ from deepseek_pd.workers.engine.request_failure import TransferError
 from pdtest import mooncake_stub
 
 
-def _filled_pool(rng: random.Random, num_pages: int, dtype: torch.dtype = torch.bfloat16) -> KVPool:
-    pool = KVPool(rng.randrange(1, 4), num_pages, rng.choice([1, 4, 16]), rng.choice([8, 24]), dtype=dtype)
+def _filled_pool(rng: random.Random, num_pages: int, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> KVPool:
+    pool = KVPool(rng.randrange(1, 4), num_pages, rng.choice([1, 4, 16]), rng.choice([8, 24]), dtype=dtype,
+                  device=device)
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     for buffer in pool.buffers:
         buffer.copy_(torch.randn(buffer.shape, generator=gen))
@@ -78,13 +79,14 @@ def test_the_key_is_bound_to_the_secret_the_room_and_the_handshake():
     assert InternalAuth.insecure().kv_key(7, nonce) is None
 
 
-def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=None):
+def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=None, begin: bool | None = None,
+              device: str = "cpu"):
     """A mooncake transfer over the stub engine, its bytes copied into the staging slots as the engine
     would write them, then landed (`before_land(receiver, sink)` runs first): (the decode sink, the
     sealed TransferDone, the key, the room, the decode pool, its pages, the receiver)."""
     engines = mooncake_stub.install(monkeypatch)
-    src = _filled_pool(rng, 24)
-    dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype)
+    src = _filled_pool(rng, 24, device=device)
+    dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype, device=device)
     config = TransportConfig(advertise_host="127.0.0.1")
     sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
     count = rng.randrange(1, 8)
@@ -101,18 +103,88 @@ def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=N
     slots = list(handshake.page_ids)
     assert len(slots) == count and set(slots).isdisjoint(range(receiver.staging.num_pages, 1 << 20))
     channel = sender.open(handshake, emit=None)
-    asyncio.run(channel.send(src_pages, 0))
+    room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
+    if begin if begin is not None else rng.random() < 0.8:  # as KVPush does: each send MACed as it goes
+        channel.begin_seal(key, room)
+    for layers, first, end in _random_sends(rng, src.num_layers, count):
+        asyncio.run(channel.send(src_pages[first:end], first, layers.start, layers.stop))
     assert engines[0].writes  # the engine was asked; the stub wrote nothing, so copy as it would
     for s, d in zip(src.buffers, receiver.staging.buffers):
         d[slots] = s[src_pages]
     if before_land is not None:
         before_land(receiver, sink)
     sink.land()
-    room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
     done = pb.TransferDone(num_pages=count)
     channel.seal(done, key, room)
     assert bool(done.kv_mac) == offer and done.kv_mac_algorithm == (kv_mac.ALGORITHM if offer else "")
     return sink, done, key, room, dst, dst_pages, receiver
+
+
+def _random_sends(rng: random.Random, num_layers: int, num_pages: int) -> list[tuple[range, int, int]]:
+    """(layers, first page, end page) of each send of a transfer cut as KVPush may cut it: chunks of
+    pages in order, each all layers at once or in layer ranges (layer-wise streaming)."""
+    sends = []
+    begin = 0
+    while begin < num_pages:
+        end = rng.randrange(begin + 1, num_pages + 1)
+        layer = 0
+        while layer < num_layers:
+            stop = num_layers if rng.random() < 0.4 else rng.randrange(layer + 1, num_layers + 1)
+            sends.append((range(layer, stop), begin, end))
+            layer = stop
+        begin = end
+    return sends
+
+
+def test_the_tag_built_send_by_send_is_the_one_shot_tag():
+    """Any cut of the transfer into sends (pages x layer ranges), in order or not, partly hashed or
+    not: `digest` gives the documented tag, and reads again only what no send hashed in order."""
+    rng = random.Random()
+    for _ in range(12):
+        pool = _filled_pool(rng, 40)
+        pages = rng.sample(range(40), rng.randrange(1, 16))
+        key = bytes(rng.randrange(256) for _ in range(kv_mac.KEY_BYTES))
+        head = kv_mac.header(rng.randrange(1 << 40), pages)
+        sends = _random_sends(rng, pool.num_layers, len(pages))
+        in_order = rng.random() < 0.5
+        if not in_order:  # some sends swapped, some never hashed (left to digest)
+            for _ in range(rng.randrange(1, 3)):
+                i, j = rng.randrange(len(sends)), rng.randrange(len(sends))
+                sends[i], sends[j] = sends[j], sends[i]
+            sends = [send for send in sends if rng.random() < 0.8]
+        macs = kv_mac.LayerMacs(pool.num_layers, key, head)
+        for layers, begin, end in sends:
+            macs.update(pool, layers, begin, pages[begin:end]).wait()
+        before = macs.pages_read
+        assert macs.digest(pool, pages) == _reference(pool, pages, key, head)
+        cells = pool.num_layers * len(pages)
+        assert macs.pages_read >= cells  # every cell hashed (some twice: an out-of-order send's)
+        if in_order:
+            assert macs.pages_read == before == cells  # nothing left for the first token's path
+
+
+def test_sealing_after_the_sends_reads_no_page(monkeypatch):
+    """The trace of where the MAC's reads happen: with `begin_seal` (KVPush calls it at the
+    handshake) every page is hashed beside its send, and `seal`, on the first token's path, reads none."""
+    rng = random.Random()
+    reads: list[tuple[str, int]] = []
+    feed = kv_mac._feed
+
+    def traced(mac, pool, layer, pages, runs, ready, synced=False):
+        reads.append((phase[0], len(pages)))
+        feed(mac, pool, layer, pages, runs, ready, synced)
+    monkeypatch.setattr(kv_mac, "_feed", traced)
+    phase = ["send"]
+
+    def mark_land(receiver, sink):
+        phase[0] = "finish"
+    sink, done, key, room, dst, *_ = _transfer(monkeypatch, rng, before_land=mark_land, begin=True)
+    # (nothing in between: `_transfer` seals right after the land)
+    sent = [n for where, n in reads if where == "send"]
+    assert sum(sent) == dst.num_layers * len(sink.pages)
+    assert [n for where, n in reads if where == "finish"] == []  # the seal read nothing
+    sink.check_sealed(done, key, room)
+    assert sink.failed is None
 
 
 def test_decode_admits_the_bytes_the_prefill_side_sealed(monkeypatch):
@@ -123,13 +195,17 @@ def test_decode_admits_the_bytes_the_prefill_side_sealed(monkeypatch):
 
 def test_a_strangers_write_into_the_staging_before_the_copy_fails_only_that_transfer(monkeypatch):
     rng = random.Random()
+    for layer in range(3):  # each layer of the pool (_filled_pool's have 1 to 3), sent in random cuts
 
-    def strike(receiver, sink):  # finite, plausible KV, while the slots are still registered
-        receiver.staging.buffers[rng.randrange(receiver.pool.num_layers)][rng.choice(sink.slots)] += 1.0
-    sink, done, key, room, *_ = _transfer(monkeypatch, rng, before_land=strike)
-    with pytest.raises(TransferError, match="does not match the MAC the prefill worker signed"):
-        sink.check_sealed(done, key, room)
-    assert sink.failed is not None  # the engine scrubs and frees its pages like any failed transfer's
+        def strike(receiver, sink):  # finite, plausible KV, while the slots are still registered
+            if layer < receiver.pool.num_layers:
+                receiver.staging.buffers[layer][rng.choice(sink.slots)] += 1.0
+        sink, done, key, room, dst, *_ = _transfer(monkeypatch, rng, before_land=strike)
+        if layer >= dst.num_layers:
+            continue
+        with pytest.raises(TransferError, match="does not match the MAC the prefill worker signed"):
+            sink.check_sealed(done, key, room)
+        assert sink.failed is not None  # the engine scrubs and frees its pages like any failed transfer's
 
 
 def test_a_write_into_the_staging_after_the_copy_reaches_no_page_the_model_reads(monkeypatch):

@@ -10,6 +10,7 @@ import torch
 
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.transport import kv_mac
+from test_kv_mac import _transfer  # the stub-engine transfer, here between CUDA pools
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(180)]
@@ -44,3 +45,50 @@ def test_mac_cost_of_a_v2_lite_prompt_on_the_gpu():
         kv_mac.kv_mac(pool, pages, bytes(32), b"")
     seconds = (time.perf_counter() - started) / 3
     print(f"kv_mac of {mb:.0f} MB from a CUDA pool: {seconds * 1e3:.1f} ms ({mb / seconds / 1e3:.2f} GB/s)")
+
+
+def test_a_send_hashes_its_layer_without_waiting_for_the_forward_queued_after_it():
+    """`LayerMacs.update` with a layer's `ready` event (as a layer-wise send passes it) reads that
+    layer on a side stream: it neither waits for the kernels queued after the event on the default
+    stream (the rest of the forward) nor changes the tag."""
+    rng = random.Random()
+    pool = KVPool(4, 64, 16, 576, dtype=torch.bfloat16, device="cuda")
+    pages = rng.sample(range(64), 24)
+    key, head = bytes(rng.randrange(256) for _ in range(32)), kv_mac.header(rng.randrange(1 << 40), pages)
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # each MAC thread's stream and allocations made once (first uses may sync the device)
+        kv_mac.LayerMacs(pool.num_layers, key, head).update(pool, range(pool.num_layers), 0, pages).wait()
+    torch.cuda.synchronize()
+    macs = kv_mac.LayerMacs(pool.num_layers, key, head)
+    for layer, buffer in enumerate(pool.buffers):
+        buffer.normal_()
+        ready = torch.cuda.Event()
+        ready.record()
+        for _ in range(80):  # the rest of the forward: ~0.2 s of matmuls after the layer's KV
+            big = (big @ big).tanh_()
+        after = torch.cuda.Event()
+        after.record()
+        macs.update(pool, range(layer, layer + 1), 0, pages, ready).wait()
+        assert not after.query(), "the hash waited for kernels queued after its layer's event"
+        torch.cuda.synchronize()
+    assert macs.pages_read == pool.num_layers * len(pages)
+    assert macs.digest(pool, pages) == kv_mac.kv_mac(pool, pages, key, head)
+
+
+def test_decodes_check_of_its_landed_copy_waits_for_no_decode_step(monkeypatch):
+    """The decode side MACs the copy `land` made (synchronised on its side stream) while decode steps
+    keep running on the default stream: the check must not wait for the step queued meanwhile (it is
+    on the first token's path), and must MAC the landed bytes."""
+    sink, done, key, room, dst, *_ = _transfer(monkeypatch, random.Random(), begin=True, device="cuda")
+    assert dst.device.type == "cuda"
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # warm the MAC threads' streams
+        kv_mac.kv_mac(dst, sink.pages, key, b"", synced=True)
+    torch.cuda.synchronize()
+    for _ in range(80):  # a decode step still queued when the check runs (~0.2 s of matmuls)
+        big = (big @ big).tanh_()
+    after = torch.cuda.Event()
+    after.record()
+    sink.check_sealed(done, key, room)
+    assert not after.query(), "the check waited for the decode step queued after the landing"
+    assert sink.failed is None
