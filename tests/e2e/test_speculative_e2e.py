@@ -39,8 +39,8 @@ def test_speculative_pd_behind_the_router_equals_offline(tmp_path):
     print(f"MTP training: {steps} steps, accuracy {accuracy:.3f}")
     save_mtp_layer(trainer, checkpoint)
 
-    spec = dataclasses.replace(cluster_spec(tmp_path, extra_worker_args=("--speculative-num-steps=3",)),
-                               model=str(checkpoint))
+    # `up --speculative-num-steps 3`'s spec: both roles get the flag
+    spec = dataclasses.replace(cluster_spec(tmp_path), model=str(checkpoint), speculative_num_steps=3)
     with LocalCluster(spec) as cluster:
         async def main():
             async with RouterClient(cluster.router_url, cluster.served_model_name) as client:
