@@ -16,7 +16,9 @@ from deepseek_pd.workers.engine.extend_step import run_extend_with_mtp
 
 
 @dataclass
-class _Row:
+class SpecRow:
+    """A request as `SpeculativeDecoder` reads it (decoder.SpecRequest): done at `max_new` tokens."""
+
     prompt_ids: list[int]
     max_new: int
     pages: list[int]
@@ -27,7 +29,8 @@ class _Row:
         return len(self.output_ids) >= self.max_new
 
 
-def _greedy(rows: list, logits) -> None:
+def greedy_rows(rows: list, logits) -> None:
+    """The decoder's sample function for greedy rows: each row's argmax appended."""
     for row, token in zip(rows, logits.argmax(dim=-1).tolist()):
         row.output_ids.append(token)
 
@@ -37,8 +40,8 @@ def speculative_greedy(runner: ModelRunner, prompts: Sequence[list[int]], max_ne
     """(each prompt's output ids, the decoder: its `stats` count drafted and accepted tokens).
     All prompts form one batch; their pages are freed at the end."""
     pool = runner.kv_pool
-    rows = [_Row(list(p), n, pool.alloc(pool.pages_for_tokens(len(p) + n))) for p, n in zip(prompts, max_new)]
-    decoder = SpeculativeDecoder(runner, steps, _greedy)
+    rows = [SpecRow(list(p), n, pool.alloc(pool.pages_for_tokens(len(p) + n))) for p, n in zip(prompts, max_new)]
+    decoder = SpeculativeDecoder(runner, steps, greedy_rows)
     try:
         greedy = SamplingParams(temperature=0.0)
         states = [SamplingState.create(greedy, r.prompt_ids, runner.model_config.vocab_size) for r in rows]
