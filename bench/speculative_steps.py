@@ -10,7 +10,9 @@ On the GPU (V2-Lite shape with one random MTP layer; random weights accept nothi
 speed-up is the implied one):
     python bench/speculative_steps.py --write-v2-lite /tmp/v2lite-mtp --device cuda --dtype bfloat16 \\
         --cuda-graph --batches 1,8,32,128 --steps 1,2,3 --out spec.json
-On the CPU, as a smoke run: `python bench/speculative_steps.py --tiny --device cpu --dtype float32 --out s.json`.
+On the CPU, as a smoke run (tests/bench/test_speculative_steps_script.py runs it):
+    python bench/speculative_steps.py --tiny --device cpu --dtype float32 --page-size 16 --context 30 \
+        --batches 1,5 --steps 1,2 --repeats 2 --out s.json
 """
 from __future__ import annotations
 
@@ -55,12 +57,13 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
     from deepseek_pd.model.speculative.decoder import measure_step_costs
 
     max_steps = max(draft_steps)
+    # Each sequence holds whole pages (measure_step_costs: context + max_steps + 1 tokens), plus the
+    # graphs' scratch page and one spare.
+    num_pages = max(batches) * -(-(context + max_steps + 1) // page_size) + 2
 
     def build(steps: int) -> ModelRunner:
         return ModelRunner(RunnerConfig(model=model, device=device, dtype=dtype, page_size=page_size,
-                                        cuda_graph=cuda_graph,
-                                        num_pages=-(-max(batches) * (context + max_steps + 1) // page_size) + 2,
-                                        speculative_num_steps=steps))
+                                        cuda_graph=cuda_graph, num_pages=num_pages, speculative_num_steps=steps))
 
     # The speculative step, as the decode worker's policy measures it (model/speculative/decoder.py).
     # With graphs the verify and catch-up are captured for the configured k + 1 tokens per sequence
@@ -101,7 +104,7 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
             "rows": rows}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="checkpoint directory with an MTP layer")
@@ -118,7 +121,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="tokens already cached per sequence")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tiny:
         import tempfile
 
@@ -134,6 +137,7 @@ def main() -> None:
                      [int(b) for b in args.batches.split(",")], [int(k) for k in args.steps.split(",")],
                      args.context, args.repeats)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 if __name__ == "__main__":

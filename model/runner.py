@@ -165,7 +165,10 @@ class ModelRunner:
         if self.graphs is not None:
             raise UserError("expert-load recording must start before CUDA graphs are captured "
                             "(their replays would not record): run with cuda_graph=false")
-        moe_layers = [layer for layer in self.model.layers if layer.is_moe]
+        # The MTP layer's MoE is counted as its own row (layer id num_hidden_layers), planned like the
+        # others (model/eplb/expert_location.py).
+        layers = [*self.model.layers, *(() if self.model.mtp is None else (self.model.mtp.layer,))]
+        moe_layers = [layer for layer in layers if layer.is_moe]
         recorder = ExpertLoadRecorder(tuple(layer.layer_id for layer in moe_layers),
                                       self.model_config.n_routed_experts, self.model.options.device)
         for row, layer in enumerate(moe_layers):

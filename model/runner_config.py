@@ -319,10 +319,16 @@ class RunnerConfig:
             return self.fp8_backend
         return "triton" if is_cuda(self.device) and _triton_available() else None
 
+    @property
+    def builds_mtp(self) -> bool:
+        """The model carries its MTP layer (model/speculative/mtp.py): speculative decoding is on."""
+        return self.speculative_num_steps > 0
+
     def expert_location(self, model_config: ModelConfig) -> ExpertLocation | None:
-        """Redundant experts / the static placement (model/eplb/expert_location.py); None: identity."""
+        """Redundant experts / the static placement (model/eplb/expert_location.py), the MTP layer's
+        MoE included when it is built; None: identity."""
         return resolve_expert_location(model_config, self.ep_size, self.ep_num_redundant_experts,
-                                       self.init_expert_location)
+                                       self.init_expert_location, mtp=self.builds_mtp)
 
     def build_options(self, model_config: ModelConfig, parallel: ParallelInfo | None = None) -> BuildOptions:
         return BuildOptions(
@@ -335,4 +341,4 @@ class RunnerConfig:
             expert_location=self.expert_location(model_config),
             fp8_backend=self.resolve_fp8_backend(model_config),
             norm_rope_backend=self.resolve_backend(self.norm_rope_backend),
-            mtp=self.speculative_num_steps > 0, deterministic=self.invariant_kernels)
+            mtp=self.builds_mtp, deterministic=self.invariant_kernels)

@@ -488,13 +488,6 @@ def spec_schema() -> Schema:
              "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
         *_metrics_rules(),
         *_mooncake_port_rules(),
-        # The workers refuse an EPLB placement with the MTP layer (model/speculative/mtp.py: its experts
-        # are not in the placement): refused here rather than crash-looping there.
-        rule("self.decode.speculative.numSteps == 0 || ("
-             + " && ".join(f"(!has(self.{role}.eplb) || !has(self.{role}.eplb.initExpertLocation))"
-                           for role in ("prefill", "decode")) + ")",
-             "decode.speculative does not take an EPLB placement (eplb.initExpertLocation) yet: the MTP "
-             "layer refuses it at start-up", ".decode.speculative.numSteps"),
         *[rule(f"!has(self.{role}.autoscaling) || self.metrics.enabled",
                f"{role}.autoscaling reads the workers' metrics: it needs metrics.enabled",
                f".{role}.autoscaling") for role in ("prefill", "decode")],

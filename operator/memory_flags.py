@@ -108,10 +108,6 @@ def _check(flags: MemoryFlags) -> None:
         check_speculative_num_steps(flags.speculative_num_steps)
     except UserError as exc:
         raise ValueError(str(exc)) from None
-    par = serve.parallel
-    if flags.mtp and (par.ep_num_redundant_experts or par.init_expert_location):
-        raise ValueError("speculative decoding does not take an EPLB placement yet (--ep-num-redundant-experts, "
-                         "--init-expert-location): the MTP layer refuses it at start-up")
     try:
         serve.gpu_share
     except ValueError as exc:

@@ -28,6 +28,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     groups.add_argument("--enable-tbo", nargs="?", const="both", default=None, choices=TBO_CHOICES,
                         help="two-batch overlap in the workers of both roles, or of one "
                              "(--enable-tbo=decode)")
+    parser.add_argument("--speculative-num-steps", type=int, default=0, metavar="N",
+                        help="speculative decoding with the checkpoint's MTP layer: N draft tokens per decode "
+                             "step, given to every worker of both roles (a PD pair must agree; default 0: off)")
     parser.add_argument("--kv-transport", choices=["mooncake", "grpc"], default="grpc",
                         help="how KV moves from prefill to decode (default grpc)")
     parser.add_argument("--device", default="auto",
@@ -69,6 +72,7 @@ def cluster_spec_from_args(args: argparse.Namespace):
                        kv_transport=args.kv_transport, device=args.device,
                        mem_fraction_static=args.mem_fraction_static, host=args.host, router_port=args.port,
                        log_dir=args.log_dir, worker_args=tuple(args.worker_arg),
+                       speculative_num_steps=getattr(args, "speculative_num_steps", 0),
                        startup_timeout_s=args.startup_timeout,
                        policy=getattr(args, "policy", None) or DEFAULT_POLICY,
                        client_requests_per_minute=getattr(args, "client_requests_per_minute", 0),

@@ -36,6 +36,7 @@ from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy,
 from deepseek_pd.ports import pick_free_port_blocks
 from deepseek_pd.launcher.process import ManagedProcess, stop_all
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
+from deepseek_pd.model.speculative.rules import check_speculative_num_steps
 from deepseek_pd.launcher.worker_plan import (GroupShape, ServeSettings, WorkerPlan, check_worker_args,
                                               plan_workers, port_block_sizes, serve_argv)
 from deepseek_pd.private_file import write_private_file
@@ -71,6 +72,8 @@ class ClusterSpec:
     served_model_name: str | None = None  # default: "tiny" for the embedded model, else the dir name
     log_dir: Path | None = None  # default: a fresh temporary directory
     worker_args: tuple[str, ...] = ()  # extra `deepseek-pd serve` flags for every worker
+    # Draft tokens per decode step from the MTP layer, for both roles (a PD pair must agree); 0: off.
+    speculative_num_steps: int = 0
     policy: str = gateway.DEFAULT_POLICY  # smg's --policy for both roles
     router_args: tuple[str, ...] = ROUTER_LOCAL_FLAGS
     router_log_level: str = "warn"
@@ -94,6 +97,7 @@ class ClusterSpec:
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise UserError(f"--mem-fraction-static {self.mem_fraction_static} must be in (0, 1]")
         check_worker_args(self.worker_args)
+        check_speculative_num_steps(self.speculative_num_steps)
         return self
 
     @property
@@ -256,7 +260,8 @@ class LocalCluster:
         settings = ServeSettings(model_dir=str(self.model_dir), served_model_name=self.served_model_name,
                                  host=spec.host, kv_transport=spec.kv_transport, device=self.device,
                                  secret_file=str(create_secret_file(self.log_dir / SECRET_FILE)),
-                                 worker_args=spec.worker_args, mem_fraction_static=spec.mem_fraction_static)
+                                 worker_args=spec.worker_args, mem_fraction_static=spec.mem_fraction_static,
+                                 speculative_num_steps=spec.speculative_num_steps)
         for plan in plans:
             proc = ManagedProcess(plan.name, serve_argv(plan, plans, settings), self.log_dir / f"{plan.name}.log")
             proc.start()

@@ -155,6 +155,7 @@ class ServeSettings:
     secret_file: str  # the run's deployment secret (workers/transport/internal_auth.py)
     worker_args: tuple[str, ...] = ()  # last on the command line: they win
     mem_fraction_static: float | None = None  # the budget of all workers on a GPU; None: serve's default
+    speculative_num_steps: int = 0  # both roles alike: a PD pair whose MTP settings differ refuse each other
     python: str = sys.executable
 
 
@@ -174,7 +175,8 @@ def serve_flags(plan: WorkerPlan, plans: Sequence[WorkerPlan], settings: ServeSe
     return ServeFlags(role=plan.role, model=s.model_dir, served_model_name=s.served_model_name, host=s.host,
                       port=plan.port, bootstrap_port=plan.bootstrap_port, kv_transport=s.kv_transport,
                       metrics_port=plan.metrics_port, device=s.device, parallel=plan.shape.parallel_flags(),
-                      internal_secret_file=s.secret_file, prefill_peers=peers, **memory)
+                      internal_secret_file=s.secret_file, prefill_peers=peers,
+                      speculative_num_steps=s.speculative_num_steps, **memory)
 
 
 def serve_argv(plan: WorkerPlan, plans: Sequence[WorkerPlan], settings: ServeSettings) -> list[str]:

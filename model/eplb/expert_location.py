@@ -18,6 +18,12 @@ A file with one row per decoder layer (SGLang's layout: dense layers included) i
 the dense layers' rows are checked and ignored. Every way a file can be wrong is a UserError that
 names the file, the layer and the slot.
 
+Speculative decoding adds the MTP layer (model/speculative/mtp.py, layer id num_hidden_layers), a MoE
+layer of its own over the same EP group, so the same slot count: it gets a row like any MoE layer
+(last in `moe_layer_ids`), its loads are recorded and planned as its own row, and a file planned
+without it (no MTP row) gives it the trivial row. A worker without the MTP layer ignores that row,
+so one plan serves workers with and without speculation.
+
 The identity (no file, R = 0) is `None` wherever an `ExpertLocation` is optional: the hot path
 then maps nothing. Without a file but with R > 0, slot p holds expert p % n_routed (SGLang's
 "trivial" placement).
@@ -30,11 +36,17 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.eplb.json_file import read_json
+from deepseek_pd.model.speculative.mtp_names import mtp_layer_id
 
 if TYPE_CHECKING:
     from deepseek_pd.model.config import ModelConfig
 
 FORMAT = "deepseek-pd/expert-location/v1"
+
+
+@dataclass(frozen=True)
+class _Layers:
+    num_hidden_layers: int
 
 
 @dataclass(frozen=True)
@@ -111,32 +123,34 @@ class ExpertLocation:
 
     @classmethod
     def from_json(cls, data: Any, *, num_logical: int, num_redundant: int, ep_size: int,
-                  moe_layer_ids: Sequence[int], num_hidden_layers: int, source: str) -> "ExpertLocation":
-        """A placement file's content, checked against the model and the worker's EP settings."""
+                  moe_layer_ids: Sequence[int], num_hidden_layers: int, source: str,
+                  mtp_layer_id: int | None = None) -> "ExpertLocation":
+        """A placement file's content, checked against the model and the worker's EP settings.
+
+        `moe_layer_ids` are the decoder layers' MoE layers; `mtp_layer_id` the MTP layer's id when
+        the worker builds it and it is a MoE layer (speculative decoding). Its row is the file's
+        when the file has one (a plan from dumps recorded with speculation), else the trivial row;
+        a file's MTP row is ignored by a worker without the MTP layer."""
         if not isinstance(data, dict) or "physical_to_logical_map" not in data:
             raise UserError(f"{source}: expected a JSON object with a 'physical_to_logical_map' list")
         rows = data["physical_to_logical_map"]
         if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
             raise UserError(f"{source}: 'physical_to_logical_map' must be a list of lists (one per MoE layer)")
-        moe_layer_ids = tuple(moe_layer_ids)
-        for key, want in (("num_logical_experts", num_logical), ("ep_size", ep_size),
-                          ("moe_layer_ids", list(moe_layer_ids))):
+        main = tuple(moe_layer_ids)
+        for key, want in (("num_logical_experts", num_logical), ("ep_size", ep_size)):
             if key in data and data[key] != want:
                 raise UserError(f"{source}: planned for {key} {data[key]}, but this worker has {want}")
-        if len(rows) == num_hidden_layers and len(rows) != len(moe_layer_ids):
-            for layer_id, row in enumerate(rows):  # SGLang's layout: one row per decoder layer
-                _check_row(row, len(rows[0]), num_logical, f"{source}: layer {layer_id}")
-            rows = [rows[i] for i in moe_layer_ids]
-        elif len(rows) != len(moe_layer_ids):
-            raise UserError(f"{source}: {len(rows)} rows in physical_to_logical_map; the model has "
-                            f"{len(moe_layer_ids)} MoE layers ({num_hidden_layers} decoder layers)")
+        by_layer = dict(zip(_file_layer_ids(data, rows, main, num_hidden_layers, num_logical, source), rows))
         want_width = num_logical + num_redundant
-        for layer_id, row in zip(moe_layer_ids, rows):
-            if len(row) != want_width:
-                raise UserError(f"{source}: MoE layer {layer_id} has {len(row)} physical slots; expected "
-                                f"n_routed_experts {num_logical} + ep_num_redundant_experts {num_redundant} "
-                                f"= {want_width}")
-        return cls(num_logical, ep_size, moe_layer_ids, tuple(tuple(r) for r in rows), source=source)
+        if mtp_layer_id is not None and mtp_layer_id not in by_layer:  # planned without speculation
+            by_layer[mtp_layer_id] = [p % num_logical for p in range(want_width)]
+        layers = main + (() if mtp_layer_id is None else (mtp_layer_id,))
+        for layer_id in layers:
+            if len(by_layer[layer_id]) != want_width:
+                raise UserError(f"{source}: MoE layer {layer_id} has {len(by_layer[layer_id])} physical slots; "
+                                f"expected n_routed_experts {num_logical} + ep_num_redundant_experts "
+                                f"{num_redundant} = {want_width}")
+        return cls(num_logical, ep_size, layers, tuple(tuple(by_layer[i]) for i in layers), source=source)
 
     @classmethod
     def load(cls, path: str | Path, **model: Any) -> "ExpertLocation":
@@ -163,21 +177,60 @@ def _check_row(row: Any, width: int, num_logical: int, where: str) -> None:
         raise UserError(f"{where}: logical expert(s) {missing} have no physical slot (no replica)")
 
 
+def _file_layer_ids(data: dict, rows: list, main: tuple[int, ...], num_hidden_layers: int,
+                    num_logical: int, source: str) -> list[int | None]:
+    """The MoE layer each row of a placement file describes (None: a dense layer's row, checked and
+    ignored). The file's `moe_layer_ids` say it (our planner writes them: the decoder layers' MoE
+    layers, then the MTP layer's when the dumps were recorded with speculation); without them the
+    row count does: one per MoE layer, or SGLang's one per decoder layer (dense ones included),
+    either with one more row for the MTP layer."""
+    mtp = mtp_layer_id(_Layers(num_hidden_layers))
+    if "moe_layer_ids" in data:
+        ids = data["moe_layer_ids"]
+        if ids not in (list(main), [*main, mtp]):
+            raise UserError(f"{source}: planned for moe_layer_ids {ids}, but this worker has {list(main)} "
+                            f"(and MTP layer {mtp} with speculative decoding)")
+        if len(rows) != len(ids):
+            raise UserError(f"{source}: {len(rows)} rows in physical_to_logical_map for moe_layer_ids {ids}")
+        return list(ids)
+    # SGLang's layout (a row per decoder layer) wins where the counts coincide (ours has no ids).
+    if num_hidden_layers != len(main) and len(rows) in (num_hidden_layers, num_hidden_layers + 1):
+        for layer_id, row in enumerate(rows):
+            _check_row(row, len(rows[0]), num_logical, f"{source}: layer {layer_id}")
+        return [i if i in main or i == mtp else None for i in range(len(rows))]
+    if len(rows) in (len(main), len(main) + 1):
+        return [*main, mtp][:len(rows)]
+    raise UserError(f"{source}: {len(rows)} rows in physical_to_logical_map; the model has "
+                    f"{len(main)} MoE layers ({num_hidden_layers} decoder layers), and one MTP layer "
+                    "with speculative decoding")
+
+
 def moe_layer_ids(config: "ModelConfig") -> tuple[int, ...]:
+    """The decoder layers' MoE layers (the MTP layer's is `mtp_moe_layer_id`)."""
     return tuple(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
 
 
+def mtp_moe_layer_id(config: "ModelConfig", mtp: bool) -> int | None:
+    """The MTP layer's id when the worker builds it (speculative decoding) and it is a MoE layer: it
+    then has its own row in the placement, and its own in the expert-load dumps."""
+    layer_id = mtp_layer_id(config)
+    return layer_id if mtp and config.is_moe_layer(layer_id) else None
+
+
 def resolve_expert_location(config: "ModelConfig", ep_size: int, num_redundant: int,
-                            path: str | None) -> ExpertLocation | None:
-    """The location a worker runs with: the file's, else the trivial one for R > 0, else None."""
+                            path: str | None, mtp: bool = False) -> ExpertLocation | None:
+    """The location a worker runs with: the file's, else the trivial one for R > 0, else None.
+    `mtp`: the worker builds the MTP layer (speculative decoding), whose MoE gets a row too."""
     if num_redundant < 0:
         raise UserError(f"ep_num_redundant_experts must be >= 0, got {num_redundant}")
     if path is None and num_redundant == 0:
         return None
     if config.n_routed_experts == 0:
         raise UserError("redundant experts / --init-expert-location need a MoE model (n_routed_experts is 0)")
-    layers = moe_layer_ids(config)
+    layers, mtp_layer = moe_layer_ids(config), mtp_moe_layer_id(config, mtp)
     if path is None:
-        return ExpertLocation.trivial(config.n_routed_experts, num_redundant, ep_size, layers)
+        return ExpertLocation.trivial(config.n_routed_experts, num_redundant, ep_size,
+                                      layers + (() if mtp_layer is None else (mtp_layer,)))
     return ExpertLocation.load(path, num_logical=config.n_routed_experts, num_redundant=num_redundant,
-                               ep_size=ep_size, moe_layer_ids=layers, num_hidden_layers=config.num_hidden_layers)
+                               ep_size=ep_size, moe_layer_ids=layers, num_hidden_layers=config.num_hidden_layers,
+                               mtp_layer_id=mtp_layer)

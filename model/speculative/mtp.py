@@ -39,21 +39,19 @@ from deepseek_pd.model.speculative.mtp_names import mtp_layer_id
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.rope import RotaryEmbedding
 
-def check_mtp_supported(config: ModelConfig, options: BuildOptions) -> None:
-    """UserError when this checkpoint or build cannot draft with its MTP layer."""
+def check_mtp_supported(config: ModelConfig) -> None:
+    """UserError when this checkpoint cannot draft with its MTP layer."""
     if config.num_nextn_predict_layers < 1:
         raise UserError(f"speculative decoding needs the checkpoint's MTP layer, but its config.json has "
                         f"num_nextn_predict_layers={config.num_nextn_predict_layers}: run without "
                         "--speculative-num-steps (or with 0)")
-    if options.expert_location is not None:
-        raise UserError("speculative decoding with the MTP layer does not take an expert location (EPLB) yet")
 
 
 class MtpLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, options: BuildOptions,
                  dispatcher: Dispatcher) -> None:
         super().__init__()
-        check_mtp_supported(config, options)
+        check_mtp_supported(config)
         kw = dict(dtype=options.dtype, device=options.device)
         hidden, eps, norm = config.hidden_size, config.rms_norm_eps, options.norm_rope_backend
         self.layer_id = mtp_layer_id(config)

@@ -37,6 +37,7 @@ def _exported() -> dict[str, set[str]]:
     metrics.count_kv_transfer_failure("grpc", "unavailable")
     metrics.observe_inter_token_latency([0.01, 0.02])
     metrics.count_handshake_failure("unauthenticated")
+    metrics.observe_speculative(6, 4, [3, 2])
     names: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
         for sample in family.samples:
@@ -53,7 +54,8 @@ def test_every_query_names_exported_series_and_labels():
     exported = _exported()
     queries = _queries()
     assert len(queries) >= 10
-    for wanted in ("inter_token_latency_seconds_bucket", "bootstrap_handshake_failures_total"):
+    for wanted in ("inter_token_latency_seconds_bucket", "bootstrap_handshake_failures_total",
+                   "spec_draft_tokens_total", "spec_accepted_tokens_total", "spec_accept_length_count"):
         assert any("deepseek_pd:" + wanted in expr for expr in queries), f"no panel charts {wanted}"
     for expr in queries:
         for name, matchers in re.findall(r"(deepseek_pd:[a-z_]+)\{([^}]*)\}", expr):

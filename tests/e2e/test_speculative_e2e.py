@@ -1,6 +1,7 @@
 """Speculative decoding through PD behind the real router: `up`'s cluster (1 prefill + 1 decode,
 both with `--speculative-num-steps 3`) on the tiny checkpoint with an MTP layer trained for a few
-seconds, greedy `/generate` equal to the offline engine without speculation token for token, the
+seconds, greedy `/generate` equal to the offline engine without speculation token for token (streamed
+too, with logprobs, usage and finish reason as without speculation), the
 decode worker's /metrics counting accepted drafts, and both KV pools empty afterwards."""
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def test_speculative_pd_behind_the_router_equals_offline(tmp_path):
     print(f"MTP training: {steps} steps, accuracy {accuracy:.3f}")
     save_mtp_layer(trainer, checkpoint)
 
-    spec = dataclasses.replace(cluster_spec(tmp_path, extra_worker_args=("--speculative-num-steps=3",)),
-                               model=str(checkpoint))
+    # `up --speculative-num-steps 3`'s spec: both roles get the flag
+    spec = dataclasses.replace(cluster_spec(tmp_path), model=str(checkpoint), speculative_num_steps=3)
     with LocalCluster(spec) as cluster:
         async def main():
             async with RouterClient(cluster.router_url, cluster.served_model_name) as client:
@@ -48,6 +49,15 @@ def test_speculative_pd_behind_the_router_equals_offline(tmp_path):
                     got = await client.generate(input_ids=prompt, max_new_tokens=12, temperature=0.0,
                                                 ignore_eos=True)
                     assert got.output_ids == want.output_ids
+                    # streamed with logprobs, as a client sees it: several tokens may come from one
+                    # step, yet the ids, logprobs, usage and finish reason are plain decoding's
+                    streamed = await client.generate(input_ids=prompt, max_new_tokens=12, temperature=0.0,
+                                                     ignore_eos=True, stream=True, return_logprob=True)
+                    assert streamed.output_ids == want.output_ids
+                    assert all(abs(a - b) < 1e-3 for a, b in zip(streamed.output_logprobs, want.output_logprobs))
+                    assert len(streamed.output_logprobs) == len(want.output_logprobs)
+                    assert (streamed.completion_tokens, streamed.finish_reason) == (12, "length")
+                    print(f"streamed chunks of {streamed.chunk_token_counts} tokens")
             for worker in cluster.workers:
                 assert await wait_for_pages(worker.address(spec.host), 0, timeout_s=10) == 0
         asyncio.run(main())

@@ -34,8 +34,6 @@ def _body(name: str, speculative: dict | None, **decode: object) -> dict:
     ({"numSteps": MAX_SPECULATIVE_NUM_STEPS + 1}, {}, "should be less than or equal to 8"),
     ({"numSteps": -1}, {}, "should be greater than or equal to 0"),
     ({"numSteps": 2, "draft": "mtp"}, {}, 'unknown field "spec.decode.speculative.draft"'),
-    ({"numSteps": 2}, {"eplb": {"initExpertLocation": {"configMapName": "placement", "key": "p.json"}}},
-     "decode.speculative does not take an EPLB placement"),
     (None, {"engineArgs": ["--speculative-num-steps=2"]}, "engineArgs must not set flags the operator manages"),
 ])
 def test_the_server_refuses_bad_speculation_with_its_message(admin_kube, dsd_path, speculative, decode, message):  # noqa: F811
@@ -69,3 +67,14 @@ def test_defaults_and_both_roles_rendered_on_the_server(admin_kube, dsd_path):  
     assert {role: _serve_steps(s) for role, s in stored.items()} == {"prefill": steps, "decode": steps}
     for name in (off, on):
         admin_kube.delete(f"{dsd_path}/{name}")
+
+
+def test_the_server_takes_speculation_with_an_eplb_placement(admin_kube, dsd_path):  # noqa: F811
+    """The MTP layer's MoE has its own row in a placement (model/eplb/expert_location.py): the CRD
+    no longer refuses `decode.speculative` next to `eplb.initExpertLocation` (it did until session 9)."""
+    name = f"speceplb{random.randrange(10**6)}"
+    placement = {"initExpertLocation": {"configMapName": "placement", "key": "p.json"}}
+    admin_kube.request("POST", dsd_path, _body(name, {"numSteps": 2}, size=2, parallelism={"ep": 2}, eplb=placement),
+                       params={"fieldValidation": "Strict"})
+    assert admin_kube.get(f"{dsd_path}/{name}")["spec"]["decode"]["eplb"] == placement
+    admin_kube.delete(f"{dsd_path}/{name}")

@@ -137,6 +137,28 @@ def test_each_serve_command_runs_the_planned_group(tmp_path) -> None:
             assert flags.prefill_peers == ()
 
 
+def test_speculation_reaches_every_worker_of_both_roles(tmp_path) -> None:
+    """`up --speculative-num-steps N` (issue 22: `up` sets it like `serve` and the CRD): every worker of
+    both roles gets N, read back by `serve`'s parser (a PD pair must agree); out of range is refused."""
+    from deepseek_pd.model.speculative.rules import MAX_SPECULATIVE_NUM_STEPS
+
+    rng = random.Random()
+    steps = rng.randint(1, MAX_SPECULATIVE_NUM_STEPS)
+    spec = up_spec("--prefill", str(rng.randint(1, 2)), "--decode", str(rng.randint(1, 2)), "--decode-ranks", "2",
+                   "--speculative-num-steps", str(steps))
+    plans, _ = planned(spec, tmp_path)
+    settings = ServeSettings(model_dir=str(tmp_path / "model"), served_model_name="tiny", host="127.0.0.1",
+                             kv_transport="grpc", device="cpu", secret_file=str(tmp_path / "secret"),
+                             speculative_num_steps=spec.speculative_num_steps)
+    for plan in plans:
+        args = build_parser().parse_args(serve_argv(plan, plans, settings)[3:])
+        assert flags_from_args(args).speculative_num_steps == steps, plan.name
+    assert up_spec().speculative_num_steps == 0
+    for bad in (MAX_SPECULATIVE_NUM_STEPS + 1, -1):
+        with pytest.raises(UserError, match="--speculative-num-steps must be an integer"):
+            up_spec("--speculative-num-steps", str(bad))
+
+
 def test_decode_workers_pull_only_from_this_runs_prefill_workers(tmp_path) -> None:
     """Plain `up -P N -D M` (one rank each): every decode `serve` gets `--prefill-peers` naming
     every prefill worker's bootstrap address and nothing else; every worker gets the run's secret."""

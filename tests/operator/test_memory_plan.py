@@ -201,7 +201,7 @@ def test_redundant_experts_in_engine_args_add_their_weights_per_rank():
     weights, against the slots the built model holds (tests/operator/test_weight_bytes.py); an ep
     that does not divide E + R is an invalid layout, a negative R an invalid flag."""
     raw = _example("deepseek-v3-h200.yaml")
-    raw["decode"]["speculative"] = {"numSteps": 0}  # the MTP layer takes no EPLB placement yet
+    raw["decode"]["speculative"] = {"numSteps": 0}  # no MTP layer (with it: test_speculative_spec.py)
     ep = raw["prefill"]["parallelism"]["ep"]
     redundant = ep * random.randint(1, 4)
     base = _plan(raw).ranks[0]

@@ -133,16 +133,25 @@ def test_the_engine_opt_spelling_counts_too():
     assert "--speculative-num-steps must be an integer" in refused.message
 
 
-def test_eplb_placements_are_refused_with_speculation():
-    """The MTP layer takes no EPLB placement yet (model/speculative/mtp.py): redundant experts in engineArgs are
-    an invalid flag for the plan, a mounted placement a CRD refusal."""
+def test_eplb_placements_are_taken_with_speculation():
+    """The MTP layer's MoE has its own row in an EPLB placement (model/eplb/expert_location.py):
+    redundant experts pass the memory plan with speculation, which counts the MTP layer's extra
+    expert slots as one MoE layer more (V3: 58 MoE decoder layers, the MTP layer's is the 59th),
+    and a mounted placement passes the CRD."""
     raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())
-    raw["spec"]["decode"]["engineArgs"] = ["--ep-num-redundant-experts=32"]
-    verdict = plan_memory(DeploymentSpec.parse("demo", "llm", raw["spec"]))
-    assert (verdict.status, verdict.reason) == (False, "InvalidEngineArgs") and "EPLB" in verdict.message
-    raw["spec"]["decode"]["speculative"] = {"numSteps": 0}
-    assert plan_memory(DeploymentSpec.parse("demo", "llm", raw["spec"])).status is True
-    raw["spec"]["decode"]["speculative"] = {"numSteps": 1}
-    raw["spec"]["decode"]["engineArgs"] = []
+    decode = raw["spec"]["decode"]
+    extra = {}
+    for steps in (0, decode["speculative"]["numSteps"]):
+        decode["speculative"] = {"numSteps": steps}
+        weights = []
+        for args in ([], ["--ep-num-redundant-experts=32"]):
+            decode["engineArgs"] = args
+            verdict = plan_memory(DeploymentSpec.parse("demo", "llm", copy.deepcopy(raw["spec"])))
+            assert verdict.status is True, verdict.message
+            weights.append(verdict.ranks[1].weights_bytes)
+        extra[steps] = weights[1] - weights[0]
+    assert extra[0] > 0 and extra[3] * 58 == extra[0] * 59, extra
+    decode["engineArgs"] = []
     raw["spec"]["prefill"]["eplb"] = {"initExpertLocation": {"configMapName": "placement", "key": "p.json"}}
-    assert any("EPLB placement" in v.message for v in validate_object(raw))
+    decode["eplb"] = {"initExpertLocation": {"configMapName": "placement", "key": "d.json"}}
+    assert validate_object(raw) == []

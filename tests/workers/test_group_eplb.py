@@ -1,7 +1,9 @@
 """EPLB end to end through `serve`: a `--dp 2 --ep 2` group (gloo, the tiny model) with redundant
 experts and a random placement file gives the offline engine's greedy tokens; recording on, each
 rank serves its expert load at /expert_load; those dumps cover every token the group forwarded,
-and `deepseek-pd eplb plan` turns them into a placement the same worker setup accepts.
+and `deepseek-pd eplb plan` turns them into a placement the same worker setup accepts. With
+speculative decoding the MTP layer's MoE has its own row in the placement and in the dumps, and a
+group restarted with the plan (the rebalance) gives the same tokens again.
 """
 from __future__ import annotations
 
@@ -14,10 +16,19 @@ import pytest
 
 from deepseek_pd.cli import main
 from deepseek_pd.model.config import ModelConfig
-from deepseek_pd.model.eplb.expert_location import resolve_expert_location
 from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
+from deepseek_pd.model.eplb.expert_location import moe_layer_ids, resolve_expert_location
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.model.speculative.mtp_names import mtp_layer_id
 from deepseek_pd.ports import pick_free_port_blocks
-from pdtest.group_harness import GroupWorker, generate_all, offline_greedy
+from deepseek_pd.workers.engine.offline import Engine
+from pdtest.eplb_placement import random_placement
+from pdtest.group_harness import CHUNKED_PREFILL_SIZE, PAGE_SIZE, GroupWorker, generate_all, offline_greedy
+from pdtest.mtp_training import save_mtp_layer, train_mtp
+from pdtest.speculative_runner import speculative_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 VOCAB = 256  # stay in the tiny tokenizer's byte range
@@ -60,3 +71,66 @@ def test_group_with_redundant_experts_equals_offline_and_dumps_its_load(tmp_path
     assert main(["eplb", "plan", "--dump", str(tmp_path / "rank0.json"), "--dump", str(tmp_path / "rank1.json"),
                  "--ep-size", "2", "--redundant", str(redundant), "-o", str(out)]) == 0
     assert resolve_expert_location(config, 2, redundant, str(out)).moe_layer_ids == (1, 2, 3)
+
+
+@pytest.mark.timeout(480)
+def test_speculating_group_with_a_placement_equals_offline_and_rebalances(tmp_path) -> None:
+    """Speculation (the MTP layer's MoE over the same EP group, a row of its own in the placement
+    and in the load dumps) with redundant experts: `--dp 2 --ep 2 --speculative-num-steps 3` with a
+    random placement gives the offline engine's greedy tokens (no speculation, no placement); the
+    ranks' dumps add up to the expert loads of one process speculating the same requests (every
+    row, the MTP layer's included); the plan from them, served by a fresh group (the rebalance: a
+    rolling restart with the new file), gives the same tokens again."""
+    rng = random.Random()
+    path = make_tiny_model(tmp_path / "v3", seed=rng.randrange(1000), mtp_layers=1)
+    config = ModelConfig.from_hf(path)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 24))] for _ in range(rng.randint(4, 6))]
+    max_new = [rng.randint(2, 10) for _ in prompts]
+    oracle = Engine(str(path), chunked_prefill_size=CHUNKED_PREFILL_SIZE, page_size=PAGE_SIZE)
+    greedy = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new]
+    want = [r.output_ids for r in oracle.generate_batch(prompts, greedy)]
+    # the MTP layer learns these sequences a little, so drafts are accepted as well as rejected
+    steps = 3
+
+    def one(**fields) -> ModelRunner:
+        return ModelRunner(RunnerConfig(model=str(path), page_size=PAGE_SIZE, num_pages=512,
+                                        speculative_num_steps=steps, **fields))
+
+    trainer = one()
+    train_mtp(trainer, [p + w for p, w in zip(prompts, want)], seconds=5.0)
+    save_mtp_layer(trainer, path)
+    single = one(record_expert_load=True)
+    assert speculative_greedy(single, prompts, max_new, steps)[0] == want
+    expected = [sum(row) for row in single.expert_load.dump().logical_counts]
+    layers = [*moe_layer_ids(config), mtp_layer_id(config)]
+    redundant = 2
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"moe_layer_ids": layers, "physical_to_logical_map": random_placement(
+        rng, config.n_routed_experts, redundant, len(layers))}))
+
+    def serve(placement_file, log: str, metrics_port: int) -> list[dict]:
+        args = ["--model", str(path), "--dp", "2", "--ep", "2", "--speculative-num-steps", str(steps),
+                "--ep-num-redundant-experts", str(redundant), "--init-expert-location", str(placement_file),
+                "--engine-opt=record_expert_load=true", "--metrics-port", str(metrics_port)]
+        with GroupWorker("decode", args, tmp_path / log) as worker:
+            asyncio.run(worker.wait_healthy())
+            got = asyncio.run(generate_all(worker.address, prompts, max_new, ignore_eos=True))
+            assert got == want, worker.log_tail()
+            dumps = []
+            for rank in range(2):
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + rank}/expert_load",
+                                            timeout=10) as r:
+                    dumps.append(json.loads(r.read()))
+        return dumps
+
+    dumps = serve(placement, "group.log", pick_free_port_blocks([2])[0])
+    assert all(d["moe_layer_ids"] == layers for d in dumps), dumps
+    totals = [sum(sum(d["logical_counts"][row]) for d in dumps) for row in range(len(layers))]
+    assert totals == expected, (totals, expected)
+    for rank, dump in enumerate(dumps):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(dump))
+    planned = tmp_path / "planned.json"
+    assert main(["eplb", "plan", "--dump", str(tmp_path / "rank0.json"), "--dump", str(tmp_path / "rank1.json"),
+                 "--ep-size", "2", "--redundant", str(redundant), "-o", str(planned)]) == 0
+    assert resolve_expert_location(config, 2, redundant, str(planned), mtp=True).moe_layer_ids == tuple(layers)
+    serve(planned, "rebalanced.log", pick_free_port_blocks([2])[0])

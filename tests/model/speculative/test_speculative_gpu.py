@@ -152,3 +152,41 @@ def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
         decoder.step(rows, rng.randint(0, 3))
     assert [r.output_ids for r in rows] == want, seed
     assert graphs.replays["verify"] > 0 and graphs.replays["catch_up"] > 0, graphs.replays
+
+
+def test_speculation_with_redundant_experts_through_graphs_equals_plain(tmp_path):
+    """EPLB with speculation on the GPU: redundant experts and a random placement with the MTP
+    layer's row (model/eplb/expert_location.py), the draft, verify and catch-up replayed as CUDA
+    graphs (the replica mapping is two gathers, so it is captured too): the plain greedy tokens."""
+    import json
+
+    from deepseek_pd.model.config import ModelConfig
+    from deepseek_pd.model.eplb.expert_location import moe_layer_ids
+    from deepseek_pd.model.runner import ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
+    from deepseek_pd.model.speculative.mtp_names import mtp_layer_id
+    from pdtest.eplb_placement import random_placement
+    from pdtest.speculative_runner import speculative_greedy
+
+    seed = random.randrange(1000)
+    rng = random.Random(seed)
+    path = str(make_tiny_model(tmp_path / "v3", seed=seed, mtp_layers=1))
+    config = ModelConfig.from_hf(path)
+    layers = [*moe_layer_ids(config), mtp_layer_id(config)]
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"moe_layer_ids": layers, "physical_to_logical_map": random_placement(
+        rng, config.n_routed_experts, 2, len(layers))}))
+    kw = dict(device="cuda", dtype="float32", attention_backend="triton", moe_backend="triton", page_size=16)
+    plain = Engine(path, **kw)
+    prompts = [[rng.randrange(2, plain.vocab_size) for _ in range(rng.randint(2, 40))] for _ in range(6)]
+    max_new = [rng.randint(6, 20) for _ in prompts]
+    want = [r.output_ids for r in plain.generate_batch(
+        prompts, [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new])]
+    runner = ModelRunner(RunnerConfig(model=path, num_pages=512, cuda_graph=True, cuda_graph_max_batch=8,
+                                      speculative_num_steps=3, ep_num_redundant_experts=2,
+                                      init_expert_location=str(placement), **kw))
+    assert runner.model.mtp.layer.mlp.to_physical is not None
+    got, _ = speculative_greedy(runner, prompts, max_new, 3)
+    assert got == want, seed
+    replays = runner.spec_forwards.graphs.replays
+    assert replays["draft"] > 0 and replays["verify"] > 0, replays

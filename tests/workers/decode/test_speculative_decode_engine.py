@@ -292,3 +292,39 @@ def test_pd_with_tbo_on_both_sides_equals_offline(setup):
     assert decode_runner.model.tbo.stats["overlapped"] > 0 and prefill_runner.model.tbo.stats["overlapped"] > 0
     print(f"PD + TBO accept length {stats.accept_length:.2f}, decode TBO {decode_runner.model.tbo.stats}")
     assert stats.accept_length > 1.8
+
+
+def test_stops_mid_acceptance_in_the_worker_as_without_speculation(setup):
+    """A stop token or string that falls inside a step's accepted tokens ends the request there, as
+    without speculation: the same tokens, logprobs, finish reason, matched stop and token count
+    (the worker drops the step's tokens after the stop on the host), and the pool ends empty."""
+    path, oracle, trained, prompts, rng = setup
+    reference = oracle.generate_batch(prompts, GREEDY)
+    params = []
+    for r in reference:  # the trained prompts accept most drafts, so a stop lands inside a step
+        cut = rng.randint(1, len(r.output_ids) - 2)
+        if rng.random() < 0.5 or len(r.text) < 4:
+            params.append(dataclasses.replace(GREEDY, stop_token_ids=(r.output_ids[cut],)))
+        else:
+            params.append(dataclasses.replace(GREEDY, stop=(r.text[len(r.text) // 2:][:2],)))
+    expected = oracle.generate_batch(prompts, params)
+
+    async def run():
+        engine = DecodeEngine(_spec_runner(path, trained), worker_config("fake"), tokenizer=oracle.tokenizer)
+        await engine.start()
+        try:
+            outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"s{i}", tuple(p), sp, return_logprob=True))
+                                              for i, (p, sp) in enumerate(zip(prompts, params))))
+            assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
+            return outcomes, engine.speculation.stats
+        finally:
+            await engine.stop()
+
+    outcomes, stats = asyncio.run(run())
+    for outcome, want in zip(outcomes, expected):
+        assert outcome.ok and outcome.tokens == want.output_ids
+        assert (outcome.terminal.reason, outcome.terminal.matched_stop) == (want.finish_reason, want.matched_stop)
+        assert outcome.terminal.completion_tokens == len(want.output_ids)
+        assert len(outcome.logprobs) == len(want.output_logprobs)
+        assert all(abs(a - b) < 1e-4 for a, b in zip(outcome.logprobs, want.output_logprobs))
+    assert stats.accepted > 0

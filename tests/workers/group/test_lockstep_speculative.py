@@ -15,7 +15,6 @@ import asyncio
 import pathlib
 import random
 import time
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -24,23 +23,6 @@ from pdtest.lockstep_harness import run_script
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 PAGE = 4
 JOB_TIMEOUT_S = 30.0  # one prefill round or speculative step; far above its cost, far below a hang's
-
-
-@dataclass
-class _Row:
-    prompt_ids: list[int]
-    max_new: int
-    pages: list[int]
-    output_ids: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.output_ids) >= self.max_new
-
-
-def _greedy(rows: list, logits) -> None:
-    for row, token in zip(rows, logits.argmax(dim=-1).tolist()):
-        row.output_ids.append(token)
 
 
 def _oracle(path: str, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
@@ -67,6 +49,7 @@ async def _speculate(rank, thread, step, report, options) -> None:
     from deepseek_pd.model.sampling.params import SamplingParams
     from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
     from deepseek_pd.workers.engine.extend_step import run_extend_with_mtp
+    from pdtest.speculative_runner import SpecRow, greedy_rows
 
     world, path = options["world"], options["path"]
     runner = ModelRunner(RunnerConfig(model=path, page_size=PAGE, num_pages=256, ep_size=world,
@@ -78,8 +61,8 @@ async def _speculate(rank, thread, step, report, options) -> None:
     count = 0 if rank in options["idle_ranks"] else rng.randint(1, 3)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 14))] for _ in range(count)]
     max_new = [rng.randint(4, 12) for _ in range(count)]  # room for drafts (draft_len caps them by it)
-    rows = [_Row(p, n, runner.kv_pool.alloc(-(-(len(p) + n) // PAGE))) for p, n in zip(prompts, max_new)]
-    decoder = SpeculativeDecoder(runner, options["steps"], _greedy)
+    rows = [SpecRow(p, n, runner.kv_pool.alloc(-(-(len(p) + n) // PAGE))) for p, n in zip(prompts, max_new)]
+    decoder = SpeculativeDecoder(runner, options["steps"], greedy_rows)
     sampler = Sampler()
 
     def prefill() -> None:
