@@ -41,7 +41,9 @@ def _triton_available() -> bool:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 DEFAULT_NUM_PAGES = 1024  # the fixed pool when no memory budget sizes it (the CPU default)
-FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton")
+# "deep_gemm" (DeepGEMM, where installed) is never what "auto" picks; model/jit_backends.py falls back
+# from it where it cannot compile.
+FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton", "deep_gemm")
 
 
 def auto_dtype(device: str, model_config: ModelConfig) -> str:
@@ -173,7 +175,7 @@ class RunnerConfig:
         if self.moe_backend not in ("auto", "torch", "triton"):
             return (f"the MoE backend {self.moe_backend!r} has no batch-invariant version "
                     "(torch and triton have); run with moe_backend auto, torch or triton")
-        if self.fp8_backend in ("torch", "triton"):
+        if self.fp8_backend not in ("auto", "dequant"):
             return (f"the FP8 GEMM backend {self.fp8_backend!r} picks its tile by M; "
                     "use fp8_backend dequant (or auto, which deterministic resolves to dequant)")
         return None
@@ -248,6 +250,8 @@ class RunnerConfig:
         if self.fp8_backend not in ("auto", "dequant"):
             parts += (("FP8 MoE backend", MOE_BACKENDS, self.fp8_backend),)
         for what, registry, name in parts:
+            if name not in registry.names():  # an optional library not installed (model/jit_backends.py)
+                return f"the {what} {name!r} is not installed here"
             if not getattr(registry.get(name), "cuda_graph_safe", False):
                 return f"the {what} {name!r} is not capturable"
         return None
@@ -327,6 +331,13 @@ class RunnerConfig:
         if self.fp8_backend != "auto":
             return self.fp8_backend
         return "triton" if is_cuda(self.device) and _triton_available() else None
+
+    def auto_choice(self, field: str, model_config: ModelConfig) -> str:
+        """What "auto" resolves to for the backend field `field` (attention, MoE, norm/RoPE or FP8
+        GEMM), as `resolve` decides it: the fallback of a named backend that cannot run here."""
+        if field == "fp8_backend":
+            return replace(self, fp8_backend="auto").resolve_fp8_backend(model_config) or "dequant"
+        return self.resolve_backend("auto")
 
     def expert_location(self, model_config: ModelConfig) -> ExpertLocation | None:
         """Redundant experts / the static placement (model/eplb/expert_location.py); None: identity."""
