@@ -36,6 +36,7 @@ from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, Forwa
 from deepseek_pd.model.quant.fp8_linear import fp8_spec, make_linear
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS, NormRopeOps
+from deepseek_pd.model.quant.norm_fp8_linear import NormThenLinear
 from deepseek_pd.model.rope import RotaryEmbedding
 
 
@@ -109,6 +110,7 @@ class MLAAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, **kw,
                                          backend=options.norm_rope_backend)
             self.q_b_proj = make_linear(self.q_lora_rank, heads * qk, fp8, **kw, row_splits=q_split)
+            self._q_b_of_q_a = NormThenLinear(self.q_a_layernorm, self.q_b_proj)  # one launch less in FP8
             self._project_q_and_latent = self._project_lora
         else:
             self.q_proj = make_linear(hidden, heads * qk, fp8, **kw, row_splits=q_split)
@@ -133,7 +135,7 @@ class MLAAttention(nn.Module):
     # ---- projections ----------------------------------------------------------------------
     def _project_lora(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q_a, latent = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
-        return self.q_b_proj(self.q_a_layernorm(q_a)), latent
+        return self._q_b_of_q_a(q_a), latent
 
     def _project_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_proj(x), self.kv_a_proj_with_mqa(x)
