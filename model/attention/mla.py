@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from deepseek_pd.model import batch_invariant
-from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend
+from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend, RopeSplit
 from deepseek_pd.model.attention.tensor_parallel import local_heads
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
@@ -161,17 +161,19 @@ class MLAAttention(nn.Module):
         return self.core(self.prepare(hidden, batch), batch)
 
     # ---- methods --------------------------------------------------------------------------
-    def _up_project(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent `[S, R]` + `[S, rope]` → per-head K `[S, H, nope+rope]` and V `[S, H, v]`."""
+    def _up_project(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[RopeSplit, torch.Tensor]:
+        """Latent `[S, R]` + `[S, rope]` → per-head K (`[S, H, nope]` and the shared `[S, rope]`, not
+        concatenated: `RopeSplit`) and V `[S, H, v]`."""
         heads = self.num_heads
         k_nope = self._linear(c_kv, self.w_kc.view(heads * self.nope_dim, -1)).view(-1, heads, self.nope_dim)
         v = self._linear(c_kv, self.w_vc.view(heads * self.v_dim, -1)).view(-1, heads, self.v_dim)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
-        return k, v
+        return RopeSplit(k_nope, k_pe), v
 
     def _new_tokens(self, inter: AttnIntermediate, batch: ForwardBatch
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = torch.cat([inter.q_nope, inter.q_pe], dim=-1)
+                    ) -> tuple[RopeSplit, torch.Tensor, torch.Tensor]:
+        # q and k go to the backend as their parts: the Triton kernel reads them where they are
+        # (no concatenated copies per layer), the others join them.
+        q = RopeSplit(inter.q_nope, inter.q_pe)
         k, v = self._up_project(inter.c_kv, inter.k_pe)
         out, lse = self.backend.mha_causal(q, k, v, batch.qo_offsets, self.scale)
         return q, out, lse
@@ -183,9 +185,10 @@ class MLAAttention(nn.Module):
 
     def _mha_chunked_kv(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
         q, out, lse = self._new_tokens(inter, batch)
+        v_dtype = inter.q_nope.dtype
         cache = batch.kv_pool.flat(self.layer_id)
         for chunk in prefix_chunks(batch, self.prefix_chunk_size):
-            latent = cache[chunk.slots].to(q.dtype)
+            latent = cache[chunk.slots].to(v_dtype)
             c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             k, v = self._up_project(c_kv, k_pe)
             part, part_lse = self.backend.mha_cross(q, k, v, batch.qo_offsets, chunk.kv_offsets, self.scale)
