@@ -27,8 +27,8 @@ from deepseek_pd.model.speculative.rules import check_speculative_num_steps
 from deepseek_pd.workers.serve.engine_options import parse_bool, parse_key_values
 from deepseek_pd.workers.serve.flags import ServeFlags
 
-# The runner's choices (model/runner.py FP8_BACKEND_CHOICES, which imports torch; a test keeps them equal).
-FP8_BACKENDS = ("auto", "dequant", "torch", "triton")
+# The runner's choices (model/runner_config.py FP8_BACKEND_CHOICES, which imports torch; a test keeps them equal).
+FP8_BACKENDS = ("auto", "dequant", "torch", "triton", "deep_gemm")
 
 
 @dataclass(frozen=True)
