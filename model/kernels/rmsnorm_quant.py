@@ -19,11 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from deepseek_pd.model.kernels.checks import check_tensor, next_power_of_2
+from deepseek_pd.model.kernels.checks import next_power_of_2
 from deepseek_pd.model.kernels.fp8_quant import quantise_groups
+from deepseek_pd.model.kernels.rmsnorm import checked_residual_out, inverse_rms, load_row, normalise
 from deepseek_pd.model.quant.fp8_ops import EPS, FP8_DTYPE, FP8_MAX, num_groups
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -33,28 +33,18 @@ def _rmsnorm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, dim, g
                           HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
                           GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, GROUPS_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    # The sum of squares: kernels/rmsnorm.py's load and reduction, so the same rstd.
+    # 1 / rms: kernels/rmsnorm.py's load and reduction, so the same bits.
     cols = tl.arange(0, BLOCK)
-    ok = cols < dim
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
-        x = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / dim + eps)
-    # The row again, as [groups, group] tiles: element-wise the same roundings, then quantised.
+    x = load_row(x_ptr, r_ptr, res_out_ptr, row, cols, cols < dim, stride_x, stride_r, stride_ro, HAS_RESIDUAL, True)
+    rstd = inverse_rms(x, dim, eps)
+    # The row again, as [groups, group] tiles (from the cache): normalised as there, then quantised.
     grps = tl.arange(0, GROUPS_BLOCK)
     inner = tl.arange(0, GROUP_BLOCK)
     tile = grps[:, None] * GROUP + inner[None, :]
     in_row = (inner[None, :] < GROUP) & (tile < dim)
-    xt = tl.load(x_ptr + row * stride_x + tile, mask=in_row, other=0.0)
-    if HAS_RESIDUAL:
-        xt = (xt.to(tl.float32) + tl.load(r_ptr + row * stride_r + tile, mask=in_row, other=0.0).to(tl.float32))
-        xt = xt.to(res_out_ptr.dtype.element_ty)
-    normed = (xt.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + tile, mask=in_row, other=0.0).to(tl.float32)
-    y = (w * normed).to(OUT_DTYPE).to(tl.float32)
+    xt = load_row(x_ptr, r_ptr, res_out_ptr, row, tile, in_row, stride_x, stride_r, stride_ro, HAS_RESIDUAL, False)
+    w = tl.load(w_ptr + tile, mask=in_row, other=0.0)
+    y = normalise(xt, rstd, w, OUT_DTYPE).to(tl.float32)
     q, scale = quantise_groups(y, q_eps, fp8_max)
     tl.store(q_ptr + row * stride_q + tile, q.to(q_ptr.dtype.element_ty), mask=in_row)
     tl.store(s_ptr + row * stride_s + grps, scale, mask=grps < groups)
@@ -66,23 +56,13 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
     fp32 `[T, ceil(D/group)]`, the new residual `x + residual` or None).
 
     The normed row before quantisation is in `promote(weight, x)`'s dtype, as `rms_norm` returns it."""
-    device = x.device
-    check_tensor("x", x, 2, _FLOAT_DTYPES, device)
-    check_tensor("weight", weight, 1, _FLOAT_DTYPES, device)
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
+    res_out = checked_residual_out(x, weight, residual)
     tokens, dim = x.shape
-    if weight.shape[0] != dim:
-        raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
-    res_out = None
-    if residual is not None:
-        check_tensor("residual", residual, 2, (x.dtype,), device)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual {tuple(residual.shape)} does not fit x {tuple(x.shape)}")
-        res_out = torch.empty(tokens, dim, dtype=x.dtype, device=device)
     groups = num_groups(dim, group)
-    q = torch.empty(tokens, dim, dtype=FP8_DTYPE, device=device)
-    scale = torch.empty(tokens, groups, dtype=torch.float32, device=device)
+    q = torch.empty(tokens, dim, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(tokens, groups, dtype=torch.float32, device=x.device)
     if tokens == 0 or dim == 0:
         return q, scale, res_out
     block = max(16, next_power_of_2(dim))
