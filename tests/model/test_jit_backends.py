@@ -62,3 +62,36 @@ def test_a_compiler_failure_at_start_up_is_logged_with_its_reason(caplog, field,
     compiled: list[str] = []
     kept = with_compiled_jit_backends(config, model_config, (JitBackend(field, name, compiled.append),))
     assert kept == config and compiled == [config.device]
+
+
+def _flashinfer_here() -> bool:
+    from deepseek_pd.model.kernels.flashinfer_mla import flashinfer_mla_available
+
+    return flashinfer_mla_available()
+
+
+def _deep_gemm_here() -> bool:
+    from deepseek_pd.model.kernels.fp8_deep_gemm import deep_gemm_available
+
+    return deep_gemm_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _flashinfer_here(), reason="needs FlashInfer, nvcc and a Hopper GPU")
+def test_flashinfer_compiles_and_runs_at_start_up_on_a_hopper_gpu(caplog):
+    """Where FlashInfer is usable the check passes (its kernel compiled, ~20 s the first time) and
+    the backend stays."""
+    from deepseek_pd.model.kernels.flashinfer_mla import compile_and_run_once
+
+    compile_and_run_once("cuda")
+    config = RunnerConfig(device="cuda", attention_backend="flashinfer")
+    model_config = ModelConfig.from_hf(tiny_config("v3", 512))
+    assert with_compiled_jit_backends(config, model_config) == config
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _deep_gemm_here(), reason="needs DeepGEMM built for this torch and a Hopper GPU")
+def test_deep_gemm_compiles_and_runs_at_start_up_on_a_hopper_gpu():
+    from deepseek_pd.model.kernels.fp8_deep_gemm import compile_and_run_once
+
+    compile_and_run_once("cuda")  # raises where nvcc, its headers or the product fail
