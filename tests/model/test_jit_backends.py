@@ -14,7 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from deepseek_pd.model import jit_backends
+# First: the DeepGEMM check imports the Triton quantisation kernel, which must see TRITON_INTERPRET.
+from pdtest.triton_env import DEVICE  # noqa: F401,E402
+
+from deepseek_pd.model import jit_backends  # noqa: E402
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model, tiny_config
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.jit_backends import JIT_BACKENDS, JitBackend, with_compiled_jit_backends
