@@ -36,7 +36,7 @@ from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, Forwa
 from deepseek_pd.model.quant.fp8_linear import fp8_spec, make_linear
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS, NormRopeOps
-from deepseek_pd.model.quant.norm_fp8_linear import NormThenLinear
+from deepseek_pd.model.quant.norm_fp8_linear import NormThenLinear, Rows, apply
 from deepseek_pd.model.rope import RotaryEmbedding
 
 
@@ -133,15 +133,23 @@ class MLAAttention(nn.Module):
         }
 
     # ---- projections ----------------------------------------------------------------------
-    def _project_lora(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q_a, latent = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
+    @property
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The linears that read the layer's normed input (`prepare`'s `hidden`)."""
+        if self.q_lora_rank is not None:
+            return (self.fused_qkv_a_proj,)
+        return self.q_proj, self.kv_a_proj_with_mqa
+
+    def _project_lora(self, x: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        q_a, latent = apply(self.fused_qkv_a_proj, x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
         return self._q_b_of_q_a(q_a), latent
 
-    def _project_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_proj(x), self.kv_a_proj_with_mqa(x)
+    def _project_plain(self, x: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply(self.q_proj, x), apply(self.kv_a_proj_with_mqa, x)
 
-    def prepare(self, hidden: torch.Tensor, batch: ForwardBatch) -> AttnIntermediate:
-        """Project, rope, and write the new tokens' latent KV into the pool."""
+    def prepare(self, hidden: Rows, batch: ForwardBatch) -> AttnIntermediate:
+        """Project, rope, and write the new tokens' latent KV into the pool. `hidden`: the normed
+        rows, or their `QuantisedRows` where the layer's input norm quantises them."""
         q, latent = self._project_q_and_latent(hidden)
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)

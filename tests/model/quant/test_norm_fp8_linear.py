@@ -76,3 +76,37 @@ def test_mla_runs_q_a_norm_and_q_b_proj_fused_with_the_triton_fp8_backends(backe
     assert layers and all(attn._q_b_of_q_a.fused == fused for attn in layers)
     assert all(attn._q_b_of_q_a.linear is attn.q_b_proj and attn._q_b_of_q_a.norm is attn.q_a_layernorm
                for attn in layers)
+
+
+@needs_triton
+def test_a_model_with_its_norms_fused_gives_the_logits_of_the_unfused_model_bit_for_bit(tmp_path, monkeypatch):
+    """A tiny FP8 checkpoint, Triton norms and FP8 GEMMs: the input norm hands attention quantised
+    rows (and q_a_layernorm q_b_proj's); prefill logits equal those of the same model built with
+    every norm unfused."""
+    from deepseek_pd.model import decoder_layer
+    from deepseek_pd.model.attention import mla
+    from deepseek_pd.model.checkpoint.tiny import make_tiny_model
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
+
+    directory = make_tiny_model(tmp_path / "m", arch=random.choice(["v2", "v3"]), seed=random.randint(0, 10_000),
+                                fp8_block=(128, 128))
+    prompt = [random.randrange(1, 100) for _ in range(random.randint(3, 24))]
+
+    def prefill() -> tuple[ModelRunner, torch.Tensor]:
+        runner = ModelRunner(RunnerConfig(model=str(directory), device=DEVICE, num_pages=16, fp8_backend="triton",
+                                          norm_rope_backend="triton"))
+        pages = list(range(-(-len(prompt) // runner.config.page_size)))
+        return runner, runner.extend([ExtendSeq(prompt, 0, pages)])
+
+    fused_runner, fused = prefill()
+    assert all(layer.comm.quantises_attn_input for layer in fused_runner.model.layers)
+    monkeypatch.setattr(decoder_layer, "norm_quant_group", lambda norm, linears: None)
+    monkeypatch.setattr(mla.NormThenLinear, "__init__", _unfused_init)
+    plain_runner, plain = prefill()
+    assert not any(layer.comm.quantises_attn_input for layer in plain_runner.model.layers)
+    assert torch.equal(fused, plain)
+
+
+def _unfused_init(self, norm, linear) -> None:
+    self.norm, self.linear, self.group = norm, linear, None
