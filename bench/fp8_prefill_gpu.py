@@ -11,6 +11,8 @@ Parts (`--parts`, each written to `<out>/fp8_prefill.json` as soon as it ends):
   `CUBLAS_MIN_ROWS`, torch's cuBLAS blockwise above); Triton quant + GEMM at its default tile and the
   best of `linear_tiles()` (GEMM alone); torch's blockwise `scaled_mm` (quant + GEMM); DeepGEMM where
   `import deep_gemm` works.
+- `norm_quant`, `qk_split` (bench/fusion_parts.py): RMSNorm fused with the FP8 quantisation, and
+  MHA prefill reading q/k's rope parts apart, each against the path it replaces.
 - `moe`: the routed experts (top-k plus the fused shared experts) for 128..8192 tokens: bf16 Triton
   and `torch._grouped_mm` on the dequantised twin; FP8 Triton at the default tile and at
   `moe_tiles()`; DeepGEMM's grouped GEMM where it imports; a per-expert loop of torch's blockwise `scaled_mm` (a probe: one host sync, 2E GEMM
@@ -390,7 +392,7 @@ def commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for fp8_prefill.json")
-    parser.add_argument("--parts", default="quant,linear,moe")
+    parser.add_argument("--parts", default="quant,norm_quant,qk_split,linear,moe")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="time no new shape after this many seconds (the GPU call is capped)")
     parser.add_argument("--models", default="V2-Lite,V3", help="shapes of these models")
@@ -404,7 +406,10 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name() if not args.tiny else "cpu (tiny)",
                      "torch": torch.__version__, "commit": commit(),
                      "deep_gemm": importlib.util.find_spec("deep_gemm") is not None}
-    parts = {"quant": quant_part, "linear": linear_part, "moe": moe_part}
+    from fusion_parts import norm_quant_part, qk_split_part  # beside this script (its folder is on sys.path)
+
+    parts = {"quant": quant_part, "norm_quant": norm_quant_part, "qk_split": qk_split_part, "linear": linear_part,
+             "moe": moe_part}
     out = Path(args.out) / "fp8_prefill.json"
     tables_path = Path(args.out) / "tile_tables.py"
 

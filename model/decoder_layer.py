@@ -19,6 +19,7 @@ from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import ForwardBatch
 from deepseek_pd.model.quant.fp8_linear import fp8_spec
+from deepseek_pd.model.quant.norm_fp8_linear import norm_quant_group
 from deepseek_pd.model.distributed.layer_communicator import LayerCommunicator
 from deepseek_pd.model.layer_ops import DENSE_LAYER_OPS, MOE_LAYER_OPS, OpState, bound_ops
 from deepseek_pd.model.moe.dispatcher import CombineInput, Dispatcher
@@ -49,7 +50,8 @@ class DeepseekDecoderLayer(nn.Module):
             self.op_names = DENSE_LAYER_OPS
         self.dispatcher = dispatcher
         self.comm = LayerCommunicator(LayerScatterModes.for_layer(config, layer_id, options.parallel),
-                                      self.input_layernorm, self.post_attention_layernorm, options.parallel)
+                                      self.input_layernorm, self.post_attention_layernorm, options.parallel,
+                                      norm_quant_group(self.input_layernorm, self.self_attn.input_projections))
         self.ops = bound_ops(self)
 
     # ---- attention ------------------------------------------------------------------------

@@ -58,9 +58,11 @@ class TritonNormRope:
 
         require_triton("norm/rope backend 'triton'")
         from deepseek_pd.model.kernels.rmsnorm import rms_norm
+        from deepseek_pd.model.kernels.rmsnorm_quant import rms_norm_quant
         from deepseek_pd.model.kernels.rope_cache import rope_and_cache_write
 
         self._norm, self._rope = rms_norm, rope_and_cache_write
+        self.rms_norm_quant = rms_norm_quant  # the norm fused with FP8 quantisation (quant/norm_fp8_linear.py)
 
     def rms_norm(self, x, weight, eps, residual):
         lead = x.shape[:-1]

@@ -41,6 +41,7 @@ from deepseek_pd.model.kv.pool import KVPool, bytes_per_pool_page
 from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_gpu
 from deepseek_pd.model.kv.layer_progress import LayerProgress
 from deepseek_pd.model.moe.expert_load import ExpertLoadRecorder
+from deepseek_pd.model.jit_backends import with_compiled_jit_backends
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tp_replay import ForwardCall, TpReplay
 from deepseek_pd.model.distributed.step_sync import ForwardKind, StepSync
@@ -93,7 +94,7 @@ class ModelRunner:
 
     def __post_init__(self) -> None:
         if self.model is None:
-            self.model = _load_model(self.config, self.parallel)
+            self.config, self.model = _load_model(self.config, self.parallel)
         model_config = self.model.config
         options = self.model.options
         self.policy = AttentionPolicy(self.config.resolved_attention_method, self.config.mha_chunked_kv_threshold)
@@ -261,11 +262,14 @@ def _checked_device_ids(input_ids: torch.Tensor, num_tokens: int) -> torch.Tenso
     return input_ids
 
 
-def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> DeepseekForCausalLM:
+def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> tuple[RunnerConfig, DeepseekForCausalLM]:
+    """The model, and `config` with any JIT backend that cannot compile here replaced by its
+    "auto" choice (model/jit_backends.py)."""
     from deepseek_pd.model.checkpoint.loader import load_model
     from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
 
     directory = resolve_model_dir(config.model)
     # The options depend on the model's config (dtype "auto", backends, expert placement).
     model_config = ModelConfig.from_hf(directory)
-    return load_model(directory, config.build_options(model_config, parallel), config=model_config)
+    config = with_compiled_jit_backends(config, model_config)
+    return config, load_model(directory, config.build_options(model_config, parallel), config=model_config)

@@ -239,6 +239,8 @@ class RunnerConfig:
         if self.fp8_backend not in ("auto", "dequant"):
             parts += (("FP8 MoE backend", MOE_BACKENDS, self.fp8_backend),)
         for what, registry, name in parts:
+            if name not in registry.names():  # an optional library not installed (model/jit_backends.py)
+                return f"the {what} {name!r} is not installed here"
             if not getattr(registry.get(name), "cuda_graph_safe", False):
                 return f"the {what} {name!r} is not capturable"
         return None
@@ -323,6 +325,13 @@ class RunnerConfig:
     def builds_mtp(self) -> bool:
         """The model carries its MTP layer (model/speculative/mtp.py): speculative decoding is on."""
         return self.speculative_num_steps > 0
+
+    def auto_choice(self, field: str, model_config: ModelConfig) -> str:
+        """What "auto" resolves to for the backend field `field` (attention, MoE, norm/RoPE or FP8
+        GEMM), as `resolve` decides it: the fallback of a named backend that cannot run here."""
+        if field == "fp8_backend":
+            return replace(self, fp8_backend="auto").resolve_fp8_backend(model_config) or "dequant"
+        return self.resolve_backend("auto")
 
     def expert_location(self, model_config: ModelConfig) -> ExpertLocation | None:
         """Redundant experts / the static placement (model/eplb/expert_location.py), the MTP layer's

@@ -11,7 +11,9 @@ attention TP (tp_size > 1)"; `tbo_blocker(tp_size=1)` -> None.
 from __future__ import annotations
 
 # `fp8_backend`'s choices (model/quant/fp8_linear.py); the operator's memory plan reads them too.
-FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton")
+# "deep_gemm" (DeepGEMM, where installed) is never what "auto" picks; model/jit_backends.py falls back
+# from it where it cannot compile.
+FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton", "deep_gemm")
 # The backends with a batch-invariant version (model/attention/invariant_backends.py, model/moe/invariant_experts.py).
 INVARIANT_BACKENDS = ("auto", "torch", "triton")
 
@@ -52,7 +54,7 @@ def deterministic_blocker(*, enable_tbo: bool, tp_size: int, ep_size: int, specu
     if moe_backend not in INVARIANT_BACKENDS:
         return (f"the MoE backend {moe_backend!r} has no batch-invariant version "
                 "(torch and triton have); run with moe_backend auto, torch or triton")
-    if fp8_backend in ("torch", "triton"):
+    if fp8_backend not in ("auto", "dequant"):
         return (f"the FP8 GEMM backend {fp8_backend!r} picks its tile by M; "
                 "use fp8_backend dequant (or auto, which deterministic resolves to dequant)")
     return None

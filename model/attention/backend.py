@@ -10,7 +10,8 @@ that saw no keys; `merge_states` combines two partial results exactly.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Union
 
 import torch
 
@@ -18,12 +19,38 @@ from deepseek_pd.model.forward_batch import ForwardBatch
 from deepseek_pd.model.registry import Registry
 
 
-class AttentionBackend(Protocol):
-    def mha_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_offsets: tuple[int, ...],
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence, q[i] attends k/v[0..i] of the same sequence. q,k `[T,H,Dqk]`, v `[T,H,Dv]`."""
+@dataclass(frozen=True)
+class RopeSplit:
+    """MLA's queries or keys as their two parts, not concatenated: `nope` `[N, H, n]` and `rope`
+    `[N, H, r]`, or for keys `[N, r]` (one rotated row for all heads). Its value is `joined()`,
+    `[N, H, n + r]`; a backend whose kernel reads the parts where they are spares that copy.
 
-    def mha_cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_offsets: tuple[int, ...],
+    Example: RopeSplit(q_nope, q_pe).joined() == torch.cat([q_nope, q_pe], -1).
+    """
+
+    nope: torch.Tensor
+    rope: torch.Tensor
+
+    def joined(self) -> torch.Tensor:
+        rope = self.rope if self.rope.dim() == 3 else self.rope.unsqueeze(1).expand(-1, self.nope.shape[1], -1)
+        return torch.cat([self.nope, rope], dim=-1)
+
+
+QK = Union[torch.Tensor, RopeSplit]
+
+
+def joined(x: QK) -> torch.Tensor:
+    """A query or key tensor, from itself or its `RopeSplit`."""
+    return x.joined() if isinstance(x, RopeSplit) else x
+
+
+class AttentionBackend(Protocol):
+    def mha_causal(self, q: QK, k: QK, v: torch.Tensor, qo_offsets: tuple[int, ...],
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence, q[i] attends k/v[0..i] of the same sequence. q,k `[T,H,Dqk]` (or their
+        `RopeSplit`), v `[T,H,Dv]`."""
+
+    def mha_cross(self, q: QK, k: QK, v: torch.Tensor, qo_offsets: tuple[int, ...],
                   kv_offsets: tuple[int, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sequence, every query attends every key of that sequence's kv segment (no mask)."""
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from deepseek_pd.model import batch_invariant
-from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend
+from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, AttentionBackend, RopeSplit
 from deepseek_pd.model.attention.tensor_parallel import local_heads
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
@@ -36,6 +36,7 @@ from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, Forwa
 from deepseek_pd.model.quant.fp8_linear import fp8_spec, make_linear
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS, NormRopeOps
+from deepseek_pd.model.quant.norm_fp8_linear import NormThenLinear, Rows, apply
 from deepseek_pd.model.rope import RotaryEmbedding
 
 
@@ -109,6 +110,7 @@ class MLAAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, **kw,
                                          backend=options.norm_rope_backend)
             self.q_b_proj = make_linear(self.q_lora_rank, heads * qk, fp8, **kw, row_splits=q_split)
+            self._q_b_of_q_a = NormThenLinear(self.q_a_layernorm, self.q_b_proj)  # one launch less in FP8
             self._project_q_and_latent = self._project_lora
         else:
             self.q_proj = make_linear(hidden, heads * qk, fp8, **kw, row_splits=q_split)
@@ -131,15 +133,23 @@ class MLAAttention(nn.Module):
         }
 
     # ---- projections ----------------------------------------------------------------------
-    def _project_lora(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q_a, latent = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
-        return self.q_b_proj(self.q_a_layernorm(q_a)), latent
+    @property
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The linears that read the layer's normed input (`prepare`'s `hidden`)."""
+        if self.q_lora_rank is not None:
+            return (self.fused_qkv_a_proj,)
+        return self.q_proj, self.kv_a_proj_with_mqa
 
-    def _project_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_proj(x), self.kv_a_proj_with_mqa(x)
+    def _project_lora(self, x: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        q_a, latent = apply(self.fused_qkv_a_proj, x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
+        return self._q_b_of_q_a(q_a), latent
 
-    def prepare(self, hidden: torch.Tensor, batch: ForwardBatch) -> AttnIntermediate:
-        """Project, rope, and write the new tokens' latent KV into the pool."""
+    def _project_plain(self, x: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply(self.q_proj, x), apply(self.kv_a_proj_with_mqa, x)
+
+    def prepare(self, hidden: Rows, batch: ForwardBatch) -> AttnIntermediate:
+        """Project, rope, and write the new tokens' latent KV into the pool. `hidden`: the normed
+        rows, or their `QuantisedRows` where the layer's input norm quantises them."""
         q, latent = self._project_q_and_latent(hidden)
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -159,17 +169,19 @@ class MLAAttention(nn.Module):
         return self.core(self.prepare(hidden, batch), batch)
 
     # ---- methods --------------------------------------------------------------------------
-    def _up_project(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent `[S, R]` + `[S, rope]` → per-head K `[S, H, nope+rope]` and V `[S, H, v]`."""
+    def _up_project(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[RopeSplit, torch.Tensor]:
+        """Latent `[S, R]` + `[S, rope]` → per-head K (`[S, H, nope]` and the shared `[S, rope]`, not
+        concatenated: `RopeSplit`) and V `[S, H, v]`."""
         heads = self.num_heads
         k_nope = self._linear(c_kv, self.w_kc.view(heads * self.nope_dim, -1)).view(-1, heads, self.nope_dim)
         v = self._linear(c_kv, self.w_vc.view(heads * self.v_dim, -1)).view(-1, heads, self.v_dim)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
-        return k, v
+        return RopeSplit(k_nope, k_pe), v
 
     def _new_tokens(self, inter: AttnIntermediate, batch: ForwardBatch
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = torch.cat([inter.q_nope, inter.q_pe], dim=-1)
+                    ) -> tuple[RopeSplit, torch.Tensor, torch.Tensor]:
+        # q and k go to the backend as their parts: the Triton kernel reads them where they are
+        # (no concatenated copies per layer), the others join them.
+        q = RopeSplit(inter.q_nope, inter.q_pe)
         k, v = self._up_project(inter.c_kv, inter.k_pe)
         out, lse = self.backend.mha_causal(q, k, v, batch.qo_offsets, self.scale)
         return q, out, lse
@@ -181,9 +193,10 @@ class MLAAttention(nn.Module):
 
     def _mha_chunked_kv(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
         q, out, lse = self._new_tokens(inter, batch)
+        v_dtype = inter.q_nope.dtype
         cache = batch.kv_pool.flat(self.layer_id)
         for chunk in prefix_chunks(batch, self.prefix_chunk_size):
-            latent = cache[chunk.slots].to(q.dtype)
+            latent = cache[chunk.slots].to(v_dtype)
             c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             k, v = self._up_project(c_kv, k_pe)
             part, part_lse = self.backend.mha_cross(q, k, v, batch.qo_offsets, chunk.kv_offsets, self.scale)

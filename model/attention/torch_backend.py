@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS
+from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, QK, joined
 from deepseek_pd.model.forward_batch import ForwardBatch
 
 
@@ -46,8 +46,9 @@ class TorchAttentionBackend:
     def __init__(self, query_tile: int = 1024) -> None:
         self.query_tile = query_tile
 
-    def mha_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_offsets: tuple[int, ...],
+    def mha_causal(self, q: QK, k: QK, v: torch.Tensor, qo_offsets: tuple[int, ...],
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = joined(q), joined(k)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         for seq_start, seq_end in zip(qo_offsets[:-1], qo_offsets[1:]):
@@ -63,8 +64,9 @@ class TorchAttentionBackend:
                 lse[start:end] = l.transpose(0, 1)
         return out, lse
 
-    def mha_cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_offsets: tuple[int, ...],
+    def mha_cross(self, q: QK, k: QK, v: torch.Tensor, qo_offsets: tuple[int, ...],
                   kv_offsets: tuple[int, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = joined(q), joined(k)
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
         for i in range(len(qo_offsets) - 1):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS
+from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, QK, RopeSplit, joined
 from deepseek_pd.model.forward_batch import ForwardBatch
 from deepseek_pd.model.kernels.checks import require_triton
 
@@ -53,11 +53,12 @@ class TritonAttentionBackend:
 
     def __init__(self) -> None:
         require_triton("attention backend 'triton'")
-        from deepseek_pd.model.kernels.flash_prefill import flash_attention
+        from deepseek_pd.model.kernels.flash_prefill import flash_attention, rope_split_fits
         from deepseek_pd.model.kernels.merge_states import merge_states
         from deepseek_pd.model.kernels.mla_decode import mla_decode
 
         self._flash = flash_attention
+        self._rope_split_fits = rope_split_fits
         self._mla_decode = mla_decode
         self._merge = merge_states
         # The last uploaded offsets, reused while a caller passes the same tuple again (each layer
@@ -72,20 +73,29 @@ class TritonAttentionBackend:
             self._offsets_key = key
         return self._offsets_dev
 
-    def mha_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_offsets: tuple[int, ...],
+    def _qk(self, q: QK, k: QK) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The kernel's q and k, and their rope parts where it reads them apart (the same bits as
+        joined, without the concatenation: `flash_prefill.rope_split_fits`)."""
+        if isinstance(q, RopeSplit) and isinstance(k, RopeSplit) \
+                and self._rope_split_fits(q.nope.shape[-1], q.rope.shape[-1]):
+            return _unit_stride(q.nope), _unit_stride(k.nope), {"q_rope": _unit_stride(q.rope),
+                                                                "k_rope": _unit_stride(k.rope)}
+        return _unit_stride(joined(q)), _unit_stride(joined(k)), {}
+
+    def mha_causal(self, q: QK, k: QK, v: torch.Tensor, qo_offsets: tuple[int, ...],
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, rope = self._qk(q, k)
         offsets = self._device_offsets(qo_offsets, q.device)
         max_len = max(b - a for a, b in zip(qo_offsets[:-1], qo_offsets[1:]))
-        return self._flash(_unit_stride(q), _unit_stride(k), _unit_stride(v), offsets, offsets, max_len, scale,
-                           causal=True)
+        return self._flash(q, k, _unit_stride(v), offsets, offsets, max_len, scale, causal=True, **rope)
 
-    def mha_cross(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_offsets: tuple[int, ...],
+    def mha_cross(self, q: QK, k: QK, v: torch.Tensor, qo_offsets: tuple[int, ...],
                   kv_offsets: tuple[int, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, rope = self._qk(q, k)
         q_dev = self._device_offsets(qo_offsets, q.device)
         kv_dev = torch.tensor(kv_offsets, dtype=torch.int32).to(q.device, non_blocking=True)
         max_len = max(b - a for a, b in zip(qo_offsets[:-1], qo_offsets[1:]))
-        return self._flash(_unit_stride(q), _unit_stride(k), _unit_stride(v), q_dev, kv_dev, max_len, scale,
-                           causal=False)
+        return self._flash(q, k, _unit_stride(v), q_dev, kv_dev, max_len, scale, causal=False, **rope)
 
     def merge_states(self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                      lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ import torch
 
 from deepseek_pd.model.attention.tensor_parallel import all_gather_rows, all_reduce, own_rows, reduce_scatter_rows
 from deepseek_pd.model.norm import RMSNorm
+from deepseek_pd.model.quant.norm_fp8_linear import Rows, add_norm_quant
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.scatter_mode import LayerScatterModes, ScatterMode
 
@@ -55,19 +56,30 @@ def row_move(src: ScatterMode, dst: ScatterMode, parallel: ParallelInfo) -> Move
 
 class LayerCommunicator:
     def __init__(self, modes: LayerScatterModes, input_layernorm: RMSNorm, post_attention_layernorm: RMSNorm,
-                 parallel: ParallelInfo) -> None:
+                 parallel: ParallelInfo, attn_quant_group: int | None = None) -> None:
         self._input_norm, self._post_attn_norm = input_layernorm, post_attention_layernorm
         self._attn_input = row_move(modes.layer_input, modes.attn, parallel)
+        # Attention's input projections take FP8 rows in groups of this width (quant/norm_fp8_linear.py):
+        # the input norm quantises them in its launch, where the rows go to attention unmoved.
+        self._attn_quant_group = attn_quant_group if self._attn_input is _stay else None
         # o_proj's sum lands where the MLP runs: reduce-scatter rather than all-reduce + slice.
         reduce = reduce_scatter_rows if modes.mlp is ScatterMode.SCATTERED else all_reduce
         self._reduce_attn: Callable[[torch.Tensor], torch.Tensor] = partial(reduce, parallel=parallel)
         self._residual_to_mlp = row_move(modes.layer_input, modes.mlp, parallel)
         self._to_output = row_move(modes.mlp, modes.layer_output, parallel)
 
+    @property
+    def quantises_attn_input(self) -> bool:
+        """Whether `prepare_attn` hands attention `QuantisedRows` (its input norm fused with them)."""
+        return self._attn_quant_group is not None
+
     def prepare_attn(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                     num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_rows: int) -> tuple[Rows, torch.Tensor]:
         """(attention input in `attn` mode, residual in `layer_input` mode). The first layer's
-        residual is None: its input, the embeddings, becomes the residual."""
+        residual is None: its input, the embeddings, becomes the residual. The input is
+        `QuantisedRows` where the layer was built with `attn_quant_group`."""
+        if self._attn_quant_group is not None:
+            return add_norm_quant(self._input_norm, hidden, residual, self._attn_quant_group)
         hidden, residual = self._input_norm.add_and_norm(hidden, residual)
         return self._attn_input(hidden, num_rows), residual
 

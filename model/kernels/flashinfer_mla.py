@@ -54,6 +54,30 @@ def flashinfer_mla_available() -> bool:
     return True
 
 
+def compile_and_run_once(device: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compiles FlashInfer's MLA decode kernel (its JIT, on first use) and runs it once on `device`
+    at the smallest real shape (one sequence of one token, 16 heads, DeepSeek's widths, `dtype`).
+    The kernel module is the one every decode of those widths and dtype runs (the head count and
+    lengths are run-time arguments). Raises, with the reason, where it cannot run here."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"FlashInfer's MLA kernel runs on a CUDA device, not {device!r}")
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(dev)
+        raise RuntimeError(f"FlashInfer's MLA kernel here is the Hopper (sm90) one; this GPU is sm{major}{minor}")
+    if not _nvcc_found():
+        raise RuntimeError("no nvcc (on PATH or in CUDA_HOME/bin) to compile FlashInfer's MLA kernel; "
+                           "build the image with the CUDA compiler (Dockerfile.cuda WITH_FLASHINFER=1)")
+    rank, rope = SUPPORTED_WIDTHS
+    page_size, heads = 64, 16
+    kv_cache = torch.zeros(1, page_size, rank + rope, dtype=dtype, device=dev)
+    plan = plan_decode(torch.zeros(1, 1, dtype=torch.int32, device=dev), [1], heads, rank, rope, page_size, 1.0,
+                       dtype, page_lists=[[0]])
+    plan.run(torch.zeros(1, heads, rank, dtype=dtype, device=dev), torch.zeros(1, heads, rope, dtype=dtype, device=dev),
+             kv_cache)
+    torch.cuda.synchronize(dev)
+
+
 def _nvcc_found() -> bool:
     from torch.utils.cpp_extension import CUDA_HOME
 

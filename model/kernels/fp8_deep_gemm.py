@@ -41,6 +41,22 @@ def deep_gemm_available() -> bool:
                ("fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout"))
 
 
+def compile_and_run_once(device: str) -> None:
+    """Compiles one DeepGEMM FP8 GEMM (its JIT, with nvcc, on first use) and runs it on `device`:
+    M = N = K = 128 through `dense`, the path the FP8 linears take. DeepGEMM compiles each new
+    shape again on first use; this checks that its compiler, headers and GPU work here. Raises,
+    with the reason, where they do not."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not deep_gemm_available():
+        raise RuntimeError(f"deep_gemm does not import here or {device!r} is not a Hopper (sm90) GPU")
+    x_fp8, x_scale = per_token_group_quant(torch.ones(BLOCK, BLOCK, dtype=torch.bfloat16, device=dev), BLOCK)
+    w = torch.ones(BLOCK, BLOCK, device=dev).to(x_fp8.dtype)
+    out = dense(x_fp8, x_scale, w, torch.ones(1, 1, dtype=torch.float32, device=dev), torch.bfloat16)
+    torch.cuda.synchronize(dev)
+    if not torch.equal(out, torch.full_like(out, BLOCK)):  # ones . ones over K = 128, exact in bf16
+        raise RuntimeError("DeepGEMM's FP8 GEMM ran but gave a wrong product (128x128 ones)")
+
+
 def fits(n: int, k: int, block_n: int, block_k: int) -> bool:
     """A weight `[n, k]` in `(block_n, block_k)` blocks that DeepGEMM's recipe takes."""
     return block_n == BLOCK and block_k == BLOCK and k % BLOCK == 0 and n % 64 == 0

@@ -28,6 +28,18 @@ GROUPS_PER_PROGRAM = 8
 
 
 @triton.jit
+def quantise_groups(x, eps, fp8_max):
+    """fp32 `[groups, group]` (masked elements 0) → (values on e4m3's grid, fp32, and the per-group
+    scales `[groups]`); the one rule both this file's kernel and `kernels/rmsnorm_quant.py` run."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / fp8_max
+    q = tl.clamp(x / scale[:, None], -fp8_max, fp8_max)
+    # e4m3 step at q: 2^(exponent - 3), with exponent floored at -6 (subnormals step 2^-9).
+    exponent = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.floor(q / step + 0.5) * step, scale
+
+
+@triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, k, num_groups, stride_xm, stride_qm, stride_sm, eps, fp8_max,
                   GROUP: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -36,12 +48,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, k, num_groups, stride_xm, stride_qm, stri
     cols = grps[:, None] * GROUP + inner[None, :]
     ok = (inner[None, :] < GROUP) & (cols < k) & (grps[:, None] < num_groups)
     x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / fp8_max
-    q = tl.clamp(x / scale[:, None], -fp8_max, fp8_max)
-    # e4m3 step at q: 2^(exponent - 3), with exponent floored at -6 (subnormals step 2^-9).
-    exponent = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    q = tl.floor(q / step + 0.5) * step
+    q, scale = quantise_groups(x, eps, fp8_max)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row * stride_sm + grps, scale, mask=grps < num_groups)
 

@@ -16,21 +16,58 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def load_row(x_ptr, r_ptr, res_out_ptr, row, cols, ok, stride_x, stride_r, stride_ro, HAS_RESIDUAL: tl.constexpr,
+             STORE_RESIDUAL: tl.constexpr):
+    """Row `row`'s elements at `cols` (any shape), with the residual added in fp32 and rounded to
+    the input dtype (stored to `res_out_ptr` with STORE_RESIDUAL)."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)
+        if STORE_RESIDUAL:
+            tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
+    return x
+
+
+@triton.jit
+def inverse_rms(x, dim, eps):
+    """1 / rms of a whole row `[BLOCK]` in fp32 (this reduction, so `rmsnorm_quant` gets the same bits)."""
+    xf = x.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+
+
+@triton.jit
+def normalise(x, rstd, w, OUT_DTYPE: tl.constexpr):
+    """HF's roundings: x * rstd to x's dtype, times the weight, to the output dtype."""
+    return (w.to(tl.float32) * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(OUT_DTYPE)
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, dim, eps, stride_x, stride_r, stride_o, stride_ro,
                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
-        x = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / dim + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+    x = load_row(x_ptr, r_ptr, res_out_ptr, row, cols, ok, stride_x, stride_r, stride_ro, HAS_RESIDUAL, True)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, normalise(x, inverse_rms(x, dim, eps), w, out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def checked_residual_out(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+    """Checks a norm's inputs (x `[T, D]` with a unit last stride, weight `[D]`, residual like x or
+    None); the new residual's buffer when there is one."""
+    device = x.device
+    check_tensor("x", x, 2, _FLOAT_DTYPES, device)
+    check_tensor("weight", weight, 1, _FLOAT_DTYPES, device)
+    if weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
+    if residual is None:
+        return None
+    check_tensor("residual", residual, 2, (x.dtype,), device)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} does not fit x {tuple(x.shape)}")
+    return torch.empty(x.shape, dtype=x.dtype, device=device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -39,20 +76,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     With `residual`, the new residual `x + residual` is returned and normalised (HF's add-then-norm).
     """
-    device = x.device
-    check_tensor("x", x, 2, _FLOAT_DTYPES, device)
-    check_tensor("weight", weight, 1, _FLOAT_DTYPES, device)
+    res_out = checked_residual_out(x, weight, residual)
     tokens, dim = x.shape
-    if weight.shape[0] != dim:
-        raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(tokens, dim, dtype=out_dtype, device=device)
-    res_out = None
-    if residual is not None:
-        check_tensor("residual", residual, 2, (x.dtype,), device)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual {tuple(residual.shape)} does not fit x {tuple(x.shape)}")
-        res_out = torch.empty(tokens, dim, dtype=x.dtype, device=device)
+    out = torch.empty(tokens, dim, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if tokens == 0:
         return out, res_out
     block = max(16, next_power_of_2(dim))

@@ -75,10 +75,17 @@ class TritonFp8Gemm:
 
     def __call__(self, x, weight, scale, block_n, block_k):
         x_fp8, x_scale = self._quant(x if x.stride(-1) == 1 else x.contiguous(), block_k)
-        if x.shape[0] >= CUBLAS_MIN_ROWS and x.is_cuda and self._cublas.fits_blockwise(*weight.shape, block_n, block_k) \
-                and self._cublas.blockwise_scaled_mm_available(x.device.index or 0):
-            return self._cublas.scaled_mm_block_fp8(x_fp8, x_scale, weight, scale, x.dtype)
-        return self._matmul(x_fp8, x_scale, weight, scale, block_n, block_k, x.dtype)
+        return self.matmul_quantised(x_fp8, x_scale, weight, scale, block_n, block_k, x.dtype)
+
+    def matmul_quantised(self, x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         block_n: int, block_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM alone, of activations quantised already (1 x `block_k` groups): `__call__`'s second
+        launch, and what `quant/norm_fp8_linear.py` runs after its fused norm + quantisation."""
+        if x_fp8.shape[0] >= CUBLAS_MIN_ROWS and x_fp8.is_cuda \
+                and self._cublas.fits_blockwise(*weight.shape, block_n, block_k) \
+                and self._cublas.blockwise_scaled_mm_available(x_fp8.device.index or 0):
+            return self._cublas.scaled_mm_block_fp8(x_fp8, x_scale, weight, scale, out_dtype)
+        return self._matmul(x_fp8, x_scale, weight, scale, block_n, block_k, out_dtype)
 
 
 class DeepGemmFp8Gemm(TritonFp8Gemm):
@@ -97,11 +104,10 @@ class DeepGemmFp8Gemm(TritonFp8Gemm):
         super().__init__()
         self._deep_gemm = fp8_deep_gemm
 
-    def __call__(self, x, weight, scale, block_n, block_k):
+    def matmul_quantised(self, x_fp8, x_scale, weight, scale, block_n, block_k, out_dtype):
         if not self._deep_gemm.fits(*weight.shape, block_n, block_k):
-            return super().__call__(x, weight, scale, block_n, block_k)
-        x_fp8, x_scale = self._quant(x if x.stride(-1) == 1 else x.contiguous(), block_k)
-        return self._deep_gemm.dense(x_fp8, x_scale, weight, scale, x.dtype)
+            return super().matmul_quantised(x_fp8, x_scale, weight, scale, block_n, block_k, out_dtype)
+        return self._deep_gemm.dense(x_fp8, x_scale, weight, scale, out_dtype)
 
 
 if importlib.util.find_spec("deep_gemm") is not None:
@@ -163,6 +169,16 @@ class Fp8Linear(nn.Module):
         y = self.gemm(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv,
                       self.block.block_out, self.block.block_in)
         return y.view(*lead, self.out_features)
+
+    @property
+    def takes_quantised(self) -> bool:
+        """Whether its GEMM backend multiplies activations quantised already (`forward_quantised`)."""
+        return callable(getattr(self.gemm, "matmul_quantised", None))
+
+    def forward_quantised(self, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """`forward` of x quantised already: x_fp8 `[M, in]` e4m3, x_scale fp32 `[M, ceil(in / block_in)]`."""
+        return self.gemm.matmul_quantised(x_fp8, x_scale, self.weight, self.weight_scale_inv, self.block.block_out,
+                                          self.block.block_in, out_dtype)
 
     def fp8_param_blocks(self) -> dict[str, Fp8BlockQuantConfig]:
         """Its FP8 parameters by name and their scale blocks (see `fp8_blocks`)."""

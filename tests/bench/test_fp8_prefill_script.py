@@ -34,6 +34,12 @@ def test_tiny_run_checks_and_times_every_variant(tmp_path: Path) -> None:
             assert v["ms"] > 0 and v["err"]["rel"] < 1e-4, (variant, v)
         # The twin differs by the activations' e4m3 rounding only: a few percent, not O(1).
         assert row["fp8_triton"]["twin"]["rel"] < 0.1
+    # The fusions against what they replace: the same bytes, and both timed.
+    assert results["norm_quant"]["rows"] and results["qk_split"]["rows"]
+    for row in results["norm_quant"]["rows"]:
+        assert row["bytes_equal"] and row["fused_ms"] > 0 and row["unfused_ms"] > 0, row
+    for row in results["qk_split"]["rows"]:
+        assert row["equal"] and row["split_ms"] > 0 and row["concat_then_kernel_ms"] > 0, row
     # The sweeps as launch tiles: a tile_tables.py the kernels accept, every tile one they can build.
     from deepseek_pd.model.kernels.fp8_gemm import Fp8GemmTile
     from deepseek_pd.model.kernels.fused_moe import MoETile

@@ -38,9 +38,9 @@ NOT_FROM_THE_WHEEL = {
               "after model/kernels/checks.py found it",
     "matplotlib": "the bench extra (`deepseek-pd bench` plots), left out of the serving image",
     "flashinfer": "an optional GPU kernel library (model/kernels/flashinfer_mla.py), used only where it "
-                  "imports on a Hopper GPU with nvcc to compile its kernels; no image ships it yet",
+                  "imports on a Hopper GPU with nvcc to compile its kernels; only the CUDA image ships it",
     "deep_gemm": "an optional FP8 GEMM library (model/kernels/fp8_deep_gemm.py), built from source "
-                 "(bench/deep_gemm_build.sh) and used only where it imports on a Hopper GPU; no image ships it yet",
+                 "and used only where it imports on a Hopper GPU; only the CUDA image ships it",
 }
 
 

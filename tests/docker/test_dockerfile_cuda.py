@@ -7,7 +7,10 @@
 - the serve extra of pyproject.toml is installed with the same pins, Mooncake as its CUDA build;
 - every third-party module the package imports, and the router's module, is installed;
 - the runtime stage is non-root with the CPU image's entrypoint, and holds no build stage's
-  compilers (it copies the environment only).
+  compilers (it copies the environment only);
+- FlashInfer and DeepGEMM are build args (WITH_FLASHINFER, WITH_DEEPGEMM): with either in, the
+  runtime stage installs the nvcc toolchain their JIT needs, with both out none (the RUN commands
+  run here in bash, with the installers recorded instead of run).
 """
 from __future__ import annotations
 
@@ -30,17 +33,18 @@ from pdtest.dockerfile import (
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CUDA = ROOT / "Dockerfile.cuda"
 PINS = ("CUDA_DEVEL_IMAGE", "CUDA_RUNTIME_IMAGE", "TORCH_VERSION", "TORCH_INDEX_URL", "NVSHMEM_VERSION",
-        "DEEPEP_COMMIT", "MOONCAKE_VERSION", "SMG_VERSION")
+        "DEEPEP_COMMIT", "MOONCAKE_VERSION", "SMG_VERSION", "FLASHINFER_VERSION", "TVM_FFI_VERSION",
+        "EINOPS_VERSION", "TABULATE_VERSION", "NVML_VERSION", "DEEPGEMM_COMMIT", "WHEEL_VERSION")
 # The CUDA image installs these in place of the distribution named: the same modules, built for CUDA.
 CUDA_BUILDS = {"mooncake-transfer-engine-cuda13": "mooncake-transfer-engine-non-cuda"}
 # Imported by the package, installed other than through a requirement, each with the reason.
 NOT_FROM_A_REQUIREMENT = {
     "triton": "a dependency of the CUDA torch wheel, not of the CPU one installed here",
     "matplotlib": "the bench extra (`deepseek-pd bench` plots), left out of the serving image",
-    "flashinfer": "an optional GPU kernel library, used only where it imports and nvcc can JIT-compile "
-                  "its MLA kernel: the runtime image has no nvcc, so it is not installed yet",
-    "deep_gemm": "an optional FP8 GEMM library built from source, used only where it imports; it JIT-compiles "
-                 "each kernel with nvcc, which the runtime image lacks, so it is not installed yet",
+    "flashinfer": "an optional GPU kernel library, flashinfer-python (WITH_FLASHINFER), not installed here "
+                  "(test_the_jit_libraries_are_build_args_and_the_runtime_can_compile_them)",
+    "deep_gemm": "an optional FP8 GEMM library built from source at DEEPGEMM_COMMIT (WITH_DEEPGEMM), not "
+                 "installed here (test_the_jit_libraries_are_build_args_and_the_runtime_can_compile_them)",
 }
 
 
@@ -86,7 +90,7 @@ def test_deepep_is_a_pinned_commit_built_against_nvshmem():
     docs = (ROOT / "docs" / "operations.md").read_text()
     assert set(re.findall(r"\b[0-9a-f]{40}\b", docs)) == {commit}, "docs/operations.md names another DeepEP commit"
     builds = [args for stage, name, args in instructions(_text())
-              if stage == "build" and name == "RUN" and "pip wheel" in args]
+              if stage == "build" and name == "RUN" and "pip wheel" in args and "DeepGEMM" not in args]
     assert len(builds) == 1, builds
     # Without NVSHMEM_DIR DeepEP's setup.py drops its internode and low-latency kernels silently;
     # the readelf check fails the build if the extension does not link NVSHMEM.
@@ -160,3 +164,74 @@ def test_runtime_stage_is_non_root_with_the_cpu_images_entrypoint():
     assert copies == ["--from=build /opt/deepseek-pd /opt/deepseek-pd"], copies
     packages = " ".join(args for name, args in runtime if name == "RUN" and "apt-get install" in args)
     assert "build-essential" not in packages and "libibverbs1" in packages
+
+
+# ---- the optional JIT kernel libraries ---------------------------------------------------------
+JIT_ARGS = ("WITH_FLASHINFER", "WITH_DEEPGEMM")
+# Commands of the RUNs below that would install or build: recorded by a shell function instead.
+_RECORDED = ("apt-get", "pip", "git", "python", "nvcc")
+
+
+def _run_recorded(command: str, env: dict[str, str], tmp_path: pathlib.Path) -> list[str]:
+    """Runs one RUN's command in bash (pipefail, as the stage's SHELL) with `env` as its ARGs and
+    the installers replaced by functions that log their arguments; returns the log's lines."""
+    import subprocess
+
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    shims = "".join(f'{name}() {{ echo "{name} $*" >> "{log}"; }}\n' for name in _RECORDED)
+    script = shims + "cd() { :; }\n" + command.replace("/usr/local/cuda/bin/nvcc", "nvcc")
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", script], env={"PATH": "/usr/bin:/bin", **env},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return log.read_text().splitlines()
+
+
+def _runs(stage: str, needle: str) -> list[str]:
+    return [args for s, name, args in instructions(_text()) if s == stage and name == "RUN" and needle in args]
+
+
+@pytest.mark.parametrize("flashinfer,deep_gemm", [("1", "1"), ("1", "0"), ("0", "1"), ("0", "0")])
+def test_the_jit_libraries_are_build_args_and_the_runtime_can_compile_them(flashinfer, deep_gemm, tmp_path):
+    text = _text()
+    defaults = global_args(text)
+    assert {defaults[name] for name in JIT_ARGS} == {"1"}, "FlashInfer and DeepGEMM are in by default"
+    for stage in ("build", instructions(text)[-1][0]):
+        assert set(JIT_ARGS) <= stage_args(text)[stage], stage
+    args = {"WITH_FLASHINFER": flashinfer, "WITH_DEEPGEMM": deep_gemm}
+    env = {**{k: v for k, v in defaults.items() if "IMAGE" not in k}, **args}
+    # The build stage: each library built or installed only when its arg is 1.
+    (dg_run,) = _runs("build", "DeepGEMM.git")
+    (fi_run,) = _runs("build", "flashinfer-python")
+    dg_calls, fi_calls = _run_recorded(dg_run, env, tmp_path), _run_recorded(fi_run, env, tmp_path)
+    if deep_gemm == "1":
+        assert f"git fetch -q --depth 1 https://github.com/deepseek-ai/DeepGEMM.git {defaults['DEEPGEMM_COMMIT']}" \
+            in dg_calls and any(c.startswith("pip install --no-deps /build/dg-wheels/") for c in dg_calls), dg_calls
+    else:
+        assert dg_calls == []
+    if flashinfer == "1":
+        assert f"pip install --no-deps flashinfer-python=={defaults['FLASHINFER_VERSION']}" in " ".join(fi_calls)
+        # The build fails if FlashInfer's MLA wrapper does not import (a dependency left out).
+        assert "python -c from flashinfer.mla import BatchMLAPagedAttentionWrapper" in fi_calls, fi_calls
+    else:
+        assert fi_calls == []
+    # The runtime stage: nvcc and the headers the JIT compiles against, at the base image's CUDA
+    # version (its ENV CUDA_VERSION), only when one library is in; CUDA_HOME where both look.
+    runtime = instructions(text)[-1][0]
+    (toolchain,) = _runs(runtime, "cuda-nvcc")
+    calls = _run_recorded(toolchain, {**env, "CUDA_VERSION": "13.0.0"}, tmp_path)
+    if "1" in (flashinfer, deep_gemm):
+        installs = " ".join(c for c in calls if c.startswith("apt-get") and " install " in c)
+        for package in ("g++", "cuda-nvcc-13-0", "cuda-cudart-dev-13-0", "cuda-nvrtc-dev-13-0", "cuda-cccl-13-0"):
+            assert f" {package}" in installs, (package, installs)
+        assert "build-essential" not in installs and calls[-1] == "nvcc --version", calls
+    else:
+        assert calls == []
+    assert ("ENV", "CUDA_HOME=/usr/local/cuda") in [(n, a) for s, n, a in instructions(text) if s == runtime]
+
+
+def test_the_images_deep_gemm_is_the_commit_the_gpu_bench_builds():
+    commit = global_args(_text())["DEEPGEMM_COMMIT"]
+    assert re.fullmatch(r"[0-9a-f]{40}", commit), commit
+    script = (ROOT / "bench" / "deep_gemm_build.sh").read_text()
+    assert re.search(r"^DEEPGEMM_COMMIT=([0-9a-f]{40})", script, re.M).group(1) == commit

@@ -133,15 +133,18 @@ def pip_requirements(text: str, stage: str) -> list[Requirement]:
                 i += 1
                 continue
             i += 2
-            while i < len(words) and words[i] not in ("&&", "||", ";"):
+            while i < len(words) and words[i] not in ("&&", "||", ";", "}"):
                 word = words[i]
                 if word in _PIP_VALUE_OPTIONS:
                     i += 2
                     continue
                 i += 1
-                if word.startswith("-") or "$(" in word or "/" in word:
-                    continue
-                out.append(Requirement(re.sub(r"\$\{([A-Za-z_0-9]+)\}", lambda m: defaults[m.group(1)], word)))
+                last = word.endswith(";")  # a command's last word inside `{ ...; }`
+                word = word.rstrip(";")
+                if not (word.startswith("-") or "$(" in word or "/" in word):
+                    out.append(Requirement(re.sub(r"\$\{([A-Za-z_0-9]+)\}", lambda m: defaults[m.group(1)], word)))
+                if last:
+                    break
     return out
 
 
