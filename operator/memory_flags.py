@@ -28,7 +28,6 @@ from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps
 from deepseek_pd.workers.serve.engine_options import parse_bool, parse_key_values
-from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.serve.flags import ServeFlags
 
 
@@ -119,7 +118,6 @@ def _check(flags: MemoryFlags) -> None:
     redundant = serve.parallel.ep_num_redundant_experts
     if redundant < 0:
         raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {redundant}")
-    try:
-        check_flags(serve)  # the rest of what `serve` refuses from flags alone, in its words
-    except UserError as exc:
-        raise ValueError(str(exc)) from None
+    for name in ("num_pages", "max_total_tokens"):
+        if getattr(serve, name) is not None and getattr(serve, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
