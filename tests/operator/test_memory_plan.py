@@ -79,7 +79,10 @@ def test_fitting_agrees_with_the_workers_own_pool_sizing():
         page = 16 * rank.kv_bytes_per_token
         min_pages = model_config("DeepSeek-V3").max_position_embeddings // 16
         try:
-            pages_for_budget(rank.budget_bytes, page, rank.weights_bytes, headroom * GIB, min_pages)
+            # the staging beside the pool as the worker resolves it (equal: test_operator_group_layout.py
+            # test_the_memory_plan_reserves_the_staging_the_worker_resolves)
+            pages_for_budget(rank.budget_bytes, page, rank.weights_bytes, headroom * GIB, min_pages,
+                             reserve_bytes=rank.staging_bytes)
             worker_fits = True
         except UserError:  # the worker's "no room for the KV pool"
             worker_fits = False
