@@ -46,7 +46,16 @@ burner=""
 stop_burner() {
     if [ -n "$burner" ]; then kill "$burner" 2>/dev/null || true; wait "$burner" 2>/dev/null || true; burner=""; fi
 }
-trap stop_burner EXIT
+# Each run's `make test` leads its own process group (job control), so that stopping this script
+# stops the run's pytest and its servers too: their command lines are relative to the clone, and a
+# pytest left behind loads the next run (seen: a stopped run's suite ran on beside the next one).
+set -m
+run_group=""
+stop_run() {
+    if [ -n "$run_group" ]; then kill -TERM -- "-$run_group" 2>/dev/null || true; run_group=""; fi
+}
+trap 'stop_run; stop_burner' EXIT
+trap 'exit 143' INT TERM HUP
 start_burner() {  # a busy loop on the last core (pinned where taskset exists)
     local pin=()
     command -v taskset >/dev/null && pin=(taskset -c "$(($(nproc) - 1))")
@@ -99,8 +108,11 @@ for i in $(seq 1 "$runs"); do
     make_args=(test)
     [ ${#tests[@]} -gt 0 ] && make_args+=("TESTS=${tests[*]}")
     set +e
-    (cd "$clone" && CI=true make "${make_args[@]}") </dev/null >"$log" 2>&1
+    (cd "$clone" && CI=true exec make "${make_args[@]}") </dev/null >"$log" 2>&1 &
+    run_group=$!
+    wait "$run_group"
     rc=$?
+    run_group=""
     set -e
     stop_burner
     took=$((SECONDS - begin))
