@@ -30,18 +30,24 @@ class TeacherForcing:
         return ((name, module) for name, module in model.named_modules() if isinstance(module, self.types))
 
     @contextlib.contextmanager
-    def record(self, model: nn.Module) -> Iterator[None]:
-        def hook(name):
-            def store(module, args, kwargs):
-                self.inputs.setdefault(name, []).append((_clone(args), _clone(kwargs)))
-            return store
-        handles = [module.register_forward_pre_hook(hook(name), with_kwargs=True)
+    def _hooked(self, model: nn.Module, make_hook) -> Iterator[None]:
+        """`make_hook(name)`'s forward pre-hook on every module of `types`, for the `with` block."""
+        handles = [module.register_forward_pre_hook(make_hook(name), with_kwargs=True)
                    for name, module in self._modules(model)]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+    @contextlib.contextmanager
+    def record(self, model: nn.Module) -> Iterator[None]:
+        def hook(name):
+            def store(module, args, kwargs):
+                self.inputs.setdefault(name, []).append((_clone(args), _clone(kwargs)))
+            return store
+        with self._hooked(model, hook):
+            yield
 
     @contextlib.contextmanager
     def replay(self, model: nn.Module) -> Iterator[None]:
@@ -55,13 +61,8 @@ class TeacherForcing:
                 _check_alike(name, (args, kwargs), (recorded_args, recorded_kwargs))
                 return _clone(recorded_args), _clone(recorded_kwargs)
             return force
-        handles = [module.register_forward_pre_hook(hook(name), with_kwargs=True)
-                   for name, module in self._modules(model)]
-        try:
+        with self._hooked(model, hook):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
         missing = {name: len(calls) - self.replayed.get(name, 0) for name, calls in self.inputs.items()
                    if len(calls) != self.replayed.get(name, 0)}
         assert not missing, f"modules called fewer times than in the recorded run: {missing}"
