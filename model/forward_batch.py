@@ -170,6 +170,14 @@ class ForwardBatch:
         )
 
 
+def checked_device_ids(input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`input_ids` when it is `[num_tokens]` long: device token ids that replace a batch's host ones
+    (a step fed by the previous step's samples, never read back). Else a ValueError."""
+    if input_ids.shape != (num_tokens,) or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be [{num_tokens}] long, got {tuple(input_ids.shape)} {input_ids.dtype}")
+    return input_ids
+
+
 def _ints(values: Sequence[int], what: str) -> list[int]:
     """`values` as Python ints (Python, NumPy or 0-d tensor integers), or a UserError."""
     if isinstance(values, torch.Tensor):

@@ -34,7 +34,7 @@ from deepseek_pd.model.batch_invariant import each_row_alone
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.cuda_graph import DecodeGraphRunner
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
-from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode, checked_device_ids
 from deepseek_pd.model.speculative.forwards import SpeculativeForwards
 from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
 from deepseek_pd.model.kv.pool import KVPool, bytes_per_pool_page
@@ -148,7 +148,7 @@ class ModelRunner:
                                    self.model_config.vocab_size, self.model.options.device)
         batch.group_mode = group_mode
         if input_ids is not None:
-            batch.input_ids = _checked_device_ids(input_ids, batch.num_tokens)
+            batch.input_ids = checked_device_ids(input_ids, batch.num_tokens)
         batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
         return self.model(batch, progress)
 
@@ -209,7 +209,7 @@ class ModelRunner:
             self.idle(call.mode, ForwardKind.MTP if call.output == "mtp" else ForwardKind.MODEL)
             return
         if call.output != "logits":  # speculative decoding's forwards
-            self.spec_forwards.follow(call, hidden)
+            self.spec_forwards.follow(call, hidden, input_ids)
             return
         self._run(call.mode, [list(t) for t in call.token_ids], list(call.prefix_lens),
                   [list(p) for p in call.pages], input_ids, group_mode=call.group_mode)
@@ -233,17 +233,20 @@ class ModelRunner:
 
     # ---- speculative decoding: model/speculative/forwards.py ------------------------------------------
     def extend_hidden(self, seqs: Sequence[ExtendSeq], force_mla: bool = False,
-                      progress: LayerProgress | None = None) -> torch.Tensor:
+                      progress: LayerProgress | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """An extend forward returning the final-normed hidden states of every new token `[T, H]`
         (their logits: `logits`). `force_mla`: absorbed MLA over the paged cache whatever the policy
         says (speculative verify: several queries per sequence, causal among themselves).
-        `progress` hears of each decoder layer's KV write, as in `extend`."""
-        return self.spec_forwards.extend_hidden(seqs, force_mla, progress)
+        `progress` hears of each decoder layer's KV write, as in `extend`. `input_ids` (`[T]` long
+        on the device), when given, replaces the seqs' token ids (then only their lengths count):
+        the speculative step feeds its drafts without reading them back, as `decode` does."""
+        return self.spec_forwards.extend_hidden(seqs, force_mla, progress, input_ids)
 
-    def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor) -> torch.Tensor:
+    def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor,
+              input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV
-        goes into the pool's MTP layer at the same positions and pages."""
-        return self.spec_forwards.draft(seqs, prev_hidden)
+        goes into the pool's MTP layer at the same positions and pages. `input_ids`: as in `extend_hidden`."""
+        return self.spec_forwards.draft(seqs, prev_hidden, input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden states from `extend_hidden` or `draft`."""
@@ -254,12 +257,6 @@ class ModelRunner:
         """`decode` without CUDA graphs (the fallback, and the oracle the graphs are tested against)."""
         return self._run(ForwardMode.DECODE, [[s.token_id] for s in seqs], [s.position for s in seqs],
                          [s.pages for s in seqs], input_ids, group_mode=group_mode)
-
-
-def _checked_device_ids(input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    if input_ids.shape != (num_tokens,) or input_ids.dtype != torch.long:
-        raise ValueError(f"input_ids must be [{num_tokens}] long, got {tuple(input_ids.shape)} {input_ids.dtype}")
-    return input_ids
 
 
 def _load_model(config: RunnerConfig, parallel: ParallelInfo | None) -> tuple[RunnerConfig, DeepseekForCausalLM]:

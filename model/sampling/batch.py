@@ -24,7 +24,7 @@ its seed and step, see sampling_noise); unseeded rows share `fallback_generator`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Iterable
 
@@ -173,7 +173,74 @@ class SamplingBatch:
                                 torch.empty(0, 0, dtype=torch.int64, device=self.device), ())
         if self._dirty:
             self._rebuild()
+        out = self._draw(logits, self._tables)
         t = self._tables
+        t.steps += 1
+        if t.counts is not None:
+            t.counts.scatter_add_(1, out.token_ids.unsqueeze(1), t.column(FloatColumn.PENALISED).unsqueeze(1))
+        self._tick += 1
+        return out
+
+    def sample_positions(self, logits: torch.Tensor, drafts: torch.Tensor) -> SampleOutput:
+        """Each row's token at `q` consecutive positions, drawn as if the tokens before position
+        i were the row's output so far plus `drafts[row, :i]`; advances nothing (see `advance`).
+
+        `logits` `[B, q, V]`, `drafts` `[B, q - 1]` long (-1: none). Position i of row b is drawn
+        exactly as a plain `sample` would draw it after d_1..d_i had been emitted: at step
+        `num_sampled + i` (the same seeded noise) and with those drafts counted by the penalties.
+        Output row `b * q + i` is row b's position i. Nothing here waits for the device.
+        """
+        if logits.dim() != 3 or logits.shape[0] != len(self._states) or logits.shape[2] != self.vocab_size:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(self._states)} requests "
+                             f"over a vocabulary of {self.vocab_size}")
+        rows, q = logits.shape[0], logits.shape[1]
+        if drafts.shape != (rows, q - 1):
+            raise ValueError(f"drafts {tuple(drafts.shape)} for {rows} rows of {q} positions")
+        if rows == 0:
+            return self.sample(logits.reshape(0, self.vocab_size))
+        if self._dirty:
+            self._rebuild()
+        t = self._tables
+        positions = torch.arange(q, device=self.device)
+
+        def each(x: torch.Tensor) -> torch.Tensor:  # row b's value at each of its q positions
+            return x.unsqueeze(1).expand(rows, q, *x.shape[1:]).reshape(rows * q, *x.shape[1:])
+
+        counts = None
+        if t.counts is not None:
+            # Position i also counts d_1..d_i (drafts[:, j] for j < i), weighted like a sampled token.
+            before = (positions[:-1].unsqueeze(0) < positions.unsqueeze(1)).float()  # [q, q-1]: j < i
+            weight = before * (drafts >= 0).unsqueeze(1) * t.column(FloatColumn.PENALISED).view(rows, 1, 1)
+            counts = t.counts.unsqueeze(1).repeat(1, q, 1)
+            counts.scatter_add_(2, drafts.clamp(min=0).unsqueeze(1).expand(rows, q, q - 1), weight)
+            counts = counts.view(rows * q, self.vocab_size)
+        seeded = None
+        if t.seeded_rows is not None:
+            seeded = (t.seeded_rows.unsqueeze(1) * q + positions).reshape(-1)
+        wide = replace(t, floats=each(t.floats), keys=each(t.keys),
+                       steps=(t.steps.unsqueeze(1) + positions).reshape(-1), top_k=each(t.top_k), counts=counts,
+                       prompt=None if t.prompt is None else each(t.prompt), seeded_rows=seeded,
+                       top_counts=tuple(c for c in t.top_counts for _ in range(q)))
+        return self._draw(logits.reshape(rows * q, self.vocab_size), wide)
+
+    def advance(self, tokens: torch.Tensor, taken: torch.Tensor) -> None:
+        """After `sample_positions`: row b keeps its first `taken[b]` tokens of `tokens` `[B, q]`
+        (device tensors): its step and counts advance by them, on the device. The host learns the
+        numbers later and tells each state (`advanced`), before the rows next change."""
+        t = self._tables
+        t.steps += taken
+        if t.counts is not None:
+            kept = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0) < taken.unsqueeze(1)
+            t.counts.scatter_add_(1, tokens, kept.float() * t.column(FloatColumn.PENALISED).unsqueeze(1))
+
+    def advanced(self, state: SamplingState, steps: int) -> None:
+        """The host's side of `advance`: `state` drew `steps` tokens in it."""
+        if state._batch is not self:
+            raise ValueError("this sampling state is not in this batch")
+        state._steps += steps
+
+    def _draw(self, logits: torch.Tensor, t: _Tables) -> SampleOutput:
+        """One token per row of `logits` under the tables `t` (the rule of the module docstring)."""
         col = t.column
         logits = logits.float()
         if t.counts is not None:
@@ -193,12 +260,8 @@ class SamplingBatch:
         if t.top_width > 0:  # one topk for the batch; rows that asked for fewer (or none) are cut on the host
             top_values, top_ids = top_logprobs(scaled, lse, t.top_width)
         else:
-            top_values = torch.empty(len(self._states), 0, dtype=torch.float32, device=self.device)
-            top_ids = torch.empty(len(self._states), 0, dtype=torch.int64, device=self.device)
-        t.steps += 1
-        if t.counts is not None:
-            t.counts.scatter_add_(1, tokens.unsqueeze(1), col(FloatColumn.PENALISED).unsqueeze(1))
-        self._tick += 1
+            top_values = torch.empty(logits.shape[0], 0, dtype=torch.float32, device=self.device)
+            top_ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=self.device)
         return SampleOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top_values, top_ids=top_ids,
                             top_counts=t.top_counts)
 
@@ -206,7 +269,7 @@ class SamplingBatch:
 
     def _uniforms(self, t: _Tables) -> torch.Tensor:
         """`[B, V]` uniforms: counter-based on seeded rows, the fallback generator's elsewhere."""
-        shape = (len(self._states), self.vocab_size)
+        shape = (t.keys.shape[0], self.vocab_size)
         if self._offsets is None and t.seeded_rows is not None:
             self._offsets = token_offsets(self.vocab_size, self.device)
         if t.seeded_rows is not None and t.seeded_rows.numel() == shape[0]:

@@ -14,6 +14,17 @@ statistical test in tests/model/speculative/test_speculative_sampling.py checks 
 
 Worked example: drafts [5, 9, 2]; the target draws 5 at position 0 (accept), 9 at 1 (accept), 7 at
 2 (reject: emitted, then stop): emitted [5, 9, 7], accepted 2, accept length 3.
+
+Two forms of the same rule:
+- `accept_on_device` (the decoder's): every position of every row is drawn at once
+  (`SamplingBatch.sample_positions`: position i as if d_1..d_i had been emitted, the same step's
+  noise and penalties as a plain decode step there), then `agreeing_prefix` counts the accepted
+  drafts as tensor ops. Draws past the first disagreement are simply not kept, which changes nothing:
+  each kept draw is the one the sequential rule makes. Nothing is read back to the host; the
+  caller reads the step's result once (`DeviceAccept`), and a stop found there ends the row's
+  tokens early, as `finished` does below.
+- `accept_drafts` (host, one position at a time through a sample callback): the reference form,
+  kept for the statistical test's wrong-rule checks and for samplers that are not a `SamplingBatch`.
 """
 from __future__ import annotations
 
@@ -21,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import torch
+
+from deepseek_pd.model.sampling.batch import SampleOutput, SamplingBatch
 
 
 class Drafted(Protocol):
@@ -104,3 +117,34 @@ def accept_drafts(requests: Sequence[Drafted], drafts: Sequence[Sequence[int]], 
         for n, request in enumerate(requests):
             stats.add(len(drafts[n]), accept_prefix(drafts[n], request.output_ids[-emitted[n]:]), emitted[n])
     return emitted
+
+
+def agreeing_prefix(tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """`[B]` long: how many leading drafts `drafts` `[B, q-1]` (-1: none) the target's tokens
+    `tokens` `[B, q]` confirm (`tokens[:, i] == drafts[:, i]`), as tensor ops."""
+    agree = (tokens[:, :-1] == drafts).long()
+    return agree.cumprod(dim=1).sum(dim=1)
+
+
+@dataclass
+class DeviceAccept:
+    """One verify's acceptance, on the device. Row b emits `tokens[b, :emitted[b]]`."""
+
+    sampled: SampleOutput  # every position's draw, row b * q + i (token, logprob, top logprobs)
+    tokens: torch.Tensor  # [B, q] long
+    accepted: torch.Tensor  # [B] long: drafts confirmed
+    emitted: torch.Tensor  # [B] long: accepted + 1 (the target's own next token)
+
+
+def accept_on_device(batch: SamplingBatch, logits: torch.Tensor, drafts: torch.Tensor) -> DeviceAccept:
+    """The rule above for every row of `batch` at once: `logits` `[B, q, V]` are row b's verify
+    positions (positions past its drafts may repeat its last one: they are never kept), `drafts`
+    `[B, q-1]` long with -1 past each row's drafts. Advances each row's sampling state by its
+    emitted tokens on the device (the host tells the states with `SamplingBatch.advanced`)."""
+    rows, q = logits.shape[0], logits.shape[1]
+    sampled = batch.sample_positions(logits, drafts)
+    tokens = sampled.token_ids.view(rows, q)
+    accepted = agreeing_prefix(tokens, drafts)
+    emitted = accepted + 1
+    batch.advance(tokens, emitted)
+    return DeviceAccept(sampled, tokens, accepted, emitted)

@@ -10,13 +10,13 @@ Positions, for a request whose last emitted token `x` sits at position P (not ye
     accept    position i's target token t_i is drawn by the request's own sampler, exactly as a
               plain decode step would draw it (argmax, or the seeded/unseeded draw from the
               processed distribution); it is emitted, and the next position is looked at only
-              while t_i == d_{i+1} (`speculative_sampling.accept_drafts`). So the emitted tokens
+              while t_i == d_{i+1} (`acceptance.accept_on_device`). So the emitted tokens
               are the longest agreeing prefix plus the target's next token.
     catch up  the MTP layer re-runs over the emitted tokens (positions P..P+a) with the target's
-              hidden states, overwriting what the chain wrote there; its last row drafts the next d1.
-              With `pad_catch_up` (the runner has a catch-up CUDA graph) and every sequence having
-              verified k + 1 tokens, it runs over all k + 1 verify positions instead, the emitted
-              tokens padded with the last one: rows past the last emitted token write the MTP
+              hidden states, overwriting what the chain wrote there; its last emitted row drafts
+              the next d1. It runs over all of a sequence's verify positions, the emitted tokens
+              padded with the last one (so its shape is known before the step, and with k + 1
+              tokens everywhere it is the catch-up CUDA graph's): rows past the last emitted token write the MTP
               layer's KV at positions >= the next step's first, which the next step's chain and
               catch-up write again before any MTP row reads them (a row reads positions <= its
               own), and the next d1 is read from the last emitted row: the same drafts.
@@ -29,19 +29,35 @@ distribution for any temperature / top-p / top-k / penalties (the draft is deter
 accepting d exactly when the target's own draw equals d is rejection sampling with a one-hot draft
 distribution: P(d) = p(d), P(x != d) = p(x)); with a seed, even the same tokens as without
 speculation, since the target draws each step from the same (seed, step) noise.
-Stop strings, max tokens and logprobs go through the request's own sampler and stop checker one
+Stop strings, max tokens and logprobs go through the request's own emit and stop checker one
 token at a time, so they behave as without speculation.
+
+Where the step's state lives (as SGLang keeps it): on the device. `launch` queues the whole step
+(chain, verify, acceptance, catch-up) without reading any value back: the drafts, the verify's
+input ids, the acceptance (`acceptance.accept_on_device`, all positions drawn at once by the rows'
+`SamplingBatch`), the accepted and emitted counts, the catch-up's tokens and the next drafts
+(token and hidden state per request) are device tensors; what the host supplies (positions, draft
+lengths, pages, row indices) is host knowledge from before the step. The catch-up always covers
+every verify position (padded as above), so its shape needs no emitted count. `finish` makes the
+step's ONE device-to-host read (tokens, logprobs, top logprobs, emitted counts; `HostCopy`, so a
+caller may launch other work first), then appends each request's tokens through `emit` one at a
+time (a stop ends them there) and counts the stats. The next step needs the host's emitted
+counts for its positions, so steps do not yet overlap each other.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
+from deepseek_pd.model.host_copy import HostCopy, upload
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.sampling.batch import SamplingBatch
+from deepseek_pd.model.sampling.sampled_host import TopLogprobs, pack, unpack
+from deepseek_pd.model.sampling.state import SamplingState
 from deepseek_pd.model.speculative.rules import draft_len
-from deepseek_pd.model.speculative.acceptance import AcceptStats, SampleFn, accept_drafts
+from deepseek_pd.model.speculative.acceptance import AcceptStats, accept_on_device
 
 if TYPE_CHECKING:
     from deepseek_pd.model.speculative.policy import StepCosts
@@ -54,28 +70,53 @@ class SpecRequest(Protocol):
     output_ids: list[int]
     pages: list[int]
     max_new: int
+    sampling: SamplingState  # its draws; the decoder's `SamplingBatch` holds it while it decodes
 
     @property
     def finished(self) -> bool: ...
 
 
+# Appends one emitted token (id, logprob, top logprobs or None) to a request: its output, logprobs
+# and stop checker (the offline engine's `_record`). Called in order; a request that is `finished`
+# afterwards gets no more of this step's tokens.
+EmitFn = Callable[[Any, int, float, "TopLogprobs | None"], None]
+
+
+def append_token(request: SpecRequest, token: int, logprob: float, top: TopLogprobs | None) -> None:
+    """The plainest `EmitFn`: the token joins `output_ids`."""
+    request.output_ids.append(token)
+
+
 @dataclass
 class _Draft:
-    token: int  # d1 for the next step
+    token: torch.Tensor  # 0-d long on the device: d1 for the next step
     hidden: torch.Tensor  # [H] the MTP layer's normed output at the last emitted token's position - 1
 
 
+@dataclass
+class LaunchedSpecStep:
+    """A queued speculative step; `SpeculativeDecoder.finish` reads its one host copy."""
+
+    requests: list  # the step's rows, in order
+    lens: list[int]  # drafts verified per row
+    q: int  # positions drawn per row (the longest verify)
+    host: HostCopy  # [B * q, 2 + 2K + 2] float64: sampled_host.pack, then accepted and emitted per row
+    top_counts: tuple[int, ...]
+
+
 class SpeculativeDecoder:
-    def __init__(self, runner: ModelRunner, num_steps: int, sample: SampleFn, pad_catch_up: bool | None = None) -> None:
+    def __init__(self, runner: ModelRunner, num_steps: int, emit: EmitFn = append_token,
+                 fallback_generator: torch.Generator | None = None) -> None:
         if runner.model.mtp is None:
             raise RuntimeError("speculative decoding needs a runner built with its MTP layer")
         self.runner = runner
         self.num_steps = num_steps
-        # Default: when the runner's catch-up runs as a CUDA graph of k + 1 tokens per sequence.
-        graphs = runner.spec_forwards.graphs
-        self.pad_catch_up = (graphs is not None and bool(graphs.catch_up_graphs)) if pad_catch_up is None \
-            else pad_catch_up
-        self.sample = sample
+        self.device = torch.device(runner.model.options.device)
+        self.emit = emit
+        # False: the catch-up covers only the emitted tokens, which needs their counts on the host
+        # (a sync): the reference the padded catch-up is tested against.
+        self.pad_catch_up = True
+        self.sampling = SamplingBatch(runner.model_config.vocab_size, self.device, fallback_generator)
         self.stats = AcceptStats()
         self._drafts: dict[int, _Draft] = {}
 
@@ -83,80 +124,130 @@ class SpeculativeDecoder:
     def step(self, requests: Sequence[SpecRequest], num_steps: int | None = None) -> None:
         """Draft, verify, accept and catch up once for every unfinished request; `num_steps`
         (default: the configured number) drafts per request this step, 0 for none."""
+        launched = self.launch(requests, num_steps)
+        if launched is not None:
+            self.finish(launched)
+
+    def launch(self, requests: Sequence[SpecRequest], num_steps: int | None = None) -> LaunchedSpecStep | None:
+        """Queues one step (module docstring) and returns without reading anything back."""
         steps = self.num_steps if num_steps is None else min(num_steps, self.num_steps)
         requests = [r for r in requests if not r.finished]
+        if not requests:
+            return None
+        self._sync_rows([r.sampling for r in requests])
         positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests]
         # A request with no draft yet (its prompt's KV came from elsewhere and no draft came with it)
         # verifies its token alone this step; the catch-up then starts its drafts.
         lens = [draft_len(steps, r.max_new - len(r.output_ids)) if id(r) in self._drafts else 0
                 for r in requests]
-        drafts = self._chain(requests, positions, lens)
-        seqs = [ExtendSeq([r.output_ids[-1], *d], prefix_len=p, pages=r.pages)
-                for r, d, p in zip(requests, drafts, positions)]
-        hidden = self.runner.extend_hidden(seqs, force_mla=True)
-        logits = self.runner.logits(hidden)
+        q = max(lens) + 1
+        drafts = self._chain(requests, positions, lens, q - 1)  # [B, q-1], -1 past a row's drafts
+        seqs = [ExtendSeq([0] * (k + 1), prefix_len=p, pages=r.pages) for r, k, p in zip(requests, lens, positions)]
+        last = self._upload([r.output_ids[-1] for r in requests])
+        # Row i's verify tokens [x, d1..dk], packed: its cells of the [B, q] table [x | drafts].
+        cells = self._upload([i * q + j for i, k in enumerate(lens) for j in range(k + 1)])
+        verify_ids = torch.cat([last.unsqueeze(1), drafts], dim=1).reshape(-1).index_select(0, cells)
+        hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids)
         starts = [0]
-        for s in seqs:
-            starts.append(starts[-1] + len(s.token_ids))
-        emitted = accept_drafts(requests, drafts, logits, starts, self.sample, self.stats)
-        live = [i for i, r in enumerate(requests) if not r.finished]
-        if live:
-            q = steps + 1
-            padded = self.pad_catch_up and steps > 0 and all(len(seqs[i].token_ids) == q for i in live)
-            spans = [q if padded else emitted[i] for i in live]
-            rows = torch.cat([torch.arange(starts[i], starts[i] + n) for i, n in zip(live, spans)]).to(hidden.device)
-            tokens = [requests[i].output_ids[-emitted[i]:] + [requests[i].output_ids[-1]] * (n - emitted[i])
-                      for i, n in zip(live, spans)]
-            self._catch_up([requests[i] for i in live], tokens, [positions[i] for i in live], hidden[rows],
-                           [emitted[i] for i in live])
-        for r in requests:
-            if r.finished:
-                self._drafts.pop(id(r), None)
+        for k in lens:
+            starts.append(starts[-1] + k + 1)
+        # Row i's position j is verify row starts[i] + min(j, k_i): past its drafts, its last again
+        # (drawn, never kept: its drafts there are -1).
+        at = self._upload([starts[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)])
+        logits = self.runner.logits(hidden.index_select(0, at)).view(len(requests), q, -1)
+        result = accept_on_device(self.sampling, logits, drafts)
+        self._catch_up(requests, seqs, hidden, result.tokens, result.emitted, cells, starts, q)
+        extra = torch.stack([result.accepted, result.emitted], dim=1).unsqueeze(1).expand(-1, q, -1)
+        host = HostCopy(torch.cat([pack(result.sampled), extra.reshape(-1, 2).to(torch.float64)], dim=1))
+        return LaunchedSpecStep(requests, lens, q, host, result.sampled.top_counts)
+
+    def finish(self, launched: LaunchedSpecStep) -> list[int]:
+        """The step's one host read; each request's tokens through `emit`, in order, up to a stop.
+        Returns how many tokens each row got."""
+        host, q = launched.host.wait(), launched.q
+        sampled = unpack(host[:, :-2], launched.top_counts)
+        got = []
+        for i, (request, drafted) in enumerate(zip(launched.requests, launched.lens)):
+            accepted, emitted = int(host[i * q, -2]), int(host[i * q, -1])
+            self.sampling.advanced(request.sampling, emitted)  # before `emit` acknowledges the tokens
+            n = 0
+            while n < emitted and not request.finished:
+                row = i * q + n
+                self.emit(request, sampled.token_ids[row], sampled.logprobs[row], sampled.top[row])
+                n += 1
+            self.stats.add(drafted, min(accepted, n), n)
+            got.append(n)
+            if request.finished:
+                self._drafts.pop(id(request), None)
+        return got
 
     def seed(self, request: SpecRequest, token: int, hidden: torch.Tensor) -> None:
         """Its first draft, from an MTP pass over its prompt that ran elsewhere (`mtp_over_extend`,
         in a colocated prefill round or on the prefill worker)."""
-        self._drafts[id(request)] = _Draft(token, hidden)
+        self._drafts[id(request)] = _Draft(self._upload([token])[0], hidden)
 
     def forget(self, request: SpecRequest) -> None:
-        """Drops a request's draft state (it ended, by a stop, an abort or a failure)."""
+        """Drops a request's draft state (it ended, by a stop, an abort or a failure); its sampling
+        row leaves at the next `launch` (this may run on another thread than the steps)."""
         self._drafts.pop(id(request), None)
 
-    def _chain(self, requests: list[SpecRequest], positions: list[int], lens: list[int]) -> list[list[int]]:
-        """Each request's draft tokens: d1 from the last catch-up, then k-1 MTP decode steps."""
-        drafts = [[self._drafts[id(r)].token] if k else [] for r, k in zip(requests, lens)]
-        hidden = {i: self._drafts[id(r)].hidden for i, (r, k) in enumerate(zip(requests, lens)) if k}
-        for j in range(1, max(lens, default=0)):
-            rows = [i for i, k in enumerate(lens) if k > j]
-            seqs = [ExtendSeq([drafts[i][-1]], prefix_len=positions[i] + j - 1, pages=requests[i].pages)
-                    for i in rows]
-            out = self.runner.draft(seqs, torch.stack([hidden[i] for i in rows]))
-            tokens = self.runner.logits(out).argmax(dim=-1).tolist()
-            for n, i in enumerate(rows):
-                drafts[i].append(tokens[n])
-                hidden[i] = out[n]
+    def reset(self) -> None:
+        """After a failed step, whose requests all fail: the sampling batch's device state can no
+        longer be trusted, so a new one starts (their drafts go with `forget`, as they end)."""
+        self.sampling = SamplingBatch(self.sampling.vocab_size, self.device, self.sampling.fallback_generator)
+
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        return upload(torch.tensor(values, dtype=torch.long), self.device)
+
+    def _sync_rows(self, states: list[SamplingState]) -> None:
+        """The sampling batch's rows become `states`, in order (rows that left write their state back)."""
+        if [id(s) for s in self.sampling.states] == [id(s) for s in states]:
+            return
+        self.sampling.remove(self.sampling.states)
+        for state in states:
+            self.sampling.add(state)
+
+    def _chain(self, requests: list[SpecRequest], positions: list[int], lens: list[int], width: int) -> torch.Tensor:
+        """`[B, width]` long: each request's draft tokens (d1 from the last catch-up, then k-1 MTP
+        decode steps, argmax), -1 past its `lens`; on the device."""
+        drafts = torch.full((len(requests), width), -1, dtype=torch.long, device=self.device)
+        rows = [i for i, k in enumerate(lens) if k]
+        if not rows:
+            return drafts
+        tokens = torch.stack([self._drafts[id(requests[i])].token for i in rows])
+        hidden = torch.stack([self._drafts[id(requests[i])].hidden for i in rows])
+        drafts[:, 0].index_copy_(0, self._upload(rows), tokens)
+        for j in range(1, max(lens)):
+            longer = [n for n, i in enumerate(rows) if lens[i] > j]  # among `rows`
+            rows = [rows[n] for n in longer]
+            keep = self._upload(longer)
+            seqs = [ExtendSeq([0], prefix_len=positions[i] + j - 1, pages=requests[i].pages) for i in rows]
+            hidden = self.runner.draft(seqs, hidden.index_select(0, keep), input_ids=tokens.index_select(0, keep))
+            tokens = self.runner.logits(hidden).argmax(dim=-1)
+            drafts[:, j].index_copy_(0, self._upload(rows), tokens)
         return drafts
 
-    def _catch_up(self, requests: list[SpecRequest], tokens: list[list[int]], prefix_lens: list[int],
-                  target_hidden: torch.Tensor, emitted: list[int]) -> None:
-        """MTP over (emitted token, target hidden) pairs from `prefix_lens` (`tokens[i]`: the
-        `emitted[i]` emitted, then any padding); stores each next d1, from its last emitted row."""
-        seqs = [ExtendSeq(t, prefix_len=p, pages=r.pages) for r, t, p in zip(requests, tokens, prefix_lens)]
-        out = self.runner.draft(seqs, target_hidden)
-        starts = [0, *_cumsum(len(t) for t in tokens)][:-1]
-        last = torch.tensor([start + n - 1 for start, n in zip(starts, emitted)], device=out.device)
-        out = out[last]
-        next_tokens = self.runner.logits(out).argmax(dim=-1).tolist()
-        for r, token, h in zip(requests, next_tokens, out):
-            self._drafts[id(r)] = _Draft(token, h)
-
-
-def _cumsum(values) -> list[int]:
-    total, out = 0, []
-    for v in values:
-        total += v
-        out.append(total)
-    return out
+    def _catch_up(self, requests: list[SpecRequest], seqs: list[ExtendSeq], hidden: torch.Tensor,
+                  tokens: torch.Tensor, emitted: torch.Tensor, cells: torch.Tensor, starts: list[int],
+                  q: int) -> None:
+        """MTP over (emitted token, target hidden) pairs at every verify position (the emitted
+        tokens, then the last one again: module docstring); each next d1 from its last emitted row."""
+        if not self.pad_catch_up:  # the reference: only the emitted tokens (reads their counts)
+            counts = emitted.tolist()
+            keep = [start + j for start, n in zip(starts, counts) for j in range(n)]
+            seqs = [ExtendSeq([0] * n, s.prefix_len, s.pages) for s, n in zip(seqs, counts)]
+            hidden = hidden.index_select(0, self._upload(keep))
+            cells = self._upload([i * q + j for i, n in enumerate(counts) for j in range(n)])
+            starts = [0]
+            for n in counts:
+                starts.append(starts[-1] + n)
+        column = torch.minimum(torch.arange(q, device=self.device).unsqueeze(0), (emitted - 1).unsqueeze(1))
+        ids = tokens.gather(1, column).reshape(-1).index_select(0, cells)
+        out = self.runner.draft(seqs, hidden, input_ids=ids)
+        out = out.index_select(0, self._upload(starts[:-1]) + emitted - 1)
+        next_tokens = self.runner.logits(out).argmax(dim=-1)
+        for i, request in enumerate(requests):
+            self._drafts[id(request)] = _Draft(next_tokens[i], out[i])
 
 
 def mtp_over_extend(runner: ModelRunner, seqs: Sequence[ExtendSeq], hidden: torch.Tensor,
@@ -176,7 +267,10 @@ def mtp_over_extend(runner: ModelRunner, seqs: Sequence[ExtendSeq], hidden: torc
     rows = sorted(first_tokens)
     if not rows:
         return []
-    ends = _cumsum(len(s.token_ids) for s in seqs)
+    ends, total = [], 0
+    for s in seqs:
+        total += len(s.token_ids)
+        ends.append(total)
     last = out[torch.tensor([ends[i] - 1 for i in rows], device=out.device)]
     tokens = runner.logits(last).argmax(dim=-1).tolist()
     return list(zip(tokens, last))

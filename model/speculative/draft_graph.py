@@ -73,13 +73,16 @@ class DraftGraphRunner:
         log.info("CUDA graphs: captured the MTP draft step for batch sizes %s", list(self.buckets))
 
     def draft(self, token_ids: Sequence[int], positions: Sequence[int], pages: Sequence[Sequence[int]],
-              prev_hidden: torch.Tensor) -> torch.Tensor | None:
-        """The MTP layer's normed output `[n, hidden]` by replay, or None when the step must run eagerly."""
+              prev_hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The MTP layer's normed output `[n, hidden]` by replay (`input_ids`: device ids `[n]` over
+        `token_ids`), or None when the step must run eagerly."""
         bucket = bucket_for(self.buckets, len(token_ids))
         if bucket is None or not self._inputs[bucket].decode.fits(positions):
             return None
         inputs = self._inputs[bucket]
         inputs.load(token_ids, positions, pages, prev_hidden)
+        if input_ids is not None:
+            inputs.decode.input_ids[:len(token_ids)].copy_(input_ids)
         if self._planning:
             lengths, page_lists = inputs.decode.replay_layout(positions, pages)
             for backend in self._planning:

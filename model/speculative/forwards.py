@@ -27,7 +27,7 @@ from deepseek_pd.model.attention.policy import AttentionPolicy
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.distributed.step_sync import ForwardKind
 from deepseek_pd.model.distributed.tp_replay import ForwardCall, TpReplay
-from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
+from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode, checked_device_ids
 from deepseek_pd.model.kv.layer_progress import LayerProgress
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
@@ -50,51 +50,56 @@ class SpeculativeForwards:
         self.step, self.tp_replay, self.graphs = step, tp_replay, graphs
 
     def extend_hidden(self, seqs: Sequence[Seq], force_mla: bool = False,
-                      progress: LayerProgress | None = None) -> torch.Tensor:
+                      progress: LayerProgress | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         with self.step(ForwardMode.EXTEND, ForwardKind.MODEL) as group_mode:
             if force_mla and progress is None and self.graphs is not None:  # graphs: no TP, no TBO
                 hidden = self.graphs.verify([s.token_ids for s in seqs], [s.prefix_len for s in seqs],
-                                            [s.pages for s in seqs])
+                                            [s.pages for s in seqs], input_ids)
                 if hidden is not None:
                     return hidden
-            self._lead(ForwardCall(ForwardMode.EXTEND, output="hidden", force_mla=force_mla), seqs, group_mode)
-            return self.model.forward_hidden(self._batch(ForwardMode.EXTEND, seqs, group_mode, force_mla), progress)
+            self._lead(ForwardCall(ForwardMode.EXTEND, output="hidden", force_mla=force_mla), seqs, group_mode,
+                       input_ids=input_ids)
+            batch = self._batch(ForwardMode.EXTEND, seqs, group_mode, force_mla, input_ids)
+            return self.model.forward_hidden(batch, progress)
 
-    def draft(self, seqs: Sequence[Seq], prev_hidden: torch.Tensor) -> torch.Tensor:
+    def draft(self, seqs: Sequence[Seq], prev_hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
         with self.step(mode, ForwardKind.MTP) as group_mode:
             if self.graphs is not None and mode is group_mode:
                 lists = [s.token_ids for s in seqs], [s.prefix_len for s in seqs], [s.pages for s in seqs]
-                out = (self.graphs.draft([t[0] for t in lists[0]], *lists[1:], prev_hidden)
-                       if mode is ForwardMode.DECODE else self.graphs.catch_up(*lists, prev_hidden))
+                out = (self.graphs.draft([t[0] for t in lists[0]], *lists[1:], prev_hidden, input_ids)
+                       if mode is ForwardMode.DECODE else self.graphs.catch_up(*lists, prev_hidden, input_ids))
                 if out is not None:
                     return out
-            self._lead(ForwardCall(mode, output="mtp"), seqs, group_mode, prev_hidden)
-            return self.model.forward_mtp(self._batch(mode, seqs, group_mode), prev_hidden)
+            self._lead(ForwardCall(mode, output="mtp"), seqs, group_mode, prev_hidden, input_ids)
+            return self.model.forward_mtp(self._batch(mode, seqs, group_mode, input_ids=input_ids), prev_hidden)
 
-    def follow(self, call: ForwardCall, hidden: torch.Tensor | None) -> None:
-        """(attention-TP follower) Replays the leader's "hidden" or "mtp" call; drops its output."""
+    def follow(self, call: ForwardCall, hidden: torch.Tensor | None, input_ids: torch.Tensor | None = None) -> None:
+        """(attention-TP follower) Replays the leader's "hidden" or "mtp" call (with the leader's
+        device input ids when it sent them); drops its output."""
         seqs = [_Seq(list(t), p, list(pg)) for t, p, pg in zip(call.token_ids, call.prefix_lens, call.pages)]
-        batch = self._batch(call.mode, seqs, call.group_mode, call.force_mla)
+        batch = self._batch(call.mode, seqs, call.group_mode, call.force_mla, input_ids)
         if call.output == "mtp":
             self.model.forward_mtp(batch, hidden)
         else:
             self.model.forward_hidden(batch)
 
     def _lead(self, call: ForwardCall, seqs: Sequence[Seq], group_mode: ForwardMode,
-              hidden: torch.Tensor | None = None) -> None:
+              hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> None:
         """(attention-TP leader) Announces a speculative forward to the followers (`follow`)."""
         if self.tp_replay is not None and self.tp_replay.is_leader:
             call = replace(call, token_ids=tuple(tuple(s.token_ids) for s in seqs),
                            prefix_lens=tuple(s.prefix_len for s in seqs), pages=tuple(tuple(s.pages) for s in seqs),
                            group_mode=group_mode)
-            self.tp_replay.lead(call, None, self.kv_pool, hidden)
+            self.tp_replay.lead(call, input_ids, self.kv_pool, hidden)
 
     def _batch(self, mode: ForwardMode, seqs: Sequence[Seq], group_mode: ForwardMode | None,
-               force_mla: bool = False) -> ForwardBatch:
+               force_mla: bool = False, input_ids: torch.Tensor | None = None) -> ForwardBatch:
         batch = ForwardBatch.build(mode, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
                                    [s.pages for s in seqs], self.kv_pool, self.model.config.vocab_size,
                                    self.model.options.device)
+        if input_ids is not None:  # the step's device tokens; the seqs' ids were placeholders
+            batch.input_ids = checked_device_ids(input_ids, batch.num_tokens)
         batch.group_mode = group_mode
         batch.attention_method = AttentionMethod.MLA if force_mla else self.policy.choose(mode, batch.prefix_lens)
         return batch

@@ -157,10 +157,11 @@ class VerifyGraphRunner:
                  "catch-up" if mtp else "verify", q, list(self.buckets))
 
     def run(self, token_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int], pages: Sequence[Sequence[int]],
-            hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+            hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every token's hidden state `[n*q, hidden]` by replay (`hidden`: the catch-up's input
-        hidden states, `[n*q, hidden]`), or None (run eagerly): a batch larger than the largest
-        bucket, a context past the captured width, or a sequence without exactly q tokens."""
+        hidden states, `[n*q, hidden]`; `input_ids`: device ids `[n*q]` over `token_ids`), or None
+        (run eagerly): a batch larger than the largest bucket, a context past the captured width, or
+        a sequence without exactly q tokens."""
         bucket = bucket_for(self.buckets, len(token_ids))
         if bucket is None or any(len(t) != self.q for t in token_ids):
             return None
@@ -168,6 +169,8 @@ class VerifyGraphRunner:
         if not inputs.fits(prefix_lens):
             return None
         inputs.load(inputs.pack(token_ids, prefix_lens, pages))
+        if input_ids is not None:
+            inputs.input_ids[:len(token_ids) * self.q].copy_(input_ids)
         if self.mtp:
             rows = len(token_ids) * self.q
             self._in_hidden[bucket][:rows].copy_(hidden)

@@ -309,6 +309,8 @@ class DecodeEngine(EngineCore[_Request]):
         self._prefilling.clear()
         self._batch = []
         self.stepper.reset()
+        if self.speculation is not None:
+            self.speculation.reset()
         for state in states:
             state.in_flight = 0
             if not state.finished:

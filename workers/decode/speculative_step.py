@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.model.runner import ModelRunner
-from deepseek_pd.model.sampling.sampled_host import TopLogprobs, pack, unpack
+from deepseek_pd.model.sampling.sampled_host import TopLogprobs
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
 from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
 from deepseek_pd.model.speculative.decoder import SpeculativeDecoder, measure_step_costs
@@ -51,7 +51,7 @@ class SpecRow:
 class SpeculativeStepper:
     def __init__(self, runner: ModelRunner, num_steps: int, sampler: Sampler) -> None:
         self.sampler = sampler
-        self.decoder = SpeculativeDecoder(runner, num_steps, self._sample)
+        self.decoder = SpeculativeDecoder(runner, num_steps, _emit, sampler.fallback_generator)
         self.runner = runner
         # With `speculative_adaptive`: drafts per step by batch size (`calibrate` measures the costs).
         self.policy: SpeculationPolicy | None = None
@@ -72,13 +72,6 @@ class SpeculativeStepper:
     @property
     def stats(self):
         return self.decoder.stats
-
-    def _sample(self, rows: list[SpecRow], logits: torch.Tensor) -> None:
-        out = self.sampler.sample(logits, [row.sampling for row in rows])
-        sampled = unpack(pack(out).cpu(), out.top_counts)
-        for row, token, logprob, top in zip(rows, sampled.token_ids, sampled.logprobs, sampled.top):
-            row.output_ids.append(token)
-            row.new.append((token, logprob, top))
 
     def seed(self, row: SpecRow, token: int, hidden: torch.Tensor) -> None:
         """A colocated prompt's first draft, from the MTP pass of the prefill round that completed
@@ -105,6 +98,16 @@ class SpeculativeStepper:
 
     def forget(self, row: SpecRow) -> None:
         self.decoder.forget(row)
+
+    def reset(self) -> None:
+        """After a failed step (model thread): the decoder's device state can no longer be trusted."""
+        self.decoder.reset()
+
+
+def _emit(row: SpecRow, token: int, logprob: float, top: TopLogprobs | None) -> None:
+    """A step's token joins its row, for the event loop to stream (`SpeculativeDecoder`'s emit)."""
+    row.output_ids.append(token)
+    row.new.append((token, logprob, top))
 
 
 def wire_draft(done, vocab_size: int, hidden_size: int) -> tuple[int, list[float]] | None:

@@ -125,7 +125,8 @@ class Engine:
         if config.speculative_num_steps:
             from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
 
-            self.speculative = SpeculativeDecoder(self.runner, config.speculative_num_steps, self._sample)
+            self.speculative = SpeculativeDecoder(self.runner, config.speculative_num_steps, _record,
+                                                  self.sampler.fallback_generator)
         self.rounds = PrefillRounds(self.runner, self.sampler, config.chunked_prefill_size, _Recorder(self),
                                     aligned=config.deterministic)
 

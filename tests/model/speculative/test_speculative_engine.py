@@ -114,11 +114,11 @@ def test_seeded_sampling_identical(setup, module_seed):
 
 
 def test_padded_catch_up_drafts_what_the_exact_one_does(setup, module_seed):
-    """With a catch-up CUDA graph the decoder runs the catch-up over all k + 1 verify positions, the
-    emitted tokens padded (model/speculative/decoder.py says why that is safe): the MTP KV it writes
-    past the last emitted token must never be read before it is written again. Checked on the CPU
-    without graphs: every step's drafts (not only the outputs, which are the target's whatever the
-    drafts) are the same padded and exact, with the trained layer accepting."""
+    """The decoder runs the catch-up over all of a row's verify positions, the emitted tokens padded
+    (model/speculative/decoder.py says why that is safe): the MTP KV it writes past the last emitted
+    token must never be read before it is written again. Against the exact catch-up (over the
+    emitted tokens only, `pad_catch_up = False`): every step's drafts (not only the outputs, which are
+    the target's whatever the drafts) are the same, with the trained layer accepting."""
     _, _, spec, prompts = setup
     rng = random.Random(module_seed + 7)
     batch = rng.sample(prompts, 4) + [[rng.randrange(2, spec.vocab_size) for _ in range(rng.randint(2, 12))]]
@@ -129,12 +129,18 @@ def test_padded_catch_up_drafts_what_the_exact_one_does(setup, module_seed):
     def run(padded: bool) -> tuple[list, list]:
         drafts: list = []
         decoder.pad_catch_up = padded
-        decoder._chain = lambda *a: drafts.append(chain(*a)) or drafts[-1]
+
+        def recording(*args):
+            out = chain(*args)
+            drafts.append(out.tolist())
+            return out
+
+        decoder._chain = recording
         try:
             return [r.output_ids for r in spec.generate_batch(batch, greedy)], drafts
         finally:
             decoder._chain = chain
-            decoder.pad_catch_up = False
+            decoder.pad_catch_up = True
 
     before = decoder.stats.accepted
     exact, padded = run(False), run(True)

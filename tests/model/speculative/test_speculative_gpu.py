@@ -135,18 +135,15 @@ def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
         def finished(self):
             return len(self.output_ids) >= self.max_new
 
-    def greedy(rows, logits):
-        for row, token in zip(rows, logits.argmax(-1).tolist()):
-            row.output_ids.append(token)
-
     rows = [Row(p, n) for p, n in zip(prompts, max_new)]
-    decoder = SpeculativeDecoder(runner, 3, greedy)
+    decoder = SpeculativeDecoder(runner, 3)
     states = [SamplingState.create(Params(temperature=0.0), r.prompt_ids, plain.vocab_size, device="cuda")
               for r in rows]
     sampled, drafts = run_extend_with_mtp(runner, Sampler(), [ExtendSeq(r.prompt_ids, 0, r.pages) for r in rows],
                                           range(len(rows)), states, [r.prompt_ids for r in rows])
-    for row, token, draft in zip(rows, sampled.token_ids, drafts):
+    for row, state, token, draft in zip(rows, states, sampled.token_ids, drafts):
         row.output_ids.append(token)
+        row.sampling = state
         decoder.seed(row, *draft)
     while not all(r.finished for r in rows):
         decoder.step(rows, rng.randint(0, 3))

@@ -17,22 +17,18 @@ from deepseek_pd.workers.engine.extend_step import run_extend_with_mtp
 
 @dataclass
 class SpecRow:
-    """A request as `SpeculativeDecoder` reads it (decoder.SpecRequest): done at `max_new` tokens."""
+    """A request as `SpeculativeDecoder` reads it (decoder.SpecRequest): done at `max_new` tokens.
+    Its `sampling` is set by whoever samples its first token."""
 
     prompt_ids: list[int]
     max_new: int
     pages: list[int]
     output_ids: list[int] = field(default_factory=list)
+    sampling: SamplingState | None = None
 
     @property
     def finished(self) -> bool:
         return len(self.output_ids) >= self.max_new
-
-
-def greedy_rows(rows: list, logits) -> None:
-    """The decoder's sample function for greedy rows: each row's argmax appended."""
-    for row, token in zip(rows, logits.argmax(dim=-1).tolist()):
-        row.output_ids.append(token)
 
 
 def speculative_greedy(runner: ModelRunner, prompts: Sequence[list[int]], max_new: Sequence[int],
@@ -41,14 +37,15 @@ def speculative_greedy(runner: ModelRunner, prompts: Sequence[list[int]], max_ne
     All prompts form one batch; their pages are freed at the end."""
     pool = runner.kv_pool
     rows = [SpecRow(list(p), n, pool.alloc(pool.pages_for_tokens(len(p) + n))) for p, n in zip(prompts, max_new)]
-    decoder = SpeculativeDecoder(runner, steps, greedy_rows)
+    decoder = SpeculativeDecoder(runner, steps)
     try:
         greedy = SamplingParams(temperature=0.0)
         states = [SamplingState.create(greedy, r.prompt_ids, runner.model_config.vocab_size) for r in rows]
         sampled, drafts = run_extend_with_mtp(runner, Sampler(), [ExtendSeq(r.prompt_ids, 0, r.pages) for r in rows],
                                               range(len(rows)), states, [r.prompt_ids for r in rows])
-        for row, token, draft in zip(rows, sampled.token_ids, drafts):
+        for row, state, token, draft in zip(rows, states, sampled.token_ids, drafts):
             row.output_ids.append(token)
+            row.sampling = state
             decoder.seed(row, *draft)
         while not all(r.finished for r in rows):
             decoder.step([r for r in rows if not r.finished])

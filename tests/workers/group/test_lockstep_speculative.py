@@ -49,7 +49,7 @@ async def _speculate(rank, thread, step, report, options) -> None:
     from deepseek_pd.model.sampling.params import SamplingParams
     from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
     from deepseek_pd.workers.engine.extend_step import run_extend_with_mtp
-    from pdtest.speculative_runner import SpecRow, greedy_rows
+    from pdtest.speculative_runner import SpecRow
 
     world, path = options["world"], options["path"]
     runner = ModelRunner(RunnerConfig(model=path, page_size=PAGE, num_pages=256, ep_size=world,
@@ -62,7 +62,7 @@ async def _speculate(rank, thread, step, report, options) -> None:
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 14))] for _ in range(count)]
     max_new = [rng.randint(4, 12) for _ in range(count)]  # room for drafts (draft_len caps them by it)
     rows = [SpecRow(p, n, runner.kv_pool.alloc(-(-(len(p) + n) // PAGE))) for p, n in zip(prompts, max_new)]
-    decoder = SpeculativeDecoder(runner, options["steps"], greedy_rows)
+    decoder = SpeculativeDecoder(runner, options["steps"])
     sampler = Sampler()
 
     def prefill() -> None:
@@ -71,8 +71,9 @@ async def _speculate(rank, thread, step, report, options) -> None:
         seqs = [ExtendSeq(r.prompt_ids, 0, r.pages) for r in rows]
         sampled, drafts = run_extend_with_mtp(runner, sampler, seqs, range(len(rows)), states,
                                               [r.prompt_ids for r in rows])
-        for row, token, draft in zip(rows, sampled.token_ids, drafts):
+        for row, state, token, draft in zip(rows, states, sampled.token_ids, drafts):
             row.output_ids.append(token)
+            row.sampling = state
             decoder.seed(row, *draft)
 
     async def job(fn, *args):
