@@ -4,7 +4,9 @@ at given accept lengths: `speedup(A) = A * t_plain / t_spec(k)`. The speculative
 `model.speculative.measure_step_costs`, the table the decode worker's per-step policy uses (its
 catch-up at k + 1 tokens per sequence, its largest, so the estimate is conservative); the plain
 step is `runner.decode` (CUDA-graph replay with `--cuda-graph`, which also replays the draft steps,
-the verify and the catch-up: model/speculative/graphs.py).
+the verify and the catch-up: model/speculative/graphs.py). `spec{k}_step_ms` times the decoder's
+whole step as serving runs it (`SpeculativeDecoder.step`: the forwards plus the device-side
+acceptance, the catch-up's gathers and the step's one host read), greedy rows drafting k each.
 
 On the GPU (V2-Lite shape with one random MTP layer; random weights accept nothing, so the
 speed-up is the implied one):
@@ -49,6 +51,45 @@ def _timed(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
+class _Row:
+    """A greedy request `context` tokens in, drafting k this step (decoder.SpecRequest)."""
+
+    def __init__(self, context: int, max_new: int, pages: list[int], sampling) -> None:
+        self.prompt_ids, self.output_ids = [0] * context, [1]
+        self.max_new, self.pages, self.sampling = max_new, pages, sampling
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output_ids) >= self.max_new
+
+
+def _decoder_step_ms(runner, batch: int, k: int, context: int, repeats: int, device: str) -> float:
+    """Median milliseconds of one whole `SpeculativeDecoder.step` over `batch` rows at `context`,
+    each drafting k (every step starts from the same state: the rows' outputs and drafts reset)."""
+    from deepseek_pd.model.sampling.params import SamplingParams
+    from deepseek_pd.model.sampling.state import SamplingState
+    from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
+
+    pool, config = runner.kv_pool, runner.model_config
+    hidden = torch.zeros(config.hidden_size, dtype=runner.model.embed_tokens.weight.dtype, device=device)
+    decoder = SpeculativeDecoder(runner, k)
+    greedy = SamplingParams(temperature=0.0)
+    rows = [_Row(context, k + 2, pool.alloc(pool.pages_for_tokens(context + k + 1)),
+                 SamplingState.create(greedy, (), config.vocab_size, device)) for _ in range(batch)]
+
+    def one_step() -> None:
+        for row in rows:
+            del row.output_ids[1:]
+            decoder.seed(row, 1, hidden)
+        decoder.step(rows)
+
+    try:
+        return _timed(one_step, device, repeats)
+    finally:
+        for row in rows:
+            pool.free(row.pages)
+
+
 @torch.inference_mode()
 def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: bool, batches: list[int],
             draft_steps: list[int], context: int, repeats: int) -> dict:
@@ -69,13 +110,17 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
     # With graphs the verify and catch-up are captured for the configured k + 1 tokens per sequence
     # only, so each k gets a runner configured with it; eager, one runner times every k.
     runner = build(max_steps)
+    step_ms: dict[int, list[float]] = {}
     if not cuda_graph:
         spec_ms = dict(enumerate(measure_step_costs(runner, batches, max_steps, context, repeats).ms))
+        for k in draft_steps:
+            step_ms[k] = [_decoder_step_ms(runner, b, k, context, repeats, device) for b in batches]
     else:
         spec_ms = {}
         for k in draft_steps:
             spec_runner = runner if k == max_steps else build(k)
             spec_ms[k] = measure_step_costs(spec_runner, batches, k, context, repeats).ms[k]
+            step_ms[k] = [_decoder_step_ms(spec_runner, b, k, context, repeats, device) for b in batches]
             if spec_runner is not runner:
                 del spec_runner
                 torch.cuda.empty_cache()
@@ -95,6 +140,7 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
         for k in draft_steps:
             cost = spec_ms[k][col]
             row[f"spec{k}_ms"] = cost
+            row[f"spec{k}_step_ms"] = step_ms[k][col]
             for a in ACCEPT_LENGTHS:
                 if a <= k + 1:
                     row[f"spec{k}_speedup_at_{a}"] = a * plain / cost
