@@ -10,44 +10,26 @@ rejection sampling with a deterministic (one-hot) draft: d_{i+1} is accepted wit
 p_i(d_{i+1}), and on rejection the token comes from p_i with d_{i+1} removed and renormalised,
 which is what `t_i ~ p_i, t_i != d` is. Each emitted token therefore has the target's conditional
 distribution given the emitted prefix, and the sequence the target's joint distribution: the
-statistical test in tests/model/speculative/test_speculative_sampling.py checks it, and that a wrong rule fails.
+statistical test checks it, and that a wrong rule fails.
 
 Worked example: drafts [5, 9, 2]; the target draws 5 at position 0 (accept), 9 at 1 (accept), 7 at
 2 (reject: emitted, then stop): emitted [5, 9, 7], accepted 2, accept length 3.
 
-Two forms of the same rule:
-- `accept_on_device` (the decoder's): every position of every row is drawn at once
-  (`SamplingBatch.sample_positions`: position i as if d_1..d_i had been emitted, the same step's
-  noise and penalties as a plain decode step there), then `agreeing_prefix` counts the accepted
-  drafts as tensor ops. Draws past the first disagreement are simply not kept, which changes nothing:
-  each kept draw is the one the sequential rule makes. Nothing is read back to the host; the
-  caller reads the step's result once (`DeviceAccept`), and a stop found there ends the row's
-  tokens early, as `finished` does below.
-- `accept_drafts` (host, one position at a time through a sample callback): the reference form,
-  kept for the statistical test's wrong-rule checks and for samplers that are not a `SamplingBatch`.
+On the device (`accept_on_device`, SGLang keeps acceptance there too): every position of every
+row is drawn at once (`SamplingBatch.sample_positions`: position i as if d_1..d_i had been emitted,
+the same step's noise and penalties as a plain decode step there), then `agreeing_prefix` counts
+the accepted drafts as tensor ops. Draws past the first disagreement are simply not kept, which
+changes nothing: each kept draw is the one the sequential rule makes. Nothing is read back to the
+host; the caller reads the step's result once (`DeviceAccept`), and a stop found there ends the
+row's tokens early. The statistical test is tests/model/speculative/test_device_acceptance.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
 
 import torch
 
 from deepseek_pd.model.sampling.batch import SampleOutput, SamplingBatch
-
-
-class Drafted(Protocol):
-    """A request as acceptance sees it: its output so far (the sampler appends) and whether it stopped."""
-
-    output_ids: list[int]
-
-    @property
-    def finished(self) -> bool: ...
-
-
-# Draws one token per request from `logits` rows `[n, V]` and appends it to each request's output
-# (and stop checker): the offline engine's `_sample`.
-SampleFn = Callable[[list, torch.Tensor], None]
 
 
 @dataclass
@@ -80,43 +62,6 @@ class AcceptStats:
         self.rejected += int(accepted < drafted and emitted > accepted)
         self.emitted += emitted
         self.histogram[emitted] = self.histogram.get(emitted, 0) + 1
-
-
-def accept_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
-    """How many leading drafts the target's tokens confirm (`targets[i] == drafts[i]`)."""
-    n = 0
-    for d, t in zip(drafts, targets):
-        if d != t:
-            break
-        n += 1
-    return n
-
-
-def continues(request: Drafted, drafts: Sequence[int], position: int) -> bool:
-    """After emitting the target's token of verify position `position`: is the next position's
-    verify row still conditioned on what was emitted (the token confirmed draft `position`)?"""
-    return (not request.finished and position < len(drafts)
-            and request.output_ids[-1] == drafts[position])
-
-
-def accept_drafts(requests: Sequence[Drafted], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
-                  starts: Sequence[int], sample: SampleFn, stats: AcceptStats | None = None) -> list[int]:
-    """Emits each request's tokens from its verify rows `logits[starts[n] + i]` by the rule above;
-    returns how many tokens each request got (1 .. len(drafts[n]) + 1, fewer only if it stopped)."""
-    emitted = [0] * len(requests)
-    alive = list(range(len(requests)))
-    position = 0
-    while alive:
-        rows = torch.tensor([starts[n] + position for n in alive], device=logits.device)
-        sample([requests[n] for n in alive], logits[rows])
-        for n in alive:
-            emitted[n] += 1
-        alive = [n for n in alive if continues(requests[n], drafts[n], position)]
-        position += 1
-    if stats is not None:
-        for n, request in enumerate(requests):
-            stats.add(len(drafts[n]), accept_prefix(drafts[n], request.output_ids[-emitted[n]:]), emitted[n])
-    return emitted
 
 
 def agreeing_prefix(tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

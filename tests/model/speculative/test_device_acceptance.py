@@ -100,3 +100,22 @@ def test_a_wrong_device_rule_is_detected(seed, monkeypatch, wrong_rule):
     fails, stat, critical = chi_square_fails(target.joint, draws, VOCAB, LENGTH)
     print(f"{wrong_rule.__name__}: chi2 {stat:.1f} (critical {critical:.1f})")
     assert fails
+
+
+def test_greedy_keeps_the_longest_agreeing_prefix_plus_the_next_token():
+    rows = torch.full((4, VOCAB), -10.0)
+    for i, token in enumerate([3, 1, 4, 2]):  # the target's argmax at verify positions 0..3
+        rows[i, token] = 10.0
+    greedy = SamplingParams(temperature=0.0)
+    for drafts, expected in (([3, 1, 4], [3, 1, 4, 2]), ([3, 0, 4], [3, 1]), ([0, 1, 4], [3]), ([], [3]),
+                             ([3, -1, -1], [3, 1])):  # -1: no draft there (a shorter chain in the batch)
+        batch = SamplingBatch(VOCAB, "cpu")
+        state = SamplingState.create(greedy, PROMPT, VOCAB)
+        batch.add(state)
+        q = len(drafts) + 1
+        result = accept_on_device(batch, rows[:q].unsqueeze(0), torch.tensor([drafts], dtype=torch.long).view(1, q - 1))
+        emitted = int(result.emitted[0])
+        assert result.tokens[0, :emitted].tolist() == expected
+        assert int(result.accepted[0]) == len(expected) - 1
+        batch.advanced(state, emitted)
+        assert state.num_sampled == emitted
