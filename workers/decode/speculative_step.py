@@ -8,7 +8,8 @@ loop's own `output_ids` grow as it streams them, `DecodeEngine._accept`).
 Only the output budget ends a row inside a step (`SpecRow.finished`); a stop token or string is
 found on the host when the tokens are streamed, and the tokens after it are dropped there. The
 target's tokens up to a stop are those of a run without speculation, so this changes nothing but
-a little wasted work.
+a little wasted work. The rows' sampling states live in the decoder's `SamplingBatch` (on the
+device, model thread only) from their first step on; a failed step `reset`s it.
 
     stepper = SpeculativeStepper(runner, num_steps, sampler)
     stepper.seed(row, draft, hidden)                 # colocated: the prefill round's first draft
@@ -22,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling.sampled_host import TopLogprobs
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
@@ -86,7 +88,8 @@ class SpeculativeStepper:
                 token, hidden = row.wire_draft
                 row.wire_draft = None
                 weight = self.runner.model.embed_tokens.weight
-                self.decoder.seed(row, token, torch.tensor(hidden, dtype=weight.dtype).to(weight.device))
+                # Pinned and asynchronous (`upload`): the step that follows does not wait for it.
+                self.decoder.seed(row, token, upload(torch.tensor(hidden, dtype=weight.dtype), weight.device))
         if self.policy is None:
             self.decoder.step(list(rows))
         else:
