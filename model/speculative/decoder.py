@@ -167,8 +167,8 @@ class SpeculativeDecoder:
         host, q = launched.host.wait(), launched.q
         sampled = unpack(host[:, :-2], launched.top_counts)
         got = []
-        for i, (request, drafted) in enumerate(zip(launched.requests, launched.lens)):
-            accepted, emitted = int(host[i * q, -2]), int(host[i * q, -1])
+        counts = host[::q, -2:].long().tolist()  # (accepted, emitted) per row
+        for i, (request, drafted, (accepted, emitted)) in enumerate(zip(launched.requests, launched.lens, counts)):
             self.sampling.advanced(request.sampling, emitted)  # before `emit` acknowledges the tokens
             n = 0
             while n < emitted and not request.finished:
