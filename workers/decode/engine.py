@@ -56,7 +56,7 @@ from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, Lau
 from deepseek_pd.workers.decode.kv_checks import scrub_pages
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation, decode_reserve_pages
-from deepseek_pd.workers.decode.speculative_step import SpecRow, SpeculativeStepper, wire_draft
+from deepseek_pd.workers.decode.speculative_step import PendingSpecStep, SpecRow, SpeculativeStepper, wire_draft
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ class DecodeEngine(EngineCore[_Request]):
         self._running: list[_Request] = []
         self._batch: list[_Request] = []  # rows of the last launched step, in the sampling batch's order
         self._pending: LaunchedStep | None = None
+        # With speculative_overlap: the launched speculative step's requests and launch, not yet collected.
+        self._spec_pending: tuple[list[_Request], PendingSpecStep] | None = None
         self._background: set[asyncio.Task] = set()
         self.budget: PageBudget | None = None
         self.receiver = None
@@ -286,7 +288,7 @@ class DecodeEngine(EngineCore[_Request]):
     # ---- scheduling ------------------------------------------------------------------------
     async def _schedule_loop(self) -> None:
         while True:
-            if not self._prefilling and not self._running and self._pending is None:
+            if not self._prefilling and not self._running and self._pending is None and self._spec_pending is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -294,7 +296,7 @@ class DecodeEngine(EngineCore[_Request]):
                 if self._prefilling:
                     await self._drain()  # prefill rounds are not overlapped with decode steps
                     await self._prefill_round()
-                if self._running or self._pending is not None:
+                if self._running or self._pending is not None or self._spec_pending is not None:
                     await self._decode_round()
             except Exception:  # a bug in a round must fail the requests it held, never strand them
                 log.exception("decode scheduler round failed; failing the requests in flight")
@@ -304,7 +306,9 @@ class DecodeEngine(EngineCore[_Request]):
     def _fail_in_flight(self, message: str) -> None:
         """Ends every scheduled request with INTERNAL; their consumers then free the pages (`_end`)."""
         pending, self._pending = self._pending, None
-        states = list(dict.fromkeys(self._running + self._prefilling + (pending.owners if pending else [])))
+        spec_pending, self._spec_pending = self._spec_pending, None
+        states = list(dict.fromkeys(self._running + self._prefilling + (pending.owners if pending else [])
+                                    + (spec_pending[0] if spec_pending else [])))
         self._running.clear()
         self._prefilling.clear()
         self._batch = []
@@ -320,6 +324,8 @@ class DecodeEngine(EngineCore[_Request]):
 
     async def _drain(self) -> None:
         """Collects the pending decode step, if any."""
+        if self._spec_pending is not None:
+            await self._speculative_round(launch=False)
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._process(pending, await self._model_call(pending.owners, pending.collect))
@@ -366,44 +372,42 @@ class DecodeEngine(EngineCore[_Request]):
             launched = None
         self._pending = launched
 
-    async def _speculative_round(self) -> None:
+    async def _speculative_round(self, launch: bool = True) -> None:
         """One speculative step (draft, verify, accept, catch up) over the running requests, then
-        their tokens streamed in order; not overlapped with the next step."""
-        chosen: list[_Request] = []
-        for state in list(self._running)[:self.config.scheduler.max_running_requests]:
-            if state.finished:
-                continue
-            # Room for the verify forward's drafts (speculative_rules.draft_len keeps them in the budget).
-            k = draft_len(self.speculation.decoder.num_steps, state.max_new - len(state.output_ids))
-            needed = self.pool.pages_for_tokens(state.next_position + k + 1) - len(state.reservation.pages)
-            if needed > 0:
-                try:
-                    self.budget.grow(state.reservation, needed)
-                except RequestFailure as exc:
-                    self._running.remove(state)
-                    self._fail(state, exc.code, exc.message)
-                    continue
-            state.spec.pages = state.reservation.pages
-            state.spec.output_ids = list(state.output_ids)
-            state.in_flight += 1
-            chosen.append(state)
-        if not chosen:
+        their tokens streamed in order. With `speculative_overlap` the model thread collects the
+        pending step and launches the next one in the same call, so the device runs step N+1
+        while the event loop streams step N's tokens (`launch` False: only collect, `_drain`)."""
+        overlap = self.config.scheduler.speculative_overlap
+        pending, self._spec_pending = self._spec_pending, None
+        ahead = {id(s) for s in pending[0]} if pending is not None else set()
+        chosen = self._plan_speculative(ahead) if launch else []
+        if not chosen and pending is None:
             return
         stats = self.speculation.stats
         drafted, accepted = stats.drafted, stats.accepted
+        rows = [s.spec for s in chosen]
+        done = chosen if not overlap else pending[0] if pending is not None else []
         try:
             began = time.perf_counter()
-            emitted = await self._model_call(chosen, self.speculation.step, [s.spec for s in chosen])
-            self.metrics.observe_step("decode", time.perf_counter() - began, len(chosen),
-                                      sum(len(tokens) for tokens in emitted))
-            self.metrics.observe_speculative(stats.drafted - drafted, stats.accepted - accepted,
-                                             [len(tokens) for tokens in emitted])
+            if overlap:
+                emitted, launched = await self._model_call(
+                    list(dict.fromkeys(done + chosen)), self.speculation.collect_and_launch,
+                    None if pending is None else pending[1], rows)
+                if launched is not None:
+                    self._spec_pending = (chosen, launched)
+            else:
+                emitted = await self._model_call(chosen, self.speculation.step, rows)
+            if done:
+                self.metrics.observe_step("decode", time.perf_counter() - began, len(done),
+                                          sum(len(tokens) for tokens in emitted))
+                self.metrics.observe_speculative(stats.drafted - drafted, stats.accepted - accepted,
+                                                 [len(tokens) for tokens in emitted])
         except Exception:
             self._fail_in_flight("speculative decode step failed (see the worker log)")
             return
         now = time.perf_counter()
         gaps = []
-        for state, tokens in zip(chosen, emitted):
+        for state, tokens in zip(done, emitted):
             state.launched += len(tokens)
             for token, logprob, top in tokens:
                 if state.ended or state.finished:
@@ -414,7 +418,37 @@ class DecodeEngine(EngineCore[_Request]):
             if state.finished and state in self._running:
                 self._running.remove(state)
         self.metrics.observe_inter_token_latency(gaps)
-        self._done_with(chosen)
+        self._done_with(done)
+
+    def _plan_speculative(self, ahead: set[int]) -> list[_Request]:
+        """The next speculative step's requests, their pages grown for its drafts. A request in the
+        pending step (`ahead`, by id) may be up to num_steps + 1 tokens further in the model thread
+        than streamed here: its pages are grown for that too, and its row's output is the model
+        thread's (not reset from here)."""
+        steps = self.speculation.decoder.num_steps
+        chosen: list[_Request] = []
+        for state in list(self._running)[:self.config.scheduler.max_running_requests]:
+            if state.finished:
+                continue
+            in_flight = id(state) in ahead
+            # Room for the verify forward's drafts (speculative_rules.draft_len keeps them in the budget).
+            k = draft_len(steps, state.max_new - len(state.output_ids))
+            end = min(state.next_position + k + 1 + (steps + 1 if in_flight else 0),
+                      len(state.request.input_ids) + state.max_new - 1)
+            needed = self.pool.pages_for_tokens(end) - len(state.reservation.pages)
+            if needed > 0:
+                try:
+                    self.budget.grow(state.reservation, needed)
+                except RequestFailure as exc:
+                    self._running.remove(state)
+                    self._fail(state, exc.code, exc.message)
+                    continue
+            state.spec.pages = state.reservation.pages
+            if not in_flight:
+                state.spec.output_ids = list(state.output_ids)
+            state.in_flight += 1
+            chosen.append(state)
+        return chosen
 
     def _step(self, owners, rows, pending, overlap):
         """Model thread: launch the planned step (if any), then collect the previous one (overlap) or

@@ -28,7 +28,10 @@ from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling.sampled_host import TopLogprobs
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
 from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
-from deepseek_pd.model.speculative.decoder import SpeculativeDecoder, measure_step_costs
+from deepseek_pd.model.speculative.decoder import LaunchedSpecStep, SpeculativeDecoder, measure_step_costs
+
+
+Emitted = tuple[int, float, "TopLogprobs | None"]  # (token, logprob, top logprobs)
 
 
 @dataclass(eq=False)
@@ -41,13 +44,21 @@ class SpecRow:
     sampling: SamplingState
     output_ids: list[int] = field(default_factory=list)
     # this step's tokens, for the event loop: (token, logprob, top logprobs or None)
-    new: list[tuple[int, float, TopLogprobs | None]] = field(default_factory=list)
+    new: list[Emitted] = field(default_factory=list)
     # A PD request's first draft as the prefill worker sent it (token, hidden), until a step seeds it.
     wire_draft: tuple[int, list[float]] | None = None
 
     @property
     def finished(self) -> bool:
         return len(self.output_ids) >= self.max_new
+
+
+@dataclass
+class PendingSpecStep:
+    """A launched step: the rows it was asked for, and the decoder's launch (None: none was unfinished)."""
+
+    rows: list[SpecRow]
+    launched: LaunchedSpecStep | None
 
 
 class SpeculativeStepper:
@@ -80,24 +91,40 @@ class SpeculativeStepper:
         it (workers/engine/prefill_round.py)."""
         self.decoder.seed(row, token, hidden)
 
-    def step(self, rows: Sequence[SpecRow]) -> list[list[tuple[int, float, TopLogprobs | None]]]:
+    def step(self, rows: Sequence[SpecRow]) -> list[list[Emitted]]:
         """One speculative step for every row; returns each row's emitted tokens, in order."""
+        return self.collect(self.launch(rows))
+
+    def launch(self, rows: Sequence[SpecRow]) -> PendingSpecStep:
+        """Queues one step for `rows` (nothing waits for the device)."""
         for row in rows:
-            row.new.clear()
             if row.wire_draft is not None:
                 token, hidden = row.wire_draft
                 row.wire_draft = None
                 weight = self.runner.model.embed_tokens.weight
                 # Pinned and asynchronous (`upload`): the step that follows does not wait for it.
                 self.decoder.seed(row, token, upload(torch.tensor(hidden, dtype=weight.dtype), weight.device))
-        if self.policy is None:
-            self.decoder.step(list(rows))
-        else:
+        steps = None if self.policy is None else self.policy.steps_for(len(rows))
+        return PendingSpecStep(list(rows), self.decoder.launch(list(rows), steps))
+
+    def collect(self, pending: PendingSpecStep) -> list[list[Emitted]]:
+        """A launched step's one host read; each of its rows' emitted tokens, in order."""
+        for row in pending.rows:
+            row.new.clear()
+        if pending.launched is not None:
             stats = self.stats
             accepted, rejected = stats.accepted, stats.rejected
-            self.decoder.step(list(rows), self.policy.steps_for(len(rows)))
-            self.policy.rate.observe(stats.accepted - accepted, stats.rejected - rejected)
-        return [list(row.new) for row in rows]
+            self.decoder.finish(pending.launched)
+            if self.policy is not None:
+                self.policy.rate.observe(stats.accepted - accepted, stats.rejected - rejected)
+        return [list(row.new) for row in pending.rows]
+
+    def collect_and_launch(self, pending: PendingSpecStep | None,
+                           rows: Sequence[SpecRow]) -> tuple[list[list[Emitted]], PendingSpecStep | None]:
+        """The overlapped round's one model-thread call: step N's tokens (its rows' outputs are then
+        up to date here), then step N+1 queued, so the device runs it while the event loop streams N's."""
+        collected = [] if pending is None else self.collect(pending)
+        return collected, (self.launch(rows) if rows else None)
 
     def forget(self, row: SpecRow) -> None:
         self.decoder.forget(row)

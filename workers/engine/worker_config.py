@@ -86,6 +86,9 @@ class SchedulerConfig:
     layerwise_transfer: bool = True
     # decode: launch step N+1 before collecting step N's tokens (workers/decode/engine.py); same tokens
     overlap_schedule: bool = True
+    # decode with speculation: collect step N and launch step N+1 in one model-thread call, so the
+    # device runs N+1 while the event loop streams N's tokens (workers/decode/engine.py); same tokens
+    speculative_overlap: bool = False
     # `--deterministic`: prompts cut only at multiples of chunked_prefill_size from their own start
     # (prefill_planner `aligned`), and no prefix cache (a hit would start a prompt's extend at the
     # cached length, i.e. cut it elsewhere than a cold run does).

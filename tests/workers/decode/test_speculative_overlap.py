@@ -1,0 +1,130 @@
+"""`speculative_overlap` in the decode worker (workers/decode/engine.py): the model thread collects
+step N and launches step N+1 in one call, and the event loop streams N's tokens while N+1 runs.
+Against the offline engine without speculation (same tiny checkpoint, MTP layer trained so drafts
+are accepted): colocated greedy and seeded requests, stop tokens and strings landing inside a
+step, max_tokens, logprobs, all the same token for token; an abort mid-stream ends once; the
+pools end empty; and steps really overlapped (a collect and a launch in the same call)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+
+from deepseek_pd.model.checkpoint.tiny import make_tiny_model
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.decode.engine import DecodeEngine
+from deepseek_pd.workers.engine.interface import Failed, GenerateRequest
+from deepseek_pd.workers.engine.offline import Engine
+from pdtest.mtp_training import train_mtp
+from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, collect, worker_config
+
+pytestmark = [pytest.mark.timeout(300)]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, module_seed):
+    rng = random.Random(module_seed)
+    path = str(make_tiny_model(tmp_path_factory.mktemp("spec-overlap") / "v3", seed=rng.randrange(1000), mtp_layers=1))
+    oracle = Engine(path, page_size=PAGE_SIZE, chunked_prefill_size=CHUNK)
+    prompts = [[rng.randrange(2, oracle.vocab_size) for _ in range(rng.randint(3, 30))] for _ in range(5)]
+    sequences = [p + r.output_ids for p, r in zip(prompts, oracle.generate_batch(prompts, GREEDY))]
+    trained = ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=256, speculative_num_steps=3))
+    train_mtp(trained, sequences, seconds=8.0)
+    return path, oracle, trained, prompts, rng
+
+
+def _engine(path: str, trained: ModelRunner, oracle: Engine) -> DecodeEngine:
+    runner = ModelRunner(RunnerConfig(model=path, page_size=PAGE_SIZE, num_pages=256, speculative_num_steps=3))
+    runner.model.mtp.load_state_dict(trained.model.mtp.state_dict())
+    config = worker_config("fake")
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, speculative_overlap=True))
+    engine = DecodeEngine(runner, config, tokenizer=oracle.tokenizer)
+    overlapped = engine.overlapped = [0]
+    collect_and_launch = engine.speculation.collect_and_launch
+
+    def counting(pending, rows):
+        overlapped[0] += pending is not None and bool(rows)
+        return collect_and_launch(pending, rows)
+
+    engine.speculation.collect_and_launch = counting
+    return engine
+
+
+async def _pages_back(engine: DecodeEngine) -> None:
+    """The pool ends empty: a request that ended while a step was pending keeps its pages until
+    that step is collected (the next round), then gives them back."""
+    for _ in range(250):
+        if engine.pool.num_used_pages == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
+
+
+def test_overlapped_steps_give_the_offline_tokens(setup):
+    path, oracle, trained, prompts, rng = setup
+    reference = oracle.generate_batch(prompts, GREEDY)
+    params = []
+    for r in reference:
+        cut = rng.randint(1, len(r.output_ids) - 2)
+        params.append(rng.choice([
+            GREEDY, dataclasses.replace(GREEDY, max_new_tokens=rng.randint(1, 6)),
+            dataclasses.replace(GREEDY, stop_token_ids=(r.output_ids[cut],)),
+            dataclasses.replace(GREEDY, stop=(r.text[len(r.text) // 2:][:2],)) if len(r.text) >= 4 else GREEDY,
+            SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=12, ignore_eos=True, seed=rng.randrange(1 << 20),
+                           frequency_penalty=0.3)]))
+    all_prompts, params = prompts * 2, params + [GREEDY] * len(prompts)
+    expected = oracle.generate_batch(all_prompts, params)
+
+    async def run():
+        engine = _engine(path, trained, oracle)
+        await engine.start()
+        try:
+            outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"o{i}", tuple(p), sp, return_logprob=True))
+                                              for i, (p, sp) in enumerate(zip(all_prompts, params))))
+            await _pages_back(engine)
+            return outcomes, engine.overlapped[0], engine.speculation.stats
+        finally:
+            await engine.stop()
+
+    outcomes, overlapped, stats = asyncio.run(run())
+    for outcome, want in zip(outcomes, expected):
+        assert outcome.ok and outcome.tokens == want.output_ids
+        assert (outcome.terminal.reason, outcome.terminal.matched_stop) == (want.finish_reason, want.matched_stop)
+        assert outcome.terminal.completion_tokens == len(want.output_ids)
+        assert all(abs(a - b) < 1e-4 for a, b in zip(outcome.logprobs, want.output_logprobs))
+    assert overlapped > 0 and stats.accepted > 0
+
+
+def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup):
+    path, oracle, trained, prompts, _ = setup
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+
+    async def run():
+        engine = _engine(path, trained, oracle)
+        await engine.start()
+        try:
+            started = asyncio.Event()
+
+            async def on_event(event):
+                started.set()
+
+            task = asyncio.ensure_future(collect(engine, GenerateRequest("long", tuple(prompts[0]), params), on_event))
+            other = asyncio.ensure_future(collect(engine, GenerateRequest("other", tuple(prompts[1]), GREEDY)))
+            await asyncio.wait_for(started.wait(), 30)
+            assert await engine.abort("long")
+            outcome, rest = await asyncio.wait_for(asyncio.gather(task, other), 60)
+            await _pages_back(engine)
+            assert not engine.speculation.decoder._drafts  # their draft state went with them
+            return outcome, rest
+        finally:
+            await engine.stop()
+
+    outcome, rest = asyncio.run(run())
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code.value == "aborted"
+    assert 1 <= len(outcome.tokens) < 400
+    assert rest.ok and rest.tokens == oracle.generate_batch([prompts[1]], GREEDY)[0].output_ids
