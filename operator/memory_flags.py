@@ -11,7 +11,8 @@ the MTP layer, its weights and a pool layer more of KV), and for the headroom's 
 (model/kv/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`, `max_running_requests` and
 `record_expert_load`, and `mooncake_staging_tokens` (the staging area a decode worker over
 Mooncake allocates, workers/serve/kv_staging.py); the others are the worker's business. Anything the worker would refuse
-raises `ValueError` naming the flag.
+raises `ValueError` naming the flag: what `serve` refuses from its flags alone in its own words
+(workers/serve/flag_rules.py `check_flags`, the one rule set), the rest as `RunnerConfig` would.
 
 Example: `parse_memory_flags("decode", ["--engine-opt", "fp8_backend=dequant", "--page-size=64"])`
 -> `MemoryFlags(serve=ServeFlags(role="decode", page_size=64, ...), fp8_backend="dequant", ...)`.
@@ -28,6 +29,7 @@ from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps
 from deepseek_pd.workers.serve.engine_options import parse_bool, parse_key_values
+from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.serve.flags import ServeFlags
 
 
@@ -93,7 +95,7 @@ def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
 
 
 def _check(flags: MemoryFlags) -> None:
-    """What the worker would refuse (RunnerConfig, serve_resolution), said as it would."""
+    """What the worker would refuse (RunnerConfig, serve's flag rules), said as it would."""
     serve = flags.serve
     if serve.dtype not in ("auto", *DTYPE_BYTES):
         raise ValueError(f"--dtype {serve.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
@@ -118,6 +120,7 @@ def _check(flags: MemoryFlags) -> None:
     redundant = serve.parallel.ep_num_redundant_experts
     if redundant < 0:
         raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {redundant}")
-    for name in ("num_pages", "max_total_tokens"):
-        if getattr(serve, name) is not None and getattr(serve, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        check_flags(serve)  # the rest of what `serve` refuses from flags alone, in its words
+    except UserError as exc:
+        raise ValueError(str(exc)) from None

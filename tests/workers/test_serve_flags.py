@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import pathlib
 import random
+import re
 import string
 
 import pytest
@@ -17,14 +18,17 @@ import yaml
 
 from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
+from deepseek_pd.errors import UserError
 from deepseek_pd.launcher.worker_plan import (
     GroupShape, ServeSettings, plan_workers, port_block_sizes, serve_argv, serve_flags)
 from deepseek_pd.model.kv.memory_budget import GpuShare
 from deepseek_pd.operator.build_workers import build_worker_args, worker_serve_flags
 from deepseek_pd.operator.crd_spec import MANAGED_FLAGS
+from deepseek_pd.operator.engine_args import engine_args_violations
 from deepseek_pd.operator.memory_flags import parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec
 from deepseek_pd.workers.serve import flags as contract
+from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.serve.flags import ParallelFlags, ServeFlags
 
 from pdtest.pod_inputs import expand
@@ -157,7 +161,9 @@ def _pod_env(spec: DeploymentSpec, role: str, rank: int) -> dict[str, str]:
 def test_the_operator_renders_its_pods_through_the_contract(example: str) -> None:
     """The pod's args, expanded as the kubelet does, parse back to the operator's ServeFlags with the
     role's engineArgs on top; the operator renders no flag the contract does not mark managed
-    (but the EPLB placement it mounts), and the memory plan reads the engineArgs as the worker does."""
+    (but the EPLB placement it mounts), and the memory plan reads the engineArgs as the worker does.
+    A draw that `serve`'s flag rules refuse (`--deterministic` with `--enable-tbo`, ...) is the
+    operator's InvalidSpec condition and the memory plan's error, in serve's words."""
     rng = _seeded()
     raw = yaml.safe_load((EXAMPLES / example).read_text())["spec"]
     for role_name in ("prefill", "decode"):
@@ -190,7 +196,24 @@ def test_the_operator_renders_its_pods_through_the_contract(example: str) -> Non
                     for owner, name in ((o, f.name) for o, f in contract._flag_fields())} == expected
             assert (parsed.port, parsed.kv_transport, parsed.model) == (role.port, spec.kv_transfer.backend,
                                                                         spec.model.path)
+        # Draws serve refuses are an InvalidSpec condition in serve's words, and the memory plan refuses
+        # them too; the rest it reads as the worker does.
+        refused = {violation.field: violation.message for violation in engine_args_violations(spec)}
+        assert refused.get(f"spec.{role.role}.engineArgs") == _refusal([*managed.to_argv(), *role.engine_args])
+        if (why := _refusal([role.role, *role.engine_args])) is not None:
+            with pytest.raises(ValueError, match=re.escape(why)):
+                parse_memory_flags(role.role, list(role.engine_args))
+        else:
             assert parse_memory_flags(role.role, list(role.engine_args)).serve == engine
+
+
+def _refusal(argv: list[str]) -> str | None:
+    """Why `serve` refuses this command line from its flags alone (workers/serve/flag_rules.py), or None."""
+    try:
+        check_flags(ServeFlags.from_argv(argv))
+    except UserError as exc:
+        return str(exc)
+    return None
 
 
 def _config_fields() -> dict[str, set[str]]:
