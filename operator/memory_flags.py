@@ -19,6 +19,7 @@ Example: `parse_memory_flags("decode", ["--engine-opt", "fp8_backend=dequant", "
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,8 +28,7 @@ from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a 
 from deepseek_pd.model.runner_rules import FP8_BACKEND_CHOICES as FP8_BACKENDS  # the runner's own list
 from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
-from deepseek_pd.model.speculative.rules import check_speculative_num_steps
-from deepseek_pd.workers.serve.engine_options import parse_bool, parse_key_values
+from deepseek_pd.workers.serve.engine_options import parse_engine_options
 from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.serve.flags import ServeFlags
 
@@ -65,37 +65,22 @@ class MemoryFlags:
         return None
 
 
-# Each engine option read, with its type; a value is parsed as `--engine-opt` parses one.
-_OPTIONS: dict[str, type] = {
-    "fp8_backend": str, "mem_headroom_gib": float, "num_fused_shared_experts": int,
-    "cuda_graph": bool, "cuda_graph_max_batch": int, "max_running_requests": int,
-    "record_expert_load": bool, "enable_tbo": bool, "speculative_num_steps": int,
-    "mooncake_staging_tokens": int,
-}
-
-
 def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
     """`args` (a role's engineArgs) as the worker parses them; ValueError on a bad value."""
     serve = ServeFlags.from_argv([role, *args])
     try:
-        raw = parse_key_values(serve.all_engine_options)
+        check_flags(serve)  # what `serve` refuses from its flags alone, in its words (the option keys too)
+        options = parse_engine_options(serve.all_engine_options)
     except UserError as exc:
         raise ValueError(str(exc)) from None
-    fields: dict[str, object] = {}
-    for key, kind in _OPTIONS.items():
-        if key not in raw:
-            continue
-        try:
-            fields[key] = parse_bool(raw[key]) if kind is bool else kind(raw[key])
-        except ValueError:
-            raise ValueError(f"--engine-opt {key}={raw[key]!r} is not a valid {kind.__name__}") from None
-    flags = MemoryFlags(serve, **fields)
+    read = {spec.name for spec in dataclasses.fields(MemoryFlags)} - {"serve"}
+    flags = MemoryFlags(serve, **{key: value for key, value in options.items() if key in read})
     _check(flags)
     return flags
 
 
 def _check(flags: MemoryFlags) -> None:
-    """What the worker would refuse (RunnerConfig, serve's flag rules), said as it would."""
+    """What the worker would refuse beyond serve's flag rules (RunnerConfig), said as it would."""
     serve = flags.serve
     if serve.dtype not in ("auto", *DTYPE_BYTES):
         raise ValueError(f"--dtype {serve.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
@@ -107,10 +92,6 @@ def _check(flags: MemoryFlags) -> None:
         raise ValueError("--page-size must be >= 1, --mem-fraction-static in (0, 1] and "
                          "mem_headroom_gib >= 0")
     try:
-        check_speculative_num_steps(flags.speculative_num_steps)
-    except UserError as exc:
-        raise ValueError(str(exc)) from None
-    try:
         serve.gpu_share
     except ValueError as exc:
         raise ValueError(f"--gpu-workers/--kv-share: {exc}") from None
@@ -120,7 +101,3 @@ def _check(flags: MemoryFlags) -> None:
     redundant = serve.parallel.ep_num_redundant_experts
     if redundant < 0:
         raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {redundant}")
-    try:
-        check_flags(serve)  # the rest of what `serve` refuses from flags alone, in its words
-    except UserError as exc:
-        raise ValueError(str(exc)) from None

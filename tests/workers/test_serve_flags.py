@@ -28,7 +28,8 @@ from deepseek_pd.operator.engine_args import engine_args_violations
 from deepseek_pd.operator.memory_flags import parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec
 from deepseek_pd.workers.serve import flags as contract
-from deepseek_pd.workers.serve.flag_rules import check_flags
+from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_KEYS
+from deepseek_pd.workers.serve.flag_rules import GROUP_RUNNER_FIELDS, check_flags
 from deepseek_pd.workers.serve.flags import ParallelFlags, ServeFlags
 
 from pdtest.pod_inputs import expand
@@ -55,8 +56,10 @@ def _other_value(spec: dataclasses.Field, rng: random.Random):
         return rng.choice([c for c in flag.choices if c != default])
     if isinstance(default, bool):
         return True
+    if spec.name == "engine_options":
+        return tuple(_engine_option(rng) for _ in range(rng.randint(1, 3)))
     if isinstance(default, tuple):
-        return tuple(_word(rng) + ("=x" if spec.name == "engine_options" else "") for _ in range(rng.randint(1, 3)))
+        return tuple(_word(rng) for _ in range(rng.randint(1, 3)))
     kind = flag.type or type(default)
     if kind is int:
         return default + rng.randint(1, 5000) if default is not None else rng.randint(1, 5000)
@@ -65,6 +68,18 @@ def _other_value(spec: dataclasses.Field, rng: random.Random):
         # (a CI seed, 2084606074, drew it for --kv-share).
         return round(rng.uniform(0.1, 0.99), rng.randint(1, 6))
     return rng.choice(["-", ""]) + _word(rng)  # a value that starts with "-" must survive too
+
+
+def _engine_option(rng: random.Random) -> str:
+    """`KEY=VALUE` of a real engine option (workers/serve/engine_option_keys.py) with a value of its
+    type; a number at least 1 (counts, sizes and timeouts are). Strings name backends and modes,
+    whose choices are the worker's, so none is drawn; neither are the fields the group layout sets."""
+    keys = [(key, kind) for target in ENGINE_OPTION_KEYS.values() for key, kind in target.items()
+            if kind is not str and key not in GROUP_RUNNER_FIELDS]
+    key, kind = rng.choice(keys)
+    value = {bool: lambda: rng.choice(["true", "false"]), int: lambda: str(rng.randint(1, 5000)),
+             float: lambda: str(round(rng.uniform(1, 100), rng.randint(0, 4)))}[kind]()
+    return f"{key}={value}"
 
 
 def random_flags(rng: random.Random, keep=lambda spec: True) -> ServeFlags:
