@@ -55,7 +55,7 @@ from deepseek_pd.workers.transport import TransportConfig, build_receiver, build
 from deepseek_pd.workers.transport.base import SAME_HOST_DIRECT_MODES
 from deepseek_pd.workers.transport.checksum import IMPLEMENTATION as CRC32_IMPLEMENTATION
 from deepseek_pd.workers.transport.stats import PHASES, TransferStats
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry

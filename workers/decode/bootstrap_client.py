@@ -50,7 +50,7 @@ from deepseek_pd.workers.transport.base import KVSink
 from deepseek_pd.workers.transport.wire import decode_event
 from deepseek_pd.workers.engine.request_failure import (
     RequestAborted, RequestFailure, TransferError, failure_for)
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.decode.chunk_ingest import ChunkIngest
 from deepseek_pd.workers.decode.kv_streams import KVStreamReader
 from deepseek_pd.workers.decode.prefill_peers import PrefillPeers

@@ -38,7 +38,7 @@ from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.engine.prefill_round import FirstToken, PrefillRounds, RoundHooks
 from deepseek_pd.workers.engine.request_failure import AdmissionRefused, RequestFailure, failure_for
 from deepseek_pd.workers.engine.request_lifecycle import EngineCore, RequestRecord
-from deepseek_pd.workers.engine.worker_config import WorkerConfig
+from deepseek_pd.workers.transport.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache

@@ -32,7 +32,7 @@ ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, type]] = {
         "norm_rope_backend": str, "speculative_num_steps": int, "speculative_adaptive": bool,
         "deterministic": bool,
     },
-    "bootstrap": {  # workers/engine/worker_config.py BootstrapConfig
+    "bootstrap": {  # workers/transport/bootstrap_config.py BootstrapConfig
         "handshake_timeout_s": float, "claim_timeout_s": float, "transfer_timeout_s": float,
         "confirm_timeout_s": float, "event_queue_depth": int, "retry_initial_s": float, "retry_max_s": float,
         "dp_rank": int, "dp_size": int,

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 from deepseek_pd.workers.transport import TransportConfig, kv_mac
