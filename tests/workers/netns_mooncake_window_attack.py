@@ -15,7 +15,8 @@ import time
 import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.mooncake_wire import first_page_addr, hold_first_report, record_handshakes, staged_pair
+from pdtest.mooncake_wire import (assert_refused_by_mac, first_page_addr, hold_first_report, record_handshakes,
+                                  staged_pair)
 from pdtest.pd_engine_harness import PAGE_SIZE, collect, oracle
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -68,7 +69,7 @@ def main(seed: int) -> None:
             _, outcome = await held
             assert landed, "the stranger's write into the window never landed"
             assert other.ok and other.tokens == expected_short, other
-            assert not outcome.ok and "does not match the MAC" in outcome.terminal.message, outcome
+            assert_refused_by_mac(outcome)
             await pair.wait_pools_clean(pair.prefill.config.transport.send_timeout_s + 10)
             assert pair.decode.receiver.staging.num_used == 0
             print(f"a {len(long)}-token prompt through a {window}-page window: the stranger's write into it is "
