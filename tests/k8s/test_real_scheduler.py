@@ -239,31 +239,37 @@ def test_a_gang_with_a_topology_key_is_searched_for_a_domain_that_holds_it_whole
 
 
 @pytest.mark.parametrize("gang", [True, False])
-def test_groups_of_a_role_spread_without_gang_and_pack_with_it(admin_kube, dsd_path, real_scheduler, domains,  # noqa: F811
-                                                                gang):
+def test_groups_of_a_role_spread_without_gang_and_pack_with_it(admin_kube, dsd_path, real_scheduler, gang):  # noqa: F811
     """Two decode groups, two domains with room for both groups each. Without gang, one group per
     domain (the preferred anti-affinity between a role's groups; by chance they would share one
     half the time). With gang, the PodGroups' topology constraint makes kube-scheduler choose
     among whole-domain placements by its placement scorers (NodeResourcesFit MostAllocated,
     PodGroupPodsCount), which pack: the second group joins the first's domain, keeping the other
     domain whole for a group that needs all of it (docs/operations.md)."""
+    pool, key = f"pool-{random.randrange(10**6)}", "example.com/nvlink-domain"
     size = random.randint(1, 2)
-    for domain in "ab":
-        domains.add(f"spread-{domain}", domain, gpus=2 * size)
+    nodes = {f"spread-{pool}-{d}": d for d in "ab"}
+    for node, domain in nodes.items():
+        _set_node(admin_kube, node, "64", gpus=2 * size, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
+    name = f"p{random.randrange(10**6)}"
     spec = _spec({"gpusPerPod": 2 * size + 1}, size=size, gpusPerPod=1, replicas=2)  # prefill out of the way
-    spec["scheduling"] = domains.scheduling(real_scheduler, gang=gang)
-    name = _start(admin_kube, dsd_path, "p", spec)
+    spec["scheduling"] = {"gang": gang, "schedulerName": real_scheduler, "topologyKey": key,
+                          "nodeSelector": {"deepseek-pd.io/test-pool": pool}}
+    admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
+                                 "metadata": {"name": name}, "spec": spec})
+    _pass(admin_kube, dsd_path, name)
 
     def decode() -> list[dict]:
-        return _decode(admin_kube, dsd_path, name)
+        return [p for p in _workers(admin_kube, dsd_path, name) if p["metadata"]["labels"][names.LABEL_ROLE] == "decode"]
     pods = wait_until(lambda: (d := decode()) and len(d) == 2 * size and all(p["spec"].get("nodeName") for p in d) and d,
                       20, "every decode rank bound", lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in decode()]))
-    groups: dict[str, set[str]] = {}
+    domains: dict[str, set[str]] = {}
     for pod in pods:
-        groups.setdefault(pod["metadata"]["labels"][names.LABEL_GROUP_INDEX], set()).add(
-            domains.domain_of[pod["spec"]["nodeName"]])
-    assert sorted(len(d) for d in groups.values()) == [1, 1], groups  # each group in one domain
-    assert len(set.union(*groups.values())) == (1 if gang else 2), groups  # packed with gang, else apart
+        domains.setdefault(pod["metadata"]["labels"][names.LABEL_GROUP_INDEX], set()).add(nodes[pod["spec"]["nodeName"]])
+    assert sorted(len(d) for d in domains.values()) == [1, 1], domains  # each group in one domain
+    assert len(set.union(*domains.values())) == (1 if gang else 2), domains  # packed with gang, else apart
+    for node in nodes:
+        admin_kube.delete(f"/api/v1/nodes/{node}")
 
 
 def test_a_gang_survives_a_new_revision_its_pod_group_being_immutable(admin_kube, dsd_path):  # noqa: F811
