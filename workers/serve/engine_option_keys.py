@@ -7,7 +7,7 @@ not; so the keys live here, and `serve` fills the configs from this table
 (workers/serve/engine_options.py `assign_engine_options`). `serve`'s flag rules refuse an unknown key
 or a value of the wrong type before anything loads (workers/serve/flag_rules.py), the operator applies
 the same rules to a role's engineArgs (an InvalidSpec condition) and `up` to its `--worker-arg`s.
-tests/workers/serve/test_engine_option_keys.py fails when a config field and this table drift apart.
+tests/workers/test_engine_option_keys.py fails when a config field and this table drift apart.
 
 A config field that `serve` sets from a flag of its own (`--page-size`, `--port`, ...) is not an
 engine option (workers/serve/resolution.py `_FLAG_FIELDS`). `deterministic` is the one key two

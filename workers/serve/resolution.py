@@ -92,7 +92,7 @@ log = logging.getLogger(__name__)
 
 # Config fields that have their own `serve` flags (or, warn_exposure and mem_reserve_bytes, that serve
 # sets itself), and so are not engine options: every other field is a key of
-# workers/serve/engine_option_keys.py (tests/workers/serve/test_engine_option_keys.py keeps them so).
+# workers/serve/engine_option_keys.py (tests/workers/test_engine_option_keys.py keeps them so).
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static",
                            "gpu_workers", "kv_share", "ep_num_redundant_experts", "init_expert_location",
                            "mem_reserve_bytes"),
