@@ -23,7 +23,7 @@ from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import (check_speculative_num_steps, graph_tokens_per_sequence,
                                                  graphs_default_blocker)
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
-from deepseek_pd.model.runner_rules import (FP8_BACKEND_CHOICES, deterministic_blocker, graph_settings_blocker,
+from deepseek_pd.model.runner_rules import (deterministic_blocker, graph_settings_blocker, sizing_blocker,
                                             tbo_blocker)
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.distributed.parallel import ParallelInfo
@@ -141,8 +141,13 @@ class RunnerConfig:
                             "(model.device.resolve_device, or RunnerConfig.resolve)")
         if not isinstance(self.cuda_graph, bool):
             raise UserError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
-        if self.page_size < 1 or (self.num_pages is not None and self.num_pages < 1):
-            raise UserError(f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}")
+        if (blocker := sizing_blocker(page_size=self.page_size, mem_fraction_static=self.mem_fraction_static,
+                                      mem_headroom_gib=self.mem_headroom_gib, gpu_workers=self.gpu_workers,
+                                      kv_share=self.kv_share, ep_num_redundant_experts=self.ep_num_redundant_experts,
+                                      fp8_backend=self.fp8_backend)) is not None:
+            raise UserError(blocker)
+        if self.num_pages is not None and self.num_pages < 1:
+            raise UserError(f"num_pages must be >= 1, got {self.num_pages}")
         self._check_pool_sizing()
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:
@@ -153,12 +158,8 @@ class RunnerConfig:
             raise UserError(blocker)
         self.tbo_rules()  # validates the thresholds even when TBO is off
         self.dispatch_config()  # validates the mode and the capacity
-        if self.ep_num_redundant_experts < 0:
-            raise UserError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
         check_speculative_num_steps(self.speculative_num_steps)
-        if self.fp8_backend not in FP8_BACKEND_CHOICES:
-            raise UserError(f"fp8_backend {self.fp8_backend!r} is not one of {', '.join(FP8_BACKEND_CHOICES)}")
         if self.deterministic and (blocker := self.deterministic_blocker()) is not None:
             raise UserError(f"--deterministic: {blocker}")
 
@@ -173,18 +174,10 @@ class RunnerConfig:
         if (self.num_pages is None) == (self.mem_fraction_static is None):
             raise UserError("size the KV pool by num_pages or by mem_fraction_static (with num_pages=None), "
                             f"not {'both' if self.num_pages is not None else 'neither'}")
-        if self.mem_headroom_gib is not None and self.mem_headroom_gib < 0:
-            raise UserError(f"mem_headroom_gib must be >= 0, got {self.mem_headroom_gib}")
         if self.mem_reserve_bytes < 0:
             raise UserError(f"mem_reserve_bytes must be >= 0, got {self.mem_reserve_bytes}")
-        try:
-            self.gpu_share
-        except ValueError as exc:
-            raise UserError(f"--gpu-workers/--kv-share: {exc}") from None
         if self.mem_fraction_static is None:
             return
-        if not 0 < self.mem_fraction_static <= 1:
-            raise UserError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if not is_cuda(self.device):
             raise UserError(f"mem_fraction_static sizes the KV pool from GPU memory; on {self.device!r} "
                             f"give the pool size instead (--num-pages / --max-total-tokens)")

@@ -10,6 +10,8 @@ The rules:
 - an `--engine-opt` key no worker config has, or a value not of its type (workers/serve/engine_options.py,
   over the key table workers/serve/engine_option_keys.py): a typo is refused, naming the closest key;
 - `--speculative-num-steps` outside 0..8 (model/speculative/rules.py);
+- a memory setting out of range (`sizing_blocker`: `--page-size`, `--mem-fraction-static`,
+  `mem_headroom_gib`, `--gpu-workers`/`--kv-share`, `--ep-num-redundant-experts`, `fp8_backend`);
 - `--engine-opt cuda_graph=true` on a role that never decodes (prefill): it has no graphs to capture;
 - `cuda_graph=true` with settings no graph can capture (model/runner_rules.py `graph_settings_blocker`:
   `record_expert_load`, `--enable-tbo`, `--tp` > 1);
@@ -26,7 +28,7 @@ Example: `check_flags(ServeFlags.from_argv(["prefill", "--engine-opt", "cuda_gra
 from __future__ import annotations
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.runner_rules import deterministic_blocker, graph_settings_blocker, tbo_blocker
+from deepseek_pd.model.runner_rules import deterministic_blocker, graph_settings_blocker, sizing_blocker, tbo_blocker
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps
 from deepseek_pd.workers.serve.engine_options import parse_engine_options
 from deepseek_pd.workers.serve.flags import ServeFlags
@@ -43,6 +45,12 @@ def check_flags(flags: ServeFlags) -> None:
         if name in options:
             raise UserError(f"--engine-opt {name}: set by --ep/--deepep-mode (the group layout), not directly")
     check_speculative_num_steps(options.get("speculative_num_steps", 0))
+    if (blocker := sizing_blocker(page_size=flags.page_size, mem_fraction_static=flags.mem_fraction_static,
+                                  mem_headroom_gib=options.get("mem_headroom_gib"), gpu_workers=flags.gpu_workers,
+                                  kv_share=flags.kv_share,
+                                  ep_num_redundant_experts=flags.parallel.ep_num_redundant_experts,
+                                  fp8_backend=options.get("fp8_backend", "auto"))) is not None:
+        raise UserError(blocker)
     tp, ep = flags.parallel.tp, flags.parallel.ep
     graphs = options.get("cuda_graph")
     enable_tbo = options.get("enable_tbo", False)
