@@ -1,5 +1,10 @@
 """KV by one-sided writes with Mooncake's TransferEngine (TCP or RDMA).
 
+Here: the sender and receiver the transport registries build, and the staging each allocates.
+Beside it: `mooncake_engine.py` (one TransferEngine per rank, what it registers), `mooncake_sink.py`
+(decode's side of one transfer) and `mooncake_channel.py` (prefill's writes and its checks on the
+destination). The design, for all four:
+
 Both workers start a `TransferEngine` in P2P-handshake mode. What they register is what any peer
 that reaches the engine's ports may read and write (Mooncake authenticates nobody, not even in
 0.3.14; its TCP server checks a write's range once, when its header arrives, and then takes the
