@@ -19,8 +19,10 @@ prefill side completed before its TransferDone, and a registered slot (over RDMA
 good; over TCP the next transfer's, from before its prefill writes them) never shows a reader an
 earlier request's KV. A transfer that failed or was cancelled after its handshake went out may
 still be written by its prefill side for up to `send_timeout_s`, so its slots cool that long before
-they are reused, and are zeroed when next taken; a write that lands in a reused slot then fails
-the new owner's MAC check, never its output. A transfer waits for slots on the event loop while
+they are reused, and are zeroed as the grace ends (by the area's cooling thread, `_cool`: over RDMA
+they stay registered, so waiting for the next transfer to take them would leave the failed one's KV
+readable until then); a write that lands in a reused slot then fails the new owner's MAC check,
+never its output. A transfer waits for slots on the event loop while
 the staging is full (first come first served, up to its timeout, then RESOURCE_EXHAUSTED naming the
 setting). A prompt longer than the whole staging takes half of it as a window and moves through it
 (`MooncakeSink` in mooncake.py): page i goes into slot i mod W, the prefill side writes it only
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from typing import Sequence
@@ -47,6 +50,8 @@ from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.page_io import page_index, side_stream
 from deepseek_pd.workers.transport.plan import merge_page_runs
+
+log = logging.getLogger(__name__)
 
 # Up to this many runs (contiguous in the slots and in the pages) a copy goes run by run, as plain
 # memory copies (on a CPU pool several times faster than indexed copies of bf16 pages); past it, one indexed
@@ -71,6 +76,8 @@ class StagingArea:
         self._tickets = 0  # acquire's order of arrival
         self._queue: collections.deque[int] = collections.deque()  # waiting tickets, oldest first
         self._lock = threading.Lock()
+        self._cooled = threading.Condition(self._lock)  # `_cool`'s wake-up: a slot began cooling
+        self._cooler: threading.Thread | None = None  # runs while any slot cools
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []  # acquires waiting for room
 
     @property
@@ -102,7 +109,6 @@ class StagingArea:
                 changed = asyncio.Event()
                 with self._lock:
                     now = time.monotonic()
-                    self._thaw(now)
                     if self._queue[0] == ticket and len(self._free) >= count:
                         self._free.sort()
                         taken, self._free = self._free[:count], self._free[count:]
@@ -115,8 +121,6 @@ class StagingArea:
                                             f"no room for {count} pages in the mooncake staging area "
                                             f"({self.num_pages} pages) within {timeout_s}s; raise the decode "
                                             f"worker's --engine-opt mooncake_staging_tokens")
-                    if self._cooling:
-                        wait = min(wait, max(0.0, min(at for at, _ in self._cooling) - now) + 1e-3)
                     self._waiters.append((loop, changed))
                 try:
                     await asyncio.wait_for(changed.wait(), wait)
@@ -128,8 +132,9 @@ class StagingArea:
                 self._notify()  # the next in line may fit now
 
     def release(self, slots: Sequence[int], delay_s: float = 0.0, scrubbed: bool = False) -> None:
-        """Gives `slots` back, usable after `delay_s` (a late write of a failed transfer); unless
-        `scrubbed` (zeroed by the caller), they are zeroed when next taken."""
+        """Gives `slots` back, usable after `delay_s` (a late write of a failed transfer). Unless
+        `scrubbed` (zeroed by the caller) they are zeroed: as the delay ends (`_cool`), or, given
+        back at once, when next taken."""
         if not slots:
             return
         with self._lock:
@@ -137,9 +142,40 @@ class StagingArea:
                 self._dirty.update(slots)
             if delay_s > 0:
                 self._cooling.append((time.monotonic() + delay_s, list(slots)))
+                if self._cooler is None:
+                    self._cooler = threading.Thread(target=self._cool, name="kv-staging-cool", daemon=True)
+                    self._cooler.start()
+                self._cooled.notify()
             else:
                 self._free.extend(slots)
             self._notify()
+
+    def _cool(self) -> None:
+        """The cooling thread, while any slot cools: as each failed transfer's grace ends, zeroes
+        its slots (unless scrubbed already) and only then frees them; wakes the waiting `acquire`s.
+        Slots whose zeroing fails never go back (logged), as the pool's pages."""
+        while True:
+            with self._lock:
+                if not self._cooling:
+                    self._cooler = None
+                    return
+                now = time.monotonic()
+                due = [slot for at, slots in self._cooling if at <= now for slot in slots if slot in self._dirty]
+                if not due and all(at > now for at, _ in self._cooling):
+                    self._cooled.wait(min(at for at, _ in self._cooling) - now)
+                    continue
+            try:
+                self.scrub(due)
+            except Exception:  # noqa: BLE001 - this thread must go on cooling the others
+                log.exception("could not zero %d mooncake staging slots of a failed transfer: they are "
+                              "not used again", len(due))
+                with self._lock:
+                    self._cooling = [(at, [s for s in slots if s not in due]) for at, slots in self._cooling]
+                continue
+            with self._lock:
+                self._dirty.difference_update(due)
+                self._thaw(now)
+                self._notify()
 
     def _notify(self) -> None:
         """Wakes every waiting `acquire` (from any thread); under `_lock`."""

@@ -13,7 +13,7 @@ import torch
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
-from deepseek_pd.workers.transport import kv_mac, mooncake
+from deepseek_pd.workers.transport import kv_mac, mooncake_sink
 from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
 from deepseek_pd.workers.engine.request_failure import TransferError
@@ -228,7 +228,7 @@ def test_a_write_into_the_staging_after_the_copy_reaches_no_page_the_model_reads
 def test_a_done_without_a_mac_from_an_older_prefill_is_admitted_with_a_warning(monkeypatch, caplog):
     """The done is signed, so only a prefill worker that predates the MAC sends none: refusing it
     would fail every mooncake request of a rolling upgrade that reaches decode first."""
-    monkeypatch.setattr(mooncake, "_warned_unsealed", False)  # said once per process
+    monkeypatch.setattr(mooncake_sink, "_warned_unsealed", False)  # said once per process
     sink, done, key, room, *_ = _transfer(monkeypatch, random.Random())
     done.ClearField("kv_mac")
     sink.check_sealed(done, None, room)  # --insecure-internal: nothing to check
