@@ -9,6 +9,7 @@ Three calls, one per seam of the layer (n = the rows of the TP group's batch):
     prepare_mlp(attn_partial, res)   attn → mlp: o_proj's partial sums reduce-scattered (mlp
                                      SCATTERED) or all-reduced (TP_ATTN_FULL); the residual moved
                                      to the mlp mode (sliced, or all-gathered); then add + norm
+                                     (+ the FP8 quantisation of a dense MLP's rows, one launch)
     postprocess(mlp_out, residual)   mlp → layer_output: nothing, or (last layer, MLP scattered)
                                      both all-gathered in one collective for the final norm
 
@@ -56,7 +57,8 @@ def row_move(src: ScatterMode, dst: ScatterMode, parallel: ParallelInfo) -> Move
 
 class LayerCommunicator:
     def __init__(self, modes: LayerScatterModes, input_layernorm: RMSNorm, post_attention_layernorm: RMSNorm,
-                 parallel: ParallelInfo, attn_quant_group: int | None = None) -> None:
+                 parallel: ParallelInfo, attn_quant_group: int | None = None,
+                 mlp_quant_group: int | None = None) -> None:
         self._input_norm, self._post_attn_norm = input_layernorm, post_attention_layernorm
         self._attn_input = row_move(modes.layer_input, modes.attn, parallel)
         # Attention's input projections take FP8 rows in groups of this width (quant/norm_fp8_linear.py):
@@ -66,12 +68,20 @@ class LayerCommunicator:
         reduce = reduce_scatter_rows if modes.mlp is ScatterMode.SCATTERED else all_reduce
         self._reduce_attn: Callable[[torch.Tensor], torch.Tensor] = partial(reduce, parallel=parallel)
         self._residual_to_mlp = row_move(modes.layer_input, modes.mlp, parallel)
+        # The MLP's input projection takes FP8 rows in groups of this width: the post-attention norm
+        # quantises them in its launch (its rows are already where the MLP runs).
+        self._mlp_quant_group = mlp_quant_group
         self._to_output = row_move(modes.mlp, modes.layer_output, parallel)
 
     @property
     def quantises_attn_input(self) -> bool:
         """Whether `prepare_attn` hands attention `QuantisedRows` (its input norm fused with them)."""
         return self._attn_quant_group is not None
+
+    @property
+    def quantises_mlp_input(self) -> bool:
+        """Whether `prepare_mlp` hands the MLP `QuantisedRows` (the post-attention norm fused with them)."""
+        return self._mlp_quant_group is not None
 
     def prepare_attn(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                      num_rows: int) -> tuple[Rows, torch.Tensor]:
@@ -84,10 +94,14 @@ class LayerCommunicator:
         return self._attn_input(hidden, num_rows), residual
 
     def prepare_mlp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
-                    num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj's partial sums (all rows) and the residual → (MLP input, residual), both `mlp` mode."""
+                    num_rows: int) -> tuple[Rows, torch.Tensor]:
+        """o_proj's partial sums (all rows) and the residual → (MLP input, residual), both `mlp` mode;
+        the input is `QuantisedRows` where the layer was built with `mlp_quant_group`."""
         hidden = self._reduce_attn(attn_partial)
-        return self._post_attn_norm.add_and_norm(hidden, self._residual_to_mlp(residual, num_rows))
+        residual = self._residual_to_mlp(residual, num_rows)
+        if self._mlp_quant_group is not None:
+            return add_norm_quant(self._post_attn_norm, hidden, residual, self._mlp_quant_group)
+        return self._post_attn_norm.add_and_norm(hidden, residual)
 
     def postprocess(self, mlp_output: torch.Tensor, residual: torch.Tensor,
                     num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

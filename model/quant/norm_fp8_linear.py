@@ -11,6 +11,8 @@ layer is built (`norm_quant_group`); used by
 
     MLA's q_a_layernorm -> q_b_proj         NormThenLinear(self.q_a_layernorm, self.q_b_proj)(q_a)
     the input norm -> q_a + kv_a (or q, kv_a)  LayerCommunicator(..., attn_quant_group=...)
+    the post-attention norm -> a dense layer's gate_up_proj  LayerCommunicator(..., mlp_quant_group=...)
+                                            (a MoE layer's router reads the normed rows in the model dtype)
 """
 from __future__ import annotations
 
