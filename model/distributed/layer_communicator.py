@@ -5,7 +5,9 @@ Three calls, one per seam of the layer (n = the rows of the TP group's batch):
 
     prepare_attn(hidden, residual)   layer_input → attn: add + norm on the rows this rank holds,
                                      then all-gather the normed rows if they were scattered; the
-                                     residual stays in layer_input's mode
+                                     residual stays in layer_input's mode. Where attention's input
+                                     projections take FP8 rows, the norm quantises them in its
+                                     launch and the gather moves them packed (fp8 bytes + scales)
     prepare_mlp(attn_partial, res)   attn → mlp: o_proj's partial sums reduce-scattered (mlp
                                      SCATTERED) or all-reduced (TP_ATTN_FULL); the residual moved
                                      to the mlp mode (sliced, or all-gathered); then add + norm
@@ -29,7 +31,7 @@ import torch
 
 from deepseek_pd.model.attention.tensor_parallel import all_gather_rows, all_reduce, own_rows, reduce_scatter_rows
 from deepseek_pd.model.norm import RMSNorm
-from deepseek_pd.model.quant.norm_fp8_linear import Rows, add_norm_quant
+from deepseek_pd.model.quant.norm_fp8_linear import QuantisedRows, Rows, add_norm_quant, packed_rows, packs, unpacked
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.scatter_mode import LayerScatterModes, ScatterMode
 
@@ -62,8 +64,9 @@ class LayerCommunicator:
         self._input_norm, self._post_attn_norm = input_layernorm, post_attention_layernorm
         self._attn_input = row_move(modes.layer_input, modes.attn, parallel)
         # Attention's input projections take FP8 rows in groups of this width (quant/norm_fp8_linear.py):
-        # the input norm quantises them in its launch, where the rows go to attention unmoved.
-        self._attn_quant_group = attn_quant_group if self._attn_input is _stay else None
+        # the input norm quantises them in its launch; scattered rows are then gathered packed.
+        dim = input_layernorm.weight.shape[0]
+        self._attn_quant_group = attn_quant_group if self._attn_input is _stay or packs(dim) else None
         # o_proj's sum lands where the MLP runs: reduce-scatter rather than all-reduce + slice.
         reduce = reduce_scatter_rows if modes.mlp is ScatterMode.SCATTERED else all_reduce
         self._reduce_attn: Callable[[torch.Tensor], torch.Tensor] = partial(reduce, parallel=parallel)
@@ -88,8 +91,15 @@ class LayerCommunicator:
         """(attention input in `attn` mode, residual in `layer_input` mode). The first layer's
         residual is None: its input, the embeddings, becomes the residual. The input is
         `QuantisedRows` where the layer was built with `attn_quant_group`."""
-        if self._attn_quant_group is not None:
-            return add_norm_quant(self._input_norm, hidden, residual, self._attn_quant_group)
+        group = self._attn_quant_group
+        if group is not None and self._attn_input is _stay:
+            return add_norm_quant(self._input_norm, hidden, residual, group)
+        if group is not None:
+            dim = hidden.shape[-1]
+            packed = packed_rows(hidden.shape[0], dim, group, hidden.device)
+            rows, residual = add_norm_quant(self._input_norm, hidden, residual, group, packed)
+            x_fp8, x_scale = unpacked(self._attn_input(packed, num_rows), dim, group)
+            return QuantisedRows(x_fp8, x_scale, rows.dtype), residual
         hidden, residual = self._input_norm.add_and_norm(hidden, residual)
         return self._attn_input(hidden, num_rows), residual
 
