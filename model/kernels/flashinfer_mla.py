@@ -47,7 +47,7 @@ def flashinfer_mla_available() -> bool:
     to JIT-compile its kernel on first use (without it the first plan would fail mid-serving)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
-    if not _nvcc_found():
+    if flashinfer_mla_blocker() is not None:
         return False
     try:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401

@@ -201,7 +201,7 @@ def test_auto_runs_flashinfer_for_v3_decode_on_a_hopper_gpu(tmp_path):
     assert all(isinstance(b, FlashInferAttentionBackend) for b in backends)
     reference = ModelRunner(RunnerConfig(**fields, attention_backend="torch"))
     vocab = reference.model_config.vocab_size
-    lengths = [rng.randrange(1, 2000) for _ in range(16)]
+    lengths = [rng.randrange(1, 1200) for _ in range(16)]  # the torch reference holds [H, T, T] scores
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
     pages = {id(r): [r.kv_pool.alloc(r.kv_pool.pages_for_tokens(n + 2)) for n in lengths] for r in (routed, reference)}
     for r in (routed, reference):
