@@ -19,6 +19,7 @@ from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX
                                              decode_capturable)
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
 from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
+from deepseek_pd.model.kernels.mla_decode_route import AttentionHost, auto_attention_backend
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import (check_speculative_num_steps, graph_tokens_per_sequence,
                                                  graphs_default_blocker)
@@ -38,6 +39,15 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def attention_host(device: str) -> AttentionHost:
+    """The machine as attention backend "auto" sees it (model/kernels/mla_decode_route.py), asked
+    without creating a CUDA context."""
+    from deepseek_pd.model.kernels.flashinfer_mla import flashinfer_mla_blocker
+
+    cuda = is_cuda(device)
+    return AttentionHost(cuda, _triton_available(), flashinfer_mla_blocker() if cuda else "no CUDA device")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,7 +93,9 @@ class RunnerConfig:
     mha_chunked_kv_threshold: int = 256
     prefix_chunk_size: int = 8192
     num_fused_shared_experts: int = 0
-    # auto: the Triton kernels on CUDA when Triton imports, else the plain-torch reference.
+    # auto: FlashInfer's MLA decode where it can run and wins at the model's heads per rank (its
+    # kernel compiled at start-up, else Triton), the Triton kernels on CUDA when Triton imports,
+    # else the plain-torch reference (`resolve_attention_backend`, model/kernels/mla_decode_route.py).
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
@@ -195,7 +207,7 @@ class RunnerConfig:
         requested_graphs = fields.pop("cuda_graph", None)
         draft = cls(device=device, **fields)
         resolved = replace(draft, dtype=_DTYPE_NAMES[draft.resolve_dtype(model_config)],
-                           attention_backend=draft.resolve_backend(draft.attention_backend),
+                           attention_backend=draft.resolve_attention_backend(model_config),
                            moe_backend=draft.resolve_backend(draft.moe_backend),
                            norm_rope_backend=draft.resolve_backend(draft.norm_rope_backend),
                            dispatcher=draft.resolve_dispatcher(),
@@ -281,7 +293,25 @@ class RunnerConfig:
             raise UserError(f"tp_size={self.tp_size} but the TP group passed in has {parallel.tp_size} ranks")
         return parallel
 
+    def resolve_attention_backend(self, model_config: ModelConfig) -> str:
+        """`attention_backend`, with "auto" decided by `auto_attention` (and the reason logged)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        name, why = self.auto_attention(model_config)
+        log.info("attention_backend auto: %r (%s)", name, why)
+        return name
+
+    def auto_attention(self, model_config: ModelConfig, host: AttentionHost | None = None) -> tuple[str, str]:
+        """(what attention backend "auto" picks for this model, why) on `host` (this machine when None)."""
+        return auto_attention_backend(host or attention_host(self.device),
+                                      heads_per_rank=model_config.num_attention_heads // self.tp_size,
+                                      widths=(model_config.kv_lora_rank, model_config.qk_rope_head_dim),
+                                      dtype=_DTYPE_NAMES[self.resolve_dtype(model_config)],
+                                      deterministic=self.invariant_kernels)
+
     def resolve_backend(self, name: str) -> str:
+        """A MoE or norm/RoPE backend name (an attention one where "auto" is to pick no JIT backend):
+        "auto" is Triton on CUDA when Triton imports, else torch."""
         if name != "auto":
             return name
         return "triton" if is_cuda(self.device) and _triton_available() else "torch"
@@ -321,9 +351,12 @@ class RunnerConfig:
 
     def auto_choice(self, field: str, model_config: ModelConfig) -> str:
         """What "auto" resolves to for the backend field `field` (attention, MoE, norm/RoPE or FP8
-        GEMM), as `resolve` decides it: the fallback of a named backend that cannot run here."""
+        GEMM), as `resolve` decides it, with no JIT backend: the fallback of one that cannot run here."""
         if field == "fp8_backend":
             return replace(self, fp8_backend="auto").resolve_fp8_backend(model_config) or "dequant"
+        if field == "attention_backend":
+            host = replace(attention_host(self.device), flashinfer_blocker="FlashInfer failed its start-up check")
+            return self.auto_attention(model_config, host)[0]
         return self.resolve_backend("auto")
 
     def expert_location(self, model_config: ModelConfig) -> ExpertLocation | None:
