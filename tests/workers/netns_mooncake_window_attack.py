@@ -16,7 +16,7 @@ import time
 import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.mooncake_wire import first_page_addr, record_handshakes
+from pdtest.mooncake_wire import first_page_addr, hold_first_report, record_handshakes
 from pdtest.pd_engine_harness import PAGE_SIZE, PDPair, collect, oracle, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -29,22 +29,6 @@ def stranger():
     engine = TransferEngine()
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     return engine
-
-
-def hold_first_report(sender, sent: asyncio.Event, release: asyncio.Event) -> None:
-    """The first window report any channel of `sender` emits waits for `release` (after `sent`)."""
-    opener = sender.open
-    held = []
-
-    def holding(handshake, emit, *args, **kwargs):
-        async def emit_held(chunk):
-            if not held:
-                held.append(chunk)
-                sent.set()
-                await release.wait()
-            await emit(chunk)
-        return opener(handshake, emit_held, *args, **kwargs)
-    sender.open = holding
 
 
 def main(seed: int) -> None:
@@ -62,7 +46,7 @@ def main(seed: int) -> None:
         async with PDPair("mooncake", prefill_config=config, decode_config=staged) as pair:
             handshakes = record_handshakes(pair.prefill.sender)
             sent, release = asyncio.Event(), asyncio.Event()
-            hold_first_report(pair.prefill.sender, sent, release)
+            hold_first_report(pair.prefill.sender, "long-d", sent, release)
             p_req, d_req = pair.requests(long, GREEDY, "long")
             held = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
             await asyncio.wait_for(sent.wait(), 60)

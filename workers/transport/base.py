@@ -312,6 +312,16 @@ class KVSink(abc.ABC):
     def _check_cells(self) -> None:
         """Transports that see every chunk (grpc) check here that each cell arrived."""
 
+    def begin_check(self, key: bytes | None, room: int) -> None:
+        """Once the handshake is accepted, before any chunk: the transfer will be checked with `key`
+        (`check_sealed`), so the sink may build its proof as the KV lands rather than all at once
+        after the TransferDone (mooncake: the MAC of each landed send). Nothing by default."""
+
+    def check_reads(self) -> bool:
+        """Whether `check_sealed` still has KV to read (then it runs in a worker thread); False: it
+        is quick enough for the event loop (nothing to check, or a digest of what landed)."""
+        return False
+
     def check_sealed(self, done: pb.TransferDone, key: bytes | None, room: int) -> None:
         """Once no writer can reach the pages any more (after `withdraw`), in a worker thread: raises
         TransferError unless the pages hold what the sender's `SendChannel.seal` proved it sent.

@@ -55,6 +55,7 @@ from deepseek_pd.workers.transport.base import (
     EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig, check_page_ids)
 from deepseek_pd.workers.transport.page_io import consecutive_runs, sync_ready
 from deepseek_pd.workers.transport.plan import merge_page_runs
+from deepseek_pd.workers.transport.send_landing import SendLanding
 from deepseek_pd.workers.transport.staging import StagingArea
 from deepseek_pd.workers.transport.wire import ChunkHeader, encode_chunk_event
 from deepseek_pd.workers.engine.request_failure import TransferError
@@ -126,8 +127,9 @@ class MooncakeSink(KVSink):
     reads: `reserve` takes the slots (waiting on the event loop while the staging is full; a prompt
     longer than the staging takes half of it as a window, landed run by run in `on_chunk`), `expose`
     over TCP registers each layer's runs of them, the handshake lists them as the pages to write
-    (`offer_into`); `land` unregisters them, copies them into the request's pages and gives them
-    back; `check_sealed` then MACs that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
+    (`offer_into`); each send's report lands its cells in the request's pages (`on_chunk`, MACed
+    there: send_landing.py); `land` unregisters the slots, copies what did not land yet and gives them
+    back; `check_sealed` then checks the MAC of that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
     who reaches the engine's ports may have written the slots too. A transfer that ends otherwise
     (`withdraw`) lets its slots cool for the late-write grace before they are reused."""
 
@@ -151,6 +153,8 @@ class MooncakeSink(KVSink):
         self._told: list[int] = []  # each request page's slot as the handshake named it, for the MAC's header
         self._dirty: list[int] = []  # slots to zero before they are exposed
         self._exposed: list[int] = []
+        # Without windows, each send lands (copied out and MACed) as its report comes (send_landing.py).
+        self._landing = SendLanding(pool.num_layers, len(self.pages))
         # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for it
         # and wins: nothing stays registered or held after it.
         self._lock = threading.Lock()
@@ -202,14 +206,20 @@ class MooncakeSink(KVSink):
         """The staging slot of each request page in `pages`."""
         return [self.slots[i % self.window] for i in pages] if self.window else self.slots[pages.start:pages.stop]
 
+    def begin_check(self, key: bytes | None, room: int) -> None:
+        if key is not None:  # (after `offer_into`: the header names the slots the handshake told)
+            self._landing.begin_mac(self.pool, self.pages, key, kv_mac.header(room, self._told))
+
     def on_chunk(self, chunk) -> None:
-        """A window's report (no data): the prefill side wrote request pages [page_begin, page_end),
-        every layer, into their slots. Copies the written prefix out (and zeroes the slots), so the
-        credit that follows lets the writer reuse them (`landed_pages`)."""
-        if not self.window:
-            super().on_chunk(chunk)  # refused: this transfer is not windowed
+        """A send's or a window's report (no data): the prefill side wrote request pages
+        [page_begin, page_end) of its layers (a window: every layer) into their slots. Copies them out
+        (and zeroes the slots) and MACs the copy; a window's credit then lets the writer reuse its
+        slots (`landed_pages`)."""
         if self.failed is not None:
             raise self.failed
+        if not self.window:
+            self._land_send(chunk)
+            return
         begin, end = chunk.page_begin, chunk.page_end
         with self._lock:  # (chunks may come in several threads at once)
             if self._over.is_set():
@@ -223,7 +233,7 @@ class MooncakeSink(KVSink):
                                               f"[{chunk.layer_begin}, {chunk.layer_end}) written; the window holds "
                                               f"pages [{self.landed}, {self.landed + self.window}) of every layer"))
             self._written.update(range(begin, end))
-            upto = self.landed
+            landed = upto = self.landed
             while upto in self._written:
                 upto += 1
             if upto > self.landed:
@@ -232,11 +242,31 @@ class MooncakeSink(KVSink):
                                         self.pages[self.landed:upto])  # (and zeroes the slots)
                 self._written.difference_update(range(self.landed, upto))
                 self.landed = upto
+        if upto > landed:  # (the pages this report let land: hashed in order, after the copy)
+            self._landing.hash(range(self.pool.num_layers), landed, upto)
+
+    def _land_send(self, chunk) -> None:
+        """One send's report: its cells, each landed once, copied out of the slots, then hashed."""
+        layers, begin, end = range(chunk.layer_begin, chunk.layer_end), chunk.page_begin, chunk.page_end
+        with self._lock:  # (chunks may come in several threads at once)
+            if self._over.is_set():
+                raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended before its send landed"))
+            refused = (None if chunk.written_directly and not len(chunk.data) else
+                       "prefill sent KV bytes on the stream; mooncake reports carry none")
+            if refused is None:
+                refused = self._landing.claim(layers, begin, end)
+            if refused is not None:
+                raise self.fail(TransferError(FailureCode.INTERNAL, refused))
+            self.exposure.wrote()
+            self._staging.copy_into(self.pool, self.slots[begin:end], self.pages[begin:end], layers)
+        self._landing.hash(layers, begin, end)
 
     def _check_cells(self) -> None:
         if self.window and self.landed != len(self.pages):
             raise self.fail(TransferError(FailureCode.INTERNAL, f"prefill reported {self.landed} of "
                                           f"{len(self.pages)} pages written through the staging window"))
+        if (missing := self._landing.missing()) is not None:
+            raise self.fail(TransferError(FailureCode.INTERNAL, missing))
 
     def withdraw(self) -> None:
         slots = self._end()
@@ -244,11 +274,13 @@ class MooncakeSink(KVSink):
         self._staging.release(slots, self._timeout_s if self._told else 0.0)
 
     def land(self) -> None:
-        rest = self._slots_of(range(self.landed, len(self.pages)))  # (windowed: all landed already)
+        # (windowed or reported send by send: all landed already)
+        first = len(self.pages) if self._landing.reported else self.landed
+        rest = self._slots_of(range(first, len(self.pages)))
         slots = self._end()
         try:
             self.exposure.wrote()
-            self._staging.copy_into(self.pool, rest, self.pages[self.landed:])  # (and zeroes the slots)
+            self._staging.copy_into(self.pool, rest, self.pages[first:])  # (and zeroes the slots)
         except BaseException:
             self._staging.release(slots)
             raise
@@ -268,6 +300,9 @@ class MooncakeSink(KVSink):
             self._engine.engine.unregister_memory(addr)
         self._exposed.clear()
 
+    def check_reads(self) -> bool:
+        return self._landing.reads_left()
+
     def check_sealed(self, done: pb.TransferDone, key: bytes | None, room: int) -> None:
         if key is None:
             return
@@ -282,9 +317,11 @@ class MooncakeSink(KVSink):
                             "checked against writes by strangers on the mooncake ports; upgrade it")
             return
         try:
-            # `land`'s copy was synchronised: the reads wait for no decode step queued meanwhile.
-            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm,
-                                synced=True)
+            # Landed send by send: only a digest is left. Else (or from here) the copies were
+            # synchronised: the reads wait for no decode step queued meanwhile.
+            macs = self._landing.take_macs(key, done.kv_mac_algorithm)
+            tag = macs.digest() if macs is not None else kv_mac.kv_mac(
+                self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm, synced=True)
         except ValueError as exc:
             raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot check the KV's MAC: {exc}")) from None
         if not kv_mac.tags_equal(tag, done.kv_mac):
@@ -338,6 +375,9 @@ class MooncakeChannel(SendChannel):
         # only, each window reported on the stream (`emit`) and its slots reused once decode landed it.
         self.window = destination.window_pages
         self.streams_layers = not self.window
+        # Each send reported once written (decode lands and MACs it then: send_landing.py); windows
+        # report theirs anyway.
+        self.reports = destination.report_sends and not self.window
         self._emit = emit
         self._seq = 0  # the stream's chunk numbers: window reports
         self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
@@ -360,7 +400,19 @@ class MooncakeChannel(SendChannel):
         else:
             await self._write_pages(layers, page_begin, list(src_pages),
                                     self.dst_pages[page_begin:page_begin + len(src_pages)], ready)
+            if self.reports:
+                await self._report(layers, page_begin, page_begin + len(src_pages))
         self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
+
+    async def _report(self, layers: range, first: int, end: int) -> None:
+        """Tells decode, on the stream (a KVChunk without data), that request pages [first, end) of
+        `layers` are written into its staging."""
+        if self._emit is None:
+            raise TransferError(FailureCode.INTERNAL, "a mooncake channel that reports its sends needs the stream")
+        self._seq += 1
+        header = ChunkHeader(layer_begin=layers.start, layer_end=layers.stop, page_begin=first, page_end=end)
+        await self._emit(encode_chunk_event(self._seq, header, b"", 0,
+                                            direct_bytes=(end - first) * self.pool.bytes_per_page * len(layers)))
 
     async def _send_windows(self, src_pages: list[int], page_begin: int, layers: range, ready) -> None:
         """Pages through decode's staging window: in pieces of half a window (one is written while
@@ -375,10 +427,7 @@ class MooncakeChannel(SendChannel):
             if end - self.window > 0:  # page i's slot held page i - window until decode copied it out
                 await self.wait_landed(end - self.window, self.timeout_s)
             await self._write_pages(layers, first, src_pages[begin:begin + step], self.dst_pages[first:end], ready)
-            self._seq += 1
-            header = ChunkHeader(layer_begin=0, layer_end=self.pool.num_layers, page_begin=first, page_end=end)
-            await self._emit(encode_chunk_event(self._seq, header, b"", 0,
-                                                direct_bytes=(end - first) * self.pool.bytes_per_page * len(layers)))
+            await self._report(layers, first, end)
 
     async def _write_pages(self, layers: range, page_begin: int, src_pages: list[int], dst: list[int],
                            ready) -> None:
@@ -565,6 +614,7 @@ class MooncakeReceiver(KVReceiver):
         handshake.mooncake.pool_pages = self.staging.num_pages
         handshake.mooncake.protocol = self.engine.protocol
         handshake.mooncake.kv_mac_algorithms.extend(kv_mac.algorithms())
+        handshake.mooncake.report_sends = True  # each send lands and is MACed as it comes (MooncakeSink)
 
     def close(self) -> None:
         self._copies.shutdown(wait=False)

@@ -118,20 +118,47 @@ async def send_bodies(writes: list[tuple[socket.socket, int, int]], timeout_s: f
     await asyncio.to_thread(finish)
 
 
+def hold_first_report(sender, decode_rid: str, sent: asyncio.Event, release: asyncio.Event):
+    """The first report (a KVChunk without data) that `sender`'s channel of `decode_rid` emits waits
+    for `release`, after setting `sent`: its send's cells are written into decode's staging slots
+    and not copied out (decode lands each send when its report comes), and nothing of the transfer
+    follows meanwhile. Returns the undo (the sender's `open` back)."""
+    opener = sender.open
+
+    def holding(handshake, emit, *args, **kwargs):
+        if handshake.decode_rid != decode_rid:
+            return opener(handshake, emit, *args, **kwargs)
+        held: list[Any] = []
+
+        async def emit_held(chunk):
+            if not held:
+                held.append(chunk)
+                sent.set()
+                await release.wait()
+            await emit(chunk)
+        return opener(handshake, emit_held, *args, **kwargs)
+    sender.open = holding
+    return lambda: setattr(sender, "open", opener)
+
+
 async def start_held_transfer(pair: PDPair, prompt: list[int], params: SamplingParams, rid: str,
                               on_decode_event: Callable[[Any], Awaitable[None]] | None = None):
-    """Starts PD request `rid` on `pair` and returns once its prefill side has sent every byte but
-    holds back its TransferDone, so the transfer stays in flight on the decode side (its slots
-    registered) until the returned event is set. Returns (the request's gathered (prefill, decode)
-    outcomes, to await after setting it; that event)."""
+    """Starts PD request `rid` on `pair` and returns once its prefill side has written KV into the
+    decode side's staging that decode has not copied out yet: its first send, whose report is held
+    back (with everything after it), or, without reports (a transfer in windows reports only
+    those; an older peer none), every send, its TransferDone held back. The transfer stays in flight
+    on the decode side (its slots registered) until the returned event is set. Returns (the
+    request's gathered (prefill, decode) outcomes, to await after setting it; that event)."""
     sent, release = asyncio.Event(), asyncio.Event()
-    undo = hold_transfer_done(pair.prefill, sent, release)
+    undo_done = hold_transfer_done(pair.prefill, sent, release)
+    undo_report = hold_first_report(pair.prefill.sender, f"{rid}-d", sent, release)
     p_req, d_req = pair.requests(prompt, params, rid)
     served = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_decode_event))
     try:
         await asyncio.wait_for(sent.wait(), 60)
-    finally:
-        undo()  # only this request's room holds its TransferDone
+    finally:  # only this request's room holds its report or its TransferDone
+        undo_report()
+        undo_done()
     return served, release
 
 
