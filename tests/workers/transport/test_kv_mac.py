@@ -156,15 +156,20 @@ def _random_sends(rng: random.Random, num_layers: int, num_pages: int) -> list[t
     return sends
 
 
+def _random_tag_inputs(rng: random.Random) -> tuple[KVPool, list[int], bytes, bytes]:
+    """A filled 40-page pool, some of its pages in a random order, a key and their header."""
+    pool = _filled_pool(rng, 40)
+    pages = rng.sample(range(40), rng.randrange(1, 16))
+    return pool, pages, bytes(rng.randrange(256) for _ in range(kv_mac.KEY_BYTES)), kv_mac.header(
+        rng.randrange(1 << 40), pages)
+
+
 def test_the_tag_built_send_by_send_is_the_one_shot_tag():
     """Any cut of the transfer into sends (pages x layer ranges), in order or not, partly hashed or
     not: `digest` gives the documented tag, and reads again only what no send hashed in order."""
     rng = random.Random()
     for _ in range(12):
-        pool = _filled_pool(rng, 40)
-        pages = rng.sample(range(40), rng.randrange(1, 16))
-        key = bytes(rng.randrange(256) for _ in range(kv_mac.KEY_BYTES))
-        head = kv_mac.header(rng.randrange(1 << 40), pages)
+        pool, pages, key, head = _random_tag_inputs(rng)
         sends = _random_sends(rng, pool.num_layers, len(pages))
         in_order = rng.random() < 0.5
         if not in_order:  # some sends swapped, some never hashed (left to digest)

@@ -19,7 +19,7 @@ from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
 from deepseek_pd.workers.transport.send_landing import SendLanding
 from pdtest import mooncake_stub
-from test_kv_mac import _filled_pool, _random_sends, _reference
+from test_kv_mac import _filled_pool, _random_sends, _random_tag_inputs, _reference
 
 
 def _cells_in_random_cuts(rng: random.Random, num_layers: int, num_pages: int) -> list[tuple[range, int, int]]:
@@ -40,10 +40,7 @@ def test_the_tag_built_as_cells_land_is_the_one_shot_tag():
     the documented tag. Landed whole, each cell is read exactly once and `digest` reads none."""
     rng = random.Random()
     for _ in range(10):
-        pool = _filled_pool(rng, 40)
-        pages = rng.sample(range(40), rng.randrange(1, 16))
-        key = bytes(rng.randrange(256) for _ in range(kv_mac.KEY_BYTES))
-        head = kv_mac.header(rng.randrange(1 << 40), pages)
+        pool, pages, key, head = _random_tag_inputs(rng)
         cuts = _cells_in_random_cuts(rng, pool.num_layers, len(pages))
         whole = rng.random() < 0.6
         if not whole:
