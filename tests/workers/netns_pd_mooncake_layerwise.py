@@ -7,7 +7,7 @@ with it off, one send per chunk covers every layer. Both must give the offline e
 must really have sent single layers (else the test would pass on the per-chunk path), and both
 pools must be clean afterwards. Decode lands each send as its report comes, MACing it then: every
 request's check after its TransferDone must have had only a digest left (no page to read: the MAC
-is off the first token's path). Exits non-zero with the assertion on failure.
+and the finite check are off the first token's path). Exits non-zero with the assertion on failure.
 """
 from __future__ import annotations
 
@@ -45,15 +45,15 @@ def trace_sends(pair: PDPair, log: list[tuple[int, int]]) -> None:
 
 
 def trace_checks(pair: PDPair, left: list[bool]) -> None:
-    """Records, for every transfer decode checks, whether its MAC check still had pages to read."""
+    """Records, for every transfer decode checks, whether its MAC or finite check still had pages to read."""
     open_sink = pair.decode.receiver.open_sink
 
     def traced_open(pages, peer_host=None):
         sink = open_sink(pages, peer_host)
         check = sink.check_sealed
 
-        def traced_check(done, key, room):
-            left.append(sink.check_reads())
+        def traced_check(done, key, room):  # (the finite check too: run as the sends landed)
+            left.append(sink.check_reads() or not sink.checked_on_landing())
             check(done, key, room)
         sink.check_sealed = traced_check
         return sink

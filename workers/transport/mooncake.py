@@ -155,6 +155,7 @@ class MooncakeSink(KVSink):
         self._exposed: list[int] = []
         # Without windows, each send lands (copied out and MACed) as its report comes (send_landing.py).
         self._landing = SendLanding(pool.num_layers, len(self.pages))
+        self._on_land = None  # `check_on_landing`'s check
         # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for it
         # and wins: nothing stays registered or held after it.
         self._lock = threading.Lock()
@@ -244,6 +245,7 @@ class MooncakeSink(KVSink):
                 self.landed = upto
         if upto > landed:  # (the pages this report let land: hashed in order, after the copy)
             self._landing.hash(range(self.pool.num_layers), landed, upto)
+            self._check_landed(range(self.pool.num_layers), self.pages[landed:upto])
 
     def _land_send(self, chunk) -> None:
         """One send's report: its cells, each landed once, copied out of the slots, then hashed."""
@@ -260,6 +262,22 @@ class MooncakeSink(KVSink):
             self.exposure.wrote()
             self._staging.copy_into(self.pool, self.slots[begin:end], self.pages[begin:end], layers)
         self._landing.hash(layers, begin, end)
+        self._check_landed(layers, self.pages[begin:end])
+
+    def check_on_landing(self, check) -> None:
+        self._on_land = check
+
+    def checked_on_landing(self) -> bool:  # (after check_complete: every cell landed by report or window)
+        return self._on_land is not None and (self._landing.reported or self.window > 0)
+
+    def _check_landed(self, layers: range, pages: list[int]) -> None:
+        if self._on_land is None:
+            return
+        try:
+            self._on_land(layers, pages)
+        except TransferError as exc:  # kept: the MAC's verdict is reported first (kv_pull.py)
+            with self._lock:
+                self.landing_failure = self.landing_failure or exc
 
     def _check_cells(self) -> None:
         if self.window and self.landed != len(self.pages):

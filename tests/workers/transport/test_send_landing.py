@@ -74,8 +74,9 @@ def test_landing_refuses_a_cell_twice_or_outside_and_names_a_cell_never_reported
     assert landing.missing() is None
 
 
-def _reporting_transfer(monkeypatch, rng: random.Random):
-    """A mooncake transfer over the stub engine whose decode side asked for each send's report:
+def _reporting_transfer(monkeypatch, rng: random.Random, nan: bool = False):
+    """A mooncake transfer over the stub engine whose decode side asked for each send's report
+    (`nan`: one value of one sent page is NaN, as a prefill worker with the secret may send it):
     (sender's channel, decode sink, the reports in send order, write(report): copies that report's
     cells into the staging as the engine would, the key, the room, source pool and pages, decode
     pool and pages)."""
@@ -86,6 +87,8 @@ def _reporting_transfer(monkeypatch, rng: random.Random):
     sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
     count = rng.randrange(2, 8)
     src_pages, dst_pages = rng.sample(range(24), count), rng.sample(range(24), count)
+    if nan:
+        src.buffers[rng.randrange(src.num_layers)][rng.choice(src_pages), rng.randrange(src.page_size), 0] = float("nan")
     handshake = pb.Handshake(page_ids=dst_pages, layout=layout_of(dst), num_tokens=count * src.page_size)
     receiver.fill_destination(handshake)
     sink = receiver.open_sink(dst_pages)
@@ -193,3 +196,31 @@ def test_a_report_carrying_kv_bytes_is_refused(monkeypatch):
                             memoryview(b"\x00" * 8), 0, written_directly=False)
     with pytest.raises(TransferError, match="carry none"):
         sink.on_chunk(forged)
+
+
+def test_the_finite_check_runs_on_each_landing_and_its_refusal_waits_for_the_macs_verdict(monkeypatch):
+    """Decode's finite check (`check_on_landing`, as pull_kv sets it) runs on every cell as its send
+    lands, once, so none is left after the TransferDone; a NaN that lands is kept as the transfer's
+    `landing_failure` (pull_kv reports it after the MAC's verdict, as before)."""
+    from deepseek_pd.workers.decode.kv_checks import check_kv_finite
+
+    rng = random.Random()
+    nan = rng.random() < 0.5
+    channel, sink, reports, write, key, room, src, src_pages, dst, dst_pages = _reporting_transfer(
+        monkeypatch, rng, nan=nan)
+    checked = torch.zeros(dst.num_layers, dst.num_pages, dtype=torch.int)
+
+    def check(layers, pages):
+        checked[layers.start:layers.stop, pages] += 1
+        check_kv_finite(dst, pages, "r", layers)
+    sink.check_on_landing(check)
+    for report in reports:
+        write(report)
+        sink.on_chunk(report)
+    _finish(channel, sink, key, room)  # the MAC passes: the NaN is what was sent
+    assert sink.checked_on_landing()
+    assert bool(checked[:, dst_pages].eq(1).all()) and int(checked.sum()) == dst.num_layers * len(dst_pages)
+    if not nan:
+        assert sink.landing_failure is None
+    else:
+        assert isinstance(sink.landing_failure, TransferError) and "NaN" in sink.landing_failure.message
