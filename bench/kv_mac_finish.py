@@ -21,10 +21,12 @@ The decode side checks the same tag over its private copy of the KV (mooncake wr
 staging area, workers/transport/staging.py). It used to copy the staging into the request's pages
 and MAC that copy after the TransferDone; now each send is reported once written and lands then
 (copied out, then hashed: `SendLanding`, `kv_mac.LandedMacs`), so the check only digests:
-  one-shot   the staging copy of every page + `kv_mac.kv_mac` of the copy, after the done (before);
-  landings   the summed copy + hash of every send as its report lands (beside the prefill forward);
+  one-shot   the staging copy of every page + `kv_mac.kv_mac` of the copy + the finite check of
+             every page (decode/kv_checks.py), after the done (before);
+  landings   the summed copy + hash + finite check of every send as its report lands (beside the
+             prefill forward);
   last       the last send's landing, which the TransferDone follows on the stream;
-  check      the copy left + `digest` after those landings: what the check does now.
+  check      `digest` after those landings: what the check does now.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.decode.kv_checks import check_kv_finite
 from deepseek_pd.workers.transport import kv_mac
 from deepseek_pd.workers.transport.staging import StagingArea
 
@@ -117,7 +120,7 @@ def main() -> int:
     print(f"(last send + finish) / one-shot = {result['finish_over_one_shot']:.4f} (ideal 1/{len(sends)} = "
           f"{result['ideal']:.4f}); tags equal: {equal}")
     result["decode"] = decode
-    print(f"decode side (the staging copied into the request's pages and MACed there):")
+    print(f"decode side (the staging copied into the request's pages, MACed and checked finite there):")
     print(f"  copy + one-shot after the done (before) {decode['one_shot_ms']:8.2f} ms")
     print(f"  landing beside the sends                {decode['landings_ms']:8.2f} ms (summed)")
     print(f"  the last send's landing                 {decode['last_landing_ms']:8.2f} ms")
@@ -147,6 +150,7 @@ def _decode_side(src: KVPool, src_pages: list[int], key: bytes, head: bytes, sen
         began = time.perf_counter()
         staging.copy_into(pool, slots, pages)
         whole = kv_mac.kv_mac(pool, pages, key, head, synced=True)
+        check_kv_finite(pool, pages, "bench")
         one_shot.append(time.perf_counter() - began)
         written()
         macs, spent = kv_mac.LandedMacs(pool, pages, key, head), 0.0
@@ -154,6 +158,7 @@ def _decode_side(src: KVPool, src_pages: list[int], key: bytes, head: bytes, sen
             began = time.perf_counter()
             staging.copy_into(pool, slots[begin:end], pages[begin:end], layers)
             macs.landed(layers, begin, end)
+            check_kv_finite(pool, pages[begin:end], "bench", layers)
             spent += time.perf_counter() - began
         landings.append(spent)
         last.append(time.perf_counter() - began)
