@@ -47,7 +47,7 @@ def main(seed: int) -> None:
             async def hold() -> None:
                 sent.set()
                 await release.wait()
-            hold_first_report(pair.prefill.sender, hold)
+            hold_first_report(pair.prefill.sender, hold, decode_rid="long-d")
             p_req, d_req = pair.requests(long, GREEDY, "long")
             held = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
             await asyncio.wait_for(sent.wait(), 60)

@@ -117,6 +117,8 @@ class BootstrapClient:
         await self.peers.check(params.bootstrap_host, params.bootstrap_port)  # before any connection
         deadline = time.monotonic() + self.config.transfer_timeout_s
         call, ack, endpoint = await self._connect(params, handshake, sink, deadline)
+        # The accepted handshake's nonce keys the KV MAC: the sink may check each chunk as it lands.
+        sink.begin_check(self.config.auth.kv_key(params.bootstrap_room, handshake.auth.nonce), params.bootstrap_room)
         window = max(1, ack.credit_window)
         finished = False
         readers: list[KVStreamReader] = []

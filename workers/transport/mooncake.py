@@ -122,6 +122,7 @@ class MooncakeReceiver(KVReceiver):
         handshake.mooncake.pool_pages = self.staging.num_pages
         handshake.mooncake.protocol = self.engine.protocol
         handshake.mooncake.kv_mac_algorithms.extend(kv_mac.algorithms())
+        handshake.mooncake.report_sends = True  # each send lands and is MACed as it comes (MooncakeSink)
 
     def close(self) -> None:
         self._copies.shutdown(wait=False)

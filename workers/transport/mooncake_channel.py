@@ -54,6 +54,9 @@ class MooncakeChannel(SendChannel):
         # only, each window reported on the stream (`emit`) and its slots reused once decode landed it.
         self.window = destination.window_pages
         self.streams_layers = not self.window
+        # Each send reported once written (decode lands and MACs it then: send_landing.py); windows
+        # report theirs anyway.
+        self.reports = destination.report_sends and not self.window
         self._emit = emit
         self._seq = 0  # the stream's chunk numbers: window reports
         self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
@@ -76,7 +79,19 @@ class MooncakeChannel(SendChannel):
         else:
             await self._write_pages(layers, page_begin, list(src_pages),
                                     self.dst_pages[page_begin:page_begin + len(src_pages)], ready)
+            if self.reports:
+                await self._report(layers, page_begin, page_begin + len(src_pages))
         self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
+
+    async def _report(self, layers: range, first: int, end: int) -> None:
+        """Tells decode, on the stream (a KVChunk without data), that request pages [first, end) of
+        `layers` are written into its staging."""
+        if self._emit is None:
+            raise TransferError(FailureCode.INTERNAL, "a mooncake channel that reports its sends needs the stream")
+        self._seq += 1
+        header = ChunkHeader(layer_begin=layers.start, layer_end=layers.stop, page_begin=first, page_end=end)
+        await self._emit(encode_chunk_event(self._seq, header, b"", 0,
+                                            direct_bytes=(end - first) * self.pool.bytes_per_page * len(layers)))
 
     async def _send_windows(self, src_pages: list[int], page_begin: int, layers: range, ready) -> None:
         """Pages through decode's staging window: in pieces of half a window (one is written while
@@ -91,10 +106,7 @@ class MooncakeChannel(SendChannel):
             if end - self.window > 0:  # page i's slot held page i - window until decode copied it out
                 await self.wait_landed(end - self.window, self.timeout_s)
             await self._write_pages(layers, first, src_pages[begin:begin + step], self.dst_pages[first:end], ready)
-            self._seq += 1
-            header = ChunkHeader(layer_begin=0, layer_end=self.pool.num_layers, page_begin=first, page_end=end)
-            await self._emit(encode_chunk_event(self._seq, header, b"", 0,
-                                                direct_bytes=(end - first) * self.pool.bytes_per_page * len(layers)))
+            await self._report(layers, first, end)
 
     async def _write_pages(self, layers: range, page_begin: int, src_pages: list[int], dst: list[int],
                            ready) -> None:

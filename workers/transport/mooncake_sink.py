@@ -15,6 +15,7 @@ from deepseek_pd.workers.transport import kv_mac
 from deepseek_pd.workers.transport.base import KVSink
 from deepseek_pd.workers.transport.mooncake_engine import MooncakeEngine
 from deepseek_pd.workers.transport.page_io import consecutive_runs
+from deepseek_pd.workers.transport.send_landing import SendLanding
 from deepseek_pd.workers.transport.staging import StagingArea
 from deepseek_pd.workers.engine.request_failure import TransferError
 
@@ -27,8 +28,9 @@ class MooncakeSink(KVSink):
     reads: `reserve` takes the slots (waiting on the event loop while the staging is full; a prompt
     longer than the staging takes half of it as a window, landed run by run in `on_chunk`), `expose`
     over TCP registers each layer's runs of them, the handshake lists them as the pages to write
-    (`offer_into`); `land` unregisters them, copies them into the request's pages and gives them
-    back; `check_sealed` then MACs that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
+    (`offer_into`); each send's report lands its cells in the request's pages (`on_chunk`, MACed
+    there: send_landing.py); `land` unregisters the slots, copies what did not land yet and gives them
+    back; `check_sealed` then checks the MAC of that private copy against the tag of what the prefill side sent (kv_mac.py), since anyone
     who reaches the engine's ports may have written the slots too. A transfer that ends otherwise
     (`withdraw`) lets its slots cool for the late-write grace before they are reused."""
 
@@ -52,6 +54,9 @@ class MooncakeSink(KVSink):
         self._told: list[int] = []  # each request page's slot as the handshake named it, for the MAC's header
         self._dirty: list[int] = []  # slots to zero before they are exposed
         self._exposed: list[int] = []
+        # Without windows, each send lands (copied out and MACed) as its report comes (send_landing.py).
+        self._landing = SendLanding(pool.num_layers, len(self.pages))
+        self._on_land = None  # `check_on_landing`'s check
         # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for it
         # and wins: nothing stays registered or held after it.
         self._lock = threading.Lock()
@@ -103,14 +108,20 @@ class MooncakeSink(KVSink):
         """The staging slot of each request page in `pages`."""
         return [self.slots[i % self.window] for i in pages] if self.window else self.slots[pages.start:pages.stop]
 
+    def begin_check(self, key: bytes | None, room: int) -> None:
+        if key is not None:  # (after `offer_into`: the header names the slots the handshake told)
+            self._landing.begin_mac(self.pool, self.pages, key, kv_mac.header(room, self._told))
+
     def on_chunk(self, chunk) -> None:
-        """A window's report (no data): the prefill side wrote request pages [page_begin, page_end),
-        every layer, into their slots. Copies the written prefix out (and zeroes the slots), so the
-        credit that follows lets the writer reuse them (`landed_pages`)."""
-        if not self.window:
-            super().on_chunk(chunk)  # refused: this transfer is not windowed
+        """A send's or a window's report (no data): the prefill side wrote request pages
+        [page_begin, page_end) of its layers (a window: every layer) into their slots. Copies them out
+        (and zeroes the slots) and MACs the copy; a window's credit then lets the writer reuse its
+        slots (`landed_pages`)."""
         if self.failed is not None:
             raise self.failed
+        if not self.window:
+            self._land_send(chunk)
+            return
         begin, end = chunk.page_begin, chunk.page_end
         with self._lock:  # (chunks may come in several threads at once)
             if self._over.is_set():
@@ -124,7 +135,7 @@ class MooncakeSink(KVSink):
                                               f"[{chunk.layer_begin}, {chunk.layer_end}) written; the window holds "
                                               f"pages [{self.landed}, {self.landed + self.window}) of every layer"))
             self._written.update(range(begin, end))
-            upto = self.landed
+            landed = upto = self.landed
             while upto in self._written:
                 upto += 1
             if upto > self.landed:
@@ -133,11 +144,48 @@ class MooncakeSink(KVSink):
                                         self.pages[self.landed:upto])  # (and zeroes the slots)
                 self._written.difference_update(range(self.landed, upto))
                 self.landed = upto
+        if upto > landed:  # (the pages this report let land: hashed in order, after the copy)
+            self._landing.hash(range(self.pool.num_layers), landed, upto)
+            self._check_landed(range(self.pool.num_layers), self.pages[landed:upto])
+
+    def _land_send(self, chunk) -> None:
+        """One send's report: its cells, each landed once, copied out of the slots, then hashed."""
+        layers, begin, end = range(chunk.layer_begin, chunk.layer_end), chunk.page_begin, chunk.page_end
+        with self._lock:  # (chunks may come in several threads at once)
+            if self._over.is_set():
+                raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended before its send landed"))
+            refused = (None if chunk.written_directly and not len(chunk.data) else
+                       "prefill sent KV bytes on the stream; mooncake reports carry none")
+            if refused is None:
+                refused = self._landing.claim(layers, begin, end)
+            if refused is not None:
+                raise self.fail(TransferError(FailureCode.INTERNAL, refused))
+            self.exposure.wrote()
+            self._staging.copy_into(self.pool, self.slots[begin:end], self.pages[begin:end], layers)
+        self._landing.hash(layers, begin, end)
+        self._check_landed(layers, self.pages[begin:end])
+
+    def check_on_landing(self, check) -> None:
+        self._on_land = check
+
+    def checked_on_landing(self) -> bool:  # (after check_complete: every cell landed by report or window)
+        return self._on_land is not None and (self._landing.reported or self.window > 0)
+
+    def _check_landed(self, layers: range, pages: list[int]) -> None:
+        if self._on_land is None:
+            return
+        try:
+            self._on_land(layers, pages)
+        except TransferError as exc:  # kept: the MAC's verdict is reported first (kv_pull.py)
+            with self._lock:
+                self.landing_failure = self.landing_failure or exc
 
     def _check_cells(self) -> None:
         if self.window and self.landed != len(self.pages):
             raise self.fail(TransferError(FailureCode.INTERNAL, f"prefill reported {self.landed} of "
                                           f"{len(self.pages)} pages written through the staging window"))
+        if (missing := self._landing.missing()) is not None:
+            raise self.fail(TransferError(FailureCode.INTERNAL, missing))
 
     def withdraw(self) -> None:
         slots = self._end()
@@ -145,11 +193,13 @@ class MooncakeSink(KVSink):
         self._staging.release(slots, self._timeout_s if self._told else 0.0)
 
     def land(self) -> None:
-        rest = self._slots_of(range(self.landed, len(self.pages)))  # (windowed: all landed already)
+        # (windowed or reported send by send: all landed already)
+        first = len(self.pages) if self._landing.reported else self.landed
+        rest = self._slots_of(range(first, len(self.pages)))
         slots = self._end()
         try:
             self.exposure.wrote()
-            self._staging.copy_into(self.pool, rest, self.pages[self.landed:])  # (and zeroes the slots)
+            self._staging.copy_into(self.pool, rest, self.pages[first:])  # (and zeroes the slots)
         except BaseException:
             self._staging.release(slots)
             raise
@@ -169,6 +219,9 @@ class MooncakeSink(KVSink):
             self._engine.engine.unregister_memory(addr)
         self._exposed.clear()
 
+    def check_reads(self) -> bool:
+        return self._landing.reads_left()
+
     def check_sealed(self, done: pb.TransferDone, key: bytes | None, room: int) -> None:
         if key is None:
             return
@@ -183,9 +236,11 @@ class MooncakeSink(KVSink):
                             "checked against writes by strangers on the mooncake ports; upgrade it")
             return
         try:
-            # `land`'s copy was synchronised: the reads wait for no decode step queued meanwhile.
-            tag = kv_mac.kv_mac(self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm,
-                                synced=True)
+            # Landed send by send: only a digest is left. Else (or from here) the copies were
+            # synchronised: the reads wait for no decode step queued meanwhile.
+            macs = self._landing.take_macs(key, done.kv_mac_algorithm)
+            tag = macs.digest() if macs is not None else kv_mac.kv_mac(
+                self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm, synced=True)
         except ValueError as exc:
             raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot check the KV's MAC: {exc}")) from None
         if not kv_mac.tags_equal(tag, done.kv_mac):

@@ -43,6 +43,7 @@ import threading
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from deepseek_pd.model.kv.pool import KVPool
@@ -193,25 +194,35 @@ class StagingArea:
             for _, slots in ready:
                 self._free.extend(slots)
 
-    def copy_into(self, pool: KVPool, slots: Sequence[int], pages: Sequence[int]) -> None:
-        """Copies staging `slots` into `pool`'s `pages` (same order), every layer, then zeroes the
-        slots; returns once both are in memory (on CUDA: on a side stream, then synchronised, as the
-        pool's scrub does), so what a writer puts into the slots afterwards can never reach the pages."""
+    def copy_into(self, pool: KVPool, slots: Sequence[int], pages: Sequence[int], layers: range | None = None) -> None:
+        """Copies staging `slots` into `pool`'s `pages` (same order), in `layers` (default every
+        layer), then zeroes those cells of the slots; returns once both are in memory (on CUDA: on a
+        side stream, then synchronised, as the pool's scrub does), so what a writer puts into the
+        slots afterwards can never reach the pages."""
         if not pages:
             return
-
+        chosen = range(len(self.buffers)) if layers is None else layers
         runs = merge_page_runs(slots, pages)
 
         def copy() -> None:
+            if pool.device.type == "cpu":  # numpy's plain copies: torch's fork OpenMP teams per call
+                for layer in chosen:  # (page_io.py: 10x slower on shared cores, per layer)
+                    staged, buffer = _host(self.buffers[layer]), _host(pool.buffers[layer])
+                    for run in runs:
+                        np.copyto(buffer[run.dst:run.dst + run.length], staged[run.src:run.src + run.length])
+                        staged[run.src:run.src + run.length].fill(0)
+                return
             if len(runs) <= SLICE_RUNS:  # contiguous blocks: plain memory copies
-                for staged, buffer in zip(self.buffers, pool.buffers):
+                for layer in chosen:
+                    staged, buffer = self.buffers[layer], pool.buffers[layer]
                     for run in runs:
                         buffer[run.dst:run.dst + run.length].copy_(staged[run.src:run.src + run.length])
                         staged[run.src:run.src + run.length].zero_()
                 return
             src = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
             dst = page_index(pool, pages)
-            for staged, buffer in zip(self.buffers, pool.buffers):
+            for layer in chosen:
+                staged, buffer = self.buffers[layer], pool.buffers[layer]
                 buffer.index_copy_(0, dst, staged.index_select(0, src))
                 staged.index_fill_(0, src, 0)
         self._on_device(copy)
@@ -255,3 +266,8 @@ class StagingArea:
         with torch.cuda.stream(stream):
             work()
         stream.synchronize()
+
+
+def _host(buffer: torch.Tensor) -> np.ndarray:
+    """A CPU layer buffer as uint8 `[pages, page bytes]`, no copy."""
+    return buffer.view(buffer.shape[0], -1).view(torch.uint8).numpy()

@@ -11,7 +11,7 @@ The attacks' common set-up is here too: a PD request whose transfer is held in f
 (`start_held_transfer`: its destination slots stay registered while the attacker writes), and
 the verdict a write into them must end in (`assert_refused_by_mac`). So is the set-up of the
 staging-window scripts: a PD pair whose decode side stages a given number of tokens
-(`staged_pair`), a prefill whose first window report waits (`hold_first_report`), and a batch
+(`staged_pair`), a prefill whose first report waits (`hold_first_report`), and a batch
 that must all equal the oracle and leave pools and staging empty (`serve_all_as_the_oracle`).
 """
 from __future__ import annotations
@@ -124,18 +124,26 @@ async def send_bodies(writes: list[tuple[socket.socket, int, int]], timeout_s: f
 
 async def start_held_transfer(pair: PDPair, prompt: list[int], params: SamplingParams, rid: str,
                               on_decode_event: Callable[[Any], Awaitable[None]] | None = None):
-    """Starts PD request `rid` on `pair` and returns once its prefill side has sent every byte but
-    holds back its TransferDone, so the transfer stays in flight on the decode side (its slots
-    registered) until the returned event is set. Returns (the request's gathered (prefill, decode)
-    outcomes, to await after setting it; that event)."""
+    """Starts PD request `rid` on `pair` and returns once its prefill side has written KV into the
+    decode side's staging that decode has not copied out yet: its first send, whose report is held
+    back (with everything after it), or, without reports (a transfer in windows reports only
+    those; an older peer none), every send, its TransferDone held back. The transfer stays in flight
+    on the decode side (its slots registered) until the returned event is set. Returns (the
+    request's gathered (prefill, decode) outcomes, to await after setting it; that event)."""
     sent, release = asyncio.Event(), asyncio.Event()
-    undo = hold_transfer_done(pair.prefill, sent, release)
+
+    async def hold() -> None:
+        sent.set()
+        await release.wait()
+    undo_done = hold_transfer_done(pair.prefill, sent, release)
+    undo_report = hold_first_report(pair.prefill.sender, hold, decode_rid=f"{rid}-d")
     p_req, d_req = pair.requests(prompt, params, rid)
     served = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_decode_event))
     try:
         await asyncio.wait_for(sent.wait(), 60)
-    finally:
-        undo()  # only this request's room holds its TransferDone
+    finally:  # only this request's room holds its report or its TransferDone
+        undo_report()
+        undo_done()
     return served, release
 
 
@@ -154,13 +162,19 @@ def staged_pair(staging_tokens: int, **decode_transport: Any) -> PDPair:
     return PDPair("mooncake", prefill_config=config, decode_config=staged)
 
 
-def hold_first_report(sender, wait: Callable[[], Awaitable[None]], each_channel: bool = False) -> None:
-    """The first window report `sender` (a prefill's KV sender) emits waits for `wait()` before it
-    goes out, so that window's slots stay taken; with `each_channel`, every channel's first report."""
+def hold_first_report(sender, wait: Callable[[], Awaitable[None]], *, decode_rid: str | None = None,
+                      each_channel: bool = False) -> Callable[[], None]:
+    """The first report (a KVChunk without data: a window's, or a send's, since decode lands each
+    send as its report comes) that `sender` (a prefill's KV sender) emits waits for `wait()` before
+    it goes out, and nothing of its transfer follows meanwhile: its cells stay in decode's staging,
+    not copied out. Only the channel of `decode_rid` where given; with `each_channel`, every
+    channel's first report. Returns the undo (the sender's `open` back)."""
     opener = sender.open
     held: list = []
 
     def holding(handshake, emit, *args, **kwargs):
+        if decode_rid is not None and handshake.decode_rid != decode_rid:
+            return opener(handshake, emit, *args, **kwargs)
         first = [] if each_channel else held
 
         async def emit_held(chunk):
@@ -170,6 +184,7 @@ def hold_first_report(sender, wait: Callable[[], Awaitable[None]], each_channel:
             await emit(chunk)
         return opener(handshake, emit_held, *args, **kwargs)
     sender.open = holding
+    return lambda: setattr(sender, "open", opener)
 
 
 async def serve_all_as_the_oracle(pair: PDPair, prompts: list[list[int]], params: SamplingParams,
