@@ -13,6 +13,9 @@ Parts (`--parts`, each written to `<out>/fp8_prefill.json` as soon as it ends):
   `import deep_gemm` works.
 - `norm_quant`, `qk_split` (bench/fusion_parts.py): RMSNorm fused with the FP8 quantisation, and
   MHA prefill reading q/k's rope parts apart, each against the path it replaces.
+- `post_norm_quant`, `tp_norm_quant`, `mla_route` (bench/norm_route_parts.py): the post-attention norm
+  fused into a dense gate_up_proj's quantisation; the input norm's packed rows for the TP all-gather;
+  MLA decode through Triton and FlashInfer, and which one attention backend "auto"'s route picks.
 - `moe`: the routed experts (top-k plus the fused shared experts) for 128..8192 tokens: bf16 Triton
   and `torch._grouped_mm` on the dequantised twin; FP8 Triton at the default tile and at
   `moe_tiles()`; DeepGEMM's grouped GEMM where it imports; a per-expert loop of torch's blockwise `scaled_mm` (a probe: one host sync, 2E GEMM
@@ -392,7 +395,7 @@ def commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for fp8_prefill.json")
-    parser.add_argument("--parts", default="quant,norm_quant,qk_split,linear,moe")
+    parser.add_argument("--parts", default="quant,norm_quant,qk_split,post_norm_quant,tp_norm_quant,mla_route,linear,moe")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="time no new shape after this many seconds (the GPU call is capped)")
     parser.add_argument("--models", default="V2-Lite,V3", help="shapes of these models")
@@ -407,9 +410,11 @@ def main() -> None:
                      "torch": torch.__version__, "commit": commit(),
                      "deep_gemm": importlib.util.find_spec("deep_gemm") is not None}
     from fusion_parts import norm_quant_part, qk_split_part  # beside this script (its folder is on sys.path)
+    from norm_route_parts import mla_route_part, post_norm_quant_part, tp_norm_quant_part
 
-    parts = {"quant": quant_part, "norm_quant": norm_quant_part, "qk_split": qk_split_part, "linear": linear_part,
-             "moe": moe_part}
+    parts = {"quant": quant_part, "norm_quant": norm_quant_part, "qk_split": qk_split_part,
+             "post_norm_quant": post_norm_quant_part, "tp_norm_quant": tp_norm_quant_part, "mla_route": mla_route_part,
+             "linear": linear_part, "moe": moe_part}
     out = Path(args.out) / "fp8_prefill.json"
     tables_path = Path(args.out) / "tile_tables.py"
 

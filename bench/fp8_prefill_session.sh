@@ -21,11 +21,11 @@ done
 TESTS=${TESTS:-tests/model/kernels/test_fp8_kernels.py tests/model/moe/test_moe_quant_method.py tests/model/kernels/test_fp8_deep_gemm.py \
 tests/model/kernels/test_moe_align_large.py tests/model/kernels/test_kernels.py tests/model/kernels/test_batch_invariant_kernels.py \
 tests/model/kernels/test_flashinfer_mla.py tests/model/kernels/test_rmsnorm_quant.py tests/model/quant/test_norm_fp8_linear.py \
-tests/model/attention/test_rope_split.py tests/model/test_jit_backends.py}
+tests/model/attention/test_rope_split.py tests/model/test_jit_backends.py tests/model/kernels/test_mla_decode_route.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
 (cd /tmp && timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
     $(for t in $TESTS; do echo "$REPO/$t"; done) \
-    -k "moe or fp8 or quant or deep_gemm or flashinfer_mla_decode or tiny_model or align or rope_split or start_up" 2>&1) | tee "$OUT/tests.log"
+    -k "moe or fp8 or quant or deep_gemm or flashinfer_mla_decode or tiny_model or align or rope_split or start_up or hopper" 2>&1) | tee "$OUT/tests.log"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 timeout "${BENCH_TIMEOUT:-290}" python3 bench/fp8_prefill_gpu.py --out "$OUT" --budget-s "${BENCH_BUDGET:-230}" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

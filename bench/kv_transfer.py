@@ -4,6 +4,8 @@
     .venv/bin/python bench/kv_transfer.py --device cuda              # GPU pool -> GPU pool (one GPU), 1 vs 4 streams
     .venv/bin/python bench/kv_transfer.py --layerwise                # one send per layer, as layer-wise prefill
     .venv/bin/python bench/kv_transfer.py --transport mooncake --netns   # ours vs raw Mooncake TCP
+    .venv/bin/python bench/kv_transfer.py --transport mooncake --netns --staging-tokens 2048 --no-ceiling
+                                                                     # the same prompt through staging windows
 
 The same classes and code path as the workers: `KVPush` (prefill) and `pull_kv` (decode) meet
 in a `RoomRegistry` behind a `BootstrapServer`: handshake, chunks, TransferDone and its
@@ -55,7 +57,7 @@ from deepseek_pd.workers.transport import TransportConfig, build_receiver, build
 from deepseek_pd.workers.transport.base import SAME_HOST_DIRECT_MODES
 from deepseek_pd.workers.transport.checksum import IMPLEMENTATION as CRC32_IMPLEMENTATION
 from deepseek_pd.workers.transport.stats import PHASES, TransferStats
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
@@ -87,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=BootstrapConfig.event_queue_depth,
                         help="credit window (events in flight)")
     parser.add_argument("--layerwise", action="store_true", help="send layer by layer (layers_ready)")
+    parser.add_argument("--staging-tokens", type=int, default=TransportConfig.mooncake_staging_tokens,
+                        help="mooncake: decode's staging (engine option mooncake_staging_tokens); below "
+                             "--tokens the prompt moves through windows of half of it (pass --no-ceiling)")
     parser.add_argument("--same-host-direct", default=TransportConfig.same_host_direct, choices=SAME_HOST_DIRECT_MODES,
                         help="grpc: device-to-device copies between same-host pools (auto: CUDA pools); "
                              "off measures the byte stream")
@@ -163,7 +168,8 @@ def _sync(device: torch.device) -> None:
 def configs(args: argparse.Namespace, streams: int, secret: bytes) -> tuple[TransportConfig, BootstrapConfig]:
     """Both sides' settings; `secret`: the deployment secret both processes share (split mode)."""
     return (TransportConfig(max_chunk_bytes=int(args.chunk_mb * 2**20), io_threads=args.io_threads, send_timeout_s=60,
-                            grpc_streams=streams, same_host_direct=args.same_host_direct),
+                            grpc_streams=streams, same_host_direct=args.same_host_direct,
+                            mooncake_staging_tokens=args.staging_tokens),
             BootstrapConfig(port=0, transfer_timeout_s=300, event_queue_depth=args.window,
                             auth=InternalAuth(secret=secret)))
 

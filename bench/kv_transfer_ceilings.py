@@ -51,7 +51,7 @@ async def raw_grpc(total_bytes: int, message_bytes: int, repeats: int, streams: 
 
 def raw_mooncake(setup, sender, receiver) -> float:
     """Seconds of one raw `batch_transfer_sync_write` of the same batch between the same two engines."""
-    from deepseek_pd.workers.transport.mooncake import build_write_batch
+    from deepseek_pd.workers.transport.mooncake_channel import build_write_batch
 
     # Decode's pool is never registered: writers reach only its staging (workers/transport/staging.py),
     # so the raw write goes to the staging's first pages, registered around it (outside its timing)

@@ -8,8 +8,9 @@
 # process at 789 tokens, with the model thread in inference mode and as before (in turn on each
 # prompt), and a torch trace of the last pairs.
 # PART=mac (about 1 min): the mooncake KV MAC's GPU tests (each send hashes its layer on a side stream
-# after its event; decode's check waits for no decode step) and bench/kv_mac_finish.py, what is left
-# of the MAC at `finish` against the one-shot MAC of a 4k-token V2-Lite prompt; the sampling batch's
+# after its event; decode lands each send out of its device staging and MACs it, its check waits for
+# no decode step) and bench/kv_mac_finish.py, what is left of the MAC at prefill's `finish` and at
+# decode's check against the one-shot MAC of a 4k-token V2-Lite prompt; the sampling batch's
 # GPU tests (no sync in `sample`, penalty tables built on the sampling thread).
 # PART=penalty (about 3 min, not in all): prefill_step_ratio.py with a repetition penalty on every
 # request (sampling tables built on the model thread, not the event loop), 8 requests.
@@ -27,6 +28,7 @@ fi
 if [ "$PART" = all ] || [ "$PART" = mac ]; then
     (cd /tmp && timeout "${MAC_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider -rs --durations=5 \
         "$REPO/tests/workers/transport/test_kv_mac_cuda.py" \
+        "$REPO/tests/workers/transport/test_staging_cuda.py" \
         "$REPO/tests/model/sampling/test_sampling_batch.py" 2>&1) | tee "$OUT/mac_tests.log"
     (cd /tmp && timeout 60 python3 "$REPO/bench/kv_mac_finish.py" --device cuda --tokens 4096 --layerwise \
         --json "$OUT/kv_mac_finish.json" 2>&1; timeout 60 python3 "$REPO/bench/kv_mac_finish.py" --device cuda \

@@ -51,7 +51,10 @@ class DeepseekDecoderLayer(nn.Module):
         self.dispatcher = dispatcher
         self.comm = LayerCommunicator(LayerScatterModes.for_layer(config, layer_id, options.parallel),
                                       self.input_layernorm, self.post_attention_layernorm, options.parallel,
-                                      norm_quant_group(self.input_layernorm, self.self_attn.input_projections))
+                                      norm_quant_group(self.input_layernorm, self.self_attn.input_projections),
+                                      # a MoE layer's router reads the normed rows unquantised
+                                      None if self.is_moe else
+                                      norm_quant_group(self.post_attention_layernorm, (self.mlp.gate_up_proj,)))
         self.ops = bound_ops(self)
 
     # ---- attention ------------------------------------------------------------------------

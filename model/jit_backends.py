@@ -7,7 +7,9 @@ Hopper, a compiler error) would otherwise start, then fail its first request. So
 is built, in the process that runs it, `with_compiled_jit_backends` runs each named one's kernel
 once (`compile_and_run_once`, which also moves the compile time from the first request to
 start-up); where that raises, it logs the reason and sets the field to what "auto" resolves to
-(`RunnerConfig.auto_choice`: the Triton kernels on CUDA).
+(`RunnerConfig.auto_choice`: the Triton kernels on CUDA). An "auto" field that picks one
+(attention "auto" picks FlashInfer where it can win, model/kernels/mla_decode_route.py) is named
+first, so a library caller's "auto" is checked as a resolved one is.
 
     config = with_compiled_jit_backends(config, model_config)
     # attention_backend 'flashinfer' cannot run here (no nvcc ...); running 'triton' (what auto picks) instead
@@ -56,6 +58,10 @@ def with_compiled_jit_backends(config: RunnerConfig, model_config: ModelConfig,
                                backends: tuple[JitBackend, ...] = JIT_BACKENDS) -> RunnerConfig:
     """`config` with every JIT backend it names compiled and run once on its device, or replaced
     by the field's "auto" choice where that fails (logged as a warning with the reason)."""
+    if config.attention_backend == "auto":
+        picked = config.resolve_attention_backend(model_config)
+        if any(b.field == "attention_backend" and b.name == picked for b in backends):
+            config = replace(config, attention_backend=picked)
     for backend in backends:
         if getattr(config, backend.field) != backend.name:
             continue

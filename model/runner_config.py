@@ -19,11 +19,12 @@ from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX
                                              decode_capturable)
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
 from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
+from deepseek_pd.model.kernels.mla_decode_route import AttentionHost, auto_attention_backend
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import (check_speculative_num_steps, graph_tokens_per_sequence,
                                                  graphs_default_blocker)
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
-from deepseek_pd.model.runner_rules import (FP8_BACKEND_CHOICES, deterministic_blocker, graph_settings_blocker,
+from deepseek_pd.model.runner_rules import (deterministic_blocker, graph_settings_blocker, sizing_blocker,
                                             tbo_blocker)
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.distributed.parallel import ParallelInfo
@@ -38,6 +39,15 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def attention_host(device: str) -> AttentionHost:
+    """The machine as attention backend "auto" sees it (model/kernels/mla_decode_route.py), asked
+    without creating a CUDA context."""
+    from deepseek_pd.model.kernels.flashinfer_mla import flashinfer_mla_blocker
+
+    cuda = is_cuda(device)
+    return AttentionHost(cuda, _triton_available(), flashinfer_mla_blocker() if cuda else "no CUDA device")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,7 +93,9 @@ class RunnerConfig:
     mha_chunked_kv_threshold: int = 256
     prefix_chunk_size: int = 8192
     num_fused_shared_experts: int = 0
-    # auto: the Triton kernels on CUDA when Triton imports, else the plain-torch reference.
+    # auto: FlashInfer's MLA decode where it can run and wins at the model's heads per rank (its
+    # kernel compiled at start-up, else Triton), the Triton kernels on CUDA when Triton imports,
+    # else the plain-torch reference (`resolve_attention_backend`, model/kernels/mla_decode_route.py).
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
@@ -141,8 +153,13 @@ class RunnerConfig:
                             "(model.device.resolve_device, or RunnerConfig.resolve)")
         if not isinstance(self.cuda_graph, bool):
             raise UserError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
-        if self.page_size < 1 or (self.num_pages is not None and self.num_pages < 1):
-            raise UserError(f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}")
+        if (blocker := sizing_blocker(page_size=self.page_size, mem_fraction_static=self.mem_fraction_static,
+                                      mem_headroom_gib=self.mem_headroom_gib, gpu_workers=self.gpu_workers,
+                                      kv_share=self.kv_share, ep_num_redundant_experts=self.ep_num_redundant_experts,
+                                      fp8_backend=self.fp8_backend)) is not None:
+            raise UserError(blocker)
+        if self.num_pages is not None and self.num_pages < 1:
+            raise UserError(f"num_pages must be >= 1, got {self.num_pages}")
         self._check_pool_sizing()
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:
@@ -153,12 +170,8 @@ class RunnerConfig:
             raise UserError(blocker)
         self.tbo_rules()  # validates the thresholds even when TBO is off
         self.dispatch_config()  # validates the mode and the capacity
-        if self.ep_num_redundant_experts < 0:
-            raise UserError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
         self.cuda_graph_config()  # validates the limits even when graphs are off
         check_speculative_num_steps(self.speculative_num_steps)
-        if self.fp8_backend not in FP8_BACKEND_CHOICES:
-            raise UserError(f"fp8_backend {self.fp8_backend!r} is not one of {', '.join(FP8_BACKEND_CHOICES)}")
         if self.deterministic and (blocker := self.deterministic_blocker()) is not None:
             raise UserError(f"--deterministic: {blocker}")
 
@@ -173,18 +186,10 @@ class RunnerConfig:
         if (self.num_pages is None) == (self.mem_fraction_static is None):
             raise UserError("size the KV pool by num_pages or by mem_fraction_static (with num_pages=None), "
                             f"not {'both' if self.num_pages is not None else 'neither'}")
-        if self.mem_headroom_gib is not None and self.mem_headroom_gib < 0:
-            raise UserError(f"mem_headroom_gib must be >= 0, got {self.mem_headroom_gib}")
         if self.mem_reserve_bytes < 0:
             raise UserError(f"mem_reserve_bytes must be >= 0, got {self.mem_reserve_bytes}")
-        try:
-            self.gpu_share
-        except ValueError as exc:
-            raise UserError(f"--gpu-workers/--kv-share: {exc}") from None
         if self.mem_fraction_static is None:
             return
-        if not 0 < self.mem_fraction_static <= 1:
-            raise UserError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if not is_cuda(self.device):
             raise UserError(f"mem_fraction_static sizes the KV pool from GPU memory; on {self.device!r} "
                             f"give the pool size instead (--num-pages / --max-total-tokens)")
@@ -202,7 +207,7 @@ class RunnerConfig:
         requested_graphs = fields.pop("cuda_graph", None)
         draft = cls(device=device, **fields)
         resolved = replace(draft, dtype=_DTYPE_NAMES[draft.resolve_dtype(model_config)],
-                           attention_backend=draft.resolve_backend(draft.attention_backend),
+                           attention_backend=draft.resolve_attention_backend(model_config),
                            moe_backend=draft.resolve_backend(draft.moe_backend),
                            norm_rope_backend=draft.resolve_backend(draft.norm_rope_backend),
                            dispatcher=draft.resolve_dispatcher(),
@@ -288,7 +293,25 @@ class RunnerConfig:
             raise UserError(f"tp_size={self.tp_size} but the TP group passed in has {parallel.tp_size} ranks")
         return parallel
 
+    def resolve_attention_backend(self, model_config: ModelConfig) -> str:
+        """`attention_backend`, with "auto" decided by `auto_attention` (and the reason logged)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        name, why = self.auto_attention(model_config)
+        log.info("attention_backend auto: %r (%s)", name, why)
+        return name
+
+    def auto_attention(self, model_config: ModelConfig, host: AttentionHost | None = None) -> tuple[str, str]:
+        """(what attention backend "auto" picks for this model, why) on `host` (this machine when None)."""
+        return auto_attention_backend(host or attention_host(self.device),
+                                      heads_per_rank=model_config.num_attention_heads // self.tp_size,
+                                      widths=(model_config.kv_lora_rank, model_config.qk_rope_head_dim),
+                                      dtype=_DTYPE_NAMES[self.resolve_dtype(model_config)],
+                                      deterministic=self.invariant_kernels)
+
     def resolve_backend(self, name: str) -> str:
+        """A MoE or norm/RoPE backend name (an attention one where "auto" is to pick no JIT backend):
+        "auto" is Triton on CUDA when Triton imports, else torch."""
         if name != "auto":
             return name
         return "triton" if is_cuda(self.device) and _triton_available() else "torch"
@@ -328,9 +351,12 @@ class RunnerConfig:
 
     def auto_choice(self, field: str, model_config: ModelConfig) -> str:
         """What "auto" resolves to for the backend field `field` (attention, MoE, norm/RoPE or FP8
-        GEMM), as `resolve` decides it: the fallback of a named backend that cannot run here."""
+        GEMM), as `resolve` decides it, with no JIT backend: the fallback of one that cannot run here."""
         if field == "fp8_backend":
             return replace(self, fp8_backend="auto").resolve_fp8_backend(model_config) or "dequant"
+        if field == "attention_backend":
+            host = replace(attention_host(self.device), flashinfer_blocker="FlashInfer failed its start-up check")
+            return self.auto_attention(model_config, host)[0]
         return self.resolve_backend("auto")
 
     def expert_location(self, model_config: ModelConfig) -> ExpertLocation | None:

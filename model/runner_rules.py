@@ -10,12 +10,36 @@ attention TP (tp_size > 1)"; `tbo_blocker(tp_size=1)` -> None.
 """
 from __future__ import annotations
 
+from deepseek_pd.model.kv.memory_budget import GpuShare
+
 # `fp8_backend`'s choices (model/quant/fp8_linear.py); the operator's memory plan reads them too.
 # "deep_gemm" (DeepGEMM, where installed) is never what "auto" picks; model/jit_backends.py falls back
 # from it where it cannot compile.
 FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton", "deep_gemm")
 # The backends with a batch-invariant version (model/attention/invariant_backends.py, model/moe/invariant_experts.py).
 INVARIANT_BACKENDS = ("auto", "torch", "triton")
+
+
+def sizing_blocker(*, page_size: int, mem_fraction_static: float | None, mem_headroom_gib: float | None,
+                   gpu_workers: int, kv_share: float, ep_num_redundant_experts: int, fp8_backend: str) -> str | None:
+    """Which of the settings that size a rank's memory (the KV pool, the headroom, the GPU share, the
+    expert slots, how FP8 weights are kept) is out of range; None when none is. The operator's memory
+    plan reads the same settings, and `serve`'s flag rules refuse them first."""
+    if page_size < 1:
+        return f"page_size must be >= 1, got {page_size}"
+    if mem_fraction_static is not None and not 0 < mem_fraction_static <= 1:
+        return f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}"
+    if mem_headroom_gib is not None and mem_headroom_gib < 0:
+        return f"mem_headroom_gib must be >= 0, got {mem_headroom_gib}"
+    try:
+        GpuShare(gpu_workers, kv_share)
+    except ValueError as exc:
+        return f"--gpu-workers/--kv-share: {exc}"
+    if ep_num_redundant_experts < 0:
+        return f"ep_num_redundant_experts must be >= 0, got {ep_num_redundant_experts}"
+    if fp8_backend not in FP8_BACKEND_CHOICES:
+        return f"fp8_backend {fp8_backend!r} is not one of {', '.join(FP8_BACKEND_CHOICES)}"
+    return None
 
 
 def tbo_blocker(tp_size: int) -> str | None:

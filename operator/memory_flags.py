@@ -11,23 +11,25 @@ the MTP layer, its weights and a pool layer more of KV), and for the headroom's 
 (model/kv/memory_headroom.py) `cuda_graph`, `cuda_graph_max_batch`, `max_running_requests` and
 `record_expert_load`, and `mooncake_staging_tokens` (the staging area a decode worker over
 Mooncake allocates, workers/serve/kv_staging.py); the others are the worker's business. Anything the worker would refuse
-raises `ValueError` naming the flag.
+raises `ValueError` naming the flag: what `serve` refuses from its flags alone in its own words
+(workers/serve/flag_rules.py `check_flags`, the one rule set: the memory settings' ranges are
+model/runner_rules.py `sizing_blocker`, which `RunnerConfig` applies too), the rest as the configs would.
 
 Example: `parse_memory_flags("decode", ["--engine-opt", "fp8_backend=dequant", "--page-size=64"])`
 -> `MemoryFlags(serve=ServeFlags(role="decode", page_size=64, ...), fp8_backend="dequant", ...)`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
-from deepseek_pd.model.runner_rules import FP8_BACKEND_CHOICES as FP8_BACKENDS  # the runner's own list
 from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
-from deepseek_pd.model.speculative.rules import check_speculative_num_steps
-from deepseek_pd.workers.serve.engine_options import parse_bool, parse_key_values
+from deepseek_pd.workers.serve.engine_options import parse_engine_options
+from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.serve.flags import ServeFlags
 
 
@@ -63,61 +65,26 @@ class MemoryFlags:
         return None
 
 
-# Each engine option read, with its type; a value is parsed as `--engine-opt` parses one.
-_OPTIONS: dict[str, type] = {
-    "fp8_backend": str, "mem_headroom_gib": float, "num_fused_shared_experts": int,
-    "cuda_graph": bool, "cuda_graph_max_batch": int, "max_running_requests": int,
-    "record_expert_load": bool, "enable_tbo": bool, "speculative_num_steps": int,
-    "mooncake_staging_tokens": int,
-}
-
-
 def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
     """`args` (a role's engineArgs) as the worker parses them; ValueError on a bad value."""
     serve = ServeFlags.from_argv([role, *args])
     try:
-        raw = parse_key_values(serve.all_engine_options)
+        check_flags(serve)  # what `serve` refuses from its flags alone, in its words (the option keys too)
+        options = parse_engine_options(serve.all_engine_options)
     except UserError as exc:
         raise ValueError(str(exc)) from None
-    fields: dict[str, object] = {}
-    for key, kind in _OPTIONS.items():
-        if key not in raw:
-            continue
-        try:
-            fields[key] = parse_bool(raw[key]) if kind is bool else kind(raw[key])
-        except ValueError:
-            raise ValueError(f"--engine-opt {key}={raw[key]!r} is not a valid {kind.__name__}") from None
-    flags = MemoryFlags(serve, **fields)
+    read = {spec.name for spec in dataclasses.fields(MemoryFlags)} - {"serve"}
+    flags = MemoryFlags(serve, **{key: value for key, value in options.items() if key in read})
     _check(flags)
     return flags
 
 
 def _check(flags: MemoryFlags) -> None:
-    """What the worker would refuse (RunnerConfig, serve_resolution), said as it would."""
+    """What the worker's configs refuse beyond serve's flag rules (SchedulerConfig, TransportConfig,
+    RunnerConfig), said as they would."""
     serve = flags.serve
     if serve.dtype not in ("auto", *DTYPE_BYTES):
         raise ValueError(f"--dtype {serve.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
-    if flags.fp8_backend not in FP8_BACKENDS:
-        raise ValueError(f"--engine-opt fp8_backend={flags.fp8_backend!r} is not one of "
-                         f"{', '.join(FP8_BACKENDS)}")
-    if (serve.page_size < 1 or not 0 < serve.budget_fraction <= 1
-            or (flags.mem_headroom_gib is not None and flags.mem_headroom_gib < 0)):
-        raise ValueError("--page-size must be >= 1, --mem-fraction-static in (0, 1] and "
-                         "mem_headroom_gib >= 0")
-    try:
-        check_speculative_num_steps(flags.speculative_num_steps)
-    except UserError as exc:
-        raise ValueError(str(exc)) from None
-    try:
-        serve.gpu_share
-    except ValueError as exc:
-        raise ValueError(f"--gpu-workers/--kv-share: {exc}") from None
     for name in ("cuda_graph_max_batch", "max_running_requests", "mooncake_staging_tokens"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             raise ValueError(f"--engine-opt {name} must be >= 1")
-    redundant = serve.parallel.ep_num_redundant_experts
-    if redundant < 0:
-        raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {redundant}")
-    for name in ("num_pages", "max_total_tokens"):
-        if getattr(serve, name) is not None and getattr(serve, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -163,7 +163,7 @@ class KVStreamOpen(_message.Message):
     def __init__(self, room: _Optional[int] = ..., index: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class MooncakeDestination(_message.Message):
-    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol", "kv_mac_algorithms", "window_pages")
+    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol", "kv_mac_algorithms", "window_pages", "report_sends")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class MooncakeDestination(_message.Message):
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     KV_MAC_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_SENDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layer_base_addrs: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
@@ -178,7 +179,8 @@ class MooncakeDestination(_message.Message):
     protocol: str
     kv_mac_algorithms: _containers.RepeatedScalarFieldContainer[str]
     window_pages: int
-    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ..., kv_mac_algorithms: _Optional[_Iterable[str]] = ..., window_pages: _Optional[int] = ...) -> None: ...
+    report_sends: bool
+    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ..., kv_mac_algorithms: _Optional[_Iterable[str]] = ..., window_pages: _Optional[int] = ..., report_sends: _Optional[bool] = ...) -> None: ...
 
 class FakeDestination(_message.Message):
     __slots__ = ("pool_key",)

@@ -202,7 +202,7 @@ def test_no_import_circles():
 # The worker folders are the PD diagram: serve/ builds a worker and knows everything; the two roles
 # (prefill/, decode/) know the shared folders but not each other (they meet only through
 # transport/); the shared folders (engine/, transport/, group/, api/, metrics/) know no role and
-# not serve/; the engine core knows neither the gRPC front nor rank groups. model/ is the model
+# not serve/; the engine core knows neither the gRPC front, rank groups nor the transports. model/ is the model
 # and knows nothing of the workers, the operator or the CLI; the workers and the operator are
 # started by the launcher (`up`) and the CLI, and know neither (what they share with the launcher,
 # such as deepseek_pd/ports.py, sits below all of them).
@@ -210,7 +210,9 @@ _ENTRY_POINTS = (f"{ROOT_PACKAGE}.launcher", f"{ROOT_PACKAGE}.cli", f"{ROOT_PACK
 _W = f"{ROOT_PACKAGE}.workers"
 _ROLES_AND_SERVE = (f"{_W}.prefill", f"{_W}.decode", f"{_W}.serve")
 FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
-    f"{_W}.engine": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group"),
+    # transport/ uses the engine's types (failure codes, scheduler limits); the engine core knows no
+    # transport (its config is the roles', workers/transport/worker_config.py)
+    f"{_W}.engine": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group", f"{_W}.transport"),
     f"{_W}.transport": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group"),
     f"{_W}.metrics": (*_ROLES_AND_SERVE, f"{_W}.api", f"{_W}.group", f"{_W}.transport"),
     f"{_W}.api": (*_ROLES_AND_SERVE, f"{_W}.group", f"{_W}.transport"),

@@ -200,7 +200,7 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         spec = self.spec
         if spec.kv_transport == "mooncake":
-            from deepseek_pd.workers.transport.mooncake import exposure_warning
+            from deepseek_pd.workers.transport.mooncake_engine import exposure_warning
 
             logger.warning("up --kv-transport mooncake: %s", exposure_warning(spec.host))
         from deepseek_pd.launcher.gpu_share import check_gpus_for_groups  # imports torch, as resolving does

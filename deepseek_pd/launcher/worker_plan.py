@@ -29,6 +29,7 @@ from typing import Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.memory_budget import GpuShare
+from deepseek_pd.workers.serve.engine_options import parse_engine_options
 from deepseek_pd.workers.serve.flags import GROUP_FLAGS, ParallelFlags, ServeFlags
 
 ROLES = ("prefill", "decode")
@@ -89,12 +90,19 @@ def resolve_group_shape(role: str, ranks: int, dp: int | None = None, ep: int | 
 
 
 def check_worker_args(worker_args: Sequence[str]) -> None:
-    """Refuses a --worker-arg that would change a group's shape behind `up`'s back."""
+    """Refuses a --worker-arg that would change a group's shape behind `up`'s back, that is no
+    `serve` flag, or that sets an `--engine-opt` key no worker has (or a value not of its type):
+    before any worker starts, not in every worker's log."""
     for arg in worker_args:
         name = arg.split("=", 1)[0]
         if name in GROUP_FLAGS:
             raise UserError(f"--worker-arg={arg}: `up` sets the workers' group flags itself; use "
                             f"--prefill-ranks/--decode-ranks/--dp/--ep/--enable-tbo")
+    try:
+        flags = ServeFlags.from_argv(["decode", *worker_args])
+    except ValueError as exc:
+        raise UserError(f"--worker-arg: {exc}") from None
+    parse_engine_options(flags.all_engine_options)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
 """Attention backend "flashinfer": FlashInfer's Hopper MLA decode where it wins, our Triton elsewhere.
 
     mla_decode   FlashInfer's sm90 kernel (`kernels/flashinfer_mla.py`) for the batch shapes in
-                 `MLADecodeRoute`, planned once per batch and shared by all layers through
+                 `MLADecodeRoute` (`kernels/mla_decode_route.py`, with the rule by which "auto"
+                 picks this backend), planned once per batch and shared by all layers through
                  `batch.derived`; the Triton kernel for the rest (it wins at small batches, where
                  FlashInfer's fixed planning and launch cost dominates), for fp32, and for
                  widths other than DeepSeek's 512 + 64 (the tiny test models).
     everything else  the Triton backend's (MHA prefill, prefix merges, mla_extend).
 
 Built only where FlashInfer imports and the GPU is Hopper: `ATTENTION_BACKENDS.build("flashinfer")`
-is a UserError elsewhere, and "auto" never picks it there.
+is a UserError elsewhere, and "auto" never picks it there (nor where its start-up check fails,
+model/jit_backends.py).
 
 CUDA graphs: the plan is host work on each batch's lengths, which a replayed graph would skip.
 A graph's static batch (`batch.graph_bucket`) therefore uses one `GraphMLAPlan` per bucket and
@@ -18,7 +20,6 @@ Eager batches plan wrappers lent by a `WrapperPool` (one per device), built once
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -30,28 +31,9 @@ from deepseek_pd.model.forward_batch import ForwardBatch
 from deepseek_pd.model.kernels.flashinfer_mla import (
     SUPPORTED_WIDTHS, GraphMLAPlan, MLAPlan, WrapperPool, eager_wrapper_pool, flashinfer_mla_available, plan_decode,
 )
+from deepseek_pd.model.kernels.mla_decode_route import MLADecodeRoute
 
 _PLAN = "flashinfer_mla_plan"
-
-
-@dataclass(frozen=True)
-class MLADecodeRoute:
-    """Which decode batches go to FlashInfer: at least `min_batch_many_heads` sequences when a
-    rank holds `many_heads` heads or more (V3: 128), at least `min_batch_few_heads` below that
-    (V2-Lite: 16). Measured on one H100 (docs/performance.md, 2026-12-06): at 128 heads FlashInfer
-    is 2.8x faster at batch 32 and 4.4x at 128, Triton 2.3x faster at batch 1; at 16 heads, batch
-    128, the two are equal.
-
-    Example: route = MLADecodeRoute(); route.uses_flashinfer(128, 1) → False; (128, 32) → True.
-    """
-
-    many_heads: int = 64
-    min_batch_many_heads: int = 8
-    min_batch_few_heads: int = 1 << 30  # never: equal at batch 128, and Triton is capturable
-
-    def uses_flashinfer(self, heads: int, batch: int) -> bool:
-        need = self.min_batch_many_heads if heads >= self.many_heads else self.min_batch_few_heads
-        return batch >= need
 
 
 @ATTENTION_BACKENDS.register("flashinfer")

@@ -24,6 +24,7 @@ The torch backend (`model/attention/torch_backend.py`) is the oracle: tests/mode
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import weakref
@@ -32,11 +33,12 @@ from typing import Callable, Sequence
 
 import torch
 
+from deepseek_pd.model.kernels.mla_decode_route import FLASHINFER_WIDTHS
+
 # FlashInfer's recommended float workspace (split-K partials); one per device, shared by all plans.
 _WORKSPACE_BYTES = 128 << 20
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-# The latent and rope widths FlashInfer's MLA kernels are compiled for (DeepSeek-V2/V3).
-SUPPORTED_WIDTHS = (512, 64)
+SUPPORTED_WIDTHS = FLASHINFER_WIDTHS  # the latent and rope widths its kernels are compiled for
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,13 +47,25 @@ def flashinfer_mla_available() -> bool:
     to JIT-compile its kernel on first use (without it the first plan would fail mid-serving)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
-    if not _nvcc_found():
+    if flashinfer_mla_blocker() is not None:
         return False
     try:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
     except Exception:  # an import error, or a broken install (missing nvcc headers, ABI)
         return False
     return True
+
+
+def flashinfer_mla_blocker() -> str | None:
+    """Why FlashInfer's MLA decode cannot be chosen here, judged without touching the GPU (`serve`
+    decides its backends before any rank exists, and holds no CUDA context); None when it may be:
+    the package is installed and nvcc is there to compile its kernel. The GPU itself is judged
+    where the kernel runs (`compile_and_run_once`, at a rank's start-up: model/jit_backends.py)."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return "FlashInfer is not installed (Dockerfile.cuda WITH_FLASHINFER=1 installs it)"
+    if not _nvcc_found():
+        return "no nvcc (on PATH or in CUDA_HOME/bin) to compile FlashInfer's MLA kernel"
+    return None
 
 
 def compile_and_run_once(device: str, dtype: torch.dtype = torch.bfloat16) -> None:

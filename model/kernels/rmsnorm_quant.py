@@ -51,18 +51,22 @@ def _rmsnorm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, dim, g
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
-                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   residual: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x `[T, D]` (unit last stride, any row stride), weight `[D]` → (x_fp8 `[T, D]` e4m3, x_scale
     fp32 `[T, ceil(D/group)]`, the new residual `x + residual` or None).
 
-    The normed row before quantisation is in `promote(weight, x)`'s dtype, as `rms_norm` returns it."""
+    `out`: the (x_fp8, x_scale) to write, any row strides (e.g. both parts of one packed buffer that
+    a collective then moves whole). The normed row before quantisation is in `promote(weight, x)`'s
+    dtype, as `rms_norm` returns it."""
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
     res_out = checked_residual_out(x, weight, residual)
     tokens, dim = x.shape
     groups = num_groups(dim, group)
-    q = torch.empty(tokens, dim, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(tokens, groups, dtype=torch.float32, device=x.device)
+    q, scale = out if out is not None else (torch.empty(tokens, dim, dtype=FP8_DTYPE, device=x.device),
+                                            torch.empty(tokens, groups, dtype=torch.float32, device=x.device))
+    _check_out(q, scale, tokens, dim, groups, x.device)
     if tokens == 0 or dim == 0:
         return q, scale, res_out
     block = max(16, next_power_of_2(dim))
@@ -74,3 +78,12 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
         GROUP_BLOCK=max(16, next_power_of_2(group)), GROUPS_BLOCK=next_power_of_2(groups),
         num_warps=4 if block <= 2048 else 8)  # kernels/rmsnorm.py's, so its reduction
     return q, scale, res_out
+
+
+def _check_out(q: torch.Tensor, scale: torch.Tensor, tokens: int, dim: int, groups: int, device: torch.device) -> None:
+    if q.shape != (tokens, dim) or q.dtype != FP8_DTYPE or scale.shape != (tokens, groups) \
+            or scale.dtype != torch.float32:
+        raise ValueError(f"out must be e4m3 [{tokens}, {dim}] and fp32 [{tokens}, {groups}], got "
+                         f"{q.dtype} {tuple(q.shape)} and {scale.dtype} {tuple(scale.shape)}")
+    if q.stride(-1) != 1 or scale.stride(-1) != 1 or q.device != device or scale.device != device:
+        raise ValueError("out needs a unit last stride, on x's device")

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepseek_pd.model.quant.fp8_linear import Fp8Spec, make_linear
+from deepseek_pd.model.quant.norm_fp8_linear import Rows, apply
 
 
 class GatedMLP(nn.Module):
@@ -19,6 +20,7 @@ class GatedMLP(nn.Module):
                                         row_splits=(intermediate_size,))
         self.down_proj = make_linear(intermediate_size, hidden_size, fp8, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: Rows) -> torch.Tensor:
+        """x `[T, H]`, or its `QuantisedRows` where the post-attention norm quantised them."""
+        gate, up = apply(self.gate_up_proj, x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -84,7 +84,9 @@ class TritonFp8Gemm:
         if x_fp8.shape[0] >= CUBLAS_MIN_ROWS and x_fp8.is_cuda \
                 and self._cublas.fits_blockwise(*weight.shape, block_n, block_k) \
                 and self._cublas.blockwise_scaled_mm_available(x_fp8.device.index or 0):
-            return self._cublas.scaled_mm_block_fp8(x_fp8, x_scale, weight, scale, out_dtype)
+            # Rows gathered packed under attention TP (quant/norm_fp8_linear.py) have a row stride
+            # past their width, which the Triton kernel takes; cuBLAS is given them dense.
+            return self._cublas.scaled_mm_block_fp8(x_fp8.contiguous(), x_scale, weight, scale, out_dtype)
         return self._matmul(x_fp8, x_scale, weight, scale, block_n, block_k, out_dtype)
 
 
@@ -107,7 +109,7 @@ class DeepGemmFp8Gemm(TritonFp8Gemm):
     def matmul_quantised(self, x_fp8, x_scale, weight, scale, block_n, block_k, out_dtype):
         if not self._deep_gemm.fits(*weight.shape, block_n, block_k):
             return super().matmul_quantised(x_fp8, x_scale, weight, scale, block_n, block_k, out_dtype)
-        return self._deep_gemm.dense(x_fp8, x_scale, weight, scale, out_dtype)
+        return self._deep_gemm.dense(x_fp8.contiguous(), x_scale.contiguous(), weight, scale, out_dtype)
 
 
 if importlib.util.find_spec("deep_gemm") is not None:

@@ -11,6 +11,8 @@ layer is built (`norm_quant_group`); used by
 
     MLA's q_a_layernorm -> q_b_proj         NormThenLinear(self.q_a_layernorm, self.q_b_proj)(q_a)
     the input norm -> q_a + kv_a (or q, kv_a)  LayerCommunicator(..., attn_quant_group=...)
+    the post-attention norm -> a dense layer's gate_up_proj  LayerCommunicator(..., mlp_quant_group=...)
+                                            (a MoE layer's router reads the normed rows in the model dtype)
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch import nn
 
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.quant.fp8_linear import Fp8Linear
+from deepseek_pd.model.quant.fp8_ops import FP8_DTYPE, num_groups
 
 
 @dataclass(frozen=True)
@@ -46,16 +49,41 @@ def norm_quant_group(norm: RMSNorm, linears: Sequence[nn.Module]) -> int | None:
     return groups.pop() if len(groups) == 1 and None not in groups else None
 
 
-def add_norm_quant(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
-                   group: int) -> tuple[QuantisedRows, torch.Tensor]:
-    """`norm.add_and_norm(x, residual)` with the normed rows quantised in the same launch."""
+def add_norm_quant(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, group: int,
+                   packed: torch.Tensor | None = None) -> tuple[QuantisedRows, torch.Tensor]:
+    """`norm.add_and_norm(x, residual)` with the normed rows quantised in the same launch; written
+    into `packed` (`packed_rows`) when given."""
     lead, dim = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, dim)
+    out = None if packed is None else unpacked(packed, dim, group)
     x_fp8, x_scale, new_residual = norm.ops.rms_norm_quant(
-        flat, norm.weight, norm.eps, group, None if residual is None else residual.reshape(flat.shape))
+        flat, norm.weight, norm.eps, group, None if residual is None else residual.reshape(flat.shape), out=out)
     new_residual = flat if new_residual is None else new_residual
     rows = QuantisedRows(x_fp8, x_scale, torch.promote_types(norm.weight.dtype, x.dtype))
     return rows, new_residual.view(*lead, dim)
+
+
+# Quantised rows that a collective moves (attention TP's all-gather of the input norm's rows) travel
+# as one uint8 buffer `[T, D + 4 * ceil(D / group)]`: each row's e4m3 bytes, then its fp32 scales.
+# One collective of about half the bytes of the model-dtype rows, and the same bits as gathering
+# those and quantising after (the quantisation is per row).
+
+def packs(dim: int) -> bool:
+    """Whether rows of width `dim` can travel packed (the scales must start 4-byte aligned)."""
+    return dim % 4 == 0
+
+
+def packed_rows(tokens: int, dim: int, group: int, device: torch.device | str) -> torch.Tensor:
+    """An empty packed buffer for `tokens` quantised rows."""
+    return torch.empty(tokens, dim + 4 * num_groups(dim, group), dtype=torch.uint8, device=device)
+
+
+def unpacked(packed: torch.Tensor, dim: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_fp8 `[T, D]`, x_scale `[T, groups]`): views into `packed`, row stride its width."""
+    if not packs(dim) or packed.dtype != torch.uint8 or packed.shape[-1] != dim + 4 * num_groups(dim, group):
+        raise ValueError(f"not a packed buffer of rows of {dim} in groups of {group}: "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    return packed[:, :dim].view(FP8_DTYPE), packed[:, dim:].view(torch.float32)
 
 
 def apply(linear: nn.Module, rows: Rows) -> torch.Tensor:

@@ -40,6 +40,18 @@ def test_tiny_run_checks_and_times_every_variant(tmp_path: Path) -> None:
         assert row["bytes_equal"] and row["fused_ms"] > 0 and row["unfused_ms"] > 0, row
     for row in results["qk_split"]["rows"]:
         assert row["equal"] and row["split_ms"] > 0 and row["concat_then_kernel_ms"] > 0, row
+    # The post-attention and TP norm fusions (bench/norm_route_parts.py): the same outputs, both timed;
+    # the packed rows the TP all-gather moves are fewer bytes than the model-dtype rows.
+    assert results["post_norm_quant"]["rows"] and results["tp_norm_quant"]["rows"]
+    for row in results["post_norm_quant"]["rows"]:
+        assert row["equal"] and row["fused_ms"] > 0 and row["unfused_ms"] > 0, row
+    for row in results["tp_norm_quant"]["rows"]:
+        assert row["equal"] and row["packed_row_bytes"] < row["model_dtype_row_bytes"] and row["into_packed_ms"] > 0
+    # MLA decode's route: Triton timed and checked against torch; FlashInfer's absence said, not hidden.
+    for row in results["mla_route"]["rows"]:
+        assert row["triton_err"]["rel"] < 1e-5 and row["triton_ms"] > 0 and row["route"] in ("triton", "flashinfer")
+        assert row["flashinfer"] == "ran" or "flashinfer_ms" not in row
+    assert results["mla_route"]["rows"]
     # The sweeps as launch tiles: a tile_tables.py the kernels accept, every tile one they can build.
     from deepseek_pd.model.kernels.fp8_gemm import Fp8GemmTile
     from deepseek_pd.model.kernels.fused_moe import MoETile

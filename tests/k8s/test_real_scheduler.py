@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import random
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from test_autoscaling_objects import _spec
@@ -86,6 +88,50 @@ def _gang(status: dict) -> dict:
     return next(c for c in status["conditions"] if c["type"] == gang_status.CONDITION)
 
 
+def _start(admin_kube, dsd_path: str, prefix: str, spec: dict) -> str:
+    """Creates a DeepSeekDeployment of `spec` under a fresh name, runs one operator pass; its name."""
+    name = f"{prefix}{random.randrange(10**6)}"
+    admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
+                                 "metadata": {"name": name}, "spec": spec})
+    _pass(admin_kube, dsd_path, name)
+    return name
+
+
+def _decode(admin_kube, dsd_path: str, name: str) -> list[dict]:
+    return [p for p in _workers(admin_kube, dsd_path, name) if p["metadata"]["labels"][names.LABEL_ROLE] == "decode"]
+
+
+@dataclass
+class Domains:
+    """Test nodes of one pool, each in a topology domain (the label `key`); the fixture deletes them."""
+
+    admin_kube: Any
+    pool: str
+    key: str = "example.com/nvlink-domain"
+    domain_of: dict[str, str] = field(default_factory=dict)  # node -> its domain's label value
+
+    def add(self, node: str, domain: str, gpus: int) -> str:
+        """A Ready node `<node>` of `gpus` GPUs in domain `domain` of this pool; its name."""
+        name = f"{node}-{self.pool}"
+        self.domain_of[name] = f"{self.pool}-{domain}"
+        _set_node(self.admin_kube, name, "64", gpus=gpus,
+                  labels={self.key: self.domain_of[name], "deepseek-pd.io/test-pool": self.pool})
+        return name
+
+    def scheduling(self, scheduler: str, gang: bool, **more: Any) -> dict:
+        """A spec's `scheduling`: on this pool's nodes, by `scheduler`, grouped by the domain label."""
+        return {"gang": gang, "schedulerName": scheduler, "topologyKey": self.key,
+                "nodeSelector": {"deepseek-pd.io/test-pool": self.pool}, **more}
+
+
+@pytest.fixture
+def domains(admin_kube):
+    made = Domains(admin_kube, f"pool-{random.randrange(10**6)}")
+    yield made
+    for node in made.domain_of:
+        admin_kube.delete(f"/api/v1/nodes/{node}")
+
+
 def test_a_gang_that_cannot_be_placed_whole_binds_no_pod_then_binds_whole(admin_kube, dsd_path, real_scheduler):  # noqa: F811
     """All or nothing, by kube-scheduler's GangScheduling plugin. Decode: one group of `size`
     ranks of 1 GPU; prefill: one pod of more GPUs than the node will ever have free at first.
@@ -131,26 +177,21 @@ def test_a_gang_that_cannot_be_placed_whole_binds_no_pod_then_binds_whole(admin_
     admin_kube.delete(f"/api/v1/nodes/{node}")
 
 
-def test_a_gang_with_a_topology_key_waits_for_one_domain_to_hold_it_whole(admin_kube, dsd_path, real_scheduler):  # noqa: F811
+def test_a_gang_with_a_topology_key_waits_for_one_domain_to_hold_it_whole(admin_kube, dsd_path, real_scheduler,  # noqa: F811
+                                                                          domains):
     """Gang and topologyKey together: a decode group of 2 ranks of 1 GPU, and two nodes of 1 GPU
     in different domains. Both ranks fit in the cluster (one per node), and without the topology
     rule the gang would bind them there; with it the group must share a domain, which no node
     can give it, so no rank binds. A node of 1 GPU joining each domain: both ranks bind in one
     domain together, one on each of its nodes."""
-    pool, key = f"pool-{random.randrange(10**6)}", "example.com/nvlink-domain"
-    nodes = [f"topo-{pool}-{d}" for d in "ab"]
-    for node, domain in zip(nodes, "ab"):
-        _set_node(admin_kube, node, "64", gpus=1, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
-    name = f"t{random.randrange(10**6)}"
+    for domain in "ab":
+        domains.add(f"topo-{domain}", domain, gpus=1)
     spec = _spec({"gpusPerPod": 3}, size=2, gpusPerPod=1)  # prefill never fits here: out of the way
-    spec["scheduling"] = {"gang": True, "schedulerName": real_scheduler, "topologyKey": key,
-                          "nodeSelector": {"deepseek-pd.io/test-pool": pool}}
-    admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
-                                 "metadata": {"name": name}, "spec": spec})
-    _pass(admin_kube, dsd_path, name)
+    spec["scheduling"] = domains.scheduling(real_scheduler, gang=True)
+    name = _start(admin_kube, dsd_path, "t", spec)
 
     def decode() -> list[dict]:
-        return [p for p in _workers(admin_kube, dsd_path, name) if p["metadata"]["labels"][names.LABEL_ROLE] == "decode"]
+        return _decode(admin_kube, dsd_path, name)
     wait_until(lambda: len(decode()) == 2 and all(_scheduled(p).get("reason") == "Unschedulable" for p in decode()),
                90, "the real scheduler's Unschedulable verdict on both decode ranks",
                lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in decode()]))
@@ -160,55 +201,41 @@ def test_a_gang_with_a_topology_key_waits_for_one_domain_to_hold_it_whole(admin_
     assert (gang["status"], gang["reason"]) == ("False", "GangWaitingForRoom"), gang
 
     # A node of 1 GPU joins each domain: either now holds the group, over its two nodes.
-    joined = [f"topo-{pool}-{d}2" for d in "ab"]
-    for node, domain in zip(joined, "ab"):
-        _set_node(admin_kube, node, "64", gpus=1, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
-    domains = {n: f"{pool}-{d}" for n, d in zip(nodes + joined, "abab")}
+    for domain in "ab":
+        domains.add(f"topo-{domain}2", domain, gpus=1)
 
     def placed() -> list[str]:
         return [p["spec"].get("nodeName") or "" for p in decode()]
-    wait_until(lambda: all(placed()) and len({domains[n] for n in placed()}) == 1 and len(set(placed())) == 2, 90,
-               "both decode ranks bound in one domain, one per node", lambda: str([_scheduled(p) for p in decode()]))
-    for node in nodes + joined:
-        admin_kube.delete(f"/api/v1/nodes/{node}")
+    wait_until(lambda: all(placed()) and len({domains.domain_of[n] for n in placed()}) == 1 and len(set(placed())) == 2,
+               90, "both decode ranks bound in one domain, one per node", lambda: str([_scheduled(p) for p in decode()]))
 
 
-def test_a_gang_with_a_topology_key_is_searched_for_a_domain_that_holds_it_whole(admin_kube, dsd_path, real_scheduler):  # noqa: F811
+def test_a_gang_with_a_topology_key_is_searched_for_a_domain_that_holds_it_whole(admin_kube, dsd_path,  # noqa: F811
+                                                                                 real_scheduler, domains):
     """The PodGroup's schedulingConstraints.topology (gate TopologyAwareWorkloadScheduling): the
     user prefers domain A (node affinity), which has room for one rank of the 2-rank decode
     group; domain B has two nodes of 1 GPU. Pod affinity alone binds the first rank where the
     scores say (A) and the second then fits nowhere, every retry alike, so the group never
     starts (what the operator rendered before); the scheduler that searches the domains binds
     it whole in B. The condition names no fallback (this server keeps the field)."""
-    pool, key = f"pool-{random.randrange(10**6)}", "example.com/nvlink-domain"
-    layout = {f"search-{pool}-a": "a", f"search-{pool}-b1": "b", f"search-{pool}-b2": "b"}
-    for node, domain in layout.items():
-        _set_node(admin_kube, node, "64", gpus=1, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
-    name = f"s{random.randrange(10**6)}"
+    domains.add("search-a", "a", gpus=1)
+    in_b = [domains.add(node, "b", gpus=1) for node in ("search-b1", "search-b2")]
     spec = _spec({"gpusPerPod": 3}, size=2, gpusPerPod=1)  # prefill never fits here: out of the way
     prefer_a = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "preference": {
-        "matchExpressions": [{"key": key, "operator": "In", "values": [f"{pool}-a"]}]}}]}}
-    spec["scheduling"] = {"gang": True, "schedulerName": real_scheduler, "topologyKey": key,
-                          "affinity": prefer_a, "nodeSelector": {"deepseek-pd.io/test-pool": pool}}
-    admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
-                                 "metadata": {"name": name}, "spec": spec})
-    _pass(admin_kube, dsd_path, name)
+        "matchExpressions": [{"key": domains.key, "operator": "In", "values": [f"{domains.pool}-a"]}]}}]}}
+    spec["scheduling"] = domains.scheduling(real_scheduler, gang=True, affinity=prefer_a)
+    name = _start(admin_kube, dsd_path, "s", spec)
     namespace = dsd_path.split("/namespaces/")[1].split("/")[0]
     pod_group = admin_kube.get(f"{_pod_groups(dsd_path)}/{_pod_group(name, namespace, spec)}")
-    assert pod_group["spec"].get("schedulingConstraints") == {"topology": [{"key": key}]}, pod_group
-
-    def decode() -> list[dict]:
-        return [p for p in _workers(admin_kube, dsd_path, name) if p["metadata"]["labels"][names.LABEL_ROLE] == "decode"]
+    assert pod_group["spec"].get("schedulingConstraints") == {"topology": [{"key": domains.key}]}, pod_group
 
     def placed() -> list[str]:
-        return [p["spec"].get("nodeName") or "" for p in decode()]
+        return [p["spec"].get("nodeName") or "" for p in _decode(admin_kube, dsd_path, name)]
     wait_until(lambda: len(placed()) == 2 and all(placed()), 20, "both decode ranks bound",
-               lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in decode()]))
-    assert sorted(placed()) == sorted(n for n, d in layout.items() if d == "b"), placed()
+               lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in _decode(admin_kube, dsd_path, name)]))
+    assert sorted(placed()) == sorted(in_b), placed()
     gang = _gang(_pass(admin_kube, dsd_path, name))
     assert "pod affinity only" not in gang["message"], gang  # prefill still waits for room: only that
-    for node in layout:
-        admin_kube.delete(f"/api/v1/nodes/{node}")
 
 
 @pytest.mark.parametrize("gang", [True, False])

@@ -24,6 +24,7 @@ from deepseek_pd.operator.build_workers import worker_serve_flags
 from deepseek_pd.operator.engine_args import engine_args_violations
 from deepseek_pd.operator.reconcile import Reconciler
 from deepseek_pd.operator.spec import DeploymentSpec
+from deepseek_pd.workers.serve.engine_option_keys import all_keys
 from deepseek_pd.workers.serve.flags import ServeFlags
 from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
@@ -67,6 +68,28 @@ def _graphs_with_expert_load_recording(spec: dict) -> str:
     return "decode"
 
 
+def typo(rng: random.Random) -> tuple[str, str]:
+    """(a real --engine-opt key, that key with two neighbouring letters swapped: no key at all)."""
+    keys = all_keys()
+    while True:
+        key = rng.choice(keys)
+        at = rng.randrange(len(key) - 1)
+        wrong = key[:at] + key[at + 1] + key[at] + key[at + 2:]
+        if wrong not in keys:
+            return key, wrong
+
+
+def _typo_key(spec: dict) -> str:
+    role = random.choice(["prefill", "decode"])
+    spec[role]["engineArgs"] = [*spec[role].get("engineArgs", []), f"--engine-opt={typo(random)[1]}=1"]
+    return role
+
+
+def _too_many_speculative_steps(spec: dict) -> str:
+    spec["decode"]["engineArgs"] = ["--engine-opt", f"speculative_num_steps={random.randint(9, 64)}"]
+    return "decode"
+
+
 CASES = {  # name: (example, the change, words of the worker's refusal)
     "tbo_tp": ("deepseek-v3-h200.yaml", _tbo_under_attention_tp, "two-batch overlap"),
     "graphs_prefill": ("cpu-minimal.yaml", _graphs_on_prefill, "never decodes"),
@@ -74,6 +97,9 @@ CASES = {  # name: (example, the change, words of the worker's refusal)
     "deterministic_cache": ("cpu-minimal.yaml", _deterministic_with_the_prefix_cache, "prefix cache"),
     "pool_sizes": ("cpu-minimal.yaml", _both_pool_sizes, "not allowed with argument --num-pages"),
     "graphs_expert_load": ("deepseek-v3-h200.yaml", _graphs_with_expert_load_recording, "record_expert_load"),
+    "typo_key": ("cpu-minimal.yaml", _typo_key, "unknown --engine-opt"),
+    "typo_key_h200": ("deepseek-v3-h200.yaml", _typo_key, "unknown --engine-opt"),
+    "speculative_steps": ("cpu-minimal.yaml", _too_many_speculative_steps, "--speculative-num-steps must be"),
 }
 
 

@@ -25,6 +25,8 @@ from deepseek_pd.operator.memory_flags import parse_memory_flags
 from deepseek_pd.operator.memory_plan import plan_memory
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
+from deepseek_pd.workers.serve.flag_rules import check_flags
+from deepseek_pd.workers.serve.flags import ServeFlags
 
 pytestmark = pytest.mark.timeout(60)
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
@@ -197,6 +199,27 @@ def test_flags_are_read_in_both_spellings_as_the_worker_reads_them():
                 ["--no-such-flag"]):  # the worker would refuse an unknown flag too
         with pytest.raises(ValueError):
             parse_memory_flags("prefill", bad)
+
+
+def test_the_memory_plan_refuses_what_serve_refuses_in_its_words():
+    """The memory plan applies `serve`'s own flag rules (workers/serve/flag_rules.py), not a copy of
+    some of them: each command line serve refuses from its flags alone is the plan's error, with
+    serve's message; the memory settings' ranges are the runner's own rule (RunnerConfig says the same)."""
+    refused = [("prefill", ["--engine-opt", "cuda_graph=true"]),
+               ("decode", ["--deterministic", "--enable-tbo"]),
+               ("decode", ["--deterministic", "--engine-opt", "prefix_cache=true"]),
+               ("decode", ["--engine-opt", "cuda_graph=true", "--engine-opt", "record_expert_load=yes"]),
+               ("decode", ["--engine-opt", "ep_size=2"]),
+               ("prefill", ["--num-pages", "0"]), ("decode", ["--max-total-tokens=-1"]),
+               ("decode", ["--page-size=0"]), ("prefill", ["--mem-fraction-static=1.5"]), ("decode", ["--kv-share=0"]),
+               ("decode", ["--engine-opt", "mem_headroom_gib=-1"]), ("prefill", ["--ep-num-redundant-experts=-2"]),
+               ("decode", ["--engine-opt", "fp8_backend=magic"]), ("prefill", ["--engine-opt", "speculative_num_steps=9"])]
+    for role, args in random.sample(refused, len(refused)):
+        with pytest.raises(UserError) as serve:
+            check_flags(ServeFlags.from_argv([role, *args]))
+        with pytest.raises(ValueError) as plan:
+            parse_memory_flags(role, args)
+        assert str(plan.value) == str(serve.value), args
 
 
 def test_redundant_experts_in_engine_args_add_their_weights_per_rank():

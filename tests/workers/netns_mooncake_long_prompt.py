@@ -7,30 +7,14 @@ pools end empty. Prints one line; exits non-zero on a failed check."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import sys
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.pd_engine_harness import PAGE_SIZE, PDPair, oracle, worker_config
+from pdtest.mooncake_wire import hold_first_report, serve_all_as_the_oracle, staged_pair
+from pdtest.pd_engine_harness import PAGE_SIZE, oracle
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-
-
-def hold_reports(sender, seconds: float) -> None:
-    """Every windowed transfer's first report waits `seconds`: its staging window stays taken."""
-    opener = sender.open
-
-    def holding(handshake, emit, *args, **kwargs):
-        first = []
-
-        async def emit_late(chunk):
-            if not first:
-                first.append(chunk)
-                await asyncio.sleep(seconds)
-            await emit(chunk)
-        return opener(handshake, emit_late, *args, **kwargs)
-    sender.open = holding
 
 
 def main(seed: int, shape: str) -> None:
@@ -46,25 +30,16 @@ def main(seed: int, shape: str) -> None:
     expected = [oracle().generate(p, GREEDY).output_ids for p in prompts]
 
     async def run():
-        config = worker_config("mooncake")
-        transport = dataclasses.replace(config.transport, mooncake_staging_tokens=staging_pages * PAGE_SIZE)
-        if shape == "queue":
-            # Two long prompts hold both halves of the staging longer than `send_timeout_s` (their
-            # first window reports are held): the third queues for its window past that, within the
-            # transfer's own deadline (`transfer_timeout_s`), and is served.
-            transport = dataclasses.replace(transport, send_timeout_s=1.0)
-        staged = dataclasses.replace(config, transport=transport)
-        async with PDPair("mooncake", prefill_config=config, decode_config=staged) as pair:
-            staging = pair.decode.receiver.staging
-            assert staging.num_pages == staging_pages
+        # queue: two long prompts hold both halves of the staging longer than `send_timeout_s` (their
+        # first window reports are held): the third queues for its window past that, within the
+        # transfer's own deadline (`transfer_timeout_s`), and is served.
+        send_timeout = {"send_timeout_s": 1.0} if shape == "queue" else {}
+        async with staged_pair(staging_pages * PAGE_SIZE, **send_timeout) as pair:
+            assert pair.decode.receiver.staging.num_pages == staging_pages
             if shape == "queue":
-                hold_reports(pair.prefill.sender, 3 * transport.send_timeout_s)
-            outcomes = await asyncio.gather(*(pair.run(p, GREEDY, f"r{i}") for i, p in enumerate(prompts)))
-            bad = [(i, d.terminal if not d.ok else d.tokens) for i, ((_, d), want) in enumerate(zip(outcomes, expected))
-                   if not (d.ok and d.tokens == want)]
-            assert not bad, bad
-            await pair.wait_pools_clean(5)
-            assert staging.num_used == 0
+                hold_first_report(pair.prefill.sender, lambda: asyncio.sleep(3 * send_timeout["send_timeout_s"]),
+                                  each_channel=True)
+            await serve_all_as_the_oracle(pair, prompts, GREEDY, expected)
             print(f"{len(prompts)} prompts of {sorted(lengths)} tokens through a {staging_pages}-page "
                   f"({staging_pages * PAGE_SIZE}-token) staging: all equal the oracle's")
 

@@ -6,12 +6,12 @@ tokens, and staging and pools end empty. Prints one line; exits non-zero on a fa
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import sys
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.pd_engine_harness import PAGE_SIZE, PDPair, oracle, worker_config
+from pdtest.mooncake_wire import serve_all_as_the_oracle, staged_pair
+from pdtest.pd_engine_harness import PAGE_SIZE, oracle
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
@@ -24,19 +24,11 @@ def main(seed: int) -> None:
     longest = max(map(len, prompts))
 
     async def run():
-        config = worker_config("mooncake")
         # Room for the longest prompt and a bit: at most two transfers at a time.
-        staged = dataclasses.replace(config, transport=dataclasses.replace(
-            config.transport, mooncake_staging_tokens=longest + 2 * PAGE_SIZE))
-        async with PDPair("mooncake", prefill_config=config, decode_config=staged) as pair:
-            staging = pair.decode.receiver.staging
-            outcomes = await asyncio.gather(*(pair.run(p, GREEDY, f"r{i}") for i, p in enumerate(prompts)))
-            bad = [i for i, ((_, d), want) in enumerate(zip(outcomes, expected)) if not (d.ok and d.tokens == want)]
-            assert not bad, [outcomes[i][1] for i in bad]
-            await pair.wait_pools_clean(5)
-            assert staging.num_used == 0
-            print(f"{len(prompts)} requests of up to {longest} tokens through a {staging.num_pages}-page staging: all "
-                  f"equal the oracle's")
+        async with staged_pair(longest + 2 * PAGE_SIZE) as pair:
+            await serve_all_as_the_oracle(pair, prompts, GREEDY, expected)
+            print(f"{len(prompts)} requests of up to {longest} tokens through a "
+                  f"{pair.decode.receiver.staging.num_pages}-page staging: all equal the oracle's")
 
     asyncio.run(run())
 

@@ -8,7 +8,6 @@ oracle; staging and pools end empty. Prints one line; exits non-zero on a failed
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import sys
 import time
@@ -16,8 +15,9 @@ import time
 import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.mooncake_wire import first_page_addr, record_handshakes
-from pdtest.pd_engine_harness import PAGE_SIZE, PDPair, collect, oracle, worker_config
+from pdtest.mooncake_wire import (assert_refused_by_mac, first_page_addr, hold_first_report, record_handshakes,
+                                  staged_pair)
+from pdtest.pd_engine_harness import PAGE_SIZE, collect, oracle
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 STAGING_PAGES = 4  # a window of 2 for the long prompt, 2 slots for the short one
@@ -31,22 +31,6 @@ def stranger():
     return engine
 
 
-def hold_first_report(sender, sent: asyncio.Event, release: asyncio.Event) -> None:
-    """The first window report any channel of `sender` emits waits for `release` (after `sent`)."""
-    opener = sender.open
-    held = []
-
-    def holding(handshake, emit, *args, **kwargs):
-        async def emit_held(chunk):
-            if not held:
-                held.append(chunk)
-                sent.set()
-                await release.wait()
-            await emit(chunk)
-        return opener(handshake, emit_held, *args, **kwargs)
-    sender.open = holding
-
-
 def main(seed: int) -> None:
     rng = random.Random(seed)
     vocab = oracle().vocab_size
@@ -56,13 +40,14 @@ def main(seed: int) -> None:
     expected_short = oracle().generate(short, GREEDY).output_ids
 
     async def run():
-        config = worker_config("mooncake")
-        staged = dataclasses.replace(config, transport=dataclasses.replace(
-            config.transport, mooncake_staging_tokens=staging_tokens))
-        async with PDPair("mooncake", prefill_config=config, decode_config=staged) as pair:
+        async with staged_pair(staging_tokens) as pair:
             handshakes = record_handshakes(pair.prefill.sender)
             sent, release = asyncio.Event(), asyncio.Event()
-            hold_first_report(pair.prefill.sender, sent, release)
+
+            async def hold() -> None:
+                sent.set()
+                await release.wait()
+            hold_first_report(pair.prefill.sender, hold, decode_rid="long-d")
             p_req, d_req = pair.requests(long, GREEDY, "long")
             held = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req))
             await asyncio.wait_for(sent.wait(), 60)
@@ -84,8 +69,8 @@ def main(seed: int) -> None:
             _, outcome = await held
             assert landed, "the stranger's write into the window never landed"
             assert other.ok and other.tokens == expected_short, other
-            assert not outcome.ok and "does not match the MAC" in outcome.terminal.message, outcome
-            await pair.wait_pools_clean(config.transport.send_timeout_s + 10)
+            assert_refused_by_mac(outcome)
+            await pair.wait_pools_clean(pair.prefill.config.transport.send_timeout_s + 10)
             assert pair.decode.receiver.staging.num_used == 0
             print(f"a {len(long)}-token prompt through a {window}-page window: the stranger's write into it is "
                   f"refused by the KV MAC; the {len(short)}-token prompt beside it equals the oracle")

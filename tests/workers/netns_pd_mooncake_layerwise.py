@@ -5,7 +5,9 @@ the forward has written it (one-sided writes of single layers, a CUDA event per 
 with it off, one send per chunk covers every layer. Both must give the offline engine's tokens
 (greedy and seeded; chunked prompts, a partial last page, a prefix-cache hit), the layer-wise run
 must really have sent single layers (else the test would pass on the per-chunk path), and both
-pools must be clean afterwards. Exits non-zero with the assertion on failure.
+pools must be clean afterwards. Decode lands each send as its report comes, MACing it then: every
+request's check after its TransferDone must have had only a digest left (no page to read: the MAC
+and the finite check are off the first token's path). Exits non-zero with the assertion on failure.
 """
 from __future__ import annotations
 
@@ -42,6 +44,22 @@ def trace_sends(pair: PDPair, log: list[tuple[int, int]]) -> None:
     pair.prefill.sender.open = traced_open
 
 
+def trace_checks(pair: PDPair, left: list[bool]) -> None:
+    """Records, for every transfer decode checks, whether its MAC or finite check still had pages to read."""
+    open_sink = pair.decode.receiver.open_sink
+
+    def traced_open(pages, peer_host=None):
+        sink = open_sink(pages, peer_host)
+        check = sink.check_sealed
+
+        def traced_check(done, key, room):  # (the finite check too: run as the sends landed)
+            left.append(sink.check_reads() or not sink.checked_on_landing())
+            check(done, key, room)
+        sink.check_sealed = traced_check
+        return sink
+    pair.decode.receiver.open_sink = traced_open
+
+
 def slow_last_layer(pair: PDPair, seconds: float) -> None:
     """The last layer's final op sleeps, so layer 0's send surely starts before the forward ends
     (on the tiny model a whole forward can finish before the event loop runs the first send, and
@@ -73,12 +91,15 @@ def main(seed: int) -> None:
         async with PDPair("mooncake", prefill_config=cfg, decode_config=cfg) as pair:
             sends: list[tuple[int, int]] = []
             trace_sends(pair, sends)
+            reads_left: list[bool] = []
+            trace_checks(pair, reads_left)
             slow_last_layer(pair, 0.05)
             await pair.run(shared, GREEDY, "warm")  # the cached prefix of the last prompt
             outcomes = await asyncio.gather(*(pair.run(p, GREEDY, f"g{i}") for i, p in enumerate(prompts[:-1])))
             outcomes.append(await pair.run(prompts[-1], GREEDY, "cached"))
             outcomes.append(await pair.run(prompts[2], seeded, "seeded"))
             await pair.wait_pools_clean()  # a forward in flight frees its pages when it returns
+            assert len(reads_left) == len(outcomes) + 1 and not any(reads_left), reads_left  # (+ the warm-up)
             return outcomes, sends, pair.prefill.pool.num_layers
 
     for layerwise in (True, False):

@@ -22,7 +22,7 @@ from deepseek_pd.workers.transport import build_receiver, build_sender
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.model.kv.pool import KVPool
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush

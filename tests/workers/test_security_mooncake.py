@@ -18,7 +18,7 @@ from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
 from deepseek_pd.workers.transport.base import layout_of
 from deepseek_pd.workers.engine.request_failure import TransferError
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from pdtest import mooncake_stub

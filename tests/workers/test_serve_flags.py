@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import pathlib
 import random
+import re
 import string
 
 import pytest
@@ -17,14 +18,18 @@ import yaml
 
 from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
+from deepseek_pd.errors import UserError
 from deepseek_pd.launcher.worker_plan import (
     GroupShape, ServeSettings, plan_workers, port_block_sizes, serve_argv, serve_flags)
 from deepseek_pd.model.kv.memory_budget import GpuShare
 from deepseek_pd.operator.build_workers import build_worker_args, worker_serve_flags
 from deepseek_pd.operator.crd_spec import MANAGED_FLAGS
+from deepseek_pd.operator.engine_args import engine_args_violations
 from deepseek_pd.operator.memory_flags import parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec
 from deepseek_pd.workers.serve import flags as contract
+from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_KEYS
+from deepseek_pd.workers.serve.flag_rules import GROUP_RUNNER_FIELDS, check_flags
 from deepseek_pd.workers.serve.flags import ParallelFlags, ServeFlags
 
 from pdtest.pod_inputs import expand
@@ -51,8 +56,10 @@ def _other_value(spec: dataclasses.Field, rng: random.Random):
         return rng.choice([c for c in flag.choices if c != default])
     if isinstance(default, bool):
         return True
+    if spec.name == "engine_options":
+        return tuple(_engine_option(rng) for _ in range(rng.randint(1, 3)))
     if isinstance(default, tuple):
-        return tuple(_word(rng) + ("=x" if spec.name == "engine_options" else "") for _ in range(rng.randint(1, 3)))
+        return tuple(_word(rng) for _ in range(rng.randint(1, 3)))
     kind = flag.type or type(default)
     if kind is int:
         return default + rng.randint(1, 5000) if default is not None else rng.randint(1, 5000)
@@ -61,6 +68,18 @@ def _other_value(spec: dataclasses.Field, rng: random.Random):
         # (a CI seed, 2084606074, drew it for --kv-share).
         return round(rng.uniform(0.1, 0.99), rng.randint(1, 6))
     return rng.choice(["-", ""]) + _word(rng)  # a value that starts with "-" must survive too
+
+
+def _engine_option(rng: random.Random) -> str:
+    """`KEY=VALUE` of a real engine option (workers/serve/engine_option_keys.py) with a value of its
+    type; a number at least 1 (counts, sizes and timeouts are). Strings name backends and modes,
+    whose choices are the worker's, so none is drawn; neither are the fields the group layout sets."""
+    keys = [(key, kind) for target in ENGINE_OPTION_KEYS.values() for key, kind in target.items()
+            if kind is not str and key not in GROUP_RUNNER_FIELDS]
+    key, kind = rng.choice(keys)
+    value = {bool: lambda: rng.choice(["true", "false"]), int: lambda: str(rng.randint(1, 5000)),
+             float: lambda: str(round(rng.uniform(1, 100), rng.randint(0, 4)))}[kind]()
+    return f"{key}={value}"
 
 
 def random_flags(rng: random.Random, keep=lambda spec: True) -> ServeFlags:
@@ -157,7 +176,9 @@ def _pod_env(spec: DeploymentSpec, role: str, rank: int) -> dict[str, str]:
 def test_the_operator_renders_its_pods_through_the_contract(example: str) -> None:
     """The pod's args, expanded as the kubelet does, parse back to the operator's ServeFlags with the
     role's engineArgs on top; the operator renders no flag the contract does not mark managed
-    (but the EPLB placement it mounts), and the memory plan reads the engineArgs as the worker does."""
+    (but the EPLB placement it mounts), and the memory plan reads the engineArgs as the worker does.
+    A draw that `serve`'s flag rules refuse (`--deterministic` with `--enable-tbo`, ...) is the
+    operator's InvalidSpec condition and the memory plan's error, in serve's words."""
     rng = _seeded()
     raw = yaml.safe_load((EXAMPLES / example).read_text())["spec"]
     for role_name in ("prefill", "decode"):
@@ -190,7 +211,24 @@ def test_the_operator_renders_its_pods_through_the_contract(example: str) -> Non
                     for owner, name in ((o, f.name) for o, f in contract._flag_fields())} == expected
             assert (parsed.port, parsed.kv_transport, parsed.model) == (role.port, spec.kv_transfer.backend,
                                                                         spec.model.path)
+        # Draws serve refuses are an InvalidSpec condition in serve's words, and the memory plan refuses
+        # them too; the rest it reads as the worker does.
+        refused = {violation.field: violation.message for violation in engine_args_violations(spec)}
+        assert refused.get(f"spec.{role.role}.engineArgs") == _refusal([*managed.to_argv(), *role.engine_args])
+        if (why := _refusal([role.role, *role.engine_args])) is not None:
+            with pytest.raises(ValueError, match=re.escape(why)):
+                parse_memory_flags(role.role, list(role.engine_args))
+        else:
             assert parse_memory_flags(role.role, list(role.engine_args)).serve == engine
+
+
+def _refusal(argv: list[str]) -> str | None:
+    """Why `serve` refuses this command line from its flags alone (workers/serve/flag_rules.py), or None."""
+    try:
+        check_flags(ServeFlags.from_argv(argv))
+    except UserError as exc:
+        return str(exc)
+    return None
 
 
 def _config_fields() -> dict[str, set[str]]:

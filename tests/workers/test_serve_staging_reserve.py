@@ -53,7 +53,11 @@ def test_a_decode_ranks_pool_and_its_mooncake_staging_fit_the_budget_together(mo
                                         norm_rope_backend="torch")
     headroom = int(runner_config.headroom_gib * GIB)
     weights = rng.randint(1, 64) << 20
-    room_pages = rng.randint(40, 400)  # what the budget leaves for the pool and the staging, in pages
+    # What the budget leaves for the pool and the staging, in pages: at least twice the staging, so
+    # the pool is never smaller than the staging (which `staging_for` would then cap at the pool's
+    # size). A budget with no room for a page beside the staging is refused with a UserError,
+    # tested in tests/model/kv; seed 812416460 drew 40 pages of room for 61 of staging.
+    room_pages = 2 * -(-staging_tokens // page_size) + rng.randint(1, 400)
     reading: dict[str, pool_sizing.GpuMemory] = {}
 
     def measure(device: str) -> pool_sizing.GpuMemory:  # the GPU right after the weights loaded

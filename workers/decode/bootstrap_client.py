@@ -50,7 +50,7 @@ from deepseek_pd.workers.transport.base import KVSink
 from deepseek_pd.workers.transport.wire import decode_event
 from deepseek_pd.workers.engine.request_failure import (
     RequestAborted, RequestFailure, TransferError, failure_for)
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.decode.chunk_ingest import ChunkIngest
 from deepseek_pd.workers.decode.kv_streams import KVStreamReader
 from deepseek_pd.workers.decode.prefill_peers import PrefillPeers
@@ -117,6 +117,8 @@ class BootstrapClient:
         await self.peers.check(params.bootstrap_host, params.bootstrap_port)  # before any connection
         deadline = time.monotonic() + self.config.transfer_timeout_s
         call, ack, endpoint = await self._connect(params, handshake, sink, deadline)
+        # The accepted handshake's nonce keys the KV MAC: the sink may check each chunk as it lands.
+        sink.begin_check(self.config.auth.kv_key(params.bootstrap_room, handshake.auth.nonce), params.bootstrap_room)
         window = max(1, ack.credit_window)
         finished = False
         readers: list[KVStreamReader] = []

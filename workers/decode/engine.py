@@ -50,7 +50,7 @@ from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.engine.prefill_round import FirstToken, PrefillRounds, RoundHooks
 from deepseek_pd.workers.engine.request_failure import RequestAborted, RequestFailure
 from deepseek_pd.workers.engine.request_lifecycle import EngineCore, RequestRecord
-from deepseek_pd.workers.engine.worker_config import WorkerConfig
+from deepseek_pd.workers.transport.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, LaunchedStep
 from deepseek_pd.workers.decode.kv_checks import scrub_pages

@@ -45,8 +45,9 @@ def first_nonfinite_bits(dtype: torch.dtype) -> int:
     return int(largest.view(_SIGNED[dtype]).item()) + 1
 
 
-def nonfinite_layers(pool: KVPool, pages: Sequence[int]) -> list[int]:
-    """The layers of a CPU `pool` whose `pages` (whole pages) hold a NaN or an infinity."""
+def nonfinite_layers(pool: KVPool, pages: Sequence[int], layers: range | None = None) -> list[int]:
+    """The layers (of `layers`, default all) of a CPU `pool` whose `pages` (whole pages) hold a NaN
+    or an infinity."""
     if pool.device.type != "cpu" or not supports(pool.dtype):
         raise ValueError(f"bit-pattern finite scan needs a CPU pool of {sorted(map(str, _SIGNED))}, "
                          f"got {pool.dtype} on {pool.device}")
@@ -55,8 +56,8 @@ def nonfinite_layers(pool: KVPool, pages: Sequence[int]) -> list[int]:
     negative_threshold = threshold | (1 << (8 * pool.dtype.itemsize - 1))
     runs = consecutive_runs(sorted(pages))  # fewer, longer runs: the order of a check does not matter
     bad = []
-    for layer, buffer in enumerate(pool.buffers):
-        signed = buffer.view(_SIGNED[pool.dtype]).numpy()
+    for layer in range(pool.num_layers) if layers is None else layers:
+        signed = pool.buffers[layer].view(_SIGNED[pool.dtype]).numpy()
         for begin, end, first in runs:
             part = signed[first:first + end - begin]
             if part.max() >= threshold or part.view(unsigned).max() >= negative_threshold:

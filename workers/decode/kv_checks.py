@@ -23,7 +23,9 @@ the CPU two integer reductions over the bit patterns (finite_bits.py); on the GP
 thread's side stream (page_io.side_stream) with a single sync of that stream at the end: on the
 default stream its index upload and its sync waited behind the decode step in flight (py-spy:
 a quarter of the decode worker's samples at 64 concurrent requests on the H200). The pages were
-written and synced by the transport before, and decode reads them only after this check.
+written and synced by the transport before, and decode reads them only after this check. A sink
+that lands the KV part by part (mooncake, `KVSink.check_on_landing`) runs it on each part as it
+lands, off the first token's path; its refusal is reported after the MAC's verdict (kv_pull.py).
 """
 from __future__ import annotations
 
@@ -60,8 +62,9 @@ def check_first_top(done: pb.TransferDone, vocab_size: int, top_logprobs_num: in
 
 
 @torch.no_grad()
-def check_kv_finite(pool: KVPool, pages: Sequence[int], rid: str) -> None:
-    """Raises TransferError if any value of the received pages is NaN or infinite. Whole pages are
+def check_kv_finite(pool: KVPool, pages: Sequence[int], rid: str, layers: range | None = None) -> None:
+    """Raises TransferError if any value of the received pages (in `layers`, default all) is NaN or
+    infinite. Whole pages are
     checked, the slots past the prompt too: a NaN there would poison whoever reuses the page, and
     a legitimate prefill pool holds only finite values (zeros or earlier KV) in them.
 
@@ -73,14 +76,16 @@ def check_kv_finite(pool: KVPool, pages: Sequence[int], rid: str) -> None:
     """
     if not pages:
         return
+    layers = range(pool.num_layers) if layers is None else layers
     if pool.device.type == "cpu" and finite_bits.supports(pool.dtype):
-        _refuse_layers(finite_bits.nonfinite_layers(pool, pages), rid)
+        _refuse_layers(finite_bits.nonfinite_layers(pool, pages, layers), rid)
         return
     with _on_side_stream(pool):
-        extremes = torch.stack([torch.stack(torch.aminmax(part)).float() for part in _page_parts(pool, pages)])
+        extremes = torch.stack([torch.stack(torch.aminmax(part)).float()
+                                for part in _page_parts(pool, pages, layers)])
         extremes = extremes.to("cpu")  # the one sync, of this stream only
-    per_layer = torch.isfinite(extremes).view(pool.num_layers, -1).all(dim=1)
-    _refuse_layers(torch.nonzero(~per_layer).flatten().tolist(), rid)
+    per_layer = torch.isfinite(extremes).view(len(layers), -1).all(dim=1)
+    _refuse_layers([layers[i] for i in torch.nonzero(~per_layer).flatten().tolist()], rid)
 
 
 def _refuse_layers(bad: list[int], rid: str) -> None:
@@ -89,15 +94,15 @@ def _refuse_layers(bad: list[int], rid: str) -> None:
                             f"(layers {bad[:8]}); KV transfer refused")
 
 
-def _page_parts(pool: KVPool, pages: Sequence[int]) -> list[torch.Tensor]:
-    """`pages` of every layer, layer-major, as tensors that cover them: on the GPU one gathered
+def _page_parts(pool: KVPool, pages: Sequence[int], layers: range) -> list[torch.Tensor]:
+    """`pages` of `layers`, layer-major, as tensors that cover them: on the GPU one gathered
     tensor per layer; on the CPU views of each run of consecutive pages (no copy), the same runs
     in every layer, so that the caller can regroup the parts by layer."""
     if pool.device.type == "cuda":
         index = page_index(pool, pages)
-        return [buffer.index_select(0, index) for buffer in pool.buffers]
+        return [pool.buffers[layer].index_select(0, index) for layer in layers]
     runs = consecutive_runs(pages)
-    return [buffer[first:first + end - begin] for buffer in pool.buffers for begin, end, first in runs]
+    return [pool.buffers[layer][first:first + end - begin] for layer in layers for begin, end, first in runs]
 
 
 def _on_side_stream(pool: KVPool):

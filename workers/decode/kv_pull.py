@@ -35,6 +35,8 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
     started = time.monotonic()
     if sink is None:
         sink = receiver.open_sink(pages, params.bootstrap_host)
+    # A sink that lands the KV as it comes (mooncake) checks each part then, off the first token's path.
+    sink.check_on_landing(lambda layers, landed: check_kv_finite(receiver.pool, landed, rid, layers))
     try:
         # mooncake: staging slots (waits here, on the loop, while they are all taken): queueing for
         # them is bounded as queueing at the prefill side is, by the transfer's deadline.
@@ -57,14 +59,22 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
         check_first_top(done, vocab_size, top_logprobs_num, rid)
     # Only now that no writer reaches the pages: a stranger's write into the transfer fails it here.
     # Both checks only read the pages, so they run side by side (both on the first token's path);
-    # the MAC's verdict wins when both refuse (a stranger's NaN is a stranger's write).
+    # the MAC's verdict wins when both refuse (a stranger's NaN is a stranger's write). A MAC
+    # built as the sends landed (`KVSink.begin_check`) only digests: on the loop, no thread hop.
     key = client.config.auth.kv_key(params.bootstrap_room, handshake.auth.nonce)
-    outcomes = await asyncio.gather(
-        asyncio.to_thread(sink.check_sealed, done, key, params.bootstrap_room),
-        asyncio.to_thread(check_kv_finite, receiver.pool, pages, rid), return_exceptions=True)
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome
+    # The finite check ran as each part landed (mooncake): only its verdict is left, after the MAC's.
+    landed = sink.checked_on_landing()
+    finite = None if landed else asyncio.get_running_loop().run_in_executor(
+        None, check_kv_finite, receiver.pool, pages, rid)
+    try:
+        if key is not None and sink.check_reads():  # (no key: nothing to check)
+            await asyncio.to_thread(sink.check_sealed, done, key, params.bootstrap_room)
+        else:
+            sink.check_sealed(done, key, params.bootstrap_room)
+    finally:  # (the finite check ends before the pages can be freed)
+        refused = sink.landing_failure if landed else (await asyncio.gather(finite, return_exceptions=True))[0]
+    if isinstance(refused, BaseException):
+        raise refused
     seconds = max(time.monotonic() - started, 1e-9)
     log.debug("%s: received %d bytes of KV for %d tokens (%d cached on prefill) in %.3fs, %.3f GB/s "
               "including prefill compute; %s", rid, done.bytes_sent, num_tokens, done.cached_tokens, seconds,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Coroutine, Generic, TypeVar
+from typing import Any, Awaitable, Coroutine, Generic, TypeVar
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.engine.request_rules import check_prompt
@@ -34,7 +34,6 @@ from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.engine.model_thread import ModelThread
 from deepseek_pd.workers.engine.request_failure import RequestFailure
 from deepseek_pd.workers.engine.request_watch import Interrupted, unless
-from deepseek_pd.workers.engine.worker_config import WorkerConfig
 
 T = TypeVar("T")
 
@@ -86,8 +85,10 @@ class EngineCore(Generic[R]):
     the engine is one rank of a group. `metrics` hears of every step and KV transfer.
     """
 
-    def __init__(self, runner: ModelRunner, config: WorkerConfig, model_thread, metrics: WorkerMetrics | None,
+    def __init__(self, runner: ModelRunner, config: Any, model_thread, metrics: WorkerMetrics | None,
                  thread_name: str) -> None:
+        """`config` is the role's `WorkerConfig` (workers/transport/worker_config.py), kept as
+        `self.config` for the role: the core reads none of it, so it knows no transport."""
         self.runner = runner
         self.config = config
         self.metrics = metrics if metrics is not None else WorkerMetrics()

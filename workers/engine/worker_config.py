@@ -1,55 +1,15 @@
-"""Worker-level settings (frozen), built once from flags and passed down constructors."""
+"""The engine's scheduling limits (frozen `SchedulerConfig`), and the GPU's default prompt chunk.
+
+A worker's whole config, which adds the PD handoff's settings (its KV transport, the bootstrap
+channel), is `WorkerConfig` in workers/transport/worker_config.py: the engine core knows no transport.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.units import GIB
-from deepseek_pd.workers.transport.internal_auth import InternalAuth
-from deepseek_pd.workers.transport.base import TransportConfig
-
-
-@dataclass(frozen=True)
-class BootstrapConfig:
-    """The prefill<->decode channel: where the prefill side listens, and how long anyone waits."""
-
-    host: str = "127.0.0.1"  # bind address of the prefill bootstrap server (0.0.0.0 in a pod)
-    port: int = 8998  # 0 picks a free port (tests)
-    handshake_timeout_s: float = 30.0  # prefill waits this long for decode's handshake; decode retries this long
-    claim_timeout_s: float = 30.0  # a decode handshake waits this long for prefill to get the request
-    transfer_timeout_s: float = 300.0  # decode: from handshake to TransferDone (prefill queueing included)
-    # prefill: after TransferDone, how long decode may take to accept the KV (its checks included)
-    # and half-close; under load this is seconds, and giving up fails a request decode holds.
-    confirm_timeout_s: float = 30.0
-    event_queue_depth: int = 8  # KV chunks in flight per room before the prefill side waits
-    retry_initial_s: float = 0.05  # decode's connect backoff starts here and doubles ...
-    retry_max_s: float = 1.0  # ... up to this
-    # The deployment secret that signs every handshake/ack/done/abort (internal_auth.py); the
-    # default is this process's own random secret, so only engines of one process meet.
-    auth: InternalAuth = field(default_factory=InternalAuth)
-    # decode: the only prefill bootstrap addresses ("host:port", a host may be a DNS name whose
-    # addresses count too) a request may name; () allows loopback hosts only (decode/prefill_peers.py).
-    prefill_peers: tuple[str, ...] = ()
-    # prefill: names besides host/advertise_host that decode may dial the bootstrap at, and so
-    # name in its tokens (a pod's DNS name through its group's headless Service).
-    aliases: tuple[str, ...] = ()
-    # This engine's DP rank in its worker group, of `dp_size` (bootstrap_routes.py): a prefill rank
-    # refuses the handshake of a room that is not its own; a decode rank names itself in its handshakes.
-    dp_rank: int = 0
-    dp_size: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("handshake_timeout_s", "claim_timeout_s", "transfer_timeout_s", "retry_initial_s",
-                     "retry_max_s", "confirm_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"bootstrap {name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.port < 65536:
-            raise UserError(f"bootstrap port {self.port} is not a TCP port")
-        if self.event_queue_depth < 1:
-            raise UserError(f"event_queue_depth must be >= 1, got {self.event_queue_depth}")
-        if not 0 <= self.dp_rank < self.dp_size:
-            raise UserError(f"bootstrap DP rank {self.dp_rank} is not a rank of a group of {self.dp_size}")
 
 
 # Prefill tokens per extend batch on a GPU, by its total memory, as SGLang chooses them: larger rounds
@@ -113,19 +73,3 @@ class SchedulerConfig:
         if self.deterministic and self.prefix_cache:
             raise UserError("deterministic mode runs without the prefix cache (a hit cuts a prompt elsewhere "
                             "than a cold run); set prefix_cache off")
-
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a prefill or decode engine needs besides the model runner."""
-
-    kv_transport: str = "grpc"  # a name from kv_transfer.TRANSPORT_NAMES
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def __post_init__(self) -> None:
-        from deepseek_pd.workers.transport import TRANSPORT_NAMES
-        if self.kv_transport not in TRANSPORT_NAMES:
-            raise UserError(f"unknown KV transport {self.kv_transport!r}; choose one of {', '.join(TRANSPORT_NAMES)}")

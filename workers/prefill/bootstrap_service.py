@@ -26,7 +26,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.transport.bootstrap_protocol import MESSAGE_ENVELOPE_BYTES
 from deepseek_pd.workers.transport.wire import serialize_event
 from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.prefill.bootstrap_servicer import BootstrapServicer
 from deepseek_pd.workers.prefill.room import Room, TransferPhase
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry

@@ -38,9 +38,10 @@ from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.engine.prefill_round import FirstToken, PrefillRounds, RoundHooks
 from deepseek_pd.workers.engine.request_failure import AdmissionRefused, RequestFailure, failure_for
 from deepseek_pd.workers.engine.request_lifecycle import EngineCore, RequestRecord
-from deepseek_pd.workers.engine.worker_config import WorkerConfig
+from deepseek_pd.workers.transport.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
+from deepseek_pd.workers.prefill.layer_relay import LayerRelay
 from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache
 from deepseek_pd.workers.prefill.round_budget import RoundBudget, RoundBudgetConfig
 
@@ -312,8 +313,8 @@ class _PushHooks(RoundHooks[_Request]):
                 if not state.ended and state.progress is not None and state.push.failed is None:
                     state.push.layers_ready(computed, state.progress.pages, layer, layer + 1, ready)
 
-        return LayerEvents(self.engine.runner.model.options.device,
-                           lambda layer, ready: loop.call_soon_threadsafe(on_loop, layer, ready))
+        # (one wake-up of the loop per batch of layers, not per layer: layer_relay.py)
+        return LayerEvents(self.engine.runner.model.options.device, LayerRelay(loop, on_loop).notice)
 
     def chunk_done(self, owners: Sequence[_Request]) -> None:
         written = self.engine._written()

@@ -12,7 +12,7 @@ import asyncio
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.prefill.room import Room
 
 

@@ -21,7 +21,7 @@ from deepseek_pd.workers.metrics.server import MetricsConfig
 from deepseek_pd.workers.api.served_model import ServedModelInfo
 from deepseek_pd.workers.api.server import ServerConfig
 from deepseek_pd.workers.api.servicer import WorkerIdentity
-from deepseek_pd.workers.engine.worker_config import WorkerConfig
+from deepseek_pd.workers.transport.worker_config import WorkerConfig
 
 if TYPE_CHECKING:  # the model code imports torch; this module stays importable without it
     from deepseek_pd.model.runner_config import RunnerConfig

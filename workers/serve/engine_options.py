@@ -1,22 +1,26 @@
-"""`--engine-opt KEY=VALUE`: any field of a worker's frozen configs, set by name from the command line.
+"""`--engine-opt KEY=VALUE`: a field of a worker's frozen configs, set by name from the command line.
 
-A key sets the field of that name in each config class that has one (runner, bootstrap, scheduler,
-transport, group; only `deterministic` is in two: the runner's kernels and the scheduler's cuts);
-the value is parsed as that field's type (bool: true/false/1/0/yes/no). Unknown keys are an error that lists
-the valid ones, never ignored; fields that have a `serve` flag of their own are not engine options.
+The keys, their types and the configs that hold them are one torch-free table
+(workers/serve/engine_option_keys.py). A key sets the field of that name in each config that has one
+(runner, bootstrap, scheduler, transport, group; only `deterministic` is in two: the runner's kernels
+and the scheduler's cuts); the value is parsed as that field's type (bool: true/false/1/0/yes/no).
+An unknown key is an error that names the closest key and lists the valid ones, never ignored;
+fields that have a `serve` flag of their own are not engine options. Torch-free: `serve`'s flag
+rules, `up` and the operator parse the options here before any worker runs.
 
 Example: `--engine-opt handshake_timeout_s=5 --engine-opt max_running_requests=32
---engine-opt cuda_graph=false` gives
-`{"bootstrap": {"handshake_timeout_s": 5.0}, "scheduler": {"max_running_requests": 32},
-"runner": {"cuda_graph": False}, "transport": {}}`.
+--engine-opt cuda_graph=false` parses (`parse_engine_options`) to
+`{"handshake_timeout_s": 5.0, "max_running_requests": 32, "cuda_graph": False}` and is assigned
+(`assign_engine_options`) as `{"runner": {"cuda_graph": False}, "bootstrap": {"handshake_timeout_s": 5.0},
+"scheduler": {"max_running_requests": 32}, "transport": {}, "group": {}}`.
 """
 from __future__ import annotations
 
-import dataclasses
-import typing
+import difflib
 from typing import Any, Iterable, Mapping
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_KEYS, all_keys, kind_of, targets_of
 
 
 def parse_key_values(items: Iterable[str]) -> dict[str, str]:
@@ -30,37 +34,31 @@ def parse_key_values(items: Iterable[str]) -> dict[str, str]:
     return opts
 
 
-def assign_engine_options(raw: Mapping[str, str], targets: Mapping[str, type],
-                          excluded: Mapping[str, Iterable[str]]) -> dict[str, dict[str, Any]]:
-    """Assigns each option to every config class (by target name) that has a field of that name,
-    skipping `excluded[target]` fields (those set by flags), and parses its value."""
-    fields_of = {}
-    for name, cls in targets.items():
-        skip = set(excluded.get(name, ()))
-        fields_of[name] = {f.name for f in dataclasses.fields(cls) if f.init and f.name not in skip}
-    assigned: dict[str, dict[str, Any]] = {name: {} for name in targets}
-    for key, value in raw.items():
-        owners = [name for name, fields in fields_of.items() if key in fields]
-        if not owners:
-            valid = sorted({k for fields in fields_of.values() for k in fields})
-            raise UserError(f"unknown --engine-opt {key!r}; valid keys: {', '.join(valid)}")
-        for owner in owners:
-            default = getattr(targets[owner](), key)
-            kind = type(default) if default is not None else _optional_type(targets[owner], key)
-            assigned[owner][key] = _parse(value, kind, key)
+def parse_engine_options(items: Iterable[str]) -> dict[str, Any]:
+    """The `KEY=VALUE` items, each value parsed as its key's type; a UserError for an item that is
+    not KEY=VALUE, an unknown key or a value of the wrong type."""
+    parsed = {}
+    for key, value in parse_key_values(items).items():
+        kind = kind_of(key)
+        if kind is None:
+            close = difflib.get_close_matches(key, all_keys(), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UserError(f"unknown --engine-opt {key!r}{hint}; valid keys: {', '.join(all_keys())}")
+        parsed[key] = _parse(value, kind, key)
+    return parsed
+
+
+def assign_engine_options(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Parsed options (`parse_engine_options`) by the config they set: target -> field -> value."""
+    assigned: dict[str, dict[str, Any]] = {target: {} for target in ENGINE_OPTION_KEYS}
+    for key, value in options.items():
+        for target in targets_of(key):
+            assigned[target][key] = value
     return assigned
 
 
-def _optional_type(cls: type, key: str) -> type:
-    """X of a field annotated `X | None` (its default None says nothing about how to parse it)."""
-    hint = typing.get_type_hints(cls)[key]
-    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-    return args[0] if len(args) == 1 else str
-
-
 def parse_bool(raw: str) -> bool:
-    """An engine option's bool: true/false/1/0/yes/no in any case; ValueError otherwise. The
-    operator's memory plan reads `--engine-opt` bools through this too (operator/memory_flags.py)."""
+    """An engine option's bool: true/false/1/0/yes/no in any case; ValueError otherwise."""
     if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
         raise ValueError(raw)
     return raw.lower() in ("true", "1", "yes")

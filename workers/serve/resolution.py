@@ -42,8 +42,9 @@ The rules, each in one place:
   (RunnerConfig.resolve; `cuda_graph=true` with `--tp` > 1 is refused, so is `enable_tbo`), and
   `--tp` must divide the model's attention heads.
 - engine options: the `--engine-opt` items and the flags that spell one (the contract's kind
-  `engine_option`, `ServeFlags.all_engine_options`) set config fields by name
-  (workers/serve/engine_options.py); `deterministic` sets the runner's and the scheduler's, and with
+  `engine_option`, `ServeFlags.all_engine_options`) set config fields by name, the keys and their
+  types from one torch-free table (workers/serve/engine_option_keys.py, workers/serve/engine_options.py);
+  `deterministic` sets the runner's and the scheduler's, and with
   it the prefix cache is off.
 - EPLB: `--ep-num-redundant-experts` and `--init-expert-location` become the runner's fields; the
   placement file is read and checked against the model and `--ep` here, before any rank starts
@@ -79,9 +80,10 @@ from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.api.served_model import ServedModelInfo
 from deepseek_pd.workers.api.server import ServerConfig
 from deepseek_pd.workers.api.servicer import WorkerIdentity
-from deepseek_pd.workers.engine.worker_config import (
-    BootstrapConfig, SchedulerConfig, WorkerConfig, gpu_chunked_prefill_size)
-from deepseek_pd.workers.serve.engine_options import assign_engine_options, parse_key_values
+from deepseek_pd.workers.engine.worker_config import SchedulerConfig, gpu_chunked_prefill_size
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
+from deepseek_pd.workers.transport.worker_config import WorkerConfig
+from deepseek_pd.workers.serve.engine_options import assign_engine_options, parse_engine_options
 from deepseek_pd.workers.serve.kv_staging import staging_reserve_bytes
 from deepseek_pd.workers.serve.roles import RoleDefaults, role_defaults
 from deepseek_pd.workers.serve.flags import ParallelFlags, ServeFlags
@@ -89,7 +91,8 @@ from deepseek_pd.workers.serve.flags import ParallelFlags, ServeFlags
 log = logging.getLogger(__name__)
 
 # Config fields that have their own `serve` flags (or, warn_exposure and mem_reserve_bytes, that serve
-# sets itself), and so are not engine options.
+# sets itself), and so are not engine options: every other field is a key of
+# workers/serve/engine_option_keys.py (tests/workers/test_engine_option_keys.py keeps them so).
 _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages", "mem_fraction_static",
                            "gpu_workers", "kv_share", "ep_num_redundant_experts", "init_expert_location",
                            "mem_reserve_bytes"),
@@ -98,6 +101,7 @@ _FLAG_FIELDS = {"runner": ("model", "dtype", "device", "page_size", "num_pages",
                 "transport": ("advertise_host", "mooncake_protocol", "mooncake_device", "mooncake_rank_devices",
                               "warn_exposure"),
                 "group": ("tp", "dp", "ep", "nnodes", "node_rank", "dist_init_addr", "deepep_mode")}
+# The config each target of the engine-option table names.
 _TARGETS = {"runner": RunnerConfig, "bootstrap": BootstrapConfig, "scheduler": SchedulerConfig,
             "transport": TransportConfig, "group": GroupLayout}
 
@@ -112,7 +116,7 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
             raise UserError(f"--{name.replace('_', '-')} {value} is not a TCP port")
     model_dir = resolve_model_dir(flags.model)
     info = ServedModelInfo.from_model_dir(model_dir, flags.served_model_name or served_name(flags.model, model_dir))
-    opts = assign_engine_options(parse_key_values(flags.all_engine_options), _TARGETS, _FLAG_FIELDS)
+    opts = assign_engine_options(parse_engine_options(flags.all_engine_options))
     group = _group_layout(flags.parallel, opts["group"])
     runner_opts = {**opts["runner"], "ep_size": group.ep, "tp_size": group.tp,
                    "dispatcher": group.dispatcher(deepep_available=_deepep_available()),
@@ -188,7 +192,7 @@ def _scheduler_fields(flags: ServeFlags, opts: dict[str, dict[str, Any]], device
 def chunked_prefill_size(flags: ServeFlags, device: str) -> int:
     """The prompt tokens per round a worker started with `flags` on `device` runs, decided as
     `resolve_serve_config` decides them (for tools that time such a round: bench/serving_gpu.py)."""
-    opts = assign_engine_options(parse_key_values(flags.all_engine_options), _TARGETS, _FLAG_FIELDS)
+    opts = assign_engine_options(parse_engine_options(flags.all_engine_options))
     return _scheduler_fields(flags, opts, device).get("chunked_prefill_size", SchedulerConfig.chunked_prefill_size)
 
 

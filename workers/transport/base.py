@@ -312,6 +312,29 @@ class KVSink(abc.ABC):
     def _check_cells(self) -> None:
         """Transports that see every chunk (grpc) check here that each cell arrived."""
 
+    def begin_check(self, key: bytes | None, room: int) -> None:
+        """Once the handshake is accepted, before any chunk: the transfer will be checked with `key`
+        (`check_sealed`), so the sink may build its proof as the KV lands rather than all at once
+        after the TransferDone (mooncake: the MAC of each landed send). Nothing by default."""
+
+    def check_on_landing(self, check: "Callable[[range, list[int]], None]") -> None:
+        """Before the transfer: `check(layers, pages)` (raising TransferError) may run on each part of
+        the KV as it lands in these pool `pages`, off the first token's path (decode's finite check);
+        its first refusal is kept in `landing_failure`, reported after the MAC's verdict. Not run
+        by default (`checked_on_landing` False: the caller checks after the TransferDone)."""
+
+    def checked_on_landing(self) -> bool:
+        """After a complete transfer: whether `check_on_landing`'s check ran on every cell."""
+        return False
+
+    # The first refusal of `check_on_landing`'s check (read once `checked_on_landing`).
+    landing_failure: RequestFailure | None = None
+
+    def check_reads(self) -> bool:
+        """Whether `check_sealed` still has KV to read (then it runs in a worker thread); False: it
+        is quick enough for the event loop (nothing to check, or a digest of what landed)."""
+        return False
+
     def check_sealed(self, done: pb.TransferDone, key: bytes | None, room: int) -> None:
         """Once no writer can reach the pages any more (after `withdraw`), in a worker thread: raises
         TransferError unless the pages hold what the sender's `SendChannel.seal` proved it sent.

@@ -26,7 +26,8 @@ the layers hash in parallel on spare cores without touching the decode steps.
 Cost: one read of the prompt's KV on each side, once per transfer, in worker threads off the GIL:
 off the decode steps. The prefill side reads each send's pages beside its write (`LayerMacs`, from
 `MooncakeChannel.begin_seal`), so its seal at `finish`, on the first token's path, only digests
-(bench/kv_mac_finish.py); the decode side reads its private copy after the TransferDone. Measured (test_kv_mac.py's bench, CPU pool read
+(bench/kv_mac_finish.py); the decode side reads each send's private copy as it lands (`LandedMacs`,
+send_landing.py), so its check after the TransferDone only digests too. Measured (test_kv_mac.py's bench, CPU pool read
 in place, 2 shared CI cores): ~1.1 ms of CPU per MB (~0.9 GB/s a core), divided by the threads
 (up to 8, half the cores); a 4k-token V2-Lite prompt (127 MB) is ~140 ms of CPU per side, ~20 ms
 of wall time on 8 free cores. A CUDA pool's pages are gathered on the
@@ -46,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -131,14 +133,15 @@ class LayerMacs:
         self.pages_read = 0  # (layer, page) cells read so far, by `update` and `digest`
 
     def update(self, pool: KVPool, layers: range, page_begin: int, pages: Sequence[int],
-               ready: "torch.cuda.Event | None" = None) -> "Hashing":
+               ready: "torch.cuda.Event | None" = None, synced: bool = False) -> "Hashing":
         """Starts hashing `pages` (this pool's ids of request-local pages from `page_begin`) of
         `layers`, the layers in parallel in the MAC's threads, and returns at once: the caller does its
-        write meanwhile, then `wait`s. `ready` (CUDA): an event recorded after their KV was written."""
+        write meanwhile, then `wait`s. `ready` (CUDA): an event recorded after their KV was written;
+        `synced`: as for `digest`."""
         todo = [layer for layer in layers if self.hashed[layer] == page_begin]
         for layer in todo:
             self.hashed[layer] = page_begin + len(pages)
-        return self._hash(pool, todo, list(pages), ready)
+        return self._hash(pool, todo, list(pages), ready, synced)
 
     def digest(self, pool: KVPool, pages: Sequence[int], synced: bool = False) -> bytes:
         """The tag over all of `pages` (this pool's ids, in request-local order): hashes what each
@@ -166,6 +169,80 @@ class LayerMacs:
         self.pages_read += len(layers) * len(pages)
         return Hashing([_pool.submit(_feed, self._macs[layer], pool, layer, pages, runs, ready, synced)
                         for layer in layers])
+
+
+class LandedMacs:
+    """The decode side's tag of one transfer, built as its cells land in the request's private
+    pages (copied there out of the staging, where no writer reaches them), in whatever cut and order
+    they land, so that the check after the TransferDone (on the first token's path) only digests.
+
+    `landed` hashes a layer's pages only in request order: a range that lands before the pages
+    in front of it waits, parked, and is hashed by the landing that fills the gap. What never
+    landed before `digest` (a transfer copied out whole after its TransferDone) is read there.
+    The tag is `kv_mac`'s whatever the cut and the order:
+
+        macs = LandedMacs(pool, [7, 8, 3], key, head)     # pool: decode's; pages: the request's
+        macs.landed(range(5, 6), 2, 3)    # layer 5 of page 2 landed first: parked
+        macs.landed(range(0, 27), 0, 2)   # pages 0-1 of every layer: hashes those, then layer 5's page 2
+        macs.landed(range(0, 5), 2, 3); macs.landed(range(6, 27), 2, 3)
+        macs.digest() == kv_mac(pool, [7, 8, 3], key, head)   # reads no page
+
+    `landed` may run in several threads at once (a sink lands chunks side by side); a cell must
+    land once (the sink refuses a second landing before it copies: a copy over a hashed page
+    would let the model read bytes the tag never covered). The pages' writes are complete when
+    they land (a synchronised copy), so on CUDA no read waits for a stream.
+    """
+
+    def __init__(self, pool: KVPool, pages: Sequence[int], key: bytes, head: bytes,
+                 algorithm: str = ALGORITHM) -> None:
+        self.algorithm = algorithm
+        self._pool = pool
+        self._pages = list(pages)
+        self._macs = LayerMacs(pool.num_layers, key, head, algorithm)
+        self._parked: list[dict[int, int]] = [{} for _ in range(pool.num_layers)]  # begin -> end, not hashed
+        self._lock = threading.Lock()  # the parked ranges and `hashed`
+        # Held while a layer's range is hashed: the next range of that layer waits, so each layer's
+        # MAC takes its pages in order.
+        self._layer_locks = [threading.Lock() for _ in range(pool.num_layers)]
+
+    @property
+    def key(self) -> bytes:
+        return self._macs.key
+
+    @property
+    def pages_read(self) -> int:
+        """(layer, page) cells hashed so far, by `landed` and `digest`."""
+        return self._macs.pages_read
+
+    def landed(self, layers: range, page_begin: int, page_end: int) -> None:
+        """Request pages [page_begin, page_end) of `layers` are in their private pages now: hashes
+        every range this lets a layer hash in order; returns once hashed (raises what a read raised)."""
+        with self._lock:
+            for layer in layers:
+                self._parked[layer][page_begin] = page_end
+        held: list[threading.Lock] = []
+        try:
+            hashing = []
+            for layer in layers:  # ascending in every caller, so no two wait on each other
+                self._layer_locks[layer].acquire()
+                held.append(self._layer_locks[layer])
+                with self._lock:
+                    begin = end = self._macs.hashed[layer]
+                    parked = self._parked[layer]
+                    while end in parked:
+                        end = parked.pop(end)
+                    if end > begin:  # (only submits: the layer's read runs in the MAC's threads)
+                        hashing.append(self._macs.update(self._pool, range(layer, layer + 1), begin,
+                                                         self._pages[begin:end], synced=True))
+            for each in hashing:
+                each.wait()
+        finally:
+            for lock in held:
+                lock.release()
+
+    def digest(self) -> bytes:
+        """The tag over every page (reads what no landing hashed); after the last `landed`."""
+        return self._macs.digest(self._pool, self._pages, synced=True)
 
 
 class Hashing:

@@ -19,8 +19,10 @@ prefill side completed before its TransferDone, and a registered slot (over RDMA
 good; over TCP the next transfer's, from before its prefill writes them) never shows a reader an
 earlier request's KV. A transfer that failed or was cancelled after its handshake went out may
 still be written by its prefill side for up to `send_timeout_s`, so its slots cool that long before
-they are reused, and are zeroed when next taken; a write that lands in a reused slot then fails
-the new owner's MAC check, never its output. A transfer waits for slots on the event loop while
+they are reused, and are zeroed as the grace ends (by the area's cooling thread, `_cool`: over RDMA
+they stay registered, so waiting for the next transfer to take them would leave the failed one's KV
+readable until then); a write that lands in a reused slot then fails the new owner's MAC check,
+never its output. A transfer waits for slots on the event loop while
 the staging is full (first come first served, up to its timeout, then RESOURCE_EXHAUSTED naming the
 setting). A prompt longer than the whole staging takes half of it as a window and moves through it
 (`MooncakeSink` in mooncake.py): page i goes into slot i mod W, the prefill side writes it only
@@ -36,10 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from deepseek_pd.model.kv.pool import KVPool
@@ -47,6 +51,8 @@ from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.page_io import page_index, side_stream
 from deepseek_pd.workers.transport.plan import merge_page_runs
+
+log = logging.getLogger(__name__)
 
 # Up to this many runs (contiguous in the slots and in the pages) a copy goes run by run, as plain
 # memory copies (on a CPU pool several times faster than indexed copies of bf16 pages); past it, one indexed
@@ -71,6 +77,8 @@ class StagingArea:
         self._tickets = 0  # acquire's order of arrival
         self._queue: collections.deque[int] = collections.deque()  # waiting tickets, oldest first
         self._lock = threading.Lock()
+        self._cooled = threading.Condition(self._lock)  # `_cool`'s wake-up: a slot began cooling
+        self._cooler: threading.Thread | None = None  # runs while any slot cools
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []  # acquires waiting for room
 
     @property
@@ -102,7 +110,6 @@ class StagingArea:
                 changed = asyncio.Event()
                 with self._lock:
                     now = time.monotonic()
-                    self._thaw(now)
                     if self._queue[0] == ticket and len(self._free) >= count:
                         self._free.sort()
                         taken, self._free = self._free[:count], self._free[count:]
@@ -115,8 +122,6 @@ class StagingArea:
                                             f"no room for {count} pages in the mooncake staging area "
                                             f"({self.num_pages} pages) within {timeout_s}s; raise the decode "
                                             f"worker's --engine-opt mooncake_staging_tokens")
-                    if self._cooling:
-                        wait = min(wait, max(0.0, min(at for at, _ in self._cooling) - now) + 1e-3)
                     self._waiters.append((loop, changed))
                 try:
                     await asyncio.wait_for(changed.wait(), wait)
@@ -128,8 +133,9 @@ class StagingArea:
                 self._notify()  # the next in line may fit now
 
     def release(self, slots: Sequence[int], delay_s: float = 0.0, scrubbed: bool = False) -> None:
-        """Gives `slots` back, usable after `delay_s` (a late write of a failed transfer); unless
-        `scrubbed` (zeroed by the caller), they are zeroed when next taken."""
+        """Gives `slots` back, usable after `delay_s` (a late write of a failed transfer). Unless
+        `scrubbed` (zeroed by the caller) they are zeroed: as the delay ends (`_cool`), or, given
+        back at once, when next taken."""
         if not slots:
             return
         with self._lock:
@@ -137,9 +143,40 @@ class StagingArea:
                 self._dirty.update(slots)
             if delay_s > 0:
                 self._cooling.append((time.monotonic() + delay_s, list(slots)))
+                if self._cooler is None:
+                    self._cooler = threading.Thread(target=self._cool, name="kv-staging-cool", daemon=True)
+                    self._cooler.start()
+                self._cooled.notify()
             else:
                 self._free.extend(slots)
             self._notify()
+
+    def _cool(self) -> None:
+        """The cooling thread, while any slot cools: as each failed transfer's grace ends, zeroes
+        its slots (unless scrubbed already) and only then frees them; wakes the waiting `acquire`s.
+        Slots whose zeroing fails never go back (logged), as the pool's pages."""
+        while True:
+            with self._lock:
+                if not self._cooling:
+                    self._cooler = None
+                    return
+                now = time.monotonic()
+                due = [slot for at, slots in self._cooling if at <= now for slot in slots if slot in self._dirty]
+                if not due and all(at > now for at, _ in self._cooling):
+                    self._cooled.wait(min(at for at, _ in self._cooling) - now)
+                    continue
+            try:
+                self.scrub(due)
+            except Exception:  # noqa: BLE001 - this thread must go on cooling the others
+                log.exception("could not zero %d mooncake staging slots of a failed transfer: they are "
+                              "not used again", len(due))
+                with self._lock:
+                    self._cooling = [(at, [s for s in slots if s not in due]) for at, slots in self._cooling]
+                continue
+            with self._lock:
+                self._dirty.difference_update(due)
+                self._thaw(now)
+                self._notify()
 
     def _notify(self) -> None:
         """Wakes every waiting `acquire` (from any thread); under `_lock`."""
@@ -157,25 +194,35 @@ class StagingArea:
             for _, slots in ready:
                 self._free.extend(slots)
 
-    def copy_into(self, pool: KVPool, slots: Sequence[int], pages: Sequence[int]) -> None:
-        """Copies staging `slots` into `pool`'s `pages` (same order), every layer, then zeroes the
-        slots; returns once both are in memory (on CUDA: on a side stream, then synchronised, as the
-        pool's scrub does), so what a writer puts into the slots afterwards can never reach the pages."""
+    def copy_into(self, pool: KVPool, slots: Sequence[int], pages: Sequence[int], layers: range | None = None) -> None:
+        """Copies staging `slots` into `pool`'s `pages` (same order), in `layers` (default every
+        layer), then zeroes those cells of the slots; returns once both are in memory (on CUDA: on a
+        side stream, then synchronised, as the pool's scrub does), so what a writer puts into the
+        slots afterwards can never reach the pages."""
         if not pages:
             return
-
+        chosen = range(len(self.buffers)) if layers is None else layers
         runs = merge_page_runs(slots, pages)
 
         def copy() -> None:
+            if pool.device.type == "cpu":  # numpy's plain copies: torch's fork OpenMP teams per call
+                for layer in chosen:  # (page_io.py: 10x slower on shared cores, per layer)
+                    staged, buffer = _host(self.buffers[layer]), _host(pool.buffers[layer])
+                    for run in runs:
+                        np.copyto(buffer[run.dst:run.dst + run.length], staged[run.src:run.src + run.length])
+                        staged[run.src:run.src + run.length].fill(0)
+                return
             if len(runs) <= SLICE_RUNS:  # contiguous blocks: plain memory copies
-                for staged, buffer in zip(self.buffers, pool.buffers):
+                for layer in chosen:
+                    staged, buffer = self.buffers[layer], pool.buffers[layer]
                     for run in runs:
                         buffer[run.dst:run.dst + run.length].copy_(staged[run.src:run.src + run.length])
                         staged[run.src:run.src + run.length].zero_()
                 return
             src = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
             dst = page_index(pool, pages)
-            for staged, buffer in zip(self.buffers, pool.buffers):
+            for layer in chosen:
+                staged, buffer = self.buffers[layer], pool.buffers[layer]
                 buffer.index_copy_(0, dst, staged.index_select(0, src))
                 staged.index_fill_(0, src, 0)
         self._on_device(copy)
@@ -219,3 +266,8 @@ class StagingArea:
         with torch.cuda.stream(stream):
             work()
         stream.synchronize()
+
+
+def _host(buffer: torch.Tensor) -> np.ndarray:
+    """A CPU layer buffer as uint8 `[pages, page bytes]`, no copy."""
+    return buffer.view(buffer.shape[0], -1).view(torch.uint8).numpy()

@@ -119,3 +119,32 @@ def test_fused_kernel_gpu_v3_shapes_equal_the_unfused_pair(tokens, dim):
         torch.testing.assert_close(scale, ref_scale, rtol=2 ** -7, atol=0)
         if res is not None:
             assert torch.equal(res_out, unfused_res)
+
+
+@needs_triton
+def test_fused_kernel_writes_the_same_bits_into_a_packed_buffer():
+    """Attention TP gathers the input norm's quantised rows as one uint8 buffer (fp8 bytes, then the
+    scales: quant/norm_fp8_linear.py); the kernel writes there through row strides past each part's
+    width, the bits it returns into fresh tensors, and nothing outside its part of each row."""
+    from deepseek_pd.model.kernels.rmsnorm_quant import rms_norm_quant
+    from deepseek_pd.model.quant.norm_fp8_linear import packed_rows, unpacked
+
+    group = random.choice([16, 32, 128])
+    dim = 4 * random.randint(5, 100)
+    tokens = random.randint(1, 9)
+    x = (torch.randn(tokens, dim) * 3).to(DEVICE)
+    residual = torch.randn_like(x) if random.random() < 0.5 else None
+    weight = (1 + 0.1 * torch.randn(dim)).to(DEVICE)
+    want_q, want_scale, want_res = rms_norm_quant(x, weight, 1e-6, group, residual)
+    packed = packed_rows(tokens, dim, group, DEVICE)
+    packed.fill_(0xA5)  # poison: a byte left unwritten shows
+    q, scale, res = rms_norm_quant(x, weight, 1e-6, group, residual, out=unpacked(packed, dim, group))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+    assert (res is None) == (want_res is None) and (res is None or torch.equal(res, want_res))
+    parts = unpacked(packed, dim, group)
+    assert parts[0].data_ptr() == q.data_ptr() and parts[1].data_ptr() == scale.data_ptr()
+    assert torch.equal(packed, torch.cat([want_q.view(torch.uint8), want_scale.view(torch.uint8)], dim=-1))
+    with pytest.raises(ValueError, match="out must be"):
+        rms_norm_quant(x, weight, 1e-6, group, out=(want_q[:, :-1], want_scale))
+    with pytest.raises(ValueError, match="packed"):
+        unpacked(packed[:, :-1], dim, group)

@@ -55,12 +55,12 @@ def v2_lite(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _up_runners(model_dir, roles):
+def _up_runners(model_dir, roles, kv_transport="grpc"):
     """Each worker's resolved RunnerConfig, from the command line `up` gives it (default memory flags)."""
     shapes = [GroupShape() for _ in roles]
     plans = plan_workers(roles, shapes, list(range(20000, 20000 + 3 * len(roles))), worker_gpu_shares("cuda", roles))
     settings = ServeSettings(model_dir=str(model_dir), served_model_name="v2-lite", host="127.0.0.1",
-                             kv_transport="grpc", device="cuda",
+                             kv_transport=kv_transport, device="cuda",
                              secret_file=str(create_secret_file(model_dir / "secret")))
     runners = []
     for plan in plans:
@@ -69,13 +69,14 @@ def _up_runners(model_dir, roles):
     return runners
 
 
+@pytest.mark.parametrize("kv_transport", ["grpc", "mooncake"])
 @pytest.mark.parametrize("card", sorted(CARDS))
-def test_up_starts_v2_lite_on_one_card_with_kv_for_both_workers(card, v2_lite, caplog) -> None:
+def test_up_starts_v2_lite_on_one_card_with_kv_for_both_workers(card, kv_transport, v2_lite, caplog) -> None:
     total = CARDS[card]
     config = ModelConfig.from_hf(v2_lite)
     weights = rank_weights(config, WeightFormat(2), 1).total_bytes  # bf16, every expert on the one GPU
     assert 28 * GIB < weights < 30 * GIB
-    runners = _up_runners(v2_lite, ["prefill", "decode"])
+    runners = _up_runners(v2_lite, ["prefill", "decode"], kv_transport)
     budget = budget_bytes(DEFAULT_MEM_FRACTION_STATIC, total)
     # Before: each worker's budget was its slice of the card, weights included (0.352 x 79.2 GiB).
     assert int(DEFAULT_MEM_FRACTION_STATIC * 2 / 5 * total) < weights or card == "H200"
@@ -86,15 +87,19 @@ def test_up_starts_v2_lite_on_one_card_with_kv_for_both_workers(card, v2_lite, c
             per_page = bytes_per_pool_page(config.num_hidden_layers, runner.page_size, config.kv_cache_dim,
                                            torch.bfloat16)
             headroom = int(runner.headroom_gib * GIB)
+            # The worker keeps what it allocates beside the pool (decode's Mooncake staging) out of it.
             pages = pages_for_gpu(GpuMemory(total, total - used, weights), runner.mem_fraction_static, headroom,
-                                  per_page, min_pages=2 if runner.cuda_graph else 1, share=runner.gpu_share)
+                                  per_page, min_pages=2 if runner.cuda_graph else 1, share=runner.gpu_share,
+                                  reserve_bytes=runner.mem_reserve_bytes)
             assert pages > 0
-            used += pages * per_page + headroom
+            used += pages * per_page + headroom + runner.mem_reserve_bytes
             kv_bytes.append(pages * per_page)
             print(f"{card}: {runner.page_size * pages:,} KV tokens ({pages * per_page / GIB:.1f} GiB)")
     assert used - 2 * CUDA_CONTEXT <= budget <= total
     prefill, decode = kv_bytes
-    assert decode / prefill == pytest.approx(1.5, rel=1e-3)
+    assert (runners[1].mem_reserve_bytes > 0) == (kv_transport == "mooncake")  # decode stages Mooncake's KV
+    if runners[0].mem_reserve_bytes == runners[1].mem_reserve_bytes:
+        assert decode / prefill == pytest.approx(1.5, rel=1e-3)
     assert "of the KV room of 2 workers" in caplog.text
 
 

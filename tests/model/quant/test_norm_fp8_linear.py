@@ -76,13 +76,16 @@ def test_mla_runs_q_a_norm_and_q_b_proj_fused_with_the_triton_fp8_backends(backe
     assert layers and all(attn._q_b_of_q_a.fused == fused for attn in layers)
     assert all(attn._q_b_of_q_a.linear is attn.q_b_proj and attn._q_b_of_q_a.norm is attn.q_a_layernorm
                for attn in layers)
+    # The post-attention norm -> a dense MLP's gate_up_proj: the same rule (norm_rope_backend=torch unfuses).
+    assert [layer.comm.quantises_mlp_input for layer in model.layers] == \
+        [fused and not layer.is_moe for layer in model.layers]
 
 
 @needs_triton
 def test_a_model_with_its_norms_fused_gives_the_logits_of_the_unfused_model_bit_for_bit(tmp_path, monkeypatch):
     """A tiny FP8 checkpoint, Triton norms and FP8 GEMMs: the input norm hands attention quantised
-    rows (and q_a_layernorm q_b_proj's); prefill logits equal those of the same model built with
-    every norm unfused."""
+    rows (and q_a_layernorm q_b_proj's, the dense layer's post-attention norm its gate_up_proj's);
+    prefill logits equal those of the same model built with every norm unfused."""
     from deepseek_pd.model import decoder_layer
     from deepseek_pd.model.attention import mla
     from deepseek_pd.model.checkpoint.tiny import make_tiny_model
@@ -101,10 +104,14 @@ def test_a_model_with_its_norms_fused_gives_the_logits_of_the_unfused_model_bit_
 
     fused_runner, fused = prefill()
     assert all(layer.comm.quantises_attn_input for layer in fused_runner.model.layers)
+    # The dense layer's MLP takes quantised rows; a MoE layer's router needs them in the model dtype.
+    assert [layer.comm.quantises_mlp_input for layer in fused_runner.model.layers] == \
+        [not layer.is_moe for layer in fused_runner.model.layers]
     monkeypatch.setattr(decoder_layer, "norm_quant_group", lambda norm, linears: None)
     monkeypatch.setattr(mla.NormThenLinear, "__init__", _unfused_init)
     plain_runner, plain = prefill()
-    assert not any(layer.comm.quantises_attn_input for layer in plain_runner.model.layers)
+    assert not any(layer.comm.quantises_attn_input or layer.comm.quantises_mlp_input
+                   for layer in plain_runner.model.layers)
     assert torch.equal(fused, plain)
 
 

@@ -105,12 +105,9 @@ def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
     """With `speculative_adaptive` the verify and catch-up are captured for every k in 1..N
     (model/speculative/graphs.py); steps drafting a random k each, through graphs, give the plain
     greedy tokens, and every k's verify replays."""
-    from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner import ModelRunner
     from deepseek_pd.model.runner_config import RunnerConfig
-    from deepseek_pd.model.sampling.params import SamplingParams as Params
-    from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
-    from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
-    from deepseek_pd.workers.engine.extend_step import run_extend_with_mtp
+    from pdtest.speculative_runner import speculative_greedy
 
     seed = random.randrange(1000)
     rng = random.Random(seed)
@@ -125,29 +122,8 @@ def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
     max_new = [rng.randint(6, 20) for _ in prompts]
     want = [r.output_ids for r in plain.generate_batch(
         prompts, [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new])]
-
-    class Row:
-        def __init__(self, prompt, n):
-            self.prompt_ids, self.max_new, self.output_ids = prompt, n, []
-            self.pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(prompt) + n))
-
-        @property
-        def finished(self):
-            return len(self.output_ids) >= self.max_new
-
-    rows = [Row(p, n) for p, n in zip(prompts, max_new)]
-    decoder = SpeculativeDecoder(runner, 3)
-    states = [SamplingState.create(Params(temperature=0.0), r.prompt_ids, plain.vocab_size, device="cuda")
-              for r in rows]
-    sampled, drafts = run_extend_with_mtp(runner, Sampler(), [ExtendSeq(r.prompt_ids, 0, r.pages) for r in rows],
-                                          range(len(rows)), states, [r.prompt_ids for r in rows])
-    for row, state, token, draft in zip(rows, states, sampled.token_ids, drafts):
-        row.output_ids.append(token)
-        row.sampling = state
-        decoder.seed(row, *draft)
-    while not all(r.finished for r in rows):
-        decoder.step(rows, rng.randint(0, 3))
-    assert [r.output_ids for r in rows] == want, seed
+    got, _ = speculative_greedy(runner, prompts, max_new, 3, drafts_per_step=lambda: rng.randint(0, 3))
+    assert got == want, seed
     assert graphs.replays["verify"] > 0 and graphs.replays["catch_up"] > 0, graphs.replays
 
 

@@ -15,7 +15,7 @@ import torch
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.engine.interface import DisaggParams
 from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill import bootstrap_servicer

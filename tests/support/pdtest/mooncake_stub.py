@@ -11,7 +11,7 @@ import types
 
 
 class StubTransferEngine:
-    """The calls `workers/transport/mooncake.py` makes, answered as a healthy engine would."""
+    """The calls `workers/transport/mooncake*.py` make, answered as a healthy engine would."""
 
     def __init__(self, registry: list["StubTransferEngine"]) -> None:
         self.writes: list[tuple[str, list[int], list[int], list[int]]] = []

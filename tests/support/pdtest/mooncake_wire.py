@@ -9,11 +9,15 @@ answers whether the range was accepted.
 
 The attacks' common set-up is here too: a PD request whose transfer is held in flight
 (`start_held_transfer`: its destination slots stay registered while the attacker writes), and
-the verdict a write into them must end in (`assert_refused_by_mac`).
+the verdict a write into them must end in (`assert_refused_by_mac`). So is the set-up of the
+staging-window scripts: a PD pair whose decode side stages a given number of tokens
+(`staged_pair`), a prefill whose first report waits (`hold_first_report`), and a batch
+that must all equal the oracle and leave pools and staging empty (`serve_all_as_the_oracle`).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import struct
 from pathlib import Path
@@ -22,7 +26,7 @@ from typing import Any, Awaitable, Callable
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from pdtest.hostile_prefill import hold_transfer_done
-from pdtest.pd_engine_harness import PDPair, collect
+from pdtest.pd_engine_harness import PDPair, collect, worker_config
 
 HEADER = struct.Struct("<QQB7x")
 READ, WRITE, V2 = 0, 1, 0x80
@@ -120,18 +124,26 @@ async def send_bodies(writes: list[tuple[socket.socket, int, int]], timeout_s: f
 
 async def start_held_transfer(pair: PDPair, prompt: list[int], params: SamplingParams, rid: str,
                               on_decode_event: Callable[[Any], Awaitable[None]] | None = None):
-    """Starts PD request `rid` on `pair` and returns once its prefill side has sent every byte but
-    holds back its TransferDone, so the transfer stays in flight on the decode side (its slots
-    registered) until the returned event is set. Returns (the request's gathered (prefill, decode)
-    outcomes, to await after setting it; that event)."""
+    """Starts PD request `rid` on `pair` and returns once its prefill side has written KV into the
+    decode side's staging that decode has not copied out yet: its first send, whose report is held
+    back (with everything after it), or, without reports (a transfer in windows reports only
+    those; an older peer none), every send, its TransferDone held back. The transfer stays in flight
+    on the decode side (its slots registered) until the returned event is set. Returns (the
+    request's gathered (prefill, decode) outcomes, to await after setting it; that event)."""
     sent, release = asyncio.Event(), asyncio.Event()
-    undo = hold_transfer_done(pair.prefill, sent, release)
+
+    async def hold() -> None:
+        sent.set()
+        await release.wait()
+    undo_done = hold_transfer_done(pair.prefill, sent, release)
+    undo_report = hold_first_report(pair.prefill.sender, hold, decode_rid=f"{rid}-d")
     p_req, d_req = pair.requests(prompt, params, rid)
     served = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_decode_event))
     try:
         await asyncio.wait_for(sent.wait(), 60)
-    finally:
-        undo()  # only this request's room holds its TransferDone
+    finally:  # only this request's room holds its report or its TransferDone
+        undo_report()
+        undo_done()
     return served, release
 
 
@@ -139,3 +151,49 @@ def assert_refused_by_mac(outcome: Any) -> None:
     """A request whose slots a stranger wrote in flight is refused by its KV MAC (transport/kv_mac.py),
     with no output token changed."""
     assert not outcome.ok and "does not match the MAC" in outcome.terminal.message, outcome
+
+
+def staged_pair(staging_tokens: int, **decode_transport: Any) -> PDPair:
+    """A Mooncake PD pair (enter it with `async with`) whose decode side stages `staging_tokens`
+    tokens of KV, with any other `TransportConfig` fields given for the decode side."""
+    config = worker_config("mooncake")
+    staged = dataclasses.replace(config, transport=dataclasses.replace(
+        config.transport, mooncake_staging_tokens=staging_tokens, **decode_transport))
+    return PDPair("mooncake", prefill_config=config, decode_config=staged)
+
+
+def hold_first_report(sender, wait: Callable[[], Awaitable[None]], *, decode_rid: str | None = None,
+                      each_channel: bool = False) -> Callable[[], None]:
+    """The first report (a KVChunk without data: a window's, or a send's, since decode lands each
+    send as its report comes) that `sender` (a prefill's KV sender) emits waits for `wait()` before
+    it goes out, and nothing of its transfer follows meanwhile: its cells stay in decode's staging,
+    not copied out. Only the channel of `decode_rid` where given; with `each_channel`, every
+    channel's first report. Returns the undo (the sender's `open` back)."""
+    opener = sender.open
+    held: list = []
+
+    def holding(handshake, emit, *args, **kwargs):
+        if decode_rid is not None and handshake.decode_rid != decode_rid:
+            return opener(handshake, emit, *args, **kwargs)
+        first = [] if each_channel else held
+
+        async def emit_held(chunk):
+            if not first:
+                first.append(chunk)
+                await wait()
+            await emit(chunk)
+        return opener(handshake, emit_held, *args, **kwargs)
+    sender.open = holding
+    return lambda: setattr(sender, "open", opener)
+
+
+async def serve_all_as_the_oracle(pair: PDPair, prompts: list[list[int]], params: SamplingParams,
+                                  expected: list[list[int]]) -> None:
+    """Runs every prompt on `pair` at once: each decode output must be `expected`'s, and the pools
+    and decode's staging end empty."""
+    outcomes = await asyncio.gather(*(pair.run(p, params, f"r{i}") for i, p in enumerate(prompts)))
+    bad = [(i, d.terminal if not d.ok else d.tokens) for i, ((_, d), want) in enumerate(zip(outcomes, expected))
+           if not (d.ok and d.tokens == want)]
+    assert not bad, bad
+    await pair.wait_pools_clean(5)
+    assert pair.decode.receiver.staging.num_used == 0

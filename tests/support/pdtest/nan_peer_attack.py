@@ -1,7 +1,7 @@
 """A compromised prefill (it holds the deployment secret) sends all-NaN KV for its own request and
 holds back its TransferDone, so the NaN sits unchecked in the decode pool, in the first pages the
-pool hands out (page 0 among them; over Mooncake in its staging slots instead, staging.py), while unrelated requests of different lengths decode in one
-batch. Used by tests/workers/test_security_nan_peer.py (grpc) and netns_nan_peer_mooncake.py.
+pool hands out (page 0 among them; over Mooncake copied there out of the staging slots as each send
+is reported, send_landing.py), while unrelated requests of different lengths decode in one batch. Used by tests/workers/test_security_nan_peer.py (grpc) and netns_nan_peer_mooncake.py.
 
 What must hold: every honest request's tokens equal the offline engine's greedy tokens (the run
 without the attacker gives the same: PD parity is tested elsewhere), the attacker's request fails
@@ -45,11 +45,9 @@ async def attack(rng: random.Random, transport: str, config_for, honest_count: i
                 await asyncio.wait_for(sent.wait(), 60)
                 evil_pages = pulled["evil-d"]
                 assert 0 in evil_pages, f"the attacker did not get page 0 ({evil_pages}): the test proves nothing"
-                staging = getattr(pair.decode.receiver, "staging", None)
-                if staging is not None:  # mooncake: unchecked KV waits in staging slots, never in the pool
-                    await _until_nan_in(staging.buffers, list(range(staging.num_pages)))
-                else:
-                    await _until_nan_in(pair.decode.pool.buffers, evil_pages)
+                # (mooncake: each send is copied out of its staging slots into the pages as it is
+                # reported, before the TransferDone and its checks)
+                await _until_nan_in(pair.decode.pool.buffers, evil_pages)
                 honest_runs = await asyncio.gather(*(pair.run(p, GREEDY, f"honest{i}") for i, p in enumerate(honest)))
                 release.set()
                 _, evil_decode = await evil_run
@@ -67,8 +65,7 @@ async def attack(rng: random.Random, transport: str, config_for, honest_count: i
 
 
 async def _until_nan_in(buffers: list[torch.Tensor], pages: list[int], timeout_s: float = 30) -> None:
-    """Waits until `buffers` (the decode pool's, or its Mooncake staging's) hold NaN in `pages`
-    (the attacker's KV has landed)."""
+    """Waits until `buffers` (the decode pool's) hold NaN in `pages` (the attacker's KV has landed)."""
     index = torch.tensor(pages, dtype=torch.long)
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not any(torch.isnan(buffer.index_select(0, index)).any() for buffer in buffers):

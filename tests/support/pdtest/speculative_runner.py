@@ -6,7 +6,7 @@ Every request ignores EOS (max_new tokens each), as the oracles it is compared w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
 from deepseek_pd.model.sampling.params import SamplingParams
@@ -31,10 +31,11 @@ class SpecRow:
         return len(self.output_ids) >= self.max_new
 
 
-def speculative_greedy(runner: ModelRunner, prompts: Sequence[list[int]], max_new: Sequence[int],
-                       steps: int) -> tuple[list[list[int]], SpeculativeDecoder]:
+def speculative_greedy(runner: ModelRunner, prompts: Sequence[list[int]], max_new: Sequence[int], steps: int,
+                       drafts_per_step: Callable[[], int] | None = None) -> tuple[list[list[int]], SpeculativeDecoder]:
     """(each prompt's output ids, the decoder: its `stats` count drafted and accepted tokens).
-    All prompts form one batch; their pages are freed at the end."""
+    All prompts form one batch; their pages are freed at the end. `drafts_per_step()`, when given,
+    is how many tokens each step drafts (as an adaptive policy picks them), else `steps`."""
     pool = runner.kv_pool
     rows = [SpecRow(list(p), n, pool.alloc(pool.pages_for_tokens(len(p) + n))) for p, n in zip(prompts, max_new)]
     decoder = SpeculativeDecoder(runner, steps)
@@ -48,7 +49,7 @@ def speculative_greedy(runner: ModelRunner, prompts: Sequence[list[int]], max_ne
             row.sampling = state
             decoder.seed(row, *draft)
         while not all(r.finished for r in rows):
-            decoder.step([r for r in rows if not r.finished])
+            decoder.step([r for r in rows if not r.finished], None if drafts_per_step is None else drafts_per_step())
     finally:
         for row in rows:
             pool.free(row.pages)

@@ -11,7 +11,7 @@ import pytest
 from deepseek_pd.workers.transport.bootstrap_routes import RankEndpoint, RouteTable, dp_rank_for_room
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport.base import TransferError
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.decode.prefill_routes import PrefillRoutes, RouteUnavailable
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 

@@ -51,6 +51,24 @@ def _spec_runner(path: str, trained: ModelRunner, enable_tbo: bool = False) -> M
     return runner
 
 
+def _colocated(runner: ModelRunner, oracle: Engine, requests: list[GenerateRequest], metrics=None, prepare=None):
+    """Runs `requests` at once through one speculative decode engine (colocated, no PD): their
+    outcomes and the engine's speculation stats; the pool and the page budget end empty.
+    `prepare(engine)` runs once the engine has started, before the requests."""
+    async def run():
+        engine = DecodeEngine(runner, worker_config("fake"), tokenizer=oracle.tokenizer, metrics=metrics)
+        await engine.start()
+        try:
+            if prepare is not None:
+                prepare(engine)
+            outcomes = await asyncio.gather(*(collect(engine, request) for request in requests))
+            assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
+            return outcomes, engine.speculation.stats
+        finally:
+            await engine.stop()
+    return asyncio.run(run())
+
+
 def test_colocated_speculative_equals_offline(setup):
     path, oracle, trained, prompts, rng = setup
     extra = [[rng.randrange(2, oracle.vocab_size) for _ in range(rng.randint(3, 40))] for _ in range(3)]
@@ -61,20 +79,10 @@ def test_colocated_speculative_equals_offline(setup):
     all_prompts = (prompts + extra) * 2
     expected = oracle.generate_batch(all_prompts, params)
 
-    async def run():
-        engine = DecodeEngine(_spec_runner(path, trained), worker_config("fake"), tokenizer=oracle.tokenizer,
-                              metrics=metrics)
-        await engine.start()
-        try:
-            outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"c{i}", tuple(p), sp, return_logprob=True))
-                                              for i, (p, sp) in enumerate(zip(all_prompts, params))))
-            assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
-            return outcomes, engine.speculation.stats
-        finally:
-            await engine.stop()
-
     metrics = WorkerMetrics()
-    outcomes, stats = asyncio.run(run())
+    requests = [GenerateRequest(f"c{i}", tuple(p), sp, return_logprob=True)
+                for i, (p, sp) in enumerate(zip(all_prompts, params))]
+    outcomes, stats = _colocated(_spec_runner(path, trained), oracle, requests, metrics=metrics)
     sample = metrics.registry.get_sample_value
     assert sample("deepseek_pd:spec_draft_tokens_total", metrics.labels.values()) == stats.drafted
     assert sample("deepseek_pd:spec_accepted_tokens_total", metrics.labels.values()) == stats.accepted
@@ -258,22 +266,15 @@ def test_adaptive_draft_count_follows_the_costs(setup, expensive):
                                       speculative_adaptive=True))
     runner.model.mtp.load_state_dict(trained.model.mtp.state_dict())
 
-    async def run():
-        engine = DecodeEngine(runner, worker_config("fake"), tokenizer=oracle.tokenizer)
-        await engine.start()
-        try:
-            measured = engine.speculation.policy.costs
-            assert measured.max_steps == 3 and measured.batches[0] == 1
-            growth = 100.0 if expensive else 1.0
-            engine.speculation.policy = SpeculationPolicy(
-                StepCosts((1, 64), tuple((10.0 * growth ** k, 20.0 * growth ** k) for k in range(4))), 3)
-            outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"a{i}", tuple(p), GREEDY))
-                                              for i, p in enumerate(prompts)))
-            return outcomes, engine.speculation.stats
-        finally:
-            await engine.stop()
+    def set_costs(engine: DecodeEngine) -> None:
+        measured = engine.speculation.policy.costs
+        assert measured.max_steps == 3 and measured.batches[0] == 1
+        growth = 100.0 if expensive else 1.0
+        engine.speculation.policy = SpeculationPolicy(
+            StepCosts((1, 64), tuple((10.0 * growth ** k, 20.0 * growth ** k) for k in range(4))), 3)
 
-    outcomes, stats = asyncio.run(run())
+    requests = [GenerateRequest(f"a{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)]
+    outcomes, stats = _colocated(runner, oracle, requests, prepare=set_costs)
     for outcome, want in zip(outcomes, expected):
         assert outcome.ok and outcome.tokens == want.output_ids
     assert (stats.drafted == 0) == expensive
@@ -309,18 +310,9 @@ def test_stops_mid_acceptance_in_the_worker_as_without_speculation(setup):
             params.append(dataclasses.replace(GREEDY, stop=(r.text[len(r.text) // 2:][:2],)))
     expected = oracle.generate_batch(prompts, params)
 
-    async def run():
-        engine = DecodeEngine(_spec_runner(path, trained), worker_config("fake"), tokenizer=oracle.tokenizer)
-        await engine.start()
-        try:
-            outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"s{i}", tuple(p), sp, return_logprob=True))
-                                              for i, (p, sp) in enumerate(zip(prompts, params))))
-            assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
-            return outcomes, engine.speculation.stats
-        finally:
-            await engine.stop()
-
-    outcomes, stats = asyncio.run(run())
+    requests = [GenerateRequest(f"s{i}", tuple(p), sp, return_logprob=True)
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+    outcomes, stats = _colocated(_spec_runner(path, trained), oracle, requests)
     for outcome, want in zip(outcomes, expected):
         assert outcome.ok and outcome.tokens == want.output_ids
         assert (outcome.terminal.reason, outcome.terminal.matched_stop) == (want.finish_reason, want.matched_stop)

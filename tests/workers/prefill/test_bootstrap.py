@@ -15,7 +15,7 @@ from deepseek_pd.workers.transport import TransportConfig, build_receiver, build
 from deepseek_pd.workers.engine.request_failure import RequestAborted, TransferError
 from deepseek_pd.workers.transport.base import layout_of
 from deepseek_pd.workers.transport.wire import ChunkHeader, encode_chunk_event
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry

@@ -20,7 +20,7 @@ from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
 from deepseek_pd.workers.metrics.worker_metrics import HANDSHAKE_FAILURE_REASONS, WorkerMetrics
 from deepseek_pd.workers.engine.request_failure import RequestFailure
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry

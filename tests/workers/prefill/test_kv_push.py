@@ -20,7 +20,7 @@ from deepseek_pd.workers.transport import TransportConfig
 from deepseek_pd.workers.transport.base import layout_of
 from deepseek_pd.workers.transport.grpc_stream import DirectChannel, GrpcReceiver, GrpcSender
 from deepseek_pd.workers.engine.request_failure import RequestFailure
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 from pdtest.kv_transfer_harness import random_pool, scattered_alloc

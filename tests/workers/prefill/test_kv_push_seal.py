@@ -11,12 +11,13 @@ import threading
 import pytest
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 from deepseek_pd.workers.transport import TransportConfig, kv_mac
 from deepseek_pd.workers.transport.base import layout_of
-from deepseek_pd.workers.transport.mooncake import MooncakeChannel, MooncakeReceiver, MooncakeSender
+from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
+from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel
 from pdtest import mooncake_stub
 from pdtest.kv_transfer_harness import random_pool, scattered_alloc
 

@@ -20,7 +20,7 @@ from deepseek_pd.workers.transport.internal_auth import (
     SECRET_FILE_ENV, AuthError, InternalAuth, ReplayGuard, create_secret_file, read_secret_file, resolve_auth)
 from deepseek_pd.workers.transport import TransportConfig, build_sender
 from deepseek_pd.workers.transport.base import layout_of
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
 from pdtest.kv_transfer_harness import random_pool

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
-from deepseek_pd.workers.transport import kv_mac, mooncake
+from deepseek_pd.workers.transport import kv_mac, mooncake_sink, wire
 from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
 from deepseek_pd.workers.engine.request_failure import TransferError
@@ -42,8 +43,8 @@ def test_the_tag_covers_exactly_the_pages_bytes_in_request_order():
     rng = random.Random()
     src = _filled_pool(rng, 32)
     pages = rng.sample(range(32), rng.randrange(1, 12))
-    if len(pages) > 2:  # a run of consecutive pages too
-        pages[1] = pages[0] + 1 if pages[0] + 1 not in pages else pages[1]
+    if len(pages) > 2 and pages[0] + 1 < 32 and pages[0] + 1 not in pages:  # a run of consecutive pages too
+        pages[1] = pages[0] + 1
     key = bytes(rng.randrange(256) for _ in range(kv_mac.KEY_BYTES))
     head = kv_mac.header(rng.randrange(1 << 40), pages)
     tag = kv_mac.kv_mac(src, pages, key, head, algorithm)
@@ -80,10 +81,15 @@ def test_the_key_is_bound_to_the_secret_the_room_and_the_handshake():
 
 
 def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=None, begin: bool | None = None,
-              device: str = "cpu"):
+              device: str = "cpu", reports: bool | None = None, check: bool | None = None):
     """A mooncake transfer over the stub engine, its bytes copied into the staging slots as the engine
     would write them, then landed (`before_land(receiver, sink)` runs first): (the decode sink, the
-    sealed TransferDone, the key, the room, the decode pool, its pages, the receiver)."""
+    sealed TransferDone, the key, the room, the decode pool, its pages, the receiver).
+
+    `reports` (default: random): the decode side asks for each send's report (a decode worker does),
+    and lands them in a random order, some side by side, after the writes; else the sink copies
+    everything at `land`. `begin`/`check` (default: mostly): the prefill side MACs each send as it goes
+    (`begin_seal`), the decode side each landing (`begin_check`)."""
     engines = mooncake_stub.install(monkeypatch)
     src = _filled_pool(rng, 24, device=device)
     dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype, device=device)
@@ -94,18 +100,27 @@ def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=N
     handshake = pb.Handshake(page_ids=dst_pages, layout=layout_of(dst), num_tokens=count * src.page_size)
     receiver.fill_destination(handshake)
     assert list(handshake.mooncake.kv_mac_algorithms) == list(kv_mac.algorithms())
+    assert handshake.mooncake.report_sends
     if not offer:
         handshake.mooncake.ClearField("kv_mac_algorithms")
+    if not (reports if reports is not None else rng.random() < 0.7):
+        handshake.mooncake.report_sends = False  # an older decode worker
     sink = receiver.open_sink(dst_pages)
     asyncio.run(sink.reserve())
     sink.expose()
     sink.offer_into(handshake)
     slots = list(handshake.page_ids)
     assert len(slots) == count and set(slots).isdisjoint(range(receiver.staging.num_pages, 1 << 20))
-    channel = sender.open(handshake, emit=None)
+    reported: list = []
+
+    async def emit(encoded):  # the stream: decode lands the reports below, after every write
+        reported.append(wire.decode_event(encoded.payload).chunk)
+    channel = sender.open(handshake, emit=emit)
     room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
     if begin if begin is not None else rng.random() < 0.8:  # as KVPush does: each send MACed as it goes
         channel.begin_seal(key, room)
+    if check if check is not None else rng.random() < 0.8:  # as the bootstrap client does, once accepted
+        sink.begin_check(key, room)
     for layers, first, end in _random_sends(rng, src.num_layers, count):
         asyncio.run(channel.send(src_pages[first:end], first, layers.start, layers.stop))
     assert engines[0].writes  # the engine was asked; the stub wrote nothing, so copy as it would
@@ -113,8 +128,13 @@ def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=N
         d[slots] = s[src_pages]
     if before_land is not None:
         before_land(receiver, sink)
+    assert bool(reported) == handshake.mooncake.report_sends
+    rng.shuffle(reported)
+    with ThreadPoolExecutor(3) as landings:  # as the bootstrap client's ingest does, side by side
+        list(landings.map(sink.on_chunk, reported))
+    done = pb.TransferDone(num_pages=count, bytes_sent=channel.bytes_sent)
+    sink.check_complete(done)
     sink.land()
-    done = pb.TransferDone(num_pages=count)
     channel.seal(done, key, room)
     assert bool(done.kv_mac) == offer and done.kv_mac_algorithm == (kv_mac.ALGORITHM if offer else "")
     return sink, done, key, room, dst, dst_pages, receiver
@@ -136,15 +156,20 @@ def _random_sends(rng: random.Random, num_layers: int, num_pages: int) -> list[t
     return sends
 
 
+def _random_tag_inputs(rng: random.Random) -> tuple[KVPool, list[int], bytes, bytes]:
+    """A filled 40-page pool, some of its pages in a random order, a key and their header."""
+    pool = _filled_pool(rng, 40)
+    pages = rng.sample(range(40), rng.randrange(1, 16))
+    return pool, pages, bytes(rng.randrange(256) for _ in range(kv_mac.KEY_BYTES)), kv_mac.header(
+        rng.randrange(1 << 40), pages)
+
+
 def test_the_tag_built_send_by_send_is_the_one_shot_tag():
     """Any cut of the transfer into sends (pages x layer ranges), in order or not, partly hashed or
     not: `digest` gives the documented tag, and reads again only what no send hashed in order."""
     rng = random.Random()
     for _ in range(12):
-        pool = _filled_pool(rng, 40)
-        pages = rng.sample(range(40), rng.randrange(1, 16))
-        key = bytes(rng.randrange(256) for _ in range(kv_mac.KEY_BYTES))
-        head = kv_mac.header(rng.randrange(1 << 40), pages)
+        pool, pages, key, head = _random_tag_inputs(rng)
         sends = _random_sends(rng, pool.num_layers, len(pages))
         in_order = rng.random() < 0.5
         if not in_order:  # some sends swapped, some never hashed (left to digest)
@@ -165,26 +190,51 @@ def test_the_tag_built_send_by_send_is_the_one_shot_tag():
 
 def test_sealing_after_the_sends_reads_no_page(monkeypatch):
     """The trace of where the MAC's reads happen: with `begin_seal` (KVPush calls it at the
-    handshake) every page is hashed beside its send, and `seal`, on the first token's path, reads none."""
+    handshake) every page is hashed beside its send, and `seal`, on the first token's path, reads
+    none; with `begin_check` (the bootstrap client calls it once the handshake is accepted) decode
+    hashes every page as its send lands, and `check_sealed`, on the first token's path, reads none
+    (`check_reads` says so, so decode runs it on the event loop)."""
     rng = random.Random()
-    reads: list[tuple[str, int]] = []
+    reads: list[tuple[str, KVPool, int]] = []
     feed = kv_mac._feed
 
     def traced(mac, pool, layer, pages, runs, ready, synced=False):
-        reads.append((phase[0], len(pages)))
+        reads.append((phase[0], pool, len(pages)))
         feed(mac, pool, layer, pages, runs, ready, synced)
     monkeypatch.setattr(kv_mac, "_feed", traced)
     phase = ["send"]
 
     def mark_land(receiver, sink):
-        phase[0] = "finish"
-    sink, done, key, room, dst, *_ = _transfer(monkeypatch, rng, before_land=mark_land, begin=True)
-    # (nothing in between: `_transfer` seals right after the land)
-    sent = [n for where, n in reads if where == "send"]
-    assert sum(sent) == dst.num_layers * len(sink.pages)
-    assert [n for where, n in reads if where == "finish"] == []  # the seal read nothing
+        phase[0] = "land"
+    sink, done, key, room, dst, *_ = _transfer(monkeypatch, rng, before_land=mark_land, begin=True,
+                                               check=True, reports=True)
+    cells = dst.num_layers * len(sink.pages)
+    # (`_transfer` seals right after the landings)
+    assert sum(n for where, pool, n in reads if where == "send" and pool is not dst) == cells
+    assert sum(n for where, pool, n in reads if pool is not dst and where != "send") == 0  # the seal read nothing
+    assert sum(n for where, pool, n in reads if pool is dst) == cells  # each landed cell, once
+    assert not sink.check_reads()
+    phase[0] = "check"
     sink.check_sealed(done, key, room)
     assert sink.failed is None
+    assert [n for where, _, n in reads if where == "check"] == []  # the check read nothing
+
+
+def test_a_transfer_without_reports_is_checked_whole_after_its_done(monkeypatch):
+    """An older peer on either side (no `report_sends` asked, or none sent): nothing lands before the
+    TransferDone; `land` copies every page and the check reads every cell, in a worker thread."""
+    rng = random.Random()
+    reads: list[KVPool] = []
+    feed = kv_mac._feed
+
+    def traced(mac, pool, layer, pages, runs, ready, synced=False):
+        reads.extend([pool] * len(pages))
+        feed(mac, pool, layer, pages, runs, ready, synced)
+    monkeypatch.setattr(kv_mac, "_feed", traced)
+    sink, done, key, room, dst, *_ = _transfer(monkeypatch, rng, reports=False, check=rng.random() < 0.5)
+    assert dst not in reads and sink.check_reads()
+    sink.check_sealed(done, key, room)
+    assert sink.failed is None and reads.count(dst) == dst.num_layers * len(sink.pages)
 
 
 def test_decode_admits_the_bytes_the_prefill_side_sealed(monkeypatch):
@@ -228,7 +278,7 @@ def test_a_write_into_the_staging_after_the_copy_reaches_no_page_the_model_reads
 def test_a_done_without_a_mac_from_an_older_prefill_is_admitted_with_a_warning(monkeypatch, caplog):
     """The done is signed, so only a prefill worker that predates the MAC sends none: refusing it
     would fail every mooncake request of a rolling upgrade that reaches decode first."""
-    monkeypatch.setattr(mooncake, "_warned_unsealed", False)  # said once per process
+    monkeypatch.setattr(mooncake_sink, "_warned_unsealed", False)  # said once per process
     sink, done, key, room, *_ = _transfer(monkeypatch, random.Random())
     done.ClearField("kv_mac")
     sink.check_sealed(done, None, room)  # --insecure-internal: nothing to check

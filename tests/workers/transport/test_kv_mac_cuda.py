@@ -79,8 +79,9 @@ def test_decodes_check_of_its_landed_copy_waits_for_no_decode_step(monkeypatch):
     """The decode side MACs the copy `land` made (synchronised on its side stream) while decode steps
     keep running on the default stream: the check must not wait for the step queued meanwhile (it is
     on the first token's path), and must MAC the landed bytes."""
-    sink, done, key, room, dst, *_ = _transfer(monkeypatch, random.Random(), begin=True, device="cuda")
-    assert dst.device.type == "cuda"
+    sink, done, key, room, dst, *_ = _transfer(monkeypatch, random.Random(), begin=True, device="cuda",
+                                               reports=False)  # (landed whole: the check reads every page)
+    assert dst.device.type == "cuda" and sink.check_reads()
     big = torch.randn(4096, 4096, device="cuda")
     for _ in range(8):  # warm the MAC threads' streams
         kv_mac.kv_mac(dst, sink.pages, key, b"", synced=True)
@@ -91,4 +92,15 @@ def test_decodes_check_of_its_landed_copy_waits_for_no_decode_step(monkeypatch):
     after.record()
     sink.check_sealed(done, key, room)
     assert not after.query(), "the check waited for the decode step queued after the landing"
+    assert sink.failed is None
+
+
+def test_a_cuda_transfer_landed_send_by_send_passes_its_mac_with_only_a_digest_left(monkeypatch):
+    """Each send's report lands (copied out of the device staging, synchronised, then MACed from the
+    pool's pages on the MAC threads' side streams), in a random order and side by side: the tag is
+    the prefill side's, and the check after the TransferDone reads nothing."""
+    sink, done, key, room, dst, *_ = _transfer(monkeypatch, random.Random(), device="cuda", reports=True,
+                                               check=True)
+    assert not sink.check_reads()
+    sink.check_sealed(done, key, room)
     assert sink.failed is None

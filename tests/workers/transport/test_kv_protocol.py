@@ -125,7 +125,7 @@ def test_prefill_refuses_a_decode_engine_of_the_other_protocol(decode_protocol):
     both protocols, before any write; an older peer (no protocol) is not checked."""
     from deepseek_pd.workers.engine.interface import FailureCode
     from deepseek_pd.workers.engine.request_failure import TransferError
-    from deepseek_pd.workers.transport.mooncake import check_destination
+    from deepseek_pd.workers.transport.mooncake_channel import check_destination
     rng = random.Random()
     page_bytes, layers, pool = rng.choice([576, 1152]), rng.randint(1, 4), rng.randint(8, 64)
     pages = rng.sample(range(pool), rng.randint(1, 8))
@@ -143,7 +143,7 @@ def test_prefill_refuses_a_decode_engine_of_the_other_protocol(decode_protocol):
 def test_prefill_refuses_pages_outside_the_decode_pool():
     from deepseek_pd.workers.engine.interface import FailureCode
     from deepseek_pd.workers.engine.request_failure import TransferError
-    from deepseek_pd.workers.transport.mooncake import check_destination
+    from deepseek_pd.workers.transport.mooncake_channel import check_destination
     pool = random.randint(8, 64)
     for pages in ([pool], [0, pool + random.randint(0, 9)], [1, 1]):
         with pytest.raises(TransferError) as raised:
@@ -157,7 +157,7 @@ def test_a_windowed_destination_must_repeat_one_windows_slots_inside_the_staging
     slot) is refused before any write."""
     from deepseek_pd.workers.engine.interface import FailureCode
     from deepseek_pd.workers.engine.request_failure import TransferError
-    from deepseek_pd.workers.transport.mooncake import check_destination
+    from deepseek_pd.workers.transport.mooncake_channel import check_destination
     rng = random.Random()
     pool = rng.randint(8, 64)
     window = rng.randint(1, pool // 2)

@@ -20,10 +20,10 @@ from deepseek_pd.workers.transport import TransportConfig
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.base import layout_of
 from deepseek_pd.workers.transport.grpc_stream import GrpcSink, read_pages
-from deepseek_pd.workers.transport.mooncake import build_write_batch
+from deepseek_pd.workers.transport.mooncake_channel import build_write_batch
 from deepseek_pd.workers.transport.plan import (
     PageRun, SendPlan, merge_page_runs, split_into_chunks)
-from deepseek_pd.workers.engine.worker_config import BootstrapConfig
+from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from pdtest.kv_transfer_harness import (
     Exchange, Side, pages_equal, random_exchange, random_pool, run_exchange, server_stopped_after, slowed)
 

@@ -76,7 +76,8 @@ def test_slots_of_a_failed_transfer_cool_for_the_grace_before_reuse():
             await area.acquire(1, 0.05)  # cooling: a late write of the failed transfer may still land
         started = time.monotonic()
         again, dirty = await area.acquire(4, 5.0)
-        assert again == [0, 1, 2, 3] and sorted(dirty) == again  # and zeroed before they serve again
+        # and zeroed as the grace ended (test_staging_cooling.py), before they serve again
+        assert again == [0, 1, 2, 3] and dirty == [] and not any(staged.any() for staged in area.buffers)
         assert time.monotonic() - started > 0.15
     asyncio.run(run())
 

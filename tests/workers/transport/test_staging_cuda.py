@@ -14,7 +14,7 @@ import torch
 
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.transport import kv_mac
+from deepseek_pd.workers.transport import kv_mac, wire
 from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
 from deepseek_pd.workers.transport.staging import StagingArea
@@ -49,16 +49,24 @@ def test_a_cuda_transfer_lands_through_device_staging_and_passes_its_mac(monkeyp
     registered = engines[1].registered
     pool_lo = [b.data_ptr() for b in dst.buffers]
     assert not any(lo <= addr < lo + dst.num_pages * dst.bytes_per_page for addr in registered for lo in pool_lo)
-    channel = sender.open(handshake, emit=None)
+    reported = []
+
+    async def emit(encoded):  # the send's report (decode lands it below, after the write)
+        reported.append(wire.decode_event(encoded.payload).chunk)
+    channel = sender.open(handshake, emit=emit)
+    room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
+    sink.begin_check(key, room)
     asyncio.run(channel.send(src_pages, 0))
     for s, d in zip(src.buffers, staging.buffers):  # what the NIC (or CUDA TCP server) would write
         d[slots] = s[src_pages]
     torch.cuda.synchronize()
+    for chunk in reported:  # copied into the pages and MACed there as it lands
+        sink.on_chunk(chunk)
+    assert len(reported) == 1 and not sink.check_reads()
     sink.land()
     for staged in staging.buffers:  # a body that lands after the copy
         staged[slots] = float("nan")
     torch.cuda.synchronize()
-    room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
     done = pb.TransferDone(num_pages=count)
     channel.seal(done, key, room)
     sink.check_sealed(done, key, room)

@@ -1,0 +1,46 @@
+"""The memory settings' ranges are one rule (model/runner_rules.py `sizing_blocker`): `RunnerConfig`
+and `serve`'s flag rules (workers/serve/flag_rules.py, which the operator applies to engineArgs and its
+memory plan through them) refuse the same values with the same words.
+
+Before: the runner, and a copy in the operator's memory plan with words of its own, checked them;
+`serve` let them through to the runner, after it had read the checkpoint."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.runner_config import RunnerConfig
+from deepseek_pd.workers.serve.flag_rules import check_flags
+from deepseek_pd.workers.serve.flags import ServeFlags
+
+
+def _bad_settings(rng: random.Random) -> list[tuple[dict, list[str]]]:
+    """(RunnerConfig fields, the same as `serve` flags) for one out-of-range value of each setting."""
+    fraction = rng.choice([round(rng.uniform(1.01, 3), 2), -round(rng.uniform(0, 1), 2), 0.0])
+    share = rng.choice([0.0, round(rng.uniform(1.01, 2), 2)])
+    headroom = -round(rng.uniform(0.1, 8), 1)
+    redundant = -rng.randint(1, 8)
+    return [({"page_size": -rng.randint(0, 64)}, None),
+            ({"mem_fraction_static": fraction, "num_pages": None}, [f"--mem-fraction-static={fraction}"]),
+            ({"mem_headroom_gib": headroom}, ["--engine-opt", f"mem_headroom_gib={headroom}"]),
+            ({"kv_share": share}, [f"--kv-share={share}"]),
+            ({"gpu_workers": -rng.randint(0, 4)}, None),
+            ({"ep_num_redundant_experts": redundant}, [f"--ep-num-redundant-experts={redundant}"]),
+            ({"fp8_backend": "fp8_" + str(rng.randrange(100))}, None)]
+
+
+def test_the_runner_and_serve_refuse_the_same_memory_settings_in_the_same_words() -> None:
+    rng = random.Random(random.randrange(2 ** 32))
+    for fields, argv in _bad_settings(rng):
+        (name, value), *_ = fields.items()
+        if argv is None:  # spelt as its own flag, or as an engine option
+            flag = {"page_size": "--page-size", "gpu_workers": "--gpu-workers"}.get(name)
+            argv = [f"{flag}={value}"] if flag else ["--engine-opt", f"{name}={value}"]
+        with pytest.raises(UserError) as runner:
+            RunnerConfig(**fields)
+        with pytest.raises(UserError) as serve:
+            check_flags(ServeFlags.from_argv([rng.choice(["prefill", "decode"]), *argv]))
+        assert str(serve.value) == str(runner.value), (fields, argv)
+        assert str(value) in str(serve.value), serve.value

@@ -1,0 +1,76 @@
+"""A stranger on the Mooncake ports (no deployment secret, its own TransferEngine) READS the KV of a
+transfer in flight over Mooncake TCP: run by test_security_mooncake_inflight_read.py inside a
+private network namespace. Prints one line per probe; exits non-zero on a failed check.
+
+Mooncake's TCP server serves a READ of any registered range as it serves a WRITE
+(pdtest/mooncake_wire.py), and decode's staging slots are registered from before the handshake until
+the copy (workers/transport/staging.py), holding what the prefill side wrote: the request's KV. So
+the stranger reads it, byte for byte (the oracle: the bytes in decode's slot, which the request's
+KV MAC then proves are what the prefill side sent), while the transfer runs; once the slots are
+copied out and unregistered, the same read is refused. docs/operations.md §8 says what is open.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+
+import torch
+
+from deepseek_pd.model.sampling.params import SamplingParams
+from pdtest.mooncake_wire import first_page_addr, record_handshakes, start_held_transfer
+from pdtest.pd_engine_harness import PDPair, oracle, recorded_pulls, worker_config
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+def read(session: str, addr: int, length: int) -> bytes | None:
+    """`length` bytes at `addr` of the peer, read by a fresh stranger's engine (it fetches the
+    peer's registered ranges now); None when refused."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = torch.zeros(length, dtype=torch.uint8)
+    return buf.numpy().tobytes() if engine.transfer_sync_read(session, buf.data_ptr(), addr, length) == 0 else None
+
+
+def main(seed: int) -> None:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(rng.randrange(8, 40))]
+    expected = oracle().generate(prompt, GREEDY).output_ids
+
+    async def run() -> None:
+        config = worker_config("mooncake")
+        async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
+            handshakes = record_handshakes(pair.prefill.sender)
+            session = pair.decode.receiver.engine.session_id
+            staging = pair.decode.receiver.staging
+            held, release = await start_held_transfer(pair, prompt, GREEDY, "victim")
+            addr, length = first_page_addr(handshakes["victim-d"])  # the slot of its first page, layer 0
+            slot = (addr - staging.base_addrs[0]) // length
+            in_slot = staging.buffers[0][slot].contiguous().view(torch.uint8).numpy().tobytes()
+            got = await asyncio.to_thread(read, session, addr, length)
+            deadline = time.monotonic() + 20  # (a loaded run may see the ranges before they were registered)
+            while got is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                got = await asyncio.to_thread(read, session, addr, length)
+            release.set()
+            _, outcome = await held
+            assert got is not None, "the stranger's read of the transfer in flight was refused"
+            assert any(in_slot) and got == in_slot, "the stranger read other bytes than the slot's KV"
+            assert outcome.ok and outcome.tokens == expected, outcome  # the slot held the genuine KV
+            print(f"can (still open): read the KV of a transfer in flight over tcp ({length} bytes, "
+                  f"equal to what its prefill side wrote)")
+            assert await asyncio.to_thread(read, session, addr, length) is None, "read the slot after the copy"
+            print("cannot: read the slot once the transfer landed")
+            await pair.wait_pools_clean(config.transport.send_timeout_s + 10)
+
+    with recorded_pulls():
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
+    print("read probes ok")

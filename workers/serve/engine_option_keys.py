@@ -1,0 +1,70 @@
+"""Every `--engine-opt` key, in one torch-free table: its name, the type its value is parsed as, and
+the worker configs that hold a field of that name.
+
+The configs themselves (`RunnerConfig`, `BootstrapConfig`, `SchedulerConfig`, `TransportConfig`,
+`GroupLayout`) import torch or the transports, which the operator and the CLI's argument checks may
+not; so the keys live here, and `serve` fills the configs from this table
+(workers/serve/engine_options.py `assign_engine_options`). `serve`'s flag rules refuse an unknown key
+or a value of the wrong type before anything loads (workers/serve/flag_rules.py), the operator applies
+the same rules to a role's engineArgs (an InvalidSpec condition) and `up` to its `--worker-arg`s.
+tests/workers/test_engine_option_keys.py fails when a config field and this table drift apart.
+
+A config field that `serve` sets from a flag of its own (`--page-size`, `--port`, ...) is not an
+engine option (workers/serve/resolution.py `_FLAG_FIELDS`). `deterministic` is the one key two
+configs hold: the runner's kernels and the scheduler's cuts.
+
+Example: `ENGINE_OPTION_KEYS["scheduler"]["max_running_requests"] is int`, and
+`targets_of("deterministic") == ("runner", "scheduler")`.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+# target (the config it sets) -> key -> the type its value is parsed as (bool: true/false/1/0/yes/no)
+ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, type]] = {
+    "runner": {  # model/runner_config.py RunnerConfig
+        "mem_headroom_gib": float, "attention_method": str, "mha_chunked_kv_threshold": int,
+        "prefix_chunk_size": int, "num_fused_shared_experts": int, "attention_backend": str,
+        "moe_backend": str, "dispatcher": str, "dispatch_mode": str, "low_latency_max_tokens": int,
+        "ep_size": int, "tp_size": int, "enable_tbo": bool, "tbo_token_distribution_threshold": float,
+        "tbo_min_decode_tokens": int, "tbo_min_extend_tokens": int, "record_expert_load": bool,
+        "cuda_graph": bool, "cuda_graph_max_batch": int, "cuda_graph_max_context": int, "fp8_backend": str,
+        "norm_rope_backend": str, "speculative_num_steps": int, "speculative_adaptive": bool,
+        "deterministic": bool,
+    },
+    "bootstrap": {  # workers/transport/bootstrap_config.py BootstrapConfig
+        "handshake_timeout_s": float, "claim_timeout_s": float, "transfer_timeout_s": float,
+        "confirm_timeout_s": float, "event_queue_depth": int, "retry_initial_s": float, "retry_max_s": float,
+        "dp_rank": int, "dp_size": int,
+    },
+    "scheduler": {  # workers/engine/worker_config.py SchedulerConfig
+        "max_running_requests": int, "decode_reserve_tokens": int, "admission_timeout_s": float,
+        "prefix_cache": bool, "layerwise_transfer": bool, "overlap_schedule": bool, "deterministic": bool,
+        "prefill_round_target_ms": float, "speculative_overlap": bool,
+    },
+    "transport": {  # workers/transport/base.py TransportConfig
+        "max_chunk_bytes": int, "io_threads": int, "grpc_streams": int, "same_host_direct": str,
+        "send_timeout_s": float, "mooncake_staging_tokens": int,
+    },
+    "group": {  # workers/group/layout.py GroupLayout
+        "collective_timeout_s": float, "startup_timeout_s": float,
+    },
+}
+
+
+def kind_of(key: str) -> type | None:
+    """The type `key`'s value is parsed as; None when no config has such a field."""
+    for keys in ENGINE_OPTION_KEYS.values():
+        if key in keys:
+            return keys[key]
+    return None
+
+
+def targets_of(key: str) -> tuple[str, ...]:
+    """The configs (table order) that hold a field named `key`."""
+    return tuple(target for target, keys in ENGINE_OPTION_KEYS.items() if key in keys)
+
+
+def all_keys() -> list[str]:
+    """Every key, sorted (what an error about an unknown key lists)."""
+    return sorted({key for keys in ENGINE_OPTION_KEYS.values() for key in keys})

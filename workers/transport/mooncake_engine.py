@@ -1,0 +1,71 @@
+"""One Mooncake TransferEngine per worker rank, over a KV pool (workers/transport/mooncake.py says
+what each side registers and why): it refuses to start on an address peers cannot reach, and
+registers memory only when asked (`register_buffers`), undoing all if one buffer is refused."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from deepseek_pd.errors import UserError
+from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.workers.transport.base import TransportConfig
+
+log = logging.getLogger(__name__)
+
+
+def exposure_warning(host: str) -> str:
+    """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
+    return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
+            f"address it is given (0.3.13.post1). Its ports authenticate no peer (a stranger can read the KV "
+            f"of transfers in flight from their staging, and write it, failing them by their KV MAC); keep "
+            f"other hosts off them "
+            f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
+
+
+class MooncakeEngine:
+    """One TransferEngine over a KV pool; `register_pool`: its layer buffers registered for good
+    (else nothing is, unless `register_buffers` or a transfer registers its staging: `MooncakeSink`)."""
+
+    def __init__(self, pool: KVPool, config: TransportConfig, register_pool: bool = True) -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise UserError(f"KV transport 'mooncake' is not usable here: {exc} "
+                            "(install mooncake-transfer-engine and Debian libibverbs1, or use --kv-transport grpc)"
+                            ) from exc
+        if config.advertise_host in ("0.0.0.0", "::", ""):
+            raise UserError(f"KV transport 'mooncake' needs the address peers reach this worker at, not "
+                            f"{config.advertise_host!r}: set the transport's advertise_host (e.g. the pod IP)")
+        if pool.device.type != "cpu" and config.mooncake_protocol == "tcp":
+            log.warning("mooncake over tcp with a %s pool: needs a CUDA-enabled mooncake build", pool.device)
+        self.engine: Any = TransferEngine()
+        status = self.engine.initialize(config.advertise_host, "P2PHANDSHAKE",
+                                        config.mooncake_protocol, config.mooncake_device)
+        if status != 0:
+            raise UserError(f"mooncake TransferEngine.initialize({config.advertise_host!r}, P2PHANDSHAKE, "
+                            f"{config.mooncake_protocol!r}) failed with status {status}")
+        self.protocol = config.mooncake_protocol
+        self.session_id = f"{config.advertise_host}:{self.engine.get_rpc_port()}"
+        log.info("mooncake TransferEngine %s over %s (devices: %s)", self.session_id, self.protocol,
+                 config.mooncake_device or "all")
+        if config.warn_exposure:  # every rank's engine listens so; the node's first rank says it
+            log.warning("%s (port %d)", exposure_warning(config.advertise_host), self.engine.get_rpc_port())
+        self.base_addrs = [buffer.data_ptr() for buffer in pool.buffers]
+        self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
+        self._registered: list[int] = []
+        if register_pool:
+            self.register_buffers(self.base_addrs, self.layer_bytes)
+
+    def register_buffers(self, addrs: Sequence[int], lengths: Sequence[int]) -> None:
+        """Registers buffers until `close`; raises UserError (after undoing all) if one is refused."""
+        for addr, length in zip(addrs, lengths):
+            if self.engine.register_memory(addr, length) != 0:
+                self.close()
+                raise UserError(f"mooncake could not register a {length}-byte KV buffer "
+                                "(RDMA needs IPC_LOCK and GPUDirect; see docs)")
+            self._registered.append(addr)
+
+    def close(self) -> None:
+        for addr in self._registered:
+            self.engine.unregister_memory(addr)
+        self._registered.clear()
