@@ -101,6 +101,16 @@ def test_topology_keeps_a_group_in_one_domain_and_places_groups_of_a_role(placem
     assert spec.scheduling["affinity"] == user  # the shared spec was not changed
 
 
+def test_placement_changes_the_revision_only_with_a_topology_key():
+    """Without topologyKey placement shapes no pod: its default (or a value) rolls nothing, so an
+    operator upgrade that brings the field does not roll existing deployments."""
+    key = "example.com/nvlink-domain"
+    for role in names.ROLES:
+        assert _spec({}).role_revision(role) == _spec({"placement": "Pack"}).role_revision(role)
+        assert _spec({"topologyKey": key}).role_revision(role) != \
+            _spec({"topologyKey": key, "placement": "Pack"}).role_revision(role)
+
+
 def test_placement_defaults_to_spread_and_the_crd_refuses_others():
     assert _spec({"topologyKey": "example.com/nvlink-domain"}).scheduling["placement"] == "Spread"
     with pytest.raises(InvalidSpecError, match="placement"):
