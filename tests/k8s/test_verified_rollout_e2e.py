@@ -6,7 +6,10 @@ model unchanged, so the check applies). The generated tiny model's top logits ar
 for bfloat16 to move any of them, as a real model's are not: its lm_head gets near-ties
 (pdtest.checkpoint_utils.make_near_ties), which leave float32's tokens as they were and make
 bfloat16 pick others. The offline engine, run in both dtypes on that checkpoint, says which
-prompt and token differ first: the operator must name exactly that one.
+prompt and token differ first: the operator must name exactly that one. Then the spec is
+fixed (float32 stated explicitly: harmless even here), and that new revision passes the check
+and completes (before operator/status_patch.py it stayed stopped: the old revision's failure was
+read back as the new one's).
 
 Decode only (prefill and the router at 0 replicas: the check for decode pairs two decode groups,
 and neither prefill nor a router pod would add anything but start-up time here); one group
@@ -124,3 +127,30 @@ def test_a_rollout_whose_engine_option_changes_greedy_tokens_is_stopped(deployme
     assert asyncio.run(greedy_outputs(address)) == oracle["float32"]
     reasons = [e.get("reason") for e in events()]
     assert reasons.count("TokensDiffer") == 1 and "GroupVerified" not in reasons, reasons  # once, never passed
+
+    # Fixed: the precision stated as it was (float32, harmless even on this sensitive model) is a
+    # new revision, so a new check: its group answers as group 0, is verified, and the rollout
+    # completes (group 0 retired, the bfloat16 group replaced).
+    dep.kube.merge_patch(cr_path, {"spec": {"decode": {"engineArgs": [*obj["spec"]["decode"]["engineArgs"],
+                                                                      "--dtype=float32"]}}})
+    fixed = time.monotonic()
+
+    def completed() -> dict | None:
+        cr = dep.cr() or {}
+        status = cr.get("status") or {}
+        pods = [p for p in dep.pods(f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role=decode")
+                if not p["metadata"].get("deletionTimestamp")]
+        done = status.get("observedGeneration") == cr["metadata"]["generation"] and len(pods) == 1 \
+            and pods[0]["metadata"]["labels"][names.LABEL_REVISION] == status["decode"]["revision"] \
+            and status["decode"].get("updatedReplicas") == 1 and status["decode"].get("readyReplicas") == 1
+        return cr if done else None
+    cr = wait_until(completed, 300, "the fixed rollout did not complete", dep.diagnose)
+    print(f"the fixed revision verified and rolled out {time.monotonic() - fixed:.0f} s after the patch")
+    wait_until(lambda: "GroupVerified" in [e.get("reason") for e in events()], 30, "no GroupVerified Event")
+    [passed] = [e for e in events() if e.get("reason") == "GroupVerified"]
+    assert f"(revision {cr['status']['decode']['revision']})" in passed["message"], passed
+    assert _condition(cr, "RolloutVerified")["status"] == "True", cr["status"]
+    [new_pod] = [p for p in dep.pods(f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role=decode")
+                 if not p["metadata"].get("deletionTimestamp")]  # not the retiring surge group's
+    address = f"{new_pod['status']['podIP']}:{cr['spec']['decode']['port']}"
+    assert asyncio.run(greedy_outputs(address)) == oracle["float32"]
