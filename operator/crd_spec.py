@@ -30,6 +30,8 @@ _WORLD = "(self.size * (self.gpusPerPod == 0 ? 1 : self.gpusPerPod))"
 DEFAULT_RUN_AS_USER = 10001
 # router.workerDiscovery: listed by the operator (Static) or found by label selector (Selector).
 WORKER_DISCOVERY_MODES = ("Static", "Selector")
+# scheduling.placement: a role's groups over the topologyKey's domains (operator/pod_placement.py).
+PLACEMENTS = ("Spread", "Pack")
 
 
 def _is_zero(field: str) -> str:
@@ -412,9 +414,18 @@ def _scheduling() -> Schema:
                                 min_length=1, max_length=253),
         "topologyKey": string("A node label (e.g. a rack or NVLink-domain label): each group's pods "
                               "share one value of it (required pod affinity; with gang, also the "
-                              "PodGroup's schedulingConstraints.topology), and a role's groups "
-                              "prefer different values (preferred anti-affinity).", min_length=1,
+                              "PodGroup's schedulingConstraints.topology, so the scheduler searches "
+                              "for a domain that holds the group whole); `placement` says where a "
+                              "role's groups go relative to one another.", min_length=1,
                               max_length=317, pattern="^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"),
+        "placement": string("With topologyKey, where a role's groups go relative to one another. "
+                            "Spread: over the domains as failure domains (a topology spread "
+                            "constraint, DoNotSchedule: no domain holds more of the role's groups "
+                            "than another eligible domain plus one; a group waits rather than break "
+                            "that). Pack: into as few domains as hold them (preferred pod affinity "
+                            "between the role's groups; with gang, kube-scheduler's placement "
+                            "scoring packs by itself), keeping whole domains free.",
+                            enum=list(PLACEMENTS), default="Spread"),
     }, default={})
 
 

@@ -23,6 +23,7 @@ from deepseek_pd.operator.kube import ApiError, KubeClient
 from deepseek_pd.operator.readiness import Readiness, serve_readiness
 from deepseek_pd.operator.reconcile import Reconciler
 from deepseek_pd.operator.rollout_reconcile import rollout_events
+from deepseek_pd.operator.status_patch import status_patch
 
 LoginFn = Callable[..., kopf.ConnectionInfo | None]
 
@@ -106,7 +107,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 return  # on_delete owns it now
             status = await memo.reconciler.reconcile(fresh, logger)
             current = dict(fresh.get("status") or {})
-            changed = {k: v for k, v in status.items() if current.get(k) != v}  # no churn in steady state
+            changed = status_patch(current, status)  # {} in steady state: no churn
             if changed:
                 try:
                     await memo.client.patch_status(names.KIND, namespace, name, {"status": changed})

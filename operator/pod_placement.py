@@ -11,9 +11,11 @@
                                     serves gangs once its GenericWorkload gate is on)
     spec.scheduling.topologyKey     one group in one domain (with gang, the PodGroup's topology
                                     constraint, below; and required pod affinity to the group's
-                                    own pods on that key: the first pod places the group),
-                                    groups of a role apart (preferred anti-affinity to the role's
-                                    other groups, so more groups than domains still schedule)
+                                    own pods on that key: the first pod places the group)
+    spec.scheduling.placement       a role's groups relative to one another over those domains:
+                                    Spread (default): failure domains, a hard topology spread
+                                    constraint over the role's pods; Pack: as few domains as
+                                    hold them, preferred pod affinity to the role's other groups
 
 No `Workload` object: it holds PodGroup templates for a controller to stamp out, and the
 operator is that controller (it creates each group's PodGroup itself, so `workloadRef` stays unset).
@@ -26,16 +28,27 @@ TopologyAwareWorkloadScheduling on the API server and the scheduler): kube-sched
 the group in each domain and binds it in one that holds it whole. The pod affinity stays too (it
 agrees with the constraint, and it is all a server without the gate keeps: such a server drops
 the field silently, and gang_status.py says so): by itself it only makes the scheduler follow
-the first rank's domain, retrying with backoff, never searching the others. The search chooses
-among the domains that hold a group by kube-scheduler's placement scorers (NodeResourcesFit
-MostAllocated, PodGroupPodsCount): it packs groups into the fullest domain that fits, so with
-gang the groups' anti-affinity no longer spreads them (tests/k8s/test_real_scheduler.py).
+the first rank's domain, retrying with backoff, never searching the others.
 
-Worked example: topologyKey example.com/nvlink-domain, decode groups 0 and 1 of 2 pods each on
-nodes of domains A and B: group 0's second pod must join its first pod's domain; group 1
-prefers the domain without group 0. With gang, decode group 0 (2 pods of 1 GPU) on a node with
-1 free GPU: neither pod binds (the default plugins alone would bind rank 0 and leave rank 1
-Pending); at 2 free GPUs both bind in one go.
+Why Spread is a hard rule: the search compares the domains that hold a group by kube-scheduler's
+placement scorers only (NodeResourcesFit with MostAllocated, fixed in 1.37; PodGroupPodsCount),
+never by the pods' own scores, so a preferred anti-affinity between groups is ignored there and
+the groups pack (tests/k8s/test_real_scheduler.py). A filter is honoured in every candidate
+domain: the spread constraint (maxSkew = the group's pods, whenUnsatisfiable DoNotSchedule)
+refuses a domain that already holds more of the role's pods than the emptiest eligible one, and
+the same rule spreads pod-by-pod scheduling without gang. `nodeTaintsPolicy: Honor`: a domain
+whose nodes are cordoned or NotReady (taints the pods do not tolerate) does not count as the
+emptiest, so it does not hold the other groups back. Pack needs no filter with gang (the scorers
+pack); the preferred affinity packs pod-by-pod scheduling.
+
+Worked example: topologyKey example.com/nvlink-domain, decode groups of 2 pods, domains A and
+B with room for several groups each. Spread (maxSkew 2): group 0 goes to A; a rank of group 1
+in A would make A hold 3 of the role's pods against B's 0, a skew of 3 > 2, so group 1 goes to
+B; group 2 may go to either (3 against 2); group 3 then must take the other domain (5 against
+2 is refused): more groups than domains still schedule, balanced. Pack: group 1 joins group 0
+in A while A has room. With
+gang, decode group 0 (2 pods of 1 GPU) on a node with 1 free GPU: neither pod binds (the
+default plugins alone would bind rank 0 and leave rank 1 Pending); at 2 free GPUs both bind.
 """
 from __future__ import annotations
 
@@ -114,12 +127,24 @@ def place_group_pods(spec: DeploymentSpec, role_name: str, index: int, template:
         together.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append({
             "labelSelector": {"matchLabels": names.group_selector(spec.name, role_name, index)},
             "topologyKey": key})
-        apart = affinity.setdefault("podAntiAffinity", {})
-        apart.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append({
-            "weight": 100,
-            "podAffinityTerm": {
-                "labelSelector": {"matchLabels": names.role_selector(spec.name, role_name),
-                                  "matchExpressions": [{"key": names.LABEL_GROUP_INDEX, "operator": "NotIn",
-                                                        "values": [str(index)]}]},
-                "topologyKey": key}})
+        if spec.scheduling["placement"] == "Spread":
+            pod.setdefault("topologySpreadConstraints", []).append(_spread(spec, role_name, key))
+        else:
+            together.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append({
+                "weight": 100, "podAffinityTerm": _other_groups(spec, role_name, index, key)})
     return template
+
+
+def _spread(spec: DeploymentSpec, role_name: str, key: str) -> Manifest:
+    # maxSkew counts pods: one group's worth lets a domain hold one group more than the emptiest,
+    # never two, and a group's own ranks (all in one domain) never trip it.
+    return {"maxSkew": spec.role(role_name).size, "topologyKey": key, "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": names.role_selector(spec.name, role_name)},
+            "nodeTaintsPolicy": "Honor"}
+
+
+def _other_groups(spec: DeploymentSpec, role_name: str, index: int, key: str) -> Manifest:
+    return {"labelSelector": {"matchLabels": names.role_selector(spec.name, role_name),
+                              "matchExpressions": [{"key": names.LABEL_GROUP_INDEX, "operator": "NotIn",
+                                                    "values": [str(index)]}]},
+            "topologyKey": key}

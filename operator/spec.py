@@ -327,6 +327,10 @@ class DeploymentSpec:
         for key in ("prefill", "decode", "router", "network_policy"):
             shared.pop(key)
         shared["model"].pop("architecture")  # only the operator's memory plan reads it
+        if not self.scheduling.get("topologyKey"):
+            # It shapes no pod without a topologyKey, so its default rolls no group of a resource
+            # that never set one when an operator that knows the field takes over.
+            shared["scheduling"].pop("placement", None)
         blob = json.dumps({"role": role_spec, "shared": shared}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 

@@ -239,21 +239,25 @@ def test_a_gang_with_a_topology_key_is_searched_for_a_domain_that_holds_it_whole
 
 
 @pytest.mark.parametrize("gang", [True, False])
-def test_groups_of_a_role_spread_without_gang_and_pack_with_it(admin_kube, dsd_path, real_scheduler, gang):  # noqa: F811
-    """Two decode groups, two domains with room for both groups each. Without gang, one group per
-    domain (the preferred anti-affinity between a role's groups; by chance they would share one
-    half the time). With gang, the PodGroups' topology constraint makes kube-scheduler choose
-    among whole-domain placements by its placement scorers (NodeResourcesFit MostAllocated,
-    PodGroupPodsCount), which pack: the second group joins the first's domain, keeping the other
-    domain whole for a group that needs all of it (docs/operations.md)."""
+@pytest.mark.parametrize("placement", ["Spread", "Pack"])
+def test_groups_of_a_role_spread_or_pack_over_domains_as_placement_says(admin_kube, dsd_path, real_scheduler,  # noqa: F811
+                                                                       gang, placement):
+    """Decode groups over two domains with room for two groups each. Spread: every domain gets a
+    group, and a third group (more groups than domains) still schedules, one domain holding two.
+    Pack: two groups share one domain. Both with and without gang: with it, kube-scheduler picks
+    among the domains that hold a group by its placement scorers alone (NodeResourcesFit
+    MostAllocated), which pack whatever the pods prefer, so Spread must be a filter it honours
+    in every domain; before `placement`, the preferred anti-affinity between groups left gangs
+    packed (and spread them without gang only as a preference)."""
     pool, key = f"pool-{random.randrange(10**6)}", "example.com/nvlink-domain"
     size = random.randint(1, 2)
+    replicas = random.choice([2, 3]) if placement == "Spread" else 2
     nodes = {f"spread-{pool}-{d}": d for d in "ab"}
     for node, domain in nodes.items():
         _set_node(admin_kube, node, "64", gpus=2 * size, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
     name = f"p{random.randrange(10**6)}"
-    spec = _spec({"gpusPerPod": 2 * size + 1}, size=size, gpusPerPod=1, replicas=2)  # prefill out of the way
-    spec["scheduling"] = {"gang": gang, "schedulerName": real_scheduler, "topologyKey": key,
+    spec = _spec({"gpusPerPod": 2 * size + 1}, size=size, gpusPerPod=1, replicas=replicas)  # prefill out of the way
+    spec["scheduling"] = {"gang": gang, "schedulerName": real_scheduler, "topologyKey": key, "placement": placement,
                           "nodeSelector": {"deepseek-pd.io/test-pool": pool}}
     admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
                                  "metadata": {"name": name}, "spec": spec})
@@ -261,13 +265,46 @@ def test_groups_of_a_role_spread_without_gang_and_pack_with_it(admin_kube, dsd_p
 
     def decode() -> list[dict]:
         return [p for p in _workers(admin_kube, dsd_path, name) if p["metadata"]["labels"][names.LABEL_ROLE] == "decode"]
-    pods = wait_until(lambda: (d := decode()) and len(d) == 2 * size and all(p["spec"].get("nodeName") for p in d) and d,
-                      20, "every decode rank bound", lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in decode()]))
+    pods = wait_until(lambda: (d := decode()) and len(d) == replicas * size and all(p["spec"].get("nodeName") for p in d)
+                      and d, 30, "every decode rank bound",
+                      lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in decode()]))
     domains: dict[str, set[str]] = {}
     for pod in pods:
         domains.setdefault(pod["metadata"]["labels"][names.LABEL_GROUP_INDEX], set()).add(nodes[pod["spec"]["nodeName"]])
-    assert sorted(len(d) for d in domains.values()) == [1, 1], domains  # each group in one domain
-    assert len(set.union(*domains.values())) == (1 if gang else 2), domains  # packed with gang, else apart
+    assert sorted(len(d) for d in domains.values()) == [1] * replicas, domains  # each group in one domain
+    per_domain = sorted(sum(d == {x} for d in domains.values()) for x in "ab")
+    assert per_domain == ({2: [1, 1], 3: [1, 2]}[replicas] if placement == "Spread" else [0, 2]), domains
+    for node in nodes:
+        admin_kube.delete(f"/api/v1/nodes/{node}")
+
+
+def test_spread_does_not_count_a_cordoned_domain(admin_kube, dsd_path, real_scheduler):  # noqa: F811
+    """Spread's constraint honours taints (nodeTaintsPolicy Honor): a domain whose nodes are
+    cordoned (the taint a cordon puts on a node) is no eligible domain, so two groups share the
+    one left rather than wait for the cordoned one to come back (with the constraint's default,
+    Ignore, the empty cordoned domain would count and refuse the second group). Gang or not, at
+    random: the rule is the same in both."""
+    pool, key = f"pool-{random.randrange(10**6)}", "example.com/nvlink-domain"
+    nodes = {f"cordon-{pool}-{d}": d for d in "ab"}
+    for node, domain in nodes.items():
+        _set_node(admin_kube, node, "64", gpus=2, labels={key: f"{pool}-{domain}", "deepseek-pd.io/test-pool": pool})
+    cordoned = f"cordon-{pool}-b"
+    admin_kube.request("PATCH", f"/api/v1/nodes/{cordoned}", {"spec": {"unschedulable": True, "taints": [
+        {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}]}}, content_type="application/merge-patch+json")
+    name = f"c{random.randrange(10**6)}"
+    spec = _spec({"gpusPerPod": 3}, size=1, gpusPerPod=1, replicas=2)  # prefill out of the way
+    spec["scheduling"] = {"gang": random.random() < 0.5, "schedulerName": real_scheduler, "topologyKey": key,
+                          "nodeSelector": {"deepseek-pd.io/test-pool": pool}}  # placement: Spread, the default
+    admin_kube.create(dsd_path, {"apiVersion": names.API_VERSION, "kind": names.KIND,
+                                 "metadata": {"name": name}, "spec": spec})
+    _pass(admin_kube, dsd_path, name)
+
+    def decode() -> list[dict]:
+        return [p for p in _workers(admin_kube, dsd_path, name) if p["metadata"]["labels"][names.LABEL_ROLE] == "decode"]
+    pods = wait_until(lambda: (d := decode()) and len(d) == 2 and all(p["spec"].get("nodeName") for p in d) and d,
+                      30, "both decode groups bound in the domain left",
+                      lambda: str([(p["metadata"]["name"], _scheduled(p)) for p in decode()]))
+    assert {p["spec"]["nodeName"] for p in pods} == {f"cordon-{pool}-a"}, pods
     for node in nodes:
         admin_kube.delete(f"/api/v1/nodes/{node}")
 

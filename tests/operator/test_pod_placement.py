@@ -19,7 +19,7 @@ from deepseek_pd.operator import names
 from deepseek_pd.operator.build_workers import build_group_statefulset
 from deepseek_pd.operator.gang_status import WAIT_SECONDS, gang_state
 from deepseek_pd.operator.pod_placement import POD_GROUP_API, build_pod_group, pod_groups_named, topology_dropped
-from deepseek_pd.operator.spec import DeploymentSpec
+from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 from pdtest.schema_admission import validate
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
@@ -65,24 +65,56 @@ def test_gang_renders_a_pod_group_per_group_with_min_count_the_groups_pods(size,
     assert build_group_statefulset(named, "decode", 0)["spec"]["template"]["spec"]["schedulerName"] == "volcano-ish"
 
 
-def test_topology_keeps_a_group_in_one_domain_and_spreads_groups_of_a_role():
+@pytest.mark.parametrize("placement", ["Spread", "Pack"])
+def test_topology_keeps_a_group_in_one_domain_and_places_groups_of_a_role(placement):
+    """Spread: a hard topology spread constraint over the role's pods, one group's pods of skew
+    (the filter kube-scheduler honours in every domain its gang search tries); Pack: preferred
+    pod affinity to the role's other groups. Both keep the user's affinity terms."""
     user = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}}
     key = random.choice(["example.com/nvlink-domain", "topology.kubernetes.io/rack"])
-    spec = _spec({"topologyKey": key, "affinity": copy.deepcopy(user)})
-    pods = {(role, i): build_group_statefulset(spec, role, i)["spec"]["template"]
-            for role in names.ROLES for i in range(3)}
+    size = random.choice([1, 2, 4])
+    spec = _spec({"topologyKey": key, "affinity": copy.deepcopy(user), "placement": placement}, size=size)
+    sets = {(role, i): build_group_statefulset(spec, role, i) for role in names.ROLES for i in range(3)}
+    pods = {k: sts["spec"]["template"] for k, sts in sets.items()}
     for (role, index), pod in pods.items():
+        validate(sets[(role, index)])  # the 1.37 schema: topologySpreadConstraints' fields included
         affinity = pod["spec"]["affinity"]
         assert affinity["nodeAffinity"] == user["nodeAffinity"]  # the user's terms kept
         [together] = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        [apart] = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-        assert together["topologyKey"] == apart["podAffinityTerm"]["topologyKey"] == key
+        assert together["topologyKey"] == key
+        if placement == "Spread":
+            [spread] = pod["spec"]["topologySpreadConstraints"]
+            assert (spread["topologyKey"], spread["maxSkew"], spread["whenUnsatisfiable"], spread["nodeTaintsPolicy"]) \
+                == (key, size, "DoNotSchedule", "Honor"), spread
+            assert "podAntiAffinity" not in affinity and "preferredDuringSchedulingIgnoredDuringExecution" \
+                not in affinity["podAffinity"]
+            others = spread["labelSelector"]
+        else:
+            [near] = affinity["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+            assert near["podAffinityTerm"]["topologyKey"] == key and "topologySpreadConstraints" not in pod["spec"]
+            others = near["podAffinityTerm"]["labelSelector"]
         for other, labels in ((k, p["metadata"]["labels"]) for k, p in pods.items()):
             assert _matches(together["labelSelector"], labels) == (other == (role, index)), other
-            assert _matches(apart["podAffinityTerm"]["labelSelector"], labels) == \
-                (other[0] == role and other[1] != index), other
+            # Spread counts the role's pods, its own group's too (they share one domain anyway).
+            assert _matches(others, labels) == (other[0] == role and (placement == "Spread" or other[1] != index)), other
     assert spec.scheduling["affinity"] == user  # the shared spec was not changed
+
+
+def test_placement_changes_the_revision_only_with_a_topology_key():
+    """Without topologyKey placement shapes no pod: its default (or a value) rolls nothing, so an
+    operator upgrade that brings the field does not roll existing deployments."""
+    key = "example.com/nvlink-domain"
+    for role in names.ROLES:
+        assert _spec({}).role_revision(role) == _spec({"placement": "Pack"}).role_revision(role)
+        assert _spec({"topologyKey": key}).role_revision(role) != \
+            _spec({"topologyKey": key, "placement": "Pack"}).role_revision(role)
+
+
+def test_placement_defaults_to_spread_and_the_crd_refuses_others():
+    assert _spec({"topologyKey": "example.com/nvlink-domain"}).scheduling["placement"] == "Spread"
+    with pytest.raises(InvalidSpecError, match="placement"):
+        _spec({"topologyKey": "example.com/nvlink-domain", "placement": random.choice(["spread", "Balanced", ""])})
 
 
 def test_gang_with_topology_constrains_the_pod_group_and_a_new_revision_gets_a_new_one():

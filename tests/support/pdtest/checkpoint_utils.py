@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from deepseek_pd.model.checkpoint.tiny import STAMP_FILE
 from deepseek_pd.model.quant.fp8 import (Fp8BlockQuantConfig, dequantize_block_fp8, hf_quantization_config,
                                    quantize_checkpoint)
 
@@ -61,3 +62,22 @@ def make_fp8_tiny(src: Path, dst: Path, block: tuple[int, int]) -> tuple[Path, P
         for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
             shutil.copy(src / extra, directory / extra)
     return dst, twin_dir
+
+
+def make_near_ties(directory: Path, closeness: float, seed: int) -> Path:
+    """Rewrites the checkpoint's lm_head in place as c + closeness * W (c: one random row shared
+    by every token) and drops the tiny generator's stamp (these are no longer its weights).
+
+    Every logit gains the same c . h, so greedy tokens are the same as before in exact
+    arithmetic, and float32 keeps them; but the rows now differ by `closeness` of their size,
+    below bfloat16's resolution (2^-8) at 0.01, so a bfloat16 run picks other tokens: what a
+    precision change does to a real model whose top logits are close. The engine under test
+    is the oracle (run it in both dtypes) for which tokens differ."""
+    file = directory / "model.safetensors"
+    tensors = load_file(str(file))
+    weight = tensors["lm_head.weight"]
+    shared = torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(seed), dtype=weight.dtype)
+    tensors["lm_head.weight"] = (shared * weight.std() + closeness * weight).contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    (directory / STAMP_FILE).unlink(missing_ok=True)
+    return directory
