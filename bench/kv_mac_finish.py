@@ -120,7 +120,7 @@ def main() -> int:
     print(f"(last send + finish) / one-shot = {result['finish_over_one_shot']:.4f} (ideal 1/{len(sends)} = "
           f"{result['ideal']:.4f}); tags equal: {equal}")
     result["decode"] = decode
-    print(f"decode side (the staging copied into the request's pages, MACed and checked finite there):")
+    print("decode side (the staging copied into the request's pages, MACed and checked finite there):")
     print(f"  copy + one-shot after the done (before) {decode['one_shot_ms']:8.2f} ms")
     print(f"  landing beside the sends                {decode['landings_ms']:8.2f} ms (summed)")
     print(f"  the last send's landing                 {decode['last_landing_ms']:8.2f} ms")

@@ -18,7 +18,6 @@ import random
 from dataclasses import replace
 
 import pytest
-import torch
 
 from pdtest.triton_env import HAS_CUDA, needs_triton  # first: it sets TRITON_INTERPRET
 

@@ -9,7 +9,6 @@ import random
 
 from deepseek_pd.workers.transport import TransportConfig
 from deepseek_pd.workers.engine.request_failure import RequestFailure
-from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from pdtest.kv_transfer_harness import Exchange, pages_equal, random_exchange, run_exchange
 
 
