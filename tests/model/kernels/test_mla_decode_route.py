@@ -100,6 +100,8 @@ def test_runner_config_names_flashinfer_for_v3_at_one_rank_only(flashinfer_host)
     assert config.auto_choice("attention_backend", _v3_config()) == "triton"
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the real check passes (H100, 2026-12-07: "
+                    "FlashInfer compiled and ran); the routed path is tested there instead")
 def test_auto_is_checked_at_start_up_and_falls_back_to_triton_with_the_reason(flashinfer_host, caplog):
     model_config, config = _v3_config(), RunnerConfig(device="cuda", dtype="bfloat16")
     with caplog.at_level(logging.INFO):
