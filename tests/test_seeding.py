@@ -31,6 +31,16 @@ def _draws():
     return [random.random(), random.Random().random(), random.Random().random(),
             float(numpy.random.rand()), torch.rand(1).item()]
 
+@pytest.fixture(scope="module")
+def shared():
+    return random.Random().random()  # a module fixture's set-up draws, in the first test that uses it
+
+def test_m1(shared):
+    _record("m1", _draws())
+
+def test_m2(shared):
+    _record("m2", _draws())
+
 def test_a():
     _record("a", _draws())
 
@@ -101,3 +111,15 @@ def test_the_same_seed_replays_the_same_draws(tmp_path):
     assert ci["timeout"] == [3]
     assert (ci["a"], ci["p"]) == (fuzz["a"], fuzz["p"]), "the profile changes hypothesis only"
     assert len(ci["h"]) == 5 and ci["derandomize"] == [True], "ci: the test's own examples, not the seed's"
+
+
+def test_a_tests_draws_do_not_depend_on_which_test_set_up_its_fixtures(tmp_path):
+    """A module fixture is set up by the first test that uses it, inside that test's seeding; the
+    test's own draws start afresh after its set-up, so test_m2 draws the same with test_m1 before
+    it (which set the fixture up) and alone (where it sets it up). Before, the two differed: run
+    2114677491's chat logprob test drew other prompts alone than in its module, and its failure
+    passed as a flake on replay."""
+    both, _ = _run(tmp_path, "--seed", "11", "-k", "test_m1 or test_m2")
+    alone, _ = _run(tmp_path, "--seed", "11", "-k", "test_m2")
+    assert alone["m2"] == both["m2"]
+    assert both["m1"] != both["m2"]

@@ -6,7 +6,8 @@ replays from the run seed (pytest plugin, loaded by tests/conftest.py).
     pytest --seed 123 'tests/x.py::test_y'  replays that one test alone: its seed depends only on
                                             (run seed, node id), not on which tests ran before it
 
-Before each test (setup, call and teardown) the test's seed is applied to Python's `random`
+Before each test (its setup; again, from a seed of its own, before its call, so a fixture set up
+for it by an earlier test changes none of its own draws) the test's seed is applied to Python's `random`
 module, numpy's and torch's global generators, and to every `random.Random()` made without a seed
 (the suite's usual `rng = random.Random()`): such an instance takes its seed from a stream of the
 test's seed instead of the OS. Explicit seeds (`random.Random(7)`, `torch.Generator().manual_seed`)
@@ -193,6 +194,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         _UNSEEDED.stream = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """The test's own draws start afresh once its fixtures are set up, from a seed of their own:
+    a module or session fixture is set up inside the first test that uses it and draws from that
+    test's stream, so without this a test drew other inputs alone than after its module's first
+    test (run 2114677491: a failure that passed alone, taken for a flake). Its own seed, not the
+    set-up's again, so its draws stay independent of a function fixture's."""
+    _apply(node_seed(item.config.stash[_RUN_SEED], f"{item.nodeid}#call"))
+    return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
