@@ -86,7 +86,13 @@ def chi_square_fails(joint: Callable[[tuple[int, ...]], float], draws: list[tupl
             continue
         stat += (observed - expected) ** 2 / expected
         cells += 1
-    if pooled_exp > 0:
+    if pooled_exp == 0:
+        # Every sequence outside the counted cells is impossible: a draw there is a failure the
+        # statistic cannot express, and with one counted cell (a point mass, e.g. a low temperature
+        # with min_p over a small vocabulary) there are no degrees of freedom left to test.
+        if pooled_obs or cells <= 1:
+            return pooled_obs > 0, float(pooled_obs), 0.0
+    else:
         stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
         cells += 1
     df = cells - 1
