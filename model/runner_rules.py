@@ -10,6 +10,9 @@ attention TP (tp_size > 1)"; `tbo_blocker(tp_size=1)` -> None.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
+from deepseek_pd.choices import not_one_of
 from deepseek_pd.model.kv.memory_budget import GpuShare
 
 # `fp8_backend`'s choices (model/quant/fp8_linear.py); the operator's memory plan reads them too.
@@ -18,6 +21,31 @@ from deepseek_pd.model.kv.memory_budget import GpuShare
 FP8_BACKEND_CHOICES = ("auto", "dequant", "torch", "triton", "deep_gemm")
 # The backends with a batch-invariant version (model/attention/invariant_backends.py, model/moe/invariant_experts.py).
 INVARIANT_BACKENDS = ("auto", "torch", "triton")
+# Every string setting of `RunnerConfig` and the values it may take. A backend's values are every name
+# its registry can hold, installed here or not ("grouped", "deep_gemm" and "deepep" register only where
+# their library imports; one that is absent is refused when the model is built, by its registry, or
+# replaced by what "auto" picks, model/jit_backends.py). `RunnerConfig` applies them, and through
+# `serve`'s engine-option table (workers/serve/engine_option_keys.py) so do the CLI, `up` and the
+# operator, before any worker starts. tests/model/test_runner_rules.py checks them against the
+# registries, `DispatchMode` and `AttentionMethod`.
+RUNNER_CHOICES: Mapping[str, tuple[str, ...]] = {
+    "attention_method": ("auto", "mha", "mha_chunked_kv", "mla"),  # model/attention/policy.py
+    "attention_backend": ("auto", "torch", "triton", "flashinfer", "torch_invariant", "triton_invariant"),
+    "moe_backend": ("auto", "torch", "triton", "grouped", "deep_gemm", "torch_invariant", "triton_invariant"),
+    "dispatcher": ("auto", "local", "all_to_all", "deepep"),  # model/moe/dispatcher.py DISPATCHERS
+    "dispatch_mode": ("normal", "low_latency", "auto"),  # model/distributed/dispatch_mode.py DispatchMode
+    "fp8_backend": FP8_BACKEND_CHOICES,
+    "norm_rope_backend": ("auto", "torch", "triton"),  # model/norm_rope.py NORM_ROPE_BACKENDS
+}
+
+
+def choice_blocker(**settings: str) -> str | None:
+    """Which of the string settings given (`RUNNER_CHOICES`' names) is none of its values; None when
+    all are. Example: `choice_blocker(moe_backend="tritn")` -> "moe_backend 'tritn' is not one of auto, ..."."""
+    for name, value in settings.items():
+        if (blocker := not_one_of(name, value, RUNNER_CHOICES[name])) is not None:
+            return blocker
+    return None
 
 
 def sizing_blocker(*, page_size: int, mem_fraction_static: float | None, mem_headroom_gib: float | None,
@@ -37,9 +65,7 @@ def sizing_blocker(*, page_size: int, mem_fraction_static: float | None, mem_hea
         return f"--gpu-workers/--kv-share: {exc}"
     if ep_num_redundant_experts < 0:
         return f"ep_num_redundant_experts must be >= 0, got {ep_num_redundant_experts}"
-    if fp8_backend not in FP8_BACKEND_CHOICES:
-        return f"fp8_backend {fp8_backend!r} is not one of {', '.join(FP8_BACKEND_CHOICES)}"
-    return None
+    return choice_blocker(fp8_backend=fp8_backend)
 
 
 def tbo_blocker(tp_size: int) -> str | None:

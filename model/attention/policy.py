@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardMode
+from deepseek_pd.model.runner_rules import RUNNER_CHOICES, choice_blocker
 
-ATTENTION_METHOD_CHOICES = ("auto", "mha", "mha_chunked_kv", "mla")
+ATTENTION_METHOD_CHOICES = RUNNER_CHOICES["attention_method"]
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,8 @@ class AttentionPolicy:
     chunked_kv_threshold: int = 256  # total cached-prefix tokens from which MHA_CHUNKED_KV beats MLA
 
     def __post_init__(self) -> None:
-        if self.method not in ATTENTION_METHOD_CHOICES:
-            raise UserError(f"attention_method {self.method!r} is not one of {ATTENTION_METHOD_CHOICES}")
+        if (blocker := choice_blocker(attention_method=self.method)) is not None:
+            raise UserError(blocker)
         if self.chunked_kv_threshold < 0:
             raise UserError(f"mha_chunked_kv threshold must be >= 0, got {self.chunked_kv_threshold}")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from deepseek_pd.choices import not_one_of
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import ForwardMode
 
@@ -37,7 +38,7 @@ class DispatchMode(enum.Enum):
         try:
             return cls(name)
         except ValueError:
-            raise UserError(f"dispatch mode {name!r} is not one of {', '.join(m.value for m in cls)}") from None
+            raise UserError(not_one_of("dispatch_mode", name, [m.value for m in cls])) from None
 
     def resolve(self, ep_mode: ForwardMode) -> "DispatchMode":
         """The layout of a step whose group-wide mode is `ep_mode`: NORMAL or LOW_LATENCY."""

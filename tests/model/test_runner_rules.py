@@ -6,7 +6,9 @@ Before: the runner, and a copy in the operator's memory plan with words of its o
 `serve` let them through to the runner, after it had read the checkpoint."""
 from __future__ import annotations
 
+import pathlib
 import random
+import re
 
 import pytest
 
@@ -44,3 +46,29 @@ def test_the_runner_and_serve_refuse_the_same_memory_settings_in_the_same_words(
             check_flags(ServeFlags.from_argv([rng.choice(["prefill", "decode"]), *argv]))
         assert str(serve.value) == str(runner.value), (fields, argv)
         assert str(value) in str(serve.value), serve.value
+
+
+def _registered(registry: str) -> set[str]:
+    """The names model/ registers in `registry` anywhere, whether or not its library is installed
+    here ("grouped", "deep_gemm", "deepep" register only where it is)."""
+    model = pathlib.Path(__file__).resolve().parents[2] / "model"
+    pattern = re.compile(rf'\b{registry}\.register\("(\w+)"\)')
+    return {name for path in model.rglob("*.py") for name in pattern.findall(path.read_text())}
+
+
+def test_the_runner_choices_are_the_names_its_registries_and_enums_hold() -> None:
+    """`RUNNER_CHOICES`, which `serve`, `up` and the operator check a string setting against before a
+    worker starts, drifts from what the model can build: a backend registered or renamed without it
+    fails here."""
+    from deepseek_pd.model.distributed.dispatch_mode import DispatchMode
+    from deepseek_pd.model.forward_batch import AttentionMethod
+    from deepseek_pd.model.runner_rules import RUNNER_CHOICES
+
+    assert set(RUNNER_CHOICES["attention_backend"]) == {"auto"} | _registered("ATTENTION_BACKENDS")
+    assert set(RUNNER_CHOICES["moe_backend"]) == {"auto"} | _registered("MOE_BACKENDS")
+    assert set(RUNNER_CHOICES["dispatcher"]) == {"auto"} | _registered("DISPATCHERS")
+    assert set(RUNNER_CHOICES["norm_rope_backend"]) == {"auto"} | _registered("NORM_ROPE_BACKENDS")
+    assert set(RUNNER_CHOICES["fp8_backend"]) == {"auto", "dequant"} | _registered("FP8_GEMM_BACKENDS")
+    assert set(RUNNER_CHOICES["dispatch_mode"]) == {mode.value for mode in DispatchMode}
+    assert set(RUNNER_CHOICES["attention_method"]) == {"auto"} | {method.value for method in AttentionMethod}
+    assert _registered("MOE_BACKENDS") >= {"torch", "triton", "grouped", "deep_gemm"}  # the scan sees the optional ones

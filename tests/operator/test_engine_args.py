@@ -24,7 +24,7 @@ from deepseek_pd.operator.build_workers import worker_serve_flags
 from deepseek_pd.operator.engine_args import engine_args_violations
 from deepseek_pd.operator.reconcile import Reconciler
 from deepseek_pd.operator.spec import DeploymentSpec
-from deepseek_pd.workers.serve.engine_option_keys import all_keys
+from deepseek_pd.workers.serve.engine_option_keys import all_keys, kind_of
 from deepseek_pd.workers.serve.flags import ServeFlags
 from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
@@ -85,6 +85,14 @@ def _typo_key(spec: dict) -> str:
     return role
 
 
+def _not_a_backend_name(spec: dict) -> str:
+    """A string setting (a backend, a mode) set to a name none of the worker's configs take."""
+    role = random.choice(["prefill", "decode"])
+    key = random.choice([key for key in all_keys() if isinstance(kind_of(key), tuple)])
+    spec[role]["engineArgs"] = [*spec[role].get("engineArgs", []), f"--engine-opt={key}=w{random.randrange(10 ** 6)}"]
+    return role
+
+
 def _too_many_speculative_steps(spec: dict) -> str:
     spec["decode"]["engineArgs"] = ["--engine-opt", f"speculative_num_steps={random.randint(9, 64)}"]
     return "decode"
@@ -99,6 +107,7 @@ CASES = {  # name: (example, the change, words of the worker's refusal)
     "graphs_expert_load": ("deepseek-v3-h200.yaml", _graphs_with_expert_load_recording, "record_expert_load"),
     "typo_key": ("cpu-minimal.yaml", _typo_key, "unknown --engine-opt"),
     "typo_key_h200": ("deepseek-v3-h200.yaml", _typo_key, "unknown --engine-opt"),
+    "backend_name": ("cpu-minimal.yaml", _not_a_backend_name, "is not one of"),
     "speculative_steps": ("cpu-minimal.yaml", _too_many_speculative_steps, "--speculative-num-steps must be"),
 }
 

@@ -19,7 +19,7 @@ import pytest
 from deepseek_pd.cli import main
 from deepseek_pd.errors import UserError
 from deepseek_pd.launcher.worker_plan import check_worker_args
-from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_KEYS, all_keys
+from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_KEYS, all_keys, kind_of
 from deepseek_pd.workers.serve.engine_options import assign_engine_options, parse_engine_options
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +58,8 @@ def test_the_table_is_every_config_field_serve_has_no_flag_for() -> None:
     for target, cls in _TARGETS.items():
         fields = {spec.name: _field_kind(cls, spec) for spec in dataclasses.fields(cls)
                   if spec.init and spec.name not in _FLAG_FIELDS.get(target, ())}
-        assert dict(ENGINE_OPTION_KEYS[target]) == fields, target
+        kinds = {key: str if isinstance(kind, tuple) else kind for key, kind in ENGINE_OPTION_KEYS[target].items()}
+        assert kinds == fields, target
 
 
 def test_values_are_parsed_as_their_fields_and_assigned_to_each_config_that_has_one() -> None:
@@ -67,6 +68,9 @@ def test_values_are_parsed_as_their_fields_and_assigned_to_each_config_that_has_
         drawn = {}
         for key in rng.sample(all_keys(), rng.randint(1, 6)):
             kind = next(keys[key] for keys in ENGINE_OPTION_KEYS.values() if key in keys)
+            if isinstance(kind, tuple):  # a string setting: one of its names
+                drawn[key] = rng.choice(kind)
+                continue
             drawn[key] = {bool: rng.random() < 0.5, int: rng.randint(0, 10 ** 6),
                           float: rng.uniform(0, 100), str: f"w{rng.randrange(10 ** 6)}"}[kind]
         items = [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in drawn.items()]
@@ -102,6 +106,55 @@ def test_up_refuses_a_typo_in_its_worker_args_before_any_worker_starts() -> None
     with pytest.raises(UserError, match="--no-such-flag"):
         check_worker_args(["--no-such-flag"])
     check_worker_args(["--num-pages=64", "--engine-opt", f"{key}=1"])  # the key meant is taken
+
+
+def _choice_keys() -> list[str]:
+    """The keys of string settings, which take one of a few names (a backend, a mode)."""
+    return [key for key in all_keys() if isinstance(kind_of(key), tuple)]
+
+
+def _not_a_choice(rng: random.Random, choices: tuple[str, ...]) -> str:
+    """A value near a valid one (a case, a letter more or less) or plain junk, and none of `choices`."""
+    while True:
+        near = rng.choice(choices)
+        value = rng.choice([near.upper(), near[:-1], near + rng.choice("s_x1"), f"w{rng.randrange(10 ** 6)}"])
+        if value not in choices:
+            return value
+
+
+def test_a_string_setting_outside_its_names_is_refused_before_any_worker_naming_them(tmp_path, capsys) -> None:
+    """`up`'s worker args, `serve` (the CLI, before it looks for the model) and the option parser the
+    operator applies refuse a backend or mode name no config takes, listing the names, in the words
+    the worker's own config (`RunnerConfig`, `TransportConfig`) refuses it in (the one rule,
+    deepseek_pd/choices.py). Before: any string passed them all; the worker refused it alone, after it
+    had loaded its checkpoint or at its first transfer."""
+    from deepseek_pd.model.runner_config import RunnerConfig
+    from deepseek_pd.workers.transport.base import TransportConfig
+
+    rng = _seeded()
+    assert _choice_keys(), "no string settings in the table"
+    for key in _choice_keys():
+        choices = kind_of(key)
+        bad = _not_a_choice(rng, choices)
+        with pytest.raises(UserError) as parsed:
+            parse_engine_options([f"{key}={bad}"])
+        assert all(name in str(parsed.value) for name in choices), parsed.value
+        with pytest.raises(UserError) as up:
+            check_worker_args(rng.choice([["--engine-opt", f"{key}={bad}"], [f"--engine-opt={key}={bad}"]]))
+        assert str(up.value) == str(parsed.value)
+        worker = RunnerConfig if key in ENGINE_OPTION_KEYS["runner"] else TransportConfig
+        with pytest.raises((UserError, ValueError)) as built:
+            worker(**{key: bad})
+        assert str(built.value) == str(parsed.value), (key, bad)
+        good = rng.choice(choices)
+        assert parse_engine_options([f"{key}={good}"]) == {key: good}
+    key = rng.choice(_choice_keys())
+    bad = _not_a_choice(rng, kind_of(key))
+    code = main(["serve", rng.choice(["prefill", "decode"]), "--model", str(tmp_path / "no-such-model"),
+                 "--device", "cpu", "--engine-opt", f"{key}={bad}"])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert f"{key} {bad!r} is not one of {', '.join(kind_of(key))}" in error, error
 
 
 def test_the_table_imports_no_torch() -> None:

@@ -1,35 +1,43 @@
-"""Every `--engine-opt` key, in one torch-free table: its name, the type its value is parsed as, and
-the worker configs that hold a field of that name.
+"""Every `--engine-opt` key, in one torch-free table: its name, the type its value is parsed as (for a
+string setting: the tuple of values it may take), and the worker configs that hold a field of that name.
 
 The configs themselves (`RunnerConfig`, `BootstrapConfig`, `SchedulerConfig`, `TransportConfig`,
 `GroupLayout`) import torch or the transports, which the operator and the CLI's argument checks may
 not; so the keys live here, and `serve` fills the configs from this table
-(workers/serve/engine_options.py `assign_engine_options`). `serve`'s flag rules refuse an unknown key
-or a value of the wrong type before anything loads (workers/serve/flag_rules.py), the operator applies
-the same rules to a role's engineArgs (an InvalidSpec condition) and `up` to its `--worker-arg`s.
+(workers/serve/engine_options.py `assign_engine_options`). `serve`'s flag rules refuse an unknown key,
+a value of the wrong type, or a name that is none of a string setting's values (the configs' own
+tuples: model/runner_rules.py `RUNNER_CHOICES`, model/kv/same_host_direct.py; checked by
+deepseek_pd/choices.py, the rule the configs apply too) before anything loads (workers/serve/flag_rules.py);
+the operator applies the same rules to a role's engineArgs (an InvalidSpec condition) and `up` to its `--worker-arg`s.
 tests/workers/test_engine_option_keys.py fails when a config field and this table drift apart.
 
 A config field that `serve` sets from a flag of its own (`--page-size`, `--port`, ...) is not an
 engine option (workers/serve/resolution.py `_FLAG_FIELDS`). `deterministic` is the one key two
 configs hold: the runner's kernels and the scheduler's cuts.
 
-Example: `ENGINE_OPTION_KEYS["scheduler"]["max_running_requests"] is int`, and
+Example: `ENGINE_OPTION_KEYS["scheduler"]["max_running_requests"] is int`,
+`ENGINE_OPTION_KEYS["transport"]["same_host_direct"] == ("auto", "on", "off")`, and
 `targets_of("deterministic") == ("runner", "scheduler")`.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Union
 
-# target (the config it sets) -> key -> the type its value is parsed as (bool: true/false/1/0/yes/no)
-ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, type]] = {
+from deepseek_pd.model.runner_rules import RUNNER_CHOICES
+from deepseek_pd.model.kv.same_host_direct import SAME_HOST_DIRECT_MODES
+
+# How a value is parsed: a type (bool: true/false/1/0/yes/no), or the names a string setting may take.
+Kind = Union[type, tuple[str, ...]]
+
+# target (the config it sets) -> key -> its kind
+ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, Kind]] = {
     "runner": {  # model/runner_config.py RunnerConfig
-        "mem_headroom_gib": float, "attention_method": str, "mha_chunked_kv_threshold": int,
-        "prefix_chunk_size": int, "num_fused_shared_experts": int, "attention_backend": str,
-        "moe_backend": str, "dispatcher": str, "dispatch_mode": str, "low_latency_max_tokens": int,
+        "mem_headroom_gib": float, "mha_chunked_kv_threshold": int,
+        "prefix_chunk_size": int, "num_fused_shared_experts": int, **RUNNER_CHOICES, "low_latency_max_tokens": int,
         "ep_size": int, "tp_size": int, "enable_tbo": bool, "tbo_token_distribution_threshold": float,
         "tbo_min_decode_tokens": int, "tbo_min_extend_tokens": int, "record_expert_load": bool,
-        "cuda_graph": bool, "cuda_graph_max_batch": int, "cuda_graph_max_context": int, "fp8_backend": str,
-        "norm_rope_backend": str, "speculative_num_steps": int, "speculative_adaptive": bool,
+        "cuda_graph": bool, "cuda_graph_max_batch": int, "cuda_graph_max_context": int,
+        "speculative_num_steps": int, "speculative_adaptive": bool,
         "deterministic": bool,
     },
     "bootstrap": {  # workers/transport/bootstrap_config.py BootstrapConfig
@@ -43,7 +51,7 @@ ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, type]] = {
         "prefill_round_target_ms": float, "speculative_overlap": bool,
     },
     "transport": {  # workers/transport/base.py TransportConfig
-        "max_chunk_bytes": int, "io_threads": int, "grpc_streams": int, "same_host_direct": str,
+        "max_chunk_bytes": int, "io_threads": int, "grpc_streams": int, "same_host_direct": SAME_HOST_DIRECT_MODES,
         "send_timeout_s": float, "mooncake_staging_tokens": int,
     },
     "group": {  # workers/group/layout.py GroupLayout
@@ -52,8 +60,8 @@ ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, type]] = {
 }
 
 
-def kind_of(key: str) -> type | None:
-    """The type `key`'s value is parsed as; None when no config has such a field."""
+def kind_of(key: str) -> Kind | None:
+    """How `key`'s value is parsed (a type, or the names it may take); None when no config has such a field."""
     for keys in ENGINE_OPTION_KEYS.values():
         if key in keys:
             return keys[key]

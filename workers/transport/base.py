@@ -40,7 +40,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
+from deepseek_pd.choices import not_one_of
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.same_host_direct import SAME_HOST_DIRECT_MODES
 from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
@@ -55,9 +57,6 @@ if TYPE_CHECKING:
     from deepseek_pd.workers.transport.wire import EncodedChunk
 
 
-SAME_HOST_DIRECT_MODES = ("auto", "on", "off")  # TransportConfig.same_host_direct (direct_pool.py)
-
-
 @dataclass(frozen=True)
 class TransportConfig:
     """Settings shared by every transport; each reads only what it needs."""
@@ -69,8 +68,8 @@ class TransportConfig:
     # grpc: parallel KV streams per room, each on its own connection (the Transfer stream is one);
     # the smaller of both ends' values is used. Each send is cut into one block per stream.
     grpc_streams: int = 1
-    # grpc: same-host peers copy KV device to device instead of streaming its bytes (direct_pool.py):
-    # "auto" offers CUDA pools, "on" any pool (a CPU pool only to its own process), "off" never.
+    # grpc: same-host peers copy KV device to device instead of streaming its bytes (direct_pool.py;
+    # the modes: model/kv/same_host_direct.py).
     same_host_direct: str = "auto"
     send_timeout_s: float = 30.0  # one send() (a chunk's pages) may take at most this long
     advertise_host: str = "127.0.0.1"  # mooncake: the address peers reach this worker's engine at
@@ -96,9 +95,8 @@ class TransportConfig:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if not 1 <= self.grpc_streams <= MAX_KV_STREAMS:
             raise ValueError(f"grpc_streams must be in [1, {MAX_KV_STREAMS}], got {self.grpc_streams}")
-        if self.same_host_direct not in SAME_HOST_DIRECT_MODES:
-            raise ValueError(f"same_host_direct must be one of {', '.join(SAME_HOST_DIRECT_MODES)}, "
-                             f"got {self.same_host_direct!r}")
+        if (blocker := not_one_of("same_host_direct", self.same_host_direct, SAME_HOST_DIRECT_MODES)) is not None:
+            raise ValueError(blocker)
         if self.mooncake_staging_tokens < 1:
             raise ValueError(f"mooncake_staging_tokens must be >= 1, got {self.mooncake_staging_tokens}")
         if self.send_timeout_s <= 0:

@@ -21,7 +21,7 @@ def test_resolve_per_step_mode():
 
 
 def test_bad_values_are_user_errors():
-    with pytest.raises(UserError, match="dispatch mode 'fast' is not one of normal, low_latency, auto"):
+    with pytest.raises(UserError, match="dispatch_mode 'fast' is not one of normal, low_latency, auto"):
         RunnerConfig(dispatch_mode="fast")
     with pytest.raises(UserError, match="low_latency_max_tokens must be >= 1"):
         RunnerConfig(low_latency_max_tokens=0)

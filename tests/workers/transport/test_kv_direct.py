@@ -234,7 +234,7 @@ def test_direct_pools_refuse_a_pool_of_another_page_size_or_device_kind():
 def test_same_host_direct_takes_only_its_three_modes():
     for mode in ("auto", "on", "off"):
         assert TransportConfig(same_host_direct=mode).same_host_direct == mode
-    with pytest.raises(ValueError, match="same_host_direct must be one of auto, on, off"):
+    with pytest.raises(ValueError, match="same_host_direct .* is not one of auto, on, off"):
         TransportConfig(same_host_direct=random.choice(["yes", "", "AUTO"]))
 
 
