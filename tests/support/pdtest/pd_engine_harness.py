@@ -87,6 +87,35 @@ async def collect(engine, request: GenerateRequest, on_event=None) -> Outcome:
     return Outcome(tokens, terminals[0], logprobs, tops)
 
 
+async def pages_back(engine: DecodeEngine, timeout_s: float = 5.0) -> None:
+    """Asserts the decode pool ends empty and nothing stays reserved. A request that ended while a
+    step was pending keeps its pages until that step is collected (the next round, on a loaded
+    machine later still): a bounded wait, not a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while engine.pool.num_used_pages or engine.budget.reserved:
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0, "pages leaked"
+
+
+async def abort_after_first_event(engine, request: GenerateRequest, *others: GenerateRequest,
+                                  timeout_s: float = 60.0) -> tuple[Outcome, list[Outcome]]:
+    """Starts `request` (and `others` beside it), aborts it once its first event has arrived, which
+    the engine must know it by, and returns its outcome and the others'."""
+    started = asyncio.Event()
+
+    async def on_event(event) -> None:
+        started.set()
+
+    tasks = [asyncio.ensure_future(collect(engine, request, on_event)),
+             *(asyncio.ensure_future(collect(engine, other)) for other in others)]
+    await asyncio.wait_for(started.wait(), 30)
+    assert await engine.abort(request.rid)
+    outcome, *rest = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+    return outcome, rest
+
+
 class PDPair:
     """A started prefill + decode engine; `run(prompt, params)` sends one PD request to both."""
 

@@ -23,7 +23,7 @@ from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pdtest.mtp_training import train_mtp
-from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, collect, worker_config
+from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, abort_after_first_event, collect, pages_back, worker_config
 
 pytestmark = [pytest.mark.timeout(300)]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
@@ -108,11 +108,7 @@ def _pd(prefill_runner: ModelRunner, decode_runner: ModelRunner, oracle: Engine,
                 base = GenerateRequest(rid=f"r{i}", input_ids=tuple(prompt), sampling=GREEDY, disagg=disagg)
                 outcomes.append(await asyncio.gather(collect(prefill, dataclasses.replace(base, rid=f"r{i}-p")),
                                                      collect(decode, dataclasses.replace(base, rid=f"r{i}-d"))))
-            for _ in range(100):
-                if decode.pool.num_used_pages == 0:
-                    break
-                await asyncio.sleep(0.05)
-            assert decode.pool.num_used_pages == 0 and decode.budget.reserved == 0
+            await pages_back(decode)
             return outcomes, decode.speculation.stats
         finally:
             await decode.stop()
@@ -232,20 +228,9 @@ def test_abort_mid_speculative_decode_ends_once_and_frees_pages(setup):
         engine = DecodeEngine(_spec_runner(path, trained), worker_config("fake"), tokenizer=oracle.tokenizer)
         await engine.start()
         try:
-            started = asyncio.Event()
-
-            async def on_event(event):
-                started.set()
-
-            task = asyncio.ensure_future(collect(engine, GenerateRequest("long", tuple(prompts[0]), params), on_event))
-            await asyncio.wait_for(started.wait(), 30)
-            assert await engine.abort("long")
-            outcome = await asyncio.wait_for(task, 30)
-            for _ in range(100):
-                if engine.pool.num_used_pages == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
+            outcome, _ = await abort_after_first_event(engine, GenerateRequest("long", tuple(prompts[0]), params),
+                                                       timeout_s=30)
+            await pages_back(engine, timeout_s=2)
             assert not engine.speculation.decoder._drafts  # its draft state went with it
             return outcome
         finally:

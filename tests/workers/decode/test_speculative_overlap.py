@@ -20,7 +20,7 @@ from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.engine.interface import Failed, GenerateRequest
 from deepseek_pd.workers.engine.offline import Engine
 from pdtest.mtp_training import train_mtp
-from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, collect, worker_config
+from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, abort_after_first_event, collect, pages_back, worker_config
 
 pytestmark = [pytest.mark.timeout(300)]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
@@ -55,16 +55,6 @@ def _engine(path: str, trained: ModelRunner, oracle: Engine) -> DecodeEngine:
     return engine
 
 
-async def _pages_back(engine: DecodeEngine) -> None:
-    """The pool ends empty: a request that ended while a step was pending keeps its pages until
-    that step is collected (the next round), then gives them back."""
-    for _ in range(250):
-        if engine.pool.num_used_pages == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert engine.pool.num_used_pages == 0 and engine.budget.reserved == 0
-
-
 def test_overlapped_steps_give_the_offline_tokens(setup):
     path, oracle, trained, prompts, rng = setup
     reference = oracle.generate_batch(prompts, GREEDY)
@@ -86,7 +76,7 @@ def test_overlapped_steps_give_the_offline_tokens(setup):
         try:
             outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"o{i}", tuple(p), sp, return_logprob=True))
                                               for i, (p, sp) in enumerate(zip(all_prompts, params))))
-            await _pages_back(engine)
+            await pages_back(engine)
             return outcomes, engine.overlapped[0], engine.speculation.stats
         finally:
             await engine.stop()
@@ -108,17 +98,10 @@ def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup):
         engine = _engine(path, trained, oracle)
         await engine.start()
         try:
-            started = asyncio.Event()
-
-            async def on_event(event):
-                started.set()
-
-            task = asyncio.ensure_future(collect(engine, GenerateRequest("long", tuple(prompts[0]), params), on_event))
-            other = asyncio.ensure_future(collect(engine, GenerateRequest("other", tuple(prompts[1]), GREEDY)))
-            await asyncio.wait_for(started.wait(), 30)
-            assert await engine.abort("long")
-            outcome, rest = await asyncio.wait_for(asyncio.gather(task, other), 60)
-            await _pages_back(engine)
+            outcome, (rest,) = await abort_after_first_event(
+                engine, GenerateRequest("long", tuple(prompts[0]), params),
+                GenerateRequest("other", tuple(prompts[1]), GREEDY))
+            await pages_back(engine)
             assert not engine.speculation.decoder._drafts  # their draft state went with them
             return outcome, rest
         finally:
