@@ -101,7 +101,7 @@ async def engine_step_ms(engine, batch: int, context: int, new_tokens: int, voca
 def build_engine(model, batch_max: int, max_context: int):
     from deepseek_pd.model.runner import ModelRunner
     from deepseek_pd.model.runner_config import RunnerConfig
-    from deepseek_pd.workers.engine.worker_config import SchedulerConfig
+    from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
     from deepseek_pd.workers.transport.worker_config import WorkerConfig
     from deepseek_pd.workers.decode.engine import DecodeEngine
 

@@ -39,7 +39,7 @@ from deepseek_pd.workers.engine.interface import DisaggParams, GenerateRequest, 
 from deepseek_pd.workers.engine.extend_step import run_extend  # noqa: E402
 from deepseek_pd.workers.transport import TransportConfig  # noqa: E402
 from deepseek_pd.workers.transport.base import SAME_HOST_DIRECT_MODES  # noqa: E402
-from deepseek_pd.workers.engine.worker_config import SchedulerConfig  # noqa: E402
+from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig  # noqa: E402
 from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig  # noqa: E402
 from deepseek_pd.workers.transport.worker_config import WorkerConfig  # noqa: E402
 from deepseek_pd.workers.decode.engine import DecodeEngine  # noqa: E402

@@ -55,7 +55,7 @@ from deepseek_pd.model.sampling.params import SamplingParams  # noqa: E402
 from deepseek_pd.workers.decode.engine import DecodeEngine  # noqa: E402
 from deepseek_pd.workers.engine import model_thread as model_thread_module  # noqa: E402
 from deepseek_pd.workers.engine.interface import DisaggParams, Finished, GenerateRequest  # noqa: E402
-from deepseek_pd.workers.engine.worker_config import SchedulerConfig  # noqa: E402
+from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig  # noqa: E402
 from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig  # noqa: E402
 from deepseek_pd.workers.transport.worker_config import WorkerConfig  # noqa: E402
 from deepseek_pd.workers.prefill.engine import PrefillEngine  # noqa: E402

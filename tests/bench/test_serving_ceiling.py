@@ -62,7 +62,7 @@ def test_the_round_size_follows_the_worker_flags_as_serve_reads_them(monkeypatch
     serving_gpu = bench_module("serving_gpu")
     from deepseek_pd.errors import UserError
     from deepseek_pd.workers.serve import resolution as serve_resolution
-    from deepseek_pd.workers.engine.worker_config import SchedulerConfig, gpu_chunked_prefill_size
+    from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig, gpu_chunked_prefill_size
 
     rng = random.Random()
     a, b, c = (rng.randint(16, 16384) for _ in range(3))

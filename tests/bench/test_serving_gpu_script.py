@@ -64,7 +64,7 @@ def test_tiny_run_reports_what_it_measured(tmp_path: Path) -> None:
 
     # The runner's prefill round is the worker's default round of the c=1 lengths, and each level's
     # one-GPU ceiling is computed from it and the runner step at the level's batch.
-    from deepseek_pd.workers.engine.worker_config import SchedulerConfig
+    from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
     expected_round = bench_module("runner_steps").round_lengths(tuple(p["length"] for p in runner["prefill"]),
                                                                 SchedulerConfig().chunked_prefill_size)
     assert runner["prefill_round"]["lengths"] == expected_round and runner["prefill_round"]["tok_s"] > 0

@@ -52,7 +52,7 @@ def test_tiny_run_reports_the_loads_apart(tmp_path: Path) -> None:
     level = json.loads(Path(prefill["json"]).read_text())
     assert prefill["input_tok_s"] == level["summary"]["input_throughput"] and level["summary"]["failed"] == 0
     assert {(r["prompt_len"], r["output_len"]) for r in level["requests"]} == {(loads["prefill_len"], 1)}
-    from deepseek_pd.workers.engine.worker_config import SchedulerConfig
+    from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
     round_tokens = SchedulerConfig().chunked_prefill_size  # the CPU worker's round
     per_round = round_tokens // loads["prefill_len"]
     assert (level["config"]["max_concurrency"], level["summary"]["num_requests"]) == (

@@ -10,7 +10,7 @@ import torch
 
 from deepseek_pd.model import nvml
 from deepseek_pd.workers.serve import resolution as serve_resolution
-from deepseek_pd.workers.engine.worker_config import GPU_CHUNK_TIERS, SchedulerConfig, gpu_chunked_prefill_size
+from deepseek_pd.workers.engine.scheduler_config import GPU_CHUNK_TIERS, SchedulerConfig, gpu_chunked_prefill_size
 
 from test_serve_resolution import checkpoint, resolve
 

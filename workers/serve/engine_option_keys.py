@@ -45,7 +45,7 @@ ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, Kind]] = {
         "confirm_timeout_s": float, "event_queue_depth": int, "retry_initial_s": float, "retry_max_s": float,
         "dp_rank": int, "dp_size": int,
     },
-    "scheduler": {  # workers/engine/worker_config.py SchedulerConfig
+    "scheduler": {  # workers/engine/scheduler_config.py SchedulerConfig
         "max_running_requests": int, "decode_reserve_tokens": int, "admission_timeout_s": float,
         "prefix_cache": bool, "layerwise_transfer": bool, "overlap_schedule": bool, "deterministic": bool,
         "prefill_round_target_ms": float, "speculative_overlap": bool,

@@ -80,7 +80,7 @@ from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.api.served_model import ServedModelInfo
 from deepseek_pd.workers.api.server import ServerConfig
 from deepseek_pd.workers.api.servicer import WorkerIdentity
-from deepseek_pd.workers.engine.worker_config import SchedulerConfig, gpu_chunked_prefill_size
+from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig, gpu_chunked_prefill_size
 from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.transport.worker_config import WorkerConfig
 from deepseek_pd.workers.serve.engine_options import assign_engine_options, parse_engine_options

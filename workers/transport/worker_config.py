@@ -1,13 +1,13 @@
 """A PD worker's settings besides its model runner (frozen), built once from flags (workers/serve/
 resolution.py) and passed down the role engines' constructors: its KV transport and the bootstrap
-channel (this folder's) and its scheduler's limits (workers/engine/worker_config.py). It lives with
+channel (this folder's) and its scheduler's limits (workers/engine/scheduler_config.py). It lives with
 the transports, which use the engine's types, so that the engine core knows no transport."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.workers.engine.worker_config import SchedulerConfig
+from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
 from deepseek_pd.workers.transport.base import TransportConfig
 from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 

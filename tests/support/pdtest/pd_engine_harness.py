@@ -19,7 +19,7 @@ from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine.interface import DisaggParams, Failed, Finished, GenerateRequest, TokenChunk
 from deepseek_pd.workers.transport import TransportConfig
-from deepseek_pd.workers.engine.worker_config import SchedulerConfig
+from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
 from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
 from deepseek_pd.workers.transport.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.engine import DecodeEngine

@@ -11,7 +11,7 @@ import pytest
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine.interface import Failed, FailureCode, GenerateRequest, TokenChunk
-from deepseek_pd.workers.engine.worker_config import SchedulerConfig
+from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
 from deepseek_pd.workers.decode import decode_step
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from pdtest.pd_engine_harness import CHUNK, collect, oracle, runner, worker_config

@@ -14,7 +14,7 @@ from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine.interface import DisaggParams, Failed, FailureCode, GenerateRequest
 from deepseek_pd.workers.transport import TransportConfig, build_receiver
 from deepseek_pd.workers.engine.request_failure import TransferError
-from deepseek_pd.workers.engine.worker_config import SchedulerConfig
+from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_pull import pull_kv
 from deepseek_pd.workers.prefill.engine import PrefillEngine

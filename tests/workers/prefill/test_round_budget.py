@@ -11,7 +11,7 @@ import random
 import pytest
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.workers.engine.worker_config import SchedulerConfig
+from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
 from deepseek_pd.workers.prefill.round_budget import TOKEN_QUANTUM, RoundBudget, RoundBudgetConfig
 
 
