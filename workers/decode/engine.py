@@ -303,12 +303,14 @@ class DecodeEngine(EngineCore[_Request]):
                 self._fail_in_flight("decode scheduler error (see the worker log)")
             await asyncio.sleep(0)  # let transfers, new requests and aborts in between rounds
 
-    def _fail_in_flight(self, message: str) -> None:
-        """Ends every scheduled request with INTERNAL; their consumers then free the pages (`_end`)."""
+    def _fail_in_flight(self, message: str, held: Sequence[_Request] = ()) -> None:
+        """Ends every scheduled request with INTERNAL; their consumers then free the pages (`_end`).
+        `held`: the requests of the steps the failed round had taken out of the engine (a request
+        aborted while its step was pending is in no queue now, and only this frees its pages)."""
         pending, self._pending = self._pending, None
         spec_pending, self._spec_pending = self._spec_pending, None
         states = list(dict.fromkeys(self._running + self._prefilling + (pending.owners if pending else [])
-                                    + (spec_pending[0] if spec_pending else [])))
+                                    + (spec_pending[0] if spec_pending else []) + list(held)))
         self._running.clear()
         self._prefilling.clear()
         self._batch = []
@@ -328,7 +330,12 @@ class DecodeEngine(EngineCore[_Request]):
             await self._speculative_round(launch=False)
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._process(pending, await self._model_call(pending.owners, pending.collect))
+            try:
+                collected = await self._model_call(pending.owners, pending.collect)
+            except Exception:
+                self._fail_in_flight("decode step failed (see the worker log)", pending.owners)
+                return
+            self._process(pending, collected)
 
     async def _model_call(self, owners, fn, *args):
         """Runs `fn` in the model thread; a failure fails `owners` (one INTERNAL each) and re-raises."""
@@ -363,7 +370,7 @@ class DecodeEngine(EngineCore[_Request]):
                 self.metrics.observe_step("decode", time.perf_counter() - began, len(owners), len(owners))
         except Exception:
             # The stepper's device state is unknown now: every row it held starts over, failed.
-            self._fail_in_flight("decode step failed (see the worker log)")
+            self._fail_in_flight("decode step failed (see the worker log)", everyone)
             return
         if pending is not None:
             self._process(pending, collected)
@@ -403,7 +410,7 @@ class DecodeEngine(EngineCore[_Request]):
                 self.metrics.observe_speculative(stats.drafted - drafted, stats.accepted - accepted,
                                                  [len(tokens) for tokens in emitted])
         except Exception:
-            self._fail_in_flight("speculative decode step failed (see the worker log)")
+            self._fail_in_flight("speculative decode step failed (see the worker log)", done + chosen)
             return
         now = time.perf_counter()
         gaps = []

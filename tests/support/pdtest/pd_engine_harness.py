@@ -116,6 +116,24 @@ async def abort_after_first_event(engine, request: GenerateRequest, *others: Gen
     return outcome, rest
 
 
+@contextlib.contextmanager
+def device_fails_once_ended(engine, rid: str):
+    """Within: every model-thread call fails (a device error) once request `rid` has ended here, so
+    the first to fail is the round that collects the step it was still in."""
+    model_run = engine.model_thread.run
+
+    async def run(fn, *args):
+        if rid not in engine._requests:
+            raise RuntimeError("injected device failure")
+        return await model_run(fn, *args)
+
+    engine.model_thread.run = run
+    try:
+        yield
+    finally:
+        engine.model_thread.run = model_run
+
+
 class PDPair:
     """A started prefill + decode engine; `run(prompt, params)` sends one PD request to both."""
 

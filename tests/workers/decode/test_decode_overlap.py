@@ -14,7 +14,8 @@ from deepseek_pd.workers.engine.interface import Failed, FailureCode, GenerateRe
 from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
 from deepseek_pd.workers.decode import decode_step
 from deepseek_pd.workers.decode.engine import DecodeEngine
-from pdtest.pd_engine_harness import CHUNK, collect, oracle, runner, worker_config
+from pdtest.pd_engine_harness import (CHUNK, abort_after_first_event, collect, device_fails_once_ended, oracle, pages_back,
+                                      runner, worker_config)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -96,6 +97,12 @@ def test_overlap_launches_the_next_step_before_collecting_the_last(monkeypatch):
     assert order[:3] == ["launch", "launch", "collect"], order
 
 
+def _overlapping_engine() -> DecodeEngine:
+    config = dataclasses.replace(worker_config("fake"), scheduler=SchedulerConfig(
+        chunked_prefill_size=CHUNK, overlap_schedule=True))
+    return DecodeEngine(runner(256), config, tokenizer=oracle().tokenizer)
+
+
 def test_abort_while_a_step_is_in_flight_frees_pages_once_the_step_is_done():
     rng = random.Random()
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
@@ -103,9 +110,7 @@ def test_abort_while_a_step_is_in_flight_frees_pages_once_the_step_is_done():
     p, q = _prompt(rng), _prompt(rng)
 
     async def run():
-        config = dataclasses.replace(worker_config("fake"), scheduler=SchedulerConfig(
-            chunked_prefill_size=CHUNK, overlap_schedule=True))
-        engine = DecodeEngine(runner(256), config, tokenizer=oracle().tokenizer)
+        engine = _overlapping_engine()
         await engine.start()
         try:
             seen = {"tokens": 0}
@@ -128,3 +133,28 @@ def test_abort_while_a_step_is_in_flight_frees_pages_once_the_step_is_done():
     victim, survivor = asyncio.run(run())
     assert isinstance(victim.terminal, Failed) and victim.terminal.code == FailureCode.ABORTED
     assert survivor.ok and survivor.tokens == oracle().generate(q, survivor_params).output_ids
+
+
+def test_a_step_that_fails_after_an_abort_still_frees_the_aborted_requests_pages():
+    """A request aborted while its step was pending has left the running batch (its consumer ended
+    it) and waits for that step to give its pages back. When the round that collects the step fails
+    (a device error), the failure must give them back instead. Before: the round had taken the
+    pending step out of the engine, and the failure handler freed only what it still found there
+    and in the running batch, so the aborted request's pages leaked for good."""
+    rng = random.Random()
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+
+    async def run():
+        engine = _overlapping_engine()
+        await engine.start()
+        try:
+            with device_fails_once_ended(engine, "victim"):
+                outcome, _ = await abort_after_first_event(engine, GenerateRequest("victim", tuple(_prompt(rng)), params))
+                await pages_back(engine)
+            return outcome
+        finally:
+            await engine.stop()
+
+    outcome = asyncio.run(run())
+    assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.ABORTED
+    assert 1 <= len(outcome.tokens) < 400

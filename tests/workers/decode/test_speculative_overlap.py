@@ -7,6 +7,7 @@ pools end empty; and steps really overlapped (a collect and a launch in the same
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 
@@ -20,7 +21,8 @@ from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.engine.interface import Failed, GenerateRequest
 from deepseek_pd.workers.engine.offline import Engine
 from pdtest.mtp_training import train_mtp
-from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, abort_after_first_event, collect, pages_back, worker_config
+from pdtest.pd_engine_harness import (CHUNK, PAGE_SIZE, abort_after_first_event, collect, device_fails_once_ended,
+                                      pages_back, worker_config)
 
 pytestmark = [pytest.mark.timeout(300)]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
@@ -90,7 +92,11 @@ def test_overlapped_steps_give_the_offline_tokens(setup):
     assert overlapped > 0 and stats.accepted > 0
 
 
-def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup):
+@pytest.mark.parametrize("device_fails", [False, True])
+def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup, device_fails):
+    """`device_fails`: the round that collects the aborted request's pending step fails (a device
+    error) after the abort ended it; its pages and draft state must still come back. Before: the
+    failure handler did not see the step the round had taken, and they leaked."""
     path, oracle, trained, prompts, _ = setup
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
 
@@ -98,10 +104,11 @@ def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup):
         engine = _engine(path, trained, oracle)
         await engine.start()
         try:
-            outcome, (rest,) = await abort_after_first_event(
-                engine, GenerateRequest("long", tuple(prompts[0]), params),
-                GenerateRequest("other", tuple(prompts[1]), GREEDY))
-            await pages_back(engine)
+            with device_fails_once_ended(engine, "long") if device_fails else contextlib.nullcontext():
+                outcome, (rest,) = await abort_after_first_event(
+                    engine, GenerateRequest("long", tuple(prompts[0]), params),
+                    GenerateRequest("other", tuple(prompts[1]), GREEDY))
+                await pages_back(engine)
             assert not engine.speculation.decoder._drafts  # their draft state went with them
             return outcome, rest
         finally:
@@ -110,4 +117,7 @@ def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup):
     outcome, rest = asyncio.run(run())
     assert isinstance(outcome.terminal, Failed) and outcome.terminal.code.value == "aborted"
     assert 1 <= len(outcome.tokens) < 400
-    assert rest.ok and rest.tokens == oracle.generate_batch([prompts[1]], GREEDY)[0].output_ids
+    if device_fails:  # the other request ended too: finished before the failure, or failed by it
+        assert rest.ok or rest.terminal.code.value == "internal"
+    else:
+        assert rest.ok and rest.tokens == oracle.generate_batch([prompts[1]], GREEDY)[0].output_ids
