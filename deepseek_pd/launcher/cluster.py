@@ -96,7 +96,7 @@ class ClusterSpec:
             raise UserError(f"--client-requests-per-minute {self.client_requests_per_minute} must be >= 0")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise UserError(f"--mem-fraction-static {self.mem_fraction_static} must be in (0, 1]")
-        check_worker_args(self.worker_args)
+        check_worker_args(self.worker_args, {"prefill": self.prefill_group, "decode": self.decode_group})
         check_speculative_num_steps(self.speculative_num_steps)
         return self
 

@@ -23,13 +23,14 @@ every port of every worker distinct.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.memory_budget import GpuShare
-from deepseek_pd.workers.serve.engine_options import parse_engine_options
+from deepseek_pd.workers.serve.flag_rules import check_flags
 from deepseek_pd.workers.serve.flags import GROUP_FLAGS, ParallelFlags, ServeFlags
 
 ROLES = ("prefill", "decode")
@@ -89,20 +90,26 @@ def resolve_group_shape(role: str, ranks: int, dp: int | None = None, ep: int | 
     return GroupShape(ranks, dp, ep, enable_tbo)
 
 
-def check_worker_args(worker_args: Sequence[str]) -> None:
+def check_worker_args(worker_args: Sequence[str], shapes: Mapping[str, GroupShape] | None = None) -> None:
     """Refuses a --worker-arg that would change a group's shape behind `up`'s back, that is no
-    `serve` flag, or that sets an `--engine-opt` key no worker has (or a value not of its type):
-    before any worker starts, not in every worker's log."""
+    `serve` flag, or that a worker of either role would refuse from its flags alone (`serve`'s flag
+    rules, workers/serve/flag_rules.py, as the operator applies them to engineArgs: an `--engine-opt`
+    key no worker has, a value not of its type, `cuda_graph=true` on prefill, ...), with each
+    role's group shape (`shapes`; default one rank): before any worker starts, not in every
+    worker's log as it restarts."""
     for arg in worker_args:
         name = arg.split("=", 1)[0]
         if name in GROUP_FLAGS:
             raise UserError(f"--worker-arg={arg}: `up` sets the workers' group flags itself; use "
                             f"--prefill-ranks/--decode-ranks/--dp/--ep/--enable-tbo")
-    try:
-        flags = ServeFlags.from_argv(["decode", *worker_args])
-    except ValueError as exc:
-        raise UserError(f"--worker-arg: {exc}") from None
-    parse_engine_options(flags.all_engine_options)
+    for role in ROLES:
+        try:
+            flags = ServeFlags.from_argv([role, *worker_args])
+        except ValueError as exc:
+            raise UserError(f"--worker-arg: {exc}") from None
+        shape = (shapes or {}).get(role, GroupShape())
+        check_flags(dataclasses.replace(flags, parallel=dataclasses.replace(
+            flags.parallel, tp=shape.tp, dp=shape.dp, ep=shape.ep, enable_tbo=shape.enable_tbo)))
 
 
 @dataclass(frozen=True)

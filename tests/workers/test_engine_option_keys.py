@@ -18,9 +18,11 @@ import pytest
 
 from deepseek_pd.cli import main
 from deepseek_pd.errors import UserError
-from deepseek_pd.launcher.worker_plan import check_worker_args
+from deepseek_pd.launcher.worker_plan import GroupShape, check_worker_args
 from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_KEYS, all_keys, kind_of
 from deepseek_pd.workers.serve.engine_options import assign_engine_options, parse_engine_options
+from deepseek_pd.workers.serve.flag_rules import GROUP_RUNNER_FIELDS, check_flags
+from deepseek_pd.workers.serve.flags import ServeFlags
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,13 +34,21 @@ def _seeded() -> random.Random:
 
 
 def _typo(rng: random.Random) -> tuple[str, str]:
-    """(a real key, that key with two neighbouring letters swapped, which is no key)."""
+    """(a real key that may be set directly, that key with two neighbouring letters swapped, which is
+    no key)."""
     while True:
-        key = rng.choice(all_keys())
+        key = rng.choice([key for key in all_keys() if key not in GROUP_RUNNER_FIELDS])
         at = rng.randrange(len(key) - 1)
         wrong = key[:at] + key[at + 1] + key[at] + key[at + 2:]
         if wrong not in all_keys():
             return key, wrong
+
+
+def _valid_spelling(key: str) -> str:
+    """A value of `key` that no flag rule refuses on either role: a string setting's first name, a
+    bool's false (cuda_graph=true is refused on prefill), a number's 1."""
+    kind = kind_of(key)
+    return kind[0] if isinstance(kind, tuple) else "false" if kind is bool else "1"
 
 
 def _field_kind(cls: type, spec: dataclasses.Field) -> type:
@@ -105,7 +115,35 @@ def test_up_refuses_a_typo_in_its_worker_args_before_any_worker_starts() -> None
         check_worker_args(["--num-pages=64", *spelling])
     with pytest.raises(UserError, match="--no-such-flag"):
         check_worker_args(["--no-such-flag"])
-    check_worker_args(["--num-pages=64", "--engine-opt", f"{key}=1"])  # the key meant is taken
+    check_worker_args(["--num-pages=64", "--engine-opt", f"{key}={_valid_spelling(key)}"])  # the key meant is taken
+
+
+def test_up_refuses_worker_args_a_worker_of_either_role_refuses_in_its_words() -> None:
+    """`up` applies `serve`'s flag rules to its --worker-args for each role, with that role's group
+    shape, as the operator does to engineArgs. Before: it checked the keys and their types only, so
+    an argument one role refuses (cuda_graph=true on prefill, ...) started every worker, and that
+    role's workers refused it on each restart while `up` waited for them."""
+    rng = _seeded()
+    cases = [["--engine-opt=cuda_graph=true"],
+             ["--deterministic", "--engine-opt", f"prefix_cache={rng.choice(['true', '1', 'yes'])}"],
+             [f"--{rng.choice(['num-pages', 'max-total-tokens'])}={-rng.randint(0, 64)}"],
+             ["--engine-opt", f"speculative_num_steps={rng.randint(9, 64)}"],
+             ["--engine-opt", f"{rng.choice(GROUP_RUNNER_FIELDS)}={rng.randint(1, 4)}"]]
+    for args in rng.sample(cases, len(cases)):
+        refusals = []
+        for role in ("prefill", "decode"):
+            try:
+                check_flags(ServeFlags.from_argv([role, *args]))
+            except UserError as exc:
+                refusals.append(str(exc))
+        assert refusals, args
+        with pytest.raises(UserError) as up:
+            check_worker_args(args)
+        assert str(up.value) in refusals, (args, up.value)
+    ranks = rng.choice([2, 4])  # attention TP over all the ranks: no two-batch overlap
+    with pytest.raises(UserError, match="two-batch overlap"):
+        check_worker_args(["--engine-opt=enable_tbo=true"], {"decode": GroupShape(ranks=ranks, dp=1, ep=ranks)})
+    check_worker_args(["--engine-opt=enable_tbo=true"], {"decode": GroupShape(ranks=ranks, dp=ranks, ep=ranks)})
 
 
 def _choice_keys() -> list[str]:

@@ -72,11 +72,13 @@ def _other_value(spec: dataclasses.Field, rng: random.Random):
 
 def _engine_option(rng: random.Random) -> str:
     """`KEY=VALUE` of a real engine option (workers/serve/engine_option_keys.py) with a value of its
-    type; a number at least 1 (counts, sizes and timeouts are). Strings name backends and modes,
-    whose choices are the worker's, so none is drawn; neither are the fields the group layout sets."""
+    type; a number at least 1 (counts, sizes and timeouts are); a string setting one of its names.
+    The fields the group layout sets are not drawn."""
     keys = [(key, kind) for target in ENGINE_OPTION_KEYS.values() for key, kind in target.items()
-            if kind is not str and key not in GROUP_RUNNER_FIELDS]
+            if key not in GROUP_RUNNER_FIELDS]
     key, kind = rng.choice(keys)
+    if isinstance(kind, tuple):
+        return f"{key}={rng.choice(kind)}"
     value = {bool: lambda: rng.choice(["true", "false"]), int: lambda: str(rng.randint(1, 5000)),
              float: lambda: str(round(rng.uniform(1, 100), rng.randint(0, 4)))}[kind]()
     return f"{key}={value}"
