@@ -36,10 +36,14 @@ def test_group_flags_resolve_to_shapes() -> None:
     rng = random.Random()
     ranks = rng.choice([2, 4, 6])
     dp = rng.choice([d for d in range(1, ranks + 1) if ranks % d == 0])
-    spec = up_spec("--prefill", "2", "--prefill-ranks", str(ranks), "--decode-ranks", str(ranks),
-                   "--dp", str(dp), "--enable-tbo=decode")
+    shape = ("--prefill", "2", "--prefill-ranks", str(ranks), "--decode-ranks", str(ranks), "--dp", str(dp))
+    if dp < ranks:  # attention TP (tp > 1): its workers refuse two-batch overlap, and so does `up`
+        with pytest.raises(UserError, match="two-batch overlap"):
+            up_spec(*shape, "--enable-tbo=decode")
+    tbo = dp == ranks
+    spec = up_spec(*shape, *(["--enable-tbo=decode"] if tbo else []))
     assert spec.prefill_group == GroupShape(ranks, dp, ranks, enable_tbo=False)
-    assert spec.decode_group == GroupShape(ranks, dp, ranks, enable_tbo=True)
+    assert spec.decode_group == GroupShape(ranks, dp, ranks, enable_tbo=tbo)
     assert spec.decode_group.tp * spec.decode_group.dp == ranks
     # Defaults: all ranks data-parallel, experts spread; a single-rank role keeps dp = ep = 1.
     spec = up_spec("--decode-ranks", str(ranks), "--ep", "1", "--enable-tbo")
