@@ -14,8 +14,8 @@ from deepseek_pd.workers.engine.interface import Failed, FailureCode, GenerateRe
 from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
 from deepseek_pd.workers.decode import decode_step
 from deepseek_pd.workers.decode.engine import DecodeEngine
-from pdtest.pd_engine_harness import (CHUNK, abort_after_first_event, collect, device_fails_once_ended, oracle, pages_back,
-                                      runner, worker_config)
+from pdtest.pd_engine_harness import (CHUNK, abort_after_first_event, collect, device_fails_once_ended, oracle,
+                                      pages_back, runner, worker_config)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -149,7 +149,8 @@ def test_a_step_that_fails_after_an_abort_still_frees_the_aborted_requests_pages
         await engine.start()
         try:
             with device_fails_once_ended(engine, "victim"):
-                outcome, _ = await abort_after_first_event(engine, GenerateRequest("victim", tuple(_prompt(rng)), params))
+                request = GenerateRequest("victim", tuple(_prompt(rng)), params)
+                outcome, _ = await abort_after_first_event(engine, request)
                 await pages_back(engine)
             return outcome
         finally:
