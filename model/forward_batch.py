@@ -151,7 +151,7 @@ class ForwardBatch:
         max_pages = max(1, max(len(p) for p in page_lists))
         table = torch.tensor([list(p) + [p[-1]] * (max_pages - len(p)) for p in page_lists], dtype=torch.long)
         lens_t = torch.tensor(extend_lens, dtype=torch.long)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(extend_lens)), lens_t)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(extend_lens)), lens_t, output_size=len(flat_ids))
         # Each token's position: its prefix plus its index among its sequence's new tokens.
         starts = torch.tensor(qo[:-1], dtype=torch.long)
         positions = (torch.arange(len(flat_ids)) - starts[seq_of_token]

@@ -23,6 +23,9 @@ from deepseek_pd.model.moe.quant_method import MoEQuantMethod
 from deepseek_pd.model.quant.moe_scales import Fp8ExpertScales
 from deepseek_pd.model.registry import Registry
 
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class MoEKernel(Protocol):
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -40,7 +43,16 @@ class TorchMoEKernel:
     FP8 experts: each product quantises its rows per token group and multiplies dequantised
     operands in fp32 (`Fp8ExpertScales.reference_product`); the SiLU-mul output is rounded to the
     model dtype before the down projection, as the fused kernel stores it.
-    One host sync per call (the per-expert counts) — fine for the oracle, not for CUDA graphs.
+
+    Each expert's GEMMs take its rows only, so their row counts (how many tokens chose it) decide
+    the shapes, and a CPU BLAS multiplies a row differently at different row counts (MKL: its
+    small-M kernels). On the CPU, in the model dtype, the counts stay tensors (`_grouped`): torch's
+    `_grouped_mm` runs the same per-expert GEMMs from device offsets, bit for bit (test_moe.py), and
+    nothing is read back in Python (a speculative step's forwards read nothing: test_speculative_host_sync.py).
+    Elsewhere (FP8 scales, batch-invariant products, CUDA, a torch without `_grouped_mm`) the
+    counts are read on the host, one sync per call: on CUDA the grouped op would read them too (its
+    fallback) or multiply otherwise (CUTLASS); there the "triton" and "grouped" backends are the
+    sync-free ones. Both paths add each token's terms in expert order, as one `index_add_` would.
     """
 
     cuda_graph_safe = False
@@ -59,8 +71,10 @@ class TorchMoEKernel:
         flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids,
                                torch.full_like(flat_ids, num_experts))
         flat_weights = topk_weights.reshape(-1).float()
+        order = torch.argsort(flat_ids, stable=True)  # expert-major, then token order
+        if scales is None and self._groups_on_device(hidden, w2):
+            return self._grouped(out, hidden, flat_ids, flat_weights, order, top_k, w13, w2)
         token_of = torch.arange(num_tokens, device=hidden.device).repeat_interleave(top_k)
-        order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
         start = 0
         for expert, count in enumerate(counts[:num_experts]):
@@ -71,6 +85,31 @@ class TorchMoEKernel:
                 y = self._product((F.silu(gate) * up).to(hidden.dtype), w2[expert], 2, expert, scales)
                 out.index_add_(0, tokens, y.float() * flat_weights[pairs, None])
             start += count
+        return out.to(hidden.dtype)
+
+    def _groups_on_device(self, hidden: torch.Tensor, w2: torch.Tensor) -> bool:
+        """Whether `_grouped` gives this call's products bit for bit (see the class doc); its rows
+        must be a multiple of 16 bytes (the tiny and real models' are)."""
+        return (hidden.device.type == "cpu" and _HAS_GROUPED_MM and type(self).linear is F.linear
+                and hidden.dtype in _GROUPED_DTYPES
+                and hidden.shape[-1] * hidden.element_size() % 16 == 0 and w2.shape[-1] * w2.element_size() % 16 == 0)
+
+    @staticmethod
+    def _grouped(out: torch.Tensor, hidden: torch.Tensor, flat_ids: torch.Tensor, flat_weights: torch.Tensor,
+                 order: torch.Tensor, top_k: int, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """The loop's GEMMs and sums with the per-expert row offsets kept in a tensor. The pairs of
+        dropped ids sort last, past the last offset, where `_grouped_mm` leaves its output unset:
+        their terms are zeros (`where`), and adding +0.0 changes no sum (`out` starts at +0.0 and
+        never holds -0.0)."""
+        num_experts = w13.shape[0]
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=hidden.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        offsets = counts[:num_experts].cumsum(0).to(torch.int32)
+        tokens = order // top_k
+        gate, up = torch._grouped_mm(hidden[tokens], w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        y = torch._grouped_mm((F.silu(gate) * up).to(hidden.dtype), w2.transpose(1, 2), offs=offsets)
+        kept = (flat_ids[order] < num_experts)[:, None]
+        out.index_add_(0, tokens, torch.where(kept, y.float() * flat_weights[order, None], 0.0))
         return out.to(hidden.dtype)
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor, gemm: int, expert: int,

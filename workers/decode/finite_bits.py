@@ -19,6 +19,7 @@ cost 50-700 ms for the ~1700 page runs of a scattered page list.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -32,6 +33,7 @@ from deepseek_pd.workers.transport.page_io import consecutive_runs
 _SIGNED = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
            torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_NUMPY_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -39,6 +41,7 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _SIGNED
 
 
+@functools.lru_cache(maxsize=None)
 def first_nonfinite_bits(dtype: torch.dtype) -> int:
     """T: the bits of the smallest positive non-finite value of `dtype` (bf16: 0x7F80, +inf)."""
     largest = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
@@ -51,16 +54,33 @@ def nonfinite_layers(pool: KVPool, pages: Sequence[int], layers: range | None = 
     if pool.device.type != "cpu" or not supports(pool.dtype):
         raise ValueError(f"bit-pattern finite scan needs a CPU pool of {sorted(map(str, _SIGNED))}, "
                          f"got {pool.dtype} on {pool.device}")
-    threshold = first_nonfinite_bits(pool.dtype)
-    unsigned = _UNSIGNED[pool.dtype.itemsize]
-    negative_threshold = threshold | (1 << (8 * pool.dtype.itemsize - 1))
+    holds = _scanner(pool.dtype)
     runs = consecutive_runs(sorted(pages))  # fewer, longer runs: the order of a check does not matter
     bad = []
     for layer in range(pool.num_layers) if layers is None else layers:
         signed = pool.buffers[layer].view(_SIGNED[pool.dtype]).numpy()
-        for begin, end, first in runs:
-            part = signed[first:first + end - begin]
-            if part.max() >= threshold or part.view(unsigned).max() >= negative_threshold:
-                bad.append(layer)
-                break
+        if any(holds(signed[first:first + end - begin]) for begin, end, first in runs):
+            bad.append(layer)
     return bad
+
+
+def nonfinite_rows(data, dtype: torch.dtype, rows: int) -> list[int]:
+    """The rows of `data` (any buffer: `rows` equal rows of `dtype` values, e.g. a KV chunk's bytes,
+    one row per layer) that hold a NaN or an infinity; the same scan as `nonfinite_layers`, on bytes
+    that need not be in a pool (nor aligned)."""
+    if not supports(dtype):
+        raise ValueError(f"bit-pattern finite scan needs one of {sorted(map(str, _SIGNED))}, got {dtype}")
+    signed = np.frombuffer(data, dtype=_NUMPY_SIGNED[dtype.itemsize])
+    holds = _scanner(dtype)
+    return [row for row, values in enumerate(signed.reshape(rows, -1)) if holds(values)]
+
+
+def _scanner(dtype: torch.dtype):
+    """`holds(values)`: whether a numpy array of `dtype`'s signed integer view holds a non-finite value."""
+    threshold = first_nonfinite_bits(dtype)
+    unsigned = _UNSIGNED[dtype.itemsize]
+    negative_threshold = threshold | (1 << (8 * dtype.itemsize - 1))
+
+    def holds(values: np.ndarray) -> bool:
+        return bool(values.size) and (values.max() >= threshold or values.view(unsigned).max() >= negative_threshold)
+    return holds

@@ -23,9 +23,13 @@ the CPU two integer reductions over the bit patterns (finite_bits.py); on the GP
 thread's side stream (page_io.side_stream) with a single sync of that stream at the end: on the
 default stream its index upload and its sync waited behind the decode step in flight (py-spy:
 a quarter of the decode worker's samples at 64 concurrent requests on the H200). The pages were
-written and synced by the transport before, and decode reads them only after this check. A sink
-that lands the KV part by part (mooncake, `KVSink.check_on_landing`) runs it on each part as it
-lands, off the first token's path; its refusal is reported after the MAC's verdict (kv_pull.py).
+written and synced by the transport before, and decode reads them only after this check.
+
+A sink that lands the KV part by part runs it on each part as it lands (`FiniteOnLanding`,
+`KVSink.check_on_landing`), off the first token's path: mooncake on each send copied out of its
+staging, its refusal reported after the MAC's verdict (kv_pull.py); grpc on each chunk's bytes
+before they are written (so a NaN sent over the byte stream never reaches a page), or on the pages
+a same-host peer wrote directly, refusing the transfer at once.
 """
 from __future__ import annotations
 
@@ -86,6 +90,33 @@ def check_kv_finite(pool: KVPool, pages: Sequence[int], rid: str, layers: range 
         extremes = extremes.to("cpu")  # the one sync, of this stream only
     per_layer = torch.isfinite(extremes).view(len(layers), -1).all(dim=1)
     _refuse_layers([layers[i] for i in torch.nonzero(~per_layer).flatten().tolist()], rid)
+
+
+def check_data_finite(data: memoryview, dtype: torch.dtype, layers: range, rid: str) -> None:
+    """Raises TransferError if a chunk's bytes (`[layer][page][slot][dim]` values of `dtype` for
+    `layers`, in host memory: a gRPC message) hold a NaN or an infinity; read where they lie, in
+    the caller's thread (numpy releases the GIL)."""
+    if finite_bits.supports(dtype):
+        bad = finite_bits.nonfinite_rows(data, dtype, len(layers))
+    else:  # (a float format whose non-finite patterns are not one range, e.g. the "fnuz" float8s)
+        values = torch.frombuffer(bytearray(data), dtype=dtype).view(len(layers), -1).float()
+        bad = torch.nonzero(~torch.isfinite(values).all(dim=1)).flatten().tolist()
+    _refuse_layers([layers[row] for row in bad], rid)
+
+
+class FiniteOnLanding:
+    """The finite check as a sink runs it on each part of one transfer as it lands (a
+    `transport.base.LandingCheck`): on a chunk's bytes before they are written, or on the pool's
+    pages once they hold what landed."""
+
+    def __init__(self, pool: KVPool, rid: str) -> None:
+        self.pool, self.rid = pool, rid
+
+    def data(self, layers: range, data: memoryview) -> None:
+        check_data_finite(data, self.pool.dtype, layers, self.rid)
+
+    def pages(self, layers: range, pages: list[int]) -> None:
+        check_kv_finite(self.pool, pages, self.rid, layers)
 
 
 def _refuse_layers(bad: list[int], rid: str) -> None:

@@ -16,7 +16,7 @@ from deepseek_pd.workers.transport import KVReceiver, KVSink
 from deepseek_pd.workers.transport.base import layout_of
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.kv_checks import (
-    check_first_token, check_first_top, check_kv_finite)
+    FiniteOnLanding, check_first_token, check_first_top, check_kv_finite)
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
     started = time.monotonic()
     if sink is None:
         sink = receiver.open_sink(pages, params.bootstrap_host)
-    # A sink that lands the KV as it comes (mooncake) checks each part then, off the first token's path.
-    sink.check_on_landing(lambda layers, landed: check_kv_finite(receiver.pool, landed, rid, layers))
+    # A sink that lands the KV as it comes (mooncake, grpc) checks each part then, off the first token's path.
+    sink.check_on_landing(FiniteOnLanding(receiver.pool, rid))
     try:
         # mooncake: staging slots (waits here, on the loop, while they are all taken): queueing for
         # them is bounded as queueing at the prefill side is, by the transfer's deadline.
@@ -62,7 +62,7 @@ async def pull_kv(client: BootstrapClient, receiver: KVReceiver, params: DisaggP
     # the MAC's verdict wins when both refuse (a stranger's NaN is a stranger's write). A MAC
     # built as the sends landed (`KVSink.begin_check`) only digests: on the loop, no thread hop.
     key = client.config.auth.kv_key(params.bootstrap_room, handshake.auth.nonce)
-    # The finite check ran as each part landed (mooncake): only its verdict is left, after the MAC's.
+    # The finite check ran as each part landed (mooncake, grpc): only its verdict is left, after the MAC's.
     landed = sink.checked_on_landing()
     finite = None if landed else asyncio.get_running_loop().run_in_executor(
         None, check_kv_finite, receiver.pool, pages, rid)

@@ -38,7 +38,7 @@ import dataclasses
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
 
 from deepseek_pd.choices import not_one_of
 from deepseek_pd.model.kv.pool import KVPool
@@ -216,6 +216,19 @@ class KVSender(abc.ABC):
         """Releases the worker's transport resources; idempotent."""
 
 
+class LandingCheck(Protocol):
+    """What the decode side checks of each part of a transfer's KV as it lands (its finite check,
+    decode/kv_checks.py); each raises TransferError to refuse the transfer."""
+
+    def data(self, layers: range, data: memoryview) -> None:
+        """A chunk's bytes (`[layer][page][slot][dim]` of the pool's dtype, for `layers`), before
+        they are written into any page."""
+
+    def pages(self, layers: range, pages: list[int]) -> None:
+        """The pool's `pages` of `layers` hold landed KV now (written by the peer or copied out of
+        a staging), which nothing reads before this check."""
+
+
 class KVSink(abc.ABC):
     """Decode worker side of one request's transfer.
 
@@ -315,11 +328,12 @@ class KVSink(abc.ABC):
         (`check_sealed`), so the sink may build its proof as the KV lands rather than all at once
         after the TransferDone (mooncake: the MAC of each landed send). Nothing by default."""
 
-    def check_on_landing(self, check: "Callable[[range, list[int]], None]") -> None:
-        """Before the transfer: `check(layers, pages)` (raising TransferError) may run on each part of
-        the KV as it lands in these pool `pages`, off the first token's path (decode's finite check);
-        its first refusal is kept in `landing_failure`, reported after the MAC's verdict. Not run
-        by default (`checked_on_landing` False: the caller checks after the TransferDone)."""
+    def check_on_landing(self, check: "LandingCheck") -> None:
+        """Before the transfer: `check` (decode's finite check) may run on each part of the KV as it
+        lands, off the first token's path. A sink whose transfer has a MAC (mooncake) keeps the first
+        refusal in `landing_failure`, reported after the MAC's verdict; one without (grpc) fails the
+        transfer at once. Not run by default (`checked_on_landing` False: the caller checks after
+        the TransferDone)."""
 
     def checked_on_landing(self) -> bool:
         """After a complete transfer: whether `check_on_landing`'s check ran on every cell."""

@@ -11,12 +11,15 @@ side's credits, so a slow decode side slows the prefill side; nothing buffers a 
 
 Decode: the bootstrap client hands each chunk to the sink in `executor`'s threads, off the event
 loop that runs the decode scheduler: ranges, size, duplicates and crc32 are checked, then the
-bytes are written into the pool straight from the message (`page_io.scatter_pages`). The sink
-records which (layer, page) cells it has, so a missing chunk is caught at TransferDone.
+bytes are written into the pool straight from the message (`page_io.scatter_pages`), once decode's
+finite check passed on them (`KVSink.check_on_landing`: a chunk with a NaN fails the transfer then,
+before the TransferDone, and its bytes reach no page). The sink records which (layer, page) cells
+it has, so a missing chunk is caught at TransferDone.
 
 Same host: when the decode side offers its pool and this process can open it (direct_pool.py),
 `DirectChannel` copies each chunk's pages device to device and emits the chunk without its bytes,
-marked `written_directly`; the decode side checks and counts it like any other chunk.
+marked `written_directly`; the decode side checks and counts it like any other chunk, and runs the
+finite check on the pages the peer wrote.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport.base import (
-    EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig, check_page_ids)
+    EmitChunk, KVReceiver, KVSender, KVSink, LandingCheck, SendChannel, TransportConfig, check_page_ids)
 from deepseek_pd.workers.transport.checksum import crc32
 from deepseek_pd.workers.transport.direct_pool import DirectPools, offer, offers_pool, write_pages
 from deepseek_pd.workers.transport.local_peer import shares_host
@@ -205,6 +208,13 @@ class GrpcSink(KVSink):
         self.claimed = torch.zeros(pool.num_layers, len(self.pages), dtype=torch.bool)
         self.written = torch.zeros(pool.num_layers, len(self.pages), dtype=torch.bool)
         self._lock = threading.Lock()
+        self._on_land: LandingCheck | None = None  # `check_on_landing`'s check, run on every chunk
+
+    def check_on_landing(self, check: LandingCheck) -> None:
+        self._on_land = check
+
+    def checked_on_landing(self) -> bool:  # (after check_complete: every cell came in a chunk)
+        return self._on_land is not None
 
     @property
     def offered_direct(self) -> bool:
@@ -217,14 +227,19 @@ class GrpcSink(KVSink):
     def on_chunk(self, chunk: pb.KVChunk) -> None:
         if self.failed is not None:
             raise failure_for(self.failed.code, f"transfer already failed: {self.failed.message}")
+        layers, pages = range(chunk.layer_begin, chunk.layer_end), self.pages[chunk.page_begin:chunk.page_end]
         try:
             with self.stats.timed("check"):
                 self._check(chunk)
+                if self._on_land is not None and not chunk.written_directly:
+                    self._on_land.data(layers, chunk.data)  # before the bytes reach any page
             if not chunk.written_directly:
                 self.exposure.wrote()  # a write that fails half-way leaves bytes behind too
                 with self.stats.timed("write"):
-                    scatter_pages(self.pool, range(chunk.layer_begin, chunk.layer_end),
-                                  self.pages[chunk.page_begin:chunk.page_end], chunk.data)
+                    scatter_pages(self.pool, layers, pages, chunk.data)
+            elif self._on_land is not None:
+                with self.stats.timed("check"):  # (the peer's copy was complete before it sent the chunk)
+                    self._on_land.pages(layers, pages)
         except RequestFailure as exc:
             raise self.fail(exc) from None
         except Exception as exc:  # a bug must still fail this transfer, not leave it half-written

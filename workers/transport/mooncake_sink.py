@@ -175,7 +175,7 @@ class MooncakeSink(KVSink):
         if self._on_land is None:
             return
         try:
-            self._on_land(layers, pages)
+            self._on_land.pages(layers, pages)
         except TransferError as exc:  # kept: the MAC's verdict is reported first (kv_pull.py)
             with self._lock:
                 self.landing_failure = self.landing_failure or exc

@@ -102,6 +102,34 @@ def test_torch_moe_kernel_matches_per_token_reference():
     assert empty.shape == (0, hidden_size)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_torch_kernel_keeps_its_expert_counts_on_the_device_bit_for_bit(dtype):
+    """On the CPU the "torch" kernel runs its per-expert GEMMs from device offsets (`_grouped_mm`):
+    the same products and sums as its loop over host counts (the oracle: today's kernel), bit
+    for bit, whatever the batch (a CPU BLAS multiplies a row differently at different row counts,
+    so only the same per-expert GEMMs can be equal), with dropped and repeated ids."""
+    from deepseek_pd.model.moe.experts import TorchMoEKernel
+
+    class HostCounts(TorchMoEKernel):
+        def _groups_on_device(self, hidden, w2):
+            return False
+
+    kernel = MOE_BACKENDS.build("torch")
+    rng = random.Random()
+    for _ in range(10):
+        experts, k = rng.randint(1, 12), rng.randint(1, 4)
+        hidden_size, inter = 8 * rng.randint(1, 8), 8 * rng.randint(1, 6)  # rows of 16-byte multiples
+        tokens = rng.choice([1, 2, 3, 4, 8, rng.randint(5, 40)])
+        hidden = torch.randn(tokens, hidden_size).to(dtype)
+        w13 = (torch.randn(experts, 2 * inter, hidden_size) / hidden_size ** 0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden_size, inter) / inter ** 0.5).to(dtype)
+        ids = torch.randint(-1, experts + 1, (tokens, k))  # -1 and `experts`: another rank's; repeats too
+        weights = torch.rand(tokens, k)
+        assert kernel._groups_on_device(hidden, w2)
+        got, want = kernel(hidden, ids, weights, w13, w2), HostCounts()(hidden, ids, weights, w13, w2)
+        assert torch.equal(got, want), (experts, k, hidden_size, inter, tokens, (got - want).abs().max())
+
+
 def _moe_config(**over) -> ModelConfig:
     base = {"model_type": "deepseek_v3", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
             "moe_intermediate_size": 4, "num_hidden_layers": 1, "num_attention_heads": 2, "kv_lora_rank": 4,

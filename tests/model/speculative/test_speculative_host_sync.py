@@ -2,11 +2,11 @@
 
 Every speculative step of the offline engine runs under `HostReads` (pdtest/host_reads.py: every
 `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, value-sized op): the draft chain, the verify's input
-ids, acceptance, the sampling state's advance, the catch-up and the next drafts must read nothing.
-Allowed, and counted apart: the model's forwards (`extend_hidden`, `draft`: the eager MoE counts
-its experts on the host; under CUDA graphs they are replays, and the GPU test
-test_speculative_sync_gpu.py runs the whole step under CUDA's sync debug mode) and `finish`, the
-step's one read. Over a batch mix that exercises every sampling feature (greedy, seeded and
+ids, acceptance, the sampling state's advance, the catch-up and the next drafts must read nothing,
+and so must the model's forwards (`extend_hidden`, `draft`: the eager "torch" MoE keeps its expert
+counts on the device on the CPU, model/moe/experts.py; the GPU test test_speculative_sync_gpu.py
+runs the whole step, graphed, under CUDA's sync debug mode). Allowed, and counted apart: `finish`,
+the step's one read. Over a batch mix that exercises every sampling feature (greedy, seeded and
 unseeded sampling, top-k/top-p/min-p, penalties, top logprobs), whose greedy and seeded outputs the
 same model without speculation gives too.
 """
@@ -61,7 +61,6 @@ def test_a_speculative_step_reads_back_only_its_result(tiny_mtp_checkpoint, modu
             finally:
                 active[0] = None
 
-    runner.extend_hidden, runner.draft = allowed(runner.extend_hidden), allowed(runner.draft)
     if finish is not None:
         decoder.finish = allowed(finish, finishes)
     decoder.step = guarded_step

@@ -1,12 +1,18 @@
 """A compromised prefill (it holds the deployment secret) sends all-NaN KV for its own request and
-holds back its TransferDone, so the NaN sits unchecked in the decode pool, in the first pages the
-pool hands out (page 0 among them; over Mooncake copied there out of the staging slots as each send
-is reported, send_landing.py), while unrelated requests of different lengths decode in one batch. Used by tests/workers/test_security_nan_peer.py (grpc) and netns_nan_peer_mooncake.py.
+holds back its TransferDone, while unrelated requests of different lengths decode. Used by
+tests/workers/test_security_nan_peer.py (grpc) and netns_nan_peer_mooncake.py.
+
+Over gRPC decode checks each chunk as it lands (kv_checks.FiniteOnLanding): the attacker's request
+fails while its TransferDone is still held (before, it waited for the done, with the NaN written
+into its pages). Over Mooncake the NaN lands in the decode pool, in the first pages the pool hands
+out (page 0 among them; copied there out of the staging slots as each send is reported,
+send_landing.py), and its refusal waits for the MAC's verdict after the done, so honest requests
+decode beside it.
 
 What must hold: every honest request's tokens equal the offline engine's greedy tokens (the run
 without the attacker gives the same: PD parity is tested elsewhere), the attacker's request fails
-with INTERNAL naming the NaN, and both pools end empty. Before the fix, shorter rows were padded
-with page 0 and their masked NaN times 0 stayed NaN: their outputs became runs of token 0.
+with INTERNAL naming the NaN, and both pools end empty. Before the padding fix, shorter rows were
+padded with page 0 and their masked NaN times 0 stayed NaN: their outputs became runs of token 0.
 """
 from __future__ import annotations
 
@@ -39,29 +45,37 @@ async def attack(rng: random.Random, transport: str, config_for, honest_count: i
             await hostile.start()
             sent, release = asyncio.Event(), asyncio.Event()
             poison_and_hold(hostile, sent, release)
+            p_req, d_req = pair.requests(evil, GREEDY, "evil", prefill=hostile)
+            evil_prefill = asyncio.ensure_future(collect(hostile, p_req))
+            evil_decode = asyncio.ensure_future(collect(pair.decode, d_req))
             try:
-                p_req, d_req = pair.requests(evil, GREEDY, "evil", prefill=hostile)
-                evil_run = asyncio.gather(collect(hostile, p_req), collect(pair.decode, d_req))
-                await asyncio.wait_for(sent.wait(), 60)
+                if transport == "grpc":  # refused on landing: while the done is held, nothing else ends it
+                    await asyncio.wait_for(asyncio.shield(evil_decode), 60)
+                    assert not release.is_set()
+                else:
+                    await asyncio.wait_for(sent.wait(), 60)
+                    # (mooncake: each send is copied out of its staging slots into the pages as it is
+                    # reported, before the TransferDone and its checks)
+                    await _until_nan_in(pair.decode.pool.buffers, pulled["evil-d"])
                 evil_pages = pulled["evil-d"]
                 assert 0 in evil_pages, f"the attacker did not get page 0 ({evil_pages}): the test proves nothing"
-                # (mooncake: each send is copied out of its staging slots into the pages as it is
-                # reported, before the TransferDone and its checks)
-                await _until_nan_in(pair.decode.pool.buffers, evil_pages)
                 honest_runs = await asyncio.gather(*(pair.run(p, GREEDY, f"honest{i}") for i, p in enumerate(honest)))
                 release.set()
-                _, evil_decode = await evil_run
-                # A refused one-sided (Mooncake) transfer's pages come back after the late-write grace.
+                evil_outcome = await evil_decode
+                await evil_prefill
+                # A refused one-sided transfer's pages come back after the late-write grace.
                 await pair.wait_pools_clean(config.transport.send_timeout_s + 10)
             finally:
                 release.set()
+                for task in (evil_prefill, evil_decode):
+                    task.cancel()
                 await hostile.stop()
     harmed = [i for i, ((_, d), want) in enumerate(zip(honest_runs, expected)) if not (d.ok and d.tokens == want)]
     print(f"{transport}: attacker pages {evil_pages}; honest pages "
           f"{[pulled[f'honest{i}-d'] for i in range(len(honest))]}; harmed {len(harmed)} of {len(honest)}")
     assert not harmed, [(honest_runs[i][1], expected[i]) for i in harmed]
-    assert isinstance(evil_decode.terminal, Failed) and evil_decode.terminal.code == FailureCode.INTERNAL, evil_decode
-    assert "NaN" in evil_decode.terminal.message and not evil_decode.tokens, evil_decode.terminal
+    assert isinstance(evil_outcome.terminal, Failed) and evil_outcome.terminal.code == FailureCode.INTERNAL, evil_outcome
+    assert "NaN" in evil_outcome.terminal.message and not evil_outcome.tokens, evil_outcome.terminal
 
 
 async def _until_nan_in(buffers: list[torch.Tensor], pages: list[int], timeout_s: float = 30) -> None:

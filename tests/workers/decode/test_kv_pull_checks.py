@@ -1,6 +1,8 @@
 """Decode's two checks of the landed KV (the transport's MAC, `KVSink.check_sealed`, and the finite
 check) only read the pages, so `pull_kv` runs them side by side: the first token waits for the
-slower, not for both. When both refuse, the MAC's verdict is the one reported."""
+slower, not for both. When both refuse, the MAC's verdict is the one reported. (Over the fake
+transport, whose peer writes the pages itself: grpc and mooncake check each part as it lands,
+leaving only the verdict.)"""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _exchange(rng: random.Random):
-    return random_exchange(rng, "grpc", num_tokens=rng.randrange(2, 40), page_size=rng.choice([1, 4, 16]))
+    return random_exchange(rng, "fake", num_tokens=rng.randrange(2, 40), page_size=rng.choice([1, 4, 16]))
 
 
 def test_the_mac_and_the_finite_check_run_side_by_side(monkeypatch):

@@ -202,7 +202,7 @@ def test_the_finite_check_runs_on_each_landing_and_its_refusal_waits_for_the_mac
     """Decode's finite check (`check_on_landing`, as pull_kv sets it) runs on every cell as its send
     lands, once, so none is left after the TransferDone; a NaN that lands is kept as the transfer's
     `landing_failure` (pull_kv reports it after the MAC's verdict, as before)."""
-    from deepseek_pd.workers.decode.kv_checks import check_kv_finite
+    from deepseek_pd.workers.decode.kv_checks import FiniteOnLanding
 
     rng = random.Random()
     nan = rng.random() < 0.5
@@ -210,10 +210,11 @@ def test_the_finite_check_runs_on_each_landing_and_its_refusal_waits_for_the_mac
         monkeypatch, rng, nan=nan)
     checked = torch.zeros(dst.num_layers, dst.num_pages, dtype=torch.int)
 
-    def check(layers, pages):
-        checked[layers.start:layers.stop, pages] += 1
-        check_kv_finite(dst, pages, "r", layers)
-    sink.check_on_landing(check)
+    class Counted(FiniteOnLanding):
+        def pages(self, layers, pages):
+            checked[layers.start:layers.stop, pages] += 1
+            super().pages(layers, pages)
+    sink.check_on_landing(Counted(dst, "r"))
     for report in reports:
         write(report)
         sink.on_chunk(report)
