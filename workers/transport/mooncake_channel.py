@@ -60,7 +60,7 @@ class MooncakeChannel(SendChannel):
         self.reports = destination.report_sends and not self.window
         self._emit = emit
         self._seq = 0  # the stream's chunk numbers: window reports
-        self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
+        self.src_pages: list[int | None] = [None] * len(self.dst_pages)  # each request page's page of ours (`seal`)
         self._macs: kv_mac.LayerMacs | None = None  # `begin_seal`: the MAC, as the sends go out
         self._mac_room: int | None = None
         self._cipher: kv_cipher.CellCipher | None = None  # `begin_cipher`: each cell encrypted as it is staged
@@ -75,7 +75,7 @@ class MooncakeChannel(SendChannel):
     async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
                    layer_end: int | None = None, ready=None) -> None:
         layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
-        self._src_pages[page_begin:page_begin + len(src_pages)] = src_pages
+        self.src_pages[page_begin:page_begin + len(src_pages)] = src_pages
         if self.window:
             await self._send_windows(list(src_pages), page_begin, layers, ready)
         else:
@@ -143,14 +143,14 @@ class MooncakeChannel(SendChannel):
     def seal(self, done: pb.TransferDone, key: bytes, room: int) -> None:
         if self._mac_algorithm is None:  # an older decode worker, which checks no MAC
             return
-        if None in self._src_pages:
+        if None in self.src_pages:
             raise TransferError(FailureCode.INTERNAL, "KV MAC asked for before every page was sent")
         macs = self._macs
         if macs is None or macs.key != key or self._mac_room != room:  # not begun (or for another transfer)
             macs = kv_mac.LayerMacs(self.pool.num_layers, key, kv_mac.header(room, self.dst_pages),
                                     self._mac_algorithm)
         self._macs = None
-        done.kv_mac = macs.digest(self.pool, self._src_pages)
+        done.kv_mac = macs.digest(self.pool, self.src_pages)
         done.kv_mac_algorithm = self._mac_algorithm
 
     def _hash_sent(self, layers: range, page_begin: int, src_pages: list[int], ready) -> kv_mac.Hashing | None:
