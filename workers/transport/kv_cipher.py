@@ -29,9 +29,9 @@ the finite check) pass. The MAC of the plaintext under its own one-time key is a
 shows nothing of the KV.
 
 Backends, chosen by the pool's device when a cipher is built (`CellCipher`):
-- CPU pools: PyPI `cryptography` (its OpenSSL ChaCha20), in pieces of `PIECE_BYTES`: its update
-  holds the GIL, so each piece holds it ~30 us and the thread yields it between pieces
-  (`time.sleep(0)`), so the scheduler thread is never kept waiting behind a whole transfer;
+- CPU pools: PyPI `cryptography` (its OpenSSL ChaCha20): its update holds the GIL, so a copy
+  ciphers at most `PIECE_BYTES` (~0.1-0.3 ms of one core) before it yields the GIL
+  (`time.sleep(0)`): the scheduler thread never waits behind a whole transfer;
 - CUDA pools: a Triton kernel (kv_cipher_kernel.py) that reads, XORs and writes each cell in one
   pass on the copy's side stream, in place of the plain copy.
 
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 ALGORITHM = "chacha20-cells"
 KEY_BYTES = 32
 BLOCK_BYTES = 64  # one ChaCha20 block
-PIECE_BYTES = 64 << 10  # the CPU backend's longest hold of the GIL: one piece
+PIECE_BYTES = 256 << 10  # the CPU backend ciphers at most this much between two yields of the GIL
 _warned_clear = False  # `agreed`: said once per process
 
 
@@ -163,7 +163,8 @@ class CellCipher:
         runs = merge_page_runs(src_rows, dst_rows) if whole else None
         spans = ([(run.src, run.dst, run.length) for run in runs] if runs is not None
                  else [(s, d, 1) for s, d in zip(src_rows, dst_rows)])
-        page = first_page
+        context = Cipher(ciphers.ChaCha20(self.key, bytes(16)), None).encryptor()  # (re-keyed per piece)
+        page, held = first_page, 0
         for src_row, dst_row, length in spans:
             flat_src = memoryview(source[src_row:src_row + length].reshape(-1))
             flat_dst = memoryview(target[dst_row:dst_row + length].reshape(-1))
@@ -171,9 +172,12 @@ class CellCipher:
                 end = min(begin + PIECE_BYTES, length * self.page_bytes)
                 row, offset = divmod(begin, self.page_bytes)
                 counter = (page + row) * self.blocks_per_page + offset // BLOCK_BYTES
-                context = Cipher(ciphers.ChaCha20(self.key, counter.to_bytes(4, "little") + nonce), None).encryptor()
+                context.reset_nonce(counter.to_bytes(4, "little") + nonce)
                 context.update_into(flat_src[begin:end], flat_dst[begin:end])
-                time.sleep(0)  # yields the GIL: the next piece waits behind any thread that asked for it
+                held += end - begin
+                if held >= PIECE_BYTES:  # yields the GIL: a thread that asked for it runs before the next piece
+                    time.sleep(0)
+                    held = 0
             page += length
 
     def _copy_cuda(self, src: torch.Tensor, src_rows: list[int], dst: torch.Tensor, dst_rows: list[int],

@@ -210,9 +210,11 @@ class StagingArea:
         def decrypt() -> None:
             for layer in chosen:
                 cipher.copy(self.buffers[layer], slots, pool.buffers[layer], pages, layer, first_page)
-                staged = self.buffers[layer]
+                # (numpy's fill on a CPU pool, as in `copy`)
+                staged = _host(self.buffers[layer]) if pool.device.type == "cpu" else self.buffers[layer]
                 for run in runs:
-                    staged[run.src:run.src + run.length].zero_()
+                    cells = staged[run.src:run.src + run.length]
+                    cells.fill(0) if pool.device.type == "cpu" else cells.zero_()
 
         def copy() -> None:
             if pool.device.type == "cpu":  # numpy's plain copies: torch's fork OpenMP teams per call
