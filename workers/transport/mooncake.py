@@ -20,9 +20,13 @@ body at the peer's pace):
   `wait_landed`), and reports each on the stream as a KVChunk without data; decode copies each
   reported run into the request's pages as it comes (`MooncakeSink.on_chunk`) and checks the MAC
   over the whole private copy after the TransferDone, as for any transfer;
-- the prefill side never registers its pool either: over TCP a write reads its local source
-  directly; over RDMA (the NIC reads only registered memory) each send's pages are gathered into a
-  registered send staging, written from there and zeroed (`MooncakeChannel._write_staged`);
+- the prefill side never registers its pool either: each send's pages are gathered into a send
+  staging, written from there and zeroed (`MooncakeChannel._write_staged`); over RDMA (the NIC reads
+  only registered memory) it is registered, over TCP never;
+- with a deployment secret, what either staging holds is ciphertext: the prefill side encrypts each
+  cell as it gathers it, decode decrypts as it copies a send out (kv_cipher.py), so a stranger who
+  reads a slot in flight (Mooncake serves reads of registered memory as it serves writes) gets no
+  KV (tests/workers/test_security_mooncake_inflight_read.py);
 - whatever a stranger writes into the slots before the copy fails that request: the prefill side
   seals what it sent with a keyed MAC in the signed TransferDone (`MooncakeChannel.seal`), the
   decode side checks the private copy (`MooncakeSink.check_sealed`; kv_mac.py)

@@ -7,6 +7,9 @@ writer (honest or not) can reach; once the prefill side's TransferDone arrived, 
 slots into the request's own pages (`copy_into`) and checks the KV MAC on that private copy
 (kv_mac.py). A byte that reaches the staging after the copy changes nothing the model reads; one
 that lands before it fails that request's MAC check. Either way no other request's pages change.
+With a deployment secret what the slots hold is ciphertext (kv_cipher.py): the sender's
+`fill_from` encrypts as it gathers each send into its own staging, `copy_into` decrypts as it lands
+the slots, so a reader of the registered staging gets no KV.
 
     decode pool (never registered)        staging (registered: per transfer over TCP, for good over RDMA)
     request A pages [7, 2, 9]   <- copy -- slots [0, 1, 2]   <- prefill of A writes, then its done
