@@ -12,7 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCKS = 32  # ChaCha20 blocks (64 bytes) per program
+# ChaCha20 blocks (64 bytes) per program: one per thread of its 4 warps, each holding its block's
+# 16-word state in registers (a V2-Lite page of 16 tokens is 288 blocks: 3 programs).
+BLOCKS = 128
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -126,4 +129,4 @@ def chacha20_copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Ten
     blocks_per_page = -(-row_words // 16)
     grid = (rows, triton.cdiv(blocks_per_page, BLOCKS))
     _chacha20_rows_kernel[grid](src_words, dst_words, src_rows, dst_rows, key, layer, first_page,
-                                row_words, blocks_per_page, BLOCKS=BLOCKS)
+                                row_words, blocks_per_page, BLOCKS=BLOCKS, num_warps=NUM_WARPS)
