@@ -16,8 +16,8 @@ mooncake_sink.py's landings). A stranger's read gets bytes that are not the KV.
 The key is used for one transfer (the handshake nonce is used once, as for the MAC key, under
 another label); within it, the (layer, page, offset) of a byte names its keystream position, so a
 cell sent whole or layer by layer, in windows through reused slots, out of order or from several
-streams always meets the same keystream, and no two cells share one. A page takes at most 2^32
-blocks over the request: `check_positions` refuses what would wrap.
+streams always meets the same keystream, and no two cells share one. A layer of the request takes
+at most 2^32 blocks (256 GiB): `check_positions` refuses what would wrap the counter.
 
 The MAC (kv_mac.py) stays where it was: a keyed BLAKE2b over the plaintext, on the prefill side over
 its pool, on the decode side over the decrypted private copy. So it is checked on what the model
