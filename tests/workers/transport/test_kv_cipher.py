@@ -21,7 +21,7 @@ from deepseek_pd.workers.transport import kv_cipher, wire
 from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
-from pdtest import mooncake_stub
+from pdtest import chacha20_reference, mooncake_stub
 from test_kv_mac import _filled_pool, _random_sends
 
 
@@ -91,6 +91,20 @@ def test_the_triton_kernel_meets_the_same_keystream():
 
     rng = random.Random()
     _check_copy(rng, 2, 64 * BLOCKS + 4 * rng.randrange(1, 16), DEVICE, _kernel_copy)
+
+
+def test_the_numpy_reference_is_chacha20():
+    """The GPU test's oracle (no `cryptography` on the GPU image) against `cryptography`'s, and RFC
+    8439's section 2.4.2 test vector (its first block)."""
+    rng = random.Random()
+    key, nonce, counter, blocks = rng.randbytes(32), rng.randbytes(12), rng.randrange(1 << 31), rng.randrange(1, 9)
+    want = Cipher(algorithms.ChaCha20(key, counter.to_bytes(4, "little") + nonce), None).encryptor().update(
+        bytes(64 * blocks))
+    assert chacha20_reference.keystream(key, nonce, counter, blocks) == want
+    rfc = chacha20_reference.keystream(bytes(range(32)), bytes.fromhex("000000000000004a00000000"), 1, 1)
+    plain = b"Ladies and Gentlemen of the class of '99: If I could offer you o"
+    assert _xor(plain, rfc).hex() == ("6e2e359a2568f98041ba0728dd0d6981e97e7aec1d4360c20a27afccfd9fae0b"
+                                      "f91b65c5524733ab8f593dabcd62b3571639d624e65152ab8f530c359f0861d8")
 
 
 def test_keystream_positions_never_wrap():

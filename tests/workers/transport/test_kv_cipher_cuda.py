@@ -1,5 +1,6 @@
 """The KV cipher of a CUDA pool (workers/transport/kv_cipher_kernel.py, a Triton ChaCha20) against
-PyPI `cryptography` on the same bytes, through the staging's encrypting and decrypting copies as a
+ChaCha20 in numpy (pdtest/chacha20_reference.py, itself checked against PyPI `cryptography`, which
+the GPU image lacks) on the same bytes, through the staging's encrypting and decrypting copies as a
 transfer runs them; its cost on a V2-Lite-sized prompt (bench/kv_cipher.py gives the table)."""
 from __future__ import annotations
 
@@ -8,19 +9,20 @@ import time
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.transport.kv_cipher import CellCipher
 from deepseek_pd.workers.transport.staging import StagingArea
+from pdtest.chacha20_reference import keystream
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(180)]
 
 
 def _keystream(key: bytes, layer: int, page: int, page_bytes: int) -> bytes:
-    nonce = (page * -(-page_bytes // 64)).to_bytes(4, "little") + layer.to_bytes(4, "little") + bytes(8)
-    return Cipher(algorithms.ChaCha20(key, nonce), None).encryptor().update(bytes(page_bytes))
+    """kv_cipher.py's keystream of cell (layer, request page)."""
+    blocks = -(-page_bytes // 64)
+    return keystream(key, layer.to_bytes(4, "little") + bytes(8), page * blocks, blocks)[:page_bytes]
 
 
 def test_a_cuda_staging_holds_the_documented_ciphertext_and_lands_the_kv():
@@ -73,5 +75,5 @@ def test_cipher_cost_of_a_v2_lite_prompt_on_the_gpu():
     plain = best(lambda: staging.fill_from(pool, range(27), pages, slots))
     ciphered = best(lambda: staging.fill_from(pool, range(27), pages, slots, cipher))
     print(f"{mb:.0f} MB of KV on {torch.cuda.get_device_name()}: plain staging copy {plain * 1e3:.2f} ms, "
-          f"with ChaCha20 {ciphered * 1e3:.2f} ms ({mb / 1e3 / ciphered:.0f} GB/s)")
+          f"with ChaCha20 {ciphered * 1e3:.2f} ms ({mb / 1e3 / ciphered:.1f} GB/s)")
     assert ciphered < 1.0  # a loose bound: the kernel must not be orders of magnitude off
