@@ -45,6 +45,7 @@ by a stranger (the offer and the ack are signed).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Sequence
 
@@ -137,6 +138,9 @@ class CellCipher:
         self.algorithm = algorithm
         self.blocks_per_page = -(-page_bytes // BLOCK_BYTES)
         self._device_key: torch.Tensor | None = None  # CUDA: the key's words on the device, once
+        # CUDA: this thread's last row lists on the device (a copy's layers share them). Per thread:
+        # each thread queues on its own side stream, which alone may reuse a replaced tensor's memory.
+        self._rows = threading.local()
         self._copy = self._copy_cuda if torch.device(device).type == "cuda" else self._copy_cpu
 
     def copy(self, src: torch.Tensor, src_rows: Sequence[int], dst: torch.Tensor, dst_rows: Sequence[int],
@@ -186,5 +190,10 @@ class CellCipher:
 
         if self._device_key is None:
             self._device_key = torch.frombuffer(bytearray(self.key), dtype=torch.int32).to(src.device)
-        rows = torch.tensor([src_rows, dst_rows], dtype=torch.int64).to(src.device, non_blocking=True)
+        wanted = (src.device, tuple(src_rows), tuple(dst_rows))
+        cached = getattr(self._rows, "last", None)
+        if cached is None or cached[0] != wanted:
+            rows = torch.tensor([src_rows, dst_rows], dtype=torch.int64).to(src.device, non_blocking=True)
+            cached = self._rows.last = (wanted, rows)
+        rows = cached[1]
         chacha20_copy_rows(src, rows[0], dst, rows[1], self._device_key, layer, first_page)
