@@ -70,13 +70,16 @@ def algorithms() -> tuple[str, ...]:
 
 
 def require(device: torch.device) -> None:
-    """Raises UserError unless this process can run the cipher on a pool on `device`."""
+    """Raises UserError unless this process can run the cipher on a pool on `device` (a pool with
+    no storage, on the meta device, needs nothing)."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
         except ImportError:
             raise UserError("the mooncake transport encrypts KV on the GPU with a Triton kernel: install "
                             "'triton' (it comes with torch's CUDA builds)") from None
+        return
+    if device.type == "meta":
         return
     try:
         from cryptography.hazmat.primitives.ciphers import algorithms as _  # noqa: F401
