@@ -9,11 +9,13 @@ import asyncio
 import ctypes
 import logging
 import random
+import sys
 
 import pytest
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
+from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.request_failure import TransferError
@@ -105,6 +107,15 @@ def test_the_numpy_reference_is_chacha20():
     plain = b"Ladies and Gentlemen of the class of '99: If I could offer you o"
     assert _xor(plain, rfc).hex() == ("6e2e359a2568f98041ba0728dd0d6981e97e7aec1d4360c20a27afccfd9fae0b"
                                       "f91b65c5524733ab8f593dabcd62b3571639d624e65152ab8f530c359f0861d8")
+
+
+def test_a_cpu_mooncake_worker_without_cryptography_refuses_to_start(monkeypatch):
+    mooncake_stub.install(monkeypatch)
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers", None)  # (import fails)
+    pool = _filled_pool(random.Random(), 4)
+    for side in (MooncakeSender, MooncakeReceiver):
+        with pytest.raises(UserError, match="deepseek-pd\\[serve\\]"):
+            side(pool, TransportConfig(advertise_host="127.0.0.1"))
 
 
 def test_keystream_positions_never_wrap():
