@@ -70,6 +70,7 @@ def main(seed: int) -> None:
             assert got == in_slot, "the stranger read other bytes than the slot's"
             assert any(plaintext) and got != plaintext, "the stranger read the KV of a transfer in flight"
             key = config.bootstrap.auth.kv_cipher_key(handshake.room, handshake.auth.nonce)
+            # Layer 0 of request page 0: block counter 0, nonce 0 (workers/transport/kv_cipher.py).
             stream = Cipher(algorithms.ChaCha20(key, bytes(16)), None).encryptor().update(bytes(length))
             assert got == bytes(a ^ b for a, b in zip(plaintext, stream)), "the slot holds no ChaCha20 of the KV"
             assert outcome.ok and outcome.tokens == expected, outcome  # decode decrypted the genuine KV
