@@ -47,13 +47,19 @@ async def _answer(port: int, handshake: pb.Handshake) -> list:
         return events
 
 
-def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_pool(monkeypatch):
-    engines = mooncake_stub.install(monkeypatch)
-    rng = random.Random()
+def _pools(rng: random.Random):
+    """(prompt tokens, its pages, the prefill pool, the decode pool: the victim's)."""
     num_tokens = rng.randrange(9, 30)
     num_pages = -(-num_tokens // PAGE_SIZE)
     src = random_pool(rng, num_pages + rng.randrange(8), PAGE_SIZE)
-    dst = random_pool(rng, num_pages + rng.randrange(1, 8), PAGE_SIZE)  # the victim's pool
+    dst = random_pool(rng, num_pages + rng.randrange(1, 8), PAGE_SIZE)
+    return num_tokens, num_pages, src, dst
+
+
+def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_pool(monkeypatch):
+    engines = mooncake_stub.install(monkeypatch)
+    rng = random.Random()
+    num_tokens, num_pages, src, dst = _pools(rng)
     config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
     transport = TransportConfig(advertise_host="127.0.0.1")
 
@@ -159,10 +165,7 @@ def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_h
     older decode worker's handshake (no offer) served in the clear."""
     engines = mooncake_stub.install(monkeypatch)
     rng = random.Random()
-    num_tokens = rng.randrange(9, 30)
-    num_pages = -(-num_tokens // PAGE_SIZE)
-    src = random_pool(rng, num_pages + rng.randrange(8), PAGE_SIZE)
-    dst = random_pool(rng, num_pages + rng.randrange(1, 8), PAGE_SIZE)
+    num_tokens, num_pages, src, dst = _pools(rng)
     config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
     transport = TransportConfig(advertise_host="127.0.0.1")
 
