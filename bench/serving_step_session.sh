@@ -11,7 +11,9 @@
 # after its event; decode lands each send out of its device staging and MACs it, its check waits for
 # no decode step) and bench/kv_mac_finish.py, what is left of the MAC at prefill's `finish` and at
 # decode's check against the one-shot MAC of a 4k-token V2-Lite prompt; the sampling batch's
-# GPU tests (no sync in `sample`, penalty tables built on the sampling thread).
+# GPU tests (no sync in `sample`, penalty tables built on the sampling thread); the mooncake KV
+# cipher's Triton kernel against a ChaCha20 reference and bench/kv_cipher.py (what it adds to the
+# staging copy of a 4k-token V2-Lite prompt, per side).
 # PART=penalty (about 3 min, not in all): prefill_step_ratio.py with a repetition penalty on every
 # request (sampling tables built on the model thread, not the event loop), 8 requests.
 # PART=all (default) runs tests, bench and mac. No wheels needed (the byte stream's crc32 falls back to zlib).
@@ -29,7 +31,10 @@ if [ "$PART" = all ] || [ "$PART" = mac ]; then
     (cd /tmp && timeout "${MAC_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider -rs --durations=5 \
         "$REPO/tests/workers/transport/test_kv_mac_cuda.py" \
         "$REPO/tests/workers/transport/test_staging_cuda.py" \
+        "$REPO/tests/workers/transport/test_kv_cipher_cuda.py" \
         "$REPO/tests/model/sampling/test_sampling_batch.py" 2>&1) | tee "$OUT/mac_tests.log"
+    (cd /tmp && timeout 60 python3 "$REPO/bench/kv_cipher.py" --device cuda --json "$OUT/kv_cipher.json" 2>&1) \
+        | tee "$OUT/kv_cipher.log"
     (cd /tmp && timeout 60 python3 "$REPO/bench/kv_mac_finish.py" --device cuda --tokens 4096 --layerwise \
         --json "$OUT/kv_mac_finish.json" 2>&1; timeout 60 python3 "$REPO/bench/kv_mac_finish.py" --device cuda \
         --tokens 4096 2>&1) | tee "$OUT/kv_mac_finish.log"

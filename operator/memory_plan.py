@@ -14,7 +14,7 @@ what one rank must hold, and compares it with the budget the worker will size it
     KV        (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token, for a fixed pool
               (`--num-pages`, `--max-total-tokens`) its size, else at least one request of the
               model's whole context (max_position_embeddings), rounded up to pages.
-    staging   a decode rank over Mooncake (and a prefill rank over Mooncake RDMA) allocates a staging
+    staging   a decode or prefill rank over Mooncake (prefill: where each send is encrypted) allocates a staging
               area of `mooncake_staging_tokens` (16,384 by default) beside its pool: the same latent KV
               per token, in whole pages (workers/serve/kv_staging.py, the rule the worker keeps out of
               its pool by). V3 with its MTP layer: 1.1 GiB; V2-Lite 0.5 GiB.

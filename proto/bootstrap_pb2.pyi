@@ -163,7 +163,7 @@ class KVStreamOpen(_message.Message):
     def __init__(self, room: _Optional[int] = ..., index: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class MooncakeDestination(_message.Message):
-    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol", "kv_mac_algorithms", "window_pages", "report_sends")
+    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol", "kv_mac_algorithms", "window_pages", "report_sends", "kv_cipher_algorithms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class MooncakeDestination(_message.Message):
     KV_MAC_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_PAGES_FIELD_NUMBER: _ClassVar[int]
     REPORT_SENDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CIPHER_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layer_base_addrs: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
@@ -180,7 +181,8 @@ class MooncakeDestination(_message.Message):
     kv_mac_algorithms: _containers.RepeatedScalarFieldContainer[str]
     window_pages: int
     report_sends: bool
-    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ..., kv_mac_algorithms: _Optional[_Iterable[str]] = ..., window_pages: _Optional[int] = ..., report_sends: _Optional[bool] = ...) -> None: ...
+    kv_cipher_algorithms: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ..., kv_mac_algorithms: _Optional[_Iterable[str]] = ..., window_pages: _Optional[int] = ..., report_sends: _Optional[bool] = ..., kv_cipher_algorithms: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FakeDestination(_message.Message):
     __slots__ = ("pool_key",)
@@ -203,18 +205,20 @@ class TransferEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[_Union[HandshakeAck, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., failed: _Optional[_Union[TransferFailed, _Mapping]] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
-    __slots__ = ("protocol_version", "prefill_rid", "credit_window", "kv_streams", "auth")
+    __slots__ = ("protocol_version", "prefill_rid", "credit_window", "kv_streams", "kv_cipher", "auth")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RID_FIELD_NUMBER: _ClassVar[int]
     CREDIT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     KV_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    KV_CIPHER_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     prefill_rid: str
     credit_window: int
     kv_streams: int
+    kv_cipher: str
     auth: AuthToken
-    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., kv_streams: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., kv_streams: _Optional[int] = ..., kv_cipher: _Optional[str] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "page_begin", "page_end", "data", "crc32", "written_directly")

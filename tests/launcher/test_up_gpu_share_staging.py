@@ -1,9 +1,10 @@
 """`up` on one GPU: its split of the card (launcher/gpu_share.py) plus each worker's Mooncake staging
 fits the card's budget (issue 20).
 
-Every worker on the GPU assumes the others reserve what it does (model/kv/memory_budget.py), but only
-some allocate a staging area beside their pool (workers/serve/kv_staging.py: decode over Mooncake,
-and prefill over RDMA), so the workers' reserves differ. The chain is followed as it runs, from
+Every worker on the GPU assumes the others reserve what it does (model/kv/memory_budget.py); over
+Mooncake every worker allocates a staging area beside its pool (workers/serve/kv_staging.py: decode's
+for the writers, prefill's to encrypt each send in), but a staging is capped at its pool's size, so
+the workers' reserves can still differ. The chain is followed as it runs, from
 random `up` flags: `up`'s plan -> each worker's `serve` command line -> the resolved configs ->
 the worker's own pool sizing (`pages_for_gpu`, as `ModelRunner` calls it) -> the staging its own
 transport allocates beside that pool (`MooncakeSender`/`MooncakeReceiver` on the stub engine, over
@@ -13,7 +14,8 @@ weights as torch would measure them after loading); the RDMA device is drawn too
 The oracle is the definition of the budget: every worker's weights, headroom, pool and staging
 together fit `mem_fraction_static` x the card, and what is left unused is at most a page per
 worker plus the spread of the workers' reserves (the rule gives a worker whose reserve is below
-another's a little less than it could have: with 1 prefill over TCP and 1 decode, 0.2 x the staging).
+another's a little less than it could have; before prefill over TCP allocated a staging too, 1 prefill
+over TCP and 1 decode left 0.2 x the staging unused).
 """
 from __future__ import annotations
 
@@ -102,6 +104,11 @@ def test_ups_split_and_each_workers_staging_fit_the_card_together(draw, tmp_path
                 for n, r in zip(layers, runners)]
     headroom = [int(r.headroom_gib * GIB) for r in runners]
     reserves = [weights + h + r.mem_reserve_bytes for h, r in zip(headroom, runners)]
+    # Over Mooncake every role reserves the same staging (prefill's send staging over TCP too: it
+    # is where each send is encrypted), so workers of the same KV pages reserve alike and no worker
+    # sizes below another's reserve (before, 1 prefill over TCP and 1 decode left 0.2 x the staging unused).
+    if len({(n, p, h) for n, p, h in zip(layers, per_page, headroom)}) == 1:
+        assert len({r.mem_reserve_bytes for r in runners}) == 1, [r.mem_reserve_bytes for r in runners]
     # What the budget leaves for pools. Each worker sizes as if every worker reserved what it does
     # (model/kv/memory_budget.py), so the least room any worker can place a page in is the room less
     # the reserves' spread: drawn below that, a worker refuses to start (a clear UserError, tested in

@@ -1,13 +1,16 @@
-"""A stranger on the Mooncake ports (no deployment secret, its own TransferEngine) READS the KV of a
-transfer in flight over Mooncake TCP: run by test_security_mooncake_inflight_read.py inside a
+"""A stranger on the Mooncake ports (no deployment secret, its own TransferEngine) reads a transfer
+in flight over Mooncake TCP and gets no KV: run by test_security_mooncake_inflight_read.py inside a
 private network namespace. Prints one line per probe; exits non-zero on a failed check.
 
 Mooncake's TCP server serves a READ of any registered range as it serves a WRITE
 (pdtest/mooncake_wire.py), and decode's staging slots are registered from before the handshake until
-the copy (workers/transport/staging.py), holding what the prefill side wrote: the request's KV. So
-the stranger reads it, byte for byte (the oracle: the bytes in decode's slot, which the request's
-KV MAC then proves are what the prefill side sent), while the transfer runs; once the slots are
-copied out and unregistered, the same read is refused. docs/operations.md §8 says what is open.
+the copy (workers/transport/staging.py), holding what the prefill side wrote. With the deployment
+secret that is ciphertext (workers/transport/kv_cipher.py): the stranger reads the slot's bytes
+exactly, and they are not the KV. The oracles: the plaintext is the prefill pool's page the
+request's first page was sent from (the request's MAC then proves decode landed it); the bytes read
+are that page XOR the documented keystream (PyPI `cryptography`'s ChaCha20 under the room's key).
+Once the slots are copied out and unregistered, the same read is refused. Before KV encryption the
+read returned the plaintext: docs/operations.md §8.
 """
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ import sys
 import time
 
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.mooncake_wire import first_page_addr, record_handshakes, start_held_transfer
+from pdtest.mooncake_wire import first_page_addr, record_channels, record_handshakes, start_held_transfer
 from pdtest.pd_engine_harness import PDPair, oracle, recorded_pulls, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -45,12 +49,16 @@ def main(seed: int) -> None:
         config = worker_config("mooncake")
         async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
             handshakes = record_handshakes(pair.prefill.sender)
+            channels = record_channels(pair.prefill.sender)
             session = pair.decode.receiver.engine.session_id
             staging = pair.decode.receiver.staging
             held, release = await start_held_transfer(pair, prompt, GREEDY, "victim")
-            addr, length = first_page_addr(handshakes["victim-d"])  # the slot of its first page, layer 0
+            handshake = handshakes["victim-d"]
+            addr, length = first_page_addr(handshake)  # the slot of its first page, layer 0
             slot = (addr - staging.base_addrs[0]) // length
             in_slot = staging.buffers[0][slot].contiguous().view(torch.uint8).numpy().tobytes()
+            source = pair.prefill.sender.pool.buffers[0][channels["victim-d"].src_pages[0]]
+            plaintext = source.contiguous().view(torch.uint8).numpy().tobytes()  # request page 0, layer 0
             got = await asyncio.to_thread(read, session, addr, length)
             deadline = time.monotonic() + 20  # (a loaded run may see the ranges before they were registered)
             while got is None and time.monotonic() < deadline:
@@ -59,10 +67,15 @@ def main(seed: int) -> None:
             release.set()
             _, outcome = await held
             assert got is not None, "the stranger's read of the transfer in flight was refused"
-            assert any(in_slot) and got == in_slot, "the stranger read other bytes than the slot's KV"
-            assert outcome.ok and outcome.tokens == expected, outcome  # the slot held the genuine KV
-            print(f"can (still open): read the KV of a transfer in flight over tcp ({length} bytes, "
-                  f"equal to what its prefill side wrote)")
+            assert got == in_slot, "the stranger read other bytes than the slot's"
+            assert any(plaintext) and got != plaintext, "the stranger read the KV of a transfer in flight"
+            key = config.bootstrap.auth.kv_cipher_key(handshake.room, handshake.auth.nonce)
+            # Layer 0 of request page 0: block counter 0, nonce 0 (workers/transport/kv_cipher.py).
+            stream = Cipher(algorithms.ChaCha20(key, bytes(16)), None).encryptor().update(bytes(length))
+            assert got == bytes(a ^ b for a, b in zip(plaintext, stream)), "the slot holds no ChaCha20 of the KV"
+            assert outcome.ok and outcome.tokens == expected, outcome  # decode decrypted the genuine KV
+            print(f"cannot: read the KV of a transfer in flight over tcp ({length} bytes read: its ChaCha20 "
+                  f"ciphertext, not the KV)")
             assert await asyncio.to_thread(read, session, addr, length) is None, "read the slot after the copy"
             print("cannot: read the slot once the transfer landed")
             await pair.wait_pools_clean(config.transport.send_timeout_s + 10)

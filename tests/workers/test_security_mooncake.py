@@ -15,7 +15,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
-from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
+from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender, kv_cipher
 from deepseek_pd.workers.transport.base import layout_of
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
@@ -47,13 +47,19 @@ async def _answer(port: int, handshake: pb.Handshake) -> list:
         return events
 
 
-def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_pool(monkeypatch):
-    engines = mooncake_stub.install(monkeypatch)
-    rng = random.Random()
+def _pools(rng: random.Random):
+    """(prompt tokens, its pages, the prefill pool, the decode pool: the victim's)."""
     num_tokens = rng.randrange(9, 30)
     num_pages = -(-num_tokens // PAGE_SIZE)
     src = random_pool(rng, num_pages + rng.randrange(8), PAGE_SIZE)
-    dst = random_pool(rng, num_pages + rng.randrange(1, 8), PAGE_SIZE)  # the victim's pool
+    dst = random_pool(rng, num_pages + rng.randrange(1, 8), PAGE_SIZE)
+    return num_tokens, num_pages, src, dst
+
+
+def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_pool(monkeypatch):
+    engines = mooncake_stub.install(monkeypatch)
+    rng = random.Random()
+    num_tokens, num_pages, src, dst = _pools(rng)
     config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
     transport = TransportConfig(advertise_host="127.0.0.1")
 
@@ -150,3 +156,64 @@ def test_of_a_groups_ranks_only_each_nodes_first_one_warns(monkeypatch, caplog):
         if any("ALL interfaces (0.0.0.0)" in r.getMessage() for r in caplog.records):
             warned.append(local_rank)
     assert warned == [0], (ranks, warned)
+
+
+def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_handshake(monkeypatch):
+    """transport/kv_cipher.py's negotiation through the real bootstrap servicer: decode's offer
+    picked and named in the signed ack, its one-time key bound to the room and the handshake on
+    the channel; an offer of ciphers this worker lacks refused before any write, naming them; an
+    older decode worker's handshake (no offer) served in the clear."""
+    engines = mooncake_stub.install(monkeypatch)
+    rng = random.Random()
+    num_tokens, num_pages, src, dst = _pools(rng)
+    config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
+    transport = TransportConfig(advertise_host="127.0.0.1")
+
+    async def run():
+        registry = RoomRegistry(config)
+        server = BootstrapServer(registry, config, 1 << 20)
+        await server.start()
+        sender, receiver = build_sender("mooncake", src, transport), build_receiver("mooncake", dst, transport)
+        offers = [list(kv_cipher.algorithms()), ["aes-someday"], []]
+        rooms = [rng.randrange(1 << 31) for _ in offers]
+        pushes = [KVPush(registry, sender, room, f"r{room}", num_tokens) for room in rooms]
+        waits = [asyncio.ensure_future(push.handshake(5)) for push in pushes]
+        try:
+            for offer, room, push, wait in zip(offers, rooms, pushes, waits):
+                message = pb.Handshake(protocol_version=PROTOCOL_VERSION, room=room, num_tokens=num_tokens,
+                                       page_ids=rng.sample(range(dst.num_pages), num_pages), layout=layout_of(dst))
+                receiver.fill_destination(message)
+                message.mooncake.ClearField("kv_cipher_algorithms")
+                message.mooncake.kv_cipher_algorithms.extend(offer)
+                config.auth.sign(message, "handshake", "decode@127.0.0.1", f"127.0.0.1:{server.port}")
+                if offer == ["aes-someday"]:
+                    assert await _answer(server.port, message) == [grpc.StatusCode.FAILED_PRECONDITION]
+                    with pytest.raises(TransferError, match="aes-someday"):
+                        await wait
+                    continue
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                    call = pb_grpc.BootstrapStub(channel).Transfer()
+                    await call.write(pb.DecodeMessage(handshake=message))
+                    ack = (await asyncio.wait_for(call.read(), 5)).accepted
+                    await wait
+                    call.cancel()
+                config.auth.verify(ack, "ack", f"room={room}", challenge=message.auth.nonce)  # (signed with it)
+                assert ack.kv_cipher == (kv_cipher.ALGORITHM if offer else "")
+                cipher = push.channel._cipher
+                if not offer:
+                    assert cipher is None
+                    continue
+                assert cipher.algorithm == kv_cipher.ALGORITHM
+                assert cipher.key == config.auth.kv_cipher_key(room, message.auth.nonce)
+                assert cipher.key != config.auth.kv_key(room, message.auth.nonce)
+            assert engines[0].writes == []
+        finally:
+            for push in pushes:
+                push.close()
+            for wait in waits:
+                wait.cancel()
+            await server.stop(0)
+            sender.close()
+            receiver.close()
+
+    asyncio.run(run())

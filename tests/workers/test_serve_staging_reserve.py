@@ -1,4 +1,4 @@
-"""A decode worker over Mooncake sizes its KV pool with its staging area taken out of the budget.
+"""A worker over Mooncake (decode or prefill) sizes its KV pool with its staging area taken out of the budget.
 
 The chain runs as a worker runs it: the `serve` command line -> the resolved configs
 (workers/serve/resolution.py) -> `ModelRunner`, which sizes its pool from the GPU's memory after the
@@ -42,11 +42,14 @@ def _resolved(role: str, transport: str, protocol: str, staging_tokens: int, mon
     return resolve_serve_config(flags_from_args(build_parser().parse_args(argv)))
 
 
-def test_a_decode_ranks_pool_and_its_mooncake_staging_fit_the_budget_together(monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_ranks_pool_and_its_mooncake_staging_fit_the_budget_together(role, monkeypatch, tmp_path) -> None:
+    """Decode's staging (what writers reach) and prefill's send staging (where each send is encrypted,
+    over TCP too: transport/kv_cipher.py)."""
     rng = random.Random()
     page_size = 16
     staging_tokens = rng.randint(4, 64) * page_size - rng.randrange(page_size)  # rounded up to pages
-    resolved = _resolved("decode", "mooncake", "tcp", staging_tokens, monkeypatch, tmp_path)
+    resolved = _resolved(role, "mooncake", "tcp", staging_tokens, monkeypatch, tmp_path)
     # The resolved config with the reference kernels; its model is built on the CPU (below), where
     # the runner then allocates its pool.
     runner_config = dataclasses.replace(resolved.runner, attention_backend="torch", moe_backend="torch",
@@ -85,9 +88,8 @@ def test_a_decode_ranks_pool_and_its_mooncake_staging_fit_the_budget_together(mo
     assert used + per_page > budget  # and the pool is the largest that fits beside the staging
 
 
-@pytest.mark.parametrize("role, transport, protocol", [("decode", "grpc", "tcp"), ("prefill", "mooncake", "tcp"),
-                                                       ("prefill", "grpc", "tcp")])
+@pytest.mark.parametrize("role, transport, protocol", [("decode", "grpc", "tcp"), ("prefill", "grpc", "tcp")])
 def test_workers_without_a_staging_area_reserve_nothing(role, transport, protocol, monkeypatch, tmp_path) -> None:
-    """Only a worker that allocates one keeps it out of its pool (prefill over TCP writes from its pool)."""
+    """Only a worker that allocates one keeps it out of its pool (none over gRPC)."""
     resolved = _resolved(role, transport, protocol, random.randint(1, 1 << 16), monkeypatch, tmp_path)
     assert resolved.runner.mem_reserve_bytes == 0

@@ -45,6 +45,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import DisaggParams, FailureCode
 from deepseek_pd.workers.transport.bootstrap_protocol import (
     MAX_CHUNK_BYTES, MESSAGE_ENVELOPE_BYTES, PROTOCOL_VERSION, code_from_pb, target)
+from deepseek_pd.workers.transport import kv_cipher
 from deepseek_pd.workers.transport.internal_auth import AuthError
 from deepseek_pd.workers.transport.base import KVSink
 from deepseek_pd.workers.transport.wire import decode_event
@@ -123,6 +124,7 @@ class BootstrapClient:
         finished = False
         readers: list[KVStreamReader] = []
         try:
+            self._begin_cipher(params.bootstrap_room, handshake, ack, sink)
             await self._open_kv_streams(params, endpoint, handshake, ack, sink, window, deadline, readers)
             done = await self._follow(call, window, sink, deadline, params, handshake.auth.nonce, readers)
             finished = True
@@ -156,6 +158,19 @@ class BootstrapClient:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
                 raise TransferError(FailureCode.UNAVAILABLE, f"KV stream {index} of room "
                                     f"{params.bootstrap_room} could not be opened: {exc!r}") from None
+
+    def _begin_cipher(self, room: int, handshake: pb.Handshake, ack: pb.HandshakeAck, sink: KVSink) -> None:
+        """The KV cipher the (signed) ack names, one this side offered: the sink decrypts with it
+        as the KV lands (transport/kv_cipher.py); raises TransferError for one it did not offer."""
+        try:
+            cipher = kv_cipher.agreed(handshake.mooncake.kv_cipher_algorithms, ack.kv_cipher, self.config.auth.enabled)
+            key = self.config.auth.kv_cipher_key(room, handshake.auth.nonce) if cipher else None
+            if cipher and key is None:
+                raise ValueError(f"the prefill worker encrypts KV with {cipher!r}, and this worker has no secret")
+        except ValueError as exc:
+            raise sink.fail(TransferError(FailureCode.INVALID_ARGUMENT, str(exc))) from None
+        if cipher:
+            sink.begin_cipher(cipher, key)
 
     async def _connect(self, params: DisaggParams, handshake: pb.Handshake, sink: KVSink, deadline: float):
         origin = (params.bootstrap_host, params.bootstrap_port)

@@ -37,6 +37,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION, code_to_pb, kv_stream_count
+from deepseek_pd.workers.transport import kv_cipher
 from deepseek_pd.workers.transport.bootstrap_routes import RouteTable, misroute_reason
 from deepseek_pd.workers.transport.internal_auth import AuthError, ReplayGuard
 from deepseek_pd.workers.transport.wire import EncodedChunk
@@ -95,6 +96,13 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             if room is not None:
                 room.mark_peer_gone(FailureCode.INTERNAL, reason)
             await self._refuse(context, "protocol", grpc.StatusCode.FAILED_PRECONDITION, reason)
+        try:  # with a secret, mooncake KV cells are encrypted with a cipher decode offered (kv_cipher.py)
+            cipher = kv_cipher.choose(request.mooncake.kv_cipher_algorithms) if self.auth.enabled else ""
+        except ValueError as exc:
+            room = self.registry.get(request.room)
+            if room is not None:
+                room.mark_peer_gone(FailureCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, "protocol", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         reason = misroute_reason(request.room, self.registry.config.dp_rank, self.registry.config.dp_size, request)
         if reason is not None:
             log.warning("refused the handshake of room %d from %s: %s", request.room, context.peer(), reason)
@@ -104,6 +112,8 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         except TransferError as exc:
             await self._refuse(context, "duplicate", grpc.StatusCode.ALREADY_EXISTS, exc.message)
         room.kv_key = self.auth.kv_key(request.room, token.nonce)  # before the engine sees the handshake
+        if cipher:
+            room.kv_cipher, room.kv_cipher_key = cipher, self.auth.kv_cipher_key(request.room, token.nonce)
         offered = request.grpc.streams if request.WhichOneof("destination") == "grpc" else 1
         room.open_kv_streams(kv_stream_count(offered, self.kv_streams))
         window = self.registry.config.event_queue_depth
@@ -113,7 +123,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         delivered_terminal = delivered_done = False
         try:
             ack = pb.HandshakeAck(protocol_version=PROTOCOL_VERSION, credit_window=window,
-                                  kv_streams=room.kv_streams)
+                                  kv_streams=room.kv_streams, kv_cipher=room.kv_cipher)
             self.auth.sign(ack, "ack", self.identity, token.sender, f"room={request.room}", token.nonce)
             yield pb.TransferEvent(seq=seq, accepted=ack)
             try:

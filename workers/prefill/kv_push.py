@@ -97,6 +97,8 @@ class KVPush:
             await self.sender.prepare(handshake)
             self.channel = self.sender.open(handshake, self.room.emit_chunk, streams=self.room.kv_streams)
             self.channel.wait_landed = self.room.wait_landed  # (mooncake windows wait for decode's copies)
+            if self.room.kv_cipher:  # (mooncake with a secret: each cell encrypted as it is staged)
+                self.channel.begin_cipher(self.room.kv_cipher, self.room.kv_cipher_key)
             if self.room.kv_key is not None:  # (mooncake: MACs each send as it goes, off `finish`)
                 self.channel.begin_seal(self.room.kv_key, self.room.room_id)
         except RequestFailure as exc:  # the decode side gets the same reason

@@ -76,6 +76,10 @@ class Room:
         # The one-time key of this transfer's KV MAC (InternalAuth.kv_key of the accepted
         # handshake), set by the servicer; None: insecure, no MAC.
         self.kv_key: bytes | None = None
+        # The cipher of its KV cells (transport/kv_cipher.py: one decode offered, with a secret) and
+        # its one-time key (InternalAuth.kv_cipher_key), set by the servicer; "": in the clear.
+        self.kv_cipher = ""
+        self.kv_cipher_key: bytes | None = None
         # Mooncake windows: request pages decode has copied out of its staging (Credit.landed_pages).
         self.landed_pages = 0
         self._landed = asyncio.Event()

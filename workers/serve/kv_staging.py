@@ -4,8 +4,9 @@ plan (operator/memory_plan.py) both apply. Torch-free.
 
 Where one is allocated (workers/transport/mooncake.py):
 - a decode worker over Mooncake, any protocol: writers reach only its staging (`MooncakeReceiver`);
-- a prefill worker over Mooncake RDMA: its NIC reads only registered memory, so each send is
-  gathered into a send staging of the same size (`MooncakeSender`); over TCP it has none;
+- a prefill worker over Mooncake, any protocol: each send is gathered into a send staging of the
+  same size and encrypted there (`MooncakeSender`, transport/kv_cipher.py); over RDMA it is also
+  what the NIC reads (registered), over TCP it is never registered;
 - nowhere over gRPC.
 Its size is model/kv/staging_size.py's rule, for `--engine-opt mooncake_staging_tokens`.
 """
@@ -17,7 +18,7 @@ from deepseek_pd.model.kv.staging_size import staging_bytes
 def allocates_staging(decodes: bool, kv_transport: str, protocol: str) -> bool:
     """Whether a worker (`decodes`: the decode role) with this KV transport and Mooncake protocol
     allocates a staging area."""
-    return kv_transport == "mooncake" and (decodes or protocol != "tcp")
+    return kv_transport == "mooncake"
 
 
 def staging_reserve_bytes(decodes: bool, kv_transport: str, protocol: str, staging_tokens: int, page_size: int,

@@ -167,6 +167,12 @@ class SendChannel(abc.ABC):
                                 f"layers [{layer_begin}, {end}) are outside the model's {self.pool.num_layers}")
         return range(layer_begin, end)
 
+    def begin_cipher(self, algorithm: str, key: bytes) -> None:
+        """Before the first send: every KV cell this channel writes is encrypted with `algorithm`
+        under `key` (the handshake's decode side offered it: kv_cipher.py). Transports that
+        negotiate no cipher refuse (their ack names none, so this is never asked of them)."""
+        raise TransferError(FailureCode.INTERNAL, f"the {type(self).__name__} transport encrypts no KV")
+
     def begin_seal(self, key: bytes, room: int) -> None:
         """Before the first send: the transfer will be sealed with `key` (`seal`), so the channel may
         build its proof as the pages go out rather than all at once at the end. Nothing by default."""
@@ -322,6 +328,12 @@ class KVSink(abc.ABC):
 
     def _check_cells(self) -> None:
         """Transports that see every chunk (grpc) check here that each cell arrived."""
+
+    def begin_cipher(self, algorithm: str, key: bytes) -> None:
+        """Once the handshake is accepted, before any KV lands: the sender encrypts every cell with
+        `algorithm` under `key` (its ack says so), so the sink decrypts as it lands them. Transports
+        that offer no cipher refuse."""
+        raise self.fail(TransferError(FailureCode.INTERNAL, f"the {type(self).__name__} transport decrypts no KV"))
 
     def begin_check(self, key: bytes | None, room: int) -> None:
         """Once the handshake is accepted, before any chunk: the transfer will be checked with `key`

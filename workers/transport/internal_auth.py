@@ -18,8 +18,10 @@ Why HMAC and not mutual TLS (docs/operations.md, "Security"): the router speaks 
 the workers' SglangScheduler port, so TLS would cover only the bootstrap port; one shared secret
 needs no CA, no certificate rotation and no per-pod identities, works the same for `up` on
 127.0.0.1 and in Kubernetes, and costs one HMAC per request instead of encrypting every KV byte.
-What it does not give: confidentiality of the KV on the wire (an on-path observer reads it) and
-integrity of KV bytes against an on-path attacker who can rewrite an authenticated TCP stream.
+What it does not give by itself: confidentiality of the KV on the wire (the grpc transport's
+chunks are plaintext; over mooncake the KV cells are encrypted under `kv_cipher_key`,
+transport/kv_cipher.py) and integrity of KV bytes against an on-path attacker who can rewrite an
+authenticated TCP stream.
 
 `InternalAuth.insecure()` (`serve --insecure-internal`) turns every check off, with a warning.
 Without a secret file, a process gets a random per-process secret: engines in one process (tests,
@@ -119,9 +121,17 @@ class InternalAuth:
     def kv_key(self, room: int, handshake_nonce: bytes) -> bytes | None:
         """The one-time key of the KV MAC of room `room`'s transfer (kv_transfer/kv_mac.py), bound to
         its handshake; None when insecure (no MAC then)."""
+        return self._transfer_key("kv-mac", room, handshake_nonce)
+
+    def kv_cipher_key(self, room: int, handshake_nonce: bytes) -> bytes | None:
+        """The one-time key that encrypts room `room`'s KV cells (transport/kv_cipher.py): the MAC
+        key's derivation under its own label; None when insecure (the KV then goes in the clear)."""
+        return self._transfer_key("kv-cipher", room, handshake_nonce)
+
+    def _transfer_key(self, label: str, room: int, handshake_nonce: bytes) -> bytes | None:
         if self.secret is None:
             return None
-        head = f"deepseek-pd/kv-mac\x00room={room}\x00".encode()
+        head = f"deepseek-pd/{label}\x00room={room}\x00".encode()
         return hmac.new(self.secret, head + handshake_nonce, hashlib.sha256).digest()
 
     def _mac(self, message, purpose: str, context: str) -> bytes:

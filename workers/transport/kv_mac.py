@@ -36,6 +36,8 @@ prompt); a MAC computed on the device (no host copy) is not done here: no keyed 
 hand, and an unkeyed device checksum would not stop a stranger who can read the pages too.
 
 What it relies on: the MAC is computed on the copy the model will read, which no writer reaches.
+With the KV encrypted in the stagings (kv_cipher.py) that copy is the decrypted plaintext, and the
+prefill side MACs its pool's plaintext: the tag checks the decryption too.
 Mooncake's TCP server checks a write's range once, when its header arrives, then reads the body
 with no deadline (tcp_transport_session_impl.h, readHeader/readBody), and over RDMA both stagings
 stay registered: a body that lands after the copy changes only the staging

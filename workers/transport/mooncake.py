@@ -20,9 +20,13 @@ body at the peer's pace):
   `wait_landed`), and reports each on the stream as a KVChunk without data; decode copies each
   reported run into the request's pages as it comes (`MooncakeSink.on_chunk`) and checks the MAC
   over the whole private copy after the TransferDone, as for any transfer;
-- the prefill side never registers its pool either: over TCP a write reads its local source
-  directly; over RDMA (the NIC reads only registered memory) each send's pages are gathered into a
-  registered send staging, written from there and zeroed (`MooncakeChannel._write_staged`);
+- the prefill side never registers its pool either: each send's pages are gathered into a send
+  staging, written from there and zeroed (`MooncakeChannel._write_staged`); over RDMA (the NIC reads
+  only registered memory) it is registered, over TCP never;
+- with a deployment secret, what either staging holds is ciphertext: the prefill side encrypts each
+  cell as it gathers it, decode decrypts as it copies a send out (kv_cipher.py), so a stranger who
+  reads a slot in flight (Mooncake serves reads of registered memory as it serves writes) gets no
+  KV (tests/workers/test_security_mooncake_inflight_read.py);
 - whatever a stranger writes into the slots before the copy fails that request: the prefill side
   seals what it sent with a keyed MAC in the signed TransferDone (`MooncakeChannel.seal`), the
   decode side checks the private copy (`MooncakeSink.check_sealed`; kv_mac.py)
@@ -51,7 +55,7 @@ from typing import Sequence
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.kv.staging_size import staging_pages
 from deepseek_pd.proto import bootstrap_pb2 as pb
-from deepseek_pd.workers.transport import kv_mac
+from deepseek_pd.workers.transport import kv_cipher, kv_mac
 from deepseek_pd.workers.transport.base import EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig
 from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel, check_destination
 from deepseek_pd.workers.transport.mooncake_engine import MooncakeEngine
@@ -75,12 +79,13 @@ class MooncakeSender(KVSender):
 
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         super().__init__(pool, config)
-        # The pool is never registered: over TCP a write reads its local source without a
-        # registration; over RDMA the NIC reads a send staging the pages are gathered into.
+        # The pool is never registered: each send is gathered (and encrypted: kv_cipher.py) into a
+        # send staging and written from there; over RDMA the NIC reads only registered memory, so
+        # the staging is registered; over TCP a write reads its local source without a registration.
+        kv_cipher.require(pool.device)
         self.engine = MooncakeEngine(pool, config, register_pool=False)
-        self.staging = None
+        self.staging = staging_for(pool, config)
         if self.engine.protocol != "tcp":
-            self.staging = staging_for(pool, config)
             self.engine.register_buffers(self.staging.base_addrs,
                                          [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
@@ -104,6 +109,7 @@ class MooncakeReceiver(KVReceiver):
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         super().__init__(pool, config)
         # The pool is never registered: writers reach only the staging (staging.py).
+        kv_cipher.require(pool.device)
         self.engine = MooncakeEngine(pool, config, register_pool=False)
         self.staging = staging_for(pool, config)
         # Windows' copies out of the staging (`MooncakeSink.on_chunk`), off the event loop.
@@ -123,6 +129,7 @@ class MooncakeReceiver(KVReceiver):
         handshake.mooncake.protocol = self.engine.protocol
         handshake.mooncake.kv_mac_algorithms.extend(kv_mac.algorithms())
         handshake.mooncake.report_sends = True  # each send lands and is MACed as it comes (MooncakeSink)
+        handshake.mooncake.kv_cipher_algorithms.extend(kv_cipher.algorithms())  # (used with a secret)
 
     def close(self) -> None:
         self._copies.shutdown(wait=False)

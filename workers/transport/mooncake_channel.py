@@ -1,6 +1,7 @@
 """The prefill side of a Mooncake transfer: the checks on decode's destination, the one batch
-write per send (over RDMA through a registered send staging), windows through decode's staging,
-and the KV MAC sealed into the TransferDone (workers/transport/mooncake.py gives the whole design)."""
+write per send through a send staging (encrypted there: kv_cipher.py; registered over RDMA),
+windows through decode's staging, and the KV MAC sealed into the TransferDone
+(workers/transport/mooncake.py gives the whole design)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,7 @@ from typing import Sequence
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
-from deepseek_pd.workers.transport import kv_mac
+from deepseek_pd.workers.transport import kv_cipher, kv_mac
 from deepseek_pd.workers.transport.base import EmitChunk, SendChannel, check_page_ids
 from deepseek_pd.workers.transport.mooncake_engine import MooncakeEngine
 from deepseek_pd.workers.transport.page_io import sync_ready
@@ -39,11 +40,11 @@ def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_byt
 
 
 class MooncakeChannel(SendChannel):
-    """`staging` (over RDMA): where each send's pages are gathered for the NIC, which reads only
-    registered memory; None (TCP): writes read the pool itself, unregistered."""
+    """`staging`: where each send's pages are gathered (and encrypted, `begin_cipher`) and written
+    from: registered over RDMA (the NIC reads only registered memory), not over TCP."""
 
     def __init__(self, pool: KVPool, engine: MooncakeEngine, destination: pb.MooncakeDestination,
-                 dst_pages: Sequence[int], timeout_s: float, staging: StagingArea | None = None,
+                 dst_pages: Sequence[int], timeout_s: float, staging: StagingArea,
                  emit: EmitChunk | None = None) -> None:
         super().__init__(pool, dst_pages)
         self.engine = engine
@@ -59,21 +60,22 @@ class MooncakeChannel(SendChannel):
         self.reports = destination.report_sends and not self.window
         self._emit = emit
         self._seq = 0  # the stream's chunk numbers: window reports
-        self._src_pages: list[int | None] = [None] * len(self.dst_pages)  # request page -> ours, for `seal`
+        self.src_pages: list[int | None] = [None] * len(self.dst_pages)  # each request page's page of ours (`seal`)
         self._macs: kv_mac.LayerMacs | None = None  # `begin_seal`: the MAC, as the sends go out
         self._mac_room: int | None = None
+        self._cipher: kv_cipher.CellCipher | None = None  # `begin_cipher`: each cell encrypted as it is staged
         self._mac_algorithm = next((name for name in destination.kv_mac_algorithms
                                     if name in kv_mac.algorithms()), None)
         if destination.kv_mac_algorithms and self._mac_algorithm is None:
             raise TransferError(FailureCode.INVALID_ARGUMENT,
                                 f"decode checks the KV with a MAC of {list(destination.kv_mac_algorithms)}, "
-                                f"this prefill worker computes {list(kv_mac.algorithms())}: install "
-                                f"`cryptography` on both or neither")
+                                f"this prefill worker computes {list(kv_mac.algorithms())}: run one "
+                                f"version on both")
 
     async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
                    layer_end: int | None = None, ready=None) -> None:
         layers = self._check_range(src_pages, page_begin, layer_begin, layer_end)
-        self._src_pages[page_begin:page_begin + len(src_pages)] = src_pages
+        self.src_pages[page_begin:page_begin + len(src_pages)] = src_pages
         if self.window:
             await self._send_windows(list(src_pages), page_begin, layers, ready)
         else:
@@ -112,17 +114,19 @@ class MooncakeChannel(SendChannel):
                            ready) -> None:
         """Writes `src_pages` (the request's pages from `page_begin` on) of `layers` into decode's slots
         `dst`, hashing them for the MAC beside the write; raises TransferError."""
-        if self.staging is None:
-            status = await self._timed(asyncio.to_thread(self._write, layers, page_begin, src_pages, dst, ready))
-        else:  # in pieces the staging holds, each through slots held only while it is written
-            status, step = 0, self.staging.num_pages
-            for begin in range(0, len(src_pages), step):
-                if status == 0:
-                    status = await self._write_staged(layers, page_begin + begin, src_pages[begin:begin + step],
-                                                      dst[begin:begin + step], ready)
+        status, step = 0, self.staging.num_pages  # in pieces the staging holds, each through slots
+        for begin in range(0, len(src_pages), step):  # held only while it is written
+            if status == 0:
+                status = await self._write_staged(layers, page_begin + begin, src_pages[begin:begin + step],
+                                                  dst[begin:begin + step], ready)
         if status != 0:
             raise TransferError(FailureCode.UNAVAILABLE,
                                 f"mooncake write to {self.destination.session_id} failed (status {status})")
+
+    def begin_cipher(self, algorithm: str, key: bytes) -> None:
+        if self.bytes_sent:
+            raise TransferError(FailureCode.INTERNAL, "a KV cipher must begin before the first send")
+        self._cipher = kv_cipher.CellCipher(key, self.pool.bytes_per_page, self.pool.device, algorithm)
 
     def begin_seal(self, key: bytes, room: int) -> None:
         # Each send hashes what it wrote (in `_write`, beside the write), so `seal` on the first
@@ -139,14 +143,14 @@ class MooncakeChannel(SendChannel):
     def seal(self, done: pb.TransferDone, key: bytes, room: int) -> None:
         if self._mac_algorithm is None:  # an older decode worker, which checks no MAC
             return
-        if None in self._src_pages:
+        if None in self.src_pages:
             raise TransferError(FailureCode.INTERNAL, "KV MAC asked for before every page was sent")
         macs = self._macs
         if macs is None or macs.key != key or self._mac_room != room:  # not begun (or for another transfer)
             macs = kv_mac.LayerMacs(self.pool.num_layers, key, kv_mac.header(room, self.dst_pages),
                                     self._mac_algorithm)
         self._macs = None
-        done.kv_mac = macs.digest(self.pool, self._src_pages)
+        done.kv_mac = macs.digest(self.pool, self.src_pages)
         done.kv_mac_algorithm = self._mac_algorithm
 
     def _hash_sent(self, layers: range, page_begin: int, src_pages: list[int], ready) -> kv_mac.Hashing | None:
@@ -180,14 +184,15 @@ class MooncakeChannel(SendChannel):
 
     def _write_from_slots(self, layers: range, page_begin: int, src_pages: list[int], slots: list[int], dirty: list[int],
                           dst_pages: list[int], ready) -> int:
-        """In a worker thread: gathers the pages into the slots once their KV is written, one batch
-        write from there, then zeroes what it used (a reader of the registered staging sees no KV
-        that is not in flight)."""
+        """In a worker thread: gathers the pages into the slots once their KV is written (encrypted
+        on the way, after `begin_cipher`), one batch write from there, then zeroes what it used (a
+        reader of the registered staging sees no KV that is not in flight, and with a cipher none
+        at all)."""
         self.staging.scrub(dirty)
         sync_ready(self.pool, ready)
         hashing = self._hash_sent(layers, page_begin, src_pages, ready)
         try:
-            self.staging.fill_from(self.pool, layers, src_pages, slots)
+            self.staging.fill_from(self.pool, layers, src_pages, slots, self._cipher, page_begin)
             batch = build_write_batch(self.staging.base_addrs[layers.start:layers.stop],
                                       list(self.destination.layer_base_addrs)[layers.start:layers.stop],
                                       self.pool.bytes_per_page, slots, dst_pages)
@@ -197,21 +202,6 @@ class MooncakeChannel(SendChannel):
             if hashing is not None:
                 hashing.wait()
         return status
-
-    def _write(self, layers: range, page_begin: int, src_pages: list[int], dst_pages: list[int], ready) -> int:
-        """In a worker thread: ONE batch write for every layer and merged page run of this send
-        (FACTS "KV transfer"); building the batch (1 ms for 64 pages x 27 layers) stays off the loop."""
-        batch = build_write_batch(self.engine.base_addrs[layers.start:layers.stop],
-                                  list(self.destination.layer_base_addrs)[layers.start:layers.stop],
-                                  self.pool.bytes_per_page, src_pages, dst_pages)
-        sync_ready(self.pool, ready)  # the NIC reads the pool behind torch's back
-        hashing = self._hash_sent(layers, page_begin, src_pages, ready)
-        try:
-            return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
-        finally:
-            if hashing is not None:
-                hashing.wait()
-
 
 
 def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[int], page_bytes: int,

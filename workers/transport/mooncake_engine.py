@@ -16,9 +16,9 @@ log = logging.getLogger(__name__)
 def exposure_warning(host: str) -> str:
     """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
     return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
-            f"address it is given (0.3.13.post1). Its ports authenticate no peer (a stranger can read the KV "
-            f"of transfers in flight from their staging, and write it, failing them by their KV MAC); keep "
-            f"other hosts off them "
+            f"address it is given (0.3.13.post1). Its ports authenticate no peer: a stranger can read the "
+            f"staging of transfers in flight (with the deployment secret only ciphertext of their KV) and "
+            f"write it (failing those requests by their KV MAC); keep other hosts off them "
             f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
 
 

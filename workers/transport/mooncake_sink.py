@@ -1,6 +1,6 @@
 """The decode side of a Mooncake transfer: its staging slots, their registration while it runs,
-the copy into the request's own pages and the MAC check of that copy (workers/transport/mooncake.py
-gives the whole design)."""
+the copy into the request's own pages (decrypted on the way: kv_cipher.py) and the MAC check of
+that copy (workers/transport/mooncake.py gives the whole design)."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +11,7 @@ from typing import Sequence
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
-from deepseek_pd.workers.transport import kv_mac
+from deepseek_pd.workers.transport import kv_cipher, kv_mac
 from deepseek_pd.workers.transport.base import KVSink
 from deepseek_pd.workers.transport.mooncake_engine import MooncakeEngine
 from deepseek_pd.workers.transport.page_io import consecutive_runs
@@ -57,6 +57,7 @@ class MooncakeSink(KVSink):
         # Without windows, each send lands (copied out and MACed) as its report comes (send_landing.py).
         self._landing = SendLanding(pool.num_layers, len(self.pages))
         self._on_land = None  # `check_on_landing`'s check
+        self._cipher: kv_cipher.CellCipher | None = None  # `begin_cipher`: the slots hold ciphertext
         # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for it
         # and wins: nothing stays registered or held after it.
         self._lock = threading.Lock()
@@ -108,6 +109,12 @@ class MooncakeSink(KVSink):
         """The staging slot of each request page in `pages`."""
         return [self.slots[i % self.window] for i in pages] if self.window else self.slots[pages.start:pages.stop]
 
+    def begin_cipher(self, algorithm: str, key: bytes) -> None:
+        try:
+            self._cipher = kv_cipher.CellCipher(key, self.pool.bytes_per_page, self.pool.device, algorithm)
+        except ValueError as exc:
+            raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot decrypt the KV: {exc}")) from None
+
     def begin_check(self, key: bytes | None, room: int) -> None:
         if key is not None:  # (after `offer_into`: the header names the slots the handshake told)
             self._landing.begin_mac(self.pool, self.pages, key, kv_mac.header(room, self._told))
@@ -141,7 +148,8 @@ class MooncakeSink(KVSink):
             if upto > self.landed:
                 self.exposure.wrote()
                 self._staging.copy_into(self.pool, self._slots_of(range(self.landed, upto)),
-                                        self.pages[self.landed:upto])  # (and zeroes the slots)
+                                        self.pages[self.landed:upto], None, self._cipher,
+                                        self.landed)  # (and zeroes the slots)
                 self._written.difference_update(range(self.landed, upto))
                 self.landed = upto
         if upto > landed:  # (the pages this report let land: hashed in order, after the copy)
@@ -161,7 +169,8 @@ class MooncakeSink(KVSink):
             if refused is not None:
                 raise self.fail(TransferError(FailureCode.INTERNAL, refused))
             self.exposure.wrote()
-            self._staging.copy_into(self.pool, self.slots[begin:end], self.pages[begin:end], layers)
+            self._staging.copy_into(self.pool, self.slots[begin:end], self.pages[begin:end], layers, self._cipher,
+                                    begin)
         self._landing.hash(layers, begin, end)
         self._check_landed(layers, self.pages[begin:end])
 
@@ -199,7 +208,8 @@ class MooncakeSink(KVSink):
         slots = self._end()
         try:
             self.exposure.wrote()
-            self._staging.copy_into(self.pool, rest, self.pages[first:])  # (and zeroes the slots)
+            self._staging.copy_into(self.pool, rest, self.pages[first:], None, self._cipher,
+                                    first)  # (and zeroes the slots)
         except BaseException:
             self._staging.release(slots)
             raise

@@ -7,6 +7,9 @@ writer (honest or not) can reach; once the prefill side's TransferDone arrived, 
 slots into the request's own pages (`copy_into`) and checks the KV MAC on that private copy
 (kv_mac.py). A byte that reaches the staging after the copy changes nothing the model reads; one
 that lands before it fails that request's MAC check. Either way no other request's pages change.
+With a deployment secret what the slots hold is ciphertext (kv_cipher.py): the sender's
+`fill_from` encrypts as it gathers each send into its own staging, `copy_into` decrypts as it lands
+the slots, so a reader of the registered staging gets no KV.
 
     decode pool (never registered)        staging (registered: per transfer over TCP, for good over RDMA)
     request A pages [7, 2, 9]   <- copy -- slots [0, 1, 2]   <- prefill of A writes, then its done
@@ -49,6 +52,7 @@ import torch
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.transport.kv_cipher import CellCipher
 from deepseek_pd.workers.transport.page_io import page_index, side_stream
 from deepseek_pd.workers.transport.plan import merge_page_runs
 
@@ -194,15 +198,26 @@ class StagingArea:
             for _, slots in ready:
                 self._free.extend(slots)
 
-    def copy_into(self, pool: KVPool, slots: Sequence[int], pages: Sequence[int], layers: range | None = None) -> None:
+    def copy_into(self, pool: KVPool, slots: Sequence[int], pages: Sequence[int], layers: range | None = None,
+                  cipher: CellCipher | None = None, first_page: int = 0) -> None:
         """Copies staging `slots` into `pool`'s `pages` (same order), in `layers` (default every
         layer), then zeroes those cells of the slots; returns once both are in memory (on CUDA: on a
         side stream, then synchronised, as the pool's scrub does), so what a writer puts into the
-        slots afterwards can never reach the pages."""
+        slots afterwards can never reach the pages. `cipher`: the slots hold ciphertext, decrypted
+        on the way (`pages` are the request's pages `first_page`, `first_page + 1`, ...: kv_cipher.py)."""
         if not pages:
             return
         chosen = range(len(self.buffers)) if layers is None else layers
         runs = merge_page_runs(slots, pages)
+
+        def decrypt() -> None:
+            for layer in chosen:
+                cipher.copy(self.buffers[layer], slots, pool.buffers[layer], pages, layer, first_page)
+                # (numpy's fill on a CPU pool, as in `copy`)
+                staged = _host(self.buffers[layer]) if pool.device.type == "cpu" else self.buffers[layer]
+                for run in runs:
+                    cells = staged[run.src:run.src + run.length]
+                    cells.fill(0) if pool.device.type == "cpu" else cells.zero_()
 
         def copy() -> None:
             if pool.device.type == "cpu":  # numpy's plain copies: torch's fork OpenMP teams per call
@@ -225,12 +240,19 @@ class StagingArea:
                 staged, buffer = self.buffers[layer], pool.buffers[layer]
                 buffer.index_copy_(0, dst, staged.index_select(0, src))
                 staged.index_fill_(0, src, 0)
-        self._on_device(copy)
+        self._on_device(copy if cipher is None else decrypt)
 
-    def fill_from(self, pool: KVPool, layers: range, pages: Sequence[int], slots: Sequence[int]) -> None:
-        """The other direction, for a sender (prefill over RDMA, whose NIC reads only registered
-        memory): copies `pool`'s `pages` of `layers` into `slots`; returns once they are there."""
+    def fill_from(self, pool: KVPool, layers: range, pages: Sequence[int], slots: Sequence[int],
+                  cipher: CellCipher | None = None, first_page: int = 0) -> None:
+        """The other direction, for a sender (prefill over mooncake: its NIC reads only registered
+        memory, and the KV is encrypted here): copies `pool`'s `pages` of `layers` into `slots`;
+        returns once they are there. `cipher`: encrypted on the way (`pages` are the request's
+        pages `first_page`, `first_page + 1`, ...: kv_cipher.py)."""
         runs = merge_page_runs(pages, slots)
+
+        def encrypt() -> None:
+            for layer in layers:
+                cipher.copy(pool.buffers[layer], pages, self.buffers[layer], slots, layer, first_page)
 
         def copy() -> None:
             if len(runs) <= SLICE_RUNS:
@@ -243,7 +265,7 @@ class StagingArea:
             dst = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
             for layer in layers:
                 self.buffers[layer].index_copy_(0, dst, pool.buffers[layer].index_select(0, src))
-        self._on_device(copy)
+        self._on_device(copy if cipher is None else encrypt)
 
     def scrub(self, slots: Sequence[int], layers: range | None = None) -> None:
         """Zeroes `slots` in `layers` (default every layer); returns once the zeros are in memory."""

@@ -95,6 +95,19 @@ def record_handshakes(sender) -> dict[str, pb.Handshake]:
     return seen
 
 
+def record_channels(sender) -> dict[str, Any]:
+    """Every channel `sender` (a prefill worker's KV sender) opens, by decode rid (its
+    `src_pages`: the prefill pool's page of each request page sent so far)."""
+    seen: dict[str, Any] = {}
+    opener = sender.open
+
+    def recording(handshake, *args, **kwargs):
+        seen[handshake.decode_rid] = channel = opener(handshake, *args, **kwargs)
+        return channel
+    sender.open = recording
+    return seen
+
+
 def first_page_addr(handshake: pb.Handshake) -> tuple[int, int]:
     """(address, bytes) of the first page of layer 0 that the handshake tells its prefill to write."""
     destination = handshake.mooncake
