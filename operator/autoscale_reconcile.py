@@ -7,7 +7,8 @@ Per reconcile pass, for each role with `autoscaling`:
     2. read the role's metrics against the previous pass's scrape (kept in memory, per pod UID
        and rank: a restart counts from zero, and an operator restart only costs one pass)
     3. decide (history of recommendations from status.autoscaling.<role>.recommendations, so the
-       stabilisation windows survive an operator restart); hold while the role rolls out
+       stabilisation windows survive an operator restart); hold while the role rolls out,
+       each such pass a recommendation to keep its groups (autoscaler.hold_while_rolling)
     4. at most one role changes per pass; the change is a merge patch of spec.<role>.replicas,
        and the planner's group plan (planner.py) does the rest: the router drops a retired group
        before it is deleted, and its pods get SIGTERM, which drains the running requests
@@ -27,7 +28,9 @@ import aiohttp
 
 from deepseek_pd.operator import names
 from deepseek_pd.operator.autoscale_metrics import RankSample, parse_sample, role_reading
-from deepseek_pd.operator.autoscaler import NO_METRICS, Decision, Recommendation, decide, one_role_at_a_time
+from deepseek_pd.operator.autoscaler import (
+    NO_METRICS, Decision, Recommendation, decide, hold_while_rolling, one_role_at_a_time,
+)
 from deepseek_pd.operator.build_metrics import ranks_per_pod
 from deepseek_pd.operator.kube import KubeClient
 from deepseek_pd.operator.planner import RolePlan
@@ -93,8 +96,7 @@ class Autoscaler:
                             for r in (before.get(role) or {}).get("recommendations") or [])
             current = spec.role(role).replicas
             if plans[role].rolling:
-                decisions[role] = Decision(role, current, current, "hold: groups are rolling out or "
-                                           "being added/removed", readings, history)
+                decisions[role] = hold_while_rolling(role, auto, current, readings, history, now)
             else:
                 decisions[role] = decide(role, auto, current, readings, history, now)
         last_scaled = {role: float((before.get(role) or {}).get("lastScaleAt", 0.0)) for role in names.ROLES}

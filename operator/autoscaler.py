@@ -124,6 +124,18 @@ def decide(role: str, spec: AutoscalingSpec, current: int, readings: dict[str, f
     return Decision(role, current, current, why, readings, history)
 
 
+def hold_while_rolling(role: str, spec: AutoscalingSpec, current: int, readings: dict[str, float | None],
+                       history: tuple[Recommendation, ...], now: float) -> Decision:
+    """One pass of a role whose groups are rolling out or being added/removed: nothing changes,
+    and the pass counts as a recommendation to keep `current` groups. Without it a roll that
+    outlasted the scale-down window left no recommendation in it, and the first idle reading after
+    the roll (a router switching pods, say) removed the groups just added at once."""
+    keep_for = max(spec.scale_up_window, spec.scale_down_window)
+    kept = tuple(r for r in history if now - r.at <= keep_for)
+    return Decision(role, current, current, "hold: groups are rolling out or being added/removed", readings,
+                    (*kept, Recommendation(now, current)))
+
+
 def one_role_at_a_time(decisions: dict[str, Decision], last_scaled: dict[str, float]) -> dict[str, Decision]:
     """At most one role changes per pass: the one that changed least recently (never: first, in
     the order given). The others hold, saying so; their history is kept, so they go next."""

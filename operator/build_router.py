@@ -75,6 +75,15 @@ ROUTER_RESILIENCE_ARGS = ("--disable-circuit-breaker", *gateway.RETRY_ARGS, *gat
                           "--health-failure-threshold", "3")
 
 
+# A router pod usually starts before its workers can answer (a new deployment, a scale-up or a
+# rollout starts them together); the gateway then re-checks each worker it could not register
+# every --worker-startup-check-interval seconds (smg's default: 30), and a worker ready just after a
+# check idled that long out of traffic: most of a scale-up's reaction time on a model that loads in
+# seconds. A failed check is one refused gRPC connection, so checking as often as the health
+# checks run costs nothing.
+WORKER_STARTUP_CHECK_SECONDS = 5
+
+
 def router_startup_timeout_seconds(spec: DeploymentSpec) -> int:
     return max(spec.prefill.startup_timeout_seconds,
                spec.decode.startup_timeout_seconds) + SCHEDULE_AND_PULL_SECONDS
@@ -89,6 +98,7 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
         "--pd-disaggregation",
         *discovery.worker_args(spec, desired_groups(spec) if groups is None else groups),
         "--worker-startup-timeout-secs", str(router_startup_timeout_seconds(spec)),
+        "--worker-startup-check-interval", str(WORKER_STARTUP_CHECK_SECONDS),
         "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_SECONDS),
         *ROUTER_RESILIENCE_ARGS,
         "--max-payload-size", str(gateway.MAX_PAYLOAD_BYTES),

@@ -114,8 +114,11 @@ def process_kubelet(control_plane, admin_kube, tmp_path_factory):
     server = urllib.parse.urlsplit(control_plane.server)
     # What an image of this project would give: its Python environment first on PATH. The node's
     # registry holds what `make image` tags (the chart's and the example's images).
+    # OMP_NUM_THREADS=1: the node's pods share two real cores (as pdtest.local_pods' node does);
+    # each worker's torch would otherwise run a thread per core, and the threads of a dozen
+    # processes spinning at OpenMP barriers made a tiny model's step ~25x slower under load.
     image_env = {"PATH": f"{pathlib.Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
-                 "HOME": os.environ.get("HOME", "/root"), "PYTHONUNBUFFERED": "1"}
+                 "HOME": os.environ.get("HOME", "/root"), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     kubelet = ProcessKubelet(admin_kube, KubeletConfig(
         workdir=tmp_path_factory.mktemp("kubelet"), image_env=image_env,
         apiserver=(server.hostname, server.port), images=made_images() | PLACEHOLDER_IMAGES))
@@ -127,9 +130,10 @@ def process_kubelet(control_plane, admin_kube, tmp_path_factory):
         stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def models(tmp_path_factory) -> pathlib.Path:
-    """The hostPath the examples mount at /models: the tiny checkpoint, written by the CLI."""
+    """The hostPath the examples mount at /models: the tiny checkpoint, written by the CLI once
+    for every module (its weights come from a fixed seed, and the pods only read it)."""
     from e2e_deployment import run_tool
 
     directory = tmp_path_factory.mktemp("models")
@@ -137,13 +141,27 @@ def models(tmp_path_factory) -> pathlib.Path:
     return directory
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def offline_engine(models):
-    """The single-process engine whose greedy tokens the router must give (e2e page/chunk sizes)."""
+    """The single-process engine whose greedy tokens the router must give (e2e page/chunk sizes);
+    one for every module: greedy answers do not depend on what it served before."""
     from deepseek_pd.workers.engine.offline import Engine
     from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE
 
     return Engine(model=str(models / "tiny"), chunked_prefill_size=CHUNKED_PREFILL_SIZE, page_size=PAGE_SIZE)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread_beside_the_pods():
+    """The oracles these tests compute in-process (offline engines) run on one torch thread, as the
+    node's pods do (OMP_NUM_THREADS above): 8 greedy answers of 24 tokens took 50-180 s on two
+    threads beside the pods under load, and under a second on one."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

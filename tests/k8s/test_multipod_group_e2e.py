@@ -6,7 +6,9 @@
     kubectl apply  V3 on one node in bf16  the live operator writes MemoryPlanFits False, phase
                                            Failed, and creates no child
     kubectl apply  cpu-minimal, decode of `size: 2` (dp 2, ep 2: one rank per pod, the operator's
-                   --nnodes/--node-rank/--dist-init-addr from the LWS env)
+                   --nnodes/--node-rank/--dist-init-addr from the LWS env), gang-scheduled by the
+                   real kube-scheduler on the node whose kubelet runs it: wholly Pending while a
+                   blocker pod leaves CPU for one rank, then bound, Running and serving once it goes
     -> the router answers with the offline engine's greedy tokens; every worker pod's metrics port
        and the router's metrics Service port count what was sent
     SIGKILL of the follower pod's worker -> both pods of the group recreated (new UIDs), requests
@@ -26,6 +28,7 @@ import pytest
 import yaml
 from e2e_deployment import CR_API, installed_release, run_tool
 from e2e_example import ROOT, apply, example, greedy_through_router
+from pdtest.pod_inputs import quantity
 from pdtest.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -78,6 +81,10 @@ def _router_metrics_url(dep) -> str:
     return f"http://{address}:{port}/metrics"
 
 
+def _scheduled(pod: dict) -> dict:
+    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c["type"] == "PodScheduled"), {})
+
+
 def _cmdline(pid: int) -> list[str]:
     with open(f"/proc/{pid}/cmdline", "rb") as handle:
         return handle.read().decode().split("\0")[:-1]
@@ -121,12 +128,64 @@ def test_live_operator_refuses_a_plan_that_does_not_fit_with_a_condition(deploym
     deployment.kubectl_run("delete", "-n", NS, "deepseekdeployment", name, "--wait=true", "--timeout=60s")
 
 
-def test_two_pod_decode_group_serves_the_offline_engines_tokens(deployment, models, offline_engine):
+def _cpu_requested(pod: dict) -> float:
+    """What the scheduler counts of a pod's CPU: its containers' requests, or its largest init
+    container's if that is more."""
+    def cpu(containers) -> float:
+        return [quantity(((c.get("resources") or {}).get("requests") or {}).get("cpu", "0")) for c in containers or []]
+    return max([sum(cpu(pod["spec"]["containers"])), *cpu(pod["spec"].get("initContainers"))])
+
+
+def _blocker(dep, node: str, leave_cpu: float) -> str:
+    """A pod on `node` that takes its CPU but `leave_cpu` (counting every pod still there, and as
+    if the terminating ones were gone); its path."""
+    allocatable = quantity(dep.kube.get(f"/api/v1/nodes/{node}")["status"]["allocatable"]["cpu"])
+    used = sum(_cpu_requested(p) for p in dep.kube.list("/api/v1/pods", fieldSelector=f"spec.nodeName={node}")
+               if p["status"].get("phase") not in ("Succeeded", "Failed") and not p["metadata"].get("deletionTimestamp"))
+    millicores = int((allocatable - used - leave_cpu) * 1000)
+    assert millicores > 0, (allocatable, used)
+    dep.kube.create(f"/api/v1/namespaces/{NS}/pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "blocker"}, "spec": {
+        "nodeName": node, "terminationGracePeriodSeconds": 1, "containers": [{
+            "name": "c", "image": "none", "command": ["sleep", "3600"],
+            "resources": {"requests": {"cpu": f"{millicores}m"}}}]}})
+    return f"/api/v1/namespaces/{NS}/pods/blocker"
+
+
+def test_two_pod_decode_group_is_a_gang_that_runs_whole_once_room_appears_and_serves(deployment, models, offline_engine,
+                                                                          real_scheduler, process_kubelet):
+    """Gang scheduling with the real kube-scheduler, on the node whose kubelet runs the pods: a
+    blocker pod leaves room for prefill (0.1 CPU) and one decode rank (1 CPU), never both ranks.
+    A scheduler placing pod by pod would start rank 0 (and hold its CPU, for nothing); the gang
+    starts neither. The blocker deleted, both ranks bind, run, and the group serves."""
+    node = process_kubelet.name
+    blocker = _blocker(deployment, node, leave_cpu=1.6)
     cr = example(models)
     cr["spec"]["decode"].update(size=2, parallelism={"tp": 1, "dp": 2, "ep": 2})
+    cr["spec"]["prefill"]["resources"] = {"requests": {"cpu": "100m", "memory": "2Gi"}}
+    cr["spec"]["scheduling"] = {"gang": True, "schedulerName": real_scheduler,
+                                "nodeSelector": {"kubernetes.io/hostname": node}}
     apply(deployment, cr)
+
+    def refused() -> bool:
+        pods = _worker_pods(deployment, "decode")
+        return len(pods) == 2 and all(_scheduled(p).get("reason") == "Unschedulable" for p in pods)
+    wait_until(refused, 90, "the real scheduler's Unschedulable verdict on both decode ranks", deployment.diagnose)
+    time.sleep(2)  # a rank bound by a pod-by-pod pass would show by now (binds take milliseconds)
+    assert [p["metadata"]["name"] for p in _worker_pods(deployment, "decode") if p["spec"].get("nodeName")] == []
+    path = f"{CR_API}/namespaces/{NS}/deepseekdeployments/{cr['metadata']['name']}"
+
+    def gang() -> dict:
+        status = (deployment.kube.get(path) or {}).get("status") or {}
+        return next((c for c in status.get("conditions") or [] if c["type"] == "GangScheduling"), {})
+    waiting = wait_until(lambda: gang().get("reason") == "GangWaitingForRoom" and gang(), 30,
+                         "the operator does not say the gang waits for room", deployment.diagnose)
+    assert "Insufficient cpu" in waiting["message"], waiting  # kube-scheduler's words
+
+    deployment.kube.delete(blocker)  # room appears: the whole group binds and runs
     deployment.wait_phase("Available", timeout_s=420)
     decode = _worker_pods(deployment, "decode")
+    assert all(p["spec"]["nodeName"] == node and p["status"]["phase"] == "Running" for p in decode), decode
+    assert gang()["reason"] == "PodGroupsPlaced", gang()
     assert [p["metadata"]["labels"][POD_INDEX] for p in decode] == ["0", "1"], deployment.diagnose()
     leader = decode[0]["spec"]["hostname"] + "." + decode[0]["spec"]["subdomain"]
     for rank, pod in enumerate(decode):  # what the kubelet ran: the operator's flags, the LWS env expanded

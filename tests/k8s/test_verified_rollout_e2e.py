@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import random
-import sys
+import shutil
 import time
 
 import pytest
-from e2e_deployment import CR_API, installed_release, run_tool
+from e2e_deployment import CR_API, installed_release
 from e2e_example import apply, example
 from pdtest.checkpoint_utils import make_near_ties
 from pdtest.waiting import wait_until
@@ -45,10 +45,11 @@ def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def near_tie_models(tmp_path_factory) -> pathlib.Path:
-    """The hostPath the example mounts at /models, its `tiny` with near-tie logits."""
+def near_tie_models(models, tmp_path_factory) -> pathlib.Path:
+    """The hostPath the example mounts at /models, its `tiny` with near-tie logits (a copy of the
+    session's tiny checkpoint, which other modules' pods read unchanged)."""
     directory = tmp_path_factory.mktemp("near-tie-models")
-    run_tool(pathlib.Path(sys.executable).parent / "deepseek-pd", "make-tiny-model", directory / "tiny")
+    shutil.copytree(models / "tiny", directory / "tiny")
     make_near_ties(directory / "tiny", closeness=0.01, seed=random.randrange(2**31))
     return directory
 

@@ -19,7 +19,7 @@ from deepseek_pd.operator.autoscale_metrics import (
     TTFT, histogram_quantile, parse_sample, role_reading,
 )
 from deepseek_pd.operator.autoscaler import (
-    AutoscalingSpec, Decision, MetricTarget, decide, one_role_at_a_time,
+    AutoscalingSpec, Decision, MetricTarget, decide, hold_while_rolling, one_role_at_a_time,
 )
 from deepseek_pd.workers.metrics.worker_metrics import TTFT_BUCKETS
 
@@ -104,6 +104,31 @@ def test_a_burst_shorter_than_the_up_window_adds_nothing_and_idleness_shorter_th
             break
     assert d.replicas == 1 and d.reason.startswith("scale down 6 -> 1"), d
     assert now - scaled_at > 300 >= now - 10 - scaled_at, (now, scaled_at)
+
+
+def test_groups_added_after_a_roll_longer_than_the_down_window_stay_a_whole_window(rng):
+    """The groups a scale-up adds take a while to come up (pods start, the router rolls); the
+    passes meanwhile hold. The first idle reading after that roll (seen on the control plane: a
+    2 s scrape window in which the router switched pods) must not remove them at once: idleness
+    must last the whole down window from the roll's end, as it would have without the roll."""
+    target, window = 0.05, rng.choice([20, 60, 300])
+    spec = AutoscalingSpec(1, 4, (MetricTarget("tpotP90Seconds", target),), 0, window)
+    d = decide("decode", spec, 1, {"tpotP90Seconds": target * 3}, (), 0.0)
+    assert d.changed and d.replicas == 3, d
+    history, now, roll_ends = d.history, 0.0, window + rng.uniform(1, 3 * window)
+    while now < roll_ends:
+        now += 2
+        d = hold_while_rolling("decode", spec, 3, {"tpotP90Seconds": target * rng.uniform(0, 3)}, history, now)
+        assert not d.changed
+        history = d.history
+    roll_ends = now
+    while True:
+        now += 2
+        d = decide("decode", spec, 3, {"tpotP90Seconds": 0.0}, history, now)
+        history = d.history
+        if d.changed:
+            break
+    assert d.replicas == 1 and now - roll_ends > window, (now, roll_ends, window, d)
 
 
 def test_within_tolerance_nothing_moves_and_no_reading_holds(rng):

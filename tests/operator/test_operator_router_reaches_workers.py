@@ -1,6 +1,7 @@
 """The router command line the operator renders (Static discovery), run for real against our gRPC
 workers: sgl-model-gateway 0.3.2 must register both workers through the `grpc://<hostname>:<port>`
-URLs, report ready, and route a request whose answer only the decode worker can produce. Then the
+URLs once they come up after it (a cluster starts a new deployment's pods together), within its
+startup check interval, report ready, and route a request whose answer only the decode worker can produce. Then the
 decode group is restarted in place (same name, as a gang restart or rolling upgrade does): the
 router, unchanged, must notice, and serve again once the leader is back.
 
@@ -25,7 +26,7 @@ import pytest
 import yaml
 
 from deepseek_pd.ports import pick_free_ports
-from deepseek_pd.operator.build_router import build_router_args
+from deepseek_pd.operator.build_router import WORKER_STARTUP_CHECK_SECONDS, build_router_args
 from deepseek_pd.operator.spec import DeploymentSpec
 
 from pdtest.servicer_fakes import PAGE_SIZE, FakeEngine, expected_tokens, make_tokenizer_model_dir
@@ -108,16 +109,25 @@ def test_rendered_static_router_reaches_our_grpc_workers_and_survives_a_restart(
         return server, engine, await server.start()
 
     async def main() -> None:
-        workers = {role: await start(role) for role in ("prefill", "decode")}
-        ports = {role: port for role, (_, _, port) in workers.items()}
+        # The router starts first, as in a cluster where a new deployment's pods start together:
+        # it must register the workers within its startup check interval of their coming up.
+        ports = dict(zip(("prefill", "decode"), pick_free_ports(2)))
         router_port = pick_free_ports(1)[0]
         argv = _localise(build_router_args(_spec(ports, bootstrap_port)), model_dir, router_port)
         url = f"http://127.0.0.1:{router_port}"
         with open(log_path, "wb") as log:
             router = subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT)
+        workers: dict = {}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+                await _wait_readiness(session, f"http://127.0.0.1:{router_port}", router, 503)  # up, no worker yet
+                workers.update({role: await start(role, ports[role]) for role in ("prefill", "decode")})
+                up = asyncio.get_running_loop().time()
                 await _wait_readiness(session, url, router, 200)
+                waited = asyncio.get_running_loop().time() - up
+                # One missed check and one more, plus start-up slack on a loaded machine (smg's own
+                # 30 s interval left the router unready for ~30 s here).
+                assert waited < 2 * WORKER_STARTUP_CHECK_SECONDS + 5, f"router ready {waited:.1f} s after its workers"
                 prompt = await _generate(session, url, rng)
                 # Both legs of the PD pair got the request, each through its own gRPC URL.
                 for role in ("prefill", "decode"):
