@@ -74,3 +74,9 @@ def named_variable(name: str) -> str:
     """The variable a command line names (the router pod's postStart hook names the one holding the
     control-plane key, `python -m deepseek_pd.gateway_guard --key-env`); "" when unset."""
     return _get(name, "")
+
+
+def omp_num_threads() -> str | None:
+    """OMP_NUM_THREADS as the user set it (torch's and OpenMP's own thread count); None when unset or
+    empty, where the worker sizes its threads from its CPUs (deepseek_pd/cpu_budget.py)."""
+    return _get("OMP_NUM_THREADS", "").strip() or None

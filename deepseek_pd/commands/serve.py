@@ -27,11 +27,13 @@ def flags_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from deepseek_pd.cpu_budget import apply_to_torch
     from deepseek_pd.workers.serve.worker_main import configure_logging, serve_worker
     from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
     configure_logging(args.role)
     flags = flags_from_args(args)
+    apply_to_torch()  # a container sees the node's CPUs but runs on its quota (cpu_budget.py)
     config = resolve_serve_config(flags)  # every default decided once, then frozen
     if not config.group.is_single_process:
         if flags.engine_factory is not None:

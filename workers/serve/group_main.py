@@ -251,10 +251,12 @@ def check_agreement(everyone: list[dict], rank: int) -> None:
 
 def _rank_process(config: ServeConfig, rank: int) -> None:
     """The body of one spawned rank process."""
+    from deepseek_pd.cpu_budget import apply_to_torch
     from deepseek_pd.die_with_parent import die_with_parent
 
     die_with_parent()  # a SIGKILLed supervisor must not leave ranks behind
     configure_rank_logging(config.role, rank)
+    apply_to_torch(processes=len(config.group.node_ranks))  # the node's CPUs shared by its ranks
     try:
         asyncio.run(serve_rank(config, rank))
     except UserError as exc:
