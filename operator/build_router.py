@@ -75,6 +75,13 @@ ROUTER_RESILIENCE_ARGS = ("--disable-circuit-breaker", *gateway.RETRY_ARGS, *gat
                           "--health-failure-threshold", "3")
 
 
+# smg checks a worker it could not reach again only after --worker-startup-check-interval (default
+# 30 s). The router pod starts long before the workers load their weights, so every new deployment,
+# rollout and scale-up served ~30 s late (measured: workers ready at 3 s, registered at 30 s). A
+# check is one gRPC connect: every second costs nothing, and stays below the health checks' period.
+STARTUP_CHECK_SECONDS = 1
+
+
 def router_startup_timeout_seconds(spec: DeploymentSpec) -> int:
     return max(spec.prefill.startup_timeout_seconds,
                spec.decode.startup_timeout_seconds) + SCHEDULE_AND_PULL_SECONDS
@@ -89,6 +96,7 @@ def build_router_args(spec: DeploymentSpec, groups: RouterGroups | None = None) 
         "--pd-disaggregation",
         *discovery.worker_args(spec, desired_groups(spec) if groups is None else groups),
         "--worker-startup-timeout-secs", str(router_startup_timeout_seconds(spec)),
+        "--worker-startup-check-interval", str(STARTUP_CHECK_SECONDS),
         "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_SECONDS),
         *ROUTER_RESILIENCE_ARGS,
         "--max-payload-size", str(gateway.MAX_PAYLOAD_BYTES),
