@@ -19,6 +19,7 @@ import pytest
 from deepseek_pd.launcher.cluster import ClusterSpec, LocalCluster
 from deepseek_pd.launcher.supervisor import SupervisorConfig
 from pdtest import servicer_fakes
+from pdtest.e2e_cluster import ROUTER_ARGS
 from pdtest.servicer_fakes import expected_tokens, make_tokenizer_model_dir
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -43,7 +44,8 @@ def call(url: str, method: str = "GET", body: dict | None = None, key: str | Non
 def cluster(tmp_path):
     model_dir = make_tokenizer_model_dir(tmp_path / "fake-model")
     spec = ClusterSpec(model=str(model_dir), num_prefill=1, num_decode=2, log_dir=tmp_path / "logs",
-                       worker_args=(f"--engine-factory={FAKE_FACTORY}",), startup_timeout_s=90)
+                       worker_args=(f"--engine-factory={FAKE_FACTORY}",), startup_timeout_s=90,
+                       router_args=ROUTER_ARGS)  # up's flags, without the idle settle at teardown
     with LocalCluster(spec) as running:
         yield running
 

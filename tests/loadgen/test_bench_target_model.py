@@ -51,7 +51,9 @@ def start_smg(cluster, log_path: Path) -> tuple[subprocess.Popen, str]:
         argv += ["--decode", f"grpc://{w.address(host)}"]
     argv += ["--host", host, "--port", str(port), "--model-path", str(cluster.model_dir),
              "--prometheus-host", host, "--prometheus-port", str(metrics_port), "--disable-retries",
-             "--disable-circuit-breaker"]
+             "--disable-circuit-breaker",
+             # nothing in flight when the test stops it: no 5 s load-balancer settle (pdtest.e2e_cluster)
+             "--shutdown-grace-period-secs", "1"]
     proc = subprocess.Popen(argv, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + 60
@@ -63,41 +65,49 @@ def start_smg(cluster, log_path: Path) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("router", ["up", "smg"])  # up's own router, a second smg started here
-def test_bench_url_uses_the_served_models_vocabulary_and_kv_size(tmp_path: Path, router: str) -> None:
-    if router == "smg":
-        pytest.importorskip("smg")
-    write_random_checkpoint = bench_module("random_checkpoint").write_random_checkpoint
-
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One cluster for both routers below (they only read from it): workers serving a freshly
+    drawn non-tiny checkpoint, and that checkpoint's config."""
     from deepseek_pd.launcher.cluster import LocalCluster
     from pdtest.e2e_cluster import cluster_spec
 
+    write_random_checkpoint = bench_module("random_checkpoint").write_random_checkpoint
+    tmp = tmp_path_factory.mktemp("target-model")
     rng = random.Random()
     config = random_non_tiny_config(rng)
-    model_dir = write_random_checkpoint(tmp_path / "model", config, seed=rng.randrange(1 << 30))
+    model_dir = write_random_checkpoint(tmp / "model", config, seed=rng.randrange(1 << 30))
+    with LocalCluster(dataclasses.replace(cluster_spec(tmp), model=str(model_dir))) as cluster:
+        yield cluster, config, model_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", ["up", "smg"])  # up's own router, a second smg started here
+def test_bench_url_uses_the_served_models_vocabulary_and_kv_size(tmp_path: Path, router: str, served) -> None:
+    if router == "smg":
+        pytest.importorskip("smg")
+    cluster, config, model_dir = served
+    rng = random.Random()
     expected_kv = config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4
     out_json = tmp_path / "bench.json"
-    spec = dataclasses.replace(cluster_spec(tmp_path), model=str(model_dir))
     smg = None
-    with LocalCluster(spec) as cluster:
-        url = cluster.router_url
-        if router == "smg":
-            smg, url = start_smg(cluster, tmp_path / "smg.log")
-        try:
-            num_prompts, input_len, output_len = 6, 40, 4
-            argv = [sys.executable, "-m", "deepseek_pd.cli", "bench", "serving", "--url", url,
-                    "--num-prompts", str(num_prompts), "--dataset", "fixed", "--input-len", str(input_len),
-                    "--output-len", str(output_len), "--max-concurrency", "3", "--no-progress",
-                    "--output-json", str(out_json), "--output-png", str(tmp_path / "bench.png"),
-                    "--seed", str(rng.randrange(1000))]
-            if router == "up":  # up locks its gateway's control plane (/workers) with this key
-                argv += ["--admin-key-file", str(cluster.log_dir / "control-plane-key")]
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
-        finally:
-            if smg is not None:
-                smg.terminate()
-                smg.wait(timeout=10)
+    url = cluster.router_url
+    if router == "smg":
+        smg, url = start_smg(cluster, tmp_path / "smg.log")
+    try:
+        num_prompts, input_len, output_len = 6, 40, 4
+        argv = [sys.executable, "-m", "deepseek_pd.cli", "bench", "serving", "--url", url,
+                "--num-prompts", str(num_prompts), "--dataset", "fixed", "--input-len", str(input_len),
+                "--output-len", str(output_len), "--max-concurrency", "3", "--no-progress",
+                "--output-json", str(out_json), "--output-png", str(tmp_path / "bench.png"),
+                "--seed", str(rng.randrange(1000))]
+        if router == "up":  # up locks its gateway's control plane (/workers) with this key
+            argv += ["--admin-key-file", str(cluster.log_dir / "control-plane-key")]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    finally:
+        if smg is not None:
+            smg.terminate()
+            smg.wait(timeout=10)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out_json.read_text())
     summary, target = result["summary"], result["config"]["target_model"]

@@ -171,6 +171,9 @@ def test_static_router_lists_every_group_leader_over_grpc():
     # A worker still loading when the router starts must not be given up on.
     assert parsed.worker_startup_timeout_secs > max(spec.prefill.startup_timeout_seconds,
                                                     spec.decode.startup_timeout_seconds)
+    # ... and one that comes up is registered before a health check could have noticed it, not
+    # after smg's default 30 s between start-up checks (the router pod starts first).
+    assert parsed.worker_startup_check_interval < parsed.health_check_interval_secs
     # No Kubernetes API access at all: no Role, no binding, no token in the pod.
     assert set(router) == {"ServiceAccount", "Deployment", "Service"}
     pod = router["Deployment"]["spec"]["template"]["spec"]

@@ -57,10 +57,11 @@ def _localise(args: list[str], model_dir: pathlib.Path, router_port: int) -> lis
                         ("--model-path", str(model_dir))):
         out[out.index(flag) + 1] = value
     # Health checks every second instead of every minute, and one result is enough, so the
-    # restart is noticed quickly.
+    # restart is noticed quickly. A 1 s shutdown grace: smg's load-balancer settle after SIGTERM
+    # is min(5 s, half the grace), idle here (nothing in flight, nothing in front).
     return out + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(pick_free_ports(1)[0]),
                   "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-                  "--health-success-threshold", "1"]
+                  "--health-success-threshold", "1", "--shutdown-grace-period-secs", "1"]
 
 
 async def _wait_readiness(session: aiohttp.ClientSession, url: str, router: subprocess.Popen,

@@ -90,6 +90,8 @@ def test_the_harness_fails_on_an_exited_container_and_on_an_orphan(tmp_path) -> 
         with LocalDeployment([_pod_running(tmp_path, f"echo {word}; exit 2")], tmp_path / "a") as deployment:
             deployment.wait_router_ready("http://127.0.0.1:9", 1, timeout_s=30)
     with pytest.raises(AssertionError, match="outlived their pods"):
-        with LocalDeployment([_pod_running(tmp_path, "setsid sleep 60 & sleep 60")], tmp_path / "b") as deployment:
+        # The orphan lives 60 s: a 1 s wait for it to end finds it as surely as the default 10 s.
+        with LocalDeployment([_pod_running(tmp_path, "setsid sleep 60 & sleep 60")], tmp_path / "b",
+                             orphan_wait_s=1) as deployment:
             time.sleep(0.5)  # let the escaping child start
             deployment.check_running()

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from deepseek_pd.client.scheduler_grpc import SchedulerClient
-from deepseek_pd.launcher.cluster import ClusterSpec, LocalCluster
+from deepseek_pd.launcher.cluster import ROUTER_LOCAL_FLAGS, ClusterSpec, LocalCluster
 from deepseek_pd.launcher.supervisor import Supervisor, SupervisorConfig
 from deepseek_pd.launcher.worker_plan import GroupShape
 
@@ -28,6 +28,11 @@ WORKER_ARGS = (
     "--drain-timeout=2",
 )
 
+# On SIGTERM smg keeps its port open for a load balancer to notice (min(5 s, half its shutdown
+# grace)) before it drains. Nothing fronts a test's router and no request is in flight when a test
+# stops its cluster, so that window was 5 s of idle time per cluster; a 1 s grace makes it 0 s.
+ROUTER_ARGS = (*ROUTER_LOCAL_FLAGS, "--shutdown-grace-period-secs", "1")
+
 
 def cluster_spec(tmp: Path, num_prefill: int = 1, num_decode: int = 1, kv_transport: str = "grpc",
                  extra_worker_args: tuple[str, ...] = (), prefill_group: GroupShape = GroupShape(),
@@ -36,7 +41,7 @@ def cluster_spec(tmp: Path, num_prefill: int = 1, num_decode: int = 1, kv_transp
                        prefill_group=prefill_group, decode_group=decode_group,
                        kv_transport=kv_transport, log_dir=tmp / "logs",
                        worker_args=WORKER_ARGS + extra_worker_args, startup_timeout_s=startup_timeout_s,
-                       stop_grace_s=10)
+                       router_args=ROUTER_ARGS, stop_grace_s=10)
 
 
 def supervise(cluster: LocalCluster, stop: threading.Event,

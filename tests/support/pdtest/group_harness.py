@@ -55,16 +55,18 @@ class GroupWorker:
 
     async def wait_healthy(self, timeout_s: float = 150.0) -> None:
         deadline = time.monotonic() + timeout_s
-        async with SchedulerClient(self.address) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"{self.role} group exited with {self.proc.returncode}:\n{self.log_tail()}")
-                try:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.role} group exited with {self.proc.returncode}:\n{self.log_tail()}")
+            # A fresh channel per probe: one kept open while nothing listens backs its reconnects
+            # off (1 s, x1.6 per attempt), so it saw a group ready ~10 s late after a 25 s start.
+            try:
+                async with SchedulerClient(self.address) as client:
                     if (await client.health(timeout_s=1.0)).healthy:
                         return
-                except Exception:  # not listening yet
-                    pass
-                await asyncio.sleep(0.2)
+            except Exception:  # not listening yet
+                pass
+            await asyncio.sleep(0.2)
         raise AssertionError(f"{self.role} group not healthy within {timeout_s}s:\n{self.log_tail()}")
 
     def stop(self) -> None:

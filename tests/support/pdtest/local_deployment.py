@@ -32,9 +32,12 @@ ORPHAN_WAIT_S = 10
 
 
 class LocalDeployment:
-    def __init__(self, pods: list[LocalPod], logs: pathlib.Path) -> None:
+    def __init__(self, pods: list[LocalPod], logs: pathlib.Path, orphan_wait_s: float = ORPHAN_WAIT_S) -> None:
+        """`orphan_wait_s`: how long a stopped pod's processes may take to end before they count as
+        orphans (a test that makes one on purpose, alive for a minute, need not wait the default)."""
         self.pods = pods
         self.logs = logs
+        self.orphan_wait_s = orphan_wait_s
         self.running: dict[str, ManagedProcess] = {}
 
     def _log(self, name: str) -> pathlib.Path:
@@ -93,7 +96,7 @@ class LocalDeployment:
             tree |= descendants(proc.pid) | {proc.pid}
         stop_all(list(self.running.values()), STOP_GRACE_S)
         self.running.clear()
-        return wait_gone(tree, ORPHAN_WAIT_S)
+        return wait_gone(tree, self.orphan_wait_s)
 
     def __enter__(self) -> "LocalDeployment":
         try:

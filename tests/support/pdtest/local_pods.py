@@ -18,6 +18,9 @@ these substitutions, and no others, stand in for a cluster:
                 the tiny checkpoint under model.path); terminationMessagePath -> a file per container.
     entrypoint  `deepseek-pd` -> this interpreter's `-m deepseek_pd.cli`; `python3` -> this interpreter.
     node        status.podIP 127.0.0.1; OMP_NUM_THREADS=1 (many ranks on few cores).
+    stop        a `--shutdown-grace-period-secs` value -> 1: smg keeps its port open min(5 s, half
+                the grace) after SIGTERM for a load balancer to notice; here nothing is in front
+                and nothing in flight when the pods stop, so that was 5 s idle per stop.
 
 Left out, not substituted: securityContext, resources, probes, the /dev/shm tmpfs, image pulls.
 Names given only as names (the prefill's `--bootstrap-alias`, LWS_LEADER_ADDRESS and the other
@@ -43,6 +46,7 @@ LOCALHOST = "127.0.0.1"
 _ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9*_.-]+\.svc(?:\.cluster\.local)?):(?P<port>\d+)")
 _ENTRYPOINTS = {"deepseek-pd": [sys.executable, "-m", "deepseek_pd.cli"], "python3": [sys.executable]}
 _NODE_ENV = {"OMP_NUM_THREADS": "1"}
+_SHUTDOWN_GRACE = "1"
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ def localize(rendered: RenderedDeployment, workdir: pathlib.Path, host_paths: di
                 env = {k: _local_path(v, mounts) for k, v in container_env(rendered, pod, container, {}).items()}
                 argv = [_local_path(a, mounts) for a in network.rewrite(rendered.argv(container, env), local.ports)]
                 argv = [*_ENTRYPOINTS.get(argv[0], argv[:1]), *argv[1:]]
+                argv = [_SHUTDOWN_GRACE if i and argv[i - 1] == "--shutdown-grace-period-secs" else arg
+                        for i, arg in enumerate(argv)]
                 command = Command(f"{local.name}/{container['name']}", argv, {**env, **_NODE_ENV}, pod_dir)
                 (local.init if kind == "initContainers" else local.main).append(command)
         local_pods.append(local)
