@@ -4,7 +4,8 @@ requests that share the decode batch or later reuse the pages).
 
 `lie_about_first_token(engine)`: every TransferDone names a first token past the vocabulary.
 `poison_sent_kv(engine)`: every KV send carries a NaN at a random (layer, slot, value) of its
-first page. `poison_and_hold(engine, sent, release)`: every KV send is all NaN, and TransferDone
+first page. `withhold_a_layer(engine)`: every KV send leaves out its last layer (finite bytes are
+written, and decode finds the transfer incomplete at the TransferDone). `poison_and_hold(engine, sent, release)`: every KV send is all NaN, and TransferDone
 waits for `release` (so the NaN sits in the decode pool, unchecked, while other requests decode);
 `sent` is set when a room's last chunk is out (`hold_transfer_done` alone holds without
 poisoning). All patch one started engine (its registry, its
@@ -55,6 +56,26 @@ def poison_sent_kv(engine: PrefillEngine, rng: random.Random) -> None:
         channel.send = send_poisoned
         return channel
     engine.sender.open = open_poisoned
+
+
+def withhold_a_layer(engine: PrefillEngine) -> None:
+    assert engine.sender is not None, "start() first"
+    pool = engine.pool
+    open_channel = engine.sender.open
+
+    def open_short(handshake, emit, streams=1):
+        channel = open_channel(handshake, emit, streams)
+        send = channel.send
+
+        async def send_short(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
+            end = pool.num_layers if layer_end is None else layer_end
+            if end == pool.num_layers:
+                end -= 1  # the last layer never goes out
+            if end > layer_begin:
+                await send(src_pages, page_begin, layer_begin, end, ready)
+        channel.send = send_short
+        return channel
+    engine.sender.open = open_short
 
 
 def poison_and_hold(engine: PrefillEngine, sent: asyncio.Event, release: asyncio.Event) -> None:

@@ -28,7 +28,7 @@ from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.decode.page_budget import PageBudget
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 from pdtest import mooncake_stub
-from pdtest.hostile_prefill import lie_about_first_token, poison_sent_kv
+from pdtest.hostile_prefill import lie_about_first_token, withhold_a_layer
 from pdtest.pd_engine_harness import PDPair, collect, oracle, runner, worker_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -166,9 +166,11 @@ def test_a_grpc_transfer_that_failed_before_any_chunk_frees_its_pages_at_once_un
 
 
 def test_a_grpc_transfer_that_wrote_chunks_is_zeroed_off_the_loop_without_the_grace(monkeypatch):
-    """A hostile prefill's chunks (with a NaN) are written, then decode refuses the KV: the pages
-    are zeroed in a worker thread and freed without waiting any grace (nothing writes into them once
-    the receiver stopped), though the receiver is made to state one."""
+    """A hostile prefill's chunks are written but one layer never comes, so decode refuses the KV
+    at the TransferDone: the pages are zeroed in a worker thread and freed without waiting any grace
+    (nothing writes into them once the receiver stopped), though the receiver is made to state one.
+    (A chunk with a NaN no longer serves here: decode refuses it before its bytes reach a page,
+    test_grpc_landing_check.py.)"""
     monkeypatch.setattr(GrpcReceiver, "late_write_grace_s", property(lambda self: 30.0))
     spy = _ScrubSpy(monkeypatch)
     rng = random.Random()
@@ -179,9 +181,9 @@ def test_a_grpc_transfer_that_wrote_chunks_is_zeroed_off_the_loop_without_the_gr
             opened = _record_pages(pair.decode)
             hostile = PrefillEngine(runner(), worker_config("grpc"))
             await hostile.start()
-            poison_sent_kv(hostile, rng)
+            withhold_a_layer(hostile)
             try:
-                p_req, d_req = pair.requests(_prompt(rng), GREEDY, "poisoned", prefill=hostile)
+                p_req, d_req = pair.requests(_prompt(rng), GREEDY, "short", prefill=hostile)
                 _, failed = await asyncio.gather(collect(hostile, p_req), collect(pair.decode, d_req))
                 await pair.wait_pools_clean(5)  # far below the stated grace
                 return failed, opened, _zero_pages(pair.decode.pool, opened[0]), loop_thread
@@ -189,7 +191,7 @@ def test_a_grpc_transfer_that_wrote_chunks_is_zeroed_off_the_loop_without_the_gr
                 await hostile.stop()
 
     failed, opened, zeroed, loop_thread = asyncio.run(run())
-    assert isinstance(failed.terminal, Failed) and "NaN" in failed.terminal.message, failed.terminal
+    assert isinstance(failed.terminal, Failed) and "never arrived" in failed.terminal.message, failed.terminal
     assert [(pages, held) for pages, _, _, held in spy.calls] == [(opened[0], True)], spy.calls
     assert spy.calls[0][1] is not loop_thread, "the scrub ran on the event loop thread"
     assert zeroed, "the refused pages were not zeroed"
