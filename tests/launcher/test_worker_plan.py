@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from pathlib import Path
 
 import pytest
 

@@ -36,7 +36,7 @@ def _params(rng: random.Random) -> SamplingParams:
 def test_a_speculative_step_reads_back_only_its_result(tiny_mtp_checkpoint, module_seed):
     rng = random.Random(module_seed)
     spec = Engine(str(tiny_mtp_checkpoint), page_size=4, speculative_num_steps=3)
-    decoder, runner = spec.speculative, spec.runner
+    decoder = spec.speculative
     step, finish = decoder.step, getattr(decoder, "finish", None)
     steps, finishes, reads = [0], [0], []
     active: list[HostReads | None] = [None]  # the guard of the step running now (prefill runs unguarded)
