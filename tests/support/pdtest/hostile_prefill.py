@@ -13,9 +13,9 @@ sender), never a class.
 """
 from __future__ import annotations
 
-import random
-
 import asyncio
+import random
+from typing import Awaitable, Callable
 
 import torch
 
@@ -39,62 +39,59 @@ def lie_about_first_token(engine: PrefillEngine, rng: random.Random) -> None:
     engine.registry.claim = claim_lying
 
 
-def poison_sent_kv(engine: PrefillEngine, rng: random.Random) -> None:
+Send = Callable[..., Awaitable[None]]  # a channel's send(src_pages, page_begin, layer_begin, layer_end, ready)
+
+
+def _wrap_sends(engine: PrefillEngine, wrap: Callable[[Send], Send]) -> None:
+    """Every channel the engine opens from now on sends through `wrap(its own send)`."""
     assert engine.sender is not None, "start() first"
-    pool = engine.pool
     open_channel = engine.sender.open
 
-    def open_poisoned(handshake, emit, streams=1):
+    def open_wrapped(handshake, emit, streams=1):
         channel = open_channel(handshake, emit, streams)
-        send = channel.send
+        channel.send = wrap(channel.send)
+        return channel
+    engine.sender.open = open_wrapped
 
+
+def poison_sent_kv(engine: PrefillEngine, rng: random.Random) -> None:
+    pool = engine.pool
+
+    def wrap(send: Send) -> Send:
         async def send_poisoned(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
             layer = rng.randrange(layer_begin, pool.num_layers if layer_end is None else layer_end)
             slot, value = rng.randrange(pool.page_size), rng.randrange(pool.kv_dim)
             pool.buffers[layer][src_pages[0], slot, value] = float("nan")
             await send(src_pages, page_begin, layer_begin, layer_end, ready)
-        channel.send = send_poisoned
-        return channel
-    engine.sender.open = open_poisoned
+        return send_poisoned
+    _wrap_sends(engine, wrap)
 
 
 def withhold_a_layer(engine: PrefillEngine) -> None:
-    assert engine.sender is not None, "start() first"
     pool = engine.pool
-    open_channel = engine.sender.open
 
-    def open_short(handshake, emit, streams=1):
-        channel = open_channel(handshake, emit, streams)
-        send = channel.send
-
+    def wrap(send: Send) -> Send:
         async def send_short(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
             end = pool.num_layers if layer_end is None else layer_end
             if end == pool.num_layers:
                 end -= 1  # the last layer never goes out
             if end > layer_begin:
                 await send(src_pages, page_begin, layer_begin, end, ready)
-        channel.send = send_short
-        return channel
-    engine.sender.open = open_short
+        return send_short
+    _wrap_sends(engine, wrap)
 
 
 def poison_and_hold(engine: PrefillEngine, sent: asyncio.Event, release: asyncio.Event) -> None:
-    assert engine.sender is not None and engine.registry is not None, "start() first"
     pool = engine.pool
-    open_channel = engine.sender.open
 
-    def open_poisoned(handshake, emit, streams=1):
-        channel = open_channel(handshake, emit, streams)
-        send = channel.send
-
+    def wrap(send: Send) -> Send:
         async def send_all_nan(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
             index = torch.tensor(list(src_pages), dtype=torch.long, device=pool.device)
             for layer in range(layer_begin, pool.num_layers if layer_end is None else layer_end):
                 pool.buffers[layer].index_fill_(0, index, float("nan"))
             await send(src_pages, page_begin, layer_begin, layer_end, ready)
-        channel.send = send_all_nan
-        return channel
-    engine.sender.open = open_poisoned
+        return send_all_nan
+    _wrap_sends(engine, wrap)
     hold_transfer_done(engine, sent, release)
 
 
