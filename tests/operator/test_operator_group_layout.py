@@ -182,8 +182,9 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
 def test_the_memory_plan_reserves_the_staging_the_worker_resolves(role_name, v3_node) -> None:
     """The plan's Mooncake staging bytes (operator/memory_plan.py) equal `RunnerConfig.mem_reserve_bytes`
     of the rendered pod as `serve` resolves it (workers/serve/kv_staging.py, the one rule), for a
-    random KV transport, protocol, staging size, page size and speculation: a decode rank over
-    Mooncake and a prefill rank over RDMA keep it out of their pool, the others none."""
+    random KV transport, protocol, staging size, page size and speculation: every rank over
+    Mooncake keeps it out of its pool (prefill's send staging holds the ciphertext, over TCP too:
+    transport/kv_cipher.py), a rank over gRPC none."""
     rng = random.Random()
     raw = yaml.safe_load((EXAMPLES / "deepseek-v3-h200.yaml").read_text())["spec"]
     raw["model"].pop("numRoutedExperts")
@@ -200,7 +201,7 @@ def test_the_memory_plan_reserves_the_staging_the_worker_resolves(role_name, v3_
     runner = _resolved_runner(spec, role_name, v3_node)
     planned = next(r for r in plan_memory(spec).ranks if r.role == role_name)
     assert planned.staging_bytes == runner.mem_reserve_bytes, (backend, protocol, role["engineArgs"])
-    stages = backend == "mooncake" and (role_name == "decode" or protocol == "rdma")
+    stages = backend == "mooncake"
     assert (runner.mem_reserve_bytes > 0) == stages
 
 
