@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the test suite from a clean clone of the current commit several times in a row, the last run
 # with another process burning one core (--load), to find flakes before CI does. Each run is a
-# fresh `git clone` of HEAD (uncommitted changes are not in it) running `make test`, as CI does;
-# each prints its random seed, so a failure replays with `make test SEED=<seed>`.
+# fresh `git clone` of HEAD (uncommitted changes are not in it) running `make test`, as CI does:
+# the first with CI's fixed seed, the others with fresh ones (`make test SEED=fresh`); each prints
+# its random seed, so a failure replays with `make test SEED=<seed>`.
 #
 #   scripts/stress-suite.sh [--runs N] [--load] [--fresh-venv] [--repeat-failed N] [--workdir DIR] [-- PYTEST ARGS...]
 #
@@ -106,6 +107,8 @@ for i in $(seq 1 "$runs"); do
     echo "run $i/$runs$under: $clone, log $log" >&2
     begin=$SECONDS
     make_args=(test)
+    # The first run draws as CI does (the Makefile's CI_SEED); the others draw fresh seeds.
+    [ "$i" -gt 1 ] && make_args+=("SEED=fresh")
     [ ${#tests[@]} -gt 0 ] && make_args+=("TESTS=${tests[*]}")
     set +e
     (cd "$clone" && CI=true exec make "${make_args[@]}") </dev/null >"$log" 2>&1 &

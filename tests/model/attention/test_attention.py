@@ -68,11 +68,14 @@ def test_absorbed_mla_equals_up_projected_attention(mode):
     rng = random.Random()
     heads, nope, rope, v_dim, rank = rng.randint(1, 4), rng.randint(2, 6), 2 * rng.randint(1, 3), 5, rng.randint(3, 8)
     page_size = rng.randint(1, 5)
-    pool = KVPool(num_layers=1, num_pages=40, page_size=page_size, kv_dim=rank + rope)
     batch_size = rng.randint(1, 4)
     news = [1 if mode is ForwardMode.DECODE else rng.randint(1, 6) for _ in range(batch_size)]
     prefixes = [rng.randint(0, 9) for _ in range(batch_size)]
-    all_pages = pool.alloc(40)
+    # Room for every sequence, with spare pages to shuffle among (a fixed 40 was too few for 4
+    # sequences of up to 15 tokens in pages of 1: stress run seed 4164224378).
+    num_pages = sum(-(-(p + n) // page_size) for p, n in zip(prefixes, news)) + rng.randint(0, 20)
+    pool = KVPool(num_layers=1, num_pages=num_pages, page_size=page_size, kv_dim=rank + rope)
+    all_pages = pool.alloc(num_pages)
     rng.shuffle(all_pages)
     pages, used = [], 0
     for p, n in zip(prefixes, news):
