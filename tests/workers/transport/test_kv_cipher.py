@@ -19,12 +19,13 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.request_failure import TransferError
-from deepseek_pd.workers.transport import kv_cipher, wire
-from deepseek_pd.workers.transport.base import TransportConfig, layout_of
+from deepseek_pd.workers.transport import kv_cipher
+from deepseek_pd.workers.transport.base import TransportConfig
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
 from pdtest import chacha20_reference, mooncake_stub
 from test_kv_mac import _filled_pool, _random_sends
+from test_send_landing import open_reported_transfer
 
 
 def _keystream(key: bytes, layer: int, page: int, page_bytes: int) -> bytes:
@@ -177,19 +178,9 @@ def test_a_transfer_moves_only_ciphertext_and_lands_the_kv(monkeypatch):
     sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
     count = rng.randrange(2, 8)
     src_pages, dst_pages = rng.sample(range(24), count), rng.sample(range(24), count)
-    handshake = pb.Handshake(page_ids=dst_pages, layout=layout_of(dst), num_tokens=count * src.page_size)
-    receiver.fill_destination(handshake)
+    handshake, sink, slots, channel, reports = open_reported_transfer(sender, receiver, dst, dst_pages,
+                                                                      count * src.page_size)
     assert list(handshake.mooncake.kv_cipher_algorithms) == [kv_cipher.ALGORITHM]
-    sink = receiver.open_sink(dst_pages)
-    asyncio.run(sink.reserve())
-    sink.expose()
-    sink.offer_into(handshake)
-    slots = list(handshake.page_ids)
-    reports: list = []
-
-    async def emit(encoded):
-        reports.append(wire.decode_event(encoded.payload).chunk)
-    channel = sender.open(handshake, emit=emit)
     room, mac_key, key = rng.randrange(1 << 40), rng.randbytes(32), rng.randbytes(32)
     for side in (channel, sink):  # as KVPush and the bootstrap client do, before any KV moves
         side.begin_cipher(kv_cipher.ALGORITHM, key)

@@ -74,6 +74,25 @@ def test_landing_refuses_a_cell_twice_or_outside_and_names_a_cell_never_reported
     assert landing.missing() is None
 
 
+def open_reported_transfer(sender: MooncakeSender, receiver: MooncakeReceiver, dst: KVPool, dst_pages: list[int],
+                           num_tokens: int):
+    """Decode's side of a mooncake transfer into `dst_pages` opened as the bootstrap client opens it
+    (destination filled, slots reserved and offered), and the prefill side's channel whose send
+    reports are collected: (handshake, sink, decode's staging slots, channel, reports)."""
+    handshake = pb.Handshake(page_ids=dst_pages, layout=layout_of(dst), num_tokens=num_tokens)
+    receiver.fill_destination(handshake)
+    sink = receiver.open_sink(dst_pages)
+    asyncio.run(sink.reserve())
+    sink.expose()
+    sink.offer_into(handshake)
+    reports: list = []
+
+    async def emit(encoded):
+        reports.append(wire.decode_event(encoded.payload).chunk)
+    channel = sender.open(handshake, emit=emit)
+    return handshake, sink, list(handshake.page_ids), channel, reports
+
+
 def _reporting_transfer(monkeypatch, rng: random.Random, nan: bool = False):
     """A mooncake transfer over the stub engine whose decode side asked for each send's report
     (`nan`: one value of one sent page is NaN, as a prefill worker with the secret may send it):
@@ -89,18 +108,8 @@ def _reporting_transfer(monkeypatch, rng: random.Random, nan: bool = False):
     src_pages, dst_pages = rng.sample(range(24), count), rng.sample(range(24), count)
     if nan:
         src.buffers[rng.randrange(src.num_layers)][rng.choice(src_pages), rng.randrange(src.page_size), 0] = float("nan")
-    handshake = pb.Handshake(page_ids=dst_pages, layout=layout_of(dst), num_tokens=count * src.page_size)
-    receiver.fill_destination(handshake)
-    sink = receiver.open_sink(dst_pages)
-    asyncio.run(sink.reserve())
-    sink.expose()
-    sink.offer_into(handshake)
-    slots = list(handshake.page_ids)
-    reports: list = []
-
-    async def emit(encoded):
-        reports.append(wire.decode_event(encoded.payload).chunk)
-    channel = sender.open(handshake, emit=emit)
+    handshake, sink, slots, channel, reports = open_reported_transfer(sender, receiver, dst, dst_pages,
+                                                                      count * src.page_size)
     room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
     channel.begin_seal(key, room)
     sink.begin_check(key, room)
