@@ -15,15 +15,15 @@ from __future__ import annotations
 from deepseek_pd.model.kv.staging_size import staging_bytes
 
 
-def allocates_staging(decodes: bool, kv_transport: str, protocol: str) -> bool:
-    """Whether a worker (`decodes`: the decode role) with this KV transport and Mooncake protocol
-    allocates a staging area."""
+def allocates_staging(kv_transport: str) -> bool:
+    """Whether a worker with this KV transport allocates a staging area: every role, every Mooncake
+    protocol (above)."""
     return kv_transport == "mooncake"
 
 
-def staging_reserve_bytes(decodes: bool, kv_transport: str, protocol: str, staging_tokens: int, page_size: int,
-                          num_layers: int, kv_dim: int, itemsize: int) -> int:
+def staging_reserve_bytes(kv_transport: str, staging_tokens: int, page_size: int, num_layers: int, kv_dim: int,
+                          itemsize: int) -> int:
     """The bytes a worker keeps out of its KV pool for its staging area (0 where it has none)."""
-    if not allocates_staging(decodes, kv_transport, protocol):
+    if not allocates_staging(kv_transport):
         return 0
     return staging_bytes(staging_tokens, page_size, num_layers, kv_dim, itemsize)

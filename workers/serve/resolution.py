@@ -147,7 +147,7 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
             scheduler=SchedulerConfig(**scheduler_fields))
     except ValueError as exc:  # some configs raise ValueError rather than UserError
         raise UserError(str(exc)) from exc
-    runner = _with_staging_reserve(runner, defaults, flags.kv_transport, worker.transport, model_config)
+    runner = _with_staging_reserve(runner, flags.kv_transport, worker.transport, model_config)
     identity = WorkerIdentity(role=flags.role, kv_transport=flags.kv_transport, bootstrap_port=flags.bootstrap_port,
                               page_size=runner.page_size, host=flags.host, port=flags.port,
                               kv_bytes_per_token=bytes_per_pool_page(
@@ -168,11 +168,10 @@ def _runner_config(flags: ServeFlags, defaults: RoleDefaults, device: str, model
     return RunnerConfig.resolve(model_config, graphs_by_default=defaults.decodes, **fields)
 
 
-def _with_staging_reserve(runner: RunnerConfig, defaults: RoleDefaults, kv_transport: str,
+def _with_staging_reserve(runner: RunnerConfig, kv_transport: str,
                           transport: TransportConfig, model_config: ModelConfig) -> RunnerConfig:
     """`runner` with its Mooncake staging area's memory kept out of the pool (kv_staging.py)."""
-    reserve = staging_reserve_bytes(defaults.decodes, kv_transport, transport.mooncake_protocol,
-                                    transport.mooncake_staging_tokens, runner.page_size,
+    reserve = staging_reserve_bytes(kv_transport, transport.mooncake_staging_tokens, runner.page_size,
                                     kv_layers(model_config, runner.speculative_num_steps > 0),
                                     model_config.kv_cache_dim, runner.resolve_dtype(model_config).itemsize)
     return dataclasses.replace(runner, mem_reserve_bytes=reserve)
