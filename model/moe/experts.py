@@ -27,6 +27,24 @@ _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def grouped_expert_products(hidden: torch.Tensor, expert: torch.Tensor, top_k: int, w13: torch.Tensor,
+                            w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (token, k) pair's expert MLP output with no host sync: `expert` [tokens * top_k] holds
+    each pair's expert, num_experts for a dropped one. Returns (order, y): the pairs sorted by
+    expert (stable), and y[i] the output of pair order[i] (`torch._grouped_mm` from device row
+    offsets; rows of dropped pairs sort last, past the last offset, and hold garbage). The SiLU-mul
+    is rounded to the model dtype before the down projection, as the fused kernel stores it."""
+    num_experts = w13.shape[0]
+    expert = expert.long()
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=hidden.device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))
+    offsets = counts[:num_experts].cumsum(0).to(torch.int32)
+    order = torch.argsort(expert, stable=True)
+    gate, up = torch._grouped_mm(hidden[order // top_k], w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    y = torch._grouped_mm((F.silu(gate) * up).to(hidden.dtype), w2.transpose(1, 2), offs=offsets)
+    return order, y
+
+
 class MoEKernel(Protocol):
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  w13: torch.Tensor, w2: torch.Tensor, scales: Fp8ExpertScales | None = None) -> torch.Tensor:
@@ -71,9 +89,9 @@ class TorchMoEKernel:
         flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids,
                                torch.full_like(flat_ids, num_experts))
         flat_weights = topk_weights.reshape(-1).float()
-        order = torch.argsort(flat_ids, stable=True)  # expert-major, then token order
         if scales is None and self._groups_on_device(hidden, w2):
-            return self._grouped(out, hidden, flat_ids, flat_weights, order, top_k, w13, w2)
+            return self._grouped(out, hidden, flat_ids, flat_weights, top_k, w13, w2)
+        order = torch.argsort(flat_ids, stable=True)  # expert-major, then token order
         token_of = torch.arange(num_tokens, device=hidden.device).repeat_interleave(top_k)
         counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
         start = 0
@@ -96,20 +114,13 @@ class TorchMoEKernel:
 
     @staticmethod
     def _grouped(out: torch.Tensor, hidden: torch.Tensor, flat_ids: torch.Tensor, flat_weights: torch.Tensor,
-                 order: torch.Tensor, top_k: int, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """The loop's GEMMs and sums with the per-expert row offsets kept in a tensor. The pairs of
-        dropped ids sort last, past the last offset, where `_grouped_mm` leaves its output unset:
-        their terms are zeros (`where`), and adding +0.0 changes no sum (`out` starts at +0.0 and
+                 top_k: int, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """The loop's GEMMs (`grouped_expert_products`) and its sums, in expert order. The dropped
+        pairs' terms are zeros (`where`), and adding +0.0 changes no sum (`out` starts at +0.0 and
         never holds -0.0)."""
-        num_experts = w13.shape[0]
-        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=hidden.device)
-        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-        offsets = counts[:num_experts].cumsum(0).to(torch.int32)
-        tokens = order // top_k
-        gate, up = torch._grouped_mm(hidden[tokens], w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        y = torch._grouped_mm((F.silu(gate) * up).to(hidden.dtype), w2.transpose(1, 2), offs=offsets)
-        kept = (flat_ids[order] < num_experts)[:, None]
-        out.index_add_(0, tokens, torch.where(kept, y.float() * flat_weights[order, None], 0.0))
+        order, y = grouped_expert_products(hidden, flat_ids, top_k, w13, w2)
+        kept = (flat_ids[order] < w13.shape[0])[:, None]
+        out.index_add_(0, order // top_k, torch.where(kept, y.float() * flat_weights[order, None], 0.0))
         return out.to(hidden.dtype)
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor, gemm: int, expert: int,

@@ -8,9 +8,8 @@ the last offset, where `_grouped_mm` leaves garbage: they are zeroed with `where
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from deepseek_pd.model.moe.experts import MOE_BACKENDS
+from deepseek_pd.model.moe.experts import MOE_BACKENDS, grouped_expert_products
 
 
 class GroupedMMMoEKernel:
@@ -25,13 +24,7 @@ class GroupedMMMoEKernel:
         flat = topk_ids.reshape(-1).long()
         valid = (flat >= 0) & (flat < num_experts)
         expert = torch.where(valid, flat, torch.full_like(flat, num_experts))
-        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=hidden.device)
-        counts.scatter_add_(0, expert, torch.ones_like(expert))
-        offsets = counts[:num_experts].cumsum(0).to(torch.int32)
-        order = torch.argsort(expert, stable=True)
-        rows = hidden[order // top_k]
-        gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+        order, y = grouped_expert_products(hidden, expert, top_k, w13, w2)
         weight = topk_weights.reshape(-1).float()[order]
         y = torch.where(valid[order, None], y.float() * weight[:, None], 0.0)
         per_pair = torch.empty_like(y)
