@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool, copy_pages_
 
 # The received message is immutable `bytes` and is only read: torch's one-time warning that the
 # tensor over it is not writable says nothing useful here.
@@ -212,7 +212,7 @@ def scatter_pages(pool: KVPool, layers: range, pages: Sequence[int], data) -> No
         index = page_index(pool, pages)
         on_device = values.to(pool.device)  # the one H2D copy
         for offset, layer in enumerate(layers):
-            pool.buffers[layer].index_copy_(0, index, on_device[offset])
+            copy_pages_(pool.buffers[layer], index, on_device[offset])
     stream.synchronize()
 
 

@@ -49,7 +49,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool, copy_pages_
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.kv_cipher import CellCipher
@@ -238,8 +238,8 @@ class StagingArea:
             dst = page_index(pool, pages)
             for layer in chosen:
                 staged, buffer = self.buffers[layer], pool.buffers[layer]
-                buffer.index_copy_(0, dst, staged.index_select(0, src))
-                staged.index_fill_(0, src, 0)
+                copy_pages_(buffer, dst, staged.index_select(0, src))
+                staged.view(torch.uint8).index_fill_(0, src, 0)  # bytes: no float8 fill kernel on CUDA
         self._on_device(copy if cipher is None else decrypt)
 
     def fill_from(self, pool: KVPool, layers: range, pages: Sequence[int], slots: Sequence[int],
@@ -264,7 +264,7 @@ class StagingArea:
             src = page_index(pool, pages)
             dst = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
             for layer in layers:
-                self.buffers[layer].index_copy_(0, dst, pool.buffers[layer].index_select(0, src))
+                copy_pages_(self.buffers[layer], dst, pool.buffers[layer].index_select(0, src))
         self._on_device(copy if cipher is None else encrypt)
 
     def scrub(self, slots: Sequence[int], layers: range | None = None) -> None:
