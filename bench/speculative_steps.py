@@ -19,6 +19,7 @@ On the CPU, as a smoke run (tests/bench/test_speculative_steps_script.py runs it
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -106,44 +107,50 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
         return ModelRunner(RunnerConfig(model=model, device=device, dtype=dtype, page_size=page_size,
                                         cuda_graph=cuda_graph, num_pages=num_pages, speculative_num_steps=steps))
 
+    def plain_ms(runner: ModelRunner) -> list[float]:
+        rng = random.Random(0)
+        times = []
+        for batch in batches:
+            pool = runner.kv_pool
+            pages = [pool.alloc(pool.pages_for_tokens(context + 1)) for _ in range(batch)]
+            try:
+                tokens = [rng.randrange(runner.model_config.vocab_size) for _ in range(batch)]
+                times.append(_timed(lambda: runner.decode([DecodeSeq(t, context, p) for t, p in zip(tokens, pages)]),
+                                    device, repeats))
+            finally:
+                for p in pages:
+                    pool.free(p)
+        return times
+
     # The speculative step, as the decode worker's policy measures it (model/speculative/decoder.py).
     # With graphs the verify and catch-up are captured for the configured k + 1 tokens per sequence
-    # only, so each k gets a runner configured with it; eager, one runner times every k.
-    runner = build(max_steps)
+    # only, so each k gets a runner configured with it, built after the last one is freed (two
+    # V2-Lite copies do not fit an 80 GB card); eager, one runner times every k.
     step_ms: dict[int, list[float]] = {}
-    if not cuda_graph:
-        spec_ms = dict(enumerate(measure_step_costs(runner, batches, max_steps, context, repeats).ms))
-        for k in draft_steps:
-            step_ms[k] = [_decoder_step_ms(runner, b, k, context, repeats, device) for b in batches]
-    else:
-        spec_ms = {}
-        for k in draft_steps:
-            spec_runner = runner if k == max_steps else build(k)
-            spec_ms[k] = measure_step_costs(spec_runner, batches, k, context, repeats).ms[k]
-            step_ms[k] = [_decoder_step_ms(spec_runner, b, k, context, repeats, device) for b in batches]
-            if spec_runner is not runner:
-                del spec_runner
-                torch.cuda.empty_cache()
-    rng = random.Random(0)
+    spec_ms: dict[int, list[float]] = {}
+    plain: list[float] = []
+    for k in (draft_steps if cuda_graph else [max_steps]):
+        runner = build(k)
+        costs = measure_step_costs(runner, batches, k, context, repeats).ms
+        for timed in (draft_steps if not cuda_graph else [k]):
+            spec_ms[timed] = costs[timed]
+            step_ms[timed] = [_decoder_step_ms(runner, b, timed, context, repeats, device) for b in batches]
+        if not plain:
+            plain = plain_ms(runner)
+        del runner
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     rows = []
     for col, batch in enumerate(batches):
-        pool = runner.kv_pool
-        pages = [pool.alloc(pool.pages_for_tokens(context + 1)) for _ in range(batch)]
-        try:
-            tokens = [rng.randrange(runner.model_config.vocab_size) for _ in range(batch)]
-            plain = _timed(lambda: runner.decode([DecodeSeq(t, context, p) for t, p in zip(tokens, pages)]),
-                           device, repeats)
-        finally:
-            for p in pages:
-                pool.free(p)
-        row = {"batch": batch, "plain_ms": plain}
+        row = {"batch": batch, "plain_ms": plain[col]}
         for k in draft_steps:
             cost = spec_ms[k][col]
             row[f"spec{k}_ms"] = cost
             row[f"spec{k}_step_ms"] = step_ms[k][col]
             for a in ACCEPT_LENGTHS:
                 if a <= k + 1:
-                    row[f"spec{k}_speedup_at_{a}"] = a * plain / cost
+                    row[f"spec{k}_speedup_at_{a}"] = a * plain[col] / cost
         rows.append(row)
         print(json.dumps(row), flush=True)
     return {"model": model, "device": device, "dtype": dtype, "cuda_graph": cuda_graph, "context": context,

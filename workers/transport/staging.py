@@ -213,11 +213,18 @@ class StagingArea:
         def decrypt() -> None:
             for layer in chosen:
                 cipher.copy(self.buffers[layer], slots, pool.buffers[layer], pages, layer, first_page)
-                # (numpy's fill on a CPU pool, as in `copy`)
-                staged = _host(self.buffers[layer]) if pool.device.type == "cpu" else self.buffers[layer]
-                for run in runs:
-                    cells = staged[run.src:run.src + run.length]
-                    cells.fill(0) if pool.device.type == "cpu" else cells.zero_()
+            if pool.device.type == "cpu" or len(runs) <= SLICE_RUNS:
+                for layer in chosen:  # (numpy's fill on a CPU pool, as in `copy`)
+                    staged = _host(self.buffers[layer]) if pool.device.type == "cpu" else self.buffers[layer]
+                    for run in runs:
+                        cells = staged[run.src:run.src + run.length]
+                        cells.fill(0) if pool.device.type == "cpu" else cells.zero_()
+                return
+            # Scattered slots: one fill per layer, not one per run (a 4k-token prompt in 256 scattered
+            # slots took 87 ms to decrypt on an H100, 7,000 launches, against 2 ms to encrypt).
+            index = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+            for layer in chosen:
+                self.buffers[layer].view(torch.uint8).index_fill_(0, index, 0)
 
         def copy() -> None:
             if pool.device.type == "cpu":  # numpy's plain copies: torch's fork OpenMP teams per call
