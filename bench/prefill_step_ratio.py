@@ -206,7 +206,7 @@ def instrument(engine: PrefillEngine, holder: list[WorkerTimes], profiler: cProf
 
 
 # The model thread's call, in inference mode (as now) and as before (the model's no_grad alone).
-MODES = {"inference": model_thread_module.model_call, "as_before": lambda fn, *args: fn(*args)}
+MODES = {"inference": model_thread_module.model_call, "as_before": lambda fn, *args, stream=None: fn(*args)}
 
 
 async def worker_steps(prefill_runner, decode_runner, prompts, args, modes: list[str],
