@@ -17,7 +17,9 @@ knows no role):
 
 Where the priority acts: CUDA orders blocks by stream priority within one context. Two worker
 processes share the GPU by time slices unless the MPS daemon runs (then their kernels run side by
-side and the priorities compete); bench/stream_priority.py measures both arrangements.
+side and the priorities compete); bench/stream_priority.py measures both arrangements. A rank of
+a group (`LockstepModelThread`, TP/EP/DP > 1) stays on the default stream: its collectives order
+themselves after it, and no measurement says a priority there is worth changing that.
 
 A thread on its own stream keeps the ordering it had on the default stream: each call first waits
 (device-side, no host block) for what other threads of the process queued on the default stream
