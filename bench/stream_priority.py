@@ -32,7 +32,8 @@ HIDDEN, INTERMEDIATE = 2048, 10944  # V2-Lite's hidden size and dense MLP width
 
 
 def _decode_graph(args: argparse.Namespace, stream: torch.cuda.Stream):
-    """A captured decode-shaped step and its input; replays on `stream`."""
+    """A captured decode-shaped step, replayed on `stream`; it holds its weights and input (the
+    graph reads their memory, which must outlive it)."""
     weights = [(torch.randn(HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16) * 0.02,
                 torch.randn(INTERMEDIATE, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02)
                for _ in range(args.layers)]
@@ -52,6 +53,7 @@ def _decode_graph(args: argparse.Namespace, stream: torch.cuda.Stream):
     with torch.cuda.graph(graph, stream=stream):
         step()
     torch.cuda.synchronize()
+    graph.held = (weights, x)
     return graph
 
 
@@ -74,10 +76,11 @@ def _load(tokens: int, stop, ready) -> None:
     w = torch.randn(HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     ready.set()
+    stream = torch.cuda.current_stream()
     while not stop.is_set():
         for _ in range(8):
             a @ w
-        torch.cuda.synchronize()
+        stream.synchronize()  # its own stream only: a device sync would wait for the decode steps too
 
 
 def _load_process(tokens: int, stop, ready) -> None:
