@@ -21,10 +21,10 @@ side and the priorities compete); bench/stream_priority.py measures both arrange
 a group (`LockstepModelThread`, TP/EP/DP > 1) stays on the default stream: its collectives order
 themselves after it, and no measurement says a priority there is worth changing that.
 
-A thread on its own stream keeps the ordering it had on the default stream: each call first waits
-(device-side, no host block) for what other threads of the process queued on the default stream
-(`ModelThread`), and what the thread's work leaves for others is handed over through events or
-synchronised streams (model/host_copy.py, model/kv/layer_progress.py), as before. On the CPU there
+A thread on its own stream keeps the ordering it had on the default stream (`issuing_on`): each
+call waits for what other threads of the process queued on the default stream, and the default
+stream waits for the call's work, both device-side (no host block); what the thread hands over
+through events or synchronised streams (model/host_copy.py, model/kv/layer_progress.py) is as before. On the CPU there
 is no stream: everything here is a no-op.
 """
 from __future__ import annotations
@@ -60,11 +60,18 @@ def model_stream(device: torch.device | str, priority: KernelPriority | None) ->
 
 @contextlib.contextmanager
 def issuing_on(stream: "torch.cuda.Stream | None") -> Iterator[None]:
-    """Runs the body with `stream` as this thread's current stream, after what is queued on its
-    device's default stream (device-side: no host wait); nothing for None."""
+    """Runs the body with `stream` as this thread's current stream, ordered as if it ran on the
+    default stream: after what is queued there, and before what is queued there next (a tensor
+    the body returns may be read on another thread's default stream). Both waits are device-side:
+    the host blocks on neither, and the default stream, empty in a decode worker, delays nothing.
+    Nothing for None."""
     if stream is None:
         yield
         return
-    stream.wait_stream(torch.cuda.default_stream(stream.device))
-    with torch.cuda.stream(stream):
-        yield
+    default = torch.cuda.default_stream(stream.device)
+    stream.wait_stream(default)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        default.wait_stream(stream)

@@ -14,7 +14,7 @@ held against. The tensors a call makes are inference tensors: nothing here train
 made in this thread that another thread updates in place outside inference mode would fail loudly.
 
 On CUDA a thread may issue on a stream of its own (`stream`: workers/engine/model_stream.py, the
-decode worker's high-priority stream); each call waits for the default stream first.
+decode worker's high-priority stream), ordered against the default stream as if it ran there.
 """
 from __future__ import annotations
 

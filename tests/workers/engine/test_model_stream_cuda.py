@@ -1,6 +1,7 @@
 """On CUDA, a decode worker's model thread issues on a stream of the device's greatest priority
 (workers/engine/model_stream.py), and keeps the ordering it had on the default stream: a call
-starts after what other threads queued there, without the host waiting for it.
+starts after what other threads queued there, and what they queue there next runs after the call's
+work, without the host waiting for either.
 
 What the priority is worth under a prefill load is bench/stream_priority.py's measurement.
 """
@@ -50,3 +51,26 @@ def test_a_call_sees_what_the_default_stream_wrote_before_it() -> None:
     finally:
         thread.close()
     assert seen == pytest.approx((expected, expected))  # every element written, none stale (zero)
+
+
+def test_what_a_call_returns_reads_right_on_the_default_stream() -> None:
+    """The call's last kernel is still queued behind ~0.25 s of GPU time when it returns; the caller
+    reads the tensor on its own (default) stream and sees the call's values."""
+    rng = random.Random()
+    thread = ModelThread("decode-model", model_stream("cuda", KernelPriority.GREATEST))
+    expected = rng.uniform(1.0, 2.0)
+
+    def late_fill() -> torch.Tensor:
+        torch.cuda._sleep(500_000_000)
+        return torch.full((1 << 20,), expected, device="cuda")
+
+    try:
+        asyncio.run(thread.run(lambda: None))
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        value = asyncio.run(thread.run(late_fill))
+        assert time.perf_counter() - began < 0.1, "the call waited for its kernels: nothing checked"
+        seen = (value.min().item(), value.max().item())
+    finally:
+        thread.close()
+    assert seen == pytest.approx((expected, expected))
