@@ -57,6 +57,9 @@ class SchedulerConfig:
     # budget from measured rounds (workers/prefill/round_budget.py); 0: off, every round may take
     # chunked_prefill_size tokens
     prefill_round_target_ms: float = 0.0
+    # on CUDA, the model thread issues on a stream of its role's priority (decode's before prefill's
+    # on a shared GPU: workers/serve/roles.py `kernel_priority`); off: the default stream
+    stream_priority: bool = True
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:
