@@ -12,7 +12,8 @@
   request waits for a decode step, while a prefill round's extra milliseconds only delay its own
   prompts' first tokens. Decode's model thread issues on a stream of the greatest priority, prefill's
   stays on the default stream, of the least (workers/engine/model_stream.py; the values are its
-  `KernelPriority`'s). `--engine-opt stream_priority=false` keeps both on the default stream.
+  `KernelPriority`'s) with `--engine-opt stream_priority=true`; off by default, since it measured
+  no gain on an H100 (workers/engine/scheduler_config.py says the figures).
 
 Shared worker code (workers/engine, transport, group, api, metrics) never reads this table; `serve` and `up` do.
 """
