@@ -77,11 +77,14 @@ def _decoder_step_ms(runner, batch: int, k: int, context: int, repeats: int, dev
     greedy = SamplingParams(temperature=0.0)
     rows = [_Row(context, k + 2, pool.alloc(pool.pages_for_tokens(context + k + 1)),
                  SamplingState.create(greedy, (), config.vocab_size, device)) for _ in range(batch)]
+    # each row its own token, as plain decode's rows: one shared token routes every row to the same experts
+    rng = random.Random(0)
+    seeds = [rng.randrange(config.vocab_size) for _ in rows]
 
     def one_step() -> None:
-        for row in rows:
-            del row.output_ids[1:]
-            decoder.seed(row, 1, hidden)
+        for row, token in zip(rows, seeds):
+            row.output_ids[:] = [token]
+            decoder.seed(row, token, hidden)
         decoder.step(rows)
 
     try:

@@ -281,7 +281,13 @@ def measure_step_costs(runner: ModelRunner, batches: Sequence[int], max_steps: i
     """Median milliseconds of one speculative step (k - 1 MTP decode steps, a verify of k + 1 tokens
     per sequence, an MTP catch-up of k + 1 tokens: its largest) for k = 0..max_steps at each batch
     size, over `context` cached tokens of scratch pages (whatever they hold: costs do not depend
-    on it). The table `speculation_policy.SpeculationPolicy` chooses from."""
+    on it). The table `speculation_policy.SpeculationPolicy` chooses from.
+
+    Every position gets its own token, drawn from a fixed seed: with one token everywhere every row
+    routes to the same experts, so the MoE read k + 1 experts' weights whatever the batch and the
+    table under-counted the cost of larger verifies (on an H100, V2-Lite, 2026-12-07, a k = 2 step at
+    batch 32 timed below a plain decode step of random tokens)."""
+    import random
     import statistics
     import time
 
@@ -295,15 +301,18 @@ def measure_step_costs(runner: ModelRunner, batches: Sequence[int], max_steps: i
             torch.cuda.synchronize(device)
 
     table = [[0.0] * len(batches) for _ in range(max_steps + 1)]
+    rng = random.Random(0)
     for col, batch in enumerate(batches):
         pages = [pool.alloc(pool.pages_for_tokens(context + max_steps + 1)) for _ in range(batch)]
+        tokens = [[rng.randrange(runner.model_config.vocab_size) for _ in range(max_steps + 1)] for _ in pages]
         try:
             h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
             for k in range(max_steps + 1):
                 def one_step() -> None:
                     for j in range(1, k):
-                        runner.logits(runner.draft([ExtendSeq([1], context + j - 1, p) for p in pages], h))
-                    verify = [ExtendSeq([1] * (k + 1), context, p) for p in pages]
+                        runner.logits(runner.draft([ExtendSeq([ids[j]], context + j - 1, p)
+                                                    for ids, p in zip(tokens, pages)], h))
+                    verify = [ExtendSeq(ids[:k + 1], context, p) for ids, p in zip(tokens, pages)]
                     states = runner.extend_hidden(verify, force_mla=True)
                     runner.logits(states)
                     runner.logits(runner.draft(verify, states))
