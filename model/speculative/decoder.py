@@ -58,6 +58,7 @@ from deepseek_pd.model.sampling.sampled_host import TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling.state import SamplingState
 from deepseek_pd.model.speculative.rules import draft_len
 from deepseek_pd.model.speculative.acceptance import AcceptStats, accept_on_device
+from deepseek_pd.model.speculative.future_positions import FuturePositions
 
 if TYPE_CHECKING:
     from deepseek_pd.model.speculative.policy import StepCosts
@@ -102,6 +103,11 @@ class LaunchedSpecStep:
     q: int  # positions drawn per row (the longest verify)
     host: HostCopy  # [B * q, 2 + 2K + 2] float64: sampled_host.pack, then accepted and emitted per row
     top_counts: tuple[int, ...]
+    # What the next step takes from this one on the device when it is launched before this one is
+    # read (`launch(after=...)`): each row's verify start, the target's draws, the emitted counts.
+    starts: FuturePositions
+    tokens: torch.Tensor  # [B, q] long
+    emitted: torch.Tensor  # [B] long
 
 
 class SpeculativeDecoder:
@@ -128,38 +134,70 @@ class SpeculativeDecoder:
         if launched is not None:
             self.finish(launched)
 
-    def launch(self, requests: Sequence[SpecRequest], num_steps: int | None = None) -> LaunchedSpecStep | None:
-        """Queues one step (module docstring) and returns without reading anything back."""
+    def launch(self, requests: Sequence[SpecRequest], num_steps: int | None = None,
+               after: LaunchedSpecStep | None = None) -> LaunchedSpecStep | None:
+        """Queues one step (module docstring) and returns without reading anything back. `after`: the
+        step before, launched and not yet read (`can_launch_ahead`): this one starts where it ends,
+        from its device counts (future_positions.py), and `finish` reads the two in order."""
         steps = self.num_steps if num_steps is None else min(num_steps, self.num_steps)
         requests = [r for r in requests if not r.finished]
+        if after is not None and not self.can_launch_ahead(requests, after):
+            raise ValueError("a step launched ahead needs the rows of the step before it, and exact lengths "
+                             "on the device only (finish that step first)")
         if not requests:
             return None
         self._sync_rows([r.sampling for r in requests])
-        positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests]
         # A request with no draft yet (its prompt's KV came from elsewhere and no draft came with it)
         # verifies its token alone this step; the catch-up then starts its drafts.
-        lens = [draft_len(steps, r.max_new - len(r.output_ids)) if id(r) in self._drafts else 0
-                for r in requests]
+        has_draft = [id(r) in self._drafts for r in requests]
+        if after is None:
+            lens = [draft_len(steps, r.max_new - len(r.output_ids)) if d else 0 for r, d in zip(requests, has_draft)]
+            starts = FuturePositions.known([len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests],
+                                           self.device)
+            last = self._upload([r.output_ids[-1] for r in requests])
+            exact = None  # the host's lengths are exact: the forwards need no device starts
+        else:
+            # Each row emitted 1..k+1 tokens in `after` (unknown here): its drafts are chosen for the
+            # most it may have emitted, so they stay inside its budget whatever it emitted.
+            most = [k + 1 for k in after.lens]
+            outputs = [b + m - len(r.prompt_ids) + 1 for b, m, r in zip(after.starts.bounds, most, requests)]
+            lens = [draft_len(steps, r.max_new - n) if d else 0 for r, n, d in zip(requests, outputs, has_draft)]
+            page_size = self.runner.kv_pool.page_size
+            room = [len(r.pages) * page_size - 1 - k for r, k in zip(requests, lens)]
+            starts = after.starts.advanced(after.emitted, most, room)
+            last = after.tokens.gather(1, (after.emitted - 1).unsqueeze(1)).squeeze(1)
+            exact = starts.starts
         q = max(lens) + 1
-        drafts = self._chain(requests, positions, lens, q - 1)  # [B, q-1], -1 past a row's drafts
-        seqs = [ExtendSeq([0] * (k + 1), prefix_len=p, pages=r.pages) for r, k, p in zip(requests, lens, positions)]
-        last = self._upload([r.output_ids[-1] for r in requests])
+        drafts = self._chain(requests, starts, exact is not None, lens, q - 1)  # [B, q-1], -1 past a row's drafts
+        seqs = [ExtendSeq([0] * (k + 1), prefix_len=p, pages=r.pages)
+                for r, k, p in zip(requests, lens, starts.bounds)]
         # Row i's verify tokens [x, d1..dk], packed: its cells of the [B, q] table [x | drafts].
         cells = self._upload([i * q + j for i, k in enumerate(lens) for j in range(k + 1)])
         verify_ids = torch.cat([last.unsqueeze(1), drafts], dim=1).reshape(-1).index_select(0, cells)
-        hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids)
-        starts = [0]
+        hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids, starts=exact)
+        starts_at = [0]  # each row's first verify row
         for k in lens:
-            starts.append(starts[-1] + k + 1)
-        # Row i's position j is verify row starts[i] + min(j, k_i): past its drafts, its last again
+            starts_at.append(starts_at[-1] + k + 1)
+        # Row i's position j is verify row starts_at[i] + min(j, k_i): past its drafts, its last again
         # (drawn, never kept: its drafts there are -1).
-        at = self._upload([starts[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)])
+        at = self._upload([starts_at[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)])
         logits = self.runner.logits(hidden.index_select(0, at)).view(len(requests), q, -1)
         result = accept_on_device(self.sampling, logits, drafts)
-        self._catch_up(requests, seqs, hidden, result.tokens, result.emitted, cells, starts, q)
+        self._catch_up(requests, seqs, hidden, result.tokens, result.emitted, cells, starts_at, q, exact)
         extra = torch.stack([result.accepted, result.emitted], dim=1).unsqueeze(1).expand(-1, q, -1)
         host = HostCopy(torch.cat([pack(result.sampled), extra.reshape(-1, 2).to(torch.float64)], dim=1))
-        return LaunchedSpecStep(requests, lens, q, host, result.sampled.top_counts)
+        return LaunchedSpecStep(requests, lens, q, host, result.sampled.top_counts, starts, result.tokens,
+                                result.emitted)
+
+    def can_launch_ahead(self, requests: Sequence[SpecRequest], after: LaunchedSpecStep) -> bool:
+        """Whether the next step of `requests` can be launched before `after` is read: the same rows
+        (the unfinished `requests` are `after`'s, in order: the sampling batch's device state is kept
+        by row, and a row that leaves writes back host counts the host does not have yet), and
+        forwards that take their lengths from the device (no attention-TP announcement, no backend
+        that plans on the host)."""
+        rows = [id(r) for r in requests if not r.finished]
+        return (rows == [id(r) for r in after.requests] and self.pad_catch_up
+                and not self.runner.spec_forwards.plans_on_host)
 
     def finish(self, launched: LaunchedSpecStep) -> list[int]:
         """The step's one host read; each request's tokens through `emit`, in order, up to a stop.
@@ -170,6 +208,10 @@ class SpeculativeDecoder:
         counts = host[::q, -2:].long().tolist()  # (accepted, emitted) per row
         for i, (request, drafted, (accepted, emitted)) in enumerate(zip(launched.requests, launched.lens, counts)):
             self.sampling.advanced(request.sampling, emitted)  # before `emit` acknowledges the tokens
+            if request.finished:  # it ended in the step this one was launched ahead of: a void row
+                got.append(0)
+                self._drafts.pop(id(request), None)
+                continue
             n = 0
             while n < emitted and not request.finished:
                 row = i * q + n
@@ -207,9 +249,11 @@ class SpeculativeDecoder:
         for state in states:
             self.sampling.add(state)
 
-    def _chain(self, requests: list[SpecRequest], positions: list[int], lens: list[int], width: int) -> torch.Tensor:
+    def _chain(self, requests: list[SpecRequest], starts: FuturePositions, future: bool, lens: list[int],
+               width: int) -> torch.Tensor:
         """`[B, width]` long: each request's draft tokens (d1 from the last catch-up, then k-1 MTP
-        decode steps, argmax), -1 past its `lens`; on the device."""
+        decode steps, argmax), -1 past its `lens`; on the device. `future`: `starts` are exact only
+        on the device."""
         drafts = torch.full((len(requests), width), -1, dtype=torch.long, device=self.device)
         rows = [i for i, k in enumerate(lens) if k]
         if not rows:
@@ -221,15 +265,17 @@ class SpeculativeDecoder:
             longer = [n for n, i in enumerate(rows) if lens[i] > j]  # among `rows`
             rows = [rows[n] for n in longer]
             keep = self._upload(longer)
-            seqs = [ExtendSeq([0], prefix_len=positions[i] + j - 1, pages=requests[i].pages) for i in rows]
-            hidden = self.runner.draft(seqs, hidden.index_select(0, keep), input_ids=tokens.index_select(0, keep))
+            seqs = [ExtendSeq([0], prefix_len=starts.bounds[i] + j - 1, pages=requests[i].pages) for i in rows]
+            at = starts.starts.index_select(0, self._upload(rows)) + (j - 1) if future else None
+            hidden = self.runner.draft(seqs, hidden.index_select(0, keep), input_ids=tokens.index_select(0, keep),
+                                       starts=at)
             tokens = self.runner.logits(hidden).argmax(dim=-1)
             drafts[:, j].index_copy_(0, self._upload(rows), tokens)
         return drafts
 
     def _catch_up(self, requests: list[SpecRequest], seqs: list[ExtendSeq], hidden: torch.Tensor,
                   tokens: torch.Tensor, emitted: torch.Tensor, cells: torch.Tensor, starts: list[int],
-                  q: int) -> None:
+                  q: int, exact: torch.Tensor | None) -> None:
         """MTP over (emitted token, target hidden) pairs at every verify position (the emitted
         tokens, then the last one again: module docstring); each next d1 from its last emitted row."""
         if not self.pad_catch_up:  # the reference: only the emitted tokens (reads their counts)
@@ -243,7 +289,7 @@ class SpeculativeDecoder:
                 starts.append(starts[-1] + n)
         column = torch.minimum(torch.arange(q, device=self.device).unsqueeze(0), (emitted - 1).unsqueeze(1))
         ids = tokens.gather(1, column).reshape(-1).index_select(0, cells)
-        out = self.runner.draft(seqs, hidden, input_ids=ids)
+        out = self.runner.draft(seqs, hidden, input_ids=ids, starts=exact)
         out = out.index_select(0, self._upload(starts[:-1]) + emitted - 1)
         next_tokens = self.runner.logits(out).argmax(dim=-1)
         for i, request in enumerate(requests):
