@@ -41,8 +41,16 @@ lengths, pages, row indices) is host knowledge from before the step. The catch-u
 every verify position (padded as above), so its shape needs no emitted count. `finish` makes the
 step's ONE device-to-host read (tokens, logprobs, top logprobs, emitted counts; `HostCopy`, so a
 caller may launch other work first), then appends each request's tokens through `emit` one at a
-time (a stop ends them there) and counts the stats. The next step needs the host's emitted
-counts for its positions, so steps do not yet overlap each other.
+time (a stop ends them there) and counts the stats.
+
+Steps overlap (`launch(after=...)`): the next step can be queued before the last one is read,
+since everything it takes from it stays on the device: its positions and KV slots (the last
+step's plus its emitted counts, future_positions.py), its first verify token (the last emitted
+one, gathered from the draws), its d1 and MTP hidden state (the catch-up's). The host knows only
+bounds there, so each row drafts for the most the last step may have emitted (a row near its
+budget drafts fewer: only speed changes, never a token) and a row whose request ended in the last
+step runs once more, clamped into its own pages, and is skipped by `finish` (a void row). The rows
+must be the last step's (`can_launch_ahead`): a row change reads the last step first.
 """
 from __future__ import annotations
 
