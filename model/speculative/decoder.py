@@ -201,11 +201,10 @@ class SpeculativeDecoder:
         """Whether the next step of `requests` can be launched before `after` is read: the same rows
         (the unfinished `requests` are `after`'s, in order: the sampling batch's device state is kept
         by row, and a row that leaves writes back host counts the host does not have yet), and
-        forwards that take their lengths from the device (no attention-TP announcement, no backend
-        that plans on the host)."""
+        forwards that take their lengths from the device (`SpeculativeForwards.needs_host_lengths`)."""
         rows = [id(r) for r in requests if not r.finished]
         return (rows == [id(r) for r in after.requests] and self.pad_catch_up
-                and not self.runner.spec_forwards.plans_on_host)
+                and not self.runner.spec_forwards.needs_host_lengths)
 
     def finish(self, launched: LaunchedSpecStep) -> list[int]:
         """The step's one host read; each request's tokens through `emit`, in order, up to a stop.

@@ -81,12 +81,13 @@ class SpeculativeForwards:
                                           prev_hidden)
 
     @property
-    def plans_on_host(self) -> bool:
+    def needs_host_lengths(self) -> bool:
         """Whether a forward needs its exact lengths on the host (attention TP announces host
-        lengths to its followers; FlashInfer plans from them): then `starts` cannot be used."""
+        lengths to its followers; an attention backend without `device_lengths`, FlashInfer, plans
+        from them): then `starts` cannot be used."""
         layers = [*self.model.layers, *(() if self.model.mtp is None else (self.model.mtp.layer,))]
-        return self.tp_replay is not None or any(hasattr(layer.self_attn.backend, "prepare_replay")
-                                                 for layer in layers)
+        return self.tp_replay is not None or not all(getattr(layer.self_attn.backend, "device_lengths", False)
+                                                     for layer in layers)
 
     def follow(self, call: ForwardCall, hidden: torch.Tensor | None, input_ids: torch.Tensor | None = None) -> None:
         """(attention-TP follower) Replays the leader's "hidden" or "mtp" call (with the leader's

@@ -96,3 +96,52 @@ def test_the_next_starts_add_the_emitted_counts_within_each_rows_room():
         FuturePositions.known([1], "cpu").advanced(torch.tensor([1]), [1], [-1])
     with pytest.raises(ValueError, match="starts must be"):
         FuturePositions(torch.zeros(2, dtype=torch.long), (0,))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_forwards_from_device_starts_equal_the_exact_ones(tiny_mtp_checkpoint):
+    """The verify (absorbed MLA extend), a draft step (MTP decode) and the catch-up (MTP extend) of a
+    batch whose host prefixes only bound the true ones, against the same forwards built from the
+    true prefixes. The cache past each row's true end holds NaN (stale KV a bound must not reach:
+    the keys past a row's true length are masked by its device length)."""
+    from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
+
+    rng = random.Random()
+    runner = ModelRunner(RunnerConfig(model=str(tiny_mtp_checkpoint), page_size=4, num_pages=64,
+                                      speculative_num_steps=3))
+    pool, vocab = runner.kv_pool, runner.model_config.vocab_size
+    n, q = 3, rng.randint(1, 4)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(2, 12))] for _ in range(n)]
+    slack = [rng.randint(0, 5) for _ in range(n)]
+    pages = [pool.alloc(pool.pages_for_tokens(len(p) + s + q)) for p, s in zip(prompts, slack)]
+    prompt_hidden = runner.extend_hidden([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)])
+    runner.draft([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)], prompt_hidden)
+    true = [len(p) for p in prompts]
+    bounds = [t + s for t, s in zip(true, slack)]
+    for buffer in pool.buffers:  # stale NaN past each row's true end
+        for row_pages, end in zip(pages, true):
+            flat = torch.tensor([pg * pool.page_size + j for pg in row_pages for j in range(pool.page_size)])
+            buffer.view(-1, buffer.shape[-1])[flat[end + q:]] = float("nan")
+    new = [[rng.randrange(vocab) for _ in range(q)] for _ in range(n)]
+    hidden_in = torch.randn(n * q, runner.model_config.hidden_size, generator=torch.Generator().manual_seed(
+        rng.randrange(1 << 30)))
+    starts = torch.tensor(true)
+
+    def forwards(prefixes, device_starts):
+        seqs = [ExtendSeq(t, p, pg) for t, p, pg in zip(new, prefixes, pages)]
+        verify = runner.extend_hidden(seqs, force_mla=True, starts=device_starts)
+        first = [ExtendSeq(t[:1], p, pg) for t, p, pg in zip(new, prefixes, pages)]
+        draft = runner.draft(first, hidden_in[::q], starts=device_starts)
+        catch_up = runner.draft(seqs, hidden_in, starts=device_starts)
+        return verify, draft, catch_up
+
+    exact = forwards(true, None)
+    future = forwards(bounds, starts)
+    for want, got in zip(exact, future):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not runner.spec_forwards.needs_host_lengths
+    backend = runner.model.layers[-1].self_attn.backend
+    backend.device_lengths = False  # as FlashInfer and torch_invariant declare: they need host lengths
+    assert runner.spec_forwards.needs_host_lengths
