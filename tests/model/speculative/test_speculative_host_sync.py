@@ -41,7 +41,7 @@ def test_a_speculative_step_reads_back_only_its_result(tiny_mtp_checkpoint, modu
     decoder = spec.speculative
     launch, finish = decoder.launch, decoder.finish
     events: list[tuple[str, int, tuple[int, ...]]] = []  # (launch | finish, step id, its rows)
-    reads = []
+    reads, launched_steps = [], []
     active: list[HostReads | None] = [None]  # the guard of the launch running now (prefill runs unguarded)
 
     def guarded_launch(*args, **kwargs):
@@ -53,6 +53,7 @@ def test_a_speculative_step_reads_back_only_its_result(tiny_mtp_checkpoint, modu
             finally:
                 active[0] = None
         if launched is not None:
+            launched_steps.append(launched)
             events.append(("launch", id(launched), tuple(id(r) for r in launched.requests)))
         return launched
 
@@ -86,6 +87,9 @@ def test_a_speculative_step_reads_back_only_its_result(tiny_mtp_checkpoint, modu
     ahead = sum(1 for kind, step, rows in events if kind == "launch") - 1 - len(waited)
     assert not waited, f"{len(waited)} launches waited for the step before them ({ahead} did not)"
     assert ahead > 0
+    # Launching ahead of a step whose rows are not the next step's (a request left) is refused.
+    with pytest.raises(ValueError, match="rows of the step before"):
+        launch(launched_steps[0].requests[1:], after=launched_steps[0])
 
     base = Engine(str(tiny_mtp_checkpoint), page_size=4)
     in_order = Engine(str(tiny_mtp_checkpoint), page_size=4, speculative_num_steps=3, speculative_overlap=False)
