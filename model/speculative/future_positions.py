@@ -13,8 +13,9 @@ never less than the truth) and the device fills in the exact values (`starts`):
 
 Kernels read the exact values from these tensors (attention masks by position, KV writes go to
 `out_slots`), and the host lengths only bound the work (`ForwardBatch`'s capture-time bounds in
-CUDA graphs are the same idea). SGLang's overlap scheduler keeps "future" token ids in a device
-map for the same reason; here positions and slots are future too.
+CUDA graphs are the same idea). SGLang's overlap scheduler does this for token ids (`FutureMap`:
+a batch's input ids are negative placeholders resolved on the device from the step before); here
+positions and slots are future too, and the token ids come straight from the last step's draws.
 
 Worked example, page size 4, one request with pages [7, 2], step N started at position 5 with 2
 drafts (so it may emit 1..3 tokens) and emitted 2:
