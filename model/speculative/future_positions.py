@@ -17,11 +17,11 @@ CUDA graphs are the same idea). SGLang's overlap scheduler does this for token i
 a batch's input ids are negative placeholders resolved on the device from the step before); here
 positions and slots are future too, and the token ids come straight from the last step's draws.
 
-Worked example, page size 4, one request with pages [7, 2], step N started at position 5 with 2
-drafts (so it may emit 1..3 tokens) and emitted 2:
+Worked example, page size 4, one request with pages [7, 2, 5] (positions 0..11), step N started
+at position 5 with 2 drafts (so it may emit 1..3 tokens) and emitted 2; step N+1 drafts 2 again:
     step N      starts [5]  bounds (5,)
-    step N+1    starts [5 + 2] = [7]  bounds (5 + 3,) = (8,), clamped to the pages' room
-    a verify of 3 tokens there: positions [7, 8, 9], out_slots [7*4+3, 2*4+0, 2*4+1], seq_lens [10]
+    step N+1    starts [5 + 2] = [7]  bounds (min(5 + 3, room 11 - 2),) = (8,)
+    its verify of 3 tokens: positions [7, 8, 9], out_slots [2*4+3, 5*4+0, 5*4+1], seq_lens [10]
 
 A request that may have finished in step N (the host does not know yet) still gets a row in step
 N+1 (the rows must stay those of step N: the sampling batch's device state is kept by row). Its
