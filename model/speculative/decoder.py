@@ -133,6 +133,7 @@ class SpeculativeDecoder:
         self.sampling = SamplingBatch(runner.model_config.vocab_size, self.device, fallback_generator)
         self.stats = AcceptStats()
         self._drafts: dict[int, _Draft] = {}
+        self._unread: list[LaunchedSpecStep] = []  # launched steps not yet finished
 
     # ---- one decode step ----------------------------------------------------------------------
     def step(self, requests: Sequence[SpecRequest], num_steps: int | None = None) -> None:
@@ -150,8 +151,8 @@ class SpeculativeDecoder:
         steps = self.num_steps if num_steps is None else min(num_steps, self.num_steps)
         requests = [r for r in requests if not r.finished]
         if after is not None and not self.can_launch_ahead(requests, after):
-            raise ValueError("a step launched ahead needs the rows of the step before it, and exact lengths "
-                             "on the device only (finish that step first)")
+            raise ValueError("a step launched ahead needs the rows of the step before it, that step the only "
+                             "one unread, and lengths on the device only (finish that step first)")
         if not requests:
             return None
         self._sync_rows([r.sampling for r in requests])
@@ -166,13 +167,16 @@ class SpeculativeDecoder:
             exact = None  # the host's lengths are exact: the forwards need no device starts
         else:
             # Each row emitted 1..k+1 tokens in `after` (unknown here): its drafts are chosen for the
-            # most it may have emitted, so they stay inside its budget whatever it emitted.
+            # most it may have emitted, so they stay inside its budget whatever it emitted. `after`
+            # is the only unread step, so the host knows where it started (its own bounds, if it was
+            # launched ahead too, may be looser: they would add up step after step).
+            base = [min(b, len(r.prompt_ids) + len(r.output_ids) - 1) for b, r in zip(after.starts.bounds, requests)]
             most = [k + 1 for k in after.lens]
-            outputs = [b + m - len(r.prompt_ids) + 1 for b, m, r in zip(after.starts.bounds, most, requests)]
+            outputs = [b + m - len(r.prompt_ids) + 1 for b, m, r in zip(base, most, requests)]
             lens = [draft_len(steps, r.max_new - n) if d else 0 for r, n, d in zip(requests, outputs, has_draft)]
             page_size = self.runner.kv_pool.page_size
             room = [len(r.pages) * page_size - 1 - k for r, k in zip(requests, lens)]
-            starts = after.starts.advanced(after.emitted, most, room)
+            starts = FuturePositions(after.starts.starts, tuple(base)).advanced(after.emitted, most, room)
             last = after.tokens.gather(1, (after.emitted - 1).unsqueeze(1)).squeeze(1)
             exact = starts.starts
         q = max(lens) + 1
@@ -194,21 +198,26 @@ class SpeculativeDecoder:
         self._catch_up(requests, seqs, hidden, result.tokens, result.emitted, cells, starts_at, q, exact)
         extra = torch.stack([result.accepted, result.emitted], dim=1).unsqueeze(1).expand(-1, q, -1)
         host = HostCopy(torch.cat([pack(result.sampled), extra.reshape(-1, 2).to(torch.float64)], dim=1))
-        return LaunchedSpecStep(requests, lens, q, host, result.sampled.top_counts, starts, result.tokens,
-                                result.emitted)
+        launched = LaunchedSpecStep(requests, lens, q, host, result.sampled.top_counts, starts, result.tokens,
+                                    result.emitted)
+        self._unread.append(launched)
+        return launched
 
     def can_launch_ahead(self, requests: Sequence[SpecRequest], after: LaunchedSpecStep) -> bool:
-        """Whether the next step of `requests` can be launched before `after` is read: the same rows
+        """Whether the next step of `requests` can be launched before `after` is read: `after` is the
+        only step not yet read (the host's lengths are exact up to where it starts), the same rows
         (the unfinished `requests` are `after`'s, in order: the sampling batch's device state is kept
         by row, and a row that leaves writes back host counts the host does not have yet), and
         forwards that take their lengths from the device (`SpeculativeForwards.needs_host_lengths`)."""
         rows = [id(r) for r in requests if not r.finished]
-        return (rows == [id(r) for r in after.requests] and self.pad_catch_up
+        only_unread = len(self._unread) == 1 and self._unread[0] is after
+        return (only_unread and rows == [id(r) for r in after.requests] and self.pad_catch_up
                 and not self.runner.spec_forwards.needs_host_lengths)
 
     def finish(self, launched: LaunchedSpecStep) -> list[int]:
         """The step's one host read; each request's tokens through `emit`, in order, up to a stop.
         Returns how many tokens each row got."""
+        self._unread = [step for step in self._unread if step is not launched]
         host, q = launched.host.wait(), launched.q
         sampled = unpack(host[:, :-2], launched.top_counts)
         got = []
@@ -244,6 +253,7 @@ class SpeculativeDecoder:
         """After a failed step, whose requests all fail: the sampling batch's device state can no
         longer be trusted, so a new one starts (their drafts go with `forget`, as they end)."""
         self.sampling = SamplingBatch(self.sampling.vocab_size, self.device, self.sampling.fallback_generator)
+        self._unread.clear()
 
     def _upload(self, values: list[int]) -> torch.Tensor:
         return upload(torch.tensor(values, dtype=torch.long), self.device)

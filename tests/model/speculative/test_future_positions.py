@@ -145,3 +145,69 @@ def test_forwards_from_device_starts_equal_the_exact_ones(tiny_mtp_checkpoint):
     backend = runner.model.layers[-1].self_attn.backend
     backend.device_lengths = False  # as FlashInfer and torch_invariant declare: they need host lengths
     assert runner.spec_forwards.needs_host_lengths
+
+
+class _Row:
+    """A greedy request (decoder.SpecRequest) whose budget no step of the test reaches."""
+
+    def __init__(self, prompt: list[int], max_new: int, pages: list[int], sampling) -> None:
+        self.prompt_ids, self.output_ids, self.max_new, self.pages, self.sampling = prompt, [1], max_new, pages, sampling
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output_ids) >= self.max_new
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_long_chain_launched_ahead_keeps_drafting(tiny_mtp_checkpoint):
+    """Steps launched one ahead of the other for many steps: each drafts the full k while the rows'
+    budgets are far (its bounds come from where the one unread step started, which the host knows,
+    so they do not add up step after step: before, drafts fell to 0 halfway through the budget),
+    and its tokens are those of the same steps launched in order."""
+    from deepseek_pd.model.runner import ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
+    from deepseek_pd.model.sampling.params import SamplingParams
+    from deepseek_pd.model.sampling.state import SamplingState
+    from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
+
+    rng = random.Random()
+    k, steps = 3, 16
+    runner = ModelRunner(RunnerConfig(model=str(tiny_mtp_checkpoint), page_size=4, num_pages=256,
+                                      speculative_num_steps=k))
+    pool, config = runner.kv_pool, runner.model_config
+    hidden = torch.zeros(config.hidden_size)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randint(1, 6))] for _ in range(2)]
+    # The untrained MTP layer's drafts are (nearly) all rejected: 1 token a step, so the budget stays
+    # far from every step's drafts; bounds that assumed k + 1 tokens a step would reach it at step 9.
+    max_new = 40
+
+    def run(ahead: bool) -> tuple[list[list[int]], list[list[int]]]:
+        decoder = SpeculativeDecoder(runner, k)
+        rows = [_Row(p, max_new, pool.alloc(pool.pages_for_tokens(len(p) + max_new)),
+                     SamplingState.create(SamplingParams(temperature=0.0), p, config.vocab_size, "cpu"))
+                for p in prompts]
+        lens, pending = [], None
+        try:
+            for row in rows:
+                decoder.seed(row, 1, hidden)
+            for _ in range(steps):
+                launched = decoder.launch(rows, after=pending if ahead else None)
+                lens.append(launched.lens)
+                if pending is not None:
+                    decoder.finish(pending)
+                pending = launched
+                if not ahead:
+                    decoder.finish(pending)
+                    pending = None
+            if pending is not None:
+                decoder.finish(pending)
+            return lens, [r.output_ids for r in rows]
+        finally:
+            for row in rows:
+                pool.free(row.pages)
+
+    ahead_lens, ahead_out = run(True)
+    in_order_lens, in_order_out = run(False)
+    assert ahead_out == in_order_out
+    assert in_order_lens == [[k, k]] * len(in_order_lens)
+    assert ahead_lens == in_order_lens
