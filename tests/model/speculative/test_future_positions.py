@@ -151,7 +151,8 @@ class _Row:
     """A greedy request (decoder.SpecRequest) whose budget no step of the test reaches."""
 
     def __init__(self, prompt: list[int], max_new: int, pages: list[int], sampling) -> None:
-        self.prompt_ids, self.output_ids, self.max_new, self.pages, self.sampling = prompt, [1], max_new, pages, sampling
+        self.prompt_ids, self.output_ids, self.max_new = prompt, [1], max_new
+        self.pages, self.sampling = pages, sampling
 
     @property
     def finished(self) -> bool:

@@ -8,9 +8,10 @@ and so must the model's forwards (`extend_hidden`, `draft`: the eager "torch" Mo
 counts on the device on the CPU, model/moe/experts.py; the GPU test test_speculative_sync_gpu.py
 runs the whole step, graphed, under CUDA's sync debug mode). `finish`, the step's one read, runs
 outside; a launch over the same rows as the step in flight must come before that step's `finish`
-(step N+1's positions and KV slots come from step N's counts on the device). Over a batch mix that exercises every sampling feature (greedy, seeded and
-unseeded sampling, top-k/top-p/min-p, penalties, top logprobs), whose greedy and seeded outputs the
-same model without speculation gives too.
+(step N+1's positions and KV slots come from step N's counts on the device). Over a batch mix that
+exercises every sampling feature (greedy, seeded and unseeded sampling, top-k/top-p/min-p,
+penalties, top logprobs), whose greedy and seeded outputs (and logprobs) are those of the same model
+without speculation and of the steps launched in order.
 """
 from __future__ import annotations
 
