@@ -10,7 +10,10 @@ forward. But the host calls that issue it can still wait for the whole device:
   for every kernel queued so far, the next forward included;
 - a page-locked host allocation (the byte stream's staging) and a device allocation that the
   caching allocator cannot serve from its per-stream cache are on the guide's list of implicitly
-  synchronising calls.
+  synchronising calls;
+- a copy from pageable host memory shares the driver's staging with the model thread's own
+  pageable copies, which wait behind the forward: page ids go through a page-locked buffer each
+  transport thread reserves here (`page_io.reserve_page_index`).
 
 On an H100 the first per-chunk send of a fresh worker went out only 0.01 s before the next forward
 ended, for direct copies and the byte stream alike (tests/workers/prefill/test_chunk_send_order_cuda.py,
@@ -67,8 +70,10 @@ def warm_sender(pool: KVPool, executor: Executor, threads: int, gather: page_io.
     if pool.device.type != "cuda":
         return
     gather.warm(warm_page_counts(pool))
+    chunk_pages = max(1, gather.max_bytes // pool.bytes_per_page)
 
     def copy_in_place() -> None:
+        page_io.reserve_page_index(pool.device, 2 * chunk_pages)  # a direct copy's source and destination ids
         for count in warm_page_counts(pool, direct_pool.COPY_BATCH_BYTES):
             pages = list(range(count))
             direct_pool.write_pages(pool, pool.buffers, range(1), pages, pages, None)
@@ -82,6 +87,7 @@ def warm_receiver(pool: KVPool, executor: Executor, threads: int, chunk_bytes: i
         return
 
     def scatter_in_place() -> None:
+        page_io.reserve_page_index(pool.device, 2 * max(1, chunk_bytes // pool.bytes_per_page))
         for count in warm_page_counts(pool, chunk_bytes):
             pages = list(range(count))
             page_io.scatter_pages(pool, range(1), pages, page_io.read_pages(pool, range(1), pages))
