@@ -30,83 +30,20 @@ import numpy as np
 import torch
 
 from deepseek_pd.model.kv.pool import KVPool, copy_pages_
+from deepseek_pd.workers.transport import host_staging
 
 # The received message is immutable `bytes` and is only read: torch's one-time warning that the
 # tensor over it is not writable says nothing useful here.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
-class _IndexStaging:
-    """One thread's page-locked buffer of page ids on their way to the device.
-
-    Why. A copy from pageable host memory goes through the CUDA driver's own staging buffers, which
-    the process's threads share: while the model thread's pageable copy waits behind a long forward
-    on the default stream, a transport thread's pageable copy of a few page ids waited with it
-    (test_chunk_send_order_cuda.py: the first chunk's host calls returned when the next forward's
-    spin ended). From page-locked memory the copy is a plain DMA queued on the caller's stream.
-
-    The buffer is handed out front to back; a region is written again only after the copies read
-    from it have run (`_copied`, recorded after each copy, covers all earlier ones: they are on one
-    stream, and a change of stream first waits for the last copy of the old one). Those copies wait
-    only for the caller's own stream, never for the default stream's next forward.
-    """
-
-    def __init__(self, device: torch.device, capacity: int) -> None:
-        self.device = device
-        self.host = torch.empty(capacity, dtype=torch.long, pin_memory=True)
-        self._next = 0
-        self._copied = torch.cuda.Event()
-        self._stream: "torch.cuda.Stream | None" = None
-
-    def upload(self, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` (a CPU long tensor) on the device, queued on the current stream."""
-        count = len(ids)
-        stream = torch.cuda.current_stream(self.device)
-        if self._stream is not None and (stream != self._stream or self._next + count > len(self.host)):
-            self._copied.synchronize()
-            self._next = 0
-        region = self.host[self._next:self._next + count]
-        region.copy_(ids)
-        self._next += count
-        on_device = region.to(self.device, non_blocking=True)
-        self._copied.record(stream)
-        self._stream = stream
-        return on_device
-
-
-_index_staging = threading.local()
-
-
-def reserve_page_index(device: torch.device | str, pages: int) -> None:
-    """Makes this thread's page-locked index buffer for `device` hold at least `pages` ids.
-
-    Called by a transport's warm-up in each of its threads (warm_up.py): a page-locked allocation
-    waits for the whole device, so a send must not be the one that makes or grows it."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return
-    by_device = _index_staging.__dict__.setdefault("by_device", {})
-    staging = by_device.get(str(device))
-    if staging is None or len(staging.host) < pages:
-        if staging is not None:
-            staging._copied.synchronize()  # the old buffer may still be read by a queued copy
-        by_device[str(device)] = _IndexStaging(device, max(pages, 1))
-
-
 def page_index(pool: KVPool, pages: Sequence[int]) -> torch.Tensor:
-    """`pages` as a long tensor on the pool's device, enqueued on the current stream.
-
-    On CUDA the ids go through this thread's page-locked buffer (`_IndexStaging`) where
-    `reserve_page_index` made one large enough. Elsewhere (a thread no warm-up ran in, more ids
-    than reserved) they are copied from pageable memory: making page-locked memory here would
-    wait for the whole device, which is worse."""
+    """`pages` as a long tensor on the pool's device, enqueued on the current stream (on CUDA
+    through the thread's page-locked buffer where its warm-up reserved one: host_staging.py)."""
     ids = torch.as_tensor(list(pages), dtype=torch.long)
     if pool.device.type != "cuda":
         return ids
-    staging = _index_staging.__dict__.get("by_device", {}).get(str(pool.device))
-    if staging is None or len(staging.host) < len(ids):
-        return ids.to(pool.device, non_blocking=True)
-    return staging.upload(ids)
+    return host_staging.upload(ids, pool.device)
 
 
 _HOST_VIEWS: "weakref.WeakKeyDictionary[KVPool, list[np.ndarray]]" = weakref.WeakKeyDictionary()
@@ -274,11 +211,12 @@ def scatter_pages(pool: KVPool, layers: range, pages: Sequence[int], data) -> No
             for offset, layer in enumerate(layers):
                 views[layer][dst:dst + end - begin] = values[offset, begin:end]
         return
-    values = _shaped(torch.frombuffer(data, dtype=torch.uint8), pool, len(layers), len(pages))
     stream = side_stream(pool.device)
     with torch.cuda.stream(stream):
         index = page_index(pool, pages)
-        on_device = values.to(pool.device)  # the one H2D copy
+        # The one H2D copy (through the thread's page-locked buffer where its warm-up reserved one).
+        flat = host_staging.upload(torch.frombuffer(data, dtype=torch.uint8), pool.device, non_blocking=False)
+        on_device = _shaped(flat, pool, len(layers), len(pages))
         for offset, layer in enumerate(layers):
             copy_pages_(pool.buffers[layer], index, on_device[offset])
     stream.synchronize()

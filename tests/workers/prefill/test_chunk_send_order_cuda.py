@@ -14,7 +14,7 @@ the transport now makes them before serving (workers/transport/warm_up.py).
 Failed again at 422a203 (lead 0.01 s, both cases, warm transport): the send's host calls returned
 when the spin ended (1.999 s), not when the forward did. The page ids' copy from pageable memory,
 the one call both cases share, now goes through a reserved page-locked buffer
-(page_io.reserve_page_index); a failure lists both threads' slow calls.
+(host_staging.py); a failure lists both threads' slow calls.
 """
 from __future__ import annotations
 
