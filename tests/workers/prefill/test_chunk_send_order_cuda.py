@@ -64,7 +64,7 @@ class _SlowCalls:
     def stop(self) -> None:
         sys.setprofile(None)
 
-    def slowest(self, origin: float, count: int = 8) -> str:
+    def slowest(self, origin: float, count: int = 12) -> str:
         top = sorted(sorted(self.calls, key=lambda call: -call[1])[:count])
         return ", ".join(f"{'>' * depth}{name} at {began - origin:.3f}s for {took:.3f}s"
                          for began, took, depth, name in top) or "none over 1 ms"

@@ -5,9 +5,10 @@ prefill worker's next forward is, and times one call at a time in another thread
 thread makes it: the first launch of a kernel (lazy module loading), a page-locked allocation, a
 device allocation on a new stream, a pageable host-to-device copy, a cold direct page copy, then
 the same transport's gather and direct copy after `GrpcSender` warmed them, alone and while
-another thread (as the model thread in a forward) is inside a pageable copy or a page-locked
-allocation that waits for the spin. A call that took most of the spin waited for it. Only the warm transport is asserted (the rest is the CUDA driver's
-behaviour, printed for docs/performance.md: run with -s).
+another thread (as the model thread in a forward) has pageable copies or a page-locked
+allocation waiting for the spin. A call that took most of the spin waited for it. Only the warm
+transport is asserted, alone and beside a synchronous pageable copy (the rest is the CUDA
+driver's behaviour, printed for docs/performance.md: run with -s).
 """
 from __future__ import annotations
 
@@ -105,6 +106,9 @@ _CHILD = textwrap.dedent("""
     # page-locked allocation (an upload's `pin_memory()` the host cache cannot serve).
     def model_pageable_copy():
         torch.tensor(list(range(4096)), dtype=torch.long, device="cuda")
+    def model_pageable_async_copies():  # a forward's inputs (forward_batch.py), 256 KiB each
+        for _ in range(8):
+            torch.arange(1 << 15, dtype=torch.long).to("cuda", non_blocking=True)
     def model_page_locked_allocation():
         torch.empty(200 << 20, dtype=torch.uint8, pin_memory=True)
     def pageable_ids():
@@ -113,6 +117,7 @@ _CHILD = textwrap.dedent("""
         h2d_stream.synchronize()
     out["pageable page ids beside a pageable copy"] = timed_beside_spin(pageable_ids, model_pageable_copy)
     for busy_name, busy in (("pageable copy", model_pageable_copy),
+                            ("pageable async copy", model_pageable_async_copies),
                             ("page-locked allocation", model_page_locked_allocation)):
         out[f"warm gather beside a {busy_name}"] = timed_beside_spin(
             lambda: sender.executor.submit(warm_gather).result(), busy)
