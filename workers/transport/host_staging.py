@@ -1,11 +1,13 @@
 """A transport thread's page-locked buffers for what it copies to the device (page ids, landed KV).
 
 Why. A copy from pageable host memory goes through the CUDA driver's own staging buffers, which
-all threads of the process share. While the model thread's pageable copies wait behind a forward on
-the default stream, a transport thread's pageable copy waited with them: on an H100 the first
-per-chunk send's host calls returned when the next forward's spin kernel ended
-(tests/workers/prefill/test_chunk_send_order_cuda.py, 422a203). From page-locked memory a copy is a
-plain DMA on the caller's own stream.
+all threads of the process share, and a staging buffer is held until its copy has run on the GPU.
+On an H100 the first per-chunk send's host calls returned exactly when the next forward's spin
+kernel ended (tests/workers/prefill/test_chunk_send_order_cuda.py, 422a203), while the model
+thread's own pageable copies of that forward were queued behind the spin; the page ids' pageable
+copy was the one CUDA copy both send paths share. That diagnosis is not yet confirmed on the GPU:
+test_cuda_first_use_cuda.py's rows "... beside a pageable copy" time it. From page-locked memory a
+copy is a plain DMA on the caller's own stream, with no driver staging.
 
 Making page-locked memory waits for the whole device, so a transport's warm-up reserves each
 thread's buffers (`reserve`, warm_up.py) before any forward runs; `upload` in a thread without one
