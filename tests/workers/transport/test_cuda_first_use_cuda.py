@@ -109,8 +109,9 @@ _CHILD = textwrap.dedent("""
     def model_pageable_async_copies():  # a forward's inputs (forward_batch.py), 256 KiB each
         for _ in range(8):
             torch.arange(1 << 15, dtype=torch.long).to("cuda", non_blocking=True)
+    held = []  # kept, so that each allocation is a new one rather than the host cache's block
     def model_page_locked_allocation():
-        torch.empty(200 << 20, dtype=torch.uint8, pin_memory=True)
+        held.append(torch.empty(200 << 20, dtype=torch.uint8, pin_memory=True))
     def pageable_ids():
         with torch.cuda.stream(h2d_stream):
             torch.as_tensor(pages(), dtype=torch.long).to("cuda", non_blocking=True)
