@@ -84,7 +84,8 @@ def _spin_cycles(seconds: float) -> int:
 @pytest.mark.parametrize("direct", ["on", "off"])
 def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
     rng = random.Random()
-    prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(2 * CHUNK + rng.randrange(1, CHUNK))]
+    prompt, warm_prompt = ([rng.randrange(2, oracle().vocab_size) for _ in range(2 * CHUNK + rng.randrange(1, CHUNK))]
+                           for _ in range(2))
     spin = _spin_cycles(SLOW_FORWARD_S)
     late: dict[str, bool] = {}  # armed once the engines have started (their warm-up copies too)
     copy_began: list[float] = []
@@ -119,6 +120,13 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
         base = worker_config("grpc", same_host_direct=direct)
         cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=False))
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, device="cuda") as pair:
+            # A worker in service: its forwards' kernels (with a prefix too) are loaded already. The
+            # first launch of one in a process loads its module, which may synchronise the whole
+            # context (warm_up.py); that a cold model thread's loads also hold up a warm transport
+            # is what test_cuda_first_use_cuda.py's "beside a first launch" rows measure.
+            warmed = await pair.run(warm_prompt, GREEDY, "warm")
+            assert all(outcome.ok for outcome in warmed), [outcome.terminal for outcome in warmed]
+            await pair.wait_pools_clean()
             late["first"] = True
             emitted, channels = timed_emits(pair.prefill)
             forward_ends: list[float] = []

@@ -5,8 +5,8 @@ prefill worker's next forward is, and times one call at a time in another thread
 thread makes it: the first launch of a kernel (lazy module loading), a page-locked allocation, a
 device allocation on a new stream, a pageable host-to-device copy, a cold direct page copy, then
 the same transport's gather and direct copy after `GrpcSender` warmed them, alone and while
-another thread (as the model thread in a forward) has pageable copies or a page-locked
-allocation waiting for the spin. A call that took most of the spin waited for it. Only the warm
+another thread (as the model thread in a forward) has pageable copies, a page-locked
+allocation or a kernel's first launch waiting for the spin. A call that took most of the spin waited for it. Only the warm
 transport is asserted, alone and beside a synchronous pageable copy (the rest is the CUDA
 driver's behaviour, printed for docs/performance.md: run with -s).
 """
@@ -109,6 +109,15 @@ _CHILD = textwrap.dedent("""
     def model_pageable_async_copies():  # a forward's inputs (forward_batch.py), 256 KiB each
         for _ in range(8):
             torch.arange(1 << 15, dtype=torch.long).to("cuda", non_blocking=True)
+    # Kernels nothing here launched before, one per use, into tensors made beforehand.
+    unlaunched = []
+    for dtype in (torch.int16, torch.int32):
+        y = torch.zeros(64, 8, 4, dtype=dtype, device="cuda")
+        unlaunched.append((y, torch.empty_like(y), torch.empty(y.shape, dtype=torch.long, device="cuda")))
+    torch.cuda.synchronize()
+    def model_first_launch():
+        y, y_values, y_indices = unlaunched.pop()
+        torch.cummin(y, dim=1, out=(y_values, y_indices))
     held = []  # kept, so that each allocation is a new one rather than the host cache's block
     def model_page_locked_allocation():
         held.append(torch.empty(200 << 20, dtype=torch.uint8, pin_memory=True))
@@ -119,7 +128,8 @@ _CHILD = textwrap.dedent("""
     out["pageable page ids beside a pageable copy"] = timed_beside_spin(pageable_ids, model_pageable_copy)
     for busy_name, busy in (("pageable copy", model_pageable_copy),
                             ("pageable async copy", model_pageable_async_copies),
-                            ("page-locked allocation", model_page_locked_allocation)):
+                            ("page-locked allocation", model_page_locked_allocation),
+                            ("first launch of a kernel", model_first_launch)):
         out[f"warm gather beside a {busy_name}"] = timed_beside_spin(
             lambda: sender.executor.submit(warm_gather).result(), busy)
         out[f"warm direct page copy beside a {busy_name}"] = timed_beside_spin(
