@@ -6,15 +6,18 @@ queued the next forward on the same stream. Their copies must wait only for the 
 is already in the pool, not for that next forward. Here the second forward is made long on the GPU
 (a spin kernel queued before it) and the first send's copy starts late enough that the second
 forward is surely queued: the first chunk must still be on the stream long before the second forward
-ends. The decode side must get the request done either way.
+ends. The decode side must get the request done either way. One request runs first, as a worker
+in service has run many: what is measured is the steady state, not a cold process's first kernel
+loads (the second forward, the first with a prefix, was the first to run some kernels).
 
 Failed on an H100 at 2648c43 (lead 0.01 s, both cases): the send's first CUDA calls in a fresh
 process (kernel module loads, a page-locked staging allocation) waited for the whole device;
 the transport now makes them before serving (workers/transport/warm_up.py).
 Failed again at 422a203 (lead 0.01 s, both cases, warm transport): the send's host calls returned
-when the spin ended (1.999 s), not when the forward did. The page ids' copy from pageable memory,
-the one call both cases share, now goes through a reserved page-locked buffer
-(host_staging.py); a failure lists both threads' slow calls.
+when the spin ended (1.999 s), not when the forward did. Suspects: the page ids' copy from
+pageable memory, the one copy both cases share (now from a reserved page-locked buffer,
+host_staging.py), and the cold model thread's first kernel launches (now warmed by a first
+request). A failure lists both threads' slow calls.
 """
 from __future__ import annotations
 
