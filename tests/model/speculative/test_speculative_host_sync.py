@@ -38,7 +38,7 @@ def _params(rng: random.Random) -> SamplingParams:
 
 def test_a_speculative_step_reads_back_only_its_result(tiny_mtp_checkpoint, module_seed):
     rng = random.Random(module_seed)
-    spec = Engine(str(tiny_mtp_checkpoint), page_size=4, speculative_num_steps=3)
+    spec = Engine(str(tiny_mtp_checkpoint), page_size=4, speculative_num_steps=3, speculative_overlap=True)
     decoder = spec.speculative
     launch, finish = decoder.launch, decoder.finish
     events: list[tuple[str, int, tuple[int, ...]]] = []  # (launch | finish, step id, its rows)

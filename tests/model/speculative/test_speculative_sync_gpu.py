@@ -30,7 +30,7 @@ def test_a_graphed_speculative_step_never_waits_for_the_device(tmp_path):
     rng = random.Random(seed)
     path = str(make_tiny_model(tmp_path / "v3", seed=seed, mtp_layers=1))
     kw = dict(device="cuda", dtype="float32", attention_backend="triton", moe_backend="triton", page_size=16)
-    spec = Engine(path, speculative_num_steps=STEPS, cuda_graph=True, **kw)
+    spec = Engine(path, speculative_num_steps=STEPS, cuda_graph=True, speculative_overlap=True, **kw)
     decoder = spec.speculative
     launch, guarded, ahead = decoder.launch, [0], [0]
 
