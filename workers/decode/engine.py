@@ -372,12 +372,12 @@ class DecodeEngine(EngineCore[_Request]):
             # The stepper's device state is unknown now: every row it held starts over, failed.
             self._fail_in_flight("decode step failed (see the worker log)", everyone)
             return
+        # Kept before any streaming: a failure in it (the scheduler's `_fail_in_flight`) still sees the step.
+        self._pending = launched if overlap else None
         if pending is not None:
             self._process(pending, collected)
         if launched is not None and not overlap:
             self._process(launched, launched.collect() if collected is None else collected)
-            launched = None
-        self._pending = launched
 
     async def _speculative_round(self, launch: bool = True) -> None:
         """One speculative step (draft, verify, accept, catch up) over the running requests, then
@@ -414,18 +414,20 @@ class DecodeEngine(EngineCore[_Request]):
             return
         now = time.perf_counter()
         gaps = []
-        for state, tokens in zip(done, emitted):
-            state.launched += len(tokens)
-            for token, logprob, top in tokens:
-                if state.ended or state.finished:
-                    break  # past a stop: the tokens after it are dropped
-                gaps.append(now - state.last_token_at)
-                state.last_token_at = now
-                self._accept(state, token, logprob, top)
-            if state.finished and state in self._running:
-                self._running.remove(state)
-        self.metrics.observe_inter_token_latency(gaps)
-        self._done_with(done)
+        try:
+            for state, tokens in zip(done, emitted):
+                state.launched += len(tokens)
+                for token, logprob, top in tokens:
+                    if state.ended or state.finished:
+                        break  # past a stop: the tokens after it are dropped
+                    gaps.append(now - state.last_token_at)
+                    state.last_token_at = now
+                    self._accept(state, token, logprob, top)
+                if state.finished and state in self._running:
+                    self._running.remove(state)
+            self.metrics.observe_inter_token_latency(gaps)
+        finally:  # the step is over even if streaming raised: an ended request's pages go back
+            self._done_with(done)
 
     def _plan_speculative(self, ahead: set[int]) -> list[_Request]:
         """The next speculative step's requests, their pages grown for its drafts. A request in the
@@ -509,16 +511,18 @@ class DecodeEngine(EngineCore[_Request]):
         metrics call for the whole step."""
         now = time.perf_counter()
         gaps = []
-        for row, state in enumerate(step.owners):
-            if state.ended or state.finished:
-                continue
-            gaps.append(now - state.last_token_at)
-            state.last_token_at = now
-            self._accept(state, sampled.token_ids[row], sampled.logprobs[row], sampled.top[row])
-            if state.finished:
-                self._running.remove(state)
-        self.metrics.observe_inter_token_latency(gaps)
-        self._done_with(step.owners)
+        try:
+            for row, state in enumerate(step.owners):
+                if state.ended or state.finished:
+                    continue
+                gaps.append(now - state.last_token_at)
+                state.last_token_at = now
+                self._accept(state, sampled.token_ids[row], sampled.logprobs[row], sampled.top[row])
+                if state.finished:
+                    self._running.remove(state)
+            self.metrics.observe_inter_token_latency(gaps)
+        finally:  # the step is over even if streaming raised: an ended request's pages go back
+            self._done_with(step.owners)
 
 
 class _AdmitHooks(RoundHooks[_Request]):
