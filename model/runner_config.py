@@ -24,8 +24,8 @@ from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import (check_speculative_num_steps, graph_tokens_per_sequence,
                                                  graphs_default_blocker)
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
-from deepseek_pd.model.runner_rules import (RUNNER_CHOICES, choice_blocker, deterministic_blocker,
-                                            graph_settings_blocker, sizing_blocker, tbo_blocker)
+from deepseek_pd.model.runner_rules import (RUNNER_BOUNDS, RUNNER_CHOICES, choice_blocker, deterministic_blocker,
+                                            graph_settings_blocker, range_blocker, sizing_blocker, tbo_blocker)
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
@@ -162,6 +162,8 @@ class RunnerConfig:
             raise UserError(f"num_pages must be >= 1, got {self.num_pages}")
         self._check_pool_sizing()
         if (blocker := choice_blocker(**{name: getattr(self, name) for name in RUNNER_CHOICES})) is not None:
+            raise UserError(blocker)
+        if (blocker := range_blocker(**{name: getattr(self, name) for name in RUNNER_BOUNDS})) is not None:
             raise UserError(blocker)
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:

@@ -13,7 +13,8 @@ the MTP layer, its weights and a pool layer more of KV), and for the headroom's 
 Mooncake allocates, workers/serve/kv_staging.py); the others are the worker's business. Anything the worker would refuse
 raises `ValueError` naming the flag: what `serve` refuses from its flags alone in its own words
 (workers/serve/flag_rules.py `check_flags`, the one rule set: the memory settings' ranges are
-model/runner_rules.py `sizing_blocker`, which `RunnerConfig` applies too), the rest as the configs would.
+model/runner_rules.py `sizing_blocker`, the engine options' the configs' own bounds, deepseek_pd/bounds.py,
+which the configs apply too), the rest as the configs would.
 
 Example: `parse_memory_flags("decode", ["--engine-opt", "fp8_backend=dequant", "--page-size=64"])`
 -> `MemoryFlags(serve=ServeFlags(role="decode", page_size=64, ...), fp8_backend="dequant", ...)`.
@@ -80,11 +81,8 @@ def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
 
 
 def _check(flags: MemoryFlags) -> None:
-    """What the worker's configs refuse beyond serve's flag rules (SchedulerConfig, TransportConfig,
-    RunnerConfig), said as they would."""
+    """What the worker's configs refuse beyond serve's flag rules (RunnerConfig's dtype), said as they
+    would. (The engine options' ranges are serve's rules: `check_flags` applied them already.)"""
     serve = flags.serve
     if serve.dtype not in ("auto", *DTYPE_BYTES):
         raise ValueError(f"--dtype {serve.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
-    for name in ("cuda_graph_max_batch", "max_running_requests", "mooncake_staging_tokens"):
-        if getattr(flags, name) is not None and getattr(flags, name) < 1:
-            raise ValueError(f"--engine-opt {name} must be >= 1")
