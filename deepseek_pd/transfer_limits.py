@@ -1,4 +1,4 @@
-"""The ranges of the PD handoff's integer settings (`TransportConfig`, `BootstrapConfig`), torch-free.
+"""The ranges of the PD handoff's numeric settings (`TransportConfig`, `BootstrapConfig`), torch-free.
 
 The two configs live in workers/transport/, whose package loads the transports (and torch), which
 `serve`'s engine-option table (workers/serve/engine_option_keys.py) may not: the CLI, `up` and the
@@ -25,10 +25,15 @@ TRANSPORT_BOUNDS: Mapping[str, Bounds] = {
     "io_threads": Bounds(1),
     "grpc_streams": Bounds(1, MAX_KV_STREAMS),
     "mooncake_staging_tokens": Bounds(1),
+    "send_timeout_s": Bounds(0, open_low=True),
 }
+
+_TIMEOUT = Bounds(0, open_low=True)
 
 BOOTSTRAP_BOUNDS: Mapping[str, Bounds] = {
     "event_queue_depth": Bounds(1),
     "dp_size": Bounds(1),
     "dp_rank": Bounds(0),  # and below dp_size: BootstrapConfig checks the pair
+    **{name: _TIMEOUT for name in ("handshake_timeout_s", "claim_timeout_s", "transfer_timeout_s",
+                                   "confirm_timeout_s", "retry_initial_s", "retry_max_s")},
 }

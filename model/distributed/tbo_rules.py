@@ -43,10 +43,8 @@ class TboRules:
     min_extend_tokens: int = DEFAULT_MIN_TOKENS
 
     def __post_init__(self) -> None:
-        if not 0 <= self.token_distribution_threshold <= 0.5:
-            raise UserError(f"tbo_token_distribution_threshold must be in [0, 0.5], "
-                            f"got {self.token_distribution_threshold}")
-        if (blocker := range_blocker(tbo_min_decode_tokens=self.min_decode_tokens,
+        if (blocker := range_blocker(tbo_token_distribution_threshold=self.token_distribution_threshold,
+                                     tbo_min_decode_tokens=self.min_decode_tokens,
                                      tbo_min_extend_tokens=self.min_extend_tokens)) is not None:
             raise UserError(blocker)
 

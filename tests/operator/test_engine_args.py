@@ -94,7 +94,7 @@ def _not_a_backend_name(spec: dict) -> str:
 
 
 def _integer_out_of_range(spec: dict) -> str:
-    """An integer engine option below its config's range (deepseek_pd/bounds.py)."""
+    """A numeric engine option below its config's range (deepseek_pd/bounds.py)."""
     role = random.choice(["prefill", "decode"])
     key = random.choice(sorted(ENGINE_OPTION_BOUNDS))
     value = ENGINE_OPTION_BOUNDS[key].low - random.randint(1, 64)

@@ -31,12 +31,14 @@ def gpu_chunked_prefill_size(total_memory_bytes: int | None) -> int:
     return LARGEST_GPU_CHUNK
 
 
-# `SchedulerConfig`'s integer fields with a range (deepseek_pd/bounds.py): the config applies them, and
+# `SchedulerConfig`'s numeric fields with a range (deepseek_pd/bounds.py): the config applies them, and
 # `serve` before any worker starts (`--chunked-prefill-size`: its flag rules; the others: engine options).
 SCHEDULER_BOUNDS = {
     "chunked_prefill_size": Bounds(1),
     "max_running_requests": Bounds(1),
     "decode_reserve_tokens": Bounds(0),
+    "admission_timeout_s": Bounds(0, open_low=True),
+    "prefill_round_target_ms": Bounds(0),  # 0: off
 }
 
 
@@ -72,10 +74,6 @@ class SchedulerConfig:
         if (blocker := bounds_blocker(SCHEDULER_BOUNDS, **{name: getattr(self, name)
                                                            for name in SCHEDULER_BOUNDS})) is not None:
             raise UserError(blocker)
-        if self.admission_timeout_s <= 0:
-            raise UserError(f"admission_timeout_s must be > 0, got {self.admission_timeout_s}")
-        if self.prefill_round_target_ms < 0:
-            raise UserError(f"prefill_round_target_ms must be >= 0, got {self.prefill_round_target_ms}")
         if self.deterministic and self.prefill_round_target_ms:
             raise UserError("deterministic mode cuts prompts at multiples of a fixed chunk: it cannot size "
                             "rounds by time (prefill_round_target_ms); set one of them")

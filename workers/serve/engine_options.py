@@ -4,7 +4,7 @@ The keys, their types and the configs that hold them are one torch-free table
 (workers/serve/engine_option_keys.py). A key sets the field of that name in each config that has one
 (runner, bootstrap, scheduler, transport, group; only `deterministic` is in two: the runner's kernels
 and the scheduler's cuts); the value is parsed as that field's type (bool: true/false/1/0/yes/no), and a
-string setting's is checked against the names it may take, and an integer against its config's range,
+string setting's is checked against the names it may take, and a number against its config's range,
 in the words the config itself refuses it in (deepseek_pd/choices.py: "moe_backend 'tritn' is not one
 of auto, torch, ..."; deepseek_pd/bounds.py: "max_running_requests must be >= 1, got 0").
 An unknown key is an error that names the closest key and lists the valid ones, never ignored;

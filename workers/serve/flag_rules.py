@@ -7,7 +7,7 @@ own words, instead of pods that crash-loop. The runner's rules come from model/r
 which `RunnerConfig` applies again when it is built.
 
 The rules:
-- an `--engine-opt` key no worker config has, a value not of its type, or an integer out of its config's
+- an `--engine-opt` key no worker config has, a value not of its type, or a number out of its config's
   range (workers/serve/engine_options.py, over the key table workers/serve/engine_option_keys.py): a typo
   is refused, naming the closest key;
 - `--speculative-num-steps` outside 0..8 (model/speculative/rules.py);

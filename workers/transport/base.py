@@ -95,8 +95,6 @@ class TransportConfig:
             raise ValueError(blocker)
         if (blocker := not_one_of("same_host_direct", self.same_host_direct, SAME_HOST_DIRECT_MODES)) is not None:
             raise ValueError(blocker)
-        if self.send_timeout_s <= 0:
-            raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
         if self.mooncake_rank_devices and self.mooncake_device not in self.mooncake_rank_devices:

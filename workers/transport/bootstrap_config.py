@@ -40,10 +40,6 @@ class BootstrapConfig:
     dp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("handshake_timeout_s", "claim_timeout_s", "transfer_timeout_s", "retry_initial_s",
-                     "retry_max_s", "confirm_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"bootstrap {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise UserError(f"bootstrap port {self.port} is not a TCP port")
         if (blocker := bounds_blocker(BOOTSTRAP_BOUNDS, **{name: getattr(self, name)
