@@ -21,8 +21,10 @@ Prints step / runner (the median of the pairs' ratios; target <= `TARGET`) and t
 `--json` writes it all. `--also-without-inference-mode` measures the model thread as before too
 (the model's no_grad only), its pairs taking turns with the others on each prompt. `--trace DIR`
 writes a torch.profiler trace of the last pairs, every thread (the GPU's idle time inside a step
-shows there). `--profile FILE` writes cProfile's top functions of the model thread's rounds and of
-the event loop during the worker's requests.
+shows there), with each window's split (bench/step_attribution.py: GPU busy and idle, host
+syncs, launches, other threads' CPU time) printed and in DIR/prefill_step_attribution.json.
+`--profile FILE` writes cProfile's top functions of the model thread's rounds and of the event
+loop during the worker's requests.
 
 Caveat: both engines share this process (and its GIL) where `up` runs two, so the worker's
 figure here is conservative; the split says which part grew.
@@ -61,6 +63,8 @@ from deepseek_pd.workers.transport.worker_config import WorkerConfig  # noqa: E4
 from deepseek_pd.workers.prefill.engine import PrefillEngine  # noqa: E402
 from deepseek_pd.workers.transport import TransportConfig  # noqa: E402
 from target_check import check  # noqa: E402
+import step_attribution  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
 
 TARGET = 1.1  # issue 25: the worker at >= 0.9 of its runner
 
@@ -128,8 +132,9 @@ def runner_alone(runner: ModelRunner, prompt: list[int], device: str) -> float:
         with torch.inference_mode():
             sync(device)
             began = time.perf_counter()
-            type(runner).extend(runner, [ExtendSeq(prompt, 0, pages)])  # not the worker's instrumented one
-            sync(device)
+            with record_function("pd::runner_alone"):  # a window of --trace's attribution
+                type(runner).extend(runner, [ExtendSeq(prompt, 0, pages)])  # not the worker's instrumented one
+                sync(device)
             return time.perf_counter() - began
     finally:
         pool.free(pages)
@@ -185,28 +190,36 @@ def instrument(engine: PrefillEngine, holder: list[WorkerTimes], profiler: cProf
         holder[0].step.append(seconds)
         on_step(seconds, prompts, tokens)
 
+    first_token: list[record_function] = []  # --trace's window from the extend's end to the round's
+
     def timed_forward(*args, **kwargs):
         if profiler is not None:
             profiler.enable()
         began = time.perf_counter()
         try:
-            return forward(*args, **kwargs)
+            with record_function("pd::worker_round"):
+                return forward(*args, **kwargs)
         finally:
+            while first_token:
+                first_token.pop().__exit__(None, None, None)
             holder[0].model_thread.append(time.perf_counter() - began)
             if profiler is not None:
                 profiler.disable()
 
     def timed_extend(*args, **kwargs):
         began = time.perf_counter()
-        out = extend(*args, **kwargs)
-        sync(str(out.device))  # run_extend syncs right after: the same wait, counted here
+        with record_function("pd::extend"):
+            out = extend(*args, **kwargs)
+            sync(str(out.device))  # run_extend syncs right after: the same wait, counted here
         holder[0].forward.append(time.perf_counter() - began)
+        first_token.append(record_function("pd::first_token"))
+        first_token[-1].__enter__()
         return out
     rounds.on_step, rounds.forward, runner.extend, rounds.run_in = timed_step, timed_forward, timed_extend, timed_run_in
 
 
 # The model thread's call, in inference mode (as now) and as before (the model's no_grad alone).
-MODES = {"inference": model_thread_module.model_call, "as_before": lambda fn, *args: fn(*args)}
+MODES = {"inference": model_thread_module.model_call, "as_before": lambda fn, *args, stream=None: fn(*args)}
 
 
 async def worker_steps(prefill_runner, decode_runner, prompts, args, modes: list[str],
@@ -295,7 +308,11 @@ def torch_trace(args):
     sort = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=25)
     (args.trace / "prefill_step_ops.txt").write_text(table)
+    attributed = step_attribution.attribute(prof.events())
+    (args.trace / "prefill_step_attribution.json").write_text(json.dumps(attributed, indent=1))
     print(f"torch profiler: {trace}.gz (ui.perfetto.dev), ops in {args.trace}/prefill_step_ops.txt")
+    print("where the traced steps' time goes (medians; bench/step_attribution.py):")
+    print(step_attribution.table(attributed))
 
 
 def top_functions(profiler: cProfile.Profile, limit: int = 25) -> str:

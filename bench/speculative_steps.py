@@ -7,11 +7,15 @@ step is `runner.decode` (CUDA-graph replay with `--cuda-graph`, which also repla
 the verify and the catch-up: model/speculative/graphs.py). `spec{k}_step_ms` times the decoder's
 whole step as serving runs it (`SpeculativeDecoder.step`: the forwards plus the device-side
 acceptance, the catch-up's gathers and the step's one host read), greedy rows drafting k each.
+`spec{k}_inorder_ms` and `spec{k}_ahead_ms` are the time per step of `--chain` consecutive steps,
+each launched after the step before it was read, or before (`launch(after=...)`: positions and KV
+slots from the device, model/speculative/future_positions.py), so the second hides the launch's
+host work behind the device's; `spec{k}_ahead_gain` is their ratio.
 
 On the GPU (V2-Lite shape with one random MTP layer; random weights accept nothing, so the
 speed-up is the implied one):
     python bench/speculative_steps.py --write-v2-lite /tmp/v2lite-mtp --device cuda --dtype bfloat16 \\
-        --cuda-graph --batches 1,8,32,128 --steps 1,2,3 --out spec.json
+        --cuda-graph --batches 1,8,32,128 --steps 1,2,3 --chain 16 --out spec.json
 On the CPU, as a smoke run (tests/bench/test_speculative_steps_script.py runs it):
     python bench/speculative_steps.py --tiny --device cpu --dtype float32 --page-size 16 --context 30 \
         --batches 1,5 --steps 1,2 --repeats 2 --out s.json
@@ -19,6 +23,7 @@ On the CPU, as a smoke run (tests/bench/test_speculative_steps_script.py runs it
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -76,11 +81,14 @@ def _decoder_step_ms(runner, batch: int, k: int, context: int, repeats: int, dev
     greedy = SamplingParams(temperature=0.0)
     rows = [_Row(context, k + 2, pool.alloc(pool.pages_for_tokens(context + k + 1)),
                  SamplingState.create(greedy, (), config.vocab_size, device)) for _ in range(batch)]
+    # each row its own token, as plain decode's rows: one shared token routes every row to the same experts
+    rng = random.Random(0)
+    seeds = [rng.randrange(config.vocab_size) for _ in rows]
 
     def one_step() -> None:
-        for row in rows:
-            del row.output_ids[1:]
-            decoder.seed(row, 1, hidden)
+        for row, token in zip(rows, seeds):
+            row.output_ids[:] = [token]
+            decoder.seed(row, token, hidden)
         decoder.step(rows)
 
     try:
@@ -90,64 +98,123 @@ def _decoder_step_ms(runner, batch: int, k: int, context: int, repeats: int, dev
             pool.free(row.pages)
 
 
+def _chained_step_ms(runner, batch: int, k: int, context: int, chain: int, ahead: bool, repeats: int,
+                     device: str) -> float:
+    """Median milliseconds per step of `chain` consecutive decoder steps over `batch` greedy rows
+    drafting k (random weights: each emits 1..k+1 tokens a step), each step launched after the one
+    before it was read, or with `ahead` before it (`SpeculativeDecoder.launch(after=...)`)."""
+    from deepseek_pd.model.sampling.params import SamplingParams
+    from deepseek_pd.model.sampling.state import SamplingState
+    from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
+
+    pool, config = runner.kv_pool, runner.model_config
+    hidden = torch.zeros(config.hidden_size, dtype=runner.model.embed_tokens.weight.dtype, device=device)
+    greedy = SamplingParams(temperature=0.0)
+    max_new = chain * (k + 1) + 2  # no row ends inside the chain
+
+    def run() -> float:
+        decoder = SpeculativeDecoder(runner, k)
+        rows = [_Row(context, max_new, pool.alloc(pool.pages_for_tokens(context + max_new)),
+                     SamplingState.create(greedy, (), config.vocab_size, device)) for _ in range(batch)]
+        try:
+            rng = random.Random(0)  # each row its own token (one shared token routes every row to the same experts)
+            for row in rows:
+                row.output_ids[:] = [rng.randrange(config.vocab_size)]
+                decoder.seed(row, row.output_ids[0], hidden)
+            _sync(device)
+            start, pending = time.perf_counter(), None
+            for _ in range(chain):
+                launched = decoder.launch(rows, after=pending if ahead else None)
+                if pending is not None:
+                    decoder.finish(pending)
+                pending = launched
+                if not ahead:
+                    decoder.finish(pending)
+                    pending = None
+            if pending is not None:
+                decoder.finish(pending)
+            _sync(device)
+            return (time.perf_counter() - start) * 1e3 / chain
+        finally:
+            for row in rows:
+                pool.free(row.pages)
+
+    run()  # warm-up
+    return statistics.median(run() for _ in range(repeats))
+
+
 @torch.inference_mode()
 def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: bool, batches: list[int],
-            draft_steps: list[int], context: int, repeats: int) -> dict:
+            draft_steps: list[int], context: int, repeats: int, chain: int = 16) -> dict:
     from deepseek_pd.model.runner import DecodeSeq, ModelRunner
     from deepseek_pd.model.runner_config import RunnerConfig
     from deepseek_pd.model.speculative.decoder import measure_step_costs
 
     max_steps = max(draft_steps)
-    # Each sequence holds whole pages (measure_step_costs: context + max_steps + 1 tokens), plus the
-    # graphs' scratch page and one spare.
-    num_pages = max(batches) * -(-(context + max_steps + 1) // page_size) + 2
+    # Each sequence holds whole pages (measure_step_costs: context + max_steps + 1 tokens; a chain
+    # of steps: context + chain * (k + 1) + 2), plus the graphs' scratch page and one spare.
+    longest = max(context + max_steps + 1, context + chain * (max_steps + 1) + 2)
+    num_pages = max(batches) * -(-longest // page_size) + 2
 
     def build(steps: int) -> ModelRunner:
         return ModelRunner(RunnerConfig(model=model, device=device, dtype=dtype, page_size=page_size,
                                         cuda_graph=cuda_graph, num_pages=num_pages, speculative_num_steps=steps))
 
+    def plain_ms(runner: ModelRunner) -> list[float]:
+        rng = random.Random(0)
+        times = []
+        for batch in batches:
+            pool = runner.kv_pool
+            pages = [pool.alloc(pool.pages_for_tokens(context + 1)) for _ in range(batch)]
+            try:
+                tokens = [rng.randrange(runner.model_config.vocab_size) for _ in range(batch)]
+                times.append(_timed(lambda: runner.decode([DecodeSeq(t, context, p) for t, p in zip(tokens, pages)]),
+                                    device, repeats))
+            finally:
+                for p in pages:
+                    pool.free(p)
+        return times
+
     # The speculative step, as the decode worker's policy measures it (model/speculative/decoder.py).
     # With graphs the verify and catch-up are captured for the configured k + 1 tokens per sequence
-    # only, so each k gets a runner configured with it; eager, one runner times every k.
-    runner = build(max_steps)
+    # only, so each k gets a runner configured with it, built after the last one is freed (two
+    # V2-Lite copies do not fit an 80 GB card); eager, one runner times every k.
     step_ms: dict[int, list[float]] = {}
-    if not cuda_graph:
-        spec_ms = dict(enumerate(measure_step_costs(runner, batches, max_steps, context, repeats).ms))
-        for k in draft_steps:
-            step_ms[k] = [_decoder_step_ms(runner, b, k, context, repeats, device) for b in batches]
-    else:
-        spec_ms = {}
-        for k in draft_steps:
-            spec_runner = runner if k == max_steps else build(k)
-            spec_ms[k] = measure_step_costs(spec_runner, batches, k, context, repeats).ms[k]
-            step_ms[k] = [_decoder_step_ms(spec_runner, b, k, context, repeats, device) for b in batches]
-            if spec_runner is not runner:
-                del spec_runner
-                torch.cuda.empty_cache()
-    rng = random.Random(0)
+    spec_ms: dict[int, list[float]] = {}
+    plain: list[float] = []
+    chained: dict[tuple[int, bool], list[float]] = {}
+    for k in (draft_steps if cuda_graph else [max_steps]):
+        runner = build(k)
+        costs = measure_step_costs(runner, batches, k, context, repeats).ms
+        for timed in (draft_steps if not cuda_graph else [k]):
+            spec_ms[timed] = costs[timed]
+            step_ms[timed] = [_decoder_step_ms(runner, b, timed, context, repeats, device) for b in batches]
+            for ahead in (False, True):
+                chained[timed, ahead] = [_chained_step_ms(runner, b, timed, context, chain, ahead, repeats, device)
+                                         for b in batches]
+        if not plain:
+            plain = plain_ms(runner)
+        del runner
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     rows = []
     for col, batch in enumerate(batches):
-        pool = runner.kv_pool
-        pages = [pool.alloc(pool.pages_for_tokens(context + 1)) for _ in range(batch)]
-        try:
-            tokens = [rng.randrange(runner.model_config.vocab_size) for _ in range(batch)]
-            plain = _timed(lambda: runner.decode([DecodeSeq(t, context, p) for t, p in zip(tokens, pages)]),
-                           device, repeats)
-        finally:
-            for p in pages:
-                pool.free(p)
-        row = {"batch": batch, "plain_ms": plain}
+        row = {"batch": batch, "plain_ms": plain[col]}
         for k in draft_steps:
             cost = spec_ms[k][col]
             row[f"spec{k}_ms"] = cost
             row[f"spec{k}_step_ms"] = step_ms[k][col]
+            row[f"spec{k}_inorder_ms"] = chained[k, False][col]
+            row[f"spec{k}_ahead_ms"] = chained[k, True][col]
+            row[f"spec{k}_ahead_gain"] = chained[k, False][col] / chained[k, True][col]
             for a in ACCEPT_LENGTHS:
                 if a <= k + 1:
-                    row[f"spec{k}_speedup_at_{a}"] = a * plain / cost
+                    row[f"spec{k}_speedup_at_{a}"] = a * plain[col] / cost
         rows.append(row)
         print(json.dumps(row), flush=True)
     return {"model": model, "device": device, "dtype": dtype, "cuda_graph": cuda_graph, "context": context,
-            "rows": rows}
+            "chain": chain, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -166,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", default="1,2,3", help="draft steps to time")
     parser.add_argument("--context", type=int, default=1024, help="tokens already cached per sequence")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--chain", type=int, default=16,
+                        help="consecutive steps per timing of the in-order and launched-ahead loops")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -181,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = args.model
     result = measure(model, args.device, args.dtype, args.page_size, args.cuda_graph,
                      [int(b) for b in args.batches.split(",")], [int(k) for k in args.steps.split(",")],
-                     args.context, args.repeats)
+                     args.context, args.repeats, args.chain)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result
 

@@ -21,8 +21,7 @@ from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_exper
 from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
 from deepseek_pd.model.kernels.mla_decode_route import AttentionHost, auto_attention_backend
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
-from deepseek_pd.model.speculative.rules import (check_speculative_num_steps, graph_tokens_per_sequence,
-                                                 graphs_default_blocker)
+from deepseek_pd.model.speculative.rules import check_speculative_num_steps, graph_tokens_per_sequence
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.runner_rules import (RUNNER_BOUNDS, RUNNER_CHOICES, choice_blocker, deterministic_blocker,
                                             graph_settings_blocker, range_blocker, sizing_blocker, tbo_blocker)
@@ -219,10 +218,7 @@ class RunnerConfig:
         resolved.expert_location(model_config)  # a bad placement file fails here, before any rank starts
         blocker = resolved.cuda_graph_blocker()
         if requested_graphs is None:
-            default_blocker = graphs_default_blocker(resolved.speculative_num_steps)
-            if graphs_by_default and blocker is None and default_blocker is not None:
-                log.info("CUDA graphs off: %s", default_blocker)
-            return replace(resolved, cuda_graph=graphs_by_default and blocker is None and default_blocker is None)
+            return replace(resolved, cuda_graph=graphs_by_default and blocker is None)
         if requested_graphs and blocker is not None:
             raise UserError(f"cuda_graph=true: {blocker}")
         return replace(resolved, cuda_graph=requested_graphs)  # __post_init__ refuses a non-bool

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from deepseek_pd.model.config import ModelConfig, latent_kv_bytes
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.mtp_names import kv_layers
-from deepseek_pd.model.speculative.rules import graph_tokens_per_sequence, graphs_default_blocker
+from deepseek_pd.model.speculative.rules import graph_tokens_per_sequence
 from deepseek_pd.operator import known_models
 from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
 from deepseek_pd.model.kv.memory_budget import budget_bytes
@@ -137,8 +137,8 @@ def headroom_gib(role: RoleSpec, flags: MemoryFlags) -> float:
     `mem_headroom_gib`, else model/kv/memory_headroom.py's default for its largest captured batch.
 
     Whether the rank captures CUDA graphs, as `RunnerConfig.resolve` and `cuda_graph_blocker`
-    decide it: a decode role does by default, except under attention TP and while speculative graphs
-    are opt-in (model/speculative/rules.py graphs_default_blocker); `cuda_graph` overrides
+    decide it: a decode role does by default, except under attention TP (speculative draft and verify graphs
+    included); `cuda_graph` overrides
     the default; TBO and expert-load recording keep graphs off whatever it says; with speculative
     decoding the largest graph (the verify) holds k + 1 tokens per sequence. Backends the
     image decides (DeepEP) are assumed capturable: the plan errs towards the larger headroom. The
@@ -146,8 +146,7 @@ def headroom_gib(role: RoleSpec, flags: MemoryFlags) -> float:
     """
     if flags.mem_headroom_gib is not None:
         return flags.mem_headroom_gib
-    graphs_by_default = (role_defaults(role.role).decodes and role.parallelism.tp == 1
-                         and graphs_default_blocker(flags.speculative_num_steps) is None)
+    graphs_by_default = role_defaults(role.role).decodes and role.parallelism.tp == 1
     capturable = not (flags.enable_tbo or flags.record_expert_load)
     graphs = capturable and (graphs_by_default if flags.cuda_graph is None else flags.cuda_graph)
     batch = flags.cuda_graph_max_batch if flags.cuda_graph_max_batch is not None else flags.max_running_requests

@@ -22,6 +22,7 @@ from deepseek_pd.operator.build_workers import build_group_service, build_worker
 from deepseek_pd.operator.executor import Executor, Key, Manifest, manifest_hash
 from deepseek_pd.operator.gang_status import CONDITION as GANG_CONDITION, gang_state
 from deepseek_pd.operator.kube import ApiError, KubeClient
+from deepseek_pd.operator.kv_ports_status import mooncake_ports_condition
 from deepseek_pd.operator.engine_args import engine_args_violations
 from deepseek_pd.operator.memory_plan import MemoryVerdict, plan_memory
 from deepseek_pd.operator.model_status import model_state
@@ -189,6 +190,7 @@ class Reconciler:
         now = _now()
         status = build_status(plans, revisions, floors, router, generation, previous, now, model, memory)
         status["conditions"].append(secrets_condition(secret_problems, generation, previous, now))
+        status["conditions"].append(mooncake_ports_condition(spec, generation, previous, now))
         rollout = {role: c.state for role, c in checks.items() if c.state is not None}
         if rollout or previous.get("rollout"):  # None (a role's, or the whole): a merge patch removes it
             status["rollout"] = {**{r: None for r in previous.get("rollout") or {}}, **rollout} if rollout else None

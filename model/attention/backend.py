@@ -45,6 +45,11 @@ def joined(x: QK) -> torch.Tensor:
 
 
 class AttentionBackend(Protocol):
+    # True: MLA extend and decode take every sequence's length from the device (`positions`,
+    # `seq_lens_t`), the host lengths only bounding the work, so a batch may be built from upper
+    # bounds and its lengths filled in on the device (model/speculative/future_positions.py).
+    device_lengths: bool
+
     def mha_causal(self, q: QK, k: QK, v: torch.Tensor, qo_offsets: tuple[int, ...],
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sequence, q[i] attends k/v[0..i] of the same sequence. q,k `[T,H,Dqk]` (or their

@@ -39,6 +39,7 @@ _PLAN = "flashinfer_mla_plan"
 @ATTENTION_BACKENDS.register("flashinfer")
 class FlashInferAttentionBackend(TritonAttentionBackend):
     cuda_graph_safe = True  # graph batches re-plan before each replay (module docstring)
+    device_lengths = False  # it plans from the host lengths
 
     def __init__(self, route: MLADecodeRoute | None = None) -> None:
         if not flashinfer_mla_available():

@@ -26,6 +26,8 @@ from deepseek_pd.model.forward_batch import ForwardBatch
 class InvariantTorchAttentionBackend(TorchAttentionBackend):
     """The reference, with decode one row at a time over that row's own context."""
 
+    device_lengths = False  # decode attends over each row's host length
+
     def mla_decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    batch: ForwardBatch, kv_lora_rank: int, scale: float) -> torch.Tensor:
         page_size = kv_cache.shape[1]

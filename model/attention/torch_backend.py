@@ -42,6 +42,7 @@ class TorchAttentionBackend:
     """Reference kernels, correct on any device; not fast. Queries are processed in tiles."""
 
     cuda_graph_safe = False  # the reference; decode gathers the whole captured context per step
+    device_lengths = True  # keys past a row's device length are gathered from its first and masked
 
     def __init__(self, query_tile: int = 1024) -> None:
         self.query_tile = query_tile
@@ -101,6 +102,10 @@ class TorchAttentionBackend:
         for i, seq_len in enumerate(batch.seq_lens):
             key_pos = torch.arange(seq_len, device=flat.device)
             slots = batch.page_table[i, key_pos // page_size] * page_size + key_pos % page_size
+            # The host length may only bound the device one (a speculative step launched before the
+            # step before it was read, model/speculative/future_positions.py): keys past the device
+            # length gather the row's first key instead of whatever they hold, as decode's do.
+            slots = torch.where(key_pos < batch.seq_lens_t[i], slots, slots[:1])
             kv = flat[slots].float()  # [L, R+P]
             c_kv, k_pe = kv[:, :kv_lora_rank], kv[:, kv_lora_rank:]
             for start, end in _tiles(offsets[i], offsets[i + 1], self.query_tile):

@@ -50,6 +50,7 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 class TritonAttentionBackend:
     # Decode has no host sync; the split count follows host lengths, fixed per capture (cuda_graph.py).
     cuda_graph_safe = True
+    device_lengths = True  # the kernels read positions + 1 / seq_lens; host lengths size the grid
 
     def __init__(self) -> None:
         require_triton("attention backend 'triton'")

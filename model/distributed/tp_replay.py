@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from deepseek_pd.model.forward_batch import ForwardMode
-from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool, copy_pages_
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class TpReplay:
             dist.broadcast(rows, src=self.leader, group=self.device_group)
             index = torch.tensor(call.synced_pages, dtype=torch.long, device=device)
             for layer, buffer in enumerate(pool.buffers):
-                buffer.index_copy_(0, index, rows[layer])
+                copy_pages_(buffer, index, rows[layer])
         return call, input_ids, hidden
 
 

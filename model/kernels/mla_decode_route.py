@@ -14,12 +14,17 @@ Two decisions, each made once here:
 Measured on one H100 (docs/performance.md, 2026-12-06; FlashInfer 0.7.2.post1, fa3, page 64): at
 V3's 128 heads FlashInfer's kernel is 3.4-6.6x ours at every shape that ran (bs 128 x 2.3k: 0.163
 against 0.90 ms per layer), and it plans each batch on the host once for all layers (0.6-7 ms);
-at V2-Lite's 16 heads, batch 128, the two kernels are equal. Hence: FlashInfer for batches of 8
-or more at 64 heads or more per rank, Triton for the rest (and for every shape at 16 heads).
+at V2-Lite's 16 heads, batch 128, the two kernels are equal. Re-measured 2026-12-07 (H100, the
+`mla_route` part of bench/fp8_prefill_gpu.py, per layer): at 128 heads, 1 sequence of 1.9k tokens,
+Triton 0.025 against FlashInfer 0.022 ms plus a 0.8 ms plan, Triton wins the step; at 4 sequences
+(7.1k tokens) 0.101 against 0.030 ms plus a 0.34 ms plan, FlashInfer wins a 61-layer step by about
+4 ms; at 16 heads FlashInfer is at most 10% ahead at 8-32 sequences, less than its plan costs. Hence:
+FlashInfer for batches of 4 or more at 64 heads or more per rank, Triton for the rest (and for every
+shape at 16 heads).
 
 Example (V3, bf16, FlashInfer installed with nvcc, CUDA):
     auto_attention_backend(AttentionHost(True, True, None), heads_per_rank=128, ...)
-        -> ("flashinfer", "FlashInfer's MLA decode at 128 heads per rank, batches of 8 or more")
+        -> ("flashinfer", "FlashInfer's MLA decode at 128 heads per rank, batches of 4 or more")
     the same at tp 8 (16 heads per rank) -> ("triton", "... FlashInfer does not win at 16 heads per rank")
 """
 from __future__ import annotations
@@ -42,7 +47,7 @@ class MLADecodeRoute:
     """
 
     many_heads: int = 64
-    min_batch_many_heads: int = 8
+    min_batch_many_heads: int = 4
     min_batch_few_heads: int = NEVER
 
     def min_batch(self, heads: int) -> int:

@@ -19,6 +19,13 @@ from deepseek_pd.model.config import latent_kv_bytes
 from deepseek_pd.units import gib
 
 
+def copy_pages_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst[index] = src` along the page dimension, copied as bytes: CUDA's `index_copy_` has no
+    float8 kernels (torch 2.11: "index_copy_cuda not implemented for Float8_e4m3fn", an FP8 KV cache),
+    and a byte copy moves the same bits for every dtype. Both tensors' last dimension is contiguous."""
+    dst.view(torch.uint8).index_copy_(0, index, src.view(torch.uint8))
+
+
 class KVPoolExhausted(UserError):
     """Not enough free pages: the caller must queue, evict, or reject the request."""
 

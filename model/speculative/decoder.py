@@ -41,8 +41,16 @@ lengths, pages, row indices) is host knowledge from before the step. The catch-u
 every verify position (padded as above), so its shape needs no emitted count. `finish` makes the
 step's ONE device-to-host read (tokens, logprobs, top logprobs, emitted counts; `HostCopy`, so a
 caller may launch other work first), then appends each request's tokens through `emit` one at a
-time (a stop ends them there) and counts the stats. The next step needs the host's emitted
-counts for its positions, so steps do not yet overlap each other.
+time (a stop ends them there) and counts the stats.
+
+Steps overlap (`launch(after=...)`): the next step can be queued before the last one is read,
+since everything it takes from it stays on the device: its positions and KV slots (the last
+step's plus its emitted counts, future_positions.py), its first verify token (the last emitted
+one, gathered from the draws), its d1 and MTP hidden state (the catch-up's). The host knows only
+bounds there, so each row drafts for the most the last step may have emitted (a row near its
+budget drafts fewer: only speed changes, never a token) and a row whose request ended in the last
+step runs once more, clamped into its own pages, and is skipped by `finish` (a void row). The rows
+must be the last step's (`can_launch_ahead`): a row change reads the last step first.
 """
 from __future__ import annotations
 
@@ -58,6 +66,7 @@ from deepseek_pd.model.sampling.sampled_host import TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling.state import SamplingState
 from deepseek_pd.model.speculative.rules import draft_len
 from deepseek_pd.model.speculative.acceptance import AcceptStats, accept_on_device
+from deepseek_pd.model.speculative.future_positions import FuturePositions
 
 if TYPE_CHECKING:
     from deepseek_pd.model.speculative.policy import StepCosts
@@ -102,6 +111,11 @@ class LaunchedSpecStep:
     q: int  # positions drawn per row (the longest verify)
     host: HostCopy  # [B * q, 2 + 2K + 2] float64: sampled_host.pack, then accepted and emitted per row
     top_counts: tuple[int, ...]
+    # What the next step takes from this one on the device when it is launched before this one is
+    # read (`launch(after=...)`): each row's verify start, the target's draws, the emitted counts.
+    starts: FuturePositions
+    tokens: torch.Tensor  # [B, q] long
+    emitted: torch.Tensor  # [B] long
 
 
 class SpeculativeDecoder:
@@ -119,6 +133,7 @@ class SpeculativeDecoder:
         self.sampling = SamplingBatch(runner.model_config.vocab_size, self.device, fallback_generator)
         self.stats = AcceptStats()
         self._drafts: dict[int, _Draft] = {}
+        self._unread: list[LaunchedSpecStep] = []  # launched steps not yet finished
 
     # ---- one decode step ----------------------------------------------------------------------
     def step(self, requests: Sequence[SpecRequest], num_steps: int | None = None) -> None:
@@ -128,48 +143,91 @@ class SpeculativeDecoder:
         if launched is not None:
             self.finish(launched)
 
-    def launch(self, requests: Sequence[SpecRequest], num_steps: int | None = None) -> LaunchedSpecStep | None:
-        """Queues one step (module docstring) and returns without reading anything back."""
+    def launch(self, requests: Sequence[SpecRequest], num_steps: int | None = None,
+               after: LaunchedSpecStep | None = None) -> LaunchedSpecStep | None:
+        """Queues one step (module docstring) and returns without reading anything back. `after`: the
+        step before, launched and not yet read (`can_launch_ahead`): this one starts where it ends,
+        from its device counts (future_positions.py), and `finish` reads the two in order."""
         steps = self.num_steps if num_steps is None else min(num_steps, self.num_steps)
         requests = [r for r in requests if not r.finished]
+        if after is not None and not self.can_launch_ahead(requests, after):
+            raise ValueError("a step launched ahead needs the rows of the step before it, that step the only "
+                             "one unread, and lengths on the device only (finish that step first)")
         if not requests:
             return None
         self._sync_rows([r.sampling for r in requests])
-        positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests]
         # A request with no draft yet (its prompt's KV came from elsewhere and no draft came with it)
         # verifies its token alone this step; the catch-up then starts its drafts.
-        lens = [draft_len(steps, r.max_new - len(r.output_ids)) if id(r) in self._drafts else 0
-                for r in requests]
+        has_draft = [id(r) in self._drafts for r in requests]
+        if after is None:
+            lens = [draft_len(steps, r.max_new - len(r.output_ids)) if d else 0 for r, d in zip(requests, has_draft)]
+            starts = FuturePositions.known([len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests],
+                                           self.device)
+            last = self._upload([r.output_ids[-1] for r in requests])
+            exact = None  # the host's lengths are exact: the forwards need no device starts
+        else:
+            # Each row emitted 1..k+1 tokens in `after` (unknown here): its drafts are chosen for the
+            # most it may have emitted, so they stay inside its budget whatever it emitted. `after`
+            # is the only unread step, so the host knows where it started (its own bounds, if it was
+            # launched ahead too, may be looser: they would add up step after step).
+            base = [min(b, len(r.prompt_ids) + len(r.output_ids) - 1) for b, r in zip(after.starts.bounds, requests)]
+            most = [k + 1 for k in after.lens]
+            outputs = [b + m - len(r.prompt_ids) + 1 for b, m, r in zip(base, most, requests)]
+            lens = [draft_len(steps, r.max_new - n) if d else 0 for r, n, d in zip(requests, outputs, has_draft)]
+            page_size = self.runner.kv_pool.page_size
+            room = [len(r.pages) * page_size - 1 - k for r, k in zip(requests, lens)]
+            starts = FuturePositions(after.starts.starts, tuple(base)).advanced(after.emitted, most, room)
+            last = after.tokens.gather(1, (after.emitted - 1).unsqueeze(1)).squeeze(1)
+            exact = starts.starts
         q = max(lens) + 1
-        drafts = self._chain(requests, positions, lens, q - 1)  # [B, q-1], -1 past a row's drafts
-        seqs = [ExtendSeq([0] * (k + 1), prefix_len=p, pages=r.pages) for r, k, p in zip(requests, lens, positions)]
-        last = self._upload([r.output_ids[-1] for r in requests])
+        drafts = self._chain(requests, starts, exact is not None, lens, q - 1)  # [B, q-1], -1 past a row's drafts
+        seqs = [ExtendSeq([0] * (k + 1), prefix_len=p, pages=r.pages)
+                for r, k, p in zip(requests, lens, starts.bounds)]
         # Row i's verify tokens [x, d1..dk], packed: its cells of the [B, q] table [x | drafts].
         cells = self._upload([i * q + j for i, k in enumerate(lens) for j in range(k + 1)])
         verify_ids = torch.cat([last.unsqueeze(1), drafts], dim=1).reshape(-1).index_select(0, cells)
-        hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids)
-        starts = [0]
+        hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids, starts=exact)
+        starts_at = [0]  # each row's first verify row
         for k in lens:
-            starts.append(starts[-1] + k + 1)
-        # Row i's position j is verify row starts[i] + min(j, k_i): past its drafts, its last again
+            starts_at.append(starts_at[-1] + k + 1)
+        # Row i's position j is verify row starts_at[i] + min(j, k_i): past its drafts, its last again
         # (drawn, never kept: its drafts there are -1).
-        at = self._upload([starts[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)])
+        at = self._upload([starts_at[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)])
         logits = self.runner.logits(hidden.index_select(0, at)).view(len(requests), q, -1)
         result = accept_on_device(self.sampling, logits, drafts)
-        self._catch_up(requests, seqs, hidden, result.tokens, result.emitted, cells, starts, q)
+        self._catch_up(requests, seqs, hidden, result.tokens, result.emitted, cells, starts_at, q, exact)
         extra = torch.stack([result.accepted, result.emitted], dim=1).unsqueeze(1).expand(-1, q, -1)
         host = HostCopy(torch.cat([pack(result.sampled), extra.reshape(-1, 2).to(torch.float64)], dim=1))
-        return LaunchedSpecStep(requests, lens, q, host, result.sampled.top_counts)
+        launched = LaunchedSpecStep(requests, lens, q, host, result.sampled.top_counts, starts, result.tokens,
+                                    result.emitted)
+        self._unread.append(launched)
+        return launched
+
+    def can_launch_ahead(self, requests: Sequence[SpecRequest], after: LaunchedSpecStep) -> bool:
+        """Whether the next step of `requests` can be launched before `after` is read: `after` is the
+        only step not yet read (the host's lengths are exact up to where it starts), the same rows
+        (the unfinished `requests` are `after`'s, in order: the sampling batch's device state is kept
+        by row, and a row that leaves writes back host counts the host does not have yet), and
+        forwards that take their lengths from the device (`SpeculativeForwards.needs_host_lengths`)."""
+        rows = [id(r) for r in requests if not r.finished]
+        only_unread = len(self._unread) == 1 and self._unread[0] is after
+        return (only_unread and rows == [id(r) for r in after.requests] and self.pad_catch_up
+                and not self.runner.spec_forwards.needs_host_lengths)
 
     def finish(self, launched: LaunchedSpecStep) -> list[int]:
         """The step's one host read; each request's tokens through `emit`, in order, up to a stop.
         Returns how many tokens each row got."""
+        self._unread = [step for step in self._unread if step is not launched]
         host, q = launched.host.wait(), launched.q
         sampled = unpack(host[:, :-2], launched.top_counts)
         got = []
         counts = host[::q, -2:].long().tolist()  # (accepted, emitted) per row
         for i, (request, drafted, (accepted, emitted)) in enumerate(zip(launched.requests, launched.lens, counts)):
             self.sampling.advanced(request.sampling, emitted)  # before `emit` acknowledges the tokens
+            if request.finished:  # it ended in the step this one was launched ahead of: a void row
+                got.append(0)
+                self._drafts.pop(id(request), None)
+                continue
             n = 0
             while n < emitted and not request.finished:
                 row = i * q + n
@@ -195,6 +253,7 @@ class SpeculativeDecoder:
         """After a failed step, whose requests all fail: the sampling batch's device state can no
         longer be trusted, so a new one starts (their drafts go with `forget`, as they end)."""
         self.sampling = SamplingBatch(self.sampling.vocab_size, self.device, self.sampling.fallback_generator)
+        self._unread.clear()
 
     def _upload(self, values: list[int]) -> torch.Tensor:
         return upload(torch.tensor(values, dtype=torch.long), self.device)
@@ -207,9 +266,11 @@ class SpeculativeDecoder:
         for state in states:
             self.sampling.add(state)
 
-    def _chain(self, requests: list[SpecRequest], positions: list[int], lens: list[int], width: int) -> torch.Tensor:
+    def _chain(self, requests: list[SpecRequest], starts: FuturePositions, future: bool, lens: list[int],
+               width: int) -> torch.Tensor:
         """`[B, width]` long: each request's draft tokens (d1 from the last catch-up, then k-1 MTP
-        decode steps, argmax), -1 past its `lens`; on the device."""
+        decode steps, argmax), -1 past its `lens`; on the device. `future`: `starts` are exact only
+        on the device."""
         drafts = torch.full((len(requests), width), -1, dtype=torch.long, device=self.device)
         rows = [i for i, k in enumerate(lens) if k]
         if not rows:
@@ -221,15 +282,17 @@ class SpeculativeDecoder:
             longer = [n for n, i in enumerate(rows) if lens[i] > j]  # among `rows`
             rows = [rows[n] for n in longer]
             keep = self._upload(longer)
-            seqs = [ExtendSeq([0], prefix_len=positions[i] + j - 1, pages=requests[i].pages) for i in rows]
-            hidden = self.runner.draft(seqs, hidden.index_select(0, keep), input_ids=tokens.index_select(0, keep))
+            seqs = [ExtendSeq([0], prefix_len=starts.bounds[i] + j - 1, pages=requests[i].pages) for i in rows]
+            at = starts.starts.index_select(0, self._upload(rows)) + (j - 1) if future else None
+            hidden = self.runner.draft(seqs, hidden.index_select(0, keep), input_ids=tokens.index_select(0, keep),
+                                       starts=at)
             tokens = self.runner.logits(hidden).argmax(dim=-1)
             drafts[:, j].index_copy_(0, self._upload(rows), tokens)
         return drafts
 
     def _catch_up(self, requests: list[SpecRequest], seqs: list[ExtendSeq], hidden: torch.Tensor,
                   tokens: torch.Tensor, emitted: torch.Tensor, cells: torch.Tensor, starts: list[int],
-                  q: int) -> None:
+                  q: int, exact: torch.Tensor | None) -> None:
         """MTP over (emitted token, target hidden) pairs at every verify position (the emitted
         tokens, then the last one again: module docstring); each next d1 from its last emitted row."""
         if not self.pad_catch_up:  # the reference: only the emitted tokens (reads their counts)
@@ -243,7 +306,7 @@ class SpeculativeDecoder:
                 starts.append(starts[-1] + n)
         column = torch.minimum(torch.arange(q, device=self.device).unsqueeze(0), (emitted - 1).unsqueeze(1))
         ids = tokens.gather(1, column).reshape(-1).index_select(0, cells)
-        out = self.runner.draft(seqs, hidden, input_ids=ids)
+        out = self.runner.draft(seqs, hidden, input_ids=ids, starts=exact)
         out = out.index_select(0, self._upload(starts[:-1]) + emitted - 1)
         next_tokens = self.runner.logits(out).argmax(dim=-1)
         for i, request in enumerate(requests):
@@ -281,7 +344,13 @@ def measure_step_costs(runner: ModelRunner, batches: Sequence[int], max_steps: i
     """Median milliseconds of one speculative step (k - 1 MTP decode steps, a verify of k + 1 tokens
     per sequence, an MTP catch-up of k + 1 tokens: its largest) for k = 0..max_steps at each batch
     size, over `context` cached tokens of scratch pages (whatever they hold: costs do not depend
-    on it). The table `speculation_policy.SpeculationPolicy` chooses from."""
+    on it). The table `speculation_policy.SpeculationPolicy` chooses from.
+
+    Every position gets its own token, drawn from a fixed seed: with one token everywhere every row
+    routes to the same experts, so the MoE read k + 1 experts' weights whatever the batch and the
+    table under-counted the cost of larger verifies (on an H100, V2-Lite, 2026-12-07, a k = 2 step at
+    batch 32 timed below a plain decode step of random tokens)."""
+    import random
     import statistics
     import time
 
@@ -295,15 +364,18 @@ def measure_step_costs(runner: ModelRunner, batches: Sequence[int], max_steps: i
             torch.cuda.synchronize(device)
 
     table = [[0.0] * len(batches) for _ in range(max_steps + 1)]
+    rng = random.Random(0)
     for col, batch in enumerate(batches):
         pages = [pool.alloc(pool.pages_for_tokens(context + max_steps + 1)) for _ in range(batch)]
+        tokens = [[rng.randrange(runner.model_config.vocab_size) for _ in range(max_steps + 1)] for _ in pages]
         try:
             h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
             for k in range(max_steps + 1):
                 def one_step() -> None:
                     for j in range(1, k):
-                        runner.logits(runner.draft([ExtendSeq([1], context + j - 1, p) for p in pages], h))
-                    verify = [ExtendSeq([1] * (k + 1), context, p) for p in pages]
+                        runner.logits(runner.draft([ExtendSeq([ids[j]], context + j - 1, p)
+                                                    for ids, p in zip(tokens, pages)], h))
+                    verify = [ExtendSeq(ids[:k + 1], context, p) for ids, p in zip(tokens, pages)]
                     states = runner.extend_hidden(verify, force_mla=True)
                     runner.logits(states)
                     runner.logits(runner.draft(verify, states))

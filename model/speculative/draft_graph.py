@@ -25,6 +25,7 @@ from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig, StaticDecodeInputs, bucket_for
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.speculative.future_positions import fill_static
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,13 @@ class DraftGraphRunner:
         log.info("CUDA graphs: captured the MTP draft step for batch sizes %s", list(self.buckets))
 
     def draft(self, token_ids: Sequence[int], positions: Sequence[int], pages: Sequence[Sequence[int]],
-              prev_hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+              prev_hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+              starts: torch.Tensor | None = None) -> torch.Tensor | None:
         """The MTP layer's normed output `[n, hidden]` by replay (`input_ids`: device ids `[n]` over
-        `token_ids`), or None when the step must run eagerly."""
+        `token_ids`; `starts`: device `[n]` true positions, which `positions` bound), or None when the
+        step must run eagerly."""
+        if starts is not None and self._planning:
+            raise ValueError("a backend that plans on the host needs exact positions, not device starts")
         bucket = bucket_for(self.buckets, len(token_ids))
         if bucket is None or not self._inputs[bucket].decode.fits(positions):
             return None
@@ -83,6 +88,9 @@ class DraftGraphRunner:
         inputs.load(token_ids, positions, pages, prev_hidden)
         if input_ids is not None:
             inputs.decode.input_ids[:len(token_ids)].copy_(input_ids)
+        if starts is not None:
+            d = inputs.decode
+            fill_static(d.positions, d.out_slots, d.seq_lens, d.page_table, starts, 1, d.kv_pool.page_size)
         if self._planning:
             lengths, page_lists = inputs.decode.replay_layout(positions, pages)
             for backend in self._planning:

@@ -11,7 +11,9 @@ kind: the model's, or the MTP layer's (ForwardKind.MTP), so that in an EP group 
 that forward join that network's collectives. Under attention TP the leader announces each one
 (`ForwardCall.output` "hidden" or "mtp", the MTP layer's input hidden states sent with it) and
 the followers replay it. With CUDA graphs (`graphs`, model/speculative/graphs.py) a verify and a
-draft step try a replay first.
+draft step try a replay first. `starts` (device `[B]`): each sequence's true first position when the
+seqs' `prefix_len`s only bound it (a step launched before the previous one was read,
+future_positions.py).
 
 `ModelRunner.extend_hidden` / `draft` / `logits` are the entry points; this object holds what
 they need, not the runner, so it imports nothing of it.
@@ -30,6 +32,7 @@ from deepseek_pd.model.distributed.tp_replay import ForwardCall, TpReplay
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode, checked_device_ids
 from deepseek_pd.model.kv.layer_progress import LayerProgress
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.speculative.future_positions import with_device_starts
 from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
 
 Step = Callable[[ForwardMode, ForwardKind], ContextManager[ForwardMode]]
@@ -50,29 +53,41 @@ class SpeculativeForwards:
         self.step, self.tp_replay, self.graphs = step, tp_replay, graphs
 
     def extend_hidden(self, seqs: Sequence[Seq], force_mla: bool = False,
-                      progress: LayerProgress | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      progress: LayerProgress | None = None, input_ids: torch.Tensor | None = None,
+                      starts: torch.Tensor | None = None) -> torch.Tensor:
         with self.step(ForwardMode.EXTEND, ForwardKind.MODEL) as group_mode:
             if force_mla and progress is None and self.graphs is not None:  # graphs: no TP, no TBO
                 hidden = self.graphs.verify([s.token_ids for s in seqs], [s.prefix_len for s in seqs],
-                                            [s.pages for s in seqs], input_ids)
+                                            [s.pages for s in seqs], input_ids, starts)
                 if hidden is not None:
                     return hidden
             self._lead(ForwardCall(ForwardMode.EXTEND, output="hidden", force_mla=force_mla), seqs, group_mode,
-                       input_ids=input_ids)
-            batch = self._batch(ForwardMode.EXTEND, seqs, group_mode, force_mla, input_ids)
+                       input_ids=input_ids, starts=starts)
+            batch = self._batch(ForwardMode.EXTEND, seqs, group_mode, force_mla, input_ids, starts)
             return self.model.forward_hidden(batch, progress)
 
-    def draft(self, seqs: Sequence[Seq], prev_hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def draft(self, seqs: Sequence[Seq], prev_hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+              starts: torch.Tensor | None = None) -> torch.Tensor:
         mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
         with self.step(mode, ForwardKind.MTP) as group_mode:
             if self.graphs is not None and mode is group_mode:
                 lists = [s.token_ids for s in seqs], [s.prefix_len for s in seqs], [s.pages for s in seqs]
-                out = (self.graphs.draft([t[0] for t in lists[0]], *lists[1:], prev_hidden, input_ids)
-                       if mode is ForwardMode.DECODE else self.graphs.catch_up(*lists, prev_hidden, input_ids))
+                out = (self.graphs.draft([t[0] for t in lists[0]], *lists[1:], prev_hidden, input_ids, starts)
+                       if mode is ForwardMode.DECODE else self.graphs.catch_up(*lists, prev_hidden, input_ids, starts))
                 if out is not None:
                     return out
-            self._lead(ForwardCall(mode, output="mtp"), seqs, group_mode, prev_hidden, input_ids)
-            return self.model.forward_mtp(self._batch(mode, seqs, group_mode, input_ids=input_ids), prev_hidden)
+            self._lead(ForwardCall(mode, output="mtp"), seqs, group_mode, prev_hidden, input_ids, starts)
+            return self.model.forward_mtp(self._batch(mode, seqs, group_mode, input_ids=input_ids, starts=starts),
+                                          prev_hidden)
+
+    @property
+    def needs_host_lengths(self) -> bool:
+        """Whether a forward needs its exact lengths on the host (attention TP announces host
+        lengths to its followers; an attention backend without `device_lengths`, FlashInfer, plans
+        from them): then `starts` cannot be used."""
+        layers = [*self.model.layers, *(() if self.model.mtp is None else (self.model.mtp.layer,))]
+        return self.tp_replay is not None or not all(getattr(layer.self_attn.backend, "device_lengths", False)
+                                                     for layer in layers)
 
     def follow(self, call: ForwardCall, hidden: torch.Tensor | None, input_ids: torch.Tensor | None = None) -> None:
         """(attention-TP follower) Replays the leader's "hidden" or "mtp" call (with the leader's
@@ -85,23 +100,31 @@ class SpeculativeForwards:
             self.model.forward_hidden(batch)
 
     def _lead(self, call: ForwardCall, seqs: Sequence[Seq], group_mode: ForwardMode,
-              hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> None:
+              hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+              starts: torch.Tensor | None = None) -> None:
         """(attention-TP leader) Announces a speculative forward to the followers (`follow`)."""
         if self.tp_replay is not None and self.tp_replay.is_leader:
+            if starts is not None:
+                raise ValueError("device start positions cannot be announced to attention-TP followers")
             call = replace(call, token_ids=tuple(tuple(s.token_ids) for s in seqs),
                            prefix_lens=tuple(s.prefix_len for s in seqs), pages=tuple(tuple(s.pages) for s in seqs),
                            group_mode=group_mode)
             self.tp_replay.lead(call, input_ids, self.kv_pool, hidden)
 
     def _batch(self, mode: ForwardMode, seqs: Sequence[Seq], group_mode: ForwardMode | None,
-               force_mla: bool = False, input_ids: torch.Tensor | None = None) -> ForwardBatch:
+               force_mla: bool = False, input_ids: torch.Tensor | None = None,
+               starts: torch.Tensor | None = None) -> ForwardBatch:
         batch = ForwardBatch.build(mode, [s.token_ids for s in seqs], [s.prefix_len for s in seqs],
                                    [s.pages for s in seqs], self.kv_pool, self.model.config.vocab_size,
                                    self.model.options.device)
         if input_ids is not None:  # the step's device tokens; the seqs' ids were placeholders
             batch.input_ids = checked_device_ids(input_ids, batch.num_tokens)
+        if starts is not None:  # the seqs' prefix lengths bound the true ones (future_positions.py)
+            with_device_starts(batch, starts)
         batch.group_mode = group_mode
-        batch.attention_method = AttentionMethod.MLA if force_mla else self.policy.choose(mode, batch.prefix_lens)
+        # Only absorbed MLA reads every length from the device; the other methods chunk by host lengths.
+        mla = force_mla or starts is not None
+        batch.attention_method = AttentionMethod.MLA if mla else self.policy.choose(mode, batch.prefix_lens)
         return batch
 
 

@@ -9,7 +9,8 @@
 All share the decode graphs' memory pool (a runner replays one graph at a time). `ModelRunner.draft`
 and `extend_hidden` try a replay first and run eagerly when it returns None; `replays` counts them.
 Each takes the step's device token ids (`input_ids`), copied device-to-device over the packed
-host ids, so a speculative step feeds its drafts without reading them back.
+host ids, so a speculative step feeds its drafts without reading them back, and likewise its
+device start positions (`starts`: the host packed the bounds, future_positions.py).
 """
 from __future__ import annotations
 
@@ -39,24 +40,26 @@ class SpeculativeGraphs:
         self.replays = {"draft": 0, "verify": 0, "catch_up": 0}
 
     def draft(self, token_ids: Sequence[int], positions: Sequence[int], pages: Sequence[Sequence[int]],
-              prev_hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        out = self.draft_graphs.draft(token_ids, positions, pages, prev_hidden, input_ids)
+              prev_hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+              starts: torch.Tensor | None = None) -> torch.Tensor | None:
+        out = self.draft_graphs.draft(token_ids, positions, pages, prev_hidden, input_ids, starts)
         self.replays["draft"] += out is not None
         return out
 
     def verify(self, token_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
-               pages: Sequence[Sequence[int]], input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+               pages: Sequence[Sequence[int]], input_ids: torch.Tensor | None = None,
+               starts: torch.Tensor | None = None) -> torch.Tensor | None:
         graphs = self.verify_graphs.get(len(token_ids[0]) if token_ids else 0)
-        out = None if graphs is None else graphs.run(token_ids, prefix_lens, pages, input_ids=input_ids)
+        out = None if graphs is None else graphs.run(token_ids, prefix_lens, pages, input_ids=input_ids, starts=starts)
         self.replays["verify"] += out is not None
         return out
 
     def catch_up(self, token_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int],
                  pages: Sequence[Sequence[int]], prev_hidden: torch.Tensor,
-                 input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+                 input_ids: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor | None:
         graphs = self.catch_up_graphs.get(len(token_ids[0]) if token_ids else 0)
         if graphs is None:
             return None
-        out = graphs.run(token_ids, prefix_lens, pages, prev_hidden, input_ids)
+        out = graphs.run(token_ids, prefix_lens, pages, prev_hidden, input_ids, starts)
         self.replays["catch_up"] += out is not None
         return out

@@ -34,17 +34,6 @@ def graph_tokens_per_sequence(steps: int) -> int:
     return steps + 1
 
 
-def graphs_default_blocker(steps: int) -> str | None:
-    """Why a worker with `steps` drafts does not capture CUDA graphs unless asked (`cuda_graph=true`);
-    None when graphs are on by default. One rule for `RunnerConfig.resolve` and the operator's
-    memory plan (operator/memory_plan.py headroom_gib), which must agree on the graph headroom.
-
-    Draft/verify graphs (model/speculative/graphs.py) are opt-in until their GPU test
-    (tests/model/speculative/test_speculative_gpu.py) has passed on a GPU: until then a
-    speculative worker decodes eagerly by default."""
-    return "speculative CUDA graphs are opt-in (--engine-opt cuda_graph=true)" if steps else None
-
-
 def resolve_speculative_num_steps(value: str | int, num_nextn_predict_layers: int) -> int:
     """A command's `--speculative-num-steps`: "auto" is `DEFAULT_SPECULATIVE_NUM_STEPS` for a
     checkpoint that ships an MTP layer and 0 (off) for one that does not; else a checked integer

@@ -34,6 +34,7 @@ from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig, bucket_for
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.speculative.future_positions import fill_static
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +158,11 @@ class VerifyGraphRunner:
                  "catch-up" if mtp else "verify", q, list(self.buckets))
 
     def run(self, token_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int], pages: Sequence[Sequence[int]],
-            hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+            hidden: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+            starts: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every token's hidden state `[n*q, hidden]` by replay (`hidden`: the catch-up's input
-        hidden states, `[n*q, hidden]`; `input_ids`: device ids `[n*q]` over `token_ids`), or None
+        hidden states, `[n*q, hidden]`; `input_ids`: device ids `[n*q]` over `token_ids`; `starts`:
+        device `[n]` true first positions, which `prefix_lens` bound), or None
         (run eagerly): a batch larger than the largest bucket, a context past the captured width, or
         a sequence without exactly q tokens."""
         bucket = bucket_for(self.buckets, len(token_ids))
@@ -171,6 +174,9 @@ class VerifyGraphRunner:
         inputs.load(inputs.pack(token_ids, prefix_lens, pages))
         if input_ids is not None:
             inputs.input_ids[:len(token_ids) * self.q].copy_(input_ids)
+        if starts is not None:
+            fill_static(inputs.positions, inputs.out_slots, inputs.seq_lens, inputs.page_table, starts, self.q,
+                        inputs.kv_pool.page_size)
         if self.mtp:
             rows = len(token_ids) * self.q
             self._in_hidden[bucket][:rows].copy_(hidden)

@@ -36,3 +36,10 @@ def test_one_run_reports_the_ratio_of_paired_steps(tmp_path) -> None:
     # The trace holds the model thread's forward ops, not only the event loop's.
     assert (tmp_path / "trace" / "prefill_step_trace.json.gz").stat().st_size > 0
     assert "aten::mm" in (tmp_path / "trace" / "prefill_step_ops.txt").read_text()
+    # Each traced window's split (bench/step_attribution.py): the round holds its extend and first
+    # token, in the model thread; on the CPU no device time and no CUDA call.
+    split = json.loads((tmp_path / "trace" / "prefill_step_attribution.json").read_text())
+    assert set(split) == {"pd::runner_alone", "pd::worker_round", "pd::extend", "pd::first_token"}
+    assert {row["windows"] for row in split.values()} == {min(repeats, 3) * (2 if both else 1)}  # pairs traced, per mode
+    assert split["pd::worker_round"]["ms"] >= split["pd::extend"]["ms"] > 0
+    assert all(row["gpu_busy_ms"] == row["syncs"] == row["launches"] == 0 for row in split.values())

@@ -84,12 +84,15 @@ def test_graph_default_needs_capturable_backends(gpu_machine) -> None:
     assert off.cuda_graph is False
 
 
-def test_speculative_graphs_are_opt_in_until_verified_on_a_gpu(gpu_machine) -> None:
+def test_speculative_graphs_follow_the_decode_graph_default(gpu_machine) -> None:
+    """Draft and verify graphs passed their GPU test (H100, 2026-12-07): a speculative worker
+    captures by default where a plain one does, and `cuda_graph=false` still turns them off."""
     cfg = model_config("bfloat16")
     steps = random.randint(1, 3)
-    assert RunnerConfig.resolve(cfg, graphs_by_default=True, model="m", speculative_num_steps=steps).cuda_graph is False
-    asked = RunnerConfig.resolve(cfg, graphs_by_default=True, model="m", speculative_num_steps=steps, cuda_graph=True)
-    assert asked.cuda_graph is True
+    assert RunnerConfig.resolve(cfg, graphs_by_default=True, model="m", speculative_num_steps=steps).cuda_graph is True
+    assert RunnerConfig.resolve(cfg, graphs_by_default=False, model="m", speculative_num_steps=steps).cuda_graph is False
+    off = RunnerConfig.resolve(cfg, graphs_by_default=True, model="m", speculative_num_steps=steps, cuda_graph=False)
+    assert off.cuda_graph is False
 
 
 def test_resolve_on_a_cpu_machine(cpu_machine) -> None:

@@ -27,7 +27,6 @@ from deepseek_pd.cli import build_parser
 from deepseek_pd.commands.serve import flags_from_args
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_workers import DIST_INIT_PORT, POD_IP_ENV, build_group_statefulset
-from deepseek_pd.model.speculative.rules import graphs_default_blocker
 from deepseek_pd.units import GIB
 from deepseek_pd.operator.memory_plan import plan_memory
 from deepseek_pd.operator.spec import DeploymentSpec
@@ -174,8 +173,8 @@ def test_the_memory_plan_reserves_the_headroom_the_worker_resolves(role_name, v3
     if role_name == "decode" and "--engine-opt=cuda_graph=true" in role["engineArgs"]:
         assert runner.cuda_graph  # the case whose headroom grows with the graph batch is exercised
     if role_name == "decode" and role["parallelism"]["tp"] == 1 and not role["engineArgs"]:
-        # the example speculates: its graphs follow the opt-in rule, in the plan as in the worker
-        assert runner.cuda_graph == (graphs_default_blocker(runner.speculative_num_steps) is None)
+        # the example speculates: its draft and verify graphs are on by default, in the plan as in the worker
+        assert runner.cuda_graph and runner.speculative_num_steps > 0
 
 
 @pytest.mark.parametrize("role_name", names.ROLES)

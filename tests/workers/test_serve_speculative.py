@@ -37,15 +37,16 @@ def test_the_flag_reaches_the_runner_and_the_identity(model, role):
     assert spec.identity.kv_bytes_per_token == plain.identity.kv_bytes_per_token * (layers + 1) // layers
 
 
-def test_speculative_graphs_are_opt_in_on_a_gpu(model, monkeypatch):
-    """Draft and verify can be captured too (model/speculative/graphs.py), when asked for until their
-    GPU test has run (RunnerConfig.resolve); the headroom follows the verify graph's k + 1 tokens
-    per sequence."""
+def test_speculative_graphs_are_on_by_default_on_a_gpu(model, monkeypatch):
+    """Draft and verify are captured too (model/speculative/graphs.py), by default as a plain decode
+    worker's step is (RunnerConfig.resolve); the headroom follows the verify graph's k + 1 tokens
+    per sequence, and `cuda_graph=false` turns them off."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(runner_config_module, "_triton_available", lambda: True)
     plain = resolve("decode", "--model", model).runner
-    assert not resolve("decode", "--model", model, "--speculative-num-steps", "3").runner.cuda_graph
-    spec = resolve("decode", "--model", model, "--speculative-num-steps", "3", "--engine-opt", "cuda_graph=true").runner
+    assert not resolve("decode", "--model", model, "--speculative-num-steps", "3",
+                       "--engine-opt", "cuda_graph=false").runner.cuda_graph
+    spec = resolve("decode", "--model", model, "--speculative-num-steps", "3").runner
     assert plain.cuda_graph and spec.cuda_graph
     assert spec.headroom_gib == default_headroom_gib(plain.cuda_graph_max_batch * 4) >= plain.headroom_gib
 

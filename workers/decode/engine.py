@@ -340,9 +340,10 @@ class DecodeEngine(EngineCore[DecodeRequest]):
 
     async def _speculative_round(self, launch: bool = True) -> None:
         """One speculative step (draft, verify, accept, catch up) over the running requests, then
-        their tokens streamed in order. With `speculative_overlap` the model thread collects the
-        pending step and launches the next one in the same call, so the device runs step N+1
-        while the event loop streams step N's tokens (`launch` False: only collect, `_drain`)."""
+        their tokens streamed in order. With `speculative_overlap` the model thread launches the
+        next step and collects the pending one in the same call (the launch first while the rows stay
+        the same: `SpeculativeStepper.collect_and_launch`), so the device runs step N+1 while the
+        event loop streams step N's tokens (`launch` False: only collect, `_drain`)."""
         overlap = self.config.scheduler.speculative_overlap
         pending, self._spec_pending = self._spec_pending, None
         ahead = {id(s) for s in pending[0]} if pending is not None else set()

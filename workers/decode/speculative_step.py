@@ -95,8 +95,9 @@ class SpeculativeStepper:
         """One speculative step for every row; returns each row's emitted tokens, in order."""
         return self.collect(self.launch(rows))
 
-    def launch(self, rows: Sequence[SpecRow]) -> PendingSpecStep:
-        """Queues one step for `rows` (nothing waits for the device)."""
+    def launch(self, rows: Sequence[SpecRow], after: PendingSpecStep | None = None) -> PendingSpecStep:
+        """Queues one step for `rows` (nothing waits for the device); `after`: the step before, not
+        yet collected, which this one starts from on the device (`SpeculativeDecoder.launch`)."""
         for row in rows:
             if row.wire_draft is not None:
                 token, hidden = row.wire_draft
@@ -105,7 +106,8 @@ class SpeculativeStepper:
                 # Pinned and asynchronous (`upload`): the step that follows does not wait for it.
                 self.decoder.seed(row, token, upload(torch.tensor(hidden, dtype=weight.dtype), weight.device))
         steps = None if self.policy is None else self.policy.steps_for(len(rows))
-        return PendingSpecStep(list(rows), self.decoder.launch(list(rows), steps))
+        return PendingSpecStep(list(rows), self.decoder.launch(list(rows), steps,
+                                                               None if after is None else after.launched))
 
     def collect(self, pending: PendingSpecStep) -> list[list[Emitted]]:
         """A launched step's one host read; each of its rows' emitted tokens, in order."""
@@ -121,8 +123,15 @@ class SpeculativeStepper:
 
     def collect_and_launch(self, pending: PendingSpecStep | None,
                            rows: Sequence[SpecRow]) -> tuple[list[list[Emitted]], PendingSpecStep | None]:
-        """The overlapped round's one model-thread call: step N's tokens (its rows' outputs are then
-        up to date here), then step N+1 queued, so the device runs it while the event loop streams N's."""
+        """The overlapped round's one model-thread call: step N+1 queued and step N's tokens, so the
+        device runs N+1 while the event loop streams N's. When N+1 has N's rows it is launched first,
+        from N's counts on the device (model/speculative/future_positions.py): the host builds it while
+        the device still runs N, and reads N after. Otherwise (rows joined or left) N is read first,
+        and N+1 starts from the host's lengths."""
+        if (pending is not None and pending.launched is not None and rows
+                and self.decoder.can_launch_ahead(rows, pending.launched)):
+            launched = self.launch(rows, after=pending)
+            return self.collect(pending), launched
         collected = [] if pending is None else self.collect(pending)
         return collected, (self.launch(rows) if rows else None)
 

@@ -5,6 +5,7 @@ from typing import Sequence
 
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.kv.layer_progress import LayerProgress
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
 from deepseek_pd.model.sampling.sampled_host import SampledTokens, pack, unpack
@@ -26,7 +27,9 @@ def run_extend(runner: ModelRunner, sampler: Sampler, seqs: Sequence[ExtendSeq],
             # writes) outside this stream's order: make it complete first.
             torch.cuda.current_stream(logits.device).synchronize()
         return SampledTokens([], [], [])
-    index = torch.tensor(list(rows), device=logits.device)
+    # Pinned and asynchronous: `torch.tensor(rows, device=...)` is a synchronous copy, which waited
+    # for the whole forward before a sampling kernel was queued (a second, hidden wait).
+    index = upload(torch.tensor(list(rows), dtype=torch.int64), logits.device)
     out = sampler.sample(logits[index], list(states))
     # The one wait: the copy to the host waits for everything queued on this stream before it, the
     # KV writes included, so the pages are complete on return as after the sync above; and the
@@ -48,7 +51,7 @@ def run_extend_with_mtp(runner: ModelRunner, sampler: Sampler, seqs: Sequence[Ex
     sampled = SampledTokens([], [], [])
     if rows:
         ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
-        index = ends[torch.tensor(list(rows))].to(hidden.device)
+        index = upload(ends[torch.tensor(list(rows))], hidden.device)  # no wait (run_extend's index)
         out = sampler.sample(runner.logits(hidden[index]), list(states))
         sampled = unpack(pack(out).cpu(), out.top_counts)
     drafts = mtp_over_extend(runner, seqs, hidden, prompts, dict(zip(rows, sampled.token_ids)))

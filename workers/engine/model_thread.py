@@ -12,31 +12,41 @@ under `no_grad` as under inference mode (CPU, median of 60 pairs), and the runne
 (bench/runner_steps.py) time the runner under inference mode, which is what a worker's step is
 held against. The tensors a call makes are inference tensors: nothing here trains, and a tensor
 made in this thread that another thread updates in place outside inference mode would fail loudly.
+
+On CUDA a thread may issue on a stream of its own (`stream`: workers/engine/model_stream.py, the
+decode worker's high-priority stream), ordered against the default stream as if it ran there.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 import torch
 
+from deepseek_pd.workers.engine.model_stream import issuing_on
+
 T = TypeVar("T")
 
 
-def model_call(fn: Callable[..., T], *args) -> T:
-    """`fn(*args)` as the model thread runs every call: under inference mode (module docstring)."""
-    with torch.inference_mode():
+def model_call(fn: Callable[..., T], *args, stream: "torch.cuda.Stream | None" = None) -> T:
+    """`fn(*args)` as the model thread runs every call: under inference mode, on `stream` if one is
+    given (module docstring)."""
+    with torch.inference_mode(), issuing_on(stream):
         return fn(*args)
 
 
 class ModelThread:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, stream: "torch.cuda.Stream | None" = None) -> None:
+        """`stream`: where the calls issue their kernels (None: the default stream)."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.stream = stream
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Runs `fn(*args)` in the model thread (`model_call`); one thread hop per call."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, model_call, fn, *args)
+        call = functools.partial(model_call, fn, *args, stream=self.stream)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -49,6 +49,9 @@ class EngineConfig:
     cuda_graph: bool = False  # decode by CUDA-graph replay (needs CUDA and the triton/grouped backends)
     # Draft tokens per decode step from the checkpoint's MTP layer (model/speculative/decoder.py); 0: off.
     speculative_num_steps: int = 0
+    # Launch each speculative step before the previous one is read (its positions from the device:
+    # model/speculative/future_positions.py); False: launch, read, launch (the reference order).
+    speculative_overlap: bool = True
     # Batch-invariant forward and chunk cuts aligned to chunked_prefill_size (docs/deterministic.md).
     deterministic: bool = False
     enable_tbo: bool = False  # two-batch overlap (model/distributed/tbo.py): each forward as two micro-batches
@@ -243,14 +246,38 @@ class Engine:
         from deepseek_pd.model.runner import DecodeSeq
 
         running = [r for r in requests if not r.finished]
-        while running and self.speculative is not None:
-            self.speculative.step(running)
-            running = [r for r in running if not r.finished]
+        if self.speculative is not None:
+            self._speculate(running)
+            running = []
         while running:
             seqs = [DecodeSeq(r.output_ids[-1], position=len(r.prompt_ids) + len(r.output_ids) - 1, pages=r.pages)
                     for r in running]
             self._sample(running, self.runner.decode(seqs))
             running = [r for r in running if not r.finished]
+
+    def _speculate(self, running: list[_Request]) -> None:
+        """Speculative steps until every request is done. With `speculative_overlap` step N+1 is
+        launched before step N is read whenever the rows stay the same (the steady state), so the
+        host builds N+1 while the device runs N; when a request ends, the step in flight is read
+        before the next launch (a row change needs the host's counts)."""
+        decoder, pending = self.speculative, None
+        overlap = self.config.speculative_overlap
+        while running:
+            if pending is not None and not (overlap and decoder.can_launch_ahead(running, pending)):
+                decoder.finish(pending)
+                pending = None
+                running = [r for r in running if not r.finished]
+                continue
+            launched = decoder.launch(running, after=pending)
+            if pending is not None:
+                decoder.finish(pending)
+            pending = launched
+            if not overlap and pending is not None:
+                decoder.finish(pending)
+                pending = None
+            running = [r for r in running if not r.finished]
+        if pending is not None:  # its rows all ended in the step before it
+            decoder.finish(pending)
 
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
         out = self.sampler.sample(logits, [r.sampling for r in requests])

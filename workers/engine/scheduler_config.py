@@ -69,6 +69,12 @@ class SchedulerConfig:
     # budget from measured rounds (workers/prefill/round_budget.py); 0: off, every round may take
     # chunked_prefill_size tokens
     prefill_round_target_ms: float = 0.0
+    # on CUDA, the model thread issues on a stream of its role's priority (decode's before prefill's
+    # on a shared GPU: workers/serve/roles.py `kernel_priority`); off (the default): the default
+    # stream. Off because it bought nothing on an H100 (bench/stream_priority.py, 2026-12-07: a
+    # decode-shaped step beside a GEMM load took x16.8 of alone at the same priority and x16.8 at the
+    # greatest in one process, x14.4 and x15.3 under MPS: a running GEMM's blocks are not preempted)
+    stream_priority: bool = False
 
     def __post_init__(self) -> None:
         if (blocker := bounds_blocker(SCHEDULER_BOUNDS, **{name: getattr(self, name)

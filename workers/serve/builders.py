@@ -14,8 +14,11 @@ from typing import Callable
 from deepseek_pd.model.checkpoint.model_dir import load_tokenizer
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.workers.engine.interface import WorkerEngine
+from deepseek_pd.workers.engine.model_stream import KernelPriority, model_stream
+from deepseek_pd.workers.engine.model_thread import ModelThread
 from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.serve.config import ServeConfig
+from deepseek_pd.workers.serve.roles import role_defaults
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
 
@@ -36,16 +39,31 @@ def _runner(config: ServeConfig, runner: ModelRunner | None, metrics: WorkerMetr
     return runner
 
 
+def role_model_thread(role: str, config: ServeConfig, runner: ModelRunner) -> ModelThread:
+    """The role's model thread, issuing on the stream of the role's kernel priority
+    (roles.py `kernel_priority`) unless `stream_priority` is off."""
+    priority = None
+    if config.worker.scheduler.stream_priority:
+        priority = KernelPriority(role_defaults(role).kernel_priority)
+    return ModelThread(f"{role}-model", model_stream(runner.model.options.device, priority))
+
+
 def build_prefill_engine(config: ServeConfig, metrics: WorkerMetrics | None = None, runner: ModelRunner | None = None,
                          model_thread=None) -> PrefillEngine:
     """`runner` and `model_thread` are given when the engine is one rank of a group (group_main.py)."""
-    return PrefillEngine(_runner(config, runner, metrics), config.worker, model_thread=model_thread, metrics=metrics)
+    runner = _runner(config, runner, metrics)
+    if model_thread is None:
+        model_thread = role_model_thread("prefill", config, runner)
+    return PrefillEngine(runner, config.worker, model_thread=model_thread, metrics=metrics)
 
 
 def build_decode_engine(config: ServeConfig, metrics: WorkerMetrics | None = None, runner: ModelRunner | None = None,
                         model_thread=None) -> DecodeEngine:
+    runner = _runner(config, runner, metrics)
+    if model_thread is None:
+        model_thread = role_model_thread("decode", config, runner)
     # The tokenizer (stop strings) comes from the same model directory the runner loaded.
-    return DecodeEngine(_runner(config, runner, metrics), config.worker, tokenizer=load_tokenizer(config.model_dir),
+    return DecodeEngine(runner, config.worker, tokenizer=load_tokenizer(config.model_dir),
                         model_thread=model_thread, metrics=metrics)
 
 

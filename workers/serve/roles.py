@@ -8,6 +8,12 @@
   proportions (`launcher/gpu_share.py`, `model/kv/memory_budget.py`). A decode worker holds every
   running request's KV for its whole generation; a prefill worker only the prompts in flight and
   its prefix cache, so 1 prefill + 1 decode split the room 2:3.
+- `kernel_priority`: on a GPU both roles share, decode's kernels go before prefill's: every running
+  request waits for a decode step, while a prefill round's extra milliseconds only delay its own
+  prompts' first tokens. Decode's model thread issues on a stream of the greatest priority, prefill's
+  stays on the default stream, of the least (workers/engine/model_stream.py; the values are its
+  `KernelPriority`'s) with `--engine-opt stream_priority=true`; off by default, since it measured
+  no gain on an H100 (workers/engine/scheduler_config.py says the figures).
 
 Shared worker code (workers/engine, transport, group, api, metrics) never reads this table; `serve` and `up` do.
 """
@@ -24,11 +30,12 @@ ROLES = ("prefill", "decode")
 class RoleDefaults:
     decodes: bool  # runs the decode loop: CUDA graphs on by default where they can be captured
     gpu_memory_share: float  # relative weight of this role's memory budget on a shared GPU
+    kernel_priority: str  # the model thread's CUDA stream priority: "greatest" or "least"
 
 
 ROLE_DEFAULTS = {
-    "prefill": RoleDefaults(decodes=False, gpu_memory_share=2.0),
-    "decode": RoleDefaults(decodes=True, gpu_memory_share=3.0),
+    "prefill": RoleDefaults(decodes=False, gpu_memory_share=2.0, kernel_priority="least"),
+    "decode": RoleDefaults(decodes=True, gpu_memory_share=3.0, kernel_priority="greatest"),
 }
 
 

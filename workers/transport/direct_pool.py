@@ -42,7 +42,7 @@ from typing import Sequence
 
 import torch
 
-from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool, copy_pages_
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.transport.page_io import page_index, side_stream, wait_ready
 
@@ -252,7 +252,7 @@ def write_pages(src: KVPool, dst: Sequence[torch.Tensor], layers: range, src_pag
             src_index = page_index(src, src_pages[begin:begin + step])
             dst_index = page_index(src, dst_pages[begin:begin + step])  # DirectPools opens pools on this device only
             for layer in layers:
-                dst[layer].index_copy_(0, dst_index, src.buffers[layer].index_select(0, src_index))
+                copy_pages_(dst[layer], dst_index, src.buffers[layer].index_select(0, src_index))
 
     if src.device.type != "cuda":
         copy()

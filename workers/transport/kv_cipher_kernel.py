@@ -42,7 +42,9 @@ def _xor_word(src, dst, word, mask, stream):
     tl.store(dst + word, (data ^ stream).to(tl.int32, bitcast=True), mask=mask)
 
 
-@triton.jit
+# Triton makes an integer argument equal to 1 a compile-time constant (a Python int without `.to`):
+# layer 1 failed to compile on the GPU (H100, 2026-12-07); the interpreter does not specialise.
+@triton.jit(do_not_specialize=["layer", "first_page"])
 def _chacha20_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, key_ptr, layer, first_page,
                           row_words, blocks_per_page, BLOCKS: tl.constexpr):
     row = tl.program_id(0)

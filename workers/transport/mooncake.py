@@ -21,8 +21,9 @@ body at the peer's pace):
   reported run into the request's pages as it comes (`MooncakeSink.on_chunk`) and checks the MAC
   over the whole private copy after the TransferDone, as for any transfer;
 - the prefill side never registers its pool either: each send's pages are gathered into a send
-  staging, written from there and zeroed (`MooncakeChannel._write_staged`); over RDMA (the NIC reads
-  only registered memory) it is registered, over TCP never;
+  staging, written from there and zeroed (`MooncakeChannel._write_staged`: the slots are the send's
+  worker thread's until its write returns, past any deadline, so a hung write never zeroes another
+  send's slots); over RDMA (the NIC reads only registered memory) it is registered, over TCP never;
 - with a deployment secret, what either staging holds is ciphertext: the prefill side encrypts each
   cell as it gathers it, decode decrypts as it copies a send out (kv_cipher.py), so a stranger who
   reads a slot in flight (Mooncake serves reads of registered memory as it serves writes) gets no

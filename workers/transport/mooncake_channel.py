@@ -5,6 +5,8 @@ windows through decode's staging, and the KV MAC sealed into the TransferDone
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from typing import Sequence
 
 from deepseek_pd.model.kv.pool import KVPool
@@ -18,6 +20,8 @@ from deepseek_pd.workers.transport.plan import merge_page_runs
 from deepseek_pd.workers.transport.staging import StagingArea
 from deepseek_pd.workers.transport.wire import ChunkHeader, encode_chunk_event
 from deepseek_pd.workers.engine.request_failure import TransferError
+
+log = logging.getLogger(__name__)
 
 
 def build_write_batch(src_base: Sequence[int], dst_base: Sequence[int], page_bytes: int,
@@ -170,38 +174,67 @@ class MooncakeChannel(SendChannel):
 
     async def _write_staged(self, layers: range, page_begin: int, src_pages: list[int], dst_pages: list[int],
                             ready) -> int:
-        """One piece through staging slots; they go back zeroed (what the NIC may still read after a
-        timeout cools first: that write fails its request by the KV MAC, nothing else)."""
+        """One piece through staging slots. The slots are the worker thread's until it returns (it
+        gives them back zeroed), whatever happens here: a write that outlives its deadline still
+        reads them, and must never zero (or read) slots that another send took meanwhile. A thread
+        that begins after the deadline writes nothing (`abandoned`): decode's slots of this transfer
+        may serve another one by then."""
         slots, dirty = await self.staging.acquire(len(src_pages), self.timeout_s)
+        abandoned = threading.Event()
+        # Submitted at once and shielded: a cancelled or timed-out wait never unschedules the
+        # thread, which alone hands the slots back.
+        work = asyncio.get_running_loop().run_in_executor(
+            None, self._write_from_slots, layers, page_begin, src_pages, slots, dirty, dst_pages, ready, abandoned)
+        work.add_done_callback(_retrieve)
         try:
-            status = await self._timed(asyncio.to_thread(self._write_from_slots, layers, page_begin, src_pages, slots, dirty,
-                                                         dst_pages, ready))
+            return await self._timed(asyncio.shield(work))
         except BaseException:
-            self.staging.release(slots, delay_s=self.timeout_s)
+            abandoned.set()
             raise
-        self.staging.release(slots, scrubbed=True)
-        return status
 
     def _write_from_slots(self, layers: range, page_begin: int, src_pages: list[int], slots: list[int], dirty: list[int],
-                          dst_pages: list[int], ready) -> int:
+                          dst_pages: list[int], ready, abandoned: threading.Event) -> int:
         """In a worker thread: gathers the pages into the slots once their KV is written (encrypted
-        on the way, after `begin_cipher`), one batch write from there, then zeroes what it used (a
-        reader of the registered staging sees no KV that is not in flight, and with a cipher none
-        at all)."""
-        self.staging.scrub(dirty)
-        sync_ready(self.pool, ready)
-        hashing = self._hash_sent(layers, page_begin, src_pages, ready)
+        on the way, after `begin_cipher`), one batch write from there unless the send was
+        `abandoned` meanwhile, then zeroes the slots and gives them back (a reader of the registered
+        staging sees no KV that is not in flight, and with a cipher none at all)."""
+        hashing, touched = None, range(len(self.staging.buffers))  # what to zero after: every layer...
         try:
+            if abandoned.is_set():
+                return -1
+            self.staging.scrub(dirty)
+            touched = layers  # ... or, once the slots were clean, the layers gathered into them
+            sync_ready(self.pool, ready)
+            hashing = self._hash_sent(layers, page_begin, src_pages, ready)
             self.staging.fill_from(self.pool, layers, src_pages, slots, self._cipher, page_begin)
             batch = build_write_batch(self.staging.base_addrs[layers.start:layers.stop],
                                       list(self.destination.layer_base_addrs)[layers.start:layers.stop],
                                       self.pool.bytes_per_page, slots, dst_pages)
-            status = self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
-            self.staging.scrub(slots, layers)
+            if abandoned.is_set():
+                return -1
+            return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
         finally:
-            if hashing is not None:
-                hashing.wait()
-        return status
+            try:
+                if hashing is not None:
+                    hashing.wait()
+            finally:
+                self._give_back(slots, touched)
+
+    def _give_back(self, slots: list[int], layers: range) -> None:
+        """The slots back to the staging, zeroed in `layers` (else zeroed when next taken; logged)."""
+        try:
+            self.staging.scrub(slots, layers)
+        except Exception:  # noqa: BLE001 - the slots must go back either way
+            log.exception("could not zero %d mooncake send-staging slots: zeroed when next taken", len(slots))
+            self.staging.release(slots)
+            return
+        self.staging.release(slots, scrubbed=True)
+
+
+def _retrieve(work: asyncio.Future) -> None:
+    """Marks a shielded write's outcome as seen (its waiter may have given up on it)."""
+    if not work.cancelled():
+        work.exception()
 
 
 def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[int], page_bytes: int,

@@ -29,7 +29,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool, copy_pages_
+from deepseek_pd.workers.transport import host_staging
 
 # The received message is immutable `bytes` and is only read: torch's one-time warning that the
 # tensor over it is not writable says nothing useful here.
@@ -37,8 +38,12 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 
 def page_index(pool: KVPool, pages: Sequence[int]) -> torch.Tensor:
-    """`pages` as a long tensor on the pool's device, enqueued on the current stream."""
-    return torch.as_tensor(list(pages), dtype=torch.long).to(pool.device, non_blocking=True)
+    """`pages` as a long tensor on the pool's device, enqueued on the current stream (on CUDA
+    through the thread's page-locked buffer where its warm-up reserved one: host_staging.py)."""
+    ids = torch.as_tensor(list(pages), dtype=torch.long)
+    if pool.device.type != "cuda":
+        return ids
+    return host_staging.upload(ids, pool.device)
 
 
 _HOST_VIEWS: "weakref.WeakKeyDictionary[KVPool, list[np.ndarray]]" = weakref.WeakKeyDictionary()
@@ -206,13 +211,14 @@ def scatter_pages(pool: KVPool, layers: range, pages: Sequence[int], data) -> No
             for offset, layer in enumerate(layers):
                 views[layer][dst:dst + end - begin] = values[offset, begin:end]
         return
-    values = _shaped(torch.frombuffer(data, dtype=torch.uint8), pool, len(layers), len(pages))
     stream = side_stream(pool.device)
     with torch.cuda.stream(stream):
         index = page_index(pool, pages)
-        on_device = values.to(pool.device)  # the one H2D copy
+        # The one H2D copy (through the thread's page-locked buffer where its warm-up reserved one).
+        flat = host_staging.upload(torch.frombuffer(data, dtype=torch.uint8), pool.device, non_blocking=False)
+        on_device = _shaped(flat, pool, len(layers), len(pages))
         for offset, layer in enumerate(layers):
-            pool.buffers[layer].index_copy_(0, index, on_device[offset])
+            copy_pages_(pool.buffers[layer], index, on_device[offset])
     stream.synchronize()
 
 

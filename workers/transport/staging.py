@@ -49,7 +49,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.pool import KVPool, copy_pages_
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.kv_cipher import CellCipher
@@ -213,11 +213,18 @@ class StagingArea:
         def decrypt() -> None:
             for layer in chosen:
                 cipher.copy(self.buffers[layer], slots, pool.buffers[layer], pages, layer, first_page)
-                # (numpy's fill on a CPU pool, as in `copy`)
-                staged = _host(self.buffers[layer]) if pool.device.type == "cpu" else self.buffers[layer]
-                for run in runs:
-                    cells = staged[run.src:run.src + run.length]
-                    cells.fill(0) if pool.device.type == "cpu" else cells.zero_()
+            if pool.device.type == "cpu" or len(runs) <= SLICE_RUNS:
+                for layer in chosen:  # (numpy's fill on a CPU pool, as in `copy`)
+                    staged = _host(self.buffers[layer]) if pool.device.type == "cpu" else self.buffers[layer]
+                    for run in runs:
+                        cells = staged[run.src:run.src + run.length]
+                        cells.fill(0) if pool.device.type == "cpu" else cells.zero_()
+                return
+            # Scattered slots: one fill per layer, not one per run (a 4k-token prompt in 256 scattered
+            # slots took 87 ms to decrypt on an H100, 7,000 launches, against 2 ms to encrypt).
+            index = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+            for layer in chosen:
+                self.buffers[layer].view(torch.uint8).index_fill_(0, index, 0)
 
         def copy() -> None:
             if pool.device.type == "cpu":  # numpy's plain copies: torch's fork OpenMP teams per call
@@ -238,8 +245,8 @@ class StagingArea:
             dst = page_index(pool, pages)
             for layer in chosen:
                 staged, buffer = self.buffers[layer], pool.buffers[layer]
-                buffer.index_copy_(0, dst, staged.index_select(0, src))
-                staged.index_fill_(0, src, 0)
+                copy_pages_(buffer, dst, staged.index_select(0, src))
+                staged.view(torch.uint8).index_fill_(0, src, 0)  # bytes: no float8 fill kernel on CUDA
         self._on_device(copy if cipher is None else decrypt)
 
     def fill_from(self, pool: KVPool, layers: range, pages: Sequence[int], slots: Sequence[int],
@@ -264,7 +271,7 @@ class StagingArea:
             src = page_index(pool, pages)
             dst = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
             for layer in layers:
-                self.buffers[layer].index_copy_(0, dst, pool.buffers[layer].index_select(0, src))
+                copy_pages_(self.buffers[layer], dst, pool.buffers[layer].index_select(0, src))
         self._on_device(copy if cipher is None else encrypt)
 
     def scrub(self, slots: Sequence[int], layers: range | None = None) -> None:

@@ -10,7 +10,10 @@ forward. But the host calls that issue it can still wait for the whole device:
   for every kernel queued so far, the next forward included;
 - a page-locked host allocation (the byte stream's staging) and a device allocation that the
   caching allocator cannot serve from its per-stream cache are on the guide's list of implicitly
-  synchronising calls.
+  synchronising calls;
+- a copy from pageable host memory shares the driver's staging with the model thread's own
+  pageable copies, which wait behind the forward: page ids go through a page-locked buffer each
+  transport thread reserves here (host_staging.py): page ids, and on the receiver a chunk's bytes.
 
 On an H100 the first per-chunk send of a fresh worker went out only 0.01 s before the next forward
 ended, for direct copies and the byte stream alike (tests/workers/prefill/test_chunk_send_order_cuda.py,
@@ -30,8 +33,10 @@ import threading
 from concurrent.futures import Executor
 from typing import Callable
 
+import torch
+
 from deepseek_pd.model.kv.pool import KVPool
-from deepseek_pd.workers.transport import direct_pool, page_io
+from deepseek_pd.workers.transport import direct_pool, host_staging, page_io
 
 # torch's index_select uses one kernel for at most 16 indices and others above (and index_copy_
 # splits by index width): warm one send of each size class.
@@ -67,8 +72,10 @@ def warm_sender(pool: KVPool, executor: Executor, threads: int, gather: page_io.
     if pool.device.type != "cuda":
         return
     gather.warm(warm_page_counts(pool))
+    chunk_pages = max(1, gather.max_bytes // pool.bytes_per_page)
 
     def copy_in_place() -> None:
+        host_staging.reserve(pool.device, torch.long, 2 * chunk_pages)  # a direct copy's source and destination ids
         for count in warm_page_counts(pool, direct_pool.COPY_BATCH_BYTES):
             pages = list(range(count))
             direct_pool.write_pages(pool, pool.buffers, range(1), pages, pages, None)
@@ -82,6 +89,8 @@ def warm_receiver(pool: KVPool, executor: Executor, threads: int, chunk_bytes: i
         return
 
     def scatter_in_place() -> None:
+        host_staging.reserve(pool.device, torch.long, 2 * max(1, chunk_bytes // pool.bytes_per_page))
+        host_staging.reserve(pool.device, torch.uint8, chunk_bytes)  # a chunk's bytes on their way in
         for count in warm_page_counts(pool, chunk_bytes):
             pages = list(range(count))
             page_io.scatter_pages(pool, range(1), pages, page_io.read_pages(pool, range(1), pages))

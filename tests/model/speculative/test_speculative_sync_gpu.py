@@ -2,8 +2,10 @@
 (model/speculative/decoder.py `launch`): every step whose rows all verify k + 1 tokens (so its
 draft steps, verify and catch-up replay CUDA graphs) runs under CUDA's sync debug mode set to
 "error", which raises at any synchronising call (`.item()`, `.tolist()`, a blocking copy, a
-value-sized op). Only `finish`, the step's one read, waits. Outputs equal the engine without
-speculation (greedy and seeded sampling with penalties and top logprobs).
+value-sized op), including the steps launched before the step before them is read (positions and
+KV slots filled in on the device, future_positions.py). Only `finish`, the step's one read, waits.
+Outputs equal the engine without speculation (greedy and seeded sampling with penalties and top
+logprobs).
 
 Run on the GPU machine: `pytest -q -s tests/model/speculative/test_speculative_sync_gpu.py`."""
 from __future__ import annotations
@@ -30,19 +32,22 @@ def test_a_graphed_speculative_step_never_waits_for_the_device(tmp_path):
     kw = dict(device="cuda", dtype="float32", attention_backend="triton", moe_backend="triton", page_size=16)
     spec = Engine(path, speculative_num_steps=STEPS, cuda_graph=True, **kw)
     decoder = spec.speculative
-    launch, guarded = decoder.launch, [0]
+    launch, guarded, ahead = decoder.launch, [0], [0]
 
-    def checked_launch(requests, num_steps=None):
-        # Rows that all draft k (room left, a draft from the last step) verify through the graphs.
-        full = all(r.finished or (id(r) in decoder._drafts and r.max_new - len(r.output_ids) > STEPS + 1)
+    def checked_launch(requests, num_steps=None, after=None):
+        # Rows that all draft k (room left, a draft from the last step) verify through the graphs; a
+        # launch ahead of an unread step drafts for the most that step may have emitted.
+        room = STEPS + 1 if after is None else 2 * (STEPS + 1)
+        full = all(r.finished or (id(r) in decoder._drafts and r.max_new - len(r.output_ids) > room)
                    for r in requests)
         if not full:
-            return launch(requests, num_steps)
+            return launch(requests, num_steps, after)
         guarded[0] += 1
+        ahead[0] += after is not None
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(requests, num_steps)
+            return launch(requests, num_steps, after)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -54,9 +59,9 @@ def test_a_graphed_speculative_step_never_waits_for_the_device(tmp_path):
                                 dict(temperature=0.8, top_k=20, top_p=0.9, seed=rng.randrange(1 << 30))))
               for n in range(len(prompts))]
     got = spec.generate_batch(prompts, params)
-    assert guarded[0] > 0
+    assert guarded[0] > 0 and ahead[0] > 0
     replays = spec.runner.spec_forwards.graphs.replays
-    print(f"guarded steps {guarded[0]}, replays {replays}")
+    print(f"guarded steps {guarded[0]} ({ahead[0]} launched before the step before was read), replays {replays}")
     assert replays["verify"] > 0 and replays["catch_up"] > 0 and replays["draft"] > 0, replays
     want = Engine(path, **kw).generate_batch(prompts, params)
     for a, b in zip(got, want):

@@ -1,9 +1,11 @@
-"""`speculative_overlap` in the decode worker (workers/decode/engine.py): the model thread collects
-step N and launches step N+1 in one call, and the event loop streams N's tokens while N+1 runs.
+"""`speculative_overlap` in the decode worker (workers/decode/engine.py): the model thread launches
+step N+1 (before reading step N when the rows stay the same: future_positions.py) and collects step N
+in one call, and the event loop streams N's tokens while N+1 runs.
 Against the offline engine without speculation (same tiny checkpoint, MTP layer trained so drafts
 are accepted): colocated greedy and seeded requests, stop tokens and strings landing inside a
 step, max_tokens, logprobs, all the same token for token; an abort mid-stream ends once; the
-pools end empty; and steps really overlapped (a collect and a launch in the same call)."""
+pools end empty; and steps really overlapped (a collect and a launch in the same call, launches
+queued while the step before was unread)."""
 from __future__ import annotations
 
 import asyncio
@@ -47,13 +49,29 @@ def _engine(path: str, trained: ModelRunner, oracle: Engine) -> DecodeEngine:
     config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, speculative_overlap=True))
     engine = DecodeEngine(runner, config, tokenizer=oracle.tokenizer)
     overlapped = engine.overlapped = [0]
+    ahead = engine.ahead = [0]  # launches queued before the step before them was read
     collect_and_launch = engine.speculation.collect_and_launch
+    decoder = engine.speculation.decoder
+    launch, finish = decoder.launch, decoder.finish
+    unread: set[int] = set()
 
     def counting(pending, rows):
         overlapped[0] += pending is not None and bool(rows)
         return collect_and_launch(pending, rows)
 
+    def launching(requests, num_steps=None, after=None):
+        ahead[0] += bool(unread)
+        launched = launch(requests, num_steps, after)
+        if launched is not None:
+            unread.add(id(launched))
+        return launched
+
+    def finishing(launched):
+        unread.discard(id(launched))
+        return finish(launched)
+
     engine.speculation.collect_and_launch = counting
+    decoder.launch, decoder.finish = launching, finishing
     return engine
 
 
@@ -79,17 +97,18 @@ def test_overlapped_steps_give_the_offline_tokens(setup):
             outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"o{i}", tuple(p), sp, return_logprob=True))
                                               for i, (p, sp) in enumerate(zip(all_prompts, params))))
             await pages_back(engine)
-            return outcomes, engine.overlapped[0], engine.speculation.stats
+            return outcomes, engine.overlapped[0], engine.ahead[0], engine.speculation.stats
         finally:
             await engine.stop()
 
-    outcomes, overlapped, stats = asyncio.run(run())
+    outcomes, overlapped, ahead, stats = asyncio.run(run())
     for outcome, want in zip(outcomes, expected):
         assert outcome.ok and outcome.tokens == want.output_ids
         assert (outcome.terminal.reason, outcome.terminal.matched_stop) == (want.finish_reason, want.matched_stop)
         assert outcome.terminal.completion_tokens == len(want.output_ids)
         assert all(abs(a - b) < 1e-4 for a, b in zip(outcome.logprobs, want.output_logprobs))
     assert overlapped > 0 and stats.accepted > 0
+    assert ahead > 0  # step N+1 queued while step N was unread (its positions from the device)
 
 
 @pytest.mark.parametrize("fails", [None, device_fails_once_ended, streaming_fails_once_ended],

@@ -6,17 +6,25 @@ queued the next forward on the same stream. Their copies must wait only for the 
 is already in the pool, not for that next forward. Here the second forward is made long on the GPU
 (a spin kernel queued before it) and the first send's copy starts late enough that the second
 forward is surely queued: the first chunk must still be on the stream long before the second forward
-ends. The decode side must get the request done either way.
+ends. The decode side must get the request done either way. One request runs first, as a worker
+in service has run many: what is measured is the steady state, not a cold process's first kernel
+loads (the second forward, the first with a prefix, was the first to run some kernels).
 
 Failed on an H100 at 2648c43 (lead 0.01 s, both cases): the send's first CUDA calls in a fresh
 process (kernel module loads, a page-locked staging allocation) waited for the whole device;
 the transport now makes them before serving (workers/transport/warm_up.py).
+Failed again at 422a203 (lead 0.01 s, both cases, warm transport): the send's host calls returned
+when the spin ended (1.999 s), not when the forward did. Suspects: the page ids' copy from
+pageable memory, the one copy both cases share (now from a reserved page-locked buffer,
+host_staging.py), and the cold model thread's first kernel launches (now warmed by a first
+request). A failure lists both threads' slow calls.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import random
+import sys
 import threading
 import time
 
@@ -35,6 +43,36 @@ SLOW_FORWARD_S = 2.0
 LATE_COPY_S = 0.3
 
 
+class _SlowCalls:
+    """The calls one thread makes while its profile is on (`sys.setprofile`), those over a
+    millisecond kept: the slowest name the call that waited, the CUDA call included (a torch op
+    or a tensor method is a C call here)."""
+
+    def __init__(self) -> None:
+        self._stack: list[tuple[str, float]] = []
+        self.calls: list[tuple[float, float, int, str]] = []  # began, seconds, depth, name
+
+    def _profile(self, frame, event, arg) -> None:
+        if event in ("call", "c_call"):
+            name = frame.f_code.co_qualname if event == "call" else getattr(arg, "__qualname__", repr(arg))
+            self._stack.append((name, time.monotonic()))
+        elif self._stack:  # return, c_return, c_exception
+            name, began = self._stack.pop()
+            if time.monotonic() - began > 1e-3:
+                self.calls.append((began, time.monotonic() - began, len(self._stack), name))
+
+    def start(self) -> None:
+        sys.setprofile(self._profile)
+
+    def stop(self) -> None:
+        sys.setprofile(None)
+
+    def slowest(self, origin: float, count: int = 12) -> str:
+        top = sorted(sorted(self.calls, key=lambda call: -call[1])[:count])
+        return ", ".join(f"{'>' * depth}{name} at {began - origin:.3f}s for {took:.3f}s"
+                         for began, took, depth, name in top) or "none over 1 ms"
+
+
 def _spin_cycles(seconds: float) -> int:
     """GPU clock cycles of `torch.cuda._sleep` that take about `seconds`."""
     torch.cuda._sleep(1000)  # the kernel's first launch (module load) is not timed
@@ -49,16 +87,22 @@ def _spin_cycles(seconds: float) -> int:
 @pytest.mark.parametrize("direct", ["on", "off"])
 def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
     rng = random.Random()
-    prompt = [rng.randrange(2, oracle().vocab_size) for _ in range(2 * CHUNK + rng.randrange(1, CHUNK))]
+    prompt, warm_prompt = ([rng.randrange(2, oracle().vocab_size) for _ in range(2 * CHUNK + rng.randrange(1, CHUNK))]
+                           for _ in range(2))
     spin = _spin_cycles(SLOW_FORWARD_S)
     late: dict[str, bool] = {}  # armed once the engines have started (their warm-up copies too)
     copy_began: list[float] = []
+    # Each host call of the first send (from its copy's start to its stream sync) and of the model
+    # thread during the second forward: a failure names the call that waited, and what the model
+    # thread was in meanwhile (the two may share a driver resource).
+    send_calls, model_calls = _SlowCalls(), _SlowCalls()
 
     def late_first_copy(real):
         def wait_ready(*args, **kwargs):
             if late.pop("first", False):
                 time.sleep(LATE_COPY_S)  # the scheduler has queued the next forward by now
                 copy_began.append(time.monotonic())
+                send_calls.start()
             return real(*args, **kwargs)
         return wait_ready
     monkeypatch.setattr(direct_pool, "wait_ready", late_first_copy(direct_pool.wait_ready))
@@ -71,6 +115,7 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
     def traced_sync(stream):
         if copy_began and not launched and threading.current_thread().name.startswith("kv-send"):
             launched.append(time.monotonic())
+            send_calls.stop()
         return stream_sync(stream)
     monkeypatch.setattr(torch.cuda.Stream, "synchronize", traced_sync)
 
@@ -78,16 +123,27 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
         base = worker_config("grpc", same_host_direct=direct)
         cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=False))
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, device="cuda") as pair:
+            # A worker in service: its forwards' kernels (with a prefix too) are loaded already. The
+            # first launch of one in a process loads its module, which may synchronise the whole
+            # context (warm_up.py); that a cold model thread's loads also hold up a warm transport
+            # is what test_cuda_first_use_cuda.py's "beside a first launch" rows measure.
+            warmed = await pair.run(warm_prompt, GREEDY, "warm")
+            assert all(outcome.ok for outcome in warmed), [outcome.terminal for outcome in warmed]
+            await pair.wait_pools_clean()
             late["first"] = True
             emitted, channels = timed_emits(pair.prefill)
             forward_ends: list[float] = []
             extend = pair.prefill.runner.extend
 
             def traced_extend(seqs, progress=None, **kwargs):
-                if len(forward_ends) == 1:
+                second = len(forward_ends) == 1
+                if second:
+                    model_calls.start()
                     torch.cuda._sleep(spin)  # the second forward: long on the GPU
                 logits = extend(seqs, progress=progress, **kwargs)
                 torch.cuda.synchronize()
+                if second:
+                    model_calls.stop()
                 forward_ends.append(time.monotonic())
                 return logits
             pair.prefill.runner.extend = traced_extend
@@ -107,7 +163,9 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
               f"{(launched[0] - forward_ends[0]) if launched else float('nan'):.3f}s (late: they waited in the "
               f"driver; early: the GPU ran the copy late), its chunk was emitted at "
               f"{emitted[0] - forward_ends[0]:.3f}s, forward 2 ended at "
-              f"{forward_ends[1] - forward_ends[0]:.3f}s" if copy_began else "the first copy never began")
+              f"{forward_ends[1] - forward_ends[0]:.3f}s; the send thread's calls over 1 ms (> nested): "
+              f"{send_calls.slowest(forward_ends[0])}; the model thread's in the second forward: "
+              f"{model_calls.slowest(forward_ends[0])}" if copy_began else "the first copy never began")
     assert first_chunk_lead > SLOW_FORWARD_S / 2, (
         f"the first chunk went out {-first_chunk_lead:.2f}s after the next forward ended "
         f"(its copy waited for that forward); {phases}" if first_chunk_lead < 0 else
