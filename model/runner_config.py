@@ -13,7 +13,8 @@ import torch
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.attention.policy import AttentionPolicy
 from deepseek_pd.model.build_options import BuildOptions
-from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.choices import not_one_of
+from deepseek_pd.model.config import DTYPE_CHOICES, ModelConfig
 from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
                                              decode_capturable)
@@ -145,8 +146,8 @@ class RunnerConfig:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise UserError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if (blocker := not_one_of("dtype", self.dtype, DTYPE_CHOICES)) is not None:
+            raise UserError(blocker)
         if self.device == "auto":
             raise UserError("device 'auto' must be resolved before the runner config is built "
                             "(model.device.resolve_device, or RunnerConfig.resolve)")
