@@ -218,7 +218,8 @@ def test_the_memory_plan_refuses_what_serve_refuses_in_its_words():
                # the plan restated them in words of its own
                ("decode", ["--engine-opt", f"max_running_requests={-random.randrange(3)}"]),
                ("decode", ["--engine-opt=cuda_graph_max_batch=0"]),
-               ("prefill", ["--engine-opt", f"mooncake_staging_tokens={-random.randrange(3)}"])]
+               ("prefill", ["--engine-opt", f"mooncake_staging_tokens={-random.randrange(3)}"]),
+               ("decode", [f"--chunked-prefill-size={-random.randrange(3)}"])]
     for role, args in random.sample(refused, len(refused)):
         with pytest.raises(UserError) as serve:
             check_flags(ServeFlags.from_argv([role, *args]))
