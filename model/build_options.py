@@ -14,6 +14,7 @@ from deepseek_pd.model.eplb.expert_location import ExpertLocation
 from deepseek_pd.model.distributed.dispatch_mode import DispatchConfig
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tbo_rules import TboRules
+from deepseek_pd.model.runner_rules import range_blocker
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,6 @@ class BuildOptions:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        if self.prefix_chunk_size < 1:
-            raise UserError(f"prefix_chunk_size must be >= 1, got {self.prefix_chunk_size}")
-        if self.num_fused_shared_experts < 0:
-            raise UserError(f"num_fused_shared_experts must be >= 0, got {self.num_fused_shared_experts}")
+        if (blocker := range_blocker(prefix_chunk_size=self.prefix_chunk_size,
+                                     num_fused_shared_experts=self.num_fused_shared_experts)) is not None:
+            raise UserError(blocker)

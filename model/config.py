@@ -28,6 +28,9 @@ _MISSING = object()
 # Bytes per element of each dtype a checkpoint (torch_dtype) or `--dtype` may name. Torch-free, as
 # this whole module: the operator and `bench serving` size KV without importing torch.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# What `--dtype` (RunnerConfig.dtype) may be: one of those, or "auto" (the checkpoint's); `serve`'s
+# parser (workers/serve/flags.py) offers these and `RunnerConfig` refuses anything else.
+DTYPE_CHOICES = ("auto", *DTYPE_BYTES)
 
 
 def latent_kv_bytes(num_layers: int, kv_dim: int, itemsize: int, tokens: int = 1) -> int:

@@ -34,6 +34,7 @@ import torch
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.runner_rules import range_blocker
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,9 @@ class CudaGraphConfig:
     max_context: int = 4096
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise UserError(f"cuda_graph_max_batch must be >= 1, got {self.max_batch}")
-        if self.max_context < 1:
-            raise UserError(f"cuda_graph_max_context must be >= 1, got {self.max_context}")
+        if (blocker := range_blocker(cuda_graph_max_batch=self.max_batch,
+                                     cuda_graph_max_context=self.max_context)) is not None:
+            raise UserError(blocker)
 
     def buckets(self) -> tuple[int, ...]:
         return graph_buckets(self.max_batch)
@@ -58,8 +58,8 @@ class CudaGraphConfig:
 
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
     """Powers of two below `max_batch`, then `max_batch` itself: 1, 2, 4, ..., max_batch."""
-    if max_batch < 1:
-        raise UserError(f"cuda_graph_max_batch must be >= 1, got {max_batch}")
+    if (blocker := range_blocker(cuda_graph_max_batch=max_batch)) is not None:
+        raise UserError(blocker)
     sizes = []
     size = 1
     while size < max_batch:

@@ -13,7 +13,8 @@ import torch
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.attention.policy import AttentionPolicy
 from deepseek_pd.model.build_options import BuildOptions
-from deepseek_pd.model.config import ModelConfig
+from deepseek_pd.choices import not_one_of
+from deepseek_pd.model.config import DTYPE_CHOICES, ModelConfig
 from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
                                              decode_capturable)
@@ -23,8 +24,8 @@ from deepseek_pd.model.kernels.mla_decode_route import AttentionHost, auto_atten
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps, graph_tokens_per_sequence
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
-from deepseek_pd.model.runner_rules import (RUNNER_CHOICES, choice_blocker, deterministic_blocker,
-                                            graph_settings_blocker, sizing_blocker, tbo_blocker)
+from deepseek_pd.model.runner_rules import (RUNNER_BOUNDS, RUNNER_CHOICES, choice_blocker, deterministic_blocker,
+                                            graph_settings_blocker, range_blocker, sizing_blocker, tbo_blocker)
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
@@ -145,8 +146,8 @@ class RunnerConfig:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise UserError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if (blocker := not_one_of("dtype", self.dtype, DTYPE_CHOICES)) is not None:
+            raise UserError(blocker)
         if self.device == "auto":
             raise UserError("device 'auto' must be resolved before the runner config is built "
                             "(model.device.resolve_device, or RunnerConfig.resolve)")
@@ -161,6 +162,8 @@ class RunnerConfig:
             raise UserError(f"num_pages must be >= 1, got {self.num_pages}")
         self._check_pool_sizing()
         if (blocker := choice_blocker(**{name: getattr(self, name) for name in RUNNER_CHOICES})) is not None:
+            raise UserError(blocker)
+        if (blocker := range_blocker(**{name: getattr(self, name) for name in RUNNER_BOUNDS})) is not None:
             raise UserError(blocker)
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:

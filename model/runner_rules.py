@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from deepseek_pd.bounds import Bounds, bounds_blocker
 from deepseek_pd.choices import not_one_of
 from deepseek_pd.model.kv.memory_budget import GpuShare
 
@@ -37,6 +38,29 @@ RUNNER_CHOICES: Mapping[str, tuple[str, ...]] = {
     "fp8_backend": FP8_BACKEND_CHOICES,
     "norm_rope_backend": ("auto", "torch", "triton"),  # model/norm_rope.py NORM_ROPE_BACKENDS
 }
+
+
+# Every numeric setting of `RunnerConfig` with a range (but the memory settings': `sizing_blocker`), and its bounds (deepseek_pd/bounds.py). `RunnerConfig`
+# applies them, and so do the parts built from it (AttentionPolicy, TboRules, DispatchConfig,
+# CudaGraphConfig, BuildOptions) for their other callers; `serve`'s engine-option table carries them, so
+# the CLI, `up` and the operator refuse a value out of range before any worker starts.
+RUNNER_BOUNDS: Mapping[str, Bounds] = {
+    "mha_chunked_kv_threshold": Bounds(0),  # model/attention/policy.py
+    "prefix_chunk_size": Bounds(1),
+    "num_fused_shared_experts": Bounds(0),
+    "low_latency_max_tokens": Bounds(1),  # model/distributed/dispatch_mode.py
+    "tbo_min_decode_tokens": Bounds(2, why="two micro-batches of a token each"),  # model/distributed/tbo_rules.py
+    "tbo_min_extend_tokens": Bounds(2, why="two micro-batches of a token each"),
+    "tbo_token_distribution_threshold": Bounds(0, 0.5),
+    "cuda_graph_max_batch": Bounds(1),  # model/graph_inputs.py
+    "cuda_graph_max_context": Bounds(1),
+}
+
+
+def range_blocker(**settings: float) -> str | None:
+    """Which of the numeric settings given (`RUNNER_BOUNDS`' names) is out of its range; None when
+    none is. Example: `range_blocker(cuda_graph_max_batch=0)` -> "cuda_graph_max_batch must be >= 1, got 0"."""
+    return bounds_blocker(RUNNER_BOUNDS, **settings)
 
 
 def choice_blocker(**settings: str) -> str | None:

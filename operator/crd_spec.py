@@ -10,10 +10,10 @@ Parallelism, worked example (DeepSeek-V3 decode on 2 nodes of 8 H200):
 """
 from __future__ import annotations
 
-from deepseek_pd.env import MOONCAKE_RPC_PORTS
 from deepseek_pd.model.speculative.rules import MAX_SPECULATIVE_NUM_STEPS
 from deepseek_pd.operator.autoscaling_schema import autoscaling_schema
 from deepseek_pd.operator.known_models import KNOWN_MODELS
+from deepseek_pd.operator.port_rules import port_rules
 from deepseek_pd.operator.schema_types import (
     Schema, array, boolean, env_var, int_or_percent, integer, obj, opaque_object, quantity,
     resource_requirements, rule, string, string_map,
@@ -328,44 +328,6 @@ def _router() -> Schema:
     }, default={})
 
 
-def _pod_ranks(role: str) -> str:
-    """CEL: the ranks one pod of `role` runs, one per GPU (a CPU pod runs one)."""
-    return f"(self.{role}.gpusPerPod == 0 ? 1 : self.{role}.gpusPerPod)"
-
-
-def _clear_of_metrics(port: str, role: str) -> str:
-    """CEL: `port` is outside the metrics ports of `role`'s pods (metrics.port + 0 .. ranks per pod - 1)."""
-    return f"({port} < self.metrics.port || {port} >= self.metrics.port + {_pod_ranks(role)})"
-
-
-def _metrics_rules() -> list[dict[str, str]]:
-    clear = " && ".join([_clear_of_metrics("self.prefill.port", "prefill"),
-                         _clear_of_metrics("self.prefill.bootstrapPort", "prefill"),
-                         _clear_of_metrics("self.decode.port", "decode")])
-    return [
-        rule(f"!self.metrics.enabled || ({clear})",
-             "metrics.port .. metrics.port + gpusPerPod - 1 (one port per rank of a pod) must not contain "
-             "prefill.port, prefill.bootstrapPort or decode.port", ".metrics.port"),
-        rule("!self.metrics.enabled || self.metrics.routerPort != self.router.port",
-             "metrics.routerPort must differ from router.port", ".metrics.routerPort"),
-    ]
-
-
-def _mooncake_port_rules() -> list[dict[str, str]]:
-    """With Mooncake, no port a worker pod listens on may lie where Mooncake's engines bind their
-    own ports at random (env.MOONCAKE_RPC_PORTS): an engine could take it first, and that pod would
-    fail at start now and then."""
-    low, high = MOONCAKE_RPC_PORTS
-    single = " && ".join(f"({port} < {low} || {port} >= {high})"
-                         for port in ("self.prefill.port", "self.prefill.bootstrapPort", "self.decode.port"))
-    metrics = " && ".join(f"(self.metrics.port + {_pod_ranks(role)} <= {low} || self.metrics.port >= {high})"
-                          for role in ("prefill", "decode"))
-    return [rule(f"self.kvTransfer.backend != 'mooncake' || ({single} && (!self.metrics.enabled || ({metrics})))",
-                 f"with kvTransfer.backend mooncake, prefill.port, prefill.bootstrapPort, decode.port and the "
-                 f"worker metrics ports must lie outside {low}-{high - 1}, where Mooncake's engines bind their "
-                 f"own ports at random", ".kvTransfer.backend")]
-
-
 def _metrics() -> Schema:
     return obj("Prometheus metrics of the workers and the router (docs/operations.md lists them).", {
         "enabled": boolean("Workers serve /metrics (serve --metrics-port), the router its exporter; pods get "
@@ -497,8 +459,7 @@ def spec_schema() -> Schema:
         rule("!has(self.model.numRoutedExperts) || "
              "self.model.numRoutedExperts % self.decode.parallelism.ep == 0",
              "decode.parallelism.ep must divide model.numRoutedExperts", ".decode.parallelism.ep"),
-        *_metrics_rules(),
-        *_mooncake_port_rules(),
+        *port_rules(),
         *[rule(f"!has(self.{role}.autoscaling) || self.metrics.enabled",
                f"{role}.autoscaling reads the workers' metrics: it needs metrics.enabled",
                f".{role}.autoscaling") for role in ("prefill", "decode")],

@@ -13,7 +13,8 @@ the MTP layer, its weights and a pool layer more of KV), and for the headroom's 
 Mooncake allocates, workers/serve/kv_staging.py); the others are the worker's business. Anything the worker would refuse
 raises `ValueError` naming the flag: what `serve` refuses from its flags alone in its own words
 (workers/serve/flag_rules.py `check_flags`, the one rule set: the memory settings' ranges are
-model/runner_rules.py `sizing_blocker`, which `RunnerConfig` applies too), the rest as the configs would.
+model/runner_rules.py `sizing_blocker`, the engine options' the configs' own bounds, deepseek_pd/bounds.py,
+which the configs apply too; `--dtype` is one of the serve contract's choices, model/config.py `DTYPE_CHOICES`).
 
 Example: `parse_memory_flags("decode", ["--engine-opt", "fp8_backend=dequant", "--page-size=64"])`
 -> `MemoryFlags(serve=ServeFlags(role="decode", page_size=64, ...), fp8_backend="dequant", ...)`.
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.config import DTYPE_BYTES  # the --dtype choices: what a checkpoint may hold
 from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.workers.serve.engine_options import parse_engine_options
@@ -74,17 +74,4 @@ def parse_memory_flags(role: str, args: Sequence[str]) -> MemoryFlags:
     except UserError as exc:
         raise ValueError(str(exc)) from None
     read = {spec.name for spec in dataclasses.fields(MemoryFlags)} - {"serve"}
-    flags = MemoryFlags(serve, **{key: value for key, value in options.items() if key in read})
-    _check(flags)
-    return flags
-
-
-def _check(flags: MemoryFlags) -> None:
-    """What the worker's configs refuse beyond serve's flag rules (SchedulerConfig, TransportConfig,
-    RunnerConfig), said as they would."""
-    serve = flags.serve
-    if serve.dtype not in ("auto", *DTYPE_BYTES):
-        raise ValueError(f"--dtype {serve.dtype!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
-    for name in ("cuda_graph_max_batch", "max_running_requests", "mooncake_staging_tokens"):
-        if getattr(flags, name) is not None and getattr(flags, name) < 1:
-            raise ValueError(f"--engine-opt {name} must be >= 1")
+    return MemoryFlags(serve, **{key: value for key, value in options.items() if key in read})

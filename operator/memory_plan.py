@@ -53,7 +53,8 @@ from deepseek_pd.model.speculative.rules import graph_tokens_per_sequence
 from deepseek_pd.operator import known_models
 from deepseek_pd.operator.gpu_types import GIB, GpuMemory, gpu_memory
 from deepseek_pd.model.kv.memory_budget import budget_bytes
-from deepseek_pd.operator.memory_flags import DTYPE_BYTES, MemoryFlags, parse_memory_flags
+from deepseek_pd.model.config import DTYPE_BYTES
+from deepseek_pd.operator.memory_flags import MemoryFlags, parse_memory_flags
 from deepseek_pd.operator.spec import DeploymentSpec, RoleSpec
 from deepseek_pd.operator.weight_bytes import WeightFormat, rank_weights
 from deepseek_pd.workers.serve.kv_staging import staging_reserve_bytes

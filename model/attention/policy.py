@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardMode
-from deepseek_pd.model.runner_rules import RUNNER_CHOICES, choice_blocker
+from deepseek_pd.model.runner_rules import RUNNER_CHOICES, choice_blocker, range_blocker
 
 ATTENTION_METHOD_CHOICES = RUNNER_CHOICES["attention_method"]
 
@@ -29,8 +29,8 @@ class AttentionPolicy:
     def __post_init__(self) -> None:
         if (blocker := choice_blocker(attention_method=self.method)) is not None:
             raise UserError(blocker)
-        if self.chunked_kv_threshold < 0:
-            raise UserError(f"mha_chunked_kv threshold must be >= 0, got {self.chunked_kv_threshold}")
+        if (blocker := range_blocker(mha_chunked_kv_threshold=self.chunked_kv_threshold)) is not None:
+            raise UserError(blocker)
 
     def choose(self, mode: ForwardMode, prefix_lens: tuple[int, ...]) -> AttentionMethod:
         if mode is ForwardMode.DECODE:

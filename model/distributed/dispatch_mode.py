@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from deepseek_pd.choices import not_one_of
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import ForwardMode
+from deepseek_pd.model.runner_rules import range_blocker
 
 # DeepEP's and SGLang's default `num_max_dispatch_tokens_per_rank`.
 DEFAULT_LOW_LATENCY_MAX_TOKENS = 128
@@ -64,8 +65,8 @@ class DispatchConfig:
     low_latency_max_tokens: int = DEFAULT_LOW_LATENCY_MAX_TOKENS
 
     def __post_init__(self) -> None:
-        if self.low_latency_max_tokens < 1:
-            raise UserError(f"low_latency_max_tokens must be >= 1, got {self.low_latency_max_tokens}")
+        if (blocker := range_blocker(low_latency_max_tokens=self.low_latency_max_tokens)) is not None:
+            raise UserError(blocker)
 
     def check_capacity(self, num_tokens: int) -> None:
         """Raises UserError for a low-latency step with more tokens on this rank than the capacity

@@ -28,6 +28,7 @@ from typing import Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import ForwardMode
+from deepseek_pd.model.runner_rules import range_blocker
 
 DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48  # SGLang's --tbo-token-distribution-threshold
 DEFAULT_MIN_TOKENS = 2
@@ -42,13 +43,10 @@ class TboRules:
     min_extend_tokens: int = DEFAULT_MIN_TOKENS
 
     def __post_init__(self) -> None:
-        if not 0 <= self.token_distribution_threshold <= 0.5:
-            raise UserError(f"tbo_token_distribution_threshold must be in [0, 0.5], "
-                            f"got {self.token_distribution_threshold}")
-        for name in ("min_decode_tokens", "min_extend_tokens"):
-            if getattr(self, name) < 2:
-                raise UserError(f"tbo_{name} must be >= 2 (two micro-batches of a token each), "
-                                f"got {getattr(self, name)}")
+        if (blocker := range_blocker(tbo_token_distribution_threshold=self.token_distribution_threshold,
+                                     tbo_min_decode_tokens=self.min_decode_tokens,
+                                     tbo_min_extend_tokens=self.min_extend_tokens)) is not None:
+            raise UserError(blocker)
 
     def min_tokens(self, mode: ForwardMode) -> int:
         return self.min_decode_tokens if mode is ForwardMode.DECODE else self.min_extend_tokens

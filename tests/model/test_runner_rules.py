@@ -72,3 +72,20 @@ def test_the_runner_choices_are_the_names_its_registries_and_enums_hold() -> Non
     assert set(RUNNER_CHOICES["dispatch_mode"]) == {mode.value for mode in DispatchMode}
     assert set(RUNNER_CHOICES["attention_method"]) == {"auto"} | {method.value for method in AttentionMethod}
     assert _registered("MOE_BACKENDS") >= {"torch", "triton", "grouped", "deep_gemm"}  # the scan sees the optional ones
+
+
+def test_the_dtype_choices_are_what_the_runner_builds_and_serve_offers():
+    """`--dtype` has one list (model/config.py DTYPE_CHOICES): serve's parser offers it, and
+    RunnerConfig takes each of its values and refuses anything else naming them."""
+    from deepseek_pd.model.config import DTYPE_CHOICES
+    from deepseek_pd.model.runner_config import _DTYPES
+
+    assert set(DTYPE_CHOICES) == {"auto", *_DTYPES}
+    rng = random.Random()
+    for name in DTYPE_CHOICES:
+        assert ServeFlags.from_argv(["decode", "--dtype", name]).dtype == RunnerConfig(dtype=name).dtype == name
+    bad = rng.choice([f"int{rng.choice([4, 8])}", "fp8", rng.choice(DTYPE_CHOICES).upper()])
+    with pytest.raises(UserError, match=f"dtype '{bad}' is not one of {', '.join(DTYPE_CHOICES)}"):
+        RunnerConfig(dtype=bad)
+    with pytest.raises(ValueError, match="--dtype"):
+        ServeFlags.from_argv(["decode", "--dtype", bad])

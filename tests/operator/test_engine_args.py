@@ -24,7 +24,7 @@ from deepseek_pd.operator.build_workers import worker_serve_flags
 from deepseek_pd.operator.engine_args import engine_args_violations
 from deepseek_pd.operator.reconcile import Reconciler
 from deepseek_pd.operator.spec import DeploymentSpec
-from deepseek_pd.workers.serve.engine_option_keys import all_keys, kind_of
+from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_BOUNDS, all_keys, kind_of
 from deepseek_pd.workers.serve.flags import ServeFlags
 from deepseek_pd.workers.serve.resolution import resolve_serve_config
 
@@ -93,6 +93,15 @@ def _not_a_backend_name(spec: dict) -> str:
     return role
 
 
+def _integer_out_of_range(spec: dict) -> str:
+    """A numeric engine option below its config's range (deepseek_pd/bounds.py)."""
+    role = random.choice(["prefill", "decode"])
+    key = random.choice(sorted(ENGINE_OPTION_BOUNDS))
+    value = ENGINE_OPTION_BOUNDS[key].low - random.randint(1, 64)
+    spec[role]["engineArgs"] = [*spec[role].get("engineArgs", []), f"--engine-opt={key}={value}"]
+    return role
+
+
 def _too_many_speculative_steps(spec: dict) -> str:
     spec["decode"]["engineArgs"] = ["--engine-opt", f"speculative_num_steps={random.randint(9, 64)}"]
     return "decode"
@@ -109,6 +118,7 @@ CASES = {  # name: (example, the change, words of the worker's refusal)
     "typo_key_h200": ("deepseek-v3-h200.yaml", _typo_key, "unknown --engine-opt"),
     "backend_name": ("cpu-minimal.yaml", _not_a_backend_name, "is not one of"),
     "speculative_steps": ("cpu-minimal.yaml", _too_many_speculative_steps, "--speculative-num-steps must be"),
+    "option_range": ("cpu-minimal.yaml", _integer_out_of_range, " must be "),
 }
 
 

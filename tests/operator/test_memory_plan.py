@@ -213,7 +213,13 @@ def test_the_memory_plan_refuses_what_serve_refuses_in_its_words():
                ("prefill", ["--num-pages", "0"]), ("decode", ["--max-total-tokens=-1"]),
                ("decode", ["--page-size=0"]), ("prefill", ["--mem-fraction-static=1.5"]), ("decode", ["--kv-share=0"]),
                ("decode", ["--engine-opt", "mem_headroom_gib=-1"]), ("prefill", ["--ep-num-redundant-experts=-2"]),
-               ("decode", ["--engine-opt", "fp8_backend=magic"]), ("prefill", ["--engine-opt", "speculative_num_steps=9"])]
+               ("decode", ["--engine-opt", "fp8_backend=magic"]), ("prefill", ["--engine-opt", "speculative_num_steps=9"]),
+               # the options the plan reads whose ranges the configs hold (deepseek_pd/bounds.py); before,
+               # the plan restated them in words of its own
+               ("decode", ["--engine-opt", f"max_running_requests={-random.randrange(3)}"]),
+               ("decode", ["--engine-opt=cuda_graph_max_batch=0"]),
+               ("prefill", ["--engine-opt", f"mooncake_staging_tokens={-random.randrange(3)}"]),
+               ("decode", [f"--chunked-prefill-size={-random.randrange(3)}"])]
     for role, args in random.sample(refused, len(refused)):
         with pytest.raises(UserError) as serve:
             check_flags(ServeFlags.from_argv([role, *args]))

@@ -19,7 +19,7 @@ import pytest
 from deepseek_pd.cli import main
 from deepseek_pd.errors import UserError
 from deepseek_pd.launcher.worker_plan import GroupShape, check_worker_args
-from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_KEYS, all_keys, kind_of
+from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_BOUNDS, ENGINE_OPTION_KEYS, all_keys, kind_of
 from deepseek_pd.workers.serve.engine_options import assign_engine_options, parse_engine_options
 from deepseek_pd.workers.serve.flag_rules import GROUP_RUNNER_FIELDS, check_flags
 from deepseek_pd.workers.serve.flags import ServeFlags
@@ -46,8 +46,11 @@ def _typo(rng: random.Random) -> tuple[str, str]:
 
 def _valid_spelling(key: str) -> str:
     """A value of `key` that no flag rule refuses on either role: a string setting's first name, a
-    bool's false (cuda_graph=true is refused on prefill), a number's 1."""
+    bool's false (cuda_graph=true is refused on prefill), a number's 1 or its range's low end (one
+    above it where the end itself is out, as for a timeout)."""
     kind = kind_of(key)
+    if (bounds := ENGINE_OPTION_BOUNDS.get(key)) is not None:
+        return str(bounds.low + 1 if bounds.open_low else bounds.low)
     return kind[0] if isinstance(kind, tuple) else "false" if kind is bool else "1"
 
 
@@ -81,8 +84,11 @@ def test_values_are_parsed_as_their_fields_and_assigned_to_each_config_that_has_
             if isinstance(kind, tuple):  # a string setting: one of its names
                 drawn[key] = rng.choice(kind)
                 continue
-            drawn[key] = {bool: rng.random() < 0.5, int: rng.randint(0, 10 ** 6),
-                          float: rng.uniform(0, 100), str: f"w{rng.randrange(10 ** 6)}"}[kind]
+            bounds = ENGINE_OPTION_BOUNDS.get(key)  # a number within its config's range
+            low, high = (bounds.low, min(bounds.high or 10 ** 6, 10 ** 6)) if bounds else (0, 10 ** 6)
+            drawn[key] = {bool: lambda: rng.random() < 0.5, int: lambda: rng.randint(low, high),
+                          float: lambda: rng.uniform(low, min(high, 100)) or high,
+                          str: lambda: f"w{rng.randrange(10 ** 6)}"}[kind]()
         items = [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in drawn.items()]
         parsed = parse_engine_options(items)
         assert parsed == drawn
@@ -193,6 +199,53 @@ def test_a_string_setting_outside_its_names_is_refused_before_any_worker_naming_
     error = capsys.readouterr().err
     assert code == 2
     assert f"{key} {bad!r} is not one of {', '.join(kind_of(key))}" in error, error
+
+
+def _config_refusal(key: str, value: float) -> str:
+    """What the worker's own config that holds `key` says when built with `value`."""
+    from deepseek_pd.model.runner_config import RunnerConfig
+    from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
+    from deepseek_pd.workers.group.layout import GroupLayout
+    from deepseek_pd.workers.transport.base import TransportConfig
+    from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
+
+    configs = {"runner": RunnerConfig, "scheduler": SchedulerConfig, "transport": TransportConfig,
+               "bootstrap": BootstrapConfig, "group": GroupLayout}
+    (target,) = [target for target, keys in ENGINE_OPTION_KEYS.items() if key in keys]
+    with pytest.raises((UserError, ValueError)) as built:
+        configs[target](**{key: value})
+    return str(built.value)
+
+
+def test_a_number_option_out_of_its_range_is_refused_before_any_worker_in_the_configs_words(tmp_path, capsys):
+    """`up`'s worker args, `serve` (the CLI, before it looks for the model) and the option parser the
+    operator applies refuse a numeric engine option outside the range its worker config takes, in
+    the words that config refuses it in (the one rule, deepseek_pd/bounds.py, over the configs' own
+    bounds); a value at a closed bound is taken by both. Before: any number passed them all, and the
+    worker refused it alone, after it had loaded its checkpoint (max_running_requests=0,
+    grpc_streams=17, send_timeout_s=0, ...)."""
+    rng = _seeded()
+    assert ENGINE_OPTION_BOUNDS and all(kind_of(key) in (int, float) for key in ENGINE_OPTION_BOUNDS)
+    for key, bounds in ENGINE_OPTION_BOUNDS.items():
+        kind = kind_of(key)
+        below = bounds.low - (rng.randint(0 if bounds.open_low else 1, 1 << 20))
+        bad = rng.choice([below, bounds.high + rng.randint(1, 1 << 20)]) if bounds.high is not None else below
+        with pytest.raises(UserError) as parsed:
+            parse_engine_options([f"{key}={bad}"])
+        assert str(parsed.value) == _config_refusal(key, kind(bad)), (key, bad)
+        with pytest.raises(UserError) as up:
+            check_worker_args(rng.choice([["--engine-opt", f"{key}={bad}"], [f"--engine-opt={key}={bad}"]]))
+        assert str(up.value) == str(parsed.value)
+        edges = [bounds.low] * (not bounds.open_low) + [bounds.high] * (bounds.high is not None)
+        edge = rng.choice(edges or [bounds.low + 1])
+        assert parse_engine_options([f"{key}={edge}"]) == {key: kind(edge)}
+    key = rng.choice(sorted(ENGINE_OPTION_BOUNDS))
+    bad = kind_of(key)(ENGINE_OPTION_BOUNDS[key].low - 1)
+    code = main(["serve", rng.choice(["prefill", "decode"]), "--model", str(tmp_path / "no-such-model"),
+                 "--device", "cpu", "--engine-opt", f"{key}={bad}"])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert f"{key} must be " in error and f"got {bad}" in error, error
 
 
 def test_the_table_imports_no_torch() -> None:

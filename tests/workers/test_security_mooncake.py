@@ -6,6 +6,7 @@ it records every write the prefill worker would have made."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import grpc
@@ -47,6 +48,14 @@ async def _answer(port: int, handshake: pb.Handshake) -> list:
         return events
 
 
+async def _started_bootstrap(config: BootstrapConfig) -> tuple[RoomRegistry, BootstrapServer]:
+    """A prefill worker's bootstrap side, listening (stop it with `server.stop(0)`)."""
+    registry = RoomRegistry(config)
+    server = BootstrapServer(registry, config, 1 << 20)
+    await server.start()
+    return registry, server
+
+
 def _pools(rng: random.Random):
     """(prompt tokens, its pages, the prefill pool, the decode pool: the victim's)."""
     num_tokens = rng.randrange(9, 30)
@@ -64,9 +73,7 @@ def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_po
     transport = TransportConfig(advertise_host="127.0.0.1")
 
     async def run():
-        registry = RoomRegistry(config)
-        server = BootstrapServer(registry, config, 1 << 20)
-        await server.start()
+        registry, server = await _started_bootstrap(config)
         sender = build_sender("mooncake", src, transport)
         receiver = build_receiver("mooncake", dst, transport)  # the victim decode worker
         prefill_engine = engines[0]
@@ -170,9 +177,7 @@ def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_h
     transport = TransportConfig(advertise_host="127.0.0.1")
 
     async def run():
-        registry = RoomRegistry(config)
-        server = BootstrapServer(registry, config, 1 << 20)
-        await server.start()
+        registry, server = await _started_bootstrap(config)
         sender, receiver = build_sender("mooncake", src, transport), build_receiver("mooncake", dst, transport)
         offers = [list(kv_cipher.algorithms()), ["aes-someday"], []]
         rooms = [rng.randrange(1 << 31) for _ in offers]
@@ -217,3 +222,36 @@ def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_h
             receiver.close()
 
     asyncio.run(run())
+
+
+def _overlaps(registered: dict[int, int], buffers) -> bool:
+    """Whether any registered region [addr, addr + length) touches one of `buffers`' bytes."""
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
+    return any(addr < end and start < addr + length for addr, length in registered.items() for start, end in spans)
+
+
+def test_no_mooncake_engine_registers_the_kv_pool(monkeypatch):
+    """Mooncake authenticates no peer: a registered pool is every request's KV open to whoever
+    reaches the port. A bare engine (as any new caller would build it), a sender and a receiver over
+    either protocol register none of the pool's bytes; over RDMA the stagings are registered, and
+    nothing is once closed. Before: `MooncakeEngine(pool, config)` registered the whole pool for the
+    engine's lifetime unless its caller remembered `register_pool=False`."""
+    from deepseek_pd.workers.transport.mooncake_engine import MooncakeEngine
+
+    engines = mooncake_stub.install(monkeypatch)
+    rng = random.Random()
+    pool = random_pool(rng, rng.randrange(2, 12), PAGE_SIZE)
+    transport = TransportConfig(advertise_host=f"127.0.0.{rng.randrange(2, 250)}",
+                                mooncake_staging_tokens=PAGE_SIZE * rng.randrange(1, 4))
+    bare = MooncakeEngine(pool, transport)
+    assert engines[-1].registered == {}
+    bare.close()
+    for protocol in rng.sample(["tcp", "rdma"], 2):
+        config = dataclasses.replace(transport, mooncake_protocol=protocol)
+        for build in rng.sample([build_sender, build_receiver], 2):
+            side = build("mooncake", pool, config)
+            registered = dict(engines[-1].registered)
+            assert not _overlaps(registered, pool.buffers), (protocol, build.__name__)
+            assert _overlaps(registered, side.staging.buffers) == (protocol == "rdma"), (protocol, build.__name__)
+            side.close()
+            assert engines[-1].registered == {}

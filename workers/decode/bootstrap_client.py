@@ -42,9 +42,10 @@ import time
 import grpc
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.transfer_limits import MAX_CHUNK_BYTES
 from deepseek_pd.workers.engine.interface import DisaggParams, FailureCode
 from deepseek_pd.workers.transport.bootstrap_protocol import (
-    MAX_CHUNK_BYTES, MESSAGE_ENVELOPE_BYTES, PROTOCOL_VERSION, code_from_pb, target)
+    MESSAGE_ENVELOPE_BYTES, PROTOCOL_VERSION, code_from_pb, target)
 from deepseek_pd.workers.transport import kv_cipher
 from deepseek_pd.workers.transport.internal_auth import AuthError
 from deepseek_pd.workers.transport.base import KVSink

@@ -31,11 +31,9 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.workers.engine.prefill_planner import PromptProgress
 from deepseek_pd.workers.engine.request_rules import max_new_tokens
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling.sampled_host import SampledTokens, TopLogprobs
@@ -45,62 +43,23 @@ from deepseek_pd.workers.engine.interface import (
     Event, Failed, FailureCode, Finished, GenerateRequest, Loads, TokenChunk)
 from deepseek_pd.workers.transport.first_token_wire import first_top_logprobs
 from deepseek_pd.workers.transport import build_receiver
-from deepseek_pd.workers.transport.exposure import PageExposure
 from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.engine.prefill_round import FirstToken, PrefillRounds, RoundHooks
-from deepseek_pd.workers.engine.request_failure import RequestAborted, RequestFailure
-from deepseek_pd.workers.engine.request_lifecycle import EngineCore, RequestRecord
+from deepseek_pd.workers.engine.request_failure import RequestFailure
+from deepseek_pd.workers.engine.request_lifecycle import EngineCore
 from deepseek_pd.workers.transport.worker_config import WorkerConfig
 from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
 from deepseek_pd.workers.decode.decode_step import DecodeRow, DecodeStepper, LaunchedStep
 from deepseek_pd.workers.decode.kv_checks import scrub_pages
 from deepseek_pd.workers.decode.kv_pull import pull_kv
-from deepseek_pd.workers.decode.page_budget import PageBudget, Reservation, decode_reserve_pages
+from deepseek_pd.workers.decode.page_budget import PageBudget, decode_reserve_pages
+from deepseek_pd.workers.decode.request_state import DecodeRequest
 from deepseek_pd.workers.decode.speculative_step import PendingSpecStep, SpecRow, SpeculativeStepper, wire_draft
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Request(RequestRecord):
-    """A decode (or colocated) request: its stop rule, pages, token queue and step counters.
-
-    Its waits end early on an abort only; the wait it cuts short is cancelled (a bootstrap stream
-    closes, which the prefill side sees)."""
-
-    stop: StopChecker
-    max_new: int
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    aborted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    reservation: Reservation | None = None
-    progress: PromptProgress | None = None  # colocated prefill
-    output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    launched: int = 0  # output tokens sampled or being sampled (collected + in flight)
-    in_flight: int = 0  # launched steps (or a prefill round) that still use the pages
-    finished: bool = False
-    # While the prompt pages may hold a transfer's bytes that did not pass its checks: what it exposed.
-    unchecked_kv: PageExposure | None = None
-    last_token_at: float = 0.0  # perf_counter when its latest token was streamed (inter-token latency)
-    spec: SpecRow | None = None  # with speculative decoding: its row in the speculative steps
-
-    @property
-    def next_position(self) -> int:
-        """Where the next launched decode step writes: tokens already in (or going into) the cache."""
-        return len(self.request.input_ids) + self.launched - 1
-
-    def stops(self) -> tuple[asyncio.Future, ...]:
-        return (self.aborted,)
-
-    def interruption(self, stop: asyncio.Future) -> RequestFailure:
-        return RequestAborted(stop.result())
-
-    def abort(self, message: str) -> None:
-        if not self.aborted.done():
-            self.aborted.set_result(message)
-
-
-class DecodeEngine(EngineCore[_Request]):
+class DecodeEngine(EngineCore[DecodeRequest]):
     """`WorkerEngine` of a decode (or colocated) worker."""
 
     def __init__(self, runner: ModelRunner, config: WorkerConfig, tokenizer=None, model_thread=None,
@@ -113,12 +72,12 @@ class DecodeEngine(EngineCore[_Request]):
         self.metrics.watch_decode_paths(lambda: runner.decode_paths)
         self.tokenizer = tokenizer
         self.stepper = DecodeStepper(runner)
-        self._prefilling: list[_Request] = []
-        self._running: list[_Request] = []
-        self._batch: list[_Request] = []  # rows of the last launched step, in the sampling batch's order
+        self._prefilling: list[DecodeRequest] = []
+        self._running: list[DecodeRequest] = []
+        self._batch: list[DecodeRequest] = []  # rows of the last launched step, in the sampling batch's order
         self._pending: LaunchedStep | None = None
         # With speculative_overlap: the launched speculative step's requests and launch, not yet collected.
-        self._spec_pending: tuple[list[_Request], PendingSpecStep] | None = None
+        self._spec_pending: tuple[list[DecodeRequest], PendingSpecStep] | None = None
         self._background: set[asyncio.Task] = set()
         self.budget: PageBudget | None = None
         self.receiver = None
@@ -165,7 +124,7 @@ class DecodeEngine(EngineCore[_Request]):
         except UserError as exc:  # bad values; stop strings without a tokenizer
             yield Failed(FailureCode.INVALID_ARGUMENT, str(exc))
             return
-        state = _Request(request, sampling, stop, max_new)
+        state = DecodeRequest(request, sampling, stop, max_new)
         if self.speculation is not None:
             state.spec = SpecRow(list(request.input_ids), [], max_new, sampling)
         self._requests[request.rid] = state
@@ -238,7 +197,7 @@ class DecodeEngine(EngineCore[_Request]):
                      reserved_pages=self.budget.reserved if self.budget else 0)
 
     # ---- request bookkeeping (event loop) --------------------------------------------------
-    def _accept(self, state: _Request, token: int, logprob: float, top: TopLogprobs | None) -> None:
+    def _accept(self, state: DecodeRequest, token: int, logprob: float, top: TopLogprobs | None) -> None:
         """Records a collected token, streams it, and ends the request if it stops here."""
         state.output_ids.append(token)
         finish = state.stop.append(token)
@@ -249,11 +208,11 @@ class DecodeEngine(EngineCore[_Request]):
             state.events.put_nowait(Finished(finish.reason, len(state.request.input_ids), len(state.output_ids),
                                              cached_tokens=state.cached_tokens, matched_stop=finish.matched_stop))
 
-    def _fail(self, state: _Request, code: FailureCode, message: str) -> None:
+    def _fail(self, state: DecodeRequest, code: FailureCode, message: str) -> None:
         state.finished = True
         state.events.put_nowait(Failed(code, message))
 
-    def _end(self, state: _Request) -> None:
+    def _end(self, state: DecodeRequest) -> None:
         if state.ended:
             return
         state.ended = True
@@ -264,7 +223,7 @@ class DecodeEngine(EngineCore[_Request]):
         if state.in_flight == 0:
             self._release(state)
 
-    def _release(self, state: _Request) -> None:
+    def _release(self, state: DecodeRequest) -> None:
         if state.spec is not None:  # no step uses it any more (in_flight is 0)
             self.speculation.forget(state.spec)
         if state.reservation is None:
@@ -303,7 +262,7 @@ class DecodeEngine(EngineCore[_Request]):
                 self._fail_in_flight("decode scheduler error (see the worker log)")
             await asyncio.sleep(0)  # let transfers, new requests and aborts in between rounds
 
-    def _fail_in_flight(self, message: str, held: Sequence[_Request] = ()) -> None:
+    def _fail_in_flight(self, message: str, held: Sequence[DecodeRequest] = ()) -> None:
         """Ends every scheduled request with INTERNAL; their consumers then free the pages (`_end`).
         `held`: the requests of the steps the failed round had taken out of the engine (a request
         aborted while its step was pending is in no queue now, and only this frees its pages)."""
@@ -372,12 +331,12 @@ class DecodeEngine(EngineCore[_Request]):
             # The stepper's device state is unknown now: every row it held starts over, failed.
             self._fail_in_flight("decode step failed (see the worker log)", everyone)
             return
+        # Kept before any streaming: a failure in it (the scheduler's `_fail_in_flight`) still sees the step.
+        self._pending = launched if overlap else None
         if pending is not None:
             self._process(pending, collected)
         if launched is not None and not overlap:
             self._process(launched, launched.collect() if collected is None else collected)
-            launched = None
-        self._pending = launched
 
     async def _speculative_round(self, launch: bool = True) -> None:
         """One speculative step (draft, verify, accept, catch up) over the running requests, then
@@ -415,26 +374,28 @@ class DecodeEngine(EngineCore[_Request]):
             return
         now = time.perf_counter()
         gaps = []
-        for state, tokens in zip(done, emitted):
-            state.launched += len(tokens)
-            for token, logprob, top in tokens:
-                if state.ended or state.finished:
-                    break  # past a stop: the tokens after it are dropped
-                gaps.append(now - state.last_token_at)
-                state.last_token_at = now
-                self._accept(state, token, logprob, top)
-            if state.finished and state in self._running:
-                self._running.remove(state)
-        self.metrics.observe_inter_token_latency(gaps)
-        self._done_with(done)
+        try:
+            for state, tokens in zip(done, emitted):
+                state.launched += len(tokens)
+                for token, logprob, top in tokens:
+                    if state.ended or state.finished:
+                        break  # past a stop: the tokens after it are dropped
+                    gaps.append(now - state.last_token_at)
+                    state.last_token_at = now
+                    self._accept(state, token, logprob, top)
+                if state.finished and state in self._running:
+                    self._running.remove(state)
+            self.metrics.observe_inter_token_latency(gaps)
+        finally:  # the step is over even if streaming raised: an ended request's pages go back
+            self._done_with(done)
 
-    def _plan_speculative(self, ahead: set[int]) -> list[_Request]:
+    def _plan_speculative(self, ahead: set[int]) -> list[DecodeRequest]:
         """The next speculative step's requests, their pages grown for its drafts. A request in the
         pending step (`ahead`, by id) may be up to num_steps + 1 tokens further in the model thread
         than streamed here: its pages are grown for that too, and its row's output is the model
         thread's (not reset from here)."""
         steps = self.speculation.decoder.num_steps
-        chosen: list[_Request] = []
+        chosen: list[DecodeRequest] = []
         for state in list(self._running)[:self.config.scheduler.max_running_requests]:
             if state.finished:
                 continue
@@ -468,9 +429,9 @@ class DecodeEngine(EngineCore[_Request]):
             return launched, launched.collect()
         return launched, None
 
-    def _plan_step(self) -> tuple[list[_Request], list[DecodeRow]]:
+    def _plan_step(self) -> tuple[list[DecodeRequest], list[DecodeRow]]:
         """The rows of the next step: running requests that still need a token, capped, with pages."""
-        chosen: list[_Request] = []
+        chosen: list[DecodeRequest] = []
         cap = self.config.scheduler.max_running_requests
         for state in list(self._running):
             if len(chosen) >= cap:
@@ -510,26 +471,28 @@ class DecodeEngine(EngineCore[_Request]):
         metrics call for the whole step."""
         now = time.perf_counter()
         gaps = []
-        for row, state in enumerate(step.owners):
-            if state.ended or state.finished:
-                continue
-            gaps.append(now - state.last_token_at)
-            state.last_token_at = now
-            self._accept(state, sampled.token_ids[row], sampled.logprobs[row], sampled.top[row])
-            if state.finished:
-                self._running.remove(state)
-        self.metrics.observe_inter_token_latency(gaps)
-        self._done_with(step.owners)
+        try:
+            for row, state in enumerate(step.owners):
+                if state.ended or state.finished:
+                    continue
+                gaps.append(now - state.last_token_at)
+                state.last_token_at = now
+                self._accept(state, sampled.token_ids[row], sampled.logprobs[row], sampled.top[row])
+                if state.finished:
+                    self._running.remove(state)
+            self.metrics.observe_inter_token_latency(gaps)
+        finally:  # the step is over even if streaming raised: an ended request's pages go back
+            self._done_with(step.owners)
 
 
-class _AdmitHooks(RoundHooks[_Request]):
+class _AdmitHooks(RoundHooks[DecodeRequest]):
     """Decode's side of a colocated prefill round: a completed prompt streams its first token and
     joins the continuous batch; a failed forward fails the requests it held."""
 
     def __init__(self, engine: DecodeEngine) -> None:
         self.engine = engine
 
-    def first_token(self, owner: _Request, first: FirstToken) -> None:
+    def first_token(self, owner: DecodeRequest, first: FirstToken) -> None:
         engine = self.engine
         if first.draft is not None:  # the MTP layer's first draft seeds its speculative steps
             engine.speculation.seed(owner.spec, *first.draft)
@@ -539,10 +502,10 @@ class _AdmitHooks(RoundHooks[_Request]):
         if not owner.finished:
             engine._running.append(owner)
 
-    def release(self, owner: _Request) -> None:
+    def release(self, owner: DecodeRequest) -> None:
         self.engine._release(owner)
 
-    def failed(self, owners: Sequence[_Request], error: Exception) -> None:
+    def failed(self, owners: Sequence[DecodeRequest], error: Exception) -> None:
         for state in owners:
             if not state.finished:
                 self.engine._fail(state, FailureCode.INTERNAL, f"forward failed: {error!r}")

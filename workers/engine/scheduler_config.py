@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepseek_pd.bounds import Bounds, bounds_blocker
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
 from deepseek_pd.units import GIB
@@ -28,6 +29,17 @@ def gpu_chunked_prefill_size(total_memory_bytes: int | None) -> int:
         if total_memory_bytes < below:
             return tokens
     return LARGEST_GPU_CHUNK
+
+
+# `SchedulerConfig`'s numeric fields with a range (deepseek_pd/bounds.py): the config applies them, and
+# `serve` before any worker starts (`--chunked-prefill-size`: its flag rules; the others: engine options).
+SCHEDULER_BOUNDS = {
+    "chunked_prefill_size": Bounds(1),
+    "max_running_requests": Bounds(1),
+    "decode_reserve_tokens": Bounds(0),
+    "admission_timeout_s": Bounds(0, open_low=True),
+    "prefill_round_target_ms": Bounds(0),  # 0: off
+}
 
 
 @dataclass(frozen=True)
@@ -65,14 +77,9 @@ class SchedulerConfig:
     stream_priority: bool = False
 
     def __post_init__(self) -> None:
-        if self.chunked_prefill_size < 1:
-            raise UserError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
-        if self.max_running_requests < 1:
-            raise UserError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.decode_reserve_tokens < 0 or self.admission_timeout_s <= 0:
-            raise UserError("decode_reserve_tokens must be >= 0 and admission_timeout_s > 0")
-        if self.prefill_round_target_ms < 0:
-            raise UserError(f"prefill_round_target_ms must be >= 0, got {self.prefill_round_target_ms}")
+        if (blocker := bounds_blocker(SCHEDULER_BOUNDS, **{name: getattr(self, name)
+                                                           for name in SCHEDULER_BOUNDS})) is not None:
+            raise UserError(blocker)
         if self.deterministic and self.prefill_round_target_ms:
             raise UserError("deterministic mode cuts prompts at multiples of a fixed chunk: it cannot size "
                             "rounds by time (prefill_round_target_ms); set one of them")

@@ -33,9 +33,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepseek_pd.bounds import Bounds, bounds_blocker
 from deepseek_pd.errors import UserError
 
 DEEPEP_MODES = ("none", "normal", "low_latency", "auto")
+
+
+# `GroupLayout`'s engine options with a range (deepseek_pd/bounds.py): the layout applies them, and
+# `serve`'s engine-option table before any worker starts.
+GROUP_BOUNDS = {name: Bounds(0, open_low=True) for name in ("collective_timeout_s", "startup_timeout_s")}
 
 
 @dataclass(frozen=True)
@@ -69,8 +75,9 @@ class GroupLayout:
             raise UserError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
         if self.dist_init_addr:
             self.init_host_port()  # validates
-        if self.collective_timeout_s <= 0 or self.startup_timeout_s <= 0:
-            raise UserError("group timeouts must be > 0")
+        if (blocker := bounds_blocker(GROUP_BOUNDS, collective_timeout_s=self.collective_timeout_s,
+                                      startup_timeout_s=self.startup_timeout_s)) is not None:
+            raise UserError(blocker)
 
     @property
     def world(self) -> int:

@@ -7,7 +7,8 @@ not; so the keys live here, and `serve` fills the configs from this table
 (workers/serve/engine_options.py `assign_engine_options`). `serve`'s flag rules refuse an unknown key,
 a value of the wrong type, or a name that is none of a string setting's values (the configs' own
 tuples: model/runner_rules.py `RUNNER_CHOICES`, model/kv/same_host_direct.py; checked by
-deepseek_pd/choices.py, the rule the configs apply too) before anything loads (workers/serve/flag_rules.py);
+deepseek_pd/choices.py, the rule the configs apply too), or a number out of its config's range
+(`ENGINE_OPTION_BOUNDS`, deepseek_pd/bounds.py, the same) before anything loads (workers/serve/flag_rules.py);
 the operator applies the same rules to a role's engineArgs (an InvalidSpec condition) and `up` to its `--worker-arg`s.
 tests/workers/test_engine_option_keys.py fails when a config field and this table drift apart.
 
@@ -23,8 +24,12 @@ from __future__ import annotations
 
 from typing import Mapping, Union
 
-from deepseek_pd.model.runner_rules import RUNNER_CHOICES
+from deepseek_pd.bounds import Bounds
+from deepseek_pd.model.runner_rules import RUNNER_BOUNDS, RUNNER_CHOICES
 from deepseek_pd.model.kv.same_host_direct import SAME_HOST_DIRECT_MODES
+from deepseek_pd.transfer_limits import BOOTSTRAP_BOUNDS, TRANSPORT_BOUNDS
+from deepseek_pd.workers.engine.scheduler_config import SCHEDULER_BOUNDS
+from deepseek_pd.workers.group.layout import GROUP_BOUNDS
 
 # How a value is parsed: a type (bool: true/false/1/0/yes/no), or the names a string setting may take.
 Kind = Union[type, tuple[str, ...]]
@@ -58,6 +63,14 @@ ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, Kind]] = {
         "collective_timeout_s": float, "startup_timeout_s": float,
     },
 }
+
+
+# A numeric key's range, the configs' own bounds (deepseek_pd/bounds.py): `--chunked-prefill-size` is a
+# flag of its own, not an engine option (serve's flag rules check it with the same bounds).
+ENGINE_OPTION_BOUNDS: Mapping[str, Bounds] = {
+    key: bounds for key, bounds in {**RUNNER_BOUNDS, **SCHEDULER_BOUNDS, **TRANSPORT_BOUNDS, **BOOTSTRAP_BOUNDS,
+                          **GROUP_BOUNDS}.items()
+    if key != "chunked_prefill_size"}
 
 
 def kind_of(key: str) -> Kind | None:

@@ -4,8 +4,9 @@ The keys, their types and the configs that hold them are one torch-free table
 (workers/serve/engine_option_keys.py). A key sets the field of that name in each config that has one
 (runner, bootstrap, scheduler, transport, group; only `deterministic` is in two: the runner's kernels
 and the scheduler's cuts); the value is parsed as that field's type (bool: true/false/1/0/yes/no), and a
-string setting's is checked against the names it may take, in the words the config itself refuses it
-in (deepseek_pd/choices.py: "moe_backend 'tritn' is not one of auto, torch, ...").
+string setting's is checked against the names it may take, and a number against its config's range,
+in the words the config itself refuses it in (deepseek_pd/choices.py: "moe_backend 'tritn' is not one
+of auto, torch, ..."; deepseek_pd/bounds.py: "max_running_requests must be >= 1, got 0").
 An unknown key is an error that names the closest key and lists the valid ones, never ignored;
 fields that have a `serve` flag of their own are not engine options. Torch-free: `serve`'s flag
 rules, `up` and the operator parse the options here before any worker runs.
@@ -23,7 +24,8 @@ from typing import Any, Iterable, Mapping
 
 from deepseek_pd.choices import not_one_of
 from deepseek_pd.errors import UserError
-from deepseek_pd.workers.serve.engine_option_keys import ENGINE_OPTION_KEYS, Kind, all_keys, kind_of, targets_of
+from deepseek_pd.workers.serve.engine_option_keys import (
+    ENGINE_OPTION_BOUNDS, ENGINE_OPTION_KEYS, Kind, all_keys, kind_of, targets_of)
 
 
 def parse_key_values(items: Iterable[str]) -> dict[str, str]:
@@ -75,8 +77,9 @@ def _parse(raw: str, kind: Kind, key: str) -> Any:
     try:
         if kind is bool:
             return parse_bool(raw)
-        if kind in (int, float):
-            return kind(raw)
+        value = kind(raw) if kind in (int, float) else raw
     except ValueError as exc:
         raise UserError(f"--engine-opt {key}={raw!r}: expected a {kind.__name__}") from exc
-    return raw
+    if key in ENGINE_OPTION_BOUNDS and (blocker := ENGINE_OPTION_BOUNDS[key].blocker(key, value)) is not None:
+        raise UserError(blocker)  # the words the config itself refuses it in
+    return value

@@ -7,8 +7,9 @@ own words, instead of pods that crash-loop. The runner's rules come from model/r
 which `RunnerConfig` applies again when it is built.
 
 The rules:
-- an `--engine-opt` key no worker config has, or a value not of its type (workers/serve/engine_options.py,
-  over the key table workers/serve/engine_option_keys.py): a typo is refused, naming the closest key;
+- an `--engine-opt` key no worker config has, a value not of its type, or a number out of its config's
+  range (workers/serve/engine_options.py, over the key table workers/serve/engine_option_keys.py): a typo
+  is refused, naming the closest key;
 - `--speculative-num-steps` outside 0..8 (model/speculative/rules.py);
 - a memory setting out of range (`sizing_blocker`: `--page-size`, `--mem-fraction-static`,
   `mem_headroom_gib`, `--gpu-workers`/`--kv-share`, `--ep-num-redundant-experts`, `fp8_backend`);
@@ -19,6 +20,7 @@ The rules:
 - `--deterministic` with what is not batch-invariant yet (`deterministic_blocker`), or with
   `--engine-opt prefix_cache=true`;
 - `--num-pages` and `--max-total-tokens` both (each sizes the KV pool), or either below 1;
+  `--chunked-prefill-size` below 1 (`SchedulerConfig`'s own bounds);
 - the runner fields the group layout decides (`ep_size`, `tp_size`, `dispatcher`, `dispatch_mode`)
   set as engine options.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.runner_rules import deterministic_blocker, graph_settings_blocker, sizing_blocker, tbo_blocker
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps
+from deepseek_pd.workers.engine.scheduler_config import SCHEDULER_BOUNDS
 from deepseek_pd.workers.serve.engine_options import parse_engine_options
 from deepseek_pd.workers.serve.flags import ServeFlags
 from deepseek_pd.workers.serve.roles import role_defaults
@@ -77,3 +80,6 @@ def check_flags(flags: ServeFlags) -> None:
     for name in ("num_pages", "max_total_tokens"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(flags, name)}")
+    if flags.chunked_prefill_size is not None and (blocker := SCHEDULER_BOUNDS["chunked_prefill_size"].blocker(
+            "chunked_prefill_size", flags.chunked_prefill_size)) is not None:
+        raise UserError(blocker)

@@ -28,6 +28,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
+from deepseek_pd.model.config import DTYPE_CHOICES
 from deepseek_pd.model.kv.memory_budget import DEFAULT_MEM_FRACTION_STATIC, DEFAULT_PAGE_SIZE, GpuShare
 from deepseek_pd.workers.serve.roles import ROLES
 
@@ -130,7 +131,7 @@ class ServeFlags:
                         managed=True)
     dtype: str = _flag("auto", "model dtype; auto: the checkpoint's torch_dtype on CUDA (bfloat16 for FP8 "
                                "checkpoints), float32 on cpu",
-                       choices=("auto", "float32", "bfloat16", "float16"))
+                       choices=DTYPE_CHOICES)
     page_size: int = _flag(DEFAULT_PAGE_SIZE, f"KV page size in tokens (default {DEFAULT_PAGE_SIZE})")
     num_pages: int | None = _flag(None, "KV pool size in pages (overrides --mem-fraction-static)", type=int,
                                   exclusive="pool")

@@ -40,13 +40,14 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
 
+from deepseek_pd.bounds import bounds_blocker
 from deepseek_pd.choices import not_one_of
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.kv.same_host_direct import SAME_HOST_DIRECT_MODES
 from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
-from deepseek_pd.workers.transport.bootstrap_protocol import MAX_CHUNK_BYTES, MAX_KV_STREAMS
+from deepseek_pd.transfer_limits import TRANSPORT_BOUNDS
 from deepseek_pd.workers.transport.exposure import PageExposure
 from deepseek_pd.workers.transport.stats import TransferStats
 from deepseek_pd.workers.engine.request_failure import RequestFailure, TransferError
@@ -89,18 +90,11 @@ class TransportConfig:
     mooncake_staging_tokens: int = DEFAULT_STAGING_TOKENS
 
     def __post_init__(self) -> None:
-        if not 1024 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
-            raise ValueError(f"max_chunk_bytes={self.max_chunk_bytes} must be in [1024, {MAX_CHUNK_BYTES}]")
-        if self.io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
-        if not 1 <= self.grpc_streams <= MAX_KV_STREAMS:
-            raise ValueError(f"grpc_streams must be in [1, {MAX_KV_STREAMS}], got {self.grpc_streams}")
+        if (blocker := bounds_blocker(TRANSPORT_BOUNDS, **{name: getattr(self, name)
+                                                           for name in TRANSPORT_BOUNDS})) is not None:
+            raise ValueError(blocker)
         if (blocker := not_one_of("same_host_direct", self.same_host_direct, SAME_HOST_DIRECT_MODES)) is not None:
             raise ValueError(blocker)
-        if self.mooncake_staging_tokens < 1:
-            raise ValueError(f"mooncake_staging_tokens must be >= 1, got {self.mooncake_staging_tokens}")
-        if self.send_timeout_s <= 0:
-            raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
         if self.mooncake_rank_devices and self.mooncake_device not in self.mooncake_rank_devices:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepseek_pd.bounds import bounds_blocker
 from deepseek_pd.errors import UserError
+from deepseek_pd.transfer_limits import BOOTSTRAP_BOUNDS
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
 
 
@@ -38,13 +40,10 @@ class BootstrapConfig:
     dp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("handshake_timeout_s", "claim_timeout_s", "transfer_timeout_s", "retry_initial_s",
-                     "retry_max_s", "confirm_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"bootstrap {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise UserError(f"bootstrap port {self.port} is not a TCP port")
-        if self.event_queue_depth < 1:
-            raise UserError(f"event_queue_depth must be >= 1, got {self.event_queue_depth}")
+        if (blocker := bounds_blocker(BOOTSTRAP_BOUNDS, **{name: getattr(self, name)
+                                                           for name in BOOTSTRAP_BOUNDS})) is not None:
+            raise UserError(blocker)
         if not 0 <= self.dp_rank < self.dp_size:
             raise UserError(f"bootstrap DP rank {self.dp_rank} is not a rank of a group of {self.dp_size}")

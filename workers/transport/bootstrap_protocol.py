@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.transfer_limits import MAX_KV_STREAMS
 from deepseek_pd.workers.engine.interface import FailureCode
 
 # Bump when a message change would be misread by an older peer; both sides refuse a mismatch.
 PROTOCOL_VERSION = 2  # 2: AuthToken on handshake, ack, done and abort
 
-# A KVChunk's data is at most this big (TransportConfig.max_chunk_bytes checks it), and a message
-# adds at most MESSAGE_ENVELOPE_BYTES around it; both ends size their gRPC message limits from these.
-MAX_CHUNK_BYTES = 64 << 20
+# A message adds at most this around a KVChunk's data (at most MAX_CHUNK_BYTES, deepseek_pd/transfer_limits.py);
+# both ends size their gRPC message limits from these.
 MESSAGE_ENVELOPE_BYTES = 64 << 10
-MAX_KV_STREAMS = 16  # parallel KV streams of one room (TransportConfig.grpc_streams)
 
 _TO_PB = {
     FailureCode.INVALID_ARGUMENT: pb.FAILURE_CODE_INVALID_ARGUMENT,

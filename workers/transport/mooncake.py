@@ -84,7 +84,7 @@ class MooncakeSender(KVSender):
         # send staging and written from there; over RDMA the NIC reads only registered memory, so
         # the staging is registered; over TCP a write reads its local source without a registration.
         kv_cipher.require(pool.device)
-        self.engine = MooncakeEngine(pool, config, register_pool=False)
+        self.engine = MooncakeEngine(pool, config)
         self.staging = staging_for(pool, config)
         if self.engine.protocol != "tcp":
             self.engine.register_buffers(self.staging.base_addrs,
@@ -111,7 +111,7 @@ class MooncakeReceiver(KVReceiver):
         super().__init__(pool, config)
         # The pool is never registered: writers reach only the staging (staging.py).
         kv_cipher.require(pool.device)
-        self.engine = MooncakeEngine(pool, config, register_pool=False)
+        self.engine = MooncakeEngine(pool, config)
         self.staging = staging_for(pool, config)
         # Windows' copies out of the staging (`MooncakeSink.on_chunk`), off the event loop.
         self._copies = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-land")

@@ -1,6 +1,8 @@
 """One Mooncake TransferEngine per worker rank, over a KV pool (workers/transport/mooncake.py says
 what each side registers and why): it refuses to start on an address peers cannot reach, and
-registers memory only when asked (`register_buffers`), undoing all if one buffer is refused."""
+registers memory only when asked (`register_buffers`), undoing all if one buffer is refused. It never
+registers the pool itself: a registered pool is readable and writable by anyone who reaches the
+engine's port (Mooncake authenticates no peer), so only stagings are, and only while in use."""
 from __future__ import annotations
 
 import logging
@@ -23,10 +25,9 @@ def exposure_warning(host: str) -> str:
 
 
 class MooncakeEngine:
-    """One TransferEngine over a KV pool; `register_pool`: its layer buffers registered for good
-    (else nothing is, unless `register_buffers` or a transfer registers its staging: `MooncakeSink`)."""
+    """One TransferEngine beside a KV pool; nothing is registered until `register_buffers` (a staging)."""
 
-    def __init__(self, pool: KVPool, config: TransportConfig, register_pool: bool = True) -> None:
+    def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
@@ -50,11 +51,7 @@ class MooncakeEngine:
                  config.mooncake_device or "all")
         if config.warn_exposure:  # every rank's engine listens so; the node's first rank says it
             log.warning("%s (port %d)", exposure_warning(config.advertise_host), self.engine.get_rpc_port())
-        self.base_addrs = [buffer.data_ptr() for buffer in pool.buffers]
-        self.layer_bytes = [buffer.numel() * buffer.element_size() for buffer in pool.buffers]
         self._registered: list[int] = []
-        if register_pool:
-            self.register_buffers(self.base_addrs, self.layer_bytes)
 
     def register_buffers(self, addrs: Sequence[int], lengths: Sequence[int]) -> None:
         """Registers buffers until `close`; raises UserError (after undoing all) if one is refused."""

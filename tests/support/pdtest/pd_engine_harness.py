@@ -100,13 +100,17 @@ async def pages_back(engine: DecodeEngine, timeout_s: float = 5.0) -> None:
 
 
 async def abort_after_first_event(engine, request: GenerateRequest, *others: GenerateRequest,
-                                  timeout_s: float = 60.0) -> tuple[Outcome, list[Outcome]]:
-    """Starts `request` (and `others` beside it), aborts it once its first event has arrived, which
-    the engine must know it by, and returns its outcome and the others'."""
+                                  timeout_s: float = 60.0, events: int = 1) -> tuple[Outcome, list[Outcome]]:
+    """Starts `request` (and `others` beside it), aborts it once its first `events` events have
+    arrived (the engine knows it by the first; past it, a decode step of it is likely in flight),
+    and returns its outcome and the others'."""
     started = asyncio.Event()
+    seen = []
 
     async def on_event(event) -> None:
-        started.set()
+        seen.append(event)
+        if len(seen) >= events:
+            started.set()
 
     tasks = [asyncio.ensure_future(collect(engine, request, on_event)),
              *(asyncio.ensure_future(collect(engine, other)) for other in others)]
@@ -132,6 +136,33 @@ def device_fails_once_ended(engine, rid: str):
         yield
     finally:
         engine.model_thread.run = model_run
+
+
+@contextlib.contextmanager
+def streaming_fails_once_ended(engine, rid: str):
+    """Within: streaming a decoded token raises (a bug in the host's bookkeeping) once, the first time
+    after request `rid` has ended here and the step just launched (`_pending`, `_spec_pending`) no
+    longer holds it, so it hits the round that collects the last step `rid` was in, while streaming
+    another request's token (an ended request's are dropped). Yields the list of requests whose
+    token raised, to check that it did."""
+    accept = engine._accept
+    raised: list[str] = []
+
+    def launched_holds_it() -> bool:
+        step = engine._spec_pending[0] if engine._spec_pending else engine._pending.owners if engine._pending else []
+        return any(state.request.rid == rid for state in step)
+
+    def failing(state, *args):
+        if rid not in engine._requests and not launched_holds_it() and state.output_ids and not raised:
+            raised.append(state.request.rid)
+            raise RuntimeError("injected streaming failure")
+        return accept(state, *args)
+
+    engine._accept = failing
+    try:
+        yield raised
+    finally:
+        engine._accept = accept
 
 
 class PDPair:

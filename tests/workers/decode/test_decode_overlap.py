@@ -15,7 +15,7 @@ from deepseek_pd.workers.engine.scheduler_config import SchedulerConfig
 from deepseek_pd.workers.decode import decode_step
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from pdtest.pd_engine_harness import (CHUNK, abort_after_first_event, collect, device_fails_once_ended, oracle,
-                                      pages_back, runner, worker_config)
+                                      pages_back, runner, streaming_fails_once_ended, worker_config)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -135,12 +135,14 @@ def test_abort_while_a_step_is_in_flight_frees_pages_once_the_step_is_done():
     assert survivor.ok and survivor.tokens == oracle().generate(q, survivor_params).output_ids
 
 
-def test_a_step_that_fails_after_an_abort_still_frees_the_aborted_requests_pages():
+@pytest.mark.parametrize("fails", [device_fails_once_ended, streaming_fails_once_ended], ids=["device", "streaming"])
+def test_a_step_that_fails_after_an_abort_still_frees_the_aborted_requests_pages(fails):
     """A request aborted while its step was pending has left the running batch (its consumer ended
     it) and waits for that step to give its pages back. When the round that collects the step fails
-    (a device error), the failure must give them back instead. Before: the round had taken the
-    pending step out of the engine, and the failure handler freed only what it still found there
-    and in the running batch, so the aborted request's pages leaked for good."""
+    (a device error, or a raise while streaming its tokens), the failure must give them back instead.
+    Before: the round had taken the pending step out of the engine, and the failure handler freed
+    only what it still found there and in the running batch, so the aborted request's pages leaked
+    for good; a raise while streaming skipped the step's end (`_done_with`), with the same leak."""
     rng = random.Random()
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
 
@@ -148,14 +150,17 @@ def test_a_step_that_fails_after_an_abort_still_frees_the_aborted_requests_pages
         engine = _overlapping_engine()
         await engine.start()
         try:
-            with device_fails_once_ended(engine, "victim"):
+            with fails(engine, "victim") as raised:  # (a request beside it: the one whose token raises)
                 request = GenerateRequest("victim", tuple(_prompt(rng)), params)
-                outcome, _ = await abort_after_first_event(engine, request)
+                outcome, (beside,) = await abort_after_first_event(
+                    engine, request, GenerateRequest("beside", tuple(_prompt(rng)), params), events=3)
                 await pages_back(engine)
-            return outcome
+            return outcome, beside, raised
         finally:
             await engine.stop()
 
-    outcome = asyncio.run(run())
+    outcome, beside, raised = asyncio.run(run())
     assert isinstance(outcome.terminal, Failed) and outcome.terminal.code == FailureCode.ABORTED
     assert 1 <= len(outcome.tokens) < 400
+    assert isinstance(beside.terminal, Failed) and beside.terminal.code == FailureCode.INTERNAL
+    assert raised is None or raised == ["beside"]  # (streaming: it did raise)

@@ -24,7 +24,7 @@ from deepseek_pd.workers.engine.interface import Failed, GenerateRequest
 from deepseek_pd.workers.engine.offline import Engine
 from pdtest.mtp_training import train_mtp
 from pdtest.pd_engine_harness import (CHUNK, PAGE_SIZE, abort_after_first_event, collect, device_fails_once_ended,
-                                      pages_back, worker_config)
+                                      pages_back, streaming_fails_once_ended, worker_config)
 
 pytestmark = [pytest.mark.timeout(300)]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
@@ -111,11 +111,13 @@ def test_overlapped_steps_give_the_offline_tokens(setup):
     assert ahead > 0  # step N+1 queued while step N was unread (its positions from the device)
 
 
-@pytest.mark.parametrize("device_fails", [False, True])
-def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup, device_fails):
-    """`device_fails`: the round that collects the aborted request's pending step fails (a device
-    error) after the abort ended it; its pages and draft state must still come back. Before: the
-    failure handler did not see the step the round had taken, and they leaked."""
+@pytest.mark.parametrize("fails", [None, device_fails_once_ended, streaming_fails_once_ended],
+                         ids=["none", "device", "streaming"])
+def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup, fails):
+    """`fails`: the round that collects the aborted request's pending step fails (a device error, or
+    a raise while streaming its tokens) after the abort ended it; its pages and draft state must
+    still come back. Before: the failure handler did not see the step the round had taken (device),
+    and a raise while streaming skipped the step's end, `_done_with` (streaming): they leaked."""
     path, oracle, trained, prompts, _ = setup
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
 
@@ -123,12 +125,14 @@ def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup, device_f
         engine = _engine(path, trained, oracle)
         await engine.start()
         try:
-            with device_fails_once_ended(engine, "long") if device_fails else contextlib.nullcontext():
+            with fails(engine, "long") if fails else contextlib.nullcontext() as raised:
                 outcome, (rest,) = await abort_after_first_event(
                     engine, GenerateRequest("long", tuple(prompts[0]), params),
-                    GenerateRequest("other", tuple(prompts[1]), GREEDY))
+                    GenerateRequest("other", tuple(prompts[1]), params if fails else GREEDY),
+                    events=10 if fails else 1)  # (a failure: once both decode, in steps of both)
                 await pages_back(engine)
             assert not engine.speculation.decoder._drafts  # their draft state went with them
+            assert raised is None or raised == ["other"]  # (streaming: it did raise, on the other's token)
             return outcome, rest
         finally:
             await engine.stop()
@@ -136,7 +140,7 @@ def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup, device_f
     outcome, rest = asyncio.run(run())
     assert isinstance(outcome.terminal, Failed) and outcome.terminal.code.value == "aborted"
     assert 1 <= len(outcome.tokens) < 400
-    if device_fails:  # the other request ended too: finished before the failure, or failed by it
+    if fails:  # the other request ended too: finished before the failure, or failed by it
         assert rest.ok or rest.terminal.code.value == "internal"
     else:
         assert rest.ok and rest.tokens == oracle.generate_batch([prompts[1]], GREEDY)[0].output_ids
