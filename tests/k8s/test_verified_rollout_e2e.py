@@ -134,7 +134,7 @@ def _group(dep, role: str, index: int) -> str:
     return f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role={role},deepseek-pd.io/group-index={index}"
 
 
-def _serving(dep, role: str) -> list[dict]:
+def _live_pods(dep, role: str) -> list[dict]:
     return [p for p in dep.pods(f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role={role}")
             if not p["metadata"].get("deletionTimestamp")]
 
@@ -235,7 +235,7 @@ def test_a_rollout_whose_engine_option_changes_greedy_tokens_is_stopped(deployme
         cr = dep.cr() or {}
         status = cr.get("status") or {}
         done = status.get("observedGeneration") == cr["metadata"]["generation"] and all(
-            len(pods := _serving(dep, role)) == 1
+            len(pods := _live_pods(dep, role)) == 1
             and pods[0]["metadata"]["labels"][names.LABEL_REVISION] == status[role]["revision"]
             and status[role].get("updatedReplicas") == 1 and status[role].get("readyReplicas") == 1
             for role in ROLES)
@@ -248,7 +248,7 @@ def test_a_rollout_whose_engine_option_changes_greedy_tokens_is_stopped(deployme
     assert passed.startswith("decode group ") and f"(revision {cr['status']['decode']['revision']})" in passed, passed
     assert [e.get("reason") for e in _events(dep)].count("TokensDiffer") == 2  # the rollback refused nothing
     assert _condition(cr, "RolloutVerified")["status"] == "True", cr["status"]
-    new = {role: _serving(dep, role)[0] for role in ROLES}  # not the retiring surge groups'
+    new = {role: _live_pods(dep, role)[0] for role in ROLES}  # not the retiring surge groups'
     assert new["prefill"]["metadata"]["uid"] == old_pods["prefill"]["metadata"]["uid"], "prefill group 0 was replaced"
     assert _role_outputs(cr, new["decode"]) == sensitive.decode["float32"]
     assert _role_outputs(cr, new["decode"], new["prefill"]) == sensitive.prefill["dequant"]
