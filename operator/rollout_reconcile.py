@@ -10,6 +10,10 @@ ready: CheckFailed, retried). One check per role per pass.
     RolloutVerified        True Verified / NotNeeded, False TokensDiffer (naming the prompt and
                            token) or CheckFailed (a call failed; retried next pass)
 
+A rollback (the spec back to the revision the serving groups run, while groups of the rollout
+it left still exist) checks nothing: a group of the left rollout that never passed its check never
+served, so it is no reference (`_never_served`), and the planner retires it.
+
 A different model on the two sides (GetModelInfo's model_path: another checkpoint or revision)
 skips the check: new weights may change tokens legitimately. The RolloutVerified condition is the
 worst of the two roles' (`combined_condition`); each outcome is also an Event
@@ -75,6 +79,18 @@ def rollout_events(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[
     return events
 
 
+def _never_served(state: dict[str, Any], revision: str, index: int, group_revision: str) -> bool:
+    """Whether group `index` belongs to the rollout the spec has just left (`state`, the last
+    pass's status.rollout.<role>, of another revision) and never passed its check: refused or
+    not yet checked, it never joined the router, so it is no reference for the groups that
+    serve. A rollback after a stopped rollout (the spec back to what the serving groups run) is
+    then no rollout at all; before, the serving groups were checked against the refused group,
+    "differed" from it and left the router. Only the rollout just left is remembered: once the
+    spec moves on to a third revision with old groups to check, its record is replaced."""
+    return (state.get("revision") not in (None, revision) and group_revision == state["revision"]
+            and index not in (state.get("verified") or []))
+
+
 @dataclass
 class RolloutVerifier:
     check: Callable[[str, str], Awaitable[Mismatch | None]] = verify
@@ -89,11 +105,14 @@ class RolloutVerifier:
             return Verification(frozenset(), False, None, None)
         groups = {i: g for i, g in groups_of_role(role_name, statefulsets, pods).items() if not g.terminating}
         ready = {i for i, g in groups.items() if g.is_ready(role.size)}
-        old = sorted(i for i in ready if groups[i].revision != revision)
+        state = ((previous.get("rollout") or {}).get(role_name) or {})
+        left = {i for i, g in groups.items() if _never_served(state, revision, i, g.revision)}
+        old = sorted(i for i in ready - left if groups[i].revision != revision)
         new = {i for i in ready if groups[i].revision == revision}
         if not old:
-            return Verification(frozenset(), False, None, (True, "NotNeeded", "no rollout to check"))
-        state = ((previous.get("rollout") or {}).get(role_name) or {})
+            # The left rollout's record stays while its groups do (the planner retires them): a
+            # pass that still sees one must not take it for a reference.
+            return Verification(frozenset(), False, state if left else None, (True, "NotNeeded", "no rollout to check"))
         if state.get("revision") != revision:
             state = {"revision": revision, "verified": []}
         state = {**state, "verified": sorted(set(state["verified"]) & set(groups))}

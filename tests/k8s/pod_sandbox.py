@@ -89,14 +89,19 @@ class PodNetwork:
         return self
 
     def allocate(self) -> str:
+        """A pod address: a never-used one while the /24 has any, then the one released longest
+        ago. As host-local IPAM does: a replaced pod that got its predecessor's address at once
+        was unreachable from pods that had talked to the predecessor (their neighbour cache
+        still held the dead veth's MAC) until that entry expired; the operator's token check of
+        a replaced decode group timed out so (DEADLINE_EXCEEDED, ~20 s lost per replacement)."""
         assert self.subnet is not None
+        if self._next <= 254:
+            address = str(self.subnet.network_address + self._next)
+            self._next += 1
+            return address
         if self._free:
             return self._free.pop(0)
-        if self._next > 254:
-            raise RuntimeError(f"pod network {self.subnet} is full")
-        address = str(self.subnet.network_address + self._next)
-        self._next += 1
-        return address
+        raise RuntimeError(f"pod network {self.subnet} is full")
 
     def release(self, address: str) -> None:
         self._free.append(address)

@@ -1,6 +1,6 @@
 """SLO autoscaling against the real control plane, the process kubelet and real workers: the
-chart's operator scrapes the decode pods' /metrics, load through the router's Service raises
-decode to 2 groups, and idleness brings it back to 1; every request during both answers with
+chart's operator scrapes the decode pods' /metrics, load through the router's Service (sent by
+`bench serving`'s own loop, deepseek_pd/loadgen/runner.py) raises decode to 2 groups, and idleness brings it back to 1; every request during both answers with
 the offline engine's greedy tokens, and the status and Events say why each change happened.
 
 The TPOT target is calibrated first from what the operator itself reads under the scaling load
@@ -39,85 +39,105 @@ def _replicas(dep) -> int:
 
 
 class Load:
-    """`concurrency` streams of greedy requests through the router until stopped; every answer is
-    checked against the offline engine (prompts drawn from a fixed pool, answers precomputed).
+    """Greedy requests through the router, sent by `bench serving`'s own code
+    (deepseek_pd/loadgen/runner.py: `run_load` in closed loop, `concurrency` in flight, each request
+    streamed by `router_target`, ignore_eos as the bench sends it), in rounds of 2 x `concurrency`
+    requests until `until()`; every answer is checked against the offline engine (prompts drawn
+    from a fixed pool, answers precomputed), and a wrong one is that request's error.
 
     There is no kube-proxy here: the router Service's address is its first ready pod
     (`Deployment.router_url`). Adding or removing a group rolls the router (Static discovery), and
     a connection refused by a router pod that has gone is what a Service would have sent to the
-    new pod: the stream looks the endpoint up again and sends the request there. Any other error,
-    and any wrong token, is a failure."""
+    new pod: the request looks the endpoint up again and is sent there. Any other error, and any
+    wrong token, is a failure."""
 
     def __init__(self, dep, engine, rng: random.Random) -> None:
         from deepseek_pd.model.sampling.params import SamplingParams
         self.dep = dep
-        self.prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(4, 40))] for _ in range(8)]
-        self.expected = [list(engine.generate(p, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)).output_ids)
-                         for p in self.prompts]
+        self.prompts = [tuple(rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(4, 40))) for _ in range(8)]
+        self.expected = {p: list(engine.generate(list(p), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0,
+                                                                         ignore_eos=True)).output_ids)
+                         for p in self.prompts}
+        self.sent = 0
         self.done = 0
         self.rerouted = 0
-        self.dropped_by_roll = 0  # streams cut by a router pod that was rolled away, then re-sent
+        self.dropped_by_roll = 0  # requests cut by a router pod that was rolled away, then re-sent
         self.drop_reasons: set[str] = set()
         self.failures: list[str] = []
+        self._url = ""
+        self._clients: dict[str, object] = {}  # router URL -> RouterClient (requests in flight keep theirs)
 
-    async def run(self, concurrency: int, until) -> None:
-        import aiohttp
-
+    async def _client(self):
         from deepseek_pd.client.router_http import RouterClient
 
-        async def connect() -> RouterClient:
-            return await RouterClient(await asyncio.to_thread(self.dep.router_url), "tiny", timeout_s=300).__aenter__()
+        if self._url not in self._clients:
+            self._clients[self._url] = await RouterClient(self._url, "tiny", timeout_s=300).__aenter__()
+        return self._clients[self._url]
 
-        async def stream(k: int) -> None:
-            i = k
-            client = await connect()
+    async def _moved(self, client, wait_s: float) -> bool:
+        """Looks the Service's endpoint up again, for up to `wait_s` (the endpoint moves once the
+        old router pod is no longer ready); whether it moved away from `client`'s."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            url = (await asyncio.to_thread(self.dep.router_url)).rstrip("/")
+            if url != client.base_url:
+                self._url = url
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.25)
+
+    async def _send(self, request):
+        """The bench's `router_target`, through the router pod the Service names now."""
+        import aiohttp
+
+        from deepseek_pd.loadgen.runner import router_target
+
+        for attempt in range(3):
+            client = await self._client()
             try:
-                while not self.failures and not await asyncio.to_thread(until):  # the first failure ends it
-                    i = (i + 1) % len(self.prompts)
-                    for attempt in range(3):
-                        try:
-                            got = await client.generate(input_ids=self.prompts[i], stream=True,
-                                                        max_new_tokens=MAX_NEW, temperature=0.0)
-                        except aiohttp.ClientConnectorError as exc:  # never reached a router pod
-                            await client.close()
-                            client = await connect()
-                            self.rerouted += 1
-                            if attempt == 2:
-                                self.failures.append(repr(exc))
-                            continue
-                        except aiohttp.ClientConnectionError as exc:  # cut mid-request: disconnected, reset
-                            # The router pod this stream talked to was rolled away under it (adding or
-                            # removing a group rolls the router): counted apart and re-sent, but only
-                            # when the endpoint really moved; a cut from a router still in place is a
-                            # failure. Loaded runs saw ServerDisconnectedError and "Can not write request
-                            # body" (ClientOSError): a request sent on a kept-alive connection that the
-                            # draining router pod closed; no answer had started. A stream cut once it has
-                            # started (ClientPayloadError) is always a failure.
-                            moved = False
-                            for _ in range(40):  # the endpoint moves once the old pod is no longer ready
-                                url = await asyncio.to_thread(self.dep.router_url)
-                                if url.rstrip("/") != client.base_url:
-                                    moved = True
-                                    break
-                                await asyncio.sleep(0.25)
-                            if not moved or attempt == 2:
-                                self.failures.append(repr(exc))
-                                break
-                            await client.close()
-                            client = await connect()
-                            self.dropped_by_roll += 1
-                            self.drop_reasons.add(type(exc).__name__)
-                            continue
-                        except Exception as exc:  # noqa: BLE001 - every failed request is a finding
-                            self.failures.append(repr(exc))
-                            break
-                        if got.output_ids != self.expected[i]:
-                            self.failures.append(f"prompt {i}: {got.output_ids} != {self.expected[i]}")
-                        self.done += 1
-                        break
-            finally:
+                result = await router_target(client)(request)
+            except aiohttp.ClientConnectorError:  # never reached a router pod
+                await self._moved(client, 0.0)
+                self.rerouted += 1
+                if attempt == 2:
+                    raise
+                continue
+            except aiohttp.ClientConnectionError as exc:  # cut mid-request: disconnected, reset
+                # The router pod this request went to was rolled away under it (adding or removing
+                # a group rolls the router): counted apart and re-sent, but only when the endpoint
+                # really moved; a cut from a router still in place is a failure. Loaded runs saw
+                # ServerDisconnectedError and "Can not write request body" (ClientOSError): a
+                # request sent on a kept-alive connection that the draining router pod closed; no
+                # answer had started. A stream cut once it has started (ClientPayloadError) is
+                # always a failure.
+                if not await self._moved(client, 10.0) or attempt == 2:
+                    raise
+                self.dropped_by_roll += 1
+                self.drop_reasons.add(type(exc).__name__)
+                continue
+            want = self.expected[request.input_ids]
+            if result.output_ids != want:
+                raise AssertionError(f"prompt {list(request.input_ids)}: {result.output_ids} != {want}")
+            return result
+
+    async def run(self, concurrency: int, until) -> None:
+        from deepseek_pd.loadgen.runner import run_load
+        from deepseek_pd.loadgen.workload import BenchRequest
+
+        self._url = (await asyncio.to_thread(self.dep.router_url)).rstrip("/")
+        try:
+            while not self.failures and not await asyncio.to_thread(until):  # the first failure ends it
+                batch = [BenchRequest(self.prompts[(self.sent + k) % len(self.prompts)], MAX_NEW)
+                         for k in range(2 * concurrency)]
+                self.sent += len(batch)
+                records, _ = await run_load(self._send, batch, float("inf"), concurrency, show_progress=False)
+                self.done += sum(r.success for r in records)
+                self.failures += [r.error for r in records if not r.success]
+        finally:
+            for client in self._clients.values():
                 await client.close()
-        await asyncio.gather(*(stream(k) for k in range(concurrency)))
+            self._clients.clear()
 
 
 def test_load_adds_a_decode_group_and_idleness_removes_it_without_a_failed_request(deployment, models, offline_engine):

@@ -169,9 +169,13 @@ class PDPair:
     """A started prefill + decode engine; `run(prompt, params)` sends one PD request to both."""
 
     def __init__(self, transport: str, prefill_config: WorkerConfig | None = None,
-                 decode_config: WorkerConfig | None = None, device: str = "cpu") -> None:
-        self.prefill = PrefillEngine(runner(device=device), prefill_config or worker_config(transport))
-        self.decode = DecodeEngine(runner(device=device), decode_config or worker_config(transport),
+                 decode_config: WorkerConfig | None = None, device: str = "cpu",
+                 runners: tuple[ModelRunner, ModelRunner] | None = None) -> None:
+        """`runners`: (prefill's, decode's) instead of the tiny model's (another checkpoint, or two
+        sides that run it differently); the tokenizer is the tiny model's either way."""
+        prefill_runner, decode_runner = runners or (runner(device=device), runner(device=device))
+        self.prefill = PrefillEngine(prefill_runner, prefill_config or worker_config(transport))
+        self.decode = DecodeEngine(decode_runner, decode_config or worker_config(transport),
                                    tokenizer=oracle().tokenizer)
         self._room = 1000
 
