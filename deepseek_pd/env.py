@@ -39,20 +39,30 @@ def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-MOONCAKE_RPC_PORTS = (15000, 17000)  # Mooncake's defaults for MC_MIN_RPC_PORT, MC_MAX_RPC_PORT
+# The ports Mooncake's engines draw from by default: MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, BOTH ends
+# included (its findAvailableTcpPort draws `min + rand % (max - min + 1)`, 0.3.13.post1).
+MOONCAKE_RPC_PORTS = range(15000, 17000 + 1)
+# What Mooncake's ValidatePortRange accepts for either end; a range it refuses falls back to the
+# default as a whole (config.cpp, 0.3.13.post1).
+_MOONCAKE_PORT_FLOOR, _MOONCAKE_PORT_CEIL = 1024, 65535
+_MOONCAKE_REFUSED = range(32768, 60999 + 1)  # Linux's default ephemeral range
 
 
 def mooncake_rpc_ports() -> range:
-    """[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT): where Mooncake's TransferEngine draws its listening ports
-    (handshake RPC and TCP transport) at random; local port picks stay out of it (deepseek_pd/ports.py).
-    A malformed value falls back to the default, as Mooncake itself ignores it."""
-    bounds = []
-    for name, default in zip(("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"), MOONCAKE_RPC_PORTS):
+    """MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (both included): where Mooncake's TransferEngine draws its
+    listening ports (handshake RPC and TCP transport) at random; local port picks stay out of it
+    (deepseek_pd/ports.py). Read as Mooncake reads it: an end it cannot use (malformed, below 1024,
+    inside 32768-60999, or min > max) makes it fall back to the whole default range."""
+    default = MOONCAKE_RPC_PORTS
+    ends = []
+    for name, fallback in (("MC_MIN_RPC_PORT", default.start), ("MC_MAX_RPC_PORT", default[-1])):
         try:
-            bounds.append(int(_get(name, str(default))))
+            ends.append(int(_get(name, str(fallback))))
         except ValueError:
-            bounds.append(default)
-    return range(*bounds)
+            return default  # Mooncake's atoi gives 0 here, which it refuses
+    low, high = ends
+    usable = [_MOONCAKE_PORT_FLOOR <= p <= _MOONCAKE_PORT_CEIL and p not in _MOONCAKE_REFUSED for p in ends]
+    return range(low, high + 1) if all(usable) and low <= high else default
 
 
 def hf_token() -> str | None:

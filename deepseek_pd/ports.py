@@ -13,7 +13,7 @@ node on P + r): `pick_free_port_blocks` reserves whole runs, never overlapping e
 the single ports picked in the same call.
 
 Mooncake's TransferEngine draws its own listening ports (its handshake RPC and its TCP transport)
-at random from [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT), 15000-17000 unless set. A port picked here and
+at random from MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (both included), 15000-17000 unless set. A port picked here and
 handed to a child could be taken by a Mooncake engine starting meanwhile (that failed a decode
 rank's listener in a group test), so that range is never drawn.
 

@@ -4,7 +4,7 @@
                                                from the operator's pod for a role whose
                                                rollouts are verified (<role>.rolloutStrategy.verify)
     prefill bootstrap (prefill.bootstrapPort)  only from the deployment's decode pods
-    Mooncake's engines (15000-16999, each      only from the deployment's worker pods: a rule
+    Mooncake's engines (15000-17000, each      only from the deployment's worker pods: a rule
       rank's RPC and TCP-transport ports,        of its own with kvTransfer.backend mooncake
       drawn at random: env.MOONCAKE_RPC_PORTS)
     every other TCP port (NCCL,                only from the deployment's worker pods
@@ -20,7 +20,7 @@ NCCL and Mooncake listen on ports picked at run time, so "every other port" is w
 ranges between the gRPC and bootstrap ports (`endPort`, Kubernetes >= 1.25); a CNI plugin without
 endPort support would allow only each range's first port. Worked example, ports 30000 and 8998,
 metrics off, Mooncake:
-    15000-16999 from workers (Mooncake);  1-8997, 8999-14999, 17000-29999, 30001-65535 from
+    15000-17000 from workers (Mooncake);  1-8997, 8999-14999, 17001-29999, 30001-65535 from
     workers;  8998 from decode;  30000 from the router.
 Egress is not restricted. Pods on the host network (spec.rdma.hostNetwork) are not subject to
 NetworkPolicy at all; RDMA traffic bypasses it too (the HMAC tokens still protect the KV channel).
@@ -76,7 +76,7 @@ def build_network_policy(spec: DeploymentSpec) -> Manifest:
     # With Mooncake its engine range is one rule of its own, and only that rule covers it. With grpc
     # nothing of ours listens there, but NCCL may (a node whose ephemeral range starts low), so it
     # stays inside "every other port".
-    mooncake = (range(*MOONCAKE_RPC_PORTS),) if spec.kv_transfer.backend == "mooncake" else ()
+    mooncake = (MOONCAKE_RPC_PORTS,) if spec.kv_transfer.backend == "mooncake" else ()
     engines = [{"from": [_workers(spec)], "ports": [_tcp(r.start, r.stop - 1)]} for r in mooncake]
     # Verified rollouts: the operator's pod (any namespace) sends the check's greedy requests to
     # the leaders of each role it verifies (rollout_verify.py).

@@ -27,8 +27,7 @@ CONDITION = "MooncakePortsGuarded"
 
 def mooncake_ports_verdict(spec: DeploymentSpec) -> tuple[bool, str, str]:
     """(status, reason, message) of the condition for `spec` (the table above)."""
-    low, high = MOONCAKE_RPC_PORTS
-    ports = f"Mooncake's engine ports ({low}-{high - 1})"
+    ports = f"Mooncake's engine ports ({MOONCAKE_RPC_PORTS.start}-{MOONCAKE_RPC_PORTS[-1]})"
     if spec.kv_transfer.backend != "mooncake":
         return True, "NoMooncake", "KV moves over the bootstrap gRPC stream: no Mooncake engine listens"
     risk = ("Mooncake authenticates no peer: whoever reaches them can read the staging of transfers in "

@@ -45,7 +45,7 @@ def _mooncake_port_rules() -> list[dict[str, str]]:
     """With Mooncake, no port a worker pod listens on may lie where Mooncake's engines bind their
     own ports at random (env.MOONCAKE_RPC_PORTS): an engine could take it first, and that pod would
     fail at start now and then."""
-    low, high = MOONCAKE_RPC_PORTS
+    low, high = MOONCAKE_RPC_PORTS.start, MOONCAKE_RPC_PORTS.stop
     single = " && ".join(f"({port} < {low} || {port} >= {high})"
                          for port in ("self.prefill.port", "self.prefill.bootstrapPort", "self.decode.port"))
     metrics = " && ".join(f"(self.metrics.port + {_pod_ranks(role)} <= {low} || self.metrics.port >= {high})"

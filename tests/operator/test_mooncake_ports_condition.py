@@ -43,7 +43,7 @@ def test_the_condition_is_false_exactly_where_the_rendered_pods_leave_the_ports_
     assert ok == (backend == "grpc" or (rendered is not None and not on_host)), (reason, message)
     if not ok:
         assert reason == ("HostNetwork" if on_host else "NetworkPolicyDisabled")
-        assert "15000-16999" in message and ("firewall" in message if on_host else "policy" in message)
+        assert "15000-17000" in message and ("firewall" in message if on_host else "policy" in message)
 
 
 def test_the_operator_reports_it_and_follows_the_spec(cluster):

@@ -13,7 +13,7 @@ from deepseek_pd.env import MOONCAKE_RPC_PORTS
 from deepseek_pd.operator.spec import DeploymentSpec, InvalidSpecError
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
-LOW, HIGH = MOONCAKE_RPC_PORTS
+LOW, HIGH = MOONCAKE_RPC_PORTS.start, MOONCAKE_RPC_PORTS.stop
 
 
 def _spec(rng: random.Random) -> dict:

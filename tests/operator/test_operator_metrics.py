@@ -40,7 +40,7 @@ def _raw(rng: random.Random) -> dict:
                          parallelism={"tp": size * max(gpus, 1), "dp": 1, "ep": 1},
                          deepepMode="none" if not gpus else "auto", engineArgs=[])
     raw.get("model", {}).pop("numRoutedExperts", None)
-    raw["metrics"] = {"port": rng.randrange(17000, 27000),  # above Mooncake's port range
+    raw["metrics"] = {"port": rng.randrange(17001, 27000),  # above Mooncake's port range
                        "routerPort": rng.randrange(40000, 50000)}
     return raw
 

@@ -380,7 +380,7 @@ def test_network_policy_admits_exactly_the_documented_flows(backend):
     ports |= set(random.sample(range(1, 65536), 200))
     # Mooncake's engine range (its ends and random ports inside): open to the deployment's own
     # workers only, through one rule of its own with backend mooncake.
-    engines = range(*MOONCAKE_RPC_PORTS)
+    engines = MOONCAKE_RPC_PORTS
     ports |= {engines.start - 1, engines.start, engines.stop - 1, engines.stop, *random.sample(engines, 50)}
     metrics = set(worker_metrics_port_numbers(spec))
     for target in ("prefill", "decode"):
