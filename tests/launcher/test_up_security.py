@@ -29,6 +29,23 @@ def test_up_with_mooncake_warns_that_it_listens_on_every_interface(tmp_path, mon
         assert all("127.0.0.1" in w for w in warned)
 
 
+def test_ups_mooncake_warning_names_the_ports_a_firewall_must_close(tmp_path, monkeypatch, caplog):
+    """Mooncake cannot be told to bind one address, so what `up` can do is name the ports that a
+    firewall must keep other hosts off: the range its engines draw from under MC_MIN/MAX_RPC_PORT,
+    both ends (netns_mooncake_ports.py checks that range against the real engine)."""
+    def stop_here(model):
+        raise _Started
+    monkeypatch.setattr(cluster_module, "resolve_model_dir", stop_here)
+    low = random.randrange(18000, 30000)
+    high = low + random.randrange(1, 2000)
+    monkeypatch.setenv("MC_MIN_RPC_PORT", str(low))
+    monkeypatch.setenv("MC_MAX_RPC_PORT", str(high))
+    with caplog.at_level("WARNING"), pytest.raises(_Started):
+        LocalCluster(ClusterSpec(kv_transport="mooncake", log_dir=tmp_path)).start()
+    [warned] = [r.getMessage() for r in caplog.records if "ALL interfaces" in r.getMessage()]
+    assert f"{low}-{high}" in warned, warned
+
+
 def test_the_control_plane_key_file_is_private_even_if_it_existed(tmp_path, monkeypatch):
     class NoProcess:
         def __init__(self, *args) -> None:

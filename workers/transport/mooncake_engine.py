@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+from deepseek_pd import env
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.transport.base import TransportConfig
@@ -16,12 +17,16 @@ log = logging.getLogger(__name__)
 
 
 def exposure_warning(host: str) -> str:
-    """What to tell whoever starts Mooncake on `host`: its listener is wider than that."""
-    return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it ignores the "
-            f"address it is given (0.3.13.post1). Its ports authenticate no peer: a stranger can read the "
-            f"staging of transfers in flight (with the deployment secret only ciphertext of their KV) and "
-            f"write it (failing those requests by their KV MAC); keep other hosts off them "
-            f"(a firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
+    """What to tell whoever starts Mooncake on `host`: its listener is wider than that, and which
+    ports a firewall must close (Mooncake 0.3.13.post1 has no bind option: docs/operations.md §8)."""
+    ports = env.mooncake_rpc_ports()
+    return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it binds "
+            f"the wildcard whatever address it is given (0.3.13.post1 has no option for it). Its ports, "
+            f"drawn from TCP {ports.start}-{ports[-1]} (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT), authenticate no "
+            f"peer: any caller gets the addresses of the registered stagings, reads those of transfers in "
+            f"flight (with the deployment secret only ciphertext of their KV) and writes them (failing "
+            f"those requests by their KV MAC). Keep other hosts off {ports.start}-{ports[-1]} (a "
+            f"firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
 
 
 class MooncakeEngine:
