@@ -7,10 +7,12 @@ run by test_kv_transfer_mooncake.py inside a private network namespace (only loo
   what the operator's CRD rule and NetworkPolicy treat as Mooncake's (operator/port_rules.py,
   build_network_policy.py). A two-port range forces the engine onto its max: Mooncake draws
   `min + rand % (max - min + 1)`, both ends included.
-- addresses: the engine listens on the wildcard, whatever address it is given, and answers on a
-  local address it was not given (127.0.0.2). This is the documented exposure (docs/operations.md
-  §8, `up`'s warning): if it fails, Mooncake learnt to bind the given address; bind engines to
-  the address they advertise, and drop the warning.
+- addresses: the engine listens on the wildcard, whatever address it is given, and its handshake
+  port answers a local address it was not given (127.0.0.2) with no credential: a Metadata
+  request gets every registered buffer's address and length and the TCP data port. This is the
+  documented exposure (docs/operations.md §8, `up`'s warning): if it fails, Mooncake learnt to
+  bind the given address or to authenticate; bind engines to the address they advertise (or use
+  the access control), and drop the warning.
 
 Each engine runs in a child process: Mooncake reads its port range once, when it is imported.
 Prints one line per check; exits non-zero on a failed one.
@@ -21,6 +23,7 @@ import json
 import os
 import random
 import socket
+import struct
 import subprocess
 import sys
 
@@ -30,7 +33,7 @@ ADVERTISED = "127.0.0.1"
 OTHER_LOCAL = "127.0.0.2"  # on lo too (127/8), but not the address the engine was given
 
 CHILD = f"""
-import json
+import ctypes, json
 from mooncake.engine import TransferEngine
 
 def listening():
@@ -46,10 +49,30 @@ def listening():
 before = listening()
 engine = TransferEngine()
 status = engine.initialize({ADVERTISED!r}, "P2PHANDSHAKE", "tcp", "")
+staging = ctypes.create_string_buffer(4096)  # stands for a registered staging
+registered = status == 0 and engine.register_memory(ctypes.addressof(staging), 4096) == 0
 print(json.dumps({{"status": status, "rpc_port": engine.get_rpc_port() if status == 0 else None,
-                  "listening": sorted(listening() - before)}}), flush=True)
+                  "listening": sorted(listening() - before),
+                  "registered": ctypes.addressof(staging) if registered else None}}), flush=True)
 input()  # keeps the engine up until the parent has probed it
 """
+
+METADATA_REQUEST = 1  # Mooncake's HandShakeRequestType::Metadata (common.h)
+
+
+def ask_metadata(host: str, port: int) -> dict:
+    """The segment descriptor a Mooncake handshake port serves for `{}`: an 8-byte length, the
+    request type, JSON (common.h writeString); no credential of any kind."""
+    payload = bytes([METADATA_REQUEST]) + b"{}"
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(struct.pack("<Q", len(payload)) + payload)
+        reply = b""
+        while len(reply) < 8 or len(reply) < 8 + struct.unpack("<Q", reply[:8])[0]:
+            chunk = sock.recv(65536)
+            assert chunk, f"the handshake port closed after {len(reply)} bytes"
+            reply += chunk
+    return json.loads(reply[9:])  # after the length and the echoed type
+
 
 WILDCARDS = {"00000000", "00000000000000000000000000000000"}  # 0.0.0.0 and :: as /proc/net/tcp* print them
 
@@ -104,9 +127,10 @@ def check(name: str, setting: dict[str, str]) -> None:
         print(f"ports ok ({name}): {sorted(ports)} in {expected.start}-{expected[-1]}")
         addresses = {address for address, _ in report["listening"]}
         assert addresses <= WILDCARDS, f"{name}: listeners on {report['listening']}"
-        with socket.create_connection((OTHER_LOCAL, report["rpc_port"]), timeout=5):
-            pass
-        print(f"wildcard as documented ({name}): handshake port {report['rpc_port']} answers on {OTHER_LOCAL}")
+        segment = ask_metadata(OTHER_LOCAL, report["rpc_port"])
+        assert report["registered"] and [b["addr"] for b in segment["buffers"]] == [report["registered"]], segment
+        print(f"wildcard as documented ({name}): handshake port {report['rpc_port']} answers on {OTHER_LOCAL}, "
+              f"handing a stranger the registered buffer and the data port {segment['tcp_data_port']}")
     finally:
         child.stdin.close()
         child.wait(timeout=30)
