@@ -16,8 +16,9 @@ their own keys, so no serving request's draw changes. The pages go back to the p
 they left it: the pool's free list is as it was.
 
 The rule (`wants_warm_up`), the same for both roles: on CUDA (the CPU has no lazy kernel loads),
-and not as one rank of a group, whose every forward the other ranks must join
-(model/distributed/step_sync.py, tp_replay.py).
+not as one rank of a group, whose every forward the other ranks must join
+(model/distributed/step_sync.py, tp_replay.py), and not while the runner counts tokens per expert
+(the scratch tokens would join the counts EPLB plans from).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ _PARAMS = (SamplingParams(temperature=0.0, max_new_tokens=1),
 def wants_warm_up(runner: ModelRunner) -> bool:
     """Whether a worker warms this runner's model up before serving (module docstring)."""
     return (torch.device(runner.model.options.device).type == "cuda"
-            and runner.step_sync is None and runner.tp_replay is None)
+            and runner.step_sync is None and runner.tp_replay is None and runner.expert_load is None)
 
 
 def warm_up(runner: ModelRunner, sampler: Sampler) -> int:
