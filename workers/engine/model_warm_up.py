@@ -7,10 +7,10 @@ some kernels (tests/workers/prefill/test_chunk_send_order_cuda.py). A decode wor
 capture (model/cuda_graph.py) has run its decode kernels before it serves; the extends that every
 prefill round runs (and a decode worker's colocated rounds) had nothing alike.
 
-`warm_up` runs, on scratch pages, the extends a prefill round runs, the way it runs them
-(`run_extend`, or `run_extend_with_mtp` with an MTP layer): two fresh prompts, then the same two
-with their cached prefix (MLA over the cache), then, where the pool has room, a prefix past the
-policy's threshold (MHA over prefix chunks). Each samples its first tokens, one row greedy and one
+`warm_up` runs, on scratch pages, the extends a prefill round runs, through the role's own
+`PrefillRounds.forward` (so with the MTP pass where the runner has the layer): two fresh prompts,
+then the same two with their cached prefix (MLA over the cache), then, where the pool has room, a
+prefix past the policy's threshold (MHA over prefix chunks). Each samples its first tokens, one row greedy and one
 seeded with truncation and penalties, so the sampling kernels load too; seeded draws come from
 their own keys, so no serving request's draw changes. The pages go back to the pool in the order
 they left it: the pool's free list is as it was.
@@ -29,8 +29,9 @@ import torch
 
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
 from deepseek_pd.model.sampling.params import SamplingParams
-from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
-from deepseek_pd.workers.engine.extend_step import run_extend, run_extend_with_mtp
+from deepseek_pd.model.sampling.sampler import SamplingState
+from deepseek_pd.workers.engine.prefill_planner import ExtendPlan, PromptProgress
+from deepseek_pd.workers.engine.prefill_round import PrefillRounds
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,11 @@ def wants_warm_up(runner: ModelRunner) -> bool:
             and runner.step_sync is None and runner.tp_replay is None and runner.expert_load is None)
 
 
-def warm_up(runner: ModelRunner, sampler: Sampler) -> int:
-    """Runs the scratch extends (module docstring) in the calling thread, the model thread; returns
-    how many forwards ran (0: the pool had no room). Leaves the pool's pages as it found them."""
+def warm_up(rounds: PrefillRounds) -> int:
+    """Runs the scratch extends (module docstring) through `rounds` in the calling thread, the model
+    thread; returns how many forwards ran (0: the pool had no room). Leaves the pool's pages as it
+    found them."""
+    runner = rounds.runner
     pool, vocab = runner.kv_pool, runner.model_config.vocab_size
     began = time.perf_counter()
     cached = 2 * pool.page_size + 1  # past two pages, so the prefix ends inside a page
@@ -71,26 +74,18 @@ def warm_up(runner: ModelRunner, sampler: Sampler) -> int:
             pages.append(taken[start:start + pool.pages_for_tokens(n)])
             start += len(pages[-1])
         for step in steps:
-            _extend(runner, sampler, [ExtendSeq(prompts[i][p:p + n], p, pages[i]) for i, p, n in step],
-                    [prompts[i] for i, _, _ in step])
+            # Each row ends its (scratch) prompt here, so the round samples its first token.
+            plan: ExtendPlan = ExtendPlan([PromptProgress(prompts[i][:p + n], pages[i], p) for i, p, n in step],
+                                          [ExtendSeq(prompts[i][p:p + n], p, pages[i]) for i, p, n in step])
+            states = [SamplingState.create(_PARAMS[row % len(_PARAMS)], plan.items[row].token_ids, vocab,
+                                           device=runner.model.options.device) for row in plan.finishing]
+            rounds.forward(plan, states)
         if torch.device(runner.model.options.device).type == "cuda":
             torch.cuda.current_stream().synchronize()
     finally:
         pool.free(taken[::-1])  # alloc popped them off the free list's end: back as they were
     log.info("model warm-up: %d extends in %.2f s", len(steps), time.perf_counter() - began)
     return len(steps)
-
-
-def _extend(runner: ModelRunner, sampler: Sampler, seqs: list[ExtendSeq], prompts: list[list[int]]) -> None:
-    """One extend as a prefill round runs it, every row sampling its first token."""
-    vocab, device = runner.model_config.vocab_size, runner.model.options.device
-    states = [SamplingState.create(_PARAMS[i % len(_PARAMS)], prompt, vocab, device=device)
-              for i, prompt in enumerate(prompts)]
-    rows = list(range(len(seqs)))
-    if runner.model.mtp is not None:
-        run_extend_with_mtp(runner, sampler, seqs, rows, states, prompts)
-    else:
-        run_extend(runner, sampler, seqs, rows, states)
 
 
 def _tokens(n: int, vocab: int, salt: int) -> list[int]:

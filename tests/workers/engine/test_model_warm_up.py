@@ -24,9 +24,14 @@ from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.sampler import Sampler
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine import model_warm_up, request_lifecycle
+from deepseek_pd.workers.engine.prefill_round import PrefillRounds
 from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, PDPair, oracle, runner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _rounds(model: ModelRunner) -> PrefillRounds:
+    return PrefillRounds(model, Sampler(), CHUNK, hooks=None)  # `forward` calls no hook
 
 
 def _free_order(pool) -> list[int]:
@@ -52,7 +57,7 @@ def test_the_warm_up_runs_each_extend_kind_and_leaves_the_pool_as_it_was(mtp, tm
     monkeypatch.setattr(AttentionPolicy, "choose",
                         lambda self, mode, prefix_lens: methods.append(choose(self, mode, prefix_lens)) or methods[-1])
     before = _free_order(model.kv_pool)
-    assert model_warm_up.warm_up(model, Sampler()) == 4
+    assert model_warm_up.warm_up(_rounds(model)) == 4
     assert _free_order(model.kv_pool) == before
     assert {AttentionMethod.MHA, AttentionMethod.MLA, AttentionMethod.MHA_CHUNKED_KV} <= set(methods)
 
@@ -60,9 +65,9 @@ def test_the_warm_up_runs_each_extend_kind_and_leaves_the_pool_as_it_was(mtp, tm
 def test_without_room_for_a_long_prefix_it_skips_that_and_without_room_at_all_everything() -> None:
     model = runner(num_pages=12)  # the two short prompts fit (4 + 4 pages of 4), a 257-token prefix does not
     before = _free_order(model.kv_pool)
-    assert model_warm_up.warm_up(model, Sampler()) == 2
+    assert model_warm_up.warm_up(_rounds(model)) == 2
     held = model.kv_pool.alloc(model.kv_pool.num_free_pages - 5)
-    assert model_warm_up.warm_up(model, Sampler()) == 0
+    assert model_warm_up.warm_up(_rounds(model)) == 0
     model.kv_pool.free(held[::-1])
     assert _free_order(model.kv_pool) == before
 
@@ -78,7 +83,7 @@ def test_a_warmed_pd_pair_serves_the_offline_engines_tokens(monkeypatch) -> None
     warmed: list[int] = []
     monkeypatch.setattr(request_lifecycle, "wants_warm_up", lambda runner: True)
     monkeypatch.setattr(request_lifecycle, "warm_up",
-                        lambda runner, sampler: warmed.append(model_warm_up.warm_up(runner, sampler)))
+                        lambda rounds: warmed.append(model_warm_up.warm_up(rounds)))
 
     async def run():
         async with PDPair("grpc") as pair:
