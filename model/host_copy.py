@@ -57,15 +57,25 @@ def upload_parts(device: torch.device | str, *parts: torch.Tensor) -> list[torch
     gives `ids` `[2]` long and `table` `[2, 3]` int32, views of one 48-byte device buffer."""
     if not parts:
         return []
-    raw = [p.contiguous().reshape(-1).view(torch.uint8) for p in parts]
-    starts, size = [], 0
-    for chunk in raw:
-        size += -size % _ALIGN
-        starts.append(size)
-        size += chunk.numel()
-    host = torch.empty(size, dtype=torch.uint8)
-    for start, chunk in zip(starts, raw):
-        host[start:start + chunk.numel()] = chunk
-    packed = upload(host, device)
-    return [packed[start:start + chunk.numel()].view(part.dtype).view(part.shape)
-            for part, start, chunk in zip(parts, starts, raw)]
+    # Parts of one dtype are packed as they are (a forward batch's: few host ops, each costs
+    # microseconds); mixed ones as their bytes.
+    same = all(p.dtype == parts[0].dtype for p in parts)
+    flat = [(p if p.dim() == 1 else p.reshape(-1)) if same else p.contiguous().reshape(-1).view(torch.uint8)
+            for p in parts]
+    per = max(1, _ALIGN // flat[0].element_size())
+    pieces, sizes = [], []
+    for piece in flat:
+        pieces.append(piece)
+        pad = -piece.numel() % per
+        if pad:
+            pieces.append(piece.new_zeros(pad))
+        sizes.append(piece.numel() + pad)
+    packed = upload(torch.cat(pieces), device)
+    views = []
+    for part, piece, chunk in zip(parts, flat, packed.split(sizes)):
+        if chunk.numel() != piece.numel():
+            chunk = chunk[:piece.numel()]
+        if not same:
+            chunk = chunk.view(part.dtype)
+        views.append(chunk if part.dim() == 1 else chunk.view(part.shape))
+    return views
