@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.host_copy import upload_parts
 from deepseek_pd.model.kv.pool import KVPool
 
 
@@ -158,13 +159,15 @@ class ForwardBatch:
                      + torch.tensor(prefixes, dtype=torch.long)[seq_of_token])
         slots = table[seq_of_token, positions // page_size] * page_size + positions % page_size
 
-        def t(values: list | torch.Tensor) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
+        # One pinned, asynchronous upload for all seven (`upload_parts`): a pageable copy waits in
+        # the driver for the forward queued before it, and holds up other threads' copies meanwhile.
+        input_ids, positions, slots, seq_of_token, qo_indptr, table, seq_lens = upload_parts(
+            device, torch.tensor(flat_ids, dtype=torch.long), positions, slots, seq_of_token,
+            torch.tensor(qo, dtype=torch.long), table,
+            torch.tensor([p + e for p, e in zip(prefixes, extend_lens)], dtype=torch.long))
         return cls(
-            mode=mode, input_ids=t(flat_ids), positions=t(positions),
-            out_slots=t(slots), token_seq=t(seq_of_token), qo_indptr=t(qo), page_table=t(table),
-            seq_lens_t=t([p + e for p, e in zip(prefixes, extend_lens)]),
+            mode=mode, input_ids=input_ids, positions=positions, out_slots=slots, token_seq=seq_of_token,
+            qo_indptr=qo_indptr, page_table=table, seq_lens_t=seq_lens,
             prefix_lens=tuple(prefixes), extend_lens=extend_lens, kv_pool=kv_pool,
             page_lists=tuple(page_lists),
         )

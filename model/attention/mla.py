@@ -33,6 +33,7 @@ from deepseek_pd.model.attention.tensor_parallel import local_heads
 from deepseek_pd.model.build_options import BuildOptions
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
+from deepseek_pd.model.host_copy import upload_parts
 from deepseek_pd.model.quant.fp8_linear import fp8_spec, make_linear
 from deepseek_pd.model.norm import RMSNorm
 from deepseek_pd.model.norm_rope import NORM_ROPE_BACKENDS, NormRopeOps
@@ -68,9 +69,9 @@ def prefix_chunks(batch: ForwardBatch, chunk_size: int) -> tuple[PrefixChunk, ..
     if key not in batch.derived:
         page_size = batch.kv_pool.page_size
         # Host tensors, one vectorised gather per sequence and chunk (a Python loop per position
-        # cost milliseconds at 8k-token prefixes), then one upload per chunk.
+        # cost milliseconds at 8k-token prefixes).
         tables = [torch.tensor(pages, dtype=torch.long) for pages in batch.page_lists]
-        chunks = []
+        slots, split = [], []
         for start in range(0, max(batch.prefix_lens, default=0), chunk_size):
             parts: list[torch.Tensor] = []
             offsets = [0]
@@ -78,9 +79,12 @@ def prefix_chunks(batch: ForwardBatch, chunk_size: int) -> tuple[PrefixChunk, ..
                 pos = torch.arange(start, max(start, min(start + chunk_size, prefix)), dtype=torch.long)
                 parts.append(table[pos // page_size] * page_size + pos % page_size)
                 offsets.append(offsets[-1] + int(pos.numel()))
-            device = batch.positions.device
-            chunks.append(PrefixChunk(torch.cat(parts).to(device, non_blocking=True), tuple(offsets)))
-        batch.derived[key] = tuple(chunks)
+            slots.append(torch.cat(parts))
+            split.append(tuple(offsets))
+        # Every chunk's slots in one pinned, asynchronous upload (a pageable copy would wait in the
+        # driver for the forward queued before it, holding up other threads' copies).
+        on_device = upload_parts(batch.positions.device, *slots)
+        batch.derived[key] = tuple(PrefixChunk(s, o) for s, o in zip(on_device, split))
     return batch.derived[key]
 
 

@@ -18,6 +18,7 @@ import torch
 
 from deepseek_pd.model.attention.backend import ATTENTION_BACKENDS, QK, RopeSplit, joined
 from deepseek_pd.model.forward_batch import ForwardBatch
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.kernels.checks import require_triton
 
 _DECODE_META = "triton_decode_meta"
@@ -70,7 +71,7 @@ class TritonAttentionBackend:
     def _device_offsets(self, offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
         key = (offsets, device)
         if key != self._offsets_key:
-            self._offsets_dev = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+            self._offsets_dev = upload(torch.tensor(offsets, dtype=torch.int32), device)
             self._offsets_key = key
         return self._offsets_dev
 
@@ -94,7 +95,7 @@ class TritonAttentionBackend:
                   kv_offsets: tuple[int, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, rope = self._qk(q, k)
         q_dev = self._device_offsets(qo_offsets, q.device)
-        kv_dev = torch.tensor(kv_offsets, dtype=torch.int32).to(q.device, non_blocking=True)
+        kv_dev = upload(torch.tensor(kv_offsets, dtype=torch.int32), q.device)
         max_len = max(b - a for a, b in zip(qo_offsets[:-1], qo_offsets[1:]))
         return self._flash(q, k, _unit_stride(v), q_dev, kv_dev, max_len, scale, causal=False, **rope)
 

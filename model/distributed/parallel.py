@@ -26,6 +26,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.eplb.expert_location import ExpertLocation
+from deepseek_pd.model.host_copy import upload
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class ParallelInfo:
         if self.ep_size == 1:
             return list(values)
         import torch.distributed as dist
-        tensor = torch.tensor(values, dtype=torch.int64, device=device)  # NCCL wants the GPU
+        tensor = upload(torch.tensor(values, dtype=torch.int64), device)  # NCCL wants the GPU; pinned, per forward
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return tensor.tolist()
 

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from deepseek_pd.model.forward_batch import ForwardMode
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.kv.pool import KVPool, copy_pages_
 
 
@@ -112,7 +113,7 @@ class TpReplay:
         if call.synced_pages:
             rows = torch.empty_like(_page_rows(pool, call.synced_pages))
             dist.broadcast(rows, src=self.leader, group=self.device_group)
-            index = torch.tensor(call.synced_pages, dtype=torch.long, device=device)
+            index = upload(torch.tensor(call.synced_pages, dtype=torch.long), device)
             for layer, buffer in enumerate(pool.buffers):
                 copy_pages_(buffer, index, rows[layer])
         return call, input_ids, hidden
@@ -120,5 +121,5 @@ class TpReplay:
 
 def _page_rows(pool: KVPool, pages: Sequence[int]) -> torch.Tensor:
     """`[layers, len(pages), page_size, dim]`: the pages' latent rows in every layer."""
-    index = torch.tensor(pages, dtype=torch.long, device=pool.buffers[0].device)
+    index = upload(torch.tensor(pages, dtype=torch.long), pool.buffers[0].device)
     return torch.stack([buffer.index_select(0, index) for buffer in pool.buffers])

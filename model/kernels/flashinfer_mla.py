@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.kernels.mla_decode_route import FLASHINFER_WIDTHS
 
 # FlashInfer's recommended float workspace (split-K partials); one per device, shared by all plans.
@@ -202,12 +203,22 @@ def _plan(wrapper, seq_lens: Sequence[int], kv_indptr: list[int], kv_indices: to
     """One `wrapper.plan` over host CSR metadata: one query per sequence, packed latent cache."""
     from flashinfer.mla import MLAPlanMetadata
 
-    metadata = MLAPlanMetadata.csr(qo_indptr=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
-                                   kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),
-                                   kv_indices=kv_indices, kv_len_arr=torch.tensor(list(seq_lens), dtype=torch.int32))
+    # The wrapper copies these to the device (`.to(device, non_blocking=True)`, or `copy_` into a
+    # graph's buffers): from page-locked memory, so the copies are asynchronous, not staged through
+    # the driver's pageable buffers behind the forward queued before them.
+    metadata = MLAPlanMetadata.csr(qo_indptr=_pinned(torch.arange(len(seq_lens) + 1, dtype=torch.int32)),
+                                   kv_indptr=_pinned(torch.tensor(kv_indptr, dtype=torch.int32)),
+                                   kv_indices=_pinned(kv_indices),
+                                   kv_len_arr=_pinned(torch.tensor(list(seq_lens), dtype=torch.int32)))
     wrapper.plan(metadata=metadata, num_heads=num_heads, head_dim_ckv=rank, head_dim_kpe=rope,
                  page_size=page_size, causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype,
                  query_layout="split", kv_cache_layout="packed")
+
+
+def _pinned(host: torch.Tensor) -> torch.Tensor:
+    """`host` in page-locked memory (torch's caching host allocator keeps it until its copies ran);
+    a device tensor as it is."""
+    return host if host.is_cuda else host.pin_memory()
 
 
 def plan_decode(page_table: torch.Tensor, seq_lens: Sequence[int], num_heads: int, rank: int, rope: int,
@@ -238,7 +249,8 @@ def plan_decode(page_table: torch.Tensor, seq_lens: Sequence[int], num_heads: in
         kv_indptr = [0]
         for c in counts:
             kv_indptr.append(kv_indptr[-1] + c)
-        used = torch.arange(width, device=page_table.device) < torch.tensor(counts, device=page_table.device)[:, None]
+        used = torch.arange(width, device=page_table.device) \
+            < upload(torch.tensor(counts, dtype=torch.long), page_table.device)[:, None]
         kv_indices = page_table[used].to(torch.int32)  # row-major: each sequence's pages in order
     wrapper = pool.take() if pool is not None else \
         BatchMLAPagedAttentionWrapper(_workspace(page_table.device), backend=backend)

@@ -31,7 +31,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from deepseek_pd.model.host_copy import upload
+from deepseek_pd.model.host_copy import upload, upload_parts
 from deepseek_pd.model.sampling.noise import counter_uniforms, token_offsets
 from deepseek_pd.model.sampling.ops import choose, gumbel, penalise, scale, top_logprobs, truncation_mask
 from deepseek_pd.model.sampling.state import SamplingState
@@ -303,7 +303,7 @@ class SamplingBatch:
         # New rows' penalty tables are built here, on the thread that samples, from host ids: a state
         # holds no device tensor until then (it is made on the event loop, SamplingState.create).
         prompt_cells, recorded_cells = _cells(fresh)
-        parts = _pack(self.device, ints.view(-1), torch.tensor(survivors if gather else [], dtype=torch.int64),
+        parts = upload_parts(self.device, ints.view(-1), torch.tensor(survivors if gather else [], dtype=torch.int64),
                       torch.tensor(seeded, dtype=torch.int64), prompt_cells.view(-1), recorded_cells.view(-1),
                       torch.tensor([s.packed_floats for s in states], dtype=torch.float32).view(-1))
         ints_dev, survivor_rows, seeded_rows, prompt_cells, recorded_cells, floats = parts
@@ -373,20 +373,6 @@ def _cells(fresh: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
         if tokens:
             recorded.append(np.array([[row] * len(tokens), tokens], dtype=np.int64))
     return torch.from_numpy(np.concatenate(prompt, axis=1)), torch.from_numpy(np.concatenate(recorded, axis=1))
-
-
-def _pack(device: torch.device, *parts: torch.Tensor) -> list[torch.Tensor]:
-    """Flat host tensors to `device` in ONE copy; returns their device views, in order.
-
-    Give the 8-byte dtypes first so each view stays aligned for its dtype.
-    """
-    raw = [p.contiguous().view(torch.uint8) for p in parts]
-    packed = upload(torch.cat(raw), device)
-    views, offset = [], 0
-    for part, chunk in zip(parts, raw):
-        views.append(packed[offset:offset + chunk.numel()].view(part.dtype))
-        offset += chunk.numel()
-    return views
 
 
 def _normalise(device: torch.device) -> torch.device:

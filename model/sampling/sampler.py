@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.sampling.batch import SampleOutput, SamplingBatch  # noqa: F401
 from deepseek_pd.model.sampling.ops import penalise, truncation_mask  # noqa: F401
 from deepseek_pd.model.sampling.params import SamplingParams  # noqa: F401
@@ -57,7 +58,7 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
         prompt = torch.stack([m if m is not None else no_prompt for m in masks])
 
     def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(s.params, name) for s in states], device=device).unsqueeze(1)
+        return upload(torch.tensor([getattr(s.params, name) for s in states], dtype=torch.float32), device).unsqueeze(1)
 
     return penalise(logits, counts, prompt, column("repetition_penalty"), column("frequency_penalty"),
                     column("presence_penalty"))

@@ -334,7 +334,7 @@ def mtp_over_extend(runner: ModelRunner, seqs: Sequence[ExtendSeq], hidden: torc
     for s in seqs:
         total += len(s.token_ids)
         ends.append(total)
-    last = out[torch.tensor([ends[i] - 1 for i in rows], device=out.device)]
+    last = out[upload(torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long), out.device)]
     tokens = runner.logits(last).argmax(dim=-1).tolist()
     return list(zip(tokens, last))
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from deepseek_pd.model.host_copy import HostCopy
+from deepseek_pd.model.host_copy import HostCopy, upload
 from deepseek_pd.model.runner import DecodeSeq, ModelRunner
 from deepseek_pd.model.sampling.sampled_host import SampledTokens, pack, unpack
 from deepseek_pd.model.sampling.batch import SamplingBatch
@@ -68,7 +68,7 @@ class DecodeStepper:
             prev_rows = torch.tensor([max(row.prev_row, 0) for row in rows], dtype=torch.long)
             from_prev = torch.tensor([row.prev_row >= 0 for row in rows])
             ids = torch.tensor(host_ids, dtype=torch.long)
-            packed = torch.stack([prev_rows, from_prev.long(), ids]).to(self.device, non_blocking=True)
+            packed = upload(torch.stack([prev_rows, from_prev.long(), ids]), self.device)  # pinned, no wait
             input_ids = torch.where(packed[1].bool(), prev.token_ids[packed[0]], packed[2])
         logits = self.runner.decode(seqs, input_ids=input_ids)
         out = self.sampling.sample(logits)

@@ -94,6 +94,7 @@ class DecodeEngine(EngineCore[DecodeRequest]):
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        await self._warm_up_model(self.rounds)  # its colocated rounds' extends (decode's own: the graph capture)
         self.budget = PageBudget(self.pool, self.config.scheduler.admission_timeout_s)
         self.receiver = build_receiver(self.config.kv_transport, self.pool, self.config.transport)
         self.client = BootstrapClient(self.config.bootstrap, identity=f"decode@{self.config.transport.advertise_host}")

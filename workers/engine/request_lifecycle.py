@@ -32,6 +32,8 @@ from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
 from deepseek_pd.workers.engine.interface import GenerateRequest
 from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.engine.model_thread import ModelThread
+from deepseek_pd.workers.engine.model_warm_up import wants_warm_up, warm_up
+from deepseek_pd.workers.engine.prefill_round import PrefillRounds
 from deepseek_pd.workers.engine.request_failure import RequestFailure
 from deepseek_pd.workers.engine.request_watch import Interrupted, unless
 
@@ -117,6 +119,13 @@ class EngineCore(Generic[R]):
         request.sampling.validate(model_config.vocab_size)
         return SamplingState.create(request.sampling, request.input_ids, model_config.vocab_size,
                                     device=self.runner.model.options.device)
+
+    async def _warm_up_model(self, rounds: PrefillRounds) -> None:
+        """Before serving, the model thread runs the extends the first requests would, through the
+        role's `rounds` (workers/engine/model_warm_up.py), where its rule says so; both roles call
+        this in `start`."""
+        if wants_warm_up(self.runner):
+            await self.model_thread.run(warm_up, rounds)
 
     def _start_scheduler(self, loop: Coroutine, name: str) -> None:
         self._loop_task = asyncio.create_task(loop, name=name)

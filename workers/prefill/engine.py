@@ -109,6 +109,7 @@ class PrefillEngine(EngineCore[_Request]):
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        await self._warm_up_model(self.rounds)  # before the transport's threads can send (model_warm_up.py)
         self.registry = RoomRegistry(self.config.bootstrap)
         self.sender = build_sender(self.config.kv_transport, self.pool, self.config.transport)
         transport = self.config.transport

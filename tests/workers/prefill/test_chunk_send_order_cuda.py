@@ -18,6 +18,11 @@ when the spin ended (1.999 s), not when the forward did. Suspects: the page ids'
 pageable memory, the one copy both cases share (now from a reserved page-locked buffer,
 host_staging.py), and the cold model thread's first kernel launches (now warmed by a first
 request). A failure lists both threads' slow calls.
+Next suspect (session 12): the model thread's own pageable copies (the batch's seven tensors per
+forward, the prefix chunks' slots), which held the driver's shared staging until the forward
+before them ran; every per-step copy up now goes through pinned `host_copy.upload`
+(tests/workers/engine/test_step_host_copies.py), and each engine warms its extends at start
+(workers/engine/model_warm_up.py).
 """
 from __future__ import annotations
 
