@@ -14,7 +14,9 @@ Every aten op the step dispatches is counted (a `TorchDispatchMode`) under the p
     finish      `finish` (host-side: unpack, emit)
 
 The forwards (`runner.extend_hidden`, `runner.draft`: CUDA-graph replays on the GPU) are not
-counted, only called (`forwards`). Ops that launch no kernel (views such as `view`, `unsqueeze`,
+counted in the total, only apart (`forward_ops`: the whole eager model on the CPU; with
+`--cuda-graph` on the GPU, the graph runners' input copies around each replay) with their calls
+(`forwards`). Ops that launch no kernel (views such as `view`, `unsqueeze`,
 slicing; `empty`; `detach_` of a host tensor built from a list) are reported apart (`free`); each `upload` (a host-to-device copy on the GPU, none on the CPU) counts
 as one op of its phase. Two steps are counted over the same greedy rows: one launched after the
 step before was read (`inorder`), one launched ahead of it (`ahead`, `launch(after=...)`), the
@@ -31,7 +33,9 @@ import contextlib
 import functools
 import json
 import random
+import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -56,13 +60,24 @@ class PhaseOps(TorchDispatchMode):
         self.free: Counter[str] = Counter()
         self.names: dict[str, Counter[str]] = {}
         self.phase: list[str | None] = [None]
+        self.seconds: Counter[str] = Counter()  # wall time by phase, exclusive
+        self._since = time.perf_counter()
+
+    def _charge(self) -> None:
+        now = time.perf_counter()
+        phase = next((p for p in reversed(self.phase) if p is not None), None)  # None: its caller's
+        if phase is not None:
+            self.seconds[phase] += now - self._since
+        self._since = now
 
     @contextlib.contextmanager
     def entered(self, phase: str | None) -> Iterator[None]:
+        self._charge()
         self.phase.append(phase)
         try:
             yield
         finally:
+            self._charge()
             self.phase.pop()
 
     def count(self, name: str, free: bool = False) -> None:
@@ -74,9 +89,20 @@ class PhaseOps(TorchDispatchMode):
             self.names.setdefault(phase, Counter())[name] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__)
-        self.count(name, free=func.is_view or name in NO_KERNEL)
-        return func(*args, **(kwargs or {}))
+        self.count(name, free=name in NO_KERNEL or (func.is_view and _aliases(out, args)))
+        return out
+
+
+def _aliases(out: Any, args: tuple) -> bool:
+    """Whether a view-schema op's result shares its input's memory: `to`, `reshape` and the like
+    (composite under inference mode) have a view's schema but copy when they must."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    result = out[0] if isinstance(out, (tuple, list)) and out else out
+    if first is None or not isinstance(result, torch.Tensor):
+        return True
+    return result.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
 
 
 def _wrap(counter: PhaseOps, phase: str | None, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,8 +114,9 @@ def _wrap(counter: PhaseOps, phase: str | None, fn: Callable[..., Any]) -> Calla
 
 
 @contextlib.contextmanager
-def phases(decoder: Any, counter: PhaseOps) -> Iterator[Counter[str]]:
-    """Routes `decoder`'s steps through `counter` by phase while inside; yields the forward counts."""
+def phases(decoder: Any, counter: PhaseOps, dispatch: bool = True) -> Iterator[Counter[str]]:
+    """Routes `decoder`'s steps through `counter` by phase while inside (its ops with `dispatch`, else
+    only its times); yields the forward counts."""
     from deepseek_pd.model.speculative import decoder as decoder_module
     from deepseek_pd.model.speculative import future_positions
 
@@ -99,7 +126,7 @@ def phases(decoder: Any, counter: PhaseOps) -> Iterator[Counter[str]]:
     def forward(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             forwards[name] += 1
-            with counter.entered(None):
+            with counter.entered("forwards"):
                 return fn(*args, **kwargs)
         return run
 
@@ -134,7 +161,7 @@ def phases(decoder: Any, counter: PhaseOps) -> Iterator[Counter[str]]:
     decoder_module.accept_on_device = _wrap(counter, "accept", original_accept)
     decoder_module.HostCopy = _wrap(counter, "host_copy", original_host_copy)
     try:
-        with counter:
+        with counter if dispatch else contextlib.nullcontext():
             yield forwards
     finally:
         for name in (*patched, ):
@@ -159,29 +186,61 @@ class _Row:
         return len(self.output_ids) >= self.max_new
 
 
-@torch.inference_mode()
-def count_step_ops(runner: Any, batch: int, k: int, context: int, seed: int = 0) -> dict:
-    """Ops per phase of one in-order and one launched-ahead step over `batch` greedy rows drafting
-    `k` (after one uncounted warm-up step): {"inorder"|"ahead": {"ops": {phase: n}, "free": ...,
-    "total": n, "forwards": {...}, "names": {phase: {op: n}}}}."""
+@contextlib.contextmanager
+def _greedy_rows(runner: Any, batch: int, k: int, context: int, steps: int, seed: int) -> Iterator[tuple]:
+    """(decoder drafting k, `batch` greedy rows that last `steps` more steps), after one warm-up step
+    (the sampling batch's rows are in place); their pages are freed on exit."""
     from deepseek_pd.model.sampling.params import SamplingParams
     from deepseek_pd.model.sampling.state import SamplingState
     from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
 
     pool, config, device = runner.kv_pool, runner.model_config, runner.model.embed_tokens.weight.device
     decoder = SpeculativeDecoder(runner, k)
-    max_new = 4 * (k + 1) + 2  # no row ends inside the counted steps
+    max_new = (steps + 2) * (k + 1) + 2  # no row ends inside the steps (launched ahead: drafts stay k)
     rows = [_Row(context, max_new, pool.alloc(pool.pages_for_tokens(context + max_new)),
                  SamplingState.create(SamplingParams(temperature=0.0), (), config.vocab_size, device))
             for _ in range(batch)]
     rng = random.Random(seed)  # each row its own token
     hidden = torch.zeros(config.hidden_size, dtype=runner.model.embed_tokens.weight.dtype, device=device)
-    result = {}
     try:
         for row in rows:
             row.output_ids[:] = [rng.randrange(config.vocab_size)]
             decoder.seed(row, row.output_ids[0], hidden)
-        decoder.step(rows)  # warm-up: the sampling batch's rows are in place
+        decoder.step(rows)
+        yield decoder, rows
+    finally:
+        for row in rows:
+            pool.free(row.pages)
+
+
+def pages_needed(batch: int, k: int, context: int, steps: int, page_size: int) -> int:
+    """KV pages `count_step_ops` / `time_step_phases` over `steps` steps need (+ 2 spare)."""
+    return batch * -(-(context + (steps + 2) * (k + 1) + 2) // page_size) + 2
+
+
+@torch.inference_mode()
+def time_step_phases(runner: Any, batch: int, k: int, context: int, steps: int, seed: int = 0) -> dict[str, float]:
+    """Median wall milliseconds by phase (exclusive; "forwards": inside the forwards) of `steps`
+    in-order steps, without counting ops (the counting mode's own cost stays out). On the GPU this
+    is the host's time to queue each phase (nothing syncs but `finish`'s read, which waits for the step)."""
+    with _greedy_rows(runner, batch, k, context, steps, seed) as (decoder, rows):
+        times: dict[str, list[float]] = {}
+        for _ in range(steps):
+            counter = PhaseOps()
+            with phases(decoder, counter, dispatch=False):
+                decoder.finish(decoder.launch(rows))
+            for phase in (*PHASES, "forwards"):
+                times.setdefault(phase, []).append(counter.seconds[phase] * 1e3)
+    return {phase: statistics.median(ms) for phase, ms in times.items()}
+
+
+@torch.inference_mode()
+def count_step_ops(runner: Any, batch: int, k: int, context: int, seed: int = 0) -> dict:
+    """Ops per phase of one in-order and one launched-ahead step over `batch` greedy rows drafting
+    `k` (after one uncounted warm-up step): {"inorder"|"ahead": {"ops": {phase: n}, "free": ...,
+    "total": n, "forwards": {...}, "names": {phase: {op: n}}}}."""
+    result = {}
+    with _greedy_rows(runner, batch, k, context, 3, seed) as (decoder, rows):
         for name in ("inorder", "ahead"):
             counter = PhaseOps()
             if name == "inorder":
@@ -195,11 +254,9 @@ def count_step_ops(runner: Any, batch: int, k: int, context: int, seed: int = 0)
                 with phases(decoder, counter):
                     decoder.finish(second)
             result[name] = {"ops": {p: counter.ops[p] for p in PHASES}, "free": {p: counter.free[p] for p in PHASES},
-                            "total": sum(counter.ops.values()), "forwards": dict(forwards),
+                            "total": sum(counter.ops[p] for p in PHASES), "forwards": dict(forwards),
+                            "forward_ops": counter.ops["forwards"],
                             "names": {p: dict(counter.names.get(p, {})) for p in PHASES}}
-    finally:
-        for row in rows:
-            pool.free(row.pages)
     return result
 
 
@@ -210,11 +267,14 @@ def main(argv: list[str] | None = None) -> dict:
     where.add_argument("--tiny", action="store_true", help="the tiny model with a random MTP layer")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cuda-graph", action="store_true", help="replay the draft, verify and catch-up graphs")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--context", type=int, default=30)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2, help="drafts per step (k)")
     parser.add_argument("--names", action="store_true", help="also list each phase's ops by name")
+    parser.add_argument("--time-steps", type=int, default=0,
+                        help="also time this many in-order steps by phase (wall ms, without the counting)")
     parser.add_argument("--out", help="write the counts here as JSON")
     args = parser.parse_args(argv)
     from deepseek_pd.model.runner import ModelRunner
@@ -227,18 +287,22 @@ def main(argv: list[str] | None = None) -> dict:
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny-mtp", mtp_layers=1))
     else:
         model = args.model
-    longest = args.context + 4 * (args.steps + 1) + 2
-    num_pages = args.batch * -(-longest // args.page_size) + 2
+    num_pages = pages_needed(args.batch, args.steps, args.context, max(3, args.time_steps), args.page_size)
     runner = ModelRunner(RunnerConfig(model=model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                                      num_pages=num_pages, speculative_num_steps=args.steps))
+                                      num_pages=num_pages, speculative_num_steps=args.steps,
+                                      cuda_graph=args.cuda_graph))
     result = count_step_ops(runner, args.batch, args.steps, args.context)
     for name, counts in result.items():
-        print(f"{name}: {counts['total']} ops (+{sum(counts['free'].values())} free), forwards {counts['forwards']}")
+        print(f"{name}: {counts['total']} ops (+{sum(counts['free'].values())} free), forwards {counts['forwards']} "
+              f"(+{counts['forward_ops']} ops inside them)")
         for phase in PHASES:
             line = f"  {phase:<11} {counts['ops'][phase]:>4} ops {counts['free'][phase]:>4} free"
             if args.names and counts["names"][phase]:
                 line += "  " + ", ".join(f"{op} {n}" for op, n in sorted(counts["names"][phase].items()))
             print(line)
+    if args.time_steps:
+        result["ms"] = time_step_phases(runner, args.batch, args.steps, args.context, args.time_steps)
+        print("wall ms by phase (in order): " + ", ".join(f"{p} {ms:.3f}" for p, ms in result["ms"].items()))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result

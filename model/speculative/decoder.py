@@ -37,7 +37,10 @@ Where the step's state lives (as SGLang keeps it): on the device. `launch` queue
 input ids, the acceptance (`acceptance.accept_on_device`, all positions drawn at once by the rows'
 `SamplingBatch`), the accepted and emitted counts, the catch-up's tokens and the next drafts
 (token and hidden state per request) are device tensors; what the host supplies (positions, draft
-lengths, pages, row indices) is host knowledge from before the step. The catch-up always covers
+lengths, pages, row indices) is host knowledge from before the step. The next drafts are kept as the
+catch-up's batch tensors, and a step whose rows all draft the most (the common one) uses them, the
+verify's ids and hidden states as they are: no per-row gathers, so a step's eager ops (kernel
+launches beside its forwards' graph replays) do not grow with the batch (bench/speculative_ops.py). The catch-up always covers
 every verify position (padded as above), so its shape needs no emitted count. `finish` makes the
 step's ONE device-to-host read (tokens, logprobs, top logprobs, emitted counts; `HostCopy`, so a
 caller may launch other work first), then appends each request's tokens through `emit` one at a
@@ -139,6 +142,7 @@ class SpeculativeDecoder:
         self.stats = AcceptStats()
         self._drafts: dict[int, _Draft] = {}
         self._unread: list[LaunchedSpecStep] = []  # launched steps not yet finished
+        self._aranges: dict[int, torch.Tensor] = {}
 
     # ---- one decode step ----------------------------------------------------------------------
     def step(self, requests: Sequence[SpecRequest], num_steps: int | None = None) -> None:
@@ -166,9 +170,10 @@ class SpeculativeDecoder:
         has_draft = [id(r) in self._drafts for r in requests]
         if after is None:
             lens = [draft_len(steps, r.max_new - len(r.output_ids)) if d else 0 for r, d in zip(requests, has_draft)]
-            starts = FuturePositions.known([len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests],
-                                           self.device)
-            last = self._upload([r.output_ids[-1] for r in requests])
+            positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests]
+            known = self._upload(positions + [r.output_ids[-1] for r in requests])  # one copy for both
+            starts = FuturePositions(known[:len(requests)], tuple(positions))
+            last = known[len(requests):]
             exact = None  # the host's lengths are exact: the forwards need no device starts
         else:
             # Each row emitted 1..k+1 tokens in `after` (unknown here): its drafts are chosen for the
@@ -267,6 +272,12 @@ class SpeculativeDecoder:
         self.sampling = SamplingBatch(self.sampling.vocab_size, self.device, self.sampling.fallback_generator)
         self._unread.clear()
 
+    def _arange(self, n: int) -> torch.Tensor:
+        """`arange(n)` on the device, made once per n."""
+        if n not in self._aranges:
+            self._aranges[n] = torch.arange(n, device=self.device)
+        return self._aranges[n]
+
     def _upload(self, values: list[int]) -> torch.Tensor:
         return upload(torch.tensor(values, dtype=torch.long), self.device)
 
@@ -339,7 +350,7 @@ class SpeculativeDecoder:
             starts = [0]
             for n in counts:
                 starts.append(starts[-1] + n)
-        column = torch.minimum(torch.arange(q, device=self.device).unsqueeze(0), accepted.unsqueeze(1))
+        column = torch.minimum(self._arange(q).unsqueeze(0), accepted.unsqueeze(1))
         ids = tokens.gather(1, column).reshape(-1)
         if cells is not None:
             ids = ids.index_select(0, cells)
