@@ -13,6 +13,7 @@ packing, greedy rows' noise and top-k tables) a step ran 46 + 7 (k - 1) ops in o
 """
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -29,15 +30,21 @@ def bound(k: int) -> int:
     return 38 + 3 * (k - 1)
 
 
-def test_a_common_step_runs_a_bounded_number_of_eager_ops_at_any_batch(tiny_mtp_checkpoint, module_seed):
+def test_a_common_step_runs_a_bounded_number_of_eager_ops_at_any_batch(tiny_mtp_checkpoint, module_seed, tmp_path):
     rng = random.Random(module_seed)
     bench = bench_module("speculative_ops")
-    k, page, context = rng.randint(1, 3), 16, rng.randint(5, 40)
-    batches = [1, rng.randint(2, 5)]
+    k, page, context, batch = rng.randint(1, 3), 16, rng.randint(5, 40), rng.randint(2, 5)
     runner = ModelRunner(RunnerConfig(model=str(tiny_mtp_checkpoint), device="cpu", dtype="float32", page_size=page,
-                                      num_pages=bench.pages_needed(max(batches), k, context, 3, page),
+                                      num_pages=bench.pages_needed(batch, k, context, 3, page),
                                       speculative_num_steps=k))
-    counts = {b: bench.count_step_ops(runner, b, k, context, seed=rng.randrange(1 << 20)) for b in batches}
+    counts = {batch: bench.count_step_ops(runner, batch, k, context, seed=rng.randrange(1 << 20))}
+    # Batch 1 through the script's command line, with its phase times.
+    out = tmp_path / "ops.json"
+    counts[1] = bench.main(["--model", str(tiny_mtp_checkpoint), "--page-size", str(page), "--context", str(context),
+                            "--batch", "1", "--steps", str(k), "--time-steps", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(counts[1]))
+    ms = counts[1].pop("ms")
+    assert set(ms) == {*bench.PHASES, "forwards"} and all(t >= 0 for t in ms.values()) and ms["forwards"] > 0
     for b, by_mode in counts.items():
         for mode, got in by_mode.items():
             assert got["forwards"] == {"draft": k, "verify": 1}  # k - 1 chain steps and the catch-up
