@@ -217,8 +217,12 @@ class SamplingBatch:
         seeded = None
         if t.seeded_rows is not None:
             seeded = (t.seeded_rows.unsqueeze(1) * q + positions).reshape(-1)
-        wide = replace(t, floats=each(t.floats), keys=each(t.keys),
-                       steps=(t.steps.unsqueeze(1) + positions).reshape(-1), top_k=each(t.top_k), counts=counts,
+        # Keys and steps feed only the noise, top_k only the truncation (`_draw`): a batch without
+        # either (all greedy, say) skips their copies, kernels a speculative step would launch for nothing.
+        noisy = t.seeded_rows is not None or t.unseeded
+        wide = replace(t, floats=each(t.floats), keys=each(t.keys) if noisy else t.keys,
+                       steps=(t.steps.unsqueeze(1) + positions).reshape(-1) if noisy else t.steps,
+                       top_k=each(t.top_k) if t.truncates else t.top_k, counts=counts,
                        prompt=None if t.prompt is None else each(t.prompt), seeded_rows=seeded,
                        top_counts=tuple(c for c in t.top_counts for _ in range(q)))
         return self._draw(logits.reshape(rows * q, self.vocab_size), wide)

@@ -67,8 +67,7 @@ class AcceptStats:
 def agreeing_prefix(tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """`[B]` long: how many leading drafts `drafts` `[B, q-1]` (-1: none) the target's tokens
     `tokens` `[B, q]` confirm (`tokens[:, i] == drafts[:, i]`), as tensor ops."""
-    agree = (tokens[:, :-1] == drafts).long()
-    return agree.cumprod(dim=1).sum(dim=1)
+    return (tokens[:, :-1] == drafts).cumprod(dim=1, dtype=torch.long).sum(dim=1)
 
 
 @dataclass

@@ -37,7 +37,10 @@ Where the step's state lives (as SGLang keeps it): on the device. `launch` queue
 input ids, the acceptance (`acceptance.accept_on_device`, all positions drawn at once by the rows'
 `SamplingBatch`), the accepted and emitted counts, the catch-up's tokens and the next drafts
 (token and hidden state per request) are device tensors; what the host supplies (positions, draft
-lengths, pages, row indices) is host knowledge from before the step. The catch-up always covers
+lengths, pages, row indices) is host knowledge from before the step. The next drafts are kept as the
+catch-up's batch tensors, and a step whose rows all draft the most (the common one) uses them, the
+verify's ids and hidden states as they are: no per-row gathers, so a step's eager ops (kernel
+launches beside its forwards' graph replays) do not grow with the batch (bench/speculative_ops.py). The catch-up always covers
 every verify position (padded as above), so its shape needs no emitted count. `finish` makes the
 step's ONE device-to-host read (tokens, logprobs, top logprobs, emitted counts; `HostCopy`, so a
 caller may launch other work first), then appends each request's tokens through `emit` one at a
@@ -98,8 +101,12 @@ def append_token(request: SpecRequest, token: int, logprob: float, top: TopLogpr
 
 @dataclass
 class _Draft:
-    token: torch.Tensor  # 0-d long on the device: d1 for the next step
-    hidden: torch.Tensor  # [H] the MTP layer's normed output at the last emitted token's position - 1
+    """A request's next d1 and MTP hidden state: row `row` of a batch's (the catch-up's, kept whole
+    so the next chain over the same rows takes the batch as it is, with no per-row gathers)."""
+
+    tokens: torch.Tensor  # [N] long on the device: d1 for the next step
+    hidden: torch.Tensor  # [N, H] the MTP layer's normed output at the last emitted token's position - 1
+    row: int
 
 
 @dataclass
@@ -109,13 +116,14 @@ class LaunchedSpecStep:
     requests: list  # the step's rows, in order
     lens: list[int]  # drafts verified per row
     q: int  # positions drawn per row (the longest verify)
-    host: HostCopy  # [B * q, 2 + 2K + 2] float64: sampled_host.pack, then accepted and emitted per row
+    host: HostCopy  # [B * q, 2 + 2K + 1] float64: sampled_host.pack, then the row's accepted count
     top_counts: tuple[int, ...]
     # What the next step takes from this one on the device when it is launched before this one is
     # read (`launch(after=...)`): each row's verify start, the target's draws, the emitted counts.
     starts: FuturePositions
     tokens: torch.Tensor  # [B, q] long
     emitted: torch.Tensor  # [B] long
+    accepted: torch.Tensor  # [B] long: emitted - 1, the column of each row's last emitted token
 
 
 class SpeculativeDecoder:
@@ -134,6 +142,7 @@ class SpeculativeDecoder:
         self.stats = AcceptStats()
         self._drafts: dict[int, _Draft] = {}
         self._unread: list[LaunchedSpecStep] = []  # launched steps not yet finished
+        self._aranges: dict[int, torch.Tensor] = {}
 
     # ---- one decode step ----------------------------------------------------------------------
     def step(self, requests: Sequence[SpecRequest], num_steps: int | None = None) -> None:
@@ -161,9 +170,10 @@ class SpeculativeDecoder:
         has_draft = [id(r) in self._drafts for r in requests]
         if after is None:
             lens = [draft_len(steps, r.max_new - len(r.output_ids)) if d else 0 for r, d in zip(requests, has_draft)]
-            starts = FuturePositions.known([len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests],
-                                           self.device)
-            last = self._upload([r.output_ids[-1] for r in requests])
+            positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests]
+            known = self._upload(positions + [r.output_ids[-1] for r in requests])  # one copy for both
+            starts = FuturePositions(known[:len(requests)], tuple(positions))
+            last = known[len(requests):]
             exact = None  # the host's lengths are exact: the forwards need no device starts
         else:
             # Each row emitted 1..k+1 tokens in `after` (unknown here): its drafts are chosen for the
@@ -177,29 +187,35 @@ class SpeculativeDecoder:
             page_size = self.runner.kv_pool.page_size
             room = [len(r.pages) * page_size - 1 - k for r, k in zip(requests, lens)]
             starts = FuturePositions(after.starts.starts, tuple(base)).advanced(after.emitted, most, room)
-            last = after.tokens.gather(1, (after.emitted - 1).unsqueeze(1)).squeeze(1)
+            last = after.tokens.gather(1, after.accepted.unsqueeze(1)).squeeze(1)  # its last emitted token
             exact = starts.starts
         q = max(lens) + 1
         drafts = self._chain(requests, starts, exact is not None, lens, q - 1)  # [B, q-1], -1 past a row's drafts
         seqs = [ExtendSeq([0] * (k + 1), prefix_len=p, pages=r.pages)
                 for r, k, p in zip(requests, lens, starts.bounds)]
-        # Row i's verify tokens [x, d1..dk], packed: its cells of the [B, q] table [x | drafts].
-        cells = self._upload([i * q + j for i, k in enumerate(lens) for j in range(k + 1)])
-        verify_ids = torch.cat([last.unsqueeze(1), drafts], dim=1).reshape(-1).index_select(0, cells)
+        # Row i's verify tokens [x, d1..dk], packed: its cells of the [B, q] table [x | drafts]. Every
+        # row drafting the most (the common step): the table itself, no gathers (`cells` None).
+        uniform = min(lens) == q - 1
+        cells = None if uniform else self._upload([i * q + j for i, k in enumerate(lens) for j in range(k + 1)])
+        verify_ids = torch.cat([last.unsqueeze(1), drafts], dim=1).reshape(-1)
+        if cells is not None:
+            verify_ids = verify_ids.index_select(0, cells)
         hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids, starts=exact)
         starts_at = [0]  # each row's first verify row
         for k in lens:
             starts_at.append(starts_at[-1] + k + 1)
         # Row i's position j is verify row starts_at[i] + min(j, k_i): past its drafts, its last again
         # (drawn, never kept: its drafts there are -1).
-        at = self._upload([starts_at[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)])
-        logits = self.runner.logits(hidden.index_select(0, at)).view(len(requests), q, -1)
+        rows_at = hidden if uniform else hidden.index_select(0, self._upload(
+            [starts_at[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)]))
+        logits = self.runner.logits(rows_at).view(len(requests), q, -1)
         result = accept_on_device(self.sampling, logits, drafts)
-        self._catch_up(requests, seqs, hidden, result.tokens, result.emitted, cells, starts_at, q, exact)
-        extra = torch.stack([result.accepted, result.emitted], dim=1).unsqueeze(1).expand(-1, q, -1)
-        host = HostCopy(torch.cat([pack(result.sampled), extra.reshape(-1, 2).to(torch.float64)], dim=1))
+        self._catch_up(requests, seqs, hidden, result.tokens, result.accepted, cells, starts_at, q, exact)
+        # The host gets `accepted` per position row (emitted is accepted + 1), in the packed copy.
+        accepted = result.accepted.unsqueeze(1).expand(-1, q).reshape(-1, 1)
+        host = HostCopy(torch.cat([pack(result.sampled), accepted], dim=1))
         launched = LaunchedSpecStep(requests, lens, q, host, result.sampled.top_counts, starts, result.tokens,
-                                    result.emitted)
+                                    result.emitted, result.accepted)
         self._unread.append(launched)
         return launched
 
@@ -219,10 +235,11 @@ class SpeculativeDecoder:
         Returns how many tokens each row got."""
         self._unread = [step for step in self._unread if step is not launched]
         host, q = launched.host.wait(), launched.q
-        sampled = unpack(host[:, :-2], launched.top_counts)
+        sampled = unpack(host[:, :-1], launched.top_counts)
         got = []
-        counts = host[::q, -2:].long().tolist()  # (accepted, emitted) per row
-        for i, (request, drafted, (accepted, emitted)) in enumerate(zip(launched.requests, launched.lens, counts)):
+        counts = host[::q, -1].long().tolist()  # accepted per row
+        for i, (request, drafted, accepted) in enumerate(zip(launched.requests, launched.lens, counts)):
+            emitted = accepted + 1
             self.sampling.advanced(request.sampling, emitted)  # before `emit` acknowledges the tokens
             if request.finished:  # it ended in the step this one was launched ahead of: a void row
                 got.append(0)
@@ -242,7 +259,7 @@ class SpeculativeDecoder:
     def seed(self, request: SpecRequest, token: int, hidden: torch.Tensor) -> None:
         """Its first draft, from an MTP pass over its prompt that ran elsewhere (`mtp_over_extend`,
         in a colocated prefill round or on the prefill worker)."""
-        self._drafts[id(request)] = _Draft(self._upload([token])[0], hidden)
+        self._drafts[id(request)] = _Draft(self._upload([token]), hidden.unsqueeze(0), 0)
 
     def forget(self, request: SpecRequest) -> None:
         """Drops a request's draft state (it ended, by a stop, an abort or a failure); its sampling
@@ -254,6 +271,12 @@ class SpeculativeDecoder:
         longer be trusted, so a new one starts (their drafts go with `forget`, as they end)."""
         self.sampling = SamplingBatch(self.sampling.vocab_size, self.device, self.sampling.fallback_generator)
         self._unread.clear()
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """`arange(n)` on the device, made once per n."""
+        if n not in self._aranges:
+            self._aranges[n] = torch.arange(n, device=self.device)
+        return self._aranges[n]
 
     def _upload(self, values: list[int]) -> torch.Tensor:
         return upload(torch.tensor(values, dtype=torch.long), self.device)
@@ -271,32 +294,55 @@ class SpeculativeDecoder:
         """`[B, width]` long: each request's draft tokens (d1 from the last catch-up, then k-1 MTP
         decode steps, argmax), -1 past its `lens`; on the device. `future`: `starts` are exact only
         on the device."""
-        drafts = torch.full((len(requests), width), -1, dtype=torch.long, device=self.device)
+        batch = len(requests)
         rows = [i for i, k in enumerate(lens) if k]
         if not rows:
-            return drafts
-        tokens = torch.stack([self._drafts[id(requests[i])].token for i in rows])
-        hidden = torch.stack([self._drafts[id(requests[i])].hidden for i in rows])
-        drafts[:, 0].index_copy_(0, self._upload(rows), tokens)
+            return torch.full((batch, width), -1, dtype=torch.long, device=self.device)
+        tokens, hidden = self._draft_inputs([requests[i] for i in rows])
+        columns = [self._column(tokens, rows, batch)]
         for j in range(1, max(lens)):
             longer = [n for n, i in enumerate(rows) if lens[i] > j]  # among `rows`
-            rows = [rows[n] for n in longer]
-            keep = self._upload(longer)
+            if len(longer) < len(rows):  # some rows stop drafting here
+                keep = self._upload(longer)
+                rows = [rows[n] for n in longer]
+                tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
             seqs = [ExtendSeq([0], prefix_len=starts.bounds[i] + j - 1, pages=requests[i].pages) for i in rows]
-            at = starts.starts.index_select(0, self._upload(rows)) + (j - 1) if future else None
-            hidden = self.runner.draft(seqs, hidden.index_select(0, keep), input_ids=tokens.index_select(0, keep),
-                                       starts=at)
+            at = None
+            if future:
+                at = starts.starts if len(rows) == batch else starts.starts.index_select(0, self._upload(rows))
+                at = at + (j - 1) if j > 1 else at
+            hidden = self.runner.draft(seqs, hidden, input_ids=tokens, starts=at)
             tokens = self.runner.logits(hidden).argmax(dim=-1)
-            drafts[:, j].index_copy_(0, self._upload(rows), tokens)
-        return drafts
+            columns.append(self._column(tokens, rows, batch))
+        return torch.stack(columns, dim=1)
+
+    def _draft_inputs(self, requests: list[SpecRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`requests`' d1 `[N]` and MTP hidden states `[N, H]`: the last catch-up's tensors as they
+        are when these are its rows in order (the common step), else gathered row by row."""
+        drafts = [self._drafts[id(r)] for r in requests]
+        first = drafts[0]
+        if first.tokens.shape[0] == len(drafts) and all(d.tokens is first.tokens and d.row == i
+                                                         for i, d in enumerate(drafts)):
+            return first.tokens, first.hidden
+        return (torch.stack([d.tokens[d.row] for d in drafts]), torch.stack([d.hidden[d.row] for d in drafts]))
+
+    def _column(self, tokens: torch.Tensor, rows: list[int], batch: int) -> torch.Tensor:
+        """`[batch]`: `tokens` at `rows`, -1 elsewhere."""
+        if len(rows) == batch:
+            return tokens
+        column = torch.full((batch,), -1, dtype=torch.long, device=self.device)
+        return column.index_copy_(0, self._upload(rows), tokens)
 
     def _catch_up(self, requests: list[SpecRequest], seqs: list[ExtendSeq], hidden: torch.Tensor,
-                  tokens: torch.Tensor, emitted: torch.Tensor, cells: torch.Tensor, starts: list[int],
+                  tokens: torch.Tensor, accepted: torch.Tensor, cells: torch.Tensor | None, starts: list[int],
                   q: int, exact: torch.Tensor | None) -> None:
         """MTP over (emitted token, target hidden) pairs at every verify position (the emitted
-        tokens, then the last one again: module docstring); each next d1 from its last emitted row."""
+        tokens, then the last one again: module docstring); each next d1 from its last emitted row
+        (row `accepted`: a row emits accepted + 1). `cells` None: every row verified q tokens."""
+        uniform = cells is None
         if not self.pad_catch_up:  # the reference: only the emitted tokens (reads their counts)
-            counts = emitted.tolist()
+            counts = (accepted + 1).tolist()
+            uniform = False
             keep = [start + j for start, n in zip(starts, counts) for j in range(n)]
             seqs = [ExtendSeq([0] * n, s.prefix_len, s.pages) for s, n in zip(seqs, counts)]
             hidden = hidden.index_select(0, self._upload(keep))
@@ -304,13 +350,19 @@ class SpeculativeDecoder:
             starts = [0]
             for n in counts:
                 starts.append(starts[-1] + n)
-        column = torch.minimum(torch.arange(q, device=self.device).unsqueeze(0), (emitted - 1).unsqueeze(1))
-        ids = tokens.gather(1, column).reshape(-1).index_select(0, cells)
+        column = torch.minimum(self._arange(q).unsqueeze(0), accepted.unsqueeze(1))
+        ids = tokens.gather(1, column).reshape(-1)
+        if cells is not None:
+            ids = ids.index_select(0, cells)
         out = self.runner.draft(seqs, hidden, input_ids=ids, starts=exact)
-        out = out.index_select(0, self._upload(starts[:-1]) + emitted - 1)
+        if uniform:  # row i's last emitted token is out row i * q + accepted[i]
+            width = out.shape[-1]
+            out = out.view(len(requests), q, width).gather(1, accepted.view(-1, 1, 1).expand(-1, 1, width)).squeeze(1)
+        else:
+            out = out.index_select(0, self._upload(starts[:-1]) + accepted)
         next_tokens = self.runner.logits(out).argmax(dim=-1)
         for i, request in enumerate(requests):
-            self._drafts[id(request)] = _Draft(next_tokens[i], out[i])
+            self._drafts[id(request)] = _Draft(next_tokens, out, i)
 
 
 def mtp_over_extend(runner: ModelRunner, seqs: Sequence[ExtendSeq], hidden: torch.Tensor,
