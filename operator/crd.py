@@ -13,7 +13,7 @@ from deepseek_pd.operator.crd_spec import spec_schema
 from deepseek_pd.operator.schema_types import Schema, array, integer, obj, rule, string
 
 CONDITION_TYPES = ("Available", "Progressing", "Degraded", "InvalidSpec", "ModelReady", "SecretsReady",
-                   "MemoryPlanFits", "GangScheduling", "RolloutVerified")
+                   "MemoryPlanFits", "GangScheduling", "RolloutVerified", "MooncakePortsGuarded")
 PHASES = ("Pending", "Progressing", "Available", "Degraded", "Failed")
 
 
