@@ -61,8 +61,14 @@ def raw_mooncake(setup, sender, receiver) -> float:
     if len(slots) > staging.num_pages:
         raise SystemExit(f"the raw mooncake write needs {len(slots)} staging pages, the staging holds "
                          f"{staging.num_pages}: raise --engine-opt mooncake_staging_tokens")
-    batch = build_write_batch(sender.engine.base_addrs, staging.base_addrs, setup.src.bytes_per_page,
-                              setup.src_pages, slots)
+    # Over TCP the source needs no registration (a write reads local memory): the prefill pool's pages.
+    # Over RDMA the NIC reads only registered memory: the sender's send staging (as a transfer does).
+    if sender.engine.protocol == "tcp":
+        batch = build_write_batch([buffer.data_ptr() for buffer in setup.src.buffers], staging.base_addrs,
+                                  setup.src.bytes_per_page, setup.src_pages, slots)
+    else:
+        batch = build_write_batch(sender.staging.base_addrs, staging.base_addrs, setup.src.bytes_per_page,
+                                  slots, slots)
     length = len(slots) * staging.page_bytes
     registered = [base for base in staging.base_addrs
                   if engine.protocol == "tcp" and engine.engine.register_memory(base, length) == 0]

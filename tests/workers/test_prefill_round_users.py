@@ -142,7 +142,7 @@ def test_each_engine_prefills_through_the_round(spy):
     for kind, tokens in spy:
         assert tokens <= CHUNK
         rounds.setdefault(kind, []).append(tokens)
-    assert list(rounds) == [f"{ROOT_PACKAGE}.workers.engine.offline", f"{ROOT_PACKAGE}.workers.decode.engine",
+    assert list(rounds) == [f"{ROOT_PACKAGE}.workers.engine.offline", f"{ROOT_PACKAGE}.workers.decode.request_state",
                             f"{ROOT_PACKAGE}.workers.prefill.engine"]
     # Each prompt went through the round whole, chunked by the budget (the prefill side may hit nothing cached).
     assert [sum(r) for r in rounds.values()] == [len(p) for p in prompts]
