@@ -222,9 +222,7 @@ class StagingArea:
                 return
             # Scattered slots: one fill per layer, not one per run (a 4k-token prompt in 256 scattered
             # slots took 87 ms to decrypt on an H100, 7,000 launches, against 2 ms to encrypt).
-            index = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
-            for layer in chosen:
-                self.buffers[layer].view(torch.uint8).index_fill_(0, index, 0)
+            self._zero_rows(self._slot_index(slots), chosen)
 
         def copy() -> None:
             if pool.device.type == "cpu":  # numpy's plain copies: torch's fork OpenMP teams per call
@@ -241,12 +239,10 @@ class StagingArea:
                         buffer[run.dst:run.dst + run.length].copy_(staged[run.src:run.src + run.length])
                         staged[run.src:run.src + run.length].zero_()
                 return
-            src = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
-            dst = page_index(pool, pages)
+            src, dst = self._slot_index(slots), page_index(pool, pages)
             for layer in chosen:
-                staged, buffer = self.buffers[layer], pool.buffers[layer]
-                copy_pages_(buffer, dst, staged.index_select(0, src))
-                staged.view(torch.uint8).index_fill_(0, src, 0)  # bytes: no float8 fill kernel on CUDA
+                copy_pages_(pool.buffers[layer], dst, self.buffers[layer].index_select(0, src))
+            self._zero_rows(src, chosen)
         self._on_device(copy if cipher is None else decrypt)
 
     def fill_from(self, pool: KVPool, layers: range, pages: Sequence[int], slots: Sequence[int],
@@ -280,11 +276,15 @@ class StagingArea:
             return
         chosen = range(len(self.buffers)) if layers is None else layers
 
-        def zero() -> None:
-            index = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
-            for layer in chosen:
-                self.buffers[layer].index_fill_(0, index, 0)
-        self._on_device(zero)
+        self._on_device(lambda: self._zero_rows(self._slot_index(slots), chosen))
+
+    def _slot_index(self, slots: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+
+    def _zero_rows(self, index: torch.Tensor, layers: range) -> None:
+        """Zeroes the slots at `index` in `layers`, as bytes (CUDA has no float8 fill kernel)."""
+        for layer in layers:
+            self.buffers[layer].view(torch.uint8).index_fill_(0, index, 0)
 
     def _on_device(self, work) -> None:
         device = self.buffers[0].device
