@@ -56,6 +56,13 @@ def _timed(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _row_tokens(batch: int, vocab_size: int) -> list[int]:
+    """Each row's own token, the same in every timing of a batch: one token shared by every row
+    would route them all to the same experts, and plain decode's rows differ."""
+    rng = random.Random(batch)
+    return [rng.randrange(vocab_size) for _ in range(batch)]
+
+
 class _Row:
     """A greedy request `context` tokens in, drafting k this step (decoder.SpecRequest)."""
 
@@ -81,9 +88,7 @@ def _decoder_step_ms(runner, batch: int, k: int, context: int, repeats: int, dev
     greedy = SamplingParams(temperature=0.0)
     rows = [_Row(context, k + 2, pool.alloc(pool.pages_for_tokens(context + k + 1)),
                  SamplingState.create(greedy, (), config.vocab_size, device)) for _ in range(batch)]
-    # each row its own token, as plain decode's rows: one shared token routes every row to the same experts
-    rng = random.Random(0)
-    seeds = [rng.randrange(config.vocab_size) for _ in rows]
+    seeds = _row_tokens(batch, config.vocab_size)
 
     def one_step() -> None:
         for row, token in zip(rows, seeds):
@@ -99,10 +104,12 @@ def _decoder_step_ms(runner, batch: int, k: int, context: int, repeats: int, dev
 
 
 def _chained_step_ms(runner, batch: int, k: int, context: int, chain: int, ahead: bool, repeats: int,
-                     device: str) -> float:
+                     device: str) -> tuple[float, float]:
     """Median milliseconds per step of `chain` consecutive decoder steps over `batch` greedy rows
     drafting k (random weights: each emits 1..k+1 tokens a step), each step launched after the one
-    before it was read, or with `ahead` before it (`SpeculativeDecoder.launch(after=...)`)."""
+    before it was read, or with `ahead` before it where the decoder allows it
+    (`SpeculativeDecoder.run`); and the fraction of steps after the first that were launched ahead
+    (0 where the attention backend needs host lengths)."""
     from deepseek_pd.model.sampling.params import SamplingParams
     from deepseek_pd.model.sampling.state import SamplingState
     from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
@@ -112,35 +119,26 @@ def _chained_step_ms(runner, batch: int, k: int, context: int, chain: int, ahead
     greedy = SamplingParams(temperature=0.0)
     max_new = chain * (k + 1) + 2  # no row ends inside the chain
 
-    def run() -> float:
+    def run() -> tuple[float, float]:
         decoder = SpeculativeDecoder(runner, k)
         rows = [_Row(context, max_new, pool.alloc(pool.pages_for_tokens(context + max_new)),
                      SamplingState.create(greedy, (), config.vocab_size, device)) for _ in range(batch)]
         try:
-            rng = random.Random(0)  # each row its own token (one shared token routes every row to the same experts)
-            for row in rows:
-                row.output_ids[:] = [rng.randrange(config.vocab_size)]
-                decoder.seed(row, row.output_ids[0], hidden)
+            for row, token in zip(rows, _row_tokens(batch, config.vocab_size)):
+                row.output_ids[:] = [token]
+                decoder.seed(row, token, hidden)
             _sync(device)
-            start, pending = time.perf_counter(), None
-            for _ in range(chain):
-                launched = decoder.launch(rows, after=pending if ahead else None)
-                if pending is not None:
-                    decoder.finish(pending)
-                pending = launched
-                if not ahead:
-                    decoder.finish(pending)
-                    pending = None
-            if pending is not None:
-                decoder.finish(pending)
+            start = time.perf_counter()
+            launched = decoder.run(rows, ahead, max_steps=chain)
             _sync(device)
-            return (time.perf_counter() - start) * 1e3 / chain
+            return (time.perf_counter() - start) * 1e3 / chain, launched.launched_ahead / max(1, chain - 1)
         finally:
             for row in rows:
                 pool.free(row.pages)
 
     run()  # warm-up
-    return statistics.median(run() for _ in range(repeats))
+    runs = [run() for _ in range(repeats)]
+    return statistics.median(ms for ms, _ in runs), min(ahead for _, ahead in runs)
 
 
 @torch.inference_mode()
@@ -161,13 +159,12 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
                                         cuda_graph=cuda_graph, num_pages=num_pages, speculative_num_steps=steps))
 
     def plain_ms(runner: ModelRunner) -> list[float]:
-        rng = random.Random(0)
         times = []
         for batch in batches:
             pool = runner.kv_pool
             pages = [pool.alloc(pool.pages_for_tokens(context + 1)) for _ in range(batch)]
             try:
-                tokens = [rng.randrange(runner.model_config.vocab_size) for _ in range(batch)]
+                tokens = _row_tokens(batch, runner.model_config.vocab_size)
                 times.append(_timed(lambda: runner.decode([DecodeSeq(t, context, p) for t, p in zip(tokens, pages)]),
                                     device, repeats))
             finally:
@@ -205,9 +202,9 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
             cost = spec_ms[k][col]
             row[f"spec{k}_ms"] = cost
             row[f"spec{k}_step_ms"] = step_ms[k][col]
-            row[f"spec{k}_inorder_ms"] = chained[k, False][col]
-            row[f"spec{k}_ahead_ms"] = chained[k, True][col]
-            row[f"spec{k}_ahead_gain"] = chained[k, False][col] / chained[k, True][col]
+            row[f"spec{k}_inorder_ms"] = chained[k, False][col][0]
+            row[f"spec{k}_ahead_ms"], row[f"spec{k}_ahead_launched"] = chained[k, True][col]
+            row[f"spec{k}_ahead_gain"] = chained[k, False][col][0] / chained[k, True][col][0]
             for a in ACCEPT_LENGTHS:
                 if a <= k + 1:
                     row[f"spec{k}_speedup_at_{a}"] = a * plain[col] / cost

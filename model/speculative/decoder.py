@@ -57,7 +57,7 @@ must be the last step's (`can_launch_ahead`): a row change reads the last step f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
@@ -124,6 +124,15 @@ class LaunchedSpecStep:
     tokens: torch.Tensor  # [B, q] long
     emitted: torch.Tensor  # [B] long
     accepted: torch.Tensor  # [B] long: emitted - 1, the column of each row's last emitted token
+
+
+@dataclass
+class SpecRun:
+    """What `SpeculativeDecoder.run` launched: each step's draft lengths, and how many steps were
+    launched before the step ahead of them was read."""
+
+    lens: list[list[int]] = field(default_factory=list)
+    launched_ahead: int = 0
 
 
 class SpeculativeDecoder:
@@ -218,6 +227,31 @@ class SpeculativeDecoder:
                                     result.emitted, result.accepted)
         self._unread.append(launched)
         return launched
+
+    def run(self, requests: Sequence[SpecRequest], ahead: bool, max_steps: int | None = None) -> SpecRun:
+        """Steps until every request is done (or `max_steps` are launched). With `ahead` step N+1 is
+        launched before step N is read whenever `can_launch_ahead` allows (the steady state), so the
+        host builds N+1 while the device runs N; when the rows change, the step in flight is read
+        before the next launch (a row change needs the host's counts)."""
+        running, pending, run = [r for r in requests if not r.finished], None, SpecRun()
+        while running and (max_steps is None or len(run.lens) < max_steps):
+            if pending is not None and not (ahead and self.can_launch_ahead(running, pending)):
+                self.finish(pending)
+                pending = None
+            else:
+                launched = self.launch(running, after=pending)
+                if launched is not None:
+                    run.lens.append(launched.lens)
+                    run.launched_ahead += pending is not None
+                if pending is not None:
+                    self.finish(pending)
+                pending = launched if ahead else None
+                if not ahead and launched is not None:
+                    self.finish(launched)
+            running = [r for r in running if not r.finished]
+        if pending is not None:  # its rows all ended in the step before it, or max_steps was reached
+            self.finish(pending)
+        return run
 
     def can_launch_ahead(self, requests: Sequence[SpecRequest], after: LaunchedSpecStep) -> bool:
         """Whether the next step of `requests` can be launched before `after` is read: `after` is the

@@ -258,28 +258,9 @@ class Engine:
             running = [r for r in running if not r.finished]
 
     def _speculate(self, running: list[_Request]) -> None:
-        """Speculative steps until every request is done. With `speculative_overlap` step N+1 is
-        launched before step N is read whenever the rows stay the same (the steady state), so the
-        host builds N+1 while the device runs N; when a request ends, the step in flight is read
-        before the next launch (a row change needs the host's counts)."""
-        decoder, pending = self.speculative, None
-        overlap = self.config.speculative_overlap
-        while running:
-            if pending is not None and not (overlap and decoder.can_launch_ahead(running, pending)):
-                decoder.finish(pending)
-                pending = None
-                running = [r for r in running if not r.finished]
-                continue
-            launched = decoder.launch(running, after=pending)
-            if pending is not None:
-                decoder.finish(pending)
-            pending = launched
-            if not overlap and pending is not None:
-                decoder.finish(pending)
-                pending = None
-            running = [r for r in running if not r.finished]
-        if pending is not None:  # its rows all ended in the step before it
-            decoder.finish(pending)
+        """Speculative steps until every request is done; with `speculative_overlap` each is launched
+        before the one ahead of it is read, wherever the rows allow (SpeculativeDecoder.run)."""
+        self.speculative.run(running, ahead=self.config.speculative_overlap)
 
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
         out = self.sampler.sample(logits, [r.sampling for r in requests])

@@ -187,22 +187,12 @@ def test_a_long_chain_launched_ahead_keeps_drafting(tiny_mtp_checkpoint):
         rows = [_Row(p, max_new, pool.alloc(pool.pages_for_tokens(len(p) + max_new)),
                      SamplingState.create(SamplingParams(temperature=0.0), p, config.vocab_size, "cpu"))
                 for p in prompts]
-        lens, pending = [], None
         try:
             for row in rows:
                 decoder.seed(row, 1, hidden)
-            for _ in range(steps):
-                launched = decoder.launch(rows, after=pending if ahead else None)
-                lens.append(launched.lens)
-                if pending is not None:
-                    decoder.finish(pending)
-                pending = launched
-                if not ahead:
-                    decoder.finish(pending)
-                    pending = None
-            if pending is not None:
-                decoder.finish(pending)
-            return lens, [r.output_ids for r in rows]
+            run = decoder.run(rows, ahead, max_steps=steps)
+            assert run.launched_ahead == (steps - 1 if ahead else 0)
+            return run.lens, [r.output_ids for r in rows]
         finally:
             for row in rows:
                 pool.free(row.pages)
