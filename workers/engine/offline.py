@@ -51,9 +51,9 @@ class EngineConfig:
     speculative_num_steps: int = 0
     # Launch each speculative step before the previous one is read (its positions from the device:
     # model/speculative/future_positions.py); False: launch, read, launch (the reference order).
-    # Off by default, as in the decode worker (scheduler_config.py), until its GPU test
-    # (tests/model/speculative/test_speculative_sync_gpu.py) has passed on a GPU.
-    speculative_overlap: bool = False
+    # On by default (the decode worker's is still off: scheduler_config.py): its GPU test
+    # (tests/model/speculative/test_speculative_sync_gpu.py) passed on an H100 on 2026-12-07.
+    speculative_overlap: bool = True
     # Batch-invariant forward and chunk cuts aligned to chunked_prefill_size (docs/deterministic.md).
     deterministic: bool = False
     enable_tbo: bool = False  # two-batch overlap (model/distributed/tbo.py): each forward as two micro-batches

@@ -59,7 +59,11 @@ class SchedulerConfig:
     # decode: launch step N+1 before collecting step N's tokens (workers/decode/engine.py); same tokens
     overlap_schedule: bool = True
     # decode with speculation: collect step N and launch step N+1 in one model-thread call, so the
-    # device runs N+1 while the event loop streams N's tokens (workers/decode/engine.py); same tokens
+    # device runs N+1 while the event loop streams N's tokens (workers/decode/engine.py); same tokens.
+    # Off by default: the offline engine's launch-ahead passed its GPU test (2026-12-07), but in this
+    # worker a step launched ahead still counts its void rows in the accept-length metric and in
+    # EPLB's expert load (tests/workers/decode/test_speculative_decode_engine.py,
+    # tests/workers/test_group_eplb.py fail with it on).
     speculative_overlap: bool = False
     # `--deterministic`: prompts cut only at multiples of chunked_prefill_size from their own start
     # (prefill_planner `aligned`), and no prefix cache (a hit would start a prompt's extend at the
