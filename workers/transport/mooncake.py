@@ -58,7 +58,9 @@ from deepseek_pd.model.kv.staging_size import staging_pages
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.transport import kv_cipher, kv_mac
 from deepseek_pd.workers.transport.base import EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig
-from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel, check_destination
+from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel, check_destination, check_engine_match
+from deepseek_pd.workers.transport.mooncake_pull_channel import MooncakePullChannel
+from deepseek_pd.workers.transport.mooncake_pull_sink import MooncakePullSink
 from deepseek_pd.workers.transport.mooncake_engine import MooncakeEngine
 from deepseek_pd.workers.transport.mooncake_sink import MooncakeSink
 from deepseek_pd.workers.transport.staging import StagingArea
@@ -90,8 +92,23 @@ class MooncakeSender(KVSender):
             self.engine.register_buffers(self.staging.base_addrs,
                                          [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
+    def answer_handshake(self, handshake: pb.Handshake, ack: pb.HandshakeAck) -> None:
+        if handshake.WhichOneof("destination") != "mooncake" or not handshake.mooncake.pull:
+            return
+        source = ack.mooncake_source  # where decode reads: this rank's send staging
+        source.session_id = self.engine.session_id
+        source.layer_base_addrs.extend(self.staging.base_addrs)
+        source.page_bytes = self.pool.bytes_per_page
+        source.pool_pages = self.staging.num_pages
+
     def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         destination = handshake.mooncake
+        if destination.pull:  # decode reads out of the send staging (mooncake_pull_channel.py)
+            check_engine_match(destination, self.pool.bytes_per_page, self.engine.protocol)
+            log.debug("room %d: mooncake %s is read by decode (DP rank %d)", handshake.room,
+                      self.engine.session_id, handshake.decode_dp_rank)
+            return MooncakePullChannel(self.pool, self.engine, destination, handshake.page_ids,
+                                       self.config.send_timeout_s, self.staging, emit)
         check_destination(destination, handshake.page_ids, self.pool.bytes_per_page, self.pool.num_layers,
                           self.engine.protocol)
         # Which engine writes into which: under DP each rank's own engine writes rank to rank.
@@ -113,6 +130,9 @@ class MooncakeReceiver(KVReceiver):
         kv_cipher.require(pool.device)
         self.engine = MooncakeEngine(pool, config)
         self.staging = staging_for(pool, config)
+        # Pulled (the default): decode reads the KV out of the prefill side's send staging, and over
+        # TCP registers nothing; over RDMA the staging is the reads' landing (the NIC needs it registered).
+        self.pull = config.mooncake_kv_direction == "pull"
         # Windows' copies out of the staging (`MooncakeSink.on_chunk`), off the event loop.
         self._copies = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-land")
         if self.engine.protocol != "tcp":  # the NIC needs its memory regions, and writers cache their keys
@@ -120,11 +140,15 @@ class MooncakeReceiver(KVReceiver):
                                          [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
     def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
-        return MooncakeSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s, self._copies)
+        sink = MooncakePullSink if self.pull else MooncakeSink
+        return sink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s, self._copies)
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
-        handshake.mooncake.session_id = self.engine.session_id
-        handshake.mooncake.layer_base_addrs.extend(self.staging.base_addrs)
+        if self.pull:  # nothing of ours to write into: the prefill side answers with its source
+            handshake.mooncake.pull = True
+        else:
+            handshake.mooncake.session_id = self.engine.session_id
+            handshake.mooncake.layer_base_addrs.extend(self.staging.base_addrs)
         handshake.mooncake.page_bytes = self.pool.bytes_per_page
         handshake.mooncake.pool_pages = self.staging.num_pages
         handshake.mooncake.protocol = self.engine.protocol
