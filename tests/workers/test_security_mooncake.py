@@ -14,7 +14,7 @@ import pytest
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
-from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION
+from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION, handshake_version
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender, kv_cipher
 from deepseek_pd.workers.transport.base import layout_of
@@ -75,7 +75,8 @@ def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_po
     async def run():
         registry, server = await _started_bootstrap(config)
         sender = build_sender("mooncake", src, transport)
-        receiver = build_receiver("mooncake", dst, transport)  # the victim decode worker
+        # The victim decode worker, in the write direction (a pulled transfer writes nothing into decode)
+        receiver = build_receiver("mooncake", dst, dataclasses.replace(transport, mooncake_kv_direction="write"))
         prefill_engine = engines[0]
         rooms = [rng.randrange(1 << 31) for _ in range(3)]
         pushes = [KVPush(registry, sender, room, f"victim{room}", num_tokens) for room in rooms]
@@ -188,6 +189,7 @@ def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_h
                 message = pb.Handshake(protocol_version=PROTOCOL_VERSION, room=room, num_tokens=num_tokens,
                                        page_ids=rng.sample(range(dst.num_pages), num_pages), layout=layout_of(dst))
                 receiver.fill_destination(message)
+                message.protocol_version = handshake_version(message)  # (pulled: 3)
                 message.mooncake.ClearField("kv_cipher_algorithms")
                 message.mooncake.kv_cipher_algorithms.extend(offer)
                 config.auth.sign(message, "handshake", "decode@127.0.0.1", f"127.0.0.1:{server.port}")

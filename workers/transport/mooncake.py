@@ -105,8 +105,9 @@ class MooncakeSender(KVSender):
         destination = handshake.mooncake
         if destination.pull:  # decode reads out of the send staging (mooncake_pull_channel.py)
             check_engine_match(destination, self.pool.bytes_per_page, self.engine.protocol)
-            log.debug("room %d: mooncake %s is read by decode (DP rank %d)", handshake.room,
-                      self.engine.session_id, handshake.decode_dp_rank)
+            log.debug("room %d: mooncake %s serves %d pages to %s (decode DP rank %d), read by decode",
+                      handshake.room, self.engine.session_id, len(handshake.page_ids), destination.session_id,
+                      handshake.decode_dp_rank)
             return MooncakePullChannel(self.pool, self.engine, destination, handshake.page_ids,
                                        self.config.send_timeout_s, self.staging, emit)
         check_destination(destination, handshake.page_ids, self.pool.bytes_per_page, self.pool.num_layers,
@@ -144,10 +145,10 @@ class MooncakeReceiver(KVReceiver):
         return sink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s, self._copies)
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
+        handshake.mooncake.session_id = self.engine.session_id  # (pulled: the engine that reads, for logs)
         if self.pull:  # nothing of ours to write into: the prefill side answers with its source
             handshake.mooncake.pull = True
         else:
-            handshake.mooncake.session_id = self.engine.session_id
             handshake.mooncake.layer_base_addrs.extend(self.staging.base_addrs)
         handshake.mooncake.page_bytes = self.pool.bytes_per_page
         handshake.mooncake.pool_pages = self.staging.num_pages
