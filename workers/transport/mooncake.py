@@ -8,7 +8,16 @@ destination). The design, for all four:
 Both workers start a `TransferEngine` in P2P-handshake mode. What they register is what any peer
 that reaches the engine's ports may read and write (Mooncake authenticates nobody, not even in
 0.3.14; its TCP server checks a write's range once, when its header arrives, and then takes the
-body at the peer's pace):
+body at the peer's pace).
+
+Pulled transfers, the default (`TransportConfig.mooncake_kv_direction`, decode's choice): decode
+*reads* the KV out of the prefill side's send staging (`mooncake_pull_channel.py` stages, registers
+over TCP and reports each piece, then frees it on decode's credit; `mooncake_pull_sink.py` reads
+each reported piece into its own slots and lands it as below). Mooncake needs no registration of a
+READ's local side over TCP, so decode registers nothing (over RDMA its staging, the reads' landing),
+and a prefill worker, holding the secret or not, reaches nothing of decode's: it can spoil only the
+requests it serves. The rest of this design holds for both directions except where it names decode's
+staging as a write target, which is the write direction's (`mooncake_kv_direction=write`):
 - the decode side never registers its KV pool: writers reach only the slots of a small staging
   area (staging.py), registered per transfer while it runs over TCP (`MooncakeSink.expose`/`land`,
   around `pull_kv`'s transfer) and for good over RDMA (the NIC needs its memory regions); after
