@@ -122,3 +122,16 @@ def test_decode_refuses_an_ack_whose_source_cannot_hold_its_pages(monkeypatch, b
     finally:
         sink.withdraw()
         receiver.close()
+
+
+def test_a_pulled_transfer_done_without_any_report_is_refused(monkeypatch):
+    """Decode would otherwise land its own (zeroed) slots as the KV: no MAC catches that without a secret."""
+    pool, receiver, sink = _sink(monkeypatch)
+    try:
+        sink.accept_answer(_ack(pool))
+        done = pb.TransferDone(num_pages=len(sink.pages), bytes_sent=len(sink.pages) * pool.num_layers * pool.bytes_per_page)
+        with pytest.raises(TransferError, match="reported no send"):
+            sink.check_complete(done)
+    finally:
+        sink.withdraw()
+        receiver.close()
