@@ -93,14 +93,7 @@ def main(seed: int) -> None:
             # would): finite KV-like garbage fails that request by its MAC, and only it; E, decoding
             # meanwhile, is untouched.
             garbage = random.Random(seed + 1)
-            decoding = asyncio.Event()
-
-            async def on_decode(event):
-                decoding.set()
-            p_req, d_req = pair.requests(prompt_e, GREEDY, "e")
-            served_e = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_decode))
-            await asyncio.wait_for(decoding.wait(), 60)
-            served_a, release = await start_held_transfer(pair, prompt_a, GREEDY, "a")
+            served_e, served_a, release = await hold_beside_decoding(pair, prompt_e, prompt_a)
             handshake = handshakes["a-d"]
             targets = [handshake.mooncake.layer_base_addrs[0] + slot * page for slot in handshake.page_ids]
             await send_bodies([(start_write(port, addr, page), addr, page) for addr in targets],
@@ -126,19 +119,25 @@ def stranger_engine():
     return engine
 
 
+async def hold_beside_decoding(pair: PDPair, prompt_e: list[int], prompt_a: list[int]):
+    """E decoding, then A's transfer held in flight: (E's outcomes, A's outcomes, A's release)."""
+    decoding = asyncio.Event()
+
+    async def on_decode(event):
+        decoding.set()
+    p_req, d_req = pair.requests(prompt_e, GREEDY, "e")
+    served_e = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_decode))
+    await asyncio.wait_for(decoding.wait(), 60)
+    served_a, release = await start_held_transfer(pair, prompt_a, GREEDY, "a")
+    return served_e, served_a, release
+
+
 async def pull_probe(seed: int, prompt_a: list[int], prompt_e: list[int]) -> None:
     """The last probe against the default, pulled transfers (see the module doc)."""
     expected_a, expected_e = (oracle().generate(p, GREEDY).output_ids for p in (prompt_a, prompt_e))
     config = worker_config("mooncake")
     async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
-        decoding = asyncio.Event()
-
-        async def on_decode(event):
-            decoding.set()
-        p_req, d_req = pair.requests(prompt_e, GREEDY, "e")
-        served_e = asyncio.gather(collect(pair.prefill, p_req), collect(pair.decode, d_req, on_decode))
-        await asyncio.wait_for(decoding.wait(), 60)
-        served_a, release = await start_held_transfer(pair, prompt_a, GREEDY, "a")  # A in flight
+        served_e, served_a, release = await hold_beside_decoding(pair, prompt_e, prompt_a)  # A in flight
         engine, staging = pair.decode.receiver.engine, pair.decode.receiver.staging
         rpc_port = int(engine.session_id.rsplit(":", 1)[1])
         buffers = ask_metadata("127.0.0.1", rpc_port).get("buffers", [])
