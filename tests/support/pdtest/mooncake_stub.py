@@ -49,7 +49,7 @@ class StubTransferEngine:
         if self.protocol == "rdma" and not all(self._holds(addr, n) for addr, n in zip(local, lengths)):
             return -1
         for dst, src, n in zip(local, remote, lengths):
-            ctypes.memmove(dst, src, n)
+            _copy(dst, src, n)
         return 0
 
     def register_memory(self, addr: int, length: int) -> int:
@@ -65,6 +65,23 @@ class StubTransferEngine:
                                   lengths: list[int]) -> int:
         self.writes.append((session, list(local), list(remote), list(lengths)))
         return 0
+
+
+def _copy(dst: int, src: int, length: int) -> None:
+    """`length` bytes from `src` to `dst`, either of them host or CUDA memory (what a CUDA-enabled
+    engine's transport does)."""
+    import torch
+
+    if torch.cuda.is_available():
+        import cupy  # the GPU image ships it
+
+        runtime = cupy.cuda.runtime
+        device = getattr(runtime, "memoryTypeDevice", 2)  # (cudaMemoryTypeDevice)
+        if any(runtime.pointerGetAttributes(ptr).type == device for ptr in (dst, src)):
+            torch.cuda.synchronize()  # (the staging was filled, and is copied out, on torch's streams)
+            runtime.memcpy(dst, src, length, runtime.memcpyDefault)
+            return
+    ctypes.memmove(dst, src, length)
 
 
 def install(monkeypatch) -> list[StubTransferEngine]:
