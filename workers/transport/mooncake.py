@@ -75,6 +75,7 @@ from deepseek_pd.workers.transport.mooncake_sink import MooncakeSink
 from deepseek_pd.workers.transport.staging import StagingArea
 
 log = logging.getLogger(__name__)
+MAX_READ_POOLS = 256  # prefill workers whose pulled reads get threads of their own (MooncakeReceiver._reads_of)
 
 
 def staging_for(pool: KVPool, config: TransportConfig) -> StagingArea:
@@ -145,13 +146,29 @@ class MooncakeReceiver(KVReceiver):
         self.pull = config.mooncake_kv_direction == "pull"
         # Windows' copies out of the staging (`MooncakeSink.on_chunk`), off the event loop.
         self._copies = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-land")
+        self._reads: dict[str, ThreadPoolExecutor] = {}  # pulled: per prefill worker (`_reads_of`)
         if self.engine.protocol != "tcp":  # the NIC needs its memory regions, and writers cache their keys
             self.engine.register_buffers(self.staging.base_addrs,
                                          [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
     def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
-        sink = MooncakePullSink if self.pull else MooncakeSink
-        return sink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s, self._copies)
+        if not self.pull:
+            return MooncakeSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s, self._copies)
+        return MooncakePullSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s,
+                                self._reads_of(peer_host))
+
+    def _reads_of(self, peer_host: str | None) -> ThreadPoolExecutor:
+        """Where the pulled sends of prefill worker `peer_host` are read and landed: threads of its
+        own, so a peer whose engine stalls reads (each bounded by Mooncake's transfer timeout) holds
+        up only its own requests, never another prefill worker's. Threads start only once a
+        handshake with that (registered) peer succeeded; past MAX_READ_POOLS names, the shared pool."""
+        key = peer_host or ""
+        pool = self._reads.get(key)
+        if pool is None:
+            if len(self._reads) >= MAX_READ_POOLS:
+                return self._copies
+            pool = self._reads[key] = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix=f"kv-read-{key}")
+        return pool
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
         handshake.mooncake.session_id = self.engine.session_id  # (pulled: the engine that reads, for logs)
@@ -168,4 +185,6 @@ class MooncakeReceiver(KVReceiver):
 
     def close(self) -> None:
         self._copies.shutdown(wait=False)
+        for pool in self._reads.values():
+            pool.shutdown(wait=False)
         self.engine.close()

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
+import torch
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.request_failure import TransferError
@@ -134,4 +136,54 @@ def test_a_pulled_transfer_done_without_any_report_is_refused(monkeypatch):
             sink.check_complete(done)
     finally:
         sink.withdraw()
+        receiver.close()
+
+
+def test_a_prefill_worker_whose_reads_stall_holds_up_only_its_own_requests(monkeypatch):
+    """Each prefill worker's pulled sends are read in threads of its own: with one read thread per
+    worker, a read from a stalled worker (its engine never answers, until Mooncake's timeout) does
+    not keep another worker's send from being read and landed."""
+    engines = mooncake_stub.install(monkeypatch)
+    pool = random_pool(random.Random(), 8, 2)
+    receiver = build_receiver("mooncake", pool, TransportConfig(io_threads=1))
+    source = random_pool(random.Random(), 4, 2)
+    engine = engines[0]
+    for buffer in source.buffers:  # the healthy worker's send staging, registered as it reads
+        engine.registered[buffer.data_ptr()] = buffer.numel() * buffer.element_size()
+    stalled, release = threading.Event(), threading.Event()
+    read = mooncake_stub.StubTransferEngine.batch_transfer_sync_read
+
+    def reading(self, session, *args):
+        if session == "10.0.0.66:15000":
+            stalled.set()
+            release.wait(10)
+            return -1
+        return read(self, session, *args)
+    monkeypatch.setattr(mooncake_stub.StubTransferEngine, "batch_transfer_sync_read", reading)
+    sinks = []
+    try:
+        for host, session in (("bad-prefill", "10.0.0.66:15000"), ("good-prefill", f"127.0.0.1:{engine.get_rpc_port()}")):
+            sink = receiver.open_sink([1 + len(sinks)], host)
+            asyncio.run(sink.reserve())
+            sink.expose()
+            ack = _ack(pool)
+            ack.mooncake_source.session_id = session
+            del ack.mooncake_source.layer_base_addrs[:]
+            ack.mooncake_source.layer_base_addrs.extend(b.data_ptr() for b in source.buffers)
+            sink.accept_answer(ack)
+            sinks.append(sink)
+        bad, good = sinks
+        chunk = ChunkView(0, pool.num_layers, 0, 1, memoryview(b""), 0, True, (0,))
+        held = bad.executor.submit(bad.on_chunk, chunk)
+        assert stalled.wait(5)
+        good.executor.submit(good.on_chunk, chunk).result(timeout=5)  # not behind the stalled read
+        for layer in range(pool.num_layers):
+            assert torch.equal(pool.buffers[layer][2], source.buffers[layer][0])
+        release.set()
+        with pytest.raises(TransferError):
+            held.result(timeout=5)
+    finally:
+        release.set()
+        for sink in sinks:
+            sink.withdraw()
         receiver.close()
