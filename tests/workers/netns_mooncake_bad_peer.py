@@ -37,7 +37,7 @@ import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine.interface import TokenChunk
-from pdtest.mooncake_wire import (ask_metadata, assert_refused_by_mac, find_data_port, listening_ports,
+from pdtest.mooncake_wire import (ask_metadata, assert_refused_by_mac, find_data_port,
                                   record_handshakes, send_bodies, start_held_transfer, start_write, write_direction)
 from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, worker_config
 
@@ -142,14 +142,15 @@ async def pull_probe(seed: int, prompt_a: list[int], prompt_e: list[int]) -> Non
         rpc_port = int(engine.session_id.rsplit(":", 1)[1])
         buffers = ask_metadata("127.0.0.1", rpc_port).get("buffers", [])
         # What it writes: every buffer decode's engine lists (a real attacker's targets), and each
-        # whole staging layer, on every port that listens (decode's engine is one of them).
+        # whole staging layer, through both engines (the ports' scan is netns_mooncake_ports.py's).
         span = staging.num_pages * staging.page_bytes
         targets = [(b["addr"], b["length"]) for b in buffers] + [(base, span) for base in staging.base_addrs]
         garbage = torch.randn(max(length for _, length in targets) // 4, generator=torch.Generator().manual_seed(seed))
-        attacker, ports, landed = stranger_engine(), listening_ports(), []
+        attacker, landed = stranger_engine(), []
+        sessions = [engine.session_id, pair.prefill.sender.engine.session_id]
         for addr, length in targets:  # finite KV-like values: only the MAC could see them
-            landed += [(port, addr) for port in ports
-                       if attacker.transfer_sync_write(f"127.0.0.1:{port}", garbage.data_ptr(), addr, length) == 0]
+            landed += [(session, addr) for session in sessions
+                       if attacker.transfer_sync_write(session, garbage.data_ptr(), addr, length) == 0]
         release.set()
         (_, outcome_a), (_, outcome_e) = await served_a, await served_e
         assert outcome_a.ok and outcome_a.tokens == expected_a, ("the bad peer failed A", outcome_a)
@@ -157,7 +158,7 @@ async def pull_probe(seed: int, prompt_a: list[int], prompt_e: list[int]) -> Non
         assert not landed, f"a write reached decode's staging: {landed}"
         assert buffers == [], f"decode's engine listed registered memory while A was in flight: {buffers}"
         print(f"pulled: decode lists no registered buffer and refused writes over its {len(staging.base_addrs)} "
-              f"staging layers on all {len(ports)} listening ports while A was in flight")
+              f"staging layers through both engines while A was in flight")
         print("pulled: A (in flight) and E (decoding) both equal the oracle: the bad peer failed no other "
               "user's request")
         await pair.wait_pools_clean(config.transport.send_timeout_s + 10)
