@@ -65,12 +65,18 @@ def _pools(rng: random.Random):
     return num_tokens, num_pages, src, dst
 
 
-def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_pool(monkeypatch):
+def _stubbed_pair_setting(monkeypatch):
+    """The stub engine installed, and (its engines, rng, prompt tokens, pages, prefill pool, decode
+    pool, bootstrap config, transport config) for a prefill worker and its victim decode worker."""
     engines = mooncake_stub.install(monkeypatch)
     rng = random.Random()
     num_tokens, num_pages, src, dst = _pools(rng)
     config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
-    transport = TransportConfig(advertise_host="127.0.0.1")
+    return engines, rng, num_tokens, num_pages, src, dst, config, TransportConfig(advertise_host="127.0.0.1")
+
+
+def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_pool(monkeypatch):
+    engines, rng, num_tokens, num_pages, src, dst, config, transport = _stubbed_pair_setting(monkeypatch)
 
     async def run():
         registry, server = await _started_bootstrap(config)
@@ -171,11 +177,7 @@ def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_h
     picked and named in the signed ack, its one-time key bound to the room and the handshake on
     the channel; an offer of ciphers this worker lacks refused before any write, naming them; an
     older decode worker's handshake (no offer) served in the clear."""
-    engines = mooncake_stub.install(monkeypatch)
-    rng = random.Random()
-    num_tokens, num_pages, src, dst = _pools(rng)
-    config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
-    transport = TransportConfig(advertise_host="127.0.0.1")
+    engines, rng, num_tokens, num_pages, src, dst, config, transport = _stubbed_pair_setting(monkeypatch)
 
     async def run():
         registry, server = await _started_bootstrap(config)
@@ -264,11 +266,7 @@ def test_a_pulled_handshake_is_answered_with_the_send_staging_in_the_signed_ack_
     refuses that version, so never writes where decode offered nothing), answering with its send
     staging (engine, layer addresses, slots) inside the signed ack; a pull flag under version 2, or
     version 3 without it, is refused before any room sees it."""
-    mooncake_stub.install(monkeypatch)
-    rng = random.Random()
-    num_tokens, num_pages, src, dst = _pools(rng)
-    config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
-    transport = TransportConfig(advertise_host="127.0.0.1")
+    _, rng, num_tokens, num_pages, src, dst, config, transport = _stubbed_pair_setting(monkeypatch)
 
     async def run():
         registry, server = await _started_bootstrap(config)
