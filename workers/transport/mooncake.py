@@ -54,7 +54,11 @@ Trust: the prefill side writes only where an authenticated handshake (the bootst
 checks its token before the room sees it) says, and only to pages that handshake lists, each
 checked below the destination's size (`check_destination`); addresses come from the handshake's
 layer bases plus page ids, never from anything else a peer sends. The decode side reveals its
-addresses only in handshakes to registered prefill workers (decode/prefill_peers.py).
+addresses only in handshakes to registered prefill workers (decode/prefill_peers.py). A pulled
+transfer's reads come from the source the signed ack names plus the slots each report names, each
+checked below that source's slot count, one per page and none twice (`mooncake_pull_sink._refusal`),
+into decode's own slots of that transfer: a lying prefill worker lands garbage only in its own
+request's pages, which its MAC then refuses.
 """
 from __future__ import annotations
 
