@@ -6,6 +6,8 @@
     .venv/bin/python bench/kv_transfer.py --transport mooncake --netns   # ours vs raw Mooncake TCP
     .venv/bin/python bench/kv_transfer.py --transport mooncake --netns --staging-tokens 2048 --no-ceiling
                                                                      # the same prompt through staging windows
+    .venv/bin/python bench/kv_transfer.py --transport mooncake --netns --mooncake-direction write
+                                                                     # the older direction (prefill writes)
 
 The same classes and code path as the workers: `KVPush` (prefill) and `pull_kv` (decode) meet
 in a `RoomRegistry` behind a `BootstrapServer`: handshake, chunks, TransferDone and its
@@ -55,6 +57,7 @@ from deepseek_pd.workers.engine.interface import DisaggParams
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
 from deepseek_pd.workers.transport.base import SAME_HOST_DIRECT_MODES
+from deepseek_pd.model.kv.mooncake_direction import MOONCAKE_KV_DIRECTIONS
 from deepseek_pd.workers.transport.checksum import IMPLEMENTATION as CRC32_IMPLEMENTATION
 from deepseek_pd.workers.transport.stats import PHASES, TransferStats
 from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
@@ -92,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--staging-tokens", type=int, default=TransportConfig.mooncake_staging_tokens,
                         help="mooncake: decode's staging (engine option mooncake_staging_tokens); below "
                              "--tokens the prompt moves through windows of half of it (pass --no-ceiling)")
+    parser.add_argument("--mooncake-direction", default=TransportConfig.mooncake_kv_direction,
+                        choices=MOONCAKE_KV_DIRECTIONS,
+                        help="mooncake: decode reads the KV (pull, the default) or prefill writes it (write)")
     parser.add_argument("--same-host-direct", default=TransportConfig.same_host_direct, choices=SAME_HOST_DIRECT_MODES,
                         help="grpc: device-to-device copies between same-host pools (auto: CUDA pools); "
                              "off measures the byte stream")
@@ -169,7 +175,8 @@ def configs(args: argparse.Namespace, streams: int, secret: bytes) -> tuple[Tran
     """Both sides' settings; `secret`: the deployment secret both processes share (split mode)."""
     return (TransportConfig(max_chunk_bytes=int(args.chunk_mb * 2**20), io_threads=args.io_threads, send_timeout_s=60,
                             grpc_streams=streams, same_host_direct=args.same_host_direct,
-                            mooncake_staging_tokens=args.staging_tokens),
+                            mooncake_staging_tokens=args.staging_tokens,
+                            mooncake_kv_direction=args.mooncake_direction),
             BootstrapConfig(port=0, transfer_timeout_s=300, event_queue_depth=args.window,
                             auth=InternalAuth(secret=secret)))
 
@@ -260,6 +267,7 @@ async def run_together(setup: Setup, results: Results, profile: str | None, stre
     server = BootstrapServer(registry, bootstrap, transport.max_chunk_bytes, kv_streams=streams)
     await server.start()
     sender = build_sender(args.transport, setup.src, transport)
+    server.servicer.answer = sender.answer_handshake  # (as the prefill engine: a pulled transfer's source)
     receiver = build_receiver(args.transport, setup.dst, transport)
     client = BootstrapClient(bootstrap)
 
@@ -308,6 +316,7 @@ def _prefill_process(argv: list[str], seed: int, conn, streams: int, secret: byt
         server = BootstrapServer(registry, bootstrap, transport.max_chunk_bytes, kv_streams=streams)
         await server.start()
         sender = build_sender(setup.args.transport, setup.src, transport)
+        server.servicer.answer = sender.answer_handshake
         loop = asyncio.get_running_loop()
         conn.send(server.port)
         try:

@@ -4,9 +4,10 @@
                                                from the operator's pod for a role whose
                                                rollouts are verified (<role>.rolloutStrategy.verify)
     prefill bootstrap (prefill.bootstrapPort)  only from the deployment's decode pods
-    Mooncake's engines (15000-17000, each      only from the deployment's worker pods: a rule
+    Mooncake's engines (15000-17000, each      only from the deployment's decode pods: a rule
       rank's RPC and TCP-transport ports,        of its own with kvTransfer.backend mooncake
-      drawn at random: env.MOONCAKE_RPC_PORTS)
+      drawn at random: env.MOONCAKE_RPC_PORTS)   (every worker pod when decode's engineArgs set
+                                                 --engine-opt mooncake_kv_direction=write)
     every other TCP port (NCCL,                only from the deployment's worker pods
       torch.distributed rendezvous 5757)
     the metrics ports (spec.metrics)           from spec.metrics.allowFrom, or anyone (build_metrics)
@@ -14,7 +15,11 @@
 
 Mooncake's pools answer any peer that reaches an engine port (issue 20: no access control on
 registered memory), so the engine range is its own rule: another deployment's pods, the router
-and anything outside the namespace never reach it.
+and anything outside the namespace never reach it. With pulled transfers (the default) only decode
+engines open connections (they read from the prefill engines' send staging; a prefill engine
+dials nobody), so prefill pods are kept off every engine port: a compromised prefill pod reaches no
+other prefill worker's staging (docs/operations.md §8). One policy selects both roles, so decode
+pods also reach decode engines, which over TCP register nothing.
 
 NCCL and Mooncake listen on ports picked at run time, so "every other port" is written as the
 ranges between the gRPC and bootstrap ports (`endPort`, Kubernetes >= 1.25); a CNI plugin without
@@ -33,6 +38,7 @@ from deepseek_pd.env import MOONCAKE_RPC_PORTS
 from deepseek_pd.operator import names
 from deepseek_pd.operator.build_metrics import metrics_ingress, worker_metrics_port_numbers
 from deepseek_pd.operator.spec import DeploymentSpec
+from deepseek_pd.workers.serve.flags import ServeFlags
 
 Manifest = dict[str, Any]
 MAX_PORT = 65535
@@ -68,6 +74,17 @@ def _workers(spec: DeploymentSpec) -> dict[str, Any]:
                                                   "values": list(names.ROLES)}]}}
 
 
+def decode_pulls(spec: DeploymentSpec) -> bool:
+    """Whether the decode workers read the KV from the prefill workers (Mooncake pulled transfers,
+    the default), as they parse their engineArgs; engineArgs they would refuse count as the default
+    (those pods do not start)."""
+    try:
+        options = ServeFlags.from_argv(["decode", *spec.decode.engine_args]).all_engine_options
+    except ValueError:
+        return True
+    return not any(option.replace(" ", "") == "mooncake_kv_direction=write" for option in options)
+
+
 def build_network_policy(spec: DeploymentSpec) -> Manifest:
     grpc_ports = sorted({spec.prefill.port, spec.decode.port})
     bootstrap = spec.prefill.bootstrap_port
@@ -77,7 +94,8 @@ def build_network_policy(spec: DeploymentSpec) -> Manifest:
     # nothing of ours listens there, but NCCL may (a node whose ephemeral range starts low), so it
     # stays inside "every other port".
     mooncake = (MOONCAKE_RPC_PORTS,) if spec.kv_transfer.backend == "mooncake" else ()
-    engines = [{"from": [_workers(spec)], "ports": [_tcp(r.start, r.stop - 1)]} for r in mooncake]
+    engine_peers = decode if decode_pulls(spec) else _workers(spec)
+    engines = [{"from": [engine_peers], "ports": [_tcp(r.start, r.stop - 1)]} for r in mooncake]
     # Verified rollouts: the operator's pod (any namespace) sends the check's greedy requests to
     # the leaders of each role it verifies (rollout_verify.py).
     operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": {

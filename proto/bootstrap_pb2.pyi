@@ -163,7 +163,7 @@ class KVStreamOpen(_message.Message):
     def __init__(self, room: _Optional[int] = ..., index: _Optional[int] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class MooncakeDestination(_message.Message):
-    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol", "kv_mac_algorithms", "window_pages", "report_sends", "kv_cipher_algorithms")
+    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages", "protocol", "kv_mac_algorithms", "window_pages", "report_sends", "kv_cipher_algorithms", "pull")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class MooncakeDestination(_message.Message):
     WINDOW_PAGES_FIELD_NUMBER: _ClassVar[int]
     REPORT_SENDS_FIELD_NUMBER: _ClassVar[int]
     KV_CIPHER_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layer_base_addrs: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
@@ -182,7 +183,20 @@ class MooncakeDestination(_message.Message):
     window_pages: int
     report_sends: bool
     kv_cipher_algorithms: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ..., kv_mac_algorithms: _Optional[_Iterable[str]] = ..., window_pages: _Optional[int] = ..., report_sends: _Optional[bool] = ..., kv_cipher_algorithms: _Optional[_Iterable[str]] = ...) -> None: ...
+    pull: bool
+    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ..., protocol: _Optional[str] = ..., kv_mac_algorithms: _Optional[_Iterable[str]] = ..., window_pages: _Optional[int] = ..., report_sends: _Optional[bool] = ..., kv_cipher_algorithms: _Optional[_Iterable[str]] = ..., pull: _Optional[bool] = ...) -> None: ...
+
+class MooncakeSource(_message.Message):
+    __slots__ = ("session_id", "layer_base_addrs", "page_bytes", "pool_pages")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    layer_base_addrs: _containers.RepeatedScalarFieldContainer[int]
+    page_bytes: int
+    pool_pages: int
+    def __init__(self, session_id: _Optional[str] = ..., layer_base_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., pool_pages: _Optional[int] = ...) -> None: ...
 
 class FakeDestination(_message.Message):
     __slots__ = ("pool_key",)
@@ -205,23 +219,25 @@ class TransferEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[_Union[HandshakeAck, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., failed: _Optional[_Union[TransferFailed, _Mapping]] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
-    __slots__ = ("protocol_version", "prefill_rid", "credit_window", "kv_streams", "kv_cipher", "auth")
+    __slots__ = ("protocol_version", "prefill_rid", "credit_window", "kv_streams", "kv_cipher", "mooncake_source", "auth")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RID_FIELD_NUMBER: _ClassVar[int]
     CREDIT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     KV_STREAMS_FIELD_NUMBER: _ClassVar[int]
     KV_CIPHER_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     prefill_rid: str
     credit_window: int
     kv_streams: int
     kv_cipher: str
+    mooncake_source: MooncakeSource
     auth: AuthToken
-    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., kv_streams: _Optional[int] = ..., kv_cipher: _Optional[str] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., kv_streams: _Optional[int] = ..., kv_cipher: _Optional[str] = ..., mooncake_source: _Optional[_Union[MooncakeSource, _Mapping]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("layer_begin", "layer_end", "page_begin", "page_end", "data", "crc32", "written_directly")
+    __slots__ = ("layer_begin", "layer_end", "page_begin", "page_end", "data", "crc32", "written_directly", "source_slots")
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     PAGE_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +245,7 @@ class KVChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_DIRECTLY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     layer_begin: int
     layer_end: int
     page_begin: int
@@ -236,7 +253,8 @@ class KVChunk(_message.Message):
     data: bytes
     crc32: int
     written_directly: bool
-    def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., written_directly: _Optional[bool] = ...) -> None: ...
+    source_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_begin: _Optional[int] = ..., page_end: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., written_directly: _Optional[bool] = ..., source_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferDone(_message.Message):
     __slots__ = ("first_token_id", "first_token_logprob", "num_pages", "cached_tokens", "bytes_sent", "generator_state", "stream_chunks", "first_top_token_ids", "first_top_logprobs", "mtp_draft_token_id", "mtp_hidden", "kv_mac", "kv_mac_algorithm", "auth")

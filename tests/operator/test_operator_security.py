@@ -357,10 +357,15 @@ def _admits(policy: dict, source: dict[str, str], target: dict[str, str], port: 
     return False
 
 
-@pytest.mark.parametrize("backend", ["grpc", "mooncake"])
-def test_network_policy_admits_exactly_the_documented_flows(backend):
+@pytest.mark.parametrize("backend,direction", [("grpc", None), ("mooncake", None), ("mooncake", "write")])
+def test_network_policy_admits_exactly_the_documented_flows(backend, direction):
+    """`direction`: decode's --engine-opt mooncake_kv_direction (None: the default, pulled transfers,
+    where only decode pods reach any Mooncake engine: no prefill pod reaches another's staging)."""
     raw = _raw()
     raw["kvTransfer"] = {"backend": backend}
+    if direction is not None:
+        raw["decode"]["engineArgs"] = [*raw["decode"].get("engineArgs", []), "--engine-opt",
+                                       f"mooncake_kv_direction={direction}"]
     raw["prefill"]["port"], raw["decode"]["port"] = random.sample(range(20000, 40000), 2)
     raw["prefill"]["bootstrapPort"] = random.randint(8000, 9999)
     spec = _spec(raw)
@@ -391,6 +396,8 @@ def test_network_policy_admits_exactly_the_documented_flows(backend):
                     expected = source == "router" or (source == "operator" and port in verified)
                 elif port == bootstrap:
                     expected = source == "decode"
+                elif backend == "mooncake" and port in engines and direction != "write":
+                    expected = source == "decode"
                 else:
                     expected = source in ("prefill", "decode")
                 assert _admits(policy, labels, pods[target], port) == expected, (source, target, port)
@@ -398,10 +405,11 @@ def test_network_policy_admits_exactly_the_documented_flows(backend):
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     covering = [rule for rule in policy["spec"]["ingress"]
                 if any(p["port"] <= engines.start + 1 <= p.get("endPort", p["port"]) for p in rule["ports"])]
-    if backend == "mooncake":  # exactly one rule, the range itself, from the workers: readable at a glance
+    if backend == "mooncake":  # exactly one rule, the range itself, from its peers: readable at a glance
+        peers = ({"podSelector": policy["spec"]["podSelector"]} if direction == "write" else
+                 {"podSelector": {"matchLabels": {names.LABEL_DEPLOYMENT: spec.name, names.LABEL_ROLE: "decode"}}})
         assert [(r["ports"], r["from"]) for r in covering] == \
-            [([{"protocol": "TCP", "port": engines.start, "endPort": engines.stop - 1}],
-              [{"podSelector": policy["spec"]["podSelector"]}])]
+            [([{"protocol": "TCP", "port": engines.start, "endPort": engines.stop - 1}], [peers])]
 
 
 def test_network_policy_extra_rules_are_appended():

@@ -53,8 +53,8 @@ def sessions_by_rank(log: str, role: str) -> dict[int, str]:
 def writes(log: str) -> dict[int, tuple[int, str, str, int]]:
     """{room: (prefill rank, its engine's session, the destination session, the decode DP rank the
     handshake names)}."""
-    lines = re.findall(r"prefill\[rank (\d+)\] DEBUG \S+: room (\d+): mooncake (\S+) writes \d+ pages into (\S+) "
-                       r"\(decode DP rank (\d+)\)", log)
+    lines = re.findall(r"prefill\[rank (\d+)\] DEBUG \S+: room (\d+): mooncake (\S+) "
+                       r"(?:writes \d+ pages into|serves \d+ pages to) (\S+) \(decode DP rank (\d+)\)", log)
     return {int(room): (int(rank), src, dst, int(stated)) for rank, room, src, dst, stated in lines}
 
 

@@ -3,9 +3,10 @@ in flight over Mooncake TCP and gets no KV: run by test_security_mooncake_inflig
 private network namespace. Prints one line per probe; exits non-zero on a failed check.
 
 Mooncake's TCP server serves a READ of any registered range as it serves a WRITE
-(pdtest/mooncake_wire.py), and decode's staging slots are registered from before the handshake until
-the copy (workers/transport/staging.py), holding what the prefill side wrote. With the deployment
-secret that is ciphertext (workers/transport/kv_cipher.py): the stranger reads the slot's bytes
+(pdtest/mooncake_wire.py). With pulled transfers (the default) decode registers nothing (its staging
+read is refused), and the prefill side's send-staging slots of a piece are registered from before
+its report until decode read them (workers/transport/mooncake_pull_channel.py). With the deployment
+secret they hold ciphertext (workers/transport/kv_cipher.py): the stranger reads the slot's bytes
 exactly, and they are not the KV. The oracles: the plaintext is the prefill pool's page the
 request's first page was sent from (the request's MAC then proves decode landed it); the bytes read
 are that page XOR the documented keystream (PyPI `cryptography`'s ChaCha20 under the room's key).
@@ -23,7 +24,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.mooncake_wire import first_page_addr, record_channels, record_handshakes, start_held_transfer
+from pdtest.mooncake_wire import record_channels, record_handshakes, record_reports, source_addr, start_held_transfer
 from pdtest.pd_engine_harness import PDPair, oracle, recorded_pulls, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -50,15 +51,19 @@ def main(seed: int) -> None:
         async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
             handshakes = record_handshakes(pair.prefill.sender)
             channels = record_channels(pair.prefill.sender)
-            session = pair.decode.receiver.engine.session_id
-            staging = pair.decode.receiver.staging
+            reports = record_reports(pair.prefill.sender)  # (before the hold: its report is recorded too)
+            session = pair.prefill.sender.engine.session_id
+            staging = pair.prefill.sender.staging
             held, release = await start_held_transfer(pair, prompt, GREEDY, "victim")
-            handshake = handshakes["victim-d"]
-            addr, length = first_page_addr(handshake)  # the slot of its first page, layer 0
-            slot = (addr - staging.base_addrs[0]) // length
-            in_slot = staging.buffers[0][slot].contiguous().view(torch.uint8).numpy().tobytes()
+            handshake, report = handshakes["victim-d"], reports["victim-d"][0]
+            assert report.page_begin == 0 and report.layer_begin == 0, report  # request page 0, layer 0 first
+            addr, length = source_addr(pair.prefill.sender, report)  # the send-staging slot decode reads
+            in_slot = staging.buffers[0][report.source_slots[0]].contiguous().view(torch.uint8).numpy().tobytes()
             source = pair.prefill.sender.pool.buffers[0][channels["victim-d"].src_pages[0]]
             plaintext = source.contiguous().view(torch.uint8).numpy().tobytes()  # request page 0, layer 0
+            decode_staging = pair.decode.receiver.staging
+            landing = await asyncio.to_thread(read, pair.decode.receiver.engine.session_id,
+                                              decode_staging.base_addrs[0], decode_staging.page_bytes)
             got = await asyncio.to_thread(read, session, addr, length)
             deadline = time.monotonic() + 20  # (a loaded run may see the ranges before they were registered)
             while got is None and time.monotonic() < deadline:
@@ -66,6 +71,8 @@ def main(seed: int) -> None:
                 got = await asyncio.to_thread(read, session, addr, length)
             release.set()
             _, outcome = await held
+            assert landing is None, "the stranger read decode's staging: a pulled transfer registers none of it"
+            print("cannot: read decode's staging (a pulled transfer registers none of it)")
             assert got is not None, "the stranger's read of the transfer in flight was refused"
             assert got == in_slot, "the stranger read other bytes than the slot's"
             assert any(plaintext) and got != plaintext, "the stranger read the KV of a transfer in flight"

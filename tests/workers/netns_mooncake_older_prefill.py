@@ -8,6 +8,12 @@ and its signed ack names none. Here the current prefill worker is made to choose
 (workers/transport/kv_cipher.py `agreed`), so a rolling upgrade keeps serving, and warn once, not
 per request. The oracles: what lands in decode's staging slot in flight is the prefill pool's page
 itself (the clear), and every output equals the offline engine's.
+
+Such a prefill worker predates pulled transfers too: it can only write into decode. So the decode
+worker here runs `mooncake_kv_direction=write`, what a rolling upgrade sets until every prefill
+worker is new. A decode worker left at the default (pull) is refused by it at the handshake, the
+older worker's own version check (simulated by accepting only version 2, as it did), and says what
+to do: the request fails with that reason, no token, and every pool ends empty (`check_refused`).
 """
 from __future__ import annotations
 
@@ -19,8 +25,11 @@ import sys
 import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.prefill import bootstrap_servicer
+from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION
 from deepseek_pd.workers.transport import kv_cipher
-from pdtest.mooncake_wire import first_page_addr, record_channels, record_handshakes, start_held_transfer
+from pdtest.mooncake_wire import (first_page_addr, record_channels, record_handshakes, start_held_transfer,
+                                  write_direction)
 from pdtest.pd_engine_harness import PDPair, oracle, recorded_pulls, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
@@ -47,7 +56,7 @@ def main(seed: int) -> None:
     async def run() -> None:
         config = worker_config("mooncake")
         assert config.bootstrap.auth.enabled, "the decode worker must hold a deployment secret"
-        async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
+        async with PDPair("mooncake", prefill_config=config, decode_config=write_direction(config)) as pair:
             handshakes = record_handshakes(pair.prefill.sender)
             channels = record_channels(pair.prefill.sender)
             staging = pair.decode.receiver.staging
@@ -70,9 +79,27 @@ def main(seed: int) -> None:
 
     with recorded_pulls():
         asyncio.run(run())
+    asyncio.run(check_refused(prompts[0]))
     clear = [m for m in warned.messages if "in the clear" in m]
     assert len(clear) == 1, warned.messages
     print("warned once:", clear[0][:60])
+
+
+async def check_refused(prompt: list[int]) -> None:
+    """A decode worker at the default (pulled transfers) and a prefill worker that only knows version 2."""
+    config = worker_config("mooncake")
+    accepted = bootstrap_servicer.ACCEPTED_VERSIONS
+    bootstrap_servicer.ACCEPTED_VERSIONS = (PROTOCOL_VERSION,)  # the older worker's check
+    try:
+        async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
+            _, outcome = await pair.run(prompt, GREEDY, "refused")
+            message = getattr(outcome.terminal, "message", "")
+            assert not outcome.ok and not outcome.tokens, outcome
+            assert "protocol version mismatch" in message and "mooncake_kv_direction=write" in message, message
+            await pair.wait_pools_clean()
+    finally:
+        bootstrap_servicer.ACCEPTED_VERSIONS = accepted
+    print("a pulling decode refused by the older prefill, clearly:", message[:120])
 
 
 if __name__ == "__main__":

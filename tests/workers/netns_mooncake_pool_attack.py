@@ -4,14 +4,17 @@ inside a private network namespace. Prints one line per probe; exits non-zero on
 
 Cannot (each was possible before registrations were narrowed):
 - read or write the prefill pool (its KV and radix cache): the prefill side registers nothing;
-- read or write the decode pool at any time: it is never registered; writers reach only staging
-  slots (workers/transport/staging.py), each registered only while its transfer runs; so neither
-  the pages of a decoding request nor the staging its transfer used.
-Can (still open, Mooncake authenticates no peer): write into the staging slots of a transfer in
-flight; the write lands, but it changes no output token: the decode side copies the slots into the
-request's private pages and MACs that copy against the tag the prefill side signed
-(transport/kv_mac.py), refusing that request with a clear error. Before the MAC, finite garbage went
-unnoticed into the request's output. (A body sent after the copy: netns_mooncake_slow_body.py.)
+- read or write the decode pool at any time: it is never registered;
+- write anything of decode's, even while a transfer runs: pulled transfers (the default) register
+  none of decode's memory over TCP (its engine's metadata lists no buffer), so neither the pages of
+  a decoding request nor the staging slots its transfer landed in; nor the prefill side's
+  send-staging slots a transfer used once decode read them (unregistered then).
+Can (still open, Mooncake authenticates no peer): write into the prefill side's send-staging slots
+of a transfer in flight (from its report until decode read them); the write lands, but it changes
+no output token: decode MACs what it read and landed against the tag the prefill side signed
+(transport/kv_mac.py), refusing that request with a clear error, a denial of that transfer only.
+Before the MAC, finite garbage went unnoticed into the request's output; before pulled transfers the
+same held for decode's staging slots (netns_mooncake_slow_body.py probes that direction).
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import sys
 import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.mooncake_wire import assert_refused_by_mac, first_page_addr, record_handshakes, start_held_transfer
+from pdtest.mooncake_wire import (ask_metadata, assert_refused_by_mac, record_reports, source_addr,
+                                  start_held_transfer)
 from pdtest.pd_engine_harness import PDPair, collect, oracle, recorded_pulls, worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -59,7 +63,7 @@ def main(seed: int) -> None:  # noqa: C901 (one probe after another)
         config = worker_config("mooncake")
         async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
             attacker = stranger()
-            handshakes = record_handshakes(pair.prefill.sender)
+            reports = record_reports(pair.prefill.sender)
             p_session = pair.prefill.sender.engine.session_id
             d_session = pair.decode.receiver.engine.session_id
             page = pair.decode.pool.bytes_per_page
@@ -85,17 +89,22 @@ def main(seed: int) -> None:  # noqa: C901 (one probe after another)
             await asyncio.wait_for(decoding.wait(), 60)
             pages = pulled["victim-d"]
             hits = [try_write(attacker, d_session, d_base + p * page, page) for p in pages]
-            staged, _ = first_page_addr(handshakes["victim-d"])  # where its prefill wrote: a staging slot
-            hits.append(try_write(attacker, d_session, staged, page))
+            landing = pair.decode.receiver.staging.base_addrs[0]  # decode's slots: the lowest first
+            hits.append(try_write(attacker, d_session, landing, page))
+            read_from, _ = source_addr(pair.prefill.sender, reports["victim-d"][0])  # prefill's slot, read
+            hits.append(try_write(attacker, p_session, read_from, page))
             _, outcome = await victim
             assert not any(hits) and outcome.ok and outcome.tokens == expected[1], (hits, outcome)
             print(f"cannot: write the pages of a decoding request ({len(pages)} pages tried), nor the "
-                  f"staging its transfer used")
+                  f"staging slots its transfer used on either side")
 
             # Still open: a transfer in flight has its pages registered. Hold the prefill side's
             # TransferDone so the transfer stays in flight while the stranger writes.
             held, release = await start_held_transfer(pair, prompts[2], GREEDY, "in-flight")
-            target, _ = first_page_addr(handshakes["in-flight-d"])  # a staging slot (staging.py)
+            listed = ask_metadata("127.0.0.1", int(d_session.rsplit(":", 1)[1])).get("buffers", [])
+            d_landing = pair.decode.receiver.staging.base_addrs[0]
+            d_hit = try_write(attacker, d_session, d_landing, page)
+            target, _ = source_addr(pair.prefill.sender, reports["in-flight-d"][0])  # its send-staging slot
             # An attacker retries: the stranger's engine learns a segment's registered ranges from
             # its peer's metadata, which it may hold from before this transfer registered its pages
             # (a loaded CI run saw the first write refused). The transfer stays held meanwhile.
@@ -106,17 +115,19 @@ def main(seed: int) -> None:  # noqa: C901 (one probe after another)
                                   generator=torch.Generator().manual_seed(seed)).to(pool.dtype)
             fresh = stranger()
             deadline = time.monotonic() + 20
-            landed = try_write(fresh, d_session, target, page, garbage)
+            landed = try_write(fresh, p_session, target, page, garbage)
             while not landed and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
-                landed = try_write(fresh, d_session, target, page, garbage)
+                landed = try_write(fresh, p_session, target, page, garbage)
             release.set()
             _, outcome = await held
+            assert listed == [] and not d_hit, ("decode exposed memory while a transfer ran", listed, d_hit)
+            print("cannot: write anything of decode's while a transfer runs (its engine lists no buffer)")
             assert landed, "the stranger's write into the transfer in flight never landed"
             # No output token changed: the request is refused, with a reason that names the MAC.
             assert_refused_by_mac(outcome)
-            print("can (still open): write into the staging of a transfer in flight; it changes no output "
-                  "token: the KV MAC of the private copy refuses that request")
+            print("can (still open): write into the prefill side's send staging of a transfer in flight; it "
+                  "changes no output token: the KV MAC of decode's private copy refuses that request")
             await pair.wait_pools_clean(config.transport.send_timeout_s + 10)
 
     with recorded_pulls() as pulled:

@@ -19,7 +19,7 @@ import sys
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.engine.interface import TokenChunk
 from pdtest.mooncake_wire import (find_data_port, first_page_addr, record_handshakes, send_bodies,
-                                  start_held_transfer, start_write)
+                                  start_held_transfer, start_write, write_direction)
 from pdtest.pd_engine_harness import PDPair, oracle, worker_config
 
 MAX_NEW = 64
@@ -34,7 +34,8 @@ def main(seed: int) -> None:
 
     async def run():
         config = worker_config("mooncake")
-        async with PDPair("mooncake", prefill_config=config, decode_config=config) as pair:
+        # A body written into decode's staging: the write direction (a pulled transfer has none).
+        async with PDPair("mooncake", prefill_config=config, decode_config=write_direction(config)) as pair:
             handshakes = record_handshakes(pair.prefill.sender)
             tokens_when_landed: list[int] = []
             emitted = 0

@@ -4,7 +4,9 @@ network namespace. The prefill side's report of its first window is held, so the
 KV that decode has not copied out yet, and the stranger writes finite garbage into the first one.
 That request is refused by its KV MAC (checked over the whole private copy after the TransferDone),
 never decoded from; a request that fits the staging's other half runs meanwhile and equals the
-oracle; staging and pools end empty. Prints one line; exits non-zero on a failed check."""
+oracle; staging and pools end empty. Prints one line; exits non-zero on a failed check. The decode
+worker runs the write direction (`mooncake_kv_direction=write`): a pulled transfer's windows are
+decode's own reads into slots no peer reaches."""
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +42,8 @@ def main(seed: int) -> None:
     expected_short = oracle().generate(short, GREEDY).output_ids
 
     async def run():
-        async with staged_pair(staging_tokens) as pair:
+        # Windows through decode's staging: the write direction (pulled windows are decode's own reads).
+        async with staged_pair(staging_tokens, mooncake_kv_direction="write") as pair:
             handshakes = record_handshakes(pair.prefill.sender)
             sent, release = asyncio.Event(), asyncio.Event()
 

@@ -14,7 +14,7 @@ import pytest
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
-from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION
+from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION, PULL_PROTOCOL_VERSION, handshake_version
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender, kv_cipher
 from deepseek_pd.workers.transport.base import layout_of
@@ -65,17 +65,24 @@ def _pools(rng: random.Random):
     return num_tokens, num_pages, src, dst
 
 
-def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_pool(monkeypatch):
+def _stubbed_pair_setting(monkeypatch):
+    """The stub engine installed, and (its engines, rng, prompt tokens, pages, prefill pool, decode
+    pool, bootstrap config, transport config) for a prefill worker and its victim decode worker."""
     engines = mooncake_stub.install(monkeypatch)
     rng = random.Random()
     num_tokens, num_pages, src, dst = _pools(rng)
     config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
-    transport = TransportConfig(advertise_host="127.0.0.1")
+    return engines, rng, num_tokens, num_pages, src, dst, config, TransportConfig(advertise_host="127.0.0.1")
+
+
+def test_forged_mooncake_handshakes_write_nothing_and_signed_ones_stay_in_the_pool(monkeypatch):
+    engines, rng, num_tokens, num_pages, src, dst, config, transport = _stubbed_pair_setting(monkeypatch)
 
     async def run():
         registry, server = await _started_bootstrap(config)
         sender = build_sender("mooncake", src, transport)
-        receiver = build_receiver("mooncake", dst, transport)  # the victim decode worker
+        # The victim decode worker, in the write direction (a pulled transfer writes nothing into decode)
+        receiver = build_receiver("mooncake", dst, dataclasses.replace(transport, mooncake_kv_direction="write"))
         prefill_engine = engines[0]
         rooms = [rng.randrange(1 << 31) for _ in range(3)]
         pushes = [KVPush(registry, sender, room, f"victim{room}", num_tokens) for room in rooms]
@@ -170,11 +177,7 @@ def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_h
     picked and named in the signed ack, its one-time key bound to the room and the handshake on
     the channel; an offer of ciphers this worker lacks refused before any write, naming them; an
     older decode worker's handshake (no offer) served in the clear."""
-    engines = mooncake_stub.install(monkeypatch)
-    rng = random.Random()
-    num_tokens, num_pages, src, dst = _pools(rng)
-    config = BootstrapConfig(port=0, handshake_timeout_s=5, claim_timeout_s=5)
-    transport = TransportConfig(advertise_host="127.0.0.1")
+    engines, rng, num_tokens, num_pages, src, dst, config, transport = _stubbed_pair_setting(monkeypatch)
 
     async def run():
         registry, server = await _started_bootstrap(config)
@@ -188,6 +191,7 @@ def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_h
                 message = pb.Handshake(protocol_version=PROTOCOL_VERSION, room=room, num_tokens=num_tokens,
                                        page_ids=rng.sample(range(dst.num_pages), num_pages), layout=layout_of(dst))
                 receiver.fill_destination(message)
+                message.protocol_version = handshake_version(message)  # (pulled: 3)
                 message.mooncake.ClearField("kv_cipher_algorithms")
                 message.mooncake.kv_cipher_algorithms.extend(offer)
                 config.auth.sign(message, "handshake", "decode@127.0.0.1", f"127.0.0.1:{server.port}")
@@ -255,3 +259,46 @@ def test_no_mooncake_engine_registers_the_kv_pool(monkeypatch):
             assert _overlaps(registered, side.staging.buffers) == (protocol == "rdma"), (protocol, build.__name__)
             side.close()
             assert engines[-1].registered == {}
+
+
+def test_a_pulled_handshake_is_answered_with_the_send_staging_in_the_signed_ack_and_only_as_version_3(monkeypatch):
+    """The prefill side serves a pulled transfer only under bootstrap protocol 3 (an older worker
+    refuses that version, so never writes where decode offered nothing), answering with its send
+    staging (engine, layer addresses, slots) inside the signed ack; a pull flag under version 2, or
+    version 3 without it, is refused before any room sees it."""
+    _, rng, num_tokens, num_pages, src, dst, config, transport = _stubbed_pair_setting(monkeypatch)
+
+    async def run():
+        registry, server = await _started_bootstrap(config)
+        sender, receiver = build_sender("mooncake", src, transport), build_receiver("mooncake", dst, transport)
+        server.servicer.answer = sender.answer_handshake
+        target = f"127.0.0.1:{server.port}"
+        try:
+            def handshake(version: int, pull: bool) -> pb.Handshake:
+                message = pb.Handshake(protocol_version=version, room=rng.randrange(1 << 31), num_tokens=num_tokens,
+                                       page_ids=range(num_pages), layout=layout_of(dst))
+                receiver.fill_destination(message)
+                message.mooncake.pull = pull
+                config.auth.sign(message, "handshake", "decode@127.0.0.1", target)
+                return message
+            for version, pull in ((PROTOCOL_VERSION, True), (PULL_PROTOCOL_VERSION, False)):
+                assert await _answer(server.port, handshake(version, pull)) == [grpc.StatusCode.FAILED_PRECONDITION]
+            assert registry.num_active == 0
+            good = handshake(PULL_PROTOCOL_VERSION, True)
+            async with grpc.aio.insecure_channel(target) as channel:
+                call = pb_grpc.BootstrapStub(channel).Transfer()
+                await call.write(pb.DecodeMessage(handshake=good))
+                ack = (await asyncio.wait_for(call.read(), 5)).accepted
+                call.cancel()
+            config.auth.verify(ack, "ack", f"room={good.room}", challenge=good.auth.nonce)
+            source = ack.mooncake_source
+            assert ack.protocol_version == PULL_PROTOCOL_VERSION
+            assert source.session_id == sender.engine.session_id and list(source.layer_base_addrs) == \
+                sender.staging.base_addrs and source.pool_pages == sender.staging.num_pages
+            assert not good.mooncake.layer_base_addrs  # decode named nothing of its own to write
+        finally:
+            await server.stop(0)
+            sender.close()
+            receiver.close()
+
+    asyncio.run(run())

@@ -3,7 +3,9 @@ a private network namespace): Mooncake checks a write's range when its header ar
 can land after the KV MAC and the finite check passed. It must not change one output token: the
 decode side receives into staging slots and copies them into the request's private pages before
 the checks (workers/transport/staging.py). Before the staging the NaN body landed in the request's
-own pages and the output changed."""
+own pages and the output changed. Against a decode worker in the write direction
+(`mooncake_kv_direction=write`): with pulled transfers, the default, decode registers nothing a
+body could land in (test_security_mooncake_bad_peer.py)."""
 from __future__ import annotations
 
 import random

@@ -45,7 +45,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.transfer_limits import MAX_CHUNK_BYTES
 from deepseek_pd.workers.engine.interface import DisaggParams, FailureCode
 from deepseek_pd.workers.transport.bootstrap_protocol import (
-    MESSAGE_ENVELOPE_BYTES, PROTOCOL_VERSION, code_from_pb, target)
+    MESSAGE_ENVELOPE_BYTES, code_from_pb, handshake_version, target, version_refusal_hint)
 from deepseek_pd.workers.transport import kv_cipher
 from deepseek_pd.workers.transport.internal_auth import AuthError
 from deepseek_pd.workers.transport.base import KVSink
@@ -114,7 +114,7 @@ class BootstrapClient:
         return _BootstrapStub(self._channel(params.bootstrap_host, params.bootstrap_port))
 
     async def transfer(self, params: DisaggParams, handshake: pb.Handshake, sink: KVSink) -> pb.TransferDone:
-        handshake.protocol_version = PROTOCOL_VERSION
+        handshake.protocol_version = handshake_version(handshake)
         handshake.room = params.bootstrap_room
         await self.peers.check(params.bootstrap_host, params.bootstrap_port)  # before any connection
         deadline = time.monotonic() + self.config.transfer_timeout_s
@@ -125,6 +125,7 @@ class BootstrapClient:
         finished = False
         readers: list[KVStreamReader] = []
         try:
+            sink.accept_answer(ack)
             self._begin_cipher(params.bootstrap_room, handshake, ack, sink)
             await self._open_kv_streams(params, endpoint, handshake, ack, sink, window, deadline, readers)
             done = await self._follow(call, window, sink, deadline, params, handshake.auth.nonce, readers)
@@ -218,16 +219,17 @@ class BootstrapClient:
                     await asyncio.sleep(min(backoff, max(give_up - time.monotonic(), 0)))
                     backoff = min(backoff * 2, self.config.retry_max_s)
                     continue
+                hint = version_refusal_hint(handshake) if "protocol version" in (exc.details() or "") else ""
                 raise TransferError(_code_of(exc), f"bootstrap {address} refused room "
-                                    f"{params.bootstrap_room}: {exc.details()}") from None
+                                    f"{params.bootstrap_room}: {exc.details()}{hint}") from None
             if first is grpc.aio.EOF or first.WhichOneof("event") != "accepted" or first.seq != 0:
                 call.cancel()
                 raise TransferError(FailureCode.INTERNAL, f"bootstrap {address} answered the handshake "
                                     f"with {first!r} instead of an acknowledgement")
-            if first.accepted.protocol_version != PROTOCOL_VERSION:
+            if first.accepted.protocol_version != handshake.protocol_version:
                 call.cancel()
                 raise TransferError(FailureCode.INTERNAL, f"prefill speaks bootstrap protocol "
-                                    f"{first.accepted.protocol_version}, decode {PROTOCOL_VERSION}")
+                                    f"{first.accepted.protocol_version}, decode {handshake.protocol_version}")
             try:
                 self.config.auth.verify(first.accepted, "ack", f"room={handshake.room}", handshake.auth.nonce)
             except AuthError as exc:

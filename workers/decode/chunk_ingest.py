@@ -56,7 +56,9 @@ class ChunkIngest:
             written = seq
         landed = self.sink.landed_pages
         # A window that landed is credited at once: its writer waits for the slots.
-        if written is not None and (written - self.credited >= self.every or landed > self.landed) and self.writable:
+        # So is a pulled chunk (`credits_each_chunk`): its sender frees the slots it was read from then.
+        if written is not None and self.writable and (written - self.credited >= self.every or landed > self.landed
+                                                      or self.sink.credits_each_chunk):
             self.credited, self.landed = written, landed
             try:
                 await self.call.write(self.credit_message(written, landed))

@@ -36,7 +36,8 @@ import grpc
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.engine.interface import FailureCode
-from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION, code_to_pb, kv_stream_count
+from deepseek_pd.workers.transport.bootstrap_protocol import (
+    ACCEPTED_VERSIONS, PROTOCOL_VERSION, code_to_pb, handshake_version, kv_stream_count)
 from deepseek_pd.workers.transport import kv_cipher
 from deepseek_pd.workers.transport.bootstrap_routes import RouteTable, misroute_reason
 from deepseek_pd.workers.transport.internal_auth import AuthError, ReplayGuard
@@ -50,12 +51,15 @@ log = logging.getLogger(__name__)
 
 class BootstrapServicer(pb_grpc.BootstrapServicer):
     def __init__(self, registry: RoomRegistry, hosts: tuple[str, ...] = (), kv_streams: int = 1,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None,
+                 answer: Callable[[pb.Handshake, pb.HandshakeAck], None] | None = None) -> None:
         """`hosts`: the addresses peers may dial this worker at (tokens must be addressed to one of
         them and to `port`, set once the server is bound); empty: any host, the port still counts.
         `kv_streams`: the most parallel KV streams a room may use (TransportConfig.grpc_streams).
-        `metrics` counts the refused and failed handshakes (the engine's own)."""
+        `metrics` counts the refused and failed handshakes (the engine's own). `answer`: the KV
+        sender's part of each ack (`KVSender.answer_handshake`), before it is signed."""
         self.registry = registry
+        self.answer = answer
         self.metrics = metrics if metrics is not None else WorkerMetrics()
         self.kv_streams = kv_streams
         self.auth = registry.config.auth
@@ -89,10 +93,11 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         except AuthError as exc:
             log.warning("refused a bootstrap handshake for room %d from %s: %s", request.room, context.peer(), exc)
             await self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        if request.protocol_version != PROTOCOL_VERSION:
+        if request.protocol_version not in ACCEPTED_VERSIONS or request.protocol_version != handshake_version(request):
             room = self.registry.get(request.room)
             reason = (f"bootstrap protocol version mismatch: decode speaks {request.protocol_version}, "
-                      f"prefill {PROTOCOL_VERSION}")
+                      f"prefill {'/'.join(map(str, ACCEPTED_VERSIONS))} (a pulled mooncake transfer is 3, "
+                      f"anything else {PROTOCOL_VERSION})")
             if room is not None:
                 room.mark_peer_gone(FailureCode.INTERNAL, reason)
             await self._refuse(context, "protocol", grpc.StatusCode.FAILED_PRECONDITION, reason)
@@ -117,13 +122,15 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         offered = request.grpc.streams if request.WhichOneof("destination") == "grpc" else 1
         room.open_kv_streams(kv_stream_count(offered, self.kv_streams))
         window = self.registry.config.event_queue_depth
-        credits = _Credits(room.note_landed)
+        credits = _Credits(room.note_landed, room.note_credited)
         credit_task = asyncio.create_task(credits.follow(request_iterator))
         seq = 0
         delivered_terminal = delivered_done = False
         try:
-            ack = pb.HandshakeAck(protocol_version=PROTOCOL_VERSION, credit_window=window,
+            ack = pb.HandshakeAck(protocol_version=request.protocol_version, credit_window=window,
                                   kv_streams=room.kv_streams, kv_cipher=room.kv_cipher)
+            if self.answer is not None:  # the transport's part (a pulled mooncake transfer: its source)
+                self.answer(request, ack)
             self.auth.sign(ack, "ack", self.identity, token.sender, f"room={request.room}", token.nonce)
             yield pb.TransferEvent(seq=seq, accepted=ack)
             try:
@@ -326,8 +333,10 @@ class _StreamClosed(Exception):
 class _Credits:
     """The highest event seq the decode side has confirmed, fed by its Credit messages."""
 
-    def __init__(self, on_landed: Callable[[int], None] | None = None) -> None:
+    def __init__(self, on_landed: Callable[[int], None] | None = None,
+                 on_credit: Callable[[int], None] | None = None) -> None:
         self.on_landed = on_landed  # the Transfer stream: Mooncake windows' landed pages go to the room
+        self.on_credit = on_credit  # ... and its credits (pulled mooncake chunks free their slots)
         self.received_seq = 0
         self.changed = asyncio.Event()
         self.closed = False
@@ -339,6 +348,8 @@ class _Credits:
                     self.received_seq = max(self.received_seq, message.credit.received_seq)
                     if self.on_landed is not None:
                         self.on_landed(message.credit.landed_pages)
+                    if self.on_credit is not None:
+                        self.on_credit(self.received_seq)
                     self.changed.set()
         except (grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.UsageError):
             pass

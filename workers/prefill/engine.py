@@ -118,6 +118,7 @@ class PrefillEngine(EngineCore[_Request]):
                                       kv_streams=transport.grpc_streams if self.config.kv_transport == "grpc" else 1,
                                       metrics=self.metrics)
         self.server.servicer.routes = self._routes
+        self.server.servicer.answer = self.sender.answer_handshake  # (a pulled mooncake transfer's source)
         await self.server.start()
         self._start_scheduler(self._schedule_loop(), "prefill-scheduler")
         log.info("prefill engine: KV transport %s, %d bytes of latent KV per token (%d layers x %d x %d B)",

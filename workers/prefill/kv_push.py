@@ -97,6 +97,7 @@ class KVPush:
             await self.sender.prepare(handshake)
             self.channel = self.sender.open(handshake, self.room.emit_chunk, streams=self.room.kv_streams)
             self.channel.wait_landed = self.room.wait_landed  # (mooncake windows wait for decode's copies)
+            self.channel.wait_credited = self.room.wait_credited  # (pulled mooncake chunks, for decode's reads)
             if self.room.kv_cipher:  # (mooncake with a secret: each cell encrypted as it is staged)
                 self.channel.begin_cipher(self.room.kv_cipher, self.room.kv_cipher_key)
             if self.room.kv_key is not None:  # (mooncake: MACs each send as it goes, off `finish`)

@@ -83,6 +83,9 @@ class Room:
         # Mooncake windows: request pages decode has copied out of its staging (Credit.landed_pages).
         self.landed_pages = 0
         self._landed = asyncio.Event()
+        # Pulled mooncake transfers: decode read every chunk up to this seq (Credit.received_seq).
+        self.credited_seq = 0
+        self._credited = asyncio.Event()
 
     # ---- phases -------------------------------------------------------------------------------
     def advance(self, to: TransferPhase) -> bool:
@@ -139,16 +142,28 @@ class Room:
     async def wait_landed(self, pages: int, timeout_s: float) -> None:
         """Waits until decode reports request pages 0 .. pages-1 landed (their staging slots free for
         the next window); raises if decode has gone, the room failed, or after `timeout_s`."""
+        await self._wait_for(lambda: self.landed_pages >= pages, self._landed, timeout_s,
+                             f"decode did not land pages below {pages} of room {self.room_id} within "
+                             f"{timeout_s}s (its staging window)")
+
+    async def wait_credited(self, seq: int, timeout_s: float) -> None:
+        """Waits until decode credits event `seq` of the Transfer stream (a pulled mooncake chunk:
+        read out of this side's send staging); raises as `wait_landed`."""
+        await self._wait_for(lambda: self.credited_seq >= seq, self._credited, timeout_s,
+                             f"decode did not read KV chunk {seq} of room {self.room_id} out of the send "
+                             f"staging within {timeout_s}s")
+
+    async def _wait_for(self, reached, changed: asyncio.Event, timeout_s: float, late: str) -> None:
         give_up = asyncio.get_running_loop().time() + timeout_s
-        while self.landed_pages < pages:
+        while not reached():
             stops = {self.peer_gone, self.failure}
             if not any(stop.done() for stop in stops):
-                self._landed.clear()
-                waiter = asyncio.ensure_future(self._landed.wait())
+                changed.clear()
+                waiter = asyncio.ensure_future(changed.wait())
                 remaining = give_up - asyncio.get_running_loop().time()
                 await asyncio.wait({waiter, *stops}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
-            if self.landed_pages >= pages:
+            if reached():
                 return
             if self.peer_gone.done():
                 raise failure_for(*self.peer_gone.result())
@@ -156,9 +171,7 @@ class Room:
                 failure = self.failure.result()
                 raise failure_for(code_from_pb(failure.code), failure.reason)
             if asyncio.get_running_loop().time() >= give_up:
-                raise TransferError(FailureCode.DEADLINE_EXCEEDED,
-                                    f"decode did not land pages below {pages} of room {self.room_id} within "
-                                    f"{timeout_s}s (its staging window)")
+                raise TransferError(FailureCode.DEADLINE_EXCEEDED, late)
 
     async def finish(self, done: pb.TransferDone, timeout_s: float) -> None:
         """Sends TransferDone after every queued chunk; returns once the decode side confirmed it
@@ -212,6 +225,12 @@ class Room:
         if pages > self.landed_pages:
             self.landed_pages = pages
             self._landed.set()
+
+    def note_credited(self, seq: int) -> None:
+        """Decode's Credit said it holds every event up to `seq` of the Transfer stream."""
+        if seq > self.credited_seq:
+            self.credited_seq = seq
+            self._credited.set()
 
     def mark_peer_gone(self, code: FailureCode, reason: str) -> None:
         if not self.peer_gone.done():

@@ -26,6 +26,7 @@ from typing import Mapping, Union
 
 from deepseek_pd.bounds import Bounds
 from deepseek_pd.model.runner_rules import RUNNER_BOUNDS, RUNNER_CHOICES
+from deepseek_pd.model.kv.mooncake_direction import MOONCAKE_KV_DIRECTIONS
 from deepseek_pd.model.kv.same_host_direct import SAME_HOST_DIRECT_MODES
 from deepseek_pd.transfer_limits import BOOTSTRAP_BOUNDS, TRANSPORT_BOUNDS
 from deepseek_pd.workers.engine.scheduler_config import SCHEDULER_BOUNDS
@@ -57,7 +58,7 @@ ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, Kind]] = {
     },
     "transport": {  # workers/transport/base.py TransportConfig
         "max_chunk_bytes": int, "io_threads": int, "grpc_streams": int, "same_host_direct": SAME_HOST_DIRECT_MODES,
-        "send_timeout_s": float, "mooncake_staging_tokens": int,
+        "send_timeout_s": float, "mooncake_staging_tokens": int, "mooncake_kv_direction": MOONCAKE_KV_DIRECTIONS,
     },
     "group": {  # workers/group/layout.py GroupLayout
         "collective_timeout_s": float, "startup_timeout_s": float,

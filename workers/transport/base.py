@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
 from deepseek_pd.bounds import bounds_blocker
 from deepseek_pd.choices import not_one_of
 from deepseek_pd.model.kv.pool import KVPool
+from deepseek_pd.model.kv.mooncake_direction import MOONCAKE_KV_DIRECTIONS
 from deepseek_pd.model.kv.same_host_direct import SAME_HOST_DIRECT_MODES
 from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.proto import bootstrap_pb2 as pb
@@ -88,12 +89,19 @@ class TransportConfig:
     # device, beside the pool, and kept out of the pool's memory budget (model/kv/staging_size.py). Over
     # RDMA the prefill side sends through one of the same size (its NIC reads only registered memory).
     mooncake_staging_tokens: int = DEFAULT_STAGING_TOKENS
+    # mooncake, the decode side's choice (the prefill side serves either): "pull" reads the KV out of
+    # the prefill worker's send staging, "write" lets the prefill worker write into decode's staging
+    # (model/kv/mooncake_direction.py says when to pick which).
+    mooncake_kv_direction: str = "pull"
 
     def __post_init__(self) -> None:
         if (blocker := bounds_blocker(TRANSPORT_BOUNDS, **{name: getattr(self, name)
                                                            for name in TRANSPORT_BOUNDS})) is not None:
             raise ValueError(blocker)
         if (blocker := not_one_of("same_host_direct", self.same_host_direct, SAME_HOST_DIRECT_MODES)) is not None:
+            raise ValueError(blocker)
+        if (blocker := not_one_of("mooncake_kv_direction", self.mooncake_kv_direction,
+                                  MOONCAKE_KV_DIRECTIONS)) is not None:
             raise ValueError(blocker)
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
@@ -116,6 +124,9 @@ EmitChunk = Callable[["EncodedChunk"], Awaitable[None]]
 # Waits until the decode side reports request pages 0 .. n-1 landed (copied out of its staging),
 # at most `timeout_s`; raises a RequestFailure (prefill/room.py Room.wait_landed). Mooncake windows.
 WaitLanded = Callable[[int, float], Awaitable[None]]
+# Waits until decode credits event `seq` of the Transfer stream, at most `timeout_s`; raises a
+# RequestFailure (prefill/room.py Room.wait_credited). Pulled mooncake chunks: read, so their slots free.
+WaitCredited = Callable[[int, float], Awaitable[None]]
 
 
 class SendChannel(abc.ABC):
@@ -129,6 +140,9 @@ class SendChannel(abc.ABC):
     # How to wait for decode's landed pages, which a channel writing through decode's staging in
     # windows needs (mooncake): the prefill side's KV push gives it its room's after `open`.
     wait_landed: WaitLanded | None = None
+    # How to wait until decode read a reported chunk (pulled mooncake transfers keep its slots until
+    # then): the prefill side's KV push gives it its room's after `open`.
+    wait_credited: WaitCredited | None = None
 
     def __init__(self, pool: KVPool, dst_pages: Sequence[int]) -> None:
         self.pool = pool
@@ -208,6 +222,10 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel: ...
 
+    def answer_handshake(self, handshake: pb.Handshake, ack: pb.HandshakeAck) -> None:
+        """Adds this transport's answer to the ack of `handshake`, before it is signed (a pulled
+        mooncake transfer: the send staging decode reads from). Nothing by default."""
+
     async def prepare(self, handshake: pb.Handshake) -> None:
         """Does the slow part of `open` for this handshake off the event loop, so `open` (called on
         it) is quick: the grpc sender maps an offered same-host pool here. Nothing by default."""
@@ -246,6 +264,9 @@ class KVSink(abc.ABC):
     # destination reachable by the transport for its duration (mooncake over TCP registers the
     # slots); `expose` may block for a while: the caller runs it off the event loop.
     registers_pages: bool = False
+    # Credit each chunk as soon as it is written, not every half window: the sender waits for that
+    # credit to free what the chunk held (a pulled mooncake chunk's send-staging slots).
+    credits_each_chunk: bool = False
 
     def __init__(self, pool: KVPool, pages: Sequence[int]) -> None:
         self.pool = pool
@@ -283,6 +304,11 @@ class KVSink(abc.ABC):
         writer's reach (`withdraw`) and makes what it delivered the pages' content (mooncake: copies the
         staging slots into the pages, staging.py), so nothing written later reaches what is checked."""
         self.withdraw()
+
+    def accept_answer(self, ack: pb.HandshakeAck) -> None:
+        """The signed ack's answer to what `offer_into` and the receiver's destination offered (a
+        pulled mooncake transfer: where to read); raises TransferError (failing the sink) when it
+        does not answer. Nothing by default."""
 
     def offer_into(self, handshake: pb.Handshake) -> None:
         """Adds to the handshake what this transfer offers its writer beyond the transport's

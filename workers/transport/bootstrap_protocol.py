@@ -7,6 +7,27 @@ from deepseek_pd.workers.engine.interface import FailureCode
 
 # Bump when a message change would be misread by an older peer; both sides refuse a mismatch.
 PROTOCOL_VERSION = 2  # 2: AuthToken on handshake, ack, done and abort
+# 3: a pulled mooncake transfer (MooncakeDestination.pull). Only such handshakes carry it, so an
+# older prefill worker, which would ignore `pull` and write, refuses them at the handshake, while
+# every other handshake stays version 2 and old and new workers keep serving each other. The
+# prefill side answers with the version it was offered.
+PULL_PROTOCOL_VERSION = 3
+ACCEPTED_VERSIONS = (PROTOCOL_VERSION, PULL_PROTOCOL_VERSION)
+
+
+def handshake_version(handshake: pb.Handshake) -> int:
+    """The protocol version a decode worker's handshake goes out with."""
+    pulls = handshake.WhichOneof("destination") == "mooncake" and handshake.mooncake.pull
+    return PULL_PROTOCOL_VERSION if pulls else PROTOCOL_VERSION
+
+
+def version_refusal_hint(handshake: pb.Handshake) -> str:
+    """What to add to a prefill worker's version refusal of `handshake` (decode's side)."""
+    if handshake.protocol_version != PULL_PROTOCOL_VERSION:
+        return ""
+    return (" (decode reads mooncake KV from the prefill worker, protocol 3; this prefill worker is older "
+            "and can only write into decode: upgrade it, or run the decode workers with --engine-opt "
+            "mooncake_kv_direction=write until every prefill worker is upgraded)")
 
 # A message adds at most this around a KVChunk's data (at most MAX_CHUNK_BYTES, deepseek_pd/transfer_limits.py);
 # both ends size their gRPC message limits from these.

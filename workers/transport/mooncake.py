@@ -8,7 +8,16 @@ destination). The design, for all four:
 Both workers start a `TransferEngine` in P2P-handshake mode. What they register is what any peer
 that reaches the engine's ports may read and write (Mooncake authenticates nobody, not even in
 0.3.14; its TCP server checks a write's range once, when its header arrives, and then takes the
-body at the peer's pace):
+body at the peer's pace).
+
+Pulled transfers, the default (`TransportConfig.mooncake_kv_direction`, decode's choice): decode
+*reads* the KV out of the prefill side's send staging (`mooncake_pull_channel.py` stages, registers
+over TCP and reports each piece, then frees it on decode's credit; `mooncake_pull_sink.py` reads
+each reported piece into its own slots and lands it as below). Mooncake needs no registration of a
+READ's local side over TCP, so decode registers nothing (over RDMA its staging, the reads' landing),
+and a prefill worker, holding the secret or not, reaches nothing of decode's: it can spoil only the
+requests it serves. The rest of this design holds for both directions except where it names decode's
+staging as a write target, which is the write direction's (`mooncake_kv_direction=write`):
 - the decode side never registers its KV pool: writers reach only the slots of a small staging
   area (staging.py), registered per transfer while it runs over TCP (`MooncakeSink.expose`/`land`,
   around `pull_kv`'s transfer) and for good over RDMA (the NIC needs its memory regions); after
@@ -45,7 +54,11 @@ Trust: the prefill side writes only where an authenticated handshake (the bootst
 checks its token before the room sees it) says, and only to pages that handshake lists, each
 checked below the destination's size (`check_destination`); addresses come from the handshake's
 layer bases plus page ids, never from anything else a peer sends. The decode side reveals its
-addresses only in handshakes to registered prefill workers (decode/prefill_peers.py).
+addresses only in handshakes to registered prefill workers (decode/prefill_peers.py). A pulled
+transfer's reads come from the source the signed ack names plus the slots each report names, each
+checked below that source's slot count, one per page and none twice (`mooncake_pull_sink._refusal`),
+into decode's own slots of that transfer: a lying prefill worker lands garbage only in its own
+request's pages, which its MAC then refuses.
 """
 from __future__ import annotations
 
@@ -58,12 +71,15 @@ from deepseek_pd.model.kv.staging_size import staging_pages
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.transport import kv_cipher, kv_mac
 from deepseek_pd.workers.transport.base import EmitChunk, KVReceiver, KVSender, KVSink, SendChannel, TransportConfig
-from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel, check_destination
+from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel, check_destination, check_engine_match
+from deepseek_pd.workers.transport.mooncake_pull_channel import MooncakePullChannel
+from deepseek_pd.workers.transport.mooncake_pull_sink import MooncakePullSink
 from deepseek_pd.workers.transport.mooncake_engine import MooncakeEngine
 from deepseek_pd.workers.transport.mooncake_sink import MooncakeSink
 from deepseek_pd.workers.transport.staging import StagingArea
 
 log = logging.getLogger(__name__)
+MAX_READ_POOLS = 256  # prefill workers whose pulled reads get threads of their own (MooncakeReceiver._reads_of)
 
 
 def staging_for(pool: KVPool, config: TransportConfig) -> StagingArea:
@@ -90,8 +106,24 @@ class MooncakeSender(KVSender):
             self.engine.register_buffers(self.staging.base_addrs,
                                          [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
+    def answer_handshake(self, handshake: pb.Handshake, ack: pb.HandshakeAck) -> None:
+        if handshake.WhichOneof("destination") != "mooncake" or not handshake.mooncake.pull:
+            return
+        source = ack.mooncake_source  # where decode reads: this rank's send staging
+        source.session_id = self.engine.session_id
+        source.layer_base_addrs.extend(self.staging.base_addrs)
+        source.page_bytes = self.pool.bytes_per_page
+        source.pool_pages = self.staging.num_pages
+
     def _open(self, handshake: pb.Handshake, emit: EmitChunk, streams: int) -> SendChannel:
         destination = handshake.mooncake
+        if destination.pull:  # decode reads out of the send staging (mooncake_pull_channel.py)
+            check_engine_match(destination, self.pool.bytes_per_page, self.engine.protocol)
+            log.debug("room %d: mooncake %s serves %d pages to %s (decode DP rank %d), read by decode",
+                      handshake.room, self.engine.session_id, len(handshake.page_ids), destination.session_id,
+                      handshake.decode_dp_rank)
+            return MooncakePullChannel(self.pool, self.engine, destination, handshake.page_ids,
+                                       self.config.send_timeout_s, self.staging, emit)
         check_destination(destination, handshake.page_ids, self.pool.bytes_per_page, self.pool.num_layers,
                           self.engine.protocol)
         # Which engine writes into which: under DP each rank's own engine writes rank to rank.
@@ -113,18 +145,41 @@ class MooncakeReceiver(KVReceiver):
         kv_cipher.require(pool.device)
         self.engine = MooncakeEngine(pool, config)
         self.staging = staging_for(pool, config)
+        # Pulled (the default): decode reads the KV out of the prefill side's send staging, and over
+        # TCP registers nothing; over RDMA the staging is the reads' landing (the NIC needs it registered).
+        self.pull = config.mooncake_kv_direction == "pull"
         # Windows' copies out of the staging (`MooncakeSink.on_chunk`), off the event loop.
         self._copies = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-land")
+        self._reads: dict[str, ThreadPoolExecutor] = {}  # pulled: per prefill worker (`_reads_of`)
         if self.engine.protocol != "tcp":  # the NIC needs its memory regions, and writers cache their keys
             self.engine.register_buffers(self.staging.base_addrs,
                                          [self.staging.num_pages * pool.bytes_per_page] * pool.num_layers)
 
     def open_sink(self, pages: Sequence[int], peer_host: str | None = None) -> KVSink:
-        return MooncakeSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s, self._copies)
+        if not self.pull:
+            return MooncakeSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s, self._copies)
+        return MooncakePullSink(self.pool, pages, self.engine, self.staging, self.config.send_timeout_s,
+                                self._reads_of(peer_host))
+
+    def _reads_of(self, peer_host: str | None) -> ThreadPoolExecutor:
+        """Where the pulled sends of prefill worker `peer_host` are read and landed: threads of its
+        own, so a peer whose engine stalls reads (each bounded by Mooncake's transfer timeout) holds
+        up only its own requests, never another prefill worker's. Threads start only once a
+        handshake with that (registered) peer succeeded; past MAX_READ_POOLS names, the shared pool."""
+        key = peer_host or ""
+        pool = self._reads.get(key)
+        if pool is None:
+            if len(self._reads) >= MAX_READ_POOLS:
+                return self._copies
+            pool = self._reads[key] = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix=f"kv-read-{key}")
+        return pool
 
     def fill_destination(self, handshake: pb.Handshake) -> None:
-        handshake.mooncake.session_id = self.engine.session_id
-        handshake.mooncake.layer_base_addrs.extend(self.staging.base_addrs)
+        handshake.mooncake.session_id = self.engine.session_id  # (pulled: the engine that reads, for logs)
+        if self.pull:  # nothing of ours to write into: the prefill side answers with its source
+            handshake.mooncake.pull = True
+        else:
+            handshake.mooncake.layer_base_addrs.extend(self.staging.base_addrs)
         handshake.mooncake.page_bytes = self.pool.bytes_per_page
         handshake.mooncake.pool_pages = self.staging.num_pages
         handshake.mooncake.protocol = self.engine.protocol
@@ -134,4 +189,6 @@ class MooncakeReceiver(KVReceiver):
 
     def close(self) -> None:
         self._copies.shutdown(wait=False)
+        for pool in self._reads.values():
+            pool.shutdown(wait=False)
         self.engine.close()

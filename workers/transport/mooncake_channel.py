@@ -241,16 +241,7 @@ def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[in
                       num_layers: int, protocol: str) -> None:
     """Every write of this room lands inside the decode staging's layer buffers, over the protocol
     this engine speaks, and windowed page ids repeat one window's slots: raises TransferError."""
-    if destination.protocol and destination.protocol != protocol:
-        # One side fell back to TCP (serve --kv-tcp-fallback) and the other did not: every write
-        # would fail, so say why once, per request, instead.
-        raise TransferError(FailureCode.INVALID_ARGUMENT,
-                            f"decode's mooncake engine speaks {destination.protocol}, this prefill worker's "
-                            f"{protocol}: one of them fell back to tcp (see its start log); give both RDMA "
-                            f"devices or use kvTransfer.protocol tcp")
-    if destination.page_bytes != page_bytes:
-        raise TransferError(FailureCode.INVALID_ARGUMENT,
-                            f"decode page is {destination.page_bytes} bytes, prefill page {page_bytes}")
+    check_engine_match(destination, page_bytes, protocol)
     if len(destination.layer_base_addrs) != num_layers:
         raise TransferError(FailureCode.INVALID_ARGUMENT,
                             f"decode sent {len(destination.layer_base_addrs)} layer addresses, "
@@ -263,3 +254,17 @@ def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[in
                                 f"request's {len(page_ids)} pages")
         page_ids = page_ids[:window]
     check_page_ids(page_ids, destination.pool_pages)
+
+
+def check_engine_match(destination: pb.MooncakeDestination, page_bytes: int, protocol: str) -> None:
+    """Decode's engine speaks this engine's protocol and holds pages of this size: raises TransferError."""
+    if destination.protocol and destination.protocol != protocol:
+        # One side fell back to TCP (serve --kv-tcp-fallback) and the other did not: every write
+        # would fail, so say why once, per request, instead.
+        raise TransferError(FailureCode.INVALID_ARGUMENT,
+                            f"decode's mooncake engine speaks {destination.protocol}, this prefill worker's "
+                            f"{protocol}: one of them fell back to tcp (see its start log); give both RDMA "
+                            f"devices or use kvTransfer.protocol tcp")
+    if destination.page_bytes != page_bytes:
+        raise TransferError(FailureCode.INVALID_ARGUMENT,
+                            f"decode page is {destination.page_bytes} bytes, prefill page {page_bytes}")

@@ -23,9 +23,9 @@ def exposure_warning(host: str) -> str:
     return (f"mooncake's TransferEngine listens on ALL interfaces (0.0.0.0), not only {host}: it binds "
             f"the wildcard whatever address it is given (0.3.13.post1 has no option for it). Its ports, "
             f"drawn from TCP {ports.start}-{ports[-1]} (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT), authenticate no "
-            f"peer: any caller gets the addresses of the registered stagings, reads those of transfers in "
-            f"flight (with the deployment secret only ciphertext of their KV) and writes them (failing "
-            f"those requests by their KV MAC). Keep other hosts off {ports.start}-{ports[-1]} (a "
+            f"peer: any caller gets the addresses of the registered stagings (with pulled transfers only the "
+            f"prefill workers' send-staging slots in flight), reads them (with the deployment secret only "
+            f"ciphertext of their KV) and writes them (failing those requests by their KV MAC). Keep other hosts off {ports.start}-{ports[-1]} (a "
             f"firewall; in Kubernetes the deployment's NetworkPolicy). docs/operations.md, Security")
 
 

@@ -9,7 +9,10 @@ slots into the request's own pages (`copy_into`) and checks the KV MAC on that p
 that lands before it fails that request's MAC check. Either way no other request's pages change.
 With a deployment secret what the slots hold is ciphertext (kv_cipher.py): the sender's
 `fill_from` encrypts as it gathers each send into its own staging, `copy_into` decrypts as it lands
-the slots, so a reader of the registered staging gets no KV.
+the slots, so a reader of the registered staging gets no KV. With pulled transfers (the default,
+mooncake_pull_channel.py / mooncake_pull_sink.py) the roles turn: the prefill side's send staging is
+what a peer reaches (each piece's slots registered from its report until decode read them), and
+decode's slots are where decode's own reads land, registered only over RDMA.
 
     decode pool (never registered)        staging (registered: per transfer over TCP, for good over RDMA)
     request A pages [7, 2, 9]   <- copy -- slots [0, 1, 2]   <- prefill of A writes, then its done

@@ -16,7 +16,7 @@ does: layer_begin=0 is not written).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Sequence, Union
 
 from deepseek_pd.proto import bootstrap_pb2 as pb
 
@@ -38,6 +38,11 @@ def _varint(value: int) -> bytes:
 
 def _tag(field: int, wire_type: int) -> bytes:
     return _varint(field << 3 | wire_type)
+
+
+def _packed(field: int, values: Sequence[int]) -> bytes:
+    body = b"".join(_varint(value) for value in values)
+    return _tag(field, _LEN) + _varint(len(body)) + body
 
 
 @dataclass(frozen=True)
@@ -73,11 +78,12 @@ class EncodedChunk:
 
 
 def encode_chunk_event(seq: int, header: ChunkHeader, data, crc32: int, stream: int = 0,
-                       direct_bytes: int = 0) -> EncodedChunk:
+                       direct_bytes: int = 0, source_slots: Sequence[int] = ()) -> EncodedChunk:
     """`data`: any buffer (bytes, memoryview of a staging tensor); copied once, into the payload.
 
     `direct_bytes` > 0: the cells (that many bytes) were already copied into the decode pool; the
-    chunk carries no `data` and only tells the decode side they are there (`written_directly`)."""
+    chunk carries no `data` and only tells the decode side they are there (`written_directly`).
+    `source_slots`: a pulled mooncake chunk's send-staging slots (packed, as protobuf packs them)."""
     size = memoryview(data).nbytes
     fields = bytearray()
     for number, name in enumerate(_CHUNK_FIELDS, start=1):
@@ -86,7 +92,8 @@ def encode_chunk_event(seq: int, header: ChunkHeader, data, crc32: int, stream: 
             fields += _tag(number, _VARINT) + _varint(value)
     data_prefix = _tag(5, _LEN) + _varint(size) if size else b""
     suffix = ((_tag(6, _VARINT) + _varint(crc32) if crc32 else b"")
-              + (_tag(7, _VARINT) + b"\x01" if direct_bytes else b""))
+              + (_tag(7, _VARINT) + b"\x01" if direct_bytes else b"")
+              + (_packed(8, source_slots) if source_slots else b""))
     body_len = len(fields) + len(data_prefix) + size + len(suffix)
     prefix = ((_tag(1, _VARINT) + _varint(seq) if seq else b"") + _tag(3, _LEN) + _varint(body_len)
               + bytes(fields) + data_prefix)
@@ -105,6 +112,7 @@ class ChunkView:
     data: memoryview
     crc32: int
     written_directly: bool = False
+    source_slots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,7 @@ def _skip(buf: memoryview, pos: int, end: int, wire_type: int) -> int:
 
 def _parse_chunk(buf: memoryview, pos: int, end: int) -> ChunkView:
     values = {name: 0 for name in _CHUNK_FIELDS}
-    data, crc, direct = buf[0:0], 0, False
+    data, crc, direct, slots = buf[0:0], 0, False, []
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
         field, wire_type = key >> 3, key & 7
@@ -171,9 +179,21 @@ def _parse_chunk(buf: memoryview, pos: int, end: int) -> ChunkView:
         elif field == 7 and wire_type == _VARINT:
             flag, pos = _read_varint(buf, pos, end)
             direct = bool(flag)
+        elif field == 8 and wire_type == _LEN:  # packed, as protobuf writes it
+            length, pos = _read_varint(buf, pos, end)
+            stop = pos + length
+            if stop > end:
+                raise _Malformed
+            while pos < stop:
+                slot, pos = _read_varint(buf, pos, stop)
+                slots.append(slot)
+        elif field == 8 and wire_type == _VARINT:  # unpacked: protobuf parsers accept both
+            slot, pos = _read_varint(buf, pos, end)
+            slots.append(slot)
         else:  # a field a newer peer added: skip it, as protobuf would
             pos = _skip(buf, pos, end, wire_type)
-    return ChunkView(data=data, crc32=crc & 0xFFFFFFFF, written_directly=direct, **values)
+    return ChunkView(data=data, crc32=crc & 0xFFFFFFFF, written_directly=direct,
+                     source_slots=tuple(slot & 0xFFFFFFFF for slot in slots), **values)
 
 
 def decode_event(raw: bytes) -> ReceivedEvent:

@@ -152,6 +152,7 @@ async def run_exchange(exchange: Exchange, room: int = 7, emit_hook=None, decode
                              kv_streams=exchange.transport_config.grpc_streams)
     await server.start()
     sender = build_sender(exchange.transport, exchange.src.pool, exchange.transport_config)
+    server.servicer.answer = sender.answer_handshake
     receiver = build_receiver(exchange.transport, exchange.dst.pool,
                               exchange.decode_transport_config or exchange.transport_config)
     client = BootstrapClient(exchange.bootstrap_config)

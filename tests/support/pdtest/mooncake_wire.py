@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 import struct
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import Any, Awaitable, Callable
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.proto import bootstrap_pb2 as pb
+from deepseek_pd.workers.transport.wire import ChunkView, decode_event
+from deepseek_pd.workers.transport.worker_config import WorkerConfig
 from pdtest.hostile_prefill import hold_transfer_done
 from pdtest.pd_engine_harness import PDPair, collect, worker_config
 
@@ -106,6 +109,54 @@ def record_channels(sender) -> dict[str, Any]:
         return channel
     sender.open = recording
     return seen
+
+
+def record_reports(sender) -> dict[str, list[ChunkView]]:
+    """Every report (a KVChunk without data) the channels `sender` (a prefill's KV sender) opens
+    emit, by decode rid, as decode parses it: a pulled transfer's names the send-staging slots
+    decode reads (`source_addr`). Records before any hold installed after it."""
+    seen: dict[str, list[ChunkView]] = {}
+    opener = sender.open
+
+    def recording(handshake, emit, *args, **kwargs):
+        reports = seen.setdefault(handshake.decode_rid, [])
+
+        async def emit_recorded(chunk):
+            reports.append(decode_event(chunk.payload).chunk)
+            await emit(chunk)
+        return opener(handshake, emit_recorded, *args, **kwargs)
+    sender.open = recording
+    return seen
+
+
+def source_addr(sender, report: ChunkView) -> tuple[int, int]:
+    """(address, bytes) of the first page, first layer, that a pulled report names in the prefill
+    side's send staging (`sender`'s): where decode reads it, and a stranger may write it in flight."""
+    staging = sender.staging
+    return staging.base_addrs[report.layer_begin] + report.source_slots[0] * staging.page_bytes, staging.page_bytes
+
+
+def write_direction(config: WorkerConfig) -> WorkerConfig:
+    """`config` for a decode worker that has the prefill side write into its staging (the older
+    direction, an engine option): the attacks on that direction's staging run against it."""
+    return dataclasses.replace(config, transport=dataclasses.replace(config.transport, mooncake_kv_direction="write"))
+
+
+METADATA_REQUEST = 1  # Mooncake's HandShakeRequestType::Metadata (common.h)
+
+
+def ask_metadata(host: str, port: int) -> dict:
+    """The segment descriptor a Mooncake handshake port serves for `{}`: an 8-byte length, the
+    request type, JSON (common.h writeString); no credential of any kind."""
+    payload = bytes([METADATA_REQUEST]) + b"{}"
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(struct.pack("<Q", len(payload)) + payload)
+        reply = b""
+        while len(reply) < 8 or len(reply) < 8 + struct.unpack("<Q", reply[:8])[0]:
+            chunk = sock.recv(65536)
+            assert chunk, f"the handshake port closed after {len(reply)} bytes"
+            reply += chunk
+    return json.loads(reply[9:])  # after the length and the echoed type
 
 
 def first_page_addr(handshake: pb.Handshake) -> tuple[int, int]:

@@ -227,6 +227,8 @@ class PDPair:
         if cache is not None:
             assert cache.num_pinned_nodes == 0
         assert self.prefill.registry.num_active == 0, "a bootstrap room leaked"
+        staging = getattr(self.prefill.sender, "staging", None)  # mooncake: each send's (pulled: until read)
+        assert staging is None or staging.num_used == 0, f"the prefill send staging holds {staging.num_used} slots"
 
 
 def timed_emits(prefill: PrefillEngine) -> tuple[list[float], list[str]]:

@@ -16,6 +16,8 @@ from deepseek_pd.workers.prefill.kv_push import KVPush
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
 from deepseek_pd.workers.transport import TransportConfig, kv_mac
 from deepseek_pd.workers.transport.base import layout_of
+from deepseek_pd.workers.transport.bootstrap_protocol import handshake_version
+from deepseek_pd.workers.transport.wire import EncodedChunk
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
 from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel
 from pdtest import mooncake_stub
@@ -24,8 +26,9 @@ from pdtest.kv_transfer_harness import random_pool, scattered_alloc
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.mark.parametrize("direction", ["pull", "write"])
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_finish_seals_every_byte_sent_without_a_thread_hop(monkeypatch, layerwise):
+def test_finish_seals_every_byte_sent_without_a_thread_hop(monkeypatch, layerwise, direction):
     mooncake_stub.install(monkeypatch)
     rng = random.Random()
     page_size = rng.choice([1, 2, 4])
@@ -34,7 +37,7 @@ def test_finish_seals_every_byte_sent_without_a_thread_hop(monkeypatch, layerwis
     num_pages = rng.randrange(1, 6)
     num_tokens = num_pages * page_size - rng.randrange(page_size)
     src_pages = scattered_alloc(src, rng, num_pages)
-    config = TransportConfig(advertise_host="127.0.0.1")
+    config = TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction=direction)
     sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
     sealed_on: list[threading.Thread] = []
     seal = MooncakeChannel.seal
@@ -52,6 +55,7 @@ def test_finish_seals_every_byte_sent_without_a_thread_hop(monkeypatch, layerwis
         sink = receiver.open_sink(scattered_alloc(dst, rng, num_pages))
         handshake = pb.Handshake(room=room_id, num_tokens=num_tokens, page_ids=sink.pages, layout=layout_of(dst))
         receiver.fill_destination(handshake)
+        handshake.protocol_version = handshake_version(handshake)
         await sink.reserve()
         sink.expose()
         sink.offer_into(handshake)
@@ -67,8 +71,10 @@ def test_finish_seals_every_byte_sent_without_a_thread_hop(monkeypatch, layerwis
                         push.layers_ready(computed, src_pages, layer, layer + 1)
                 await asyncio.sleep(0)
             finishing = asyncio.create_task(push.finish(first_token_id=7, logprob=-0.1, cached_tokens=0))
-            while True:  # the bootstrap stream's part: take the done, confirm it
+            while True:  # the bootstrap stream's part: credit each report (a pulled one's slots), confirm the done
                 event = await push.room.events.get()
+                if isinstance(event, EncodedChunk):
+                    push.room.note_credited(event.seq)
                 if isinstance(event, pb.TransferEvent) and event.HasField("done"):
                     push.room.delivered.set_result(True)
                     break

@@ -22,12 +22,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import struct
 import subprocess
 import sys
 
 from deepseek_pd import env
+from pdtest.mooncake_wire import ask_metadata
 
 ADVERTISED = "127.0.0.1"
 OTHER_LOCAL = "127.0.0.2"  # on lo too (127/8), but not the address the engine was given
@@ -56,23 +55,6 @@ print(json.dumps({{"status": status, "rpc_port": engine.get_rpc_port() if status
                   "registered": ctypes.addressof(staging) if registered else None}}), flush=True)
 input()  # keeps the engine up until the parent has probed it
 """
-
-METADATA_REQUEST = 1  # Mooncake's HandShakeRequestType::Metadata (common.h)
-
-
-def ask_metadata(host: str, port: int) -> dict:
-    """The segment descriptor a Mooncake handshake port serves for `{}`: an 8-byte length, the
-    request type, JSON (common.h writeString); no credential of any kind."""
-    payload = bytes([METADATA_REQUEST]) + b"{}"
-    with socket.create_connection((host, port), timeout=5) as sock:
-        sock.sendall(struct.pack("<Q", len(payload)) + payload)
-        reply = b""
-        while len(reply) < 8 or len(reply) < 8 + struct.unpack("<Q", reply[:8])[0]:
-            chunk = sock.recv(65536)
-            assert chunk, f"the handshake port closed after {len(reply)} bytes"
-            reply += chunk
-    return json.loads(reply[9:])  # after the length and the echoed type
-
 
 WILDCARDS = {"00000000", "00000000000000000000000000000000"}  # 0.0.0.0 and :: as /proc/net/tcp* print them
 

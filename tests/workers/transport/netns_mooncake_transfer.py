@@ -5,16 +5,19 @@ Exits non-zero (with the assertion) on any mismatch; prints one line per check o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import socket
 import sys
+import time
 
 from deepseek_pd import env
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
-from deepseek_pd.workers.transport import TransportConfig, build_sender
+from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.base import layout_of
+from deepseek_pd.workers.transport.wire import ChunkView
 from pdtest.kv_transfer_harness import Exchange, pages_equal, random_exchange, random_pool, run_exchange
 
 
@@ -26,14 +29,22 @@ def exchange_for(seed: int, layerwise: bool = False) -> Exchange:
 
 
 def check_copies(seed: int) -> None:
+    """Pulled (the default) as a whole and layer by layer, through stagings smaller than the prompt
+    on both sides, and the write direction a decode worker may still choose."""
     for k in range(3):
-        exchange = exchange_for(seed + k, layerwise=k == 2)  # the third one layer by layer, in random order
+        exchange = exchange_for(seed + k, layerwise=k == 1)  # the second one layer by layer, in random order
+        if k == 1:  # ... and longer than either staging: pieces through 4 prefill slots, decode's window
+            tiny = TransportConfig(mooncake_staging_tokens=4 * exchange.src.pool.page_size)
+            exchange = dataclasses.replace(exchange, transport_config=tiny)
+        if k == 2:
+            exchange = dataclasses.replace(exchange, decode_transport_config=TransportConfig(mooncake_kv_direction="write"))
         prefill, decode = asyncio.run(run_exchange(exchange))
         assert not isinstance(prefill, BaseException), repr(prefill)
         assert not isinstance(decode, BaseException), repr(decode)
         assert decode.num_pages == len(exchange.dst.pages)
         assert pages_equal(exchange), f"seed {seed + k}: pages differ"
-        print(f"copy ok seed={seed + k} pages={len(exchange.dst.pages)} bytes={prefill}")
+        direction = (exchange.decode_transport_config or exchange.transport_config).mooncake_kv_direction
+        print(f"copy ok seed={seed + k} {direction} pages={len(exchange.dst.pages)} bytes={prefill}")
 
 
 def check_dead_peer() -> None:
@@ -66,6 +77,36 @@ def check_dead_peer() -> None:
         sender.close()
 
 
+def check_dead_source() -> None:
+    """A pulled transfer whose prefill engine is gone: decode's read fails fast with UNAVAILABLE and
+    fails the sink, not a hang."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    pool = random_pool(random.Random(), 6, 2)
+    receiver = build_receiver("mooncake", pool, TransportConfig(send_timeout_s=10))
+    ack = pb.HandshakeAck()
+    ack.mooncake_source.session_id = f"127.0.0.1:{dead_port}"
+    ack.mooncake_source.layer_base_addrs.extend([1 << 20] * pool.num_layers)
+    ack.mooncake_source.page_bytes = pool.bytes_per_page
+    ack.mooncake_source.pool_pages = 4
+    sink = receiver.open_sink([1, 2])
+    began = time.monotonic()
+    try:
+        asyncio.run(sink.reserve())
+        sink.expose()
+        sink.accept_answer(ack)
+        sink.on_chunk(ChunkView(0, pool.num_layers, 0, 2, memoryview(b""), 0, True, (0, 1)))
+    except TransferError as exc:
+        assert exc.code == FailureCode.UNAVAILABLE and sink.failed is exc, exc
+        print(f"dead source ok ({time.monotonic() - began:.1f}s):", exc.message)
+    else:
+        raise AssertionError("a read from a dead mooncake prefill engine succeeded")
+    finally:
+        sink.withdraw()
+        receiver.close()
+
+
 def listening_ports() -> set[int]:
     """The TCP ports listened on in this namespace (only this script runs in it)."""
     ports = set()
@@ -96,3 +137,4 @@ if __name__ == "__main__":
     check_engine_ports()
     check_copies(int(sys.argv[1]))
     check_dead_peer()
+    check_dead_source()

@@ -2,7 +2,9 @@
 documented ChaCha20 keystream, with PyPI `cryptography` as the oracle (on the CPU path and the Triton
 kernel, here under TRITON_INTERPRET=1); the keys; the negotiation's rules; and a transfer over a stub
 engine that really moves the bytes: what the prefill side writes and what waits in decode's staging
-is ciphertext, what decode lands is the KV, and a stranger's write still fails the MAC."""
+is ciphertext, what decode lands is the KV, and a stranger's write still fails the MAC.
+Its decode workers run the write direction (`mooncake_kv_direction=write`), the one these sinks
+and channels serve; pulled transfers, the default: test_mooncake_pull.py."""
 from pdtest.triton_env import DEVICE, needs_triton  # first: before the kernels
 
 import asyncio
@@ -116,7 +118,7 @@ def test_a_cpu_mooncake_worker_without_cryptography_refuses_to_start(monkeypatch
     pool = _filled_pool(random.Random(), 4)
     for side in (MooncakeSender, MooncakeReceiver):
         with pytest.raises(UserError, match="deepseek-pd\\[serve\\]"):
-            side(pool, TransportConfig(advertise_host="127.0.0.1"))
+            side(pool, TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write"))
 
 
 def test_keystream_positions_never_wrap():
@@ -174,7 +176,7 @@ def test_a_transfer_moves_only_ciphertext_and_lands_the_kv(monkeypatch):
     read = _moving_bytes(monkeypatch)
     src = _filled_pool(rng, 24)
     dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype)
-    config = TransportConfig(advertise_host="127.0.0.1", mooncake_protocol=rng.choice(["tcp", "rdma"]))
+    config = TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write", mooncake_protocol=rng.choice(["tcp", "rdma"]))
     sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
     count = rng.randrange(2, 8)
     src_pages, dst_pages = rng.sample(range(24), count), rng.sample(range(24), count)

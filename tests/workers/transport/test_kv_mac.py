@@ -1,5 +1,7 @@
 """The KV MAC of one-sided transfers (kv_transfer/kv_mac.py) against a reference that concatenates
-the pages' bytes; the mooncake channel's seal and sink's check over the stub engine; its cost."""
+the pages' bytes; the mooncake channel's seal and sink's check over the stub engine; its cost.
+Its decode workers run the write direction (`mooncake_kv_direction=write`), the one these sinks
+and channels serve; pulled transfers, the default: test_mooncake_pull.py."""
 from __future__ import annotations
 
 import asyncio
@@ -93,7 +95,7 @@ def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=N
     engines = mooncake_stub.install(monkeypatch)
     src = _filled_pool(rng, 24, device=device)
     dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype, device=device)
-    config = TransportConfig(advertise_host="127.0.0.1")
+    config = TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write")
     sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
     count = rng.randrange(1, 8)
     src_pages, dst_pages = rng.sample(range(24), count), rng.sample(range(24), count)

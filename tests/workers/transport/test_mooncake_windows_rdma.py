@@ -12,7 +12,9 @@ registered (the NIC reads only registered memory, by lkey), and otherwise copies
 The oracle is the prefill pool itself: the request's decode pages hold exactly its source pages,
 every layer; the KV MAC the prefill side signed matches decode's private copy; every write went
 page i -> slot i mod W and no run was written before decode copied out the pages whose slots it
-reuses; afterwards both stagings are zero and free, and neither pool was ever registered."""
+reuses; afterwards both stagings are zero and free, and neither pool was ever registered.
+Its decode workers run the write direction (`mooncake_kv_direction=write`), the one these sinks
+and channels serve; pulled transfers, the default: test_mooncake_pull.py."""
 from __future__ import annotations
 
 import asyncio
@@ -73,9 +75,9 @@ def test_a_prompt_longer_than_the_staging_moves_through_the_window_and_lands_who
     decode_staging = rng.randint(2, 9)
     # The prefill side's send staging (RDMA) has its own size: smaller than a half window, a
     # window's run goes in pieces.
-    sender = MooncakeSender(src, TransportConfig(advertise_host="127.0.0.1", mooncake_protocol=protocol,
+    sender = MooncakeSender(src, TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write", mooncake_protocol=protocol,
                                                  mooncake_staging_tokens=rng.randint(1, 6) * src.page_size))
-    receiver = MooncakeReceiver(dst, TransportConfig(advertise_host="127.0.0.1", mooncake_protocol=protocol,
+    receiver = MooncakeReceiver(dst, TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write", mooncake_protocol=protocol,
                                                      mooncake_staging_tokens=decode_staging * src.page_size))
     prefill_engine, decode_engine = engines
     count = rng.randint(decode_staging + 1, 4 * decode_staging)

@@ -1,7 +1,9 @@
 """Decode's MAC built as a mooncake transfer's sends land (transport/send_landing.py, kv_mac.LandedMacs):
 against the one-shot reference MAC under random cuts and landing orders, landed side by side; a cell
 reported twice, outside the transfer, or never, and a report that comes before its write: each
-still fails only its own transfer, as the one-shot check after the TransferDone did."""
+still fails only its own transfer, as the one-shot check after the TransferDone did.
+Its decode workers run the write direction (`mooncake_kv_direction=write`), the one these sinks
+and channels serve; pulled transfers, the default: test_mooncake_pull.py."""
 from __future__ import annotations
 
 import asyncio
@@ -102,7 +104,7 @@ def _reporting_transfer(monkeypatch, rng: random.Random, nan: bool = False):
     mooncake_stub.install(monkeypatch)
     src = _filled_pool(rng, 24)
     dst = KVPool(src.num_layers, 24, src.page_size, src.kv_dim, dtype=src.dtype)
-    config = TransportConfig(advertise_host="127.0.0.1")
+    config = TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write")
     sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
     count = rng.randrange(2, 8)
     src_pages, dst_pages = rng.sample(range(24), count), rng.sample(range(24), count)

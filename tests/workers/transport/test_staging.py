@@ -1,7 +1,9 @@
 """The Mooncake staging area (workers/transport/staging.py) and the decode sink over it, on the stub
 engine: slots lowest first, bounded (a transfer waits for room; a prompt bigger than all of it moves
 through half of it in windows, each reported run copied out as it comes), recycled at once after a copy and only after the late-write grace after a
-failure; the copy against plain indexing; what the decode side registers (never its pool)."""
+failure; the copy against plain indexing; what the decode side registers (never its pool).
+Its decode workers run the write direction (`mooncake_kv_direction=write`), the one these sinks
+and channels serve; pulled transfers, the default: test_mooncake_pull.py."""
 from __future__ import annotations
 
 import asyncio
@@ -109,7 +111,7 @@ def test_a_failed_transfers_bytes_are_zeroed_before_its_slots_serve_again(monkey
     rng = random.Random()
     mooncake_stub.install(monkeypatch)
     pool = _pool(rng, 16)
-    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1",
+    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write",
                                                       mooncake_staging_tokens=6 * pool.page_size))
     staging = receiver.staging
     failed = receiver.open_sink(list(range(4)))
@@ -134,7 +136,7 @@ def test_the_decode_pool_is_never_registered_only_the_staging(monkeypatch, proto
     engines = mooncake_stub.install(monkeypatch)
     pool = _pool(rng, 64)
     tokens = rng.randrange(1, 40)
-    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1", mooncake_protocol=protocol,
+    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write", mooncake_protocol=protocol,
                                                       mooncake_staging_tokens=tokens))
     staging = receiver.staging
     assert staging.num_pages == min(pool.num_pages, -(-tokens // pool.page_size))
@@ -228,7 +230,7 @@ def test_a_prompt_longer_than_the_staging_lands_window_by_window(monkeypatch, de
     pool = KVPool(rng.randrange(1, 4), 64, rng.choice([1, 4, 16]), rng.choice([8, 16, 576]),
                   dtype=torch.float32 if device == "cpu" else torch.bfloat16, device=device)
     staging_pages = rng.randint(2, 7)
-    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1",
+    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write",
                                                       mooncake_staging_tokens=staging_pages * pool.page_size))
     staging = receiver.staging
     count = rng.randint(staging_pages + 1, 4 * staging_pages)

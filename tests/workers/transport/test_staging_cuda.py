@@ -6,6 +6,7 @@ page. On the stub engine (no NIC needed); the CPU twins are test_staging.py and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -19,6 +20,7 @@ from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
 from deepseek_pd.workers.transport.staging import StagingArea
 from pdtest import mooncake_stub
+from pdtest.kv_transfer_harness import pages_equal, random_exchange, run_exchange
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -33,7 +35,8 @@ def test_a_cuda_transfer_lands_through_device_staging_and_passes_its_mac(monkeyp
     gen = torch.Generator(device="cuda").manual_seed(rng.randrange(1 << 30))
     for buffer in src.buffers:
         buffer.copy_(torch.randn(buffer.shape, generator=gen, device="cuda"))
-    config = TransportConfig(advertise_host="127.0.0.1", mooncake_protocol=protocol, mooncake_staging_tokens=512)
+    config = TransportConfig(advertise_host="127.0.0.1", mooncake_protocol=protocol, mooncake_staging_tokens=512,
+                             mooncake_kv_direction="write")  # (this one writes into decode's staging)
     sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
     staging = receiver.staging
     assert all(buffer.device.type == "cuda" for buffer in staging.buffers)
@@ -74,6 +77,37 @@ def test_a_cuda_transfer_lands_through_device_staging_and_passes_its_mac(monkeyp
     for s, d in zip(src.buffers, dst.buffers):
         assert torch.equal(d[dst_pages], s[src_pages])
     assert staging.num_used == 0
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "rdma"])
+def test_a_pulled_cuda_transfer_lands_every_page_and_decode_registers_nothing_over_tcp(monkeypatch, protocol):
+    """Pulled transfers (the default) between CUDA pools, through both device stagings, on the stub
+    engine (its reads copy device memory as a CUDA-enabled engine's would): bit for bit, with the
+    deployment secret (cipher and MAC) and layer-wise sends."""
+    engines = mooncake_stub.install(monkeypatch)
+    rng = random.Random()
+    exchange = random_exchange(rng, "mooncake", num_tokens=rng.randrange(20, 300), page_size=16, num_layers=4,
+                               kv_dim=576, dtype=torch.bfloat16, layerwise=True, seed=rng.randrange(1 << 30))
+    cuda = {}
+    for side in (exchange.src, exchange.dst):
+        pool = side.pool
+        cuda[id(side)] = moved = KVPool(pool.num_layers, pool.num_pages, pool.page_size, pool.kv_dim,
+                                        dtype=pool.dtype, device="cuda")
+        for mine, theirs in zip(moved.buffers, pool.buffers):
+            mine.copy_(theirs)
+    exchange = dataclasses.replace(
+        exchange, src=dataclasses.replace(exchange.src, pool=cuda[id(exchange.src)]),
+        dst=dataclasses.replace(exchange.dst, pool=cuda[id(exchange.dst)]),
+        transport_config=TransportConfig(mooncake_protocol=protocol, mooncake_staging_tokens=rng.choice([64, 4096])))
+    prefill, decode = asyncio.run(run_exchange(exchange))
+    assert not isinstance(prefill, BaseException), repr(prefill)
+    assert not isinstance(decode, BaseException), repr(decode)
+    torch.cuda.synchronize()
+    assert pages_equal(exchange)
+    sender_engine, receiver_engine = engines
+    assert receiver_engine.reads and not sender_engine.writes
+    if protocol == "tcp":
+        assert receiver_engine.ever_registered == [] and sender_engine.registered == {}
 
 
 def test_staging_copy_time_for_a_4k_token_v2_lite_prompt():
