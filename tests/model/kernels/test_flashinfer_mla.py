@@ -40,7 +40,7 @@ def test_route_sends_only_large_many_head_batches_to_flashinfer():
     for _ in range(200):
         heads, batch = random.choice([1, 8, 16, 32, 64, 128]), random.randint(1, 512)
         want = batch >= (8 if heads >= 64 else 200)
-        assert route.uses_flashinfer(heads, batch) is want, (heads, batch)
+        assert route.uses_library(heads, batch) is want, (heads, batch)
 
 
 def test_csr_pages_takes_exactly_the_pages_each_length_needs():

@@ -62,12 +62,12 @@ def test_auto_names_flashinfer_exactly_where_it_can_run_and_win():
                                   route=MLADecodeRoute(min_batch_few_heads=64))[0] == "flashinfer"
 
 
-def test_route_min_batch_is_what_uses_flashinfer_counts_from():
+def test_route_min_batch_is_what_uses_library_counts_from():
     route = MLADecodeRoute(many_heads=random.randint(2, 100), min_batch_many_heads=random.randint(1, 50),
                            min_batch_few_heads=random.choice([NEVER, random.randint(1, 500)]))
     for heads in range(1, 130):
-        first = next((b for b in range(1, 600) if route.uses_flashinfer(heads, b)), None)
-        assert route.ever_uses_flashinfer(heads) == (route.min_batch(heads) < NEVER)
+        first = next((b for b in range(1, 600) if route.uses_library(heads, b)), None)
+        assert route.ever_uses_library(heads) == (route.min_batch(heads) < NEVER)
         if first is not None:
             assert first == route.min_batch(heads)
         else:
