@@ -45,7 +45,7 @@ trap 'rm -rf "$tmp"' EXIT
 root="$tmp/FlashMLA"
 mkdir -p "$root"
 git --git-dir "$flashmla_git" archive "$FLASHMLA_COMMIT" csrc flash_mla LICENSE setup.py | tar -x -C "$root"
-# Only the sm90 dense decode is built (bench/flashmla_setup.py): Blackwell and the sparse kernels go.
+# Only the sm90 dense decode is built (scripts/flashmla_setup.py): Blackwell and the sparse kernels go.
 # (kerutils keeps its sm100 headers: its device.cuh includes them.)
 rm -rf "$root/csrc/sm100" "$root/csrc/sm90/prefill" "$root/csrc/sm90/decode/sparse_fp8" "$root/csrc/api/api.cpp"
 # A snapshot may lack CUTLASS's large media blobs; git archive names them on stderr while it writes

@@ -37,7 +37,7 @@ from deepseek_pd.model.kernels.mla_decode_route import FLASHMLA_PAGE_SIZE, FLASH
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_DTYPES = (torch.bfloat16,)  # bench/flashmla_setup.py builds the bf16 kernel only
+SUPPORTED_DTYPES = (torch.bfloat16,)  # scripts/flashmla_setup.py builds the bf16 kernel only
 _BUILD_HINT = "bench/flashmla_build.sh builds it; DEEPSEEK_PD_FLASHMLA_DIR names a folder holding the built package"
 
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 FLASHINFER_WIDTHS = (512, 64)
 FLASHINFER_DTYPES = ("bfloat16", "float16")
 FLASHMLA_WIDTHS = FLASHINFER_WIDTHS
-FLASHMLA_DTYPES = ("bfloat16",)  # its fp16 kernel is left out of our build (bench/flashmla_setup.py)
+FLASHMLA_DTYPES = ("bfloat16",)  # its fp16 kernel is left out of our build (scripts/flashmla_setup.py)
 FLASHMLA_PAGE_SIZE = 64  # its paged kernel's one block size
 NEVER = 1 << 30  # a batch size no decode step reaches
 

@@ -1,4 +1,4 @@
-// The Python binding of FlashMLA's sm90 dense decode alone (bench/flashmla_setup.py builds it as
+// The Python binding of FlashMLA's sm90 dense decode alone (scripts/flashmla_setup.py builds it as
 // flash_mla.cuda): FlashMLA's own api.cpp also binds its sparse and sm100 kernels, which are not
 // built here. flash_mla/flash_mla_interface.py calls `dense_decode_fwd` for dense attention.
 #include <pybind11/pybind11.h>

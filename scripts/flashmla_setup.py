@@ -1,22 +1,25 @@
 """Builds FlashMLA's sm90 dense bf16 decode as `flash_mla.cuda`, in place, run from an unpacked
-FlashMLA tree by bench/flashmla_build.sh (FlashMLA's own setup.py builds every kernel, sm100 and
-sparse included, and runs `git submodule update`).
+FlashMLA tree by bench/flashmla_build.sh and by Dockerfile.cuda (FlashMLA's own setup.py builds
+every kernel, sm100 and sparse included, and runs `git submodule update`).
 
-What is compiled: our binding (bench/flashmla_bindings.cpp, `dense_decode_fwd` only), the
+What is compiled: our binding (scripts/flashmla_bindings.cpp, `dense_decode_fwd` only), the
 scheduler-metadata and combine kernels, and the bf16 dense decode kernel; for sm_90a alone, with
 FlashMLA's own nvcc flags (fp16 left out: FLASH_MLA_DISABLE_FP16). Torch's BuildExtension compiles
 the four units in parallel through ninja where it imports (MAX_JOBS), else one after another.
 
-    cd FlashMLA && MAX_JOBS=16 python3 /path/to/bench/flashmla_setup.py /path/to/bench/flashmla_bindings.cpp
+    cd FlashMLA && MAX_JOBS=16 python3 /path/to/scripts/flashmla_setup.py /path/to/scripts/flashmla_bindings.cpp
+    ... [--install]: then copies the built package (flash_mla/) into this Python's site-packages
 """
 import os
 import shutil
 import sys
+import sysconfig
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
 binding = sys.argv[1]
+sys.argv[2:] = [a for a in sys.argv[2:] if a != "--install"]
 shutil.copy(binding, "csrc/deepseek_pd_bindings.cpp")  # beside api/, where its include resolves
 SOURCES = ["csrc/deepseek_pd_bindings.cpp",
            "csrc/smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu",
@@ -37,3 +40,8 @@ setup(name="flash_mla", version="1.0.0", packages=["flash_mla"], script_args=["b
       cmdclass={"build_ext": BuildExtension},
       ext_modules=[CUDAExtension("flash_mla.cuda", SOURCES, include_dirs=INCLUDES,
                                  extra_compile_args={"cxx": CXX, "nvcc": NVCC})])
+
+if "--install" in sys.argv[2:]:
+    target = os.path.join(sysconfig.get_paths()["purelib"], "flash_mla")
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree("flash_mla", target)
