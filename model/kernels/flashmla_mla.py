@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from deepseek_pd import env
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.kernels.mla_decode_route import FLASHMLA_PAGE_SIZE, FLASHMLA_WIDTHS
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class MLADecodeCall:
 
     def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, scale: float) -> None:
         if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-            raise ValueError(f"FlashMLA takes an int32 page table and lengths, got {block_table.dtype}, {seq_lens.dtype}")
+            raise ValueError(f"FlashMLA takes an int32 page table and lengths, got {block_table.dtype}, "
+                             f"{seq_lens.dtype}")
         if block_table.dim() != 2 or seq_lens.shape != (block_table.shape[0],) or block_table.shape[0] < 1:
             raise ValueError(f"page table [B, W] and lengths [B], got {tuple(block_table.shape)} and "
                              f"{tuple(seq_lens.shape)}")
@@ -119,7 +121,8 @@ class MLADecodeCall:
         if q_latent.dtype not in SUPPORTED_DTYPES or q_pe.dtype != q_latent.dtype or kv_cache.dtype != q_latent.dtype:
             raise ValueError(f"FlashMLA runs {SUPPORTED_DTYPES} for q and the cache alike, got "
                              f"{q_latent.dtype}, {q_pe.dtype}, {kv_cache.dtype}")
-        if kv_cache.dim() != 3 or kv_cache.shape[1:] != (FLASHMLA_PAGE_SIZE, rank + rope) or not kv_cache.is_contiguous():
+        if kv_cache.dim() != 3 or kv_cache.shape[1:] != (FLASHMLA_PAGE_SIZE, rank + rope) \
+                or not kv_cache.is_contiguous():
             raise ValueError(f"kv_cache must be contiguous [pages, {FLASHMLA_PAGE_SIZE}, {rank + rope}], got "
                              f"{tuple(kv_cache.shape)} strides {kv_cache.stride()}")
         query = torch.cat([q_latent, q_pe], dim=-1).unsqueeze(1)  # [B, 1, H, R+P]
@@ -146,10 +149,10 @@ def check_against_reference(device: str = "cuda", tolerance: float = 2e-2) -> No
     heads, lengths, page = 16, (FLASHMLA_PAGE_SIZE + 7, 3), FLASHMLA_PAGE_SIZE
     gen = torch.Generator(device="cpu").manual_seed(0)
     cache = torch.randn(4, page, rank + rope, generator=gen).to(dev, torch.bfloat16)
-    table = torch.tensor([[2, 1], [3, 3]], dtype=torch.int32, device=dev)
+    table = upload(torch.tensor([[2, 1], [3, 3]], dtype=torch.int32), dev)
     q = torch.randn(len(lengths), heads, rank + rope, generator=gen).to(dev, torch.bfloat16)
     scale = 192 ** -0.5
-    out = MLADecodeCall(table, torch.tensor(lengths, dtype=torch.int32, device=dev), heads, scale).run(
+    out = MLADecodeCall(table, upload(torch.tensor(lengths, dtype=torch.int32), dev), heads, scale).run(
         q[..., :rank], q[..., rank:], cache)
     for i, n in enumerate(lengths):
         keys = cache[table[i].long()].reshape(-1, rank + rope)[:n]
