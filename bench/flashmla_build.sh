@@ -21,7 +21,7 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
-SRC_DIR=.flashmla-src
+SRC_DIR=${FLASHMLA_SRC_DIR:-.flashmla-src}  # the packed sources (scripts/fetch-flashmla.sh)
 BUILD_DIR=${FLASHMLA_BUILD_DIR:-/tmp/flashmla-build}
 
 unpack() {
@@ -45,13 +45,19 @@ build_command() {
 
 if [ "${1:-}" = --dry-run ]; then
     unpack || exit 1
-    bash -n "$0" && python3 -m py_compile scripts/flashmla_setup.py || exit 1
+    # -I: with the repo root on the path, its operator/ would shadow the stdlib's for `-m`.
+    bash -n "$0" && python3 -I -m py_compile scripts/flashmla_setup.py || exit 1
     echo "would run: $(build_command)"
     command -v nvcc >/dev/null || echo "stopping here: no nvcc on this machine"
     exit 0
 fi
 
 source bench/gpu_setup.sh
+# A carried build (DEEPSEEK_PD_FLASHMLA_DIR=.flashmla, the folder a previous call left under $OUT):
+# absolute, since the tests run from /tmp.
+if [ -n "${DEEPSEEK_PD_FLASHMLA_DIR:-}" ]; then
+    DEEPSEEK_PD_FLASHMLA_DIR=$(cd "$DEEPSEEK_PD_FLASHMLA_DIR" && pwd) && export DEEPSEEK_PD_FLASHMLA_DIR
+fi
 export PATH=/tmp/site/bin:$PATH
 python3 -m pip install -q --no-deps --no-index --target /tmp/site "$SRC_DIR"/ninja-*.whl >>"$OUT/install.log" 2>&1 \
     || echo "note: no ninja wheel in $SRC_DIR: the build compiles one unit at a time"
