@@ -39,7 +39,7 @@ unpack() {
 }
 
 build_command() {
-    echo "cd $BUILD_DIR/FlashMLA && MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST=9.0a" \
+    echo "cd $BUILD_DIR/FlashMLA && MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST=9.0" \
          "python3 $REPO/scripts/flashmla_setup.py $REPO/scripts/flashmla_bindings.cpp"
 }
 
@@ -65,6 +65,14 @@ for z in .whl/flashinfer-*.zip; do  # FlashInfer for the bench's FlashInfer colu
     [ -f "$z" ] && python3 -m zipfile -e "$z" /tmp/site
 done
 PARTS=${PARTS:-build,tests,bench}
+# One device call runs at most 600 s: each step's timeout is its own limit or what is left of
+# CALL_BUDGET_S (counted from here, less the set-up above), whichever is less.
+CALL_BUDGET_S=${CALL_BUDGET_S:-540}
+left() {  # left LIMIT: the seconds the next step may take
+    local rest=$((CALL_BUDGET_S - SECONDS))
+    [ "$rest" -lt "$1" ] && echo $((rest > 10 ? rest : 10)) || echo "$1"
+}
+SECONDS=0
 
 build() {
     local commit
@@ -80,8 +88,8 @@ build() {
     unpack || return 1
     echo "nvcc: $(nvcc --version | tail -2 | tr '\n' ' ')" | tee -a "$OUT/gpu.txt"
     local start=$SECONDS
-    (cd "$BUILD_DIR/FlashMLA" && MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST=9.0a \
-        timeout "${BUILD_TIMEOUT:-420}" python3 "$REPO/scripts/flashmla_setup.py" "$REPO/scripts/flashmla_bindings.cpp") \
+    (cd "$BUILD_DIR/FlashMLA" && MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST=9.0 \
+        timeout "$(left "${BUILD_TIMEOUT:-420}")" python3 "$REPO/scripts/flashmla_setup.py" "$REPO/scripts/flashmla_bindings.cpp") \
         >"$OUT/build.log" 2>&1
     local rc=$?
     echo "FlashMLA build: exit $rc in $((SECONDS - start)) s (ninja: $(command -v ninja || echo none))" \
@@ -112,12 +120,12 @@ except Exception as exc:
 print("flashmla_available:", flashmla_available())
 PY
 if [[ $PARTS == *tests* ]]; then
-    (cd /tmp && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -s -p no:cacheprovider -rs --durations=8 \
+    (cd /tmp && timeout "$(left "${TEST_TIMEOUT:-240}")" python3 -m pytest -q -s -p no:cacheprovider -rs --durations=8 \
         "$REPO/tests/model/kernels/test_flashmla_mla.py" "$REPO/tests/model/kernels/test_mla_decode_route.py" \
         "$REPO/tests/model/kernels/test_flashinfer_mla.py" 2>&1) | tail -c 20000 | tee "$OUT/tests.log"
 fi
 if [[ $PARTS == *bench* ]]; then
-    timeout "${BENCH_TIMEOUT:-300}" python3 bench/mla_decode_gpu.py --out "$OUT/mla_decode.json" ${BENCH_ARGS:-} 2>&1 \
+    timeout "$(left "${BENCH_TIMEOUT:-300}")" python3 bench/mla_decode_gpu.py --out "$OUT/mla_decode.json" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench.log"
 fi
 exit 0

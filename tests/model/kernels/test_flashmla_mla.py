@@ -103,8 +103,11 @@ def _poison_free_memory() -> None:
     """Fills the caching allocator's free blocks with NaN: FlashMLA allocates its output inside the
     call, so a row it never writes reads as NaN instead of as stale, plausible numbers."""
     free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    if free > 0:
+    if free > 0:  # the large pool's free blocks (outputs over 1 MB are cut from them) ...
         torch.empty(free // 2, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))
+    # ... and the small pool's 2 MB segments (smaller outputs: batch 1 at 16 heads is 16 KB).
+    small = [torch.full((1 << 18,), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(16)]
+    del small
 
 
 @pytest.mark.gpu
