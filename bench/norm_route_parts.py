@@ -156,7 +156,7 @@ def mla_route_part(bench, rows: list[dict]) -> None:
         scale = 192 ** -0.5
         ref = torch_ref.mla_decode(q_latent, q_pe, cache, fb, 512, scale)
         row = {"heads": heads, "batch": batch, "tokens": tokens, "route": "flashinfer" if
-               route.uses_flashinfer(heads, batch) else "triton", "flashinfer": why_not or "ran"}
+               route.uses_library(heads, batch) else "triton", "flashinfer": why_not or "ran"}
         row["triton_ms"] = bench.ms(lambda: triton.mla_decode(q_latent, q_pe, cache, fb, 512, scale))
         row["triton_err"] = errors(triton.mla_decode(q_latent, q_pe, cache, fb, 512, scale), ref)
         if flashinfer is not None:

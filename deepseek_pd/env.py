@@ -39,6 +39,13 @@ def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+def flashmla_dir() -> str | None:
+    """DEEPSEEK_PD_FLASHMLA_DIR: a folder holding a built `flash_mla` package (bench/flashmla_build.sh
+    writes one under its $OUT: carried into a later device call instead of rebuilding it), imported
+    when no installed `flash_mla` is (model/kernels/flashmla_mla.py). None when unset."""
+    return os.environ.get("DEEPSEEK_PD_FLASHMLA_DIR") or None
+
+
 # The ports Mooncake's engines draw from by default: MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, BOTH ends
 # included (its findAvailableTcpPort draws `min + rand % (max - min + 1)`, 0.3.13.post1).
 MOONCAKE_RPC_PORTS = range(15000, 17000 + 1)

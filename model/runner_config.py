@@ -20,7 +20,7 @@ from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX
                                              decode_capturable)
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
 from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
-from deepseek_pd.model.kernels.mla_decode_route import AttentionHost, auto_attention_backend
+from deepseek_pd.model.kernels.mla_decode_route import AttentionHost, auto_attention_backend, named_library_blocker
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps, graph_tokens_per_sequence
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
@@ -45,9 +45,11 @@ def attention_host(device: str) -> AttentionHost:
     """The machine as attention backend "auto" sees it (model/kernels/mla_decode_route.py), asked
     without creating a CUDA context."""
     from deepseek_pd.model.kernels.flashinfer_mla import flashinfer_mla_blocker
+    from deepseek_pd.model.kernels.flashmla_mla import flashmla_blocker
 
     cuda = is_cuda(device)
-    return AttentionHost(cuda, _triton_available(), flashinfer_mla_blocker() if cuda else "no CUDA device")
+    return AttentionHost(cuda, _triton_available(), flashinfer_mla_blocker() if cuda else "no CUDA device",
+                         flashmla_blocker() if cuda else "no CUDA device")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,6 +98,7 @@ class RunnerConfig:
     # auto: FlashInfer's MLA decode where it can run and wins at the model's heads per rank (its
     # kernel compiled at start-up, else Triton), the Triton kernels on CUDA when Triton imports,
     # else the plain-torch reference (`resolve_attention_backend`, model/kernels/mla_decode_route.py).
+    # "flashmla" (FlashMLA's sm90 decode, where `flash_mla` is built) only when named: page_size 64.
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all
@@ -164,6 +167,9 @@ class RunnerConfig:
         if (blocker := choice_blocker(**{name: getattr(self, name) for name in RUNNER_CHOICES})) is not None:
             raise UserError(blocker)
         if (blocker := range_blocker(**{name: getattr(self, name) for name in RUNNER_BOUNDS})) is not None:
+            raise UserError(blocker)
+        if self.attention_backend == "flashmla" and \
+                (blocker := named_library_blocker("flashmla", attention_host(self.device), self.page_size)) is not None:
             raise UserError(blocker)
         AttentionPolicy(self.attention_method, self.mha_chunked_kv_threshold)  # validates both
         if self.ep_size < 1:
@@ -308,7 +314,7 @@ class RunnerConfig:
                                       heads_per_rank=model_config.num_attention_heads // self.tp_size,
                                       widths=(model_config.kv_lora_rank, model_config.qk_rope_head_dim),
                                       dtype=_DTYPE_NAMES[self.resolve_dtype(model_config)],
-                                      deterministic=self.invariant_kernels)
+                                      deterministic=self.invariant_kernels, page_size=self.page_size)
 
     def resolve_backend(self, name: str) -> str:
         """A MoE or norm/RoPE backend name (an attention one where "auto" is to pick no JIT backend):
@@ -356,7 +362,8 @@ class RunnerConfig:
         if field == "fp8_backend":
             return replace(self, fp8_backend="auto").resolve_fp8_backend(model_config) or "dequant"
         if field == "attention_backend":
-            host = replace(attention_host(self.device), flashinfer_blocker="FlashInfer failed its start-up check")
+            host = replace(attention_host(self.device), flashinfer_blocker="FlashInfer failed its start-up check",
+                           flashmla_blocker="FlashMLA failed its start-up check")
             return self.auto_attention(model_config, host)[0]
         return self.resolve_backend("auto")
 

@@ -31,7 +31,8 @@ INVARIANT_BACKENDS = ("auto", "torch", "triton")
 # registries, `DispatchMode` and `AttentionMethod`.
 RUNNER_CHOICES: Mapping[str, tuple[str, ...]] = {
     "attention_method": ("auto", "mha", "mha_chunked_kv", "mla"),  # model/attention/policy.py
-    "attention_backend": ("auto", "torch", "triton", "flashinfer", "torch_invariant", "triton_invariant"),
+    "attention_backend": ("auto", "torch", "triton", "flashinfer", "flashmla", "torch_invariant",
+                          "triton_invariant"),
     "moe_backend": ("auto", "torch", "triton", "grouped", "deep_gemm", "torch_invariant", "triton_invariant"),
     "dispatcher": ("auto", "local", "all_to_all", "deepep"),  # model/moe/dispatcher.py DISPATCHERS
     "dispatch_mode": ("normal", "low_latency", "auto"),  # model/distributed/dispatch_mode.py DispatchMode

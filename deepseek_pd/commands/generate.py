@@ -42,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="auto: fp32 on CPU; on GPU the checkpoint's torch_dtype (bfloat16 for FP8 checkpoints)")
     parser.add_argument("--device", default="auto",
                         help="torch device: auto (CUDA when available, else cpu; default), cpu, cuda, cuda:N")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"],
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "torch", "triton", "flashinfer", "flashmla"],
                         help="auto: triton on CUDA when it imports, else the torch reference")
     parser.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton", "grouped"],
                         help="auto: triton on CUDA when it imports, else the torch reference")

@@ -54,7 +54,7 @@ class FlashInferAttentionBackend(TritonAttentionBackend):
                    batch: ForwardBatch, kv_lora_rank: int, scale: float) -> torch.Tensor:
         heads = q_latent.shape[1]
         if q_latent.dtype not in (torch.bfloat16, torch.float16) or (kv_lora_rank, q_pe.shape[-1]) != SUPPORTED_WIDTHS \
-                or not self.route.uses_flashinfer(heads, batch.batch_size):
+                or not self.route.uses_library(heads, batch.batch_size):
             return super().mla_decode(q_latent, q_pe, kv_cache, batch, kv_lora_rank, scale)
         check_latent_rank(q_latent, q_pe, kv_cache, kv_lora_rank)
         key = (_PLAN, heads, scale, q_latent.dtype)  # one plan per batch for all layers of this shape

@@ -1,15 +1,19 @@
 """Which kernel runs absorbed-MLA decode: the rule behind attention backend "auto" and, inside the
-"flashinfer" backend, behind each decode batch. Torch-free, so that whatever decides a backend
-before a rank exists (`RunnerConfig.resolve`, model/jit_backends.py's fallback) applies these words.
+"flashinfer" and "flashmla" backends, behind each decode batch. Torch-free, so that whatever decides
+a backend before a rank exists (`RunnerConfig.resolve`, model/jit_backends.py's fallback) applies
+these words.
 
-Two decisions, each made once here:
+Three decisions, each made once here:
 
-    auto_attention_backend   the backend "auto" names for a model on a host: "flashinfer" where
-                             FlashInfer's MLA decode can run here and can win at this model's shape
-                             on one rank, else "triton" on CUDA (Triton imports), else "torch";
-                             with the reason, which the runner logs.
-    MLADecodeRoute           within "flashinfer", which decode batches go to FlashInfer's kernel
-                             (the rest run our Triton kernel, which the backend inherits).
+    auto_attention_backend   the backend "auto" names for a model on a host: the first library of
+                             `AUTO_LIBRARIES` that can run here and can win at this model's shape on
+                             one rank, else "triton" on CUDA (Triton imports), else "torch"; with
+                             the reason, which the runner logs.
+    MLADecodeRoute           within a library's backend, which decode batches go to the library's
+                             kernel (the rest run our Triton kernel, which the backend inherits):
+                             `FLASHINFER_ROUTE`, `FLASHMLA_ROUTE`, the measured table.
+    named_library_blocker    why a library's backend that a user names cannot run here (a clear
+                             error before the model is built, not a silent Triton).
 
 Measured on one H100 (docs/performance.md, 2026-12-06; FlashInfer 0.7.2.post1, fa3, page 64): at
 V3's 128 heads FlashInfer's kernel is 3.4-6.6x ours at every shape that ran (bs 128 x 2.3k: 0.163
@@ -22,6 +26,12 @@ Triton 0.025 against FlashInfer 0.022 ms plus a 0.8 ms plan, Triton wins the ste
 FlashInfer for batches of 4 or more at 64 heads or more per rank, Triton for the rest (and for every
 shape at 16 heads).
 
+FlashMLA (sm90 dense decode, built from source: bench/flashmla_build.sh) is not measured yet: it
+is never what "auto" picks (not in `AUTO_LIBRARIES`), and its route is a placeholder until
+bench/mla_decode_gpu.py's FlashMLA column fills it. Unlike FlashInfer it plans nothing on the host
+(its scheduler metadata is a device kernel on the lengths), so no plan cost holds it back at small
+batches; it takes 64-token pages and bf16 only.
+
 Example (V3, bf16, FlashInfer installed with nvcc, CUDA):
     auto_attention_backend(AttentionHost(True, True, None), heads_per_rank=128, ...)
         -> ("flashinfer", "FlashInfer's MLA decode at 128 heads per rank, batches of 4 or more")
@@ -31,19 +41,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The latent and rope widths FlashInfer's MLA kernels are compiled for (DeepSeek-V2/V3).
+# The latent and rope widths FlashInfer's and FlashMLA's MLA kernels are compiled for (DeepSeek-V2/V3).
 FLASHINFER_WIDTHS = (512, 64)
 FLASHINFER_DTYPES = ("bfloat16", "float16")
+FLASHMLA_WIDTHS = FLASHINFER_WIDTHS
+FLASHMLA_DTYPES = ("bfloat16",)  # its fp16 kernel is left out of our build (scripts/flashmla_setup.py)
+FLASHMLA_PAGE_SIZE = 64  # its paged kernel's one block size
 NEVER = 1 << 30  # a batch size no decode step reaches
 
 
 @dataclass(frozen=True)
 class MLADecodeRoute:
-    """Which decode batches go to FlashInfer: at least `min_batch_many_heads` sequences when a
-    rank holds `many_heads` heads or more (V3: 128), at least `min_batch_few_heads` below that
-    (V2-Lite: 16; `NEVER`: equal at batch 128, and Triton needs no per-batch host plan).
+    """Which decode batches go to a library's kernel: at least `min_batch_many_heads` sequences
+    when a rank holds `many_heads` heads or more (V3: 128), at least `min_batch_few_heads` below
+    that (V2-Lite: 16; `NEVER`: FlashInfer and Triton are equal at batch 128, and Triton needs no
+    per-batch host plan).
 
-    Example: route = MLADecodeRoute(); route.uses_flashinfer(128, 1) → False; (128, 32) → True.
+    Example: route = MLADecodeRoute(); route.uses_library(128, 1) → False; (128, 32) → True.
     """
 
     many_heads: int = 64
@@ -51,47 +65,104 @@ class MLADecodeRoute:
     min_batch_few_heads: int = NEVER
 
     def min_batch(self, heads: int) -> int:
-        """The smallest decode batch that goes to FlashInfer at `heads` heads per rank."""
+        """The smallest decode batch that goes to the library at `heads` heads per rank."""
         return self.min_batch_many_heads if heads >= self.many_heads else self.min_batch_few_heads
 
-    def uses_flashinfer(self, heads: int, batch: int) -> bool:
+    def uses_library(self, heads: int, batch: int) -> bool:
         return batch >= self.min_batch(heads)
 
-    def ever_uses_flashinfer(self, heads: int) -> bool:
-        """Whether some decode batch at `heads` heads per rank goes to FlashInfer."""
+    def ever_uses_library(self, heads: int) -> bool:
+        """Whether some decode batch at `heads` heads per rank goes to the library."""
         return self.min_batch(heads) < NEVER
+
+
+# The measured table (module docstring): which decode batches each library's backend sends to it.
+FLASHINFER_ROUTE = MLADecodeRoute()
+# Not measured yet: every batch of 2 or more (FlashMLA has no host plan to amortise; one sequence
+# is Triton's, as it is against FlashInfer). bench/mla_decode_gpu.py prints the measured thresholds.
+FLASHMLA_ROUTE = MLADecodeRoute(many_heads=64, min_batch_many_heads=2, min_batch_few_heads=2)
+# The libraries "auto" may pick, most preferred first. FlashMLA joins once its route is measured.
+AUTO_LIBRARIES: tuple[str, ...] = ("flashinfer",)
+_LIBRARY_NAMES = {"flashinfer": "FlashInfer", "flashmla": "FlashMLA"}
 
 
 @dataclass(frozen=True)
 class AttentionHost:
     """What "auto" asks of the machine: a CUDA device, Triton importable, and why FlashInfer's MLA
     decode cannot run here (None: it may; its kernel is then compiled and run once at start-up,
-    model/jit_backends.py, and "auto" falls back to Triton where that fails)."""
+    model/jit_backends.py, and "auto" falls back to Triton where that fails); likewise FlashMLA's
+    (None: `flash_mla` is installed or carried; its start-up check runs when its backend is built)."""
 
     cuda: bool
     triton: bool
     flashinfer_blocker: str | None
+    flashmla_blocker: str | None = "FlashMLA was not looked for"
+
+    def blocker(self, library: str) -> str | None:
+        return self.flashinfer_blocker if library == "flashinfer" else self.flashmla_blocker
+
+
+def library_blocker(library: str, host: AttentionHost, *, heads_per_rank: int, widths: tuple[int, int],
+                    dtype: str, deterministic: bool = False, page_size: int | None = None,
+                    route: MLADecodeRoute | None = None) -> str | None:
+    """Why `library`'s MLA decode ("flashinfer" or "flashmla") cannot serve this model here, or
+    cannot win at its shape (`route`: the library's route, its measured one by default); None: it
+    can. `page_size` None: not known yet (FlashMLA needs 64-token pages)."""
+    name = _LIBRARY_NAMES[library]
+    route = route or (FLASHINFER_ROUTE if library == "flashinfer" else FLASHMLA_ROUTE)
+    widths_ok, dtypes = (FLASHINFER_WIDTHS, FLASHINFER_DTYPES) if library == "flashinfer" else \
+        (FLASHMLA_WIDTHS, FLASHMLA_DTYPES)
+    if (blocker := host.blocker(library)) is not None:
+        return blocker
+    if deterministic:
+        return f"{name}'s has no batch-invariant version (deterministic)"
+    if tuple(widths) != widths_ok:
+        return f"{name}'s is built for latent + rope {widths_ok}, not {tuple(widths)}"
+    if dtype not in dtypes:
+        return f"{name}'s runs {' or '.join(dtypes)}, not {dtype}"
+    if library == "flashmla" and page_size is not None and page_size != FLASHMLA_PAGE_SIZE:
+        return f"FlashMLA's takes pages of {FLASHMLA_PAGE_SIZE} tokens, not {page_size}"
+    if not route.ever_uses_library(heads_per_rank):
+        return f"{name} does not win at {heads_per_rank} heads per rank"
+    return None
 
 
 def auto_attention_backend(host: AttentionHost, *, heads_per_rank: int, widths: tuple[int, int], dtype: str,
-                           deterministic: bool = False, route: MLADecodeRoute = MLADecodeRoute()) -> tuple[str, str]:
+                           deterministic: bool = False, page_size: int | None = None,
+                           route: MLADecodeRoute = FLASHINFER_ROUTE, flashmla_route: MLADecodeRoute = FLASHMLA_ROUTE,
+                           libraries: tuple[str, ...] = AUTO_LIBRARIES) -> tuple[str, str]:
     """(backend name, why) for attention backend "auto": `widths` the model's (kv_lora_rank,
     qk_rope_head_dim), `dtype` the resolved activation dtype's name, `deterministic` whether the
-    batch-invariant kernels run (FlashInfer has no batch-invariant version)."""
+    batch-invariant kernels run (neither library has a batch-invariant version), `page_size` the KV
+    pool's, `route`/`flashmla_route` each library's table, `libraries` those "auto" may pick, in
+    order of preference."""
     if not host.cuda:
         return "torch", "no CUDA device: the plain-torch reference"
     if not host.triton:
         return "torch", "Triton does not import: the plain-torch reference"
-    if host.flashinfer_blocker is not None:
-        return "triton", f"Triton's MLA decode: {host.flashinfer_blocker}"
-    if deterministic:
-        return "triton", "Triton's MLA decode: FlashInfer's has no batch-invariant version (deterministic)"
-    if tuple(widths) != FLASHINFER_WIDTHS:
-        return "triton", f"Triton's MLA decode: FlashInfer's is built for latent + rope {FLASHINFER_WIDTHS}, " \
-                         f"not {tuple(widths)}"
-    if dtype not in FLASHINFER_DTYPES:
-        return "triton", f"Triton's MLA decode: FlashInfer's runs {' or '.join(FLASHINFER_DTYPES)}, not {dtype}"
-    if not route.ever_uses_flashinfer(heads_per_rank):
-        return "triton", f"Triton's MLA decode: FlashInfer does not win at {heads_per_rank} heads per rank"
-    return "flashinfer", (f"FlashInfer's MLA decode at {heads_per_rank} heads per rank, batches of "
-                          f"{route.min_batch(heads_per_rank)} or more (Triton below)")
+    routes = {"flashinfer": route, "flashmla": flashmla_route}
+    reasons = []
+    for library in libraries:
+        why_not = library_blocker(library, host, heads_per_rank=heads_per_rank, widths=widths, dtype=dtype,
+                                  deterministic=deterministic, page_size=page_size, route=routes[library])
+        if why_not is None:
+            return library, (f"{_LIBRARY_NAMES[library]}'s MLA decode at {heads_per_rank} heads per rank, batches "
+                             f"of {routes[library].min_batch(heads_per_rank)} or more (Triton below)")
+        reasons.append(why_not)
+    return "triton", "Triton's MLA decode: " + ("; ".join(reasons) or "no kernel library is tried")
+
+
+def named_library_blocker(backend: str, host: AttentionHost, page_size: int) -> str | None:
+    """Why attention backend `backend`, named by the user, cannot run on `host` with `page_size`
+    pages: a clear error, where "auto" would quietly run Triton. None for a backend that needs no
+    library, or one that can run (FlashMLA's start-up check still runs when its backend is built)."""
+    if backend != "flashmla":
+        return None
+    prefix = "attention backend 'flashmla' (FlashMLA's sm90 MLA decode)"
+    if not host.cuda:
+        return f"{prefix} needs a CUDA device (a Hopper GPU); use 'auto', 'triton' or 'torch'"
+    if host.flashmla_blocker is not None:
+        return f"{prefix}: {host.flashmla_blocker}; use 'auto' or 'triton'"
+    if page_size != FLASHMLA_PAGE_SIZE:
+        return f"{prefix} needs page_size {FLASHMLA_PAGE_SIZE} (its kernel's block size), got {page_size}"
+    return None

@@ -41,6 +41,8 @@ NOT_FROM_THE_WHEEL = {
                   "imports on a Hopper GPU with nvcc to compile its kernels; only the CUDA image ships it",
     "deep_gemm": "an optional FP8 GEMM library (model/kernels/fp8_deep_gemm.py), built from source "
                  "and used only where it imports on a Hopper GPU; only the CUDA image ships it",
+    "flash_mla": "an optional MLA decode library (model/kernels/flashmla_mla.py), built from source and "
+                 "used only where it imports on a Hopper GPU and is named; only the CUDA image ships it",
 }
 
 

@@ -34,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CUDA = ROOT / "Dockerfile.cuda"
 PINS = ("CUDA_DEVEL_IMAGE", "CUDA_RUNTIME_IMAGE", "TORCH_VERSION", "TORCH_INDEX_URL", "NVSHMEM_VERSION",
         "DEEPEP_COMMIT", "MOONCAKE_VERSION", "SMG_VERSION", "FLASHINFER_VERSION", "TVM_FFI_VERSION",
-        "EINOPS_VERSION", "TABULATE_VERSION", "NVML_VERSION", "DEEPGEMM_COMMIT", "WHEEL_VERSION")
+        "EINOPS_VERSION", "TABULATE_VERSION", "NVML_VERSION", "DEEPGEMM_COMMIT", "WHEEL_VERSION", "FLASHMLA_COMMIT")
 # The CUDA image installs these in place of the distribution named: the same modules, built for CUDA.
 CUDA_BUILDS = {"mooncake-transfer-engine-cuda13": "mooncake-transfer-engine-non-cuda"}
 # Imported by the package, installed other than through a requirement, each with the reason.
@@ -45,6 +45,8 @@ NOT_FROM_A_REQUIREMENT = {
                   "(test_the_jit_libraries_are_build_args_and_the_runtime_can_compile_them)",
     "deep_gemm": "an optional FP8 GEMM library built from source at DEEPGEMM_COMMIT (WITH_DEEPGEMM), not "
                  "installed here (test_the_jit_libraries_are_build_args_and_the_runtime_can_compile_them)",
+    "flash_mla": "an optional MLA decode library built from source at FLASHMLA_COMMIT (WITH_FLASHMLA), not "
+                 "installed here (test_flashmla_is_a_build_arg_built_at_the_commit_the_gpu_bench_builds)",
 }
 
 
@@ -235,3 +237,29 @@ def test_the_images_deep_gemm_is_the_commit_the_gpu_bench_builds():
     assert re.fullmatch(r"[0-9a-f]{40}", commit), commit
     script = (ROOT / "bench" / "deep_gemm_build.sh").read_text()
     assert re.search(r"^DEEPGEMM_COMMIT=([0-9a-f]{40})", script, re.M).group(1) == commit
+
+
+@pytest.mark.parametrize("flashmla", ["1", "0"])
+def test_flashmla_is_a_build_arg_built_at_the_commit_the_gpu_bench_builds(flashmla, tmp_path):
+    """FlashMLA is in by default, built (ahead of time: no runtime toolchain) from the commit
+    scripts/fetch-flashmla.sh packs for the GPU machine, with our build script, and checked by
+    importing its compiled module; with WITH_FLASHMLA=0 nothing of it runs."""
+    text = _text()
+    defaults = global_args(text)
+    commit = defaults["FLASHMLA_COMMIT"]
+    assert defaults["WITH_FLASHMLA"] == "1" and re.fullmatch(r"[0-9a-f]{40}", commit), commit
+    script = (ROOT / "scripts" / "fetch-flashmla.sh").read_text()
+    assert re.search(r"^FLASHMLA_COMMIT=([0-9a-f]{40})", script, re.M).group(1) == commit
+    (run,) = _runs("build", "FlashMLA.git")
+    env = {**{k: v for k, v in defaults.items() if "IMAGE" not in k}, "WITH_FLASHMLA": flashmla}
+    calls = _run_recorded(run, env, tmp_path)
+    if flashmla == "0":
+        assert calls == []
+        return
+    assert f"git fetch -q --depth 1 https://github.com/deepseek-ai/FlashMLA.git {commit}" in calls, calls
+    assert "git submodule update -q --init --depth 1 csrc/cutlass" in calls, calls
+    assert any(c.startswith("python /build/flashmla-tools/flashmla_setup.py") and c.endswith("--install")
+               for c in calls), calls
+    assert calls[-1] == "python -c import flash_mla.cuda", calls
+    copies = [args for stage, name, args in instructions(text) if stage == "build" and name == "COPY"]
+    assert any("scripts/flashmla_setup.py scripts/flashmla_bindings.cpp" in c for c in copies), copies

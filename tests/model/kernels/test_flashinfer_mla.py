@@ -17,16 +17,11 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.attention import ATTENTION_BACKENDS
 from deepseek_pd.model.attention.flashinfer_backend import MLADecodeRoute
 from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend
-from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
 from deepseek_pd.model.kernels.flashinfer_mla import flashinfer_mla_available
-from deepseek_pd.model.kv.pool import KVPool
+from pdtest.mla_decode_cases import decode_batch, graph_against_eager, rel_err
 
 requires_flashinfer = pytest.mark.skipif(not flashinfer_mla_available(),
                                          reason="needs FlashInfer and a Hopper (sm90) GPU")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
 @pytest.mark.skipif(flashinfer_mla_available(), reason="FlashInfer runs here")
@@ -40,7 +35,7 @@ def test_route_sends_only_large_many_head_batches_to_flashinfer():
     for _ in range(200):
         heads, batch = random.choice([1, 8, 16, 32, 64, 128]), random.randint(1, 512)
         want = batch >= (8 if heads >= 64 else 200)
-        assert route.uses_flashinfer(heads, batch) is want, (heads, batch)
+        assert route.uses_library(heads, batch) is want, (heads, batch)
 
 
 def test_csr_pages_takes_exactly_the_pages_each_length_needs():
@@ -86,21 +81,6 @@ def test_wrapper_pool_lends_a_wrapper_only_while_no_live_plan_holds_it():
         # next take() built a wrapper the pool could have lent (seed 3057777817: 26 built, peak 25)
         del plan
     assert pool.built == peak
-
-
-def decode_batch(lengths: list[int], page_size: int, dtype: torch.dtype) -> tuple[ForwardBatch, torch.Tensor]:
-    """A decode batch over pages drawn at random from a pool (scattered, as a busy pool is)."""
-    need = [-(-n // page_size) for n in lengths]
-    pool = KVPool(1, sum(need) + 4, page_size, 576, dtype=dtype, device="cuda")
-    order = torch.randperm(pool.num_pages).tolist()
-    pages, start = [], 0
-    for n in need:
-        pages.append(order[start:start + n])
-        start += n
-    pool.buffers[0].copy_(torch.randn(pool.buffers[0].shape, dtype=dtype, device="cuda"))
-    batch = ForwardBatch.build(ForwardMode.DECODE, [[0]] * len(lengths), [n - 1 for n in lengths], pages, pool,
-                               vocab_size=1, device="cuda")
-    return batch, pool.buffers[0]
 
 
 @pytest.mark.gpu
@@ -171,34 +151,7 @@ def test_flashinfer_decode_in_cuda_graphs_equals_eager(tmp_path):
     """A V3-width model (512 + 64 latent, 128 heads, 2 layers, random weights): decode replayed
     from CUDA graphs with FlashInfer's MLA (re-planned before each replay) against the same
     runner's eager decode, over batches of mixed lengths at several bucket sizes."""
-    from pdtest.bench_scripts import bench_module
-
-    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
-    from deepseek_pd.model.runner_config import RunnerConfig
-
-    rng = random.Random()
-    random_checkpoint = bench_module("random_checkpoint")
-    config = random_checkpoint.v2_lite_config(num_hidden_layers=2, num_attention_heads=128, num_key_value_heads=128,
-                                              n_routed_experts=8, torch_dtype="bfloat16")
-    path = random_checkpoint.write_random_checkpoint(tmp_path / "v3w", config, device="cuda", seed=rng.randrange(1 << 30))
-    runner = ModelRunner(RunnerConfig(model=str(path), dtype="bfloat16", device="cuda", attention_backend="flashinfer",
-                                      moe_backend="triton", page_size=64, num_pages=1024, cuda_graph=True,
-                                      cuda_graph_max_batch=32, cuda_graph_max_context=4096))
-    assert runner.graphs is not None
-    vocab, pool = runner.model_config.vocab_size, runner.kv_pool
-    lengths = [rng.randrange(1, 3000) for _ in range(40)]
-    pages = [pool.alloc(pool.pages_for_tokens(n + 8)) for n in lengths]
-    for lo in range(0, len(lengths), 8):
-        runner.extend([ExtendSeq([rng.randrange(vocab) for _ in range(lengths[i])], 0, pages[i])
-                       for i in range(lo, min(len(lengths), lo + 8))])
-    worst = 0.0
-    for batch_size in [9, 16, 32, 13, 31, 24]:  # buckets 16 and 32: FlashInfer at 128 heads (route: >= 8)
-        chosen = rng.sample(range(len(lengths)), batch_size)
-        batch = [DecodeSeq(rng.randrange(vocab), lengths[i], pages[i]) for i in chosen]
-        eager = runner.decode_eager(batch)
-        graph = runner.decode(batch)
-        worst = max(worst, max(rel_err(g, e) for g, e in zip(graph, eager)))
-        for i in chosen:
-            lengths[i] += 1
+    # buckets 16 and 32: FlashInfer at 128 heads (route: >= 4)
+    worst = graph_against_eager(tmp_path, "flashinfer", [9, 16, 32, 13, 31, 24])
     print(f"flashinfer graph vs eager: worst row rel err {worst:.2e}")
     assert worst < 2e-2, worst

@@ -62,12 +62,38 @@ def test_auto_names_flashinfer_exactly_where_it_can_run_and_win():
                                   route=MLADecodeRoute(min_batch_few_heads=64))[0] == "flashinfer"
 
 
-def test_route_min_batch_is_what_uses_flashinfer_counts_from():
+def test_auto_picks_the_first_library_that_can_run_and_win_flashmla_only_when_listed():
+    """With FlashMLA listed after FlashInfer, "auto" names FlashInfer where it can run and win, else
+    FlashMLA where it can (bf16 only, 64-token pages or a page size not known yet), else Triton
+    with both reasons. The default list holds FlashInfer alone: FlashMLA stays opt-in."""
+    rng = random.Random(random.randrange(1 << 30))
+    few = MLADecodeRoute(min_batch_few_heads=NEVER)
+    for _ in range(500):
+        case = _draw_case(rng)
+        case["host"] = replace(case["host"], flashmla_blocker=rng.choice([None, None, "no flash_mla here"]))
+        page_size = rng.choice([None, 16, 64, 64])
+        name, why = auto_attention_backend(**case, page_size=page_size, route=few,
+                                           libraries=("flashinfer", "flashmla"))
+        host, heads = case["host"], case["heads_per_rank"]
+        common = case["widths"] == (512, 64) and not case["deterministic"]
+        flashinfer = host.flashinfer_blocker is None and common and case["dtype"] != "float32" and heads >= 64
+        flashmla = (host.flashmla_blocker is None and common and case["dtype"] == "bfloat16"
+                    and page_size in (None, 64))  # FLASHMLA_ROUTE: every head count
+        want = "torch" if not (host.cuda and host.triton) else \
+            "flashinfer" if flashinfer else "flashmla" if flashmla else "triton"
+        assert name == want, (case, page_size, name, why)
+        if want == "triton" and host.flashmla_blocker:
+            assert host.flashmla_blocker in why
+        default, _ = auto_attention_backend(**case, page_size=page_size, route=few)
+        assert default != "flashmla"
+
+
+def test_route_min_batch_is_what_uses_library_counts_from():
     route = MLADecodeRoute(many_heads=random.randint(2, 100), min_batch_many_heads=random.randint(1, 50),
                            min_batch_few_heads=random.choice([NEVER, random.randint(1, 500)]))
     for heads in range(1, 130):
-        first = next((b for b in range(1, 600) if route.uses_flashinfer(heads, b)), None)
-        assert route.ever_uses_flashinfer(heads) == (route.min_batch(heads) < NEVER)
+        first = next((b for b in range(1, 600) if route.uses_library(heads, b)), None)
+        assert route.ever_uses_library(heads) == (route.min_batch(heads) < NEVER)
         if first is not None:
             assert first == route.min_batch(heads)
         else:
