@@ -251,3 +251,52 @@ def test_the_class_rule_and_the_recorder_see_what_triton_sees(monkeypatch):
         moe_align_small.align_by_expert_small(_rand(pairs, 1, dtype=torch.int32), 8, 16)
     assert {line.split(":")[1].split(".")[1] for line in recorder.changing_classes(kernels)} >= {"num_pairs",
                                                                                                  "num_blocks"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
+def test_a_warmed_engine_compiles_no_kernel_at_new_batch_sizes(cuda_graph):
+    """The tiny model on CUDA with the Triton backends (bf16), warmed as a worker warms it (the
+    model warm-up's extends, and with `graphs` the decode graphs' capture), then extends without
+    and with a prefix and decodes at random sizes: Triton's compile hook must not fire (a compile
+    is a new variant, whose first launch loads a module)."""
+    import triton
+
+    from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
+    from deepseek_pd.model.runner_config import RunnerConfig
+    from deepseek_pd.model.sampling.sampler import Sampler
+    from deepseek_pd.workers.engine import model_warm_up
+    from deepseek_pd.workers.engine.prefill_round import PrefillRounds
+
+    rng = random.Random(random.getrandbits(32))
+    runner = ModelRunner(RunnerConfig(model="tiny", page_size=16, num_pages=512, device="cuda", dtype="bfloat16",
+                                      attention_backend="triton", moe_backend="triton", cuda_graph=cuda_graph))
+    pool, vocab = runner.kv_pool, runner.model_config.vocab_size
+    assert model_warm_up.warm_up(PrefillRounds(runner, Sampler(), 512, hooks=None)) > 0
+    torch.cuda.synchronize()
+    compiled: list[str] = []
+    runtime = triton.knobs.runtime
+    before = runtime.jit_cache_hook
+
+    def record(*, repr, compile, **_):  # called on each in-process cache miss, before the compile
+        compiled.append(f"{repr} constants {compile.get('constants')}")
+        return False  # compile as usual
+    runtime.jit_cache_hook = record
+    try:
+        sizes = [1, 2, 16, 32, 48] + rng.sample(range(3, 300), 10)
+        for n in rng.sample(sizes, len(sizes)):
+            prompt = [rng.randrange(2, vocab) for _ in range(n + rng.randint(1, 40))]
+            pages = pool.alloc(pool.pages_for_tokens(len(prompt) + 1))
+            try:
+                runner.extend([ExtendSeq(prompt[:n], 0, pages)])  # no prefix: MHA
+                runner.extend([ExtendSeq(prompt[n:], n, pages)])  # over the cached prefix
+                batch = rng.choice([1, 2, rng.randint(3, 40)])
+                runner.decode([DecodeSeq(rng.randrange(2, vocab), len(prompt), pages)] * batch)
+            finally:
+                pool.free(pages[::-1])
+        torch.cuda.synchronize()
+    finally:
+        runtime.jit_cache_hook = before
+    assert not compiled, (f"{len(compiled)} Triton kernels compiled after the warm-up (each a module load "
+                          f"mid-serving):\n  " + "\n  ".join(compiled))
