@@ -206,9 +206,10 @@ def run_step_kernels(s: Shape, n: int, rng: random.Random) -> None:
     q_latent = _rand(s.heads, n, s.rank).transpose(0, 1)
     max_len = rng.randint(1, 5000)
     width = -(-max_len // s.page_size)
+    paged = cache.view(64, s.page_size, -1)
     for tile in (MLADecodeTile(), INVARIANT_DECODE_TILE):
-        mla_decode(q_latent, q[..., s.nope:], cache.view(64, s.page_size, -1), _rand(n, width, dtype=i32), _rand(n, dtype=i32), max_len,
-                   0.1, tile=tile)
+        mla_decode(q_latent, q[..., s.nope:], paged, _rand(n, width, dtype=i32), _rand(n, dtype=i32), max_len, 0.1,
+                   tile=tile)
     matmul_invariant(q[..., :s.nope].transpose(0, 1), _rand(s.heads, s.nope, s.rank))
     matmul_invariant(hidden.unsqueeze(0), _rand(s.inter, s.hidden).t().unsqueeze(0))
     # The KV cipher over a send's pages (`n` rows), from some page of some layer.
