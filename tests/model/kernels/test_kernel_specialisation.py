@@ -255,6 +255,7 @@ def test_the_class_rule_and_the_recorder_see_what_triton_sees(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(600)  # a cold Triton cache compiles every warmed variant first
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
 def test_a_warmed_engine_compiles_no_kernel_at_new_batch_sizes(cuda_graph):
