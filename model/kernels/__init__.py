@@ -15,6 +15,18 @@
     fp8_gemm         block-scaled FP8 GEMM (W8A8, DeepSeek-V3's 128 x 128 weight blocks).
     checks           shared input checks (rank, dtype, device, unit last stride) and availability.
 
+Integer arguments that change with the batch are `do_not_specialize` in their kernel's decorator
+(token, pair and sequence counts, capacities, block and split counts, a page table's width, strides
+that follow them). Why: Triton compiles a kernel once per class of each plain int argument (== 1,
+divisible by 16, other), so a batch whose count falls in a class not seen yet compiles and loads
+a new variant while serving: hundreds of ms, and the module load waits for the whole device, other
+threads' copies included (tests/workers/prefill/test_chunk_send_order_cuda.py). Model-shape ints
+and strides whose class never changes keep their specialisation (alignment helps vectorise);
+tests/model/kernels/test_kernel_specialisation.py checks the rule by launching every step kernel's
+wrapper at many batch sizes, and its GPU test that a warmed engine compiles nothing new.
+Constexprs that follow the batch (MoE tiles and the sort's BLOCK_P, the decode combine's BLOCK_S)
+are a few classes each: the warm-up (workers/engine/model_warm_up.py) runs them.
+
 The oracles are the torch backends (`model/attention/torch_backend.py`, `model/moe/experts.py`,
 `model/quant/moe_scales.py`) and `model/quant/fp8_ops.py`;
 measured figures are in docs/performance.md. Importing this package does not import Triton; the

@@ -54,7 +54,7 @@ def measured_tile(device: torch.device, m: int, n: int, k: int) -> Fp8GemmTile |
     return None if fields is None else Fp8GemmTile(**fields)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # per-batch ints: kernels/__init__.py
 def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, group_n,
                      stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):

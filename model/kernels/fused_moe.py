@@ -70,7 +70,7 @@ def measured_tile(device: torch.device, num_pairs: int, num_experts: int, inter_
     return None if fields is None else MoETile(**fields)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per-batch ints: kernels/__init__.py
 def _gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, inter_ptr, pair_ptr, block_expert_ptr,
                     num_pairs, top_k, hidden, inter_size, num_experts, group_n,
                     stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_im,
@@ -118,7 +118,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, inter_ptr, pair_ptr, block_e
     tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per-batch ints: kernels/__init__.py
 def _down_kernel(a_ptr, as_ptr, w2_ptr, ws_ptr, out_ptr, pair_ptr, block_expert_ptr, weight_ptr,
                  num_pairs, hidden, inter_size, num_experts, group_n,
                  stride_am, stride_asm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_om,

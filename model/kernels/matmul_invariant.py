@@ -38,7 +38,7 @@ class InvariantTile:
 INVARIANT_TILE = InvariantTile()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # per-batch ints: kernels/__init__.py
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
                    stride_cb, stride_cm, stride_cn,

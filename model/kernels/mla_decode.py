@@ -58,7 +58,8 @@ def num_splits(batch_size: int, head_blocks: int, max_seq_len: int, tile: MLADec
     return max(1, min(wanted, tile.max_splits, -(-max_seq_len // tile.block_n)))
 
 
-@triton.jit
+# Per-batch ints (kernels/__init__.py): the split count, the page table's width, the lse strides (splits).
+@triton.jit(do_not_specialize=["num_splits", "stride_tb", "stride_lb", "stride_lh"])
 def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, seq_lens_ptr, mid_out_ptr, mid_lse_ptr,
                   num_heads, page_size, num_splits, scale_log2,
                   stride_qb, stride_qh, stride_pb, stride_ph, stride_kv, stride_tb,
@@ -131,7 +132,7 @@ def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, seq_lens_ptr, mid_out_ptr, 
     tl.store(mid_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_ok & (v_lo == 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])  # per-batch: kernels/__init__.py
 def _combine_kernel(mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
                     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
                     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):

@@ -31,7 +31,7 @@ def _expert_of(ids_ptr, p, num_pairs, num_experts):
     return tl.where(valid, ids, num_experts).to(tl.int32), valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per-batch ints: kernels/__init__.py
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     expert, _ = _expert_of(ids_ptr, p, num_pairs, num_experts)
@@ -41,7 +41,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK_P: tl.const
     tl.atomic_add(counts_ptr + bins, hist, mask=(bins <= num_experts) & (hist > 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])  # per-batch: kernels/__init__.py
 def _offsets_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, capacity,
                     num_blocks, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr):
     bins = tl.arange(0, BLOCK_E)
@@ -62,7 +62,7 @@ def _offsets_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_pa
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per-batch ints: kernels/__init__.py
 def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, num_experts, BLOCK_P: tl.constexpr):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     expert, valid = _expert_of(ids_ptr, p, num_pairs, num_experts)

@@ -22,7 +22,7 @@ from deepseek_pd.model.kernels.moe_align import ExpertBlocks, padded_capacity
 MAX_PAIRS = 256  # the [P, P] rank comparison stays small in registers
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])  # per-batch: kernels/__init__.py
 def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, scratch_ptr, num_pairs, num_experts, capacity,
                         num_blocks, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
                         FILL: tl.constexpr):

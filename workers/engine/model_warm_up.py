@@ -10,7 +10,15 @@ prefill round runs (and a decode worker's colocated rounds) had nothing alike.
 `warm_up` runs, on scratch pages, the extends a prefill round runs, through the role's own
 `PrefillRounds.forward` (so with the MTP pass where the runner has the layer): two fresh prompts,
 then the same two with their cached prefix (MLA over the cache), then, where the pool has room, a
-prefix past the policy's threshold (MHA over prefix chunks). Each samples its first tokens, one row greedy and one
+prefix past the policy's threshold (MHA over prefix chunks), and over that prompt's cached prefix
+(MLA, below the threshold) one-token extends over 1, 2, 4, ... tokens of it and extends of 1, 2,
+4, ... tokens up to the chunk over the longest; then fresh prompts of 1, 2, 4, ... tokens up to
+the round's chunk. Why the ladders: a kernel's integer arguments that follow the batch are
+unspecialised (model/kernels/__init__.py), but some compile-time tile sizes follow it in a few
+classes (the MoE sort's pair block and tiles by token count, the MLA decode split count's power of
+two by length); a doubling meets every such class of a quantity proportional to the size
+(tests/model/kernels/test_kernel_specialisation.py's GPU test checks that a warmed engine compiles
+nothing more). Each samples its first tokens, one row greedy and one
 seeded with truncation and penalties, so the sampling kernels load too; seeded draws come from
 their own keys, so no serving request's draw changes. The pages go back to the pool in the order
 they left it: the pool's free list is as it was.
@@ -59,13 +67,24 @@ def warm_up(rounds: PrefillRounds) -> int:
     steps = [[(0, 0, cached), (1, 0, cached + 3)], [(0, cached, pool.page_size), (1, cached + 3, 2)]]
     need = sum(pool.pages_for_tokens(n) for n in lengths)
     threshold = runner.policy.chunked_kv_threshold
-    if need + pool.pages_for_tokens(threshold + 1) <= pool.num_free_pages:
-        lengths.append(threshold + 1)
-        steps += [[(2, 0, threshold)], [(2, threshold, 1)]]
-        need += pool.pages_for_tokens(threshold + 1)
+    for long in (threshold + rounds.chunk_budget, threshold + 1):  # room for the MLA ladder's longest row?
+        if need + pool.pages_for_tokens(long) <= pool.num_free_pages:
+            lengths.append(long)
+            steps += [[(2, 0, threshold)], [(2, threshold, 1)]]
+            # Over prompt 2's cached prefix (MLA, below the threshold): one token over prefixes of
+            # 1, 2, 4, ... tokens, then 1, 2, 4, ... tokens over the longest.
+            steps += [[(2, prefix, 1)] for prefix in _ladder(threshold - 1)]
+            steps += [[(2, threshold - 1, n)] for n in _ladder(long - threshold + 1)]
+            need += pool.pages_for_tokens(long)
+            break
     if need > pool.num_free_pages:
         log.info("model warm-up skipped: %d pages needed, %d free", need, pool.num_free_pages)
         return 0
+    ladder = _ladder(min(rounds.chunk_budget, pool.page_size * (pool.num_free_pages - need)))
+    if ladder:
+        lengths.append(ladder[-1])
+        steps += [[(len(lengths) - 1, 0, n)] for n in ladder]
+        need += pool.pages_for_tokens(ladder[-1])
     prompts = [_tokens(n, vocab, i) for i, n in enumerate(lengths)]
     taken = pool.alloc(need)
     try:
@@ -86,6 +105,12 @@ def warm_up(rounds: PrefillRounds) -> int:
         pool.free(taken[::-1])  # alloc popped them off the free list's end: back as they were
     log.info("model warm-up: %d extends in %.2f s", len(steps), time.perf_counter() - began)
     return len(steps)
+
+
+def _ladder(top: int) -> list[int]:
+    """1, 2, 4, ... up to `top`, and `top`: a round's size classes (module docstring)."""
+    sizes = [1 << i for i in range(max(0, top).bit_length()) if 1 << i < top]
+    return sizes + [top] if top >= 1 else []
 
 
 def _tokens(n: int, vocab: int, salt: int) -> list[int]:

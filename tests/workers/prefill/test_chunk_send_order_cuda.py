@@ -23,6 +23,10 @@ forward, the prefix chunks' slots), which held the driver's shared staging until
 before them ran; every per-step copy up now goes through pinned `host_copy.upload`
 (tests/workers/engine/test_step_host_copies.py), and each engine warms its extends at start
 (workers/engine/model_warm_up.py).
+Failed again at d4173c0 (both cases): the send's upload waited 1.697 s while the model thread was
+1.994 s inside the Triton MoE, which makes no host sync: most likely a new Triton variant (a batch
+size class not seen in the warm-up), compiled and loaded mid-forward. Session 13: per-batch kernel
+ints are unspecialised and the warm-up runs size ladders (tests/model/kernels/test_kernel_specialisation.py).
 """
 from __future__ import annotations
 
