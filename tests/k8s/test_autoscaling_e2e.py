@@ -11,6 +11,7 @@ The targets are calibrated first from what the operator itself reads under the s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -221,10 +222,17 @@ def _scaled(dep) -> list[str]:
 
 
 def test_load_adds_groups_of_both_roles_and_idleness_removes_them_finishing_running_streams(
-        deployment, models, offline_engine, real_scheduler):
+        deployment, models, offline_engine, real_scheduler, monkeypatch):
     dep, rng = deployment, random.Random()
+    # The process kubelet cuts every pod's grace period to 10 s (fast teardowns); here the old
+    # router pod's full grace (190 s) is what lets it finish the retired group's streams, as a
+    # real kubelet would.
+    monkeypatch.setattr(dep.kubelet, "config", dataclasses.replace(dep.kubelet.config, termination_grace_cap_s=200.0))
     obj = example(models)
     obj["spec"]["scheduling"] = {"schedulerName": real_scheduler}  # bound by the real kube-scheduler
+    # Round robin, so that the long streams below reach both decode groups (cache_aware sent the
+    # pool's prompts, all cached, to the group that served them first).
+    obj["spec"].setdefault("router", {})["policy"] = "round_robin"
     windows = {"scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 10}
     for role in ROLES:
         obj["spec"][role]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 2, **windows,
@@ -281,16 +289,15 @@ def test_load_adds_groups_of_both_roles_and_idleness_removes_them_finishing_runn
     # From here on the roles may only shrink: a long scale-up window keeps the idle readings'
     # recommendation (1 group) in mind, so the long streams' own readings cannot bring a retired
     # group back while it drains.
-    dep.kube.merge_patch(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{dep.name}", {"spec": {
-        role: {"autoscaling": {"scaleUpStabilizationSeconds": 3600}} for role in ROLES}})
+    path = f"{CR_API}/namespaces/{NS}/deepseekdeployments/{dep.name}"
+    dep.kube.merge_patch(path, {"spec": {role: {"autoscaling": {"scaleUpStabilizationSeconds": 3600}} for role in ROLES}})
 
-    # Idle, but for a few long streams, one at a time until decode group 1 runs one: no request
-    # finishes, so the operator reads the roles as idle, while group 1 is still streaming. Their
-    # length: ~100 s of tokens at the calibrating load's pace, several times that at a batch of
-    # a few; at most what 6 of them leave room for in one decode pool (2048 pages of 4 tokens).
-    length = min(1300, max(200, math.ceil(100 / statistics.median(seen["decode"]))))
+    # Long streams, one at a time until decode group 1 runs one (round robin: at most two). They
+    # finish no request, so the operator reads the roles as idle while group 1 streams. As long
+    # as the model's context allows (4096), two of them fit one decode pool (2048 pages of 4).
+    length = 4096 - max(map(len, load.prompts)) - 8
     streams = RunningStreams(dep, load.expected, length)
-    for prompt in load.prompts[:6]:
+    for prompt in load.prompts[:2]:
         before = _running_on(dep, 0) + _running_on(dep, 1)
         streams.start(prompt)
         wait_until(lambda: _running_on(dep, 0) + _running_on(dep, 1) > before, 60, "a stream never ran on decode",
@@ -298,16 +305,33 @@ def test_load_adds_groups_of_both_roles_and_idleness_removes_them_finishing_runn
         if _running_on(dep, 1):
             break
     assert _running_on(dep, 1), "no stream went to decode group 1"
-    print(f"{len(streams.threads)} streams of {length} tokens running, decode group 1 runs {_running_on(dep, 1)}")
+    print(f"{len(streams.threads)} streams of {length} tokens running after {time.monotonic() - began:.0f} s")
 
-    # Idle: after the 10 s window (5 passes) the operator chooses 1 group for each role. The spec
-    # patch and the status that explains it are two writes: wait for both.
+    # Idle from now on: with no scale-down window the next passes choose 1 group for each role
+    # (before, the load's last readings held both for 10 s). The spec patch and the status that
+    # explains it are two writes: wait for both.
+    dep.kube.merge_patch(path, {"spec": {role: {"autoscaling": {"scaleDownStabilizationSeconds": 0}} for role in ROLES}})
+
     def shrunk(role: str) -> bool:
         return _replicas(dep, role) == 1 and (_status(dep, role).get("lastScale") or {}).get("to") == 1
     wait_until(lambda: shrunk("decode"), 180, "decode not scaled down", dep.diagnose)
+    print(f"decode scaled down after {time.monotonic() - began:.0f} s; group 1 runs {_running_on(dep, 1)} streams")
+    # What this shows needs the old router pod to be going while group 1 still streams: the
+    # router has rolled without group 1, and only the terminating pod holds its streams.
+    routers = f"deepseek-pd.io/deployment={dep.name},app.kubernetes.io/component=router"
+
+    def names_group_1(pod: dict) -> bool:
+        return any(a.startswith(f"grpc://{dep.name}-decode-1-0.") for a in pod["spec"]["containers"][0]["args"])
+
+    def only_a_terminating_router_names_group_1() -> bool:
+        pods = dep.pods(routers)
+        going = [p for p in pods if p["metadata"].get("deletionTimestamp")]
+        return any(map(names_group_1, going)) and not any(names_group_1(p) for p in pods if p not in going)
+    wait_until(only_a_terminating_router_names_group_1, 120, "the router never rolled without decode group 1",
+               dep.diagnose)
     on_group_1 = _running_on(dep, 1)
-    print(f"decode scaled down after {time.monotonic() - began:.0f} s; group 1 still runs {on_group_1} streams")
-    assert on_group_1, "the streams ended before the scale-down: they show nothing (make them longer)"
+    print(f"old router pod terminating after {time.monotonic() - began:.0f} s; group 1 runs {on_group_1} streams")
+    assert on_group_1, "the streams ended before the router rolled: they show nothing (make them longer)"
     down = _status(dep, "decode")["lastScale"]
     assert down["from"] == 2 and down["reason"].startswith("scale down 2 -> 1"), down
     assert not (failed := streams.failures(300)), failed
