@@ -44,6 +44,12 @@ def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
         yield dep
 
 
+def _worker_pods(dep, role: str) -> list[dict]:
+    pods = dep.pods(f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role={role}")
+    return sorted((p for p in pods if not p["metadata"].get("deletionTimestamp")),
+                  key=lambda p: (p["metadata"]["labels"]["deepseek-pd.io/group-index"], p["metadata"]["name"]))
+
+
 def _router_metrics_url(dep) -> str:
     """The router Service's `metrics` port, at its ready endpoint (what kube-proxy would send to)."""
     service = dep.kube.get(f"/api/v1/namespaces/{dep.namespace}/services/{dep.name}-router")
