@@ -251,10 +251,11 @@ def test_load_adds_groups_of_both_roles_and_idleness_removes_them_finishing_runn
 
     # Calibrate under the load that must scale up (16 streams on one group of each role, the
     # targets still out of reach): the p90s the operator reads over ~10 passes. Each target is
-    # half its median, so the same load reads ~2x the target (HPA's rule: 2 groups) and 2 groups
-    # at 8 streams each stay above half of it (kept at 2). A batch-1 calibration was not enough:
-    # on a quiet machine the tiny model's step barely grows with the batch, and 16 streams read
-    # below 1.5x batch 1's.
+    # 0.35 of its median, so the same load reads ~3x the target (HPA's rule: 2 groups at most)
+    # and, likely, over it once the other role has grown (TTFT includes decode's side). At half
+    # the median one suite run took 160 s instead of ~80 s, the slow phase unrecorded.
+    # A batch-1 calibration was not enough: on a quiet machine the tiny model's step barely grows
+    # with the batch, and 16 streams read below 1.5x batch 1's.
     seen: dict[str, list[float]] = {role: [] for role in ROLES}
     deadline = time.monotonic() + 25
 
@@ -266,7 +267,7 @@ def test_load_adds_groups_of_both_roles_and_idleness_removes_them_finishing_runn
         return time.monotonic() > deadline and all(len(s) >= 3 for s in seen.values())
     asyncio.run(asyncio.wait_for(load.run(16, calibrated), 180))
     assert not load.failures and all(seen.values()), (load.failures[:5], seen)
-    target = {role: 0.5 * statistics.median(seen[role]) for role in ROLES}
+    target = {role: 0.35 * statistics.median(seen[role]) for role in ROLES}
     print(f"calibrated after {time.monotonic() - began:.0f} s over {seen}")
     dep.kube.merge_patch(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{dep.name}",
                          {"spec": {role: {"autoscaling": {**obj["spec"][role]["autoscaling"], "metrics": [
