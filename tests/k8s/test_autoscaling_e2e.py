@@ -1,26 +1,36 @@
-"""SLO autoscaling against the real control plane, the process kubelet and real workers: the
-chart's operator scrapes the decode pods' /metrics, load through the router's Service (sent by
-`bench serving`'s own loop, deepseek_pd/loadgen/runner.py) raises decode to 2 groups, and idleness brings it back to 1; every request during both answers with
+"""SLO autoscaling of both roles against the real control plane, the real kube-scheduler (it binds
+the worker pods), the process kubelet and real workers: the chart's operator scrapes the worker
+pods' /metrics; load through the router's Service (sent by `bench serving`'s own loop,
+deepseek_pd/loadgen/runner.py) raises decode (TPOT p90) and prefill (TTFT p90) to 2 groups, and
+idleness brings both back to 1. Decode group 1 is retired while long streams run on it: they
+finish, whole and with the offline engine's tokens. Every request during all of it answers with
 the offline engine's greedy tokens, and the status and Events say why each change happened.
 
-The TPOT target is calibrated first from what the operator itself reads under the scaling load
+The targets are calibrated first from what the operator itself reads under the scaling load
 (CPU speed here varies with whatever else runs), then set to half of that."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
+import threading
 import time
 
 import pytest
 from e2e_deployment import CR_API, installed_release
 from e2e_example import apply, example
 from pdtest.waiting import wait_until
+from pod_metrics import metrics_url, scrape, total
+
+from deepseek_pd.operator import names
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 RELEASE, OPS, NS = "autoscale", "ops-as", "llm-as"
 MAX_NEW = 24
+ROLES = ("prefill", "decode")
+METRIC = {"prefill": "ttftP90Seconds", "decode": "tpotP90Seconds"}  # what each role scales on here
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +40,16 @@ def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
         yield dep
 
 
-def _decode(dep) -> dict:
-    return ((dep.cr() or {}).get("status") or {}).get("autoscaling", {}).get("decode", {})
+def _status(dep, role: str) -> dict:
+    return ((dep.cr() or {}).get("status") or {}).get("autoscaling", {}).get(role, {})
 
 
-def _replicas(dep) -> int:
-    return dep.cr()["spec"]["decode"]["replicas"]
+def _replicas(dep, role: str) -> int:
+    return dep.cr()["spec"][role]["replicas"]
+
+
+def _scheduled_by(pod: dict, scheduler: str) -> bool:
+    return pod["spec"].get("schedulerName") == scheduler and bool(pod["spec"].get("nodeName"))
 
 
 class Load:
@@ -140,70 +154,200 @@ class Load:
             self._clients.clear()
 
 
-def test_load_adds_a_decode_group_and_idleness_removes_it_without_a_failed_request(deployment, models, offline_engine):
+class RunningStreams:
+    """Long greedy streams through the router, each in a thread of its own, started before a
+    scale-down and left running through it. A retired group must finish what it streams: the
+    router rolls without it first, the old router pod (terminating, its grace 180 s) holds those
+    streams to their end, and the group's pods go only once no router pod names it (the workers'
+    own drain here is 2 s: e2e_cluster.WORKER_ARGS, far shorter than the streams). A stream cut,
+    ended short, or with other first tokens than the offline engine's (the Load's answers: greedy
+    with ignore_eos, so a longer answer starts with the shorter one) is a failure."""
+
+    def __init__(self, dep, expected: dict[tuple, list[int]], length: int) -> None:
+        self.dep, self.expected, self.length = dep, expected, length
+        self.results: list[tuple[tuple, object]] = []  # (prompt, GenerateResult | the exception)
+        self.threads: list[threading.Thread] = []
+
+    def start(self, prompt: tuple) -> None:
+        url = self.dep.router_url().rstrip("/")
+        thread = threading.Thread(target=self._stream, args=(url, prompt), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _stream(self, url: str, prompt: tuple) -> None:
+        from deepseek_pd.client.router_http import RouterClient
+
+        async def one():
+            async with RouterClient(url, "tiny", timeout_s=600) as client:
+                return await client.generate(input_ids=list(prompt), stream=True, max_new_tokens=self.length,
+                                             temperature=0.0, ignore_eos=True)
+        try:
+            self.results.append((prompt, asyncio.run(one())))
+        except Exception as exc:  # noqa: BLE001 - a cut stream is the failure this records
+            self.results.append((prompt, exc))
+
+    def running(self) -> int:
+        return sum(t.is_alive() for t in self.threads)
+
+    def failures(self, timeout_s: float) -> list[str]:
+        """Waits for every stream (up to `timeout_s` in all); what went wrong with any of them."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        failed = [f"{len(self.threads) - len(self.results)} streams still running after {timeout_s:.0f} s"] \
+            if len(self.results) < len(self.threads) else []
+        for prompt, result in self.results:
+            want = self.expected[prompt]
+            if isinstance(result, Exception):
+                failed.append(f"prompt {list(prompt)}: {type(result).__name__}: {result}")
+            elif len(result.output_ids) != self.length or result.output_ids[:len(want)] != want:
+                failed.append(f"prompt {list(prompt)}: {len(result.output_ids)} tokens "
+                              f"({result.finish_reason}), first {result.output_ids[:len(want)]} != {want}")
+        return failed
+
+
+def _running_on(dep, group: int) -> int:
+    """Requests in the running batch of decode group `group` (its pods' own metrics)."""
+    pods = dep.pods(f"{_role_pods(dep, 'decode')},deepseek-pd.io/group-index={group}")
+    return int(sum(total(scrape(metrics_url(p)), "deepseek_pd:num_running_reqs") for p in pods
+                   if not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("podIP")))
+
+
+def _role_pods(dep, role: str) -> str:
+    return f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role={role}"
+
+
+def _scaled(dep) -> list[str]:
+    events = dep.kube.list(f"/api/v1/namespaces/{NS}/events", fieldSelector=f"involvedObject.name={dep.name}")
+    return [e["message"] for e in events if e.get("reason") == "Scaled"]
+
+
+def test_load_adds_groups_of_both_roles_and_idleness_removes_them_finishing_running_streams(
+        deployment, models, offline_engine, real_scheduler, monkeypatch):
     dep, rng = deployment, random.Random()
+    # The process kubelet cuts every pod's grace period to 10 s (fast teardowns); here the old
+    # router pod's full grace (190 s) is what lets it finish the retired group's streams, as a
+    # real kubelet would.
+    monkeypatch.setattr(dep.kubelet, "config", dataclasses.replace(dep.kubelet.config, termination_grace_cap_s=200.0))
     obj = example(models)
-    obj["spec"]["decode"]["autoscaling"] = {
-        "minReplicas": 1, "maxReplicas": 2, "metrics": [{"name": "tpotP90Seconds", "target": 1000.0}],
-        "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 10}
+    obj["spec"]["scheduling"] = {"schedulerName": real_scheduler}  # bound by the real kube-scheduler
+    # Round robin, so that the long streams below reach both decode groups (cache_aware sent the
+    # pool's prompts, all cached, to the group that served them first).
+    obj["spec"].setdefault("router", {})["policy"] = "round_robin"
+    # Under load the roles may only grow: a long scale-down window holds the groups added (with
+    # both roles growing on two cores the readings swing; a 10 s window let a role shrink under
+    # the load and grow again, once for 100 s). Idleness below sets it to 0.
+    windows = {"scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 600}
+    for role in ROLES:
+        obj["spec"][role]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 2, **windows,
+                                            "metrics": [{"name": METRIC[role], "target": 1000.0}]}
     began = time.monotonic()
     apply(dep, obj)
     dep.wait_phase("Available")
+    workers = dep.pods(f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role")
+    assert workers and all(_scheduled_by(p, real_scheduler) for p in workers), [p["spec"] for p in workers]
     load = Load(dep, offline_engine, rng)
     print(f"Available and the load's answers computed after {time.monotonic() - began:.0f} s")
 
-    # Calibrate under the load that must scale up (16 streams on the one group, the target still
-    # out of reach): the p90 the operator reads over ~10 passes. The target is half their median,
-    # so the same load reads ~2x the target (HPA's rule: 2 groups) and 2 groups at 8 streams each
-    # stay above half of it (kept at 2). A batch-1 calibration was not enough: on a quiet machine
-    # the tiny model's step barely grows with the batch, and 16 streams read below 1.5x batch 1's.
-    seen: list[float] = []
+    # Calibrate under the load that must scale up (16 streams on one group of each role, the
+    # targets still out of reach): the p90s the operator reads over ~10 passes. Each target is
+    # 0.35 of its median, so the same load reads ~3x the target (HPA's rule: 2 groups at most)
+    # and, likely, over it once the other role has grown (TTFT includes decode's side). At half
+    # the median one suite run took 160 s instead of ~80 s, the slow phase unrecorded.
+    # A batch-1 calibration was not enough: on a quiet machine the tiny model's step barely grows
+    # with the batch, and 16 streams read below 1.5x batch 1's.
+    seen: dict[str, list[float]] = {role: [] for role in ROLES}
     deadline = time.monotonic() + 25
 
     def calibrated() -> bool:
-        reading = _decode(dep).get("lastDecision", {}).get("readings", {}).get("tpotP90Seconds", 0.0)
-        if reading:
-            seen.append(reading)
-        return time.monotonic() > deadline and len(seen) >= 3
+        for role in ROLES:
+            reading = _status(dep, role).get("lastDecision", {}).get("readings", {}).get(METRIC[role], 0.0)
+            if reading:
+                seen[role].append(reading)
+        return time.monotonic() > deadline and all(len(s) >= 3 for s in seen.values())
     asyncio.run(asyncio.wait_for(load.run(16, calibrated), 180))
-    assert not load.failures and seen, (load.failures[:5], seen)
-    target = 0.5 * statistics.median(seen)
-    print(f"calibrated after {time.monotonic() - began:.0f} s over {len(seen)} readings")
-    dep.kube.merge_patch(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{dep.name}", {"spec": {"decode": {
-        "autoscaling": {**obj["spec"]["decode"]["autoscaling"],
-                        "metrics": [{"name": "tpotP90Seconds", "target": target}]}}}})
+    assert not load.failures and all(seen.values()), (load.failures[:5], seen)
+    target = {role: 0.35 * statistics.median(seen[role]) for role in ROLES}
+    print(f"calibrated after {time.monotonic() - began:.0f} s over {seen}")
+    dep.kube.merge_patch(f"{CR_API}/namespaces/{NS}/deepseekdeployments/{dep.name}",
+                         {"spec": {role: {"autoscaling": {**obj["spec"][role]["autoscaling"], "metrics": [
+                             {"name": METRIC[role], "target": target[role]}]}} for role in ROLES}})
 
-    # Load: 16 streams until the second decode group serves (its pods Ready, the router rolled).
-    def two_groups_serving() -> bool:
+    # Load: 16 streams until the second group of each role serves (its pods Ready, the router
+    # rolled; one role changes per pass).
+    def both_grew() -> bool:
         cr = dep.cr()
-        return cr["spec"]["decode"]["replicas"] == 2 and cr["status"].get("phase") == "Available" \
-            and cr["status"]["decode"]["readyReplicas"] == 2
+        return cr["status"].get("phase") == "Available" and all(
+            cr["spec"][role]["replicas"] == 2 and cr["status"][role]["readyReplicas"] == 2 for role in ROLES)
     started = time.monotonic()
-    asyncio.run(asyncio.wait_for(load.run(16, two_groups_serving), 600))
-    up = _decode(dep)["lastDecision"] if _replicas(dep) == 2 else {}
-    print(f"calibrated target {target:.4f} s; scaled up after {time.monotonic() - started:.0f} s, "
-          f"{load.done} requests ({load.rerouted} re-sent to a new router pod, {load.dropped_by_roll} cut by a router roll and re-sent: {sorted(load.drop_reasons)}); decision {json.dumps(up)}")
+    asyncio.run(asyncio.wait_for(load.run(16, both_grew), 600))
+    print(f"targets {target}; scaled up after {time.monotonic() - started:.0f} s, {load.done} requests "
+          f"({load.rerouted} re-sent to a new router pod, {load.dropped_by_roll} cut by a router roll and re-sent: "
+          f"{sorted(load.drop_reasons)}); decisions {json.dumps({r: _status(dep, r).get('lastScale') for r in ROLES})}")
     assert not load.failures, load.failures[:5]
-    events = dep.kube.list(f"/api/v1/namespaces/{NS}/events", fieldSelector=f"involvedObject.name={dep.name}")
-    scaled = [e["message"] for e in events if e.get("reason") == "Scaled"]
-    assert any("decode: scale up 1 -> 2: tpotP90Seconds" in m for m in scaled), scaled
+    scaled = _scaled(dep)
+    for role in ROLES:
+        assert any(m.startswith(f"{role}: scale up 1 -> 2: {METRIC[role]}") for m in scaled), (role, scaled)
 
-    # Idle: after the 10 s window (5 passes) the operator chooses 1 group (a steady stream at batch 1 would
-    # keep 2: HPA's rule reads 2 groups at 2/3 of the target as "1 group would be over it").
+    # From here on the roles may only shrink: a long scale-up window keeps the idle readings'
+    # recommendation (1 group) in mind, so the long streams' own readings cannot bring a retired
+    # group back while it drains.
+    path = f"{CR_API}/namespaces/{NS}/deepseekdeployments/{dep.name}"
+    dep.kube.merge_patch(path, {"spec": {role: {"autoscaling": {"scaleUpStabilizationSeconds": 3600}} for role in ROLES}})
+
+    # Long streams, one at a time until decode group 1 runs one (round robin: at most two). They
+    # finish no request, so the operator reads the roles as idle while group 1 streams. As long
+    # as the model's context allows (4096), two of them fit one decode pool (2048 pages of 4).
+    length = 4096 - max(map(len, load.prompts)) - 8
+    streams = RunningStreams(dep, load.expected, length)
+    for prompt in load.prompts[:2]:
+        before = _running_on(dep, 0) + _running_on(dep, 1)
+        streams.start(prompt)
+        wait_until(lambda: _running_on(dep, 0) + _running_on(dep, 1) > before, 60, "a stream never ran on decode",
+                   dep.diagnose)
+        if _running_on(dep, 1):
+            break
+    assert _running_on(dep, 1), "no stream went to decode group 1"
+    print(f"{len(streams.threads)} streams of {length} tokens running after {time.monotonic() - began:.0f} s")
+
+    # Idle from now on: with no scale-down window the next passes choose 1 group for each role.
     # The spec patch and the status that explains it are two writes: wait for both.
-    wait_until(lambda: _replicas(dep) == 1 and (_decode(dep).get("lastScale") or {}).get("to") == 1, 180,
-               "decode not scaled down", dep.diagnose)
-    down = _decode(dep)["lastScale"]
-    print(f"scaled down after {time.monotonic() - began:.0f} s")
+    dep.kube.merge_patch(path, {"spec": {role: {"autoscaling": {"scaleDownStabilizationSeconds": 0}} for role in ROLES}})
+
+    def shrunk(role: str) -> bool:
+        return _replicas(dep, role) == 1 and (_status(dep, role).get("lastScale") or {}).get("to") == 1
+    wait_until(lambda: shrunk("decode"), 180, "decode not scaled down", dep.diagnose)
+    print(f"decode scaled down after {time.monotonic() - began:.0f} s; group 1 runs {_running_on(dep, 1)} streams")
+    # What this shows needs the old router pod to be going while group 1 still streams: the
+    # router has rolled without group 1, and only the terminating pod holds its streams.
+    routers = f"deepseek-pd.io/deployment={dep.name},app.kubernetes.io/component=router"
+
+    def names_group_1(pod: dict) -> bool:
+        return names.leader_address(dep.name, "decode", 1, NS) in " ".join(pod["spec"]["containers"][0]["args"])
+
+    def only_a_terminating_router_names_group_1() -> bool:
+        pods = dep.pods(routers)
+        going = [p for p in pods if p["metadata"].get("deletionTimestamp")]
+        return any(map(names_group_1, going)) and not any(names_group_1(p) for p in pods if p not in going)
+    wait_until(only_a_terminating_router_names_group_1, 120, "the router never rolled without decode group 1",
+               dep.diagnose)
+    on_group_1 = _running_on(dep, 1)
+    print(f"old router pod terminating after {time.monotonic() - began:.0f} s; group 1 runs {on_group_1} streams")
+    assert on_group_1, "the streams ended before the router rolled: they show nothing (make them longer)"
+    down = _status(dep, "decode")["lastScale"]
     assert down["from"] == 2 and down["reason"].startswith("scale down 2 -> 1"), down
-    # While group 1 is retired (the router rolls without it first, then its pods go), 4 streams
-    # keep asking: none may fail. Its pods are known by UID: the streams' load may make the
-    # operator add a group 1 again once the retired one is gone (any load reads above this
-    # calibrated target on one group), and waiting for no pod of index 1 then never ended.
+    assert not (failed := streams.failures(300)), failed
+    wait_until(lambda: shrunk("prefill"), 120, "prefill not back to 1 group", dep.diagnose)
+    print(f"streams done and prefill at 1 group after {time.monotonic() - began:.0f} s")
+
+    # While decode group 1 is retired (the router rolls without it first, then its pods go), 4
+    # streams keep asking, at least one round of them: none may fail. Its pods are known by UID.
     before = load.done
-    group_1 = f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role=decode,deepseek-pd.io/group-index=1"
+    group_1 = f"{_role_pods(dep, 'decode')},deepseek-pd.io/group-index=1"
     retired = {p["metadata"]["uid"] for p in dep.pods(group_1)}
-    asyncio.run(asyncio.wait_for(load.run(4, lambda: not retired & {p["metadata"]["uid"] for p in dep.pods(group_1)}), 600))
+    asyncio.run(asyncio.wait_for(load.run(4, lambda: load.done > before and not retired & {
+        p["metadata"]["uid"] for p in dep.pods(group_1)}), 600))
     assert load.done > before and not load.failures, load.failures[:5]
-    assert any("decode: scale down 2 -> 1" in e.get("message", "") for e in dep.kube.list(
-        f"/api/v1/namespaces/{NS}/events", fieldSelector=f"involvedObject.name={dep.name}"))
+    scaled = _scaled(dep)
+    for role in ROLES:
+        assert any(m.startswith(f"{role}: scale down 2 -> 1") for m in scaled), (role, scaled)

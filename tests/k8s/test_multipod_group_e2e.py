@@ -22,12 +22,12 @@ import os
 import random
 import signal
 import time
-import urllib.request
 
 import pytest
 import yaml
 from e2e_deployment import CR_API, installed_release, run_tool
 from e2e_example import ROOT, apply, example, greedy_through_router
+from pod_metrics import metrics_url, scrape, total
 from pdtest.pod_inputs import quantity
 from pdtest.waiting import wait_until
 
@@ -44,30 +44,10 @@ def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
         yield dep
 
 
-def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    """{(sample name, labels): value} of one Prometheus text page."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def _total(samples: dict, name: str, **labels: str) -> float:
-    """The sum of `name` over every sample whose labels include `labels`."""
-    return sum(v for (n, have), v in samples.items() if n == name and set(labels.items()) <= have)
-
-
 def _worker_pods(dep, role: str) -> list[dict]:
     pods = dep.pods(f"deepseek-pd.io/deployment={dep.name},deepseek-pd.io/role={role}")
     return sorted((p for p in pods if not p["metadata"].get("deletionTimestamp")),
                   key=lambda p: (p["metadata"]["labels"]["deepseek-pd.io/group-index"], p["metadata"]["name"]))
-
-
-def _metrics_url(pod: dict) -> str:
-    port = next(p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics")
-    return f"http://{pod['status']['podIP']}:{port}/metrics"
 
 
 def _router_metrics_url(dep) -> str:
@@ -201,21 +181,21 @@ def test_metrics_of_every_worker_pod_and_the_router_count_what_was_sent(deployme
     pods = _worker_pods(deployment, "prefill") + _worker_pods(deployment, "decode")
     assert len(pods) == 3
     router_url = _router_metrics_url(deployment)
-    before = {p["metadata"]["name"]: _scrape(_metrics_url(p)) for p in pods}
-    router_before = _scrape(router_url)
+    before = {p["metadata"]["name"]: scrape(metrics_url(p)) for p in pods}
+    router_before = scrape(router_url)
     sent = greedy_through_router(deployment, offline_engine, count=random.randint(3, 5), max_new=MAX_NEW)
-    after = {p["metadata"]["name"]: _scrape(_metrics_url(p)) for p in pods}
-    router_after = _scrape(router_url)
+    after = {p["metadata"]["name"]: scrape(metrics_url(p)) for p in pods}
+    router_after = scrape(router_url)
     n, prompt_tokens = len(sent), sum(len(p) for p, _ in sent)
     generated = sum(len(out) for _, out in sent)
 
     def delta(pod: str, metric: str, **labels: str) -> float:
-        return _total(after[pod], f"deepseek_pd:{metric}", **labels) - \
-            _total(before[pod], f"deepseek_pd:{metric}", **labels)
+        return total(after[pod], f"deepseek_pd:{metric}", **labels) - \
+            total(before[pod], f"deepseek_pd:{metric}", **labels)
     prefill, leader, follower = (p["metadata"]["name"] for p in pods)
     # Every pod exports its own rank's series, labelled with its role and rank.
     for pod, role, rank in ((prefill, "prefill", "0"), (leader, "decode", "0"), (follower, "decode", "1")):
-        assert _total(after[pod], "deepseek_pd:kv_pool_total_pages", role=role, rank=rank) > 0, (pod, after[pod])
+        assert total(after[pod], "deepseek_pd:kv_pool_total_pages", role=role, rank=rank) > 0, (pod, after[pod])
     # The request series come from each group's rank 0: prefill gives each request its first token,
     # decode the whole stream.
     assert (delta(prefill, "num_requests_total"), delta(prefill, "prompt_tokens_total"),
@@ -232,8 +212,8 @@ def test_metrics_of_every_worker_pod_and_the_router_count_what_was_sent(deployme
     assert generated - n <= rows <= generated - n + stopped_early, (rows, generated, n, stopped_early)
     # The router's own exporter (smg): the HTTP requests it took and the decode worker it sent them to.
     assert any(name.startswith("smg_") for name, _ in router_after)
-    routed = _total(router_after, "smg_http_request_duration_seconds_count", path="/generate") - \
-        _total(router_before, "smg_http_request_duration_seconds_count", path="/generate")
+    routed = total(router_after, "smg_http_request_duration_seconds_count", path="/generate") - \
+        total(router_before, "smg_http_request_duration_seconds_count", path="/generate")
     assert routed == n, (routed, n)
     worker = f"grpc://{leader}."
     to_decode = sum(v - router_before.get(key, 0.0) for key, v in router_after.items()

@@ -149,12 +149,13 @@ def _role_outputs(cr: dict, decode: dict, prefill: dict | None = None) -> list[l
     return asyncio.run(pd_greedy_outputs(group, decode_address))
 
 
-def test_a_rollout_whose_engine_option_changes_greedy_tokens_is_stopped(deployment, sensitive):
+def test_a_rollout_whose_engine_option_changes_greedy_tokens_is_stopped(deployment, sensitive, real_scheduler):
     dep = deployment
     expected = {"decode": first_mismatch(sensitive.decode["float32"], sensitive.decode["bfloat16"]),
                 "prefill": first_mismatch(sensitive.prefill["dequant"], sensitive.prefill["torch"])}
     obj = example(sensitive.models)
     obj["spec"]["router"] = {"replicas": 0}
+    obj["spec"]["scheduling"] = {"schedulerName": real_scheduler}  # the worker pods are the real kube-scheduler's
     for role in ROLES:
         obj["spec"][role].update(replicas=1, rolloutStrategy={"maxSurge": 1, "maxUnavailable": 0})
     started = time.monotonic()
@@ -252,3 +253,5 @@ def test_a_rollout_whose_engine_option_changes_greedy_tokens_is_stopped(deployme
     assert new["prefill"]["metadata"]["uid"] == old_pods["prefill"]["metadata"]["uid"], "prefill group 0 was replaced"
     assert _role_outputs(cr, new["decode"]) == sensitive.decode["float32"]
     assert _role_outputs(cr, new["decode"], new["prefill"]) == sensitive.prefill["dequant"]
+    for pod in [*old_pods.values(), *new.values()]:
+        assert pod["spec"]["schedulerName"] == real_scheduler and pod["spec"]["nodeName"], pod["spec"]
