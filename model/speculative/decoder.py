@@ -52,7 +52,8 @@ step's plus its emitted counts, future_positions.py), its first verify token (th
 one, gathered from the draws), its d1 and MTP hidden state (the catch-up's). The host knows only
 bounds there, so each row drafts for the most the last step may have emitted (a row near its
 budget drafts fewer: only speed changes, never a token) and a row whose request ended in the last
-step runs once more, clamped into its own pages, and is skipped by `finish` (a void row). The rows
+step runs once more, clamped into its own pages, and is skipped by `finish` (a void row; its tokens
+count in no expert load, `_counted_tokens`). The rows
 must be the last step's (`can_launch_ahead`): a row change reads the last step first.
 """
 from __future__ import annotations
