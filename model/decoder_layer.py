@@ -81,7 +81,7 @@ class DeepseekDecoderLayer(nn.Module):
         state["router_logits"] = self.mlp.router_logits(state["mlp_input"])
 
     def op_select_experts(self, state: OpState, batch: ForwardBatch) -> None:
-        weights, ids = self.mlp.select_experts(state.pop("router_logits"))
+        weights, ids = self.mlp.select_experts(state.pop("router_logits"), batch.counted_tokens)
         state.update(topk_weights=weights, topk_ids=ids)
 
     def op_dispatch_a(self, state: OpState, batch: ForwardBatch) -> None:

@@ -76,6 +76,10 @@ class ForwardBatch:
     # Its host lengths are capture-time bounds; a backend that plans on the host keeps its plan per
     # bucket and re-plans it before each replay (`prepare_replay`, model/cuda_graph.py).
     graph_bucket: int | None = None
+    # [T] long: 1 where a token's expert choices count in the expert load (model/moe/expert_load.py),
+    # 0 where they do not: a void row of a speculative step launched ahead (its request ended in the
+    # step before; model/speculative/decoder.py), which is no request's work. None: every token counts.
+    counted_tokens: torch.Tensor | None = None
 
     @property
     def ep_mode(self) -> ForwardMode:

@@ -126,6 +126,7 @@ class EmptyBatch:
     all an MLP op reads from a batch, the mode the dispatcher follows."""
 
     mode: ForwardMode
+    counted_tokens: None = None  # no tokens, none to count in the expert load
 
     @property
     def ep_mode(self) -> ForwardMode:

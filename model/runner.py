@@ -234,7 +234,7 @@ class ModelRunner:
     # ---- speculative decoding: model/speculative/forwards.py ------------------------------------------
     def extend_hidden(self, seqs: Sequence[ExtendSeq], force_mla: bool = False,
                       progress: LayerProgress | None = None, input_ids: torch.Tensor | None = None,
-                      starts: torch.Tensor | None = None) -> torch.Tensor:
+                      starts: torch.Tensor | None = None, counted: torch.Tensor | None = None) -> torch.Tensor:
         """An extend forward returning the final-normed hidden states of every new token `[T, H]`
         (their logits: `logits`). `force_mla`: absorbed MLA over the paged cache whatever the policy
         says (speculative verify: several queries per sequence, causal among themselves).
@@ -242,15 +242,17 @@ class ModelRunner:
         on the device), when given, replaces the seqs' token ids (then only their lengths count):
         the speculative step feeds its drafts without reading them back, as `decode` does. `starts`
         (`[len(seqs)]` long on the device), when given, are the seqs' true prefix lengths, which
-        their `prefix_len`s only bound (model/speculative/future_positions.py)."""
-        return self.spec_forwards.extend_hidden(seqs, force_mla, progress, input_ids, starts)
+        their `prefix_len`s only bound (model/speculative/future_positions.py). `counted` (`[T]` long
+        on the device): which tokens count in the expert load (`ForwardBatch.counted_tokens`)."""
+        return self.spec_forwards.extend_hidden(seqs, force_mla, progress, input_ids, starts, counted)
 
     def draft(self, seqs: Sequence[ExtendSeq], prev_hidden: torch.Tensor,
-              input_ids: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
+              input_ids: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+              counted: torch.Tensor | None = None) -> torch.Tensor:
         """The MTP layer over `seqs` (decode mode when each has one token) `[T, H]`; its latent KV
-        goes into the pool's MTP layer at the same positions and pages. `input_ids`, `starts`: as in
-        `extend_hidden`."""
-        return self.spec_forwards.draft(seqs, prev_hidden, input_ids, starts)
+        goes into the pool's MTP layer at the same positions and pages. `input_ids`, `starts`,
+        `counted`: as in `extend_hidden`."""
+        return self.spec_forwards.draft(seqs, prev_hidden, input_ids, starts, counted)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden states from `extend_hidden` or `draft`."""

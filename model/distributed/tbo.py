@@ -128,7 +128,8 @@ def micro_batch(batch: ForwardBatch, t0: int, t1: int) -> MicroBatch | None:
         out_slots=batch.out_slots[t0:t1], token_seq=batch.token_seq[t0:t1] - first,
         qo_indptr=batch.qo_indptr[first:last + 2].clamp(t0, t1) - t0, page_table=batch.page_table[first:last + 1],
         seq_lens_t=seq_lens, prefix_lens=tuple(prefix_lens), extend_lens=tuple(extend_lens),
-        page_lists=batch.page_lists[first:last + 1], attention_method=method, derived={})
+        page_lists=batch.page_lists[first:last + 1], attention_method=method, derived={},
+        counted_tokens=None if batch.counted_tokens is None else batch.counted_tokens[t0:t1])
     return MicroBatch(part, len(extend_lens) - (1 if tail else 0))
 
 

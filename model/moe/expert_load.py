@@ -33,9 +33,15 @@ class ExpertLoadRecorder:
         self.counts = torch.zeros(len(moe_layer_ids), num_experts, dtype=torch.int64, device=device)
         self._ones: torch.Tensor | None = None
 
-    def record(self, row: int, topk_ids: torch.Tensor) -> None:
-        """Counts one MoE layer's top-k choices `[T, k]` (global routed-expert ids)."""
+    def record(self, row: int, topk_ids: torch.Tensor, counted: torch.Tensor | None = None) -> None:
+        """Counts one MoE layer's top-k choices `[T, k]` (global routed-expert ids); `counted` `[T]`
+        long, when given: 1 for a token that counts, 0 for one that does not (`ForwardBatch.counted_tokens`)."""
         flat = topk_ids.reshape(-1)
+        if counted is not None:
+            if counted.shape != topk_ids.shape[:1]:
+                raise ValueError(f"counted_tokens {tuple(counted.shape)} for {topk_ids.shape[0]} tokens' choices")
+            self.counts[row].index_add_(0, flat, counted.unsqueeze(1).expand_as(topk_ids).reshape(-1))
+            return
         if self._ones is None or self._ones.numel() < flat.numel():
             self._ones = torch.ones(max(flat.numel(), 1024), dtype=torch.int64, device=self.counts.device)
         self.counts[row].index_add_(0, flat, self._ones[:flat.numel()])

@@ -67,13 +67,15 @@ class DeepseekMoE(nn.Module):
     def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._router_linear(hidden.float(), self.gate_weight)
 
-    def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_experts(self, router_logits: torch.Tensor,
+                       counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (weights fp32 `[T, k + fused]`, ids long `[T, k + fused]`: routed slot ids, then the
-        fused shared experts')."""
+        fused shared experts'). `counted`: which tokens count in the expert load
+        (`ForwardBatch.counted_tokens`)."""
         weights, ids = self.choose(self.score(router_logits), self.e_score_correction_bias, self.spec)
         if self.load_recorder is not None:
             recorder, row = self.load_recorder
-            recorder.record(row, ids)
+            recorder.record(row, ids, counted)
         weights = finish_weights(weights, self.spec)
         if self.to_physical is not None:
             ids = self.to_physical(ids)

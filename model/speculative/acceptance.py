@@ -25,6 +25,7 @@ row's tokens early. The statistical test is tests/model/speculative/test_device_
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,22 @@ class AcceptStats:
         self.rejected += int(accepted < drafted and emitted > accepted)
         self.emitted += emitted
         self.histogram[emitted] = self.histogram.get(emitted, 0) + 1
+
+    def snapshot(self) -> AcceptStats:
+        """A copy of the counts now, for `since`."""
+        return dataclasses.replace(self, histogram=dict(self.histogram))
+
+    def since(self, before: AcceptStats) -> AcceptStats:
+        """The counts added after `before` (a `snapshot` of these stats): e.g. one step's."""
+        return AcceptStats(self.verify_rows - before.verify_rows, self.drafted - before.drafted,
+                           self.accepted - before.accepted, self.rejected - before.rejected,
+                           self.emitted - before.emitted,
+                           {n: c - before.histogram.get(n, 0) for n, c in self.histogram.items()
+                            if c > before.histogram.get(n, 0)})
+
+    def accept_lengths(self) -> list[int]:
+        """Each verify row's emitted tokens (the histogram unrolled; rows in no particular order)."""
+        return [n for n, count in sorted(self.histogram.items()) for _ in range(count)]
 
 
 def agreeing_prefix(tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,8 @@ step's plus its emitted counts, future_positions.py), its first verify token (th
 one, gathered from the draws), its d1 and MTP hidden state (the catch-up's). The host knows only
 bounds there, so each row drafts for the most the last step may have emitted (a row near its
 budget drafts fewer: only speed changes, never a token) and a row whose request ended in the last
-step runs once more, clamped into its own pages, and is skipped by `finish` (a void row). The rows
+step runs once more, clamped into its own pages, and is skipped by `finish` (a void row; its tokens
+count in no expert load, `_counted_tokens`). The rows
 must be the last step's (`can_launch_ahead`): a row change reads the last step first.
 """
 from __future__ import annotations
@@ -184,6 +185,7 @@ class SpeculativeDecoder:
             starts = FuturePositions(known[:len(requests)], tuple(positions))
             last = known[len(requests):]
             exact = None  # the host's lengths are exact: the forwards need no device starts
+            counted = None  # no row is void
         else:
             # Each row emitted 1..k+1 tokens in `after` (unknown here): its drafts are chosen for the
             # most it may have emitted, so they stay inside its budget whatever it emitted. `after`
@@ -198,6 +200,7 @@ class SpeculativeDecoder:
             starts = FuturePositions(after.starts.starts, tuple(base)).advanced(after.emitted, most, room)
             last = after.tokens.gather(1, after.accepted.unsqueeze(1)).squeeze(1)  # its last emitted token
             exact = starts.starts
+            counted = self._counted_tokens(requests, after, lens)
         q = max(lens) + 1
         drafts = self._chain(requests, starts, exact is not None, lens, q - 1)  # [B, q-1], -1 past a row's drafts
         seqs = [ExtendSeq([0] * (k + 1), prefix_len=p, pages=r.pages)
@@ -209,7 +212,7 @@ class SpeculativeDecoder:
         verify_ids = torch.cat([last.unsqueeze(1), drafts], dim=1).reshape(-1)
         if cells is not None:
             verify_ids = verify_ids.index_select(0, cells)
-        hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids, starts=exact)
+        hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids, starts=exact, counted=counted)
         starts_at = [0]  # each row's first verify row
         for k in lens:
             starts_at.append(starts_at[-1] + k + 1)
@@ -219,7 +222,7 @@ class SpeculativeDecoder:
             [starts_at[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)]))
         logits = self.runner.logits(rows_at).view(len(requests), q, -1)
         result = accept_on_device(self.sampling, logits, drafts)
-        self._catch_up(requests, seqs, hidden, result.tokens, result.accepted, cells, starts_at, q, exact)
+        self._catch_up(requests, seqs, hidden, result.tokens, result.accepted, cells, starts_at, q, exact, counted)
         # The host gets `accepted` per position row (emitted is accepted + 1), in the packed copy.
         accepted = result.accepted.unsqueeze(1).expand(-1, q).reshape(-1, 1)
         host = HostCopy(torch.cat([pack(result.sampled), accepted], dim=1))
@@ -306,6 +309,21 @@ class SpeculativeDecoder:
         self.sampling = SamplingBatch(self.sampling.vocab_size, self.device, self.sampling.fallback_generator)
         self._unread.clear()
 
+    def _counted_tokens(self, requests: list[SpecRequest], after: LaunchedSpecStep,
+                        lens: list[int]) -> torch.Tensor | None:
+        """`[T]` long over the verify's tokens (row i's k_i + 1): 0 for a void row's, 1 for the rest,
+        so that the expert load counts what a run without launching ahead would (`ForwardBatch.counted_tokens`).
+        A row is void when `after` brings its output to max_new: known only on the device here. Such
+        a row drafts nothing (its bound is past its budget), so its chain has no tokens to mask.
+        None when no expert load is recorded (nothing reads it)."""
+        if self.runner.expert_load is None:
+            return None
+        ends = self._upload([len(r.prompt_ids) + r.max_new - 1 for r in requests])
+        live = (after.starts.starts + after.emitted < ends).long()  # [B]: its request goes on
+        if min(lens) == max(lens):
+            return live.repeat_interleave(lens[0] + 1)
+        return live.index_select(0, self._upload([i for i, k in enumerate(lens) for _ in range(k + 1)]))
+
     def _arange(self, n: int) -> torch.Tensor:
         """`arange(n)` on the device, made once per n."""
         if n not in self._aranges:
@@ -369,10 +387,11 @@ class SpeculativeDecoder:
 
     def _catch_up(self, requests: list[SpecRequest], seqs: list[ExtendSeq], hidden: torch.Tensor,
                   tokens: torch.Tensor, accepted: torch.Tensor, cells: torch.Tensor | None, starts: list[int],
-                  q: int, exact: torch.Tensor | None) -> None:
+                  q: int, exact: torch.Tensor | None, counted: torch.Tensor | None = None) -> None:
         """MTP over (emitted token, target hidden) pairs at every verify position (the emitted
         tokens, then the last one again: module docstring); each next d1 from its last emitted row
-        (row `accepted`: a row emits accepted + 1). `cells` None: every row verified q tokens."""
+        (row `accepted`: a row emits accepted + 1). `cells` None: every row verified q tokens.
+        `counted`: the verify's, whose token layout the padded catch-up keeps."""
         uniform = cells is None
         if not self.pad_catch_up:  # the reference: only the emitted tokens (reads their counts)
             counts = (accepted + 1).tolist()
@@ -388,7 +407,7 @@ class SpeculativeDecoder:
         ids = tokens.gather(1, column).reshape(-1)
         if cells is not None:
             ids = ids.index_select(0, cells)
-        out = self.runner.draft(seqs, hidden, input_ids=ids, starts=exact)
+        out = self.runner.draft(seqs, hidden, input_ids=ids, starts=exact, counted=counted)
         if uniform:  # row i's last emitted token is out row i * q + accepted[i]
             width = out.shape[-1]
             out = out.view(len(requests), q, width).gather(1, accepted.view(-1, 1, 1).expand(-1, 1, width)).squeeze(1)

@@ -11,7 +11,7 @@ kind: the model's, or the MTP layer's (ForwardKind.MTP), so that in an EP group 
 that forward join that network's collectives. Under attention TP the leader announces each one
 (`ForwardCall.output` "hidden" or "mtp", the MTP layer's input hidden states sent with it) and
 the followers replay it. With CUDA graphs (`graphs`, model/speculative/graphs.py) a verify and a
-draft step try a replay first. `starts` (device `[B]`): each sequence's true first position when the
+draft step try a replay first (only when no expert load is recorded, so `counted` needs no replay). `starts` (device `[B]`): each sequence's true first position when the
 seqs' `prefix_len`s only bound it (a step launched before the previous one was read,
 future_positions.py).
 
@@ -54,7 +54,7 @@ class SpeculativeForwards:
 
     def extend_hidden(self, seqs: Sequence[Seq], force_mla: bool = False,
                       progress: LayerProgress | None = None, input_ids: torch.Tensor | None = None,
-                      starts: torch.Tensor | None = None) -> torch.Tensor:
+                      starts: torch.Tensor | None = None, counted: torch.Tensor | None = None) -> torch.Tensor:
         with self.step(ForwardMode.EXTEND, ForwardKind.MODEL) as group_mode:
             if force_mla and progress is None and self.graphs is not None:  # graphs: no TP, no TBO
                 hidden = self.graphs.verify([s.token_ids for s in seqs], [s.prefix_len for s in seqs],
@@ -64,10 +64,11 @@ class SpeculativeForwards:
             self._lead(ForwardCall(ForwardMode.EXTEND, output="hidden", force_mla=force_mla), seqs, group_mode,
                        input_ids=input_ids, starts=starts)
             batch = self._batch(ForwardMode.EXTEND, seqs, group_mode, force_mla, input_ids, starts)
+            batch.counted_tokens = counted
             return self.model.forward_hidden(batch, progress)
 
     def draft(self, seqs: Sequence[Seq], prev_hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
-              starts: torch.Tensor | None = None) -> torch.Tensor:
+              starts: torch.Tensor | None = None, counted: torch.Tensor | None = None) -> torch.Tensor:
         mode = ForwardMode.DECODE if all(len(s.token_ids) == 1 for s in seqs) else ForwardMode.EXTEND
         with self.step(mode, ForwardKind.MTP) as group_mode:
             if self.graphs is not None and mode is group_mode:
@@ -77,8 +78,9 @@ class SpeculativeForwards:
                 if out is not None:
                     return out
             self._lead(ForwardCall(mode, output="mtp"), seqs, group_mode, prev_hidden, input_ids, starts)
-            return self.model.forward_mtp(self._batch(mode, seqs, group_mode, input_ids=input_ids, starts=starts),
-                                          prev_hidden)
+            batch = self._batch(mode, seqs, group_mode, input_ids=input_ids, starts=starts)
+            batch.counted_tokens = counted
+            return self.model.forward_mtp(batch, prev_hidden)
 
     @property
     def needs_host_lengths(self) -> bool:

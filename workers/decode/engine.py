@@ -352,7 +352,7 @@ class DecodeEngine(EngineCore[DecodeRequest]):
         if not chosen and pending is None:
             return
         stats = self.speculation.stats
-        drafted, accepted = stats.drafted, stats.accepted
+        before = stats.snapshot()
         rows = [s.spec for s in chosen]
         done = chosen if not overlap else pending[0] if pending is not None else []
         try:
@@ -368,8 +368,10 @@ class DecodeEngine(EngineCore[DecodeRequest]):
             if done:
                 self.metrics.observe_step("decode", time.perf_counter() - began, len(done),
                                           sum(len(tokens) for tokens in emitted))
-                self.metrics.observe_speculative(stats.drafted - drafted, stats.accepted - accepted,
-                                                 [len(tokens) for tokens in emitted])
+                # From the decoder's own counts: a void row of a step launched ahead (its request ended
+                # in the step before) verified nothing for anyone, and counts in neither.
+                step = stats.since(before)
+                self.metrics.observe_speculative(step.drafted, step.accepted, step.accept_lengths())
         except Exception:
             self._fail_in_flight("speculative decode step failed (see the worker log)", done + chosen)
             return

@@ -60,11 +60,10 @@ class SchedulerConfig:
     overlap_schedule: bool = True
     # decode with speculation: collect step N and launch step N+1 in one model-thread call, so the
     # device runs N+1 while the event loop streams N's tokens (workers/decode/engine.py); same tokens.
-    # Off by default: the offline engine's launch-ahead passed its GPU test (2026-12-07), but in this
-    # worker a step launched ahead still counts its void rows in the accept-length metric and in
-    # EPLB's expert load (tests/workers/decode/test_speculative_decode_engine.py,
-    # tests/workers/test_group_eplb.py fail with it on).
-    speculative_overlap: bool = False
+    # On by default, as in the offline engine (its launch-ahead passed its GPU test, 2026-12-07); a
+    # void row of a step launched ahead (its request ended in the step before) counts neither in the
+    # accept-length metric nor in the expert load (ForwardBatch.counted_tokens).
+    speculative_overlap: bool = True
     # `--deterministic`: prompts cut only at multiples of chunked_prefill_size from their own start
     # (prefill_planner `aligned`), and no prefix cache (a hit would start a prompt's extend at the
     # cached length, i.e. cut it elsewhere than a cold run does).

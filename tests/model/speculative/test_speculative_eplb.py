@@ -141,3 +141,50 @@ def test_speculation_with_a_placement_equals_plain_greedy_and_records_the_mtp_la
     assert json.loads(planned.read_text())["moe_layer_ids"][-1] == mtp
     rebalanced = _runner(checkpoint, init_expert_location=str(planned), **eplb)
     assert speculative_greedy(rebalanced, prompts, max_new, STEPS)[0] == want
+
+
+def test_steps_launched_ahead_record_no_void_rows(checkpoint) -> None:
+    """Steps launched before the one ahead of them is read (`SpeculativeDecoder.run(ahead=True)`):
+    a row whose request ended in the step before runs once more (a void row, its one verify and
+    one catch-up token), and is no request's work: the recording counts every token the two
+    networks forwarded but those (prompts of random lengths and budgets, so requests end at
+    different steps)."""
+    from deepseek_pd.model.sampling.params import SamplingParams
+    from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
+    from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
+    from deepseek_pd.workers.engine.extend_step import run_extend_with_mtp
+    from pdtest.speculative_runner import SpecRow
+
+    rng = random.Random()
+    config = ModelConfig.from_hf(checkpoint)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 20))] for _ in range(rng.randint(3, 5))]
+    max_new = [rng.randint(2, 12) for _ in prompts]
+    runner = _runner(checkpoint, speculative_num_steps=STEPS, record_expert_load=True)
+    pool = runner.kv_pool
+    rows = [SpecRow(p, n, pool.alloc(pool.pages_for_tokens(len(p) + n))) for p, n in zip(prompts, max_new)]
+    states = [SamplingState.create(SamplingParams(temperature=0.0), p, config.vocab_size) for p in prompts]
+    sampled, drafts = run_extend_with_mtp(runner, Sampler(), [ExtendSeq(r.prompt_ids, 0, r.pages) for r in rows],
+                                          range(len(rows)), states, prompts)
+    decoder = SpeculativeDecoder(runner, STEPS)
+    for row, state, token, draft in zip(rows, states, sampled.token_ids, drafts):
+        row.output_ids.append(token)
+        row.sampling = state
+        decoder.seed(row, *draft)
+    runner.expert_load.reset()
+    forwarded = _counting(runner)
+    void = [0]
+    finish = decoder.finish
+
+    def counting_finish(launched):
+        void[0] += sum(r.finished for r in launched.requests)  # ended before this step was read
+        return finish(launched)
+
+    decoder.finish = counting_finish
+    run = decoder.run(rows, ahead=True)
+    assert run.launched_ahead > 0 and void[0] > 0  # the first request to end did so in a step run ahead of
+    assert [len(r.output_ids) for r in rows] == max_new
+    top_k = config.num_experts_per_tok
+    counts = [sum(row) for row in runner.expert_load.dump().logical_counts]
+    # a void row drafts nothing: one verify token, one catch-up token
+    assert counts == [(forwarded["model"] - void[0]) * top_k] * len(moe_layer_ids(config)) + \
+        [(forwarded["mtp"] - void[0]) * top_k], (counts, forwarded, void)

@@ -164,9 +164,11 @@ def test_pd_transfers_the_mtp_layers_prompt_kv(setup):
     decode_runner = _spec_runner(path, trained)
     layer = decode_runner.model.mtp.layer_id
     seen = {}
-    engine_step = None
+    engine_launch = None
 
-    def spy(rows):
+    # On `launch`, which every step goes through (`step`, and the overlapped `collect_and_launch`):
+    # the first step's rows, before it seeds the wire draft.
+    def spy(rows, *args, **kwargs):
         if not seen:
             row = rows[0]
             pool = decode_runner.kv_pool
@@ -174,13 +176,13 @@ def test_pd_transfers_the_mtp_layers_prompt_kv(setup):
             seen["kv"] = pool.flat(layer)[slots].clone()
             seen["first"] = row.output_ids[0]
             seen["wire_draft"] = row.wire_draft
-        return engine_step(rows)
+        return engine_launch(rows, *args, **kwargs)
 
     async def patch_and_run():
-        nonlocal engine_step
+        nonlocal engine_launch
         prefill = PrefillEngine(_spec_runner(path, trained), worker_config("fake"))
         decode = DecodeEngine(decode_runner, worker_config("fake"), tokenizer=oracle.tokenizer)
-        engine_step, decode.speculation.step = decode.speculation.step, spy
+        engine_launch, decode.speculation.launch = decode.speculation.launch, spy
         await prefill.start()
         await decode.start()
         try:
