@@ -65,9 +65,15 @@ def test_group_with_redundant_experts_equals_offline_and_dumps_its_load(tmp_path
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(dump))
     totals = {sum(sum(d["logical_counts"][row]) for d in dumps) for row in range(3)}
     # Each request forwards its prompt and every output token but the last; a greedy request may stop
-    # at EOS before max_new (random prompts do, now and then), so count what was generated.
+    # at EOS before max_new (random prompts do, now and then), so count what was generated. Such a
+    # request may also forward one token more: with the overlapped loop, step N+1 is launched before
+    # step N is read, so a request that reads EOS in N has a row in N+1 when N+1 was launched in time
+    # (its experts did route it). A request that reaches max_new never does (the host knows its end).
     forwarded = sum(len(p) + len(out) - 1 for p, out in zip(prompts, got))
-    assert totals == {forwarded * config.num_experts_per_tok}, (totals, forwarded)
+    stopped_early = sum(len(out) < m for out, m in zip(got, max_new))
+    k = config.num_experts_per_tok
+    assert len(totals) == 1 and forwarded * k <= min(totals) <= (forwarded + stopped_early) * k, (
+        totals, forwarded, stopped_early)
     out = tmp_path / "planned.json"
     assert main(["eplb", "plan", "--dump", str(tmp_path / "rank0.json"), "--dump", str(tmp_path / "rank1.json"),
                  "--ep-size", "2", "--redundant", str(redundant), "-o", str(out)]) == 0
