@@ -50,7 +50,7 @@ def test_pd_greedy_equals_offline_with_chunking_prefix_hits_and_concurrency(tran
             first_p, first_d = await pair.run(shared, GREEDY, "warm")
             assert first_d.tokens == oracle().generate(shared, GREEDY).output_ids
             outcomes = await asyncio.gather(*(pair.run(p, GREEDY, f"r{i}") for i, p in enumerate(prompts)))
-            pair.assert_pools_clean()
+            await pair.wait_pools_clean()
             if direct:  # the prefill side did open the decode pool: no KV bytes went over the stream
                 assert [e.buffers is not None for e in pair.prefill.sender.direct._opened.values()] == [True]
             return first_p, outcomes
@@ -82,7 +82,7 @@ def test_pd_seeded_sampling_and_stops_equal_offline():
             results = [await pair.run(prompt, sampled, "seeded", return_logprob=True),
                        await pair.run(prompt, stop_at, "stop"),
                        await pair.run(prompt, one, "one")]
-            pair.assert_pools_clean()
+            await pair.wait_pools_clean()
             return results
 
     (_, seeded), (_, stopped), (_, single) = asyncio.run(run())
@@ -243,7 +243,7 @@ def test_decode_without_prefill_request_fails_with_a_clear_status():
         async with PDPair("grpc", prefill_config=worker_config("grpc", claim_timeout_s=0.5)) as pair:
             _, d_req = pair.requests([5, 6, 7, 8], GREEDY, "half")
             outcome = await collect(pair.decode, d_req)
-            pair.assert_pools_clean()
+            await pair.wait_pools_clean()
             return outcome
 
     outcome = asyncio.run(run())
@@ -334,7 +334,7 @@ def test_pd_without_prefix_cache_equals_offline_and_returns_every_prefill_page()
         async with PDPair("fake", prefill_config=no_cache) as pair:
             outcomes = await asyncio.gather(*(pair.run(p, GREEDY, f"n{i}") for i, p in enumerate(prompts)))
             assert pair.prefill.cache is None and pair.prefill.pool.num_used_pages == 0
-            pair.assert_pools_clean()
+            await pair.wait_pools_clean()
             return outcomes
 
     for p, (prefill, decode) in zip(prompts, asyncio.run(run())):
