@@ -107,6 +107,9 @@ class Recorder:
 
     def __init__(self, kernels: dict[str, object], monkeypatch) -> None:
         self.calls: dict[str, list[dict]] = {name: [] for name in kernels}
+        # The wrappers take CPU or meta tensors only when Triton interprets (checks.py); nothing runs
+        # here, so the same holds on a machine with CUDA (there the variable is unset).
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
         for name, kernel in kernels.items():
             monkeypatch.setattr(kernel, "run", self._recorder(name, kernel))
 
