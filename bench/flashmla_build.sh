@@ -109,7 +109,8 @@ build() {
 if [[ $PARTS == *build* ]]; then
     build || { echo "FlashMLA did not build; the tests and bench run without it"; }
 fi
-python3 - <<'PY' 2>&1 | tee -a "$OUT/gpu.txt"
+# From /tmp: in the checkout, its deepseek_pd/ folder (without the mapped model/) would shadow the package.
+(cd /tmp && python3 - <<'PY') 2>&1 | tee -a "$OUT/gpu.txt"
 from deepseek_pd.model.kernels.flashmla_mla import flashmla_available, flashmla_blocker, check_against_reference
 print("flashmla blocker:", flashmla_blocker())
 try:

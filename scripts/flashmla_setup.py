@@ -16,7 +16,7 @@ import sys
 import sysconfig
 
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 
 binding = sys.argv[1]
 sys.argv[2:] = [a for a in sys.argv[2:] if a != "--install"]
@@ -35,6 +35,11 @@ NVCC = ["-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-deprecated
         "-gencode", "arch=compute_90a,code=sm_90a", "--threads", os.environ.get("NVCC_THREADS", "4")] + FEATURES
 INCLUDES = [os.path.abspath(p) for p in ("csrc", "csrc/kerutils/include", "csrc/sm90", "csrc/cutlass/include",
                                           "csrc/cutlass/tools/util/include")]
+# CUDA 13 keeps libcu++ (<cuda/std/...>, which CUTLASS includes) under include/cccl: nvcc searches it
+# by itself, g++ compiling the binding does not ("cuda/std/utility: No such file" on the lent H100).
+CCCL = os.path.join(CUDA_HOME or "/usr/local/cuda", "include", "cccl")
+if os.path.isdir(CCCL):
+    INCLUDES.append(CCCL)
 
 setup(name="flash_mla", version="1.0.0", packages=["flash_mla"], script_args=["build_ext", "--inplace"],
       cmdclass={"build_ext": BuildExtension},
