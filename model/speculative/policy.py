@@ -9,7 +9,7 @@ policy picks, per step, the k in 0..max_steps that maximises expected tokens per
     k* = argmax_k tokens(k, a) / cost(batch, k)
 
 `cost` is a table of step times measured at start-up (`StepCosts`, from
-`speculative.measure_step_costs`), interpolated over the batch size; `a` is the accept rate seen so
+`step_costs.measure_step_costs`), interpolated over the batch size; `a` is the accept rate seen so
 far (`AcceptRate`: drafted and accepted counts with a prior, decaying so it follows the traffic).
 k = 0 is a verify of the last token alone (the MTP layer still runs over it, to keep its KV current).
 

@@ -28,7 +28,8 @@ from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling.sampled_host import TopLogprobs
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
 from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
-from deepseek_pd.model.speculative.decoder import LaunchedSpecStep, SpeculativeDecoder, measure_step_costs
+from deepseek_pd.model.speculative.decoder import LaunchedSpecStep, SpeculativeDecoder
+from deepseek_pd.model.speculative.step_costs import calibrated_policy
 
 
 Emitted = tuple[int, float, "TopLogprobs | None"]  # (token, logprob, top logprobs)
@@ -72,15 +73,8 @@ class SpeculativeStepper:
     def calibrate(self, max_batch: int, context: int = 256, repeats: int = 3) -> StepCosts:
         """Measures the step costs at batch 1, 2, 4, .. max_batch (as the pool's free pages allow)
         and turns the per-step choice on. Model thread, before serving."""
-        pool, steps = self.runner.kv_pool, self.decoder.num_steps
-        per_seq = pool.pages_for_tokens(context + steps + 1)
-        batches, b = [], 1
-        while b <= max_batch and b * per_seq <= pool.num_free_pages:
-            batches.append(b)
-            b *= 2
-        costs = measure_step_costs(self.runner, batches or [1], steps, context, repeats)
-        self.policy = SpeculationPolicy(costs, steps)
-        return costs
+        self.policy = calibrated_policy(self.runner, self.decoder.num_steps, max_batch, context, repeats)
+        return self.policy.costs
 
     @property
     def stats(self):

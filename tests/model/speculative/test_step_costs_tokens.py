@@ -1,4 +1,4 @@
-"""The speculative step-cost table (model/speculative/decoder.py `measure_step_costs`, what the
+"""The speculative step-cost table (model/speculative/step_costs.py `measure_step_costs`, what the
 per-step policy chooses from) is timed on varied tokens: with one token at every position every row
 routes to the same experts, and the MoE's cost of a larger verify went uncounted (on an H100 a k = 2
 step at batch 32 timed below a plain decode step). Oracle: the tokens the runner was given."""
@@ -8,7 +8,7 @@ import pytest
 
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.runner_config import RunnerConfig
-from deepseek_pd.model.speculative.decoder import measure_step_costs
+from deepseek_pd.model.speculative.step_costs import measure_step_costs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -22,7 +22,7 @@ from deepseek_pd.workers.engine.interface import DisaggParams, Failed, GenerateR
 from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
-from pdtest.mtp_training import train_mtp
+from deepseek_pd.model.speculative.training import train_mtp
 from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, abort_after_first_event, collect, pages_back, worker_config
 
 pytestmark = [pytest.mark.timeout(300)]

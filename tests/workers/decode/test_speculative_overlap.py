@@ -22,7 +22,7 @@ from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.engine.interface import Failed, GenerateRequest
 from deepseek_pd.workers.engine.offline import Engine
-from pdtest.mtp_training import train_mtp
+from deepseek_pd.model.speculative.training import train_mtp
 from pdtest.pd_engine_harness import (CHUNK, PAGE_SIZE, abort_after_first_event, collect, device_fails_once_ended,
                                       pages_back, streaming_fails_once_ended, worker_config)
 
