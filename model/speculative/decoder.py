@@ -59,7 +59,7 @@ must be the last step's (`can_launch_ahead`): a row change reads the last step f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -280,9 +280,12 @@ class SpeculativeDecoder:
         return (only_unread and rows == [id(r) for r in after.requests] and self.pad_catch_up
                 and not self.runner.spec_forwards.needs_host_lengths)
 
-    def finish(self, launched: LaunchedSpecStep) -> list[int]:
+    def finish(self, launched: LaunchedSpecStep, void: Collection[int] = ()) -> list[int]:
         """The step's one host read; each request's tokens through `emit`, in order, up to a stop.
-        Returns how many tokens each row got."""
+        Returns how many tokens each row got. `void`: ids of requests that ended before this step in
+        a way only the caller knows (a stop token or string found when the step before it was
+        streamed; the decode worker's rows end by budget alone): their rows are void as a finished
+        request's are, so they count in no stats."""
         self._unread = [step for step in self._unread if step is not launched]
         host, q = launched.host.wait(), launched.q
         sampled = unpack(host[:, :-1], launched.top_counts)
@@ -291,7 +294,7 @@ class SpeculativeDecoder:
         for i, (request, drafted, accepted) in enumerate(zip(launched.requests, launched.lens, counts)):
             emitted = accepted + 1
             self.sampling.advanced(request.sampling, emitted)  # before `emit` acknowledges the tokens
-            if request.finished:  # it ended in the step this one was launched ahead of: a void row
+            if request.finished or id(request) in void:  # it ended in the step this one was launched ahead of
                 got.append(0)
                 self._drafts.pop(id(request), None)
                 continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -103,30 +103,33 @@ class SpeculativeStepper:
         return PendingSpecStep(list(rows), self.decoder.launch(list(rows), steps,
                                                                None if after is None else after.launched))
 
-    def collect(self, pending: PendingSpecStep) -> list[list[Emitted]]:
-        """A launched step's one host read; each of its rows' emitted tokens, in order."""
+    def collect(self, pending: PendingSpecStep, stopped: Collection[SpecRow] = ()) -> list[list[Emitted]]:
+        """A launched step's one host read; each of its rows' emitted tokens, in order. `stopped`:
+        rows whose request the event loop saw stop before this step (a stop token or string in the
+        step before, which this one was launched ahead of): void, they get nothing and count in no
+        stats (so neither in the accept-length metric nor in the policy's accept rate)."""
         for row in pending.rows:
             row.new.clear()
         if pending.launched is not None:
             stats = self.stats
             accepted, rejected = stats.accepted, stats.rejected
-            self.decoder.finish(pending.launched)
+            self.decoder.finish(pending.launched, {id(row) for row in stopped})
             if self.policy is not None:
                 self.policy.rate.observe(stats.accepted - accepted, stats.rejected - rejected)
         return [list(row.new) for row in pending.rows]
 
-    def collect_and_launch(self, pending: PendingSpecStep | None,
-                           rows: Sequence[SpecRow]) -> tuple[list[list[Emitted]], PendingSpecStep | None]:
+    def collect_and_launch(self, pending: PendingSpecStep | None, rows: Sequence[SpecRow],
+                           stopped: Collection[SpecRow] = ()) -> tuple[list[list[Emitted]], PendingSpecStep | None]:
         """The overlapped round's one model-thread call: step N+1 queued and step N's tokens, so the
         device runs N+1 while the event loop streams N's. When N+1 has N's rows it is launched first,
         from N's counts on the device (model/speculative/future_positions.py): the host builds it while
         the device still runs N, and reads N after. Otherwise (rows joined or left) N is read first,
-        and N+1 starts from the host's lengths."""
+        and N+1 starts from the host's lengths. `stopped`: as in `collect`, of N's rows."""
         if (pending is not None and pending.launched is not None and rows
                 and self.decoder.can_launch_ahead(rows, pending.launched)):
             launched = self.launch(rows, after=pending)
-            return self.collect(pending), launched
-        collected = [] if pending is None else self.collect(pending)
+            return self.collect(pending, stopped), launched
+        collected = [] if pending is None else self.collect(pending, stopped)
         return collected, (self.launch(rows) if rows else None)
 
     def forget(self, row: SpecRow) -> None:
