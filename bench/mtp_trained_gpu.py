@@ -6,21 +6,23 @@ generate` takes: CUDA graphs with `--cuda-graph`, steps launched ahead of the st
 adaptive policy's start-up costs measured as it is built). Then:
   1. held-out prompts decoded greedily with speculation off, at each batch size: output tok/s and
      the reference tokens;
-  2. training data (`--data held-out`, the default): the target's own continuations of other
+  2. training data (`--data held-out`): the target's own continuations of other
      seeded prompts, sampled at temperature 1 (greedy continuations of a random model fall into
      loops, so greedy data would teach the MTP layer little beyond the loops; sampled ones cover
      the vocabulary), labelled with the target's greedy choice (`training.train_mtp(labels=
      "greedy")`: what a greedy verify accepts). `--data in-sample` trains on the evaluated prompts'
      own greedy continuations instead, as the CPU tests do: the accept length of a layer that
-     memorised them, an upper bound. The MTP layer is trained for a bounded time (fp32 Adam
-     state, everything else frozen; on the GPU a torch-backend copy: the Triton kernels have no
-     backward);
+     memorised them, an upper bound; `--data both` (the default) does the first, then trains the
+     same layer on in-sample data and evaluates again. The MTP layer is trained for a bounded time
+     (fp32 Adam state, everything else frozen; on the GPU a torch-backend copy: the Triton kernels
+     have no backward);
   3. the held-out prompts again with k = 1, 2, 3 drafts per step and with the adaptive policy:
      tok/s, speed-up over 1., measured accept length, the policy's choices (steps per k), and
      whether the tokens equal 1.'s (else the first divergence and the target's top-2 logit gap
      there: a near-zero gap is a bf16 tie, not a wrong acceptance).
 Tok/s is output tokens over the wall time of the `generate_batch` calls (their prefill of the
-short prompts included), after one short warm-up call per setting and batch size. At batch 1,
+short prompts included), after one short warm-up call per setting and batch size. The JSON holds
+the speculation-off figures once and a `runs` entry (training, rows) per data mode. At batch 1,
 `--bs1-prompts` prompts run one after another. The table ends with issue 22's targets (1.8x at
 batch 1, 1.3x at batch 32) for the adaptive policy and the best fixed k. The JSON (`--out`) is
 rewritten after every phase, so a run cut short keeps what it measured.
@@ -129,12 +131,10 @@ def verdict(speedup: float | None, batch: int) -> str:
     return f"{'PASS' if speedup >= TARGETS[batch] else 'MISS'} (target {TARGETS[batch]}x)"
 
 
-def run(args: argparse.Namespace, model: str) -> dict:
-    from deepseek_pd.model.sampling.params import SamplingParams
-    from deepseek_pd.model.speculative.training import train_mtp
+def run(args: argparse.Namespace, model: str, began: float) -> dict:
+    """The three phases (module docstring); `began`: the run's start (monotonic), for `--budget-s`."""
     from deepseek_pd.workers.engine.offline import Engine, EngineConfig
 
-    began = time.monotonic()
     batches, steps = [int(b) for b in args.batches.split(",")], [int(k) for k in args.steps.split(",")]
     eval_count = max(max(batches), args.bs1_prompts)
     longest = max(eval_count * (args.prompt_len + args.output_len + max(steps) + 1),
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
     result: dict = {"model": model, "device": args.device, "dtype": args.dtype, "cuda_graph": args.cuda_graph,
                     "seed": args.seed, "prompt_len": args.prompt_len, "output_len": args.output_len,
                     "step_costs_ms": {"batches": list(policy.costs.batches), "ms_by_k": [list(r) for r in policy.costs.ms]},
-                    "engine_ready_s": round(time.monotonic() - began, 1), "rows": []}
+                    "engine_ready_s": round(time.monotonic() - began, 1)}  # since the run began
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name()
 
@@ -169,35 +169,59 @@ def run(args: argparse.Namespace, model: str) -> dict:
     eval_s = time.monotonic() - eval_began
     result["held_out_distinct_fraction"] = {b: round(distinct_fraction(m.outputs), 3) for b, m in plain.items()}
 
-    # 2. data and training
-    if args.data == "held-out":
+    modes = ("held-out", "in-sample") if args.data == "both" else (args.data,)
+    result["runs"] = []
+    for mode in modes:
+        seconds = args.train_seconds
+        if args.budget_s:  # leave each later evaluation its share: a speculative setting about as long as off
+            runs_left = len(modes) - len(result["runs"])
+            left = args.budget_s - (time.monotonic() - began) - runs_left * (len(steps) + 1) * eval_s * 1.5 - 20
+            seconds = max(args.min_train_seconds, min(seconds, left / runs_left))
+        training = train_phase(engine, mode, held_out, train_prompts, seconds, args)
+        print(f"MTP training ({mode}): {training['steps']} steps in {training['seconds']} s, accuracy "
+              f"{training['train_accuracy']:.3f}; data distinct fraction {training['data_distinct_fraction']}", flush=True)
+        result["runs"].append({"data": mode, "training": training, "rows": []})
+        save()
+        result["runs"][-1]["rows"] = evaluate_speculation(engine, held_out, plain, batches, steps, args)
+        save()
+        print(f"\n{mode}:")
+        print_table(result["runs"][-1]["rows"], steps)
+    return result
+
+
+def train_phase(engine, mode: str, held_out: list[list[int]], train_prompts: list[list[int]], seconds: float,
+                args: argparse.Namespace) -> dict:
+    """Data for `mode` (module docstring, 2.), then the MTP layer trained on it for `seconds`."""
+    from deepseek_pd.model.sampling.params import SamplingParams
+    from deepseek_pd.model.speculative.training import train_mtp
+
+    engine.set_speculation(0)
+    if mode == "held-out":
         sampled = SamplingParams(temperature=1.0, max_new_tokens=args.train_len, ignore_eos=True)
         data = engine.generate_batch(train_prompts, [dataclasses.replace(sampled, seed=args.seed + i)
                                                      for i in range(len(train_prompts))])
         described, labels = "the target's continuations of other prompts, sampled at temperature 1; greedy labels", "greedy"
     else:  # the evaluation's own greedy sequences: what a layer that memorised them accepts (an upper bound)
         train_prompts = held_out
-        data = engine.generate_batch(train_prompts, SamplingParams(temperature=0.0, max_new_tokens=args.train_len,
-                                                                   ignore_eos=True))
+        data = engine.generate_batch(train_prompts, SamplingParams(
+            temperature=0.0, max_new_tokens=max(args.train_len, args.output_len), ignore_eos=True))
         described, labels = "the held-out prompts' own greedy continuations (in-sample: an upper bound)", "tokens"
     continuations = [r.output_ids for r in data]
-    seconds = args.train_seconds
-    if args.budget_s:  # leave the evaluation its share: each speculative setting about as long as off
-        left = args.budget_s - (time.monotonic() - began) - (len(steps) + 1) * eval_s * 1.5 - 20
-        seconds = max(args.min_train_seconds, min(seconds, left))
-    train_began = time.monotonic()
-    accuracy, train_steps = train_mtp(engine.runner, [p + c for p, c in zip(train_prompts, continuations)],
-                                      seconds=seconds, lr=args.lr, labels=labels)
-    result["training"] = {"sequences": len(continuations), "tokens": sum(map(len, continuations)),
-                          "data": args.data, "data_described": described,
-                          "data_distinct_fraction": round(distinct_fraction(continuations), 3),
-                          "seconds_budget": round(seconds, 1), "seconds": round(time.monotonic() - train_began, 1),
-                          "steps": train_steps, "train_accuracy": round(accuracy, 4), "lr": args.lr}
-    print(f"MTP training: {train_steps} steps in {result['training']['seconds']} s, accuracy {accuracy:.3f}; "
-          f"data distinct fraction {result['training']['data_distinct_fraction']}", flush=True)
-    save()
+    began = time.monotonic()
+    accuracy, steps = train_mtp(engine.runner, [p + c for p, c in zip(train_prompts, continuations)],
+                                seconds=seconds, lr=args.lr, labels=labels)
+    return {"sequences": len(continuations), "tokens": sum(map(len, continuations)), "data_described": described,
+            "data_distinct_fraction": round(distinct_fraction(continuations), 3), "seconds_budget": round(seconds, 1),
+            "seconds": round(time.monotonic() - began, 1), "steps": steps, "train_accuracy": round(accuracy, 4),
+            "lr": args.lr}
 
-    # 3. speculation on
+
+def evaluate_speculation(engine, held_out: list[list[int]], plain: dict[int, Measured], batches: list[int],
+                         steps: list[int], args: argparse.Namespace) -> list[dict]:
+    """Each speculative setting at each batch size (module docstring, 3.): one row per batch size."""
+    from deepseek_pd.model.speculative.policy import AcceptRate
+
+    engine.speculation_policy.rate = AcceptRate()  # each data mode's adaptive runs start from the prior
     spec: dict[tuple[str, int], Measured] = {}
     for name, k, adaptive in settings(steps):
         engine.set_speculation(k, adaptive)
@@ -205,6 +229,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
             spec[name, batch] = m = measure_setting(engine, held_out, batch, args.output_len, args.bs1_prompts)
             print(f"{name:<8} bs {batch:>3}: {m.tok_s:8.1f} tok/s, {m.tok_s / plain[batch].tok_s:.2f}x, accept length "
                   f"{m.accept_length:.2f}{f', chose {m.chosen}' if adaptive else ''}", flush=True)
+    rows = []
     for batch in batches:
         row = {"batch": batch, "off_tok_s": round(plain[batch].tok_s, 1)}
         best = None
@@ -224,17 +249,15 @@ def run(args: argparse.Namespace, model: str) -> dict:
         row["best_fixed"] = best
         row["adaptive_verdict"] = verdict(row["adaptive"]["speedup"], batch)
         row["best_fixed_verdict"] = verdict(row[best]["speedup"], batch)
-        result["rows"].append(row)
-    save()
-    print_table(result, steps)
-    return result
+        rows.append(row)
+    return rows
 
 
-def print_table(result: dict, steps: list[int]) -> None:
+def print_table(rows: list[dict], steps: list[int]) -> None:
     names = [name for name, _, _ in settings(steps)]
     print("\n| batch | off tok/s | " + " | ".join(f"{n} tok/s (x, accept)" for n in names) + " | greedy equal | target |")
     print("|---|---|" + "---|" * len(names) + "---|---|")
-    for row in result["rows"]:
+    for row in rows:
         cells = [f"{row[n]['tok_s']} ({row[n]['speedup']:.2f}x, {row[n]['accept_length']:.2f})" for n in names]
         equal = "yes" if all(row[n]["greedy_equal"] for n in names) else \
             "no: " + ", ".join(n for n in names if not row[n]["greedy_equal"])
@@ -258,8 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--bs1-prompts", type=int, default=4, help="prompts run one after another at batch 1")
-    parser.add_argument("--data", choices=("held-out", "in-sample"), default="held-out",
-                        help="train on other prompts' sampled continuations, or on the evaluated sequences themselves")
+    parser.add_argument("--data", choices=("held-out", "in-sample", "both"), default="both",
+                        help="train on other prompts' sampled continuations, or on the evaluated sequences themselves "
+                             "(an upper bound), or the first then the second on top of it")
     parser.add_argument("--train-prompts", type=int, default=64, help="with --data held-out")
     parser.add_argument("--train-len", type=int, default=256, help="sampled tokens per training prompt")
     parser.add_argument("--train-seconds", type=float, default=120.0)
@@ -270,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    began = time.monotonic()
     if args.tiny:
         import tempfile
 
@@ -278,12 +303,11 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.write_v2_lite:
         from random_checkpoint import ensure_random_checkpoint, v2_lite_config
         model = args.write_v2_lite
-        began = time.monotonic()
         ensure_random_checkpoint(model, v2_lite_config(num_nextn_predict_layers=1), device=args.device)
         print(f"checkpoint ready in {time.monotonic() - began:.1f} s", flush=True)
     else:
         model = args.model
-    return run(args, model)
+    return run(args, model, began)
 
 
 if __name__ == "__main__":

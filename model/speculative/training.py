@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
 from deepseek_pd.model.speculative.mtp import MtpLayer
 
@@ -77,7 +78,7 @@ def _training_pairs(runner: ModelRunner, seqs: list[list[int]], labels: Labels
     tokens = [s[1:] for s in seqs]
     prev = torch.cat([h[:-1] for h in hidden])
     if labels == "tokens":
-        target = torch.cat([torch.tensor(s[2:] + [-100]) for s in seqs]).to(prev.device)
+        target = upload(torch.tensor([t for s in seqs for t in s[2:] + [-100]], dtype=torch.long), prev.device)
     else:  # the target's choice after p + 1: hidden row p + 1, which the last row has none of
         nexts = [greedy_next(runner, h[1:]) for h in hidden]
         target = torch.cat([torch.cat([n[:-1], n.new_full((1,), -100)]) for n in nexts])

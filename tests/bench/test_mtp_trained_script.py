@@ -28,11 +28,13 @@ def test_trained_mtp_run_reports_every_setting(tmp_path) -> None:
                          "--seed", str(seed), "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     result = json.loads(out.read_text())
-    assert [row["batch"] for row in result["rows"]] == batches
-    assert result["training"]["steps"] > 0 and 0 < result["training"]["data_distinct_fraction"] <= 1
+    assert [run["data"] for run in result["runs"]] == ["in-sample"]
+    run = result["runs"][0]
+    assert [row["batch"] for row in run["rows"]] == batches
+    assert run["training"]["steps"] > 0 and 0 < run["training"]["data_distinct_fraction"] <= 1
     costs = result["step_costs_ms"]
     assert len(costs["ms_by_k"]) == 3 and costs["batches"][0] == 1  # k = 0..2 at batch 1, 2, ..
-    for row in result["rows"]:
+    for row in run["rows"]:
         assert row["off_tok_s"] > 0 and row["best_fixed"] in ("k1", "k2")
         for name in ("k1", "k2", "adaptive"):
             setting = row[name]

@@ -257,8 +257,8 @@ def test_adaptive_draft_count_follows_the_costs(setup, expensive):
         measured = engine.speculation.policy.costs
         assert measured.max_steps == 3 and measured.batches[0] == 1
         growth = 100.0 if expensive else 1.0
-        engine.speculation.policy = SpeculationPolicy(
-            StepCosts((1, 64), tuple((10.0 * growth ** k, 20.0 * growth ** k) for k in range(4))), 3)
+        engine.speculation.policy = SpeculationPolicy(  # no probe: "never" means never here
+            StepCosts((1, 64), tuple((10.0 * growth ** k, 20.0 * growth ** k) for k in range(4))), 3, probe_every=0)
 
     requests = [GenerateRequest(f"a{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)]
     outcomes, stats = _colocated(runner, oracle, requests, prepare=set_costs)
