@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from deepseek_pd.errors import UserError
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner
 from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
 
@@ -20,8 +21,13 @@ from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
 def calibrated_policy(runner: ModelRunner, max_steps: int, max_batch: int, context: int = 256,
                       repeats: int = 3) -> SpeculationPolicy:
     """A policy over step costs measured at batch 1, 2, 4, .. `max_batch` (as many as the pool's
-    free pages hold at `context` tokens a sequence; batch 1 at least), k = 0..`max_steps`."""
+    free pages hold at `context` tokens a sequence; batch 1 at least, over a shorter context where
+    the pool holds less), k = 0..`max_steps`."""
     pool = runner.kv_pool
+    context = min(context, pool.num_free_pages * pool.page_size - max_steps - 1)
+    if context < 1:
+        raise UserError(f"the KV pool ({pool.num_free_pages} free pages of {pool.page_size} tokens) cannot hold "
+                        f"one speculative step of {max_steps} drafts to time")
     per_seq = pool.pages_for_tokens(context + max_steps + 1)
     batches, b = [], 1
     while b <= max_batch and b * per_seq <= pool.num_free_pages:

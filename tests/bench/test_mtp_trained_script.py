@@ -23,7 +23,7 @@ def test_trained_mtp_run_reports_every_setting(tmp_path) -> None:
     out = tmp_path / "mtp.json"
     result = bench.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--page-size", "16",
                          "--batches", ",".join(map(str, batches)), "--bs1-prompts", "2", "--prompt-len", "8",
-                         "--output-len", "16", "--train-len", "24", "--steps", "1,2", "--data", "in-sample",
+                         "--output-len", "16", "--train-len", "16", "--steps", "1,2", "--data", "in-sample", "--train-prompts", "1",
                          "--train-seconds", "6", "--min-train-seconds", "1", "--lr", "1e-2",
                          "--seed", str(seed), "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
