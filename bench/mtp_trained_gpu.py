@@ -22,17 +22,19 @@ adaptive policy's start-up costs measured as it is built). Then:
      there: a near-zero gap is a bf16 tie, not a wrong acceptance).
 Tok/s is output tokens over the wall time of the `generate_batch` calls (their prefill of the
 short prompts included), after one short warm-up call per setting and batch size. The JSON holds
-the speculation-off figures once and a `runs` entry (training, rows) per data mode. At batch 1,
+the speculation-off figures once (`off_tok_s`, and the distinct-token fraction of its outputs: a low
+one means the random model's greedy outputs loop) and a `runs` entry (training, rows) per data mode. At batch 1,
 `--bs1-prompts` prompts run one after another. The table ends with issue 22's targets (1.8x at
 batch 1, 1.3x at batch 32) for the adaptive policy and the best fixed k. The JSON (`--out`) is
 rewritten after every phase, so a run cut short keeps what it measured.
 
-On the GPU (one call, about 7 minutes on an H100 with the checkpoint's generation):
+On the GPU (one call, at most about 7 minutes with the checkpoint's generation: `--budget-s`
+shrinks the training to keep the whole run near it):
     python bench/mtp_trained_gpu.py --write-v2-lite /tmp/v2lite-mtp --device cuda --dtype bfloat16 \\
-        --cuda-graph --out $OUT/mtp_trained.json
-On the CPU, as a smoke run (tests/bench/test_mtp_trained_script.py runs it):
-    python bench/mtp_trained_gpu.py --tiny --device cpu --dtype float32 --batches 1,4 --output-len 24 \\
-        --train-prompts 16 --train-len 48 --train-seconds 8 --out m.json
+        --cuda-graph --budget-s 400 --out $OUT/mtp_trained.json
+On the CPU, as a smoke run (tests/bench/test_mtp_trained_script.py runs a smaller one):
+    python bench/mtp_trained_gpu.py --tiny --device cpu --dtype float32 --page-size 16 --batches 1,4 \\
+        --output-len 24 --train-prompts 16 --train-len 48 --train-seconds 8 --lr 1e-2 --out m.json
 """
 from __future__ import annotations
 
@@ -167,6 +169,7 @@ def run(args: argparse.Namespace, model: str, began: float) -> dict:
         plain[batch] = measure_setting(engine, held_out, batch, args.output_len, args.bs1_prompts)
         print(f"off   bs {batch:>3}: {plain[batch].tok_s:8.1f} tok/s", flush=True)
     eval_s = time.monotonic() - eval_began
+    result["off_tok_s"] = {b: round(m.tok_s, 1) for b, m in plain.items()}
     result["held_out_distinct_fraction"] = {b: round(distinct_fraction(m.outputs), 3) for b, m in plain.items()}
 
     modes = ("held-out", "in-sample") if args.data == "both" else (args.data,)
