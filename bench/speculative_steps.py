@@ -146,7 +146,7 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
             draft_steps: list[int], context: int, repeats: int, chain: int = 16) -> dict:
     from deepseek_pd.model.runner import DecodeSeq, ModelRunner
     from deepseek_pd.model.runner_config import RunnerConfig
-    from deepseek_pd.model.speculative.decoder import measure_step_costs
+    from deepseek_pd.model.speculative.step_costs import measure_step_costs
 
     max_steps = max(draft_steps)
     # Each sequence holds whole pages (measure_step_costs: context + max_steps + 1 tokens; a chain

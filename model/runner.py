@@ -37,6 +37,7 @@ from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode, checked_device_ids
 from deepseek_pd.model.speculative.forwards import SpeculativeForwards
 from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
+from deepseek_pd.model.speculative.rules import graph_draft_counts
 from deepseek_pd.model.kv.pool import KVPool, bytes_per_pool_page
 from deepseek_pd.model.kv.pool_sizing import GpuMemory, pages_for_gpu
 from deepseek_pd.model.kv.layer_progress import LayerProgress
@@ -118,7 +119,7 @@ class ModelRunner:
             self.graphs = DecodeGraphRunner(self.model, self.kv_pool, self.config.cuda_graph_config())
             if self.model.mtp is not None:
                 steps = self.config.speculative_num_steps
-                counts = range(1, steps + 1) if self.config.speculative_adaptive else (steps,)
+                counts = graph_draft_counts(steps, self.config.speculative_adaptive)
                 spec_graphs = SpeculativeGraphs(self.model, self.kv_pool, self.config.cuda_graph_config(), counts,
                                                 self.graphs.scratch_page, self.graphs.pool)
         self.spec_forwards = SpeculativeForwards(self.model, self.kv_pool, self.policy, self._step, self.tp_replay,

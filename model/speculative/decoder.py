@@ -59,7 +59,7 @@ must be the last step's (`can_launch_ahead`): a row change reads the last step f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -71,9 +71,8 @@ from deepseek_pd.model.sampling.state import SamplingState
 from deepseek_pd.model.speculative.rules import draft_len
 from deepseek_pd.model.speculative.acceptance import AcceptStats, accept_on_device
 from deepseek_pd.model.speculative.future_positions import FuturePositions
+from deepseek_pd.model.speculative.policy import SpeculationPolicy
 
-if TYPE_CHECKING:
-    from deepseek_pd.model.speculative.policy import StepCosts
 
 
 class SpecRequest(Protocol):
@@ -129,10 +128,12 @@ class LaunchedSpecStep:
 
 @dataclass
 class SpecRun:
-    """What `SpeculativeDecoder.run` launched: each step's draft lengths, and how many steps were
-    launched before the step ahead of them was read."""
+    """What `SpeculativeDecoder.run` launched: each step's draft lengths, the draft count asked of
+    each step (the policy's choice, or the fixed one; a row near its budget drafts fewer), and how
+    many steps were launched before the step ahead of them was read."""
 
     lens: list[list[int]] = field(default_factory=list)
+    requested: list[int] = field(default_factory=list)
     launched_ahead: int = 0
 
 
@@ -231,29 +232,41 @@ class SpeculativeDecoder:
         self._unread.append(launched)
         return launched
 
-    def run(self, requests: Sequence[SpecRequest], ahead: bool, max_steps: int | None = None) -> SpecRun:
+    def run(self, requests: Sequence[SpecRequest], ahead: bool, max_steps: int | None = None,
+            num_steps: int | None = None, policy: SpeculationPolicy | None = None) -> SpecRun:
         """Steps until every request is done (or `max_steps` are launched). With `ahead` step N+1 is
         launched before step N is read whenever `can_launch_ahead` allows (the steady state), so the
         host builds N+1 while the device runs N; when the rows change, the step in flight is read
-        before the next launch (a row change needs the host's counts)."""
+        before the next launch (a row change needs the host's counts). Each step drafts `num_steps`
+        (default: the configured number; never more), or with `policy` `policy.steps_for(rows)`, and
+        then each read step's accepted and rejected drafts update the policy's accept rate."""
         running, pending, run = [r for r in requests if not r.finished], None, SpecRun()
+
+        def read(step: LaunchedSpecStep) -> None:
+            before = (self.stats.accepted, self.stats.rejected)
+            self.finish(step)
+            if policy is not None:
+                policy.rate.observe(self.stats.accepted - before[0], self.stats.rejected - before[1])
+
         while running and (max_steps is None or len(run.lens) < max_steps):
             if pending is not None and not (ahead and self.can_launch_ahead(running, pending)):
-                self.finish(pending)
+                read(pending)
                 pending = None
             else:
-                launched = self.launch(running, after=pending)
+                steps = num_steps if policy is None else policy.steps_for(len(running))
+                launched = self.launch(running, steps, after=pending)
                 if launched is not None:
                     run.lens.append(launched.lens)
+                    run.requested.append(self.num_steps if steps is None else min(steps, self.num_steps))
                     run.launched_ahead += pending is not None
                 if pending is not None:
-                    self.finish(pending)
+                    read(pending)
                 pending = launched if ahead else None
                 if not ahead and launched is not None:
-                    self.finish(launched)
+                    read(launched)
             running = [r for r in running if not r.finished]
         if pending is not None:  # its rows all ended in the step before it, or max_steps was reached
-            self.finish(pending)
+            read(pending)
         return run
 
     def can_launch_ahead(self, requests: Sequence[SpecRequest], after: LaunchedSpecStep) -> bool:
@@ -267,9 +280,12 @@ class SpeculativeDecoder:
         return (only_unread and rows == [id(r) for r in after.requests] and self.pad_catch_up
                 and not self.runner.spec_forwards.needs_host_lengths)
 
-    def finish(self, launched: LaunchedSpecStep) -> list[int]:
+    def finish(self, launched: LaunchedSpecStep, void: Collection[int] = ()) -> list[int]:
         """The step's one host read; each request's tokens through `emit`, in order, up to a stop.
-        Returns how many tokens each row got."""
+        Returns how many tokens each row got. `void`: ids of requests that ended before this step in
+        a way only the caller knows (a stop token or string found when the step before it was
+        streamed; the decode worker's rows end by budget alone): their rows are void as a finished
+        request's are, so they count in no stats."""
         self._unread = [step for step in self._unread if step is not launched]
         host, q = launched.host.wait(), launched.q
         sampled = unpack(host[:, :-1], launched.top_counts)
@@ -278,7 +294,7 @@ class SpeculativeDecoder:
         for i, (request, drafted, accepted) in enumerate(zip(launched.requests, launched.lens, counts)):
             emitted = accepted + 1
             self.sampling.advanced(request.sampling, emitted)  # before `emit` acknowledges the tokens
-            if request.finished:  # it ended in the step this one was launched ahead of: a void row
+            if request.finished or id(request) in void:  # it ended in the step this one was launched ahead of
                 got.append(0)
                 self._drafts.pop(id(request), None)
                 continue
@@ -442,58 +458,3 @@ def mtp_over_extend(runner: ModelRunner, seqs: Sequence[ExtendSeq], hidden: torc
     last = out[upload(torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long), out.device)]
     tokens = runner.logits(last).argmax(dim=-1).tolist()
     return list(zip(tokens, last))
-
-
-def measure_step_costs(runner: ModelRunner, batches: Sequence[int], max_steps: int, context: int,
-                       repeats: int = 3) -> "StepCosts":
-    """Median milliseconds of one speculative step (k - 1 MTP decode steps, a verify of k + 1 tokens
-    per sequence, an MTP catch-up of k + 1 tokens: its largest) for k = 0..max_steps at each batch
-    size, over `context` cached tokens of scratch pages (whatever they hold: costs do not depend
-    on it). The table `speculation_policy.SpeculationPolicy` chooses from.
-
-    Every position gets its own token, drawn from a fixed seed: with one token everywhere every row
-    routes to the same experts, so the MoE read k + 1 experts' weights whatever the batch and the
-    table under-counted the cost of larger verifies (on an H100, V2-Lite, 2026-12-07, a k = 2 step at
-    batch 32 timed below a plain decode step of random tokens)."""
-    import random
-    import statistics
-    import time
-
-    from deepseek_pd.model.speculative.policy import StepCosts
-
-    pool, device = runner.kv_pool, runner.model.embed_tokens.weight.device
-    hidden_size, dtype = runner.model_config.hidden_size, runner.model.embed_tokens.weight.dtype
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    table = [[0.0] * len(batches) for _ in range(max_steps + 1)]
-    rng = random.Random(0)
-    for col, batch in enumerate(batches):
-        pages = [pool.alloc(pool.pages_for_tokens(context + max_steps + 1)) for _ in range(batch)]
-        tokens = [[rng.randrange(runner.model_config.vocab_size) for _ in range(max_steps + 1)] for _ in pages]
-        try:
-            h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
-            for k in range(max_steps + 1):
-                def one_step() -> None:
-                    for j in range(1, k):
-                        runner.logits(runner.draft([ExtendSeq([ids[j]], context + j - 1, p)
-                                                    for ids, p in zip(tokens, pages)], h))
-                    verify = [ExtendSeq(ids[:k + 1], context, p) for ids, p in zip(tokens, pages)]
-                    states = runner.extend_hidden(verify, force_mla=True)
-                    runner.logits(states)
-                    runner.logits(runner.draft(verify, states))
-                one_step()  # warm-up
-                sync()
-                times = []
-                for _ in range(repeats):
-                    began = time.perf_counter()
-                    one_step()
-                    sync()
-                    times.append((time.perf_counter() - began) * 1e3)
-                table[k][col] = max(statistics.median(times), 1e-6)
-        finally:
-            for p in pages:
-                pool.free(p)
-    return StepCosts(tuple(batches), tuple(tuple(row) for row in table))

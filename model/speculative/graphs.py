@@ -2,10 +2,12 @@
 
     draft    the MTP layer's draft step, every bucket (draft_graph.py)
     verify   the verify forward of k + 1 tokens per sequence, every bucket (verify_graph.py), for
-             the configured k, or for every k in 1..N with the adaptive draft count (`draft_counts`);
-             none in EP groups, where a verify runs DeepEP's normal mode, which does not capture
+             the configured k, or for every k in 0..N with the adaptive draft count (`draft_counts`,
+             `rules.graph_draft_counts`); none in EP groups, where a verify runs DeepEP's normal
+             mode, which does not capture
     catch_up the MTP layer over k + 1 tokens per sequence (the decoder pads the emitted tokens to
-             the verify's positions when every sequence verified k + 1), as the verify
+             the verify's positions when every sequence verified k + 1), as the verify for k >= 1
+             (k = 0's catch-up is one token per sequence: the draft graph's shape)
 All share the decode graphs' memory pool (a runner replays one graph at a time). `ModelRunner.draft`
 and `extend_hidden` try a replay first and run eagerly when it returns None; `replays` counts them.
 Each takes the step's device token ids (`input_ids`), copied device-to-device over the packed
@@ -33,10 +35,11 @@ class SpeculativeGraphs:
         self.verify_graphs: dict[int, VerifyGraphRunner] = {}
         self.catch_up_graphs: dict[int, VerifyGraphRunner] = {}
         if model.options.parallel.ep_size == 1:
-            for q in sorted({k + 1 for k in draft_counts if k > 0}, reverse=True):
+            for q in sorted({k + 1 for k in draft_counts}, reverse=True):
                 self.verify_graphs[q] = VerifyGraphRunner(model, kv_pool, config, q, scratch_page, pool=pool)
-                self.catch_up_graphs[q] = VerifyGraphRunner(model, kv_pool, config, q, scratch_page, mtp=True,
-                                                            pool=pool)
+                if q > 1:
+                    self.catch_up_graphs[q] = VerifyGraphRunner(model, kv_pool, config, q, scratch_page, mtp=True,
+                                                                pool=pool)
         self.replays = {"draft": 0, "verify": 0, "catch_up": 0}
 
     def draft(self, token_ids: Sequence[int], positions: Sequence[int], pages: Sequence[Sequence[int]],

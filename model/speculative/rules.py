@@ -27,6 +27,14 @@ def draft_len(steps: int, remaining_tokens: int) -> int:
     return max(0, min(steps, remaining_tokens - 1))
 
 
+def graph_draft_counts(steps: int, adaptive: bool) -> tuple[int, ...]:
+    """The draft counts whose verify a runner captures as CUDA graphs (model/speculative/graphs.py):
+    the configured k, or with the adaptive policy every k it may choose, 0 included (a verify of
+    the last token alone: without its graph the policy's start-up costs would time k = 0 eagerly,
+    and it could never pick it where a graph-replayed k >= 1 is dearer per token)."""
+    return tuple(range(steps + 1)) if adaptive else (steps,)
+
+
 def graph_tokens_per_sequence(steps: int) -> int:
     """Tokens per sequence in a worker's largest captured CUDA graph: the speculative verify's
     k + 1 with speculation (model/speculative/verify_graph.py), else decode's one. Its activation

@@ -20,7 +20,7 @@ from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, wait_for_pages
-from pdtest.mtp_training import save_mtp_layer, train_mtp
+from deepseek_pd.model.speculative.training import save_mtp_layer, train_mtp
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 

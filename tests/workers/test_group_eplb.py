@@ -27,7 +27,7 @@ from deepseek_pd.ports import pick_free_port_blocks
 from deepseek_pd.workers.engine.offline import Engine
 from pdtest.eplb_placement import random_placement
 from pdtest.group_harness import CHUNKED_PREFILL_SIZE, PAGE_SIZE, GroupWorker, generate_all, offline_greedy
-from pdtest.mtp_training import save_mtp_layer, train_mtp
+from deepseek_pd.model.speculative.training import save_mtp_layer, train_mtp
 from pdtest.rank_metrics import scrape, value
 from pdtest.speculative_runner import speculative_greedy
 

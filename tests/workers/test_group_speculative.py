@@ -20,7 +20,7 @@ from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
 from deepseek_pd.ports import pick_free_ports
 from pdtest.group_harness import CHUNKED_PREFILL_SIZE, PAGE_SIZE, GroupWorker, generate_all
-from pdtest.mtp_training import save_mtp_layer, train_mtp
+from deepseek_pd.model.speculative.training import save_mtp_layer, train_mtp
 
 pytestmark = [pytest.mark.slow]
 

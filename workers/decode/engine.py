@@ -358,9 +358,12 @@ class DecodeEngine(EngineCore[DecodeRequest]):
         try:
             began = time.perf_counter()
             if overlap:
+                # Rows of the pending step whose request stopped when the step before it was streamed
+                # (a stop token or string: the model thread knows only budgets) are void there.
+                stopped = [s.spec for s in done if s.finished or s.ended]
                 emitted, launched = await self._model_call(
                     list(dict.fromkeys(done + chosen)), self.speculation.collect_and_launch,
-                    None if pending is None else pending[1], rows)
+                    None if pending is None else pending[1], rows, stopped)
                 if launched is not None:
                     self._spec_pending = (chosen, launched)
             else:
@@ -369,7 +372,8 @@ class DecodeEngine(EngineCore[DecodeRequest]):
                 self.metrics.observe_step("decode", time.perf_counter() - began, len(done),
                                           sum(len(tokens) for tokens in emitted))
                 # From the decoder's own counts: a void row of a step launched ahead (its request ended
-                # in the step before) verified nothing for anyone, and counts in neither.
+                # in the step before: by budget, or by a stop the event loop saw, `stopped`) verified
+                # nothing for anyone, and counts in neither.
                 step = stats.since(before)
                 self.metrics.observe_speculative(step.drafted, step.accepted, step.accept_lengths())
         except Exception:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -28,7 +28,8 @@ from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling.sampled_host import TopLogprobs
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
 from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
-from deepseek_pd.model.speculative.decoder import LaunchedSpecStep, SpeculativeDecoder, measure_step_costs
+from deepseek_pd.model.speculative.decoder import LaunchedSpecStep, SpeculativeDecoder
+from deepseek_pd.model.speculative.step_costs import calibrated_policy
 
 
 Emitted = tuple[int, float, "TopLogprobs | None"]  # (token, logprob, top logprobs)
@@ -72,15 +73,8 @@ class SpeculativeStepper:
     def calibrate(self, max_batch: int, context: int = 256, repeats: int = 3) -> StepCosts:
         """Measures the step costs at batch 1, 2, 4, .. max_batch (as the pool's free pages allow)
         and turns the per-step choice on. Model thread, before serving."""
-        pool, steps = self.runner.kv_pool, self.decoder.num_steps
-        per_seq = pool.pages_for_tokens(context + steps + 1)
-        batches, b = [], 1
-        while b <= max_batch and b * per_seq <= pool.num_free_pages:
-            batches.append(b)
-            b *= 2
-        costs = measure_step_costs(self.runner, batches or [1], steps, context, repeats)
-        self.policy = SpeculationPolicy(costs, steps)
-        return costs
+        self.policy = calibrated_policy(self.runner, self.decoder.num_steps, max_batch, context, repeats)
+        return self.policy.costs
 
     @property
     def stats(self):
@@ -109,30 +103,33 @@ class SpeculativeStepper:
         return PendingSpecStep(list(rows), self.decoder.launch(list(rows), steps,
                                                                None if after is None else after.launched))
 
-    def collect(self, pending: PendingSpecStep) -> list[list[Emitted]]:
-        """A launched step's one host read; each of its rows' emitted tokens, in order."""
+    def collect(self, pending: PendingSpecStep, stopped: Collection[SpecRow] = ()) -> list[list[Emitted]]:
+        """A launched step's one host read; each of its rows' emitted tokens, in order. `stopped`:
+        rows whose request the event loop saw stop before this step (a stop token or string in the
+        step before, which this one was launched ahead of): void, they get nothing and count in no
+        stats (so neither in the accept-length metric nor in the policy's accept rate)."""
         for row in pending.rows:
             row.new.clear()
         if pending.launched is not None:
             stats = self.stats
             accepted, rejected = stats.accepted, stats.rejected
-            self.decoder.finish(pending.launched)
+            self.decoder.finish(pending.launched, {id(row) for row in stopped})
             if self.policy is not None:
                 self.policy.rate.observe(stats.accepted - accepted, stats.rejected - rejected)
         return [list(row.new) for row in pending.rows]
 
-    def collect_and_launch(self, pending: PendingSpecStep | None,
-                           rows: Sequence[SpecRow]) -> tuple[list[list[Emitted]], PendingSpecStep | None]:
+    def collect_and_launch(self, pending: PendingSpecStep | None, rows: Sequence[SpecRow],
+                           stopped: Collection[SpecRow] = ()) -> tuple[list[list[Emitted]], PendingSpecStep | None]:
         """The overlapped round's one model-thread call: step N+1 queued and step N's tokens, so the
         device runs N+1 while the event loop streams N's. When N+1 has N's rows it is launched first,
         from N's counts on the device (model/speculative/future_positions.py): the host builds it while
         the device still runs N, and reads N after. Otherwise (rows joined or left) N is read first,
-        and N+1 starts from the host's lengths."""
+        and N+1 starts from the host's lengths. `stopped`: as in `collect`, of N's rows."""
         if (pending is not None and pending.launched is not None and rows
                 and self.decoder.can_launch_ahead(rows, pending.launched)):
             launched = self.launch(rows, after=pending)
-            return self.collect(pending), launched
-        collected = [] if pending is None else self.collect(pending)
+            return self.collect(pending, stopped), launched
+        collected = [] if pending is None else self.collect(pending, stopped)
         return collected, (self.launch(rows) if rows else None)
 
     def forget(self, row: SpecRow) -> None:

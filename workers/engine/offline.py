@@ -54,12 +54,19 @@ class EngineConfig:
     # On by default (the decode worker's is still off: scheduler_config.py): its GPU test
     # (tests/model/speculative/test_speculative_sync_gpu.py) passed on an H100 on 2026-12-07.
     speculative_overlap: bool = True
+    # Draft 0..speculative_num_steps per step by batch size, from step costs measured when the engine
+    # is built and the accept rate so far (model/speculative/policy.py), as the decode worker's
+    # `speculative_adaptive`; off: always speculative_num_steps.
+    speculative_adaptive: bool = False
     # Batch-invariant forward and chunk cuts aligned to chunked_prefill_size (docs/deterministic.md).
     deterministic: bool = False
     enable_tbo: bool = False  # two-batch overlap (model/distributed/tbo.py): each forward as two micro-batches
 
     def __post_init__(self) -> None:
         check_speculative_num_steps(self.speculative_num_steps)
+        if self.speculative_adaptive and not self.speculative_num_steps:
+            raise UserError("speculative_adaptive chooses among 0..speculative_num_steps drafts: "
+                            "set speculative_num_steps >= 1 with it")
         if self.chunked_prefill_size < 1:
             raise UserError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_total_tokens < 1 or self.page_size < 1:
@@ -122,20 +129,48 @@ class Engine:
             attention_method=config.attention_method, mha_chunked_kv_threshold=config.mha_chunked_kv_threshold,
             attention_backend=config.attention_backend, moe_backend=config.moe_backend,
             cuda_graph=config.cuda_graph, speculative_num_steps=config.speculative_num_steps,
-            deterministic=config.deterministic, enable_tbo=config.enable_tbo))
+            speculative_adaptive=config.speculative_adaptive, deterministic=config.deterministic,
+            enable_tbo=config.enable_tbo))
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(self.model_path)
         self.sampler = Sampler()
         self.speculative = None
+        self.speculation_policy = None  # with speculative_adaptive (model/speculative/policy.py)
         if config.speculative_num_steps:
             from deepseek_pd.model.speculative.decoder import SpeculativeDecoder
+            from deepseek_pd.model.speculative.step_costs import calibrated_policy
 
             self.speculative = SpeculativeDecoder(self.runner, config.speculative_num_steps, _record,
                                                   self.sampler.fallback_generator)
+            if config.speculative_adaptive:
+                self.speculation_policy = calibrated_policy(self.runner, config.speculative_num_steps,
+                                                            self.runner.config.cuda_graph_max_batch)
+        # What the next calls draft (`set_speculation`); the last call's speculative steps (`SpecRun`).
+        self._drafts_per_step = config.speculative_num_steps
+        self._adaptive = config.speculative_adaptive
+        self.last_speculative_run = None
         self.rounds = PrefillRounds(self.runner, self.sampler, config.chunked_prefill_size, _Recorder(self),
                                     aligned=config.deterministic)
 
     # ---- public API --------------------------------------------------------------------------
+    def set_speculation(self, num_steps: int, adaptive: bool = False) -> None:
+        """Drafts per step for the calls that follow, on the model as built: 0 decodes plainly, 1..the
+        configured `speculative_num_steps` drafts that many, `adaptive` lets the start-up policy pick
+        0..num_steps per step (built with `speculative_adaptive`). One loaded model, several settings
+        (bench/mtp_trained_gpu.py compares them)."""
+        check_speculative_num_steps(num_steps)
+        if num_steps > self.config.speculative_num_steps:
+            raise UserError(f"{num_steps} drafts per step, but the engine was built for at most "
+                            f"speculative_num_steps={self.config.speculative_num_steps}")
+        if adaptive and (self.speculation_policy is None or not num_steps):
+            raise UserError("adaptive drafting needs an engine built with speculative_adaptive and num_steps >= 1")
+        self._drafts_per_step, self._adaptive = num_steps, adaptive
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next calls draft (`set_speculation`)."""
+        return bool(self._drafts_per_step)
+
     @property
     def max_context(self) -> int:
         return self.model_config.max_position_embeddings
@@ -248,7 +283,7 @@ class Engine:
         from deepseek_pd.model.runner import DecodeSeq
 
         running = [r for r in requests if not r.finished]
-        if self.speculative is not None:
+        if self.speculating:
             self._speculate(running)
             running = []
         while running:
@@ -259,8 +294,11 @@ class Engine:
 
     def _speculate(self, running: list[_Request]) -> None:
         """Speculative steps until every request is done; with `speculative_overlap` each is launched
-        before the one ahead of it is read, wherever the rows allow (SpeculativeDecoder.run)."""
-        self.speculative.run(running, ahead=self.config.speculative_overlap)
+        before the one ahead of it is read, wherever the rows allow (SpeculativeDecoder.run); with
+        `speculative_adaptive` each drafts as many as the policy picks for the batch."""
+        policy = self.speculation_policy if self._adaptive else None
+        self.last_speculative_run = self.speculative.run(running, ahead=self.config.speculative_overlap,
+                                                         num_steps=self._drafts_per_step, policy=policy)
 
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
         out = self.sampler.sample(logits, [r.sampling for r in requests])
@@ -287,5 +325,5 @@ class _Recorder(RoundHooks[_Request]):
 
     def first_token(self, owner: _Request, first: FirstToken) -> None:
         _record(owner, first.token_id, first.logprob, first.top)
-        if first.draft is not None:
+        if first.draft is not None and self.engine.speculating:  # else this call decodes plainly
             self.engine.speculative.seed(owner, *first.draft)

@@ -59,3 +59,24 @@ def test_stats_count_the_drafts_the_target_looked_at():
     stats.add(drafted=3, accepted=3, emitted=4)  # all accepted, plus the bonus token
     stats.add(drafted=3, accepted=1, emitted=1)  # stopped on d1: d2 never compared
     assert (stats.accepted, stats.rejected) == (5, 1) and stats.accept_rate == pytest.approx(5 / 6)
+
+
+def test_a_policy_at_no_drafts_probes_and_follows_easier_traffic():
+    """A rate learnt on traffic the MTP layer predicts badly makes k = 0 the choice; no step then
+    measures a rate, so without a probe the choice would stay 0 when easier traffic comes. After
+    `probe_every` undrafted steps one step drafts 1; its accepted draft lifts the rate, and the
+    policy drafts again (the traffic here accepts every draft)."""
+    seed = random.randrange(1 << 20)
+    rng = random.Random(seed)
+    probe = rng.randint(2, 12)
+    costs = StepCosts((1,), ((10.0,), (11.0,), (12.0,)))
+    policy = SpeculationPolicy(costs, 2, AcceptRate(prior=0.01, weight=1.0, decay=0.9), probe_every=probe)
+    never = SpeculationPolicy(costs, 2, AcceptRate(prior=0.01, weight=1.0, decay=0.9), probe_every=0)
+    choices = []
+    for _ in range(3 * probe):
+        k = policy.steps_for(1)
+        choices.append(k)
+        policy.rate.observe(accepted=k, rejected=0)
+        assert never.steps_for(1) == 0
+    assert choices[:probe] == [0] * probe and choices[probe] == 1, (seed, choices)
+    assert choices[-1] == 2 and policy.rate.value > 0.5, (seed, choices)

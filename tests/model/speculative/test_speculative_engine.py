@@ -12,7 +12,7 @@ import torch
 
 from deepseek_pd.workers.engine.offline import Engine
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.mtp_training import train_mtp
+from deepseek_pd.model.speculative.training import train_mtp
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 CHUNK = 8  # small prefill chunks: the prompt's hidden states are gathered over several rounds
@@ -150,3 +150,47 @@ def test_padded_catch_up_drafts_what_the_exact_one_does(setup, module_seed):
     exact, padded = run(False), run(True)
     assert padded == exact, module_seed
     assert decoder.stats.accepted > before, module_seed  # drafts were accepted: the padded rows had real neighbours
+
+
+def test_adaptive_policy_and_per_call_settings(setup, module_seed):
+    """`speculative_adaptive` in the offline engine: the step costs measured as it is built, each
+    step drafting what the policy picks for the batch (0..3, recorded in `last_speculative_run`),
+    its accept rate fed by the steps read; `set_speculation` switches one loaded model between
+    plain decode, a fixed k and the policy. Every setting gives the plain engine's greedy tokens."""
+    from deepseek_pd.errors import UserError
+    from deepseek_pd.workers.engine.offline import EngineConfig
+
+    path, base, spec, prompts = setup
+    # A small pool: the start-up costs are measured at batch 1, 2, 4 only (as many as fit at 256 tokens).
+    engine = Engine(str(path), chunked_prefill_size=CHUNK, page_size=4, speculative_num_steps=3,
+                    speculative_adaptive=True, max_total_tokens=2048)
+    engine.runner.model.mtp.load_state_dict(spec.runner.model.mtp.state_dict())
+    costs = engine.speculation_policy.costs
+    assert costs.batches == (1, 2, 4) and costs.max_steps == 3
+    rng = random.Random(module_seed)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(12, 24), ignore_eos=True)
+    want = [r.output_ids for r in base.generate_batch(prompts, greedy)]
+    rate = engine.speculation_policy.rate
+    for k, adaptive in ((3, True), (0, False), (rng.randint(1, 3), False), (3, True)):
+        engine.set_speculation(k, adaptive)
+        engine.last_speculative_run = None
+        drafted = engine.speculative.stats.drafted
+        observed = rate.accepted + rate.rejected
+        assert [r.output_ids for r in engine.generate_batch(prompts, greedy)] == want, (k, adaptive)
+        run = engine.last_speculative_run
+        if k == 0:
+            assert run is None and engine.speculative.stats.drafted == drafted  # plain decode
+            continue
+        assert run.requested and set(run.requested) <= set(range(k + 1)), run.requested
+        assert all(max(lens) <= asked for lens, asked in zip(run.lens, run.requested))
+        assert (rate.accepted + rate.rejected > observed) == adaptive or max(run.requested) == 0
+        if not adaptive:
+            assert set(run.requested) == {k}
+    assert engine.runner.kv_pool.num_used_pages == 0
+    for bad in (dict(num_steps=4), dict(num_steps=0, adaptive=True)):
+        with pytest.raises(UserError):
+            engine.set_speculation(**bad)
+    with pytest.raises(UserError, match="speculative_adaptive"):
+        spec.set_speculation(2, adaptive=True)  # built without the policy
+    with pytest.raises(UserError, match="speculative_num_steps >= 1"):
+        EngineConfig(speculative_adaptive=True)

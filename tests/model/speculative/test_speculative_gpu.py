@@ -13,7 +13,7 @@ import torch
 from deepseek_pd.workers.engine.offline import Engine
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
-from pdtest.mtp_training import train_mtp
+from deepseek_pd.model.speculative.training import train_mtp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(600)]
@@ -102,7 +102,7 @@ def test_speculative_engine_with_graphs_equals_eager(tmp_path):
 
 
 def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
-    """With `speculative_adaptive` the verify and catch-up are captured for every k in 1..N
+    """With `speculative_adaptive` the verify is captured for every k in 0..N and the catch-up for 1..N
     (model/speculative/graphs.py); steps drafting a random k each, through graphs, give the plain
     greedy tokens, and every k's verify replays."""
     from deepseek_pd.model.runner import ModelRunner
@@ -117,7 +117,8 @@ def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
                                       moe_backend="triton", page_size=16, num_pages=512, cuda_graph=True,
                                       cuda_graph_max_batch=8, speculative_num_steps=3, speculative_adaptive=True))
     graphs = runner.spec_forwards.graphs
-    assert sorted(graphs.verify_graphs) == sorted(graphs.catch_up_graphs) == [2, 3, 4]
+    # k = 0 too (its catch-up is the draft graph's shape), so the start-up costs replay every k
+    assert sorted(graphs.verify_graphs) == [1, 2, 3, 4] and sorted(graphs.catch_up_graphs) == [2, 3, 4]
     prompts = [[rng.randrange(2, plain.vocab_size) for _ in range(rng.randint(2, 40))] for _ in range(6)]
     max_new = [rng.randint(6, 20) for _ in prompts]
     want = [r.output_ids for r in plain.generate_batch(
@@ -125,6 +126,13 @@ def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
     got, _ = speculative_greedy(runner, prompts, max_new, 3, drafts_per_step=lambda: rng.randint(0, 3))
     assert got == want, seed
     assert graphs.replays["verify"] > 0 and graphs.replays["catch_up"] > 0, graphs.replays
+    # The policy's start-up costs time every k by replay, k = 0 included (a verify of one token a
+    # sequence): 2 batch sizes x 4 draft counts x (warm-up + 1 timed step).
+    from deepseek_pd.model.speculative.step_costs import measure_step_costs
+
+    before = graphs.replays["verify"]
+    measure_step_costs(runner, [1, 3], 3, context=32, repeats=1)
+    assert graphs.replays["verify"] - before == 2 * 4 * 2, graphs.replays
 
 
 def test_speculation_with_redundant_experts_through_graphs_equals_plain(tmp_path):

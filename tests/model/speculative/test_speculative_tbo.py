@@ -11,7 +11,7 @@ import torch
 
 from deepseek_pd.workers.engine.offline import Engine
 from deepseek_pd.model.sampling.params import SamplingParams
-from pdtest.mtp_training import train_mtp
+from deepseek_pd.model.speculative.training import train_mtp
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 CHUNK = 8

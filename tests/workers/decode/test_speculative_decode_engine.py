@@ -22,7 +22,7 @@ from deepseek_pd.workers.engine.interface import DisaggParams, Failed, GenerateR
 from deepseek_pd.workers.metrics.worker_metrics import WorkerMetrics
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.prefill.engine import PrefillEngine
-from pdtest.mtp_training import train_mtp
+from deepseek_pd.model.speculative.training import train_mtp
 from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, abort_after_first_event, collect, pages_back, worker_config
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -257,8 +257,8 @@ def test_adaptive_draft_count_follows_the_costs(setup, expensive):
         measured = engine.speculation.policy.costs
         assert measured.max_steps == 3 and measured.batches[0] == 1
         growth = 100.0 if expensive else 1.0
-        engine.speculation.policy = SpeculationPolicy(
-            StepCosts((1, 64), tuple((10.0 * growth ** k, 20.0 * growth ** k) for k in range(4))), 3)
+        engine.speculation.policy = SpeculationPolicy(  # no probe: "never" means never here
+            StepCosts((1, 64), tuple((10.0 * growth ** k, 20.0 * growth ** k) for k in range(4))), 3, probe_every=0)
 
     requests = [GenerateRequest(f"a{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)]
     outcomes, stats = _colocated(runner, oracle, requests, prepare=set_costs)

@@ -22,7 +22,7 @@ from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.decode.engine import DecodeEngine
 from deepseek_pd.workers.engine.interface import Failed, GenerateRequest
 from deepseek_pd.workers.engine.offline import Engine
-from pdtest.mtp_training import train_mtp
+from deepseek_pd.model.speculative.training import train_mtp
 from pdtest.pd_engine_harness import (CHUNK, PAGE_SIZE, abort_after_first_event, collect, device_fails_once_ended,
                                       pages_back, streaming_fails_once_ended, worker_config)
 
@@ -55,9 +55,9 @@ def _engine(path: str, trained: ModelRunner, oracle: Engine) -> DecodeEngine:
     launch, finish = decoder.launch, decoder.finish
     unread: set[int] = set()
 
-    def counting(pending, rows):
+    def counting(pending, rows, *stopped):
         overlapped[0] += pending is not None and bool(rows)
-        return collect_and_launch(pending, rows)
+        return collect_and_launch(pending, rows, *stopped)
 
     def launching(requests, num_steps=None, after=None):
         ahead[0] += bool(unread)
@@ -66,9 +66,9 @@ def _engine(path: str, trained: ModelRunner, oracle: Engine) -> DecodeEngine:
             unread.add(id(launched))
         return launched
 
-    def finishing(launched):
+    def finishing(launched, *void):
         unread.discard(id(launched))
-        return finish(launched)
+        return finish(launched, *void)
 
     engine.speculation.collect_and_launch = counting
     decoder.launch, decoder.finish = launching, finishing
@@ -144,3 +144,51 @@ def test_abort_while_a_step_is_pending_ends_once_and_frees_pages(setup, fails):
         assert rest.ok or rest.terminal.code.value == "internal"
     else:
         assert rest.ok and rest.tokens == oracle.generate_batch([prompts[1]], GREEDY)[0].output_ids
+
+
+def test_rows_stopped_by_a_stop_token_count_in_no_accept_length(setup):
+    """A request that stops at a stop token in step N is still a row of step N+1, launched before N
+    was read (the model thread knows budgets only). That row verified nothing for anyone: the
+    accept-length metric (the decoder's stats, which `/metrics` and the adaptive policy read) counts
+    exactly the (step, request) pairs that delivered a token, the oracle counted here from the
+    tokens the event loop streamed. Every request stops at a token from the middle of its output."""
+    path, oracle, trained, prompts, rng = setup
+    reference = oracle.generate_batch(prompts, GREEDY)
+    params = [dataclasses.replace(GREEDY, stop_token_ids=(r.output_ids[rng.randint(2, len(r.output_ids) - 3)],))
+              for r in reference]
+    expected = oracle.generate_batch(prompts, params)
+
+    async def run():
+        engine = _engine(path, trained, oracle)
+        delivered: set[tuple[int, int]] = set()  # (speculative round, request)
+        rounds, inside = [0], [False]  # a prefill round's first tokens are no step's
+        speculative_round, accept = engine._speculative_round, engine._accept
+
+        async def counting_round(*args, **kwargs):
+            rounds[0] += 1
+            inside[0] = True
+            try:
+                return await speculative_round(*args, **kwargs)
+            finally:
+                inside[0] = False
+
+        def counting_accept(state, *args):
+            if inside[0]:
+                delivered.add((rounds[0], id(state)))
+            return accept(state, *args)
+
+        engine._speculative_round, engine._accept = counting_round, counting_accept
+        await engine.start()
+        try:
+            outcomes = await asyncio.gather(*(collect(engine, GenerateRequest(f"s{i}", tuple(p), sp))
+                                              for i, (p, sp) in enumerate(zip(prompts, params))))
+            await pages_back(engine)
+            return outcomes, engine.ahead[0], engine.speculation.stats, len(delivered)
+        finally:
+            await engine.stop()
+
+    outcomes, ahead, stats, delivered = asyncio.run(run())
+    for outcome, want in zip(outcomes, expected):
+        assert outcome.ok and outcome.tokens == want.output_ids and outcome.terminal.reason == "stop"
+    assert ahead > 0
+    assert stats.verify_rows == delivered, (stats.verify_rows, delivered)
