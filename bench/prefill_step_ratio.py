@@ -64,6 +64,8 @@ from deepseek_pd.workers.prefill.engine import PrefillEngine  # noqa: E402
 from deepseek_pd.workers.transport import TransportConfig  # noqa: E402
 from target_check import check  # noqa: E402
 import step_attribution  # noqa: E402
+import worker_metrics  # noqa: E402
+from prometheus_client import generate_latest  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 TARGET = 1.1  # issue 25: the worker at >= 0.9 of its runner
@@ -143,6 +145,7 @@ def runner_alone(runner: ModelRunner, prompt: list[int], device: str) -> float:
 @dataclasses.dataclass
 class WorkerTimes:
     alone: list[float] = dataclasses.field(default_factory=list)  # the runner alone, before each request
+    metrics: dict = dataclasses.field(default_factory=dict)  # the worker's own /metrics over the pairs (all modes)
     step: list[float] = dataclasses.field(default_factory=list)  # the metric's seconds per round
     model_thread: list[float] = dataclasses.field(default_factory=list)  # rounds.forward, in the thread
     forward: list[float] = dataclasses.field(default_factory=list)  # runner.extend (+ run_extend's sync)
@@ -260,6 +263,7 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args, modes: list
         await prefill.model_thread.run(runner_alone, prefill_runner, prompts[0], args.device)
         await one(prompts[0])
         instrument(prefill, holder, thread_profiler)
+        scraped = {"prefill-0": worker_metrics.parse(generate_latest(prefill.metrics.registry).decode())}
         traced = torch_trace(args) if args.trace else contextlib.nullcontext()
         for index, prompt in enumerate(prompts[1:]):
             if index == max(0, len(prompts) - 1 - TRACED_PAIRS):
@@ -278,6 +282,8 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args, modes: list
                     loop_profiler.disable()
         if args.trace:
             traced.__exit__(None, None, None)
+        after = {"prefill-0": worker_metrics.parse(generate_latest(prefill.metrics.registry).decode())}
+        results[modes[0]].metrics = worker_metrics.breakdown(scraped, after)
     finally:
         model_thread_module.model_call = MODES["inference"]
         await decode.stop()
@@ -342,6 +348,8 @@ def summary(worker: WorkerTimes, label: str) -> dict:
     for part, value in split.items():
         print(f"{'  ' + part:<26} {value:>9.2f} ms")
     print(f"{'event loop busy in a step':<26} {ms(worker.loop_busy):>9.2f} ms   (callbacks run beside the forward)")
+    if worker.metrics:  # what a serving run's scrape says of the same rounds (bench/worker_metrics.py)
+        print("the worker's own metrics over these rounds (every mode):\n" + worker_metrics.describe(worker.metrics))
     return {"runner_ms": runner_ms, "step_ms": step_ms, "step_mean_ms": step_mean, "split_ms": split,
             "loop_busy_ms": ms(worker.loop_busy), "ratio": ratio, "seconds": dataclasses.asdict(worker)}
 

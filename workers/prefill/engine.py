@@ -100,7 +100,8 @@ class PrefillEngine(EngineCore[_Request]):
         self.round_budget = RoundBudget(RoundBudgetConfig(scheduler.chunked_prefill_size,
                                                           scheduler.prefill_round_target_ms / 1000))
         self.rounds = PrefillRounds(runner, self.sampler, scheduler.chunked_prefill_size, _PushHooks(self),
-                                    on_step=self._observe_round, aligned=scheduler.deterministic,
+                                    on_step=self._observe_round, on_phases=self.metrics.observe_round_phases,
+                                    aligned=scheduler.deterministic,
                                     round_tokens=self.round_budget.tokens)
 
     def _observe_round(self, seconds: float, prompts: int, tokens: int) -> None:
