@@ -149,6 +149,9 @@ def prefill_worker_lines(rows: list[dict], runner: dict | None) -> list[str]:
         if worker.get("prefill_phases_ms"):
             lines.append("  round (means, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in worker["prefill_phases_ms"].items())
                          + f"; unattributed {worker.get('prefill_unattributed_ms', 0.0):.1f}")
+        if worker.get("prefill_request_phases_ms"):  # (its TTFT here: until the handshake, the first token, the done)
+            lines.append("  request (means, ms): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in worker["prefill_request_phases_ms"].items()))
     return lines
 
 

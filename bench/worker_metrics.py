@@ -9,6 +9,7 @@ taking the difference gives, per worker, the mean of what that level added:
                prefill step p50 ~33.5 ms (its histogram's buckets; the mean above counts every slow one)
                prefill round (means): hop_in 0.2, prepare 1.1, launch 82.0, sample 0.4, gpu_wait 2.4,
                other 0.1, hop_out 0.1 ms; unattributed 0.0 ms
+               prefill request (means): handshake 1.9, prefill 85.0, finish 2.2 ms
     decode-0:  ttft 95.2 ms, decode step 10.9 ms x 31.5 requests, KV receive 94.8 ms,
                GC 310 pauses, 20.5 ms in all (1 full, mean 8.2 ms)
 
@@ -16,6 +17,8 @@ taking the difference gives, per worker, the mean of what that level added:
 handshake to the checked TransferDone, so it holds the prefill's compute). The prefill round's
 phases (workers/engine/round_clock.py) are means per round, so they add up to the step's mean;
 "unattributed" is what they leave of it (0 but for rounding, unless some round reported none).
+A prefill request's phases (until decode's handshake, until its first token, until TransferDone
+is through) are means per request and add up to about the prefill worker's TTFT.
 A mean is moved by a few slow steps (a kernel first loaded mid-run, a full GC) where a median is
 not: the step's p50 is interpolated within its histogram bucket, as Prometheus'
 `histogram_quantile` does. The metrics URLs come from the workers' start logs, as `up` writes them.
@@ -43,6 +46,7 @@ _SAMPLES = {
     "gc2": ("gc_pause_seconds", {"generation": "2"}),  # full collections
 }
 PHASES_HISTOGRAM = "prefill_round_phase_seconds"  # by label "phase"
+REQUEST_PHASES_HISTOGRAM = "prefill_request_phase_seconds"  # by label "phase"
 STEP_HISTOGRAM = "step_seconds"
 # what -> (counter sample, label filter)
 _COUNTERS = {"prefill_tokens": ("step_tokens_total", {"mode": "prefill"}),
@@ -81,6 +85,10 @@ def parse(text: str) -> dict[str, float]:
             if sample.name == PREFIX + PHASES_HISTOGRAM + "_sum":
                 key = f"phase:{sample.labels['phase']}"
                 totals[key] = totals.get(key, 0.0) + sample.value
+            for suffix in ("_sum", "_count"):
+                if sample.name == PREFIX + REQUEST_PHASES_HISTOGRAM + suffix:
+                    key = f"request:{sample.labels['phase']}{suffix}"
+                    totals[key] = totals.get(key, 0.0) + sample.value
             if sample.name == PREFIX + STEP_HISTOGRAM + "_bucket" and sample.labels.get("mode") == "prefill":
                 key = f"prefill_step_le:{sample.labels['le']}"
                 totals[key] = totals.get(key, 0.0) + sample.value
@@ -150,6 +158,12 @@ def breakdown(before: dict[str, dict[str, float]], after: dict[str, dict[str, fl
             if any(phases.values()):
                 row["prefill_phases_ms"] = {phase: ms for phase, ms in phases.items() if ms > 0}
                 row["prefill_unattributed_ms"] = row["prefill_step_ms"] - sum(phases.values())
+        requests = {key.split(":", 1)[1][:-len("_sum")]: key for key in now
+                    if key.startswith("request:") and key.endswith("_sum")}
+        request_ms = {phase: delta(key) / delta(key[:-len("_sum")] + "_count") * 1e3
+                      for phase, key in requests.items() if delta(key[:-len("_sum")] + "_count") > 0}
+        if request_ms:
+            row["prefill_request_phases_ms"] = request_ms
         result[name] = row
     return result
 
@@ -178,6 +192,9 @@ def describe(rows: dict[str, dict]) -> str:
         if "prefill_phases_ms" in row:
             phases = ", ".join(f"{phase} {ms:.1f}" for phase, ms in _in_order(row["prefill_phases_ms"]))
             lines.append(f"  prefill round (means): {phases} ms; unattributed {row['prefill_unattributed_ms']:.1f} ms")
+        if "prefill_request_phases_ms" in row:
+            lines.append("  prefill request (means): " + ", ".join(
+                f"{phase} {ms:.1f}" for phase, ms in row["prefill_request_phases_ms"].items()) + " ms")
     return "\n".join(lines)
 
 

@@ -9,6 +9,8 @@ The module knows no role. What feeds it, and how often (never per token):
                          decode step for the whole batch (step time, tokens forwarded);
                          observe_round_phases(phases): where a prefill worker's round went
                          (workers/engine/round_clock.py, one series per phase);
+                         observe_request_phases(phases): where a prefill request's time went
+                         (REQUEST_PHASES, once per request that got its first token);
                          observe_inter_token_latency(gaps): one call per collected decode step
                          with each streamed token's gap since its request's previous token
     engine, per request  observe_prefix_cache(queried, hit), observe_kv_transfer(...),
@@ -56,6 +58,11 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
                 0.1, 0.2, 0.5, 1, 2, 5)
 # A round's phases span a few microseconds (a hop) to the whole step.
+# A prefill request's time on its worker, from Generate to TransferDone answered:
+#   handshake  until decode's handshake has arrived and the KV channel is open
+#   prefill    until its first token is sampled (waiting for pages and for rounds, and its rounds)
+#   finish     until the KV that was left to send and TransferDone are through
+REQUEST_PHASES = ("handshake", "prefill", "finish")
 PHASE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.015, 0.03, 0.05, 0.1, 0.2,
                  0.5, 1, 2, 5)
 # SGLang's default `bucket_inter_token_latency` (sglang:inter_token_latency_seconds).
@@ -138,6 +145,10 @@ class WorkerMetrics:
                            "(workers/engine/round_clock.py): the phases of one round add up to its step",
                            PHASE_BUCKETS, ("phase",))
         self._phases = {phase: phases.labels(**self._const, phase=phase) for phase in PHASES}
+        request_phases = histogram("prefill_request_phase_seconds", "Where a prefill request's time went on "
+                                   "the prefill worker, by phase: handshake, prefill, finish", TTFT_BUCKETS,
+                                   ("phase",))
+        self._request_phases = {phase: request_phases.labels(**self._const, phase=phase) for phase in REQUEST_PHASES}
         self._prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
                                        ).labels(**self._const)
         self._prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache"
@@ -220,6 +231,11 @@ class WorkerMetrics:
         pass is left out of its series, so each series' mean is over the rounds that had it)."""
         for phase, seconds in phases.items():
             self._phases[phase].observe(seconds)
+
+    def observe_request_phases(self, phases: Mapping[str, float]) -> None:
+        """One prefill request's phases (seconds by name of REQUEST_PHASES)."""
+        for phase, seconds in phases.items():
+            self._request_phases[phase].observe(seconds)
 
     def observe_inter_token_latency(self, gaps: Iterable[float]) -> None:
         """One collected decode step: each token it streamed, its seconds since the previous token of
