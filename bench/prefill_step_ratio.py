@@ -64,6 +64,8 @@ from deepseek_pd.workers.prefill.engine import PrefillEngine  # noqa: E402
 from deepseek_pd.workers.transport import TransportConfig  # noqa: E402
 from target_check import check  # noqa: E402
 import step_attribution  # noqa: E402
+import worker_metrics  # noqa: E402
+from prometheus_client import generate_latest  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 TARGET = 1.1  # issue 25: the worker at >= 0.9 of its runner
@@ -94,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="every request's (1: none); with one, both workers open penalised requests "
                              "(their sampling tables built on the model thread, not the event loop)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="the GIL's switch interval in this process (default: CPython's 5 ms, as the workers)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="write cProfile's top functions of the worker's model thread and event loop")
@@ -224,9 +228,10 @@ MODES = {"inference": model_thread_module.model_call, "as_before": lambda fn, *a
 
 async def worker_steps(prefill_runner, decode_runner, prompts, args, modes: list[str],
                        thread_profiler: cProfile.Profile | None, loop_profiler: cProfile.Profile | None
-                       ) -> dict[str, WorkerTimes]:
+                       ) -> tuple[dict[str, WorkerTimes], dict]:
     """Per mode of `modes`, the pairs of module docstring's 1 and 2; the modes take turns on each
-    prompt, so they see the same machine too."""
+    prompt, so they see the same machine too. Also the worker's own metrics over all the pairs
+    (bench/worker_metrics.py's breakdown: what a serving run's scrape would say of them)."""
     config = WorkerConfig(kv_transport="grpc",
                           transport=TransportConfig(send_timeout_s=60, same_host_direct=args.same_host_direct),
                           bootstrap=BootstrapConfig(port=0),
@@ -260,6 +265,7 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args, modes: list
         await prefill.model_thread.run(runner_alone, prefill_runner, prompts[0], args.device)
         await one(prompts[0])
         instrument(prefill, holder, thread_profiler)
+        scraped = {"prefill-0": worker_metrics.parse(generate_latest(prefill.metrics.registry).decode())}
         traced = torch_trace(args) if args.trace else contextlib.nullcontext()
         for index, prompt in enumerate(prompts[1:]):
             if index == max(0, len(prompts) - 1 - TRACED_PAIRS):
@@ -278,11 +284,13 @@ async def worker_steps(prefill_runner, decode_runner, prompts, args, modes: list
                     loop_profiler.disable()
         if args.trace:
             traced.__exit__(None, None, None)
+        after = {"prefill-0": worker_metrics.parse(generate_latest(prefill.metrics.registry).decode())}
+        metrics = worker_metrics.breakdown(scraped, after)
     finally:
         model_thread_module.model_call = MODES["inference"]
         await decode.stop()
         await prefill.stop()
-    return results
+    return results, metrics
 
 
 TRACED_PAIRS = 3  # --trace: the last pairs (runner alone, then the request) go into the trace
@@ -321,7 +329,7 @@ def top_functions(profiler: cProfile.Profile, limit: int = 25) -> str:
     return out.getvalue()
 
 
-def summary(worker: WorkerTimes, label: str) -> dict:
+def summary(worker: WorkerTimes, label: str, metrics: dict | None = None) -> dict:
     """Prints and returns one run of pairs: medians, the pairwise ratio, the split."""
     def ms(values: list[float]) -> float:
         return statistics.median(values) * 1e3
@@ -342,6 +350,8 @@ def summary(worker: WorkerTimes, label: str) -> dict:
     for part, value in split.items():
         print(f"{'  ' + part:<26} {value:>9.2f} ms")
     print(f"{'event loop busy in a step':<26} {ms(worker.loop_busy):>9.2f} ms   (callbacks run beside the forward)")
+    if metrics:  # what a serving run's scrape says of the same rounds (bench/worker_metrics.py)
+        print("the worker's own metrics over these rounds (every mode):\n" + worker_metrics.describe(metrics))
     return {"runner_ms": runner_ms, "step_ms": step_ms, "step_mean_ms": step_mean, "split_ms": split,
             "loop_busy_ms": ms(worker.loop_busy), "ratio": ratio, "seconds": dataclasses.asdict(worker)}
 
@@ -352,6 +362,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     if args.device == "cpu":
         torch.set_num_threads(1)  # OpenMP teams thrash on a shared CPU (and in the engines' threads)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     path = model_path(args)
     pages = 2 * (-(-args.tokens // args.page_size)) + 8
     prefill_runner = ModelRunner(RunnerConfig(model=path, device=args.device, dtype=args.dtype,
@@ -367,18 +379,19 @@ def main(argv=None) -> dict:
     loop_profiler = cProfile.Profile() if args.profile else None
     modes = ["as_before"] if args.no_inference_mode else ["inference"] + (
         ["as_before"] if args.also_without_inference_mode else [])
-    runs = asyncio.run(worker_steps(prefill_runner, decode_runner, prompts(), args, modes, thread_profiler,
+    runs, metrics = asyncio.run(worker_steps(prefill_runner, decode_runner, prompts(), args, modes, thread_profiler,
                                     loop_profiler))
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"\nprefill worker step vs runner: {args.tokens}-token prompts, {path}, {args.device} ({name}), "
           f"{args.dtype}, page {args.page_size}, layer-wise {args.layerwise}, same_host_direct {args.same_host_direct}, "
-          f"repetition penalty {args.repetition_penalty}, "
+          f"repetition penalty {args.repetition_penalty}, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms, "
           f"{args.repeats} requests at concurrency 1 per mode, the modes in turn (medians)")
     labels = {"inference": "model thread in inference mode", "as_before": "model thread without inference mode (as before)"}
     result = {"tokens": args.tokens, "model": path, "device": args.device, "device_name": name,
               "dtype": args.dtype, "page_size": args.page_size, "inference_mode": not args.no_inference_mode,
               "layerwise": args.layerwise, "same_host_direct": args.same_host_direct,
-              "repetition_penalty": args.repetition_penalty, **summary(runs[modes[0]], labels[modes[0]])}
+              "repetition_penalty": args.repetition_penalty, "switch_interval_s": sys.getswitchinterval(), **summary(runs[modes[0]], labels[modes[0]], metrics),
+              "worker_metrics": metrics}
     result["check"] = check(f"prefill worker step / runner extend, {args.tokens} tokens, c=1", result["ratio"],
                             "<=", TARGET)
     if len(modes) > 1:

@@ -254,6 +254,7 @@ def solo_levels(url: str, plan: Plan, flags: list[str], seed: int, levels_dir: P
             solo["prefill_only"] = row
         else:
             solo["decode_only"][concurrency] = row
+        print(f"[{name}] the workers' own metrics (means):\n{worker_metrics.describe(workers)}", flush=True)
         print(f"[{name}] {json.dumps(row)}", flush=True)
 
 

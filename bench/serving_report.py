@@ -106,6 +106,7 @@ def format_table(rows: list[dict], verdicts: list[dict], runner: dict | None, no
             lines.append(f"runner: a prefill round of {prefill_round['tokens']} tokens "
                          f"({len(prefill_round['lengths'])} prompts) {prefill_round['ms']:.2f} ms, "
                          f"{prefill_round['tok_s']:.0f} tok/s")
+    lines += prefill_worker_lines(rows, runner)
     for cap in ceilings(rows, runner):
         lines.append(f"one-GPU ceiling @c={cap['concurrency']}: {cap['ceiling_tok_s']:.0f} out tok/s "
                      f"(prefill {cap['prefill_share']:.0%} + decode {cap['decode_share']:.0%} of the GPU); "
@@ -116,6 +117,46 @@ def format_table(rows: list[dict], verdicts: list[dict], runner: dict | None, no
     if note:
         lines.append(note)
     return "\n".join(lines)
+
+
+def _prefill_worker(row: dict) -> dict | None:
+    """The prefill worker's metrics of a level row (bench/worker_metrics.py breakdown), if any."""
+    return next((w for name, w in sorted((row.get("workers") or {}).items())
+                 if name.startswith("prefill") and "prefill_step_ms" in w), None)
+
+
+def prefill_worker_lines(rows: list[dict], runner: dict | None) -> list[str]:
+    """Per level, the prefill worker's own step (p50 and mean, from its metrics) against the
+    runner's (issue 25): at c=1 against the runner's prefill of one prompt of the same lengths, at
+    higher levels per token against the runner's prefill round; then where the round's mean went."""
+    lines = []
+    one = (runner or {}).get("prefill_ms_median")
+    round_tok_s = ((runner or {}).get("prefill_round") or {}).get("tok_s")
+    for row in rows:
+        worker = _prefill_worker(row)
+        if worker is None:
+            continue
+        mean, p50, tokens = worker["prefill_step_ms"], worker.get("prefill_step_p50_ms"), worker.get(
+            "prefill_tokens_per_step", 0.0)
+        line = (f"prefill worker @c={row['concurrency']}: step p50 ~{_fmt(p50, 0)} ms, mean {mean:.1f} ms, "
+                f"{tokens:.0f} tokens a round")
+        if row["concurrency"] == 1 and one:
+            line += f"; / runner prefill {one:.1f} ms: p50 {_ratio(p50, one)}, mean {_ratio(mean, one)}"
+        elif round_tok_s and tokens:
+            rate = tokens / mean * 1e3
+            line += f"; {rate:.0f} tok/s (by the mean) = {rate / round_tok_s:.2f} of the runner's round"
+        lines.append(line)
+        if worker.get("prefill_phases_ms"):
+            lines.append("  round (means, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in worker["prefill_phases_ms"].items())
+                         + f"; unattributed {worker.get('prefill_unattributed_ms', 0.0):.1f}")
+        if worker.get("prefill_request_phases_ms"):  # (its TTFT here: until the handshake, the first token, the done)
+            lines.append("  request (means, ms): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in worker["prefill_request_phases_ms"].items()))
+    return lines
+
+
+def _ratio(value: float | None, reference: float) -> str:
+    return "-" if value is None else f"{value / reference:.2f}x"
 
 
 def write_plot(path, rows: list[dict], runner: dict | None, title: str) -> str | None:

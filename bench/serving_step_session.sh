@@ -14,6 +14,10 @@
 # GPU tests (no sync in `sample`, penalty tables built on the sampling thread); the mooncake KV
 # cipher's Triton kernel against a ChaCha20 reference and bench/kv_cipher.py (what it adds to the
 # staging copy of a 4k-token V2-Lite prompt, per side).
+# PART=gil (about 1 min, not in all; after bench or serving_session.sh, which write the checkpoint):
+# bench/gil_switch.py, the V2-Lite extend of 789 tokens beside a Python-busy thread against alone, at
+# GIL switch intervals of 5 (CPython's default) and 0.5 ms: whether a worker's other threads can
+# slow its model thread's launches, and whether a shorter interval would help.
 # PART=penalty (about 3 min, not in all): prefill_step_ratio.py with a repetition penalty on every
 # request (sampling tables built on the model thread, not the event loop), 8 requests.
 # PART=all (default) runs tests, bench and mac. No wheels needed (the byte stream's crc32 falls back to zlib).
@@ -25,6 +29,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
         "$REPO/tests/workers/prefill/test_chunk_send_order_cuda.py" \
         "$REPO/tests/workers/transport/test_cuda_first_use_cuda.py" \
         "$REPO/tests/workers/engine/test_extend_step_cuda.py" \
+        "$REPO/tests/workers/engine/test_round_clock_cuda.py" \
         "$REPO/tests/workers/test_gpu_chunk_default.py" 2>&1) | tee "$OUT/tests.log"
 fi
 if [ "$PART" = all ] || [ "$PART" = mac ]; then
@@ -44,6 +49,12 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
     timeout "${BENCH_TIMEOUT:-420}" python3 "$REPO/bench/prefill_step_ratio.py" --device cuda --shape v2-lite \
         --tokens "${TOKENS:-789}" --repeats "${REPEATS:-16}" --also-without-inference-mode --trace "$OUT/trace" \
         --json "$OUT/step.json" 2>&1 | grep -v "^USDT" | tee "$OUT/step.log"
+fi
+if [ "$PART" = gil ]; then
+    cd /tmp || exit 1
+    timeout "${GIL_TIMEOUT:-150}" python3 "$REPO/bench/gil_switch.py" --device cuda \
+        --model /tmp/deepseek-pd-bench/v2-lite-random --tokens "${TOKENS:-789}" --pairs 9 --intervals-ms 5,0.5 \
+        --small-ops 2>&1 | tee "$OUT/gil_switch.log"
 fi
 if [ "$PART" = penalty ]; then
     cd /tmp || exit 1

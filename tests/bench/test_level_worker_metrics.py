@@ -71,3 +71,49 @@ def test_metrics_urls_are_the_workers_latest_starts(tmp_path):
                                               f"restarted\nx Prometheus metrics on {url}\n")
     (tmp_path / "up.log").write_text("prefill-0 | Prometheus metrics on http://127.0.0.1:2/metrics\n")
     assert worker_metrics.metrics_urls(tmp_path) == urls
+
+
+def test_round_phases_add_up_to_the_step_mean_and_the_p50_falls_in_the_median_bucket():
+    """The phases' means per round over the scrapes' interval, and the step's p50 from its buckets:
+    in the bucket of the observed median, which a few slow rounds move no further (the mean goes)."""
+    from deepseek_pd.workers.engine.round_clock import PHASES
+    from deepseek_pd.workers.metrics.worker_metrics import REQUEST_PHASES, STEP_BUCKETS
+
+    rng = random.Random()
+    metrics = WorkerMetrics()
+    metrics.observe_round_phases({"launch": rng.uniform(0.01, 0.1)})  # before the first scrape: not counted
+    metrics.observe_step("prefill", 0.05, 1, 1)
+    metrics.observe_request_phases({"handshake": 1.0})
+    before = {"prefill-0": worker_metrics.parse(generate_latest(metrics.registry).decode())}
+    steps, sums = [], {phase: 0.0 for phase in PHASES}
+    requests = {phase: [] for phase in REQUEST_PHASES}
+    for _ in range(rng.randrange(5, 40)):
+        phases = {phase: rng.uniform(0, 0.01) for phase in rng.sample(PHASES, rng.randrange(1, len(PHASES)))}
+        if rng.random() < 0.1:  # a slow one (a kernel first loaded mid-run)
+            phases["launch"] = phases.get("launch", 0.0) + rng.uniform(0.5, 1.5)
+        metrics.observe_round_phases(phases)
+        steps.append(sum(phases.values()))
+        metrics.observe_step("prefill", steps[-1], 1, 100)
+        for phase, seconds in phases.items():
+            sums[phase] += seconds
+        request = {phase: rng.uniform(0, 0.2) for phase in REQUEST_PHASES}
+        metrics.observe_request_phases(request)
+        for phase, seconds in request.items():
+            requests[phase].append(seconds)
+    after = {"prefill-0": worker_metrics.parse(generate_latest(metrics.registry).decode())}
+    row = worker_metrics.breakdown(before, after)["prefill-0"]
+    means = {phase: total / len(steps) * 1e3 for phase, total in sums.items() if total > 0}
+    assert row["prefill_phases_ms"] == pytest.approx(means)
+    assert row["prefill_unattributed_ms"] == pytest.approx(0.0, abs=1e-6)
+    assert row["prefill_request_phases_ms"] == pytest.approx(
+        {phase: statistics.mean(values) * 1e3 for phase, values in requests.items()})
+    bounds = (0.0, *STEP_BUCKETS, float("inf"))
+
+    def bucket(seconds: float) -> int:
+        return next(i for i in range(1, len(bounds)) if seconds <= bounds[i])
+
+    median = statistics.median_low(steps)  # (the interpolation ranks q * n: the lower middle of an even count)
+    assert bucket(row["prefill_step_p50_ms"] / 1e3) == bucket(median), (row["prefill_step_p50_ms"], sorted(steps))
+    text = worker_metrics.describe({"prefill-0": row})
+    assert "prefill step p50" in text and "prefill round (means)" in text and "unattributed" in text
+    assert "prefill request (means): handshake" in text

@@ -43,3 +43,11 @@ def test_one_run_reports_the_ratio_of_paired_steps(tmp_path) -> None:
     assert {row["windows"] for row in split.values()} == {min(repeats, 3) * (2 if both else 1)}  # pairs traced, per mode
     assert split["pd::worker_round"]["ms"] >= split["pd::extend"]["ms"] > 0
     assert all(row["gpu_busy_ms"] == row["syncs"] == row["launches"] == 0 for row in split.values())
+    # The worker's own metrics over the same rounds, as a serving run scrapes them: the round's phases
+    # (workers/engine/round_clock.py) add up to the mean of the steps the bench timed itself.
+    worker = result["worker_metrics"]["prefill-0"]
+    steps = seconds["step"] + (result["without_inference_mode"]["seconds"]["step"] if both else [])
+    assert worker["prefill_step_count"] == len(steps)
+    assert worker["prefill_step_ms"] == pytest.approx(statistics.mean(steps) * 1e3)
+    assert sum(worker["prefill_phases_ms"].values()) == pytest.approx(worker["prefill_step_ms"], abs=0.05)
+    assert worker["prefill_phases_ms"]["launch"] > 0 and "prefill_step_p50_ms" in worker

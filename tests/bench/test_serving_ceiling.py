@@ -77,3 +77,26 @@ def test_the_round_size_follows_the_worker_flags_as_serve_reads_them(monkeypatch
     assert tokens(["--engine-opt", "prefix_cache=false", "--page-size=64"], "cuda") == gpu_chunked_prefill_size(total)
     with pytest.raises(UserError, match="unknown --engine-opt 'chunked_prefill_size'"):
         tokens(["--engine-opt", f"chunked_prefill_size={b}"], "cuda")
+
+
+def test_the_prefill_worker_lines_hold_its_step_against_the_runner() -> None:
+    """c=1: the step's p50 and mean over the runner's one-prompt prefill; above: its rate by the mean
+    over the runner's round rate; each with the round's phases when the worker reported them."""
+    report = bench_module("serving_report")
+    rng = random.Random()
+    one, round_tok_s = rng.uniform(10, 60), rng.uniform(1e4, 1e5)
+    rows = []
+    for c in (1, 16):
+        worker = {"prefill_step_ms": rng.uniform(20, 200), "prefill_step_p50_ms": rng.uniform(20, 200),
+                  "prefill_tokens_per_step": rng.uniform(100, 8000),
+                  "prefill_phases_ms": {"launch": rng.uniform(1, 20)}, "prefill_unattributed_ms": 0.0,
+                  "prefill_request_phases_ms": {"handshake": rng.uniform(1, 9)}}
+        rows.append({"concurrency": c, "workers": {"decode-0": {"decode_step_ms": 1.0}, "prefill-0": worker}})
+    lines = report.prefill_worker_lines(rows, {"prefill_ms_median": one, "prefill_round": {"tok_s": round_tok_s}})
+    first, second = rows[0]["workers"]["prefill-0"], rows[1]["workers"]["prefill-0"]
+    assert f"p50 {first['prefill_step_p50_ms'] / one:.2f}x, mean {first['prefill_step_ms'] / one:.2f}x" in lines[0]
+    rate = second["prefill_tokens_per_step"] / second["prefill_step_ms"] * 1e3
+    assert f"{rate / round_tok_s:.2f} of the runner's round" in lines[3]
+    assert lines[1].startswith("  round (means, ms): launch") and lines[2].startswith("  request (means, ms): handshake")
+    assert len(lines) == 6
+    assert report.prefill_worker_lines([{"concurrency": 1}], None) == []

@@ -39,6 +39,7 @@ from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.sampling.sampled_host import TopLogprobs
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState
 from deepseek_pd.workers.engine.extend_step import run_extend, run_extend_with_mtp
+from deepseek_pd.workers.engine.round_clock import RoundClock
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,9 @@ class PrefillRounds(Generic[Owner]):
     """Plans and runs chunked prefill rounds over a role's queue of prompts (module docstring).
 
     `chunk_budget`: new prompt tokens per round, summed over its prompts. `on_step(seconds,
-    prompts, tokens)` hears of every forward that succeeded (the workers' step metrics).
+    prompts, tokens)` hears of every forward that succeeded (the workers' step metrics), and
+    `on_phases(phases)` of where its seconds went (round_clock.py: contiguous phases that add up
+    to about `seconds`, host timestamps only).
     """
 
     runner: ModelRunner
@@ -128,6 +131,7 @@ class PrefillRounds(Generic[Owner]):
     chunk_budget: int
     hooks: RoundHooks[Owner]
     on_step: Callable[[float, int, int], None] | None = None
+    on_phases: Callable[[dict[str, float]], None] | None = None
     # Cut prompts only at multiples of chunk_budget from their own start (--deterministic: a
     # prompt's chunks, and so its numerics, do not depend on the queue).
     aligned: bool = False
@@ -170,18 +174,23 @@ class PrefillRounds(Generic[Owner]):
         return owners
 
     def forward(self, plan: ExtendPlan[Owner], states: Sequence[SamplingState],
-                progress: LayerProgress | None = None) -> RoundOutput:
+                progress: LayerProgress | None = None, clock: RoundClock | None = None) -> RoundOutput:
         """Model thread: the round's extend and the first token of each prompt it completes
-        (`states[i]` samples for `plan.finishing[i]`); with the MTP layer, its pass too."""
+        (`states[i]` samples for `plan.finishing[i]`); with the MTP layer, its pass too. `clock`
+        (the round's, started by the caller) gets the model thread's phases."""
+        if clock is not None:
+            clock.mark("hop_in")
         rows = plan.finishing
         if self.with_mtp:
             sampled, drafts = run_extend_with_mtp(self.runner, self.sampler, plan.seqs, rows, states,
-                                                  [item.token_ids for item in plan.items], progress)
+                                                  [item.token_ids for item in plan.items], progress, clock)
         else:
-            sampled = run_extend(self.runner, self.sampler, plan.seqs, rows, states, progress)
+            sampled = run_extend(self.runner, self.sampler, plan.seqs, rows, states, progress, clock)
             drafts = [None] * len(rows)
         firsts = tuple(FirstToken(token, logprob, top, draft) for token, logprob, top, draft
                        in zip(sampled.token_ids, sampled.logprobs, sampled.top, drafts))
+        if clock is not None:
+            clock.mark("other")
         return RoundOutput(tuple(rows), firsts)
 
     def commit(self, plan: ExtendPlan[Owner], output: RoundOutput | None,
@@ -214,7 +223,7 @@ class PrefillRounds(Generic[Owner]):
             except Exception as exc:
                 self.commit(plan, None, exc)
                 return plan
-            self._end(plan, output, time.perf_counter() - began)
+            self._end(plan, output, time.perf_counter() - began, None)
         return plan
 
     async def run_in(self, model_thread: ForwardThread, queue: Sequence[PromptProgress[Owner]]) -> ExtendPlan[Owner]:
@@ -222,13 +231,16 @@ class PrefillRounds(Generic[Owner]):
         plan, states, progress = self._begin(queue)
         if plan.items:
             began = time.perf_counter()
+            clock = RoundClock() if self.on_phases is not None else None
             try:
-                output = await model_thread.run(self.forward, plan, states, progress)
+                output = await model_thread.run(self.forward, plan, states, progress, clock)
             except Exception as exc:
                 log.exception("prefill forward failed")
                 self.commit(plan, None, exc)
                 return plan
-            self._end(plan, output, time.perf_counter() - began)
+            if clock is not None:
+                clock.mark("hop_out")
+            self._end(plan, output, time.perf_counter() - began, clock)
         return plan
 
     def _begin(self, queue: Sequence[PromptProgress[Owner]]) -> tuple[ExtendPlan[Owner], list, LayerProgress | None]:
@@ -240,9 +252,11 @@ class PrefillRounds(Generic[Owner]):
         self.hold(plan)
         return plan, states, progress
 
-    def _end(self, plan: ExtendPlan[Owner], output: RoundOutput, seconds: float) -> None:
+    def _end(self, plan: ExtendPlan[Owner], output: RoundOutput, seconds: float, clock: RoundClock | None) -> None:
         if self.on_step is not None:
             self.on_step(seconds, len(plan.items), sum(len(seq.token_ids) for seq in plan.seqs))
+        if clock is not None and self.on_phases is not None:
+            self.on_phases(clock.phases)
         self.commit(plan, output)
 
     def _let_go(self, owners: Sequence[Owner]) -> None:

@@ -7,6 +7,10 @@ The module knows no role. What feeds it, and how often (never per token):
                          TPOT and end-to-end latency histograms
     engine, per step     observe_step(mode, seconds, num_reqs, num_tokens): one call per extend or
                          decode step for the whole batch (step time, tokens forwarded);
+                         observe_round_phases(phases): where a prefill worker's round went
+                         (workers/engine/round_clock.py, one series per phase);
+                         observe_request_phases(phases): where a prefill request's time went
+                         (REQUEST_PHASES, once per request that got its first token);
                          observe_inter_token_latency(gaps): one call per collected decode step
                          with each streamed token's gap since its request's previous token
     engine, per request  observe_prefix_cache(queried, hit), observe_kv_transfer(...),
@@ -40,6 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from deepseek_pd.workers.engine.interface import Loads
+from deepseek_pd.workers.engine.round_clock import PHASES
 from deepseek_pd.workers.metrics.bulk_histogram import BulkHistogram, cumulative_buckets
 
 PREFIX = "deepseek_pd:"
@@ -52,6 +57,14 @@ TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
                 0.1, 0.2, 0.5, 1, 2, 5)
+# A round's phases span a few microseconds (a hop) to the whole step.
+# A prefill request's time on its worker, from Generate to TransferDone answered:
+#   handshake  until decode's handshake has arrived and the KV channel is open
+#   prefill    until its first token is sampled (waiting for pages and for rounds, and its rounds)
+#   finish     until the KV that was left to send and TransferDone are through
+REQUEST_PHASES = ("handshake", "prefill", "finish")
+PHASE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.015, 0.03, 0.05, 0.1, 0.2,
+                 0.5, 1, 2, 5)
 # SGLang's default `bucket_inter_token_latency` (sglang:inter_token_latency_seconds).
 ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1,
                0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
@@ -128,6 +141,14 @@ class WorkerMetrics:
         self._step = {mode: tuple(metric.labels(**self._const, mode=mode) for metric in (step_seconds, step_tokens,
                                                                                         step_reqs))
                       for mode in STEP_MODES}
+        phases = histogram("prefill_round_phase_seconds", "Where a prefill round's step went, by phase "
+                           "(workers/engine/round_clock.py): the phases of one round add up to its step",
+                           PHASE_BUCKETS, ("phase",))
+        self._phases = {phase: phases.labels(**self._const, phase=phase) for phase in PHASES}
+        request_phases = histogram("prefill_request_phase_seconds", "Where a prefill request's time went on "
+                                   "the prefill worker, by phase: handshake, prefill, finish", TTFT_BUCKETS,
+                                   ("phase",))
+        self._request_phases = {phase: request_phases.labels(**self._const, phase=phase) for phase in REQUEST_PHASES}
         self._prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
                                        ).labels(**self._const)
         self._prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache"
@@ -204,6 +225,17 @@ class WorkerMetrics:
         hist.observe(seconds)
         tokens.inc(num_tokens)
         reqs.inc(num_reqs)
+
+    def observe_round_phases(self, phases: Mapping[str, float]) -> None:
+        """One prefill round's phases (seconds by name of round_clock.PHASES; a phase the round did not
+        pass is left out of its series, so each series' mean is over the rounds that had it)."""
+        for phase, seconds in phases.items():
+            self._phases[phase].observe(seconds)
+
+    def observe_request_phases(self, phases: Mapping[str, float]) -> None:
+        """One prefill request's phases (seconds by name of REQUEST_PHASES)."""
+        for phase, seconds in phases.items():
+            self._request_phases[phase].observe(seconds)
 
     def observe_inter_token_latency(self, gaps: Iterable[float]) -> None:
         """One collected decode step: each token it streamed, its seconds since the previous token of

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
@@ -100,7 +101,8 @@ class PrefillEngine(EngineCore[_Request]):
         self.round_budget = RoundBudget(RoundBudgetConfig(scheduler.chunked_prefill_size,
                                                           scheduler.prefill_round_target_ms / 1000))
         self.rounds = PrefillRounds(runner, self.sampler, scheduler.chunked_prefill_size, _PushHooks(self),
-                                    on_step=self._observe_round, aligned=scheduler.deterministic,
+                                    on_step=self._observe_round, on_phases=self.metrics.observe_round_phases,
+                                    aligned=scheduler.deterministic,
                                     round_tokens=self.round_budget.tokens)
 
     def _observe_round(self, seconds: float, prompts: int, tokens: int) -> None:
@@ -162,17 +164,23 @@ class PrefillEngine(EngineCore[_Request]):
             return
         state = _Request(request, sampling, push)
         self._requests[request.rid] = state
+        # Where this request's time on this worker goes (its TTFT here): prefill_request_phase_seconds.
+        arrived = time.perf_counter()
         try:
             await state.watch(push.handshake(self.config.bootstrap.handshake_timeout_s))
+            handshaken = time.perf_counter()
             self._waiting.append(state)
             self._wakeup.set()
             await state.watch(self._admission(state))
             token, logprob, top, draft = await state.watch(asyncio.shield(state.first_token))
+            sampled = time.perf_counter()
             # Seeded draws depend only on (seed, step): decode continues at step 1 with no state from here.
             # The first token's top logprobs travel with it in TransferDone (first_token_wire.py), and
             # with the MTP layer the first draft.
             await state.watch(push.finish(token, logprob, cached_tokens=state.hit.num_tokens if state.hit else 0,
                                           top=top, draft=draft))
+            self.metrics.observe_request_phases({"handshake": handshaken - arrived, "prefill": sampled - handshaken,
+                                                 "finish": time.perf_counter() - sampled})
             self.metrics.observe_kv_transfer(self.config.kv_transport, push.bytes_sent,
                                              push.send_seconds)
             cached = state.hit.num_tokens if state.hit else 0
