@@ -147,8 +147,9 @@ class RunnerConfig:
     # "mha" (the per-batch method choice would follow the batch); what cannot be made invariant
     # yet is refused (`deterministic_blocker`).
     deterministic: bool = False
-    # Batch-1 decode fusions (`BuildOptions.small_batch_fusions`): on where Triton runs on CUDA; off
-    # keeps the general kernels (what bench/decode_bs1_gpu.py compares them with).
+    # Batch-1 decode fusions (`BuildOptions.small_batch_fusions`): on where the MoE backend is "triton"
+    # (auto on CUDA; not under `deterministic`); off keeps the general kernels (what
+    # bench/decode_bs1_gpu.py compares them with).
     small_batch_fusions: bool = True
 
     def __post_init__(self) -> None:
@@ -388,4 +389,4 @@ class RunnerConfig:
             fp8_backend=self.resolve_fp8_backend(model_config),
             norm_rope_backend=self.resolve_backend(self.norm_rope_backend),
             mtp=self.builds_mtp, deterministic=self.invariant_kernels,
-            small_batch_fusions=self.small_batch_fusions and self.resolve_backend("auto") == "triton")
+            small_batch_fusions=self.small_batch_fusions and self.kernel_backend(self.moe_backend) == "triton")
