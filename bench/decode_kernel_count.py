@@ -11,7 +11,7 @@ Inside a scope it counts:
     bytes      bytes of model parameters the op's kernels read, each parameter once per op; stacked
                experts `[E, ...]` count `experts_read` of their E slices (what a one-token step reads)
 On a GPU `profile_ops` adds, from torch.profiler over one eager step, each scope's kernels and
-their summed device time (the GPU-side range of each `record_function` scope and the kernels in it).
+their summed device time (the kernels the profiler links to launches inside the scope's range).
 """
 from __future__ import annotations
 
@@ -136,26 +136,33 @@ def _triton_launchers() -> list[type]:
     return classes
 
 
+def _kernels_below(event) -> list:
+    """The device kernels launched inside a CPU event (the profiler links each launch to its kernel)."""
+    found = list(getattr(event, "kernels", []))
+    for child in event.cpu_children:
+        found += _kernels_below(child)
+    return found
+
+
 def profile_ops(scopes: OpScopes, step) -> None:
-    """One eager `step()` under torch.profiler (CUDA): per scope, the kernels whose device start
-    falls inside the scope's device-side range, their count and summed time."""
+    """One eager `step()` under torch.profiler (CUDA): per scope, the kernels its launches ran (a
+    `record_function` range's CPU subtree), their count and summed device time; and the step's."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with scopes.counting():
             step()
         torch.cuda.synchronize()
-    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    ranges = [e for e in device_events if e.name in scopes.counts]
-    kernels = sorted((e for e in device_events if e.name not in scopes.counts),
-                     key=lambda e: e.time_range.start)
-    scopes.step_kernels = len(kernels)
-    scopes.step_kernel_us = sum(k.time_range.elapsed_us() for k in kernels)
-    for r in ranges:
-        count = scopes.counts[r.name]
-        inside = [k for k in kernels if r.time_range.start <= k.time_range.start < r.time_range.end]
-        count.kernels += len(inside)
-        count.kernel_us += sum(k.time_range.elapsed_us() for k in inside)
+    cpu_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    every = [k for e in cpu_events for k in getattr(e, "kernels", [])]
+    scopes.step_kernels = len(every)
+    scopes.step_kernel_us = sum(k.duration for k in every)
+    for event in cpu_events:
+        if event.name in scopes.counts:
+            count = scopes.counts[event.name]
+            kernels = _kernels_below(event)
+            count.kernels += len(kernels)
+            count.kernel_us += sum(k.duration for k in kernels)
 
 
 def layer_rows(scopes: OpScopes) -> dict[int, dict]:

@@ -11,6 +11,7 @@ CPU: Triton's interpreter, fp32; GPU (`gpu`): bf16 at DeepSeek shapes. Speed: be
 """
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -103,8 +104,8 @@ def check_single_token_moe(experts: int, shared: int, k: int, hidden: int, inter
     x = torch.randn(1, hidden, device=DEVICE, dtype=dtype)
     ids = torch.randperm(experts, device=DEVICE)[:k]
     foreign = torch.rand(k, device=DEVICE) < 0.3  # other EP ranks' experts: -1 or past the last
-    ids = torch.where(foreign, torch.tensor([-1, experts + shared + 2], device=DEVICE)[torch.arange(k, device=DEVICE) % 2],
-                      ids)
+    outside = torch.tensor([-1, experts + shared + 2], device=DEVICE)[torch.arange(k, device=DEVICE) % 2]
+    ids = torch.where(foreign, outside, ids)
     ids = torch.cat([ids, torch.arange(experts, experts + shared, device=DEVICE)])[None]
     weights = torch.cat([torch.rand(k, device=DEVICE), torch.ones(shared, device=DEVICE)])[None]
     want = MOE_BACKENDS.build("torch")(x, ids, weights, w13, w2)
@@ -128,7 +129,9 @@ def test_single_token_moe_matches_torch_backend(poisoned_empty):
 
 def _greedy_decode(path: str, prompts: list[list[int]], steps: int, dtype: str, fusions: bool):
     """Prefill `prompts`, then `steps` greedy decode steps (Triton backends, shared experts fused):
-    (tokens per step, logits per step)."""
+    (tokens per step, logits per step, launches per op of the MoE layers in the last step, counted
+    by bench/decode_kernel_count.py)."""
+    from pdtest.bench_scripts import bench_module
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
     from deepseek_pd.model.runner_config import RunnerConfig
@@ -144,13 +147,18 @@ def _greedy_decode(path: str, prompts: list[list[int]], steps: int, dtype: str, 
     pages = [pool.alloc(pool.pages_for_tokens(len(p) + steps)) for p in prompts]
     logits = [runner.extend([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)]).float().cpu()]
     tokens = []
+    scopes = bench_module("decode_kernel_count").OpScopes(runner.model, experts_read=1)
     for step in range(steps):
         tokens.append(logits[-1].argmax(-1).tolist())
-        logits.append(runner.decode([DecodeSeq(t, len(p) + step, pg)
-                                     for t, p, pg in zip(tokens[-1], prompts, pages)]).float().cpu())
+        with scopes.counting() if step == steps - 1 else contextlib.nullcontext():
+            logits.append(runner.decode([DecodeSeq(t, len(p) + step, pg)
+                                         for t, p, pg in zip(tokens[-1], prompts, pages)]).float().cpu())
     for pg in pages:
         pool.free(pg)
-    return tokens, logits
+    moe_ids = {i for i, layer in enumerate(runner.model.layers) if layer.is_moe}
+    launches = {op: [scopes.counts[f"L{i}.{op}"].launches for i in sorted(moe_ids)]
+                for op in ("select_experts", "experts")}
+    return tokens, logits, launches
 
 
 def test_tiny_model_fusions_keep_greedy_tokens(tmp_path):
@@ -165,11 +173,15 @@ def test_tiny_model_fusions_keep_greedy_tokens(tmp_path):
     path = str(make_tiny_model(tmp_path / arch, arch=arch, seed=random.randrange(1000)))
     vocab = ModelConfig.from_hf(path).vocab_size
     steps, dtype = (1, "float32") if DEVICE == "cpu" else (8, "bfloat16")
-    prompts = [[random.randrange(vocab) for _ in range(random.randint(3, 9))] for _ in range(2)]
+    prompts = [[random.randrange(vocab) for _ in range(random.randint(2, 5))] for _ in range(2)]
     for batch in (prompts[:1], prompts) if HAS_CUDA else (prompts[:1],):
-        plain_tokens, plain_logits = _greedy_decode(path, batch, steps, dtype, fusions=False)
-        tokens, logits = _greedy_decode(path, batch, steps, dtype, fusions=True)
+        plain_tokens, plain_logits, plain_launches = _greedy_decode(path, batch, steps, dtype, fusions=False)
+        tokens, logits, launches = _greedy_decode(path, batch, steps, dtype, fusions=True)
         assert tokens == plain_tokens
+        # The launches the fusions save: the router after its GEMM is one, a one-token MoE two.
+        assert set(launches["select_experts"]) == {1} and min(plain_launches["select_experts"]) > 1
+        if len(batch) == 1:
+            assert set(launches["experts"]) == {2} and min(plain_launches["experts"]) > 2
         errors = [_rel_err(f, p) for f, p in zip(logits, plain_logits)]
         assert max(errors) < (1e-4 if DEVICE == "cpu" else 3e-2), errors
 
