@@ -115,13 +115,9 @@ def run_variant(model, name: str, args, device: str, experts_read: int) -> dict:
         row["graph_tok_s"] = 1e3 / row["graph_step_ms"]
     scopes = OpScopes(model, experts_read)
     eager = lambda: runner.decode_eager([DecodeSeq(tokens[0], context, pages)])  # noqa: E731
-    if cuda:
-        eager()  # compiled and warm before the profile
-        profile_ops(scopes, eager)
-        row["step_kernels"], row["step_kernel_us"] = scopes.step_kernels, round(scopes.step_kernel_us, 1)
-    else:
-        with scopes.counting():
-            eager()
+    eager()  # compiled and warm before the profile
+    profile_ops(scopes, eager)
+    row["step_kernels"], row["step_kernel_us"] = scopes.step_kernels, round(scopes.step_kernel_us, 1)
     layers = layer_rows(scopes)
     row["head"] = {"launches": scopes.counts["head"].launches, "weight_bytes": scopes.counts["head"].weight_bytes}
     row["weight_bytes"] = sum(c.weight_bytes for c in scopes.counts.values())

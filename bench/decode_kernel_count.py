@@ -145,22 +145,26 @@ def _kernels_below(event) -> list:
 
 
 def profile_ops(scopes: OpScopes, step) -> None:
-    """One eager `step()` under torch.profiler (CUDA): per scope, the kernels its launches ran (a
+    """One eager `step()` under torch.profiler (no kernels on a CPU, the counts alone): per scope, the kernels its launches ran (a
     `record_function` range's CPU subtree), their count and summed device time; and the step's."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         with scopes.counting():
             step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     cpu_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-    every = [k for e in cpu_events for k in getattr(e, "kernels", [])]
+    # A scope's device-side annotation may come linked like a kernel, under the scope's name: not one.
+    real = lambda kernels: [k for k in kernels if k.name not in scopes.counts]  # noqa: E731
+    every = real(k for e in cpu_events for k in getattr(e, "kernels", []))
     scopes.step_kernels = len(every)
     scopes.step_kernel_us = sum(k.duration for k in every)
     for event in cpu_events:
         if event.name in scopes.counts:
             count = scopes.counts[event.name]
-            kernels = _kernels_below(event)
+            kernels = real(_kernels_below(event))
             count.kernels += len(kernels)
             count.kernel_us += sum(k.duration for k in kernels)
 

@@ -7,9 +7,10 @@ pair is its own program row, and the down projection sums the slots in its epilo
 
     pair gate_up   program (pair, n-tile): silu(x·w13[e]_gate^T) * (x·w13[e]_up^T) for the n-tile of
                    pair p = token * k + slot, e = topk_ids.flat[p], written to `inter[p]` (model dtype).
-    token down     program (token, n-tile): for slot 0..k-1 in order, inter[p]·w2[e]^T times the pair's
-                   weight, rounded to the model dtype (as `fused_moe` stores each pair's product), then
-                   added in fp32; the sum rounded once into `out[token]`.
+    token down     program (token, n-tile): inter[p]·w2[e]^T of all k slots at once (one [slots, n, k]
+                   weight tile per K step), each times its pair's weight and rounded to the model dtype
+                   (as `fused_moe` stores each pair's product), summed over the slots in fp32, rounded
+                   once into `out[token]`.
 
 Both read each chosen expert's weights once per token, as the grouped path does at M = 1 (it
 reads an expert once per row block); at M > 1 tokens sharing an expert would read it again, so
@@ -23,9 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
+from deepseek_pd.model.kernels.checks import next_power_of_2
+
 MAX_TOKENS = 1  # beyond one token, shared experts across tokens make the sorted path read less
 _BLOCK_K = 128
 _MIN_PROGRAMS = 256  # enough programs to keep every SM streaming weights (H100/H200: 132 SMs)
+_TILE_ELEMENTS = 8192  # the down kernel's [slots, n, k] weight tile per K step (16 KB in bf16)
 
 
 @triton.jit
@@ -60,29 +64,32 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, top_k, hidden, inte
 @triton.jit
 def _token_down_kernel(inter_ptr, w2_ptr, ids_ptr, weight_ptr, out_ptr, top_k, hidden, inter_size, num_experts,
                        stride_im, stride_we, stride_wn, stride_wk, stride_om,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # All k slots of the token in one [slots, n, k] tile per K step: a program keeps BLOCK_S * BLOCK_N
+    # weight rows in flight (a slot at a time would leave too few bytes in flight to fill HBM).
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    slots = tl.arange(0, BLOCK_S)
+    slot_ok = slots < top_k
+    pair = token * top_k + slots
+    expert = tl.load(ids_ptr + pair, mask=slot_ok, other=-1).to(tl.int64)
+    valid = slot_ok & (expert >= 0) & (expert < num_experts)  # another rank's expert reads nothing
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(0, top_k):
-        pair = token * top_k + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        valid = (expert >= 0) & (expert < num_experts)
-        w_base = w2_ptr + tl.where(valid, expert, 0) * stride_we
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, inter_size, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (ks < inter_size) & valid  # a foreign expert's pair reads nothing
-            a = tl.load(inter_ptr + pair * stride_im + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :] * stride_wk,
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        weight = tl.load(weight_ptr + pair)
-        # Rounded per pair as fused_moe's per-pair buffer is, so both paths give the same sums.
-        product = (acc * weight).to(out_ptr.dtype.element_ty).to(tl.float32)
-        total += tl.where(valid, product, 0.0)
+    w_rows = w2_ptr + tl.where(valid, expert, 0)[:, None, None] * stride_we + cols[None, :, None] * stride_wn
+    row_ok = valid[:, None, None] & col_ok[None, :, None]
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter_size
+        a = tl.load(inter_ptr + pair[:, None] * stride_im + ks[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, None, :] * stride_wk, mask=row_ok & k_ok[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+    weight = tl.load(weight_ptr + pair, mask=valid, other=0.0)
+    # Each pair's product rounded to the model dtype, as fused_moe's per-pair buffer holds it.
+    product = (acc * weight[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    total = tl.sum(tl.where(valid[:, None], product, 0.0), axis=0)
     tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -117,9 +124,10 @@ def fused_moe_single_token(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_we
         hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=4)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    block_n = _block_n(hidden_size, num_tokens)
+    block_n, block_s = _block_n(hidden_size, num_tokens), next_power_of_2(top_k)
+    block_k = max(16, min(_BLOCK_K, _TILE_ELEMENTS // (block_s * block_n)))
     _token_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
         inter, w2, ids, weights, out, top_k, hidden_size, inter_size, num_experts,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=4)
+        BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_s * block_n * block_k > 4096 else 4)
     return out
