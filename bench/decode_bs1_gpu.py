@@ -132,9 +132,6 @@ def run_variant(model, name: str, args, device: str, experts_read: int) -> dict:
                                          for key in ("launches", "kernels", "kernel_us", "weight_bytes")}
             row[f"{kind}_layer_example"] = {"layer": ids[len(ids) // 2], **layers[ids[len(ids) // 2]]}
     pool.free(pages)
-    del runner
-    if cuda:
-        torch.cuda.empty_cache()
     return row
 
 
@@ -182,6 +179,8 @@ def main() -> None:
     for name in args.variants.split(","):
         _keep_fusions(model, *VARIANTS[name], saved)
         row = run_variant(model, name, args, device, experts_read)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the variant's runner (KV pages, graph pool) is gone
         base = result["variants"][0] if result["variants"] else row
         row["tokens_equal_first_variant"] = row["tokens"] == base["tokens"]
         if "graph_tok_s" in base and "graph_tok_s" in row:
