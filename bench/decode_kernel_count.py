@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_NO_KERNEL = ("empty", "empty_strided", "empty_like", "lift_fresh", "detach", "alias", "_local_scalar_dense")
+_NO_KERNEL = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "promote_types", "lift_fresh",
+              "detach", "alias", "_local_scalar_dense")
 
 
 @dataclass
@@ -32,6 +33,7 @@ class OpCount:
     kernels: int = 0  # the profiler's (GPU)
     kernel_us: float = 0.0
     params: set = field(default_factory=set)
+    names: list = field(default_factory=list)  # what launched, in order (torch op or Triton kernel)
 
 
 class OpScopes:
@@ -62,8 +64,9 @@ class OpScopes:
                     count.params.add(hit[0])
                     count.weight_bytes += hit[1]
 
-    def launch(self, tensors) -> None:
+    def launch(self, name: str, tensors) -> None:
         self.counts[self.current].launches += 1
+        self.counts[self.current].names.append(name)
         self._note(tensors)
 
     @contextlib.contextmanager
@@ -98,7 +101,7 @@ class OpScopes:
                     not schema.returns[0].alias_info.is_write
                 namespace, _, op_name = schema.name.partition("::")
                 if not (is_view or scopes.in_triton or namespace == "profiler" or op_name in _NO_KERNEL):
-                    scopes.launch(torch.utils._pytree.tree_leaves((args, kwargs)))
+                    scopes.launch(op_name, torch.utils._pytree.tree_leaves((args, kwargs)))
                 return out
 
         with contextlib.ExitStack() as stack:
@@ -108,7 +111,7 @@ class OpScopes:
                 plain = cls.run
 
                 def run(self, *args, _plain=plain, **kwargs):
-                    scopes.launch(list(args) + list(kwargs.values()))
+                    scopes.launch(getattr(self, "__name__", "triton"), list(args) + list(kwargs.values()))
                     scopes.in_triton = True
                     try:
                         return _plain(self, *args, **kwargs)
@@ -178,7 +181,7 @@ def layer_rows(scopes: OpScopes) -> dict[int, dict]:
         layer, op = name[1:].split(".", 1)
         row = layers.setdefault(int(layer), {"launches": 0, "kernels": 0, "kernel_us": 0.0, "weight_bytes": 0,
                                              "ops": {}})
-        row["ops"][op] = {"launches": count.launches, "kernels": count.kernels,
+        row["ops"][op] = {"launches": count.launches, "names": count.names, "kernels": count.kernels,
                           "kernel_us": round(count.kernel_us, 1), "weight_bytes": count.weight_bytes}
         for key in ("launches", "kernels", "kernel_us", "weight_bytes"):
             row[key] += getattr(count, key)
