@@ -6,9 +6,10 @@ Triton backends, the 2 shared experts fused), built once with `small_batch_fusio
 keeps some of the fusions (the bench takes the others off the built modules before its runner
 captures its graph):
     off     the general paths: torch ops after the router GEMM, the sorted fused MoE (6 launches)
-    router  + scoring, top-k, weights and shared ids in one launch (kernels/router_select.py)
-    moe     + a one-token MoE in two launches, no sort (kernels/moe_single_token.py)
-    on      both
+    router  only scoring, top-k, weights and shared ids in one launch (kernels/router_select.py)
+    moe     only a one-token MoE in two launches, no sort (kernels/moe_single_token.py)
+    kv_norm only MLA's kv_a norm inside the rope + cache-write launch (kernels/rope_cache.py)
+    on      all three
 Per variant: a `--context`-token prompt, then `--steps` greedy decode steps by graph replay (the
 tokens are compared with the "off" variant's), timed over `--repeats` runs; one eager step under
 torch.profiler gives per op of each layer its kernels and device time (bench/decode_kernel_count.py),
@@ -33,7 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-VARIANTS = {"off": (False, False), "router": (True, False), "moe": (False, True), "on": (True, True)}
+# variant -> (router_select, the one-token MoE, the kv_a norm in the rope launch)
+VARIANTS = {"off": (False, False, False), "router": (True, False, False), "moe": (False, True, False),
+            "kv_norm": (False, False, True), "on": (True, True, True)}
 
 
 def _build(tiny: bool):
@@ -53,8 +56,9 @@ def _build(tiny: bool):
     return build_random_v2lite(small_batch_fusions=True, norm_rope_backend="triton")
 
 
-def _keep_fusions(model, router: bool, moe: bool, saved: dict) -> None:
-    """Leaves the named fusions on the built MoE layers, the others off (the bench's switch)."""
+def _keep_fusions(model, router: bool, moe: bool, kv_norm: bool, saved: dict) -> None:
+    """Leaves the named fusions on the built layers, the others off (the bench's switch)."""
+    from deepseek_pd.model.attention.mla import MLAAttention
     from deepseek_pd.model.moe.layer import DeepseekMoE
 
     for module in model.modules():
@@ -62,6 +66,8 @@ def _keep_fusions(model, router: bool, moe: bool, saved: dict) -> None:
             select, single = saved.setdefault(id(module), (module._fused_select, module.experts._single_token))
             module._fused_select = select if router else None
             module.experts._single_token = single if moe else None
+        elif isinstance(module, MLAAttention):
+            module.norm_in_rope = saved.setdefault(id(module), module.norm_in_rope) and kv_norm
 
 
 def _floor_ms(weight_bytes: int, device: str) -> tuple[float | None, float | None]:
@@ -157,7 +163,7 @@ def _print(row: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (Triton's interpreter)")
-    parser.add_argument("--variants", default="off,router,moe,on")
+    parser.add_argument("--variants", default="off,router,moe,kv_norm,on")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)

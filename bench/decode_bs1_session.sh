@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21's batch-1 decode (at most ~6 min: the timeouts below): the fusions'
-# GPU tests, then bench/decode_bs1_gpu.py (graph tok/s with the small-batch fusions off / router / moe / on, per-layer
+# GPU tests, then bench/decode_bs1_gpu.py (graph tok/s with the small-batch fusions off / router / moe / kv_norm / on, per-layer
 # kernels and time, the weight-read floor). Run from the repository root:
 #   bash bench/decode_bs1_session.sh        (files under $OUT: gpu.txt, tests.log, bs1.log, bs1.json)
 REPO=$(pwd)

@@ -58,7 +58,8 @@ class BuildOptions:
     deterministic: bool = False
     # Batch-1 decode fusions (issue 21): a one-token batch's MoE in two launches without the sort
     # (`kernels/moe_single_token.py`, "triton" MoE backend, experts in the model dtype) and the
-    # router's scoring + top-k + weights + fused shared ids in one launch (`kernels/router_select.py`).
+    # router's scoring + top-k + weights + fused shared ids in one launch (`kernels/router_select.py`),
+    # and MLA's kv_a norm inside the rope + cache-write launch (`kernels/rope_cache.py`).
     # Off: the general paths (the bench's baseline, bench/decode_bs1_gpu.py).
     small_batch_fusions: bool = False
 

@@ -6,7 +6,9 @@ a kernel forgets to write shows.
   plus the fused shared ids, as `DeepseekMoE.select_experts` builds them;
 - `kernels/moe_single_token.py` against `TorchMoEKernel`, foreign (other EP rank) ids included;
 - a tiny model with `small_batch_fusions` on against the same model with it off (Triton backends
-  both), greedy tokens equal and logits close, decode at batch 1 and a batch beside it.
+  both), greedy tokens equal and logits close, decode at batch 1 and a batch beside it, and the
+  launches each fusion saves (bench/decode_kernel_count.py). The kv_a norm fused into the rope
+  launch (`kernels/rope_cache.py`) is checked against the torch ops in tests/model/test_norm_rope_triton.py.
 CPU: Triton's interpreter; the kernels in fp32 (GPU, marker `gpu`: bf16 at DeepSeek shapes too), the tiny
 model in fp32 everywhere. Speed: bench/decode_bs1_gpu.py.
 """
@@ -144,6 +146,7 @@ def _greedy_decode(path: str, prompts: list[list[int]], steps: int, dtype: str, 
     moe_layers = [m for m in runner.model.modules() if isinstance(m, DeepseekMoE)]
     assert moe_layers and all((m._fused_select is not None) == fusions for m in moe_layers)
     assert all((m.experts._single_token is not None) == fusions for m in moe_layers)
+    assert all(layer.self_attn.norm_in_rope == fusions for layer in runner.model.layers)
     pool = runner.kv_pool
     pages = [pool.alloc(pool.pages_for_tokens(len(p) + steps)) for p in prompts]
     logits = [runner.extend([ExtendSeq(p, 0, pg) for p, pg in zip(prompts, pages)]).float().cpu()]
@@ -158,7 +161,7 @@ def _greedy_decode(path: str, prompts: list[list[int]], steps: int, dtype: str, 
         pool.free(pg)
     moe_ids = {i for i, layer in enumerate(runner.model.layers) if layer.is_moe}
     launches = {op: [scopes.counts[f"L{i}.{op}"].launches for i in sorted(moe_ids)]
-                for op in ("select_experts", "experts")}
+                for op in ("select_experts", "experts", "attn_prepare")}
     return tokens, logits, launches
 
 
@@ -184,6 +187,8 @@ def test_tiny_model_fusions_keep_greedy_tokens(tmp_path):
         assert set(launches["select_experts"]) == {1} and min(plain_launches["select_experts"]) > 1
         if len(batch) == 1:
             assert set(launches["experts"]) == {2} and min(plain_launches["experts"]) > 2
+        # The kv_a norm rides in the rope + cache-write launch.
+        assert [n + 1 for n in launches["attn_prepare"]] == plain_launches["attn_prepare"]
         errors = [_rel_err(f, p) for f, p in zip(logits, plain_logits)]
         assert max(errors) < 1e-4, errors
 
