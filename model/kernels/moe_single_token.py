@@ -124,7 +124,7 @@ def fused_moe_single_token(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_we
         hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=4)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    block_n, block_s = _block_n(hidden_size, num_tokens), next_power_of_2(top_k)
+    block_n, block_s = _block_n(hidden_size, num_tokens), max(2, next_power_of_2(top_k))  # no one-wide axis
     block_k = max(16, min(_BLOCK_K, _TILE_ELEMENTS // (block_s * block_n)))
     _token_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
         inter, w2, ids, weights, out, top_k, hidden_size, inter_size, num_experts,

@@ -120,7 +120,8 @@ def router_select(logits: torch.Tensor, bias: torch.Tensor | None, method: str, 
     _router_select_kernel[(num_tokens,)](
         logits, logits if bias is None else bias, weights, ids, num_experts, logits.stride(0), weights.stride(0),
         ids.stride(0), top_k, topk_group, num_shared, first_shared, float(routed_scaling_factor),
-        N_GROUP=groups, PER_GROUP=per_group, BLOCK_G=next_power_of_2(groups), BLOCK_P=next_power_of_2(per_group),
-        BLOCK_K=next_power_of_2(width), METHOD=METHOD_CODES[method], SCORING=SCORING_CODES[scoring],
+        # Blocks of at least 2 (masked): as rope_cache's head block, no one-wide axis to reduce over.
+        N_GROUP=groups, PER_GROUP=per_group, BLOCK_G=max(2, next_power_of_2(groups)),
+        BLOCK_P=max(2, next_power_of_2(per_group)), BLOCK_K=max(2, next_power_of_2(width)), METHOD=METHOD_CODES[method], SCORING=SCORING_CODES[scoring],
         HAS_BIAS=bias is not None and method == "noaux_tc", NORM=bool(norm_topk_prob), num_warps=4)
     return weights, ids
