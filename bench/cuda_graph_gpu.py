@@ -20,8 +20,9 @@ import time
 import torch
 
 
-def build_random_v2lite():
-    """Our V2-Lite model with random weights (std 0.02, norms 1), Triton backends, shared experts fused."""
+def build_random_v2lite(**options):
+    """Our V2-Lite model with random weights (std 0.02, norms 1), Triton backends, shared experts fused;
+    `options`: other `BuildOptions` fields (bench/decode_bs1_gpu.py: the small-batch fusions)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from model_gpu import V2_LITE
 
@@ -30,7 +31,7 @@ def build_random_v2lite():
     from deepseek_pd.model.deepseek import DeepseekForCausalLM
 
     options = BuildOptions(dtype=torch.bfloat16, device="cuda", attention_backend="triton", moe_backend="triton",
-                           num_fused_shared_experts=2)
+                           num_fused_shared_experts=2, **options)
     model = DeepseekForCausalLM(ModelConfig.from_hf(V2_LITE), options)
     torch.manual_seed(0)
     with torch.no_grad():

@@ -56,6 +56,12 @@ class BuildOptions:
     # greedy outputs do not depend on what else is in the batch (docs/deterministic.md). Off CUDA
     # the runner runs each sequence alone instead (`RunnerConfig.invariant_kernels`).
     deterministic: bool = False
+    # Batch-1 decode fusions (issue 21): a one-token batch's MoE in two launches without the sort
+    # (`kernels/moe_single_token.py`, "triton" MoE backend, experts in the model dtype) and the
+    # router's scoring + top-k + weights + fused shared ids in one launch (`kernels/router_select.py`),
+    # and MLA's kv_a norm inside the rope + cache-write launch (`kernels/rope_cache.py`).
+    # Off: the general paths (the bench's baseline, bench/decode_bs1_gpu.py).
+    small_batch_fusions: bool = False
 
     def __post_init__(self) -> None:
         if (blocker := range_blocker(prefix_chunk_size=self.prefix_chunk_size,

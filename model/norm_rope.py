@@ -2,7 +2,8 @@
 
     "torch"   the reference: `rms_norm_ref` and `RotaryEmbedding.forward` + an indexed write
               (~7 launches per norm, ~20 for rope and the write).
-    "triton"  `kernels/rmsnorm.py` and `kernels/rope_cache.py`: one launch each.
+    "triton"  `kernels/rmsnorm.py` and `kernels/rope_cache.py`: one launch each; MLA's kv_a norm
+              can ride in the rope launch (`norm_rope_and_write`, with `small_batch_fusions`).
 Chosen once when a module is built (`BuildOptions.norm_rope_backend`); `RunnerConfig` resolves
 "auto" to Triton on CUDA. Both are free of host syncs (capturable in CUDA graphs).
 """
@@ -28,6 +29,13 @@ class NormRopeOps(Protocol):
                        out_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Roped (q_pe, k_pe); `cache[out_slots] = [c_kv | roped k_pe]` (cache `[S, R + d]`)."""
 
+    def norm_rope_and_write(self, rotary: "RotaryEmbedding", positions: torch.Tensor, q_pe: torch.Tensor,
+                            k_pe: torch.Tensor, c_kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            cache: torch.Tensor, out_slots: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`rope_and_write` of the RMS-normalised c_kv (MLA's kv_a norm): (roped q_pe, roped k_pe,
+        normalised c_kv)."""
+
 
 NORM_ROPE_BACKENDS: Registry[NormRopeOps] = Registry("norm/rope backend")
 
@@ -50,6 +58,10 @@ class TorchNormRope:
         cache[out_slots] = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
         return q_pe, k_pe
 
+    def norm_rope_and_write(self, rotary, positions, q_pe, k_pe, c_kv, norm_weight, eps, cache, out_slots):
+        c_kv = rms_norm_ref(c_kv, norm_weight, eps)
+        return (*self.rope_and_write(rotary, positions, q_pe, k_pe, c_kv, cache, out_slots), c_kv)
+
 
 @NORM_ROPE_BACKENDS.register("triton")
 class TritonNormRope:
@@ -59,9 +71,10 @@ class TritonNormRope:
         require_triton("norm/rope backend 'triton'")
         from deepseek_pd.model.kernels.rmsnorm import rms_norm
         from deepseek_pd.model.kernels.rmsnorm_quant import rms_norm_quant
-        from deepseek_pd.model.kernels.rope_cache import rope_and_cache_write
+        from deepseek_pd.model.kernels.rope_cache import MAX_NORM_RANK, norm_rope_and_cache_write, rope_and_cache_write
 
-        self._norm, self._rope = rms_norm, rope_and_cache_write
+        self._norm, self._rope, self._norm_rope = rms_norm, rope_and_cache_write, norm_rope_and_cache_write
+        self._max_norm_rank = MAX_NORM_RANK
         self.rms_norm_quant = rms_norm_quant  # the norm fused with FP8 quantisation (quant/norm_fp8_linear.py)
 
     def rms_norm(self, x, weight, eps, residual):
@@ -74,3 +87,10 @@ class TritonNormRope:
     def rope_and_write(self, rotary, positions, q_pe, k_pe, c_kv, cache, out_slots):
         return self._rope(q_pe, k_pe, c_kv, positions, rotary.inv_freq, rotary.attention_factor, rotary.interleaved,
                           cache, out_slots)
+
+    def norm_rope_and_write(self, rotary, positions, q_pe, k_pe, c_kv, norm_weight, eps, cache, out_slots):
+        if c_kv.shape[-1] > self._max_norm_rank:  # the fused norm holds a row in one block
+            c_kv = self.rms_norm(c_kv, norm_weight, eps, None)[0]
+            return (*self.rope_and_write(rotary, positions, q_pe, k_pe, c_kv, cache, out_slots), c_kv)
+        return self._norm_rope(q_pe, k_pe, c_kv, norm_weight, eps, positions, rotary.inv_freq,
+                               rotary.attention_factor, rotary.interleaved, cache, out_slots)

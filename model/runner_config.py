@@ -147,6 +147,10 @@ class RunnerConfig:
     # "mha" (the per-batch method choice would follow the batch); what cannot be made invariant
     # yet is refused (`deterministic_blocker`).
     deterministic: bool = False
+    # Batch-1 decode fusions (`BuildOptions.small_batch_fusions`): on where the MoE backend is "triton"
+    # (auto on CUDA; not under `deterministic`); off keeps the general kernels (what
+    # bench/decode_bs1_gpu.py compares them with).
+    small_batch_fusions: bool = True
 
     def __post_init__(self) -> None:
         if (blocker := not_one_of("dtype", self.dtype, DTYPE_CHOICES)) is not None:
@@ -384,4 +388,5 @@ class RunnerConfig:
             expert_location=self.expert_location(model_config),
             fp8_backend=self.resolve_fp8_backend(model_config),
             norm_rope_backend=self.resolve_backend(self.norm_rope_backend),
-            mtp=self.builds_mtp, deterministic=self.invariant_kernels)
+            mtp=self.builds_mtp, deterministic=self.invariant_kernels,
+            small_batch_fusions=self.small_batch_fusions and self.kernel_backend(self.moe_backend) == "triton")

@@ -123,6 +123,8 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, **kw,
                                       backend=options.norm_rope_backend)
         self.norm_rope: NormRopeOps = NORM_ROPE_BACKENDS.build(options.norm_rope_backend)
+        # The kv_a norm inside the rope + cache-write launch (one launch less per layer; issue 21).
+        self.norm_in_rope = options.small_batch_fusions
         self.w_kc = nn.Parameter(torch.empty(heads, self.nope_dim, self.kv_lora_rank, **kw))
         self.w_vc = nn.Parameter(torch.empty(heads, self.v_dim, self.kv_lora_rank, **kw))
         self.o_proj = make_linear(heads * self.v_dim, hidden, fp8, **kw, col_splits=o_split)
@@ -158,9 +160,15 @@ class MLAAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.norm_rope.rope_and_write(self.rotary, batch.positions, q_pe, k_pe, c_kv,
-                                                   batch.kv_pool.flat(self.layer_id), batch.out_slots)
+        cache = batch.kv_pool.flat(self.layer_id)
+        if self.norm_in_rope:
+            q_pe, k_pe, c_kv = self.norm_rope.norm_rope_and_write(
+                self.rotary, batch.positions, q_pe, k_pe, c_kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                cache, batch.out_slots)
+        else:
+            c_kv = self.kv_a_layernorm(c_kv)
+            q_pe, k_pe = self.norm_rope.rope_and_write(self.rotary, batch.positions, q_pe, k_pe, c_kv, cache,
+                                                       batch.out_slots)
         return AttnIntermediate(q_nope, q_pe, c_kv, k_pe)
 
     def core(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:

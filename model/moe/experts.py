@@ -132,10 +132,14 @@ class TorchMoEKernel:
 
 class FusedExperts(nn.Module):
     """The routed experts of one layer: parameters made by the quantisation method (`w13`, `w2`,
-    and FP8's `w13_scale_inv`, `w2_scale_inv`), multiplied by the kernel named `backend`."""
+    and FP8's `w13_scale_inv`, `w2_scale_inv`), multiplied by the kernel named `backend`.
+
+    `small_batch_fusions`: where the kernel offers it (`single_token_path`, the "triton" backend)
+    and the experts are in the model dtype, a batch of one token (batch-1 decode) goes through
+    `kernels/moe_single_token.py` instead (two launches, no sort); other batches through `backend`."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: str,
-                 quant: MoEQuantMethod) -> None:
+                 quant: MoEQuantMethod, small_batch_fusions: bool = False) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
@@ -147,10 +151,17 @@ class FusedExperts(nn.Module):
         if quant.is_fp8 and not getattr(self.kernel, "supports_fp8", False):
             fp8_names = [n for n in MOE_BACKENDS.names() if getattr(MOE_BACKENDS.get(n), "supports_fp8", False)]
             raise UserError(f"MoE backend {backend!r} does not multiply FP8 experts; use one of {', '.join(fp8_names)}")
+        self._single_token = None
+        if small_batch_fusions and getattr(self.kernel, "single_token_path", False) and not quant.is_fp8:
+            from deepseek_pd.model.kernels.moe_single_token import MAX_TOKENS, fused_moe_single_token
+
+            self._single_token, self._single_token_max = fused_moe_single_token, MAX_TOKENS
 
     def fp8_param_blocks(self) -> dict:
         """FP8 parameters by name and their scale blocks (`fp8_linear.fp8_blocks`); none in the model dtype."""
         return self.quant.param_blocks()
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self._single_token is not None and 0 < hidden.shape[0] <= self._single_token_max:
+            return self._single_token(hidden.contiguous(), topk_ids, topk_weights, self.w13, self.w2)
         return self.kernel(hidden, topk_ids, topk_weights, self.w13, self.w2, self.quant.scales(self))

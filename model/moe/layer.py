@@ -49,19 +49,32 @@ class DeepseekMoE(nn.Module):
             nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32, device=options.device))
             if config.topk_method == "noaux_tc" else None)
         self.score = SCORING[config.scoring_func]
+        self.scoring_name = config.scoring_func
         self.choose = TOPK_METHODS[config.topk_method]
+        self.topk_method = config.topk_method
         self.spec = TopKSpec(config.num_experts_per_tok, config.n_group, config.topk_group,
                              config.norm_topk_prob, config.routed_scaling_factor)
         fp8 = fp8_spec(config, options.fp8_backend)
         # FP8 experts are multiplied by the FP8 backend's kernel of the same name ("torch", "triton").
         self.experts = FusedExperts(self.placement.num_local_experts, config.hidden_size,
                                     config.moe_intermediate_size, options.moe_backend if fp8 is None else fp8.backend,
-                                    moe_quant_method(fp8, config.moe_intermediate_size, options.dtype, options.device))
+                                    moe_quant_method(fp8, config.moe_intermediate_size, options.dtype, options.device),
+                                    options.small_batch_fusions)
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                      options.dtype, options.device, fp8)
             if config.n_shared_experts and not fused else None)
         self._router_linear = batch_invariant.linear if options.deterministic else F.linear
+        # Scoring + top-k + finish + fused shared ids in one launch (kernels/router_select.py); not
+        # with an expert location (its replica map runs between top-k and the shared ids).
+        self._fused_select = None
+        if options.small_batch_fusions and self.to_physical is None:
+            from deepseek_pd.model.kernels.checks import require_triton
+
+            require_triton("small_batch_fusions")
+            from deepseek_pd.model.kernels.router_select import router_select
+
+            self._fused_select = router_select
         self.load_recorder = None  # (ExpertLoadRecorder, row) once recording is on (moe/expert_load.py)
 
     def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -72,6 +85,12 @@ class DeepseekMoE(nn.Module):
         """→ (weights fp32 `[T, k + fused]`, ids long `[T, k + fused]`: routed slot ids, then the
         fused shared experts'). `counted`: which tokens count in the expert load
         (`ForwardBatch.counted_tokens`)."""
+        if self._fused_select is not None and self.load_recorder is None:
+            spec = self.spec
+            return self._fused_select(router_logits, self.e_score_correction_bias, self.topk_method,
+                                      self.scoring_name, spec.top_k, spec.n_group, spec.topk_group,
+                                      spec.norm_topk_prob, spec.routed_scaling_factor, self.num_fused_shared,
+                                      self.placement.num_slots)
         weights, ids = self.choose(self.score(router_logits), self.e_score_correction_bias, self.spec)
         if self.load_recorder is not None:
             recorder, row = self.load_recorder

@@ -18,6 +18,8 @@ from deepseek_pd.model.quant.moe_scales import Fp8ExpertScales
 class TritonMoEKernel:
     cuda_graph_safe = True  # no host sync (see the module docstring)
     supports_fp8 = True
+    # FusedExperts may send one-token batches to kernels/moe_single_token.py (same products, no sort).
+    single_token_path = True
 
     def __init__(self) -> None:
         require_triton("MoE backend 'triton'")

@@ -39,7 +39,10 @@ def test_rms_norm_matches_reference(dtype, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_rope_and_cache_write_matches_reference(dtype, interleaved):
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_and_cache_write_matches_reference(dtype, interleaved, norm):
+    """`rope_and_write`, and with `norm` `norm_rope_and_write` (the kv_a norm in the same launch,
+    whose latent must be bit for bit the Triton norm's)."""
     from deepseek_pd.model.config import ModelConfig
     from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir
     from deepseek_pd.model.rope import RotaryEmbedding
@@ -47,16 +50,25 @@ def test_rope_and_cache_write_matches_reference(dtype, interleaved):
 
     config = replace(ModelConfig.from_hf(resolve_model_dir("tiny") / "config.json"), rope_interleave=interleaved)
     rotary = RotaryEmbedding(config).to(DEVICE)
-    tokens, heads, d, rank = random.randint(1, 30), random.choice([1, 3, 16]), config.qk_rope_head_dim, 24
+    tokens, heads, d = random.randint(1, 30), random.choice([1, 3, 16]), config.qk_rope_head_dim
+    rank = random.choice([24, 512]) if norm else 24
     q = torch.randn(tokens, heads, 20 + d, dtype=dtype, device=DEVICE)
     latent = torch.randn(tokens, rank + d, dtype=dtype, device=DEVICE)
     q_pe, c_kv, k_pe = q[..., 20:], latent[:, :rank], latent[:, rank:]
     positions = torch.randint(0, 4000, (tokens,), device=DEVICE)
     slots = torch.randperm(tokens + 10, device=DEVICE)[:tokens]
     caches = [torch.full((tokens + 10, rank + d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
-    want = NORM_ROPE_BACKENDS.build("torch").rope_and_write(rotary, positions, q_pe, k_pe, c_kv, caches[0], slots)
-    got = NORM_ROPE_BACKENDS.build("triton").rope_and_write(rotary, positions, q_pe, k_pe, c_kv, caches[1], slots)
+    torch_ops, triton_ops = NORM_ROPE_BACKENDS.build("torch"), NORM_ROPE_BACKENDS.build("triton")
     tol = 1e-5 if dtype == torch.float32 else 1e-2
+    if norm:
+        weight, eps = (1 + 0.1 * torch.randn(rank, device=DEVICE)).to(dtype), 1e-6
+        want = torch_ops.norm_rope_and_write(rotary, positions, q_pe, k_pe, c_kv, weight, eps, caches[0], slots)
+        got = triton_ops.norm_rope_and_write(rotary, positions, q_pe, k_pe, c_kv, weight, eps, caches[1], slots)
+        assert rel_err(got[2], want[2]) < tol
+        assert torch.equal(got[2], triton_ops.rms_norm(c_kv, weight, eps, None)[0])
+    else:
+        want = torch_ops.rope_and_write(rotary, positions, q_pe, k_pe, c_kv, caches[0], slots)
+        got = triton_ops.rope_and_write(rotary, positions, q_pe, k_pe, c_kv, caches[1], slots)
     assert rel_err(got[0], want[0]) < tol and rel_err(got[1], want[1]) < tol
     assert rel_err(caches[1][slots], caches[0][slots]) < tol
     untouched = torch.ones(tokens + 10, dtype=torch.bool, device=DEVICE)

@@ -44,7 +44,7 @@ ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, Kind]] = {
         "tbo_min_decode_tokens": int, "tbo_min_extend_tokens": int, "record_expert_load": bool,
         "cuda_graph": bool, "cuda_graph_max_batch": int, "cuda_graph_max_context": int,
         "speculative_num_steps": int, "speculative_adaptive": bool,
-        "deterministic": bool,
+        "deterministic": bool, "small_batch_fusions": bool,
     },
     "bootstrap": {  # workers/transport/bootstrap_config.py BootstrapConfig
         "handshake_timeout_s": float, "claim_timeout_s": float, "transfer_timeout_s": float,

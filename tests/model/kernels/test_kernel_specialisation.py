@@ -171,9 +171,11 @@ def run_step_kernels(s: Shape, n: int, rng: random.Random) -> None:
     from deepseek_pd.model.kernels.matmul_invariant import matmul_invariant
     from deepseek_pd.model.kernels.merge_states import merge_states
     from deepseek_pd.model.kernels.mla_decode import INVARIANT_DECODE_TILE, MLADecodeTile, mla_decode
+    from deepseek_pd.model.kernels.moe_single_token import MAX_TOKENS, fused_moe_single_token
     from deepseek_pd.model.kernels.rmsnorm import rms_norm
     from deepseek_pd.model.kernels.rmsnorm_quant import rms_norm_quant
     from deepseek_pd.model.kernels.rope_cache import rope_and_cache_write
+    from deepseek_pd.model.kernels.router_select import router_select
     from deepseek_pd.model.quant.fp8_ops import FP8_DTYPE
     from deepseek_pd.workers.transport.kv_cipher_kernel import chacha20_copy_rows
 
@@ -182,6 +184,11 @@ def run_step_kernels(s: Shape, n: int, rng: random.Random) -> None:
     for invariant in (False, True):
         fused_moe(hidden, _rand(n, s.top_k, dtype=i32), _rand(n, s.top_k, dtype=torch.float32),
                   _rand(s.experts, 2 * s.inter, s.hidden), _rand(s.experts, s.hidden, s.inter), invariant=invariant)
+    if n <= MAX_TOKENS:  # FusedExperts' one-token path (moe/experts.py)
+        fused_moe_single_token(hidden, _rand(n, s.top_k, dtype=torch.long), _rand(n, s.top_k, dtype=torch.float32),
+                               _rand(s.experts, 2 * s.inter, s.hidden), _rand(s.experts, s.hidden, s.inter))
+    router_select(_rand(n, s.experts, dtype=torch.float32), _rand(s.experts, dtype=torch.float32), "noaux_tc",
+                  "sigmoid", s.top_k, 1, 1, True, 2.5, 1, s.experts)
     rms_norm(hidden, _rand(s.hidden), 1e-6, residual=_rand(n, s.hidden))
     rms_norm_quant(hidden, _rand(s.hidden), 1e-6, 128, residual=_rand(n, s.hidden))
     x_fp8, x_scale = per_token_group_quant(hidden, 128)

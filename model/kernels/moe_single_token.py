@@ -1,0 +1,133 @@
+"""Fused MoE for a batch of one token (batch-1 decode) in two launches, without the expert sort.
+
+At M = 1 the grouped path (`fused_moe`) spends six launches on one token: the sort
+(`moe_align_small`), gate_up over 16-row blocks holding one real row each, a zeroed `[k, H]`
+buffer, down, the sum over the k slots and its cast. Here the sort is skipped: each (token, slot)
+pair is its own program row, and the down projection sums the slots in its epilogue.
+
+    pair gate_up   program (pair, n-tile): silu(x·w13[e]_gate^T) * (x·w13[e]_up^T) for the n-tile of
+                   pair p = token * k + slot, e = topk_ids.flat[p], written to `inter[p]` (model dtype).
+    token down     program (token, n-tile): inter[p]·w2[e]^T of all k slots at once (one [slots, n, k]
+                   weight tile per K step), each times its pair's weight and rounded to the model dtype
+                   (as `fused_moe` stores each pair's product), summed over the slots in fp32, rounded
+                   once into `out[token]`.
+
+Both read each chosen expert's weights once per token, as the grouped path does at M = 1 (it
+reads an expert once per row block); at M > 1 tokens sharing an expert would read it again, so
+`fused_moe` takes this path only for `MAX_TOKENS` tokens. Ids outside [0, E) (other EP ranks'
+experts) contribute nothing. The products are row-vector times tile (`tl.sum` of a broadcast
+product in fp32): no 16-row MMA padding for one row. The oracle is `TorchMoEKernel`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepseek_pd.model.kernels.checks import next_power_of_2
+
+MAX_TOKENS = 1  # beyond one token, shared experts across tokens make the sorted path read less
+_BLOCK_K = 128
+_MIN_PROGRAMS = 256  # enough programs to keep every SM streaming weights (H100/H200: 132 SMs)
+_TILE_ELEMENTS = 8192  # the down kernel's [slots, n, k] weight tile per K step (16 KB in bf16)
+
+
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, top_k, hidden, inter_size, num_experts,
+                         stride_xm, stride_we, stride_wn, stride_wk, stride_im,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return  # another rank's expert: `inter[pair]` stays unread (the down kernel masks it)
+    token = (pair // top_k).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter_size
+    w_base = w13_ptr + expert * stride_we
+    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        x = tl.load(x_ptr + token * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+        mask = col_ok[:, None] & k_ok[None, :]
+        w_gate = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :] * stride_wk, mask=mask, other=0.0)
+        w_up = tl.load(w_base + (cols[:, None] + inter_size) * stride_wn + ks[None, :] * stride_wk, mask=mask,
+                       other=0.0)
+        acc_gate += tl.sum(w_gate.to(tl.float32) * x[None, :], axis=1)
+        acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + cols, act.to(inter_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _token_down_kernel(inter_ptr, w2_ptr, ids_ptr, weight_ptr, out_ptr, top_k, hidden, inter_size, num_experts,
+                       stride_im, stride_we, stride_wn, stride_wk, stride_om,
+                       BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # All k slots of the token in one [slots, n, k] tile per K step: a program keeps BLOCK_S * BLOCK_N
+    # weight rows in flight (a slot at a time would leave too few bytes in flight to fill HBM).
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    slots = tl.arange(0, BLOCK_S)
+    slot_ok = slots < top_k
+    pair = token * top_k + slots
+    expert = tl.load(ids_ptr + pair, mask=slot_ok, other=-1).to(tl.int64)
+    valid = slot_ok & (expert >= 0) & (expert < num_experts)  # another rank's expert reads nothing
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w_rows = w2_ptr + tl.where(valid, expert, 0)[:, None, None] * stride_we + cols[None, :, None] * stride_wn
+    row_ok = valid[:, None, None] & col_ok[None, :, None]
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter_size
+        a = tl.load(inter_ptr + pair[:, None] * stride_im + ks[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, None, :] * stride_wk, mask=row_ok & k_ok[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+    weight = tl.load(weight_ptr + pair, mask=valid, other=0.0)
+    # Each pair's product rounded to the model dtype, as fused_moe's per-pair buffer holds it.
+    product = (acc * weight[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    total = tl.sum(tl.where(valid[:, None], product, 0.0), axis=0)
+    tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _block_n(rows: int, programs_per_row: int) -> int:
+    """The widest n-tile (8..64) that still gives `_MIN_PROGRAMS` programs, so one token's weight
+    read spreads over the whole card."""
+    block = 64
+    while block > 8 and programs_per_row * triton.cdiv(rows, block) < _MIN_PROGRAMS:
+        block //= 2
+    return block
+
+
+def fused_moe_single_token(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                           w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """`sum_j w_j * expert_{id_j}(x)` for at most `MAX_TOKENS` tokens, experts in hidden's dtype.
+
+    The caller (`fused_moe`) has checked the shapes, dtypes and devices. hidden `[N, H]` contiguous,
+    topk_ids `[N, k]` int, topk_weights `[N, k]`, w13 `[E, 2I, H]`, w2 `[E, H, I]` → `[N, H]`.
+    """
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens > MAX_TOKENS:
+        raise ValueError(f"{num_tokens} tokens > {MAX_TOKENS}: use fused_moe's sorted path")
+    num_experts, two_inter, hidden_size = w13.shape
+    inter_size = two_inter // 2
+    num_pairs = num_tokens * top_k
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    inter = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)
+    block_n = _block_n(inter_size, num_pairs)
+    _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter_size, block_n))](
+        hidden, w13, ids, inter, top_k, hidden_size, inter_size, num_experts,
+        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
+        BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=4)
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    block_n, block_s = _block_n(hidden_size, num_tokens), max(2, next_power_of_2(top_k))  # no one-wide axis
+    block_k = max(16, min(_BLOCK_K, _TILE_ELEMENTS // (block_s * block_n)))
+    _token_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        inter, w2, ids, weights, out, top_k, hidden_size, inter_size, num_experts,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+        BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_s * block_n * block_k > 4096 else 4)
+    return out
