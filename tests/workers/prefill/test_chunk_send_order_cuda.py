@@ -27,6 +27,10 @@ Failed again at d4173c0 (both cases): the send's upload waited 1.697 s while the
 1.994 s inside the Triton MoE, which makes no host sync: most likely a new Triton variant (a batch
 size class not seen in the warm-up), compiled and loaded mid-forward. Session 13: per-batch kernel
 ints are unspecialised and the warm-up runs size ladders (tests/model/kernels/test_kernel_specialisation.py).
+Failed again at 5f4a196; CUDA's sync debug mode showed that diagnosis wrong: the harness's runners
+use the torch MoE on CUDA, whose expert loop reads its counts on the host (`.tolist()`, a sync),
+so the model thread itself waited for the spin. Served models run the sync-free Triton MoE, so
+the runners here do too (bf16, the Triton backends: what `auto` picks on a GPU).
 """
 from __future__ import annotations
 
@@ -42,7 +46,9 @@ import torch
 
 from deepseek_pd.model.sampling.params import SamplingParams
 from deepseek_pd.workers.transport import direct_pool, page_io
-from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, timed_emits, worker_config
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
+from pdtest.pd_engine_harness import CHUNK, PAGE_SIZE, PDPair, oracle, timed_emits, worker_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(300)]
@@ -131,7 +137,10 @@ def test_a_chunk_is_sent_before_the_next_forward_ends(direct, monkeypatch):
     async def run():
         base = worker_config("grpc", same_host_direct=direct)
         cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=False))
-        async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, device="cuda") as pair:
+        runners = tuple(ModelRunner(RunnerConfig(model="tiny", page_size=PAGE_SIZE, num_pages=256, device="cuda",
+                                                 dtype="bfloat16", attention_backend="triton", moe_backend="triton"))
+                        for _ in range(2))
+        async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, device="cuda", runners=runners) as pair:
             # A worker in service: its forwards' kernels (with a prefix too) are loaded already. The
             # first launch of one in a process loads its module, which may synchronise the whole
             # context (warm_up.py); that a cold model thread's loads also hold up a warm transport
