@@ -11,6 +11,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from typing import Callable
 
 import pytest
 
@@ -69,8 +70,10 @@ def test_fails():
 '''
 
 
-def _run(tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None,
-         select: str = "") -> tuple[dict[str, list], str]:
+def _start(tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None) -> Callable[[], tuple[dict[str, list], str]]:
+    """Starts the suite under pytest in `tmp_path` (a folder of its own per run: runs may overlap);
+    the returned function waits for it and gives its draws by test name and its output."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     suite = tmp_path / "test_suite.py"
     suite.write_text(SUITE)
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p no:kmock -p no:cacheprovider\n")
@@ -78,20 +81,33 @@ def _run(tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None,
     out.unlink(missing_ok=True)
     run_env = {k: v for k, v in os.environ.items() if k != SEED_ENV}
     run_env.update(PYTHONPATH=str(SUPPORT), DRAWS_OUT=str(out), **(env or {}))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pdtest.seeding",
-                           f"{suite}{select}", *args], cwd=tmp_path, env=run_env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
-    draws: dict[str, list] = {}
-    for line in (out.read_text() if out.exists() else "").splitlines():
-        name, value = json.loads(line)
-        draws.setdefault(name, []).append(value)
-    return draws, proc.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "pdtest.seeding", str(suite), *args],
+                            cwd=tmp_path, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result() -> tuple[dict[str, list], str]:
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            proc.kill()  # a no-op once it has exited
+        assert proc.returncode in (0, 1), stdout + stderr
+        draws: dict[str, list] = {}
+        for line in (out.read_text() if out.exists() else "").splitlines():
+            name, value = json.loads(line)
+            draws.setdefault(name, []).append(value)
+        return draws, stdout
+    return result
 
 
 @pytest.mark.slow
 def test_the_same_seed_replays_the_same_draws(tmp_path):
-    fuzz, output = _run(tmp_path, "--seed", "11", "--hypothesis-profile", "fuzz")
+    # Four runs of the suite, started together (each pytest takes seconds to start; CI's second core
+    # would otherwise idle): seed 11 under "fuzz"; the same seed through the environment, without
+    # test_a before test_b; seed 12; seed 11 under "ci".
+    runs = [_start(tmp_path / "fuzz", "--seed", "11", "--hypothesis-profile", "fuzz"),
+            _start(tmp_path / "again", "--hypothesis-profile", "fuzz", "-k", "test_b or test_h", env={SEED_ENV: "11"}),
+            _start(tmp_path / "other", "--seed", "12", "--hypothesis-profile", "fuzz", "-k", "test_b or test_h or test_p"),
+            _start(tmp_path / "ci", "--seed", "11", "-k", "test_a or test_h or test_p or test_profile or test_timeout")]
+    (fuzz, output), (again, _), (other, _), (ci, _) = [run() for run in runs]
     assert output.splitlines()[0].startswith("random seed: 11 "), output  # first, even under -q
     assert "replay: pytest --seed 11 --hypothesis-profile fuzz 'test_suite.py::test_fails'" in output, output
     assert output.count("random seed: 11 (") == 2, output  # and again at the end of a failed run
@@ -101,13 +117,10 @@ def test_the_same_seed_replays_the_same_draws(tmp_path):
     assert fuzz["timeout"] == [3 * FUZZ_FACTOR], "more examples, as much more time"
     # The same seed through the environment, without test_a before test_b: the same draws, since
     # a test's seed depends on (run seed, node id) only.
-    again, _ = _run(tmp_path, "--hypothesis-profile", "fuzz", "-k", "test_b or test_h", env={SEED_ENV: "11"})
     assert again == {"b": fuzz["b"], "h": fuzz["h"]}
-    other, _ = _run(tmp_path, "--seed", "12", "--hypothesis-profile", "fuzz", "-k", "test_b or test_h or test_p")
     assert other["p"] != fuzz["p"]
     assert all(x != y for x, y in zip(other["b"][0], b)), (other["b"], b)
     assert other["h"] != fuzz["h"], "fuzz draws fresh examples from another seed"
-    ci, _ = _run(tmp_path, "--seed", "11", "-k", "test_a or test_h or test_p or test_profile or test_timeout")
     assert ci["timeout"] == [3]
     assert (ci["a"], ci["p"]) == (fuzz["a"], fuzz["p"]), "the profile changes hypothesis only"
     assert len(ci["h"]) == 5 and ci["derandomize"] == [True], "ci: the test's own examples, not the seed's"
@@ -119,7 +132,8 @@ def test_a_tests_draws_do_not_depend_on_which_test_set_up_its_fixtures(tmp_path)
     it (which set the fixture up) and alone (where it sets it up). Before, the two differed: run
     2114677491's chat logprob test drew other prompts alone than in its module, and its failure
     passed as a flake on replay."""
-    both, _ = _run(tmp_path, "--seed", "11", "-k", "test_m1 or test_m2")
-    alone, _ = _run(tmp_path, "--seed", "11", "-k", "test_m2")
+    runs = [_start(tmp_path / "both", "--seed", "11", "-k", "test_m1 or test_m2"),
+            _start(tmp_path / "alone", "--seed", "11", "-k", "test_m2")]
+    (both, _), (alone, _) = [run() for run in runs]
     assert alone["m2"] == both["m2"]
     assert both["m1"] != both["m2"]

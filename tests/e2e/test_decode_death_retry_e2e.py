@@ -28,7 +28,7 @@ from deepseek_pd.launcher.cluster import LocalCluster
 from deepseek_pd.launcher.health import router_ready_workers
 from deepseek_pd.launcher.supervisor import SupervisorConfig
 from pdtest.e2e_cluster import cluster_spec, supervise, used_pages, wait_for_pages
-from pdtest.gateway_oracle import offline_engine, offline_greedy, post_json, post_stream
+from pdtest.gateway_oracle import offline_engine, offline_greedy_batch, post_json, post_stream
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
@@ -65,7 +65,7 @@ def test_decode_killed_mid_load_requests_complete_or_fail_cleanly(cluster) -> No
     rng = random.Random()
     engine = offline_engine()
     prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(300, 500))] for _ in range(REQUESTS)]
-    expected = [offline_greedy(engine, p, MAX_NEW)[0] for p in prompts]
+    expected = offline_greedy_batch(engine, prompts, [MAX_NEW] * len(prompts))
     streamed = [i % 2 == 0 for i in range(REQUESTS)]
     host = cluster.spec.host
     victim = cluster.decode_workers()[rng.randrange(2)]
@@ -147,7 +147,7 @@ def test_decode_killed_after_first_tokens_ends_streams_with_one_wellformed_error
     engine = offline_engine()
     max_new = 400
     prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(5, 30))] for _ in range(6)]
-    expected = [offline_greedy(engine, p, max_new)[0] for p in prompts]
+    expected = offline_greedy_batch(engine, prompts, [max_new] * len(prompts))  # 400 steps, not 2,400
     host = cluster.spec.host
     started = [asyncio.Event() for _ in prompts]
 

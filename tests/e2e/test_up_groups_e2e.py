@@ -36,7 +36,7 @@ from deepseek_pd.launcher.health import router_ready_workers, worker_is_healthy
 from deepseek_pd.launcher.supervisor import SupervisorConfig
 from deepseek_pd.launcher.worker_plan import GroupShape
 from pdtest.e2e_cluster import CHUNKED_PREFILL_SIZE, PAGE_SIZE, cluster_spec, supervise, wait_for_pages
-from pdtest.gateway_oracle import offline_engine, offline_greedy
+from pdtest.gateway_oracle import offline_engine, offline_greedy_batch
 from pdtest.process_tree import alive, descendants, group_rank_pids, wait_gone
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.usefixtures("cluster_logs_on_failure")]
@@ -97,7 +97,7 @@ def test_chunked_prompts_equal_the_offline_engine(cluster, engine) -> None:
     rng = random.Random()
     jobs = [(tokens(rng, engine.vocab_size, CHUNKED_PREFILL_SIZE * rng.randint(1, 3) + rng.randint(1, 9)),
              rng.randint(3, 8), stream) for stream in (False, True) for _ in range(3)]
-    want = [offline_greedy(engine, p, n)[0] for p, n, _ in jobs]
+    want = offline_greedy_batch(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
     got = asyncio.run(generate_all(cluster, jobs))
     assert [r.output_ids for r in got] == want
     assert all(r.prompt_tokens == len(p) for r, (p, _, _) in zip(got, jobs))
@@ -110,7 +110,7 @@ def test_shared_prefixes_hit_the_prefill_ranks_caches(cluster, engine) -> None:
     prefix = tokens(rng, engine.vocab_size, CHUNKED_PREFILL_SIZE + rng.randint(4, 12))
     jobs = [(prefix + tokens(rng, engine.vocab_size, rng.randint(1, 9)), rng.randint(3, 6), i % 2 == 1)
             for i in range(6)]
-    want = [offline_greedy(engine, p, n)[0] for p, n, _ in jobs]
+    want = offline_greedy_batch(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
     got = [asyncio.run(generate_all(cluster, [job]))[0] for job in jobs]  # one after another
     assert [r.output_ids for r in got] == want
     cacheable = len(prefix) // PAGE_SIZE * PAGE_SIZE
@@ -131,7 +131,7 @@ def test_64_concurrent_requests_on_every_rank_then_pools_empty(cluster, engine) 
     rng = random.Random()
     jobs = [(tokens(rng, engine.vocab_size, rng.randint(2, 48)), rng.randint(2, 8), rng.random() < 0.5)
             for _ in range(64)]
-    want = [offline_greedy(engine, p, n)[0] for p, n, _ in jobs]
+    want = offline_greedy_batch(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
     got = asyncio.run(generate_all(cluster, jobs))
     wrong = [i for i, (r, w) in enumerate(zip(got, want)) if r.output_ids != w]
     assert not wrong, f"{len(wrong)} of 64 differ from the offline engine, e.g. job {wrong[0]}"
@@ -154,7 +154,7 @@ def test_a_killed_rank_restarts_its_whole_group_while_the_others_serve(supervise
     tree = descendants(leader) | {leader}
     assert set(ranks.values()) <= tree and len(ranks) == DECODE.ranks
     jobs = [(tokens(rng, engine.vocab_size, rng.randint(2, 40)), rng.randint(2, 6), False) for _ in range(24)]
-    want = [offline_greedy(engine, p, n)[0] for p, n, _ in jobs]
+    want = offline_greedy_batch(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
 
     async def traffic(killed: asyncio.Event) -> tuple[list, int]:
         """Requests in waves of 4 from before the kill; how many of them completed while the victim
@@ -214,7 +214,7 @@ def test_a_killed_rank_restarts_its_whole_group_while_the_others_serve(supervise
     # The restarted group runs PD on both of its DP ranks (room % dp), with the right tokens.
     prefill = cluster.prefill_workers()[0]
     prompts = [tokens(rng, engine.vocab_size, rng.randint(2, 40)) for _ in range(4)]
-    expected = [offline_greedy(engine, p, 5)[0] for p in prompts]
+    expected = offline_greedy_batch(engine, prompts, [5] * len(prompts))
 
     async def direct():
         async with PDClient(prefill.address(host), host, prefill.bootstrap_port, victim.address(host)) as client:

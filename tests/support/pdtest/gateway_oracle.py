@@ -37,6 +37,17 @@ def offline_greedy(engine, input_ids: list[int], max_new_tokens: int, ignore_eos
     return list(result.output_ids), list(result.output_logprobs)
 
 
+def offline_greedy_batch(engine, prompts: list[list[int]], max_new: list[int], ignore_eos: bool = True) -> list[list[int]]:
+    """Each prompt's greedy output ids, as `offline_greedy` gives them, from one batch of the offline
+    engine: as many decode steps as the longest answer, not their sum (a request's greedy tokens do
+    not depend on its batch here, as every cluster test's batched decode against this oracle shows)."""
+    from deepseek_pd.model.sampling.params import SamplingParams
+
+    results = engine.generate_batch(prompts, [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=ignore_eos)
+                                              for n in max_new])
+    return [list(r.output_ids) for r in results]
+
+
 def chat_prompt_ids(hf_tokenizer, messages: list[dict]) -> list[int]:
     """The prompt the gateway builds from `messages`: the chat template with the generation prompt."""
     return list(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
