@@ -147,10 +147,11 @@ class RunnerConfig:
     # "mha" (the per-batch method choice would follow the batch); what cannot be made invariant
     # yet is refused (`deterministic_blocker`).
     deterministic: bool = False
-    # Batch-1 decode fusions (`BuildOptions.small_batch_fusions`): on where the MoE backend is "triton"
+    # Batch-1 decode fusions (`BuildOptions.small_batch_fusions`): where the MoE backend is "triton"
     # (auto on CUDA; not under `deterministic`); off keeps the general kernels (what
-    # bench/decode_bs1_gpu.py compares them with).
-    small_batch_fusions: bool = True
+    # bench/decode_bs1_gpu.py compares them with). Opt-in until a GPU has compiled and timed them
+    # (bench/decode_bs1_session.sh): no device time was left in the session that wrote them.
+    small_batch_fusions: bool = False
 
     def __post_init__(self) -> None:
         if (blocker := not_one_of("dtype", self.dtype, DTYPE_CHOICES)) is not None:
