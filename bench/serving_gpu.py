@@ -460,6 +460,14 @@ def report(plan: Plan, out: Path, result: dict, tiny: bool, budget: Budget) -> t
     return table, targets, solo
 
 
+def all_measured(parts: set[str], result: dict) -> bool:
+    """The exit code's question: did every part in `parts` give its figures? The mixed levels when
+    "serving" is named, each check of the loads apart that ran, each transfer part's JSON."""
+    levels_ran = ("serving" not in parts or bool(result["levels"])) and all(
+        c["value"] is not None for c in result.get("solo_checks", []))
+    return levels_ran and set(result["parts"]) == parts - LEVEL_PARTS
+
+
 def main() -> int:
     args = parse_args()
     try:
@@ -503,10 +511,7 @@ def main() -> int:
     phases = ", ".join(f"{k} {v:.0f}s" for k, v in result["phases"].items() if k != "total_s")
     print(f"commit {result['meta']['commit']}, {now}, total {result['phases']['total_s']:.0f}s ({phases})")
     print("\n".join(text for text in (table, targets, solo) if text), flush=True)
-    levels_ran = ("serving" not in args.parts or result["levels"]) and all(
-        c["value"] is not None for c in result.get("solo_checks", []))
-    measured = levels_ran and set(result["parts"]) == args.parts - LEVEL_PARTS
-    return 0 if measured else 1
+    return 0 if all_measured(args.parts, result) else 1
 
 
 if __name__ == "__main__":

@@ -4,31 +4,27 @@ Its report is checked against its own sources, not against fixed numbers: each t
 the `bench serving` summary it came from, the runner timed exactly the prompt lengths that the
 c=1 run then sent, every request decoded exactly the planned output length, the ratio checks are
 the quotients of the figures they name, and the KV bytes per token that `bench serving` learned
-from the router equal the runner's own KV pool figure.
+from the router equal the runner's own KV pool figure. The run is the session's one tiny run of
+every part (tests/bench/conftest.py); the rows of parts left out: test_serving_gpu_parts.py.
 """
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pdtest.bench_scripts import bench_module
+from pdtest.tiny_serving_run import TinyServingRun
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]  # the shared run starts in the first test that asks
 
 
-def test_tiny_run_reports_what_it_measured(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    argv = [sys.executable, str(REPO / "bench" / "serving_gpu.py"), "--tiny", "--out", str(out),
-            "--model-dir", str(tmp_path / "model"), "--profile", "--budget-s", "400",
-            "--parts", "serving"]  # the transfer parts: tests/bench/test_targets_table.py
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=450)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "serving_gpu.json").read_text())
+def test_tiny_run_reports_what_it_measured(tiny_serving_run: TinyServingRun) -> None:
+    out = tiny_serving_run.out
+    result = tiny_serving_run.result()
     plan, runner = result["meta"]["plan"], result["runner"]
     assert runner is not None, result["notes"]
     assert [row["concurrency"] for row in result["levels"]] == [c for c, _ in plan["levels"]], result["notes"]
@@ -70,20 +66,21 @@ def test_tiny_run_reports_what_it_measured(tmp_path: Path) -> None:
     assert runner["prefill_round"]["lengths"] == expected_round and runner["prefill_round"]["tok_s"] > 0
     caps = bench_module("serving_report").ceilings(result["levels"], runner)
     assert result["ceilings"] == caps and [c["concurrency"] for c in caps] == [c for c, _ in plan["levels"]]
-    assert sum(line.startswith("one-GPU ceiling") for line in proc.stdout.splitlines()) == len(caps)
+    table = tiny_serving_run.lines
+    assert sum(line.startswith("one-GPU ceiling") for line in table) == len(caps)
 
-    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config = json.loads((tiny_serving_run.model_dir / "config.json").read_text())
     assert {k: result["meta"]["shapes"][k] for k in config} == config
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     assert result["meta"]["commit"] == (head.stdout.strip() if head.returncode == 0 else "unknown")
     assert (out / "serving_gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table = proc.stdout.strip().splitlines()
-    assert table[-1].startswith("tiny CPU run") and any(line.startswith("check") for line in table)
-    # The six targets' table comes last: the serving checks as measured, the transfer parts not run.
+    # The serving table (its checks, then the tiny-run note) comes just before the six targets'
+    # table, whose first four rows are the serving checks as measured.
     targets, checks = result["targets"], result["checks"]
+    start = next(i for i, line in enumerate(table) if line.startswith("issue 7 targets, commit "))
+    assert table[start - 1].startswith("tiny CPU run")
+    assert table[start - 2 - len(checks)].startswith("check") and table[start - 2].startswith(checks[-1]["check"])
     assert [{k: t[k] for k in c} for t, c in zip(targets[:4], checks)] == checks and len(targets) == 7
-    assert [t["why"] for t in targets[4:]] == ["not in --parts"] * 3
-    assert table[-10].startswith("issue 7 targets, commit ")
 
     pyspy_binary = bench_module("pyspy_profile").pyspy_binary
 

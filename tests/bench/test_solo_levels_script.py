@@ -4,20 +4,19 @@ The loads' table is checked against its own sources: each row's figure is the `b
 summary it came from, each request had exactly the load's lengths, the runner timed a round of
 the load's prompts at the worker's own round size and decode steps at the load's batches and mean
 context, each ratio is the quotient of the figures it names and its verdict follows its target,
-and the table names the card and the commit.
+and the table names the card and the commit. The run is the session's one tiny run of every part
+(tests/bench/conftest.py); that the loads apart run without the mixed levels when those are left
+out: test_serving_gpu_parts.py.
 """
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pdtest.bench_scripts import bench_module
-
-REPO = Path(__file__).resolve().parents[2]
+from pdtest.tiny_serving_run import TinyServingRun
 
 
 def test_the_loads_need_the_figures_they_divide() -> None:
@@ -37,16 +36,11 @@ def test_the_loads_need_the_figures_they_divide() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(480)
-def test_tiny_run_reports_the_loads_apart(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    argv = [sys.executable, str(REPO / "bench" / "serving_gpu.py"), "--tiny", "--out", str(out),
-            "--model-dir", str(tmp_path / "model"), "--budget-s", "400", "--parts", "prefill_only,decode_only"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=450)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "serving_gpu.json").read_text())
+@pytest.mark.timeout(480)  # the shared run starts in the first test that asks
+def test_tiny_run_reports_the_loads_apart(tiny_serving_run: TinyServingRun) -> None:
+    out = tiny_serving_run.out
+    result = tiny_serving_run.result()
     loads, runner, solo = result["meta"]["plan"]["solo"], result["runner"], result["solo"]
-    assert result["levels"] == [], "the mixed levels are another part"
 
     prefill = solo["prefill_only"]
     level = json.loads(Path(prefill["json"]).read_text())
@@ -84,7 +78,7 @@ def test_tiny_run_reports_the_loads_apart(tmp_path: Path) -> None:
         passed = check["value"] >= check["limit"] if check["op"] == ">=" else check["value"] <= check["limit"]
         assert check["result"] == ("PASS" if passed else "MISS")
 
-    lines = proc.stdout.strip().splitlines()
+    lines = tiny_serving_run.lines  # the loads' table comes last
     start = next(i for i, line in enumerate(lines) if line.startswith("issue 25 loads apart"))
     assert f"card {runner['device_name']}" in lines[start] and result["meta"]["commit"] in lines[start]
     table = lines[start + 2:start + 2 + len(checks)]

@@ -2,23 +2,21 @@
 
 The merge is checked with fresh random measurements against recomputed ratios and verdicts; the
 transfer parts (`bench/target_parts.py`) run for real once in the tiny CPU mode, and each of their
-rows must equal what their own JSON's seconds give. The serving rows' own end-to-end run is
-tests/bench/test_serving_gpu_script.py (`--parts serving`).
+rows must equal what their own JSON's seconds give. That run is the session's one tiny run of
+every part (tests/bench/conftest.py), whose serving rows tests/bench/test_serving_gpu_script.py
+checks; the rows of parts left out: test_serving_gpu_parts.py.
 """
 from __future__ import annotations
 
 import json
 import random
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pdtest.bench_scripts import bench_module
-
-REPO = Path(__file__).resolve().parents[2]
+from pdtest.tiny_serving_run import TinyServingRun
 
 
 def _random_run(rng: random.Random) -> tuple[list[dict], dict]:
@@ -84,16 +82,12 @@ def test_parts_that_do_not_fit_in_the_budget_are_skipped_not_started(tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_tiny_run_of_the_transfer_parts_reports_what_their_json_says(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    argv = [sys.executable, str(REPO / "bench" / "serving_gpu.py"), "--tiny", "--out", str(out),
-            "--model-dir", str(tmp_path / "model"), "--parts", "kv_transfer,mooncake,layerwise"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "serving_gpu.json").read_text())
+@pytest.mark.timeout(480)  # the shared run starts in the first test that asks
+def test_tiny_run_of_the_transfer_parts_reports_what_their_json_says(tiny_serving_run: TinyServingRun) -> None:
+    out = tiny_serving_run.out
+    result = tiny_serving_run.result()
     rows = {r.get("part", "serving"): r for r in result["targets"]}
-    assert len(result["targets"]) == 7 and all(r["why"] == "not in --parts" for r in result["targets"][:4])
+    assert len(result["targets"]) == 7 and set(rows) == {"serving", "kv_transfer", "mooncake", "layerwise"}
 
     kv = json.loads((out / "parts" / "kv_transfer.json").read_text())
     assert [r["streams"] for r in kv["runs"]] == [1, 2] and kv["raw_grpc"]
@@ -102,7 +96,7 @@ def test_tiny_run_of_the_transfer_parts_reports_what_their_json_says(tmp_path: P
     assert len(mooncake["raw_seconds"]) == len(mooncake["seconds"]) == 2
     assert rows["mooncake"]["value"] == pytest.approx(min(mooncake["raw_seconds"]) / min(mooncake["seconds"]))
     layerwise = json.loads((out / "parts" / "layerwise.json").read_text())
-    assert layerwise["model"] == str(tmp_path / "model")  # the run's own checkpoint
+    assert layerwise["model"] == str(tiny_serving_run.model_dir)  # the run's own checkpoint
     seconds = layerwise["seconds"]
     assert rows["layerwise"]["value"] == pytest.approx(statistics.median(seconds["layer-wise"])
                                                        / statistics.median(seconds["compute"]))
@@ -110,8 +104,10 @@ def test_tiny_run_of_the_transfer_parts_reports_what_their_json_says(tmp_path: P
         assert rows[name]["ratio"] == pytest.approx(rows[name]["value"] / rows[name]["limit"])
         assert rows[name]["result"] in ("PASS", "MISS")
 
-    lines = proc.stdout.strip().splitlines()
+    lines = tiny_serving_run.lines
     start = next(i for i, line in enumerate(lines) if line.startswith("issue 7 targets, commit "))
     assert result["meta"]["commit"] in lines[start]
-    assert len(lines) - start == 2 + 7 + 1  # title, header, the rows, the tiny-run note: the table is last
+    # Title, header, the rows, the tiny-run note; then the loads apart (the last table when they run).
+    assert lines[start + 2 + 7].startswith("tiny CPU run")
+    assert lines[start + 2 + 7 + 1].startswith("issue 25 loads apart")
     assert any("mooncake ran" in note for note in result["notes"])  # in a namespace, or why not

@@ -6,6 +6,7 @@ import pathlib
 import random
 import re
 
+import celpy
 import pytest
 import yaml
 
@@ -107,6 +108,23 @@ def test_deepep_on_cpu_is_rejected():
     obj = _example("cpu-minimal.yaml")
     obj["spec"]["decode"]["deepepMode"] = "low_latency"
     assert [v.field for v in validate_object(obj)] == ["spec.decode.deepepMode"]
+
+
+@pytest.mark.parametrize("deepep", [None, "low_latency"], ids=["valid", "deepep-on-cpu"])
+def test_the_object_is_converted_to_cel_once_not_once_per_rule(monkeypatch, deepep):
+    """The CEL rules share one conversion of the object (celpy.json_to_cel): .spec and .spec.decode
+    carry several rules each, and converting once per rule was most of the CEL time of a reconcile
+    pass. The verdicts are the other tests' (deepep on CPU: test_deepep_on_cpu_is_rejected)."""
+    spec_schema = root_schema()["properties"]["spec"]
+    for node in (spec_schema, spec_schema["properties"]["decode"]):
+        assert len(node.get("x-kubernetes-validations", [])) > 1
+    convert, calls = celpy.json_to_cel, []
+    monkeypatch.setattr(celpy, "json_to_cel", lambda value: calls.append(value) or convert(value))
+    obj = _example("cpu-minimal.yaml")
+    if deepep:
+        obj["spec"]["decode"]["deepepMode"] = deepep
+    assert [v.field for v in validate_object(obj)] == (["spec.decode.deepepMode"] if deepep else [])
+    assert len(calls) == 1 and set(calls[0]) >= {"metadata", "spec"}  # the whole object's
 
 
 def test_parse_raises_invalid_spec_with_every_violation():
