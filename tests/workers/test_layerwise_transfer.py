@@ -135,7 +135,9 @@ def test_only_channels_that_stream_layers_get_layers(direct):
     num_layers = oracle().runner.kv_pool.num_layers
     if direct == "on":
         assert {name for name, _, _ in sends} == {"DirectChannel"}
-        assert progresses == [None] * chunks and len(sends) == chunks, sends
+        # No role progress: the round's clock (round_clock.py) may see the layers, but it hands
+        # nothing off and records no event.
+        assert [getattr(p, "inner", p) for p in progresses] == [None] * chunks and len(sends) == chunks, sends
     else:
         assert {name for name, _, _ in sends} == {"GrpcChannel"}
         assert all(p is not None for p in progresses)

@@ -99,11 +99,11 @@ def spy(monkeypatch):
     calls: list[tuple[str, int]] = []
     forward = PrefillRounds.forward
 
-    def spied(self, plan, states, progress=None):
+    def spied(self, plan, states, *rest):
         kinds = {type(item.owner).__module__ for item in plan.items}
         assert len(kinds) == 1
         calls.append((kinds.pop(), sum(len(seq.token_ids) for seq in plan.seqs)))
-        return forward(self, plan, states, progress)
+        return forward(self, plan, states, *rest)
 
     monkeypatch.setattr(PrefillRounds, "forward", spied)
     return calls
