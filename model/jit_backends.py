@@ -8,7 +8,8 @@ is built, in the process that runs it, `with_compiled_jit_backends` runs each na
 once (`compile_and_run_once`, which also moves the compile time from the first request to
 start-up); where that raises, it logs the reason and sets the field to what "auto" resolves to
 (`RunnerConfig.auto_choice`: the Triton kernels on CUDA). An "auto" field that picks one
-(attention "auto" picks FlashInfer where it can win, model/kernels/mla_decode_route.py) is named
+(attention "auto" picks FlashMLA where it is built, else FlashInfer where it can win,
+model/kernels/mla_decode_route.py) is named
 first, so a library caller's "auto" is checked as a resolved one is.
 
     config = with_compiled_jit_backends(config, model_config)
@@ -32,6 +33,14 @@ def _flashinfer(device: str) -> None:
     compile_and_run_once(device)
 
 
+def _flashmla(device: str) -> None:
+    # Not compiled on first use (built ahead: bench/flashmla_build.sh), but checked the same way: a
+    # build for another torch or GPU, or a wrong result, must fall back at start-up, not at a request.
+    from deepseek_pd.model.kernels.flashmla_mla import check_against_reference
+
+    check_against_reference(device)
+
+
 def _deep_gemm(device: str) -> None:
     from deepseek_pd.model.kernels.fp8_deep_gemm import compile_and_run_once
 
@@ -49,6 +58,7 @@ class JitBackend:
 
 
 JIT_BACKENDS: tuple[JitBackend, ...] = (
+    JitBackend("attention_backend", "flashmla", _flashmla),
     JitBackend("attention_backend", "flashinfer", _flashinfer),
     JitBackend("fp8_backend", "deep_gemm", _deep_gemm),
 )

@@ -95,10 +95,10 @@ class RunnerConfig:
     mha_chunked_kv_threshold: int = 256
     prefix_chunk_size: int = 8192
     num_fused_shared_experts: int = 0
-    # auto: FlashInfer's MLA decode where it can run and wins at the model's heads per rank (its
-    # kernel compiled at start-up, else Triton), the Triton kernels on CUDA when Triton imports,
-    # else the plain-torch reference (`resolve_attention_backend`, model/kernels/mla_decode_route.py).
-    # "flashmla" (FlashMLA's sm90 decode, where `flash_mla` is built) only when named: page_size 64.
+    # auto: FlashMLA's sm90 MLA decode where `flash_mla` is built (bf16, page_size 64), else
+    # FlashInfer's where it can run and wins at the model's heads per rank (each checked at start-up,
+    # else Triton), the Triton kernels on CUDA when Triton imports, else the plain-torch reference
+    # (`resolve_attention_backend`, model/kernels/mla_decode_route.py).
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     dispatcher: str = "auto"  # auto: local for ep_size 1, else deepep (when importable on CUDA) or all_to_all

@@ -26,13 +26,17 @@ Triton 0.025 against FlashInfer 0.022 ms plus a 0.8 ms plan, Triton wins the ste
 FlashInfer for batches of 4 or more at 64 heads or more per rank, Triton for the rest (and for every
 shape at 16 heads).
 
-FlashMLA (sm90 dense decode, built from source: bench/flashmla_build.sh) is not measured yet: it
-is never what "auto" picks (not in `AUTO_LIBRARIES`), and its route is a placeholder until
-bench/mla_decode_gpu.py's FlashMLA column fills it. Unlike FlashInfer it plans nothing on the host
-(its scheduler metadata is a device kernel on the lengths), so no plan cost holds it back at small
-batches; it takes 64-token pages and bf16 only.
+FlashMLA (sm90 dense decode, built from source: bench/flashmla_build.sh; Dockerfile.cuda builds it)
+measured 2026-12-07 on one H100 (session 15, commit 17c371d, bench/mla_decode_gpu.py, per layer, bf16,
+64-token pages, ragged lengths of ~2.3k mean): at 128 heads 0.025 / 0.028 / 0.048 / 0.217 ms at
+batch 1 / 4 / 16 / 128 against Triton's 0.110 / 0.066 / 0.148 / 1.104 and FlashInfer's 0.021 /
+0.031 / 0.052 / 0.216; at 16 heads 0.023 / 0.025 / 0.033 / 0.144 against Triton's 0.091 / 0.061 /
+0.098 / 0.185. It plans nothing on the host (its scheduling metadata is one device kernel on the
+lengths, ~0.09 ms once per step, and part of a captured graph), where FlashInfer plans each batch
+on the host for 0.9-9 ms. Hence FlashMLA at every batch and head count, and "auto" prefers it to
+FlashInfer where both can run; it takes 64-token pages and bf16 only.
 
-Example (V3, bf16, FlashInfer installed with nvcc, CUDA):
+Example (V3, bf16, FlashInfer installed with nvcc, FlashMLA not built, CUDA):
     auto_attention_backend(AttentionHost(True, True, None), heads_per_rank=128, ...)
         -> ("flashinfer", "FlashInfer's MLA decode at 128 heads per rank, batches of 4 or more")
     the same at tp 8 (16 heads per rank) -> ("triton", "... FlashInfer does not win at 16 heads per rank")
@@ -78,11 +82,10 @@ class MLADecodeRoute:
 
 # The measured table (module docstring): which decode batches each library's backend sends to it.
 FLASHINFER_ROUTE = MLADecodeRoute()
-# Not measured yet: every batch of 2 or more (FlashMLA has no host plan to amortise; one sequence
-# is Triton's, as it is against FlashInfer). bench/mla_decode_gpu.py prints the measured thresholds.
-FLASHMLA_ROUTE = MLADecodeRoute(many_heads=64, min_batch_many_heads=2, min_batch_few_heads=2)
-# The libraries "auto" may pick, most preferred first. FlashMLA joins once its route is measured.
-AUTO_LIBRARIES: tuple[str, ...] = ("flashinfer",)
+# Measured (module docstring): faster than Triton at every batch, at 128 and at 16 heads.
+FLASHMLA_ROUTE = MLADecodeRoute(many_heads=64, min_batch_many_heads=1, min_batch_few_heads=1)
+# The libraries "auto" may pick, most preferred first: FlashMLA (no host plan) where it is built.
+AUTO_LIBRARIES: tuple[str, ...] = ("flashmla", "flashinfer")
 _LIBRARY_NAMES = {"flashinfer": "FlashInfer", "flashmla": "FlashMLA"}
 
 

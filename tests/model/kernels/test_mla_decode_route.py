@@ -62,10 +62,11 @@ def test_auto_names_flashinfer_exactly_where_it_can_run_and_win():
                                   route=MLADecodeRoute(min_batch_few_heads=64))[0] == "flashinfer"
 
 
-def test_auto_picks_the_first_library_that_can_run_and_win_flashmla_only_when_listed():
+def test_auto_picks_the_first_library_that_can_run_and_win_in_the_listed_order():
     """With FlashMLA listed after FlashInfer, "auto" names FlashInfer where it can run and win, else
     FlashMLA where it can (bf16 only, 64-token pages or a page size not known yet), else Triton
-    with both reasons. The default list holds FlashInfer alone: FlashMLA stays opt-in."""
+    with both reasons. The default list (measured: FlashMLA plans nothing on the host) puts FlashMLA
+    first: it names FlashMLA wherever FlashMLA can run, whatever FlashInfer could do."""
     rng = random.Random(random.randrange(1 << 30))
     few = MLADecodeRoute(min_batch_few_heads=NEVER)
     for _ in range(500):
@@ -85,7 +86,7 @@ def test_auto_picks_the_first_library_that_can_run_and_win_flashmla_only_when_li
         if want == "triton" and host.flashmla_blocker:
             assert host.flashmla_blocker in why
         default, _ = auto_attention_backend(**case, page_size=page_size, route=few)
-        assert default != "flashmla"
+        assert (default == "flashmla") == (want != "torch" and flashmla), (case, page_size, default)
 
 
 def test_route_min_batch_is_what_uses_library_counts_from():
@@ -145,6 +146,31 @@ def test_auto_is_checked_at_start_up_and_falls_back_to_triton_with_the_reason(fl
     assert with_compiled_jit_backends(config, small, (JitBackend("attention_backend", "flashinfer",
                                                                   compiled.append),)) == config
     assert compiled == ["cuda"]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU: FlashMLA's real start-up check fails for want of a Hopper GPU")
+def test_auto_prefers_a_built_flashmla_and_falls_back_when_its_check_fails(monkeypatch, caplog):
+    """Where `flash_mla` is built, "auto" names it at V3's 128 heads and V2-Lite's 16 (bf16, 64-token
+    pages), ahead of FlashInfer; its real start-up check fails here (no CUDA device), so the runner
+    config falls back, with the reason, to what "auto" picks with both libraries failed."""
+    monkeypatch.setattr(runner_config, "attention_host",
+                        lambda device: AttentionHost(cuda=True, triton=True, flashinfer_blocker=None,
+                                                     flashmla_blocker=None))
+    config = RunnerConfig(device="cuda", dtype="bfloat16", page_size=64)
+    lite = _v3_config(num_attention_heads=16, num_key_value_heads=16)
+    assert config.resolve_attention_backend(_v3_config()) == "flashmla"
+    assert config.resolve_attention_backend(lite) == "flashmla"
+    other_page = random.choice([16, 32, 128])
+    assert replace(config, page_size=other_page).resolve_attention_backend(_v3_config()) == "flashinfer"
+    assert replace(config, dtype="float16").resolve_attention_backend(_v3_config()) == "flashinfer"
+    with caplog.at_level(logging.INFO):
+        fallen = with_compiled_jit_backends(config, _v3_config())
+    assert fallen == replace(config, attention_backend="triton")
+    (warning,) = [r for r in caplog.records if r.name == jit_backends.__name__ and r.levelno == logging.WARNING]
+    assert "'flashmla' cannot run here" in warning.getMessage()
+    checked: list[str] = []
+    kept = with_compiled_jit_backends(config, lite, (JitBackend("attention_backend", "flashmla", checked.append),))
+    assert kept == replace(config, attention_backend="flashmla") and checked == ["cuda"]
 
 
 def test_without_flashinfer_auto_is_triton_and_says_why(monkeypatch, caplog):
