@@ -13,7 +13,9 @@ captures its graph):
 Per variant: a `--context`-token prompt, then `--steps` greedy decode steps by graph replay (the
 tokens are compared with the "off" variant's), timed over `--repeats` runs; one eager step under
 torch.profiler gives per op of each layer its kernels and device time (bench/decode_kernel_count.py),
-printed for the dense layer 0 and one MoE layer, with the per-layer means. The floor is the weight
+printed for the dense layer 0 and one MoE layer, with the per-layer means. The graph step is split
+(bench/decode_step_split.py): host time of `runner.decode`, device time of the replay alone, and
+the kernels and idle gaps inside the graph from a profile of a few replays. The floor is the weight
 bytes one step reads (attention and dense weights, the router, the chosen experts' slices, lm_head)
 at the card's HBM rate (FACTS.md; `mla_decode_gpu.CARDS`).
 
@@ -83,6 +85,7 @@ def _floor_ms(weight_bytes: int, device: str) -> tuple[float | None, float | Non
 @torch.inference_mode()
 def run_variant(model, name: str, args, device: str, experts_read: int) -> dict:
     from decode_kernel_count import OpScopes, layer_rows, profile_ops
+    from decode_step_split import split_graph_step
     from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
     from deepseek_pd.model.runner_config import RunnerConfig
 
@@ -119,11 +122,14 @@ def run_variant(model, name: str, args, device: str, experts_read: int) -> dict:
             times.append((time.perf_counter() - start) / args.steps)
         row["graph_step_ms"] = statistics.median(times[1:]) * 1e3
         row["graph_tok_s"] = 1e3 / row["graph_step_ms"]
+        row["split"] = split_graph_step(
+            runner, lambda step: runner.decode([DecodeSeq(tokens[step], context + step, pages)]), 1, args.steps)
     scopes = OpScopes(model, experts_read)
     eager = lambda: runner.decode_eager([DecodeSeq(tokens[0], context, pages)])  # noqa: E731
     eager()  # compiled and warm before the profile
     profile_ops(scopes, eager)
     row["step_kernels"], row["step_kernel_us"] = scopes.step_kernels, round(scopes.step_kernel_us, 1)
+    row["linked_kernels"], row["linked_kernel_us"] = scopes.linked_kernels, round(scopes.linked_kernel_us, 1)
     layers = layer_rows(scopes)
     row["head"] = {"launches": scopes.counts["head"].launches, "weight_bytes": scopes.counts["head"].weight_bytes}
     row["weight_bytes"] = sum(c.weight_bytes for c in scopes.counts.values())
@@ -147,7 +153,12 @@ def _print(row: dict) -> None:
         floor = f", floor {row['floor_ms']:.3f} ms ({row['floor_over_step']:.2f} of the step)" if row.get(
             "floor_ms") else ""
         print(f"{head} graph step {row['graph_step_ms']:.3f} ms = {row['graph_tok_s']:.0f} tok/s{floor}; "
-              f"eager step: {row['step_kernels']} kernels, {row['step_kernel_us'] / 1e3:.3f} ms of kernel time")
+              f"eager step: {row['step_kernels']} kernels, {row['step_kernel_us'] / 1e3:.3f} ms of kernel time "
+              f"({row['linked_kernels']} linked to a launch, {row['linked_kernel_us'] / 1e3:.3f} ms: the per-op rows)")
+    if "split" in row:
+        from decode_step_split import print_split
+
+        print_split(head, row["split"], row.get("graph_step_ms"))
     print(f"{head} weights read per step {row['weight_bytes'] / 1e9:.3f} GB; outside the layers "
           f"{row['head']['launches']} launches")
     for kind in ("dense", "moe"):
