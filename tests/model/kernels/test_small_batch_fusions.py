@@ -99,8 +99,8 @@ def test_router_select_refuses_bad_shapes():
 
 
 def check_single_token_moe(experts: int, shared: int, k: int, hidden: int, inter: int, dtype: torch.dtype,
-                           tol: float) -> None:
-    from deepseek_pd.model.kernels.moe_single_token import fused_moe_single_token
+                           tol: float, programs_per_sm: int = 4) -> None:
+    from deepseek_pd.model.kernels.moe_single_token import SingleTokenTile, fused_moe_single_token
 
     w13 = torch.randn(experts + shared, 2 * inter, hidden, device=DEVICE, dtype=dtype) / hidden ** 0.5
     w2 = torch.randn(experts + shared, hidden, inter, device=DEVICE, dtype=dtype) / inter ** 0.5
@@ -112,7 +112,7 @@ def check_single_token_moe(experts: int, shared: int, k: int, hidden: int, inter
     ids = torch.cat([ids, torch.arange(experts, experts + shared, device=DEVICE)])[None]
     weights = torch.cat([torch.rand(k, device=DEVICE), torch.ones(shared, device=DEVICE)])[None]
     want = MOE_BACKENDS.build("torch")(x, ids, weights, w13, w2)
-    got = fused_moe_single_token(x, ids, weights, w13, w2)
+    got = fused_moe_single_token(x, ids, weights, w13, w2, SingleTokenTile(programs_per_sm=programs_per_sm))
     assert got.shape == want.shape and got.dtype == dtype and not torch.isnan(got).any()
     assert _rel_err(got, want) < tol, _rel_err(got, want)
 
@@ -120,8 +120,9 @@ def check_single_token_moe(experts: int, shared: int, k: int, hidden: int, inter
 def test_single_token_moe_matches_torch_backend(poisoned_empty):
     rng = random.Random()
     for _ in range(2):
+        # programs_per_sm 0: the widest tiles; 4: on the interpreter's 132 "SMs", the narrowest.
         check_single_token_moe(rng.randint(2, 9), rng.choice([0, 1, 2]), rng.randint(1, 2), rng.choice([32, 136]),
-                               rng.choice([24, 40]), torch.float32, tol=1e-5)
+                               rng.choice([24, 40]), torch.float32, tol=1e-5, programs_per_sm=rng.choice([0, 4]))
     with pytest.raises(ValueError, match="tokens"):
         from deepseek_pd.model.kernels.moe_single_token import fused_moe_single_token
 
@@ -163,6 +164,28 @@ def _greedy_decode(path: str, prompts: list[list[int]], steps: int, dtype: str, 
     launches = {op: [scopes.counts[f"L{i}.{op}"].launches for i in sorted(moe_ids)]
                 for op in ("select_experts", "experts", "attn_prepare")}
     return tokens, logits, launches
+
+
+def test_single_token_moe_grid_fills_the_card():
+    """Each launch of one token's MoE has >= programs_per_sm x SMs programs (a GEMV's speed is its
+    bytes in flight per SM) unless its n-tile is at its floor, and its tiles cover every row; at
+    V2-Lite's and V3's shapes on an H100 (132 SMs) both launches reach the target."""
+    from deepseek_pd.model.kernels.moe_single_token import SingleTokenTile, plan_launch
+
+    rng = random.Random()
+    for _ in range(50):
+        tile = SingleTokenTile(programs_per_sm=rng.choice([1, 2, 4, 8]))
+        sms, top_k = rng.randint(1, 200), rng.randint(1, 12)
+        hidden, inter = rng.randint(1, 8192), rng.randint(1, 4096)
+        plan = plan_launch(1, top_k, hidden, inter, sms, tile)
+        wanted = tile.programs_per_sm * sms
+        gate_up, down = plan.programs
+        assert gate_up >= wanted or plan.gate_up_block_n == tile.min_block_n_gate_up
+        assert down >= wanted or plan.down_block_n == tile.min_block_n_down
+        assert plan.gate_up_grid == (top_k, -(-inter // plan.gate_up_block_n))
+        assert plan.down_grid == (1, -(-hidden // plan.down_block_n)) and plan.down_block_s >= top_k
+    for top_k, hidden, inter in ((6 + 2, 2048, 1408), (8 + 1, 7168, 2048)):  # V2-Lite, V3 (+ fused shared)
+        assert min(plan_launch(1, top_k, hidden, inter, 132).programs) >= 4 * 132
 
 
 def test_tiny_model_fusions_keep_greedy_tokens(tmp_path):
