@@ -56,6 +56,7 @@ class SingleTokenTile:
     block_k_gate_up: int = 256
     tile_elements_down: int = 8192  # the down kernel's [slots, n, k] weight tile per K step (16 KB in bf16)
     num_warps: int = 4
+    num_warps_down: int = 4
     num_stages: int = 3
 
 
@@ -195,5 +196,5 @@ def fused_moe_single_token(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_we
         inter, w2, ids, weights, out, top_k, hidden_size, inter_size, num_experts,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         BLOCK_S=plan.down_block_s, BLOCK_N=plan.down_block_n, BLOCK_K=plan.down_block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        num_warps=tile.num_warps_down, num_stages=tile.num_stages)
     return out

@@ -86,6 +86,67 @@ def test_router_select_matches_topk_methods(method, poisoned_empty):
         check_router_select(_random_router(rng, method), tokens=rng.randint(1, 9))
 
 
+def _tied_logits(tokens: int, experts: int, near: bool) -> torch.Tensor:
+    """Router logits full of exact ties (a grid of about experts / 2 values: each taken ~2 times, so
+    a top-k mixes values above the k-th with ties at it) and, with `near`, of 1-ulp near-ties (a
+    third of them nudged up by one fp32 step)."""
+    grid = torch.randint(0, max(4, experts // 2), (tokens, experts), device=DEVICE).float() * (6.0 / experts)
+    if not near:
+        return grid
+    return torch.where(torch.rand(tokens, experts, device=DEVICE) < 0.3, torch.nextafter(grid, grid + 1), grid)
+
+
+def _cuda_topk_order(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids torch's CUDA top-k (sorted=False) returns, by its rule (aten TensorTopK.cu): the k
+    largest with ties to the lower id, written above-the-k-th first in id order, then equal to it."""
+    best = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
+    picked = values.gather(1, best)
+    key = best + (picked == picked[:, -1:]).long() * values.shape[1]
+    return best.gather(1, key.argsort(1))
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_router_select_ties_fall_as_torch_topk(scoring, poisoned_empty):
+    """Greedy routing (V2-Lite's) on logits full of exact ties: the kernel's ids, in their slot
+    order, are those of torch's CUDA top-k rule, and its weights (renormalised slot after slot when
+    norm is on) those of `finish_weights` in that order. Best-first slots (the order before) fail."""
+    from deepseek_pd.model.kernels.router_select import router_select
+
+    rng = random.Random()
+    experts, k, tokens = rng.choice([8, 20, 64]), rng.randint(3, 6), rng.randint(16, 32)
+    norm, scaling = rng.random() < 0.5, rng.choice([1.0, 2.5])
+    logits = _tied_logits(tokens, experts, near=False)
+    scores = SCORING[scoring](logits)
+    want_ids = _cuda_topk_order(scores, k)
+    want_w = finish_weights(scores.gather(1, want_ids), TopKSpec(k, 1, 1, norm, scaling))
+    got_w, got_ids = router_select(logits, None, "greedy", scoring, k, 1, 1, norm, scaling)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", ["v2lite", "v2", "v3"])
+def test_router_select_is_torch_bit_for_bit_gpu(shape):
+    """On CUDA the fused router returns the torch path's very bits (`DeepseekMoE.select_experts`:
+    moe/topk.py, then `finish_weights`): ids in torch's slot order and weights, on logits full of
+    exact and 1-ulp near ties, at V2-Lite's, V2's and V3's router shapes."""
+    from deepseek_pd.model.kernels.router_select import router_select
+
+    experts, method, n_group, topk_group, k, scoring, norm, scaling = {
+        "v2lite": (64, "greedy", 1, 1, 6, "softmax", False, 1.0),
+        "v2": (160, "group_limited_greedy", 8, 3, 6, "softmax", False, 16.0),
+        "v3": (256, "noaux_tc", 8, 4, 8, "sigmoid", True, 2.5)}[shape]
+    spec = TopKSpec(k, n_group, topk_group, norm, scaling)
+    for logits in (_tied_logits(300, experts, near=True), torch.randn(300, experts, device=DEVICE)):
+        bias = torch.randn(experts, device=DEVICE) * 0.1 if method == "noaux_tc" else None
+        want_w, want_ids = TOPK_METHODS[method](SCORING[scoring](logits), bias, spec)
+        want_w = finish_weights(want_w, spec)
+        got_w, got_ids = router_select(logits, bias, method, scoring, k, n_group, topk_group, norm, scaling)
+        assert torch.equal(got_ids, want_ids)
+        assert torch.equal(got_w, want_w), (got_w - want_w).abs().max()
+
+
 def test_router_select_refuses_bad_shapes():
     from deepseek_pd.model.kernels.router_select import router_select
 
