@@ -25,9 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# name -> SingleTokenTile fields; "2026-12-07" is the kernel as it ran in that session's bench.
+# name -> SingleTokenTile fields; "12-07 grid": the grids and tiles of the kernel as the 2026-12-07
+# bench ran it (352 and 256 programs; its K loops did not yet ask for pipelining, these do).
 TILES = {
-    "2026-12-07": dict(programs_per_sm=2, min_block_n_gate_up=8, min_block_n_down=8, block_k_gate_up=128,
+    "12-07 grid": dict(programs_per_sm=2, min_block_n_gate_up=8, min_block_n_down=8, block_k_gate_up=128,
                        tile_elements_down=8192, num_warps_down=8),
     "default": {},
     "8/sm": dict(programs_per_sm=8),

@@ -80,7 +80,7 @@ class SingleTokenLaunch:
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, top_k, hidden, inter_size, num_experts,
                          stride_xm, stride_we, stride_wn, stride_wk, stride_im,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -92,7 +92,8 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, top_k, hidden, inte
     w_base = w13_ptr + expert * stride_we
     acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    # Pipelined by request: a loop with no tl.dot gets no cp.async stages unless it asks.
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         x = tl.load(x_ptr + token * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -109,7 +110,8 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, top_k, hidden, inte
 @triton.jit
 def _token_down_kernel(inter_ptr, w2_ptr, ids_ptr, weight_ptr, out_ptr, top_k, hidden, inter_size, num_experts,
                        stride_im, stride_we, stride_wn, stride_wk, stride_om,
-                       BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       STAGES: tl.constexpr):
     # All k slots of the token in one [slots, n, k] tile per K step: a program keeps BLOCK_S * BLOCK_N
     # weight rows in flight (a slot at a time would leave too few bytes in flight to fill HBM).
     token = tl.program_id(0).to(tl.int64)
@@ -124,7 +126,7 @@ def _token_down_kernel(inter_ptr, w2_ptr, ids_ptr, weight_ptr, out_ptr, top_k, h
     w_rows = w2_ptr + tl.where(valid, expert, 0)[:, None, None] * stride_we + cols[None, :, None] * stride_wn
     row_ok = valid[:, None, None] & col_ok[None, :, None]
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
+    for k0 in tl.range(0, inter_size, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter_size
         a = tl.load(inter_ptr + pair[:, None] * stride_im + ks[None, :], mask=valid[:, None] & k_ok[None, :],
@@ -189,12 +191,12 @@ def fused_moe_single_token(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_we
     _pair_gate_up_kernel[plan.gate_up_grid](
         hidden, w13, ids, inter, top_k, hidden_size, inter_size, num_experts,
         hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
-        BLOCK_N=plan.gate_up_block_n, BLOCK_K=plan.gate_up_block_k, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        BLOCK_N=plan.gate_up_block_n, BLOCK_K=plan.gate_up_block_k, STAGES=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _token_down_kernel[plan.down_grid](
         inter, w2, ids, weights, out, top_k, hidden_size, inter_size, num_experts,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         BLOCK_S=plan.down_block_s, BLOCK_N=plan.down_block_n, BLOCK_K=plan.down_block_k,
-        num_warps=tile.num_warps_down, num_stages=tile.num_stages)
+        STAGES=tile.num_stages, num_warps=tile.num_warps_down, num_stages=tile.num_stages)
     return out
