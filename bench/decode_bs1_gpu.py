@@ -72,13 +72,18 @@ def _keep_fusions(model, router: bool, moe: bool, kv_norm: bool, saved: dict) ->
             module.norm_in_rope = saved.setdefault(id(module), module.norm_in_rope) and kv_norm
 
 
-def _floor_ms(weight_bytes: int, device: str) -> tuple[float | None, float | None]:
-    if not device.startswith("cuda"):
-        return None, None
+def hbm_rate() -> float | None:
+    """This card's HBM bytes/s (FACTS.md, `mla_decode_gpu.CARDS`), None for an unlisted card."""
     from mla_decode_gpu import CARDS
 
     name = torch.cuda.get_device_name()
-    rate = next((hbm for key, (_, hbm) in CARDS.items() if key in name), None)
+    return next((hbm for key, (_, hbm) in CARDS.items() if key in name), None)
+
+
+def _floor_ms(weight_bytes: int, device: str) -> tuple[float | None, float | None]:
+    if not device.startswith("cuda"):
+        return None, None
+    rate = hbm_rate()
     return (None, None) if rate is None else (weight_bytes / rate * 1e3, rate)
 
 

@@ -6,7 +6,7 @@ bf16); each call draws 6 distinct routed ids plus the 2 shared ones, from a pool
 rotates so no call finds the last one's experts in L2. Each variant is timed over a CUDA graph of
 `--calls` calls (launch gaps as in the decode graph), median of `--repeats`; the rate is the
 weight bytes one call reads (8 experts' w13 and w2 slices) over that time, against the card's HBM
-rate (`mla_decode_gpu.CARDS`). Every variant's output is checked against the sorted path's
+rate (`decode_bs1_gpu.hbm_rate`). Every variant's output is checked against the sorted path's
 (relative error, bf16).
 
     python bench/decode_bs1_moe_tiles.py --out $OUT/moe_tiles.json    # on the GPU, ~20 s
@@ -95,9 +95,9 @@ def main() -> None:
     read = (top_k + shared) * (w13[0].numel() + w2[0].numel()) * w13.element_size()
     rate = None
     if cuda:
-        from mla_decode_gpu import CARDS
+        from decode_bs1_gpu import hbm_rate
 
-        rate = next((hbm for key, (_, hbm) in CARDS.items() if key in torch.cuda.get_device_name()), None)
+        rate = hbm_rate()
     want = fused_moe(x, ids[0], weights[0], w13, w2).float()
     sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 132
     rows = []

@@ -168,7 +168,8 @@ def profile_ops(scopes: OpScopes, step) -> None:
     scopes.linked_kernels, scopes.linked_kernel_us = len(linked), sum(k.duration for k in linked)
     # The step's totals from every device event: Triton's driver-API launches often come unlinked
     # to a CPU op, so the scopes' sums (linked kernels only) can leave them out.
-    every = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in scopes.counts]
+    every = [e for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in scopes.counts]
     scopes.step_kernels = len(every)
     scopes.step_kernel_us = sum(e.time_range.end - e.time_range.start for e in every)
     for event in cpu_events:
