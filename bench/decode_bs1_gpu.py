@@ -112,7 +112,9 @@ def run_variant(model, name: str, args, device: str, experts_read: int) -> dict:
         return tokens
 
     tokens = greedy()
-    row: dict = {"variant": name, "tokens": tokens}
+    # The first decode step's logits (the same input in every variant): how far a fusion moves them.
+    first_logits = runner.decode([DecodeSeq(first, context, pages)]).float().cpu()
+    row: dict = {"variant": name, "tokens": tokens, "_first_logits": first_logits}
     if cuda:
         # Teacher-forced replays with no host read per step: the step's device time.
         def replay():
@@ -205,12 +207,22 @@ def main() -> None:
             torch.cuda.empty_cache()  # the variant's runner (KV pages, graph pool) is gone
         base = result["variants"][0] if result["variants"] else row
         row["tokens_equal_first_variant"] = row["tokens"] == base["tokens"]
+        row["tokens_agreeing_first_variant"] = next(
+            (i for i, (a, b) in enumerate(zip(row["tokens"], base["tokens"])) if a != b), len(row["tokens"]))
+        want = base["_first_logits"].double()
+        row["first_logits_rel_err"] = float((row["_first_logits"].double() - want).norm() / want.norm())
+        row["first_logits_max_abs"] = float((row["_first_logits"].double() - want).abs().max())
         if "graph_tok_s" in base and "graph_tok_s" in row:
             row["speedup_over_first"] = row["graph_tok_s"] / base["graph_tok_s"]
         result["variants"].append(row)
         _print(row)
+        print(f"[{name}] first step's logits vs [{base['variant']}]: rel err {row['first_logits_rel_err']:.2e}, "
+              f"max abs {row['first_logits_max_abs']:.2e}; greedy tokens agree for "
+              f"{row['tokens_agreeing_first_variant']} of {len(row['tokens'])}")
         print(f"[{name}] greedy tokens equal to [{base['variant']}]: {row['tokens_equal_first_variant']}"
               + (f"; speed-up {row['speedup_over_first']:.2f}x" if "speedup_over_first" in row else ""), flush=True)
+    for row in result["variants"]:
+        del row["_first_logits"]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
