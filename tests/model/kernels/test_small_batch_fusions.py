@@ -3,8 +3,10 @@ the run's seed, with every output the kernels allocate poisoned first (NaN / a w
 a kernel forgets to write shows.
 
 - `kernels/router_select.py` against `moe/topk.py` (scoring, the three methods, `finish_weights`)
-  plus the fused shared ids, as `DeepseekMoE.select_experts` builds them;
-- `kernels/moe_single_token.py` against `TorchMoEKernel`, foreign (other EP rank) ids included;
+  plus the fused shared ids, as `DeepseekMoE.select_experts` builds them; on logits full of ties,
+  its slots in the order of torch's CUDA top-k rule (GPU: torch's very bits and order);
+- `kernels/moe_single_token.py` against `TorchMoEKernel`, foreign (other EP rank) ids included,
+  and its launch grids against the card's SM count;
 - a tiny model with `small_batch_fusions` on against the same model with it off (Triton backends
   both), greedy tokens equal and logits close, decode at batch 1 and a batch beside it, and the
   launches each fusion saves (bench/decode_kernel_count.py). The kv_a norm fused into the rope
