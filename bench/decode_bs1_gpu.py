@@ -13,7 +13,9 @@ captures its graph):
 Per variant: a `--context`-token prompt, then `--steps` greedy decode steps by graph replay (the
 tokens are compared with the "off" variant's), timed over `--repeats` runs; one eager step under
 torch.profiler gives per op of each layer its kernels and device time (bench/decode_kernel_count.py),
-printed for the dense layer 0 and one MoE layer, with the per-layer means. The floor is the weight
+printed for the dense layer 0 and one MoE layer, with the per-layer means. The graph step is split
+(bench/decode_step_split.py): host time of `runner.decode`, device time of the replay alone, and
+the kernels and idle gaps inside the graph from a profile of a few replays. The floor is the weight
 bytes one step reads (attention and dense weights, the router, the chosen experts' slices, lm_head)
 at the card's HBM rate (FACTS.md; `mla_decode_gpu.CARDS`).
 
@@ -70,19 +72,25 @@ def _keep_fusions(model, router: bool, moe: bool, kv_norm: bool, saved: dict) ->
             module.norm_in_rope = saved.setdefault(id(module), module.norm_in_rope) and kv_norm
 
 
-def _floor_ms(weight_bytes: int, device: str) -> tuple[float | None, float | None]:
-    if not device.startswith("cuda"):
-        return None, None
+def hbm_rate() -> float | None:
+    """This card's HBM bytes/s (FACTS.md, `mla_decode_gpu.CARDS`), None for an unlisted card."""
     from mla_decode_gpu import CARDS
 
     name = torch.cuda.get_device_name()
-    rate = next((hbm for key, (_, hbm) in CARDS.items() if key in name), None)
+    return next((hbm for key, (_, hbm) in CARDS.items() if key in name), None)
+
+
+def _floor_ms(weight_bytes: int, device: str) -> tuple[float | None, float | None]:
+    if not device.startswith("cuda"):
+        return None, None
+    rate = hbm_rate()
     return (None, None) if rate is None else (weight_bytes / rate * 1e3, rate)
 
 
 @torch.inference_mode()
 def run_variant(model, name: str, args, device: str, experts_read: int) -> dict:
     from decode_kernel_count import OpScopes, layer_rows, profile_ops
+    from decode_step_split import split_graph_step
     from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
     from deepseek_pd.model.runner_config import RunnerConfig
 
@@ -104,7 +112,9 @@ def run_variant(model, name: str, args, device: str, experts_read: int) -> dict:
         return tokens
 
     tokens = greedy()
-    row: dict = {"variant": name, "tokens": tokens}
+    # The first decode step's logits (the same input in every variant): how far a fusion moves them.
+    first_logits = runner.decode([DecodeSeq(first, context, pages)]).float().cpu()
+    row: dict = {"variant": name, "tokens": tokens, "_first_logits": first_logits}
     if cuda:
         # Teacher-forced replays with no host read per step: the step's device time.
         def replay():
@@ -119,11 +129,14 @@ def run_variant(model, name: str, args, device: str, experts_read: int) -> dict:
             times.append((time.perf_counter() - start) / args.steps)
         row["graph_step_ms"] = statistics.median(times[1:]) * 1e3
         row["graph_tok_s"] = 1e3 / row["graph_step_ms"]
+        row["split"] = split_graph_step(
+            runner, lambda step: runner.decode([DecodeSeq(tokens[step], context + step, pages)]), 1, args.steps)
     scopes = OpScopes(model, experts_read)
     eager = lambda: runner.decode_eager([DecodeSeq(tokens[0], context, pages)])  # noqa: E731
     eager()  # compiled and warm before the profile
     profile_ops(scopes, eager)
     row["step_kernels"], row["step_kernel_us"] = scopes.step_kernels, round(scopes.step_kernel_us, 1)
+    row["linked_kernels"], row["linked_kernel_us"] = scopes.linked_kernels, round(scopes.linked_kernel_us, 1)
     layers = layer_rows(scopes)
     row["head"] = {"launches": scopes.counts["head"].launches, "weight_bytes": scopes.counts["head"].weight_bytes}
     row["weight_bytes"] = sum(c.weight_bytes for c in scopes.counts.values())
@@ -147,7 +160,12 @@ def _print(row: dict) -> None:
         floor = f", floor {row['floor_ms']:.3f} ms ({row['floor_over_step']:.2f} of the step)" if row.get(
             "floor_ms") else ""
         print(f"{head} graph step {row['graph_step_ms']:.3f} ms = {row['graph_tok_s']:.0f} tok/s{floor}; "
-              f"eager step: {row['step_kernels']} kernels, {row['step_kernel_us'] / 1e3:.3f} ms of kernel time")
+              f"eager step: {row['step_kernels']} kernels, {row['step_kernel_us'] / 1e3:.3f} ms of kernel time "
+              f"({row['linked_kernels']} linked to a launch, {row['linked_kernel_us'] / 1e3:.3f} ms: the per-op rows)")
+    if "split" in row:
+        from decode_step_split import print_split
+
+        print_split(head, row["split"], row.get("graph_step_ms"))
     print(f"{head} weights read per step {row['weight_bytes'] / 1e9:.3f} GB; outside the layers "
           f"{row['head']['launches']} launches")
     for kind in ("dense", "moe"):
@@ -189,12 +207,22 @@ def main() -> None:
             torch.cuda.empty_cache()  # the variant's runner (KV pages, graph pool) is gone
         base = result["variants"][0] if result["variants"] else row
         row["tokens_equal_first_variant"] = row["tokens"] == base["tokens"]
+        row["tokens_agreeing_first_variant"] = next(
+            (i for i, (a, b) in enumerate(zip(row["tokens"], base["tokens"])) if a != b), len(row["tokens"]))
+        want = base["_first_logits"].double()
+        row["first_logits_rel_err"] = float((row["_first_logits"].double() - want).norm() / want.norm())
+        row["first_logits_max_abs"] = float((row["_first_logits"].double() - want).abs().max())
         if "graph_tok_s" in base and "graph_tok_s" in row:
             row["speedup_over_first"] = row["graph_tok_s"] / base["graph_tok_s"]
         result["variants"].append(row)
         _print(row)
+        print(f"[{name}] first step's logits vs [{base['variant']}]: rel err {row['first_logits_rel_err']:.2e}, "
+              f"max abs {row['first_logits_max_abs']:.2e}; greedy tokens agree for "
+              f"{row['tokens_agreeing_first_variant']} of {len(row['tokens'])}")
         print(f"[{name}] greedy tokens equal to [{base['variant']}]: {row['tokens_equal_first_variant']}"
               + (f"; speed-up {row['speedup_over_first']:.2f}x" if "speedup_over_first" in row else ""), flush=True)
+    for row in result["variants"]:
+        del row["_first_logits"]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -11,7 +11,9 @@ Inside a scope it counts:
     bytes      bytes of model parameters the op's kernels read, each parameter once per op; stacked
                experts `[E, ...]` count `experts_read` of their E slices (what a one-token step reads)
 On a GPU `profile_ops` adds, from torch.profiler over one eager step, each scope's kernels and
-their summed device time (the kernels the profiler links to launches inside the scope's range).
+their summed device time (the kernels the profiler links to launches inside the scope's range: a
+Triton launch, through the driver API, often is not linked, so a scope's time can miss its Triton
+kernels), and the step's totals from every device event, linked or not.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ class OpScopes:
         self.model = model
         self.counts: dict[str, OpCount] = defaultdict(OpCount)
         self.current = "head"
-        self.step_kernels, self.step_kernel_us = 0, 0.0  # the whole profiled step's (GPU)
+        self.step_kernels, self.step_kernel_us = 0, 0.0  # the whole profiled step's (GPU), every device event
+        self.linked_kernels, self.linked_kernel_us = 0, 0.0  # those linked to a launch (what the scopes sum)
         self.in_triton = False  # the interpreter's own torch ops are no launches
         # storage pointer -> (parameter name, bytes it reads in one step)
         self.params: dict[int, tuple[str, int]] = {}
@@ -161,9 +164,14 @@ def profile_ops(scopes: OpScopes, step) -> None:
     cpu_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     # A scope's device-side annotation may come linked like a kernel, under the scope's name: not one.
     real = lambda kernels: [k for k in kernels if k.name not in scopes.counts]  # noqa: E731
-    every = real(k for e in cpu_events for k in getattr(e, "kernels", []))
+    linked = real(k for e in cpu_events for k in getattr(e, "kernels", []))
+    scopes.linked_kernels, scopes.linked_kernel_us = len(linked), sum(k.duration for k in linked)
+    # The step's totals from every device event: Triton's driver-API launches often come unlinked
+    # to a CPU op, so the scopes' sums (linked kernels only) can leave them out.
+    every = [e for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in scopes.counts]
     scopes.step_kernels = len(every)
-    scopes.step_kernel_us = sum(k.duration for k in every)
+    scopes.step_kernel_us = sum(e.time_range.end - e.time_range.start for e in every)
     for event in cpu_events:
         if event.name in scopes.counts:
             count = scopes.counts[event.name]

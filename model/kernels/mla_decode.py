@@ -8,7 +8,10 @@ with the latent `c_kv` as the value. It writes its partial output and log-sum-ex
 -inf for an empty split). Stage 2, grid (batch, heads): merges the splits by log-sum-exp.
 
 The split count is chosen on the host from the batch size and the longest sequence (host-known
-lengths, no sync): enough programs to fill the GPU, never more splits than BLOCK_N steps.
+lengths, no sync): enough programs to fill the GPU, never more splits than BLOCK_N steps. Under a
+CUDA graph the host length is the captured max context, but each split's share follows the real
+`seq_len` on the device: the splits past it are empty, write only their lse, and the combine reads
+no partial of them, so the bytes moved follow the real context (one program launch per empty split).
 The oracle is `TorchAttentionBackend.mla_decode`.
 """
 from __future__ import annotations
@@ -127,8 +130,10 @@ def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, seq_lens_ptr, mid_out_ptr, 
     has_keys = denom > 0
     out = acc / tl.where(has_keys, denom, 1.0)[:, None]
     lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, denom, 1.0))) * 0.6931471805599453, float("-inf"))
+    # An empty split (past its sequence's end: a graph's split count is fixed for the captured
+    # max context) writes its -inf lse alone; the combine reads no partial of it.
     tl.store(mid_out_ptr + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_v[None, :],
-             out, mask=h_ok[:, None] & v_ok[None, :])
+             out, mask=h_ok[:, None] & v_ok[None, :] & (start < end))
     tl.store(mid_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_ok & (v_lo == 0))
 
 
@@ -146,8 +151,9 @@ def _combine_kernel(mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
     w = w / tl.sum(w, axis=0)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < RANK
+    has_part = s_ok & (lse > float("-inf"))  # empty splits wrote no partial (weight 0 anyway)
     parts = tl.load(mid_out_ptr + b * stride_mb + h * stride_mh + splits[:, None] * stride_ms + offs_r[None, :],
-                    mask=s_ok[:, None] & r_ok[None, :], other=0.0)
+                    mask=has_part[:, None] & r_ok[None, :], other=0.0)
     out = tl.sum(parts * w[:, None], axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, out.to(out_ptr.dtype.element_ty), mask=r_ok)
 

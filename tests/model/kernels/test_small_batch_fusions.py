@@ -3,8 +3,10 @@ the run's seed, with every output the kernels allocate poisoned first (NaN / a w
 a kernel forgets to write shows.
 
 - `kernels/router_select.py` against `moe/topk.py` (scoring, the three methods, `finish_weights`)
-  plus the fused shared ids, as `DeepseekMoE.select_experts` builds them;
-- `kernels/moe_single_token.py` against `TorchMoEKernel`, foreign (other EP rank) ids included;
+  plus the fused shared ids, as `DeepseekMoE.select_experts` builds them; on logits full of ties,
+  its slots in the order of torch's CUDA top-k rule (GPU: torch's very bits and order);
+- `kernels/moe_single_token.py` against `TorchMoEKernel`, foreign (other EP rank) ids included,
+  and its launch grids against the card's SM count;
 - a tiny model with `small_batch_fusions` on against the same model with it off (Triton backends
   both), greedy tokens equal and logits close, decode at batch 1 and a batch beside it, and the
   launches each fusion saves (bench/decode_kernel_count.py). The kv_a norm fused into the rope
@@ -86,6 +88,67 @@ def test_router_select_matches_topk_methods(method, poisoned_empty):
         check_router_select(_random_router(rng, method), tokens=rng.randint(1, 9))
 
 
+def _tied_logits(tokens: int, experts: int, near: bool) -> torch.Tensor:
+    """Router logits full of exact ties (a grid of about experts / 2 values: each taken ~2 times, so
+    a top-k mixes values above the k-th with ties at it) and, with `near`, of 1-ulp near-ties (a
+    third of them nudged up by one fp32 step)."""
+    grid = torch.randint(0, max(4, experts // 2), (tokens, experts), device=DEVICE).float() * (6.0 / experts)
+    if not near:
+        return grid
+    return torch.where(torch.rand(tokens, experts, device=DEVICE) < 0.3, torch.nextafter(grid, grid + 1), grid)
+
+
+def _cuda_topk_order(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids torch's CUDA top-k (sorted=False) returns, by its rule (aten TensorTopK.cu): the k
+    largest with ties to the lower id, written above-the-k-th first in id order, then equal to it."""
+    best = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
+    picked = values.gather(1, best)
+    key = best + (picked == picked[:, -1:]).long() * values.shape[1]
+    return best.gather(1, key.argsort(1))
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_router_select_ties_fall_as_torch_topk(scoring, poisoned_empty):
+    """Greedy routing (V2-Lite's) on logits full of exact ties: the kernel's ids, in their slot
+    order, are those of torch's CUDA top-k rule, and its weights (renormalised slot after slot when
+    norm is on) those of `finish_weights` in that order. Best-first slots (the order before) fail."""
+    from deepseek_pd.model.kernels.router_select import router_select
+
+    rng = random.Random()
+    experts, k, tokens = rng.choice([8, 20, 64]), rng.randint(3, 6), rng.randint(16, 32)
+    norm, scaling = rng.random() < 0.5, rng.choice([1.0, 2.5])
+    logits = _tied_logits(tokens, experts, near=False)
+    scores = SCORING[scoring](logits)
+    want_ids = _cuda_topk_order(scores, k)
+    want_w = finish_weights(scores.gather(1, want_ids), TopKSpec(k, 1, 1, norm, scaling))
+    got_w, got_ids = router_select(logits, None, "greedy", scoring, k, 1, 1, norm, scaling)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", ["v2lite", "v2", "v3"])
+def test_router_select_is_torch_bit_for_bit_gpu(shape):
+    """On CUDA the fused router returns the torch path's very bits (`DeepseekMoE.select_experts`:
+    moe/topk.py, then `finish_weights`): ids in torch's slot order and weights, on logits full of
+    exact and 1-ulp near ties, at V2-Lite's, V2's and V3's router shapes."""
+    from deepseek_pd.model.kernels.router_select import router_select
+
+    experts, method, n_group, topk_group, k, scoring, norm, scaling = {
+        "v2lite": (64, "greedy", 1, 1, 6, "softmax", False, 1.0),
+        "v2": (160, "group_limited_greedy", 8, 3, 6, "softmax", False, 16.0),
+        "v3": (256, "noaux_tc", 8, 4, 8, "sigmoid", True, 2.5)}[shape]
+    spec = TopKSpec(k, n_group, topk_group, norm, scaling)
+    for logits in (_tied_logits(300, experts, near=True), torch.randn(300, experts, device=DEVICE)):
+        bias = torch.randn(experts, device=DEVICE) * 0.1 if method == "noaux_tc" else None
+        want_w, want_ids = TOPK_METHODS[method](SCORING[scoring](logits), bias, spec)
+        want_w = finish_weights(want_w, spec)
+        got_w, got_ids = router_select(logits, bias, method, scoring, k, n_group, topk_group, norm, scaling)
+        assert torch.equal(got_ids, want_ids)
+        assert torch.equal(got_w, want_w), (got_w - want_w).abs().max()
+
+
 def test_router_select_refuses_bad_shapes():
     from deepseek_pd.model.kernels.router_select import router_select
 
@@ -99,8 +162,8 @@ def test_router_select_refuses_bad_shapes():
 
 
 def check_single_token_moe(experts: int, shared: int, k: int, hidden: int, inter: int, dtype: torch.dtype,
-                           tol: float) -> None:
-    from deepseek_pd.model.kernels.moe_single_token import fused_moe_single_token
+                           tol: float, programs_per_sm: int = 4) -> None:
+    from deepseek_pd.model.kernels.moe_single_token import SingleTokenTile, fused_moe_single_token
 
     w13 = torch.randn(experts + shared, 2 * inter, hidden, device=DEVICE, dtype=dtype) / hidden ** 0.5
     w2 = torch.randn(experts + shared, hidden, inter, device=DEVICE, dtype=dtype) / inter ** 0.5
@@ -112,7 +175,7 @@ def check_single_token_moe(experts: int, shared: int, k: int, hidden: int, inter
     ids = torch.cat([ids, torch.arange(experts, experts + shared, device=DEVICE)])[None]
     weights = torch.cat([torch.rand(k, device=DEVICE), torch.ones(shared, device=DEVICE)])[None]
     want = MOE_BACKENDS.build("torch")(x, ids, weights, w13, w2)
-    got = fused_moe_single_token(x, ids, weights, w13, w2)
+    got = fused_moe_single_token(x, ids, weights, w13, w2, SingleTokenTile(programs_per_sm=programs_per_sm))
     assert got.shape == want.shape and got.dtype == dtype and not torch.isnan(got).any()
     assert _rel_err(got, want) < tol, _rel_err(got, want)
 
@@ -120,8 +183,9 @@ def check_single_token_moe(experts: int, shared: int, k: int, hidden: int, inter
 def test_single_token_moe_matches_torch_backend(poisoned_empty):
     rng = random.Random()
     for _ in range(2):
+        # programs_per_sm 0: the widest tiles; 4: on the interpreter's 132 "SMs", the narrowest.
         check_single_token_moe(rng.randint(2, 9), rng.choice([0, 1, 2]), rng.randint(1, 2), rng.choice([32, 136]),
-                               rng.choice([24, 40]), torch.float32, tol=1e-5)
+                               rng.choice([24, 40]), torch.float32, tol=1e-5, programs_per_sm=rng.choice([0, 4]))
     with pytest.raises(ValueError, match="tokens"):
         from deepseek_pd.model.kernels.moe_single_token import fused_moe_single_token
 
@@ -163,6 +227,28 @@ def _greedy_decode(path: str, prompts: list[list[int]], steps: int, dtype: str, 
     launches = {op: [scopes.counts[f"L{i}.{op}"].launches for i in sorted(moe_ids)]
                 for op in ("select_experts", "experts", "attn_prepare")}
     return tokens, logits, launches
+
+
+def test_single_token_moe_grid_fills_the_card():
+    """Each launch of one token's MoE has >= programs_per_sm x SMs programs (a GEMV's speed is its
+    bytes in flight per SM) unless its n-tile is at its floor, and its tiles cover every row; at
+    V2-Lite's and V3's shapes on an H100 (132 SMs) both launches reach the target."""
+    from deepseek_pd.model.kernels.moe_single_token import SingleTokenTile, plan_launch
+
+    rng = random.Random()
+    for _ in range(50):
+        tile = SingleTokenTile(programs_per_sm=rng.choice([1, 2, 4, 8]))
+        sms, top_k = rng.randint(1, 200), rng.randint(1, 12)
+        hidden, inter = rng.randint(1, 8192), rng.randint(1, 4096)
+        plan = plan_launch(1, top_k, hidden, inter, sms, tile)
+        wanted = tile.programs_per_sm * sms
+        gate_up, down = plan.programs
+        assert gate_up >= wanted or plan.gate_up_block_n == tile.min_block_n_gate_up
+        assert down >= wanted or plan.down_block_n == tile.min_block_n_down
+        assert plan.gate_up_grid == (top_k, -(-inter // plan.gate_up_block_n))
+        assert plan.down_grid == (1, -(-hidden // plan.down_block_n)) and plan.down_block_s >= top_k
+    for top_k, hidden, inter in ((6 + 2, 2048, 1408), (8 + 1, 7168, 2048)):  # V2-Lite, V3 (+ fused shared)
+        assert min(plan_launch(1, top_k, hidden, inter, 132).programs) >= 4 * 132
 
 
 def test_tiny_model_fusions_keep_greedy_tokens(tmp_path):
