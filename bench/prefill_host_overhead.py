@@ -92,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layerwise", choices=["on", "off"], default="on",
                         help="worker_engine's layer-wise KV transfer (the worker's default: on; direct copies "
                              "on CUDA send per chunk regardless)")
+    parser.add_argument("--busy-cap-s", type=float, default=5.0,
+                        help="the busy stages' spinner stops after this long (their figure is then a lower bound)")
     parser.add_argument("--seed", type=int, default=None, help="the prompt's seed (default: drawn and printed)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE")
     args = parser.parse_args(argv)
@@ -152,7 +154,8 @@ class _RelayHooks(RoundHooks):
 class Stages:
     """Every stage of the module docstring over one prompt and its pages; each returns seconds."""
 
-    def __init__(self, runners: dict[str, ModelRunner], prompt: list[int], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, runners: dict[str, ModelRunner], prompt: list[int], loop: asyncio.AbstractEventLoop,
+                 busy_cap_s: float = 5.0) -> None:
         self.runners, self.prompt, self.loop = runners, prompt, loop
         self.worker = runners["worker_config"]
         self.device = str(self.worker.model.options.device)
@@ -161,6 +164,8 @@ class Stages:
         self.rounds = PrefillRounds(self.worker, self.sampler, len(prompt), self.hooks)
         self.thread = ModelThread("bench-model")
         self.stop_busy = threading.Event()
+        self.busy_cap_s = busy_cap_s
+        self.capped = 0  # busy rounds whose spinner was stopped before the round ended
 
     def _state(self) -> SamplingState:
         params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
@@ -209,13 +214,20 @@ class Stages:
             self.worker.kv_pool.free(pages)
 
     async def busy(self) -> float:
+        """`round` beside the spinner, which stops after `busy_cap_s` even if the round has not ended
+        (at CPython's 5 ms a launch-bound forward beside it can take many seconds): then the
+        stage's figure is a lower bound (`capped`)."""
         self.stop_busy.clear()
         spinner = threading.Thread(target=_spin, args=(self.stop_busy,), daemon=True)
+        timer = threading.Timer(self.busy_cap_s, self.stop_busy.set)
         spinner.start()
+        timer.start()
         try:
             return await self.round()
         finally:
+            self.capped += self.stop_busy.is_set()
             self.stop_busy.set()
+            timer.cancel()
             spinner.join(timeout=10)
 
     async def busy_at(self, switch_s: float) -> float:
@@ -259,7 +271,7 @@ def count_ops(stages: Stages) -> dict:
 
 
 async def measure(args, runners: dict[str, ModelRunner], prompt: list[int], stages_run: list[str]) -> dict:
-    stages = Stages(runners, prompt, asyncio.get_running_loop())
+    stages = Stages(runners, prompt, asyncio.get_running_loop(), args.busy_cap_s)
     try:
         for stage in stages_run:  # warm-up: first kernels, the thread, the relay
             await stages.run(stage)
@@ -273,7 +285,8 @@ async def measure(args, runners: dict[str, ModelRunner], prompt: list[int], stag
                 print(f"the stages' share of --budget-s is spent after {len(times['runner'])} repeats", flush=True)
                 break
         return {"seconds": {stage: statistics.median(values) for stage, values in times.items()},
-                "repeats": len(times["runner"]), "ops": ops, "layer_notices": stages.hooks.delivered}
+                "repeats": len(times["runner"]), "ops": ops, "layer_notices": stages.hooks.delivered,
+                "busy_capped": stages.capped}
     finally:
         stages.thread.close()
 
@@ -308,18 +321,22 @@ def report(result: dict) -> str:
         adds = "" if previous is None else f"{(value - previous) * 1e3:9.2f}"
         lines.append(f"{stage:<14} {value * 1e3:9.2f} {value / base:9.3f} {adds:>9}")
         previous = value
-    engine = result.get("engine")
-    if engine:
-        lines.append(f"worker_engine  {engine['worker_engine'] * 1e3:9.2f} ms against the runner alone right before "
-                     f"each request {engine['engine_runner'] * 1e3:.2f} ms: paired ratio {engine['engine_ratio']:.3f} "
-                     f"(its forward + sync {engine['engine_forward'] * 1e3:.2f} ms, event loop busy "
-                     f"{engine['engine_loop_busy'] * 1e3:.2f} ms)")
+    if result["busy_capped"]:
+        lines.append(f"(busy stages: the spinner was stopped before the round ended in {result['busy_capped']} "
+                     f"rounds (--busy-cap-s): their figures are lower bounds)")
     ops = result["ops"]
     lines.append(f"torch ops: runner {ops['runner']}, worker's extend_step {ops['layer_events']} "
                  f"(extra: {ops['extra_in_layer_events']})")
     diff = result["config_differences"]
-    lines.append("worker config vs runner bench's: " + (json.dumps(diff) if diff else "no difference"))
+    verdict = "FORWARDS DIFFER" if forwards_differ(diff) else "the same forward"
+    lines.append(f"worker config vs runner bench's: {verdict}" + (f" (fields: {json.dumps(diff)})" if diff else ""))
     return "\n".join(lines)
+
+
+def engine_report(engine: dict) -> str:
+    return (f"worker_engine  {engine['worker_engine'] * 1e3:9.2f} ms against the runner alone right before each "
+            f"request {engine['engine_runner'] * 1e3:.2f} ms: paired ratio {engine['engine_ratio']:.3f} (its forward "
+            f"+ sync {engine['engine_forward'] * 1e3:.2f} ms, event loop busy {engine['engine_loop_busy'] * 1e3:.2f} ms)")
 
 
 def main(argv=None) -> dict:
@@ -345,19 +362,26 @@ def main(argv=None) -> dict:
     # as many requests as fit in the rest at ~4 runner extends each.
     args.ladder_deadline = time.monotonic() + 0.6 * max(0.0, end - time.monotonic())
     result = asyncio.run(measure(args, runners, prompt, stages_run))
+    result.update(config_differences=diff, device=args.device, tokens=args.tokens, seed=args.seed,
+                  model=str(directory), switch_interval_s=sys.getswitchinterval(),
+                  device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
+    print(report(result), flush=True)  # before worker_engine: a session's timeout keeps these
+    write_json(args, result)
+    # (on CUDA the engine first runs the worker's warm-up extends, as `serve` does: not timed)
     requests = min(args.engine_requests, int((end - time.monotonic()) / (4 * result["seconds"]["runner"])) - 2)
     if args.engine_requests > 0 and requests >= 3:
         args.engine_requests = requests
         result["engine"] = engine_stage(args, runners["worker_config"], args.tokens, rng)
+        print(engine_report(result["engine"]), flush=True)
+        write_json(args, result)
     elif args.engine_requests > 0:
         print("worker_engine left out: --budget-s is spent", flush=True)
-    result.update(config_differences=diff, device=args.device, tokens=args.tokens, seed=args.seed,
-                  model=str(directory), switch_interval_s=sys.getswitchinterval(),
-                  device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
-    print(report(result), flush=True)
+    return result
+
+
+def write_json(args, result: dict) -> None:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
-    return result
 
 
 if __name__ == "__main__":
