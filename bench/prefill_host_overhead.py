@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir  # noqa: E402
 from deepseek_pd.model.config import ModelConfig  # noqa: E402
 from deepseek_pd.model.kv.layer_progress import LayerEvents  # noqa: E402
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner  # noqa: E402
@@ -108,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_dir(args) -> Path:
     if args.model:
-        return Path(args.model)
+        return resolve_model_dir(args.model)  # "tiny" too
     if args.write_v2_lite:
         ensure_random_checkpoint(V2_LITE_DIR, v2_lite_config(), device=args.device)
         return V2_LITE_DIR
