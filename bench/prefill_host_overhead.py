@@ -30,8 +30,9 @@ each stage adds one thing the worker's round does over the stage before it:
                    alone right before each request (`engine_runner`), so its ratio is paired
 
 Prints each stage's median seconds, its ratio to `runner` and what it adds over the stage before,
-the configs' differences, and the torch ops each of `runner` and `layer_events` issues (counted
-under a TorchDispatchMode, in the calling thread). The CPU shape `ops` is V2-Lite's layer and expert
+the configs' differences, the torch ops each of `runner` and `layer_events` issues (counted under a
+TorchDispatchMode, in the calling thread) and, on CUDA, each stage's host syncs and cudaMalloc/Free
+calls (a hidden wait inside `launch` would show there). The CPU shape `ops` is V2-Lite's layer and expert
 count (27 layers, 64 experts, top-6) at tiny widths, so host overhead dominates as on the GPU.
 `--budget-s` bounds the run: repeats stop when it is spent.
 """
@@ -46,6 +47,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -271,12 +273,38 @@ def count_ops(stages: Stages) -> dict:
             "extra_in_layer_events": dict(extra.most_common(12))}
 
 
+async def device_counts(stages: Stages, stages_run: list[str]) -> dict | None:
+    """CUDA only: per stage, over one call, the host syncs torch reports (its sync debug mode's
+    warnings, the explicit syncs around each stage included alike) and the caching allocator's
+    cudaMalloc calls and freeing retries (each synchronises the device: a hidden wait in `launch`)."""
+    if not stages.device.startswith("cuda"):
+        return None
+    out = {}
+    for stage in stages_run:
+        if stage.startswith("busy"):
+            continue  # the spinner changes no sync or allocation
+        before = torch.cuda.memory_stats()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                await stages.run(stage)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        after = torch.cuda.memory_stats()
+        out[stage] = {"syncs": sum("synchroniz" in str(w.message) for w in caught),
+                      **{key: after.get(key, 0) - before.get(key, 0)
+                         for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}}
+    return out
+
+
 async def measure(args, runners: dict[str, ModelRunner], prompt: list[int], stages_run: list[str]) -> dict:
     stages = Stages(runners, prompt, asyncio.get_running_loop(), args.busy_cap_s)
     try:
         for stage in stages_run:  # warm-up: first kernels, the thread, the relay
             await stages.run(stage)
         ops = count_ops(stages)
+        device = await device_counts(stages, stages_run)
         times: dict[str, list[float]] = {stage: [] for stage in stages_run}
         deadline = args.ladder_deadline
         for _ in range(args.repeats):
@@ -287,7 +315,7 @@ async def measure(args, runners: dict[str, ModelRunner], prompt: list[int], stag
                 break
         return {"seconds": {stage: statistics.median(values) for stage, values in times.items()},
                 "repeats": len(times["runner"]), "ops": ops, "layer_notices": stages.hooks.delivered,
-                "busy_capped": stages.capped}
+                "busy_capped": stages.capped, "device_counts": device}
     finally:
         stages.thread.close()
 
@@ -328,6 +356,9 @@ def report(result: dict) -> str:
     ops = result["ops"]
     lines.append(f"torch ops: runner {ops['runner']}, worker's extend_step {ops['layer_events']} "
                  f"(extra: {ops['extra_in_layer_events']})")
+    for stage, counts in (result["device_counts"] or {}).items():
+        lines.append(f"  {stage:<13} host syncs {counts['syncs']}, cudaMalloc {counts['num_device_alloc']}, "
+                     f"cudaFree {counts['num_device_free']}, allocator retries {counts['num_alloc_retries']}")
     diff = result["config_differences"]
     verdict = "FORWARDS DIFFER" if forwards_differ(diff) else "the same forward"
     lines.append(f"worker config vs runner bench's: {verdict}" + (f" (fields: {json.dumps(diff)})" if diff else ""))
