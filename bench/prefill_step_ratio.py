@@ -3,7 +3,8 @@
     .venv/bin/python bench/prefill_step_ratio.py --tiny                          # CPU, tiny model
     python bench/prefill_step_ratio.py --device cuda --shape v2-lite --tokens 789 --json $OUT/step.json
 
-One process, one set of weights (a prefill and a decode runner with their own KV pools):
+One process, one set of weights (a prefill and a decode runner with their own KV pools), built from
+the config `serve prefill` resolves from bench/serving_gpu.py's worker flags (bench/serving_configs.py):
 1. the runner alone: `runner.extend` of one prompt of `--tokens` and a device sync (what
    `bench/runner_steps.py` calls the prefill), in the worker's model thread right before each
    request of 2 with the same prompt, so each pair sees the same machine;
@@ -64,6 +65,7 @@ from deepseek_pd.workers.prefill.engine import PrefillEngine  # noqa: E402
 from deepseek_pd.workers.transport import TransportConfig  # noqa: E402
 from target_check import check  # noqa: E402
 import step_attribution  # noqa: E402
+from serving_configs import worker_runner_config  # noqa: E402
 import worker_metrics  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
@@ -121,6 +123,13 @@ def model_path(args) -> str:
     directory = Path("/tmp/deepseek-pd-bench/v2-lite-random")  # serving_gpu.py's: reused when it wrote it
     ensure_random_checkpoint(directory, v2_lite_config(), device=args.device)
     return str(directory)
+
+
+def runner_config(args, path: str, pages: int) -> RunnerConfig:
+    """The serving benchmark's prefill worker's runner (bench/serving_configs.py: its backends and
+    fused shared experts), with this run's dtype, page size and pool."""
+    return dataclasses.replace(worker_runner_config(Path(path), args.device, pages), dtype=args.dtype,
+                               page_size=args.page_size)
 
 
 def sync(device: str) -> None:
@@ -366,8 +375,7 @@ def main(argv=None) -> dict:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     path = model_path(args)
     pages = 2 * (-(-args.tokens // args.page_size)) + 8
-    prefill_runner = ModelRunner(RunnerConfig(model=path, device=args.device, dtype=args.dtype,
-                                              page_size=args.page_size, num_pages=pages))
+    prefill_runner = ModelRunner(runner_config(args, path, pages))
     decode_runner = ModelRunner.from_model(prefill_runner.model, dataclasses.replace(prefill_runner.config,
                                                                                      num_pages=pages))
     vocab = prefill_runner.model_config.vocab_size

@@ -28,6 +28,7 @@ import json
 import random
 import statistics
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -62,10 +63,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def runner_config(spec: RunnerStepsSpec) -> "RunnerConfig":
+    """The runner these figures are of (bench/prefill_host_overhead.py compares the prefill worker's
+    resolved config with it); its pool is sized by `measure`."""
+    from deepseek_pd.model.runner_config import RunnerConfig
+
+    return RunnerConfig(model=spec.model, dtype=spec.dtype, device=spec.device, page_size=spec.page_size,
+                        cuda_graph=spec.cuda_graph, attention_backend=spec.backend, moe_backend=spec.backend,
+                        num_fused_shared_experts=spec.num_fused_shared_experts, enable_tbo=spec.enable_tbo)
+
+
 @torch.inference_mode()
 def measure(spec: RunnerStepsSpec) -> dict:
     from deepseek_pd.model.runner import ExtendSeq, ModelRunner
-    from deepseek_pd.model.runner_config import RunnerConfig
 
     rng = random.Random(spec.seed)
     longest = max(spec.context_max + spec.decode_offset + spec.steps + 2, max(spec.prefill_lengths))
@@ -79,11 +89,7 @@ def measure(spec: RunnerStepsSpec) -> dict:
     # The decode batches, one prompt, the prefill rounds, the graphs' scratch page (each at its own time).
     num_pages = max(max(spec.batches) * pages_per_seq + pages_per_seq, round_pages, only_pages) + 8
     t0 = time.perf_counter()
-    runner = ModelRunner(RunnerConfig(
-        model=spec.model, dtype=spec.dtype, device=spec.device, page_size=spec.page_size,
-        num_pages=num_pages, cuda_graph=spec.cuda_graph, attention_backend=spec.backend,
-        moe_backend=spec.backend, num_fused_shared_experts=spec.num_fused_shared_experts,
-        enable_tbo=spec.enable_tbo))
+    runner = ModelRunner(dataclasses.replace(runner_config(spec), num_pages=num_pages))
     _sync(spec.device)
     result: dict = {"spec": asdict(spec), "load_and_capture_s": time.perf_counter() - t0,
                     "kv_bytes_per_token": runner.kv_pool.bytes_per_token,

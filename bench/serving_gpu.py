@@ -90,13 +90,15 @@ TINY = Plan("v2-mini", "cpu", "float32", 16, False, "auto", 1024, input_len=64, 
                            decode_levels=((4, 4), (8, 8))),
             parts=TINY_PARTS, serving_min_s=120.0,
             startup_timeout_s=180.0, profile_level=8, profile_delay_s=0.2, profile_seconds=3)
+# V2-Lite's two shared experts fused into the routed MoE: the workers and the runner alone alike.
+FUSED_SHARED_EXPERTS = 2
 RESERVE_S = 45.0  # kept back for stopping the cluster and writing the report
 
 
 def worker_flags(plan: Plan, extra: list[str]) -> list[str]:
     flags = [f"--device={plan.device}", f"--dtype={plan.dtype}", f"--page-size={plan.page_size}",
              f"--engine-opt=attention_backend={plan.backend}", f"--engine-opt=moe_backend={plan.backend}",
-             "--engine-opt=num_fused_shared_experts=2",
+             f"--engine-opt=num_fused_shared_experts={FUSED_SHARED_EXPERTS}",
              # The decode batch cap must reach the highest concurrency.
              f"--engine-opt=max_running_requests={max(c for c, _ in (*plan.levels, *plan.solo.decode_levels))}"]
     if plan.num_pages:
@@ -356,7 +358,7 @@ def measure_runner(plan: Plan, model_dir: Path, out: Path, seed: int, budget: Bu
     runner_json = out / "runner_steps.json"
     argv = [sys.executable, str(BENCH / "runner_steps.py"), "--model", str(model_dir),
             "--device", plan.device, "--dtype", plan.dtype, "--page-size", str(plan.page_size),
-            "--backend", plan.backend, "--num-fused-shared-experts", "2",
+            "--backend", plan.backend, "--num-fused-shared-experts", str(FUSED_SHARED_EXPERTS),
             "--prefill-lengths", ",".join(map(str, lengths)),
             "--batches", ",".join(str(c) for c, _ in plan.levels),
             "--context-min", str(int(plan.input_len * (1 - plan.range_ratio))),

@@ -2,7 +2,7 @@
 # One device call (see bench/gpu_setup.sh): issue 25's prefill-worker checks, everything under $OUT.
 # PART=tests (about 4 min): the per-chunk send order with its phases (when the first copy's host
 # calls returned), which first-use CUDA calls wait beside a kernel on another stream, the extend
-# step's one wait per round, NVML's total against CUDA's. PART=bench (about 5 min, the V2-Lite
+# step's one wait per round, NVML's total against CUDA's, the host-overhead bench's one added wait. PART=bench (about 5 min, the V2-Lite
 # checkpoint reused from bench/serving_session.sh's /tmp/deepseek-pd-bench/v2-lite-random, else
 # written first): bench/prefill_step_ratio.py, the prefill worker's step against its runner's in one
 # process at 789 tokens, with the model thread in inference mode and as before (in turn on each
@@ -14,10 +14,14 @@
 # GPU tests (no sync in `sample`, penalty tables built on the sampling thread); the mooncake KV
 # cipher's Triton kernel against a ChaCha20 reference and bench/kv_cipher.py (what it adds to the
 # staging copy of a 4k-token V2-Lite prompt, per side).
-# PART=gil (about 1 min, not in all; after bench or serving_session.sh, which write the checkpoint):
-# bench/gil_switch.py, the V2-Lite extend of 789 tokens beside a Python-busy thread against alone, at
-# GIL switch intervals of 5 (CPython's default) and 0.5 ms: whether a worker's other threads can
-# slow its model thread's launches, and whether a shorter interval would help.
+# PART=gil (about 2 min, not in all): bench/gil_switch.py, the V2-Lite extend of 789 tokens beside a
+# Python-busy thread against alone, at GIL switch intervals of 5 (CPython's default) and 0.5 ms:
+# whether a worker's other threads can slow its model thread's launches, and whether a shorter
+# interval would help; bounded by its own --budget-s (GIL_BUDGET_S, default 60).
+# PART=host (about 4.5 min, not in all): bench/prefill_host_overhead.py, the prefill worker's round
+# against its runner's extend of one 789-token prompt, stage by stage, then the real engines in one
+# process (HOST_BUDGET_S, default 120), and PART=gil's run.
+# Both write the V2-Lite checkpoint first when /tmp lacks it (~45 s; serving_session.sh's, reused).
 # PART=penalty (about 3 min, not in all): prefill_step_ratio.py with a repetition penalty on every
 # request (sampling tables built on the model thread, not the event loop), 8 requests.
 # PART=all (default) runs tests, bench and mac. No wheels needed (the byte stream's crc32 falls back to zlib).
@@ -30,7 +34,8 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
         "$REPO/tests/workers/transport/test_cuda_first_use_cuda.py" \
         "$REPO/tests/workers/engine/test_extend_step_cuda.py" \
         "$REPO/tests/workers/engine/test_round_clock_cuda.py" \
-        "$REPO/tests/workers/test_gpu_chunk_default.py" 2>&1) | tee "$OUT/tests.log"
+        "$REPO/tests/workers/test_gpu_chunk_default.py" \
+        "$REPO/tests/bench/test_prefill_host_overhead_cuda.py" 2>&1) | tee "$OUT/tests.log"
 fi
 if [ "$PART" = all ] || [ "$PART" = mac ]; then
     (cd /tmp && timeout "${MAC_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider -rs --durations=5 \
@@ -50,11 +55,32 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
         --tokens "${TOKENS:-789}" --repeats "${REPEATS:-16}" --also-without-inference-mode --trace "$OUT/trace" \
         --json "$OUT/step.json" 2>&1 | grep -v "^USDT" | tee "$OUT/step.log"
 fi
-if [ "$PART" = gil ]; then
+# PART=host and gil: DEVICE (default cuda) and V2_LITE (the checkpoint, default serving_gpu.py's) let a
+# CPU dry run point them at a small checkpoint.
+DEVICE=${DEVICE:-cuda}
+V2_LITE=${V2_LITE:-/tmp/deepseek-pd-bench/v2-lite-random}
+ensure_v2_lite() {
+    [ -f "$V2_LITE/config.json" ] && return 0
+    echo "no V2-Lite checkpoint at $V2_LITE: writing it now (~45 s on the GPU)"
+    (cd /tmp && timeout 180 python3 "$REPO/bench/random_checkpoint.py" "$V2_LITE" --shape v2-lite --device "$DEVICE") \
+        || { echo "error: the V2-Lite checkpoint could not be written"; exit 1; }
+}
+if [ "$PART" = host ]; then
+    ensure_v2_lite
     cd /tmp || exit 1
-    timeout "${GIL_TIMEOUT:-150}" python3 "$REPO/bench/gil_switch.py" --device cuda \
-        --model /tmp/deepseek-pd-bench/v2-lite-random --tokens "${TOKENS:-789}" --pairs 9 --intervals-ms 5,0.5 \
-        --small-ops 2>&1 | tee "$OUT/gil_switch.log"
+    budget=${HOST_BUDGET_S:-120}
+    timeout $((budget + 60)) python3 "$REPO/bench/prefill_host_overhead.py" --device "$DEVICE" --model "$V2_LITE" \
+        --tokens "${TOKENS:-789}" --budget-s "$budget" --json "$OUT/host_overhead.json" 2>&1 \
+        | grep -v "^USDT" | tee "$OUT/host_overhead.log"
+    cd "$REPO" || exit 1
+fi
+if [ "$PART" = gil ] || [ "$PART" = host ]; then
+    ensure_v2_lite
+    cd /tmp || exit 1
+    budget=${GIL_BUDGET_S:-60}
+    timeout $((budget + 60)) python3 "$REPO/bench/gil_switch.py" --device "$DEVICE" --model "$V2_LITE" \
+        --tokens "${TOKENS:-789}" --pairs 9 --intervals-ms 5,0.5 --small-ops --budget-s "$budget" 2>&1 \
+        | tee "$OUT/gil_switch.log"
 fi
 if [ "$PART" = penalty ]; then
     cd /tmp || exit 1
