@@ -24,7 +24,7 @@ from deepseek_pd.model.extend_graph import ExtendGraphRunner
 from deepseek_pd.model.extend_graph_inputs import EXTEND_GRAPH_MIN_TOKENS, extend_graph_buckets
 from deepseek_pd.model.extend_graph_pieces import ExtendPieces
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-from deepseek_pd.model.runner import ExtendSeq, ModelRunner
+from deepseek_pd.model.runner import DecodeSeq, ExtendSeq, ModelRunner
 from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.runner_rules import extend_graph_settings_blocker
 
@@ -260,10 +260,11 @@ def test_the_built_model_check_names_what_rules_it_out(tiny_path):
 # ---- GPU: captured replays ------------------------------------------------------------------------
 
 def _gpu_runner(path: str, graphs: bool) -> ModelRunner:
+    """With `graphs`, decode graphs too: the extend graphs share their pool and scratch page."""
     return ModelRunner(RunnerConfig(
         model=path, dtype="bfloat16", device="cuda", attention_backend="triton", moe_backend="triton",
         page_size=16, num_pages=512, mha_chunked_kv_threshold=24, extend_cuda_graph=graphs,
-        extend_graph_max_tokens=256))
+        extend_graph_max_tokens=256, cuda_graph=graphs, cuda_graph_max_batch=8, cuda_graph_max_context=512))
 
 
 @pytest.mark.gpu
@@ -277,19 +278,23 @@ def test_graph_extend_equals_eager(tiny_path):
         prefixes = [rng.choice([0, 0, rng.randrange(1, 20), rng.randrange(24, 90)]) for _ in range(count)]
         vocab = eager.model_config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(p + n)] for p, n in zip(prefixes, lengths)]
-        logits = []
+        logits, decoded = [], []
         for runner in (eager, graphed):
-            pages = [runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(p))) for p in prompts]
+            pages = [runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(p) + 1)) for p in prompts]
             for prompt, prefix, seq_pages in zip(prompts, prefixes, pages):
                 if prefix:
                     runner.extend([ExtendSeq(prompt[:prefix], 0, seq_pages)])
             logits.append(runner.extend([ExtendSeq(p[f:], f, sp) for p, f, sp in zip(prompts, prefixes, pages)]))
+            # a decode step after it (a graph replay in the shared pool) reads the KV the extend wrote
+            first = logits[0].argmax(-1).tolist()
+            decoded.append(runner.decode([DecodeSeq(t, len(p), sp) for t, p, sp in zip(first, prompts, pages)]))
             for seq_pages in pages:
                 runner.kv_pool.free(seq_pages)
-        rel = float((logits[1] - logits[0]).norm() / logits[0].norm())
-        assert rel < 2e-2, rel
-        assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
-    assert graphed.extend_paths["cuda_graph"] >= 12
+        for pair in (logits, decoded):
+            rel = float((pair[1] - pair[0]).norm() / pair[0].norm())
+            assert rel < 2e-2, rel
+            assert torch.equal(pair[1].argmax(-1), pair[0].argmax(-1))
+    assert graphed.extend_paths["cuda_graph"] >= 12 and graphed.decode_paths["cuda_graph"] >= 12
 
 
 @pytest.mark.gpu
