@@ -15,7 +15,7 @@ padding template into rows [n, N): padding rows embed token 0 at position 0 and 
 the scratch page (one page the runner keeps for itself, as the decode graphs' padding rows do:
 model/graph_inputs.py), slot `scratch * page_size + row % page_size`, so they never touch a page a
 request owns. The eager core reads only the first n rows of its inputs and writes only the first n
-of attn_output: padding rows go on through the pieces with whatever they hold, and no piece op
+of attn_output (`load` zeroes the rest): padding rows go on through the pieces, and no piece op
 mixes rows, so they change nothing in the real rows; their results are never read.
 
 Example, page_size 4, scratch page 9, bucket 64, one sequence of 3 tokens at prefix 5 on pages [7, 2]:
@@ -79,6 +79,9 @@ class StaticExtendInputs:
         self.packed[2, :n].copy_(batch.out_slots)
         if n < bucket:
             self.packed[:, n:bucket].copy_(self._template[:, n:bucket])
+            # The cores write rows [0, n) only: the padding rows' attention output is zero for the whole
+            # forward, never a value an earlier forward left (which could be another request's NaN).
+            self.attn_output[n:bucket].zero_()
 
     def load_padding(self, bucket: int) -> None:
         """Rows [0, bucket) all padding (what the buffers hold while a bucket is captured)."""

@@ -1,10 +1,9 @@
 """Piecewise extend graphs (model/extend_graph.py, extend_graph_pieces.py, extend_graph_inputs.py).
 
 CPU (CI), fp32 on the tiny V2 and V3 models, the oracle being the plain extend (`runner.extend`
-without graphs): the forward cut at its attention cores equals it exactly; the same pieces run as
-plain calls over the padded static rows of a bucket (what a capture records) equal it exactly when
-the batch fills its bucket, and to fp32 rounding with padding (CPU GEMMs round by row count) with
-the same greedy tokens, while padding rows write only the scratch page; the runner's extend takes
+without graphs): the forward cut at its attention cores, and the same pieces run as plain calls
+over the padded static rows of a bucket (what a capture records), equal it to fp32 rounding (`_same`
+says why not bit for bit) with the same greedy tokens, while padding rows write only the scratch page; the runner's extend takes
 that path up to the largest bucket and falls back past it; the layer-wise progress hears of each
 layer after its KV is in the pool; and the rule refuses what cannot be captured, in words.
 GPU (`gpu` marker): captured replays against eager extend in bf16 (greedy tokens equal) and the
@@ -96,7 +95,7 @@ def test_buckets_double_from_64_up_to_the_maximum():
 
 
 @pytest.mark.parametrize("prefix_shape", list(_PREFIXES))
-def test_pieces_and_cores_in_order_equal_the_plain_extend_exactly(runner, prefix_shape):
+def test_pieces_and_cores_in_order_equal_the_plain_extend(runner, prefix_shape):
     rng = random.Random(random.randrange(1 << 30))
     count = rng.randrange(1, 5)
     seqs = _batch_seqs(runner, rng, [rng.randrange(1, 30) for _ in range(count)],
@@ -111,10 +110,19 @@ def test_pieces_and_cores_in_order_equal_the_plain_extend_exactly(runner, prefix
     heard: list[int] = []
     state = ExtendPieces(runner.model).run_all(batch, _Progress(heard.append))
     segmented = runner.model.compute_logits(runner.model.final_hidden(state, batch.last_token_index))
-    assert torch.equal(segmented, plain)
-    assert all(torch.equal(a, b) for a, b in zip(pool.buffers, plain_pool))
+    _same(segmented, plain)
+    for layer, plain_layer in zip(pool.buffers, plain_pool):
+        _same(layer, plain_layer)
     assert heard == [layer.layer_id for layer in runner.model.layers]
     _free(runner, seqs)
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal to fp32 rounding. Not bit for bit: the CPU's GEMMs round by the operands' alignment and
+    row count (the same attention core on equal inputs allocated 128 bytes apart differs by 2e-7),
+    so even the plain extend is not bitwise stable against a change in what else was allocated.
+    Every real error in these paths (a row mixed in, a stale or padded value read) is far larger."""
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 class _Progress:
@@ -156,16 +164,11 @@ def test_padded_pieces_equal_the_plain_extend_and_padding_writes_only_the_scratc
     untouched[scratch] = False
     for layer in range(pool.num_layers):
         assert torch.equal(pool.buffers[layer][untouched], before[layer][untouched])  # no other page changed
-        if fill == "whole bucket":
-            assert torch.equal(pool.buffers[layer], plain_pool[layer])
-        else:
-            torch.testing.assert_close(pool.buffers[layer][written], plain_pool[layer][written], rtol=1e-5, atol=1e-5)
-            assert not torch.equal(pool.buffers[layer][scratch], before[layer][scratch])  # padding wrote there
-    if fill == "whole bucket":
-        assert torch.equal(padded, plain)
-    else:  # CPU GEMMs round by the row count: fp32 rounding apart, the same greedy tokens
-        torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
-        assert torch.equal(padded.argmax(-1), plain.argmax(-1))
+        _same(pool.buffers[layer][written], plain_pool[layer][written])
+        # padding rows wrote into the scratch page, and only padding rows do
+        assert torch.equal(pool.buffers[layer][scratch], before[layer][scratch]) == (fill == "whole bucket")
+    _same(padded, plain)
+    assert torch.equal(padded.argmax(-1), plain.argmax(-1))
     _free(runner, seqs)
     pool.free([scratch])
 
@@ -185,7 +188,7 @@ def test_runner_extend_takes_the_pieces_up_to_the_largest_bucket_and_eager_past_
     finally:
         runner.extend_graphs = None
     assert runner.extend_paths == {"cuda_graph": 1, "eager": 1}
-    assert torch.equal(through_graphs, runner.extend(big))  # past the largest bucket: the plain extend itself
+    _same(through_graphs, runner.extend(big))  # past the largest bucket: the plain extend itself
     _free(runner, small + big)
     pool.free([scratch])
 
