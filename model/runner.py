@@ -184,9 +184,9 @@ class ModelRunner:
 
     def record_expert_load(self) -> ExpertLoadRecorder:
         """Starts counting this rank's tokens per routed expert and MoE layer (model/moe/expert_load.py)."""
-        if self.graphs is not None:
+        if self.graphs is not None or self.extend_graphs is not None:
             raise UserError("expert-load recording must start before CUDA graphs are captured "
-                            "(their replays would not record): run with cuda_graph=false")
+                            "(their replays would not record): run with cuda_graph=false and extend_cuda_graph=false")
         # The MTP layer's MoE is counted as its own row (layer id num_hidden_layers), planned like the
         # others (model/eplb/expert_location.py).
         layers = [*self.model.layers, *(() if self.model.mtp is None else (self.model.mtp.layer,))]

@@ -180,6 +180,8 @@ def test_runner_extend_takes_the_pieces_up_to_the_largest_bucket_and_eager_past_
     runner.extend_graphs = ExtendGraphRunner(runner.model, pool, 64, scratch, capture=False)
     runner.extend_paths.update(cuda_graph=0, eager=0)
     try:
+        with pytest.raises(UserError, match="extend_cuda_graph=false"):  # its replays would not count
+            runner.record_expert_load()
         small = _batch_seqs(runner, rng, [rng.randrange(1, 65)], [0])
         big = _batch_seqs(runner, rng, [rng.randrange(65, 100)], [0])
         runner.extend(small)
