@@ -34,6 +34,7 @@ from deepseek_pd.model.batch_invariant import each_row_alone
 from deepseek_pd.model.config import ModelConfig
 from deepseek_pd.model.cuda_graph import DecodeGraphRunner
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
+from deepseek_pd.model.extend_graph import ExtendGraphRunner
 from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode, checked_device_ids
 from deepseek_pd.model.speculative.forwards import SpeculativeForwards
 from deepseek_pd.model.speculative.graphs import SpeculativeGraphs
@@ -87,6 +88,11 @@ class ModelRunner:
     # Decode steps so far by how they ran (read by the workers' metrics at scrape time).
     decode_paths: dict[str, int] = field(init=False, repr=False,
                                          default_factory=lambda: {"cuda_graph": 0, "eager": 0})
+    # Extend as piecewise CUDA graphs, when `config.extend_cuda_graph` (model/extend_graph.py), and
+    # `extend` calls so far by how they ran.
+    extend_graphs: ExtendGraphRunner | None = field(init=False, default=None, repr=False)
+    extend_paths: dict[str, int] = field(init=False, repr=False,
+                                         default_factory=lambda: {"cuda_graph": 0, "eager": 0})
     # Speculative decoding's forwards (model/speculative/forwards.py), with their CUDA graphs when
     # the MTP layer is built and `config.cuda_graph` (`spec_forwards.graphs`).
     spec_forwards: SpeculativeForwards = field(init=False, repr=False)
@@ -105,7 +111,8 @@ class ModelRunner:
                                            model_config.kv_cache_dim, options.dtype)
             num_pages = pages_for_gpu(GpuMemory.measure(options.device), self.config.mem_fraction_static,
                                       int(self.config.headroom_gib * GIB), per_page,
-                                      min_pages=2 if self.config.cuda_graph else 1,  # + the graphs' scratch page
+                                      # + the graphs' scratch page
+                                      min_pages=2 if self.config.cuda_graph or self.config.extend_cuda_graph else 1,
                                       share=self.config.gpu_share, reserve_bytes=self.config.mem_reserve_bytes)
         self.kv_pool = KVPool(self.model.num_kv_layers, num_pages, self.config.page_size,
                               model_config.kv_cache_dim, dtype=options.dtype, device=options.device)
@@ -122,6 +129,14 @@ class ModelRunner:
                 counts = graph_draft_counts(steps, self.config.speculative_adaptive)
                 spec_graphs = SpeculativeGraphs(self.model, self.kv_pool, self.config.cuda_graph_config(), counts,
                                                 self.graphs.scratch_page, self.graphs.pool)
+        if self.config.extend_cuda_graph:
+            if (blocker := self.config.extend_graph_blocker()) is not None:
+                raise UserError(f"extend_cuda_graph=true: {blocker}")
+            # After the decode graphs: their pool and scratch page are shared (only one graph replays at a time).
+            self.extend_graphs = ExtendGraphRunner(
+                self.model, self.kv_pool, self.config.extend_graph_max_tokens,
+                self.graphs.scratch_page if self.graphs is not None else self.kv_pool.alloc(1)[0],
+                self.graphs.pool if self.graphs is not None else None)
         self.spec_forwards = SpeculativeForwards(self.model, self.kv_pool, self.policy, self._step, self.tp_replay,
                                                  spec_graphs)
 
@@ -151,6 +166,11 @@ class ModelRunner:
         if input_ids is not None:
             batch.input_ids = checked_device_ids(input_ids, batch.num_tokens)
         batch.attention_method = self.policy.choose(mode, batch.prefix_lens)
+        if mode is ForwardMode.EXTEND and self.extend_graphs is not None and group_mode in (None, mode):
+            logits = self.extend_graphs.extend(batch, progress)
+            self.extend_paths["eager" if logits is None else "cuda_graph"] += 1
+            if logits is not None:
+                return logits
         return self.model(batch, progress)
 
     def extend(self, seqs: Sequence[ExtendSeq], progress: LayerProgress | None = None) -> torch.Tensor:
@@ -164,9 +184,9 @@ class ModelRunner:
 
     def record_expert_load(self) -> ExpertLoadRecorder:
         """Starts counting this rank's tokens per routed expert and MoE layer (model/moe/expert_load.py)."""
-        if self.graphs is not None:
+        if self.graphs is not None or self.extend_graphs is not None:
             raise UserError("expert-load recording must start before CUDA graphs are captured "
-                            "(their replays would not record): run with cuda_graph=false")
+                            "(their replays would not record): run with cuda_graph=false and extend_cuda_graph=false")
         # The MTP layer's MoE is counted as its own row (layer id num_hidden_layers), planned like the
         # others (model/eplb/expert_location.py).
         layers = [*self.model.layers, *(() if self.model.mtp is None else (self.model.mtp.layer,))]

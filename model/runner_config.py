@@ -25,7 +25,8 @@ from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps, graph_tokens_per_sequence
 from deepseek_pd.model.graph_inputs import CudaGraphConfig
 from deepseek_pd.model.runner_rules import (RUNNER_BOUNDS, RUNNER_CHOICES, choice_blocker, deterministic_blocker,
-                                            graph_settings_blocker, range_blocker, sizing_blocker, tbo_blocker)
+                                            extend_graph_settings_blocker, graph_settings_blocker, range_blocker,
+                                            sizing_blocker, tbo_blocker)
 from deepseek_pd.model.moe.dispatcher import DISPATCHERS
 from deepseek_pd.model.distributed.parallel import ParallelInfo
 from deepseek_pd.model.distributed.tbo_rules import DEFAULT_MIN_TOKENS, DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, TboRules
@@ -131,6 +132,12 @@ class RunnerConfig:
     cuda_graph: bool = False
     cuda_graph_max_batch: int = 128
     cuda_graph_max_context: int = 4096
+    # Extend (prefill) as piecewise CUDA graphs (model/extend_graph.py): everything between the
+    # attention cores captured per token-count bucket (64, 128, .. up to extend_graph_max_tokens),
+    # the cores eager. Opt-in until a GPU has timed it (bench/extend_graph_gpu.py); an extend of more
+    # tokens runs eagerly; `extend_graph_blocker` says what cannot be captured.
+    extend_cuda_graph: bool = False
+    extend_graph_max_tokens: int = 2048
     # FP8 checkpoints: "dequant" widens the weights to `dtype` at load; "torch"/"triton" keep them
     # in FP8 with that GEMM backend (model/quant/fp8_linear.py); "auto": triton on CUDA for an FP8
     # checkpoint when Triton imports, else dequant. Ignored for checkpoints that are not FP8.
@@ -159,8 +166,9 @@ class RunnerConfig:
         if self.device == "auto":
             raise UserError("device 'auto' must be resolved before the runner config is built "
                             "(model.device.resolve_device, or RunnerConfig.resolve)")
-        if not isinstance(self.cuda_graph, bool):
-            raise UserError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
+        for name in ("cuda_graph", "extend_cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if (blocker := sizing_blocker(page_size=self.page_size, mem_fraction_static=self.mem_fraction_static,
                                       mem_headroom_gib=self.mem_headroom_gib, gpu_workers=self.gpu_workers,
                                       kv_share=self.kv_share, ep_num_redundant_experts=self.ep_num_redundant_experts,
@@ -228,6 +236,8 @@ class RunnerConfig:
                            dispatcher=draft.resolve_dispatcher(),
                            fp8_backend=draft.resolve_fp8_backend(model_config) or "dequant")
         resolved.expert_location(model_config)  # a bad placement file fails here, before any rank starts
+        if resolved.extend_cuda_graph and (blocker := resolved.extend_graph_blocker()) is not None:
+            raise UserError(f"extend_cuda_graph=true: {blocker}")
         blocker = resolved.cuda_graph_blocker()
         if requested_graphs is None:
             return replace(resolved, cuda_graph=graphs_by_default and blocker is None)
@@ -238,9 +248,6 @@ class RunnerConfig:
     def cuda_graph_blocker(self) -> str | None:
         """Why decode cannot be captured as CUDA graphs with these (resolved) settings; None if it can.
         Reads each backend's `cuda_graph_safe`, as `cuda_graph.check_capturable` does on the built model."""
-        from deepseek_pd.model.attention import ATTENTION_BACKENDS
-        from deepseek_pd.model.moe import MOE_BACKENDS
-
         if not is_cuda(self.device):
             return f"CUDA graphs need a CUDA device, not {self.device!r}"
         settings = graph_settings_blocker(record_expert_load=self.record_expert_load, enable_tbo=self.enable_tbo,
@@ -251,6 +258,13 @@ class RunnerConfig:
         if not decode_capturable(DISPATCHERS.get(dispatcher), self.dispatch_config()):
             return (f"the EP dispatcher {dispatcher!r} is capturable only when decode runs its low-latency layout "
                     f"(dispatch mode {self.dispatch_mode!r}; --deepep-mode auto or low_latency)")
+        return self._backend_graph_blocker()
+
+    def _backend_graph_blocker(self) -> str | None:
+        """Which (resolved) attention, MoE or FP8 MoE backend a CUDA graph cannot capture; None if none."""
+        from deepseek_pd.model.attention import ATTENTION_BACKENDS
+        from deepseek_pd.model.moe import MOE_BACKENDS
+
         parts = (("attention backend", ATTENTION_BACKENDS, self.kernel_backend(self.attention_backend)),
                  ("MoE backend", MOE_BACKENDS, self.kernel_backend(self.moe_backend)))
         if self.fp8_backend not in ("auto", "dequant"):
@@ -261,6 +275,21 @@ class RunnerConfig:
             if not getattr(registry.get(name), "cuda_graph_safe", False):
                 return f"the {what} {name!r} is not capturable"
         return None
+
+    def extend_graph_blocker(self) -> str | None:
+        """Why extend cannot be captured as piecewise CUDA graphs with these (resolved) settings; None
+        if it can (model/runner_rules.py `extend_graph_settings_blocker`, then the device and backends:
+        the attention cores run eagerly, but the reference attention is refused as decode's is)."""
+        if not is_cuda(self.device):
+            return f"extend CUDA graphs need a CUDA device, not {self.device!r}"
+        settings = extend_graph_settings_blocker(
+            record_expert_load=self.record_expert_load, enable_tbo=self.enable_tbo, tp_size=self.tp_size,
+            ep_size=self.ep_size, deterministic=self.deterministic, speculative_num_steps=self.speculative_num_steps)
+        if settings is not None:
+            return settings
+        if self.resolve_dispatcher() != "local":
+            return f"extend graphs capture only the local MoE dispatcher, not {self.resolve_dispatcher()!r}"
+        return self._backend_graph_blocker()
 
     def tbo_rules(self) -> TboRules:
         return TboRules(self.tbo_token_distribution_threshold, self.tbo_min_decode_tokens, self.tbo_min_extend_tokens)

@@ -55,6 +55,8 @@ RUNNER_BOUNDS: Mapping[str, Bounds] = {
     "tbo_token_distribution_threshold": Bounds(0, 0.5),
     "cuda_graph_max_batch": Bounds(1),  # model/graph_inputs.py
     "cuda_graph_max_context": Bounds(1),
+    # model/extend_graph_inputs.py: the smallest token bucket is 64 (EXTEND_GRAPH_MIN_TOKENS)
+    "extend_graph_max_tokens": Bounds(64, why="the smallest extend-graph bucket is 64 tokens"),
 }
 
 
@@ -109,6 +111,29 @@ def graph_settings_blocker(*, record_expert_load: bool, enable_tbo: bool, tp_siz
         return "CUDA graphs cannot capture two-batch overlap (enable_tbo)"
     if tp_size > 1:
         return "CUDA graphs are not captured with attention TP (tp_size > 1): decode runs eagerly"
+    return None
+
+
+def extend_graph_settings_blocker(*, record_expert_load: bool, enable_tbo: bool, tp_size: int, ep_size: int,
+                                  deterministic: bool, speculative_num_steps: int) -> str | None:
+    """Why extend cannot be captured as piecewise CUDA graphs (`extend_cuda_graph`,
+    model/extend_graph.py) with these settings, whatever the backends; None when nothing here stops
+    it (`RunnerConfig.extend_graph_blocker` then asks the device and the backends). Per call, an
+    extend of more tokens than the largest bucket runs eagerly instead (`ExtendGraphRunner.extend`)."""
+    if record_expert_load:
+        return "expert-load recording (record_expert_load) is not counted in CUDA graph replays"
+    if enable_tbo:
+        return "extend graphs cannot capture two-batch overlap (enable_tbo): its micro-batches follow the batch"
+    if tp_size > 1:
+        return "extend graphs are not captured with attention TP (tp_size > 1): their collectives run eagerly"
+    if ep_size > 1:
+        return ("extend graphs are not captured with expert parallelism (ep_size > 1): an extend's EP "
+                "dispatch counts its tokens on the host")
+    if deterministic:
+        return "--deterministic runs its own batch-invariant extend (each row alone off CUDA); run without extend graphs"
+    if speculative_num_steps:
+        return ("speculative decoding's prefill rounds run extend_hidden (every token's hidden state for the "
+                "MTP layer), which extend graphs do not capture; run without speculative_num_steps")
     return None
 
 

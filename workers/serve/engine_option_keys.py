@@ -43,6 +43,7 @@ ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, Kind]] = {
         "ep_size": int, "tp_size": int, "enable_tbo": bool, "tbo_token_distribution_threshold": float,
         "tbo_min_decode_tokens": int, "tbo_min_extend_tokens": int, "record_expert_load": bool,
         "cuda_graph": bool, "cuda_graph_max_batch": int, "cuda_graph_max_context": int,
+        "extend_cuda_graph": bool, "extend_graph_max_tokens": int,
         "speculative_num_steps": int, "speculative_adaptive": bool,
         "deterministic": bool, "small_batch_fusions": bool,
     },

@@ -16,6 +16,8 @@ The rules:
 - `--engine-opt cuda_graph=true` on a role that never decodes (prefill): it has no graphs to capture;
 - `cuda_graph=true` with settings no graph can capture (model/runner_rules.py `graph_settings_blocker`:
   `record_expert_load`, `--enable-tbo`, `--tp` > 1);
+- `extend_cuda_graph=true` with settings no extend graph can capture (`extend_graph_settings_blocker`:
+  `record_expert_load`, `--enable-tbo`, `--tp` or `--ep` > 1, `--deterministic`, speculative decoding);
 - `--enable-tbo` with `--tp` > 1 (`tbo_blocker`);
 - `--deterministic` with what is not batch-invariant yet (`deterministic_blocker`), or with
   `--engine-opt prefix_cache=true`;
@@ -30,7 +32,8 @@ Example: `check_flags(ServeFlags.from_argv(["prefill", "--engine-opt", "cuda_gra
 from __future__ import annotations
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.runner_rules import deterministic_blocker, graph_settings_blocker, sizing_blocker, tbo_blocker
+from deepseek_pd.model.runner_rules import (deterministic_blocker, extend_graph_settings_blocker,
+                                            graph_settings_blocker, sizing_blocker, tbo_blocker)
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps
 from deepseek_pd.workers.engine.scheduler_config import SCHEDULER_BOUNDS
 from deepseek_pd.workers.serve.engine_options import parse_engine_options
@@ -63,6 +66,11 @@ def check_flags(flags: ServeFlags) -> None:
     if graphs and (blocker := graph_settings_blocker(record_expert_load=options.get("record_expert_load", False),
                                                      enable_tbo=enable_tbo, tp_size=tp)) is not None:
         raise UserError(f"cuda_graph=true: {blocker}")
+    if options.get("extend_cuda_graph") and (blocker := extend_graph_settings_blocker(
+            record_expert_load=options.get("record_expert_load", False), enable_tbo=enable_tbo, tp_size=tp,
+            ep_size=ep, deterministic=options.get("deterministic", False),
+            speculative_num_steps=options.get("speculative_num_steps", 0))) is not None:
+        raise UserError(f"extend_cuda_graph=true: {blocker}")
     if enable_tbo and (blocker := tbo_blocker(tp)) is not None:
         raise UserError(blocker)
     if options.get("deterministic"):
