@@ -63,17 +63,22 @@ class TritonAttentionBackend:
         self._rope_split_fits = rope_split_fits
         self._mla_decode = mla_decode
         self._merge = merge_states
-        # The last uploaded offsets, reused while a caller passes the same tuple again (each layer
-        # owns its backend, so this saves the per-chunk uploads of one layer, not cross-layer ones).
-        self._offsets_key: tuple | None = None
-        self._offsets_dev: torch.Tensor | None = None
+
+    # The last offsets uploaded by ANY layer's backend, with the very tuple they came from: a batch's
+    # `qo_offsets` is one tuple object that every layer passes, so one upload serves the whole
+    # forward (each upload is a pinned block and a copy launch, ~27 of them per extend of V2-Lite;
+    # host time is what a short extend is bound by). Keyed by identity, not value: a new batch's
+    # tuple never hits, so no layer reads a copy queued on another batch's stream. One pair,
+    # replaced at once, so threads that forward side by side each see a whole pair.
+    _shared_offsets: tuple[tuple[int, ...], torch.device, torch.Tensor] | None = None
 
     def _device_offsets(self, offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        key = (offsets, device)
-        if key != self._offsets_key:
-            self._offsets_dev = upload(torch.tensor(offsets, dtype=torch.int32), device)
-            self._offsets_key = key
-        return self._offsets_dev
+        last = TritonAttentionBackend._shared_offsets
+        if last is not None and last[0] is offsets and last[1] == device:
+            return last[2]
+        uploaded = upload(torch.tensor(offsets, dtype=torch.int32), device)
+        TritonAttentionBackend._shared_offsets = (offsets, device, uploaded)
+        return uploaded
 
     def _qk(self, q: QK, k: QK) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The kernel's q and k, and their rope parts where it reads them apart (the same bits as

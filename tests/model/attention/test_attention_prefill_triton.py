@@ -119,3 +119,33 @@ def test_tiny_model_extend_over_a_prefix_triton_vs_torch(tmp_path, method):
         runner.extend([ExtendSeq(p[:c], 0, pg) for p, c, pg in zip(prompts, cut, pages)])
         results[backend] = runner.extend([ExtendSeq(p[c:], c, pg) for p, c, pg in zip(prompts, cut, pages)]).cpu()
     assert rel_err(results["triton"], results["torch"]) < 1e-4
+
+
+@needs_triton
+def test_one_offsets_upload_serves_every_layer_of_a_batch(monkeypatch):
+    """Every layer owns a backend, and each passes its batch's one `qo_offsets` tuple: the offsets
+    go up once per batch, not once per layer, and a new batch (a new tuple, even of equal values)
+    gets its own upload."""
+    from deepseek_pd.model.attention import triton_backend
+
+    uploads: list[tuple[int, ...]] = []
+    real = triton_backend.upload
+
+    def counting(host, device):
+        uploads.append(tuple(host.tolist()))
+        return real(host, device)
+
+    monkeypatch.setattr(triton_backend, "upload", counting)
+    monkeypatch.setattr(triton_backend.TritonAttentionBackend, "_shared_offsets", None)
+    layers = [ATTENTION_BACKENDS.build("triton") for _ in range(random.randint(2, 5))]
+    lengths = [random.randint(1, 9) for _ in range(random.randint(1, 4))]
+    offsets = tuple([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    for backend in layers:
+        got = backend._device_offsets(offsets, torch.device(DEVICE))
+        assert got.tolist() == list(offsets)
+    assert uploads == [offsets]
+    again = tuple(list(offsets))  # equal values, another batch's tuple
+    assert again is not offsets
+    for backend in layers:
+        assert backend._device_offsets(again, torch.device(DEVICE)).tolist() == list(offsets)
+    assert uploads == [offsets, offsets]
