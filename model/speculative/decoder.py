@@ -204,23 +204,29 @@ class SpeculativeDecoder:
             counted = self._counted_tokens(requests, after, lens)
         q = max(lens) + 1
         drafts = self._chain(requests, starts, exact is not None, lens, q - 1)  # [B, q-1], -1 past a row's drafts
-        seqs = [ExtendSeq([0] * (k + 1), prefix_len=p, pages=r.pages)
-                for r, k, p in zip(requests, lens, starts.bounds)]
+        # Slots each row verifies: its drafts, or with `padding` the step's most for every row, so
+        # the verify and catch-up keep the shape of their CUDA graphs when rows draft different
+        # counts (near their budgets); the padding's drafts are -1, never accepted.
+        padding = self._padding_pages()
+        widths = lens if padding is None else [q - 1] * len(lens)
+        seqs = [ExtendSeq([0] * (w + 1), prefix_len=p, pages=self._verify_pages(r.pages, p + w + 1, padding))
+                for r, w, p in zip(requests, widths, starts.bounds)]
         # Row i's verify tokens [x, d1..dk], packed: its cells of the [B, q] table [x | drafts]. Every
-        # row drafting the most (the common step): the table itself, no gathers (`cells` None).
-        uniform = min(lens) == q - 1
-        cells = None if uniform else self._upload([i * q + j for i, k in enumerate(lens) for j in range(k + 1)])
-        verify_ids = torch.cat([last.unsqueeze(1), drafts], dim=1).reshape(-1)
+        # row verifying the most (the common step): the table itself, no gathers (`cells` None).
+        uniform = min(widths) == q - 1
+        cells = None if uniform else self._upload([i * q + j for i, w in enumerate(widths) for j in range(w + 1)])
+        padded = drafts.clamp(min=0) if min(lens) < q - 1 and uniform else drafts  # -1 is no token id
+        verify_ids = torch.cat([last.unsqueeze(1), padded], dim=1).reshape(-1)
         if cells is not None:
             verify_ids = verify_ids.index_select(0, cells)
         hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids, starts=exact, counted=counted)
         starts_at = [0]  # each row's first verify row
-        for k in lens:
-            starts_at.append(starts_at[-1] + k + 1)
-        # Row i's position j is verify row starts_at[i] + min(j, k_i): past its drafts, its last again
+        for w in widths:
+            starts_at.append(starts_at[-1] + w + 1)
+        # Row i's position j is verify row starts_at[i] + min(j, w_i): past its slots, its last again
         # (drawn, never kept: its drafts there are -1).
         rows_at = hidden if uniform else hidden.index_select(0, self._upload(
-            [starts_at[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)]))
+            [starts_at[i] + min(j, w) for i, w in enumerate(widths) for j in range(q)]))
         logits = self.runner.logits(rows_at).view(len(requests), q, -1)
         result = accept_on_device(self.sampling, logits, drafts)
         self._catch_up(requests, seqs, hidden, result.tokens, result.accepted, cells, starts_at, q, exact, counted)
@@ -339,6 +345,24 @@ class SpeculativeDecoder:
         if min(lens) == max(lens):
             return live.repeat_interleave(lens[0] + 1)
         return live.index_select(0, self._upload([i for i, k in enumerate(lens) for _ in range(k + 1)]))
+
+    def _padding_pages(self) -> list[int] | None:
+        """What a padded verify row's positions past its own pages write into (the graphs' scratch
+        page, as often as the most drafts can reach past a page), or None: rows verify only their
+        own drafts. Padding pays only where a verify graph replays it: runners without one (eager,
+        EP groups), or recording an expert load (which the pad tokens must not enter, and which
+        graphs never replay), do not pad."""
+        graphs = self.runner.spec_forwards.graphs
+        if graphs is None or not graphs.verify_graphs or self.runner.expert_load is not None:
+            return None
+        return [graphs.scratch_page] * self.runner.kv_pool.pages_for_tokens(self.num_steps)
+
+    def _verify_pages(self, pages: list[int], end: int, padding: list[int] | None) -> list[int]:
+        """A verify row's pages for positions up to `end` (exclusive): its own, then `padding` where
+        a padded row reaches past them (its real positions never do: `draft_len`)."""
+        if padding is None or end <= len(pages) * self.runner.kv_pool.page_size:
+            return pages
+        return [*pages, *padding]
 
     def _arange(self, n: int) -> torch.Tensor:
         """`arange(n)` on the device, made once per n."""
