@@ -76,3 +76,20 @@ def test_bf16_trains_through_fp32_masters(tiny_mtp_checkpoint, greedy_sequences)
     assert steps > 0 and accuracy > 0.3, (accuracy, steps)
     assert {name: p.dtype for name, p in runner.model.mtp.named_parameters()} == dtypes
     assert runner.kv_pool.num_used_pages == 0
+
+
+def test_chain_depth_training_drafts_every_step_of_its_sequences(tiny_mtp_checkpoint, greedy_sequences):
+    """A layer trained at depth 3 on sequences drafts all 3 of a step's tokens on them: accept
+    length near 4 (depth 1 alone, fp32: about 2.3, since the chain's later drafts take the layer's
+    own output, which depth 1 never feeds it). The oracle for the tokens: the engine without drafts."""
+    engine, prompts, seqs = greedy_sequences
+    steps = 3
+    spec = Engine(str(tiny_mtp_checkpoint), page_size=4, speculative_num_steps=steps)
+    accuracy, _ = train_mtp(spec.runner, seqs, seconds=20.0, lr=1e-2, depth=steps)
+    assert accuracy == 1.0, accuracy  # every depth memorised its labels
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=len(seqs[0]) - len(prompts[0]), ignore_eos=True)
+    got = spec.generate_batch(prompts, greedy)
+    assert [p + r.output_ids for p, r in zip(prompts, got)] == seqs
+    stats = spec.speculative.stats
+    # Every step but a row's last (cut by its budget) emits steps + 1 tokens.
+    assert stats.accept_length > steps, (stats.accept_length, dict(stats.histogram))
