@@ -12,6 +12,7 @@ import random
 import pytest
 
 from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.model.speculative.policy import SpeculationPolicy, StepCosts
 from deepseek_pd.model.speculative.training import train_mtp
 from deepseek_pd.workers.engine.offline import Engine
 
@@ -47,7 +48,8 @@ def test_rows_near_their_budgets_keep_the_graph_shape(tiny_mtp_checkpoint, modul
     rng = random.Random(module_seed)
     base = Engine(str(tiny_mtp_checkpoint), page_size=4)
     spec = Engine(str(tiny_mtp_checkpoint), page_size=4, speculative_num_steps=STEPS)
-    prompts = [[rng.randrange(2, base.vocab_size) for _ in range(rng.randint(2, 9))] for _ in range(rng.randint(4, 6))]
+    # Batch 32, as bench/mtp_trained_gpu.py's largest row.
+    prompts = [[rng.randrange(2, base.vocab_size) for _ in range(rng.randint(2, 9))] for _ in range(32)]
     # Budgets end at different steps, and some exactly at a page's end (no slack for the padding).
     budgets = [rng.randint(6, 20) for _ in prompts]
     budgets[0] = 4 * rng.randint(3, 5) + 1 - len(prompts[0])  # prompt + max_new - 1: whole pages
@@ -60,10 +62,13 @@ def test_rows_near_their_budgets_keep_the_graph_shape(tiny_mtp_checkpoint, modul
     graphs = OfferedShapes(pool.alloc(1)[0])
     spec.runner.spec_forwards.graphs = graphs
     used = pool.num_used_pages
-    for k in range(1, STEPS + 1):
-        spec.set_speculation(k)
+    # The adaptive policy too, over step costs drawn at random (so its choice of k varies by batch size).
+    costs = [[rng.uniform(1.0, 2.0) * (1 + k * rng.uniform(0.0, 0.5)) for _ in range(6)] for k in range(STEPS + 1)]
+    spec.speculation_policy = SpeculationPolicy(StepCosts((1, 2, 4, 8, 16, 32), tuple(map(tuple, costs))), STEPS)
+    for k, adaptive in [(k, False) for k in range(1, STEPS + 1)] + [(STEPS, True)]:
+        spec.set_speculation(k, adaptive)
         got = [r.output_ids for r in spec.generate_batch(prompts, params)]
-        assert got == want, (module_seed, k)
+        assert got == want, (module_seed, k, adaptive)
         lens = spec.last_speculative_run.lens
         assert any(min(step) < max(step) for step in lens), (module_seed, k, lens)  # rows drafted differently
     assert graphs.verify_lengths and all(len(s) == 1 for s in graphs.verify_lengths), graphs.verify_lengths
