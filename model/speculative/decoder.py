@@ -20,6 +20,13 @@ Positions, for a request whose last emitted token `x` sits at position P (not ye
               layer's KV at positions >= the next step's first, which the next step's chain and
               catch-up write again before any MTP row reads them (a row reads positions <= its
               own), and the next d1 is read from the last emitted row: the same drafts.
+Rows near their budgets draft fewer (`draft_len`). Where the runner has verify CUDA graphs, such a
+step still verifies the same number of tokens in every row (the step's most, or the next count
+with a captured graph): a row's slots past its drafts hold draft -1 (never accepted; token 0 is
+fed), and its positions past its own pages write into the graphs' scratch page. Those positions
+are past the row's last real one, so nothing real reads them (each query reads positions <= its
+own); without the padding the step's verify and catch-up would run eagerly (on an H100, V2-Lite,
+a batch of 32 paid 1.8x a step for its tail of rows at different budgets).
 Rejected positions' KV (main cache and the MTP layer's pool layer) is dropped by rolling the
 sequence back: the request's pages hold prompt + max_new - 1 tokens and drafts never reach past
 them (`speculative_rules.draft_len`), so later steps overwrite those slots and nothing leaks.
@@ -202,13 +209,14 @@ class SpeculativeDecoder:
             last = after.tokens.gather(1, after.accepted.unsqueeze(1)).squeeze(1)  # its last emitted token
             exact = starts.starts
             counted = self._counted_tokens(requests, after, lens)
-        q = max(lens) + 1
-        drafts = self._chain(requests, starts, exact is not None, lens, q - 1)  # [B, q-1], -1 past a row's drafts
-        # Slots each row verifies: its drafts, or with `padding` the step's most for every row, so
-        # the verify and catch-up keep the shape of their CUDA graphs when rows draft different
-        # counts (near their budgets); the padding's drafts are -1, never accepted.
+        # Slots each row verifies: its drafts, or with `padding` the same for every row, the step's
+        # most or the next count with a captured verify graph, so the verify and catch-up keep the
+        # shape of their CUDA graphs when rows draft fewer (near their budgets; a runner with graphs
+        # for the configured k only); the padding's drafts are -1, never accepted.
         padding = self._padding_pages()
+        q = max(lens) + 1 if padding is None else self._graph_width(max(lens) + 1)
         widths = lens if padding is None else [q - 1] * len(lens)
+        drafts = self._chain(requests, starts, exact is not None, lens, q - 1)  # [B, q-1], -1 past a row's drafts
         seqs = [ExtendSeq([0] * (w + 1), prefix_len=p, pages=self._verify_pages(r.pages, p + w + 1, padding))
                 for r, w, p in zip(requests, widths, starts.bounds)]
         # Row i's verify tokens [x, d1..dk], packed: its cells of the [B, q] table [x | drafts]. Every
@@ -357,6 +365,12 @@ class SpeculativeDecoder:
             return None
         return [graphs.scratch_page] * self.runner.kv_pool.pages_for_tokens(self.num_steps)
 
+    def _graph_width(self, tokens: int) -> int:
+        """Tokens per row of the narrowest captured verify graph that holds `tokens` (`tokens` itself
+        where none does: then the verify runs eagerly whatever its width)."""
+        captured = [q for q in self.runner.spec_forwards.graphs.verify_graphs if q >= tokens]
+        return min(captured, default=tokens)
+
     def _verify_pages(self, pages: list[int], end: int, padding: list[int] | None) -> list[int]:
         """A verify row's pages for positions up to `end` (exclusive): its own, then `padding` where
         a padded row reaches past them (its real positions never do: `draft_len`)."""
@@ -406,7 +420,10 @@ class SpeculativeDecoder:
             hidden = self.runner.draft(seqs, hidden, input_ids=tokens, starts=at)
             tokens = self.runner.logits(hidden).argmax(dim=-1)
             columns.append(self._column(tokens, rows, batch))
-        return torch.stack(columns, dim=1)
+        drafts = torch.stack(columns, dim=1)
+        if drafts.shape[1] < width:  # a verify wider than any row's drafts (`_graph_width`)
+            drafts = torch.cat([drafts, drafts.new_full((batch, width - drafts.shape[1]), -1)], dim=1)
+        return drafts
 
     def _draft_inputs(self, requests: list[SpecRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """`requests`' d1 `[N]` and MTP hidden states `[N, H]`: the last catch-up's tensors as they

@@ -23,9 +23,9 @@ STEPS = 3
 class OfferedShapes:
     """`SpeculativeGraphs`' interface: records what each forward offers a replay, replays nothing."""
 
-    def __init__(self, scratch_page: int) -> None:
+    def __init__(self, scratch_page: int, captured: list[int]) -> None:
         self.scratch_page = scratch_page
-        self.verify_graphs = {k + 1: None for k in range(STEPS + 1)}  # captured for every draft count
+        self.verify_graphs = {q: None for q in captured}  # tokens per row of the captured verifies
         self.verify_lengths: list[set[int]] = []  # tokens per row of each verify offered
         self.catch_up_lengths: list[set[int]] = []
         self.scratch_used = 0  # verifies with a row reaching into the scratch page
@@ -59,9 +59,10 @@ def test_rows_near_their_budgets_keep_the_graph_shape(tiny_mtp_checkpoint, modul
     train_mtp(spec.runner, [p + w for p, w in zip(prompts, want)], seconds=2.0)  # some drafts accepted
 
     pool = spec.runner.kv_pool
-    graphs = OfferedShapes(pool.alloc(1)[0])
-    spec.runner.spec_forwards.graphs = graphs
+    scratch = pool.alloc(1)[0]
     used = pool.num_used_pages
+    # Graphs for every draft count (the adaptive policy's runner), first.
+    graphs = spec.runner.spec_forwards.graphs = OfferedShapes(scratch, [k + 1 for k in range(STEPS + 1)])
     # The adaptive policy too, over step costs drawn at random (so its choice of k varies by batch size).
     costs = [[rng.uniform(1.0, 2.0) * (1 + k * rng.uniform(0.0, 0.5)) for _ in range(6)] for k in range(STEPS + 1)]
     spec.speculation_policy = SpeculationPolicy(StepCosts((1, 2, 4, 8, 16, 32), tuple(map(tuple, costs))), STEPS)
@@ -74,4 +75,12 @@ def test_rows_near_their_budgets_keep_the_graph_shape(tiny_mtp_checkpoint, modul
     assert graphs.verify_lengths and all(len(s) == 1 for s in graphs.verify_lengths), graphs.verify_lengths
     assert graphs.catch_up_lengths and all(len(s) == 1 for s in graphs.catch_up_lengths), graphs.catch_up_lengths
     assert graphs.scratch_used > 0, module_seed
+    # Graphs for the configured k only (a runner without the policy): a step whose rows all draft
+    # fewer (the batch's last rows near their budgets) is padded to that k.
+    graphs = spec.runner.spec_forwards.graphs = OfferedShapes(scratch, [STEPS + 1])
+    spec.set_speculation(STEPS)
+    assert [r.output_ids for r in spec.generate_batch(prompts, params)] == want, module_seed
+    assert any(max(step) < STEPS for step in spec.last_speculative_run.lens), module_seed
+    assert graphs.verify_lengths and all(s == {STEPS + 1} for s in graphs.verify_lengths), graphs.verify_lengths
+    assert all(s == {STEPS + 1} for s in graphs.catch_up_lengths), graphs.catch_up_lengths
     assert pool.num_used_pages == used
