@@ -358,10 +358,12 @@ class SpeculativeDecoder:
         """What a padded verify row's positions past its own pages write into (the graphs' scratch
         page, as often as the most drafts can reach past a page), or None: rows verify only their
         own drafts. Padding pays only where a verify graph replays it: runners without one (eager,
-        EP groups), or recording an expert load (which the pad tokens must not enter, and which
-        graphs never replay), do not pad."""
-        graphs = self.runner.spec_forwards.graphs
-        if graphs is None or not graphs.verify_graphs or self.runner.expert_load is not None:
+        EP groups), recording an expert load (which the pad tokens must not enter, and which
+        graphs never replay) or under attention TP (whose followers replay eagerly) do not pad."""
+        forwards = self.runner.spec_forwards
+        graphs = forwards.graphs
+        if (graphs is None or not graphs.verify_graphs or self.runner.expert_load is not None
+                or forwards.tp_replay is not None):
             return None
         return [graphs.scratch_page] * self.runner.kv_pool.pages_for_tokens(self.num_steps)
 
