@@ -247,7 +247,8 @@ def run(args: argparse.Namespace, model: str, began: float) -> dict:
                 b: round(equal_prefix_fraction(m.outputs, [c[:len(o)] for c, o in zip(continuations, m.outputs)]), 4)
                 for b, m in plain.items()}
         print(f"MTP training ({mode}): {training['steps']} steps in {training['seconds']} s, accuracy "
-              f"{training['train_accuracy']:.3f}; data distinct fraction {training['data_distinct_fraction']}", flush=True)
+              f"{training['train_accuracy']:.3f} (the drafting layer's own kernels, depth 1: "
+              f"{training['layer_accuracy']:.3f}); data distinct fraction {training['data_distinct_fraction']}", flush=True)
         result["runs"].append({"data": mode, "training": training, "rows": []})
         save()
         result["runs"][-1]["rows"] = evaluate_speculation(engine, held_out, plain, batches, steps, args)
@@ -262,7 +263,7 @@ def train_phase(engine, mode: str, held_out: list[list[int]], train_prompts: lis
     """Data for `mode` (module docstring, 2.), then the MTP layer trained on it for `seconds`, at
     the chain's every depth (`train_mtp(depth=...)`); the report and the training continuations."""
     from deepseek_pd.model.sampling.params import SamplingParams
-    from deepseek_pd.model.speculative.training import train_mtp
+    from deepseek_pd.model.speculative.training import mtp_accuracy, train_mtp
 
     engine.set_speculation(0)
     if mode == "held-out":
@@ -278,12 +279,13 @@ def train_phase(engine, mode: str, held_out: list[list[int]], train_prompts: lis
     continuations = [r.output_ids for r in data]
     began = time.monotonic()
     depth = max(int(k) for k in args.steps.split(","))
-    accuracy, steps = train_mtp(engine.runner, [p + c for p, c in zip(train_prompts, continuations)],
-                                seconds=seconds, lr=args.lr, labels=labels, depth=depth)
+    seqs = [p + c for p, c in zip(train_prompts, continuations)]
+    accuracy, steps = train_mtp(engine.runner, seqs, seconds=seconds, lr=args.lr, labels=labels, depth=depth)
+    layer_accuracy = mtp_accuracy(engine.runner, seqs, labels)  # the drafting layer's kernels, depth 1
     return {"sequences": len(continuations), "tokens": sum(map(len, continuations)), "data_described": described,
             "data_distinct_fraction": round(distinct_fraction(continuations), 3), "seconds_budget": round(seconds, 1),
             "seconds": round(time.monotonic() - began, 1), "steps": steps, "depth": depth,
-            "train_accuracy": round(accuracy, 4), "lr": args.lr}, continuations
+            "train_accuracy": round(accuracy, 4), "layer_accuracy": round(layer_accuracy, 4), "lr": args.lr}, continuations
 
 
 def evaluate_speculation(engine, held_out: list[list[int]], plain: dict[int, Measured], batches: list[int],

@@ -137,11 +137,13 @@ def train_mtp(runner: ModelRunner, seqs: list[list[int]], seconds: float, lr: fl
                     accuracies.append((logits.detach().argmax(-1)[known] == target[known]).float().mean().item())
                     if d + 1 < depth:  # the next depth's input: this output one position back
                         hidden = torch.where(first, prev, out.detach().index_select(0, back))
+                accuracy = min(accuracies)
+                steps += 1
+                if accuracy >= target_accuracy:  # keep the weights this accuracy was measured on
+                    break
                 opt.zero_grad()
                 loss.backward()
             _step(opt, params, masters)
-            accuracy = min(accuracies)
-            steps += 1
     finally:
         for p in pages:
             pool.free(p)
@@ -154,6 +156,24 @@ def train_mtp(runner: ModelRunner, seqs: list[list[int]], seconds: float, lr: fl
     if mtp is not model.mtp:
         model.mtp.load_state_dict(mtp.state_dict())  # in place: the model's own tensors
     return accuracy, steps
+
+
+@torch.no_grad()
+def mtp_accuracy(runner: ModelRunner, seqs: list[list[int]], labels: Labels = "tokens") -> float:
+    """The share of `seqs`' training pairs whose label the runner's own MTP layer (its kernels, its
+    dtype: what drafts at inference) ranks first, over the target's extend-path hidden states.
+    Below `train_mtp`'s accuracy: the trained copy's backends and rounding disagree with the
+    layer's, near-ties of a memorised layer flipping."""
+    tokens, prev, target = _training_pairs(runner, seqs, labels)
+    pool = runner.kv_pool
+    pages = [pool.alloc(pool.pages_for_tokens(len(t))) for t in tokens]
+    try:
+        out = runner.draft([ExtendSeq(t, 0, p) for t, p in zip(tokens, pages)], prev)
+    finally:
+        for p in pages:
+            pool.free(p)
+    known = target >= 0
+    return (greedy_next(runner, out)[known] == target[known]).float().mean().item()
 
 
 def _step(opt: torch.optim.Optimizer, params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
