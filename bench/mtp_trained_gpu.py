@@ -18,8 +18,19 @@ adaptive policy's start-up costs measured as it is built). Then:
      have no backward);
   3. the held-out prompts again with k = 1, 2, 3 drafts per step and with the adaptive policy:
      tok/s, speed-up over 1., measured accept length, the policy's choices (steps per k), and
-     whether the tokens equal 1.'s (else the first divergence and the target's top-2 logit gap
-     there: a near-zero gap is a bf16 tie, not a wrong acceptance).
+     whether the tokens equal 1.'s (else the share of tokens equal up to each prompt's first
+     divergence, the first one, and the target's top-2 logit gaps there: gaps of a few bf16 steps
+     are ties the paths' rounding flips, not wrong acceptances); each setting's time per step
+     against the start-up step-cost table's, how many steps had rows drafting different counts and
+     how many verifies replayed a CUDA graph (all of them since the decoder pads such steps), and
+     the speed-up the table implies at the measured accept length; per batch, the speed-ups the
+     table implies at accept lengths 1.8 / 2.4 / 3.0 (issue 22's target is at 2.4: with random
+     weights the held-out accept length stays ~1.0, a random target's continuations being
+     unlearnable, so these are the run's verdict on the step costs).
+The speculation-off outputs also give the target's decode/extend greedy agreement (1.0 in fp32);
+in-sample training reports how much of each batch's evaluation the trained sequences are
+(`off_equal_prefix_fraction`: they were generated at the largest batch) and the drafting layer's
+own accuracy on them (`layer_accuracy`: its kernels, not the trained torch copy's).
 Tok/s is output tokens over the wall time of the `generate_batch` calls (their prefill of the
 short prompts included), after one short warm-up call per setting and batch size. The JSON holds
 the speculation-off figures once (`off_tok_s`, and the distinct-token fraction of its outputs: a low
@@ -29,7 +40,7 @@ batch 1, 1.3x at batch 32) for the adaptive policy and the best fixed k. The JSO
 rewritten after every phase, so a run cut short keeps what it measured.
 
 On the GPU (one call, at most about 7 minutes with the checkpoint's generation: `--budget-s`
-shrinks the training to keep the whole run near it):
+shrinks the training to keep the whole run near it; `--data in-sample --budget-s 250` about 4):
     python bench/mtp_trained_gpu.py --write-v2-lite /tmp/v2lite-mtp --device cuda --dtype bfloat16 \\
         --cuda-graph --budget-s 400 --out $OUT/mtp_trained.json
 On the CPU, as a smoke run (tests/bench/test_mtp_trained_script.py runs a smaller one):
