@@ -18,8 +18,19 @@ adaptive policy's start-up costs measured as it is built). Then:
      have no backward);
   3. the held-out prompts again with k = 1, 2, 3 drafts per step and with the adaptive policy:
      tok/s, speed-up over 1., measured accept length, the policy's choices (steps per k), and
-     whether the tokens equal 1.'s (else the first divergence and the target's top-2 logit gap
-     there: a near-zero gap is a bf16 tie, not a wrong acceptance).
+     whether the tokens equal 1.'s (else the share of tokens equal up to each prompt's first
+     divergence, the first one, and the target's top-2 logit gaps there: gaps of a few bf16 steps
+     are ties the paths' rounding flips, not wrong acceptances); each setting's time per step
+     against the start-up step-cost table's, how many steps had rows drafting different counts and
+     how many verifies replayed a CUDA graph (all of them since the decoder pads such steps), and
+     the speed-up the table implies at the measured accept length; per batch, the speed-ups the
+     table implies at accept lengths 1.8 / 2.4 / 3.0 (issue 22's target is at 2.4: with random
+     weights the held-out accept length stays ~1.0, a random target's continuations being
+     unlearnable, so these are the run's verdict on the step costs).
+The speculation-off outputs also give the target's decode/extend greedy agreement (1.0 in fp32);
+in-sample training reports how much of each batch's evaluation the trained sequences are
+(`off_equal_prefix_fraction`: they were generated at the largest batch) and the drafting layer's
+own accuracy on them (`layer_accuracy`: its kernels, not the trained torch copy's).
 Tok/s is output tokens over the wall time of the `generate_batch` calls (their prefill of the
 short prompts included), after one short warm-up call per setting and batch size. The JSON holds
 the speculation-off figures once (`off_tok_s`, and the distinct-token fraction of its outputs: a low
@@ -29,7 +40,7 @@ batch 1, 1.3x at batch 32) for the adaptive policy and the best fixed k. The JSO
 rewritten after every phase, so a run cut short keeps what it measured.
 
 On the GPU (one call, at most about 7 minutes with the checkpoint's generation: `--budget-s`
-shrinks the training to keep the whole run near it):
+shrinks the training to keep the whole run near it; `--data in-sample --budget-s 250` about 4):
     python bench/mtp_trained_gpu.py --write-v2-lite /tmp/v2lite-mtp --device cuda --dtype bfloat16 \\
         --cuda-graph --budget-s 400 --out $OUT/mtp_trained.json
 On the CPU, as a smoke run (tests/bench/test_mtp_trained_script.py runs a smaller one):
@@ -51,7 +62,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-TARGETS = {1: 1.8, 32: 1.3}  # issue 22: speed-up at these batch sizes
+TARGETS = {1: 1.8, 32: 1.3}  # issue 22: speed-up at these batch sizes, at accept length 2.4
+ACCEPT_LENGTHS = (1.8, 2.4, 3.0)  # implied speed-ups (`implied_speedups`)
+RANDOM_NOTE = ("random weights: the target's greedy continuations follow no pattern a draft can learn "
+               "(held-out accept length ~1.0 says nothing of a trained checkpoint's); the implied speed-ups "
+               "at learnable accept lengths come from this run's step costs")
 
 
 def _prompts(rng: random.Random, count: int, length: int, vocab: int) -> list[list[int]]:
@@ -75,14 +90,56 @@ def first_divergence(want: list[list[int]], got: list[list[int]]) -> dict | None
     return None
 
 
-def top2_gap(engine, prompt: list[int], prefix: list[int]) -> float:
-    """The target's top-1 minus top-2 logit after `prompt + prefix` (fp32 of the model's logits)."""
+def equal_prefix_fraction(want: list[list[int]], got: list[list[int]]) -> float:
+    """The share of `want`'s tokens that `got` repeats before each prompt's first difference (1.0: equal)."""
+    same = 0
+    for a, b in zip(want, got):
+        same += next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same / max(1, sum(map(len, want)))
+
+
+def top2_gaps(engine, seqs: list[list[int]]) -> list[float]:
+    """The target's top-1 minus top-2 logit after each of `seqs` (its extend path, fp32 logits): at a
+    first divergence, a gap of a few bf16 steps is a near-tie the paths' rounding flips."""
     from deepseek_pd.model.speculative.training import target_hidden
 
-    hidden = target_hidden(engine.runner, [prompt + prefix])[0][-1:]
+    if not seqs:
+        return []
+    hidden = torch.stack([h[-1] for h in target_hidden(engine.runner, seqs)])
     with torch.no_grad():
-        top = engine.runner.logits(hidden).float().topk(2, dim=-1).values[0]
-    return float(top[0] - top[1])
+        top = engine.runner.logits(hidden).float().topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def path_agreement(engine, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """The share of decoded tokens (after each prompt's first) that the target's extend path, fed
+    the same prompt and outputs, also ranks first: the target's own greedy agreement between its
+    decode and extend paths (1.0 in fp32; below it, the paths' rounding flips near-ties, and a
+    draft trained on one path's tokens meets the other's)."""
+    from deepseek_pd.model.speculative.training import greedy_next, target_hidden
+
+    seqs = [p + o[:-1] for p, o in zip(prompts, outputs) if len(o) > 1]
+    if not seqs:
+        return 1.0
+    hidden = target_hidden(engine.runner, seqs)
+    same = total = 0
+    for p, o, h in zip(prompts, outputs, hidden):
+        ranked = greedy_next(engine.runner, h[len(p):]).tolist()  # after p + o[:j + 1]: o[j + 1]'s rank-1
+        same += sum(a == b for a, b in zip(ranked, o[1:]))
+        total += len(o) - 1
+    return same / total
+
+
+def implied_speedups(costs, batch: int, plain_ms: float) -> dict:
+    """At each accept length of `ACCEPT_LENGTHS`, `A * plain_ms / cost(batch, k)` for the cheapest k
+    that can reach it (k + 1 >= A) from this run's step-cost table: what the measured step costs
+    give at a learnable accept length."""
+    out = {}
+    for a in ACCEPT_LENGTHS:
+        options = {k: a * plain_ms / costs.at(batch, k) for k in range(1, costs.max_steps + 1) if k + 1 >= a}
+        best = max(options, key=options.get) if options else None
+        out[str(a)] = {"k": best, "speedup": None if best is None else round(options[best], 3)}
+    return out
 
 
 @dataclasses.dataclass
@@ -95,6 +152,9 @@ class Measured:
     drafted: int = 0
     accepted: int = 0
     chosen: dict[int, int] = dataclasses.field(default_factory=dict)  # draft count asked -> steps
+    steps: int = 0  # speculative steps launched
+    mixed_steps: int = 0  # steps whose rows drafted different counts (rows near their budgets)
+    verify_replays: int | None = None  # of those steps' verifies, CUDA-graph replays (None: no graphs)
 
 
 def measure_setting(engine, prompts: list[list[int]], batch: int, output_len: int, bs1_prompts: int) -> Measured:
@@ -106,19 +166,26 @@ def measure_setting(engine, prompts: list[list[int]], batch: int, output_len: in
     engine.generate_batch(groups[0], dataclasses.replace(greedy, max_new_tokens=min(16, output_len)))  # warm-up
     stats = engine.speculative.stats if engine.speculative is not None else None
     before = None if stats is None else stats.snapshot()
+    graphs = engine.runner.spec_forwards.graphs
+    replays = None if graphs is None else graphs.replays["verify"]
     chosen: collections.Counter = collections.Counter()
     outputs: list[list[int]] = []
+    lens: list[list[int]] = []
     start = time.perf_counter()
     for group in groups:
         outputs += [r.output_ids for r in engine.generate_batch(group, greedy)]
         if engine.speculating and engine.last_speculative_run is not None:
             chosen.update(engine.last_speculative_run.requested)
+            lens += engine.last_speculative_run.lens
     seconds = time.perf_counter() - start
     tokens = sum(len(o) for o in outputs)
-    measured = Measured(tokens / seconds, seconds, tokens, outputs, chosen=dict(sorted(chosen.items())))
+    measured = Measured(tokens / seconds, seconds, tokens, outputs, chosen=dict(sorted(chosen.items())),
+                        steps=len(lens), mixed_steps=sum(min(k) != max(k) for k in lens))
     if engine.speculating:
         step = stats.since(before)
         measured.accept_length, measured.drafted, measured.accepted = step.accept_length, step.drafted, step.accepted
+        if replays is not None:
+            measured.verify_replays = graphs.replays["verify"] - replays
     return measured
 
 
@@ -171,6 +238,11 @@ def run(args: argparse.Namespace, model: str, began: float) -> dict:
     eval_s = time.monotonic() - eval_began
     result["off_tok_s"] = {b: round(m.tok_s, 1) for b, m in plain.items()}
     result["held_out_distinct_fraction"] = {b: round(distinct_fraction(m.outputs), 3) for b, m in plain.items()}
+    result["off_path_agreement"] = {b: round(path_agreement(engine, held_out, m.outputs), 4) for b, m in plain.items()}
+    if not args.model:
+        result["note"] = RANDOM_NOTE
+        print(f"note: {RANDOM_NOTE}", flush=True)
+    print(f"the target's decode/extend greedy agreement (speculation off): {result['off_path_agreement']}", flush=True)
 
     modes = ("held-out", "in-sample") if args.data == "both" else (args.data,)
     result["runs"] = []
@@ -180,9 +252,14 @@ def run(args: argparse.Namespace, model: str, began: float) -> dict:
             runs_left = len(modes) - len(result["runs"])
             left = args.budget_s - (time.monotonic() - began) - runs_left * (len(steps) + 1) * eval_s * 1.5 - 20
             seconds = max(args.min_train_seconds, min(seconds, left / runs_left))
-        training = train_phase(engine, mode, held_out, train_prompts, seconds, args)
+        training, continuations = train_phase(engine, mode, held_out, train_prompts, seconds, args)
+        if mode == "in-sample":  # how much of each batch's evaluation the trained sequences are
+            training["off_equal_prefix_fraction"] = {
+                b: round(equal_prefix_fraction(m.outputs, [c[:len(o)] for c, o in zip(continuations, m.outputs)]), 4)
+                for b, m in plain.items()}
         print(f"MTP training ({mode}): {training['steps']} steps in {training['seconds']} s, accuracy "
-              f"{training['train_accuracy']:.3f}; data distinct fraction {training['data_distinct_fraction']}", flush=True)
+              f"{training['train_accuracy']:.3f} (the drafting layer's own kernels, depth 1: "
+              f"{training['layer_accuracy']:.3f}); data distinct fraction {training['data_distinct_fraction']}", flush=True)
         result["runs"].append({"data": mode, "training": training, "rows": []})
         save()
         result["runs"][-1]["rows"] = evaluate_speculation(engine, held_out, plain, batches, steps, args)
@@ -193,10 +270,11 @@ def run(args: argparse.Namespace, model: str, began: float) -> dict:
 
 
 def train_phase(engine, mode: str, held_out: list[list[int]], train_prompts: list[list[int]], seconds: float,
-                args: argparse.Namespace) -> dict:
-    """Data for `mode` (module docstring, 2.), then the MTP layer trained on it for `seconds`."""
+                args: argparse.Namespace) -> tuple[dict, list[list[int]]]:
+    """Data for `mode` (module docstring, 2.), then the MTP layer trained on it for `seconds`, at
+    the chain's every depth (`train_mtp(depth=...)`); the report and the training continuations."""
     from deepseek_pd.model.sampling.params import SamplingParams
-    from deepseek_pd.model.speculative.training import train_mtp
+    from deepseek_pd.model.speculative.training import mtp_accuracy, train_mtp
 
     engine.set_speculation(0)
     if mode == "held-out":
@@ -211,12 +289,14 @@ def train_phase(engine, mode: str, held_out: list[list[int]], train_prompts: lis
         described, labels = "the held-out prompts' own greedy continuations (in-sample: an upper bound)", "tokens"
     continuations = [r.output_ids for r in data]
     began = time.monotonic()
-    accuracy, steps = train_mtp(engine.runner, [p + c for p, c in zip(train_prompts, continuations)],
-                                seconds=seconds, lr=args.lr, labels=labels)
+    depth = max(int(k) for k in args.steps.split(","))
+    seqs = [p + c for p, c in zip(train_prompts, continuations)]
+    accuracy, steps = train_mtp(engine.runner, seqs, seconds=seconds, lr=args.lr, labels=labels, depth=depth)
+    layer_accuracy = mtp_accuracy(engine.runner, seqs, labels)  # the drafting layer's kernels, depth 1
     return {"sequences": len(continuations), "tokens": sum(map(len, continuations)), "data_described": described,
             "data_distinct_fraction": round(distinct_fraction(continuations), 3), "seconds_budget": round(seconds, 1),
-            "seconds": round(time.monotonic() - began, 1), "steps": steps, "train_accuracy": round(accuracy, 4),
-            "lr": args.lr}
+            "seconds": round(time.monotonic() - began, 1), "steps": steps, "depth": depth,
+            "train_accuracy": round(accuracy, 4), "layer_accuracy": round(layer_accuracy, 4), "lr": args.lr}, continuations
 
 
 def evaluate_speculation(engine, held_out: list[list[int]], plain: dict[int, Measured], batches: list[int],
@@ -232,28 +312,53 @@ def evaluate_speculation(engine, held_out: list[list[int]], plain: dict[int, Mea
             spec[name, batch] = m = measure_setting(engine, held_out, batch, args.output_len, args.bs1_prompts)
             print(f"{name:<8} bs {batch:>3}: {m.tok_s:8.1f} tok/s, {m.tok_s / plain[batch].tok_s:.2f}x, accept length "
                   f"{m.accept_length:.2f}{f', chose {m.chosen}' if adaptive else ''}", flush=True)
+    costs = engine.speculation_policy.costs
     rows = []
     for batch in batches:
-        row = {"batch": batch, "off_tok_s": round(plain[batch].tok_s, 1)}
+        off = plain[batch]
+        plain_ms = off.seconds * 1e3 * batch / off.tokens  # per decode step (prefill included)
+        row = {"batch": batch, "off_tok_s": round(off.tok_s, 1), "plain_step_ms": round(plain_ms, 3)}
         best = None
-        for name, _, adaptive in settings(steps):
+        for name, k, adaptive in settings(steps):
             m = spec[name, batch]
-            speedup = m.tok_s / plain[batch].tok_s
-            divergence = first_divergence(plain[batch].outputs, m.outputs)
-            if divergence is not None and divergence["want"] is not None:
-                i, j = divergence["prompt"], divergence["position"]
-                divergence["top2_logit_gap"] = round(top2_gap(engine, held_out[i], plain[batch].outputs[i][:j]), 5)
+            speedup = m.tok_s / off.tok_s
             row[name] = {"tok_s": round(m.tok_s, 1), "speedup": round(speedup, 3),
                          "accept_length": round(m.accept_length, 3), "drafted": m.drafted, "accepted": m.accepted,
-                         "greedy_equal": divergence is None, "first_divergence": divergence,
-                         **({"chosen_steps": m.chosen} if adaptive else {})}
+                         **divergence_report(engine, held_out, off.outputs, m.outputs),
+                         # per step of this run (prefill included) against the start-up table's
+                         "step_ms": round(m.seconds * 1e3 / max(1, m.steps), 3), "steps": m.steps,
+                         "mixed_steps": m.mixed_steps, "verify_replays": m.verify_replays,
+                         **({"chosen_steps": m.chosen} if adaptive else {
+                             "table_step_ms": round(costs.at(batch, k), 3),
+                             "implied_at_measured_accept": round(m.accept_length * plain_ms / costs.at(batch, k), 3)})}
             if not adaptive and (best is None or speedup > row[best]["speedup"]):
                 best = name
         row["best_fixed"] = best
         row["adaptive_verdict"] = verdict(row["adaptive"]["speedup"], batch)
         row["best_fixed_verdict"] = verdict(row[best]["speedup"], batch)
+        row["implied"] = implied_speedups(costs, batch, plain_ms)
+        row["implied_verdict"] = verdict(row["implied"]["2.4"]["speedup"], batch)
         rows.append(row)
     return rows
+
+
+def divergence_report(engine, prompts: list[list[int]], want: list[list[int]], got: list[list[int]]) -> dict:
+    """Whether `got` repeats the speculation-off tokens `want`; if not, how far it does (the share of
+    tokens equal up to each prompt's first divergence), the first divergence, and the target's top-2
+    logit gap at each prompt's first divergence (largest and median): gaps of a few bf16 steps are
+    near-ties flipped by rounding, a large one would be a wrong acceptance."""
+    divergence = first_divergence(want, got)
+    report = {"greedy_equal": divergence is None, "equal_prefix_fraction": round(equal_prefix_fraction(want, got), 4),
+              "first_divergence": divergence}
+    at = [(i, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)) for i, (a, b) in enumerate(zip(want, got))
+          if any(x != y for x, y in zip(a, b))]
+    if at:
+        gaps = top2_gaps(engine, [prompts[i] + want[i][:j] for i, j in at])
+        if divergence is not None and divergence["want"] is not None:
+            divergence["top2_logit_gap"] = round(gaps[0], 5)
+        report.update(diverged_prompts=len(at), max_divergence_gap=round(max(gaps), 5),
+                      median_divergence_gap=round(sorted(gaps)[len(gaps) // 2], 5))
+    return report
 
 
 def print_table(rows: list[dict], steps: list[int]) -> None:
@@ -262,11 +367,28 @@ def print_table(rows: list[dict], steps: list[int]) -> None:
     print("|---|---|" + "---|" * len(names) + "---|---|")
     for row in rows:
         cells = [f"{row[n]['tok_s']} ({row[n]['speedup']:.2f}x, {row[n]['accept_length']:.2f})" for n in names]
-        equal = "yes" if all(row[n]["greedy_equal"] for n in names) else \
-            "no: " + ", ".join(n for n in names if not row[n]["greedy_equal"])
+        equal = "yes" if all(row[n]["greedy_equal"] for n in names) else "no: " + ", ".join(
+            f"{n} ({row[n]['equal_prefix_fraction']:.2f} equal, gap <= {row[n]['max_divergence_gap']:.3g})"
+            for n in names if not row[n]["greedy_equal"])
         target = f"adaptive {row['adaptive_verdict']}; best {row['best_fixed']} {row['best_fixed_verdict']}" \
             if row["adaptive_verdict"] else ""
         print(f"| {row['batch']} | {row['off_tok_s']} | " + " | ".join(cells) + f" | {equal} | {target} |")
+    fixed = [n for n in names if n != "adaptive"]
+    print("\nStep ms in this run (prefill included) / in the start-up table; mixed steps; verify replays of steps;"
+          " speed-up implied by the table at the measured accept length:")
+    print("| batch | plain ms | " + " | ".join(fixed) + " |")
+    print("|---|---|" + "---|" * len(fixed))
+    for row in rows:
+        cells = [f"{row[n]['step_ms']:.2f} / {row[n]['table_step_ms']:.2f}; {row[n]['mixed_steps']}; "
+                 f"{row[n]['verify_replays']} of {row[n]['steps']}; {row[n]['implied_at_measured_accept']:.2f}x"
+                 for n in fixed]
+        print(f"| {row['batch']} | {row['plain_step_ms']:.2f} | " + " | ".join(cells) + " |")
+    print("\nImplied speed-up at accept length A (best k from this run's step costs):")
+    print("| batch | " + " | ".join(f"A = {a}" for a in ACCEPT_LENGTHS) + " | target at 2.4 |")
+    print("|---|" + "---|" * len(ACCEPT_LENGTHS) + "---|")
+    for row in rows:
+        cells = [f"{v['speedup']}x (k {v['k']})" if v["k"] else "-" for v in row["implied"].values()]
+        print(f"| {row['batch']} | " + " | ".join(cells) + f" | {row['implied_verdict']} |")
 
 
 def main(argv: list[str] | None = None) -> dict:

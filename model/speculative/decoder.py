@@ -20,6 +20,13 @@ Positions, for a request whose last emitted token `x` sits at position P (not ye
               layer's KV at positions >= the next step's first, which the next step's chain and
               catch-up write again before any MTP row reads them (a row reads positions <= its
               own), and the next d1 is read from the last emitted row: the same drafts.
+Rows near their budgets draft fewer (`draft_len`). Where the runner has verify CUDA graphs, such a
+step still verifies the same number of tokens in every row (the step's most, or the next count
+with a captured graph): a row's slots past its drafts hold draft -1 (never accepted; token 0 is
+fed), and its positions past its own pages write into the graphs' scratch page. Those positions
+are past the row's last real one, so nothing real reads them (each query reads positions <= its
+own); without the padding the step's verify and catch-up would run eagerly (on an H100, V2-Lite,
+a batch of 32 paid 1.8x a step for its tail of rows at different budgets).
 Rejected positions' KV (main cache and the MTP layer's pool layer) is dropped by rolling the
 sequence back: the request's pages hold prompt + max_new - 1 tokens and drafts never reach past
 them (`speculative_rules.draft_len`), so later steps overwrite those slots and nothing leaks.
@@ -202,25 +209,32 @@ class SpeculativeDecoder:
             last = after.tokens.gather(1, after.accepted.unsqueeze(1)).squeeze(1)  # its last emitted token
             exact = starts.starts
             counted = self._counted_tokens(requests, after, lens)
-        q = max(lens) + 1
+        # Slots each row verifies: its drafts, or with `padding` the same for every row, the step's
+        # most or the next count with a captured verify graph, so the verify and catch-up keep the
+        # shape of their CUDA graphs when rows draft fewer (near their budgets; a runner with graphs
+        # for the configured k only); the padding's drafts are -1, never accepted.
+        padding = self._padding_pages()
+        q = max(lens) + 1 if padding is None else self._graph_width(max(lens) + 1)
+        widths = lens if padding is None else [q - 1] * len(lens)
         drafts = self._chain(requests, starts, exact is not None, lens, q - 1)  # [B, q-1], -1 past a row's drafts
-        seqs = [ExtendSeq([0] * (k + 1), prefix_len=p, pages=r.pages)
-                for r, k, p in zip(requests, lens, starts.bounds)]
+        seqs = [ExtendSeq([0] * (w + 1), prefix_len=p, pages=self._verify_pages(r.pages, p + w + 1, padding))
+                for r, w, p in zip(requests, widths, starts.bounds)]
         # Row i's verify tokens [x, d1..dk], packed: its cells of the [B, q] table [x | drafts]. Every
-        # row drafting the most (the common step): the table itself, no gathers (`cells` None).
-        uniform = min(lens) == q - 1
-        cells = None if uniform else self._upload([i * q + j for i, k in enumerate(lens) for j in range(k + 1)])
-        verify_ids = torch.cat([last.unsqueeze(1), drafts], dim=1).reshape(-1)
+        # row verifying the most (the common step): the table itself, no gathers (`cells` None).
+        uniform = min(widths) == q - 1
+        cells = None if uniform else self._upload([i * q + j for i, w in enumerate(widths) for j in range(w + 1)])
+        padded = drafts.clamp(min=0) if min(lens) < q - 1 and uniform else drafts  # -1 is no token id
+        verify_ids = torch.cat([last.unsqueeze(1), padded], dim=1).reshape(-1)
         if cells is not None:
             verify_ids = verify_ids.index_select(0, cells)
         hidden = self.runner.extend_hidden(seqs, force_mla=True, input_ids=verify_ids, starts=exact, counted=counted)
         starts_at = [0]  # each row's first verify row
-        for k in lens:
-            starts_at.append(starts_at[-1] + k + 1)
-        # Row i's position j is verify row starts_at[i] + min(j, k_i): past its drafts, its last again
+        for w in widths:
+            starts_at.append(starts_at[-1] + w + 1)
+        # Row i's position j is verify row starts_at[i] + min(j, w_i): past its slots, its last again
         # (drawn, never kept: its drafts there are -1).
         rows_at = hidden if uniform else hidden.index_select(0, self._upload(
-            [starts_at[i] + min(j, k) for i, k in enumerate(lens) for j in range(q)]))
+            [starts_at[i] + min(j, w) for i, w in enumerate(widths) for j in range(q)]))
         logits = self.runner.logits(rows_at).view(len(requests), q, -1)
         result = accept_on_device(self.sampling, logits, drafts)
         self._catch_up(requests, seqs, hidden, result.tokens, result.accepted, cells, starts_at, q, exact, counted)
@@ -340,6 +354,32 @@ class SpeculativeDecoder:
             return live.repeat_interleave(lens[0] + 1)
         return live.index_select(0, self._upload([i for i, k in enumerate(lens) for _ in range(k + 1)]))
 
+    def _padding_pages(self) -> list[int] | None:
+        """What a padded verify row's positions past its own pages write into (the graphs' scratch
+        page, as often as the most drafts can reach past a page), or None: rows verify only their
+        own drafts. Padding pays only where a verify graph replays it: runners without one (eager,
+        EP groups), recording an expert load (which the pad tokens must not enter, and which
+        graphs never replay) or under attention TP (whose followers replay eagerly) do not pad."""
+        forwards = self.runner.spec_forwards
+        graphs = forwards.graphs
+        if (graphs is None or not graphs.verify_graphs or self.runner.expert_load is not None
+                or forwards.tp_replay is not None):
+            return None
+        return [graphs.scratch_page] * self.runner.kv_pool.pages_for_tokens(self.num_steps)
+
+    def _graph_width(self, tokens: int) -> int:
+        """Tokens per row of the narrowest captured verify graph that holds `tokens` (`tokens` itself
+        where none does: then the verify runs eagerly whatever its width)."""
+        captured = [q for q in self.runner.spec_forwards.graphs.verify_graphs if q >= tokens]
+        return min(captured, default=tokens)
+
+    def _verify_pages(self, pages: list[int], end: int, padding: list[int] | None) -> list[int]:
+        """A verify row's pages for positions up to `end` (exclusive): its own, then `padding` where
+        a padded row reaches past them (its real positions never do: `draft_len`)."""
+        if padding is None or end <= len(pages) * self.runner.kv_pool.page_size:
+            return pages
+        return [*pages, *padding]
+
     def _arange(self, n: int) -> torch.Tensor:
         """`arange(n)` on the device, made once per n."""
         if n not in self._aranges:
@@ -382,7 +422,10 @@ class SpeculativeDecoder:
             hidden = self.runner.draft(seqs, hidden, input_ids=tokens, starts=at)
             tokens = self.runner.logits(hidden).argmax(dim=-1)
             columns.append(self._column(tokens, rows, batch))
-        return torch.stack(columns, dim=1)
+        drafts = torch.stack(columns, dim=1)
+        if drafts.shape[1] < width:  # a verify wider than any row's drafts (`_graph_width`)
+            drafts = torch.cat([drafts, drafts.new_full((batch, width - drafts.shape[1]), -1)], dim=1)
+        return drafts
 
     def _draft_inputs(self, requests: list[SpecRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """`requests`' d1 `[N]` and MTP hidden states `[N, H]`: the last catch-up's tensors as they

@@ -31,6 +31,9 @@ class SpeculativeGraphs:
     def __init__(self, model: DeepseekForCausalLM, kv_pool: KVPool, config: CudaGraphConfig,
                  draft_counts: Sequence[int], scratch_page: int, pool: object | None = None) -> None:
         self.draft_graphs = DraftGraphRunner(model, kv_pool, config, scratch_page, pool)
+        # The padding rows' page (garbage by design): the decoder also points a verify row's
+        # positions past its own pages here when it pads the row to the step's verify length.
+        self.scratch_page = scratch_page
         # By tokens per sequence (k + 1); none in EP groups.
         self.verify_graphs: dict[int, VerifyGraphRunner] = {}
         self.catch_up_graphs: dict[int, VerifyGraphRunner] = {}

@@ -18,8 +18,9 @@ The catch-up (the MTP layer over the emitted tokens) is captured the same way wi
 decoder pads it to all q positions when the verify had q per sequence (decoder.py says why that
 leaves the outputs unchanged).
 
-Steps whose sequences draft fewer tokens (near max_new, or a request without a draft yet), and EP
-groups (a verify is an extend: DeepEP's normal mode, which does not capture), run eagerly.
+Steps whose sequences draft fewer tokens (near max_new, or a request without a draft yet) are padded
+to a captured length by the decoder (decoder.py); a batch or context past the graphs, and EP groups
+(a verify is an extend: DeepEP's normal mode, which does not capture), run eagerly.
 """
 from __future__ import annotations
 

@@ -32,6 +32,12 @@ def test_trained_mtp_run_reports_every_setting(tmp_path) -> None:
     run = result["runs"][0]
     assert [row["batch"] for row in run["rows"]] == batches
     assert run["training"]["steps"] > 0 and 0 < run["training"]["data_distinct_fraction"] <= 1
+    assert run["training"]["depth"] == 2  # the chain's every step (--steps 1,2)
+    # fp32: the evaluation repeats the trained sequences, and the extend path ranks the decoded tokens
+    # first (a rare fp32 near-tie of the random tiny model aside)
+    assert run["training"]["off_equal_prefix_fraction"] == {str(b): 1.0 for b in batches}
+    assert all(v >= 0.95 for v in result["off_path_agreement"].values()), result["off_path_agreement"]
+    assert "random weights" in result["note"]
     costs = result["step_costs_ms"]
     assert len(costs["ms_by_k"]) == 3 and costs["batches"][0] == 1  # k = 0..2 at batch 1, 2, ..
     for row in run["rows"]:
@@ -39,8 +45,18 @@ def test_trained_mtp_run_reports_every_setting(tmp_path) -> None:
         for name in ("k1", "k2", "adaptive"):
             setting = row[name]
             assert setting["greedy_equal"] and setting["first_divergence"] is None, (seed, row["batch"], name)
+            assert setting["equal_prefix_fraction"] == 1.0 and "max_divergence_gap" not in setting
             assert setting["speedup"] == pytest.approx(setting["tok_s"] / row["off_tok_s"], rel=0.01)
             assert setting["accepted"] <= setting["drafted"]
+            assert 0 <= setting["mixed_steps"] <= setting["steps"] and setting["verify_replays"] is None  # no graphs
+            assert setting["steps"] >= 1 and setting["step_ms"] > 0
+        for k in (1, 2):  # the table's implication at the measured accept length
+            setting = row[f"k{k}"]
+            assert setting["implied_at_measured_accept"] == pytest.approx(
+                setting["accept_length"] * row["plain_step_ms"] / setting["table_step_ms"], rel=0.01)
+        implied = row["implied"]
+        assert list(implied) == [str(a) for a in bench.ACCEPT_LENGTHS]
+        assert implied["1.8"]["k"] in (1, 2) and implied["2.4"]["k"] == implied["3.0"]["k"] == 2  # k + 1 >= A
         assert row["k2"]["accept_length"] > 1.5, (seed, row)  # trained: drafts are accepted
         chosen = row["adaptive"]["chosen_steps"]
         assert chosen and set(chosen) <= {"0", "1", "2"}, chosen  # JSON keys
@@ -50,6 +66,31 @@ def test_trained_mtp_run_reports_every_setting(tmp_path) -> None:
                        zip(verdicts, (row["adaptive"]["speedup"], row[row["best_fixed"]]["speedup"]))), row
         else:
             assert verdicts == ("", "")
+
+
+def test_implied_speedups_pick_the_best_reachable_k() -> None:
+    from deepseek_pd.model.speculative.policy import StepCosts
+
+    bench = bench_module("mtp_trained_gpu")
+    rng = random.Random(random.randrange(1 << 20))
+    ms = tuple(tuple(rng.uniform(1, 10) for _ in range(3)) for _ in range(4))  # k = 0..3 at batch 1, 2, 4
+    costs, batch, plain = StepCosts((1, 2, 4), ms), rng.choice([1, 2, 4]), rng.uniform(1, 10)
+    got = bench.implied_speedups(costs, batch, plain)
+    for a in bench.ACCEPT_LENGTHS:
+        want = max((a * plain / costs.at(batch, k), k) for k in range(1, 4) if k + 1 >= a)
+        assert got[str(a)] == {"k": want[1], "speedup": round(want[0], 3)}
+
+
+def test_equal_prefix_fraction() -> None:
+    bench = bench_module("mtp_trained_gpu")
+    rng = random.Random(random.randrange(1 << 20))
+    want = [[rng.randrange(100) for _ in range(rng.randint(1, 20))] for _ in range(5)]
+    got = [list(w) for w in want]
+    assert bench.equal_prefix_fraction(want, got) == 1.0
+    i = rng.randrange(5)
+    j = rng.randrange(len(want[i]))
+    got[i][j] += 1
+    assert bench.equal_prefix_fraction(want, got) == pytest.approx(1 - (len(want[i]) - j) / sum(map(len, want)))
 
 
 def test_first_divergence_and_distinct_fraction() -> None:

@@ -13,7 +13,7 @@ import torch
 from deepseek_pd.model.runner import ModelRunner
 from deepseek_pd.model.runner_config import RunnerConfig
 from deepseek_pd.model.sampling.params import SamplingParams
-from deepseek_pd.model.speculative.training import _training_pairs, train_mtp, trainable_mtp
+from deepseek_pd.model.speculative.training import _training_pairs, mtp_accuracy, train_mtp, trainable_mtp
 from deepseek_pd.workers.engine.offline import Engine
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
@@ -58,6 +58,10 @@ def test_a_copy_trains_where_the_backends_are_not_torch(tiny_mtp_checkpoint, gre
     accuracy, steps = train_mtp(runner, seqs, seconds=3.0, lr=1e-2)
     assert steps > 0 and accuracy > 0.3, (accuracy, steps)
     assert pool.buffers[mtp.layer_id] is kv  # a captured graph's address
+    # The model's own layer (grouped MoE, fp32) drafts what the trained torch copy predicted, but
+    # for the last step's update (accuracy is measured before it) and fp32 near-ties.
+    assert abs(mtp_accuracy(runner, seqs) - accuracy) < 0.15, (mtp_accuracy(runner, seqs), accuracy)
+    assert pool.num_used_pages == 0
     moved = 0
     for name, p in mtp.named_parameters():
         ptr, old = before[name]
@@ -76,3 +80,21 @@ def test_bf16_trains_through_fp32_masters(tiny_mtp_checkpoint, greedy_sequences)
     assert steps > 0 and accuracy > 0.3, (accuracy, steps)
     assert {name: p.dtype for name, p in runner.model.mtp.named_parameters()} == dtypes
     assert runner.kv_pool.num_used_pages == 0
+
+
+def test_chain_depth_training_drafts_every_step_of_its_sequences(tiny_mtp_checkpoint, greedy_sequences):
+    """A layer trained at depth 3 on sequences drafts all 3 of a step's tokens on them: accept
+    length near 4 (depth 1 alone, fp32: about 2.3, since the chain's later drafts take the layer's
+    own output, which depth 1 never feeds it). The oracle for the tokens: the engine without drafts."""
+    engine, prompts, seqs = greedy_sequences
+    steps = 3
+    spec = Engine(str(tiny_mtp_checkpoint), page_size=4, speculative_num_steps=steps)
+    accuracy, _ = train_mtp(spec.runner, seqs, seconds=20.0, lr=1e-2, depth=steps)
+    assert accuracy == 1.0, accuracy  # every depth memorised its labels
+    assert mtp_accuracy(spec.runner, seqs) == 1.0  # the drafting layer itself, depth 1
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=len(seqs[0]) - len(prompts[0]), ignore_eos=True)
+    got = spec.generate_batch(prompts, greedy)
+    assert [p + r.output_ids for p, r in zip(prompts, got)] == seqs
+    stats = spec.speculative.stats
+    # Every step but a row's last (cut by its budget) emits steps + 1 tokens.
+    assert stats.accept_length > steps, (stats.accept_length, dict(stats.histogram))

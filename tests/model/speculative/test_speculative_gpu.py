@@ -90,15 +90,19 @@ def test_speculative_engine_with_graphs_equals_eager(tmp_path):
     graphs = Engine(path, cuda_graph=True, **kw)
     assert graphs.runner.spec_forwards.graphs is not None
     plain = Engine(path, **{**kw, "speculative_num_steps": 0})
+    steps = 0
     for batch in (1, 2, 3, 8, 13):  # buckets and sizes between them (padding rows)
         prompts = [[rng.randrange(2, eager.vocab_size) for _ in range(rng.randint(2, 60))] for _ in range(batch)]
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(8, 24), ignore_eos=True)
+        # budgets of their own: rows near theirs draft fewer than their neighbours, and are padded
+        greedy = [SamplingParams(temperature=0.0, max_new_tokens=rng.randint(8, 24), ignore_eos=True) for _ in prompts]
         want = [r.output_ids for r in plain.generate_batch(prompts, greedy)]
         assert [r.output_ids for r in eager.generate_batch(prompts, greedy)] == want, (seed, batch)
         assert [r.output_ids for r in graphs.generate_batch(prompts, greedy)] == want, (seed, batch)
+        steps += len(graphs.last_speculative_run.lens)
     replays = graphs.runner.spec_forwards.graphs.replays
-    print(f"replays {replays}")
+    print(f"replays {replays}, steps {steps}")
     assert replays["draft"] > 0 and replays["verify"] > 0 and replays["catch_up"] > 0, replays
+    assert replays["verify"] == steps, (replays, steps)  # every step's verify replayed, the tails' too
 
 
 def test_adaptive_draft_counts_replay_their_own_graphs(tmp_path):
