@@ -28,6 +28,7 @@ import torch
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.attention.mla import AttnIntermediate
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.runner_rules import range_blocker
 
@@ -94,9 +95,9 @@ class StaticExtendInputs:
         return ForwardBatch(
             mode=ForwardMode.EXTEND, input_ids=self.packed[0, :bucket], positions=self.packed[1, :bucket],
             out_slots=self.packed[2, :bucket], token_seq=torch.zeros(bucket, dtype=torch.long, device=device),
-            qo_indptr=torch.tensor([0, bucket], dtype=torch.long, device=device),
+            qo_indptr=upload(torch.tensor([0, bucket], dtype=torch.long), device),
             page_table=torch.full((1, 1), self.scratch_page, dtype=torch.long, device=device),
-            seq_lens_t=torch.tensor([bucket], dtype=torch.long, device=device), prefix_lens=(0,),
+            seq_lens_t=upload(torch.tensor([bucket], dtype=torch.long), device), prefix_lens=(0,),
             extend_lens=(bucket,), kv_pool=self.kv_pool, attention_method=AttentionMethod.MHA,
             page_lists=((self.scratch_page,),))
 
