@@ -36,9 +36,12 @@ def _flashinfer(device: str) -> None:
 def _flashmla(device: str) -> None:
     # Not compiled on first use (built ahead: bench/flashmla_build.sh), but checked the same way: a
     # build for another torch or GPU, or a wrong result, must fall back at start-up, not at a request.
-    from deepseek_pd.model.kernels.flashmla_mla import check_against_reference
+    # `flashmla_available` runs the check once per process (the backend's constructor asks it again).
+    from deepseek_pd.model.kernels.flashmla_mla import flashmla_available, flashmla_blocker
 
-    check_against_reference(device)
+    if not flashmla_available():
+        raise RuntimeError(flashmla_blocker() or f"FlashMLA cannot run on {device}: it needs a Hopper GPU "
+                           f"and must pass its start-up check (the reason is logged above)")
 
 
 def _deep_gemm(device: str) -> None:
