@@ -42,7 +42,9 @@ def test_gil_switch_keeps_to_its_budget(capsys) -> None:
     budget = random.uniform(1.5, 2.5)
     began = time.monotonic()
     results = bench.main(["--tokens", "16", "--pairs", "1000", "--intervals-ms", "5,0.5", "--budget-s", str(budget)])
-    assert time.monotonic() - began < budget + 5  # the load, then pairs only while the shares last
+    # The load, then pairs only while the budget lasts (1,000 unbounded pairs take minutes); the
+    # margin is for a loaded 2-core machine.
+    assert time.monotonic() - began < budget + 15
     assert set(results) == {5.0, 0.5} and all(ratio > 0 for ratio in results.values())
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("gil_switch: loading") and len([ln for ln in lines if "switch interval" in ln]) == 2
