@@ -6,9 +6,9 @@ vocab 129,280; ~38 GB with FP8 experts) with random weights at realistic scales,
 through `ModelRunner` as the workers drive it:
 - prefill of one 4,096-token and one 8,192-token prompt;
 - decode steps at batch 1, 32 and 128 over ~2.3k tokens of context each, with the attention
-  backends "triton" and "flashinfer", each with CUDA graphs and eager;
+  backends "triton", "flashinfer" and "flashmla" (each where it imports), with CUDA graphs and eager;
 - where a step's time goes: the torch profiler's CUDA kernel times of one step, grouped by
-  kernel, for prefill 4,096 and decode batch 128 (flashinfer);
+  kernel, for prefill 4,096 and decode batch 128 (each backend, eager);
 - each step against its floor: decode reads every weight it touches (FP8 1 byte) and the KV, at
   the card's HBM bandwidth; prefill's GEMM FLOPs at the FP8 peak.
 
@@ -171,11 +171,12 @@ def main() -> int:
     num_pages = (max(batches) * -(-(context + 8) // page)) + max(prefill_lens) // page + 16
     variants = [("triton", True), ("triton", False)] if device == "cuda" else [("torch", False)]
     if device == "cuda":
-        try:
-            ATTENTION_BACKENDS.build("flashinfer")
-            variants += [("flashinfer", True), ("flashinfer", False)]
-        except Exception as exc:
-            print(f"flashinfer: not available ({exc})", flush=True)
+        for optional in ("flashinfer", "flashmla"):  # each where it imports (FlashMLA: built, 64-token pages)
+            try:
+                ATTENTION_BACKENDS.build(optional)
+                variants += [(optional, True), (optional, False)]
+            except Exception as exc:
+                print(f"{optional}: not available ({exc})", flush=True)
     rows: list[dict] = []
     vocab = raw["vocab_size"]
     sink = open(args.out, "w")
