@@ -64,7 +64,6 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return staging.upload(host.reshape(-1)).view(host.shape)
 
 
-
 def upload_into(target: torch.Tensor, host: torch.Tensor) -> None:
     """`host`'s values written into the device tensor `target` (a captured graph's static inputs),
     by `upload`'s rule, queued on the current stream; on the CPU a plain copy."""
@@ -72,6 +71,7 @@ def upload_into(target: torch.Tensor, host: torch.Tensor) -> None:
         target.copy_(host.pin_memory(), non_blocking=True)  # no device temporary in the model thread
     else:
         target.copy_(upload(host, target.device), non_blocking=True)
+
 
 _ALIGN = 16  # bytes: each packed part starts here, as torch's own allocations (kernels specialise on it)
 
