@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics = WorkerMetrics(MetricLabels("decode", "bench", 0))
     metrics.watch_loads(lambda: Loads(args.batch, 3, 1000, 4096, cached_pages=10))
-    metrics.watch_decode_paths(lambda: {"cuda_graph": 10, "eager": 1})
+    metrics.watch_paths("decode", lambda: {"cuda_graph": 10, "eager": 1})
+    metrics.watch_paths("extend", lambda: {"cuda_graph": 10, "eager": 1})
     step = decode_step_us(args.model, args.device, args.dtype, args.batch, args.context, args.steps)
     gaps = [0.001 * (1 + i % 40) for i in range(args.batch)]
     one_by_one = Histogram("itl", "", buckets=ITL_BUCKETS, registry=CollectorRegistry())

@@ -9,7 +9,7 @@ the padding and the static seams). Per extend of n tokens:
 
     load the padded inputs (device copies)         bucket N = smallest >= n
     replay piece 0                                  -> progress: layer 0's KV written
-    core 0 eagerly on the n real rows -> attn_output[:n]
+    core 0 eagerly on the n real rows -> written into attn_output[:n]
     replay piece 1                                  -> progress: layer 1's KV written
     ...
     replay piece L; final norm and logits of each sequence's last token, eagerly (the rows follow
@@ -151,8 +151,7 @@ class ExtendGraphRunner:
             if progress is not None:
                 progress.kv_written(self.model.layers[index].layer_id)
             state = OpState(attn_intermediate=self.inputs.core_inputs(n))
-            self.pieces.run_core(index, state, batch)
-            self.inputs.attn_output[:n].copy_(state.pop("attn_output"))
+            self.pieces.run_core(index, state, batch, out=self.inputs.attn_output[:n])
         final = self._finals[bucket] if self._graphs is not None else io
         state = OpState(hidden_states=final["hidden_states"], residual=final["residual"])
         return self.model.compute_logits(self.model.final_hidden(state, batch.last_token_index))

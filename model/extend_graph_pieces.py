@@ -19,12 +19,24 @@ State between them (`OpState` keys): a piece i < L leaves {attn_intermediate, re
 turns attn_intermediate into attn_output, piece i + 1 takes {attn_output, residual}; piece L leaves
 {hidden_states, residual}, the final norm's input. The pieces run the layers' own bound ops, so
 the piecewise path cannot drift from `DeepseekForCausalLM.run_layers`.
+
+A core may write its attn_output into given rows (`run_core(.., out=)`: a captured piece's static
+input), which saves a copy per layer: the layer's `attend`, then its o_proj multiplied straight into
+those rows (a plain linear: `mm`'s `out=`; an FP8 one, whose GEMMs return their own tensor, copies).
+That is the bound `attn_core` op's own work: extend graphs run at tp 1 (`check_extend_capturable`),
+where the core's o_proj is the output itself, not a partial sum.
 """
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
+from torch import nn
+
+from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import ForwardBatch
 from deepseek_pd.model.kv.layer_progress import KV_WRITE_OP
-from deepseek_pd.model.layer_ops import LayerStack, Op, OpLayer, OpState
+from deepseek_pd.model.layer_ops import Op, OpLayer, OpState
 
 CORE_OP = "attn_core"
 
@@ -40,14 +52,22 @@ def _split_at_core(layer: OpLayer) -> tuple[tuple[Op, ...], Op, tuple[Op, ...]]:
     return layer.ops[:cut], layer.ops[cut], layer.ops[cut + 1:]
 
 
+def _multiply_into(linear: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], object]:
+    """`out[:] = linear(x)`, without a temporary where the linear is a plain one."""
+    if type(linear) is nn.Linear:  # bias-free (make_linear): y = x W^T, the kernel F.linear runs
+        return lambda x, out: torch.mm(x, linear.weight.t(), out=out)
+    return lambda x, out: out.copy_(linear(x))
+
+
 class ExtendPieces:
     """A model's extend forward as pieces and eager cores (module docstring), run by index."""
 
-    def __init__(self, model: LayerStack) -> None:
+    def __init__(self, model: DeepseekForCausalLM) -> None:
         self.model = model
         splits = [_split_at_core(layer) for layer in model.layers]
         self.num_layers = len(splits)
         self._cores: tuple[Op, ...] = tuple(core for _, core, _ in splits)
+        self._o_proj_into = tuple(_multiply_into(layer.self_attn.o_proj) for layer in model.layers)
         # piece i: layer i-1's ops after its core (none for i = 0), then layer i's ops before it (none for i = L)
         self._pieces: tuple[tuple[Op, ...], ...] = tuple(
             (splits[i - 1][2] if i > 0 else ()) + (splits[i][0] if i < self.num_layers else ())
@@ -66,9 +86,15 @@ class ExtendPieces:
             op(state, batch)
         return state
 
-    def run_core(self, index: int, state: OpState, batch: ForwardBatch) -> None:
-        """Layer `index`'s attention core: attn_intermediate -> attn_output, over `batch`'s rows."""
-        self._cores[index](state, batch)
+    def run_core(self, index: int, state: OpState, batch: ForwardBatch, out: torch.Tensor | None = None) -> None:
+        """Layer `index`'s attention core: attn_intermediate -> attn_output, over `batch`'s rows;
+        with `out` (`[batch rows, hidden]`) written into those rows, and attn_output is `out`."""
+        if out is None:
+            self._cores[index](state, batch)
+            return
+        attended = self.model.layers[index].self_attn.attend(state.pop("attn_intermediate"), batch)
+        self._o_proj_into[index](attended, out)
+        state["attn_output"] = out
 
     def run_all(self, batch: ForwardBatch, progress=None) -> OpState:
         """Every piece and core in order over one batch, no padding: exactly `run_layers`' ops (the

@@ -33,6 +33,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
+from deepseek_pd.model.host_copy import upload_into
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.runner_rules import range_blocker
 
@@ -102,7 +103,6 @@ class StaticDecodeInputs:
         self.token_seq = torch.arange(b, dtype=torch.long, device=device)
         self.qo_indptr = torch.arange(b + 1, dtype=torch.long, device=device)
         self._max_context = w * kv_pool.page_size
-        self._pinned = self.packed.is_cuda
         # Padding row pieces (Python lists, reused every step).
         self._pad_table_row = [scratch_page] * w
         self.load(self.pack_padding_only())
@@ -168,10 +168,7 @@ class StaticDecodeInputs:
         """The one host→device copy of a step. On CUDA through pinned memory, asynchronously: torch's
         pinned-memory cache keeps the staging block until the copy has run, and a pageable
         `copy_` would block the host on the previous step every time."""
-        if self._pinned:
-            self.packed.copy_(host.pin_memory(), non_blocking=True)
-        else:
-            self.packed.copy_(host)
+        upload_into(self.packed, host)
 
     def forward_batch(self) -> ForwardBatch:
         """A fresh `ForwardBatch` over the static buffers (fresh so `derived` is rebuilt where it is

@@ -1,5 +1,7 @@
 """`HostCopy`: a device tensor's values on the host, copied without blocking the thread that asked;
-`upload`: the other way; `upload_parts`: several host tensors the other way in one copy.
+`upload`: the other way, the one rule for every host tensor that goes to the device without a sync
+(the model thread's per-step inputs and the KV transports' page ids and bytes alike);
+`upload_into`: into an existing device tensor; `upload_parts`: several host tensors in one copy.
 
 A decode step ends with ONE device-to-host copy (the sampled token ids and their logprobs packed in
 one tensor). `start` queues the copy into a pinned buffer behind the work that produces the
@@ -11,6 +13,8 @@ On CPU the copy is a plain synchronous one and `wait` returns at once.
 from __future__ import annotations
 
 import torch
+
+from deepseek_pd.model import host_copy_staging
 
 
 class HostCopy:
@@ -36,13 +40,37 @@ class HostCopy:
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device` without waiting: pinned, so the copy is asynchronous (queued on the
-    current stream, behind nothing the thread waits for) and the caching host allocator keeps the
-    buffer until it has run. On the CPU, `host` itself."""
+    """A host tensor on `device`, queued on the current stream, without waiting. The copy reads
+    page-locked memory, so it is a plain DMA on the caller's stream (a pageable copy goes through the
+    driver's staging, which every thread shares and holds until the copy has run, behind the forward
+    queued before it). Which page-locked memory:
+
+    - a thread that reserved buffers (`host_copy_staging.reserve`: each KV transport thread, at its
+      warm-up) copies through its own buffer of `host`'s dtype; one too small, or of another dtype,
+      copies from pageable memory instead, since making page-locked memory can wait for the whole
+      device, the forward queued meanwhile included;
+    - any other thread (the model thread) takes a block from torch's caching host allocator, which
+      keeps it until the copy has run and hands out another meanwhile: no wait for a queued forward.
+
+    On the CPU, `host` itself."""
     device = torch.device(device)
     if device.type == "cpu":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    if not host_copy_staging.reserves():
+        return host.pin_memory().to(device, non_blocking=True)
+    staging = host_copy_staging.reserved(device, host.dtype)
+    if staging is None or staging.host.numel() < host.numel():
+        return host.to(device, non_blocking=True)
+    return staging.upload(host.reshape(-1)).view(host.shape)
+
+
+def upload_into(target: torch.Tensor, host: torch.Tensor) -> None:
+    """`host`'s values written into the device tensor `target` (a captured graph's static inputs),
+    by `upload`'s rule, queued on the current stream; on the CPU a plain copy."""
+    if target.device.type != "cpu" and not host_copy_staging.reserves():
+        target.copy_(host.pin_memory(), non_blocking=True)  # no device temporary in the model thread
+    else:
+        target.copy_(upload(host, target.device), non_blocking=True)
 
 
 _ALIGN = 16  # bytes: each packed part starts here, as torch's own allocations (kernels specialise on it)

@@ -173,8 +173,13 @@ class MLAAttention(nn.Module):
 
     def core(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
         """o_proj of this rank's heads `[T, hidden]`: the output itself at tp 1, else a partial sum."""
+        return self.o_proj(self.attend(inter, batch))
+
+    def attend(self, inter: AttnIntermediate, batch: ForwardBatch) -> torch.Tensor:
+        """`core` before o_proj: this rank's heads' attention, flat `[T, H * v]` (what piecewise
+        extend graphs multiply into their static buffer themselves: model/extend_graph_pieces.py)."""
         out = self._methods[batch.attention_method](inter, batch)  # [T, H, v]
-        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
+        return out.reshape(out.shape[0], self.num_heads * self.v_dim)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """`prepare` then `core` (a partial sum under TP, as `core` says)."""

@@ -34,6 +34,7 @@ from deepseek_pd.model.cuda_graph import capture_per_bucket, check_capturable
 from deepseek_pd.model.deepseek import DeepseekForCausalLM
 from deepseek_pd.model.forward_batch import AttentionMethod, ForwardBatch, ForwardMode
 from deepseek_pd.model.graph_inputs import CudaGraphConfig, bucket_for
+from deepseek_pd.model.host_copy import upload_into
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.speculative.future_positions import fill_static
 
@@ -59,7 +60,6 @@ class StaticVerifyInputs:
         self.token_seq = torch.arange(b, dtype=torch.long, device=device).repeat_interleave(q)
         self.qo_indptr = torch.arange(b + 1, dtype=torch.long, device=device) * q
         self._max_context = w * kv_pool.page_size
-        self._pinned = self.packed.is_cuda
         self._pad_table_row = [scratch_page] * w
         self.load(self.pack_padding_only())
 
@@ -110,10 +110,7 @@ class StaticVerifyInputs:
 
     def load(self, host: torch.Tensor) -> None:
         """The one host→device copy of a step (pinned and asynchronous on CUDA, as decode's)."""
-        if self._pinned:
-            self.packed.copy_(host.pin_memory(), non_blocking=True)
-        else:
-            self.packed.copy_(host)
+        upload_into(self.packed, host)
 
     def forward_batch(self) -> ForwardBatch:
         """A fresh extend batch over the static buffers; host lengths are the capture-time bounds."""

@@ -28,7 +28,8 @@ SCRAPE_LABELS = {"namespace", "pod", "le", "instance", "job", "service"}  # adde
 def _exported() -> dict[str, set[str]]:
     metrics = WorkerMetrics(MetricLabels("decode", "m", 0))
     metrics.watch_loads(lambda: Loads(1, 2, 3, 4, cached_pages=1))
-    metrics.watch_decode_paths(lambda: {"cuda_graph": 1, "eager": 1})
+    metrics.watch_paths("decode", lambda: {"cuda_graph": 1, "eager": 1})
+    metrics.watch_paths("extend", lambda: {"cuda_graph": 1, "eager": 1})
     metrics.observe_request("stop", 3, 2, 1, 0.1, 0.2)
     metrics.count_failed_request("internal")
     metrics.observe_step("decode", 0.01, 2, 2)

@@ -5,7 +5,9 @@ without graphs): the forward cut at its attention cores, and the same pieces run
 over the padded static rows of a bucket (what a capture records), equal it to fp32 rounding (`_same`
 says why not bit for bit) with the same greedy tokens, while padding rows write only the scratch page; the runner's extend takes
 that path up to the largest bucket and falls back past it; the layer-wise progress hears of each
-layer after its KV is in the pool; and the rule refuses what cannot be captured, in words.
+layer after its KV is in the pool; each eager core writes its attn_output straight into the static
+rows the next piece reads (no copy, counted under a TorchDispatchMode); and the rule refuses what
+cannot be captured, in words.
 GPU (`gpu` marker): captured replays against eager extend in bf16 (greedy tokens equal) and the
 host launches a replayed extend issues against eager.
 """
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.checkpoint.tiny import make_tiny_model
@@ -169,6 +173,45 @@ def test_padded_pieces_equal_the_plain_extend_and_padding_writes_only_the_scratc
         assert torch.equal(pool.buffers[layer][scratch], before[layer][scratch]) == (fill == "whole bucket")
     _same(padded, plain)
     assert torch.equal(padded.argmax(-1), plain.argmax(-1))
+    _free(runner, seqs)
+    pool.free([scratch])
+
+
+class _Writes(TorchDispatchMode):
+    """Counts, per op, the calls that write into `target`'s memory (an out= or in-place op whose
+    destination shares its storage)."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__()
+        self.storage = target.untyped_storage().data_ptr()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = kwargs.get("out") if func._schema.is_mutable and "out" in kwargs else (
+            args[0] if func._schema.is_mutable and args else None)
+        if isinstance(written, torch.Tensor) and written.untyped_storage().data_ptr() == self.storage:
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **kwargs)
+
+
+def test_the_cores_write_attn_output_into_the_static_buffer_without_a_copy(runner):
+    """Each eager core multiplies its o_proj straight into the static attn_output rows the next
+    piece reads: one write per layer (mm's out=) and no copy into them; the logits stay the plain
+    extend's (an equality the padded-pieces test above checks at every prefix shape). Failed before:
+    one `copy_` per layer."""
+    rng = random.Random(random.randrange(1 << 30))
+    pool = runner.kv_pool
+    scratch = pool.alloc(1)[0]
+    graphs = ExtendGraphRunner(runner.model, pool, 64, scratch, capture=False)
+    count = rng.randrange(1, 4)
+    seqs = _batch_seqs(runner, rng, _split(rng.randrange(count + 1, 64), count, rng),
+                       [_PREFIXES["mixed"](rng) for _ in range(count)])
+    batch = _build(runner, seqs)
+    with _Writes(graphs.inputs.attn_output) as writes:
+        logits = graphs.extend(batch)
+    assert writes.ops == {"aten.mm": runner.model.config.num_hidden_layers, "aten.zero_": 1}  # zero_: the padding rows
+    assert torch.equal(logits.argmax(-1), runner.extend(seqs).argmax(-1))
     _free(runner, seqs)
     pool.free([scratch])
 

@@ -69,7 +69,7 @@ class DecodeEngine(EngineCore[DecodeRequest]):
         is a `LockstepModelThread` when this engine is one rank of a group. `metrics` hears of every
         step (one call per batch) and KV pull."""
         super().__init__(runner, config, model_thread, metrics, "decode-model")
-        self.metrics.watch_decode_paths(lambda: runner.decode_paths)
+        self.metrics.watch_paths("decode", lambda: runner.decode_paths)
         self.tokenizer = tokenizer
         self.stepper = DecodeStepper(runner)
         self._prefilling: list[DecodeRequest] = []

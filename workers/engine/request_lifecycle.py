@@ -94,6 +94,7 @@ class EngineCore(Generic[R]):
         self.runner = runner
         self.config = config
         self.metrics = metrics if metrics is not None else WorkerMetrics()
+        self.metrics.watch_paths("extend", lambda: runner.extend_paths)  # every role extends
         self.pool = runner.kv_pool
         self.sampler = Sampler()
         self.model_thread = model_thread if model_thread is not None else ModelThread(thread_name)

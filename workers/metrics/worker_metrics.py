@@ -19,8 +19,8 @@ The module knows no role. What feeds it, and how often (never per token):
     garbage collector    observe_gc_pause(generation, seconds) per collection (gc_pauses.py; lock-free,
                          folded into the histogram at scrape time), the frozen startup heap's size
     at scrape time       watch_loads(fn) -> running/queued requests and KV pool pages (the same
-                         `Loads` GetLoads reports); watch_decode_paths(fn) -> decode steps by
-                         CUDA-graph replay vs eager; watch_expert_load(fn) -> the expert-load
+                         `Loads` GetLoads reports); watch_paths(kind, fn) -> the runner's decode
+                         steps / extend forwards by CUDA-graph replay vs eager; watch_expert_load(fn) -> the expert-load
                          dump served as JSON at /expert_load (not a Prometheus series)
 
 Names follow SGLang's (`sglang:num_running_reqs`, `sglang:time_to_first_token_seconds`, ...) with
@@ -99,8 +99,18 @@ class MetricLabels:
 
 
 LoadsSource = Callable[[], Loads]
-# {"cuda_graph": n, "eager": m}: decode steps so far by the path they ran (ModelRunner.decode_paths).
-DecodePathsSource = Callable[[], Mapping[str, int]]
+# {"cuda_graph": n, "eager": m}: a runner's forwards so far by the path they ran (ModelRunner.decode_paths,
+# ModelRunner.extend_paths).
+PathsSource = Callable[[], Mapping[str, int]]
+FORWARD_PATHS = ("cuda_graph", "eager")
+# Per kind of forward: the counter its runner's paths are exported as, and what the counter says.
+PATH_COUNTERS = {
+    "decode": ("decode_steps", "Decode steps by how they ran: CUDA-graph replay or eager (no graph, or "
+               "batch/context past the captured ones)"),
+    "extend": ("extend_forwards", "Extend forwards by how they ran while piecewise extend graphs are on: "
+               "CUDA-graph replay or eager (more tokens than the largest captured bucket); none counted "
+               "without extend graphs"),
+}
 
 
 class WorkerMetrics:
@@ -188,8 +198,12 @@ class WorkerMetrics:
         (the engine's own `loads`; called on the thread that serves /metrics)."""
         self._sources.loads = loads
 
-    def watch_decode_paths(self, paths: DecodePathsSource) -> None:
-        self._sources.decode_paths = paths
+    def watch_paths(self, kind: str, paths: PathsSource) -> None:
+        """The runner's `kind` forwards ("decode" | "extend", PATH_COUNTERS) by path, read from
+        `paths()` at scrape time (`ModelRunner.decode_paths` / `.extend_paths`)."""
+        if kind not in PATH_COUNTERS:
+            raise ValueError(f"unknown forward kind {kind!r} (one of {', '.join(PATH_COUNTERS)})")
+        self._sources.paths[kind] = paths
 
     def watch_expert_load(self, dump: Callable[[], dict]) -> None:
         """This rank's expert-load dump as JSON (model/eplb/load_dump.py), read per GET /expert_load."""
@@ -282,7 +296,7 @@ class _ScrapeSources:
         self._names = list(const)
         self._values = list(const.values())
         self.loads: LoadsSource | None = None
-        self.decode_paths: DecodePathsSource | None = None
+        self.paths: dict[str, PathsSource] = {}  # by kind of forward (PATH_COUNTERS)
 
     def _gauge(self, name: str, doc: str, value: float | None) -> GaugeMetricFamily:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=self._names)
@@ -295,9 +309,9 @@ class _ScrapeSources:
 
     def collect(self) -> Iterable:
         return list(self._families(self.loads() if self.loads else None,
-                                   dict(self.decode_paths()) if self.decode_paths else None))
+                                   {kind: dict(source()) for kind, source in self.paths.items()}))
 
-    def _families(self, loads: Loads | None, paths: dict[str, int] | None):
+    def _families(self, loads: Loads | None, paths: dict[str, dict[str, int]] | None):
         get = (lambda attr: getattr(loads, attr)) if loads is not None else (lambda attr: None)
         yield self._gauge("num_running_reqs", "Requests in the running batch (decode) or being prefilled",
                           get("num_running"))
@@ -310,13 +324,13 @@ class _ScrapeSources:
         yield self._gauge("token_usage", "kv_pool_used_pages / kv_pool_total_pages", usage)
         cached = None if loads is None else loads.cached_pages
         yield self._gauge("kv_pool_cached_pages", "KV pool pages held by the prefix cache (evictable)", cached)
-        family = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by how they ran: CUDA-graph replay "
-                                     "or eager (no graph, or batch/context past the captured ones)",
-                                     labels=self._names + ["path"])
-        for path in ("cuda_graph", "eager"):
-            if paths is not None:
-                family.add_metric(self._values + [path], paths.get(path, 0))
-        yield family
+        for kind, (name, doc) in PATH_COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, doc, labels=self._names + ["path"])
+            counts = (paths or {}).get(kind)
+            for path in FORWARD_PATHS:
+                if counts is not None:
+                    family.add_metric(self._values + [path], counts.get(path, 0))
+            yield family
 
 
 class _GcPauseSeries:

@@ -29,8 +29,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.kv.pool import KVPool, copy_pages_
-from deepseek_pd.workers.transport import host_staging
 
 # The received message is immutable `bytes` and is only read: torch's one-time warning that the
 # tensor over it is not writable says nothing useful here.
@@ -39,11 +39,8 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 def page_index(pool: KVPool, pages: Sequence[int]) -> torch.Tensor:
     """`pages` as a long tensor on the pool's device, enqueued on the current stream (on CUDA
-    through the thread's page-locked buffer where its warm-up reserved one: host_staging.py)."""
-    ids = torch.as_tensor(list(pages), dtype=torch.long)
-    if pool.device.type != "cuda":
-        return ids
-    return host_staging.upload(ids, pool.device)
+    through the thread's page-locked buffer where its warm-up reserved one: `host_copy.upload`)."""
+    return upload(torch.as_tensor(list(pages), dtype=torch.long), pool.device)
 
 
 _HOST_VIEWS: "weakref.WeakKeyDictionary[KVPool, list[np.ndarray]]" = weakref.WeakKeyDictionary()
@@ -215,7 +212,7 @@ def scatter_pages(pool: KVPool, layers: range, pages: Sequence[int], data) -> No
     with torch.cuda.stream(stream):
         index = page_index(pool, pages)
         # The one H2D copy (through the thread's page-locked buffer where its warm-up reserved one).
-        flat = host_staging.upload(torch.frombuffer(data, dtype=torch.uint8), pool.device, non_blocking=False)
+        flat = upload(torch.frombuffer(data, dtype=torch.uint8), pool.device)
         on_device = _shaped(flat, pool, len(layers), len(pages))
         for offset, layer in enumerate(layers):
             copy_pages_(pool.buffers[layer], index, on_device[offset])

@@ -13,7 +13,7 @@ forward. But the host calls that issue it can still wait for the whole device:
   synchronising calls;
 - a copy from pageable host memory shares the driver's staging with the model thread's own
   pageable copies, which wait behind the forward: page ids go through a page-locked buffer each
-  transport thread reserves here (host_staging.py): page ids, and on the receiver a chunk's bytes.
+  transport thread reserves here (model/host_copy_staging.py): page ids, and on the receiver a chunk's bytes.
 
 On an H100 the first per-chunk send of a fresh worker went out only 0.01 s before the next forward
 ended, for direct copies and the byte stream alike (tests/workers/prefill/test_chunk_send_order_cuda.py,
@@ -36,7 +36,8 @@ from typing import Callable
 import torch
 
 from deepseek_pd.model.kv.pool import KVPool
-from deepseek_pd.workers.transport import direct_pool, host_staging, page_io
+from deepseek_pd.model import host_copy_staging
+from deepseek_pd.workers.transport import direct_pool, page_io
 
 # torch's index_select uses one kernel for at most 16 indices and others above (and index_copy_
 # splits by index width): warm one send of each size class.
@@ -75,7 +76,7 @@ def warm_sender(pool: KVPool, executor: Executor, threads: int, gather: page_io.
     chunk_pages = max(1, gather.max_bytes // pool.bytes_per_page)
 
     def copy_in_place() -> None:
-        host_staging.reserve(pool.device, torch.long, 2 * chunk_pages)  # a direct copy's source and destination ids
+        host_copy_staging.reserve(pool.device, torch.long, 2 * chunk_pages)  # a direct copy's source and destination ids
         for count in warm_page_counts(pool, direct_pool.COPY_BATCH_BYTES):
             pages = list(range(count))
             direct_pool.write_pages(pool, pool.buffers, range(1), pages, pages, None)
@@ -89,8 +90,8 @@ def warm_receiver(pool: KVPool, executor: Executor, threads: int, chunk_bytes: i
         return
 
     def scatter_in_place() -> None:
-        host_staging.reserve(pool.device, torch.long, 2 * max(1, chunk_bytes // pool.bytes_per_page))
-        host_staging.reserve(pool.device, torch.uint8, chunk_bytes)  # a chunk's bytes on their way in
+        host_copy_staging.reserve(pool.device, torch.long, 2 * max(1, chunk_bytes // pool.bytes_per_page))
+        host_copy_staging.reserve(pool.device, torch.uint8, chunk_bytes)  # a chunk's bytes on their way in
         for count in warm_page_counts(pool, chunk_bytes):
             pages = list(range(count))
             page_io.scatter_pages(pool, range(1), pages, page_io.read_pages(pool, range(1), pages))

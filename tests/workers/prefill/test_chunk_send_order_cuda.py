@@ -16,7 +16,7 @@ the transport now makes them before serving (workers/transport/warm_up.py).
 Failed again at 422a203 (lead 0.01 s, both cases, warm transport): the send's host calls returned
 when the spin ended (1.999 s), not when the forward did. Suspects: the page ids' copy from
 pageable memory, the one copy both cases share (now from a reserved page-locked buffer,
-host_staging.py), and the cold model thread's first kernel launches (now warmed by a first
+model/host_copy_staging.py), and the cold model thread's first kernel launches (now warmed by a first
 request). A failure lists both threads' slow calls.
 Next suspect (session 12): the model thread's own pageable copies (the batch's seven tensors per
 forward, the prefix chunks' slots), which held the driver's shared staging until the forward

@@ -1,4 +1,5 @@
-"""A transport thread's page-locked buffers for what it copies to the device (page ids, landed KV).
+"""A thread's own page-locked buffers for what it copies to the device (a transport thread's page
+ids and landed KV), which `host_copy.upload` copies through once the thread reserved them.
 
 Why. A copy from pageable host memory goes through the CUDA driver's own staging buffers, which
 all threads of the process share, and a staging buffer is held until its copy has run on the GPU.
@@ -10,8 +11,8 @@ test_cuda_first_use_cuda.py's rows "... beside a pageable copy" time it. From pa
 copy is a plain DMA on the caller's own stream, with no driver staging.
 
 Making page-locked memory waits for the whole device, so a transport's warm-up reserves each
-thread's buffers (`reserve`, warm_up.py) before any forward runs; `upload` in a thread without one
-large enough copies from pageable memory, as before, rather than allocate during a send.
+thread's buffers (`reserve`, workers/transport/warm_up.py) before any forward runs; which memory
+an upload reads, in which thread, is `host_copy.upload`'s rule.
 """
 from __future__ import annotations
 
@@ -83,11 +84,7 @@ def reserved(device: torch.device | str, dtype: torch.dtype) -> HostStaging | No
     return _local.__dict__.get("buffers", {}).get(_key(torch.device(device), dtype))
 
 
-def upload(values: torch.Tensor, device: torch.device | str, non_blocking: bool = True) -> torch.Tensor:
-    """`values` (flat, on the CPU) on CUDA `device`, queued on the current stream: through this
-    thread's reserved buffer when it has one large enough, else straight from pageable memory
-    (`non_blocking` says how that copy is made; page-locked ones never block)."""
-    staging = reserved(device, values.dtype)
-    if staging is None or staging.host.numel() < values.numel():
-        return values.to(device, non_blocking=non_blocking)
-    return staging.upload(values)
+def reserves() -> bool:
+    """Whether this thread reserved any buffer (it then never allocates page-locked memory again)."""
+    return bool(_local.__dict__.get("buffers"))
+

@@ -1,6 +1,5 @@
-"""A transport thread's uploads go through its reserved page-locked buffers
-(workers/transport/host_staging.py), and a buffer is never written while a queued copy still reads
-it: many sends' page ids, more than the buffer holds, queued on streams that wait behind a long
+"""A transport thread's uploads go through its reserved page-locked buffers (model/host_copy_staging.py,
+by `host_copy.upload`'s rule), and a buffer is never written while a queued copy still reads it: many sends' page ids, more than the buffer holds, queued on streams that wait behind a long
 kernel, all arrive as sent; chunks scattered through the reserved byte buffer land as
 `read_pages` reads them back (oracle: the ids and bytes themselves)."""
 from __future__ import annotations
@@ -11,8 +10,9 @@ import threading
 import pytest
 import torch
 
+from deepseek_pd.model import host_copy_staging
 from deepseek_pd.model.kv.pool import KVPool
-from deepseek_pd.workers.transport import host_staging, page_io
+from deepseek_pd.workers.transport import page_io
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(60)]
@@ -47,8 +47,8 @@ def test_reserved_ids_arrive_as_sent_across_wraps_and_streams():
     arrived: list[torch.Tensor] = []
 
     def transport_thread() -> None:
-        host_staging.reserve(pool.device, torch.long, capacity)
-        staging = host_staging.reserved(pool.device, torch.long)
+        host_copy_staging.reserve(pool.device, torch.long, capacity)
+        staging = host_copy_staging.reserved(pool.device, torch.long)
         streams = [torch.cuda.Stream(), torch.cuda.Stream()]
         blocked = torch.cuda.Event()
         torch.cuda._sleep(10 ** 8)  # the copies below wait behind it, so a reused region would show
@@ -60,7 +60,7 @@ def test_reserved_ids_arrive_as_sent_across_wraps_and_streams():
                 pages = rng.sample(range(pool.num_pages), rng.randrange(0, capacity + 1))
                 sent.append(pages)
                 arrived.append(page_io.page_index(pool, pages))
-        assert host_staging.reserved(pool.device, torch.long) is staging  # never made again
+        assert host_copy_staging.reserved(pool.device, torch.long) is staging  # never made again
         torch.cuda.synchronize()
 
     _in_a_thread(transport_thread)
@@ -80,12 +80,12 @@ def test_chunks_land_through_the_reserved_byte_buffer():
     chunk_bytes = max(map(len, chunks)) * pool.num_layers * pool.bytes_per_page
 
     def ingest_thread() -> None:
-        host_staging.reserve(pool.device, torch.uint8, chunk_bytes)
-        host_staging.reserve(pool.device, torch.long, 2 * max(map(len, chunks)))
-        staging = host_staging.reserved(pool.device, torch.uint8)
+        host_copy_staging.reserve(pool.device, torch.uint8, chunk_bytes)
+        host_copy_staging.reserve(pool.device, torch.long, 2 * max(map(len, chunks)))
+        staging = host_copy_staging.reserved(pool.device, torch.uint8)
         for pages in chunks:
             page_io.scatter_pages(pool, layers, pages, page_io.read_pages(source, layers, pages))
-        assert host_staging.reserved(pool.device, torch.uint8) is staging
+        assert host_copy_staging.reserved(pool.device, torch.uint8) is staging
 
     _in_a_thread(ingest_thread)
     landed = sorted({page for pages in chunks for page in pages})
@@ -99,12 +99,12 @@ def test_an_unreserved_thread_or_an_oversized_upload_still_gets_its_values():
     results: dict[str, list[int]] = {}
     expected: dict[str, list[int]] = {}
 
-    def cold() -> None:  # no reservation in this thread: the pageable copy, as before
+    def cold() -> None:  # no reservation in this thread: a block of the caching host allocator
         expected["cold"] = rng.sample(range(pool.num_pages), rng.randrange(1, 40))
         results["cold"] = page_io.page_index(pool, expected["cold"]).tolist()
 
     def oversized() -> None:
-        host_staging.reserve(pool.device, torch.long, capacity)
+        host_copy_staging.reserve(pool.device, torch.long, capacity)
         expected["oversized"] = rng.sample(range(pool.num_pages), capacity + rng.randrange(1, 40))
         results["oversized"] = page_io.page_index(pool, expected["oversized"]).tolist()
 
