@@ -21,7 +21,7 @@ from typing import Sequence, Union
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE
+from deepseek_pd.model.kv.page_size import DEFAULT_PAGE_SIZE
 from deepseek_pd.workers.engine.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
 from deepseek_pd.model.sampling.sampled_host import TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState, StopChecker
