@@ -35,6 +35,8 @@ DEFAULT_PAGE_SIZE = 16  # KV tokens per page where FlashMLA cannot run: the pool
 # The largest page an unset --page-size can become on some machine: what a plan that cannot see the
 # worker's machine counts (the operator's memory plan rounds a pool up to whole pages of it).
 LARGEST_AUTO_PAGE_SIZE = max(DEFAULT_PAGE_SIZE, FLASHMLA_PAGE_SIZE)
+# What an unset --page-size becomes, in the words every message and help text uses.
+UNSET_PAGE_SIZE = f"{FLASHMLA_PAGE_SIZE} where FlashMLA's decode can run, else {DEFAULT_PAGE_SIZE}"
 
 
 def auto_page_size(host: AttentionHost, *, widths: tuple[int, int], dtype: str) -> tuple[int, str]:
@@ -55,6 +57,13 @@ def page_size_mismatch(prefill: int | None, decode: int | None) -> str | None:
     if prefill == decode:
         return None
     def shown(size: int | None) -> str:
-        return str(size) if size is not None else f"unset ({FLASHMLA_PAGE_SIZE} where FlashMLA can run, else {DEFAULT_PAGE_SIZE})"
+        return str(size) if size is not None else f"unset ({UNSET_PAGE_SIZE})"
     return (f"prefill and decode must hold KV pages of one size, and --page-size is {shown(prefill)} on prefill, "
             f"{shown(decode)} on decode: give both the same --page-size, or neither")
+
+
+def different_pages_hint(prefill: int, decode: int) -> str:
+    """What the KV layout check adds when the two sides' (resolved) page sizes differ: the transfer
+    moves whole pages and does not re-page, so the request cannot run."""
+    return (f"prefill's pages hold {prefill} tokens and decode's {decode}: give both the same --page-size "
+            f"(unset, it is {UNSET_PAGE_SIZE}; model/kv/page_size.py)")

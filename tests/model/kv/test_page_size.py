@@ -119,5 +119,5 @@ def test_prefill_and_decode_page_sizes_must_agree_or_both_be_unset():
     for prefill, decode in ((size, None), (None, size), (size, size + random.randint(1, 64))):
         why = page_size_mismatch(prefill, decode)
         assert why and "give both the same --page-size, or neither" in why
-        assert (f"is {prefill} on prefill" if prefill else "unset (64 where FlashMLA can run, else 16) on prefill") \
+        assert (f"is {prefill} on prefill" if prefill else "unset (64 where FlashMLA's decode can run, else 16) on prefill") \
             in why
