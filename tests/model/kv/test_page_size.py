@@ -121,3 +121,13 @@ def test_prefill_and_decode_page_sizes_must_agree_or_both_be_unset():
         assert why and "give both the same --page-size, or neither" in why
         assert (f"is {prefill} on prefill" if prefill else "unset (64 where FlashMLA's decode can run, else 16) on prefill") \
             in why
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nvml_reads_the_compute_capability_torch_reports():
+    """The capability the page-size default reads without a CUDA context is the device's own."""
+    from deepseek_pd.model.nvml import compute_capability
+
+    index = random.randrange(torch.cuda.device_count())
+    assert compute_capability(f"cuda:{index}") == torch.cuda.get_device_capability(index)
