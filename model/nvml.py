@@ -1,4 +1,4 @@
-"""A GPU's total memory read through NVML, without creating a CUDA context.
+"""A GPU's total memory and compute capability read through NVML, without creating a CUDA context.
 
 `serve` decides its GPU defaults before any rank process exists; the supervisor of a multi-rank
 group must not hold a CUDA context (it would take memory on the GPU rank 0 sizes its KV pool
@@ -51,9 +51,9 @@ def visible_device(cuda_index: int, visible: str | None) -> int | str | None:
     return entry if entry.startswith("GPU-") else None
 
 
-def total_memory_bytes(device: str) -> int | None:
-    """NVML's total memory of the CUDA `device` ("cuda" or "cuda:N"), or None (see the module
-    docstring: this is nvidia-smi's figure, above what CUDA can allocate)."""
+def _query(device: str, read) -> object | None:
+    """`read(nvml, handle)` for the CUDA `device` ("cuda" or "cuda:N") through NVML, or None (no
+    driver library, an unmappable device, an NVML error: `read` returns None for its own errors)."""
     _, _, index = device.partition(":")
     target = visible_device(int(index or 0), env.cuda_visible_devices())
     if target is None:
@@ -65,13 +65,33 @@ def total_memory_bytes(device: str) -> int | None:
     if nvml.nvmlInit_v2() != 0:
         return None
     try:
-        handle, memory = ctypes.c_void_p(), _Memory()
+        handle = ctypes.c_void_p()
         if isinstance(target, int):
             found = nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(target), ctypes.byref(handle))
         else:
             found = nvml.nvmlDeviceGetHandleByUUID(ctypes.c_char_p(target.encode()), ctypes.byref(handle))
-        if found != 0 or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0:
-            return None
-        return int(memory.total)
+        return None if found != 0 else read(nvml, handle)
     finally:
         nvml.nvmlShutdown()
+
+
+def total_memory_bytes(device: str) -> int | None:
+    """NVML's total memory of the CUDA `device` ("cuda" or "cuda:N"), or None (see the module
+    docstring: this is nvidia-smi's figure, above what CUDA can allocate)."""
+    def read(nvml, handle) -> int | None:
+        memory = _Memory()
+        return int(memory.total) if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) == 0 else None
+
+    return _query(device, read)
+
+
+def compute_capability(device: str) -> tuple[int, int] | None:
+    """The CUDA `device`'s compute capability (major, minor), (9, 0) on Hopper, or None when NVML
+    cannot tell; asked without a CUDA context, as `torch.cuda.get_device_capability` would make one."""
+    def read(nvml, handle) -> tuple[int, int] | None:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        if nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
+            return None
+        return major.value, minor.value
+
+    return _query(device, read)

@@ -19,7 +19,8 @@ from deepseek_pd.model.device import is_cuda, resolve_device
 from deepseek_pd.model.distributed.dispatch_mode import (DEFAULT_LOW_LATENCY_MAX_TOKENS, DispatchConfig, DispatchMode,
                                              decode_capturable)
 from deepseek_pd.model.eplb.expert_location import ExpertLocation, resolve_expert_location
-from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE, GpuShare
+from deepseek_pd.model.kv.memory_budget import GpuShare
+from deepseek_pd.model.kv.page_size import DEFAULT_PAGE_SIZE, auto_page_size
 from deepseek_pd.model.kernels.mla_decode_route import AttentionHost, auto_attention_backend, named_library_blocker
 from deepseek_pd.model.kv.memory_headroom import default_headroom_gib
 from deepseek_pd.model.speculative.rules import check_speculative_num_steps, graph_tokens_per_sequence
@@ -50,7 +51,7 @@ def attention_host(device: str) -> AttentionHost:
 
     cuda = is_cuda(device)
     return AttentionHost(cuda, _triton_available(), flashinfer_mla_blocker() if cuda else "no CUDA device",
-                         flashmla_blocker() if cuda else "no CUDA device")
+                         flashmla_blocker(device) if cuda else "no CUDA device")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,6 +68,16 @@ def auto_dtype(device: str, model_config: ModelConfig) -> str:
     return "bfloat16" if model_config.is_fp8 else model_config.torch_dtype
 
 
+def default_page_size(model_config: ModelConfig, device: str, dtype: str = "auto") -> int:
+    """The KV page size of a worker given none, on this machine (model/kv/page_size.py's rule, the
+    host as attention "auto" sees it), logged with the reason; `device` resolved, `dtype` as given."""
+    dtype_name = dtype if dtype != "auto" else auto_dtype(device, model_config)
+    size, why = auto_page_size(attention_host(device), widths=(model_config.kv_lora_rank, model_config.qk_rope_head_dim),
+                               dtype=dtype_name)
+    log.info("page size %d tokens (none given: %s)", size, why)
+    return size
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """How to run a model.
@@ -79,7 +90,7 @@ class RunnerConfig:
     model: str = "tiny"
     dtype: str = "auto"
     device: str = "cpu"  # a concrete torch device; `model.device.resolve_device` turns "auto" into one
-    page_size: int = DEFAULT_PAGE_SIZE
+    page_size: int = DEFAULT_PAGE_SIZE  # `resolve` decides it when none is given (`default_page_size`)
     # The KV pool: a fixed `num_pages`, or (CUDA, num_pages=None) whatever `mem_fraction_static` of the
     # GPU's total memory leaves after the weights and `mem_headroom_gib` (model/kv/pool_sizing.py);
     # on a GPU `gpu_workers` workers share, `kv_share` of the room their weights leave (memory_budget.py).
@@ -221,12 +232,15 @@ class RunnerConfig:
     def resolve(cls, model_config: ModelConfig, *, graphs_by_default: bool, **fields) -> "RunnerConfig":
         """A config with every "auto" decided, for `fields` as a command collected them.
 
-        `device` may be "auto"; `dtype` "auto" becomes `auto_dtype`; the backends and the dispatcher
-        become their names; `cuda_graph`, when absent, is `graphs_by_default` where the device and the
+        `device` may be "auto"; `dtype` "auto" becomes `auto_dtype`; `page_size` absent or None
+        becomes `default_page_size` (64 where FlashMLA can run, else 16); the backends and the
+        dispatcher become their names; `cuda_graph`, when absent, is `graphs_by_default` where the device and the
         backends can capture, else off; an explicit `cuda_graph=True` that cannot work is a UserError.
         """
         fields = dict(fields)
         device = resolve_device(fields.pop("device", "auto"))
+        if fields.get("page_size") is None:  # absent or None: none given
+            fields["page_size"] = default_page_size(model_config, device, fields.get("dtype", "auto"))
         requested_graphs = fields.pop("cuda_graph", None)
         draft = cls(device=device, **fields)
         resolved = replace(draft, dtype=_DTYPE_NAMES[draft.resolve_dtype(model_config)],

@@ -75,12 +75,13 @@ def choice_blocker(**settings: str) -> str | None:
     return None
 
 
-def sizing_blocker(*, page_size: int, mem_fraction_static: float | None, mem_headroom_gib: float | None,
+def sizing_blocker(*, page_size: int | None, mem_fraction_static: float | None, mem_headroom_gib: float | None,
                    gpu_workers: int, kv_share: float, ep_num_redundant_experts: int, fp8_backend: str) -> str | None:
     """Which of the settings that size a rank's memory (the KV pool, the headroom, the GPU share, the
     expert slots, how FP8 weights are kept) is out of range; None when none is. The operator's memory
-    plan reads the same settings, and `serve`'s flag rules refuse them first."""
-    if page_size < 1:
+    plan reads the same settings, and `serve`'s flag rules refuse them first. `page_size` None: not
+    given (model/kv/page_size.py decides it)."""
+    if page_size is not None and page_size < 1:
         return f"page_size must be >= 1, got {page_size}"
     if mem_fraction_static is not None and not 0 < mem_fraction_static <= 1:
         return f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}"

@@ -27,6 +27,7 @@ from typing import Sequence
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.memory_budget import DEFAULT_MAX_RUNNING_REQUESTS
+from deepseek_pd.model.kv.page_size import LARGEST_AUTO_PAGE_SIZE
 from deepseek_pd.model.kv.staging_size import DEFAULT_STAGING_TOKENS
 from deepseek_pd.workers.serve.engine_options import parse_engine_options
 from deepseek_pd.workers.serve.flag_rules import check_flags
@@ -55,13 +56,20 @@ class MemoryFlags:
         return self.speculative_num_steps > 0
 
     @property
+    def page_size(self) -> int:
+        """`--page-size`, else the largest page the worker's own default can be (model/kv/page_size.py:
+        64 where FlashMLA can run, which the operator cannot see), so a plan never counts less KV than
+        the worker allocates."""
+        return self.serve.page_size if self.serve.page_size is not None else LARGEST_AUTO_PAGE_SIZE
+
+    @property
     def fixed_pool_tokens(self) -> int | None:
         """The KV pool's size when the flags fix it (whole pages), else None (sized by memory)."""
         serve = self.serve
         if serve.num_pages is not None:
-            return serve.num_pages * serve.page_size
+            return serve.num_pages * self.page_size
         if serve.max_total_tokens is not None:
-            return -(-serve.max_total_tokens // serve.page_size) * serve.page_size
+            return -(-serve.max_total_tokens // self.page_size) * self.page_size
         return None
 
 

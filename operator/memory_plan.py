@@ -168,9 +168,9 @@ def rank_memory(role: RoleSpec, config: ModelConfig, flags: MemoryFlags, gpu: Gp
     tokens = flags.fixed_pool_tokens
     fixed = tokens is not None
     if tokens is None:  # one request of the whole context, in whole pages
-        tokens = -(-config.max_position_embeddings // serve.page_size) * serve.page_size
+        tokens = -(-config.max_position_embeddings // flags.page_size) * flags.page_size
     reserve = int(headroom_gib(role, flags) * GIB)
-    staging = staging_reserve_bytes(serve.kv_transport, flags.mooncake_staging_tokens, serve.page_size, kv_layers(config, flags.mtp),
+    staging = staging_reserve_bytes(serve.kv_transport, flags.mooncake_staging_tokens, flags.page_size, kv_layers(config, flags.mtp),
                                     config.kv_cache_dim, itemsize)
     budget = serve.gpu_share.worker_budget(budget_bytes(serve.budget_fraction, gpu.total_bytes),
                                            weights.total_bytes + reserve + staging)

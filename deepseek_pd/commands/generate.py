@@ -50,7 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                         help="decode by CUDA-graph replay; default: on where it works (CUDA with the "
                              "triton/grouped backends), --no-cuda-graph turns it off")
-    parser.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="KV page size in tokens (default: 64 where FlashMLA's decode can run, else 16; "
+                             "model/kv/page_size.py)")
     parser.add_argument("--speculative-num-steps", default="auto", metavar="N",
                         help="tokens the checkpoint's MTP layer drafts per decode step, verified in one forward "
                              f"(0: off; at most {MAX_SPECULATIVE_NUM_STEPS}); auto (default): "

@@ -47,7 +47,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where worker and router logs go (default: a temporary directory)")
     parser.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                         help="extra flag passed to every `deepseek-pd serve` (repeatable; "
-                             "use --worker-arg=--page-size=16)")
+                             "e.g. --worker-arg=--page-size=16; a page size goes to both roles, which must agree)")
     parser.add_argument("--policy", default=None,
                         help="the gateway's load-balancing policy for both roles: random, round_robin, "
                              "cache_aware or power_of_two (default: deepseek_pd/gateway.py's DEFAULT_POLICY, "

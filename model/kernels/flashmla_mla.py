@@ -35,9 +35,11 @@ import torch
 from deepseek_pd import env
 from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.kernels.mla_decode_route import FLASHMLA_PAGE_SIZE, FLASHMLA_WIDTHS
+from deepseek_pd.model.nvml import compute_capability
 
 log = logging.getLogger(__name__)
 
+HOPPER = (9, 0)  # the one compute capability our FlashMLA build (its sm90 kernels) runs on
 SUPPORTED_DTYPES = (torch.bfloat16,)  # scripts/flashmla_setup.py builds the bf16 kernel only
 _BUILD_HINT = "bench/flashmla_build.sh builds it; DEEPSEEK_PD_FLASHMLA_DIR names a folder holding the built package"
 
@@ -50,16 +52,26 @@ def _carried_dir() -> Path | None:
     return Path(folder)
 
 
-def flashmla_blocker() -> str | None:
-    """Why FlashMLA cannot be chosen here, judged without importing it or touching the GPU (`serve`
-    decides its backends before any rank exists); None when it may be: `flash_mla` is installed, or
-    carried in DEEPSEEK_PD_FLASHMLA_DIR. The GPU and the build are judged by `flashmla_available`."""
+def flashmla_blocker(device: str | None = None) -> str | None:
+    """Why FlashMLA cannot be chosen here, judged without importing it or making a CUDA context
+    (`serve` decides its backends and page size before any rank exists); None when it may be:
+    `flash_mla` is installed, or carried in DEEPSEEK_PD_FLASHMLA_DIR, and the CUDA `device` (when
+    given) is a Hopper GPU or NVML cannot tell. The build itself is judged by `flashmla_available`."""
     if importlib.util.find_spec("flash_mla") is not None or _carried_dir() is not None:
-        return None
+        return None if device is None else _gpu_blocker(device)
     folder = env.flashmla_dir()
     if folder is not None:
         return f"DEEPSEEK_PD_FLASHMLA_DIR={folder} holds no flash_mla package ({_BUILD_HINT})"
     return f"FlashMLA (flash_mla) is not installed ({_BUILD_HINT})"
+
+
+def _gpu_blocker(device: str) -> str | None:
+    """Why `device` cannot run FlashMLA's sm90 kernels, by NVML's compute capability; None: it is a
+    Hopper GPU, or NVML cannot tell (the start-up check, model/jit_backends.py, then decides)."""
+    capability = compute_capability(device)
+    if capability is None or capability == HOPPER:
+        return None
+    return f"FlashMLA's dense decode is built for Hopper (sm90), and {device} is sm{capability[0]}{capability[1]}"
 
 
 def flash_mla_module():
@@ -81,7 +93,7 @@ def flash_mla_module():
 def _check_sm90(device: torch.device) -> None:
     if device.type != "cuda" or not torch.cuda.is_available():
         raise RuntimeError(f"FlashMLA's dense decode runs on a CUDA device, not {device}")
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if torch.cuda.get_device_capability(device) != HOPPER:
         major, minor = torch.cuda.get_device_capability(device)
         raise RuntimeError(f"FlashMLA's dense decode here is the Hopper (sm90a) one; this GPU is sm{major}{minor}")
 
@@ -167,7 +179,7 @@ def check_against_reference(device: str = "cuda", tolerance: float = 2e-2) -> No
 def flashmla_available() -> bool:
     """Whether FlashMLA imports here, the GPU is Hopper and its start-up check passes (the reason
     it does not is logged)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != HOPPER:
         return False
     if (blocker := flashmla_blocker()) is not None:
         log.debug("FlashMLA: %s", blocker)

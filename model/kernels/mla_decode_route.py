@@ -105,6 +105,23 @@ class AttentionHost:
         return self.flashinfer_blocker if library == "flashinfer" else self.flashmla_blocker
 
 
+def kv_blocker(library: str, host: AttentionHost, *, widths: tuple[int, int], dtype: str) -> str | None:
+    """Why `library`'s MLA decode kernel cannot read this model's latent KV here (the library is
+    missing on `host`, or the KV's `widths` (kv_lora_rank, qk_rope_head_dim) or `dtype` are not
+    its); None: it can. What the page-size default asks (model/kv/page_size.py): nothing of the
+    role, the route or the batch-invariant mode."""
+    name = _LIBRARY_NAMES[library]
+    widths_ok, dtypes = (FLASHINFER_WIDTHS, FLASHINFER_DTYPES) if library == "flashinfer" else \
+        (FLASHMLA_WIDTHS, FLASHMLA_DTYPES)
+    if (blocker := host.blocker(library)) is not None:
+        return blocker
+    if tuple(widths) != widths_ok:
+        return f"{name}'s is built for latent + rope {widths_ok}, not {tuple(widths)}"
+    if dtype not in dtypes:
+        return f"{name}'s runs {' or '.join(dtypes)}, not {dtype}"
+    return None
+
+
 def library_blocker(library: str, host: AttentionHost, *, heads_per_rank: int, widths: tuple[int, int],
                     dtype: str, deterministic: bool = False, page_size: int | None = None,
                     route: MLADecodeRoute | None = None) -> str | None:
@@ -113,18 +130,15 @@ def library_blocker(library: str, host: AttentionHost, *, heads_per_rank: int, w
     can. `page_size` None: not known yet (FlashMLA needs 64-token pages)."""
     name = _LIBRARY_NAMES[library]
     route = route or (FLASHINFER_ROUTE if library == "flashinfer" else FLASHMLA_ROUTE)
-    widths_ok, dtypes = (FLASHINFER_WIDTHS, FLASHINFER_DTYPES) if library == "flashinfer" else \
-        (FLASHMLA_WIDTHS, FLASHMLA_DTYPES)
     if (blocker := host.blocker(library)) is not None:
         return blocker
     if deterministic:
         return f"{name}'s has no batch-invariant version (deterministic)"
-    if tuple(widths) != widths_ok:
-        return f"{name}'s is built for latent + rope {widths_ok}, not {tuple(widths)}"
-    if dtype not in dtypes:
-        return f"{name}'s runs {' or '.join(dtypes)}, not {dtype}"
+    if (blocker := kv_blocker(library, host, widths=widths, dtype=dtype)) is not None:
+        return blocker
     if library == "flashmla" and page_size is not None and page_size != FLASHMLA_PAGE_SIZE:
-        return f"FlashMLA's takes pages of {FLASHMLA_PAGE_SIZE} tokens, not {page_size}"
+        return (f"FlashMLA's takes pages of {FLASHMLA_PAGE_SIZE} tokens, not the {page_size} given "
+                f"(leave --page-size unset, or give {FLASHMLA_PAGE_SIZE}, to run it)")
     if not route.ever_uses_library(heads_per_rank):
         return f"{name} does not win at {heads_per_rank} heads per rank"
     return None

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 # The budget of the workers on one GPU; the rest of the GPU is the CUDA contexts, NCCL and
 # transfer buffers, other tenants (SGLang's default when it does not know the GPU).
 DEFAULT_MEM_FRACTION_STATIC = 0.88
-DEFAULT_PAGE_SIZE = 16  # KV tokens per page: the pool's unit, and one page of one layer is the transfer unit
 # The decode batch cap; the largest CUDA-graph batch follows it, and so does the graphs' headroom
 # (model/kv/memory_headroom.py).
 DEFAULT_MAX_RUNNING_REQUESTS = 128

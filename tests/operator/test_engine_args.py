@@ -171,3 +171,24 @@ def test_the_check_imports_no_torch():
             "assert engine_args_violations(DeploymentSpec.parse('x', 'llm', raw)); "
             "assert 'torch' not in sys.modules, 'the engine-args check imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("example", ["cpu-minimal.yaml", "deepseek-v3-h200.yaml"])
+def test_page_sizes_that_could_differ_between_the_roles_are_an_invalid_spec(example):
+    """Each worker would start, and every request's KV transfer would fail on the layout check
+    (tests/workers/test_pd_page_size_mismatch.py): --page-size on one role only, or two different."""
+    size = random.choice([16, 32, 64])
+    prefill, decode = random.choice([(size, None), (None, size), (size, size * 2)])
+    body = _body(example)
+    for role, given in (("prefill", prefill), ("decode", decode)):
+        body["spec"][role]["engineArgs"] = [*body["spec"][role].get("engineArgs", []),
+                                            *([f"--page-size={given}"] if given else [])]
+    api = MemoryApi()
+    status = asyncio.run(Reconciler(api).reconcile(body, LOG))
+    assert api.writes == [] and status["phase"] == "Failed", status
+    message = next(c for c in status["conditions"] if c["type"] == "InvalidSpec")["message"]
+    assert "spec.decode.engineArgs: prefill and decode must hold KV pages of one size" in message, message
+    for role in ("prefill", "decode"):  # the same page on both is fine
+        body["spec"][role]["engineArgs"] = [arg for arg in body["spec"][role]["engineArgs"]
+                                            if not arg.startswith("--page-size")] + [f"--page-size={size}"]
+    assert engine_args_violations(DeploymentSpec.parse("x", "llm", body["spec"])) == []

@@ -276,3 +276,15 @@ def test_plan_command_reads_a_local_config_json(tmp_path, capsys):
         assert main(["operator", "plan", str(tmp_path / "dsd.yaml"), "--model-dir", str(tmp_path)]) == code
         out = capsys.readouterr().out
         assert out.startswith(f"MemoryPlanFits: {bool(code == 0)} ") and str(tmp_path) in out
+
+
+def test_an_unset_page_size_is_planned_at_the_largest_page_a_worker_may_default_to():
+    """The operator cannot see whether a pod's machine runs FlashMLA (64-token pages by default,
+    model/kv/page_size.py) or not (16), so a pool of N pages, or of T tokens rounded up to pages, is
+    planned in 64-token pages: never less KV than the worker allocates."""
+    pages, tokens = random.randint(1, 10_000), random.randint(1, 1_000_000)
+    assert parse_memory_flags("decode", ["--num-pages", str(pages)]).fixed_pool_tokens == pages * 64
+    assert parse_memory_flags("prefill", [f"--max-total-tokens={tokens}"]).fixed_pool_tokens == -(-tokens // 64) * 64
+    given = random.choice([1, 16, 32])
+    assert parse_memory_flags("decode", ["--num-pages", str(pages), f"--page-size={given}"]).fixed_pool_tokens == \
+        pages * given

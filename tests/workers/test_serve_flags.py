@@ -183,9 +183,12 @@ def test_the_operator_renders_its_pods_through_the_contract(example: str) -> Non
     operator's InvalidSpec condition and the memory plan's error, in serve's words."""
     rng = _seeded()
     raw = yaml.safe_load((EXAMPLES / example).read_text())["spec"]
-    for role_name in ("prefill", "decode"):
-        extra = random_flags(rng, keep=lambda spec: not spec.metadata["flag"].managed and rng.random() < 0.5
-                             and spec.name not in ("init_expert_location",))
+    drawn = {role_name: random_flags(rng, keep=lambda spec: not spec.metadata["flag"].managed and rng.random() < 0.5
+                                     and spec.name not in ("init_expert_location",))
+             for role_name in ("prefill", "decode")}
+    # One page size on both roles (or none): a difference is an InvalidSpec of its own (test_engine_args.py).
+    drawn["decode"] = dataclasses.replace(drawn["decode"], page_size=drawn["prefill"].page_size)
+    for role_name, extra in drawn.items():
         raw[role_name]["engineArgs"] = extra.to_argv()[1:]
     spec = DeploymentSpec.parse("demo", "llm", raw)
     for role in (spec.prefill, spec.decode):

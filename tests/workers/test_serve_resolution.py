@@ -169,3 +169,31 @@ def test_bad_flags_are_user_errors(cpu_machine, tmp_path) -> None:
         build_parser().parse_args(["serve", "decode", "--num-pages", "4", "--max-total-tokens", "64"])
 
 
+
+
+def test_unset_page_size_is_flashmlas_on_both_roles_where_it_can_run(gpu_machine, monkeypatch, tmp_path) -> None:
+    """On a machine where FlashMLA can run (injected where attention "auto" asks: a Hopper GPU with
+    flash_mla built), `serve` with no --page-size runs 64-token pages on both roles, so the KV layouts
+    of prefill and decode agree, and the decode worker's "auto" picks FlashMLA; a given page size is
+    kept on both (and "auto" runs Triton); the pool from --max-total-tokens is in pages of the
+    resolved size; where FlashMLA is not built, 16."""
+    from deepseek_pd.model.kernels.mla_decode_route import AttentionHost
+
+    model = tmp_path / "v3-widths"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**tiny_config("v3", 512), "torch_dtype": "bfloat16",
+                                                   "kv_lora_rank": 512, "qk_rope_head_dim": 64}))
+    monkeypatch.setattr(runner_config_module, "attention_host",
+                        lambda device: AttentionHost(True, True, "no FlashInfer here", flashmla_blocker=None))
+    tokens = random.randint(1, 100_000)
+    for role in ROLES:
+        config = resolve(role, "--model", str(model), "--max-total-tokens", str(tokens))
+        assert (config.runner.page_size, config.identity.page_size) == (64, 64), role
+        assert config.runner.num_pages == -(-tokens // 64)
+        assert config.runner.attention_backend == "flashmla"
+        given = random.choice([8, 16, 32])
+        kept = resolve(role, "--model", str(model), "--page-size", str(given), "--num-pages", "64").runner
+        assert (kept.page_size, kept.attention_backend) == (given, "triton")
+    monkeypatch.setattr(runner_config_module, "attention_host",
+                        lambda device: AttentionHost(True, True, "no FlashInfer here", "flash_mla is not installed"))
+    assert resolve(random.choice(ROLES), "--model", str(model), "--num-pages", "64").runner.page_size == 16

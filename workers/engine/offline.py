@@ -14,14 +14,13 @@ in the same forward. Pages are freed however the call ends.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence, Union
 
 import torch
 
 from deepseek_pd.errors import UserError
-from deepseek_pd.model.kv.memory_budget import DEFAULT_PAGE_SIZE
 from deepseek_pd.workers.engine.request_rules import check_prompt, kv_tokens_needed, max_new_tokens
 from deepseek_pd.model.sampling.sampled_host import TopLogprobs, pack, unpack
 from deepseek_pd.model.sampling.sampler import Sampler, SamplingState, StopChecker
@@ -41,7 +40,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_method: str = "auto"  # auto | mha | mha_chunked_kv | mla
     chunked_prefill_size: int = 2048  # max prompt tokens per prefill forward, summed over the batch
-    page_size: int = DEFAULT_PAGE_SIZE
+    page_size: int | None = None  # None: the machine's default (model/kv/page_size.py: 64 where FlashMLA runs, else 16)
     max_total_tokens: int = 32768  # KV pool capacity in tokens, over all requests of a batch
     mha_chunked_kv_threshold: int = 256
     attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else torch
@@ -69,7 +68,7 @@ class EngineConfig:
                             "set speculative_num_steps >= 1 with it")
         if self.chunked_prefill_size < 1:
             raise UserError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
-        if self.max_total_tokens < 1 or self.page_size < 1:
+        if self.max_total_tokens < 1 or (self.page_size is not None and self.page_size < 1):
             raise UserError(f"max_total_tokens and page_size must be >= 1, got {self.max_total_tokens}, "
                             f"{self.page_size}")
 
@@ -112,7 +111,8 @@ class Engine:
     def __init__(self, model: str | Path = "tiny", *, config: EngineConfig | None = None, **overrides) -> None:
         """`Engine("tiny", chunked_prefill_size=64)` or `Engine(config=EngineConfig(...))`."""
         from deepseek_pd.model.runner import ModelRunner
-        from deepseek_pd.model.runner_config import RunnerConfig
+        from deepseek_pd.model.config import ModelConfig
+        from deepseek_pd.model.runner_config import RunnerConfig, default_page_size
         from deepseek_pd.model.device import resolve_device
         from deepseek_pd.model.checkpoint.model_dir import load_tokenizer, resolve_model_dir
 
@@ -120,9 +120,12 @@ class Engine:
             config = EngineConfig(model=str(model), **overrides)
         elif overrides:
             raise TypeError("pass either config or keyword overrides, not both")
-        self.config = config
         device = resolve_device(config.device)
         self.model_path = resolve_model_dir(config.model)
+        if config.page_size is None:
+            config = replace(config, page_size=default_page_size(ModelConfig.from_hf(self.model_path), device,
+                                                                 config.dtype))
+        self.config = config
         self.runner = ModelRunner(RunnerConfig(
             model=str(self.model_path), dtype=config.dtype, device=device,
             page_size=config.page_size, num_pages=-(-config.max_total_tokens // config.page_size),

@@ -23,6 +23,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport.first_token_wire import put_first_top
 from deepseek_pd.workers.transport import KVSender, SendChannel, SendPlan
+from deepseek_pd.workers.transport.base import check_layout
 from deepseek_pd.workers.engine.request_failure import RequestFailure, TransferError, failure_for
 from deepseek_pd.workers.prefill.room import Room
 from deepseek_pd.workers.prefill.room_registry import RoomRegistry
@@ -89,6 +90,8 @@ class KVPush:
         """Waits for the decode side's handshake and opens the transport channel."""
         handshake = await self.room.wait_handshake(timeout_s)
         try:
+            # The layout first: pages of another size also miscount, and only the layout says why.
+            check_layout(self.sender.pool, handshake.layout)
             if handshake.num_tokens != self.num_tokens or len(handshake.page_ids) != self.plan.num_pages:
                 raise TransferError(FailureCode.INVALID_ARGUMENT,
                                     f"decode prepared {handshake.num_tokens} tokens in {len(handshake.page_ids)} "

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from deepseek_pd.model.config import DTYPE_CHOICES
-from deepseek_pd.model.kv.memory_budget import DEFAULT_MEM_FRACTION_STATIC, DEFAULT_PAGE_SIZE, GpuShare
+from deepseek_pd.model.kv.memory_budget import DEFAULT_MEM_FRACTION_STATIC, GpuShare
+from deepseek_pd.model.kv.page_size import UNSET_PAGE_SIZE
 from deepseek_pd.workers.serve.roles import ROLES
 
 PARALLEL_SECTION = "parallelism (one worker over several GPUs/nodes)"
@@ -132,7 +133,9 @@ class ServeFlags:
     dtype: str = _flag("auto", "model dtype; auto: the checkpoint's torch_dtype on CUDA (bfloat16 for FP8 "
                                "checkpoints), float32 on cpu",
                        choices=DTYPE_CHOICES)
-    page_size: int = _flag(DEFAULT_PAGE_SIZE, f"KV page size in tokens (default {DEFAULT_PAGE_SIZE})")
+    page_size: int | None = _flag(
+        None, f"KV page size in tokens; prefill and decode must use the same (default: {UNSET_PAGE_SIZE}, i.e. "
+              f"CUDA, a Hopper GPU, flash_mla built and a bf16 model; model/kv/page_size.py)", type=int)
     num_pages: int | None = _flag(None, "KV pool size in pages (overrides --mem-fraction-static)", type=int,
                                   exclusive="pool")
     max_total_tokens: int | None = _flag(

@@ -18,6 +18,8 @@ The rules, each in one place:
   model/kv/pool_sizing.py); on the CPU it keeps the fixed default of 1024 pages. A worker that
   allocates a Mooncake staging area (decode; prefill over RDMA) keeps its bytes out of a pool sized
   so (`RunnerConfig.mem_reserve_bytes`, workers/serve/kv_staging.py, the operator's rule too).
+- page size: `--page-size`, else 64 where FlashMLA's decode can run and 16 elsewhere, the same for
+  both roles (model/kv/page_size.py says why), decided before the pool is sized.
 - identity: what GetServerInfo/GetLoads report, with the runner's page size and its KV pool's bytes
   per token in the resolved dtype (`model.kv_pool.bytes_per_pool_page`, the pool's own rule).
 - chunked prefill: `--chunked-prefill-size` (it has no engine option); unset, 2048 on
@@ -67,7 +69,7 @@ from deepseek_pd.model.kv.pool import bytes_per_pool_page
 from deepseek_pd.model.speculative.mtp_names import kv_layers
 from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir, served_name
 from deepseek_pd.model.nvml import total_memory_bytes
-from deepseek_pd.model.runner_config import RunnerConfig
+from deepseek_pd.model.runner_config import RunnerConfig, default_page_size
 from deepseek_pd.units import gib
 from deepseek_pd.workers.transport.internal_auth import resolve_auth
 from deepseek_pd.workers.group.layout import GroupLayout
@@ -160,11 +162,14 @@ def resolve_serve_config(flags: ServeFlags) -> ServeConfig:
 
 def _runner_config(flags: ServeFlags, defaults: RoleDefaults, device: str, model_dir: Path,
                    model_config: ModelConfig, options: dict[str, Any]) -> RunnerConfig:
+    # Decided before the pool, which --max-total-tokens sizes in whole pages (model/kv/page_size.py).
+    page_size = flags.page_size if flags.page_size is not None else \
+        default_page_size(model_config, device, flags.dtype)
     fields: dict[str, Any] = {"model": str(model_dir), "device": device, "dtype": flags.dtype, **options,
-                              "page_size": flags.page_size,
+                              "page_size": page_size,
                               "ep_num_redundant_experts": flags.parallel.ep_num_redundant_experts,
                               "init_expert_location": _absolute(flags.parallel.init_expert_location)}
-    fields.update(_pool_size(flags, device, flags.page_size))
+    fields.update(_pool_size(flags, device, page_size))
     return RunnerConfig.resolve(model_config, graphs_by_default=defaults.decodes, **fields)
 
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
 
 from deepseek_pd.bounds import bounds_blocker
 from deepseek_pd.choices import not_one_of
+from deepseek_pd.model.kv.page_size import different_pages_hint
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.model.kv.mooncake_direction import MOONCAKE_KV_DIRECTIONS
 from deepseek_pd.model.kv.same_host_direct import SAME_HOST_DIRECT_MODES
@@ -434,6 +435,8 @@ def check_layout(pool: KVPool, remote: pb.KVLayout) -> None:
         # One layer more on one side only: the MTP layer's KV (speculative decoding on one side).
         hint = (" (one side holds the MTP layer's KV: give prefill and decode the same --speculative-num-steps, "
                 "both 0 or both > 0)" if abs(local.num_layers - remote.num_layers) == 1 else "")
+        if local.page_size != remote.page_size:  # the transfer moves whole pages: it does not re-page
+            hint += f" ({different_pages_hint(local.page_size, remote.page_size)})"
         raise TransferError(FailureCode.INVALID_ARGUMENT,
                             f"KV layout mismatch: decode has {show(remote)}, prefill has {show(local)}{hint}")
 

@@ -186,3 +186,33 @@ def test_flashmla_decode_in_cuda_graphs_equals_eager(tmp_path):
     worst = graph_against_eager(tmp_path, "flashmla", [9, 16, 32, 13, 1, 24])  # FlashMLA from batch 2
     print(f"flashmla graph vs eager: worst row rel err {worst:.2e}")
     assert worst < 2e-2, worst
+
+
+@pytest.mark.gpu
+@requires_flashmla
+def test_serve_with_no_page_size_runs_flashmla_on_this_hopper_gpu(tmp_path):
+    """`serve decode` given no --page-size on a Hopper GPU with FlashMLA built: 64-token pages and
+    FlashMLA's decode, which its real start-up check keeps; `serve prefill` resolves the same page
+    (model/kv/page_size.py), so the two sides' KV layouts agree. An explicit 16 is kept (then Triton)."""
+    import json
+
+    from deepseek_pd.cli import build_parser
+    from deepseek_pd.commands.serve import flags_from_args
+    from deepseek_pd.model.checkpoint.tiny import tiny_config
+    from deepseek_pd.model.config import ModelConfig
+    from deepseek_pd.model.jit_backends import with_compiled_jit_backends
+    from deepseek_pd.workers.serve.resolution import resolve_serve_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config("v3", 512), "torch_dtype": "bfloat16",
+                                                      "kv_lora_rank": 512, "qk_rope_head_dim": 64}))
+
+    def serve(*argv: str):
+        return resolve_serve_config(flags_from_args(build_parser().parse_args(
+            ["serve", *argv, "--model", str(tmp_path), "--device", "cuda", "--num-pages", "64"])))
+
+    decode = serve("decode").runner
+    assert (decode.page_size, decode.attention_backend) == (64, "flashmla")
+    assert with_compiled_jit_backends(decode, ModelConfig.from_hf(tmp_path)).attention_backend == "flashmla"
+    assert serve("prefill").runner.page_size == 64
+    given = serve("decode", "--page-size", "16").runner
+    assert (given.page_size, given.attention_backend) == (16, "triton")
