@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from speculative_floor import floor_rows, step_bytes  # noqa: E402
 
 ACCEPT_LENGTHS = (1.8, 2.4, 3.0)
 
@@ -180,8 +181,13 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
     spec_ms: dict[int, list[float]] = {}
     plain: list[float] = []
     chained: dict[tuple[int, bool], list[float]] = {}
+    floors: list[dict] = []
     for k in (draft_steps if cuda_graph else [max_steps]):
         runner = build(k)
+        if not floors:  # the weight-read bound (bench/speculative_floor.py): from the built model
+            config = runner.model_config
+            floors = floor_rows(step_bytes(runner.model, config.n_routed_experts, config.num_experts_per_tok),
+                                batches, draft_steps, ACCEPT_LENGTHS)
         costs = measure_step_costs(runner, batches, k, context, repeats).ms
         for timed in (draft_steps if not cuda_graph else [k]):
             spec_ms[timed] = costs[timed]
@@ -197,7 +203,7 @@ def measure(model: str, device: str, dtype: str, page_size: int, cuda_graph: boo
             torch.cuda.empty_cache()
     rows = []
     for col, batch in enumerate(batches):
-        row = {"batch": batch, "plain_ms": plain[col]}
+        row = {"batch": batch, "plain_ms": plain[col], "floor": floors[col]}
         for k in draft_steps:
             cost = spec_ms[k][col]
             row[f"spec{k}_ms"] = cost

@@ -41,3 +41,7 @@ def test_one_run_times_every_batch_and_draft_count(tmp_path) -> None:
                 assert (key in row) == (a <= k + 1)
                 if key in row:
                     assert row[key] == pytest.approx(a * row["plain_ms"] / row[f"spec{k}_ms"])
+        floor = row["floor"]
+        assert floor["batch"] == row["batch"]
+        for k in steps:
+            assert floor[f"spec{k}_gb"] >= floor["plain_gb"] > 0  # a verify reads at least a plain step's
