@@ -44,6 +44,7 @@ import json
 import multiprocessing
 import random
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -123,11 +124,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def reexec_in_netns(argv: list[str]) -> int:
+def reexec_in_netns(argv: list[str], script: Path = Path(__file__)) -> int:
+    """Runs `script` again with `argv` less --netns in a private network namespace with loopback up."""
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         raise SystemExit("--netns needs unshare and ip (scripts/system-deps.sh)")
     inner = [a for a in argv if a != "--netns"]
-    command = " ".join([sys.executable, str(Path(__file__).resolve()), *inner])
+    command = shlex.join([sys.executable, str(script.resolve()), *inner])
     return subprocess.call(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"])
 
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One device call (see bench/gpu_setup.sh): issue 25's Mooncake TCP target, GPU pool to GPU pool on
+# one GPU against raw Mooncake, by bench/mooncake_gpu.py with the CUDA 13 build of Mooncake.
+#
+#   here, once:  bash bench/mooncake_gpu_bundle.sh      -> bench/wheels-mooncake/mooncake-gpu.tar.xz (~12 MB)
+#   device call: command "bash bench/mooncake_gpu_session.sh", carry ["bench/wheels-mooncake/mooncake-gpu.tar.xz"]
+#
+# The bundle (what the bench needs of mooncake-transfer-engine-cuda13: its engine, the libraries it
+# loads, and Debian's libibverbs/libmlx5/libnuma/libcurl with theirs) is unpacked into
+# /tmp/site-mooncake; a machine still held from an earlier call keeps it, so a later call may leave
+# the carry out. The router's wheels are not needed. Of the carried system libraries only those the
+# image lacks are linked in (/tmp/site-mooncake/lib, first on LD_LIBRARY_PATH), found by ldd; the CUDA
+# runtime is the image's (CUDA 13, as torch's). Extra arguments go to mooncake_gpu.py (e.g.
+# --repeats 10, --direction write). Its log and mooncake_gpu.json land in $OUT; the target table is last.
+source "$(dirname "$0")/gpu_setup.sh"
+repo=$(pwd)
+bundle=$repo/bench/wheels-mooncake/mooncake-gpu.tar.xz
+site=/tmp/site-mooncake
+if [ -f "$bundle" ]; then
+    rm -rf "$site" && mkdir -p "$site" && python3 -m tarfile -e "$bundle" "$site" \
+        || { echo "error: could not unpack $bundle"; exit 1; }
+elif [ ! -f "$site/MANIFEST.txt" ]; then
+    echo "error: carry bench/wheels-mooncake/mooncake-gpu.tar.xz (made here by bash bench/mooncake_gpu_bundle.sh)"
+    exit 1
+fi
+head -1 "$site/MANIFEST.txt"
+
+cudart=$(find /usr/local/cuda/lib64/ /usr/local/cuda/targets/x86_64-linux/lib/ \
+    "$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)" \
+    -maxdepth 3 -name 'libcudart.so.13*' 2>/dev/null | head -1)
+mkdir -p "$site/lib"
+export LD_LIBRARY_PATH=$site/lib${cudart:+:$(dirname "$cudart")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+engine=$site/site/mooncake/engine.so
+for _ in 1 2 3 4 5 6 7 8; do  # a linked library may need others the image lacks: until none is added
+    added=0
+    for name in $(ldd "$engine" | awk '/not found/ {print $1}'); do
+        if [ -f "$site/syslibs/$name" ] && [ ! -e "$site/lib/$name" ]; then
+            ln -s "$site/syslibs/$name" "$site/lib/$name" && added=1
+        fi
+    done
+    [ "$added" = 1 ] || break
+done
+echo "carried libraries linked in (the image lacks them): $(ls "$site/lib" | tr '\n' ' ')"
+if ldd "$engine" | grep -q "not found"; then
+    ldd "$engine" | tee "$OUT/mooncake_ldd.txt"
+    echo "error: mooncake's engine.so still misses libraries (above; libcudart: ${cudart:-none found})"
+    exit 1
+fi
+export PYTHONPATH=$site/site:$PYTHONPATH  # before /tmp/site, where a carried non-cuda wheel may sit
+cd /tmp && timeout "${MOONCAKE_GPU_TIMEOUT:-540}" python3 "$repo/bench/mooncake_gpu.py" --device cuda --out "$OUT" "$@" 2>&1 \
+    | tee "$OUT/mooncake_gpu.log"
