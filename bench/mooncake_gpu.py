@@ -68,7 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def transfer_args(args: argparse.Namespace) -> argparse.Namespace:
     """kv_transfer.py's settings for this run (its staging default holds the whole 4k prompt, so
     the raw write lands in one piece)."""
-    return kv_transfer.parse_args(["--transport", "mooncake", "--device", args.device, *(TINY if args.tiny else V2_LITE),
+    shape = TINY if args.tiny else V2_LITE
+    return kv_transfer.parse_args(["--transport", "mooncake", "--device", args.device, *shape,
                                    "--repeats", str(args.repeats), "--mooncake-direction", args.direction])
 
 
@@ -106,7 +107,8 @@ def table(result: dict) -> str:
         f"issue 25 Mooncake GPU, card {result['card']}, commit {result['commit']}, {result['mooncake']}; "
         f"{result['bytes'] / 1e6:.1f} MB ({result['bytes_per_token']} B/token), {DIRECTIONS[result['direction']]}, "
         f"ratio = value / target",
-        f"| {'check':<62} | {'ours GB/s':>9} | {'raw GB/s':>8} | {'value':>5} | {'target':>6} | {'ratio':>5} | result |",
+        f"| {'check':<62} | {'ours GB/s':>9} | {'raw GB/s':>8} | {'value':>5} | {'target':>6} | {'ratio':>5} "
+        f"| result |",
         f"|{'-' * 64}|{'-' * 11}|{'-' * 10}|{'-' * 7}|{'-' * 8}|{'-' * 7}|--------|",
         f"| {c['check']:<62} | {result['ours_gbps']:>9.3f} | {result['raw_gbps']:>8.3f} | {c['value']:>5.2f} | "
         f"{c['target']:>6} | {c['ratio']:>5.2f} | {c['result']:<6} |"])

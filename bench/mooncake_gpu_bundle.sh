@@ -45,7 +45,10 @@ cp -r "$work/wheel"/mooncake_transfer_engine_cuda13-*.dist-info "$stage/site/"
 ldd "$work/wheel/mooncake/engine.so" >"$work/ldd.txt"
 IMAGE_OWN='^(linux-vdso|ld-linux-x86-64|libc|libm|libdl|libpthread|librt|libresolv|libstdc\+\+|libgcc_s)\.so'
 missing=$(awk '/not found/ {print $1}' "$work/ldd.txt" | grep -v -E '^(libcuda\.so\.1|libcudart\.so\.13)$' || true)
-[ -z "$missing" ] || { echo "error: engine.so needs $missing, not installed here (scripts/system-deps.sh; apt-get install libcurl4 libnuma1 ibverbs-providers)"; exit 1; }
+if [ -n "$missing" ]; then
+    echo "error: engine.so needs $missing, not installed here (apt-get install libibverbs1 ibverbs-providers libnuma1 libcurl4)"
+    exit 1
+fi
 manifest=$stage/MANIFEST.txt
 echo "wheel $(basename "$wheel") sha256 $(sha256sum "$wheel" | cut -d' ' -f1)" >"$manifest"
 while read -r name _ path _; do
@@ -67,7 +70,7 @@ while read -r name _ path _; do
                 installed=$(dpkg-query -W -f='${Version}' "$package")
                 (cd "$work/debs" && { apt-get download -q "$package=$installed" || apt-get download -q "$package"; }) \
                     >/dev/null 2>"$work/apt.log" \
-                    || { cat "$work/apt.log"; echo "error: apt-get download $package failed (apt-get update first?)"; exit 1; }
+                    || { cat "$work/apt.log"; echo "error: apt-get download $package failed (apt-get update?)"; exit 1; }
             fi
             version=$(dpkg-deb -f "$work/debs/$package"_*.deb Version)
             rm -rf "$work/x" && mkdir "$work/x" && dpkg-deb -x "$work/debs/$package"_*.deb "$work/x"

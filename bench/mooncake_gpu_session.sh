@@ -10,7 +10,8 @@
 # /tmp/site-mooncake; a machine still held from an earlier call keeps it, so a later call may leave
 # the carry out. The router's wheels are not needed. Of the carried system libraries only those the
 # image lacks are linked in (/tmp/site-mooncake/lib, first on LD_LIBRARY_PATH), found by ldd; the CUDA
-# runtime is the image's (CUDA 13, as torch's). Extra arguments go to mooncake_gpu.py (e.g.
+# runtime is the image's (CUDA 13, as torch's). Then the GPU tests of this path (tests.log: the bench's
+# tiny GPU run, the build's name), then the bench; extra arguments go to mooncake_gpu.py (e.g.
 # --repeats 10, --direction write). Its log and mooncake_gpu.json land in $OUT; the target table is last.
 source "$(dirname "$0")/gpu_setup.sh"
 repo=$(pwd)
@@ -25,9 +26,13 @@ elif [ ! -f "$site/MANIFEST.txt" ]; then
 fi
 head -1 "$site/MANIFEST.txt"
 
-cudart=$(find /usr/local/cuda/lib64/ /usr/local/cuda/targets/x86_64-linux/lib/ \
-    "$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)" \
-    -maxdepth 3 -name 'libcudart.so.13*' 2>/dev/null | head -1)
+# CUDA 13's runtime: the toolkit's, else the pip package torch loads (nvidia/cu13/lib).
+cudart=$(python3 -c '
+import glob, os, site
+roots = ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"] + site.getsitepackages()
+hits = [hit for root in roots for pattern in ("libcudart.so.13*", "nvidia/*/lib/libcudart.so.13*")
+        for hit in sorted(glob.glob(os.path.join(root, pattern)))]
+print(hits[0] if hits else "")' 2>/dev/null)
 mkdir -p "$site/lib"
 export LD_LIBRARY_PATH=$site/lib${cudart:+:$(dirname "$cudart")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 engine=$site/site/mooncake/engine.so
@@ -41,11 +46,17 @@ for _ in 1 2 3 4 5 6 7 8; do  # a linked library may need others the image lacks
     [ "$added" = 1 ] || break
 done
 echo "carried libraries linked in (the image lacks them): $(ls "$site/lib" | tr '\n' ' ')"
-if ldd "$engine" | grep -q "not found"; then
+# libcudart.so.13 alone may stay unfound here: torch loads that soname before mooncake in every caller.
+if ldd "$engine" | grep "not found" | grep -q -v "^\s*libcudart\.so\.13 "; then
     ldd "$engine" | tee "$OUT/mooncake_ldd.txt"
     echo "error: mooncake's engine.so still misses libraries (above; libcudart: ${cudart:-none found})"
     exit 1
 fi
+echo "libcudart: ${cudart:-none found outside torch}"
 export PYTHONPATH=$site/site:$PYTHONPATH  # before /tmp/site, where a carried non-cuda wheel may sit
-cd /tmp && timeout "${MOONCAKE_GPU_TIMEOUT:-540}" python3 "$repo/bench/mooncake_gpu.py" --device cuda --out "$OUT" "$@" 2>&1 \
+(cd /tmp && timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rs --durations=4 \
+    "$repo/tests/bench/test_mooncake_gpu_cuda.py" "$repo/tests/workers/transport/test_mooncake_build.py" 2>&1) \
+    | tee "$OUT/tests.log"
+cd /tmp && timeout "${MOONCAKE_GPU_TIMEOUT:-360}" python3 "$repo/bench/mooncake_gpu.py" --device cuda --out "$OUT" "$@" \
+    2>&1 \
     | tee "$OUT/mooncake_gpu.log"

@@ -39,7 +39,8 @@ def test_gpu_pool_to_gpu_pool_over_mooncake_tcp_is_exact_and_checked(tmp_path) -
         argv.append("--netns")
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert sum(1 for line in proc.stdout.splitlines() if line.startswith("repeat ") and ", exact; raw " in line) == repeats
+    exact = [line for line in proc.stdout.splitlines() if line.startswith("repeat ") and ", exact; raw " in line]
+    assert len(exact) == repeats, proc.stdout[-4000:]
     result = json.loads((tmp_path / "mooncake_gpu.json").read_text())
     run = result["kv_transfer"]["runs"][0]
     assert result["check"]["value"] == pytest.approx(min(run["raw_seconds"]) / min(run["seconds"]))
