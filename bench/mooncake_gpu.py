@@ -11,7 +11,9 @@ two TransferEngines in one process on loopback TCP, the KV encrypted and MACed, 
 Between our repeats, raw Mooncake moves the same bytes between the same two engines: one
 `batch_transfer_sync_write` from the prefill pool's pages into the decode side's staging (its
 registered GPU memory on a CUDA pool). value = raw best / ours best, the check of
-`bench/target_check.py`; the card's name, the commit and the Mooncake build go with it.
+`bench/target_check.py`; the card's name, the commit and the Mooncake build go with it. Printed
+beside it, not checked: a raw `batch_transfer_sync_read` of the same pages into the same staging
+(what a pulled transfer's reads cost without its staging, cipher and MAC).
 
 A GPU pool over TCP needs a CUDA build of Mooncake (`mooncake-transfer-engine-cuda13`; the engine
 refuses the `-non-cuda` wheel with a message, workers/transport/mooncake_build.py). Mooncake binds
@@ -97,6 +99,7 @@ def measure(args: argparse.Namespace, seed: int) -> dict:
     return {"seed": seed, "bytes": setup.bytes, "bytes_per_token": setup.src.bytes_per_token,
             "tokens": settings.tokens, "layers": settings.layers, "direction": args.direction,
             "ours_gbps": setup.bytes / ours / 1e9, "raw_gbps": setup.bytes / raw / 1e9,
+            "raw_read_gbps": setup.bytes / min(results.read_ceilings) / 1e9,
             "paired_median": pairs[len(pairs) // 2],
             "kv_transfer": kv_transfer.result_json(setup, {1: results}, {}, where), "check": verdict}
 
@@ -107,6 +110,7 @@ def table(result: dict) -> str:
         f"issue 25 Mooncake GPU, card {result['card']}, commit {result['commit']}, {result['mooncake']}; "
         f"{result['bytes'] / 1e6:.1f} MB ({result['bytes_per_token']} B/token), {DIRECTIONS[result['direction']]}, "
         f"ratio = value / target",
+        f"(raw read, the pulled direction's ceiling: {result['raw_read_gbps']:.3f} GB/s)",
         f"| {'check':<62} | {'ours GB/s':>9} | {'raw GB/s':>8} | {'value':>5} | {'target':>6} | {'ratio':>5} "
         f"| result |",
         f"|{'-' * 64}|{'-' * 11}|{'-' * 10}|{'-' * 7}|{'-' * 8}|{'-' * 7}|--------|",

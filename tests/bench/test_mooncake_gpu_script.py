@@ -29,8 +29,9 @@ def test_the_cpu_path_checks_ours_against_raw_mooncake_and_prints_the_table_last
 
     result = json.loads((tmp_path / "mooncake_gpu.json").read_text())
     run = result["kv_transfer"]["runs"][0]
-    assert (result["seed"], result["direction"], len(run["seconds"]), len(run["raw_seconds"])) == (
-        seed, direction, repeats, repeats)
+    assert (result["seed"], result["direction"], len(run["seconds"]), len(run["raw_seconds"]),
+            len(run["raw_read_seconds"])) == (seed, direction, repeats, repeats, repeats)
+    assert result["raw_read_gbps"] == pytest.approx(result["bytes"] / min(run["raw_read_seconds"]) / 1e9)
     verdict = result["check"]
     assert verdict["value"] == pytest.approx(min(run["raw_seconds"]) / min(run["seconds"]))
     assert verdict["result"] == ("PASS" if verdict["value"] >= 0.8 else "MISS")
@@ -42,7 +43,7 @@ def test_the_cpu_path_checks_ours_against_raw_mooncake_and_prints_the_table_last
     installed = {dist.metadata["Name"] for dist in importlib.metadata.distributions()}
     assert result["card"] == "cpu" and result["commit"] == commit
     assert result["mooncake"].split()[0] in {name.lower().replace("_", "-") for name in installed}
-    header, row = lines[-4], lines[-1]
+    header, row = lines[-5], lines[-1]
     assert f"card cpu, commit {commit}, {result['mooncake']}" in header
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[0] == verdict["check"] and cells[4:] == [">= 0.8", f"{verdict['ratio']:.2f}", verdict["result"]]
