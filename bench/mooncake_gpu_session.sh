@@ -11,8 +11,9 @@
 # the carry out. The router's wheels are not needed. Of the carried system libraries only those the
 # image lacks are linked in (/tmp/site-mooncake/lib, first on LD_LIBRARY_PATH), found by ldd; the CUDA
 # runtime is the image's (CUDA 13, as torch's). Then the GPU tests of this path (tests.log: the bench's
-# tiny GPU run, the build's name), then the bench; extra arguments go to mooncake_gpu.py (e.g.
-# --repeats 10, --direction write). Its log and mooncake_gpu.json land in $OUT; the target table is last.
+# tiny GPU run, the build's name), then the bench with prefill writing (mooncake_gpu_write.log, write/), then
+# the bench as the workers run by default, decode pulling: mooncake_gpu.log and mooncake_gpu.json in $OUT,
+# its target table last. Extra arguments go to both runs of mooncake_gpu.py (e.g. --repeats 10).
 source "$(dirname "$0")/gpu_setup.sh"
 repo=$(pwd)
 bundle=$repo/bench/wheels-mooncake/mooncake-gpu.tar.xz
@@ -54,9 +55,16 @@ if ldd "$engine" | grep "not found" | grep -q -v "^\s*libcudart\.so\.13 "; then
 fi
 echo "libcudart: ${cudart:-none found outside torch}"
 export PYTHONPATH=$site/site:$PYTHONPATH  # before /tmp/site, where a carried non-cuda wheel may sit
-(cd /tmp && timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rs --durations=4 \
+(cd /tmp && timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -rs --durations=4 \
     "$repo/tests/bench/test_mooncake_gpu_cuda.py" "$repo/tests/workers/transport/test_mooncake_build.py" 2>&1) \
     | tee "$OUT/tests.log"
-cd /tmp && timeout "${MOONCAKE_GPU_TIMEOUT:-360}" python3 "$repo/bench/mooncake_gpu.py" --device cuda --out "$OUT" "$@" \
-    2>&1 \
-    | tee "$OUT/mooncake_gpu.log"
+# The other direction too (prefill writes), for the record: its log and JSON under $OUT/write/.
+cd /tmp || exit 1
+timeout "${WRITE_TIMEOUT:-150}" python3 "$repo/bench/mooncake_gpu.py" --device cuda --direction write \
+    --out "$OUT/write" "$@" >"$OUT/mooncake_gpu_write.log" 2>&1 || echo "the write-direction run failed (its log)"
+timeout "${MOONCAKE_GPU_TIMEOUT:-200}" python3 "$repo/bench/mooncake_gpu.py" --device cuda --out "$OUT" "$@" \
+    2>&1 | tee "$OUT/mooncake_gpu.log"
+rc=${PIPESTATUS[0]}
+echo  # both tables last (Mooncake's own log lines end each run): written by prefill, then pulled by decode
+grep -h -A4 "^issue 25 Mooncake GPU" "$OUT/mooncake_gpu_write.log" "$OUT/mooncake_gpu.log"
+exit "$rc"
