@@ -7,7 +7,8 @@
 #       .venv/bin/python -m pip download $w --only-binary=:all: --python-version 3.12 \
 #           --platform manylinux2014_x86_64 --no-deps -d bench/wheels; done
 # then pass carry=["bench/wheels"] to the device call. The 64 MiB a call carries do not fit the
-# router's wheels (44 MB) and mooncake (46 MB) together: for the serving runs carry .whl/ alone with
+# router's wheels (44 MB) and mooncake (46 MB) together (the CUDA build's engine alone, with the system
+# libraries it links, is a 12 MB carry: bench/mooncake_gpu_bundle.sh): for the serving runs carry .whl/ alone with
 # smg 1.13.0, smg-grpc-proto 0.4.28, grpcio 1.85.3, protobuf 7.36.2, grpcio-health-checking 1.85.1,
 # setproctitle, isal (the crc32 of the byte stream; zlib's is slower) and py-spy (--profile; its
 # binary lands in /tmp/site/bin, put on PATH here). The session scripts install wheels only

@@ -44,6 +44,7 @@ import json
 import multiprocessing
 import random
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -67,7 +68,7 @@ from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomR
 from deepseek_pd.workers.prefill.kv_push import KVPush
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ceilings beside this script
-from kv_transfer_ceilings import raw_grpc, raw_mooncake  # noqa: E402
+from kv_transfer_ceilings import raw_grpc, raw_mooncake, raw_mooncake_read  # noqa: E402
 from target_check import check  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -123,11 +124,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def reexec_in_netns(argv: list[str]) -> int:
+def reexec_in_netns(argv: list[str], script: Path = Path(__file__)) -> int:
+    """Runs `script` again with `argv` less --netns in a private network namespace with loopback up."""
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         raise SystemExit("--netns needs unshare and ip (scripts/system-deps.sh)")
     inner = [a for a in argv if a != "--netns"]
-    command = " ".join([sys.executable, str(Path(__file__).resolve()), *inner])
+    command = shlex.join([sys.executable, str(script.resolve()), *inner])
     return subprocess.call(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"])
 
 
@@ -256,6 +258,7 @@ class Results:
         self.seconds: list[float] = []
         self.stalls: list[float] = []
         self.ceilings: list[float] = []  # mooncake: measured between our repeats, so both see the same load
+        self.read_ceilings: list[float] = []  # mooncake: raw reads of the same pages, right after each raw write
         self.stats = TransferStats()
 
 
@@ -291,6 +294,8 @@ async def run_together(setup: Setup, results: Results, profile: str | None, stre
             if not args.no_ceiling and args.transport == "mooncake":
                 results.ceilings.append(raw_mooncake(setup, sender, receiver))
                 line += f"; raw {setup.bytes / results.ceilings[-1] / 1e9:.3f} GB/s ({results.ceilings[-1] * 1e3:.1f} ms)"
+                results.read_ceilings.append(raw_mooncake_read(setup, sender, receiver))
+                line += f", raw read {setup.bytes / results.read_ceilings[-1] / 1e9:.3f} GB/s"
             print(line, flush=True)
         if profile:
             profiler = cProfile.Profile()
@@ -412,7 +417,8 @@ def result_json(setup: Setup, runs: dict[int, Results], ceilings: dict[int, list
     return {"transport": args.transport, "device": args.device, "same_host_direct": args.same_host_direct,
             "where": where, "tokens": args.tokens,
             "bytes": setup.bytes, "layerwise": args.layerwise, "crc32": CRC32_IMPLEMENTATION,
-            "runs": [{"streams": s, "seconds": r.seconds, "raw_seconds": r.ceilings, "stalls": r.stalls}
+            "runs": [{"streams": s, "seconds": r.seconds, "raw_seconds": r.ceilings,
+                      "raw_read_seconds": r.read_ceilings, "stalls": r.stalls}
                      for s, r in runs.items()],
             "raw_grpc": [{"connections": c, "seconds": sec} for c, sec in ceilings.items()],
             "check": verdict}
@@ -467,6 +473,10 @@ def report(setup: Setup, results: Results, where: str) -> None:
         print(f"| {label + ', best':<40} | {setup.bytes / raw_best / 1e9:>7.3f} | {raw_best * 1e3:>7.1f} |")
         print(f"| {label + ', median':<40} | {setup.bytes / raw_median / 1e9:>7.3f} | {raw_median * 1e3:>7.1f} |")
         print(f"| {'ours / raw (best, median)':<40} | {raw_best / best:>7.2f} | {raw_median / median:>7.2f} |")
+        if results.read_ceilings:
+            read_best = min(results.read_ceilings)
+            print(f"| {'raw batch_transfer_sync_read, best':<40} | {setup.bytes / read_best / 1e9:>7.3f} | "
+                  f"{read_best * 1e3:>7.1f} |")
         if len(results.ceilings) == len(seconds):  # measured back to back: the load changes less within a pair
             paired = sorted(raw / ours for raw, ours in zip(results.ceilings, seconds))
             print(f"| {'ours / raw, per repeat pair, median':<40} | {paired[len(paired) // 2]:>7.2f} | {'':>7} |")

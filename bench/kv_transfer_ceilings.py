@@ -84,3 +84,36 @@ def raw_mooncake(setup, sender, receiver) -> float:
     return elapsed
 
 
+
+
+def raw_mooncake_read(setup, sender, receiver) -> float:
+    """Seconds of one raw `batch_transfer_sync_read` of the same pages, the other way round: the
+    decode side's engine reads the prefill pool's pages straight into its staging's first slots, as a
+    pulled transfer reads (without its send staging, cipher or MAC). A read is served only from
+    registered memory, so the prefill pool's layer buffers are registered with the prefill engine
+    around it, outside its timing (a bench ceiling: the workers never register a pool)."""
+    from deepseek_pd.workers.transport.mooncake_channel import build_write_batch
+
+    staging, engine = receiver.staging, receiver.engine
+    slots = list(range(len(setup.src_pages)))
+    if len(slots) > staging.num_pages:
+        raise SystemExit(f"the raw mooncake read needs {len(slots)} staging pages, the staging holds "
+                         f"{staging.num_pages}")
+    layer_bytes = setup.src.buffers[0].numel() * setup.src.buffers[0].element_size()
+    registered = []
+    try:
+        for buffer in setup.src.buffers:
+            if sender.engine.engine.register_memory(buffer.data_ptr(), layer_bytes) != 0:
+                raise SystemExit("raw mooncake read: the prefill engine refused to register its pool")
+            registered.append(buffer.data_ptr())
+        batch = build_write_batch(staging.base_addrs, registered, setup.src.bytes_per_page, slots, setup.src_pages)
+        began = time.perf_counter()
+        status = engine.engine.batch_transfer_sync_read(sender.engine.session_id, *batch)
+        elapsed = time.perf_counter() - began
+    finally:
+        for addr in registered:
+            sender.engine.engine.unregister_memory(addr)
+    if status != 0:
+        raise SystemExit(f"raw mooncake read failed with status {status}")
+    staging.scrub(slots)  # (what it read is the prefill pool's plaintext: nothing of it stays behind)
+    return elapsed

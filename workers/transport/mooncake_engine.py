@@ -5,6 +5,7 @@ registers the pool itself: a registered pool is readable and writable by anyone 
 engine's port (Mooncake authenticates no peer), so only stagings are, and only while in use."""
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any, Sequence
 
@@ -12,6 +13,7 @@ from deepseek_pd import env
 from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.transport.base import TransportConfig
+from deepseek_pd.workers.transport.mooncake_build import imported_build
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ class MooncakeEngine:
 
     def __init__(self, pool: KVPool, config: TransportConfig) -> None:
         try:
-            from mooncake.engine import TransferEngine
+            engine_module = importlib.import_module("mooncake.engine")
         except ImportError as exc:
             raise UserError(f"KV transport 'mooncake' is not usable here: {exc} "
                             "(install mooncake-transfer-engine and Debian libibverbs1, or use --kv-transport grpc)"
@@ -42,9 +44,17 @@ class MooncakeEngine:
         if config.advertise_host in ("0.0.0.0", "::", ""):
             raise UserError(f"KV transport 'mooncake' needs the address peers reach this worker at, not "
                             f"{config.advertise_host!r}: set the transport's advertise_host (e.g. the pod IP)")
+        self.build = imported_build(engine_module)
         if pool.device.type != "cpu" and config.mooncake_protocol == "tcp":
-            log.warning("mooncake over tcp with a %s pool: needs a CUDA-enabled mooncake build", pool.device)
-        self.engine: Any = TransferEngine()
+            if self.build.moves_cuda_memory_over_tcp is False:
+                raise UserError(f"KV transport 'mooncake' over tcp cannot move a {pool.device} pool with "
+                                f"{self.build}: its TCP transport reads and writes host memory only. Install a "
+                                f"CUDA build (mooncake-transfer-engine-cuda13, or mooncake-transfer-engine for "
+                                f"CUDA 12), or use --kv-transport grpc")
+            if self.build.moves_cuda_memory_over_tcp is None:
+                log.warning("mooncake over tcp with a %s pool: needs a CUDA-enabled mooncake build (%s)",
+                            pool.device, self.build)
+        self.engine: Any = engine_module.TransferEngine()
         status = self.engine.initialize(config.advertise_host, "P2PHANDSHAKE",
                                         config.mooncake_protocol, config.mooncake_device)
         if status != 0:
@@ -52,8 +62,8 @@ class MooncakeEngine:
                             f"{config.mooncake_protocol!r}) failed with status {status}")
         self.protocol = config.mooncake_protocol
         self.session_id = f"{config.advertise_host}:{self.engine.get_rpc_port()}"
-        log.info("mooncake TransferEngine %s over %s (devices: %s)", self.session_id, self.protocol,
-                 config.mooncake_device or "all")
+        log.info("mooncake TransferEngine %s over %s (devices: %s; %s)", self.session_id, self.protocol,
+                 config.mooncake_device or "all", self.build)
         if config.warn_exposure:  # every rank's engine listens so; the node's first rank says it
             log.warning("%s (port %d)", exposure_warning(config.advertise_host), self.engine.get_rpc_port())
         self._registered: list[int] = []
