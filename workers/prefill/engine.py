@@ -42,7 +42,7 @@ from deepseek_pd.workers.engine.request_lifecycle import EngineCore, RequestReco
 from deepseek_pd.workers.transport.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
-from deepseek_pd.workers.prefill.layer_relay import LayerRelay
+from deepseek_pd.workers.prefill.layer_relay import LayerRelay, layers_per_send
 from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache
 from deepseek_pd.workers.prefill.round_budget import RoundBudget, RoundBudgetConfig
 
@@ -323,8 +323,14 @@ class _PushHooks(RoundHooks[_Request]):
                 if not state.ended and state.progress is not None and state.push.failed is None:
                     state.push.layers_ready(computed, state.progress.pages, layer, layer + 1, ready)
 
-        # (one wake-up of the loop per batch of layers, not per layer: layer_relay.py)
-        return LayerEvents(self.engine.runner.model.options.device, LayerRelay(loop, on_loop).notice)
+        # One wake-up of the loop per group of layers that holds `layerwise_min_bytes` of this round's
+        # streamed KV, not per layer (layer_relay.py: each is Python the forward waits for).
+        pool, num_layers = self.engine.pool, len(self.engine.runner.model.layers)
+        layer_bytes = sum(len(seq.token_ids) for item, seq in zip(plan.items, plan.seqs)
+                          if item.owner.push.streams_layers) * pool.bytes_per_page // pool.page_size
+        every = layers_per_send(layer_bytes, self.engine.config.scheduler.layerwise_min_bytes, num_layers)
+        relay = LayerRelay(loop, on_loop, every=every, last_layer=num_layers - 1)
+        return LayerEvents(self.engine.runner.model.options.device, relay.notice)
 
     def chunk_done(self, owners: Sequence[_Request]) -> None:
         written = self.engine._written()

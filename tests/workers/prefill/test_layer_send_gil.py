@@ -1,0 +1,111 @@
+"""While the prefill worker's model thread runs a forward, its other threads run (almost) no Python:
+layer-wise KV streaming hands a short prompt's layers to the transport in groups, not one send per
+layer (workers/prefill/layer_relay.py), each of which was Python on the event loop and the KV threads
+that the forward waited for through the GIL.
+
+The model is V2-Lite's layer and expert count at tiny widths (bench/prefill_host_overhead.py's `ops`
+shape: 27 layers, so per-layer work weighs as in serving), both engines in this process, KV over the
+gRPC byte stream (the channel that streams layers), the worker's default `layerwise_min_bytes`.
+CPU time per thread, not wall time: a loaded machine stretches both alike. Before the groups the
+other threads ran 0.3-0.5 of the model thread's CPU during its forwards (27 sends a forward)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import threading
+import time
+
+import pytest
+
+from deepseek_pd.model.runner import ModelRunner
+from deepseek_pd.model.runner_config import RunnerConfig
+from deepseek_pd.model.sampling.params import SamplingParams
+from deepseek_pd.workers.engine.offline import Engine
+from pdtest.bench_scripts import bench_module
+from pdtest.pd_engine_harness import PAGE_SIZE, PDPair, worker_config
+
+pytestmark = [pytest.mark.timeout(120)]
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+# The other threads' Python CPU during forwards, as a share of the model thread's: 1-5% measured with
+# the groups (one hand-off at the last layer here), 30-50% with a send per layer.
+MAX_OTHER_SHARE = 0.15
+
+
+@pytest.fixture(scope="module")
+def ops_checkpoint(tmp_path_factory):
+    checkpoint = bench_module("random_checkpoint")
+    directory = tmp_path_factory.mktemp("ops")
+    shape = bench_module("prefill_host_overhead").OPS_SHAPE
+    checkpoint.ensure_random_checkpoint(directory, dict(shape), device="cpu", seed=random.randrange(1 << 20))
+    return directory
+
+
+class ThreadCpu:
+    """Each Python thread's CPU seconds during the forwards it wraps, the model thread's apart."""
+
+    def __init__(self) -> None:
+        self.model_s = 0.0
+        self.others_s = 0.0
+        self.forwards = 0
+
+    @staticmethod
+    def _now() -> dict[int, float]:
+        out = {}
+        for thread in threading.enumerate():
+            try:
+                out[thread.ident] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, TypeError):
+                pass  # ended meanwhile
+        return out
+
+    def wrap(self, forward):
+        def observed(*args):
+            me = threading.get_ident()
+            before = self._now()
+            try:
+                return forward(*args)
+            finally:
+                after = self._now()
+                for ident, cpu in after.items():
+                    spent = cpu - before.get(ident, cpu)
+                    if ident == me:
+                        self.model_s += spent
+                    else:
+                        self.others_s += spent
+                self.forwards += 1
+        return observed
+
+
+def test_a_forward_runs_without_other_threads_python(ops_checkpoint):
+    rng = random.Random()
+    # Prompts of one round each, long enough that the forward is many launches, short enough that a
+    # layer's KV is far below the worker's send floor (as a 789-token V2-Lite prompt's is).
+    chunk = 256
+    runners = [ModelRunner(RunnerConfig(model=str(ops_checkpoint), page_size=PAGE_SIZE, num_pages=256))
+               for _ in range(2)]
+    vocab = runners[0].model_config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(32, chunk))] for _ in range(3)]
+    oracle = Engine(str(ops_checkpoint), page_size=PAGE_SIZE, chunked_prefill_size=chunk)
+    expected = [oracle.generate(prompt, GREEDY).output_ids for prompt in prompts]
+    base = worker_config("grpc", same_host_direct="off")
+    cfg = dataclasses.replace(base, scheduler=dataclasses.replace(
+        base.scheduler, chunked_prefill_size=chunk, layerwise_transfer=True))
+    cpu = ThreadCpu()
+
+    async def run():
+        async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, runners=tuple(runners)) as pair:
+            await pair.run(prompts[0], GREEDY, "warm")  # first calls: the threads start, the channel opens
+            pair.prefill.rounds.forward = cpu.wrap(pair.prefill.rounds.forward)
+            outcomes = [await pair.run(prompt, GREEDY, f"r{i}") for i, prompt in enumerate(prompts)]
+            await pair.wait_pools_clean()
+            return outcomes
+
+    outcomes = asyncio.run(run())
+    assert [decode.tokens for _, decode in outcomes] == expected, outcomes
+    assert all(prefill.ok for prefill, _ in outcomes)
+    share = cpu.others_s / cpu.model_s
+    assert cpu.forwards == len(prompts) and share < MAX_OTHER_SHARE, (
+        f"the other threads ran {share:.2f} of the model thread's CPU ({cpu.others_s * 1e3:.1f} of "
+        f"{cpu.model_s * 1e3:.1f} ms) during {cpu.forwards} forwards")
