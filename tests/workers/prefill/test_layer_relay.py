@@ -1,5 +1,6 @@
-"""The prefill worker's per-layer KV notices reach the event loop with one wake-up per batch the loop
-has not drained yet (workers/prefill/layer_relay.py), every layer still sent, in order."""
+"""The prefill worker's per-layer KV notices reach the event loop with one wake-up per group of layers
+(and none while the loop has not drained the last), every layer still sent, in order
+(workers/prefill/layer_relay.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ import threading
 import pytest
 
 from deepseek_pd.model.sampling.params import SamplingParams
-from deepseek_pd.workers.prefill.layer_relay import LayerRelay
+from deepseek_pd.workers.prefill.layer_relay import LayerRelay, layers_per_send
 from pdtest.pd_engine_harness import CHUNK, PDPair, oracle, worker_config
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -49,6 +50,44 @@ def test_notices_while_the_loop_is_busy_wake_it_once_and_arrive_in_order():
         return got, wakes
     got, wakes = asyncio.run(run())
     assert got == list(range(count)) and wakes == 1
+
+
+def test_a_group_holds_the_floor_s_bytes_and_no_more_layers_than_needed():
+    rng = random.Random()
+    layers, layer_bytes = rng.randrange(1, 80), rng.randrange(1, 1 << 24)
+    floor = rng.randrange(1, 1 << 26)
+    every = layers_per_send(layer_bytes, floor, layers)
+    assert 1 <= every <= layers
+    assert every == layers or every * layer_bytes >= floor  # the group reaches the floor ...
+    assert every == 1 or (every - 1) * layer_bytes < floor  # ... with no layer to spare
+    assert layers_per_send(layer_bytes, 0, layers) == 1  # no floor: every layer alone
+    assert layers_per_send(0, floor, layers) == layers  # nothing streamed: one hand-off at the end
+
+
+def test_a_following_loop_is_woken_once_per_group_and_at_the_last_layer():
+    rng = random.Random()
+    layers = rng.randrange(2, 40)
+    every = rng.randrange(1, layers + 1)
+
+    async def run() -> tuple[list[int], int]:
+        loop = asyncio.get_running_loop()
+        got: list[int] = []
+        wakes = 0
+        schedule = loop.call_soon_threadsafe
+
+        def counted(*args):
+            nonlocal wakes
+            wakes += 1
+            return schedule(*args)
+        loop.call_soon_threadsafe = counted
+        relay = LayerRelay(loop, lambda layer, ready: got.append(layer), every=every, last_layer=layers - 1)
+        for layer in range(layers):
+            relay.notice(layer, None)
+            for _ in range(3):  # the loop keeps up: each drain runs before the next notice
+                await asyncio.sleep(0)
+        return got, wakes
+    got, wakes = asyncio.run(run())
+    assert got == list(range(layers)) and wakes == -(-layers // every), (layers, every, wakes)
 
 
 def test_a_forward_that_the_loop_cannot_follow_wakes_it_once_and_sends_every_layer():
