@@ -42,16 +42,12 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from deepseek_pd.model.checkpoint.model_dir import resolve_model_dir  # noqa: E402
 from deepseek_pd.model.config import ModelConfig  # noqa: E402
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner  # noqa: E402
-from random_checkpoint import V2_MINI, ensure_random_checkpoint, v2_lite_config  # noqa: E402
+from prefill_host_overhead import V2_LITE_DIR, model_dir  # noqa: E402  (the same checkpoints: `ops` on the CPU)
 from serving_configs import serving_plan, worker_runner_config  # noqa: E402
 from up_process import UpProcess, UpSpec  # noqa: E402
 
-OPS_SHAPE = {**V2_MINI, "num_hidden_layers": 27, "n_routed_experts": 64, "num_experts_per_tok": 6}
-OPS_DIR = Path("/tmp/deepseek-pd-bench/v2-lite-ops-random")  # prefill_host_overhead.py's `ops` shape
-V2_LITE_DIR = Path("/tmp/deepseek-pd-bench/v2-lite-random")  # bench/serving_gpu.py's checkpoint
 PROBE = f"{BENCH / 'thread_cpu_probe.py'}:build"
 # Roles whose CPU is not the worker's Python: the model thread itself, the probe's own sampler,
 # and threads Python did not start (gRPC core, OpenMP), which never hold the GIL.
@@ -79,16 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.seed = random.randrange(1 << 30) if args.seed is None else args.seed
     args.levels = [int(c) for c in args.levels.split(",")]
     return args
-
-
-def model_dir(args) -> Path:
-    if args.model:
-        return resolve_model_dir(args.model)
-    if args.write_v2_lite:
-        ensure_random_checkpoint(V2_LITE_DIR, v2_lite_config(), device=args.device)
-        return V2_LITE_DIR
-    ensure_random_checkpoint(OPS_DIR, dict(OPS_SHAPE), device="cpu")
-    return OPS_DIR
 
 
 def prompts(rng: random.Random, vocab: int, tokens: int, count: int) -> list[list[int]]:
@@ -144,23 +130,29 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarise(records: list[dict], runner: dict) -> dict:
-    """Per level: the forward's wall and the model thread's figures (medians over forwards), and
-    per role the mean CPU seconds per forward and its share of the model thread's CPU."""
-    if not records:
-        return {"forwards": 0}
+def thread_shares(records: list[dict]) -> dict:
+    """Over the forwards `records` (thread_cpu_probe.py's lines): per thread role the mean CPU
+    seconds a forward and its share of the model thread's CPU, and the other Python threads' share
+    together (`other_python_share`: what the forward may have waited for through the GIL)."""
     per_role: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(records))
-    model = []
     for i, record in enumerate(records):
         for thread in record["threads"].values():
             per_role[thread["role"]][i] += thread["cpu_s"]
-            if thread["role"] == "model":
-                model.append(thread)
-    model_cpu = statistics.mean(t["cpu_s"] for t in model)
-    wall = statistics.median(r["wall_s"] for r in records)
+    model_cpu = statistics.mean(per_role["model"])
     roles = {role: {"cpu_ms": 1e3 * statistics.mean(values), "share": statistics.mean(values) / model_cpu}
              for role, values in sorted(per_role.items(), key=lambda kv: -sum(kv[1]))}
-    python_share = sum(v["share"] for role, v in roles.items() if role not in NOT_PYTHON)
+    return {"roles": roles,
+            "other_python_share": sum(v["share"] for role, v in roles.items() if role not in NOT_PYTHON)}
+
+
+def summarise(records: list[dict], runner: dict) -> dict:
+    """Per level: `thread_shares`, the forward's wall and the model thread's own figures (medians
+    over forwards) against the runner alone, and the sampled stacks by role."""
+    if not records:
+        return {"forwards": 0}
+    model = [next(t for t in r["threads"].values() if t["role"] == "model") for r in records]
+    wall = statistics.median(r["wall_s"] for r in records)
+    model_cpu = statistics.median(t["cpu_s"] for t in model)
     stacks: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for record in records:
         for role, frames in record.get("stacks", {}).items():
@@ -168,13 +160,12 @@ def summarise(records: list[dict], runner: dict) -> dict:
                 stacks[role][frame] += n
     return {"forwards": len(records), "tokens": statistics.median(r["tokens"] for r in records),
             "prompts": statistics.median(r["prompts"] for r in records), "wall_ms": 1e3 * wall,
-            "wall_vs_runner": wall / runner["wall_s"],
-            "model_cpu_ms": 1e3 * statistics.median(t["cpu_s"] for t in model),
-            "model_cpu_vs_runner": statistics.median(t["cpu_s"] for t in model) / runner["cpu_s"],
+            "wall_vs_runner": wall / runner["wall_s"], "model_cpu_ms": 1e3 * model_cpu,
+            "model_cpu_vs_runner": model_cpu / runner["cpu_s"],
             "model_cpu_of_wall": statistics.median(t["cpu_s"] / r["wall_s"] for t, r in zip(model, records)),
             "model_voluntary": statistics.median(t["voluntary"] for t in model),
             "model_runnable_ms": 1e3 * statistics.median(t["wait_s"] for t in model),
-            "roles": roles, "other_python_share": python_share,
+            **thread_shares(records),
             "stacks": {role: dict(sorted(f.items(), key=lambda kv: -kv[1])[:6]) for role, f in stacks.items()}}
 
 

@@ -6,15 +6,14 @@ that the forward waited for through the GIL.
 The model is V2-Lite's layer and expert count at tiny widths (bench/prefill_host_overhead.py's `ops`
 shape: 27 layers, so per-layer work weighs as in serving), both engines in this process, KV over the
 gRPC byte stream (the channel that streams layers), the worker's default `layerwise_min_bytes`.
-CPU time per thread, not wall time: a loaded machine stretches both alike. Before the groups the
+CPU time per thread (bench/thread_cpu_probe.py's accounting, what bench/prefill_thread_cpu.py
+reports in `up`), not wall time: a loaded machine stretches both alike. Before the groups the
 other threads ran 0.3-0.5 of the model thread's CPU during its forwards (27 sends a forward)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import random
-import threading
-import time
 
 import pytest
 
@@ -42,43 +41,7 @@ def ops_checkpoint(tmp_path_factory):
     return directory
 
 
-class ThreadCpu:
-    """Each Python thread's CPU seconds during the forwards it wraps, the model thread's apart."""
-
-    def __init__(self) -> None:
-        self.model_s = 0.0
-        self.others_s = 0.0
-        self.forwards = 0
-
-    @staticmethod
-    def _now() -> dict[int, float]:
-        out = {}
-        for thread in threading.enumerate():
-            try:
-                out[thread.ident] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            except (OSError, TypeError):
-                pass  # ended meanwhile
-        return out
-
-    def wrap(self, forward):
-        def observed(*args):
-            me = threading.get_ident()
-            before = self._now()
-            try:
-                return forward(*args)
-            finally:
-                after = self._now()
-                for ident, cpu in after.items():
-                    spent = cpu - before.get(ident, cpu)
-                    if ident == me:
-                        self.model_s += spent
-                    else:
-                        self.others_s += spent
-                self.forwards += 1
-        return observed
-
-
-def test_a_forward_runs_without_other_threads_python(ops_checkpoint):
+def test_a_forward_runs_without_other_threads_python(ops_checkpoint, tmp_path):
     rng = random.Random()
     # Prompts of one round each, long enough that the forward is many launches, short enough that a
     # layer's KV is far below the worker's send floor (as a 789-token V2-Lite prompt's is).
@@ -92,12 +55,12 @@ def test_a_forward_runs_without_other_threads_python(ops_checkpoint):
     base = worker_config("grpc", same_host_direct="off")
     cfg = dataclasses.replace(base, scheduler=dataclasses.replace(
         base.scheduler, chunked_prefill_size=chunk, layerwise_transfer=True))
-    cpu = ThreadCpu()
+    forwards = tmp_path / "forwards.jsonl"  # a line per forward: each thread's CPU during it (/proc)
 
     async def run():
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, runners=tuple(runners)) as pair:
             await pair.run(prompts[0], GREEDY, "warm")  # first calls: the threads start, the channel opens
-            pair.prefill.rounds.forward = cpu.wrap(pair.prefill.rounds.forward)
+            bench_module("thread_cpu_probe").probe(pair.prefill.rounds, forwards, None)
             outcomes = [await pair.run(prompt, GREEDY, f"r{i}") for i, prompt in enumerate(prompts)]
             await pair.wait_pools_clean()
             return outcomes
@@ -105,7 +68,8 @@ def test_a_forward_runs_without_other_threads_python(ops_checkpoint):
     outcomes = asyncio.run(run())
     assert [decode.tokens for _, decode in outcomes] == expected, outcomes
     assert all(prefill.ok for prefill, _ in outcomes)
-    share = cpu.others_s / cpu.model_s
-    assert cpu.forwards == len(prompts) and share < MAX_OTHER_SHARE, (
-        f"the other threads ran {share:.2f} of the model thread's CPU ({cpu.others_s * 1e3:.1f} of "
-        f"{cpu.model_s * 1e3:.1f} ms) during {cpu.forwards} forwards")
+    records = bench_module("prefill_thread_cpu").read_records(forwards)
+    shares = bench_module("prefill_thread_cpu").thread_shares(records)
+    assert len(records) == len(prompts) and shares["other_python_share"] < MAX_OTHER_SHARE, (
+        f"the other threads ran {shares['other_python_share']:.2f} of the model thread's CPU during "
+        f"{len(records)} forwards: {shares['roles']}")
