@@ -4,15 +4,16 @@ process layout (issue 25), against the runner alone.
     .venv/bin/python bench/prefill_thread_cpu.py                   # CPU: the `ops` shape, 128 tokens
     python bench/prefill_thread_cpu.py --device cuda --write-v2-lite --levels 1,16
 
-First the runner alone in this process (`runner.extend` of one prompt, synced: its wall time and
-its thread's CPU time), then `deepseek-pd up` (one prefill and one decode process and the real
-router) whose prefill worker carries bench/thread_cpu_probe.py, and at each concurrency level
-prefill-only requests (seed-drawn prompts of `--tokens`, one output token) through the router.
-For every forward the probe records each thread's CPU time, its time runnable without a CPU and
-its context switches; this prints, per level, the forward's wall time against the runner's, the
-model thread's CPU and its waits, and each other thread (grouped by role: the event loop that runs
-gRPC and the KV push, the KV transport's threads, gRPC's poller and core) with the CPU it used per
-forward, as a share of the model thread's. A Python thread's CPU during the forward is time the
+First the runner alone in this process (`runner.extend`, synced: its wall time and its thread's
+CPU time, at one prompt and at the largest round the levels make), then `deepseek-pd up` (one
+prefill and one decode process and the real router) whose prefill worker carries
+bench/thread_cpu_probe.py, and at each concurrency level prefill-only requests (seed-drawn prompts
+of `--tokens`, one output token) through the router. For every forward the probe records each
+thread's CPU time, its time runnable without a CPU and its context switches; this prints, per
+level, the forward's wall time against the runner's at the same round's tokens, the model thread's
+CPU and its waits, and each other thread (grouped by role: the event loop that runs gRPC and the
+KV push, the KV transport's threads, gRPC's poller and core) with the CPU it used per forward, as
+a share of the model thread's. A Python thread's CPU during the forward is time the
 model thread may have waited for the GIL: a forward gives the GIL up at every torch op, and a
 thread that wants it takes it then (bench/gil_switch.py: a busy one slows the forward 3.7-24x).
 
@@ -52,6 +53,7 @@ PROBE = f"{BENCH / 'thread_cpu_probe.py'}:build"
 # Roles whose CPU is not the worker's Python: the model thread itself, the probe's own sampler,
 # and threads Python did not start (gRPC core, OpenMP), which never hold the GIL.
 NOT_PYTHON = ("model", "probe", "grpc core", "native (not Python)")
+ROUND_TOKENS = 8192  # the largest round the runner alone is measured at
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,29 +83,49 @@ def prompts(rng: random.Random, vocab: int, tokens: int, count: int) -> list[lis
     return [[rng.randrange(3, vocab) for _ in range(tokens)] for _ in range(count)]
 
 
-def runner_alone(directory: Path, device: str, prompt: list[int], repeats: int) -> dict:
-    """Median wall and calling-thread CPU seconds of a synced `runner.extend` of `prompt` (the
-    worker's config, one untimed call first); the runner is gone when this returns."""
+def runner_alone(directory: Path, device: str, batches: list[list[list[int]]], repeats: int) -> list[dict]:
+    """Per batch of prompts (one `runner.extend` of all of them: a round), the median wall and
+    calling-thread CPU seconds of a synced extend (the worker's config, one untimed call first);
+    the runner is gone when this returns."""
     page_size = serving_plan(device).page_size
-    runner = ModelRunner(worker_runner_config(directory, device, -(-len(prompt) // page_size) + 4))
-    walls, cpus = [], []
+    pages_needed = max(sum(-(-len(p) // page_size) for p in batch) for batch in batches)
+    runner = ModelRunner(worker_runner_config(directory, device, pages_needed + 4))
+    out = []
     try:
         with torch.inference_mode():
-            for i in range(repeats + 1):
-                pages = runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(prompt)))
-                _sync(device)
-                wall, cpu = time.perf_counter(), time.thread_time()
-                runner.extend([ExtendSeq(prompt, 0, pages)])
-                _sync(device)
-                if i:
-                    walls.append(time.perf_counter() - wall)
-                    cpus.append(time.thread_time() - cpu)
-                runner.kv_pool.free(pages)
+            for batch in batches:
+                walls, cpus = [], []
+                for i in range(repeats + 1):
+                    seqs = [ExtendSeq(p, 0, runner.kv_pool.alloc(runner.kv_pool.pages_for_tokens(len(p))))
+                            for p in batch]
+                    _sync(device)
+                    wall, cpu = time.perf_counter(), time.thread_time()
+                    runner.extend(seqs)
+                    _sync(device)
+                    if i:
+                        walls.append(time.perf_counter() - wall)
+                        cpus.append(time.thread_time() - cpu)
+                    for seq in seqs:
+                        runner.kv_pool.free(seq.pages)
+                out.append({"tokens": sum(map(len, batch)), "wall_s": statistics.median(walls),
+                            "cpu_s": statistics.median(cpus)})
     finally:
         del runner
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+    return out
+
+
+def runner_at(runs: list[dict], tokens: float) -> dict:
+    """The runner's wall and CPU seconds at a round of `tokens`, linear between the measured rounds
+    (`runner_alone`'s, by tokens; held at the ends)."""
+    runs = sorted(runs, key=lambda r: r["tokens"])
+    lo = max([r for r in runs if r["tokens"] <= tokens] or runs[:1], key=lambda r: r["tokens"])
+    hi = min([r for r in runs if r["tokens"] >= tokens] or runs[-1:], key=lambda r: r["tokens"])
+    if hi["tokens"] == lo["tokens"]:
+        return {**lo, "tokens": tokens}
+    at = (tokens - lo["tokens"]) / (hi["tokens"] - lo["tokens"])
+    return {"tokens": tokens, **{key: lo[key] + at * (hi[key] - lo[key]) for key in ("wall_s", "cpu_s")}}
 
 
 def _sync(device: str) -> None:
@@ -145,11 +167,13 @@ def thread_shares(records: list[dict]) -> dict:
             "other_python_share": sum(v["share"] for role, v in roles.items() if role not in NOT_PYTHON)}
 
 
-def summarise(records: list[dict], runner: dict) -> dict:
+def summarise(records: list[dict], runs: list[dict]) -> dict:
     """Per level: `thread_shares`, the forward's wall and the model thread's own figures (medians
-    over forwards) against the runner alone, and the sampled stacks by role."""
+    over forwards) against the runner alone at the same round's tokens (`runner_at`), and the
+    sampled stacks by role."""
     if not records:
         return {"forwards": 0}
+    runner = runner_at(runs, statistics.median(r["tokens"] for r in records))
     model = [next(t for t in r["threads"].values() if t["role"] == "model") for r in records]
     wall = statistics.median(r["wall_s"] for r in records)
     model_cpu = statistics.median(t["cpu_s"] for t in model)
@@ -158,7 +182,7 @@ def summarise(records: list[dict], runner: dict) -> dict:
         for role, frames in record.get("stacks", {}).items():
             for frame, n in frames.items():
                 stacks[role][frame] += n
-    return {"forwards": len(records), "tokens": statistics.median(r["tokens"] for r in records),
+    return {"forwards": len(records), "tokens": statistics.median(r["tokens"] for r in records), "runner": runner,
             "prompts": statistics.median(r["prompts"] for r in records), "wall_ms": 1e3 * wall,
             "wall_vs_runner": wall / runner["wall_s"], "model_cpu_ms": 1e3 * model_cpu,
             "model_cpu_vs_runner": model_cpu / runner["cpu_s"],
@@ -169,13 +193,14 @@ def summarise(records: list[dict], runner: dict) -> dict:
             "stacks": {role: dict(sorted(f.items(), key=lambda kv: -kv[1])[:6]) for role, f in stacks.items()}}
 
 
-def report(level: int, summary: dict, runner: dict) -> str:
+def report(level: int, summary: dict) -> str:
     if not summary["forwards"]:
         return f"c={level}: no forward recorded (the probe did not load? see up's logs)"
     s = summary
+    runner = s["runner"]
     lines = [f"c={level}: {s['forwards']} forwards of {s['tokens']:.0f} tokens ({s['prompts']:.0f} prompts); forward "
              f"{s['wall_ms']:.2f} ms = {s['wall_vs_runner']:.3f}x the runner alone ({runner['wall_s'] * 1e3:.2f} ms "
-             f"wall, {runner['cpu_s'] * 1e3:.2f} ms CPU, one prompt)",
+             f"wall, {runner['cpu_s'] * 1e3:.2f} ms CPU, at {runner['tokens']:.0f} tokens)",
              f"  model thread: CPU {s['model_cpu_ms']:.2f} ms ({s['model_cpu_vs_runner']:.3f}x the runner's), "
              f"{s['model_cpu_of_wall']:.2f} of the wall; {s['model_voluntary']:.0f} voluntary switches (GIL or "
              f"device waits), {s['model_runnable_ms']:.2f} ms runnable without a CPU",
@@ -198,9 +223,14 @@ def main(argv=None) -> dict:
         os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it
         torch.set_num_threads(1)
     rng = random.Random(args.seed)
-    runner = runner_alone(directory, args.device, prompts(rng, config.vocab_size, args.tokens, 1)[0],
-                          args.runner_repeats)
-    print(f"runner alone: {runner['wall_s'] * 1e3:.2f} ms wall, {runner['cpu_s'] * 1e3:.2f} ms CPU", flush=True)
+    # The runner alone at one prompt and at the largest round the levels can make (at most the GPU's
+    # 8,192-token default round): each level's rounds are held against it at their own tokens.
+    largest = max(1, min(max(args.levels), ROUND_TOKENS // args.tokens))
+    batches = [prompts(rng, config.vocab_size, args.tokens, k) for k in sorted({1, largest})]
+    runs = runner_alone(directory, args.device, batches, args.runner_repeats)
+    for run in runs:
+        print(f"runner alone, {run['tokens']} tokens: {run['wall_s'] * 1e3:.2f} ms wall, "
+              f"{run['cpu_s'] * 1e3:.2f} ms CPU", flush=True)
     work = Path(tempfile.mkdtemp(prefix="thread-cpu-"))
     log_dir = args.log_dir or work / "logs"
     flags = [f for f in _worker_flags(args.device) if not f.startswith("--num-pages")]
@@ -208,7 +238,7 @@ def main(argv=None) -> dict:
     os.environ["THREAD_PROBE_OUT"] = str(work / "forwards.jsonl")
     if args.stacks:
         os.environ["THREAD_PROBE_STACKS"] = "1"
-    result = {"runner": runner, "levels": {}, "seed": args.seed, "tokens": args.tokens, "device": args.device,
+    result = {"runner": runs, "levels": {}, "seed": args.seed, "tokens": args.tokens, "device": args.device,
               "worker_flags": flags, "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda")
               else "cpu"}
     with UpProcess(UpSpec(directory, log_dir, worker_args=tuple(flags))) as up:
@@ -218,9 +248,9 @@ def main(argv=None) -> dict:
             probe_out = Path(os.environ["THREAD_PROBE_OUT"])
             probe_out.unlink(missing_ok=True)
             run_level(up.url, served, prompts(rng, config.vocab_size, args.tokens, args.rounds * level), level)
-            summary = summarise(read_records(probe_out), runner)
+            summary = summarise(read_records(probe_out), runs)
             result["levels"][level] = summary
-            print(report(level, summary, runner), flush=True)
+            print(report(level, summary), flush=True)
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1))
     return result
