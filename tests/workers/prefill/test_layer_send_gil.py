@@ -41,35 +41,62 @@ def ops_checkpoint(tmp_path_factory):
     return directory
 
 
-def test_a_forward_runs_without_other_threads_python(ops_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def observed(ops_checkpoint, tmp_path_factory):
+    """Seed-drawn prompts of one round each through the PD pair, the prefill forwards observed by the
+    bench's probe: (prompts, the decode outcomes, the offline engine's tokens, the probe's records)."""
     rng = random.Random()
-    # Prompts of one round each, long enough that the forward is many launches, short enough that a
-    # layer's KV is far below the worker's send floor (as a 789-token V2-Lite prompt's is).
+    # Long enough that the forward is many launches, short enough that a layer's KV is far below the
+    # worker's send floor (as a 789-token V2-Lite prompt's is).
     chunk = 256
     runners = [ModelRunner(RunnerConfig(model=str(ops_checkpoint), page_size=PAGE_SIZE, num_pages=256))
                for _ in range(2)]
     vocab = runners[0].model_config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(32, chunk))] for _ in range(3)]
+    warm, *prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(32, chunk))] for _ in range(4)]
     oracle = Engine(str(ops_checkpoint), page_size=PAGE_SIZE, chunked_prefill_size=chunk)
     expected = [oracle.generate(prompt, GREEDY).output_ids for prompt in prompts]
     base = worker_config("grpc", same_host_direct="off")
     cfg = dataclasses.replace(base, scheduler=dataclasses.replace(
         base.scheduler, chunked_prefill_size=chunk, layerwise_transfer=True))
-    forwards = tmp_path / "forwards.jsonl"  # a line per forward: each thread's CPU during it (/proc)
+    forwards = tmp_path_factory.mktemp("probe") / "forwards.jsonl"  # a line per forward (/proc figures)
 
     async def run():
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg, runners=tuple(runners)) as pair:
-            await pair.run(prompts[0], GREEDY, "warm")  # first calls: the threads start, the channel opens
+            await pair.run(warm, GREEDY, "warm")  # first calls: the threads start, the channel opens
             bench_module("thread_cpu_probe").probe(pair.prefill.rounds, forwards, None)
             outcomes = [await pair.run(prompt, GREEDY, f"r{i}") for i, prompt in enumerate(prompts)]
             await pair.wait_pools_clean()
             return outcomes
 
     outcomes = asyncio.run(run())
+    return prompts, outcomes, expected, bench_module("prefill_thread_cpu").read_records(forwards)
+
+
+def test_a_forward_runs_without_other_threads_python(observed):
+    prompts, outcomes, expected, records = observed
     assert [decode.tokens for _, decode in outcomes] == expected, outcomes
     assert all(prefill.ok for prefill, _ in outcomes)
-    records = bench_module("prefill_thread_cpu").read_records(forwards)
     shares = bench_module("prefill_thread_cpu").thread_shares(records)
     assert len(records) == len(prompts) and shares["other_python_share"] < MAX_OTHER_SHARE, (
         f"the other threads ran {shares['other_python_share']:.2f} of the model thread's CPU during "
         f"{len(records)} forwards: {shares['roles']}")
+
+
+def test_the_bench_holds_each_forward_against_the_runner_at_its_tokens(observed, ops_checkpoint):
+    """bench/prefill_thread_cpu.py's report of the same forwards: the model thread's figures are the
+    probe's, the runner alone measured here at the shortest and longest prompt and read at each
+    level's median tokens."""
+    bench = bench_module("prefill_thread_cpu")
+    prompts, _, _, records = observed
+    batches = [[min(prompts, key=len)], [max(prompts, key=len)]]
+    runs = bench.runner_alone(ops_checkpoint, "cpu", batches, repeats=1)
+    assert [run["tokens"] for run in runs] == [len(batch[0]) for batch in batches]
+    summary = bench.summarise(records, runs)
+    tokens = sorted(len(p) for p in prompts)[1]  # the median forward (one prompt each)
+    assert summary["forwards"] == len(prompts) and summary["tokens"] == tokens
+    assert runs[0]["wall_s"] <= summary["runner"]["wall_s"] <= runs[1]["wall_s"] or (
+        runs[1]["wall_s"] <= summary["runner"]["wall_s"] <= runs[0]["wall_s"])  # between the two, either way
+    model = sorted(next(t for t in r["threads"].values() if t["role"] == "model")["cpu_s"] for r in records)
+    assert summary["model_cpu_ms"] == pytest.approx(1e3 * model[1])
+    text = bench.report(1, summary)
+    assert text.startswith(f"c=1: {len(prompts)} forwards of {tokens} tokens") and "event loop" in text
