@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -35,7 +36,7 @@ import tempfile
 import time
 import urllib.request
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -84,7 +85,7 @@ def prompts(rng: random.Random, vocab: int, tokens: int, count: int) -> list[lis
 
 
 def runner_alone(directory: Path, device: str, batches: list[list[list[int]]], repeats: int) -> list[dict]:
-    """Per batch of prompts (one `runner.extend` of all of them: a round), the median wall and
+    """(main() runs it in a spawned process.) Per batch of prompts (one `runner.extend` of all of them: a round), the median wall and
     calling-thread CPU seconds of a synced extend (the worker's config, one untimed call first);
     the runner is gone when this returns."""
     page_size = serving_plan(device).page_size
@@ -227,7 +228,10 @@ def main(argv=None) -> dict:
     # 8,192-token default round): each level's rounds are held against it at their own tokens.
     largest = max(1, min(max(args.levels), ROUND_TOKENS // args.tokens))
     batches = [prompts(rng, config.vocab_size, args.tokens, k) for k in sorted({1, largest})]
-    runs = runner_alone(directory, args.device, batches, args.runner_repeats)
+    # In a process of its own, as bench/serving_gpu.py runs its runner: its GPU memory is back before
+    # the workers size their pools.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as apart:
+        runs = apart.submit(runner_alone, directory, args.device, batches, args.runner_repeats).result()
     for run in runs:
         print(f"runner alone, {run['tokens']} tokens: {run['wall_s'] * 1e3:.2f} ms wall, "
               f"{run['cpu_s'] * 1e3:.2f} ms CPU", flush=True)

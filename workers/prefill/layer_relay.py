@@ -24,6 +24,8 @@ takes every layer written meanwhile in one callback, in order, and the push send
 A long prompt's layer holds its group alone (V2-Lite, 8k tokens: 9.4 MB a layer, the floor 4 MiB),
 so its sends still follow the forward layer by layer; a 789-token one (0.9 MB a layer) goes in
 groups of 5 layers, 6 sends instead of 27: what is left after the forward is one group's transfer.
+A round whose one group would hold every layer is sent per chunk, after its forward, with no relay
+(engine.py `_PushHooks.layer_progress`).
 """
 from __future__ import annotations
 

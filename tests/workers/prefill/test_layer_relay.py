@@ -100,7 +100,8 @@ def test_a_forward_that_the_loop_cannot_follow_wakes_it_once_and_sends_every_lay
     prompt = [rng.randrange(2, vocab) for _ in range(rng.randrange(2, CHUNK))]
     expected = oracle().generate(prompt, GREEDY).output_ids
     base = worker_config("grpc")
-    cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=True))
+    cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=True,
+                                                                  layerwise_min_bytes=0))  # a group a layer
 
     async def run():
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg) as pair:
@@ -133,3 +134,55 @@ def test_a_forward_that_the_loop_cannot_follow_wakes_it_once_and_sends_every_lay
     (prefill, decode), wakes, layers = asyncio.run(run())
     assert prefill.ok and decode.ok and decode.tokens == expected, (prefill, decode)
     assert layers > 1 and len(wakes) == 1, (layers, wakes)
+
+
+def test_a_round_of_groups_sends_each_group_once_and_gives_the_offline_tokens():
+    """`layerwise_min_bytes` set to a drawn number of the round's layers: each forward hands its
+    layers over in groups of that many (the last one shorter), one send each, and the decode side
+    gets every cell (its tokens are the offline engine's); a floor above every layer's bytes sends
+    the round per chunk, with no progress object at all."""
+    rng = random.Random()
+    vocab = oracle().vocab_size
+    prompt = [rng.randrange(2, vocab) for _ in range(rng.randrange(2, CHUNK))]
+    expected = oracle().generate(prompt, GREEDY).output_ids
+    base = worker_config("grpc", same_host_direct="off")
+    cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=True))
+
+    async def run(groups_of: int | None):
+        async with PDPair("grpc", prefill_config=cfg, decode_config=cfg) as pair:
+            prefill = pair.prefill
+            layers, pool = len(prefill.runner.model.layers), prefill.pool
+            per_layer = len(prompt) * pool.bytes_per_page // pool.page_size
+            floor = per_layer * (groups_of if groups_of is not None else layers + 1)
+            prefill.config = dataclasses.replace(prefill.config, scheduler=dataclasses.replace(
+                prefill.config.scheduler, layerwise_min_bytes=floor))
+            sends, progresses = [], []
+            open_channel, extend = prefill.sender.open, prefill.runner.extend
+
+            def traced_open(handshake, emit, streams=1):
+                channel = open_channel(handshake, emit, streams)
+                send = channel.send
+
+                async def traced_send(src_pages, page_begin, layer_begin=0, layer_end=None, ready=None):
+                    sends.append((layer_begin, layers if layer_end is None else layer_end))
+                    await send(src_pages, page_begin, layer_begin, layer_end, ready)
+                channel.send = traced_send
+                return channel
+
+            def traced_extend(seqs, progress=None):
+                progresses.append(progress)
+                return extend(seqs, progress=progress)
+            prefill.sender.open, prefill.runner.extend = traced_open, traced_extend
+            _, decode = await pair.run(prompt, GREEDY, "groups")
+            await pair.wait_pools_clean()
+            return decode.tokens, sends, progresses, layers
+
+    every = rng.randrange(2, 4)  # the tiny model has 4 layers
+    tokens, sends, progresses, layers = asyncio.run(run(every))
+    assert tokens == expected and progresses[0] is not None
+    # In order, every layer once; a group of at least `every` layers a send but the last (a loop that
+    # drains late takes what was written meanwhile too), so at most ceil(layers / every) sends.
+    assert [begin for begin, _ in sends] == [0] + [end for _, end in sends[:-1]] and sends[-1][1] == layers, sends
+    assert all(end - begin >= every for begin, end in sends[:-1]) and len(sends) <= -(-layers // every), sends
+    tokens, sends, progresses, layers = asyncio.run(run(None))
+    assert tokens == expected and sends == [(0, layers)] and [getattr(p, "inner", p) for p in progresses] == [None]
