@@ -61,9 +61,10 @@ class SchedulerConfig:
     # round's layers are handed over in groups that reach it; the last layer's group goes whatever
     # its size), so a short prompt's forward is not interleaved with a send per layer. Each send is
     # Python on the event loop and the KV threads that the model thread waits for (the GIL: it gives
-    # it up at every op): 27 sends took 0.25 of the forward's own CPU (workers/prefill/layer_relay.py).
-    # 0: every layer its own send.
-    layerwise_min_bytes: int = 4 << 20
+    # it up at every op): 27 sends took 0.27 of the forward's own CPU, 6 sends 0.10
+    # (workers/prefill/layer_relay.py). 8 MiB: an 8k-token V2-Lite prompt (9.4 MB a layer) still
+    # streams layer by layer, a 789-token one goes in 3 sends. 0: every layer its own send.
+    layerwise_min_bytes: int = 8 << 20
     # decode: launch step N+1 before collecting step N's tokens (workers/decode/engine.py); same tokens
     overlap_schedule: bool = True
     # decode with speculation: collect step N and launch step N+1 in one model-thread call, so the

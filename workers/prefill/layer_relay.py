@@ -6,9 +6,9 @@ KV write, from the model thread, in the middle of a forward. Each wake-up of the
 loop's drain, the push, the channel's hop to a KV thread and back, the message out. All of it is
 Python, and the model thread gives the GIL up at every torch op, so the loop and the KV threads
 take it in turns with the forward. In `up`'s real process layout (bench/prefill_thread_cpu.py,
-CPU, `ops` shape: 27 layers, 128-token prompts, the gRPC byte stream) they ran 0.25-0.30 of the
-model thread's own CPU during each forward, which waited for the GIL 12-300 times a forward and
-took 1.2-1.6x the runner's; with per-chunk sends, 0.00 and no wait.
+CPU, `ops` shape: 27 layers, 128-token prompts, the gRPC byte stream, c = 1 and 4) they ran
+0.27-0.30 of the model thread's own CPU during each forward, which waited for the GIL 340-530
+times a forward and took 1.5-1.7x the runner's; sent per chunk, 0.00-0.04, 0-24 waits, 1.0-1.15x.
 
 So a notice joins a list, and the loop is woken only when the notices since the last wake-up make
 a group (`every` layers: `layers_per_send`, enough of them to hold the round's `min_bytes` of KV,
@@ -21,9 +21,11 @@ takes every layer written meanwhile in one callback, in order, and the push send
     relay.notice(2, ev2)                    # the last layer: schedules one unless one is pending
     # loop: deliver(0, ev0); deliver(1, ev1); deliver(2, ev2)
 
-A long prompt's layer holds its group alone (V2-Lite, 8k tokens: 9.4 MB a layer, the floor 4 MiB),
+A long prompt's layer holds its group alone (V2-Lite, 8k tokens: 9.4 MB a layer, the floor 8 MiB),
 so its sends still follow the forward layer by layer; a 789-token one (0.9 MB a layer) goes in
-groups of 5 layers, 6 sends instead of 27: what is left after the forward is one group's transfer.
+groups of 10 layers, 3 sends instead of 27: what is left after the forward is one group's transfer.
+The sends' cost is about linear in their count: in the layout above, groups of 5 layers (6 sends)
+still took 0.10 of the model thread's CPU and stretched the forward 1.39x the runner's.
 A round whose one group would hold every layer is sent per chunk, after its forward, with no relay
 (engine.py `_PushHooks.layer_progress`).
 """
@@ -36,7 +38,7 @@ from typing import Any, Callable
 
 def layers_per_send(layer_bytes: int, min_bytes: int, num_layers: int) -> int:
     """The layers one hand-off groups: as many as hold `min_bytes` of KV at `layer_bytes` each, at
-    least 1, at most `num_layers`. Example: 0.9 MB a layer, 4 MiB floor, 27 layers -> 5."""
+    least 1, at most `num_layers`. Example: 0.9 MB a layer, 8 MiB floor, 27 layers -> 10."""
     if min_bytes <= 0 or layer_bytes >= min_bytes:
         return 1
     if layer_bytes <= 0:
