@@ -46,7 +46,7 @@ sys.path.insert(0, str(BENCH))
 
 from deepseek_pd.model.config import ModelConfig  # noqa: E402
 from deepseek_pd.model.runner import ExtendSeq, ModelRunner  # noqa: E402
-from prefill_host_overhead import V2_LITE_DIR, model_dir  # noqa: E402  (the same checkpoints: `ops` on the CPU)
+from prefill_host_overhead import add_model_args, model_dir  # noqa: E402  (the same checkpoints: `ops` on the CPU)
 from serving_configs import serving_plan, worker_runner_config  # noqa: E402
 from up_process import UpProcess, UpSpec  # noqa: E402
 
@@ -59,11 +59,7 @@ ROUND_TOKENS = 8192  # the largest round the runner alone is measured at
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the CPU's `ops` shape)")
-    parser.add_argument("--write-v2-lite", action="store_true",
-                        help=f"use (writing it first if absent) the V2-Lite checkpoint at {V2_LITE_DIR}")
-    parser.add_argument("--tokens", type=int, default=None, help="prompt length (default 789 on CUDA, 128 on the CPU)")
+    add_model_args(parser)
     parser.add_argument("--levels", default="1,4", help="concurrency levels, comma-separated")
     parser.add_argument("--rounds", type=int, default=8, help="requests per level: this many x its concurrency")
     parser.add_argument("--runner-repeats", type=int, default=8)

@@ -19,6 +19,18 @@ pytestmark = [pytest.mark.timeout(180)]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
 
 
+def counted_wakes(loop: asyncio.AbstractEventLoop) -> list:
+    """From now on, each `call_soon_threadsafe` on `loop` (a wake-up) appends to the list returned."""
+    wakes: list = []
+    schedule = loop.call_soon_threadsafe
+
+    def counted(*args):
+        wakes.append(args)
+        return schedule(*args)
+    loop.call_soon_threadsafe = counted
+    return wakes
+
+
 def test_notices_while_the_loop_is_busy_wake_it_once_and_arrive_in_order():
     rng = random.Random()
     count = rng.randrange(2, 40)
@@ -26,14 +38,7 @@ def test_notices_while_the_loop_is_busy_wake_it_once_and_arrive_in_order():
     async def run() -> tuple[list[int], int]:
         loop = asyncio.get_running_loop()
         got: list[int] = []
-        wakes = 0
-        schedule = loop.call_soon_threadsafe
-
-        def counted(*args):
-            nonlocal wakes
-            wakes += 1
-            return schedule(*args)
-        loop.call_soon_threadsafe = counted
+        wakes = counted_wakes(loop)
         relay = LayerRelay(loop, lambda layer, ready: got.append(layer))
         noticed = threading.Event()
 
@@ -47,7 +52,7 @@ def test_notices_while_the_loop_is_busy_wake_it_once_and_arrive_in_order():
         thread.join()
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        return got, wakes
+        return got, len(wakes)
     got, wakes = asyncio.run(run())
     assert got == list(range(count)) and wakes == 1
 
@@ -72,20 +77,13 @@ def test_a_following_loop_is_woken_once_per_group_and_at_the_last_layer():
     async def run() -> tuple[list[int], int]:
         loop = asyncio.get_running_loop()
         got: list[int] = []
-        wakes = 0
-        schedule = loop.call_soon_threadsafe
-
-        def counted(*args):
-            nonlocal wakes
-            wakes += 1
-            return schedule(*args)
-        loop.call_soon_threadsafe = counted
+        wakes = counted_wakes(loop)
         relay = LayerRelay(loop, lambda layer, ready: got.append(layer), every=every, last_layer=layers - 1)
         for layer in range(layers):
             relay.notice(layer, None)
             for _ in range(3):  # the loop keeps up: each drain runs before the next notice
                 await asyncio.sleep(0)
-        return got, wakes
+        return got, len(wakes)
     got, wakes = asyncio.run(run())
     assert got == list(range(layers)) and wakes == -(-layers // every), (layers, every, wakes)
 
