@@ -79,13 +79,19 @@ V2_LITE_DIR = Path("/tmp/deepseek-pd-bench/v2-lite-random")  # bench/serving_gpu
 OPS_DIR = Path("/tmp/deepseek-pd-bench/v2-lite-ops-random")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--device, --model, --write-v2-lite and --tokens, which `model_dir` and the default lengths read
+    (bench/prefill_thread_cpu.py takes the same)."""
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the CPU's `ops` shape)")
     parser.add_argument("--write-v2-lite", action="store_true",
                         help=f"use (writing it first if absent, ~45 s on a GPU) the V2-Lite checkpoint at {V2_LITE_DIR}")
     parser.add_argument("--tokens", type=int, default=None, help="prompt length (default 789 on CUDA, 128 on the CPU)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
     parser.add_argument("--repeats", type=int, default=None, help="rounds of every stage (default 20 CUDA, 10 CPU)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop repeating once this is spent")
     parser.add_argument("--switch-ms", type=float, action="append", default=None,

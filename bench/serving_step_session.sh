@@ -21,10 +21,17 @@
 # PART=host (about 4.5 min, not in all): bench/prefill_host_overhead.py, the prefill worker's round
 # against its runner's extend of one 789-token prompt, stage by stage, then the real engines in one
 # process (HOST_BUDGET_S, default 120), and PART=gil's run.
-# Both write the V2-Lite checkpoint first when /tmp lacks it (~45 s; serving_session.sh's, reused).
+# PART=threads (about 4 min, not in all): bench/prefill_thread_cpu.py, `up` on V2-Lite (one prefill
+# and one decode process, the real router) with its prefill worker observed: per forward at c = 1
+# and 16 (789-token prompts, one output token), each thread's CPU against the model thread's, the
+# model thread's CPU and GIL/device waits against the runner alone (THREADS_LEVELS, THREADS_ROUNDS;
+# THREADS_ARGS adds flags, e.g. "--stacks" or "--worker-arg=--engine-opt=layerwise_transfer=false").
+# All three write the V2-Lite checkpoint first when /tmp lacks it (~45 s; serving_session.sh's, reused).
 # PART=penalty (about 3 min, not in all): prefill_step_ratio.py with a repetition penalty on every
 # request (sampling tables built on the model thread, not the event loop), 8 requests.
 # PART=all (default) runs tests, bench and mac. No wheels needed (the byte stream's crc32 falls back to zlib).
+# PART=threads starts `up`, whose router comes from the .whl/ wheels (carry .whl/, bench/gpu_setup.sh).
+if [ "${PART:-all}" = threads ]; then export WHEELS_REQUIRED=1; fi
 source "$(dirname "$0")/gpu_setup.sh"
 REPO=$PWD
 PART=${PART:-all}
@@ -81,6 +88,17 @@ if [ "$PART" = gil ] || [ "$PART" = host ]; then
     timeout $((budget + 60)) python3 "$REPO/bench/gil_switch.py" --device "$DEVICE" --model "$V2_LITE" \
         --tokens "${TOKENS:-789}" --pairs 9 --intervals-ms 5,0.5 --small-ops --budget-s "$budget" 2>&1 \
         | tee "$OUT/gil_switch.log"
+fi
+if [ "$PART" = threads ]; then
+    ensure_v2_lite
+    cd /tmp || exit 1
+    # (unbuffered: a timeout keeps every level printed so far)
+    # shellcheck disable=SC2086
+    timeout "${THREADS_TIMEOUT:-420}" python3 -u "$REPO/bench/prefill_thread_cpu.py" --device "$DEVICE" \
+        --model "$V2_LITE" --tokens "${TOKENS:-789}" --levels "${THREADS_LEVELS:-1,16}" \
+        --rounds "${THREADS_ROUNDS:-6}" --log-dir "$OUT/threads_logs" --json "$OUT/threads.json" ${THREADS_ARGS:-} 2>&1 \
+        | grep -v "^USDT" | tee "$OUT/threads.log"
+    cd "$REPO" || exit 1
 fi
 if [ "$PART" = penalty ]; then
     cd /tmp || exit 1

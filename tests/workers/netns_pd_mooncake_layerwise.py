@@ -25,7 +25,9 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
 def config(layerwise: bool):
     base = worker_config("mooncake")
-    return dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=layerwise))
+    # (every layer its own send: the tiny model's layers are far below the worker's default floor)
+    return dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=layerwise,
+                                                                   layerwise_min_bytes=0))
 
 
 def trace_sends(pair: PDPair, log: list[tuple[int, int]]) -> None:

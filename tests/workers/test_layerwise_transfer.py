@@ -19,8 +19,11 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
 
 
 def config(transport: str, layerwise: bool):
+    """Layer-wise: every layer its own send (`layerwise_min_bytes` 0; the tiny model's layers hold a
+    few KB, which the worker's default floor would hand over as one group)."""
     base = worker_config(transport)
-    return dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=layerwise))
+    return dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=layerwise,
+                                                                   layerwise_min_bytes=0))
 
 
 def prompts(rng: random.Random) -> list[list[int]]:
@@ -106,7 +109,8 @@ def test_only_channels_that_stream_layers_get_layers(direct):
 
     async def run():
         base = worker_config("grpc", same_host_direct=direct)
-        cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=True))
+        cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, layerwise_transfer=True,
+                                                                      layerwise_min_bytes=0))
         async with PDPair("grpc", prefill_config=cfg, decode_config=cfg) as pair:
             sends, progresses = [], []
             open_channel, extend = pair.prefill.sender.open, pair.prefill.runner.extend

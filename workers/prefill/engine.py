@@ -42,7 +42,7 @@ from deepseek_pd.workers.engine.request_lifecycle import EngineCore, RequestReco
 from deepseek_pd.workers.transport.worker_config import WorkerConfig
 from deepseek_pd.workers.prefill.bootstrap_service import BootstrapServer, RoomRegistry
 from deepseek_pd.workers.prefill.kv_push import KVPush
-from deepseek_pd.workers.prefill.layer_relay import LayerRelay
+from deepseek_pd.workers.prefill.layer_relay import LayerRelay, layers_per_send
 from deepseek_pd.workers.prefill.radix_cache import CacheHit, RadixCache
 from deepseek_pd.workers.prefill.round_budget import RoundBudget, RoundBudgetConfig
 
@@ -302,9 +302,10 @@ class _PushHooks(RoundHooks[_Request]):
     def layer_progress(self, plan: ExtendPlan[_Request]) -> LayerEvents | None:
         """Layer-wise KV streaming: as the forward (model thread) writes each layer's KV, that
         layer's newly complete pages of every request in the batch whose channel streams layers
-        go to the transport (event loop), so the transfer overlaps the remaining layers. None when
-        no request's channel does (direct copies): the forward then records no events and makes
-        no hand-offs, and the pages go after it (`pages_ready`).
+        go to the transport (event loop), in groups of layers that hold `layerwise_min_bytes`, so
+        the transfer overlaps the remaining layers. None when no request's channel does (direct
+        copies), or when one group would hold every layer (a short round): the forward then
+        records no events and makes no hand-offs, and the pages go after it (`pages_ready`).
 
         Chunked prompts stay exact: each chunk hands over the pages its tokens complete, per
         layer, and `SendPlan` sends every (layer, page) cell once; only the chunk that completes
@@ -313,9 +314,17 @@ class _PushHooks(RoundHooks[_Request]):
         if not self.engine.config.scheduler.layerwise_transfer:
             return None
         loop = asyncio.get_running_loop()
-        targets = [(item.owner, item.computed + len(seq.token_ids)) for item, seq in zip(plan.items, plan.seqs)
-                   if item.owner.push.streams_layers]
-        if not targets:
+        streamed = [(item, seq) for item, seq in zip(plan.items, plan.seqs) if item.owner.push.streams_layers]
+        if not streamed:
+            return None
+        targets = [(item.owner, item.computed + len(seq.token_ids)) for item, seq in streamed]
+
+        # One wake-up of the loop per group of layers that holds `layerwise_min_bytes` of this round's
+        # streamed KV, not per layer (layer_relay.py: each is Python the forward waits for).
+        pool, num_layers = self.engine.pool, len(self.engine.runner.model.layers)
+        layer_bytes = sum(len(seq.token_ids) for _, seq in streamed) * pool.bytes_per_page // pool.page_size
+        every = layers_per_send(layer_bytes, self.engine.config.scheduler.layerwise_min_bytes, num_layers)
+        if every >= num_layers:  # one group of every layer: the round's sends go after it, per chunk
             return None
 
         def on_loop(layer: int, ready) -> None:
@@ -323,8 +332,8 @@ class _PushHooks(RoundHooks[_Request]):
                 if not state.ended and state.progress is not None and state.push.failed is None:
                     state.push.layers_ready(computed, state.progress.pages, layer, layer + 1, ready)
 
-        # (one wake-up of the loop per batch of layers, not per layer: layer_relay.py)
-        return LayerEvents(self.engine.runner.model.options.device, LayerRelay(loop, on_loop).notice)
+        relay = LayerRelay(loop, on_loop, every=every, last_layer=num_layers - 1)
+        return LayerEvents(self.engine.runner.model.options.device, relay.notice)
 
     def chunk_done(self, owners: Sequence[_Request]) -> None:
         written = self.engine._written()

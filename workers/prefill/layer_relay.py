@@ -1,21 +1,33 @@
 """`LayerRelay`: a forward's per-layer KV notices, handed from the model thread to the event loop with
-one wake-up per batch rather than one per layer.
+one wake-up per group of layers rather than one per layer.
 
 Layer-wise streaming (engine.py `_PushHooks.layer_progress`) tells the event loop after each layer's
-KV write, from the model thread, in the middle of a forward. `loop.call_soon_threadsafe` per layer
-writes the loop's self-pipe each time (a syscall, and a wake of the loop thread, which then takes
-the GIL from the forward), 27 times a round on V2-Lite. Here a notice joins a list, and only the
-one that finds the list empty schedules the loop's drain; a loop that is busy (serving streams,
-sending the previous layer) then takes every layer written meanwhile in one callback, in order:
+KV write, from the model thread, in the middle of a forward. Each wake-up of the loop is a send: the
+loop's drain, the push, the channel's hop to a KV thread and back, the message out. All of it is
+Python, and the model thread gives the GIL up at every torch op, so the loop and the KV threads
+take it in turns with the forward. In `up`'s real process layout (bench/prefill_thread_cpu.py,
+CPU, `ops` shape: 27 layers, 128-token prompts, the gRPC byte stream, c = 1 and 4) they ran
+0.27-0.30 of the model thread's own CPU during each forward, which waited for the GIL 340-530
+times a forward and took 1.5-1.7x the runner's; sent per chunk, 0.00-0.04, 0-24 waits, 1.0-1.15x.
 
-    relay = LayerRelay(loop, deliver)       # deliver(layer, ready) runs on the loop
-    relay.notice(0, ev0)                    # model thread: schedules a drain
-    relay.notice(1, ev1)                    # the drain has not run yet: no wake-up
-    # loop: deliver(0, ev0); deliver(1, ev1)
+So a notice joins a list, and the loop is woken only when the notices since the last wake-up make
+a group (`every` layers: `layers_per_send`, enough of them to hold the round's `min_bytes` of KV,
+`SchedulerConfig.layerwise_min_bytes`) or at the forward's last layer; a loop that is busy then
+takes every layer written meanwhile in one callback, in order, and the push sends them as one:
 
-CPU profile of the tiny model (bench/prefill_step_ratio.py --tiny --profile, 2 shared cores): the
-per-layer `call_soon_threadsafe` was 15% of the worker's forward, nearly all of it the self-pipe's
-`send`.
+    relay = LayerRelay(loop, deliver, every=2, last_layer=2)   # deliver(layer, ready) runs on the loop
+    relay.notice(0, ev0)                    # model thread: no wake-up (1 of 2)
+    relay.notice(1, ev1)                    # a group: schedules a drain
+    relay.notice(2, ev2)                    # the last layer: schedules one unless one is pending
+    # loop: deliver(0, ev0); deliver(1, ev1); deliver(2, ev2)
+
+A long prompt's layer holds its group alone (V2-Lite, 8k tokens: 9.4 MB a layer, the floor 8 MiB),
+so its sends still follow the forward layer by layer; a 789-token one (0.9 MB a layer) goes in
+groups of 10 layers, 3 sends instead of 27: what is left after the forward is one group's transfer.
+The sends' cost is about linear in their count: in the layout above, groups of 5 layers (6 sends)
+still took 0.10 of the model thread's CPU and stretched the forward 1.39x the runner's.
+A round whose one group would hold every layer is sent per chunk, after its forward, with no relay
+(engine.py `_PushHooks.layer_progress`).
 """
 from __future__ import annotations
 
@@ -24,25 +36,49 @@ import threading
 from typing import Any, Callable
 
 
-class LayerRelay:
-    """Calls `deliver(layer, ready)` on `loop` for every `notice`, in notice order."""
+def layers_per_send(layer_bytes: int, min_bytes: int, num_layers: int) -> int:
+    """The layers one hand-off groups: as many as hold `min_bytes` of KV at `layer_bytes` each, at
+    least 1, at most `num_layers`. Example: 0.9 MB a layer, 8 MiB floor, 27 layers -> 10."""
+    if min_bytes <= 0 or layer_bytes >= min_bytes:
+        return 1
+    if layer_bytes <= 0:
+        return max(1, num_layers)
+    return max(1, min(num_layers, -(-min_bytes // layer_bytes)))
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[int, Any], None]) -> None:
+
+class LayerRelay:
+    """Calls `deliver(layer, ready)` on `loop` for every `notice`, in notice order, waking the loop
+    once per `every` notices and at `last_layer` (module docstring)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[int, Any], None], every: int = 1,
+                 last_layer: int | None = None) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
         self._loop = loop
         self._deliver = deliver
+        self.every = every
+        self.last_layer = last_layer
         self._pending: list[tuple[int, Any]] = []
+        self._since_wake = 0  # notices since the last one that was due
+        self._scheduled = False  # a drain is scheduled and has not taken the list yet
         self._lock = threading.Lock()
 
     def notice(self, layer: int, ready: Any) -> None:
         """From any thread: layer `layer`'s KV is written (`ready`: its CUDA event, or None)."""
         with self._lock:
             self._pending.append((layer, ready))
-            wake = len(self._pending) == 1  # else a drain is scheduled and has not taken the list yet
+            self._since_wake += 1
+            due = self._since_wake >= self.every or layer == self.last_layer
+            if due:
+                self._since_wake = 0
+            wake = due and not self._scheduled
+            self._scheduled = self._scheduled or wake
         if wake:
             self._loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         with self._lock:
             batch, self._pending = self._pending, []
+            self._scheduled = False
         for layer, ready in batch:
             self._deliver(layer, ready)

@@ -54,7 +54,7 @@ ENGINE_OPTION_KEYS: Mapping[str, Mapping[str, Kind]] = {
     },
     "scheduler": {  # workers/engine/scheduler_config.py SchedulerConfig
         "max_running_requests": int, "decode_reserve_tokens": int, "admission_timeout_s": float,
-        "prefix_cache": bool, "layerwise_transfer": bool, "overlap_schedule": bool, "deterministic": bool,
+        "prefix_cache": bool, "layerwise_transfer": bool, "layerwise_min_bytes": int, "overlap_schedule": bool, "deterministic": bool,
         "prefill_round_target_ms": float, "speculative_overlap": bool, "stream_priority": bool,
     },
     "transport": {  # workers/transport/base.py TransportConfig
