@@ -50,6 +50,7 @@ import hashlib
 import hmac
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -62,7 +63,7 @@ KEY_BYTES = 32
 ALGORITHM = "blake2b-layers"
 # hashlib releases the GIL while it hashes (more than 2 KiB at a time), so layers hash in parallel,
 # off the interpreter that runs the scheduler. A few threads: a transfer is one of many.
-_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kv-mac")
 
 
@@ -133,6 +134,8 @@ class LayerMacs:
             self._macs.append(mac)
         self.hashed = [0] * num_layers  # request-local pages each layer has hashed, from page 0
         self.pages_read = 0  # (layer, page) cells read so far, by `update` and `digest`
+        self.seconds = 0.0  # the hashing's time, summed over the MAC's threads (TransferStats' `mac`)
+        self._timing = threading.Lock()
 
     def update(self, pool: KVPool, layers: range, page_begin: int, pages: Sequence[int],
                ready: "torch.cuda.Event | None" = None, synced: bool = False) -> "Hashing":
@@ -169,8 +172,16 @@ class LayerMacs:
             return Hashing([])
         runs = consecutive_runs(pages)
         self.pages_read += len(layers) * len(pages)
-        return Hashing([_pool.submit(_feed, self._macs[layer], pool, layer, pages, runs, ready, synced)
+        return Hashing([_pool.submit(self._feed, self._macs[layer], pool, layer, pages, runs, ready, synced)
                         for layer in layers])
+
+    def _feed(self, *args) -> None:
+        began = time.perf_counter()
+        try:
+            _feed(*args)
+        finally:
+            with self._timing:
+                self.seconds += time.perf_counter() - began
 
 
 class LandedMacs:
@@ -215,6 +226,11 @@ class LandedMacs:
     def pages_read(self) -> int:
         """(layer, page) cells hashed so far, by `landed` and `digest`."""
         return self._macs.pages_read
+
+    @property
+    def seconds(self) -> float:
+        """The hashing's time so far, summed over the MAC's threads."""
+        return self._macs.seconds
 
     def landed(self, layers: range, page_begin: int, page_end: int) -> None:
         """Request pages [page_begin, page_end) of `layers` are in their private pages now: hashes
