@@ -268,3 +268,26 @@ def test_a_prompt_longer_than_the_staging_lands_window_by_window(monkeypatch, de
         greedy.on_chunk(_report(pool, 0, window + 1))
     assert refused.value.code == FailureCode.INTERNAL and greedy.failed is refused.value
     greedy.withdraw()
+
+
+def test_a_cpu_scrub_zeroes_exactly_its_slots_in_its_layers_without_torch_index_fill(monkeypatch):
+    # torch's index_fill_ forks an OpenMP team per call, whose threads spin on shared cores: a
+    # quarter of a 4k-token transfer's CPU on 2 cores (docs/performance.md, session 16).
+    rng = random.Random()
+    pool = _pool(rng)
+    area = StagingArea(pool, rng.randrange(4, 16))
+    for buffer in area.buffers:
+        buffer.copy_(torch.randn(buffer.shape))
+    before = [buffer.clone() for buffer in area.buffers]
+    slots = rng.sample(range(area.num_pages), rng.randrange(1, area.num_pages))
+    layer_begin = rng.randrange(len(area.buffers))
+    layers = range(layer_begin, rng.randrange(layer_begin + 1, len(area.buffers) + 1))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a CPU staging zeroed its slots with torch's index_fill_")
+    monkeypatch.setattr(torch.Tensor, "index_fill_", refused)
+    area.scrub(slots, layers)
+    for layer, (buffer, old) in enumerate(zip(area.buffers, before)):
+        for slot in range(area.num_pages):
+            zeroed = layer in layers and slot in slots
+            assert torch.equal(buffer[slot], torch.zeros_like(old[slot]) if zeroed else old[slot]), (layer, slot)
