@@ -261,6 +261,12 @@ class StagingArea:
                 cipher.copy(pool.buffers[layer], pages, self.buffers[layer], slots, layer, first_page)
 
         def copy() -> None:
+            if pool.device.type == "cpu":  # numpy's plain copies, as `copy_into`'s: torch's indexed copy
+                for layer in layers:  # forks an OpenMP team per layer (2.6x the time of a numpy copy
+                    source, staged = _host(pool.buffers[layer]), _host(self.buffers[layer])  # per run here)
+                    for run in runs:
+                        np.copyto(staged[run.dst:run.dst + run.length], source[run.src:run.src + run.length])
+                return
             if len(runs) <= SLICE_RUNS:
                 for layer in layers:
                     for run in runs:

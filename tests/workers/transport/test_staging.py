@@ -291,3 +291,30 @@ def test_a_cpu_scrub_zeroes_exactly_its_slots_in_its_layers_without_torch_index_
         for slot in range(area.num_pages):
             zeroed = layer in layers and slot in slots
             assert torch.equal(buffer[slot], torch.zeros_like(old[slot]) if zeroed else old[slot]), (layer, slot)
+
+
+def test_a_cpu_fill_gathers_scattered_pages_into_their_slots_without_torch_indexing(monkeypatch):
+    # Scattered pages (more runs than SLICE_RUNS) went through torch's index_select + index_copy_,
+    # an OpenMP team per layer: 2.6x the CPU of numpy's copies per run (docs/performance.md, session 16).
+    rng = random.Random()
+    pool = _pool(rng, num_pages=64)
+    for buffer in pool.buffers:
+        buffer.copy_(torch.randn(buffer.shape))
+    area = StagingArea(pool, rng.randrange(20, 40))
+    count = rng.randrange(12, area.num_pages + 1)
+    pages = rng.sample(range(pool.num_pages), count)
+    slots = rng.sample(range(area.num_pages), count)
+    layer_begin = rng.randrange(pool.num_layers)
+    layers = range(layer_begin, rng.randrange(layer_begin + 1, pool.num_layers + 1))
+    before = [buffer.clone() for buffer in area.buffers]
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a CPU staging gathered pages with torch's indexed copies")
+    for name in ("index_select", "index_copy_"):
+        monkeypatch.setattr(torch.Tensor, name, refused)
+    area.fill_from(pool, layers, pages, slots)
+    for layer in range(pool.num_layers):
+        expected = before[layer].clone()
+        if layer in layers:
+            expected[slots] = pool.buffers[layer][pages]
+        assert torch.equal(area.buffers[layer], expected), layer
