@@ -42,6 +42,7 @@ import asyncio
 import cProfile
 import json
 import multiprocessing
+import os
 import random
 import secrets
 import shlex
@@ -51,6 +52,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from deepseek_pd.model.kv.pool import KVPool
@@ -159,13 +161,22 @@ class Setup:
 
     def clear_destination(self) -> None:
         for buffer in self.dst.buffers:
-            buffer.zero_()
+            _host(buffer).fill(0) if buffer.device.type == "cpu" else buffer.zero_()
         _sync(self.dst.device)
 
     def exact(self) -> bool:
         _sync(self.dst.device)
+        if self.dst.device.type == "cpu":  # numpy's compares: torch's fork OpenMP teams that spin on into
+            return all(np.array_equal(_host(self.src.buffers[layer])[self.src_pages],  # the next repeat
+                                      _host(self.dst.buffers[layer])[self.dst_pages])
+                       for layer in range(self.args.layers))
         return all(torch.equal(self.src.buffers[layer][self.src_pages], self.dst.buffers[layer][self.dst_pages])
                    for layer in range(self.args.layers))
+
+
+def _host(buffer: torch.Tensor) -> np.ndarray:
+    """A CPU layer buffer as uint8 `[pages, page bytes]`, no copy."""
+    return buffer.view(buffer.shape[0], -1).view(torch.uint8).numpy()
 
 
 def _sync(device: torch.device) -> None:
@@ -260,6 +271,9 @@ class Results:
         self.ceilings: list[float] = []  # mooncake: measured between our repeats, so both see the same load
         self.read_ceilings: list[float] = []  # mooncake: raw reads of the same pages, right after each raw write
         self.stats = TransferStats()
+        self.sides = {"prefill": TransferStats(), "decode": TransferStats()}  # run_together: each side's phases
+        self.cpu: list[float] = []  # run_together: the process's CPU seconds (every thread) per repeat
+        self.raw_cpu: list[float] = []  # ... per raw mooncake write
 
 
 async def run_together(setup: Setup, results: Results, profile: str | None, streams: int, secret: bytes) -> None:
@@ -277,14 +291,21 @@ async def run_together(setup: Setup, results: Results, profile: str | None, stre
     async def once(room: int) -> tuple[float, TransferStats, float]:
         sent, (elapsed, received, stall) = await asyncio.gather(
             push_request(setup, registry, sender, room), pull_request(setup, receiver, client, server.port, room))
-        received.merge(sent)
-        return elapsed, received, stall
+        if room > 1:  # (not the warm-up)
+            results.sides["prefill"].merge(sent)
+            results.sides["decode"].merge(received)
+        merged = TransferStats()
+        merged.merge(received)
+        merged.merge(sent)
+        return elapsed, merged, stall
 
     try:
         await once(1)  # warm-up: connections, staging buffers, first-touch of pages
         for repeat in range(args.repeats):
             setup.clear_destination()
+            cpu = time.process_time()
             elapsed, stats, stall = await once(repeat + 2)
+            results.cpu.append(time.process_time() - cpu)
             if not setup.exact():
                 raise SystemExit(f"repeat {repeat}: destination pages differ from the source")
             results.seconds.append(elapsed)
@@ -292,7 +313,9 @@ async def run_together(setup: Setup, results: Results, profile: str | None, stre
             results.stats.merge(stats)
             line = f"repeat {repeat}: {setup.bytes / elapsed / 1e9:.3f} GB/s ({elapsed * 1e3:.1f} ms), exact"
             if not args.no_ceiling and args.transport == "mooncake":
+                cpu = time.process_time()
                 results.ceilings.append(raw_mooncake(setup, sender, receiver))
+                results.raw_cpu.append(time.process_time() - cpu)
                 line += f"; raw {setup.bytes / results.ceilings[-1] / 1e9:.3f} GB/s ({results.ceilings[-1] * 1e3:.1f} ms)"
                 results.read_ceilings.append(raw_mooncake_read(setup, sender, receiver))
                 line += f", raw read {setup.bytes / results.read_ceilings[-1] / 1e9:.3f} GB/s"
@@ -418,7 +441,8 @@ def result_json(setup: Setup, runs: dict[int, Results], ceilings: dict[int, list
             "where": where, "tokens": args.tokens,
             "bytes": setup.bytes, "layerwise": args.layerwise, "crc32": CRC32_IMPLEMENTATION,
             "runs": [{"streams": s, "seconds": r.seconds, "raw_seconds": r.ceilings,
-                      "raw_read_seconds": r.read_ceilings, "stalls": r.stalls}
+                      "raw_read_seconds": r.read_ceilings, "stalls": r.stalls, "stage_ms": stage_breakdown(r),
+                      "cpu_seconds": r.cpu, "raw_cpu_seconds": r.raw_cpu}
                      for s, r in runs.items()],
             "raw_grpc": [{"connections": c, "seconds": sec} for c, sec in ceilings.items()],
             "check": verdict}
@@ -447,6 +471,15 @@ def summary(setup: Setup, runs: dict[int, Results], ceilings: dict[int, list[flo
         row(f"raw gRPC, {streams} connection(s)", seconds, False)
 
 
+def stage_breakdown(results: Results) -> dict[str, dict[str, float]]:
+    """Each side's mean ms per transfer in each phase it spent time in (stats.py names them:
+    prefill `stage` = gather + encrypt, `mac`, `register`, `credit` = waiting for decode's reads;
+    decode `network` = Mooncake's reads, `write` = decrypt + land + zero, `mac`, `check` = finite)."""
+    repeats = max(1, len(results.seconds))
+    return {side: {phase: seconds / repeats * 1e3 for phase, seconds in stats.seconds.items() if seconds}
+            for side, stats in results.sides.items()}
+
+
 def report(setup: Setup, results: Results, where: str) -> None:
     args, seconds, stats = setup.args, results.seconds, results.stats
     best, median = min(seconds), sorted(seconds)[len(seconds) // 2]
@@ -463,6 +496,15 @@ def report(setup: Setup, results: Results, where: str) -> None:
     if stats.chunks:
         chunk_ms = ", ".join(f"{phase} {stats.seconds[phase] / len(seconds) * 1e3:.1f}" for phase in PHASES)
         print(f"per transfer, ms summed over threads: {chunk_ms} ({stats.chunks // (2 * len(seconds))} chunks)")
+    if args.transport == "mooncake":
+        if results.cpu:
+            cores = len(os.sched_getaffinity(0))
+            print(f"process CPU per transfer (both sides, every thread), best: ours {min(results.cpu) * 1e3:.0f} ms"
+                  + (f", raw write {min(results.raw_cpu) * 1e3:.0f} ms" if results.raw_cpu else "")
+                  + f"; on {cores} cores ours takes at least {min(results.cpu) / cores * 1e3:.0f} ms")
+        for side, phases in stage_breakdown(results).items():
+            print(f"{side}, per transfer, ms summed over threads: "
+                  + ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases.items()))
     print(f"| {'what':<40} | {'GB/s':>7} | {'ms':>7} |")
     print(f"|{'-' * 42}|{'-' * 9}|{'-' * 9}|")
     print(f"| {'ours, best of ' + str(len(seconds)):<40} | {setup.bytes / best / 1e9:>7.3f} | {best * 1e3:>7.1f} |")

@@ -13,7 +13,9 @@ Between our repeats, raw Mooncake moves the same bytes between the same two engi
 registered GPU memory on a CUDA pool). value = raw best / ours best, the check of
 `bench/target_check.py`; the card's name, the commit and the Mooncake build go with it. Printed
 beside it, not checked: a raw `batch_transfer_sync_read` of the same pages into the same staging
-(what a pulled transfer's reads cost without its staging, cipher and MAC).
+(what a pulled transfer's reads cost without its staging, cipher and MAC), and ours again without
+the deployment secret (no cipher, no MAC) against its own raw writes; each side's stage breakdown
+(stats.py's phases) and the process CPU per transfer come with each run's report.
 
 A GPU pool over TCP needs a CUDA build of Mooncake (`mooncake-transfer-engine-cuda13`; the engine
 refuses the `-non-cuda` wheel with a message, workers/transport/mooncake_build.py). Mooncake binds
@@ -91,6 +93,11 @@ def measure(args: argparse.Namespace, seed: int) -> dict:
     where = "both sides in one process"
     asyncio.run(kv_transfer.run_together(setup, results, None, 1, secrets.token_bytes(32)))
     kv_transfer.report(setup, results, where)
+    # The same without a deployment secret (no cipher, no MAC), its own raw writes beside it: what
+    # the security costs, apart from the rest of the path.
+    clear = kv_transfer.Results()
+    asyncio.run(kv_transfer.run_together(setup, clear, None, 1, None))
+    kv_transfer.report(setup, clear, where + ", without the secret (no cipher, no MAC)")
     ours, raw = min(results.seconds), min(results.ceilings)
     pairs = sorted(r / o for r, o in zip(results.ceilings, results.seconds))
     name = f"Mooncake TCP {setup.src.device.type} pool -> pool, {settings.tokens} tokens: ours / raw (best)"
@@ -101,6 +108,9 @@ def measure(args: argparse.Namespace, seed: int) -> dict:
             "ours_gbps": setup.bytes / ours / 1e9, "raw_gbps": setup.bytes / raw / 1e9,
             "raw_read_gbps": setup.bytes / min(results.read_ceilings) / 1e9,
             "paired_median": pairs[len(pairs) // 2],
+            "clear_gbps": setup.bytes / min(clear.seconds) / 1e9,
+            "clear_vs_raw": min(clear.ceilings) / min(clear.seconds),
+            "clear": kv_transfer.result_json(setup, {1: clear}, {}, where),
             "kv_transfer": kv_transfer.result_json(setup, {1: results}, {}, where), "check": verdict}
 
 
@@ -110,7 +120,8 @@ def table(result: dict) -> str:
         f"issue 25 Mooncake GPU, card {result['card']}, commit {result['commit']}, {result['mooncake']}; "
         f"{result['bytes'] / 1e6:.1f} MB ({result['bytes_per_token']} B/token), {DIRECTIONS[result['direction']]}, "
         f"ratio = value / target",
-        f"(raw read, the pulled direction's ceiling: {result['raw_read_gbps']:.3f} GB/s)",
+        f"(raw read, the pulled direction's ceiling: {result['raw_read_gbps']:.3f} GB/s; ours without the "
+        f"secret, no cipher or MAC: {result['clear_gbps']:.3f} GB/s, {result['clear_vs_raw']:.2f} of its raw write)",
         f"| {'check':<62} | {'ours GB/s':>9} | {'raw GB/s':>8} | {'value':>5} | {'target':>6} | {'ratio':>5} "
         f"| result |",
         f"|{'-' * 64}|{'-' * 11}|{'-' * 10}|{'-' * 7}|{'-' * 8}|{'-' * 7}|--------|",

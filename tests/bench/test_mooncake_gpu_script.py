@@ -25,7 +25,8 @@ def test_the_cpu_path_checks_ours_against_raw_mooncake_and_prints_the_table_last
     stdout = run_in_netns(SCRIPT, "--device", "cpu", "--tiny", "--repeats", str(repeats), "--direction", direction,
                           "--seed", str(seed), "--out", str(tmp_path), timeout_s=100)
     lines = stdout.strip().splitlines()
-    assert sum(1 for line in lines if line.startswith("repeat ") and ", exact; raw " in line) == repeats, stdout
+    # (ours with the secret, then without it)
+    assert sum(1 for line in lines if line.startswith("repeat ") and ", exact; raw " in line) == 2 * repeats, stdout
 
     result = json.loads((tmp_path / "mooncake_gpu.json").read_text())
     run = result["kv_transfer"]["runs"][0]
@@ -37,6 +38,17 @@ def test_the_cpu_path_checks_ours_against_raw_mooncake_and_prints_the_table_last
     assert verdict["result"] == ("PASS" if verdict["value"] >= 0.8 else "MISS")
     assert verdict["ratio"] == pytest.approx(verdict["value"] / 0.8)
     assert result["bytes"] == result["tokens"] * result["bytes_per_token"] == result["kv_transfer"]["bytes"]
+    # Where each side's time went (secured: the cipher's stage and the MAC on both sides), the CPU
+    # per transfer, and the run without the secret (no MAC) against its own raw writes.
+    stages = run["stage_ms"]
+    mover = "decode" if direction == "pull" else "prefill"  # whose engine calls Mooncake
+    assert {"stage", "mac"} <= set(stages["prefill"]) and {"write", "mac"} <= set(stages["decode"])
+    assert "network" in stages[mover]
+    assert len(run["cpu_seconds"]) == repeats and all(cpu > 0 for cpu in run["cpu_seconds"])
+    clear = result["clear"]["runs"][0]
+    assert "mac" not in clear["stage_ms"]["prefill"] and "mac" not in clear["stage_ms"]["decode"]
+    assert result["clear_vs_raw"] == pytest.approx(min(clear["raw_seconds"]) / min(clear["seconds"]))
+    assert sum(1 for line in lines if line.startswith("prefill, per transfer, ms")) == 2
 
     commit = subprocess.run(["git", "-C", str(SCRIPT.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()

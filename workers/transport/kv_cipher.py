@@ -29,9 +29,12 @@ the finite check) pass. The MAC of the plaintext under its own one-time key is a
 shows nothing of the KV.
 
 Backends, chosen by the pool's device when a cipher is built (`CellCipher`):
-- CPU pools: PyPI `cryptography` (its OpenSSL ChaCha20): its update holds the GIL, so a copy
-  ciphers at most `PIECE_BYTES` (~0.1-0.3 ms of one core) before it yields the GIL
-  (`time.sleep(0)`): the scheduler thread never waits behind a whole transfer;
+- CPU pools: PyPI `cryptography` (its OpenSSL ChaCha20, ~4-5 GB/s a core with AVX-512: ~46 ms of
+  CPU for a 4k-token V2-Lite prompt gathered from scattered pages). Older releases held the GIL in
+  `update_into`; 51.0 releases it (a busy Python thread kept running beside a 256 MB update,
+  session 16), so copies in several threads run on several cores. A copy still ciphers at most
+  `PIECE_BYTES` (~0.1-0.3 ms of one core) before it yields the GIL (`time.sleep(0)`), so with an
+  older release the scheduler thread never waits behind a whole transfer;
 - CUDA pools: a Triton kernel (kv_cipher_kernel.py) that reads, XORs and writes each cell in one
   pass on the copy's side stream, in place of the plain copy.
 

@@ -17,11 +17,15 @@ the key comes from the deployment secret, so an on-path observer who sees the ta
 stream is plaintext) cannot forge one. The handshake names the algorithms the decode side checks
 (`MooncakeDestination.kv_mac_algorithms`), the done the one used (`kv_mac_algorithm`).
 
-Why keyed BLAKE2b per layer and not Poly1305 (PyPI `cryptography`, ~5x faster on one core):
-`cryptography`'s Poly1305 holds the GIL while it runs (a 256 MB update stalled another Python
+Why keyed BLAKE2b per layer and not Poly1305 (PyPI `cryptography`, ~10x faster on one core):
+`cryptography`'s Poly1305 held the GIL while it ran (a 256 MB update stalled another Python
 thread for 235 ms; fed in 1 MiB pieces, for 20-35 ms at a time), and on a decode worker that
 thread is the scheduler; hashlib's BLAKE2b releases it (the same thread ticked every ~1 ms), so
-the layers hash in parallel on spare cores without touching the decode steps.
+the layers hash in parallel on spare cores without touching the decode steps. `cryptography` 51.0
+releases the GIL in Poly1305's update too (session 16): BLAKE2b, at ~0.9 GB/s a core, is now the
+largest CPU cost of a secured Mooncake transfer (about half of it on the 2-core CPU machine,
+docs/performance.md); a faster MAC would be a new algorithm in the negotiation
+(`MooncakeDestination.kv_mac_algorithms`), a protocol change not made here.
 
 Cost: one read of the prompt's KV on each side, once per transfer, in worker threads off the GIL:
 off the decode steps. The prefill side reads each send's pages beside its write (`LayerMacs`, from
@@ -50,6 +54,7 @@ import hashlib
 import hmac
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -61,8 +66,10 @@ from deepseek_pd.workers.transport.page_io import consecutive_runs, side_stream,
 KEY_BYTES = 32
 ALGORITHM = "blake2b-layers"
 # hashlib releases the GIL while it hashes (more than 2 KiB at a time), so layers hash in parallel,
-# off the interpreter that runs the scheduler. A few threads: a transfer is one of many.
-_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# off the interpreter that runs the scheduler. A few threads: a transfer is one of many; at least
+# two, so that one transfer's layers never hash on a single core behind another's (half of 2 cores
+# was one thread: a 4k-token prompt's ~140 ms of hashing, then the next one's, in a row).
+_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kv-mac")
 
 
@@ -133,6 +140,8 @@ class LayerMacs:
             self._macs.append(mac)
         self.hashed = [0] * num_layers  # request-local pages each layer has hashed, from page 0
         self.pages_read = 0  # (layer, page) cells read so far, by `update` and `digest`
+        self.seconds = 0.0  # the hashing's time, summed over the MAC's threads (TransferStats' `mac`)
+        self._timing = threading.Lock()
 
     def update(self, pool: KVPool, layers: range, page_begin: int, pages: Sequence[int],
                ready: "torch.cuda.Event | None" = None, synced: bool = False) -> "Hashing":
@@ -169,8 +178,16 @@ class LayerMacs:
             return Hashing([])
         runs = consecutive_runs(pages)
         self.pages_read += len(layers) * len(pages)
-        return Hashing([_pool.submit(_feed, self._macs[layer], pool, layer, pages, runs, ready, synced)
+        return Hashing([_pool.submit(self._feed, self._macs[layer], pool, layer, pages, runs, ready, synced)
                         for layer in layers])
+
+    def _feed(self, *args) -> None:
+        began = time.perf_counter()
+        try:
+            _feed(*args)
+        finally:
+            with self._timing:
+                self.seconds += time.perf_counter() - began
 
 
 class LandedMacs:
@@ -215,6 +232,11 @@ class LandedMacs:
     def pages_read(self) -> int:
         """(layer, page) cells hashed so far, by `landed` and `digest`."""
         return self._macs.pages_read
+
+    @property
+    def seconds(self) -> float:
+        """The hashing's time so far, summed over the MAC's threads."""
+        return self._macs.seconds
 
     def landed(self, layers: range, page_begin: int, page_end: int) -> None:
         """Request pages [page_begin, page_end) of `layers` are in their private pages now: hashes

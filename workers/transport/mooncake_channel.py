@@ -155,6 +155,7 @@ class MooncakeChannel(SendChannel):
                                     self._mac_algorithm)
         self._macs = None
         done.kv_mac = macs.digest(self.pool, self.src_pages)
+        self.stats.add("mac", macs.seconds)
         done.kv_mac_algorithm = self._mac_algorithm
 
     def _hash_sent(self, layers: range, page_begin: int, src_pages: list[int], ready) -> kv_mac.Hashing | None:
@@ -206,13 +207,15 @@ class MooncakeChannel(SendChannel):
             touched = layers  # ... or, once the slots were clean, the layers gathered into them
             sync_ready(self.pool, ready)
             hashing = self._hash_sent(layers, page_begin, src_pages, ready)
-            self.staging.fill_from(self.pool, layers, src_pages, slots, self._cipher, page_begin)
+            with self.stats.timed("stage"):
+                self.staging.fill_from(self.pool, layers, src_pages, slots, self._cipher, page_begin)
             batch = build_write_batch(self.staging.base_addrs[layers.start:layers.stop],
                                       list(self.destination.layer_base_addrs)[layers.start:layers.stop],
                                       self.pool.bytes_per_page, slots, dst_pages)
             if abandoned.is_set():
                 return -1
-            return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
+            with self.stats.timed("network"):
+                return self.engine.engine.batch_transfer_sync_write(self.destination.session_id, *batch)
         finally:
             try:
                 if hashing is not None:

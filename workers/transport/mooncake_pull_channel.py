@@ -2,28 +2,41 @@
 reads the KV out of this worker's send staging, so nothing of decode's is written by a prefill
 worker (workers/transport/mooncake.py gives the whole design).
 
-Each send, in pieces the send staging holds:
+Each send, in pieces the send staging holds, each piece through one set of slots in groups of
+layers (`layer_groups`, about PIPELINE_PIECE_BYTES each) as a pipeline:
 
-    take slots -> gather the pages into them (encrypted with a secret; hashed for the MAC beside it)
-    -> over TCP register each layer's runs of them (over RDMA the staging is registered for good)
-    -> report the piece on the stream (a KVChunk without data naming the slots, `source_slots`)
-    -> wait for decode's credit of that chunk (it read the slots) -> unregister, zero, give back.
+    take slots -> per group: gather its layers' pages into them (encrypted with a secret; hashed
+    for the MAC beside it, in the MAC's threads) -> over TCP register each layer's runs of them
+    (over RDMA the staging is registered for good) -> report the group on the stream (a KVChunk
+    without data naming the slots, `source_slots`) -> the next group is staged at once, while
+    decode reads, decrypts and hashes this one
+    -> once decode credited every group (it read them) -> unregister, zero, give back.
 
-So only slots of pieces in flight are reachable through the engine's ports, each for one round
-trip. The slots are the staging thread's until it hands them over: a piece whose send gave up
-meanwhile (its deadline, a cancel) is given back by whichever side holds it then, never twice.
+    time ->   prefill: stage g0 | stage g1 | stage g2 | stage g3
+              decode:             read+land g0 | read+land g1 | read+land g2 | read+land g3
+
+So only slots of pieces in flight are reachable through the engine's ports, each until decode read
+it. The slots are the piece's (`_HeldSlots`) until every staging thread of it returned: a piece whose
+send gave up meanwhile (its deadline, a cancel) is given back by whichever side ends last, once.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Sequence
 
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
-from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel
+from deepseek_pd.workers.transport import kv_mac
+from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel, _retrieve
 from deepseek_pd.workers.transport.page_io import consecutive_runs, sync_ready
 from deepseek_pd.workers.transport.wire import ChunkHeader, encode_chunk_event
+
+# A pulled send is staged and read in groups of layers of about this many bytes, as a pipeline:
+# prefill encrypts and hashes group g + 1 while decode reads (and decrypts, hashes) group g. Each
+# group costs one report, one credit and one batch read (~1 ms); a 4k-token V2-Lite send is 4 groups.
+PIPELINE_PIECE_BYTES = 32 << 20
 
 
 class MooncakePullChannel(MooncakeChannel):
@@ -49,56 +62,81 @@ class MooncakePullChannel(MooncakeChannel):
         self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
 
     async def _send_piece(self, layers: range, page_begin: int, src_pages: list[int], ready) -> None:
+        """Pages the staging holds, through one set of slots, in groups of layers as a pipeline:
+        group g + 1 is staged (encrypted, hashed) while decode reads group g; the slots go back once
+        decode credited every group (or the send gave up)."""
         slots, dirty = await self.staging.acquire(len(src_pages), self.timeout_s)
-        abandoned = threading.Event()
-        work = asyncio.get_running_loop().run_in_executor(
-            None, self._stage, layers, page_begin, src_pages, slots, dirty, ready, abandoned)
+        held = _HeldSlots(slots, range(len(self.staging.buffers)))
+        loop = asyncio.get_running_loop()
+        staging: asyncio.Future | None = None  # a group's staging thread in flight
+        credits: list[asyncio.Future] = []
+        hashing: list = []
         try:
-            exposed = await self._timed(asyncio.shield(work))
-        except BaseException:
-            abandoned.set()  # the thread gives the slots back, or (past that check) the callback does
-            work.add_done_callback(lambda done: self._give_back_late(done, slots, layers))
-            raise
-        try:
-            self._seq += 1
-            seq = self._seq
-            header = ChunkHeader(layer_begin=layers.start, layer_end=layers.stop, page_begin=page_begin,
-                                 page_end=page_begin + len(src_pages))
-            await self._emit(encode_chunk_event(seq, header, b"", 0, source_slots=slots,
-                                                direct_bytes=len(src_pages) * self.pool.bytes_per_page * len(layers)))
-            await self.wait_credited(seq, self.timeout_s)
+            for group in layer_groups(layers, len(src_pages) * self.staging.page_bytes):
+                abandoned = threading.Event()
+                staging = loop.run_in_executor(None, self._stage, group, page_begin, src_pages, held, dirty,
+                                               ready, abandoned)
+                dirty = []  # (zeroed by the first group, in every layer)
+                try:
+                    hashed = await self._timed(asyncio.shield(staging))
+                except BaseException:
+                    abandoned.set()  # the thread stages nothing more; the slots go back once it ends
+                    raise
+                staging = None
+                if hashed is not None:
+                    hashing.append(hashed)
+                self._seq += 1
+                header = ChunkHeader(layer_begin=group.start, layer_end=group.stop, page_begin=page_begin,
+                                     page_end=page_begin + len(src_pages))
+                await self._emit(encode_chunk_event(self._seq, header, b"", 0, source_slots=slots,
+                                                    direct_bytes=len(src_pages) * self.pool.bytes_per_page
+                                                    * len(group)))
+                credits.append(asyncio.ensure_future(self._credit(self._seq)))
+            await asyncio.gather(*credits)
+            for each in hashing:  # the MAC read the pool's pages beside the reads: done before they go
+                await loop.run_in_executor(None, each.wait)
         finally:  # read, or the room is over: either way nobody needs them any more
-            self._release(exposed, slots, layers)
+            for credit in credits:
+                credit.cancel()
+            if credits:
+                await asyncio.gather(*credits, return_exceptions=True)
+            if staging is not None and not staging.done():
+                staging.add_done_callback(lambda done: (_retrieve(done), held.release(self)))
+            else:
+                held.release(self)
 
-    def _stage(self, layers: range, page_begin: int, src_pages: list[int], slots: list[int], dirty: list[int],
-               ready, abandoned: threading.Event) -> list[int] | None:
-        """In a worker thread: gathers the pages into the slots (encrypted after `begin_cipher`,
-        hashed for the MAC beside it) and exposes them; returns the registered addresses, handing
-        the slots over, or None (given back) when the send was abandoned meanwhile."""
-        hashing, touched, exposed, handed = None, range(len(self.staging.buffers)), [], False
+    async def _credit(self, seq: int) -> None:
+        began = time.perf_counter()
         try:
-            if abandoned.is_set():
-                return None
-            self.staging.scrub(dirty)
-            touched = layers
-            sync_ready(self.pool, ready)
-            hashing = self._hash_sent(layers, page_begin, src_pages, ready)
-            self.staging.fill_from(self.pool, layers, src_pages, slots, self._cipher, page_begin)
-            exposed = self._expose(slots, layers)
-            if hashing is not None:
-                hashing, waiting = None, hashing
-                waiting.wait()
-            if abandoned.is_set():
-                return None
-            handed = True
-            return exposed
+            await self.wait_credited(seq, self.timeout_s)
         finally:
-            try:
-                if hashing is not None:
-                    hashing.wait()
-            finally:
-                if not handed:
-                    self._release(exposed, slots, touched)
+            self.stats.add("credit", time.perf_counter() - began)
+
+    def _stage(self, layers: range, page_begin: int, src_pages: list[int], held: "_HeldSlots", dirty: list[int],
+               ready, abandoned: threading.Event) -> "kv_mac.Hashing | None":
+        """In a worker thread: gathers the pages of `layers` into the slots (encrypted after
+        `begin_cipher`; hashed for the MAC in its threads beside it, returned to wait for) and
+        exposes them. The slots stay `held`'s: whoever ends the piece gives them back, once this
+        thread returned."""
+        if abandoned.is_set():
+            raise TransferError(FailureCode.ABORTED, "the send gave up before its KV was staged")
+        if dirty:
+            self.staging.scrub(dirty)
+        held.clean(layers)
+        sync_ready(self.pool, ready)
+        hashing = self._hash_sent(layers, page_begin, src_pages, ready)
+        try:
+            with self.stats.timed("stage"):
+                self.staging.fill_from(self.pool, layers, src_pages, held.slots, self._cipher, page_begin)
+            if abandoned.is_set():
+                raise TransferError(FailureCode.ABORTED, "the send gave up while its KV was staged")
+            with self.stats.timed("register"):
+                held.exposed.extend(self._expose(held.slots, layers))
+        except BaseException:
+            if hashing is not None:
+                hashing.wait()
+            raise
+        return hashing
 
     def _expose(self, slots: list[int], layers: range) -> list[int]:
         """Over TCP, registers each layer's runs of `slots` (decode's reads need them registered);
@@ -122,12 +160,42 @@ class MooncakePullChannel(MooncakeChannel):
     def _release(self, exposed: list[int], slots: list[int], layers: range) -> None:
         """Out of the engine's reach, zeroed in `layers`, back to the staging."""
         try:
-            self._unexpose(exposed)
+            with self.stats.timed("register"):
+                self._unexpose(exposed)
         finally:
             self._give_back(slots, layers)
 
-    def _give_back_late(self, work: asyncio.Future, slots: list[int], layers: range) -> None:
-        """A staging thread that finished after its send gave up and had handed the slots over."""
-        if not work.cancelled() and work.exception() is None and work.result() is not None:
-            self._release(work.result(), slots, layers)
+
+def layer_groups(layers: range, layer_bytes: int) -> list[range]:
+    """`layers` cut into consecutive groups of about PIPELINE_PIECE_BYTES (`layer_bytes` each), the
+    pieces a pulled send is staged and read in, one behind the other:
+
+        layer_groups(range(27), 4_718_592)   # 64 pages of 73,728 B a layer
+        -> [range(0, 7), range(7, 14), range(14, 21), range(21, 27)]
+    """
+    per_group = max(1, -(-PIPELINE_PIECE_BYTES // max(1, layer_bytes)))
+    return [range(begin, min(begin + per_group, layers.stop)) for begin in range(layers.start, layers.stop, per_group)]
+
+
+class _HeldSlots:
+    """One piece's send-staging slots while its layer groups are staged and read: what was
+    registered, which layers may hold KV (to zero), and the one hand-back."""
+
+    def __init__(self, slots: list[int], touched: range) -> None:
+        self.slots = slots
+        self.exposed: list[int] = []
+        self._touched = touched  # every layer until the first group zeroed the dirty slots
+        self._clean: range | None = None
+        self._released = False
+
+    def clean(self, layers: range) -> None:
+        """The slots were clean (zeroed if dirty) before `layers` were staged into them."""
+        self._clean = layers if self._clean is None else range(min(self._clean.start, layers.start),
+                                                               max(self._clean.stop, layers.stop))
+
+    def release(self, channel: "MooncakePullChannel") -> None:
+        if self._released:
+            return
+        self._released = True
+        channel._release(self.exposed, self.slots, self._touched if self._clean is None else self._clean)
 

@@ -82,7 +82,8 @@ class MooncakePullSink(MooncakeSink):
         batch = build_write_batch(self._staging.base_addrs[layers.start:layers.stop],
                                   list(self._source.layer_base_addrs)[layers.start:layers.stop],
                                   self._staging.page_bytes, slots, source_slots)
-        status = self._engine.engine.batch_transfer_sync_read(self._source.session_id, *batch)
+        with self.stats.timed("network"):
+            status = self._engine.engine.batch_transfer_sync_read(self._source.session_id, *batch)
         if status != 0:
             raise self.fail(TransferError(FailureCode.UNAVAILABLE, f"mooncake read from {self._source.session_id} "
                                           f"failed (status {status})"))
@@ -90,8 +91,9 @@ class MooncakePullSink(MooncakeSink):
             if self._over.is_set():  # our slots may be another transfer's by now: no copy from them
                 raise self.fail(TransferError(FailureCode.ABORTED, "the transfer ended while its send was read"))
             self.exposure.wrote()
-            self._staging.copy_into(self.pool, slots, self.pages[first:last], layers, self._cipher,
-                                    first)  # (and zeroes the slots)
+            with self.stats.timed("write"):
+                self._staging.copy_into(self.pool, slots, self.pages[first:last], layers, self._cipher,
+                                        first)  # (and zeroes the slots)
 
     def _check_cells(self) -> None:
         # Every cell comes by report here: a done without any would land decode's own empty slots.

@@ -147,9 +147,10 @@ class MooncakeSink(KVSink):
                 upto += 1
             if upto > self.landed:
                 self.exposure.wrote()
-                self._staging.copy_into(self.pool, self._slots_of(range(self.landed, upto)),
-                                        self.pages[self.landed:upto], None, self._cipher,
-                                        self.landed)  # (and zeroes the slots)
+                with self.stats.timed("write"):
+                    self._staging.copy_into(self.pool, self._slots_of(range(self.landed, upto)),
+                                            self.pages[self.landed:upto], None, self._cipher,
+                                            self.landed)  # (and zeroes the slots)
                 self._written.difference_update(range(self.landed, upto))
                 self.landed = upto
         if upto > landed:  # (the pages this report let land: hashed in order, after the copy)
@@ -169,8 +170,9 @@ class MooncakeSink(KVSink):
             if refused is not None:
                 raise self.fail(TransferError(FailureCode.INTERNAL, refused))
             self.exposure.wrote()
-            self._staging.copy_into(self.pool, self.slots[begin:end], self.pages[begin:end], layers, self._cipher,
-                                    begin)
+            with self.stats.timed("write"):
+                self._staging.copy_into(self.pool, self.slots[begin:end], self.pages[begin:end], layers,
+                                        self._cipher, begin)
         self._landing.hash(layers, begin, end)
         self._check_landed(layers, self.pages[begin:end])
 
@@ -184,7 +186,8 @@ class MooncakeSink(KVSink):
         if self._on_land is None:
             return
         try:
-            self._on_land.pages(layers, pages)
+            with self.stats.timed("check"):
+                self._on_land.pages(layers, pages)
         except TransferError as exc:  # kept: the MAC's verdict is reported first (kv_pull.py)
             with self._lock:
                 self.landing_failure = self.landing_failure or exc
@@ -208,8 +211,9 @@ class MooncakeSink(KVSink):
         slots = self._end()
         try:
             self.exposure.wrote()
-            self._staging.copy_into(self.pool, rest, self.pages[first:], None, self._cipher,
-                                    first)  # (and zeroes the slots)
+            with self.stats.timed("write"):
+                self._staging.copy_into(self.pool, rest, self.pages[first:], None, self._cipher,
+                                        first)  # (and zeroes the slots)
         except BaseException:
             self._staging.release(slots)
             raise
@@ -249,8 +253,11 @@ class MooncakeSink(KVSink):
             # Landed send by send: only a digest is left. Else (or from here) the copies were
             # synchronised: the reads wait for no decode step queued meanwhile.
             macs = self._landing.take_macs(key, done.kv_mac_algorithm)
-            tag = macs.digest() if macs is not None else kv_mac.kv_mac(
-                self.pool, self.pages, key, kv_mac.header(room, self._told), done.kv_mac_algorithm, synced=True)
+            if macs is None:
+                macs = kv_mac.LandedMacs(self.pool, self.pages, key, kv_mac.header(room, self._told),
+                                         done.kv_mac_algorithm)
+            tag = macs.digest()
+            self.stats.add("mac", macs.seconds)
         except ValueError as exc:
             raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot check the KV's MAC: {exc}")) from None
         if not kv_mac.tags_equal(tag, done.kv_mac):

@@ -7,14 +7,20 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-PHASES = ("slot_wait", "stage", "checksum", "serialise", "network", "check", "write")
+PHASES = ("slot_wait", "stage", "checksum", "serialise", "network", "check", "write", "mac", "register", "credit")
 
 
 class TransferStats:
     """`slot_wait`: a chunk waiting for a free staging slot; `stage`: pool -> staging (gather,
     D2H, the copy stream's sync); `checksum`: crc32 on send; `serialise`: the message
     bytes; `network`: waiting for the stream (queue, credits, HTTP/2); `check`: ranges and crc32 on
-    receive; `write`: received bytes -> pool (H2D, index_copy_)."""
+    receive; `write`: received bytes -> pool (H2D, index_copy_).
+
+    Mooncake's phases (one-sided: the bytes never pass through Python): `stage`: pool -> send
+    staging, encrypted in the same pass; `mac`: the KV MAC's hashing, summed over its threads;
+    `register`: the staging's (un)registration over TCP; `credit`: prefill waiting for decode to
+    have read a piece; `network`: Mooncake's batch read or write; `write`: staging -> the request's
+    pages, decrypted in the same pass, slots zeroed; `check`: the finite check of what landed."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)

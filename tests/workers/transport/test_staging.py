@@ -268,3 +268,53 @@ def test_a_prompt_longer_than_the_staging_lands_window_by_window(monkeypatch, de
         greedy.on_chunk(_report(pool, 0, window + 1))
     assert refused.value.code == FailureCode.INTERNAL and greedy.failed is refused.value
     greedy.withdraw()
+
+
+def test_a_cpu_scrub_zeroes_exactly_its_slots_in_its_layers_without_torch_index_fill(monkeypatch):
+    # torch's index_fill_ forks an OpenMP team per call, whose threads spin on shared cores: a
+    # quarter of a 4k-token transfer's CPU on 2 cores (docs/performance.md, session 16).
+    rng = random.Random()
+    pool = _pool(rng)
+    area = StagingArea(pool, rng.randrange(4, 16))
+    for buffer in area.buffers:
+        buffer.copy_(torch.randn(buffer.shape))
+    before = [buffer.clone() for buffer in area.buffers]
+    slots = rng.sample(range(area.num_pages), rng.randrange(1, area.num_pages))
+    layer_begin = rng.randrange(len(area.buffers))
+    layers = range(layer_begin, rng.randrange(layer_begin + 1, len(area.buffers) + 1))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a CPU staging zeroed its slots with torch's index_fill_")
+    monkeypatch.setattr(torch.Tensor, "index_fill_", refused)
+    area.scrub(slots, layers)
+    for layer, (buffer, old) in enumerate(zip(area.buffers, before)):
+        for slot in range(area.num_pages):
+            zeroed = layer in layers and slot in slots
+            assert torch.equal(buffer[slot], torch.zeros_like(old[slot]) if zeroed else old[slot]), (layer, slot)
+
+
+def test_a_cpu_fill_gathers_scattered_pages_into_their_slots_without_torch_indexing(monkeypatch):
+    # Scattered pages (more runs than SLICE_RUNS) went through torch's index_select + index_copy_,
+    # an OpenMP team per layer: 2.6x the CPU of numpy's copies per run (docs/performance.md, session 16).
+    rng = random.Random()
+    pool = _pool(rng, num_pages=64)
+    for buffer in pool.buffers:
+        buffer.copy_(torch.randn(buffer.shape))
+    area = StagingArea(pool, rng.randrange(20, 40))
+    count = rng.randrange(12, area.num_pages + 1)
+    pages = rng.sample(range(pool.num_pages), count)
+    slots = rng.sample(range(area.num_pages), count)
+    layer_begin = rng.randrange(pool.num_layers)
+    layers = range(layer_begin, rng.randrange(layer_begin + 1, pool.num_layers + 1))
+    before = [buffer.clone() for buffer in area.buffers]
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a CPU staging gathered pages with torch's indexed copies")
+    for name in ("index_select", "index_copy_"):
+        monkeypatch.setattr(torch.Tensor, name, refused)
+    area.fill_from(pool, layers, pages, slots)
+    for layer in range(pool.num_layers):
+        expected = before[layer].clone()
+        if layer in layers:
+            expected[slots] = pool.buffers[layer][pages]
+        assert torch.equal(area.buffers[layer], expected), layer

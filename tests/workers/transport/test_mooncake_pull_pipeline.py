@@ -1,0 +1,125 @@
+"""A pulled Mooncake send moves in groups of layers as a pipeline (mooncake_pull_channel.py
+`layer_groups`): the prefill side stages (encrypts, hashes) group g + 1 while decode still reads
+group g, and what lands is still bit for bit the prefill pool's, under the cipher and the MAC; a
+group tampered with on its way is refused by the MAC. In one process on the stub engine
+(pdtest/mooncake_stub.py), whose reads are slowed here so that the overlap shows in timestamps."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import random
+import threading
+import time
+
+from deepseek_pd.workers.engine.request_failure import TransferError
+from deepseek_pd.workers.transport import mooncake_pull_channel
+from deepseek_pd.workers.transport.mooncake_pull_channel import MooncakePullChannel, layer_groups
+from deepseek_pd.workers.transport.staging import StagingArea
+from pdtest import mooncake_stub
+from pdtest.kv_transfer_harness import pages_equal, random_exchange, run_exchange
+
+READ_S = 0.05  # each stub read takes this long: the transfer the next group's staging overlaps
+
+
+def _pipelined(monkeypatch, rng: random.Random, tamper_read: int | None = None, fail_read: int | None = None):
+    """A one-send pulled transfer (cipher and MAC on: the harness signs with a secret) cut into
+    groups of 1-2 layers; returns (exchange, results, stage starts, read spans, a layer's bytes,
+    the stub engines: prefill's, decode's)
+    with each stub read slowed by READ_S, the `tamper_read`-th read's first landed byte flipped, the
+    `fail_read`-th read failing (status -1, as a lost peer)."""
+    engines = mooncake_stub.install(monkeypatch)
+    page_size = rng.choice([1, 2, 4])
+    layers = rng.randrange(4, 8)
+    exchange = random_exchange(rng, "mooncake", num_tokens=rng.randrange(8, 40), page_size=page_size,
+                               num_layers=layers, chunks=1, seed=rng.randrange(1 << 30))
+    layer_bytes = len(exchange.src.pages) * exchange.src.pool.bytes_per_page
+    monkeypatch.setattr(mooncake_pull_channel, "PIPELINE_PIECE_BYTES", layer_bytes * rng.choice([1, 2]))
+    starts: list[tuple[float, range]] = []
+    spans: list[tuple[float, float]] = []
+    lock = threading.Lock()
+    stage = MooncakePullChannel._stage
+
+    def timed_stage(self, group, *args, **kwargs):
+        with lock:
+            starts.append((time.perf_counter(), group))
+        return stage(self, group, *args, **kwargs)
+    monkeypatch.setattr(MooncakePullChannel, "_stage", timed_stage)
+
+    read = mooncake_stub.StubTransferEngine.batch_transfer_sync_read
+
+    def slowed(engine, session, local, remote, lengths):  # (only decode's engine reads)
+        began = time.perf_counter()
+        time.sleep(READ_S)
+        status = read(engine, session, local, remote, lengths)
+        with lock:
+            spans.append((began, time.perf_counter()))
+            if len(spans) - 1 == fail_read:
+                return -1
+            if len(spans) - 1 == tamper_read:
+                byte = ctypes.c_uint8.from_address(local[0])
+                byte.value ^= 1 << rng.randrange(8)
+        return status
+    monkeypatch.setattr(mooncake_stub.StubTransferEngine, "batch_transfer_sync_read", slowed)
+    return exchange, asyncio.run(run_exchange(exchange)), starts, spans, layer_bytes, engines
+
+
+def test_the_next_layer_group_is_staged_while_decode_reads_the_one_before(monkeypatch):
+    rng = random.Random()
+    exchange, (prefill, decode), starts, spans, layer_bytes, _ = _pipelined(monkeypatch, rng)
+    assert not isinstance(prefill, BaseException), repr(prefill)
+    assert not isinstance(decode, BaseException), repr(decode)
+    assert pages_equal(exchange), "a pipelined, encrypted transfer landed other bytes than the prefill pool's"
+    groups = [group for _, group in starts]
+    assert len(groups) >= 2 and groups == layer_groups(range(exchange.src.pool.num_layers), layer_bytes)
+    assert len(spans) == len(groups)  # one read per group
+    # Group g + 1's staging began while group g's read was still running.
+    for (start, _), (read_began, read_ended) in zip(starts[1:], spans):
+        assert start < read_ended, (starts, spans)
+
+
+def test_a_tampered_layer_group_is_refused_by_the_mac(monkeypatch):
+    rng = random.Random()
+    exchange, (prefill, decode), starts, spans, _, _ = _pipelined(monkeypatch, rng, tamper_read=1)
+    assert len(starts) >= 2
+    assert isinstance(decode, TransferError) and "MAC" in str(decode), repr(decode)
+
+
+def test_a_group_whose_read_fails_fails_the_transfer_and_every_send_slot_goes_back_once(monkeypatch):
+    rng = random.Random()
+    areas: list[StagingArea] = []
+    released: list[int] = []
+    init, release = StagingArea.__init__, StagingArea.release
+
+    def recorded_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        areas.append(self)
+
+    def recorded_release(self, slots, *args, **kwargs):
+        if self is areas[0]:  # the prefill worker's send staging (built first)
+            released.extend(slots)
+        return release(self, slots, *args, **kwargs)
+    monkeypatch.setattr(StagingArea, "__init__", recorded_init)
+    monkeypatch.setattr(StagingArea, "release", recorded_release)
+    exchange, (prefill, decode), starts, spans, _, engines = _pipelined(monkeypatch, rng, fail_read=1)
+    assert len(starts) >= 2
+    assert isinstance(decode, TransferError) and "failed" in str(decode), repr(decode)
+    assert isinstance(prefill, BaseException), repr(prefill)
+    send_staging = areas[0]
+    deadline = time.monotonic() + 5  # (a staging thread still running gives them back as it ends)
+    while send_staging.num_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert send_staging.num_used == 0 and sorted(released) == sorted(set(released)), released
+    assert engines[0].registered == {}, "a send slot stayed registered"
+    assert all(not any(buffer[slot].any() for slot in range(send_staging.num_pages))
+               for buffer in send_staging.buffers), "a send slot went back holding KV"
+
+
+def test_layer_groups_cover_the_layers_in_order_in_pieces_of_about_the_bytes():
+    rng = random.Random()
+    begin = rng.randrange(0, 10)
+    layers = range(begin, begin + rng.randrange(1, 70))
+    layer_bytes = rng.randrange(1, 1 << 24)
+    groups = layer_groups(layers, layer_bytes)
+    assert [layer for group in groups for layer in group] == list(layers)
+    per_group = max(1, -(-mooncake_pull_channel.PIPELINE_PIECE_BYTES // layer_bytes))
+    assert all(len(group) == per_group for group in groups[:-1]) and 1 <= len(groups[-1]) <= per_group
