@@ -133,11 +133,12 @@ def process_kubelet(control_plane, admin_kube, tmp_path_factory):
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> pathlib.Path:
     """The hostPath the examples mount at /models: the tiny checkpoint, written by the CLI once
-    for every module (its weights come from a fixed seed, and the pods only read it)."""
-    from e2e_deployment import run_tool
+    for every module (its weights come from a fixed seed, and the pods only read it). In this
+    process: a child's start-up (torch) would cost seconds."""
+    from deepseek_pd.cli import main
 
     directory = tmp_path_factory.mktemp("models")
-    run_tool(pathlib.Path(sys.executable).parent / "deepseek-pd", "make-tiny-model", directory / "tiny")
+    assert main(["make-tiny-model", str(directory / "tiny")]) == 0
     return directory
 
 

@@ -33,6 +33,7 @@ from pdtest.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 RELEASE, OPS, NS = "multipod", "ops-mp", "llm-mp"
+RESYNC_S = 1  # the operator's resync (s): what it must not do is watched over three of its passes
 POD_INDEX = "apps.kubernetes.io/pod-index"
 MAX_NEW = 8  # new tokens per metered request
 
@@ -40,7 +41,7 @@ MAX_NEW = 8  # new tokens per metered request
 @pytest.fixture(scope="module")
 def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
     with installed_release(control_plane, admin_kube, process_kubelet, tmp_path_factory.mktemp("multipod-e2e"),
-                           RELEASE, OPS, NS, "--set", "operator.resyncSeconds=2") as dep:
+                           RELEASE, OPS, NS, "--set", f"operator.resyncSeconds={RESYNC_S}") as dep:
         yield dep
 
 
@@ -98,7 +99,7 @@ def test_live_operator_refuses_a_plan_that_does_not_fit_with_a_condition(deploym
     memory = next(c for c in cr["status"]["conditions"] if c["type"] == "MemoryPlanFits")
     assert (cr["status"]["phase"], memory["status"], memory["reason"]) == ("Failed", "False", "DoesNotFit"), cr
     assert memory["message"], memory
-    time.sleep(6)  # three resyncs: still nothing
+    time.sleep(3 * RESYNC_S)  # three resyncs: still nothing
     for plural in ("apis/apps/v1/{}/statefulsets", "apis/apps/v1/{}/deployments", "api/v1/{}/services",
                    "api/v1/{}/configmaps", "api/v1/{}/pods", "api/v1/{}/secrets"):
         listed = deployment.kube.list("/" + plural.format(f"namespaces/{NS}"))

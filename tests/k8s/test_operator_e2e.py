@@ -37,6 +37,7 @@ from pdtest.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESYNC_S = 1  # the operator's resync (s): what it must leave alone is watched over three of its passes
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
     # The operator watches NS only (the chart's default RBAC is a Role there), so NS exists first.
     dep.kubectl_run("create", "namespace", NS)
     run_tool(dep.helm, "install", "deepseek", ROOT / "charts", "--namespace", OPS, "--create-namespace",
-             f"--kubeconfig={kubeconfig}", "--set", "operator.resyncSeconds=2",
+             f"--kubeconfig={kubeconfig}", "--set", f"operator.resyncSeconds={RESYNC_S}",
              "--set", f"operator.watchNamespaces={{{NS}}}", "--wait", "--timeout", "180s")
     wait_until(lambda: admin_kube.get(f"/api/v1/namespaces/{NS}/serviceaccounts/default"), 30, "no default SA")
     yield dep
@@ -171,7 +172,7 @@ def test_rolling_a_new_image_tag_replaces_one_group_at_a_time(deployment, offlin
         return pods if reasons & {"ErrImagePull", "ImagePullBackOff"} else None
     stuck = wait_until(pull_failing, 120, "no decode pod of the unpushed tag failed to pull", deployment.diagnose)
     assert len({p["metadata"]["labels"][GROUP_INDEX] for p in stuck}) == 1
-    for _ in range(12):  # several resyncs (2 s): nothing more is replaced while that group is down
+    for _ in range(6 * RESYNC_S):  # three resyncs: nothing more is replaced while that group is down
         sample = watch.sample()
         time.sleep(0.5)
     assert sum(new in images for _, images in sample.values()) == 1, sample
@@ -255,7 +256,7 @@ def test_v3_example_is_reported_not_crash_looping_without_gpus(deployment):
     scheduler_says = {c["message"] for p in pods for c in p["status"]["conditions"] if c["type"] == "PodScheduled"}
     assert conditions["Available"]["reason"] == "PodsUnschedulable", conditions["Available"]
     assert any(m in conditions["Available"]["message"] for m in scheduler_says), conditions["Available"]
-    time.sleep(5)  # a few resyncs: nothing restarts, nothing is recreated
+    time.sleep(3 * RESYNC_S)  # three resyncs: nothing restarts, nothing is recreated
     again = deployment.kube.list(f"/api/v1/namespaces/{NS}/pods", labelSelector=selector)
     assert {p["metadata"]["uid"] for p in again} == {p["metadata"]["uid"] for p in pods}
     deployment.kubectl_run("delete", "-n", NS, "deepseekdeployment", name, "--wait=true", "--timeout=120s")

@@ -48,12 +48,13 @@ ROLES = ("decode", "prefill")
 # The engine option that changes each role's greedy tokens, and decode's old precision stated.
 CHANGES = {"decode": "--dtype=bfloat16", "prefill": "--engine-opt=fp8_backend=torch"}
 DECODE_FIXED = "--dtype=float32"
+RESYNC_S = 1  # the operator's resync: a halted rollout is watched over several of its passes
 
 
 @pytest.fixture(scope="module")
 def deployment(control_plane, admin_kube, process_kubelet, tmp_path_factory):
     with installed_release(control_plane, admin_kube, process_kubelet, tmp_path_factory.mktemp("verify-e2e"),
-                           RELEASE, OPS, NS, "--set", "operator.resyncSeconds=2") as dep:
+                           RELEASE, OPS, NS, "--set", f"operator.resyncSeconds={RESYNC_S}") as dep:
         yield dep
 
 
@@ -194,10 +195,10 @@ def test_a_rollout_whose_engine_option_changes_greedy_tokens_is_stopped(deployme
     for role in ROLES:
         assert [e for e in differ if e["type"] == "Warning" and str(expected[role]) in e["message"]], (role, differ)
 
-    # Halted: over several resyncs (2 s) neither group 0 is replaced nor restarted, the router
+    # Halted: over several resyncs neither group 0 is replaced nor restarted, the router
     # (Static discovery) still names only decode's group 0, and the old groups answer with the
     # old revision's tokens (prefill's through decode's).
-    time.sleep(8)
+    time.sleep(4 * RESYNC_S)
     still = {role: dep.pods(_group(dep, role, 0)) for role in ROLES}
     for role, old_pod in old_pods.items():
         [pod] = still[role]

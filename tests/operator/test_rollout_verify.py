@@ -37,11 +37,12 @@ def test_first_mismatch_names_the_prompt_and_position(rng=random.Random()):
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     """Decode workers: two on checkpoint A, one on checkpoint B (another seed)."""
+    from deepseek_pd.cli import main
+
     root = tmp_path_factory.mktemp("verify")
     cli = [sys.executable, "-m", "deepseek_pd.cli"]
-    for name, seed in (("a", 1), ("b", 2)):
-        subprocess.run([*cli, "make-tiny-model", str(root / name), "--seed", str(seed)], check=True,
-                       capture_output=True, timeout=120)
+    for name, seed in (("a", 1), ("b", 2)):  # in this process: a child's start-up (torch) costs seconds
+        assert main(["make-tiny-model", str(root / name), "--seed", str(seed)]) == 0
     procs, addresses = [], {}
     try:
         # Decode "old", "same" (A) and "other" (B); prefill "prefill-a" and "prefill-b".
