@@ -17,8 +17,9 @@ layers (`layer_groups`, about PIPELINE_PIECE_BYTES each) as a pipeline:
 
 So only slots of pieces in flight are reachable through the engine's ports, each piece's groups
 until decode read its last group (a group read early stays registered until then, ciphertext of this
-send only, and is zeroed on release). The slots are the piece's (`_HeldSlots`) until every staging thread of it returned: a piece whose
-send gave up meanwhile (its deadline, a cancel) is given back by whichever side ends last, once.
+send only, and is zeroed on release). The slots are the piece's (`_HeldSlots`) until every staging
+thread of it returned: a piece whose send gave up meanwhile (its deadline, a cancel) is given back
+by whichever side ends last, once.
 """
 from __future__ import annotations
 
