@@ -45,6 +45,7 @@ from target_check import check  # noqa: E402
 from deepseek_pd.errors import UserError  # noqa: E402
 from deepseek_pd.model.kv.mooncake_direction import MOONCAKE_KV_DIRECTIONS  # noqa: E402
 from deepseek_pd.workers.transport.mooncake_build import imported_build  # noqa: E402
+from deepseek_pd.workers.transport import kv_mac  # noqa: E402
 
 TARGET = 0.8  # issue 25: Mooncake TCP on the GPU machine, GPU pool to GPU pool, ours / raw Mooncake
 V2_LITE = ("--tokens", "4096", "--layers", "27", "--kv-dim", "576", "--page-size", "64")
@@ -63,6 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--commit", default=None, help="commit to record when the copy has no .git")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for mooncake_gpu.json")
     parser.add_argument("--netns", action="store_true", help="re-run inside a private network namespace")
+    parser.add_argument("--kv-mac", default=None, choices=kv_mac.algorithms(),
+                        help="the KV MAC both sides use (default: the preferred, as workers negotiate it)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats needs a value >= 1")
@@ -119,6 +122,7 @@ def table(result: dict) -> str:
     return "\n".join([
         f"issue 25 Mooncake GPU, card {result['card']}, commit {result['commit']}, {result['mooncake']}; "
         f"{result['bytes'] / 1e6:.1f} MB ({result['bytes_per_token']} B/token), {DIRECTIONS[result['direction']]}, "
+        f"KV MAC {result.get('kv_mac', '?')}, "
         f"ratio = value / target",
         f"(raw read, the pulled direction's ceiling: {result['raw_read_gbps']:.3f} GB/s; ours without the "
         f"secret, no cipher or MAC: {result['clear_gbps']:.3f} GB/s, {result['clear_vs_raw']:.2f} of its raw write)",
@@ -141,14 +145,17 @@ def main(argv: list[str] | None = None) -> dict | None:
         build = imported_build(importlib.import_module("mooncake.engine"))
     except (ImportError, OSError) as exc:
         raise SystemExit(f"mooncake is not importable: {exc} (bench/mooncake_gpu_session.sh installs the CUDA build)")
+    if args.kv_mac:
+        kv_mac.offer_only([args.kv_mac])
     seed = random.randrange(1 << 30) if args.seed is None else args.seed
-    print(f"seed {seed}; mooncake: {build}", flush=True)
+    print(f"seed {seed}; mooncake: {build}; KV MAC {kv_mac.algorithms()[0]}", flush=True)
     try:
         result = measure(args, seed)
     except UserError as exc:  # e.g. a GPU pool with the -non-cuda wheel: the engine says what to install
         raise SystemExit(f"error: {exc}")
     result.update(card=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                  commit=args.commit or commit(), mooncake=str(build), device=args.device)
+                  commit=args.commit or commit(), mooncake=str(build), device=args.device,
+                  kv_mac=kv_mac.algorithms()[0])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mooncake_gpu.json").write_text(json.dumps(result, indent=2))
     print()

@@ -219,13 +219,14 @@ class TransferEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., accepted: _Optional[_Union[HandshakeAck, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., failed: _Optional[_Union[TransferFailed, _Mapping]] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
-    __slots__ = ("protocol_version", "prefill_rid", "credit_window", "kv_streams", "kv_cipher", "mooncake_source", "auth")
+    __slots__ = ("protocol_version", "prefill_rid", "credit_window", "kv_streams", "kv_cipher", "mooncake_source", "kv_mac", "auth")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RID_FIELD_NUMBER: _ClassVar[int]
     CREDIT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     KV_STREAMS_FIELD_NUMBER: _ClassVar[int]
     KV_CIPHER_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    KV_MAC_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     prefill_rid: str
@@ -233,8 +234,9 @@ class HandshakeAck(_message.Message):
     kv_streams: int
     kv_cipher: str
     mooncake_source: MooncakeSource
+    kv_mac: str
     auth: AuthToken
-    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., kv_streams: _Optional[int] = ..., kv_cipher: _Optional[str] = ..., mooncake_source: _Optional[_Union[MooncakeSource, _Mapping]] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., prefill_rid: _Optional[str] = ..., credit_window: _Optional[int] = ..., kv_streams: _Optional[int] = ..., kv_cipher: _Optional[str] = ..., mooncake_source: _Optional[_Union[MooncakeSource, _Mapping]] = ..., kv_mac: _Optional[str] = ..., auth: _Optional[_Union[AuthToken, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "page_begin", "page_end", "data", "crc32", "written_directly", "source_slots")

@@ -46,7 +46,7 @@ from deepseek_pd.transfer_limits import MAX_CHUNK_BYTES
 from deepseek_pd.workers.engine.interface import DisaggParams, FailureCode
 from deepseek_pd.workers.transport.bootstrap_protocol import (
     MESSAGE_ENVELOPE_BYTES, code_from_pb, handshake_version, target, version_refusal_hint)
-from deepseek_pd.workers.transport import kv_cipher
+from deepseek_pd.workers.transport import kv_cipher, kv_mac
 from deepseek_pd.workers.transport.internal_auth import AuthError
 from deepseek_pd.workers.transport.base import KVSink
 from deepseek_pd.workers.transport.wire import decode_event
@@ -119,12 +119,14 @@ class BootstrapClient:
         await self.peers.check(params.bootstrap_host, params.bootstrap_port)  # before any connection
         deadline = time.monotonic() + self.config.transfer_timeout_s
         call, ack, endpoint = await self._connect(params, handshake, sink, deadline)
-        # The accepted handshake's nonce keys the KV MAC: the sink may check each chunk as it lands.
-        sink.begin_check(self.config.auth.kv_key(params.bootstrap_room, handshake.auth.nonce), params.bootstrap_room)
         window = max(1, ack.credit_window)
         finished = False
         readers: list[KVStreamReader] = []
         try:
+            # The accepted handshake's nonce keys the KV MAC, the ack names it: the sink may check
+            # each chunk as it lands.
+            sink.begin_check(self.config.auth.kv_key(params.bootstrap_room, handshake.auth.nonce),
+                             params.bootstrap_room, self._mac_agreed(handshake, ack, sink))
             sink.accept_answer(ack)
             self._begin_cipher(params.bootstrap_room, handshake, ack, sink)
             await self._open_kv_streams(params, endpoint, handshake, ack, sink, window, deadline, readers)
@@ -160,6 +162,15 @@ class BootstrapClient:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
                 raise TransferError(FailureCode.UNAVAILABLE, f"KV stream {index} of room "
                                     f"{params.bootstrap_room} could not be opened: {exc!r}") from None
+
+    @staticmethod
+    def _mac_agreed(handshake: pb.Handshake, ack: pb.HandshakeAck, sink: KVSink) -> str:
+        """The KV MAC the (signed) ack names, one this side offered (transport/kv_mac.py; "" when it
+        offered none); raises TransferError for one it did not offer."""
+        try:
+            return kv_mac.agreed(handshake.mooncake.kv_mac_algorithms, ack.kv_mac)
+        except ValueError as exc:
+            raise sink.fail(TransferError(FailureCode.INVALID_ARGUMENT, str(exc))) from None
 
     def _begin_cipher(self, room: int, handshake: pb.Handshake, ack: pb.HandshakeAck, sink: KVSink) -> None:
         """The KV cipher the (signed) ack names, one this side offered: the sink decrypts with it

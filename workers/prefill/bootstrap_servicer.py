@@ -38,7 +38,7 @@ from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport.bootstrap_protocol import (
     ACCEPTED_VERSIONS, PROTOCOL_VERSION, code_to_pb, handshake_version, kv_stream_count)
-from deepseek_pd.workers.transport import kv_cipher
+from deepseek_pd.workers.transport import kv_cipher, kv_mac
 from deepseek_pd.workers.transport.bootstrap_routes import RouteTable, misroute_reason
 from deepseek_pd.workers.transport.internal_auth import AuthError, ReplayGuard
 from deepseek_pd.workers.transport.wire import EncodedChunk
@@ -103,6 +103,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             await self._refuse(context, "protocol", grpc.StatusCode.FAILED_PRECONDITION, reason)
         try:  # with a secret, mooncake KV cells are encrypted with a cipher decode offered (kv_cipher.py)
             cipher = kv_cipher.choose(request.mooncake.kv_cipher_algorithms) if self.auth.enabled else ""
+            mac = kv_mac.choose(request.mooncake.kv_mac_algorithms)  # (the channel's pick: one rule)
         except ValueError as exc:
             room = self.registry.get(request.room)
             if room is not None:
@@ -128,7 +129,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         delivered_terminal = delivered_done = False
         try:
             ack = pb.HandshakeAck(protocol_version=request.protocol_version, credit_window=window,
-                                  kv_streams=room.kv_streams, kv_cipher=room.kv_cipher)
+                                  kv_streams=room.kv_streams, kv_cipher=room.kv_cipher, kv_mac=mac)
             if self.answer is not None:  # the transport's part (a pulled mooncake transfer: its source)
                 self.answer(request, ack)
             self.auth.sign(ack, "ack", self.identity, token.sender, f"room={request.room}", token.nonce)

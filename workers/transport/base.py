@@ -356,10 +356,11 @@ class KVSink(abc.ABC):
         that offer no cipher refuse."""
         raise self.fail(TransferError(FailureCode.INTERNAL, f"the {type(self).__name__} transport decrypts no KV"))
 
-    def begin_check(self, key: bytes | None, room: int) -> None:
+    def begin_check(self, key: bytes | None, room: int, algorithm: str = "") -> None:
         """Once the handshake is accepted, before any chunk: the transfer will be checked with `key`
-        (`check_sealed`), so the sink may build its proof as the KV lands rather than all at once
-        after the TransferDone (mooncake: the MAC of each landed send). Nothing by default."""
+        (`check_sealed`) by `algorithm` (the MAC the signed ack agreed: kv_mac.agreed; "" none), so
+        the sink may build its proof as the KV lands rather than all at once after the TransferDone
+        (mooncake: the MAC of each landed send). Nothing by default."""
 
     def check_on_landing(self, check: "LandingCheck") -> None:
         """Before the transfer: `check` (decode's finite check) may run on each part of the KV as it

@@ -8,33 +8,53 @@ mismatch (its pages are then scrubbed and freed like any failed transfer's). A s
 then spoil only a request that fails with a clear error; it cannot change one output token.
 
     key = HMAC-SHA256(secret, "deepseek-pd/kv-mac" || room || handshake nonce)  (InternalAuth.kv_key)
-    layer_l = BLAKE2b(key, person "kv-layer", header || 0 || l || page 0, page 1, ... of layer l)
-    tag     = BLAKE2b(key, person "kv-root",  header || layer_0 || layer_1 || ...)
     header  = "room=R;pages=<the handshake's page ids>"   (request-local order: decode's staging slots)
+    message_l = header || 0 || le32(l) || page 0, page 1, ... of layer l
+
+    "gmac-pages" (preferred):
+        key_g   = BLAKE2b(key, person "kv-gmac-key")             (32 bytes: an AES-256 key)
+        page_tag(l, i) = AES-256-GCM(key_g, nonce = le32(l) || le64(i)), no plaintext, associated
+                         data = page i of layer l (i: request order): a GMAC, 16 bytes
+        layer_l = page_tag(l, 0) || page_tag(l, 1) || ...
+        tag     = BLAKE2b(key, person "kv-root-gmac", header || layer_0 || layer_1 || ...)
+    "blake2b-layers" (what older workers compute):
+        layer_l = BLAKE2b(key, person "kv-layer", message_l)
+        tag     = BLAKE2b(key, person "kv-root",  header || layer_0 || layer_1 || ...)
 
 The handshake nonce is used once (the prefill side's replay guard), so each key MACs one transfer;
 the key comes from the deployment secret, so an on-path observer who sees the tag (the bootstrap
-stream is plaintext) cannot forge one. The handshake names the algorithms the decode side checks
-(`MooncakeDestination.kv_mac_algorithms`), the done the one used (`kv_mac_algorithm`).
+stream is plaintext) cannot forge one.
 
-Why keyed BLAKE2b per layer and not Poly1305 (PyPI `cryptography`, ~10x faster on one core):
-`cryptography`'s Poly1305 held the GIL while it ran (a 256 MB update stalled another Python
-thread for 235 ms; fed in 1 MiB pieces, for 20-35 ms at a time), and on a decode worker that
-thread is the scheduler; hashlib's BLAKE2b releases it (the same thread ticked every ~1 ms), so
-the layers hash in parallel on spare cores without touching the decode steps. `cryptography` 51.0
-releases the GIL in Poly1305's update too (session 16): BLAKE2b, at ~0.9 GB/s a core, is now the
-largest CPU cost of a secured Mooncake transfer (about half of it on the 2-core CPU machine,
-docs/performance.md); a faster MAC would be a new algorithm in the negotiation
-(`MooncakeDestination.kv_mac_algorithms`), a protocol change not made here.
+Why GMAC per page is sound here: GCM authenticates under one key as long as no nonce repeats (NIST
+SP 800-38D); within a transfer's one-time key each (layer, page) names its own nonce, and the
+prefill side MACs each cell once. Decode recomputes a tag over what landed and only compares it (a
+failed request is the one bit an attacker learns, once per key). A forgery of one page succeeds
+with probability about (its 16-byte blocks + 1) / 2^128; the root, a keyed BLAKE2b over the page
+tags in order, binds their positions, their count and the header (the nonces bind them too).
+Why not keyed BLAKE2b alone: ~0.9 GB/s a core, half of a secured Mooncake transfer's CPU
+(docs/performance.md, session 16); AES-GCM runs on the CPU's AES and carry-less-multiply units:
+~2.7 GB/s a core at 18 KiB pages, the call's overhead included (test_kv_mac.py's cost test; ~17
+GB/s in one large call), more at 64-token pages. Why not Poly1305 per layer (~6 GB/s, incremental): `cryptography` 51 holds the GIL through Poly1305's update (one 256 MB update
+stopped another Python thread for its whole 68 ms, measured), so on a decode worker it would stall
+the scheduler thread; its AEAD calls release the GIL (from 2 KiB: pyca/cryptography#15359), as
+hashlib's BLAKE2b does. So "gmac-pages" is offered only with a release measured to release it
+(`GIL_FREE_CRYPTOGRAPHY`; a test holds it to that), where OpenSSL has AES-GCM; otherwise a process
+offers and computes "blake2b-layers" alone.
+
+Negotiation: decode offers what it checks, preferred first (`MooncakeDestination.kv_mac_algorithms`);
+the prefill side takes the first it computes (`choose`) or refuses the handshake naming both lists,
+names its pick in the signed ack (`HandshakeAck.kv_mac`) and again in the signed done
+(`TransferDone.kv_mac_algorithm`). Decode builds the tag as the KV lands with the ack's pick
+(`agreed`: an ack that names none comes from an older prefill worker, which computes
+"blake2b-layers") and refuses a done that names another.
 
 Cost: one read of the prompt's KV on each side, once per transfer, in worker threads off the GIL:
 off the decode steps. The prefill side reads each send's pages beside its write (`LayerMacs`, from
 `MooncakeChannel.begin_seal`), so its seal at `finish`, on the first token's path, only digests
 (bench/kv_mac_finish.py); the decode side reads each send's private copy as it lands (`LandedMacs`,
-send_landing.py), so its check after the TransferDone only digests too. Measured (test_kv_mac.py's bench, CPU pool read
-in place, 2 shared CI cores): ~1.1 ms of CPU per MB (~0.9 GB/s a core), divided by the threads
-(up to 8, half the cores); a 4k-token V2-Lite prompt (127 MB) is ~140 ms of CPU per side, ~20 ms
-of wall time on 8 free cores. A CUDA pool's pages are gathered on the
+send_landing.py), so its check after the TransferDone only digests too. The layers hash in
+parallel in up to 8 threads (half the cores); the CPU per side is the prompt's KV bytes at the
+algorithm's rate (figures: docs/performance.md). A CUDA pool's pages are gathered on the
 device and copied to the host a layer at a time first (PCIe at ~25 GB/s adds ~5 ms for that
 prompt); a MAC computed on the device (no host copy) is not done here: no keyed MAC kernel is at
 hand, and an unkeyed device checksum would not stop a stranger who can read the pages too.
@@ -64,18 +84,109 @@ from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.transport.page_io import consecutive_runs, side_stream, wait_ready
 
 KEY_BYTES = 32
-ALGORITHM = "blake2b-layers"
-# hashlib releases the GIL while it hashes (more than 2 KiB at a time), so layers hash in parallel,
-# off the interpreter that runs the scheduler. A few threads: a transfer is one of many; at least
-# two, so that one transfer's layers never hash on a single core behind another's (half of 2 cores
-# was one thread: a 4k-token prompt's ~140 ms of hashing, then the next one's, in a row).
+GMAC = "gmac-pages"
+BLAKE2B = "blake2b-layers"
+OLDER_PEERS = BLAKE2B  # what a prefill worker computes whose ack names no MAC (before "gmac-pages")
+# The first `cryptography` release measured to release the GIL in AES-GCM's encrypt (51.0.1: another
+# Python thread kept ticking through 64 MB of associated data; pyca/cryptography#15359). Releases
+# before it are not offered GMAC (some held the GIL for a whole call).
+GIL_FREE_CRYPTOGRAPHY = (51, 0)
+_ROOT_PERSON = {GMAC: b"kv-root-gmac", BLAKE2B: b"kv-root"}
+# hashlib and cryptography's AEADs release the GIL while they hash (more than 2 KiB at a time), so
+# layers hash in parallel, off the interpreter that runs the scheduler. A few threads: a transfer is
+# one of many; at least two, so that one transfer's layers never hash on a single core behind
+# another's (half of 2 cores was one thread: a 4k-token prompt's hashing, then the next one's, in a row).
 _THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kv-mac")
 
 
+def _gmac_usable() -> bool:
+    """`cryptography` is installed, releases the GIL in its AEADs (`GIL_FREE_CRYPTOGRAPHY`), and its
+    OpenSSL has AES-GCM."""
+    try:
+        import cryptography
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError:
+        return False
+    try:
+        release = tuple(int(part) for part in cryptography.__version__.split(".")[:2])
+        if release < GIL_FREE_CRYPTOGRAPHY:
+            return False
+        AESGCM(bytes(KEY_BYTES)).encrypt(bytes(12), b"", b"probe")
+    except Exception:  # (an unparsable version, an OpenSSL without AES-GCM)
+        return False
+    return True
+
+
+_USABLE = (GMAC, BLAKE2B) if _gmac_usable() else (BLAKE2B,)
+_ALGORITHMS = _USABLE
+
+
 def algorithms() -> tuple[str, ...]:
-    """The MAC algorithms this process computes, preferred first."""
-    return (ALGORITHM,)
+    """The MAC algorithms this process computes, preferred first (what decode offers)."""
+    return _ALGORITHMS
+
+
+def offer_only(names: Sequence[str]) -> None:
+    """This process offers and computes `names` alone, in that order (benches and tests: one
+    algorithm against another in one run, or an older worker's set); ValueError for one it lacks."""
+    global _ALGORITHMS
+    missing = [name for name in names if name not in _USABLE]
+    if missing or not names:
+        raise ValueError(f"KV MAC {missing or list(names)} not available here (have: {', '.join(_USABLE)})")
+    _ALGORITHMS = tuple(names)
+
+
+def choose(offered: Sequence[str]) -> str:
+    """The prefill side's pick among decode's `offered` MACs ("" when none is offered: an older
+    decode worker, or a transport without one); raises ValueError when it computes none of them."""
+    if not offered:
+        return ""
+    for name in offered:
+        if name in algorithms():
+            return name
+    raise ValueError(f"decode checks the KV with a MAC of {list(offered)}, this prefill worker computes "
+                     f"{list(algorithms())}: run one version on both")
+
+
+def agreed(offered: Sequence[str], chosen: str) -> str:
+    """The decode side's reading of the ack's `chosen` MAC: one it offered ("" when it offered none);
+    an ack that names none comes from an older prefill worker, which computes `OLDER_PEERS`. Raises
+    ValueError for one it did not offer."""
+    if not offered:
+        return ""
+    chosen = chosen or OLDER_PEERS
+    if chosen not in offered:
+        raise ValueError(f"the prefill worker MACs the KV with {chosen!r}, decode offered {list(offered)}")
+    return chosen
+
+
+class _LayerMac:
+    """One layer's MAC as it takes the layer's pages in request order (`update`, whole pages), then
+    `tag` once."""
+
+    def __init__(self, algorithm: str, key: bytes, layer: int, head: bytes) -> None:
+        self._index = layer.to_bytes(4, "little")
+        if algorithm == GMAC:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+            self._gmac = AESGCM(hashlib.blake2b(key=key, digest_size=KEY_BYTES, person=b"kv-gmac-key").digest())
+            self._page_tags: list[bytes] = []
+        else:
+            self._gmac = None
+            self._blake = hashlib.blake2b(key=key, digest_size=32, person=b"kv-layer")
+            self._blake.update(head + b"\x00" + self._index)
+
+    def update(self, data: memoryview, page_bytes: int) -> None:
+        """The next whole pages of this layer, in request order."""
+        if self._gmac is None:
+            self._blake.update(data)
+            return
+        for offset in range(0, len(data), page_bytes):  # (each call releases the GIL: >= 2 KiB)
+            nonce = self._index + len(self._page_tags).to_bytes(8, "little")
+            self._page_tags.append(self._gmac.encrypt(nonce, b"", data[offset:offset + page_bytes]))
+
+    def tag(self) -> bytes:
+        return b"".join(self._page_tags) if self._gmac is not None else self._blake.digest()
 
 
 def header(room: int, dst_pages: Sequence[int]) -> bytes:
@@ -83,14 +194,17 @@ def header(room: int, dst_pages: Sequence[int]) -> bytes:
     return f"room={room};pages={','.join(map(str, dst_pages))}".encode()
 
 
-def _check(key: bytes, algorithm: str) -> None:
-    if algorithm != ALGORITHM:
+def _resolved(key: bytes, algorithm: str | None) -> str:
+    """`algorithm` (None: this process's preferred), checked with `key`'s size."""
+    algorithm = algorithms()[0] if algorithm is None else algorithm
+    if algorithm not in algorithms():
         raise ValueError(f"KV MAC algorithm {algorithm!r} is not available here (have: {', '.join(algorithms())})")
     if len(key) != KEY_BYTES:
         raise ValueError(f"a KV MAC key has {KEY_BYTES} bytes, got {len(key)}")
+    return algorithm
 
 
-def _feed(mac: "hashlib._Hash", pool: KVPool, layer: int, pages: Sequence[int],
+def _feed(mac: _LayerMac, pool: KVPool, layer: int, pages: Sequence[int],
           runs: list[tuple[int, int, int]], ready: "torch.cuda.Event | None", synced: bool = False) -> None:
     """Hashes `pages` of one layer, in order, into `mac`. `synced`: their last write is complete
     (host-synchronised), so no stream needs waiting for."""
@@ -99,7 +213,7 @@ def _feed(mac: "hashlib._Hash", pool: KVPool, layer: int, pages: Sequence[int],
     if buffer.device.type == "cpu":
         as_bytes = flat.view(torch.uint8).numpy()
         for begin, end, first in runs:
-            mac.update(memoryview(as_bytes[first:first + end - begin]).cast("B"))
+            mac.update(memoryview(as_bytes[first:first + end - begin]).cast("B"), pool.bytes_per_page)
         return
     # Gathered on the device and copied to the host on this thread's side stream, which waits for
     # `ready` (else for the default stream, unless `synced`): not for the forwards queued after the
@@ -110,7 +224,7 @@ def _feed(mac: "hashlib._Hash", pool: KVPool, layer: int, pages: Sequence[int],
             wait_ready(pool, ready, stream)
         index = torch.tensor(list(pages), dtype=torch.long, device=buffer.device)
         host = flat.index_select(0, index).view(torch.uint8).to("cpu")  # (synchronises the side stream)
-    mac.update(memoryview(host.numpy()).cast("B"))
+    mac.update(memoryview(host.numpy()).cast("B"), pool.bytes_per_page)
 
 
 class LayerMacs:
@@ -124,20 +238,16 @@ class LayerMacs:
         macs = LayerMacs(pool.num_layers, key, head)
         macs.update(pool, range(0, 1), 0, [7, 8])         # layer 0 of pages 0-1, as it went out
         macs.update(pool, range(1, 27), 0, [7, 8])        # the other layers of them
-        macs.digest(pool, [7, 8, 3]) == kv_mac(pool, [7, 8, 3], key, head)   # reads page 2 only
+        macs.digest(pool, [7, 8, 3]) == kv_mac(pool, [7, 8, 3], key, head, GMAC)   # reads page 2 only
 
     Calls must not overlap (a channel's sends are sequential); each reads what the pool holds then,
     so a page is hashed as it was sent (a sent page is complete: SendPlan).
     """
 
-    def __init__(self, num_layers: int, key: bytes, head: bytes, algorithm: str = ALGORITHM) -> None:
-        _check(key, algorithm)
-        self.key, self.head = key, head
-        self._macs = []
-        for layer in range(num_layers):
-            mac = hashlib.blake2b(key=key, digest_size=32, person=b"kv-layer")
-            mac.update(head + b"\x00" + layer.to_bytes(4, "little"))
-            self._macs.append(mac)
+    def __init__(self, num_layers: int, key: bytes, head: bytes, algorithm: str | None = None) -> None:
+        algorithm = _resolved(key, algorithm)
+        self.key, self.head, self.algorithm = key, head, algorithm
+        self._macs = [_LayerMac(algorithm, key, layer, head) for layer in range(num_layers)]
         self.hashed = [0] * num_layers  # request-local pages each layer has hashed, from page 0
         self.pages_read = 0  # (layer, page) cells read so far, by `update` and `digest`
         self.seconds = 0.0  # the hashing's time, summed over the MAC's threads (TransferStats' `mac`)
@@ -166,10 +276,10 @@ class LayerMacs:
             tails.append(self._hash(pool, todo, pages[begin:], None, synced))
         for tail in tails:
             tail.wait()
-        root = hashlib.blake2b(key=self.key, digest_size=32, person=b"kv-root")
+        root = hashlib.blake2b(key=self.key, digest_size=32, person=_ROOT_PERSON[self.algorithm])
         root.update(self.head)
         for mac in self._macs:
-            root.update(mac.digest())
+            root.update(mac.tag())
         return root.digest()
 
     def _hash(self, pool: KVPool, layers: list[int], pages: list[int], ready: "torch.cuda.Event | None",
@@ -200,11 +310,11 @@ class LandedMacs:
     landed before `digest` (a transfer copied out whole after its TransferDone) is read there.
     The tag is `kv_mac`'s whatever the cut and the order:
 
-        macs = LandedMacs(pool, [7, 8, 3], key, head)     # pool: decode's; pages: the request's
+        macs = LandedMacs(pool, [7, 8, 3], key, head, GMAC)   # pool: decode's; pages: the request's
         macs.landed(range(5, 6), 2, 3)    # layer 5 of page 2 landed first: parked
         macs.landed(range(0, 27), 0, 2)   # pages 0-1 of every layer: hashes those, then layer 5's page 2
         macs.landed(range(0, 5), 2, 3); macs.landed(range(6, 27), 2, 3)
-        macs.digest() == kv_mac(pool, [7, 8, 3], key, head)   # reads no page
+        macs.digest() == kv_mac(pool, [7, 8, 3], key, head, GMAC)   # reads no page
 
     `landed` may run in several threads at once (a sink lands chunks side by side); a cell must
     land once (the sink refuses a second landing before it copies: a copy over a hashed page
@@ -213,11 +323,11 @@ class LandedMacs:
     """
 
     def __init__(self, pool: KVPool, pages: Sequence[int], key: bytes, head: bytes,
-                 algorithm: str = ALGORITHM) -> None:
-        self.algorithm = algorithm
+                 algorithm: str | None = None) -> None:
         self._pool = pool
         self._pages = list(pages)
         self._macs = LayerMacs(pool.num_layers, key, head, algorithm)
+        self.algorithm = self._macs.algorithm
         self._parked: list[dict[int, int]] = [{} for _ in range(pool.num_layers)]  # begin -> end, not hashed
         self._lock = threading.Lock()  # the parked ranges and `hashed`
         # Held while a layer's range is hashed: the next range of that layer waits, so each layer's
@@ -281,12 +391,12 @@ class Hashing:
             future.result()
 
 
-def kv_mac(pool: KVPool, pages: Sequence[int], key: bytes, head: bytes, algorithm: str = ALGORITHM,
+def kv_mac(pool: KVPool, pages: Sequence[int], key: bytes, head: bytes, algorithm: str | None = None,
            synced: bool = False) -> bytes:
     """The tag of `pages` (this pool's ids, in request-local order) over every layer, after `head`:
-    a keyed BLAKE2b per layer (in parallel), then a keyed BLAKE2b over those. Raises ValueError for
-    an algorithm this process does not compute or a key of the wrong size. `synced`: as for
-    `LayerMacs.digest`."""
+    `algorithm`'s MAC per layer (in parallel; None: the preferred), then a keyed BLAKE2b over those.
+    Raises ValueError for an algorithm this process does not compute or a key of the wrong size.
+    `synced`: as for `LayerMacs.digest`."""
     return LayerMacs(pool.num_layers, key, head, algorithm).digest(pool, pages, synced)
 
 

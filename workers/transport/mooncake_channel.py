@@ -68,13 +68,10 @@ class MooncakeChannel(SendChannel):
         self._macs: kv_mac.LayerMacs | None = None  # `begin_seal`: the MAC, as the sends go out
         self._mac_room: int | None = None
         self._cipher: kv_cipher.CellCipher | None = None  # `begin_cipher`: each cell encrypted as it is staged
-        self._mac_algorithm = next((name for name in destination.kv_mac_algorithms
-                                    if name in kv_mac.algorithms()), None)
-        if destination.kv_mac_algorithms and self._mac_algorithm is None:
-            raise TransferError(FailureCode.INVALID_ARGUMENT,
-                                f"decode checks the KV with a MAC of {list(destination.kv_mac_algorithms)}, "
-                                f"this prefill worker computes {list(kv_mac.algorithms())}: run one "
-                                f"version on both")
+        try:  # (the bootstrap servicer's ack named the same pick: `kv_mac.choose` is one rule)
+            self._mac_algorithm = kv_mac.choose(destination.kv_mac_algorithms) or None
+        except ValueError as exc:
+            raise TransferError(FailureCode.INVALID_ARGUMENT, str(exc)) from None
 
     async def send(self, src_pages: Sequence[int], page_begin: int, layer_begin: int = 0,
                    layer_end: int | None = None, ready=None) -> None:

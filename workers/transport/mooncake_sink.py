@@ -56,6 +56,7 @@ class MooncakeSink(KVSink):
         self._exposed: list[int] = []
         # Without windows, each send lands (copied out and MACed) as its report comes (send_landing.py).
         self._landing = SendLanding(pool.num_layers, len(self.pages))
+        self._mac_agreed = ""  # `begin_check`: the MAC the signed ack agreed
         self._on_land = None  # `check_on_landing`'s check
         self._cipher: kv_cipher.CellCipher | None = None  # `begin_cipher`: the slots hold ciphertext
         # expose runs in a worker thread; a withdraw (the transfer cancelled meanwhile) waits for it
@@ -115,9 +116,10 @@ class MooncakeSink(KVSink):
         except ValueError as exc:
             raise self.fail(TransferError(FailureCode.INTERNAL, f"cannot decrypt the KV: {exc}")) from None
 
-    def begin_check(self, key: bytes | None, room: int) -> None:
-        if key is not None:  # (after `offer_into`: the header names the slots the handshake told)
-            self._landing.begin_mac(self.pool, self.pages, key, kv_mac.header(room, self._told))
+    def begin_check(self, key: bytes | None, room: int, algorithm: str = "") -> None:
+        self._mac_agreed = algorithm
+        if key is not None and algorithm:  # (after `offer_into`: the header names the slots the handshake told)
+            self._landing.begin_mac(self.pool, self.pages, key, kv_mac.header(room, self._told), algorithm)
 
     def on_chunk(self, chunk) -> None:
         """A send's or a window's report (no data): the prefill side wrote request pages
@@ -249,6 +251,10 @@ class MooncakeSink(KVSink):
                 log.warning("a prefill worker sent KV without a MAC (an older version): its transfers are not "
                             "checked against writes by strangers on the mooncake ports; upgrade it")
             return
+        if self._mac_agreed and done.kv_mac_algorithm != self._mac_agreed:
+            raise self.fail(TransferError(FailureCode.INVALID_ARGUMENT,
+                                          f"the prefill worker's TransferDone names the KV MAC "
+                                          f"{done.kv_mac_algorithm!r}, its ack agreed {self._mac_agreed!r}"))
         try:
             # Landed send by send: only a digest is left. Else (or from here) the copies were
             # synchronised: the reads wait for no decode step queued meanwhile.

@@ -21,7 +21,7 @@ A transfer with no report at all (an older prefill worker) is copied and MACed w
 TransferDone, as before.
 
     landing = SendLanding(num_layers=27, num_pages=3)
-    landing.begin_mac(pool, pages, key, head)          # once the handshake is accepted
+    landing.begin_mac(pool, pages, key, head, algorithm)   # once the handshake is accepted
     landing.claim(range(0, 1), 0, 2)  -> None          # layer 0 of pages 0-1: the sink copies them,
     landing.hash(range(0, 1), 0, 2)                    # then hashes them
     landing.claim(range(0, 1), 1, 3)  -> "... twice"   # page 1 of layer 0 again: refused
@@ -44,9 +44,11 @@ class SendLanding:
         self.reported = False  # some cell landed by report: every cell must
         self._macs: LandedMacs | None = None
 
-    def begin_mac(self, pool: KVPool, pages: Sequence[int], key: bytes, head: bytes) -> None:
-        """The transfer is checked with `key` over `head`: hash each landing from now on."""
-        self._macs = LandedMacs(pool, pages, key, head)
+    def begin_mac(self, pool: KVPool, pages: Sequence[int], key: bytes, head: bytes,
+                  algorithm: str | None = None) -> None:
+        """The transfer is checked with `key` over `head` by `algorithm` (kv_mac.py; None: the
+        preferred): hash each landing from now on."""
+        self._macs = LandedMacs(pool, pages, key, head, algorithm)
 
     def claim(self, layers: range, page_begin: int, page_end: int) -> str | None:
         """Records that the sink copies request pages [page_begin, page_end) of `layers` now;

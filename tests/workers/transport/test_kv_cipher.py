@@ -21,7 +21,7 @@ from deepseek_pd.errors import UserError
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.request_failure import TransferError
-from deepseek_pd.workers.transport import kv_cipher
+from deepseek_pd.workers.transport import kv_cipher, kv_mac
 from deepseek_pd.workers.transport.base import TransportConfig
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
@@ -187,7 +187,7 @@ def test_a_transfer_moves_only_ciphertext_and_lands_the_kv(monkeypatch):
     for side in (channel, sink):  # as KVPush and the bootstrap client do, before any KV moves
         side.begin_cipher(kv_cipher.ALGORITHM, key)
     channel.begin_seal(mac_key, room)
-    sink.begin_check(mac_key, room)
+    sink.begin_check(mac_key, room, kv_mac.algorithms()[0])
     for layers, first, end in _random_sends(rng, src.num_layers, count):
         asyncio.run(channel.send(src_pages[first:end], first, layers.start, layers.stop))
     page_bytes = src.bytes_per_page

@@ -19,8 +19,10 @@ from deepseek_pd.workers.transport.internal_auth import InternalAuth
 from deepseek_pd.workers.transport import kv_mac, mooncake_sink, wire
 from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
+from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
 from pdtest import mooncake_stub
+from pdtest.kv_mac_reference import gmac, kv_tag
 
 
 def _filled_pool(rng: random.Random, num_pages: int, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> KVPool:
@@ -32,16 +34,38 @@ def _filled_pool(rng: random.Random, num_pages: int, dtype: torch.dtype = torch.
     return pool
 
 
-def _reference(pool: KVPool, pages: list[int], key: bytes, head: bytes) -> bytes:
-    """The documented construction, sequentially, from each page's bytes."""
-    layers = [hashlib.blake2b(head + b"\x00" + layer.to_bytes(4, "little") + b"".join(
-                  buffer[page].contiguous().view(torch.uint8).numpy().tobytes() for page in pages),
-              key=key, digest_size=32, person=b"kv-layer").digest() for layer, buffer in enumerate(pool.buffers)]
-    return hashlib.blake2b(head + b"".join(layers), key=key, digest_size=32, person=b"kv-root").digest()
+def _reference(pool: KVPool, pages: list[int], key: bytes, head: bytes, algorithm: str | None = None) -> bytes:
+    """The documented construction (None: the preferred algorithm), sequentially, from each page's bytes."""
+    return kv_tag(pool.buffers, pages, key, head, algorithm or kv_mac.algorithms()[0])
 
 
-def test_the_tag_covers_exactly_the_pages_bytes_in_request_order():
-    algorithm = kv_mac.ALGORITHM
+def test_the_pure_python_gmac_reference_gives_the_gcm_spec_tag():
+    """The reference the "gmac-pages" tests trust: GCM's test case 1 (McGrew and Viega, AES-128,
+    zero key and nonce, nothing to authenticate), and AES-256 with associated data of odd lengths
+    against `cryptography`'s AES-GCM (another implementation: OpenSSL's)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    assert gmac(bytes(16), bytes(12), b"") == bytes.fromhex("58e2fccefa7e3061367f1d57a4e7455a")
+    rng = random.Random()
+    for length in (1, 16, 17, rng.randrange(2, 300)):
+        key, nonce = rng.randbytes(32), rng.randbytes(12)
+        associated = rng.randbytes(length)
+        assert gmac(key, nonce, associated) == AESGCM(key).encrypt(nonce, b"", associated)
+
+
+def test_gmac_is_offered_first_where_cryptography_releases_the_gil():
+    """This environment installs a `cryptography` that has it (pyproject's floor is older): decode
+    offers it first; a release before the measured floor is offered BLAKE2b alone."""
+    import cryptography
+    release = tuple(int(part) for part in cryptography.__version__.split(".")[:2])
+    assert kv_mac.algorithms() == ((kv_mac.GMAC, kv_mac.BLAKE2B) if release >= kv_mac.GIL_FREE_CRYPTOGRAPHY
+                                   else (kv_mac.BLAKE2B,))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cryptography, "__version__", "50.9.0")
+        assert not kv_mac._gmac_usable()
+
+
+@pytest.mark.parametrize("algorithm", kv_mac.algorithms())
+def test_the_tag_covers_exactly_the_pages_bytes_in_request_order(algorithm):
     rng = random.Random()
     src = _filled_pool(rng, 32)
     pages = rng.sample(range(32), rng.randrange(1, 12))
@@ -50,7 +74,7 @@ def test_the_tag_covers_exactly_the_pages_bytes_in_request_order():
     key = bytes(rng.randrange(256) for _ in range(kv_mac.KEY_BYTES))
     head = kv_mac.header(rng.randrange(1 << 40), pages)
     tag = kv_mac.kv_mac(src, pages, key, head, algorithm)
-    assert tag == _reference(src, pages, key, head)
+    assert tag == _reference(src, pages, key, head, algorithm)
     # The same bytes at other page ids of another pool (the decode side's): the same tag.
     dst = KVPool(src.num_layers, 40, src.page_size, src.kv_dim, dtype=src.dtype)
     dst_pages = rng.sample(range(40), len(pages))
@@ -71,6 +95,18 @@ def test_the_tag_covers_exactly_the_pages_bytes_in_request_order():
     # Another key, room or page list: another tag.
     assert kv_mac.kv_mac(dst, dst_pages, bytes(32), head, algorithm) != tag
     assert kv_mac.kv_mac(dst, dst_pages, key, kv_mac.header(1, pages), algorithm) != tag
+    # Two layers swapped, or two pages: another tag (each layer's key and the root bind the order).
+    if dst.num_layers > 1 and not torch.equal(dst.buffers[0][dst_pages], dst.buffers[1][dst_pages]):
+        swapped = KVPool(dst.num_layers, 40, dst.page_size, dst.kv_dim, dtype=dst.dtype)
+        for layer, buffer in enumerate(swapped.buffers):
+            buffer.copy_(dst.buffers[{0: 1, 1: 0}.get(layer, layer)])
+        assert kv_mac.kv_mac(swapped, dst_pages, key, head, algorithm) != tag
+    if len(dst_pages) > 1:
+        assert kv_mac.kv_mac(dst, [dst_pages[1], dst_pages[0]] + dst_pages[2:], key, head, algorithm) != tag
+    # The other algorithm's tag of the same bytes is another tag.
+    for other in kv_mac.algorithms():
+        if other != algorithm:
+            assert kv_mac.kv_mac(dst, dst_pages, key, head, other) != tag
 
 
 def test_the_key_is_bound_to_the_secret_the_room_and_the_handshake():
@@ -122,7 +158,8 @@ def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=N
     if begin if begin is not None else rng.random() < 0.8:  # as KVPush does: each send MACed as it goes
         channel.begin_seal(key, room)
     if check if check is not None else rng.random() < 0.8:  # as the bootstrap client does, once accepted
-        sink.begin_check(key, room)
+        sink.begin_check(key, room, kv_mac.agreed(handshake.mooncake.kv_mac_algorithms,
+                                                  kv_mac.choose(handshake.mooncake.kv_mac_algorithms)))
     for layers, first, end in _random_sends(rng, src.num_layers, count):
         asyncio.run(channel.send(src_pages[first:end], first, layers.start, layers.stop))
     assert engines[0].writes  # the engine was asked; the stub wrote nothing, so copy as it would
@@ -138,7 +175,7 @@ def _transfer(monkeypatch, rng: random.Random, offer: bool = True, before_land=N
     sink.check_complete(done)
     sink.land()
     channel.seal(done, key, room)
-    assert bool(done.kv_mac) == offer and done.kv_mac_algorithm == (kv_mac.ALGORITHM if offer else "")
+    assert bool(done.kv_mac) == offer and done.kv_mac_algorithm == (kv_mac.algorithms()[0] if offer else "")
     return sink, done, key, room, dst, dst_pages, receiver
 
 
@@ -308,3 +345,118 @@ def test_mac_cost_per_megabyte():
         print(f"{algorithm}: {per_mb * 1e3:.3f} ms CPU per MB ({1 / per_mb / 1e3:.2f} GB/s a core), "
               f"{wall_per_mb * 1e3:.3f} ms wall per MB, {mb:.1f} MB")
 
+
+
+def test_the_prefill_side_picks_the_first_offered_mac_it_computes_and_decode_reads_the_ack():
+    assert kv_mac.choose([]) == "" and kv_mac.agreed([], "") == ""  # no MAC offered (an older decode)
+    assert kv_mac.choose(list(kv_mac.algorithms())) == kv_mac.algorithms()[0]
+    assert kv_mac.choose(["md5-layers", kv_mac.BLAKE2B]) == kv_mac.BLAKE2B  # an older decode's offer
+    with pytest.raises(ValueError, match="run one version on both"):
+        kv_mac.choose(["md5-layers"])
+    offered = list(kv_mac.algorithms())
+    assert kv_mac.agreed(offered, offered[-1]) == offered[-1]
+    assert kv_mac.agreed(offered, "") == kv_mac.OLDER_PEERS  # an older prefill's ack names none
+    with pytest.raises(ValueError, match="decode offered"):
+        kv_mac.agreed([kv_mac.GMAC], "")  # (an older prefill computes only BLAKE2b)
+    with pytest.raises(ValueError, match="decode offered"):
+        kv_mac.agreed(offered, "md5-layers")
+
+
+def _offer_only(monkeypatch, algorithms: tuple[str, ...]) -> None:
+    """This process computes (and its decode side offers) `algorithms` alone: an older worker's."""
+    monkeypatch.setattr(kv_mac, "_ALGORITHMS", algorithms)
+
+
+@pytest.mark.parametrize("older", ["prefill", "decode"])
+def test_an_older_peer_on_either_side_agrees_on_blake2b_and_the_check_passes(monkeypatch, older):
+    """A rolling upgrade: a decode worker that offers BLAKE2b alone gets a BLAKE2b seal from a new
+    prefill worker; a new decode worker's offer (GMAC first) gets BLAKE2b from an older prefill
+    worker, whose ack names no MAC, and builds its landed tag with it (no second read)."""
+    if kv_mac.GMAC not in kv_mac.algorithms():
+        pytest.skip("this cryptography release is not offered GMAC")
+    rng = random.Random()
+    engines = mooncake_stub.install(monkeypatch)
+    src = _filled_pool(rng, 16)
+    dst = KVPool(src.num_layers, 16, src.page_size, src.kv_dim, dtype=src.dtype)
+    config = TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write")
+    count = rng.randrange(1, 6)
+    src_pages, dst_pages = rng.sample(range(16), count), rng.sample(range(16), count)
+    handshake = pb.Handshake(page_ids=dst_pages, layout=layout_of(dst), num_tokens=count * src.page_size)
+    new = (kv_mac.GMAC, kv_mac.BLAKE2B)
+    decode_has = (kv_mac.BLAKE2B,) if older == "decode" else new
+    prefill_has = (kv_mac.BLAKE2B,) if older == "prefill" else new
+    _offer_only(monkeypatch, decode_has)
+    receiver = MooncakeReceiver(dst, config)
+    receiver.fill_destination(handshake)
+    handshake.mooncake.report_sends = False  # (landed whole at the done: no stream here)
+    sink = receiver.open_sink(dst_pages)
+    asyncio.run(sink.reserve())
+    sink.expose()
+    sink.offer_into(handshake)
+    _offer_only(monkeypatch, prefill_has)  # the prefill side: its ack, its channel, its seal
+    ack_names = "" if older == "prefill" else kv_mac.choose(handshake.mooncake.kv_mac_algorithms)
+    channel = MooncakeSender(src, config).open(handshake, emit=None)
+    room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
+    channel.begin_seal(key, room)
+    _offer_only(monkeypatch, decode_has)
+    sink.begin_check(key, room, kv_mac.agreed(handshake.mooncake.kv_mac_algorithms, ack_names))
+    asyncio.run(channel.send(src_pages, 0))
+    assert any(engine.writes for engine in engines)  # (the stub wrote nothing: copied as it would, below)
+    for s, d in zip(src.buffers, receiver.staging.buffers):
+        d[list(handshake.page_ids)] = s[src_pages]
+    done = pb.TransferDone(num_pages=count, bytes_sent=channel.bytes_sent)
+    sink.check_complete(done)
+    sink.land()
+    _offer_only(monkeypatch, prefill_has)
+    channel.seal(done, key, room)
+    assert done.kv_mac_algorithm == kv_mac.BLAKE2B
+    _offer_only(monkeypatch, decode_has)
+    sink.check_sealed(done, key, room)
+    assert sink.failed is None
+
+
+def test_a_done_that_names_another_mac_than_the_ack_is_refused(monkeypatch):
+    """Both are signed, so only a broken or hostile deployment member sends it: refused with a clear
+    error naming both, not checked under whichever the done names."""
+    if len(kv_mac.algorithms()) < 2:
+        pytest.skip("this process computes one MAC")
+    sink, done, key, room, *_ = _transfer(monkeypatch, random.Random(), check=True)
+    sink.begin_check(key, room, kv_mac.algorithms()[0])
+    done.kv_mac_algorithm = kv_mac.algorithms()[1]
+    with pytest.raises(TransferError, match="its ack agreed") as refused:
+        sink.check_sealed(done, key, room)
+    assert refused.value.code == FailureCode.INVALID_ARGUMENT and sink.failed is not None
+
+
+def test_gmac_pages_hash_without_holding_the_gil():
+    """A Python thread keeps running while a layer hashes (the scheduler thread on a decode worker,
+    beside the MAC's threads): AES-GCM releases the GIL in the releases this process offers it for.
+    Held through one call (as Poly1305's update does in cryptography 51), the thread would not tick
+    until it ended; the test hashes 64 MB pages for that."""
+    if kv_mac.GMAC not in kv_mac.algorithms():
+        pytest.skip("this cryptography release is not offered GMAC")
+    import threading
+    layer = kv_mac._LayerMac(kv_mac.GMAC, bytes(32), 0, b"")
+    data = memoryview(bytes(64 << 20))
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        time.sleep(0.05)  # the ticker's own rate, alone
+        began = time.perf_counter()
+        for _ in range(4):
+            layer.update(data, len(data))
+        ended = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+    alone = [t for t in ticks if t < began]
+    rate = (len(alone) - 1) / (alone[-1] - alone[0])
+    during = sum(began <= t <= ended for t in ticks)
+    assert during >= max(3, 0.25 * rate * (ended - began)), (during, rate, ended - began)

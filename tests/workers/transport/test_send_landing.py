@@ -114,7 +114,7 @@ def _reporting_transfer(monkeypatch, rng: random.Random, nan: bool = False):
                                                                       count * src.page_size)
     room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
     channel.begin_seal(key, room)
-    sink.begin_check(key, room)
+    sink.begin_check(key, room, kv_mac.algorithms()[0])
     for layers, first, end in _random_sends(rng, src.num_layers, count):
         asyncio.run(channel.send(src_pages[first:end], first, layers.start, layers.stop))
 

@@ -58,7 +58,7 @@ def test_a_cuda_transfer_lands_through_device_staging_and_passes_its_mac(monkeyp
         reported.append(wire.decode_event(encoded.payload).chunk)
     channel = sender.open(handshake, emit=emit)
     room, key = rng.randrange(1 << 40), bytes(rng.randrange(256) for _ in range(32))
-    sink.begin_check(key, room)
+    sink.begin_check(key, room, kv_mac.algorithms()[0])
     asyncio.run(channel.send(src_pages, 0))
     for s, d in zip(src.buffers, staging.buffers):  # what the NIC (or CUDA TCP server) would write
         d[slots] = s[src_pages]
@@ -73,7 +73,7 @@ def test_a_cuda_transfer_lands_through_device_staging_and_passes_its_mac(monkeyp
     done = pb.TransferDone(num_pages=count)
     channel.seal(done, key, room)
     sink.check_sealed(done, key, room)
-    assert sink.failed is None and done.kv_mac_algorithm == kv_mac.ALGORITHM
+    assert sink.failed is None and done.kv_mac_algorithm == kv_mac.algorithms()[0]
     for s, d in zip(src.buffers, dst.buffers):
         assert torch.equal(d[dst_pages], s[src_pages])
     assert staging.num_used == 0
