@@ -18,11 +18,16 @@ kernels), and the step's totals from every device event, linked or not.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from param_reads import nbytes, param_kind  # noqa: E402
 
 _NO_KERNEL = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "promote_types", "lift_fresh",
               "detach", "alias", "_local_scalar_dense")
@@ -51,12 +56,12 @@ class OpScopes:
         # storage pointer -> (parameter name, bytes it reads in one step)
         self.params: dict[int, tuple[str, int]] = {}
         for name, p in model.named_parameters():
-            nbytes = p.numel() * p.element_size()
-            if p.dim() == 3 and name.endswith(("w13", "w2")):  # stacked experts: the slices a step reads
-                nbytes = nbytes // p.shape[0] * min(experts_read, p.shape[0])
-            elif "embed_tokens" in name:  # a one-token step reads one row (unless tied to lm_head)
-                nbytes = p.shape[-1] * p.element_size() if model.lm_head.weight is not p else nbytes
-            self.params[p.untyped_storage().data_ptr()] = (name, nbytes)
+            kind, read = param_kind(model, name, p), nbytes(p)
+            if kind in ("experts", "mtp_experts"):  # stacked experts: the slices a step reads
+                read = read // p.shape[0] * min(experts_read, p.shape[0])
+            elif kind == "embedding":  # a one-token step reads one row
+                read = p.shape[-1] * p.element_size()
+            self.params[p.untyped_storage().data_ptr()] = (name, read)
 
     def _note(self, tensors) -> None:
         count = self.counts[self.current]

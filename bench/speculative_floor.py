@@ -24,9 +24,14 @@ are a few percent of the weights (V2-Lite, 1k context: 0.03 GB of 4.9 GB).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from param_reads import nbytes, param_kind  # noqa: E402
 
 
 def expected_distinct(experts: int, top_k: int, tokens: int) -> float:
@@ -66,31 +71,25 @@ class StepBytes:
         return accept_length * self.plain(batch) / self.speculative(batch, k)
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def step_bytes(model: torch.nn.Module, experts: int, top_k: int) -> StepBytes:
-    """`StepBytes` of a built model (`DeepseekForCausalLM`, its MTP layer under `mtp.` if loaded):
-    stacked expert tensors (`...mlp.experts.*`, first dimension = experts) are split per expert."""
+    """`StepBytes` of a built model (`DeepseekForCausalLM`, its MTP layer under `mtp.` if loaded),
+    each parameter by its kind (bench/param_reads.py): stacked expert tensors are split per expert."""
     dense = lm_head = expert_total = mtp_dense = 0
     moe_layers: set[str] = set()
     mtp_moe = False
-    head = getattr(model, "lm_head", None)
     for name, p in model.named_parameters():
-        in_mtp = name.startswith("mtp.")
-        stacked = ".mlp.experts." in name and p.dim() >= 2 and p.shape[0] == experts
-        if head is not None and p is head.weight:
-            lm_head += _bytes(p)
-        elif stacked and in_mtp:
+        kind = param_kind(model, name, p)
+        if kind == "lm_head":
+            lm_head += nbytes(p)
+        elif kind == "mtp_experts":
             mtp_moe = True
-        elif stacked:
+        elif kind == "experts":
             moe_layers.add(name.split(".mlp.experts.")[0])
-            expert_total += _bytes(p) // experts
-        elif in_mtp:
-            mtp_dense += _bytes(p)
-        elif "embed_tokens" not in name:  # a step reads one embedding row per token: nothing
-            dense += _bytes(p)
+            expert_total += nbytes(p) // experts
+        elif kind == "mtp_dense":
+            mtp_dense += nbytes(p)
+        elif kind == "dense":  # (an embedding: a step reads one row per token, nothing here)
+            dense += nbytes(p)
     per_expert = expert_total // max(1, len(moe_layers))
     return StepBytes(dense=dense, lm_head=lm_head, expert=per_expert, moe_layers=len(moe_layers),
                      mtp_dense=mtp_dense, mtp_moe=mtp_moe, experts=experts, top_k=top_k)

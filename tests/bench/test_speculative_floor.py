@@ -81,3 +81,19 @@ def test_the_bound_counts_the_verify_drafts_and_catch_up(tiny_mtp_model) -> None
         assert (key in rows[0]) == (a <= k + 1)
         if key in rows[0]:
             assert rows[0][key] == pytest.approx(a / rows[0][f"spec{k}_over_plain"], rel=2e-3)
+
+
+def test_every_parameter_has_one_read_kind_and_each_kind_is_seen(tiny_mtp_model) -> None:
+    """bench/param_reads.py, the one rule both weight-byte counters use: on a model with an MTP
+    layer every kind occurs, the experts are exactly the stacked 3-D tensors under `.mlp.experts.`
+    (main and MTP), and the LM head is the head's own tensor."""
+    reads = bench_module("param_reads")
+    model, config = tiny_mtp_model
+    kinds = {name: reads.param_kind(model, name, p) for name, p in model.named_parameters()}
+    assert set(kinds.values()) == set(reads.KINDS)
+    for name, p in model.named_parameters():
+        stacked = ".mlp.experts." in name and p.dim() == 3
+        assert (kinds[name] in ("experts", "mtp_experts")) == stacked, name
+        if stacked:
+            assert p.shape[0] == config.n_routed_experts and (kinds[name] == "mtp_experts") == name.startswith("mtp.")
+        assert (kinds[name] == "lm_head") == (p is model.lm_head.weight), name

@@ -1,0 +1,37 @@
+"""What a decode step reads of each parameter of a built model: one rule for the benches that count
+weight bytes (`speculative_floor.step_bytes`, `decode_kernel_count.OpScopes`).
+
+Kinds, in the order they are decided:
+- "lm_head": the LM head's weight (read whole every step);
+- "experts" / "mtp_experts": a routed-expert tensor stacked under `.mlp.experts.` (weights and
+  their FP8 scales, first dimension = experts): a step reads the slices of the experts its tokens
+  route to, in the main model or in the MTP layer (`mtp.`);
+- "mtp_dense": the MTP layer's other parameters (read whole when it drafts);
+- "embedding": the token embedding (a step reads one row per token; if tied to the LM head, the
+  LM head's kind wins, above);
+- "dense": everything else (read whole every step).
+"""
+from __future__ import annotations
+
+import torch
+
+KINDS = ("lm_head", "experts", "mtp_experts", "mtp_dense", "embedding", "dense")
+
+
+def param_kind(model: torch.nn.Module, name: str, param: torch.Tensor) -> str:
+    """The kind of `model`'s parameter `name` (see the module doc)."""
+    head = getattr(model, "lm_head", None)
+    if head is not None and param is head.weight:
+        return "lm_head"
+    in_mtp = name.startswith("mtp.")
+    if ".mlp.experts." in name and param.dim() == 3:
+        return "mtp_experts" if in_mtp else "experts"
+    if in_mtp:
+        return "mtp_dense"
+    if "embed_tokens" in name:
+        return "embedding"
+    return "dense"
+
+
+def nbytes(param: torch.Tensor) -> int:
+    return param.numel() * param.element_size()
