@@ -14,6 +14,7 @@ import collections
 
 import grpc
 
+from deepseek_pd.future_outcome import retrieve
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.transport.base import KVSink
 from deepseek_pd.workers.transport.wire import ChunkEvent
@@ -78,6 +79,5 @@ class ChunkIngest:
         self._pending.clear()
         if futures:
             await asyncio.wait(futures)
-            for future in futures:  # retrieved, so asyncio does not log them as never retrieved
-                if not future.cancelled():
-                    future.exception()
+            for future in futures:
+                retrieve(future)

@@ -5,10 +5,10 @@ Layer-wise streaming (engine.py `_PushHooks.layer_progress`) tells the event loo
 KV write, from the model thread, in the middle of a forward. Each wake-up of the loop is a send: the
 loop's drain, the push, the channel's hop to a KV thread and back, the message out. All of it is
 Python, and the model thread gives the GIL up at every torch op, so the loop and the KV threads
-take it in turns with the forward. In `up`'s real process layout (bench/prefill_thread_cpu.py,
-CPU, `ops` shape: 27 layers, 128-token prompts, the gRPC byte stream, c = 1 and 4) they ran
-0.27-0.30 of the model thread's own CPU during each forward, which waited for the GIL 340-530
-times a forward and took 1.5-1.7x the runner's; sent per chunk, 0.00-0.04, 0-24 waits, 1.0-1.15x.
+take it in turns with the forward: with a send per layer, the forward waits for the GIL hundreds
+of times and stretches well past the runner's (bench/prefill_thread_cpu.py measures it in `up`'s
+real process layout; figures: docs/performance.md, "which threads run while the prefill worker's
+forward does"; tests/workers/prefill/test_layer_send_gil.py holds the bound).
 
 So a notice joins a list, and the loop is woken only when the notices since the last wake-up make
 a group (`every` layers: `layers_per_send`, enough of them to hold the round's `min_bytes` of KV,
@@ -24,8 +24,7 @@ takes every layer written meanwhile in one callback, in order, and the push send
 A long prompt's layer holds its group alone (V2-Lite, 8k tokens: 9.4 MB a layer, the floor 8 MiB),
 so its sends still follow the forward layer by layer; a 789-token one (0.9 MB a layer) goes in
 groups of 10 layers, 3 sends instead of 27: what is left after the forward is one group's transfer.
-The sends' cost is about linear in their count: in the layout above, groups of 5 layers (6 sends)
-still took 0.10 of the model thread's CPU and stretched the forward 1.39x the runner's.
+The sends' cost is about linear in their count, so the groups are as large as the streaming allows.
 A round whose one group would hold every layer is sent per chunk, after its forward, with no relay
 (engine.py `_PushHooks.layer_progress`).
 """

@@ -9,6 +9,7 @@ import logging
 import threading
 from typing import Sequence
 
+from deepseek_pd.future_outcome import retrieve
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
@@ -183,7 +184,7 @@ class MooncakeChannel(SendChannel):
         # thread, which alone hands the slots back.
         work = asyncio.get_running_loop().run_in_executor(
             None, self._write_from_slots, layers, page_begin, src_pages, slots, dirty, dst_pages, ready, abandoned)
-        work.add_done_callback(_retrieve)
+        work.add_done_callback(retrieve)  # (its waiter may have given up on the shielded write)
         try:
             return await self._timed(asyncio.shield(work))
         except BaseException:
@@ -229,12 +230,6 @@ class MooncakeChannel(SendChannel):
             self.staging.release(slots)
             return
         self.staging.release(slots, scrubbed=True)
-
-
-def _retrieve(work: asyncio.Future) -> None:
-    """Marks a shielded write's outcome as seen (its waiter may have given up on it)."""
-    if not work.cancelled():
-        work.exception()
 
 
 def check_destination(destination: pb.MooncakeDestination, page_ids: Sequence[int], page_bytes: int,

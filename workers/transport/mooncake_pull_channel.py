@@ -28,10 +28,11 @@ import threading
 import time
 from typing import Sequence
 
+from deepseek_pd.future_outcome import retrieve
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport import kv_mac
-from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel, _retrieve
+from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel
 from deepseek_pd.workers.transport.page_io import consecutive_runs, sync_ready
 from deepseek_pd.workers.transport.wire import ChunkHeader, encode_chunk_event
 
@@ -103,7 +104,7 @@ class MooncakePullChannel(MooncakeChannel):
             if credits:
                 await asyncio.gather(*credits, return_exceptions=True)
             if staging is not None and not staging.done():
-                staging.add_done_callback(lambda done: (_retrieve(done), held.release(self)))
+                staging.add_done_callback(lambda done: (retrieve(done), held.release(self)))
             else:
                 held.release(self)
 
