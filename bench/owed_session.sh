@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs still owed (docs/performance.md, "session 16 — no device call ran"), packed into four
+# The GPU runs still owed (docs/performance.md, "session 16 — no device call ran"), packed into five
 # device calls of at most ~9.5 min each, so that a session with 30 minutes of device time spends
 # them on work and not on machine starts. One call per part, from the repository root:
 #
@@ -12,6 +12,8 @@
 #                                  carry bench/wheels-mooncake/mooncake-gpu.tar.xz and .whl
 #   bash bench/owed_session.sh D   trained MTP on V2-Lite (issue 22), then --deterministic (issue 25)
 #                                                                                        carry .whl
+#   bash bench/owed_session.sh E   FP8 accuracy: every FP8 GEMM backend against its dequantised twin,
+#                                  and the trained tiny model's top-1 agreement (issue 21)  no carry
 # (.whl 42 MB + the Mooncake bundle 12 MB + .flashmla-src 3 MB fit one 64 MiB carry: carrying all
 # three on every call lets any part run on a held machine.) The order is the order of value: a
 # session that gets one call runs A, two runs A and B, and so on.
@@ -24,7 +26,7 @@ set -uo pipefail
 dry=""
 if [ "${1:-}" = --dry-run ]; then dry=1; shift; fi
 part=${1:-}
-case "$part" in A|B|C|D) ;; *) echo "usage: bash bench/owed_session.sh [--dry-run] A|B|C|D"; exit 2 ;; esac
+case "$part" in A|B|C|D|E) ;; *) echo "usage: bash bench/owed_session.sh [--dry-run] A|B|C|D|E"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1
 root=$OUT
@@ -58,6 +60,9 @@ C)
 D)
     step mtp_trained 'source bench/gpu_setup.sh && timeout 290 python3 bench/mtp_trained_gpu.py --write-v2-lite /tmp/v2lite-mtp --device cuda --dtype bfloat16 --cuda-graph --data in-sample --budget-s 250 --lr 3e-3 --out "$OUT/mtp_trained.json"'
     step deterministic 'TEST_TIMEOUT=120 BENCH_TIMEOUT=100 bash bench/deterministic_session.sh'
+    ;;
+E)
+    step fp8_accuracy 'source bench/gpu_setup.sh && timeout 400 python3 bench/fp8_accuracy.py --device cuda --prefixes 1000 --train-s 60 --out "$OUT/fp8_accuracy.json"'
     ;;
 esac
 [ -n "$dry" ] && exit 0

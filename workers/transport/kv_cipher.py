@@ -56,6 +56,7 @@ import torch
 
 from deepseek_pd.errors import UserError
 from deepseek_pd.workers.transport.plan import merge_page_runs
+from deepseek_pd.workers.transport.negotiation import first_offered
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +95,7 @@ def require(device: torch.device) -> None:
 def choose(offered: Sequence[str]) -> str:
     """The prefill side's pick among decode's `offered` ciphers ("" when none is offered); raises
     ValueError when it has none of them."""
-    if not offered:
-        return ""
-    for name in offered:
-        if name in algorithms():
-            return name
-    raise ValueError(f"decode decrypts KV with {list(offered)}, this prefill worker encrypts with "
-                     f"{list(algorithms())}: run one version on both")
+    return first_offered(offered, algorithms(), "no KV cipher in common")
 
 
 def agreed(offered: Sequence[str], chosen: str, secured: bool) -> str:

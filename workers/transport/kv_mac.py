@@ -82,6 +82,7 @@ import torch
 
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.workers.transport.page_io import consecutive_runs, side_stream, wait_ready
+from deepseek_pd.workers.transport.negotiation import first_offered
 
 KEY_BYTES = 32
 GMAC = "gmac-pages"
@@ -140,13 +141,7 @@ def offer_only(names: Sequence[str]) -> None:
 def choose(offered: Sequence[str]) -> str:
     """The prefill side's pick among decode's `offered` MACs ("" when none is offered: an older
     decode worker, or a transport without one); raises ValueError when it computes none of them."""
-    if not offered:
-        return ""
-    for name in offered:
-        if name in algorithms():
-            return name
-    raise ValueError(f"decode checks the KV with a MAC of {list(offered)}, this prefill worker computes "
-                     f"{list(algorithms())}: run one version on both")
+    return first_offered(offered, algorithms(), "no KV MAC in common")
 
 
 def agreed(offered: Sequence[str], chosen: str) -> str:
