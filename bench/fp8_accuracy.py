@@ -134,14 +134,16 @@ def sample_sequences(transitions: torch.Tensor, count: int, length: int, gen: to
     return seqs
 
 
-def train_tiny(seed: int, vocab: int, seconds: float, transitions: torch.Tensor) -> tuple[torch.nn.Module, dict]:
-    """The tests' tiny HF DeepSeek-V3, trained on the Markov language for `seconds`."""
+def train_tiny(seed: int, vocab: int, steps_wanted: int, seconds: float,
+               transitions: torch.Tensor) -> tuple[torch.nn.Module, dict]:
+    """The tests' tiny HF DeepSeek-V3, trained on the Markov language for `steps_wanted` steps (at
+    most `seconds`: a loaded machine trains fewer, and the run says how many)."""
     from pdtest.hf_oracle import TinyShape, build_hf_model
     model = build_hf_model(TinyShape(num_layers=3, extra={"vocab_size": vocab}), seed).train()
     gen = torch.Generator().manual_seed(seed + 1)
     optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
     began, steps, loss = time.perf_counter(), 0, float("nan")
-    while time.perf_counter() - began < seconds:
+    while steps < steps_wanted and time.perf_counter() - began < seconds:
         batch = sample_sequences(transitions, 16, 48, gen)
         logits = model(input_ids=batch).logits[:, :-1]
         step_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
@@ -211,7 +213,7 @@ def model_rows(args: argparse.Namespace, seed: int) -> list[dict]:
     prefixes = [row[:random.Random(seed + i).randint(4, 40)].tolist() for i, row in enumerate(held_out)]
     rows = []
     for trained in (False, True):
-        model, info = train_tiny(seed, vocab, args.train_s if trained else 0.0, transitions)
+        model, info = train_tiny(seed, vocab, args.train_steps if trained else 0, args.train_s, transitions)
         with tempfile.TemporaryDirectory() as tmp:
             directory = write_fp8_checkpoint(model, Path(tmp))
             result = agreement(directory, prefixes, args.device, args.model_backend)
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", default="gemm,model")
     parser.add_argument("--backends", default=None, help="FP8 GEMM backends (default: torch on CPU, all on GPU)")
     parser.add_argument("--model-backend", default="torch", help="the kept-FP8 model's fp8_backend")
-    parser.add_argument("--train-s", type=float, default=30.0)
+    parser.add_argument("--train-steps", type=int, default=1500, help="training steps (batches of 16 x 48 tokens)")
+    parser.add_argument("--train-s", type=float, default=180.0, help="at most this long")
     parser.add_argument("--prefixes", type=int, default=300)
     parser.add_argument("--vocab", type=int, default=96)
     parser.add_argument("--seed", type=int, default=None)
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
                                           max(r["total"] for r in measured), "<=", GEMM_TARGET))
     if "model" in args.parts:
         if args.tiny:
-            args.train_s, args.prefixes = min(args.train_s, 3.0), min(args.prefixes, 40)
+            args.train_steps, args.prefixes = min(args.train_steps, 100), min(args.prefixes, 40)
         rows = model_rows(args, seed)
         result["model"] = rows
         for row in rows:

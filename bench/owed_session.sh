@@ -62,7 +62,7 @@ D)
     step deterministic 'TEST_TIMEOUT=120 BENCH_TIMEOUT=100 bash bench/deterministic_session.sh'
     ;;
 E)
-    step fp8_accuracy 'source bench/gpu_setup.sh && timeout 400 python3 bench/fp8_accuracy.py --device cuda --prefixes 1000 --train-s 60 --out "$OUT/fp8_accuracy.json"'
+    step fp8_accuracy 'source bench/gpu_setup.sh && timeout 400 python3 bench/fp8_accuracy.py --device cuda --prefixes 1000 --out "$OUT/fp8_accuracy.json"'
     ;;
 esac
 [ -n "$dry" ] && exit 0

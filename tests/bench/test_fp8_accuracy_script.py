@@ -32,7 +32,7 @@ def test_the_gemm_part_separates_rounding_from_the_backend_and_catches_a_misplac
 
 def test_the_model_part_trains_quantises_and_compares_end_to_end(tmp_path) -> None:
     bench = bench_module("fp8_accuracy")
-    result = bench.main(["--device", "cpu", "--tiny", "--parts", "model", "--train-s", "0.5", "--prefixes", "6",
+    result = bench.main(["--device", "cpu", "--tiny", "--parts", "model", "--train-steps", "20", "--prefixes", "6",
                          "--out", str(tmp_path / "fp8.json")])
     random_row, trained_row = result["model"]
     assert random_row["train_steps"] == 0 < trained_row["train_steps"]
