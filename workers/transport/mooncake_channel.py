@@ -221,7 +221,7 @@ class MooncakeChannel(SendChannel):
             finally:
                 self._give_back(slots, touched)
 
-    def _give_back(self, slots: list[int], layers: range) -> None:
+    def _give_back(self, slots: list[int], layers: Sequence[int]) -> None:
         """The slots back to the staging, zeroed in `layers` (else zeroed when next taken; logged)."""
         try:
             self.staging.scrub(slots, layers)

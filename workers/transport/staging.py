@@ -279,7 +279,7 @@ class StagingArea:
                 copy_pages_(self.buffers[layer], dst, pool.buffers[layer].index_select(0, src))
         self._on_device(copy if cipher is None else encrypt)
 
-    def scrub(self, slots: Sequence[int], layers: range | None = None) -> None:
+    def scrub(self, slots: Sequence[int], layers: Sequence[int] | None = None) -> None:
         """Zeroes `slots` in `layers` (default every layer); returns once the zeros are in memory."""
         if not slots:
             return
@@ -290,7 +290,7 @@ class StagingArea:
     def _slot_index(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
 
-    def _zero_rows(self, index: torch.Tensor, layers: range) -> None:
+    def _zero_rows(self, index: torch.Tensor, layers: Sequence[int]) -> None:
         """Zeroes the slots at `index` in `layers`, as bytes (CUDA has no float8 fill kernel). On
         CPU numpy's fill per run of slots: torch's index_fill_ forks an OpenMP team per call, whose
         threads spin on shared cores (a quarter of a transfer's CPU on the 2-core machine)."""
