@@ -3,7 +3,7 @@ reads the KV out of this worker's send staging, so nothing of decode's is writte
 worker (workers/transport/mooncake.py gives the whole design).
 
 Each send, in pieces the send staging holds, each piece through one set of slots in groups of
-layers (`layer_groups`, about PIPELINE_PIECE_BYTES each) as a pipeline:
+layers (layer_groups.py, about PIPELINE_PIECE_BYTES each) as a pipeline:
 
     take slots -> per group: gather its layers' pages into them (encrypted with a secret; hashed
     for the MAC beside it, in the MAC's threads) -> over TCP register each layer's runs of them
@@ -34,16 +34,12 @@ from deepseek_pd.future_outcome import retrieve
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport import kv_mac
+from deepseek_pd.workers.transport.layer_groups import layer_groups
 from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel
 from deepseek_pd.workers.transport.page_io import consecutive_runs, sync_ready
 from deepseek_pd.workers.transport.wire import ChunkHeader, encode_chunk_event
 
 log = logging.getLogger(__name__)
-
-# A pulled send is staged and read in groups of layers of about this many bytes, as a pipeline:
-# prefill encrypts and hashes group g + 1 while decode reads (and decrypts, hashes) group g. Each
-# group costs one report, one credit and one batch read (~1 ms); a 4k-token V2-Lite send is 4 groups.
-PIPELINE_PIECE_BYTES = 32 << 20
 
 
 class MooncakePullChannel(MooncakeChannel):
@@ -187,17 +183,6 @@ class MooncakePullChannel(MooncakeChannel):
                           layers, len(slots))
             return False
         return True
-
-
-def layer_groups(layers: range, layer_bytes: int) -> list[range]:
-    """`layers` cut into consecutive groups of about PIPELINE_PIECE_BYTES (`layer_bytes` each), the
-    pieces a pulled send is staged and read in, one behind the other:
-
-        layer_groups(range(27), 4_718_592)   # 64 pages of 73,728 B a layer
-        -> [range(0, 7), range(7, 14), range(14, 21), range(21, 27)]
-    """
-    per_group = max(1, -(-PIPELINE_PIECE_BYTES // max(1, layer_bytes)))
-    return [range(begin, min(begin + per_group, layers.stop)) for begin in range(layers.start, layers.stop, per_group)]
 
 
 class _HeldSlots:

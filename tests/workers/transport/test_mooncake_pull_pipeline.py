@@ -1,5 +1,5 @@
-"""A pulled Mooncake send moves in groups of layers as a pipeline (mooncake_pull_channel.py
-`layer_groups`): the prefill side stages (encrypts, hashes) group g + 1 while decode still reads
+"""A pulled Mooncake send moves in groups of layers as a pipeline (mooncake_pull_channel.py,
+layer_groups.py): the prefill side stages (encrypts, hashes) group g + 1 while decode still reads
 group g, and what lands is still bit for bit the prefill pool's, under the cipher and the MAC; a
 group tampered with on its way is refused by the MAC. In one process on the stub engine
 (pdtest/mooncake_stub.py), whose reads are slowed here so that the overlap shows in timestamps."""
@@ -14,8 +14,9 @@ import time
 import torch
 
 from deepseek_pd.workers.engine.request_failure import TransferError
-from deepseek_pd.workers.transport import mooncake_pull_channel
-from deepseek_pd.workers.transport.mooncake_pull_channel import MooncakePullChannel, layer_groups
+from deepseek_pd.workers.transport import layer_groups as grouping
+from deepseek_pd.workers.transport.layer_groups import layer_groups
+from deepseek_pd.workers.transport.mooncake_pull_channel import MooncakePullChannel
 from deepseek_pd.workers.transport.staging import StagingArea
 from pdtest import mooncake_stub
 from pdtest.kv_transfer_harness import pages_equal, random_exchange, run_exchange
@@ -37,7 +38,7 @@ def _pipelined(monkeypatch, rng: random.Random, tamper_read: int | None = None, 
     exchange = random_exchange(rng, "mooncake", num_tokens=rng.randrange(8, 40), page_size=page_size,
                                num_layers=layers, chunks=1, seed=rng.randrange(1 << 30))
     layer_bytes = len(exchange.src.pages) * exchange.src.pool.bytes_per_page
-    monkeypatch.setattr(mooncake_pull_channel, "PIPELINE_PIECE_BYTES", layer_bytes * rng.choice([1, 2]))
+    monkeypatch.setattr(grouping, "PIPELINE_PIECE_BYTES", layer_bytes * rng.choice([1, 2]))
     starts: list[tuple[float, range]] = []
     spans: list[tuple[float, float]] = []
     lock = threading.Lock()
@@ -182,5 +183,5 @@ def test_layer_groups_cover_the_layers_in_order_in_pieces_of_about_the_bytes():
     layer_bytes = rng.randrange(1, 1 << 24)
     groups = layer_groups(layers, layer_bytes)
     assert [layer for group in groups for layer in group] == list(layers)
-    per_group = max(1, -(-mooncake_pull_channel.PIPELINE_PIECE_BYTES // layer_bytes))
+    per_group = max(1, -(-grouping.PIPELINE_PIECE_BYTES // layer_bytes))
     assert all(len(group) == per_group for group in groups[:-1]) and 1 <= len(groups[-1]) <= per_group
