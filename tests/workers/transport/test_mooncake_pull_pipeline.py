@@ -1,8 +1,10 @@
 """A pulled Mooncake send moves in groups of layers as a pipeline (mooncake_pull_channel.py,
 layer_groups.py): the prefill side stages (encrypts, hashes) group g + 1 while decode still reads
-group g, and what lands is still bit for bit the prefill pool's, under the cipher and the MAC; a
+group g (a written send: while decode lands group g), each group read is released at its
+credit, and what lands is still bit for bit the prefill pool's, under the cipher and the MAC; a
 group tampered with on its way is refused by the MAC. In one process on the stub engine
-(pdtest/mooncake_stub.py), whose reads are slowed here so that the overlap shows in timestamps."""
+(pdtest/mooncake_stub.py), whose reads (and writes) are slowed here so that the overlap shows in
+timestamps."""
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +17,10 @@ import torch
 
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport import layer_groups as grouping
+from deepseek_pd.workers.transport.base import TransportConfig
 from deepseek_pd.workers.transport.layer_groups import layer_groups
 from deepseek_pd.workers.transport.mooncake_pull_channel import MooncakePullChannel
+from deepseek_pd.workers.transport.mooncake_sink import MooncakeSink
 from deepseek_pd.workers.transport.staging import StagingArea
 from pdtest import mooncake_stub
 from pdtest.kv_transfer_harness import pages_equal, random_exchange, run_exchange
@@ -185,3 +189,50 @@ def test_layer_groups_cover_the_layers_in_order_in_pieces_of_about_the_bytes():
     assert [layer for group in groups for layer in group] == list(layers)
     per_group = max(1, -(-grouping.PIPELINE_PIECE_BYTES // layer_bytes))
     assert all(len(group) == per_group for group in groups[:-1]) and 1 <= len(groups[-1]) <= per_group
+
+
+def test_a_written_send_goes_in_layer_groups_and_decode_lands_each_while_the_next_is_written(monkeypatch):
+    """The write direction (`mooncake_kv_direction=write`) pipelines the same way: each group is
+    written, then reported, so decode lands (decrypts, copies) group g while group g + 1 is staged
+    and written; what lands is the prefill pool's, under the cipher and the MAC. The stub's writes
+    are made real (copied into the peer's registered staging) and slowed by READ_S."""
+    rng = random.Random()
+    mooncake_stub.install(monkeypatch)
+    exchange = random_exchange(rng, "mooncake", num_tokens=rng.randrange(8, 40), page_size=rng.choice([1, 2, 4]),
+                               num_layers=rng.randrange(4, 8), chunks=1, seed=rng.randrange(1 << 30),
+                               transport_config=TransportConfig(mooncake_kv_direction="write"))
+    layer_bytes = len(exchange.src.pages) * exchange.src.pool.bytes_per_page
+    monkeypatch.setattr(grouping, "PIPELINE_PIECE_BYTES", layer_bytes * rng.choice([1, 2]))
+    lock = threading.Lock()
+    writes: list[tuple[float, float]] = []
+    landings: list[tuple[float, range]] = []
+
+    def slowed_write(engine, session, local, remote, lengths):
+        began = time.perf_counter()
+        time.sleep(READ_S)
+        peer = next(e for e in engine._registry if f"{e.hostname}:{e.get_rpc_port()}" == session)
+        if not all(peer._holds(addr, n) for addr, n in zip(remote, lengths)):
+            return -1
+        for dst, src, n in zip(remote, local, lengths):
+            ctypes.memmove(dst, src, n)
+        with lock:
+            writes.append((began, time.perf_counter()))
+        return 0
+    monkeypatch.setattr(mooncake_stub.StubTransferEngine, "batch_transfer_sync_write", slowed_write)
+    land = MooncakeSink._land_send
+
+    def timed_land(self, chunk):
+        with lock:
+            landings.append((time.perf_counter(), range(chunk.layer_begin, chunk.layer_end)))
+        return land(self, chunk)
+    monkeypatch.setattr(MooncakeSink, "_land_send", timed_land)
+    prefill, decode = asyncio.run(run_exchange(exchange))
+    assert not isinstance(prefill, BaseException), repr(prefill)
+    assert not isinstance(decode, BaseException), repr(decode)
+    assert pages_equal(exchange), "a pipelined, encrypted written transfer landed other bytes than the prefill pool's"
+    groups = layer_groups(range(exchange.src.pool.num_layers), layer_bytes)
+    assert len(groups) >= 2 and [layers for _, layers in landings] == groups
+    assert len(writes) == len(groups)  # one write per group
+    # Group g landed on decode while group g + 1 was still being written.
+    for (landed, _), (write_began, write_ended) in zip(landings, writes[1:]):
+        assert landed < write_ended, (landings, writes)
