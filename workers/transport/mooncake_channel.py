@@ -15,6 +15,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.transport import kv_cipher, kv_mac
 from deepseek_pd.workers.transport.base import EmitChunk, SendChannel, check_page_ids
+from deepseek_pd.workers.transport.layer_groups import layer_groups
 from deepseek_pd.workers.transport.mooncake_engine import MooncakeEngine
 from deepseek_pd.workers.transport.page_io import sync_ready
 from deepseek_pd.workers.transport.plan import merge_page_runs
@@ -80,11 +81,15 @@ class MooncakeChannel(SendChannel):
         self.src_pages[page_begin:page_begin + len(src_pages)] = src_pages
         if self.window:
             await self._send_windows(list(src_pages), page_begin, layers, ready)
-        else:
+        elif self.reports:  # in groups of layers, each reported once written: decode lands group g
+            # while group g + 1 is staged and written (layer_groups.py)
+            dst = self.dst_pages[page_begin:page_begin + len(src_pages)]
+            for group in layer_groups(layers, len(src_pages) * self.pool.bytes_per_page):
+                await self._write_pages(group, page_begin, list(src_pages), dst, ready)
+                await self._report(group, page_begin, page_begin + len(src_pages))
+        else:  # an older decode worker lands everything after the TransferDone: one write
             await self._write_pages(layers, page_begin, list(src_pages),
                                     self.dst_pages[page_begin:page_begin + len(src_pages)], ready)
-            if self.reports:
-                await self._report(layers, page_begin, page_begin + len(src_pages))
         self.bytes_sent += len(src_pages) * self.pool.bytes_per_page * len(layers)
 
     async def _report(self, layers: range, first: int, end: int) -> None:
@@ -221,7 +226,7 @@ class MooncakeChannel(SendChannel):
             finally:
                 self._give_back(slots, touched)
 
-    def _give_back(self, slots: list[int], layers: range) -> None:
+    def _give_back(self, slots: list[int], layers: Sequence[int]) -> None:
         """The slots back to the staging, zeroed in `layers` (else zeroed when next taken; logged)."""
         try:
             self.staging.scrub(slots, layers)

@@ -3,27 +3,29 @@ reads the KV out of this worker's send staging, so nothing of decode's is writte
 worker (workers/transport/mooncake.py gives the whole design).
 
 Each send, in pieces the send staging holds, each piece through one set of slots in groups of
-layers (`layer_groups`, about PIPELINE_PIECE_BYTES each) as a pipeline:
+layers (layer_groups.py, about PIPELINE_PIECE_BYTES each) as a pipeline:
 
     take slots -> per group: gather its layers' pages into them (encrypted with a secret; hashed
     for the MAC beside it, in the MAC's threads) -> over TCP register each layer's runs of them
     (over RDMA the staging is registered for good) -> report the group on the stream (a KVChunk
     without data naming the slots, `source_slots`) -> the next group is staged at once, while
     decode reads, decrypts and hashes this one
-    -> once decode credited every group (it read them) -> unregister, zero, give back.
+    -> as decode credits each group (it read it) -> unregister and zero that group's layers
+    -> once decode credited every group -> give the slots back.
 
     time ->   prefill: stage g0 | stage g1 | stage g2 | stage g3
               decode:             read+land g0 | read+land g1 | read+land g2 | read+land g3
 
-So only slots of pieces in flight are reachable through the engine's ports, each piece's groups
-until decode read its last group (a group read early stays registered until then, ciphertext of this
-send only, and is zeroed on release). The slots are the piece's (`_HeldSlots`) until every staging
+So only groups staged and not yet read are reachable through the engine's ports (ciphertext of
+this send only): each group is unregistered and zeroed, once, as soon as decode credits it, while
+later groups are still staged and read. The slots are the piece's (`_HeldSlots`) until every staging
 thread of it returned: a piece whose send gave up meanwhile (its deadline, a cancel) is given back
-by whichever side ends last, once.
+by whichever side ends last, once, unregistering and zeroing the groups not released yet.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Sequence
@@ -32,14 +34,12 @@ from deepseek_pd.future_outcome import retrieve
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport import kv_mac
+from deepseek_pd.workers.transport.layer_groups import layer_groups
 from deepseek_pd.workers.transport.mooncake_channel import MooncakeChannel
 from deepseek_pd.workers.transport.page_io import consecutive_runs, sync_ready
 from deepseek_pd.workers.transport.wire import ChunkHeader, encode_chunk_event
 
-# A pulled send is staged and read in groups of layers of about this many bytes, as a pipeline:
-# prefill encrypts and hashes group g + 1 while decode reads (and decrypts, hashes) group g. Each
-# group costs one report, one credit and one batch read (~1 ms); a 4k-token V2-Lite send is 4 groups.
-PIPELINE_PIECE_BYTES = 32 << 20
+log = logging.getLogger(__name__)
 
 
 class MooncakePullChannel(MooncakeChannel):
@@ -94,7 +94,7 @@ class MooncakePullChannel(MooncakeChannel):
                 await self._emit(encode_chunk_event(self._seq, header, b"", 0, source_slots=slots,
                                                     direct_bytes=len(src_pages) * self.pool.bytes_per_page
                                                     * len(group)))
-                credits.append(asyncio.ensure_future(self._credit(self._seq)))
+                credits.append(asyncio.ensure_future(self._credit(self._seq, held, group)))
             await asyncio.gather(*credits)
             for each in hashing:  # the MAC read the pool's pages beside the reads: done before they go
                 await loop.run_in_executor(None, each.wait)
@@ -108,12 +108,15 @@ class MooncakePullChannel(MooncakeChannel):
             else:
                 held.release(self)
 
-    async def _credit(self, seq: int) -> None:
+    async def _credit(self, seq: int, held: "_HeldSlots", group: range) -> None:
+        """Waits for decode's credit of report `seq` (`group` of `held`'s piece), then takes that
+        group out of the engine's reach at once (the piece's later groups are still read)."""
         began = time.perf_counter()
         try:
             await self.wait_credited(seq, self.timeout_s)
         finally:
             self.stats.add("credit", time.perf_counter() - began)
+        held.release_group(self, group)
 
     def _stage(self, layers: range, page_begin: int, src_pages: list[int], held: "_HeldSlots", dirty: list[int],
                ready, abandoned: threading.Event) -> "kv_mac.Hashing | None":
@@ -134,7 +137,7 @@ class MooncakePullChannel(MooncakeChannel):
             if abandoned.is_set():
                 raise TransferError(FailureCode.ABORTED, "the send gave up while its KV was staged")
             with self.stats.timed("register"):
-                held.exposed.extend(self._expose(held.slots, layers))
+                held.expose(layers, self._expose(held.slots, layers))
         except BaseException:
             if hashing is not None:
                 hashing.wait()
@@ -160,7 +163,7 @@ class MooncakePullChannel(MooncakeChannel):
             self.engine.engine.unregister_memory(addr)
         exposed.clear()
 
-    def _release(self, exposed: list[int], slots: list[int], layers: range) -> None:
+    def _release(self, exposed: list[int], slots: list[int], layers: Sequence[int]) -> None:
         """Out of the engine's reach, zeroed in `layers`, back to the staging."""
         try:
             with self.stats.timed("register"):
@@ -168,28 +171,49 @@ class MooncakePullChannel(MooncakeChannel):
         finally:
             self._give_back(slots, layers)
 
-
-def layer_groups(layers: range, layer_bytes: int) -> list[range]:
-    """`layers` cut into consecutive groups of about PIPELINE_PIECE_BYTES (`layer_bytes` each), the
-    pieces a pulled send is staged and read in, one behind the other:
-
-        layer_groups(range(27), 4_718_592)   # 64 pages of 73,728 B a layer
-        -> [range(0, 7), range(7, 14), range(14, 21), range(21, 27)]
-    """
-    per_group = max(1, -(-PIPELINE_PIECE_BYTES // max(1, layer_bytes)))
-    return [range(begin, min(begin + per_group, layers.stop)) for begin in range(layers.start, layers.stop, per_group)]
+    def _release_group(self, exposed: list[int], slots: list[int], layers: range) -> bool:
+        """Out of the engine's reach and zeroed in `layers`, the slots still held; False when the
+        zeroing failed (the piece's hand-back zeroes those layers again)."""
+        with self.stats.timed("register"):
+            self._unexpose(exposed)
+        try:
+            self.staging.scrub(slots, layers)
+        except Exception:  # noqa: BLE001 - the hand-back zeroes them (or marks them dirty)
+            log.exception("could not zero layers %s of %d mooncake send-staging slots at their credit",
+                          layers, len(slots))
+            return False
+        return True
 
 
 class _HeldSlots:
-    """One piece's send-staging slots while its layer groups are staged and read: what was
-    registered, which layers may hold KV (to zero), and the one hand-back."""
+    """One piece's send-staging slots while its layer groups are staged and read: what each group
+    registered, which layers may hold KV (to zero), each group's release at its credit and the one
+    hand-back, each exactly once (a group's release runs on the event loop while a staging thread
+    may register the next group: hence the lock)."""
 
     def __init__(self, slots: list[int], touched: range) -> None:
         self.slots = slots
-        self.exposed: list[int] = []
+        self._exposed: dict[range, list[int]] = {}  # each group's registrations, until released
         self._touched = touched  # every layer until the first group zeroed the dirty slots
         self._clean: range | None = None
+        self._zeroed: set[int] = set()  # layers zeroed at their group's credit
         self._released = False
+        self._lock = threading.Lock()
+
+    def expose(self, group: range, addrs: list[int]) -> None:
+        """`group`'s layers of the slots are registered at `addrs` (none over RDMA)."""
+        with self._lock:
+            self._exposed[group] = addrs
+
+    def release_group(self, channel: "MooncakePullChannel", group: range) -> None:
+        """Decode read `group`: unregistered and zeroed now, once (not after the hand-back)."""
+        with self._lock:
+            if self._released or group not in self._exposed:
+                return
+            exposed = self._exposed.pop(group)
+        if channel._release_group(exposed, self.slots, group):
+            with self._lock:
+                self._zeroed.update(group)
 
     def clean(self, layers: range) -> None:
         """The slots were clean (zeroed if dirty) before `layers` were staged into them."""
@@ -197,8 +221,15 @@ class _HeldSlots:
                                                                max(self._clean.stop, layers.stop))
 
     def release(self, channel: "MooncakePullChannel") -> None:
-        if self._released:
-            return
-        self._released = True
-        channel._release(self.exposed, self.slots, self._touched if self._clean is None else self._clean)
+        """The hand-back: what is still registered unregistered, the layers that may hold KV and
+        were not zeroed at a credit zeroed, the slots back to the staging."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            exposed = [addr for addrs in self._exposed.values() for addr in addrs]
+            self._exposed.clear()
+            touched = self._touched if self._clean is None else self._clean
+            remaining = [layer for layer in touched if layer not in self._zeroed]
+        channel._release(exposed, self.slots, remaining)
 

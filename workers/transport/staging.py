@@ -52,6 +52,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.model.kv.pool import KVPool, copy_pages_
 from deepseek_pd.workers.engine.interface import FailureCode
 from deepseek_pd.workers.engine.request_failure import TransferError
@@ -274,12 +275,12 @@ class StagingArea:
                             pool.buffers[layer][run.src:run.src + run.length])
                 return
             src = page_index(pool, pages)
-            dst = torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+            dst = self._slot_index(slots)
             for layer in layers:
                 copy_pages_(self.buffers[layer], dst, pool.buffers[layer].index_select(0, src))
         self._on_device(copy if cipher is None else encrypt)
 
-    def scrub(self, slots: Sequence[int], layers: range | None = None) -> None:
+    def scrub(self, slots: Sequence[int], layers: Sequence[int] | None = None) -> None:
         """Zeroes `slots` in `layers` (default every layer); returns once the zeros are in memory."""
         if not slots:
             return
@@ -288,9 +289,11 @@ class StagingArea:
         self._on_device(lambda: self._zero_rows(self._slot_index(slots), chosen))
 
     def _slot_index(self, slots: Sequence[int]) -> torch.Tensor:
-        return torch.as_tensor(list(slots), dtype=torch.long).to(self.buffers[0].device, non_blocking=True)
+        """`slots` as a long tensor on the staging's device, enqueued on the current stream by
+        `host_copy.upload`'s rule (page-locked, never a pageable copy through the driver's staging)."""
+        return upload(torch.as_tensor(list(slots), dtype=torch.long), self.buffers[0].device)
 
-    def _zero_rows(self, index: torch.Tensor, layers: range) -> None:
+    def _zero_rows(self, index: torch.Tensor, layers: Sequence[int]) -> None:
         """Zeroes the slots at `index` in `layers`, as bytes (CUDA has no float8 fill kernel). On
         CPU numpy's fill per run of slots: torch's index_fill_ forks an OpenMP team per call, whose
         threads spin on shared cores (a quarter of a transfer's CPU on the 2-core machine)."""

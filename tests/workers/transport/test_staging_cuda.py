@@ -8,17 +8,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import threading
 import time
 
 import pytest
 import torch
 
+from deepseek_pd.model import host_copy_staging
 from deepseek_pd.model.kv.pool import KVPool
 from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.workers.transport import kv_mac, wire
 from deepseek_pd.workers.transport.base import TransportConfig, layout_of
 from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
-from deepseek_pd.workers.transport.staging import StagingArea
+from deepseek_pd.workers.transport.staging import SLICE_RUNS, StagingArea
 from pdtest import mooncake_stub
 from pdtest.kv_transfer_harness import pages_equal, random_exchange, run_exchange
 
@@ -151,3 +153,44 @@ def test_a_send_staging_on_cuda_gathers_the_pages_of_the_layers_asked(scattered)
         assert torch.equal(staged, pool.buffers[layer][pages]) if layer in layers else not staged.any()
     area.scrub(slots, layers)
     assert not any(buffer.any() for buffer in area.buffers)
+
+
+def test_a_transport_thread_uploads_its_slot_ids_through_its_reserved_page_locked_buffer(monkeypatch):
+    """Scattered slots (past SLICE_RUNS: one indexed copy per layer) reach the device by
+    `host_copy.upload`'s rule: a thread that reserved buffers (a transport thread after its warm-up)
+    copies the slot ids through its own page-locked buffer, never a pageable copy; gather, land and
+    zero still move exactly the pages asked (oracle: the pool's own pages)."""
+    rng = random.Random()
+    src = KVPool(3, 64, 16, 64, dtype=torch.bfloat16, device="cuda")
+    dst = KVPool(3, 64, 16, 64, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(1 << 30))
+    for buffer in src.buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen, device="cuda"))
+    area = StagingArea(src, 64)
+    count = rng.randrange(2 * SLICE_RUNS + 2, 48)
+    slots = sorted(rng.sample(range(0, 64, 2), min(count, 32)))  # never adjacent: one run each
+    pages, landed = rng.sample(range(64), len(slots)), rng.sample(range(64), len(slots))
+    uploaded: list[list[int]] = []
+    upload = host_copy_staging.HostStaging.upload
+
+    def recorded(self, values):
+        uploaded.append(values.tolist())
+        return upload(self, values)
+    monkeypatch.setattr(host_copy_staging.HostStaging, "upload", recorded)
+    errors: list[BaseException] = []
+
+    def transport_thread() -> None:
+        try:
+            host_copy_staging.reserve(src.device, torch.long, 64)
+            area.fill_from(src, range(3), pages, slots)
+            area.copy_into(dst, slots, landed)
+        except BaseException as exc:  # handed to the test's thread
+            errors.append(exc)
+    thread = threading.Thread(target=transport_thread)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert slots in uploaded, "the slot ids did not go through the thread's reserved page-locked buffer"
+    for layer in range(3):
+        assert torch.equal(dst.buffers[layer][landed], src.buffers[layer][pages])
+    assert not any(buffer.any() for buffer in area.buffers)  # copy_into zeroed what it landed
