@@ -19,8 +19,8 @@ cell sent whole or layer by layer, in windows through reused slots, out of order
 streams always meets the same keystream, and no two cells share one. A layer of the request takes
 at most 2^32 blocks (256 GiB): `check_positions` refuses what would wrap the counter.
 
-The MAC (kv_mac.py) stays where it was: a keyed BLAKE2b over the plaintext, on the prefill side over
-its pool, on the decode side over the decrypted private copy. So it is checked on what the model
+The MAC (kv_mac.py: the negotiated per-page GMAC or per-layer BLAKE2b, under a keyed BLAKE2b
+root) stays over the plaintext, on the prefill side over its pool, on the decode side over the decrypted private copy. So it is checked on what the model
 will read, after the last read a writer can reach (the copy), and covers the decryption too. Not
 encrypt-then-MAC: decode would then have to MAC the ciphertext before the decrypting copy (the
 staging may change between the two) or copy it twice. Decrypting unauthenticated bytes is harmless
