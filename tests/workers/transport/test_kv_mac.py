@@ -62,6 +62,12 @@ def test_gmac_is_offered_first_where_cryptography_releases_the_gil():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cryptography, "__version__", "50.9.0")
         assert not kv_mac._gmac_usable()
+    # A build on BoringSSL or AWS-LC (their AEAD path keeps the GIL in the releases measured) either.
+    from cryptography.hazmat.bindings._rust import openssl as built_on
+    for flag in ("CRYPTOGRAPHY_IS_BORINGSSL", "CRYPTOGRAPHY_IS_AWSLC"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(built_on, flag, True, raising=False)
+            assert not kv_mac._gmac_usable()
 
 
 @pytest.mark.parametrize("algorithm", kv_mac.algorithms())
