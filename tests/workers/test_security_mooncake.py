@@ -16,7 +16,7 @@ from deepseek_pd.proto import bootstrap_pb2 as pb
 from deepseek_pd.proto import bootstrap_pb2_grpc as pb_grpc
 from deepseek_pd.workers.transport.bootstrap_protocol import PROTOCOL_VERSION, PULL_PROTOCOL_VERSION, handshake_version
 from deepseek_pd.workers.transport.internal_auth import InternalAuth
-from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender, kv_cipher
+from deepseek_pd.workers.transport import TransportConfig, build_receiver, build_sender, kv_cipher, kv_mac
 from deepseek_pd.workers.transport.base import layout_of
 from deepseek_pd.workers.engine.request_failure import TransferError
 from deepseek_pd.workers.transport.bootstrap_config import BootstrapConfig
@@ -172,32 +172,39 @@ def test_of_a_groups_ranks_only_each_nodes_first_one_warns(monkeypatch, caplog):
     assert warned == [0], (ranks, warned)
 
 
-def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_handshake(monkeypatch):
-    """transport/kv_cipher.py's negotiation through the real bootstrap servicer: decode's offer
-    picked and named in the signed ack, its one-time key bound to the room and the handshake on
-    the channel; an offer of ciphers this worker lacks refused before any write, naming them; an
-    older decode worker's handshake (no offer) served in the clear."""
+def test_the_prefill_side_encrypts_and_macs_with_what_decode_offered_or_refuses_the_handshake(monkeypatch):
+    """kv_cipher.py's and kv_mac.py's negotiations through the real bootstrap servicer: decode's
+    offers picked (the first MAC it computes) and named in the signed ack, the channel's MAC the
+    ack's, the cipher's one-time key bound to the room and the handshake on the channel; an offer
+    of ciphers or MACs this worker lacks refused before any write, naming them; an older decode
+    worker's handshake (no cipher, BLAKE2b alone) served in the clear with BLAKE2b, an even older
+    one's (no MAC either) with no MAC."""
     engines, rng, num_tokens, num_pages, src, dst, config, transport = _stubbed_pair_setting(monkeypatch)
 
     async def run():
         registry, server = await _started_bootstrap(config)
         sender, receiver = build_sender("mooncake", src, transport), build_receiver("mooncake", dst, transport)
-        offers = [list(kv_cipher.algorithms()), ["aes-someday"], []]
+        ciphers, macs = list(kv_cipher.algorithms()), list(kv_mac.algorithms())
+        offers = [(ciphers, macs), (["aes-someday"], macs), (ciphers, ["md5-layers"]), ([], [kv_mac.BLAKE2B]),
+                  ([], [])]
         rooms = [rng.randrange(1 << 31) for _ in offers]
         pushes = [KVPush(registry, sender, room, f"r{room}", num_tokens) for room in rooms]
         waits = [asyncio.ensure_future(push.handshake(5)) for push in pushes]
         try:
-            for offer, room, push, wait in zip(offers, rooms, pushes, waits):
+            for (offer, mac_offer), room, push, wait in zip(offers, rooms, pushes, waits):
                 message = pb.Handshake(protocol_version=PROTOCOL_VERSION, room=room, num_tokens=num_tokens,
                                        page_ids=rng.sample(range(dst.num_pages), num_pages), layout=layout_of(dst))
                 receiver.fill_destination(message)
                 message.protocol_version = handshake_version(message)  # (pulled: 3)
                 message.mooncake.ClearField("kv_cipher_algorithms")
                 message.mooncake.kv_cipher_algorithms.extend(offer)
+                message.mooncake.ClearField("kv_mac_algorithms")
+                message.mooncake.kv_mac_algorithms.extend(mac_offer)
                 config.auth.sign(message, "handshake", "decode@127.0.0.1", f"127.0.0.1:{server.port}")
-                if offer == ["aes-someday"]:
+                unknown = [name for name in ("aes-someday", "md5-layers") if name in offer + mac_offer]
+                if unknown:
                     assert await _answer(server.port, message) == [grpc.StatusCode.FAILED_PRECONDITION]
-                    with pytest.raises(TransferError, match="aes-someday"):
+                    with pytest.raises(TransferError, match=unknown[0]):
                         await wait
                     continue
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -208,6 +215,8 @@ def test_the_prefill_side_encrypts_with_a_cipher_decode_offered_or_refuses_the_h
                     call.cancel()
                 config.auth.verify(ack, "ack", f"room={room}", challenge=message.auth.nonce)  # (signed with it)
                 assert ack.kv_cipher == (kv_cipher.ALGORITHM if offer else "")
+                assert ack.kv_mac == (mac_offer[0] if mac_offer else "")  # (this worker computes both)
+                assert (push.channel._mac_algorithm or "") == ack.kv_mac
                 cipher = push.channel._cipher
                 if not offer:
                     assert cipher is None

@@ -19,14 +19,14 @@ cell sent whole or layer by layer, in windows through reused slots, out of order
 streams always meets the same keystream, and no two cells share one. A layer of the request takes
 at most 2^32 blocks (256 GiB): `check_positions` refuses what would wrap the counter.
 
-The MAC (kv_mac.py) stays where it was: a keyed BLAKE2b over the plaintext, on the prefill side over
-its pool, on the decode side over the decrypted private copy. So it is checked on what the model
-will read, after the last read a writer can reach (the copy), and covers the decryption too. Not
-encrypt-then-MAC: decode would then have to MAC the ciphertext before the decrypting copy (the
-staging may change between the two) or copy it twice. Decrypting unauthenticated bytes is harmless
-here: a stream cipher has no padding to fail on, and the pages become live only after the MAC (and
-the finite check) pass. The MAC of the plaintext under its own one-time key is a PRF output: it
-shows nothing of the KV.
+The MAC (kv_mac.py: the negotiated GMAC per page or BLAKE2b per layer, under a keyed BLAKE2b root)
+stays over the plaintext, on the prefill side over its pool, on the decode side over the decrypted
+private copy. So it is checked on what the model will read, after the last read a writer can reach
+(the copy), and covers the decryption too. Not encrypt-then-MAC: decode would then have to MAC the
+ciphertext before the decrypting copy (the staging may change between the two) or copy it twice.
+Decrypting unauthenticated bytes is harmless here: a stream cipher has no padding to fail on, and
+the pages become live only after the MAC (and the finite check) pass. The MAC of the plaintext under
+its own one-time key is a PRF output: it shows nothing of the KV.
 
 Backends, chosen by the pool's device when a cipher is built (`CellCipher`):
 - CPU pools: PyPI `cryptography` (its OpenSSL ChaCha20, ~4-5 GB/s a core with AVX-512: ~46 ms of

@@ -32,14 +32,16 @@ failed request is the one bit an attacker learns, once per key). A forgery of on
 with probability about (its 16-byte blocks + 1) / 2^128; the root, a keyed BLAKE2b over the page
 tags in order, binds their positions, their count and the header (the nonces bind them too).
 Why not keyed BLAKE2b alone: ~0.9 GB/s a core, half of a secured Mooncake transfer's CPU
-(docs/performance.md, session 16); AES-GCM runs on the CPU's AES and carry-less-multiply units:
-~2.7 GB/s a core at 18 KiB pages, the call's overhead included (test_kv_mac.py's cost test; ~17
-GB/s in one large call), more at 64-token pages. Why not Poly1305 per layer (~6 GB/s, incremental): `cryptography` 51 holds the GIL through Poly1305's update (one 256 MB update
-stopped another Python thread for its whole 68 ms, measured), so on a decode worker it would stall
-the scheduler thread; its AEAD calls release the GIL (from 2 KiB: pyca/cryptography#15359), as
-hashlib's BLAKE2b does. So "gmac-pages" is offered only with a release measured to release it
-(`GIL_FREE_CRYPTOGRAPHY`; a test holds it to that), where OpenSSL has AES-GCM; otherwise a process
-offers and computes "blake2b-layers" alone.
+(docs/performance.md, session 16); AES-GCM runs on the CPU's AES and carry-less-multiply units: ~2.7
+GB/s a core at 18 KiB pages, the call's overhead included (test_kv_mac.py's cost test; ~17 GB/s in
+one large call), more at 64-token pages. Why not Poly1305 per layer (~6 GB/s, incremental):
+`cryptography` 51 holds the GIL through Poly1305's update (one 256 MB update stopped another Python
+thread for its whole 68 ms, measured), so on a decode worker it would stall the scheduler thread;
+its AEAD calls release the GIL (from 2 KiB: pyca/cryptography#15359), as hashlib's BLAKE2b does. So
+"gmac-pages" is offered only with a release measured to release it (`GIL_FREE_CRYPTOGRAPHY`; a test
+holds it to that), built on OpenSSL or LibreSSL (that change left BoringSSL's and AWS-LC's AEAD path
+as it was), where the library has AES-GCM; otherwise a process offers and computes "blake2b-layers"
+alone.
 
 Negotiation: decode offers what it checks, preferred first (`MooncakeDestination.kv_mac_algorithms`);
 the prefill side takes the first it computes (`choose`) or refuses the handshake naming both lists,
@@ -102,16 +104,20 @@ _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kv-mac")
 
 
 def _gmac_usable() -> bool:
-    """`cryptography` is installed, releases the GIL in its AEADs (`GIL_FREE_CRYPTOGRAPHY`), and its
-    OpenSSL has AES-GCM."""
+    """`cryptography` is installed, releases the GIL in its AEADs (`GIL_FREE_CRYPTOGRAPHY`, and
+    built on OpenSSL or LibreSSL: the change that releases it left the AEAD path of BoringSSL and
+    AWS-LC builds as it was), and its library has AES-GCM."""
     try:
         import cryptography
+        from cryptography.hazmat.bindings._rust import openssl as built_on
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:
         return False
     try:
         release = tuple(int(part) for part in cryptography.__version__.split(".")[:2])
         if release < GIL_FREE_CRYPTOGRAPHY:
+            return False
+        if any(getattr(built_on, flag, False) for flag in ("CRYPTOGRAPHY_IS_BORINGSSL", "CRYPTOGRAPHY_IS_AWSLC")):
             return False
         AESGCM(bytes(KEY_BYTES)).encrypt(bytes(12), b"", b"probe")
     except Exception:  # (an unparsable version, an OpenSSL without AES-GCM)

@@ -62,6 +62,12 @@ def test_gmac_is_offered_first_where_cryptography_releases_the_gil():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cryptography, "__version__", "50.9.0")
         assert not kv_mac._gmac_usable()
+    # A build on BoringSSL or AWS-LC (their AEAD path keeps the GIL in the releases measured) either.
+    from cryptography.hazmat.bindings._rust import openssl as built_on
+    for flag in ("CRYPTOGRAPHY_IS_BORINGSSL", "CRYPTOGRAPHY_IS_AWSLC"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(built_on, flag, True, raising=False)
+            assert not kv_mac._gmac_usable()
 
 
 @pytest.mark.parametrize("algorithm", kv_mac.algorithms())
@@ -426,6 +432,35 @@ def test_a_done_that_names_another_mac_than_the_ack_is_refused(monkeypatch):
     with pytest.raises(TransferError, match="its ack agreed") as refused:
         sink.check_sealed(done, key, room)
     assert refused.value.code == FailureCode.INVALID_ARGUMENT and sink.failed is not None
+
+
+@pytest.mark.parametrize("named", ["md5-layers", "older"])
+def test_an_ack_that_names_a_mac_decode_did_not_offer_fails_the_transfer_before_any_check(monkeypatch, named):
+    """The bootstrap client's reading of the signed ack: a MAC decode did not offer (or none, from an
+    older prefill worker, which computes BLAKE2b, when decode offered GMAC alone) fails the sink
+    with INVALID_ARGUMENT naming both, instead of checking the KV under a MAC nobody agreed on."""
+    from deepseek_pd.workers.decode.bootstrap_client import BootstrapClient
+    mooncake_stub.install(monkeypatch)
+    rng = random.Random()
+    pool = _filled_pool(rng, 8)
+    receiver = MooncakeReceiver(pool, TransportConfig(advertise_host="127.0.0.1", mooncake_kv_direction="write"))
+    pages = rng.sample(range(8), rng.randrange(1, 5))
+    handshake = pb.Handshake(page_ids=pages, layout=layout_of(pool), num_tokens=len(pages) * pool.page_size)
+    receiver.fill_destination(handshake)
+    if named == "older":
+        if kv_mac.GMAC not in kv_mac.algorithms():
+            pytest.skip("this cryptography release is not offered GMAC")
+        handshake.mooncake.ClearField("kv_mac_algorithms")
+        handshake.mooncake.kv_mac_algorithms.append(kv_mac.GMAC)
+    sink = receiver.open_sink(pages)
+    ack = pb.HandshakeAck(kv_mac=named if named != "older" else "")
+    with pytest.raises(TransferError, match="decode offered") as refused:
+        BootstrapClient._mac_agreed(handshake, ack, sink)
+    assert refused.value.code == FailureCode.INVALID_ARGUMENT and sink.failed is refused.value
+    assert (named if named != "older" else kv_mac.BLAKE2B) in refused.value.message
+    # What decode offered itself is read back as agreed.
+    ack.kv_mac = handshake.mooncake.kv_mac_algorithms[-1]
+    assert BootstrapClient._mac_agreed(handshake, ack, receiver.open_sink(pages)) == ack.kv_mac
 
 
 def test_gmac_pages_hash_without_holding_the_gil():
