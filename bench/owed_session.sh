@@ -12,8 +12,9 @@
 #                                  carry bench/wheels-mooncake/mooncake-gpu.tar.xz and .whl
 #   bash bench/owed_session.sh D   trained MTP on V2-Lite (issue 22), then --deterministic (issue 25)
 #                                                                                        carry .whl
-#   bash bench/owed_session.sh E   FP8 accuracy: every FP8 GEMM backend against its dequantised twin,
-#                                  and the trained tiny model's top-1 agreement (issue 21)  no carry
+#   bash bench/owed_session.sh E   the KV MAC's and staging's GPU tests (GMAC on host copies, slot ids
+#                                  through host_copy), then FP8 accuracy: every FP8 GEMM backend against
+#                                  its dequantised twin, and the trained tiny model (issue 21)  no carry
 # (.whl 42 MB + the Mooncake bundle 12 MB + .flashmla-src 3 MB fit one 64 MiB carry: carrying all
 # three on every call lets any part run on a held machine.) The order is the order of value: a
 # session that gets one call runs A, two runs A and B, and so on.
@@ -62,7 +63,8 @@ D)
     step deterministic 'TEST_TIMEOUT=120 BENCH_TIMEOUT=100 bash bench/deterministic_session.sh'
     ;;
 E)
-    step fp8_accuracy 'source bench/gpu_setup.sh && timeout 400 python3 bench/fp8_accuracy.py --device cuda --prefixes 1000 --out "$OUT/fp8_accuracy.json"'
+    step mac_staging_tests 'source bench/gpu_setup.sh && (cd /tmp && timeout 150 python3 -m pytest -q -p no:cacheprovider -rs -s -m gpu "$OLDPWD/tests/workers/transport/test_kv_mac_cuda.py" "$OLDPWD/tests/workers/transport/test_staging_cuda.py" "$OLDPWD/tests/workers/transport/test_host_copy_staging_cuda.py") 2>&1 | tee "$OUT/tests.log"'
+    step fp8_accuracy 'source bench/gpu_setup.sh && timeout 360 python3 bench/fp8_accuracy.py --device cuda --prefixes 1000 --out "$OUT/fp8_accuracy.json"'
     ;;
 esac
 [ -n "$dry" ] && exit 0
