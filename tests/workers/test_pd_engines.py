@@ -371,3 +371,43 @@ def test_a_direct_transfer_aborted_midway_holds_its_pages_for_the_grace_then_zer
 
     decode = asyncio.run(run())
     assert isinstance(decode.terminal, Failed) and decode.terminal.code == FailureCode.ABORTED
+
+
+def test_first_token_goes_out_before_a_decode_step_takes_the_request():
+    """A transferred request joins the decode batch only once its consumer has taken the first
+    token: a step launched at once held that token's message (and the prefill side's confirmation)
+    behind it. The tokens still equal the offline engine's."""
+    rng = random.Random()
+    prompt = random_prompt(rng)
+    budget = rng.randint(3, 6)
+    params = dataclasses.replace(GREEDY, max_new_tokens=budget)
+    expected = oracle().generate(prompt, params).output_ids
+
+    async def run():
+        async with PDPair("grpc") as pair:
+            steps_with_it: list[int] = []
+            step = pair.decode._step
+
+            def counting_step(owners, *rest):
+                steps_with_it.extend(1 for state in owners if state.request.rid == "first-d")
+                return step(owners, *rest)
+
+            pair.decode._step = counting_step
+            seen_at_first: list[int] = []
+
+            async def on_event(event) -> None:
+                if not seen_at_first:
+                    await asyncio.sleep(0.2)  # a slow consumer: the first token is not taken yet
+                    seen_at_first.append(len(steps_with_it))
+
+            p_req, d_req = pair.requests(prompt, params, "first")
+            prefill, decode = await asyncio.gather(collect(pair.prefill, p_req),
+                                                   collect(pair.decode, d_req, on_event))
+            await pair.wait_pools_clean()
+            return prefill, decode, seen_at_first[0], len(steps_with_it)
+
+    prefill, decode, at_first, total = asyncio.run(run())
+    assert prefill.ok and decode.ok, (prefill.terminal, decode.terminal)
+    assert decode.tokens == expected
+    assert at_first == 0, f"{at_first} decode step(s) took the request before its first token was taken"
+    assert total >= budget - 1

@@ -108,6 +108,16 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                                 f"request_id {req.rid!r} is already running on this worker")
         self._inflight.add(req.rid)
         started = time.perf_counter()
+        # The headers now, not with the first message: the router's PD dispatch opens the prefill
+        # and the decode call together and streams decode's first token only once both calls
+        # have their headers. A prefill worker's one message follows decode's confirmed
+        # TransferDone, so headers sent with it held the client's first token behind that round
+        # trip (bench/ttft_pipeline_cpu.py; errors found above still end the call before headers).
+        try:
+            await context.send_initial_metadata(())
+        except BaseException:  # the client went away already: the request never started
+            self._inflight.discard(req.rid)
+            raise
         first_token_at: float | None = None
         events = self._engine.generate(req)
         terminal_seen = False

@@ -130,6 +130,7 @@ class DecodeEngine(EngineCore[DecodeRequest]):
             state.spec = SpecRow(list(request.input_ids), [], max_new, sampling)
         self._requests[request.rid] = state
         transfer_done = request.disagg is None
+        joins_after_first = False
         try:
             prompt_pages = self.pool.pages_for_tokens(prompt_len)
             reserve = decode_reserve_pages(self.pool, prompt_len, max_new, self.config.scheduler.decode_reserve_tokens)
@@ -161,8 +162,10 @@ class DecodeEngine(EngineCore[DecodeRequest]):
                 self._accept(state, done.first_token_id, done.first_token_logprob, first_top_logprobs(done))
                 if state.spec is not None:  # drafts from the first step, when the prefill sent its draft
                     state.spec.wire_draft = wire_draft(done, model_config.vocab_size, model_config.hidden_size)
-                if not state.finished:
-                    self._running.append(state)
+                # It joins the decode batch once its first token is out (below), not now: a step
+                # launched at once holds the GIL and this loop while that token's message and the
+                # prefill side's confirmation wait behind it (bench/ttft_pipeline_cpu.py).
+                joins_after_first = not state.finished
             else:
                 state.progress = self.rounds.start(state, request.input_ids, state.reservation.pages)
                 self._prefilling.append(state)
@@ -173,6 +176,11 @@ class DecodeEngine(EngineCore[DecodeRequest]):
                     terminal = event
                     break
                 yield event
+                if joins_after_first:  # the consumer took the first token and asks for more
+                    joins_after_first = False
+                    if not state.finished and not state.ended:
+                        self._running.append(state)
+                        self._wakeup.set()
         except RequestFailure as exc:
             terminal = Failed(exc.code, exc.message)
         except Exception as exc:

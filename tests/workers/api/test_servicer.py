@@ -271,3 +271,38 @@ def test_get_tokenizer_streams_a_verified_zip(model_info, tmp_path) -> None:
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
             assert archive.read(name) == (Path(model_info.tokenizer_path) / name).read_bytes()
+
+
+class _HeldEngine(FakeEngine):
+    """A FakeEngine whose requests start only once `release` is set: as a prefill worker's one
+    message waits for decode's confirmed TransferDone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def generate(self, request):
+        await self.release.wait()
+        async for event in super().generate(request):
+            yield event
+
+
+def test_headers_go_out_before_the_first_token(model_info) -> None:
+    """The router's PD dispatch waits for both calls' headers before it streams decode's first
+    token; a worker that sent them only with its first message held that token back."""
+    rng = random.Random()
+    prompt = random_prompt(rng)
+    budget = rng.randint(1, 8)
+
+    async def main():
+        engine = _HeldEngine()
+        async with serving(model_info, engine) as (_, client, _engine):
+            call = client.generate(request(prompt, True, max_new_tokens=budget))
+            await asyncio.wait_for(call.initial_metadata(), 5.0)  # before any token exists
+            assert not engine.release.is_set()
+            engine.release.set()
+            ids, complete = await collect(call)
+            assert ids == expected_tokens(tuple(prompt), budget)
+            assert complete.finish_reason == "length"
+
+    asyncio.run(main())
