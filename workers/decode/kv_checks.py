@@ -153,7 +153,7 @@ def scrub_pages(pool: KVPool, pages: Sequence[int]) -> None:
     if not pages:
         return
     with _on_side_stream(pool):
-        index = torch.tensor(list(pages), dtype=torch.long, device=pool.device)
+        index = page_index(pool, pages)
         for buffer in pool.buffers:
             buffer.index_fill_(0, index, 0)
     if pool.device.type == "cuda":
