@@ -10,6 +10,11 @@ Kinds, in the order they are decided:
 - "embedding": the token embedding (a step reads one row per token; if tied to the LM head, the
   LM head's kind wins, above);
 - "dense": everything else (read whole every step).
+
+A stacked expert tensor holds the routed experts' slots, then the shared experts' where the model
+fuses them (`num_fused_shared_experts`, model/moe/experts.py): a step reads every shared slot and
+the routed slots its tokens pick (`expert_slots`). The benches run one rank without EPLB, so every
+routed expert has its one slot here.
 """
 from __future__ import annotations
 
@@ -35,3 +40,24 @@ def param_kind(model: torch.nn.Module, name: str, param: torch.Tensor) -> str:
 
 def nbytes(param: torch.Tensor) -> int:
     return param.numel() * param.element_size()
+
+
+def expert_slots(model: torch.nn.Module, param: torch.Tensor) -> tuple[int, int, int]:
+    """(bytes of one slot, routed slots, fused shared slots) of a stacked expert tensor of `model`
+    (kind "experts" or "mtp_experts")."""
+    shared = getattr(getattr(model, "options", None), "num_fused_shared_experts", 0)
+    slots = param.shape[0]
+    return nbytes(param) // slots, slots - shared, shared
+
+
+def step_reads(model: torch.nn.Module, name: str, param: torch.Tensor, experts_read: int) -> int:
+    """Bytes of `param` one decode step of one token reads when it routes to `experts_read`
+    experts: the routed slots it picks and every fused shared one of a stacked expert tensor, one
+    row of the embedding, all of anything else."""
+    kind = param_kind(model, name, param)
+    if kind in ("experts", "mtp_experts"):
+        slot, routed, shared = expert_slots(model, param)
+        return slot * (min(experts_read, routed) + shared)
+    if kind == "embedding":
+        return param.shape[-1] * param.element_size()
+    return nbytes(param)
