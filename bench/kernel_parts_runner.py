@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernel_table import BF16_TFLOPS, FP8_TFLOPS, Context, Row, floor_ms, rel_err
+from param_reads import decode_weight_bytes
 
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -66,22 +67,12 @@ def _models(ctx: Context, backend: str = "triton"):
 
 
 def _decode_floor_ms(model, batch: int, context: int) -> float:
-    """Bytes one decode step must read: every weight in its stored dtype (FP8 ones 1 byte), the
-    routed experts only as far as `batch` tokens touch them (uniform routing), no embedding table
-    (rows only), plus the latent KV of the context."""
+    """Bytes one decode step must read: the weights by bench/param_reads.py's rule (each in its
+    stored dtype, FP8 ones 1 byte; routed experts as far as `batch` tokens touch them under uniform
+    routing; the embedding's rows only), plus the latent KV of the context."""
     cfg = model.config
-    touched = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
-    nbytes = 0.0
-    for name, param in model.named_parameters():
-        if "embed_tokens" in name:
-            continue
-        size = param.numel() * param.element_size()
-        if ".experts.w" in name:  # [routed + fused shared, ...]: shared ones are always read
-            per_expert = size / param.shape[0]
-            size = per_expert * (cfg.n_routed_experts * touched + (param.shape[0] - cfg.n_routed_experts))
-        nbytes += size
     kv = batch * context * cfg.num_hidden_layers * cfg.kv_cache_dim * 2
-    return floor_ms(nbytes=nbytes + kv)
+    return floor_ms(nbytes=decode_weight_bytes(model, batch) + kv)
 
 
 def _prefill_floor_ms(model, tokens: int, tflops: float) -> float:

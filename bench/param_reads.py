@@ -50,14 +50,32 @@ def expert_slots(model: torch.nn.Module, param: torch.Tensor) -> tuple[int, int,
     return nbytes(param) // slots, slots - shared, shared
 
 
-def step_reads(model: torch.nn.Module, name: str, param: torch.Tensor, experts_read: int) -> int:
-    """Bytes of `param` one decode step of one token reads when it routes to `experts_read`
-    experts: the routed slots it picks and every fused shared one of a stacked expert tensor, one
-    row of the embedding, all of anything else."""
+def expected_distinct(experts: int, top_k: int, tokens: int) -> float:
+    """Mean number of distinct experts that `tokens` tokens touch when each picks `top_k` of
+    `experts` uniformly at random without repeats (each expert is missed by one token with
+    probability 1 - top_k / experts, independently across tokens)."""
+    if tokens <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def step_reads(model: torch.nn.Module, name: str, param: torch.Tensor, experts_read: float,
+               tokens: int = 1) -> float:
+    """Bytes of `param` one decode step of `tokens` tokens reads when they route to `experts_read`
+    experts (a mean where routing is random): the routed slots picked and every fused shared one of
+    a stacked expert tensor, one row per token of the embedding, all of anything else."""
     kind = param_kind(model, name, param)
     if kind in ("experts", "mtp_experts"):
         slot, routed, shared = expert_slots(model, param)
         return slot * (min(experts_read, routed) + shared)
     if kind == "embedding":
-        return param.shape[-1] * param.element_size()
+        return tokens * param.shape[-1] * param.element_size()
     return nbytes(param)
+
+
+def decode_weight_bytes(model: torch.nn.Module, batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens reads under uniform routing (its floor's
+    weights; a model's MTP layer, if loaded, counted as read)."""
+    cfg = model.config
+    touched = expected_distinct(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
+    return sum(step_reads(model, name, p, touched, batch) for name, p in model.named_parameters())

@@ -31,16 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from param_reads import expert_slots, nbytes, param_kind  # noqa: E402
-
-
-def expected_distinct(experts: int, top_k: int, tokens: int) -> float:
-    """Mean number of distinct experts that `tokens` tokens touch when each picks `top_k` of
-    `experts` uniformly at random without repeats (each expert is missed by one token with
-    probability 1 - top_k / experts, independently across tokens)."""
-    if tokens <= 0:
-        return 0.0
-    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+from param_reads import expected_distinct, expert_slots, nbytes, param_kind  # noqa: E402,F401 (re-exported)
 
 
 @dataclass(frozen=True)

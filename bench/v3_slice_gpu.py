@@ -27,6 +27,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from param_reads import decode_weight_bytes  # noqa: E402
+
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 V3_SLICE = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
@@ -109,21 +112,12 @@ def kernel_profile(fn, top: int = 15) -> list[dict]:
 
 
 def decode_floor_ms(model, batch: int, context: int, bw: float) -> float:
-    """Bytes one decode step must read: every weight in its stored dtype, routed experts as far as
-    `batch` tokens touch them under uniform routing, no embedding table, plus the latent KV."""
+    """Bytes one decode step must read: the weights by bench/param_reads.py's rule (stored dtype,
+    routed experts as far as `batch` tokens touch them under uniform routing, the embedding's rows
+    only), plus the latent KV."""
     cfg = model.config
-    touched = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
-    nbytes = 0.0
-    for name, param in model.named_parameters():
-        if "embed_tokens" in name:
-            continue
-        size = param.numel() * param.element_size()
-        if ".experts." in name and param.dim() >= 2 and param.shape[0] >= cfg.n_routed_experts:
-            per_expert = size / param.shape[0]
-            size = per_expert * (cfg.n_routed_experts * touched + (param.shape[0] - cfg.n_routed_experts))
-        nbytes += size
     kv = batch * context * cfg.num_hidden_layers * cfg.kv_cache_dim * 2
-    return (nbytes + kv) / bw * 1e3
+    return (decode_weight_bytes(model, batch) + kv) / bw * 1e3
 
 
 def prefill_floor_ms(model, tokens: int, flops_peak: float) -> float:

@@ -159,3 +159,16 @@ def test_fused_shared_experts_are_read_every_step_not_split_as_routed() -> None:
     totals = [sum(reads.step_reads(m, name, p, read) for name, p in m.named_parameters()) for m in (plain, fused)]
     assert totals[0] == totals[1]
 
+
+
+def test_a_decode_steps_weight_floor_is_the_plain_step_plus_its_rows_and_the_mtp_layer(tiny_mtp_model) -> None:
+    """`param_reads.decode_weight_bytes` (the GPU benches' decode floors: kernel_parts_runner.py,
+    v3_slice_gpu.py) against `StepBytes.plain`: the same weights, plus the embedding rows of the
+    batch and the loaded MTP layer (read whole but for its routed experts)."""
+    floor, reads = bench_module("speculative_floor"), bench_module("param_reads")
+    model, config = tiny_mtp_model
+    split = floor.step_bytes(model, config.n_routed_experts, config.num_experts_per_tok)
+    batch = random.randint(1, 64)
+    row = model.embed_tokens.weight.shape[-1] * model.embed_tokens.weight.element_size()
+    mtp = split.mtp_dense + floor.expected_distinct(split.experts, split.top_k, batch) * split.expert
+    assert reads.decode_weight_bytes(model, batch) == pytest.approx(split.plain(batch) + batch * row + mtp)
