@@ -30,20 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from param_reads import decode_weight_bytes  # noqa: E402
 
-QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-V3_SLICE = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
-    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
-    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
-    num_experts_per_tok=8, topk_method="noaux_tc", scoring_func="sigmoid", n_group=8, topk_group=4,
-    norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1, moe_layer_freq=1,
-    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-    bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16", hidden_act="silu",
-    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32,
-                      beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-    quantization_config=QUANT,
-)
+from deepseek_pd.operator.known_models import KNOWN_MODELS  # noqa: E402
+
+# DeepSeek-V3's shape (operator/known_models.py) cut to one dense layer and three MoE ones, without its
+# MTP layer, with a random tokenizer's special ids.
+V3_SLICE = {**{k: v for k, v in KNOWN_MODELS["DeepSeek-V3"].items() if k != "num_nextn_predict_layers"},
+            "num_hidden_layers": 4, "first_k_dense_replace": 1, "rms_norm_eps": 1e-6,
+            "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu"}
 TINY = {**V3_SLICE, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 128,
         "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 16,
