@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernel_table import BF16_TFLOPS, FP8_TFLOPS, Context, Row, floor_ms, rel_err
-from param_reads import decode_weight_bytes
+from param_reads import active_values, decode_weight_bytes
 
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -79,12 +79,7 @@ def _prefill_floor_ms(model, tokens: int, tflops: float) -> float:
     """2 FLOPs per active weight per token (lm_head for the last token only) at `tflops`, plus causal
     attention (qk 192 + v 128 per key) at the bf16 peak."""
     cfg = model.config
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    dense = sum(p.numel() for n, p in model.named_parameters()
-                if ".experts.w" not in n and "embed" not in n and "lm_head" not in n and p.dim() > 1
-                and not n.endswith("_scale_inv"))
-    active = dense + moe_layers * (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert
+    active = active_values(model)  # bench/param_reads.py
     attn = (cfg.num_hidden_layers * cfg.num_attention_heads * tokens * (tokens + 1) / 2
             * (cfg.qk_head_dim + cfg.v_head_dim) * 2)
     return 2.0 * active * tokens / tflops / 1e9 + attn / BF16_TFLOPS / 1e9

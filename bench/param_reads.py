@@ -79,3 +79,21 @@ def decode_weight_bytes(model: torch.nn.Module, batch: int) -> float:
     cfg = model.config
     touched = expected_distinct(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
     return sum(step_reads(model, name, p, touched, batch) for name, p in model.named_parameters())
+
+
+def active_values(model: torch.nn.Module) -> int:
+    """Weight values one token multiplies by in a forward (a forward's FLOPs per token / 2): every
+    matrix outside the embedding and the LM head, of stacked experts the `num_experts_per_tok` routed
+    slots it picks and every fused shared one; FP8 scales and vectors left out."""
+    top_k = model.config.num_experts_per_tok
+    total = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name.endswith("_scale_inv"):
+            continue
+        kind = param_kind(model, name, p)
+        if kind in ("experts", "mtp_experts"):
+            _, routed, shared = expert_slots(model, p)
+            total += p.numel() // p.shape[0] * (min(top_k, routed) + shared)
+        elif kind not in ("lm_head", "embedding"):
+            total += p.numel()
+    return total

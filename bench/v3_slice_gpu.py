@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from param_reads import decode_weight_bytes  # noqa: E402
+from param_reads import active_values, decode_weight_bytes  # noqa: E402
 
 from deepseek_pd.operator.known_models import KNOWN_MODELS  # noqa: E402
 
@@ -115,13 +115,7 @@ def decode_floor_ms(model, batch: int, context: int, bw: float) -> float:
 
 def prefill_floor_ms(model, tokens: int, flops_peak: float) -> float:
     """2 FLOPs per active weight per token at the FP8 peak (attention's FLOPs left out: a floor)."""
-    cfg = model.config
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    dense = sum(p.numel() for n, p in model.named_parameters()
-                if ".experts." not in n and "embed" not in n and "lm_head" not in n and p.dim() > 1
-                and not n.endswith("_scale_inv"))
-    active = dense + moe_layers * (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert
+    active = active_values(model)  # bench/param_reads.py
     return 2.0 * active * tokens / flops_peak * 1e3
 
 

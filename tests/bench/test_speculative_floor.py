@@ -146,8 +146,10 @@ def test_every_parameter_has_one_read_kind_and_each_kind_is_seen(tiny_mtp_model)
 def test_fused_shared_experts_are_read_every_step_not_split_as_routed() -> None:
     """The oracle is the same V2-Lite shape with the shared experts as their own MLP (dense): fusing
     them into the stacked tensors changes neither one routed expert's bytes nor what every step
-    reads, in `step_bytes` and in `step_reads` (what `OpScopes` counts per parameter). Failed before: the fused
-    tensors were split by the routed count (66 slots / 64) and their shared slots left out."""
+    reads, in `step_bytes`, in `step_reads` (what `OpScopes` counts per parameter) and in
+    `active_values` (the prefill floors'). Failed before: `step_bytes` split the fused tensors by
+    the routed count (66 slots / 64) and left their shared slots out; the prefill floors
+    (kernel_parts_runner.py, v3_slice_gpu.py) counted an unfused shared MLP twice."""
     floor, reads = bench_module("speculative_floor"), bench_module("param_reads")
     seed = random.randrange(1 << 30)
     print(f"V2-Lite build seed {seed}")
@@ -158,6 +160,8 @@ def test_fused_shared_experts_are_read_every_step_not_split_as_routed() -> None:
     read = random.randint(1, top_k)
     totals = [sum(reads.step_reads(m, name, p, read) for name, p in m.named_parameters()) for m in (plain, fused)]
     assert totals[0] == totals[1]
+    # The prefill floors' FLOPs (`active_values`): the unfused shared MLP counted once, as the fused slots.
+    assert reads.active_values(plain) == reads.active_values(fused)
 
 
 
