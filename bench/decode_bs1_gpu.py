@@ -197,8 +197,8 @@ def main() -> None:
     config = model.config
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
                     "build_s": round(time.perf_counter() - start, 1), "variants": []}
-    # One token reads its k routed experts and the fused shared ones.
-    experts_read = config.num_experts_per_tok + model.options.num_fused_shared_experts
+    # One token reads its k routed experts (and every fused shared one: OpScopes adds those).
+    experts_read = config.num_experts_per_tok
     saved: dict = {}
     for name in args.variants.split(","):
         _keep_fusions(model, *VARIANTS[name], saved)

@@ -9,7 +9,8 @@ Inside a scope it counts:
                `run`); on a GPU a cuBLAS GEMM or a sort may launch more than one: the profiler's
                count is the truth there
     bytes      bytes of model parameters the op's kernels read, each parameter once per op; stacked
-               experts `[E, ...]` count `experts_read` of their E slices (what a one-token step reads)
+               experts `[E, ...]` count `experts_read` of their routed slices and every fused shared
+               one (what a one-token step reads; bench/param_reads.py `expert_slots`)
 On a GPU `profile_ops` adds, from torch.profiler over one eager step, each scope's kernels and
 their summed device time (the kernels the profiler links to launches inside the scope's range: a
 Triton launch, through the driver API, often is not linked, so a scope's time can miss its Triton
@@ -27,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from param_reads import nbytes, param_kind  # noqa: E402
+from param_reads import step_reads  # noqa: E402
 
 _NO_KERNEL = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "promote_types", "lift_fresh",
               "detach", "alias", "_local_scalar_dense")
@@ -56,11 +57,7 @@ class OpScopes:
         # storage pointer -> (parameter name, bytes it reads in one step)
         self.params: dict[int, tuple[str, int]] = {}
         for name, p in model.named_parameters():
-            kind, read = param_kind(model, name, p), nbytes(p)
-            if kind in ("experts", "mtp_experts"):  # stacked experts: the slices a step reads
-                read = read // p.shape[0] * min(experts_read, p.shape[0])
-            elif kind == "embedding":  # a one-token step reads one row
-                read = p.shape[-1] * p.element_size()
+            read = step_reads(model, name, p, experts_read)
             self.params[p.untyped_storage().data_ptr()] = (name, read)
 
     def _note(self, tensors) -> None:

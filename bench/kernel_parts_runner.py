@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernel_table import BF16_TFLOPS, FP8_TFLOPS, Context, Row, floor_ms, rel_err
+from param_reads import active_values, decode_weight_bytes
 
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -66,34 +67,19 @@ def _models(ctx: Context, backend: str = "triton"):
 
 
 def _decode_floor_ms(model, batch: int, context: int) -> float:
-    """Bytes one decode step must read: every weight in its stored dtype (FP8 ones 1 byte), the
-    routed experts only as far as `batch` tokens touch them (uniform routing), no embedding table
-    (rows only), plus the latent KV of the context."""
+    """Bytes one decode step must read: the weights by bench/param_reads.py's rule (each in its
+    stored dtype, FP8 ones 1 byte; routed experts as far as `batch` tokens touch them under uniform
+    routing; the embedding's rows only), plus the latent KV of the context."""
     cfg = model.config
-    touched = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
-    nbytes = 0.0
-    for name, param in model.named_parameters():
-        if "embed_tokens" in name:
-            continue
-        size = param.numel() * param.element_size()
-        if ".experts.w" in name:  # [routed + fused shared, ...]: shared ones are always read
-            per_expert = size / param.shape[0]
-            size = per_expert * (cfg.n_routed_experts * touched + (param.shape[0] - cfg.n_routed_experts))
-        nbytes += size
     kv = batch * context * cfg.num_hidden_layers * cfg.kv_cache_dim * 2
-    return floor_ms(nbytes=nbytes + kv)
+    return floor_ms(nbytes=decode_weight_bytes(model, batch) + kv)
 
 
 def _prefill_floor_ms(model, tokens: int, tflops: float) -> float:
     """2 FLOPs per active weight per token (lm_head for the last token only) at `tflops`, plus causal
     attention (qk 192 + v 128 per key) at the bf16 peak."""
     cfg = model.config
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    dense = sum(p.numel() for n, p in model.named_parameters()
-                if ".experts.w" not in n and "embed" not in n and "lm_head" not in n and p.dim() > 1
-                and not n.endswith("_scale_inv"))
-    active = dense + moe_layers * (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert
+    active = active_values(model)  # bench/param_reads.py
     attn = (cfg.num_hidden_layers * cfg.num_attention_heads * tokens * (tokens + 1) / 2
             * (cfg.qk_head_dim + cfg.v_head_dim) * 2)
     return 2.0 * active * tokens / tflops / 1e9 + attn / BF16_TFLOPS / 1e9

@@ -32,6 +32,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_batch import random_decode_batch  # noqa: E402
 from kernel_table import (BF16_TFLOPS, COPY_GBS, TOL_BF16, Context, Row, Timer,  # noqa: E402
                           floor_ms, format_table)
 
@@ -115,23 +116,6 @@ def moe_part(token_counts: tuple[int, ...] = (1, 128, 8 * 2048)) -> dict:
 
 # ---- MLA decode ------------------------------------------------------------------------------------
 
-def _decode_batch(lengths: list[int], page_size: int, kv_dim: int):
-    from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-    from deepseek_pd.model.kv.pool import KVPool
-
-    need = [-(-n // page_size) for n in lengths]
-    pool = KVPool(1, sum(need) + 8, page_size, kv_dim, dtype=torch.bfloat16, device="cuda")
-    perm = torch.randperm(pool.num_pages).tolist()
-    pages, start = [], 0
-    for n in need:
-        pages.append(perm[start:start + n])
-        start += n
-    pool.buffers[0].normal_()
-    batch = ForwardBatch.build(ForwardMode.DECODE, [[0]] * len(lengths), [n - 1 for n in lengths], pages, pool,
-                               vocab_size=1, device="cuda")
-    return batch, pool.buffers[0]
-
-
 def mla_part() -> dict:
     from deepseek_pd.model.attention.torch_backend import TorchAttentionBackend
     from deepseek_pd.model.attention.triton_backend import decode_metadata
@@ -146,7 +130,7 @@ def mla_part() -> dict:
     for shape, heads in MLA_HEADS.items():
         for bs in (1, 32, 128):
             lengths = torch.randint(512, 4097, (bs,)).tolist()
-            batch, cache = _decode_batch(lengths, page, rank + rope)
+            batch, cache = random_decode_batch(lengths, page, rank + rope)
             q_latent = torch.randn(heads, bs, rank, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
             q_pe = torch.randn(bs, heads, rope, device="cuda", dtype=torch.bfloat16)
             scale = 1.0 / (192 ** 0.5)

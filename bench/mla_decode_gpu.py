@@ -32,6 +32,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_batch import random_decode_batch  # noqa: E402
+
 RANK, ROPE, PAGE = 512, 64, 64
 # Card name fragment → (dense bf16 FLOP/s, HBM bytes/s): FACTS.md.
 CARDS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12)}
@@ -61,23 +64,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def decode_case(heads: int, lengths: list[int]):
-    from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-    from deepseek_pd.model.kv.pool import KVPool
-
-    need = [-(-n // PAGE) for n in lengths]
-    pool = KVPool(1, sum(need) + 8, PAGE, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
-    order = torch.randperm(pool.num_pages).tolist()
-    pages, start = [], 0
-    for n in need:
-        pages.append(order[start:start + n])
-        start += n
-    pool.buffers[0].normal_()
-    batch = ForwardBatch.build(ForwardMode.DECODE, [[0]] * len(lengths), [n - 1 for n in lengths], pages, pool,
-                               vocab_size=1, device="cuda")
+    batch, cache = random_decode_batch(lengths, PAGE, RANK + ROPE)
     b = len(lengths)
     q_latent = torch.randn(heads, b, RANK, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
     q_pe = torch.randn(b, heads, ROPE, device="cuda", dtype=torch.bfloat16)
-    return batch, pool.buffers[0], q_latent, q_pe
+    return batch, cache, q_latent, q_pe
 
 
 def _rates(flops: float, nbytes: float, ms: float, flops_peak: float, bw_peak: float) -> dict:

@@ -18,18 +18,10 @@ import time
 
 import torch
 
-V2_LITE = dict(  # ../shared/FACTS.md: 15.71B parameters
-    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,
-    hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
-    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
-    num_experts_per_tok=6, topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1,
-    norm_topk_prob=False, routed_scaling_factor=1.0, first_k_dense_replace=1, moe_layer_freq=1,
-    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-    bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16",
-    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32,
-                      beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
-)
+from deepseek_pd.operator.known_models import KNOWN_MODELS
+
+V2_LITE = {**KNOWN_MODELS["DeepSeek-V2-Lite"],  # ../shared/FACTS.md: 15.71B parameters
+           "rms_norm_eps": 1e-6, "bos_token_id": 100000, "eos_token_id": 100001}
 
 
 def cuda_time(fn, warmup: int = 1, repeat: int = 3) -> float:

@@ -16,7 +16,13 @@ attention TP, and the MLA decode route behind attention backend "auto".
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_batch import random_decode_batch  # noqa: E402
 
 DENSE_GATE_UP = {"V3": (7168, 36864), "V2-Lite": (2048, 21888)}
 INPUT_PROJ = {"V3": (7168, 2112), "V2-Lite": (2048, 3072)}  # q_a + kv_a; V2-Lite's q_proj
@@ -112,23 +118,11 @@ def tp_norm_quant_part(bench, rows: list[dict]) -> None:
 
 
 def _decode_batch(bench, heads: int, batch: int, context: int, page_size: int, dtype: torch.dtype):
-    from deepseek_pd.model.forward_batch import ForwardBatch, ForwardMode
-    from deepseek_pd.model.kv.pool import KVPool
-
     lengths = [max(1, context + int(torch.randint(-context // 4, context // 4 + 1, ()).item())) for _ in range(batch)]
-    need = [-(-n // page_size) for n in lengths]
-    pool = KVPool(1, sum(need) + 1, page_size, 576, dtype=dtype, device=bench.device)
-    order = torch.randperm(pool.num_pages).tolist()
-    pages, start = [], 0
-    for n in need:
-        pages.append(order[start:start + n])
-        start += n
-    pool.buffers[0].copy_(torch.randn(pool.buffers[0].shape, dtype=dtype, device=bench.device))
-    fb = ForwardBatch.build(ForwardMode.DECODE, [[0]] * batch, [n - 1 for n in lengths], pages, pool,
-                            vocab_size=1, device=bench.device)
+    fb, cache = random_decode_batch(lengths, page_size, 576, dtype=dtype, device=bench.device)
     q_latent = torch.randn(heads, batch, 512, dtype=dtype, device=bench.device).transpose(0, 1)
     q_pe = torch.randn(batch, heads, 64, dtype=dtype, device=bench.device)
-    return fb, pool.buffers[0], q_latent, q_pe, sum(lengths)
+    return fb, cache, q_latent, q_pe, sum(lengths)
 
 
 def mla_route_part(bench, rows: list[dict]) -> None:

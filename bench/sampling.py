@@ -27,6 +27,9 @@ import torch
 from deepseek_pd.model.sampling.sampler import SamplingBatch, SamplingState
 from deepseek_pd.model.sampling.params import SamplingParams
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_timing import per_step, sync  # noqa: E402
+
 MIXES: dict[str, Callable[[int], SamplingParams]] = {
     "plain": lambda i: SamplingParams(temperature=1.0),
     "greedy": lambda i: SamplingParams(temperature=0.0),
@@ -48,23 +51,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", help="also write the rows as JSON here")
     return parser.parse_args()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _per_step(run: Callable[[], None], steps: int, warmup: int, device: torch.device) -> float:
-    """Seconds per call of `run`, synchronised once after all of them."""
-    for _ in range(warmup):
-        run()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        run()
-    _sync(device)
-    return (time.perf_counter() - start) / steps
 
 
 def measure(batch_size: int, mix: str, vocab: int, device: torch.device, steps: int, warmup: int) -> dict:
@@ -92,15 +78,15 @@ def measure(batch_size: int, mix: str, vocab: int, device: torch.device, steps: 
     def batch_no_read() -> None:
         batch.sample(logits)
 
-    legacy = _per_step(legacy_step, steps, warmup, device)
-    read = _per_step(batch_step, steps, warmup, device)
-    no_read = _per_step(batch_no_read, steps, warmup, device)
-    _sync(device)
+    legacy = per_step(legacy_step, steps, warmup, device)
+    read = per_step(batch_step, steps, warmup, device)
+    no_read = per_step(batch_no_read, steps, warmup, device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         batch.sample(logits)
     host = (time.perf_counter() - start) / steps
-    _sync(device)
+    sync(device)
     return {"batch": batch_size, "mix": mix, "legacy_ms": legacy * 1e3, "batch_ms": read * 1e3,
             "batch_no_read_ms": no_read * 1e3, "host_ms": host * 1e3, "speedup": legacy / read}
 

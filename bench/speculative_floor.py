@@ -31,16 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from param_reads import nbytes, param_kind  # noqa: E402
-
-
-def expected_distinct(experts: int, top_k: int, tokens: int) -> float:
-    """Mean number of distinct experts that `tokens` tokens touch when each picks `top_k` of
-    `experts` uniformly at random without repeats (each expert is missed by one token with
-    probability 1 - top_k / experts, independently across tokens)."""
-    if tokens <= 0:
-        return 0.0
-    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+from param_reads import expected_distinct, expert_slots, nbytes, param_kind  # noqa: E402,F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -73,7 +64,8 @@ class StepBytes:
 
 def step_bytes(model: torch.nn.Module, experts: int, top_k: int) -> StepBytes:
     """`StepBytes` of a built model (`DeepseekForCausalLM`, its MTP layer under `mtp.` if loaded),
-    each parameter by its kind (bench/param_reads.py): stacked expert tensors are split per expert."""
+    each parameter by its kind (bench/param_reads.py): stacked expert tensors are split per slot,
+    fused shared experts' slots read every step like the dense weights."""
     dense = lm_head = expert_total = mtp_dense = 0
     moe_layers: set[str] = set()
     mtp_moe = False
@@ -81,11 +73,15 @@ def step_bytes(model: torch.nn.Module, experts: int, top_k: int) -> StepBytes:
         kind = param_kind(model, name, p)
         if kind == "lm_head":
             lm_head += nbytes(p)
-        elif kind == "mtp_experts":
-            mtp_moe = True
-        elif kind == "experts":
-            moe_layers.add(name.split(".mlp.experts.")[0])
-            expert_total += nbytes(p) // experts
+        elif kind in ("experts", "mtp_experts"):
+            slot, _, shared = expert_slots(model, p)
+            if kind == "mtp_experts":  # its routed experts are read as the main layers' (one size)
+                mtp_moe = True
+                mtp_dense += shared * slot
+            else:
+                moe_layers.add(name.split(".mlp.experts.")[0])
+                expert_total += slot
+                dense += shared * slot
         elif kind == "mtp_dense":
             mtp_dense += nbytes(p)
         elif kind == "dense":  # (an embedding: a step reads one row per token, nothing here)

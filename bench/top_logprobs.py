@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from typing import Callable
+import sys
+from pathlib import Path
 
 import torch
 
 from deepseek_pd.model.sampling.sampled_host import pack, unpack
 from deepseek_pd.model.sampling.sampler import SamplingBatch, SamplingState
 from deepseek_pd.model.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step_timing import per_step, sync  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,22 +35,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=3)
     return parser.parse_args(argv)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _per_step(run: Callable[[], None], steps: int, warmup: int, device: torch.device) -> float:
-    for _ in range(warmup):
-        run()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        run()
-    _sync(device)
-    return (time.perf_counter() - start) / steps
 
 
 def measure(batch_size: int, asking: int, k: int, vocab: int, device: torch.device, steps: int, warmup: int) -> float:
@@ -62,7 +49,7 @@ def measure(batch_size: int, asking: int, k: int, vocab: int, device: torch.devi
         out = batch.sample(logits)
         unpack(pack(out).cpu(), out.top_counts)
 
-    return _per_step(step, steps, warmup, device)
+    return per_step(step, steps, warmup, device)
 
 
 def main(argv: list[str] | None = None) -> None:

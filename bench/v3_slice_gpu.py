@@ -27,20 +27,16 @@ from pathlib import Path
 
 import torch
 
-QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-V3_SLICE = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
-    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
-    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
-    num_experts_per_tok=8, topk_method="noaux_tc", scoring_func="sigmoid", n_group=8, topk_group=4,
-    norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1, moe_layer_freq=1,
-    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-    bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16", hidden_act="silu",
-    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32,
-                      beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-    quantization_config=QUANT,
-)
+sys.path.insert(0, str(Path(__file__).parent))
+from param_reads import active_values, decode_weight_bytes  # noqa: E402
+
+from deepseek_pd.operator.known_models import KNOWN_MODELS  # noqa: E402
+
+# DeepSeek-V3's shape (operator/known_models.py) cut to one dense layer and three MoE ones, without its
+# MTP layer, with a random tokenizer's special ids.
+V3_SLICE = {**{k: v for k, v in KNOWN_MODELS["DeepSeek-V3"].items() if k != "num_nextn_predict_layers"},
+            "num_hidden_layers": 4, "first_k_dense_replace": 1, "rms_norm_eps": 1e-6,
+            "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu"}
 TINY = {**V3_SLICE, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 128,
         "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 16,
@@ -109,32 +105,17 @@ def kernel_profile(fn, top: int = 15) -> list[dict]:
 
 
 def decode_floor_ms(model, batch: int, context: int, bw: float) -> float:
-    """Bytes one decode step must read: every weight in its stored dtype, routed experts as far as
-    `batch` tokens touch them under uniform routing, no embedding table, plus the latent KV."""
+    """Bytes one decode step must read: the weights by bench/param_reads.py's rule (stored dtype,
+    routed experts as far as `batch` tokens touch them under uniform routing, the embedding's rows
+    only), plus the latent KV."""
     cfg = model.config
-    touched = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
-    nbytes = 0.0
-    for name, param in model.named_parameters():
-        if "embed_tokens" in name:
-            continue
-        size = param.numel() * param.element_size()
-        if ".experts." in name and param.dim() >= 2 and param.shape[0] >= cfg.n_routed_experts:
-            per_expert = size / param.shape[0]
-            size = per_expert * (cfg.n_routed_experts * touched + (param.shape[0] - cfg.n_routed_experts))
-        nbytes += size
     kv = batch * context * cfg.num_hidden_layers * cfg.kv_cache_dim * 2
-    return (nbytes + kv) / bw * 1e3
+    return (decode_weight_bytes(model, batch) + kv) / bw * 1e3
 
 
 def prefill_floor_ms(model, tokens: int, flops_peak: float) -> float:
     """2 FLOPs per active weight per token at the FP8 peak (attention's FLOPs left out: a floor)."""
-    cfg = model.config
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    dense = sum(p.numel() for n, p in model.named_parameters()
-                if ".experts." not in n and "embed" not in n and "lm_head" not in n and p.dim() > 1
-                and not n.endswith("_scale_inv"))
-    active = dense + moe_layers * (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert
+    active = active_values(model)  # bench/param_reads.py
     return 2.0 * active * tokens / flops_peak * 1e3
 
 

@@ -18,6 +18,15 @@ deployment, the image and the kind of GPU), while a backend named for one role, 
 would not be shared. So both roles resolve one default. Prefill and decode on different kinds of
 machine (one Hopper with FlashMLA, one not) must be given one `--page-size`.
 
+So a decode worker that names a backend other than FlashMLA (`attention_backend=triton`) on a
+FlashMLA machine still gets 64-token pages, and that is kept on purpose (session 17): the prefill
+worker beside it has no decode backend to follow and resolves 64 on the same machine, so letting
+decode's backend pick 16 would make every request of an unchanged deployment fail the layout check;
+the operator would need a second cross-role rule (backends, on top of `page_size_mismatch`'s page
+sizes) to refuse such CRs, and the rule here would stop being one both roles read alike. What 64
+costs a non-FlashMLA decode is what it costs FlashMLA (below), not a kernel limit: Triton, torch and
+FlashInfer read any page size. A deployment that wants 16 gives `--page-size 16` to both roles.
+
 What 64-token pages change: the prefill worker's radix cache shares whole pages only
 (workers/prefill/radix_cache.py), so a cached prefix is matched to a multiple of 64 tokens, not 16
 (a hit gives up to 63 tokens back to recompute, where 16-token pages give up to 15), and a request's

@@ -83,17 +83,96 @@ def test_the_bound_counts_the_verify_drafts_and_catch_up(tiny_mtp_model) -> None
             assert rows[0][key] == pytest.approx(a / rows[0][f"spec{k}_over_plain"], rel=2e-3)
 
 
+def _v2_lite_on_meta(rng: random.Random, fused: bool):
+    """DeepSeek-V2-Lite's shape (operator/known_models.py) on the meta device, with an MTP layer
+    added, its shared experts fused into the stacked tensors or not, FP8 block-scaled or bf16 (the
+    draws are `rng`'s), and tied embeddings sometimes."""
+    from deepseek_pd.model.build_options import BuildOptions
+    from deepseek_pd.model.config import ModelConfig
+    from deepseek_pd.model.deepseek import DeepseekForCausalLM
+    from deepseek_pd.operator.known_models import KNOWN_MODELS
+
+    raw = {**KNOWN_MODELS["DeepSeek-V2-Lite"], "num_nextn_predict_layers": 1,
+           "tie_word_embeddings": rng.random() < 0.3}
+    fp8 = rng.random() < 0.5
+    if fp8:
+        raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config = ModelConfig.from_hf(raw)
+    return DeepseekForCausalLM(config, BuildOptions(
+        dtype=torch.bfloat16, device="meta", fp8_backend="torch" if fp8 else None, mtp=True,
+        num_fused_shared_experts=config.n_shared_experts if fused else 0)), config
+
+
+def _kinds_by_module(model) -> dict[int, str]:
+    """Each parameter's kind from where it sits in the module tree (the oracle: no names)."""
+    from deepseek_pd.model.moe.experts import FusedExperts
+
+    kinds: dict[int, str] = {}
+    for module in model.mtp.modules():
+        for p in module.parameters(recurse=False):
+            kinds[id(p)] = "mtp_experts" if isinstance(module, FusedExperts) else "mtp_dense"
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            kinds.setdefault(id(p), "experts" if isinstance(module, FusedExperts) else "dense")
+    kinds[id(model.embed_tokens.weight)] = "embedding"
+    kinds[id(model.lm_head.weight)] = "lm_head"  # tied: the head wins
+    return kinds
+
+
 def test_every_parameter_has_one_read_kind_and_each_kind_is_seen(tiny_mtp_model) -> None:
-    """bench/param_reads.py, the one rule both weight-byte counters use: on a model with an MTP
-    layer every kind occurs, the experts are exactly the stacked 3-D tensors under `.mlp.experts.`
-    (main and MTP), and the LM head is the head's own tensor."""
+    """bench/param_reads.py, the one rule both weight-byte counters use, against the module tree:
+    on the tiny model and on a V2-Lite-shaped one (meta, MTP, FP8 or not, shared experts fused or
+    not) each parameter's kind is the one its module gives it, their bytes add up to the model's,
+    and every kind occurs (a kind the rule stopped seeing fails)."""
     reads = bench_module("param_reads")
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    print(f"V2-Lite build seed {seed}")
+    rng.seed(seed)
+    models = [tiny_mtp_model[0], _v2_lite_on_meta(rng, fused=rng.random() < 0.5)[0]]
+    seen: set[str] = set()
+    for model in models:
+        oracle = _kinds_by_module(model)
+        by_kind = dict.fromkeys(reads.KINDS, 0)
+        for name, p in model.named_parameters():
+            kind = reads.param_kind(model, name, p)
+            assert kind == oracle[id(p)], (name, kind, oracle[id(p)])
+            by_kind[kind] += reads.nbytes(p)
+        assert sum(by_kind.values()) == sum(reads.nbytes(p) for p in model.parameters())
+        seen |= {kind for kind, size in by_kind.items() if size}
+    assert seen == set(reads.KINDS)
+
+
+def test_fused_shared_experts_are_read_every_step_not_split_as_routed() -> None:
+    """The oracle is the same V2-Lite shape with the shared experts as their own MLP (dense): fusing
+    them into the stacked tensors changes neither one routed expert's bytes nor what every step
+    reads, in `step_bytes`, in `step_reads` (what `OpScopes` counts per parameter) and in
+    `active_values` (the prefill floors'). Failed before: `step_bytes` split the fused tensors by
+    the routed count (66 slots / 64) and left their shared slots out; the prefill floors
+    (kernel_parts_runner.py, v3_slice_gpu.py) counted an unfused shared MLP twice."""
+    floor, reads = bench_module("speculative_floor"), bench_module("param_reads")
+    seed = random.randrange(1 << 30)
+    print(f"V2-Lite build seed {seed}")
+    (plain, config), (fused, _) = (_v2_lite_on_meta(random.Random(seed), fused=f) for f in (False, True))
+    top_k, experts = config.num_experts_per_tok, config.n_routed_experts
+    a, b = (floor.step_bytes(m, experts, top_k) for m in (plain, fused))
+    assert (a.expert, a.dense, a.mtp_dense, a.lm_head) == (b.expert, b.dense, b.mtp_dense, b.lm_head)
+    read = random.randint(1, top_k)
+    totals = [sum(reads.step_reads(m, name, p, read) for name, p in m.named_parameters()) for m in (plain, fused)]
+    assert totals[0] == totals[1]
+    # The prefill floors' FLOPs (`active_values`): the unfused shared MLP counted once, as the fused slots.
+    assert reads.active_values(plain) == reads.active_values(fused)
+
+
+
+def test_a_decode_steps_weight_floor_is_the_plain_step_plus_its_rows_and_the_mtp_layer(tiny_mtp_model) -> None:
+    """`param_reads.decode_weight_bytes` (the GPU benches' decode floors: kernel_parts_runner.py,
+    v3_slice_gpu.py) against `StepBytes.plain`: the same weights, plus the embedding rows of the
+    batch and the loaded MTP layer (read whole but for its routed experts)."""
+    floor, reads = bench_module("speculative_floor"), bench_module("param_reads")
     model, config = tiny_mtp_model
-    kinds = {name: reads.param_kind(model, name, p) for name, p in model.named_parameters()}
-    assert set(kinds.values()) == set(reads.KINDS)
-    for name, p in model.named_parameters():
-        stacked = ".mlp.experts." in name and p.dim() == 3
-        assert (kinds[name] in ("experts", "mtp_experts")) == stacked, name
-        if stacked:
-            assert p.shape[0] == config.n_routed_experts and (kinds[name] == "mtp_experts") == name.startswith("mtp.")
-        assert (kinds[name] == "lm_head") == (p is model.lm_head.weight), name
+    split = floor.step_bytes(model, config.n_routed_experts, config.num_experts_per_tok)
+    batch = random.randint(1, 64)
+    row = model.embed_tokens.weight.shape[-1] * model.embed_tokens.weight.element_size()
+    mtp = split.mtp_dense + floor.expected_distinct(split.experts, split.top_k, batch) * split.expert
+    assert reads.decode_weight_bytes(model, batch) == pytest.approx(split.plain(batch) + batch * row + mtp)

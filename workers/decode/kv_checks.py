@@ -87,7 +87,11 @@ def check_kv_finite(pool: KVPool, pages: Sequence[int], rid: str, layers: range 
     with _on_side_stream(pool):
         extremes = torch.stack([torch.stack(torch.aminmax(part)).float()
                                 for part in _page_parts(pool, pages, layers)])
-        extremes = extremes.to("cpu")  # the one sync, of this stream only
+        # The one sync, of this stream only. Pageable on purpose: two floats a layer, read at once;
+        # `HostCopy` would take page-locked memory in this (transport) thread, which can wait for
+        # the whole device (model/host_copy_staging.py), and with every upload page-locked no
+        # copy holds the driver's shared staging behind a queued forward.
+        extremes = extremes.to("cpu")
     per_layer = torch.isfinite(extremes).view(len(layers), -1).all(dim=1)
     _refuse_layers([layers[i] for i in torch.nonzero(~per_layer).flatten().tolist()], rid)
 
@@ -153,7 +157,7 @@ def scrub_pages(pool: KVPool, pages: Sequence[int]) -> None:
     if not pages:
         return
     with _on_side_stream(pool):
-        index = torch.tensor(list(pages), dtype=torch.long, device=pool.device)
+        index = page_index(pool, pages)
         for buffer in pool.buffers:
             buffer.index_fill_(0, index, 0)
     if pool.device.type == "cuda":

@@ -21,12 +21,13 @@ takes every layer written meanwhile in one callback, in order, and the push send
     relay.notice(2, ev2)                    # the last layer: schedules one unless one is pending
     # loop: deliver(0, ev0); deliver(1, ev1); deliver(2, ev2)
 
-A long prompt's layer holds its group alone (V2-Lite, 8k tokens: 9.4 MB a layer, the floor 8 MiB),
-so its sends still follow the forward layer by layer; a 789-token one (0.9 MB a layer) goes in
-groups of 10 layers, 3 sends instead of 27: what is left after the forward is one group's transfer.
-The sends' cost is about linear in their count, so the groups are as large as the streaming allows.
-A round whose one group would hold every layer is sent per chunk, after its forward, with no relay
-(engine.py `_PushHooks.layer_progress`).
+Why groups of `min_bytes`: each send costs about the same whatever it carries, so the fewer the
+better, but KV held back waits for the forward. A group holding `min_bytes` keeps the sends few for
+short prompts and leaves a long prompt's layers (each above the floor alone) streaming one by one,
+so what is left after the forward is at most one group's transfer. A round whose one group would
+hold every layer is sent per chunk, after its forward, with no relay
+(engine.py `_PushHooks.layer_progress`). What this gives V2-Lite (sends per prompt length, and the
+other threads' CPU during a forward) is recorded once, in the same docs/performance.md entry.
 """
 from __future__ import annotations
 

@@ -55,6 +55,7 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.errors import UserError
+from deepseek_pd.model.host_copy import upload
 from deepseek_pd.workers.transport.plan import merge_page_runs
 from deepseek_pd.workers.transport.negotiation import first_offered
 
@@ -190,11 +191,16 @@ class CellCipher:
         from deepseek_pd.workers.transport.kv_cipher_kernel import chacha20_copy_rows
 
         if self._device_key is None:
-            self._device_key = torch.frombuffer(bytearray(self.key), dtype=torch.int32).to(src.device)
+            # As bytes: a transport thread's reserved page-locked buffers are long and uint8. The
+            # key serves every thread's stream, so it is on the device before any of them reads it.
+            key = upload(torch.frombuffer(bytearray(self.key), dtype=torch.uint8), src.device)
+            if key.is_cuda:
+                torch.cuda.current_stream(src.device).synchronize()
+            self._device_key = key.view(torch.int32)
         wanted = (src.device, tuple(src_rows), tuple(dst_rows))
         cached = getattr(self._rows, "last", None)
         if cached is None or cached[0] != wanted:
-            rows = torch.tensor([src_rows, dst_rows], dtype=torch.int64).to(src.device, non_blocking=True)
+            rows = upload(torch.tensor([src_rows, dst_rows], dtype=torch.int64), src.device)
             cached = self._rows.last = (wanted, rows)
         rows = cached[1]
         chacha20_copy_rows(src, rows[0], dst, rows[1], self._device_key, layer, first_page)

@@ -83,7 +83,7 @@ from typing import Sequence
 import torch
 
 from deepseek_pd.model.kv.pool import KVPool
-from deepseek_pd.workers.transport.page_io import consecutive_runs, side_stream, wait_ready
+from deepseek_pd.workers.transport.page_io import consecutive_runs, page_index, side_stream, wait_ready
 from deepseek_pd.workers.transport.negotiation import first_offered
 
 KEY_BYTES = 32
@@ -223,7 +223,7 @@ def _feed(mac: _LayerMac, pool: KVPool, layer: int, pages: Sequence[int],
     with torch.cuda.stream(stream):
         if not synced:
             wait_ready(pool, ready, stream)
-        index = torch.tensor(list(pages), dtype=torch.long, device=buffer.device)
+        index = page_index(pool, pages)  # (page-locked: host_copy.upload's rule)
         host = flat.index_select(0, index).view(torch.uint8).to("cpu")  # (synchronises the side stream)
     mac.update(memoryview(host.numpy()).cast("B"), pool.bytes_per_page)
 

@@ -131,3 +131,15 @@ def test_nvml_reads_the_compute_capability_torch_reports():
 
     index = random.randrange(torch.cuda.device_count())
     assert compute_capability(f"cuda:{index}") == torch.cuda.get_device_capability(index)
+
+
+def test_a_named_decode_backend_keeps_the_machines_page(flashmla_machine):
+    """A decode worker that names Triton (or torch) on a FlashMLA machine, with no page size, gets
+    the 64-token pages its prefill peer resolves there (no decode backend on that side): the kept
+    rule of model/kv/page_size.py, not a per-backend default that would fail every transfer."""
+    model = _v3_config()
+    backend = random.choice(["triton", "torch"])
+    decode = RunnerConfig.resolve(model, graphs_by_default=True, device="cuda", attention_backend=backend)
+    prefill = RunnerConfig.resolve(model, graphs_by_default=True, device="cuda")
+    assert decode.attention_backend == backend
+    assert decode.page_size == prefill.page_size == FLASHMLA_PAGE_SIZE

@@ -55,3 +55,22 @@ def test_the_first_token_must_be_in_the_vocabulary():
         with pytest.raises(TransferError, match="outside the vocabulary") as refused:
             check_first_token(pb.TransferDone(first_token_id=token), vocab, "r")
         assert str(token) in refused.value.message and refused.value.code.value == "internal"
+
+
+def test_scrubbing_zeroes_exactly_its_pages_and_copies_their_ids_only_through_upload():
+    """On CUDA a pageable copy of the page ids waits in the driver's shared staging behind the
+    forward queued before it (tests/workers/engine/test_step_host_copies.py says why); the ids go
+    through `model/host_copy.upload` like every transport's (`page_io.page_index`). Failed before:
+    `torch.tensor(pages, device=pool.device)`."""
+    from pdtest.host_uploads import DirectUploads
+
+    rng = random.Random()
+    pool = _random_pool(rng, "cpu")
+    before = [b.clone() for b in pool.buffers]
+    pages = rng.sample(range(pool.num_pages), rng.randint(1, pool.num_pages))
+    with DirectUploads() as mode:
+        scrub_pages(pool, pages)
+    assert mode.records == [] and mode.uploads == 1
+    kept = [p for p in range(pool.num_pages) if p not in pages]
+    for buffer, old in zip(pool.buffers, before):
+        assert not buffer[pages].any() and torch.equal(buffer[kept], old[kept])

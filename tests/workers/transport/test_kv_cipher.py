@@ -220,3 +220,26 @@ def test_a_transfer_moves_only_ciphertext_and_lands_the_kv(monkeypatch):
     for layer in range(src.num_layers):
         assert torch.equal(dst.buffers[layer][dst_pages], src.buffers[layer][src_pages])
     assert not any(buffer.any() for buffer in receiver.staging.buffers)  # the slots go back zeroed
+
+
+@needs_triton
+def test_the_cuda_path_copies_its_key_and_rows_only_through_upload():
+    """`CellCipher`'s CUDA path (run here on the kernel's device, the CPU under the interpreter)
+    puts the key and the row lists on the device through `model/host_copy.upload` (page-locked on
+    CUDA; a pageable copy waits in the driver's shared staging behind the queued forward:
+    tests/workers/engine/test_step_host_copies.py), still meets the keystream, and uploads the
+    rows again only for other rows. Failed before: `.to(device)` of both."""
+    from pdtest.host_uploads import DirectUploads
+
+    rng = random.Random()
+    row_bytes = 4 * rng.randrange(1, 32)
+
+    def cuda_path(key, row_bytes, src, src_rows, dst, dst_rows, layer, first):
+        cipher = kv_cipher.CellCipher(key, row_bytes, src.device)
+        with DirectUploads() as mode:
+            cipher._copy_cuda(src, list(src_rows), dst, list(dst_rows), layer, first)
+            cipher._copy_cuda(src, list(src_rows), dst, list(dst_rows), layer, first)  # the same rows: cached
+        assert mode.records == [] and mode.uploads == 2
+        cipher._copy_cuda(src, list(src_rows), dst, list(dst_rows), layer, first)  # back to one XOR
+
+    _check_copy(rng, rng.randrange(2, 6), row_bytes, DEVICE, cuda_path)
