@@ -101,12 +101,14 @@ class MooncakePullChannel(MooncakeChannel):
         finally:  # read, or the room is over: either way nobody needs them any more
             for credit in credits:
                 credit.cancel()
-            if credits:
-                await asyncio.gather(*credits, return_exceptions=True)
-            if staging is not None and not staging.done():
-                staging.add_done_callback(lambda done: (retrieve(done), held.release(self)))
-            else:
-                held.release(self)
+            try:
+                if credits:
+                    await asyncio.gather(*credits, return_exceptions=True)
+            finally:  # (even when this task is cancelled again while the credits wind down)
+                if staging is not None and not staging.done():
+                    staging.add_done_callback(lambda done: (retrieve(done), held.release(self)))
+                else:
+                    held.release(self)
 
     async def _credit(self, seq: int, held: "_HeldSlots", group: range) -> None:
         """Waits for decode's credit of report `seq` (`group` of `held`'s piece), then takes that

@@ -236,3 +236,54 @@ def test_a_written_send_goes_in_layer_groups_and_decode_lands_each_while_the_nex
     # Group g landed on decode while group g + 1 was still being written.
     for (landed, _), (write_began, write_ended) in zip(landings, writes[1:]):
         assert landed < write_ended, (landings, writes)
+
+
+def test_a_send_cancelled_again_while_its_credits_wind_down_gives_its_slots_back(monkeypatch):
+    """A room torn down while its pulled send waits for decode's credits can cancel the send twice:
+    the second cancel lands while the send's cleanup waits for its credit waiters to end. The slots
+    must still go back (they leaked: the prefill send staging held them for good; seen as a flake
+    of test_pd_engines_mooncake's abort in transfer). Each gap between the two cancels, in loop
+    turns, is tried, since which one hits the cleanup's wait depends on asyncio's scheduling."""
+    from deepseek_pd.model.kv.pool import KVPool
+    from deepseek_pd.proto import bootstrap_pb2 as pb
+    from deepseek_pd.workers.transport.base import layout_of
+    from deepseek_pd.workers.transport.mooncake import MooncakeReceiver, MooncakeSender
+    mooncake_stub.install(monkeypatch)
+    rng = random.Random()
+    layers, page_size, kv_dim = rng.randrange(1, 4), rng.choice([1, 4]), rng.choice([8, 16])
+    count = rng.randrange(1, 8)
+    config = TransportConfig(advertise_host="127.0.0.1")  # pulled, the default
+    src, dst = (KVPool(layers, 24, page_size, kv_dim, dtype=torch.bfloat16) for _ in range(2))
+    sender, receiver = MooncakeSender(src, config), MooncakeReceiver(dst, config)
+
+    async def never_credited(seq: int, timeout_s: float) -> None:
+        await asyncio.Event().wait()
+
+    async def cancelled_twice(gap: int) -> int:
+        handshake = pb.Handshake(page_ids=list(range(count)), layout=layout_of(dst), num_tokens=count * page_size)
+        receiver.fill_destination(handshake)
+        reported = asyncio.Event()
+
+        async def emit(encoded) -> None:
+            reported.set()
+        channel = sender.open(handshake, emit=emit)
+        channel.wait_credited = never_credited
+        send = asyncio.ensure_future(channel.send(rng.sample(range(24), count), 0))
+        await asyncio.wait_for(reported.wait(), 10)
+        await asyncio.sleep(0.01)  # (every group reported: the send waits for the credits)
+        send.cancel()
+        for _ in range(gap):
+            await asyncio.sleep(0)
+        send.cancel()
+        try:
+            await send
+        except asyncio.CancelledError:
+            pass
+        for _ in range(100):  # a staging thread still running gives them back as it ends
+            if sender.staging.num_used == 0:
+                break
+            await asyncio.sleep(0.01)
+        return sender.staging.num_used
+
+    leaked = {gap: asyncio.run(cancelled_twice(gap)) for gap in range(6)}
+    assert not any(leaked.values()), f"send-staging slots held after a second cancel, by gap: {leaked}"
